@@ -1,0 +1,29 @@
+# The two entry points a newcomer needs: `make demo` and `make test`. Both set up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test proto clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch==2.13.0 resolves to the local CPU build on these machines; installing it first keeps pip from
+	# ever considering a CUDA wheel for the range in pyproject.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/trainguard demo
+
+test: setup
+	$(PY) -m pytest -q
+
+proto: setup
+	$(PY) -m trainguard.proto.generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info

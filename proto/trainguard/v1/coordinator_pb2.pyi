@@ -1,0 +1,132 @@
+from trainguard.proto.trainguard.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class NodeCommand(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_COMMAND_UNSPECIFIED: _ClassVar[NodeCommand]
+    NODE_COMMAND_NONE: _ClassVar[NodeCommand]
+    NODE_COMMAND_START: _ClassVar[NodeCommand]
+    NODE_COMMAND_RESTART: _ClassVar[NodeCommand]
+    NODE_COMMAND_STOP: _ClassVar[NodeCommand]
+    NODE_COMMAND_WAIT: _ClassVar[NodeCommand]
+
+class RecoveryLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RECOVERY_LEVEL_UNSPECIFIED: _ClassVar[RecoveryLevel]
+    RECOVERY_LEVEL_NONE: _ClassVar[RecoveryLevel]
+    RECOVERY_LEVEL_PROCESS: _ClassVar[RecoveryLevel]
+    RECOVERY_LEVEL_NODE: _ClassVar[RecoveryLevel]
+    RECOVERY_LEVEL_JOB: _ClassVar[RecoveryLevel]
+NODE_COMMAND_UNSPECIFIED: NodeCommand
+NODE_COMMAND_NONE: NodeCommand
+NODE_COMMAND_START: NodeCommand
+NODE_COMMAND_RESTART: NodeCommand
+NODE_COMMAND_STOP: NodeCommand
+NODE_COMMAND_WAIT: NodeCommand
+RECOVERY_LEVEL_UNSPECIFIED: RecoveryLevel
+RECOVERY_LEVEL_NONE: RecoveryLevel
+RECOVERY_LEVEL_PROCESS: RecoveryLevel
+RECOVERY_LEVEL_NODE: RecoveryLevel
+RECOVERY_LEVEL_JOB: RecoveryLevel
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("job", "node")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node: _common_pb2.NodeInfo
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ...) -> None: ...
+
+class RegisterNodeResponse(_message.Message):
+    __slots__ = ("generation", "lease_id")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    lease_id: str
+    def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class NodeHeartbeatRequest(_message.Message):
+    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    lease_id: str
+    generation: int
+    workers_running: int
+    last_step: int
+    workers_succeeded: bool
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ...) -> None: ...
+
+class NodeHeartbeatResponse(_message.Message):
+    __slots__ = ("command", "rank_table", "interval_s")
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    command: NodeCommand
+    rank_table: _common_pb2.RankTable
+    interval_s: float
+    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ...) -> None: ...
+
+class ReportEventRequest(_message.Message):
+    __slots__ = ("job", "node_id", "lease_id", "generation", "event", "proposed_level", "failed_rank", "exit_code")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    FAILED_RANK_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    lease_id: str
+    generation: int
+    event: _common_pb2.HealthEvent
+    proposed_level: RecoveryLevel
+    failed_rank: int
+    exit_code: int
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., event: _Optional[_Union[_common_pb2.HealthEvent, _Mapping]] = ..., proposed_level: _Optional[_Union[RecoveryLevel, str]] = ..., failed_rank: _Optional[int] = ..., exit_code: _Optional[int] = ...) -> None: ...
+
+class ReportEventResponse(_message.Message):
+    __slots__ = ("decided_level", "new_generation", "message")
+    DECIDED_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    NEW_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    decided_level: RecoveryLevel
+    new_generation: int
+    message: str
+    def __init__(self, decided_level: _Optional[_Union[RecoveryLevel, str]] = ..., new_generation: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GetRankTableRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class CommitCheckpointRequest(_message.Message):
+    __slots__ = ("job", "node_id", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    step: int
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CommitCheckpointResponse(_message.Message):
+    __slots__ = ("last_committed_step",)
+    LAST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    last_committed_step: int
+    def __init__(self, last_committed_step: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,3 @@
+"""The package version, single-sourced for pyproject and the wire protocol."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,97 @@
+"""The ``trainguard`` command line.
+
+Each subsystem contributes its own subcommands through a ``register(subparsers)`` function in its ``cli``
+module (listed in :data:`SUBSYSTEM_CLIS`), so the subsystems stay independent. A subcommand handler returns an
+exit code; any :class:`~trainguard.errors.TrainguardError` becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from trainguard._version import __version__
+from trainguard.errors import TrainguardError
+
+#: Modules whose ``register(subparsers)`` adds subcommands. A module that does not exist yet is skipped.
+SUBSYSTEM_CLIS: tuple[str, ...] = (
+    "trainguard.agent.cli",
+    "trainguard.recovery.cli",
+    "trainguard.checkpoint.cli",
+    "trainguard.detectors.cli",
+    "trainguard.detectors.predictor.cli",
+    "trainguard.drill_cli",
+)
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line plus the usage hint, exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"trainguard: error: {message} (see '{self.prog} --help')\n")
+
+
+def _version(_: argparse.Namespace) -> int:
+    print(f"trainguard {__version__}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Builds the full parser with every subsystem's subcommands.
+
+    Returns:
+        The top-level parser; each leaf parser has a ``handler`` default.
+    """
+    parser = _Parser(prog="trainguard", description="Fault tolerance and checkpointing for distributed training.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    p = sub.add_parser("version", help="print the version")
+    p.set_defaults(handler=_version)
+    for module_name in SUBSYSTEM_CLIS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and module_name.startswith(exc.name):
+                continue  # that subsystem has no CLI (yet)
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``trainguard`` console script.
+
+    Args:
+        argv: arguments without the program name; ``sys.argv[1:]`` when None.
+
+    Returns:
+        The process exit code.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(handler(args) or 0)
+    except TrainguardError as exc:
+        print(f"trainguard: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("trainguard: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
