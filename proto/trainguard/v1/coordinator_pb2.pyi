@@ -16,6 +16,15 @@ class NodeCommand(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_COMMAND_STOP: _ClassVar[NodeCommand]
     NODE_COMMAND_WAIT: _ClassVar[NodeCommand]
 
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_FORMING: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_RECOVERING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+
 class RecoveryLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RECOVERY_LEVEL_UNSPECIFIED: _ClassVar[RecoveryLevel]
@@ -29,6 +38,12 @@ NODE_COMMAND_START: NodeCommand
 NODE_COMMAND_RESTART: NodeCommand
 NODE_COMMAND_STOP: NodeCommand
 NODE_COMMAND_WAIT: NodeCommand
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_FORMING: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_RECOVERING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
 RECOVERY_LEVEL_UNSPECIFIED: RecoveryLevel
 RECOVERY_LEVEL_NONE: RecoveryLevel
 RECOVERY_LEVEL_PROCESS: RecoveryLevel
@@ -36,12 +51,14 @@ RECOVERY_LEVEL_NODE: RecoveryLevel
 RECOVERY_LEVEL_JOB: RecoveryLevel
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("job", "node")
+    __slots__ = ("job", "node", "free_port")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    FREE_PORT_FIELD_NUMBER: _ClassVar[int]
     job: str
     node: _common_pb2.NodeInfo
-    def __init__(self, job: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ...) -> None: ...
+    free_port: int
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., free_port: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("generation", "lease_id")
@@ -52,7 +69,7 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded")
+    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +77,7 @@ class NodeHeartbeatRequest(_message.Message):
     WORKERS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     WORKERS_SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    FREE_PORT_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     lease_id: str
@@ -67,17 +85,22 @@ class NodeHeartbeatRequest(_message.Message):
     workers_running: int
     last_step: int
     workers_succeeded: bool
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ...) -> None: ...
+    free_port: int
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("command", "rank_table", "interval_s")
+    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message")
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    JOB_STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
     command: NodeCommand
     rank_table: _common_pb2.RankTable
     interval_s: float
-    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ...) -> None: ...
+    job_state: JobState
+    message: str
+    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ReportEventRequest(_message.Message):
     __slots__ = ("job", "node_id", "lease_id", "generation", "event", "proposed_level", "failed_rank", "exit_code")
