@@ -1,0 +1,481 @@
+"""The detector contract: a named plugin whose ``sample()`` returns metrics and typed health events.
+
+A detector reads raw signals (files under a configurable root, NVML, netlink, worker snapshots) and returns a
+:class:`Sample`. The :class:`~trainguard.detectors.runner.DetectorRunner` calls ``sample()`` on each detector's
+interval; a detector that also implements :class:`ListeningDetector` gets its own thread for event-driven input
+(netlink link state).
+
+Metric names inside a sample are local to the detector (``"cpu_percent"``); the runner prefixes them with the
+detector name (``"host.cpu_percent"``). Node-wide aggregates have plain names; per-device values carry the device
+in brackets (``"aer_correctable[0000:3b:00.0]"``) so a consumer that wants a fixed feature set (the predictor)
+can keep only the names without ``[``.
+
+Conditions are edge-triggered: :meth:`Detector.condition` emits one event when a condition becomes true and one
+``<kind>.cleared`` event when it ends, so a persisting problem does not flood the agent.
+
+Detectors register by name with :func:`register_detector`; :func:`create_detectors` builds them from config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import os
+import typing
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
+from trainguard.detectors.events import Action, HealthEvent, Severity
+
+#: Modules holding the built-in detectors; imported on first use of the registry.
+BUILTIN_MODULES: tuple[str, ...] = (
+    "trainguard.detectors.host",
+    "trainguard.detectors.disk",
+    "trainguard.detectors.thermal",
+    "trainguard.detectors.edac",
+    "trainguard.detectors.kmsg",
+    "trainguard.detectors.nvidia",
+    "trainguard.detectors.ascend",
+    "trainguard.detectors.pcie",
+    "trainguard.detectors.roce",
+    "trainguard.detectors.process",
+)
+
+#: Detectors the agent runs when its config does not name any.
+DEFAULT_DETECTORS: tuple[str, ...] = (
+    "host", "disk", "thermal", "edac", "kmsg", "nvidia", "ascend", "pcie", "roce", "process",
+)
+
+#: Kind of the event a detector yields when it cannot read its inputs.
+DETECTOR_ERROR_KIND = "detector.error"
+
+
+class DetectorState(enum.IntEnum):
+    """Health of one detector (values equal ``trainguard.v1.DetectorState``).
+
+    OK: inputs read, nothing wrong. DEGRADED: a warning-level condition is active. FAILED: an error or critical
+    condition is active. NO_HARDWARE: nothing to watch on this node. ERROR: the detector could not read its inputs.
+    """
+
+    OK = 1
+    DEGRADED = 2
+    FAILED = 3
+    NO_HARDWARE = 4
+    ERROR = 5
+
+    @property
+    def label(self) -> str:
+        """Lower-case name with dashes, e.g. ``"no-hardware"``."""
+        return self.name.lower().replace("_", "-")
+
+
+#: Which state an active condition of a given severity puts its detector in.
+_STATE_FOR_SEVERITY = {
+    Severity.INFO: DetectorState.OK,
+    Severity.WARNING: DetectorState.DEGRADED,
+    Severity.ERROR: DetectorState.FAILED,
+    Severity.CRITICAL: DetectorState.FAILED,
+}
+#: Precedence when several conditions set a state: a read error hides nothing, a failure beats a warning.
+_STATE_RANK = {
+    DetectorState.OK: 0,
+    DetectorState.NO_HARDWARE: 1,
+    DetectorState.DEGRADED: 2,
+    DetectorState.ERROR: 3,
+    DetectorState.FAILED: 4,
+}
+
+
+@dataclass
+class DetectorConfig:
+    """Fields every detector's config has.
+
+    Attributes:
+        root: directory that stands for ``/`` when reading sysfs/procfs/dev files; tests point it at a fake tree.
+            Default ``"/"``.
+        interval_s: seconds between two ``sample()`` calls by the runner. Default 5.0.
+    """
+
+    root: str = "/"
+    interval_s: float = 5.0
+
+    def validate(self) -> None:
+        """Checks field values; subclasses extend it.
+
+        Raises:
+            DetectorConfigError: a field is out of range.
+        """
+        if not isinstance(self.root, str) or not self.root:
+            raise DetectorConfigError(f"detector root {self.root!r} must be a non-empty path; use '/' on a real node")
+        if not self.interval_s > 0:
+            raise DetectorConfigError(f"interval_s={self.interval_s} must be > 0 seconds")
+
+    def path(self, path: str) -> str:
+        """Maps an absolute system path (``/sys/class/net``) under :attr:`root`.
+
+        Args:
+            path: absolute path as on a real node.
+
+        Returns:
+            The path under the configured root.
+        """
+        if self.root == "/":
+            return path
+        return os.path.join(self.root, path.lstrip("/"))
+
+    @classmethod
+    def from_dict(cls: type[_C], data: Mapping[str, Any]) -> _C:
+        """Builds and validates a config from a TOML table or dict.
+
+        Lists become tuples where the field is a tuple; ints become floats where the field is a float.
+
+        Args:
+            data: field name -> value.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            DetectorConfigError: unknown field, wrong type or invalid value.
+        """
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in names:
+                raise DetectorConfigError(
+                    f"{cls.__name__}: unknown field {key!r}; known fields are {sorted(names)}"
+                )
+            kwargs[key] = _coerce(cls.__name__, key, hints.get(key), value)
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+
+_C = TypeVar("_C", bound=DetectorConfig)
+
+
+def _coerce(owner: str, key: str, hint: Any, value: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin is tuple and isinstance(value, (list, tuple)):
+        return tuple(value)
+    if hint in (float, int, str, bool) and not isinstance(value, hint):
+        raise DetectorConfigError(f"{owner}.{key}={value!r} must be of type {hint.__name__}")
+    if origin is tuple and not isinstance(value, tuple):
+        raise DetectorConfigError(f"{owner}.{key}={value!r} must be a list")
+    return value
+
+
+@dataclass
+class Sample:
+    """What one ``sample()`` call observed.
+
+    Attributes:
+        metrics: metric name (local to the detector) -> value.
+        events: events raised by this sample, oldest first.
+        state: the detector's state after this sample.
+        detail: one line explaining the state (empty when OK).
+        errors: inputs that could not be read; the runner turns each into a ``detector.error`` event.
+    """
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    events: list[HealthEvent] = field(default_factory=list)
+    state: DetectorState = DetectorState.OK
+    detail: str = ""
+    errors: list[DetectorReadError] = field(default_factory=list)
+
+    def worsen(self, state: DetectorState, detail: str) -> None:
+        """Moves the state to ``state`` if that is worse than the current one.
+
+        Args:
+            state: candidate state.
+            detail: the explanation kept with it.
+        """
+        if _STATE_RANK[state] > _STATE_RANK[self.state]:
+            self.state = state
+            self.detail = detail
+
+    def error(self, exc: DetectorReadError) -> None:
+        """Records an unreadable input; the detector keeps going with its other inputs.
+
+        Args:
+            exc: what could not be read, and why.
+        """
+        self.errors.append(exc)
+        self.worsen(DetectorState.ERROR, str(exc))
+
+
+class Detector(ABC):
+    """One source of health signals.
+
+    Subclasses set :attr:`name` and :attr:`config_class`, implement :meth:`sample`, and may override
+    :meth:`close`. ``sample()`` must not block for long (the runner calls every detector from one thread) and
+    should report unreadable inputs through :meth:`Sample.error` rather than raise; anything it raises anyway is
+    caught by the runner and becomes a ``detector.error`` event.
+    """
+
+    #: Registry name, also the ``source`` of the detector's events and the prefix of its metrics.
+    name: ClassVar[str] = ""
+    #: The dataclass holding this detector's settings.
+    config_class: ClassVar[type[DetectorConfig]] = DetectorConfig
+    #: Default seconds between samples when the config does not override ``interval_s``.
+    default_interval_s: ClassVar[float] = 5.0
+
+    def __init__(self, config: DetectorConfig | None = None) -> None:
+        """Creates the detector.
+
+        Args:
+            config: its settings; the config class defaults when None.
+
+        Raises:
+            DetectorConfigError: the config is of the wrong class or invalid.
+        """
+        if config is None:
+            config = self.config_class(interval_s=self.default_interval_s)
+        if not isinstance(config, self.config_class):
+            raise DetectorConfigError(
+                f"detector {self.name!r} needs a {self.config_class.__name__}, got {type(config).__name__}"
+            )
+        config.validate()
+        self.config = config
+        self._active: dict[str, tuple[Severity, str]] = {}
+
+    @abstractmethod
+    def sample(self) -> Sample:
+        """Reads the inputs once.
+
+        Returns:
+            Metrics, new events and the detector's state.
+        """
+
+    def close(self) -> None:
+        """Releases files, sockets or libraries the detector holds (idempotent)."""
+
+    def event(
+        self,
+        kind: str,
+        severity: Severity,
+        action: Action,
+        message: str,
+        subject: str = "",
+        evidence: Mapping[str, Any] | None = None,
+    ) -> HealthEvent:
+        """Builds an event whose source is this detector.
+
+        Args:
+            kind: dotted kind, e.g. ``"pcie.aer_fatal"``.
+            severity: how bad.
+            action: recommended reaction.
+            message: one human-readable line.
+            subject: device or process it is about.
+            evidence: raw values; converted to strings.
+
+        Returns:
+            The event.
+        """
+        return HealthEvent(
+            source=self.name,
+            kind=kind,
+            severity=severity,
+            action=action,
+            message=message,
+            subject=subject,
+            evidence={k: str(v) for k, v in (evidence or {}).items()},
+        )
+
+    def condition(
+        self,
+        sample: Sample,
+        key: str,
+        active: bool,
+        kind: str,
+        severity: Severity,
+        action: Action,
+        message: str,
+        subject: str = "",
+        evidence: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Edge-triggers a lasting condition: one event when it starts, one ``.cleared`` event when it ends.
+
+        While active, the condition also sets the sample's state (warning -> degraded, error/critical -> failed).
+
+        Args:
+            sample: the sample being built.
+            key: identity of the condition (kind plus subject is typical).
+            active: whether the condition holds now.
+            kind: event kind while active; ``<kind>.cleared`` when it ends.
+            severity: severity of the start event.
+            action: recommended action at start.
+            message: one line describing it.
+            subject: device or process.
+            evidence: raw values.
+        """
+        was = key in self._active
+        if active:
+            sample.worsen(_STATE_FOR_SEVERITY[severity], message)
+            if not was:
+                self._active[key] = (severity, kind)
+                sample.events.append(self.event(kind, severity, action, message, subject, evidence))
+        elif was:
+            del self._active[key]
+            sample.events.append(
+                self.event(kind + ".cleared", Severity.INFO, Action.NONE, f"cleared: {message}", subject, evidence)
+            )
+
+    def no_hardware(self, detail: str) -> Sample:
+        """A sample saying there is nothing to watch here.
+
+        Args:
+            detail: what is missing, e.g. ``"no NVIDIA driver (libnvidia-ml.so not found)"``.
+
+        Returns:
+            An empty sample in state NO_HARDWARE.
+        """
+        return Sample(state=DetectorState.NO_HARDWARE, detail=detail)
+
+
+class ListeningDetector(Detector):
+    """A detector that also receives events as they happen (the runner gives it one thread).
+
+    :meth:`listen` blocks, calling ``emit`` for each event, until :meth:`stop_listening` is called from another
+    thread. It returns at once when there is nothing to listen to.
+    """
+
+    @abstractmethod
+    def listen(self, emit: Callable[[HealthEvent], None]) -> None:
+        """Blocks delivering events to ``emit`` until :meth:`stop_listening`.
+
+        Args:
+            emit: called from the listening thread for each event; must not block.
+        """
+
+    @abstractmethod
+    def stop_listening(self) -> None:
+        """Makes :meth:`listen` return soon; safe to call from any thread, more than once."""
+
+
+_REGISTRY: dict[str, type[Detector]] = {}
+_D = TypeVar("_D", bound=type[Detector])
+
+
+def register_detector(cls: _D) -> _D:
+    """Class decorator adding a detector to the registry under ``cls.name``.
+
+    Args:
+        cls: a :class:`Detector` subclass with a non-empty ``name``.
+
+    Returns:
+        ``cls`` unchanged.
+
+    Raises:
+        DetectorConfigError: the name is empty or taken by another class.
+    """
+    if not cls.name:
+        raise DetectorConfigError(f"{cls.__name__} has no name; set the class attribute 'name'")
+    other = _REGISTRY.get(cls.name)
+    if other is not None and other is not cls and other.__qualname__ != cls.__qualname__:
+        raise DetectorConfigError(f"detector name {cls.name!r} is used by both {other.__name__} and {cls.__name__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_builtins() -> None:
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def detector_names() -> list[str]:
+    """Names of every registered detector (built-ins included), sorted."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def detector_class(name: str) -> type[Detector]:
+    """Looks a detector class up by name.
+
+    Args:
+        name: registry name, e.g. ``"roce"``.
+
+    Returns:
+        The class.
+
+    Raises:
+        DetectorConfigError: no detector has that name.
+    """
+    _load_builtins()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise DetectorConfigError(f"unknown detector {name!r}; known detectors: {sorted(_REGISTRY)}") from None
+
+
+def make_config(name: str, data: Mapping[str, Any] | DetectorConfig | None = None, root: str | None = None) -> DetectorConfig:
+    """Builds the typed config of detector ``name``.
+
+    Args:
+        name: detector name.
+        data: a config instance, a dict of fields (from TOML), or None for defaults.
+        root: overrides ``root`` when given.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        DetectorConfigError: unknown detector or invalid fields.
+    """
+    cls = detector_class(name)
+    if isinstance(data, DetectorConfig):
+        config = dataclasses.replace(data, root=root) if root is not None else data
+    else:
+        fields = dict(data or {})
+        fields.setdefault("interval_s", cls.default_interval_s)
+        if root is not None:
+            fields["root"] = root
+        config = cls.config_class.from_dict(fields)
+    config.validate()
+    return config
+
+
+def create_detectors(
+    names: Sequence[str] | None = None,
+    config: Mapping[str, Mapping[str, Any] | DetectorConfig] | None = None,
+    *,
+    root: str | None = None,
+    worker_view: Any = None,
+) -> list[Detector]:
+    """Builds detectors by name, as the agent's config lists them.
+
+    Args:
+        names: detector names; :data:`DEFAULT_DETECTORS` when None.
+        config: per-detector settings (name -> dict of fields or config instance); missing names get defaults.
+        root: overrides every detector's ``root`` (tests, ``trainguard detect --root``).
+        worker_view: a :class:`~trainguard.detectors.process.WorkerView` given to detectors that watch workers.
+
+    Returns:
+        The detectors, in the order of ``names``.
+
+    Raises:
+        DetectorConfigError: unknown or duplicate name, config for a detector not listed, or invalid fields.
+    """
+    names = list(DEFAULT_DETECTORS if names is None else names)
+    config = dict(config or {})
+    if len(set(names)) != len(names):
+        raise DetectorConfigError(f"detector list {names} names a detector twice; list each once")
+    extra = set(config) - set(names)
+    if extra:
+        raise DetectorConfigError(f"config given for detectors {sorted(extra)} that are not enabled in {names}")
+    detectors: list[Detector] = []
+    for name in names:
+        cls = detector_class(name)
+        cfg = make_config(name, config.get(name), root)
+        if getattr(cls, "accepts_worker_view", False):
+            detectors.append(cls(cfg, worker_view=worker_view))  # type: ignore[call-arg]
+        else:
+            detectors.append(cls(cfg))
+    return detectors

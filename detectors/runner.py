@@ -1,0 +1,284 @@
+"""Runs the configured detectors on their intervals in one background thread and keeps their latest state.
+
+The agent embeds one :class:`DetectorRunner`. Polled detectors share a single thread, sampled in due-time order;
+each :class:`~trainguard.detectors.base.ListeningDetector` (netlink link state) additionally gets its own thread
+that blocks on its event source. A detector that raises, or reports unreadable inputs, is isolated: the runner
+records state ERROR and yields one ``detector.error`` event per distinct problem (and one ``detector.error.cleared``
+when it reads cleanly again); the other detectors keep running.
+
+Lifecycle::
+
+    created --start()--> running --stop()--> stopped
+       |                                       ^
+       +---------------stop()------------------+
+
+``start()`` and ``stop()`` are idempotent; ``stop()`` joins every thread it started and closes the detectors.
+A stopped runner is not restarted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.detectors.base import (
+    DETECTOR_ERROR_KIND,
+    Detector,
+    DetectorState,
+    ListeningDetector,
+    Sample,
+)
+from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
+from trainguard.detectors.events import Action, HealthEvent, Severity
+
+log = logging.getLogger(__name__)
+
+#: Seconds a listener that crashed waits before listening again.
+LISTENER_RETRY_S = 5.0
+
+EventCallback = Callable[[HealthEvent], None]
+
+
+@dataclass(frozen=True)
+class DetectorStatus:
+    """What the runner knows about one detector.
+
+    Attributes:
+        name: detector name.
+        state: state after its latest sample (OK before the first one).
+        detail: one line explaining the state.
+        metrics: latest metrics, names local to the detector.
+        sampled_at: Unix time of the latest sample, 0.0 before the first.
+        sample_s: seconds the latest sample took.
+        samples: number of samples taken.
+    """
+
+    name: str
+    state: DetectorState
+    detail: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    sampled_at: float = 0.0
+    sample_s: float = 0.0
+    samples: int = 0
+
+    def to_proto(self) -> Any:
+        """Converts to a ``trainguard.v1.DetectorStatus`` message."""
+        from trainguard.proto import agent_pb2
+
+        return agent_pb2.DetectorStatus(
+            name=self.name, state=int(self.state), detail=self.detail, metrics=dict(self.metrics)
+        )
+
+
+class DetectorRunner:
+    """Samples detectors on their intervals and forwards their events.
+
+    Args:
+        detectors: the detectors to run; names must be unique. The runner owns them and closes them on stop.
+        on_event: called for every event, from the runner thread or a listener thread; must be quick and
+            thread-safe. Exceptions it raises are logged and swallowed.
+    """
+
+    def __init__(self, detectors: Sequence[Detector], on_event: EventCallback | None = None) -> None:
+        names = [d.name for d in detectors]
+        if len(set(names)) != len(names):
+            raise DetectorConfigError(f"detectors {names} include a name twice; each detector runs once")
+        self._detectors = list(detectors)
+        self._on_event = on_event
+        self._lock = threading.Lock()
+        self._statuses: dict[str, DetectorStatus] = {d.name: DetectorStatus(d.name, DetectorState.OK) for d in detectors}
+        self._errors: dict[str, set[str]] = {d.name: set() for d in detectors}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._started = False
+        self._stopped = False
+
+    @property
+    def detectors(self) -> list[Detector]:
+        """The detectors, in configuration order."""
+        return list(self._detectors)
+
+    def start(self) -> None:
+        """Starts the sampling thread and one thread per listening detector (no-op if already started)."""
+        with self._lock:
+            if self._started or self._stopped:
+                return
+            self._started = True
+        sampler = threading.Thread(target=self._sample_loop, name="trainguard-detectors", daemon=True)
+        self._threads.append(sampler)
+        for det in self._detectors:
+            if isinstance(det, ListeningDetector):
+                t = threading.Thread(target=self._listen_loop, args=(det,), name=f"trainguard-{det.name}", daemon=True)
+                self._threads.append(t)
+        for t in self._threads:
+            t.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stops and joins every thread, then closes the detectors (idempotent).
+
+        Args:
+            timeout_s: seconds to wait for each thread.
+        """
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._stop.set()
+        for det in self._detectors:
+            if isinstance(det, ListeningDetector):
+                try:
+                    det.stop_listening()
+                except Exception:  # noqa: BLE001 - stopping must go on for the others
+                    log.exception("detector %s failed to stop listening", det.name)
+        for t in self._threads:
+            t.join(timeout_s)
+            if t.is_alive():
+                log.warning("detector thread %s did not stop within %.1f s", t.name, timeout_s)
+        for det in self._detectors:
+            try:
+                det.close()
+            except Exception:  # noqa: BLE001
+                log.exception("detector %s failed to close", det.name)
+
+    def __enter__(self) -> "DetectorRunner":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def run_once(self) -> list[HealthEvent]:
+        """Samples every detector once, now, in the caller's thread (``trainguard detect``, tests).
+
+        Returns:
+            The events raised (also passed to ``on_event``).
+        """
+        events: list[HealthEvent] = []
+        for det in self._detectors:
+            events.extend(self._sample(det))
+        return events
+
+    def latest_metrics(self) -> dict[str, float]:
+        """The latest metrics of every detector, flattened as ``"<detector>.<metric>"`` -> value."""
+        with self._lock:
+            return {f"{s.name}.{k}": v for s in self._statuses.values() for k, v in s.metrics.items()}
+
+    def statuses(self) -> list[DetectorStatus]:
+        """The status of every detector, in configuration order."""
+        with self._lock:
+            return [self._statuses[d.name] for d in self._detectors]
+
+    def _sample_loop(self) -> None:
+        due = [(time.monotonic(), i) for i in range(len(self._detectors))]
+        heapq.heapify(due)
+        while not self._stop.is_set():
+            when, index = due[0]
+            wait = when - time.monotonic()
+            if wait > 0:
+                if self._stop.wait(wait):
+                    return
+                continue
+            heapq.heappop(due)
+            det = self._detectors[index]
+            self._sample(det)
+            # Schedule from the planned time so intervals do not drift, but never catch up in a burst.
+            nxt = max(when + det.config.interval_s, time.monotonic())
+            heapq.heappush(due, (nxt, index))
+
+    def _sample(self, det: Detector) -> list[HealthEvent]:
+        started = time.monotonic()
+        try:
+            sample = det.sample()
+            if not isinstance(sample, Sample):
+                raise TypeError(f"sample() returned {type(sample).__name__}, not Sample")
+        except Exception as exc:  # noqa: BLE001 - a broken detector must not take the agent down
+            log.debug("detector %s raised", det.name, exc_info=True)
+            path = exc.path if isinstance(exc, DetectorReadError) else ""
+            err = DetectorReadError(path or det.name, f"{type(exc).__name__}: {exc}")
+            sample = Sample()
+            sample.error(err)
+            sample.detail = str(err)
+            tb = "".join(traceback.format_exception(exc, limit=-3)).strip()
+            sample.errors[-1].traceback = tb  # type: ignore[attr-defined]
+        elapsed = time.monotonic() - started
+        events = list(sample.events) + self._error_events(det.name, sample.errors)
+        with self._lock:
+            prev = self._statuses[det.name]
+            self._statuses[det.name] = DetectorStatus(
+                name=det.name,
+                state=sample.state,
+                detail=sample.detail,
+                metrics=dict(sample.metrics),
+                sampled_at=time.time(),
+                sample_s=elapsed,
+                samples=prev.samples + 1,
+            )
+        for ev in events:
+            self._emit(ev)
+        return events
+
+    def _error_events(self, name: str, errors: list[DetectorReadError]) -> list[HealthEvent]:
+        current = {str(e): e for e in errors}
+        with self._lock:
+            known = self._errors[name]
+            new = [current[k] for k in current if k not in known]
+            cleared = bool(known) and not current
+            self._errors[name] = set(current)
+        events = []
+        for err in new:
+            evidence = {"path": err.path, "reason": err.reason}
+            tb = getattr(err, "traceback", "")
+            if tb:
+                evidence["traceback"] = tb
+            events.append(
+                HealthEvent(
+                    source=name,
+                    kind=DETECTOR_ERROR_KIND,
+                    severity=Severity.WARNING,
+                    action=Action.WATCH,
+                    message=f"detector {name} cannot read its input: {err}",
+                    subject=err.path,
+                    evidence=evidence,
+                )
+            )
+        if cleared:
+            events.append(
+                HealthEvent(
+                    source=name,
+                    kind=DETECTOR_ERROR_KIND + ".cleared",
+                    severity=Severity.INFO,
+                    action=Action.NONE,
+                    message=f"detector {name} reads its inputs again",
+                )
+            )
+        return events
+
+    def _emit(self, event: HealthEvent) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(event)
+        except Exception:  # noqa: BLE001 - a consumer bug must not stop detection
+            log.exception("on_event callback failed for %s", event.kind)
+
+    def _listen_loop(self, det: ListeningDetector) -> None:
+        while not self._stop.is_set():
+            try:
+                det.listen(self._emit)
+                return
+            except Exception as exc:  # noqa: BLE001
+                if self._stop.is_set():
+                    return
+                log.warning("listener of detector %s failed: %s; retrying in %.0f s", det.name, exc, LISTENER_RETRY_S)
+                err = DetectorReadError(det.name, f"listener failed: {type(exc).__name__}: {exc}")
+                for ev in self._error_events(det.name, [err]):
+                    self._emit(ev)
+                with self._lock:
+                    self._errors[det.name].discard(str(err))
+                self._stop.wait(LISTENER_RETRY_S)

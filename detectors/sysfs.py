@@ -1,0 +1,133 @@
+"""Strict readers for sysfs/procfs files: every value is checked against its documented format.
+
+Each reader raises :class:`~trainguard.detectors.errors.DetectorReadError` naming the file when it is missing,
+unreadable, empty, truncated or not in the expected format, so a detector can record the error and go on.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+from trainguard.detectors.errors import DetectorReadError
+
+_INT = re.compile(r"^[+-]?\d+$")
+
+
+def read_text(path: str) -> str:
+    """Reads a small text file and strips the trailing newline.
+
+    Args:
+        path: file to read.
+
+    Returns:
+        Its content without surrounding whitespace.
+
+    Raises:
+        DetectorReadError: the file cannot be read or holds invalid UTF-8.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 20)
+    except OSError as exc:
+        raise DetectorReadError(path, f"cannot read ({exc.strerror or exc})") from exc
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise DetectorReadError(path, "not valid UTF-8 text") from exc
+
+
+def read_int(path: str) -> int:
+    """Reads a file holding one decimal integer (``ce_count``, ``temp``, ``statistics/rx_errors``).
+
+    Args:
+        path: file to read.
+
+    Returns:
+        The integer.
+
+    Raises:
+        DetectorReadError: unreadable, empty or not a single integer.
+    """
+    text = read_text(path)
+    if not _INT.match(text):
+        raise DetectorReadError(path, f"expected one integer, found {text[:40]!r}")
+    return int(text)
+
+
+def read_counter_table(path: str) -> dict[str, int]:
+    """Reads a ``NAME VALUE`` per line table, the format of the PCIe ``aer_dev_*`` files.
+
+    Args:
+        path: file to read.
+
+    Returns:
+        Name -> value.
+
+    Raises:
+        DetectorReadError: unreadable, empty, or a line that is not ``<name> <integer>``.
+    """
+    text = read_text(path)
+    if not text:
+        raise DetectorReadError(path, "empty; expected lines of '<name> <count>'")
+    table: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        if len(parts) != 2 or not _INT.match(parts[1]):
+            raise DetectorReadError(path, f"line {number} {line[:40]!r} is not '<name> <count>'")
+        table[parts[0]] = int(parts[1])
+    return table
+
+
+def read_key_values(path: str) -> dict[str, str]:
+    """Reads ``key=value`` tokens separated by spaces (PSI lines use this after their first word).
+
+    Args:
+        path: file to read.
+
+    Returns:
+        First word of each line -> {key: value} flattened as ``"<word>.<key>"``.
+
+    Raises:
+        DetectorReadError: unreadable or a token without ``=``.
+    """
+    out: dict[str, str] = {}
+    text = read_text(path)
+    if not text:
+        raise DetectorReadError(path, "empty")
+    for line in text.splitlines():
+        word, *tokens = line.split()
+        for token in tokens:
+            key, sep, value = token.partition("=")
+            if not sep:
+                raise DetectorReadError(path, f"token {token[:40]!r} is not key=value")
+            out[f"{word}.{key}"] = value
+    return out
+
+
+def list_dir(path: str) -> list[str]:
+    """Sorted entries of a directory, or an empty list when it does not exist.
+
+    Args:
+        path: directory.
+
+    Returns:
+        Entry names.
+    """
+    try:
+        return sorted(os.listdir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def glob_sorted(pattern: str) -> list[str]:
+    """Sorted :func:`glob.glob` matches.
+
+    Args:
+        pattern: glob pattern.
+
+    Returns:
+        Matching paths.
+    """
+    return sorted(glob.glob(pattern))

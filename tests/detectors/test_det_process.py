@@ -1,0 +1,269 @@
+"""Process detector on real worker subprocesses: kill -9, clean exit, hang with a stack dump, D-state parsing."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from trainguard.detectors.base import DetectorState
+from trainguard.detectors.events import Action, HealthEvent, Severity
+from trainguard.detectors.process import (
+    ProcessConfig,
+    ProcessDetector,
+    WorkerSnapshot,
+    WorkerView,
+    parse_proc_stat,
+)
+from trainguard.detectors.runner import DetectorRunner
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    from trainguard.detectors.stackdump import install_stack_dump_handler
+    install_stack_dump_handler(sys.argv[1])
+    steps, step_s = int(sys.argv[2]), float(sys.argv[3])
+
+    def stuck_in_collective():
+        while True:
+            time.sleep(3600)
+
+    for step in range(steps):
+        t = time.monotonic()
+        time.sleep(step_s)
+        print(f"step {step} {time.monotonic() - t:.4f}", flush=True)
+    if sys.argv[4] == "hang":
+        stuck_in_collective()
+    """
+)
+
+
+class PipeWorkers:
+    """A WorkerView over real subprocesses whose heartbeats are lines on their stdout."""
+
+    def __init__(self, reap: bool) -> None:
+        self.reap = reap
+        self.procs: list[subprocess.Popen[str]] = []
+        self.snaps: dict[int, WorkerSnapshot] = {}
+        self.lock = threading.Lock()
+
+    def spawn(self, rank: int, tmp: str, steps: int, step_s: float, mode: str) -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            [sys.executable, "-c", WORKER, tmp, str(steps), str(step_s), mode],
+            stdout=subprocess.PIPE, text=True,
+        )
+        self.procs.append(p)
+        with self.lock:
+            self.snaps[rank] = WorkerSnapshot(rank=rank, pid=p.pid, started_at=time.monotonic())
+        threading.Thread(target=self._read, args=(rank, p), daemon=True).start()
+        return p
+
+    def _read(self, rank: int, p: subprocess.Popen[str]) -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            _, step, dt = line.split()
+            with self.lock:
+                s = self.snaps[rank]
+                times = (tuple(s.recent_step_times) + (float(dt),))[-20:]
+                self.snaps[rank] = replace(s, last_step=int(step), last_heartbeat=time.monotonic(),
+                                           recent_step_times=times)
+
+    def workers(self) -> list[WorkerSnapshot]:
+        with self.lock:
+            out = []
+            for rank, s in self.snaps.items():
+                p = next(p for p in self.procs if p.pid == s.pid)
+                code = p.poll() if self.reap else None
+                out.append(replace(s, returncode=code))
+            return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(5)
+
+
+@pytest.fixture
+def workers_factory(tmp_path) -> Iterator:
+    made: list[PipeWorkers] = []
+
+    def make(reap: bool) -> PipeWorkers:
+        w = PipeWorkers(reap)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def wait_for(q: "queue.Queue[HealthEvent]", kind: str, timeout: float) -> HealthEvent:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no {kind} event within {timeout} s")
+        try:
+            ev = q.get(timeout=left)
+        except queue.Empty:
+            continue
+        if ev.kind == kind:
+            return ev
+
+
+def test_worker_view_protocol_is_satisfied_by_a_plain_class() -> None:
+    assert isinstance(PipeWorkers(reap=True), WorkerView)
+
+
+@pytest.mark.parametrize("reap", [False, True], ids=["zombie", "reaped"])
+def test_killed_worker_is_reported_within_one_second(workers_factory, tmp_path, reap: bool) -> None:
+    view = workers_factory(reap)
+    p = view.spawn(0, str(tmp_path), 100000, 0.05, "run")
+    q: queue.Queue[HealthEvent] = queue.Queue()
+    det = ProcessDetector(ProcessConfig(interval_s=0.2), worker_view=view)
+    with DetectorRunner([det], on_event=q.put) as runner:
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        os.kill(p.pid, signal.SIGKILL)
+        ev = wait_for(q, "process.killed", 5.0)
+        latency = time.monotonic() - killed_at
+        assert latency < 1.0, f"kill reported after {latency:.3f} s"
+        assert ev.severity == Severity.ERROR and ev.action == Action.RESTART_PROCESS
+        assert ev.evidence["signal"] == "SIGKILL" and ev.evidence["returncode"] == "-9"
+        assert ev.subject == "rank:0"
+        time.sleep(0.3)
+        status = runner.statuses()[0]
+        assert status.state == DetectorState.FAILED
+        assert runner.latest_metrics()["process.workers_alive"] == 0.0
+    # Reported once, not on every sample.
+    assert all(e.kind != "process.killed" for e in list(q.queue))
+
+
+def test_clean_exit_is_info(workers_factory, tmp_path) -> None:
+    view = workers_factory(True)
+    p = view.spawn(3, str(tmp_path), 2, 0.01, "run")
+    p.wait(20)
+    det = ProcessDetector(ProcessConfig(), worker_view=view)
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["process.exited"]
+    assert s.events[0].severity == Severity.INFO and s.state == DetectorState.OK
+
+
+def test_hung_worker_reported_within_twice_its_learned_bound_with_stack(workers_factory, tmp_path) -> None:
+    view = workers_factory(True)
+    # Steps of ~0.1 s: bound = max(floor 0.6, 4 x ~0.1) = 0.6 s.
+    view.spawn(1, str(tmp_path), 8, 0.1, "hang")
+    cfg = ProcessConfig(interval_s=0.1, hang_multiplier=4.0, hang_floor_s=0.6, startup_grace_s=30.0,
+                        stack_dir=str(tmp_path))
+    q: queue.Queue[HealthEvent] = queue.Queue()
+    with DetectorRunner([ProcessDetector(cfg, worker_view=view)], on_event=q.put):
+        ev = wait_for(q, "process.hung", 30.0)
+    last_hb = view.workers()[0].last_heartbeat
+    assert last_hb is not None
+    bound = float(ev.evidence["bound_s"])
+    silent = float(ev.evidence["silent_s"])
+    assert 0.6 <= bound < 1.5
+    assert bound < silent < 2 * bound, f"hang reported after {silent:.2f} s, bound {bound:.2f} s"
+    assert ev.evidence["last_step"] == "7"
+    assert ev.evidence["stack_method"] in ("faulthandler", "py-spy")
+    assert "stuck_in_collective" in ev.evidence["stack"], ev.evidence["stack"]
+
+
+def test_hang_clears_when_heartbeats_resume() -> None:
+    class View:
+        snap = WorkerSnapshot(rank=0, pid=os.getpid(), started_at=time.monotonic() - 10, last_step=5,
+                              last_heartbeat=time.monotonic() - 5, recent_step_times=(0.1, 0.2))
+
+        def workers(self):
+            return [self.snap]
+
+    view = View()
+    det = ProcessDetector(ProcessConfig(hang_floor_s=1.0, hang_multiplier=2.0, stack_dump=False), worker_view=view)
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["process.hung"] and s.state == DetectorState.FAILED
+    assert s.metrics["hang_bound_s[rank:0]"] == 1.0
+    assert det.sample().events == []  # edge-triggered
+    view.snap = replace(view.snap, last_step=6, last_heartbeat=time.monotonic())
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["process.hung.cleared"] and s.state == DetectorState.OK
+
+
+def test_startup_grace_applies_before_first_heartbeat() -> None:
+    snap = WorkerSnapshot(rank=0, pid=os.getpid(), started_at=time.monotonic() - 5)
+    cfg = ProcessConfig(startup_grace_s=10.0, hang_floor_s=1.0, stack_dump=False)
+    assert ProcessDetector.hang_bound(snap, cfg) == (10.0, snap.started_at)
+    withsteps = replace(snap, last_heartbeat=1.0, recent_step_times=(3.0, 2.0))
+    assert ProcessDetector.hang_bound(withsteps, replace(cfg, hang_multiplier=5.0)) == (15.0, 1.0)
+
+
+def test_memory_growth_reported() -> None:
+    class View:
+        def workers(self):
+            return [WorkerSnapshot(rank=2, pid=child.pid, started_at=time.monotonic())]
+
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys,time\nb=[]\nfor l in sys.stdin:\n b.append(bytearray(32<<20))\n"
+                              " print('ok',flush=True)"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        det = ProcessDetector(ProcessConfig(memory_growth_bytes=48 << 20, stack_dump=False), worker_view=View())
+        assert det.sample().events == []
+        for _ in range(3):
+            child.stdin.write("x\n")
+            child.stdin.flush()
+            child.stdout.readline()
+        s = det.sample()
+        assert [e.kind for e in s.events] == ["process.memory_growth"]
+        assert int(s.events[0].evidence["growth_bytes"]) > 48 << 20
+        assert s.state == DetectorState.DEGRADED
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_no_view_means_no_hardware() -> None:
+    s = ProcessDetector().sample()
+    assert s.state == DetectorState.NO_HARDWARE and "worker view" in s.detail
+
+
+def test_parse_proc_stat_handles_odd_command_names_and_zombies() -> None:
+    fields = ["Z"] + ["0"] * 20 + ["100"] + ["0"] * 27 + ["9"]
+    st = parse_proc_stat("1234 (a ) b (c)) " + " ".join(fields))
+    assert st.state == "Z" and st.rss_bytes == 100 * os.sysconf("SC_PAGE_SIZE") and st.exit_code == 9
+    with pytest.raises(ValueError):
+        parse_proc_stat("1234 (truncated")
+    with pytest.raises(ValueError):
+        parse_proc_stat("1234 (x) S 1 2")
+
+
+def test_d_state_thread_reported_with_fake_proc(tmp_path) -> None:
+    pid = 4242
+    task = tmp_path / "proc" / str(pid) / "task"
+    for tid, state in ((4242, "S"), (4250, "D")):
+        d = task / str(tid)
+        d.mkdir(parents=True)
+        (d / "stat").write_text(f"{tid} (python3) {state} " + " ".join(["0"] * 49) + "\n")
+        (d / "wchan").write_text("nfs_wait_on_request")
+    (tmp_path / "proc" / str(pid) / "stat").write_text(f"{pid} (python3) S " + " ".join(["0"] * 49) + "\n")
+
+    class View:
+        def workers(self):
+            return [WorkerSnapshot(rank=0, pid=pid, started_at=time.monotonic())]
+
+    det = ProcessDetector(ProcessConfig(root=str(tmp_path), d_state_s=0.05, d_state_check_s=0.01,
+                                        stack_dump=False), worker_view=View())
+    assert det.sample().events == []
+    time.sleep(0.1)
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["process.uninterruptible"]
+    assert s.events[0].evidence["tids"] == "4250"
+    assert s.events[0].evidence["wchan.4250"] == "nfs_wait_on_request"
