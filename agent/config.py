@@ -1,0 +1,596 @@
+"""Typed, validated configuration of the node agent daemon (``trainguard agent``).
+
+One TOML file (default :data:`DEFAULT_CONFIG_PATH`) holds every option; ``deploy/agent.toml`` documents each
+one. Values are resolved in this order, later wins:
+
+1. the defaults of the dataclasses below,
+2. the TOML file,
+3. environment variables (:data:`ENV_OVERRIDES`, names documented as module constants),
+4. command-line flags (``--grpc-listen``, ``--socket``, ``--state-dir``), applied with :func:`with_overrides`.
+
+Every problem (unknown key, wrong type, value out of range, unreadable certificate) raises
+:class:`AgentConfigError` with one line naming the key and the file, so the daemon fails at start instead of
+running half-configured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import socket
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from trainguard.agent.errors import AgentError
+from trainguard.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+#: Where the daemon reads its configuration when neither ``--config`` nor :data:`CONFIG_ENV` says otherwise.
+DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.toml"
+
+#: Path of the configuration file (used when ``--config`` is not given).
+CONFIG_ENV = "TRAINGUARD_AGENT_CONFIG"
+#: Overrides ``agent.node_id``.
+NODE_ID_ENV = "TRAINGUARD_AGENT_NODE_ID"
+#: Overrides ``agent.state_dir``.
+STATE_DIR_ENV = "TRAINGUARD_AGENT_STATE_DIR"
+#: Overrides ``grpc.listen`` (``HOST:PORT``; empty disables TCP).
+GRPC_LISTEN_ENV = "TRAINGUARD_AGENT_GRPC_LISTEN"
+#: Overrides ``grpc.socket`` (unix socket path; empty disables it).
+SOCKET_ENV = "TRAINGUARD_AGENT_SOCKET_PATH"
+#: Overrides ``metrics.listen`` (``HOST:PORT``; empty disables /metrics).
+METRICS_LISTEN_ENV = "TRAINGUARD_AGENT_METRICS_LISTEN"
+#: Overrides ``log.format`` (``auto``, ``journal``, ``text`` or ``json``).
+LOG_FORMAT_ENV = "TRAINGUARD_AGENT_LOG_FORMAT"
+#: Overrides ``log.level``.
+LOG_LEVEL_ENV = "TRAINGUARD_AGENT_LOG_LEVEL"
+#: Overrides ``detectors.root`` (prefix of /sys, /proc and /dev paths the detectors read).
+DETECTORS_ROOT_ENV = "TRAINGUARD_AGENT_DETECTORS_ROOT"
+#: Overrides ``coordinator.address``.
+COORDINATOR_ENV = "TRAINGUARD_AGENT_COORDINATOR"
+
+#: Environment variable -> (section, key) it overrides.
+ENV_OVERRIDES: dict[str, tuple[str, str]] = {
+    NODE_ID_ENV: ("agent", "node_id"),
+    STATE_DIR_ENV: ("agent", "state_dir"),
+    GRPC_LISTEN_ENV: ("grpc", "listen"),
+    SOCKET_ENV: ("grpc", "socket"),
+    METRICS_LISTEN_ENV: ("metrics", "listen"),
+    LOG_FORMAT_ENV: ("log", "format"),
+    LOG_LEVEL_ENV: ("log", "level"),
+    DETECTORS_ROOT_ENV: ("detectors", "root"),
+    COORDINATOR_ENV: ("coordinator", "address"),
+}
+
+LOG_FORMATS = ("auto", "journal", "text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# sun_path is 108 bytes on Linux, one of which is the terminating NUL.
+_MAX_SOCKET_PATH_BYTES = 107
+
+
+class AgentConfigError(ConfigError, AgentError):
+    """The agent's configuration file, an environment override or a flag is invalid."""
+
+
+@dataclass
+class AgentSection:
+    """``[agent]``: identity and main loop of the daemon.
+
+    Attributes:
+        node_id: stable identity of this node, reported to the coordinator. Default: the host name.
+        state_dir: directory the agent owns for state that survives restarts (created at start, mode 0750).
+            Default ``/var/lib/trainguard``.
+        loop_interval_s: period of the main loop that checks subsystems and pings the systemd watchdog, in
+            seconds; the watchdog is pinged at most every half ``WatchdogSec``. Default 1.0.
+        stop_grace_s: on SIGTERM, seconds the workers get to exit after SIGTERM before SIGKILL. Default 20.0.
+    """
+
+    node_id: str = field(default_factory=socket.gethostname)
+    state_dir: str = "/var/lib/trainguard"
+    loop_interval_s: float = 1.0
+    stop_grace_s: float = 20.0
+
+
+@dataclass
+class LogSection:
+    """``[log]``: how the daemon writes its log to stderr.
+
+    Attributes:
+        format: ``journal`` (syslog ``<N>`` level prefix, no timestamp: journald adds it), ``text`` (timestamped
+            lines for a terminal), ``json`` (one object per line) or ``auto`` (``journal`` when stderr is
+            connected to journald, else ``text``). Default ``auto``.
+        level: ``debug``, ``info``, ``warning`` or ``error``. Reloaded on SIGHUP. Default ``info``.
+    """
+
+    format: str = "auto"
+    level: str = "info"
+
+
+@dataclass
+class GrpcSection:
+    """``[grpc]``: the NodeAgent, grpc.health.v1 and reflection services.
+
+    Attributes:
+        listen: TCP ``HOST:PORT`` for remote callers (health checkers, ``trainguard status --target``); ``""``
+            disables TCP. Port 0 picks a free port (logged). Default ``0.0.0.0:7350``.
+        socket: unix socket path for local workers and ``trainguard status``; ``""`` disables it. Default
+            ``/run/trainguard/agent.sock``.
+        socket_mode: permission bits of the unix socket; must grant nothing to "other". Default ``0o660``.
+        max_request_bytes: largest request a method accepts, in bytes; larger ones get INVALID_ARGUMENT.
+            Default 65536.
+        max_message_bytes: transport cap on any message, in bytes; larger ones are dropped by gRPC itself with
+            RESOURCE_EXHAUSTED before they are read. Must be >= ``max_request_bytes``. Default 4194304.
+        max_workers: threads serving calls (each open ``WatchEvents`` stream holds one). Default 16.
+        max_watchers: concurrent ``WatchEvents`` streams; more get RESOURCE_EXHAUSTED. Default 8.
+        reflection: serve gRPC server reflection (for grpcurl and debugging). Default true.
+    """
+
+    listen: str = "0.0.0.0:7350"
+    socket: str = "/run/trainguard/agent.sock"
+    socket_mode: int = 0o660
+    max_request_bytes: int = 65536
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_workers: int = 16
+    max_watchers: int = 8
+    reflection: bool = True
+
+
+@dataclass
+class TlsSection:
+    """``[tls]``: TLS on the TCP listener (the unix socket is protected by file permissions instead).
+
+    Attributes:
+        enabled: serve TCP over TLS only; plaintext connections are refused. Default false.
+        cert_file: PEM server certificate chain. Required when enabled. Reloaded on SIGHUP.
+        key_file: PEM private key of ``cert_file``. Required when enabled. Reloaded on SIGHUP.
+        client_ca_file: PEM CA bundle; when set, mutual TLS: a client must present a certificate signed by
+            one of these CAs. Default ``""`` (no client certificate asked).
+    """
+
+    enabled: bool = False
+    cert_file: str = ""
+    key_file: str = ""
+    client_ca_file: str = ""
+
+
+@dataclass
+class MetricsSection:
+    """``[metrics]``: the Prometheus ``/metrics`` endpoint.
+
+    Attributes:
+        listen: ``HOST:PORT`` of the HTTP endpoint; ``""`` disables it. Default ``127.0.0.1:9477``.
+    """
+
+    listen: str = "127.0.0.1:9477"
+
+
+@dataclass
+class DetectorsSection:
+    """``[detectors]``: which detectors run and where they read the hardware.
+
+    Attributes:
+        enabled: detector names to run; ``["all"]`` runs every registered detector. Default ``["all"]``.
+        root: path prefix of the /sys, /proc and /dev files detectors read (tests point it at a fake tree).
+            Default ``/``.
+        interval_s: sampling period of polled detectors, in seconds. Default 5.0.
+        recent_events: health events kept in memory for ``GetHealth`` and ``WatchEvents`` replay. Default 256.
+    """
+
+    enabled: list[str] = field(default_factory=lambda: ["all"])
+    root: str = "/"
+    interval_s: float = 5.0
+    recent_events: int = 256
+
+
+@dataclass
+class PredictorSection:
+    """``[predictor]``: the failure-risk predictor fed by detector metrics.
+
+    Attributes:
+        enabled: score risk from the metric stream. Default true.
+        model: path of a trained model file; ``""`` uses the built-in default model. Default ``""``.
+        threshold: risk score in [0, 1] above which the agent advises "checkpoint now". Reloaded on SIGHUP.
+            Default 0.5.
+    """
+
+    enabled: bool = True
+    model: str = ""
+    threshold: float = 0.5
+
+
+@dataclass
+class CoordinatorSection:
+    """``[coordinator]``: the job coordinator this agent registers with.
+
+    Attributes:
+        address: ``HOST:PORT`` of the coordinator; ``""`` runs the agent standalone (health, metrics and
+            detectors only). Default ``""``.
+        timeout_s: deadline of each call to the coordinator, in seconds. Default 5.0.
+        heartbeat_interval_s: period of node heartbeats, in seconds. Default 2.0.
+        tls_ca_file: PEM CA bundle to verify the coordinator; ``""`` connects in plaintext. Default ``""``.
+        tls_cert_file: PEM client certificate for mutual TLS with the coordinator. Default ``""``.
+        tls_key_file: PEM private key of ``tls_cert_file``. Default ``""``.
+    """
+
+    address: str = ""
+    timeout_s: float = 5.0
+    heartbeat_interval_s: float = 2.0
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+
+
+@dataclass
+class AgentConfig:
+    """The whole agent configuration; one attribute per TOML table.
+
+    Attributes:
+        source: file the configuration was read from (``""`` for defaults only); used in error messages.
+        origins: dotted option -> what set it when not the file (``"$TRAINGUARD_AGENT_GRPC_LISTEN"``,
+            ``"--grpc-listen"``); used in error messages.
+    """
+
+    agent: AgentSection = field(default_factory=AgentSection)
+    log: LogSection = field(default_factory=LogSection)
+    grpc: GrpcSection = field(default_factory=GrpcSection)
+    tls: TlsSection = field(default_factory=TlsSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    detectors: DetectorsSection = field(default_factory=DetectorsSection)
+    predictor: PredictorSection = field(default_factory=PredictorSection)
+    coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
+    source: str = field(default="", compare=False)
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    # -- construction ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "<mapping>") -> "AgentConfig":
+        """Builds a configuration from parsed TOML, checking every key and type (not cross-field rules).
+
+        Args:
+            data: the parsed document.
+            source: file name used in error messages.
+
+        Returns:
+            The configuration.
+
+        Raises:
+            AgentConfigError: unknown table or key, or a value of the wrong type.
+        """
+        sections = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("source", "origins")}
+        built: dict[str, Any] = {}
+        for name, value in data.items():
+            if name not in sections:
+                raise AgentConfigError(
+                    f"{source}: unknown table [{name}]; known tables: {', '.join(sorted(sections))}"
+                )
+            if not isinstance(value, Mapping):
+                raise AgentConfigError(f"{source}: '{name}' must be a table ([{name}]), got {_type_name(value)}")
+            built[name] = _build_section(_section_type(cls, name), value, name, source)
+        return cls(**built, source=source)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> "AgentConfig":
+        """Reads, overrides from the environment and validates the configuration.
+
+        Args:
+            path: TOML file; None means ``$TRAINGUARD_AGENT_CONFIG`` or :data:`DEFAULT_CONFIG_PATH`. A missing
+                default file is allowed (defaults apply); a missing explicit file is an error.
+            env: environment to read overrides from; None means ``os.environ``.
+
+        Returns:
+            The validated configuration.
+
+        Raises:
+            AgentConfigError: unreadable or malformed file, unknown key, bad value or bad override.
+        """
+        env = os.environ if env is None else env
+        explicit = path is not None or bool(env.get(CONFIG_ENV))
+        file = Path(path if path is not None else env.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
+        try:
+            raw = file.read_bytes()
+        except FileNotFoundError:
+            if explicit:
+                raise AgentConfigError(f"{file}: config file not found; pass an existing --config PATH") from None
+            config = cls(source="<defaults>")
+        except OSError as exc:
+            raise AgentConfigError(f"{file}: cannot read config file ({exc.strerror}); check its permissions") from exc
+        else:
+            try:
+                data = tomllib.loads(raw.decode("utf-8"))
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+                raise AgentConfigError(f"{file}: not valid TOML: {exc}") from exc
+            config = cls.from_mapping(data, source=str(file))
+        config = config.with_env(env)
+        config.validate()
+        return config
+
+    def with_env(self, env: Mapping[str, str]) -> "AgentConfig":
+        """Returns a copy with the :data:`ENV_OVERRIDES` variables present in ``env`` applied.
+
+        Raises:
+            AgentConfigError: a variable's value does not parse as the option's type.
+        """
+        updates: dict[tuple[str, str], Any] = {}
+        origins: dict[str, str] = {}
+        for var, (section, key) in ENV_OVERRIDES.items():
+            if var in env:
+                ftype = _field_type(_section_type(type(self), section), key)
+                updates[(section, key)] = _parse_env(env[var], ftype, var)
+                origins[f"{section}.{key}"] = f"${var}"
+        return self.with_overrides(updates, origins)
+
+    def with_overrides(
+        self, updates: Mapping[tuple[str, str], Any], origins: Mapping[str, str] | None = None
+    ) -> "AgentConfig":
+        """Returns a copy with ``{(section, key): value}`` replaced (command-line flags use this).
+
+        The copy is not validated; call :meth:`validate`.
+
+        Args:
+            updates: new values.
+            origins: dotted option -> where the value came from (e.g. ``"--socket"``), for error messages.
+        """
+        config = dataclasses.replace(self, origins={**self.origins, **(origins or {})})
+        for (section, key), value in updates.items():
+            current = getattr(config, section)
+            setattr(config, section, dataclasses.replace(current, **{key: value}))
+        return config
+
+    # -- validation ----------------------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Checks ranges, addresses and cross-field rules, and that every referenced file is readable.
+
+        Raises:
+            AgentConfigError: the first problem found, naming the key and the file.
+        """
+        src = self.source or "<config>"
+
+        def fail(key: str, problem: str) -> typing.NoReturn:
+            origin = self.origins.get(key)
+            raise AgentConfigError(f"{src}: {key}{f' (set by {origin})' if origin else ''}: {problem}")
+
+        a = self.agent
+        if not a.node_id.strip():
+            fail("agent.node_id", "must not be empty")
+        if not a.state_dir:
+            fail("agent.state_dir", "must not be empty")
+        if not 0.05 <= a.loop_interval_s <= 60:
+            fail("agent.loop_interval_s", f"{a.loop_interval_s} is outside [0.05, 60] seconds")
+        if not 0 <= a.stop_grace_s <= 3600:
+            fail("agent.stop_grace_s", f"{a.stop_grace_s} is outside [0, 3600] seconds")
+
+        if self.log.format not in LOG_FORMATS:
+            fail("log.format", f"{self.log.format!r} is not one of {', '.join(LOG_FORMATS)}")
+        if self.log.level.lower() not in LOG_LEVELS:
+            fail("log.level", f"{self.log.level!r} is not one of {', '.join(LOG_LEVELS)}")
+
+        g = self.grpc
+        if g.listen:
+            _check_hostport(g.listen, "grpc.listen", fail)
+        if g.socket:
+            if len(os.fsencode(g.socket)) > _MAX_SOCKET_PATH_BYTES:
+                fail("grpc.socket", f"path is {len(os.fsencode(g.socket))} bytes, over the 107-byte unix limit")
+        if not g.listen and not g.socket:
+            fail("grpc.listen", "both grpc.listen and grpc.socket are empty; the agent would be unreachable")
+        if not 0 <= g.socket_mode <= 0o777:
+            fail("grpc.socket_mode", f"{oct(g.socket_mode)} is not a permission mode (0o000-0o777)")
+        if g.socket_mode & 0o007:
+            fail("grpc.socket_mode", f"{oct(g.socket_mode)} grants access to every user; use e.g. 0o660")
+        if not 256 <= g.max_request_bytes <= 64 * 1024 * 1024:
+            fail("grpc.max_request_bytes", f"{g.max_request_bytes} is outside [256, 67108864] bytes")
+        if g.max_message_bytes < g.max_request_bytes:
+            fail("grpc.max_message_bytes", f"{g.max_message_bytes} is below grpc.max_request_bytes")
+        if not 2 <= g.max_workers <= 1024:
+            fail("grpc.max_workers", f"{g.max_workers} is outside [2, 1024]")
+        if not 1 <= g.max_watchers < g.max_workers:
+            fail("grpc.max_watchers", f"{g.max_watchers} must be >= 1 and below grpc.max_workers ({g.max_workers})")
+
+        t = self.tls
+        if t.enabled:
+            if not g.listen:
+                fail("tls.enabled", "TLS is on but grpc.listen is empty; TLS applies to the TCP listener only")
+            if not t.cert_file:
+                fail("tls.cert_file", "required when tls.enabled = true")
+            if not t.key_file:
+                fail("tls.key_file", "required when tls.enabled = true")
+            _check_readable(t.cert_file, "tls.cert_file", fail)
+            _check_readable(t.key_file, "tls.key_file", fail)
+            if t.client_ca_file:
+                _check_readable(t.client_ca_file, "tls.client_ca_file", fail)
+        elif t.client_ca_file:
+            fail("tls.client_ca_file", "set but tls.enabled = false; mutual TLS needs TLS")
+
+        if self.metrics.listen:
+            _check_hostport(self.metrics.listen, "metrics.listen", fail)
+
+        d = self.detectors
+        for name in d.enabled:
+            if not name or not name.replace("_", "").replace("-", "").isalnum():
+                fail("detectors.enabled", f"{name!r} is not a detector name")
+        if not d.root:
+            fail("detectors.root", "must not be empty (use \"/\" for the real system)")
+        if not 0.05 <= d.interval_s <= 3600:
+            fail("detectors.interval_s", f"{d.interval_s} is outside [0.05, 3600] seconds")
+        if not 1 <= d.recent_events <= 100_000:
+            fail("detectors.recent_events", f"{d.recent_events} is outside [1, 100000]")
+
+        p = self.predictor
+        if not 0.0 <= p.threshold <= 1.0:
+            fail("predictor.threshold", f"{p.threshold} is outside [0, 1]")
+        if p.enabled and p.model:
+            _check_readable(p.model, "predictor.model", fail)
+
+        c = self.coordinator
+        if c.address:
+            _check_hostport(c.address, "coordinator.address", fail)
+        if not 0.1 <= c.timeout_s <= 600:
+            fail("coordinator.timeout_s", f"{c.timeout_s} is outside [0.1, 600] seconds")
+        if not 0.1 <= c.heartbeat_interval_s <= 600:
+            fail("coordinator.heartbeat_interval_s", f"{c.heartbeat_interval_s} is outside [0.1, 600] seconds")
+        if bool(c.tls_cert_file) != bool(c.tls_key_file):
+            fail("coordinator.tls_cert_file", "tls_cert_file and tls_key_file must be set together")
+        if c.tls_cert_file and not c.tls_ca_file:
+            fail("coordinator.tls_ca_file", "required when a client certificate is configured")
+        for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            if getattr(c, key):
+                _check_readable(getattr(c, key), f"coordinator.{key}", fail)
+
+    def restart_required(self, new: "AgentConfig") -> list[str]:
+        """Names the options whose change a SIGHUP reload cannot apply (a restart is needed).
+
+        Args:
+            new: the freshly loaded configuration.
+
+        Returns:
+            Dotted option names that differ and are not reloadable, sorted.
+        """
+        changed = []
+        for section in dataclasses.fields(self):
+            if section.name in ("source", "origins"):
+                continue
+            old_s, new_s = getattr(self, section.name), getattr(new, section.name)
+            for f in dataclasses.fields(old_s):
+                key = f"{section.name}.{f.name}"
+                if key not in RELOADABLE and getattr(old_s, f.name) != getattr(new_s, f.name):
+                    changed.append(key)
+        return sorted(changed)
+
+
+#: Options a SIGHUP applies without a restart.
+RELOADABLE = frozenset(
+    {
+        "log.level",
+        "log.format",
+        "tls.cert_file",
+        "tls.key_file",
+        "tls.client_ca_file",
+        "predictor.threshold",
+        "coordinator.timeout_s",
+        "coordinator.heartbeat_interval_s",
+        "agent.loop_interval_s",
+        "agent.stop_grace_s",
+    }
+)
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    """Splits ``HOST:PORT`` (``[v6]:PORT`` for IPv6) into host and port.
+
+    Raises:
+        ValueError: no port, a port outside 0-65535, or an empty host.
+    """
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        ipaddress.IPv6Address(host)
+    elif ":" in host:
+        raise ValueError(f"{text!r}: write an IPv6 host in brackets, e.g. [::1]:7350")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"{text!r}: port must be a number in 0-65535")
+    return host, int(port_text)
+
+
+def _check_hostport(value: str, key: str, fail: Any) -> None:
+    try:
+        parse_hostport(value)
+    except ValueError as exc:
+        fail(key, str(exc))
+
+
+def _check_readable(path: str, key: str, fail: Any) -> None:
+    try:
+        with open(path, "rb") as fh:
+            fh.read(1)
+    except OSError as exc:
+        fail(key, f"cannot read {path} ({exc.strerror}); check the path and its permissions")
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _section_type(cls: type, name: str) -> type:
+    return typing.get_type_hints(cls)[name]
+
+
+def _field_type(section_cls: type, key: str) -> Any:
+    return typing.get_type_hints(section_cls)[key]
+
+
+def _build_section(section_cls: type, values: Mapping[str, Any], section: str, source: str) -> Any:
+    hints = typing.get_type_hints(section_cls)
+    known = [f.name for f in dataclasses.fields(section_cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise AgentConfigError(
+                f"{source}: unknown key '{key}' in [{section}]; known keys: {', '.join(known)}"
+            )
+        kwargs[key] = _check_type(value, hints[key], f"{section}.{key}", source)
+    return section_cls(**kwargs)
+
+
+def _check_type(value: Any, ftype: Any, key: str, source: str) -> Any:
+    def wrong(expected: str) -> AgentConfigError:
+        return AgentConfigError(f"{source}: {key}: expected {expected}, got {_type_name(value)} {value!r}")
+
+    if ftype is bool:
+        if not isinstance(value, bool):
+            raise wrong("a boolean (true/false)")
+        return value
+    if ftype is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong("an integer")
+        return value
+    if ftype is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise wrong("a number")
+        return float(value)
+    if ftype is str:
+        if not isinstance(value, str):
+            raise wrong("a string")
+        return value
+    origin = typing.get_origin(ftype)
+    if origin in (list, types.GenericAlias) or origin is list:
+        (item_type,) = typing.get_args(ftype)
+        if not isinstance(value, list):
+            raise wrong("an array")
+        return [_check_type(v, item_type, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    raise AssertionError(f"unsupported config field type {ftype!r} for {key}")  # a bug in this module
+
+
+def _parse_env(text: str, ftype: Any, var: str) -> Any:
+    try:
+        if ftype is bool:
+            lowered = text.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true/false")
+        if ftype is int:
+            return int(text, 0)
+        if ftype is float:
+            return float(text)
+        if ftype is str:
+            return text
+        if typing.get_origin(ftype) is list:
+            return [item.strip() for item in text.split(",") if item.strip()]
+    except ValueError as exc:
+        raise AgentConfigError(f"environment variable {var}={text!r}: {exc}") from exc
+    raise AssertionError(f"unsupported config field type {ftype!r} for {var}")

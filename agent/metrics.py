@@ -1,0 +1,215 @@
+"""The agent's Prometheus ``/metrics`` endpoint.
+
+Names follow the Prometheus conventions: the ``trainguard_`` prefix, base units in the name (``_seconds``,
+``_bytes``), ``_total`` on counters, and labels with a bounded set of values only (detector names come from
+the configuration, event kinds from detector code, checkpoint tiers from a fixed list; never ranks, steps,
+pids, subjects or messages). Exported series:
+
+================================================  =======  ==============================================
+name                                              type     meaning
+================================================  =======  ==============================================
+trainguard_agent_info{version,node}               gauge    1; identity of the agent
+trainguard_agent_start_time_seconds               gauge    Unix time the agent started
+trainguard_detector_state{detector,state}         gauge    1 for the detector's current state, else 0
+trainguard_health_events_total{source,kind,sev}   counter  health events emitted
+trainguard_predictor_score                        gauge    failure risk in [0, 1]
+trainguard_predictor_threshold                    gauge    risk above which workers are told to checkpoint
+trainguard_workers{state}                         gauge    local workers per state
+trainguard_worker_restarts_total                  counter  worker-group restarts (new generations)
+trainguard_checkpoint_stall_seconds{tier}         histo    training-loop time blocked by a checkpoint
+trainguard_checkpoint_persist_seconds{tier}       histo    background persist time of a checkpoint
+trainguard_checkpoint_size_bytes{tier}            histo    bytes of a checkpoint (one rank)
+trainguard_checkpoint_last_step                   gauge    newest step reported durable
+trainguard_grpc_requests_total{method,code}       counter  NodeAgent calls served
+trainguard_grpc_request_duration_seconds{method}  histo    NodeAgent unary call latency
+trainguard_watchdog_pings_total                   counter  systemd watchdog keep-alives sent
+================================================  =======  ==============================================
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from trainguard._version import __version__
+from trainguard.agent.config import AgentConfigError, parse_hostport
+
+log = logging.getLogger(__name__)
+
+#: Values of the ``state`` label of ``trainguard_detector_state`` (``trainguard.v1.DetectorState`` names).
+DETECTOR_STATES = ("ok", "degraded", "failed", "no_hardware", "error")
+#: Values of the ``state`` label of ``trainguard_workers`` (``trainguard.v1.WorkerState`` names).
+WORKER_STATES = ("starting", "running", "succeeded", "failed", "stopped", "hung")
+#: Values of the ``tier`` label of checkpoint metrics; anything else is counted as ``other``.
+CHECKPOINT_TIERS = ("memory", "disk", "remote")
+#: Largest number of distinct event kinds kept as label values; later new kinds are counted as ``other`` so a
+#: buggy detector cannot explode the series count.
+MAX_EVENT_KINDS = 200
+
+_SEVERITIES = ("info", "warning", "error", "critical")
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_STALL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_PERSIST_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_SIZE_BUCKETS = tuple(float(2**p) for p in range(20, 42, 2))  # 1 MiB .. 2 TiB
+
+
+class AgentMetrics:
+    """Every metric the agent exports, in a registry of its own (no process-global state)."""
+
+    def __init__(self, node_id: str) -> None:
+        """Creates the metrics.
+
+        Args:
+            node_id: this node's identity (the ``node`` label of ``trainguard_agent_info``).
+        """
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._lock = threading.Lock()
+        self._kinds: set[tuple[str, str]] = set()
+        self._detectors: set[str] = set()
+        info = Gauge("trainguard_agent_info", "Identity of the trainguard node agent (always 1).",
+                     ["version", "node"], registry=r)
+        info.labels(__version__, node_id).set(1)
+        Gauge("trainguard_agent_start_time_seconds", "Unix time the agent started.", registry=r).set(time.time())
+        self.detector_state = Gauge("trainguard_detector_state",
+                                    "1 for the detector's current state, 0 for the others.",
+                                    ["detector", "state"], registry=r)
+        self.events = Counter("trainguard_health_events", "Health events emitted by detectors and the predictor.",
+                              ["source", "kind", "severity"], registry=r)
+        self.predictor_score = Gauge("trainguard_predictor_score", "Predicted failure risk in [0, 1].", registry=r)
+        self.predictor_threshold = Gauge("trainguard_predictor_threshold",
+                                         "Risk above which workers are told to checkpoint now.", registry=r)
+        self.workers = Gauge("trainguard_workers", "Local training workers per state.", ["state"], registry=r)
+        for state in WORKER_STATES:
+            self.workers.labels(state).set(0)
+        self.worker_restarts = Counter("trainguard_worker_restarts",
+                                       "Restarts of the local worker group (new generations).", registry=r)
+        self.ckpt_stall = Histogram("trainguard_checkpoint_stall_seconds",
+                                    "Time the training loop was blocked by one checkpoint.", ["tier"],
+                                    buckets=_STALL_BUCKETS, registry=r)
+        self.ckpt_persist = Histogram("trainguard_checkpoint_persist_seconds",
+                                      "Background time to make one checkpoint durable.", ["tier"],
+                                      buckets=_PERSIST_BUCKETS, registry=r)
+        self.ckpt_size = Histogram("trainguard_checkpoint_size_bytes", "Size of one rank's checkpoint.", ["tier"],
+                                   buckets=_SIZE_BUCKETS, registry=r)
+        self.ckpt_last_step = Gauge("trainguard_checkpoint_last_step", "Newest step reported durable (-1: none).",
+                                    registry=r)
+        self.ckpt_last_step.set(-1)
+        self.grpc_requests = Counter("trainguard_grpc_requests", "NodeAgent calls served, by method and status.",
+                                     ["method", "code"], registry=r)
+        self.grpc_latency = Histogram("trainguard_grpc_request_duration_seconds",
+                                      "Server-side latency of unary NodeAgent calls.", ["method"],
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.watchdog_pings = Counter("trainguard_watchdog_pings", "systemd watchdog keep-alives sent.", registry=r)
+
+    # -- updates ------------------------------------------------------------------------------------------
+
+    def set_detector_states(self, states: Mapping[str, str]) -> None:
+        """Sets each detector's current state (one-hot over :data:`DETECTOR_STATES`).
+
+        Args:
+            states: detector name -> state name (case-insensitive; unknown names count as ``error``).
+        """
+        with self._lock:
+            for name, state in states.items():
+                state = state.lower()
+                if state not in DETECTOR_STATES:
+                    state = "error"
+                for candidate in DETECTOR_STATES:
+                    self.detector_state.labels(name, candidate).set(1 if candidate == state else 0)
+                self._detectors.add(name)
+
+    def count_event(self, source: str, kind: str, severity: str) -> None:
+        """Counts one health event (severity name, e.g. ``"warning"``)."""
+        with self._lock:
+            key = (source, kind)
+            if key not in self._kinds:
+                if len(self._kinds) >= MAX_EVENT_KINDS:
+                    kind = "other"
+                else:
+                    self._kinds.add(key)
+        severity = severity.lower() if severity.lower() in _SEVERITIES else "other"
+        self.events.labels(source, kind, severity).inc()
+
+    def set_predictor(self, score: float, threshold: float) -> None:
+        """Sets the latest risk score and the threshold in use."""
+        self.predictor_score.set(score)
+        self.predictor_threshold.set(threshold)
+
+    def set_worker_states(self, states: Iterable[str]) -> None:
+        """Sets the worker-per-state gauges from the current state of every worker (names, lowercase)."""
+        counts = dict.fromkeys(WORKER_STATES, 0)
+        for state in states:
+            state = state.lower()
+            if state in counts:
+                counts[state] += 1
+        for state, n in counts.items():
+            self.workers.labels(state).set(n)
+
+    def count_worker_restart(self) -> None:
+        """Counts one restart of the worker group."""
+        self.worker_restarts.inc()
+
+    def observe_checkpoint(self, tier: str, size_bytes: int, stall_s: float, persist_s: float, step: int) -> None:
+        """Records one durable checkpoint as reported by a worker.
+
+        Args:
+            tier: ``memory``, ``disk`` or ``remote`` (others are recorded as ``other``).
+            size_bytes: bytes written for this rank.
+            stall_s: seconds the training loop was blocked.
+            persist_s: seconds the persist took.
+            step: training step of the checkpoint.
+        """
+        tier = tier if tier in CHECKPOINT_TIERS else "other"
+        self.ckpt_size.labels(tier).observe(size_bytes)
+        self.ckpt_stall.labels(tier).observe(stall_s)
+        self.ckpt_persist.labels(tier).observe(persist_s)
+        with self._lock:
+            if step > self.ckpt_last_step._value.get():  # noqa: SLF001 - read back the gauge's own value
+                self.ckpt_last_step.set(step)
+
+    def observe_request(self, method: str, code: str, seconds: float | None) -> None:
+        """Counts one gRPC call (method short name, status code name) and its latency when unary."""
+        self.grpc_requests.labels(method, code).inc()
+        if seconds is not None:
+            self.grpc_latency.labels(method).observe(seconds)
+
+
+class MetricsServer:
+    """The HTTP server exposing ``/metrics`` from an :class:`AgentMetrics` registry."""
+
+    def __init__(self, metrics: AgentMetrics, listen: str) -> None:
+        """Starts serving at once in a daemon thread.
+
+        Args:
+            metrics: what to expose.
+            listen: ``HOST:PORT``; port 0 picks a free one (see :attr:`port`).
+
+        Raises:
+            AgentConfigError: the address cannot be bound.
+        """
+        host, port = parse_hostport(listen)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=metrics.registry)
+        except OSError as exc:
+            raise AgentConfigError(f"metrics.listen: cannot listen on {listen} ({exc.strerror})") from exc
+        self.host = host
+        self.port: int = self._server.server_port
+
+    @property
+    def url(self) -> str:
+        """``http://host:port/metrics``."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stops serving and closes the listening socket."""
+        server: WSGIServer = self._server
+        server.shutdown()
+        server.server_close()
+        self._thread.join(timeout=5)
