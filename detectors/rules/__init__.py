@@ -1,0 +1,284 @@
+"""Rules as data: the JSON files shipped in this package, and their loaders with strict validation.
+
+Files (one schema each, named by :data:`SCHEMAS`):
+
+``kmsg.json``
+    Kernel log patterns: ``{"rules": [{"name", "pattern", "kind", "severity", "action", "message",
+    "subject"?, "lookup"?}]}``. ``pattern`` is a Python regex searched in the record's message; ``message`` is a
+    ``str.format`` template over the pattern's named groups; ``subject`` names the group that identifies the
+    device or process; ``lookup: "xid"`` takes severity and action from ``xid.json`` by the ``xid`` group.
+``xid.json``
+    NVIDIA Xid codes: ``{"default": {...}, "codes": {"79": {"name", "severity", "action", "nvidia_action",
+    "description"}}}``; ``nvidia_action`` is the resolution bucket of NVIDIA's Xid catalog (RESTART_APP,
+    RESET_GPU, RESTART_BM, IGNORE, CONTACT_SUPPORT...) and ``action`` our reaction to it.
+``counters.json``
+    Counter thresholds: ``{"rules": [{"source", "counter", "mode", "threshold", "kind", "severity", "action",
+    "description"}]}``; ``source`` is ``ib_counters``, ``ib_hw_counters``, ``netdev`` or ``ethtool``;
+    ``counter`` an exact name or a regex when it starts with ``^``; ``mode`` ``delta`` (increase within one
+    sample above ``threshold``) or ``rate`` (increase per second above ``threshold``).
+
+Operators may pass their own file of the same schema in a detector's config; it is validated the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from trainguard.detectors.errors import RuleFileError
+from trainguard.detectors.events import Action, Severity
+
+_KIND = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
+
+
+@dataclass(frozen=True)
+class KmsgRule:
+    """One kernel log pattern.
+
+    Attributes:
+        name: unique rule name.
+        pattern: compiled regex, searched in each record's message.
+        kind: event kind.
+        severity: event severity (overridden by the Xid catalog when ``lookup == "xid"``).
+        action: recommended action (same).
+        message: ``str.format`` template over the named groups.
+        subject: named group giving the event subject, or empty.
+        lookup: ``"xid"`` or empty.
+    """
+
+    name: str
+    pattern: re.Pattern[str]
+    kind: str
+    severity: Severity
+    action: Action
+    message: str
+    subject: str = ""
+    lookup: str = ""
+
+
+@dataclass(frozen=True)
+class XidEntry:
+    """What an Xid code means and what to do.
+
+    Attributes:
+        code: the Xid number.
+        name: short name.
+        severity: event severity.
+        action: our recommended action.
+        nvidia_action: NVIDIA's resolution bucket.
+        description: one line.
+    """
+
+    code: int
+    name: str
+    severity: Severity
+    action: Action
+    nvidia_action: str
+    description: str
+
+
+@dataclass(frozen=True)
+class CounterRule:
+    """A threshold on a hardware counter.
+
+    Attributes:
+        source: ``ib_counters``, ``ib_hw_counters``, ``netdev`` or ``ethtool``.
+        counter: exact name, or a regex when it starts with ``^``.
+        mode: ``delta`` or ``rate``.
+        threshold: events when the delta (count) or rate (per second) exceeds it.
+        kind: event kind.
+        severity: event severity.
+        action: recommended action.
+        description: one line.
+    """
+
+    source: str
+    counter: str
+    mode: str
+    threshold: float
+    kind: str
+    severity: Severity
+    action: Action
+    description: str
+
+    def matches(self, name: str) -> bool:
+        """Whether counter ``name`` is governed by this rule.
+
+        Args:
+            name: counter name.
+
+        Returns:
+            True on an exact match, or a regex match when :attr:`counter` starts with ``^``.
+        """
+        if self.counter.startswith("^"):
+            return re.match(self.counter, name) is not None
+        return name == self.counter
+
+
+#: File name -> loader of that schema; the shipped-rules test validates every file through it.
+SCHEMAS = ("kmsg.json", "xid.json", "counters.json")
+COUNTER_SOURCES = ("ib_counters", "ib_hw_counters", "netdev", "ethtool")
+
+
+def _read(path: str | None, default_name: str) -> tuple[str, Any]:
+    try:
+        if path:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            label = path
+        else:
+            text = resources.files(__name__).joinpath(default_name).read_text(encoding="utf-8")
+            label = f"{__name__}/{default_name}"
+    except OSError as exc:
+        raise RuleFileError(f"rule file {path or default_name} cannot be read: {exc}; check the path") from exc
+    try:
+        return label, json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RuleFileError(f"rule file {label} is not valid JSON: {exc}; fix the syntax") from exc
+
+
+def _fields(label: str, where: str, obj: Any, required: set[str], optional: set[str] = frozenset()) -> dict:
+    if not isinstance(obj, dict):
+        raise RuleFileError(f"{label}: {where} must be an object")
+    missing = required - set(obj)
+    unknown = set(obj) - required - optional
+    if missing or unknown:
+        raise RuleFileError(f"{label}: {where} has missing fields {sorted(missing)} / unknown fields {sorted(unknown)}")
+    return obj
+
+
+def _enums(label: str, where: str, obj: dict) -> tuple[Severity, Action]:
+    try:
+        return Severity.parse(str(obj["severity"])), Action.parse(str(obj["action"]))
+    except ValueError as exc:
+        raise RuleFileError(f"{label}: {where}: {exc}") from exc
+
+
+def _kind(label: str, where: str, kind: Any) -> str:
+    if not isinstance(kind, str) or not _KIND.match(kind):
+        raise RuleFileError(f"{label}: {where}: kind {kind!r} must be dotted lower-case like 'gpu.xid'")
+    return kind
+
+
+def load_kmsg_rules(path: str | None = None) -> list[KmsgRule]:
+    """Loads kernel log rules.
+
+    Args:
+        path: an operator's rule file; the shipped ``kmsg.json`` when None.
+
+    Returns:
+        The rules, in file order.
+
+    Raises:
+        RuleFileError: unreadable file or an invalid rule.
+    """
+    label, data = _read(path, "kmsg.json")
+    _fields(label, "top level", data, {"rules"}, {"comment"})
+    rules: list[KmsgRule] = []
+    names: set[str] = set()
+    for i, raw in enumerate(data["rules"]):
+        where = f"rule {i}"
+        r = _fields(label, where, raw, {"name", "pattern", "kind", "severity", "action", "message"},
+                    {"subject", "lookup", "comment", "examples"})
+        if r["name"] in names:
+            raise RuleFileError(f"{label}: rule name {r['name']!r} appears twice")
+        names.add(r["name"])
+        try:
+            pattern = re.compile(r["pattern"])
+        except re.error as exc:
+            raise RuleFileError(f"{label}: {where} ({r['name']}): bad regex: {exc}") from exc
+        groups = set(pattern.groupindex)
+        used = {f[1] for f in string.Formatter().parse(r["message"]) if f[1]}
+        if used - groups:
+            raise RuleFileError(f"{label}: {r['name']}: message uses groups {sorted(used - groups)} not in pattern")
+        subject = r.get("subject", "")
+        if subject and subject not in groups:
+            raise RuleFileError(f"{label}: {r['name']}: subject group {subject!r} not in pattern")
+        lookup = r.get("lookup", "")
+        if lookup not in ("", "xid") or (lookup == "xid" and "xid" not in groups):
+            raise RuleFileError(f"{label}: {r['name']}: lookup must be 'xid' with an 'xid' group, or absent")
+        for example in r.get("examples", []):
+            if not pattern.search(example):
+                raise RuleFileError(f"{label}: {r['name']}: pattern does not match its example {example!r}")
+        severity, action = _enums(label, r["name"], r)
+        rules.append(KmsgRule(r["name"], pattern, _kind(label, r["name"], r["kind"]), severity, action,
+                              r["message"], subject, lookup))
+    return rules
+
+
+def load_xid_catalog(path: str | None = None) -> tuple[dict[int, XidEntry], XidEntry]:
+    """Loads the Xid catalog.
+
+    Args:
+        path: an operator's file; the shipped ``xid.json`` when None.
+
+    Returns:
+        ``(code -> entry, default entry for unknown codes)``.
+
+    Raises:
+        RuleFileError: unreadable file or an invalid entry.
+    """
+    label, data = _read(path, "xid.json")
+    _fields(label, "top level", data, {"default", "codes"}, {"comment", "source"})
+    keys = {"name", "severity", "action", "nvidia_action", "description"}
+
+    def entry(code: int, raw: Any) -> XidEntry:
+        e = _fields(label, f"xid {code}", raw, keys)
+        severity, action = _enums(label, f"xid {code}", e)
+        return XidEntry(code, str(e["name"]), severity, action, str(e["nvidia_action"]), str(e["description"]))
+
+    codes: dict[int, XidEntry] = {}
+    for key, raw in data["codes"].items():
+        if not key.isdigit():
+            raise RuleFileError(f"{label}: Xid code {key!r} must be a decimal number")
+        codes[int(key)] = entry(int(key), raw)
+    return codes, entry(0, data["default"])
+
+
+def load_counter_rules(path: str | None = None) -> list[CounterRule]:
+    """Loads counter threshold rules.
+
+    Args:
+        path: an operator's file; the shipped ``counters.json`` when None.
+
+    Returns:
+        The rules.
+
+    Raises:
+        RuleFileError: unreadable file or an invalid rule.
+    """
+    label, data = _read(path, "counters.json")
+    _fields(label, "top level", data, {"rules"}, {"comment"})
+    rules: list[CounterRule] = []
+    for i, raw in enumerate(data["rules"]):
+        r = _fields(label, f"rule {i}", raw,
+                    {"source", "counter", "mode", "threshold", "kind", "severity", "action", "description"})
+        where = f"rule {i} ({r['counter']})"
+        if r["source"] not in COUNTER_SOURCES:
+            raise RuleFileError(f"{label}: {where}: source {r['source']!r} is not one of {COUNTER_SOURCES}")
+        if r["mode"] not in ("delta", "rate"):
+            raise RuleFileError(f"{label}: {where}: mode must be 'delta' or 'rate'")
+        if not isinstance(r["threshold"], (int, float)) or r["threshold"] < 0:
+            raise RuleFileError(f"{label}: {where}: threshold must be a number >= 0")
+        if r["counter"].startswith("^"):
+            try:
+                re.compile(r["counter"])
+            except re.error as exc:
+                raise RuleFileError(f"{label}: {where}: bad regex: {exc}") from exc
+        severity, action = _enums(label, where, r)
+        rules.append(CounterRule(r["source"], r["counter"], r["mode"], float(r["threshold"]),
+                                 _kind(label, where, r["kind"]), severity, action, r["description"]))
+    return rules
+
+
+#: Loader of each shipped file, by file name.
+LOADERS = {"kmsg.json": load_kmsg_rules, "xid.json": load_xid_catalog, "counters.json": load_counter_rules}
+
+
+def shipped_rule_files() -> list[str]:
+    """Names of every ``*.json`` file shipped in this package."""
+    return sorted(p.name for p in resources.files(__name__).iterdir() if p.name.endswith(".json"))
