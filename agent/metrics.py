@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterable, Mapping
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 
 from trainguard._version import __version__
 from trainguard.agent.config import AgentConfigError, parse_hostport
@@ -67,6 +67,9 @@ class AgentMetrics:
         Args:
             node_id: this node's identity (the ``node`` label of ``trainguard_agent_info``).
         """
+        # The `_created` series prometheus_client adds to every counter and histogram double the series count
+        # for a timestamp nobody queries (and the agent's start time is exported once, below).
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._lock = threading.Lock()

@@ -20,6 +20,7 @@ class Pki:
         client_cert / client_key: client identity signed by CA 1.
         rogue_cert / rogue_key: client identity signed by CA 2 (must be refused).
         other_ca: CA 2 certificate.
+        server2_cert / server2_key: another server identity, signed by CA 2 (certificate rotation).
     """
 
     ca: Path
@@ -30,6 +31,8 @@ class Pki:
     rogue_cert: Path
     rogue_key: Path
     other_ca: Path
+    server2_cert: Path
+    server2_key: Path
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -59,6 +62,8 @@ def make_pki(d: Path) -> Pki:
     _leaf(d, "server", "ca1", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
     _leaf(d, "client", "ca1", "extendedKeyUsage=clientAuth\n")
     _leaf(d, "rogue", "ca2", "extendedKeyUsage=clientAuth\n")
+    _leaf(d, "server2", "ca2", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
     return Pki(ca=d / "ca1.pem", server_cert=d / "server.pem", server_key=d / "server.key",
                client_cert=d / "client.pem", client_key=d / "client.key", rogue_cert=d / "rogue.pem",
-               rogue_key=d / "rogue.key", other_ca=d / "ca2.pem")
+               rogue_key=d / "rogue.key", other_ca=d / "ca2.pem",
+               server2_cert=d / "server2.pem", server2_key=d / "server2.key")

@@ -1,0 +1,116 @@
+"""/metrics: naming conventions, bounded labels, and a real Prometheus server scraping and answering a query."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from trainguard.agent.metrics import MAX_EVENT_KINDS, AgentMetrics, MetricsServer
+
+
+@pytest.fixture
+def served():
+    metrics = AgentMetrics("node-a")
+    server = MetricsServer(metrics, "127.0.0.1:0")
+    yield metrics, server
+    server.close()
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        return resp.read().decode()
+
+
+def test_names_follow_prometheus_conventions(served):
+    metrics, server = served
+    metrics.set_detector_states({"roce": "ok", "gpu": "no_hardware"})
+    metrics.count_event("roce", "net.link_down", "critical")
+    metrics.count_worker_restart()
+    metrics.observe_checkpoint("disk", 3 << 20, 0.2, 1.5, step=40)
+    metrics.observe_request("GetHealth", "OK", 0.001)
+    families = {f.name: f for f in text_string_to_metric_families(scrape(server.url))}
+    for name, family in families.items():
+        assert name.startswith("trainguard_"), name
+        if family.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in family.samples), name
+        if family.type in ("histogram", "gauge") and ("seconds" in name or "bytes" in name):
+            assert name.endswith(("_seconds", "_bytes")), name
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples[("trainguard_detector_state", (("detector", "roce"), ("state", "ok")))] == 1
+    assert samples[("trainguard_detector_state", (("detector", "roce"), ("state", "failed")))] == 0
+    assert samples[("trainguard_health_events_total",
+                    (("kind", "net.link_down"), ("severity", "critical"), ("source", "roce")))] == 1
+    assert samples[("trainguard_worker_restarts_total", ())] == 1
+    assert samples[("trainguard_checkpoint_last_step", ())] == 40
+    assert samples[("trainguard_checkpoint_size_bytes_sum", (("tier", "disk"),))] == 3 << 20
+
+
+def test_event_kind_label_is_bounded(served):
+    metrics, server = served
+    for i in range(MAX_EVENT_KINDS + 50):
+        metrics.count_event("buggy", f"kind.{i}", "info")
+    families = {f.name: f for f in text_string_to_metric_families(scrape(server.url))}
+    kinds = {s.labels["kind"] for s in families["trainguard_health_events"].samples if s.name.endswith("_total")}
+    assert len(kinds) == MAX_EVENT_KINDS + 1 and "other" in kinds
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_prometheus_scrapes_and_answers_a_query(served, tmp_path):
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.skip("the Prometheus server is not installed (Debian package prometheus: apt-get install prometheus)")
+    metrics, server = served
+    for _ in range(3):
+        metrics.count_worker_restart()
+    metrics.set_predictor(0.25, 0.5)
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+        f"scrape_configs:\n  - job_name: trainguard\n    static_configs:\n      - targets: ['127.0.0.1:{server.port}']\n"
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"),
+    )
+    try:
+        query = urllib.parse.urlencode({"query": "trainguard_worker_restarts_total"})
+        deadline = time.monotonic() + 60
+        result = []
+        while time.monotonic() < deadline and not result:
+            time.sleep(0.5)
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?{query}", timeout=2) as resp:
+                    body = json.load(resp)
+            except OSError:
+                continue  # not listening yet
+            assert body["status"] == "success"
+            result = body["data"]["result"]
+        assert result, "Prometheus never returned trainguard_worker_restarts_total"
+        assert result[0]["metric"]["job"] == "trainguard"
+        assert float(result[0]["value"][1]) == 3.0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/targets", timeout=5) as resp:
+            (target,) = json.load(resp)["data"]["activeTargets"]
+        assert target["health"] == "up", target
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

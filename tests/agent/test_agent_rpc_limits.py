@@ -1,0 +1,124 @@
+"""The request guard on a real gRPC server: oversized, malformed and out-of-range requests, stream limits,
+per-subsystem health statuses and server reflection."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from trainguard.agent.health import HealthReporter, detector_service, enable_reflection, subsystem_service
+from trainguard.agent.rpc_limits import RequestGuard
+from trainguard.proto import agent_pb2, agent_pb2_grpc, common_pb2
+
+
+class Servicer(agent_pb2_grpc.NodeAgentServicer):
+    """Answers from fixed data; the guard in front of it is what is tested."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def GetHealth(self, request, context):  # noqa: N802
+        return agent_pb2.NodeHealth(node_id="n", last_checkpoint_step=request.max_events)
+
+    def WatchEvents(self, request, context):  # noqa: N802
+        yield common_pb2.HealthEvent(kind="test.first")
+        self.release.wait(10)
+
+
+@pytest.fixture
+def server():
+    calls = []
+    servicer = Servicer()
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                      interceptors=[RequestGuard(1024, 1, observer=lambda *a: calls.append(a))],
+                      options=[("grpc.max_receive_message_length", 4096)])
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, srv)
+    reporter = HealthReporter()
+    reporter.add_to_server(srv)
+    enable_reflection(srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield channel, calls, reporter, servicer
+    servicer.release.set()
+    channel.close()
+    srv.stop(None)
+
+
+def test_valid_call_passes_and_is_observed(server):
+    channel, calls, _, _ = server
+    reply = agent_pb2_grpc.NodeAgentStub(channel).GetHealth(agent_pb2.GetHealthRequest(max_events=7), timeout=3)
+    assert reply.last_checkpoint_step == 7
+    assert calls[-1][:2] == ("GetHealth", "OK") and calls[-1][2] > 0
+
+
+def code_of(fn, *args):
+    with pytest.raises(grpc.RpcError) as err:
+        fn(*args, timeout=3)
+    return err.value.code(), err.value.details()
+
+
+def test_oversized_malformed_and_out_of_range_get_invalid_argument(server):
+    channel, calls, _, _ = server
+    raw = channel.unary_unary("/trainguard.v1.NodeAgent/GetHealth", request_serializer=None,
+                              response_deserializer=None)
+    code, details = code_of(raw, b"\x08" + b"\x80" * 2000)  # 2 KB: over the 1 KB method limit
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the 1024-byte limit" in details
+    code, details = code_of(raw, b"\x0a\xff\xff")  # truncated length-delimited field
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in details
+    stub = agent_pb2_grpc.NodeAgentStub(channel)
+    code, details = code_of(stub.GetHealth, agent_pb2.GetHealthRequest(max_events=-1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_events=-1" in details
+    code, details = code_of(stub.WorkerHeartbeat, agent_pb2.WorkerHeartbeatRequest(rank=0, pid=1,
+                                                                                    step_time_s=float("nan")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "step_time_s" in details
+    code, _ = code_of(stub.ReportCheckpoint, agent_pb2.CheckpointReport(rank=0, step=1, tier="tape"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    code, _ = code_of(raw, b"\x08" + b"\x80" * 5000)  # over the transport cap: gRPC's own code
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ("GetHealth", "INVALID_ARGUMENT", pytest.approx(0, abs=1)) in [(c[0], c[1], c[2]) for c in calls]
+
+
+def test_stream_limit_and_bad_watch_request(server):
+    channel, calls, _, servicer = server
+    stub = agent_pb2_grpc.NodeAgentStub(channel)
+    first = stub.WatchEvents(agent_pb2.WatchEventsRequest(), timeout=10)
+    assert next(first).kind == "test.first"
+    second = stub.WatchEvents(agent_pb2.WatchEventsRequest(), timeout=3)
+    with pytest.raises(grpc.RpcError) as err:
+        next(second)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as err:
+        next(stub.WatchEvents(agent_pb2.WatchEventsRequest(min_severity=9), timeout=3))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    servicer.release.set()
+    assert list(first) == []
+
+
+def test_health_per_subsystem_and_reflection(server):
+    channel, _, reporter, _ = server
+    health = health_pb2_grpc.HealthStub(channel)
+
+    def status(service):
+        return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=3).status
+
+    assert status("") == health_pb2.HealthCheckResponse.NOT_SERVING
+    reporter.set("", True)
+    reporter.set_detectors({"roce": True, "gpu": False})
+    assert status("") == health_pb2.HealthCheckResponse.SERVING
+    assert status(detector_service("roce")) == health_pb2.HealthCheckResponse.SERVING
+    assert status(subsystem_service("detectors")) == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        status("no.such.service")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    reporter.shutdown()
+    assert status("") == health_pb2.HealthCheckResponse.NOT_SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (resp,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=3)
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"trainguard.v1.NodeAgent", "grpc.health.v1.Health"} <= names
