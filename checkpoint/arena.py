@@ -1,0 +1,222 @@
+"""The shared-memory arena: reusable staging slots that double as the in-memory checkpoint tier.
+
+Per job and rank, ``slots`` files under a tmpfs directory (``/dev/shm/trainguard/<job>/rank_00003/``)::
+
+    slot_0.data            staging buffer (flat, aligned, same layout as the disk data file)
+    slot_0.tag             the step whose bytes the buffer holds, or "writing"
+    slot_0.manifest.json   present only while the slot holds a complete, checksummed copy of that step
+
+Slots are allocated once, pre-faulted (``posix_fallocate`` + ``MAP_POPULATE``) and reused, and they are plain
+tmpfs files, so they outlive a crashed worker; whoever owns the job's lifetime (the node agent's checkpoint
+service, or the private persist process) removes them. Locking: the writer of a slot holds ``flock(LOCK_EX)`` on
+its data file; the persist process and readers hold ``LOCK_SH``. No torch import (the persist process uses it).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.checkpoint.errors import CorruptCheckpointError, StorageUnavailableError
+from trainguard.checkpoint.fileio import storage_error
+from trainguard.checkpoint.manifest import Manifest
+
+_RANK_RE = re.compile(r"^rank_(\d{5})$")
+_SLOT_MANIFEST_RE = re.compile(r"^slot_(\d+)\.manifest\.json$")
+WRITING = "writing"
+
+
+def rank_dir(shm_root: str, job: str, rank: int) -> str:
+    """Arena directory of one rank."""
+    return os.path.join(shm_root, job, f"rank_{rank:05d}")
+
+
+@dataclass
+class SlotPaths:
+    """Files of one staging slot."""
+
+    data: str
+    tag: str
+    manifest: str
+
+    @classmethod
+    def of(cls, directory: str, index: int) -> "SlotPaths":
+        base = os.path.join(directory, f"slot_{index}")
+        return cls(base + ".data", base + ".tag", base + ".manifest.json")
+
+
+def read_tag(paths: SlotPaths) -> str:
+    """The slot's tag ("" when absent)."""
+    try:
+        with open(paths.tag) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def write_tag(paths: SlotPaths, tag: str) -> None:
+    """Sets the slot's tag (tmpfs: a rename is enough, there is nothing to fsync)."""
+    tmp = paths.tag + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(tag)
+    os.replace(tmp, paths.tag)
+
+
+class Slot:
+    """One mapped staging slot (file descriptor kept open for locking)."""
+
+    def __init__(self, paths: SlotPaths, nbytes: int) -> None:
+        self.paths = paths
+        self.fd = os.open(paths.data, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            size = os.fstat(self.fd).st_size
+            if size < nbytes:
+                # Allocates tmpfs pages once; later saves reuse them.
+                os.posix_fallocate(self.fd, 0, nbytes)
+                size = nbytes
+            self.size = size
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.map = mmap.mmap(self.fd, size, flags=flags)
+        except OSError as exc:
+            os.close(self.fd)
+            raise storage_error(exc, f"allocate {nbytes} bytes of shared memory at {paths.data}") from exc
+
+    def lock(self, exclusive: bool) -> None:
+        """Blocks until the slot's flock is held (exclusive for writers, shared for readers)."""
+        fcntl.flock(self.fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+
+    def unlock(self) -> None:
+        """Releases the flock."""
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Unmaps and closes (the file stays)."""
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a tensor view still references it; the mapping dies with the process
+        os.close(self.fd)
+
+
+class Arena:
+    """The staging slots of one rank.
+
+    Args:
+        shm_root: tmpfs directory holding all jobs' arenas.
+        job: job name.
+        rank: this rank.
+        slots: number of slots (>= 2).
+    """
+
+    def __init__(self, shm_root: str, job: str, rank: int, slots: int) -> None:
+        self.dir = rank_dir(shm_root, job, rank)
+        self.nslots = max(2, slots)
+        self.slots: list[Slot | None] = [None] * self.nslots
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+        except OSError as exc:
+            raise storage_error(exc, f"create the shared-memory arena {self.dir}") from exc
+
+    def paths(self, index: int) -> SlotPaths:
+        """Files of slot ``index``."""
+        return SlotPaths.of(self.dir, index)
+
+    def get(self, index: int, nbytes: int) -> Slot:
+        """Maps slot ``index`` with room for at least ``nbytes`` (grows it when needed)."""
+        slot = self.slots[index]
+        if slot is None or slot.size < nbytes:
+            if slot is not None:
+                slot.close()
+            slot = Slot(self.paths(index), nbytes)
+            self.slots[index] = slot
+        return slot
+
+    def preallocate(self, nbytes: int) -> None:
+        """Allocates and pre-faults every slot (cost paid once, before the first save)."""
+        for i in range(self.nslots):
+            self.get(i, nbytes)
+
+    def close(self, remove: bool = False) -> None:
+        """Unmaps every slot; with ``remove`` also deletes this rank's arena directory."""
+        for s in self.slots:
+            if s is not None:
+                s.close()
+        self.slots = [None] * self.nslots
+        if remove:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def memory_manifests(shm_root: str, job: str) -> dict[int, dict[int, tuple[SlotPaths, Manifest]]]:
+    """Every valid in-memory copy: ``{step: {rank: (slot paths, manifest)}}``.
+
+    Damaged manifests are skipped (a reader falls back to another tier).
+    """
+    out: dict[int, dict[int, tuple[SlotPaths, Manifest]]] = {}
+    base = os.path.join(shm_root, job)
+    try:
+        rank_names = os.listdir(base)
+    except OSError:
+        return out
+    for rn in rank_names:
+        m = _RANK_RE.match(rn)
+        if not m:
+            continue
+        d = os.path.join(base, rn)
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for n in names:
+            sm = _SLOT_MANIFEST_RE.match(n)
+            if not sm:
+                continue
+            paths = SlotPaths.of(d, int(sm.group(1)))
+            try:
+                with open(paths.manifest, "rb") as f:
+                    man = Manifest.from_json(f.read(), paths.manifest)
+            except (OSError, CorruptCheckpointError):
+                continue
+            if read_tag(paths) != str(man.step):
+                continue
+            out.setdefault(man.step, {})[man.rank] = (paths, man)
+    return out
+
+
+def memory_committed(shm_root: str, job: str) -> list[tuple[int, int]]:
+    """``(step, world_size)`` of steps whose every rank has an in-memory copy on this host, ascending."""
+    out = []
+    for step, ranks in sorted(memory_manifests(shm_root, job).items()):
+        sizes = {m.world_size for _, m in ranks.values()}
+        if len(sizes) == 1:
+            ws = sizes.pop()
+            if all(r in ranks for r in range(ws)):
+                out.append((step, ws))
+    return out
+
+
+def remove_job(shm_root: str, job: str) -> None:
+    """Deletes a job's whole arena (all ranks)."""
+    shutil.rmtree(os.path.join(shm_root, job), ignore_errors=True)
+
+
+def open_readonly(paths: SlotPaths) -> tuple[int, mmap.mmap]:
+    """Maps a slot read-only under a shared flock; returns ``(fd, map)`` (caller unlocks and closes)."""
+    fd = os.open(paths.data, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        size = os.fstat(fd).st_size
+        return fd, mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    except OSError as exc:
+        os.close(fd)
+        raise StorageUnavailableError(f"cannot map shared-memory slot {paths.data}: {exc}") from exc
+
+
+def manifest_dict(m: Manifest) -> dict[str, Any]:
+    """The manifest as a JSON-ready dict (what travels to the persist process)."""
+    return json.loads(m.to_json())

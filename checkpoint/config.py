@@ -1,0 +1,239 @@
+"""Typed, validated configuration of the checkpointer (loadable from TOML).
+
+Layout in a TOML file (every key optional except ``directory``)::
+
+    [checkpoint]
+    directory = "/data/ckpt"          # local path (or file:// URL) of the disk tier, or a remote fsspec URL
+    job = "demo"
+    [checkpoint.memory]
+    enabled = true
+    keep = 1
+    [checkpoint.disk]
+    keep = 3
+    [checkpoint.remote]
+    url = "s3://bucket/ckpt"
+    keep = 5
+    [checkpoint.persist]
+    bandwidth_mib_s = 0               # 0 = unthrottled
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from trainguard.checkpoint.errors import CheckpointConfigError
+
+#: Environment variable the node agent sets in each worker: unix socket path of the agent-owned checkpoint
+#: service. When absent, a :class:`~trainguard.checkpoint.Checkpointer` starts its own persist process.
+CHECKPOINT_SERVICE_ENV = "TRAINGUARD_CHECKPOINT_SERVICE"
+#: Environment variable overriding where the shared-memory tier lives (default ``/dev/shm/trainguard``).
+CHECKPOINT_SHM_DIR_ENV = "TRAINGUARD_CHECKPOINT_SHM_DIR"
+
+_LOCAL_SCHEMES = ("", "file", "local")
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """Splits ``scheme://rest`` into ``(scheme, rest)``; a plain path gives ``("", path)``."""
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        return scheme.lower(), rest
+    return "", url
+
+
+def is_local_url(url: str) -> bool:
+    """True when ``url`` names the local filesystem (a plain path or ``file://``)."""
+    return split_url(url)[0] in _LOCAL_SCHEMES
+
+
+@dataclass
+class MemoryTierConfig:
+    """Host shared-memory tier (survives a worker crash, not a node reboot).
+
+    Attributes:
+        enabled: keep the newest snapshots restorable from shared memory. Default True.
+        keep: snapshots kept in memory (retention K); the arena holds ``keep + 1`` staging slots so a snapshot
+            never overwrites a slot being persisted. Default 1.
+        directory: tmpfs directory of the arena. Default ``$TRAINGUARD_CHECKPOINT_SHM_DIR`` or
+            ``/dev/shm/trainguard``.
+        keep_on_close: leave the arena in place on a clean ``close()`` (normally removed). Default False.
+    """
+
+    enabled: bool = True
+    keep: int = 1
+    directory: str = field(default_factory=lambda: os.environ.get(CHECKPOINT_SHM_DIR_ENV, "/dev/shm/trainguard"))
+    keep_on_close: bool = False
+
+
+@dataclass
+class DiskTierConfig:
+    """Local disk tier.
+
+    Attributes:
+        enabled: write every checkpoint to local disk. Default True (required when a remote tier is on, since
+            uploads go from the local copy).
+        keep: committed steps kept on disk (retention K). Default 3.
+        fsync: fsync files and directories before a commit (turning it off voids crash safety; benchmarks only).
+            Default True.
+    """
+
+    enabled: bool = True
+    keep: int = 3
+    fsync: bool = True
+
+
+@dataclass
+class RemoteTierConfig:
+    """Remote tier through fsspec, uploaded from the local copy.
+
+    Attributes:
+        url: fsspec URL (``s3://bucket/prefix``, ``memory://x``, ``file:///mnt/nfs``...); None disables it.
+        keep: committed steps kept remotely (retention K). Default 5.
+        storage_options: keyword arguments for the fsspec filesystem (credentials, endpoint...). Default {}.
+    """
+
+    url: str | None = None
+    keep: int = 5
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PersistConfig:
+    """Background persist process.
+
+    Attributes:
+        bandwidth_mib_s: cap on persist write bandwidth in MiB/s so it does not starve training; 0 = no cap.
+            Default 0.
+        nice: niceness added to the persist process (0..19). Default 10.
+        chunk_mib: size of a checksummed chunk and of one write, in MiB. Default 4.
+        alignment: byte alignment of every tensor in the data file (a power of two >= 64). Default 4096.
+        service: unix socket of a running checkpoint service; None reads ``$TRAINGUARD_CHECKPOINT_SERVICE`` and,
+            when that is unset too, starts a private persist process. Default None.
+    """
+
+    bandwidth_mib_s: float = 0.0
+    nice: int = 10
+    chunk_mib: int = 4
+    alignment: int = 4096
+    service: str | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    """Everything a :class:`~trainguard.checkpoint.Checkpointer` needs.
+
+    Attributes:
+        directory: the checkpoint root: a local path / ``file://`` URL (disk tier) or a remote fsspec URL (then
+            the remote tier uses it and the disk tier lives under ``local_cache``).
+        local_cache: local directory for the disk tier when ``directory`` is remote. Default
+            ``<tmpdir>/trainguard-ckpt``.
+        replicated: every rank holds the same state (plain DDP), so a checkpoint may be restored with another
+            world size from any rank's copy. Default False.
+        verify_on_restore: check every chunk's checksum before loading. Default True.
+        memory, disk, remote, persist: per-tier and persist settings.
+    """
+
+    directory: str
+    local_cache: str | None = None
+    replicated: bool = False
+    verify_on_restore: bool = True
+    memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
+    persist: PersistConfig = field(default_factory=PersistConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in (("memory", MemoryTierConfig), ("disk", DiskTierConfig), ("remote", RemoteTierConfig),
+                          ("persist", PersistConfig)):
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                setattr(self, name, _build(cls, value, f"checkpoint.{name}"))
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def disk_directory(self) -> str:
+        """Local directory of the disk tier."""
+        if is_local_url(self.directory):
+            return split_url(self.directory)[1]
+        base = self.local_cache or os.path.join(tempfile.gettempdir(), "trainguard-ckpt")
+        return base
+
+    @property
+    def remote_url(self) -> str | None:
+        """fsspec URL of the remote tier, or None."""
+        if not is_local_url(self.directory):
+            return self.directory
+        return self.remote.url
+
+    def validate(self) -> None:
+        """Checks every field.
+
+        Raises:
+            CheckpointConfigError: a value is out of range or inconsistent (the message names it).
+        """
+        if not isinstance(self.directory, str) or not self.directory.strip():
+            raise CheckpointConfigError("checkpoint.directory is empty; set it to a local path or an fsspec URL")
+        for name, value in (("memory.keep", self.memory.keep), ("disk.keep", self.disk.keep),
+                            ("remote.keep", self.remote.keep)):
+            if not isinstance(value, int) or value < 1:
+                raise CheckpointConfigError(f"checkpoint.{name} is {value!r}; it must be an integer >= 1")
+        if self.persist.bandwidth_mib_s < 0:
+            raise CheckpointConfigError("checkpoint.persist.bandwidth_mib_s must be >= 0 (0 = unthrottled)")
+        if not 0 <= int(self.persist.nice) <= 19:
+            raise CheckpointConfigError("checkpoint.persist.nice must be within 0..19")
+        if not 1 <= int(self.persist.chunk_mib) <= 1024:
+            raise CheckpointConfigError("checkpoint.persist.chunk_mib must be within 1..1024 MiB")
+        a = int(self.persist.alignment)
+        if a < 64 or a & (a - 1):
+            raise CheckpointConfigError("checkpoint.persist.alignment must be a power of two >= 64")
+        if self.remote_url is not None and not self.disk.enabled:
+            raise CheckpointConfigError("the remote tier uploads from the local copy: enable checkpoint.disk too")
+        if not (self.memory.enabled or self.disk.enabled or self.remote_url):
+            raise CheckpointConfigError("every checkpoint tier is disabled; enable memory, disk or remote")
+
+    # ------------------------------------------------------------------ loaders
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CheckpointConfig":
+        """Builds a config from a mapping such as a TOML ``[checkpoint]`` table.
+
+        Raises:
+            CheckpointConfigError: unknown key or bad value.
+        """
+        return _build(cls, data, "checkpoint")
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str], table: str = "checkpoint") -> "CheckpointConfig":
+        """Loads the ``[checkpoint]`` table (or the whole file when it has no such table) of a TOML file.
+
+        Raises:
+            CheckpointConfigError: unreadable file, TOML syntax error, unknown key or bad value.
+        """
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+            import tomli as tomllib  # type: ignore[no-redef]
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointConfigError(f"cannot read checkpoint config {path}: {exc}") from exc
+        return cls.from_dict(data.get(table, data))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (JSON/TOML-ready) of every field."""
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise CheckpointConfigError(f"unknown key(s) {sorted(unknown)} in [{where}]; known: {sorted(names)}")
+    try:
+        return cls(**dict(data))
+    except TypeError as exc:
+        raise CheckpointConfigError(f"bad [{where}] table: {exc}") from exc

@@ -1,0 +1,132 @@
+"""Durable local file writes: temp file, fsync, rename, directory fsync; a bandwidth throttle.
+
+No torch here: the persist process uses it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from typing import Callable
+
+from trainguard.checkpoint.errors import StorageUnavailableError
+
+
+def fsync_dir(path: str) -> None:
+    """fsyncs a directory so a rename or unlink in it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def storage_error(exc: OSError, what: str) -> StorageUnavailableError:
+    """Wraps an OSError into a one-line :class:`StorageUnavailableError` telling what to do."""
+    if exc.errno == errno.ENOSPC:
+        hint = "the filesystem is full; free space or lower the retention"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = "permission denied or read-only; fix the permissions or choose another directory"
+    else:
+        hint = "check the path and the storage"
+    return StorageUnavailableError(f"cannot {what}: {exc.strerror or exc} ({hint})")
+
+
+def atomic_write(path: str, data: bytes, fsync: bool = True) -> None:
+    """Writes ``data`` to ``path`` atomically (temp file, fsync, rename, directory fsync).
+
+    Raises:
+        OSError: the write failed; the previous content of ``path`` (if any) is intact.
+    """
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    if fsync:
+        fsync_dir(os.path.dirname(path) or ".")
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class Throttle:
+    """Token-bucket pacing of a byte stream.
+
+    Args:
+        bytes_per_s: cap in bytes per second; 0 or less disables pacing.
+    """
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.rate = float(bytes_per_s)
+        self._t0 = time.monotonic()
+        self._sent = 0
+
+    def account(self, nbytes: int) -> None:
+        """Records ``nbytes`` written and sleeps as long as needed to stay under the cap."""
+        if self.rate <= 0:
+            return
+        self._sent += nbytes
+        ahead = self._sent / self.rate - (time.monotonic() - self._t0)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+def write_file_from(path: str, view: memoryview, nbytes: int, chunk_bytes: int, throttle: Throttle | None,
+                    fsync: bool = True, progress: Callable[[int], None] | None = None) -> None:
+    """Writes ``view[:nbytes]`` durably to ``path`` (temp file, fsync, rename, directory fsync).
+
+    Args:
+        path: destination.
+        view: source bytes (e.g. a shared-memory staging slot).
+        nbytes: how many bytes of ``view`` to write.
+        chunk_bytes: size of each write call in bytes.
+        throttle: optional pacing.
+        fsync: fsync file and directory.
+        progress: optional callable ``(nbytes)`` after each chunk.
+
+    Raises:
+        OSError: the write failed (ENOSPC...); no partial file is left at ``path``.
+    """
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            off = 0
+            while off < nbytes:
+                end = min(off + chunk_bytes, nbytes)
+                piece = view[off:end]
+                while piece:
+                    n = os.write(fd, piece)
+                    piece = piece[n:]
+                if throttle is not None:
+                    throttle.account(end - off)
+                if progress is not None:
+                    progress(end - off)
+                off = end
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    if fsync:
+        fsync_dir(os.path.dirname(path) or ".")

@@ -1,0 +1,182 @@
+"""The on-disk format: a flat aligned data file of raw tensor bytes per rank, plus a JSON manifest.
+
+Data file: every tensor's bytes at an offset aligned to ``alignment`` (default 4096), so a reader can
+``readinto``/``mmap`` straight into place (and O_DIRECT works); the file length is a multiple of the alignment.
+
+Manifest (JSON, no pickle anywhere): format tag, trainguard version, job, step, rank, world size, replication
+flag, data-file length, chunk size and one xxh3_64 checksum per chunk of the data file, one entry per tensor
+(key, dtype, shape, offset, nbytes), and the JSON tree of the non-tensor state (see :mod:`.tree`). The manifest
+carries its own checksum (``self_xxh3``) over its canonical JSON, so a flipped byte in it is detected too.
+
+This module must not import torch: the persist process uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Sequence
+
+import xxhash
+
+from trainguard._version import __version__
+from trainguard.checkpoint.errors import CorruptCheckpointError
+
+FORMAT = "trainguard-ckpt/1"
+CHECKSUM_ALGO = "xxh3_64"
+
+#: bytes per element of the dtype names we store (``str(torch.float32)`` without the ``torch.`` prefix).
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+    "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+
+
+@dataclass
+class TensorEntry:
+    """Where one tensor lives in the data file.
+
+    Attributes:
+        key: dotted path of the tensor in the state (``model.fc.weight``).
+        dtype: dtype name (``float32``).
+        shape: sizes.
+        offset: byte offset in the data file (a multiple of the alignment).
+        nbytes: length in bytes.
+    """
+
+    key: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class Manifest:
+    """Everything needed to read, verify and place one rank's data file (see module docstring)."""
+
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    tensors: list[TensorEntry]
+    tree: dict[str, Any]
+    data_bytes: int
+    alignment: int = 4096
+    chunk_bytes: int = 4 << 20
+    chunks: list[str] = field(default_factory=list)
+    replicated: bool = False
+    version: str = __version__
+    format: str = FORMAT
+    checksum: str = CHECKSUM_ALGO
+    created: float = 0.0
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self) -> bytes:
+        """Canonical JSON with a ``self_xxh3`` checksum of everything else."""
+        body = asdict(self)
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        body["self_xxh3"] = xxhash.xxh3_64_hexdigest(text.encode())
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str = "manifest") -> "Manifest":
+        """Parses and verifies a manifest.
+
+        Args:
+            raw: the file content.
+            where: path or description used in error messages.
+
+        Raises:
+            CorruptCheckpointError: not JSON, wrong format, or the self checksum does not match.
+        """
+        try:
+            body = json.loads(raw)
+            declared = body.pop("self_xxh3")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpointError(f"{where} is not a valid manifest ({exc}); it is torn or damaged") from exc
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        if xxhash.xxh3_64_hexdigest(text.encode()) != declared:
+            raise CorruptCheckpointError(f"{where} fails its checksum; the manifest is damaged")
+        if body.get("format") != FORMAT:
+            raise CorruptCheckpointError(f"{where} has format {body.get('format')!r}, expected {FORMAT!r}")
+        try:
+            body["tensors"] = [TensorEntry(**t) for t in body["tensors"]]
+            return cls(**body)
+        except TypeError as exc:
+            raise CorruptCheckpointError(f"{where} has unexpected fields ({exc})") from exc
+
+    @property
+    def n_chunks(self) -> int:
+        """Number of checksummed chunks covering the data file."""
+        return math.ceil(self.data_bytes / self.chunk_bytes) if self.data_bytes else 0
+
+
+def align_up(n: int, alignment: int) -> int:
+    """Rounds ``n`` up to a multiple of ``alignment``."""
+    return (n + alignment - 1) // alignment * alignment
+
+
+def plan_layout(specs: Iterable[tuple[str, str, Sequence[int]]], alignment: int) -> tuple[list[TensorEntry], int]:
+    """Assigns aligned offsets to tensors.
+
+    Args:
+        specs: ``(key, dtype name, shape)`` per tensor, in order.
+        alignment: byte alignment of every offset and of the total length.
+
+    Returns:
+        The entries and the data-file length in bytes.
+
+    Raises:
+        ValueError: unknown dtype name.
+    """
+    entries: list[TensorEntry] = []
+    offset = 0
+    for key, dtype, shape in specs:
+        if dtype not in DTYPE_SIZES:
+            raise ValueError(f"tensor {key} has dtype {dtype}, which the checkpoint format does not store")
+        n = DTYPE_SIZES[dtype] * math.prod(shape)
+        entries.append(TensorEntry(key, dtype, list(shape), offset, n))
+        offset = align_up(offset + n, alignment)
+    return entries, max(align_up(offset, alignment), alignment)
+
+
+def chunk_checksum(buf: Any) -> str:
+    """xxh3_64 hex digest of a buffer (bytes, memoryview, mmap slice)."""
+    return xxhash.xxh3_64_hexdigest(buf)
+
+
+def compute_checksums(view: memoryview, data_bytes: int, chunk_bytes: int) -> list[str]:
+    """Checksums of each ``chunk_bytes`` piece of ``view[:data_bytes]``."""
+    return [chunk_checksum(view[o:min(o + chunk_bytes, data_bytes)]) for o in range(0, data_bytes, chunk_bytes)]
+
+
+def verify_checksums(view: memoryview, manifest: Manifest, where: str, progress: Any = None) -> None:
+    """Checks every chunk of a data buffer against the manifest.
+
+    Args:
+        view: the data (at least ``manifest.data_bytes`` long).
+        manifest: its manifest.
+        where: description for error messages.
+        progress: optional callable ``(nbytes)`` called after each chunk (progress bars).
+
+    Raises:
+        CorruptCheckpointError: short data or a chunk mismatch (the message names the chunk and offset).
+    """
+    if len(view) < manifest.data_bytes:
+        raise CorruptCheckpointError(
+            f"{where} is {len(view)} bytes, manifest says {manifest.data_bytes}; the data file is torn")
+    if len(manifest.chunks) != manifest.n_chunks:
+        raise CorruptCheckpointError(f"{where}: manifest lists {len(manifest.chunks)} checksums, "
+                                     f"expected {manifest.n_chunks}")
+    cb = manifest.chunk_bytes
+    for i, expected in enumerate(manifest.chunks):
+        o = i * cb
+        end = min(o + cb, manifest.data_bytes)
+        if chunk_checksum(view[o:end]) != expected:
+            raise CorruptCheckpointError(f"{where}: chunk {i} (bytes {o}..{end}) fails its {CHECKSUM_ALGO} "
+                                         "checksum; the data is corrupt")
+        if progress is not None:
+            progress(end - o)

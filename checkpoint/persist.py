@@ -1,0 +1,162 @@
+"""The persist phase of one snapshot: checksum, publish in memory, write to disk, upload, commit, retain.
+
+:func:`persist_snapshot` runs inside the persist process (the agent-owned checkpoint service or a private one),
+reading the snapshot straight from its shared-memory slot: tensors never travel through a pipe, only the small
+JSON request below does. No torch import.
+
+Request (a JSON object)::
+
+    {"op": "persist", "id": 7, "job": "demo", "rank": 0, "world_size": 2, "step": 120,
+     "slot": "/dev/shm/trainguard/demo/rank_00000/slot_1",       # prefix of .data/.tag/.manifest.json
+     "manifest": {...},                                           # Manifest without chunk checksums
+     "memory": true, "disk": {"root": "/ckpt", "keep": 3, "fsync": true} | null,
+     "remote": {"url": "s3://b/p", "keep": 5, "storage_options": {}} | null,
+     "bandwidth_mib_s": 0}
+
+Each outcome is reported as a JSON object through ``report``: ``{"op": "tier", "id", "step", "tier", "ok":
+true}`` or ``{"op": "tier", ..., "ok": false, "error": "one line", "errno": 28}``, then ``{"op": "released",
+"id", "step"}`` once the slot may be reused.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import mmap
+import os
+import time
+from typing import Any, Callable
+
+from trainguard.checkpoint.arena import SlotPaths, read_tag
+from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableError
+from trainguard.checkpoint.fileio import Throttle, storage_error
+from trainguard.checkpoint.manifest import Manifest, TensorEntry, compute_checksums
+from trainguard.checkpoint.storage import FsspecStore, LocalStore, manifest_name
+
+log = logging.getLogger(__name__)
+
+Report = Callable[[dict[str, Any]], None]
+
+
+def _manifest_from(d: dict[str, Any]) -> Manifest:
+    d = dict(d)
+    d.pop("self_xxh3", None)
+    d["tensors"] = [TensorEntry(**t) for t in d["tensors"]]
+    return Manifest(**d)
+
+
+def _errno_of(exc: BaseException) -> int:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno:
+            return int(exc.errno)
+        exc = exc.__cause__  # type: ignore[assignment]
+    return 0
+
+
+def persist_snapshot(req: dict[str, Any], report: Report) -> None:
+    """Persists one snapshot described by ``req`` (see module docstring); never raises for storage failures.
+
+    Args:
+        req: the persist request.
+        report: receives one JSON-ready dict per outcome.
+    """
+    rid, step = req.get("id"), int(req["step"])
+    paths = SlotPaths(req["slot"] + ".data", req["slot"] + ".tag", req["slot"] + ".manifest.json")
+    try:
+        fd = os.open(paths.data, os.O_RDONLY)
+    except OSError as exc:
+        report({"op": "tier", "id": rid, "step": step, "tier": "memory", "ok": False,
+                "error": f"staging slot {paths.data} vanished: {exc}", "errno": exc.errno or 0})
+        report({"op": "released", "id": rid, "step": step})
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if read_tag(paths) != str(step):
+            # The slot was reused (its writer died and a successor took it): nothing consistent to persist.
+            log.warning("skipping persist of step %d: staging slot %s now holds %r", step, paths.data,
+                        read_tag(paths))
+            report({"op": "tier", "id": rid, "step": step, "tier": "memory", "ok": False,
+                    "error": f"staging slot of step {step} was reused before it was persisted", "errno": 0})
+            return
+        size = os.fstat(fd).st_size
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+            view = memoryview(mm)
+            try:
+                _persist_locked(req, view, paths, report)
+            finally:
+                view.release()
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        report({"op": "released", "id": rid, "step": step})
+
+
+def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, report: Report) -> None:
+    rid, step, rank, ws = req.get("id"), int(req["step"]), int(req["rank"]), int(req["world_size"])
+    man = _manifest_from(req["manifest"])
+    man.created = time.time()
+    man.chunks = compute_checksums(view, man.data_bytes, man.chunk_bytes)
+    man_json = man.to_json()
+    digest = json.loads(man_json)["self_xxh3"]
+
+    def outcome(tier: str, exc: BaseException | None) -> None:
+        msg = {"op": "tier", "id": rid, "step": step, "tier": tier, "ok": exc is None}
+        if exc is not None:
+            msg["error"] = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            msg["errno"] = _errno_of(exc)
+            log.error("checkpoint step %d rank %d: %s tier failed: %s", step, rank, tier, msg["error"])
+        report(msg)
+
+    if req.get("memory"):
+        tmp = paths.manifest + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(man_json)
+        os.replace(tmp, paths.manifest)
+        outcome("memory", None)
+
+    throttle = Throttle(float(req.get("bandwidth_mib_s") or 0) * (1 << 20))
+    disk = req.get("disk")
+    disk_ok = False
+    local: LocalStore | None = None
+    if disk:
+        try:
+            local = LocalStore(disk["root"], man.job, fsync=bool(disk.get("fsync", True)))
+            try:
+                local.write_data(step, rank, view, man.data_bytes, man.chunk_bytes, throttle)
+                local.write_small(step, manifest_name(rank), man_json)
+                local.commit_rank(step, rank, ws, digest)
+            except OSError as exc:
+                raise storage_error(exc, f"write step {step} to {local.describe()}") from exc
+            disk_ok = True
+            outcome("disk", None)
+            try:
+                local.retain(int(disk.get("keep", 3)), protect=step)
+            except OSError as exc:
+                log.warning("disk retention of %s failed: %s", local.describe(), exc)
+        except CheckpointError as exc:
+            outcome("disk", exc)
+
+    remote = req.get("remote")
+    if remote and remote.get("url"):
+        try:
+            if not disk_ok or local is None:
+                raise StorageUnavailableError(f"step {step} was not written to local disk, so it cannot be "
+                                              "uploaded; fix the disk tier first")
+            store = FsspecStore(remote["url"], man.job, remote.get("storage_options") or {})
+            src = local.local_data_path(step, rank)
+            store.write_data(step, rank, src, man.data_bytes, man.chunk_bytes, throttle)
+            store.write_small(step, manifest_name(rank), man_json)
+            store.commit_rank(step, rank, ws, digest)
+            outcome("remote", None)
+            try:
+                store.retain(int(remote.get("keep", 5)), protect=step)
+            except CheckpointError as exc:
+                log.warning("remote retention of %s failed: %s", store.describe(), exc)
+        except CheckpointError as exc:
+            outcome("remote", exc)
+        except OSError as exc:
+            outcome("remote", StorageUnavailableError(f"cannot upload step {step}: {exc}"))
+
+
+__all__ = ["persist_snapshot"]

@@ -1,0 +1,440 @@
+"""The long-lived persist process ("checkpoint service") and the client channel workers use to feed it.
+
+One service process writes snapshots from shared-memory slots to disk and remote storage, one at a time, at
+lowered priority (``nice``) and under an optional bandwidth cap, so it never starves training. Workers send it
+small JSON requests over a unix socket (newline-delimited); tensors never travel through the socket.
+
+Two ways to run it:
+
+* **Agent-owned** (under ``trainguard run``): the node agent starts one service per job and puts its socket path
+  in each worker's environment under :data:`~trainguard.checkpoint.config.CHECKPOINT_SERVICE_ENV`. The service,
+  and the job's shared-memory arena, outlive crashed workers, so a restarted worker restores from memory and
+  persists of the dead worker's last snapshot still complete. The agent removes the arena when the job ends::
+
+      from trainguard.checkpoint.service import CheckpointService
+      from trainguard.checkpoint.config import CHECKPOINT_SERVICE_ENV
+
+      svc = CheckpointService(job="demo").start()        # once per job, before spawning workers
+      env[CHECKPOINT_SERVICE_ENV] = svc.address         # for each worker
+      ...
+      svc.stop(remove_memory=True)                      # when the job is over (not on a worker restart)
+
+* **Private** (plain ``python``/``torchrun``, no variable set): each ``Checkpointer`` spawns its own service,
+  which exits after its worker disconnects and its queue drains. The arena files stay in tmpfs after a crash, so
+  a restarted worker still restores from memory; a clean ``close()`` removes them.
+
+Run by hand: ``python -m trainguard.checkpoint.service --socket /run/trainguard/ckpt.sock``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from trainguard.checkpoint.arena import remove_job
+from trainguard.checkpoint.channel import PersistChannel
+from trainguard.checkpoint.config import CHECKPOINT_SHM_DIR_ENV, CheckpointConfig
+from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableError
+
+log = logging.getLogger(__name__)
+
+Report = Callable[[dict[str, Any]], None]
+
+
+# ====================================================================== server (the persist process)
+class _Conn:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.open = True
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if not self.open:
+            return
+        data = (json.dumps(msg) + "\n").encode()
+        with self.lock:
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.open = False  # the worker is gone; its persist still completes
+
+
+class PersistServer:
+    """The service's event loop: accepts workers, queues their requests, persists them in order.
+
+    Args:
+        socket_path: unix socket to listen on.
+        private: exit once every client disconnected and the queue is empty (or the parent died).
+        parent_pid: in private mode, also exit when this process is gone and nothing is queued.
+    """
+
+    def __init__(self, socket_path: str, private: bool = False, parent_pid: int | None = None) -> None:
+        self.socket_path = socket_path
+        self.private = private
+        self.parent_pid = parent_pid
+        self.work: queue.Queue[tuple[_Conn, dict[str, Any]] | None] = queue.Queue()
+        self.clients = 0
+        self.ever_connected = False
+        self.busy = 0
+        self.stopping = threading.Event()
+        self._state = threading.Lock()
+
+    def serve(self) -> None:
+        """Runs until a shutdown request (or, in private mode, until orphaned and idle)."""
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(self.socket_path)
+        os.chmod(self.socket_path, 0o600)
+        srv.listen(64)
+        worker = threading.Thread(target=self._work_loop, name="persist", daemon=True)
+        worker.start()
+        try:
+            while not self.stopping.is_set():
+                ready, _, _ = select.select([srv], [], [], 0.2)
+                if ready:
+                    conn, _ = srv.accept()
+                    with self._state:
+                        self.clients += 1
+                    threading.Thread(target=self._read_loop, args=(_Conn(conn),), daemon=True).start()
+                if self.private and self._idle() and (self.ever_connected or not self._parent_alive()):
+                    break
+        finally:
+            srv.close()
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+        # Drain: a shutdown waits for everything already queued.
+        self.work.put(None)
+        worker.join()
+
+    def _parent_alive(self) -> bool:
+        if self.parent_pid is None:
+            return True
+        try:
+            os.kill(self.parent_pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def _idle(self) -> bool:
+        with self._state:
+            return self.clients == 0 and self.busy == 0 and self.work.empty()
+
+    def _read_loop(self, conn: _Conn) -> None:
+        buf = b""
+        try:
+            while True:
+                chunk = conn.sock.recv(1 << 16)
+                if not chunk:
+                    break
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        self._handle(conn, json.loads(line))
+        except (OSError, ValueError) as exc:
+            log.warning("checkpoint service: client connection dropped: %s", exc)
+        finally:
+            conn.open = False
+            conn.sock.close()
+            with self._state:
+                self.clients -= 1
+
+    def _handle(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        # Only a client that spoke counts (start-up probes connect and leave silently).
+        self.ever_connected = True
+        if op == "hello":
+            conn.send({"op": "welcome", "pid": os.getpid()})
+        elif op == "persist":
+            with self._state:
+                self.busy += 1
+            self.work.put((conn, msg))
+        elif op == "ping":
+            conn.send({"op": "pong", "pid": os.getpid()})
+        elif op == "drain":
+            # Replies once everything queued before this request is persisted.
+            with self._state:
+                self.busy += 1
+            self.work.put((conn, msg))
+        elif op == "shutdown":
+            self.stopping.set()
+        elif op == "release_job":
+            remove_job(msg["shm_dir"], msg["job"])
+            conn.send({"op": "released_job", "job": msg["job"]})
+        else:
+            conn.send({"op": "error", "error": f"unknown op {op!r}"})
+
+    def _work_loop(self) -> None:
+        from trainguard.checkpoint.persist import persist_snapshot
+
+        while True:
+            item = self.work.get()
+            if item is None:
+                return
+            conn, msg = item
+            try:
+                if msg.get("op") == "drain":
+                    conn.send({"op": "drained"})
+                else:
+                    persist_snapshot(msg, conn.send)
+            except Exception as exc:  # one bad request must not kill the service
+                log.exception("persist of step %s failed", msg.get("step"))
+                conn.send({"op": "tier", "id": msg.get("id"), "step": msg.get("step"), "tier": "disk", "ok": False,
+                           "error": f"persist crashed: {exc!r}", "errno": 0})
+                conn.send({"op": "released", "id": msg.get("id"), "step": msg.get("step")})
+            finally:
+                with self._state:
+                    self.busy -= 1
+
+
+# ====================================================================== agent-side handle
+class CheckpointService:
+    """Starts and stops a checkpoint service process (the node agent runs one per job).
+
+    Args:
+        job: job name (used to remove its shared-memory arena on ``stop``).
+        socket_path: where to listen; default a fresh path under the temp directory.
+        shm_dir: the arena's tmpfs root (default ``$TRAINGUARD_CHECKPOINT_SHM_DIR`` or ``/dev/shm/trainguard``).
+        nice: niceness of the service process (0..19).
+    """
+
+    def __init__(self, job: str = "default", socket_path: str | None = None, shm_dir: str | None = None,
+                 nice: int = 10) -> None:
+        self.job = job
+        self.address = socket_path or os.path.join(tempfile.gettempdir(),
+                                                   f"trainguard-ckpt-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")
+        self.shm_dir = shm_dir or os.environ.get(CHECKPOINT_SHM_DIR_ENV, "/dev/shm/trainguard")
+        self.nice = nice
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the service, or None when not running."""
+        return self.proc.pid if self.proc else None
+
+    def start(self, timeout: float = 30.0) -> "CheckpointService":
+        """Spawns the service and waits until it accepts connections.
+
+        Returns:
+            self, for chaining.
+
+        Raises:
+            CheckpointError: the process exited or did not listen within ``timeout`` seconds.
+        """
+        self.proc = _spawn(self.address, private=False, nice=self.nice)
+        _wait_listening(self.address, self.proc, timeout)
+        return self
+
+    def stop(self, remove_memory: bool = True, timeout: float = 120.0) -> None:
+        """Drains queued persists, stops the process, and (by default) removes the job's shared-memory arena.
+
+        Args:
+            remove_memory: delete the arena (the job is over). Keep it when only restarting the service.
+            timeout: seconds to wait for the drain before killing the process.
+        """
+        if self.proc is not None:
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.connect(self.address)
+                    s.sendall(b'{"op": "shutdown"}\n')
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        if remove_memory:
+            remove_job(self.shm_dir, self.job)
+
+    def __enter__(self) -> "CheckpointService":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _spawn(address: str, private: bool, nice: int, parent_pid: int | None = None) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "trainguard.checkpoint.service", "--socket", address, "--nice", str(nice)]
+    if private:
+        cmd += ["--private", "--parent-pid", str(parent_pid or os.getpid())]
+    # Own session: a Ctrl-C aimed at the training script must not kill a persist half-way; the service exits
+    # by itself once its clients are gone and its queue is drained.
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _wait_listening(address: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise CheckpointError(f"the checkpoint service exited with code {proc.returncode} at start; "
+                                  "see its log on stderr")
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(address)
+                return
+        except OSError:
+            time.sleep(0.02)
+    proc.kill()
+    raise CheckpointError(f"the checkpoint service did not listen on {address} within {timeout:.0f} s")
+
+
+# ====================================================================== worker-side channel
+class ServiceChannel(PersistChannel):
+    """A worker's connection to a checkpoint service (agent-owned or private).
+
+    Args:
+        sock: connected socket.
+        report: receives every outcome message.
+        proc: the private service process, when this channel spawned it.
+    """
+
+    def __init__(self, sock: socket.socket, report: Report, proc: subprocess.Popen[bytes] | None) -> None:
+        self.sock = sock
+        self.report = report
+        self.proc = proc
+        self.owns_memory = proc is not None
+        self._send_lock = threading.Lock()
+        self._alive = True
+        self._drained = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name="trainguard-ckpt-reader", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def connect_or_spawn(cls, address: str | None, config: CheckpointConfig, job: str, rank: int,
+                         report: Report) -> "ServiceChannel":
+        """Connects to the service at ``address``, or spawns a private one when ``address`` is None.
+
+        Raises:
+            CheckpointError: connection or start failed.
+        """
+        proc = None
+        if not address:
+            address = os.path.join(tempfile.gettempdir(),
+                                   f"trainguard-ckpt-{os.getpid()}-{rank}-{uuid.uuid4().hex[:8]}.sock")
+            proc = _spawn(address, private=True, nice=config.persist.nice)
+            _wait_listening(address, proc, 30.0)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            raise StorageUnavailableError(
+                f"cannot connect to the checkpoint service at {address}: {exc.strerror or exc} (is the node agent "
+                "running? unset TRAINGUARD_CHECKPOINT_SERVICE to use a private persist process)") from exc
+        chan = cls(sock, report, proc)
+        chan._send({"op": "hello", "job": job, "rank": rank})
+        return chan
+
+    def _read_loop(self) -> None:
+        buf = b""
+        try:
+            while True:
+                chunk = self.sock.recv(1 << 16)
+                if not chunk:
+                    break
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    msg = json.loads(line)
+                    if msg.get("op") == "drained":
+                        self._drained.set()
+                    elif msg.get("op") in ("welcome", "pong"):
+                        continue
+                    else:
+                        try:
+                            self.report(msg)
+                        except Exception:
+                            log.exception("checkpoint report handler failed")
+        except (OSError, ValueError):
+            pass
+        finally:
+            self._alive = False
+            self._drained.set()
+            try:
+                self.report({"op": "channel_closed"})
+            except Exception:
+                pass
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        data = (json.dumps(msg) + "\n").encode()
+        with self._send_lock:
+            try:
+                self.sock.sendall(data)
+            except OSError as exc:
+                self._alive = False
+                raise StorageUnavailableError(f"the checkpoint service connection is broken ({exc}); "
+                                              "the persist process died") from exc
+
+    def submit(self, request: dict[str, Any]) -> None:
+        self._send(request)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Blocks until the service persisted everything this channel queued; False on timeout or death."""
+        self._drained.clear()
+        try:
+            self._send({"op": "drain"})
+        except CheckpointError:
+            return False
+        return self._drained.wait(timeout) and self._alive
+
+    def alive(self) -> bool:
+        return self._alive
+
+    def close(self) -> None:
+        if self.sock.fileno() < 0:
+            return
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        if self.proc is not None:
+            # The private service exits once its only client left and its queue drained.
+            try:
+                self.proc.wait(600)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainguard.checkpoint.service``: run a checkpoint service in the foreground."""
+    p = argparse.ArgumentParser(description="trainguard checkpoint service (persist process)")
+    p.add_argument("--socket", required=True, help="unix socket path to listen on")
+    p.add_argument("--private", action="store_true", help="exit once clients are gone and the queue is empty")
+    p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--nice", type=int, default=10, help="niceness increment (0..19)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s ckpt-service: %(message)s")
+    if args.nice > 0:
+        try:
+            os.nice(args.nice)
+        except OSError:
+            pass
+    PersistServer(args.socket, private=args.private, parent_pid=args.parent_pid).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""Persistent tiers (local disk, fsspec remote) behind one small contract, and the file-based commit protocol.
+
+Layout under ``<root>/<job>/`` (identical on disk and remote)::
+
+    step_000000000120/rank_00000.data            raw aligned tensor bytes
+    step_000000000120/rank_00000.manifest.json   manifest (see .manifest)
+    step_000000000120/rank_00000.commit          commit marker, written last, after data+manifest are durable
+    COMMITTED.json                               per-job commit record: newest complete step
+
+A step is *complete* when the markers of ranks ``0..world_size-1`` all exist. The rank that completes a step
+(whichever is last) rewrites the commit record. Readers trust markers, so a crash between the last marker and
+the record loses nothing. No torch import: the persist process uses this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+from trainguard.checkpoint.errors import StorageUnavailableError
+from trainguard.checkpoint.fileio import Throttle, atomic_write, fsync_dir, storage_error, write_file_from
+
+COMMIT_RECORD = "COMMITTED.json"
+_STEP_RE = re.compile(r"^step_(\d{12})$")
+_MARKER_RE = re.compile(r"^rank_(\d{5})\.commit$")
+
+
+def step_dirname(step: int) -> str:
+    """Directory name of a step."""
+    return f"step_{step:012d}"
+
+
+def data_name(rank: int) -> str:
+    """Data file name of a rank."""
+    return f"rank_{rank:05d}.data"
+
+
+def manifest_name(rank: int) -> str:
+    """Manifest file name of a rank."""
+    return f"rank_{rank:05d}.manifest.json"
+
+
+def marker_name(rank: int) -> str:
+    """Commit marker name of a rank."""
+    return f"rank_{rank:05d}.commit"
+
+
+class StepStore(ABC):
+    """One persistent tier holding steps of one job (see module docstring for the layout)."""
+
+    #: tier name reported to users: ``"disk"`` or ``"remote"``.
+    tier: str = ""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Human-readable location (path or URL)."""
+
+    @abstractmethod
+    def check_writable(self) -> None:
+        """Raises StorageUnavailableError when the tier cannot be written."""
+
+    @abstractmethod
+    def write_data(self, step: int, rank: int, source: Any, nbytes: int, chunk_bytes: int,
+                   throttle: Throttle | None) -> None:
+        """Durably writes a rank's data file; ``source`` is a memoryview (disk) or a local file path (remote)."""
+
+    @abstractmethod
+    def write_small(self, step: int | None, name: str, data: bytes) -> None:
+        """Atomically writes a small file in a step directory (or the job directory when step is None)."""
+
+    @abstractmethod
+    def read_small(self, step: int | None, name: str) -> bytes:
+        """Reads a small file; raises OSError/FileNotFoundError when missing."""
+
+    @abstractmethod
+    def list_steps(self) -> list[int]:
+        """Every step directory present (complete or not), ascending."""
+
+    @abstractmethod
+    def list_names(self, step: int) -> list[str]:
+        """File names inside a step directory."""
+
+    @abstractmethod
+    def remove_step(self, step: int) -> None:
+        """Deletes a step directory (markers first, so a half-deleted step never looks complete)."""
+
+    def local_data_path(self, step: int, rank: int) -> str | None:
+        """Path of the data file on the local filesystem, or None when the tier is remote."""
+        return None
+
+    @abstractmethod
+    def fetch_data(self, step: int, rank: int, dest: str) -> None:
+        """Copies a rank's data file to a local path."""
+
+    # ------------------------------------------------------------------ commit protocol
+    def markers(self, step: int) -> dict[int, dict[str, Any]]:
+        """Parsed commit markers of a step, by rank (unreadable markers are skipped)."""
+        out = {}
+        for name in self.list_names(step):
+            m = _MARKER_RE.match(name)
+            if not m:
+                continue
+            try:
+                out[int(m.group(1))] = json.loads(self.read_small(step, name))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def is_complete(self, step: int) -> tuple[bool, int]:
+        """Whether every rank committed ``step``; returns ``(complete, world_size)``."""
+        marks = self.markers(step)
+        if not marks:
+            return False, 0
+        sizes = {int(m.get("world_size", -1)) for m in marks.values()}
+        if len(sizes) != 1:
+            return False, 0
+        ws = sizes.pop()
+        return ws > 0 and all(r in marks for r in range(ws)), ws
+
+    def commit_rank(self, step: int, rank: int, world_size: int, manifest_digest: str) -> bool:
+        """Writes this rank's commit marker, then the commit record if the step is now complete.
+
+        Returns:
+            True when the step is complete (every rank committed).
+        """
+        marker = json.dumps({"step": step, "rank": rank, "world_size": world_size,
+                             "manifest_xxh3": manifest_digest, "time": time.time()}).encode()
+        self.write_small(step, marker_name(rank), marker)
+        complete, _ = self.is_complete(step)
+        if complete:
+            self._update_record(step, world_size)
+        return complete
+
+    def _update_record(self, step: int, world_size: int) -> None:
+        try:
+            current = json.loads(self.read_small(None, COMMIT_RECORD)).get("step", -1)
+        except (OSError, ValueError):
+            current = -1
+        if step >= int(current):
+            self.write_small(None, COMMIT_RECORD, json.dumps(
+                {"step": step, "world_size": world_size, "time": time.time()}).encode())
+
+    def committed_steps(self) -> list[tuple[int, int]]:
+        """``(step, world_size)`` of every complete step, ascending."""
+        out = []
+        for s in self.list_steps():
+            ok, ws = self.is_complete(s)
+            if ok:
+                out.append((s, ws))
+        return out
+
+    def record(self) -> dict[str, Any] | None:
+        """The per-job commit record, or None."""
+        try:
+            return json.loads(self.read_small(None, COMMIT_RECORD))
+        except (OSError, ValueError):
+            return None
+
+    def retain(self, keep: int, protect: int | None = None) -> list[int]:
+        """Deletes all but the ``keep`` newest complete steps, and torn steps older than the oldest kept one.
+
+        Args:
+            keep: retention K (>= 1).
+            protect: a step never to delete (the one just written).
+
+        Returns:
+            The deleted steps.
+        """
+        complete = [s for s, _ in self.committed_steps()]
+        if len(complete) <= keep:
+            return []
+        kept = complete[-keep:]
+        oldest_kept = kept[0]
+        removed = []
+        for s in self.list_steps():
+            if s < oldest_kept and s != protect:
+                self.remove_step(s)
+                removed.append(s)
+        return removed
+
+
+class LocalStore(StepStore):
+    """The local disk tier (fsync'ed temp file + rename + directory fsync for every file).
+
+    Args:
+        root: checkpoint root directory.
+        job: job name (a subdirectory of root).
+        fsync: fsync files and directories (off voids crash safety; benchmarks only).
+    """
+
+    tier = "disk"
+
+    def __init__(self, root: str, job: str, fsync: bool = True) -> None:
+        self.root = os.path.abspath(root)
+        self.job_dir = os.path.join(self.root, job)
+        self.fsync = fsync
+
+    def describe(self) -> str:
+        return self.job_dir
+
+    def check_writable(self) -> None:
+        try:
+            os.makedirs(self.job_dir, exist_ok=True)
+            probe = os.path.join(self.job_dir, f".probe.{os.getpid()}")
+            with open(probe, "wb") as f:
+                f.write(b"x")
+            os.unlink(probe)
+        except OSError as exc:
+            raise storage_error(exc, f"write the checkpoint directory {self.job_dir}") from exc
+
+    def _step_dir(self, step: int | None, create: bool = False) -> str:
+        d = self.job_dir if step is None else os.path.join(self.job_dir, step_dirname(step))
+        if create and not os.path.isdir(d):
+            os.makedirs(d, exist_ok=True)
+            if self.fsync:
+                fsync_dir(os.path.dirname(d))
+        return d
+
+    def write_data(self, step: int, rank: int, source: Any, nbytes: int, chunk_bytes: int,
+                   throttle: Throttle | None) -> None:
+        d = self._step_dir(step, create=True)
+        write_file_from(os.path.join(d, data_name(rank)), source, nbytes, chunk_bytes, throttle, self.fsync)
+
+    def write_small(self, step: int | None, name: str, data: bytes) -> None:
+        atomic_write(os.path.join(self._step_dir(step, create=True), name), data, self.fsync)
+
+    def read_small(self, step: int | None, name: str) -> bytes:
+        with open(os.path.join(self._step_dir(step), name), "rb") as f:
+            return f.read()
+
+    def list_steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.job_dir)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _STEP_RE.match(n)))
+
+    def list_names(self, step: int) -> list[str]:
+        try:
+            return os.listdir(self._step_dir(step))
+        except FileNotFoundError:
+            return []
+
+    def remove_step(self, step: int) -> None:
+        d = self._step_dir(step)
+        for name in self.list_names(step):
+            if _MARKER_RE.match(name):
+                try:
+                    os.unlink(os.path.join(d, name))
+                except OSError:
+                    pass
+        if self.fsync and os.path.isdir(d):
+            fsync_dir(d)
+        shutil.rmtree(d, ignore_errors=True)
+
+    def local_data_path(self, step: int, rank: int) -> str | None:
+        return os.path.join(self._step_dir(step), data_name(rank))
+
+    def fetch_data(self, step: int, rank: int, dest: str) -> None:
+        shutil.copyfile(self.local_data_path(step, rank), dest)
+
+
+class FsspecStore(StepStore):
+    """The remote tier through any fsspec filesystem (uploads whole files; the marker goes last).
+
+    Args:
+        url: fsspec URL of the checkpoint root.
+        job: job name.
+        storage_options: keyword arguments for the filesystem.
+
+    Raises:
+        StorageUnavailableError: the filesystem cannot be created (unknown protocol, unreachable server...).
+    """
+
+    tier = "remote"
+
+    def __init__(self, url: str, job: str, storage_options: dict[str, Any] | None = None) -> None:
+        import fsspec
+
+        self.url = url.rstrip("/")
+        try:
+            self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        except Exception as exc:  # fsspec raises anything: ImportError, ConnectionRefusedError, ValueError...
+            raise StorageUnavailableError(f"cannot reach remote checkpoint storage {url}: {exc!r:.200} "
+                                          "(check the URL, credentials and network)") from exc
+        self.job_dir = f"{root.rstrip('/')}/{job}"
+
+    def describe(self) -> str:
+        return f"{self.url}/{self.job_dir.rsplit('/', 1)[-1]}"
+
+    def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise StorageUnavailableError(f"cannot {what} on remote {self.url}: {exc!r:.200} "
+                                          "(check the URL, credentials and network)") from exc
+
+    def check_writable(self) -> None:
+        probe = f"{self.job_dir}/.probe.{os.getpid()}"
+        self._guard("write", lambda: (self.fs.makedirs(self.job_dir, exist_ok=True), self.fs.pipe_file(probe, b"x"),
+                                      self.fs.rm(probe)))
+
+    def _path(self, step: int | None, name: str | None = None) -> str:
+        d = self.job_dir if step is None else f"{self.job_dir}/{step_dirname(step)}"
+        return d if name is None else f"{d}/{name}"
+
+    def write_data(self, step: int, rank: int, source: Any, nbytes: int, chunk_bytes: int,
+                   throttle: Throttle | None) -> None:
+        dest = self._path(step, data_name(rank))
+
+        def upload() -> None:
+            self.fs.makedirs(self._path(step), exist_ok=True)
+            with open(source, "rb") as src, self.fs.open(dest, "wb") as out:
+                while True:
+                    buf = src.read(chunk_bytes)
+                    if not buf:
+                        break
+                    out.write(buf)
+                    if throttle is not None:
+                        throttle.account(len(buf))
+
+        self._guard(f"upload {dest}", upload)
+
+    def write_small(self, step: int | None, name: str, data: bytes) -> None:
+        def put() -> None:
+            self.fs.makedirs(self._path(step), exist_ok=True)
+            self.fs.pipe_file(self._path(step, name), data)
+
+        self._guard(f"write {name}", put)
+
+    def read_small(self, step: int | None, name: str) -> bytes:
+        return self._guard(f"read {name}", lambda: self.fs.cat_file(self._path(step, name)))
+
+    def list_steps(self) -> list[int]:
+        try:
+            entries = self._guard("list", lambda: self.fs.ls(self.job_dir, detail=False))
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for e in entries if (m := _STEP_RE.match(e.rstrip("/").rsplit("/", 1)[-1])))
+
+    def list_names(self, step: int) -> list[str]:
+        try:
+            entries = self._guard("list", lambda: self.fs.ls(self._path(step), detail=False))
+        except FileNotFoundError:
+            return []
+        return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+    def remove_step(self, step: int) -> None:
+        for name in self.list_names(step):
+            if _MARKER_RE.match(name):
+                self._guard("delete", lambda n=name: self.fs.rm(self._path(step, n)))
+        try:
+            self._guard("delete", lambda: self.fs.rm(self._path(step), recursive=True))
+        except FileNotFoundError:
+            pass
+
+    def fetch_data(self, step: int, rank: int, dest: str) -> None:
+        self._guard("download", lambda: self.fs.get_file(self._path(step, data_name(rank)), dest))

@@ -1,0 +1,247 @@
+"""Turns a training state into (tensors, JSON tree) and back, without pickle.
+
+A state is a mapping whose values are tensors, numpy arrays, nested dicts/lists/tuples, Python scalars,
+``str``/``bytes``/``None``, or *Stateful* objects (anything with ``state_dict()``/``load_state_dict()``, such
+as ``nn.Module`` and ``Optimizer``), like ``torch.distributed.checkpoint``'s Stateful protocol.
+
+:func:`capture` records every tensor (by reference, nothing is copied) and encodes everything else as a JSON
+tree in which each tensor is an index. :func:`restore_into` walks that tree against the live state and loads
+each tensor *in place* when the live tensor has the same shape and dtype.
+
+Tree encoding: ``None``, ``bool``, ``int``, ``str`` and finite ``float`` are JSON scalars; everything else is a
+JSON object ``{"t": tag, ...}`` (so a bare JSON object never appears as a value and decoding is unambiguous).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+
+from trainguard.checkpoint.errors import CheckpointError, StateMismatchError
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object saved through its ``state_dict()`` and restored through ``load_state_dict()``."""
+
+    def state_dict(self) -> Mapping[str, Any]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> Any: ...
+
+
+def is_stateful(obj: Any) -> bool:
+    """True for objects with callable ``state_dict`` and ``load_state_dict`` (not tensors)."""
+    return (not isinstance(obj, torch.Tensor) and callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None)))
+
+
+@dataclass
+class CapturedTensor:
+    """One tensor of a captured state (a reference to the live tensor, not a copy).
+
+    Attributes:
+        key: dotted path, e.g. ``model.layer.weight`` (for humans and DCP export).
+        tensor: the live tensor.
+        is_numpy: the live value was a numpy array.
+    """
+
+    key: str
+    tensor: torch.Tensor
+    is_numpy: bool = False
+
+
+@dataclass
+class Captured:
+    """Result of :func:`capture`: the JSON tree and the tensors it indexes."""
+
+    tree: dict[str, Any]
+    tensors: list[CapturedTensor] = field(default_factory=list)
+
+
+def capture(state: Mapping[str, Any]) -> Captured:
+    """Walks ``state`` once, calling ``state_dict()`` on Stateful values.
+
+    Args:
+        state: the training state (see module docstring).
+
+    Returns:
+        The JSON-ready tree and the list of live tensors it references.
+
+    Raises:
+        CheckpointError: a value of an unsupported type (the message gives its path).
+    """
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"state must be a mapping of name -> value, got {type(state).__name__}")
+    out = Captured(tree={})
+    out.tree = _encode_dict(state, "", out)
+    return out
+
+
+def _join(prefix: str, key: Any) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _encode_dict(d: Mapping[Any, Any], path: str, out: Captured) -> dict[str, Any]:
+    keys, values = [], []
+    for k, v in d.items():
+        keys.append(_encode_key(k, path))
+        values.append(_encode(v, _join(path, k), out))
+    return {"t": "dict", "k": keys, "v": values}
+
+
+def _encode_key(k: Any, path: str) -> Any:
+    if k is None or isinstance(k, (bool, int, str)):
+        return k
+    if isinstance(k, float):
+        return {"t": "float", "v": repr(k)}
+    if isinstance(k, tuple):
+        return {"t": "tuple", "v": [_encode_key(x, path) for x in k]}
+    raise CheckpointError(f"dict key {k!r} under {path or '<root>'} has unsupported type {type(k).__name__}")
+
+
+def _encode(v: Any, path: str, out: Captured) -> Any:
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, float):
+        return v if math.isfinite(v) else {"t": "float", "v": repr(v)}
+    if isinstance(v, torch.Tensor):
+        out.tensors.append(CapturedTensor(path, v.detach()))
+        return {"t": "tensor", "i": len(out.tensors) - 1}
+    if type(v).__module__ == "numpy" and hasattr(v, "dtype"):
+        import numpy as np
+
+        if isinstance(v, np.ndarray):
+            out.tensors.append(CapturedTensor(path, torch.from_numpy(np.ascontiguousarray(v)), is_numpy=True))
+            return {"t": "tensor", "i": len(out.tensors) - 1, "np": True}
+        return _encode(v.item(), path, out)  # numpy scalar
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return {"t": "bytes", "v": base64.b64encode(bytes(v)).decode("ascii")}
+    if isinstance(v, Mapping):
+        return _encode_dict(v, path, out)
+    if isinstance(v, list):
+        return {"t": "list", "v": [_encode(x, _join(path, i), out) for i, x in enumerate(v)]}
+    if isinstance(v, tuple):
+        return {"t": "tuple", "v": [_encode(x, _join(path, i), out) for i, x in enumerate(v)]}
+    if isinstance(v, torch.dtype):
+        return {"t": "dtype", "v": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.device):
+        return {"t": "device", "v": str(v)}
+    if is_stateful(v):
+        return {"t": "stateful", "v": _encode_dict(v.state_dict(), path, out)}
+    raise CheckpointError(
+        f"state value at {path or '<root>'} has unsupported type {type(v).__name__}; store tensors, "
+        "containers, scalars, str/bytes or objects with state_dict()/load_state_dict()")
+
+
+# ---------------------------------------------------------------------- decoding
+
+#: ``loader(index, target_or_None) -> tensor``: returns ``target`` filled in place when it fits, else a new tensor.
+TensorLoader = Callable[[int, "torch.Tensor | None"], torch.Tensor]
+
+
+def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
+    """Rebuilds a value from its tree node, loading tensors through ``loader``.
+
+    Args:
+        node: a tree node produced by :func:`capture`.
+        loader: loads tensor ``i``, into ``target`` when given and compatible.
+        target: the live value at the same path (or None): tensors are filled in place, Stateful objects get
+            ``load_state_dict``.
+
+    Returns:
+        The decoded value (the same object as ``target`` when it was loaded in place).
+
+    Raises:
+        CorruptCheckpointError: the tree is malformed.
+        StateMismatchError: a Stateful object in the checkpoint meets a non-Stateful live value.
+    """
+    if not isinstance(node, dict):
+        return node
+    tag = node.get("t")
+    if tag == "tensor":
+        tgt = target
+        if isinstance(target, torch.Tensor):
+            tgt = target
+        elif target is not None and type(target).__module__ == "numpy" and hasattr(target, "shape"):
+            tgt = torch.from_numpy(target) if target.flags.writeable and target.flags.c_contiguous else None
+        else:
+            tgt = None
+        t = loader(int(node["i"]), tgt)
+        if node.get("np"):
+            if tgt is not None and t is tgt and target is not None and not isinstance(target, torch.Tensor):
+                return target
+            return t.numpy()
+        return t
+    if tag == "dict":
+        tmap = target if isinstance(target, Mapping) else {}
+        result = {}
+        for k_node, v_node in zip(node["k"], node["v"]):
+            k = _decode_key(k_node)
+            result[k] = decode(v_node, loader, tmap.get(k) if k in tmap else None)
+        return result
+    if tag in ("list", "tuple"):
+        tlist = target if isinstance(target, (list, tuple)) else ()
+        items = [decode(x, loader, tlist[i] if i < len(tlist) else None) for i, x in enumerate(node["v"])]
+        return items if tag == "list" else tuple(items)
+    if tag == "float":
+        return float(node["v"])
+    if tag == "bytes":
+        return base64.b64decode(node["v"])
+    if tag == "dtype":
+        return getattr(torch, node["v"])
+    if tag == "device":
+        return torch.device(node["v"])
+    if tag == "stateful":
+        if target is None:
+            return decode(node["v"], loader, None)
+        if not is_stateful(target):
+            raise StateMismatchError(
+                f"checkpoint holds a state_dict() for a {type(target).__name__}, which has no load_state_dict()")
+        current = target.state_dict()
+        new_sd = decode(node["v"], loader, current)
+        target.load_state_dict(new_sd)
+        return target
+    from trainguard.checkpoint.errors import CorruptCheckpointError
+
+    raise CorruptCheckpointError(f"checkpoint tree has an unknown node tag {tag!r}; the manifest is damaged")
+
+
+def _decode_key(k: Any) -> Any:
+    if isinstance(k, dict):
+        if k.get("t") == "float":
+            return float(k["v"])
+        if k.get("t") == "tuple":
+            return tuple(_decode_key(x) for x in k["v"])
+    return k
+
+
+def restore_into(tree: dict[str, Any], loader: TensorLoader, state: MutableMapping[str, Any]) -> None:
+    """Loads a checkpoint tree into the live ``state`` mapping in place.
+
+    Stateful values get ``load_state_dict``, tensors get filled in place, other leaves are replaced in the mapping.
+
+    Args:
+        tree: the root tree node (a ``dict`` node).
+        loader: see :func:`decode`.
+        state: the live state; every one of its keys must be in the checkpoint.
+
+    Raises:
+        StateMismatchError: a key of ``state`` is not in the checkpoint.
+    """
+    keys = [_decode_key(k) for k in tree["k"]]
+    nodes = dict(zip(keys, tree["v"]))
+    missing = [k for k in state if k not in nodes]
+    if missing:
+        raise StateMismatchError(
+            f"state keys {missing} are not in the checkpoint (it has {keys}); restore with matching keys")
+    for k in list(state):
+        new = decode(nodes[k], loader, state[k])
+        if new is not state[k]:
+            state[k] = new

@@ -1,0 +1,139 @@
+"""The public API end to end: save/wait/restore/steps/close, in place, atomic multi-rank commit, errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+from conftest import assert_same, flat, small_model, train_step
+
+from trainguard.checkpoint import (
+    CheckpointConfig,
+    CheckpointError,
+    Checkpointer,
+    StorageUnavailableError,
+    WorldSizeMismatchError,
+)
+from trainguard.checkpoint.errors import CheckpointConfigError
+
+
+def test_roundtrip_in_place_every_leaf_kind(make_config):
+    m, opt = small_model(0)
+    extra = {"epoch": 3, "lr": 0.5, "nan": float("nan"), "name": "run", "blob": b"\x00\x01", "none": None,
+             "tup": (1, [2, 3]), "ints": {7: "seven"}, "big": torch.arange(10, dtype=torch.int64)}
+    state = {"model": m, "optim": opt, "extra": extra, "rng": torch.get_rng_state()}
+    with Checkpointer(make_config(), job="j") as ck:
+        h = ck.save(state, 10)
+        assert h.wait(timeout=30)
+        assert set(h.tiers_done) == {"memory", "disk"}
+        expected = flat(m, opt)
+
+    m2, opt2 = small_model(1)
+    w_before = m2[0].weight
+    state2 = {"model": m2, "optim": opt2, "extra": None, "rng": torch.zeros(3, dtype=torch.uint8)}
+    with Checkpointer(make_config(), job="j") as ck:
+        assert ck.restore(state2) == 10
+        assert ck.last_restore_tier == "disk"  # the first checkpointer's clean close released the memory tier
+    assert m2[0].weight is w_before  # loaded in place
+    assert_same(flat(m2, opt2), expected)
+    got = state2["extra"]
+    assert got["epoch"] == 3 and got["lr"] == 0.5 and got["nan"] != got["nan"] and got["blob"] == b"\x00\x01"
+    assert got["tup"] == (1, [2, 3]) and got["ints"] == {7: "seven"} and got["none"] is None
+    assert torch.equal(got["big"], torch.arange(10))
+    assert torch.equal(state2["rng"], state["rng"])
+    train_step(m2, opt2)  # the restored optimizer works
+
+
+def test_restore_prefers_memory_and_in_place_tensor(make_config):
+    t = torch.randn(100)
+    with Checkpointer(make_config(), job="j") as ck:
+        ck.save({"t": t}, 1)
+        assert ck.wait(1, timeout=30)
+        live = torch.zeros(100)
+        assert ck.restore({"t": live}) == 1
+        assert ck.last_restore_tier == "memory"
+        assert torch.equal(live, t)
+        assert [s.step for s in ck.steps()] == [1] and ck.steps()[0].tiers == ["memory", "disk"]
+
+
+def test_nothing_to_restore_returns_none(make_config):
+    with Checkpointer(make_config(), job="empty") as ck:
+        assert ck.restore({"x": torch.zeros(1)}) is None
+        assert ck.last_restore_tier is None
+        assert ck.steps() == []
+
+
+def test_step_visible_only_when_every_rank_committed(make_config):
+    cfg = make_config()
+    r0 = Checkpointer(cfg, rank=0, world_size=2, job="mr")
+    r1 = Checkpointer(cfg, rank=1, world_size=2, job="mr")
+    try:
+        r0.save({"w": torch.ones(4)}, 3)
+        assert r0.wait(3, timeout=30)
+        assert r0.steps() == [] and r1.steps() == []  # rank 1 has not committed
+        assert r0.restore({"w": torch.zeros(4)}) is None
+        r1.save({"w": torch.full((4,), 2.0)}, 3)
+        assert r1.wait(3, timeout=30)
+        assert [s.step for s in r0.steps()] == [3]
+        rec = r0.disk.record()
+        assert rec is not None and rec["step"] == 3 and rec["world_size"] == 2
+        w = torch.zeros(4)
+        assert r1.restore({"w": w}) == 3 and torch.equal(w, torch.full((4,), 2.0))  # each rank its own copy
+    finally:
+        r0.close()
+        r1.close()
+
+
+def test_world_size_mismatch_refused_unless_replicated(make_config):
+    with Checkpointer(make_config(), rank=0, world_size=1, job="ws") as ck:
+        ck.save({"w": torch.arange(4.0)}, 1)
+        ck.wait(timeout=30)
+    with Checkpointer(make_config(), rank=1, world_size=2, job="ws") as ck2:
+        with pytest.raises(WorldSizeMismatchError, match="saved by 1 ranks but this job has 2"):
+            ck2.restore({"w": torch.zeros(4)})
+    with Checkpointer(make_config(replicated=True), rank=1, world_size=2, job="ws") as ck3:
+        w = torch.zeros(4)
+        assert ck3.restore({"w": w}) == 1 and torch.equal(w, torch.arange(4.0))
+
+
+def test_retention_keeps_last_k_on_disk(make_config):
+    with Checkpointer(make_config(disk={"keep": 2}), job="ret") as ck:
+        for s in range(5):
+            ck.save({"w": torch.full((8,), float(s))}, s)
+            assert ck.wait(s, timeout=30)
+        assert sorted(ck.disk.list_steps()) == [3, 4]
+
+
+def test_unwritable_directory_raises_one_line_error(tmp_path, make_config):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        with pytest.raises(StorageUnavailableError) as ei:
+            Checkpointer(CheckpointConfig(directory=str(ro / "ck")), job="x")
+        assert "\n" not in str(ei.value) and "read-only" in str(ei.value)
+        assert isinstance(ei.value, CheckpointError)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_config_validation_and_toml(tmp_path):
+    with pytest.raises(CheckpointConfigError, match="memory.keep"):
+        CheckpointConfig(directory="x", memory={"keep": 0})
+    with pytest.raises(CheckpointConfigError, match="unknown key"):
+        CheckpointConfig.from_dict({"directory": "x", "bogus": 1})
+    p = tmp_path / "c.toml"
+    p.write_text('[checkpoint]\ndirectory = "/data/ck"\n[checkpoint.disk]\nkeep = 7\n'
+                 '[checkpoint.remote]\nurl = "memory://bucket"\n')
+    cfg = CheckpointConfig.from_toml(p)
+    assert cfg.disk.keep == 7 and cfg.remote_url == "memory://bucket" and cfg.disk_directory == "/data/ck"
+
+
+def test_unsupported_value_is_a_clear_error(make_config):
+    with Checkpointer(make_config(), job="bad") as ck:
+        with pytest.raises(CheckpointError, match="extra.f.*unsupported type"):
+            ck.save({"extra": {"f": object()}}, 1)
+        ck.save({"w": torch.ones(2)}, 2)  # the checkpointer still works
+        assert ck.wait(2, timeout=30)
