@@ -178,17 +178,22 @@ class DetectorsSection:
     """``[detectors]``: which detectors run and where they read the hardware.
 
     Attributes:
-        enabled: detector names to run; ``["all"]`` runs every registered detector. Default ``["all"]``.
+        enabled: detector names to run; ``["all"]`` runs the default set of the detectors package. Default
+            ``["all"]``.
         root: path prefix of the /sys, /proc and /dev files detectors read (tests point it at a fake tree).
             Default ``/``.
-        interval_s: sampling period of polled detectors, in seconds. Default 5.0.
+        interval_s: sampling period of every polled detector, in seconds; 0 keeps each detector's own default.
+            A ``[detectors.<name>]`` table may set its own. Default 0.
         recent_events: health events kept in memory for ``GetHealth`` and ``WatchEvents`` replay. Default 256.
+        settings: per-detector tables ``[detectors.<name>]`` (detector name -> its fields), checked by that
+            detector's own config class.
     """
 
     enabled: list[str] = field(default_factory=lambda: ["all"])
     root: str = "/"
-    interval_s: float = 5.0
+    interval_s: float = 0.0
     recent_events: int = 256
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -420,10 +425,12 @@ class AgentConfig:
                 fail("detectors.enabled", f"{name!r} is not a detector name")
         if not d.root:
             fail("detectors.root", "must not be empty (use \"/\" for the real system)")
-        if not 0.05 <= d.interval_s <= 3600:
-            fail("detectors.interval_s", f"{d.interval_s} is outside [0.05, 3600] seconds")
+        if d.interval_s != 0 and not 0.05 <= d.interval_s <= 3600:
+            fail("detectors.interval_s", f"{d.interval_s} is outside [0.05, 3600] seconds (or 0)")
         if not 1 <= d.recent_events <= 100_000:
             fail("detectors.recent_events", f"{d.recent_events} is outside [1, 100000]")
+
+        self._validate_detectors(fail)
 
         p = self.predictor
         if not 0.0 <= p.threshold <= 1.0:
@@ -445,6 +452,37 @@ class AgentConfig:
         for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
             if getattr(c, key):
                 _check_readable(getattr(c, key), f"coordinator.{key}", fail)
+
+    def detector_names(self) -> list[str]:
+        """The detectors to run: ``detectors.enabled`` with ``"all"`` expanded to the default set."""
+        from trainguard.detectors.base import DEFAULT_DETECTORS
+
+        names: list[str] = []
+        for name in self.detectors.enabled:
+            for n in DEFAULT_DETECTORS if name == "all" else (name,):
+                if n not in names:
+                    names.append(n)
+        return names
+
+    def detector_settings(self) -> dict[str, dict[str, Any]]:
+        """Per-detector fields for ``create_detectors``: the ``[detectors.<name>]`` tables, with
+        ``detectors.interval_s`` filled in where a table does not set its own interval."""
+        out: dict[str, dict[str, Any]] = {}
+        for name in self.detector_names():
+            fields = dict(self.detectors.settings.get(name, {}))
+            if self.detectors.interval_s:
+                fields.setdefault("interval_s", self.detectors.interval_s)
+            if fields:
+                out[name] = fields
+        return out
+
+    def _validate_detectors(self, fail: Any) -> None:
+        # Detector names and their fields are checked by the detectors package when the daemon builds them
+        # (see trainguard.agent.daemon); here only what needs no import.
+        enabled = set(self.detectors.enabled)
+        for name in self.detectors.settings:
+            if "all" not in enabled and name not in enabled:
+                fail(f"detectors.{name}", f"settings for a detector that is not in detectors.enabled {sorted(enabled)}")
 
     def restart_required(self, new: "AgentConfig") -> list[str]:
         """Names the options whose change a SIGHUP reload cannot apply (a restart is needed).
@@ -534,10 +572,13 @@ def _field_type(section_cls: type, key: str) -> Any:
 
 def _build_section(section_cls: type, values: Mapping[str, Any], section: str, source: str) -> Any:
     hints = typing.get_type_hints(section_cls)
-    known = [f.name for f in dataclasses.fields(section_cls)]
-    kwargs = {}
+    known = [f.name for f in dataclasses.fields(section_cls) if f.name != "settings"]
+    kwargs: dict[str, Any] = {}
     for key, value in values.items():
-        if key not in hints:
+        if section_cls is DetectorsSection and isinstance(value, Mapping):
+            kwargs.setdefault("settings", {})[key] = dict(value)  # [detectors.<name>]
+            continue
+        if key not in hints or key == "settings":
             raise AgentConfigError(
                 f"{source}: unknown key '{key}' in [{section}]; known keys: {', '.join(known)}"
             )

@@ -36,6 +36,9 @@ def test_shipped_example_loads_and_documents_every_option():
         assert f"[{section.name}]" in text
         body = text.split(f"[{section.name}]", 1)[1].split("\n[", 1)[0]
         for f in dataclasses.fields(getattr(c, section.name)):
+            if (section.name, f.name) == ("detectors", "settings"):
+                assert "# settings: one optional table per detector, [detectors.<name>]" in body
+                continue
             assert re.search(rf"^#? ?{f.name} = ", body, re.M), f"{section.name}.{f.name} is not documented"
     # Every environment override is documented too.
     for var in [cfg.CONFIG_ENV, *cfg.ENV_OVERRIDES]:
@@ -87,6 +90,17 @@ def test_unreadable_certificate_is_named(tmp_path):
     directory.mkdir()
     path = write(tmp_path, f'[tls]\nenabled = true\ncert_file = "{key}"\nkey_file = "{directory}"\n')
     with pytest.raises(AgentConfigError, match=r"tls\.key_file: cannot read .*adir \(Is a directory\)"):
+        AgentConfig.load(path, env={})
+
+
+def test_per_detector_tables(tmp_path):
+    path = write(tmp_path, '[detectors]\nenabled = ["all"]\ninterval_s = 2\n[detectors.roce]\ninterval_s = 0.5\n')
+    c = AgentConfig.load(path, env={})
+    assert c.detectors.settings == {"roce": {"interval_s": 0.5}}
+    settings = c.detector_settings()
+    assert settings["roce"] == {"interval_s": 0.5} and settings["host"] == {"interval_s": 2.0}
+    path = write(tmp_path, '[detectors]\nenabled = ["roce"]\n[detectors.kmsg]\nx = 1\n')
+    with pytest.raises(AgentConfigError, match=r"detectors\.kmsg: settings for a detector that is not in"):
         AgentConfig.load(path, env={})
 
 
