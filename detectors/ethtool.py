@@ -1,0 +1,105 @@
+"""NIC driver statistics (what ``ethtool -S`` prints), read through the SIOCETHTOOL ioctl without the tool.
+
+Three calls, as ethtool(8) makes them (linux/ethtool.h):
+
+1. ``ETHTOOL_GSSET_INFO`` for ``ETH_SS_STATS``: how many statistics the driver exports;
+2. ``ETHTOOL_GSTRINGS``: their names, 32 bytes each (``rx_prio3_pause``, ``tx_pause_storm_error_events``...);
+3. ``ETHTOOL_GSTATS``: their values, one u64 each.
+
+The driver strings differ per vendor; the PFC counters of mlx5 are ``rx_prio<N>_pause``/``tx_prio<N>_pause``.
+:func:`parse_ethtool_s` reads the text output of ``ethtool -S`` for where the tool's output is what is at hand.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import re
+import socket
+import struct
+
+from trainguard.detectors.errors import DetectorReadError
+
+SIOCETHTOOL = 0x8946
+ETHTOOL_GSTRINGS = 0x1B
+ETHTOOL_GSTATS = 0x1D
+ETHTOOL_GSSET_INFO = 0x37
+ETH_SS_STATS = 1
+ETH_GSTRING_LEN = 32
+IFNAMSIZ = 16
+
+
+def _ioctl(sock: socket.socket, ifname: str, buf: ctypes.Array) -> None:
+    # struct ifreq: char ifr_name[16]; then a union whose member ifr_data is a pointer to our buffer.
+    ifreq = struct.pack(f"{IFNAMSIZ}sP", ifname.encode()[: IFNAMSIZ - 1], ctypes.addressof(buf))
+    ifreq += b"\0" * (40 - len(ifreq))
+    fcntl.ioctl(sock.fileno(), SIOCETHTOOL, ifreq)
+
+
+def ethtool_stats(ifname: str) -> dict[str, int]:
+    """Reads the driver statistics of ``ifname`` in the current network namespace.
+
+    Args:
+        ifname: interface name.
+
+    Returns:
+        Statistic name -> value; empty when the driver exports none.
+
+    Raises:
+        DetectorReadError: no such interface, or the driver refuses the request.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        # struct ethtool_sset_info { u32 cmd; u32 reserved; u64 sset_mask; u32 data[]; }
+        info = ctypes.create_string_buffer(struct.pack("=IIQI", ETHTOOL_GSSET_INFO, 0, 1 << ETH_SS_STATS, 0))
+        _ioctl(sock, ifname, info)
+        _, _, mask, count = struct.unpack("=IIQI", info.raw[:20])
+        if not mask & (1 << ETH_SS_STATS) or count == 0:
+            return {}
+        # struct ethtool_gstrings { u32 cmd; u32 string_set; u32 len; u8 data[]; }
+        strings = ctypes.create_string_buffer(
+            struct.pack("=III", ETHTOOL_GSTRINGS, ETH_SS_STATS, count) + b"\0" * (count * ETH_GSTRING_LEN)
+        )
+        _ioctl(sock, ifname, strings)
+        raw_names = strings.raw[12 : 12 + count * ETH_GSTRING_LEN]
+        names = [raw_names[i : i + ETH_GSTRING_LEN].split(b"\0", 1)[0].decode("ascii", "replace")
+                 for i in range(0, len(raw_names), ETH_GSTRING_LEN)]
+        # struct ethtool_stats { u32 cmd; u32 n_stats; u64 data[]; }
+        stats = ctypes.create_string_buffer(struct.pack("=II", ETHTOOL_GSTATS, count) + b"\0" * (8 * count))
+        _ioctl(sock, ifname, stats)
+        values = struct.unpack(f"={count}Q", stats.raw[8 : 8 + 8 * count])
+        return dict(zip(names, values))
+    except OSError as exc:
+        raise DetectorReadError(f"ethtool -S {ifname}", f"SIOCETHTOOL failed: {exc.strerror or exc}") from exc
+    finally:
+        sock.close()
+
+
+_LINE = re.compile(r"^\s+(?P<name>[^:]+):\s+(?P<value>\d+)\s*$")
+
+
+def parse_ethtool_s(text: str, source: str = "ethtool -S") -> dict[str, int]:
+    """Parses the text output of ``ethtool -S <if>``.
+
+    Args:
+        text: the output: a ``NIC statistics:`` header, then ``     name: value`` lines.
+        source: names the output in errors.
+
+    Returns:
+        Statistic name -> value.
+
+    Raises:
+        DetectorReadError: the header is missing or a line is not ``name: value``.
+    """
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("NIC statistics"):
+        raise DetectorReadError(source, "output does not start with 'NIC statistics:'")
+    out: dict[str, int] = {}
+    for number, line in enumerate(lines[1:], 2):
+        if not line.strip():
+            continue
+        m = _LINE.match(line)
+        if not m:
+            raise DetectorReadError(source, f"line {number} {line[:40]!r} is not 'name: value'")
+        out[m.group("name").strip()] = int(m.group("value"))
+    return out

@@ -1,0 +1,162 @@
+"""Link state from rtnetlink, as it happens (pyroute2), for the RoCE detector.
+
+:class:`LinkWatcher` binds an rtnetlink socket to ``RTMGRP_LINK`` (in the current or a named network namespace),
+seeds its table with a dump of every link, then blocks on the socket and calls back on each change of a link's
+usable state. A link is **up** when it is administratively up (``IFF_UP``) and has carrier (``IFLA_CARRIER``):
+operstate alone is not enough, since a veth whose peer went down reports ``DOWN`` on one side and
+``LOWERLAYERDOWN`` on the other, and drivers differ. ``IFLA_CARRIER_CHANGES`` is kept as evidence.
+
+The pyroute2 0.9 socket is read by ``get()``, which blocks; :meth:`LinkWatcher.stop` closes the socket from
+another thread, which makes the pending ``get()`` return empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+IFF_UP = 0x1
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    """State of one network link.
+
+    Attributes:
+        ifname: interface name.
+        index: interface index.
+        admin_up: ``IFF_UP`` is set.
+        carrier: the driver reports carrier.
+        operstate: RFC 2863 operational state as the kernel names it (``UP``, ``DOWN``, ``LOWERLAYERDOWN``...).
+        carrier_changes: the kernel's count of carrier transitions (0 when not reported).
+        removed: the link was deleted (``RTM_DELLINK``).
+        time: Unix time when the message was received.
+    """
+
+    ifname: str
+    index: int
+    admin_up: bool
+    carrier: bool
+    operstate: str
+    carrier_changes: int
+    removed: bool = False
+    time: float = 0.0
+
+    @property
+    def up(self) -> bool:
+        """Usable: administratively up, with carrier, and not removed."""
+        return self.admin_up and self.carrier and not self.removed
+
+
+def link_from_message(msg: Any, received: float | None = None) -> LinkInfo | None:
+    """Decodes an ``RTM_NEWLINK``/``RTM_DELLINK`` message.
+
+    Args:
+        msg: a pyroute2 ``ifinfmsg``.
+        received: Unix time of reception; now when None.
+
+    Returns:
+        The link state, or None for a message that is not about a link.
+    """
+    event = msg.get("event")
+    if event not in ("RTM_NEWLINK", "RTM_DELLINK"):
+        return None
+    name = msg.get_attr("IFLA_IFNAME")
+    if name is None:
+        return None
+    carrier = msg.get_attr("IFLA_CARRIER")
+    return LinkInfo(
+        ifname=name,
+        index=int(msg.get("index", 0)),
+        admin_up=bool(int(msg.get("flags", 0)) & IFF_UP),
+        carrier=bool(carrier) if carrier is not None else False,
+        operstate=str(msg.get_attr("IFLA_OPERSTATE") or "UNKNOWN"),
+        carrier_changes=int(msg.get_attr("IFLA_CARRIER_CHANGES") or 0),
+        removed=event == "RTM_DELLINK",
+        time=time.time() if received is None else received,
+    )
+
+
+class LinkWatcher:
+    """Blocks on rtnetlink link notifications and reports each link's state.
+
+    Args:
+        on_link: called from the watching thread with every decoded link message (changes and the initial dump,
+            the latter with ``initial=True``).
+        netns: name of a network namespace (``ip netns add``) to watch; the agent's own when empty.
+    """
+
+    def __init__(self, on_link: Callable[[LinkInfo, bool], None], netns: str = "") -> None:
+        self._on_link = on_link
+        self._netns = netns
+        self._lock = threading.Lock()
+        self._sock: Any = None
+        self._stopped = False
+        self.ready = threading.Event()
+
+    def _open(self) -> Any:
+        from pyroute2 import IPRoute
+
+        return IPRoute(netns=self._netns) if self._netns else IPRoute()
+
+    def run(self) -> None:
+        """Seeds the table and blocks delivering changes until :meth:`stop` (call from a dedicated thread).
+
+        Raises:
+            OSError / pyroute2 errors: the socket cannot be opened (no such namespace, no permission).
+        """
+        from pyroute2.netlink.rtnl import RTMGRP_LINK
+
+        sock = self._open()
+        with self._lock:
+            if self._stopped:
+                sock.close()
+                return
+            self._sock = sock
+        try:
+            # Bind before the dump so that no change between the two is lost.
+            sock.bind(groups=RTMGRP_LINK)
+            dump = self._open()
+            try:
+                for msg in dump.get_links():
+                    info = link_from_message(msg)
+                    if info is not None:
+                        self._on_link(info, True)
+            finally:
+                dump.close()
+            self.ready.set()
+            while True:
+                msgs = sock.get()
+                received = time.time()
+                if not msgs:
+                    return  # stop() closed the socket
+                for msg in msgs:
+                    info = link_from_message(msg, received)
+                    if info is not None:
+                        self._on_link(info, False)
+        finally:
+            self.ready.set()
+            with self._lock:
+                self._sock = None
+                self._stopped = True
+            try:
+                sock.close()
+            except Exception:  # noqa: BLE001 - closing twice after stop() is harmless
+                pass
+
+    def stop(self) -> None:
+        """Makes :meth:`run` return; safe from any thread, more than once."""
+        with self._lock:
+            self._stopped = True
+            sock = self._sock
+        if sock is not None:
+            try:
+                sock.close()
+            except Exception:  # noqa: BLE001
+                log.debug("closing the rtnetlink socket failed", exc_info=True)

@@ -1,0 +1,382 @@
+"""RoCE network detector: link up/down from netlink as it happens, flaps, and NIC/RDMA error counters.
+
+Event-driven part (its own thread, see :mod:`trainguard.detectors.netlink`): each watched link going down yields
+``net.link_down`` at once, coming back ``net.link_up``; ``flap_threshold`` downs within ``flap_window_s`` yield
+``net.link_flapping`` (cleared when the window empties). Polled part (``sample()``):
+
+- a link down for longer than ``down_grace_s``: ``net.link_down_persistent``;
+- ``/sys/class/net/<if>/statistics/*`` (errors, drops, CRC);
+- ``/sys/class/infiniband/<dev>/ports/<n>/state`` (``4: ACTIVE``) and the ``counters`` / ``hw_counters`` files
+  (symbol errors, link downed, out-of-sequence, sequence errors, ACK timeouts, RNR retries, CNPs);
+- PFC pause counters from the NIC driver statistics (``ethtool -S``, read by ioctl).
+
+Thresholds are the ``counters.json`` rules. Watched interfaces are ``interfaces`` (glob patterns) or, when empty,
+the netdevs of the RDMA devices (``/sys/class/infiniband/<dev>/device/net/*``).
+"""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from trainguard.detectors.base import (
+    DetectorConfig,
+    DetectorState,
+    ListeningDetector,
+    Sample,
+    register_detector,
+)
+from trainguard.detectors.counters import CounterTracker
+from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
+from trainguard.detectors.ethtool import ethtool_stats
+from trainguard.detectors.events import Action, HealthEvent, Severity
+from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message
+from trainguard.detectors.rules import CounterRule, load_counter_rules
+from trainguard.detectors.sysfs import list_dir, read_int, read_text
+
+_PORT_STATE = re.compile(r"^(\d+):\s*(\S+)$")
+
+
+@dataclass
+class RoceConfig(DetectorConfig):
+    """Settings of the RoCE detector.
+
+    Attributes:
+        interval_s: seconds between counter samples. Default 5.0.
+        interfaces: glob patterns of the netdevs to watch; empty means the netdevs of the RDMA devices.
+        netns: named network namespace holding the interfaces; empty for the agent's own.
+        flap_window_s: window for flap counting, seconds. Default 60.0.
+        flap_threshold: downs within the window that make a link "flapping". Default 3.
+        down_grace_s: a link down longer than this, seconds, is reported as persistent. Default 30.0.
+        rdma: read RDMA port state and counters. Default True.
+        ethtool: read NIC driver statistics (PFC pauses). Default True.
+        rules_file: an operator counter-rule file replacing the shipped ``counters.json``; empty for shipped.
+    """
+
+    interval_s: float = 5.0
+    interfaces: tuple[str, ...] = ()
+    netns: str = ""
+    flap_window_s: float = 60.0
+    flap_threshold: int = 3
+    down_grace_s: float = 30.0
+    rdma: bool = True
+    ethtool: bool = True
+    rules_file: str = ""
+
+    def validate(self) -> None:
+        """Checks ranges.
+
+        Raises:
+            DetectorConfigError: a value is out of range.
+        """
+        super().validate()
+        if self.flap_threshold < 1 or self.flap_window_s <= 0 or self.down_grace_s < 0:
+            raise DetectorConfigError("roce: flap_threshold must be >= 1, flap_window_s > 0, down_grace_s >= 0")
+
+
+@register_detector
+class RoceDetector(ListeningDetector):
+    """Watches RoCE links and counters."""
+
+    name: ClassVar[str] = "roce"
+    config_class: ClassVar[type[DetectorConfig]] = RoceConfig
+    default_interval_s: ClassVar[float] = 5.0
+
+    def __init__(self, config: RoceConfig | None = None,
+                 ethtool: Callable[[str], dict[str, int]] | None = None) -> None:
+        """Creates the detector.
+
+        Args:
+            config: settings.
+            ethtool: reads driver statistics of an interface; the SIOCETHTOOL ioctl when None.
+
+        Raises:
+            RuleFileError: the counter rule file is invalid.
+        """
+        super().__init__(config)
+        self.config: RoceConfig
+        self._ethtool = ethtool or ethtool_stats
+        self._rules: dict[str, list[CounterRule]] = collections.defaultdict(list)
+        for rule in load_counter_rules(self.config.rules_file or None):
+            self._rules[rule.source].append(rule)
+        self._counters = CounterTracker()
+        self._lock = threading.RLock()
+        self._links: dict[str, LinkInfo] = {}
+        self._down_since: dict[str, float] = {}
+        self._downs: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
+        self._emit: Callable[[HealthEvent], None] | None = None
+        self._watcher: LinkWatcher | None = None
+        self._stopping = False
+        self._listening = False
+
+    # -- which interfaces -------------------------------------------------------------------------------------
+
+    def rdma_netdevs(self) -> list[str]:
+        """Netdevs backing the RDMA devices under the root (RoCE NICs).
+
+        Returns:
+            Interface names.
+        """
+        ib = self.config.path("/sys/class/infiniband")
+        return sorted({n for dev in list_dir(ib) for n in list_dir(os.path.join(ib, dev, "device", "net"))})
+
+    def _patterns(self) -> tuple[str, ...]:
+        return self.config.interfaces or tuple(self.rdma_netdevs())
+
+    def watched(self, ifname: str) -> bool:
+        """Whether ``ifname`` is one of the watched interfaces.
+
+        Args:
+            ifname: interface name.
+
+        Returns:
+            True when it matches a configured pattern (or is an RDMA netdev when none is configured).
+        """
+        return any(fnmatch.fnmatchcase(ifname, p) for p in self._patterns())
+
+    # -- event-driven link state ------------------------------------------------------------------------------
+
+    def listen(self, emit: Callable[[HealthEvent], None]) -> None:
+        """Blocks delivering link events until :meth:`stop_listening` (returns at once with nothing to watch).
+
+        Args:
+            emit: receives each event.
+        """
+        if not self._patterns():
+            return
+        with self._lock:
+            if self._stopping:
+                return
+            self._emit = emit
+            self._watcher = LinkWatcher(self._on_link, self.config.netns)
+            self._listening = True
+        try:
+            self._watcher.run()
+        finally:
+            with self._lock:
+                self._listening = False
+
+    def stop_listening(self) -> None:
+        """Makes :meth:`listen` return."""
+        with self._lock:
+            self._stopping = True
+            watcher = self._watcher
+        if watcher is not None:
+            watcher.stop()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Waits until the listener has its initial link table (tests, benchmarks).
+
+        Args:
+            timeout_s: seconds to wait.
+
+        Returns:
+            True when ready.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            watcher = self._watcher
+            if watcher is not None:
+                return watcher.ready.wait(max(0.0, deadline - time.monotonic()))
+            time.sleep(0.01)
+        return False
+
+    def _on_link(self, info: LinkInfo, initial: bool) -> None:
+        if not self.watched(info.ifname):
+            return
+        events: list[HealthEvent] = []
+        now = time.monotonic()
+        with self._lock:
+            prev = self._links.get(info.ifname)
+            self._links[info.ifname] = info
+            if info.up:
+                self._down_since.pop(info.ifname, None)
+            else:
+                self._down_since.setdefault(info.ifname, now)
+            if initial or (prev is not None and prev.up == info.up) or (prev is None and info.up):
+                return
+            evidence = {"ifname": info.ifname, "operstate": info.operstate, "carrier": int(info.carrier),
+                        "admin_up": int(info.admin_up), "carrier_changes": info.carrier_changes,
+                        "removed": int(info.removed)}
+            if not info.up:
+                downs = self._downs[info.ifname]
+                downs.append(now)
+                self._trim(downs, now)
+                why = "removed" if info.removed else ("administratively down" if not info.admin_up else "no carrier")
+                events.append(self.event("net.link_down", Severity.ERROR, Action.CHECKPOINT_NOW,
+                                         f"link {info.ifname} went down ({why}, operstate {info.operstate})",
+                                         info.ifname, {**evidence, "downs_in_window": len(downs)}))
+                if len(downs) >= self.config.flap_threshold:
+                    s = Sample()
+                    self._flap_condition(s, info.ifname, len(downs))
+                    events.extend(s.events)
+            else:
+                events.append(self.event("net.link_up", Severity.INFO, Action.NONE,
+                                         f"link {info.ifname} is up again", info.ifname, evidence))
+        emit = self._emit
+        if emit is not None:
+            for ev in events:
+                ev = HealthEvent(**{**ev.__dict__, "time": info.time or ev.time})
+                emit(ev)
+
+    def _trim(self, downs: collections.deque[float], now: float) -> None:
+        while downs and now - downs[0] > self.config.flap_window_s:
+            downs.popleft()
+
+    def _flap_condition(self, s: Sample, ifname: str, count: int) -> None:
+        self.condition(s, f"flap/{ifname}", count >= self.config.flap_threshold, "net.link_flapping",
+                       Severity.CRITICAL, Action.DRAIN_NODE,
+                       f"link {ifname} went down {count} times within {self.config.flap_window_s:.0f} s",
+                       ifname, {"downs_in_window": count, "threshold": self.config.flap_threshold})
+
+    def _dump_links(self) -> None:
+        """One-shot link table when no listener runs (``trainguard detect``)."""
+        from pyroute2 import IPRoute
+
+        ipr = IPRoute(netns=self.config.netns) if self.config.netns else IPRoute()
+        try:
+            for msg in ipr.get_links():
+                info = link_from_message(msg)
+                if info is not None:
+                    self._on_link(info, True)
+        finally:
+            ipr.close()
+
+    # -- polled part -----------------------------------------------------------------------------------------
+
+    def sample(self) -> Sample:
+        """Checks persistent downs, flap windows and every counter once.
+
+        Returns:
+            Link and counter metrics, counter-threshold and port-state events.
+        """
+        s = Sample()
+        patterns = self._patterns()
+        ib_root = self.config.path("/sys/class/infiniband")
+        ib_devs = list_dir(ib_root) if self.config.rdma else []
+        if not patterns and not ib_devs:
+            return self.no_hardware("no RDMA devices under /sys/class/infiniband and no interfaces configured")
+        if patterns and not self._listening and not self._links:
+            try:
+                self._dump_links()
+            except Exception as exc:  # noqa: BLE001 - no netlink (namespace gone...) is a read error, not a crash
+                s.error(DetectorReadError(f"rtnetlink {self.config.netns or ''}".strip(), str(exc)))
+        now = time.monotonic()
+        self._sample_links(s, now)
+        netdev_root = self.config.path("/sys/class/net")
+        # The ioctl sees the agent's own namespace only; an injected reader (tests) works on any tree.
+        use_ethtool = self.config.ethtool and (
+            self._ethtool is not ethtool_stats or (self.config.root == "/" and not self.config.netns)
+        )
+        for ifname in sorted(i for i in list_dir(netdev_root) if self.watched(i)):
+            self._sample_netdev(s, os.path.join(netdev_root, ifname, "statistics"), ifname, now)
+            if use_ethtool:
+                try:
+                    stats = self._ethtool(ifname)
+                except DetectorReadError as exc:
+                    s.error(exc)
+                    stats = {}
+                for name, value in sorted(stats.items()):
+                    self._apply(s, "ethtool", ifname, name, value, now)
+        for dev in ib_devs:
+            for port in list_dir(os.path.join(ib_root, dev, "ports")):
+                self._sample_ib_port(s, os.path.join(ib_root, dev, "ports", port), f"{dev}/{port}", now)
+        return s
+
+    def _sample_links(self, s: Sample, now: float) -> None:
+        with self._lock:
+            links = {k: v for k, v in self._links.items() if self.watched(k)}
+            down = 0
+            for ifname, info in sorted(links.items()):
+                s.metrics[f"link_up[{ifname}]"] = 1.0 if info.up else 0.0
+                downs = self._downs.get(ifname, collections.deque())
+                self._trim(downs, now)
+                s.metrics[f"link_downs_in_window[{ifname}]"] = float(len(downs))
+                if f"flap/{ifname}" in self._active:
+                    self._flap_condition(s, ifname, len(downs))
+                since = self._down_since.get(ifname)
+                if since is not None:
+                    down += 1
+                    s.worsen(DetectorState.FAILED, f"link {ifname} is down")
+                persistent = since is not None and now - since >= self.config.down_grace_s
+                self.condition(s, f"down/{ifname}", persistent, "net.link_down_persistent", Severity.CRITICAL,
+                               Action.DRAIN_NODE, f"link {ifname} has been down for over "
+                               f"{self.config.down_grace_s:.0f} s", ifname,
+                               {"operstate": info.operstate, "carrier": int(info.carrier)})
+            s.metrics["links_watched"] = float(len(links))
+            s.metrics["links_down"] = float(down)
+            s.metrics["link_flaps_in_window"] = float(sum(len(self._downs.get(i, ())) for i in links))
+
+    def _sample_netdev(self, s: Sample, stats_dir: str, ifname: str, now: float) -> None:
+        for name in list_dir(stats_dir):
+            if not any(r.matches(name) for r in self._rules["netdev"]):
+                continue
+            try:
+                value = read_int(os.path.join(stats_dir, name))
+            except DetectorReadError as exc:
+                s.error(exc)
+                continue
+            self._apply(s, "netdev", ifname, name, value, now)
+
+    def _sample_ib_port(self, s: Sample, port_dir: str, subject: str, now: float) -> None:
+        state_file = os.path.join(port_dir, "state")
+        try:
+            text = read_text(state_file)
+            m = _PORT_STATE.match(text)
+            if not m:
+                raise DetectorReadError(state_file, f"expected '<n>: <STATE>', found {text[:40]!r}")
+            active = m.group(2) == "ACTIVE"
+            s.metrics[f"port_active[{subject}]"] = 1.0 if active else 0.0
+            phys = ""
+            try:
+                phys = read_text(os.path.join(port_dir, "phys_state"))
+            except DetectorReadError:
+                pass  # phys_state is evidence only
+            self.condition(s, f"port/{subject}", not active, "roce.port_down", Severity.ERROR, Action.CHECKPOINT_NOW,
+                           f"RDMA port {subject} is {m.group(2)} ({phys or 'phys_state unknown'})", subject,
+                           {"state": text, "phys_state": phys})
+        except DetectorReadError as exc:
+            s.error(exc)
+        for folder, source in (("counters", "ib_counters"), ("hw_counters", "ib_hw_counters")):
+            cdir = os.path.join(port_dir, folder)
+            for name in list_dir(cdir):
+                if not any(r.matches(name) for r in self._rules[source]):
+                    continue
+                try:
+                    value = read_int(os.path.join(cdir, name))
+                except DetectorReadError as exc:
+                    s.error(exc)
+                    continue
+                self._apply(s, source, subject, name, value, now)
+
+    def _apply(self, s: Sample, source: str, device: str, name: str, value: int, now: float) -> None:
+        rules = [r for r in self._rules[source] if r.matches(name)]
+        if not rules:
+            return
+        d = self._counters.update(f"{source}/{device}/{name}", value, now)
+        s.metrics[f"{name}_per_s[{device}]"] = d.rate
+        s.metrics[f"{name}_per_s"] = s.metrics.get(f"{name}_per_s", 0.0) + d.rate
+        for rule in rules:
+            measured = d.delta if rule.mode == "delta" else d.rate
+            active = not d.first and measured > rule.threshold
+            unit = "" if rule.mode == "delta" else "/s"
+            self.condition(s, f"{rule.kind}/{device}/{name}", active, rule.kind, rule.severity, rule.action,
+                           f"{device} {name}: {rule.description} (now {measured:.6g}{unit})", device,
+                           {"counter": name, "value": value, "delta": d.delta, "rate_per_s": f"{d.rate:.6g}",
+                            "threshold": rule.threshold, "mode": rule.mode})
+
+    def links(self) -> dict[str, Any]:
+        """The current link table (tests and the CLI).
+
+        Returns:
+            Interface name -> :class:`~trainguard.detectors.netlink.LinkInfo`.
+        """
+        with self._lock:
+            return dict(self._links)

@@ -1,0 +1,193 @@
+"""RoCE detector: real link events from a veth pair in a namespace; counters on fake sysfs trees."""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainguard.detectors.base import DetectorState
+from trainguard.detectors.ethtool import parse_ethtool_s
+from trainguard.detectors.events import Action, HealthEvent, Severity
+from trainguard.detectors.errors import DetectorReadError
+from trainguard.detectors.roce import RoceConfig, RoceDetector
+from trainguard.detectors.runner import DetectorRunner
+
+
+def next_event(q: "queue.Queue[HealthEvent]", kind: str, subject: str, timeout: float = 5.0) -> HealthEvent:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ev = q.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if ev.kind == kind and ev.subject == subject:
+            return ev
+    raise AssertionError(f"no {kind} for {subject} within {timeout} s")
+
+
+def ip(ns: str, *args: str) -> None:
+    subprocess.run(["ip", "-n", ns, *args], check=True, timeout=10)
+
+
+@pytest.mark.netns
+def test_link_down_up_and_flapping_on_a_real_veth_pair(veth_netns, tmp_path) -> None:
+    ns, a, b = veth_netns
+    cfg = RoceConfig(root=str(tmp_path), netns=ns, interfaces=("tgv*",), flap_threshold=3, flap_window_s=60,
+                     down_grace_s=3600, ethtool=False, interval_s=0.2)
+    det = RoceDetector(cfg)
+    q: queue.Queue[HealthEvent] = queue.Queue()
+    with DetectorRunner([det], on_event=q.put) as runner:
+        assert det.wait_ready(30.0), "the netlink listener did not start"
+        t0 = time.time()
+        ip(ns, "link", "set", a, "down")
+        down = next_event(q, "net.link_down", a)
+        latency = down.time - t0
+        assert latency < 5.0
+        assert down.severity == Severity.ERROR and down.action == Action.CHECKPOINT_NOW
+        assert "administratively down" in down.message
+        peer = next_event(q, "net.link_down", b)
+        assert "no carrier" in peer.message and peer.evidence["carrier"] == "0"
+        time.sleep(0.5)
+        assert runner.statuses()[0].state == DetectorState.FAILED
+        assert runner.latest_metrics()["roce.links_down"] == 2.0
+        ip(ns, "link", "set", a, "up")
+        up = next_event(q, "net.link_up", a)
+        assert up.severity == Severity.INFO
+        for _ in range(2):
+            ip(ns, "link", "set", a, "down")
+            ip(ns, "link", "set", a, "up")
+        flap = next_event(q, "net.link_flapping", a)
+        assert flap.severity == Severity.CRITICAL and flap.action == Action.DRAIN_NODE
+        assert flap.evidence["downs_in_window"] == "3"
+    print(f"link down -> event latency: {latency * 1000:.1f} ms")
+
+
+@pytest.mark.netns
+def test_persistent_down_and_one_shot_dump_without_listener(veth_netns, tmp_path) -> None:
+    ns, a, _ = veth_netns
+    ip(ns, "link", "set", a, "down")
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=0.0, ethtool=False))
+    s = det.sample()  # no listener running: the detector dumps the link table once
+    assert s.metrics[f"link_up[{a}]"] == 0.0 and s.state == DetectorState.FAILED
+    assert [e.kind for e in s.events] == ["net.link_down_persistent"]
+
+
+@pytest.mark.netns
+def test_ethtool_ioctl_reads_real_driver_statistics(veth_netns) -> None:
+    ns, a, _ = veth_netns
+    code = ("from trainguard.detectors.ethtool import ethtool_stats; import json; "
+            f"print(json.dumps(ethtool_stats({a!r})))")
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    import json
+    stats = json.loads(out)
+    assert "peer_ifindex" in stats and stats["peer_ifindex"] > 0  # veth's own statistic, from the kernel
+
+
+def build_rdma_tree(root, *, state="4: ACTIVE", symbol=0, link_downed=0, oos=0, rx_crc=0):
+    port = root / "sys/class/infiniband/mlx5_0/ports/1"
+    (port / "counters").mkdir(parents=True, exist_ok=True)
+    (port / "hw_counters").mkdir(exist_ok=True)
+    (port / "state").write_text(state + "\n")
+    (port / "phys_state").write_text("5: LinkUp\n")
+    (port / "link_layer").write_text("Ethernet\n")
+    (port / "rate").write_text("200 Gb/sec (4X HDR)\n")
+    for name, value in (("symbol_error", symbol), ("link_downed", link_downed), ("port_rcv_errors", 0),
+                        ("port_xmit_data", 123456789), ("link_error_recovery", 0)):
+        (port / "counters" / name).write_text(f"{value}\n")
+    for name, value in (("out_of_sequence", oos), ("packet_seq_err", 0), ("local_ack_timeout_err", 0),
+                        ("rnr_nak_retry_err", 0), ("np_cnp_sent", 0), ("rp_cnp_handled", 0), ("lifespan", 10)):
+        (port / "hw_counters" / name).write_text(f"{value}\n")
+    net = root / "sys/class/infiniband/mlx5_0/device/net/ens1f0np0"
+    net.mkdir(parents=True, exist_ok=True)
+    stats = root / "sys/class/net/ens1f0np0/statistics"
+    stats.mkdir(parents=True, exist_ok=True)
+    for name, value in (("rx_crc_errors", rx_crc), ("rx_errors", 0), ("tx_errors", 0), ("rx_dropped", 0),
+                        ("tx_dropped", 0), ("rx_bytes", 99)):
+        (stats / name).write_text(f"{value}\n")
+
+
+def test_rdma_counters_on_a_fake_tree(tmp_path) -> None:
+    build_rdma_tree(tmp_path)
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    det._listening = True  # the link table comes from the listener; this test is about counters only
+    assert det.rdma_netdevs() == ["ens1f0np0"]
+    s = det.sample()
+    assert s.events == [] and s.metrics["port_active[mlx5_0/1]"] == 1.0
+    time.sleep(0.05)
+    build_rdma_tree(tmp_path, link_downed=1, symbol=1000, oos=10**6, rx_crc=500)
+    s = det.sample()
+    kinds = sorted(e.kind for e in s.events)
+    assert kinds == ["net.crc_errors", "roce.link_downed", "roce.out_of_sequence", "roce.symbol_errors"]
+    downed = next(e for e in s.events if e.kind == "roce.link_downed")
+    assert downed.subject == "mlx5_0/1" and downed.evidence["delta"] == "1"
+    assert s.metrics["out_of_sequence_per_s[mlx5_0/1]"] > 100
+    assert s.state == DetectorState.FAILED
+    # No further increase: every condition clears.
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == [k + ".cleared" for k in kinds]
+
+
+def test_port_not_active_and_malformed_files(tmp_path) -> None:
+    build_rdma_tree(tmp_path, state="1: DOWN")
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    det._listening = True
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["roce.port_down"] and "DOWN" in s.events[0].message
+    port = tmp_path / "sys/class/infiniband/mlx5_0/ports/1"
+    (port / "state").write_text("ACTIVE\n")
+    (port / "counters" / "symbol_error").write_text("12abc\n")
+    (port / "hw_counters" / "out_of_sequence").write_text("")
+    events: list[HealthEvent] = []
+    runner = DetectorRunner([det], on_event=events.append)
+    runner.run_once()
+    errors = [e for e in events if e.kind == "detector.error"]
+    assert len(errors) == 3, [e.message for e in errors]
+    assert {os.path.basename(e.subject) for e in errors} == {"state", "symbol_error", "out_of_sequence"}
+    assert runner.statuses()[0].state == DetectorState.ERROR
+
+
+MLX5_ETHTOOL = """NIC statistics:
+     rx_packets: 1234567
+     tx_packets: 7654321
+     rx_prio3_pause: {rx3}
+     tx_prio3_pause: 0
+     rx_prio3_pause_duration: 1000
+     rx_pause_ctrl_phy: 0
+     tx_pause_storm_error_events: {storm}
+"""
+
+
+def test_pfc_pause_storm_from_ethtool_statistics(tmp_path) -> None:
+    build_rdma_tree(tmp_path)
+    values = {"rx3": 0, "storm": 0}
+
+    def fake_ethtool_s(ifname: str) -> dict[str, int]:
+        assert ifname == "ens1f0np0"
+        return parse_ethtool_s(MLX5_ETHTOOL.format(**values))
+
+    det = RoceDetector(RoceConfig(root=str(tmp_path)), ethtool=fake_ethtool_s)
+    det._listening = True
+    det.sample()
+    time.sleep(0.05)
+    values.update(rx3=10**6, storm=1)
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == ["roce.pfc_pause_rx", "roce.pfc_storm"]
+    assert s.metrics["rx_prio3_pause_per_s[ens1f0np0]"] > 10000
+
+
+def test_parse_ethtool_s_rejects_garbage() -> None:
+    with pytest.raises(DetectorReadError, match="NIC statistics"):
+        parse_ethtool_s("no such device")
+    with pytest.raises(DetectorReadError, match="line 2"):
+        parse_ethtool_s("NIC statistics:\n     rx_packets: lots\n")
+
+
+def test_no_rdma_and_no_interfaces_is_no_hardware(tmp_path) -> None:
+    s = RoceDetector(RoceConfig(root=str(tmp_path))).sample()
+    assert s.state == DetectorState.NO_HARDWARE and "infiniband" in s.detail
