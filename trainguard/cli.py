@@ -10,7 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+
+# gRPC's fork handlers only print warnings here: the agent forks workers that never use the parent's channels.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 from collections.abc import Callable, Sequence
 
 from trainguard._version import __version__

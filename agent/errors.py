@@ -1,0 +1,21 @@
+"""Errors of the node agent and the ``trainguard run`` launcher."""
+
+from __future__ import annotations
+
+from trainguard.errors import TrainguardError
+
+
+class AgentError(TrainguardError):
+    """Base of every error the node agent raises on purpose."""
+
+
+class WorkerStartError(AgentError):
+    """A worker process could not be started (missing script, bad interpreter, fork failure)."""
+
+
+class CoordinatorUnavailableError(AgentError):
+    """The coordinator did not answer within the configured patience."""
+
+
+class JobFailedError(AgentError):
+    """The coordinator declared the job failed (restart budget exhausted or impossible membership)."""

@@ -1,0 +1,116 @@
+"""The node agent's gRPC service (``trainguard.v1.NodeAgent``) for local workers and operators.
+
+Workers reach it over a unix socket (path in ``TRAINGUARD_AGENT_SOCKET``); every call is cheap and never
+blocks on the coordinator, so a training step is never slowed by the control plane.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent import futures
+from typing import TYPE_CHECKING
+
+import grpc
+
+from trainguard._version import __version__
+from trainguard.proto import agent_pb2, agent_pb2_grpc, common_pb2
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainguard.agent.node import NodeAgent
+
+log = logging.getLogger(__name__)
+
+#: Largest request a worker or operator may send; health calls are tiny, so anything larger is garbage.
+MAX_REQUEST_BYTES = 64 * 1024
+
+
+class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
+    """Answers health queries and worker heartbeats from the agent's live state.
+
+    Args:
+        agent: the running node agent.
+    """
+
+    def __init__(self, agent: "NodeAgent") -> None:
+        self._agent = agent
+
+    def GetHealth(self, request, context):  # noqa: N802 (gRPC naming)
+        """A snapshot of the node: workers, recent events, generation, predictor score."""
+        if request.max_events < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_events must be >= 0")
+        return self._agent.health_snapshot(request.max_events or 20)
+
+    def WatchEvents(self, request, context):  # noqa: N802
+        """Streams health events (after replaying ``replay`` recent ones) until the client goes away."""
+        if request.replay < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "replay must be >= 0")
+        sub = self._agent.bus.subscribe()
+        try:
+            for ev in self._agent.bus.recent(request.replay):
+                if ev.severity >= request.min_severity:
+                    yield ev.to_proto()
+            while context.is_active() and not self._agent.stopping:
+                ev = sub.get(timeout=0.5)
+                if ev is not None and ev.severity >= request.min_severity:
+                    yield ev.to_proto()
+        finally:
+            sub.close()
+
+    def WorkerHeartbeat(self, request, context):  # noqa: N802
+        """Records a worker's step and hands back the advisories pending for it."""
+        if request.rank < 0 or request.step < -1 or request.step_time_s < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rank >= 0, step >= -1 and step_time_s >= 0 required")
+        advisories = self._agent.on_worker_heartbeat(
+            rank=request.rank, pid=request.pid, generation=request.generation, step=request.step,
+            step_time_s=request.step_time_s,
+        )
+        return agent_pb2.WorkerHeartbeatResponse(advisories=advisories, generation=self._agent.generation)
+
+    def ReportCheckpoint(self, request, context):  # noqa: N802
+        """Records that a worker's checkpoint step is durable in a tier."""
+        if request.step < 0 or request.rank < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "step and rank must be >= 0")
+        self._agent.on_checkpoint_report(request)
+        return agent_pb2.CheckpointReportResponse()
+
+
+def serve(agent: "NodeAgent", unix_socket: str | None, tcp_listen: str | None = None) -> tuple[grpc.Server, int]:
+    """Starts the NodeAgent service on a unix socket and/or a TCP address.
+
+    Args:
+        agent: the node agent whose state is served.
+        unix_socket: path of the unix socket (created with mode 0600), or None.
+        tcp_listen: ``host:port`` for remote callers, or None.
+
+    Returns:
+        The started server and the TCP port bound (0 when no TCP listener).
+    """
+    import os
+
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8),
+        options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
+    )
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentService(agent), server)
+    port = 0
+    if unix_socket:
+        if os.path.exists(unix_socket):
+            os.unlink(unix_socket)
+        server.add_insecure_port(f"unix:{unix_socket}")
+    if tcp_listen:
+        port = server.add_insecure_port(tcp_listen)
+    old = os.umask(0o077)  # the socket file is created at start(): owner-only
+    try:
+        server.start()
+    finally:
+        os.umask(old)
+    return server, port
+
+
+def now() -> float:
+    """Wall-clock seconds (one place to read the clock for timelines)."""
+    return time.time()
+
+
+__all__ = ["NodeAgentService", "serve", "MAX_REQUEST_BYTES", "common_pb2", "__version__"]

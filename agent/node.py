@@ -1,0 +1,490 @@
+"""The node agent's core: obey the coordinator, supervise the local workers, record the failure timeline.
+
+One loop per node::
+
+    register --> heartbeat every interval --> command from the coordinator
+                   ^        |                    START/RESTART: (stop old generation) start workers of the table
+                   |        |                    STOP:          stop workers; exit when the job is over
+                   |        v                    WAIT/NONE:     nothing
+                   '-- poll workers every 50 ms: a worker that died -> stop local workers, report to coordinator
+
+A worker failure is reported at once (not at the next heartbeat), so detection costs one poll period. The
+coordinator turns it into a new generation for every node; the new rank table has a MASTER_PORT never used
+before in the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from trainguard._version import __version__
+from trainguard.agent.errors import CoordinatorUnavailableError, JobFailedError
+from trainguard.agent.event_bus import EventBus
+from trainguard.agent.workers import WorkerGroup, WorkerSpec, WorkerState, build_worker_env, describe_exit
+from trainguard.detectors.events import Action, HealthEvent, Severity
+from trainguard.proto import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: Environment variables trainguard adds to each worker.
+AGENT_SOCKET_ENV = "TRAINGUARD_AGENT_SOCKET"
+GENERATION_ENV = "TRAINGUARD_GENERATION"
+JOB_ENV = "TRAINGUARD_JOB"
+NODE_ID_ENV = "TRAINGUARD_NODE_ID"
+
+_POLL_S = 0.05
+_RPC_TIMEOUT_S = 5.0
+
+
+@dataclass
+class NodeConfig:
+    """Everything one node agent needs to run its share of a job.
+
+    Attributes:
+        job: job name, as known to the coordinator.
+        coordinator: ``host:port`` of the coordinator.
+        argv_for_rank: builds a worker's command line (the same for every rank today).
+        nproc_per_node: local worker count (devices, or CPU slots).
+        node_id: stable identity; defaults to the host name.
+        pod_id: pod / supernode label.
+        node_index: index of the node in its pod.
+        host: host name used for ordering.
+        address: address other nodes reach this node's rank-0 store at.
+        spare: join as a spare (no ranks until needed).
+        max_restarts: restart budget, exported to workers as TORCHELASTIC_MAX_RESTARTS.
+        socket_path: unix socket of the local NodeAgent service.
+        log_dir: per-rank worker logs; None inherits the agent's stdout/stderr.
+        coordinator_patience_s: how long the coordinator may be unreachable at registration, in seconds.
+        stop_grace_s: SIGTERM-to-SIGKILL grace when stopping workers, in seconds.
+        extra_env: more variables for every worker.
+    """
+
+    job: str
+    coordinator: str
+    argv: list[str]
+    nproc_per_node: int = 1
+    node_id: str = field(default_factory=socket.gethostname)
+    pod_id: str = ""
+    node_index: int = 0
+    host: str = field(default_factory=socket.gethostname)
+    address: str = "127.0.0.1"
+    spare: bool = False
+    max_restarts: int = 3
+    socket_path: str | None = None
+    log_dir: str | None = None
+    coordinator_patience_s: float = 60.0
+    stop_grace_s: float = 3.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class FaultRecord:
+    """The timeline of one worker failure, as this node saw it (Unix times in seconds).
+
+    Attributes:
+        generation: generation the failed worker belonged to.
+        rank: failed global rank.
+        cause: ``exit code N`` / ``signal SIGKILL (9)``.
+        injected_at: when a fault injector struck (None for real faults).
+        detected_at: when the agent saw the worker end.
+        restarted_at: when workers of the next generation were started here.
+        resumed_at: when a worker of the next generation completed its first step.
+        resumed_step: that step.
+    """
+
+    generation: int
+    rank: int
+    cause: str
+    injected_at: float | None
+    detected_at: float
+    restarted_at: float | None = None
+    resumed_at: float | None = None
+    resumed_step: int | None = None
+
+    @property
+    def recovery_s(self) -> float | None:
+        """Fault (injection, else detection) to first completed step of the next generation."""
+        if self.resumed_at is None:
+            return None
+        return self.resumed_at - (self.injected_at or self.detected_at)
+
+
+@dataclass
+class FaultPlan:
+    """Kill ``rank`` with ``sig`` once it reports ``step`` in generation ``generation`` (drills and the demo)."""
+
+    rank: int
+    step: int
+    sig: int = signal.SIGKILL
+    generation: int = 1
+    done_at: float | None = None
+
+
+def find_free_port(address: str) -> int:
+    """A TCP port free on ``address`` right now (bind to port 0, read it, close)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+class NodeAgent:
+    """Runs one node's workers under a coordinator's direction.
+
+    Args:
+        config: the node's configuration.
+        on_worker_started: test and drill hook, called with each new WorkerGroup.
+    """
+
+    def __init__(self, config: NodeConfig, faults: Sequence[FaultPlan] = ()) -> None:
+        self.config = config
+        self.bus = EventBus()
+        self.faults = list(faults)
+        self.fault_records: list[FaultRecord] = []
+        self.generation = -1
+        self.table: common_pb2.RankTable | None = None
+        self.stopping = False
+        self.started_at = time.time()
+        self.final_message = ""
+        self.last_checkpoint_step = -1
+        self.predictor_score = 0.0
+        self.predictor_threshold = 0.0
+        self._group: WorkerGroup | None = None
+        self._lock = threading.RLock()
+        self._advisories: dict[int, list[agent_pb2.Advisory]] = {}
+        self._channel: grpc.Channel | None = None
+        self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
+        self._lease = ""
+        self._interval = 0.5
+        self._wake = threading.Event()
+        self._restart_count = 0
+
+    # -- state served to workers and operators ---------------------------------------------------------------
+    def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float) -> list:
+        """Records a step reported by a local worker; returns advisories pending for that rank."""
+        with self._lock:
+            group = self._group
+            w = group.by_rank(rank) if group is not None else None
+            if w is None or (pid and w.pid != pid) or generation != self.generation:
+                return []  # a straggler of an older generation
+            now = time.time()
+            if step > w.last_step:
+                w.last_step = step
+                w.last_heartbeat = time.monotonic()
+                if step_time_s > 0:
+                    w.step_times.append(step_time_s)
+            for rec in self.fault_records:
+                if rec.resumed_at is None and rec.restarted_at is not None and step >= 0:
+                    rec.resumed_at = now
+                    rec.resumed_step = step
+            pending = self._advisories.pop(rank, [])
+        if self.faults:
+            self._wake.set()
+        return pending
+
+    def on_checkpoint_report(self, report: agent_pb2.CheckpointReport) -> None:
+        """Records a durable checkpoint step reported by a worker."""
+        with self._lock:
+            self.last_checkpoint_step = max(self.last_checkpoint_step, report.step)
+
+    def advise(self, kind: int, reason: str) -> str:
+        """Queues an advisory (e.g. CHECKPOINT_NOW) for every current local worker; returns its id."""
+        adv_id = uuid.uuid4().hex[:12]
+        with self._lock:
+            if self._group is not None:
+                for w in self._group.workers:
+                    self._advisories.setdefault(w.spec.rank, []).append(
+                        agent_pb2.Advisory(kind=kind, reason=reason, advisory_id=adv_id)
+                    )
+        return adv_id
+
+    def health_snapshot(self, max_events: int = 20) -> agent_pb2.NodeHealth:
+        """The node's current health as a ``NodeHealth`` message."""
+        with self._lock:
+            h = agent_pb2.NodeHealth(
+                node_id=self.config.node_id,
+                version=__version__,
+                uptime_s=time.time() - self.started_at,
+                predictor_score=self.predictor_score,
+                predictor_threshold=self.predictor_threshold,
+                job=self.config.job,
+                generation=self.generation,
+                last_checkpoint_step=self.last_checkpoint_step,
+            )
+            if self._group is not None:
+                now = time.monotonic()
+                for w in self._group.workers:
+                    h.workers.add(
+                        rank=w.spec.rank,
+                        local_rank=w.spec.local_rank,
+                        pid=w.pid,
+                        state=int(w.state),
+                        step=w.last_step,
+                        last_heartbeat_age_s=(now - w.last_heartbeat) if w.last_heartbeat else -1.0,
+                        exit_code=w.exit_code if w.exit_code is not None else 0,
+                    )
+        for ev in self.bus.recent(max_events):
+            h.recent_events.append(ev.to_proto())
+        return h
+
+    @property
+    def group(self) -> WorkerGroup | None:
+        """The current generation's workers, if any."""
+        return self._group
+
+    # -- coordinator calls -----------------------------------------------------------------------------------
+    def _node_info(self) -> common_pb2.NodeInfo:
+        c = self.config
+        return common_pb2.NodeInfo(
+            node_id=c.node_id,
+            topology=common_pb2.Topology(pod_id=c.pod_id, node_index=c.node_index, host=c.host,
+                                         device_count=c.nproc_per_node),
+            address=c.address,
+            spare=c.spare,
+        )
+
+    def _register(self, patience_s: float) -> None:
+        deadline = time.monotonic() + patience_s
+        delay = 0.1
+        while True:
+            try:
+                resp = self._stub.RegisterNode(
+                    coordinator_pb2.RegisterNodeRequest(job=self.config.job, node=self._node_info(),
+                                                        free_port=find_free_port(self.config.address)),
+                    timeout=_RPC_TIMEOUT_S,
+                )
+                self._lease = resp.lease_id
+                log.info("registered node %s with coordinator %s", self.config.node_id, self.config.coordinator)
+                return
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise CoordinatorUnavailableError(
+                        f"coordinator {self.config.coordinator} refused registration: {code.name}: {exc.details()}"
+                    ) from exc
+                if time.monotonic() > deadline:
+                    raise CoordinatorUnavailableError(
+                        f"coordinator {self.config.coordinator} unreachable for {patience_s:.0f}s; "
+                        "check the address and that it runs"
+                    ) from exc
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+
+    def _heartbeat(self) -> coordinator_pb2.NodeHeartbeatResponse | None:
+        with self._lock:
+            group = self._group
+            req = coordinator_pb2.NodeHeartbeatRequest(
+                job=self.config.job,
+                node_id=self.config.node_id,
+                lease_id=self._lease,
+                generation=self.generation if group is not None else -1,
+                workers_running=group.running() if group is not None else 0,
+                last_step=max((w.last_step for w in group.workers), default=-1) if group else -1,
+                workers_succeeded=group.all_succeeded() if group is not None else False,
+                free_port=find_free_port(self.config.address),
+            )
+        try:
+            return self._stub.Heartbeat(req, timeout=_RPC_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                log.warning("coordinator forgot this node (%s); registering again", exc.details())
+                self._register(self.config.coordinator_patience_s)
+            else:
+                log.warning("coordinator heartbeat failed: %s; workers keep running", exc.code().name)
+            return None
+
+    def _report_failure(self, rank: int, code: int | None, generation: int) -> None:
+        cause = describe_exit(code)
+        ev = HealthEvent(
+            source="process",
+            kind="process.exit",
+            severity=Severity.CRITICAL,
+            action=Action.RESTART_PROCESS,
+            subject=f"rank:{rank}",
+            message=f"rank {rank} ended with {cause}",
+            evidence={"rank": str(rank), "exit_code": str(code), "generation": str(generation)},
+            node_id=self.config.node_id,
+        )
+        self.bus.publish(ev)
+        req = coordinator_pb2.ReportEventRequest(
+            job=self.config.job, node_id=self.config.node_id, lease_id=self._lease, generation=generation,
+            event=ev.to_proto(), proposed_level=coordinator_pb2.RECOVERY_LEVEL_PROCESS, failed_rank=rank,
+            exit_code=code if code is not None else 0,
+        )
+        try:
+            resp = self._stub.ReportEvent(req, timeout=_RPC_TIMEOUT_S)
+            log.info("coordinator: %s", resp.message)
+        except grpc.RpcError as exc:
+            log.warning("could not report the failure to the coordinator (%s); it will learn from heartbeats",
+                        exc.code().name)
+
+    # -- workers ---------------------------------------------------------------------------------------------
+    def _start_generation(self, table: common_pb2.RankTable) -> None:
+        mine = next((n for n in table.nodes if n.node_id == self.config.node_id), None)
+        if mine is None:
+            return
+        c = self.config
+        specs = []
+        for local_rank in range(mine.local_world_size):
+            rank = mine.first_rank + local_rank
+            env = build_worker_env(
+                os.environ,
+                rank=rank,
+                local_rank=local_rank,
+                world_size=table.world_size,
+                local_world_size=mine.local_world_size,
+                group_rank=mine.group_rank,
+                group_world_size=len(table.nodes),
+                master_addr=table.master_addr,
+                master_port=table.master_port,
+                restart_count=table.restart_count,
+                max_restarts=table.max_restarts,
+                run_id=c.job,
+                extra={
+                    **c.extra_env,
+                    GENERATION_ENV: str(table.generation),
+                    JOB_ENV: c.job,
+                    NODE_ID_ENV: c.node_id,
+                    **({AGENT_SOCKET_ENV: c.socket_path} if c.socket_path else {}),
+                },
+            )
+            specs.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=list(c.argv), env=env))
+        group = WorkerGroup(specs, log_dir=c.log_dir)
+        with self._lock:
+            self.table = table
+            self.generation = table.generation
+            self._restart_count = table.restart_count
+            self._group = group
+            self._advisories.clear()
+        group.start()
+        now = time.time()
+        for rec in self.fault_records:
+            if rec.restarted_at is None:
+                rec.restarted_at = now
+        log.info("generation %d: started ranks %d..%d (master %s:%d)", table.generation, mine.first_rank,
+                 mine.first_rank + mine.local_world_size - 1, table.master_addr, table.master_port)
+
+    def _stop_workers(self) -> None:
+        with self._lock:
+            group = self._group
+            self._group = None
+        if group is not None:
+            group.stop(self.config.stop_grace_s)
+
+    def _check_workers(self) -> None:
+        group = self._group
+        if group is None:
+            return
+        for w in group.poll():
+            if w.state != WorkerState.FAILED:
+                continue
+            rec = FaultRecord(
+                generation=self.generation, rank=w.spec.rank, cause=describe_exit(w.exit_code),
+                injected_at=next((f.done_at for f in self.faults
+                                  if f.rank == w.spec.rank and f.done_at and f.generation == self.generation), None),
+                detected_at=time.time(),
+            )
+            self.fault_records.append(rec)
+            log.warning("generation %d: rank %d ended with %s; stopping local workers", self.generation,
+                        w.spec.rank, rec.cause)
+            gen = self.generation
+            self._stop_workers()
+            self._report_failure(w.spec.rank, w.exit_code, gen)
+            self._wake.set()
+            return
+
+    def _inject_faults(self) -> None:
+        group = self._group
+        if group is None:
+            return
+        for f in self.faults:
+            if f.done_at is not None or f.generation != self.generation:
+                continue
+            w = group.by_rank(f.rank)
+            if w is not None and w.last_step >= f.step and w.proc.poll() is None:
+                group.kill(f.rank, f.sig)
+                f.done_at = time.time()
+                log.warning("fault injected: %s to rank %d at step %d", signal.Signals(f.sig).name, f.rank, w.last_step)
+
+    # -- main loop -------------------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Asks the loop to stop the workers and return (signal handlers call this)."""
+        self.stopping = True
+        self._wake.set()
+
+    def run(self) -> int:
+        """Runs until the job ends or a stop is requested.
+
+        Returns:
+            0 when the job succeeded; 1 when it failed; 130 when stopped by a signal.
+
+        Raises:
+            CoordinatorUnavailableError: registration failed.
+        """
+        self._channel = grpc.insecure_channel(self.config.coordinator)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._register(self.config.coordinator_patience_s)
+        next_hb = 0.0
+        try:
+            while not self.stopping:
+                self._inject_faults()
+                self._check_workers()
+                now = time.monotonic()
+                if now >= next_hb:
+                    resp = self._heartbeat()
+                    next_hb = now + (resp.interval_s if resp is not None and resp.interval_s > 0 else self._interval)
+                    if resp is not None:
+                        done = self._obey(resp)
+                        if done is not None:
+                            return done
+                self._wake.wait(_POLL_S)
+                self._wake.clear()
+            return 130
+        finally:
+            self._stop_workers()
+            self._channel.close()
+            self.stopping = True
+
+    def _obey(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> int | None:
+        cmd = resp.command
+        if cmd in (coordinator_pb2.NODE_COMMAND_START, coordinator_pb2.NODE_COMMAND_RESTART):
+            if resp.rank_table.generation != self.generation or self._group is None:
+                self._stop_workers()
+                self._start_generation(resp.rank_table)
+        elif cmd == coordinator_pb2.NODE_COMMAND_STOP:
+            self._stop_workers()
+            if resp.job_state == coordinator_pb2.JOB_STATE_SUCCEEDED:
+                self.final_message = resp.message
+                return 0
+            if resp.job_state == coordinator_pb2.JOB_STATE_FAILED:
+                self.final_message = resp.message
+                raise JobFailedError(resp.message)
+        return None
+
+
+def install_signal_handlers(agent: NodeAgent) -> Callable[[], None]:
+    """Makes SIGTERM/SIGINT stop the agent gracefully; returns a function restoring the old handlers."""
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum, _frame):
+        log.warning("received %s: stopping workers", signal.Signals(signum).name)
+        agent.request_stop()
+
+    for s in old:
+        signal.signal(s, handler)
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    return restore

@@ -1,0 +1,303 @@
+"""Starting, watching and stopping the local training workers of one generation.
+
+A :class:`WorkerGroup` owns the processes of one generation on one node. Each worker runs in its own process
+session (so the whole tree it forks can be signalled at once) and gets ``PR_SET_PDEATHSIG`` so it dies with the
+agent even when the agent is SIGKILLed: a launcher must never leave orphans holding accelerators.
+
+Worker lifecycle (one per rank)::
+
+    STARTING --spawned--> RUNNING --exit 0--> SUCCEEDED
+                             |----exit != 0 / signal--> FAILED
+                             '----stop()--------------> STOPPED
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from trainguard.agent.errors import WorkerStartError
+from trainguard.agent.guard import guard
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class WorkerState(enum.IntEnum):
+    """Lifecycle of one worker (values equal ``trainguard.v1.WorkerState``)."""
+
+    STARTING = 1
+    RUNNING = 2
+    SUCCEEDED = 3
+    FAILED = 4
+    STOPPED = 5
+    HUNG = 6
+
+
+@dataclass
+class WorkerSpec:
+    """What to run for one local rank.
+
+    Attributes:
+        rank: global rank.
+        local_rank: index of the worker on this node (device index).
+        argv: the full command line.
+        env: the complete environment of the process.
+    """
+
+    rank: int
+    local_rank: int
+    argv: list[str]
+    env: dict[str, str]
+
+
+@dataclass
+class Worker:
+    """A started worker and what the agent knows about it."""
+
+    spec: WorkerSpec
+    proc: subprocess.Popen
+    started_at: float
+    state: WorkerState = WorkerState.RUNNING
+    exit_code: int | None = None
+    ended_at: float | None = None
+    last_step: int = -1
+    last_heartbeat: float | None = None  # time.monotonic() of the last step report
+    step_times: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    @property
+    def pid(self) -> int:
+        """Process id of the worker."""
+        return self.proc.pid
+
+
+def describe_exit(code: int | None) -> str:
+    """Human text for a Popen return code: ``exit code 3`` or ``signal SIGKILL (9)``."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"signal {name} ({-code})"
+    return f"exit code {code}"
+
+
+def _child_setup() -> None:
+    # Runs in the child between fork and exec: die with the agent, whatever kills it.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+class WorkerGroup:
+    """The worker processes of one generation on this node.
+
+    Args:
+        specs: one spec per local rank.
+        log_dir: if set, each worker's stdout/stderr go to ``<log_dir>/rank<R>.log``; else they are inherited.
+    """
+
+    def __init__(self, specs: Sequence[WorkerSpec], log_dir: str | None = None) -> None:
+        self._specs = list(specs)
+        self._log_dir = log_dir
+        self._workers: list[Worker] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Spawns every worker.
+
+        Raises:
+            WorkerStartError: a process could not be spawned; the ones already started are stopped.
+        """
+        for spec in self._specs:
+            stdout = stderr = None
+            if self._log_dir:
+                os.makedirs(self._log_dir, exist_ok=True)
+                stdout = open(os.path.join(self._log_dir, f"rank{spec.rank}.log"), "ab")
+                stderr = subprocess.STDOUT
+            try:
+                proc = subprocess.Popen(
+                    spec.argv,
+                    env=spec.env,
+                    stdout=stdout,
+                    stderr=stderr,
+                    start_new_session=True,
+                    preexec_fn=_child_setup,
+                )
+            except OSError as exc:
+                self.stop()
+                raise WorkerStartError(f"cannot start rank {spec.rank} ({spec.argv[:2]}): {exc}") from exc
+            finally:
+                if stdout is not None:
+                    stdout.close()
+            guard().watch(proc.pid)  # the worker leads its own session: pgid == pid
+            with self._lock:
+                self._workers.append(Worker(spec=spec, proc=proc, started_at=time.time()))
+        log.debug("started %d workers: pids %s", len(self._workers), [w.pid for w in self._workers])
+
+    @property
+    def workers(self) -> list[Worker]:
+        """The started workers (a copy of the list; the Worker objects are live)."""
+        with self._lock:
+            return list(self._workers)
+
+    def by_rank(self, rank: int) -> Worker | None:
+        """The worker of global ``rank``, if it runs here."""
+        for w in self.workers:
+            if w.spec.rank == rank:
+                return w
+        return None
+
+    def poll(self) -> list[Worker]:
+        """Reaps finished workers and updates their states.
+
+        Returns:
+            Workers that ended since the previous call, in the order they were noticed.
+        """
+        ended = []
+        for w in self.workers:
+            if w.exit_code is not None:
+                continue
+            code = w.proc.poll()
+            if code is None:
+                continue
+            w.exit_code = code
+            w.ended_at = time.time()
+            if w.state != WorkerState.STOPPED:
+                w.state = WorkerState.SUCCEEDED if code == 0 else WorkerState.FAILED
+            ended.append(w)
+        return ended
+
+    def running(self) -> int:
+        """Number of workers still alive."""
+        return sum(1 for w in self.workers if w.proc.poll() is None)
+
+    def all_succeeded(self) -> bool:
+        """True when every worker exited with code 0."""
+        ws = self.workers
+        return bool(ws) and all(w.proc.poll() == 0 for w in ws)
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        """Stops every worker: SIGTERM to its process group, SIGKILL after ``grace_s`` seconds.
+
+        Safe to call repeatedly and on a partly started group. Returns once every process is reaped.
+        """
+        ws = self.workers
+        for w in ws:
+            if w.proc.poll() is None:
+                w.state = WorkerState.STOPPED
+                _signal_group(w.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for w in ws:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                w.proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                _signal_group(w.proc.pid, signal.SIGKILL)
+                w.proc.wait()
+            # Children the worker forked into its session (data loader processes...) go too.
+            _signal_group(w.proc.pid, signal.SIGKILL)
+            guard().forget(w.proc.pid)
+        self.poll()
+
+    def kill(self, rank: int, sig: int = signal.SIGKILL) -> int:
+        """Sends ``sig`` to the worker of ``rank`` only (fault injection, drills).
+
+        Returns:
+            The pid signalled.
+
+        Raises:
+            KeyError: no live worker with that rank here.
+        """
+        w = self.by_rank(rank)
+        if w is None or w.proc.poll() is not None:
+            raise KeyError(f"no live worker with rank {rank}")
+        os.kill(w.pid, sig)
+        return w.pid
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def build_worker_env(
+    base: Mapping[str, str],
+    *,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    local_world_size: int,
+    group_rank: int,
+    group_world_size: int,
+    master_addr: str,
+    master_port: int,
+    restart_count: int,
+    max_restarts: int,
+    run_id: str,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment torchrun gives a worker, plus trainguard's own variables.
+
+    Unmodified torch scripts (``init_process_group("gloo")`` with ``env://``) run under it. The store is hosted
+    by rank 0 (``TORCHELASTIC_USE_AGENT_STORE=False``) on a port that is new for every generation, so nothing
+    of a previous generation's rendezvous can be read by the next one.
+
+    Args:
+        base: the environment to start from (usually ``os.environ``).
+        rank: global rank. The other keyword arguments mirror torchrun's variables of the same name.
+        extra: trainguard variables (agent socket, generation, ...) added last.
+
+    Returns:
+        A new dict.
+    """
+    env = dict(base)
+    env.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(local_world_size),
+            "GROUP_RANK": str(group_rank),
+            "GROUP_WORLD_SIZE": str(group_world_size),
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world_size),
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+            "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    # torchrun sets this to 1 when unset, to keep N workers from oversubscribing the cores N-fold.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def python_argv(script: str, args: Sequence[str], module: bool = False) -> list[str]:
+    """The command line of a worker running ``script`` (or ``-m module``) with this interpreter."""
+    if module:
+        return [sys.executable, "-u", "-m", script, *args]
+    return [sys.executable, "-u", script, *args]

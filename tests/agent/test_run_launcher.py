@@ -1,0 +1,112 @@
+"""`trainguard run` with real worker processes: environment, restarts, budget, signals, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from conftest import REPO, run_cli
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def test_workers_get_torchrun_environment(tmp_path: Path, tg_env: dict) -> None:
+    r = run_cli(["run", "--nproc-per-node", "3", "--max-restarts", "0", "--job", "envjob",
+                 str(SCRIPTS / "dump_env.py"), str(tmp_path)], tg_env)
+    assert r.returncode == 0, r.stderr
+    envs = [json.loads((tmp_path / f"env{i}.json").read_text()) for i in range(3)]
+    for i, e in enumerate(envs):
+        assert e["RANK"] == str(i) and e["LOCAL_RANK"] == str(i) and e["ROLE_RANK"] == str(i)
+        assert e["WORLD_SIZE"] == "3" and e["LOCAL_WORLD_SIZE"] == "3" and e["ROLE_WORLD_SIZE"] == "3"
+        assert e["GROUP_RANK"] == "0" and e["GROUP_WORLD_SIZE"] == "1"
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "0" and e["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert e["TORCHELASTIC_RUN_ID"] == "envjob"
+        assert e["OMP_NUM_THREADS"] == "1"
+        assert e["TRAINGUARD_AGENT_SOCKET"] and e["TRAINGUARD_GENERATION"] == "1"
+        assert (e["dist_rank"], e["dist_world"]) == (i, 3)
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    assert "job succeeded" in r.stderr
+
+
+def test_exhausted_budget_names_rank_exit_code_and_restarts(tmp_path: Path, tg_env: dict) -> None:
+    r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "2", str(SCRIPTS / "crash.py"), "1", "7"],
+                tg_env)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()
+    summary = "\n".join(last[-5:])
+    assert "rank 1" in summary and "exit code 7" in summary and "2 restarts" in summary, r.stderr
+    assert "Traceback" not in r.stderr
+    # Three generations ran: the first and two restarts.
+    assert summary.count("fault ") == 3, summary
+
+
+def test_sigterm_stops_everything(tmp_path: Path, tg_env: dict) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2",
+                             str(SCRIPTS / "sleeper.py")], env=tg_env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            kids = psutil.Process(proc.pid).children(recursive=True)
+            if len(kids) >= 4:  # 2 workers + 2 grandchildren
+                break
+            time.sleep(0.1)
+        assert len(kids) >= 4, "workers did not start"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 130, err
+        assert "stopped" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # the tg_env fixture asserts that no worker or grandchild survived
+
+
+def test_sigkill_of_launcher_takes_workers_down(tmp_path: Path, tg_env: dict) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2",
+                             str(SCRIPTS / "sleeper.py")], env=tg_env, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        workers = []
+        while time.monotonic() < deadline and len(workers) < 4:
+            workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                       if "sleep" in " ".join(c.cmdline())]
+            time.sleep(0.1)
+        assert len(workers) == 4  # 2 workers, each with a grandchild
+    finally:
+        proc.kill()
+        proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=5)
+    assert not alive, "workers outlived a SIGKILLed launcher"
+
+
+def test_missing_script_is_one_line_error(tg_env: dict) -> None:
+    r = run_cli(["run", "--nproc-per-node", "2", "no/such/script.py"], tg_env)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "trainguard: error: training script not found: no/such/script.py"
+
+
+def test_bad_flag_is_one_line_error(tg_env: dict) -> None:
+    r = run_cli(["run", "--nproc-per-node", "two", "x.py"], tg_env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "--nproc-per-node" in r.stderr
+    r = run_cli(["run", "--fault", "1:x", str(SCRIPTS / "crash.py")], tg_env)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--fault" in r.stderr
+
+
+def test_unwritable_checkpoint_dir_is_one_line_error(tmp_path: Path, tg_env: dict) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    r = run_cli(["run", "--checkpoint-dir", str(blocker / "ckpt"), str(SCRIPTS / "crash.py"), "0", "0"], tg_env)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not writable" in lines[0] and str(blocker) in lines[0], r.stderr

@@ -1,0 +1,293 @@
+"""The training-loop hook: what user code imports.
+
+A :class:`Session` reports progress to the node agent, saves checkpoints through
+:class:`trainguard.checkpoint.Checkpointer`, restores the newest complete one at start, and acts on the agent's
+advisories (checkpoint now, stop). It works in three settings:
+
+- under ``trainguard run`` (``TRAINGUARD_AGENT_SOCKET`` is set): heartbeats go to the agent;
+- under plain ``torchrun``: ranks come from the environment, no agent;
+- alone: rank 0 of 1.
+
+Following torchft's Manager, the hook never throws trainguard's own errors into the user's step: failures of
+heartbeats or saves are logged, latched in :attr:`Session.errors` and reported as health events; only
+:meth:`Session.restore` raises, because training must not start from a state it cannot trust.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from trainguard.errors import TrainguardError
+
+log = logging.getLogger("trainguard.hook")
+
+#: Default checkpoint location for every worker, set by ``trainguard run --checkpoint-dir``.
+CHECKPOINT_DIR_ENV = "TRAINGUARD_CHECKPOINT_DIR"
+AGENT_SOCKET_ENV = "TRAINGUARD_AGENT_SOCKET"
+GENERATION_ENV = "TRAINGUARD_GENERATION"
+JOB_ENV = "TRAINGUARD_JOB"
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise TrainguardError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+class _AgentLink:
+    """Heartbeats to the local agent from a background thread, so a step never waits on the control plane."""
+
+    def __init__(self, socket_path: str, rank: int, generation: int) -> None:
+        import grpc
+
+        from trainguard.proto import agent_pb2, agent_pb2_grpc
+
+        self._pb = agent_pb2
+        self._channel = grpc.insecure_channel(f"unix:{socket_path}")
+        self._stub = agent_pb2_grpc.NodeAgentStub(self._channel)
+        self._rank = rank
+        self._generation = generation
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._pending: tuple[int, float] | None = None
+        self._advisories: list[Any] = []
+        self._closed = False
+        self.failures = 0
+        self._thread = threading.Thread(target=self._loop, name="trainguard-heartbeat", daemon=True)
+        self._thread.start()
+
+    def beat(self, step: int, step_time_s: float) -> None:
+        with self._cond:
+            self._pending = (step, step_time_s)
+            self._cond.notify()
+
+    def take_advisories(self) -> list[Any]:
+        with self._cond:
+            out, self._advisories = self._advisories, []
+        return out
+
+    def report_checkpoint(self, step: int, tier: str, nbytes: int, stall_s: float) -> None:
+        try:
+            self._stub.ReportCheckpoint(
+                self._pb.CheckpointReport(rank=self._rank, step=step, tier=tier, bytes=nbytes, stall_s=stall_s),
+                timeout=2.0,
+            )
+        except Exception as exc:  # noqa: BLE001 - the agent being away must not stop training
+            self.failures += 1
+            log.debug("checkpoint report failed: %s", exc)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._closed and self._pending is None:
+                    return
+                step, dt = self._pending
+                self._pending = None
+            try:
+                resp = self._stub.WorkerHeartbeat(
+                    self._pb.WorkerHeartbeatRequest(rank=self._rank, pid=self._pid, generation=self._generation,
+                                                    step=step, step_time_s=dt),
+                    timeout=2.0,
+                )
+                if resp.advisories:
+                    with self._cond:
+                        self._advisories.extend(resp.advisories)
+            except Exception as exc:  # noqa: BLE001
+                self.failures += 1
+                if self.failures in (1, 10, 100):
+                    log.warning("heartbeat to the agent failed (%s); training continues", exc)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=3.0)
+        self._channel.close()
+
+
+class Session:
+    """One worker's connection to trainguard.
+
+    Args:
+        checkpoint_dir: directory or fsspec URL for checkpoints; defaults to ``$TRAINGUARD_CHECKPOINT_DIR``;
+            None disables checkpointing.
+        save_every: save automatically every this many steps in :meth:`step_done` (0: only on request).
+        job: job name (defaults to ``$TRAINGUARD_JOB`` or ``$TORCHELASTIC_RUN_ID``).
+        checkpoint_options: extra fields for :class:`trainguard.checkpoint.CheckpointConfig`.
+
+    Raises:
+        TrainguardError: the checkpoint location is unusable (unwritable, malformed URL).
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | None = None,
+        save_every: int = 0,
+        job: str | None = None,
+        checkpoint_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if save_every < 0:
+            raise TrainguardError(f"save_every must be >= 0, got {save_every}")
+        self.rank = _env_int("RANK", 0)
+        self.world_size = _env_int("WORLD_SIZE", 1)
+        self.local_rank = _env_int("LOCAL_RANK", 0)
+        self.restart_count = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        self.generation = _env_int(GENERATION_ENV, 0)
+        self.job = job or os.environ.get(JOB_ENV) or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+        self.save_every = save_every
+        self.errors: list[BaseException] = []
+        self.should_stop = False
+        self.last_saved_step: int | None = None
+        self.restored_step: int | None = None
+        self._last_step_end = time.monotonic()
+        self._handled_advisories: set[str] = set()
+        self._checkpoint_now = False
+        self._agent: _AgentLink | None = None
+        self._ckpt = None
+
+        directory = checkpoint_dir if checkpoint_dir is not None else os.environ.get(CHECKPOINT_DIR_ENV)
+        if directory:
+            from trainguard.checkpoint import CheckpointConfig, Checkpointer
+
+            cfg = CheckpointConfig(directory=directory, **dict(checkpoint_options or {}))
+            self._ckpt = Checkpointer(cfg, rank=self.rank, world_size=self.world_size, job=self.job,
+                                      on_event=self._on_checkpoint_event)
+        socket_path = os.environ.get(AGENT_SOCKET_ENV)
+        if socket_path:
+            self._agent = _AgentLink(socket_path, self.rank, self.generation)
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    @property
+    def checkpointer(self):
+        """The underlying :class:`trainguard.checkpoint.Checkpointer`, or None when checkpointing is off."""
+        return self._ckpt
+
+    def restore(self, state: MutableMapping[str, Any]) -> int:
+        """Loads the newest complete checkpoint into ``state`` in place.
+
+        Args:
+            state: mapping of names to tensors, nested containers or objects with ``state_dict()`` /
+                ``load_state_dict()`` (modules, optimizers); the same mapping later given to :meth:`save`.
+
+        Returns:
+            The next step to run: the restored step + 1, or 0 when there is nothing to restore.
+
+        Raises:
+            TrainguardError: a checkpoint exists but none can be restored (e.g. a different world size).
+        """
+        if self._ckpt is None:
+            return 0
+        step = self._ckpt.restore(state)
+        self.restored_step = step
+        if step is None:
+            return 0
+        log.info("rank %d restored step %d from %s", self.rank, step, getattr(self._ckpt, "last_restore_tier", "?"))
+        return step + 1
+
+    def save(self, state: Mapping[str, Any], step: int) -> bool:
+        """Saves ``state`` as checkpoint ``step`` (returns once the snapshot is taken; persisting goes on).
+
+        Returns:
+            True when the snapshot was taken; False when saving failed (the error is latched and logged).
+        """
+        if self._ckpt is None:
+            return False
+        t0 = time.perf_counter()
+        try:
+            self._ckpt.save(state, step)
+        except TrainguardError as exc:
+            self._latch(exc, f"checkpoint of step {step} failed")
+            return False
+        self.last_saved_step = step
+        if self._agent is not None:
+            self._agent.report_checkpoint(step, "snapshot", 0, time.perf_counter() - t0)
+        return True
+
+    def _on_checkpoint_event(self, event) -> None:
+        log.warning("checkpoint: %s", getattr(event, "message", event))
+
+    def _latch(self, exc: BaseException, what: str) -> None:
+        self.errors.append(exc)
+        log.error("%s: %s (training continues)", what, exc)
+
+    # -- progress --------------------------------------------------------------------------------------------
+    def step_done(self, step: int, state: Mapping[str, Any] | None = None) -> None:
+        """Marks ``step`` complete: heartbeat, advisories, and a save when due.
+
+        Args:
+            step: the step just completed (0-based).
+            state: what to checkpoint when a save is due (every ``save_every`` steps, or when the agent advises
+                a checkpoint); None skips saving.
+        """
+        now = time.monotonic()
+        dt = now - self._last_step_end
+        self._last_step_end = now
+        if self._agent is not None:
+            self._agent.beat(step, dt)
+            self._apply_advisories()
+        due = self.save_every > 0 and (step + 1) % self.save_every == 0
+        if state is not None and (due or self._checkpoint_now):
+            self._checkpoint_now = False
+            self.save(state, step)
+
+    def _apply_advisories(self) -> None:
+        from trainguard.proto import agent_pb2
+
+        for adv in self._agent.take_advisories() if self._agent else []:
+            if adv.advisory_id in self._handled_advisories:
+                continue
+            self._handled_advisories.add(adv.advisory_id)
+            if adv.kind == agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW:
+                log.warning("agent advises a checkpoint now: %s", adv.reason)
+                self._checkpoint_now = True
+            elif adv.kind == agent_pb2.ADVISORY_KIND_STOP:
+                log.warning("agent asks to stop: %s", adv.reason)
+                self.should_stop = True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until every saved checkpoint is durable."""
+        if self._ckpt is not None:
+            try:
+                self._ckpt.wait(timeout=timeout)
+            except TrainguardError as exc:
+                self._latch(exc, "waiting for checkpoints failed")
+
+    def close(self) -> None:
+        """Flushes checkpoints and closes the agent link; idempotent."""
+        if self._ckpt is not None:
+            try:
+                self._ckpt.close()
+            except TrainguardError as exc:
+                self._latch(exc, "closing the checkpointer failed")
+            self._ckpt = None
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def init(
+    checkpoint_dir: str | None = None,
+    save_every: int = 0,
+    job: str | None = None,
+    checkpoint_options: Mapping[str, Any] | None = None,
+) -> Session:
+    """Creates the worker's :class:`Session` (see its arguments)."""
+    return Session(checkpoint_dir=checkpoint_dir, save_every=save_every, job=job,
+                   checkpoint_options=checkpoint_options)
