@@ -123,7 +123,7 @@ class NodeRanks(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., group_rank: _Optional[int] = ..., first_rank: _Optional[int] = ..., local_world_size: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RankTable(_message.Message):
-    __slots__ = ("job", "generation", "world_size", "master_addr", "master_port", "nodes", "restart_count", "max_restarts")
+    __slots__ = ("job", "generation", "world_size", "master_addr", "master_port", "nodes", "restart_count", "max_restarts", "node_count")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class RankTable(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     world_size: int
@@ -140,4 +141,5 @@ class RankTable(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[NodeRanks]
     restart_count: int
     max_restarts: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeRanks, _Mapping]]] = ..., restart_count: _Optional[int] = ..., max_restarts: _Optional[int] = ...) -> None: ...
+    node_count: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeRanks, _Mapping]]] = ..., restart_count: _Optional[int] = ..., max_restarts: _Optional[int] = ..., node_count: _Optional[int] = ...) -> None: ...

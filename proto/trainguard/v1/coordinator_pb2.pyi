@@ -51,14 +51,16 @@ RECOVERY_LEVEL_NODE: RecoveryLevel
 RECOVERY_LEVEL_JOB: RecoveryLevel
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("job", "node", "free_port")
+    __slots__ = ("job", "node", "free_port", "agent_instance")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     FREE_PORT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     job: str
     node: _common_pb2.NodeInfo
     free_port: int
-    def __init__(self, job: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., free_port: _Optional[int] = ...) -> None: ...
+    agent_instance: str
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., free_port: _Optional[int] = ..., agent_instance: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("generation", "lease_id")
