@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import assert_same, flat, small_model, train_step
+from ckpt_helpers import assert_same, flat, small_model, train_step
 
 from trainguard.checkpoint import (
     CheckpointConfig,

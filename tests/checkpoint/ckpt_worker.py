@@ -1,0 +1,41 @@
+"""A worker process for the crash tests: saves deterministic states, reports progress on stdout, then waits.
+
+Usage: python ckpt_worker.py CONFIG_JSON JOB RANK WORLD STEPS [--hang]
+Each step's state is derived from (rank, step), so any reader can recompute the expected bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from trainguard.checkpoint import CheckpointConfig, Checkpointer
+
+
+def state_for(rank: int, step: int) -> dict:
+    """The deterministic state a worker saves at ``step``."""
+    g = torch.Generator().manual_seed(rank * 100003 + step)
+    return {"w": torch.randn(64, 1024, generator=g), "b": torch.randn(4097, generator=g),
+            "meta": {"step": step, "rank": rank, "tag": f"s{step}"}}
+
+
+def main() -> None:
+    cfg = CheckpointConfig.from_dict(json.loads(sys.argv[1]))
+    job, rank, world, steps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    ck = Checkpointer(cfg, rank=rank, world_size=world, job=job)
+    for step in range(1, steps + 1):
+        ck.save(state_for(rank, step), step)
+        ok = ck.wait(step, timeout=60)
+        print(f"saved {step} {ok}", flush=True)
+    print("done", flush=True)
+    if "--hang" in sys.argv:
+        while True:
+            time.sleep(1)
+    ck.close()
+
+
+if __name__ == "__main__":
+    main()

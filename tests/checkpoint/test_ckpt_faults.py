@@ -1,0 +1,248 @@
+"""Failure modes: byte flips, full disk, unreachable remote, SIGKILL during persist, restore after a crash."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from ckpt_worker import state_for
+
+from trainguard.checkpoint import CheckpointConfig, Checkpointer
+from trainguard.checkpoint.manifest import Manifest
+from trainguard.checkpoint.reader import RankCopy
+from trainguard.checkpoint.service import CheckpointService
+from trainguard.checkpoint.storage import data_name, manifest_name, step_dirname
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "ckpt_worker.py"
+
+
+class Events(list):
+    def __call__(self, ev):
+        self.append(ev)
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def _save_two(ck: Checkpointer) -> None:
+    for s in (1, 2):
+        ck.save({"w": torch.full((1000,), float(s)), "n": s}, s)
+        assert ck.wait(s, timeout=30)
+
+
+@pytest.mark.parametrize("target", ["data", "manifest"])
+def test_byte_flip_on_disk_falls_back_to_previous_step(make_config, caplog, target):
+    cfg = make_config(memory={"enabled": False})
+    with Checkpointer(cfg, job="flip") as ck:
+        _save_two(ck)
+        d = os.path.join(ck.disk.job_dir, step_dirname(2))
+        if target == "data":
+            _flip(os.path.join(d, data_name(0)), 123)
+        else:
+            raw = open(os.path.join(d, manifest_name(0)), "rb").read()
+            _flip(os.path.join(d, manifest_name(0)), raw.index(b'"step"') + 8)
+        w = torch.zeros(1000)
+        state = {"w": w, "n": 0}
+        with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint"):
+            assert ck.restore(state) == 1
+        assert torch.equal(w, torch.full((1000,), 1.0)) and state["n"] == 1
+        assert "disk copy of step 2" in caplog.text and ("checksum" in caplog.text or "not a valid" in caplog.text)
+
+
+def test_byte_flip_in_memory_tier_served_by_disk(make_config, caplog):
+    with Checkpointer(make_config(), job="flipm") as ck:
+        _save_two(ck)
+        _flip(os.path.join(ck.arena.dir, f"slot_{ck._status[2].slot}.data"), 5)
+        w = torch.zeros(1000)
+        with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint"):
+            assert ck.restore({"w": w, "n": 0}) == 2
+        assert ck.last_restore_tier == "disk" and torch.equal(w, torch.full((1000,), 2.0))
+        assert "memory copy of step 2" in caplog.text
+
+
+def test_full_disk_reports_event_keeps_old_and_retries(tmp_path, shm_dir):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=True)
+    try:
+        events = Events()
+        cfg = CheckpointConfig(directory=str(mnt / "ck"), memory={"enabled": False, "directory": shm_dir})
+        with Checkpointer(cfg, job="full", on_event=events) as ck:
+            ck.save({"w": torch.full((200_000,), 1.0)}, 1)  # 800 kB
+            assert ck.wait(1, timeout=30)
+            filler = mnt / "filler"
+            with open(filler, "wb") as f:  # leave ~0.5 MB free
+                try:
+                    f.write(b"\0" * (2_300_000))
+                except OSError:
+                    pass
+            h = ck.save({"w": torch.full((200_000,), 2.0)}, 2)  # training goes on: no exception
+            assert h.wait(timeout=30) is False
+            assert [e.kind for e in events] == ["checkpoint.disk_full"]
+            assert events[0].evidence["tier"] == "disk" and events[0].evidence["step"] == "2"
+            assert [s for s, _ in ck.disk.committed_steps()] == [1]
+            w = torch.zeros(200_000)
+            assert ck.restore({"w": w}) == 1 and torch.equal(w, torch.full((200_000,), 1.0))
+            assert not [n for n in os.listdir(mnt / "ck" / "full" / step_dirname(2)) if ".tmp" in n]
+            filler.unlink()
+            h = ck.save({"w": torch.full((200_000,), 3.0)}, 3)  # the next save retries and succeeds
+            assert h.wait(timeout=30)
+            assert [s for s, _ in ck.disk.committed_steps()][-1] == 3
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_unreachable_remote_reports_and_disk_still_commits(make_config):
+    events = Events()
+    cfg = make_config(remote={"url": "ftp://127.0.0.1:1/ckpt"})  # nothing listens on port 1
+    with Checkpointer(cfg, job="unreach", on_event=events) as ck:
+        assert [e.kind for e in events] == ["checkpoint.remote_unreachable"]  # found at construction, not raised
+        h = ck.save({"w": torch.ones(10)}, 1)
+        assert h.wait(timeout=60) is False
+        assert set(h.tiers_done) == {"memory", "disk"}
+        assert events[-1].kind == "checkpoint.remote_unreachable" and events[-1].evidence["step"] == "1"
+        assert [s.step for s in ck.steps()] == [1]
+        ck.save({"w": torch.ones(10)}, 2)  # retried on the next save
+        ck.wait(2, timeout=60)
+        assert sum(e.evidence.get("step") == "2" for e in events) == 1
+
+
+def test_remote_tier_roundtrip_via_fsspec(make_config):
+    cfg2 = make_config(memory={"enabled": False})
+    remote_dir = Path(cfg2.disk_directory).parent / "remote"
+    cfg2 = make_config(memory={"enabled": False}, remote={"url": f"file://{remote_dir}", "keep": 2})
+    with Checkpointer(cfg2, job="rem2") as ck:
+        for s in (1, 2, 3):
+            ck.save({"w": torch.full((100,), float(s))}, s)
+            assert ck.wait(s, timeout=30)
+        assert sorted(os.listdir(remote_dir / "rem2")) == ["COMMITTED.json", step_dirname(2), step_dirname(3)]
+        # Lose the local copy: the remote tier serves the restore.
+        import shutil
+
+        shutil.rmtree(ck.disk.job_dir)
+        w = torch.zeros(100)
+        assert ck.restore({"w": w}) == 3 and ck.last_restore_tier == "remote"
+        assert torch.equal(w, torch.full((100,), 3.0))
+
+
+def _committed_all_verify(cfg: CheckpointConfig, job: str) -> None:
+    from trainguard.checkpoint.storage import LocalStore
+
+    store = LocalStore(cfg.disk_directory, job)
+    for step, _ in store.committed_steps():
+        man = Manifest.from_json(store.read_small(step, manifest_name(0)))
+        with RankCopy(man, store.local_data_path(step, 0), f"step {step}") as copy:
+            copy.verify()
+
+
+def test_sigkill_loop_during_persist_never_leaves_torn_state(tmp_path, shm_dir):
+    """50 SIGKILLs of the persist process at random moments; every committed step stays valid and bit-exact."""
+    rng = random.Random(1234)
+    job = "kill"
+    restored_before = 0
+    kills = 0
+    for i in range(1, 51):
+        svc = CheckpointService(job=job, shm_dir=shm_dir, nice=0).start()
+        try:
+            cfg = CheckpointConfig(directory=str(tmp_path / "ck"), disk={"keep": 2},
+                                   memory={"directory": shm_dir, "enabled": False},
+                                   persist={"service": svc.address, "chunk_mib": 1})
+            ck = Checkpointer(cfg, job=job)
+            ck.save(state_for(0, i), i)
+            time.sleep(rng.uniform(0.0, 0.05))
+            os.kill(svc.pid, signal.SIGKILL)
+            svc.proc.wait()
+            kills += 1
+            ck.close()
+        finally:
+            svc.stop(remove_memory=False, timeout=5)
+        _committed_all_verify(cfg, job)
+        cfg_r = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"directory": shm_dir, "enabled": False},
+                                 persist={"service": "inline"})
+        with Checkpointer(cfg_r, job=job) as reader:
+            w, b = torch.zeros(64, 1024), torch.zeros(4097)
+            state = {"w": w, "b": b, "meta": None}
+            got = reader.restore(state)
+        if got is None:
+            assert restored_before == 0
+            continue
+        assert restored_before <= got <= i
+        exp = state_for(0, got)
+        assert torch.equal(w, exp["w"]) and torch.equal(b, exp["b"]) and state["meta"] == exp["meta"]
+        restored_before = got
+    assert kills == 50
+    assert restored_before > 0  # some persists completed between kills
+
+
+def _spawn_worker(cfg: dict, job: str, rank: int, world: int, steps: int, env: dict) -> subprocess.Popen:
+    import json
+
+    return subprocess.Popen([sys.executable, str(WORKER), json.dumps(cfg), job, str(rank), str(world), str(steps),
+                             "--hang"], stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_done(proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        if line.startswith("saved"):
+            assert line.split()[2] == "True", line
+        if line.strip() == "done":
+            return
+    raise AssertionError(f"worker exited early with {proc.wait()}")
+
+
+@pytest.mark.parametrize("mode", ["agent", "private"])
+def test_restore_after_worker_sigkill_served_from_shared_memory(tmp_path, shm_dir, mode):
+    job = f"crash-{mode}"
+    cfg = {"directory": str(tmp_path / "ck"), "memory": {"directory": shm_dir, "keep": 1}}
+    env = dict(os.environ)
+    svc = None
+    if mode == "agent":
+        svc = CheckpointService(job=job, shm_dir=shm_dir).start()
+        env["TRAINGUARD_CHECKPOINT_SERVICE"] = svc.address
+    else:
+        env.pop("TRAINGUARD_CHECKPOINT_SERVICE", None)
+    procs = [_spawn_worker(cfg, job, r, 2, 3, env) for r in range(2)]
+    try:
+        for p in procs:
+            _wait_done(p)
+        children = [c.pid for p in procs for c in psutil.Process(p.pid).children()]
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        if mode == "private":  # the orphaned private persist processes exit on their own
+            gone, alive = psutil.wait_procs([psutil.Process(c) for c in children if psutil.pid_exists(c)], 15)
+            assert not alive
+        # A restarted worker (here: this process, rank 1) restores from the surviving shared memory.
+        restart_cfg = CheckpointConfig.from_dict(cfg)
+        if svc is not None:
+            restart_cfg.persist.service = svc.address
+        with Checkpointer(restart_cfg, rank=1, world_size=2, job=job) as ck:
+            state = {"w": torch.zeros(64, 1024), "b": torch.zeros(4097), "meta": None}
+            assert ck.restore(state) == 3
+            assert ck.last_restore_tier == "memory"
+            exp = state_for(1, 3)
+            assert torch.equal(state["w"], exp["w"]) and state["meta"] == exp["meta"]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if svc is not None:
+            svc.stop(remove_memory=True)
+            assert not os.path.exists(os.path.join(shm_dir, job))
