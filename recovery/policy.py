@@ -1,0 +1,613 @@
+"""Multi-level recovery policy: which level a failure gets, and the job's lifecycle, as state machines.
+
+Job phases (:class:`Phase`, transitions in :data:`TRANSITIONS`)::
+
+                 members ready                 every node runs the new generation
+     FORMING ------------------> RUNNING <------------------------------------------ RECOVERING
+        |                         |  |  \\  failure (budget left): new generation N+1     ^  |
+        |                         |  |   `-----------------------------------------------'  |
+        |  membership impossible  |  |  every rank exited 0                                  |  failure of N+1
+        v                         |  v                                                       |  (budget left): N+2
+      FAILED <--------------------'  SUCCEEDED                                    RECOVERING-'
+                budget exhausted (from RUNNING or RECOVERING)
+
+Recovery levels (:class:`Level`, equal to the proto's ``RecoveryLevel``), cheapest first. The level a failure
+gets is its *cause's* base level (:data:`BASE_LEVEL`), raised to what the reporter proposed, then escalated by
+the rules of :data:`ESCALATION`::
+
+     PROCESS --(this node already had `process_repeats_to_node` process-level failures in the window)--> NODE
+     NODE    --(the job already had `node_repeats_to_job` node-level failures in the window)-----------> JOB
+     NODE    --(no spare of the right size, and shrinking not allowed or not valid)-------------------> JOB
+
+- **process**: every node restarts its workers in place; same nodes, same ranks.
+- **node**: the failed nodes are cordoned; each slot goes to a spare (one of the same pod first), or, if the
+  job allows shrinking and the smaller layout is still valid, the slots are dropped.
+- **job**: every node stops; the next generation starts when the membership can fill every slot again
+  (a failed node may come back and reclaim its slot, a newcomer may take it); workers restore from the last
+  persisted checkpoint.
+
+Budget and backoff are global and counted here, never per agent: every new generation caused by a failure
+costs one restart; when ``max_restarts`` are spent the next failure fails the job. A new generation waits
+``backoff_s`` before it starts: zero for the first failure since the last progress, then doubling.
+
+Simultaneous failures: the first report of a fault in generation N opens generation N+1 (phase RECOVERING). A
+report about generation N that arrives while N+1 has not started yet is *merged* into that same plan (its
+node joins the cordon list, its level may raise the plan's level) and costs no budget; once N+1 runs, reports
+about N are dropped as duplicates. So many nodes failing at once give one new generation.
+
+Everything here is deterministic given its inputs (time is passed in), and the state is a plain dataclass the
+coordinator serializes to its store (:meth:`PolicyState.to_dict`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from trainguard.recovery.errors import MembershipError, PolicyError
+from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks
+
+
+class Phase(enum.Enum):
+    """Lifecycle phase of a job (values equal the proto ``JobState`` numbers)."""
+
+    FORMING = 1
+    RUNNING = 2
+    RECOVERING = 3
+    SUCCEEDED = 4
+    FAILED = 5
+
+
+class Trigger(enum.Enum):
+    """What moves a job from one phase to the next."""
+
+    MEMBERS_READY = "members_ready"
+    GENERATION_STARTED = "generation_started"
+    FAILURE = "failure"
+    ALL_SUCCEEDED = "all_succeeded"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    MEMBERSHIP_IMPOSSIBLE = "membership_impossible"
+
+
+#: The allowed phase transitions; anything else is a :class:`PolicyError`.
+TRANSITIONS: dict[tuple[Phase, Trigger], Phase] = {
+    (Phase.FORMING, Trigger.MEMBERS_READY): Phase.RUNNING,
+    (Phase.FORMING, Trigger.MEMBERSHIP_IMPOSSIBLE): Phase.FAILED,
+    (Phase.FORMING, Trigger.FAILURE): Phase.FORMING,
+    (Phase.RUNNING, Trigger.FAILURE): Phase.RECOVERING,
+    (Phase.RUNNING, Trigger.ALL_SUCCEEDED): Phase.SUCCEEDED,
+    (Phase.RUNNING, Trigger.BUDGET_EXHAUSTED): Phase.FAILED,
+    (Phase.RECOVERING, Trigger.GENERATION_STARTED): Phase.RUNNING,
+    (Phase.RECOVERING, Trigger.FAILURE): Phase.RECOVERING,
+    (Phase.RECOVERING, Trigger.BUDGET_EXHAUSTED): Phase.FAILED,
+    (Phase.RECOVERING, Trigger.MEMBERSHIP_IMPOSSIBLE): Phase.FAILED,
+    (Phase.RECOVERING, Trigger.ALL_SUCCEEDED): Phase.SUCCEEDED,
+}
+
+
+def transition(phase: Phase, trigger: Trigger) -> Phase:
+    """Looks a transition up in :data:`TRANSITIONS`.
+
+    Args:
+        phase: current phase.
+        trigger: what happened.
+
+    Returns:
+        The next phase.
+
+    Raises:
+        PolicyError: the table has no such transition.
+    """
+    try:
+        return TRANSITIONS[(phase, trigger)]
+    except KeyError:
+        raise PolicyError(f"no transition from {phase.name} on {trigger.value}: this is a coordinator bug, "
+                          "please report it with the coordinator log") from None
+
+
+class Level(enum.IntEnum):
+    """Recovery level, cheapest first (values equal the proto ``RecoveryLevel``)."""
+
+    NONE = 1
+    PROCESS = 2
+    NODE = 3
+    JOB = 4
+
+
+class Cause(enum.Enum):
+    """Why a node reports trouble."""
+
+    WORKER_EXIT = "worker_exit"          # a worker exited non-zero or was killed
+    WORKER_HANG = "worker_hang"          # no step heartbeat within the learned bound
+    NODE_CRITICAL = "node_critical"      # critical hardware/network event (link down, GPU lost, ECC, AER fatal)
+    NODE_LOST = "node_lost"              # the node's lease expired: no heartbeat
+    JOB_REQUEST = "job_request"          # the reporter asks for a whole-job restart
+    ADVISORY = "advisory"                # a warning: nothing to restart
+
+
+#: The level each cause gets before escalation.
+BASE_LEVEL: dict[Cause, Level] = {
+    Cause.WORKER_EXIT: Level.PROCESS,
+    Cause.WORKER_HANG: Level.PROCESS,
+    Cause.NODE_CRITICAL: Level.NODE,
+    Cause.NODE_LOST: Level.NODE,
+    Cause.JOB_REQUEST: Level.JOB,
+    Cause.ADVISORY: Level.NONE,
+}
+
+
+class Escalation(enum.Enum):
+    """Reasons a level is raised."""
+
+    REPEATED_ON_NODE = "repeated_on_node"
+    REPEATED_NODE_LEVEL = "repeated_node_level"
+    NO_SPARE_NO_SHRINK = "no_spare_no_shrink"
+
+
+#: (level, reason) -> escalated level.
+ESCALATION: dict[tuple[Level, Escalation], Level] = {
+    (Level.PROCESS, Escalation.REPEATED_ON_NODE): Level.NODE,
+    (Level.NODE, Escalation.REPEATED_NODE_LEVEL): Level.JOB,
+    (Level.NODE, Escalation.NO_SPARE_NO_SHRINK): Level.JOB,
+}
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of the recovery policy.
+
+    Attributes:
+        max_restarts: new generations after faults before the job fails (>= 0). Default 3.
+        backoff_initial_s: wait before the second consecutive restart without progress, seconds. Default 1.0.
+        backoff_max_s: cap of the doubling backoff, seconds. Default 30.0.
+        process_repeats_to_node: process-level failures of one node within ``window_s`` after which its next
+            failure is node-level (>= 1). Default 2.
+        node_repeats_to_job: node-level failures of the job within ``window_s`` after which the next one is
+            job-level (>= 1). Default 3.
+        window_s: how far back repeats count, seconds. Default 600.
+        allow_shrink: a node-level failure with no spare may drop the failed slots. Default False.
+        min_nodes: the fewest nodes a shrunk job may run on (>= 1). Default 1.
+    """
+
+    max_restarts: int = 3
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+    process_repeats_to_node: int = 2
+    node_repeats_to_job: int = 3
+    window_s: float = 600.0
+    allow_shrink: bool = False
+    min_nodes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise PolicyError(f"max_restarts={self.max_restarts} is invalid: use 0 or more")
+        if self.backoff_initial_s < 0 or self.backoff_max_s < self.backoff_initial_s:
+            raise PolicyError("backoff must satisfy 0 <= backoff_initial_s <= backoff_max_s")
+        if self.process_repeats_to_node < 1 or self.node_repeats_to_job < 1 or self.min_nodes < 1:
+            raise PolicyError("process_repeats_to_node, node_repeats_to_job and min_nodes must be >= 1")
+        if self.window_s <= 0:
+            raise PolicyError(f"window_s={self.window_s} is invalid: use a positive number of seconds")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failure report, as the policy sees it.
+
+    Attributes:
+        node_id: the reporting (or lost) node.
+        generation: generation the failure happened in (-1: the node ran no workers).
+        cause: why.
+        proposed: level the reporter proposes (NONE when it has no opinion).
+        rank: failing global rank, -1 when not about one rank.
+        exit_code: the worker's exit code; negative for a signal (``-9`` is SIGKILL), 0 when not applicable.
+        detail: one line from the reporter.
+        time_s: when the coordinator received it, seconds on the coordinator's clock.
+    """
+
+    node_id: str
+    generation: int
+    cause: Cause
+    proposed: Level = Level.NONE
+    rank: int = -1
+    exit_code: int = 0
+    detail: str = ""
+    time_s: float = 0.0
+
+    def describe(self) -> str:
+        """One line naming the rank, node, exit code or signal, and the detail."""
+        import signal as _signal
+
+        who = f"rank {self.rank} on node {self.node_id}" if self.rank >= 0 else f"node {self.node_id}"
+        if self.exit_code < 0:
+            try:
+                how = f"killed by {_signal.Signals(-self.exit_code).name}"
+            except ValueError:
+                how = f"killed by signal {-self.exit_code}"
+        elif self.exit_code > 0:
+            how = f"exited with code {self.exit_code}"
+        else:
+            how = self.cause.value.replace("_", " ")
+        return f"{who} {how}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class Plan:
+    """The recovery being prepared for one new generation.
+
+    Attributes:
+        generation: the generation being formed.
+        level: its recovery level.
+        failed_nodes: nodes whose failure it handles.
+        cordon: nodes excluded from the job from now on.
+        replacements: failed node id -> spare node id taking its slot.
+        shrink: drop slots with no node instead of waiting.
+        not_before_s: earliest start (backoff), coordinator clock seconds.
+        reason: the first failure's description.
+    """
+
+    generation: int
+    level: Level
+    failed_nodes: list[str] = field(default_factory=list)
+    cordon: list[str] = field(default_factory=list)
+    replacements: dict[str, str] = field(default_factory=dict)
+    shrink: bool = False
+    not_before_s: float = 0.0
+    reason: str = ""
+
+
+@dataclass
+class PolicyState:
+    """Everything the policy remembers; serialized to the coordinator's store.
+
+    Attributes:
+        phase: the job phase.
+        generation: current generation (0 before the first one forms).
+        restart_count: restarts spent so far.
+        consecutive: failures since the last progress (drives the backoff).
+        progress_step: the highest step seen when the last generation started.
+        process_failures: node id -> times (s) of its process-level failures in the window.
+        node_failures: times (s) of node-level failures in the window.
+        cordoned: nodes excluded from the job.
+        plan: the recovery being prepared, None when none.
+        message: last human-readable reason (failure, recovery, success).
+    """
+
+    phase: Phase = Phase.FORMING
+    generation: int = 0
+    restart_count: int = 0
+    consecutive: int = 0
+    progress_step: int = -1
+    process_failures: dict[str, list[float]] = field(default_factory=dict)
+    node_failures: list[float] = field(default_factory=list)
+    cordoned: list[str] = field(default_factory=list)
+    plan: Plan | None = None
+    message: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-friendly form (inverse of :meth:`from_dict`)."""
+        d: dict[str, object] = {
+            "phase": self.phase.name, "generation": self.generation, "restart_count": self.restart_count,
+            "consecutive": self.consecutive, "progress_step": self.progress_step,
+            "process_failures": self.process_failures, "node_failures": self.node_failures,
+            "cordoned": self.cordoned, "message": self.message, "plan": None,
+        }
+        if self.plan is not None:
+            p = self.plan
+            d["plan"] = {"generation": p.generation, "level": p.level.name, "failed_nodes": p.failed_nodes,
+                         "cordon": p.cordon, "replacements": p.replacements, "shrink": p.shrink,
+                         "not_before_s": p.not_before_s, "reason": p.reason}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> "PolicyState":
+        """Rebuilds a state from :meth:`to_dict` output.
+
+        Args:
+            d: the mapping.
+
+        Returns:
+            The state.
+
+        Raises:
+            PolicyError: the mapping is malformed.
+        """
+        try:
+            plan = None
+            pd = d.get("plan")
+            if pd:
+                plan = Plan(int(pd["generation"]), Level[pd["level"]], list(pd["failed_nodes"]),  # type: ignore
+                            list(pd["cordon"]), dict(pd["replacements"]), bool(pd["shrink"]),  # type: ignore
+                            float(pd["not_before_s"]), str(pd["reason"]))  # type: ignore
+            return cls(Phase[str(d["phase"])], int(d["generation"]), int(d["restart_count"]),  # type: ignore
+                       int(d["consecutive"]), int(d["progress_step"]),  # type: ignore
+                       {str(k): [float(t) for t in v] for k, v in dict(d["process_failures"]).items()},  # type: ignore
+                       [float(t) for t in d["node_failures"]], [str(n) for n in d["cordoned"]],  # type: ignore
+                       plan, str(d.get("message", "")))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PolicyError(f"stored policy state is malformed ({exc}): the store is corrupt") from exc
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the coordinator must do about one failure report.
+
+    Attributes:
+        level: the decided level (NONE for duplicates and advisories).
+        generation: the generation to move to (the current one when nothing changes).
+        duplicate: the report was about an older generation and changed nothing.
+        merged: the report was folded into the recovery already being prepared.
+        job_failed: the restart budget is exhausted; the job is FAILED.
+        message: one line for logs and agents.
+    """
+
+    level: Level
+    generation: int
+    duplicate: bool = False
+    merged: bool = False
+    job_failed: bool = False
+    message: str = ""
+
+
+class RecoveryPolicy:
+    """Applies the rules of the module docstring to a :class:`PolicyState` it owns.
+
+    Args:
+        config: the knobs.
+        state: a state restored from the store, or None for a new job.
+    """
+
+    def __init__(self, config: PolicyConfig, state: PolicyState | None = None) -> None:
+        self.config = config
+        self.state = state if state is not None else PolicyState()
+
+    # -- lifecycle
+    def _move(self, trigger: Trigger) -> None:
+        self.state.phase = transition(self.state.phase, trigger)
+
+    def formed(self, generation: int, step: int = -1) -> None:
+        """The first generation (or a recovery's generation) has a rank table and its nodes got START.
+
+        Args:
+            generation: the generation now current.
+            step: the highest step known, for progress tracking.
+
+        Raises:
+            PolicyError: not FORMING or RECOVERING.
+        """
+        st = self.state
+        if st.phase is Phase.FORMING:
+            self._move(Trigger.MEMBERS_READY)
+        elif st.phase is not Phase.RECOVERING:
+            raise PolicyError(f"cannot form generation {generation} while {st.phase.name}")
+        st.generation = generation
+        st.progress_step = max(st.progress_step, step)
+
+    def started(self, generation: int) -> None:
+        """Every node of ``generation`` reported its workers running: RECOVERING becomes RUNNING.
+
+        Args:
+            generation: the generation that runs.
+        """
+        st = self.state
+        if st.phase is Phase.RECOVERING and st.plan is None and generation == st.generation:
+            self._move(Trigger.GENERATION_STARTED)
+
+    def progressed(self, step: int) -> None:
+        """A step beyond the one at the last start completed: the backoff starts over.
+
+        Args:
+            step: the highest completed step reported.
+        """
+        if step > self.state.progress_step >= -1 and self.state.phase is Phase.RUNNING:
+            self.state.progress_step = step
+            self.state.consecutive = 0
+
+    def succeeded(self) -> None:
+        """Every rank of the current generation exited 0.
+
+        Raises:
+            PolicyError: not RUNNING or RECOVERING.
+        """
+        self._move(Trigger.ALL_SUCCEEDED)
+        self.state.message = f"succeeded in generation {self.state.generation} after " \
+                             f"{self.state.restart_count} restart(s)"
+
+    def impossible(self, why: str) -> None:
+        """The membership can never form a valid layout: the job fails.
+
+        Args:
+            why: the layout error.
+        """
+        self._move(Trigger.MEMBERSHIP_IMPOSSIBLE)
+        self.state.plan = None
+        self.state.message = why
+
+    def plan_started(self) -> Plan:
+        """The prepared plan's generation got its rank table: it becomes current.
+
+        Returns:
+            The plan that was executed.
+
+        Raises:
+            PolicyError: no plan is pending.
+        """
+        st = self.state
+        if st.plan is None:
+            raise PolicyError("no recovery plan is pending")
+        plan, st.plan = st.plan, None
+        st.generation = plan.generation
+        return plan
+
+    # -- decisions
+    def _prune(self, now: float) -> None:
+        lo = now - self.config.window_s
+        st = self.state
+        st.node_failures = [t for t in st.node_failures if t >= lo]
+        st.process_failures = {n: kept for n, ts in st.process_failures.items() if (kept := [t for t in ts if t >= lo])}
+
+    def _level_for(self, f: Failure) -> tuple[Level, list[str]]:
+        cfg, st = self.config, self.state
+        level = max(BASE_LEVEL[f.cause], f.proposed)
+        why: list[str] = []
+        if level is Level.PROCESS and len(st.process_failures.get(f.node_id, [])) >= cfg.process_repeats_to_node:
+            level = ESCALATION[(level, Escalation.REPEATED_ON_NODE)]
+            why.append(f"node {f.node_id} failed {len(st.process_failures[f.node_id]) + 1} times")
+        if level is Level.NODE and len(st.node_failures) >= cfg.node_repeats_to_job:
+            level = ESCALATION[(level, Escalation.REPEATED_NODE_LEVEL)]
+            why.append(f"{len(st.node_failures) + 1} node-level failures within {cfg.window_s:g} s")
+        return Level(level), why
+
+    def _backoff(self) -> float:
+        n = self.state.consecutive
+        if n <= 1:
+            return 0.0
+        return min(self.config.backoff_initial_s * 2 ** (n - 2), self.config.backoff_max_s)
+
+    def _place_nodes(self, plan: Plan, layout: RankLayout | None, members: Sequence[NodeSpec],
+                     spares: Sequence[NodeSpec]) -> list[str]:
+        """Fills the node-level plan's failed slots with spares or a shrink; returns escalation reasons."""
+        if plan.level is not Level.NODE or layout is None:
+            return []
+        taken = set(plan.replacements.values())
+        free = [s for s in spares if s.node_id not in taken and s.node_id not in plan.cordon]
+        for failed in plan.cordon:
+            slot = layout.slot_of(failed)
+            if slot is None or failed in plan.replacements:
+                continue
+            fit = [s for s in free if s.device_count == slot.local_world_size]
+            pick = ([s for s in fit if s.pod_id == slot.pod_id] or fit or [None])[0]
+            if pick is not None:
+                plan.replacements[failed] = pick.node_id
+                free.remove(pick)
+        missing = [n for n in plan.cordon if layout.slot_of(n) is not None and n not in plan.replacements]
+        if not missing:
+            plan.shrink = False
+            return []
+        if self.config.allow_shrink:
+            gone = set(plan.cordon)
+            rest = [m for m in members if m.node_id not in gone]
+            for old, new in plan.replacements.items():
+                spare = next(s for s in spares if s.node_id == new)
+                rest.append(NodeSpec(spare.node_id, spare.pod_id, spare.node_index, spare.host, spare.device_count,
+                                     spare.address, replaces=old))
+            try:
+                shrunk = assign_ranks(rest, previous=layout, group_size=layout.group_size, allow_shrink=True)
+            except MembershipError as exc:
+                return [f"shrinking is not valid ({exc})"]
+            if len(shrunk.slots) >= self.config.min_nodes:
+                plan.shrink = True
+                return []
+            return [f"shrinking would leave {len(shrunk.slots)} nodes, below the minimum {self.config.min_nodes}"]
+        return [f"no spare node for {', '.join(missing)} and shrinking is not allowed"]
+
+    def on_failure(self, f: Failure, *, layout: RankLayout | None = None, members: Sequence[NodeSpec] = (),
+                   spares: Sequence[NodeSpec] = ()) -> Decision:
+        """Decides what to do about one failure report, updating the state.
+
+        Args:
+            f: the failure.
+            layout: the current generation's rank layout (None before the first one forms).
+            members: nodes holding slots (for shrink validation).
+            spares: healthy spare nodes available now.
+
+        Returns:
+            The decision; when it opens or changes a plan, :attr:`PolicyState.plan` holds what to execute.
+        """
+        st, cfg = self.state, self.config
+        if st.phase in (Phase.SUCCEEDED, Phase.FAILED):
+            return Decision(Level.NONE, st.generation, duplicate=True, message=f"job is over: {st.message}")
+        base = max(BASE_LEVEL[f.cause], f.proposed)
+        if base is Level.NONE:
+            return Decision(Level.NONE, st.generation, message=f"advisory noted: {f.describe()}")
+        if st.phase is Phase.FORMING:
+            # No generation runs: a failing node simply does not get a rank.
+            if f.node_id not in st.cordoned and base >= Level.NODE:
+                st.cordoned.append(f.node_id)
+            return Decision(Level.NONE, st.generation, message=f"before the first generation: {f.describe()}")
+        if layout is not None and layout.slot_of(f.node_id) is None:
+            # A spare (or a node the layout no longer holds) runs no ranks: no generation to replace.
+            if base >= Level.NODE and f.node_id not in st.cordoned:
+                st.cordoned.append(f.node_id)
+                return Decision(Level.NONE, st.generation, message=f"spare cordoned: {f.describe()}")
+            return Decision(Level.NONE, st.generation, message=f"no ranks on that node: {f.describe()}")
+        self._prune(f.time_s)
+        is_old = 0 <= f.generation < st.generation
+        if st.plan is not None and (is_old or f.generation == st.generation):
+            return self._merge(f, layout, members, spares)
+        if is_old:
+            return Decision(Level.NONE, st.generation, duplicate=True,
+                            message=f"duplicate: generation {f.generation} was already replaced by {st.generation}")
+        # A new fault of the current generation (or of a node running nothing, e.g. a spare or a lost node).
+        level, why = self._level_for(f)
+        if st.restart_count >= cfg.max_restarts:
+            trig = Trigger.BUDGET_EXHAUSTED
+            self._move(trig)
+            st.plan = None
+            st.message = (f"job failed: {f.describe()}; restart budget exhausted after {st.restart_count} "
+                          f"restart(s) (max {cfg.max_restarts})")
+            return Decision(level, st.generation, job_failed=True, message=st.message)
+        self._move(Trigger.FAILURE)
+        st.restart_count += 1
+        st.consecutive += 1
+        plan = Plan(st.generation + 1, level, reason=f.describe(), not_before_s=f.time_s + self._backoff())
+        st.plan = plan
+        self._record(f, level)
+        self._add_failed(plan, f, level)
+        reasons = self._place_nodes(plan, layout, members, spares)
+        if reasons:
+            plan.level = ESCALATION[(Level.NODE, Escalation.NO_SPARE_NO_SHRINK)]
+            why += reasons
+        if plan.level is Level.JOB:
+            plan.cordon = [n for n in plan.cordon if n in plan.replacements]
+        st.message = self._describe_plan(plan, why)
+        return Decision(plan.level, plan.generation, message=st.message)
+
+    def _record(self, f: Failure, level: Level) -> None:
+        st = self.state
+        if level is Level.PROCESS:
+            st.process_failures.setdefault(f.node_id, []).append(f.time_s)
+        elif level is Level.NODE:
+            st.node_failures.append(f.time_s)
+
+    @staticmethod
+    def _add_failed(plan: Plan, f: Failure, level: Level) -> None:
+        if f.node_id not in plan.failed_nodes:
+            plan.failed_nodes.append(f.node_id)
+        if level >= Level.NODE and f.node_id not in plan.cordon:
+            plan.cordon.append(f.node_id)
+
+    def _merge(self, f: Failure, layout: RankLayout | None, members: Sequence[NodeSpec],
+               spares: Sequence[NodeSpec]) -> Decision:
+        st = self.state
+        plan = st.plan
+        assert plan is not None
+        before = (plan.level, tuple(plan.failed_nodes), tuple(plan.cordon))
+        level, why = self._level_for(f)
+        plan.level = max(plan.level, level)
+        # Workers of healthy nodes die too when a peer fails (their collectives break): merged process-level
+        # reports are consequences, so only node-level ones count towards escalation.
+        if level >= Level.NODE:
+            self._record(f, level)
+        self._add_failed(plan, f, level)
+        if plan.level is Level.NODE:
+            reasons = self._place_nodes(plan, layout, members, spares)
+            if reasons:
+                plan.level = ESCALATION[(Level.NODE, Escalation.NO_SPARE_NO_SHRINK)]
+                why += reasons
+        if plan.level is Level.JOB:
+            plan.cordon = [n for n in plan.cordon if n in plan.replacements]
+        if before != (plan.level, tuple(plan.failed_nodes), tuple(plan.cordon)):
+            st.message = self._describe_plan(plan, why)
+        return Decision(plan.level, plan.generation, merged=True,
+                        message=f"merged into generation {plan.generation}: {st.message}")
+
+    def _describe_plan(self, plan: Plan, why: Sequence[str]) -> str:
+        st, cfg = self.state, self.config
+        what = {Level.PROCESS: "restarting every worker in place",
+                Level.NODE: "replacing " + ", ".join(f"{o}->{n}" for o, n in plan.replacements.items())
+                            + (" and shrinking" if plan.shrink else ""),
+                Level.JOB: "restarting the whole job from the last persisted checkpoint"}.get(plan.level, "")
+        esc = f" (escalated: {'; '.join(why)})" if why else ""
+        return (f"restart {st.restart_count}/{cfg.max_restarts}, {plan.level.name.lower()} level, generation "
+                f"{plan.generation}: {plan.reason}; {what}{esc}")

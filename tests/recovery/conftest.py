@@ -1,0 +1,56 @@
+"""Fixtures of the recovery tests: a real etcd server on loopback (skipped with a reason when absent)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ETCD_BINARY = shutil.which("etcd")
+ETCD_SKIP_REASON = "etcd binary not found: install Debian's etcd-server package (apt-get install -y etcd-server)"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Starts one etcd on loopback with a temp data dir for the session; yields ``host:port``."""
+    if ETCD_BINARY is None:
+        pytest.skip(ETCD_SKIP_REASON)
+    data = tmp_path_factory.mktemp("etcd")
+    client, peer = _free_port(), _free_port()
+    log = open(data / "etcd.log", "wb")
+    proc = subprocess.Popen(
+        [ETCD_BINARY, "--name", "tg-test", "--data-dir", str(data / "d"),
+         "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"tg-test=http://127.0.0.1:{peer}", "--log-level", "error"],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=1) as r:
+                    if b"true" in r.read():
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"etcd did not start: {Path(data / 'etcd.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield f"127.0.0.1:{client}"
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()

@@ -1,0 +1,212 @@
+"""One contract-test suite for every state-store backend (memory, file, SQLite, etcd), plus fencing and the
+crash-safety of the file and SQLite backends."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from trainguard.recovery.errors import FencedError, StoreError, StoreURLError
+from trainguard.recovery.store import (Compare, FencedStore, FileStore, Put, SQLiteStore, Store, acquire_fence,
+                                       open_store)
+
+_etcd_ns = itertools.count()
+
+Opener = Callable[[], Store]
+
+
+@pytest.fixture(params=["memory", "file", "sqlite", "etcd"])
+def opener(request: pytest.FixtureRequest, tmp_path) -> Iterator[tuple[str, Opener]]:
+    """Yields (backend, open) where open() returns a new handle on the SAME store (reopen = restart)."""
+    kind = request.param
+    if kind == "memory":
+        mem = open_store("memory://")
+        url = None
+    elif kind == "file":
+        url = f"file://{tmp_path}/fs"
+    elif kind == "sqlite":
+        url = f"sqlite://{tmp_path}/state.db"
+    else:
+        ep = request.getfixturevalue("etcd_endpoint")
+        url = f"etcd://{ep}/t{os.getpid()}-{next(_etcd_ns)}"
+    handles: list[Store] = []
+
+    def open_() -> Store:
+        s = mem if url is None else open_store(url)
+        handles.append(s)
+        return s
+
+    yield kind, open_
+    for h in handles:
+        h.close()
+
+
+def test_get_missing_and_create(opener) -> None:
+    _, open_ = opener
+    s = open_()
+    assert s.get("a/x") is None
+    res = s.compare_and_set("a/x", 0, b"one")
+    assert res.ok and res.revision > 0
+    rec = s.get("a/x")
+    assert rec.value == b"one" and rec.version == res.revision
+
+
+def test_cas_conflict_reports_current_version_and_writes_nothing(opener) -> None:
+    _, open_ = opener
+    s = open_()
+    v1 = s.compare_and_set("k", 0, b"1").revision
+    again = s.compare_and_set("k", 0, b"2")
+    assert not again.ok and again.conflicts == {"k": v1}
+    stale = s.compare_and_set("k", v1 + 1000, b"3")
+    assert not stale.ok and s.get("k").value == b"1"
+    v2 = s.compare_and_set("k", v1, b"4").revision
+    assert v2 > v1 and s.get("k").value == b"4"
+
+
+def test_multi_key_commit_is_atomic(opener) -> None:
+    _, open_ = opener
+    s = open_()
+    va = s.compare_and_set("j/a", 0, b"a").revision
+    res = s.commit([Compare("j/a", va), Compare("j/b", 12345)], [Put("j/a", b"A"), Put("j/c", b"C")])
+    assert not res.ok and set(res.conflicts) == {"j/b"}
+    assert s.get("j/a").value == b"a" and s.get("j/c") is None
+    res = s.commit([Compare("j/a", va), Compare("j/b", 0)], [Put("j/a", b"A"), Put("j/c", b"C"), Put("j/a", None)])
+    assert res.ok
+    assert s.get("j/a") is None and s.get("j/c").version == res.revision
+
+
+def test_scan_prefix_and_delete(opener) -> None:
+    _, open_ = opener
+    s = open_()
+    s.commit([], [Put("job/n/1", b"1"), Put("job/n/2", b"2"), Put("job/m", b"m"), Put("jobx/n/1", b"x"),
+                  Put("job/n%_", b"odd")])
+    assert set(s.scan("job/n/")) == {"job/n/1", "job/n/2"}
+    assert set(s.scan("job/n")) == {"job/n/1", "job/n/2", "job/n%_"}
+    assert s.scan("nothing/") == {}
+    v = s.get("job/n/1").version
+    assert s.compare_and_set("job/n/1", v, None).ok
+    assert set(s.scan("job/n/")) == {"job/n/2"}
+
+
+def test_binary_values_roundtrip(opener) -> None:
+    _, open_ = opener
+    s = open_()
+    blob = bytes(range(256)) * 300
+    assert s.compare_and_set("bin", 0, blob).ok
+    assert s.get("bin").value == blob
+
+
+def test_state_survives_reopen(opener) -> None:
+    kind, open_ = opener
+    s = open_()
+    rev = s.commit([], [Put("p/a", b"1"), Put("p/b", b"2")]).revision
+    s.close() if kind != "memory" else None
+    t = open_()
+    assert {k: r.value for k, r in t.scan("p/").items()} == {"p/a": b"1", "p/b": b"2"}
+    assert t.get("p/a").version == rev
+    assert t.compare_and_set("p/a", rev, b"3").revision > rev
+
+
+def test_two_handles_see_each_other(opener) -> None:
+    _, open_ = opener
+    a, b = open_(), open_()
+    v = a.compare_and_set("shared", 0, b"a").revision
+    assert b.get("shared").value == b"a"
+    assert not b.compare_and_set("shared", 0, b"b").ok
+    assert b.compare_and_set("shared", v, b"b").ok
+    assert a.get("shared").value == b"b"
+
+
+def test_fencing_stops_the_old_writer(opener) -> None:
+    _, open_ = opener
+    old = FencedStore(open_(), acquire_fence(open_(), "job/fence"))
+    assert old.fence.epoch == 1
+    assert old.compare_and_set("job/state", 0, b"old").ok
+    new = FencedStore(open_(), acquire_fence(open_(), "job/fence"))
+    assert new.fence.epoch == 2
+    with pytest.raises(FencedError, match="another coordinator took over"):
+        old.commit([], [Put("job/state", b"clobber")])
+    assert new.get("job/state").value == b"old"
+    v = new.get("job/state").version
+    assert new.compare_and_set("job/state", v, b"new").ok
+
+
+def test_concurrent_cas_increments_lose_nothing(opener) -> None:
+    kind, open_ = opener
+    stores = [open_() for _ in range(3)]
+
+    def bump(s: Store, n: int) -> None:
+        for _ in range(n):
+            while True:
+                rec = s.get("ctr")
+                cur = int(rec.value) if rec else 0
+                if s.compare_and_set("ctr", rec.version if rec else 0, str(cur + 1).encode()).ok:
+                    break
+
+    threads = [threading.Thread(target=bump, args=(s, 15)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert int(stores[0].get("ctr").value) == 45
+
+
+def test_store_urls() -> None:
+    for bad in ["nosuch://x", "sqlite://relative", "file://host/x", "etcd://noport", "etcd://h:99999", "sqlite://"]:
+        with pytest.raises(StoreURLError):
+            open_store(bad)
+
+
+def test_etcd_down_is_a_clear_store_error() -> None:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    s = open_store(f"etcd://127.0.0.1:{port}")
+    with pytest.raises(StoreError, match="no etcd endpoint answered"):
+        s.get("x")
+
+
+def test_corrupt_file_store_is_refused_and_left_alone(tmp_path) -> None:
+    (tmp_path / "state.json").write_text('{"revision": 3, "kv": {"a": [3, "!!notbase64')
+    with pytest.raises(StoreError, match="corrupt"):
+        FileStore(tmp_path)
+    assert (tmp_path / "state.json").read_text().startswith('{"revision": 3')
+
+
+_CRASHER = r"""
+import os, sys
+from trainguard.recovery.store import open_store, Put
+s = open_store(sys.argv[1])
+i = 0
+while True:
+    i += 1
+    s.commit([], [Put("crash/ctr", str(i).encode()), Put("crash/twin", str(i).encode())])
+    print(i, flush=True)
+"""
+
+
+@pytest.mark.parametrize("scheme", ["file", "sqlite"])
+def test_sigkill_mid_commit_leaves_a_consistent_state(tmp_path, scheme: str) -> None:
+    url = f"{scheme}://{tmp_path}/st" + (".db" if scheme == "sqlite" else "")
+    proc = subprocess.Popen([sys.executable, "-c", _CRASHER, url], stdout=subprocess.PIPE, text=True)
+    try:
+        acked = 0
+        for line in proc.stdout:
+            acked = int(line)
+            if acked >= 40:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    s = open_store(url)
+    ctr, twin = s.get("crash/ctr"), s.get("crash/twin")
+    # Every acknowledged commit is durable, and the two keys of one commit are never torn apart.
+    assert int(ctr.value) >= acked and ctr.value == twin.value and ctr.version == twin.version
+    s.close()
