@@ -59,6 +59,9 @@ def read_int(path: str) -> int:
 def read_counter_table(path: str) -> dict[str, int]:
     """Reads a ``NAME VALUE`` per line table, the format of the PCIe ``aer_dev_*`` files.
 
+    Names may hold spaces (older kernels print ``Receiver Error 2``, newer ones ``RxErr 2``); the value is the
+    last token of the line.
+
     Args:
         path: file to read.
 
@@ -73,10 +76,10 @@ def read_counter_table(path: str) -> dict[str, int]:
         raise DetectorReadError(path, "empty; expected lines of '<name> <count>'")
     table: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
-        parts = line.split()
+        parts = line.rsplit(None, 1)
         if len(parts) != 2 or not _INT.match(parts[1]):
             raise DetectorReadError(path, f"line {number} {line[:40]!r} is not '<name> <count>'")
-        table[parts[0]] = int(parts[1])
+        table[parts[0].strip()] = int(parts[1])
     return table
 
 

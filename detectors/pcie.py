@@ -1,0 +1,213 @@
+"""PCIe bus detector: AER error counters and degraded links, from sysfs.
+
+Per device under ``/sys/bus/pci/devices/<domain:bus:dev.fn>/`` (Documentation/ABI/testing/
+sysfs-bus-pci-devices-aer_stats):
+
+- ``aer_dev_correctable``, ``aer_dev_nonfatal``, ``aer_dev_fatal``: one ``<name> <count>`` per line, ending with
+  ``TOTAL_ERR_COR`` / ``TOTAL_ERR_NONFATAL`` / ``TOTAL_ERR_FATAL``. Correctable errors are reported when their
+  rate exceeds ``correctable_per_s``; any increase of non-fatal or fatal errors is reported at once, naming the
+  error bits that rose. Errors may show at the link partner (root port, switch port), so every AER-capable
+  device is read, not only the GPUs and NICs.
+- ``current_link_width`` vs ``max_link_width`` and ``current_link_speed`` vs ``max_link_speed``
+  (``"16.0 GT/s PCIe"``): a link trained below its maximum width is reported for the watched classes; speed is
+  compared only for classes that do not lower their speed to save power when idle (GPUs do).
+- a watched device that disappears from the bus is reported as lost.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from trainguard.detectors.base import Detector, DetectorConfig, DetectorState, Sample, register_detector
+from trainguard.detectors.counters import CounterTracker
+from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
+from trainguard.detectors.events import Action, Severity
+from trainguard.detectors.sysfs import list_dir, read_counter_table, read_int, read_text
+
+_SPEED = re.compile(r"^(\d+(?:\.\d+)?) GT/s")
+_AER_FILES = (("aer_dev_correctable", "TOTAL_ERR_COR"), ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL"),
+              ("aer_dev_fatal", "TOTAL_ERR_FATAL"))
+
+
+def parse_link_speed(text: str, path: str) -> float | None:
+    """Parses ``current_link_speed`` / ``max_link_speed``.
+
+    Args:
+        text: e.g. ``"16.0 GT/s PCIe"``, ``"8 GT/s"`` or ``"Unknown"`` (link down).
+        path: the file, for errors.
+
+    Returns:
+        GT/s, or None when the kernel reports the speed as unknown.
+
+    Raises:
+        DetectorReadError: neither a speed nor ``Unknown``.
+    """
+    m = _SPEED.match(text)
+    if m:
+        return float(m.group(1))
+    if text.lower().startswith("unknown"):
+        return None
+    raise DetectorReadError(path, f"expected '<n> GT/s', found {text[:40]!r}")
+
+
+@dataclass
+class PcieConfig(DetectorConfig):
+    """Settings of the PCIe detector.
+
+    Attributes:
+        interval_s: seconds between samples. Default 10.0.
+        devices: glob patterns of PCI addresses whose link is checked; empty means every device of
+            ``link_classes``.
+        link_classes: PCI class prefixes whose links are checked (``0x0302`` 3D controller, ``0x0300`` VGA,
+            ``0x0200`` Ethernet, ``0x0207`` InfiniBand, ``0x1200`` processing accelerator, ``0x0108`` NVMe).
+        speed_classes: class prefixes whose link speed (not only width) must stay at its maximum; GPUs lower
+            their speed when idle, so they are not listed by default.
+        correctable_per_s: correctable error rate above which a device is reported. Default 1.0 per second.
+    """
+
+    interval_s: float = 10.0
+    devices: tuple[str, ...] = ()
+    link_classes: tuple[str, ...] = ("0x0302", "0x0300", "0x0200", "0x0207", "0x1200", "0x0108")
+    speed_classes: tuple[str, ...] = ("0x0200", "0x0207", "0x1200")
+    correctable_per_s: float = 1.0
+
+    def validate(self) -> None:
+        """Checks ranges.
+
+        Raises:
+            DetectorConfigError: a value is out of range.
+        """
+        super().validate()
+        if self.correctable_per_s < 0:
+            raise DetectorConfigError(f"pcie.correctable_per_s={self.correctable_per_s} must be >= 0")
+
+
+@register_detector
+class PcieDetector(Detector):
+    """Reads AER counters and link status of PCI devices."""
+
+    name: ClassVar[str] = "pcie"
+    config_class: ClassVar[type[DetectorConfig]] = PcieConfig
+    default_interval_s: ClassVar[float] = 10.0
+
+    def __init__(self, config: PcieConfig | None = None) -> None:
+        """Creates the detector.
+
+        Args:
+            config: settings.
+        """
+        super().__init__(config)
+        self.config: PcieConfig
+        self._counters = CounterTracker()
+        self._last: dict[str, dict[str, int]] = {}
+        self._seen_links: set[str] = set()
+
+    def _link_watched(self, bdf: str, cls: str) -> bool:
+        if self.config.devices:
+            return any(fnmatch.fnmatchcase(bdf, p) for p in self.config.devices)
+        return cls.startswith(self.config.link_classes)
+
+    def sample(self) -> Sample:
+        """Reads every device once.
+
+        Returns:
+            AER totals and rates, link metrics, and events.
+        """
+        base = self.config.path("/sys/bus/pci/devices")
+        s = Sample()
+        totals = {"aer_correctable": 0, "aer_nonfatal": 0, "aer_fatal": 0}
+        cor_rate = 0.0
+        aer_devices = 0
+        links = 0
+        degraded = 0
+        present = set(list_dir(base))
+        for bdf in sorted(present):
+            dev = os.path.join(base, bdf)
+            if os.path.exists(os.path.join(dev, "aer_dev_correctable")):
+                aer_devices += 1
+                cor_rate += self._sample_aer(s, dev, bdf, totals)
+            try:
+                cls = read_text(os.path.join(dev, "class")) if os.path.exists(os.path.join(dev, "class")) else ""
+            except DetectorReadError as exc:
+                s.error(exc)
+                continue
+            if self._link_watched(bdf, cls) and os.path.exists(os.path.join(dev, "max_link_width")):
+                links += 1
+                self._seen_links.add(bdf)
+                degraded += self._sample_link(s, dev, bdf, cls)
+        for bdf in sorted(self._seen_links):
+            self.condition(s, f"lost/{bdf}", bdf not in present, "pcie.device_lost", Severity.CRITICAL,
+                           Action.DRAIN_NODE, f"PCI device {bdf} disappeared from the bus", bdf)
+        if not aer_devices and not self._seen_links:
+            return self.no_hardware(f"no PCIe device under {base} reports AER counters or link status")
+        s.metrics.update({k + "_total": float(v) for k, v in totals.items()})
+        s.metrics.update({"aer_correctable_per_s": cor_rate, "aer_devices": float(aer_devices),
+                          "links_watched": float(links), "links_degraded": float(degraded)})
+        return s
+
+    def _sample_aer(self, s: Sample, dev: str, bdf: str, totals: dict[str, int]) -> float:
+        rate = 0.0
+        for (fname, total_key), metric in zip(_AER_FILES, ("aer_correctable", "aer_nonfatal", "aer_fatal")):
+            path = os.path.join(dev, fname)
+            try:
+                table = read_counter_table(path)
+                if total_key not in table:
+                    raise DetectorReadError(path, f"no {total_key} line (truncated?)")
+            except DetectorReadError as exc:
+                s.error(exc)
+                continue
+            total = table[total_key]
+            totals[metric] += total
+            s.metrics[f"{metric}[{bdf}]"] = float(total)
+            d = self._counters.update(f"{bdf}/{fname}", total)
+            prev = self._last.get(f"{bdf}/{fname}", {})
+            self._last[f"{bdf}/{fname}"] = table
+            rose = {k: v - prev.get(k, 0) for k, v in table.items() if k != total_key and v > prev.get(k, 0)}
+            evidence = {"file": fname, total_key: total, "delta": d.delta,
+                        "errors": ", ".join(f"{k}+{v}" for k, v in sorted(rose.items()))}
+            if metric == "aer_correctable":
+                rate += d.rate
+                self.condition(s, f"cor/{bdf}", not d.first and d.rate > self.config.correctable_per_s,
+                               "pcie.aer_correctable", Severity.WARNING, Action.WATCH,
+                               f"PCIe device {bdf}: {d.rate:.2f} correctable errors/s ({evidence['errors']})",
+                               bdf, evidence)
+            elif not d.first and d.delta > 0:
+                fatal = metric == "aer_fatal"
+                s.events.append(self.event(
+                    "pcie.aer_fatal" if fatal else "pcie.aer_nonfatal",
+                    Severity.CRITICAL if fatal else Severity.ERROR,
+                    Action.DRAIN_NODE if fatal else Action.CHECKPOINT_NOW,
+                    f"PCIe device {bdf}: {d.delta} new uncorrectable {'fatal' if fatal else 'non-fatal'} "
+                    f"error(s) ({evidence['errors']})", bdf, evidence))
+                s.worsen(DetectorState.FAILED if fatal else DetectorState.DEGRADED, f"PCIe errors on {bdf}")
+        return rate
+
+    def _sample_link(self, s: Sample, dev: str, bdf: str, cls: str) -> int:
+        try:
+            width = read_int(os.path.join(dev, "current_link_width"))
+            max_width = read_int(os.path.join(dev, "max_link_width"))
+            speed_path = os.path.join(dev, "current_link_speed")
+            max_speed_path = os.path.join(dev, "max_link_speed")
+            speed = parse_link_speed(read_text(speed_path), speed_path)
+            max_speed = parse_link_speed(read_text(max_speed_path), max_speed_path)
+        except DetectorReadError as exc:
+            s.error(exc)
+            return 0
+        s.metrics[f"link_width[{bdf}]"] = float(width)
+        s.metrics[f"link_speed_gts[{bdf}]"] = float(speed or 0.0)
+        narrow = 0 < width < max_width
+        slow = (cls.startswith(self.config.speed_classes) and speed is not None and max_speed is not None
+                and speed < max_speed)
+        evidence = {"class": cls, "width": width, "max_width": max_width, "speed_gts": speed or "unknown",
+                    "max_speed_gts": max_speed or "unknown"}
+        self.condition(s, f"width/{bdf}", narrow, "pcie.link_narrow", Severity.WARNING, Action.WATCH,
+                       f"PCIe link of {bdf} trained at x{width}, below its x{max_width}", bdf, evidence)
+        self.condition(s, f"speed/{bdf}", slow, "pcie.link_slow", Severity.WARNING, Action.WATCH,
+                       f"PCIe link of {bdf} runs at {speed} GT/s, below its {max_speed} GT/s", bdf, evidence)
+        self.condition(s, f"down/{bdf}", width == 0, "pcie.link_down", Severity.CRITICAL, Action.DRAIN_NODE,
+                       f"PCIe link of {bdf} is down (width 0)", bdf, evidence)
+        return int(narrow or slow or width == 0)
