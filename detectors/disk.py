@@ -1,0 +1,141 @@
+"""Disk detector: fullness and health of the paths that matter (checkpoint and log directories).
+
+For each configured path: space and inode usage (``statvfs`` through psutil), whether its filesystem is mounted
+read-only (ext4 and XFS remount read-only on errors), and optionally a write probe that creates, fsyncs and
+removes a small file, timing it. Paths are real paths of this node, not mapped under ``root``.
+
+A filesystem that hangs (a dead NFS server) blocks ``statvfs``; the probe is off by default for that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import psutil
+
+from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
+from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
+from trainguard.detectors.events import Action, Severity
+
+
+@dataclass
+class DiskConfig(DetectorConfig):
+    """Settings of the disk detector.
+
+    Attributes:
+        interval_s: seconds between samples. Default 30.0.
+        paths: directories to watch (checkpoint dir, log dir). Default ``("/",)``.
+        warn_used_pct: space or inode usage above this percentage is a warning. Default 90.0.
+        error_used_pct: usage above this percentage is an error. Default 97.0.
+        write_probe: create, fsync and remove a small file in each path on every sample. Default False.
+        slow_write_s: a probe slower than this many seconds is reported. Default 5.0.
+    """
+
+    interval_s: float = 30.0
+    paths: tuple[str, ...] = ("/",)
+    warn_used_pct: float = 90.0
+    error_used_pct: float = 97.0
+    write_probe: bool = False
+    slow_write_s: float = 5.0
+
+    def validate(self) -> None:
+        """Checks ranges.
+
+        Raises:
+            DetectorConfigError: a value is out of range.
+        """
+        super().validate()
+        if not 0 < self.warn_used_pct <= self.error_used_pct <= 100:
+            raise DetectorConfigError("disk: need 0 < warn_used_pct <= error_used_pct <= 100")
+        if not self.paths:
+            raise DetectorConfigError("disk.paths is empty; list the checkpoint and log directories")
+
+
+def mount_of(path: str) -> psutil._common.sdiskpart | None:
+    """The mounted filesystem holding ``path`` (longest mount point prefix).
+
+    Args:
+        path: an existing path.
+
+    Returns:
+        The partition entry, or None when none matches.
+    """
+    real = os.path.realpath(path)
+    best = None
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (real == mp or real.startswith(mp.rstrip("/") + "/")) and (best is None or len(mp) > len(best.mountpoint)):
+            best = part
+    return best
+
+
+@register_detector
+class DiskDetector(Detector):
+    """Watches the fullness and health of configured paths."""
+
+    name: ClassVar[str] = "disk"
+    config_class: ClassVar[type[DetectorConfig]] = DiskConfig
+    default_interval_s: ClassVar[float] = 30.0
+
+    def sample(self) -> Sample:
+        """Checks every path once.
+
+        Returns:
+            Usage metrics and events.
+        """
+        self.config: DiskConfig
+        cfg = self.config
+        s = Sample()
+        worst = 0.0
+        for path in cfg.paths:
+            try:
+                usage = psutil.disk_usage(path)
+                vfs = os.statvfs(path)
+            except OSError as exc:
+                s.error(DetectorReadError(path, f"cannot stat ({exc.strerror or exc})"))
+                continue
+            inode_pct = 100.0 * (vfs.f_files - vfs.f_ffree) / vfs.f_files if vfs.f_files else 0.0
+            used = max(usage.percent, inode_pct)
+            worst = max(worst, used)
+            s.metrics.update({f"used_pct[{path}]": usage.percent, f"free_bytes[{path}]": float(usage.free),
+                              f"inodes_used_pct[{path}]": inode_pct})
+            evidence = {"used_pct": usage.percent, "free_bytes": usage.free, "inodes_used_pct": f"{inode_pct:.1f}"}
+            self.condition(s, f"full/{path}", used >= cfg.error_used_pct, "disk.full", Severity.ERROR, Action.WATCH,
+                           f"{path} is {used:.1f}% full", path, evidence)
+            self.condition(s, f"filling/{path}", cfg.warn_used_pct <= used < cfg.error_used_pct, "disk.filling",
+                           Severity.WARNING, Action.WATCH, f"{path} is {used:.1f}% full", path, evidence)
+            part = mount_of(path)
+            ro = part is not None and "ro" in part.opts.split(",")
+            self.condition(s, f"ro/{path}", ro, "disk.read_only", Severity.ERROR, Action.WATCH,
+                           f"{path} is on a read-only filesystem ({part.device if part else '?'} at "
+                           f"{part.mountpoint if part else '?'})", path, {"opts": part.opts if part else ""})
+            if cfg.write_probe and not ro:
+                self._probe(s, path)
+        s.metrics["max_used_pct"] = worst
+        return s
+
+    def _probe(self, s: Sample, path: str) -> None:
+        probe = os.path.join(path, f".trainguard-probe-{os.getpid()}")
+        started = time.monotonic()
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, b"trainguard disk probe\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            self.condition(s, f"probe/{path}", True, "disk.write_failed", Severity.ERROR, Action.WATCH,
+                           f"cannot write to {path}: {exc.strerror or exc}", path, {"errno": exc.errno})
+            return
+        self.condition(s, f"probe/{path}", False, "disk.write_failed", Severity.ERROR, Action.WATCH,
+                       f"writes to {path} work", path)
+        elapsed = time.monotonic() - started
+        s.metrics[f"write_probe_s[{path}]"] = elapsed
+        self.condition(s, f"slow/{path}", elapsed > self.config.slow_write_s, "disk.slow", Severity.WARNING,
+                       Action.WATCH, f"a 22-byte fsync'd write to {path} took {elapsed:.1f} s", path,
+                       {"seconds": f"{elapsed:.3f}"})

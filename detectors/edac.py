@@ -1,0 +1,134 @@
+"""EDAC memory error detector: correctable error rate and any uncorrectable error, from sysfs.
+
+Layout (Documentation/ABI/testing/sysfs-devices-edac)::
+
+    /sys/devices/system/edac/mc/mc<N>/ce_count, ue_count, ce_noinfo_count, ue_noinfo_count, mc_name
+    /sys/devices/system/edac/mc/mc<N>/dimm<M>/dimm_ce_count, dimm_ue_count, dimm_label     (newer drivers)
+    /sys/devices/system/edac/mc/mc<N>/rank<M>/dimm_ce_count, dimm_ue_count, dimm_label     (some drivers)
+
+Any increase of an uncorrectable count is critical (the kernel may already have killed a process or panicked);
+correctable errors are reported when their rate exceeds ``ce_per_hour`` per controller, since a rising
+correctable rate often precedes uncorrectable errors on the same DIMM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+from trainguard.detectors.base import Detector, DetectorConfig, DetectorState, Sample, register_detector
+from trainguard.detectors.counters import CounterTracker
+from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
+from trainguard.detectors.events import Action, Severity
+from trainguard.detectors.sysfs import list_dir, read_int, read_text
+
+
+@dataclass
+class EdacConfig(DetectorConfig):
+    """Settings of the EDAC detector.
+
+    Attributes:
+        interval_s: seconds between samples. Default 30.0.
+        ce_per_hour: correctable errors per hour per memory controller above which it is reported. Default 100.
+    """
+
+    interval_s: float = 30.0
+    ce_per_hour: float = 100.0
+
+    def validate(self) -> None:
+        """Checks ranges.
+
+        Raises:
+            DetectorConfigError: a value is out of range.
+        """
+        super().validate()
+        if self.ce_per_hour < 0:
+            raise DetectorConfigError(f"edac.ce_per_hour={self.ce_per_hour} must be >= 0")
+
+
+@register_detector
+class EdacDetector(Detector):
+    """Reads EDAC memory controller counters."""
+
+    name: ClassVar[str] = "edac"
+    config_class: ClassVar[type[DetectorConfig]] = EdacConfig
+    default_interval_s: ClassVar[float] = 30.0
+
+    def __init__(self, config: EdacConfig | None = None) -> None:
+        """Creates the detector.
+
+        Args:
+            config: settings.
+        """
+        super().__init__(config)
+        self.config: EdacConfig
+        self._counters = CounterTracker()
+
+    def sample(self) -> Sample:
+        """Reads every memory controller once.
+
+        Returns:
+            Totals, rates and events.
+        """
+        base = self.config.path("/sys/devices/system/edac/mc")
+        mcs = [m for m in list_dir(base) if m.startswith("mc") and m[2:].isdigit()]
+        if not mcs:
+            return self.no_hardware(f"no EDAC memory controller under {base} (EDAC driver not loaded)")
+        s = Sample()
+        ce_total = ue_total = 0
+        ce_rate = 0.0
+        for mc in mcs:
+            mdir = os.path.join(base, mc)
+            try:
+                ce = read_int(os.path.join(mdir, "ce_count"))
+                ue = read_int(os.path.join(mdir, "ue_count"))
+            except DetectorReadError as exc:
+                s.error(exc)
+                continue
+            dimms = self._dimms(s, mdir)
+            ce_total += ce
+            ue_total += ue
+            s.metrics[f"ce_count[{mc}]"] = float(ce)
+            s.metrics[f"ue_count[{mc}]"] = float(ue)
+            dce = self._counters.update(f"{mc}/ce", ce)
+            due = self._counters.update(f"{mc}/ue", ue)
+            per_hour = dce.rate * 3600
+            ce_rate += per_hour
+            worst = ", ".join(f"{label}: ce={c} ue={u}" for label, c, u in dimms if c or u)
+            evidence = {"ce_count": ce, "ue_count": ue, "ce_per_hour": f"{per_hour:.1f}", "dimms": worst}
+            try:
+                evidence["mc_name"] = read_text(os.path.join(mdir, "mc_name"))
+            except DetectorReadError:
+                pass  # mc_name is evidence only
+            if not due.first and due.delta > 0:
+                s.events.append(self.event("hw.memory_ue", Severity.CRITICAL, Action.DRAIN_NODE,
+                                           f"{due.delta} uncorrectable memory error(s) on {mc} ({worst})", mc,
+                                           evidence))
+            if ue > 0:
+                s.worsen(DetectorState.FAILED, f"{mc} has {ue} uncorrectable memory errors")
+            self.condition(s, f"ce/{mc}", not dce.first and per_hour > self.config.ce_per_hour,
+                           "hw.memory_ce_rate", Severity.WARNING, Action.WATCH,
+                           f"{mc}: correctable memory errors at {per_hour:.0f}/hour ({worst})", mc, evidence)
+        s.metrics.update({"ce_total": float(ce_total), "ue_total": float(ue_total), "ce_per_hour": ce_rate,
+                          "controllers": float(len(mcs))})
+        return s
+
+    def _dimms(self, s: Sample, mdir: str) -> list[tuple[str, int, int]]:
+        out = []
+        for sub in list_dir(mdir):
+            if not (sub.startswith("dimm") or sub.startswith("rank")) or not sub[4:].isdigit():
+                continue
+            ddir = os.path.join(mdir, sub)
+            try:
+                ce = read_int(os.path.join(ddir, "dimm_ce_count"))
+                ue = read_int(os.path.join(ddir, "dimm_ue_count"))
+            except DetectorReadError as exc:
+                s.error(exc)
+                continue
+            try:
+                label = read_text(os.path.join(ddir, "dimm_label")) or sub
+            except DetectorReadError:
+                label = sub
+            out.append((label, ce, ue))
+        return out

@@ -1,0 +1,134 @@
+"""Host detector: CPU load, memory headroom and memory pressure (PSI).
+
+CPU utilisation comes from psutil; memory from ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``, in kB) and
+pressure from ``/proc/pressure/memory`` (``some``/``full`` lines of ``avg10=... avg60=... avg300=... total=...``,
+Documentation/accounting/psi.rst), both under the configured root. ``full avg10`` is the share of the last
+10 s in which every non-idle task was stalled on memory: the node is thrashing, and an OOM kill is near.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import psutil
+
+from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
+from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
+from trainguard.detectors.events import Action, Severity
+from trainguard.detectors.sysfs import read_key_values, read_text
+
+
+def parse_meminfo(text: str, path: str) -> dict[str, int]:
+    """Parses ``/proc/meminfo``.
+
+    Args:
+        text: the file content (``Name:   value kB`` lines).
+        path: the file, for errors.
+
+    Returns:
+        Name -> bytes (values without a unit are counts and kept as is).
+
+    Raises:
+        DetectorReadError: a line is not ``Name: value [kB]`` or MemTotal/MemAvailable is missing.
+    """
+    out: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        name, sep, rest = line.partition(":")
+        parts = rest.split()
+        if not sep or not parts or not parts[0].isdigit() or len(parts) > 2 or (len(parts) == 2 and parts[1] != "kB"):
+            raise DetectorReadError(path, f"line {number} {line[:40]!r} is not 'Name: value kB'")
+        out[name.strip()] = int(parts[0]) * (1024 if len(parts) == 2 else 1)
+    for key in ("MemTotal", "MemAvailable"):
+        if key not in out:
+            raise DetectorReadError(path, f"no {key} line (truncated?)")
+    return out
+
+
+@dataclass
+class HostConfig(DetectorConfig):
+    """Settings of the host detector.
+
+    Attributes:
+        interval_s: seconds between samples. Default 5.0.
+        mem_available_min_pct: available memory below this percentage of the total is reported. Default 5.0.
+        psi_full_avg10_pct: memory pressure ``full avg10`` above this percentage is reported. Default 10.0.
+        cpu_busy_pct: CPU utilisation above this percentage is reported (a runaway process starving the data
+            loader or the agent). Default 98.0.
+    """
+
+    interval_s: float = 5.0
+    mem_available_min_pct: float = 5.0
+    psi_full_avg10_pct: float = 10.0
+    cpu_busy_pct: float = 98.0
+
+    def validate(self) -> None:
+        """Checks ranges.
+
+        Raises:
+            DetectorConfigError: a value is out of range.
+        """
+        super().validate()
+        for name in ("mem_available_min_pct", "psi_full_avg10_pct", "cpu_busy_pct"):
+            if not 0 <= getattr(self, name) <= 100:
+                raise DetectorConfigError(f"host.{name}={getattr(self, name)} must be a percentage in [0, 100]")
+
+
+@register_detector
+class HostDetector(Detector):
+    """CPU, memory and memory pressure of the node."""
+
+    name: ClassVar[str] = "host"
+    config_class: ClassVar[type[DetectorConfig]] = HostConfig
+    default_interval_s: ClassVar[float] = 5.0
+
+    def __init__(self, config: HostConfig | None = None) -> None:
+        """Creates the detector (and primes psutil's CPU counter).
+
+        Args:
+            config: settings.
+        """
+        super().__init__(config)
+        self.config: HostConfig
+        psutil.cpu_percent(interval=None)
+
+    def sample(self) -> Sample:
+        """Reads CPU, memory and pressure once.
+
+        Returns:
+            Metrics and events.
+        """
+        cfg = self.config
+        s = Sample()
+        cpu = psutil.cpu_percent(interval=None)
+        s.metrics["cpu_percent"] = cpu
+        s.metrics["load1_per_cpu"] = os.getloadavg()[0] / (psutil.cpu_count() or 1)
+        self.condition(s, "cpu", cpu > cfg.cpu_busy_pct, "host.cpu_saturated", Severity.WARNING, Action.WATCH,
+                       f"CPU utilisation {cpu:.0f}% above {cfg.cpu_busy_pct:.0f}%", "", {"cpu_percent": cpu})
+        path = cfg.path("/proc/meminfo")
+        try:
+            mem = parse_meminfo(read_text(path), path)
+            avail_pct = 100.0 * mem["MemAvailable"] / max(1, mem["MemTotal"])
+            s.metrics.update({"mem_available_pct": avail_pct, "mem_available_bytes": float(mem["MemAvailable"]),
+                              "swap_used_bytes": float(mem.get("SwapTotal", 0) - mem.get("SwapFree", 0))})
+            self.condition(s, "mem", avail_pct < cfg.mem_available_min_pct, "host.memory_low", Severity.WARNING,
+                           Action.CHECKPOINT_NOW,
+                           f"only {avail_pct:.1f}% of memory available ({mem['MemAvailable'] >> 20} MiB)", "",
+                           {"mem_available_bytes": mem["MemAvailable"], "mem_total_bytes": mem["MemTotal"]})
+        except DetectorReadError as exc:
+            s.error(exc)
+        psi_path = cfg.path("/proc/pressure/memory")
+        if os.path.exists(psi_path):  # absent on kernels without CONFIG_PSI: nothing to read, not an error
+            try:
+                psi = read_key_values(psi_path)
+                some, full = float(psi["some.avg10"]), float(psi["full.avg10"])
+            except (DetectorReadError, KeyError, ValueError) as exc:
+                s.error(exc if isinstance(exc, DetectorReadError) else
+                        DetectorReadError(psi_path, f"no valid 'some/full avg10' values ({exc})"))
+            else:
+                s.metrics.update({"mem_pressure_some_avg10": some, "mem_pressure_full_avg10": full})
+                self.condition(s, "psi", full > cfg.psi_full_avg10_pct, "host.memory_pressure", Severity.WARNING,
+                               Action.CHECKPOINT_NOW, f"memory pressure: all tasks stalled {full:.1f}% of the "
+                               f"last 10 s", "", {"full_avg10": full, "some_avg10": some})
+        return s

@@ -1,0 +1,95 @@
+"""Thermal zone detector: temperatures against each zone's own trip points, from sysfs.
+
+``/sys/class/thermal/thermal_zone<N>/temp`` is in millidegrees Celsius; ``trip_point_<K>_type`` is one of
+``active``, ``passive``, ``hot``, ``critical`` with ``trip_point_<K>_temp`` beside it. Reaching ``passive``
+means the kernel throttles (warning); ``hot`` is an error; within ``critical_margin_c`` of ``critical`` the node
+is about to power off, so a checkpoint should be taken now.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
+from trainguard.detectors.errors import DetectorReadError
+from trainguard.detectors.events import Action, Severity
+from trainguard.detectors.sysfs import list_dir, read_int, read_text
+
+_TRIP = re.compile(r"^trip_point_(\d+)_type$")
+
+
+@dataclass
+class ThermalConfig(DetectorConfig):
+    """Settings of the thermal detector.
+
+    Attributes:
+        interval_s: seconds between samples. Default 10.0.
+        critical_margin_c: degrees Celsius below the critical trip point that count as imminent shutdown.
+            Default 5.0.
+    """
+
+    interval_s: float = 10.0
+    critical_margin_c: float = 5.0
+
+
+@register_detector
+class ThermalDetector(Detector):
+    """Reads thermal zones."""
+
+    name: ClassVar[str] = "thermal"
+    config_class: ClassVar[type[DetectorConfig]] = ThermalConfig
+    default_interval_s: ClassVar[float] = 10.0
+
+    def sample(self) -> Sample:
+        """Reads every thermal zone once.
+
+        Returns:
+            Temperatures (degrees Celsius) and events.
+        """
+        self.config: ThermalConfig
+        base = self.config.path("/sys/class/thermal")
+        zones = [z for z in list_dir(base) if z.startswith("thermal_zone")]
+        if not zones:
+            return self.no_hardware(f"no thermal zones under {base}")
+        s = Sample()
+        hottest = None
+        for zone in zones:
+            zdir = os.path.join(base, zone)
+            try:
+                temp = read_int(os.path.join(zdir, "temp")) / 1000.0
+                trips: dict[str, float] = {}
+                for f in list_dir(zdir):
+                    m = _TRIP.match(f)
+                    if m:
+                        kind = read_text(os.path.join(zdir, f))
+                        value = read_int(os.path.join(zdir, f"trip_point_{m.group(1)}_temp")) / 1000.0
+                        trips[kind] = min(value, trips.get(kind, value))
+            except DetectorReadError as exc:
+                s.error(exc)
+                continue
+            try:
+                ztype = read_text(os.path.join(zdir, "type"))
+            except DetectorReadError:
+                ztype = zone
+            subject = f"{zone}:{ztype}"
+            s.metrics[f"temp_c[{subject}]"] = temp
+            hottest = temp if hottest is None else max(hottest, temp)
+            evidence = {"temp_c": temp, **{f"trip_{k}_c": v for k, v in sorted(trips.items())}}
+            critical = trips.get("critical")
+            self.condition(s, f"crit/{zone}",
+                           critical is not None and temp >= critical - self.config.critical_margin_c,
+                           "hw.temp_critical", Severity.CRITICAL, Action.CHECKPOINT_NOW,
+                           f"{subject} at {temp:.1f} C, near its critical trip {critical} C", subject, evidence)
+            self.condition(s, f"hot/{zone}", "hot" in trips and temp >= trips["hot"], "hw.temp_hot", Severity.ERROR,
+                           Action.WATCH, f"{subject} at {temp:.1f} C, above its hot trip {trips.get('hot')} C",
+                           subject, evidence)
+            self.condition(s, f"passive/{zone}", "passive" in trips and temp >= trips["passive"],
+                           "hw.temp_throttling", Severity.WARNING, Action.WATCH,
+                           f"{subject} at {temp:.1f} C, throttled above {trips.get('passive')} C", subject, evidence)
+        s.metrics["zones"] = float(len(zones))
+        if hottest is not None:
+            s.metrics["max_temp_c"] = hottest
+        return s

@@ -1,0 +1,173 @@
+"""Host, disk, thermal and EDAC detectors on fake trees in the kernel's formats (and real paths for disk)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from trainguard.detectors.base import DetectorState
+from trainguard.detectors.disk import DiskConfig, DiskDetector
+from trainguard.detectors.edac import EdacConfig, EdacDetector
+from trainguard.detectors.errors import DetectorConfigError
+from trainguard.detectors.events import Action, Severity
+from trainguard.detectors.host import HostConfig, HostDetector
+from trainguard.detectors.runner import DetectorRunner
+from trainguard.detectors.thermal import ThermalConfig, ThermalDetector
+
+MEMINFO = """MemTotal:       65536000 kB
+MemFree:         1000000 kB
+MemAvailable:    {avail} kB
+Buffers:          100000 kB
+Cached:          2000000 kB
+SwapTotal:       8000000 kB
+SwapFree:        8000000 kB
+HugePages_Total:       0
+Hugepagesize:       2048 kB
+"""
+PSI = "some avg10={some} avg60=1.00 avg300=0.50 total=123456\nfull avg10={full} avg60=0.80 avg300=0.20 total=98765\n"
+
+
+def write(root, rel: str, text: str) -> None:
+    p = root / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+
+
+def test_host_memory_and_pressure(tmp_path) -> None:
+    write(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
+    write(tmp_path, "proc/pressure/memory", PSI.format(some="0.00", full="0.00"))
+    det = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0))  # the shared CI machine may be busy
+    s = det.sample()
+    assert s.events == [] and s.metrics["mem_available_pct"] == pytest.approx(50.0)
+    assert 0.0 <= s.metrics["cpu_percent"] <= 100.0
+    write(tmp_path, "proc/meminfo", MEMINFO.format(avail=1000000))
+    write(tmp_path, "proc/pressure/memory", PSI.format(some="60.00", full="35.50"))
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == ["host.memory_low", "host.memory_pressure"]
+    assert all(e.action == Action.CHECKPOINT_NOW for e in s.events)
+    assert s.metrics["mem_pressure_full_avg10"] == 35.5 and s.state == DetectorState.DEGRADED
+
+
+def test_host_malformed_files(tmp_path) -> None:
+    write(tmp_path, "proc/meminfo", "MemTotal:       65536000 kB\nMemFree: lots\n")
+    write(tmp_path, "proc/pressure/memory", "some avg10\n")
+    events = []
+    runner = DetectorRunner([HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0))],
+                            on_event=events.append)
+    runner.run_once()
+    assert sorted(os.path.basename(e.subject) for e in events if e.kind == "detector.error") == ["meminfo", "memory"]
+    write(tmp_path, "proc/meminfo", "MemTotal:       65536000 kB\n")  # truncated: no MemAvailable
+    os.remove(tmp_path / "proc/pressure/memory")  # no PSI support: silently skipped
+    events.clear()
+    runner.run_once()
+    assert [e.evidence["reason"] for e in events if e.kind == "detector.error"] == ["no MemAvailable line (truncated?)"]
+
+
+def zone(root, n: int, temp_mc: int, trips: dict[str, int], ztype: str = "x86_pkg_temp") -> None:
+    z = f"sys/class/thermal/thermal_zone{n}"
+    write(root, f"{z}/type", ztype + "\n")
+    write(root, f"{z}/temp", f"{temp_mc}\n")
+    for i, (kind, t) in enumerate(trips.items()):
+        write(root, f"{z}/trip_point_{i}_type", kind + "\n")
+        write(root, f"{z}/trip_point_{i}_temp", f"{t}\n")
+
+
+def test_thermal_trip_points(tmp_path) -> None:
+    trips = {"passive": 85000, "hot": 95000, "critical": 105000}
+    zone(tmp_path, 0, 45000, trips)
+    zone(tmp_path, 1, 30000, {}, "acpitz")
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert s.events == [] and s.metrics["max_temp_c"] == 45.0 and s.metrics["zones"] == 2.0
+    zone(tmp_path, 0, 101000, trips)
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == ["hw.temp_critical", "hw.temp_hot", "hw.temp_throttling"]
+    crit = next(e for e in s.events if e.kind == "hw.temp_critical")
+    assert crit.action == Action.CHECKPOINT_NOW and crit.subject == "thermal_zone0:x86_pkg_temp"
+    assert s.state == DetectorState.FAILED
+    zone(tmp_path, 0, 50000, trips)
+    assert sorted(e.kind for e in det.sample().events) == [
+        "hw.temp_critical.cleared", "hw.temp_hot.cleared", "hw.temp_throttling.cleared"]
+
+
+def test_thermal_malformed_and_absent(tmp_path) -> None:
+    assert ThermalDetector(ThermalConfig(root=str(tmp_path))).sample().state == DetectorState.NO_HARDWARE
+    zone(tmp_path, 0, 45000, {"critical": 105000})
+    write(tmp_path, "sys/class/thermal/thermal_zone0/temp", "")  # empty: sensor returned nothing
+    s = ThermalDetector(ThermalConfig(root=str(tmp_path))).sample()
+    assert s.state == DetectorState.ERROR and "expected one integer" in s.detail
+
+
+def mc(root, n: int, ce: int, ue: int, dimms=((0, 0),)) -> None:
+    base = f"sys/devices/system/edac/mc/mc{n}"
+    write(root, f"{base}/ce_count", f"{ce}\n")
+    write(root, f"{base}/ue_count", f"{ue}\n")
+    write(root, f"{base}/ce_noinfo_count", "0\n")
+    write(root, f"{base}/mc_name", "Skylake Socket#0 IMC#0\n")
+    for i, (dce, due) in enumerate(dimms):
+        write(root, f"{base}/dimm{i}/dimm_ce_count", f"{dce}\n")
+        write(root, f"{base}/dimm{i}/dimm_ue_count", f"{due}\n")
+        write(root, f"{base}/dimm{i}/dimm_label", f"CPU_SrcID#0_MC#{n}_Chan#{i}_DIMM#0\n")
+
+
+def test_edac_uncorrectable_and_correctable_rate(tmp_path) -> None:
+    mc(tmp_path, 0, 0, 0)
+    mc(tmp_path, 1, 5, 0, dimms=((5, 0),))
+    det = EdacDetector(EdacConfig(root=str(tmp_path), ce_per_hour=100))
+    s = det.sample()
+    assert s.events == [] and s.metrics["ce_total"] == 5.0 and s.metrics["controllers"] == 2.0
+    time.sleep(0.05)
+    mc(tmp_path, 0, 0, 1, dimms=((0, 1),))
+    mc(tmp_path, 1, 9, 0, dimms=((9, 0),))
+    s = det.sample()
+    by_kind = {e.kind: e for e in s.events}
+    ue = by_kind["hw.memory_ue"]
+    assert ue.severity == Severity.CRITICAL and ue.action == Action.DRAIN_NODE and ue.subject == "mc0"
+    assert "CPU_SrcID#0_MC#0_Chan#0_DIMM#0: ce=0 ue=1" in ue.message
+    assert by_kind["hw.memory_ce_rate"].subject == "mc1"
+    assert s.state == DetectorState.FAILED
+
+
+def test_edac_malformed_and_absent(tmp_path) -> None:
+    assert EdacDetector(EdacConfig(root=str(tmp_path))).sample().state == DetectorState.NO_HARDWARE
+    mc(tmp_path, 0, 0, 0)
+    write(tmp_path, "sys/devices/system/edac/mc/mc0/ue_count", "0x1\n")
+    s = EdacDetector(EdacConfig(root=str(tmp_path))).sample()
+    assert s.state == DetectorState.ERROR and len(s.errors) == 1
+
+
+def test_disk_usage_readonly_and_probe(tmp_path) -> None:
+    det = DiskDetector(DiskConfig(paths=(str(tmp_path),), write_probe=True))
+    s = det.sample()
+    assert f"used_pct[{tmp_path}]" in s.metrics and f"write_probe_s[{tmp_path}]" in s.metrics
+    assert not list(tmp_path.iterdir())  # the probe file is gone
+    # A threshold below the real usage makes this disk "full" for the test.
+    det = DiskDetector(DiskConfig(paths=(str(tmp_path),), warn_used_pct=0.001, error_used_pct=0.002))
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["disk.full"] and s.state == DetectorState.FAILED
+
+
+def test_disk_read_only_mount(tmp_path) -> None:
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        s = DiskDetector(DiskConfig(paths=(str(mnt),), write_probe=True)).sample()
+        assert [e.kind for e in s.events] == ["disk.read_only"] and "tmpfs" in s.events[0].message
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_disk_missing_path_and_bad_config(tmp_path) -> None:
+    s = DiskDetector(DiskConfig(paths=(str(tmp_path / "nope"),))).sample()
+    assert s.state == DetectorState.ERROR and "cannot stat" in s.detail
+    with pytest.raises(DetectorConfigError):
+        DiskConfig.from_dict({"paths": [], "interval_s": 5})
+    with pytest.raises(DetectorConfigError, match="unknown field"):
+        DiskConfig.from_dict({"pahts": ["/"]})
