@@ -1,4 +1,4 @@
-"""Subcommands of the node agent: ``run``, ``agent``, ``status``, ``demo``."""
+"""Subcommands of the node agent: ``run``, ``agent``, ``status``, ``events``, ``demo``."""
 
 from __future__ import annotations
 
@@ -21,16 +21,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", default=None, help="where checkpoints and logs go (default: a temp dir)")
     p.set_defaults(handler=_demo)
 
-    p = sub.add_parser("agent", help="run the node agent daemon")
-    p.add_argument("--socket", default="/run/trainguard/agent.sock", help="unix socket for local clients")
-    p.add_argument("--grpc-listen", default=None, metavar="HOST:PORT", help="TCP address for remote clients")
+    from trainguard.agent import operator_cli
+
+    p = sub.add_parser("agent", help="run the node agent daemon",
+                       description="Run the node agent daemon in the foreground (systemd: Type=notify).")
+    p.add_argument("--config", default=None, metavar="PATH",
+                   help="TOML configuration (default $TRAINGUARD_AGENT_CONFIG or /etc/trainguard/agent.toml)")
+    p.add_argument("--grpc-listen", default=None, metavar="HOST:PORT",
+                   help="TCP address of the gRPC services ('' disables TCP); overrides grpc.listen")
+    p.add_argument("--socket", default=None, metavar="PATH",
+                   help="unix socket for local workers and `trainguard status`; overrides grpc.socket")
+    p.add_argument("--state-dir", default=None, metavar="DIR", help="state directory; overrides agent.state_dir")
     p.set_defaults(handler=_agent)
 
-    p = sub.add_parser("status", help="show the local node agent's view of node health")
-    p.add_argument("--socket", default="/run/trainguard/agent.sock")
-    p.add_argument("--target", default=None, metavar="HOST:PORT", help="query a remote agent over TCP")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(handler=_status)
+    operator_cli.register(sub)  # `status` and `events`
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -40,12 +44,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _agent(args: argparse.Namespace) -> int:
-    from trainguard.agent.daemon import run_daemon
+    from trainguard.agent.agentd import handle_agent
 
-    return run_daemon(socket_path=args.socket, grpc_listen=args.grpc_listen)
-
-
-def _status(args: argparse.Namespace) -> int:
-    from trainguard.agent.status import show_status
-
-    return show_status(socket_path=args.socket, target=args.target, as_json=args.json)
+    return handle_agent(args)

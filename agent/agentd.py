@@ -1,0 +1,545 @@
+"""The long-lived node agent daemon (``trainguard agent``) as operators run it under systemd.
+
+Lifecycle (one process)::
+
+    load config --> logging --> state dir --> TLS files --> detectors --> /metrics --> gRPC (unix + TCP)
+        --> detectors start --> READY=1 --> main loop --SIGHUP--> RELOADING=1, re-read config, READY=1
+                                             |
+                                             '--SIGTERM/SIGINT--> STOPPING=1, health NOT_SERVING, stop workers,
+                                                                  detectors, servers; remove the socket; exit 0
+
+Any problem before READY=1 (bad config, unreadable certificate, address in use, another agent on the socket)
+raises :class:`~trainguard.agent.config.AgentConfigError` or :class:`~trainguard.agent.errors.AgentError`; the
+CLI prints it as one line and exits 2, and systemd sees the start fail.
+
+The main loop is the only place that pings the systemd watchdog, at half ``WatchdogSec``, and only after a
+self-check passed: the gRPC server answered a health check on its own socket and the detector sampler made
+progress. A wedged loop or server therefore stops the pings and systemd restarts the agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
+from trainguard.agent.errors import AgentError
+from trainguard.agent.event_bus import EventBus
+from trainguard.agent.health import NODE_AGENT_SERVICE, HealthReporter, enable_reflection
+from trainguard.agent.local_server import NodeAgentService
+from trainguard.agent.logging_setup import configure_logging
+from trainguard.agent.metrics import AgentMetrics, MetricsServer
+from trainguard.agent.node import NodeAgent, NodeConfig
+from trainguard.agent.rpc_limits import RequestGuard
+from trainguard.agent.sdnotify import SystemdNotifier, Watchdog, watchdog_interval
+from trainguard.agent.tls import ServerCertificates, TlsFiles
+from trainguard._version import __version__
+from trainguard.detectors.events import Action, HealthEvent, Severity
+from trainguard.proto import agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: Deadline of the daemon's own health self-check, in seconds.
+SELF_CHECK_TIMEOUT_S = 2.0
+# A detector sampler that has not completed a sample for this many intervals (plus slack) is stalled.
+_STALL_INTERVALS = 3
+_STALL_SLACK_S = 10.0
+
+ConfigLoader = Callable[[], AgentConfig]
+
+
+def _grpc_options(config: AgentConfig) -> list[tuple[str, Any]]:
+    g = config.grpc
+    return [
+        ("grpc.max_receive_message_length", g.max_message_bytes),
+        ("grpc.max_send_message_length", 16 * 1024 * 1024),
+        # Fail on a port another process holds instead of silently sharing it (grpc's default is SO_REUSEPORT).
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", 4 * g.max_workers),
+        # Find dead peers of long WatchEvents streams; accept keep-alive pings from clients every 10 s.
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def _prepare_socket_path(path: str) -> None:
+    """Creates the socket's folder (0750) and removes a stale socket; refuses to steal a live one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, mode=0o750, exist_ok=True)
+    except OSError as exc:
+        raise AgentConfigError(f"grpc.socket: cannot create folder {folder} ({exc.strerror}); pick another --socket") from exc
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise AgentConfigError(f"grpc.socket: {path} exists and is not a socket; remove it or pick another --socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: left over from a crashed agent
+        log.info("removed stale socket %s", path)
+        return
+    finally:
+        probe.close()
+    raise AgentError(f"another process serves on {path}; stop that agent first or pick another --socket")
+
+
+class AgentDaemon:
+    """Owns every part of the running daemon; ``start()``, then ``run()`` until a stop signal."""
+
+    def __init__(self, load_config: ConfigLoader, notifier: SystemdNotifier | None = None) -> None:
+        """Creates the daemon (nothing runs until :meth:`start`).
+
+        Args:
+            load_config: reads and validates the configuration (file, environment, flags); called at start and
+                on every SIGHUP.
+            notifier: systemd notifier; default: from ``$NOTIFY_SOCKET`` (and removed from the environment so
+                workers do not inherit it).
+        """
+        self._load_config = load_config
+        self.notifier = notifier if notifier is not None else SystemdNotifier.from_env()
+        self.watchdog = Watchdog(self.notifier, watchdog_interval())
+        self.config: AgentConfig | None = None
+        self.health = HealthReporter()
+        self.metrics: AgentMetrics | None = None
+        self.node: NodeAgent | None = None
+        self.runner: Any = None
+        self.detector_gap = ""
+        self.tcp_port = 0
+        self._metrics_server: MetricsServer | None = None
+        self._server: grpc.Server | None = None
+        self._certs: ServerCertificates | None = None
+        self._socket_ino: int | None = None
+        self._self_check: Any = None
+        self._self_channel: grpc.Channel | None = None
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self._wake = threading.Event()
+        self._status_line = ""
+        self._started_at = time.monotonic()
+        self._stopped = False
+
+    # -- start --------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Brings every part up and sends READY=1.
+
+        Raises:
+            AgentConfigError: invalid configuration, unreadable files, an address that cannot be bound.
+            AgentError: another agent already serves on the socket.
+        """
+        config = self._load_config()
+        self.config = config
+        configure_logging(config.log.format, config.log.level)
+        self._make_state_dir(config)
+        if config.tls.enabled:
+            self._certs = ServerCertificates(
+                TlsFiles(config.tls.cert_file, config.tls.key_file, config.tls.client_ca_file)
+            )
+        detectors = self._create_detectors(config)
+        try:
+            self.metrics = AgentMetrics(config.agent.node_id)
+            self.node = NodeAgent(
+                NodeConfig(job="", coordinator=config.coordinator.address, argv=[], node_id=config.agent.node_id,
+                           socket_path=config.grpc.socket or None, stop_grace_s=config.agent.stop_grace_s)
+            )
+            self.node.bus = EventBus(recent=config.detectors.recent_events)
+            self.node.predictor_threshold = config.predictor.threshold
+            self.metrics.set_predictor(self.node.predictor_score, config.predictor.threshold)
+            if config.metrics.listen:
+                self._metrics_server = MetricsServer(self.metrics, config.metrics.listen)
+                log.info("metrics on %s", self._metrics_server.url)
+            self._start_grpc(config)
+            if detectors is not None:
+                from trainguard.detectors.runner import DetectorRunner
+
+                self.runner = DetectorRunner(detectors, on_event=self._on_event)
+                self.runner.start()
+            self.health.set("", True)
+            self.health.set(NODE_AGENT_SERVICE, True)
+            self.health.set_subsystem("metrics", self._metrics_server is not None)
+            self.health.set_subsystem("workers", True)
+            self.health.set_subsystem("predictor", True)
+            self.health.set_subsystem("coordinator", True)
+            self._refresh()
+        except BaseException:
+            self._shutdown_parts()
+            raise
+        self.notifier.ready(self._summary())
+        log.info("agent ready: %s", self._summary())
+        self._agent_event("agent.started", Severity.INFO, f"trainguard agent {__version__} started (pid {os.getpid()})")
+
+    def _make_state_dir(self, config: AgentConfig) -> None:
+        path = config.agent.state_dir
+        try:
+            os.makedirs(path, mode=0o750, exist_ok=True)
+        except OSError as exc:
+            raise AgentConfigError(f"agent.state_dir: cannot create {path} ({exc.strerror}); pick another --state-dir") from exc
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise AgentConfigError(f"agent.state_dir: {path} is not writable by this user; pick another --state-dir")
+
+    def _create_detectors(self, config: AgentConfig) -> list | None:
+        from trainguard.detectors.errors import DetectorConfigError
+
+        try:
+            from trainguard.detectors.base import create_detectors
+
+            return create_detectors(config.detector_names(), config.detector_settings(), root=config.detectors.root)
+        except DetectorConfigError as exc:
+            raise AgentConfigError(f"{config.source}: detectors: {exc}") from exc
+        except ImportError as exc:
+            # A detector module missing from this install: keep serving health and metrics without detectors,
+            # and say so on every health query rather than refuse to start.
+            self.detector_gap = f"detectors unavailable: {exc}"
+            log.error("%s; running without detectors", self.detector_gap)
+            return None
+
+    def _start_grpc(self, config: AgentConfig) -> None:
+        g = config.grpc
+        guard = RequestGuard(g.max_request_bytes, g.max_watchers, observer=self.metrics.observe_request)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=g.max_workers, thread_name_prefix="trainguard-grpc"),
+            interceptors=[guard],
+            options=_grpc_options(config),
+            maximum_concurrent_rpcs=4 * g.max_workers,
+        )
+        agent_pb2_grpc.add_NodeAgentServicer_to_server(_DaemonService(self), server)
+        self.health.add_to_server(server)
+        if g.reflection:
+            enable_reflection(server)
+        if g.socket:
+            _prepare_socket_path(g.socket)
+            try:
+                server.add_insecure_port(f"unix:{g.socket}")
+            except RuntimeError as exc:
+                raise AgentConfigError(f"grpc.socket: cannot listen on {g.socket} ({exc})") from exc
+        if g.listen:
+            try:
+                if self._certs is not None:
+                    self.tcp_port = server.add_secure_port(g.listen, self._certs.credentials())
+                else:
+                    self.tcp_port = server.add_insecure_port(g.listen)
+            except RuntimeError as exc:
+                raise AgentConfigError(f"grpc.listen: cannot listen on {g.listen} ({exc}); is the port in use?") from exc
+        # The socket file is created by start(): owner-only until chmod gives the configured group access.
+        old_umask = os.umask(0o177)
+        try:
+            server.start()
+        finally:
+            os.umask(old_umask)
+        self._server = server
+        if g.socket:
+            os.chmod(g.socket, g.socket_mode)
+            self._socket_ino = os.stat(g.socket).st_ino
+            self._self_channel = grpc.insecure_channel(f"unix:{g.socket}")
+        elif self._certs is None:
+            self._self_channel = grpc.insecure_channel(f"127.0.0.1:{self.tcp_port}")
+        if self._self_channel is not None:
+            self._self_check = health_pb2_grpc.HealthStub(self._self_channel).Check
+        log.info("gRPC on %s%s", f"unix:{g.socket} " if g.socket else "",
+                 f"tcp port {self.tcp_port}{' (TLS' + (', mutual' if self._certs.require_client_auth else '') + ')' if self._certs else ''}"
+                 if g.listen else "")
+
+    # -- events and state ---------------------------------------------------------------------------------
+
+    def _agent_event(self, kind: str, severity: Severity, message: str, **evidence: str) -> None:
+        """Publishes an event about the agent itself (start, reload) so operators see it in the event stream."""
+        action = Action.NONE if severity <= Severity.INFO else Action.WATCH
+        self._on_event(HealthEvent(source="agent", kind=kind, severity=severity, action=action, message=message,
+                                   evidence=dict(evidence),
+                                   node_id=self.config.agent.node_id if self.config else ""))
+
+    def _on_event(self, event: HealthEvent) -> None:
+        if not event.node_id and self.config is not None:
+            event = event.with_node(self.config.agent.node_id)
+        if self.node is not None:
+            self.node.bus.publish(event)
+        if self.metrics is not None:
+            self.metrics.count_event(event.source, event.kind, event.severity.name)
+
+    def detector_statuses(self) -> list:
+        """The detector runner's statuses (empty without detectors)."""
+        return list(self.runner.statuses()) if self.runner is not None else []
+
+    def _refresh(self) -> None:
+        """Copies live state into metrics and health statuses."""
+        statuses = self.detector_statuses()
+        if self.metrics is not None:
+            self.metrics.set_detector_states({s.name: s.state.name for s in statuses})
+            group = self.node.group if self.node is not None else None
+            self.metrics.set_worker_states(w.state.name for w in (group.workers if group is not None else []))
+            if self.node is not None:
+                self.metrics.set_predictor(self.node.predictor_score, self.node.predictor_threshold)
+        from trainguard.detectors.base import DetectorState
+
+        bad = (DetectorState.FAILED, DetectorState.ERROR)
+        if statuses:
+            self.health.set_detectors({s.name: s.state not in bad for s in statuses})
+        else:
+            self.health.set_subsystem("detectors", not self.detector_gap)
+
+    def _sampler_stalled(self) -> bool:
+        statuses = self.detector_statuses()
+        if not statuses:
+            return False
+        newest = max(s.sampled_at for s in statuses)
+        shortest = min(getattr(d.config, "interval_s", 5.0) for d in self.runner.detectors)
+        limit = _STALL_INTERVALS * shortest + _STALL_SLACK_S
+        if newest == 0.0:  # nothing sampled yet: measure from start
+            return time.monotonic() - self._started_at > limit
+        return time.time() - newest > limit
+
+    def _healthy(self) -> bool:
+        """The main loop's verdict: gRPC answers its own health check and the detector sampler progresses."""
+        if self._self_check is not None:
+            try:
+                reply = self._self_check(health_pb2.HealthCheckRequest(service=""), timeout=SELF_CHECK_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                log.error("self-check: the gRPC server did not answer (%s); withholding watchdog pings", exc.code())
+                return False
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                return False
+        if self._sampler_stalled():
+            log.error("self-check: the detector sampler made no progress; withholding watchdog pings")
+            return False
+        return True
+
+    def _summary(self) -> str:
+        """One line for systemd's STATUS= and the log."""
+        statuses = self.detector_statuses()
+        ok = sum(1 for s in statuses if s.state.name in ("OK", "NO_HARDWARE"))
+        group = self.node.group if self.node is not None else None
+        workers = len(group.workers) if group is not None else 0
+        score = self.node.predictor_score if self.node is not None else 0.0
+        detectors = f"detectors {ok}/{len(statuses)} ok" if not self.detector_gap else "no detectors"
+        where = []
+        if self.config is not None and self.config.grpc.socket:
+            where.append(f"unix:{self.config.grpc.socket}")
+        if self.config is not None and self.config.grpc.listen:
+            where.append(f"tcp:{self.tcp_port}{'+tls' if self._certs else ''}")
+        return f"serving on {' '.join(where)}; {detectors}; {workers} workers; risk {score:.2f}"
+
+    # -- main loop ----------------------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> Callable[[], None]:
+        """SIGTERM/SIGINT request a graceful stop, SIGHUP a reload; returns a function restoring the old ones."""
+        old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+
+        def on_stop(signum: int, _frame: Any) -> None:
+            self.request_stop()
+
+        def on_hup(signum: int, _frame: Any) -> None:
+            self._reload.set()
+            self._wake.set()
+
+        signal.signal(signal.SIGTERM, on_stop)
+        signal.signal(signal.SIGINT, on_stop)
+        signal.signal(signal.SIGHUP, on_hup)
+
+        def restore() -> None:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+        return restore
+
+    def request_stop(self) -> None:
+        """Asks the main loop to stop gracefully (safe from signal handlers and other threads)."""
+        self._stop.set()
+        self._wake.set()
+
+    def request_reload(self) -> None:
+        """Asks the main loop to reload the configuration."""
+        self._reload.set()
+        self._wake.set()
+
+    def run(self) -> int:
+        """Runs the main loop until a stop is requested, then stops gracefully.
+
+        Returns:
+            0 after a clean stop.
+        """
+        assert self.config is not None, "start() first"
+        try:
+            while not self._stop.is_set():
+                if self._reload.is_set():
+                    self._reload.clear()
+                    self.reload()
+                self._refresh()
+                if self.watchdog.seconds_until_due() == 0.0:
+                    if self.watchdog.tick(self._healthy()) and self.metrics is not None:
+                        self.metrics.watchdog_pings.inc()
+                summary = self._summary()
+                if summary != self._status_line:
+                    self._status_line = summary
+                    self.notifier.status(summary)
+                timeout = self.config.agent.loop_interval_s
+                due = self.watchdog.seconds_until_due()
+                if due is not None:
+                    timeout = min(timeout, max(due, 0.01))
+                self._wake.wait(timeout)
+                self._wake.clear()
+        finally:
+            self.stop()
+        return 0
+
+    def reload(self) -> None:
+        """Re-reads the configuration and applies the reloadable options (SIGHUP).
+
+        A bad new configuration is logged and the running one kept; options that need a restart are named.
+        """
+        assert self.config is not None
+        self.notifier.reloading()
+        old = self.config
+        try:
+            new = self._load_config()
+            if self._certs is not None and new.tls.enabled:
+                self._certs.reload(TlsFiles(new.tls.cert_file, new.tls.key_file, new.tls.client_ca_file))
+        except (AgentConfigError, AgentError) as exc:
+            log.error("reload failed, keeping the running configuration: %s", exc)
+            self._agent_event("agent.reload_failed", Severity.WARNING, f"reload failed: {exc}")
+            self.notifier.ready(f"reload failed: {exc}"[:200])
+            return
+        pending = old.restart_required(new)
+        if pending:
+            log.warning("reload: changes to %s apply only after a restart", ", ".join(pending))
+        updates = {}
+        for key in RELOADABLE:
+            section, name = key.split(".")
+            updates[(section, name)] = getattr(getattr(new, section), name)
+        self.config = old.with_overrides(updates)
+        configure_logging(self.config.log.format, self.config.log.level)
+        if self.node is not None:
+            self.node.predictor_threshold = self.config.predictor.threshold
+            self.node.config.stop_grace_s = self.config.agent.stop_grace_s
+        log.info("configuration reloaded from %s", new.source)
+        self._agent_event("agent.reloaded", Severity.INFO, f"configuration reloaded from {new.source}",
+                          restart_needed=",".join(pending))
+        self.notifier.ready(self._summary())
+
+    # -- stop ---------------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stops gracefully: STOPPING=1, health NOT_SERVING, workers, detectors, servers, socket (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.notifier.stopping("stopping: workers, detectors, servers")
+        log.info("stopping")
+        self.health.shutdown()
+        self._shutdown_parts()
+        log.info("stopped")
+        self.notifier.close()
+
+    def _shutdown_parts(self) -> None:
+        if self.node is not None:
+            self.node.request_stop()  # ends WatchEvents streams
+            group = self.node.group
+            if group is not None:
+                group.stop(self.config.agent.stop_grace_s if self.config else 3.0)
+        if self.runner is not None:
+            self.runner.stop()
+        if self._self_channel is not None:
+            self._self_channel.close()
+        if self._server is not None:
+            self._server.stop(grace=2.0).wait(5.0)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+        sock = self.config.grpc.socket if self.config is not None else ""
+        if sock and self._socket_ino is not None:
+            try:
+                if os.stat(sock).st_ino == self._socket_ino:  # never remove a successor's socket
+                    os.unlink(sock)
+            except FileNotFoundError:
+                pass
+
+
+class _DaemonService(NodeAgentService):
+    """The node service with the daemon's detector states added to ``GetHealth``."""
+
+    def __init__(self, daemon: AgentDaemon) -> None:
+        super().__init__(daemon.node)
+        self._daemon = daemon
+
+    def GetHealth(self, request, context):  # noqa: N802 (gRPC naming)
+        health = super().GetHealth(request, context)
+        if not health.detectors:
+            for status in self._daemon.detector_statuses():
+                health.detectors.append(status.to_proto())
+            if self._daemon.detector_gap:
+                health.detectors.add(name="detectors", state=agent_pb2.DETECTOR_STATE_ERROR,
+                                     detail=self._daemon.detector_gap)
+        return health
+
+
+def config_loader(
+    config_path: str | None = None,
+    grpc_listen: str | None = None,
+    socket_path: str | None = None,
+    state_dir: str | None = None,
+) -> ConfigLoader:
+    """Builds the loader the daemon calls at start and on SIGHUP: file, then environment, then these flags.
+
+    Args:
+        config_path: ``--config``; None means ``$TRAINGUARD_AGENT_CONFIG`` or the default path.
+        grpc_listen: ``--grpc-listen HOST:PORT`` ("" disables TCP), or None to keep the configured one.
+        socket_path: ``--socket PATH`` ("" disables it), or None.
+        state_dir: ``--state-dir DIR``, or None.
+
+    Returns:
+        A function returning the validated configuration, raising AgentConfigError.
+    """
+    flags = {("grpc", "listen"): (grpc_listen, "--grpc-listen"), ("grpc", "socket"): (socket_path, "--socket"),
+             ("agent", "state_dir"): (state_dir, "--state-dir")}
+
+    def load() -> AgentConfig:
+        config = AgentConfig.load(config_path)
+        updates = {key: value for key, (value, _) in flags.items() if value is not None}
+        origins = {f"{k[0]}.{k[1]}": flag for k, (value, flag) in flags.items() if value is not None}
+        config = config.with_overrides(updates, origins)
+        config.validate()
+        return config
+
+    return load
+
+
+def handle_agent(args: Any) -> int:
+    """``trainguard agent`` handler: runs the daemon in the foreground."""
+    return run_agent(config_loader(args.config, args.grpc_listen, args.socket, args.state_dir))
+
+
+def run_agent(load_config: ConfigLoader) -> int:
+    """Runs the daemon in the foreground until SIGTERM/SIGINT.
+
+    Args:
+        load_config: reads and validates the configuration (see :class:`AgentDaemon`).
+
+    Returns:
+        The exit code (0 after a clean stop).
+
+    Raises:
+        AgentConfigError, AgentError: the daemon could not start.
+    """
+    daemon = AgentDaemon(load_config)
+    restore = daemon.install_signal_handlers()
+    try:
+        daemon.start()
+        return daemon.run()
+    finally:
+        restore()

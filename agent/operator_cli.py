@@ -1,0 +1,293 @@
+"""``trainguard status`` and ``trainguard events``: an operator's view of a node agent.
+
+Both talk to the local agent over its unix socket (``--socket``, default ``$TRAINGUARD_AGENT_SOCKET_PATH`` or
+``/run/trainguard/agent.sock``) or to a remote one over TCP (``--target HOST:PORT``, with ``--ca`` for TLS and
+``--cert/--key`` for mutual TLS). Every unary call carries a deadline (``--timeout``); an event stream is renewed
+every :data:`STREAM_RENEW_S` seconds so no call lives without one, and events are de-duplicated across renewals
+and reconnects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import IO, Any
+
+import grpc
+from google.protobuf import json_format
+
+from trainguard.agent.config import SOCKET_ENV
+from trainguard.agent.errors import AgentError
+from trainguard.agent.tls import TlsFiles, channel_credentials
+from trainguard.proto import agent_pb2, agent_pb2_grpc, common_pb2
+
+#: Socket used when neither ``--socket``, ``--target`` nor ``$TRAINGUARD_AGENT_SOCKET_PATH`` says otherwise.
+DEFAULT_SOCKET = "/run/trainguard/agent.sock"
+#: Seconds after which ``events --follow`` renews its stream (each call keeps a deadline).
+STREAM_RENEW_S = 600.0
+_SEEN_IDS = 4096
+
+
+def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags choosing and securing the agent to talk to."""
+    p.add_argument("--socket", default=None, metavar="PATH",
+                   help=f"unix socket of the local agent (default ${SOCKET_ENV} or {DEFAULT_SOCKET})")
+    p.add_argument("--target", default=None, metavar="HOST:PORT", help="a remote agent's TCP address")
+    p.add_argument("--ca", default=None, metavar="FILE", help="PEM CA bundle: use TLS to --target and verify it")
+    p.add_argument("--cert", default=None, metavar="FILE", help="PEM client certificate (mutual TLS)")
+    p.add_argument("--key", default=None, metavar="FILE", help="PEM key of --cert")
+    p.add_argument("--server-name", default=None, metavar="NAME",
+                   help="name expected in the agent's certificate (default: the host of --target)")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline of each call (default 5)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds ``status`` and ``events`` to the ``trainguard`` parser."""
+    p = sub.add_parser("status", help="show a node agent's view of node health",
+                       description="Show node health (detectors, workers, recent events, predictor risk).")
+    add_connection_arguments(p)
+    p.add_argument("--json", action="store_true", help="print JSON (one object; one per line with --watch)")
+    p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until Ctrl-C")
+    p.add_argument("--events", type=int, default=10, metavar="N", help="recent events to show (default 10)")
+    p.set_defaults(handler=handle_status)
+
+    p = sub.add_parser("events", help="print a node agent's health events",
+                       description="Print recent health events; with --follow, stream new ones until Ctrl-C.")
+    add_connection_arguments(p)
+    p.add_argument("--follow", "-f", action="store_true", help="keep streaming new events")
+    p.add_argument("--replay", type=int, default=20, metavar="N", help="recent events to print first (default 20)")
+    p.add_argument("--min-severity", default="info", choices=["info", "warning", "error", "critical"])
+    p.add_argument("--json", action="store_true", help="one JSON object per event")
+    p.set_defaults(handler=handle_events)
+
+
+def open_channel(args: argparse.Namespace) -> tuple[grpc.Channel, str]:
+    """Opens the channel the connection flags describe.
+
+    Returns:
+        The channel and a printable address.
+
+    Raises:
+        AgentError: flags that do not fit together.
+        AgentConfigError: an unreadable certificate file.
+    """
+    if (args.cert or args.key or args.ca) and not args.target:
+        raise AgentError("--ca/--cert/--key apply to --target HOST:PORT; the unix socket needs no TLS")
+    if args.target:
+        options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
+        if args.ca or args.cert:
+            creds = channel_credentials(TlsFiles(args.cert or "", args.key or "", args.ca or ""))
+            return grpc.secure_channel(args.target, creds, options), f"{args.target} (TLS)"
+        return grpc.insecure_channel(args.target), args.target
+    path = args.socket or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+    return grpc.insecure_channel(f"unix:{path}"), f"unix:{path}"
+
+
+def _unreachable(address: str, exc: grpc.RpcError) -> AgentError:
+    details = (exc.details() or "").splitlines()[0][:160] if exc.details() else ""
+    return AgentError(f"no node agent answers at {address} ({exc.code().name}: {details}); is `trainguard agent` "
+                      "running, and are --socket/--target and the TLS flags right?")
+
+
+def fetch(stub: agent_pb2_grpc.NodeAgentStub, address: str, events: int, timeout: float) -> agent_pb2.NodeHealth:
+    """One GetHealth call with a deadline.
+
+    Raises:
+        AgentError: the agent is unreachable or refused the call.
+    """
+    try:
+        return stub.GetHealth(agent_pb2.GetHealthRequest(max_events=events), timeout=timeout)
+    except grpc.RpcError as exc:
+        raise _unreachable(address, exc) from exc
+
+
+# -- rendering ---------------------------------------------------------------------------------------------
+
+
+def _enum(value: int, enum: Any, prefix: str) -> str:
+    try:
+        return enum.Name(value).removeprefix(prefix)
+    except ValueError:
+        return str(value)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return [fmt(headers), *(fmt(r) for r in rows)]
+
+
+def event_time(event: common_pb2.HealthEvent) -> str:
+    """UTC ``HH:MM:SS`` of an event (``-`` when unset)."""
+    if not event.time.seconds:
+        return "-"
+    return datetime.fromtimestamp(event.time.seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def render(h: agent_pb2.NodeHealth) -> str:
+    """The health snapshot as a readable table."""
+    ckpt = str(h.last_checkpoint_step) if h.last_checkpoint_step >= 0 else "-"
+    gen = str(h.generation) if h.generation >= 0 else "-"
+    risk = f"{h.predictor_score:.2f}" + (f" (alert at {h.predictor_threshold:.2f})" if h.predictor_threshold else "")
+    lines = [f"node {h.node_id}   trainguard {h.version}   up {_duration(h.uptime_s)}   job {h.job or '-'}   "
+             f"generation {gen}   last checkpoint {ckpt}   risk {risk}", ""]
+    if h.detectors:
+        rows = [[d.name, _enum(d.state, agent_pb2.DetectorState, "DETECTOR_STATE_"), str(len(d.metrics)),
+                 d.detail[:100]] for d in h.detectors]
+        lines += _table(["DETECTOR", "STATE", "METRICS", "DETAIL"], rows) + [""]
+    else:
+        lines += ["no detectors", ""]
+    if h.workers:
+        rows = []
+        for w in h.workers:
+            age = f"{w.last_heartbeat_age_s:.1f}s ago" if w.last_heartbeat_age_s >= 0 else "never"
+            state = _enum(w.state, agent_pb2.WorkerState, "WORKER_STATE_")
+            if w.state in (agent_pb2.WORKER_STATE_FAILED, agent_pb2.WORKER_STATE_SUCCEEDED):
+                state += f" ({w.exit_code})"
+            rows.append([str(w.rank), str(w.local_rank), str(w.pid), state, str(w.step), age])
+        lines += _table(["RANK", "LOCAL", "PID", "STATE", "STEP", "HEARTBEAT"], rows) + [""]
+    else:
+        lines += ["no workers", ""]
+    if h.recent_events:
+        rows = [[event_time(e), _enum(e.severity, common_pb2.Severity, "SEVERITY_"), e.source, e.kind,
+                 e.subject or "-", e.message[:100]] for e in h.recent_events]
+        lines += _table(["TIME", "SEVERITY", "SOURCE", "KIND", "SUBJECT", "MESSAGE"], rows)
+    else:
+        lines.append("no recent events")
+    return "\n".join(lines)
+
+
+def _to_json(message: Any) -> dict:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def format_event(e: common_pb2.HealthEvent, as_json: bool) -> str:
+    """One event as one line (text or JSON)."""
+    if as_json:
+        return json.dumps(_to_json(e), separators=(",", ":"))
+    sev = _enum(e.severity, common_pb2.Severity, "SEVERITY_")
+    action = _enum(e.action, common_pb2.Action, "ACTION_").lower().replace("_", "-")
+    subject = f" {e.subject}" if e.subject else ""
+    return f"{event_time(e)} {sev:<8} {e.source} {e.kind}{subject}: {e.message} (action {action})"
+
+
+# -- handlers ----------------------------------------------------------------------------------------------
+
+
+def handle_status(args: argparse.Namespace, out: IO[str] | None = None) -> int:
+    """``trainguard status``: prints the table (or JSON), once or every ``--watch`` seconds."""
+    out = out or sys.stdout
+    channel, address = open_channel(args)
+    stub = agent_pb2_grpc.NodeAgentStub(channel)
+    try:
+        if args.watch is None:
+            h = fetch(stub, address, args.events, args.timeout)
+            print(json.dumps(_to_json(h), indent=2) if args.json else render(h), file=out)
+            return 0
+        clear = out.isatty() and not args.json
+        while True:
+            try:
+                h = fetch(stub, address, args.events, args.timeout)
+                text = json.dumps(_to_json(h), separators=(",", ":")) if args.json else render(h)
+            except AgentError as exc:  # keep watching through an agent restart
+                text = f"trainguard: {exc}"
+            stamp = datetime.now(timezone.utc).strftime("%H:%M:%S")
+            if clear:
+                out.write("\x1b[H\x1b[2J" + f"every {args.watch:g}s  {address}  {stamp}\n\n")
+            print(text, file=out, flush=True)
+            if not args.json and not clear:
+                print(file=out)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        channel.close()
+
+
+def follow_events(stub: agent_pb2_grpc.NodeAgentStub, replay: int, min_severity: int,
+                  renew_s: float = STREAM_RENEW_S, err: IO[str] | None = None) -> Iterator[common_pb2.HealthEvent]:
+    """Yields events forever: renews the stream every ``renew_s`` seconds, reconnects after errors, and drops
+    events already yielded (by ``event_id``).
+
+    Args:
+        stub: NodeAgent stub.
+        replay: recent events asked for on each (re)connection.
+        min_severity: ``trainguard.v1.Severity`` value.
+        renew_s: deadline of each stream call, in seconds.
+        err: where reconnection notes go (default stderr).
+    """
+    err = err or sys.stderr
+    seen: OrderedDict[str, None] = OrderedDict()
+    backoff = 0.2
+    while True:
+        call = stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=replay, min_severity=min_severity),
+                                timeout=renew_s)
+        try:
+            for event in call:
+                backoff = 0.2
+                if event.event_id in seen:
+                    continue
+                seen[event.event_id] = None
+                if len(seen) > _SEEN_IDS:
+                    seen.popitem(last=False)
+                yield event
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                continue  # renewal
+            if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+                              grpc.StatusCode.UNAUTHENTICATED):
+                raise
+            print(f"trainguard: event stream {exc.code().name}; reconnecting in {backoff:.1f}s", file=err, flush=True)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+            continue
+        # The server ended the stream (agent stopping): reconnect the same way.
+        time.sleep(backoff)
+        backoff = min(backoff * 2, 5.0)
+
+
+def handle_events(args: argparse.Namespace, out: IO[str] | None = None) -> int:
+    """``trainguard events``: recent events, then (``--follow``) new ones until Ctrl-C."""
+    out = out or sys.stdout
+    if args.replay < 0:
+        raise AgentError("--replay must be >= 0")
+    min_sev = common_pb2.Severity.Value(f"SEVERITY_{args.min_severity.upper()}")
+    channel, address = open_channel(args)
+    stub = agent_pb2_grpc.NodeAgentStub(channel)
+    try:
+        if not args.follow:
+            h = fetch(stub, address, args.replay, args.timeout)
+            for e in h.recent_events:
+                if e.severity >= min_sev:
+                    print(format_event(e, args.json), file=out)
+            return 0
+        # Fail fast with one line when nothing answers, before streaming forever.
+        fetch(stub, address, 0, args.timeout)
+        for e in follow_events(stub, args.replay, min_sev):
+            print(format_event(e, args.json), file=out, flush=True)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except grpc.RpcError as exc:
+        raise _unreachable(address, exc) from exc
+    finally:
+        channel.close()

@@ -1,0 +1,247 @@
+"""The agent daemon as systemd runs it: a real subprocess, a notify socket the test owns, real signals."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from agent_testutil import make_pki
+from trainguard.agent.tls import TlsFiles, channel_credentials
+from trainguard.proto import agent_pb2, agent_pb2_grpc
+
+AGENT = [sys.executable, "-m", "trainguard.cli", "agent"]
+
+
+class Agent:
+    """One ``trainguard agent`` subprocess with its notify socket; always killed on teardown."""
+
+    def __init__(self, tmp: Path, config_text: str, watchdog_usec: int | None = 1_000_000, extra_env=None):
+        self.tmp = tmp
+        self.config = tmp / "agent.toml"
+        self.config.write_text(config_text)
+        self.socket_path = tmp / "run" / "agent.sock"
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(tmp / "notify.sock"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINGUARD_", "NOTIFY_", "WATCHDOG_"))}
+        env["NOTIFY_SOCKET"] = str(tmp / "notify.sock")
+        if watchdog_usec:
+            env["WATCHDOG_USEC"] = str(watchdog_usec)
+        env.update(extra_env or {})
+        self.stderr = open(tmp / "agent.log", "wb")
+        self.proc = subprocess.Popen(
+            [*AGENT, "--config", str(self.config), "--socket", str(self.socket_path), "--state-dir",
+             str(tmp / "state"), "--grpc-listen", "127.0.0.1:0"],
+            env=env, stdout=subprocess.DEVNULL, stderr=self.stderr,
+        )
+        self.messages: list[dict[str, str]] = []
+
+    def log(self) -> str:
+        return (self.tmp / "agent.log").read_text(errors="replace")
+
+    def wait_for(self, key: str, timeout: float = 30.0) -> dict[str, str]:
+        """Reads notifications until one carries ``key``; returns its fields."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.notify.settimeout(max(0.01, min(1.0, deadline - time.monotonic())))
+            try:
+                data = self.notify.recv(4096).decode()
+            except socket.timeout:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"agent exited with {self.proc.returncode}:\n{self.log()}") from None
+                continue
+            fields = dict(line.split("=", 1) for line in data.splitlines())
+            self.messages.append(fields)
+            if key in fields:
+                return fields
+        raise AssertionError(f"no {key} within {timeout}s; got {self.messages}\n{self.log()}")
+
+    @property
+    def tcp_port(self) -> int:
+        status = next(m["STATUS"] for m in reversed(self.messages) if "tcp:" in m.get("STATUS", ""))
+        return int(re.search(r"tcp:(\d+)", status).group(1))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.notify.close()
+        self.stderr.close()
+
+
+@pytest.fixture
+def agents(tmp_path):
+    started: list[Agent] = []
+
+    def start(config_text: str = "", **kw) -> Agent:
+        d = tmp_path / f"a{len(started)}"
+        d.mkdir()
+        a = Agent(d, config_text, **kw)
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.close()
+
+
+BASE = """
+[metrics]
+listen = "127.0.0.1:0"
+[log]
+format = "journal"
+[detectors]
+root = "{root}"
+"""
+
+
+def health(target: str, creds=None, **kw) -> agent_pb2.NodeHealth:
+    channel = grpc.secure_channel(target, creds, kw.get("options", [])) if creds else grpc.insecure_channel(target)
+    with channel:
+        return agent_pb2_grpc.NodeAgentStub(channel).GetHealth(agent_pb2.GetHealthRequest(), timeout=5)
+
+
+def test_systemd_lifecycle_ready_watchdog_reload_stop(agents, tmp_path):
+    (tmp_path / "fake").mkdir()
+    agent = agents(BASE.format(root=tmp_path / "fake"))
+    ready = agent.wait_for("READY")
+    assert "serving on unix:" in ready["STATUS"]
+    mode = os.stat(agent.socket_path).st_mode & 0o777
+    assert mode == 0o660, oct(mode)
+    assert health(f"unix:{agent.socket_path}").node_id
+    # Keep-alives at half the 1 s interval while healthy.
+    first = time.monotonic()
+    agent.wait_for("WATCHDOG", timeout=5)
+    agent.wait_for("WATCHDOG", timeout=5)
+    assert time.monotonic() - first < 4
+    # SIGHUP: RELOADING=1 with a monotonic timestamp, a new log level applied, READY=1 again.
+    agent.config.write_text(agent.config.read_text().replace('format = "journal"', 'format = "journal"\nlevel = "debug"'))
+    agent.proc.send_signal(signal.SIGHUP)
+    reloading = agent.wait_for("RELOADING", timeout=10)
+    assert int(reloading["MONOTONIC_USEC"]) > 0
+    agent.wait_for("READY", timeout=10)
+    assert "configuration reloaded" in agent.log()
+    # SIGTERM: STOPPING=1, clean exit, nothing left behind.
+    pid = agent.proc.pid
+    children = psutil.Process(pid).children(recursive=True)
+    agent.proc.send_signal(signal.SIGTERM)
+    agent.wait_for("STOPPING", timeout=10)
+    assert agent.proc.wait(30) == 0, agent.log()
+    assert not agent.socket_path.exists()
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+    assert "Traceback" not in agent.log()
+    # journald format: every line has a priority prefix and no timestamp of its own.
+    assert all(re.match(r"<[0-7]>", line) for line in agent.log().splitlines() if line), agent.log()
+
+
+def test_bad_reload_keeps_running_config(agents, tmp_path):
+    agent = agents(BASE.format(root=tmp_path), watchdog_usec=None)
+    agent.wait_for("READY")
+    agent.config.write_text(agent.config.read_text() + "\n[grpc]\nbogus = 1\n")
+    agent.proc.send_signal(signal.SIGHUP)
+    agent.wait_for("RELOADING", timeout=10)
+    assert "reload failed" in agent.wait_for("READY", timeout=10)["STATUS"]
+    assert health(f"unix:{agent.socket_path}").node_id
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(30) == 0
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('[grpc]\nmax_workers = "many"\n', "grpc.max_workers: expected an integer"),
+        ("[grpc]\nlisten_on = 1\n", "unknown key 'listen_on' in [grpc]"),
+        ('[tls]\nenabled = true\ncert_file = "/nonexistent/cert.pem"\nkey_file = "/nonexistent/key.pem"\n',
+         "tls.cert_file: cannot read /nonexistent/cert.pem"),
+    ],
+)
+def test_bad_config_fails_at_start_with_one_line(agents, text, needle):
+    agent = agents(text, watchdog_usec=None)
+    assert agent.proc.wait(60) == 2
+    err = agent.log().strip()
+    assert len(err.splitlines()) == 1, err
+    assert needle in err and str(agent.config) in err
+    agent.notify.settimeout(0.1)
+    with pytest.raises(socket.timeout):
+        agent.notify.recv(100)  # never READY
+
+
+def test_mutual_tls_on_the_daemon(agents, tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    agent = agents(BASE.format(root=tmp_path) + f"""
+[tls]
+enabled = true
+cert_file = "{pki.server_cert}"
+key_file = "{pki.server_key}"
+client_ca_file = "{pki.ca}"
+""", watchdog_usec=None)
+    agent.wait_for("READY")
+    target = f"127.0.0.1:{agent.tcp_port}"
+    opts = {"options": [("grpc.ssl_target_name_override", "localhost")]}
+    good = channel_credentials(TlsFiles(str(pki.client_cert), str(pki.client_key), str(pki.ca)))
+    assert health(target, good, **opts).node_id
+    rogue = channel_credentials(TlsFiles(str(pki.rogue_cert), str(pki.rogue_key), str(pki.ca)))
+    for creds in (rogue, None):
+        with pytest.raises(grpc.RpcError) as err:
+            health(target, creds, **opts)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    tls = ["--target", target, "--ca", str(pki.ca), "--server-name", "localhost"]
+    ok = cli("status", *tls, "--cert", str(pki.client_cert), "--key", str(pki.client_key))
+    assert ok.returncode == 0 and "agent.started" in ok.stdout, ok.stderr
+    refused = cli("status", *tls, "--cert", str(pki.rogue_cert), "--key", str(pki.rogue_key), "--timeout", "2")
+    assert refused.returncode == 2 and "UNAVAILABLE" in refused.stderr
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(30) == 0
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainguard.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_status_and_events_cli(agents, tmp_path):
+    agent = agents(BASE.format(root=tmp_path), watchdog_usec=None)
+    agent.wait_for("READY")
+    sock = ["--socket", str(agent.socket_path)]
+    table = cli("status", *sock)
+    assert table.returncode == 0, table.stderr
+    assert "trainguard" in table.stdout and "agent.started" in table.stdout and "no workers" in table.stdout
+    as_json = cli("status", "--json", "--target", f"127.0.0.1:{agent.tcp_port}")
+    assert as_json.returncode == 0, as_json.stderr
+    import json
+
+    doc = json.loads(as_json.stdout)
+    assert doc["node_id"] and doc["recent_events"][0]["kind"] == "agent.started"
+    events = cli("events", *sock, "--json")
+    assert [json.loads(line)["kind"] for line in events.stdout.splitlines()] == ["agent.started"]
+    # --follow: replayed events, then a new one caused by SIGHUP, each once.
+    follow = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "events", "--follow", *sock],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "agent.started" in follow.stdout.readline()
+        agent.proc.send_signal(signal.SIGHUP)
+        assert "agent.reloaded" in follow.stdout.readline()
+    finally:
+        follow.kill()
+        follow.wait(10)
+    # --watch refreshes until interrupted.
+    watch = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "status", "--watch", "0.2", *sock],
+                             stdout=subprocess.PIPE, text=True)
+    time.sleep(3)
+    watch.send_signal(signal.SIGINT)
+    out, _ = watch.communicate(timeout=10)
+    assert watch.returncode == 0 and out.count("node ") >= 2
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(30) == 0
+    gone = cli("status", *sock, "--timeout", "1")
+    assert gone.returncode == 2 and len(gone.stderr.strip().splitlines()) == 1
+    assert "no node agent answers at unix:" in gone.stderr
