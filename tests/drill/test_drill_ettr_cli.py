@@ -1,0 +1,29 @@
+"""``trainguard ettr`` end to end, in-process: tables, JSON figures, the PNG, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+from trainguard.cli import main
+
+
+def test_ettr_cli_writes_figures_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "ettr.json", tmp_path / "ettr.png"
+    code = main(["ettr", "--traces", "llama3", "--llama-days", "30", "--gpus", "4096", "--json", str(out),
+                 "--plot", str(png)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "trainguard" in text and "baseline" in text and "Young" in text
+    data = json.loads(out.read_text())
+    systems = data[0]["systems"]
+    assert data[0]["nodes"] == 512
+    assert systems["baseline"]["ettr"] < systems["trainguard"]["ettr"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ettr_cli_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["ettr", "--traces", "weibull"]) == 2
+    assert main(["ettr", "--trace", str(tmp_path)]) == 2
+    assert main(["ettr", "--traces", "llama3", "--gpus", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("trainguard: error:") for line in err)

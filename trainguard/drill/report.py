@@ -1,0 +1,82 @@
+"""Runs the ETTR model for the shipped traces and renders its tables, JSON and plot (``trainguard ettr``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from trainguard.drill.components import Components
+from trainguard.drill.ettr import JobSize, SystemReport, cumulative_useful, format_report, simulate
+from trainguard.drill.trace import FaultTrace, llama3_trace, load_stepfun
+
+
+@dataclass
+class TraceComparison:
+    """trainguard and the baseline replayed on one trace."""
+
+    trace: FaultTrace
+    job: JobSize
+    reports: list[SystemReport]
+
+    def table(self) -> str:
+        """The comparison as a text table."""
+        return format_report(self.reports, f"{self.trace.source} -> job of {self.job.gpus} GPUs "
+                                           f"({self.job.nodes} nodes)")
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready figures."""
+        out: dict[str, Any] = {"trace": self.trace.name, "source": self.trace.source, "gpus": self.job.gpus,
+                               "nodes": self.job.nodes, "systems": {}}
+        for rep in self.reports:
+            r = rep.result
+            out["systems"][r.system] = {
+                "ettr": r.ettr, "interval_s": r.interval_s, "optimised": rep.optimised,
+                "young_s": rep.young_daly.young_s, "daly_s": rep.young_daly.daly_s,
+                "mtbf_work_losing_s": rep.young_daly.mtbf_s, "faults": r.faults, "span_s": r.span_s,
+                "useful_s": r.useful_s, "stall_s": r.stall_s, "lost_s": r.lost_s, "down_s": r.down_s,
+                "components": rep.components.as_dict(),
+            }
+        return out
+
+
+def load_traces(kinds: list[str], trace_path: str | None, llama_days: float, seed: int) -> list[FaultTrace]:
+    """The traces named in ``kinds`` (``stepfun``, ``llama3``).
+
+    Raises:
+        TraceError: the StepFun trace is missing or malformed.
+    """
+    out = []
+    for k in kinds:
+        out.append(load_stepfun(trace_path) if k == "stepfun" else llama3_trace(days=llama_days, seed=seed))
+    return out
+
+
+def compare(trace: FaultTrace, job: JobSize, systems: list[Components]) -> TraceComparison:
+    """Replays ``trace`` for each system."""
+    return TraceComparison(trace=trace, job=job, reports=[simulate(trace, job, c) for c in systems])
+
+
+def plot_comparison(path: str | os.PathLike, cmp: TraceComparison) -> str:
+    """Draws ETTR over time of every system and the fault timeline (with the first system's downtime)."""
+    from trainguard.drill.plot import FaultMark, Series, plot_ettr
+
+    series = []
+    for rep in cmp.reports:
+        t, u = cumulative_useful(rep.timeline, rep.result)
+        series.append(Series(label=rep.result.system, times_s=t, useful_s=u, ettr=rep.result.ettr))
+    tl = cmp.reports[0].timeline
+    marks = [FaultMark(time_s=float(t), kind=c.value, down_s=float(d))
+             for t, c, d in zip(tl.times_s, tl.classes, tl.down_s)]
+    title = (f"ETTR, {cmp.trace.name} trace replayed on {cmp.job.gpus:,} GPUs: "
+             + " vs ".join(f"{r.result.system} {100 * r.result.ettr:.1f}%" for r in cmp.reports))
+    return plot_ettr(path, series, marks, tl.span_s, title, time_unit="days", bins=68)
+
+
+def write_json(path: str | os.PathLike, comparisons: list[TraceComparison]) -> None:
+    """Writes every comparison's figures as JSON (atomically)."""
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as f:
+        json.dump([c.as_dict() for c in comparisons], f, indent=1)
+    os.replace(tmp, path)
