@@ -47,7 +47,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
 
 #: Detectors the agent runs when its config does not name any.
 DEFAULT_DETECTORS: tuple[str, ...] = (
-    "host", "disk", "thermal", "edac", "kmsg", "nvidia", "ascend", "pcie", "roce", "process",
+    "host", "disk", "thermal", "edac", "kmsg", "nvidia", "nvlink", "ascend", "pcie", "roce", "process",
 )
 
 #: Kind of the event a detector yields when it cannot read its inputs.

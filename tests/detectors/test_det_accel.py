@@ -1,0 +1,181 @@
+"""NVIDIA (NVML through a GpuBackend double) and Ascend (a real npu-smi-format script) detectors."""
+
+from __future__ import annotations
+
+import stat
+from dataclasses import replace
+
+import pytest
+
+from trainguard.detectors.ascend import AscendConfig, AscendDetector, parse_npu_smi_info
+from trainguard.detectors.base import DetectorState
+from trainguard.detectors.errors import DetectorReadError
+from trainguard.detectors.events import Action, Severity
+from trainguard.detectors.nvidia import (
+    GpuReading,
+    NvidiaConfig,
+    NvidiaDetector,
+    NvlinkConfig,
+    NvlinkDetector,
+    NvlinkReading,
+    open_nvml,
+)
+from trainguard.detectors.runner import DetectorRunner
+
+
+class GpuBackendDouble:
+    """Stands in for NVML (a leaf library this machine has no driver for); readings are set by the test."""
+
+    def __init__(self, readings: list[GpuReading]) -> None:
+        self.readings = readings
+        self.xids: list[tuple[int, int]] = []
+        self.fail: set[int] = set()
+        self.closed = False
+
+    def device_count(self) -> int:
+        return len(self.readings)
+
+    def read(self, index: int, nvlink: bool) -> GpuReading:
+        if index in self.fail:
+            raise RuntimeError("NVML Unknown Error")
+        r = self.readings[index]
+        return r if nvlink else replace(r, nvlinks={})
+
+    def xid_events(self) -> list[tuple[int, int]]:
+        out, self.xids = self.xids, []
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def healthy(index: int, pci: str) -> GpuReading:
+    return GpuReading(index=index, uuid=f"GPU-{index}", pci_bus_id=pci, name="NVIDIA H100 80GB HBM3",
+                      temperature_c=45, slowdown_temp_c=90, ecc_volatile_corrected=0, ecc_volatile_uncorrected=0,
+                      ecc_aggregate_corrected=10, ecc_aggregate_uncorrected=0, retired_pages_sbe=0,
+                      retired_pages_dbe=0, remapped_correctable=0, remapped_uncorrectable=0, throttle_reasons=0x1,
+                      nvlinks={i: NvlinkReading(True) for i in range(4)})
+
+
+def test_nvml_absent_here_is_no_hardware() -> None:
+    backend, reason = open_nvml(xid_events=True)
+    if backend is not None:
+        backend.close()
+        pytest.skip("this machine has an NVIDIA GPU")
+    assert reason  # e.g. "no NVIDIA driver (libnvidia-ml.so not found)" or "nvidia-ml-py ... not installed"
+    s = NvidiaDetector().sample()
+    assert s.state == DetectorState.NO_HARDWARE and s.detail == reason
+    assert NvlinkDetector().sample().state == DetectorState.NO_HARDWARE
+
+
+def test_gpu_faults_become_events() -> None:
+    backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0"), healthy(1, "00000000:5E:00.0")])
+    det = NvidiaDetector(NvidiaConfig(), backend=backend)
+    s = det.sample()
+    assert s.events == [] and s.state == DetectorState.OK and s.metrics["gpus"] == 2.0
+    backend.readings[0] = replace(backend.readings[0], ecc_volatile_uncorrected=2, remap_pending=True,
+                                  throttle_reasons=0x40 | 0x8, temperature_c=88)
+    backend.readings[1] = GpuReading(index=1, lost=True)
+    backend.xids = [(0, 79), (0, 13), (1, 12345)]
+    s = det.sample()
+    got = sorted((e.kind, e.subject, e.severity, e.action) for e in s.events)
+    assert got == sorted([
+        ("gpu.ecc_uncorrected", "00000000:3B:00.0", Severity.CRITICAL, Action.DRAIN_NODE),
+        ("gpu.memory_repair_pending", "00000000:3B:00.0", Severity.WARNING, Action.CHECKPOINT_NOW),
+        ("gpu.throttled", "00000000:3B:00.0", Severity.WARNING, Action.WATCH),
+        ("gpu.temp_high", "00000000:3B:00.0", Severity.WARNING, Action.WATCH),
+        ("gpu.lost", "gpu1", Severity.CRITICAL, Action.DRAIN_NODE),
+        ("gpu.xid", "00000000:3B:00.0", Severity.CRITICAL, Action.DRAIN_NODE),
+        ("gpu.xid", "00000000:3B:00.0", Severity.ERROR, Action.RESTART_PROCESS),
+        ("gpu.xid", "gpu1", Severity.WARNING, Action.WATCH),
+    ])
+    throttled = next(e for e in s.events if e.kind == "gpu.throttled")
+    assert "HwSlowdown" in throttled.message and "HwThermalSlowdown" in throttled.message
+    assert s.state == DetectorState.FAILED and s.metrics["gpus_lost"] == 1.0
+    assert det.sample().events == []  # conditions are edge-triggered
+    det.close()
+    assert backend.closed
+
+
+def test_remap_failure_and_query_errors() -> None:
+    backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0"), healthy(1, "00000000:5E:00.0")])
+    backend.readings[0] = replace(backend.readings[0], remap_failure=True)
+    backend.fail = {1}
+    events = []
+    runner = DetectorRunner([NvidiaDetector(NvidiaConfig(), backend=backend)], on_event=events.append)
+    runner.run_once()
+    kinds = sorted(e.kind for e in events)
+    assert kinds == ["detector.error", "gpu.row_remap_failed"]
+    assert runner.statuses()[0].state == DetectorState.FAILED
+
+
+def test_nvlink_errors_and_link_down() -> None:
+    backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0")])
+    det = NvlinkDetector(NvlinkConfig(), backend=backend)
+    s = det.sample()
+    assert s.events == [] and s.metrics["links"] == 4.0 and s.metrics["links_active"] == 4.0
+    links = dict(backend.readings[0].nvlinks)
+    links[2] = NvlinkReading(False)
+    links[1] = NvlinkReading(True, replay=0, recovery=3, crc_flit=10**6, crc_data=0)
+    backend.readings[0] = replace(backend.readings[0], nvlinks=links)
+    s = det.sample()
+    assert sorted((e.kind, e.subject) for e in s.events) == [
+        ("nvlink.crc_errors", "00000000:3B:00.0/link1"),
+        ("nvlink.link_down", "00000000:3B:00.0/link2"),
+        ("nvlink.recoveries", "00000000:3B:00.0/link1"),
+    ]
+
+
+NPU_SMI = """\
++------------------------------------------------------------------------------------------------+
+| npu-smi 24.1.0                   Version: 24.1.0                                               |
++---------------------------+---------------+----------------------------------------------------+
+| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
+| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
++===========================+===============+====================================================+
+| 0     910B3               | OK            | 93.6        40                0    / 0             |
+| 0                         | 0000:C1:00.0  | 0           0    / 0          3161 / 65536         |
++===========================+===============+====================================================+
+| 1     910B3               | {health}      | NA          {temp}                0    / 0             |
+| 0                         | 0000:C2:00.0  | 12          0    / 0          2858 / 65536         |
++===========================+===============+====================================================+
++---------------------------+---------------+----------------------------------------------------+
+| NPU     Chip              | Process id    | Process name             | Process memory(MB)      |
++===========================+===============+====================================================+
+| No running processes found in NPU 0                                                            |
++===========================+===============+====================================================+
+"""
+
+
+def fake_npu_smi(tmp_path, output: str, code: int = 0) -> str:
+    (tmp_path / "out.txt").write_text(output)
+    script = tmp_path / "npu-smi"
+    script.write_text(f"#!/bin/sh\n[ \"$1\" = info ] || exit 3\ncat {tmp_path / 'out.txt'}\nexit {code}\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return str(script)
+
+
+def test_ascend_health_from_npu_smi(tmp_path) -> None:
+    exe = fake_npu_smi(tmp_path, NPU_SMI.format(health="OK     ", temp=41))
+    det = AscendDetector(AscendConfig(npu_smi=exe))
+    s = det.sample()
+    assert s.events == [] and s.metrics["npus"] == 2.0 and s.metrics["temp_c[0000:C2:00.0]"] == 41.0
+    assert "power_w[0000:C2:00.0]" not in s.metrics and s.metrics["power_w[0000:C1:00.0]"] == 93.6
+    fake_npu_smi(tmp_path, NPU_SMI.format(health="Critical", temp=95))
+    s = det.sample()
+    assert [(e.kind, e.subject, e.action) for e in s.events] == [
+        ("npu.health_critical", "0000:C2:00.0", Action.DRAIN_NODE)]
+    assert s.state == DetectorState.FAILED
+
+
+def test_ascend_absent_failing_and_truncated(tmp_path) -> None:
+    s = AscendDetector(AscendConfig(npu_smi=str(tmp_path / "no-such-npu-smi"))).sample()
+    assert s.state == DetectorState.NO_HARDWARE and "not installed" in s.detail
+    exe = fake_npu_smi(tmp_path, "dcmi module initialize failed. ret is -8005\n", code=1)
+    s = AscendDetector(AscendConfig(npu_smi=exe)).sample()
+    assert s.state == DetectorState.ERROR and "exit code 1" in s.detail
+    truncated = NPU_SMI.format(health="OK", temp=40).splitlines()[:7]
+    with pytest.raises(DetectorReadError, match="truncated"):
+        parse_npu_smi_info("\n".join(truncated))
+    with pytest.raises(DetectorReadError, match="header"):
+        parse_npu_smi_info("command not found")
