@@ -1,0 +1,91 @@
+"""``trainguard detect``: run every configured detector on this node and print what they see.
+
+Exit code 0 when no detector is failed or in error, 1 otherwise (so it doubles as a node health probe), 2 on a
+configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Adds the ``detect`` subcommand.
+
+    Args:
+        subparsers: the top-level parser's subparsers.
+    """
+    p = subparsers.add_parser(
+        "detect",
+        help="run the node detectors once and print their state",
+        description="Runs every configured detector on this node and prints a table (or JSON). Detectors with "
+                    "nothing to watch here (no GPU, no RDMA NIC...) are listed as no-hardware.",
+    )
+    p.add_argument("--config", help="agent TOML file whose [detectors] table to use (default: all built-ins)")
+    p.add_argument("--only", help="comma-separated detector names to run instead of the configured ones")
+    p.add_argument("--root", help="read sysfs/procfs/dev under this directory instead of / (fake trees)")
+    p.add_argument("--window", type=float, default=1.0,
+                   help="seconds between two samples, so that counters give rates (0: one sample; default 1)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=_detect)
+
+
+def _detect(args: argparse.Namespace) -> int:
+    from trainguard.detectors.base import DetectorState
+    from trainguard.detectors.config import DetectorsConfig
+    from trainguard.detectors.errors import DetectorConfigError
+    from trainguard.detectors.runner import DetectorRunner
+
+    if args.window < 0:
+        raise DetectorConfigError(f"--window {args.window} must be >= 0 seconds")
+    cfg = DetectorsConfig.from_toml(args.config, args.root) if args.config else DetectorsConfig.from_dict({}, args.root)
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        cfg = DetectorsConfig.from_dict(
+            {"enabled": names, **{n: vars(cfg.settings[n]) for n in names if n in cfg.settings}}, args.root)
+    events = []
+    runner = DetectorRunner(cfg.create(), on_event=events.append)
+    try:
+        runner.run_once()
+        if args.window > 0:
+            time.sleep(args.window)
+            runner.run_once()
+    finally:
+        runner.stop()
+    statuses = runner.statuses()
+    if args.json:
+        print(json.dumps({
+            "detectors": [{"name": s.name, "state": s.state.label, "detail": s.detail, "metrics": s.metrics}
+                          for s in statuses],
+            "events": [e.to_dict() for e in events],
+        }, indent=2, sort_keys=True))
+    else:
+        _print_table(statuses, events)
+    bad = {DetectorState.FAILED, DetectorState.ERROR}
+    return 1 if any(s.state in bad for s in statuses) else 0
+
+
+def _print_table(statuses: list[Any], events: list[Any]) -> None:
+    from trainguard.detectors.base import DetectorState
+
+    width = max([len("DETECTOR")] + [len(s.name) for s in statuses])
+    print(f"{'DETECTOR':<{width}}  {'STATE':<12} {'METRICS':>7}  DETAIL")
+    for s in statuses:
+        print(f"{s.name:<{width}}  {s.state.label:<12} {len(s.metrics):>7}  {s.detail}")
+    absent = [s for s in statuses if s.state == DetectorState.NO_HARDWARE]
+    if absent:
+        print(f"\nNo hardware to watch on this node for {len(absent)} detector(s):")
+        for s in absent:
+            print(f"  {s.name:<{width}}  {s.detail}")
+    shown = [e for e in events if not e.kind.endswith(".cleared")]
+    if shown:
+        print(f"\nEvents ({len(shown)}):")
+        for e in shown:
+            subject = f" [{e.subject}]" if e.subject else ""
+            print(f"  {e.severity.name.lower():<8} {e.action.name.lower().replace('_', '-'):<15} "
+                  f"{e.source}: {e.kind}{subject}: {e.message}")
+    else:
+        print("\nNo events.")

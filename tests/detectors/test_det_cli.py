@@ -1,0 +1,80 @@
+"""``trainguard detect`` as a real command, on a fake tree and on this machine; and the [detectors] config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainguard.detectors.base import DEFAULT_DETECTORS, create_detectors, detector_names
+from trainguard.detectors.config import DetectorsConfig
+from trainguard.detectors.errors import DetectorConfigError
+from trainguard.detectors.roce import RoceConfig
+
+TRAINGUARD = [sys.executable, "-m", "trainguard.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*TRAINGUARD, *args], capture_output=True, text=True, timeout=90, check=False)
+
+
+def test_detect_json_on_a_fake_tree(tmp_path) -> None:
+    z = tmp_path / "sys/class/thermal/thermal_zone0"
+    z.mkdir(parents=True)
+    (z / "type").write_text("x86_pkg_temp\n")
+    (z / "temp").write_text("99000\n")
+    (z / "trip_point_0_type").write_text("hot\n")
+    (z / "trip_point_0_temp").write_text("95000\n")
+    mc = tmp_path / "sys/devices/system/edac/mc/mc0"
+    mc.mkdir(parents=True)
+    (mc / "ce_count").write_text("0\n")
+    (mc / "ue_count").write_text("garbage\n")
+    done = run("detect", "--json", "--window", "0", "--root", str(tmp_path), "--only", "thermal,edac,pcie")
+    assert done.returncode == 1, done.stderr  # a failed detector makes the probe fail
+    out = json.loads(done.stdout)
+    states = {d["name"]: d["state"] for d in out["detectors"]}
+    assert states == {"thermal": "failed", "edac": "error", "pcie": "no-hardware"}
+    kinds = sorted(e["kind"] for e in out["events"])
+    assert kinds == ["detector.error", "hw.temp_hot"]
+    hot = next(e for e in out["events"] if e["kind"] == "hw.temp_hot")
+    assert hot["severity"] == "error" and hot["action"] == "watch"
+
+
+def test_detect_table_on_this_machine_names_missing_hardware() -> None:
+    done = run("detect", "--window", "0")
+    assert done.returncode in (0, 1), done.stderr
+    assert done.stdout.startswith("DETECTOR")
+    for name in DEFAULT_DETECTORS:
+        assert f"\n{name}" in done.stdout
+    if not os.path.exists("/sys/class/infiniband"):
+        assert "No hardware to watch on this node" in done.stdout
+        assert "roce" in done.stdout.split("No hardware to watch on this node")[1]
+
+
+def test_detect_rejects_bad_names_and_config(tmp_path) -> None:
+    done = run("detect", "--only", "bogus")
+    assert done.returncode == 2 and "unknown detector 'bogus'" in done.stderr
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('[detectors]\nenabled = ["disk"]\n[detectors.disk]\npaths = "/"\n')
+    done = run("detect", "--config", str(cfg))
+    assert done.returncode == 2 and "must be a list" in done.stderr
+
+
+def test_detectors_config_from_toml(tmp_path) -> None:
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('[agent]\nport = 1\n[detectors]\nenabled = ["roce", "process"]\n'
+                   '[detectors.roce]\ninterfaces = ["ens1f*"]\nflap_threshold = 5\ninterval_s = 2\n')
+    c = DetectorsConfig.from_toml(str(cfg))
+    assert c.enabled == ("roce", "process")
+    roce = c.settings["roce"]
+    assert isinstance(roce, RoceConfig) and roce.interfaces == ("ens1f*",) and roce.interval_s == 2.0
+    dets = c.create(worker_view=None)
+    assert [d.name for d in dets] == ["roce", "process"]
+    with pytest.raises(DetectorConfigError, match="not in 'enabled'"):
+        DetectorsConfig.from_dict({"enabled": ["host"], "roce": {}})
+    with pytest.raises(DetectorConfigError, match="twice"):
+        create_detectors(["host", "host"])
+    assert set(DEFAULT_DETECTORS) <= set(detector_names())
