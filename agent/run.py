@@ -140,9 +140,18 @@ def run_job(args: argparse.Namespace) -> RunResult:
 
     rundir = tempfile.mkdtemp(prefix="tg-")
     extra_env = {}
+    ckpt_service = None
     if args.checkpoint_dir:
         extra_env["TRAINGUARD_CHECKPOINT_DIR"] = os.path.abspath(args.checkpoint_dir) \
             if "://" not in args.checkpoint_dir else args.checkpoint_dir
+        # The agent owns the job's persist process and shared-memory tier, so both outlive crashed workers:
+        # a restarted worker restores from memory, and the dead worker's last snapshot still gets persisted.
+        from trainguard.checkpoint.config import CHECKPOINT_SERVICE_ENV
+        from trainguard.checkpoint.service import CheckpointService
+
+        ckpt_service = CheckpointService(job=job, socket_path=os.path.join(rundir, "ckpt.sock")).start()
+        guard().watch(ckpt_service.pid)
+        extra_env[CHECKPOINT_SERVICE_ENV] = ckpt_service.address
     config = NodeConfig(
         job=job,
         coordinator=coordinator,
@@ -176,6 +185,10 @@ def run_job(args: argparse.Namespace) -> RunResult:
         grpc_server.stop(0.5).wait()
         if server is not None:
             server.stop()
+        if ckpt_service is not None:
+            pid = ckpt_service.pid
+            ckpt_service.stop(remove_memory=True)
+            guard().forget(pid)
         guard().close()
         shutil.rmtree(rundir, ignore_errors=True)
     return RunResult(exit_code=code, message=message, faults=agent.fault_records,

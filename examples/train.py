@@ -107,12 +107,14 @@ def main() -> None:
             break
 
     session.wait()
+    restored_tier = getattr(session.checkpointer, "last_restore_tier", None)
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
     if rank == 0:
         result = {"steps": args.steps, "loss": loss.item(), "test_accuracy": accuracy,
                   "params_sha256": params_digest(model.module), "world_size": world,
-                  "restored_step": session.restored_step, "restart_count": session.restart_count}
+                  "restored_step": session.restored_step, "restart_count": session.restart_count,
+                  "restored_tier": restored_tier}
         print(f"[rank 0] done: {args.steps} steps, loss {loss.item():.4f}, test accuracy {accuracy:.4f}", flush=True)
         if args.out:
             tmp = args.out + ".tmp"

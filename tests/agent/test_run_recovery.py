@@ -30,5 +30,7 @@ def test_sigkilled_worker_resumes_bitwise_equal(tmp_path: Path, tg_env: dict) ->
     # Resumed from the newest checkpoint at or before the kill, not from scratch.
     restored = faulty["result"]["restored_step"]
     assert restored is not None and kill_step - 10 <= restored <= kill_step, (kill_step, restored)
+    # The agent-owned shared-memory tier outlived the killed worker and served the restore.
+    assert faulty["result"]["restored_tier"] == "memory"
     assert faulty["result"]["params_sha256"] == clean["result"]["params_sha256"], f"kill at step {kill_step}"
     assert faulty["result"]["test_accuracy"] > 0.8
