@@ -179,6 +179,9 @@ def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
                 return target
             return t.numpy()
         return t
+    if tag == "dict" and is_stateful(target):
+        # A plain state dict (e.g. imported from torch.distributed.checkpoint) restored into a Stateful object.
+        return decode({"t": "stateful", "v": node}, loader, target)
     if tag == "dict":
         tmap = target if isinstance(target, Mapping) else {}
         result = {}

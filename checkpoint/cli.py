@@ -1,0 +1,229 @@
+"""``trainguard ckpt ls|verify|gc|export|import``: operator commands over checkpoint directories.
+
+``DIR`` is the checkpoint root (a local path or an fsspec URL); ``--job`` may be omitted when the root holds one
+job. Long operations (verify, export) show a tqdm progress bar on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+
+
+def register(subparsers: Any) -> None:
+    """Adds the ``ckpt`` command group to the top-level parser."""
+    p = subparsers.add_parser("ckpt", help="inspect, verify, clean, export and import checkpoints")
+    sub = p.add_subparsers(dest="ckpt_command", metavar="ACTION", parser_class=type(p))
+    p.set_defaults(handler=lambda a: (p.print_help(), 2)[1])
+
+    def common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("directory", help="checkpoint root: local path or fsspec URL")
+        q.add_argument("--job", default=None, help="job name (default: the only job under DIR)")
+
+    q = sub.add_parser("ls", help="list committed and incomplete steps per tier")
+    common(q)
+    q.add_argument("--shm", default=None, help="shared-memory tier root to list too (e.g. /dev/shm/trainguard)")
+    q.add_argument("--json", action="store_true", help="machine-readable output")
+    q.set_defaults(handler=_ls)
+
+    q = sub.add_parser("verify", help="check every checksum of a step (default: all committed steps)")
+    common(q)
+    q.add_argument("--step", type=int, default=None)
+    q.set_defaults(handler=_verify)
+
+    q = sub.add_parser("gc", help="keep the newest K committed steps, delete older and torn ones")
+    common(q)
+    q.add_argument("--keep", type=int, required=True, help="committed steps to keep (>= 1)")
+    q.add_argument("--shm", default=None, help="also delete this job's shared-memory arena under this root")
+    q.set_defaults(handler=_gc)
+
+    q = sub.add_parser("export", help="write a committed step in torch.distributed.checkpoint's layout")
+    common(q)
+    q.add_argument("output", help="destination directory for the DCP checkpoint")
+    q.add_argument("--step", type=int, default=None, help="step to export (default: newest committed)")
+    q.set_defaults(handler=_export)
+
+    q = sub.add_parser("import", help="import a torch.distributed.checkpoint directory as a committed step")
+    q.add_argument("source", help="DCP checkpoint directory")
+    q.add_argument("directory", help="checkpoint root (local path) to import into")
+    q.add_argument("--job", required=True, help="job name to import under")
+    q.add_argument("--step", type=int, default=None, help="step number (default: the exported step, else 0)")
+    q.set_defaults(handler=_import)
+
+
+# ---------------------------------------------------------------------- helpers
+def _store(directory: str, job: str | None) -> Any:
+    from trainguard.checkpoint.config import is_local_url, split_url
+    from trainguard.checkpoint.storage import FsspecStore, LocalStore
+
+    if job is None:
+        job = _only_job(directory)
+    if is_local_url(directory):
+        path = split_url(directory)[1]
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path} is not a directory; pass the checkpoint root")
+        return LocalStore(path, job)
+    return FsspecStore(directory, job)
+
+
+def _only_job(directory: str) -> str:
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(directory)
+        jobs = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(root, detail=False) if fs.isdir(e)]
+    except Exception as exc:
+        raise CheckpointError(f"cannot list {directory}: {exc}") from exc
+    jobs = [j for j in jobs if not j.startswith(".")]
+    if len(jobs) != 1:
+        raise CheckpointError(f"{directory} holds {len(jobs)} jobs ({', '.join(sorted(jobs)) or 'none'}); "
+                              "choose one with --job")
+    return jobs[0]
+
+
+def _bar(total: int | None, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                disable=None, leave=False)
+
+
+def _open_rank(store: Any, step: int, rank: int) -> Any:
+    import tempfile
+
+    from trainguard.checkpoint.manifest import Manifest
+    from trainguard.checkpoint.reader import RankCopy
+    from trainguard.checkpoint.storage import manifest_name
+
+    where = f"step {step} rank {rank}"
+    try:
+        raw = store.read_small(step, manifest_name(rank))
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"{where}: manifest is missing") from exc
+    man = Manifest.from_json(raw, f"{where} manifest")
+    path = store.local_data_path(step, rank)
+    if path is not None:
+        return RankCopy(man, path, where)
+    fd, tmp = tempfile.mkstemp(suffix=".data")
+    os.close(fd)
+    try:
+        store.fetch_data(step, rank, tmp)
+        return RankCopy(man, tmp, where)
+    finally:
+        os.unlink(tmp)
+
+
+# ---------------------------------------------------------------------- handlers
+def _ls(args: argparse.Namespace) -> int:
+    store = _store(args.directory, args.job)
+    job = store.job_dir.rstrip("/").rsplit("/", 1)[-1]
+    rows = []
+    for step in store.list_steps():
+        complete, ws = store.is_complete(step)
+        marks = store.markers(step)
+        rows.append({"step": step, "tier": store.tier, "complete": complete, "world_size": ws or None,
+                     "ranks_committed": sorted(marks)})
+    if args.shm:
+        from trainguard.checkpoint.arena import memory_manifests
+
+        for step, ranks in sorted(memory_manifests(args.shm, job).items()):
+            wss = {m.world_size for _, m in ranks.values()}
+            ws = wss.pop() if len(wss) == 1 else 0
+            rows.append({"step": step, "tier": "memory", "complete": bool(ws) and all(r in ranks for r in range(ws)),
+                         "world_size": ws or None, "ranks_committed": sorted(ranks)})
+    record = store.record()
+    if args.json:
+        print(json.dumps({"job": job, "location": store.describe(), "record": record, "steps": rows}, indent=2))
+        return 0
+    print(f"job {job} at {store.describe()}; newest committed (record): "
+          f"{record['step'] if record else 'none'}")
+    print(f"{'STEP':>12}  {'TIER':<7} {'STATE':<10} {'WORLD':>5}  RANKS")
+    for r in sorted(rows, key=lambda r: (r["step"], r["tier"])):
+        state = "committed" if r["complete"] else "incomplete"
+        print(f"{r['step']:>12}  {r['tier']:<7} {state:<10} {r['world_size'] or '?':>5}  "
+              f"{len(r['ranks_committed'])} committed")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    store = _store(args.directory, args.job)
+    committed = dict(store.committed_steps())
+    steps = [args.step] if args.step is not None else sorted(committed)
+    if not steps:
+        raise NoCheckpointError(f"no committed step in {store.describe()}")
+    bad = 0
+    for step in steps:
+        ws = committed.get(step)
+        if ws is None:
+            print(f"step {step}: NOT COMMITTED (some rank's commit marker is missing)")
+            bad += 1
+            continue
+        for rank in range(ws):
+            try:
+                with _open_rank(store, step, rank) as copy:
+                    with _bar(copy.manifest.data_bytes, f"verify step {step} rank {rank}") as bar:
+                        copy.verify(bar.update)
+                print(f"step {step} rank {rank}: OK ({copy.manifest.data_bytes} bytes, "
+                      f"{len(copy.manifest.tensors)} tensors)")
+            except (CorruptCheckpointError, OSError) as exc:
+                print(f"step {step} rank {rank}: CORRUPT: {exc}")
+                bad += 1
+    return 1 if bad else 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    if args.keep < 1:
+        raise CheckpointError("--keep must be >= 1")
+    store = _store(args.directory, args.job)
+    removed = store.retain(args.keep)
+    complete = {s for s, _ in store.committed_steps()}
+    newest = max(complete) if complete else -1
+    # Torn leftovers older than the newest commit (a crashed save) go too; newer ones may still be in progress.
+    for s in store.list_steps():
+        if s not in complete and s < newest:
+            store.remove_step(s)
+            removed.append(s)
+    print(f"removed {len(removed)} step(s): {sorted(set(removed))}" if removed else "nothing to remove")
+    if args.shm:
+        from trainguard.checkpoint.arena import remove_job
+
+        remove_job(args.shm, store.job_dir.rstrip("/").rsplit("/", 1)[-1])
+        print(f"removed the shared-memory arena under {args.shm}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from trainguard.checkpoint.config import is_local_url, split_url
+    from trainguard.checkpoint.dcp import export_step
+
+    if not is_local_url(args.directory):
+        raise CheckpointError("export reads the local disk tier; pass a local checkpoint root")
+    root = split_url(args.directory)[1]
+    job = args.job or _only_job(root)
+    bar = _bar(None, "verify+export")  # type: ignore[arg-type]
+    try:
+        step = export_step(root, job, args.step, args.output, bar.update)
+    finally:
+        bar.close()
+    print(f"exported step {step} of job {job} to {args.output} (torch.distributed.checkpoint layout)")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from trainguard.checkpoint.config import is_local_url, split_url
+    from trainguard.checkpoint.dcp import import_dcp
+
+    if not is_local_url(args.directory):
+        raise CheckpointError("import writes the local disk tier; pass a local checkpoint root")
+    from tqdm import tqdm
+
+    with tqdm(total=1, desc="import", file=sys.stderr, disable=None, leave=False) as bar:
+        step = import_dcp(args.source, split_url(args.directory)[1], args.job, args.step)
+        bar.update(1)
+    print(f"imported {args.source} as step {step} of job {args.job}")
+    return 0

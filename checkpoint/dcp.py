@@ -1,0 +1,213 @@
+"""Interop with ``torch.distributed.checkpoint`` (DCP): export a committed step to DCP's layout, import from it.
+
+Export writes, with DCP's own ``FileSystemWriter``, the decoded state of every rank (under ``rank<N>.`` prefixes
+when ranks hold different states, unprefixed when there is one rank or the state is replicated), plus a small
+``_trainguard`` entry holding our JSON trees so an exported step imports back exactly. Any DCP user can load it
+with ``dcp.load``.
+
+Import reads DCP's ``.metadata`` through a restricted unpickler that only admits DCP's metadata classes,
+``torch.Size`` and dtypes, and non-tensor items with ``torch.load(weights_only=True)``; a checkpoint needing
+anything else is refused rather than unpickled.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from typing import Any, Callable
+
+import torch
+
+from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from trainguard.checkpoint.manifest import Manifest
+from trainguard.checkpoint.reader import RankCopy
+from trainguard.checkpoint.storage import LocalStore, manifest_name
+from trainguard.checkpoint.tree import capture, decode
+from trainguard.checkpoint.writer import write_rank_step
+
+META_KEY = "_trainguard"
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.",)
+_ALLOWED = {("torch", "Size"), ("pathlib", "PosixPath"), ("torch.serialization", "_get_layout"),
+            ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(_ALLOWED_MODULES) or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CorruptCheckpointError(f"DCP metadata references {module}.{name}, which import refuses to unpickle")
+
+
+def _reader_and_planner(path: str) -> tuple[Any, Any]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with open(os.path.join(path, ".metadata"), "rb") as f:
+                md = _SafeUnpickler(f).load()
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    class SafePlanner(DefaultLoadPlanner):
+        # dcp.load does not hand replaced non-tensor values back to the caller's dict; keep them here.
+        loaded: dict[str, Any] = {}
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as exc:
+                raise CorruptCheckpointError(f"item {read_item.dest_index.fqn} needs unsafe unpickling "
+                                             f"({exc!s:.120}); import refuses it") from exc
+            self.loaded[read_item.dest_index.fqn] = obj
+
+    return SafeReader(path), SafePlanner(flatten_state_dict=False)
+
+
+def _quiet_dcp() -> Any:
+    import warnings
+
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.simplefilter("ignore")
+    return ctx
+
+
+def export_step(root: str, job: str, step: int | None, out_dir: str,
+                progress: Callable[[int], None] | None = None) -> int:
+    """Exports a committed step of the disk tier to a DCP checkpoint directory.
+
+    Args:
+        root: disk tier directory; job: job name.
+        step: the step (None: the newest committed).
+        out_dir: destination directory (created).
+        progress: called with a byte count as data is verified.
+
+    Returns:
+        The exported step.
+
+    Raises:
+        NoCheckpointError: no such committed step. CorruptCheckpointError: a copy fails verification.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    store = LocalStore(root, job)
+    committed = dict(store.committed_steps())
+    if not committed:
+        raise NoCheckpointError(f"no committed step in {store.describe()}; nothing to export")
+    step = max(committed) if step is None else step
+    if step not in committed:
+        raise NoCheckpointError(f"step {step} is not committed in {store.describe()}; see `trainguard ckpt ls`")
+    ws = committed[step]
+    copies = []
+    try:
+        state: dict[str, Any] = {}
+        meta: dict[str, Any] = {"step": step, "world_size": ws, "ranks": {}}
+        man0 = Manifest.from_json(store.read_small(step, manifest_name(0)), "rank 0 manifest")
+        ranks = [0] if (ws == 1 or man0.replicated) else list(range(ws))
+        for r in ranks:
+            man = man0 if r == 0 else Manifest.from_json(store.read_small(step, manifest_name(r)), f"rank {r}")
+            copy = RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}")
+            copies.append(copy)
+            copy.verify(progress)
+            decoded = decode(man.tree, lambda i, _t, c=copy: c.tensor(i), None)
+            prefix = "" if len(ranks) == 1 else f"rank{r}"
+            if prefix:
+                state[prefix] = decoded
+            else:
+                state.update(decoded)
+            meta["ranks"][str(r)] = {"prefix": prefix, "tree": man.tree, "keys": [e.key for e in man.tensors],
+                                     "replicated": man.replicated}
+        if META_KEY in state:
+            raise CheckpointError(f"the state has a top-level key {META_KEY!r}, reserved for export metadata")
+        state[META_KEY] = json.dumps(meta)
+        os.makedirs(out_dir, exist_ok=True)
+        ctx = _quiet_dcp()
+        try:
+            dcp.save(state, checkpoint_id=out_dir)
+        finally:
+            ctx.__exit__(None, None, None)
+    finally:
+        for c in copies:
+            c.close()
+    return step
+
+
+def _flat_fqns(prefix: str, tree: Any, keys: list[str]) -> list[str]:
+    return [f"{prefix}.{k}" if prefix else k for k in keys]
+
+
+def import_dcp(src_dir: str, root: str, job: str, step: int | None = None) -> int:
+    """Imports a DCP checkpoint directory as a committed step of the disk tier.
+
+    A checkpoint exported by :func:`export_step` comes back exactly (same ranks, trees, step); any other DCP
+    checkpoint becomes rank 0 of a one-rank step (nested as DCP's planner data describes).
+
+    Args:
+        src_dir: DCP checkpoint directory.
+        root: disk tier directory; job: job name.
+        step: step number to store it as (default: the exported step, else 0).
+
+    Returns:
+        The step written.
+
+    Raises:
+        CorruptCheckpointError: metadata that would need unsafe unpickling, or unreadable files.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    if not os.path.isfile(os.path.join(src_dir, ".metadata")):
+        raise CheckpointError(f"{src_dir} is not a torch.distributed.checkpoint directory (no .metadata file)")
+    reader, planner = _reader_and_planner(src_dir)
+    md = reader.read_metadata()
+    flat: dict[str, Any] = {}
+    for fqn, sm in md.state_dict_metadata.items():
+        if isinstance(sm, TensorStorageMetadata):
+            flat[fqn] = torch.empty(tuple(sm.size), dtype=sm.properties.dtype)
+        elif isinstance(sm, BytesStorageMetadata):
+            flat[fqn] = None
+    reader, planner = _reader_and_planner(src_dir)
+    planner.loaded = {}
+    ctx = _quiet_dcp()
+    try:
+        dcp.load(flat, storage_reader=reader, planner=planner)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(f"cannot import {src_dir}: {exc}") from exc
+    finally:
+        ctx.__exit__(None, None, None)
+    flat.update(planner.loaded)
+    store = LocalStore(root, job)
+    meta_raw = flat.get(META_KEY)
+    if isinstance(meta_raw, str):
+        meta = json.loads(meta_raw)
+        step = int(meta["step"]) if step is None else step
+        ws = int(meta["world_size"])
+        for r_str, rm in meta["ranks"].items():
+            fqns = _flat_fqns(rm["prefix"], rm["tree"], rm["keys"])
+            missing = [f for f in fqns if f not in flat]
+            if missing:
+                raise CorruptCheckpointError(f"{src_dir} lacks tensors {missing[:3]} listed in its trainguard entry")
+            tensors = [(k, flat[f]) for k, f in zip(rm["keys"], fqns)]
+            ranks = range(ws) if len(meta["ranks"]) == 1 and ws > 1 else [int(r_str)]
+            for r in ranks:
+                write_rank_step(store, step, r, ws, rm["tree"], tensors, replicated=bool(rm.get("replicated")))
+        return step
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    flat.pop(META_KEY, None)
+    mappings = md.planner_data if isinstance(md.planner_data, dict) else {k: (k,) for k in flat}
+    nested = unflatten_state_dict(flat, {k: v for k, v in mappings.items() if k in flat})
+    cap = capture(nested)
+    step = 0 if step is None else step
+    write_rank_step(store, step, 0, 1, cap.tree, [(c.key, c.tensor) for c in cap.tensors])
+    return step

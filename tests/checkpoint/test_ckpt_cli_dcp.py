@@ -1,0 +1,98 @@
+"""`trainguard ckpt ls/verify/gc/export/import` as real subprocesses, and DCP interop both ways."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import torch
+from ckpt_helpers import assert_same, flat, small_model
+
+from trainguard.checkpoint import CheckpointConfig, Checkpointer
+from trainguard.checkpoint.storage import data_name, step_dirname
+from trainguard.cli import main
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """Runs the real CLI entry point in-process (a subprocess per call costs seconds of imports on 2 cores)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["ckpt", *args])
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+
+
+def _inline(tmp_path, **kw) -> CheckpointConfig:
+    return CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False},
+                            persist={"service": "inline"}, **kw)
+
+
+def test_cli_ls_verify_detects_flip_gc(tmp_path):
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        for s in range(1, 5):
+            ck.save({"w": torch.full((5000,), float(s))}, s)
+    root = str(tmp_path / "ck")
+    out = _cli("ls", root, "--json")
+    assert out.returncode == 0, out.stderr
+    listing = json.loads(out.stdout)
+    assert [r["step"] for r in listing["steps"] if r["complete"]] == [2, 3, 4] and listing["record"]["step"] == 4
+    ok = _cli("verify", root)
+    assert ok.returncode == 0 and ok.stdout.count(": OK") == 3
+    path = tmp_path / "ck" / "j" / step_dirname(3) / data_name(0)
+    raw = bytearray(path.read_bytes())
+    raw[17] ^= 1
+    path.write_bytes(bytes(raw))
+    bad = _cli("verify", root)
+    assert bad.returncode == 1 and "step 3 rank 0: CORRUPT" in bad.stdout and "checksum" in bad.stdout
+    gc = _cli("gc", root, "--keep", "1")
+    assert gc.returncode == 0 and sorted(os.listdir(tmp_path / "ck" / "j")) == ["COMMITTED.json", step_dirname(4)]
+    err = subprocess.run([sys.executable, "-m", "trainguard.cli", "ckpt", "verify", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=120)
+    assert err.returncode == 2 and err.stderr.count("\n") == 1 and "trainguard: error:" in err.stderr
+
+
+def test_export_to_dcp_loads_with_dcp_and_imports_back(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    m, opt = small_model(0)
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        ck.save({"model": m, "optim": opt, "meta": {"epoch": 2, "name": "x"}}, 9)
+    out = _cli("export", str(tmp_path / "ck"), str(tmp_path / "dcp"))
+    assert out.returncode == 0, out.stderr
+    target = {"model": small_model(1)[0].state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
+    for k, v in m.state_dict().items():
+        assert torch.equal(target["model"][k], v), k
+    imp = _cli("import", str(tmp_path / "dcp"), str(tmp_path / "ck2"), "--job", "k")
+    assert imp.returncode == 0 and "as step 9" in imp.stdout, imp.stderr
+    m2, opt2 = small_model(2)
+    state = {"model": m2, "optim": opt2, "meta": None}
+    cfg2 = CheckpointConfig(directory=str(tmp_path / "ck2"), memory={"enabled": False}, persist={"service": "inline"})
+    with Checkpointer(cfg2, job="k") as ck:
+        assert ck.restore(state) == 9
+    assert_same(flat(m2, opt2), flat(m, opt)) and state["meta"] == {"epoch": 2, "name": "x"}
+
+
+def test_import_foreign_dcp_checkpoint(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from trainguard.checkpoint.dcp import import_dcp
+
+    m, _ = small_model(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": m.state_dict(), "epoch": 4}, checkpoint_id=str(tmp_path / "foreign"))
+    assert import_dcp(str(tmp_path / "foreign"), str(tmp_path / "ck"), "f", step=4) == 4
+    m2, _ = small_model(4)
+    state = {"model": m2, "epoch": 0}
+    with Checkpointer(_inline(tmp_path), job="f") as ck:
+        assert ck.restore(state) == 4
+    assert state["epoch"] == 4
+    for k, v in m.state_dict().items():
+        assert torch.equal(m2.state_dict()[k], v), k
