@@ -156,6 +156,8 @@ class DetectorRunner:
     def run_once(self) -> list[HealthEvent]:
         """Samples every detector once, now, in the caller's thread (``trainguard detect``, tests).
 
+        Not to be called while the runner is started: a detector is sampled from one thread at a time.
+
         Returns:
             The events raised (also passed to ``on_event``).
         """
@@ -268,6 +270,7 @@ class DetectorRunner:
             log.exception("on_event callback failed for %s", event.kind)
 
     def _listen_loop(self, det: ListeningDetector) -> None:
+        last_error = ""
         while not self._stop.is_set():
             try:
                 det.listen(self._emit)
@@ -275,10 +278,13 @@ class DetectorRunner:
             except Exception as exc:  # noqa: BLE001
                 if self._stop.is_set():
                     return
-                log.warning("listener of detector %s failed: %s; retrying in %.0f s", det.name, exc, LISTENER_RETRY_S)
-                err = DetectorReadError(det.name, f"listener failed: {type(exc).__name__}: {exc}")
-                for ev in self._error_events(det.name, [err]):
-                    self._emit(ev)
-                with self._lock:
-                    self._errors[det.name].discard(str(err))
+                reason = f"listener failed: {type(exc).__name__}: {exc}"
+                log.warning("detector %s: %s; retrying in %.0f s", det.name, reason, LISTENER_RETRY_S)
+                if reason != last_error:  # one event per distinct failure, not one per retry
+                    last_error = reason
+                    self._emit(HealthEvent(
+                        source=det.name, kind=DETECTOR_ERROR_KIND, severity=Severity.WARNING, action=Action.WATCH,
+                        message=f"detector {det.name} cannot listen for events: {reason}", subject=det.name,
+                        evidence={"path": det.name, "reason": reason},
+                    ))
                 self._stop.wait(LISTENER_RETRY_S)
