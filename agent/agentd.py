@@ -135,6 +135,7 @@ class AgentDaemon:
         self._status_line = ""
         self._started_at = time.monotonic()
         self._stopped = False
+        self._last_generation = -1
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -161,6 +162,9 @@ class AgentDaemon:
                            socket_path=config.grpc.socket or None, stop_grace_s=config.agent.stop_grace_s)
             )
             self.node.bus = EventBus(recent=config.detectors.recent_events)
+            # Count every event on the bus (detectors, workers, the agent itself), whoever published it.
+            metrics = self.metrics
+            self.node.bus.add_callback(lambda e: metrics.count_event(e.source, e.kind, e.severity.name))
             self.node.predictor_threshold = config.predictor.threshold
             self.metrics.set_predictor(self.node.predictor_score, config.predictor.threshold)
             if config.metrics.listen:
@@ -271,8 +275,6 @@ class AgentDaemon:
             event = event.with_node(self.config.agent.node_id)
         if self.node is not None:
             self.node.bus.publish(event)
-        if self.metrics is not None:
-            self.metrics.count_event(event.source, event.kind, event.severity.name)
 
     def detector_statuses(self) -> list:
         """The detector runner's statuses (empty without detectors)."""
@@ -287,6 +289,12 @@ class AgentDaemon:
             self.metrics.set_worker_states(w.state.name for w in (group.workers if group is not None else []))
             if self.node is not None:
                 self.metrics.set_predictor(self.node.predictor_score, self.node.predictor_threshold)
+                # Each generation after the first is a restart of the worker group.
+                generation = self.node.generation
+                if generation > self._last_generation >= 0:
+                    for _ in range(generation - self._last_generation):
+                        self.metrics.count_worker_restart()
+                self._last_generation = max(self._last_generation, generation)
         from trainguard.detectors.base import DetectorState
 
         bad = (DetectorState.FAILED, DetectorState.ERROR)
@@ -471,7 +479,8 @@ class AgentDaemon:
 
 
 class _DaemonService(NodeAgentService):
-    """The node service with the daemon's detector states added to ``GetHealth``."""
+    """The node service with the daemon's detector states added to ``GetHealth`` and checkpoint reports
+    recorded in the metrics."""
 
     def __init__(self, daemon: AgentDaemon) -> None:
         super().__init__(daemon.node)
@@ -486,6 +495,13 @@ class _DaemonService(NodeAgentService):
                 health.detectors.add(name="detectors", state=agent_pb2.DETECTOR_STATE_ERROR,
                                      detail=self._daemon.detector_gap)
         return health
+
+    def ReportCheckpoint(self, request, context):  # noqa: N802 (gRPC naming)
+        reply = super().ReportCheckpoint(request, context)
+        if self._daemon.metrics is not None:
+            self._daemon.metrics.observe_checkpoint(request.tier, request.bytes, request.stall_s, request.persist_s,
+                                                    request.step)
+        return reply
 
 
 def config_loader(

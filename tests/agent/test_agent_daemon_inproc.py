@@ -1,0 +1,93 @@
+"""The daemon in-process: watchdog pings stop when the gRPC server is wedged; metrics see real calls."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from trainguard.agent.agentd import AgentDaemon, config_loader
+from trainguard.agent.sdnotify import SystemdNotifier, Watchdog
+from trainguard.proto import agent_pb2, agent_pb2_grpc
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logger():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def recv_until(sock: socket.socket, key: str, timeout: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            msg = sock.recv(4096).decode()
+        except socket.timeout:
+            break
+        if f"{key}=" in msg:
+            return msg
+    raise AssertionError(f"no {key} within {timeout}s")
+
+
+def test_watchdog_withheld_when_server_wedged_and_metrics_count_calls(tmp_path):
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[metrics]\nlisten = "127.0.0.1:0"\n[detectors]\nroot = "{tmp_path / "fake"}"\n'
+                      '[agent]\nloop_interval_s = 0.1\n')
+    sock_path = tmp_path / "agent.sock"
+    notifier = SystemdNotifier(str(tmp_path / "notify.sock"))
+    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")), notifier)
+    daemon.watchdog = Watchdog(notifier, 0.4)  # a keep-alive due every 0.2 s
+    daemon.start()
+    loop = threading.Thread(target=daemon.run)
+    loop.start()
+    try:
+        recv_until(notify, "READY")
+        recv_until(notify, "WATCHDOG", 5)
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            stub.ReportCheckpoint(agent_pb2.CheckpointReport(rank=0, step=7, tier="disk", bytes=1 << 20,
+                                                             stall_s=0.1, persist_s=0.5), timeout=5)
+            stub.GetHealth(agent_pb2.GetHealthRequest(), timeout=5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon._metrics_server.port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert "trainguard_checkpoint_last_step 7.0" in text
+        assert 'trainguard_checkpoint_size_bytes_count{tier="disk"} 1.0' in text
+        assert 'trainguard_grpc_requests_total{code="OK",method="GetHealth"} 1.0' in text
+        assert 'trainguard_health_events_total{kind="agent.started",severity="info",source="agent"} 1.0' in text
+        assert "trainguard_watchdog_pings_total" in text
+        # Wedge the gRPC server behind the daemon's back: its self-check fails, so keep-alives stop.
+        daemon._server.stop(None)
+        time.sleep(0.5)  # a ping already on its way may still arrive
+        notify.setblocking(False)
+        try:
+            while notify.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        notify.settimeout(2.0)
+        deadline = time.monotonic() + 2.0
+        seen = []
+        while time.monotonic() < deadline:
+            try:
+                seen.append(notify.recv(4096).decode())
+            except socket.timeout:
+                break
+        assert not [m for m in seen if "WATCHDOG=1" in m], seen
+    finally:
+        daemon.request_stop()
+        loop.join(30)
+        notify.close()
+    assert not loop.is_alive()
+    assert not sock_path.exists()
