@@ -9,7 +9,9 @@ A worker is **hung** when no step heartbeat arrived for longer than its bound::
     bound = startup_grace_s, counted from started_at                       before it
 
 It is then reported once (``process.hung``, with the worker's stacks in the evidence, see
-:mod:`trainguard.detectors.stackdump`) and cleared when heartbeats resume. An ended worker is reported once: from
+:mod:`trainguard.detectors.stackdump`) and cleared when heartbeats resume. The dump is taken in a helper thread
+and the event leaves with the first sample after it completes (at most ``stack_timeout_s`` later), so a slow dump
+never delays the exit reports of the other workers. An ended worker is reported once: from
 ``returncode`` when the agent reaped it, else from the exit status a zombie leaves in ``/proc/<pid>/stat``.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -179,6 +182,28 @@ def wait_status_to_returncode(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
+class _PendingDump:
+    """A hung worker's stack dump, taken in a helper thread; the hang event waits for it."""
+
+    def __init__(self, message: str, evidence: dict[str, object]) -> None:
+        self.message = message
+        self.evidence = evidence
+        self._thread: threading.Thread | None = None
+
+    def start(self, pid: int, config: "ProcessConfig") -> None:
+        def run() -> None:
+            dump = dump_stack(pid, directory=config.stack_dir or None, signum=STACK_DUMP_SIGNAL,
+                              timeout_s=config.stack_timeout_s, proc_root=config.path("/proc"))
+            self.evidence["stack_method"] = dump.method
+            self.evidence["stack"] = dump.text
+
+        self._thread = threading.Thread(target=run, name=f"trainguard-stackdump-{pid}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+
 @register_detector
 class ProcessDetector(Detector):
     """Watches the local training workers the agent supervises."""
@@ -201,6 +226,7 @@ class ProcessDetector(Detector):
         self._ended: set[tuple[int, int]] = set()
         self._rss: dict[int, collections.deque[tuple[float, int]]] = {}
         self._d_since: dict[tuple[int, int], float] = {}
+        self._dumps: dict[str, _PendingDump] = {}
         self._d_checked = 0.0
 
     def attach(self, worker_view: WorkerView | None) -> None:
@@ -327,27 +353,42 @@ class ProcessDetector(Detector):
         # An ended worker is not also hung or leaking; drop its open conditions silently.
         for key in [k for k in self._active if k.endswith(f"/{w.pid}")]:
             del self._active[key]
+        for key in [k for k in self._dumps if k.endswith(f"/{w.pid}")]:
+            del self._dumps[key]
 
     def _check_hang(self, s: Sample, w: WorkerSnapshot, age: float, bound: float) -> None:
         key = f"hung/{w.rank}/{w.pid}"
         hung = age > bound
-        evidence: dict[str, object] = {}
-        if hung and key not in self._active:
-            evidence = {
+        phase = "before its first step" if w.last_heartbeat is None else f"after step {w.last_step}"
+        message = (f"worker rank {w.rank} (pid {w.pid}) sent no step heartbeat for {age:.1f} s {phase} "
+                   f"(bound {bound:.1f} s)")
+        if not hung:
+            self._dumps.pop(key, None)  # heartbeats resumed before the dump finished: a transient, no event
+            self.condition(s, key, False, "process.hung", Severity.ERROR, Action.RESTART_PROCESS, message,
+                           f"rank:{w.rank}")
+            return
+        if key in self._active:
+            s.worsen(DetectorState.FAILED, message)
+            return
+        pending = self._dumps.get(key)
+        if pending is None:
+            evidence: dict[str, object] = {
                 "rank": w.rank, "pid": w.pid, "last_step": w.last_step, "silent_s": f"{age:.3f}",
                 "bound_s": f"{bound:.3f}",
                 "max_step_time_s": f"{max(w.recent_step_times):.3f}" if w.recent_step_times else "",
             }
+            pending = _PendingDump(message, evidence)
             if self.config.stack_dump:
-                dump = dump_stack(w.pid, directory=self.config.stack_dir or None, signum=STACK_DUMP_SIGNAL,
-                                  timeout_s=self.config.stack_timeout_s,
-                                  proc_root=self.config.path("/proc"))
-                evidence["stack_method"] = dump.method
-                evidence["stack"] = dump.text
-        phase = "before its first step" if w.last_heartbeat is None else f"after step {w.last_step}"
-        self.condition(s, key, hung, "process.hung", Severity.ERROR, Action.RESTART_PROCESS,
-                       f"worker rank {w.rank} (pid {w.pid}) sent no step heartbeat for {age:.1f} s {phase} "
-                       f"(bound {bound:.1f} s)", f"rank:{w.rank}", evidence)
+                # Dumping takes up to stack_timeout_s (py-spy, or waiting for the worker's file); do it aside so
+                # that the other workers' exits are still reported within one interval.
+                pending.start(w.pid, self.config)
+            self._dumps[key] = pending
+        s.worsen(DetectorState.FAILED, message)
+        if not pending.done():
+            return
+        del self._dumps[key]
+        self.condition(s, key, True, "process.hung", Severity.ERROR, Action.RESTART_PROCESS, pending.message,
+                       f"rank:{w.rank}", pending.evidence)
 
     def _check_memory(self, s: Sample, w: WorkerSnapshot, rss: int, now: float) -> None:
         window = self._rss.setdefault(w.pid, collections.deque())

@@ -115,6 +115,7 @@ class RoceDetector(ListeningDetector):
         self._watcher: LinkWatcher | None = None
         self._stopping = False
         self._listening = False
+        self._auto: tuple[str, ...] | None = None
 
     # -- which interfaces -------------------------------------------------------------------------------------
 
@@ -128,7 +129,12 @@ class RoceDetector(ListeningDetector):
         return sorted({n for dev in list_dir(ib) for n in list_dir(os.path.join(ib, dev, "device", "net"))})
 
     def _patterns(self) -> tuple[str, ...]:
-        return self.config.interfaces or tuple(self.rdma_netdevs())
+        # The RDMA netdevs are listed once per sample, not on every netlink message.
+        if self.config.interfaces:
+            return self.config.interfaces
+        if self._auto is None:
+            self._auto = tuple(self.rdma_netdevs())
+        return self._auto
 
     def watched(self, ifname: str) -> bool:
         """Whether ``ifname`` is one of the watched interfaces.
@@ -258,6 +264,7 @@ class RoceDetector(ListeningDetector):
             Link and counter metrics, counter-threshold and port-state events.
         """
         s = Sample()
+        self._auto = None
         patterns = self._patterns()
         ib_root = self.config.path("/sys/class/infiniband")
         ib_devs = list_dir(ib_root) if self.config.rdma else []

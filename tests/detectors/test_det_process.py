@@ -267,3 +267,34 @@ def test_d_state_thread_reported_with_fake_proc(tmp_path) -> None:
     assert [e.kind for e in s.events] == ["process.uninterruptible"]
     assert s.events[0].evidence["tids"] == "4250"
     assert s.events[0].evidence["wchan.4250"] == "nfs_wait_on_request"
+
+
+def test_slow_stack_dump_does_not_delay_another_workers_kill_report(tmp_path) -> None:
+    # Rank 0 catches the dump signal but never writes a dump: the dump waits its full timeout (3 s).
+    silent = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
+                               "signal.signal(signal.SIGUSR2, lambda *a: None)\nprint('ready', flush=True)\n"
+                               "time.sleep(3600)"], stdout=subprocess.PIPE, text=True)
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    try:
+        assert silent.stdout.readline().strip() == "ready"
+        t0 = time.monotonic()
+
+        class View:
+            def workers(self):
+                return [WorkerSnapshot(rank=0, pid=silent.pid, started_at=t0 - 10),
+                        WorkerSnapshot(rank=1, pid=victim.pid, started_at=t0, returncode=victim.poll())]
+
+        q: queue.Queue[HealthEvent] = queue.Queue()
+        cfg = ProcessConfig(interval_s=0.1, startup_grace_s=5.0, stack_timeout_s=3.0, stack_dir=str(tmp_path))
+        with DetectorRunner([ProcessDetector(cfg, worker_view=View())], on_event=q.put):
+            time.sleep(0.3)  # rank 0 is past its grace: its dump has started
+            killed_at = time.monotonic()
+            victim.kill()
+            wait_for(q, "process.killed", 5.0)
+            assert time.monotonic() - killed_at < 1.0
+            hung = wait_for(q, "process.hung", 10.0)
+        assert hung.evidence["stack_method"] == "none" and "did not write" in hung.evidence["stack"]
+    finally:
+        for p in (silent, victim):
+            p.kill()
+            p.wait()
