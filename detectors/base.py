@@ -415,7 +415,9 @@ def detector_class(name: str) -> type[Detector]:
         raise DetectorConfigError(f"unknown detector {name!r}; known detectors: {sorted(_REGISTRY)}") from None
 
 
-def make_config(name: str, data: Mapping[str, Any] | DetectorConfig | None = None, root: str | None = None) -> DetectorConfig:
+def make_config(
+    name: str, data: Mapping[str, Any] | DetectorConfig | None = None, root: str | None = None
+) -> DetectorConfig:
     """Builds the typed config of detector ``name``.
 
     Args:

@@ -181,7 +181,8 @@ class NvmlBackend:
             pci = nv.nvmlDeviceGetPciInfo(h).busId
             corr, unc = nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
             remap = self._try(nv.nvmlDeviceGetRemappedRows, h)
-            sbe = self._try(nv.nvmlDeviceGetRetiredPages, h, nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
+            sbe = self._try(nv.nvmlDeviceGetRetiredPages, h,
+                            nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
             dbe = self._try(nv.nvmlDeviceGetRetiredPages, h, nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
             links: dict[int, NvlinkReading] = {}
             if nvlink:

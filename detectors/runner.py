@@ -92,7 +92,9 @@ class DetectorRunner:
         self._detectors = list(detectors)
         self._on_event = on_event
         self._lock = threading.Lock()
-        self._statuses: dict[str, DetectorStatus] = {d.name: DetectorStatus(d.name, DetectorState.OK) for d in detectors}
+        self._statuses: dict[str, DetectorStatus] = {
+            d.name: DetectorStatus(d.name, DetectorState.OK) for d in detectors
+        }
         self._errors: dict[str, set[str]] = {d.name: set() for d in detectors}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []

@@ -118,7 +118,8 @@ def test_on_event_exceptions_do_not_stop_detection() -> None:
 
 
 def ours() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("trainguard-") and "stackdump" not in t.name)
+    return sorted(t.name for t in threading.enumerate()
+                  if t.name.startswith("trainguard-") and "stackdump" not in t.name)
 
 
 def test_start_stop_idempotent_and_threads_joined() -> None:

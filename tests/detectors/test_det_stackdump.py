@@ -1,0 +1,71 @@
+"""Stack dumps: the worker-side handler, the signal safety check, and the dump file protocol."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from trainguard.detectors.stackdump import (
+    STACK_DUMP_SIGNAL,
+    catches_signal,
+    dump_stack,
+    install_stack_dump_handler,
+    stack_dump_path,
+)
+
+WORKER = """
+import sys, time
+from trainguard.detectors.stackdump import install_stack_dump_handler
+print(install_stack_dump_handler(sys.argv[1]), flush=True)
+def deep_inside_allreduce():
+    time.sleep(3600)
+deep_inside_allreduce()
+"""
+
+
+def test_dump_from_a_worker_with_the_handler(tmp_path) -> None:
+    p = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        path = p.stdout.readline().strip()
+        assert path == stack_dump_path(p.pid, str(tmp_path))
+        time.sleep(0.1)
+        assert catches_signal(p.pid, STACK_DUMP_SIGNAL)
+        first = dump_stack(p.pid, directory=str(tmp_path), use_py_spy=False)
+        second = dump_stack(p.pid, directory=str(tmp_path), use_py_spy=False)
+        assert first.method == "faulthandler" and "deep_inside_allreduce" in first.text
+        assert second.text.count("deep_inside_allreduce") == 1  # only the new dump, not the file's history
+        assert p.poll() is None  # the worker lives on
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_worker_without_handler_is_never_signalled(tmp_path) -> None:
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    try:
+        time.sleep(0.2)
+        assert not catches_signal(p.pid, STACK_DUMP_SIGNAL)
+        dump = dump_stack(p.pid, directory=str(tmp_path), use_py_spy=False)
+        assert dump.method == "none" and "install_stack_dump_handler" in dump.text
+        time.sleep(0.2)
+        assert p.poll() is None, "SIGUSR2's default action would have killed it"
+    finally:
+        p.kill()
+        p.wait()
+    assert dump_stack(p.pid, use_py_spy=False).method == "none"  # gone: no crash
+
+
+def test_install_in_this_process(tmp_path) -> None:
+    import faulthandler
+    import os
+
+    path = install_stack_dump_handler(str(tmp_path))
+    try:
+        assert catches_signal(os.getpid(), STACK_DUMP_SIGNAL)
+        signal.raise_signal(STACK_DUMP_SIGNAL)  # dumps this test's own stack into the file
+        with open(path, encoding="utf-8") as f:
+            assert "test_install_in_this_process" in f.read()
+    finally:
+        faulthandler.unregister(STACK_DUMP_SIGNAL)
