@@ -179,3 +179,19 @@ def test_ascend_absent_failing_and_truncated(tmp_path) -> None:
         parse_npu_smi_info("\n".join(truncated))
     with pytest.raises(DetectorReadError, match="header"):
         parse_npu_smi_info("command not found")
+
+
+def test_nvml_backend_uses_only_names_the_installed_bindings_have() -> None:
+    """Without a GPU here, at least hold the NVML adapter to the real nvidia-ml-py API names."""
+    import re
+
+    pynvml = pytest.importorskip("pynvml")
+    import trainguard.detectors.nvidia as nvidia
+
+    with open(nvidia.__file__, encoding="utf-8") as f:
+        source = f.read()
+    used = set(re.findall(r"\bnv\.(\w+)", source)) | set(re.findall(r"pynvml\.(\w+)", source))
+    optional = {"nvmlDeviceGetCurrentClocksEventReasons"}  # looked up with getattr, with a fallback
+    missing = sorted(n for n in used - optional if not hasattr(pynvml, n))
+    assert not missing, f"names not in nvidia-ml-py {getattr(pynvml, '__version__', '')}: {missing}"
+    assert len(used) > 25
