@@ -1,4 +1,4 @@
-"""Host detector: CPU load, memory headroom and memory pressure (PSI).
+"""Host detector: CPU load, memory headroom and pressure stall information (PSI) for memory, CPU and I/O.
 
 CPU utilisation comes from psutil; memory from ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``, in kB) and
 pressure from ``/proc/pressure/memory`` (``some``/``full`` lines of ``avg10=... avg60=... avg300=... total=...``,
@@ -54,14 +54,15 @@ class HostConfig(DetectorConfig):
         interval_s: seconds between samples. Default 5.0.
         mem_available_min_pct: available memory below this percentage of the total is reported. Default 5.0.
         psi_full_avg10_pct: memory pressure ``full avg10`` above this percentage is reported. Default 10.0.
-        cpu_busy_pct: CPU utilisation above this percentage is reported (a runaway process starving the data
-            loader or the agent). Default 98.0.
+        cpu_busy_pct: CPU utilisation above this percentage is reported. Training nodes often run their CPUs
+            flat out on purpose (data loaders), so the default 100.0 reports nothing; the utilisation is still
+            a metric.
     """
 
     interval_s: float = 5.0
     mem_available_min_pct: float = 5.0
     psi_full_avg10_pct: float = 10.0
-    cpu_busy_pct: float = 98.0
+    cpu_busy_pct: float = 100.0
 
     def validate(self) -> None:
         """Checks ranges.
@@ -131,4 +132,16 @@ class HostDetector(Detector):
                 self.condition(s, "psi", full > cfg.psi_full_avg10_pct, "host.memory_pressure", Severity.WARNING,
                                Action.CHECKPOINT_NOW, f"memory pressure: all tasks stalled {full:.1f}% of the "
                                f"last 10 s", "", {"full_avg10": full, "some_avg10": some})
+        for resource in ("cpu", "io"):  # metrics only: the predictor learns what they mean on each fleet
+            path = cfg.path(f"/proc/pressure/{resource}")
+            if not os.path.exists(path):
+                continue
+            try:
+                values = read_key_values(path)
+                s.metrics[f"{resource}_pressure_some_avg10"] = float(values["some.avg10"])
+                if "full.avg10" in values:  # the cpu file has a 'full' line only since Linux 5.13
+                    s.metrics[f"{resource}_pressure_full_avg10"] = float(values["full.avg10"])
+            except (DetectorReadError, KeyError, ValueError) as exc:
+                s.error(exc if isinstance(exc, DetectorReadError) else
+                        DetectorReadError(path, f"no valid 'some avg10' value ({exc})"))
         return s

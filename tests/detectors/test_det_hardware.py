@@ -39,10 +39,14 @@ def write(root, rel: str, text: str) -> None:
 def test_host_memory_and_pressure(tmp_path) -> None:
     write(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
     write(tmp_path, "proc/pressure/memory", PSI.format(some="0.00", full="0.00"))
+    write(tmp_path, "proc/pressure/io", PSI.format(some="4.50", full="2.25"))
+    write(tmp_path, "proc/pressure/cpu", "some avg10=12.00 avg60=3.00 avg300=1.00 total=42\n")  # before 5.13
     det = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0))  # the shared CI machine may be busy
     s = det.sample()
     assert s.events == [] and s.metrics["mem_available_pct"] == pytest.approx(50.0)
     assert 0.0 <= s.metrics["cpu_percent"] <= 100.0
+    assert s.metrics["io_pressure_full_avg10"] == 2.25 and s.metrics["cpu_pressure_some_avg10"] == 12.0
+    assert "cpu_pressure_full_avg10" not in s.metrics
     write(tmp_path, "proc/meminfo", MEMINFO.format(avail=1000000))
     write(tmp_path, "proc/pressure/memory", PSI.format(some="60.00", full="35.50"))
     s = det.sample()
