@@ -4,6 +4,10 @@ For each configured path: space and inode usage (``statvfs`` through psutil), wh
 read-only (ext4 and XFS remount read-only on errors), and optionally a write probe that creates, fsyncs and
 removes a small file, timing it. Paths are real paths of this node, not mapped under ``root``.
 
+Block device health, under ``root``: an NVMe controller whose ``/sys/class/nvme/<ctrl>/state`` is not ``live``
+(``resetting``, ``dead``, ``deleting``...) and a SCSI/SATA disk whose ``/sys/block/<dev>/device/state`` is not
+``running`` (``offline``, ``blocked``) are reported.
+
 A filesystem that hangs (a dead NFS server) blocks ``statvfs``; the probe is off by default for that reason.
 """
 
@@ -19,6 +23,7 @@ import psutil
 from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
+from trainguard.detectors.sysfs import list_dir, read_text
 
 
 @dataclass
@@ -32,6 +37,7 @@ class DiskConfig(DetectorConfig):
         error_used_pct: usage above this percentage is an error. Default 97.0.
         write_probe: create, fsync and remove a small file in each path on every sample. Default False.
         slow_write_s: a probe slower than this many seconds is reported. Default 5.0.
+        block_devices: check NVMe controller and SCSI disk states. Default True.
     """
 
     interval_s: float = 30.0
@@ -40,6 +46,7 @@ class DiskConfig(DetectorConfig):
     error_used_pct: float = 97.0
     write_probe: bool = False
     slow_write_s: float = 5.0
+    block_devices: bool = True
 
     def validate(self) -> None:
         """Checks ranges.
@@ -115,7 +122,32 @@ class DiskDetector(Detector):
             if cfg.write_probe and not ro:
                 self._probe(s, path)
         s.metrics["max_used_pct"] = worst
+        if cfg.block_devices:
+            self._block_devices(s)
         return s
+
+    def _block_devices(self, s: Sample) -> None:
+        nvme = self.config.path("/sys/class/nvme")
+        block = self.config.path("/sys/block")
+        checks = [(f"nvme:{c}", os.path.join(nvme, c, "state"), "live") for c in list_dir(nvme)]
+        checks += [(f"block:{d}", os.path.join(block, d, "device", "state"), "running") for d in list_dir(block)
+                   if os.path.exists(os.path.join(block, d, "device", "state"))]
+        bad = 0
+        for subject, path, good in checks:
+            try:
+                state = read_text(path)
+            except DetectorReadError as exc:
+                s.error(exc)
+                continue
+            if not state or not state.replace("-", "").replace("_", "").isalpha():
+                s.error(DetectorReadError(path, f"expected a state word, found {state[:40]!r}"))
+                continue
+            bad += state != good
+            self.condition(s, f"dev/{subject}", state != good, "disk.device_unhealthy", Severity.ERROR,
+                           Action.CHECKPOINT_NOW, f"{subject} is {state!r} (healthy: {good!r})", subject,
+                           {"state": state, "file": path})
+        s.metrics["block_devices_checked"] = float(len(checks))
+        s.metrics["block_devices_unhealthy"] = float(bad)
 
     def _probe(self, s: Sample, path: str) -> None:
         probe = os.path.join(path, f".trainguard-probe-{os.getpid()}")

@@ -175,3 +175,22 @@ def test_disk_missing_path_and_bad_config(tmp_path) -> None:
         DiskConfig.from_dict({"paths": [], "interval_s": 5})
     with pytest.raises(DetectorConfigError, match="unknown field"):
         DiskConfig.from_dict({"pahts": ["/"]})
+
+
+def test_disk_block_device_states(tmp_path) -> None:
+    write(tmp_path, "sys/class/nvme/nvme0/state", "live\n")
+    write(tmp_path, "sys/class/nvme/nvme1/state", "live\n")
+    write(tmp_path, "sys/block/sda/device/state", "running\n")
+    (tmp_path / "sys/block/loop0").mkdir(parents=True)  # no device/state: not checked
+    det = DiskDetector(DiskConfig(root=str(tmp_path), paths=(str(tmp_path),)))
+    s = det.sample()
+    assert s.events == [] and s.metrics["block_devices_checked"] == 3.0
+    write(tmp_path, "sys/class/nvme/nvme1/state", "dead\n")
+    write(tmp_path, "sys/block/sda/device/state", "offline\n")
+    s = det.sample()
+    assert sorted((e.kind, e.subject) for e in s.events) == [
+        ("disk.device_unhealthy", "block:sda"), ("disk.device_unhealthy", "nvme:nvme1")]
+    assert s.state == DetectorState.FAILED and s.metrics["block_devices_unhealthy"] == 2.0
+    write(tmp_path, "sys/class/nvme/nvme0/state", "")
+    s = det.sample()
+    assert len(s.errors) == 1 and "state word" in s.errors[0].reason
