@@ -67,6 +67,9 @@ class NodeConfig:
         coordinator_patience_s: how long the coordinator may be unreachable at registration, in seconds.
         stop_grace_s: SIGTERM-to-SIGKILL grace when stopping workers, in seconds.
         extra_env: more variables for every worker.
+        standby: keep one warm standby process per local rank, so a restart skips interpreter start-up and
+            imports (see :mod:`trainguard.agent.standby`).
+        preload: modules a standby imports (default: torch and the trainguard hook).
     """
 
     job: str
@@ -85,6 +88,8 @@ class NodeConfig:
     coordinator_patience_s: float = 60.0
     stop_grace_s: float = 3.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    standby: bool = True
+    preload: tuple[str, ...] = ()
 
 
 @dataclass
@@ -168,6 +173,7 @@ class NodeAgent:
         self._interval = 0.5
         self._wake = threading.Event()
         self._restart_count = 0
+        self._standbys: dict[int, object] = {}
 
     # -- state served to workers and operators ---------------------------------------------------------------
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float) -> list:
@@ -366,13 +372,47 @@ class NodeAgent:
             self._restart_count = table.restart_count
             self._group = group
             self._advisories.clear()
-        group.start()
+        standbys, self._standbys = self._standbys, {}
+        try:
+            group.start(standbys)
+        finally:
+            self._drop_standbys(standbys)
         now = time.time()
         for rec in self.fault_records:
             if rec.restarted_at is None:
                 rec.restarted_at = now
         log.info("generation %d: started ranks %d..%d (master %s:%d)", table.generation, mine.first_rank,
                  mine.first_rank + mine.local_world_size - 1, table.master_addr, table.master_port)
+
+    def _ensure_standbys(self) -> None:
+        """Once the current generation trains (a first step was reported), prepare its replacements."""
+        group = self._group
+        if not self.config.standby or group is None or self._standbys:
+            return
+        workers = group.workers
+        if not workers or all(w.last_step < 0 for w in workers):
+            return  # still starting: standbys would compete with the workers' own imports
+        from trainguard.agent.guard import guard
+        from trainguard.agent.standby import DEFAULT_PRELOAD, script_argv, spawn_standby
+        from trainguard.agent.workers import child_setup
+
+        for w in workers:
+            if script_argv(w.spec.argv) is None:
+                return
+            proc = spawn_standby(w.spec.env, self.config.preload or DEFAULT_PRELOAD, preexec_fn=child_setup)
+            guard().watch(proc.pid)
+            self._standbys[w.spec.local_rank] = proc
+
+    def _drop_standbys(self, standbys: dict | None = None) -> None:
+        from trainguard.agent.guard import guard
+
+        pool = self._standbys if standbys is None else standbys
+        for proc in pool.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            guard().forget(proc.pid)
+        pool.clear()
 
     def _stop_workers(self) -> None:
         with self._lock:
@@ -439,6 +479,7 @@ class NodeAgent:
             while not self.stopping:
                 self._inject_faults()
                 self._check_workers()
+                self._ensure_standbys()
                 now = time.monotonic()
                 if now >= next_hb:
                     resp = self._heartbeat()
@@ -452,6 +493,7 @@ class NodeAgent:
             return 130
         finally:
             self._stop_workers()
+            self._drop_standbys()
             self._channel.close()
             self.stopping = True
 

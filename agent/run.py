@@ -77,6 +77,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=None, help="host name used for rank ordering (default: host name)")
     g.add_argument("--address", default="127.0.0.1", help="address peers reach this node at (default 127.0.0.1)")
     g.add_argument("--spare", action="store_true", help="join as a spare node")
+    p.add_argument("--no-standby", dest="standby", action="store_false",
+                   help="do not keep warm standby worker processes (slower restarts, less memory)")
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
     p.add_argument("script", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -167,6 +169,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         socket_path=os.path.join(rundir, "agent.sock"),
         log_dir=args.log_dir,
         extra_env=extra_env,
+        standby=args.standby,
     )
     agent = NodeAgent(config, faults=faults)
     from trainguard.agent.local_server import serve

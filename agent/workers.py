@@ -95,6 +95,11 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def child_setup() -> None:
+    """``preexec_fn`` of every agent child: die with the agent (PR_SET_PDEATHSIG), whatever kills it."""
+    _child_setup()
+
+
 def _child_setup() -> None:
     # Runs in the child between fork and exec: die with the agent, whatever kills it.
     try:
@@ -118,13 +123,30 @@ class WorkerGroup:
         self._workers: list[Worker] = []
         self._lock = threading.Lock()
 
-    def start(self) -> None:
-        """Spawns every worker.
+    def start(self, standbys: dict[int, subprocess.Popen] | None = None) -> None:
+        """Spawns every worker, turning warm standby processes into workers where available.
+
+        Args:
+            standbys: local rank -> standby process (see :mod:`trainguard.agent.standby`); used ones are
+                removed from the dict, the caller disposes of the rest.
 
         Raises:
             WorkerStartError: a process could not be spawned; the ones already started are stopped.
         """
+        from trainguard.agent.standby import activate, script_argv
+
         for spec in self._specs:
+            standby = (standbys or {}).pop(spec.local_rank, None)
+            argv = script_argv(spec.argv)
+            log_path = os.path.join(self._log_dir, f"rank{spec.rank}.log") if self._log_dir else None
+            if log_path:
+                os.makedirs(self._log_dir, exist_ok=True)
+            if standby is not None and argv is not None and activate(standby, argv, spec.env, log_path):
+                with self._lock:
+                    self._workers.append(Worker(spec=spec, proc=standby, started_at=time.time()))
+                continue
+            if standby is not None:
+                _reap(standby)
             stdout = stderr = None
             if self._log_dir:
                 os.makedirs(self._log_dir, exist_ok=True)
@@ -229,6 +251,13 @@ class WorkerGroup:
             raise KeyError(f"no live worker with rank {rank}")
         os.kill(w.pid, sig)
         return w.pid
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+    guard().forget(proc.pid)
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -62,6 +62,26 @@ def _command(launcher: str, steps: int, delay: float, out: Path) -> tuple[list[s
     return cmd + worker, env
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    # A SIGKILLed torchrun leaves its workers running (they are not in its process group and get no death
+    # signal), so collect every descendant first and kill them all.
+    import psutil
+
+    try:
+        procs = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(procs, timeout=5)
+
+
 def _free_port() -> int:
     import socket
 
@@ -108,9 +128,7 @@ def drill(launcher: str, steps: int, kill_step: int, delay: float, hang_timeout:
             result["passed"] = True
             return result
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _kill_tree(proc)
 
 
 def main() -> None:

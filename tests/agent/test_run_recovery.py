@@ -7,6 +7,8 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from conftest import EXAMPLE, run_cli
 
 STEPS = 60
@@ -16,11 +18,12 @@ def _train(tmp_path: Path, tg_env: dict, name: str, extra: list[str]) -> dict:
     out = tmp_path / f"{name}.json"
     r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "2", "--job", name,
                  "--checkpoint-dir", str(tmp_path / f"ckpt-{name}"), *extra, str(EXAMPLE),
-                 "--steps", str(STEPS), "--save-every", "10", "--out", str(out)], tg_env, timeout=110)
+                 "--steps", str(STEPS), "--save-every", "10", "--out", str(out)], tg_env, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     return {"result": json.loads(out.read_text()), "stderr": r.stderr}
 
 
+@pytest.mark.timeout(400)
 def test_sigkilled_worker_resumes_bitwise_equal(tmp_path: Path, tg_env: dict) -> None:
     kill_step = random.Random().randint(12, STEPS - 5)
     clean = _train(tmp_path, tg_env, "clean", [])
