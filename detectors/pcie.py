@@ -6,8 +6,9 @@ sysfs-bus-pci-devices-aer_stats):
 - ``aer_dev_correctable``, ``aer_dev_nonfatal``, ``aer_dev_fatal``: one ``<name> <count>`` per line, ending with
   ``TOTAL_ERR_COR`` / ``TOTAL_ERR_NONFATAL`` / ``TOTAL_ERR_FATAL``. Correctable errors are reported when their
   rate exceeds ``correctable_per_s``; any increase of non-fatal or fatal errors is reported at once, naming the
-  error bits that rose. Errors may show at the link partner (root port, switch port), so every AER-capable
-  device is read, not only the GPUs and NICs.
+  error bits that rose. Errors may show at the link partner (root port, switch port), so by default the AER
+  counters of the watched devices *and of every port above them* (read from the sysfs device path
+  ``/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/...``) are read; ``aer_scope = "all"`` reads every device.
 - ``current_link_width`` vs ``max_link_width`` and ``current_link_speed`` vs ``max_link_speed``
   (``"16.0 GT/s PCIe"``): a link trained below its maximum width is reported for the watched classes; speed is
   compared only for classes that do not lower their speed to save power when idle (GPUs do).
@@ -54,6 +55,19 @@ def parse_link_speed(text: str, path: str) -> float | None:
     raise DetectorReadError(path, f"expected '<n> GT/s', found {text[:40]!r}")
 
 
+_BDF = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+
+
+@dataclass(frozen=True)
+class _DeviceInfo:
+    """What does not change while a device stays on the bus: read once."""
+
+    cls: str
+    has_aer: bool
+    has_link: bool
+    ancestors: tuple[str, ...]
+
+
 @dataclass
 class PcieConfig(DetectorConfig):
     """Settings of the PCIe detector.
@@ -67,6 +81,8 @@ class PcieConfig(DetectorConfig):
         speed_classes: class prefixes whose link speed (not only width) must stay at its maximum; GPUs lower
             their speed when idle, so they are not listed by default.
         correctable_per_s: correctable error rate above which a device is reported. Default 1.0 per second.
+        aer_scope: ``"paths"``: AER counters of the watched devices and the ports above them; ``"all"``: of every
+            AER-capable device (a node has ~200 PCI functions; reading all costs ~10x more). Default ``"paths"``.
     """
 
     interval_s: float = 10.0
@@ -74,6 +90,7 @@ class PcieConfig(DetectorConfig):
     link_classes: tuple[str, ...] = ("0x0302", "0x0300", "0x0200", "0x0207", "0x1200", "0x0108")
     speed_classes: tuple[str, ...] = ("0x0200", "0x0207", "0x1200")
     correctable_per_s: float = 1.0
+    aer_scope: str = "paths"
 
     def validate(self) -> None:
         """Checks ranges.
@@ -84,6 +101,8 @@ class PcieConfig(DetectorConfig):
         super().validate()
         if self.correctable_per_s < 0:
             raise DetectorConfigError(f"pcie.correctable_per_s={self.correctable_per_s} must be >= 0")
+        if self.aer_scope not in ("paths", "all"):
+            raise DetectorConfigError(f"pcie.aer_scope={self.aer_scope!r} must be 'paths' or 'all'")
 
 
 @register_detector
@@ -105,14 +124,27 @@ class PcieDetector(Detector):
         self._counters = CounterTracker()
         self._last: dict[str, dict[str, int]] = {}
         self._seen_links: set[str] = set()
+        self._devices: dict[str, _DeviceInfo] = {}
 
     def _link_watched(self, bdf: str, cls: str) -> bool:
         if self.config.devices:
             return any(fnmatch.fnmatchcase(bdf, p) for p in self.config.devices)
         return cls.startswith(self.config.link_classes)
 
+    def _info(self, base: str, bdf: str) -> _DeviceInfo:
+        info = self._devices.get(bdf)
+        if info is None:
+            dev = os.path.join(base, bdf)
+            cls_path = os.path.join(dev, "class")
+            cls = read_text(cls_path) if os.path.exists(cls_path) else ""
+            ancestors = tuple(p for p in os.path.realpath(dev).split(os.sep)[:-1] if _BDF.match(p))
+            info = _DeviceInfo(cls, os.path.exists(os.path.join(dev, "aer_dev_correctable")),
+                               os.path.exists(os.path.join(dev, "max_link_width")), ancestors)
+            self._devices[bdf] = info
+        return info
+
     def sample(self) -> Sample:
-        """Reads every device once.
+        """Reads the watched devices once.
 
         Returns:
             AER totals and rates, link metrics, and events.
@@ -121,32 +153,35 @@ class PcieDetector(Detector):
         s = Sample()
         totals = {"aer_correctable": 0, "aer_nonfatal": 0, "aer_fatal": 0}
         cor_rate = 0.0
-        aer_devices = 0
-        links = 0
         degraded = 0
-        present = set(list_dir(base))
-        for bdf in sorted(present):
-            dev = os.path.join(base, bdf)
-            if os.path.exists(os.path.join(dev, "aer_dev_correctable")):
-                aer_devices += 1
-                cor_rate += self._sample_aer(s, dev, bdf, totals)
+        present = list_dir(base)
+        for gone in set(self._devices) - set(present):
+            del self._devices[gone]
+        infos: dict[str, _DeviceInfo] = {}
+        for bdf in present:
             try:
-                cls = read_text(os.path.join(dev, "class")) if os.path.exists(os.path.join(dev, "class")) else ""
+                infos[bdf] = self._info(base, bdf)
             except DetectorReadError as exc:
                 s.error(exc)
-                continue
-            if self._link_watched(bdf, cls) and os.path.exists(os.path.join(dev, "max_link_width")):
-                links += 1
-                self._seen_links.add(bdf)
-                degraded += self._sample_link(s, dev, bdf, cls)
+        links = [b for b, i in infos.items() if i.has_link and self._link_watched(b, i.cls)]
+        if self.config.aer_scope == "all":
+            aer = [b for b, i in infos.items() if i.has_aer]
+        else:
+            wanted = {a for b in links for a in (b, *infos[b].ancestors)}
+            aer = [b for b in sorted(wanted) if b in infos and infos[b].has_aer]
+        for bdf in aer:
+            cor_rate += self._sample_aer(s, os.path.join(base, bdf), bdf, totals)
+        for bdf in links:
+            self._seen_links.add(bdf)
+            degraded += self._sample_link(s, os.path.join(base, bdf), bdf, infos[bdf].cls)
         for bdf in sorted(self._seen_links):
-            self.condition(s, f"lost/{bdf}", bdf not in present, "pcie.device_lost", Severity.CRITICAL,
+            self.condition(s, f"lost/{bdf}", bdf not in infos, "pcie.device_lost", Severity.CRITICAL,
                            Action.DRAIN_NODE, f"PCI device {bdf} disappeared from the bus", bdf)
-        if not aer_devices and not self._seen_links:
-            return self.no_hardware(f"no PCIe device under {base} reports AER counters or link status")
+        if not aer and not self._seen_links:
+            return self.no_hardware(f"no watched PCIe device under {base} reports AER counters or link status")
         s.metrics.update({k + "_total": float(v) for k, v in totals.items()})
-        s.metrics.update({"aer_correctable_per_s": cor_rate, "aer_devices": float(aer_devices),
-                          "links_watched": float(links), "links_degraded": float(degraded)})
+        s.metrics.update({"aer_correctable_per_s": cor_rate, "aer_devices": float(len(aer)),
+                          "links_watched": float(len(links)), "links_degraded": float(degraded)})
         return s
 
     def _sample_aer(self, s: Sample, dev: str, bdf: str, totals: dict[str, int]) -> float:

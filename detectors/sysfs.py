@@ -13,6 +13,7 @@ import re
 from trainguard.detectors.errors import DetectorReadError
 
 _INT = re.compile(r"^[+-]?\d+$")
+_MAX_TEXT = 1 << 20
 
 
 def read_text(path: str) -> str:
@@ -27,11 +28,23 @@ def read_text(path: str) -> str:
     Raises:
         DetectorReadError: the file cannot be read or holds invalid UTF-8.
     """
+    # os.read straight into bytes: sysfs attributes are at most a page, and this runs thousands of times a minute.
     try:
-        with open(path, "rb") as f:
-            data = f.read(1 << 20)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            chunks = []
+            size = 0
+            while size < _MAX_TEXT:
+                chunk = os.read(fd, 8192)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise DetectorReadError(path, f"cannot read ({exc.strerror or exc})") from exc
+    data = b"".join(chunks)
     try:
         return data.decode("utf-8").strip()
     except UnicodeDecodeError as exc:

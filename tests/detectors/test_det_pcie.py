@@ -5,6 +5,8 @@ from __future__ import annotations
 import shutil
 import time
 
+import pytest
+
 from trainguard.detectors.base import DetectorState
 from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.pcie import PcieConfig, PcieDetector
@@ -27,9 +29,15 @@ def table(names, total_key, values=None) -> str:
 
 
 def make_device(root, bdf, cls="0x030200", cor=None, nonfatal=None, fatal=None, names=COR_NEW,
-                width=16, max_width=16, speed="32.0 GT/s PCIe", max_speed="32.0 GT/s PCIe"):
-    d = root / "sys/bus/pci/devices" / bdf
+                width=16, max_width=16, speed="32.0 GT/s PCIe", max_speed="32.0 GT/s PCIe", above=""):
+    """A device laid out as sysfs does: the real directory under /sys/devices/pci<dom>:<bus>/<ports...>/<bdf>,
+    and /sys/bus/pci/devices/<bdf> a symlink to it. ``above`` is the chain of ports above, "a/b"."""
+    d = root / "sys/devices/pci0000:00" / above / bdf
     d.mkdir(parents=True, exist_ok=True)
+    link = root / "sys/bus/pci/devices" / bdf
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.is_symlink():
+        link.symlink_to(d)
     (d / "class").write_text(cls + "\n")
     (d / "aer_dev_correctable").write_text(table(names, "TOTAL_ERR_COR", cor))
     (d / "aer_dev_nonfatal").write_text(table(UNCOR, "TOTAL_ERR_NONFATAL", nonfatal))
@@ -41,17 +49,27 @@ def make_device(root, bdf, cls="0x030200", cor=None, nonfatal=None, fatal=None, 
     return d
 
 
-def test_aer_counters_both_formats(tmp_path) -> None:
-    make_device(tmp_path, "0000:3b:00.0")
-    make_device(tmp_path, "0000:00:03.0", cls="0x060400", names=COR_OLD)
-    det = PcieDetector(PcieConfig(root=str(tmp_path), correctable_per_s=5.0))
+ROOT_PORT = "0000:00:03.0"
+GPU = "0000:3b:00.0"
+
+
+@pytest.mark.parametrize("scope", ["paths", "all"])
+def test_aer_counters_both_formats(tmp_path, scope) -> None:
+    make_device(tmp_path, ROOT_PORT, cls="0x060400", names=COR_OLD)  # root port, 4.19-style names
+    make_device(tmp_path, GPU, above=ROOT_PORT)  # GPU below it, current names
+    make_device(tmp_path, "0000:00:1c.0", cls="0x060400")  # a port with nothing watched below it
+    det = PcieDetector(PcieConfig(root=str(tmp_path), correctable_per_s=5.0, aer_scope=scope))
     s = det.sample()
     assert s.events == [] and s.state == DetectorState.OK
-    assert s.metrics["aer_devices"] == 2.0 and s.metrics["links_watched"] == 1.0
+    assert s.metrics["aer_devices"] == (2.0 if scope == "paths" else 3.0) and s.metrics["links_watched"] == 1.0
     time.sleep(0.05)
-    make_device(tmp_path, "0000:3b:00.0", nonfatal={"CmpltTO": 1}, fatal={"MalfTLP": 2})
-    make_device(tmp_path, "0000:00:03.0", cls="0x060400", names=COR_OLD, cor={"Receiver Error": 40, "Bad TLP": 3})
+    make_device(tmp_path, GPU, nonfatal={"CmpltTO": 1}, fatal={"MalfTLP": 2}, above=ROOT_PORT)
+    make_device(tmp_path, ROOT_PORT, cls="0x060400", names=COR_OLD, cor={"Receiver Error": 40, "Bad TLP": 3})
+    make_device(tmp_path, "0000:00:1c.0", cls="0x060400", fatal={"DLP": 1})
     s = det.sample()
+    if scope == "all":
+        assert ("pcie.aer_fatal", "0000:00:1c.0") in {(e.kind, e.subject) for e in s.events}
+        return
     kinds = {(e.kind, e.subject): e for e in s.events}
     fatal = kinds[("pcie.aer_fatal", "0000:3b:00.0")]
     assert fatal.severity == Severity.CRITICAL and fatal.action == Action.DRAIN_NODE
@@ -61,6 +79,7 @@ def test_aer_counters_both_formats(tmp_path) -> None:
     cor = kinds[("pcie.aer_correctable", "0000:00:03.0")]
     assert "Receiver Error+40" in cor.evidence["errors"] and cor.severity == Severity.WARNING
     assert s.metrics["aer_fatal_total"] == 2.0 and s.metrics["aer_correctable[0000:00:03.0]"] == 43.0
+    assert len(s.events) == 3  # the unwatched port's fatal error is out of scope
     assert s.state == DetectorState.FAILED
 
 
@@ -73,7 +92,8 @@ def test_degraded_link_width_speed_and_lost_device(tmp_path) -> None:
     assert sorted((e.kind, e.subject) for e in s.events) == [
         ("pcie.link_narrow", "0000:3b:00.0"), ("pcie.link_slow", "0000:5e:00.0")]
     assert s.metrics["links_degraded"] == 2.0 and s.state == DetectorState.DEGRADED
-    shutil.rmtree(tmp_path / "sys/bus/pci/devices/0000:86:00.0")
+    (tmp_path / "sys/bus/pci/devices/0000:86:00.0").unlink()
+    shutil.rmtree(tmp_path / "sys/devices/pci0000:00/0000:86:00.0")
     s = det.sample()
     assert [(e.kind, e.subject, e.severity) for e in s.events] == [
         ("pcie.device_lost", "0000:86:00.0", Severity.CRITICAL)]
@@ -94,7 +114,7 @@ def test_malformed_and_truncated_aer_files(tmp_path) -> None:
 
 
 def test_no_pcie_status_files_is_no_hardware(tmp_path) -> None:
-    (tmp_path / "sys/bus/pci/devices/0000:00:00.0").mkdir(parents=True)
+    (tmp_path / "sys/bus/pci/devices/0000:00:00.0").mkdir(parents=True)  # a host bridge: no AER, no link files
     (tmp_path / "sys/bus/pci/devices/0000:00:00.0/class").write_text("0x060000\n")
     s = PcieDetector(PcieConfig(root=str(tmp_path))).sample()
     assert s.state == DetectorState.NO_HARDWARE
