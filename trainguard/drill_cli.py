@@ -36,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                              "(first trace)")
     p.add_argument("--json", default=None, metavar="FILE", help="write all figures as JSON")
     p.set_defaults(handler=_handle_ettr)
+    _register_drill(sub)
 
 
 def _handle_ettr(args: argparse.Namespace) -> int:
@@ -68,3 +69,60 @@ def _handle_ettr(args: argparse.Namespace) -> int:
         print(f"figures: {args.json}")
     sys.stdout.flush()
     return 0
+
+
+def _register_drill(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("drill", help="soak drill: real training under trainguard with faults from the StepFun trace",
+                       description="Run a 2-worker training job under `trainguard run` for a fixed wall time with "
+                                   "faults injected on a schedule drawn from the StepFun trace (time compressed), "
+                                   "report ETTR, detection and recovery per fault, verify the final model against "
+                                   "a fault-free run, and feed the measured figures into the ETTR model.")
+    p.add_argument("--minutes", type=float, default=3.0, help="training wall time before finishing (default 3)")
+    p.add_argument("--nproc", type=int, default=2, help="workers (default 2)")
+    p.add_argument("--step-delay", type=float, default=0.1, help="extra seconds per step (default 0.1)")
+    p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps (default 10)")
+    p.add_argument("--trace-faults", type=float, default=8.0,
+                   help="mean number of trace faults in the window; sets the time compression (default 8)")
+    p.add_argument("--represent-gpus", type=int, default=16_384,
+                   help="GPUs of the job whose StepFun fault stream is replayed (default 16384)")
+    p.add_argument("--extra", default="stop,enospc",
+                   help="kinds injected once each on top of the trace's: kill, stop, enospc (default stop,enospc; "
+                        "'' for none)")
+    p.add_argument("--hang-bound", type=float, default=3.0, help="process-detector hang bound, seconds (default 3)")
+    p.add_argument("--enospc-window", type=float, default=10.0, help="seconds the checkpoint disk stays full")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", default=None, metavar="DIR", help="StepFun trace folder")
+    p.add_argument("--workdir", default=None, help="keep logs and checkpoints here (default: temp, removed)")
+    p.add_argument("--no-verify", action="store_true", help="skip the fault-free reference run")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write ETTR over time + fault timeline here")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    p.add_argument("--components-out", default=None, metavar="FILE",
+                   help="write the measured component times as a --components file for `trainguard ettr`")
+    p.set_defaults(handler=_handle_drill)
+
+
+def _handle_drill(args: argparse.Namespace) -> int:
+    import json
+
+    from trainguard.drill.soak import SoakConfig, run_soak
+    from trainguard.drill.soak_report import format_soak, measure_torch_save_stall, measured_components, plot_soak
+
+    cfg = SoakConfig(wall_s=args.minutes * 60.0, nproc=args.nproc, step_delay_s=args.step_delay,
+                     save_every=args.save_every, trace_faults=args.trace_faults, represent_gpus=args.represent_gpus,
+                     extra=tuple(k.strip() for k in args.extra.split(",") if k.strip()), hang_bound_s=args.hang_bound,
+                     enospc_window_s=args.enospc_window, seed=args.seed, trace_dir=args.trace, workdir=args.workdir,
+                     verify=not args.no_verify)
+    rep = run_soak(cfg, progress=lambda line: print(line, flush=True))
+    torch_save_s = measure_torch_save_stall()
+    print(format_soak(rep, torch_save_s, args.trace))
+    if args.plot:
+        print(f"plot: {plot_soak(args.plot, rep, torch_save_s)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**rep.as_dict(), "torch_save_s": torch_save_s}, f, indent=1, default=str)
+    if args.components_out:
+        with open(args.components_out, "w") as f:
+            json.dump({"_source": "trainguard drill (soak), measured on this machine",
+                       "trainguard": {k: v for k, v in measured_components(rep).items()
+                                      if k != "checkpoint_stall_s"}}, f, indent=1)
+    return 0 if rep.equal_to_reference is not False else 1

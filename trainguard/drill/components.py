@@ -5,7 +5,7 @@ time, the detection latency per fault class, the recovery time per level, which 
 and the share of faults the predictor sees coming. Two sets ship:
 
 - :func:`trainguard_defaults`: trainguard at scale. Detection figures are the code's own settings (agent worker
-  poll 50 ms, process-detector hang floor 60 s, coordinator heartbeat 0.5 s); recovery and checkpoint figures are
+  poll 50 ms, process-detector hang floor 60 s, coordinator lease timeout 10 s); recovery and checkpoint figures are
   stated assumptions for a 16k-GPU job (see each field) until measured ones are fed in.
 - :func:`baseline_defaults`: a torchrun-like job measured the same way: every fault restarts the whole job from
   the last ``torch.save`` checkpoint, which stalls training for its full write; a worker exit is seen within
@@ -62,8 +62,8 @@ class Components:
         detect_crash_s: a worker exits -> detected. trainguard 0.1 (agent polls workers every 50 ms; measured
             +0-60 ms in ``trainguard run``); baseline 0.1 (torchrun ``--monitor-interval``).
         detect_node_fault_s: a worker dies on a broken node (Xid, ECC) -> detected. Both 0.1 (process exit).
-        detect_node_down_s: a whole node (and its agent) vanishes -> detected. trainguard 10.0 (coordinator
-            heartbeat lease: 20 missed heartbeats of 0.5 s); baseline: the collective timeout.
+        detect_node_down_s: a whole node (and its agent) vanishes -> detected. trainguard 10.0 (the coordinator's
+            ``lease_timeout_s`` default); baseline: the collective timeout.
         detect_link_s: a network link or NIC goes down -> detected. trainguard 1.0 (netlink event ~2 ms, then the
             report and the coordinator's decision); baseline: the collective timeout.
         detect_hang_s: a silent hang -> detected. trainguard 60.0 (process detector: max(60 s, 5 x step time));

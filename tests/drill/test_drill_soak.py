@@ -1,0 +1,92 @@
+"""The soak drill: schedule drawn from the trace, report plumbing, and one short real drill (a kill, verified)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from trainguard.drill.errors import SoakError
+from trainguard.drill.soak import SKIPPED, FaultOutcome, SoakConfig, SoakReport, _agent_detections, plan_schedule, run_soak
+from trainguard.drill.soak_report import drill_schedule_trace, format_soak, measured_components
+from trainguard.drill.trace import load_stepfun, trace_dir
+
+STEPFUN = trace_dir()
+needs_stepfun = pytest.mark.skipif(
+    not (STEPFUN / "fault_trace.json").is_file(),
+    reason=f"StepFun fault trace not found at {STEPFUN} (set TRAINGUARD_FAULT_TRACE_DIR to its folder)",
+)
+
+
+@needs_stepfun
+def test_schedule_follows_the_trace():
+    trace = load_stepfun()
+    cfg = SoakConfig(wall_s=3600.0, trace_faults=200.0, extra=("stop", "enospc"), seed=3)
+    schedule, compression, window = plan_schedule(trace, cfg)
+    assert schedule == plan_schedule(trace, cfg)[0]  # seeded: the same drill every time
+    drawn = [p for p in schedule if p.fault_class != "extra"]
+    # about 200 trace faults, in the trace's order, with their classes; extras once each
+    assert 120 <= len(drawn) <= 300
+    assert [p.kind for p in schedule if p.fault_class == "extra"] == ["stop", "enospc"]
+    assert all(0 <= p.at_s <= cfg.wall_s for p in schedule)
+    assert all(a.at_s <= b.at_s for a, b in zip(schedule, schedule[1:]))
+    # mean trace gap at the represented size, compressed: the StepFun job MTBF (2.8 h) / compression
+    mtbf = trace.for_job(2048).mtbf_s
+    assert compression == pytest.approx(mtbf * 200.0 / (0.8 * 3600.0))
+    assert window[1] - window[0] == pytest.approx(0.8 * 3600.0 * compression / 86_400)
+    for p in drawn:
+        if p.fault_class in ("crash", "node_fault"):
+            assert p.kind == "kill"
+        elif p.fault_class == "hang":
+            assert p.kind == "stop"
+        else:
+            assert p.kind == "skip" and p.reason == SKIPPED[p.fault_class]
+
+
+def test_bad_config_is_refused():
+    for bad in (dict(nproc=1), dict(wall_s=0), dict(extra=("meteor",)), dict(hang_bound_s=0)):
+        with pytest.raises(SoakError):
+            SoakConfig(**bad).validate()
+
+
+def test_agent_log_detection_times():
+    line = ("2026-11-29 15:22:44,972 WARNING trainguard.agent.node: generation 1: rank 1 ended with signal SIGKILL "
+            "(9); stopping local workers")
+    (t,) = _agent_detections("noise\n" + line + "\nother line ended with nothing")
+    assert t == pytest.approx(time.mktime(time.strptime("2026-11-29 15:22:44", "%Y-%m-%d %H:%M:%S")) + 0.972)
+
+
+def test_measured_components_and_report_text():
+    faults = [FaultOutcome("kill", "crash", "a", 5.0, 5.0, rank=1, generation=1, detected_s=0.05, recovery_s=4.05,
+                           steps_lost=3),
+              FaultOutcome("stop", "extra", "b", 20.0, 21.0, rank=0, generation=2, detected_s=3.5, recovery_s=8.5,
+                           steps_lost=5),
+              FaultOutcome("enospc", "extra", "c", 30.0, 30.0, detected_s=0.3, recovery_s=2.0, level="none")]
+    rep = SoakReport(config={"save_every": 10, "represent_gpus": 16384}, compression=400.0, window_days=(1.0, 2.0),
+                     steps=500, wall_s=60.0, step_time_s=0.1, ettr=0.8, ettr_steady=0.85, generations=3, exit_code=0,
+                     faults=faults, skipped=[], skip_reasons={}, params_sha256="ab" * 32, reference_sha256="ab" * 32,
+                     equal_to_reference=True, stall_s=0.002,
+                     timeline=[(2.0 + 0.1 * i, 1, i) for i in range(500)])
+    m = measured_components(rep)
+    assert m["detect_crash_s"] == 0.05 and m["detect_hang_s"] == 3.5
+    assert m["recovery_process_s"] == pytest.approx(4.5)  # median of 4.0 and 5.0
+    tr = drill_schedule_trace(rep)
+    assert [f.fault_class.value for f in tr.faults] == ["crash", "hang"]
+    text = format_soak(rep, torch_save_s=0.02)
+    assert "EQUAL" in text and "baseline" in text and "16,384 GPUs" in text
+
+
+def test_short_real_drill_kill_and_verify(tmp_path):
+    """A real 2-worker job under trainguard run, one SIGKILL, then the fault-free comparison."""
+    cfg = SoakConfig(wall_s=3.0, step_delay_s=0.02, save_every=5, trace_faults=0, extra=("kill",),
+                     workdir=str(tmp_path / "soak"))
+    rep = run_soak(cfg, progress=lambda _line: None)
+    assert rep.exit_code == 0
+    assert rep.equal_to_reference is True
+    (kill,) = rep.faults
+    assert kill.kind == "kill" and kill.recovery_s is not None and kill.recovery_s > 0
+    assert kill.detected_s is not None and 0 <= kill.detected_s < 5.0
+    assert rep.generations == 2 and 0 < rep.ettr < 1
+    assert not list((tmp_path / "soak").glob("ckpt/.drill-filler"))
+    json.dumps(rep.as_dict(), default=str)

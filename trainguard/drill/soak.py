@@ -1,0 +1,649 @@
+"""The soak drill: a real training job under ``trainguard run`` with faults drawn from the StepFun trace.
+
+A 2-worker DDP job (:mod:`trainguard.drill.soak_worker`, gloo on CPU) runs under ``trainguard run`` for about
+``wall_s`` seconds. Its fault schedule comes from the StepFun trace as a job of ``represent_gpus`` GPUs lives it
+(the trace scaled to that many nodes, see :meth:`FaultTrace.for_job`), a window starting at a seeded random
+offset, with time compressed by a factor chosen so the window holds ``trace_faults`` faults on average: the kinds,
+their order and their relative spacing are the trace's. Each fault class maps to what can be injected here for
+real, or is skipped with the reason:
+
+=============  =====================================================================================
+class          injected as
+=============  =====================================================================================
+crash          SIGKILL of a random worker (from outside, like the kernel's OOM killer)
+node_fault     SIGKILL of a random worker (the Xid kills the process; no spare node here to swap in)
+hang           SIGSTOP of a random worker; trainguard's process detector (hang bound ``hang_bound_s``)
+               finds it and its RESTART_PROCESS action is applied by SIGKILLing the hung ranks
+node_down      skipped: see :data:`SKIPPED`
+link           skipped
+degraded       skipped
+=============  =====================================================================================
+
+``extra`` kinds are injected once each on top, at evenly spaced free moments, so every drill exercises them:
+``stop`` (a hang, as above), ``kill`` and ``enospc`` (the checkpoint directory is a small tmpfs mounted by the
+drill, filled to ENOSPC for ``enospc_window_s``, then freed; training must go on and saves must resume).
+
+When the wall time is up the drill writes the step count (current step + a margin) to a stop file the workers
+read, the job finishes, and a fault-free run of the same number of steps (no delay, no checkpoints) must end with
+bitwise-equal parameters. ETTR = steps x fault-free step time / wall time, where the fault-free step time is the
+median step-to-step time of the run itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from trainguard.drill.errors import SoakError
+from trainguard.drill.taxonomy import FaultClass
+from trainguard.drill.trace import FaultTrace, load_stepfun
+
+log = logging.getLogger(__name__)
+
+#: Fault classes the drill cannot inject yet, and why (printed in every report).
+SKIPPED: dict[str, str] = {
+    FaultClass.NODE_DOWN.value: "needs a node agent in its own process; `trainguard run` embeds the agent and the "
+                                "coordinator in one process, so killing the agent ends the job (a multi-node "
+                                "drill with a spare node is not wired in yet)",
+    FaultClass.LINK.value: "needs workers in network namespaces joined by veth and the RoCE link detector running "
+                           "in the agent; `trainguard run` runs no detectors yet",
+    FaultClass.DEGRADED.value: "a slow or at-risk node is acted on through the hardware detectors and the predictor "
+                               "(precursors in the fake hardware tree), which `trainguard run` does not run yet",
+    "coordinator_kill": "the coordinator is embedded in the `trainguard run` process; a standalone coordinator "
+                        "process is not wired into the drill yet",
+}
+
+INJECTED: dict[str, str] = {
+    FaultClass.CRASH.value: "kill",
+    FaultClass.NODE_FAULT.value: "kill",
+    FaultClass.HANG.value: "stop",
+}
+
+EXTRA_KINDS = ("kill", "stop", "enospc")
+STOP_MARGIN_STEPS = 30
+
+
+@dataclass
+class SoakConfig:
+    """Settings of one soak drill.
+
+    Attributes:
+        wall_s: how long the faulted job trains before the drill asks it to finish, seconds. Default 180.
+        nproc: workers. Default 2.
+        step_delay_s: extra seconds per step, to mimic compute. Default 0.1.
+        save_every: checkpoint every N steps. Default 10.
+        trace_faults: mean number of trace faults in the drill window (sets the time compression). Default 8.
+        represent_gpus: size of the job whose fault stream is replayed, GPUs. Default 16,384.
+        gpus_per_node: GPUs per node of that job. Default 8.
+        extra: kinds injected once each on top of the trace's (``kill``, ``stop``, ``enospc``).
+            Default ``("stop", "enospc")``.
+        hang_bound_s: hang bound of the process detector (its floor; production default 60 s). Default 3.
+        enospc_window_s: how long the checkpoint directory stays full, seconds. Default 10.
+        tmpfs_mib: size of the checkpoint tmpfs, MiB. Default 16.
+        seed: seeds the trace window and the victim ranks. Default 0.
+        trace_dir: StepFun trace folder (default: see :func:`trainguard.drill.trace.trace_dir`).
+        workdir: where logs and checkpoints go (default: a fresh temp folder, removed at the end).
+        max_restarts: restart budget of the job. Default 50.
+        verify: run the fault-free reference and compare parameters. Default True.
+    """
+
+    wall_s: float = 180.0
+    nproc: int = 2
+    step_delay_s: float = 0.1
+    save_every: int = 10
+    trace_faults: float = 8.0
+    represent_gpus: int = 16_384
+    gpus_per_node: int = 8
+    extra: tuple[str, ...] = ("stop", "enospc")
+    hang_bound_s: float = 3.0
+    enospc_window_s: float = 10.0
+    tmpfs_mib: int = 16
+    seed: int = 0
+    trace_dir: str | None = None
+    workdir: str | None = None
+    max_restarts: int = 50
+    verify: bool = True
+
+    def validate(self) -> None:
+        """Checks ranges.
+
+        Raises:
+            SoakError: a value out of range or an unknown extra kind.
+        """
+        if not self.wall_s > 0 or self.nproc < 2 or self.step_delay_s < 0 or self.save_every < 1:
+            raise SoakError("soak drill needs wall_s > 0, nproc >= 2, step_delay_s >= 0 and save_every >= 1")
+        if self.trace_faults < 0 or self.hang_bound_s <= 0 or self.enospc_window_s <= 0 or self.tmpfs_mib < 1:
+            raise SoakError("soak drill needs trace_faults >= 0, hang_bound_s > 0, enospc_window_s > 0, tmpfs_mib >= 1")
+        bad = set(self.extra) - set(EXTRA_KINDS)
+        if bad:
+            raise SoakError(f"unknown extra fault kind(s) {sorted(bad)}; use {', '.join(EXTRA_KINDS)}")
+
+
+@dataclass
+class PlannedFault:
+    """One fault of the schedule.
+
+    Attributes:
+        at_s: drill time (seconds after the first step) it is due.
+        kind: ``kill``, ``stop``, ``enospc``, or ``skip``.
+        fault_class: the trace's class (or ``extra``).
+        label: the trace's name for it.
+        reason: why it was skipped.
+    """
+
+    at_s: float
+    kind: str
+    fault_class: str
+    label: str
+    reason: str = ""
+
+
+@dataclass
+class FaultOutcome:
+    """What happened to one injected fault (drill times in seconds after the first step).
+
+    Attributes:
+        kind, fault_class, label: as planned.
+        planned_s: when it was due; injected_s: when it struck (later if a recovery was still running).
+        rank: victim rank (-1 for enospc).
+        generation: generation it struck.
+        detected_s: detection latency (agent saw the exit / detector flagged the hang / the hook logged the error).
+        recovery_s: fault to first step of the next generation (enospc: space freed to the next committed save).
+        steps_lost: steps done again after the restart.
+        level: recovery level (``process``; ``none`` for enospc, where training goes on).
+    """
+
+    kind: str
+    fault_class: str
+    label: str
+    planned_s: float
+    injected_s: float
+    rank: int = -1
+    generation: int = 0
+    detected_s: float | None = None
+    recovery_s: float | None = None
+    steps_lost: int | None = None
+    level: str = "process"
+
+
+@dataclass
+class SoakReport:
+    """Outcome of a soak drill."""
+
+    config: dict
+    compression: float
+    window_days: tuple[float, float]
+    steps: int
+    wall_s: float
+    step_time_s: float
+    ettr: float
+    ettr_steady: float
+    generations: int
+    exit_code: int
+    faults: list[FaultOutcome]
+    skipped: list[PlannedFault]
+    skip_reasons: dict[str, str]
+    params_sha256: str
+    reference_sha256: str | None
+    equal_to_reference: bool | None
+    stall_s: float | None
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        """JSON-ready."""
+        d = asdict(self)
+        d["timeline"] = []  # large; the plot holds it
+        return d
+
+
+class _StepLog:
+    """Reads the workers' step lines incrementally."""
+
+    def __init__(self, events: Path, nproc: int) -> None:
+        self._files = [events / f"rank{r}.steps" for r in range(nproc)]
+        self._pos = [0] * nproc
+        self.rows: list[list[tuple[float, int, int, int, float, int]]] = [[] for _ in range(nproc)]
+
+    def poll(self) -> None:
+        for r, path in enumerate(self._files):
+            try:
+                with open(path) as f:
+                    f.seek(self._pos[r])
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            end = data.rfind("\n")
+            if end < 0:
+                continue
+            self._pos[r] += end + 1
+            for line in data[:end].splitlines():
+                p = line.split()
+                if len(p) == 6:
+                    self.rows[r].append((float(p[0]), int(p[1]), int(p[2]), int(p[3]), float(p[4]), int(p[5])))
+
+    def last(self, rank: int) -> tuple[float, int, int, int, float, int] | None:
+        return self.rows[rank][-1] if self.rows[rank] else None
+
+    def generation(self) -> int:
+        return max((rows[-1][1] for rows in self.rows if rows), default=0)
+
+    def max_step(self) -> int:
+        return max((rows[-1][2] for rows in self.rows if rows), default=-1)
+
+
+def plan_schedule(trace: FaultTrace, cfg: SoakConfig) -> tuple[list[PlannedFault], float, tuple[float, float]]:
+    """Draws the drill's fault schedule from ``trace``.
+
+    Args:
+        trace: the StepFun trace (population scale).
+        cfg: drill settings.
+
+    Returns:
+        (schedule sorted by time, time compression factor, the replayed window in days of the represented job).
+    """
+    job = trace.for_job(math.ceil(cfg.represent_gpus / cfg.gpus_per_node))
+    rng = random.Random(cfg.seed)
+    usable = 0.8 * cfg.wall_s  # leave the last fifth for the stop margin and the last recovery
+    schedule: list[PlannedFault] = []
+    if cfg.trace_faults > 0:
+        compression = job.mtbf_s * cfg.trace_faults / usable
+        window = usable * compression
+        start = rng.uniform(0.0, max(job.span_s - window, 0.0))
+        for f in job.faults:
+            if start <= f.time_s < start + window:
+                at = 0.1 * cfg.wall_s + (f.time_s - start) / compression
+                kind = INJECTED.get(f.fault_class.value)
+                schedule.append(PlannedFault(at, kind or "skip", f.fault_class.value, f.label,
+                                             "" if kind else SKIPPED[f.fault_class.value]))
+        window_days = (start / 86_400.0, (start + window) / 86_400.0)
+    else:
+        compression, window_days = 0.0, (0.0, 0.0)
+    for i, kind in enumerate(cfg.extra):
+        at = 0.1 * cfg.wall_s + usable * (i + 0.5) / max(len(cfg.extra), 1)
+        schedule.append(PlannedFault(at, kind, "extra", f"extra: {kind}"))
+    schedule.sort(key=lambda p: p.at_s)
+    return schedule, compression, window_days
+
+
+class _Tmpfs:
+    """A small tmpfs mounted for the checkpoint directory; always unmounted on exit."""
+
+    def __init__(self, path: Path, mib: int) -> None:
+        self.path = path
+        self.mib = mib
+        self.mounted = False
+        self._filler: Path | None = None
+
+    def __enter__(self) -> _Tmpfs:
+        self.path.mkdir(parents=True, exist_ok=True)
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.mib}m", "tmpfs", str(self.path)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SoakError(f"cannot mount a tmpfs at {self.path} ({res.stderr.strip()}); the ENOSPC fault needs "
+                            "root, or drop enospc from --extra")
+        self.mounted = True
+        return self
+
+    def fill(self) -> None:
+        """Fills the filesystem until ENOSPC."""
+        self._filler = self.path / ".drill-filler"
+        chunk = b"\0" * (1 << 16)
+        with open(self._filler, "wb") as f:
+            try:
+                while True:
+                    f.write(chunk)
+                    f.flush()
+            except OSError:
+                pass
+
+    def free(self) -> None:
+        """Removes the filler."""
+        if self._filler is not None:
+            self._filler.unlink(missing_ok=True)
+            self._filler = None
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+        if self.mounted:
+            res = subprocess.run(["umount", str(self.path)], capture_output=True, text=True)
+            if res.returncode != 0:
+                subprocess.run(["umount", "-l", str(self.path)], capture_output=True, text=True)
+            self.mounted = False
+
+
+class _HangWatch:
+    """trainguard's process detector fed from the step logs of the current generation."""
+
+    def __init__(self, steps: _StepLog, nproc: int, bound_s: float) -> None:
+        from trainguard.detectors.process import ProcessConfig, ProcessDetector
+
+        self._steps = steps
+        self._nproc = nproc
+        self._offset = time.time() - time.monotonic()
+        cfg = ProcessConfig(hang_floor_s=bound_s, hang_multiplier=5.0, startup_grace_s=600.0, stack_dump=False,
+                            d_state_s=3600.0, memory_growth_bytes=1 << 40)
+        self._detector = ProcessDetector(cfg, worker_view=self)
+        self._started: dict[int, float] = {}
+        #: once set, workers that completed the last step are finishing (saving, exiting), not hung
+        self.final_step: int | None = None
+
+    def workers(self):
+        from trainguard.detectors.process import WorkerSnapshot
+
+        gen = self._steps.generation()
+        out = []
+        for r in range(self._nproc):
+            rows = [row for row in self._steps.rows[r][-40:] if row[1] == gen]
+            if not rows:
+                continue
+            pid = rows[-1][3]
+            if self.final_step is not None and rows[-1][2] >= self.final_step - 1:
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue  # ended: the agent handles exits, this view is only for hangs
+            self._started.setdefault(pid, time.monotonic())
+            times = [b[0] - a[0] for a, b in zip(rows, rows[1:])]
+            out.append(WorkerSnapshot(rank=r, pid=pid, started_at=self._started[pid], last_step=rows[-1][2],
+                                      last_heartbeat=rows[-1][0] - self._offset, recent_step_times=times))
+        return out
+
+    def hung(self) -> list[tuple[int, int, float]]:
+        """(rank, pid, time) of every worker the detector reports hung in this sample."""
+        s = self._detector.sample()
+        return [(int(e.evidence["rank"]), int(e.evidence["pid"]), time.time())
+                for e in s.events if e.kind == "process.hung"]
+
+
+def _agent_detections(stderr_text: str) -> list[float]:
+    """Unix times at which the agent logged a worker's end (``... ended with ...; stopping local workers``)."""
+    out = []
+    for line in stderr_text.splitlines():
+        if "ended with" in line and "stopping local workers" in line:
+            try:
+                t = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+            except ValueError:
+                continue
+            out.append(t)
+    return out
+
+
+def _committed_step(ckpt: Path) -> int:
+    try:
+        return int(json.loads((ckpt / "soak" / "COMMITTED.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def _launch(cfg: SoakConfig, workdir: Path, events: Path, extra_args: list[str], env: dict,
+            ckpt: Path | None, log_name: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "trainguard.cli", "--log-level", "INFO", "run", "--nproc-per-node", str(cfg.nproc),
+           "--max-restarts", str(cfg.max_restarts), "--job", "soak", "--log-dir", str(workdir / log_name)]
+    if ckpt is not None:
+        cmd += ["--checkpoint-dir", str(ckpt)]
+    cmd += ["-m", "trainguard.drill.soak_worker", "--events", str(events), *extra_args]
+    errf = open(workdir / f"{log_name}.stderr", "w")
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=errf, start_new_session=True)
+
+
+def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
+    """Runs the drill.
+
+    Args:
+        cfg: settings.
+        progress: called with one line per notable event.
+
+    Returns:
+        The report.
+
+    Raises:
+        SoakError: bad settings, no trace, the tmpfs cannot be mounted, or the job never started.
+    """
+    cfg.validate()
+    trace = load_stepfun(cfg.trace_dir)
+    schedule, compression, window = plan_schedule(trace, cfg)
+    skipped = [p for p in schedule if p.kind == "skip"]
+    todo = [p for p in schedule if p.kind != "skip"]
+    if compression:
+        progress(f"schedule: StepFun trace as a {cfg.represent_gpus}-GPU job lives it, days {window[0]:.2f}-"
+                 f"{window[1]:.2f}, time compressed {compression:,.0f}x (1 drill second = {compression / 60:,.1f} "
+                 f"job minutes): {len(todo)} to inject, {len(skipped)} skipped")
+    own_tmp = cfg.workdir is None
+    workdir = Path(cfg.workdir or tempfile.mkdtemp(prefix="tg-soak-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    events = workdir / "events"
+    ckpt = workdir / "ckpt"
+    shm = Path("/dev/shm") / f"tg-soak-{os.getpid()}"
+    marker = f"tg-soak-{os.getpid()}-{time.time_ns()}"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TRAINGUARD_CHECKPOINT_SHM_DIR=str(shm),
+               TG_DRILL_MARKER=marker)
+    stop_file = workdir / "stop_at"
+    out_file = workdir / "final.json"
+    need_tmpfs = any(p.kind == "enospc" for p in todo)
+    tmpfs = _Tmpfs(ckpt, cfg.tmpfs_mib) if need_tmpfs else None
+    proc = None
+    try:
+        if tmpfs is not None:
+            tmpfs.__enter__()
+        else:
+            ckpt.mkdir(parents=True, exist_ok=True)
+        steps = _StepLog(events, cfg.nproc)
+        rng = random.Random(cfg.seed + 1)
+        t_launch = time.time()
+        proc = _launch(cfg, workdir, events, ["--stop-file", str(stop_file), "--step-delay", str(cfg.step_delay_s),
+                                              "--save-every", str(cfg.save_every), "--out", str(out_file)],
+                       env, ckpt, "run")
+        outcomes: list[FaultOutcome] = []
+        hang = _HangWatch(steps, cfg.nproc, cfg.hang_bound_s)
+        t0 = None
+        pending: FaultOutcome | None = None  # a restart fault waiting for the next generation
+        enospc: dict | None = None
+        stop_written = False
+        deadline_start = time.monotonic() + 600
+        finish_by = math.inf
+        while proc.poll() is None:
+            time.sleep(0.05)
+            if time.monotonic() > finish_by:
+                raise SoakError(f"the soak job did not finish after the stop step was set; see the logs in {workdir}")
+            steps.poll()
+            now = time.time()
+            if t0 is None:
+                first = [rows[0][0] for rows in steps.rows if rows]
+                if not first:
+                    if time.monotonic() > deadline_start:
+                        raise SoakError("the soak job completed no step in 600 s; see the logs in " + str(workdir))
+                    continue
+                t0 = min(first)
+                progress(f"job training (first step {t0 - t_launch:.1f} s after launch)")
+            gen = steps.generation()
+            if pending is not None and gen > pending.generation:
+                first_new = min(row[0] for rows in steps.rows for row in rows if row[1] > pending.generation)
+                resumed = min(row[2] for rows in steps.rows for row in rows if row[1] > pending.generation)
+                last_old = max((row[2] for rows in steps.rows for row in rows if row[1] == pending.generation),
+                               default=-1)
+                pending.recovery_s = first_new - (t0 + pending.injected_s)
+                pending.steps_lost = max(0, last_old + 1 - resumed)
+                progress(f"  recovered: generation {gen} resumed at step {resumed} ({pending.steps_lost} steps "
+                         f"lost), {pending.recovery_s:.2f} s after the fault")
+                pending = None
+            for r, pid, th in hang.hung():
+                if pending is not None and pending.kind == "stop" and pending.detected_s is None:
+                    pending.detected_s = th - (t0 + pending.injected_s)
+                    progress(f"  hang detected by the process detector after {pending.detected_s:.2f} s; "
+                             f"restarting (SIGKILL rank {r})")
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if enospc is not None:
+                o = enospc["outcome"]
+                if o.detected_s is None:
+                    for r in range(cfg.nproc):
+                        for line in _read_lines(events / f"rank{r}.events"):
+                            ev = json.loads(line)
+                            if ev["t"] >= t0 + o.injected_s:
+                                o.detected_s = ev["t"] - (t0 + o.injected_s)
+                                progress(f"  checkpoint error reported after {o.detected_s:.2f} s "
+                                         f"(training goes on): {ev['message'][:100]}")
+                                break
+                        if o.detected_s is not None:
+                            break
+                if enospc["freed"] is None and now - (t0 + o.injected_s) >= cfg.enospc_window_s:
+                    tmpfs.free()
+                    enospc["freed"] = now
+                    enospc["committed"] = _committed_step(ckpt)
+                    progress("  checkpoint space freed")
+                if enospc["freed"] is not None and _committed_step(ckpt) > enospc["committed"]:
+                    o.recovery_s = now - enospc["freed"]
+                    progress(f"  saves resumed {o.recovery_s:.2f} s after the space was freed "
+                             f"(step {_committed_step(ckpt)} committed)")
+                    enospc = None
+            elapsed = now - t0
+            extras_left = any(q.fault_class == "extra" for q in todo) and elapsed < cfg.wall_s + 300.0
+            if not stop_written and elapsed >= cfg.wall_s and pending is None and enospc is None and not extras_left:
+                target = steps.max_step() + 1 + STOP_MARGIN_STEPS
+                tmp = stop_file.with_suffix(".tmp")
+                tmp.write_text(str(target))
+                os.replace(tmp, stop_file)
+                stop_written = True
+                hang.final_step = target
+                finish_by = time.monotonic() + 300.0 + 20 * STOP_MARGIN_STEPS * max(step_time_guess(steps), 0.05)
+                progress(f"wall time reached: the job finishes at step {target}")
+            if elapsed >= cfg.wall_s:  # past the wall time only the extras still run, so each drill has them
+                todo = [q for q in todo if q.fault_class == "extra"]
+            if todo and not stop_written and todo[0].at_s <= elapsed and pending is None and enospc is None:
+                p = todo.pop(0)
+                o = _inject(p, steps, rng, cfg, elapsed, tmpfs)
+                if o is None:
+                    todo.insert(0, p)
+                    continue
+                outcomes.append(o)
+                progress(f"t={elapsed:6.1f}s inject {p.kind:<6} ({p.label}) -> rank {o.rank}, generation "
+                         f"{o.generation}" + (f", {o.injected_s - o.planned_s:.1f} s late" if
+                                              o.injected_s - o.planned_s > 1 else ""))
+                if p.kind == "enospc":
+                    o.level = "none"
+                    enospc = {"outcome": o, "freed": None, "committed": -1}
+                else:
+                    pending = o
+        wall = time.time() - t_launch
+        steps.poll()
+        stderr_text = (workdir / "run.stderr").read_text()
+        if proc.returncode != 0:
+            tail = " | ".join(stderr_text.strip().splitlines()[-3:])
+            raise SoakError(f"the soak job failed with exit code {proc.returncode}: {tail[:400]}")
+        detections = _agent_detections(stderr_text)
+        for o in outcomes:
+            if o.kind == "kill":
+                after = [d for d in detections if d >= t0 + o.injected_s - 0.01]
+                if after:
+                    o.detected_s = after[0] - (t0 + o.injected_s)
+        final = json.loads(out_file.read_text())
+        n_steps = int(final["steps"])
+        deltas = [b[0] - a[0] for rows in steps.rows for a, b in zip(rows, rows[1:]) if a[1] == b[1]]
+        step_time = statistics.median(deltas)
+        saves = [row[4] for rows in steps.rows for row in rows if row[5]]
+        plain = [row[4] for rows in steps.rows for row in rows if not row[5]]
+        stall = max(statistics.median(saves) - statistics.median(plain), 0.0) if saves and plain else None
+        t_last = max(rows[-1][0] for rows in steps.rows if rows)
+        ref_sha = None
+        if cfg.verify:
+            progress(f"verifying: fault-free run of {n_steps} steps")
+            ref_out = workdir / "reference.json"
+            ref = _launch(cfg, workdir, workdir / "ref-events",
+                          ["--steps", str(n_steps), "--save-every", "1000000000", "--out", str(ref_out)], env, None,
+                          "reference")
+            try:
+                ref.wait(timeout=max(300.0, 2 * cfg.wall_s))
+            except subprocess.TimeoutExpired as exc:
+                raise SoakError("the fault-free reference run did not finish in time") from exc
+            if ref.returncode != 0:
+                raise SoakError(f"the fault-free reference run failed with exit code {ref.returncode}")
+            ref_sha = json.loads(ref_out.read_text())["params_sha256"]
+        timeline = [(row[0] - t_launch, row[1], row[2]) for row in steps.rows[0]]
+        return SoakReport(
+            config=asdict(cfg), compression=compression, window_days=window, steps=n_steps, wall_s=wall,
+            step_time_s=step_time, ettr=n_steps * step_time / wall, ettr_steady=n_steps * step_time / (t_last - t0),
+            generations=steps.generation(), exit_code=proc.returncode, faults=outcomes, skipped=skipped,
+            skip_reasons={k: v for k, v in SKIPPED.items()
+                          if k == "coordinator_kill" or any(p.fault_class == k for p in skipped)},
+            params_sha256=final["params_sha256"], reference_sha256=ref_sha,
+            equal_to_reference=(ref_sha == final["params_sha256"]) if ref_sha else None, stall_s=stall,
+            timeline=timeline,
+        )
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _reap_marked(marker)
+        if tmpfs is not None:
+            tmpfs.__exit__(None, None, None)
+        shutil.rmtree(shm, ignore_errors=True)
+        if own_tmp:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def step_time_guess(steps: _StepLog) -> float:
+    """Median step-to-step time seen so far (rank 0), seconds; 0 before two steps."""
+    rows = steps.rows[0][-50:]
+    d = [b[0] - a[0] for a, b in zip(rows, rows[1:]) if a[1] == b[1]]
+    return statistics.median(d) if d else 0.0
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def _inject(p: PlannedFault, steps: _StepLog, rng: random.Random, cfg: SoakConfig, elapsed: float,
+            tmpfs: _Tmpfs | None) -> FaultOutcome | None:
+    """Strikes one fault; None when no worker of the current generation is stepping yet (try again later)."""
+    gen = steps.generation()
+    o = FaultOutcome(kind=p.kind, fault_class=p.fault_class, label=p.label, planned_s=p.at_s, injected_s=elapsed,
+                     generation=gen)
+    if p.kind == "enospc":
+        tmpfs.fill()
+        return o
+    live = [r for r in range(cfg.nproc) if steps.last(r) and steps.last(r)[1] == gen]
+    if len(live) < cfg.nproc:
+        return None
+    rank = rng.choice(live)
+    pid = steps.last(rank)[3]
+    try:
+        os.kill(pid, signal.SIGSTOP if p.kind == "stop" else signal.SIGKILL)
+    except ProcessLookupError:
+        return None
+    o.rank = rank
+    return o
+
+
+def _reap_marked(marker: str) -> list[int]:
+    """Kills any process left with the drill's marker in its environment; returns their pids."""
+    import psutil
+
+    left = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("TG_DRILL_MARKER") == marker:
+                left.append(proc.pid)
+                proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    if left:
+        log.warning("soak drill: killed %d leftover process(es): %s", len(left), left)
+    return left
