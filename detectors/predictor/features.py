@@ -1,0 +1,356 @@
+"""Windowed features of a node's metric stream, computed identically offline (whole series) and online (tail).
+
+Per counter (cumulative) metric, over a short and a long window ending at the current sample:
+``rate_s`` and ``rate_l`` (increase per minute; a drop is read as a counter reset) and ``accel``
+(``rate_s - rate_l``: a rate that is rising now). Per gauge metric: ``level`` (last value), ``drift`` (short
+mean minus long mean) and ``slope_l`` (change per minute between the two halves of the long window). Per
+metric, ``peer_z``: the node's robust z-score against the other nodes of its job at the same interval (on
+``rate_s`` for counters, ``level`` for gauges; missing when fewer than :data:`MIN_PEERS` nodes report). And
+telemetry health: ``gap_s`` (seconds since the previous sample), ``coverage_l`` (samples present over samples
+expected in the long window) and ``nan_frac_l`` (fraction of missing cells in the long window).
+
+Missing cells are forward-filled per metric (a value never seen stays NaN, which the models treat as
+missing). Windows look back in time (seconds), not in rows, so gaps shorten them instead of stretching them.
+The online path keeps, per node, only the samples of the last long window (plus the one before), and calls
+the same :func:`node_features` on that tail, so the two paths agree to floating-point rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trainguard.detectors.predictor.catalog import BY_NAME, MetricKind
+from trainguard.detectors.predictor.errors import DataFormatError, FeatureMismatchError
+from trainguard.detectors.predictor.table import MetricTable
+
+#: Fewest reporting nodes at an interval for peer z-scores to be computed (else they are missing).
+MIN_PEERS = 3
+#: Peer z-scores are clipped to +-this, so one silent peer cannot produce an unbounded feature.
+PEER_Z_CLIP = 20.0
+#: Smallest peer scale (same unit as the feature), so identical peers do not divide by zero.
+PEER_SCALE_FLOOR = 1e-3
+
+TELEMETRY_FEATURES = ("telemetry.gap_s", "telemetry.coverage_l", "telemetry.nan_frac_l")
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """Window sizes of the features.
+
+    Attributes:
+        interval_s: nominal sampling interval, seconds (default 5). Used for coverage and peer bucketing.
+        short_window_s: short window, seconds (default 300).
+        long_window_s: long window, seconds (default 1800); the online runtime keeps this much history.
+        peer: compute peer z-scores (default True).
+    """
+
+    interval_s: float = 5.0
+    short_window_s: float = 300.0
+    long_window_s: float = 1800.0
+    peer: bool = True
+
+    def __post_init__(self) -> None:
+        if not (0 < self.interval_s <= self.short_window_s < self.long_window_s):
+            raise DataFormatError(
+                "feature windows must satisfy 0 < interval_s <= short_window_s < long_window_s; "
+                f"got {self.interval_s}, {self.short_window_s}, {self.long_window_s}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Which metrics feed the model and how: the exact feature list is derived from it.
+
+    Attributes:
+        metrics: metric names (catalog names), in catalog order.
+        config: window sizes.
+    """
+
+    metrics: tuple[str, ...]
+    config: FeatureConfig = field(default_factory=FeatureConfig)
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.metrics if m not in BY_NAME]
+        if unknown:
+            raise FeatureMismatchError(f"metrics {unknown} are not in the predictor's catalog; drop them or add them")
+        if not self.metrics:
+            raise FeatureMismatchError("no known metric to compute features from; the catalog lists the usable names")
+
+    @property
+    def counters(self) -> list[int]:
+        """Indexes (into ``metrics``) of counter metrics."""
+        return [i for i, m in enumerate(self.metrics) if BY_NAME[m].kind is MetricKind.COUNTER]
+
+    @property
+    def gauges(self) -> list[int]:
+        """Indexes (into ``metrics``) of gauge metrics."""
+        return [i for i, m in enumerate(self.metrics) if BY_NAME[m].kind is MetricKind.GAUGE]
+
+    @property
+    def node_feature_names(self) -> list[str]:
+        """Names of the per-node features, in :func:`node_features` column order."""
+        names: list[str] = []
+        for i in self.counters:
+            m = self.metrics[i]
+            names += [f"{m}.rate_s", f"{m}.rate_l", f"{m}.accel"]
+        for i in self.gauges:
+            m = self.metrics[i]
+            names += [f"{m}.level", f"{m}.drift", f"{m}.slope_l"]
+        return names + list(TELEMETRY_FEATURES)
+
+    @property
+    def peer_base_columns(self) -> list[int]:
+        """Columns of the node features that get a peer z-score (``rate_s`` of counters, ``level`` of gauges)."""
+        n_c = len(self.counters)
+        return [3 * k for k in range(n_c)] + [3 * n_c + 3 * k for k in range(len(self.gauges))]
+
+    @property
+    def feature_names(self) -> list[str]:
+        """All feature names, in model column order."""
+        names = self.node_feature_names
+        if self.config.peer:
+            names = names + [names[c].rsplit(".", 1)[0] + ".peer_z" for c in self.peer_base_columns]
+        return names
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"metrics": list(self.metrics), "config": self.config.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FeatureSpec":
+        """Inverse of :meth:`to_dict`."""
+        return cls(tuple(d["metrics"]), FeatureConfig(**d["config"]))
+
+
+def forward_fill(values: np.ndarray) -> np.ndarray:
+    """Forward-fills NaNs down each column (leading NaNs stay NaN).
+
+    Args:
+        values: shape (n, m).
+
+    Returns:
+        A filled copy.
+    """
+    n = values.shape[0]
+    if n == 0:
+        return values.copy()
+    valid = ~np.isnan(values)
+    idx = np.where(valid, np.arange(n)[:, None], 0)
+    np.maximum.accumulate(idx, axis=0, out=idx)
+    return np.take_along_axis(values, idx, axis=0)
+
+
+def _window_sum(prefix: np.ndarray, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """Sums rows start..stop-1 given prefix sums with a leading zero row."""
+    return prefix[stop] - prefix[start]
+
+
+def node_features(
+    spec: FeatureSpec, ts: np.ndarray, filled: np.ndarray, nan_frac: np.ndarray, t_first: float,
+    rows: slice | None = None,
+) -> np.ndarray:
+    """Per-node features of a (forward-filled) series.
+
+    Args:
+        spec: feature spec; ``filled`` columns are ``spec.metrics`` in order.
+        ts: timestamps, seconds, strictly increasing, shape (n,).
+        filled: forward-filled samples, shape (n, len(spec.metrics)).
+        nan_frac: fraction of cells missing in each raw sample, shape (n,).
+        t_first: time of the node's first sample ever, seconds (for coverage at the start of a history).
+        rows: which rows to return features for (default all); earlier rows still serve as history.
+
+    Returns:
+        float64 array, shape (rows, len(spec.node_feature_names)).
+    """
+    cfg = spec.config
+    n = len(ts)
+    out_rows = np.arange(n)[rows] if rows is not None else np.arange(n)
+    t = ts[out_rows]
+    j_s = np.searchsorted(ts, t - cfg.short_window_s, side="left")
+    j_l = np.searchsorted(ts, t - cfg.long_window_s, side="left")
+    j_h = np.searchsorted(ts, t - cfg.long_window_s / 2.0, side="left")
+    i1 = out_rows + 1
+    cols: list[np.ndarray] = []
+    ci = spec.counters
+    if ci:
+        c = filled[:, ci]
+        d = np.diff(c, axis=0, prepend=c[:1])
+        inc = np.where(d < 0, c, d)  # a drop is a reset: the counter restarted from zero
+        inc = np.nan_to_num(inc, nan=0.0)
+        # prefix[k] = sum of increments of rows 1..k-1 (row 0's increment is unknown and never used)
+        prefix = np.vstack([np.zeros((1, len(ci))), np.cumsum(inc, axis=0)])
+        el_s = np.maximum(t - ts[j_s], cfg.interval_s)[:, None]
+        el_l = np.maximum(t - ts[j_l], cfg.interval_s)[:, None]
+        rate_s = (prefix[i1] - prefix[j_s + 1]) / el_s * 60.0
+        rate_l = (prefix[i1] - prefix[j_l + 1]) / el_l * 60.0
+        block = np.empty((len(out_rows), 3 * len(ci)))
+        block[:, 0::3], block[:, 1::3], block[:, 2::3] = rate_s, rate_l, rate_s - rate_l
+        cols.append(block)
+    gi = spec.gauges
+    if gi:
+        g = filled[:, gi]
+        valid = ~np.isnan(g)
+        s = np.vstack([np.zeros((1, len(gi))), np.cumsum(np.where(valid, g, 0.0), axis=0)])
+        k = np.vstack([np.zeros((1, len(gi))), np.cumsum(valid, axis=0)])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean_s = _window_sum(s, j_s, i1) / _window_sum(k, j_s, i1)
+            mean_l = _window_sum(s, j_l, i1) / _window_sum(k, j_l, i1)
+            recent = _window_sum(s, j_h, i1) / _window_sum(k, j_h, i1)
+            old = _window_sum(s, j_l, j_h) / _window_sum(k, j_l, j_h)
+        slope = (recent - old) / (cfg.long_window_s / 2.0) * 60.0
+        block = np.empty((len(out_rows), 3 * len(gi)))
+        block[:, 0::3], block[:, 1::3], block[:, 2::3] = g[out_rows], mean_s - mean_l, slope
+        cols.append(block)
+    prev = np.maximum(out_rows - 1, 0)
+    gap = np.where(out_rows > 0, t - ts[prev], cfg.interval_s)
+    n_rows = (i1 - j_l).astype(np.float64)
+    expected = np.floor(np.minimum(cfg.long_window_s, t - t_first) / cfg.interval_s + 1e-9) + 1.0
+    coverage = np.minimum(n_rows / np.maximum(expected, 1.0), 1.0)
+    nf = np.concatenate([[0.0], np.cumsum(nan_frac)])
+    nan_l = (nf[i1] - nf[j_l]) / n_rows
+    cols.append(np.column_stack([gap, coverage, nan_l]))
+    return np.hstack(cols)
+
+
+def peer_z(base: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Robust z-scores of each row against the other rows of its group (same job, same interval).
+
+    Args:
+        base: shape (n, k), the per-node features to compare.
+        groups: shape (n,), integer group id of each row.
+
+    Returns:
+        shape (n, k): ``(x - median) / max(1.4826 * MAD, 0.05 * |median|, floor)`` clipped to
+        +-:data:`PEER_Z_CLIP`; NaN where the group has fewer than :data:`MIN_PEERS` rows.
+    """
+    n, k = base.shape
+    out = np.full((n, k), np.nan)
+    if n == 0:
+        return out
+    order = np.argsort(groups, kind="stable")
+    g_sorted = groups[order]
+    starts = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
+    sizes = np.diff(np.r_[starts, n])
+    # groups of equal size are stacked into one (n_groups, size, k) array: one vectorised median per size
+    for size in np.unique(sizes):
+        if size < MIN_PEERS:
+            continue
+        sel = starts[sizes == size]
+        idx = order[sel[:, None] + np.arange(size)[None, :]]
+        x = base[idx]  # (g, size, k)
+        with np.errstate(invalid="ignore"), _quiet_nan():
+            med = np.nanmedian(x, axis=1, keepdims=True)
+            mad = np.nanmedian(np.abs(x - med), axis=1, keepdims=True)
+        scale = np.maximum(np.maximum(1.4826 * mad, 0.05 * np.abs(med)), PEER_SCALE_FLOOR)
+        z = np.clip((x - med) / scale, -PEER_Z_CLIP, PEER_Z_CLIP)
+        out[idx.reshape(-1)] = z.reshape(-1, k)
+    return out
+
+
+class _quiet_nan:
+    """Silences numpy's 'All-NaN slice' warnings inside a block (a column may be missing for a whole group)."""
+
+    def __enter__(self) -> None:
+        import warnings
+
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.simplefilter("ignore", RuntimeWarning)
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+
+
+@dataclass
+class FeatureFrame:
+    """Features of a whole table, rows grouped by node and in time order within a node.
+
+    Attributes:
+        names: feature names (column order of ``x``).
+        x: features, float32, shape (n, len(names)).
+        ts: timestamps of the rows, seconds.
+        node: node of each row.
+        missing_metrics: model metrics absent from the table (their features are NaN).
+    """
+
+    names: list[str]
+    x: np.ndarray
+    ts: np.ndarray
+    node: np.ndarray
+    missing_metrics: list[str] = field(default_factory=list)
+
+
+def align_metrics(table_columns: list[str], spec: FeatureSpec, missing: str = "error") -> tuple[list[int | None], list[str]]:
+    """Maps the spec's metrics to table columns.
+
+    Args:
+        table_columns: columns available.
+        spec: the model's feature spec.
+        missing: ``"error"`` to refuse when a metric is absent, ``"nan"`` to treat it as always missing.
+
+    Returns:
+        ``(index of each spec metric in table_columns or None, names of the missing metrics)``.
+
+    Raises:
+        FeatureMismatchError: a metric is absent and ``missing == "error"``.
+    """
+    if missing not in ("error", "nan"):
+        raise FeatureMismatchError(f"missing-metric policy {missing!r} is not 'error' or 'nan'")
+    pos = {c: i for i, c in enumerate(table_columns)}
+    idx = [pos.get(m) for m in spec.metrics]
+    absent = [m for m, i in zip(spec.metrics, idx) if i is None]
+    if absent and missing == "error":
+        raise FeatureMismatchError(
+            f"the data lacks metric(s) {absent} that the model was trained on; supply them, retrain on the "
+            "metrics you have, or accept degraded scores with --missing nan"
+        )
+    return idx, absent
+
+
+def table_features(table: MetricTable, spec: FeatureSpec, missing: str = "error") -> FeatureFrame:
+    """Computes every feature of every row of a table.
+
+    Args:
+        table: metrics of one or more nodes.
+        spec: features to compute.
+        missing: policy for model metrics absent from the table (see :func:`align_metrics`).
+
+    Returns:
+        The feature frame (rows grouped per node, sorted node names, time order).
+
+    Raises:
+        FeatureMismatchError: a metric is absent and ``missing == "error"``.
+    """
+    idx, absent = align_metrics(table.columns, spec, missing)
+    names = spec.feature_names
+    n_node_f = len(spec.node_feature_names)
+    x = np.empty((len(table.ts), len(names)), dtype=np.float32)
+    ts_out = np.empty(len(table.ts))
+    node_out = np.empty(len(table.ts), dtype=object)
+    job_out = np.empty(len(table.ts), dtype=object)
+    r = 0
+    for s in table.per_node():
+        raw = np.full((len(s.ts), len(spec.metrics)), np.nan)
+        for k, i in enumerate(idx):
+            if i is not None:
+                raw[:, k] = s.values[:, i]
+        nan_frac = np.isnan(raw).mean(axis=1) if raw.shape[1] else np.zeros(len(s.ts))
+        feats = node_features(spec, s.ts, forward_fill(raw), nan_frac, float(s.ts[0]))
+        m = len(s.ts)
+        x[r : r + m, :n_node_f] = feats
+        ts_out[r : r + m], node_out[r : r + m], job_out[r : r + m] = s.ts, s.node, s.job
+        r += m
+    if spec.config.peer:
+        base = x[:, spec.peer_base_columns].astype(np.float64)
+        bucket = np.round(ts_out / spec.config.interval_s).astype(np.int64)
+        _, job_id = np.unique(job_out.astype(str), return_inverse=True)
+        groups = bucket * (int(job_id.max()) + 1 if len(job_id) else 1) + job_id
+        x[:, n_node_f:] = peer_z(base, groups)
+    return FeatureFrame(names, x, ts_out, node_out, absent)

@@ -1,0 +1,256 @@
+"""The agent's metric history: fixed-interval samples and observed hard failures in one SQLite file.
+
+The agent appends one flat ``dict[str, float]`` per node per interval (e.g. every 5 s) and records each hard
+failure it observes; this is the predictor's training data, and users export it to the CSV interchange
+format (:mod:`.table`). Layout: a table of metric-name lists ("schemas", stored once) and one row per sample
+holding ``(ts, node id, schema id, values)`` with the values packed as little-endian float64 (about 150 bytes
+per sample of 16 metrics, ~2.6 MB per node-day at 5 s). WAL journal, ``synchronous=NORMAL``: an append costs
+well under a millisecond and a crash loses at most the last few appends, never the file.
+
+Retention: every ``prune_every`` appends, samples and events older than ``retention_s`` before the newest
+sample are deleted, then, while the live data exceeds ``max_bytes``, the oldest 10% of samples go too. Freed
+pages return to the file system (``auto_vacuum=INCREMENTAL``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from trainguard.detectors.predictor.errors import HistoryError
+from trainguard.detectors.predictor.table import EventTable, MetricTable
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS nodes (id INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NULL);
+CREATE TABLE IF NOT EXISTS schemas (id INTEGER PRIMARY KEY, names TEXT UNIQUE NOT NULL);
+CREATE TABLE IF NOT EXISTS samples (ts REAL NOT NULL, node_id INTEGER NOT NULL, schema_id INTEGER NOT NULL,
+                                    vals BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS samples_ts ON samples (ts);
+CREATE INDEX IF NOT EXISTS samples_node_ts ON samples (node_id, ts);
+CREATE TABLE IF NOT EXISTS events (ts REAL NOT NULL, node_id INTEGER NOT NULL, kind TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS events_ts ON events (ts);
+"""
+
+
+class MetricHistory:
+    """A bounded local store of metric samples and failure events (see the module docstring).
+
+    Safe to use from several threads of one process (one connection behind a lock).
+    """
+
+    def __init__(self, path: str | Path, retention_s: float = 30 * 86400.0, max_bytes: int = 512 * 2**20,
+                 prune_every: int = 720) -> None:
+        """Opens or creates a store.
+
+        Args:
+            path: SQLite file (created with its folder if absent).
+            retention_s: keep this much history before the newest sample, seconds (default 30 days).
+            max_bytes: bound on the live data size, bytes (default 512 MiB).
+            prune_every: appends between two retention passes (default 720, one hour at 5 s).
+
+        Raises:
+            HistoryError: the file cannot be opened or is not a history store.
+        """
+        if retention_s <= 0 or max_bytes <= 0 or prune_every <= 0:
+            raise HistoryError("retention_s, max_bytes and prune_every must be positive")
+        self.path = Path(path)
+        self.retention_s = float(retention_s)
+        self.max_bytes = int(max_bytes)
+        self.prune_every = int(prune_every)
+        self._lock = threading.Lock()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA auto_vacuum = INCREMENTAL")
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = NORMAL")
+            self._db.executescript(_SCHEMA)
+            self._nodes = {n: i for i, n in self._db.execute("SELECT id, name FROM nodes")}
+            self._schemas = {tuple(json.loads(s)): i for i, s in self._db.execute("SELECT id, names FROM schemas")}
+            self._last = {n: t for n, t in self._db.execute(
+                "SELECT nodes.name, MAX(samples.ts) FROM samples JOIN nodes ON nodes.id = samples.node_id GROUP BY node_id")}
+        except sqlite3.DatabaseError as exc:
+            raise HistoryError(f"{self.path}: cannot open metric history ({exc}); move the file aside to start anew") from exc
+        self._since_prune = 0
+
+    def close(self) -> None:
+        """Closes the store (further calls fail)."""
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> "MetricHistory":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _node_id(self, node: str) -> int:
+        nid = self._nodes.get(node)
+        if nid is None:
+            nid = int(self._db.execute("INSERT INTO nodes (name) VALUES (?)", (node,)).lastrowid)
+            self._nodes[node] = nid
+        return nid
+
+    def append(self, ts: float, node: str, metrics: dict[str, float]) -> None:
+        """Stores one sample.
+
+        Args:
+            ts: sample time, Unix seconds; must be after the node's previous sample.
+            node: node name.
+            metrics: flat metric name -> value (NaN allowed for a value that could not be read).
+
+        Raises:
+            HistoryError: time not increasing, non-numeric value, or the write failed.
+        """
+        if not math.isfinite(ts):
+            raise HistoryError(f"node {node!r}: timestamp {ts!r} is not finite")
+        names = tuple(sorted(metrics))
+        try:
+            vals = np.array([float(metrics[n]) for n in names], dtype="<f8")
+        except (TypeError, ValueError) as exc:
+            raise HistoryError(f"node {node!r}: a metric value is not a number ({exc}); pass floats") from exc
+        with self._lock:
+            last = self._last.get(node)
+            if last is not None and ts <= last:
+                raise HistoryError(
+                    f"node {node!r}: sample at {ts} is not after the stored {last}; samples must be appended in time order"
+                )
+            try:
+                self._db.execute("BEGIN")
+                sid = self._schemas.get(names)
+                if sid is None:
+                    sid = int(self._db.execute("INSERT INTO schemas (names) VALUES (?)", (json.dumps(names),)).lastrowid)
+                    self._schemas[names] = sid
+                self._db.execute("INSERT INTO samples VALUES (?, ?, ?, ?)", (ts, self._node_id(node), sid, vals.tobytes()))
+                self._db.execute("COMMIT")
+            except sqlite3.DatabaseError as exc:
+                self._rollback()
+                raise HistoryError(f"{self.path}: cannot store sample ({exc}); check disk space") from exc
+            self._last[node] = ts
+            self._since_prune += 1
+            if self._since_prune >= self.prune_every:
+                self._prune_locked()
+
+    def record_event(self, ts: float, node: str, kind: str) -> None:
+        """Stores an observed hard failure.
+
+        Args:
+            ts: failure time, Unix seconds.
+            node: node name.
+            kind: failure kind (free text, e.g. ``"GPU Lost"``).
+
+        Raises:
+            HistoryError: the write failed or the time is not finite.
+        """
+        if not math.isfinite(ts):
+            raise HistoryError(f"event on node {node!r}: timestamp {ts!r} is not finite")
+        with self._lock:
+            try:
+                self._db.execute("BEGIN")
+                self._db.execute("INSERT INTO events VALUES (?, ?, ?)", (ts, self._node_id(node), str(kind)))
+                self._db.execute("COMMIT")
+            except sqlite3.DatabaseError as exc:
+                self._rollback()
+                raise HistoryError(f"{self.path}: cannot store event ({exc}); check disk space") from exc
+
+    def _rollback(self) -> None:
+        try:
+            self._db.execute("ROLLBACK")
+        except sqlite3.DatabaseError:
+            pass
+
+    def live_bytes(self) -> int:
+        """Bytes of pages in use (file size less free pages)."""
+        with self._lock:
+            return self._live_bytes_locked()
+
+    def _live_bytes_locked(self) -> int:
+        ps = self._db.execute("PRAGMA page_size").fetchone()[0]
+        pc = self._db.execute("PRAGMA page_count").fetchone()[0]
+        fl = self._db.execute("PRAGMA freelist_count").fetchone()[0]
+        return int(ps * (pc - fl))
+
+    def prune(self) -> int:
+        """Applies retention now.
+
+        Returns:
+            Samples deleted.
+        """
+        with self._lock:
+            return self._prune_locked()
+
+    def _prune_locked(self) -> int:
+        self._since_prune = 0
+        newest = self._db.execute("SELECT MAX(ts) FROM samples").fetchone()[0]
+        if newest is None:
+            return 0
+        cutoff = newest - self.retention_s
+        deleted = self._db.execute("DELETE FROM samples WHERE ts < ?", (cutoff,)).rowcount
+        self._db.execute("DELETE FROM events WHERE ts < ?", (cutoff,))
+        while self._live_bytes_locked() > self.max_bytes:
+            n = self._db.execute("SELECT COUNT(*) FROM samples").fetchone()[0]
+            if n == 0:
+                break
+            cut = self._db.execute("SELECT ts FROM samples ORDER BY ts LIMIT 1 OFFSET ?", (max(1, n // 10),)).fetchone()
+            cut_ts = cut[0] if cut else newest + 1
+            deleted += self._db.execute("DELETE FROM samples WHERE ts < ?", (cut_ts,)).rowcount
+            self._db.execute("DELETE FROM events WHERE ts < ?", (cut_ts,))
+            if n // 10 == 0:
+                break
+        self._db.execute("PRAGMA incremental_vacuum")
+        return int(deleted)
+
+    def count(self) -> int:
+        """Samples stored."""
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM samples").fetchone()[0])
+
+    def to_tables(self, since: float | None = None) -> tuple[MetricTable, EventTable]:
+        """Reads the store into tables (metric columns: the union of all names, sorted; absent = NaN).
+
+        Args:
+            since: only samples and events at or after this time, Unix seconds.
+
+        Returns:
+            ``(metrics, events)``.
+        """
+        lo = -math.inf if since is None else since
+        with self._lock:
+            names_of = {i: json.loads(s) for s, i in ((json.dumps(k), v) for k, v in self._schemas.items())}
+            node_of = {i: n for n, i in self._nodes.items()}
+            rows = self._db.execute(
+                "SELECT ts, node_id, schema_id, vals FROM samples WHERE ts >= ? ORDER BY ts, node_id", (lo,)).fetchall()
+            evs = self._db.execute("SELECT ts, node_id, kind FROM events WHERE ts >= ? ORDER BY ts", (lo,)).fetchall()
+        columns = sorted({n for names in names_of.values() for n in names})
+        pos = {c: i for i, c in enumerate(columns)}
+        idx_of = {sid: np.array([pos[n] for n in names], dtype=np.int64) for sid, names in names_of.items()}
+        values = np.full((len(rows), len(columns)), np.nan)
+        for r, (_, _, sid, blob) in enumerate(rows):
+            values[r, idx_of[sid]] = np.frombuffer(blob, dtype="<f8")
+        metrics = MetricTable(columns, np.array([r[0] for r in rows], dtype=np.float64),
+                              np.array([node_of[r[1]] for r in rows], dtype=object), values)
+        events = EventTable(np.array([e[0] for e in evs], dtype=np.float64),
+                            np.array([node_of[e[1]] for e in evs], dtype=object), np.array([e[2] for e in evs], dtype=object))
+        return metrics, events
+
+    def export(self, metrics_csv: str | Path, events_csv: str | Path, since: float | None = None) -> tuple[int, int]:
+        """Writes the store in the CSV interchange format.
+
+        Args:
+            metrics_csv: destination of ``timestamp,node,<metrics...>``.
+            events_csv: destination of ``timestamp,node,kind``.
+            since: only data at or after this time, Unix seconds.
+
+        Returns:
+            ``(samples written, events written)``.
+        """
+        metrics, events = self.to_tables(since)
+        metrics.to_csv(metrics_csv)
+        events.to_csv(events_csv)
+        return len(metrics.ts), len(events)

@@ -1,0 +1,327 @@
+"""The CSV interchange format: a metrics table and an events table, validated on the way in.
+
+Metrics: a header ``timestamp,node[,job],<metric columns...>`` then one row per node per interval.
+``timestamp`` is Unix time in seconds (a float) or an ISO 8601 time (a time without zone is read as UTC).
+``job`` is optional; nodes of the same job are each other's peers (without it, all nodes are one job). An
+empty cell or ``nan`` is a missing value (kept as NaN; the features forward-fill it and count it as a
+telemetry gap). Rows of different nodes may interleave, but each node's timestamps must strictly increase.
+
+Events: a header ``timestamp,node,kind``, one row per observed hard failure (``kind`` is free text, e.g.
+``GPU Lost``). Anything else (a missing column, a non-numeric cell, an infinite value, a node going back in
+time) is a :class:`~.errors.DataFormatError` that names the file, line and column.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from trainguard.detectors.predictor.catalog import RESERVED_COLUMNS
+from trainguard.detectors.predictor.errors import DataFormatError
+
+
+def _parse_time(text: str, where: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise DataFormatError(f"{where}: timestamp {text!r} is neither Unix seconds nor ISO 8601; fix the cell") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def _parse_value(text: str, where: str) -> float:
+    t = text.strip()
+    if t == "" or t.lower() == "nan":
+        return math.nan
+    try:
+        v = float(t)
+    except ValueError:
+        raise DataFormatError(f"{where}: value {text!r} is not a number; leave the cell empty if it is missing") from None
+    if math.isinf(v):
+        raise DataFormatError(f"{where}: value {text!r} is infinite; leave the cell empty if it is missing")
+    return v
+
+
+@dataclass
+class NodeSeries:
+    """One node's samples in time order.
+
+    Attributes:
+        node: node name.
+        job: job name ("" when the table has no job column).
+        ts: timestamps, seconds, strictly increasing, shape (n,).
+        values: samples, shape (n, len(columns)); NaN where missing.
+    """
+
+    node: str
+    job: str
+    ts: np.ndarray
+    values: np.ndarray
+
+
+@dataclass
+class MetricTable:
+    """Samples of many nodes.
+
+    Attributes:
+        columns: metric column names, in file order.
+        ts: timestamps, seconds, shape (n,).
+        node: node names, shape (n,), dtype object.
+        values: shape (n, len(columns)), float64, NaN where missing.
+        job: job names, shape (n,), or None (all nodes are one job).
+    """
+
+    columns: list[str]
+    ts: np.ndarray
+    node: np.ndarray
+    values: np.ndarray
+    job: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.ts = np.asarray(self.ts, dtype=np.float64)
+        self.node = np.asarray(self.node, dtype=object)
+        self.values = np.asarray(self.values, dtype=np.float64).reshape(len(self.ts), len(self.columns))
+        self.validate()
+
+    def validate(self, source: str = "metrics") -> None:
+        """Checks shapes, finiteness of timestamps and per-node strictly increasing time.
+
+        Args:
+            source: name used in error messages (a file path).
+
+        Raises:
+            DataFormatError: on the first problem found.
+        """
+        if len(set(self.columns)) != len(self.columns):
+            dup = sorted({c for c in self.columns if self.columns.count(c) > 1})
+            raise DataFormatError(f"{source}: duplicate metric columns {dup}; give each column a unique name")
+        bad = [c for c in self.columns if c in RESERVED_COLUMNS]
+        if bad:
+            raise DataFormatError(f"{source}: {bad} are reserved column names and cannot be metrics")
+        if len(self.node) != len(self.ts):
+            raise DataFormatError(f"{source}: {len(self.ts)} timestamps but {len(self.node)} node names")
+        if not np.all(np.isfinite(self.ts)):
+            raise DataFormatError(f"{source}: a timestamp is NaN or infinite; every row needs a finite timestamp")
+        if np.isinf(self.values).any():
+            raise DataFormatError(f"{source}: a metric value is infinite; use NaN (an empty cell) for missing values")
+        if len(self.ts) == 0:
+            return
+        order = np.lexsort((np.arange(len(self.ts)), self.node.astype(str)))
+        n_sorted, t_sorted = self.node[order], self.ts[order]
+        same = n_sorted[1:] == n_sorted[:-1]
+        back = same & (np.diff(t_sorted) <= 0)
+        if back.any():
+            i = int(np.argmax(back))
+            row = int(order[i + 1])
+            raise DataFormatError(
+                f"{source}: node {n_sorted[i]!r} row {row + 1} has timestamp {t_sorted[i + 1]!r} not after the "
+                f"previous {t_sorted[i]!r}; timestamps of each node must strictly increase (sort and deduplicate)"
+            )
+
+    @property
+    def nodes(self) -> list[str]:
+        """Node names, sorted."""
+        return sorted({str(n) for n in self.node})
+
+    def per_node(self) -> Iterator[NodeSeries]:
+        """Yields each node's series, nodes in sorted order, rows in time order."""
+        keys = self.node.astype(str)
+        order = np.lexsort((self.ts, keys))
+        keys_sorted = keys[order]
+        starts = np.flatnonzero(np.r_[True, keys_sorted[1:] != keys_sorted[:-1]])
+        ends = np.r_[starts[1:], len(order)]
+        for s, e in zip(starts, ends):
+            idx = order[s:e]
+            job = "" if self.job is None else str(self.job[idx[0]])
+            yield NodeSeries(str(keys_sorted[s]), job, self.ts[idx], self.values[idx])
+
+    def select_rows(self, mask: np.ndarray) -> "MetricTable":
+        """Returns the rows where ``mask`` is true (same columns)."""
+        return MetricTable(
+            list(self.columns), self.ts[mask], self.node[mask], self.values[mask],
+            None if self.job is None else self.job[mask],
+        )
+
+    @property
+    def node_days(self) -> float:
+        """Observed node-days: per node, the covered time span plus one interval, summed."""
+        total = 0.0
+        for s in self.per_node():
+            step = float(np.median(np.diff(s.ts))) if len(s.ts) > 1 else 0.0
+            total += float(s.ts[-1] - s.ts[0]) + step
+        return total / 86400.0
+
+    @classmethod
+    def from_csv(cls, path: str | Path) -> "MetricTable":
+        """Reads a metrics CSV file.
+
+        Args:
+            path: file path.
+
+        Returns:
+            The validated table.
+
+        Raises:
+            DataFormatError: unreadable file, missing ``timestamp``/``node`` columns, bad cell, time going back.
+        """
+        path = Path(path)
+        try:
+            with path.open(newline="") as fh:
+                reader = csv.reader(fh)
+                header = next(reader, None)
+                if header is None:
+                    raise DataFormatError(f"{path}: file is empty; expected a header 'timestamp,node,<metrics...>'")
+                header = [h.strip() for h in header]
+                missing = [c for c in ("timestamp", "node") if c not in header]
+                if missing:
+                    raise DataFormatError(
+                        f"{path}: missing column(s) {missing}; the header must start 'timestamp,node,<metrics...>'"
+                    )
+                i_ts, i_node = header.index("timestamp"), header.index("node")
+                i_job = header.index("job") if "job" in header else None
+                metric_idx = [i for i, h in enumerate(header) if h not in RESERVED_COLUMNS]
+                columns = [header[i] for i in metric_idx]
+                ts: list[float] = []
+                nodes: list[str] = []
+                jobs: list[str] = []
+                rows: list[list[float]] = []
+                for line_no, row in enumerate(reader, start=2):
+                    if not row:
+                        continue
+                    if len(row) != len(header):
+                        raise DataFormatError(f"{path}:{line_no}: {len(row)} cells but the header has {len(header)}")
+                    where = f"{path}:{line_no}"
+                    ts.append(_parse_time(row[i_ts], where))
+                    if not row[i_node].strip():
+                        raise DataFormatError(f"{where}: empty node name; every row needs its node")
+                    nodes.append(row[i_node].strip())
+                    if i_job is not None:
+                        jobs.append(row[i_job].strip())
+                    rows.append([_parse_value(row[i], f"{where} column {header[i]!r}") for i in metric_idx])
+        except OSError as exc:
+            raise DataFormatError(f"{path}: cannot read metrics file ({exc.strerror}); check the path") from exc
+        values = np.array(rows, dtype=np.float64).reshape(len(rows), len(columns))
+        table = cls.__new__(cls)
+        table.columns, table.ts, table.node, table.values = columns, np.array(ts), np.array(nodes, dtype=object), values
+        table.job = np.array(jobs, dtype=object) if i_job is not None else None
+        table.validate(str(path))
+        return table
+
+    def to_csv(self, path: str | Path) -> None:
+        """Writes the table in the interchange format (rows in time order, NaN as an empty cell).
+
+        Args:
+            path: destination file (overwritten).
+        """
+        order = np.lexsort((self.node.astype(str), self.ts))
+        with Path(path).open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["timestamp", "node"] + (["job"] if self.job is not None else []) + self.columns)
+            for i in order:
+                cells = ["" if math.isnan(v) else repr(float(v)) for v in self.values[i]]
+                head = [repr(float(self.ts[i])), str(self.node[i])]
+                if self.job is not None:
+                    head.append(str(self.job[i]))
+                w.writerow(head + cells)
+
+
+@dataclass
+class EventTable:
+    """Observed hard failures.
+
+    Attributes:
+        ts: failure times, seconds.
+        node: node names.
+        kind: failure kinds (free text).
+    """
+
+    ts: np.ndarray
+    node: np.ndarray
+    kind: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.ts = np.asarray(self.ts, dtype=np.float64)
+        self.node = np.asarray(self.node, dtype=object)
+        self.kind = np.asarray(self.kind, dtype=object)
+        if not (len(self.ts) == len(self.node) == len(self.kind)):
+            raise DataFormatError("events: timestamp, node and kind columns differ in length")
+        if not np.all(np.isfinite(self.ts)):
+            raise DataFormatError("events: a timestamp is NaN or infinite; every event needs a finite time")
+
+    @classmethod
+    def empty(cls) -> "EventTable":
+        """An events table with no rows."""
+        return cls(np.zeros(0), np.zeros(0, dtype=object), np.zeros(0, dtype=object))
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+    def for_node(self, node: str) -> np.ndarray:
+        """Failure times of one node, sorted."""
+        return np.sort(self.ts[self.node.astype(str) == node]) if len(self.ts) else np.zeros(0)
+
+    @classmethod
+    def from_csv(cls, path: str | Path) -> "EventTable":
+        """Reads an events CSV file (``timestamp,node,kind``).
+
+        Raises:
+            DataFormatError: unreadable file, missing column, bad timestamp.
+        """
+        path = Path(path)
+        try:
+            with path.open(newline="") as fh:
+                reader = csv.reader(fh)
+                header = [h.strip() for h in (next(reader, None) or [])]
+                missing = [c for c in ("timestamp", "node", "kind") if c not in header]
+                if missing:
+                    raise DataFormatError(f"{path}: missing column(s) {missing}; the header must be 'timestamp,node,kind'")
+                it, inode, ikind = header.index("timestamp"), header.index("node"), header.index("kind")
+                ts, nodes, kinds = [], [], []
+                for line_no, row in enumerate(reader, start=2):
+                    if not row:
+                        continue
+                    if len(row) != len(header):
+                        raise DataFormatError(f"{path}:{line_no}: {len(row)} cells but the header has {len(header)}")
+                    ts.append(_parse_time(row[it], f"{path}:{line_no}"))
+                    nodes.append(row[inode].strip())
+                    kinds.append(row[ikind].strip())
+        except OSError as exc:
+            raise DataFormatError(f"{path}: cannot read events file ({exc.strerror}); check the path") from exc
+        return cls(np.array(ts), np.array(nodes, dtype=object), np.array(kinds, dtype=object))
+
+    def to_csv(self, path: str | Path) -> None:
+        """Writes the events in time order."""
+        order = np.argsort(self.ts, kind="stable")
+        with Path(path).open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["timestamp", "node", "kind"])
+            for i in order:
+                w.writerow([repr(float(self.ts[i])), str(self.node[i]), str(self.kind[i])])
+
+
+def concat_tables(tables: Sequence[MetricTable]) -> MetricTable:
+    """Stacks tables with identical columns.
+
+    Raises:
+        DataFormatError: the tables' columns differ.
+    """
+    cols = tables[0].columns
+    for t in tables[1:]:
+        if t.columns != cols:
+            raise DataFormatError("cannot stack metric tables with different columns; align the columns first")
+    jobs = None if any(t.job is None for t in tables) else np.concatenate([t.job for t in tables])
+    return MetricTable(
+        list(cols), np.concatenate([t.ts for t in tables]), np.concatenate([t.node for t in tables]),
+        np.concatenate([t.values for t in tables]), jobs,
+    )

@@ -1,0 +1,202 @@
+"""Fitting a predictor on a history: features, time-ordered split, model fit, threshold calibration.
+
+The history is split by time: the first ``1 - calib_fraction`` of its time span fits the model, the rest
+calibrates the alarm threshold to the false-alarm budget (events there are used only to tell hits from false
+alarms). No row split is random: rows of one node at nearby times are nearly identical, so a random split
+would leak the answer. Evaluating on other nodes and a later period (``trainguard predictor eval``) is the
+honest check; :mod:`bench.bench_predictor` does exactly that.
+
+Method ``auto`` picks ``hgb`` (supervised) when the fit period holds at least ``min_failures`` failures with
+labelled warning windows, else ``robust-z`` (unsupervised). Supervised training keeps every positive row
+("failure of this node within L..H seconds") and a random ``neg_fraction`` of the negative rows, grouped by
+nothing but drawn per row, which is fine for fitting (never for evaluating).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trainguard._version import __version__
+from trainguard.detectors.predictor.catalog import split_known
+from trainguard.detectors.predictor.errors import FeatureMismatchError, InsufficientDataError, PredictorError
+from trainguard.detectors.predictor.evaluation import (
+    EvalConfig, calibrate_threshold, failures_by_node, labels_for, node_days,
+)
+from trainguard.detectors.predictor.features import FeatureConfig, FeatureFrame, FeatureSpec, table_features
+from trainguard.detectors.predictor.model import PredictorModel
+from trainguard.detectors.predictor.scorers import RobustZScorer, Scorer, ThresholdScorer, TreeEnsembleScorer
+from trainguard.detectors.predictor.table import EventTable, MetricTable
+
+log = logging.getLogger(__name__)
+
+METHODS = ("auto", "hgb", "robust-z", "threshold")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train.
+
+    Attributes:
+        method: ``auto``, ``hgb``, ``robust-z`` or ``threshold`` (default ``auto``).
+        features: feature windows.
+        evaluation: horizon, checkpoint time, cooldown and false-alarm budget.
+        calib_fraction: trailing fraction of the time span used to calibrate the threshold (default 0.25).
+        min_failures: failures needed in the fit period for ``auto`` to choose ``hgb`` (default 5).
+        neg_fraction: fraction of negative rows kept to fit ``hgb`` (default 0.2).
+        max_iter: boosting iterations (default 150).
+        learning_rate: boosting learning rate (default 0.1).
+        max_leaf_nodes: leaves per tree (default 15).
+        seed: random seed (default 0).
+        threads: OpenMP threads scikit-learn may use while fitting (default 1).
+    """
+
+    method: str = "auto"
+    features: FeatureConfig = field(default_factory=FeatureConfig)
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
+    calib_fraction: float = 0.25
+    min_failures: int = 5
+    neg_fraction: float = 0.2
+    max_iter: int = 150
+    learning_rate: float = 0.1
+    max_leaf_nodes: int = 15
+    seed: int = 0
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise PredictorError(f"unknown method {self.method!r}; choose one of {list(METHODS)}")
+        if not 0.05 <= self.calib_fraction <= 0.8:
+            raise PredictorError(f"calib_fraction {self.calib_fraction} outside [0.05, 0.8]")
+        if not 0 < self.neg_fraction <= 1:
+            raise PredictorError(f"neg_fraction {self.neg_fraction} outside (0, 1]")
+
+
+def fit_scorer(method: str, frame: FeatureFrame, rows: np.ndarray, y: np.ndarray, cfg: TrainConfig) -> Scorer:
+    """Fits one scorer on some rows of a feature frame.
+
+    Args:
+        method: ``hgb``, ``robust-z`` or ``threshold``.
+        frame: features.
+        rows: indexes of the fitting rows.
+        y: labels of all frame rows (1 positive, 0 negative, -1 excluded).
+        cfg: training parameters.
+
+    Returns:
+        The fitted scorer.
+
+    Raises:
+        InsufficientDataError: too few rows or no positive row for ``hgb``.
+    """
+    yr = y[rows]
+    if method == "hgb":
+        from sklearn.ensemble import HistGradientBoostingClassifier
+
+        pos = rows[yr == 1]
+        neg = rows[yr == 0]
+        if len(pos) == 0 or len(neg) == 0:
+            raise InsufficientDataError(
+                "supervised training needs failures with observed warning windows in the fit period; "
+                "record more failures or use --method robust-z"
+            )
+        rng = np.random.default_rng(cfg.seed)
+        neg = neg[rng.random(len(neg)) < cfg.neg_fraction]
+        sel = np.concatenate([pos, neg])
+        clf = HistGradientBoostingClassifier(
+            max_iter=cfg.max_iter, learning_rate=cfg.learning_rate, max_leaf_nodes=cfg.max_leaf_nodes,
+            l2_regularization=1.0, min_samples_leaf=40, early_stopping=False, random_state=cfg.seed,
+        )
+        from threadpoolctl import threadpool_limits
+
+        # OpenMP spinning on an oversubscribed machine costs far more than it gains: cap the threads
+        with threadpool_limits(limits=cfg.threads):
+            clf.fit(frame.x[sel], (y[sel] == 1).astype(np.int8))
+        return TreeEnsembleScorer.from_sklearn(clf, frame.names)
+    healthy = rows[yr == 0]
+    if len(healthy) < 10:
+        raise InsufficientDataError(f"only {len(healthy)} healthy rows to fit {method}; give more history")
+    if method == "robust-z":
+        return RobustZScorer.fit(frame.names, frame.x[healthy])
+    if method == "threshold":
+        return ThresholdScorer.fit(frame.names, frame.x[healthy])
+    raise PredictorError(f"unknown method {method!r}; choose one of {list(METHODS[1:])}")
+
+
+def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = TrainConfig()) -> PredictorModel:
+    """Trains a predictor on a history.
+
+    Args:
+        metrics: the metric history (every known catalog column present is used; others are ignored).
+        events: observed hard failures (None or empty: unsupervised only).
+        cfg: training parameters.
+
+    Returns:
+        The model, its threshold calibrated on the trailing part of the history, with a training summary.
+
+    Raises:
+        FeatureMismatchError: no catalog metric in the table.
+        InsufficientDataError: too little history to fit or calibrate.
+    """
+    t0 = time.monotonic()
+    known, unknown = split_known(metrics.columns)
+    if not known:
+        raise FeatureMismatchError(
+            f"none of the columns {metrics.columns[:8]} is a metric the predictor knows; see "
+            "trainguard.detectors.predictor.catalog for the names"
+        )
+    if unknown:
+        log.info("ignoring %d column(s) the learned tier does not know: %s", len(unknown), unknown)
+    if len(metrics.ts) < 100:
+        raise InsufficientDataError(f"only {len(metrics.ts)} samples; train on at least a few hours of history")
+    spec = FeatureSpec(tuple(known), cfg.features)
+    frame = table_features(metrics, spec)
+    events = events if events is not None else EventTable.empty()
+    failures = failures_by_node(events.node, events.ts)
+    y = labels_for(frame.ts, frame.node, failures, cfg.evaluation)
+    t_lo, t_hi = float(frame.ts.min()), float(frame.ts.max())
+    split = t_lo + (1.0 - cfg.calib_fraction) * (t_hi - t_lo)
+    fit_rows = np.flatnonzero(frame.ts < split)
+    cal_rows = np.flatnonzero(frame.ts >= split)
+    fit_failures = int(sum(((f >= t_lo) & (f < split)).sum() for f in failures.values()))
+    method = cfg.method
+    if method == "auto":
+        method = "hgb" if fit_failures >= cfg.min_failures and (y[fit_rows] == 1).any() else "robust-z"
+    scorer = fit_scorer(method, frame, fit_rows, y, cfg)
+    cal_score = scorer.score(frame.x[cal_rows])
+    threshold, report = calibrate_threshold(
+        frame.ts[cal_rows], frame.node[cal_rows], cal_score, failures, cfg.evaluation, spec.config.interval_s
+    )
+    summary: dict[str, Any] = {
+        "trainguard_version": __version__, "method": method, "rows": int(len(frame.ts)),
+        "nodes": int(len(set(frame.node.astype(str)))),
+        "node_days": node_days(frame.ts, frame.node, spec.config.interval_s),
+        "time_range": [t_lo, t_hi], "split_time": split, "failures_total": int(len(events)),
+        "failures_fit_period": fit_failures, "positive_rows": int((y[fit_rows] == 1).sum()),
+        "metrics": list(known), "ignored_columns": list(unknown), "calibration": report.summary(),
+        "train_config": {k: v for k, v in asdict(cfg).items() if k not in ("features", "evaluation")},
+        "train_seconds": round(time.monotonic() - t0, 2),
+    }
+    return PredictorModel(spec, scorer, threshold, cfg.evaluation, summary)
+
+
+def score_table(model: PredictorModel, metrics: MetricTable, missing: str = "error") -> tuple[FeatureFrame, np.ndarray]:
+    """Scores every row of a table offline (same features as the online runtime).
+
+    Args:
+        model: trained model.
+        metrics: data to score.
+        missing: ``error`` or ``nan`` for model metrics absent from the table (see
+            :func:`~.features.align_metrics`).
+
+    Returns:
+        ``(feature frame, scores)``.
+
+    Raises:
+        FeatureMismatchError: a model metric is missing and ``missing == "error"``.
+    """
+    frame = table_features(metrics, model.spec, missing)
+    return frame, model.scorer.score(frame.x)
