@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.detectors.base import (
@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds a listener that crashed waits before listening again.
 LISTENER_RETRY_S = 5.0
+#: A sample() running longer than this many seconds shows its detector as stalled (state ERROR).
+STALL_AFTER_S = 30.0
 
 EventCallback = Callable[[HealthEvent], None]
 
@@ -100,6 +102,7 @@ class DetectorRunner:
         self._threads: list[threading.Thread] = []
         self._started = False
         self._stopped = False
+        self._current: tuple[str, float] | None = None
 
     @property
     def detectors(self) -> list[Detector]:
@@ -174,9 +177,23 @@ class DetectorRunner:
             return {f"{s.name}.{k}": v for s in self._statuses.values() for k, v in s.metrics.items()}
 
     def statuses(self) -> list[DetectorStatus]:
-        """The status of every detector, in configuration order."""
+        """The status of every detector, in configuration order.
+
+        A detector whose ``sample()`` has been running for longer than :data:`STALL_AFTER_S` (a filesystem that
+        hangs ``statvfs``, a wedged driver) is shown in state ERROR, since it also holds up the detectors
+        sampled after it.
+        """
         with self._lock:
-            return [self._statuses[d.name] for d in self._detectors]
+            out = [self._statuses[d.name] for d in self._detectors]
+            current = self._current
+        if current is not None:
+            name, started = current
+            stuck = time.monotonic() - started
+            if stuck > STALL_AFTER_S:
+                out = [replace(st, state=DetectorState.ERROR,
+                               detail=f"sample() has not returned for {stuck:.0f} s; the detectors after it wait")
+                       if st.name == name else st for st in out]
+        return out
 
     def _sample_loop(self) -> None:
         due = [(time.monotonic(), i) for i in range(len(self._detectors))]
@@ -197,6 +214,8 @@ class DetectorRunner:
 
     def _sample(self, det: Detector) -> list[HealthEvent]:
         started = time.monotonic()
+        with self._lock:
+            self._current = (det.name, started)
         try:
             sample = det.sample()
             if not isinstance(sample, Sample):
@@ -211,6 +230,8 @@ class DetectorRunner:
             tb = "".join(traceback.format_exception(exc, limit=-3)).strip()
             sample.errors[-1].traceback = tb  # type: ignore[attr-defined]
         elapsed = time.monotonic() - started
+        with self._lock:
+            self._current = None
         events = list(sample.events) + self._error_events(det.name, sample.errors)
         with self._lock:
             prev = self._statuses[det.name]

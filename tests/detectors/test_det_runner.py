@@ -177,3 +177,25 @@ def test_config_validation() -> None:
         Cfg.from_dict({"threshold": "high"})
     with pytest.raises(DetectorConfigError, match="interval_s"):
         Cfg.from_dict({"interval_s": 0})
+
+
+def test_a_stalled_sample_shows_as_error(monkeypatch) -> None:
+    monkeypatch.setattr(runner_mod, "STALL_AFTER_S", 0.1)
+    release = threading.Event()
+
+    class Stuck(Counting):
+        def sample(self) -> Sample:
+            release.wait(5)
+            return super().sample()
+
+    runner = DetectorRunner([Stuck("nfs", 60.0), Counting("after", 60.0)])
+    runner.start()
+    try:
+        time.sleep(0.4)
+        st = {s.name: s for s in runner.statuses()}
+        assert st["nfs"].state == DetectorState.ERROR and "has not returned" in st["nfs"].detail
+        assert st["after"].samples == 0
+    finally:
+        release.set()
+        runner.stop()
+    assert {s.name: s.state for s in runner.statuses()} == {"nfs": DetectorState.OK, "after": DetectorState.OK}
