@@ -43,6 +43,8 @@ JOB_ENV = "TRAINGUARD_JOB"
 NODE_ID_ENV = "TRAINGUARD_NODE_ID"
 
 _POLL_S = 0.05
+# Worker exits reach the supervisor through its own 50 ms poll; the process detector's copies are only published.
+_SEEN_BY_SUPERVISOR = frozenset({"process.killed", "process.failed", "process.exited", "process.vanished"})
 _RPC_TIMEOUT_S = 5.0
 
 
@@ -70,6 +72,8 @@ class NodeConfig:
         standby: keep one warm standby process per local rank, so a restart skips interpreter start-up and
             imports (see :mod:`trainguard.agent.standby`).
         preload: modules a standby imports (default: torch and the trainguard hook).
+        detectors: detector names to run (see ``trainguard detect``); "process" finds hung workers.
+        detector_config: per-detector settings, name -> fields (e.g. ``{"process": {"hang_floor_s": 30}}``).
     """
 
     job: str
@@ -90,6 +94,8 @@ class NodeConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     standby: bool = True
     preload: tuple[str, ...] = ()
+    detectors: tuple[str, ...] = ("process",)
+    detector_config: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass
@@ -174,6 +180,8 @@ class NodeAgent:
         self._wake = threading.Event()
         self._restart_count = 0
         self._standbys: dict[int, object] = {}
+        self._runner = None
+        self._pending_events: list[HealthEvent] = []
 
     # -- state served to workers and operators ---------------------------------------------------------------
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float) -> list:
@@ -242,6 +250,57 @@ class NodeAgent:
         for ev in self.bus.recent(max_events):
             h.recent_events.append(ev.to_proto())
         return h
+
+    def workers(self) -> list:
+        """The current generation's workers as detector snapshots (implements ``WorkerView``)."""
+        from trainguard.detectors.process import WorkerSnapshot
+
+        group = self._group
+        if group is None:
+            return []
+        offset = time.monotonic() - time.time()
+        return [
+            WorkerSnapshot(rank=w.spec.rank, pid=w.pid, started_at=w.started_at + offset, last_step=w.last_step,
+                           last_heartbeat=w.last_heartbeat, recent_step_times=tuple(w.step_times),
+                           returncode=w.exit_code)
+            for w in group.workers
+        ]
+
+    def _on_detector_event(self, event: HealthEvent) -> None:
+        event = event.with_node(self.config.node_id) if not event.node_id else event
+        self.bus.publish(event)
+        if event.action >= Action.RESTART_PROCESS and event.kind not in _SEEN_BY_SUPERVISOR:
+            with self._lock:
+                self._pending_events.append(event)
+            self._wake.set()
+
+    def _handle_detector_events(self) -> None:
+        with self._lock:
+            events, self._pending_events = self._pending_events, []
+        for ev in events:
+            if ev.action == Action.RESTART_PROCESS and ev.subject.startswith("rank:"):
+                if self._group is None:
+                    continue
+                rank = int(ev.subject.split(":", 1)[1].split("/")[0])
+                w = self._group.by_rank(rank)
+                if w is None or w.proc.poll() is not None or str(w.pid) != ev.evidence.get("pid", str(w.pid)):
+                    continue  # about a worker of an older generation
+                rec = FaultRecord(generation=self.generation, rank=rank, cause=ev.message or ev.kind,
+                                  injected_at=self._injected_at(rank), detected_at=time.time())
+                self.fault_records.append(rec)
+                log.warning("generation %d: %s; stopping local workers", self.generation, ev.message)
+                gen = self.generation
+                self._stop_workers()
+                self._report(ev, coordinator_pb2.RECOVERY_LEVEL_PROCESS, gen, rank, 0)
+            elif ev.action >= Action.DRAIN_NODE:
+                log.error("node-level fault: %s; asking the coordinator to replace this node", ev.message)
+                level = (coordinator_pb2.RECOVERY_LEVEL_JOB if ev.action == Action.RESTART_JOB
+                         else coordinator_pb2.RECOVERY_LEVEL_NODE)
+                self._report(ev, level, self.generation, -1, 0)
+
+    def _injected_at(self, rank: int) -> float | None:
+        return next((f.done_at for f in self.faults
+                     if f.rank == rank and f.done_at and f.generation == self.generation), None)
 
     @property
     def group(self) -> WorkerGroup | None:
@@ -322,10 +381,12 @@ class NodeAgent:
             node_id=self.config.node_id,
         )
         self.bus.publish(ev)
+        self._report(ev, coordinator_pb2.RECOVERY_LEVEL_PROCESS, generation, rank, code if code is not None else 0)
+
+    def _report(self, ev: HealthEvent, level: int, generation: int, rank: int, code: int) -> None:
         req = coordinator_pb2.ReportEventRequest(
             job=self.config.job, node_id=self.config.node_id, lease_id=self._lease, generation=generation,
-            event=ev.to_proto(), proposed_level=coordinator_pb2.RECOVERY_LEVEL_PROCESS, failed_rank=rank,
-            exit_code=code if code is not None else 0,
+            event=ev.to_proto(), proposed_level=level, failed_rank=rank, exit_code=code,
         )
         try:
             resp = self._stub.ReportEvent(req, timeout=_RPC_TIMEOUT_S)
@@ -430,8 +491,7 @@ class NodeAgent:
                 continue
             rec = FaultRecord(
                 generation=self.generation, rank=w.spec.rank, cause=describe_exit(w.exit_code),
-                injected_at=next((f.done_at for f in self.faults
-                                  if f.rank == w.spec.rank and f.done_at and f.generation == self.generation), None),
+                injected_at=self._injected_at(w.spec.rank),
                 detected_at=time.time(),
             )
             self.fault_records.append(rec)
@@ -474,11 +534,13 @@ class NodeAgent:
         self._channel = grpc.insecure_channel(self.config.coordinator)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._register(self.config.coordinator_patience_s)
+        self._start_detectors()
         next_hb = 0.0
         try:
             while not self.stopping:
                 self._inject_faults()
                 self._check_workers()
+                self._handle_detector_events()
                 self._ensure_standbys()
                 now = time.monotonic()
                 if now >= next_hb:
@@ -492,10 +554,22 @@ class NodeAgent:
                 self._wake.clear()
             return 130
         finally:
+            if self._runner is not None:
+                self._runner.stop()
             self._stop_workers()
             self._drop_standbys()
             self._channel.close()
             self.stopping = True
+
+    def _start_detectors(self) -> None:
+        if not self.config.detectors:
+            return
+        from trainguard.detectors.base import create_detectors
+        from trainguard.detectors.runner import DetectorRunner
+
+        detectors = create_detectors(list(self.config.detectors), self.config.detector_config, worker_view=self)
+        self._runner = DetectorRunner(detectors, on_event=self._on_detector_event)
+        self._runner.start()
 
     def _obey(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> int | None:
         cmd = resp.command

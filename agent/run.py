@@ -77,6 +77,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=None, help="host name used for rank ordering (default: host name)")
     g.add_argument("--address", default="127.0.0.1", help="address peers reach this node at (default 127.0.0.1)")
     g.add_argument("--spare", action="store_true", help="join as a spare node")
+    p.add_argument("--hang-floor-s", type=float, default=60.0,
+                   help="a worker with no step for max(this, 5x its slowest recent step) seconds is hung (default 60)")
+    p.add_argument("--detectors", default="process",
+                   help="comma-separated detectors the agent runs (default: process; see `trainguard detect`)")
     p.add_argument("--no-standby", dest="standby", action="store_false",
                    help="do not keep warm standby worker processes (slower restarts, less memory)")
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
@@ -118,6 +122,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
         raise UsageError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.hang_floor_s <= 0:
+        raise UsageError(f"--hang-floor-s must be > 0, got {args.hang_floor_s}")
     if args.nnodes < 1:
         raise UsageError(f"--nnodes must be >= 1, got {args.nnodes}")
     if not args.module and not os.path.isfile(args.script):
@@ -170,6 +176,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
         log_dir=args.log_dir,
         extra_env=extra_env,
         standby=args.standby,
+        detectors=tuple(d for d in args.detectors.split(",") if d),
+        detector_config={"process": {"hang_floor_s": args.hang_floor_s}} if "process" in args.detectors else {},
     )
     agent = NodeAgent(config, faults=faults)
     from trainguard.agent.local_server import serve

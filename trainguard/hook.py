@@ -166,6 +166,10 @@ class Session:
         socket_path = os.environ.get(AGENT_SOCKET_ENV)
         if socket_path:
             self._agent = _AgentLink(socket_path, self.rank, self.generation)
+            # Lets the agent's hang detector put this worker's Python stacks into the "hung" event.
+            from trainguard.detectors.stackdump import install_stack_dump_handler
+
+            install_stack_dump_handler()
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     @property

@@ -110,3 +110,11 @@ def test_unwritable_checkpoint_dir_is_one_line_error(tmp_path: Path, tg_env: dic
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "not writable" in lines[0] and str(blocker) in lines[0], r.stderr
+
+
+def test_hung_worker_is_detected_and_restarted(tmp_path: Path, tg_env: dict) -> None:
+    r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "1", "--hang-floor-s", "2",
+                 str(SCRIPTS / "hang_once.py")], tg_env, timeout=110)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "sent no step heartbeat" in r.stderr and "rank 1" in r.stderr, r.stderr[-3000:]
+    assert "1 fault(s)" in r.stderr
