@@ -66,7 +66,7 @@ def test_rules_turn_records_into_typed_events(tmp_path) -> None:
     aer = by_kind["pcie.aer_fatal"]
     assert aer.subject == "0000:3b:00.0" and aer.evidence["SUBSYSTEM"] == "pci"
     assert s.state == DetectorState.FAILED
-    assert s.metrics["matches[nvidia-xid]"] == 2.0 and s.metrics["records"] == 6.0
+    assert s.metrics["matches_nvidia_xid"] == 2.0 and s.metrics["records"] == 6.0
 
 
 def test_existing_records_are_skipped_unless_replay(tmp_path) -> None:
