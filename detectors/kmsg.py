@@ -233,7 +233,8 @@ class KmsgDetector(Detector):
             elif severity == Severity.WARNING:
                 s.worsen(DetectorState.DEGRADED, message)
         for rule in self.rules:
-            s.metrics[f"matches_{rule.name.replace('-', '_')}"] = float(self._counts[rule.name])  # node-wide: no brackets
+            # Node-wide counts, so plain names (no brackets): the predictor keeps these as features.
+            s.metrics[f"matches_{rule.name.replace('-', '_')}"] = float(self._counts[rule.name])
         s.metrics.update({"records": float(self._records), "records_lost": float(self._lost),
                           "matches": float(sum(self._counts.values())), "suppressed": float(self._suppressed)})
         return s
