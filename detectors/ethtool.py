@@ -13,6 +13,7 @@ The driver strings differ per vendor; the PFC counters of mlx5 are ``rx_prio<N>_
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import re
 import socket
@@ -43,10 +44,10 @@ def ethtool_stats(ifname: str) -> dict[str, int]:
         ifname: interface name.
 
     Returns:
-        Statistic name -> value; empty when the driver exports none.
+        Statistic name -> value; empty when the driver exports none (or does not support the request).
 
     Raises:
-        DetectorReadError: no such interface, or the driver refuses the request.
+        DetectorReadError: no such interface, or the request failed otherwise.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
@@ -70,6 +71,8 @@ def ethtool_stats(ifname: str) -> dict[str, int]:
         values = struct.unpack(f"={count}Q", stats.raw[8 : 8 + 8 * count])
         return dict(zip(names, values))
     except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return {}  # the driver exports no statistics: nothing to watch, not a read error
         raise DetectorReadError(f"ethtool -S {ifname}", f"SIOCETHTOOL failed: {exc.strerror or exc}") from exc
     finally:
         sock.close()
