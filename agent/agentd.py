@@ -42,7 +42,13 @@ from trainguard.agent.logging_setup import configure_logging
 from trainguard.agent.metrics import AgentMetrics, MetricsServer
 from trainguard.agent.node import NodeAgent, NodeConfig
 from trainguard.agent.rpc_limits import RequestGuard
-from trainguard.agent.sdnotify import SystemdNotifier, Watchdog, watchdog_interval
+from trainguard.agent.sdnotify import (
+    WATCHDOG_PID_ENV,
+    WATCHDOG_USEC_ENV,
+    SystemdNotifier,
+    Watchdog,
+    watchdog_interval,
+)
 from trainguard.agent.tls import ServerCertificates, TlsFiles
 from trainguard._version import __version__
 from trainguard.detectors.events import Action, HealthEvent, Severity
@@ -116,6 +122,9 @@ class AgentDaemon:
         self._load_config = load_config
         self.notifier = notifier if notifier is not None else SystemdNotifier.from_env()
         self.watchdog = Watchdog(self.notifier, watchdog_interval())
+        # The watchdog settings are for this process only; workers it spawns must not inherit them.
+        for var in (WATCHDOG_USEC_ENV, WATCHDOG_PID_ENV):
+            os.environ.pop(var, None)
         self.config: AgentConfig | None = None
         self.health = HealthReporter()
         self.metrics: AgentMetrics | None = None

@@ -88,9 +88,14 @@ def serve(agent: "NodeAgent", unix_socket: str | None, tcp_listen: str | None = 
     """
     import os
 
+    from trainguard.agent.rpc_limits import RequestGuard
+
+    # Oversized, malformed or out-of-range requests get INVALID_ARGUMENT from the guard; only messages above
+    # the transport cap (16x larger) are dropped by gRPC itself, unread, with RESOURCE_EXHAUSTED.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8),
-        options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
+        interceptors=[RequestGuard(MAX_REQUEST_BYTES, max_watchers=4)],
+        options=[("grpc.max_receive_message_length", 16 * MAX_REQUEST_BYTES), ("grpc.so_reuseport", 0)],
     )
     agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentService(agent), server)
     port = 0

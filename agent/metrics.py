@@ -46,7 +46,7 @@ DETECTOR_STATES = ("ok", "degraded", "failed", "no_hardware", "error")
 #: Values of the ``state`` label of ``trainguard_workers`` (``trainguard.v1.WorkerState`` names).
 WORKER_STATES = ("starting", "running", "succeeded", "failed", "stopped", "hung")
 #: Values of the ``tier`` label of checkpoint metrics; anything else is counted as ``other``.
-CHECKPOINT_TIERS = ("memory", "disk", "remote")
+CHECKPOINT_TIERS = ("snapshot", "memory", "disk", "remote")
 #: Largest number of distinct event kinds kept as label values; later new kinds are counted as ``other`` so a
 #: buggy detector cannot explode the series count.
 MAX_EVENT_KINDS = 200
@@ -162,7 +162,7 @@ class AgentMetrics:
         """Records one durable checkpoint as reported by a worker.
 
         Args:
-            tier: ``memory``, ``disk`` or ``remote`` (others are recorded as ``other``).
+            tier: ``snapshot``, ``memory``, ``disk`` or ``remote`` (others are recorded as ``other``).
             size_bytes: bytes written for this rank.
             stall_s: seconds the training loop was blocked.
             persist_s: seconds the persist took.

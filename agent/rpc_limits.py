@@ -31,8 +31,8 @@ GUARDED_SERVICE = "trainguard.v1.NodeAgent"
 MAX_HEALTH_EVENTS = 1000
 #: Largest ``replay`` a WatchEvents may ask for.
 MAX_REPLAY = 10_000
-#: Checkpoint tiers a worker may report.
-CHECKPOINT_TIERS = ("memory", "disk", "remote")
+#: Checkpoint tiers a worker may report ("snapshot": copied out of the model, not yet in any tier).
+CHECKPOINT_TIERS = ("snapshot", "memory", "disk", "remote")
 
 Validator = Callable[[Any], "str | None"]
 
