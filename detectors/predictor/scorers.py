@@ -10,7 +10,8 @@ Three kinds, registered by name in :data:`SCORERS` and stored as plain numbers (
   the raw score is the mean of the three largest ``|z|`` and the score is ``raw / (raw + k)`` with ``k`` the
   99.9th percentile of raw training scores. A sparse feature (MAD 0) takes its scale from its 99.9th-percentile deviation / 3.29. Contributions are the ``|z|`` values.
 - ``threshold``: the plain baseline. Each counter rate and gauge level divided by its 99.9th training
-  percentile; the score is ``r / (1 + r)`` of the largest ratio ``r``.
+  percentile (a counter rate's limit is at least one event per 5 minutes); the score is ``r / (1 + r)`` of
+  the largest ratio ``r``.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ class RobustZScorer(Scorer):
 
     kind = "robust-z"
     TOP_K = 3
-    Z_CLIP = 50.0
+    Z_CLIP = 1e4
 
     def __init__(self, feature_names: list[str], median: np.ndarray, scale: np.ndarray, k: float) -> None:
         super().__init__(feature_names)
@@ -284,8 +285,15 @@ class ThresholdScorer(Scorer):
         self.limits = np.asarray(limits, dtype=np.float64)
 
     @classmethod
-    def fit(cls, feature_names: list[str], x: np.ndarray) -> "ThresholdScorer":
-        """Sets each watched feature's limit to its 99.9th percentile on (mostly healthy) rows."""
+    def fit(cls, feature_names: list[str], x: np.ndarray, min_rate: float = 0.2) -> "ThresholdScorer":
+        """Sets each watched feature's limit to its 99.9th percentile on (mostly healthy) rows.
+
+        Args:
+            feature_names: column names.
+            x: training rows.
+            min_rate: smallest limit of a counter rate, per minute (default 0.2: one event per 5-minute
+                window), so a counter that is almost always at rest does not alarm on its first event.
+        """
         cols = [i for i, n in enumerate(feature_names) if n.endswith((".rate_s", ".level"))]
         sub = np.abs(x[:, cols].astype(np.float64))
         import warnings
@@ -293,7 +301,8 @@ class ThresholdScorer(Scorer):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             q = np.nan_to_num(np.nanpercentile(sub, cls.QUANTILE, axis=0), nan=0.0)
-        return cls(feature_names, np.array(cols), np.maximum(q, 1e-3))
+        floor = np.array([min_rate if feature_names[c].endswith(".rate_s") else 1e-3 for c in cols])
+        return cls(feature_names, np.array(cols), np.maximum(q, floor))
 
     def _ratio(self, x: np.ndarray) -> np.ndarray:
         return np.nan_to_num(np.abs(np.asarray(x, dtype=np.float64)[:, self.columns]) / self.limits, nan=0.0)

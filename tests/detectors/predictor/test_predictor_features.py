@@ -1,0 +1,115 @@
+"""Windowed features: known answers on hand-made series, and online (runtime) == offline (table) features."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from trainguard.detectors.predictor.errors import FeatureMismatchError
+from trainguard.detectors.predictor.features import (
+    FeatureConfig, FeatureSpec, forward_fill, node_features, peer_z, table_features,
+)
+from trainguard.detectors.predictor.table import MetricTable
+
+CFG = FeatureConfig(interval_s=60.0, short_window_s=300.0, long_window_s=1800.0, peer=False)
+
+
+def _feats(spec, ts, vals):
+    raw = np.asarray(vals, dtype=float).reshape(len(ts), len(spec.metrics))
+    return dict(zip(spec.node_feature_names, node_features(spec, np.asarray(ts, float), forward_fill(raw),
+                                                             np.isnan(raw).mean(axis=1), float(ts[0])).T))
+
+
+def test_counter_rates_and_reset():
+    spec = FeatureSpec(("gpu_ecc_sbe_total",), CFG)
+    ts = np.arange(40) * 60.0
+    counter = np.arange(40) * 6.0  # 6 per minute
+    f = _feats(spec, ts, counter)
+    assert f["gpu_ecc_sbe_total.rate_s"][-1] == pytest.approx(6.0)
+    assert f["gpu_ecc_sbe_total.rate_l"][-1] == pytest.approx(6.0)
+    assert f["gpu_ecc_sbe_total.accel"][-1] == pytest.approx(0.0)
+    reset = counter.copy()
+    reset[30:] = np.arange(10) * 6.0 + 6.0  # restarted from zero: first value after reset is its increase
+    f = _feats(spec, ts, reset)
+    assert f["gpu_ecc_sbe_total.rate_s"][-1] == pytest.approx(6.0)
+    assert f["gpu_ecc_sbe_total.rate_l"][-1] >= 0
+
+
+def test_gauge_level_drift_slope_and_telemetry():
+    spec = FeatureSpec(("gpu_temp_c",), CFG)
+    ts = np.arange(60) * 60.0
+    temp = 60.0 + np.arange(60) * 0.5  # +0.5 degC per minute
+    temp[55] = np.nan
+    f = _feats(spec, ts, temp)
+    assert f["gpu_temp_c.level"][55] == pytest.approx(temp[54])  # forward-filled
+    assert f["gpu_temp_c.slope_l"][-1] == pytest.approx(0.5, rel=0.05)
+    assert f["gpu_temp_c.drift"][-1] > 0
+    assert f["telemetry.nan_frac_l"][-1] == pytest.approx(1 / 30, rel=0.2)
+    # a 5-minute telemetry gap shows in gap_s and in coverage
+    ts_gap = np.r_[np.arange(40), np.arange(45, 60)] * 60.0
+    f = _feats(spec, ts_gap, np.full(len(ts_gap), 60.0))
+    assert f["telemetry.gap_s"][40] == pytest.approx(360.0)
+    assert f["telemetry.coverage_l"][41] < 0.9
+    assert f["telemetry.coverage_l"][10] == pytest.approx(1.0)  # a young history is not a gap
+
+
+def test_peer_z_is_robust_and_missing_with_few_peers():
+    base = np.array([[1.0], [1.1], [0.9], [5.0], [1.0], [1.0]])
+    z = peer_z(base, np.array([0, 0, 0, 0, 1, 1]))
+    assert z[3, 0] > 5 and abs(z[0, 0]) < 1
+    assert np.isnan(z[4:, 0]).all()  # group of two: fewer than MIN_PEERS
+
+
+def test_unknown_and_missing_metrics():
+    with pytest.raises(FeatureMismatchError, match="catalog"):
+        FeatureSpec(("no_such_metric",), CFG)
+    spec = FeatureSpec(("gpu_temp_c", "step_time_s"), CFG)
+    table = MetricTable(["gpu_temp_c"], np.arange(5) * 60.0, ["n"] * 5, np.ones((5, 1)))
+    with pytest.raises(FeatureMismatchError, match="step_time_s"):
+        table_features(table, spec)
+    fr = table_features(table, spec, missing="nan")
+    assert fr.missing_metrics == ["step_time_s"]
+    assert np.isnan(fr.x[:, fr.names.index("step_time_s.level")]).all()
+
+
+def test_online_features_equal_offline(small_trace, hgb_model):
+    from trainguard.detectors.predictor.runtime import PredictorRuntime
+    from trainguard.detectors.predictor.training import score_table
+
+    one = small_trace.metrics.select_rows(small_trace.metrics.node.astype(str) == "node0001")
+    frame, offline = score_table(hgb_model, one)
+    rt = PredictorRuntime(hgb_model)
+    scores = [rt.observe(float(t), "node0001", dict(zip(one.columns, v.tolist()))) for t, v in zip(one.ts, one.values)]
+    assert len(scores) == len(offline) > 2000
+    model_rows = [i for i, s in enumerate(scores) if s.source == "model"]  # rule hits score 1.0 by design
+    assert len(model_rows) > len(scores) - 10
+    np.testing.assert_allclose([scores[i].score for i in model_rows], offline[model_rows], rtol=1e-6, atol=1e-7)
+
+
+def test_observe_many_peer_features_equal_offline(small_trace):
+    from trainguard.detectors.predictor.catalog import split_known
+    from trainguard.detectors.predictor.model import PredictorModel
+    from trainguard.detectors.predictor.runtime import PredictorRuntime
+    from trainguard.detectors.predictor.scorers import RobustZScorer
+
+    m = small_trace.metrics
+    keep = np.isin(m.node.astype(str), ["node0000", "node0001", "node0002", "node0003"]) & (m.ts < m.ts.min() + 6 * 3600)
+    sub = m.select_rows(keep)
+    spec = FeatureSpec(tuple(split_known(sub.columns)[0]), FeatureConfig(interval_s=60.0))
+    frame = table_features(sub, spec)
+    model = PredictorModel(spec, RobustZScorer.fit(frame.names, frame.x), 0.9)
+    offline = dict(zip(zip(frame.node.astype(str), frame.ts), model.scorer.score(frame.x)))
+    rt = PredictorRuntime(model)
+    by_ts: dict[float, dict[str, dict[str, float]]] = {}
+    for t, n, v in zip(sub.ts, sub.node.astype(str), sub.values):
+        by_ts.setdefault(float(t), {})[n] = dict(zip(sub.columns, v.tolist()))
+    diffs = []
+    for t in sorted(by_ts):
+        for n, s in rt.observe_many(t, by_ts[t]).items():
+            diffs.append(abs(s.score - offline[(n, t)]))
+            if len(by_ts[t]) >= 3:
+                assert not any("peer" in d for d in s.degraded)
+    assert max(diffs) < 1e-6
+    assert not math.isnan(max(diffs))

@@ -1,0 +1,78 @@
+"""Metric history store: real SQLite files, schema changes, ordering, retention by age and by size, export."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from trainguard.detectors.predictor.errors import HistoryError
+from trainguard.detectors.predictor.history import MetricHistory
+from trainguard.detectors.predictor.table import EventTable, MetricTable
+
+
+def test_append_export_round_trip_with_changing_metrics(tmp_path):
+    db = tmp_path / "h.sqlite"
+    with MetricHistory(db) as h:
+        h.append(0.0, "n1", {"gpu_temp_c": 60.0, "step_time_s": 1.0})
+        h.append(0.0, "n2", {"gpu_temp_c": 61.0, "step_time_s": 1.1})
+        h.append(5.0, "n1", {"gpu_temp_c": 62.0, "step_time_s": 1.0, "nic_up": 1.0})  # a detector was added
+        h.append(5.0, "n2", {"gpu_temp_c": float("nan"), "step_time_s": 1.2})
+        h.record_event(7.0, "n2", "GPU Lost")
+        n, e = h.export(tmp_path / "m.csv", tmp_path / "e.csv")
+    assert (n, e) == (4, 1)
+    m = MetricTable.from_csv(tmp_path / "m.csv")
+    assert m.columns == ["gpu_temp_c", "nic_up", "step_time_s"]
+    series = {s.node: s for s in m.per_node()}
+    assert series["n1"].values[1].tolist() == [62.0, 1.0, 1.0]
+    assert math.isnan(series["n1"].values[0, 1]) and math.isnan(series["n2"].values[1, 0])
+    ev = EventTable.from_csv(tmp_path / "e.csv")
+    assert list(ev.node) == ["n2"] and list(ev.kind) == ["GPU Lost"]
+
+
+def test_order_is_enforced_across_reopen(tmp_path):
+    db = tmp_path / "h.sqlite"
+    with MetricHistory(db) as h:
+        h.append(10.0, "n", {"a": 1.0})
+        with pytest.raises(HistoryError, match="not after"):
+            h.append(10.0, "n", {"a": 2.0})
+        with pytest.raises(HistoryError, match="not a number"):
+            h.append(11.0, "n", {"a": "x"})  # type: ignore[dict-item]
+    with MetricHistory(db) as h:
+        with pytest.raises(HistoryError, match="not after"):
+            h.append(9.0, "n", {"a": 1.0})
+        h.append(11.0, "n", {"a": 1.0})
+        assert h.count() == 2
+
+
+def test_retention_by_age(tmp_path):
+    with MetricHistory(tmp_path / "h.sqlite", retention_s=100.0, prune_every=10) as h:
+        for i in range(60):
+            h.append(float(i * 5), "n", {"a": float(i)})
+        h.record_event(1.0, "n", "old")
+        h.prune()
+        metrics, events = h.to_tables()
+    assert metrics.ts.min() >= 295 - 100 and len(events) == 0
+
+
+def test_retention_by_size_bounds_the_file(tmp_path):
+    names = [f"metric_{k}" for k in range(40)]
+    with MetricHistory(tmp_path / "h.sqlite", max_bytes=200_000, prune_every=200) as h:
+        for i in range(3000):
+            h.append(float(i), "node-a", {n: float(i + k) for k, n in enumerate(names)})
+        h.prune()
+        live = h.live_bytes()
+        kept = h.count()
+        metrics, _ = h.to_tables()
+    assert live <= 200_000
+    assert 0 < kept < 3000
+    assert metrics.ts.max() == 2999.0  # the newest data is the data kept
+    assert (tmp_path / "h.sqlite").stat().st_size < 600_000
+
+
+def test_not_a_database(tmp_path):
+    p = tmp_path / "junk.sqlite"
+    p.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(HistoryError, match="cannot open"):
+        MetricHistory(p)
