@@ -410,8 +410,8 @@ class RecoveryPolicy:
             PolicyError: not RUNNING or RECOVERING.
         """
         self._move(Trigger.ALL_SUCCEEDED)
-        self.state.message = f"succeeded in generation {self.state.generation} after " \
-                             f"{self.state.restart_count} restart(s)"
+        n = self.state.restart_count
+        self.state.message = f"succeeded in generation {self.state.generation} after {n} restart{'' if n == 1 else 's'}"
 
     def impossible(self, why: str) -> None:
         """The membership can never form a valid layout: the job fails.
@@ -545,7 +545,7 @@ class RecoveryPolicy:
             self._move(trig)
             st.plan = None
             st.message = (f"job failed: {f.describe()}; restart budget exhausted after {st.restart_count} "
-                          f"restart(s) (max {cfg.max_restarts})")
+                          f"restart{'' if st.restart_count == 1 else 's'} (max {cfg.max_restarts})")
             return Decision(level, st.generation, job_failed=True, message=st.message)
         self._move(Trigger.FAILURE)
         st.restart_count += 1

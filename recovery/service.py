@@ -1,291 +1,302 @@
-"""The coordinator's gRPC service: membership, rank tables per generation, restart decisions.
+"""The coordinator's gRPC face: request validation, status codes, the server and its lease reaper.
 
-This is the job's single source of truth for "who runs which ranks in which generation". Node agents register,
-heartbeat and report failures; the coordinator answers each heartbeat with a command (START/RESTART/STOP/WAIT).
-A failure reported for the current generation opens a new generation for the whole job (a broken collective
-group needs every rank); reports for older generations are duplicates of a fault already handled, so many
-simultaneous failures cost one restart.
+The job logic lives in :class:`~trainguard.recovery.coordinator.JobCoordinator`; this module checks every
+request's format *before* anything is touched (so bad input never changes state), calls the core, waits for
+the durability the answer depends on, and maps refusals to precise gRPC status codes:
 
-Every new generation gets a MASTER_PORT never used before in the job (the rank-0 node reports free ports in
-its heartbeats): rank 0 hosts a fresh TCP store on it, so no worker of a new generation can read keys or peer
-addresses left by the previous one.
+=================================  ======================  ==================================================
+refusal                            status                  agent's reaction (trainguard.agent.node)
+=================================  ======================  ==================================================
+unknown job                        NOT_FOUND               registration fails with the message
+malformed / out-of-range field     INVALID_ARGUMENT        fix the flag named in the message
+request over 256 KiB               RESOURCE_EXHAUSTED      (gRPC itself, before any handler runs)
+node not registered                NOT_FOUND               registers again
+stale lease                        FAILED_PRECONDITION     registers again
+duplicate node id (live agent)     ALREADY_EXISTS          registration fails with the message
+``replaces`` a live slot holder    FAILED_PRECONDITION     registration fails with the message
+generation the job never had       OUT_OF_RANGE            logged
+store down / fenced off            UNAVAILABLE             retries (the coordinator may be restarting)
+=================================  ======================  ==================================================
+
+Every refusal is logged with the peer address. Semantics of each RPC are in ``coordinator.proto`` and
+:mod:`trainguard.recovery.coordinator`.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
-import time
-import uuid
 from concurrent import futures
-from dataclasses import dataclass, field
 
 import grpc
 
-from trainguard.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
+from trainguard.recovery.coordinator import JOB_NAME_RE, JobCoordinator, JobSpec
+from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, InvalidRequestError, NotServingError,
+                                        RecoveryError, RequestError, SlotTakenError, StaleGenerationError,
+                                        StaleLeaseError, UnknownJobError, UnknownNodeError)
+from trainguard.recovery.store import Store
 
 log = logging.getLogger(__name__)
 
+__all__ = ["CoordinatorServer", "CoordinatorService", "JobSpec", "MAX_REQUEST_BYTES", "STATUS_OF"]
 
-@dataclass
-class _Member:
-    info: common_pb2.NodeInfo
-    lease_id: str
-    last_seen: float
-    free_port: int = 0
-    generation: int = -1
-    succeeded_generation: int = -1
+#: Largest request the server accepts, bytes; larger ones get RESOURCE_EXHAUSTED from gRPC.
+MAX_REQUEST_BYTES = 256 * 1024
+
+#: gRPC status of each refusal.
+STATUS_OF: dict[type[RequestError], grpc.StatusCode] = {
+    UnknownJobError: grpc.StatusCode.NOT_FOUND,
+    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    UnknownNodeError: grpc.StatusCode.NOT_FOUND,
+    StaleLeaseError: grpc.StatusCode.FAILED_PRECONDITION,
+    DuplicateNodeError: grpc.StatusCode.ALREADY_EXISTS,
+    SlotTakenError: grpc.StatusCode.FAILED_PRECONDITION,
+    StaleGenerationError: grpc.StatusCode.OUT_OF_RANGE,
+    NotServingError: grpc.StatusCode.UNAVAILABLE,
+}
+
+_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+_MAX_TEXT = 255
+_MAX_LABELS = 32
+_MAX_EVENT_TEXT = 4096
 
 
-@dataclass
-class JobSpec:
-    """What the coordinator needs to know about the job before nodes arrive.
+def _bad(field: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{field} {why}")
 
-    Attributes:
-        job: job name; requests for other jobs are refused.
-        nnodes: number of nodes that must register before the first generation starts.
-        max_restarts: restarts allowed (counted job-wide, not per node) before the job fails.
-        heartbeat_interval_s: interval told to agents, in seconds.
+
+def _check_text(field: str, value: str, limit: int = _MAX_TEXT) -> None:
+    if len(value) > limit:
+        raise _bad(field, f"is {len(value)} characters long; at most {limit} are allowed")
+    if any(ord(c) < 32 for c in value):
+        raise _bad(field, "contains control characters")
+
+
+def _check_job(job: str) -> None:
+    if not job:
+        raise _bad("job", "is required")
+    if not JOB_NAME_RE.match(job):
+        raise _bad("job", f"{job[:64]!r} is not a valid job name (1-128 of [A-Za-z0-9._:@-])")
+
+
+def _check_node_id(field: str, node_id: str) -> None:
+    if not node_id:
+        raise _bad(field, "is required")
+    if not _NODE_ID_RE.match(node_id):
+        raise _bad(field, f"{node_id[:64]!r} is not a valid node id (1-128 of [A-Za-z0-9._:@-], no spaces or '/')")
+
+
+def _check_port(field: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise _bad(field, f"{port} is not a TCP port (0-65535)")
+
+
+def validate_register(req: coordinator_pb2.RegisterNodeRequest) -> None:
+    """Checks a RegisterNode request's format.
+
+    Raises:
+        InvalidRequestError: a field is missing or out of range; the message names it.
     """
+    _check_job(req.job)
+    n = req.node
+    _check_node_id("node.node_id", n.node_id)
+    if n.replaces:
+        _check_node_id("node.replaces", n.replaces)
+        if n.replaces == n.node_id:
+            raise _bad("node.replaces", "names the node itself")
+    t = n.topology
+    _check_text("node.topology.pod_id", t.pod_id, 128)
+    _check_text("node.topology.host", t.host)
+    _check_text("node.address", n.address)
+    _check_text("agent_instance", req.agent_instance, 64)
+    if t.node_index < 0:
+        raise _bad("node.topology.node_index", f"is {t.node_index}; it must be >= 0")
+    if not 0 <= t.device_count <= 1024:
+        raise _bad("node.topology.device_count", f"is {t.device_count}; use 1-1024 (0 means 1)")
+    if len(t.labels) > _MAX_LABELS:
+        raise _bad("node.topology.labels", f"has {len(t.labels)} entries; at most {_MAX_LABELS} are allowed")
+    for k, v in t.labels.items():
+        _check_text(f"node.topology.labels[{k[:32]!r}]", k + v, 2 * _MAX_TEXT)
+    _check_port("node.agent_port", n.agent_port)
+    _check_port("free_port", req.free_port)
 
-    job: str
-    nnodes: int = 1
-    max_restarts: int = 3
-    heartbeat_interval_s: float = 0.5
+
+def validate_heartbeat(req: coordinator_pb2.NodeHeartbeatRequest) -> None:
+    """Checks a Heartbeat request's format.
+
+    Raises:
+        InvalidRequestError: a field is missing or out of range.
+    """
+    _check_job(req.job)
+    _check_node_id("node_id", req.node_id)
+    if not req.lease_id or len(req.lease_id) > 64:
+        raise _bad("lease_id", "is required (the one RegisterNode returned)")
+    if req.generation < -1:
+        raise _bad("generation", f"is {req.generation}; use -1 when no workers run")
+    if req.workers_running < 0:
+        raise _bad("workers_running", f"is {req.workers_running}; it must be >= 0")
+    _check_port("free_port", req.free_port)
 
 
-@dataclass
-class _JobState:
-    state: int = coordinator_pb2.JOB_STATE_FORMING
-    generation: int = 0
-    table: common_pb2.RankTable | None = None
-    restart_count: int = 0
-    used_ports: set[int] = field(default_factory=set)
-    pending_generation: bool = False
-    message: str = ""
+def validate_report(req: coordinator_pb2.ReportEventRequest) -> None:
+    """Checks a ReportEvent request's format.
 
-
-def _host_key(host: str) -> tuple:
-    # Numeric-aware: node-2 before node-10.
-    import re
-
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", host))
+    Raises:
+        InvalidRequestError: a field is missing or out of range.
+    """
+    _check_job(req.job)
+    _check_node_id("node_id", req.node_id)
+    if not req.lease_id or len(req.lease_id) > 64:
+        raise _bad("lease_id", "is required (the one RegisterNode returned)")
+    if req.generation < -1:
+        raise _bad("generation", f"is {req.generation}; use -1 when no workers ran")
+    if req.failed_rank < -1:
+        raise _bad("failed_rank", f"is {req.failed_rank}; use -1 when not about one rank")
+    if req.proposed_level not in coordinator_pb2.RecoveryLevel.values():
+        raise _bad("proposed_level", f"{req.proposed_level} is not a RecoveryLevel")
+    ev = req.event
+    _check_text("event.message", ev.message, _MAX_EVENT_TEXT)
+    _check_text("event.kind", ev.kind)
+    if len(ev.evidence) > 64:
+        raise _bad("event.evidence", f"has {len(ev.evidence)} entries; at most 64 are allowed")
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
-    """In-memory coordinator for one job.
+    """gRPC servicer for one job.
 
     Args:
         spec: the job's parameters.
+        store: an opened store, or None to open ``spec.store``.
     """
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, store: Store | None = None) -> None:
         self.spec = spec
-        self._lock = threading.Lock()
-        self._members: dict[str, _Member] = {}
-        self._job = _JobState()
+        self.core = JobCoordinator(spec, store=store)
 
-    # -- helpers (called with the lock held) ---------------------------------------------------------------
-    def _check_job(self, job: str, context: grpc.ServicerContext) -> None:
-        if job != self.spec.job:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job {job!r}; this coordinator runs {self.spec.job!r}")
+    def _refuse(self, context: grpc.ServicerContext, method: str, exc: RecoveryError) -> None:
+        code = STATUS_OF.get(type(exc), grpc.StatusCode.FAILED_PRECONDITION) if isinstance(exc, RequestError) \
+            else grpc.StatusCode.UNAVAILABLE
+        log.warning("refused %s from %s: %s: %s", method, context.peer(), code.name, exc)
+        context.abort(code, str(exc))
 
-    def _member(self, node_id: str, lease_id: str, context: grpc.ServicerContext) -> _Member:
-        m = self._members.get(node_id)
-        if m is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"node {node_id!r} is not registered; register first")
-        if m.lease_id != lease_id:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stale lease for node {node_id!r}; register again")
-        return m
-
-    def _try_form_generation(self) -> None:
-        job = self._job
-        if job.state in (coordinator_pb2.JOB_STATE_SUCCEEDED, coordinator_pb2.JOB_STATE_FAILED):
-            return
-        if not (job.state == coordinator_pb2.JOB_STATE_FORMING or job.pending_generation):
-            return
-        active = [m for m in self._members.values() if not m.info.spare]
-        if len(active) < self.spec.nnodes:
-            return
-        if job.table is not None:
-            order = [n.node_id for n in job.table.nodes if n.node_id in self._members]
-        else:
-            order = []
-        if len(order) != self.spec.nnodes:
-            chosen = sorted(
-                active,
-                key=lambda m: (m.info.topology.pod_id, m.info.topology.node_index, _host_key(m.info.topology.host)),
-            )[: self.spec.nnodes]
-            order = [m.info.node_id for m in chosen]
-        rank0 = self._members[order[0]]
-        if rank0.free_port <= 0 or rank0.free_port in job.used_ports:
-            return  # wait for the rank-0 node to report a fresh port
-        table = common_pb2.RankTable(
-            job=self.spec.job,
-            generation=job.generation + 1,
-            master_addr=rank0.info.address,
-            master_port=rank0.free_port,
-            restart_count=job.restart_count,
-            max_restarts=self.spec.max_restarts,
-        )
-        first = 0
-        for group_rank, node_id in enumerate(order):
-            m = self._members[node_id]
-            n = max(1, m.info.topology.device_count)
-            table.nodes.add(node_id=node_id, group_rank=group_rank, first_rank=first, local_world_size=n,
-                            address=m.info.address)
-            first += n
-        table.world_size = first
-        job.used_ports.add(rank0.free_port)
-        job.generation += 1
-        job.table = table
-        job.pending_generation = False
-        job.state = coordinator_pb2.JOB_STATE_RUNNING
-        log.info("generation %d formed: world size %d, master %s:%d", job.generation, first,
-                 table.master_addr, table.master_port)
-
-    def _command_for(self, m: _Member) -> coordinator_pb2.NodeHeartbeatResponse:
-        job = self._job
-        resp = coordinator_pb2.NodeHeartbeatResponse(
-            interval_s=self.spec.heartbeat_interval_s, job_state=job.state, message=job.message
-        )
-        if job.state in (coordinator_pb2.JOB_STATE_SUCCEEDED, coordinator_pb2.JOB_STATE_FAILED):
-            resp.command = coordinator_pb2.NODE_COMMAND_STOP
-            return resp
-        in_table = job.table is not None and any(n.node_id == m.info.node_id for n in job.table.nodes)
-        if job.pending_generation or job.table is None:
-            resp.command = (coordinator_pb2.NODE_COMMAND_STOP if m.generation >= 0 and job.pending_generation
-                            else coordinator_pb2.NODE_COMMAND_WAIT)
-            return resp
-        if not in_table:
-            resp.command = coordinator_pb2.NODE_COMMAND_STOP if m.generation >= 0 else coordinator_pb2.NODE_COMMAND_WAIT
-            return resp
-        if m.generation == job.generation:
-            resp.command = coordinator_pb2.NODE_COMMAND_NONE
-            return resp
-        resp.command = (coordinator_pb2.NODE_COMMAND_START if m.generation < 0
-                        else coordinator_pb2.NODE_COMMAND_RESTART)
-        resp.rank_table.CopyFrom(job.table)
-        return resp
-
-    def _check_success(self) -> None:
-        job = self._job
-        if job.table is None or job.state != coordinator_pb2.JOB_STATE_RUNNING:
-            return
-        if all(self._members[n.node_id].succeeded_generation == job.generation
-               for n in job.table.nodes if n.node_id in self._members):
-            job.state = coordinator_pb2.JOB_STATE_SUCCEEDED
-            job.message = f"all {job.table.world_size} ranks of generation {job.generation} exited 0"
-            log.info("job %s succeeded: %s", self.spec.job, job.message)
-
-    # -- RPCs -----------------------------------------------------------------------------------------------
     def RegisterNode(self, request, context):  # noqa: N802 (gRPC naming)
-        """Adds (or re-adds) a node to the membership and returns its lease."""
-        if not request.node.node_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node.node_id is required")
-        with self._lock:
-            self._check_job(request.job, context)
-            lease = uuid.uuid4().hex
-            prev = self._members.get(request.node.node_id)
-            m = _Member(info=request.node, lease_id=lease, last_seen=time.monotonic(), free_port=request.free_port)
-            if prev is not None:
-                m.generation = -1  # a re-registered agent runs no workers until told
-            self._members[request.node.node_id] = m
-            self._try_form_generation()
-            return coordinator_pb2.RegisterNodeResponse(generation=self._job.generation, lease_id=lease)
+        """Adds (or re-adds) a node; answers once its record is durable."""
+        try:
+            validate_register(request)
+            lease, gen, fut = self.core.register(request.job, request.node, request.free_port,
+                                                 request.agent_instance)
+            self.core.wait_durable(fut, "the registration")
+            return coordinator_pb2.RegisterNodeResponse(generation=gen, lease_id=lease)
+        except RecoveryError as exc:
+            self._refuse(context, "RegisterNode", exc)
 
     def Heartbeat(self, request, context):  # noqa: N802
-        """Records a node's progress and returns the command it must carry out."""
-        with self._lock:
-            self._check_job(request.job, context)
-            m = self._member(request.node_id, request.lease_id, context)
-            m.last_seen = time.monotonic()
-            if request.free_port > 0:
-                m.free_port = request.free_port
-            m.generation = request.generation
-            if request.workers_succeeded and request.generation == self._job.generation:
-                m.succeeded_generation = request.generation
-                self._check_success()
-            self._try_form_generation()
-            return self._command_for(m)
+        """Records progress; answers with the node's command (START only once its generation is durable)."""
+        try:
+            validate_heartbeat(request)
+            reply = self.core.heartbeat(request)
+            self.core.wait_durable(reply.durable, "the new generation")
+            return reply.response
+        except RecoveryError as exc:
+            self._refuse(context, "Heartbeat", exc)
 
     def ReportEvent(self, request, context):  # noqa: N802
-        """Decides the recovery for a reported failure; duplicates of a handled fault change nothing."""
-        with self._lock:
-            self._check_job(request.job, context)
-            self._member(request.node_id, request.lease_id, context)
-            job = self._job
-            resp = coordinator_pb2.ReportEventResponse(new_generation=job.generation)
-            if job.state in (coordinator_pb2.JOB_STATE_SUCCEEDED, coordinator_pb2.JOB_STATE_FAILED):
-                resp.decided_level = coordinator_pb2.RECOVERY_LEVEL_NONE
-                resp.message = job.message
-                return resp
-            if request.generation < job.generation or job.pending_generation:
-                resp.decided_level = coordinator_pb2.RECOVERY_LEVEL_NONE
-                resp.message = f"duplicate: generation {request.generation} is already being replaced"
-                return resp
-            what = request.event.message or request.event.kind
-            if job.restart_count >= self.spec.max_restarts:
-                job.state = coordinator_pb2.JOB_STATE_FAILED
-                job.message = (f"rank {request.failed_rank} failed ({what}); restart budget exhausted after "
-                               f"{job.restart_count} restarts (max {self.spec.max_restarts})")
-                log.error("job %s failed: %s", self.spec.job, job.message)
-                resp.decided_level = coordinator_pb2.RECOVERY_LEVEL_JOB
-                resp.message = job.message
-                return resp
-            job.restart_count += 1
-            job.pending_generation = True
-            job.state = coordinator_pb2.JOB_STATE_RECOVERING
-            job.message = f"restart {job.restart_count}/{self.spec.max_restarts} after rank {request.failed_rank}: {what}"
-            log.warning("job %s: %s", self.spec.job, job.message)
-            self._try_form_generation()
-            resp.decided_level = coordinator_pb2.RECOVERY_LEVEL_PROCESS
-            resp.new_generation = job.generation + (1 if job.pending_generation else 0)
-            resp.message = job.message
-            return resp
+        """Decides the recovery for a reported event; duplicates of a handled fault change nothing."""
+        try:
+            validate_report(request)
+            level, gen, msg, fut = self.core.report(request)
+            self.core.wait_durable(fut, "the recovery decision")
+            return coordinator_pb2.ReportEventResponse(decided_level=level, new_generation=gen, message=msg)
+        except RecoveryError as exc:
+            self._refuse(context, "ReportEvent", exc)
 
     def GetRankTable(self, request, context):  # noqa: N802
-        """The current generation's rank table (empty before the first generation forms)."""
-        with self._lock:
-            self._check_job(request.job, context)
-            return self._job.table if self._job.table is not None else common_pb2.RankTable(job=self.spec.job)
+        """The current generation's full rank table (empty before the first generation forms)."""
+        try:
+            _check_job(request.job)
+            return self.core.rank_table(request.job)
+        except RecoveryError as exc:
+            self._refuse(context, "GetRankTable", exc)
 
     def CommitCheckpoint(self, request, context):  # noqa: N802
-        """Not used by the in-memory coordinator beyond echoing the step."""
-        with self._lock:
-            self._check_job(request.job, context)
-            return coordinator_pb2.CommitCheckpointResponse(last_committed_step=request.step)
+        """Records a node's committed checkpoint step; returns the step every node has committed."""
+        try:
+            _check_job(request.job)
+            _check_node_id("node_id", request.node_id)
+            if request.step < 0:
+                raise _bad("step", f"is {request.step}; it must be >= 0")
+            step, fut = self.core.commit_checkpoint(request.job, request.node_id, request.step)
+            self.core.wait_durable(fut, "the checkpoint commit")
+            return coordinator_pb2.CommitCheckpointResponse(last_committed_step=step)
+        except RecoveryError as exc:
+            self._refuse(context, "CommitCheckpoint", exc)
 
 
 class CoordinatorServer:
-    """A coordinator for one job served over gRPC.
+    """A coordinator for one job served over gRPC, with its lease reaper.
 
     Args:
-        spec: the job's parameters.
+        spec: the job's parameters (``spec.store`` picks the store unless ``store`` is given).
         listen: ``host:port`` to bind (port 0 picks a free one).
+        store: an opened store to use instead of ``spec.store``.
+        max_workers: gRPC handler threads (handlers wait on group commits, so more threads mean bigger batches).
+
+    Raises:
+        CoordinatorError: the address cannot be bound.
+        StoreError: the store cannot be opened or holds corrupt state.
     """
 
-    def __init__(self, spec: JobSpec, listen: str = "127.0.0.1:0") -> None:
-        self.service = CoordinatorService(spec)
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    def __init__(self, spec: JobSpec, listen: str = "127.0.0.1:0", store: Store | None = None,
+                 max_workers: int = 32) -> None:
+        self.service = CoordinatorService(spec, store=store)
+        self.core = self.service.core
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="coordinator"),
+            options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                     ("grpc.so_reuseport", 0)],
+        )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self._server)
-        self.port = self._server.add_insecure_port(listen)
+        try:
+            self.port = self._server.add_insecure_port(listen)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            from trainguard.recovery.errors import CoordinatorError
-
-            raise CoordinatorError(f"cannot listen on {listen}: address in use or not local")
+            self.core.close()
+            raise CoordinatorError(f"cannot listen on {listen}: address in use or not local; pick another "
+                                   "--listen address")
         self.host = listen.rsplit(":", 1)[0]
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="coordinator-reaper", daemon=True)
 
     @property
     def target(self) -> str:
         """``host:port`` clients dial."""
-        return f"{self.host}:{self.port}"
+        host = self.host.strip("[]")
+        if host in ("", "0.0.0.0", "::"):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def _reap(self) -> None:
+        period = min(0.5, self.core.spec.lease_timeout_s / 4)
+        while not self._stop.wait(period):
+            try:
+                self.core.reap()
+            except RecoveryError as exc:
+                log.error("lease reaper: %s", exc)
 
     def start(self) -> "CoordinatorServer":
         """Starts serving; returns self."""
         self._server.start()
+        self._reaper.start()
         return self
 
     def stop(self, grace_s: float = 0.5) -> None:
-        """Stops serving and waits for in-flight calls up to ``grace_s`` seconds."""
+        """Stops serving, waits for in-flight calls up to ``grace_s`` seconds, flushes the store."""
+        self._stop.set()
         self._server.stop(grace_s).wait()
+        if self._reaper.is_alive():
+            self._reaper.join(timeout=5)
+        self.core.close()
+

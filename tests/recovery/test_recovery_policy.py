@@ -115,7 +115,7 @@ def test_budget_is_global_and_exhaustion_names_rank_code_and_count() -> None:
         _execute(p)
     d = _fail(p, "n1", rank=2, exit_code=3)
     assert d.job_failed and p.state.phase is Phase.FAILED
-    assert "rank 2 on node n1 exited with code 3" in d.message and "after 2 restart(s) (max 2)" in d.message
+    assert "rank 2 on node n1 exited with code 3" in d.message and "after 2 restarts (max 2)" in d.message
     assert _fail(p, "n1").duplicate
 
 

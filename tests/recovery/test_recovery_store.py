@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from recovery_fixtures import etcd_endpoint  # noqa: F401 (fixture)
 from trainguard.recovery.errors import FencedError, StoreError, StoreURLError
 from trainguard.recovery.store import (Compare, FencedStore, FileStore, Put, SQLiteStore, Store, acquire_fence,
                                        open_store)

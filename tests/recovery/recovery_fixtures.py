@@ -1,4 +1,5 @@
-"""Fixtures of the recovery tests: a real etcd server on loopback (skipped with a reason when absent)."""
+"""Fixtures of the recovery tests (imported by name: no conftest.py here, so `from conftest import ...` in other
+folders keeps resolving to tests/conftest.py): a real etcd server on loopback, skipped with a reason when absent."""
 
 from __future__ import annotations
 

@@ -1,0 +1,126 @@
+"""``trainguard coordinator``: run a job's coordinator as its own process (multi-node jobs).
+
+Example::
+
+    trainguard coordinator --job llm-7b --listen 0.0.0.0:29400 --nnodes 64 --max-restarts 10 \\
+        --store sqlite:///var/lib/trainguard/llm-7b.db
+
+Node agents then join with ``trainguard run --coordinator HOST:29400 --job llm-7b ...``. Killed and started
+again with the same ``--job`` and ``--store``, the coordinator continues the job where it was: same
+generation, restart budget, rank table and leases, so running agents simply keep heartbeating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from trainguard.errors import UsageError
+
+log = logging.getLogger("trainguard.coordinator")
+
+
+def default_store(job: str) -> str:
+    """The store URL used without ``--store``: a SQLite file under ``$XDG_STATE_HOME/trainguard``.
+
+    Args:
+        job: the job name.
+
+    Returns:
+        ``sqlite:///<state dir>/coordinator-<job>.db``.
+    """
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return f"sqlite://{os.path.join(base, 'trainguard', f'coordinator-{job}.db')}"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds the ``coordinator`` subcommand.
+
+    Args:
+        sub: the top-level subparsers.
+    """
+    p = sub.add_parser("coordinator", help="run a job's coordinator (membership, ranks, recovery) as a server",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--job", required=True, help="job name the node agents use")
+    p.add_argument("--listen", default="0.0.0.0:29400", metavar="HOST:PORT",
+                   help="address to serve gRPC on (default 0.0.0.0:29400; port 0 picks one)")
+    p.add_argument("--store", default=None, metavar="URL",
+                   help="state store: sqlite:///path.db (default under ~/.local/state/trainguard), "
+                        "file:///dir, etcd://host:port[,host:port][/prefix], memory://")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes needed before the first generation (default 1)")
+    p.add_argument("--max-restarts", type=int, default=3, help="job-wide restart budget (default 3)")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="ranks per parallel group kept consecutive inside one pod (default 1: no constraint)")
+    p.add_argument("--allow-shrink", action="store_true", help="drop a lost node's slot when no spare is left")
+    p.add_argument("--min-nodes", type=int, default=0, help="fewest nodes after shrinking (default: --nnodes)")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between node heartbeats (1.0)")
+    p.add_argument("--lease-timeout", type=float, default=10.0,
+                   help="seconds without heartbeat after which a node is lost (default 10)")
+    p.add_argument("--backoff", type=float, default=0.5,
+                   help="seconds before the 2nd consecutive restart without progress, doubling (default 0.5)")
+    p.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="exit once the job succeeded (0) or failed (1) and every node was told")
+    p.set_defaults(handler=handle_coordinator)
+
+
+def handle_coordinator(args: argparse.Namespace) -> int:
+    """Runs the coordinator until SIGTERM/SIGINT (or the job's end with ``--exit-when-done``).
+
+    Returns:
+        0 on a clean stop or job success, 1 when the job failed, 3 when another coordinator took the job over.
+
+    Raises:
+        UsageError: bad flags, unusable store or address.
+    """
+    from trainguard.recovery.errors import RecoveryError
+    from trainguard.recovery.policy import Phase
+    from trainguard.recovery.service import CoordinatorServer, JobSpec
+
+    spec = JobSpec(job=args.job, nnodes=args.nnodes, max_restarts=args.max_restarts,
+                   heartbeat_interval_s=args.heartbeat_interval, group_size=args.group_size,
+                   allow_shrink=args.allow_shrink, min_nodes=args.min_nodes, lease_timeout_s=args.lease_timeout,
+                   backoff_initial_s=args.backoff, store=args.store or default_store(args.job))
+    try:
+        if spec.store.startswith("sqlite://") and not args.store:
+            Path(spec.store[len("sqlite://"):]).parent.mkdir(parents=True, exist_ok=True)
+        server = CoordinatorServer(spec, listen=args.listen).start()
+    except (RecoveryError, OSError) as exc:
+        raise UsageError(f"cannot start the coordinator: {exc}") from exc
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        Path(tmp).write_text(str(server.port))
+        os.replace(tmp, args.port_file)
+    log.info("coordinator for job %r serving on %s:%d, store %s (fence epoch %d)", spec.job, server.host,
+             server.port, spec.store, server.core.fence.epoch)
+    print(f"trainguard: coordinator for job {spec.job!r} listening on {server.host}:{server.port}", file=sys.stderr,
+          flush=True)
+    stop = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
+    code = 0
+    done_since = None
+    try:
+        while not stop.wait(0.2):
+            core = server.core
+            if core.fenced:
+                print(f"trainguard: error: {core.fenced}", file=sys.stderr)
+                code = 3
+                break
+            phase = core.state.phase
+            if args.exit_when_done and phase in (Phase.SUCCEEDED, Phase.FAILED):
+                # Let every node learn the outcome from its next heartbeat before going away.
+                done_since = done_since or time.monotonic()
+                if time.monotonic() - done_since > 3 * spec.heartbeat_interval_s + 1:
+                    code = 0 if phase is Phase.SUCCEEDED else 1
+                    print(f"trainguard: job {spec.job} {phase.name.lower()}: {core.state.message}", file=sys.stderr)
+                    break
+    finally:
+        server.stop(1.0)
+    return code
