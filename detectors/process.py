@@ -77,7 +77,7 @@ class ProcessConfig(DetectorConfig):
         hang_floor_s: the hang bound is never below this, seconds. Default 60.0.
         startup_grace_s: seconds from spawn to first heartbeat before a worker counts as hung. Default 900.0.
         d_state_s: seconds a thread may sit in uninterruptible sleep (D) before it is reported. Default 30.0.
-        d_state_check_s: seconds between scans of every thread's state. Default 5.0.
+        d_state_check_s: seconds between scans of every thread's state (a torch worker has ~100). Default 10.0.
         memory_window_s: window over which RSS growth is measured, seconds. Default 600.0.
         memory_growth_bytes: RSS growth within the window that is reported. Default 4 GiB.
         stack_dump: dump the stacks of a hung worker into the event. Default True.
@@ -90,7 +90,7 @@ class ProcessConfig(DetectorConfig):
     hang_floor_s: float = 60.0
     startup_grace_s: float = 900.0
     d_state_s: float = 30.0
-    d_state_check_s: float = 5.0
+    d_state_check_s: float = 10.0
     memory_window_s: float = 600.0
     memory_growth_bytes: int = 4 << 30
     stack_dump: bool = True
@@ -392,10 +392,12 @@ class ProcessDetector(Detector):
 
     def _check_memory(self, s: Sample, w: WorkerSnapshot, rss: int, now: float) -> None:
         window = self._rss.setdefault(w.pid, collections.deque())
-        window.append((now, rss))
+        # Growth over minutes needs no sub-second history: keep one point per 1/60 of the window.
+        if not window or now - window[-1][0] >= self.config.memory_window_s / 60:
+            window.append((now, rss))
         while window and now - window[0][0] > self.config.memory_window_s:
             window.popleft()
-        growth = rss - min(v for _, v in window)
+        growth = rss - min(min(v for _, v in window), rss)
         s.metrics[f"rss_growth_bytes[rank:{w.rank}]"] = float(growth)
         self.condition(s, f"memory/{w.rank}/{w.pid}", growth > self.config.memory_growth_bytes,
                        "process.memory_growth", Severity.WARNING, Action.CHECKPOINT_NOW,
