@@ -52,9 +52,11 @@ def test_link_down_up_and_flapping_on_a_real_veth_pair(veth_netns, tmp_path) -> 
         assert "administratively down" in down.message
         peer = next_event(q, "net.link_down", b)
         assert "no carrier" in peer.message and peer.evidence["carrier"] == "0"
-        time.sleep(0.5)
-        assert runner.statuses()[0].state == DetectorState.FAILED
+        deadline = time.monotonic() + 10
+        while runner.latest_metrics().get("roce.links_down") != 2.0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the next polled sample reflects the listener's table
         assert runner.latest_metrics()["roce.links_down"] == 2.0
+        assert runner.statuses()[0].state == DetectorState.FAILED
         ip(ns, "link", "set", a, "up")
         up = next_event(q, "net.link_up", a)
         assert up.severity == Severity.INFO
