@@ -191,6 +191,13 @@ class _PendingDump:
         self._thread: threading.Thread | None = None
 
     def start(self, pid: int, config: "ProcessConfig") -> None:
+        """Starts the dump in a daemon thread.
+
+        Args:
+            pid: the hung worker.
+            config: where and how long to dump.
+        """
+
         def run() -> None:
             dump = dump_stack(pid, directory=config.stack_dir or None, signum=STACK_DUMP_SIGNAL,
                               timeout_s=config.stack_timeout_s, proc_root=config.path("/proc"))
@@ -201,6 +208,7 @@ class _PendingDump:
         self._thread.start()
 
     def done(self) -> bool:
+        """Whether the dump finished (or was never started because dumps are off)."""
         return self._thread is None or not self._thread.is_alive()
 
 
