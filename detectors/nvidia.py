@@ -160,9 +160,15 @@ class NvmlBackend:
         return len(self._handles)
 
     def _try(self, fn: Any, *args: Any) -> Any:
+        # An optional query the GPU does not support (or fails) leaves its field None; the others still count.
+        # A lost GPU is the one failure that ends the whole reading.
         try:
             return fn(*args)
-        except self._nv.NVMLError_NotSupported:
+        except self._nv.NVMLError_GpuIsLost:
+            raise
+        except self._nv.NVMLError as exc:
+            if not isinstance(exc, self._nv.NVMLError_NotSupported):
+                log.debug("NVML %s failed: %s", getattr(fn, "__name__", fn), exc)
             return None
 
     def read(self, index: int, nvlink: bool) -> GpuReading:
