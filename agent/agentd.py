@@ -494,15 +494,31 @@ class _DaemonService(NodeAgentService):
     def __init__(self, daemon: AgentDaemon) -> None:
         super().__init__(daemon.node)
         self._daemon = daemon
+        self._lock = threading.Lock()
+        self._detectors_key: tuple = ()
+        self._detectors = agent_pb2.NodeHealth()
+
+    def _detector_part(self) -> agent_pb2.NodeHealth:
+        # Statuses change once per sample interval while health checkers may ask hundreds of times a second:
+        # convert them once per change (the runner hands out a new status object on each sample).
+        statuses = self._daemon.detector_statuses()
+        with self._lock:
+            # Identity, not equality: the cache holds the status objects, so their ids cannot be reused.
+            same = len(statuses) == len(self._detectors_key) and all(
+                a is b for a, b in zip(statuses, self._detectors_key))
+            if not same or not statuses:
+                key = tuple(statuses)
+                part = agent_pb2.NodeHealth(detectors=[s.to_proto() for s in statuses])
+                if self._daemon.detector_gap:
+                    part.detectors.add(name="detectors", state=agent_pb2.DETECTOR_STATE_ERROR,
+                                       detail=self._daemon.detector_gap)
+                self._detectors_key, self._detectors = key, part
+            return self._detectors
 
     def GetHealth(self, request, context):  # noqa: N802 (gRPC naming)
         health = super().GetHealth(request, context)
         if not health.detectors:
-            for status in self._daemon.detector_statuses():
-                health.detectors.append(status.to_proto())
-            if self._daemon.detector_gap:
-                health.detectors.add(name="detectors", state=agent_pb2.DETECTOR_STATE_ERROR,
-                                     detail=self._daemon.detector_gap)
+            health.MergeFrom(self._detector_part())
         return health
 
     def ReportCheckpoint(self, request, context):  # noqa: N802 (gRPC naming)
