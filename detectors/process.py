@@ -81,6 +81,8 @@ class ProcessConfig(DetectorConfig):
         memory_window_s: window over which RSS growth is measured, seconds. Default 600.0.
         memory_growth_bytes: RSS growth within the window that is reported. Default 4 GiB.
         stack_dump: dump the stacks of a hung worker into the event. Default True.
+        py_spy: use ``py-spy dump`` when installed (needs ptrace rights); else, or when it fails, the worker's
+            faulthandler. Default True.
         stack_dir: directory of faulthandler dump files; empty means ``$TRAINGUARD_STACK_DIR`` or the temp dir.
         stack_timeout_s: seconds to wait for a stack dump. Default 2.0.
     """
@@ -94,6 +96,7 @@ class ProcessConfig(DetectorConfig):
     memory_window_s: float = 600.0
     memory_growth_bytes: int = 4 << 30
     stack_dump: bool = True
+    py_spy: bool = True
     stack_dir: str = ""
     stack_timeout_s: float = 2.0
 
@@ -200,7 +203,8 @@ class _PendingDump:
 
         def run() -> None:
             dump = dump_stack(pid, directory=config.stack_dir or None, signum=STACK_DUMP_SIGNAL,
-                              timeout_s=config.stack_timeout_s, proc_root=config.path("/proc"))
+                              timeout_s=config.stack_timeout_s, use_py_spy=config.py_spy,
+                              proc_root=config.path("/proc"))
             self.evidence["stack_method"] = dump.method
             self.evidence["stack"] = dump.text
 

@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -105,6 +106,19 @@ def catches_signal(pid: int, signum: int, proc_root: str = "/proc") -> bool:
     return False
 
 
+def find_py_spy() -> str | None:
+    """Locates ``py-spy``: on PATH, else beside this interpreter (a virtualenv's ``bin/``).
+
+    Returns:
+        Its path, or None when not installed.
+    """
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.access(beside, os.X_OK) else None
+
+
 @dataclass(frozen=True)
 class StackDump:
     """A stack dump, or why there is none.
@@ -140,7 +154,7 @@ def dump_stack(
     Returns:
         The dump and the method that produced it; never raises for a missing or dead worker.
     """
-    py_spy = shutil.which("py-spy") if use_py_spy else None
+    py_spy = find_py_spy() if use_py_spy else None
     if py_spy:
         try:
             done = subprocess.run(

@@ -285,7 +285,8 @@ def test_slow_stack_dump_does_not_delay_another_workers_kill_report(tmp_path) ->
                         WorkerSnapshot(rank=1, pid=victim.pid, started_at=t0, returncode=victim.poll())]
 
         q: queue.Queue[HealthEvent] = queue.Queue()
-        cfg = ProcessConfig(interval_s=0.1, startup_grace_s=5.0, stack_timeout_s=3.0, stack_dir=str(tmp_path))
+        cfg = ProcessConfig(interval_s=0.1, startup_grace_s=5.0, stack_timeout_s=3.0, stack_dir=str(tmp_path),
+                            py_spy=False)
         with DetectorRunner([ProcessDetector(cfg, worker_view=View())], on_event=q.put):
             time.sleep(0.3)  # rank 0 is past its grace: its dump has started
             killed_at = time.monotonic()

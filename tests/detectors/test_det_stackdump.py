@@ -7,10 +7,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from trainguard.detectors.stackdump import (
     STACK_DUMP_SIGNAL,
     catches_signal,
     dump_stack,
+    find_py_spy,
     install_stack_dump_handler,
     stack_dump_path,
 )
@@ -69,3 +72,19 @@ def test_install_in_this_process(tmp_path) -> None:
             assert "test_install_in_this_process" in f.read()
     finally:
         faulthandler.unregister(STACK_DUMP_SIGNAL)
+
+
+def test_py_spy_dumps_a_worker_that_registered_nothing(tmp_path) -> None:
+    if find_py_spy() is None:
+        pytest.skip("py-spy is not installed")
+    p = subprocess.Popen([sys.executable, "-c", "import time\ndef spinning_in_c():\n    time.sleep(3600)\n"
+                          "print('ready', flush=True)\nspinning_in_c()"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        dump = dump_stack(p.pid, directory=str(tmp_path), timeout_s=30.0)
+        if dump.method != "py-spy":
+            pytest.skip(f"py-spy cannot attach here (no ptrace rights?): {dump.text[:200]}")
+        assert "spinning_in_c" in dump.text and p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
