@@ -208,7 +208,9 @@ class RoceDetector(ListeningDetector):
                 self._down_since.pop(info.ifname, None)
             else:
                 self._down_since.setdefault(info.ifname, now)
-            if initial or (prev is not None and prev.up == info.up) or (prev is None and info.up):
+            # Only transitions are events; a link first seen (in the dump, or created later) is just recorded,
+            # and one that stays down is reported by sample() after down_grace_s.
+            if initial or prev is None or prev.up == info.up:
                 return
             evidence = {"ifname": info.ifname, "operstate": info.operstate, "carrier": int(info.carrier),
                         "admin_up": int(info.admin_up), "carrier_changes": info.carrier_changes,
