@@ -78,15 +78,17 @@ def test_measured_components_and_report_text():
 
 
 def test_short_real_drill_kill_and_verify(tmp_path):
-    """A real 2-worker job under trainguard run, one SIGKILL, then the fault-free comparison."""
-    cfg = SoakConfig(wall_s=3.0, step_delay_s=0.02, save_every=5, trace_faults=0, extra=("kill",),
-                     workdir=str(tmp_path / "soak"))
+    """A real 2-worker job under trainguard run: a full checkpoint disk, one SIGKILL, then the fault-free check."""
+    cfg = SoakConfig(wall_s=3.0, step_delay_s=0.02, save_every=5, trace_faults=0, extra=("enospc", "kill"),
+                     enospc_window_s=1.5, workdir=str(tmp_path / "soak"))
     rep = run_soak(cfg, progress=lambda _line: None)
     assert rep.exit_code == 0
     assert rep.equal_to_reference is True
-    (kill,) = rep.faults
+    full, kill = rep.faults
+    assert full.kind == "enospc" and full.detected_s is not None and full.recovery_s is not None  # saves resumed
     assert kill.kind == "kill" and kill.recovery_s is not None and kill.recovery_s > 0
     assert kill.detected_s is not None and 0 <= kill.detected_s < 5.0
     assert rep.generations == 2 and 0 < rep.ettr < 1
-    assert not list((tmp_path / "soak").glob("ckpt/.drill-filler"))
+    mounts = open("/proc/mounts").read()
+    assert str(tmp_path / "soak" / "ckpt") not in mounts  # the tmpfs is unmounted
     json.dumps(rep.as_dict(), default=str)

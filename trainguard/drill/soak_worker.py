@@ -1,7 +1,7 @@
 """Worker of the soak drill: a deterministic DDP job that logs every step, save and checkpoint error with its time.
 
-The model and data are those of ``examples/train.py`` (an MLP on scikit-learn's digits, gloo on CPU, the batch of
-step ``s`` a function of ``s`` only), so a run that is killed and resumed ends bitwise equal to a fault-free run of
+The model and data are those of ``examples/train.py`` (an MLP on scikit-learn's digits, read from the CSV file
+scikit-learn ships; gloo on CPU; the batch of step ``s`` a function of ``s`` only), so a run that is killed and resumed ends bitwise equal to a fault-free run of
 the same number of steps. Each rank appends to ``<events>/rank<R>.steps`` one line per completed step::
 
     unix_time generation step pid step_done_seconds saved(0/1)
@@ -15,7 +15,9 @@ Run as ``trainguard run --nproc-per-node 2 -m trainguard.drill.soak_worker --ste
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -23,7 +25,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -43,6 +44,22 @@ class _EventLog(logging.Handler):
         msg = record.getMessage()
         if "checkpoint" in msg.lower():
             self._f.write(json.dumps({"t": record.created, "level": record.levelname, "message": msg[:300]}) + "\n")
+
+
+def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits, read straight from the CSV it ships (importing sklearn costs seconds per worker).
+
+    Returns:
+        (images as float64 features, labels), the same arrays as ``sklearn.datasets.load_digits(return_X_y=True)``.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the soak worker needs scikit-learn's digits data: pip install scikit-learn")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data", "digits.csv.gz")
+    with gzip.open(path, "rt") as f:
+        rows = [[float(v) for v in line.split(",")] for line in f if line.strip()]
+    data = torch.tensor(rows, dtype=torch.float64)
+    return data[:, :-1], data[:, -1].long()
 
 
 def _batch(step: int, global_batch: int, seed: int) -> torch.Tensor:
@@ -83,10 +100,10 @@ def main() -> None:
     logging.getLogger("trainguard").addHandler(_EventLog(os.path.join(args.events, f"rank{rank}.events")))
 
     torch.manual_seed(args.seed)
-    x, y = load_digits(return_X_y=True)
+    x, y = _load_digits()
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(args.seed))
-    x = (torch.tensor(x, dtype=torch.float32)[perm] / 16.0)[:TRAIN_SAMPLES]
-    y = torch.tensor(y, dtype=torch.long)[perm][:TRAIN_SAMPLES]
+    x = (x.float()[perm] / 16.0)[:TRAIN_SAMPLES]
+    y = y[perm][:TRAIN_SAMPLES]
     model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)))
     optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
