@@ -75,13 +75,10 @@ def _serve(kind: str, nodes: int, port_file: str, store: str, interval_s: float)
         spec_params = inspect.signature(svc.JobSpec).parameters
         spec_kw = {"job": JOB}
         for name, value in (("nnodes", nodes), ("heartbeat_interval_s", interval_s), ("max_restarts", 3),
-                            ("lease_timeout_s", 30.0)):
+                            ("lease_timeout_s", 60.0), ("store", store)):
             if name in spec_params:
                 spec_kw[name] = value
-        kw = {"listen": "127.0.0.1:0"}
-        if "store" in inspect.signature(svc.CoordinatorServer).parameters:
-            kw["store"] = store
-        server_obj = svc.CoordinatorServer(svc.JobSpec(**spec_kw), **kw).start()
+        server_obj = svc.CoordinatorServer(svc.JobSpec(**spec_kw), listen="127.0.0.1:0").start()
         port = server_obj.port
         stop = server_obj.stop
     Path(port_file + ".tmp").write_text(str(port))

@@ -217,6 +217,11 @@ class JobCoordinator:
         self._form_note = ""
         self._full_table: common_pb2.RankTable | None = None
         self._state_fut: Future | None = None
+        self._mver = 0  # bumped on every membership/liveness change: invalidates _layout_cache
+        self._layout_cache: tuple[object, RankLayout | None] | None = None
+        self._start_cache: dict[tuple[int, int, str], coordinator_pb2.NodeHeartbeatResponse] = {}
+        self._running: set[str] = set()  # slot holders running the current generation
+        self._succeeded: set[str] = set()  # slot holders whose workers of the current generation all exited 0
         self.fenced = ""
         self._load()
 
@@ -388,6 +393,9 @@ class JobCoordinator:
         self._policy.state.generation = generation
         self._rebuild_table()
         self._form_note = ""
+        self._running.clear()
+        self._succeeded.clear()
+        self._mver += 1
         log.info("job %s: generation %d formed: %d nodes, world size %d, master %s:%d", self.spec.job, generation,
                  len(layout.slots), layout.world_size, layout.master_addr, port)
         self._save_state()
@@ -397,51 +405,68 @@ class JobCoordinator:
             self._form_note = text
             log.warning("job %s: %s", self.spec.job, text)
 
-    def _form_first(self, now: float) -> None:
+    def _first_layout(self, now: float) -> RankLayout | None:
         cordoned = set(self._policy.state.cordoned)
         active = sorted((m for m in self._members.values() if self._lease_live(m, now) and not m.info.spare
                          and m.info.node_id not in cordoned), key=lambda m: m.spec().order_key())
         if len(active) < self.spec.nnodes:
             self._form_note = f"waiting for nodes: {len(active)} of {self.spec.nnodes} registered"
-            return
+            return None
         try:
-            layout = assign_ranks([m.spec() for m in active[: self.spec.nnodes]], group_size=self.spec.group_size)
+            return assign_ranks([m.spec() for m in active[: self.spec.nnodes]], group_size=self.spec.group_size)
         except MembershipError as exc:
             self._note(f"cannot lay out ranks: {exc}")
-            return
-        port = self._fresh_port(layout.slots[0].node_id)
-        if not port:
-            return  # the rank-0 node reports a fresh port with its next heartbeat
-        self._policy.formed(1)
-        self._install(layout, 1, port)
+            return None
 
-    def _execute_plan(self, now: float) -> None:
+    def _plan_layout(self, now: float) -> RankLayout | None:
         st = self._policy.state
         plan, lay = st.plan, self._layout
         assert plan is not None and lay is not None
         holders = [self._members[s.node_id] for s in lay.slots if s.node_id in self._members]
         try:
             if plan.level is Level.PROCESS:
-                layout = lay
-            elif plan.level is Level.NODE:
+                return lay
+            if plan.level is Level.NODE:
                 gone = set(plan.cordon)
                 specs = [m.spec() for m in holders if m.info.node_id not in gone]
                 for old, new in plan.replacements.items():
                     spare = self._members.get(new)
                     if spare is not None and self._lease_live(spare, now):
                         specs.append(spare.spec(replaces=old))
-                layout = assign_ranks(specs, previous=lay, group_size=lay.group_size, allow_shrink=plan.shrink,
-                                      grow=False)
-            else:
-                cordoned = set(st.cordoned) | set(plan.cordon)
-                specs = [m.spec() for m in holders if self._lease_live(m, now) and m.info.node_id not in cordoned]
-                specs += [m.spec() for m in self._candidates(now) if m.info.node_id not in cordoned]
-                layout = assign_ranks(specs, previous=lay, group_size=lay.group_size, grow=False)
+                return assign_ranks(specs, previous=lay, group_size=lay.group_size, allow_shrink=plan.shrink,
+                                    grow=False)
+            cordoned = set(st.cordoned) | set(plan.cordon)
+            specs = [m.spec() for m in holders if self._lease_live(m, now) and m.info.node_id not in cordoned]
+            specs += [m.spec() for m in self._candidates(now) if m.info.node_id not in cordoned]
+            return assign_ranks(specs, previous=lay, group_size=lay.group_size, grow=False)
         except MembershipError as exc:
             self._note(f"generation {plan.generation} waits: {exc}")
+            return None
+
+    def _next_layout(self, now: float) -> RankLayout | None:
+        """The layout the next generation would get; recomputed only when the membership changed.
+
+        Heartbeats arrive from every node every interval; recomputing an O(n log n) layout on each would make
+        a 12.5k-node formation quadratic, so the result is cached per membership version.
+        """
+        st = self._policy.state
+        key = (self._mver, st.plan.generation if st.plan else 0, st.plan.level if st.plan else None)
+        if self._layout_cache is None or self._layout_cache[0] != key:
+            layout = self._first_layout(now) if st.phase is Phase.FORMING else self._plan_layout(now)
+            self._layout_cache = (key, layout)
+        return self._layout_cache[1]
+
+    def _try_form(self, now: float) -> None:
+        layout = self._next_layout(now)
+        if layout is None:
             return
         port = self._fresh_port(layout.slots[0].node_id)
         if not port:
+            return  # the rank-0 node reports a fresh port with its next heartbeat
+        st = self._policy.state
+        if st.phase is Phase.FORMING:
+            self._policy.formed(1)
+            self._install(layout, 1, port)
             return
         plan = self._policy.plan_started()
         for n in plan.cordon:
@@ -454,18 +479,18 @@ class JobCoordinator:
         now = self._clock()
         st = self._policy.state
         if st.phase is Phase.FORMING:
-            self._form_first(now)
+            if len(self._members) >= self.spec.nnodes:
+                self._try_form(now)
         elif st.plan is not None:
             if self._wall() >= st.plan.not_before_s:
-                self._execute_plan(now)
+                self._try_form(now)
         elif st.phase in (Phase.RUNNING, Phase.RECOVERING) and self._layout is not None:
-            holders = [self._members.get(s.node_id) for s in self._layout.slots]
-            if all(m is not None and m.succeeded_generation == st.generation for m in holders):
+            n = len(self._layout.slots)
+            if len(self._succeeded) >= n:
                 self._policy.succeeded()
                 log.info("job %s: %s", self.spec.job, st.message)
                 self._save_state()
-            elif st.phase is Phase.RECOVERING and all(m is not None and m.generation == st.generation
-                                                      for m in holders):
+            elif st.phase is Phase.RECOVERING and len(self._running) >= n:
                 self._policy.started(st.generation)
                 self._save_state()
 
@@ -476,6 +501,7 @@ class JobCoordinator:
         before = json.dumps(self._policy.state.to_dict(), sort_keys=True)
         d = self._policy.on_failure(f, layout=lay, members=holders, spares=spares)
         if json.dumps(self._policy.state.to_dict(), sort_keys=True) != before:
+            self._mver += 1
             (log.error if d.job_failed else log.warning)("job %s: %s", self.spec.job, d.message)
             self._rebuild_table()
             self._save_state()
@@ -540,6 +566,7 @@ class JobCoordinator:
             m = Member(info=info, lease_id=lease, instance=instance, last_seen=now, free_port=free_port,
                        superseded=superseded)
             self._members[nid] = m
+            self._mver += 1
             fut = self._submit([Put(self._prefix + "nodes/" + nid, json.dumps(
                 {"info": info.SerializeToString().hex(), "lease": lease, "instance": instance}).encode())])
             st = self._policy.state
@@ -548,7 +575,7 @@ class JobCoordinator:
                 # The agent restarted while its workers ran a generation: they are gone with it.
                 self._fail(Failure(nid, prev.generation, Cause.WORKER_EXIT, detail="node agent restarted",
                                    time_s=self._wall()), now)
-            log.info("job %s: node %s registered (pod %r, index %d, %d devices%s)", job, nid,
+            log.debug("job %s: node %s registered (pod %r, index %d, %d devices%s)", job, nid,
                      info.topology.pod_id, info.topology.node_index, info.topology.device_count,
                      ", spare" if info.spare else "")
             self._advance()
@@ -577,12 +604,17 @@ class JobCoordinator:
                                            f"{self.spec.job!r} is at generation {st.generation}: stop those workers")
             if not m.alive:
                 log.info("job %s: node %s is back", self.spec.job, req.node_id)
+                self._mver += 1
             m.last_seen, m.alive = now, True
             if req.free_port > 0:
                 m.free_port = req.free_port
             m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
-            if req.workers_succeeded and req.generation == st.generation >= 0:
-                m.succeeded_generation = req.generation
+            if req.generation == st.generation >= 0 and self._layout is not None \
+                    and self._layout.slot_of(req.node_id) is not None:
+                self._running.add(req.node_id)
+                if req.workers_succeeded:
+                    m.succeeded_generation = req.generation
+                    self._succeeded.add(req.node_id)
             if req.generation == st.generation and st.consecutive:
                 self._policy.progressed(req.last_step)
                 if not st.consecutive:
@@ -611,8 +643,20 @@ class JobCoordinator:
         elif m.generation == st.generation:
             resp.command = _CMD.NODE_COMMAND_NONE
         else:
-            resp.command = _CMD.NODE_COMMAND_START if m.generation < 0 else _CMD.NODE_COMMAND_RESTART
-            resp.rank_table.CopyFrom(self._table_for(nid))
+            cmd = _CMD.NODE_COMMAND_START if m.generation < 0 else _CMD.NODE_COMMAND_RESTART
+            if self._full_table is not None and len(self._full_table.nodes) <= self.spec.full_table_max_nodes:
+                # Every node gets the same full table: build the response once per (generation, command).
+                key = (st.generation, cmd, resp.message)
+                cached = self._start_cache.get(key)
+                if cached is None:
+                    resp.command = cmd
+                    resp.rank_table.CopyFrom(self._full_table)
+                    self._start_cache = {key: resp}
+                    cached = resp
+                resp = cached
+            else:
+                resp.command = cmd
+                resp.rank_table.CopyFrom(self._table_for(nid))
             fut = self._state_fut
             pending = fut is not None and (not fut.done() or fut.exception() is not None)
             return HeartbeatReply(resp, fut if pending else None)
@@ -694,6 +738,7 @@ class JobCoordinator:
             for m in list(self._members.values()):
                 if m.alive and now - m.last_seen > self.spec.lease_timeout_s:
                     m.alive = False
+                    self._mver += 1
                     log.warning("job %s: node %s lost (no heartbeat for %.1f s)", self.spec.job, m.info.node_id,
                                 now - m.last_seen)
                     if self._layout is not None and self._layout.slot_of(m.info.node_id) is not None \
