@@ -197,13 +197,15 @@ def overhead_child(seconds: float, netns: str) -> None:
             peak = max(peak, me.memory_info().rss)
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         wall = time.monotonic() - w0
+        final_rss = me.memory_info().rss
+        peak = max(peak, final_rss)
         cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
         statuses = {s.name: (s.state.label, s.samples, round(s.sample_s * 1000, 3)) for s in runner.statuses()}
         runner.stop()
         print(json.dumps({
             "wall_s": wall, "cpu_s": cpu, "cpu_pct_one_core": 100 * cpu / wall,
             "idle_cpu_pct_one_core": 100 * idle_cpu / 3,
-            "rss_mb": me.memory_info().rss / 2**20, "peak_rss_mb": peak / 2**20,
+            "rss_mb": final_rss / 2**20, "peak_rss_mb": peak / 2**20,
             "baseline_rss_mb": baseline_rss / 2**20, "detectors": statuses,
             "events": sorted({e.kind for e in events}),
         }))
