@@ -249,10 +249,16 @@ def test_status_and_events_cli(agents, tmp_path):
     # --watch refreshes until interrupted.
     watch = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "status", "--watch", "0.2", *sock],
                              stdout=subprocess.PIPE, text=True)
-    time.sleep(3)
+    shown: list[str] = []
+    reader = threading.Thread(target=lambda: shown.extend(iter(watch.stdout.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and sum(line.startswith("node ") for line in shown) < 2:
+        time.sleep(0.05)
     watch.send_signal(signal.SIGINT)
-    out, _ = watch.communicate(timeout=10)
-    assert watch.returncode == 0 and out.count("node ") >= 2
+    assert watch.wait(10) == 0
+    reader.join(5)
+    assert sum(line.startswith("node ") for line in shown) >= 2, shown
     agent.proc.send_signal(signal.SIGTERM)
     assert agent.proc.wait(30) == 0
     gone = cli("status", *sock, "--timeout", "1")
