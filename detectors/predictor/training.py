@@ -48,9 +48,9 @@ class TrainConfig:
         calib_fraction: trailing fraction of the time span used to calibrate the threshold (default 0.25).
         min_failures: failures needed in the fit period for ``auto`` to choose ``hgb`` (default 5).
         neg_fraction: fraction of negative rows kept to fit ``hgb`` (default 0.2).
-        max_iter: boosting iterations (default 150).
-        learning_rate: boosting learning rate (default 0.1).
-        max_leaf_nodes: leaves per tree (default 15).
+        max_iter: boosting iterations (default 100).
+        learning_rate: boosting learning rate (default 0.05).
+        max_leaf_nodes: leaves per tree (default 8).
         seed: random seed (default 0).
         threads: OpenMP threads scikit-learn may use while fitting (default 1).
     """
@@ -61,9 +61,9 @@ class TrainConfig:
     calib_fraction: float = 0.25
     min_failures: int = 5
     neg_fraction: float = 0.2
-    max_iter: int = 150
-    learning_rate: float = 0.1
-    max_leaf_nodes: int = 15
+    max_iter: int = 100
+    learning_rate: float = 0.05
+    max_leaf_nodes: int = 8
     seed: int = 0
     threads: int = 1
 

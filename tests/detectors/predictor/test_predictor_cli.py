@@ -1,0 +1,89 @@
+"""``trainguard predictor``: gen-trace -> train -> eval -> score -> export, and one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trainguard.cli import main
+from trainguard.detectors.predictor.tracegen import default_trace_dir
+
+needs_trace = pytest.mark.skipif(
+    not (default_trace_dir() / "fault_trace.json").is_file(),
+    reason=f"StepFun fault trace absent at {default_trace_dir()}",
+)
+
+
+@needs_trace
+@pytest.mark.timeout(400)  # ~10 s of CPU; the shared 2-core CI box stretches wall time (scikit-learn import)
+def test_end_to_end(tmp_path, capsys):
+    d = tmp_path / "trace"
+    assert main(["predictor", "gen-trace", "--out", str(d), "--nodes", "6", "--days", "0.6", "--interval", "60",
+                 "--rate-scale", "300", "--repair-scale", "0.02", "--seed", "2"]) == 0
+    model = tmp_path / "model.json"
+    assert main(["predictor", "train", "--metrics", str(d / "metrics.csv"), "--events", str(d / "events.csv"),
+                 "--out", str(model), "--interval", "60", "--no-peer"]) == 0
+    out = capsys.readouterr().out
+    assert "threshold" in out and "ignored columns" in out  # rules-tier columns are not features
+    assert main(["predictor", "eval", "--model", str(model), "--metrics", str(d / "metrics.csv"), "--events",
+                 str(d / "events.csv"), "--faults", str(d / "faults.json"), "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert {"recall", "precision", "false_alarms_per_100_node_days", "lead_median_s", "predictable_recall"} <= set(figures)
+    # a NIC going down in the middle of the stream: the rules tier must alarm on that very row
+    lines = (d / "metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    cells = lines[500].split(",")
+    cells[header.index("nic_up")] = "0.0"
+    lines[500] = ",".join(cells)
+    (d / "metrics2.csv").write_text("\n".join(lines) + "\n")
+    scores = tmp_path / "scores.csv"
+    assert main(["predictor", "score", "--model", str(model), "--metrics", str(d / "metrics2.csv"),
+                 "--out", str(scores)]) == 0
+    rows = list(csv.DictReader(scores.open()))
+    assert len(rows) == len(lines) - 1 and all(0.0 <= float(r["score"]) <= 1.0 for r in rows)
+    hit = [r for r in rows if r["node"] == cells[1] and float(r["timestamp"]) == float(cells[0])]
+    assert hit[0]["source"] == "rules" and hit[0]["alarm"] == "1" and "rule:nic-down" in hit[0]["top_features"]
+
+
+def test_export_from_history(tmp_path, capsys):
+    from trainguard.detectors.predictor.history import MetricHistory
+
+    with MetricHistory(tmp_path / "h.sqlite") as h:
+        h.append(1.0, "n", {"gpu_temp_c": 50.0})
+        h.record_event(2.0, "n", "GPU Lost")
+    assert main(["predictor", "export", "--history", str(tmp_path / "h.sqlite"), "--metrics",
+                 str(tmp_path / "m.csv"), "--events", str(tmp_path / "e.csv")]) == 0
+    assert "1 samples and 1 events" in capsys.readouterr().out
+    assert (tmp_path / "m.csv").read_text().startswith("timestamp,node,gpu_temp_c")
+
+
+def test_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,host,x\n1,a,2\n")
+    assert main(["predictor", "train", "--metrics", str(bad), "--out", str(tmp_path / "m.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("trainguard: error:") and "missing column" in err and "\n" not in err
+    unknown = tmp_path / "unknown.csv"
+    unknown.write_text("timestamp,node,frobs\n" + "".join(f"{i},a,{i}\n" for i in range(200)))
+    assert main(["predictor", "train", "--metrics", str(unknown), "--out", str(tmp_path / "m.json")]) == 2
+    assert "none of the columns" in capsys.readouterr().err
+    notmodel = tmp_path / "model.json"
+    notmodel.write_text("{}")
+    assert main(["predictor", "score", "--model", str(notmodel), "--metrics", str(unknown)]) == 2
+    assert "not a trainguard predictor model" in capsys.readouterr().err
+
+
+def test_console_script_help_is_fast_and_lists_commands():
+    out = subprocess.run([sys.executable, "-m", "trainguard.cli", "predictor", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0
+    for cmd in ("train", "eval", "score", "export", "gen-trace"):
+        assert cmd in out.stdout
+    probe = subprocess.run([sys.executable, "-c", "import sys, trainguard.detectors.predictor.cli, "
+                            "trainguard.detectors.predictor; print('sklearn' in sys.modules)"],
+                           capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "False"
