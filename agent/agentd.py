@@ -190,7 +190,12 @@ class AgentDaemon:
             self.health.set_subsystem("metrics", self._metrics_server is not None)
             self.health.set_subsystem("workers", True)
             self.health.set_subsystem("predictor", True)
-            self.health.set_subsystem("coordinator", True)
+            # The daemon does not join a coordinator yet (jobs run through `trainguard run`, which embeds one):
+            # say so instead of reporting a connection that does not exist.
+            self.health.set_subsystem("coordinator", not config.coordinator.address)
+            if config.coordinator.address:
+                log.warning("coordinator.address is set, but this agent version does not register with a "
+                            "coordinator from the daemon; run jobs with `trainguard run`")
             self._refresh()
         except BaseException:
             self._shutdown_parts()
