@@ -118,6 +118,7 @@ def test_systemd_lifecycle_ready_watchdog_reload_stop(agents, tmp_path):
     assert "serving on unix:" in ready["STATUS"]
     mode = os.stat(agent.socket_path).st_mode & 0o777
     assert mode == 0o660, oct(mode)
+    assert os.stat(agent.socket_path.parent).st_mode & 0o007 == 0  # folder closed to other users too
     assert health(f"unix:{agent.socket_path}").node_id
     # Keep-alives at half the 1 s interval while healthy.
     first = time.monotonic()
@@ -163,6 +164,7 @@ def test_bad_reload_keeps_running_config(agents, tmp_path):
         ("[grpc]\nlisten_on = 1\n", "unknown key 'listen_on' in [grpc]"),
         ('[tls]\nenabled = true\ncert_file = "/nonexistent/cert.pem"\nkey_file = "/nonexistent/key.pem"\n',
          "tls.cert_file: cannot read /nonexistent/cert.pem"),
+        ('[detectors]\nenabled = ["host", "nosuch"]\n', "unknown detector 'nosuch'"),
     ],
 )
 def test_bad_config_fails_at_start_with_one_line(agents, text, needle):
