@@ -20,8 +20,9 @@ from collections.abc import Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
-#: Modules a standby imports before it waits (what a typical torch training script needs first).
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "trainguard.hook")
+#: Modules a standby imports before it waits (what a typical torch training script needs first; DDP imports
+#: torch._dynamo in its constructor, the most expensive import of all).
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "trainguard.hook")
 
 _STANDBY_CODE = r"""
 import importlib, json, os, runpy, sys

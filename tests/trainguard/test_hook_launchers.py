@@ -1,0 +1,49 @@
+"""The training hook outside trainguard run: a lone python process and plain torchrun."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLE, REPO
+
+
+def _python(args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.timeout(600)
+def test_lone_process_checkpoints_and_resumes(tmp_path: Path, tg_env: dict) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out.json"
+    r = _python([str(EXAMPLE), "--steps", "20", "--save-every", "5", "--checkpoint-dir", str(ckpt),
+                 "--out", str(out)], tg_env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    first = json.loads(out.read_text())
+    assert first["world_size"] == 1 and first["restored_step"] is None
+    # A second run with more steps continues from the last checkpoint (step 19) instead of starting over.
+    r = _python([str(EXAMPLE), "--steps", "30", "--save-every", "5", "--checkpoint-dir", str(ckpt),
+                 "--out", str(out)], tg_env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    second = json.loads(out.read_text())
+    assert second["restored_step"] == 19 and second["restored_tier"] in ("memory", "disk")
+    # ... and ends where an uninterrupted 30-step run ends.
+    r = _python([str(EXAMPLE), "--steps", "30", "--save-every", "0", "--out", str(tmp_path / "ref.json")], tg_env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path / "ref.json").read_text())["params_sha256"] == second["params_sha256"]
+
+
+@pytest.mark.timeout(600)
+def test_plain_torchrun(tmp_path: Path, tg_env: dict) -> None:
+    out = tmp_path / "out.json"
+    r = _python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
+                 "--steps", "20", "--save-every", "10", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--out", str(out)], tg_env, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["steps"] == 20
+    assert (tmp_path / "ckpt").exists()
