@@ -294,3 +294,17 @@ def test_sigkilled_coordinator_continues_the_job(tmp_path, tg_env, scheme, reque
         chan.close()
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--store", "nosuch:///x"], "unknown store URL"),
+    (["--store", "etcd://noport"], "is not host:port"),
+    (["--nnodes", "0"], "nnodes >= 1"),
+    (["--job", "bad job!"], "job name"),
+])
+def test_cli_bad_flags_are_one_line_errors(args, needle, tg_env) -> None:
+    r = subprocess.run([sys.executable, "-m", "trainguard.cli", "coordinator", "--job", "j", "--listen",
+                        "127.0.0.1:0", "--store", "memory://", *args], env=tg_env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
