@@ -308,10 +308,13 @@ class _NodeSim:
             self.rate["nic_symbol_errors_total"] += peak * r
             self.rate["nic_fec_corrected_total"] += 200.0 * peak * r
             self.rate["rdma_retrans_total"] += 5.0 * peak * r
+            # carrier flaps in the last 20 minutes: each adds an expected 2 changes (down, up) in one interval
             flaps = max(1, int(peak / 20))
+            dt_min = (t[1] - t[0]) / 60.0 if len(t) > 1 else 1.0
             for ts in rng.uniform(max(onset, f - 1200.0), f, flaps):
-                self.rate["nic_carrier_changes_total"][np.searchsorted(t, ts)] += 2.0 / max(
-                    (t[1] - t[0]) / 60.0, 1e-9) if len(t) > 1 and np.searchsorted(t, ts) < len(t) else 0.0
+                i = int(np.searchsorted(t, ts))
+                if i < len(t):
+                    self.rate["nic_carrier_changes_total"][i] += 2.0 / dt_min
         elif fam == "thermal":
             self.temp += peak * np.where((t >= onset) & (t < f), np.minimum((t - onset) / max(f - onset, 1), 1), 0) ** 1.5
         elif fam == "step":
@@ -427,8 +430,8 @@ def generate(cfg: TraceConfig) -> Trace:
                 sim.add_family(fam_name, clock, onset, rng.uniform(*fam.tau_min) * 60.0, rng.uniform(*fam.peak))
             if cfg.rule_columns:
                 last = np.searchsorted(t, clock, side="left") - 1
-                sig = _FATAL_SIGNATURE.get(fam_name or "", {}) if predictable or fam_name else {}
-                sig = _FATAL_SIGNATURE.get(k.desc, sig)
+                # the failure itself shows in the rules-tier columns (its kind's, else its family's signature)
+                sig = _FATAL_SIGNATURE.get(k.desc, _FATAL_SIGNATURE.get(fam_name or "", {}))
                 if last >= 0:
                     for col, v in sig.items():
                         c = extra_names.index(col)
