@@ -123,6 +123,7 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
         try:
             local = LocalStore(disk["root"], man.job, fsync=bool(disk.get("fsync", True)))
             try:
+                local.uncommit_rank(step, rank)
                 local.write_data(step, rank, view, man.data_bytes, man.chunk_bytes, throttle)
                 local.write_small(step, manifest_name(rank), man_json)
                 local.commit_rank(step, rank, ws, digest)
@@ -145,6 +146,7 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
                                               "uploaded; fix the disk tier first")
             store = FsspecStore(remote["url"], man.job, remote.get("storage_options") or {})
             src = local.local_data_path(step, rank)
+            store.uncommit_rank(step, rank)
             store.write_data(step, rank, src, man.data_bytes, man.chunk_bytes, throttle)
             store.write_small(step, manifest_name(rank), man_json)
             store.commit_rank(step, rank, ws, digest)

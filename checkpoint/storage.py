@@ -122,6 +122,15 @@ class StepStore(ABC):
         ws = sizes.pop()
         return ws > 0 and all(r in marks for r in range(ws)), ws
 
+    def uncommit_rank(self, step: int, rank: int) -> None:
+        """Removes this rank's marker before its files of ``step`` are rewritten (a step saved again)."""
+        if marker_name(rank) in self.list_names(step):
+            self.delete_small(step, marker_name(rank))
+
+    @abstractmethod
+    def delete_small(self, step: int, name: str) -> None:
+        """Deletes one file of a step directory (durably)."""
+
     def commit_rank(self, step: int, rank: int, world_size: int, manifest_digest: str) -> bool:
         """Writes this rank's commit marker, then the commit record if the step is now complete.
 
@@ -233,6 +242,11 @@ class LocalStore(StepStore):
         with open(os.path.join(self._step_dir(step), name), "rb") as f:
             return f.read()
 
+    def delete_small(self, step: int, name: str) -> None:
+        os.unlink(os.path.join(self._step_dir(step), name))
+        if self.fsync:
+            fsync_dir(self._step_dir(step))
+
     def list_steps(self) -> list[int]:
         try:
             names = os.listdir(self.job_dir)
@@ -334,6 +348,9 @@ class FsspecStore(StepStore):
             self.fs.pipe_file(self._path(step, name), data)
 
         self._guard(f"write {name}", put)
+
+    def delete_small(self, step: int, name: str) -> None:
+        self._guard(f"delete {name}", lambda: self.fs.rm(self._path(step, name)))
 
     def read_small(self, step: int | None, name: str) -> bytes:
         return self._guard(f"read {name}", lambda: self.fs.cat_file(self._path(step, name)))
