@@ -502,7 +502,9 @@ class JobCoordinator:
         d = self._policy.on_failure(f, layout=lay, members=holders, spares=spares)
         if json.dumps(self._policy.state.to_dict(), sort_keys=True) != before:
             self._mver += 1
-            (log.error if d.job_failed else log.warning)("job %s: %s", self.spec.job, d.message)
+            # A merged report (another node of the same fault) is routine at scale: keep the log readable.
+            (log.error if d.job_failed else log.debug if d.merged else log.warning)("job %s: %s", self.spec.job,
+                                                                                    d.message)
             self._rebuild_table()
             self._save_state()
         return int(d.level), d.generation, d.message

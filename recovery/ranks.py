@@ -300,7 +300,9 @@ def assign_ranks(
             filled[i] = pick
     vacant = [old for old, m in zip(previous.slots, filled) if m is None]
     if vacant and not allow_shrink:
-        names = ", ".join(f"slot {s.group_rank} (was {s.node_id!r})" for s in vacant)
+        names = ", ".join(f"slot {s.group_rank} (was {s.node_id!r})" for s in vacant[:5])
+        if len(vacant) > 5:
+            names += f" and {len(vacant) - 5} more"
         raise MembershipError(
             f"{len(vacant)} rank slot(s) have no node: {names}; add a spare node, or allow shrinking"
         )

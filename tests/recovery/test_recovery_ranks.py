@@ -65,6 +65,9 @@ def test_vacant_slot_is_refused_unless_shrink_allowed() -> None:
     with pytest.raises(MembershipError, match=r"slot 1 \(was 'n1'\)"):
         assign_ranks([_node("n0"), _node("n2", idx=2)], previous=first)
     shrunk = assign_ranks([_node("n0"), _node("n2", idx=2)], previous=first, allow_shrink=True)
+    many = assign_ranks([_node(f"m{i}", idx=i) for i in range(20)])
+    with pytest.raises(MembershipError, match=r"^19 rank slot\(s\) have no node: .* and 14 more; add a spare"):
+        assign_ranks([_node("m0")], previous=many)
     assert shrunk.node_ids == ("n0", "n2") and shrunk.slots[1].first_rank == 2
 
 
