@@ -189,7 +189,11 @@ class AgentDaemon:
             self.health.set(NODE_AGENT_SERVICE, True)
             self.health.set_subsystem("metrics", self._metrics_server is not None)
             self.health.set_subsystem("workers", True)
-            self.health.set_subsystem("predictor", True)
+            # SERVING when a predictor scores risk (the node agent owns it once wired) or none is wanted.
+            predictor_running = getattr(self.node, "predictor", None) is not None
+            self.health.set_subsystem("predictor", predictor_running or not config.predictor.enabled)
+            if config.predictor.enabled and not predictor_running:
+                log.warning("predictor.enabled is true, but no predictor runs in this daemon yet; risk stays 0")
             # The daemon does not join a coordinator yet (jobs run through `trainguard run`, which embeds one):
             # say so instead of reporting a connection that does not exist.
             self.health.set_subsystem("coordinator", not config.coordinator.address)

@@ -9,7 +9,8 @@ Health checkers (``grpc_health_probe``, Kubernetes gRPC probes, load balancers) 
   ``coordinator``, ``metrics``), and ``trainguard.agent.detector.<name>`` for each detector: NOT_SERVING when
   that part failed. Use them for readiness or alerting.
 
-Statuses change only through :class:`HealthReporter`, which also remembers them for ``trainguard status``.
+Statuses change only through :class:`HealthReporter`, which also remembers them for ``trainguard status``; the
+``List`` method returns all of them in one call.
 """
 
 from __future__ import annotations
@@ -42,6 +43,20 @@ def detector_service(name: str) -> str:
     return f"{SUBSYSTEM_PREFIX}detector.{name}"
 
 
+class _ListingHealthServicer(health.HealthServicer):
+    """The stock servicer plus ``List`` (every status in one call), which the stock one leaves unimplemented."""
+
+    def __init__(self, reporter: "HealthReporter") -> None:
+        super().__init__(experimental_non_blocking=True)
+        self._reporter = reporter
+
+    def List(self, request, context):  # noqa: N802 (gRPC naming)
+        reply = health_pb2.HealthListResponse()
+        for service, serving in self._reporter.status().items():
+            reply.statuses[service].status = _SERVING if serving else _NOT_SERVING
+        return reply
+
+
 class HealthReporter:
     """Owns the health servicer and the status of every subsystem.
 
@@ -50,7 +65,7 @@ class HealthReporter:
 
     def __init__(self) -> None:
         """Creates the servicer with every known service NOT_SERVING until the daemon says otherwise."""
-        self.servicer = health.HealthServicer(experimental_non_blocking=True)
+        self.servicer = _ListingHealthServicer(self)
         self._lock = threading.Lock()
         self._status: dict[str, bool] = {}
         self._stopping = False

@@ -96,6 +96,18 @@ def _unreachable(address: str, exc: grpc.RpcError) -> AgentError:
                       "running, and are --socket/--target and the TLS flags right?")
 
 
+def fetch_subsystems(channel: grpc.Channel, timeout: float) -> dict[str, str]:
+    """Every ``grpc.health.v1`` status the agent serves (service -> SERVING/NOT_SERVING); empty if unsupported."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=timeout)
+    except grpc.RpcError:
+        return {}
+    return {name: health_pb2.HealthCheckResponse.ServingStatus.Name(st.status)
+            for name, st in sorted(reply.statuses.items())}
+
+
 def fetch(stub: agent_pb2_grpc.NodeAgentStub, address: str, events: int, timeout: float) -> agent_pb2.NodeHealth:
     """One GetHealth call with a deadline.
 
@@ -143,13 +155,18 @@ def event_time(event: common_pb2.HealthEvent) -> str:
     return datetime.fromtimestamp(event.time.seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def render(h: agent_pb2.NodeHealth) -> str:
-    """The health snapshot as a readable table."""
+def render(h: agent_pb2.NodeHealth, subsystems: dict[str, str] | None = None) -> str:
+    """The health snapshot (and the grpc.health.v1 statuses, when given) as a readable table."""
     ckpt = str(h.last_checkpoint_step) if h.last_checkpoint_step >= 0 else "-"
     gen = str(h.generation) if h.generation >= 0 else "-"
     risk = f"{h.predictor_score:.2f}" + (f" (alert at {h.predictor_threshold:.2f})" if h.predictor_threshold else "")
     lines = [f"node {h.node_id}   trainguard {h.version}   up {_duration(h.uptime_s)}   job {h.job or '-'}   "
              f"generation {gen}   last checkpoint {ckpt}   risk {risk}", ""]
+    if subsystems:
+        # The agent's own subsystems; per-detector statuses are in the detector table below.
+        parts = [f"{name.removeprefix('trainguard.agent.') or 'server'} {'ok' if st == 'SERVING' else st.lower()}"
+                 for name, st in subsystems.items() if ".detector." not in name and name != "trainguard.v1.NodeAgent"]
+        lines += ["health: " + ", ".join(parts), ""]
     if h.detectors:
         rows = [[d.name, _enum(d.state, agent_pb2.DetectorState, "DETECTOR_STATE_"), str(len(d.metrics)),
                  d.detail[:100]] for d in h.detectors]
@@ -199,15 +216,21 @@ def handle_status(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     channel, address = open_channel(args)
     stub = agent_pb2_grpc.NodeAgentStub(channel)
     try:
-        if args.watch is None:
+        def snapshot(pretty: bool) -> str:
             h = fetch(stub, address, args.events, args.timeout)
-            print(json.dumps(_to_json(h), indent=2) if args.json else render(h), file=out)
+            subsystems = fetch_subsystems(channel, args.timeout)
+            if args.json:
+                doc = {**_to_json(h), "health_services": subsystems}
+                return json.dumps(doc, indent=2) if pretty else json.dumps(doc, separators=(",", ":"))
+            return render(h, subsystems)
+
+        if args.watch is None:
+            print(snapshot(pretty=True), file=out)
             return 0
         clear = out.isatty() and not args.json
         while True:
             try:
-                h = fetch(stub, address, args.events, args.timeout)
-                text = json.dumps(_to_json(h), separators=(",", ":")) if args.json else render(h)
+                text = snapshot(pretty=False)
             except AgentError as exc:  # keep watching through an agent restart
                 text = f"trainguard: {exc}"
             stamp = datetime.now(timezone.utc).strftime("%H:%M:%S")

@@ -218,12 +218,15 @@ def test_status_and_events_cli(agents, tmp_path):
     table = cli("status", *sock)
     assert table.returncode == 0, table.stderr
     assert "trainguard" in table.stdout and "agent.started" in table.stdout and "no workers" in table.stdout
+    assert "health: server ok" in table.stdout and "metrics ok" in table.stdout
     as_json = cli("status", "--json", "--target", f"127.0.0.1:{agent.tcp_port}")
     assert as_json.returncode == 0, as_json.stderr
     import json
 
     doc = json.loads(as_json.stdout)
     assert doc["node_id"] and "agent.started" in [e["kind"] for e in doc["recent_events"]]
+    assert doc["health_services"][""] == "SERVING"
+    assert doc["health_services"]["trainguard.agent.detector.host"] in ("SERVING", "NOT_SERVING")
     events = cli("events", *sock, "--json")
     kinds = [json.loads(line)["kind"] for line in events.stdout.splitlines()]
     assert kinds.count("agent.started") == 1

@@ -116,6 +116,9 @@ def test_health_per_subsystem_and_reflection(server):
     with pytest.raises(grpc.RpcError) as err:
         status("no.such.service")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    listed = health.List(health_pb2.HealthListRequest(), timeout=3).statuses
+    assert listed[detector_service("roce")].status == health_pb2.HealthCheckResponse.SERVING
+    assert listed[subsystem_service("detectors")].status == health_pb2.HealthCheckResponse.NOT_SERVING
     reporter.shutdown()
     assert status("") == health_pb2.HealthCheckResponse.NOT_SERVING
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
