@@ -188,7 +188,6 @@ class AgentDaemon:
             self.health.set("", True)
             self.health.set(NODE_AGENT_SERVICE, True)
             self.health.set_subsystem("metrics", self._metrics_server is not None)
-            self.health.set_subsystem("workers", True)
             # SERVING when a predictor scores risk (the node agent owns it once wired) or none is wanted.
             predictor_running = getattr(self.node, "predictor", None) is not None
             self.health.set_subsystem("predictor", predictor_running or not config.predictor.enabled)
@@ -202,6 +201,9 @@ class AgentDaemon:
                             "coordinator from the daemon; run jobs with `trainguard run`")
             self._refresh()
         except BaseException:
+            if self.runner is None:
+                for det in detectors or []:
+                    det.close()  # not handed to a runner yet: release their sockets and files here
             self._shutdown_parts()
             raise
         self.notifier.ready(self._summary())
@@ -313,6 +315,9 @@ class AgentDaemon:
                     for _ in range(generation - self._last_generation):
                         self.metrics.count_worker_restart()
                 self._last_generation = max(self._last_generation, generation)
+        group = self.node.group if self.node is not None else None
+        workers = group.workers if group is not None else []
+        self.health.set_subsystem("workers", not any(w.state.name in ("FAILED", "HUNG") for w in workers))
         from trainguard.detectors.base import DetectorState
 
         bad = (DetectorState.FAILED, DetectorState.ERROR)
