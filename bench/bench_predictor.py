@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     frame = table_features(tr.metrics, spec)
     print(f"features: {frame.x.shape[1]} per row, {time.monotonic() - t0:.0f} s for {len(frame.ts)} rows")
     fails = failures_by_node(tr.events.node, tr.events.ts)
-    y = labels_for(frame.ts, frame.node, fails, ev)
+    y = labels_for(frame.ts, frame.node, fails, ev, exclude_early=cfg.exclude_early)
     pkeys = tr.predictable_keys()
     nodes = np.array(sorted(set(frame.node.astype(str))))
     rng = np.random.default_rng(args.seed)

@@ -18,6 +18,7 @@ the same :func:`node_features` on that tail, so the two paths agree to floating-
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -83,17 +84,17 @@ class FeatureSpec:
         if not self.metrics:
             raise FeatureMismatchError("no known metric to compute features from; the catalog lists the usable names")
 
-    @property
+    @cached_property
     def counters(self) -> list[int]:
         """Indexes (into ``metrics``) of counter metrics."""
         return [i for i, m in enumerate(self.metrics) if BY_NAME[m].kind is MetricKind.COUNTER]
 
-    @property
+    @cached_property
     def gauges(self) -> list[int]:
         """Indexes (into ``metrics``) of gauge metrics."""
         return [i for i, m in enumerate(self.metrics) if BY_NAME[m].kind is MetricKind.GAUGE]
 
-    @property
+    @cached_property
     def node_feature_names(self) -> list[str]:
         """Names of the per-node features, in :func:`node_features` column order."""
         names: list[str] = []
@@ -105,13 +106,13 @@ class FeatureSpec:
             names += [f"{m}.level", f"{m}.drift", f"{m}.slope_l"]
         return names + list(TELEMETRY_FEATURES)
 
-    @property
+    @cached_property
     def peer_base_columns(self) -> list[int]:
         """Columns of the node features that get a peer z-score (``rate_s`` of counters, ``level`` of gauges)."""
         n_c = len(self.counters)
         return [3 * k for k in range(n_c)] + [3 * n_c + 3 * k for k in range(len(self.gauges))]
 
-    @property
+    @cached_property
     def feature_names(self) -> list[str]:
         """All feature names, in model column order."""
         names = self.node_feature_names

@@ -93,6 +93,10 @@ class RulesTier:
         self.rules = rules
         self._nodes: dict[str, _NodeState] = {}
         self._watched = sorted({m for r in rules for m in _metrics_of(r["when"])})
+        # pattern matching is done once per distinct set of metric names, not on every sample
+        self._keys: tuple[str, ...] | None = None
+        self._watched_names: list[str] = []
+        self._names_of: dict[str, list[str]] = {}
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "RulesTier":
@@ -172,7 +176,12 @@ class RulesTier:
             The rules that match (empty when healthy).
         """
         st = self._nodes.setdefault(node, _NodeState())
-        watched = {n: v for n, v in metrics.items() if any(fnmatch.fnmatchcase(n, p) for p in self._watched)}
+        keys = tuple(metrics)
+        if keys != self._keys:
+            self._keys = keys
+            self._names_of = {p: [n for n in keys if fnmatch.fnmatchcase(n, p)] for p in self._watched}
+            self._watched_names = sorted({n for names in self._names_of.values() for n in names})
+        watched = {n: metrics[n] for n in self._watched_names}
         for n, v in watched.items():
             if v is not None and not math.isnan(v) and v > st.prev.get(n, 0.0):
                 st.last_increase[n] = ts
@@ -195,7 +204,7 @@ class RulesTier:
             return any([self._holds(c, ts, m, st, evidence) for c in cond["any"]])
         op, pat = cond["op"], cond["metric"]
         ok = False
-        for name in [n for n in m if fnmatch.fnmatchcase(n, pat)]:
+        for name in self._names_of.get(pat, ()):
             v = m[name]
             if v is None or math.isnan(v):
                 continue

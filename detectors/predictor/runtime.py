@@ -223,18 +223,19 @@ class PredictorRuntime:
         names = self.model.spec.feature_names
         if self._fast is not None:
             raw = self.model.scorer.baseline  # type: ignore[attr-defined]
-            contrib: dict[int, float] = {}
+            vals = row.tolist()  # Python floats: a pure-Python walk is ~10x faster than indexing numpy
+            contrib = [0.0] * len(vals)
             for leaf, feat, thr, ml, left, right, value, exp in self._fast:
                 i = 0
                 while not leaf[i]:
                     f = feat[i]
-                    v = row[f]
+                    v = vals[f]
                     nxt = (left[i] if ml[i] else right[i]) if v != v else (left[i] if v <= thr[i] else right[i])
-                    contrib[f] = contrib.get(f, 0.0) + exp[nxt] - exp[i]
+                    contrib[f] += exp[nxt] - exp[i]
                     i = nxt
                 raw += value[i]
             score = 1.0 / (1.0 + math.exp(-raw))
-            top = sorted(((names[f], round(c, 4)) for f, c in contrib.items() if c > 0), key=lambda p: -p[1])
+            top = sorted(((names[f], round(c, 4)) for f, c in enumerate(contrib) if c > 0), key=lambda p: -p[1])
             top = top[: self.top_k]
         else:
             score = float(self.model.scorer.score(row.reshape(1, -1))[0])

@@ -53,6 +53,8 @@ class TrainConfig:
         max_leaf_nodes: leaves per tree (default 8).
         seed: random seed (default 0).
         threads: OpenMP threads scikit-learn may use while fitting (default 1).
+        exclude_early: leave rows ``H..early_s`` before a failure out of the fit (default True): a
+            precursor's early part is not a clean negative, and an alarm there repeats into the warning window.
     """
 
     method: str = "auto"
@@ -66,6 +68,7 @@ class TrainConfig:
     max_leaf_nodes: int = 8
     seed: int = 0
     threads: int = 1
+    exclude_early: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -156,7 +159,7 @@ def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = Tr
     frame = table_features(metrics, spec)
     events = events if events is not None else EventTable.empty()
     failures = failures_by_node(events.node, events.ts)
-    y = labels_for(frame.ts, frame.node, failures, cfg.evaluation)
+    y = labels_for(frame.ts, frame.node, failures, cfg.evaluation, exclude_early=cfg.exclude_early)
     t_lo, t_hi = float(frame.ts.min()), float(frame.ts.max())
     split = t_lo + (1.0 - cfg.calib_fraction) * (t_hi - t_lo)
     fit_rows = np.flatnonzero(frame.ts < split)
