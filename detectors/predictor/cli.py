@@ -98,6 +98,10 @@ def _score(args: argparse.Namespace) -> int:
     metrics = MetricTable.from_csv(args.metrics)
     rt.check_metrics(metrics.columns)
     interval = rt.model.spec.config.interval_s if rt.model is not None else 1.0
+    if rt.model is not None:
+        from trainguard.detectors.predictor.features import check_interval
+
+        check_interval(metrics, interval)
     jobs = metrics.job.astype(str) if metrics.job is not None else np.full(len(metrics.ts), "")
     bucket = np.round(metrics.ts / interval).astype(np.int64)
     order = np.lexsort((metrics.node.astype(str), jobs, bucket))

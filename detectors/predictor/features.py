@@ -315,6 +315,35 @@ def align_metrics(table_columns: list[str], spec: FeatureSpec, missing: str = "e
     return idx, absent
 
 
+def check_interval(table: MetricTable, interval_s: float, tolerance: float = 0.25) -> float:
+    """Checks that a table is sampled at the interval the features assume.
+
+    Coverage and peer bucketing depend on the nominal interval, so data sampled at another rate would give
+    quietly wrong features; this refuses it instead.
+
+    Args:
+        table: metrics.
+        interval_s: nominal interval, seconds.
+        tolerance: accepted relative difference of the median sample spacing (default 0.25).
+
+    Returns:
+        The median spacing between consecutive samples of a node, seconds (``interval_s`` when unknown).
+
+    Raises:
+        DataFormatError: the median spacing differs from ``interval_s`` by more than ``tolerance``.
+    """
+    gaps = [np.diff(s.ts) for s in table.per_node() if len(s.ts) > 1]
+    if not gaps:
+        return interval_s
+    median = float(np.median(np.concatenate(gaps)))
+    if abs(median - interval_s) > tolerance * interval_s:
+        raise DataFormatError(
+            f"the data is sampled every {median:g} s but the features assume {interval_s:g} s; pass "
+            f"--interval {median:g} when training (a model keeps the interval it was trained with)"
+        )
+    return median
+
+
 def table_features(table: MetricTable, spec: FeatureSpec, missing: str = "error") -> FeatureFrame:
     """Computes every feature of every row of a table.
 

@@ -27,7 +27,9 @@ from trainguard.detectors.predictor.errors import FeatureMismatchError, Insuffic
 from trainguard.detectors.predictor.evaluation import (
     EvalConfig, calibrate_threshold, failures_by_node, labels_for, node_days,
 )
-from trainguard.detectors.predictor.features import FeatureConfig, FeatureFrame, FeatureSpec, table_features
+from trainguard.detectors.predictor.features import (
+    FeatureConfig, FeatureFrame, FeatureSpec, check_interval, table_features,
+)
 from trainguard.detectors.predictor.model import PredictorModel
 from trainguard.detectors.predictor.scorers import RobustZScorer, Scorer, ThresholdScorer, TreeEnsembleScorer
 from trainguard.detectors.predictor.table import EventTable, MetricTable
@@ -143,6 +145,7 @@ def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = Tr
     Raises:
         FeatureMismatchError: no catalog metric in the table.
         InsufficientDataError: too little history to fit or calibrate.
+        DataFormatError: the data is not sampled at ``cfg.features.interval_s``.
     """
     t0 = time.monotonic()
     known, unknown = split_known(metrics.columns)
@@ -156,6 +159,7 @@ def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = Tr
     if len(metrics.ts) < 100:
         raise InsufficientDataError(f"only {len(metrics.ts)} samples; train on at least a few hours of history")
     spec = FeatureSpec(tuple(known), cfg.features)
+    check_interval(metrics, spec.config.interval_s)
     frame = table_features(metrics, spec)
     events = events if events is not None else EventTable.empty()
     failures = failures_by_node(events.node, events.ts)
@@ -200,6 +204,8 @@ def score_table(model: PredictorModel, metrics: MetricTable, missing: str = "err
 
     Raises:
         FeatureMismatchError: a model metric is missing and ``missing == "error"``.
+        DataFormatError: the data is not sampled at the model's interval.
     """
+    check_interval(metrics, model.spec.config.interval_s)
     frame = table_features(metrics, model.spec, missing)
     return frame, model.scorer.score(frame.x)
