@@ -75,7 +75,7 @@ def _serve(kind: str, nodes: int, port_file: str, store: str, interval_s: float)
         spec_params = inspect.signature(svc.JobSpec).parameters
         spec_kw = {"job": JOB}
         for name, value in (("nnodes", nodes), ("heartbeat_interval_s", interval_s), ("max_restarts", 3),
-                            ("lease_timeout_s", 60.0), ("store", store)):
+                            ("lease_timeout_s", 120.0), ("store", store)):
             if name in spec_params:
                 spec_kw[name] = value
         server_obj = svc.CoordinatorServer(svc.JobSpec(**spec_kw), listen="127.0.0.1:0").start()
@@ -109,7 +109,7 @@ def _start_server(kind: str, nodes: int, store: str, interval_s: float, tmp: Pat
 
 # ------------------------------------------------------------------------------------------------ clients
 async def _client_main(target: str, ids: list[int], nodes_total: int, channels: int, hb_period: float,
-                       hb_seconds: float, t_start: float, form: bool, out: mp.Queue) -> None:
+                       hb_seconds: float, t_start: float, form: bool, form_timeout: float, out: mp.Queue) -> None:
     import grpc
 
     from trainguard.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -158,7 +158,11 @@ async def _client_main(target: str, ids: list[int], nodes_total: int, channels: 
             await asyncio.sleep(resp.interval_s or 0.5)
 
     if form:
-        await asyncio.gather(*(join(i) for i in ids))
+        # A cluster that cannot form in time is reported as such (formed_nodes < nodes), never waited on forever.
+        pending = [asyncio.ensure_future(join(i)) for i in ids]
+        _, late = await asyncio.wait(pending, timeout=form_timeout)
+        for t in late:
+            t.cancel()
     latencies: list[float] = []
     sent = 0
     t_hb0 = time.time() + 0.5
@@ -206,15 +210,20 @@ def _drive(kind: str, target_port: int, server: psutil.Process, nodes: int, args
     q: mp.Queue = mp.Queue()
     t_start = time.time() + 1.0 + nodes / 20000  # let client processes import grpc first
     ps = [mp.Process(target=_client_proc, args=(f"127.0.0.1:{target_port}", c, nodes, args.channels, args.hb_period,
-                                                 args.hb_seconds, t_start, form, q)) for c in chunks]
+                                                 args.hb_seconds, t_start, form, args.form_timeout, q))
+          for c in chunks]
     for p in ps:
         p.start()
     cpu0 = server.cpu_times()
     while time.time() < t_start:
         time.sleep(0.01)
-    results = [q.get(timeout=600 + args.hb_seconds) for _ in ps]
-    for p in ps:
-        p.join()
+    try:
+        results = [q.get(timeout=args.form_timeout + 3 * args.hb_seconds + 120) for _ in ps]
+    finally:
+        for p in ps:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     cpu1 = server.cpu_times()
     started = [t for r in results for t in r["started_at"]]
     lat = sorted(x for r in results for x in r["latencies"])
@@ -241,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--channels", type=int, default=32, help="gRPC connections per client process")
     ap.add_argument("--store", default="sqlite", choices=["memory", "sqlite", "file"],
                     help="coordinator store backend (a fresh temp one per size)")
+    ap.add_argument("--form-timeout", type=float, default=300.0,
+                    help="seconds the simulated nodes wait for their rank table before giving up")
     ap.add_argument("--interval", type=float, default=1.0, help="heartbeat interval the coordinator tells nodes")
     ap.add_argument("--no-baseline", action="store_true", help="skip the no-op gRPC server baseline")
     ap.add_argument("--json", help="also write the results to this file")

@@ -64,6 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds without heartbeat after which a node is lost (default 10)")
     p.add_argument("--backoff", type=float, default=0.5,
                    help="seconds before the 2nd consecutive restart without progress, doubling (default 0.5)")
+    p.add_argument("--max-heartbeat-rate", type=float, default=5000.0,
+                   help="heartbeats/s the coordinator invites at most; more nodes get a longer interval (5000)")
     p.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit once the job succeeded (0) or failed (1) and every node was told")
@@ -86,7 +88,7 @@ def handle_coordinator(args: argparse.Namespace) -> int:
     spec = JobSpec(job=args.job, nnodes=args.nnodes, max_restarts=args.max_restarts,
                    heartbeat_interval_s=args.heartbeat_interval, group_size=args.group_size,
                    allow_shrink=args.allow_shrink, min_nodes=args.min_nodes, lease_timeout_s=args.lease_timeout,
-                   backoff_initial_s=args.backoff, store=args.store or default_store(args.job))
+                   backoff_initial_s=args.backoff, max_heartbeat_rate=args.max_heartbeat_rate, store=args.store or default_store(args.job))
     try:
         if spec.store.startswith("sqlite://") and not args.store:
             Path(spec.store[len("sqlite://"):]).parent.mkdir(parents=True, exist_ok=True)

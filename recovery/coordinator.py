@@ -74,6 +74,9 @@ class JobSpec:
         node_repeats_to_job: node-level failures (within 10 min) that make the next one job-level.
         full_table_max_nodes: up to this many nodes every START carries the whole rank table; above it, only
             the receiving node's entry (``RankTable.node_count`` tells the size). Default 1024.
+        max_heartbeat_rate: heartbeats per second the coordinator invites at most: with more nodes than
+            ``rate x heartbeat_interval_s`` it tells nodes a longer interval (nodes / rate) and stretches the
+            lease to at least 3 such intervals, so a large job cannot overload it. Default 5000/s.
         store: state store URL (see :func:`~trainguard.recovery.store.open_store`). Default ``memory://``.
     """
 
@@ -90,6 +93,7 @@ class JobSpec:
     process_repeats_to_node: int = 2
     node_repeats_to_job: int = 3
     full_table_max_nodes: int = 1024
+    max_heartbeat_rate: float = 5000.0
     store: str = "memory://"
 
     def validate(self) -> None:
@@ -103,6 +107,8 @@ class JobSpec:
                                       "starting with a letter or digit")
         if self.nnodes < 1 or self.max_restarts < 0 or self.group_size < 1 or self.min_nodes < 0:
             raise InvalidRequestError("need nnodes >= 1, max_restarts >= 0, group_size >= 1, min_nodes >= 0")
+        if self.max_heartbeat_rate <= 0:
+            raise InvalidRequestError(f"max heartbeat rate {self.max_heartbeat_rate}/s must be positive")
         if self.heartbeat_interval_s <= 0 or self.lease_timeout_s <= self.heartbeat_interval_s:
             raise InvalidRequestError(f"lease timeout {self.lease_timeout_s} s must exceed the heartbeat interval "
                                       f"{self.heartbeat_interval_s} s (> 0)")
@@ -219,7 +225,7 @@ class JobCoordinator:
         self._state_fut: Future | None = None
         self._mver = 0  # bumped on every membership/liveness change: invalidates _layout_cache
         self._layout_cache: tuple[object, RankLayout | None] | None = None
-        self._start_cache: dict[tuple[int, int, str], coordinator_pb2.NodeHeartbeatResponse] = {}
+        self._start_cache: dict[tuple[int, int, str, float], coordinator_pb2.NodeHeartbeatResponse] = {}
         self._running: set[str] = set()  # slot holders running the current generation
         self._succeeded: set[str] = set()  # slot holders whose workers of the current generation all exited 0
         self.fenced = ""
@@ -340,7 +346,15 @@ class JobCoordinator:
         return m
 
     def _lease_live(self, m: Member, now: float) -> bool:
-        return m.alive and now - m.last_seen <= self.spec.lease_timeout_s
+        return m.alive and now - m.last_seen <= self._lease_s()
+
+    def _interval_s(self) -> float:
+        """Heartbeat interval told to nodes: the configured one, stretched to keep under max_heartbeat_rate."""
+        return max(self.spec.heartbeat_interval_s, len(self._members) / self.spec.max_heartbeat_rate)
+
+    def _lease_s(self) -> float:
+        """Silence after which a node is lost: the configured lease, at least 3 current intervals."""
+        return max(self.spec.lease_timeout_s, 3 * self._interval_s())
 
     def _fresh_port(self, node_id: str) -> int:
         m = self._members.get(node_id)
@@ -548,7 +562,7 @@ class JobCoordinator:
                         raise DuplicateNodeError(
                             f"node id {nid!r} is held by a live agent at {prev.info.address or '?'} (last heartbeat "
                             f"{now - prev.last_seen:.1f} s ago): give each node a unique --node-id, or wait "
-                            f"{self.spec.lease_timeout_s:.0f} s for that lease to expire")
+                            f"{self._lease_s():.0f} s for that lease to expire")
                 if prev.instance:
                     superseded.add(prev.instance)
             if info.replaces:
@@ -626,7 +640,7 @@ class JobCoordinator:
 
     def _command(self, m: Member) -> HeartbeatReply:
         st = self._policy.state
-        resp = coordinator_pb2.NodeHeartbeatResponse(interval_s=self.spec.heartbeat_interval_s,
+        resp = coordinator_pb2.NodeHeartbeatResponse(interval_s=self._interval_s(),
                                                      job_state=st.phase.value, message=st.message)
         nid = m.info.node_id
         slot = self._layout.slot_of(nid) if self._layout is not None else None
@@ -648,7 +662,7 @@ class JobCoordinator:
             cmd = _CMD.NODE_COMMAND_START if m.generation < 0 else _CMD.NODE_COMMAND_RESTART
             if self._full_table is not None and len(self._full_table.nodes) <= self.spec.full_table_max_nodes:
                 # Every node gets the same full table: build the response once per (generation, command).
-                key = (st.generation, cmd, resp.message)
+                key = (st.generation, cmd, resp.message, resp.interval_s)
                 cached = self._start_cache.get(key)
                 if cached is None:
                     resp.command = cmd
@@ -738,7 +752,7 @@ class JobCoordinator:
                 return
             st = self._policy.state
             for m in list(self._members.values()):
-                if m.alive and now - m.last_seen > self.spec.lease_timeout_s:
+                if m.alive and now - m.last_seen > self._lease_s():
                     m.alive = False
                     self._mver += 1
                     log.warning("job %s: node %s lost (no heartbeat for %.1f s)", self.spec.job, m.info.node_id,

@@ -308,3 +308,13 @@ def test_cli_bad_flags_are_one_line_errors(args, needle, tg_env) -> None:
                        timeout=60)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_interval_and_lease_stretch_to_keep_under_the_heartbeat_rate() -> None:
+    core = JobCoordinator(JobSpec(job=JOB, nnodes=40, heartbeat_interval_s=0.5, lease_timeout_s=2.0,
+                                  max_heartbeat_rate=10.0))
+    leases = [core.register(JOB, _info(f"n{i}", idx=i), 40000 + i)[0] for i in range(30)]
+    r = core.heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id="n0", lease_id=leases[0], generation=-1))
+    assert r.response.interval_s == pytest.approx(3.0) and r.response.command == pb.NODE_COMMAND_WAIT
+    assert core._lease_s() == pytest.approx(9.0)
+    core.close()
