@@ -202,6 +202,14 @@ client_ca_file = "{pki.ca}"
     assert ok.returncode == 0 and "agent.started" in ok.stdout, ok.stderr
     refused = cli("status", *tls, "--cert", str(pki.rogue_cert), "--key", str(pki.rogue_key), "--timeout", "2")
     assert refused.returncode == 2 and "UNAVAILABLE" in refused.stderr
+    # SIGHUP rotates the server certificate (here to one from CA 2) without restarting the listener.
+    agent.config.write_text(agent.config.read_text().replace(str(pki.server_cert), str(pki.server2_cert))
+                            .replace(str(pki.server_key), str(pki.server2_key)))
+    agent.proc.send_signal(signal.SIGHUP)
+    agent.wait_for("RELOADING", timeout=10)
+    assert "reload failed" not in agent.wait_for("READY", timeout=10).get("STATUS", "")
+    rotated = channel_credentials(TlsFiles(str(pki.client_cert), str(pki.client_key), str(pki.other_ca)))
+    assert health(target, rotated, **opts).node_id
     agent.proc.send_signal(signal.SIGTERM)
     assert agent.proc.wait(30) == 0
 
