@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from conftest import REPO, run_cli
+from tg_testutil import REPO, run_cli
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLE, run_cli
+from tg_testutil import EXAMPLE, run_cli
 
 STEPS = 60
 

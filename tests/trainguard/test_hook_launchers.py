@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLE, REPO
+from tg_testutil import EXAMPLE, REPO
 
 
 def _python(args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -1,0 +1,43 @@
+"""Helpers shared by the integration tests: run the CLI in a subprocess, find processes a test left behind.
+
+(A uniquely named module rather than ``conftest``: several folders have a conftest.py, and ``from conftest
+import`` would pick whichever was imported first.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "train.py"
+
+
+def marked_processes(marker: str) -> list[psutil.Process]:
+    """Live processes whose environment has ``TG_TEST_MARKER=marker``."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("TG_TEST_MARKER") == marker:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def run_cli(args: list[str], env: dict, timeout: float = 90.0, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Runs ``trainguard ARGS`` to completion; kills its whole session on timeout."""
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", *args], env=env, cwd=cwd or REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"trainguard {' '.join(args)} timed out\nstdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
