@@ -88,7 +88,8 @@ def _register_drill(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--extra", default="stop,enospc",
                    help="kinds injected once each on top of the trace's: kill, stop, enospc (default stop,enospc; "
                         "'' for none)")
-    p.add_argument("--hang-bound", type=float, default=3.0, help="process-detector hang bound, seconds (default 3)")
+    p.add_argument("--hang-bound", type=float, default=15.0,
+                   help="the agent's hang floor (trainguard run --hang-floor-s), seconds (default 15)")
     p.add_argument("--enospc-window", type=float, default=10.0, help="seconds the checkpoint disk stays full")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", default=None, metavar="DIR", help="StepFun trace folder")
@@ -105,13 +106,25 @@ def _handle_drill(args: argparse.Namespace) -> int:
     import json
 
     from trainguard.drill.soak import SoakConfig, run_soak
-    from trainguard.drill.soak_report import format_soak, measure_torch_save_stall, measured_components, plot_soak
+    from trainguard.drill.soak_report import (
+        at_scale,
+        format_soak,
+        measure_torch_save_stall,
+        measured_components,
+        plot_soak,
+    )
 
     cfg = SoakConfig(wall_s=args.minutes * 60.0, nproc=args.nproc, step_delay_s=args.step_delay,
                      save_every=args.save_every, trace_faults=args.trace_faults, represent_gpus=args.represent_gpus,
                      extra=tuple(k.strip() for k in args.extra.split(",") if k.strip()), hang_bound_s=args.hang_bound,
                      enospc_window_s=args.enospc_window, seed=args.seed, trace_dir=args.trace, workdir=args.workdir,
                      verify=not args.no_verify)
+    import signal
+
+    def _terminate(signum, _frame):
+        raise KeyboardInterrupt  # so the drill's cleanup (kill the job, unmount the tmpfs) runs
+
+    signal.signal(signal.SIGTERM, _terminate)
     rep = run_soak(cfg, progress=lambda line: print(line, flush=True))
     torch_save_s = measure_torch_save_stall()
     print(format_soak(rep, torch_save_s, args.trace))
@@ -123,6 +136,5 @@ def _handle_drill(args: argparse.Namespace) -> int:
     if args.components_out:
         with open(args.components_out, "w") as f:
             json.dump({"_source": "trainguard drill (soak), measured on this machine",
-                       "trainguard": {k: v for k, v in measured_components(rep).items()
-                                      if k != "checkpoint_stall_s"}}, f, indent=1)
+                       "trainguard": at_scale(measured_components(rep))}, f, indent=1)
     return 0 if rep.equal_to_reference is not False else 1

@@ -53,8 +53,11 @@ def test_bad_config_is_refused():
 def test_agent_log_detection_times():
     line = ("2026-11-29 15:22:44,972 WARNING trainguard.agent.node: generation 1: rank 1 ended with signal SIGKILL "
             "(9); stopping local workers")
-    (t,) = _agent_detections("noise\n" + line + "\nother line ended with nothing")
+    hang = ("2026-11-29 15:49:07,686 WARNING trainguard.agent.node: generation 2: worker rank 1 (pid 32157) sent no "
+            "step heartbeat for 60.2 s after step 230 (bound 60.0 s); stopping local workers")
+    (t, why), (t2, why2) = _agent_detections("noise\n" + line + "\nother line ended with nothing\n" + hang)
     assert t == pytest.approx(time.mktime(time.strptime("2026-11-29 15:22:44", "%Y-%m-%d %H:%M:%S")) + 0.972)
+    assert (why, why2) == ("exit", "hang") and t2 - t == pytest.approx(1582.714)
 
 
 def test_measured_components_and_report_text():
@@ -84,11 +87,13 @@ def test_short_real_drill_kill_and_verify(tmp_path):
     rep = run_soak(cfg, progress=lambda _line: None)
     assert rep.exit_code == 0
     assert rep.equal_to_reference is True
-    full, kill = rep.faults
+    by_kind = {f.kind: f for f in rep.faults}  # a restart the drill did not inject would be listed as "unplanned"
+    assert set(by_kind) <= {"enospc", "kill", "unplanned"}, rep.faults
+    full, kill = by_kind["enospc"], by_kind["kill"]
     assert full.kind == "enospc" and full.detected_s is not None and full.recovery_s is not None  # saves resumed
     assert kill.kind == "kill" and kill.recovery_s is not None and kill.recovery_s > 0
     assert kill.detected_s is not None and 0 <= kill.detected_s < 5.0
-    assert rep.generations == 2 and 0 < rep.ettr < 1
+    assert rep.generations >= 2 and 0 < rep.ettr < 1
     mounts = open("/proc/mounts").read()
     assert str(tmp_path / "soak" / "ckpt") not in mounts  # the tmpfs is unmounted
     json.dumps(rep.as_dict(), default=str)

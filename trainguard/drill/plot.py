@@ -100,7 +100,7 @@ def plot_ettr(path: str | os.PathLike, series: Sequence[Series], faults: Sequenc
         ax1.axhline(100 * s.ettr, color=color, ls="--", lw=0.8)
     ax1.set_ylabel("ETTR per window (%)")
     lo = min([100 * s.ettr for s in series] + [50.0])
-    ax1.set_ylim(max(0.0, lo - 10), 101)
+    ax1.set_ylim(0.0 if lo < 30 else lo - 10, 101)
     ax1.legend(loc="lower left", fontsize=8)
     ax1.set_title(title, fontsize=10)
     ax1.grid(alpha=0.3)

@@ -12,8 +12,8 @@ class          injected as
 =============  =====================================================================================
 crash          SIGKILL of a random worker (from outside, like the kernel's OOM killer)
 node_fault     SIGKILL of a random worker (the Xid kills the process; no spare node here to swap in)
-hang           SIGSTOP of a random worker; trainguard's process detector (hang bound ``hang_bound_s``)
-               finds it and its RESTART_PROCESS action is applied by SIGKILLing the hung ranks
+hang           SIGSTOP of a random worker; the agent's process detector finds it (``trainguard run
+               --hang-floor-s hang_bound_s``) and restarts the generation
 node_down      skipped: see :data:`SKIPPED`
 link           skipped
 degraded       skipped
@@ -54,13 +54,15 @@ log = logging.getLogger(__name__)
 
 #: Fault classes the drill cannot inject yet, and why (printed in every report).
 SKIPPED: dict[str, str] = {
-    FaultClass.NODE_DOWN.value: "needs a node agent in its own process; `trainguard run` embeds the agent and the "
-                                "coordinator in one process, so killing the agent ends the job (a multi-node "
-                                "drill with a spare node is not wired in yet)",
-    FaultClass.LINK.value: "needs workers in network namespaces joined by veth and the RoCE link detector running "
-                           "in the agent; `trainguard run` runs no detectors yet",
-    FaultClass.DEGRADED.value: "a slow or at-risk node is acted on through the hardware detectors and the predictor "
-                               "(precursors in the fake hardware tree), which `trainguard run` does not run yet",
+    FaultClass.NODE_DOWN.value: "killing the agent of a single-node `trainguard run` also kills its embedded "
+                                "coordinator and ends the job; a drill with a second node agent and a spare node "
+                                "(--nnodes, --spare) is not wired into the drill yet",
+    FaultClass.LINK.value: "needs the workers' collectives to cross a veth pair between network namespaces; "
+                           "`trainguard run` starts every worker in the host namespace, and the drill does not "
+                           "build that topology yet",
+    FaultClass.DEGRADED.value: "a slow or at-risk node is acted on through the hardware detectors and the "
+                               "predictor; writing their precursor signals into a fake hardware tree is not wired "
+                               "into the drill yet",
     "coordinator_kill": "the coordinator is embedded in the `trainguard run` process; a standalone coordinator "
                         "process is not wired into the drill yet",
 }
@@ -89,7 +91,7 @@ class SoakConfig:
         gpus_per_node: GPUs per node of that job. Default 8.
         extra: kinds injected once each on top of the trace's (``kill``, ``stop``, ``enospc``).
             Default ``("stop", "enospc")``.
-        hang_bound_s: hang bound of the process detector (its floor; production default 60 s). Default 3.
+        hang_bound_s: the agent's hang floor (``--hang-floor-s``; production default 60 s). Default 15.
         enospc_window_s: how long the checkpoint directory stays full, seconds. Default 10.
         tmpfs_mib: size of the checkpoint tmpfs, MiB. Default 16.
         seed: seeds the trace window and the victim ranks. Default 0.
@@ -107,7 +109,7 @@ class SoakConfig:
     represent_gpus: int = 16_384
     gpus_per_node: int = 8
     extra: tuple[str, ...] = ("stop", "enospc")
-    hang_bound_s: float = 3.0
+    hang_bound_s: float = 15.0
     enospc_window_s: float = 10.0
     tmpfs_mib: int = 16
     seed: int = 0
@@ -323,61 +325,24 @@ class _Tmpfs:
             self.mounted = False
 
 
-class _HangWatch:
-    """trainguard's process detector fed from the step logs of the current generation."""
+def _agent_detections(stderr_text: str) -> list[tuple[float, str]]:
+    """When and why the agent stopped a generation, from its log lines.
 
-    def __init__(self, steps: _StepLog, nproc: int, bound_s: float) -> None:
-        from trainguard.detectors.process import ProcessConfig, ProcessDetector
+    Args:
+        stderr_text: the ``trainguard run`` log.
 
-        self._steps = steps
-        self._nproc = nproc
-        self._offset = time.time() - time.monotonic()
-        cfg = ProcessConfig(hang_floor_s=bound_s, hang_multiplier=5.0, startup_grace_s=600.0, stack_dump=False,
-                            d_state_s=3600.0, memory_growth_bytes=1 << 40)
-        self._detector = ProcessDetector(cfg, worker_view=self)
-        self._started: dict[int, float] = {}
-        #: once set, workers that completed the last step are finishing (saving, exiting), not hung
-        self.final_step: int | None = None
-
-    def workers(self):
-        from trainguard.detectors.process import WorkerSnapshot
-
-        gen = self._steps.generation()
-        out = []
-        for r in range(self._nproc):
-            rows = [row for row in self._steps.rows[r][-40:] if row[1] == gen]
-            if not rows:
-                continue
-            pid = rows[-1][3]
-            if self.final_step is not None and rows[-1][2] >= self.final_step - 1:
-                continue
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                continue  # ended: the agent handles exits, this view is only for hangs
-            self._started.setdefault(pid, time.monotonic())
-            times = [b[0] - a[0] for a, b in zip(rows, rows[1:])]
-            out.append(WorkerSnapshot(rank=r, pid=pid, started_at=self._started[pid], last_step=rows[-1][2],
-                                      last_heartbeat=rows[-1][0] - self._offset, recent_step_times=times))
-        return out
-
-    def hung(self) -> list[tuple[int, int, float]]:
-        """(rank, pid, time) of every worker the detector reports hung in this sample."""
-        s = self._detector.sample()
-        return [(int(e.evidence["rank"]), int(e.evidence["pid"]), time.time())
-                for e in s.events if e.kind == "process.hung"]
-
-
-def _agent_detections(stderr_text: str) -> list[float]:
-    """Unix times at which the agent logged a worker's end (``... ended with ...; stopping local workers``)."""
+    Returns:
+        ``(unix time, "exit" | "hang")`` for every ``... stopping local workers`` line, in order.
+    """
     out = []
     for line in stderr_text.splitlines():
-        if "ended with" in line and "stopping local workers" in line:
-            try:
-                t = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
-            except ValueError:
-                continue
-            out.append(t)
+        if "stopping local workers" not in line:
+            continue
+        try:
+            t = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+        except ValueError:
+            continue
+        out.append((t, "hang" if "no step heartbeat" in line else "exit"))
     return out
 
 
@@ -391,7 +356,8 @@ def _committed_step(ckpt: Path) -> int:
 def _launch(cfg: SoakConfig, workdir: Path, events: Path, extra_args: list[str], env: dict,
             ckpt: Path | None, log_name: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "trainguard.cli", "--log-level", "INFO", "run", "--nproc-per-node", str(cfg.nproc),
-           "--max-restarts", str(cfg.max_restarts), "--job", "soak", "--log-dir", str(workdir / log_name)]
+           "--max-restarts", str(cfg.max_restarts), "--job", "soak", "--log-dir", str(workdir / log_name),
+           "--hang-floor-s", str(cfg.hang_bound_s)]
     if ckpt is not None:
         cmd += ["--checkpoint-dir", str(ckpt)]
     cmd += ["-m", "trainguard.drill.soak_worker", "--events", str(events), *extra_args]
@@ -447,13 +413,13 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
                                               "--save-every", str(cfg.save_every), "--out", str(out_file)],
                        env, ckpt, "run")
         outcomes: list[FaultOutcome] = []
-        hang = _HangWatch(steps, cfg.nproc, cfg.hang_bound_s)
         t0 = None
         pending: FaultOutcome | None = None  # a restart fault waiting for the next generation
         enospc: dict | None = None
         stop_written = False
         deadline_start = time.monotonic() + 600
         finish_by = math.inf
+        known_gen = 1
         while proc.poll() is None:
             time.sleep(0.05)
             if time.monotonic() > finish_by:
@@ -479,15 +445,15 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
                 progress(f"  recovered: generation {gen} resumed at step {resumed} ({pending.steps_lost} steps "
                          f"lost), {pending.recovery_s:.2f} s after the fault")
                 pending = None
-            for r, pid, th in hang.hung():
-                if pending is not None and pending.kind == "stop" and pending.detected_s is None:
-                    pending.detected_s = th - (t0 + pending.injected_s)
-                    progress(f"  hang detected by the process detector after {pending.detected_s:.2f} s; "
-                             f"restarting (SIGKILL rank {r})")
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                known_gen = gen
+            if pending is None and gen > known_gen:
+                # A restart nobody injected (a real crash, or a hang flagged under load): count it, never hide it.
+                struck = max((row[0] for rows in steps.rows for row in rows if row[1] == known_gen), default=now)
+                pending = FaultOutcome(kind="unplanned", fault_class="none", label="restart not injected by the drill",
+                                       planned_s=struck - t0, injected_s=struck - t0, generation=known_gen)
+                outcomes.append(pending)
+                progress(f"t={now - t0:6.1f}s restart not injected by the drill (generation {gen})")
+            known_gen = max(known_gen, gen)
             if enospc is not None:
                 o = enospc["outcome"]
                 if o.detected_s is None:
@@ -519,7 +485,6 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
                 tmp.write_text(str(target))
                 os.replace(tmp, stop_file)
                 stop_written = True
-                hang.final_step = target
                 finish_by = time.monotonic() + 300.0 + 20 * STOP_MARGIN_STEPS * max(step_time_guess(steps), 0.05)
                 progress(f"wall time reached: the job finishes at step {target}")
             if elapsed >= cfg.wall_s:  # past the wall time only the extras still run, so each drill has them
@@ -547,8 +512,9 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
             raise SoakError(f"the soak job failed with exit code {proc.returncode}: {tail[:400]}")
         detections = _agent_detections(stderr_text)
         for o in outcomes:
-            if o.kind == "kill":
-                after = [d for d in detections if d >= t0 + o.injected_s - 0.01]
+            if o.kind in ("kill", "stop"):
+                want = "hang" if o.kind == "stop" else "exit"
+                after = [t for t, why in detections if why == want and t >= t0 + o.injected_s - 0.01]
                 if after:
                     o.detected_s = after[0] - (t0 + o.injected_s)
         final = json.loads(out_file.read_text())
@@ -619,7 +585,8 @@ def _inject(p: PlannedFault, steps: _StepLog, rng: random.Random, cfg: SoakConfi
     if p.kind == "enospc":
         tmpfs.fill()
         return o
-    live = [r for r in range(cfg.nproc) if steps.last(r) and steps.last(r)[1] == gen]
+    # Strike only in steady state: every rank has done 3 steps in this generation, so its step time is known.
+    live = [r for r in range(cfg.nproc) if sum(1 for row in steps.rows[r][-3:] if row[1] == gen) >= 3]
     if len(live) < cfg.nproc:
         return None
     rank = rng.choice(live)

@@ -75,6 +75,15 @@ def measured_components(rep: SoakReport) -> dict[str, float]:
     return out
 
 
+def at_scale(measured: dict[str, float]) -> dict[str, float]:
+    """The measured figures that carry over to a large job.
+
+    The checkpoint stall of the drill's tiny model and the hang bound the drill configured (time-compressed) say
+    nothing about a 16k-GPU job, so they are left to the defaults.
+    """
+    return {k: v for k, v in measured.items() if k not in ("checkpoint_stall_s", "detect_hang_s")}
+
+
 def drill_schedule_trace(rep: SoakReport) -> FaultTrace | None:
     """The drill's injected restart faults as a trace from its first to its last step (None when none restarted).
 
@@ -83,7 +92,7 @@ def drill_schedule_trace(rep: SoakReport) -> FaultTrace | None:
     """
     faults = []
     for f in rep.faults:
-        if f.kind in ("kill", "stop"):
+        if f.kind in ("kill", "stop", "unplanned"):
             fc = FaultClass.HANG if f.kind == "stop" else FaultClass.CRASH
             faults.append(Fault(time_s=f.injected_s, fault_class=fc, label=f.label))
     if not faults or not rep.timeline:
@@ -153,7 +162,7 @@ def format_soak(rep: SoakReport, torch_save_s: float, trace_dir: str | None = No
           "found by gloo's 30 min timeout)")
     w("model at 16,384 GPUs with these measured figures (defaults for the rest, see trainguard ettr --help):")
     job = JobSize()
-    tg16 = trainguard_defaults().with_overrides({k: v for k, v in m.items() if k != "checkpoint_stall_s"})
+    tg16 = trainguard_defaults().with_overrides(at_scale(m))
     traces = [llama3_trace()]
     try:
         traces.insert(0, load_stepfun(trace_dir))

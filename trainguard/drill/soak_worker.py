@@ -136,14 +136,21 @@ def main() -> None:
             if session.should_stop:
                 break
             step += 1
-    session.wait()
+    phases = [("trained", time.time())]
     if rank == 0 and args.out:
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"steps": steps, "params_sha256": _digest(model.module), "world_size": world}, f)
         os.replace(tmp, args.out)
+    session.wait()
+    phases.append(("checkpoints durable", time.time()))
     session.close()
+    phases.append(("session closed", time.time()))
     dist.destroy_process_group()
+    phases.append(("process group destroyed", time.time()))
+    # How long finishing takes matters: the agent sees no step heartbeat meanwhile.
+    with open(os.path.join(args.events, f"rank{rank}.finish"), "a") as f:
+        f.write(json.dumps({"generation": gen, "phases": phases}) + "\n")
 
 
 if __name__ == "__main__":
