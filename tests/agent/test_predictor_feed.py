@@ -1,0 +1,404 @@
+"""Detectors -> predictor glue: real detectors on fake sysfs/kmsg trees (real file formats) feed a PredictorMonitor."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import pytest
+
+from trainguard.agent.predictor_feed import (
+    CATALOG_MAPPINGS,
+    RATE_INTEGRALS,
+    PredictorMonitor,
+    RateIntegrator,
+    detector_metrics_to_catalog,
+)
+from trainguard.detectors.events import Action, HealthEvent, Severity
+from trainguard.detectors.kmsg import KmsgConfig, KmsgDetector
+from trainguard.detectors.nvidia import GpuReading, NvidiaConfig, NvidiaDetector
+from trainguard.detectors.pcie import PcieConfig, PcieDetector
+from trainguard.detectors.predictor.catalog import BY_NAME
+from trainguard.detectors.predictor.history import MetricHistory
+from trainguard.detectors.predictor.runtime import PredictorRuntime
+from trainguard.detectors.roce import RoceConfig, RoceDetector
+from trainguard.detectors.runner import DetectorRunner
+
+# --- fake trees in the kernel's formats ----------------------------------------------------------------------
+
+COR = ["RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF"]
+UNCOR = ["Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF", "MalfTLP", "ECRC",
+         "UnsupReq", "ACSViol", "UncorrIntErr", "BlockedTLP", "AtomicOpBlocked", "TLPBlockedErr", "PoisonTLPBlocked"]
+ROOT_PORT, GPU0, GPU1 = "0000:00:03.0", "0000:3b:00.0", "0000:3c:00.0"
+
+
+def _aer_table(names, total_key, values) -> str:
+    return "\n".join([f"{n} {values.get(n, 0)}" for n in names] + [f"{total_key} {sum(values.values())}"]) + "\n"
+
+
+def pci_device(root, bdf, cls="0x030200", cor=None, fatal=None, width=16, max_width=16, above=""):
+    """/sys/devices/pci0000:00/<ports>/<bdf> with AER and link files, and /sys/bus/pci/devices/<bdf> -> it."""
+    d = root / "sys/devices/pci0000:00" / above / bdf
+    d.mkdir(parents=True, exist_ok=True)
+    link = root / "sys/bus/pci/devices" / bdf
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.is_symlink():
+        link.symlink_to(d)
+    (d / "class").write_text(cls + "\n")
+    (d / "aer_dev_correctable").write_text(_aer_table(COR, "TOTAL_ERR_COR", cor or {}))
+    (d / "aer_dev_nonfatal").write_text(_aer_table(UNCOR, "TOTAL_ERR_NONFATAL", {}))
+    (d / "aer_dev_fatal").write_text(_aer_table(UNCOR, "TOTAL_ERR_FATAL", fatal or {}))
+    (d / "current_link_width").write_text(f"{width}\n")
+    (d / "max_link_width").write_text(f"{max_width}\n")
+    (d / "current_link_speed").write_text("32.0 GT/s PCIe\n")
+    (d / "max_link_speed").write_text("32.0 GT/s PCIe\n")
+
+
+def pci_tree(root, gpu0_cor=0, gpu1_cor=0, gpu0_fatal=0, gpu0_width=16):
+    pci_device(root, ROOT_PORT, cls="0x060400")
+    pci_device(root, GPU0, cor={"RxErr": gpu0_cor}, fatal={"DLP": gpu0_fatal}, width=gpu0_width, above=ROOT_PORT)
+    pci_device(root, GPU1, cor={"BadTLP": gpu1_cor}, above=ROOT_PORT)
+
+
+def rdma_tree(root, state="4: ACTIVE", symbol=0, oos=0, ack_timeout=0, cnp=0, dev="mlx5_0", netdev="ens1f0np0"):
+    """/sys/class/infiniband/<dev>/ports/1/{state,counters,hw_counters} and the netdev's statistics."""
+    port = root / "sys/class/infiniband" / dev / "ports/1"
+    (port / "counters").mkdir(parents=True, exist_ok=True)
+    (port / "hw_counters").mkdir(exist_ok=True)
+    (port / "state").write_text(state + "\n")
+    (port / "phys_state").write_text("5: LinkUp\n")
+    for name, value in (("symbol_error", symbol), ("link_downed", 0), ("port_rcv_errors", 0)):
+        (port / "counters" / name).write_text(f"{value}\n")
+    for name, value in (("out_of_sequence", oos), ("packet_seq_err", 0), ("local_ack_timeout_err", ack_timeout),
+                        ("rnr_nak_retry_err", 0), ("np_cnp_sent", 0), ("rp_cnp_handled", cnp)):
+        (port / "hw_counters" / name).write_text(f"{value}\n")
+    (root / "sys/class/infiniband" / dev / "device/net" / netdev).mkdir(parents=True, exist_ok=True)
+    stats = root / "sys/class/net" / netdev / "statistics"
+    stats.mkdir(parents=True, exist_ok=True)
+    for name in ("rx_crc_errors", "rx_errors", "tx_errors", "rx_dropped", "tx_dropped"):
+        (stats / name).write_text("0\n")
+
+
+XID13 = "4,1202,5123456790,-;NVRM: Xid (PCI:0000:3b:00): 13, pid=4242, name=python3, Graphics SM Warp Exception"
+XID79 = "6,1203,5123456791,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python3, GPU has fallen off the bus."
+
+
+def kmsg_append(root, *records: str) -> None:
+    dev = root / "dev"
+    dev.mkdir(exist_ok=True)
+    with open(dev / "kmsg", "a") as f:
+        f.write("".join(r + "\n" for r in records))
+
+
+class GpuBackendDouble:
+    """Stands in for NVML (no driver on this machine): readings and pending Xids are set by the test."""
+
+    def __init__(self, readings: list[GpuReading]) -> None:
+        self.readings = readings
+        self.xids: list[tuple[int, int]] = []
+
+    def device_count(self) -> int:
+        return len(self.readings)
+
+    def read(self, index: int, nvlink: bool) -> GpuReading:
+        return self.readings[index]
+
+    def xid_events(self) -> list[tuple[int, int]]:
+        out, self.xids = self.xids, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def gpu(index, pci, temp=50, sbe=0, dbe=0, throttle=0x1) -> GpuReading:
+    return GpuReading(index=index, uuid=f"GPU-{index}", pci_bus_id=pci, name="H100", temperature_c=temp,
+                      slowdown_temp_c=90, ecc_volatile_corrected=sbe, ecc_volatile_uncorrected=dbe,
+                      ecc_aggregate_corrected=0, ecc_aggregate_uncorrected=0, remapped_correctable=0,
+                      remapped_uncorrectable=0, throttle_reasons=throttle)
+
+
+class Node:
+    """A runner over real detectors plus a monitor fed by its events and metrics."""
+
+    def __init__(self, detectors, runtime=None, history=None, realarm_s=300.0):
+        self.alarms, self.scores = [], []
+        self.monitor = PredictorMonitor(runtime or PredictorRuntime.load(None), "node-a", history=history,
+                                        on_alarm=self.alarms.append, on_score=self.scores.append, realarm_s=realarm_s)
+        self.runner = DetectorRunner(detectors, on_event=self.monitor.observe_event)
+
+    def tick(self, ts, step_time_s=None):
+        self.runner.run_once()
+        return self.monitor.tick(ts, self.runner.latest_metrics(), step_time_s)
+
+    def close(self):
+        self.runner.stop()
+
+
+# --- rules tier end to end -----------------------------------------------------------------------------------
+
+def test_aer_fatal_increase_alarms_once_and_is_stored(tmp_path):
+    root = tmp_path / "root"
+    pci_tree(root)
+    hist = MetricHistory(tmp_path / "h.sqlite")
+    node = Node([PcieDetector(PcieConfig(root=str(root)))], history=hist)
+    try:
+        t0 = 1_700_000_000.0
+        for k in range(3):
+            s = node.tick(t0 + 5 * k, step_time_s=0.8)
+            assert s is not None and not s.alarm
+        pci_tree(root, gpu0_fatal=1)
+        s = node.tick(t0 + 15)
+        assert s.alarm and s.source == "rules" and [h.rule for h in s.rule_hits] == ["aer-fatal"]
+        assert s.rule_hits[0].evidence == {"pcie_aer_fatal_total": 1.0}
+        for k in range(4, 8):  # the counter stays at 1: no new increase, no new alarm
+            assert not node.tick(t0 + 5 * k).alarm
+        assert len(node.alarms) == 1 and node.alarms[0].rule_hits[0].rule == "aer-fatal"
+        assert len(node.scores) == 8
+        node.monitor.record_failure(t0 + 60, "PCIe fatal")
+        metrics, events = hist.to_tables()
+        assert len(metrics.ts) == 8 and list(events.kind) == ["PCIe fatal"]
+        col = metrics.values[:, metrics.columns.index("pcie_aer_fatal_total")]
+        assert col.tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+        assert metrics.values[0, metrics.columns.index("step_time_s")] == 0.8
+    finally:
+        node.close()
+        hist.close()
+
+
+def test_narrow_link_alarms_on_edge_and_again_every_realarm_s(tmp_path):
+    pci_tree(tmp_path)
+    node = Node([PcieDetector(PcieConfig(root=str(tmp_path)))], realarm_s=20.0)
+    try:
+        assert not node.tick(100.0).alarm
+        assert node.monitor.last_sample["pcie_link_width"] == node.monitor.last_sample["pcie_link_width_max"] == 1.0
+        pci_tree(tmp_path, gpu0_width=8)  # trained at x8 of x16
+        fired_at = []
+        for k in range(1, 10):  # 45 s of a lasting fault
+            s = node.tick(100.0 + 5 * k)
+            assert s.alarm and [h.rule for h in s.rule_hits] == ["pcie-link-width-degraded"]
+            if node.alarms and node.alarms[-1] is s:
+                fired_at.append(s.ts)
+        assert fired_at == [105.0, 125.0, 145.0]
+        assert node.monitor.last_sample["pcie_link_width"] == 0.5
+        pci_tree(tmp_path)  # retrained at full width: the condition clears
+        assert not node.tick(200.0).alarm
+        pci_tree(tmp_path, gpu0_width=8)
+        assert node.tick(205.0).alarm and len(node.alarms) == 4  # a new rising edge alarms at once
+    finally:
+        node.close()
+
+
+def test_rdma_port_down_is_nic_down(tmp_path):
+    rdma_tree(tmp_path)
+    rdma_tree(tmp_path, dev="mlx5_1", netdev="ens2f0np0")
+    node = Node([RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))])
+    try:
+        assert not node.tick(10.0).alarm and node.monitor.last_sample["nic_up"] == 1.0
+        rdma_tree(tmp_path, dev="mlx5_1", netdev="ens2f0np0", state="1: DOWN")
+        s = node.tick(15.0)
+        assert s.alarm and [h.rule for h in s.rule_hits] == ["nic-down"]
+        assert node.monitor.last_sample["nic_up"] == 0.0 and len(node.alarms) == 1
+    finally:
+        node.close()
+
+
+def test_xids_from_kernel_log_and_nvml_counted_once(tmp_path):
+    kmsg_append(tmp_path)
+    backend = GpuBackendDouble([gpu(0, GPU0, temp=55, sbe=3, throttle=0x1), gpu(1, GPU1, temp=71, sbe=4, dbe=1)])
+    node = Node([KmsgDetector(KmsgConfig(root=str(tmp_path))), NvidiaDetector(NvidiaConfig(), backend=backend)])
+    try:
+        s = node.tick(1.0)
+        smp = node.monitor.last_sample
+        assert not s.alarm and smp["gpu_xid_79_total"] == 0.0 and smp["gpu_xid_total"] == 0.0
+        assert (smp["gpu_ecc_sbe_total"], smp["gpu_ecc_dbe_total"], smp["gpu_temp_c"]) == (7.0, 1.0, 71.0)
+        assert smp["gpu_throttle_frac"] == 0.0  # 0x1 is GpuIdle: policy, not trouble
+        kmsg_append(tmp_path, XID13)
+        backend.xids = [(0, 13)]  # NVML sees the same Xid as the kernel log: counted once
+        backend.readings[1] = gpu(1, GPU1, temp=71, sbe=4, dbe=1, throttle=0x40)  # HW thermal slowdown
+        assert not node.tick(2.0).alarm
+        smp = node.monitor.last_sample
+        assert smp["gpu_xid_13_total"] == 1.0 and smp["gpu_xid_total"] == 1.0 and smp["gpu_throttle_frac"] == 1.0
+        kmsg_append(tmp_path, XID79)
+        s = node.tick(3.0)
+        assert s.alarm and [h.rule for h in s.rule_hits] == ["xid79-fell-off-bus"]
+        smp = node.monitor.last_sample
+        assert smp["gpu_xid_79_total"] == 1.0 and smp["gpu_xid_total"] == 1.0  # 79 is fatal, not in the total
+    finally:
+        node.close()
+
+
+# --- mapping -------------------------------------------------------------------------------------------------
+
+def test_counters_sum_over_devices_and_rates_integrate(tmp_path):
+    pci_tree(tmp_path, gpu0_cor=5, gpu1_cor=7)
+    rdma_tree(tmp_path)
+    rdma_tree(tmp_path, dev="mlx5_1", netdev="ens2f0np0")
+    node = Node([PcieDetector(PcieConfig(root=str(tmp_path))), RoceDetector(RoceConfig(root=str(tmp_path),
+                                                                                        ethtool=False))])
+    try:
+        t0 = time.time()
+        node.tick(t0)
+        smp = node.monitor.last_sample
+        # root port + two GPUs; every AER counter under the watched paths is summed
+        assert smp["pcie_aer_corrected_total"] == 12.0 and smp["pcie_aer_fatal_total"] == 0.0
+        assert smp["nic_symbol_errors_total"] == smp["rdma_retrans_total"] == smp["rdma_cnp_total"] == 0.0
+        for k in range(1, 4):
+            time.sleep(0.15)
+            pci_tree(tmp_path, gpu0_cor=5 + 10 * k, gpu1_cor=7 + k)
+            rdma_tree(tmp_path, symbol=100 * k, oos=1000 * k, ack_timeout=10 * k, cnp=50 * k)
+            rdma_tree(tmp_path, dev="mlx5_1", netdev="ens2f0np0", symbol=100 * k)
+            node.tick(time.time())
+        smp = node.monitor.last_sample
+        assert smp["pcie_aer_corrected_total"] == 12.0 + 33.0
+        # rates (per port, summed by the detector) integrated over the tick times: the counters' increase,
+        # up to the few ms between a detector's sample and the tick that reads it
+        assert smp["nic_symbol_errors_total"] == pytest.approx(600, rel=0.1)
+        assert smp["rdma_retrans_total"] == pytest.approx(3030, rel=0.1)
+        assert smp["rdma_cnp_total"] == pytest.approx(150, rel=0.1)
+        assert set(smp) <= set(BY_NAME) | {"pcie_aer_fatal_total", "pcie_link_width", "pcie_link_width_max", "nic_up"}
+    finally:
+        node.close()
+
+
+def test_mapping_table_is_well_formed_and_drops_unknown_names():
+    targets = [m.target for m in CATALOG_MAPPINGS] + [r.target for r in RATE_INTEGRALS]
+    assert len(set(targets)) == len(targets)
+    rule_names = {"pcie_aer_fatal_total", "nic_up"}
+    assert all(t in BY_NAME or t in rule_names for t in targets)
+    out = detector_metrics_to_catalog({
+        "pcie.aer_correctable[a]": 1.0, "pcie.aer_correctable[b]": "garbage", "pcie.aer_correctable_total": 99.0,
+        "nvidia.temp_c[0]": float("nan"), "host.cpu_percent": 50.0, "roce.link_up[eth0]": 1.0,
+        "roce.port_active[mlx5_0/1]": float("inf"),
+    }, step_time_s=-1.0)
+    # the node total is not added to the per-device sum; unreadable values are skipped; all-NaN -> NaN
+    assert out["pcie_aer_corrected_total"] == 1.0 and out["nic_up"] == 1.0 and math.isnan(out["gpu_temp_c"])
+    assert set(out) == {"pcie_aer_corrected_total", "nic_up", "gpu_temp_c"}  # step time <= 0 dropped
+    integ = RateIntegrator()
+    assert integ.update(0.0, {"roce.symbol_error_per_s": 2.0}) == {"nic_symbol_errors_total": 0.0}
+    assert integ.update(10.0, {"roce.symbol_error_per_s": 2.0}) == {"nic_symbol_errors_total": 20.0}
+    assert integ.update(20.0, {}) == {}  # detector failed: missing, and the gap is not integrated
+    assert integ.update(30.0, {"roce.symbol_error_per_s": 1.0}) == {"nic_symbol_errors_total": 20.0}
+
+
+def test_carrier_changes_from_link_events():
+    mon = PredictorMonitor(PredictorRuntime.load(None), "n")
+    for kind in ("net.link_down", "net.link_up", "net.link_down"):
+        mon.observe_event(HealthEvent("roce", kind, Severity.ERROR, Action.CHECKPOINT_NOW, "x", "eth0",
+                                      {"ifname": "eth0"}))
+    mon.observe_event(HealthEvent("roce", "net.link_up", Severity.INFO, Action.NONE, "x", "eth0",
+                                  {"ifname": "eth0"}))
+    mon.tick(1.0, {"roce.links_watched": 1.0, "roce.link_up[eth0]": 1.0})
+    assert mon.last_sample["nic_carrier_changes_total"] == 4.0
+
+
+# --- bad input -----------------------------------------------------------------------------------------------
+
+def test_bad_ticks_never_raise_and_are_logged_once(tmp_path, caplog):
+    hist = MetricHistory(tmp_path / "h.sqlite")
+    calls = []
+
+    def broken(score):
+        calls.append(score)
+        raise RuntimeError("consumer bug")
+
+    mon = PredictorMonitor(PredictorRuntime.load(None), "n", history=hist, on_score=broken)
+    good = {"pcie.aer_fatal[x]": 0.0, "pcie.links_watched": 1.0}
+    with caplog.at_level(logging.DEBUG, logger="trainguard.agent.predictor_feed"):
+        assert mon.tick(10.0, {}) is None  # runner not sampled yet
+        assert mon.tick(10.0, good) is not None and mon.tick(11.0, good) is not None  # callback errors swallowed
+        assert len(calls) == 2
+        for bad_ts in (11.0, 5.0, float("nan"), "soon"):
+            assert mon.tick(bad_ts, good) is None
+        assert mon.tick(12.0, "not a mapping") is None  # type: ignore[arg-type]
+        hist.close()  # the store fails from now on: scoring goes on
+        s = mon.tick(13.0, {"pcie.aer_fatal[x]": 1.0, "pcie.links_watched": 1.0})
+        assert s is not None and s.alarm
+        mon.record_failure(14.0, "GPU Lost")
+    assert mon.problems["ts-not-increasing"] == 2 and mon.problems["on_score:RuntimeError"] == 3
+    assert any(k.startswith("history:") for k in mon.problems) and any(k.startswith("failure:") for k in mon.problems)
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    keys = [r.getMessage() for r in loud]
+    assert sum("not after the previous" in m for m in keys) == 1  # once per distinct problem
+    assert sum("consumer bug" in m for m in keys) == 1
+
+
+# --- learned tier --------------------------------------------------------------------------------------------
+
+def _train(columns, seed=0):
+    """A robust-z model on 3 h of one healthy node at 5 s (peer features off, as on a lone agent)."""
+    from trainguard.detectors.predictor.evaluation import EvalConfig
+    from trainguard.detectors.predictor.features import FeatureConfig
+    from trainguard.detectors.predictor.table import MetricTable
+    from trainguard.detectors.predictor.training import TrainConfig, train
+
+    rng = np.random.default_rng(seed)
+    n = 3 * 720
+    cols = []
+    for c in columns:
+        if c == "step_time_s":
+            cols.append(1.0 + 0.02 * rng.standard_normal(n))
+        elif c == "gpu_temp_c":
+            cols.append(60 + rng.standard_normal(n))
+        else:  # a counter with rare small increments
+            cols.append(np.cumsum(rng.random(n) < 0.01).astype(float))
+    table = MetricTable(list(columns), 1_600_000_000 + 5.0 * np.arange(n), np.array(["train-node"] * n, object),
+                        np.column_stack(cols))
+    cfg = TrainConfig(method="robust-z", features=FeatureConfig(interval_s=5.0, short_window_s=60.0,
+                                                                long_window_s=300.0, peer=False),
+                      evaluation=EvalConfig())
+    return train(table, None, cfg)
+
+
+LEARNED = ("pcie_aer_corrected_total", "nic_symbol_errors_total", "rdma_retrans_total", "rdma_cnp_total",
+           "step_time_s")
+
+
+def test_learned_tier_scores_the_mapped_names(tmp_path):
+    model = _train(LEARNED)
+    assert list(model.spec.metrics) == list(LEARNED)
+    pci_tree(tmp_path)
+    rdma_tree(tmp_path)
+    node = Node([PcieDetector(PcieConfig(root=str(tmp_path))), RoceDetector(RoceConfig(root=str(tmp_path),
+                                                                                        ethtool=False))],
+                runtime=PredictorRuntime(model))
+    try:
+        t0 = 1_700_000_000.0
+        for k in range(30):  # 150 s healthy
+            s = node.tick(t0 + 5 * k, step_time_s=1.0)
+            assert s is not None and s.source == "model" and not s.degraded
+        assert not node.monitor.rules_only and not node.alarms
+        assert not [k for k in node.monitor.problems if k.startswith("missing:")]
+        cor = 0
+        for k in range(30, 40):  # a burst of correctable AER errors: 200 per 5 s
+            cor += 200
+            pci_tree(tmp_path, gpu0_cor=cor)
+            s = node.tick(t0 + 5 * k, step_time_s=1.0)
+        assert s.alarm and s.source == "model"
+        assert node.alarms and node.alarms[0].source == "model"
+        assert any(f.startswith("pcie_aer_corrected_total") for f, _ in node.alarms[0].top_features)
+    finally:
+        node.close()
+
+
+def test_model_metric_this_node_lacks_falls_back_to_rules(tmp_path, caplog):
+    model = _train(LEARNED + ("gpu_temp_c",))
+    pci_tree(tmp_path)
+    rdma_tree(tmp_path)
+    node = Node([PcieDetector(PcieConfig(root=str(tmp_path))), RoceDetector(RoceConfig(root=str(tmp_path),
+                                                                                        ethtool=False))],
+                runtime=PredictorRuntime(model))
+    try:
+        with caplog.at_level(logging.INFO, logger="trainguard.agent.predictor_feed"):
+            s = node.tick(1000.0, step_time_s=1.0)
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "gpu_temp_c" in errors[0] and "rules tier only" in errors[0]
+        assert s is not None and s.source == "rules" and node.monitor.rules_only
+        assert node.monitor.absent_model_metrics == ["gpu_temp_c"]
+        pci_tree(tmp_path, gpu0_fatal=1)
+        s = node.tick(1005.0, step_time_s=1.0)
+        assert s.alarm and [h.rule for h in s.rule_hits] == ["aer-fatal"]
+    finally:
+        node.close()
