@@ -94,6 +94,9 @@ def _register_drill(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", default=None, metavar="DIR", help="StepFun trace folder")
     p.add_argument("--workdir", default=None, help="keep logs and checkpoints here (default: temp, removed)")
+    p.add_argument("--baseline-restart", type=float, default=None, metavar="S",
+                   help="the baseline's job restart time on this machine, seconds (e.g. torchrun's recovery from "
+                        "bench/bench_restart.py; default: trainguard's measured restart, which flatters the baseline)")
     p.add_argument("--no-verify", action="store_true", help="skip the fault-free reference run")
     p.add_argument("--plot", default=None, metavar="PNG", help="write ETTR over time + fault timeline here")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
@@ -114,6 +117,8 @@ def _handle_drill(args: argparse.Namespace) -> int:
         plot_soak,
     )
 
+    if args.baseline_restart is not None and args.baseline_restart < 0:
+        raise UsageError(f"--baseline-restart must be >= 0, got {args.baseline_restart}")
     cfg = SoakConfig(wall_s=args.minutes * 60.0, nproc=args.nproc, step_delay_s=args.step_delay,
                      save_every=args.save_every, trace_faults=args.trace_faults, represent_gpus=args.represent_gpus,
                      extra=tuple(k.strip() for k in args.extra.split(",") if k.strip()), hang_bound_s=args.hang_bound,
@@ -127,9 +132,9 @@ def _handle_drill(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     rep = run_soak(cfg, progress=lambda line: print(line, flush=True))
     torch_save_s = measure_torch_save_stall()
-    print(format_soak(rep, torch_save_s, args.trace))
+    print(format_soak(rep, torch_save_s, args.trace, args.baseline_restart))
     if args.plot:
-        print(f"plot: {plot_soak(args.plot, rep, torch_save_s)}")
+        print(f"plot: {plot_soak(args.plot, rep, torch_save_s, args.baseline_restart)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**rep.as_dict(), "torch_save_s": torch_save_s}, f, indent=1, default=str)

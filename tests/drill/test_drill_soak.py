@@ -78,6 +78,8 @@ def test_measured_components_and_report_text():
     assert [f.fault_class.value for f in tr.faults] == ["crash", "hang"]
     text = format_soak(rep, torch_save_s=0.02)
     assert "EQUAL" in text and "baseline" in text and "16,384 GPUs" in text
+    assert "job restart 4.50 s" in text  # the baseline gets trainguard's measured restart unless told otherwise
+    assert "job restart 9.00 s" in format_soak(rep, torch_save_s=0.02, baseline_restart_s=9.0)
 
 
 def test_short_real_drill_kill_and_verify(tmp_path):

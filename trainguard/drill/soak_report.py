@@ -103,24 +103,28 @@ def drill_schedule_trace(rep: SoakReport) -> FaultTrace | None:
                       population_nodes=1, source="the soak drill's injected faults")
 
 
-def drill_components(rep: SoakReport, torch_save_s: float) -> tuple[Components, Components]:
+def drill_components(rep: SoakReport, torch_save_s: float,
+                     baseline_restart_s: float | None = None) -> tuple[Components, Components]:
     """trainguard (measured) and the baseline on the drill's own machine and schedule.
 
-    The baseline restarts the job with the same process start cost trainguard measured (one node: a job restart
-    is a process restart), saves synchronously with the measured ``torch.save`` time, has no in-memory tier,
-    and finds hangs by gloo's default 30-minute timeout.
+    The baseline saves synchronously with the measured ``torch.save`` time, has no in-memory tier, finds hangs by
+    gloo's default 30-minute timeout, and restarts the job in ``baseline_restart_s`` (e.g. torchrun's recovery
+    measured by ``bench/bench_restart.py``); by default in the restart time trainguard measured, which flatters
+    the baseline.
     """
     m = measured_components(rep)
     interval = rep.config["save_every"] * rep.step_time_s
     tg = trainguard_defaults(**m, checkpoint_interval_s=interval, persist_s=0.0, predicted_share=0.0,
                              levels={c.value: "process" for c in FaultClass})
     bl = baseline_defaults(checkpoint_interval_s=interval, checkpoint_stall_s=torch_save_s,
-                           recovery_job_s=m.get("recovery_process_s", tg.recovery_process_s),
+                           recovery_job_s=baseline_restart_s if baseline_restart_s is not None
+                           else m.get("recovery_process_s", tg.recovery_process_s),
                            detect_crash_s=m.get("detect_crash_s", 0.1))
     return tg, bl
 
 
-def format_soak(rep: SoakReport, torch_save_s: float, trace_dir: str | None = None) -> str:
+def format_soak(rep: SoakReport, torch_save_s: float, trace_dir: str | None = None,
+                baseline_restart_s: float | None = None) -> str:
     """The drill's report: faults, ETTR, verification, and the model fed with the measured figures."""
     out = io.StringIO()
     w = lambda s="": print(s, file=out)  # noqa: E731
@@ -154,12 +158,12 @@ def format_soak(rep: SoakReport, torch_save_s: float, trace_dir: str | None = No
       + f"; torch.save+fsync of the same state: {1000 * torch_save_s:.2f} ms")
     tr = drill_schedule_trace(rep)
     if tr is not None:
-        tg, bl = drill_components(rep, torch_save_s)
+        tg, bl = drill_components(rep, torch_save_s, baseline_restart_s)
         r_tg = evaluate(build_timeline(tr, tg), tg, tg.checkpoint_interval_s)
         r_bl = evaluate(build_timeline(tr, bl), bl, bl.checkpoint_interval_s)
         w(f"model on the drill's own schedule, first to last step: trainguard {100 * r_tg.ettr:.1f}% (measured "
           f"{100 * rep.ettr_steady:.1f}%) vs baseline {100 * r_bl.ettr:.1f}% (job restarts, synchronous torch.save, hangs "
-          "found by gloo's 30 min timeout)")
+          f"found by gloo's 30 min timeout, job restart {bl.recovery_job_s:.2f} s)")
     w("model at 16,384 GPUs with these measured figures (defaults for the rest, see trainguard ettr --help):")
     job = JobSize()
     tg16 = trainguard_defaults().with_overrides(at_scale(m))
@@ -175,7 +179,7 @@ def format_soak(rep: SoakReport, torch_save_s: float, trace_dir: str | None = No
     return out.getvalue().rstrip()
 
 
-def plot_soak(path: str, rep: SoakReport, torch_save_s: float) -> str:
+def plot_soak(path: str, rep: SoakReport, torch_save_s: float, baseline_restart_s: float | None = None) -> str:
     """Draws the drill's measured ETTR over time (kept steps), the modelled baseline, and the fault timeline."""
     import numpy as np
 
@@ -192,7 +196,7 @@ def plot_soak(path: str, rep: SoakReport, torch_save_s: float) -> str:
     t_first = rep.timeline[0][0] if rep.timeline else 0.0
     tr = drill_schedule_trace(rep)
     if tr is not None:
-        _, bl = drill_components(rep, torch_save_s)
+        _, bl = drill_components(rep, torch_save_s, baseline_restart_s)
         tl = build_timeline(tr, bl)
         r = evaluate(tl, bl, bl.checkpoint_interval_s)
         t_b, u_b = cumulative_useful(tl, r)
