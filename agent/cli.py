@@ -7,13 +7,13 @@ import argparse
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds the agent's subcommands to the ``trainguard`` parser."""
-    from trainguard.agent.run import add_run_arguments, handle_run
+    from trainguard.agent.run_args import add_run_arguments
 
     p = sub.add_parser("run", help="run a training script under trainguard on this node",
                        description="Run a training script on this node with torchrun's environment; restart all "
                                    "ranks in a new generation when one fails.")
     add_run_arguments(p)
-    p.set_defaults(handler=handle_run)
+    p.set_defaults(handler=_run)
 
     p = sub.add_parser("demo", help="train on 2 workers, SIGKILL one mid-run, show the recovery")
     p.add_argument("--steps", type=int, default=300)
@@ -35,6 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_agent)
 
     operator_cli.register(sub)  # `status` and `events`
+
+
+def _run(args: argparse.Namespace) -> int:
+    from trainguard.agent.run import handle_run
+
+    return handle_run(args)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -21,71 +21,12 @@ from dataclasses import dataclass
 
 from trainguard.agent.errors import JobFailedError
 from trainguard.agent.guard import guard
-from trainguard.agent.node import FaultPlan, FaultRecord, NodeAgent, NodeConfig, install_signal_handlers
+from trainguard.agent.node import FaultRecord, NodeAgent, NodeConfig, install_signal_handlers
+from trainguard.agent.run_args import add_run_arguments, parse_fault  # noqa: F401 (re-exported)
 from trainguard.agent.workers import python_argv
 from trainguard.errors import UsageError
 
 log = logging.getLogger(__name__)
-
-
-def parse_fault(text: str) -> FaultPlan:
-    """Parses ``RANK:STEP[:SIGNAL[:GENERATION]]`` (e.g. ``1:57:KILL``) into a :class:`FaultPlan`.
-
-    Raises:
-        UsageError: malformed text or unknown signal.
-    """
-    parts = text.split(":")
-    if len(parts) < 2 or len(parts) > 4:
-        raise UsageError(f"--fault {text!r}: expected RANK:STEP[:SIGNAL[:GENERATION]], e.g. 1:57:KILL")
-    try:
-        rank, step = int(parts[0]), int(parts[1])
-        generation = int(parts[3]) if len(parts) == 4 else 1
-    except ValueError:
-        raise UsageError(f"--fault {text!r}: RANK, STEP and GENERATION must be integers") from None
-    sig = signal.SIGKILL
-    if len(parts) >= 3 and parts[2]:
-        name = parts[2].upper()
-        name = name if name.startswith("SIG") else "SIG" + name
-        try:
-            sig = signal.Signals[name]
-        except KeyError:
-            raise UsageError(f"--fault {text!r}: unknown signal {parts[2]!r}") from None
-    if rank < 0 or step < 0 or generation < 1:
-        raise UsageError(f"--fault {text!r}: rank and step must be >= 0, generation >= 1")
-    return FaultPlan(rank=rank, step=step, sig=sig, generation=generation)
-
-
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """Adds the ``trainguard run`` flags to ``p``."""
-    p.add_argument("--nproc-per-node", type=int, default=1, help="workers on this node (default 1)")
-    p.add_argument("--max-restarts", type=int, default=3, help="job-wide restart budget (default 3)")
-    p.add_argument("--job", default=None, help="job name (default: script name + time)")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="checkpoint directory or fsspec URL given to every worker as $TRAINGUARD_CHECKPOINT_DIR")
-    p.add_argument("--log-dir", default=None, help="write each rank's output to LOG_DIR/rank<R>.log")
-    p.add_argument("--fault", action="append", default=[], metavar="RANK:STEP[:SIGNAL[:GEN]]",
-                   help="inject a fault: send SIGNAL (default KILL) to RANK once it reports STEP (repeatable)")
-    g = p.add_argument_group("multi-node")
-    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="join this coordinator instead of embedding one")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes the embedded coordinator waits for (default 1)")
-    g.add_argument("--coordinator-listen", default="127.0.0.1:0", metavar="HOST:PORT",
-                   help="where the embedded coordinator listens (default 127.0.0.1:0)")
-    g.add_argument("--node-id", default=None, help="stable node identity (default: host name)")
-    g.add_argument("--pod", default="", help="pod / supernode id of this node")
-    g.add_argument("--node-index", type=int, default=0, help="index of this node inside its pod")
-    g.add_argument("--host", default=None, help="host name used for rank ordering (default: host name)")
-    g.add_argument("--address", default="127.0.0.1", help="address peers reach this node at (default 127.0.0.1)")
-    g.add_argument("--spare", action="store_true", help="join as a spare node")
-    p.add_argument("--hang-floor-s", type=float, default=60.0,
-                   help="a worker with no step for max(this, 5x its slowest recent step) seconds is hung (default 60)")
-    p.add_argument("--detectors", default="process",
-                   help="comma-separated detectors the agent runs (default: process; see `trainguard detect`)")
-    p.add_argument("--no-standby", dest="standby", action="store_false",
-                   help="do not keep warm standby worker processes (slower restarts, less memory)")
-    p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
-    p.add_argument("script", help="training script (or module with -m)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
 @dataclass

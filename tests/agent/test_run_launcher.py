@@ -113,7 +113,7 @@ def test_unwritable_checkpoint_dir_is_one_line_error(tmp_path: Path, tg_env: dic
 
 
 def test_hung_worker_is_detected_and_restarted(tmp_path: Path, tg_env: dict) -> None:
-    r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "1", "--hang-floor-s", "2",
+    r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "1", "--hang-floor-s", "5",
                  str(SCRIPTS / "hang_once.py")], tg_env, timeout=110)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "sent no step heartbeat" in r.stderr and "rank 1" in r.stderr, r.stderr[-3000:]
