@@ -53,6 +53,7 @@ class TrainConfig:
         max_iter: boosting iterations (default 100).
         learning_rate: boosting learning rate (default 0.05).
         max_leaf_nodes: leaves per tree (default 8).
+        min_samples_leaf: fewest fitting rows per leaf (default 40).
         seed: random seed (default 0).
         threads: OpenMP threads scikit-learn may use while fitting (default 1).
         exclude_early: leave rows ``H..early_s`` before a failure out of the fit (default True): a
@@ -68,6 +69,7 @@ class TrainConfig:
     max_iter: int = 100
     learning_rate: float = 0.05
     max_leaf_nodes: int = 8
+    min_samples_leaf: int = 40
     seed: int = 0
     threads: int = 1
     exclude_early: bool = True
@@ -113,7 +115,7 @@ def fit_scorer(method: str, frame: FeatureFrame, rows: np.ndarray, y: np.ndarray
         sel = np.concatenate([pos, neg])
         clf = HistGradientBoostingClassifier(
             max_iter=cfg.max_iter, learning_rate=cfg.learning_rate, max_leaf_nodes=cfg.max_leaf_nodes,
-            l2_regularization=1.0, min_samples_leaf=40, early_stopping=False, random_state=cfg.seed,
+            l2_regularization=1.0, min_samples_leaf=cfg.min_samples_leaf, early_stopping=False, random_state=cfg.seed,
         )
         from threadpoolctl import threadpool_limits
 
