@@ -184,7 +184,8 @@ class NodeAgent:
         self._pending_events: list[HealthEvent] = []
 
     # -- state served to workers and operators ---------------------------------------------------------------
-    def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float) -> list:
+    def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
+                            finished: bool = False) -> list:
         """Records a step reported by a local worker; returns advisories pending for that rank."""
         with self._lock:
             group = self._group
@@ -192,6 +193,7 @@ class NodeAgent:
             if w is None or (pid and w.pid != pid) or generation != self.generation:
                 return []  # a straggler of an older generation
             now = time.time()
+            w.finished = w.finished or finished
             if step > w.last_step:
                 w.last_step = step
                 w.last_heartbeat = time.monotonic()
@@ -258,11 +260,13 @@ class NodeAgent:
         group = self._group
         if group is None:
             return []
-        offset = time.monotonic() - time.time()
+        mono = time.monotonic()
+        offset = mono - time.time()
+        # A worker whose loop is over (final evaluation, last save, exit) sends no more steps and is not hung.
         return [
             WorkerSnapshot(rank=w.spec.rank, pid=w.pid, started_at=w.started_at + offset, last_step=w.last_step,
-                           last_heartbeat=w.last_heartbeat, recent_step_times=tuple(w.step_times),
-                           returncode=w.exit_code)
+                           last_heartbeat=mono if w.finished else w.last_heartbeat,
+                           recent_step_times=tuple(w.step_times), returncode=w.exit_code)
             for w in group.workers
         ]
 

@@ -75,6 +75,7 @@ class Worker:
     last_step: int = -1
     last_heartbeat: float | None = None  # time.monotonic() of the last step report
     step_times: deque = field(default_factory=lambda: deque(maxlen=64))
+    finished: bool = False  # the worker said its training loop is over
 
     @property
     def pid(self) -> int:

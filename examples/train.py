@@ -106,6 +106,7 @@ def main() -> None:
         if session.should_stop:
             break
 
+    session.finish()  # the loop is over: the evaluation below is not a hang
     session.wait()
     restored_tier = getattr(session.checkpointer, "last_restore_tier", None)
     with torch.no_grad():

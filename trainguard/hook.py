@@ -108,6 +108,17 @@ class _AgentLink:
                 if self.failures in (1, 10, 100):
                     log.warning("heartbeat to the agent failed (%s); training continues", exc)
 
+    def finish(self) -> None:
+        """Tells the agent that no more steps will come (so a long final evaluation is not a hang)."""
+        try:
+            self._stub.WorkerHeartbeat(
+                self._pb.WorkerHeartbeatRequest(rank=self._rank, pid=self._pid, generation=self._generation,
+                                                step=-1, finished=True),
+                timeout=2.0,
+            )
+        except Exception as exc:  # noqa: BLE001 - the agent being away must not stop the worker
+            log.debug("final heartbeat failed: %s", exc)
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -155,6 +166,7 @@ class Session:
         self._checkpoint_now = False
         self._agent: _AgentLink | None = None
         self._ckpt = None
+        self._finished = False
 
         directory = checkpoint_dir if checkpoint_dir is not None else os.environ.get(CHECKPOINT_DIR_ENV)
         if directory:
@@ -259,6 +271,13 @@ class Session:
                 log.warning("agent asks to stop: %s", adv.reason)
                 self.should_stop = True
 
+    def finish(self) -> None:
+        """Declares the training loop over: the agent stops expecting steps (hang detection ends for this
+        worker). Call it before a long final evaluation; :meth:`close` calls it too."""
+        if self._agent is not None and not self._finished:
+            self._finished = True
+            self._agent.finish()
+
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every saved checkpoint is durable."""
         if self._ckpt is not None:
@@ -269,6 +288,7 @@ class Session:
 
     def close(self) -> None:
         """Flushes checkpoints and closes the agent link; idempotent."""
+        self.finish()
         if self._ckpt is not None:
             try:
                 self._ckpt.close()

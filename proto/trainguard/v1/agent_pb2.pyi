@@ -127,18 +127,20 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, replay: _Optional[int] = ..., min_severity: _Optional[_Union[_common_pb2.Severity, str]] = ...) -> None: ...
 
 class WorkerHeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "pid", "generation", "step", "step_time_s")
+    __slots__ = ("rank", "pid", "generation", "step", "step_time_s", "finished")
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     generation: int
     step: int
     step_time_s: float
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+    finished: bool
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class Advisory(_message.Message):
     __slots__ = ("kind", "reason", "advisory_id")
