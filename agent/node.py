@@ -157,8 +157,18 @@ class NodeAgent:
         on_worker_started: test and drill hook, called with each new WorkerGroup.
     """
 
-    def __init__(self, config: NodeConfig, faults: Sequence[FaultPlan] = ()) -> None:
+    def __init__(self, config: NodeConfig, faults: Sequence[FaultPlan] = (), notifier=None) -> None:
         self.config = config
+        # systemd integration of `trainguard run` as a service (Type=notify): READY once registered, WATCHDOG
+        # from the main loop only, STATUS per generation, STOPPING on a requested stop.
+        self._notifier = notifier
+        self._watchdog = None
+        if notifier is not None and notifier.enabled:
+            from trainguard.agent.sdnotify import Watchdog, watchdog_interval
+
+            self._watchdog = Watchdog(notifier, watchdog_interval())
+        for var in ("WATCHDOG_USEC", "WATCHDOG_PID"):  # meant for this process, not for the workers
+            os.environ.pop(var, None)
         self.bus = EventBus()
         self.faults = list(faults)
         self.fault_records: list[FaultRecord] = []
@@ -446,6 +456,10 @@ class NodeAgent:
         for rec in self.fault_records:
             if rec.restarted_at is None:
                 rec.restarted_at = now
+        if self._notifier is not None:
+            self._notifier.status(f"job {c.job}: generation {table.generation}, ranks {mine.first_rank}.."
+                                  f"{mine.first_rank + mine.local_world_size - 1} of {table.world_size}, "
+                                  f"{table.restart_count} restarts")
         log.info("generation %d: started ranks %d..%d (master %s:%d)", table.generation, mine.first_rank,
                  mine.first_rank + mine.local_world_size - 1, table.master_addr, table.master_port)
 
@@ -523,6 +537,8 @@ class NodeAgent:
     # -- main loop -------------------------------------------------------------------------------------------
     def request_stop(self) -> None:
         """Asks the loop to stop the workers and return (signal handlers call this)."""
+        if self._notifier is not None and not self.stopping:
+            self._notifier.stopping(f"job {self.config.job}: stopping workers")
         self.stopping = True
         self._wake.set()
 
@@ -539,9 +555,13 @@ class NodeAgent:
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._register(self.config.coordinator_patience_s)
         self._start_detectors()
+        if self._notifier is not None:
+            self._notifier.ready(f"job {self.config.job}: registered, waiting for a rank table")
         next_hb = 0.0
         try:
             while not self.stopping:
+                if self._watchdog is not None:
+                    self._watchdog.tick(healthy=True)
                 self._inject_faults()
                 self._check_workers()
                 self._handle_detector_events()

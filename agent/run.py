@@ -120,7 +120,10 @@ def run_job(args: argparse.Namespace) -> RunResult:
         detectors=tuple(d for d in args.detectors.split(",") if d),
         detector_config={"process": {"hang_floor_s": args.hang_floor_s}} if "process" in args.detectors else {},
     )
-    agent = NodeAgent(config, faults=faults)
+    from trainguard.agent.sdnotify import SystemdNotifier
+
+    # Under systemd (a job unit of Type=notify) the launcher speaks sd_notify; workers never inherit the socket.
+    agent = NodeAgent(config, faults=faults, notifier=SystemdNotifier.from_env(unset=True))
     from trainguard.agent.local_server import serve
 
     grpc_server, _ = serve(agent, config.socket_path)

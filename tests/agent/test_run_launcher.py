@@ -118,3 +118,36 @@ def test_hung_worker_is_detected_and_restarted(tmp_path: Path, tg_env: dict) -> 
     assert r.returncode == 0, r.stderr[-3000:]
     assert "sent no step heartbeat" in r.stderr and "rank 1" in r.stderr, r.stderr[-3000:]
     assert "1 fault(s)" in r.stderr
+
+
+def test_run_speaks_sd_notify_and_stops_gracefully(tmp_path: Path, tg_env: dict) -> None:
+    import socket
+
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(60)
+    env = dict(tg_env, NOTIFY_SOCKET=path, WATCHDOG_USEC="2000000")
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2",
+                             str(SCRIPTS / "sleeper.py")], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        msgs: list[str] = []
+
+        def wait_for(key: str) -> None:
+            while not any(key in m for m in msgs):
+                msgs.append(sock.recv(4096).decode())
+
+        wait_for("READY=1")
+        wait_for("generation 1")  # STATUS once the workers run
+        wait_for("WATCHDOG=1")
+        proc.send_signal(signal.SIGTERM)
+        wait_for("STOPPING=1")
+        proc.wait(timeout=30)
+        assert proc.returncode == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        sock.close()
+    # Workers (sleeper.py and its grandchild) are gone: checked by the tg_env fixture.
