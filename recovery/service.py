@@ -249,7 +249,7 @@ class CoordinatorServer:
     """
 
     def __init__(self, spec: JobSpec, listen: str = "127.0.0.1:0", store: Store | None = None,
-                 max_workers: int = 32) -> None:
+                 max_workers: int = 256) -> None:
         self.service = CoordinatorService(spec, store=store)
         self.core = self.service.core
         self._server = grpc.server(
