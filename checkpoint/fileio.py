@@ -88,6 +88,49 @@ class Throttle:
             time.sleep(ahead)
 
 
+class PendingFile:
+    """A file being written under a temporary name; :meth:`commit` makes it durable and visible atomically.
+
+    Args:
+        path: final path.
+        fsync: fsync the file and its directory on commit.
+
+    Raises:
+        OSError: the temporary file cannot be created.
+    """
+
+    def __init__(self, path: str, fsync: bool = True) -> None:
+        self.path = path
+        self.tmp = f"{path}.tmp.{os.getpid()}"
+        self.fsync = fsync
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def commit(self) -> None:
+        """fsync, close, rename into place, fsync the directory.
+
+        Raises:
+            OSError: any step failed; the temporary file is removed and ``path`` keeps its old content.
+        """
+        try:
+            if self.fsync:
+                os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        if self.fsync:
+            fsync_dir(os.path.dirname(self.path) or ".")
+
+    def abort(self) -> None:
+        """Closes and removes the temporary file."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        _unlink_quiet(self.tmp)
+
+
 def write_file_from(path: str, view: memoryview, nbytes: int, chunk_bytes: int, throttle: Throttle | None,
                     fsync: bool = True, progress: Callable[[int], None] | None = None) -> None:
     """Writes ``view[:nbytes]`` durably to ``path`` (temp file, fsync, rename, directory fsync).

@@ -31,7 +31,7 @@ from typing import Any, Callable
 from trainguard.checkpoint.arena import SlotPaths, read_tag
 from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableError
 from trainguard.checkpoint.fileio import Throttle, storage_error
-from trainguard.checkpoint.manifest import Manifest, TensorEntry, compute_checksums
+from trainguard.checkpoint.manifest import Manifest, TensorEntry, chunk_checksum, compute_checksums
 from trainguard.checkpoint.storage import FsspecStore, LocalStore, manifest_name
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,32 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
     rid, step, rank, ws = req.get("id"), int(req["step"]), int(req["rank"]), int(req["world_size"])
     man = _manifest_from(req["manifest"])
     man.created = time.time()
-    man.chunks = compute_checksums(view, man.data_bytes, man.chunk_bytes)
+    throttle = Throttle(float(req.get("bandwidth_mib_s") or 0) * (1 << 20))
+    disk = req.get("disk")
+    local: LocalStore | None = None
+    disk_error: BaseException | None = None
+    chunks: list[str] = []
+    if disk:
+        # One pass over the snapshot: each chunk is hashed right before it is written (cache-hot), and the data
+        # reaches the page cache before the memory tier is published; the fsync comes after that.
+        local = LocalStore(disk["root"], man.job, fsync=bool(disk.get("fsync", True)))
+        try:
+            local.uncommit_rank(step, rank)
+            pending = local.begin_data(step, rank)
+            try:
+                _write_hashing(pending.fd, view, man.data_bytes, man.chunk_bytes, throttle, chunks)
+            except BaseException:
+                pending.abort()
+                raise
+        except OSError as exc:
+            disk_error = storage_error(exc, f"write step {step} to {local.describe()}")
+            disk_error.__cause__ = exc  # keeps the errno for the event kind (disk_full...)
+            pending = None
+    else:
+        pending = None
+    if len(chunks) != man.n_chunks:
+        chunks = compute_checksums(view, man.data_bytes, man.chunk_bytes)
+    man.chunks = chunks
     man_json = man.to_json()
     digest = json.loads(man_json)["self_xxh3"]
 
@@ -115,16 +140,14 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
         os.replace(tmp, paths.manifest)
         outcome("memory", None)
 
-    throttle = Throttle(float(req.get("bandwidth_mib_s") or 0) * (1 << 20))
-    disk = req.get("disk")
     disk_ok = False
-    local: LocalStore | None = None
-    if disk:
+    if disk and local is not None:
         try:
-            local = LocalStore(disk["root"], man.job, fsync=bool(disk.get("fsync", True)))
+            if disk_error is not None:
+                raise disk_error
             try:
-                local.uncommit_rank(step, rank)
-                local.write_data(step, rank, view, man.data_bytes, man.chunk_bytes, throttle)
+                assert pending is not None
+                pending.commit()  # fsync, rename, directory fsync
                 local.write_small(step, manifest_name(rank), man_json)
                 local.commit_rank(step, rank, ws, digest)
             except OSError as exc:
@@ -159,6 +182,21 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
             outcome("remote", exc)
         except OSError as exc:
             outcome("remote", StorageUnavailableError(f"cannot upload step {step}: {exc}"))
+
+
+def _write_hashing(fd: int, view: memoryview, nbytes: int, chunk_bytes: int, throttle: Throttle,
+                   chunks: list[str]) -> None:
+    """Writes ``view[:nbytes]`` to ``fd`` chunk by chunk, appending each chunk's checksum to ``chunks``."""
+    off = 0
+    while off < nbytes:
+        end = min(off + chunk_bytes, nbytes)
+        piece = view[off:end]
+        chunks.append(chunk_checksum(piece))
+        while piece:
+            n = os.write(fd, piece)
+            piece = piece[n:]
+        throttle.account(end - off)
+        off = end
 
 
 __all__ = ["persist_snapshot"]

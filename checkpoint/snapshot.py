@@ -14,10 +14,13 @@ mid-copy. Every other tensor (buffers such as BatchNorm statistics, RNG states, 
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def storage_ptrs(optimizers: Iterable[Any]) -> set[int]:
@@ -88,7 +91,10 @@ class SnapshotCopier:
             return
         rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
         if int(rc) != 0:
-            raise RuntimeError(f"cudaHostRegister of a {size}-byte staging buffer failed with code {int(rc)}")
+            # Still correct without pinning (copies become staged through pageable memory), only slower.
+            log.warning("cudaHostRegister of a %d-byte staging buffer failed (code %d); device-to-host snapshot "
+                        "copies will not overlap", size, int(rc))
+            return
         self._registered[ptr] = size
 
     def unpin_all(self) -> None:

@@ -23,7 +23,14 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable
 
 from trainguard.checkpoint.errors import StorageUnavailableError
-from trainguard.checkpoint.fileio import Throttle, atomic_write, fsync_dir, storage_error, write_file_from
+from trainguard.checkpoint.fileio import (
+    PendingFile,
+    Throttle,
+    atomic_write,
+    fsync_dir,
+    storage_error,
+    write_file_from,
+)
 
 COMMIT_RECORD = "COMMITTED.json"
 _STEP_RE = re.compile(r"^step_(\d{12})$")
@@ -234,6 +241,15 @@ class LocalStore(StepStore):
                    throttle: Throttle | None) -> None:
         d = self._step_dir(step, create=True)
         write_file_from(os.path.join(d, data_name(rank)), source, nbytes, chunk_bytes, throttle, self.fsync)
+
+    def begin_data(self, step: int, rank: int) -> PendingFile:
+        """Opens a rank's data file for writing under a temporary name (see :class:`PendingFile`).
+
+        Raises:
+            OSError: the step directory or the file cannot be created.
+        """
+        d = self._step_dir(step, create=True)
+        return PendingFile(os.path.join(d, data_name(rank)), self.fsync)
 
     def write_small(self, step: int | None, name: str, data: bytes) -> None:
         atomic_write(os.path.join(self._step_dir(step, create=True), name), data, self.fsync)
