@@ -180,10 +180,21 @@ class AgentDaemon:
                 self._metrics_server = MetricsServer(self.metrics, config.metrics.listen)
                 log.info("metrics on %s", self._metrics_server.url)
             self._start_grpc(config)
+            if detectors is not None and config.predictor.enabled:
+                # Rules tier always; the learned tier when a model file is configured. The metric history in
+                # the state directory is the training data of the next model.
+                self.node.start_predictor(config.predictor.model or None,
+                                          os.path.join(config.agent.state_dir, "metric-history.sqlite"))
             if detectors is not None:
                 from trainguard.detectors.runner import DetectorRunner
 
-                self.runner = DetectorRunner(detectors, on_event=self._on_event)
+                node = self.node
+
+                def on_event(event: HealthEvent) -> None:
+                    node.predictor_event(event)
+                    self._on_event(event)
+
+                self.runner = DetectorRunner(detectors, on_event=on_event)
                 self.runner.start()
             self.health.set("", True)
             self.health.set(NODE_AGENT_SERVICE, True)
@@ -192,7 +203,7 @@ class AgentDaemon:
             predictor_running = getattr(self.node, "predictor", None) is not None
             self.health.set_subsystem("predictor", predictor_running or not config.predictor.enabled)
             if config.predictor.enabled and not predictor_running:
-                log.warning("predictor.enabled is true, but no predictor runs in this daemon yet; risk stays 0")
+                log.warning("predictor.enabled is true, but no detectors run to feed it; risk stays 0")
             # The daemon does not join a coordinator yet (jobs run through `trainguard run`, which embeds one):
             # say so instead of reporting a connection that does not exist.
             self.health.set_subsystem("coordinator", not config.coordinator.address)
@@ -413,6 +424,8 @@ class AgentDaemon:
                     self._reload.clear()
                     self.reload()
                 self._refresh()
+                if self.runner is not None and self.node is not None:
+                    self.node.predictor_tick(self.runner.latest_metrics())
                 if self.watchdog.seconds_until_due() == 0.0:
                     if self.watchdog.tick(self._healthy()) and self.metrics is not None:
                         self.metrics.watchdog_pings.inc()

@@ -74,6 +74,8 @@ class NodeConfig:
         preload: modules a standby imports (default: torch and the trainguard hook).
         detectors: detector names to run (see ``trainguard detect``); "process" finds hung workers.
         detector_config: per-detector settings, name -> fields (e.g. ``{"process": {"hang_floor_s": 30}}``).
+        predictor_model: trained predictor model file; None scores with the rules tier only.
+        history_path: SQLite file of the metric history kept for training; None keeps none.
     """
 
     job: str
@@ -96,6 +98,8 @@ class NodeConfig:
     preload: tuple[str, ...] = ()
     detectors: tuple[str, ...] = ("process",)
     detector_config: dict[str, dict] = field(default_factory=dict)
+    predictor_model: str | None = None
+    history_path: str | None = None
 
 
 @dataclass
@@ -189,9 +193,16 @@ class NodeAgent:
         self._interval = 0.5
         self._wake = threading.Event()
         self._restart_count = 0
+        # Tells a restarted agent of this node apart from a second agent claiming the same node id.
+        self._instance = uuid.uuid4().hex
         self._standbys: dict[int, object] = {}
         self._runner = None
         self._pending_events: list[HealthEvent] = []
+        self.predictor = None  # PredictorMonitor once start_predictor() ran
+        self._predictor_interval_s = 5.0
+        self._predictor_next = 0.0
+        self._drain_grace_s = 30.0
+        self._drain_due: tuple[float, HealthEvent] | None = None
 
     # -- state served to workers and operators ---------------------------------------------------------------
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
@@ -339,7 +350,8 @@ class NodeAgent:
             try:
                 resp = self._stub.RegisterNode(
                     coordinator_pb2.RegisterNodeRequest(job=self.config.job, node=self._node_info(),
-                                                        free_port=find_free_port(self.config.address)),
+                                                        free_port=find_free_port(self.config.address),
+                                                        agent_instance=self._instance),
                     timeout=_RPC_TIMEOUT_S,
                 )
                 self._lease = resp.lease_id
@@ -378,6 +390,11 @@ class NodeAgent:
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 log.warning("coordinator forgot this node (%s); registering again", exc.details())
                 self._register(self.config.coordinator_patience_s)
+            elif exc.code() == grpc.StatusCode.OUT_OF_RANGE:
+                log.warning("coordinator does not know our generation (%s); stopping workers and registering "
+                            "again", exc.details())
+                self._stop_workers()
+                self._register(self.config.coordinator_patience_s)
             else:
                 log.warning("coordinator heartbeat failed: %s; workers keep running", exc.code().name)
             return None
@@ -398,6 +415,8 @@ class NodeAgent:
         self._report(ev, coordinator_pb2.RECOVERY_LEVEL_PROCESS, generation, rank, code if code is not None else 0)
 
     def _report(self, ev: HealthEvent, level: int, generation: int, rank: int, code: int) -> None:
+        if self._stub is None:
+            return  # standalone daemon: no coordinator to tell
         req = coordinator_pb2.ReportEventRequest(
             job=self.config.job, node_id=self.config.node_id, lease_id=self._lease, generation=generation,
             event=ev.to_proto(), proposed_level=level, failed_rank=rank, exit_code=code,
@@ -425,7 +444,7 @@ class NodeAgent:
                 world_size=table.world_size,
                 local_world_size=mine.local_world_size,
                 group_rank=mine.group_rank,
-                group_world_size=len(table.nodes),
+                group_world_size=table.node_count or len(table.nodes),  # large jobs list only this node
                 master_addr=table.master_addr,
                 master_port=table.master_port,
                 restart_count=table.restart_count,
@@ -513,6 +532,8 @@ class NodeAgent:
                 detected_at=time.time(),
             )
             self.fault_records.append(rec)
+            if self.predictor is not None:
+                self.predictor.record_failure(rec.detected_at, "process.exit")
             log.warning("generation %d: rank %d ended with %s; stopping local workers", self.generation,
                         w.spec.rank, rec.cause)
             gen = self.generation
@@ -565,6 +586,9 @@ class NodeAgent:
                 self._inject_faults()
                 self._check_workers()
                 self._handle_detector_events()
+                if self._runner is not None:
+                    self.predictor_tick(self._runner.latest_metrics())
+                self._drain_if_due()
                 self._ensure_standbys()
                 now = time.monotonic()
                 if now >= next_hb:
@@ -592,8 +616,89 @@ class NodeAgent:
         from trainguard.detectors.runner import DetectorRunner
 
         detectors = create_detectors(list(self.config.detectors), self.config.detector_config, worker_view=self)
-        self._runner = DetectorRunner(detectors, on_event=self._on_detector_event)
+        self.start_predictor(self.config.predictor_model, self.config.history_path)
+
+        def on_event(event: HealthEvent) -> None:
+            self.predictor_event(event)
+            self._on_detector_event(event)
+
+        self._runner = DetectorRunner(detectors, on_event=on_event)
         self._runner.start()
+        self._predictor_next = time.monotonic() + self._predictor_interval_s
+
+    # -- predictor -------------------------------------------------------------------------------------------
+    def start_predictor(self, model_path: str | None, history_path: str | None, interval_s: float = 5.0,
+                        drain_grace_s: float = 30.0) -> None:
+        """Scores failure risk from the detectors' metrics every ``interval_s`` seconds.
+
+        On an alarm the workers are advised to checkpoint at once, and ``drain_grace_s`` seconds later (time
+        for that checkpoint) the coordinator is asked to replace this node (node-level recovery).
+
+        Args:
+            model_path: a trained predictor model file, or None for the rules tier only.
+            history_path: SQLite file keeping the metric history (training data), or None.
+            interval_s: seconds between scores.
+            drain_grace_s: seconds between the checkpoint advisory and the drain request.
+
+        Raises:
+            TrainguardError: the model or history file is unusable (named in the message).
+        """
+        from trainguard.agent.predictor_feed import PredictorMonitor
+        from trainguard.detectors.predictor.history import MetricHistory
+        from trainguard.detectors.predictor.runtime import PredictorRuntime
+
+        history = MetricHistory(history_path) if history_path else None
+        self._predictor_interval_s = interval_s
+        self._drain_grace_s = drain_grace_s
+        self.predictor = PredictorMonitor(
+            PredictorRuntime.load(model_path, missing="nan"), self.config.node_id, history=history,
+            on_score=self._on_score, on_alarm=self._on_alarm,
+        )
+
+    def predictor_event(self, event: HealthEvent) -> None:
+        """Feeds a detector event (XIDs, link flaps) to the predictor; thread-safe."""
+        if self.predictor is not None:
+            self.predictor.observe_event(event)
+
+    def predictor_tick(self, metrics: dict[str, float]) -> None:
+        """Scores one sample when an interval has passed (called from the agent's loop)."""
+        if self.predictor is None or time.monotonic() < self._predictor_next:
+            return
+        self._predictor_next = time.monotonic() + self._predictor_interval_s
+        group = self._group
+        step = max((w.step_times[-1] for w in group.workers if w.step_times), default=None) if group else None
+        self.predictor.tick(time.time(), metrics, step)
+
+    def _on_score(self, score) -> None:
+        self.predictor_score = score.score
+        self.predictor_threshold = score.threshold
+
+    def _on_alarm(self, score) -> None:
+        top = ", ".join(f"{name}={value:.3g}" for name, value in score.top_features[:3])
+        event = HealthEvent(
+            source="predictor", kind="predictor.alarm",
+            severity=Severity.CRITICAL if score.source == "rules" else Severity.WARNING,
+            action=Action.DRAIN_NODE,
+            message=f"failure risk {score.score:.2f} >= {score.threshold:.2f} ({score.source}): {top}",
+            evidence={"score": f"{score.score:.4f}", "threshold": f"{score.threshold:.4f}", "source": score.source,
+                      **{f"feature.{n}": f"{v:.6g}" for n, v in score.top_features[:5]},
+                      **{f"rule.{h.rule}": h.description for h in score.rule_hits}},
+            node_id=self.config.node_id,
+        )
+        self.bus.publish(event)
+        self.advise(agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW, event.message)
+        with self._lock:
+            if self._drain_due is None:
+                self._drain_due = (time.monotonic() + self._drain_grace_s, event)
+
+    def _drain_if_due(self) -> None:
+        with self._lock:
+            due = self._drain_due
+            if due is None or time.monotonic() < due[0]:
+                return
+            self._drain_due = None
+        log.error("predicted failure: asking the coordinator to drain this node (%s)", due[1].message)
+        self._report(due[1], coordinator_pb2.RECOVERY_LEVEL_NODE, self.generation, -1, 0)
 
     def _obey(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> int | None:
         cmd = resp.command

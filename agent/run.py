@@ -70,6 +70,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
     if not args.module and not os.path.isfile(args.script):
         raise UsageError(f"training script not found: {args.script}")
     faults = [parse_fault(f) for f in args.fault]
+    if args.predictor_model and not os.path.isfile(args.predictor_model):
+        raise UsageError(f"--predictor-model {args.predictor_model}: no such file")
     if args.checkpoint_dir:
         _check_checkpoint_dir(args.checkpoint_dir)
     job = args.job or f"{os.path.splitext(os.path.basename(args.script))[0]}-{int(time.time())}"
@@ -119,6 +121,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
         standby=args.standby,
         detectors=tuple(d for d in args.detectors.split(",") if d),
         detector_config={"process": {"hang_floor_s": args.hang_floor_s}} if "process" in args.detectors else {},
+        predictor_model=args.predictor_model,
+        history_path=args.metric_history,
     )
     from trainguard.agent.sdnotify import SystemdNotifier
 

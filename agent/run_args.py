@@ -63,6 +63,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="a worker with no step for max(this, 5x its slowest recent step) seconds is hung (default 60)")
     p.add_argument("--detectors", default="process",
                    help="comma-separated detectors the agent runs (default: process; see `trainguard detect`)")
+    p.add_argument("--predictor-model", default=None, metavar="PATH",
+                   help="trained predictor model (`trainguard predictor train`); default: rules tier only")
+    p.add_argument("--metric-history", default=None, metavar="PATH",
+                   help="keep the detectors' metric history in this SQLite file (predictor training data)")
     p.add_argument("--no-standby", dest="standby", action="store_false",
                    help="do not keep warm standby worker processes (slower restarts, less memory)")
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
