@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -232,7 +232,6 @@ class Checkpointer:
                 pass
             write_tag(paths, arena_mod.WRITING)
             staging = self._staging_of(index, slot)
-            pairs = []
             deferred_ptrs = storage_ptrs(_as_list(overlap_with)) if overlap_with is not None else set()
             eager, deferred = [], []
             for c, e in zip(cap.tensors, entries):
@@ -244,7 +243,6 @@ class Checkpointer:
                     deferred.append((src, dst))
                 else:
                     eager.append((src, dst))
-                pairs.append((src, dst))
             self._copier.copy_now(eager)
         except BaseException:
             slot.unlock()
