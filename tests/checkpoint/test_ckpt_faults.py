@@ -86,9 +86,10 @@ def test_full_disk_reports_event_keeps_old_and_retries(tmp_path, shm_dir):
             ck.save({"w": torch.full((200_000,), 1.0)}, 1)  # 800 kB
             assert ck.wait(1, timeout=30)
             filler = mnt / "filler"
-            with open(filler, "wb") as f:  # leave ~0.5 MB free
+            with open(filler, "wb", buffering=0) as f:  # fill the filesystem to the last byte
                 try:
-                    f.write(b"\0" * (2_300_000))
+                    while True:
+                        f.write(b"\0" * 65536)
                 except OSError:
                     pass
             h = ck.save({"w": torch.full((200_000,), 2.0)}, 2)  # training goes on: no exception
