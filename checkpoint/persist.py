@@ -114,6 +114,9 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
                 pending.abort()
                 raise
         except OSError as exc:
+            # Drop the traceback: its frames hold slices of the snapshot's memoryview, and a live slice makes
+            # closing the mmap fail with BufferError, which would mask this error.
+            exc.with_traceback(None)
             disk_error = storage_error(exc, f"write step {step} to {local.describe()}")
             disk_error.__cause__ = exc  # keeps the errno for the event kind (disk_full...)
             pending = None

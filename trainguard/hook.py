@@ -204,12 +204,46 @@ class Session:
         """
         if self._ckpt is None:
             return 0
-        step = self._ckpt.restore(state)
+        step = self._agree_on_step(state, self._ckpt.restore(state))
         self.restored_step = step
         if step is None:
             return 0
         log.info("rank %d restored step %d from %s", self.rank, step, getattr(self._ckpt, "last_restore_tier", "?"))
         return step + 1
+
+    def _agree_on_step(self, state: MutableMapping[str, Any], step: int | None) -> int | None:
+        """Makes every rank resume from the same step.
+
+        A rank whose copy of the newest step failed its checksums falls back to an older step on its own; the
+        others must follow it, or the ranks would train from different states. Uses the default process group
+        when one is initialized (a lone process has nothing to agree with).
+
+        Raises:
+            TrainguardError: some rank has no checkpoint at all while others restored one.
+        """
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError:  # pragma: no cover - torch is a dependency
+            return step
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return step
+        mine = -1 if step is None else step
+        t = torch.tensor([mine, -mine], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        lowest, highest = int(t[0]), -int(t[1])
+        if lowest == highest:
+            return step
+        if lowest < 0:
+            raise TrainguardError(
+                f"rank {self.rank}: some ranks have no checkpoint while others restored up to step {highest}; "
+                "the checkpoint directory is incomplete (check each rank's files with `trainguard ckpt verify`)"
+            )
+        log.warning("rank %d: ranks restored steps %d..%d; every rank resumes from step %d", self.rank, lowest,
+                    highest, lowest)
+        if mine != lowest:
+            self._ckpt.restore(state, step=lowest)
+        return lowest
 
     def save(self, state: Mapping[str, Any], step: int) -> bool:
         """Saves ``state`` as checkpoint ``step`` (returns once the snapshot is taken; persisting goes on).
