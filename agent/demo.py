@@ -39,7 +39,9 @@ def run_demo(steps: int = 300, kill_step: int | None = None, workdir: str | None
         raise UsageError(f"the demo needs {EXAMPLE}; run it from a checkout of the trainguard repository")
     if steps < 40:
         raise UsageError("--steps must be >= 40 so the fault lands after a checkpoint")
-    kill_step = kill_step if kill_step is not None else random.randint(25, steps - 10)
+    # Late enough that the warm standby workers have finished importing torch, as in any real job.
+    low = 200 if steps >= 220 else 25
+    kill_step = kill_step if kill_step is not None else random.randint(low, steps - 10)
     if not 0 < kill_step < steps:
         raise UsageError(f"--kill-step must be in 1..{steps - 1}")
     own = workdir is None
@@ -47,7 +49,7 @@ def run_demo(steps: int = 300, kill_step: int | None = None, workdir: str | None
     work.mkdir(parents=True, exist_ok=True)
     try:
         common = ["--nproc-per-node", "2", "--max-restarts", "2"]
-        script = [str(EXAMPLE), "--steps", str(steps), "--save-every", "20", "--step-delay", "0.01"]
+        script = [str(EXAMPLE), "--steps", str(steps), "--save-every", "20", "--step-delay", "0.03"]
         print(f"== trainguard demo: 2 workers train an MLP on digits for {steps} steps, checkpoint every 20;\n"
               f"   rank 1 gets SIGKILL at step {kill_step}", flush=True)
         faulty = _run(common + ["--job", "demo-faulty", "--checkpoint-dir", str(work / "ckpt-faulty"),

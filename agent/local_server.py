@@ -7,14 +7,12 @@ blocks on the coordinator, so a training step is never slowed by the control pla
 from __future__ import annotations
 
 import logging
-import time
 from concurrent import futures
 from typing import TYPE_CHECKING
 
 import grpc
 
-from trainguard._version import __version__
-from trainguard.proto import agent_pb2, agent_pb2_grpc, common_pb2
+from trainguard.proto import agent_pb2, agent_pb2_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainguard.agent.node import NodeAgent
@@ -113,9 +111,4 @@ def serve(agent: "NodeAgent", unix_socket: str | None, tcp_listen: str | None = 
     return server, port
 
 
-def now() -> float:
-    """Wall-clock seconds (one place to read the clock for timelines)."""
-    return time.time()
-
-
-__all__ = ["NodeAgentService", "serve", "MAX_REQUEST_BYTES", "common_pb2", "__version__"]
+__all__ = ["NodeAgentService", "serve", "MAX_REQUEST_BYTES"]

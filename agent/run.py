@@ -12,7 +12,6 @@ import argparse
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile

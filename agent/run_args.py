@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import signal
+from typing import TYPE_CHECKING
 
 from trainguard.errors import UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainguard.agent.node import FaultPlan
 
 
 def parse_fault(text: str) -> "FaultPlan":

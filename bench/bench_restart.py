@@ -6,7 +6,8 @@ finish all steps within ``--hang-timeout`` seconds. It reports, per launcher, ho
 recovery time (SIGKILL to the first step completed by the restarted generation), median and max.
 
 Launchers compared in the same run:
-- ``trainguard``: ``trainguard run --max-restarts 2``.
+- ``trainguard``: ``trainguard run --max-restarts 2`` (warm standby workers on, the default).
+- ``trainguard-no-standby``: the same with ``--no-standby``: restarted workers start a fresh interpreter.
 - ``torchrun-static``: ``torchrun --max-restarts 2`` with its default static rendezvous.
 - ``torchrun-c10d``: ``torchrun --max-restarts 2 --rdzv-backend c10d``.
 - ``torchrun-c10d-noshare``: the same with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a control: it stops
@@ -48,9 +49,10 @@ def _read(out: Path, rank: int) -> list[tuple[int, int, float, int]]:
 def _command(launcher: str, steps: int, delay: float, out: Path) -> tuple[list[str], dict]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     worker = [str(WORKER), str(out), str(steps), str(delay)]
-    if launcher == "trainguard":
+    if launcher in ("trainguard", "trainguard-no-standby"):
+        extra = ["--no-standby"] if launcher == "trainguard-no-standby" else []
         return [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--max-restarts", "2",
-                *worker], env
+                *extra, *worker], env
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "2"]
     if launcher == "torchrun-static":
         port = _free_port()
@@ -136,8 +138,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drills", type=int, default=20)
     ap.add_argument("--launchers", default="trainguard,torchrun-static,torchrun-c10d,torchrun-c10d-noshare")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--kill-step", type=int, default=10)
+    # The kill lands ~8 s into training: long enough for the standby workers to finish importing torch, as
+    # they have in any real job that runs for more than a few seconds before a fault.
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--kill-step", type=int, default=160)
     ap.add_argument("--step-delay", type=float, default=0.05)
     ap.add_argument("--hang-timeout", type=float, default=45.0)
     ap.add_argument("--json", default=None, help="write all drill results here")
