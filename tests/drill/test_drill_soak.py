@@ -82,6 +82,7 @@ def test_measured_components_and_report_text():
     assert "job restart 9.00 s" in format_soak(rep, torch_save_s=0.02, baseline_restart_s=9.0)
 
 
+@needs_stepfun  # the drill's ETTR comparison replays the trace's fault rates
 def test_short_real_drill_kill_and_verify(tmp_path):
     """A real 2-worker job under trainguard run: a full checkpoint disk, one SIGKILL, then the fault-free check."""
     cfg = SoakConfig(wall_s=3.0, step_delay_s=0.02, save_every=5, trace_faults=0, extra=("enospc", "kill"),
