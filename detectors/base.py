@@ -244,7 +244,8 @@ class Detector(ABC):
             )
         config.validate()
         self.config = config
-        self._active: dict[str, tuple[Severity, str]] = {}
+        # Active conditions: key -> the event that started it (see condition()).
+        self._active: dict[str, HealthEvent] = {}
 
     @abstractmethod
     def sample(self) -> Sample:
@@ -320,13 +321,24 @@ class Detector(ABC):
         if active:
             sample.worsen(_STATE_FOR_SEVERITY[severity], message)
             if not was:
-                self._active[key] = (severity, kind)
-                sample.events.append(self.event(kind, severity, action, message, subject, evidence))
+                started = self.event(kind, severity, action, message, subject, evidence)
+                self._active[key] = started
+                sample.events.append(started)
         elif was:
             del self._active[key]
             sample.events.append(
                 self.event(kind + ".cleared", Severity.INFO, Action.NONE, f"cleared: {message}", subject, evidence)
             )
+
+    def active_conditions(self) -> list[HealthEvent]:
+        """The start events of the conditions active now (raised by :meth:`condition`, not yet cleared).
+
+        Call it from the thread that calls :meth:`sample` (the runner snapshots it after each sample).
+
+        Returns:
+            One event per active condition, oldest first.
+        """
+        return list(self._active.values())
 
     def no_hardware(self, detail: str) -> Sample:
         """A sample saying there is nothing to watch here.

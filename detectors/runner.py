@@ -14,6 +14,10 @@ Lifecycle::
 
 ``start()`` and ``stop()`` are idempotent; ``stop()`` joins every thread it started and closes the detectors.
 A stopped runner is not restarted.
+
+Out-of-schedule samples. :meth:`DetectorRunner.sample_now` wakes the sampling thread to sample some detectors at
+once and lets the caller wait, bounded, for that round: the agent uses it when a worker dies, to learn whether
+the hardware failed with it, without sampling a detector from a second thread.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -59,6 +63,8 @@ class DetectorStatus:
         sampled_at: Unix time of the latest sample, 0.0 before the first.
         sample_s: seconds the latest sample took.
         samples: number of samples taken.
+        conditions: start events of the detector's conditions active after its latest sample (edge-triggered
+            conditions send no new event while they last; this is how a consumer learns they still hold).
     """
 
     name: str
@@ -68,6 +74,7 @@ class DetectorStatus:
     sampled_at: float = 0.0
     sample_s: float = 0.0
     samples: int = 0
+    conditions: tuple[HealthEvent, ...] = ()
 
     def to_proto(self) -> Any:
         """Converts to a ``trainguard.v1.DetectorStatus`` message."""
@@ -76,6 +83,16 @@ class DetectorStatus:
         return agent_pb2.DetectorStatus(
             name=self.name, state=int(self.state), detail=self.detail, metrics=dict(self.metrics)
         )
+
+
+@dataclass
+class _SampleRequest:
+    """One :meth:`DetectorRunner.sample_now` call waiting for its round."""
+
+    names: frozenset[str]
+    done: threading.Event = field(default_factory=threading.Event)
+    events: list[HealthEvent] = field(default_factory=list)
+    served: bool = False
 
 
 class DetectorRunner:
@@ -99,6 +116,9 @@ class DetectorRunner:
         }
         self._errors: dict[str, set[str]] = {d.name: set() for d in detectors}
         self._stop = threading.Event()
+        # Wakes the sampling thread early: a sample_now() request, or stop().
+        self._kick = threading.Event()
+        self._requests: list[_SampleRequest] = []
         self._threads: list[threading.Thread] = []
         self._started = False
         self._stopped = False
@@ -135,6 +155,7 @@ class DetectorRunner:
                 return
             self._stopped = True
         self._stop.set()
+        self._kick.set()
         for det in self._detectors:
             if isinstance(det, ListeningDetector):
                 try:
@@ -171,6 +192,42 @@ class DetectorRunner:
             events.extend(self._sample(det))
         return events
 
+    def sample_now(self, names: Iterable[str] | None = None, timeout_s: float = 1.0) -> list[HealthEvent] | None:
+        """Has the sampling thread sample ``names`` at once, out of schedule, and waits for that round.
+
+        The samples are taken in the runner's own thread, so a detector is never sampled by two threads at
+        once; their events reach ``on_event`` before this returns, as for scheduled samples. A sample already
+        in progress finishes first. Each detector sampled gets its next scheduled sample one interval later.
+        Concurrent calls are served together in one round.
+
+        Args:
+            names: detectors to sample, by name; None samples every detector.
+            timeout_s: seconds to wait at most for the round to finish.
+
+        Returns:
+            The events the round raised (in configuration order), or None when the runner is not running
+            (never started, or stopped) or the round did not finish within ``timeout_s``; the round still
+            happens then, its events still reach ``on_event``.
+
+        Raises:
+            DetectorConfigError: a name is not one of this runner's detectors.
+        """
+        known = {d.name for d in self._detectors}
+        wanted = frozenset(known if names is None else names)
+        unknown = sorted(wanted - known)
+        if unknown:
+            raise DetectorConfigError(
+                f"sample_now: no detector named {unknown} in this runner; it runs {sorted(known)}")
+        request = _SampleRequest(wanted)
+        with self._lock:
+            if not self._started or self._stopped:
+                return None
+            self._requests.append(request)
+        self._kick.set()
+        if not request.done.wait(max(0.0, timeout_s)):
+            return None
+        return list(request.events) if request.served else None
+
     def latest_metrics(self) -> dict[str, float]:
         """The latest metrics of every detector, flattened as ``"<detector>.<metric>"`` -> value."""
         with self._lock:
@@ -198,19 +255,49 @@ class DetectorRunner:
     def _sample_loop(self) -> None:
         due = [(time.monotonic(), i) for i in range(len(self._detectors))]
         heapq.heapify(due)
-        while not self._stop.is_set():
-            when, index = due[0]
-            wait = when - time.monotonic()
-            if wait > 0:
-                if self._stop.wait(wait):
-                    return
-                continue
-            heapq.heappop(due)
-            det = self._detectors[index]
-            self._sample(det)
-            # Schedule from the planned time so intervals do not drift, but never catch up in a burst.
-            nxt = max(when + det.config.interval_s, time.monotonic())
-            heapq.heappush(due, (nxt, index))
+        try:
+            while not self._stop.is_set():
+                # Cleared before the requests are taken, so a request arriving after that sets it again and
+                # the wait below returns at once.
+                self._kick.clear()
+                self._serve_requests(due)
+                wait = due[0][0] - time.monotonic() if due else None
+                if wait is None or wait > 0:
+                    self._kick.wait(wait)
+                    continue
+                when, index = heapq.heappop(due)
+                det = self._detectors[index]
+                self._sample(det)
+                # Schedule from the planned time so intervals do not drift, but never catch up in a burst.
+                nxt = max(when + det.config.interval_s, time.monotonic())
+                heapq.heappush(due, (nxt, index))
+        finally:
+            # Callers still waiting get None at once instead of sitting out their timeout.
+            with self._lock:
+                left, self._requests = self._requests, []
+            for request in left:
+                request.done.set()
+
+    def _serve_requests(self, due: list[tuple[float, int]]) -> None:
+        """Samples the detectors that pending :meth:`sample_now` calls asked for, once each, and reschedules them."""
+        with self._lock:
+            requests, self._requests = self._requests, []
+        if not requests:
+            return
+        wanted = frozenset().union(*(r.names for r in requests))
+        raised: dict[str, list[HealthEvent]] = {}
+        for det in self._detectors:
+            if det.name in wanted and not self._stop.is_set():
+                raised[det.name] = self._sample(det)
+        now = time.monotonic()
+        due[:] = [(now + self._detectors[i].config.interval_s if self._detectors[i].name in raised else when, i)
+                  for when, i in due]
+        heapq.heapify(due)
+        for request in requests:
+            request.events = [ev for det in self._detectors if det.name in request.names
+                              for ev in raised.get(det.name, ())]
+            request.served = request.names <= raised.keys()
+            request.done.set()
 
     def _sample(self, det: Detector) -> list[HealthEvent]:
         started = time.monotonic()
@@ -230,6 +317,7 @@ class DetectorRunner:
             tb = "".join(traceback.format_exception(exc, limit=-3)).strip()
             sample.errors[-1].traceback = tb  # type: ignore[attr-defined]
         elapsed = time.monotonic() - started
+        conditions = tuple(det.active_conditions())
         with self._lock:
             self._current = None
         events = list(sample.events) + self._error_events(det.name, sample.errors)
@@ -243,6 +331,7 @@ class DetectorRunner:
                 sampled_at=time.time(),
                 sample_s=elapsed,
                 samples=prev.samples + 1,
+                conditions=conditions,
             )
         for ev in events:
             self._emit(ev)
