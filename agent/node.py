@@ -11,6 +11,12 @@ One loop per node::
 A worker failure is reported at once (not at the next heartbeat), so detection costs one poll period. The
 coordinator turns it into a new generation for every node; the new rank table has a MASTER_PORT never used
 before in the job.
+
+Hardware cause. When hardware detectors run (any but ``process``), a worker failure first asks them for an
+out-of-schedule sample (:mod:`trainguard.agent.node_faults`): if the node itself failed (action DRAIN_NODE or
+more: PCIe AER fatal, GPU lost), the failure is reported at node level with that event as its cause, so the
+coordinator replaces the node instead of restarting the workers on broken hardware. At most one node-level
+report goes out per generation.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import grpc
 from trainguard._version import __version__
 from trainguard.agent.errors import CoordinatorUnavailableError, JobFailedError
 from trainguard.agent.event_bus import EventBus
+from trainguard.agent.node_faults import NodeReportLedger, hardware_cause, hardware_detector_names
 from trainguard.agent.workers import WorkerGroup, WorkerSpec, WorkerState, build_worker_env, describe_exit
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.proto import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -76,6 +83,9 @@ class NodeConfig:
         detector_config: per-detector settings, name -> fields (e.g. ``{"process": {"hang_floor_s": 30}}``).
         predictor_model: trained predictor model file; None scores with the rules tier only.
         history_path: SQLite file of the metric history kept for training; None keeps none.
+        predictor_interval_s: seconds between two predictor scores. Default 5.0.
+        drain_grace_s: seconds from a predictor alarm (workers advised to checkpoint now) to asking the
+            coordinator to replace this node. Default 30.0.
     """
 
     job: str
@@ -100,6 +110,8 @@ class NodeConfig:
     detector_config: dict[str, dict] = field(default_factory=dict)
     predictor_model: str | None = None
     history_path: str | None = None
+    predictor_interval_s: float = 5.0
+    drain_grace_s: float = 30.0
 
 
 @dataclass
@@ -115,6 +127,8 @@ class FaultRecord:
         restarted_at: when workers of the next generation were started here.
         resumed_at: when a worker of the next generation completed its first step.
         resumed_step: that step.
+        hardware: the node-level hardware event that explained the failure (``"pcie.aer_fatal: ..."``), or
+            None when the failure was reported as a process failure.
     """
 
     generation: int
@@ -125,6 +139,7 @@ class FaultRecord:
     restarted_at: float | None = None
     resumed_at: float | None = None
     resumed_step: int | None = None
+    hardware: str | None = None
 
     @property
     def recovery_s(self) -> float | None:
@@ -197,12 +212,15 @@ class NodeAgent:
         self._instance = uuid.uuid4().hex
         self._standbys: dict[int, object] = {}
         self._runner = None
+        self._hardware_detectors: tuple[str, ...] = ()
         self._pending_events: list[HealthEvent] = []
+        self._node_reports = NodeReportLedger()
         self.predictor = None  # PredictorMonitor once start_predictor() ran
         self._predictor_interval_s = 5.0
         self._predictor_next = 0.0
         self._drain_grace_s = 30.0
-        self._drain_due: tuple[float, HealthEvent] | None = None
+        # (when, alarm, generation at the alarm) of a drain the predictor scheduled.
+        self._drain_due: tuple[float, HealthEvent, int] | None = None
 
     # -- state served to workers and operators ---------------------------------------------------------------
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
@@ -318,10 +336,20 @@ class NodeAgent:
                 self._stop_workers()
                 self._report(ev, coordinator_pb2.RECOVERY_LEVEL_PROCESS, gen, rank, 0)
             elif ev.action >= Action.DRAIN_NODE:
+                if self._node_reports.covers(ev, self.generation):
+                    log.info("node-level fault: %s; already reported for generation %d", ev.message,
+                             self.generation)
+                    continue
                 log.error("node-level fault: %s; asking the coordinator to replace this node", ev.message)
-                level = (coordinator_pb2.RECOVERY_LEVEL_JOB if ev.action == Action.RESTART_JOB
-                         else coordinator_pb2.RECOVERY_LEVEL_NODE)
-                self._report(ev, level, self.generation, -1, 0)
+                self._report_node(ev, self.generation, -1, 0)
+
+    def _report_node(self, ev: HealthEvent, generation: int, rank: int, code: int) -> None:
+        """Reports a node- (or job-) level fault of ``generation`` and notes it, so it goes out once."""
+        self._report(ev, self._node_reports.record(ev, generation), generation, rank, code)
+
+    def _pending_snapshot(self) -> list[HealthEvent]:
+        with self._lock:
+            return list(self._pending_events)
 
     def _injected_at(self, rank: int) -> float | None:
         return next((f.done_at for f in self.faults
@@ -399,7 +427,8 @@ class NodeAgent:
                 log.warning("coordinator heartbeat failed: %s; workers keep running", exc.code().name)
             return None
 
-    def _report_failure(self, rank: int, code: int | None, generation: int) -> None:
+    def _report_failure(self, rank: int, code: int | None, generation: int,
+                        hardware: HealthEvent | None = None) -> None:
         cause = describe_exit(code)
         ev = HealthEvent(
             source="process",
@@ -412,7 +441,16 @@ class NodeAgent:
             node_id=self.config.node_id,
         )
         self.bus.publish(ev)
-        self._report(ev, coordinator_pb2.RECOVERY_LEVEL_PROCESS, generation, rank, code if code is not None else 0)
+        if hardware is None:
+            self._report(ev, coordinator_pb2.RECOVERY_LEVEL_PROCESS, generation, rank, code if code is not None else 0)
+            return
+        if self._node_reports.covers(hardware, generation):
+            log.warning("generation %d: rank %d died with a hardware fault on this node (%s: %s); this node's "
+                        "replacement was already requested", generation, rank, hardware.kind, hardware.message)
+            return
+        log.error("generation %d: rank %d died with a hardware fault on this node (%s: %s); asking the coordinator "
+                  "to replace this node", generation, rank, hardware.kind, hardware.message)
+        self._report_node(hardware, generation, rank, code if code is not None else 0)
 
     def _report(self, ev: HealthEvent, level: int, generation: int, rank: int, code: int) -> None:
         if self._stub is None:
@@ -532,13 +570,16 @@ class NodeAgent:
                 detected_at=time.time(),
             )
             self.fault_records.append(rec)
-            if self.predictor is not None:
-                self.predictor.record_failure(rec.detected_at, "process.exit")
-            log.warning("generation %d: rank %d ended with %s; stopping local workers", self.generation,
-                        w.spec.rank, rec.cause)
             gen = self.generation
+            hardware = hardware_cause(self._runner, self._hardware_detectors, self._pending_snapshot,
+                                      self._node_reports, gen, self.config.node_id)
+            if hardware is not None:
+                rec.hardware = f"{hardware.kind}: {hardware.message}"
+            if self.predictor is not None:
+                self.predictor.record_failure(rec.detected_at, hardware.kind if hardware else "process.exit")
+            log.warning("generation %d: rank %d ended with %s; stopping local workers", gen, w.spec.rank, rec.cause)
             self._stop_workers()
-            self._report_failure(w.spec.rank, w.exit_code, gen)
+            self._report_failure(w.spec.rank, w.exit_code, gen, hardware)
             self._wake.set()
             return
 
@@ -616,7 +657,9 @@ class NodeAgent:
         from trainguard.detectors.runner import DetectorRunner
 
         detectors = create_detectors(list(self.config.detectors), self.config.detector_config, worker_view=self)
-        self.start_predictor(self.config.predictor_model, self.config.history_path)
+        self.start_predictor(self.config.predictor_model, self.config.history_path,
+                             interval_s=self.config.predictor_interval_s, drain_grace_s=self.config.drain_grace_s)
+        self._hardware_detectors = hardware_detector_names(detectors)
 
         def on_event(event: HealthEvent) -> None:
             self.predictor_event(event)
@@ -689,7 +732,7 @@ class NodeAgent:
         self.advise(agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW, event.message)
         with self._lock:
             if self._drain_due is None:
-                self._drain_due = (time.monotonic() + self._drain_grace_s, event)
+                self._drain_due = (time.monotonic() + self._drain_grace_s, event, self.generation)
 
     def _drain_if_due(self) -> None:
         with self._lock:
@@ -697,8 +740,14 @@ class NodeAgent:
             if due is None or time.monotonic() < due[0]:
                 return
             self._drain_due = None
+        reported = self._node_reports.reported_since(due[2])
+        if reported is not None:
+            # A hardware fault already had this node replaced (or the job restarted) since the alarm.
+            log.info("predicted failure (%s): this node's replacement was already requested for generation %d",
+                     due[1].message, reported)
+            return
         log.error("predicted failure: asking the coordinator to drain this node (%s)", due[1].message)
-        self._report(due[1], coordinator_pb2.RECOVERY_LEVEL_NODE, self.generation, -1, 0)
+        self._report_node(due[1], self.generation, -1, 0)
 
     def _obey(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> int | None:
         cmd = resp.command

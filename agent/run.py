@@ -22,6 +22,7 @@ from trainguard.agent.errors import JobFailedError
 from trainguard.agent.guard import guard
 from trainguard.agent.node import FaultRecord, NodeAgent, NodeConfig, install_signal_handlers
 from trainguard.agent.run_args import add_run_arguments, parse_fault  # noqa: F401 (re-exported)
+from trainguard.agent.run_detectors import run_detector_settings
 from trainguard.agent.workers import python_argv
 from trainguard.errors import UsageError
 
@@ -57,6 +58,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
 
     Raises:
         UsageError: bad arguments (missing script, bad counts, unwritable checkpoint directory).
+        ConfigError: unknown detector, or an unusable ``--detector-config`` file.
     """
     if args.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
@@ -66,6 +68,10 @@ def run_job(args: argparse.Namespace) -> RunResult:
         raise UsageError(f"--hang-floor-s must be > 0, got {args.hang_floor_s}")
     if args.nnodes < 1:
         raise UsageError(f"--nnodes must be >= 1, got {args.nnodes}")
+    if not args.predictor_interval_s > 0:
+        raise UsageError(f"--predictor-interval-s must be > 0 seconds, got {args.predictor_interval_s}")
+    if not args.drain_grace_s >= 0:
+        raise UsageError(f"--drain-grace-s must be >= 0 seconds, got {args.drain_grace_s}")
     if not args.module and not os.path.isfile(args.script):
         raise UsageError(f"training script not found: {args.script}")
     faults = [parse_fault(f) for f in args.fault]
@@ -73,6 +79,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
         raise UsageError(f"--predictor-model {args.predictor_model}: no such file")
     if args.checkpoint_dir:
         _check_checkpoint_dir(args.checkpoint_dir)
+    detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
+    detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
     job = args.job or f"{os.path.splitext(os.path.basename(args.script))[0]}-{int(time.time())}"
 
     server = None
@@ -118,10 +126,12 @@ def run_job(args: argparse.Namespace) -> RunResult:
         log_dir=args.log_dir,
         extra_env=extra_env,
         standby=args.standby,
-        detectors=tuple(d for d in args.detectors.split(",") if d),
-        detector_config={"process": {"hang_floor_s": args.hang_floor_s}} if "process" in args.detectors else {},
+        detectors=detectors,
+        detector_config=detector_config,
         predictor_model=args.predictor_model,
         history_path=args.metric_history,
+        predictor_interval_s=args.predictor_interval_s,
+        drain_grace_s=args.drain_grace_s,
     )
     from trainguard.agent.sdnotify import SystemdNotifier
 
@@ -167,6 +177,8 @@ def format_summary(result: RunResult) -> str:
             parts.append(f"restarted +{f.restarted_at - t_fault:.2f} s")
         if f.resumed_at is not None:
             parts.append(f"first step {f.resumed_step} +{f.recovery_s:.2f} s")
+        if f.hardware:
+            parts.append(f"node fault {f.hardware}")
         lines.append(", ".join(parts))
     return "\n".join(lines)
 

@@ -67,6 +67,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="a worker with no step for max(this, 5x its slowest recent step) seconds is hung (default 60)")
     p.add_argument("--detectors", default="process",
                    help="comma-separated detectors the agent runs (default: process; see `trainguard detect`)")
+    p.add_argument("--detector-config", default=None, metavar="FILE",
+                   help="TOML file: top-level root (prefix of the /sys, /proc, /dev files detectors read; default /) "
+                        "and interval_s (seconds; 0 keeps each detector's own), then one [<detector>] table of "
+                        "fields per detector of --detectors, each may set its own root")
+    p.add_argument("--predictor-interval-s", type=float, default=5.0, metavar="S",
+                   help="seconds between two failure-risk scores of the predictor (default 5)")
+    p.add_argument("--drain-grace-s", type=float, default=30.0, metavar="S",
+                   help="after a predictor alarm advises a checkpoint, seconds before the coordinator is asked to "
+                        "replace this node (default 30)")
     p.add_argument("--predictor-model", default=None, metavar="PATH",
                    help="trained predictor model (`trainguard predictor train`); default: rules tier only")
     p.add_argument("--metric-history", default=None, metavar="PATH",
