@@ -89,7 +89,9 @@ def run_job(args: argparse.Namespace) -> RunResult:
         from trainguard.recovery import CoordinatorServer, JobSpec
 
         server = CoordinatorServer(
-            JobSpec(job=job, nnodes=args.nnodes, max_restarts=args.max_restarts, heartbeat_interval_s=0.2),
+            # One node has nowhere else to go: a hardware fault restarts the job on it (the budget still bounds it).
+            JobSpec(job=job, nnodes=args.nnodes, max_restarts=args.max_restarts, heartbeat_interval_s=0.2,
+                    hold_unhealthy=args.nnodes > 1),
             listen=args.coordinator_listen,
         ).start()
         coordinator = server.target

@@ -64,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds without heartbeat after which a node is lost (default 10)")
     p.add_argument("--backoff", type=float, default=0.5,
                    help="seconds before the 2nd consecutive restart without progress, doubling (default 0.5)")
+    p.add_argument("--repeat-window", type=float, default=600.0, metavar="S",
+                   help="seconds over which repeated failures escalate (2 process failures of one node -> node "
+                        "level, 3 node-level failures -> job level; default 600)")
     p.add_argument("--max-heartbeat-rate", type=float, default=5000.0,
                    help="heartbeats/s the coordinator invites at most; more nodes get a longer interval (5000)")
     p.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
@@ -88,7 +91,8 @@ def handle_coordinator(args: argparse.Namespace) -> int:
     spec = JobSpec(job=args.job, nnodes=args.nnodes, max_restarts=args.max_restarts,
                    heartbeat_interval_s=args.heartbeat_interval, group_size=args.group_size,
                    allow_shrink=args.allow_shrink, min_nodes=args.min_nodes, lease_timeout_s=args.lease_timeout,
-                   backoff_initial_s=args.backoff, max_heartbeat_rate=args.max_heartbeat_rate, store=args.store or default_store(args.job))
+                   backoff_initial_s=args.backoff, max_heartbeat_rate=args.max_heartbeat_rate,
+                   repeat_window_s=args.repeat_window, store=args.store or default_store(args.job))
     try:
         if spec.store.startswith("sqlite://") and not args.store:
             Path(spec.store[len("sqlite://"):]).parent.mkdir(parents=True, exist_ok=True)

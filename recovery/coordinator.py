@@ -70,8 +70,13 @@ class JobSpec:
         lease_timeout_s: a node silent for this long is lost, seconds. Default 10.
         backoff_initial_s: wait before the 2nd consecutive restart without progress, seconds (doubles). Default 0.5.
         backoff_max_s: cap of that wait, seconds. Default 30.
-        process_repeats_to_node: process-level failures of one node (within 10 min) that make the next node-level.
-        node_repeats_to_job: node-level failures (within 10 min) that make the next one job-level.
+        process_repeats_to_node: process-level failures of one node (within ``repeat_window_s``) that make the
+            next node-level.
+        node_repeats_to_job: node-level failures (within ``repeat_window_s``) that make the next one job-level.
+        hold_unhealthy: see :class:`~trainguard.recovery.policy.PolicyConfig` (``trainguard run`` on one node
+            turns it off: its only node is all the capacity there is). Default True.
+        repeat_window_s: how far back those repeats count, seconds. Default 600 (drills with compressed time
+            shrink it by their compression factor).
         full_table_max_nodes: up to this many nodes every START carries the whole rank table; above it, only
             the receiving node's entry (``RankTable.node_count`` tells the size). Default 1024.
         max_heartbeat_rate: heartbeats per second the coordinator invites at most: with more nodes than
@@ -92,6 +97,8 @@ class JobSpec:
     backoff_max_s: float = 30.0
     process_repeats_to_node: int = 2
     node_repeats_to_job: int = 3
+    repeat_window_s: float = 600.0
+    hold_unhealthy: bool = True
     full_table_max_nodes: int = 1024
     max_heartbeat_rate: float = 5000.0
     store: str = "memory://"
@@ -107,6 +114,8 @@ class JobSpec:
                                       "starting with a letter or digit")
         if self.nnodes < 1 or self.max_restarts < 0 or self.group_size < 1 or self.min_nodes < 0:
             raise InvalidRequestError("need nnodes >= 1, max_restarts >= 0, group_size >= 1, min_nodes >= 0")
+        if not self.repeat_window_s > 0:
+            raise InvalidRequestError(f"repeat window {self.repeat_window_s} s must be positive")
         if self.max_heartbeat_rate <= 0:
             raise InvalidRequestError(f"max heartbeat rate {self.max_heartbeat_rate}/s must be positive")
         if self.heartbeat_interval_s <= 0 or self.lease_timeout_s <= self.heartbeat_interval_s:
@@ -118,7 +127,8 @@ class JobSpec:
         return PolicyConfig(max_restarts=self.max_restarts, backoff_initial_s=self.backoff_initial_s,
                             backoff_max_s=max(self.backoff_max_s, self.backoff_initial_s),
                             process_repeats_to_node=self.process_repeats_to_node,
-                            node_repeats_to_job=self.node_repeats_to_job, allow_shrink=self.allow_shrink,
+                            node_repeats_to_job=self.node_repeats_to_job, window_s=self.repeat_window_s,
+                            hold_unhealthy=self.hold_unhealthy, allow_shrink=self.allow_shrink,
                             min_nodes=self.min_nodes or self.nnodes)
 
 
@@ -451,7 +461,13 @@ class JobCoordinator:
                                     grow=False)
             cordoned = set(st.cordoned) | set(plan.cordon)
             specs = [m.spec() for m in holders if self._lease_live(m, now) and m.info.node_id not in cordoned]
-            specs += [m.spec() for m in self._candidates(now) if m.info.node_id not in cordoned]
+            taken = set()
+            for old, new in plan.replacements.items():  # spares the policy picked for failed nodes' slots
+                spare = self._members.get(new)
+                if spare is not None and self._lease_live(spare, now) and new not in cordoned:
+                    specs.append(spare.spec(replaces=old))
+                    taken.add(new)
+            specs += [m.spec() for m in self._candidates(now) if m.info.node_id not in cordoned | taken]
             return assign_ranks(specs, previous=lay, group_size=lay.group_size, grow=False)
         except MembershipError as exc:
             self._note(f"generation {plan.generation} waits: {exc}")

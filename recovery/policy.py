@@ -23,7 +23,8 @@ the rules of :data:`ESCALATION`::
 - **node**: the failed nodes are cordoned; each slot goes to a spare (one of the same pod first), or, if the
   job allows shrinking and the smaller layout is still valid, the slots are dropped.
 - **job**: every node stops; the next generation starts when the membership can fill every slot again
-  (a failed node may come back and reclaim its slot, a newcomer may take it); workers restore from the last
+  (a lost node may come back and reclaim its slot, a newcomer may take it; a node that reported itself broken
+  stays cordoned, so the job waits for a spare rather than restart on it); workers restore from the last
   persisted checkpoint.
 
 Budget and backoff are global and counted here, never per agent: every new generation caused by a failure
@@ -168,6 +169,9 @@ class PolicyConfig:
         window_s: how far back repeats count, seconds. Default 600.
         allow_shrink: a node-level failure with no spare may drop the failed slots. Default False.
         min_nodes: the fewest nodes a shrunk job may run on (>= 1). Default 1.
+        hold_unhealthy: a job-level plan keeps nodes that reported themselves broken cordoned even without a
+            spare (the generation waits for capacity). False restarts on them, for a job that has no other
+            capacity to wait for (``trainguard run`` on one node). Default True.
     """
 
     max_restarts: int = 3
@@ -178,6 +182,7 @@ class PolicyConfig:
     window_s: float = 600.0
     allow_shrink: bool = False
     min_nodes: int = 1
+    hold_unhealthy: bool = True
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -244,6 +249,9 @@ class Plan:
         shrink: drop slots with no node instead of waiting.
         not_before_s: earliest start (backoff), coordinator clock seconds.
         reason: the first failure's description.
+        unhealthy: nodes that reported themselves broken (``NODE_CRITICAL``); a job-level plan keeps them
+            cordoned even without a spare, so the next generation waits for capacity instead of restarting on a
+            node that said it cannot train.
     """
 
     generation: int
@@ -254,6 +262,7 @@ class Plan:
     shrink: bool = False
     not_before_s: float = 0.0
     reason: str = ""
+    unhealthy: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -296,7 +305,7 @@ class PolicyState:
             p = self.plan
             d["plan"] = {"generation": p.generation, "level": p.level.name, "failed_nodes": p.failed_nodes,
                          "cordon": p.cordon, "replacements": p.replacements, "shrink": p.shrink,
-                         "not_before_s": p.not_before_s, "reason": p.reason}
+                         "not_before_s": p.not_before_s, "reason": p.reason, "unhealthy": p.unhealthy}
         return d
 
     @classmethod
@@ -318,7 +327,8 @@ class PolicyState:
             if pd:
                 plan = Plan(int(pd["generation"]), Level[pd["level"]], list(pd["failed_nodes"]),  # type: ignore
                             list(pd["cordon"]), dict(pd["replacements"]), bool(pd["shrink"]),  # type: ignore
-                            float(pd["not_before_s"]), str(pd["reason"]))  # type: ignore
+                            float(pd["not_before_s"]), str(pd["reason"]),  # type: ignore
+                            [str(n) for n in pd.get("unhealthy", [])])  # type: ignore
             return cls(Phase[str(d["phase"])], int(d["generation"]), int(d["restart_count"]),  # type: ignore
                        int(d["consecutive"]), int(d["progress_step"]),  # type: ignore
                        {str(k): [float(t) for t in v] for k, v in dict(d["process_failures"]).items()},  # type: ignore
@@ -466,8 +476,15 @@ class RecoveryPolicy:
 
     def _place_nodes(self, plan: Plan, layout: RankLayout | None, members: Sequence[NodeSpec],
                      spares: Sequence[NodeSpec]) -> list[str]:
-        """Fills the node-level plan's failed slots with spares or a shrink; returns escalation reasons."""
-        if plan.level is not Level.NODE or layout is None:
+        """Fills the failed slots of a node- or job-level plan with spares (node level: or a shrink).
+
+        A job-level plan escalated from node faults still swaps its cordoned nodes for spares where there are
+        some: restarting the whole job must not put the node that just failed back into it.
+
+        Returns:
+            Escalation reasons (node level only: no spare and no valid shrink).
+        """
+        if plan.level < Level.NODE or layout is None:
             return []
         taken = set(plan.replacements.values())
         free = [s for s in spares if s.node_id not in taken and s.node_id not in plan.cordon]
@@ -481,6 +498,8 @@ class RecoveryPolicy:
                 plan.replacements[failed] = pick.node_id
                 free.remove(pick)
         missing = [n for n in plan.cordon if layout.slot_of(n) is not None and n not in plan.replacements]
+        if plan.level is Level.JOB:
+            return []  # the unreplaced may come back and reclaim their slots (see the module docstring)
         if not missing:
             plan.shrink = False
             return []
@@ -559,7 +578,7 @@ class RecoveryPolicy:
             plan.level = ESCALATION[(Level.NODE, Escalation.NO_SPARE_NO_SHRINK)]
             why += reasons
         if plan.level is Level.JOB:
-            plan.cordon = [n for n in plan.cordon if n in plan.replacements]
+            self._job_cordon(plan)
         st.message = self._describe_plan(plan, why)
         return Decision(plan.level, plan.generation, message=st.message)
 
@@ -576,6 +595,14 @@ class RecoveryPolicy:
             plan.failed_nodes.append(f.node_id)
         if level >= Level.NODE and f.node_id not in plan.cordon:
             plan.cordon.append(f.node_id)
+        if f.cause is Cause.NODE_CRITICAL and f.node_id not in plan.unhealthy:
+            plan.unhealthy.append(f.node_id)
+
+    def _job_cordon(self, plan: Plan) -> None:
+        """A job-level plan cordons the replaced nodes and (with ``hold_unhealthy``) those that reported
+        themselves broken; a lost node without a spare stays in, as it may come back and reclaim its slot."""
+        held = plan.unhealthy if self.config.hold_unhealthy else []
+        plan.cordon = [n for n in plan.cordon if n in plan.replacements or n in held]
 
     def _merge(self, f: Failure, layout: RankLayout | None, members: Sequence[NodeSpec],
                spares: Sequence[NodeSpec]) -> Decision:
@@ -590,13 +617,13 @@ class RecoveryPolicy:
         if level >= Level.NODE:
             self._record(f, level)
         self._add_failed(plan, f, level)
-        if plan.level is Level.NODE:
+        if plan.level >= Level.NODE:
             reasons = self._place_nodes(plan, layout, members, spares)
             if reasons:
                 plan.level = ESCALATION[(Level.NODE, Escalation.NO_SPARE_NO_SHRINK)]
                 why += reasons
         if plan.level is Level.JOB:
-            plan.cordon = [n for n in plan.cordon if n in plan.replacements]
+            self._job_cordon(plan)
         if before != (plan.level, tuple(plan.failed_nodes), tuple(plan.cordon)):
             st.message = self._describe_plan(plan, why)
         return Decision(plan.level, plan.generation, merged=True,

@@ -88,9 +88,15 @@ def test_repeats_outside_the_window_do_not_escalate() -> None:
 
 def test_no_spare_and_no_shrink_goes_job_level() -> None:
     p = _running()
-    d = _fail(p, "n1", Cause.NODE_CRITICAL)
+    d = _fail(p, "n1", Cause.NODE_LOST)
     assert d.level is Level.JOB and "no spare node for n1" in d.message
-    assert p.state.plan.cordon == []  # the node may come back and reclaim its slot
+    assert p.state.plan.cordon == []  # a lost node may come back and reclaim its slot
+    q = _running()
+    assert _fail(q, "n1", Cause.NODE_CRITICAL).level is Level.JOB
+    assert q.state.plan.cordon == ["n1"]  # one that said it is broken waits for a spare ...
+    r = _running(hold_unhealthy=False)
+    assert _fail(r, "n1", Cause.NODE_CRITICAL).level is Level.JOB
+    assert r.state.plan.cordon == []  # ... unless there is no other capacity to wait for
 
 
 def test_shrink_when_allowed_and_valid() -> None:
@@ -105,7 +111,20 @@ def test_repeated_node_failures_escalate_to_job() -> None:
     p = _running(max_restarts=10, node_repeats_to_job=1)
     assert _fail(p, "n1", Cause.NODE_CRITICAL, spares=[SPARE_A]).level is Level.NODE
     _execute(p)
-    assert _fail(p, "n2", Cause.NODE_CRITICAL, spares=[SPARE_B]).level is Level.JOB
+    d = _fail(p, "n2", Cause.NODE_CRITICAL, spares=[SPARE_B])
+    assert d.level is Level.JOB
+    # The whole job restarts, but never with the node that just failed when a spare can take its slot.
+    assert p.state.plan.cordon == ["n2"] and p.state.plan.replacements == {"n2": "spare-b"}
+    _execute(p)
+    # Without a spare a node that said it is broken stays cordoned (the job waits for capacity) ...
+    d = _fail(p, "n3", Cause.NODE_CRITICAL, t=1.0)
+    assert d.level is Level.JOB and p.state.plan.cordon == ["n3"] and p.state.plan.replacements == {}
+    restored = PolicyState.from_dict(p.state.to_dict())
+    assert restored.plan.unhealthy == ["n3"]
+    _execute(p)
+    # ... while a lost one stays in: it may come back and reclaim its slot.
+    d = _fail(p, "n0", Cause.NODE_LOST, t=2.0)
+    assert d.level is Level.JOB and p.state.plan.cordon == [] and p.state.plan.replacements == {}
 
 
 def test_budget_is_global_and_exhaustion_names_rank_code_and_count() -> None:
