@@ -211,6 +211,7 @@ class NodeAgent:
         # Tells a restarted agent of this node apart from a second agent claiming the same node id.
         self._instance = uuid.uuid4().hex
         self._standbys: dict[int, object] = {}
+        self._group_warm = False  # the current generation's workers were all activated standbys
         self._runner = None
         self._hardware_detectors: tuple[str, ...] = ()
         self._pending_events: list[HealthEvent] = []
@@ -505,9 +506,12 @@ class NodeAgent:
             self._group = group
             self._advisories.clear()
         standbys, self._standbys = self._standbys, {}
+        offered = set(standbys)
         try:
             group.start(standbys)
         finally:
+            # Workers that came from standbys have their imports done: new standbys need not wait for a first step.
+            self._group_warm = bool(offered) and not standbys and len(offered) >= len(specs)
             self._drop_standbys(standbys)
         now = time.time()
         for rec in self.fault_records:
@@ -521,21 +525,37 @@ class NodeAgent:
                  mine.first_rank + mine.local_world_size - 1, table.master_addr, table.master_port)
 
     def _ensure_standbys(self) -> None:
-        """Once the current generation trains (a first step was reported), prepare its replacements."""
+        """Once the current generation trains (a first step was reported), prepare its replacements.
+
+        A spare that never ran a generation prepares one standby per local rank as soon as it is registered:
+        the workers it will start when it takes a failed node's slot are then as warm as a restart in place.
+        Their environment is the agent's (what is read at import time, like ``OMP_NUM_THREADS``); the rank
+        variables arrive with the activation.
+        """
         group = self._group
-        if not self.config.standby or group is None or self._standbys:
+        if not self.config.standby or self._standbys:
             return
-        workers = group.workers
-        if not workers or all(w.last_step < 0 for w in workers):
-            return  # still starting: standbys would compete with the workers' own imports
         from trainguard.agent.guard import guard
         from trainguard.agent.standby import DEFAULT_PRELOAD, script_argv, spawn_standby
         from trainguard.agent.workers import child_setup
 
+        preload = self.config.preload or DEFAULT_PRELOAD
+        if group is None:
+            if self.config.spare and self.generation <= 0 and self._stub is not None \
+                    and script_argv(self.config.argv) is not None:
+                env = {**os.environ, **self.config.extra_env}
+                for local_rank in range(self.config.nproc_per_node):
+                    proc = spawn_standby(env, preload, preexec_fn=child_setup)
+                    guard().watch(proc.pid)
+                    self._standbys[local_rank] = proc
+            return
+        workers = group.workers
+        if not workers or (all(w.last_step < 0 for w in workers) and not self._group_warm):
+            return  # still starting: standbys would compete with the workers' own imports
         for w in workers:
             if script_argv(w.spec.argv) is None:
                 return
-            proc = spawn_standby(w.spec.env, self.config.preload or DEFAULT_PRELOAD, preexec_fn=child_setup)
+            proc = spawn_standby(w.spec.env, preload, preexec_fn=child_setup)
             guard().watch(proc.pid)
             self._standbys[w.spec.local_rank] = proc
 
@@ -729,6 +749,8 @@ class NodeAgent:
             node_id=self.config.node_id,
         )
         self.bus.publish(event)
+        log.warning("predictor alarm: %s; advising the workers to checkpoint now, drain request in %.1f s",
+                    event.message, self._drain_grace_s)
         self.advise(agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW, event.message)
         with self._lock:
             if self._drain_due is None:
