@@ -122,6 +122,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="saves measured per trainguard configuration")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--components-out", default=None, metavar="FILE",
+                    help="write the overlapped save's stall, scaled to --per-node-gib, as a `trainguard ettr "
+                         "--components` file")
+    ap.add_argument("--per-node-gib", type=float, default=2.58,
+                    help="training state per node of the modelled job, GiB (default 2.58: 405e9 parameters x 14 "
+                         "bytes (bf16 weights, fp32 master, Adam moments) over 2,048 nodes)")
     args = ap.parse_args()
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -306,7 +312,24 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
+    if args.components_out and "stall_tg_overlap_s" in res:
+        write_components(args.components_out, res, gib, args.per_node_gib)
     return 0
+
+
+def write_components(path: str, res: dict[str, float], gib: float, per_node_gib: float) -> None:
+    """Writes the measured checkpoint stall, scaled to ``per_node_gib`` of state per node, for ``trainguard ettr``.
+
+    The blocking time of the overlapped save (the snapshot call plus the wait of the next optimizer step) grows
+    with the bytes a node copies; nodes snapshot in parallel, so a job's stall is one node's.
+    """
+    blocked = res["stall_tg_overlap_s"] + res.get("tg_overlap_hook_wait_s", 0.0)
+    scaled = blocked * per_node_gib / gib
+    with open(path, "w") as f:
+        json.dump({"_source": f"bench/bench_checkpoint.py --size-gib {gib:g}: overlapped save blocked the loop "
+                              f"{blocked:.4f} s for {gib:g} GiB on this machine, scaled to {per_node_gib:g} GiB "
+                              "per node", "trainguard": {"checkpoint_stall_s": round(scaled, 5)}}, f, indent=1)
+    print(f"components: checkpoint_stall_s={scaled:.4f} ({blocked:.4f} s x {per_node_gib:g}/{gib:g} GiB) -> {path}")
 
 
 def throughput(scratch: str, shm: str, steps: int = 40, every: int = 10) -> dict[str, float]:

@@ -40,7 +40,8 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=16_384)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--trace", default=None, help="StepFun trace folder")
-    ap.add_argument("--components", default=None, help="JSON of measured component times")
+    ap.add_argument("--components", default=None, action="append",
+                    help="JSON of measured component times (repeat to merge several; a later file wins)")
     ap.add_argument("--plot", default=None, help="write the StepFun ETTR plot here")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()

@@ -7,9 +7,14 @@ times, steps lost, the measured ETTR, the check against a fault-free run, and th
 measured figures (the drill's own schedule, and 16,384 GPUs on the StepFun trace and a Llama-3 rate), trainguard
 next to the torchrun-like baseline. Needs root for the tmpfs (or ``--extra stop``).
 
+With ``--nodes 2`` the job runs on a small cluster (standalone coordinator, node agents in network namespaces with
+fake PCIe trees, a warm spare; :mod:`trainguard.drill.soak_cluster`) and every fault class of the trace is
+injected for real: hardware faults, lost agents, cut data links, predicted failures, a coordinator kill.
+
 Usage::
 
     python bench/bench_soak.py [--minutes 3] [--plot docs/soak.png] [--components-out measured.json] [...]
+    python bench/bench_soak.py --nodes 2 --minutes 5 --plot docs/soak-cluster.png --components-out drill.json
 
 Every ``trainguard drill`` flag is accepted.
 """

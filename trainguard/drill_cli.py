@@ -10,6 +10,9 @@ import sys
 
 from trainguard.errors import UsageError
 
+#: Extra kinds of a cluster drill when --extra is not given: each injectable kind once.
+CLUSTER_DEFAULT_EXTRA = ("kill", "stop", "hwfault", "agentkill", "linkdown", "precursor", "coordinator", "enospc")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds the ``ettr`` and ``drill`` subcommands."""
@@ -23,9 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--traces", default="stepfun,llama3", help="comma list of stepfun, llama3 (default both)")
     p.add_argument("--gpus", type=int, default=16_384, help="GPUs in the job (default 16384)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--components", default=None, metavar="FILE",
+    p.add_argument("--components", default=None, metavar="FILE", action="append",
                    help="JSON of measured component times overriding the defaults: "
-                        '{"trainguard": {...}, "baseline": {...}}')
+                        '{"trainguard": {...}, "baseline": {...}}; repeat to merge several (a later file wins)')
     p.add_argument("--collective-timeout", type=float, default=None, metavar="S",
                    help="baseline's collective timeout, seconds (default 1800, torch's default_pg_timeout)")
     p.add_argument("--interval", type=float, default=None, metavar="S",
@@ -73,7 +76,8 @@ def _handle_ettr(args: argparse.Namespace) -> int:
 
 def _register_drill(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("drill", help="soak drill: real training under trainguard with faults from the StepFun trace",
-                       description="Run a 2-worker training job under `trainguard run` for a fixed wall time with "
+                       description="Run a 2-worker training job under `trainguard run` (or, with --nodes, on a "
+                                   "small cluster of node agents in network namespaces) for a fixed wall time with "
                                    "faults injected on a schedule drawn from the StepFun trace (time compressed), "
                                    "report ETTR, detection and recovery per fault, verify the final model against "
                                    "a fault-free run, and feed the measured figures into the ETTR model.")
@@ -85,9 +89,10 @@ def _register_drill(sub: argparse._SubParsersAction) -> None:
                    help="mean number of trace faults in the window; sets the time compression (default 8)")
     p.add_argument("--represent-gpus", type=int, default=16_384,
                    help="GPUs of the job whose StepFun fault stream is replayed (default 16384)")
-    p.add_argument("--extra", default="stop,enospc",
-                   help="kinds injected once each on top of the trace's: kill, stop, enospc (default stop,enospc; "
-                        "'' for none)")
+    p.add_argument("--extra", default=None,
+                   help="kinds injected once each on top of the trace's: kill, stop, enospc; with --nodes also "
+                        "hwfault, agentkill, linkdown, precursor, coordinator (default stop,enospc; with --nodes "
+                        "every kind; '' for none)")
     p.add_argument("--hang-bound", type=float, default=15.0,
                    help="the agent's hang floor (trainguard run --hang-floor-s), seconds (default 15)")
     p.add_argument("--enospc-window", type=float, default=10.0, help="seconds the checkpoint disk stays full")
@@ -97,6 +102,19 @@ def _register_drill(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline-restart", type=float, default=None, metavar="S",
                    help="the baseline's job restart time on this machine, seconds (e.g. torchrun's recovery from "
                         "bench/bench_restart.py; default: trainguard's measured restart, which flatters the baseline)")
+    p.add_argument("--nodes", type=int, default=0,
+                   help="run on a cluster of this many node agents (>= 2, one worker each) with a standalone "
+                        "coordinator and spares, each node in its own network namespace with a fake hardware tree: "
+                        "every fault class is then injected (default 0: one node, --nproc workers)")
+    p.add_argument("--spares", type=int, default=1, help="spare node agents kept ready (cluster drill; default 1)")
+    p.add_argument("--no-netns", action="store_true",
+                   help="cluster drill on loopback without network namespaces (no root needed; no link faults)")
+    p.add_argument("--lease-timeout", type=float, default=3.0,
+                   help="the coordinator's lease timeout, seconds (cluster drill; default 3)")
+    p.add_argument("--drain-grace", type=float, default=2.0,
+                   help="predictor alarm to drain request, seconds (cluster drill; default 2)")
+    p.add_argument("--precursor-lead", type=float, default=10.0,
+                   help="seconds between a precursor and the fault it announces (cluster drill; default 10)")
     p.add_argument("--no-verify", action="store_true", help="skip the fault-free reference run")
     p.add_argument("--plot", default=None, metavar="PNG", help="write ETTR over time + fault timeline here")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
@@ -117,13 +135,28 @@ def _handle_drill(args: argparse.Namespace) -> int:
         plot_soak,
     )
 
+    if args.extra is None:
+        extra = CLUSTER_DEFAULT_EXTRA if args.nodes else ("stop", "enospc")
+        if args.nodes and args.no_netns:
+            extra = tuple(k for k in extra if k != "linkdown")
+    else:
+        extra = tuple(k.strip() for k in args.extra.split(",") if k.strip())
     if args.baseline_restart is not None and args.baseline_restart < 0:
         raise UsageError(f"--baseline-restart must be >= 0, got {args.baseline_restart}")
     cfg = SoakConfig(wall_s=args.minutes * 60.0, nproc=args.nproc, step_delay_s=args.step_delay,
                      save_every=args.save_every, trace_faults=args.trace_faults, represent_gpus=args.represent_gpus,
-                     extra=tuple(k.strip() for k in args.extra.split(",") if k.strip()), hang_bound_s=args.hang_bound,
+                     extra=extra, hang_bound_s=args.hang_bound,
                      enospc_window_s=args.enospc_window, seed=args.seed, trace_dir=args.trace, workdir=args.workdir,
-                     verify=not args.no_verify)
+                     verify=not args.no_verify, nodes=args.nodes, spares=args.spares, netns=not args.no_netns,
+                     lease_timeout_s=args.lease_timeout, drain_grace_s=args.drain_grace,
+                     precursor_lead_s=args.precursor_lead)
+    if cfg.nodes and cfg.netns:
+        from trainguard.drill.netns import netns_unavailable_reason
+
+        why = netns_unavailable_reason()
+        if why:
+            raise UsageError(f"the cluster drill puts nodes in network namespaces, but {why}; run as root or add "
+                             "--no-netns")
     import signal
 
     def _terminate(signum, _frame):
@@ -139,7 +172,10 @@ def _handle_drill(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({**rep.as_dict(), "torch_save_s": torch_save_s}, f, indent=1, default=str)
     if args.components_out:
+        m = measured_components(rep)
+        lease = cfg.lease_timeout_s if cfg.nodes else None
         with open(args.components_out, "w") as f:
-            json.dump({"_source": "trainguard drill (soak), measured on this machine",
-                       "trainguard": at_scale(measured_components(rep))}, f, indent=1)
+            json.dump({"_source": f"trainguard drill {'--nodes ' + str(cfg.nodes) if cfg.nodes else ''} on this "
+                                  "machine, carried to scale by trainguard.drill.soak_report.at_scale",
+                       "_measured": m, "trainguard": at_scale(m, lease)}, f, indent=1)
     return 0 if rep.equal_to_reference is not False else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
@@ -100,3 +101,38 @@ def test_short_real_drill_kill_and_verify(tmp_path):
     mounts = open("/proc/mounts").read()
     assert str(tmp_path / "soak" / "ckpt") not in mounts  # the tmpfs is unmounted
     json.dumps(rep.as_dict(), default=str)
+
+
+@needs_stepfun
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cluster_drill_every_node_fault_and_verify(tmp_path):
+    """A real 2-node job with a spare, each node in its own network namespace (loopback when namespaces are not
+    permitted): a hardware fault, a lost agent, a cut data link, a predicted failure and a coordinator kill, each
+    recovered at the level it needs, and the final model equal to the fault-free run."""
+    from trainguard.drill.netns import netns_unavailable_reason
+
+    netns = netns_unavailable_reason() is None
+    extra = ("hwfault", "agentkill", "linkdown", "precursor", "coordinator") if netns else \
+        ("hwfault", "agentkill", "precursor", "coordinator")
+    cfg = SoakConfig(wall_s=5.0, step_delay_s=0.05, save_every=5, trace_faults=0, extra=extra, nodes=2, spares=1,
+                     netns=netns, lease_timeout_s=3.0, drain_grace_s=1.0, precursor_lead_s=20.0,
+                     workdir=str(tmp_path / "soak"))
+    lines: list[str] = []
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    rep = run_soak(cfg, progress=lines.append)
+    text = "\n".join(lines)
+    assert rep.equal_to_reference is True, text
+    by_kind = {f.kind: f for f in rep.faults}
+    assert set(extra) <= set(by_kind), text
+    for kind in extra:
+        f = by_kind[kind]
+        if kind == "coordinator":
+            assert f.level == "none" and f.steps_lost == 0, text  # the job went on without a restart
+            continue
+        assert f.level == "node" and f.recovery_s is not None and f.detected_s is not None, (kind, text)
+    assert by_kind["precursor"].predicted is True, text
+    assert by_kind["agentkill"].detected_s >= 2.5  # found by the 3 s lease, not sooner
+    assert "retired" in text and "new spare" in text
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert after <= before  # every namespace the drill made is gone

@@ -202,15 +202,15 @@ def baseline_defaults(collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
 
 def load_components(
-    path: str | os.PathLike | None,
+    path: str | os.PathLike | list[str | os.PathLike] | None,
     trainguard: Components | None = None,
     baseline: Components | None = None,
 ) -> tuple[Components, Components]:
     """Applies a components file to the two systems.
 
     Args:
-        path: JSON file with optional ``trainguard`` and ``baseline`` objects of field overrides; None applies
-            nothing.
+        path: JSON file with optional ``trainguard`` and ``baseline`` objects of field overrides, or a list of
+            them applied in order (a later file wins); None applies nothing.
         trainguard: starting point for trainguard (default :func:`trainguard_defaults`).
         baseline: starting point for the baseline (default :func:`baseline_defaults`).
 
@@ -223,6 +223,10 @@ def load_components(
     tg = trainguard or trainguard_defaults()
     bl = baseline or baseline_defaults()
     if path is None:
+        return tg, bl
+    if isinstance(path, (list, tuple)):
+        for p in path:
+            tg, bl = load_components(p, tg, bl)
         return tg, bl
     try:
         data = json.loads(open(path).read())

@@ -19,6 +19,10 @@ link           skipped
 degraded       skipped
 =============  =====================================================================================
 
+With ``nodes`` >= 2 the drill runs on a small cluster instead (standalone coordinator, node agents in network
+namespaces with fake hardware trees, spares) where every class is injected for real: see
+:mod:`trainguard.drill.soak_cluster`.
+
 ``extra`` kinds are injected once each on top, at evenly spaced free moments, so every drill exercises them:
 ``stop`` (a hang, as above), ``kill`` and ``enospc`` (the checkpoint directory is a small tmpfs mounted by the
 drill, filled to ENOSPC for ``enospc_window_s``, then freed; training must go on and saves must resume).
@@ -54,17 +58,14 @@ log = logging.getLogger(__name__)
 
 #: Fault classes the drill cannot inject yet, and why (printed in every report).
 SKIPPED: dict[str, str] = {
-    FaultClass.NODE_DOWN.value: "killing the agent of a single-node `trainguard run` also kills its embedded "
-                                "coordinator and ends the job; a drill with a second node agent and a spare node "
-                                "(--nnodes, --spare) is not wired into the drill yet",
-    FaultClass.LINK.value: "needs the workers' collectives to cross a veth pair between network namespaces; "
-                           "`trainguard run` starts every worker in the host namespace, and the drill does not "
-                           "build that topology yet",
-    FaultClass.DEGRADED.value: "a slow or at-risk node is acted on through the hardware detectors and the "
-                               "predictor; writing their precursor signals into a fake hardware tree is not wired "
-                               "into the drill yet",
-    "coordinator_kill": "the coordinator is embedded in the `trainguard run` process; a standalone coordinator "
-                        "process is not wired into the drill yet",
+    FaultClass.NODE_DOWN.value: "a single-node drill has no second node agent or spare; a cluster drill "
+                                "(--nodes 2) kills a node agent and a spare takes its place",
+    FaultClass.LINK.value: "a single-node drill's workers share the host namespace; a cluster drill (--nodes 2) "
+                           "takes a node's data link down between network namespaces",
+    FaultClass.DEGRADED.value: "a single-node drill has no spare to drain to; a cluster drill (--nodes 2) writes "
+                               "the predictor's precursor signals into each node's fake hardware tree",
+    "coordinator_kill": "the coordinator is embedded in the single-node `trainguard run` process; a cluster drill "
+                        "(--nodes 2 --extra coordinator) kills and restarts its standalone coordinator",
 }
 
 INJECTED: dict[str, str] = {
@@ -73,7 +74,20 @@ INJECTED: dict[str, str] = {
     FaultClass.HANG.value: "stop",
 }
 
+#: Cluster drills (``nodes`` >= 2, :mod:`trainguard.drill.soak_cluster`) inject every class for real.
+CLUSTER_INJECTED: dict[str, str] = {
+    FaultClass.CRASH.value: "kill",
+    FaultClass.NODE_FAULT.value: "hwfault",
+    FaultClass.HANG.value: "stop",
+    FaultClass.NODE_DOWN.value: "agentkill",
+    FaultClass.LINK.value: "linkdown",
+    FaultClass.DEGRADED.value: "precursor",
+}
+
 EXTRA_KINDS = ("kill", "stop", "enospc")
+CLUSTER_EXTRA_KINDS = EXTRA_KINDS + ("hwfault", "agentkill", "linkdown", "precursor", "coordinator")
+NO_NETNS_REASON = ("the nodes run on loopback (--no-netns): there is no separate data link to take down; run as "
+                   "root with network namespaces")
 STOP_MARGIN_STEPS = 30
 
 
@@ -99,6 +113,15 @@ class SoakConfig:
         workdir: where logs and checkpoints go (default: a fresh temp folder, removed at the end).
         max_restarts: restart budget of the job. Default 50.
         verify: run the fault-free reference and compare parameters. Default True.
+        nodes: 0 runs the job under one ``trainguard run`` with ``nproc`` workers; >= 2 runs it on that many node
+            agents with one worker each, a standalone coordinator and spares (:mod:`trainguard.drill.soak_cluster`).
+            Default 0.
+        spares: spare node agents kept ready (cluster drills). Default 1.
+        netns: put every node in its own network namespace (cluster drills; needs root). Default True.
+        lease_timeout_s: the coordinator's lease timeout, seconds (production default 10). Default 3.
+        drain_grace_s: seconds between a predictor alarm's checkpoint advisory and the drain request
+            (``trainguard run --drain-grace-s``; production default 30). Default 2.
+        precursor_lead_s: drill seconds between a precursor and the fault it announces. Default 10.
     """
 
     wall_s: float = 180.0
@@ -117,6 +140,12 @@ class SoakConfig:
     workdir: str | None = None
     max_restarts: int = 50
     verify: bool = True
+    nodes: int = 0
+    spares: int = 1
+    netns: bool = True
+    lease_timeout_s: float = 3.0
+    drain_grace_s: float = 2.0
+    precursor_lead_s: float = 10.0
 
     def validate(self) -> None:
         """Checks ranges.
@@ -128,9 +157,19 @@ class SoakConfig:
             raise SoakError("soak drill needs wall_s > 0, nproc >= 2, step_delay_s >= 0 and save_every >= 1")
         if self.trace_faults < 0 or self.hang_bound_s <= 0 or self.enospc_window_s <= 0 or self.tmpfs_mib < 1:
             raise SoakError("soak drill needs trace_faults >= 0, hang_bound_s > 0, enospc_window_s > 0, tmpfs_mib >= 1")
-        bad = set(self.extra) - set(EXTRA_KINDS)
+        kinds = CLUSTER_EXTRA_KINDS if self.nodes else EXTRA_KINDS
+        bad = set(self.extra) - set(kinds)
         if bad:
-            raise SoakError(f"unknown extra fault kind(s) {sorted(bad)}; use {', '.join(EXTRA_KINDS)}")
+            hint = " (the others need a cluster drill: --nodes 2 or more)" if not self.nodes else ""
+            raise SoakError(f"unknown extra fault kind(s) {sorted(bad)}; use {', '.join(kinds)}{hint}")
+        if self.nodes == 1 or self.nodes < 0:
+            raise SoakError(f"nodes must be 0 (one node, --nproc workers) or >= 2, got {self.nodes}")
+        if self.nodes and (self.spares < 1 or self.lease_timeout_s <= 0 or self.drain_grace_s < 0
+                           or self.precursor_lead_s <= 0):
+            raise SoakError("a cluster drill needs spares >= 1, lease_timeout_s > 0, drain_grace_s >= 0 and "
+                            "precursor_lead_s > 0")
+        if self.nodes and not self.netns and "linkdown" in self.extra:
+            raise SoakError("the linkdown fault needs network namespaces; drop it from --extra or drop --no-netns")
 
 
 @dataclass
@@ -159,12 +198,14 @@ class FaultOutcome:
     Attributes:
         kind, fault_class, label: as planned.
         planned_s: when it was due; injected_s: when it struck (later if a recovery was still running).
-        rank: victim rank (-1 for enospc).
+        rank: victim rank (-1 for enospc and coordinator).
+        node: victim node (cluster drills).
+        predicted: for a precursor: whether the node was replaced before the announced fault struck.
         generation: generation it struck.
         detected_s: detection latency (agent saw the exit / detector flagged the hang / the hook logged the error).
         recovery_s: fault to first step of the next generation (enospc: space freed to the next committed save).
         steps_lost: steps done again after the restart.
-        level: recovery level (``process``; ``none`` for enospc, where training goes on).
+        level: recovery level (``process``, ``node``; ``none`` for enospc and coordinator, where training goes on).
     """
 
     kind: str
@@ -178,6 +219,8 @@ class FaultOutcome:
     recovery_s: float | None = None
     steps_lost: int | None = None
     level: str = "process"
+    node: str = ""
+    predicted: bool | None = None
 
 
 @dataclass
@@ -245,6 +288,28 @@ class _StepLog:
         return max((rows[-1][2] for rows in self.rows if rows), default=-1)
 
 
+def load_schedule(cfg: SoakConfig, progress) -> tuple[list[PlannedFault], list[PlannedFault], float,
+                                                      tuple[float, float]]:
+    """Loads the trace and plans the drill, announcing the schedule through ``progress``.
+
+    Returns:
+        (faults to inject, faults skipped, time compression, replayed window in days).
+
+    Raises:
+        SoakError: the trace cannot be loaded.
+    """
+    schedule, compression, window = plan_schedule(load_stepfun(cfg.trace_dir), cfg)
+    skipped = [p for p in schedule if p.kind == "skip"]
+    todo = [p for p in schedule if p.kind != "skip"]
+    if compression:
+        where = (f"; {cfg.nodes} nodes + {cfg.spares} spare(s) " + ("in network namespaces" if cfg.netns
+                                                                    else "on loopback")) if cfg.nodes else ""
+        progress(f"schedule: StepFun trace as a {cfg.represent_gpus}-GPU job lives it, days {window[0]:.2f}-"
+                 f"{window[1]:.2f}, time compressed {compression:,.0f}x (1 drill second = {compression / 60:,.1f} "
+                 f"job minutes): {len(todo)} to inject, {len(skipped)} skipped{where}")
+    return todo, skipped, compression, window
+
+
 def plan_schedule(trace: FaultTrace, cfg: SoakConfig) -> tuple[list[PlannedFault], float, tuple[float, float]]:
     """Draws the drill's fault schedule from ``trace``.
 
@@ -257,6 +322,7 @@ def plan_schedule(trace: FaultTrace, cfg: SoakConfig) -> tuple[list[PlannedFault
     """
     job = trace.for_job(math.ceil(cfg.represent_gpus / cfg.gpus_per_node))
     rng = random.Random(cfg.seed)
+    injected = CLUSTER_INJECTED if cfg.nodes else INJECTED
     usable = 0.8 * cfg.wall_s  # leave the last fifth for the stop margin and the last recovery
     schedule: list[PlannedFault] = []
     if cfg.trace_faults > 0:
@@ -266,9 +332,11 @@ def plan_schedule(trace: FaultTrace, cfg: SoakConfig) -> tuple[list[PlannedFault
         for f in job.faults:
             if start <= f.time_s < start + window:
                 at = 0.1 * cfg.wall_s + (f.time_s - start) / compression
-                kind = INJECTED.get(f.fault_class.value)
-                schedule.append(PlannedFault(at, kind or "skip", f.fault_class.value, f.label,
-                                             "" if kind else SKIPPED[f.fault_class.value]))
+                kind = injected.get(f.fault_class.value)
+                reason = "" if kind else SKIPPED[f.fault_class.value]
+                if kind == "linkdown" and not cfg.netns:
+                    kind, reason = None, NO_NETNS_REASON
+                schedule.append(PlannedFault(at, kind or "skip", f.fault_class.value, f.label, reason))
         window_days = (start / 86_400.0, (start + window) / 86_400.0)
     else:
         compression, window_days = 0.0, (0.0, 0.0)
@@ -379,14 +447,11 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
         SoakError: bad settings, no trace, the tmpfs cannot be mounted, or the job never started.
     """
     cfg.validate()
-    trace = load_stepfun(cfg.trace_dir)
-    schedule, compression, window = plan_schedule(trace, cfg)
-    skipped = [p for p in schedule if p.kind == "skip"]
-    todo = [p for p in schedule if p.kind != "skip"]
-    if compression:
-        progress(f"schedule: StepFun trace as a {cfg.represent_gpus}-GPU job lives it, days {window[0]:.2f}-"
-                 f"{window[1]:.2f}, time compressed {compression:,.0f}x (1 drill second = {compression / 60:,.1f} "
-                 f"job minutes): {len(todo)} to inject, {len(skipped)} skipped")
+    if cfg.nodes:
+        from trainguard.drill.soak_cluster import run_cluster_soak
+
+        return run_cluster_soak(cfg, progress)
+    todo, skipped, compression, window = load_schedule(cfg, progress)
     own_tmp = cfg.workdir is None
     workdir = Path(cfg.workdir or tempfile.mkdtemp(prefix="tg-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -447,46 +512,16 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
                 pending = None
                 known_gen = gen
             if pending is None and gen > known_gen:
-                # A restart nobody injected (a real crash, or a hang flagged under load): count it, never hide it.
-                struck = max((row[0] for rows in steps.rows for row in rows if row[1] == known_gen), default=now)
-                pending = FaultOutcome(kind="unplanned", fault_class="none", label="restart not injected by the drill",
-                                       planned_s=struck - t0, injected_s=struck - t0, generation=known_gen)
+                pending = unplanned_restart(steps, known_gen, gen, t0, now, progress)
                 outcomes.append(pending)
-                progress(f"t={now - t0:6.1f}s restart not injected by the drill (generation {gen})")
             known_gen = max(known_gen, gen)
             if enospc is not None:
-                o = enospc["outcome"]
-                if o.detected_s is None:
-                    for r in range(cfg.nproc):
-                        for line in _read_lines(events / f"rank{r}.events"):
-                            ev = json.loads(line)
-                            if ev["t"] >= t0 + o.injected_s:
-                                o.detected_s = ev["t"] - (t0 + o.injected_s)
-                                progress(f"  checkpoint error reported after {o.detected_s:.2f} s "
-                                         f"(training goes on): {ev['message'][:100]}")
-                                break
-                        if o.detected_s is not None:
-                            break
-                if enospc["freed"] is None and now - (t0 + o.injected_s) >= cfg.enospc_window_s:
-                    tmpfs.free()
-                    enospc["freed"] = now
-                    enospc["committed"] = _committed_step(ckpt)
-                    progress("  checkpoint space freed")
-                if enospc["freed"] is not None and _committed_step(ckpt) > enospc["committed"]:
-                    o.recovery_s = now - enospc["freed"]
-                    progress(f"  saves resumed {o.recovery_s:.2f} s after the space was freed "
-                             f"(step {_committed_step(ckpt)} committed)")
-                    enospc = None
+                enospc = follow_enospc(enospc, cfg, tmpfs, ckpt, events, t0, now, cfg.nproc, progress)
             elapsed = now - t0
             extras_left = any(q.fault_class == "extra" for q in todo) and elapsed < cfg.wall_s + 300.0
             if not stop_written and elapsed >= cfg.wall_s and pending is None and enospc is None and not extras_left:
-                target = steps.max_step() + 1 + STOP_MARGIN_STEPS
-                tmp = stop_file.with_suffix(".tmp")
-                tmp.write_text(str(target))
-                os.replace(tmp, stop_file)
+                finish_by = write_stop(steps, stop_file, progress)
                 stop_written = True
-                finish_by = time.monotonic() + 300.0 + 20 * STOP_MARGIN_STEPS * max(step_time_guess(steps), 0.05)
-                progress(f"wall time reached: the job finishes at step {target}")
             if elapsed >= cfg.wall_s:  # past the wall time only the extras still run, so each drill has them
                 todo = [q for q in todo if q.fault_class == "extra"]
             if todo and not stop_written and todo[0].at_s <= elapsed and pending is None and enospc is None:
@@ -519,26 +554,8 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
                     o.detected_s = after[0] - (t0 + o.injected_s)
         final = json.loads(out_file.read_text())
         n_steps = int(final["steps"])
-        deltas = [b[0] - a[0] for rows in steps.rows for a, b in zip(rows, rows[1:]) if a[1] == b[1]]
-        step_time = statistics.median(deltas)
-        saves = [row[4] for rows in steps.rows for row in rows if row[5]]
-        plain = [row[4] for rows in steps.rows for row in rows if not row[5]]
-        stall = max(statistics.median(saves) - statistics.median(plain), 0.0) if saves and plain else None
-        t_last = max(rows[-1][0] for rows in steps.rows if rows)
-        ref_sha = None
-        if cfg.verify:
-            progress(f"verifying: fault-free run of {n_steps} steps")
-            ref_out = workdir / "reference.json"
-            ref = _launch(cfg, workdir, workdir / "ref-events",
-                          ["--steps", str(n_steps), "--save-every", "1000000000", "--out", str(ref_out)], env, None,
-                          "reference")
-            try:
-                ref.wait(timeout=max(300.0, 2 * cfg.wall_s))
-            except subprocess.TimeoutExpired as exc:
-                raise SoakError("the fault-free reference run did not finish in time") from exc
-            if ref.returncode != 0:
-                raise SoakError(f"the fault-free reference run failed with exit code {ref.returncode}")
-            ref_sha = json.loads(ref_out.read_text())["params_sha256"]
+        step_time, stall, t_last = step_stats(steps)
+        ref_sha = verify_reference(cfg, workdir, n_steps, env, progress) if cfg.verify else None
         timeline = [(row[0] - t_launch, row[1], row[2]) for row in steps.rows[0]]
         return SoakReport(
             config=asdict(cfg), compression=compression, window_days=window, steps=n_steps, wall_s=wall,
@@ -560,6 +577,100 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
         shutil.rmtree(shm, ignore_errors=True)
         if own_tmp:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def follow_enospc(state: dict, cfg: SoakConfig, tmpfs: _Tmpfs, ckpt: Path, events: Path, t0: float, now: float,
+                  nproc: int, progress) -> dict | None:
+    """Follows a full checkpoint disk: times the first reported error, frees the space after
+    ``enospc_window_s`` and times until the next committed checkpoint.
+
+    Args:
+        state: ``{"outcome": FaultOutcome, "freed": None, "committed": -1}`` from the injection, updated here.
+
+    Returns:
+        The state while the fault is still followed, None once saves have resumed.
+    """
+    o = state["outcome"]
+    if o.detected_s is None:
+        for r in range(nproc):
+            for line in _read_lines(events / f"rank{r}.events"):
+                ev = json.loads(line)
+                if ev["t"] >= t0 + o.injected_s:
+                    o.detected_s = ev["t"] - (t0 + o.injected_s)
+                    progress(f"  checkpoint error reported after {o.detected_s:.2f} s (training goes on)")
+                    break
+            if o.detected_s is not None:
+                break
+    if state["freed"] is None and now - (t0 + o.injected_s) >= cfg.enospc_window_s:
+        tmpfs.free()
+        state["freed"] = now
+        state["committed"] = _committed_step(ckpt)
+        progress("  checkpoint space freed")
+    if state["freed"] is not None and _committed_step(ckpt) > state["committed"]:
+        o.recovery_s = now - state["freed"]
+        progress(f"  saves resumed {o.recovery_s:.2f} s after the space was freed")
+        return None
+    return state
+
+
+def unplanned_restart(steps: _StepLog, known_gen: int, gen: int, t0: float, now: float, progress) -> FaultOutcome:
+    """A restart nobody injected (a real crash, or a hang flagged under load): counted, never hidden.
+
+    Returns:
+        Its outcome, struck at the last step of generation ``known_gen`` (drill seconds since ``t0``).
+    """
+    struck = max((row[0] for rows in steps.rows for row in rows if row[1] == known_gen), default=now)
+    progress(f"t={now - t0:6.1f}s restart not injected by the drill (generation {gen})")
+    return FaultOutcome(kind="unplanned", fault_class="none", label="restart not injected by the drill",
+                        planned_s=struck - t0, injected_s=struck - t0, generation=known_gen)
+
+
+def step_stats(steps: _StepLog) -> tuple[float, float | None, float]:
+    """(fault-free step time: the median step-to-step time within a generation; checkpoint stall: median time of
+    a saving ``step_done`` minus a plain one, None without both; time of the last step), seconds."""
+    deltas = [b[0] - a[0] for rows in steps.rows for a, b in zip(rows, rows[1:]) if a[1] == b[1]]
+    saves = [row[4] for rows in steps.rows for row in rows if row[5]]
+    plain = [row[4] for rows in steps.rows for row in rows if not row[5]]
+    stall = max(statistics.median(saves) - statistics.median(plain), 0.0) if saves and plain else None
+    return statistics.median(deltas), stall, max(rows[-1][0] for rows in steps.rows if rows)
+
+
+def verify_reference(cfg: SoakConfig, workdir: Path, n_steps: int, env: dict, progress) -> str:
+    """Runs the fault-free reference (``cfg.nproc`` workers on one node, no checkpoints) for ``n_steps`` steps.
+
+    Returns:
+        Its parameters' sha256.
+
+    Raises:
+        SoakError: it failed or did not finish in time.
+    """
+    progress(f"verifying: fault-free run of {n_steps} steps ({cfg.nproc} workers on one node)")
+    ref_out = workdir / "reference.json"
+    ref = _launch(cfg, workdir, workdir / "ref-events",
+                  ["--steps", str(n_steps), "--save-every", "1000000000", "--out", str(ref_out)], env, None,
+                  "reference")
+    try:
+        ref.wait(timeout=max(300.0, 2 * cfg.wall_s))
+    except subprocess.TimeoutExpired as exc:
+        ref.kill()
+        raise SoakError("the fault-free reference run did not finish in time") from exc
+    if ref.returncode != 0:
+        raise SoakError(f"the fault-free reference run failed with exit code {ref.returncode}")
+    return json.loads(ref_out.read_text())["params_sha256"]
+
+
+def write_stop(steps: _StepLog, stop_file: Path, progress) -> float:
+    """Tells the workers to finish :data:`STOP_MARGIN_STEPS` after the furthest step so far.
+
+    Returns:
+        The ``time.monotonic()`` by which the job must have finished.
+    """
+    target = steps.max_step() + 1 + STOP_MARGIN_STEPS
+    tmp = stop_file.with_suffix(".tmp")
+    tmp.write_text(str(target))
+    os.replace(tmp, stop_file)
+    progress(f"wall time reached: the job finishes at step {target}")
+    return time.monotonic() + 300.0 + 20 * STOP_MARGIN_STEPS * max(step_time_guess(steps), 0.05)
 
 
 def step_time_guess(steps: _StepLog) -> float:

@@ -55,33 +55,72 @@ def measure_torch_save_stall(nbytes_hint: int = 0) -> float:
     return statistics.median(times)
 
 
+#: Drill fault kind -> the detection field of :class:`Components` it measures.
+DETECT_FIELDS = {"kill": "detect_crash_s", "hwfault": "detect_node_fault_s", "stop": "detect_hang_s",
+                 "agentkill": "detect_node_down_s", "linkdown": "detect_link_s", "precursor": "detect_degraded_s"}
+
+#: Communicator start-up of a 16k-rank job, seconds, added to every measured restart when scaling up: a restart
+#: here re-forms a 2-rank gloo group in milliseconds, while NCCL initialisation at tens of thousands of ranks takes
+#: dozens of seconds (Meta measured 26 s in one ring-building step alone at 96k ranks before optimising it,
+#: NVIDIA/nccl pull 1789). A stated assumption, not a measurement.
+COMMUNICATOR_INIT_AT_SCALE_S = 30.0
+
+#: The coordinator's production lease timeout, seconds (``trainguard coordinator --lease-timeout`` default).
+PRODUCTION_LEASE_S = 10.0
+
+
 def measured_components(rep: SoakReport) -> dict[str, float]:
-    """Component times the drill measured, as overrides for :class:`Components` (only what it measured)."""
-    kills = [f for f in rep.faults if f.kind == "kill"]
-    stops = [f for f in rep.faults if f.kind == "stop"]
-    restarts = [f for f in rep.faults if f.kind in ("kill", "stop") and f.recovery_s is not None]
+    """Component times the drill measured, as overrides for :class:`Components` (only what it measured).
+
+    Detection per kind is the median of the injected faults of that kind (:data:`DETECT_FIELDS`); restart times
+    are fault to first resumed step minus detection, by the level the drill observed; ``predicted_share`` is the
+    share of precursors whose node was replaced before the announced fault struck.
+    """
     out: dict[str, float] = {}
-    d_kill = _median([f.detected_s for f in kills])
-    if d_kill is not None:
-        out["detect_crash_s"] = out["detect_node_fault_s"] = round(max(d_kill, 0.0), 4)
-    d_hang = _median([f.detected_s for f in stops])
-    if d_hang is not None:
-        out["detect_hang_s"] = round(d_hang, 3)
-    rec = _median([f.recovery_s - (f.detected_s or 0.0) for f in restarts])
-    if rec is not None:
-        out["recovery_process_s"] = round(max(rec, 0.0), 3)
+    for kind, name in DETECT_FIELDS.items():
+        d = _median([f.detected_s for f in rep.faults if f.kind == kind])
+        if d is not None:
+            out[name] = round(max(d, 0.0), 4)
+    if "detect_crash_s" in out and "detect_node_fault_s" not in out and not rep.config.get("nodes"):
+        out["detect_node_fault_s"] = out["detect_crash_s"]  # one node: an Xid shows as the worker's exit
+    for level in ("process", "node"):
+        done = [f for f in rep.faults if f.level == level and f.recovery_s is not None
+                and f.kind not in ("unplanned", "precursor")]
+        rec = _median([f.recovery_s - (f.detected_s or 0.0) for f in done])
+        if rec is not None:
+            out[f"recovery_{level}_s"] = round(max(rec, 0.0), 3)
+    pre = [f.predicted for f in rep.faults if f.kind == "precursor" and f.predicted is not None]
+    if pre:
+        out["predicted_share"] = round(sum(pre) / len(pre), 3)
     if rep.stall_s is not None:
         out["checkpoint_stall_s"] = round(rep.stall_s, 5)
     return out
 
 
-def at_scale(measured: dict[str, float]) -> dict[str, float]:
-    """The measured figures that carry over to a large job.
+def at_scale(measured: dict[str, float], lease_s: float | None = None,
+             communicator_init_s: float = COMMUNICATOR_INIT_AT_SCALE_S) -> dict[str, float]:
+    """The measured figures carried over to a 16k-GPU job.
 
-    The checkpoint stall of the drill's tiny model and the hang bound the drill configured (time-compressed) say
-    nothing about a 16k-GPU job, so they are left to the defaults.
+    Kept as measured: detection of crashes, hardware faults and link loss (each is the agent's own reaction
+    time on its node, independent of the job's size). Rescaled: node-loss detection (the drill's short lease is
+    swapped for the production lease of :data:`PRODUCTION_LEASE_S`) and restarts (plus
+    ``communicator_init_s``, which a 2-rank drill cannot show). Left to the defaults: the checkpoint stall of
+    the drill's tiny model, the time-compressed hang bound and precursor lead, and the predicted share of a
+    handful of precursors.
+
+    Args:
+        measured: :func:`measured_components` output.
+        lease_s: the drill's lease timeout, seconds (None: keep ``detect_node_down_s`` out).
+        communicator_init_s: seconds added to each measured restart for communicator start-up at scale.
     """
-    return {k: v for k, v in measured.items() if k not in ("checkpoint_stall_s", "detect_hang_s")}
+    out = {k: v for k, v in measured.items()
+           if k in ("detect_crash_s", "detect_node_fault_s", "detect_link_s")}
+    if "detect_node_down_s" in measured and lease_s is not None:
+        out["detect_node_down_s"] = round(max(measured["detect_node_down_s"] - lease_s, 0.0) + PRODUCTION_LEASE_S, 3)
+    for k in ("recovery_process_s", "recovery_node_s"):
+        if k in measured:
+            out[k] = round(measured[k] + communicator_init_s, 3)
+    return out
 
 
 def drill_schedule_trace(rep: SoakReport) -> FaultTrace | None:
@@ -91,10 +130,12 @@ def drill_schedule_trace(rep: SoakReport) -> FaultTrace | None:
     over the same span (:attr:`SoakReport.ettr_steady`).
     """
     faults = []
+    classes = {"kill": FaultClass.CRASH, "unplanned": FaultClass.CRASH, "stop": FaultClass.HANG,
+               "hwfault": FaultClass.NODE_FAULT, "agentkill": FaultClass.NODE_DOWN, "linkdown": FaultClass.LINK,
+               "precursor": FaultClass.DEGRADED}
     for f in rep.faults:
-        if f.kind in ("kill", "stop", "unplanned"):
-            fc = FaultClass.HANG if f.kind == "stop" else FaultClass.CRASH
-            faults.append(Fault(time_s=f.injected_s, fault_class=fc, label=f.label))
+        if f.kind in classes:
+            faults.append(Fault(time_s=f.injected_s, fault_class=classes[f.kind], label=f.label))
     if not faults or not rep.timeline:
         return None
     faults.sort(key=lambda f: f.time_s)
@@ -114,8 +155,15 @@ def drill_components(rep: SoakReport, torch_save_s: float,
     """
     m = measured_components(rep)
     interval = rep.config["save_every"] * rep.step_time_s
-    tg = trainguard_defaults(**m, checkpoint_interval_s=interval, persist_s=0.0, predicted_share=0.0,
-                             levels={c.value: "process" for c in FaultClass})
+    levels = {c.value: "process" for c in FaultClass}
+    cluster = bool(rep.config.get("nodes"))
+    if cluster:  # what the cluster drill did: hardware, node, link and precursor faults replace the node
+        levels.update({c: "node" for c in ("node_fault", "node_down", "link", "degraded")})
+    tg = trainguard_defaults(**{**m, "checkpoint_interval_s": interval, "persist_s": 0.0,
+                                "predicted_share": m.get("predicted_share", 0.0),
+                                "predictable": ("degraded",) if cluster else (), "levels": levels,
+                                # a multi-node job's memory tier is per host: it restores from the shared disk
+                                "memory_restore": not cluster})
     bl = baseline_defaults(checkpoint_interval_s=interval, checkpoint_stall_s=torch_save_s,
                            recovery_job_s=baseline_restart_s if baseline_restart_s is not None
                            else m.get("recovery_process_s", tg.recovery_process_s),
@@ -133,15 +181,20 @@ def format_soak(rep: SoakReport, torch_save_s: float, trace_dir: str | None = No
     if rep.compression:
         w(f"faults: StepFun trace as a {rep.config['represent_gpus']}-GPU job lives it, days "
           f"{rep.window_days[0]:.2f}-{rep.window_days[1]:.2f}, time compressed {rep.compression:,.0f}x")
-    w(f"  {'#':>2} {'at':>7} {'kind':<7} {'class':<11} {'detected':>9} {'recovered':>10} {'lost':>5}  origin")
+    w(f"  {'#':>2} {'at':>7} {'kind':<11} {'class':<11} {'node':<7} {'level':<8} {'detected':>9} {'recovered':>10} "
+      f"{'lost':>5}  origin")
     for i, f in enumerate(rep.faults, 1):
         det = f"{f.detected_s:.2f}s" if f.detected_s is not None else "-"
         rec = f"{f.recovery_s:.2f}s" if f.recovery_s is not None else "-"
         lost = str(f.steps_lost) if f.steps_lost is not None else "-"
-        w(f"  {i:>2} {f.injected_s:6.1f}s {f.kind:<7} {f.fault_class:<11} {det:>9} {rec:>10} {lost:>5}  {f.label}")
-    w("  (detected: fault to the agent seeing the exit / the process detector flagging the hang / the hook "
-      "logging the checkpoint error; recovered: fault to the first step of the next generation, for enospc: space "
-      "freed to the next committed checkpoint; lost: steps done again)")
+        pred = {True: " [predicted in time]", False: " [NOT drained in time]", None: ""}[f.predicted]
+        w(f"  {i:>2} {f.injected_s:6.1f}s {f.kind:<11} {f.fault_class:<11} {f.node or '-':<7} {f.level:<8} {det:>9} "
+          f"{rec:>10} {lost:>5}  {f.label}{pred}")
+    w("  (detected: fault to the agent seeing the exit / the process detector flagging the hang / the agent naming "
+      "the hardware cause / the coordinator's lease expiring / the predictor's alarm / the hook logging the "
+      "checkpoint error; recovered: fault to the first step of the next generation, for enospc: space freed to "
+      "the next committed checkpoint, for coordinator: kill to the new coordinator serving; lost: steps done "
+      "again)")
     if rep.skipped:
         counts: dict[str, int] = {}
         for p in rep.skipped:
@@ -164,9 +217,12 @@ def format_soak(rep: SoakReport, torch_save_s: float, trace_dir: str | None = No
         w(f"model on the drill's own schedule, first to last step: trainguard {100 * r_tg.ettr:.1f}% (measured "
           f"{100 * rep.ettr_steady:.1f}%) vs baseline {100 * r_bl.ettr:.1f}% (job restarts, synchronous torch.save, hangs "
           f"found by gloo's 30 min timeout, job restart {bl.recovery_job_s:.2f} s)")
-    w("model at 16,384 GPUs with these measured figures (defaults for the rest, see trainguard ettr --help):")
+    lease = rep.config.get("lease_timeout_s") if rep.config.get("nodes") else None
+    w(f"model at 16,384 GPUs with these measured figures (restarts + {COMMUNICATOR_INIT_AT_SCALE_S:.0f} s of "
+      "communicator start-up, node loss detected by the production lease; defaults for the rest, see trainguard "
+      "ettr --help): " + ", ".join(f"{k}={v:g}" for k, v in at_scale(m, lease).items()))
     job = JobSize()
-    tg16 = trainguard_defaults().with_overrides(at_scale(m))
+    tg16 = trainguard_defaults().with_overrides(at_scale(m, lease))
     traces = [llama3_trace()]
     try:
         traces.insert(0, load_stepfun(trace_dir))
