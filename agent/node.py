@@ -212,6 +212,8 @@ class NodeAgent:
         self._instance = uuid.uuid4().hex
         self._standbys: dict[int, object] = {}
         self._group_warm = False  # the current generation's workers were all activated standbys
+        self._last_heartbeat = 0.0
+        self._in_keepalive = False
         self._runner = None
         self._hardware_detectors: tuple[str, ...] = ()
         self._pending_events: list[HealthEvent] = []
@@ -400,7 +402,19 @@ class NodeAgent:
                 time.sleep(delay)
                 delay = min(2.0, delay * 2)
 
+    def _keepalive(self) -> None:
+        """Renews the coordinator lease while the loop is busy (stopping hung workers); commands in the reply
+        are left to the loop's next heartbeat, which gets them again."""
+        if self._stub is not None and not self._in_keepalive \
+                and time.monotonic() - self._last_heartbeat >= self._interval:
+            self._in_keepalive = True
+            try:
+                self._heartbeat()
+            finally:
+                self._in_keepalive = False
+
     def _heartbeat(self) -> coordinator_pb2.NodeHeartbeatResponse | None:
+        self._last_heartbeat = time.monotonic()
         with self._lock:
             group = self._group
             req = coordinator_pb2.NodeHeartbeatRequest(
@@ -575,7 +589,7 @@ class NodeAgent:
             group = self._group
             self._group = None
         if group is not None:
-            group.stop(self.config.stop_grace_s)
+            group.stop(self.config.stop_grace_s, tick=self._keepalive)
 
     def _check_workers(self) -> None:
         group = self._group

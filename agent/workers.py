@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from trainguard.agent.errors import WorkerStartError
@@ -215,24 +215,37 @@ class WorkerGroup:
         ws = self.workers
         return bool(ws) and all(w.proc.poll() == 0 for w in ws)
 
-    def stop(self, grace_s: float = 3.0) -> None:
-        """Stops every worker: SIGTERM to its process group, SIGKILL after ``grace_s`` seconds.
+    def stop(self, grace_s: float = 3.0, tick: Callable[[], None] | None = None) -> None:
+        """Stops every worker: SIGTERM (then SIGCONT) to its process group, SIGKILL after ``grace_s`` seconds.
 
-        Safe to call repeatedly and on a partly started group. Returns once every process is reaped.
+        A stopped (SIGSTOPped, or traced) worker only acts on SIGTERM once continued, so SIGCONT follows, as
+        systemd does. Safe to call repeatedly and on a partly started group. Returns once every process is reaped.
+
+        Args:
+            grace_s: seconds between SIGTERM and SIGKILL.
+            tick: called about every 0.1 s while waiting (the agent keeps its coordinator lease alive with it:
+                a hung worker ignoring SIGTERM must not make the whole node look lost).
         """
         ws = self.workers
         for w in ws:
             if w.proc.poll() is None:
                 w.state = WorkerState.STOPPED
                 _signal_group(w.proc.pid, signal.SIGTERM)
+                _signal_group(w.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         for w in ws:
-            remaining = max(0.0, deadline - time.monotonic())
-            try:
-                w.proc.wait(timeout=remaining)
-            except subprocess.TimeoutExpired:
-                _signal_group(w.proc.pid, signal.SIGKILL)
-                w.proc.wait()
+            while True:
+                remaining = max(0.0, deadline - time.monotonic())
+                try:
+                    w.proc.wait(timeout=min(remaining, 0.1))
+                    break
+                except subprocess.TimeoutExpired:
+                    if remaining <= 0.1:
+                        _signal_group(w.proc.pid, signal.SIGKILL)
+                        w.proc.wait()
+                        break
+                    if tick is not None:
+                        tick()
             # Children the worker forked into its session (data loader processes...) go too.
             _signal_group(w.proc.pid, signal.SIGKILL)
             guard().forget(w.proc.pid)
