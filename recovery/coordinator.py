@@ -512,7 +512,7 @@ class JobCoordinator:
             if len(self._members) >= self.spec.nnodes:
                 self._try_form(now)
         elif st.plan is not None:
-            if self._wall() >= st.plan.not_before_s:
+            if self._wall() >= st.plan.not_before_s and not self._quiet_holder(now):
                 self._try_form(now)
         elif st.phase in (Phase.RUNNING, Phase.RECOVERING) and self._layout is not None:
             n = len(self._layout.slots)
@@ -523,6 +523,24 @@ class JobCoordinator:
             elif st.phase is Phase.RECOVERING and len(self._running) >= n:
                 self._policy.started(st.generation)
                 self._save_state()
+
+    def _quiet_holder(self, now: float) -> bool:
+        """Whether a process-level plan should wait: a slot holder missed two heartbeats but its lease runs on.
+
+        When a node dies, its peers' collectives break at once and they report a process-level failure before
+        the dead node's lease expires. Restarting in place then would wait on the dead node, and its expiry would
+        cost a second restart; waiting (at most until the lease expires, or the node's next heartbeat) lets the
+        expiry merge into this plan as one node-level restart.
+        """
+        plan = self._policy.state.plan
+        if plan is None or plan.level is not Level.PROCESS or self._layout is None:
+            return False
+        quiet = 2.0 * self._interval_s()
+        for slot in self._layout.slots:
+            m = self._members.get(slot.node_id)
+            if m is not None and m.alive and now - m.last_seen > quiet:
+                return True
+        return False
 
     def _fail(self, f: Failure, now: float) -> tuple[int, int, str]:
         lay = self._layout

@@ -202,6 +202,29 @@ def test_lost_node_is_replaced_by_a_same_pod_spare(server) -> None:
     assert r.command == pb.NODE_COMMAND_STOP and "cordoned" in r.message
 
 
+@pytest.mark.parametrize("server", [{"nnodes": 3, "lease": 1.5}], indirect=True)
+def test_peers_crash_report_waits_for_the_quiet_node_and_merges_into_one_node_restart(server) -> None:
+    """b0 dies; a0's worker breaks with it and reports first. The process-level restart waits while b0 is
+    quiet, and b0's lease expiry turns it into one node-level restart with the spare (not two restarts)."""
+    srv, stub = server
+    nodes = _form(stub, [_info("a0", "pa", 0), _info("a1", "pa", 1), _info("b0", "pb", 0)])
+    spare = Node(stub, _info("sb", "pb", 9, spare=True))
+    time.sleep(0.5)  # b0 misses its heartbeats from now on
+    for n in nodes[:2] + [spare]:
+        n.beat(workers_running=2)
+    r = nodes[0].fail(rank=0, code=1)
+    assert r.new_generation == 2
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and spare.gen < 2:
+        for n in nodes[:2] + [spare]:
+            n.beat(workers_running=2)
+            assert not (n.gen == 2 and "b0" in [x.node_id for x in n.table.nodes])  # no restart in place
+        time.sleep(0.1)
+    t = spare.table
+    assert spare.gen == 2 and [n.node_id for n in t.nodes] == ["a0", "a1", "sb"], t  # generation 2, not 3
+    assert t.restart_count == 1
+
+
 def test_fencing_refuses_the_superseded_coordinator(tmp_path) -> None:
     spec = JobSpec(job=JOB, store=f"sqlite://{tmp_path}/f.db")
     old = JobCoordinator(spec)
