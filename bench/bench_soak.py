@@ -14,7 +14,7 @@ injected for real: hardware faults, lost agents, cut data links, predicted failu
 Usage::
 
     python bench/bench_soak.py [--minutes 3] [--plot docs/soak.png] [--components-out measured.json] [...]
-    python bench/bench_soak.py --nodes 2 --minutes 5 --plot docs/soak-cluster.png --components-out drill.json
+    python bench/bench_soak.py --nodes 2 --minutes 5 --plot docs/soak-cluster.png --components-out bench/components/drill-cluster.json
 
 Every ``trainguard drill`` flag is accepted.
 """
