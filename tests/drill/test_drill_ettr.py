@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -191,3 +192,16 @@ def test_timeline_restarts_recovery_on_overlapping_fault():
     r = evaluate(tl, comp, 200.0)
     assert r.down_s == pytest.approx(110.0)
     assert np.all(r.retained_s >= 0)
+
+
+def test_shipped_measured_components_load_and_merge() -> None:
+    """The component files the README's 16k-GPU figures come from are valid and merge in order."""
+    from trainguard.drill.components import load_components
+
+    root = Path(__file__).resolve().parents[2] / "bench" / "components"
+    files = [root / "drill-cluster.json", root / "checkpoint-2gib.json"]
+    tg, bl = load_components(files)
+    assert tg.checkpoint_stall_s < 0.1 and tg.recovery_node_s > 30.0  # measured stall; restarts carry the scale term
+    assert tg.detect_node_down_s >= 10.0 and bl.checkpoint_stall_s == 60.0
+    only_drill, _ = load_components([files[0]])
+    assert only_drill.checkpoint_stall_s == 1.0  # the default until the checkpoint file is merged
