@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -41,3 +42,14 @@ def run_cli(args: list[str], env: dict, timeout: float = 90.0, cwd: Path | None 
         out, err = proc.communicate()
         raise AssertionError(f"trainguard {' '.join(args)} timed out\nstdout:\n{out}\nstderr:\n{err}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def until(cond, timeout: float = 10.0) -> bool:
+    """Polls ``cond`` every 10 ms until it holds or ``timeout`` seconds pass (the CI machine may be busy: no
+    fixed sleeps for things that must happen). Returns whether it held."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

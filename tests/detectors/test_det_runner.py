@@ -20,16 +20,9 @@ from trainguard.detectors.base import (
 from trainguard.detectors.errors import DetectorConfigError
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.runner import DetectorRunner
+from tg_testutil import until
 
 
-def until(cond, timeout: float = 10.0) -> bool:
-    """Polls ``cond`` (the CI machine may be busy: no fixed sleeps for things that must happen)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 class Counting(Detector):

@@ -12,15 +12,9 @@ from trainguard.detectors.base import Detector, DetectorConfig, Sample
 from trainguard.detectors.errors import DetectorConfigError
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.runner import DetectorRunner
+from tg_testutil import until
 
 
-def until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 class Fault(Detector):
