@@ -6,6 +6,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from pcie_fakes import GPU, make_gpu
 from trainguard.agent.node_faults import NodeReportLedger, hardware_cause, hardware_detector_names
 from trainguard.detectors.base import create_detectors
@@ -46,48 +48,47 @@ def start(tree: Path, pending: Pending) -> tuple[DetectorRunner, tuple[str, ...]
     return runner, hardware_detector_names(dets)
 
 
-def test_fresh_round_then_active_condition_then_nothing(tmp_path: Path) -> None:
+@pytest.fixture
+def rig(tmp_path: Path):
+    """A healthy fake GPU tree, a started runner over it, the pending-event view and a report ledger."""
     tree = tmp_path / "fake"
     make_gpu(tree)
     pending = Pending()
     runner, names = start(tree, pending)
-    ledger = NodeReportLedger()
     try:
-        assert names == ("pcie",)
-        assert hardware_cause(runner, names, pending.snapshot, ledger, 1, "n1") is None  # healthy: a process fault
-        make_gpu(tree, nonfatal={"CmpltTO": 1})
-        assert hardware_cause(runner, names, pending.snapshot, ledger, 1, "n1") is None  # CHECKPOINT_NOW only
-        pending.handled()
-        (tree / "sys/bus/pci/devices" / GPU).unlink()  # the GPU fell off the bus
-        ev = hardware_cause(runner, names, pending.snapshot, ledger, 1, "n1")
-        assert ev is not None and ev.kind == "pcie.device_lost" and ev.action == Action.DRAIN_NODE
-        pending.handled()  # the agent's loop handled (and reported) the event; the condition lasts
-        ev = hardware_cause(runner, names, pending.snapshot, ledger, 2, "n1")
-        assert ev is not None and ev.kind == "pcie.device_lost" and ev.node_id == "n1"
-        make_gpu(tree)  # back on the bus: the condition clears
-        assert hardware_cause(runner, names, pending.snapshot, ledger, 2, "n1") is None
+        yield tree, pending, runner, names, NodeReportLedger()
     finally:
         runner.stop()
 
 
-def test_a_fault_reported_a_moment_before_the_death_is_its_cause(tmp_path: Path) -> None:
-    tree = tmp_path / "fake"
-    make_gpu(tree)
-    pending = Pending()
-    runner, names = start(tree, pending)
-    ledger = NodeReportLedger()
-    try:
-        fatal = HealthEvent(source="pcie", kind="pcie.aer_fatal", severity=Severity.CRITICAL,
-                            action=Action.DRAIN_NODE, message="fatal", node_id="n1")
-        assert ledger.record(fatal, 3) == coordinator_pb2.RECOVERY_LEVEL_NODE
-        assert hardware_cause(runner, names, pending.snapshot, ledger, 3, "n1") is fatal
-        assert hardware_cause(runner, names, pending.snapshot, ledger, 4, "n1") is None  # another generation
-        # Without hardware detectors nothing is sampled or waited for.
-        t0 = time.monotonic()
-        assert hardware_cause(runner, (), pending.snapshot, ledger, 3, "n1") is None
-        assert time.monotonic() - t0 < 0.05
-    finally:
-        runner.stop()
+def test_fresh_round_then_active_condition_then_nothing(rig) -> None:
+    tree, pending, runner, names, ledger = rig
+    assert names == ("pcie",)
+    assert hardware_cause(runner, names, pending.snapshot, ledger, 1, "n1") is None  # healthy: a process fault
+    make_gpu(tree, nonfatal={"CmpltTO": 1})
+    assert hardware_cause(runner, names, pending.snapshot, ledger, 1, "n1") is None  # CHECKPOINT_NOW only
+    pending.handled()
+    (tree / "sys/bus/pci/devices" / GPU).unlink()  # the GPU fell off the bus
+    ev = hardware_cause(runner, names, pending.snapshot, ledger, 1, "n1")
+    assert ev is not None and ev.kind == "pcie.device_lost" and ev.action == Action.DRAIN_NODE
+    pending.handled()  # the agent's loop handled (and reported) the event; the condition lasts
+    ev = hardware_cause(runner, names, pending.snapshot, ledger, 2, "n1")
+    assert ev is not None and ev.kind == "pcie.device_lost" and ev.node_id == "n1"
+    make_gpu(tree)  # back on the bus: the condition clears
+    assert hardware_cause(runner, names, pending.snapshot, ledger, 2, "n1") is None
+
+
+def test_a_fault_reported_a_moment_before_the_death_is_its_cause(rig) -> None:
+    tree, pending, runner, names, ledger = rig
+    fatal = HealthEvent(source="pcie", kind="pcie.aer_fatal", severity=Severity.CRITICAL,
+                        action=Action.DRAIN_NODE, message="fatal", node_id="n1")
+    assert ledger.record(fatal, 3) == coordinator_pb2.RECOVERY_LEVEL_NODE
+    assert hardware_cause(runner, names, pending.snapshot, ledger, 3, "n1") is fatal
+    assert hardware_cause(runner, names, pending.snapshot, ledger, 4, "n1") is None  # another generation
+    # Without hardware detectors nothing is sampled or waited for.
+    t0 = time.monotonic()
+    assert hardware_cause(runner, (), pending.snapshot, ledger, 3, "n1") is None
+    assert time.monotonic() - t0 < 0.05
 
 
 def test_ledger_one_report_per_generation_and_level() -> None:
