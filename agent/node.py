@@ -83,6 +83,8 @@ class NodeConfig:
         detector_config: per-detector settings, name -> fields (e.g. ``{"process": {"hang_floor_s": 30}}``).
         predictor_model: trained predictor model file; None scores with the rules tier only.
         history_path: SQLite file of the metric history kept for training; None keeps none.
+        checkpoint_dir: the job's checkpoint root on disk (``--checkpoint-dir``), where a predicted failure's
+            drain looks for the job-wide checkpoint it asked for to be complete; None waits the whole grace.
         predictor_interval_s: seconds between two predictor scores. Default 5.0.
         drain_grace_s: seconds from a predictor alarm (workers advised to checkpoint now) to asking the
             coordinator to replace this node. Default 30.0.
@@ -110,6 +112,7 @@ class NodeConfig:
     detector_config: dict[str, dict] = field(default_factory=dict)
     predictor_model: str | None = None
     history_path: str | None = None
+    checkpoint_dir: str | None = None
     predictor_interval_s: float = 5.0
     drain_grace_s: float = 30.0
 
@@ -214,6 +217,8 @@ class NodeAgent:
         self._group_warm = False  # the current generation's workers were all activated standbys
         self._last_heartbeat = 0.0
         self._in_keepalive = False
+        self._relayed: set[str] = set()  # job-wide checkpoint requests already passed to the workers
+        self._drain_after_step: int | None = None  # the job-wide checkpoint a pending drain waits for
         self._runner = None
         self._hardware_detectors: tuple[str, ...] = ()
         self._pending_events: list[HealthEvent] = []
@@ -255,16 +260,53 @@ class NodeAgent:
         with self._lock:
             self.last_checkpoint_step = max(self.last_checkpoint_step, report.step)
 
-    def advise(self, kind: int, reason: str) -> str:
-        """Queues an advisory (e.g. CHECKPOINT_NOW) for every current local worker; returns its id."""
+    def advise(self, kind: int, reason: str, at_step: int = 0) -> str:
+        """Queues an advisory for every current local worker; returns its id.
+
+        Args:
+            kind: the proto ``AdvisoryKind`` (CHECKPOINT_NOW, STOP).
+            reason: why, for the workers' logs.
+            at_step: CHECKPOINT_NOW only: save when this step completes (a job-wide checkpoint); 0 for the next
+                step.
+        """
         adv_id = uuid.uuid4().hex[:12]
         with self._lock:
             if self._group is not None:
                 for w in self._group.workers:
                     self._advisories.setdefault(w.spec.rank, []).append(
-                        agent_pb2.Advisory(kind=kind, reason=reason, advisory_id=adv_id)
+                        agent_pb2.Advisory(kind=kind, reason=reason, advisory_id=adv_id, at_step=at_step)
                     )
         return adv_id
+
+    def _ask_checkpoint(self, alarm: HealthEvent) -> None:
+        """Asks the coordinator for a job-wide checkpoint (every rank saves at the same step, so the step is
+        complete and the drain loses nothing after it); without a coordinator, or when it cannot be reached,
+        advises the local workers to save at their next step."""
+        if self._stub is not None:
+            ev = HealthEvent(source=alarm.source, kind="predictor.checkpoint", severity=Severity.WARNING,
+                             action=Action.CHECKPOINT_NOW, message=alarm.message, node_id=self.config.node_id)
+            req = coordinator_pb2.ReportEventRequest(
+                job=self.config.job, node_id=self.config.node_id, lease_id=self._lease, generation=self.generation,
+                event=ev.to_proto(), proposed_level=coordinator_pb2.RECOVERY_LEVEL_NONE, failed_rank=-1)
+            try:
+                resp = self._stub.ReportEvent(req, timeout=_RPC_TIMEOUT_S)
+                log.info("coordinator: %s", resp.message)
+                return
+            except grpc.RpcError as exc:
+                log.warning("could not ask the coordinator for a job-wide checkpoint (%s); advising the local "
+                            "workers only", exc.code().name)
+        self.advise(agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW, alarm.message)
+
+    def _relay_checkpoint(self, req: coordinator_pb2.CheckpointRequest) -> None:
+        """Passes a job-wide checkpoint request from the coordinator to the local workers, once per id."""
+        if not req.request_id or req.request_id in self._relayed or req.generation != self.generation:
+            return
+        self._relayed.add(req.request_id)
+        with self._lock:
+            if self._drain_due is not None:
+                self._drain_after_step = req.at_step
+        log.info("job-wide checkpoint at step %d requested (%s)", req.at_step, req.reason)
+        self.advise(agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW, req.reason, at_step=req.at_step)
 
     def health_snapshot(self, max_events: int = 20) -> agent_pb2.NodeHealth:
         """The node's current health as a ``NodeHealth`` message."""
@@ -763,9 +805,9 @@ class NodeAgent:
             node_id=self.config.node_id,
         )
         self.bus.publish(event)
-        log.warning("predictor alarm: %s; advising the workers to checkpoint now, drain request in %.1f s",
+        log.warning("predictor alarm: %s; asking for a checkpoint now, drain request in %.1f s",
                     event.message, self._drain_grace_s)
-        self.advise(agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW, event.message)
+        self._ask_checkpoint(event)
         with self._lock:
             if self._drain_due is None:
                 self._drain_due = (time.monotonic() + self._drain_grace_s, event, self.generation)
@@ -773,9 +815,15 @@ class NodeAgent:
     def _drain_if_due(self) -> None:
         with self._lock:
             due = self._drain_due
-            if due is None or time.monotonic() < due[0]:
+            if due is None:
+                return
+            # Drain as soon as the job-wide checkpoint the alarm asked for is complete on disk (every rank's
+            # commit marker), rather than train on for the rest of the grace only to lose those steps.
+            if time.monotonic() < due[0] and not (self._drain_after_step is not None
+                                                  and self._job_step_complete(self._drain_after_step)):
                 return
             self._drain_due = None
+            self._drain_after_step = None
         reported = self._node_reports.reported_since(due[2])
         if reported is not None:
             # A hardware fault already had this node replaced (or the job restarted) since the alarm.
@@ -785,8 +833,24 @@ class NodeAgent:
         log.error("predicted failure: asking the coordinator to drain this node (%s)", due[1].message)
         self._report_node(due[1], self.generation, -1, 0)
 
+    def _job_step_complete(self, step: int) -> bool:
+        """Whether checkpoint ``step`` has every rank's commit marker under ``checkpoint_dir`` (see
+        :mod:`trainguard.checkpoint.storage`)."""
+        from trainguard.checkpoint.storage import step_dirname
+
+        table = self.table
+        if not self.config.checkpoint_dir or table is None:
+            return False
+        try:
+            names = os.listdir(os.path.join(self.config.checkpoint_dir, self.config.job, step_dirname(step)))
+        except OSError:
+            return False
+        return sum(1 for n in names if n.endswith(".commit")) >= table.world_size
+
     def _obey(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> int | None:
         cmd = resp.command
+        if resp.HasField("checkpoint"):
+            self._relay_checkpoint(resp.checkpoint)
         if cmd in (coordinator_pb2.NODE_COMMAND_START, coordinator_pb2.NODE_COMMAND_RESTART):
             if resp.rank_table.generation != self.generation or self._group is None:
                 self._stop_workers()

@@ -132,6 +132,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         detector_config=detector_config,
         predictor_model=args.predictor_model,
         history_path=args.metric_history,
+        checkpoint_dir=args.checkpoint_dir,
         predictor_interval_s=args.predictor_interval_s,
         drain_grace_s=args.drain_grace_s,
     )

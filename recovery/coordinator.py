@@ -25,6 +25,7 @@ so its workers are gone) is a process-level failure of that generation.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import re
 import threading
@@ -238,6 +239,9 @@ class JobCoordinator:
         self._start_cache: dict[tuple[int, int, str, float], coordinator_pb2.NodeHeartbeatResponse] = {}
         self._running: set[str] = set()  # slot holders running the current generation
         self._succeeded: set[str] = set()  # slot holders whose workers of the current generation all exited 0
+        self._ckpt_req: coordinator_pb2.CheckpointRequest | None = None  # job-wide checkpoint being relayed
+        self._step_rate = 0.0  # steps/s of the current generation (EWMA over >= 1 s windows)
+        self._rate_mark: tuple[float, int, int] | None = None  # (time, max step, generation) of the last sample
         self.fenced = ""
         self._load()
 
@@ -659,6 +663,8 @@ class JobCoordinator:
             if req.free_port > 0:
                 m.free_port = req.free_port
             m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
+            if req.generation == st.generation and req.last_step >= 0:
+                self._observe_step(now, req.last_step, st.generation)
             if req.generation == st.generation >= 0 and self._layout is not None \
                     and self._layout.slot_of(req.node_id) is not None:
                 self._running.add(req.node_id)
@@ -692,6 +698,9 @@ class JobCoordinator:
             resp.message = "spare: no ranks in this generation"
         elif m.generation == st.generation:
             resp.command = _CMD.NODE_COMMAND_NONE
+            req = self._ckpt_req
+            if req is not None and req.generation == st.generation:
+                resp.checkpoint.CopyFrom(req)
         else:
             cmd = _CMD.NODE_COMMAND_START if m.generation < 0 else _CMD.NODE_COMMAND_RESTART
             if self._full_table is not None and len(self._full_table.nodes) <= self.spec.full_table_max_nodes:
@@ -734,6 +743,8 @@ class JobCoordinator:
                 raise StaleGenerationError(f"report about generation {req.generation}, but job {self.spec.job!r} "
                                            f"is at generation {st.generation}")
             m.last_seen = now
+            if req.proposed_level <= _CMD.RECOVERY_LEVEL_NONE and req.event.action == common_pb2.ACTION_CHECKPOINT_NOW:
+                return _CMD.RECOVERY_LEVEL_NONE, st.generation, self._request_checkpoint(req, now), None
             f = Failure(req.node_id, req.generation, classify(req.event, req.proposed_level),
                         Level(req.proposed_level) if req.proposed_level >= 1 else Level.NONE,
                         req.failed_rank, req.exit_code, req.event.message or req.event.kind, self._wall())
@@ -742,6 +753,43 @@ class JobCoordinator:
             self._advance()
             fut = self._state_fut if self._state_fut is not fut_before else None
             return level, gen, msg, fut
+
+    def _observe_step(self, now: float, step: int, generation: int) -> None:
+        """Keeps the job's step rate from heartbeats (for how far ahead a job-wide checkpoint must be set)."""
+        mark = self._rate_mark
+        if mark is None or mark[2] != generation or step < mark[1]:
+            self._rate_mark = (now, step, generation)
+            return
+        if now - mark[0] >= 1.0:
+            rate = (step - mark[1]) / (now - mark[0])
+            self._step_rate = rate if self._step_rate == 0.0 else 0.5 * self._step_rate + 0.5 * rate
+            self._rate_mark = (now, step, generation)
+
+    def _request_checkpoint(self, req: coordinator_pb2.ReportEventRequest, now: float) -> str:
+        """Sets a job-wide checkpoint at a step every rank has not reached yet (called with the lock held).
+
+        The step is the furthest step reported plus what the job does in two heartbeat intervals and half a
+        second more (time for every agent to hear of it and tell its workers), at least 2 steps ahead. A request
+        still ahead of the job is kept rather than moved.
+
+        Returns:
+            The message for the reporter.
+        """
+        st = self._policy.state
+        if st.phase is not Phase.RUNNING or st.plan is not None or self._layout is None:
+            return f"no checkpoint requested: the job is {st.phase.name.lower()}"
+        furthest = max((self._members[s.node_id].last_step for s in self._layout.slots
+                        if s.node_id in self._members), default=-1)
+        cur = self._ckpt_req
+        if cur is not None and cur.generation == st.generation and cur.at_step > furthest:
+            return f"a job-wide checkpoint at step {cur.at_step} is already pending"
+        ahead = max(2, math.ceil(self._step_rate * (2.0 * self._interval_s() + 0.5)) + 1)
+        self._ckpt_req = coordinator_pb2.CheckpointRequest(
+            at_step=furthest + ahead, reason=f"{req.node_id}: {req.event.message or req.event.kind}",
+            request_id=uuid.uuid4().hex[:12], generation=st.generation)
+        log.warning("job %s: job-wide checkpoint requested at step %d (furthest step %d, %.1f steps/s): %s",
+                    self.spec.job, self._ckpt_req.at_step, furthest, self._step_rate, self._ckpt_req.reason)
+        return f"job-wide checkpoint at step {self._ckpt_req.at_step}"
 
     def rank_table(self, job: str) -> common_pb2.RankTable:
         """The current generation's full rank table (empty, with ``job`` set, before the first one forms).

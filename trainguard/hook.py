@@ -164,6 +164,7 @@ class Session:
         self._last_step_end = time.monotonic()
         self._handled_advisories: set[str] = set()
         self._checkpoint_now = False
+        self._checkpoint_at: set[int] = set()  # steps of pending job-wide checkpoints
         self._agent: _AgentLink | None = None
         self._ckpt = None
         self._finished = False
@@ -287,7 +288,13 @@ class Session:
             self._agent.beat(step, dt)
             self._apply_advisories()
         due = self.save_every > 0 and (step + 1) % self.save_every == 0
-        if state is not None and (due or self._checkpoint_now):
+        at = step in self._checkpoint_at
+        if self._checkpoint_at:
+            missed = {s for s in self._checkpoint_at if s < step}
+            for s in sorted(missed):
+                log.warning("job-wide checkpoint at step %d: heard of it only at step %d, too late", s, step)
+            self._checkpoint_at -= missed | {step}
+        if state is not None and (due or at or self._checkpoint_now):
             self._checkpoint_now = False
             self.save(state, step)
 
@@ -298,7 +305,11 @@ class Session:
             if adv.advisory_id in self._handled_advisories:
                 continue
             self._handled_advisories.add(adv.advisory_id)
-            if adv.kind == agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW:
+            if adv.kind == agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW and adv.at_step > 0:
+                # Job-wide: every rank saves when it completes the same step, so that step is complete.
+                log.warning("job-wide checkpoint at step %d: %s", adv.at_step, adv.reason)
+                self._checkpoint_at.add(adv.at_step)
+            elif adv.kind == agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW:
                 log.warning("agent advises a checkpoint now: %s", adv.reason)
                 self._checkpoint_now = True
             elif adv.kind == agent_pb2.ADVISORY_KIND_STOP:

@@ -225,6 +225,32 @@ def test_peers_crash_report_waits_for_the_quiet_node_and_merges_into_one_node_re
     assert t.restart_count == 1
 
 
+def test_predicted_failure_gets_one_job_wide_checkpoint_step_ahead_of_every_rank(server) -> None:
+    srv, stub = server
+    nodes = _form(stub, [_info("a0", "pa", 0), _info("a1", "pa", 1), _info("b0", "pb", 0)])
+    for step in range(0, 40, 4):  # ~40 steps/s reported over a second
+        for n in nodes:
+            n.beat(workers_running=2, last_step=step)
+        time.sleep(0.1)
+
+    def ask(node: Node) -> pb.ReportEventResponse:
+        ev = common_pb2.HealthEvent(node_id=node.info.node_id, source="predictor", kind="predictor.checkpoint",
+                                    message="risk 0.97", severity=common_pb2.SEVERITY_WARNING,
+                                    action=common_pb2.ACTION_CHECKPOINT_NOW)
+        return stub.ReportEvent(pb.ReportEventRequest(job=JOB, node_id=node.info.node_id, lease_id=node.lease,
+                                                      generation=node.gen, event=ev,
+                                                      proposed_level=pb.RECOVERY_LEVEL_NONE, failed_rank=-1))
+
+    r = ask(nodes[2])
+    assert r.decided_level == pb.RECOVERY_LEVEL_NONE and r.new_generation == 1 and "job-wide checkpoint" in r.message
+    reqs = [n.beat(workers_running=2, last_step=36).checkpoint for n in nodes]
+    assert len({(q.at_step, q.request_id) for q in reqs}) == 1  # every node hears the same step
+    assert reqs[0].at_step >= 36 + 2 and reqs[0].generation == 1 and "b0" in reqs[0].reason
+    assert "already pending" in ask(nodes[0]).message  # no second, moving target
+    nodes[0].fail(rank=0, code=1)  # a restart: the request belonged to generation 1 only
+    assert not any(n.beat(workers_running=0).HasField("checkpoint") for n in nodes)
+
+
 def test_fencing_refuses_the_superseded_coordinator(tmp_path) -> None:
     spec = JobSpec(job=JOB, store=f"sqlite://{tmp_path}/f.db")
     old = JobCoordinator(spec)

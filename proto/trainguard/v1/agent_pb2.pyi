@@ -143,14 +143,16 @@ class WorkerHeartbeatRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class Advisory(_message.Message):
-    __slots__ = ("kind", "reason", "advisory_id")
+    __slots__ = ("kind", "reason", "advisory_id", "at_step")
     KIND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ADVISORY_ID_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
     kind: AdvisoryKind
     reason: str
     advisory_id: str
-    def __init__(self, kind: _Optional[_Union[AdvisoryKind, str]] = ..., reason: _Optional[str] = ..., advisory_id: _Optional[str] = ...) -> None: ...
+    at_step: int
+    def __init__(self, kind: _Optional[_Union[AdvisoryKind, str]] = ..., reason: _Optional[str] = ..., advisory_id: _Optional[str] = ..., at_step: _Optional[int] = ...) -> None: ...
 
 class WorkerHeartbeatResponse(_message.Message):
     __slots__ = ("advisories", "generation")

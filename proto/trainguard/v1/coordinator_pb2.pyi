@@ -90,19 +90,33 @@ class NodeHeartbeatRequest(_message.Message):
     free_port: int
     def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ...) -> None: ...
 
+class CheckpointRequest(_message.Message):
+    __slots__ = ("at_step", "reason", "request_id", "generation")
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    at_step: int
+    reason: str
+    request_id: str
+    generation: int
+    def __init__(self, at_step: _Optional[int] = ..., reason: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message")
+    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "checkpoint")
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     command: NodeCommand
     rank_table: _common_pb2.RankTable
     interval_s: float
     job_state: JobState
     message: str
-    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    checkpoint: CheckpointRequest
+    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ...) -> None: ...
 
 class ReportEventRequest(_message.Message):
     __slots__ = ("job", "node_id", "lease_id", "generation", "event", "proposed_level", "failed_rank", "exit_code")

@@ -1,0 +1,63 @@
+"""The hook's checkpoint advisories: a job-wide one saves exactly at its step (so every rank holds the same
+step), a late one is skipped with a warning, a plain one saves at the next step."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from trainguard.hook import Session
+from trainguard.proto import agent_pb2
+
+
+class _Link:
+    """The agent side of the hook's link, holding advisories to hand over (the hook code under test is real)."""
+
+    def __init__(self) -> None:
+        self.queue: list[agent_pb2.Advisory] = []
+        self.reported: list[int] = []
+
+    def beat(self, step: int, dt: float) -> None:
+        pass
+
+    def take_advisories(self) -> list[agent_pb2.Advisory]:
+        out, self.queue = self.queue, []
+        return out
+
+    def report_checkpoint(self, step: int, tier: str, nbytes: int, stall_s: float) -> None:
+        self.reported.append(step)
+
+
+def _adv(i: int, at_step: int = 0) -> agent_pb2.Advisory:
+    return agent_pb2.Advisory(kind=agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW, reason="predicted", advisory_id=str(i),
+                              at_step=at_step)
+
+
+def test_job_wide_checkpoint_at_its_step_late_one_skipped_plain_one_next_step(tmp_path, caplog) -> None:
+    s = Session(checkpoint_dir=str(tmp_path / "ck"), save_every=0, job="adv")
+    link = _Link()
+    s._agent = link
+    state = {"w": torch.arange(4.0)}
+    try:
+        link.queue.append(_adv(1, at_step=5))
+        for step in range(0, 5):
+            s.step_done(step, state)
+        assert link.reported == []  # not before its step
+        s.step_done(5, state)
+        assert link.reported == [5]
+        link.queue.append(_adv(2, at_step=6))  # heard of only after step 6 was done
+        s.step_done(7, state)
+        with caplog.at_level(logging.WARNING, logger="trainguard"):
+            link.queue.append(_adv(3, at_step=7))
+            s.step_done(8, state)
+        assert link.reported == [5] and "too late" in caplog.text
+        link.queue.append(_adv(4))  # node-local advice: the next step
+        s.step_done(9, state)
+        assert link.reported == [5, 9]
+        link.queue.append(_adv(4))  # an id is acted on once
+        s.step_done(10, state)
+        assert link.reported == [5, 9]
+    finally:
+        s._agent = None
+        s.close()
