@@ -214,7 +214,6 @@ class NodeAgent:
         # Tells a restarted agent of this node apart from a second agent claiming the same node id.
         self._instance = uuid.uuid4().hex
         self._standbys: dict[int, object] = {}
-        self._group_warm = False  # the current generation's workers were all activated standbys
         self._last_heartbeat = 0.0
         self._in_keepalive = False
         self._relayed: set[str] = set()  # job-wide checkpoint requests already passed to the workers
@@ -562,12 +561,9 @@ class NodeAgent:
             self._group = group
             self._advisories.clear()
         standbys, self._standbys = self._standbys, {}
-        offered = set(standbys)
         try:
             group.start(standbys)
         finally:
-            # Workers that came from standbys have their imports done: new standbys need not wait for a first step.
-            self._group_warm = bool(offered) and not standbys and len(offered) >= len(specs)
             self._drop_standbys(standbys)
         now = time.time()
         for rec in self.fault_records:
@@ -606,8 +602,10 @@ class NodeAgent:
                     self._standbys[local_rank] = proc
             return
         workers = group.workers
-        if not workers or (all(w.last_step < 0 for w in workers) and not self._group_warm):
-            return  # still starting: standbys would compete with the workers' own imports
+        if not workers or all(w.last_step < 0 for w in workers):
+            # Still starting: new standbys' imports would compete with the workers' start-up and restore (on a
+            # 2-core node re-arming at once made every restart ~0.5 s slower, bench/bench_restart.py).
+            return
         for w in workers:
             if script_argv(w.spec.argv) is None:
                 return

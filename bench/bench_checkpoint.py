@@ -129,6 +129,8 @@ def main() -> int:
                     help="training state per node of the modelled job, GiB (default 2.58: 405e9 parameters x 14 "
                          "bytes (bf16 weights, fp32 master, Adam moments) over 2,048 nodes)")
     args = ap.parse_args()
+    if not args.per_node_gib > 0:
+        ap.error(f"--per-node-gib must be a positive number of GiB, got {args.per_node_gib}")
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -28,35 +28,12 @@ from trainguard.detectors.predictor.history import MetricHistory
 from trainguard.detectors.predictor.runtime import PredictorRuntime
 from trainguard.detectors.roce import RoceConfig, RoceDetector
 from trainguard.detectors.runner import DetectorRunner
+from trainguard.drill.fakehw import write_pci_device
 
 # --- fake trees in the kernel's formats ----------------------------------------------------------------------
 
-COR = ["RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF"]
-UNCOR = ["Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF", "MalfTLP", "ECRC",
-         "UnsupReq", "ACSViol", "UncorrIntErr", "BlockedTLP", "AtomicOpBlocked", "TLPBlockedErr", "PoisonTLPBlocked"]
 ROOT_PORT, GPU0, GPU1 = "0000:00:03.0", "0000:3b:00.0", "0000:3c:00.0"
-
-
-def _aer_table(names, total_key, values) -> str:
-    return "\n".join([f"{n} {values.get(n, 0)}" for n in names] + [f"{total_key} {sum(values.values())}"]) + "\n"
-
-
-def pci_device(root, bdf, cls="0x030200", cor=None, fatal=None, width=16, max_width=16, above=""):
-    """/sys/devices/pci0000:00/<ports>/<bdf> with AER and link files, and /sys/bus/pci/devices/<bdf> -> it."""
-    d = root / "sys/devices/pci0000:00" / above / bdf
-    d.mkdir(parents=True, exist_ok=True)
-    link = root / "sys/bus/pci/devices" / bdf
-    link.parent.mkdir(parents=True, exist_ok=True)
-    if not link.is_symlink():
-        link.symlink_to(d)
-    (d / "class").write_text(cls + "\n")
-    (d / "aer_dev_correctable").write_text(_aer_table(COR, "TOTAL_ERR_COR", cor or {}))
-    (d / "aer_dev_nonfatal").write_text(_aer_table(UNCOR, "TOTAL_ERR_NONFATAL", {}))
-    (d / "aer_dev_fatal").write_text(_aer_table(UNCOR, "TOTAL_ERR_FATAL", fatal or {}))
-    (d / "current_link_width").write_text(f"{width}\n")
-    (d / "max_link_width").write_text(f"{max_width}\n")
-    (d / "current_link_speed").write_text("32.0 GT/s PCIe\n")
-    (d / "max_link_speed").write_text("32.0 GT/s PCIe\n")
+pci_device = write_pci_device  # one PCI function in the kernel's sysfs formats
 
 
 def pci_tree(root, gpu0_cor=0, gpu1_cor=0, gpu0_fatal=0, gpu0_width=16):
@@ -428,14 +405,18 @@ LEARNED = ("pcie_aer_corrected_total", "nic_symbol_errors_total", "rdma_retrans_
            "step_time_s")
 
 
+def _pci_rdma_node(root, model) -> "Node":
+    """A fake PCIe and RDMA tree under ``root`` read by the real detectors, scored by ``model``."""
+    pci_tree(root)
+    rdma_tree(root)
+    return Node([PcieDetector(PcieConfig(root=str(root))), RoceDetector(RoceConfig(root=str(root), ethtool=False))],
+                runtime=PredictorRuntime(model))
+
+
 def test_learned_tier_scores_the_mapped_names(tmp_path):
     model = _train(LEARNED)
     assert list(model.spec.metrics) == list(LEARNED)
-    pci_tree(tmp_path)
-    rdma_tree(tmp_path)
-    node = Node([PcieDetector(PcieConfig(root=str(tmp_path))), RoceDetector(RoceConfig(root=str(tmp_path),
-                                                                                        ethtool=False))],
-                runtime=PredictorRuntime(model))
+    node = _pci_rdma_node(tmp_path, model)
     try:
         t0 = 1_700_000_000.0
         for k in range(30):  # 150 s healthy
@@ -457,11 +438,7 @@ def test_learned_tier_scores_the_mapped_names(tmp_path):
 
 def test_model_metric_this_node_lacks_falls_back_to_rules(tmp_path, caplog):
     model = _train(LEARNED + ("gpu_temp_c",))
-    pci_tree(tmp_path)
-    rdma_tree(tmp_path)
-    node = Node([PcieDetector(PcieConfig(root=str(tmp_path))), RoceDetector(RoceConfig(root=str(tmp_path),
-                                                                                        ethtool=False))],
-                runtime=PredictorRuntime(model))
+    node = _pci_rdma_node(tmp_path, model)
     try:
         with caplog.at_level(logging.INFO, logger="trainguard.agent.predictor_feed"):
             s = node.tick(1000.0, step_time_s=1.0)

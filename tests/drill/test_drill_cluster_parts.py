@@ -122,6 +122,8 @@ def test_cluster_config_checks() -> None:
                 dict(extra=("agentkill",))):
         with pytest.raises(SoakError):
             SoakConfig(**bad).validate()
+    with pytest.raises(SoakError, match=r"--spares 0: .*; --lease-timeout 0.3: must exceed"):
+        SoakConfig(nodes=2, spares=0, lease_timeout_s=0.3).validate()  # every wrong flag named at once
     SoakConfig(nodes=2, extra=("agentkill", "coordinator", "precursor")).validate()
 
 

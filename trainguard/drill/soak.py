@@ -85,6 +85,8 @@ CLUSTER_INJECTED: dict[str, str] = {
 }
 
 EXTRA_KINDS = ("kill", "stop", "enospc")
+#: Heartbeat interval of the cluster drill's coordinator, seconds.
+CLUSTER_HEARTBEAT_S = 0.2
 CLUSTER_EXTRA_KINDS = EXTRA_KINDS + ("hwfault", "agentkill", "linkdown", "precursor", "coordinator")
 NO_NETNS_REASON = ("the nodes run on loopback (--no-netns): there is no separate data link to take down; run as "
                    "root with network namespaces")
@@ -164,10 +166,17 @@ class SoakConfig:
             raise SoakError(f"unknown extra fault kind(s) {sorted(bad)}; use {', '.join(kinds)}{hint}")
         if self.nodes == 1 or self.nodes < 0:
             raise SoakError(f"nodes must be 0 (one node, --nproc workers) or >= 2, got {self.nodes}")
-        if self.nodes and (self.spares < 1 or self.lease_timeout_s <= 0 or self.drain_grace_s < 0
-                           or self.precursor_lead_s <= 0):
-            raise SoakError("a cluster drill needs spares >= 1, lease_timeout_s > 0, drain_grace_s >= 0 and "
-                            "precursor_lead_s > 0")
+        if self.nodes:
+            bad = [why for wrong, why in (
+                (self.spares < 1, f"--spares {self.spares}: a cluster drill needs at least 1 spare"),
+                (self.lease_timeout_s <= 2 * CLUSTER_HEARTBEAT_S,
+                 f"--lease-timeout {self.lease_timeout_s:g}: must exceed two of the drill's "
+                 f"{CLUSTER_HEARTBEAT_S:g} s heartbeat intervals"),
+                (self.drain_grace_s < 0, f"--drain-grace {self.drain_grace_s:g}: must be >= 0 seconds"),
+                (self.precursor_lead_s <= 0, f"--precursor-lead {self.precursor_lead_s:g}: must be > 0 seconds"),
+            ) if wrong]
+            if bad:
+                raise SoakError("; ".join(bad))
         if self.nodes and not self.netns and "linkdown" in self.extra:
             raise SoakError("the linkdown fault needs network namespaces; drop it from --extra or drop --no-netns")
 

@@ -54,6 +54,7 @@ from trainguard.drill.errors import SoakError
 from trainguard.drill.fakehw import FakeNodeHardware
 from trainguard.drill.netns import Fabric, NodeNet
 from trainguard.drill.soak import (
+    CLUSTER_HEARTBEAT_S,
     SKIPPED,
     FaultOutcome,
     PlannedFault,
@@ -185,7 +186,7 @@ class _Cluster:
         cmd = [sys.executable, "-m", "trainguard.cli", "--log-level", "INFO", "coordinator", "--job", "soak",
                "--listen", f"{self.coord_host}:{port}", "--store", f"sqlite://{self.workdir}/coordinator.db",
                "--nnodes", str(self.cfg.nodes), "--max-restarts", str(self.cfg.max_restarts),
-               "--heartbeat-interval", "0.2", "--lease-timeout", str(self.cfg.lease_timeout_s), "--backoff", "0",
+               "--heartbeat-interval", str(CLUSTER_HEARTBEAT_S), "--lease-timeout", str(self.cfg.lease_timeout_s), "--backoff", "0",
                "--repeat-window", f"{self.repeat_window_s:.3f}", "--port-file", str(pf)]
         self.coordinator = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=open(logp, "w"),
                                             start_new_session=True)
