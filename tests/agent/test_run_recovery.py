@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,12 @@ def test_sigkilled_worker_resumes_bitwise_equal(tmp_path: Path, tg_env: dict) ->
     faulty = _train(tmp_path, tg_env, "faulty", ["--fault", f"1:{kill_step}:KILL"])
     assert "rank 1 ended with signal SIGKILL (9)" in faulty["stderr"], faulty["stderr"][-2000:]
     assert faulty["result"]["restart_count"] == 1
-    # Resumed from the newest checkpoint at or before the kill, not from scratch.
+    # Resumed from the newest checkpoint at or before the kill, not from scratch. The agent strikes once it has
+    # seen step >= kill_step (its 50 ms poll may see a later one), and the worker may be saving the next step by
+    # then: the bound is the step the agent logged at the kill, plus that one.
+    seen = int(re.search(r"fault injected: SIGKILL to rank 1 at step (\d+)", faulty["stderr"]).group(1))
     restored = faulty["result"]["restored_step"]
-    assert restored is not None and kill_step - 10 <= restored <= kill_step, (kill_step, restored)
+    assert restored is not None and kill_step - 10 <= restored <= seen + 1, (kill_step, seen, restored)
     # The agent-owned shared-memory tier outlived the killed worker and served the restore.
     assert faulty["result"]["restored_tier"] == "memory"
     assert faulty["result"]["params_sha256"] == clean["result"]["params_sha256"], f"kill at step {kill_step}"
