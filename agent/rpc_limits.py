@@ -1,6 +1,7 @@
 """Guards in front of the NodeAgent gRPC methods: request size, well-formedness, field ranges, stream count.
 
-A server interceptor re-wraps each guarded method so that the handler receives the request *bytes* first:
+The shared server interceptor (:mod:`trainguard.grpc_guard`, also in front of the coordinator) re-wraps each
+guarded method so that the handler receives the request *bytes* first:
 
 1. more than ``max_request_bytes`` -> INVALID_ARGUMENT, before anything is parsed (gRPC's own transport cap,
    ``max_message_bytes``, still drops far larger messages with RESOURCE_EXHAUSTED before they are read);
@@ -15,14 +16,9 @@ Each call is counted in the agent's metrics by method and status code.
 from __future__ import annotations
 
 import math
-import threading
-import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
-import grpc
-from google.protobuf.message import DecodeError
-
+from trainguard.grpc_guard import CallObserver, RequestGuard as SharedRequestGuard, Validator
 from trainguard.proto import agent_pb2, common_pb2
 
 #: Service whose methods are guarded.
@@ -33,9 +29,6 @@ MAX_HEALTH_EVENTS = 1000
 MAX_REPLAY = 10_000
 #: Checkpoint tiers a worker may report ("snapshot": copied out of the model, not yet in any tier).
 CHECKPOINT_TIERS = ("snapshot", "memory", "disk", "remote")
-
-Validator = Callable[[Any], "str | None"]
-
 
 def _finite_nonneg(value: float) -> bool:
     return math.isfinite(value) and value >= 0
@@ -91,12 +84,8 @@ VALIDATORS: dict[str, Validator] = {
     f"/{GUARDED_SERVICE}/ReportCheckpoint": _check_checkpoint,
 }
 
-# Observer of finished calls: (method short name, status code name, seconds or None for streams).
-CallObserver = Callable[[str, str, "float | None"], None]
-
-
-class RequestGuard(grpc.ServerInterceptor):
-    """Server interceptor enforcing the checks in the module docstring on the NodeAgent service."""
+class RequestGuard(SharedRequestGuard):
+    """The shared request guard (:mod:`trainguard.grpc_guard`) on the NodeAgent service, with its checks."""
 
     def __init__(
         self,
@@ -113,84 +102,5 @@ class RequestGuard(grpc.ServerInterceptor):
             observer: called once per finished call (e.g. ``AgentMetrics.observe_request``).
             validators: per-method checks; default :data:`VALIDATORS`.
         """
-        self.max_request_bytes = max_request_bytes
-        self._streams = threading.BoundedSemaphore(max_watchers) if max_watchers > 0 else None
-        self._observer = observer
-        self._validators = VALIDATORS if validators is None else validators
-
-    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(details)
-        method: str = details.method
-        if handler is None or not method.startswith(f"/{GUARDED_SERVICE}/"):
-            return handler
-        short = method.rsplit("/", 1)[-1]
-        check = self._validators.get(method)
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary, handler.request_deserializer, check, short),
-                request_deserializer=None,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(handler.unary_stream, handler.request_deserializer, check, short),
-                request_deserializer=None,
-                response_serializer=handler.response_serializer,
-            )
-        return handler  # client-streaming methods: none in the NodeAgent service
-
-    def _decode(self, raw: bytes, deserialize: Callable[[bytes], Any], check: Validator | None,
-                context: grpc.ServicerContext) -> Any:
-        if len(raw) > self.max_request_bytes:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"request of {len(raw)} bytes exceeds the {self.max_request_bytes}-byte limit")
-        try:
-            request = deserialize(raw)
-        except (DecodeError, ValueError, TypeError):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed request: not a valid protobuf message")
-        problem = check(request) if check is not None else None
-        if problem:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        return request
-
-    def _observe(self, short: str, context: grpc.ServicerContext, failed: bool, seconds: float | None) -> None:
-        if self._observer is None:
-            return
-        code = context.code() if hasattr(context, "code") else None
-        if code is None:
-            code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
-        self._observer(short, code.name, seconds)
-
-    def _wrap_unary(self, behavior: Callable, deserialize: Callable, check: Validator | None, short: str) -> Callable:
-        def guarded(raw: bytes, context: grpc.ServicerContext) -> Any:
-            start = time.perf_counter()
-            failed = True
-            try:
-                request = self._decode(raw, deserialize, check, context)
-                response = behavior(request, context)
-                failed = False
-                return response
-            finally:
-                self._observe(short, context, failed, time.perf_counter() - start)
-
-        return guarded
-
-    def _wrap_stream(self, behavior: Callable, deserialize: Callable, check: Validator | None, short: str) -> Callable:
-        def guarded(raw: bytes, context: grpc.ServicerContext) -> Any:
-            failed = True
-            acquired = False
-            try:
-                request = self._decode(raw, deserialize, check, context)
-                if self._streams is not None:
-                    acquired = self._streams.acquire(blocking=False)
-                    if not acquired:
-                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      "too many concurrent streams; retry later or raise grpc.max_watchers")
-                yield from behavior(request, context)
-                failed = False
-            finally:
-                if acquired:
-                    self._streams.release()
-                self._observe(short, context, failed, None)
-
-        return guarded
+        super().__init__(GUARDED_SERVICE, max_request_bytes, max_watchers, observer,
+                         VALIDATORS if validators is None else validators)

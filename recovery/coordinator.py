@@ -41,6 +41,7 @@ from trainguard.recovery.committer import GroupCommitter
 from trainguard.recovery.errors import (DuplicateNodeError, FencedError, InvalidRequestError, MembershipError,
                                         NotServingError, PolicyError, SlotTakenError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
+from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyConfig, PolicyState, RecoveryPolicy
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
@@ -83,6 +84,8 @@ class JobSpec:
         max_heartbeat_rate: heartbeats per second the coordinator invites at most: with more nodes than
             ``rate x heartbeat_interval_s`` it tells nodes a longer interval (nodes / rate) and stretches the
             lease to at least 3 such intervals, so a large job cannot overload it. Default 5000/s.
+        membership_timeout_s: how long a recovery waits for a valid membership (a spare of the right pod, a lost
+            node coming back) before the job fails (MEMBERSHIP_IMPOSSIBLE), seconds. Default 600.
         store: state store URL (see :func:`~trainguard.recovery.store.open_store`). Default ``memory://``.
     """
 
@@ -102,6 +105,7 @@ class JobSpec:
     hold_unhealthy: bool = True
     full_table_max_nodes: int = 1024
     max_heartbeat_rate: float = 5000.0
+    membership_timeout_s: float = 600.0
     store: str = "memory://"
 
     def validate(self) -> None:
@@ -117,6 +121,8 @@ class JobSpec:
             raise InvalidRequestError("need nnodes >= 1, max_restarts >= 0, group_size >= 1, min_nodes >= 0")
         if not self.repeat_window_s > 0:
             raise InvalidRequestError(f"repeat window {self.repeat_window_s} s must be positive")
+        if not self.membership_timeout_s > 0:
+            raise InvalidRequestError(f"membership timeout {self.membership_timeout_s} s must be positive")
         if self.max_heartbeat_rate <= 0:
             raise InvalidRequestError(f"max heartbeat rate {self.max_heartbeat_rate}/s must be positive")
         if self.heartbeat_interval_s <= 0 or self.lease_timeout_s <= self.heartbeat_interval_s:
@@ -130,7 +136,8 @@ class JobSpec:
                             process_repeats_to_node=self.process_repeats_to_node,
                             node_repeats_to_job=self.node_repeats_to_job, window_s=self.repeat_window_s,
                             hold_unhealthy=self.hold_unhealthy, allow_shrink=self.allow_shrink,
-                            min_nodes=self.min_nodes or self.nnodes)
+                            min_nodes=self.min_nodes or self.nnodes,
+                            membership_timeout_s=self.membership_timeout_s)
 
 
 @dataclass
@@ -418,7 +425,6 @@ class JobCoordinator:
         self._layout = layout
         self._master_port = port
         self._used_ports.add(port)
-        self._policy.state.generation = generation
         self._rebuild_table()
         self._form_note = ""
         self._running.clear()
@@ -447,35 +453,26 @@ class JobCoordinator:
             return None
 
     def _plan_layout(self, now: float) -> RankLayout | None:
+        """Places the pending plan's vacancies on the membership now (see :mod:`~trainguard.recovery.planner`)."""
         st = self._policy.state
         plan, lay = st.plan, self._layout
         assert plan is not None and lay is not None
-        holders = [self._members[s.node_id] for s in lay.slots if s.node_id in self._members]
-        try:
-            if plan.level is Level.PROCESS:
-                return lay
-            if plan.level is Level.NODE:
-                gone = set(plan.cordon)
-                specs = [m.spec() for m in holders if m.info.node_id not in gone]
-                for old, new in plan.replacements.items():
-                    spare = self._members.get(new)
-                    if spare is not None and self._lease_live(spare, now):
-                        specs.append(spare.spec(replaces=old))
-                return assign_ranks(specs, previous=lay, group_size=lay.group_size, allow_shrink=plan.shrink,
-                                    grow=False)
-            cordoned = set(st.cordoned) | set(plan.cordon)
-            specs = [m.spec() for m in holders if self._lease_live(m, now) and m.info.node_id not in cordoned]
-            taken = set()
-            for old, new in plan.replacements.items():  # spares the policy picked for failed nodes' slots
-                spare = self._members.get(new)
-                if spare is not None and self._lease_live(spare, now) and new not in cordoned:
-                    specs.append(spare.spec(replaces=old))
-                    taken.add(new)
-            specs += [m.spec() for m in self._candidates(now) if m.info.node_id not in cordoned | taken]
-            return assign_ranks(specs, previous=lay, group_size=lay.group_size, grow=False)
-        except MembershipError as exc:
-            self._note(f"generation {plan.generation} waits: {exc}")
-            return None
+        if plan.level is Level.PROCESS:
+            return lay
+        gone = set(st.cordoned) | set(plan.cordon)
+        holders = [self._members[s.node_id] for s in lay.slots
+                   if s.node_id in self._members and s.node_id not in gone]
+        if plan.level is Level.JOB:  # every node restarts: only live ones can hold a slot
+            holders = [m for m in holders if self._lease_live(m, now)]
+        free = [m.spec() for m in self._candidates(now) if m.info.node_id not in gone]
+        placement = place(lay, [m.spec() for m in holders], free,
+                          allow_shrink=plan.level is Level.NODE and self.spec.allow_shrink,
+                          min_nodes=self._policy.config.min_nodes)
+        if self._policy.replanned(placement, self._wall()):
+            self._save_state()
+        if placement.layout is None:
+            self._note(f"generation {plan.generation} waits: {placement.waiting}")
+        return placement.layout
 
     def _next_layout(self, now: float) -> RankLayout | None:
         """The layout the next generation would get; recomputed only when the membership changed.
@@ -503,9 +500,10 @@ class JobCoordinator:
             self._install(layout, 1, port)
             return
         plan = self._policy.plan_started()
-        for n in plan.cordon:
-            if n not in st.cordoned:
-                st.cordoned.append(n)
+        if plan.replacements:
+            log.warning("job %s: generation %d: replacing %s%s", self.spec.job, plan.generation,
+                        ", ".join(f"{o}->{n}" for o, n in plan.replacements.items()),
+                        " and shrinking" if plan.shrink else "")
         self._install(layout, plan.generation, port)
 
     def _advance(self) -> None:
@@ -516,8 +514,15 @@ class JobCoordinator:
             if len(self._members) >= self.spec.nnodes:
                 self._try_form(now)
         elif st.plan is not None:
-            if self._wall() >= st.plan.not_before_s and not self._quiet_holder(now):
+            # Re-planned on every membership change (cached per version), during the backoff too, so the
+            # plan's message and its wait clock follow the membership.
+            ready = self._next_layout(now) is not None
+            if ready and self._wall() >= st.plan.not_before_s and not self._quiet_holder(now):
                 self._try_form(now)
+            if st.plan is not None and self._policy.check_membership(self._wall()):
+                log.error("job %s: %s", self.spec.job, st.message)
+                self._mver += 1
+                self._save_state()
         elif st.phase in (Phase.RUNNING, Phase.RECOVERING) and self._layout is not None:
             n = len(self._layout.slots)
             if len(self._succeeded) >= n:
@@ -693,6 +698,8 @@ class JobCoordinator:
             resp.command = _CMD.NODE_COMMAND_STOP if m.generation >= 0 else _CMD.NODE_COMMAND_WAIT
             if self._layout is None and self._form_note:
                 resp.message = self._form_note
+            elif st.plan is not None and st.plan.waiting:
+                resp.message = f"generation {st.plan.generation} waits: {st.plan.waiting}"
         elif slot is None:
             resp.command = _CMD.NODE_COMMAND_STOP if m.generation >= 0 else _CMD.NODE_COMMAND_WAIT
             resp.message = "spare: no ranks in this generation"

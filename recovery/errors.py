@@ -21,6 +21,10 @@ class MembershipError(RecoveryError):
     """The membership cannot be laid out into a valid rank table (bad labels, short pods, vacant slots)."""
 
 
+class VacancyError(MembershipError):
+    """Rank slots of the previous generation that no member can fill (the message names each slot's need)."""
+
+
 class GroupSizeError(MembershipError):
     """A pod's rank count is not a multiple of the parallel group size, or a group would span pods."""
 

@@ -46,8 +46,9 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from trainguard.recovery.errors import MembershipError, PolicyError
-from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks
+from trainguard.recovery.errors import PolicyError
+from trainguard.recovery.planner import Placement, place
+from trainguard.recovery.ranks import NodeSpec, RankLayout
 
 
 class Phase(enum.Enum):
@@ -172,6 +173,8 @@ class PolicyConfig:
         hold_unhealthy: a job-level plan keeps nodes that reported themselves broken cordoned even without a
             spare (the generation waits for capacity). False restarts on them, for a job that has no other
             capacity to wait for (``trainguard run`` on one node). Default True.
+        membership_timeout_s: how long a recovery may wait for a valid membership (a spare of the right pod,
+            a lost node coming back) before the job fails with MEMBERSHIP_IMPOSSIBLE, seconds. Default 600.
     """
 
     max_restarts: int = 3
@@ -183,6 +186,7 @@ class PolicyConfig:
     allow_shrink: bool = False
     min_nodes: int = 1
     hold_unhealthy: bool = True
+    membership_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -193,6 +197,9 @@ class PolicyConfig:
             raise PolicyError("process_repeats_to_node, node_repeats_to_job and min_nodes must be >= 1")
         if self.window_s <= 0:
             raise PolicyError(f"window_s={self.window_s} is invalid: use a positive number of seconds")
+        if not self.membership_timeout_s > 0:
+            raise PolicyError(f"membership_timeout_s={self.membership_timeout_s} is invalid: use a positive "
+                              "number of seconds")
 
 
 @dataclass(frozen=True)
@@ -245,13 +252,16 @@ class Plan:
         level: its recovery level.
         failed_nodes: nodes whose failure it handles.
         cordon: nodes excluded from the job from now on.
-        replacements: failed node id -> spare node id taking its slot.
-        shrink: drop slots with no node instead of waiting.
+        replacements: failed node id -> node taking its slot, as last planned (re-planned on every membership
+            change: see :mod:`~trainguard.recovery.planner`).
+        shrink: the last placement drops slots nobody can fill.
         not_before_s: earliest start (backoff), coordinator clock seconds.
         reason: the first failure's description.
         unhealthy: nodes that reported themselves broken (``NODE_CRITICAL``); a job-level plan keeps them
             cordoned even without a spare, so the next generation waits for capacity instead of restarting on a
             node that said it cannot train.
+        waiting: why the last placement found no valid layout ("" when it found one).
+        waiting_since_s: when the plan started waiting for a valid layout (0: not waiting), wall seconds.
     """
 
     generation: int
@@ -263,6 +273,8 @@ class Plan:
     not_before_s: float = 0.0
     reason: str = ""
     unhealthy: list[str] = field(default_factory=list)
+    waiting: str = ""
+    waiting_since_s: float = 0.0
 
 
 @dataclass
@@ -305,7 +317,8 @@ class PolicyState:
             p = self.plan
             d["plan"] = {"generation": p.generation, "level": p.level.name, "failed_nodes": p.failed_nodes,
                          "cordon": p.cordon, "replacements": p.replacements, "shrink": p.shrink,
-                         "not_before_s": p.not_before_s, "reason": p.reason, "unhealthy": p.unhealthy}
+                         "not_before_s": p.not_before_s, "reason": p.reason, "unhealthy": p.unhealthy,
+                         "waiting": p.waiting, "waiting_since_s": p.waiting_since_s}
         return d
 
     @classmethod
@@ -328,7 +341,8 @@ class PolicyState:
                 plan = Plan(int(pd["generation"]), Level[pd["level"]], list(pd["failed_nodes"]),  # type: ignore
                             list(pd["cordon"]), dict(pd["replacements"]), bool(pd["shrink"]),  # type: ignore
                             float(pd["not_before_s"]), str(pd["reason"]),  # type: ignore
-                            [str(n) for n in pd.get("unhealthy", [])])  # type: ignore
+                            [str(n) for n in pd.get("unhealthy", [])],  # type: ignore
+                            str(pd.get("waiting", "")), float(pd.get("waiting_since_s", 0.0)))  # type: ignore
             return cls(Phase[str(d["phase"])], int(d["generation"]), int(d["restart_count"]),  # type: ignore
                        int(d["consecutive"]), int(d["progress_step"]),  # type: ignore
                        {str(k): [float(t) for t in v] for k, v in dict(d["process_failures"]).items()},  # type: ignore
@@ -434,7 +448,7 @@ class RecoveryPolicy:
         self.state.message = why
 
     def plan_started(self) -> Plan:
-        """The prepared plan's generation got its rank table: it becomes current.
+        """The prepared plan's generation got its rank table: it becomes current, its cordon list final.
 
         Returns:
             The plan that was executed.
@@ -447,7 +461,51 @@ class RecoveryPolicy:
             raise PolicyError("no recovery plan is pending")
         plan, st.plan = st.plan, None
         st.generation = plan.generation
+        for n in plan.cordon:
+            if n not in st.cordoned:
+                st.cordoned.append(n)
         return plan
+
+    def replanned(self, placement: Placement, now_s: float) -> bool:
+        """Records the pending plan's latest placement (made on a membership change) and starts or stops the
+        clock of :attr:`PolicyConfig.membership_timeout_s`.
+
+        Args:
+            placement: what :func:`~trainguard.recovery.planner.place` found for the membership now.
+            now_s: wall clock, seconds.
+
+        Returns:
+            Whether the plan changed (the caller persists it).
+        """
+        plan = self.state.plan
+        if plan is None or plan.level < Level.NODE:
+            return False
+        before = (dict(plan.replacements), plan.shrink, plan.waiting, plan.waiting_since_s)
+        plan.replacements = dict(placement.replacements)
+        plan.shrink = placement.shrunk
+        plan.waiting = placement.waiting
+        if placement.layout is not None:
+            plan.waiting_since_s = 0.0
+        elif not plan.waiting_since_s:
+            plan.waiting_since_s = now_s
+        return before != (plan.replacements, plan.shrink, plan.waiting, plan.waiting_since_s)
+
+    def check_membership(self, now_s: float) -> bool:
+        """Fails the job (MEMBERSHIP_IMPOSSIBLE) when the pending plan has waited longer than
+        :attr:`PolicyConfig.membership_timeout_s` for a valid membership.
+
+        Args:
+            now_s: wall clock, seconds.
+
+        Returns:
+            Whether the job failed now.
+        """
+        plan, timeout = self.state.plan, self.config.membership_timeout_s
+        if plan is None or not plan.waiting_since_s or now_s - plan.waiting_since_s < timeout:
+            return False
+        self.impossible(f"job failed: generation {plan.generation} found no valid membership for {timeout:g} s "
+                        f"({plan.reason}): {plan.waiting}")
+        return True
 
     # -- decisions
     def _prune(self, now: float) -> None:
@@ -476,49 +534,28 @@ class RecoveryPolicy:
 
     def _place_nodes(self, plan: Plan, layout: RankLayout | None, members: Sequence[NodeSpec],
                      spares: Sequence[NodeSpec]) -> list[str]:
-        """Fills the failed slots of a node- or job-level plan with spares (node level: or a shrink).
+        """Plans the failed slots of a node- or job-level plan with :func:`~trainguard.recovery.planner.place`.
 
-        A job-level plan escalated from node faults still swaps its cordoned nodes for spares where there are
-        some: restarting the whole job must not put the node that just failed back into it.
+        The placement is tentative: the coordinator places again on every membership change until the
+        generation forms. A job-level plan escalated from node faults still swaps its cordoned nodes for spares
+        where there are some: restarting the whole job must not put the node that just failed back into it.
 
         Returns:
-            Escalation reasons (node level only: no spare and no valid shrink).
+            Escalation reasons (node level only: no valid placement, i.e. no usable spare and no valid shrink).
         """
         if plan.level < Level.NODE or layout is None:
             return []
-        taken = set(plan.replacements.values())
-        free = [s for s in spares if s.node_id not in taken and s.node_id not in plan.cordon]
-        for failed in plan.cordon:
-            slot = layout.slot_of(failed)
-            if slot is None or failed in plan.replacements:
-                continue
-            fit = [s for s in free if s.device_count == slot.local_world_size]
-            pick = ([s for s in fit if s.pod_id == slot.pod_id] or fit or [None])[0]
-            if pick is not None:
-                plan.replacements[failed] = pick.node_id
-                free.remove(pick)
-        missing = [n for n in plan.cordon if layout.slot_of(n) is not None and n not in plan.replacements]
-        if plan.level is Level.JOB:
-            return []  # the unreplaced may come back and reclaim their slots (see the module docstring)
-        if not missing:
-            plan.shrink = False
+        gone = set(plan.cordon)
+        kept = [m for m in members if m.node_id not in gone]
+        free = [s for s in spares if s.node_id not in gone]
+        node_level = plan.level is Level.NODE
+        placement = place(layout, kept, free, allow_shrink=node_level and self.config.allow_shrink,
+                          min_nodes=self.config.min_nodes)
+        plan.replacements = dict(placement.replacements)
+        plan.shrink = placement.shrunk
+        if not node_level or placement.layout is not None:
             return []
-        if self.config.allow_shrink:
-            gone = set(plan.cordon)
-            rest = [m for m in members if m.node_id not in gone]
-            for old, new in plan.replacements.items():
-                spare = next(s for s in spares if s.node_id == new)
-                rest.append(NodeSpec(spare.node_id, spare.pod_id, spare.node_index, spare.host, spare.device_count,
-                                     spare.address, replaces=old))
-            try:
-                shrunk = assign_ranks(rest, previous=layout, group_size=layout.group_size, allow_shrink=True)
-            except MembershipError as exc:
-                return [f"shrinking is not valid ({exc})"]
-            if len(shrunk.slots) >= self.config.min_nodes:
-                plan.shrink = True
-                return []
-            return [f"shrinking would leave {len(shrunk.slots)} nodes, below the minimum {self.config.min_nodes}"]
-        return [f"no spare node for {', '.join(missing)} and shrinking is not allowed"]
+        return [placement.waiting]
 
     def on_failure(self, f: Failure, *, layout: RankLayout | None = None, members: Sequence[NodeSpec] = (),
                    spares: Sequence[NodeSpec] = ()) -> Decision:

@@ -28,7 +28,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from trainguard.recovery.errors import GroupSizeError, MembershipError
+from trainguard.recovery.errors import GroupSizeError, MembershipError, VacancyError
 
 _DIGITS = re.compile(r"(\d+)")
 
@@ -259,7 +259,8 @@ def assign_ranks(
 
     Raises:
         MembershipError: empty or inconsistent membership (duplicate ids, two nodes replacing the same one,
-            a replacement with a different device count), or a vacant slot with ``allow_shrink`` unset.
+            a replacement with a different device count).
+        VacancyError: a vacant slot with ``allow_shrink`` unset; the message names each slot's pod and need.
         GroupSizeError: a parallel group would straddle pods; the message names the pod and how many nodes
             it is short of.
     """
@@ -272,8 +273,70 @@ def assign_ranks(
     if previous is None or not previous.slots:
         return _build(ordered, group_size)
 
-    by_id = {m.node_id: m for m in ordered}
-    by_replaced = {m.replaces: m for m in ordered if m.replaces}
+    if previous.group_size != group_size:
+        previous = RankLayout(previous.slots, group_size)
+    filled, newcomers = fill_slots(previous, ordered)
+    vacant = [old for old, m in zip(previous.slots, filled) if m is None]
+    if vacant and not allow_shrink:
+        raise VacancyError(describe_vacancies(previous, filled, newcomers))
+    order = [m for m in filled if m is not None] + (newcomers if grow else [])
+    return _build(order, group_size)
+
+
+
+def _group_mates(previous: RankLayout, i: int) -> list[int]:
+    """Indices of the other slots sharing a parallel group with slot ``i`` (none without a group constraint)."""
+    g = previous.group_size
+    if g <= 1:
+        return []
+    s = previous.slots[i]
+    lo, hi = s.first_rank // g, (s.first_rank + s.local_world_size - 1) // g
+    return [j for j, o in enumerate(previous.slots)
+            if j != i and o.first_rank // g <= hi and (o.first_rank + o.local_world_size - 1) // g >= lo]
+
+
+def _pod_fits(previous: RankLayout, filled: Sequence[NodeSpec | None], i: int, pod: str) -> bool:
+    """Whether a node of ``pod`` in slot ``i`` keeps every parallel group of that slot inside one pod."""
+    return all(filled[j] is None or filled[j].pod_id == pod  # type: ignore[union-attr]
+               for j in _group_mates(previous, i))
+
+
+def required_pod(previous: RankLayout, filled: Sequence[NodeSpec | None], i: int) -> str | None:
+    """The pod a node filling slot ``i`` must belong to, or None when any pod keeps the groups valid.
+
+    Args:
+        previous: the previous layout (its slots keep their rank positions).
+        filled: the node placed in each slot so far (None: vacant).
+        i: the vacant slot's index.
+
+    Returns:
+        The pod of an already placed group mate, or None.
+    """
+    for j in _group_mates(previous, i):
+        if filled[j] is not None:
+            return filled[j].pod_id  # type: ignore[union-attr]
+    return None
+
+
+def fill_slots(previous: RankLayout, members: Sequence[NodeSpec]) -> tuple[list[NodeSpec | None], list[NodeSpec]]:
+    """Places members into the previous layout's slots (rule 2 of the module docstring).
+
+    A slot keeps its node, else goes to the member declaring ``replaces`` it, else to an unplaced newcomer of
+    the same device count: one of the slot's own pod first, one of another pod only when every parallel group
+    the slot belongs to stays inside one pod (its group mates already placed are all of that pod).
+
+    Args:
+        previous: the previous generation's layout.
+        members: this generation's members, sorted by :meth:`NodeSpec.order_key`.
+
+    Returns:
+        (the node of each previous slot, None where vacant; the members left unplaced, in order).
+
+    Raises:
+        MembershipError: a node offers a different device count than the slot it keeps or replaces.
+    """
+    by_id = {m.node_id: m for m in members}
+    by_replaced = {m.replaces: m for m in members if m.replaces}
     placed: set[str] = set()
     filled: list[NodeSpec | None] = []
     for old in previous.slots:
@@ -288,26 +351,58 @@ def assign_ranks(
                 )
             placed.add(m.node_id)
         filled.append(m)
-    newcomers = [m for m in ordered if m.node_id not in placed]
+    newcomers = [m for m in members if m.node_id not in placed]
     for i, old in enumerate(previous.slots):
         if filled[i] is not None:
             continue
-        fit = [m for m in newcomers if m.device_count == old.local_world_size]
+        fit = [m for m in newcomers if m.device_count == old.local_world_size
+               and _pod_fits(previous, filled, i, m.pod_id)]
         same_pod = [m for m in fit if m.pod_id == old.pod_id]
         pick = (same_pod or fit or [None])[0]
         if pick is not None:
             newcomers.remove(pick)
             filled[i] = pick
-    vacant = [old for old, m in zip(previous.slots, filled) if m is None]
-    if vacant and not allow_shrink:
-        names = ", ".join(f"slot {s.group_rank} (was {s.node_id!r})" for s in vacant[:5])
-        if len(vacant) > 5:
-            names += f" and {len(vacant) - 5} more"
-        raise MembershipError(
-            f"{len(vacant)} rank slot(s) have no node: {names}; add a spare node, or allow shrinking"
-        )
-    order = [m for m in filled if m is not None] + (newcomers if grow else [])
-    return _build(order, group_size)
+    return filled, newcomers
+
+
+def describe_vacancies(previous: RankLayout, filled: Sequence[NodeSpec | None], unplaced: Sequence[NodeSpec]) -> str:
+    """One line naming every vacant slot, the pod and devices a node needs to fill it, and why free nodes do not.
+
+    Args:
+        previous: the previous layout.
+        filled: as returned by :func:`fill_slots`.
+        unplaced: the free nodes left unplaced.
+
+    Returns:
+        The message (ends with what to do).
+    """
+    vacant = [i for i, m in enumerate(filled) if m is None]
+    parts, pods = [], []
+    for i in vacant[:5]:
+        old = previous.slots[i]
+        need = required_pod(previous, filled, i)
+        if need is not None:
+            g = previous.group_size
+            lo = old.first_rank // g * g
+            parts.append(f"slot {old.group_rank} (was {old.node_id!r}) needs a node of {old.local_world_size} "
+                         f"device(s) in pod {need!r} (group size {g} keeps ranks {lo}..{lo + g - 1} in one pod)")
+            pods.append(need)
+        else:
+            parts.append(f"slot {old.group_rank} (was {old.node_id!r}, pod {old.pod_id!r}) needs a node of "
+                         f"{old.local_world_size} device(s)")
+            pods.append(old.pod_id)
+    names = "; ".join(parts)
+    if len(vacant) > 5:
+        names += f"; and {len(vacant) - 5} more"
+    wanted = sorted(set(pods), key=natural_key)
+    spare = f"register a spare node in pod {' or '.join(repr(p) for p in wanted)}" if any(wanted) \
+        else "add a spare node"
+    unusable = ""
+    if unplaced:
+        shown = ", ".join(f"{m.node_id!r} (pod {m.pod_id!r}, {m.device_count} device(s))" for m in unplaced[:3])
+        more = f" and {len(unplaced) - 3} more" if len(unplaced) > 3 else ""
+        unusable = f"; free nodes that cannot take them: {shown}{more}"
+    return f"{len(vacant)} rank slot(s) have no node: {names}{unusable}; {spare}, or allow shrinking"
 
 
 def layout_from_mapping(rows: Sequence[Mapping[str, object]], group_size: int = 1) -> RankLayout:

@@ -8,6 +8,7 @@ the durability the answer depends on, and maps refusals to precise gRPC status c
 refusal                            status                  agent's reaction (trainguard.agent.node)
 =================================  ======================  ==================================================
 unknown job                        NOT_FOUND               registration fails with the message
+bytes that are not the request     INVALID_ARGUMENT        (the shared guard, :mod:`trainguard.grpc_guard`)
 malformed / out-of-range field     INVALID_ARGUMENT        fix the flag named in the message
 request over 256 KiB               RESOURCE_EXHAUSTED      (gRPC itself, before any handler runs)
 node not registered                NOT_FOUND               registers again
@@ -27,10 +28,12 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
 
+from trainguard.grpc_guard import RequestGuard
 from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
 from trainguard.recovery.coordinator import JOB_NAME_RE, JobCoordinator, JobSpec
 from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, InvalidRequestError, NotServingError,
@@ -40,7 +43,11 @@ from trainguard.recovery.store import Store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoordinatorServer", "CoordinatorService", "JobSpec", "MAX_REQUEST_BYTES", "STATUS_OF"]
+__all__ = ["COORDINATOR_SERVICE", "CoordinatorServer", "CoordinatorService", "JobSpec", "MAX_REQUEST_BYTES",
+           "STATUS_OF", "build_grpc_server"]
+
+#: Full name of the gRPC service, as the guard and interceptors see it.
+COORDINATOR_SERVICE = "trainguard.v1.Coordinator"
 
 #: Largest request the server accepts, bytes; larger ones get RESOURCE_EXHAUSTED from gRPC.
 MAX_REQUEST_BYTES = 256 * 1024
@@ -234,6 +241,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._refuse(context, "CommitCheckpoint", exc)
 
 
+def build_grpc_server(max_workers: int, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
+    """The coordinator's gRPC server: the shared request guard first, then ``interceptors`` in order.
+
+    Args:
+        max_workers: handler threads.
+        interceptors: more server interceptors (authentication, metrics...), run after the guard.
+
+    Returns:
+        The server, with no service or port added yet.
+    """
+    guard = RequestGuard(COORDINATOR_SERVICE, MAX_REQUEST_BYTES)
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="coordinator"),
+        interceptors=[guard, *interceptors],
+        options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                 ("grpc.so_reuseport", 0)],
+    )
+
+
 class CoordinatorServer:
     """A coordinator for one job served over gRPC, with its lease reaper.
 
@@ -242,6 +268,7 @@ class CoordinatorServer:
         listen: ``host:port`` to bind (port 0 picks a free one).
         store: an opened store to use instead of ``spec.store``.
         max_workers: gRPC handler threads (handlers wait on group commits, so more threads mean bigger batches).
+        interceptors: server interceptors run after the shared request guard (see :func:`build_grpc_server`).
 
     Raises:
         CoordinatorError: the address cannot be bound.
@@ -249,14 +276,10 @@ class CoordinatorServer:
     """
 
     def __init__(self, spec: JobSpec, listen: str = "127.0.0.1:0", store: Store | None = None,
-                 max_workers: int = 256) -> None:
+                 max_workers: int = 256, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> None:
         self.service = CoordinatorService(spec, store=store)
         self.core = self.service.core
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="coordinator"),
-            options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-                     ("grpc.so_reuseport", 0)],
-        )
+        self._server = build_grpc_server(max_workers, interceptors)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self._server)
         try:
             self.port = self._server.add_insecure_port(listen)

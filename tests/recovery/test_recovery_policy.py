@@ -89,7 +89,7 @@ def test_repeats_outside_the_window_do_not_escalate() -> None:
 def test_no_spare_and_no_shrink_goes_job_level() -> None:
     p = _running()
     d = _fail(p, "n1", Cause.NODE_LOST)
-    assert d.level is Level.JOB and "no spare node for n1" in d.message
+    assert d.level is Level.JOB and "slot 1 (was 'n1', pod 'pod-a') needs a node" in d.message
     assert p.state.plan.cordon == []  # a lost node may come back and reclaim its slot
     q = _running()
     assert _fail(q, "n1", Cause.NODE_CRITICAL).level is Level.JOB

@@ -8,7 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from trainguard.recovery.errors import GroupSizeError, MembershipError
+from trainguard.recovery.errors import GroupSizeError, MembershipError, VacancyError
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows, natural_key
 
 
@@ -62,11 +62,11 @@ def test_rank0_changes_only_when_rank0_is_replaced() -> None:
 
 def test_vacant_slot_is_refused_unless_shrink_allowed() -> None:
     first = assign_ranks([_node(f"n{i}", idx=i) for i in range(3)])
-    with pytest.raises(MembershipError, match=r"slot 1 \(was 'n1'\)"):
+    with pytest.raises(MembershipError, match=r"slot 1 \(was 'n1', pod 'p0'\) needs a node of 2 device"):
         assign_ranks([_node("n0"), _node("n2", idx=2)], previous=first)
     shrunk = assign_ranks([_node("n0"), _node("n2", idx=2)], previous=first, allow_shrink=True)
     many = assign_ranks([_node(f"m{i}", idx=i) for i in range(20)])
-    with pytest.raises(MembershipError, match=r"^19 rank slot\(s\) have no node: .* and 14 more; add a spare"):
+    with pytest.raises(MembershipError, match=r"^19 rank slot\(s\) have no node: .* and 14 more; register a spare node in pod 'p0'"):
         assign_ranks([_node("m0")], previous=many)
     assert shrunk.node_ids == ("n0", "n2") and shrunk.slots[1].first_rank == 2
 
@@ -117,6 +117,16 @@ def test_group_size_replacement_from_other_pod_is_refused() -> None:
     with pytest.raises(GroupSizeError):
         assign_ranks([_node("a0", "pod-1", 0, dev=4), _node("x", "pod-2", 9, dev=4, replaces="a1"),
                       _node("b0", "pod-2", 0, dev=4), _node("b1", "pod-2", 1, dev=4)], previous=first, group_size=8)
+    # A newcomer of the other pod is not picked for the vacancy (it would split ranks 0..7 across pods); the
+    # refusal names the pod the slot needs, not the pod of the unusable node.
+    with pytest.raises(VacancyError, match=r"needs a node of 4 device\(s\) in pod 'pod-1' .*ranks 0\.\.7.*"
+                                           r"cannot take them: 'x' \(pod 'pod-2'.*register a spare node in pod 'pod-1'"):
+        assign_ranks([_node("a0", "pod-1", 0, dev=4), _node("x", "pod-2", 9, dev=4), _node("b0", "pod-2", 0, dev=4),
+                      _node("b1", "pod-2", 1, dev=4)], previous=first, group_size=8)
+    # A whole vacant group may move to another pod: the constraint still holds.
+    moved = assign_ranks([_node("x", "pod-3", 0, dev=4), _node("y", "pod-3", 1, dev=4), _node("b0", "pod-2", 0, dev=4),
+                          _node("b1", "pod-2", 1, dev=4)], previous=first, group_size=8)
+    assert moved.node_ids == ("x", "y", "b0", "b1")
 
 
 def test_rows_roundtrip() -> None:

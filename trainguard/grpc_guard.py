@@ -1,0 +1,135 @@
+"""One guard in front of every trainguard gRPC service (node agent, coordinator): bad bytes never reach a handler.
+
+A server interceptor re-wraps each method of the guarded service so that the handler receives the request
+*bytes* first:
+
+1. more than ``max_request_bytes`` -> INVALID_ARGUMENT, before anything is parsed (gRPC's own transport cap,
+   ``grpc.max_receive_message_length``, still drops far larger messages with RESOURCE_EXHAUSTED);
+2. bytes that do not parse as the request message -> INVALID_ARGUMENT, one status per request and no traceback
+   in the log (gRPC's own deserializer answers INTERNAL and logs an ERROR traceback per request);
+3. a per-method range check (``validators``) that finds a problem -> INVALID_ARGUMENT naming the field;
+4. more than ``max_watchers`` concurrent server streams -> RESOURCE_EXHAUSTED.
+
+Each finished call can be reported to an observer (method, status code, seconds) for metrics. The services'
+own checks live beside them (``trainguard.agent.rpc_limits``, ``trainguard.recovery.service``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+#: A range check of a decoded request: returns a problem (one line naming the field), or None.
+Validator = Callable[[Any], "str | None"]
+
+#: Observer of finished calls: (method short name, status code name, seconds or None for streams).
+CallObserver = Callable[[str, str, "float | None"], None]
+
+
+class RequestGuard(grpc.ServerInterceptor):
+    """Server interceptor enforcing the checks of the module docstring on one gRPC service's methods."""
+
+    def __init__(
+        self,
+        service: str,
+        max_request_bytes: int,
+        max_watchers: int = 0,
+        observer: CallObserver | None = None,
+        validators: Mapping[str, Validator] | None = None,
+    ) -> None:
+        """Creates the guard.
+
+        Args:
+            service: full name of the guarded service (``trainguard.v1.NodeAgent``); other services pass.
+            max_request_bytes: largest accepted request, in bytes.
+            max_watchers: concurrent server-streaming calls allowed (0: no limit).
+            observer: called once per finished call with (method, status code name, seconds or None).
+            validators: per-method range checks of the decoded request (full method name -> check).
+        """
+        self.service = service
+        self.max_request_bytes = max_request_bytes
+        self._streams = threading.BoundedSemaphore(max_watchers) if max_watchers > 0 else None
+        self._observer = observer
+        self._validators: Mapping[str, Validator] = validators or {}
+
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        method: str = details.method
+        if handler is None or not method.startswith(f"/{self.service}/"):
+            return handler
+        short = method.rsplit("/", 1)[-1]
+        check = self._validators.get(method)
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, handler.request_deserializer, check, short),
+                request_deserializer=None,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, handler.request_deserializer, check, short),
+                request_deserializer=None,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # client-streaming methods: none in our services
+
+    def _decode(self, raw: bytes, deserialize: Callable[[bytes], Any], check: Validator | None,
+                context: grpc.ServicerContext) -> Any:
+        if len(raw) > self.max_request_bytes:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request of {len(raw)} bytes exceeds the {self.max_request_bytes}-byte limit")
+        try:
+            request = deserialize(raw)
+        except (DecodeError, ValueError, TypeError):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed request: not a valid protobuf message")
+        problem = check(request) if check is not None else None
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        return request
+
+    def _observe(self, short: str, context: grpc.ServicerContext, failed: bool, seconds: float | None) -> None:
+        if self._observer is None:
+            return
+        code = context.code() if hasattr(context, "code") else None
+        if code is None:
+            code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
+        self._observer(short, code.name, seconds)
+
+    def _wrap_unary(self, behavior: Callable, deserialize: Callable, check: Validator | None, short: str) -> Callable:
+        def guarded(raw: bytes, context: grpc.ServicerContext) -> Any:
+            start = time.perf_counter()
+            failed = True
+            try:
+                request = self._decode(raw, deserialize, check, context)
+                response = behavior(request, context)
+                failed = False
+                return response
+            finally:
+                self._observe(short, context, failed, time.perf_counter() - start)
+
+        return guarded
+
+    def _wrap_stream(self, behavior: Callable, deserialize: Callable, check: Validator | None, short: str) -> Callable:
+        def guarded(raw: bytes, context: grpc.ServicerContext) -> Any:
+            failed = True
+            acquired = False
+            try:
+                request = self._decode(raw, deserialize, check, context)
+                if self._streams is not None:
+                    acquired = self._streams.acquire(blocking=False)
+                    if not acquired:
+                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      "too many concurrent streams; retry later or raise grpc.max_watchers")
+                yield from behavior(request, context)
+                failed = False
+            finally:
+                if acquired:
+                    self._streams.release()
+                self._observe(short, context, failed, None)
+
+        return guarded
