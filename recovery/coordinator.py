@@ -41,6 +41,8 @@ from trainguard.recovery.committer import GroupCommitter
 from trainguard.recovery.errors import (DuplicateNodeError, FencedError, InvalidRequestError, MembershipError,
                                         NotServingError, PolicyError, SlotTakenError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
+from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, GenerationFormed, GenerationRunning,
+                                        MembershipChanged, Persist, Progressed, Step, Tick, decide)
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyConfig, PolicyState, RecoveryPolicy
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
@@ -432,7 +434,6 @@ class JobCoordinator:
         self._mver += 1
         log.info("job %s: generation %d formed: %d nodes, world size %d, master %s:%d", self.spec.job, generation,
                  len(layout.slots), layout.world_size, layout.master_addr, port)
-        self._save_state()
 
     def _note(self, text: str) -> None:
         if text != self._form_note:
@@ -468,8 +469,7 @@ class JobCoordinator:
         placement = place(lay, [m.spec() for m in holders], free,
                           allow_shrink=plan.level is Level.NODE and self.spec.allow_shrink,
                           min_nodes=self._policy.config.min_nodes)
-        if self._policy.replanned(placement, self._wall()):
-            self._save_state()
+        self._apply(MembershipChanged(placement, self._wall()))
         if placement.layout is None:
             self._note(f"generation {plan.generation} waits: {placement.waiting}")
         return placement.layout
@@ -495,16 +495,10 @@ class JobCoordinator:
         if not port:
             return  # the rank-0 node reports a fresh port with its next heartbeat
         st = self._policy.state
-        if st.phase is Phase.FORMING:
-            self._policy.formed(1)
-            self._install(layout, 1, port)
-            return
-        plan = self._policy.plan_started()
-        if plan.replacements:
-            log.warning("job %s: generation %d: replacing %s%s", self.spec.job, plan.generation,
-                        ", ".join(f"{o}->{n}" for o, n in plan.replacements.items()),
-                        " and shrinking" if plan.shrink else "")
-        self._install(layout, plan.generation, port)
+        generation = 1 if st.phase is Phase.FORMING or st.plan is None else st.plan.generation
+        step = self._apply(GenerationFormed(generation), persist=False)
+        self._install(layout, step.state.generation, port)
+        self._save_state()
 
     def _advance(self) -> None:
         """Moves the job forward as far as the membership allows (called with the lock held)."""
@@ -519,19 +513,29 @@ class JobCoordinator:
             ready = self._next_layout(now) is not None
             if ready and self._wall() >= st.plan.not_before_s and not self._quiet_holder(now):
                 self._try_form(now)
-            if st.plan is not None and self._policy.check_membership(self._wall()):
-                log.error("job %s: %s", self.spec.job, st.message)
-                self._mver += 1
-                self._save_state()
+            st = self._policy.state
+            if st.plan is not None and st.plan.waiting_since_s:
+                if self._apply(Tick(self._wall())).changed:
+                    self._mver += 1
         elif st.phase in (Phase.RUNNING, Phase.RECOVERING) and self._layout is not None:
             n = len(self._layout.slots)
             if len(self._succeeded) >= n:
-                self._policy.succeeded()
-                log.info("job %s: %s", self.spec.job, st.message)
-                self._save_state()
+                self._apply(AllSucceeded())
             elif st.phase is Phase.RECOVERING and len(self._running) >= n:
-                self._policy.started(st.generation)
-                self._save_state()
+                self._apply(GenerationRunning(st.generation))
+
+    def _apply(self, event: Event, persist: bool = True) -> Step:
+        """The effect layer: runs the pure decision step on the policy state, keeps the new state, applies the
+        actions (log lines; a store commit unless ``persist`` is off because the caller commits itself)."""
+        step = decide(self._policy.config, self._policy.state, event)
+        self._policy.state = step.state
+        for action in step.actions:
+            if isinstance(action, Persist):
+                if persist:
+                    self._save_state()
+            else:
+                getattr(log, action.severity.value)("job %s: %s", self.spec.job, action.text)
+        return step
 
     def _quiet_holder(self, now: float) -> bool:
         """Whether a process-level plan should wait: a slot holder missed two heartbeats but its lease runs on.
@@ -555,15 +559,14 @@ class JobCoordinator:
         lay = self._layout
         holders = [self._members[s.node_id].spec() for s in lay.slots if s.node_id in self._members] if lay else []
         spares = [m.spec() for m in self._candidates(now) if m.info.node_id != f.node_id]
-        before = json.dumps(self._policy.state.to_dict(), sort_keys=True)
-        d = self._policy.on_failure(f, layout=lay, members=holders, spares=spares)
-        if json.dumps(self._policy.state.to_dict(), sort_keys=True) != before:
+        # A merged report (another node of the same fault) is routine at scale: decide() logs it at debug.
+        step = self._apply(FaultReported(f, lay, tuple(holders), tuple(spares)), persist=False)
+        if step.changed:
             self._mver += 1
-            # A merged report (another node of the same fault) is routine at scale: keep the log readable.
-            (log.error if d.job_failed else log.debug if d.merged else log.warning)("job %s: %s", self.spec.job,
-                                                                                    d.message)
             self._rebuild_table()
             self._save_state()
+        d = step.decision
+        assert d is not None
         return int(d.level), d.generation, d.message
 
     # --------------------------------------------------------------------------------------------------- API
@@ -638,7 +641,7 @@ class JobCoordinator:
                      info.topology.pod_id, info.topology.node_index, info.topology.device_count,
                      ", spare" if info.spare else "")
             self._advance()
-            return lease, st.generation, fut
+            return lease, self._policy.state.generation, fut
 
     def heartbeat(self, req: coordinator_pb2.NodeHeartbeatRequest) -> HeartbeatReply:
         """Records a node's progress and says what it must do.
@@ -676,10 +679,9 @@ class JobCoordinator:
                 if req.workers_succeeded:
                     m.succeeded_generation = req.generation
                     self._succeeded.add(req.node_id)
-            if req.generation == st.generation and st.consecutive:
-                self._policy.progressed(req.last_step)
-                if not st.consecutive:
-                    self._save_state()
+            if req.generation == st.generation and st.consecutive and req.last_step > st.progress_step \
+                    and st.phase is Phase.RUNNING:
+                self._apply(Progressed(req.last_step))
             self._advance()
             return self._command(m)
 
@@ -839,13 +841,13 @@ class JobCoordinator:
         with self._lock:
             if self.fenced:
                 return
-            st = self._policy.state
             for m in list(self._members.values()):
                 if m.alive and now - m.last_seen > self._lease_s():
                     m.alive = False
                     self._mver += 1
                     log.warning("job %s: node %s lost (no heartbeat for %.1f s)", self.spec.job, m.info.node_id,
                                 now - m.last_seen)
+                    st = self._policy.state  # fresh: each decision replaces the state
                     if self._layout is not None and self._layout.slot_of(m.info.node_id) is not None \
                             and st.phase in (Phase.RUNNING, Phase.RECOVERING):
                         self._fail(Failure(m.info.node_id, st.generation, Cause.NODE_LOST,

@@ -1,0 +1,178 @@
+"""Decide, then apply: the coordinator's recovery decisions as one pure step, ``state + event -> state + actions``.
+
+The shape is torch elastic's rendezvous (a state, an event, the next state and what to do): every decision about
+the job's lifecycle goes through :func:`decide`, over plain domain types (:class:`~.policy.PolicyState`,
+:class:`~.policy.Failure`, :class:`~.ranks.RankLayout`, :class:`~.ranks.NodeSpec`,
+:class:`~.planner.Placement`); nothing here touches the store, the network or protobuf, and the input state is
+never modified. The coordinator (:mod:`~trainguard.recovery.coordinator`) is the effect layer: it turns requests
+and timers into events, keeps the returned state as its own, and applies the actions (commit to the store,
+log); agents learn their commands from that state on their next heartbeat.
+
+Events::
+
+    FaultReported      a node (or the lease reaper) reports a fault       -> level, budget, plan (or FAILED)
+    MembershipChanged  the pending plan was placed on the membership now  -> plan updated, wait clock
+    Tick               time passed                                        -> MEMBERSHIP_IMPOSSIBLE after the timeout
+    GenerationFormed   a generation got its rank table                    -> FORMING/plan -> current generation
+    GenerationRunning  every node of the current generation runs it      -> RECOVERING -> RUNNING
+    AllSucceeded       every rank of the current generation exited 0      -> SUCCEEDED
+    Progressed         a step beyond the last start completed             -> backoff starts over
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass
+
+from trainguard.recovery.planner import Placement
+from trainguard.recovery.policy import Decision, Failure, Phase, PolicyConfig, PolicyState, RecoveryPolicy
+from trainguard.recovery.ranks import NodeSpec, RankLayout
+
+
+@dataclass(frozen=True)
+class FaultReported:
+    """A fault report (or a lost lease) with the membership it happened in."""
+
+    failure: Failure
+    layout: RankLayout | None
+    holders: tuple[NodeSpec, ...] = ()
+    free: tuple[NodeSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class MembershipChanged:
+    """The pending plan's placement on the membership now (made by :func:`~.planner.place`)."""
+
+    placement: Placement
+    now_s: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed (wall clock seconds): drives the membership timeout."""
+
+    now_s: float
+
+
+@dataclass(frozen=True)
+class GenerationFormed:
+    """The first generation, or the pending plan's, got its rank table."""
+
+    generation: int
+    step: int = -1
+
+
+@dataclass(frozen=True)
+class GenerationRunning:
+    """Every node of ``generation`` reported its workers running."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class AllSucceeded:
+    """Every rank of the current generation exited 0."""
+
+
+@dataclass(frozen=True)
+class Progressed:
+    """A step beyond the one at the last start completed."""
+
+    step: int
+
+
+Event = FaultReported | MembershipChanged | Tick | GenerationFormed | GenerationRunning | AllSucceeded | Progressed
+
+
+class Severity(enum.Enum):
+    """How loudly an :class:`Announce` action is logged."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Persist:
+    """Commit the new state to the store before any answer that depends on it."""
+
+
+@dataclass(frozen=True)
+class Announce:
+    """Log one line about the job."""
+
+    severity: Severity
+    text: str
+
+
+Action = Persist | Announce
+
+
+@dataclass(frozen=True)
+class Step:
+    """What :func:`decide` returns.
+
+    Attributes:
+        state: the next state (a new object; the input is untouched).
+        actions: what the effect layer must do, in order.
+        decision: the decision about a :class:`FaultReported` event (None for other events).
+    """
+
+    state: PolicyState
+    actions: tuple[Action, ...] = ()
+    decision: Decision | None = None
+
+    @property
+    def changed(self) -> bool:
+        """Whether the state changed (a :class:`Persist` is among the actions)."""
+        return any(isinstance(a, Persist) for a in self.actions)
+
+
+def decide(config: PolicyConfig, state: PolicyState, event: Event) -> Step:
+    """The pure decision step: applies one event to a copy of ``state`` with the rules of :mod:`~.policy`.
+
+    Args:
+        config: the policy's knobs.
+        state: the current state (not modified).
+        event: what happened.
+
+    Returns:
+        The next state and the actions to apply.
+
+    Raises:
+        PolicyError: the event is not allowed in the state's phase (a coordinator bug).
+    """
+    policy = RecoveryPolicy(config, copy.deepcopy(state))
+    actions: list[Action] = []
+    decision = None
+    if isinstance(event, FaultReported):
+        decision = policy.on_failure(event.failure, layout=event.layout, members=event.holders, spares=event.free)
+    elif isinstance(event, MembershipChanged):
+        policy.replanned(event.placement, event.now_s)
+    elif isinstance(event, Tick):
+        if policy.check_membership(event.now_s):
+            actions.append(Announce(Severity.ERROR, policy.state.message))
+    elif isinstance(event, GenerationFormed):
+        if policy.state.plan is not None and policy.state.phase is not Phase.FORMING:
+            plan = policy.plan_started()
+            if plan.replacements:
+                actions.append(Announce(Severity.WARNING, f"generation {plan.generation}: replacing " + ", ".join(
+                    f"{o}->{n}" for o, n in plan.replacements.items()) + (" and shrinking" if plan.shrink else "")))
+        else:
+            policy.formed(event.generation, event.step)
+    elif isinstance(event, GenerationRunning):
+        policy.started(event.generation)
+    elif isinstance(event, AllSucceeded):
+        policy.succeeded()
+        actions.append(Announce(Severity.INFO, policy.state.message))
+    elif isinstance(event, Progressed):
+        policy.progressed(event.step)
+    new = policy.state
+    if new.to_dict() != state.to_dict():
+        actions.insert(0, Persist())
+        if decision is not None:
+            sev = Severity.ERROR if decision.job_failed else Severity.DEBUG if decision.merged else Severity.WARNING
+            actions.append(Announce(sev, decision.message))
+    return Step(new, tuple(actions), decision)
