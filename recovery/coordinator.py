@@ -1,7 +1,10 @@
 """The coordinator's core for one job: membership, generations and recovery, durable through a store.
 
-This module knows nothing about gRPC: :mod:`trainguard.recovery.service` validates requests, calls these
-methods and maps the :class:`~trainguard.recovery.errors.RequestError` they raise to status codes. It combines
+This module knows nothing about gRPC or protobuf: :mod:`trainguard.recovery.service` validates requests,
+converts them to the plain types of :mod:`~trainguard.recovery.domain` (:mod:`~trainguard.recovery.convert`),
+calls these methods and maps the :class:`~trainguard.recovery.errors.RequestError` they raise to status codes.
+Decisions about the job are made by the pure step of :mod:`~trainguard.recovery.decide`; this module is the
+effect layer around it (membership, leases, store commits, the commands agents read). It combines
 
 - :mod:`~trainguard.recovery.ranks` (who gets which ranks),
 - :mod:`~trainguard.recovery.policy` (which recovery level a failure gets, budget, backoff, de-duplication),
@@ -34,13 +37,14 @@ import uuid
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from trainguard.proto import common_pb2, coordinator_pb2
 from trainguard.recovery.committer import GroupCommitter
 from trainguard.recovery.errors import (DuplicateNodeError, FencedError, InvalidRequestError, MembershipError,
                                         NotServingError, PolicyError, SlotTakenError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
+from trainguard.recovery.domain import (Beat, CheckpointAsk, Command, FaultReport, GenerationTable, Instruction,
+                                        NodeRecord)
 from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, GenerationFormed, GenerationRunning,
                                         MembershipChanged, Persist, Progressed, Step, Tick, decide)
 from trainguard.recovery.planner import place
@@ -52,8 +56,6 @@ log = logging.getLogger(__name__)
 
 #: Job names: what fits in a store key and a log line.
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
-
-_CMD = coordinator_pb2
 
 
 @dataclass
@@ -146,7 +148,7 @@ class JobSpec:
 class Member:
     """A registered node as the coordinator tracks it."""
 
-    info: common_pb2.NodeInfo
+    info: NodeRecord
     lease_id: str
     instance: str
     last_seen: float
@@ -160,16 +162,14 @@ class Member:
 
     def spec(self, replaces: str = "") -> NodeSpec:
         """The node as rank assignment sees it."""
-        t = self.info.topology
-        return NodeSpec(self.info.node_id, t.pod_id, t.node_index, t.host, max(1, t.device_count),
-                        self.info.address, replaces)
+        return self.info.spec(replaces)
 
 
 @dataclass(frozen=True)
 class HeartbeatReply:
     """A heartbeat's answer, plus the store write the answer depends on (None when durable already)."""
 
-    response: coordinator_pb2.NodeHeartbeatResponse
+    response: Instruction
     durable: Future | None = None
 
 
@@ -179,31 +179,6 @@ def _encode(obj: object) -> bytes:
 
 def _decode(raw: bytes) -> object:
     return json.loads(zlib.decompress(raw))
-
-
-def classify(event: common_pb2.HealthEvent, proposed: int) -> Cause:
-    """Maps a reported health event (and the proposed level) to a failure cause.
-
-    Args:
-        event: the event.
-        proposed: the proto ``RecoveryLevel`` the reporter proposes.
-
-    Returns:
-        The cause the policy uses.
-    """
-    kind = event.kind.lower()
-    if proposed == _CMD.RECOVERY_LEVEL_JOB or event.action == common_pb2.ACTION_RESTART_JOB:
-        return Cause.JOB_REQUEST
-    if proposed == _CMD.RECOVERY_LEVEL_NODE or event.action == common_pb2.ACTION_DRAIN_NODE:
-        return Cause.NODE_CRITICAL
-    if "hang" in kind or "stall" in kind:
-        return Cause.WORKER_HANG
-    if kind.startswith("process.") or proposed == _CMD.RECOVERY_LEVEL_PROCESS \
-            or event.action == common_pb2.ACTION_RESTART_PROCESS:
-        return Cause.WORKER_EXIT
-    if event.severity >= common_pb2.SEVERITY_CRITICAL:
-        return Cause.NODE_CRITICAL
-    return Cause.ADVISORY
 
 
 class JobCoordinator:
@@ -241,14 +216,13 @@ class JobCoordinator:
         self._committed_step = -1
         self._node_steps: dict[str, int] = {}
         self._form_note = ""
-        self._full_table: common_pb2.RankTable | None = None
+        self._table: GenerationTable | None = None
         self._state_fut: Future | None = None
         self._mver = 0  # bumped on every membership/liveness change: invalidates _layout_cache
         self._layout_cache: tuple[object, RankLayout | None] | None = None
-        self._start_cache: dict[tuple[int, int, str, float], coordinator_pb2.NodeHeartbeatResponse] = {}
         self._running: set[str] = set()  # slot holders running the current generation
         self._succeeded: set[str] = set()  # slot holders whose workers of the current generation all exited 0
-        self._ckpt_req: coordinator_pb2.CheckpointRequest | None = None  # job-wide checkpoint being relayed
+        self._ckpt_req: CheckpointAsk | None = None  # job-wide checkpoint being relayed
         self._step_rate = 0.0  # steps/s of the current generation (EWMA over >= 1 s windows)
         self._rate_mark: tuple[float, int, int] | None = None  # (time, max step, generation) of the last sample
         self.fenced = ""
@@ -263,7 +237,11 @@ class JobCoordinator:
                 continue
             try:
                 d = json.loads(rec.value)
-                info = common_pb2.NodeInfo.FromString(bytes.fromhex(d["info"]))
+                if "node" in d:
+                    info = NodeRecord.from_dict(d["node"])
+                else:  # written by trainguard <= 0.x: the NodeInfo message, hex-encoded
+                    from trainguard.recovery.convert import legacy_node_record
+                    info = legacy_node_record(d["info"])
                 self._members[info.node_id] = Member(info, str(d["lease"]), str(d.get("instance", "")), now)
             except (ValueError, KeyError, TypeError) as exc:
                 raise StoreError(f"node record {key!r} is corrupt ({exc}): delete it or use a fresh store") from exc
@@ -388,31 +366,10 @@ class JobCoordinator:
     def _rebuild_table(self) -> None:
         lay, st = self._layout, self._policy.state
         if lay is None:
-            self._full_table = None
+            self._table = None
             return
-        t = common_pb2.RankTable(job=self.spec.job, generation=st.generation, world_size=lay.world_size,
-                                 master_addr=lay.master_addr, master_port=self._master_port,
-                                 restart_count=st.restart_count, max_restarts=self.spec.max_restarts,
-                                 node_count=len(lay.slots))
-        for s in lay.slots:
-            t.nodes.add(node_id=s.node_id, group_rank=s.group_rank, first_rank=s.first_rank,
-                        local_world_size=s.local_world_size, address=s.address)
-        self._full_table = t
-
-    def _table_for(self, node_id: str) -> common_pb2.RankTable:
-        full = self._full_table
-        assert full is not None and self._layout is not None
-        if len(full.nodes) <= self.spec.full_table_max_nodes:
-            return full
-        t = common_pb2.RankTable(job=full.job, generation=full.generation, world_size=full.world_size,
-                                 master_addr=full.master_addr, master_port=full.master_port,
-                                 restart_count=full.restart_count, max_restarts=full.max_restarts,
-                                 node_count=full.node_count)
-        s = self._layout.slot_of(node_id)
-        if s is not None:
-            t.nodes.add(node_id=s.node_id, group_rank=s.group_rank, first_rank=s.first_rank,
-                        local_world_size=s.local_world_size, address=s.address)
-        return t
+        self._table = GenerationTable(self.spec.job, st.generation, lay.world_size, lay.master_addr,
+                                      self._master_port, st.restart_count, self.spec.max_restarts, lay.slots)
 
     def _candidates(self, now: float) -> list[Member]:
         """Alive members holding no slot and not cordoned: spares and standby nodes."""
@@ -555,7 +512,7 @@ class JobCoordinator:
                 return True
         return False
 
-    def _fail(self, f: Failure, now: float) -> tuple[int, int, str]:
+    def _fail(self, f: Failure, now: float) -> tuple[Level, int, str]:
         lay = self._layout
         holders = [self._members[s.node_id].spec() for s in lay.slots if s.node_id in self._members] if lay else []
         spares = [m.spec() for m in self._candidates(now) if m.info.node_id != f.node_id]
@@ -567,10 +524,10 @@ class JobCoordinator:
             self._save_state()
         d = step.decision
         assert d is not None
-        return int(d.level), d.generation, d.message
+        return d.level, d.generation, d.message
 
     # --------------------------------------------------------------------------------------------------- API
-    def register(self, job: str, info: common_pb2.NodeInfo, free_port: int,
+    def register(self, job: str, info: NodeRecord, free_port: int,
                  instance: str = "") -> tuple[str, int, Future]:
         """Adds or re-adds a node.
 
@@ -603,7 +560,7 @@ class JobCoordinator:
                 if self._lease_live(prev, now):
                     if instance and instance == prev.instance:
                         return prev.lease_id, self._policy.state.generation, _done_future()
-                    same_host = prev.info.address == info.address and prev.info.topology.host == info.topology.host
+                    same_host = prev.info.address == info.address and prev.info.host == info.host
                     if not same_host:
                         raise DuplicateNodeError(
                             f"node id {nid!r} is held by a live agent at {prev.info.address or '?'} (last heartbeat "
@@ -630,7 +587,7 @@ class JobCoordinator:
             self._members[nid] = m
             self._mver += 1
             fut = self._submit([Put(self._prefix + "nodes/" + nid, json.dumps(
-                {"info": info.SerializeToString().hex(), "lease": lease, "instance": instance}).encode())])
+                {"node": info.to_dict(), "lease": lease, "instance": instance}).encode())])
             st = self._policy.state
             if prev is not None and self._layout is not None and self._layout.slot_of(nid) is not None \
                     and st.phase in (Phase.RUNNING, Phase.RECOVERING) and prev.generation >= 0:
@@ -638,12 +595,12 @@ class JobCoordinator:
                 self._fail(Failure(nid, prev.generation, Cause.WORKER_EXIT, detail="node agent restarted",
                                    time_s=self._wall()), now)
             log.debug("job %s: node %s registered (pod %r, index %d, %d devices%s)", job, nid,
-                     info.topology.pod_id, info.topology.node_index, info.topology.device_count,
+                     info.pod_id, info.node_index, info.device_count,
                      ", spare" if info.spare else "")
             self._advance()
             return lease, self._policy.state.generation, fut
 
-    def heartbeat(self, req: coordinator_pb2.NodeHeartbeatRequest) -> HeartbeatReply:
+    def heartbeat(self, req: Beat) -> HeartbeatReply:
         """Records a node's progress and says what it must do.
 
         Args:
@@ -687,57 +644,44 @@ class JobCoordinator:
 
     def _command(self, m: Member) -> HeartbeatReply:
         st = self._policy.state
-        resp = coordinator_pb2.NodeHeartbeatResponse(interval_s=self._interval_s(),
-                                                     job_state=st.phase.value, message=st.message)
+        ins = Instruction(Command.NONE, st.phase, self._interval_s(), st.message)
         nid = m.info.node_id
         slot = self._layout.slot_of(nid) if self._layout is not None else None
+        idle = Command.STOP if m.generation >= 0 else Command.WAIT
         if st.phase in (Phase.SUCCEEDED, Phase.FAILED):
-            resp.command = _CMD.NODE_COMMAND_STOP
-        elif nid in st.cordoned:
-            resp.command = _CMD.NODE_COMMAND_STOP
-            resp.message = f"node {nid} is cordoned: {st.message}"
-        elif st.plan is not None or self._layout is None:
-            resp.command = _CMD.NODE_COMMAND_STOP if m.generation >= 0 else _CMD.NODE_COMMAND_WAIT
+            return HeartbeatReply(replace(ins, command=Command.STOP))
+        if nid in st.cordoned:
+            return HeartbeatReply(replace(ins, command=Command.STOP, message=f"node {nid} is cordoned: {st.message}"))
+        if st.plan is not None or self._layout is None:
             if self._layout is None and self._form_note:
-                resp.message = self._form_note
+                ins = replace(ins, message=self._form_note)
             elif st.plan is not None and st.plan.waiting:
-                resp.message = f"generation {st.plan.generation} waits: {st.plan.waiting}"
-        elif slot is None:
-            resp.command = _CMD.NODE_COMMAND_STOP if m.generation >= 0 else _CMD.NODE_COMMAND_WAIT
-            resp.message = "spare: no ranks in this generation"
-        elif m.generation == st.generation:
-            resp.command = _CMD.NODE_COMMAND_NONE
+                ins = replace(ins, message=f"generation {st.plan.generation} waits: {st.plan.waiting}")
+            return HeartbeatReply(replace(ins, command=idle))
+        if slot is None:
+            return HeartbeatReply(replace(ins, command=idle, message="spare: no ranks in this generation"))
+        if m.generation == st.generation:
             req = self._ckpt_req
             if req is not None and req.generation == st.generation:
-                resp.checkpoint.CopyFrom(req)
-        else:
-            cmd = _CMD.NODE_COMMAND_START if m.generation < 0 else _CMD.NODE_COMMAND_RESTART
-            if self._full_table is not None and len(self._full_table.nodes) <= self.spec.full_table_max_nodes:
-                # Every node gets the same full table: build the response once per (generation, command).
-                key = (st.generation, cmd, resp.message, resp.interval_s)
-                cached = self._start_cache.get(key)
-                if cached is None:
-                    resp.command = cmd
-                    resp.rank_table.CopyFrom(self._full_table)
-                    self._start_cache = {key: resp}
-                    cached = resp
-                resp = cached
-            else:
-                resp.command = cmd
-                resp.rank_table.CopyFrom(self._table_for(nid))
-            fut = self._state_fut
-            pending = fut is not None and (not fut.done() or fut.exception() is not None)
-            return HeartbeatReply(resp, fut if pending else None)
-        return HeartbeatReply(resp)
+                ins = replace(ins, checkpoint=req)
+            return HeartbeatReply(ins)
+        # Up to full_table_max_nodes every START carries the whole table (the service builds its wire form
+        # once per generation); above it, only the receiving node's entry.
+        big = self._table is not None and len(self._table.slots) > self.spec.full_table_max_nodes
+        ins = replace(ins, command=Command.START if m.generation < 0 else Command.RESTART, table=self._table,
+                      only_node=nid if big else "")
+        fut = self._state_fut
+        pending = fut is not None and (not fut.done() or fut.exception() is not None)
+        return HeartbeatReply(ins, fut if pending else None)
 
-    def report(self, req: coordinator_pb2.ReportEventRequest) -> tuple[int, int, str, Future | None]:
+    def report(self, req: FaultReport) -> tuple[Level, int, str, Future | None]:
         """Decides the recovery for a reported event.
 
         Args:
             req: the report (validated for format by the service).
 
         Returns:
-            (decided proto RecoveryLevel, generation to move to, message, the store write it depends on).
+            (decided level, generation to move to, message, the store write it depends on).
 
         Raises:
             UnknownJobError, NotServingError, UnknownNodeError, StaleLeaseError: see the service.
@@ -752,11 +696,10 @@ class JobCoordinator:
                 raise StaleGenerationError(f"report about generation {req.generation}, but job {self.spec.job!r} "
                                            f"is at generation {st.generation}")
             m.last_seen = now
-            if req.proposed_level <= _CMD.RECOVERY_LEVEL_NONE and req.event.action == common_pb2.ACTION_CHECKPOINT_NOW:
-                return _CMD.RECOVERY_LEVEL_NONE, st.generation, self._request_checkpoint(req, now), None
-            f = Failure(req.node_id, req.generation, classify(req.event, req.proposed_level),
-                        Level(req.proposed_level) if req.proposed_level >= 1 else Level.NONE,
-                        req.failed_rank, req.exit_code, req.event.message or req.event.kind, self._wall())
+            if req.checkpoint_now:
+                return Level.NONE, st.generation, self._request_checkpoint(req, now), None
+            f = Failure(req.node_id, req.generation, req.cause, req.proposed, req.rank, req.exit_code, req.detail,
+                        self._wall())
             fut_before = self._state_fut
             level, gen, msg = self._fail(f, now)
             self._advance()
@@ -774,7 +717,7 @@ class JobCoordinator:
             self._step_rate = rate if self._step_rate == 0.0 else 0.5 * self._step_rate + 0.5 * rate
             self._rate_mark = (now, step, generation)
 
-    def _request_checkpoint(self, req: coordinator_pb2.ReportEventRequest, now: float) -> str:
+    def _request_checkpoint(self, req: FaultReport, now: float) -> str:
         """Sets a job-wide checkpoint at a step every rank has not reached yet (called with the lock held).
 
         The step is the furthest step reported plus what the job does in two heartbeat intervals and half a
@@ -793,24 +736,21 @@ class JobCoordinator:
         if cur is not None and cur.generation == st.generation and cur.at_step > furthest:
             return f"a job-wide checkpoint at step {cur.at_step} is already pending"
         ahead = max(2, math.ceil(self._step_rate * (2.0 * self._interval_s() + 0.5)) + 1)
-        self._ckpt_req = coordinator_pb2.CheckpointRequest(
-            at_step=furthest + ahead, reason=f"{req.node_id}: {req.event.message or req.event.kind}",
-            request_id=uuid.uuid4().hex[:12], generation=st.generation)
+        self._ckpt_req = CheckpointAsk(at_step=furthest + ahead, reason=f"{req.node_id}: {req.detail}",
+                                       request_id=uuid.uuid4().hex[:12], generation=st.generation)
         log.warning("job %s: job-wide checkpoint requested at step %d (furthest step %d, %.1f steps/s): %s",
                     self.spec.job, self._ckpt_req.at_step, furthest, self._step_rate, self._ckpt_req.reason)
         return f"job-wide checkpoint at step {self._ckpt_req.at_step}"
 
-    def rank_table(self, job: str) -> common_pb2.RankTable:
-        """The current generation's full rank table (empty, with ``job`` set, before the first one forms).
+    def rank_table(self, job: str) -> GenerationTable | None:
+        """The current generation's full rank table (None before the first one forms).
 
         Raises:
             UnknownJobError, NotServingError: wrong job or not serving.
         """
         with self._lock:
             self._check_serving(job)
-            if self._full_table is None:
-                return common_pb2.RankTable(job=self.spec.job)
-            return self._full_table
+            return self._table
 
     def commit_checkpoint(self, job: str, node_id: str, step: int) -> tuple[int, Future | None]:
         """Records that a node committed a checkpoint step; the job's step is the minimum over its nodes.

@@ -35,6 +35,7 @@ import grpc
 
 from trainguard.grpc_guard import RequestGuard
 from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
+from trainguard.recovery import convert
 from trainguard.recovery.coordinator import JOB_NAME_RE, JobCoordinator, JobSpec
 from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, InvalidRequestError, NotServingError,
                                         RecoveryError, RequestError, SlotTakenError, StaleGenerationError,
@@ -181,6 +182,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, spec: JobSpec, store: Store | None = None) -> None:
         self.spec = spec
         self.core = JobCoordinator(spec, store=store)
+        self._wire = convert.ResponseCache()
 
     def _refuse(self, context: grpc.ServicerContext, method: str, exc: RecoveryError) -> None:
         code = STATUS_OF.get(type(exc), grpc.StatusCode.FAILED_PRECONDITION) if isinstance(exc, RequestError) \
@@ -192,8 +194,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Adds (or re-adds) a node; answers once its record is durable."""
         try:
             validate_register(request)
-            lease, gen, fut = self.core.register(request.job, request.node, request.free_port,
-                                                 request.agent_instance)
+            lease, gen, fut = self.core.register(request.job, convert.node_record(request.node),
+                                                 request.free_port, request.agent_instance)
             self.core.wait_durable(fut, "the registration")
             return coordinator_pb2.RegisterNodeResponse(generation=gen, lease_id=lease)
         except RecoveryError as exc:
@@ -203,9 +205,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Records progress; answers with the node's command (START only once its generation is durable)."""
         try:
             validate_heartbeat(request)
-            reply = self.core.heartbeat(request)
+            reply = self.core.heartbeat(convert.beat(request))
             self.core.wait_durable(reply.durable, "the new generation")
-            return reply.response
+            return self._wire.response(reply.response)
         except RecoveryError as exc:
             self._refuse(context, "Heartbeat", exc)
 
@@ -213,9 +215,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Decides the recovery for a reported event; duplicates of a handled fault change nothing."""
         try:
             validate_report(request)
-            level, gen, msg, fut = self.core.report(request)
+            level, gen, msg, fut = self.core.report(convert.fault_report(request))
             self.core.wait_durable(fut, "the recovery decision")
-            return coordinator_pb2.ReportEventResponse(decided_level=level, new_generation=gen, message=msg)
+            return coordinator_pb2.ReportEventResponse(decided_level=int(level), new_generation=gen, message=msg)
         except RecoveryError as exc:
             self._refuse(context, "ReportEvent", exc)
 
@@ -223,7 +225,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """The current generation's full rank table (empty before the first generation forms)."""
         try:
             _check_job(request.job)
-            return self.core.rank_table(request.job)
+            table = self.core.rank_table(request.job)
+            return self._wire.full_table(table) if table is not None else convert.rank_table(None, request.job)
         except RecoveryError as exc:
             self._refuse(context, "GetRankTable", exc)
 

@@ -17,6 +17,7 @@ import pytest
 from recovery_fixtures import etcd_endpoint  # noqa: F401 (fixture)
 
 from trainguard.proto import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc
+from trainguard.recovery.convert import beat, node_record
 from trainguard.recovery.coordinator import JobCoordinator
 from trainguard.recovery.errors import NotServingError
 from trainguard.recovery.service import CoordinatorServer, JobSpec
@@ -254,14 +255,14 @@ def test_predicted_failure_gets_one_job_wide_checkpoint_step_ahead_of_every_rank
 def test_fencing_refuses_the_superseded_coordinator(tmp_path) -> None:
     spec = JobSpec(job=JOB, store=f"sqlite://{tmp_path}/f.db")
     old = JobCoordinator(spec)
-    lease, _, fut = old.register(JOB, _info("n0"), 40000)
+    lease, _, fut = old.register(JOB, node_record(_info("n0")), 40000)
     old.wait_durable(fut)
     new = JobCoordinator(spec)
-    _, _, fut = old.register(JOB, _info("n1"), 40001)
+    _, _, fut = old.register(JOB, node_record(_info("n1")), 40001)
     with pytest.raises(NotServingError, match="another coordinator took over"):
         old.wait_durable(fut)
     with pytest.raises(NotServingError):
-        old.register(JOB, _info("n2"), 40002)
+        old.register(JOB, node_record(_info("n2")), 40002)
     assert set(new.members()) == {"n0"}
     old.close()
     new.close()
@@ -362,8 +363,8 @@ def test_cli_bad_flags_are_one_line_errors(args, needle, tg_env) -> None:
 def test_interval_and_lease_stretch_to_keep_under_the_heartbeat_rate() -> None:
     core = JobCoordinator(JobSpec(job=JOB, nnodes=40, heartbeat_interval_s=0.5, lease_timeout_s=2.0,
                                   max_heartbeat_rate=10.0))
-    leases = [core.register(JOB, _info(f"n{i}", idx=i), 40000 + i)[0] for i in range(30)]
-    r = core.heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id="n0", lease_id=leases[0], generation=-1))
+    leases = [core.register(JOB, node_record(_info(f"n{i}", idx=i)), 40000 + i)[0] for i in range(30)]
+    r = core.heartbeat(beat(pb.NodeHeartbeatRequest(job=JOB, node_id="n0", lease_id=leases[0], generation=-1)))
     assert r.response.interval_s == pytest.approx(3.0) and r.response.command == pb.NODE_COMMAND_WAIT
     assert core._lease_s() == pytest.approx(9.0)
     core.close()

@@ -20,9 +20,9 @@ import itertools
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from trainguard.proto import common_pb2, coordinator_pb2 as pb
 from trainguard.recovery.coordinator import JobCoordinator, JobSpec
-from trainguard.recovery.policy import Phase
+from trainguard.recovery.domain import Beat, Command, FaultReport, NodeRecord
+from trainguard.recovery.policy import Cause, Level, Phase
 from trainguard.recovery.store import MemoryStore
 
 JOB = "prop"
@@ -50,8 +50,7 @@ class SimNode:
     _ports = itertools.count(20000)
 
     def __init__(self, nid: str, pod: str, idx: int, spare: bool) -> None:
-        self.info = common_pb2.NodeInfo(node_id=nid, address=f"10.0.0.{idx}", spare=spare, topology=common_pb2.Topology(
-            pod_id=pod, node_index=idx, host=nid, device_count=2))
+        self.info = NodeRecord(nid, pod, idx, nid, 2, f"10.0.0.{idx}", spare=spare)
         self.alive = True
         self.gen = -1
         self.lease = ""
@@ -63,22 +62,18 @@ class SimNode:
         self.gen = -1
 
     def beat(self, core: JobCoordinator) -> None:
-        reply = core.heartbeat(pb.NodeHeartbeatRequest(
-            job=JOB, node_id=self.info.node_id, lease_id=self.lease, generation=self.gen,
-            free_port=next(self._ports), workers_running=2 if self.gen > 0 else 0))
+        reply = core.heartbeat(Beat(JOB, self.info.node_id, self.lease, self.gen, 2 if self.gen > 0 else 0,
+                                    free_port=next(self._ports)))
         cmd = reply.response.command
-        if cmd in (pb.NODE_COMMAND_START, pb.NODE_COMMAND_RESTART):
-            self.gen = reply.response.rank_table.generation
-        elif cmd == pb.NODE_COMMAND_STOP:
+        if cmd in (Command.START, Command.RESTART):
+            self.gen = reply.response.table.generation
+        elif cmd is Command.STOP:
             self.gen = -1
 
     def report(self, core: JobCoordinator, node_level: bool) -> None:
-        ev = common_pb2.HealthEvent(node_id=self.info.node_id, source="prop", kind="gpu.lost" if node_level
-                                    else "process.exit", message="fault", severity=common_pb2.SEVERITY_CRITICAL)
-        core.report(pb.ReportEventRequest(
-            job=JOB, node_id=self.info.node_id, lease_id=self.lease, generation=self.gen, event=ev,
-            proposed_level=pb.RECOVERY_LEVEL_NODE if node_level else pb.RECOVERY_LEVEL_PROCESS, failed_rank=0,
-            exit_code=-9))
+        core.report(FaultReport(JOB, self.info.node_id, self.lease, self.gen,
+                                Cause.NODE_CRITICAL if node_level else Cause.WORKER_EXIT,
+                                Level.NODE if node_level else Level.PROCESS, rank=0, exit_code=-9, detail="fault"))
 
 
 class CoordinatorMachine(RuleBasedStateMachine):
@@ -130,7 +125,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         have: dict[str, int] = {}
         for n in self.nodes.values():
             if n.alive and n.info.node_id not in gone:
-                have[n.info.topology.pod_id] = have.get(n.info.topology.pod_id, 0) + 1
+                have[n.info.pod_id] = have.get(n.info.pod_id, 0) + 1
         return all(have.get(p, 0) >= k for p, k in need.items())
 
     def _holders(self) -> list[SimNode]:

@@ -1,0 +1,142 @@
+"""Protobuf <-> domain types, for the coordinator's gRPC service only (the core never sees a message).
+
+Rank tables are the one large message: the wire form of a full table is built once per generation and reused
+for every node's START (a 1,024-node table is ~50 KB; building it per heartbeat would dominate formation).
+"""
+
+from __future__ import annotations
+
+from trainguard.proto import common_pb2, coordinator_pb2 as pb
+from trainguard.recovery.domain import (Beat, CheckpointAsk, FaultReport, GenerationTable, Instruction,
+                                        NodeRecord)
+from trainguard.recovery.policy import Cause, Level
+
+
+def node_record(info: common_pb2.NodeInfo) -> NodeRecord:
+    """A registration's NodeInfo as a :class:`NodeRecord`."""
+    t = info.topology
+    return NodeRecord(info.node_id, t.pod_id, t.node_index, t.host, t.device_count, info.address, info.agent_port,
+                      info.spare, info.replaces, dict(t.labels))
+
+
+def legacy_node_record(hex_info: str) -> NodeRecord:
+    """A node record written by an older coordinator (the NodeInfo message, hex-encoded).
+
+    Raises:
+        ValueError: not hex, or not a NodeInfo.
+    """
+    from google.protobuf.message import DecodeError
+
+    try:
+        return node_record(common_pb2.NodeInfo.FromString(bytes.fromhex(hex_info)))
+    except DecodeError as exc:
+        raise ValueError(f"not a NodeInfo ({exc})") from exc
+
+
+def beat(req: pb.NodeHeartbeatRequest) -> Beat:
+    """A heartbeat request as a :class:`Beat`."""
+    return Beat(req.job, req.node_id, req.lease_id, req.generation, req.workers_running, req.workers_succeeded,
+                req.last_step, req.free_port)
+
+
+def classify(event: common_pb2.HealthEvent, proposed: int) -> Cause:
+    """Maps a reported health event (and the proposed level) to a failure cause.
+
+    Args:
+        event: the event.
+        proposed: the proto ``RecoveryLevel`` the reporter proposes.
+
+    Returns:
+        The cause the policy uses.
+    """
+    kind = event.kind.lower()
+    if proposed == pb.RECOVERY_LEVEL_JOB or event.action == common_pb2.ACTION_RESTART_JOB:
+        return Cause.JOB_REQUEST
+    if proposed == pb.RECOVERY_LEVEL_NODE or event.action == common_pb2.ACTION_DRAIN_NODE:
+        return Cause.NODE_CRITICAL
+    if "hang" in kind or "stall" in kind:
+        return Cause.WORKER_HANG
+    if kind.startswith("process.") or proposed == pb.RECOVERY_LEVEL_PROCESS \
+            or event.action == common_pb2.ACTION_RESTART_PROCESS:
+        return Cause.WORKER_EXIT
+    if event.severity >= common_pb2.SEVERITY_CRITICAL:
+        return Cause.NODE_CRITICAL
+    return Cause.ADVISORY
+
+
+def fault_report(req: pb.ReportEventRequest) -> FaultReport:
+    """A ReportEvent request as a classified :class:`FaultReport`."""
+    ev = req.event
+    return FaultReport(req.job, req.node_id, req.lease_id, req.generation, classify(ev, req.proposed_level),
+                       Level(req.proposed_level) if req.proposed_level >= 1 else Level.NONE, req.failed_rank,
+                       req.exit_code, ev.message or ev.kind,
+                       req.proposed_level <= pb.RECOVERY_LEVEL_NONE and ev.action == common_pb2.ACTION_CHECKPOINT_NOW)
+
+
+def _table_header(t: GenerationTable) -> common_pb2.RankTable:
+    return common_pb2.RankTable(job=t.job, generation=t.generation, world_size=t.world_size,
+                                master_addr=t.master_addr, master_port=t.master_port, restart_count=t.restart_count,
+                                max_restarts=t.max_restarts, node_count=len(t.slots))
+
+
+def rank_table(t: GenerationTable | None, job: str, only_node: str = "") -> common_pb2.RankTable:
+    """A generation's table on the wire (empty with ``job`` set when there is none yet).
+
+    Args:
+        t: the table, or None before the first generation.
+        job: the job name.
+        only_node: cut the node list down to this node's entry ("" keeps every node).
+    """
+    if t is None:
+        return common_pb2.RankTable(job=job)
+    msg = _table_header(t)
+    for s in t.slots:
+        if not only_node or s.node_id == only_node:
+            msg.nodes.add(node_id=s.node_id, group_rank=s.group_rank, first_rank=s.first_rank,
+                          local_world_size=s.local_world_size, address=s.address)
+    return msg
+
+
+def checkpoint(c: CheckpointAsk) -> pb.CheckpointRequest:
+    """A job-wide checkpoint on the wire."""
+    return pb.CheckpointRequest(at_step=c.at_step, reason=c.reason, request_id=c.request_id, generation=c.generation)
+
+
+class ResponseCache:
+    """Heartbeat answers on the wire, built once where every node gets the same one.
+
+    Every node of a generation gets the same START (or RESTART) with the full table: the response is built once per
+    (table, command, message, interval); the full table alone is kept per generation for GetRankTable.
+    """
+
+    def __init__(self) -> None:
+        self._start: tuple[GenerationTable, tuple[object, ...], pb.NodeHeartbeatResponse] | None = None
+        self._table: tuple[GenerationTable, common_pb2.RankTable] | None = None
+
+    def full_table(self, t: GenerationTable) -> common_pb2.RankTable:
+        """The wire form of a full table, cached per generation table."""
+        cached = self._table
+        if cached is None or cached[0] is not t:
+            cached = (t, rank_table(t, t.job))
+            self._table = cached
+        return cached[1]
+
+    def response(self, ins: Instruction) -> pb.NodeHeartbeatResponse:
+        """A heartbeat response for an instruction."""
+        if ins.table is not None and not ins.only_node:
+            key = (ins.command, ins.message, ins.interval_s, ins.phase)
+            cached = self._start
+            if cached is not None and cached[0] is ins.table and cached[1] == key:
+                return cached[2]
+            resp = pb.NodeHeartbeatResponse(command=int(ins.command), interval_s=ins.interval_s,
+                                            job_state=ins.phase.value, message=ins.message)
+            resp.rank_table.CopyFrom(self.full_table(ins.table))
+            self._start = (ins.table, key, resp)
+            return resp
+        resp = pb.NodeHeartbeatResponse(command=int(ins.command), interval_s=ins.interval_s,
+                                        job_state=ins.phase.value, message=ins.message)
+        if ins.table is not None:
+            resp.rank_table.CopyFrom(rank_table(ins.table, ins.table.job, ins.only_node))
+        if ins.checkpoint is not None:
+            resp.checkpoint.CopyFrom(checkpoint(ins.checkpoint))
+        return resp

@@ -1,0 +1,184 @@
+"""The coordinator's plain domain types: what the core takes and returns instead of protobuf messages.
+
+:mod:`~trainguard.recovery.convert` maps them to and from the wire (``coordinator.proto``) in the gRPC service;
+the core (:mod:`~trainguard.recovery.coordinator`), the decision step (:mod:`~trainguard.recovery.decide`) and
+the tests use them directly. Enum values equal the proto enum numbers, so conversion is a cast.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from trainguard.recovery.policy import Cause, Level
+from trainguard.recovery.ranks import NodeSlot, NodeSpec
+
+
+class Command(enum.IntEnum):
+    """What a heartbeat tells a node to do (values equal the proto ``NodeCommand``)."""
+
+    NONE = 1     # keep going
+    START = 2    # start workers for the table's generation
+    RESTART = 3  # stop workers, start them again with the table
+    STOP = 4     # stop workers (cordoned, spare, or job over)
+    WAIT = 5     # no rank table yet: waiting for members
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A node's identity and topology as it registered.
+
+    Attributes:
+        node_id: stable identity (survives agent restarts).
+        pod_id: pod / supernode sharing the fast fabric.
+        node_index: position inside the pod.
+        host: host name.
+        device_count: worker slots (0 means 1).
+        address: address other nodes reach it at.
+        agent_port: the node agent's gRPC port, 0 if none.
+        spare: joins the spare pool.
+        replaces: node id whose slot it takes over ("" when none).
+        labels: free-form labels.
+    """
+
+    node_id: str
+    pod_id: str = ""
+    node_index: int = 0
+    host: str = ""
+    device_count: int = 1
+    address: str = ""
+    agent_port: int = 0
+    spare: bool = False
+    replaces: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def spec(self, replaces: str = "") -> NodeSpec:
+        """The node as rank assignment sees it."""
+        return NodeSpec(self.node_id, self.pod_id, self.node_index, self.host, max(1, self.device_count),
+                        self.address, replaces)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-friendly form (inverse of :meth:`from_dict`)."""
+        return {"node_id": self.node_id, "pod_id": self.pod_id, "node_index": self.node_index, "host": self.host,
+                "device_count": self.device_count, "address": self.address, "agent_port": self.agent_port,
+                "spare": self.spare, "replaces": self.replaces, "labels": dict(self.labels)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> "NodeRecord":
+        """Rebuilds a record from :meth:`to_dict` output.
+
+        Raises:
+            KeyError, TypeError, ValueError: the mapping is malformed.
+        """
+        return cls(str(d["node_id"]), str(d["pod_id"]), int(d["node_index"]), str(d["host"]),  # type: ignore
+                   int(d["device_count"]), str(d["address"]), int(d["agent_port"]), bool(d["spare"]),  # type: ignore
+                   str(d["replaces"]), {str(k): str(v) for k, v in dict(d["labels"]).items()})  # type: ignore
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One node heartbeat.
+
+    Attributes:
+        job: job name.
+        node_id: the node.
+        lease_id: the lease RegisterNode returned.
+        generation: generation its workers run (-1: none).
+        workers_running: live workers.
+        workers_succeeded: every worker of that generation exited 0.
+        last_step: highest step completed (-1: none).
+        free_port: a port free on the node now (0: none).
+    """
+
+    job: str
+    node_id: str
+    lease_id: str
+    generation: int = -1
+    workers_running: int = 0
+    workers_succeeded: bool = False
+    last_step: int = -1
+    free_port: int = 0
+
+
+@dataclass(frozen=True)
+class FaultReport:
+    """One reported event, classified (see :func:`~trainguard.recovery.convert.classify`).
+
+    Attributes:
+        job, node_id, lease_id: who reports.
+        generation: generation the fault happened in (-1: no workers ran).
+        cause: why.
+        proposed: level the reporter proposes (NONE: no opinion).
+        rank: failing global rank (-1: not about one rank).
+        exit_code: the worker's exit code (negative: signal).
+        detail: one line from the reporter.
+        checkpoint_now: a predicted failure asks for a job-wide checkpoint instead of a restart.
+    """
+
+    job: str
+    node_id: str
+    lease_id: str
+    generation: int
+    cause: Cause
+    proposed: Level = Level.NONE
+    rank: int = -1
+    exit_code: int = 0
+    detail: str = ""
+    checkpoint_now: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointAsk:
+    """A job-wide checkpoint relayed in heartbeats: every rank saves when it completes ``at_step``."""
+
+    at_step: int
+    reason: str
+    request_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class GenerationTable:
+    """One generation's rank table (one object per generation: the service caches its wire form by identity).
+
+    Attributes:
+        job: job name.
+        generation: the generation.
+        world_size: total ranks.
+        master_addr, master_port: rank 0's rendezvous address.
+        restart_count, max_restarts: budget spent and allowed.
+        slots: every node's ranks, in group-rank order.
+    """
+
+    job: str
+    generation: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    max_restarts: int
+    slots: tuple[NodeSlot, ...]
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """A heartbeat's answer.
+
+    Attributes:
+        command: what to do.
+        phase: the job's phase (proto ``JobState`` number via ``phase.value``).
+        interval_s: heartbeat interval to use, seconds.
+        message: one line for the agent's log.
+        table: START/RESTART: the generation's table.
+        only_node: the node the table is cut down to ("" for the full table; large jobs send each node its entry).
+        checkpoint: a pending job-wide checkpoint of the current generation.
+    """
+
+    command: Command
+    phase: enum.Enum
+    interval_s: float
+    message: str = ""
+    table: GenerationTable | None = None
+    only_node: str = ""
+    checkpoint: CheckpointAsk | None = None

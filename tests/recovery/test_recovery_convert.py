@@ -1,0 +1,54 @@
+"""Protobuf <-> domain conversion (recovery/convert.py): events classified, rank tables on the wire built once per
+generation, large tables cut to the receiving node, and node records of older stores still restored."""
+
+from __future__ import annotations
+
+import json
+
+from trainguard.proto import common_pb2, coordinator_pb2 as pb
+from trainguard.recovery import convert
+from trainguard.recovery.coordinator import JobCoordinator, JobSpec
+from trainguard.recovery.domain import Command, GenerationTable, Instruction
+from trainguard.recovery.policy import Cause, Phase
+from trainguard.recovery.ranks import NodeSlot
+from trainguard.recovery.store import MemoryStore, Put
+
+
+def _ev(kind: str = "", action: int = 0, severity: int = common_pb2.SEVERITY_WARNING) -> common_pb2.HealthEvent:
+    return common_pb2.HealthEvent(kind=kind, action=action, severity=severity)
+
+
+def test_classify_maps_levels_actions_and_kinds() -> None:
+    assert convert.classify(_ev(), pb.RECOVERY_LEVEL_JOB) is Cause.JOB_REQUEST
+    assert convert.classify(_ev(action=common_pb2.ACTION_DRAIN_NODE), 0) is Cause.NODE_CRITICAL
+    assert convert.classify(_ev("process.hang"), 0) is Cause.WORKER_HANG
+    assert convert.classify(_ev("process.exit"), 0) is Cause.WORKER_EXIT
+    assert convert.classify(_ev("gpu.xid", severity=common_pb2.SEVERITY_CRITICAL), 0) is Cause.NODE_CRITICAL
+    assert convert.classify(_ev("gpu.temp"), 0) is Cause.ADVISORY
+    req = pb.ReportEventRequest(job="j", node_id="n", lease_id="l", generation=1, proposed_level=pb.RECOVERY_LEVEL_NONE,
+                                event=_ev("predictor", action=common_pb2.ACTION_CHECKPOINT_NOW))
+    assert convert.fault_report(req).checkpoint_now
+
+
+def test_start_responses_share_one_wire_table_and_big_tables_are_cut() -> None:
+    slots = tuple(NodeSlot(f"n{i}", i, 2 * i, 2, "10.0.0.1", "p") for i in range(3))
+    table = GenerationTable("j", 2, 6, "10.0.0.1", 29500, 1, 3, slots)
+    cache = convert.ResponseCache()
+    ins = Instruction(Command.START, Phase.RECOVERING, 0.5, "m", table)
+    a, b = cache.response(ins), cache.response(ins)
+    assert a is b and a.command == pb.NODE_COMMAND_START and [n.node_id for n in a.rank_table.nodes] == ["n0", "n1", "n2"]
+    assert a.rank_table.node_count == 3 and a.job_state == pb.JOB_STATE_RECOVERING
+    cut = cache.response(Instruction(Command.START, Phase.RECOVERING, 0.5, "m", table, only_node="n1"))
+    assert [n.node_id for n in cut.rank_table.nodes] == ["n1"] and cut.rank_table.node_count == 3
+
+
+def test_node_records_of_an_older_store_are_restored() -> None:
+    store = MemoryStore()
+    info = common_pb2.NodeInfo(node_id="old", address="10.0.0.9",
+                               topology=common_pb2.Topology(pod_id="p9", node_index=3, host="h", device_count=4))
+    store.commit([], [Put("trainguard/jobs/j/nodes/old", json.dumps(
+        {"info": info.SerializeToString().hex(), "lease": "abc", "instance": "i"}).encode())])
+    core = JobCoordinator(JobSpec(job="j"), store=store)
+    m = core.members()["old"]
+    assert (m.info.pod_id, m.info.node_index, m.info.device_count, m.lease_id) == ("p9", 3, 4, "abc")
+    core.close()
