@@ -10,10 +10,17 @@ Slots are allocated once, pre-faulted (``posix_fallocate`` + ``MAP_POPULATE``) a
 tmpfs files, so they outlive a crashed worker; whoever owns the job's lifetime (the node agent's checkpoint
 service, or the private persist process) removes them. Locking: the writer of a slot holds ``flock(LOCK_EX)`` on
 its data file; the persist process and readers hold ``LOCK_SH``. No torch import (the persist process uses it).
+
+Ownership: one writer per (job, rank). The writer holds an exclusive, non-blocking ``flock`` on ``owner.lock`` in
+the rank's directory (an :class:`ArenaLease`) from its first save to its close; only the lease holder may remove
+the directory. A process that only restores never takes the lease, so it can neither remove nor reuse another
+process's slots. The kernel drops a crashed owner's flock, so its successor takes the lease and reuses the slots
+(each under its slot lock, so a persist still reading a slot finishes first): the area is reclaimed, never torn.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import mmap
@@ -23,7 +30,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.checkpoint.errors import CorruptCheckpointError, StorageUnavailableError
+from trainguard.checkpoint.errors import ArenaOwnedError, CorruptCheckpointError, StorageUnavailableError
 from trainguard.checkpoint.fileio import storage_error
 from trainguard.checkpoint.manifest import Manifest
 
@@ -152,6 +159,94 @@ class Arena:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+LEASE_NAME = "owner.lock"
+
+
+class ArenaLease:
+    """Exclusive ownership of one rank's arena directory (see module docstring).
+
+    Args:
+        directory: the rank's arena directory (created when missing).
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.fd = -1
+
+    @property
+    def held(self) -> bool:
+        """True while this process holds the lease."""
+        return self.fd >= 0
+
+    def acquire(self) -> None:
+        """Takes the lease without waiting.
+
+        Raises:
+            ArenaOwnedError: another live process holds it (the message names its pid).
+            StorageUnavailableError: the directory or lock file cannot be created.
+        """
+        if self.held:
+            return
+        path = os.path.join(self.directory, LEASE_NAME)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise storage_error(exc, f"create the staging area lock {path}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            try:
+                owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise storage_error(exc, f"lock {path}") from exc
+            raise ArenaOwnedError(
+                f"process {owner} already writes checkpoints for this job and rank ({self.directory}); only one "
+                "writer per (job, rank): give this process another job name, or only restore from it") from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.fd = fd
+
+    def release(self, remove: bool) -> None:
+        """Gives the lease back; with ``remove`` first deletes the directory (only the holder may)."""
+        if not self.held:
+            return
+        if remove:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(self.directory))  # the job directory, once its last rank is gone
+            except OSError:
+                pass
+        os.close(self.fd)
+        self.fd = -1
+
+
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer may still allocate on the filesystem holding ``directory`` (or its parent)."""
+    d = directory
+    while d and not os.path.isdir(d):
+        d = os.path.dirname(d)
+    st = os.statvfs(d or "/")
+    return st.f_bavail * st.f_frsize
+
+
+def staging_shortfall(directory: str, nslots: int, nbytes: int) -> int:
+    """Bytes missing on ``directory``'s filesystem to hold ``nslots`` slots of ``nbytes`` (0 when they fit).
+
+    Slot files already there count for what they hold (they are reused, not reallocated).
+    """
+    have = 0
+    for i in range(nslots):
+        try:
+            have += min(os.stat(SlotPaths.of(directory, i).data).st_size, nbytes)
+        except OSError:
+            pass
+    need = nslots * nbytes - have
+    return max(0, need - free_bytes(directory))
+
+
 def memory_manifests(shm_root: str, job: str) -> dict[int, dict[int, tuple[SlotPaths, Manifest]]]:
     """Every valid in-memory copy: ``{step: {rank: (slot paths, manifest)}}``.
 
@@ -184,7 +279,9 @@ def memory_manifests(shm_root: str, job: str) -> dict[int, dict[int, tuple[SlotP
                 continue
             if read_tag(paths) != str(man.step):
                 continue
-            out.setdefault(man.step, {})[man.rank] = (paths, man)
+            prev = out.get(man.step, {}).get(man.rank)
+            if prev is None or man.created >= prev[1].created:  # a step saved twice: the newer copy wins
+                out.setdefault(man.step, {})[man.rank] = (paths, man)
     return out
 
 

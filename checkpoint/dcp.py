@@ -117,7 +117,7 @@ def export_step(root: str, job: str, step: int | None, out_dir: str,
             copy = RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}")
             copies.append(copy)
             copy.verify(progress)
-            decoded = decode(man.tree, lambda i, _t, c=copy: c.tensor(i), None)
+            decoded = decode(man.tree, lambda i, _t, _n=None, c=copy: c.tensor(i), None)
             prefix = "" if len(ranks) == 1 else f"rank{r}"
             if prefix:
                 state[prefix] = decoded

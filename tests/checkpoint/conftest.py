@@ -26,6 +26,7 @@ def make_config(tmp_path, shm_dir):
 
     def make(**kw) -> CheckpointConfig:
         memory = {"directory": shm_dir, **kw.pop("memory", {})}
-        return CheckpointConfig(directory=str(tmp_path / "ckpt"), memory=memory, **kw)
+        kw.setdefault("directory", str(tmp_path / "ckpt"))
+        return CheckpointConfig(memory=memory, **kw)
 
     return make
