@@ -122,6 +122,9 @@ class Checkpointer:
         self.rank, self.world_size, self.job = rank, world_size, job
         self.events = EventSink(on_event, rank)
         self.last_restore_tier: str | None = None
+        #: bytes verified (so read) per saved rank by the last restore: a reshard touches only the ranks and
+        #: checksum chunks its shards overlap.
+        self.last_restore_read: dict[int, int] = {}
         self._lock = threading.Condition()
         self._status: dict[int, _StepStatus] = {}
         self._slot_busy: list[bool] = []
@@ -613,9 +616,12 @@ class Checkpointer:
                 "restart with the same world size, save sharded state (DTensors), or set replicated=True if "
                 "every rank holds the same state (plain DDP)")
         copies: dict[int, RankCopy] = {}
+        # Same world size: this rank's own copy holds (nearly) everything it needs; read and verify it whole.
+        # A reshard reads only the byte ranges it needs from every copy, its source rank's included.
+        whole = info.world_size == self.world_size or not man.sharded
         try:
-            own = copies[src_rank] = self._open_data(tier, info.step, src_rank, man, where, populate=True)
-            if self.config.verify_on_restore:
+            own = copies[src_rank] = self._open_data(tier, info.step, src_rank, man, where, populate=whole)
+            if self.config.verify_on_restore and whole:
                 own.verify()
             loader: Any = own.loader()
             if man.sharded:
@@ -634,9 +640,11 @@ class Checkpointer:
                                                     f"{tier} copy of step {info.step} rank {r}", populate=False)
                     return copies[r]
 
-                loader = ShardedLoader(own, open_rank, all_manifests, verify=self.config.verify_on_restore)
+                loader = ShardedLoader(own, open_rank, all_manifests, verify=self.config.verify_on_restore,
+                                       own_verified=whole)
             restore_into(man.tree, loader, state)
         finally:
+            self.last_restore_read = {r: c.bytes_touched for r, c in copies.items() if c.bytes_touched}
             for c in copies.values():
                 c.close()
         self.last_restore_tier = tier

@@ -85,6 +85,7 @@ class RankCopy:
         finally:
             view.release()
         self._verified.update(range(self.manifest.n_chunks))
+        self.bytes_touched = self.manifest.data_bytes
 
     def verify_range(self, start: int, end: int) -> None:
         """Checks only the chunks covering bytes ``[start, end)`` (each chunk once per open copy).

@@ -79,21 +79,30 @@ class ShardedLoader:
         own: this rank's source copy (the one whose tree is decoded; fully verified by the caller).
         open_rank: opens another rank's copy of the same step without read-ahead (cached by the caller).
         manifests: returns every rank's manifest of the step (read once, on the first reshard).
-        verify: check the checksum chunks of every byte range read from another rank's copy.
+        verify: check the checksum chunks of every byte range read (``own`` only when ``own_verified`` is
+            False: a reshard maps its source copy lazily too instead of verifying all of it).
+        own_verified: ``own`` was verified whole before loading.
     """
 
     def __init__(self, own: RankCopy, open_rank: Callable[[int], RankCopy],
-                 manifests: Callable[[], dict[int, Manifest]], verify: bool = True) -> None:
+                 manifests: Callable[[], dict[int, Manifest]], verify: bool = True, own_verified: bool = True) -> None:
         self.own = own
         self.open_rank = open_rank
         self._manifests = manifests
         self._index: dict[str, list[SavedShard]] | None = None
         self.verify = verify
+        self.own_verified = own_verified
         self._plain = own.loader()
         self.resharded = 0
 
+    def _check_own(self, index: int) -> None:
+        if self.verify and not self.own_verified:
+            e = self.own.manifest.tensors[index]
+            self.own.verify_range(e.offset, e.offset + e.nbytes)
+
     def __call__(self, index: int, target: torch.Tensor | None, node: dict[str, Any] | None = None) -> torch.Tensor:
         if node is None:
+            self._check_own(index)
             return self._plain(index, target)
         e = self.own.manifest.tensors[index]
         dtype = getattr(torch, e.dtype)
@@ -112,6 +121,7 @@ class ShardedLoader:
             dst, off, result = target, (0,) * len(gshape), target
         with torch.no_grad():
             if tuple(node["o"]) == tuple(off) and tuple(e.shape) == tuple(dst.shape):
+                self._check_own(index)
                 dst.copy_(self.own.tensor(index))  # same layout: this rank's own shard
             else:
                 self._assemble(e.key, dst, off)
@@ -131,7 +141,7 @@ class ShardedLoader:
             if entry.key != key:
                 raise CorruptCheckpointError(f"{copy.where}: tensor {sh.index} is {entry.key}, expected {key}")
             src_start = tuple(a - b for a, b in zip(lo, sh.offsets))
-            if self.verify and copy is not self.own:
+            if self.verify and (copy is not self.own or not self.own_verified):
                 itemsize = torch.empty((), dtype=dst.dtype).element_size()
                 a, b = _byte_span(sh.shape, itemsize, src_start, size)
                 copy.verify_range(entry.offset + a, entry.offset + b)
