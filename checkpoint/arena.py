@@ -76,11 +76,27 @@ def write_tag(paths: SlotPaths, tag: str) -> None:
 
 
 class Slot:
-    """One mapped staging slot (file descriptor kept open for locking)."""
+    """One mapped staging slot (file descriptor kept open for locking).
 
-    def __init__(self, paths: SlotPaths, nbytes: int) -> None:
+    Args:
+        paths: the slot's files.
+        nbytes: minimum size.
+        anonymous: back the data with an anonymous shared-memory file (``memfd_create``) instead of
+            ``paths.data``: it is not bounded by the size of /dev/shm (only by the host's memory and cgroup), and
+            the persist process opens it as ``/proc/<pid>/fd/<n>``. It dies with the last process holding it, so
+            it is staging only, never a tier.
+    """
+
+    def __init__(self, paths: SlotPaths, nbytes: int, anonymous: str | None = None) -> None:
         self.paths = paths
-        self.fd = os.open(paths.data, os.O_RDWR | os.O_CREAT, 0o600)
+        if anonymous is not None:
+            try:
+                self.fd = os.memfd_create(anonymous, getattr(os, "MFD_CLOEXEC", 1))
+            except OSError as exc:
+                raise storage_error(exc, f"create {nbytes} bytes of anonymous shared memory") from exc
+            self.paths = SlotPaths(f"/proc/{os.getpid()}/fd/{self.fd}", paths.tag, paths.manifest)
+        else:
+            self.fd = os.open(paths.data, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             size = os.fstat(self.fd).st_size
             if size < nbytes:
@@ -92,7 +108,7 @@ class Slot:
             self.map = mmap.mmap(self.fd, size, flags=flags)
         except OSError as exc:
             os.close(self.fd)
-            raise storage_error(exc, f"allocate {nbytes} bytes of shared memory at {paths.data}") from exc
+            raise storage_error(exc, f"allocate {nbytes} bytes of shared memory at {self.paths.data}") from exc
 
     def lock(self, exclusive: bool) -> None:
         """Blocks until the slot's flock is held (exclusive for writers, shared for readers)."""
@@ -119,10 +135,13 @@ class Arena:
         job: job name.
         rank: this rank.
         slots: number of slots (>= 2).
+        anonymous: keep the slots' data in anonymous shared memory (see :class:`Slot`); tags stay in the directory.
     """
 
-    def __init__(self, shm_root: str, job: str, rank: int, slots: int) -> None:
+    def __init__(self, shm_root: str, job: str, rank: int, slots: int, anonymous: bool = False) -> None:
         self.dir = rank_dir(shm_root, job, rank)
+        self.anonymous = anonymous
+        self._name = f"trainguard-{job}-rank{rank}"
         self.nslots = max(2, slots)
         self.slots: list[Slot | None] = [None] * self.nslots
         try:
@@ -140,7 +159,7 @@ class Arena:
         if slot is None or slot.size < nbytes:
             if slot is not None:
                 slot.close()
-            slot = Slot(self.paths(index), nbytes)
+            slot = Slot(self.paths(index), nbytes, f"{self._name}-slot{index}" if self.anonymous else None)
             self.slots[index] = slot
         return slot
 

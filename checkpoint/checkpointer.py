@@ -152,7 +152,8 @@ class Checkpointer:
         self.arena: Arena | None = None       # the staging slots, opened by the first prepare()/save()
         self._lease: ArenaLease | None = None
         self._channel: PersistChannel | None = None
-        #: where snapshots are staged: "memory" (the shared-memory tier) or "disk" (fallback, see prepare()).
+        #: where snapshots are staged: "memory" (the shared-memory tier), or the fallback for a too-small
+        #: /dev/shm (see prepare()): "disk" (local files) or "host" (anonymous, page-locked with CUDA).
         self.staging: str | None = None
 
     # ------------------------------------------------------------------ writer resources
@@ -167,13 +168,19 @@ class Checkpointer:
             self._channel = open_channel(self.config, self.job, self.rank, self._on_report)
         return self._channel
 
-    def _staging_fallback_dir(self) -> str | None:
+    def _staging_fallback(self) -> tuple[str, str | None]:
+        """``(kind, directory)`` of the staging used when the memory directory is too small (see config)."""
         cfg = self.config
+        kind = cfg.memory.fallback
+        if kind == "auto":
+            kind = "host" if torch.cuda.is_available() else "disk"
         if cfg.memory.fallback_directory:
-            return cfg.memory.fallback_directory
-        if self.disk is None:
-            return None
-        return os.path.join(cfg.disk_directory, ".trainguard-staging")
+            return kind, cfg.memory.fallback_directory
+        if self.disk is not None:
+            return kind, os.path.join(cfg.disk_directory, ".trainguard-staging")
+        if kind == "host":
+            return kind, os.path.join(tempfile.gettempdir(), "trainguard-staging")
+        return kind, None
 
     def _ensure_arena(self, nbytes: int) -> Arena:
         """Opens the staging arena on first use, on /dev/shm when its slots fit there, else on local disk.
@@ -192,29 +199,33 @@ class Checkpointer:
         except OSError:
             short = self._nslots * nbytes
         root, staging = shm_root, "memory"
+        anonymous = False
         if short > 0:
-            fallback = self._staging_fallback_dir()
+            kind, fallback = self._staging_fallback()
             need_mib = self._nslots * nbytes / 2**20
             if fallback is None:
                 raise StorageUnavailableError(
                     f"{shm_root} lacks {short / 2**20:.1f} MiB for {self._nslots} staging slots of "
                     f"{nbytes / 2**20:.1f} MiB and the disk tier is off; enlarge /dev/shm (docker run --shm-size, "
                     "a Kubernetes emptyDir with medium: Memory) or set checkpoint.memory.directory")
+            where = (f"on local disk at {fallback}" if kind == "disk" else
+                     "in anonymous host memory" + (" (page-locked for the GPU copies)"
+                                                   if torch.cuda.is_available() else ""))
             msg = (f"checkpoint staging: {shm_root} has too little room for {self._nslots} slots "
                    f"({need_mib:.1f} MiB, {short / 2**20:.1f} MiB short; /dev/shm is 64 MiB in Docker and in "
-                   "Kubernetes pods by default), so snapshots are staged on local disk at "
-                   f"{fallback} and the in-memory tier is off for rank {self.rank}; to restore from memory "
+                   f"Kubernetes pods by default), so snapshots are staged {where} "
+                   f"and the in-memory tier is off for rank {self.rank}; to restore from memory "
                    "again, enlarge /dev/shm (docker run --shm-size=16g, or mount a Kubernetes emptyDir with "
                    "medium: Memory at /dev/shm) or point checkpoint.memory.directory "
                    "($TRAINGUARD_CHECKPOINT_SHM_DIR) at a larger tmpfs")
-            self.events.notice("checkpoint.staging_on_disk", msg, {
+            self.events.notice("checkpoint.staging_fallback", msg, {
                 "shm_dir": shm_root, "needed_bytes": str(self._nslots * nbytes), "short_bytes": str(short),
-                "fallback": fallback, "config_key": "checkpoint.memory.directory"})
-            root, staging = fallback, "disk"
+                "fallback": kind, "fallback_directory": fallback, "config_key": "checkpoint.memory.directory"})
+            root, staging, anonymous = fallback, kind, kind == "host"
         lease = ArenaLease(arena_mod.rank_dir(root, self.job, self.rank))
         lease.acquire()
         try:
-            arena = Arena(root, self.job, self.rank, self._nslots)
+            arena = Arena(root, self.job, self.rank, self._nslots, anonymous=anonymous)
         except BaseException:
             lease.release(remove=False)
             raise
@@ -255,7 +266,7 @@ class Checkpointer:
 
         Optional: the first saves allocate lazily otherwise (about 1.4 s per GiB of tmpfs on first touch). When
         the memory directory (``/dev/shm``) is too small for the slots, they go to local disk instead: one
-        warning and a ``checkpoint.staging_on_disk`` health event say so (see ``memory.fallback_directory``).
+        warning and a ``checkpoint.staging_fallback`` health event say so (see ``memory.fallback``).
 
         Args:
             state: the state that will be saved (only its tensor sizes are read).
@@ -383,7 +394,8 @@ class Checkpointer:
         cfg = self.config
         req = {
             "op": "persist", "id": step, "job": self.job, "rank": self.rank, "world_size": self.world_size,
-            "step": step, "slot": paths.data[: -len(".data")],
+            "step": step, "slot": paths.tag[: -len(".tag")],
+            "slot_data": paths.data,  # differs from "<slot>.data" for anonymous (memfd) staging
             "manifest": arena_mod.manifest_dict(manifest),
             "memory": cfg.memory.enabled and self.staging == "memory",
             "disk": {"root": cfg.disk_directory, "keep": cfg.disk.keep, "fsync": cfg.disk.fsync}
@@ -714,8 +726,8 @@ class Checkpointer:
                 # Only the lease holder removes its area, and only when no agent-owned service keeps it for a
                 # restarted worker. A Checkpointer that never saved holds no lease and removes nothing.
                 remove = (channel is None or channel.owns_memory) and not self.config.memory.keep_on_close
-                if self.staging == "disk":
-                    remove = True  # disk staging is not a tier: nothing to keep for a successor
+                if self.staging != "memory":
+                    remove = True  # fallback staging is not a tier: nothing to keep for a successor
                 self.arena.close(remove=False)
                 if self._lease is not None:
                     self._lease.release(remove=remove)

@@ -64,15 +64,21 @@ class MemoryTierConfig:
         directory: tmpfs directory of the arena. Default ``$TRAINGUARD_CHECKPOINT_SHM_DIR`` or
             ``/dev/shm/trainguard``.
         keep_on_close: leave the arena in place on a clean ``close()`` (normally removed). Default False.
-        fallback_directory: where snapshots are staged when ``directory`` is too small for the staging slots (a
-            container's 64 MiB /dev/shm): a local-disk directory; the memory tier is then off for this process
-            and checkpoints still reach disk. Default ``<disk tier directory>/.trainguard-staging``.
+        fallback: where snapshots are staged when ``directory`` is too small for the staging slots (a
+            container's 64 MiB /dev/shm); the memory tier is then off for this process and checkpoints still
+            reach disk. ``"disk"``: files under ``fallback_directory``; ``"host"``: anonymous shared memory
+            (``memfd``, not bounded by /dev/shm), page-locked for DMA where CUDA is present; ``"auto"``: host
+            when CUDA is available (the state lives on the GPU, host memory is free), else disk (the state
+            already fills host memory). Default ``"auto"``.
+        fallback_directory: directory of the fallback's slot files (disk) or slot tags (host). Default
+            ``<disk tier directory>/.trainguard-staging`` (``<tmpdir>/trainguard-staging`` without a disk tier).
     """
 
     enabled: bool = True
     keep: int = 1
     directory: str = field(default_factory=lambda: os.environ.get(CHECKPOINT_SHM_DIR_ENV, "/dev/shm/trainguard"))
     keep_on_close: bool = False
+    fallback: str = "auto"
     fallback_directory: str | None = None
 
 
@@ -190,6 +196,9 @@ class CheckpointConfig:
                             ("remote.keep", self.remote.keep)):
             if not isinstance(value, int) or value < 1:
                 raise CheckpointConfigError(f"checkpoint.{name} is {value!r}; it must be an integer >= 1")
+        if self.memory.fallback not in ("auto", "disk", "host"):
+            raise CheckpointConfigError(f"checkpoint.memory.fallback is {self.memory.fallback!r}; use \"auto\", "
+                                        "\"disk\" or \"host\"")
         if self.persist.bandwidth_mib_s < 0:
             raise CheckpointConfigError("checkpoint.persist.bandwidth_mib_s must be >= 0 (0 = unthrottled)")
         if not 0 <= int(self.persist.nice) <= 19:

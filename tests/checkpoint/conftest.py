@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import uuid
 
 import pytest
@@ -30,3 +31,13 @@ def make_config(tmp_path, shm_dir):
         return CheckpointConfig(memory=memory, **kw)
 
     return make
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs, like a container's /dev/shm that is too small for the staging slots."""
+    d = tmp_path / "small-shm"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], check=True)
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)

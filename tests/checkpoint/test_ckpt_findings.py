@@ -30,16 +30,6 @@ from trainguard.checkpoint.storage import data_name, step_dirname
 HERE = Path(__file__).parent
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 1 MiB tmpfs, like a container's /dev/shm that is too small for the staging slots."""
-    d = tmp_path / "small-shm"
-    d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], check=True)
-    yield d
-    subprocess.run(["umount", "-l", str(d)], check=False)
-
-
 # ---------------------------------------------------------------------- (a) containers
 @pytest.mark.parametrize("memory_enabled", [True, False])
 def test_small_shm_falls_back_to_disk_staging_and_says_how_to_fix(make_config, small_tmpfs, caplog,
@@ -57,7 +47,7 @@ def test_small_shm_falls_back_to_disk_staging_and_says_how_to_fix(make_config, s
             assert ck.wait(8, timeout=60)
             assert [s.step for s in ck.steps()] == [7, 8]
     assert os.listdir(small_tmpfs) == []  # nothing was staged in the small tmpfs
-    assert [e.kind for e in events] == ["checkpoint.staging_on_disk"]
+    assert [e.kind for e in events] == ["checkpoint.staging_fallback"]
     warnings = [r.getMessage() for r in caplog.records if "staging" in r.getMessage()]
     assert len(warnings) == 1
     for needle in ("/dev/shm", "--shm-size", "emptyDir", "medium: Memory", "checkpoint.memory.directory",
@@ -68,6 +58,21 @@ def test_small_shm_falls_back_to_disk_staging_and_says_how_to_fix(make_config, s
         assert ck2.restore(live) == 8 and ck2.last_restore_tier == "disk"
     assert torch.equal(live["w"], state["w"]) and live["step"] == 7
     assert not os.path.exists(os.path.join(cfg.disk_directory, ".trainguard-staging", "c"))  # removed on close
+
+
+def test_small_shm_host_memory_fallback(make_config, small_tmpfs):
+    """The fallback CUDA nodes get by default (anonymous memfd slots; page-locked there), forced on CPU."""
+    cfg = make_config(memory={"directory": str(small_tmpfs), "fallback": "host"})
+    state = {"w": torch.randn(400_000)}
+    events = []
+    with Checkpointer(cfg, job="h", on_event=events.append) as ck:
+        ck.save(state, 1)
+        assert ck.wait(1, timeout=60) and ck.staging == "host"
+        assert ck.arena.slots[0].paths.data.startswith(f"/proc/{os.getpid()}/fd/")
+    assert os.listdir(small_tmpfs) == [] and [e.evidence["fallback"] for e in events] == ["host"]
+    live = {"w": torch.zeros(400_000)}
+    with Checkpointer(cfg, job="h") as ck2:
+        assert ck2.restore(live) == 1 and torch.equal(live["w"], state["w"])
 
 
 def test_state_fitting_small_shm_still_uses_memory(make_config, small_tmpfs):
