@@ -10,10 +10,17 @@ Slots are allocated once, pre-faulted (``posix_fallocate`` + ``MAP_POPULATE``) a
 tmpfs files, so they outlive a crashed worker; whoever owns the job's lifetime (the node agent's checkpoint
 service, or the private persist process) removes them. Locking: the writer of a slot holds ``flock(LOCK_EX)`` on
 its data file; the persist process and readers hold ``LOCK_SH``. No torch import (the persist process uses it).
+
+Ownership: one writer per (job, rank). The writer holds an exclusive, non-blocking ``flock`` on ``owner.lock`` in
+the rank's directory (an :class:`ArenaLease`) from its first save to its close; only the lease holder may remove
+the directory. A process that only restores never takes the lease, so it can neither remove nor reuse another
+process's slots. The kernel drops a crashed owner's flock, so its successor takes the lease and reuses the slots
+(each under its slot lock, so a persist still reading a slot finishes first): the area is reclaimed, never torn.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import mmap
@@ -23,7 +30,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.checkpoint.errors import CorruptCheckpointError, StorageUnavailableError
+from trainguard.checkpoint.errors import ArenaOwnedError, CorruptCheckpointError, StorageUnavailableError
 from trainguard.checkpoint.fileio import storage_error
 from trainguard.checkpoint.manifest import Manifest
 
@@ -69,11 +76,27 @@ def write_tag(paths: SlotPaths, tag: str) -> None:
 
 
 class Slot:
-    """One mapped staging slot (file descriptor kept open for locking)."""
+    """One mapped staging slot (file descriptor kept open for locking).
 
-    def __init__(self, paths: SlotPaths, nbytes: int) -> None:
+    Args:
+        paths: the slot's files.
+        nbytes: minimum size.
+        anonymous: back the data with an anonymous shared-memory file (``memfd_create``) instead of
+            ``paths.data``: it is not bounded by the size of /dev/shm (only by the host's memory and cgroup), and
+            the persist process opens it as ``/proc/<pid>/fd/<n>``. It dies with the last process holding it, so
+            it is staging only, never a tier.
+    """
+
+    def __init__(self, paths: SlotPaths, nbytes: int, anonymous: str | None = None) -> None:
         self.paths = paths
-        self.fd = os.open(paths.data, os.O_RDWR | os.O_CREAT, 0o600)
+        if anonymous is not None:
+            try:
+                self.fd = os.memfd_create(anonymous, getattr(os, "MFD_CLOEXEC", 1))
+            except OSError as exc:
+                raise storage_error(exc, f"create {nbytes} bytes of anonymous shared memory") from exc
+            self.paths = SlotPaths(f"/proc/{os.getpid()}/fd/{self.fd}", paths.tag, paths.manifest)
+        else:
+            self.fd = os.open(paths.data, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             size = os.fstat(self.fd).st_size
             if size < nbytes:
@@ -85,7 +108,7 @@ class Slot:
             self.map = mmap.mmap(self.fd, size, flags=flags)
         except OSError as exc:
             os.close(self.fd)
-            raise storage_error(exc, f"allocate {nbytes} bytes of shared memory at {paths.data}") from exc
+            raise storage_error(exc, f"allocate {nbytes} bytes of shared memory at {self.paths.data}") from exc
 
     def lock(self, exclusive: bool) -> None:
         """Blocks until the slot's flock is held (exclusive for writers, shared for readers)."""
@@ -112,10 +135,13 @@ class Arena:
         job: job name.
         rank: this rank.
         slots: number of slots (>= 2).
+        anonymous: keep the slots' data in anonymous shared memory (see :class:`Slot`); tags stay in the directory.
     """
 
-    def __init__(self, shm_root: str, job: str, rank: int, slots: int) -> None:
+    def __init__(self, shm_root: str, job: str, rank: int, slots: int, anonymous: bool = False) -> None:
         self.dir = rank_dir(shm_root, job, rank)
+        self.anonymous = anonymous
+        self._name = f"trainguard-{job}-rank{rank}"
         self.nslots = max(2, slots)
         self.slots: list[Slot | None] = [None] * self.nslots
         try:
@@ -133,7 +159,7 @@ class Arena:
         if slot is None or slot.size < nbytes:
             if slot is not None:
                 slot.close()
-            slot = Slot(self.paths(index), nbytes)
+            slot = Slot(self.paths(index), nbytes, f"{self._name}-slot{index}" if self.anonymous else None)
             self.slots[index] = slot
         return slot
 
@@ -150,6 +176,94 @@ class Arena:
         self.slots = [None] * self.nslots
         if remove:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+LEASE_NAME = "owner.lock"
+
+
+class ArenaLease:
+    """Exclusive ownership of one rank's arena directory (see module docstring).
+
+    Args:
+        directory: the rank's arena directory (created when missing).
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.fd = -1
+
+    @property
+    def held(self) -> bool:
+        """True while this process holds the lease."""
+        return self.fd >= 0
+
+    def acquire(self) -> None:
+        """Takes the lease without waiting.
+
+        Raises:
+            ArenaOwnedError: another live process holds it (the message names its pid).
+            StorageUnavailableError: the directory or lock file cannot be created.
+        """
+        if self.held:
+            return
+        path = os.path.join(self.directory, LEASE_NAME)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise storage_error(exc, f"create the staging area lock {path}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            try:
+                owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise storage_error(exc, f"lock {path}") from exc
+            raise ArenaOwnedError(
+                f"process {owner} already writes checkpoints for this job and rank ({self.directory}); only one "
+                "writer per (job, rank): give this process another job name, or only restore from it") from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.fd = fd
+
+    def release(self, remove: bool) -> None:
+        """Gives the lease back; with ``remove`` first deletes the directory (only the holder may)."""
+        if not self.held:
+            return
+        if remove:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(self.directory))  # the job directory, once its last rank is gone
+            except OSError:
+                pass
+        os.close(self.fd)
+        self.fd = -1
+
+
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer may still allocate on the filesystem holding ``directory`` (or its parent)."""
+    d = directory
+    while d and not os.path.isdir(d):
+        d = os.path.dirname(d)
+    st = os.statvfs(d or "/")
+    return st.f_bavail * st.f_frsize
+
+
+def staging_shortfall(directory: str, nslots: int, nbytes: int) -> int:
+    """Bytes missing on ``directory``'s filesystem to hold ``nslots`` slots of ``nbytes`` (0 when they fit).
+
+    Slot files already there count for what they hold (they are reused, not reallocated).
+    """
+    have = 0
+    for i in range(nslots):
+        try:
+            have += min(os.stat(SlotPaths.of(directory, i).data).st_size, nbytes)
+        except OSError:
+            pass
+    need = nslots * nbytes - have
+    return max(0, need - free_bytes(directory))
 
 
 def memory_manifests(shm_root: str, job: str) -> dict[int, dict[int, tuple[SlotPaths, Manifest]]]:
@@ -184,7 +298,9 @@ def memory_manifests(shm_root: str, job: str) -> dict[int, dict[int, tuple[SlotP
                 continue
             if read_tag(paths) != str(man.step):
                 continue
-            out.setdefault(man.step, {})[man.rank] = (paths, man)
+            prev = out.get(man.step, {}).get(man.rank)
+            if prev is None or man.created >= prev[1].created:  # a step saved twice: the newer copy wins
+                out.setdefault(man.step, {})[man.rank] = (paths, man)
     return out
 
 

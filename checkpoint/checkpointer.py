@@ -5,14 +5,20 @@ Usage::
     from trainguard.checkpoint import Checkpointer, CheckpointConfig
 
     ckpt = Checkpointer(CheckpointConfig(directory="ckpt"), rank=0, world_size=1, job="demo")
-    start = ckpt.restore({"model": model, "optim": opt}) or 0
+    last = ckpt.restore({"model": model, "optim": opt})   # None: nothing saved yet
+    start = 0 if last is None else last + 1
     for step in range(start, n):
         loss = model(x).sum(); loss.backward()
         opt.step(); opt.zero_grad()
         ckpt.save({"model": model, "optim": opt, "step": step}, step, overlap_with=opt)
     ckpt.close()
 
-See :mod:`.snapshot` for the overlap contract and :mod:`.service` for who runs the persist process.
+See :mod:`.snapshot` for the overlap contract, :mod:`.service` for who runs the persist process, and
+:mod:`.shards` for sharded (DTensor) state and resharding.
+
+A Checkpointer that only restores never touches the staging area or starts a persist process: the arena's lease
+(one writer per job and rank, see :mod:`.arena`), the staging slots and the persist channel come with the first
+``prepare()`` or ``save()``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from trainguard.checkpoint import arena as arena_mod
-from trainguard.checkpoint.arena import Arena, write_tag
+from trainguard.checkpoint.arena import Arena, ArenaLease, write_tag
 from trainguard.checkpoint.channel import PersistChannel, open_channel
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import (
@@ -42,6 +48,7 @@ from trainguard.checkpoint.errors import (
 from trainguard.checkpoint.events import EventSink
 from trainguard.checkpoint.manifest import Manifest, plan_layout
 from trainguard.checkpoint.reader import RankCopy
+from trainguard.checkpoint.shards import ShardedLoader
 from trainguard.checkpoint.snapshot import PendingCopy, SnapshotCopier, storage_ptrs
 from trainguard.checkpoint.storage import FsspecStore, LocalStore, StepStore, manifest_name
 from trainguard.checkpoint.tree import capture, restore_into
@@ -100,8 +107,9 @@ class Checkpointer:
             propagated.
 
     Raises:
-        CheckpointError: the disk tier's directory cannot be written, the shared-memory arena cannot be created,
-            or the persist process cannot be reached.
+        CheckpointError: bad rank or job name. The constructor writes nothing (a worker restarting on a full or
+            read-only disk can still restore); an unwritable disk tier is reported through ``on_event`` here and
+            raised by :meth:`prepare`.
     """
 
     def __init__(self, config: CheckpointConfig, rank: int = 0, world_size: int = 1, job: str = "default",
@@ -114,6 +122,9 @@ class Checkpointer:
         self.rank, self.world_size, self.job = rank, world_size, job
         self.events = EventSink(on_event, rank)
         self.last_restore_tier: str | None = None
+        #: bytes verified (so read) per saved rank by the last restore: a reshard touches only the ranks and
+        #: checksum chunks its shards overlap.
+        self.last_restore_read: dict[int, int] = {}
         self._lock = threading.Condition()
         self._status: dict[int, _StepStatus] = {}
         self._slot_busy: list[bool] = []
@@ -128,20 +139,102 @@ class Checkpointer:
         self.disk: LocalStore | None = None
         if config.disk.enabled:
             self.disk = LocalStore(config.disk_directory, job, fsync=config.disk.fsync)
-            self.disk.check_writable()
+            problem = self.disk.writable_problem()
+            if problem:
+                self.events.storage_failed("disk", None, problem[0], problem[1])
         self._remote: FsspecStore | None = None
         if config.remote_url:
             try:
                 self.remote_store()
             except StorageUnavailableError as exc:
                 self.events.storage_failed("remote", None, str(exc), 0)
-        nslots = (config.memory.keep + 1) if config.memory.enabled else 2
-        self.arena = Arena(config.memory.directory, job, rank, nslots)
-        self._slot_busy = [False] * self.arena.nslots
+        self._nslots = (config.memory.keep + 1) if config.memory.enabled else 2
+        self.arena: Arena | None = None       # the staging slots, opened by the first prepare()/save()
+        self._lease: ArenaLease | None = None
+        self._channel: PersistChannel | None = None
+        #: where snapshots are staged: "memory" (the shared-memory tier), or the fallback for a too-small
+        #: /dev/shm (see prepare()): "disk" (local files) or "host" (anonymous, page-locked with CUDA).
+        self.staging: str | None = None
+
+    # ------------------------------------------------------------------ writer resources
+    @property
+    def channel(self) -> PersistChannel:
+        """The persist channel (started on first use).
+
+        Raises:
+            CheckpointError: the persist process cannot be started or reached.
+        """
+        if self._channel is None:
+            self._channel = open_channel(self.config, self.job, self.rank, self._on_report)
+        return self._channel
+
+    def _staging_fallback(self) -> tuple[str, str | None]:
+        """``(kind, directory)`` of the staging used when the memory directory is too small (see config)."""
+        cfg = self.config
+        kind = cfg.memory.fallback
+        if kind == "auto":
+            kind = "host" if torch.cuda.is_available() else "disk"
+        if cfg.memory.fallback_directory:
+            return kind, cfg.memory.fallback_directory
+        if self.disk is not None:
+            return kind, os.path.join(cfg.disk_directory, ".trainguard-staging")
+        if kind == "host":
+            return kind, os.path.join(tempfile.gettempdir(), "trainguard-staging")
+        return kind, None
+
+    def _ensure_arena(self, nbytes: int) -> Arena:
+        """Opens the staging arena on first use, on /dev/shm when its slots fit there, else on local disk.
+
+        Raises:
+            ArenaOwnedError: another live process writes this job and rank.
+            StorageUnavailableError: neither the memory directory nor the fallback can hold the slots.
+        """
+        if self.arena is not None:
+            return self.arena
+        cfg = self.config
+        shm_root = cfg.memory.directory
+        shm_dir = arena_mod.rank_dir(shm_root, self.job, self.rank)
+        try:
+            short = arena_mod.staging_shortfall(shm_dir, self._nslots, nbytes)
+        except OSError:
+            short = self._nslots * nbytes
+        root, staging = shm_root, "memory"
+        anonymous = False
+        if short > 0:
+            kind, fallback = self._staging_fallback()
+            need_mib = self._nslots * nbytes / 2**20
+            if fallback is None:
+                raise StorageUnavailableError(
+                    f"{shm_root} lacks {short / 2**20:.1f} MiB for {self._nslots} staging slots of "
+                    f"{nbytes / 2**20:.1f} MiB and the disk tier is off; enlarge /dev/shm (docker run --shm-size, "
+                    "a Kubernetes emptyDir with medium: Memory) or set checkpoint.memory.directory")
+            where = (f"on local disk at {fallback}" if kind == "disk" else
+                     "in anonymous host memory" + (" (page-locked for the GPU copies)"
+                                                   if torch.cuda.is_available() else ""))
+            msg = (f"checkpoint staging: {shm_root} has too little room for {self._nslots} slots "
+                   f"({need_mib:.1f} MiB, {short / 2**20:.1f} MiB short; /dev/shm is 64 MiB in Docker and in "
+                   f"Kubernetes pods by default), so snapshots are staged {where} "
+                   f"and the in-memory tier is off for rank {self.rank}; to restore from memory "
+                   "again, enlarge /dev/shm (docker run --shm-size=16g, or mount a Kubernetes emptyDir with "
+                   "medium: Memory at /dev/shm) or point checkpoint.memory.directory "
+                   "($TRAINGUARD_CHECKPOINT_SHM_DIR) at a larger tmpfs")
+            self.events.notice("checkpoint.staging_fallback", msg, {
+                "shm_dir": shm_root, "needed_bytes": str(self._nslots * nbytes), "short_bytes": str(short),
+                "fallback": kind, "fallback_directory": fallback, "config_key": "checkpoint.memory.directory"})
+            root, staging, anonymous = fallback, kind, kind == "host"
+        lease = ArenaLease(arena_mod.rank_dir(root, self.job, self.rank))
+        lease.acquire()
+        try:
+            arena = Arena(root, self.job, self.rank, self._nslots, anonymous=anonymous)
+        except BaseException:
+            lease.release(remove=False)
+            raise
+        self._lease, self.arena, self.staging = lease, arena, staging
+        self._slot_busy = [False] * arena.nslots
         # Slots surviving a crashed predecessor keep their step tags: reuse the oldest first, keep the newest.
-        self._slot_step = [int(t) if (t := arena_mod.read_tag(self.arena.paths(i))).isdigit() else -1
-                           for i in range(self.arena.nslots)]
-        self.channel: PersistChannel = open_channel(config, job, rank, self._on_report)
+        self._slot_step = [int(t) if (t := arena_mod.read_tag(arena.paths(i))).isdigit() else -1
+                           for i in range(arena.nslots)]
+        return arena
 
     # ------------------------------------------------------------------ tiers
     def remote_store(self) -> FsspecStore | None:
@@ -159,7 +252,7 @@ class Checkpointer:
 
     def _expected_tiers(self) -> set[str]:
         t = set()
-        if self.config.memory.enabled:
+        if self.config.memory.enabled and self.staging == "memory":
             t.add("memory")
         if self.config.disk.enabled:
             t.add("disk")
@@ -171,19 +264,28 @@ class Checkpointer:
     def prepare(self, state: Mapping[str, Any]) -> int:
         """Allocates and pre-faults every staging slot for ``state``'s size, so no save pays that cost.
 
-        Optional: the first saves allocate lazily otherwise (about 1.4 s per GiB of tmpfs on first touch).
+        Optional: the first saves allocate lazily otherwise (about 1.4 s per GiB of tmpfs on first touch). When
+        the memory directory (``/dev/shm``) is too small for the slots, they go to local disk instead: one
+        warning and a ``checkpoint.staging_fallback`` health event say so (see ``memory.fallback``).
 
         Args:
             state: the state that will be saved (only its tensor sizes are read).
 
         Returns:
             Bytes per slot.
+
+        Raises:
+            StorageUnavailableError: the disk tier cannot be written, or no staging directory can hold the slots.
+            ArenaOwnedError: another live process already writes checkpoints for this job and rank.
+            UnsupportedValueError: the state holds a value the format cannot store.
         """
+        if self.disk is not None:
+            self.disk.check_writable()
         cap = capture(state)
         _, data_bytes = plan_layout(
             ((c.key, str(c.tensor.dtype).removeprefix("torch."), tuple(c.tensor.shape)) for c in cap.tensors),
             self.config.persist.alignment)
-        self.arena.preallocate(data_bytes)
+        self._ensure_arena(data_bytes).preallocate(data_bytes)
         return data_bytes
 
     def save(self, state: Mapping[str, Any], step: int, overlap_with: Any = None) -> SaveHandle:
@@ -216,10 +318,12 @@ class Checkpointer:
             alignment)
         manifest = Manifest(job=self.job, step=step, rank=self.rank, world_size=self.world_size, tensors=entries,
                             tree=cap.tree, data_bytes=data_bytes, alignment=alignment,
-                            chunk_bytes=self.config.persist.chunk_mib << 20, replicated=self.config.replicated)
-        index = self._acquire_slot()
+                            chunk_bytes=self.config.persist.chunk_mib << 20, replicated=self.config.replicated,
+                            sharded=cap.sharded)
+        arena = self._ensure_arena(data_bytes)
+        index = self._acquire_slot(step)
         try:
-            slot = self.arena.get(index, data_bytes)
+            slot = arena.get(index, data_bytes)
             slot.lock(exclusive=True)
         except BaseException:
             self._release_slot(index)
@@ -290,9 +394,10 @@ class Checkpointer:
         cfg = self.config
         req = {
             "op": "persist", "id": step, "job": self.job, "rank": self.rank, "world_size": self.world_size,
-            "step": step, "slot": paths.data[: -len(".data")],
+            "step": step, "slot": paths.tag[: -len(".tag")],
+            "slot_data": paths.data,  # differs from "<slot>.data" for anonymous (memfd) staging
             "manifest": arena_mod.manifest_dict(manifest),
-            "memory": cfg.memory.enabled,
+            "memory": cfg.memory.enabled and self.staging == "memory",
             "disk": {"root": cfg.disk_directory, "keep": cfg.disk.keep, "fsync": cfg.disk.fsync}
             if cfg.disk.enabled else None,
             "remote": {"url": cfg.remote_url, "keep": cfg.remote.keep, "storage_options": cfg.remote.storage_options}
@@ -334,10 +439,23 @@ class Checkpointer:
         if msg.get("op") == "tier" and not msg.get("ok"):
             self.events.storage_failed(msg.get("tier", "?"), step, msg.get("error", ""), int(msg.get("errno", 0)))
 
-    def _acquire_slot(self) -> int:
-        """Picks a free slot holding the oldest step; waits while every slot is being persisted."""
+    def _acquire_slot(self, step: int) -> int:
+        """Picks a free slot holding the oldest step; waits while every slot is being persisted.
+
+        A step saved again goes into the slot already holding it (waiting for that slot's persist), so the memory
+        tier never holds two copies of one step and serves the newer one.
+        """
         with self._lock:
             while True:
+                same = [i for i, s in enumerate(self._slot_step) if s == step]
+                if same:
+                    if not self._slot_busy[same[0]]:
+                        self._slot_busy[same[0]] = True
+                        return same[0]
+                    if not self.channel.alive():
+                        raise CheckpointError("the persist process died; create a new Checkpointer")
+                    self._lock.wait(0.5)
+                    continue
                 free = [i for i, b in enumerate(self._slot_busy) if not b]
                 if free:
                     i = min(free, key=lambda j: self._slot_step[j])
@@ -436,24 +554,36 @@ class Checkpointer:
         return out
 
     # ------------------------------------------------------------------ restore
-    def restore(self, state: MutableMapping[str, Any], step: int | None = None) -> int | None:
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
+                corrupt_ok: bool = False) -> int | None:
         """Loads the newest complete step (or ``step``) into ``state`` in place, from the fastest valid tier.
 
         A copy failing its checksums is skipped with a logged reason; the next tier, then the previous complete
         step, is tried. ``last_restore_tier`` names the tier that served it.
 
+        Sharded state (DTensors: FSDP2, tensor parallel) is placed into the live layout whatever the saving
+        layout was: the same mesh (each rank copies its own shard), another world size, or plain tensors on one
+        rank; each rank reads only the byte ranges its shards overlap (see :mod:`.shards`). Non-DTensor values of
+        a sharded checkpoint are taken as replicated (as ``torch.distributed.checkpoint`` does) and read from
+        rank ``rank % saved_world_size``.
+
         Args:
             state: the live state (same keys as saved): Stateful objects get ``load_state_dict``, tensors are
                 filled with ``copy_``, other values are replaced in the mapping.
             step: restore exactly this step instead of the newest.
+            corrupt_ok: when committed steps exist but every copy of every one fails verification, return None
+                (a fresh start) instead of raising. Default False: training must not silently restart from zero.
 
         Returns:
-            The restored step, or None when no tier holds a complete checkpoint.
+            The restored step, or None when no tier holds a committed step (an empty directory).
 
         Raises:
-            WorldSizeMismatchError: the newest checkpoint has another world size and the state is not replicated.
+            CorruptCheckpointError: committed steps exist but none could be loaded (the message names each step
+                and why); not raised with ``corrupt_ok=True``.
+            WorldSizeMismatchError: the newest checkpoint has another world size and holds neither sharded nor
+                replicated state.
             NoCheckpointError: ``step`` was given and no tier holds a valid copy of it.
-            StateMismatchError: the checkpoint does not fit ``state``.
+            StateMismatchError: the checkpoint does not fit ``state`` (the message names the key).
         """
         self._finish_pending()
         infos = self.steps()
@@ -461,50 +591,84 @@ class Checkpointer:
             infos = [i for i in infos if i.step == step]
         reasons: list[str] = []
         for info in reversed(infos):
-            src_rank = self._source_rank(info)
             for tier in info.tiers:
-                where = f"{tier} copy of step {info.step} rank {src_rank}"
                 try:
-                    copy = self._open_copy(tier, info.step, src_rank, where)
+                    if self._restore_from(tier, info, state):
+                        return info.step
                 except (CorruptCheckpointError, StorageUnavailableError, OSError) as exc:
-                    log.warning("not restoring from the %s: %s", where, exc)
-                    reasons.append(str(exc))
-                    continue
-                try:
-                    if self.config.verify_on_restore:
-                        copy.verify()
-                    restore_into(copy.manifest.tree, copy.loader(), state)
-                except CorruptCheckpointError as exc:
-                    log.warning("not restoring from the %s: %s; trying an older copy", where, exc)
-                    reasons.append(str(exc))
-                    continue
-                finally:
-                    copy.close()
-                self.last_restore_tier = tier
-                log.info("restored step %d (rank %d) from the %s tier", info.step, src_rank, tier)
-                return info.step
+                    log.warning("not restoring step %d from the %s tier: %s", info.step, tier, exc)
+                    reasons.append(f"step {info.step} ({tier}): {str(exc).splitlines()[0] if str(exc) else exc!r}")
+        self.last_restore_tier = None
         if step is not None:
             raise NoCheckpointError(f"no tier holds a valid copy of step {step} for job {self.job!r}"
                                     + (f" ({reasons[-1]})" if reasons else "") + "; run `trainguard ckpt ls`")
-        self.last_restore_tier = None
+        if infos and not corrupt_ok:
+            raise CorruptCheckpointError(
+                f"every committed step of job {self.job!r} ({', '.join(str(i.step) for i in infos)}) failed to "
+                f"load: {'; '.join(reasons)}. Run `trainguard ckpt verify`; pass restore(corrupt_ok=True) only "
+                "if starting from scratch is acceptable")
+        if infos:
+            log.error("every committed step failed to load (%s); starting fresh as corrupt_ok=True asks",
+                      "; ".join(reasons))
         return None
 
-    def _source_rank(self, info: StepInfo) -> int:
-        if info.world_size == self.world_size:
-            return self.rank
-        if self.config.replicated:
-            return self.rank % info.world_size
-        raise WorldSizeMismatchError(
-            f"step {info.step} was saved by {info.world_size} ranks but this job has {self.world_size}; restart "
-            "with the same world size, or set replicated=True if every rank holds the same state (plain DDP)")
+    def _restore_from(self, tier: str, info: StepInfo, state: MutableMapping[str, Any]) -> bool:
+        """Loads ``info.step`` from ``tier`` into ``state``.
 
-    def _open_copy(self, tier: str, step: int, rank: int, where: str) -> RankCopy:
+        Raises:
+            CorruptCheckpointError, StorageUnavailableError, OSError: this copy cannot be used (try another).
+            WorldSizeMismatchError, StateMismatchError: no copy of this step can fit ``state``.
+        """
+        src_rank = self.rank % info.world_size
+        where = f"{tier} copy of step {info.step} rank {src_rank}"
+        man = self._read_manifest(tier, info.step, src_rank, where)
+        if info.world_size != self.world_size and not (man.replicated or man.sharded or self.config.replicated):
+            raise WorldSizeMismatchError(
+                f"step {info.step} was saved by {info.world_size} ranks but this job has {self.world_size}; "
+                "restart with the same world size, save sharded state (DTensors), or set replicated=True if "
+                "every rank holds the same state (plain DDP)")
+        copies: dict[int, RankCopy] = {}
+        # Same world size: this rank's own copy holds (nearly) everything it needs; read and verify it whole.
+        # A reshard reads only the byte ranges it needs from every copy, its source rank's included.
+        whole = info.world_size == self.world_size or not man.sharded
+        try:
+            own = copies[src_rank] = self._open_data(tier, info.step, src_rank, man, where, populate=whole)
+            if self.config.verify_on_restore and whole:
+                own.verify()
+            loader: Any = own.loader()
+            if man.sharded:
+                manifests: dict[int, Manifest] = {src_rank: man}
+
+                def all_manifests() -> dict[int, Manifest]:
+                    for r in range(info.world_size):
+                        if r not in manifests:
+                            manifests[r] = self._read_manifest(tier, info.step, r, f"{tier} copy of step "
+                                                               f"{info.step} rank {r}")
+                    return manifests
+
+                def open_rank(r: int) -> RankCopy:
+                    if r not in copies:
+                        copies[r] = self._open_data(tier, info.step, r, all_manifests()[r],
+                                                    f"{tier} copy of step {info.step} rank {r}", populate=False)
+                    return copies[r]
+
+                loader = ShardedLoader(own, open_rank, all_manifests, verify=self.config.verify_on_restore,
+                                       own_verified=whole)
+            restore_into(man.tree, loader, state)
+        finally:
+            self.last_restore_read = {r: c.bytes_touched for r, c in copies.items() if c.bytes_touched}
+            for c in copies.values():
+                c.close()
+        self.last_restore_tier = tier
+        log.info("restored step %d (rank %d's copy) from the %s tier", info.step, src_rank, tier)
+        return True
+
+    def _read_manifest(self, tier: str, step: int, rank: int, where: str) -> Manifest:
         if tier == "memory":
             found = arena_mod.memory_manifests(self.config.memory.directory, self.job).get(step, {}).get(rank)
             if found is None:
                 raise CorruptCheckpointError(f"{where} vanished")
-            paths, man = found
-            return RankCopy(man, paths.data, where, shared_lock=True)
+            return found[1]
         store: StepStore | None = self.disk if tier == "disk" else self.remote_store()
         assert store is not None
         try:
@@ -514,17 +678,27 @@ class Checkpointer:
         man = Manifest.from_json(raw, where)
         if man.step != step or man.rank != rank:
             raise CorruptCheckpointError(f"{where}: manifest names step {man.step} rank {man.rank}")
+        return man
+
+    def _open_data(self, tier: str, step: int, rank: int, man: Manifest, where: str, populate: bool) -> RankCopy:
+        if tier == "memory":
+            found = arena_mod.memory_manifests(self.config.memory.directory, self.job).get(step, {}).get(rank)
+            if found is None or found[1].created != man.created:
+                raise CorruptCheckpointError(f"{where} was replaced while restoring")
+            return RankCopy(man, found[0].data, where, shared_lock=True, populate=populate)
+        store: StepStore | None = self.disk if tier == "disk" else self.remote_store()
+        assert store is not None
         path = store.local_data_path(step, rank)
         if path is None:
-            fd, path = tempfile.mkstemp(prefix="trainguard-restore-", suffix=".data",
-                                        dir=self.config.disk_directory if self.disk else None)
+            tmpdir = self.config.disk_directory if self.disk and os.path.isdir(self.config.disk_directory) else None
+            fd, path = tempfile.mkstemp(prefix="trainguard-restore-", suffix=".data", dir=tmpdir)
             os.close(fd)
             try:
                 store.fetch_data(step, rank, path)
-                return RankCopy(man, path, where)
+                return RankCopy(man, path, where, populate=populate)
             finally:
                 os.unlink(path)  # the mapping keeps the pages alive
-        return RankCopy(man, path, where)
+        return RankCopy(man, path, where, populate=populate)
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
@@ -540,13 +714,23 @@ class Checkpointer:
             self._hooked.clear()
             with self._lock:
                 deadline = time.monotonic() + 600
-                while any(self._slot_busy) and self.channel.alive() and time.monotonic() < deadline:
+                while (any(self._slot_busy) and self._channel is not None and self._channel.alive()
+                       and time.monotonic() < deadline):
                     self._lock.wait(0.5)
-            self.channel.close()
+            channel = self._channel
+            if channel is not None:
+                channel.close()
             self._staging.clear()
             self._copier.unpin_all()
-            remove = self.channel.owns_memory and not self.config.memory.keep_on_close
-            self.arena.close(remove=remove)
+            if self.arena is not None:
+                # Only the lease holder removes its area, and only when no agent-owned service keeps it for a
+                # restarted worker. A Checkpointer that never saved holds no lease and removes nothing.
+                remove = (channel is None or channel.owns_memory) and not self.config.memory.keep_on_close
+                if self.staging != "memory":
+                    remove = True  # fallback staging is not a tier: nothing to keep for a successor
+                self.arena.close(remove=False)
+                if self._lease is not None:
+                    self._lease.release(remove=remove)
 
     def __enter__(self) -> "Checkpointer":
         return self

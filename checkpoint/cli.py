@@ -42,7 +42,8 @@ def register(subparsers: Any) -> None:
     q.add_argument("--shm", default=None, help="also delete this job's shared-memory arena under this root")
     q.set_defaults(handler=_gc)
 
-    q = sub.add_parser("export", help="write a committed step in torch.distributed.checkpoint's layout")
+    q = sub.add_parser("export", help="write a committed step in torch.distributed.checkpoint's layout "
+                                      "(sharded steps stay sharded: dcp.load restores them at any world size)")
     common(q)
     q.add_argument("output", help="destination directory for the DCP checkpoint")
     q.add_argument("--step", type=int, default=None, help="step to export (default: newest committed)")
@@ -53,6 +54,8 @@ def register(subparsers: Any) -> None:
     q.add_argument("directory", help="checkpoint root (local path) to import into")
     q.add_argument("--job", required=True, help="job name to import under")
     q.add_argument("--step", type=int, default=None, help="step number (default: the exported step, else 0)")
+    q.add_argument("--world-size", type=int, default=1,
+                   help="ranks to shard a DCP checkpoint over (dim 0, like FSDP2); any world size restores it")
     q.set_defaults(handler=_import)
 
 
@@ -223,7 +226,7 @@ def _import(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     with tqdm(total=1, desc="import", file=sys.stderr, disable=None, leave=False) as bar:
-        step = import_dcp(args.source, split_url(args.directory)[1], args.job, args.step)
+        step = import_dcp(args.source, split_url(args.directory)[1], args.job, args.step, args.world_size)
         bar.update(1)
     print(f"imported {args.source} as step {step} of job {args.job}")
     return 0

@@ -35,6 +35,9 @@ CHECKPOINT_SERVICE_ENV = "TRAINGUARD_CHECKPOINT_SERVICE"
 CHECKPOINT_SHM_DIR_ENV = "TRAINGUARD_CHECKPOINT_SHM_DIR"
 
 _LOCAL_SCHEMES = ("", "file", "local")
+#: fsspec protocols whose files live inside the writing process: uploads there vanish with the persist process,
+#: so they can never be a durable tier.
+_IN_PROCESS_SCHEMES = ("memory",)
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -61,12 +64,22 @@ class MemoryTierConfig:
         directory: tmpfs directory of the arena. Default ``$TRAINGUARD_CHECKPOINT_SHM_DIR`` or
             ``/dev/shm/trainguard``.
         keep_on_close: leave the arena in place on a clean ``close()`` (normally removed). Default False.
+        fallback: where snapshots are staged when ``directory`` is too small for the staging slots (a
+            container's 64 MiB /dev/shm); the memory tier is then off for this process and checkpoints still
+            reach disk. ``"disk"``: files under ``fallback_directory``; ``"host"``: anonymous shared memory
+            (``memfd``, not bounded by /dev/shm), page-locked for DMA where CUDA is present; ``"auto"``: host
+            when CUDA is available (the state lives on the GPU, host memory is free), else disk (the state
+            already fills host memory). Default ``"auto"``.
+        fallback_directory: directory of the fallback's slot files (disk) or slot tags (host). Default
+            ``<disk tier directory>/.trainguard-staging`` (``<tmpdir>/trainguard-staging`` without a disk tier).
     """
 
     enabled: bool = True
     keep: int = 1
     directory: str = field(default_factory=lambda: os.environ.get(CHECKPOINT_SHM_DIR_ENV, "/dev/shm/trainguard"))
     keep_on_close: bool = False
+    fallback: str = "auto"
+    fallback_directory: str | None = None
 
 
 @dataclass
@@ -91,7 +104,8 @@ class RemoteTierConfig:
     """Remote tier through fsspec, uploaded from the local copy.
 
     Attributes:
-        url: fsspec URL (``s3://bucket/prefix``, ``memory://x``, ``file:///mnt/nfs``...); None disables it.
+        url: fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``file:///mnt/nfs``...); None disables it. In-process
+            filesystems (``memory://``) are refused: nothing written there outlives the persist process.
         keep: committed steps kept remotely (retention K). Default 5.
         storage_options: keyword arguments for the fsspec filesystem (credentials, endpoint...). Default {}.
     """
@@ -182,6 +196,9 @@ class CheckpointConfig:
                             ("remote.keep", self.remote.keep)):
             if not isinstance(value, int) or value < 1:
                 raise CheckpointConfigError(f"checkpoint.{name} is {value!r}; it must be an integer >= 1")
+        if self.memory.fallback not in ("auto", "disk", "host"):
+            raise CheckpointConfigError(f"checkpoint.memory.fallback is {self.memory.fallback!r}; use \"auto\", "
+                                        "\"disk\" or \"host\"")
         if self.persist.bandwidth_mib_s < 0:
             raise CheckpointConfigError("checkpoint.persist.bandwidth_mib_s must be >= 0 (0 = unthrottled)")
         if not 0 <= int(self.persist.nice) <= 19:
@@ -191,6 +208,9 @@ class CheckpointConfig:
         a = int(self.persist.alignment)
         if a < 64 or a & (a - 1):
             raise CheckpointConfigError("checkpoint.persist.alignment must be a power of two >= 64")
+        if self.remote_url is not None:
+            check_durable_url(self.remote_url, "checkpoint.remote.url" if is_local_url(self.directory)
+                              else "checkpoint.directory")
         if self.remote_url is not None and not self.disk.enabled:
             raise CheckpointConfigError("the remote tier uploads from the local copy: enable checkpoint.disk too")
         if not (self.memory.enabled or self.disk.enabled or self.remote_url):
@@ -226,6 +246,28 @@ class CheckpointConfig:
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (JSON/TOML-ready) of every field."""
         return dataclasses.asdict(self)
+
+
+def check_durable_url(url: str, key: str) -> None:
+    """Refuses an fsspec URL whose filesystem lives inside the writing process (``memory://``).
+
+    Raises:
+        CheckpointConfigError: the URL's filesystem cannot outlive the persist process (the message names ``key``).
+    """
+    scheme = split_url(url)[0]
+    in_process = scheme in _IN_PROCESS_SCHEMES
+    if not in_process:
+        try:
+            import fsspec
+            from fsspec.implementations.memory import MemoryFileSystem
+
+            in_process = issubclass(fsspec.get_filesystem_class(scheme), MemoryFileSystem)
+        except (ImportError, ValueError):
+            in_process = False  # unknown protocol: reported when the tier is first used
+    if in_process:
+        raise CheckpointConfigError(
+            f"{key} = {url!r} is an in-process filesystem: its files die with the persist process, so no step "
+            "saved there would be durable; use a path, file:// on shared storage, or an object store (s3://...)")
 
 
 def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:

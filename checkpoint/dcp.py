@@ -106,6 +106,11 @@ def export_step(root: str, job: str, step: int | None, out_dir: str,
     if step not in committed:
         raise NoCheckpointError(f"step {step} is not committed in {store.describe()}; see `trainguard ckpt ls`")
     ws = committed[step]
+    if Manifest.from_json(store.read_small(step, manifest_name(0)), "rank 0 manifest").sharded:
+        from trainguard.checkpoint.dcp_sharded import export_sharded
+
+        export_sharded(store, step, ws, out_dir, progress)
+        return step
     copies = []
     try:
         state: dict[str, Any] = {}
@@ -117,7 +122,7 @@ def export_step(root: str, job: str, step: int | None, out_dir: str,
             copy = RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}")
             copies.append(copy)
             copy.verify(progress)
-            decoded = decode(man.tree, lambda i, _t, c=copy: c.tensor(i), None)
+            decoded = decode(man.tree, lambda i, _t, _n=None, c=copy: c.tensor(i), None)
             prefix = "" if len(ranks) == 1 else f"rank{r}"
             if prefix:
                 state[prefix] = decoded
@@ -140,20 +145,28 @@ def export_step(root: str, job: str, step: int | None, out_dir: str,
     return step
 
 
+def _is_trainguard_export(md: Any) -> bool:
+    """True for a DCP checkpoint written by the unsharded :func:`export_step` (it carries our trees)."""
+    return META_KEY in md.state_dict_metadata
+
+
 def _flat_fqns(prefix: str, tree: Any, keys: list[str]) -> list[str]:
     return [f"{prefix}.{k}" if prefix else k for k in keys]
 
 
-def import_dcp(src_dir: str, root: str, job: str, step: int | None = None) -> int:
+def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world_size: int = 1) -> int:
     """Imports a DCP checkpoint directory as a committed step of the disk tier.
 
-    A checkpoint exported by :func:`export_step` comes back exactly (same ranks, trees, step); any other DCP
-    checkpoint becomes rank 0 of a one-rank step (nested as DCP's planner data describes).
+    A checkpoint exported by :func:`export_step` from an unsharded step comes back exactly (same ranks, trees,
+    step). Any other DCP checkpoint (sharded ones included: FSDP2, tensor parallel, any saving world size)
+    becomes a sharded step over ``world_size`` ranks, nested as DCP's planner data describes, streaming one rank
+    at a time (see :mod:`.dcp_sharded`); any world size then restores it.
 
     Args:
         src_dir: DCP checkpoint directory.
         root: disk tier directory; job: job name.
         step: step number to store it as (default: the exported step, else 0).
+        world_size: ranks of the written step (each holds a dim-0 shard of every tensor). Default 1.
 
     Returns:
         The step written.
@@ -166,8 +179,16 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None) -> in
 
     if not os.path.isfile(os.path.join(src_dir, ".metadata")):
         raise CheckpointError(f"{src_dir} is not a torch.distributed.checkpoint directory (no .metadata file)")
+    if world_size < 1:
+        raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
     reader, planner = _reader_and_planner(src_dir)
     md = reader.read_metadata()
+    if not _is_trainguard_export(md):
+        from trainguard.checkpoint.dcp_sharded import import_sharded
+
+        step = 0 if step is None else step
+        import_sharded(src_dir, md, LocalStore(root, job), step, world_size)
+        return step
     flat: dict[str, Any] = {}
     for fqn, sm in md.state_dict_metadata.items():
         if isinstance(sm, TensorStorageMetadata):
@@ -202,12 +223,4 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None) -> in
             for r in ranks:
                 write_rank_step(store, step, r, ws, rm["tree"], tensors, replicated=bool(rm.get("replicated")))
         return step
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
-
-    flat.pop(META_KEY, None)
-    mappings = md.planner_data if isinstance(md.planner_data, dict) else {k: (k,) for k in flat}
-    nested = unflatten_state_dict(flat, {k: v for k, v in mappings.items() if k in flat})
-    cap = capture(nested)
-    step = 0 if step is None else step
-    write_rank_step(store, step, 0, 1, cap.tree, [(c.key, c.tensor) for c in cap.tensors])
-    return step
+    raise CorruptCheckpointError(f"{src_dir}: its {META_KEY} entry is not a trainguard export record")

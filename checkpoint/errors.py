@@ -33,5 +33,13 @@ class StateMismatchError(CheckpointError):
     """The checkpoint's structure does not fit the state it is restored into (missing key, shape, dtype)."""
 
 
+class UnsupportedValueError(CheckpointError):
+    """The state holds a value the checkpoint format cannot store (sparse, quantized or complex32 tensor...)."""
+
+
+class ArenaOwnedError(CheckpointError):
+    """Another live process already writes this (job, rank)'s shared-memory staging area."""
+
+
 class NoCheckpointError(CheckpointError):
     """A specific step was asked for and no tier holds a complete, valid copy of it."""

@@ -34,6 +34,19 @@ class EventSink:
         self.on_event = on_event
         self.rank = rank
 
+    def notice(self, kind: str, message: str, evidence: dict[str, str]) -> None:
+        """Reports a degraded but working checkpoint path (e.g. staging moved off a too-small /dev/shm)."""
+        log.warning("%s", message)
+        if self.on_event is None:
+            return
+        try:
+            from trainguard.detectors.events import Action, HealthEvent, Severity
+
+            self.on_event(HealthEvent(source=SOURCE, kind=kind, severity=Severity.WARNING, action=Action.WATCH,
+                                      message=message, subject=f"rank:{self.rank}", evidence=evidence))
+        except Exception:  # the training loop must never see our callback's failure
+            log.exception("checkpoint on_event callback raised; ignored")
+
     def storage_failed(self, tier: str, step: int | None, message: str, err: int) -> None:
         """Reports a failed save/persist of ``step`` in ``tier``."""
         log.error("checkpoint %s tier failed%s: %s", tier, "" if step is None else f" for step {step}", message)

@@ -5,7 +5,9 @@ Data file: every tensor's bytes at an offset aligned to ``alignment`` (default 4
 
 Manifest (JSON, no pickle anywhere): format tag, trainguard version, job, step, rank, world size, replication
 flag, data-file length, chunk size and one xxh3_64 checksum per chunk of the data file, one entry per tensor
-(key, dtype, shape, offset, nbytes), and the JSON tree of the non-tensor state (see :mod:`.tree`). The manifest
+(key, dtype, shape, offset, nbytes), and the JSON tree of the non-tensor state (see :mod:`.tree`). ``sharded``
+marks a copy holding DTensor shards (their global shape, offsets, mesh and placements are in the tree), which
+any world size may restore. The manifest
 carries its own checksum (``self_xxh3``) over its canonical JSON, so a flipped byte in it is detected too.
 
 This module must not import torch: the persist process uses it.
@@ -68,6 +70,7 @@ class Manifest:
     chunk_bytes: int = 4 << 20
     chunks: list[str] = field(default_factory=list)
     replicated: bool = False
+    sharded: bool = False
     version: str = __version__
     format: str = FORMAT
     checksum: str = CHECKSUM_ALGO

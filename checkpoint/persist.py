@@ -8,6 +8,7 @@ Request (a JSON object)::
 
     {"op": "persist", "id": 7, "job": "demo", "rank": 0, "world_size": 2, "step": 120,
      "slot": "/dev/shm/trainguard/demo/rank_00000/slot_1",       # prefix of .data/.tag/.manifest.json
+     "slot_data": "/proc/4711/fd/12",                             # optional: data elsewhere (memfd staging)
      "manifest": {...},                                           # Manifest without chunk checksums
      "memory": true, "disk": {"root": "/ckpt", "keep": 3, "fsync": true} | null,
      "remote": {"url": "s3://b/p", "keep": 5, "storage_options": {}} | null,
@@ -62,7 +63,8 @@ def persist_snapshot(req: dict[str, Any], report: Report) -> None:
         report: receives one JSON-ready dict per outcome.
     """
     rid, step = req.get("id"), int(req["step"])
-    paths = SlotPaths(req["slot"] + ".data", req["slot"] + ".tag", req["slot"] + ".manifest.json")
+    paths = SlotPaths(req.get("slot_data") or req["slot"] + ".data", req["slot"] + ".tag",
+                      req["slot"] + ".manifest.json")
     try:
         fd = os.open(paths.data, os.O_RDONLY)
     except OSError as exc:

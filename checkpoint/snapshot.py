@@ -25,15 +25,21 @@ log = logging.getLogger(__name__)
 
 def storage_ptrs(optimizers: Iterable[Any]) -> set[int]:
     """Storage addresses of every parameter and state tensor of the given optimizers."""
+    from trainguard.checkpoint.tree import is_dtensor
+
+    def ptr(t: torch.Tensor) -> int:
+        # A DTensor (FSDP2 parameter or its optimizer state) is saved through its local shard.
+        return (t.to_local() if is_dtensor(t) else t).untyped_storage().data_ptr()
+
     ptrs: set[int] = set()
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                ptrs.add(p.untyped_storage().data_ptr())
+                ptrs.add(ptr(p))
         for st in opt.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.numel() > 0:
-                    ptrs.add(v.untyped_storage().data_ptr())
+                    ptrs.add(ptr(v))
     return ptrs
 
 

@@ -14,6 +14,7 @@ the record loses nothing. No torch import: the persist process uses this module.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -218,6 +219,31 @@ class LocalStore(StepStore):
 
     def describe(self) -> str:
         return self.job_dir
+
+    def writable_problem(self) -> tuple[str, int] | None:
+        """Why the tier could not be written, found without writing anything; None when it looks writable.
+
+        Returns:
+            ``(one-line message, errno)`` for a read-only filesystem, a missing permission or a full disk.
+        """
+        d = self.job_dir
+        while d and not os.path.isdir(d):
+            d = os.path.dirname(d)
+        d = d or "/"
+        try:
+            st = os.statvfs(d)
+        except OSError as exc:
+            return str(storage_error(exc, f"inspect the checkpoint directory {self.job_dir}")), exc.errno or 0
+        if st.f_flag & os.ST_RDONLY:
+            return (f"the checkpoint directory {self.job_dir} is on a read-only filesystem; saves will fail "
+                    "(restores still work): remount it read-write or choose another directory", errno.EROFS)
+        if not os.access(d, os.W_OK | os.X_OK):
+            return (f"the checkpoint directory {self.job_dir} is not writable by this process (permission denied); "
+                    "saves will fail (restores still work): fix the permissions", errno.EACCES)
+        if st.f_bavail == 0:
+            return (f"the filesystem of {self.job_dir} is full; saves will fail (restores still work): free space "
+                    "or lower the retention", errno.ENOSPC)
+        return None
 
     def check_writable(self) -> None:
         try:

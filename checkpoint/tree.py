@@ -8,6 +8,12 @@ as ``nn.Module`` and ``Optimizer``), like ``torch.distributed.checkpoint``'s Sta
 tree in which each tensor is an index. :func:`restore_into` walks that tree against the live state and loads
 each tensor *in place* when the live tensor has the same shape and dtype.
 
+Sharded tensors (``torch.distributed.tensor.DTensor``: FSDP2 parameters, tensor-parallel weights, the optimizer
+state of either) are captured shard-locally: only the local shard is staged, and the tree node records the
+global shape, this shard's offsets in it, the mesh shape and the placements (``{"t": "dtensor", "i": 3, "g":
+[4096, 1024], "o": [1024, 0], "mesh": [4], "pl": ["S(0)"]}``), so a reader can place any saved shard in any other
+layout (see :mod:`.shards`).
+
 Tree encoding: ``None``, ``bool``, ``int``, ``str`` and finite ``float`` are JSON scalars; everything else is a
 JSON object ``{"t": tag, ...}`` (so a bare JSON object never appears as a value and decoding is unambiguous).
 """
@@ -22,7 +28,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from trainguard.checkpoint.errors import CheckpointError, StateMismatchError
+from trainguard.checkpoint.errors import CheckpointError, StateMismatchError, UnsupportedValueError
+from trainguard.checkpoint.manifest import DTYPE_SIZES
 
 
 @runtime_checkable
@@ -61,6 +68,7 @@ class Captured:
 
     tree: dict[str, Any]
     tensors: list[CapturedTensor] = field(default_factory=list)
+    sharded: bool = False
 
 
 def capture(state: Mapping[str, Any]) -> Captured:
@@ -80,6 +88,60 @@ def capture(state: Mapping[str, Any]) -> Captured:
     out = Captured(tree={})
     out.tree = _encode_dict(state, "", out)
     return out
+
+
+def is_dtensor(v: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (without importing torch.distributed when unused)."""
+    if type(v).__name__ != "DTensor":
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(v, DTensor)
+
+
+def dtensor_region(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(local shape, global offsets)`` of this rank's shard of DTensor ``t`` (torch's own computation)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(int(x) for x in shape), tuple(int(x) for x in offsets)
+
+
+def check_storable(t: torch.Tensor, path: str) -> None:
+    """Refuses tensors the raw-bytes format cannot store.
+
+    Raises:
+        UnsupportedValueError: sparse/quantized/nested/meta tensor or an unknown dtype (the message names the path).
+    """
+    what = None
+    if t.layout != torch.strided:
+        what = f"a {str(t.layout).removeprefix('torch.')} (sparse) tensor; save t.to_dense()"
+    elif t.is_quantized:
+        what = "a quantized tensor; save t.dequantize() or its int_repr() and scales"
+    elif getattr(t, "is_nested", False):
+        what = "a nested tensor; save its components"
+    elif t.device.type == "meta":
+        what = "a meta tensor (it has no data); materialize it first"
+    elif str(t.dtype).removeprefix("torch.") not in DTYPE_SIZES:
+        what = (f"a {str(t.dtype).removeprefix('torch.')} tensor, a dtype the format does not store; "
+                f"convert it (e.g. to {'complex64' if t.is_complex() else 'float32'})")
+    if what is not None:
+        raise UnsupportedValueError(f"state value at {path or '<root>'} is {what}")
+
+
+def _encode_dtensor(v: Any, path: str, out: Captured) -> dict[str, Any]:
+    local = v.to_local()
+    check_storable(local, path)
+    shape, offsets = dtensor_region(v)
+    if tuple(local.shape) != shape:
+        raise UnsupportedValueError(f"DTensor at {path}: its local tensor is {tuple(local.shape)} but its "
+                                    f"placements give {shape} (uneven padding?); save full_tensor() instead")
+    out.tensors.append(CapturedTensor(path, local.detach()))
+    out.sharded = True
+    return {"t": "dtensor", "i": len(out.tensors) - 1, "g": list(v.shape), "o": list(offsets),
+            "mesh": list(v.device_mesh.shape), "pl": [str(p) for p in v.placements]}
 
 
 def _join(prefix: str, key: Any) -> str:
@@ -112,6 +174,9 @@ def _encode(v: Any, path: str, out: Captured) -> Any:
     if isinstance(v, float):
         return v if math.isfinite(v) else {"t": "float", "v": repr(v)}
     if isinstance(v, torch.Tensor):
+        if is_dtensor(v):
+            return _encode_dtensor(v, path, out)
+        check_storable(v, path)
         out.tensors.append(CapturedTensor(path, v.detach()))
         return {"t": "tensor", "i": len(out.tensors) - 1}
     if type(v).__module__ == "numpy" and hasattr(v, "dtype"):
@@ -142,8 +207,10 @@ def _encode(v: Any, path: str, out: Captured) -> Any:
 
 # ---------------------------------------------------------------------- decoding
 
-#: ``loader(index, target_or_None) -> tensor``: returns ``target`` filled in place when it fits, else a new tensor.
-TensorLoader = Callable[[int, "torch.Tensor | None"], torch.Tensor]
+#: ``loader(index, target_or_None, node_or_None) -> tensor``: returns ``target`` filled in place (raising
+#: :class:`StateMismatchError` when it does not fit), or a new tensor when there is no target. ``node`` is the
+#: tree node for sharded tensors (``"t": "dtensor"``), None for plain ones.
+TensorLoader = Callable[..., torch.Tensor]
 
 
 def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
@@ -173,12 +240,14 @@ def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
             tgt = torch.from_numpy(target) if target.flags.writeable and target.flags.c_contiguous else None
         else:
             tgt = None
-        t = loader(int(node["i"]), tgt)
+        t = loader(int(node["i"]), tgt, None)
         if node.get("np"):
             if tgt is not None and t is tgt and target is not None and not isinstance(target, torch.Tensor):
                 return target
             return t.numpy()
         return t
+    if tag == "dtensor":
+        return loader(int(node["i"]), target if isinstance(target, torch.Tensor) else None, node)
     if tag == "dict" and is_stateful(target):
         # A plain state dict (e.g. imported from torch.distributed.checkpoint) restored into a Stateful object.
         return decode({"t": "stateful", "v": node}, loader, target)
@@ -209,11 +278,31 @@ def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
                 f"checkpoint holds a state_dict() for a {type(target).__name__}, which has no load_state_dict()")
         current = target.state_dict()
         new_sd = decode(node["v"], loader, current)
-        target.load_state_dict(new_sd)
+        try:
+            target.load_state_dict(new_sd)
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise StateMismatchError(f"{type(target).__name__}.load_state_dict refused the checkpoint: "
+                                     f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}") from exc
         return target
     from trainguard.checkpoint.errors import CorruptCheckpointError
 
     raise CorruptCheckpointError(f"checkpoint tree has an unknown node tag {tag!r}; the manifest is damaged")
+
+
+def dtensor_nodes(node: Any) -> list[dict[str, Any]]:
+    """Every ``"dtensor"`` node of a tree, in tree order."""
+    out: list[dict[str, Any]] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if n.get("t") == "dtensor":
+                out.append(n)
+            else:
+                stack.extend(reversed(list(n.values())))
+        elif isinstance(n, list):
+            stack.extend(reversed(n))
+    return out
 
 
 def _decode_key(k: Any) -> Any:

@@ -14,7 +14,7 @@ from trainguard.checkpoint.storage import LocalStore, manifest_name
 
 def write_rank_step(store: LocalStore, step: int, rank: int, world_size: int, tree: dict[str, Any],
                     tensors: Sequence[tuple[str, torch.Tensor]], replicated: bool = False,
-                    alignment: int = 4096, chunk_bytes: int = 4 << 20) -> Manifest:
+                    alignment: int = 4096, chunk_bytes: int = 4 << 20, sharded: bool = False) -> Manifest:
     """Writes and commits one rank's copy of ``step`` in the disk layout.
 
     Args:
@@ -24,6 +24,7 @@ def write_rank_step(store: LocalStore, step: int, rank: int, world_size: int, tr
         tree: the JSON tree (see :mod:`.tree`) whose tensor indices refer to ``tensors``.
         tensors: ``(key, tensor)`` in index order.
         replicated: mark the state as identical on every rank.
+        sharded: the tree holds ``"dtensor"`` nodes (shards with global offsets; any world size may restore).
         alignment: byte alignment of tensors; chunk_bytes: checksum chunk size.
 
     Returns:
@@ -41,7 +42,7 @@ def write_rank_step(store: LocalStore, step: int, rank: int, world_size: int, tr
     view = memoryview(buf.numpy())
     man = Manifest(job=store.job_dir.rsplit("/", 1)[-1], step=step, rank=rank, world_size=world_size,
                    tensors=entries, tree=tree, data_bytes=data_bytes, alignment=alignment, chunk_bytes=chunk_bytes,
-                   replicated=replicated, created=time.time())
+                   replicated=replicated, sharded=sharded, created=time.time())
     man.chunks = compute_checksums(view, data_bytes, chunk_bytes)
     raw = man.to_json()
     store.write_data(step, rank, view, data_bytes, chunk_bytes, None)

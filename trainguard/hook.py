@@ -205,14 +205,20 @@ class Session:
         """
         if self._ckpt is None:
             return 0
-        step = self._agree_on_step(state, self._ckpt.restore(state))
+        try:
+            mine = self._ckpt.restore(state)
+        except TrainguardError:
+            # Every rank must reach the agreement below, or the ranks that restored would wait in it forever.
+            self._agree_on_step(state, None, failed=True)
+            raise
+        step = self._agree_on_step(state, mine)
         self.restored_step = step
         if step is None:
             return 0
         log.info("rank %d restored step %d from %s", self.rank, step, getattr(self._ckpt, "last_restore_tier", "?"))
         return step + 1
 
-    def _agree_on_step(self, state: MutableMapping[str, Any], step: int | None) -> int | None:
+    def _agree_on_step(self, state: MutableMapping[str, Any], step: int | None, failed: bool = False) -> int | None:
         """Makes every rank resume from the same step.
 
         A rank whose copy of the newest step failed its checksums falls back to an older step on its own; the
@@ -229,10 +235,15 @@ class Session:
             return step
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return step
-        mine = -1 if step is None else step
+        mine = -2 if failed else (-1 if step is None else step)
         t = torch.tensor([mine, -mine], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         lowest, highest = int(t[0]), -int(t[1])
+        if failed:
+            return None  # the caller raises its own error
+        if lowest == -2:
+            raise TrainguardError(f"rank {self.rank}: another rank could not restore its checkpoint (see its log: "
+                                  "corrupt copies or a state mismatch); no rank starts training")
         if lowest == highest:
             return step
         if lowest < 0:

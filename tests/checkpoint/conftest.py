@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import uuid
 
 import pytest
@@ -26,6 +27,17 @@ def make_config(tmp_path, shm_dir):
 
     def make(**kw) -> CheckpointConfig:
         memory = {"directory": shm_dir, **kw.pop("memory", {})}
-        return CheckpointConfig(directory=str(tmp_path / "ckpt"), memory=memory, **kw)
+        kw.setdefault("directory", str(tmp_path / "ckpt"))
+        return CheckpointConfig(memory=memory, **kw)
 
     return make
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs, like a container's /dev/shm that is too small for the staging slots."""
+    d = tmp_path / "small-shm"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], check=True)
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)

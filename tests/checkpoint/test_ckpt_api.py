@@ -31,7 +31,7 @@ def test_roundtrip_in_place_every_leaf_kind(make_config):
 
     m2, opt2 = small_model(1)
     w_before = m2[0].weight
-    state2 = {"model": m2, "optim": opt2, "extra": None, "rng": torch.zeros(3, dtype=torch.uint8)}
+    state2 = {"model": m2, "optim": opt2, "extra": None, "rng": torch.zeros_like(torch.get_rng_state())}
     with Checkpointer(make_config(), job="j") as ck:
         assert ck.restore(state2) == 10
         assert ck.last_restore_tier == "disk"  # the first checkpointer's clean close released the memory tier
@@ -105,15 +105,21 @@ def test_retention_keeps_last_k_on_disk(make_config):
         assert sorted(ck.disk.list_steps()) == [3, 4]
 
 
-def test_unwritable_directory_raises_one_line_error(tmp_path, make_config):
+def test_unwritable_directory_reported_at_construction_raised_by_prepare(tmp_path, make_config):
     ro = tmp_path / "ro"
     ro.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
     try:
-        with pytest.raises(StorageUnavailableError) as ei:
-            Checkpointer(CheckpointConfig(directory=str(ro / "ck")), job="x")
-        assert "\n" not in str(ei.value) and "read-only" in str(ei.value)
-        assert isinstance(ei.value, CheckpointError)
+        events = []
+        ck = Checkpointer(make_config(directory=str(ro / "ck")), job="x", on_event=events.append)
+        try:
+            assert [e.kind for e in events] == ["checkpoint.storage_unwritable"]
+            with pytest.raises(StorageUnavailableError) as ei:
+                ck.prepare({"w": torch.ones(4)})
+            assert "\n" not in str(ei.value) and "read-only" in str(ei.value)
+            assert isinstance(ei.value, CheckpointError)
+        finally:
+            ck.close()
     finally:
         subprocess.run(["umount", str(ro)], check=True)
 
@@ -125,9 +131,9 @@ def test_config_validation_and_toml(tmp_path):
         CheckpointConfig.from_dict({"directory": "x", "bogus": 1})
     p = tmp_path / "c.toml"
     p.write_text('[checkpoint]\ndirectory = "/data/ck"\n[checkpoint.disk]\nkeep = 7\n'
-                 '[checkpoint.remote]\nurl = "memory://bucket"\n')
+                 '[checkpoint.remote]\nurl = "file:///mnt/nfs/ck"\n')
     cfg = CheckpointConfig.from_toml(p)
-    assert cfg.disk.keep == 7 and cfg.remote_url == "memory://bucket" and cfg.disk_directory == "/data/ck"
+    assert cfg.disk.keep == 7 and cfg.remote_url == "file:///mnt/nfs/ck" and cfg.disk_directory == "/data/ck"
 
 
 def test_unsupported_value_is_a_clear_error(make_config):

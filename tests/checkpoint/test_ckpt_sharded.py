@@ -1,0 +1,115 @@
+"""Sharded state (FSDP2, tensor parallel) in real multi-process gloo jobs on CPU: saved shard-locally on 4 ranks,
+restored in the same layout, resharded onto 2 ranks and onto 1 plain process, exported to DCP (loaded by
+``dcp.load`` at 2 ranks) and imported from a 4-rank ``dcp.save`` checkpoint; all bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_ckpt_cli_dcp import _cli
+
+from trainguard.checkpoint import Checkpointer
+from trainguard.checkpoint.manifest import Manifest
+from trainguard.checkpoint.storage import data_name, manifest_name, step_dirname
+
+HERE = Path(__file__).parent
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+
+
+def _run(scenario: str, world: int, workdir: Path, timeout: float = 240) -> list[dict]:
+    """Runs ``world`` ranks of sharded_worker.py; returns each rank's JSON facts (fails on any rank's failure)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(HERE / "sharded_worker.py"), scenario, str(r), str(world),
+                               str(workdir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    out = []
+    try:
+        for r, p in enumerate(procs):
+            stdout, stderr = p.communicate(timeout=timeout)
+            assert p.returncode == 0, f"rank {r} of {scenario} failed:\n{stderr[-4000:]}"
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 4-rank FSDP2 + Adam job and a 4-rank tensor-parallel job, saved shard-locally (plus references)."""
+    work = tmp_path_factory.mktemp("sharded")
+    facts = _run("save", 4, work)
+    return work, facts
+
+
+def test_saved_shard_locally_and_restored_in_the_same_layout(saved):
+    work, facts = saved
+    root = work / "ckpt" / "fsdp"
+    sizes = []
+    for r in range(4):
+        man = Manifest.from_json((root / step_dirname(3) / manifest_name(r)).read_bytes())
+        assert man.sharded and man.world_size == 4
+        sizes.append(man.data_bytes)
+        nodes = json.dumps(man.tree)
+        assert '"t": "dtensor"' in nodes and '"g": [256, 64]' in nodes and f'"o": [{64 * r}, 0]' in nodes
+    ref = torch.load(work / "ref_fsdp.pt", weights_only=True)
+    full_bytes = sum(v.numel() * v.element_size() for v in ref.values())
+    assert max(sizes) < full_bytes / 2  # each rank wrote its shards only (no gather to rank 0)
+    for f in facts:
+        assert f["same_layout_diff"] == []
+        assert list(f["same_layout_read"]) == [str(f["rank"])]  # only its own copy was read
+
+
+def test_reshard_to_two_ranks_dcp_export_import_and_corrupt_rank(saved):
+    work, _ = saved
+    root = work / "ckpt"
+    assert _cli("export", str(root), "--job", "fsdp", str(work / "exported")).returncode == 0
+    imp = _cli("import", str(work / "dcp_native"), str(root), "--job", "imported", "--world-size", "3")
+    assert imp.returncode == 0, imp.stderr
+    shutil.copytree(root / "fsdp", root / "fsdp_bad")
+    bad = root / "fsdp_bad" / step_dirname(3) / data_name(2)
+    raw = bytearray(bad.read_bytes())
+    raw[1000] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+
+    facts = _run("reshard", 2, work)
+    for f in facts:
+        assert f["fsdp_diff"] == [] and f["tp_diff"] == [] and f["import_diff"] == [] and f["dcp_diff"] == []
+        assert f["tier"] == "disk"
+        assert "model.0.weight" in f["fsdp_keys"] and "optim.state.0.weight.exp_avg_sq" in f["fsdp_keys"]
+        # Each rank read only the saved ranks its shards overlap (rank 1 the replicated leaves of its source).
+        touched = {int(r) for r in f["read"]}
+        assert touched <= ({0, 1} if f["rank"] == 0 else {1, 2, 3}), touched
+    assert facts[0]["read"] and sum(facts[0]["read"].values()) < sum(
+        os.path.getsize(root / "fsdp" / step_dirname(3) / data_name(r)) for r in range(4)) * 0.75
+    # Rank 0 needs saved ranks 0-1 (intact), rank 1 needs the corrupt rank 2: both raise, neither hangs.
+    assert facts[1]["bad_raised"] == "CorruptCheckpointError"
+    assert facts[0]["bad_raised"] == "TrainguardError"
+
+
+def test_reshard_to_one_plain_process_for_evaluation(saved):
+    from sharded_worker import config, make_model
+
+    work, _ = saved
+    ref = torch.load(work / "ref_fsdp.pt", weights_only=True)
+    model = make_model(42)
+    with Checkpointer(config(str(work)), rank=0, world_size=1, job="fsdp") as ck:
+        assert ck.restore({"model": model}) == 3
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref[f"model.{k}"]), k
+    tp_ref = torch.load(work / "ref_tp.pt", weights_only=True)
+    plain = make_model(43)
+    with Checkpointer(config(str(work)), rank=0, world_size=1, job="tp") as ck:
+        assert ck.restore({"model": plain}) == 1
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, tp_ref[k]), k
