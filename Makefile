@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test proto clean
+.PHONY: setup demo test proto wheel clean
 
 setup: $(STAMP)
 
@@ -25,5 +25,10 @@ test: setup
 proto: setup
 	$(PY) -m trainguard.proto.generate
 
+# A wheel that works without a checkout; it carries the fault trace when $$TRAINGUARD_FAULT_TRACE_DIR or
+# ../shared/data/stepfun-fault-trace holds it at build time.
+wheel: setup
+	$(PY) -m pip wheel -q --no-deps -w dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

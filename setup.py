@@ -9,6 +9,29 @@ from __future__ import annotations
 import os
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
+
+# The StepFun fault trace (Apache-2.0) is used in place and never committed; a wheel built where it lies carries
+# it, with its LICENSE, as trainguard/drill/data/stepfun (see trainguard/drill/trace.py for the lookup order).
+TRACE_ENV = "TRAINGUARD_FAULT_TRACE_DIR"
+TRACE_FILES = ("fault_trace.json", "LICENSE", "SOURCE.txt", "README.md")
+
+
+class BuildWithTrace(build_py):
+    """build_py that adds the fault trace from ``$TRAINGUARD_FAULT_TRACE_DIR`` or ../shared/data when present."""
+
+    def run(self) -> None:
+        super().run()
+        here = os.path.dirname(os.path.abspath(__file__))
+        src = os.environ.get(TRACE_ENV) or os.path.join(here, "..", "shared", "data", "stepfun-fault-trace")
+        if not os.path.isfile(os.path.join(src, "fault_trace.json")):
+            print(f"trainguard: no fault trace at {src}; the wheel will not carry it (set {TRACE_ENV})")
+            return
+        dst = os.path.join(self.build_lib, "trainguard", "drill", "data", "stepfun")
+        os.makedirs(dst, exist_ok=True)
+        for name in TRACE_FILES:
+            if os.path.isfile(os.path.join(src, name)):
+                self.copy_file(os.path.join(src, name), os.path.join(dst, name))
 
 # Folder -> import name. `trainguard/` is the namespace's own public face (hook, CLI).
 ROOTS = {
@@ -18,6 +41,8 @@ ROOTS = {
     "checkpoint": "trainguard.checkpoint",
     "recovery": "trainguard.recovery",
     "proto": "trainguard.proto",
+    "examples": "trainguard.examples",
+    "deploy": "trainguard.deploy",
 }
 
 
@@ -42,6 +67,7 @@ PACKAGES, PACKAGE_DIR = _packages()
 setup(
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    package_data={"": ["*.proto", "*.toml", "*.json", "*.csv", "py.typed"]},
+    package_data={"": ["*.proto", "*.toml", "*.json", "*.csv", "*.service", "py.typed"]},
     include_package_data=True,
+    cmdclass={"build_py": BuildWithTrace},
 )

@@ -1,6 +1,6 @@
 """``trainguard demo``: the main job in one command.
 
-Trains ``examples/train.py`` on 2 workers (DDP, gloo, CPU), SIGKILLs rank 1 at a random step, and shows the
+Trains ``examples/train.py`` (installed as ``trainguard.examples``, so the demo runs from a wheel) on 2 workers (DDP, gloo, CPU), SIGKILLs rank 1 at a random step, and shows the
 recovery: when the fault struck, when it was detected, when the workers restarted, which step they resumed
 from, and the final accuracy. Then it runs the same job without a fault and checks that both runs end with
 bitwise-equal parameters.
@@ -20,7 +20,13 @@ from pathlib import Path
 from trainguard.agent.run import add_run_arguments, format_summary, run_job
 from trainguard.errors import UsageError
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+def _example() -> Path:
+    import trainguard.examples
+
+    return Path(trainguard.examples.__file__).resolve().parent / "train.py"
+
+
+EXAMPLE = _example()
 
 
 def _run(argv: list[str]) -> tuple:
@@ -33,10 +39,10 @@ def run_demo(steps: int = 300, kill_step: int | None = None, workdir: str | None
     """Runs the demo; returns 0 when the faulty run recovered and matched the fault-free one.
 
     Raises:
-        UsageError: the example script is missing (trainguard installed without its repository).
+        UsageError: the example script is missing (a broken installation).
     """
     if not EXAMPLE.is_file():
-        raise UsageError(f"the demo needs {EXAMPLE}; run it from a checkout of the trainguard repository")
+        raise UsageError(f"the demo needs {EXAMPLE}, which this installation lacks; reinstall trainguard")
     if steps < 40:
         raise UsageError("--steps must be >= 40 so the fault lands after a checkpoint")
     # Late enough that the warm standby workers have finished importing torch, as in any real job.

@@ -36,20 +36,23 @@ import grpc
 from trainguard._version import __version__
 from trainguard.agent.errors import CoordinatorUnavailableError, JobFailedError
 from trainguard.agent.event_bus import EventBus
+from trainguard.agent.generation import (  # noqa: F401 (the env names are re-exported)
+    AGENT_SOCKET_ENV,
+    GENERATION_ENV,
+    JOB_ENV,
+    NODE_ID_ENV,
+    GenerationResources,
+    read_error_file,
+    worker_specs,
+)
 from trainguard.agent.node_faults import NodeReportLedger, hardware_cause, hardware_detector_names
-from trainguard.agent.workers import WorkerGroup, WorkerSpec, WorkerState, build_worker_env, describe_exit
+from trainguard.agent.standby import StandbyPool
+from trainguard.agent.workers import WorkerGroup, WorkerState, describe_exit
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.proto import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-#: Environment variables trainguard adds to each worker.
-AGENT_SOCKET_ENV = "TRAINGUARD_AGENT_SOCKET"
-GENERATION_ENV = "TRAINGUARD_GENERATION"
-JOB_ENV = "TRAINGUARD_JOB"
-NODE_ID_ENV = "TRAINGUARD_NODE_ID"
-
-_POLL_S = 0.05
 # Worker exits reach the supervisor through its own 50 ms poll; the process detector's copies are only published.
 _SEEN_BY_SUPERVISOR = frozenset({"process.killed", "process.failed", "process.exited", "process.vanished"})
 _RPC_TIMEOUT_S = 5.0
@@ -88,6 +91,18 @@ class NodeConfig:
         predictor_interval_s: seconds between two predictor scores. Default 5.0.
         drain_grace_s: seconds from a predictor alarm (workers advised to checkpoint now) to asking the
             coordinator to replace this node. Default 30.0.
+        role: ``ROLE_NAME`` of the workers (torchrun's ``--role``).
+        streams: local rank -> :class:`~trainguard.agent.run_torchrun.StreamSpec` (``-r``/``-t``/
+            ``--local-ranks-filter``); missing ranks use the console (or ``log_dir``).
+        error_dir: where each worker's ``TORCHELASTIC_ERROR_FILE`` lies (``<dir>/g<gen>/rank<R>/error.json``);
+            None makes a temporary folder.
+        virtual_local_rank: torchrun's ``--virtual-local-rank``.
+        poll_s: seconds between two polls of the workers (torchrun's ``--monitor-interval``). Default 0.05.
+        signals_to_handle: exported as ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
+        host_store: the agent of rank 0's node hosts each generation's store before the workers start
+            (:mod:`trainguard.agent.worker_store`); else rank 0 hosts it. Default True.
+        standby_after_s: arm the warm standbys once the generation has run this long even if no worker reported
+            a step through the hook (plain scripts never do). Default 3.0.
     """
 
     job: str
@@ -115,6 +130,14 @@ class NodeConfig:
     checkpoint_dir: str | None = None
     predictor_interval_s: float = 5.0
     drain_grace_s: float = 30.0
+    role: str = "default"
+    streams: dict = field(default_factory=dict)
+    error_dir: str | None = None
+    virtual_local_rank: bool = False
+    poll_s: float = 0.05
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    host_store: bool = True
+    standby_after_s: float = 3.0
 
 
 @dataclass
@@ -132,6 +155,8 @@ class FaultRecord:
         resumed_step: that step.
         hardware: the node-level hardware event that explained the failure (``"pcie.aer_fatal: ..."``), or
             None when the failure was reported as a process failure.
+        error: the exception the worker recorded in its ``TORCHELASTIC_ERROR_FILE`` (torch's ``@record``),
+            first line, or None.
     """
 
     generation: int
@@ -143,6 +168,7 @@ class FaultRecord:
     resumed_at: float | None = None
     resumed_step: int | None = None
     hardware: str | None = None
+    error: str | None = None
 
     @property
     def recovery_s(self) -> float | None:
@@ -213,7 +239,7 @@ class NodeAgent:
         self._restart_count = 0
         # Tells a restarted agent of this node apart from a second agent claiming the same node id.
         self._instance = uuid.uuid4().hex
-        self._standbys: dict[int, object] = {}
+        self._standbys = StandbyPool()
         self._last_heartbeat = 0.0
         self._in_keepalive = False
         self._relayed: set[str] = set()  # job-wide checkpoint requests already passed to the workers
@@ -228,6 +254,8 @@ class NodeAgent:
         self._drain_grace_s = 30.0
         # (when, alarm, generation at the alarm) of a drain the predictor scheduled.
         self._drain_due: tuple[float, HealthEvent, int] | None = None
+        self._resources = GenerationResources(config.error_dir)  # the generation's store and error files
+        self._group_started = 0.0  # time.monotonic() when the current generation's workers started
 
     # -- state served to workers and operators ---------------------------------------------------------------
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
@@ -484,7 +512,7 @@ class NodeAgent:
             return None
 
     def _report_failure(self, rank: int, code: int | None, generation: int,
-                        hardware: HealthEvent | None = None) -> None:
+                        hardware: HealthEvent | None = None, error: str | None = None) -> None:
         cause = describe_exit(code)
         ev = HealthEvent(
             source="process",
@@ -492,8 +520,11 @@ class NodeAgent:
             severity=Severity.CRITICAL,
             action=Action.RESTART_PROCESS,
             subject=f"rank:{rank}",
-            message=f"rank {rank} ended with {cause}",
-            evidence={"rank": str(rank), "exit_code": str(code), "generation": str(generation)},
+            # The worker's own account (torch's @record, through TORCHELASTIC_ERROR_FILE) is the reason the
+            # coordinator logs and the operator reads.
+            message=f"rank {rank} ended with {cause}" + (f": {error}" if error else ""),
+            evidence={"rank": str(rank), "exit_code": str(code), "generation": str(generation),
+                      **({"error": error} if error else {})},
             node_id=self.config.node_id,
         )
         self.bus.publish(ev)
@@ -528,43 +559,21 @@ class NodeAgent:
         if mine is None:
             return
         c = self.config
-        specs = []
-        for local_rank in range(mine.local_world_size):
-            rank = mine.first_rank + local_rank
-            env = build_worker_env(
-                os.environ,
-                rank=rank,
-                local_rank=local_rank,
-                world_size=table.world_size,
-                local_world_size=mine.local_world_size,
-                group_rank=mine.group_rank,
-                group_world_size=table.node_count or len(table.nodes),  # large jobs list only this node
-                master_addr=table.master_addr,
-                master_port=table.master_port,
-                restart_count=table.restart_count,
-                max_restarts=table.max_restarts,
-                run_id=c.job,
-                extra={
-                    **c.extra_env,
-                    GENERATION_ENV: str(table.generation),
-                    JOB_ENV: c.job,
-                    NODE_ID_ENV: c.node_id,
-                    **({AGENT_SOCKET_ENV: c.socket_path} if c.socket_path else {}),
-                },
-            )
-            specs.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=list(c.argv), env=env))
-        group = WorkerGroup(specs, log_dir=c.log_dir)
+        use_agent_store = self._resources.host_store(c, table, mine)
+        specs = worker_specs(c, table, mine, self._resources.error_dir(table.generation), use_agent_store)
+        group = WorkerGroup(specs, log_dir=c.log_dir, streams=c.streams, role=c.role)
         with self._lock:
             self.table = table
             self.generation = table.generation
             self._restart_count = table.restart_count
             self._group = group
             self._advisories.clear()
-        standbys, self._standbys = self._standbys, {}
+        standbys = self._standbys.take()
         try:
             group.start(standbys)
         finally:
-            self._drop_standbys(standbys)
+            StandbyPool.drop_all(standbys)
+        self._group_started = time.monotonic()
         now = time.time()
         for rec in self.fault_records:
             if rec.restarted_at is None:
@@ -577,52 +586,10 @@ class NodeAgent:
                  mine.first_rank + mine.local_world_size - 1, table.master_addr, table.master_port)
 
     def _ensure_standbys(self) -> None:
-        """Once the current generation trains (a first step was reported), prepare its replacements.
-
-        A spare that never ran a generation prepares one standby per local rank as soon as it is registered:
-        the workers it will start when it takes a failed node's slot are then as warm as a restart in place.
-        Their environment is the agent's (what is read at import time, like ``OMP_NUM_THREADS``); the rank
-        variables arrive with the activation.
-        """
-        group = self._group
-        if not self.config.standby or self._standbys:
-            return
-        from trainguard.agent.guard import guard
-        from trainguard.agent.standby import DEFAULT_PRELOAD, script_argv, spawn_standby
-        from trainguard.agent.workers import child_setup
-
-        preload = self.config.preload or DEFAULT_PRELOAD
-        if group is None:
-            if self.config.spare and self.generation <= 0 and self._stub is not None \
-                    and script_argv(self.config.argv) is not None:
-                env = {**os.environ, **self.config.extra_env}
-                for local_rank in range(self.config.nproc_per_node):
-                    proc = spawn_standby(env, preload, preexec_fn=child_setup)
-                    guard().watch(proc.pid)
-                    self._standbys[local_rank] = proc
-            return
-        workers = group.workers
-        if not workers or all(w.last_step < 0 for w in workers):
-            # Still starting: new standbys' imports would compete with the workers' start-up and restore (on a
-            # 2-core node re-arming at once made every restart ~0.5 s slower, bench/bench_restart.py).
-            return
-        for w in workers:
-            if script_argv(w.spec.argv) is None:
-                return
-            proc = spawn_standby(w.spec.env, preload, preexec_fn=child_setup)
-            guard().watch(proc.pid)
-            self._standbys[w.spec.local_rank] = proc
-
-    def _drop_standbys(self, standbys: dict | None = None) -> None:
-        from trainguard.agent.guard import guard
-
-        pool = self._standbys if standbys is None else standbys
-        for proc in pool.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            guard().forget(proc.pid)
-        pool.clear()
+        """Prepares the current generation's replacements once it trains (see :class:`StandbyPool`)."""
+        if self.config.standby:
+            self._standbys.ensure(self.config, self._group, self._group_started,
+                                  spare_waiting=self.config.spare and self.generation <= 0 and self._stub is not None)
 
     def _stop_workers(self) -> None:
         with self._lock:
@@ -630,6 +597,7 @@ class NodeAgent:
             self._group = None
         if group is not None:
             group.stop(self.config.stop_grace_s, tick=self._keepalive)
+        self._resources.close_store()
 
     def _check_workers(self) -> None:
         group = self._group
@@ -642,6 +610,7 @@ class NodeAgent:
                 generation=self.generation, rank=w.spec.rank, cause=describe_exit(w.exit_code),
                 injected_at=self._injected_at(w.spec.rank),
                 detected_at=time.time(),
+                error=read_error_file(w.spec.env.get("TORCHELASTIC_ERROR_FILE")),
             )
             self.fault_records.append(rec)
             gen = self.generation
@@ -653,7 +622,7 @@ class NodeAgent:
                 self.predictor.record_failure(rec.detected_at, hardware.kind if hardware else "process.exit")
             log.warning("generation %d: rank %d ended with %s; stopping local workers", gen, w.spec.rank, rec.cause)
             self._stop_workers()
-            self._report_failure(w.spec.rank, w.exit_code, gen, hardware)
+            self._report_failure(w.spec.rank, w.exit_code, gen, hardware, error=rec.error)
             self._wake.set()
             return
 
@@ -687,6 +656,10 @@ class NodeAgent:
         Raises:
             CoordinatorUnavailableError: registration failed.
         """
+        if self.config.host_store:
+            from trainguard.agent.worker_store import preload
+
+            preload()  # torch for the workers' store, imported while the node registers
         self._channel = grpc.insecure_channel(self.config.coordinator)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._register(self.config.coordinator_patience_s)
@@ -713,16 +686,17 @@ class NodeAgent:
                         done = self._obey(resp)
                         if done is not None:
                             return done
-                self._wake.wait(_POLL_S)
+                self._wake.wait(self.config.poll_s)
                 self._wake.clear()
             return 130
         finally:
             if self._runner is not None:
                 self._runner.stop()
             self._stop_workers()
-            self._drop_standbys()
+            self._standbys.drop()
             self._channel.close()
             self.stopping = True
+            self._resources.cleanup()
 
     def _start_detectors(self) -> None:
         if not self.config.detectors:
@@ -864,9 +838,11 @@ class NodeAgent:
         return None
 
 
-def install_signal_handlers(agent: NodeAgent) -> Callable[[], None]:
-    """Makes SIGTERM/SIGINT stop the agent gracefully; returns a function restoring the old handlers."""
-    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+def install_signal_handlers(agent: NodeAgent, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)
+                            ) -> Callable[[], None]:
+    """Makes ``signals`` (default SIGTERM, SIGINT) stop the agent gracefully; returns a function restoring the
+    old handlers."""
+    old = {s: signal.getsignal(s) for s in signals}
 
     def handler(signum, _frame):
         log.warning("received %s: stopping workers", signal.Signals(signum).name)

@@ -1,9 +1,10 @@
 """``trainguard run``: launch a training script on this node under trainguard.
 
-Without ``--coordinator`` it embeds the job's coordinator (single-node jobs, or the first node of a small job
-with ``--nnodes``); with it, the node joins a coordinator running elsewhere. Either way the node agent spawns the
-workers with torchrun's environment, restarts every rank in a new generation when one fails, and prints the
-failure timeline at the end.
+It takes torchrun's command line (see :mod:`trainguard.agent.run_torchrun` for how each flag maps): the node
+either embeds the job's coordinator (``--standalone``, one node, or the node named by the rendezvous endpoint)
+or joins one running elsewhere. Either way the node agent spawns the workers with torchrun's environment,
+hosts each generation's store, restarts every rank in a new generation when one fails (the failed worker's
+``@record`` error is the reason given), and prints the failure timeline at the end.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from trainguard.agent.guard import guard
 from trainguard.agent.node import FaultRecord, NodeAgent, NodeConfig, install_signal_handlers
 from trainguard.agent.run_args import add_run_arguments, parse_fault  # noqa: F401 (re-exported)
 from trainguard.agent.run_detectors import run_detector_settings
-from trainguard.agent.workers import python_argv
 from trainguard.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -60,20 +60,28 @@ def run_job(args: argparse.Namespace) -> RunResult:
         UsageError: bad arguments (missing script, bad counts, unwritable checkpoint directory).
         ConfigError: unknown detector, or an unusable ``--detector-config`` file.
     """
-    if args.nproc_per_node < 1:
-        raise UsageError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    from trainguard.agent import run_torchrun as tr
+
+    nproc = tr.resolve_nproc(args.nproc_per_node)
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.hang_floor_s <= 0:
         raise UsageError(f"--hang-floor-s must be > 0, got {args.hang_floor_s}")
-    if args.nnodes < 1:
-        raise UsageError(f"--nnodes must be >= 1, got {args.nnodes}")
+    if args.monitor_interval is not None and not args.monitor_interval > 0:
+        raise UsageError(f"--monitor-interval must be > 0 seconds, got {args.monitor_interval}")
+    if args.shutdown_timeout is not None and args.shutdown_timeout < 0:
+        raise UsageError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not args.predictor_interval_s > 0:
         raise UsageError(f"--predictor-interval-s must be > 0 seconds, got {args.predictor_interval_s}")
     if not args.drain_grace_s >= 0:
         raise UsageError(f"--drain-grace-s must be >= 0 seconds, got {args.drain_grace_s}")
-    if not args.module and not os.path.isfile(args.script):
-        raise UsageError(f"training script not found: {args.script}")
+    argv = tr.worker_command(args)
+    streams = tr.stream_specs(args, nproc)
+    signals = tr.parse_signals(args.signals_to_handle)
+    rdzv = tr.resolve_rendezvous(args)
+    address = tr.default_address(rdzv, args.address or args.local_addr)
+    for flag in tr.ignored_flags(args):
+        log.warning("torchrun flag accepted but not applied: %s", flag)
     faults = [parse_fault(f) for f in args.fault]
     if args.predictor_model and not os.path.isfile(args.predictor_model):
         raise UsageError(f"--predictor-model {args.predictor_model}: no such file")
@@ -81,21 +89,27 @@ def run_job(args: argparse.Namespace) -> RunResult:
         _check_checkpoint_dir(args.checkpoint_dir)
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
-    job = args.job or f"{os.path.splitext(os.path.basename(args.script))[0]}-{int(time.time())}"
+    job = rdzv.job or f"{os.path.splitext(os.path.basename(args.script))[0]}-{int(time.time())}"
 
     server = None
-    coordinator = args.coordinator
+    coordinator = rdzv.coordinator
     if coordinator is None:
         from trainguard.recovery import CoordinatorServer, JobSpec
 
-        server = CoordinatorServer(
-            # One node has nowhere else to go: a hardware fault restarts the job on it (the budget still bounds it).
-            JobSpec(job=job, nnodes=args.nnodes, max_restarts=args.max_restarts, heartbeat_interval_s=0.2,
-                    hold_unhealthy=args.nnodes > 1),
-            listen=args.coordinator_listen,
-        ).start()
+        try:
+            server = CoordinatorServer(
+                # One node has nowhere else to go: a hardware fault restarts the job on it (the budget still
+                # bounds it). --nnodes MIN:MAX: start on MIN; nodes beyond it wait as standbys for lost ones.
+                JobSpec(job=job, nnodes=rdzv.min_nodes, max_restarts=args.max_restarts, heartbeat_interval_s=0.2,
+                        hold_unhealthy=rdzv.max_nodes > 1, allow_shrink=rdzv.max_nodes > rdzv.min_nodes,
+                        min_nodes=rdzv.min_nodes),
+                listen=rdzv.listen,
+            ).start()
+        except Exception as exc:
+            raise UsageError(f"cannot embed the coordinator on {rdzv.listen}: {exc}; pick another "
+                             "--rdzv-endpoint/--master-port or --coordinator-listen") from exc
         coordinator = server.target
-        if args.nnodes > 1:
+        if rdzv.multi_node:
             print(f"trainguard: coordinator for job {job!r} listening on {server.target}", file=sys.stderr)
 
     rundir = tempfile.mkdtemp(prefix="tg-")
@@ -115,13 +129,13 @@ def run_job(args: argparse.Namespace) -> RunResult:
     config = NodeConfig(
         job=job,
         coordinator=coordinator,
-        argv=python_argv(args.script, args.script_args, module=args.module),
-        nproc_per_node=args.nproc_per_node,
+        argv=argv,
+        nproc_per_node=nproc,
         node_id=args.node_id or socket.gethostname(),
         pod_id=args.pod,
-        node_index=args.node_index,
+        node_index=args.node_index if args.node_index is not None else args.node_rank,
         host=args.host or socket.gethostname(),
-        address=args.address,
+        address=address,
         spare=args.spare,
         max_restarts=args.max_restarts,
         socket_path=os.path.join(rundir, "agent.sock"),
@@ -135,6 +149,14 @@ def run_job(args: argparse.Namespace) -> RunResult:
         checkpoint_dir=args.checkpoint_dir,
         predictor_interval_s=args.predictor_interval_s,
         drain_grace_s=args.drain_grace_s,
+        coordinator_patience_s=rdzv.join_timeout_s,
+        role=args.role,
+        signals_to_handle=",".join(sig.name for sig in signals),
+        streams=streams,
+        error_dir=os.path.join(rundir, "errors"),
+        virtual_local_rank=args.virtual_local_rank,
+        **({"poll_s": args.monitor_interval} if args.monitor_interval is not None else {}),
+        **({"stop_grace_s": float(args.shutdown_timeout)} if args.shutdown_timeout is not None else {}),
     )
     from trainguard.agent.sdnotify import SystemdNotifier
 
@@ -143,7 +165,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
     from trainguard.agent.local_server import serve
 
     grpc_server, _ = serve(agent, config.socket_path)
-    restore = install_signal_handlers(agent)
+    restore = install_signal_handlers(agent, signals)
     t0 = time.time()
     try:
         try:

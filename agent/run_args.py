@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from trainguard.errors import UsageError
@@ -41,27 +43,129 @@ def parse_fault(text: str) -> "FaultPlan":
     return FaultPlan(rank=rank, step=step, sig=sig, generation=generation)
 
 
+#: torchrun reads each flag's default from ``PET_<DEST>`` (e.g. ``PET_NPROC_PER_NODE``), as set by Kubernetes'
+#: PyTorchJob and other launchers; ``trainguard run`` does the same for the torchrun flags.
+ENV_DEFAULT_PREFIX = "PET_"
+
+#: Extra default providers, consulted after ``PET_*`` (a scheduler integration such as SLURM registers one):
+#: each takes the flag's ``dest`` and returns a default as text, or None when it has none.
+DEFAULT_PROVIDERS: list[Callable[[str], str | None]] = []
+
+
+def flag_default(dest: str, fallback: object) -> object:
+    """The default of flag ``dest``: ``$PET_<DEST>``, else the first registered provider's, else ``fallback``."""
+    env = os.environ.get(ENV_DEFAULT_PREFIX + dest.upper())
+    if env is not None:
+        return env
+    for provider in DEFAULT_PROVIDERS:
+        value = provider(dest)
+        if value is not None:
+            return value
+    return fallback
+
+
+def _spellings(name: str) -> list[str]:
+    """``--nproc-per-node`` and ``--nproc_per_node``: torchrun accepts both for every multi-word flag."""
+    return [name] if "-" not in name[2:] else [name, "--" + name[2:].replace("-", "_")]
+
+
+def _torchrun_flag(g: argparse._ActionsContainer, name: str, *, fallback: object = None, short: str | None = None,
+                   **kw) -> None:
+    dest = name[2:].replace("-", "_")
+    names = ([short] if short else []) + _spellings(name)
+    if kw.get("action") in ("store_true", "store_false"):
+        raw = flag_default(dest, None)
+        default = str(raw).lower() in ("1", "true", "yes", "on") if isinstance(raw, str) else bool(fallback)
+        g.add_argument(*names, dest=dest, default=default, **kw)
+    else:
+        g.add_argument(*names, dest=dest, default=flag_default(dest, fallback), **kw)
+
+
+def add_torchrun_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds torchrun's command line (torch 2.x, both spellings) to ``p``; see ``agent/run_torchrun.py`` for how
+    each flag maps onto trainguard (rendezvous flags -> the coordinator, ``--standalone`` -> an embedded one)."""
+    g = p.add_argument_group("torchrun flags", "torchrun's command line; each also reads $PET_<NAME> as torchrun "
+                                               "does (e.g. PET_NPROC_PER_NODE)")
+    _torchrun_flag(g, "--nnodes", fallback="1", metavar="N|MIN:MAX",
+                   help="nodes of the job; MIN:MAX makes membership elastic (start on MIN, shrink to MIN)")
+    _torchrun_flag(g, "--nproc-per-node", fallback="1", metavar="N|gpu|auto|cpu",
+                   help="workers on this node: a count, or one per GPU / accelerator else CPU / CPU (default 1)")
+    _torchrun_flag(g, "--rdzv-backend", fallback="static", metavar="NAME",
+                   help="static or c10d: either way trainguard's coordinator is the rendezvous")
+    _torchrun_flag(g, "--rdzv-endpoint", fallback="", metavar="HOST[:PORT]",
+                   help="the coordinator's address (port default 29400); the node at HOST embeds it")
+    _torchrun_flag(g, "--rdzv-id", fallback=None, metavar="ID", help="job id (same as --job)")
+    _torchrun_flag(g, "--rdzv-conf", fallback="", metavar="K=V,...",
+                   help="join_timeout (s to reach the coordinator), is_host (embed it here); other keys are ignored")
+    _torchrun_flag(g, "--standalone", action="store_true", help="single node: embed the coordinator on a free port")
+    _torchrun_flag(g, "--max-restarts", fallback=3, type=int, metavar="N",
+                   help="job-wide restart budget (default 3; torchrun's is 0)")
+    _torchrun_flag(g, "--monitor-interval", fallback=None, type=float, metavar="S",
+                   help="seconds between two polls of the workers (default 0.05)")
+    _torchrun_flag(g, "--start-method", fallback="spawn", choices=["spawn", "fork", "forkserver"],
+                   help="accepted for torchrun compatibility; workers always start as fresh interpreters")
+    _torchrun_flag(g, "--event-log-handler", fallback="null", metavar="NAME",
+                   help="accepted for torchrun compatibility; events go to the coordinator and `trainguard events`")
+    _torchrun_flag(g, "--role", fallback="default", metavar="NAME", help="worker role, exported as ROLE_NAME")
+    _torchrun_flag(g, "--module", short="-m", action="store_true", help="SCRIPT is a module name (python -m)")
+    _torchrun_flag(g, "--no-python", action="store_true",
+                   help="run SCRIPT as an executable, not with the Python interpreter")
+    _torchrun_flag(g, "--run-path", action="store_true",
+                   help="accepted for torchrun compatibility: scripts always run as with runpy.run_path")
+    _torchrun_flag(g, "--log-dir", fallback=None, metavar="DIR",
+                   help="worker logs: LOG_DIR/rank<R>.log, or rank<R>.stdout.log / .stderr.log with -r / -t")
+    _torchrun_flag(g, "--redirects", short="-r", fallback="0", metavar="STD",
+                   help="send 1 stdout, 2 stderr, 3 both to files in --log-dir only (or per local rank: 0:1,1:2)")
+    _torchrun_flag(g, "--tee", short="-t", fallback="0", metavar="STD",
+                   help="send 1 stdout, 2 stderr, 3 both to files in --log-dir and the console (same syntax)")
+    _torchrun_flag(g, "--local-ranks-filter", fallback="", metavar="R,...",
+                   help="show only these local ranks' output on the console (files are not filtered)")
+    _torchrun_flag(g, "--duplicate-stdout-filters", fallback="", metavar="WORDS",
+                   help="accepted for torchrun compatibility; not applied")
+    _torchrun_flag(g, "--duplicate-stderr-filters", fallback="", metavar="WORDS",
+                   help="accepted for torchrun compatibility; not applied")
+    _torchrun_flag(g, "--node-rank", fallback=0, type=int, metavar="R",
+                   help="static rendezvous: this node's rank; node 0 embeds the coordinator at MASTER_ADDR:PORT")
+    _torchrun_flag(g, "--master-addr", fallback="127.0.0.1", metavar="HOST",
+                   help="static rendezvous, multi-node: the coordinator's host (node rank 0)")
+    _torchrun_flag(g, "--master-port", fallback=None, type=int, metavar="PORT",
+                   help="static rendezvous, multi-node: the coordinator's port (default 29500)")
+    _torchrun_flag(g, "--local-addr", fallback=None, metavar="HOST",
+                   help="address peers reach this node at (same as --address)")
+    _torchrun_flag(g, "--logs-specs", fallback=None, metavar="NAME",
+                   help="accepted for torchrun compatibility; not applied")
+    _torchrun_flag(g, "--numa-binding", fallback=None, choices=["node", "socket", "exclusive", "core-complex"],
+                   help="accepted for torchrun compatibility; not applied")
+    _torchrun_flag(g, "--signals-to-handle", fallback="SIGTERM,SIGINT,SIGHUP,SIGQUIT", metavar="SIGS",
+                   help="signals that stop the workers gracefully (default SIGTERM,SIGINT,SIGHUP,SIGQUIT)")
+    _torchrun_flag(g, "--shutdown-timeout", fallback=None, type=int, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL when stopping workers (default 3)")
+    _torchrun_flag(g, "--virtual-local-rank", action="store_true",
+                   help="LOCAL_RANK=0 for every worker, each sees only its GPU through CUDA_VISIBLE_DEVICES")
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """Adds the ``trainguard run`` flags to ``p``."""
-    p.add_argument("--nproc-per-node", type=int, default=1, help="workers on this node (default 1)")
-    p.add_argument("--max-restarts", type=int, default=3, help="job-wide restart budget (default 3)")
-    p.add_argument("--job", default=None, help="job name (default: script name + time)")
+    """Adds the ``trainguard run`` flags to ``p``: torchrun's (see :func:`add_torchrun_arguments`), then
+    trainguard's own."""
+    add_torchrun_arguments(p)
+    p.add_argument("--job", default=None, help="job name (default: --rdzv-id, else script name + time)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="checkpoint directory or fsspec URL given to every worker as $TRAINGUARD_CHECKPOINT_DIR")
-    p.add_argument("--log-dir", default=None, help="write each rank's output to LOG_DIR/rank<R>.log")
     p.add_argument("--fault", action="append", default=[], metavar="RANK:STEP[:SIGNAL[:GEN]]",
                    help="inject a fault: send SIGNAL (default KILL) to RANK once it reports STEP (repeatable)")
     g = p.add_argument_group("multi-node")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="join this coordinator instead of embedding one")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes the embedded coordinator waits for (default 1)")
-    g.add_argument("--coordinator-listen", default="127.0.0.1:0", metavar="HOST:PORT",
-                   help="where the embedded coordinator listens (default 127.0.0.1:0)")
+    g.add_argument("--coordinator-listen", default=None, metavar="HOST:PORT",
+                   help="where the embedded coordinator listens (default 127.0.0.1:0, or the rendezvous address)")
     g.add_argument("--node-id", default=None, help="stable node identity (default: host name)")
     g.add_argument("--pod", default="", help="pod / supernode id of this node")
-    g.add_argument("--node-index", type=int, default=0, help="index of this node inside its pod")
+    g.add_argument("--node-index", type=int, default=None,
+                   help="index of this node inside its pod (default: --node-rank)")
     g.add_argument("--host", default=None, help="host name used for rank ordering (default: host name)")
-    g.add_argument("--address", default="127.0.0.1", help="address peers reach this node at (default 127.0.0.1)")
+    g.add_argument("--address", default=None,
+                   help="address peers reach this node at (default 127.0.0.1 on one node, else this host's "
+                        "address on the route to the coordinator)")
     g.add_argument("--spare", action="store_true", help="join as a spare node")
     p.add_argument("--hang-floor-s", type=float, default=60.0,
                    help="a worker with no step for max(this, 5x its slowest recent step) seconds is hung (default 60)")
@@ -82,6 +186,5 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the detectors' metric history in this SQLite file (predictor training data)")
     p.add_argument("--no-standby", dest="standby", action="store_false",
                    help="do not keep warm standby worker processes (slower restarts, less memory)")
-    p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
-    p.add_argument("script", help="training script (or module with -m)")
+    p.add_argument("script", help="training script (or module with -m, executable with --no-python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")

@@ -38,11 +38,11 @@ if not line:
 order = json.loads(line)
 os.environ.clear()
 os.environ.update(order["env"])
-if order.get("log"):
-    fd = os.open(order["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+for path, target in ((order.get("stdout"), 1), (order.get("stderr"), 2)):
+    if path:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, target)
+        os.close(fd)
 sys.stdin.close()
 sys.stdin = open(os.devnull)
 argv = order["argv"]
@@ -93,13 +93,93 @@ def script_argv(worker_argv: Sequence[str]) -> list[str] | None:
     return rest
 
 
-def activate(proc: subprocess.Popen, argv: Sequence[str], env: Mapping[str, str], log_path: str | None) -> bool:
-    """Hands a standby its order; returns False when it is no longer usable."""
+def activate(proc: subprocess.Popen, argv: Sequence[str], env: Mapping[str, str], stdout_path: str | None,
+             stderr_path: str | None = None) -> bool:
+    """Hands a standby its order; returns False when it is no longer usable.
+
+    Args:
+        stdout_path: file the worker's stdout is appended to (``os.devnull`` to drop it); None keeps the console.
+        stderr_path: the same for stderr.
+    """
     if proc.poll() is not None or proc.stdin is None:
         return False
+    order = {"argv": list(argv), "env": dict(env), "stdout": stdout_path, "stderr": stderr_path}
     try:
-        proc.stdin.write((json.dumps({"argv": list(argv), "env": dict(env), "log": log_path}) + "\n").encode())
+        proc.stdin.write((json.dumps(order) + "\n").encode())
         proc.stdin.close()
         return True
     except (BrokenPipeError, OSError):
         return False
+
+
+class StandbyPool:
+    """One warm standby per local rank, kept by the node agent for the next generation.
+
+    Armed once the current generation trains: when a worker reported its first step through the hook, or,
+    for plain scripts that never report, once the generation has run ``config.standby_after_s`` seconds
+    (its start-up is over by then; arming earlier makes the standbys' imports compete with the workers').
+    A spare node that never ran a generation arms as soon as it is registered.
+    """
+
+    def __init__(self) -> None:
+        self._procs: dict[int, subprocess.Popen] = {}
+
+    def ensure(self, config, group, group_started: float, spare_waiting: bool) -> None:
+        """Arms the standbys when due (see the class docstring); a no-op once armed.
+
+        Args:
+            config: the agent's :class:`~trainguard.agent.node.NodeConfig`.
+            group: the current :class:`~trainguard.agent.workers.WorkerGroup`, or None.
+            group_started: ``time.monotonic()`` when ``group`` started.
+            spare_waiting: this node is a registered spare without a generation yet.
+        """
+        import os
+        import time
+
+        from trainguard.agent.guard import guard
+        from trainguard.agent.workers import child_setup
+
+        if self._procs:
+            return
+        preload = config.preload or DEFAULT_PRELOAD
+        if group is None:
+            if spare_waiting and script_argv(config.argv) is not None:
+                env = {**os.environ, **config.extra_env}
+                for local_rank in range(config.nproc_per_node):
+                    proc = spawn_standby(env, preload, preexec_fn=child_setup)
+                    guard().watch(proc.pid)
+                    self._procs[local_rank] = proc
+            return
+        workers = group.workers
+        if not workers:
+            return
+        started = any(w.last_step >= 0 for w in workers)
+        if not started and time.monotonic() - group_started < config.standby_after_s:
+            return
+        for w in workers:
+            if script_argv(w.spec.argv) is None:
+                return
+            proc = spawn_standby(w.spec.env, preload, preexec_fn=child_setup)
+            guard().watch(proc.pid)
+            self._procs[w.spec.local_rank] = proc
+
+    def take(self) -> dict[int, subprocess.Popen]:
+        """Hands the armed standbys over (local rank -> process); the pool is empty afterwards."""
+        procs, self._procs = self._procs, {}
+        return procs
+
+    def drop(self) -> None:
+        """Kills and reaps every standby still in the pool."""
+        self.drop_all(self._procs)
+
+    @staticmethod
+    def drop_all(procs: dict[int, subprocess.Popen]) -> None:
+        """Kills and reaps ``procs`` (standbys nobody used), emptying the dict."""
+        from trainguard.agent.guard import guard
+
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            guard().forget(proc.pid)
+        procs.clear()

@@ -118,11 +118,31 @@ class WorkerGroup:
         log_dir: if set, each worker's stdout/stderr go to ``<log_dir>/rank<R>.log``; else they are inherited.
     """
 
-    def __init__(self, specs: Sequence[WorkerSpec], log_dir: str | None = None) -> None:
+    def __init__(self, specs: Sequence[WorkerSpec], log_dir: str | None = None,
+                 streams: Mapping[int, object] | None = None, role: str = "default") -> None:
         self._specs = list(specs)
         self._log_dir = log_dir
+        self._streams = dict(streams or {})
+        self._role = role
         self._workers: list[Worker] = []
         self._lock = threading.Lock()
+        self._tee_threads: list[threading.Thread] = []
+
+    def _targets(self, spec: WorkerSpec) -> tuple[tuple[str, str | None], tuple[str, str | None]]:
+        """(kind, path) for stdout and stderr: kind is console, null, file or tee (see
+        :func:`trainguard.agent.run_torchrun.stream_specs`); ``both`` marks the one shared log file."""
+        st = self._streams.get(spec.local_rank)
+        out_kind = getattr(st, "stdout", "console")
+        err_kind = getattr(st, "stderr", "console")
+        if self._log_dir and out_kind in ("console", "null") and err_kind in ("console", "null"):
+            # --log-dir without -r/-t: one file per rank with both streams (trainguard's layout).
+            path = os.path.join(self._log_dir, f"rank{spec.rank}.log")
+            return ("both", path), ("both", path)
+        targets = []
+        for kind, name in ((out_kind, "stdout"), (err_kind, "stderr")):
+            path = os.path.join(self._log_dir, f"rank{spec.rank}.{name}.log") if kind in ("file", "tee") else None
+            targets.append((kind, path))
+        return targets[0], targets[1]
 
     def start(self, standbys: dict[int, subprocess.Popen] | None = None) -> None:
         """Spawns every worker, turning warm standby processes into workers where available.
@@ -139,21 +159,22 @@ class WorkerGroup:
         for spec in self._specs:
             standby = (standbys or {}).pop(spec.local_rank, None)
             argv = script_argv(spec.argv)
-            log_path = os.path.join(self._log_dir, f"rank{spec.rank}.log") if self._log_dir else None
-            if log_path:
+            out, err = self._targets(spec)
+            if self._log_dir:
                 os.makedirs(self._log_dir, exist_ok=True)
-            if standby is not None and argv is not None and activate(standby, argv, spec.env, log_path):
+            # A tee'd stream is a pipe the agent reads; a standby's streams are fixed at its spawn.
+            teed = "tee" in (out[0], err[0])
+            if standby is not None and argv is not None and not teed \
+                    and activate(standby, argv, spec.env, _standby_path(out), _standby_path(err)):
                 with self._lock:
                     self._workers.append(Worker(spec=spec, proc=standby, started_at=time.time()))
                 continue
             if standby is not None:
                 _reap(standby)
-            stdout = stderr = None
-            if self._log_dir:
-                os.makedirs(self._log_dir, exist_ok=True)
-                stdout = open(os.path.join(self._log_dir, f"rank{spec.rank}.log"), "ab")
-                stderr = subprocess.STDOUT
+            files = []
             try:
+                stdout = _popen_target(out, files)
+                stderr = subprocess.STDOUT if out[0] == "both" else _popen_target(err, files)
                 proc = subprocess.Popen(
                     spec.argv,
                     env=spec.env,
@@ -166,9 +187,16 @@ class WorkerGroup:
                 self.stop()
                 raise WorkerStartError(f"cannot start rank {spec.rank} ({spec.argv[:2]}): {exc}") from exc
             finally:
-                if stdout is not None:
-                    stdout.close()
+                for f in files:
+                    f.close()
             guard().watch(proc.pid)  # the worker leads its own session: pgid == pid
+            prefix = f"[{self._role}{spec.local_rank}]:".encode()
+            for kind_path, pipe, console in ((out, proc.stdout, sys.stdout), (err, proc.stderr, sys.stderr)):
+                if kind_path[0] == "tee" and pipe is not None:
+                    t = threading.Thread(target=_tee, args=(pipe, kind_path[1], console, prefix), daemon=True,
+                                         name=f"tee-rank{spec.rank}")
+                    t.start()
+                    self._tee_threads.append(t)
             with self._lock:
                 self._workers.append(Worker(spec=spec, proc=proc, started_at=time.time()))
         log.debug("started %d workers: pids %s", len(self._workers), [w.pid for w in self._workers])
@@ -267,6 +295,41 @@ class WorkerGroup:
         return w.pid
 
 
+def _standby_path(target: tuple[str, str | None]) -> str | None:
+    """Where a standby sends a stream: a file, /dev/null, or None to keep the agent's console."""
+    kind, path = target
+    if kind == "null":
+        return os.devnull
+    return path if kind in ("file", "both") else None
+
+
+def _popen_target(target: tuple[str, str | None], files: list):
+    kind, path = target
+    if kind == "null":
+        return subprocess.DEVNULL
+    if kind == "tee":
+        return subprocess.PIPE
+    if kind in ("file", "both") and path:
+        f = open(path, "ab")
+        files.append(f)
+        return f
+    return None
+
+
+def _tee(pipe, path: str, console, prefix: bytes) -> None:
+    """Copies a worker's stream line by line to its log file and, prefixed like torchrun's, to the console."""
+    out = getattr(console, "buffer", None)
+    with pipe, open(path, "ab", buffering=0) as f:
+        for line in iter(pipe.readline, b""):
+            f.write(line)
+            if out is not None:
+                try:
+                    out.write(prefix + line)
+                    out.flush()
+                except (OSError, ValueError):
+                    out = None  # the console went away; keep writing the file
+
+
 def _reap(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         _signal_group(proc.pid, signal.SIGKILL)
@@ -295,21 +358,33 @@ def build_worker_env(
     restart_count: int,
     max_restarts: int,
     run_id: str,
+    role: str = "default",
+    use_agent_store: bool = False,
+    error_file: str | None = None,
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    virtual_local_rank: bool = False,
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment torchrun gives a worker, plus trainguard's own variables.
 
-    Unmodified torch scripts (``init_process_group("gloo")`` with ``env://``) run under it. The store is hosted
-    by rank 0 (``TORCHELASTIC_USE_AGENT_STORE=False``) on a port that is new for every generation, so nothing
-    of a previous generation's rendezvous can be read by the next one.
+    Unmodified torch scripts (``init_process_group`` with ``env://``) run under it. The store of a generation
+    is new on a port never used before in the job, so nothing of a previous generation's rendezvous can be
+    read by the next one; with ``use_agent_store`` the agent of rank 0's node hosts it before the workers start
+    (torchrun's ``TORCHELASTIC_USE_AGENT_STORE=True``), else rank 0 does.
 
     Args:
         base: the environment to start from (usually ``os.environ``).
         rank: global rank. The other keyword arguments mirror torchrun's variables of the same name.
+        role: ``ROLE_NAME`` (torchrun's ``--role``).
+        error_file: ``TORCHELASTIC_ERROR_FILE``: where ``@record`` writes the worker's exception.
+        virtual_local_rank: ``LOCAL_RANK=0`` and ``CUDA_VISIBLE_DEVICES`` narrowed to this worker's device.
         extra: trainguard variables (agent socket, generation, ...) added last.
 
     Returns:
         A new dict.
+
+    Raises:
+        WorkerStartError: ``virtual_local_rank`` with fewer visible devices than local ranks.
     """
     env = dict(base)
     env.update(
@@ -322,25 +397,46 @@ def build_worker_env(
             "GROUP_WORLD_SIZE": str(group_world_size),
             "ROLE_RANK": str(rank),
             "ROLE_WORLD_SIZE": str(world_size),
-            "ROLE_NAME": "default",
+            "ROLE_NAME": role,
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port),
             "TORCHELASTIC_RESTART_COUNT": str(restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
             "TORCHELASTIC_RUN_ID": run_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_USE_AGENT_STORE": str(bool(use_agent_store)),
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": signals_to_handle,
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "PYTHONUNBUFFERED": "1",
         }
     )
-    # torchrun sets this to 1 when unset, to keep N workers from oversubscribing the cores N-fold.
-    env.setdefault("OMP_NUM_THREADS", "1")
+    if error_file:
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
+    else:
+        env.pop("TORCHELASTIC_ERROR_FILE", None)
+    if virtual_local_rank:
+        env["LOCAL_RANK"] = "0"
+        visible = base.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            devices = [d.strip() for d in visible.split(",") if d.strip()]
+            if local_rank >= len(devices):
+                raise WorkerStartError(f"--virtual-local-rank: local rank {local_rank} has no device in "
+                                       f"CUDA_VISIBLE_DEVICES={visible}")
+            env["CUDA_VISIBLE_DEVICES"] = devices[local_rank]
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = str(local_rank)
+    # torchrun sets this to 1 when unset and more than one worker shares the node, to keep N workers from
+    # oversubscribing the cores N-fold.
+    if local_world_size > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
     if extra:
         env.update(extra)
     return env
 
 
-def python_argv(script: str, args: Sequence[str], module: bool = False) -> list[str]:
-    """The command line of a worker running ``script`` (or ``-m module``) with this interpreter."""
+def python_argv(script: str, args: Sequence[str], module: bool = False, python: str | None = None) -> list[str]:
+    """The command line of a worker running ``script`` (or ``-m module``) with ``python`` (default: this
+    interpreter, the only one warm standbys can stand in for)."""
+    exe = python or sys.executable
     if module:
-        return [sys.executable, "-u", "-m", script, *args]
-    return [sys.executable, "-u", script, *args]
+        return [exe, "-u", "-m", script, *args]
+    return [exe, "-u", script, *args]

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = _Parser(prog="trainguard", description="Fault tolerance and checkpointing for distributed training.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--version", action="version", version=f"trainguard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     p = sub.add_parser("version", help="print the version")
     p.set_defaults(handler=_version)

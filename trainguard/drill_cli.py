@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "for trainguard and a torchrun-like baseline, and report ETTR with the "
                                    "ETTR-optimal checkpoint interval next to Young/Daly's.")
     p.add_argument("--trace", default=None, metavar="DIR",
-                   help="StepFun trace folder (default $TRAINGUARD_FAULT_TRACE_DIR or ../shared/data/"
+                   help="StepFun trace folder (default $TRAINGUARD_FAULT_TRACE_DIR, else the copy in the wheel, else ../shared/data/"
                         "stepfun-fault-trace next to the repository)")
     p.add_argument("--traces", default="stepfun,llama3", help="comma list of stepfun, llama3 (default both)")
     p.add_argument("--gpus", type=int, default=16_384, help="GPUs in the job (default 16384)")

@@ -34,6 +34,9 @@ DAY_S = 86_400.0
 #: Environment variable naming the StepFun trace folder (holding ``fault_trace.json``).
 TRACE_DIR_ENV = "TRAINGUARD_FAULT_TRACE_DIR"
 
+#: Where a wheel built next to the trace carries it, with its LICENSE (setup.py copies it in at build time).
+PACKAGED_TRACE_DIR = Path(__file__).resolve().parent / "data" / "stepfun"
+
 #: Where the trace lies in the team's workspace: ``../shared/data/stepfun-fault-trace`` next to the repo.
 DEFAULT_TRACE_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "stepfun-fault-trace"
 
@@ -133,11 +136,16 @@ class FaultTrace:
 
 
 def trace_dir(path: str | os.PathLike | None = None) -> Path:
-    """The StepFun trace folder: ``path``, else ``$TRAINGUARD_FAULT_TRACE_DIR``, else :data:`DEFAULT_TRACE_DIR`."""
+    """The StepFun trace folder: ``path``, else ``$TRAINGUARD_FAULT_TRACE_DIR``, else the copy a wheel carries
+    (:data:`PACKAGED_TRACE_DIR`), else the workspace's (:data:`DEFAULT_TRACE_DIR`)."""
     if path:
         return Path(path)
     env = os.environ.get(TRACE_DIR_ENV)
-    return Path(env) if env else DEFAULT_TRACE_DIR
+    if env:
+        return Path(env)
+    if (PACKAGED_TRACE_DIR / "fault_trace.json").is_file():
+        return PACKAGED_TRACE_DIR
+    return DEFAULT_TRACE_DIR
 
 
 def load_stepfun(path: str | os.PathLike | None = None) -> FaultTrace:
@@ -158,8 +166,9 @@ def load_stepfun(path: str | os.PathLike | None = None) -> FaultTrace:
     try:
         events = json.loads(file.read_text())
     except FileNotFoundError as exc:
-        raise TraceError(f"StepFun fault trace not found at {file}; pass --trace DIR or set {TRACE_DIR_ENV} "
-                         "(the trace is github.com/stepfun-ai/InfiniteHBD-Trace)") from exc
+        raise TraceError(f"StepFun fault trace not found at {file}; pass --trace DIR or set {TRACE_DIR_ENV} to the "
+                         "folder holding fault_trace.json (github.com/stepfun-ai/InfiniteHBD-Trace, Apache-2.0), or "
+                         "install a wheel built with it") from exc
     except (OSError, ValueError) as exc:
         raise TraceError(f"cannot read the fault trace {file}: {exc}; check that it is the StepFun JSON file") \
             from exc

@@ -1,0 +1,433 @@
+"""torchrun's flag values, checked and mapped onto trainguard's model.
+
+torchrun finds its peers through a rendezvous backend; trainguard's agents register with a coordinator instead,
+which forms every generation's rank table. The mapping (see :func:`resolve_rendezvous`):
+
+- ``--coordinator HOST:PORT``: join that coordinator (trainguard's own flag wins over the rendezvous flags).
+- ``--standalone``: embed a coordinator on a free loopback port (one node only).
+- ``--rdzv-backend c10d --rdzv-endpoint HOST[:PORT]``: the coordinator is at HOST:PORT (port 29400 as in
+  torchrun). The node where HOST is a local address embeds it there (``--rdzv-conf is_host=...`` forces the
+  choice); if another local agent already holds the port, this one joins it, as torchrun's c10d backend does.
+- ``--rdzv-backend static`` (torchrun's default): with more than one node the coordinator is at
+  ``--master-addr:--master-port`` (port 29500), embedded by ``--node-rank 0``; on one node it is embedded on a
+  free loopback port.
+- ``--nnodes MIN:MAX``: the job starts when MIN nodes have registered; a lost node is replaced by one of the
+  nodes beyond MIN that wait as standbys, or the job shrinks, never below MIN.
+- ``--rdzv-id``: the job name.
+
+The workers' store is not the rendezvous: every generation gets a new one (see :mod:`trainguard.agent.worker_store`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+
+from trainguard.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+C10D_DEFAULT_PORT = 29400
+STATIC_DEFAULT_PORT = 29500
+#: torchrun's rendezvous backends; etcd ones name an etcd server, which trainguard's coordinator replaces.
+_BACKENDS = ("static", "c10d")
+_ETCD_BACKENDS = ("etcd", "etcd-v2")
+#: ``--rdzv-conf`` keys torchrun documents; the ones trainguard uses are join_timeout and is_host.
+_RDZV_KEYS = frozenset({"join_timeout", "last_call_timeout", "close_timeout", "timeout", "read_timeout",
+                        "is_host", "keep_alive_interval", "keep_alive_max_attempt", "use_libuv", "store_type",
+                        "rank", "local_addr"})
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """Where one local rank's stdout and stderr go: each is ``console``, ``file``, ``tee`` or ``null``."""
+
+    stdout: str = "console"
+    stderr: str = "console"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How this node finds the job's coordinator.
+
+    Attributes:
+        coordinator: address to join; None when this node embeds the coordinator.
+        listen: where the embedded coordinator listens (``host:port``; port 0 picks a free one).
+        min_nodes: nodes that must register before the first generation.
+        max_nodes: most nodes the job takes (the rest beyond ``min_nodes`` wait as standbys).
+        job: job name (``--job`` else ``--rdzv-id``), None for the default.
+        join_timeout_s: how long the coordinator may be unreachable at registration.
+        multi_node: the job may span more than one node.
+    """
+
+    coordinator: str | None
+    listen: str
+    min_nodes: int
+    max_nodes: int
+    job: str | None
+    join_timeout_s: float = 60.0
+    multi_node: bool = False
+    conf: dict[str, str] = field(default_factory=dict)
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` -> (min, max).
+
+    Raises:
+        UsageError: not integers, or not 1 <= MIN <= MAX.
+    """
+    parts = str(text).split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--nnodes {text!r}: expected N or MIN:MAX, e.g. 2 or 1:4") from None
+    if not 1 <= lo <= hi:
+        raise UsageError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def resolve_nproc(text: str) -> int:
+    """``N``, ``gpu``, ``auto`` or ``cpu`` -> the local worker count, as torchrun resolves it.
+
+    Raises:
+        UsageError: not a positive count or one of the names, or ``gpu`` without a CUDA device.
+    """
+    text = str(text)
+    if text.lstrip("-").isdigit():
+        n = int(text)
+        if n < 1:
+            raise UsageError(f"--nproc-per-node must be >= 1, got {n}")
+        return n
+    if text == "cpu":
+        return os.cpu_count() or 1
+    if text in ("gpu", "auto"):
+        import torch  # only for these two names: the count of accelerators needs it
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return torch.cuda.device_count()
+        if text == "gpu":
+            raise UsageError("--nproc-per-node gpu: CUDA is not available on this node; give a count or 'cpu'")
+        return os.cpu_count() or 1
+    raise UsageError(f"--nproc-per-node {text!r}: expected a count, gpu, auto or cpu")
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``key=value,key=value`` -> dict, as torchrun parses ``--rdzv-conf``.
+
+    Raises:
+        UsageError: an entry without ``=``.
+    """
+    conf: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in str(text).split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--rdzv-conf {text!r}: expected key=value pairs separated by commas, got {item!r}")
+        conf[key.strip()] = value.strip()
+    unknown = sorted(set(conf) - _RDZV_KEYS)
+    if unknown:
+        log.warning("--rdzv-conf: ignoring unknown key(s) %s", ", ".join(unknown))
+    return conf
+
+
+def _conf_bool(conf: dict[str, str], key: str) -> bool | None:
+    if key not in conf:
+        return None
+    value = conf[key].lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise UsageError(f"--rdzv-conf {key}={conf[key]!r}: expected true or false")
+
+
+def _conf_seconds(conf: dict[str, str], key: str, default: float) -> float:
+    if key not in conf:
+        return default
+    try:
+        value = float(conf[key])
+    except ValueError:
+        raise UsageError(f"--rdzv-conf {key}={conf[key]!r}: expected seconds") from None
+    if value <= 0:
+        raise UsageError(f"--rdzv-conf {key}={conf[key]!r}: must be > 0 seconds")
+    return value
+
+
+def split_endpoint(text: str, default_port: int, flag: str) -> tuple[str, int]:
+    """``HOST[:PORT]`` (``[v6]:PORT`` too) -> (host, port).
+
+    Raises:
+        UsageError: empty host or a port outside 0..65535, naming ``flag``.
+    """
+    text = text.strip()
+    host, port_text = text, ""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    try:
+        port = int(port_text) if port_text else default_port
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: the port must be a number") from None
+    if not host or not 0 <= port <= 65535:
+        raise UsageError(f"{flag} {text!r}: expected HOST[:PORT] with a port in 0..65535")
+    return host, port
+
+
+def join_endpoint(host: str, port: int) -> str:
+    """``host:port``, bracketing IPv6 literals."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` names this machine (loopback, its host name, or one of its interface addresses)."""
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    if any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        return True
+    import psutil
+
+    mine = {a.address.split("%")[0] for nics in psutil.net_if_addrs().values() for a in nics}
+    return bool(addrs & mine)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback name or address (unreachable from other nodes)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
+    """Maps the rendezvous flags onto a coordinator to embed or join (see the module docstring).
+
+    Raises:
+        UsageError: an unknown backend, conflicting flags, or a bad endpoint, naming the flag.
+    """
+    lo, hi = parse_nnodes(args.nnodes)
+    conf = parse_rdzv_conf(args.rdzv_conf)
+    join_timeout = _conf_seconds(conf, "join_timeout", 60.0)
+    job = args.job or args.rdzv_id
+    backend = str(args.rdzv_backend).lower().replace("_", "-")
+    if backend in _ETCD_BACKENDS:
+        raise UsageError(f"--rdzv-backend {args.rdzv_backend}: trainguard's coordinator replaces the etcd rendezvous;"
+                         " use --rdzv-backend c10d --rdzv-endpoint HOST:PORT of the node that embeds it")
+    if backend not in _BACKENDS:
+        raise UsageError(f"--rdzv-backend {args.rdzv_backend!r}: expected static or c10d")
+    common = dict(min_nodes=lo, max_nodes=hi, job=job, join_timeout_s=join_timeout, multi_node=hi > 1, conf=conf)
+    listen_flag = args.coordinator_listen
+    if args.coordinator:
+        split_endpoint(args.coordinator, 0, "--coordinator")
+        if args.standalone:
+            raise UsageError("--standalone embeds a coordinator; it cannot be combined with --coordinator")
+        return Rendezvous(coordinator=args.coordinator, listen="", **{**common, "multi_node": True})
+    if args.standalone:
+        if hi > 1:
+            raise UsageError(f"--standalone is for one node; drop --nnodes {args.nnodes} or use --rdzv-endpoint")
+        if args.rdzv_endpoint:
+            log.warning("--standalone: ignoring --rdzv-endpoint %s (torchrun does the same)", args.rdzv_endpoint)
+        return Rendezvous(coordinator=None, listen=listen_flag or "127.0.0.1:0", **common)
+    if backend == "c10d" and args.rdzv_endpoint:
+        host, port = split_endpoint(args.rdzv_endpoint, C10D_DEFAULT_PORT, "--rdzv-endpoint")
+        target = join_endpoint(host, port)
+        is_host = _conf_bool(conf, "is_host")
+        if is_host is None:
+            # torchrun's c10d backend: the agent on the endpoint's host serves; a second agent on that host
+            # finds the port taken and joins.
+            is_host = is_local_host(host) and _port_free(host, port)
+        if is_host:
+            return Rendezvous(coordinator=None, listen=listen_flag or target, **common)
+        return Rendezvous(coordinator=target, listen="", **common)
+    if backend == "c10d" and hi > 1:
+        raise UsageError("--rdzv-backend c10d with more than one node needs --rdzv-endpoint HOST:PORT")
+    if hi > 1:
+        port = args.master_port if args.master_port is not None else STATIC_DEFAULT_PORT
+        if not 0 < port <= 65535:
+            raise UsageError(f"--master-port {port}: expected 1..65535")
+        target = join_endpoint(args.master_addr, port)
+        if args.node_rank < 0 or args.node_rank >= hi:
+            raise UsageError(f"--node-rank {args.node_rank}: expected 0..{hi - 1} for --nnodes {args.nnodes}")
+        if args.node_rank == 0:
+            return Rendezvous(coordinator=None, listen=listen_flag or target, **common)
+        return Rendezvous(coordinator=target, listen="", **common)
+    return Rendezvous(coordinator=None, listen=listen_flag or "127.0.0.1:0", **common)
+
+
+def default_address(rdzv: Rendezvous, explicit: str | None) -> str:
+    """The address peers reach this node at: ``explicit``, else 127.0.0.1 on one node, else the local address
+    of the route to the coordinator (found with a UDP ``connect``, which sends nothing), else the host name.
+
+    A loopback address in a multi-node job is warned about: other nodes could not reach this node's store.
+    """
+    if explicit:
+        if rdzv.multi_node and is_loopback(explicit):
+            log.warning("--address/--local-addr %s is a loopback address in a multi-node job: other nodes cannot "
+                        "reach this node; give an address they can route to", explicit)
+        return explicit
+    if not rdzv.multi_node:
+        return "127.0.0.1"
+    peer = rdzv.coordinator or rdzv.listen
+    host, port = split_endpoint(peer, 0, "--coordinator")
+    if not is_loopback(host) and host not in ("0.0.0.0", "::"):
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((host, port or 9))
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    if is_loopback(host):
+        log.warning("multi-node job with the coordinator at loopback %s: this node's address defaults to "
+                    "127.0.0.1, which other nodes cannot reach; pass --local-addr/--address", peer)
+        return "127.0.0.1"
+    return socket.getfqdn()
+
+
+def parse_streams(text: str, flag: str, nproc: int) -> dict[int, int]:
+    """torchrun's ``Std`` syntax: ``0``..``3`` for every local rank, or ``0:1,1:2`` per local rank -> rank -> bits
+    (1 stdout, 2 stderr).
+
+    Raises:
+        UsageError: a value outside 0..3 or a malformed entry, naming ``flag``.
+    """
+    text = str(text).strip()
+
+    def bits(v: str) -> int:
+        if v not in ("0", "1", "2", "3"):
+            raise UsageError(f"{flag} {text!r}: expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), "
+                             "or LOCAL_RANK:VALUE pairs such as 0:1,1:2")
+        return int(v)
+
+    if ":" not in text:
+        return {r: bits(text or "0") for r in range(nproc)}
+    out = {r: 0 for r in range(nproc)}
+    for item in text.split(","):
+        rank, _, value = item.partition(":")
+        try:
+            r = int(rank)
+        except ValueError:
+            raise UsageError(f"{flag} {text!r}: {item!r} is not LOCAL_RANK:VALUE") from None
+        out[r] = bits(value.strip())
+    return out
+
+
+def parse_ranks_filter(text: str) -> set[int] | None:
+    """``--local-ranks-filter 0,2`` -> {0, 2}; empty -> None (no filter).
+
+    Raises:
+        UsageError: not a comma list of integers.
+    """
+    if not str(text).strip():
+        return None
+    try:
+        return {int(x) for x in str(text).split(",")}
+    except ValueError:
+        raise UsageError(f"--local-ranks-filter {text!r}: expected a comma list of local ranks, e.g. 0,1") from None
+
+
+def stream_specs(args: argparse.Namespace, nproc: int) -> dict[int, StreamSpec]:
+    """Per local rank, where stdout and stderr go, from ``--log-dir``, ``-r``, ``-t`` and
+    ``--local-ranks-filter`` (torchrun's semantics: files only for ``-r``, files and console for ``-t``; the
+    filter only hides console output).
+
+    Raises:
+        UsageError: bad values, or ``-r``/``-t`` without ``--log-dir``.
+    """
+    redirects = parse_streams(args.redirects, "--redirects", nproc)
+    tee = parse_streams(args.tee, "--tee", nproc)
+    shown = parse_ranks_filter(args.local_ranks_filter)
+    if (any(redirects.values()) or any(tee.values())) and not args.log_dir:
+        raise UsageError("--redirects/--tee need --log-dir DIR for the files")
+    specs = {}
+    for r in range(nproc):
+        kinds = []
+        for bit in (1, 2):
+            if tee[r] & bit:
+                kind = "tee"
+            elif redirects[r] & bit:
+                kind = "file"
+            else:
+                kind = "console"
+            if shown is not None and r not in shown:
+                kind = {"tee": "file", "console": "null"}.get(kind, kind)
+            kinds.append(kind)
+        specs[r] = StreamSpec(*kinds)
+    return specs
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """``SIGTERM,SIGINT`` -> signals.
+
+    Raises:
+        UsageError: an unknown or uncatchable signal name.
+    """
+    out = []
+    for name in filter(None, (s.strip().upper() for s in str(text).split(","))):
+        full = name if name.startswith("SIG") else "SIG" + name
+        try:
+            sig = signal.Signals[full]
+        except KeyError:
+            raise UsageError(f"--signals-to-handle {text!r}: unknown signal {name!r}") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise UsageError(f"--signals-to-handle {text!r}: {full} cannot be handled")
+        out.append(sig)
+    return tuple(out)
+
+
+def worker_command(args: argparse.Namespace) -> list[str]:
+    """The worker's command line: ``python -u [-m] SCRIPT ARGS`` (``$PYTHON_EXEC`` as torchrun honours it), or
+    ``SCRIPT ARGS`` with ``--no-python``.
+
+    Raises:
+        UsageError: ``--no-python`` with ``--module``, or a script that does not exist.
+    """
+    from trainguard.agent.workers import python_argv
+
+    if args.no_python:
+        if args.module:
+            raise UsageError("--no-python and --module cannot be used together (torchrun refuses them too)")
+        return [args.script, *args.script_args]
+    if not args.module and not os.path.isfile(args.script):
+        raise UsageError(f"training script not found: {args.script}")
+    return python_argv(args.script, args.script_args, module=args.module,
+                       python=os.environ.get("PYTHON_EXEC") or None)
+
+
+def ignored_flags(args: argparse.Namespace) -> list[str]:
+    """torchrun flags given that trainguard accepts but does not apply (logged once at start)."""
+    out = []
+    if args.start_method != "spawn":
+        out.append(f"--start-method {args.start_method} (workers always start as fresh interpreters or standbys)")
+    if args.event_log_handler != "null":
+        out.append(f"--event-log-handler {args.event_log_handler}")
+    for flag in ("duplicate_stdout_filters", "duplicate_stderr_filters", "logs_specs", "numa_binding"):
+        if getattr(args, flag):
+            out.append("--" + flag.replace("_", "-"))
+    return out

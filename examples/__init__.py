@@ -1,0 +1,1 @@
+"""Example training scripts, installed as ``trainguard.examples`` so ``trainguard demo`` runs from a wheel."""

@@ -1,0 +1,169 @@
+"""`trainguard run` takes torchrun's command lines: the same lines through both launchers give the workers the
+same environment, key by key; bad values are one-line errors naming the flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tg_testutil import REPO, run_cli
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+PRINT_ENV = str(SCRIPTS / "print_env.py")
+
+#: Values that differ between the launchers by design: each generation's store is on a new port at the
+#: address of rank 0's node (torchrun: localhost and its rendezvous port), the error files lie in each
+#: launcher's own folder, and without --rdzv-id each launcher names the run its own way.
+DIFFER_BY_DESIGN = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(launcher: str, line: list[str], out: Path, env: dict) -> dict[int, dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run"] if launcher == "torchrun" else \
+        [sys.executable, "-m", "trainguard.cli", "run"]
+    out.mkdir()
+    r = subprocess.run(cmd + line + [str(out)], env=env, cwd=REPO, capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0, f"{launcher} {' '.join(line)} failed:\n{r.stderr[-3000:]}"
+    envs = {}
+    for f in out.glob("env*.json"):
+        envs[int(f.stem[3:])] = json.loads(f.read_text())
+    return envs
+
+
+def _lines() -> list[tuple[str, list[str], dict]]:
+    return [
+        ("underscores-standalone-role", ["--standalone", "--nnodes=1", "--nproc_per_node=2", "--max_restarts=1",
+                                         "--role", "trainer", "--monitor_interval", "0.1", PRINT_ENV], {}),
+        ("c10d-auto-virtual", ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
+                               "--rdzv-id", "compat-job", "--nnodes", "1:1", "--nproc-per-node", "auto",
+                               "--max-restarts", "0", "--virtual-local-rank", PRINT_ENV], {}),
+        ("static-master-pet", ["--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1", "--master-port",
+                               str(_port()), "--max-restarts", "2", PRINT_ENV], {"PET_NPROC_PER_NODE": "2"}),
+        ("module", ["--nproc-per-node", "1", "--max-restarts", "0", "--module", "print_env_mod"],
+         {"PYTHONPATH": str(SCRIPTS)}),
+        ("no-python", ["--nproc-per-node", "1", "--max-restarts", "0", "--no-python", sys.executable, PRINT_ENV],
+         {}),
+    ]
+
+
+@pytest.mark.parametrize("name,line,extra_env", _lines(), ids=[c[0] for c in _lines()])
+def test_same_command_line_same_worker_environment(tmp_path: Path, tg_env: dict, name: str, line: list[str],
+                                                   extra_env: dict) -> None:
+    env = {**tg_env, **extra_env}
+    theirs = _launch("torchrun", line, tmp_path / "torchrun", env)
+    ours = _launch("trainguard", line, tmp_path / "trainguard", env)
+    assert sorted(theirs) == sorted(ours) and theirs, (sorted(theirs), sorted(ours))
+    named_run = "--rdzv-id" in line
+    for rank, t in theirs.items():
+        te, oe = t["env"], ours[rank]["env"]
+        set_by_torchrun = {k for k, v in te.items() if env.get(k) != v}
+        assert set_by_torchrun >= {"RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"}
+        for key in sorted(set_by_torchrun):
+            assert key in oe, f"{name}: rank {rank}: trainguard does not set {key} (torchrun: {te[key]!r})"
+            if key in DIFFER_BY_DESIGN or (key == "TORCHELASTIC_RUN_ID" and not named_run):
+                continue
+            assert oe[key] == te[key], f"{name}: rank {rank}: {key} is {oe[key]!r}, torchrun gives {te[key]!r}"
+        # Each worker has its own error file in a folder of the generation.
+        assert oe["TORCHELASTIC_ERROR_FILE"].endswith(f"/g1/rank{rank}/error.json")
+        assert t["argv"][:-1] == ours[rank]["argv"][:-1]  # the same script and arguments, less the out dir
+
+
+def test_record_error_becomes_the_failure_reason(tmp_path: Path, tg_env: dict) -> None:
+    script = tmp_path / "boom.py"
+    script.write_text(
+        "from torch.distributed.elastic.multiprocessing.errors import record\n"
+        "import os\n"
+        "@record\n"
+        "def main():\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise RuntimeError('disk full on /data/shard-7')\n"
+        "main()\n")
+    r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "0", str(script)], tg_env)
+    assert r.returncode == 1, r.stderr
+    # The coordinator logs it as the reason, and the summary names it.
+    coord = [ln for ln in r.stderr.splitlines() if "trainguard.recovery.coordinator" in ln and "rank 1" in ln]
+    assert any("RuntimeError: disk full on /data/shard-7" in ln for ln in coord), r.stderr[-3000:]
+    assert "job FAILED" in r.stderr and "RuntimeError: disk full on /data/shard-7" in r.stderr.splitlines()[-2] \
+        + r.stderr.splitlines()[-1], r.stderr[-2000:]
+
+
+def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
+    script = tmp_path / "talk.py"
+    script.write_text("import os, sys\nr = os.environ['LOCAL_RANK']\nprint('out-' + r)\n"
+                      "print('err-' + r, file=sys.stderr)\n")
+    logs = tmp_path / "logs"
+    r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "0", "--log-dir", str(logs), "--tee", "1",
+                 "--redirects", "2", "--local-ranks-filter", "0", str(script)], tg_env)
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        assert (logs / f"rank{rank}.stdout.log").read_text() == f"out-{rank}\n"
+        assert (logs / f"rank{rank}.stderr.log").read_text() == f"err-{rank}\n"
+    assert "[default0]:out-0" in r.stdout and "out-1" not in r.stdout, r.stdout
+    assert "err-0" not in r.stderr and "err-1" not in r.stderr
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--nnodes", "3:1"], ["--nnodes", "MIN <= MAX"]),
+    (["--nnodes", "two"], ["--nnodes", "N or MIN:MAX"]),
+    (["--nproc-per-node", "banana"], ["--nproc-per-node", "gpu, auto or cpu"]),
+    (["--nproc_per_node", "0"], ["--nproc-per-node", ">= 1"]),
+    (["--rdzv-conf", "join_timeout"], ["--rdzv-conf", "key=value"]),
+    (["--rdzv-conf", "join_timeout=soon"], ["--rdzv-conf", "join_timeout", "seconds"]),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379"], ["--rdzv-backend etcd", "c10d"]),
+    (["--rdzv-backend", "zookeeper"], ["--rdzv-backend", "static or c10d"]),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:99999"], ["--rdzv-endpoint", "0..65535"]),
+    (["--standalone", "--nnodes", "2"], ["--standalone", "one node"]),
+    (["--log-dir", "/tmp", "--redirects", "7"], ["--redirects", "0 (none)"]),
+    (["--tee", "1"], ["--redirects/--tee", "--log-dir"]),
+    (["--local-ranks-filter", "a,b"], ["--local-ranks-filter", "comma list"]),
+    (["--signals-to-handle", "SIGTERM,SIGFOO"], ["--signals-to-handle", "SIGFOO"]),
+    (["--no-python", "-m"], ["--no-python", "--module"]),
+    (["--nnodes", "2", "--node-rank", "5"], ["--node-rank 5", "0..1"]),
+    (["--monitor-interval", "0"], ["--monitor-interval", "> 0"]),
+    (["--start-method", "thread"], ["--start-method", "invalid choice"]),
+])
+def test_bad_torchrun_values_are_one_line_errors(capsys, flags: list[str], words: list[str]) -> None:
+    from trainguard.cli import main
+
+    try:
+        code = main(["run", *flags, PRINT_ENV, "/tmp"])  # refused before anything starts
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [ln for ln in err.strip().splitlines() if "error" in ln]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_bad_value_through_the_console_script(tg_env: dict) -> None:
+    r = run_cli(["run", "--nproc_per_node", "many", PRINT_ENV, "/tmp"], tg_env, timeout=30)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--nproc-per-node 'many'" in r.stderr
+
+
+def test_every_torchrun_flag_is_accepted() -> None:
+    """The installed torch's own torchrun parser is the reference: each of its option strings parses here."""
+    import argparse
+
+    from torch.distributed.run import get_args_parser
+
+    from trainguard.agent.run_args import add_run_arguments
+
+    ours = argparse.ArgumentParser()
+    add_run_arguments(ours)
+    mine = {s for a in ours._actions for s in a.option_strings}
+    theirs = {s for a in get_args_parser()._actions for s in a.option_strings}
+    assert theirs - mine == set()
