@@ -22,17 +22,17 @@ from typing import Any
 import numpy as np
 
 from trainguard._version import __version__
-from trainguard.detectors.predictor.catalog import split_known
-from trainguard.detectors.predictor.errors import FeatureMismatchError, InsufficientDataError, PredictorError
-from trainguard.detectors.predictor.evaluation import (
+from trainguard.predictor.catalog import split_known
+from trainguard.predictor.errors import FeatureMismatchError, InsufficientDataError, PredictorError
+from trainguard.predictor.evaluation import (
     EvalConfig, calibrate_threshold, failures_by_node, labels_for, node_days,
 )
-from trainguard.detectors.predictor.features import (
+from trainguard.predictor.features import (
     FeatureConfig, FeatureFrame, FeatureSpec, check_interval, table_features,
 )
-from trainguard.detectors.predictor.model import PredictorModel
-from trainguard.detectors.predictor.scorers import RobustZScorer, Scorer, ThresholdScorer, TreeEnsembleScorer
-from trainguard.detectors.predictor.table import EventTable, MetricTable
+from trainguard.predictor.model import PredictorModel
+from trainguard.predictor.scorers import RobustZScorer, Scorer, ThresholdScorer, TreeEnsembleScorer
+from trainguard.predictor.table import EventTable, MetricTable
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = Tr
     if not known:
         raise FeatureMismatchError(
             f"none of the columns {metrics.columns[:8]} is a metric the predictor knows; see "
-            "trainguard.detectors.predictor.catalog for the names"
+            "trainguard.predictor.catalog for the names"
         )
     if unknown:
         log.info("ignoring %d column(s) the learned tier does not know: %s", len(unknown), unknown)

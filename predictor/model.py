@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from trainguard.detectors.predictor.errors import ModelFileError
-from trainguard.detectors.predictor.evaluation import EvalConfig
-from trainguard.detectors.predictor.features import FeatureSpec
-from trainguard.detectors.predictor.scorers import SCORERS, Scorer
+from trainguard.predictor.errors import ModelFileError
+from trainguard.predictor.evaluation import EvalConfig
+from trainguard.predictor.features import FeatureSpec
+from trainguard.predictor.scorers import SCORERS, Scorer
 
 FORMAT = "trainguard-predictor"
 VERSION = 1

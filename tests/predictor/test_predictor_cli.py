@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from trainguard.cli import main
-from trainguard.detectors.predictor.tracegen import default_trace_dir
+from trainguard.predictor.tracegen import default_trace_dir
 
 needs_trace = pytest.mark.skipif(
     not (default_trace_dir() / "fault_trace.json").is_file(),
@@ -50,7 +50,7 @@ def test_end_to_end(tmp_path, capsys):
 
 
 def test_export_from_history(tmp_path, capsys):
-    from trainguard.detectors.predictor.history import MetricHistory
+    from trainguard.predictor.history import MetricHistory
 
     with MetricHistory(tmp_path / "h.sqlite") as h:
         h.append(1.0, "n", {"gpu_temp_c": 50.0})
@@ -87,7 +87,7 @@ def test_console_script_help_is_fast_and_lists_commands():
     assert out.returncode == 0
     for cmd in ("train", "eval", "score", "export", "gen-trace"):
         assert cmd in out.stdout
-    probe = subprocess.run([sys.executable, "-c", "import sys, trainguard.detectors.predictor.cli, "
-                            "trainguard.detectors.predictor; print('sklearn' in sys.modules)"],
+    probe = subprocess.run([sys.executable, "-c", "import sys, trainguard.predictor.cli, "
+                            "trainguard.predictor; print('sklearn' in sys.modules)"],
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "False"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainguard.detectors.predictor.catalog import RESERVED_COLUMNS
-from trainguard.detectors.predictor.errors import DataFormatError
+from trainguard.predictor.catalog import RESERVED_COLUMNS
+from trainguard.predictor.errors import DataFormatError
 
 
 def _parse_time(text: str, where: str) -> float:

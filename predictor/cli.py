@@ -24,16 +24,16 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def _eval_config(args: argparse.Namespace) -> Any:
-    from trainguard.detectors.predictor.evaluation import EvalConfig
+    from trainguard.predictor.evaluation import EvalConfig
 
     return EvalConfig(horizon_s=args.horizon, min_lead_s=args.min_lead, cooldown_s=args.cooldown,
                       budget_per_100_node_days=args.budget)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from trainguard.detectors.predictor.features import FeatureConfig
-    from trainguard.detectors.predictor.table import EventTable, MetricTable
-    from trainguard.detectors.predictor.training import TrainConfig, train
+    from trainguard.predictor.features import FeatureConfig
+    from trainguard.predictor.table import EventTable, MetricTable
+    from trainguard.predictor.training import TrainConfig, train
 
     metrics = MetricTable.from_csv(args.metrics)
     events = EventTable.from_csv(args.events) if args.events else None
@@ -55,10 +55,10 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from trainguard.detectors.predictor.evaluation import evaluate_events, failures_by_node
-    from trainguard.detectors.predictor.model import PredictorModel
-    from trainguard.detectors.predictor.table import EventTable, MetricTable
-    from trainguard.detectors.predictor.training import score_table
+    from trainguard.predictor.evaluation import evaluate_events, failures_by_node
+    from trainguard.predictor.model import PredictorModel
+    from trainguard.predictor.table import EventTable, MetricTable
+    from trainguard.predictor.training import score_table
 
     model = PredictorModel.load(args.model)
     metrics = MetricTable.from_csv(args.metrics)
@@ -91,15 +91,15 @@ def _score(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from trainguard.detectors.predictor.runtime import PredictorRuntime
-    from trainguard.detectors.predictor.table import MetricTable
+    from trainguard.predictor.runtime import PredictorRuntime
+    from trainguard.predictor.table import MetricTable
 
     rt = PredictorRuntime.load(args.model, rules_path=args.rules, missing=args.missing)
     metrics = MetricTable.from_csv(args.metrics)
     rt.check_metrics(metrics.columns)
     interval = rt.model.spec.config.interval_s if rt.model is not None else 1.0
     if rt.model is not None:
-        from trainguard.detectors.predictor.features import check_interval
+        from trainguard.predictor.features import check_interval
 
         check_interval(metrics, interval)
     jobs = metrics.job.astype(str) if metrics.job is not None else np.full(len(metrics.ts), "")
@@ -136,7 +136,7 @@ def _score(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from trainguard.detectors.predictor.history import MetricHistory
+    from trainguard.predictor.history import MetricHistory
 
     with MetricHistory(args.history) as h:
         n, e = h.export(args.metrics, args.events, since=args.since)
@@ -145,7 +145,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _gen_trace(args: argparse.Namespace) -> int:
-    from trainguard.detectors.predictor.tracegen import TraceConfig, generate
+    from trainguard.predictor.tracegen import TraceConfig, generate
 
     cfg = TraceConfig(n_nodes=args.nodes, days=args.days, interval_s=args.interval, rate_scale=args.rate_scale,
                       repair_scale=args.repair_scale, seed=args.seed, trace_dir=args.trace_dir)

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from trainguard.detectors.predictor.errors import DataFormatError, FeatureMismatchError
-from trainguard.detectors.predictor.features import node_features, peer_z
-from trainguard.detectors.predictor.model import PredictorModel
-from trainguard.detectors.predictor.rules import RuleHit, RulesTier
-from trainguard.detectors.predictor.scorers import TreeEnsembleScorer
+from trainguard.predictor.errors import DataFormatError, FeatureMismatchError
+from trainguard.predictor.features import node_features, peer_z
+from trainguard.predictor.model import PredictorModel
+from trainguard.predictor.rules import RuleHit, RulesTier
+from trainguard.predictor.scorers import TreeEnsembleScorer
 
 
 @dataclass(frozen=True)

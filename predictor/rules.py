@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.predictor.errors import RuleFileError
+from trainguard.predictor.errors import RuleFileError
 
 LEAF_OPS = {"increased": (), "increased_within": ("seconds",), "gt": ("value",), "lt": ("value",),
             "eq": ("value",), "ne": ("value",), "lt_metric": ("other",)}
@@ -113,7 +113,7 @@ class RulesTier:
         """
         try:
             if path is None:
-                text = resources.files("trainguard.detectors.predictor").joinpath("rules.json").read_text()
+                text = resources.files("trainguard.predictor").joinpath("rules.json").read_text()
                 where = "rules.json (shipped)"
             else:
                 text, where = Path(path).read_text(), str(path)

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from trainguard.detectors.predictor.catalog import BY_NAME, MetricKind
-from trainguard.detectors.predictor.errors import DataFormatError, FeatureMismatchError
-from trainguard.detectors.predictor.table import MetricTable
+from trainguard.predictor.catalog import BY_NAME, MetricKind
+from trainguard.predictor.errors import DataFormatError, FeatureMismatchError
+from trainguard.predictor.table import MetricTable
 
 #: Fewest reporting nodes at an interval for peer z-scores to be computed (else they are missing).
 MIN_PEERS = 3

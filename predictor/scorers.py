@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from trainguard.detectors.predictor.errors import ModelFileError
+from trainguard.predictor.errors import ModelFileError
 
 Contribution = tuple[str, float]
 
