@@ -3,15 +3,20 @@
 A node's sample is a flat ``dict[str, float]``. Counters are cumulative (monotone except at a reset, e.g. a
 driver reload): features use their rate. Gauges are levels: features use the level, its drift and its slope.
 The names below are the contract between the detectors (which produce them, summed or maxed over a node's
-devices as noted) and the predictor. A column whose name is not here is not used by the learned tier (it is
-reported as ignored, see :func:`split_known`), but the rules tier may still read it (e.g. ``gpu_xid_79_total``).
+devices as noted) and the predictor. Any other numeric column is accepted too (:func:`classify_columns`):
+declared a counter or gauge by the user, or taken as a counter when its name says so (``*_total``,
+``*_count``) or its values never fall (except at rare resets), else as a gauge. Columns only the rules tier
+reads (``gpu_xid_79_total``, ``nic_up``...) are left to it.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+import fnmatch
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 
 class MetricKind(enum.Enum):
@@ -79,3 +84,94 @@ def split_known(names: Iterable[str]) -> tuple[list[str], list[str]]:
     known = [m.name for m in CATALOG if m.name in present]
     unknown = [n for n in given if n not in BY_NAME]
     return known, unknown
+
+
+#: Name endings that mark a cumulative counter (Prometheus naming).
+COUNTER_SUFFIXES = ("_total", "_count", "_counter")
+#: Share of a column's consecutive per-node steps that may fall (counter resets) for it to be taken as a counter.
+COUNTER_MAX_DROP_SHARE = 0.01
+
+
+@dataclass(frozen=True)
+class ColumnKind:
+    """How one column of a metrics table is used.
+
+    Attributes:
+        name: column name.
+        kind: counter, gauge, or None when the learned tier does not use it.
+        reason: why (``catalog``, ``declared``, ``name``, ``values``, ``rules tier``, ``no values``).
+    """
+
+    name: str
+    kind: MetricKind | None
+    reason: str
+
+
+def looks_like_counter(steps: np.ndarray) -> bool:
+    """Whether consecutive per-node steps of a column look like a cumulative counter.
+
+    Args:
+        steps: finite differences between consecutive samples of one node (all nodes concatenated).
+
+    Returns:
+        True when it rises at least once and falls in at most :data:`COUNTER_MAX_DROP_SHARE` of the steps
+        (a fall is a reset, e.g. a driver reload).
+    """
+    steps = steps[np.isfinite(steps)]
+    if len(steps) < 10:
+        return False
+    return bool((steps > 0).any() and (steps < 0).mean() <= COUNTER_MAX_DROP_SHARE)
+
+
+def classify_columns(
+    columns: Sequence[str], node_steps: dict[str, np.ndarray] | None = None,
+    counters: Iterable[str] = (), gauges: Iterable[str] = (), rule_patterns: Iterable[str] = (),
+) -> list[ColumnKind]:
+    """Decides how each metric column is used by the learned tier.
+
+    Order of precedence: declared (``counters``/``gauges``), the catalog, a column the rules tier reads
+    (unused by the learned tier unless declared), the name (``*_total``...), the values (never falling:
+    counter), else gauge.
+
+    Args:
+        columns: metric column names (reserved columns are skipped).
+        node_steps: column -> consecutive per-node differences (for value-based detection); None skips it.
+        counters: names declared counters.
+        gauges: names declared gauges.
+        rule_patterns: metric name patterns the rules tier reads.
+
+    Returns:
+        One :class:`ColumnKind` per metric column, in input order.
+
+    Raises:
+        ValueError: a name is declared both a counter and a gauge, or declared but not a column.
+    """
+    counters, gauges = set(counters), set(gauges)
+    both = sorted(counters & gauges)
+    if both:
+        raise ValueError(f"{both} declared both a counter and a gauge; give each name once")
+    absent = sorted((counters | gauges) - set(columns))
+    if absent:
+        raise ValueError(f"declared column(s) {absent} are not in the data; check --counter/--gauge")
+    patterns = list(rule_patterns)
+    out: list[ColumnKind] = []
+    for name in columns:
+        if name in RESERVED_COLUMNS:
+            continue
+        if name in counters:
+            out.append(ColumnKind(name, MetricKind.COUNTER, "declared"))
+        elif name in gauges:
+            out.append(ColumnKind(name, MetricKind.GAUGE, "declared"))
+        elif name in BY_NAME:
+            out.append(ColumnKind(name, BY_NAME[name].kind, "catalog"))
+        elif any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            out.append(ColumnKind(name, None, "rules tier"))
+        elif name.endswith(COUNTER_SUFFIXES):
+            out.append(ColumnKind(name, MetricKind.COUNTER, "name"))
+        elif node_steps is not None and name in node_steps and looks_like_counter(node_steps[name]):
+            out.append(ColumnKind(name, MetricKind.COUNTER, "values"))
+        elif node_steps is not None and name in node_steps and not np.isfinite(node_steps[name]).any():
+            out.append(ColumnKind(name, None, "no values"))
+        else:
+            out.append(ColumnKind(name, MetricKind.GAUGE, "values" if node_steps is not None else "default"))
+    return out

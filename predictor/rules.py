@@ -98,6 +98,11 @@ class RulesTier:
         self._watched_names: list[str] = []
         self._names_of: dict[str, list[str]] = {}
 
+    @property
+    def watched_patterns(self) -> list[str]:
+        """Metric name patterns the rules read (the learned tier leaves these columns to the rules)."""
+        return list(self._watched)
+
     @classmethod
     def load(cls, path: str | Path | None = None) -> "RulesTier":
         """Loads and validates a rules file.

@@ -68,13 +68,15 @@ def test_errors_are_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("trainguard: error:") and "missing column" in err and "\n" not in err
     unknown = tmp_path / "unknown.csv"
-    unknown.write_text("timestamp,node,frobs\n" + "".join(f"{i},a,{i}\n" for i in range(200)))
+    unknown.write_text("timestamp,node,frobs\n" + "".join(f"{i},a,\n" for i in range(200)))
     assert main(["predictor", "train", "--metrics", str(unknown), "--out", str(tmp_path / "m.json")]) == 2
     assert "none of the columns" in capsys.readouterr().err
     wrong_rate = tmp_path / "wrong.csv"
     wrong_rate.write_text("timestamp,node,gpu_temp_c\n" + "".join(f"{60 * i},a,50\n" for i in range(200)))
-    assert main(["predictor", "train", "--metrics", str(wrong_rate), "--out", str(tmp_path / "m.json")]) == 2
-    assert "sampled every 60 s but the features assume 5 s" in capsys.readouterr().err
+    assert main(["predictor", "train", "--metrics", str(wrong_rate), "--out", str(tmp_path / "m.json"),
+                 "--interval", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "sampled every 60 s but the features assume 5 s" in err and "--resample 5" in err and "--interval 60" in err
     notmodel = tmp_path / "model.json"
     notmodel.write_text("{}")
     assert main(["predictor", "score", "--model", str(notmodel), "--metrics", str(unknown)]) == 2
