@@ -106,7 +106,7 @@ class FeatureConfig:
     @property
     def self_min_rows(self) -> int:
         """Rows a node's own baseline needs before its ``_z`` features are reported (else missing)."""
-        return int(max(10, round(self.short_window_s / self.interval_s)))
+        return int(max(10, round(self.short_window_s / self.interval_s), round(self.self_window_s / self.interval_s / 3)))
 
     @property
     def self_alpha(self) -> float:
@@ -301,8 +301,9 @@ def node_features(
     return np.hstack(cols)
 
 
-#: Self z-scores are clipped to +-this (a counter at rest that fires once would otherwise be 1e6).
-SELF_Z_CLIP = 50.0
+#: Self z-scores are clipped to +-this (a counter at rest that fires once would otherwise be 1e6). Far above
+#: any real deviation, so large anomalies stay ordered (a tail of tied maxima could never be calibrated).
+SELF_Z_CLIP = 1e4
 #: Mean absolute deviation -> standard deviation for a normal distribution.
 _MAD_TO_SD = 1.2533
 
