@@ -38,6 +38,7 @@ ROOTS = {
     "trainguard": "trainguard",
     "agent": "trainguard.agent",
     "detectors": "trainguard.detectors",
+    "predictor": "trainguard.predictor",
     "checkpoint": "trainguard.checkpoint",
     "recovery": "trainguard.recovery",
     "proto": "trainguard.proto",

@@ -735,8 +735,8 @@ class NodeAgent:
             TrainguardError: the model or history file is unusable (named in the message).
         """
         from trainguard.agent.predictor_feed import PredictorMonitor
-        from trainguard.detectors.predictor.history import MetricHistory
-        from trainguard.detectors.predictor.runtime import PredictorRuntime
+        from trainguard.predictor.history import MetricHistory
+        from trainguard.predictor.runtime import PredictorRuntime
 
         history = MetricHistory(history_path) if history_path else None
         self._predictor_interval_s = interval_s

@@ -2,7 +2,7 @@
 
 The detectors name their metrics ``"<detector>.<metric>"`` with per-device values in brackets
 (``"pcie.aer_correctable[0000:3b:00.0]"``); the predictor knows the catalog names of
-:mod:`trainguard.detectors.predictor.catalog` (``pcie_aer_corrected_total``...) and the rule names of its
+:mod:`trainguard.predictor.catalog` (``pcie_aer_corrected_total``...) and the rule names of its
 ``rules.json`` (``gpu_xid_79_total``, ``pcie_aer_fatal_total``, ``pcie_link_width``, ``nic_up``). Three kinds of
 translation, each a module-level table:
 
@@ -21,8 +21,8 @@ handles that): ``gpu_row_remap_pending`` (NVML pending remaps are a condition, n
 ``pcie_replay_total`` (no PCIe replay counter is read) and ``nic_fec_corrected_total`` (no FEC counter is read).
 Detector metrics without a counterpart are dropped.
 
-:class:`PredictorMonitor` embeds all of it with a :class:`~trainguard.detectors.predictor.runtime.PredictorRuntime`
-and an optional :class:`~trainguard.detectors.predictor.history.MetricHistory`: one ``tick()`` per interval
+:class:`PredictorMonitor` embeds all of it with a :class:`~trainguard.predictor.runtime.PredictorRuntime`
+and an optional :class:`~trainguard.predictor.history.MetricHistory`: one ``tick()`` per interval
 maps, stores, scores and calls back on alarms.
 """
 
@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING
 
 from trainguard.detectors.events import HealthEvent
 from trainguard.detectors.nvidia import BAD_THROTTLE_REASONS
-from trainguard.detectors.predictor.catalog import BY_NAME
-from trainguard.detectors.predictor.runtime import PredictorRuntime, Score
+from trainguard.predictor.catalog import BY_NAME
+from trainguard.predictor.runtime import PredictorRuntime, Score
 
 if TYPE_CHECKING:
-    from trainguard.detectors.predictor.history import MetricHistory
+    from trainguard.predictor.history import MetricHistory
 
 log = logging.getLogger(__name__)
 

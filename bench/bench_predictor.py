@@ -1,6 +1,6 @@
 """Benchmark of the anomaly predictor: event recall at a false-alarm budget, lead times, cost, model size.
 
-A synthetic fleet (:mod:`trainguard.detectors.predictor.tracegen`: StepFun's fault mix, precursors from the
+A synthetic fleet (:mod:`trainguard.predictor.tracegen`: StepFun's fault mix, precursors from the
 literature, decoys) is split by node into two halves and by time at ``--fit-frac`` of the span. For each
 fold, a model is fitted on one half's early period, its threshold calibrated on that half's late period
 (budget: ``--budget`` false alarms per 100 node-days), and it is evaluated on the *other* half's late period:
@@ -27,16 +27,16 @@ import time
 
 import numpy as np
 
-from trainguard.detectors.predictor.catalog import split_known
-from trainguard.detectors.predictor.evaluation import (
+from trainguard.predictor.catalog import split_known
+from trainguard.predictor.evaluation import (
     EvalConfig, EventReport, calibrate_threshold, evaluate_events, failures_by_node, labels_for,
 )
-from trainguard.detectors.predictor.features import FeatureConfig, FeatureSpec, table_features
-from trainguard.detectors.predictor.model import PredictorModel
-from trainguard.detectors.predictor.runtime import PredictorRuntime
-from trainguard.detectors.predictor.scorers import Scorer
-from trainguard.detectors.predictor.tracegen import TraceConfig, generate, stepfun_summary
-from trainguard.detectors.predictor.training import TrainConfig, fit_scorer
+from trainguard.predictor.features import FeatureConfig, FeatureSpec, table_features
+from trainguard.predictor.model import PredictorModel
+from trainguard.predictor.runtime import PredictorRuntime
+from trainguard.predictor.scorers import Scorer
+from trainguard.predictor.tracegen import TraceConfig, generate, stepfun_summary
+from trainguard.predictor.training import TrainConfig, fit_scorer
 
 
 class _IForest(Scorer):

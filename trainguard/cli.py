@@ -26,7 +26,7 @@ SUBSYSTEM_CLIS: tuple[str, ...] = (
     "trainguard.recovery.cli",
     "trainguard.checkpoint.cli",
     "trainguard.detectors.cli",
-    "trainguard.detectors.predictor.cli",
+    "trainguard.predictor.cli",
     "trainguard.drill_cli",
 )
 

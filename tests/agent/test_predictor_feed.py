@@ -23,9 +23,9 @@ from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.kmsg import KmsgConfig, KmsgDetector
 from trainguard.detectors.nvidia import GpuReading, NvidiaConfig, NvidiaDetector
 from trainguard.detectors.pcie import PcieConfig, PcieDetector
-from trainguard.detectors.predictor.catalog import BY_NAME
-from trainguard.detectors.predictor.history import MetricHistory
-from trainguard.detectors.predictor.runtime import PredictorRuntime
+from trainguard.predictor.catalog import BY_NAME
+from trainguard.predictor.history import MetricHistory
+from trainguard.predictor.runtime import PredictorRuntime
 from trainguard.detectors.roce import RoceConfig, RoceDetector
 from trainguard.detectors.runner import DetectorRunner
 from trainguard.drill.fakehw import write_pci_device
@@ -378,10 +378,10 @@ def test_bad_ticks_never_raise_and_are_logged_once(tmp_path, caplog):
 
 def _train(columns, seed=0):
     """A robust-z model on 3 h of one healthy node at 5 s (peer features off, as on a lone agent)."""
-    from trainguard.detectors.predictor.evaluation import EvalConfig
-    from trainguard.detectors.predictor.features import FeatureConfig
-    from trainguard.detectors.predictor.table import MetricTable
-    from trainguard.detectors.predictor.training import TrainConfig, train
+    from trainguard.predictor.evaluation import EvalConfig
+    from trainguard.predictor.features import FeatureConfig
+    from trainguard.predictor.table import MetricTable
+    from trainguard.predictor.training import TrainConfig, train
 
     rng = np.random.default_rng(seed)
     n = 3 * 720
@@ -397,7 +397,9 @@ def _train(columns, seed=0):
                         np.column_stack(cols))
     cfg = TrainConfig(method="robust-z", features=FeatureConfig(interval_s=5.0, short_window_s=60.0,
                                                                 long_window_s=300.0, peer=False),
-                      evaluation=EvalConfig())
+                      evaluation=EvalConfig(), online_calibration=False)
+    # the fleet threshold: these tests are about the agent's metric mapping within minutes, and a node's own
+    # online threshold needs a day of history first (tests/predictor/test_predictor_calibration.py)
     return train(table, None, cfg)
 
 

@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from trainguard.detectors.predictor.catalog import CATALOG, MetricKind
-from trainguard.detectors.predictor.errors import DataFormatError
-from trainguard.detectors.predictor.table import EventTable, MetricTable
+from trainguard.predictor.catalog import CATALOG, MetricKind
+from trainguard.predictor.errors import DataFormatError
+from trainguard.predictor.table import EventTable, MetricTable
 
 #: Trace location relative to the repository root.
 DEFAULT_TRACE_REL = Path("..") / "shared" / "data" / "stepfun-fault-trace"
@@ -56,9 +56,14 @@ STEPFUN_FAULTS, STEPFUN_SERVERS, STEPFUN_DAYS = 584, 400, 348.98
 
 
 def default_trace_dir() -> Path:
-    """``<repo root>/../shared/data/stepfun-fault-trace`` (the repo root holds ``detectors/``)."""
-    repo = Path(__file__).resolve().parents[2]
-    return (repo / DEFAULT_TRACE_REL).resolve()
+    """The nearest ``shared/data/stepfun-fault-trace`` above the repository root (``<root>/../shared`` in a
+    checkout, ``<root>/../../shared`` in a worktree under ``wt/``); the first candidate when none exists."""
+    repo = Path(__file__).resolve().parents[1]  # the repo root holds ``predictor/``
+    candidates = [(parent / DEFAULT_TRACE_REL.relative_to("..")).resolve() for parent in repo.parents]
+    for cand in candidates:
+        if (cand / "fault_trace.json").is_file():
+            return cand
+    return candidates[0]
 
 
 @dataclass(frozen=True)

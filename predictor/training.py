@@ -22,17 +22,18 @@ from typing import Any
 import numpy as np
 
 from trainguard._version import __version__
-from trainguard.detectors.predictor.catalog import split_known
-from trainguard.detectors.predictor.errors import FeatureMismatchError, InsufficientDataError, PredictorError
-from trainguard.detectors.predictor.evaluation import (
+from trainguard.predictor.calibration import CalibrationConfig
+from trainguard.predictor.catalog import ColumnKind, classify_columns
+from trainguard.predictor.errors import DataFormatError, FeatureMismatchError, InsufficientDataError, PredictorError
+from trainguard.predictor.evaluation import (
     EvalConfig, calibrate_threshold, failures_by_node, labels_for, node_days,
 )
-from trainguard.detectors.predictor.features import (
+from trainguard.predictor.features import (
     FeatureConfig, FeatureFrame, FeatureSpec, check_interval, table_features,
 )
-from trainguard.detectors.predictor.model import PredictorModel
-from trainguard.detectors.predictor.scorers import RobustZScorer, Scorer, ThresholdScorer, TreeEnsembleScorer
-from trainguard.detectors.predictor.table import EventTable, MetricTable
+from trainguard.predictor.model import PredictorModel
+from trainguard.predictor.scorers import RobustZScorer, Scorer, ThresholdScorer, TreeEnsembleScorer
+from trainguard.predictor.table import EventTable, MetricTable
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,17 @@ class TrainConfig:
         threads: OpenMP threads scikit-learn may use while fitting (default 1).
         exclude_early: leave rows ``H..early_s`` before a failure out of the fit (default False; on the
             benchmark fleet keeping them as negatives gave the better recall at the budget).
+        counters: column names declared counters (else detected, see :func:`~.catalog.classify_columns`).
+        gauges: column names declared gauges.
+        online_calibration: each node fits its own threshold online to the budget (default True; see
+            :mod:`.calibration`); False: the fleet threshold calibrated here is used on every node.
+
+    ``features`` None derives the interval from the data (median spacing) and the windows from it
+    (:meth:`FeatureConfig.for_data`).
     """
 
     method: str = "auto"
-    features: FeatureConfig = field(default_factory=FeatureConfig)
+    features: FeatureConfig | None = field(default_factory=FeatureConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     calib_fraction: float = 0.25
     min_failures: int = 5
@@ -73,6 +81,9 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1
     exclude_early: bool = False
+    counters: tuple[str, ...] = ()
+    gauges: tuple[str, ...] = ()
+    online_calibration: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -150,17 +161,24 @@ def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = Tr
         DataFormatError: the data is not sampled at ``cfg.features.interval_s``.
     """
     t0 = time.monotonic()
-    known, unknown = split_known(metrics.columns)
-    if not known:
-        raise FeatureMismatchError(
-            f"none of the columns {metrics.columns[:8]} is a metric the predictor knows; see "
-            "trainguard.detectors.predictor.catalog for the names"
-        )
-    if unknown:
-        log.info("ignoring %d column(s) the learned tier does not know: %s", len(unknown), unknown)
     if len(metrics.ts) < 100:
         raise InsufficientDataError(f"only {len(metrics.ts)} samples; train on at least a few hours of history")
-    spec = FeatureSpec(tuple(known), cfg.features)
+    taken = column_kinds(metrics, cfg.counters, cfg.gauges)
+    used = [c for c in taken if c.kind is not None]
+    unknown = [c.name for c in taken if c.kind is None]
+    if not used:
+        raise FeatureMismatchError(
+            f"none of the columns {metrics.columns[:8]} holds numbers the learned tier can use; "
+            "`trainguard predictor metrics --metrics FILE` shows what each column was taken as"
+        )
+    if unknown:
+        log.info("leaving %d column(s) to the rules tier or without values: %s", len(unknown), unknown)
+    features = cfg.features
+    if features is None:
+        step = metrics.median_interval() or 60.0
+        features = FeatureConfig.for_data(step, float(metrics.ts.max() - metrics.ts.min()))
+    spec = FeatureSpec(tuple(c.name for c in used), features, tuple(c.kind.value for c in used if c.kind))
+    known = list(spec.metrics)
     check_interval(metrics, spec.config.interval_s)
     frame = table_features(metrics, spec)
     events = events if events is not None else EventTable.empty()
@@ -186,10 +204,31 @@ def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = Tr
         "time_range": [t_lo, t_hi], "split_time": split, "failures_total": int(len(events)),
         "failures_fit_period": fit_failures, "positive_rows": int((y[fit_rows] == 1).sum()),
         "metrics": list(known), "ignored_columns": list(unknown), "calibration": report.summary(),
+        "column_kinds": {c.name: (c.kind.value if c.kind else None, c.reason) for c in taken},
         "train_config": {k: v for k, v in asdict(cfg).items() if k not in ("features", "evaluation")},
         "train_seconds": round(time.monotonic() - t0, 2),
     }
-    return PredictorModel(spec, scorer, threshold, cfg.evaluation, summary)
+    calibration = None
+    if cfg.online_calibration:
+        calibration = CalibrationConfig.for_interval(
+            spec.config.interval_s, cfg.evaluation.budget_per_100_node_days / 100.0)
+    return PredictorModel(spec, scorer, threshold, cfg.evaluation, summary, calibration)
+
+
+def column_kinds(metrics: MetricTable, counters: tuple[str, ...] = (), gauges: tuple[str, ...] = ()) -> list[ColumnKind]:
+    """How each column of a table is used (declared, catalog, rules tier, name or values; see
+    :func:`~.catalog.classify_columns`).
+
+    Raises:
+        DataFormatError: a declared name is not a column, or is declared twice.
+    """
+    from trainguard.predictor.rules import RulesTier
+
+    try:
+        return classify_columns(metrics.columns, metrics.column_steps(), counters, gauges,
+                                RulesTier.load().watched_patterns)
+    except ValueError as exc:
+        raise DataFormatError(str(exc)) from exc
 
 
 def score_table(model: PredictorModel, metrics: MetricTable, missing: str = "error") -> tuple[FeatureFrame, np.ndarray]:

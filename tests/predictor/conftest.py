@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.detectors.predictor.tracegen import TraceConfig, default_trace_dir
+from trainguard.predictor.tracegen import TraceConfig, default_trace_dir
 
 
 def _trace_available() -> bool:
@@ -24,7 +24,7 @@ def small_trace():
     """12 nodes x 2 days at 60 s with an accelerated StepFun fault mix."""
     if not _trace_available():
         pytest.skip(f"StepFun fault trace absent at {default_trace_dir()}")
-    from trainguard.detectors.predictor.tracegen import generate
+    from trainguard.predictor.tracegen import generate
 
     return generate(SMALL)
 
@@ -32,9 +32,9 @@ def small_trace():
 @pytest.fixture(scope="session")
 def hgb_model(small_trace):
     """A supervised model trained on the small trace (peer features off, as on a lone agent)."""
-    from trainguard.detectors.predictor.evaluation import EvalConfig
-    from trainguard.detectors.predictor.features import FeatureConfig
-    from trainguard.detectors.predictor.training import TrainConfig, train
+    from trainguard.predictor.evaluation import EvalConfig
+    from trainguard.predictor.features import FeatureConfig
+    from trainguard.predictor.training import TrainConfig, train
 
     cfg = TrainConfig(method="hgb", features=FeatureConfig(interval_s=60.0, peer=False), evaluation=EvalConfig(),
                       max_iter=40, min_failures=1)

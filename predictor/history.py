@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainguard.detectors.predictor.errors import HistoryError
-from trainguard.detectors.predictor.table import EventTable, MetricTable
+from trainguard.predictor.errors import HistoryError
+from trainguard.predictor.table import EventTable, MetricTable
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

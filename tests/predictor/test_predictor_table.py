@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from trainguard.detectors.predictor.errors import DataFormatError
-from trainguard.detectors.predictor.table import EventTable, MetricTable
+from trainguard.predictor.errors import DataFormatError
+from trainguard.predictor.table import EventTable, MetricTable
 
 
 def _write(tmp_path, text, name="m.csv"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainguard.detectors.predictor.errors import DataFormatError, FeatureMismatchError
-from trainguard.detectors.predictor.runtime import PredictorRuntime
+from trainguard.predictor.errors import DataFormatError, FeatureMismatchError
+from trainguard.predictor.runtime import PredictorRuntime
 
 
 def _sample(trace, i):
@@ -52,9 +52,9 @@ def test_bad_samples_are_refused(hgb_model, small_trace):
 
 
 def test_single_node_observe_on_a_peer_model_says_it_is_degraded(small_trace):
-    from trainguard.detectors.predictor.evaluation import EvalConfig
-    from trainguard.detectors.predictor.features import FeatureConfig
-    from trainguard.detectors.predictor.training import TrainConfig, train
+    from trainguard.predictor.evaluation import EvalConfig
+    from trainguard.predictor.features import FeatureConfig
+    from trainguard.predictor.training import TrainConfig, train
 
     sub = small_trace.metrics.select_rows(small_trace.metrics.ts < small_trace.metrics.ts.min() + 12 * 3600)
     model = train(sub, None, TrainConfig(features=FeatureConfig(interval_s=60.0), evaluation=EvalConfig()))
@@ -65,7 +65,7 @@ def test_single_node_observe_on_a_peer_model_says_it_is_degraded(small_trace):
 
 
 def test_alarms_come_with_evidence_and_precursors_score_higher(hgb_model, small_trace):
-    from trainguard.detectors.predictor.training import score_table
+    from trainguard.predictor.training import score_table
 
     frame, score = score_table(hgb_model, small_trace.metrics)
     nd = frame.node.astype(str)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from trainguard.cli import main
-from trainguard.detectors.predictor.tracegen import default_trace_dir
+from trainguard.predictor.tracegen import default_trace_dir
 
 needs_trace = pytest.mark.skipif(
     not (default_trace_dir() / "fault_trace.json").is_file(),
@@ -50,7 +50,7 @@ def test_end_to_end(tmp_path, capsys):
 
 
 def test_export_from_history(tmp_path, capsys):
-    from trainguard.detectors.predictor.history import MetricHistory
+    from trainguard.predictor.history import MetricHistory
 
     with MetricHistory(tmp_path / "h.sqlite") as h:
         h.append(1.0, "n", {"gpu_temp_c": 50.0})
@@ -68,13 +68,15 @@ def test_errors_are_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("trainguard: error:") and "missing column" in err and "\n" not in err
     unknown = tmp_path / "unknown.csv"
-    unknown.write_text("timestamp,node,frobs\n" + "".join(f"{i},a,{i}\n" for i in range(200)))
+    unknown.write_text("timestamp,node,frobs\n" + "".join(f"{i},a,\n" for i in range(200)))
     assert main(["predictor", "train", "--metrics", str(unknown), "--out", str(tmp_path / "m.json")]) == 2
     assert "none of the columns" in capsys.readouterr().err
     wrong_rate = tmp_path / "wrong.csv"
     wrong_rate.write_text("timestamp,node,gpu_temp_c\n" + "".join(f"{60 * i},a,50\n" for i in range(200)))
-    assert main(["predictor", "train", "--metrics", str(wrong_rate), "--out", str(tmp_path / "m.json")]) == 2
-    assert "sampled every 60 s but the features assume 5 s" in capsys.readouterr().err
+    assert main(["predictor", "train", "--metrics", str(wrong_rate), "--out", str(tmp_path / "m.json"),
+                 "--interval", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "sampled every 60 s but the features assume 5 s" in err and "--resample 5" in err and "--interval 60" in err
     notmodel = tmp_path / "model.json"
     notmodel.write_text("{}")
     assert main(["predictor", "score", "--model", str(notmodel), "--metrics", str(unknown)]) == 2
@@ -87,7 +89,7 @@ def test_console_script_help_is_fast_and_lists_commands():
     assert out.returncode == 0
     for cmd in ("train", "eval", "score", "export", "gen-trace"):
         assert cmd in out.stdout
-    probe = subprocess.run([sys.executable, "-c", "import sys, trainguard.detectors.predictor.cli, "
-                            "trainguard.detectors.predictor; print('sklearn' in sys.modules)"],
+    probe = subprocess.run([sys.executable, "-c", "import sys, trainguard.predictor.cli, "
+                            "trainguard.predictor; print('sklearn' in sys.modules)"],
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "False"

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.predictor.errors import RuleFileError
-from trainguard.detectors.predictor.rules import RulesTier
+from trainguard.predictor.errors import RuleFileError
+from trainguard.predictor.rules import RulesTier
 
 HEALTHY = {
     **{f"gpu_xid_{n}_total": 0.0 for n in (48, 63, 64, 74, 79, 95, 119, 120, 140)},

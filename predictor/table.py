@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainguard.detectors.predictor.catalog import RESERVED_COLUMNS
-from trainguard.detectors.predictor.errors import DataFormatError
+from trainguard.predictor.catalog import RESERVED_COLUMNS
+from trainguard.predictor.errors import DataFormatError
 
 
 def _parse_time(text: str, where: str) -> float:
@@ -161,6 +161,72 @@ class MetricTable:
             step = float(np.median(np.diff(s.ts))) if len(s.ts) > 1 else 0.0
             total += float(s.ts[-1] - s.ts[0]) + step
         return total / 86400.0
+
+    def column_steps(self) -> dict[str, np.ndarray]:
+        """Per column, the differences between consecutive samples of each node (nodes concatenated; NaN
+        where a cell is missing): the evidence :func:`~.catalog.classify_columns` reads counters from."""
+        parts: list[np.ndarray] = [np.diff(s.values, axis=0) for s in self.per_node() if len(s.ts) > 1]
+        steps = np.vstack(parts) if parts else np.zeros((0, len(self.columns)))
+        return {c: steps[:, i] for i, c in enumerate(self.columns)}
+
+    def median_interval(self) -> float | None:
+        """Median spacing between consecutive samples of a node, seconds (None with fewer than two samples)."""
+        gaps = [np.diff(s.ts) for s in self.per_node() if len(s.ts) > 1]
+        return float(np.median(np.concatenate(gaps))) if gaps else None
+
+    def resample(self, interval_s: float, counters: set[str] | frozenset[str] = frozenset()) -> "MetricTable":
+        """Brings every node onto a regular grid of ``interval_s`` seconds.
+
+        A bin ``[k*i, (k+1)*i)`` becomes one row stamped at its end ``(k+1)*i`` (the time its values are all
+        known, so no row looks into its future). Gauges take the mean of the bin's values, counters (and any
+        column in ``counters``) the last value; a bin with no sample of a node has no row (a gap stays a gap);
+        a cell missing in every sample of a bin stays missing.
+
+        Args:
+            interval_s: grid spacing, seconds (> 0).
+            counters: columns to treat as counters (last value).
+
+        Returns:
+            A new table.
+
+        Raises:
+            DataFormatError: ``interval_s`` is not positive.
+        """
+        if not interval_s > 0:
+            raise DataFormatError(f"--resample {interval_s!r}: the interval must be a positive number of seconds")
+        is_counter = np.array([c in counters for c in self.columns], dtype=bool)
+        ts_out: list[np.ndarray] = []
+        node_out: list[np.ndarray] = []
+        job_out: list[np.ndarray] = []
+        val_out: list[np.ndarray] = []
+        for s in self.per_node():
+            b = np.floor(s.ts / interval_s).astype(np.int64)
+            starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
+            ends = np.r_[starts[1:], len(b)]
+            v = s.values
+            valid = ~np.isnan(v)
+            sums = np.add.reduceat(np.where(valid, v, 0.0), starts, axis=0) if len(b) else v[:0]
+            counts = np.add.reduceat(valid.astype(np.float64), starts, axis=0) if len(b) else v[:0]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                mean = sums / counts
+            # last valid value in each bin: forward-fill inside the node, then take the bin's last row, and blank
+            # bins that had no valid value of their own
+            idx = np.where(valid, np.arange(len(b))[:, None], -1)
+            np.maximum.accumulate(idx, axis=0, out=idx)
+            last_idx = idx[ends - 1]
+            own = last_idx >= starts[:, None]
+            last = np.where(own, v[np.maximum(last_idx, 0), np.arange(v.shape[1])[None, :]], np.nan)
+            out = np.where(is_counter[None, :], last, mean)
+            ts_out.append((b[starts] + 1).astype(np.float64) * interval_s)
+            node_out.append(np.full(len(starts), s.node, dtype=object))
+            job_out.append(np.full(len(starts), s.job, dtype=object))
+            val_out.append(out)
+        if not ts_out:
+            return self.select_rows(np.zeros(len(self.ts), dtype=bool))
+        return MetricTable(
+            list(self.columns), np.concatenate(ts_out), np.concatenate(node_out), np.vstack(val_out),
+            None if self.job is None else np.concatenate(job_out),
+        )
 
     @classmethod
     def from_csv(cls, path: str | Path) -> "MetricTable":

@@ -14,7 +14,7 @@ millisecond. :mod:`.tracegen` synthesises fault traces that follow StepFun's pub
 Importing this package is cheap; scikit-learn is imported only by training code.
 """
 
-from trainguard.detectors.predictor.errors import (
+from trainguard.predictor.errors import (
     DataFormatError,
     FeatureMismatchError,
     HistoryError,

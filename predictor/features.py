@@ -7,7 +7,13 @@ mean minus long mean) and ``slope_l`` (change per minute between the two halves 
 metric, ``peer_z``: the node's robust z-score against the other nodes of its job at the same interval (on
 ``rate_s`` for counters, ``level`` for gauges; missing when fewer than :data:`MIN_PEERS` nodes report). And
 telemetry health: ``gap_s`` (seconds since the previous sample), ``coverage_l`` (samples present over samples
-expected in the long window) and ``nan_frac_l`` (fraction of missing cells in the long window).
+expected in the long window) and ``nan_frac_l`` (fraction of missing cells in the long window). These three
+are missing-data features: a gap is reported as a gap, and the unsupervised scorers leave them out of the
+anomaly score (a long gap must not pin the score at its maximum).
+
+Metrics are the catalog's or any numeric column (:func:`~.catalog.classify_columns`), each a counter or a
+gauge. Window sizes default to values derived from the sampling interval and the history length
+(:meth:`FeatureConfig.for_data`: minutes to a day), not fixed minutes.
 
 Missing cells are forward-filled per metric (a value never seen stays NaN, which the models treat as
 missing). Windows look back in time (seconds), not in rows, so gaps shorten them instead of stretching them.
@@ -23,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from trainguard.detectors.predictor.catalog import BY_NAME, MetricKind
-from trainguard.detectors.predictor.errors import DataFormatError, FeatureMismatchError
-from trainguard.detectors.predictor.table import MetricTable
+from trainguard.predictor.catalog import BY_NAME, MetricKind
+from trainguard.predictor.errors import DataFormatError, FeatureMismatchError
+from trainguard.predictor.table import MetricTable
 
 #: Fewest reporting nodes at an interval for peer z-scores to be computed (else they are missing).
 MIN_PEERS = 3
@@ -46,19 +52,66 @@ class FeatureConfig:
         short_window_s: short window, seconds (default 300).
         long_window_s: long window, seconds (default 1800); the online runtime keeps this much history.
         peer: compute peer z-scores (default True).
+        self_window_s: time constant of the node's own exponentially weighted baseline, seconds; each
+            counter rate and gauge level (and their short-window changes) also gets a ``_z`` feature: its
+            deviation from that baseline in units of the node's own typical deviation (0: off, the default of
+            models trained before it existed). Scale-free, so it transfers between nodes and fleets.
     """
 
     interval_s: float = 5.0
     short_window_s: float = 300.0
     long_window_s: float = 1800.0
     peer: bool = True
+    self_window_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (0 < self.interval_s <= self.short_window_s < self.long_window_s):
             raise DataFormatError(
-                "feature windows must satisfy 0 < interval_s <= short_window_s < long_window_s; "
-                f"got {self.interval_s}, {self.short_window_s}, {self.long_window_s}"
+                f"feature windows must satisfy 0 < --interval <= --short-window < --long-window; got "
+                f"{self.interval_s:g}, {self.short_window_s:g}, {self.long_window_s:g} s: pass --short-window "
+                f"{max(self.interval_s, 300.0) * 5:g} --long-window {max(self.interval_s, 300.0) * 30:g} or leave "
+                "both out to derive them from the interval"
             )
+
+    @classmethod
+    def for_data(
+        cls, interval_s: float, history_s: float, peer: bool = True, short_window_s: float | None = None,
+        long_window_s: float | None = None,
+    ) -> "FeatureConfig":
+        """Windows derived from the sampling interval and the history length (each may be given instead).
+
+        The short window spans at least 5 samples and 5 minutes; the long one 6 short windows and at least
+        30 minutes, up to a day, and at most a quarter of the history (so the fit sees many long windows).
+
+        Args:
+            interval_s: sampling interval, seconds.
+            history_s: time span of the history, seconds.
+            peer: compute peer z-scores.
+            short_window_s: short window, seconds (None: derived).
+            long_window_s: long window, seconds (None: derived).
+
+        Raises:
+            DataFormatError: the windows do not fit the interval (the message names the flags).
+        """
+        short = short_window_s if short_window_s is not None else max(5.0 * interval_s, 300.0)
+        if long_window_s is not None:
+            long = long_window_s
+        else:
+            long = min(max(6.0 * short, 1800.0), 86400.0)
+            if history_s > 0:
+                long = max(min(long, history_s / 4.0), 2.0 * short)
+        self_w = min(86400.0, max(2.0 * long, history_s / 8.0))
+        return cls(interval_s=interval_s, short_window_s=short, long_window_s=long, peer=peer, self_window_s=self_w)
+
+    @property
+    def self_min_rows(self) -> int:
+        """Rows a node's own baseline needs before its ``_z`` features are reported (else missing)."""
+        return int(max(10, round(self.short_window_s / self.interval_s), round(self.self_window_s / self.interval_s / 3)))
+
+    @property
+    def self_alpha(self) -> float:
+        """Weight of a new sample in the node's own baseline (one interval of ``self_window_s``)."""
+        return float(1.0 - np.exp(-self.interval_s / self.self_window_s)) if self.self_window_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -70,33 +123,45 @@ class FeatureSpec:
     """Which metrics feed the model and how: the exact feature list is derived from it.
 
     Attributes:
-        metrics: metric names (catalog names), in catalog order.
+        metrics: metric names.
         config: window sizes.
+        kinds: ``"counter"`` or ``"gauge"`` per metric; empty: the catalog's kinds (every metric must then
+            be a catalog name).
     """
 
     metrics: tuple[str, ...]
     config: FeatureConfig = field(default_factory=FeatureConfig)
+    kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.metrics if m not in BY_NAME]
-        if unknown:
-            raise FeatureMismatchError(f"metrics {unknown} are not in the predictor's catalog; drop them or add them")
         if not self.metrics:
-            raise FeatureMismatchError("no known metric to compute features from; the catalog lists the usable names")
+            raise FeatureMismatchError(
+                "no metric to compute features from; give numeric metric columns (`trainguard predictor metrics` "
+                "lists the catalog)"
+            )
+        if not self.kinds:
+            unknown = [m for m in self.metrics if m not in BY_NAME]
+            if unknown:
+                raise FeatureMismatchError(
+                    f"metrics {unknown} are not in the predictor's catalog; declare each a counter or a gauge"
+                )
+            object.__setattr__(self, "kinds", tuple(BY_NAME[m].kind.value for m in self.metrics))
+        if len(self.kinds) != len(self.metrics) or any(k not in ("counter", "gauge") for k in self.kinds):
+            raise FeatureMismatchError(f"feature spec kinds {self.kinds!r} must be 'counter' or 'gauge', one per metric")
 
     @cached_property
     def counters(self) -> list[int]:
         """Indexes (into ``metrics``) of counter metrics."""
-        return [i for i, m in enumerate(self.metrics) if BY_NAME[m].kind is MetricKind.COUNTER]
+        return [i for i, k in enumerate(self.kinds) if k == MetricKind.COUNTER.value]
 
     @cached_property
     def gauges(self) -> list[int]:
         """Indexes (into ``metrics``) of gauge metrics."""
-        return [i for i, m in enumerate(self.metrics) if BY_NAME[m].kind is MetricKind.GAUGE]
+        return [i for i, k in enumerate(self.kinds) if k == MetricKind.GAUGE.value]
 
     @cached_property
-    def node_feature_names(self) -> list[str]:
-        """Names of the per-node features, in :func:`node_features` column order."""
+    def window_feature_names(self) -> list[str]:
+        """Names of the windowed per-node features, in :func:`node_features` column order."""
         names: list[str] = []
         for i in self.counters:
             m = self.metrics[i]
@@ -105,6 +170,21 @@ class FeatureSpec:
             m = self.metrics[i]
             names += [f"{m}.level", f"{m}.drift", f"{m}.slope_l"]
         return names + list(TELEMETRY_FEATURES)
+
+    @cached_property
+    def self_source_columns(self) -> list[int]:
+        """Window features that get a ``_z`` against the node's own baseline (rate_s/accel, level/drift)."""
+        if self.config.self_window_s <= 0:
+            return []
+        n_c = len(self.counters)
+        return ([c for k in range(n_c) for c in (3 * k, 3 * k + 2)]
+                + [3 * n_c + c for k in range(len(self.gauges)) for c in (3 * k, 3 * k + 1)])
+
+    @cached_property
+    def node_feature_names(self) -> list[str]:
+        """Names of all per-node features: windowed ones, then the ``_z`` against the node's own baseline."""
+        w = self.window_feature_names
+        return w + [w[c] + "_z" for c in self.self_source_columns]
 
     @cached_property
     def peer_base_columns(self) -> list[int]:
@@ -122,12 +202,12 @@ class FeatureSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {"metrics": list(self.metrics), "config": self.config.to_dict()}
+        return {"metrics": list(self.metrics), "config": self.config.to_dict(), "kinds": list(self.kinds)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "FeatureSpec":
-        """Inverse of :meth:`to_dict`."""
-        return cls(tuple(d["metrics"]), FeatureConfig(**d["config"]))
+        """Inverse of :meth:`to_dict` (files without ``kinds`` take the catalog's)."""
+        return cls(tuple(d["metrics"]), FeatureConfig(**d["config"]), tuple(d.get("kinds", ())))
 
 
 def forward_fill(values: np.ndarray) -> np.ndarray:
@@ -168,7 +248,8 @@ def node_features(
         rows: which rows to return features for (default all); earlier rows still serve as history.
 
     Returns:
-        float64 array, shape (rows, len(spec.node_feature_names)).
+        float64 array, shape (rows, len(spec.window_feature_names)) (the ``_z`` features come from
+        :func:`self_z` on these).
     """
     cfg = spec.config
     n = len(ts)
@@ -218,6 +299,84 @@ def node_features(
     nan_l = (nf[i1] - nf[j_l]) / n_rows
     cols.append(np.column_stack([gap, coverage, nan_l]))
     return np.hstack(cols)
+
+
+#: Self z-scores are clipped to +-this (a counter at rest that fires once would otherwise be 1e6). Far above
+#: any real deviation, so large anomalies stay ordered (a tail of tied maxima could never be calibrated).
+SELF_Z_CLIP = 1e4
+#: Mean absolute deviation -> standard deviation for a normal distribution.
+_MAD_TO_SD = 1.2533
+
+
+def _self_floor(m: np.ndarray) -> np.ndarray:
+    return np.maximum(1e-3 * np.abs(m), 1e-6)
+
+
+def self_z(x: np.ndarray, alpha: float, min_rows: int) -> np.ndarray:
+    """Deviation of each row from the node's own exponentially weighted baseline (whole series at once).
+
+    Per column, with ``m`` the weighted mean and ``d`` the weighted mean absolute deviation of the rows
+    before: ``z = (x - m) / max(1.2533 d, floor)``, clipped to +-:data:`SELF_Z_CLIP`; missing for the first
+    ``min_rows`` valid rows of the column. Leading NaNs are skipped. :class:`SelfBaseline` does the same one
+    row at a time (online); the two agree to rounding.
+
+    Args:
+        x: features of one node in time order, shape (n, k).
+        alpha: weight of a new row.
+        min_rows: rows needed before a z is reported.
+
+    Returns:
+        shape (n, k).
+    """
+    from scipy.signal import lfilter
+
+    n, k = x.shape
+    out = np.full((n, k), np.nan)
+    b, a = [alpha], [1.0, -(1.0 - alpha)]
+    for j in range(k):
+        col = x[:, j]
+        valid = np.flatnonzero(~np.isnan(col))
+        if len(valid) < 2:
+            continue
+        s = int(valid[0])
+        v = np.nan_to_num(col[s:], nan=0.0)  # forward-filled inputs: NaN only before the first value
+        m = np.empty(len(v))
+        m[0] = v[0]
+        m[1:] = lfilter(b, a, v[1:], zi=[(1.0 - alpha) * v[0]])[0]
+        e = v[1:] - m[:-1]
+        d = np.zeros(len(v))
+        d[1:] = lfilter(b, a, np.abs(e), zi=[0.0])[0]
+        z = e / np.maximum(_MAD_TO_SD * d[:-1], _self_floor(m[:-1]))
+        z = np.clip(z, -SELF_Z_CLIP, SELF_Z_CLIP)
+        z[: max(0, min_rows - 1)] = np.nan
+        out[s + 1 :, j] = z
+    return out
+
+
+class SelfBaseline:
+    """One node's exponentially weighted baseline, updated a row at a time (the online :func:`self_z`)."""
+
+    def __init__(self, k: int, alpha: float, min_rows: int) -> None:
+        self.alpha, self.min_rows = alpha, min_rows
+        self.m = np.full(k, np.nan)
+        self.d = np.zeros(k)
+        self.n = np.zeros(k, dtype=np.int64)
+
+    def step(self, x: np.ndarray) -> np.ndarray:
+        """z of one row (see :func:`self_z`), then folds the row into the baseline."""
+        a = self.alpha
+        z = np.full(len(x), np.nan)
+        new = np.isnan(self.m) & ~np.isnan(x)
+        self.m[new], self.n[new] = x[new], 1
+        upd = ~new & ~np.isnan(self.m) & ~np.isnan(x)
+        e = x[upd] - self.m[upd]
+        zz = np.clip(e / np.maximum(_MAD_TO_SD * self.d[upd], _self_floor(self.m[upd])), -SELF_Z_CLIP, SELF_Z_CLIP)
+        zz[self.n[upd] < self.min_rows] = np.nan
+        z[upd] = zz
+        self.d[upd] = (1.0 - a) * self.d[upd] + a * np.abs(e)
+        self.m[upd] = (1.0 - a) * self.m[upd] + a * x[upd]
+        self.n[upd] += 1
+        return z
 
 
 def peer_z(base: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -339,7 +498,8 @@ def check_interval(table: MetricTable, interval_s: float, tolerance: float = 0.2
     if abs(median - interval_s) > tolerance * interval_s:
         raise DataFormatError(
             f"the data is sampled every {median:g} s but the features assume {interval_s:g} s; pass "
-            f"--interval {median:g} when training (a model keeps the interval it was trained with)"
+            f"--resample {interval_s:g} to bring it to the model's interval, or train with --interval {median:g} "
+            "(a model keeps the interval it was trained with)"
         )
     return median
 
@@ -374,7 +534,11 @@ def table_features(table: MetricTable, spec: FeatureSpec, missing: str = "error"
         nan_frac = np.isnan(raw).mean(axis=1) if raw.shape[1] else np.zeros(len(s.ts))
         feats = node_features(spec, s.ts, forward_fill(raw), nan_frac, float(s.ts[0]))
         m = len(s.ts)
-        x[r : r + m, :n_node_f] = feats
+        n_w = feats.shape[1]
+        x[r : r + m, :n_w] = feats
+        if spec.self_source_columns:
+            cfg = spec.config
+            x[r : r + m, n_w:n_node_f] = self_z(feats[:, spec.self_source_columns], cfg.self_alpha, cfg.self_min_rows)
         ts_out[r : r + m], node_out[r : r + m], job_out[r : r + m] = s.ts, s.node, s.job
         r += m
     if spec.config.peer:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.predictor.errors import RuleFileError
+from trainguard.predictor.errors import RuleFileError
 
 LEAF_OPS = {"increased": (), "increased_within": ("seconds",), "gt": ("value",), "lt": ("value",),
             "eq": ("value",), "ne": ("value",), "lt_metric": ("other",)}
@@ -98,6 +98,11 @@ class RulesTier:
         self._watched_names: list[str] = []
         self._names_of: dict[str, list[str]] = {}
 
+    @property
+    def watched_patterns(self) -> list[str]:
+        """Metric name patterns the rules read (the learned tier leaves these columns to the rules)."""
+        return list(self._watched)
+
     @classmethod
     def load(cls, path: str | Path | None = None) -> "RulesTier":
         """Loads and validates a rules file.
@@ -113,7 +118,7 @@ class RulesTier:
         """
         try:
             if path is None:
-                text = resources.files("trainguard.detectors.predictor").joinpath("rules.json").read_text()
+                text = resources.files("trainguard.predictor").joinpath("rules.json").read_text()
                 where = "rules.json (shipped)"
             else:
                 text, where = Path(path).read_text(), str(path)

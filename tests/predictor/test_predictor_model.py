@@ -8,10 +8,10 @@ import pickle
 import numpy as np
 import pytest
 
-from trainguard.detectors.predictor.errors import ModelFileError
-from trainguard.detectors.predictor.features import FeatureConfig, FeatureSpec
-from trainguard.detectors.predictor.model import KEY_ENV, PredictorModel
-from trainguard.detectors.predictor.scorers import RobustZScorer, TreeEnsembleScorer
+from trainguard.predictor.errors import ModelFileError
+from trainguard.predictor.features import FeatureConfig, FeatureSpec
+from trainguard.predictor.model import KEY_ENV, PredictorModel
+from trainguard.predictor.scorers import RobustZScorer, TreeEnsembleScorer
 
 
 def test_exported_trees_match_sklearn_and_contributions_add_up():
@@ -87,7 +87,7 @@ def test_hmac_signature(tmp_path, monkeypatch):
 def test_inconsistent_tree_is_refused(tmp_path, hgb_model):
     import hashlib
 
-    from trainguard.detectors.predictor.model import _canonical
+    from trainguard.predictor.model import _canonical
 
     p = tmp_path / "m.json"
     hgb_model.save(p)

@@ -18,6 +18,12 @@ Degradation, never a silent wrong score:
   :meth:`PredictorRuntime.observe` of one node leaves them missing and says so in ``Score.degraded`` (train
   with ``peer=False`` for a model meant to run on one node alone).
 - metrics the model does not know are ignored; timestamps that do not increase are refused.
+
+Thresholds: a model with a ``calibration`` (every model trained since it exists) alarms on a node only when
+the score reaches the node's *own* threshold, fitted online from its recent scores to the false-alarm budget
+(:mod:`.calibration`; scores are calibrated as log-odds, so a bounded score gets an unbounded tail). Until a
+node has a day of history it does not alarm from the learned tier. :meth:`PredictorRuntime.status` reports,
+live, each node's threshold and its realised alarm rate against the budget.
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from trainguard.detectors.predictor.errors import DataFormatError, FeatureMismatchError
-from trainguard.detectors.predictor.features import node_features, peer_z
-from trainguard.detectors.predictor.model import PredictorModel
-from trainguard.detectors.predictor.rules import RuleHit, RulesTier
-from trainguard.detectors.predictor.scorers import TreeEnsembleScorer
+from trainguard.predictor.calibration import AlarmLedger, TailCalibrator, log_odds, surprise
+from trainguard.predictor.errors import DataFormatError, FeatureMismatchError
+from trainguard.predictor.features import SelfBaseline, node_features, peer_z
+from trainguard.predictor.model import PredictorModel
+from trainguard.predictor.rules import RuleHit, RulesTier
+from trainguard.predictor.scorers import TreeEnsembleScorer
 
 
 @dataclass(frozen=True)
@@ -43,12 +50,15 @@ class Score:
         node: node name.
         ts: sample time, seconds.
         score: risk in [0, 1] (1.0 on a rule hit).
-        threshold: the model's alarm threshold.
+        threshold: the alarm threshold in force for this node (its own when calibrated online; inf while
+            the node's calibration warms up).
         alarm: ``score >= threshold`` or a rule hit.
         top_features: ``[(feature or "rule:<name>", contribution), ...]``, most alarming first.
         rule_hits: rules that matched.
         source: ``"rules"`` when a rule decided, else ``"model"``.
         degraded: reasons the score is less informed than in training (empty when fully informed).
+        surprise: ``-log10`` of the probability that this node shows a score this high in a block of its
+            own history (NaN without online calibration or while it warms up): comparable between nodes.
     """
 
     node: str
@@ -60,6 +70,30 @@ class Score:
     rule_hits: list[RuleHit] = field(default_factory=list)
     source: str = "model"
     degraded: tuple[str, ...] = ()
+    surprise: float = math.nan
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """Live calibration state of one node.
+
+    Attributes:
+        node: node name.
+        threshold: threshold in force (inf while warming up).
+        calibrated: whether the node has enough history to alarm.
+        alarms: learned-tier alarm events so far (cooldown applied; rules excluded).
+        observed_days: time observed, days (gaps beyond 10 intervals not counted).
+        alarms_per_day: realised rate (an upper bound of the false-alarm rate: every alarm counts).
+        budget_per_day: the budget the threshold is calibrated to.
+    """
+
+    node: str
+    threshold: float
+    calibrated: bool
+    alarms: int
+    observed_days: float
+    alarms_per_day: float
+    budget_per_day: float
 
 
 class _NodeBuffer:
@@ -127,6 +161,9 @@ class PredictorRuntime:
         self.missing = missing
         self.top_k = top_k
         self._nodes: dict[str, _NodeBuffer] = {}
+        self._self: dict[str, SelfBaseline] = {}
+        self._cal: dict[str, TailCalibrator] = {}
+        self._ledger: dict[str, AlarmLedger] = {}
         self._fast = None
         if model is not None and isinstance(model.scorer, TreeEnsembleScorer):
             self._fast = [
@@ -176,8 +213,30 @@ class PredictorRuntime:
         return absent
 
     def forget(self, node: str) -> None:
-        """Drops a node's history (it left the job or was replaced)."""
-        self._nodes.pop(node, None)
+        """Drops a node's history (it left the job or was replaced): a new node calibrates afresh."""
+        for d in (self._nodes, self._self, self._cal, self._ledger):
+            d.pop(node, None)  # type: ignore[attr-defined]
+
+    def status(self) -> list[NodeStatus]:
+        """Live calibration state and realised alarm rate of every node seen (sorted by node)."""
+        if self.model is None:
+            return []
+        cal = self.model.calibration
+        budget = cal.budget_per_day if cal is not None else self.model.eval_config.budget_per_100_node_days / 100.0
+        out = []
+        for node in sorted(self._ledger):
+            led = self._ledger[node]
+            c = self._cal.get(node)
+            thr = c.threshold if c is not None else self.model.threshold
+            out.append(NodeStatus(node, thr, c.warm if c is not None else True, led.events,
+                                  led.observed_s / 86400.0, led.per_day, budget))
+        return out
+
+    def realised_alarms_per_day(self) -> float:
+        """Learned-tier alarm events per observed node-day over every node seen (NaN before any time)."""
+        led = list(self._ledger.values())
+        days = sum(x.observed_s for x in led) / 86400.0
+        return sum(x.events for x in led) / days if days > 0 else math.nan
 
     def _node_row(self, ts: float, node: str, metrics: dict[str, float], degraded: list[str]) -> np.ndarray:
         assert self.model is not None
@@ -216,7 +275,14 @@ class PredictorRuntime:
         buf.append(float(ts), raw, spec.config.long_window_s)
         assert buf.t_first is not None
         n = buf.n
-        return node_features(spec, buf.ts[:n], buf.filled[:n], buf.nan_frac[:n], buf.t_first, rows=slice(n - 1, n))[0]
+        w = node_features(spec, buf.ts[:n], buf.filled[:n], buf.nan_frac[:n], buf.t_first, rows=slice(n - 1, n))[0]
+        if not spec.self_source_columns:
+            return w
+        base = self._self.get(node)
+        if base is None:
+            base = self._self[node] = SelfBaseline(len(spec.self_source_columns), spec.config.self_alpha,
+                                                   spec.config.self_min_rows)
+        return np.concatenate([w, base.step(w[spec.self_source_columns])])
 
     def _finish(self, ts: float, node: str, row: np.ndarray, hits: list[RuleHit], degraded: list[str]) -> Score:
         assert self.model is not None
@@ -240,11 +306,28 @@ class PredictorRuntime:
         else:
             score = float(self.model.scorer.score(row.reshape(1, -1))[0])
             top = self.model.scorer.top_features(row, self.top_k)
-        thr = self.model.threshold
+        thr, sur = self.model.threshold, math.nan
+        cfg = self.model.calibration
+        if cfg is not None:
+            cal = self._cal.get(node)
+            if cal is None:
+                cal = self._cal[node] = TailCalibrator(cfg)
+            thr_lo, p = cal.observe(ts, log_odds(score))
+            sur = surprise(p)
+            learned_alarm = log_odds(score) >= thr_lo
+            # the threshold in score units (inf while warming up)
+            thr = 1.0 / (1.0 + math.exp(-min(max(thr_lo, -700.0), 700.0))) if math.isfinite(thr_lo) else math.inf
+        else:
+            learned_alarm = score >= thr
+        led = self._ledger.get(node)
+        if led is None:
+            ev = self.model.eval_config
+            led = self._ledger[node] = AlarmLedger(ev.cooldown_s, 10.0 * self.model.spec.config.interval_s)
+        led.add(ts, learned_alarm)
         if hits:
             top = [(f"rule:{h.rule}", 1.0) for h in hits] + top
-            return Score(node, ts, 1.0, thr, True, top[: self.top_k + len(hits)], hits, "rules", tuple(degraded))
-        return Score(node, ts, score, thr, score >= thr, top, [], "model", tuple(degraded))
+            return Score(node, ts, 1.0, thr, True, top[: self.top_k + len(hits)], hits, "rules", tuple(degraded), sur)
+        return Score(node, ts, score, thr, learned_alarm, top, [], "model", tuple(degraded), sur)
 
     def observe(self, ts: float, node: str, metrics: dict[str, float]) -> Score:
         """Scores one sample of one node.

@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from trainguard.detectors.predictor.errors import ModelFileError
-from trainguard.detectors.predictor.evaluation import EvalConfig
-from trainguard.detectors.predictor.features import FeatureSpec
-from trainguard.detectors.predictor.scorers import SCORERS, Scorer
+from trainguard.predictor.calibration import CalibrationConfig
+from trainguard.predictor.errors import ModelFileError
+from trainguard.predictor.evaluation import EvalConfig
+from trainguard.predictor.features import FeatureSpec
+from trainguard.predictor.scorers import SCORERS, Scorer
 
 FORMAT = "trainguard-predictor"
 VERSION = 1
@@ -72,6 +73,8 @@ class PredictorModel:
         threshold: alarm threshold on the score, calibrated to the false-alarm budget.
         eval_config: horizon, checkpoint time, cooldown and budget the threshold was calibrated for.
         training_summary: what it was trained on (rows, nodes, node-days, failures, metrics, calibration).
+        calibration: per-node online threshold calibration (:mod:`.calibration`); None: the fixed
+            ``threshold`` for every node (files written before it existed).
     """
 
     spec: FeatureSpec
@@ -79,6 +82,7 @@ class PredictorModel:
     threshold: float
     eval_config: EvalConfig = field(default_factory=EvalConfig)
     training_summary: dict[str, Any] = field(default_factory=dict)
+    calibration: CalibrationConfig | None = None
 
     @property
     def kind(self) -> str:
@@ -91,6 +95,7 @@ class PredictorModel:
             "kind": self.kind, "feature_spec": self.spec.to_dict(), "feature_names": self.spec.feature_names,
             "threshold": self.threshold, "eval_config": self.eval_config.to_dict(),
             "training_summary": self.training_summary, "params": self.scorer.to_params(),
+            **({"calibration": self.calibration.to_dict()} if self.calibration is not None else {}),
         })
 
     def save(self, path: str | Path, key: str | bytes | None = None) -> int:
@@ -172,8 +177,9 @@ class PredictorModel:
             scorer = SCORERS[kind].from_params(names, payload["params"])
             threshold = float(payload["threshold"])
             ev = EvalConfig(**payload.get("eval_config", {}))
+            cal = CalibrationConfig(**payload["calibration"]) if payload.get("calibration") else None
         except ModelFileError:
             raise
         except Exception as exc:  # malformed fields of any sort: one clear refusal
             raise ModelFileError(f"{path}: malformed model content ({type(exc).__name__}: {exc}); retrain") from exc
-        return cls(spec, scorer, threshold, ev, dict(payload.get("training_summary") or {}))
+        return cls(spec, scorer, threshold, ev, dict(payload.get("training_summary") or {}), cal)

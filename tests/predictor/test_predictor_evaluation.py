@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainguard.detectors.predictor.evaluation import (
+from trainguard.predictor.evaluation import (
     EvalConfig, alarm_events, calibrate_threshold, evaluate_events, labels_for, node_days,
 )
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from trainguard.detectors.predictor.errors import InsufficientDataError
+from trainguard.predictor.errors import InsufficientDataError
 
 
 @dataclass(frozen=True)

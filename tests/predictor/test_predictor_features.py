@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from trainguard.detectors.predictor.errors import FeatureMismatchError
-from trainguard.detectors.predictor.features import (
+from trainguard.predictor.errors import FeatureMismatchError
+from trainguard.predictor.features import (
     FeatureConfig, FeatureSpec, forward_fill, node_features, peer_z, table_features,
 )
-from trainguard.detectors.predictor.table import MetricTable
+from trainguard.predictor.table import MetricTable
 
 CFG = FeatureConfig(interval_s=60.0, short_window_s=300.0, long_window_s=1800.0, peer=False)
 
@@ -75,8 +75,8 @@ def test_unknown_and_missing_metrics():
 
 
 def test_online_features_equal_offline(small_trace, hgb_model):
-    from trainguard.detectors.predictor.runtime import PredictorRuntime
-    from trainguard.detectors.predictor.training import score_table
+    from trainguard.predictor.runtime import PredictorRuntime
+    from trainguard.predictor.training import score_table
 
     one = small_trace.metrics.select_rows(small_trace.metrics.node.astype(str) == "node0001")
     frame, offline = score_table(hgb_model, one)
@@ -89,10 +89,10 @@ def test_online_features_equal_offline(small_trace, hgb_model):
 
 
 def test_observe_many_peer_features_equal_offline(small_trace):
-    from trainguard.detectors.predictor.catalog import split_known
-    from trainguard.detectors.predictor.model import PredictorModel
-    from trainguard.detectors.predictor.runtime import PredictorRuntime
-    from trainguard.detectors.predictor.scorers import RobustZScorer
+    from trainguard.predictor.catalog import split_known
+    from trainguard.predictor.model import PredictorModel
+    from trainguard.predictor.runtime import PredictorRuntime
+    from trainguard.predictor.scorers import RobustZScorer
 
     m = small_trace.metrics
     keep = np.isin(m.node.astype(str), ["node0000", "node0001", "node0002", "node0003"]) & (m.ts < m.ts.min() + 6 * 3600)

@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from trainguard.detectors.predictor.errors import DataFormatError
-from trainguard.detectors.predictor.tracegen import (
+from trainguard.predictor.errors import DataFormatError
+from trainguard.predictor.tracegen import (
     STEPFUN_FAULTS, TraceConfig, default_trace_dir, generate, load_stepfun, stepfun_summary,
 )
 

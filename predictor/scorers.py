@@ -8,7 +8,10 @@ Three kinds, registered by name in :data:`SCORERS` and stored as plain numbers (
   expected value at each split is credited to the split's feature, so they add up to the raw margin.
 - ``robust-z``: unsupervised. Per feature, ``z = (x - median) / (1.4826 MAD)`` against the training rows;
   the raw score is the mean of the three largest ``|z|`` and the score is ``raw / (raw + k)`` with ``k`` the
-  99.9th percentile of raw training scores. A sparse feature (MAD 0) takes its scale from its 99.9th-percentile deviation / 3.29. Contributions are the ``|z|`` values.
+  99.9th percentile of raw training scores. A sparse feature (MAD 0) takes its scale from its 99.9th-percentile
+  deviation / 3.29. Contributions are the ``|z|`` values. Only *scored* features count: never the telemetry
+  health ones (a gap is missing data, reported as such, not an anomaly to score), and, when the features
+  include the scale-free ``_z``/``peer_z`` ones, only those (raw levels of one fleet mean nothing on another).
 - ``threshold``: the plain baseline. Each counter rate and gauge level divided by its 99.9th training
   percentile (a counter rate's limit is at least one event per 5 minutes); the score is ``r / (1 + r)`` of
   the largest ratio ``r``.
@@ -21,7 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from trainguard.detectors.predictor.errors import ModelFileError
+from trainguard.predictor.errors import ModelFileError
 
 Contribution = tuple[str, float]
 
@@ -216,11 +219,22 @@ class RobustZScorer(Scorer):
     TOP_K = 3
     Z_CLIP = 1e4
 
-    def __init__(self, feature_names: list[str], median: np.ndarray, scale: np.ndarray, k: float) -> None:
+    def __init__(self, feature_names: list[str], median: np.ndarray, scale: np.ndarray, k: float,
+                 scored: np.ndarray | None = None) -> None:
         super().__init__(feature_names)
         self.median = np.asarray(median, dtype=np.float64)
         self.scale = np.asarray(scale, dtype=np.float64)
         self.k = float(k)
+        self.scored = np.asarray(scored if scored is not None else self.default_scored(feature_names), dtype=bool)
+
+    @staticmethod
+    def default_scored(feature_names: list[str]) -> np.ndarray:
+        """Which features count in the score (see the module docstring)."""
+        names = list(feature_names)
+        free = np.array([n.endswith(("_z", ".peer_z")) for n in names], dtype=bool)
+        if free.any():
+            return free
+        return np.array([not n.startswith("telemetry.") for n in names], dtype=bool)
 
     @classmethod
     def fit(cls, feature_names: list[str], x: np.ndarray) -> "RobustZScorer":
@@ -251,7 +265,7 @@ class RobustZScorer(Scorer):
         return np.minimum(np.nan_to_num(z, nan=0.0), self.Z_CLIP)
 
     def _raw(self, x: np.ndarray) -> np.ndarray:
-        z = self._z(x)
+        z = self._z(x)[:, self.scored]
         k = min(self.TOP_K, z.shape[1])
         return np.partition(z, z.shape[1] - k, axis=1)[:, -k:].mean(axis=1)
 
@@ -260,17 +274,22 @@ class RobustZScorer(Scorer):
         return raw / (raw + self.k)
 
     def contributions(self, row: np.ndarray) -> np.ndarray:
-        return self._z(np.asarray(row, dtype=np.float64).reshape(1, -1))[0]
+        return np.where(self.scored, self._z(np.asarray(row, dtype=np.float64).reshape(1, -1))[0], 0.0)
 
     def to_params(self) -> dict[str, Any]:
-        return {"median": self.median.tolist(), "scale": self.scale.tolist(), "k": self.k}
+        return {"median": self.median.tolist(), "scale": self.scale.tolist(), "k": self.k,
+                "scored": self.scored.tolist()}
 
     @classmethod
     def from_params(cls, feature_names: list[str], params: dict[str, Any]) -> "RobustZScorer":
         med, scale = _arr(params, "median", np.float64), _arr(params, "scale", np.float64)
         if len(med) != len(feature_names) or len(scale) != len(feature_names) or (scale <= 0).any():
             raise ModelFileError("robust-z parameters do not match the feature list; retrain and save the model")
-        return cls(feature_names, med, scale, float(params.get("k", 1.0)))
+        scored = params.get("scored")
+        if scored is not None and len(scored) != len(feature_names):
+            raise ModelFileError("robust-z 'scored' mask does not match the feature list; retrain and save the model")
+        return cls(feature_names, med, scale, float(params.get("k", 1.0)),
+                   None if scored is None else np.asarray(scored, dtype=bool))
 
 
 class ThresholdScorer(Scorer):

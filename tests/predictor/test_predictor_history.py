@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from trainguard.detectors.predictor.errors import HistoryError
-from trainguard.detectors.predictor.history import MetricHistory
-from trainguard.detectors.predictor.table import EventTable, MetricTable
+from trainguard.predictor.errors import HistoryError
+from trainguard.predictor.history import MetricHistory
+from trainguard.predictor.table import EventTable, MetricTable
 
 
 def test_append_export_round_trip_with_changing_metrics(tmp_path):

@@ -1,0 +1,371 @@
+"""``trainguard predictor ...``: train, evaluate and run the anomaly predictor on CSV files.
+
+Subcommands: ``train`` (fit a model on a history and save it), ``eval`` (event recall, lead times and false
+alarms of a model on other data, at the self-calibrated thresholds), ``score`` (stream a metrics file through
+the online runtime, rules tier included, and write one score per input row), ``metrics`` (the catalog, and
+what each column of a file is taken as), ``export`` (agent history store -> CSV) and ``gen-trace`` (a
+synthetic trace following StepFun's fault mix, for trials). Every import beyond argparse happens inside the handlers,
+so ``trainguard --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _add_eval_args(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """Horizon, lead, cooldown and budget; at ``eval`` they default to the model's own (None)."""
+    d = (lambda v: v) if defaults else (lambda v: None)
+    own = "" if defaults else "; default: the model's"
+    p.add_argument("--horizon", type=float, default=d(1800.0),
+                   help=f"H: earliest useful warning, seconds (default 1800{own})")
+    p.add_argument("--min-lead", "--lead", dest="min_lead", type=float, default=d(120.0),
+                   help=f"L: checkpoint time, the least useful lead, seconds (default 120{own})")
+    p.add_argument("--cooldown", type=float, default=d(1200.0),
+                   help=f"least time between two alarms of a node (and repeat interval), seconds (default 1200{own})")
+    p.add_argument("--budget", type=float, default=d(1.0),
+                   help=f"false alarms allowed per 100 node-days (default 1, i.e. 0.01 per node-day{own})")
+
+
+def _eval_config(args: argparse.Namespace, base: Any = None) -> Any:
+    from dataclasses import replace
+
+    from trainguard.predictor.evaluation import EvalConfig
+
+    given = {"horizon_s": args.horizon, "min_lead_s": args.min_lead, "cooldown_s": args.cooldown,
+             "budget_per_100_node_days": args.budget}
+    for flag, v in (("--horizon", args.horizon), ("--min-lead", args.min_lead), ("--cooldown", args.cooldown),
+                    ("--budget", args.budget)):
+        if v is not None and not (v > 0 if flag in ("--horizon", "--budget") else v >= 0):
+            raise _usage(f"{flag} {v:g}: must be {'positive' if flag in ('--horizon', '--budget') else '>= 0'}")
+    cfg = replace(base if base is not None else EvalConfig(), **{k: v for k, v in given.items() if v is not None})
+    if cfg.min_lead_s >= cfg.horizon_s:
+        raise _usage(f"--min-lead {cfg.min_lead_s:g} must be below --horizon {cfg.horizon_s:g}")
+    return cfg
+
+
+def _usage(msg: str) -> Exception:
+    from trainguard.predictor.errors import PredictorError
+
+    return PredictorError(msg)
+
+
+def _read_metrics(path: str, resample: float | None, counters: set[str] | frozenset[str] = frozenset()) -> Any:
+    from trainguard.predictor.table import MetricTable
+
+    table = MetricTable.from_csv(path)
+    if resample is not None:
+        if resample <= 0:
+            raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
+        table = table.resample(resample, counters)
+    return table
+
+
+def _train(args: argparse.Namespace) -> int:
+    from trainguard.predictor.features import FeatureConfig
+    from trainguard.predictor.table import EventTable
+    from trainguard.predictor.training import TrainConfig, column_kinds, train
+
+    metrics = _read_metrics(args.metrics, None)
+    if args.resample is not None:
+        kinds = column_kinds(metrics, tuple(args.counter), tuple(args.gauge))
+        counters = {c.name for c in kinds if c.kind is not None and c.kind.value == "counter"}
+        metrics = _read_metrics(args.metrics, args.resample, counters)
+    events = EventTable.from_csv(args.events) if args.events else None
+    interval = args.interval if args.interval is not None else (args.resample or metrics.median_interval() or 60.0)
+    span = float(metrics.ts.max() - metrics.ts.min()) if len(metrics.ts) else 0.0
+    features = FeatureConfig.for_data(interval, span, peer=not args.no_peer, short_window_s=args.short_window,
+                                      long_window_s=args.long_window)
+    cfg = TrainConfig(
+        method=args.method, evaluation=_eval_config(args), calib_fraction=args.calib_fraction, seed=args.seed,
+        features=features, counters=tuple(args.counter), gauges=tuple(args.gauge),
+        online_calibration=args.calibration == "online",
+    )
+    model = train(metrics, events, cfg)
+    size = model.save(args.out)
+    s = model.training_summary
+    fc = model.spec.config
+    print(f"trained {s['method']} on {s['rows']} rows, {s['nodes']} nodes, {s['node_days']:.1f} node-days, "
+          f"{s['failures_total']} failures; interval {fc.interval_s:g} s, windows {fc.short_window_s:g}/"
+          f"{fc.long_window_s:g} s, own baseline {fc.self_window_s:g} s; fleet threshold {model.threshold:.4f}; "
+          f"thresholds {'per node, online, to ' if model.calibration else 'fixed, '}"
+          f"{model.eval_config.budget_per_100_node_days / 100:g} alarms/node-day; saved {args.out} ({size} bytes)")
+    if s["ignored_columns"]:
+        print(f"ignored columns (left to the rules tier or without values): {', '.join(s['ignored_columns'])}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import math
+
+    import numpy as np
+
+    from trainguard.predictor.calibration import calibrate_table
+    from trainguard.predictor.evaluation import calibrate_threshold, evaluate_events, failures_by_node
+    from trainguard.predictor.model import PredictorModel, _json_safe
+    from trainguard.predictor.table import EventTable
+    from trainguard.predictor.training import score_table
+
+    model = PredictorModel.load(args.model)
+    ev = _eval_config(args, model.eval_config)
+    metrics = _read_metrics(args.metrics, args.resample, _model_counters(model))
+    events = EventTable.from_csv(args.events)
+    frame, score = score_table(model, metrics, args.missing)
+    failures = failures_by_node(events.node, events.ts)
+    interval = model.spec.config.interval_s
+    if args.threshold is not None or model.calibration is None:
+        thr = model.threshold if args.threshold is None else args.threshold
+        mode = "fixed"
+        rep = evaluate_events(frame.ts, frame.node, score, thr, failures, ev, interval)
+    else:
+        from dataclasses import replace
+
+        cal = replace(model.calibration, budget_per_day=ev.budget_per_100_node_days / 100.0)
+        margin, _ = calibrate_table(frame.ts, frame.node, score, cal)
+        mode = "online per node"
+        rep = evaluate_events(frame.ts, frame.node, margin, 0.0, failures, ev, interval)
+    out = rep.summary()
+    if mode != "fixed":
+        out["threshold"] = None  # one per node, changing over time
+    out["threshold_mode"] = mode
+    out["budget_per_100_node_days"] = ev.budget_per_100_node_days
+    out["within_budget"] = bool(rep.false_alarms_per_100_node_days <= ev.budget_per_100_node_days) \
+        if rep.node_days else None
+    out["eval_config"] = ev.to_dict()
+    # the best any single threshold could do on this very data at the budget (hindsight, for comparison)
+    best_thr, best = calibrate_threshold(frame.ts, frame.node, score, failures, ev, interval)
+    out["hindsight_threshold"], out["hindsight_recall"] = best_thr, best.recall
+    if frame.missing_metrics:
+        out["degraded_missing_metrics"] = frame.missing_metrics
+    if args.faults:
+        with open(args.faults) as fh:
+            truth = json.load(fh)["faults"]
+        keys = {(f["node"], float(f["ts"])) for f in truth if f.get("predictable")}
+        c, t = rep.recall_of(keys)
+        out["predictable_failures"], out["predictable_caught"] = t, c
+        out["predictable_recall"] = c / t if t else float("nan")
+    if args.json:
+        print(json.dumps(_json_safe(out), indent=1, allow_nan=False))
+    else:
+        for k, v in out.items():
+            print(f"{k:32s} {v:.4f}" if isinstance(v, float) and not math.isnan(v) else f"{k:32s} {v}")
+    return 0
+
+
+def _model_counters(model: Any) -> set[str]:
+    return {m for m, k in zip(model.spec.metrics, model.spec.kinds) if k == "counter"}
+
+
+def _score(args: argparse.Namespace) -> int:
+    import csv
+
+    import numpy as np
+
+    from trainguard.predictor.runtime import PredictorRuntime
+
+    rt = PredictorRuntime.load(args.model, rules_path=args.rules, missing=args.missing)
+    counters = _model_counters(rt.model) if rt.model is not None else set()
+    metrics = _read_metrics(args.metrics, args.resample, counters)
+    rt.check_metrics(metrics.columns)
+    interval = rt.model.spec.config.interval_s if rt.model is not None else 1.0
+    if rt.model is not None:
+        from trainguard.predictor.features import check_interval
+
+        check_interval(metrics, interval)
+    jobs = metrics.job.astype(str) if metrics.job is not None else np.full(len(metrics.ts), "")
+    nodes = metrics.node.astype(str)
+    peer = rt.model is not None and rt.model.spec.config.peer
+    rounds = _score_rounds(metrics.ts, nodes, jobs, interval if peer else None)
+    alarms = written = 0
+    out = open(args.out, "w", newline="") if args.out != "-" else sys.stdout
+    try:
+        w = csv.writer(out)
+        w.writerow(["timestamp", "node", "score", "threshold", "alarm", "source", "top_features", "degraded",
+                    "surprise"])
+        for group in rounds:
+            samples = {nodes[r]: dict(zip(metrics.columns, metrics.values[r].tolist())) for r in group}
+            ts_of = {nodes[r]: float(metrics.ts[r]) for r in group}
+            if peer:
+                scores = rt.observe_many(min(ts_of.values()), samples)
+            else:
+                scores = {n: rt.observe(ts_of[n], n, m) for n, m in samples.items()}
+            for n, s in scores.items():
+                alarms += int(s.alarm)
+                written += 1
+                w.writerow([repr(ts_of[n]), n, f"{s.score:.6f}", f"{s.threshold:.6f}", int(s.alarm), s.source,
+                            ";".join(f"{k}={v:g}" for k, v in s.top_features), "|".join(s.degraded),
+                            "" if s.surprise != s.surprise else f"{s.surprise:.3f}"])
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if written != len(metrics.ts):  # a bug, never a silent loss
+        raise _usage(f"scored {written} of {len(metrics.ts)} rows; please report this with the input file")
+    src = f" (resampled to {args.resample:g} s)" if args.resample is not None else ""
+    print(f"scored {written} rows{src}, {alarms} above threshold", file=sys.stderr)
+    for st in rt.status():
+        if st.observed_days > 0:
+            print(f"node {st.node}: {st.alarms} alarms in {st.observed_days:.2f} days = {st.alarms_per_day:.3g}/day "
+                  f"(budget {st.budget_per_day:g}/day{'' if st.calibrated else ', still warming up'})", file=sys.stderr)
+    return 0
+
+
+def _score_rounds(ts: Any, nodes: Any, jobs: Any, interval: float | None) -> list[Any]:
+    """Row groups in the order they are scored; every row exactly once.
+
+    Without peers, each row alone, in time order. With peers, the rows of one job in one interval slot form a
+    group scored together; a node with two samples in one slot gets its second one in a following group (in
+    time order), never dropped.
+    """
+    import numpy as np
+
+    if interval is None:
+        return [np.array([i]) for i in np.argsort(ts, kind="stable")]
+    bucket = np.round(ts / interval).astype(np.int64)
+    order = np.lexsort((ts, nodes, jobs, bucket))
+    groups: list[Any] = []
+    i = 0
+    while i < len(order):
+        j = i
+        while j < len(order) and bucket[order[j]] == bucket[order[i]] and jobs[order[j]] == jobs[order[i]]:
+            j += 1
+        seen: dict[str, int] = {}
+        rounds: list[list[int]] = []
+        for r in order[i:j]:  # sorted by node then time: the k-th sample of a node goes to round k
+            k = seen.get(nodes[r], 0)
+            seen[nodes[r]] = k + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(int(r))
+        groups += [np.array(g) for g in rounds]
+        i = j
+    return groups
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    from trainguard.predictor.catalog import CATALOG
+
+    print("catalog (the detectors' names; any other numeric column is accepted too):")
+    for m in CATALOG:
+        print(f"  {m.name:28s} {m.kind.value:8s} {m.unit:9s} {m.description}")
+    if args.metrics:
+        from trainguard.predictor.training import column_kinds
+
+        table = _read_metrics(args.metrics, None)
+        print(f"columns of {args.metrics}, as training would take them:")
+        for c in column_kinds(table, tuple(args.counter), tuple(args.gauge)):
+            print(f"  {c.name:28s} {c.kind.value if c.kind else 'unused':8s} ({c.reason})")
+    if args.model:
+        from trainguard.predictor.model import PredictorModel
+
+        model = PredictorModel.load(args.model)
+        print(f"metrics of {args.model}:")
+        for m, k in zip(model.spec.metrics, model.spec.kinds):
+            print(f"  {m:28s} {k}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from trainguard.predictor.history import MetricHistory
+
+    with MetricHistory(args.history) as h:
+        n, e = h.export(args.metrics, args.events, since=args.since)
+    print(f"exported {n} samples and {e} events")
+    return 0
+
+
+def _gen_trace(args: argparse.Namespace) -> int:
+    from trainguard.predictor.tracegen import TraceConfig, generate
+
+    cfg = TraceConfig(n_nodes=args.nodes, days=args.days, interval_s=args.interval, rate_scale=args.rate_scale,
+                      repair_scale=args.repair_scale, seed=args.seed, trace_dir=args.trace_dir)
+    tr = generate(cfg)
+    tr.save(args.out)
+    print(f"wrote {len(tr.metrics.ts)} samples of {args.nodes} nodes and {len(tr.faults)} failures "
+          f"({sum(f.predictable for f in tr.faults)} with precursors) to {args.out}")
+    return 0
+
+
+def _add_column_args(p: argparse.ArgumentParser, resample: bool = True) -> None:
+    p.add_argument("--counter", action="append", default=[], metavar="NAME",
+                   help="treat this column as a cumulative counter (repeatable; default: detected)")
+    p.add_argument("--gauge", action="append", default=[], metavar="NAME",
+                   help="treat this column as a gauge (repeatable; default: detected)")
+    if resample:
+        p.add_argument("--resample", type=float, metavar="SECONDS",
+                       help="bring the data to a regular interval first (gauges: mean, counters: last value)")
+
+
+def register(subparsers: Any) -> None:
+    """Adds ``predictor`` and its subcommands to the ``trainguard`` parser.
+
+    Args:
+        subparsers: the top-level subparsers action.
+    """
+    top = subparsers.add_parser("predictor", help="anomaly predictor: train, eval, score")
+    sub = top.add_subparsers(dest="predictor_command", metavar="SUBCOMMAND", parser_class=type(top))
+    top.set_defaults(handler=lambda a: (top.print_help(), 2)[1])
+
+    p = sub.add_parser("train", help="fit a model on a metrics history (CSV) and save it")
+    p.add_argument("--metrics", required=True, help="metrics CSV: timestamp,node[,job],<metrics...>")
+    p.add_argument("--events", help="failures CSV: timestamp,node,kind (without: unsupervised)")
+    p.add_argument("--out", required=True, help="model file to write (JSON)")
+    p.add_argument("--method", default="auto", choices=["auto", "hgb", "robust-z", "threshold"])
+    p.add_argument("--interval", type=float, help="sampling interval of the data, seconds (default: measured)")
+    p.add_argument("--short-window", type=float, help="short feature window, seconds (default: from the interval)")
+    p.add_argument("--long-window", type=float, help="long feature window, seconds (default: from the interval)")
+    _add_column_args(p)
+    p.add_argument("--no-peer", action="store_true", help="no peer z-scores (for a model run on one node alone)")
+    p.add_argument("--calib-fraction", type=float, default=0.25, help="trailing share of time to calibrate on")
+    p.add_argument("--calibration", default="online", choices=["online", "fixed"],
+                   help="online: each node fits its own threshold to the budget (default); fixed: the fleet's")
+    p.add_argument("--seed", type=int, default=0)
+    _add_eval_args(p, defaults=True)
+    p.set_defaults(handler=_train)
+
+    p = sub.add_parser("eval", help="event recall, lead times and false alarms of a model on data")
+    p.add_argument("--model", required=True)
+    p.add_argument("--metrics", required=True)
+    p.add_argument("--events", required=True)
+    p.add_argument("--faults", help="faults.json of gen-trace: also report recall on predictable faults")
+    p.add_argument("--threshold", type=float, help="one fixed threshold for every node instead of the model's")
+    p.add_argument("--missing", default="error", choices=["error", "nan"], help="model metrics absent from the data")
+    p.add_argument("--resample", type=float, help="bring the data to this interval, seconds, first")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON (no NaN: null)")
+    _add_eval_args(p, defaults=False)
+    p.set_defaults(handler=_eval)
+
+    p = sub.add_parser("score", help="stream a metrics CSV through the online runtime (rules + model)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--metrics", required=True)
+    p.add_argument("--out", default="-", help="scores CSV ('-' for stdout)")
+    p.add_argument("--rules", help="rules file (default: the shipped rules.json)")
+    p.add_argument("--missing", default="error", choices=["error", "nan"])
+    p.add_argument("--resample", type=float, help="bring the data to this interval, seconds, first")
+    p.set_defaults(handler=_score)
+
+    p = sub.add_parser("metrics", help="list the metric catalog and how each column of a file is taken")
+    p.add_argument("--metrics", help="metrics CSV: show what each column is taken as (counter, gauge, unused)")
+    p.add_argument("--model", help="model file: show its metrics and their kinds")
+    _add_column_args(p, resample=False)
+    p.set_defaults(handler=_metrics)
+
+    p = sub.add_parser("export", help="export the agent's history store to CSV")
+    p.add_argument("--history", required=True, help="history SQLite file")
+    p.add_argument("--metrics", required=True)
+    p.add_argument("--events", required=True)
+    p.add_argument("--since", type=float, help="only data at or after this Unix time")
+    p.set_defaults(handler=_export)
+
+    p = sub.add_parser("gen-trace", help="write a synthetic trace following StepFun's fault mix")
+    p.add_argument("--out", required=True, help="folder for metrics.csv, events.csv, faults.json")
+    p.add_argument("--nodes", type=int, default=16)
+    p.add_argument("--days", type=float, default=2.0)
+    p.add_argument("--interval", type=float, default=30.0)
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiplier of StepFun's fault rate")
+    p.add_argument("--repair-scale", type=float, default=1.0, help="multiplier of the trace's repair times")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace-dir", help="StepFun trace folder (default ../shared/data/stepfun-fault-trace)")
+    p.set_defaults(handler=_gen_trace)

@@ -1,0 +1,128 @@
+"""Per-node online thresholds: the budget holds on scores never seen in training, online == offline, the
+realised rate is reported live, and the node's own baseline (``_z`` features) agrees online and offline."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from trainguard.predictor.calibration import (
+    CalibrationConfig, TailCalibrator, calibrate_series, calibrate_table, fit_tail,
+)
+from trainguard.predictor.evaluation import alarm_events
+from trainguard.predictor.errors import PredictorError
+
+
+def _alarms_per_day(ts, above, cooldown=1200.0, warmup=86400.0):
+    ev = alarm_events(ts, above.astype(float), 0.5, cooldown)
+    return len(ev) / ((ts[-1] - ts[0] - warmup) / 86400.0)
+
+
+@pytest.mark.parametrize("dist", ["exponential", "pareto", "normal"])
+def test_budget_holds_on_iid_scores_of_any_tail(dist):
+    rng = np.random.default_rng(7)
+    ts = np.arange(60 * 288) * 300.0  # 60 days at 5 min
+    draw = {"exponential": lambda n: rng.exponential(size=n), "pareto": lambda n: np.log1p(rng.pareto(3.0, n)),
+            "normal": rng.standard_normal}[dist]
+    s = draw(len(ts))
+    for budget in (0.2, 1.0):  # 12 and 59 alarms allowed: enough for the count to mean something
+        thr, _ = calibrate_series(ts, s, CalibrationConfig.for_interval(300.0, budget))
+        assert np.isinf(thr[: 288]).all()  # no alarm before a day of history
+        rate = _alarms_per_day(ts, s >= thr)
+        assert rate <= budget, (dist, budget, rate)
+
+
+def test_threshold_follows_the_node_not_the_fleet():
+    # two nodes whose scores differ by a constant: their thresholds differ by that constant
+    rng = np.random.default_rng(1)
+    ts = np.arange(5 * 1440) * 60.0
+    base = rng.exponential(size=len(ts))
+    cfg = CalibrationConfig.for_interval(60.0, 0.1)
+    t1, _ = calibrate_series(ts, base, cfg)
+    t2, _ = calibrate_series(ts, base + 3.0, cfg)
+    warm = np.isfinite(t1)
+    assert warm.any() and np.allclose(t2[warm] - t1[warm], 3.0)
+
+
+def test_tail_fit_reads_quantiles_and_refuses_bad_config():
+    x = np.random.default_rng(2).exponential(size=20000)
+    fit = fit_tail(x, 1e-5, 0.05)  # far beyond the data: extrapolated, close to the exponential's quantile
+    assert fit.threshold == pytest.approx(-math.log(1e-5), rel=0.15)
+    sat = np.r_[np.random.default_rng(3).random(500), np.full(100, 50.0)]  # a score pinned at its maximum
+    assert fit_tail(sat, 1e-5, 0.05).threshold > 50.0
+    with pytest.raises(PredictorError, match="--budget"):
+        CalibrationConfig(budget_per_day=0)
+    cal = TailCalibrator(CalibrationConfig.for_interval(60.0, 0.1))
+    assert cal.observe(0.0, 1.0)[0] == math.inf and not cal.warm
+
+
+def _table(n_nodes=3, days=2.5, step=300.0, seed=0):
+    from trainguard.predictor.table import MetricTable
+
+    rng = np.random.default_rng(seed)
+    n = int(days * 86400 / step)
+    ts, nodes, vals = [], [], []
+    for k in range(n_nodes):
+        t = 1_700_000_000.0 + step * np.arange(n)
+        level = 40 + 10 * k + rng.standard_normal(n) * (1 + k)
+        level += 5 * np.sin(2 * np.pi * t / 86400.0)  # a daily pattern
+        spikes = rng.random(n) < 0.01
+        level[spikes] += 60 + rng.exponential(15, spikes.sum())
+        cnt = np.cumsum(rng.poisson(0.2 + 0.1 * k, n)).astype(float)
+        ts.append(t)
+        nodes += [f"n{k}"] * n
+        vals.append(np.column_stack([level, cnt]))
+    return MetricTable(["cpu_pct", "errors_total"], np.concatenate(ts), np.array(nodes, object), np.vstack(vals))
+
+
+@pytest.fixture(scope="module")
+def model():
+    from trainguard.predictor.features import FeatureConfig
+    from trainguard.predictor.evaluation import EvalConfig
+    from trainguard.predictor.training import TrainConfig, train
+
+    table = _table(seed=0)
+    fc = FeatureConfig.for_data(300.0, 2.5 * 86400, peer=False)
+    return train(table, None, TrainConfig(method="robust-z", features=fc,
+                                          evaluation=EvalConfig(budget_per_100_node_days=300.0)))
+
+
+def test_online_scores_thresholds_and_alarms_equal_offline(model):
+    from trainguard.predictor.runtime import PredictorRuntime
+    from trainguard.predictor.training import score_table
+
+    assert model.spec.config.self_window_s > 0 and any(n.endswith("_z") for n in model.spec.feature_names)
+    assert model.calibration is not None and model.calibration.budget_per_day == pytest.approx(3.0)
+    table = _table(days=3.0, seed=5)  # other data than the training's
+    frame, score = score_table(model, table)
+    margin, _ = calibrate_table(frame.ts, frame.node, score, model.calibration)
+    rt = PredictorRuntime(model)
+    online = {}
+    for i in np.argsort(table.ts, kind="stable"):
+        s = rt.observe(float(table.ts[i]), str(table.node[i]), dict(zip(table.columns, table.values[i].tolist())))
+        online[(s.node, s.ts)] = s
+    keys = list(zip(frame.node.tolist(), frame.ts.tolist()))
+    on_score = np.array([online[k].score for k in keys])
+    assert np.allclose(on_score, score, atol=1e-5)
+    on_alarm = np.array([online[k].alarm for k in keys])
+    off_alarm = margin >= 0
+    assert off_alarm.any() and (on_alarm != off_alarm).sum() <= 2  # rounding at the threshold only
+    st = {x.node: x for x in rt.status()}
+    assert set(st) == {"n0", "n1", "n2"} and all(x.calibrated for x in st.values())
+    for node, x in st.items():
+        sel = frame.node == node
+        expect = len(alarm_events(frame.ts[sel], margin[sel], 0.0, model.eval_config.cooldown_s))
+        assert abs(x.alarms - expect) <= 1 and x.budget_per_day == pytest.approx(3.0)
+        assert x.alarms_per_day == pytest.approx(x.alarms / x.observed_days)
+    assert rt.realised_alarms_per_day() == pytest.approx(
+        sum(x.alarms for x in st.values()) / sum(x.observed_days for x in st.values()))
+
+
+def test_saved_model_keeps_its_calibration(model, tmp_path):
+    from trainguard.predictor.model import PredictorModel
+
+    model.save(tmp_path / "m.json")
+    back = PredictorModel.load(tmp_path / "m.json")
+    assert back.calibration == model.calibration and back.spec == model.spec

@@ -1,0 +1,162 @@
+"""Regression tests of the CLI findings of issue 19: no silent row drops, eval flags, valid JSON, any numeric
+column, ``predictor metrics``, ``--resample``, errors naming the flag to use, gaps handled as gaps."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from trainguard.cli import main
+
+
+def _write(path, columns, rows):
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["timestamp", "node", *columns])
+        for r in rows:
+            w.writerow(["" if isinstance(v, float) and np.isnan(v) else v for v in r])
+    return str(path)
+
+
+def _fleet(path, nodes=3, n=400, step=60.0, seed=0, extra=()):
+    """``nodes`` healthy nodes: a noisy gauge, an increasing counter without a catalog name, a ``_total``."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for k in range(nodes):
+        c = 0.0
+        tot = 0.0
+        for i in range(n):
+            c += float(rng.random() < 0.05)
+            tot += float(rng.integers(0, 3))
+            rows.append([1_700_000_000.0 + step * i, f"n{k}", round(50 + rng.standard_normal(), 3), c, tot])
+    rows += list(extra)
+    rows.sort(key=lambda r: r[0])
+    return _write(path, ["latency_ms", "retries", "req_total"], rows)
+
+
+def _no_nan_json(text):
+    def refuse(c):
+        raise ValueError(f"invalid JSON constant {c}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("findings")
+    metrics = _fleet(d / "m.csv")
+    model = d / "model.json"
+    assert main(["predictor", "train", "--metrics", metrics, "--out", str(model), "--method", "robust-z"]) == 0
+    return d, metrics, str(model)
+
+
+def test_any_numeric_column_is_used_and_listed(trained, capsys):
+    d, metrics, model = trained
+    from trainguard.predictor.model import PredictorModel
+
+    m = PredictorModel.load(model)
+    assert dict(zip(m.spec.metrics, m.spec.kinds)) == {"latency_ms": "gauge", "retries": "counter",
+                                                       "req_total": "counter"}
+    capsys.readouterr()
+    assert main(["predictor", "metrics", "--metrics", metrics, "--gauge", "retries"]) == 0
+    out = capsys.readouterr().out
+    assert "gpu_ecc_sbe_total" in out and "counter" in out  # the catalog is listed
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  ")}
+    assert "gauge" in lines["latency_ms"] and "(values)" in lines["latency_ms"]
+    assert "gauge" in lines["retries"] and "(declared)" in lines["retries"]
+    assert "counter" in lines["req_total"] and "(name)" in lines["req_total"]
+    assert main(["predictor", "metrics", "--metrics", metrics, "--gauge", "nope"]) == 2
+    assert "--counter/--gauge" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("peer", [True, False])
+def test_score_writes_every_row_even_two_in_one_slot(tmp_path, capsys, peer):
+    # node n1 reports twice inside one 60 s slot (at +10 s): both rows must be scored and written
+    t_dup = 1_700_000_000.0 + 60 * 200 + 10
+    metrics = _fleet(tmp_path / "m.csv", extra=[[t_dup, "n1", 50.0, 10.0, 400.0]])
+    model = tmp_path / "model.json"
+    args = ["predictor", "train", "--metrics", metrics, "--out", str(model), "--method", "robust-z",
+            "--interval", "60"]
+    assert main(args + ([] if peer else ["--no-peer"])) == 0
+    capsys.readouterr()
+    out = tmp_path / "scores.csv"
+    assert main(["predictor", "score", "--model", str(model), "--metrics", metrics, "--out", str(out)]) == 0
+    n_in = sum(1 for _ in open(metrics)) - 1
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == n_in == 1201
+    assert f"scored {n_in} rows" in capsys.readouterr().err
+    assert sorted((r["node"], float(r["timestamp"])) for r in rows) == sorted(
+        (r["node"], float(r["timestamp"])) for r in csv.DictReader(open(metrics)))
+
+
+def test_eval_flags_and_json_without_nan(trained, capsys):
+    d, metrics, model = trained
+    events = _write(d / "e.csv", ["kind"], [])  # no failure: recall is undefined (null, not NaN)
+    capsys.readouterr()
+    assert main(["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events, "--json",
+                 "--horizon", "3600", "--lead", "300", "--cooldown", "600", "--budget", "20"]) == 0
+    out = _no_nan_json(capsys.readouterr().out)
+    assert out["eval_config"]["horizon_s"] == 3600 and out["eval_config"]["min_lead_s"] == 300
+    assert out["eval_config"]["cooldown_s"] == 600 and out["budget_per_100_node_days"] == 20
+    assert out["recall"] is None and out["threshold_mode"] == "online per node"
+    assert main(["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events,
+                 "--lead", "4000"]) == 2
+    assert "--min-lead 4000 must be below --horizon 1800" in capsys.readouterr().err
+
+
+def test_resample_other_and_mixed_intervals(trained, tmp_path, capsys):
+    _, _, model = trained  # trained at 60 s
+    rng = np.random.default_rng(1)
+    rows = []
+    t = 1_700_000_000.0
+    for i in range(1500):  # 10-20 s jittered samples of three nodes
+        t += float(rng.uniform(10, 20))
+        for k in range(3):
+            rows.append([t + k * 0.1, f"n{k}", 50 + rng.standard_normal(), float(i // 30), float(2 * i)])
+    fine = _write(tmp_path / "fine.csv", ["latency_ms", "retries", "req_total"], rows)
+    capsys.readouterr()
+    assert main(["predictor", "score", "--model", model, "--metrics", fine, "--out", str(tmp_path / "s.csv")]) == 2
+    assert "--resample 60" in capsys.readouterr().err
+    assert main(["predictor", "score", "--model", model, "--metrics", fine, "--out", str(tmp_path / "s.csv"),
+                 "--resample", "60"]) == 0
+    err = capsys.readouterr().err
+    assert "resampled to 60 s" in err
+    scored = list(csv.DictReader((tmp_path / "s.csv").open()))
+    slots = {(r[1], int(r[0] // 60)) for r in rows}  # one row per node and occupied 60 s slot
+    assert len(scored) == len(slots) and all(float(r["timestamp"]) % 60 == 0 for r in scored)
+
+
+def test_hourly_data_error_names_the_window_flags(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    hourly = _write(tmp_path / "h.csv", ["cpu"], [[3600.0 * i, "a", 40 + rng.standard_normal()] for i in range(500)])
+    assert main(["predictor", "train", "--metrics", hourly, "--out", str(tmp_path / "m.json"),
+                 "--short-window", "300"]) == 2
+    err = capsys.readouterr().err
+    assert "--short-window" in err and "--long-window" in err and "\n" not in err.strip()
+    # without window flags they are derived from the hourly interval
+    assert main(["predictor", "train", "--metrics", hourly, "--out", str(tmp_path / "m.json")]) == 0
+    assert "interval 3600 s, windows 18000/" in capsys.readouterr().out
+
+
+def test_long_gap_is_a_gap_not_a_maximal_score(trained, tmp_path):
+    from trainguard.predictor.runtime import PredictorRuntime
+
+    _, _, model = trained
+    rt = PredictorRuntime.load(model)
+    rng = np.random.default_rng(3)
+    t, c, tot = 1_800_000_000.0, 0.0, 0.0
+    scores = []
+    for i in range(300):
+        t += 60.0 if i != 200 else 6 * 3600.0  # six hours without telemetry
+        c += float(rng.random() < 0.05)
+        tot += float(rng.integers(0, 3))
+        s = rt.observe_many(t, {f"n{k}": {"latency_ms": 50 + rng.standard_normal(), "retries": c, "req_total": tot}
+                                for k in range(3)})["n0"]
+        scores.append(s)
+    after = scores[200]
+    assert not any(f.startswith("telemetry.") for f, _ in after.top_features)
+    quiet = np.percentile([s.score for s in scores[100:200]], 99)
+    assert after.score <= max(quiet, 0.5), (after.score, quiet)
