@@ -88,6 +88,8 @@ class NodeConfig:
         predictor_interval_s: seconds between two predictor scores. Default 5.0.
         drain_grace_s: seconds from a predictor alarm (workers advised to checkpoint now) to asking the
             coordinator to replace this node. Default 30.0.
+        coordinator_channel: opens the channel to ``coordinator`` (TLS, client certificate and job token of
+            :class:`trainguard.recovery.rpc_security.RpcSecurity`); None dials plaintext without a token.
     """
 
     job: str
@@ -115,6 +117,7 @@ class NodeConfig:
     checkpoint_dir: str | None = None
     predictor_interval_s: float = 5.0
     drain_grace_s: float = 30.0
+    coordinator_channel: Callable[[str], grpc.Channel] | None = None
 
 
 @dataclass
@@ -687,7 +690,8 @@ class NodeAgent:
         Raises:
             CoordinatorUnavailableError: registration failed.
         """
-        self._channel = grpc.insecure_channel(self.config.coordinator)
+        dial = self.config.coordinator_channel or grpc.insecure_channel
+        self._channel = dial(self.config.coordinator)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._register(self.config.coordinator_patience_s)
         self._start_detectors()

@@ -60,6 +60,10 @@ def run_job(args: argparse.Namespace) -> RunResult:
         UsageError: bad arguments (missing script, bad counts, unwritable checkpoint directory).
         ConfigError: unknown detector, or an unusable ``--detector-config`` file.
     """
+    from trainguard.agent.run_deploy import apply_slurm, run_security, start_run_extras
+
+    apply_slurm(args)  # SLURM_* fill the flags left at their defaults (no-op outside Slurm)
+    server_security, client_security = run_security(args)
     if args.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     if args.max_restarts < 0:
@@ -92,7 +96,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
             # One node has nowhere else to go: a hardware fault restarts the job on it (the budget still bounds it).
             JobSpec(job=job, nnodes=args.nnodes, max_restarts=args.max_restarts, heartbeat_interval_s=0.2,
                     hold_unhealthy=args.nnodes > 1),
-            listen=args.coordinator_listen,
+            listen=args.coordinator_listen, security=server_security,
         ).start()
         coordinator = server.target
         if args.nnodes > 1:
@@ -135,6 +139,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         checkpoint_dir=args.checkpoint_dir,
         predictor_interval_s=args.predictor_interval_s,
         drain_grace_s=args.drain_grace_s,
+        coordinator_channel=client_security.channel,
     )
     from trainguard.agent.sdnotify import SystemdNotifier
 
@@ -145,13 +150,17 @@ def run_job(args: argparse.Namespace) -> RunResult:
     grpc_server, _ = serve(agent, config.socket_path)
     restore = install_signal_handlers(agent)
     t0 = time.time()
+    extras = None
     try:
+        extras = start_run_extras(args, agent, config.socket_path)  # /metrics, health, `trainguard status`
         try:
             code = agent.run()
             message = agent.final_message or ("stopped by signal" if code == 130 else "")
         except JobFailedError as exc:
             code, message = 1, str(exc)
     finally:
+        if extras is not None:
+            extras.stop()
         restore()
         grpc_server.stop(0.5).wait()
         if server is not None:

@@ -28,6 +28,7 @@ import logging
 import re
 import threading
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -37,6 +38,9 @@ from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, In
                                         RecoveryError, RequestError, SlotTakenError, StaleGenerationError,
                                         StaleLeaseError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.store import Store
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainguard.recovery.rpc_security import RpcSecurity
 
 log = logging.getLogger(__name__)
 
@@ -242,26 +246,39 @@ class CoordinatorServer:
         listen: ``host:port`` to bind (port 0 picks a free one).
         store: an opened store to use instead of ``spec.store``.
         max_workers: gRPC handler threads (handlers wait on group commits, so more threads mean bigger batches).
+        security: TLS / mutual TLS and the job token (:mod:`trainguard.recovery.rpc_security`); None: plaintext,
+            no token.
 
     Raises:
         CoordinatorError: the address cannot be bound.
         StoreError: the store cannot be opened or holds corrupt state.
+        SecurityConfigError: a TLS file is unreadable or does not match its key.
     """
 
     def __init__(self, spec: JobSpec, listen: str = "127.0.0.1:0", store: Store | None = None,
-                 max_workers: int = 256) -> None:
+                 max_workers: int = 256, security: "RpcSecurity | None" = None) -> None:
+        from trainguard.recovery.observe import CoordinatorWatch
+        from trainguard.recovery.rpc_security import RpcSecurity
+
+        security = security or RpcSecurity()
         self.service = CoordinatorService(spec, store=store)
         self.core = self.service.core
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="coordinator"),
+            interceptors=security.server_interceptors(),
             options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                      ("grpc.so_reuseport", 0)],
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self._server)
+        self.watch = CoordinatorWatch(self.core)  # grpc.health.v1, cordon events, recovery times
+        self.watch.health.add_to_server(self._server)
         try:
-            self.port = self._server.add_insecure_port(listen)
+            self.port = security.add_port(self._server, listen)
         except RuntimeError:
             self.port = 0
+        except Exception:
+            self.core.close()  # a bad certificate: release the store before refusing
+            raise
         if self.port == 0:
             self.core.close()
             raise CoordinatorError(f"cannot listen on {listen}: address in use or not local; pick another "
@@ -290,11 +307,13 @@ class CoordinatorServer:
         """Starts serving; returns self."""
         self._server.start()
         self._reaper.start()
+        self.watch.start()
         return self
 
     def stop(self, grace_s: float = 0.5) -> None:
         """Stops serving, waits for in-flight calls up to ``grace_s`` seconds, flushes the store."""
         self._stop.set()
+        self.watch.stop()
         self._server.stop(grace_s).wait()
         if self._reaper.is_alive():
             self._reaper.join(timeout=5)
