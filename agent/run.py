@@ -152,7 +152,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
     t0 = time.time()
     extras = None
     try:
-        extras = start_run_extras(args, agent, config.socket_path)  # /metrics, health, `trainguard status`
+        extras = start_run_extras(args, agent, config.socket_path, server)  # /metrics, health, status, linger
         try:
             code = agent.run()
             message = agent.final_message or ("stopped by signal" if code == 130 else "")

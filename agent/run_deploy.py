@@ -275,12 +275,16 @@ class RunExtras:
     health_port: int = 0
     health: object | None = None
     registration: str | None = None
+    coordinator: object | None = None
     _watch: object | None = field(default=None, repr=False)
 
     def stop(self) -> None:
-        """Marks health NOT_SERVING, stops the servers, removes the status registration."""
+        """Lets an embedded coordinator tell the other nodes the job's end, marks health NOT_SERVING, stops the
+        servers, removes the status registration."""
         from trainguard.agent.job_registry import unregister
 
+        if self.coordinator is not None:
+            linger_until_peers_told(self.coordinator)
         if self._watch is not None:
             self._watch.set()  # type: ignore[attr-defined]
         if self.health is not None:
@@ -293,8 +297,48 @@ class RunExtras:
             unregister(self.registration)
 
 
-def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: str | None) -> RunExtras:
+def linger_until_peers_told(server, timeout_s: float | None = None) -> bool:
+    """Keeps an embedded coordinator serving until every other live node heartbeated after the job ended.
+
+    The first node of a multi-node job embeds the coordinator; if it went away as soon as its own workers
+    finished, the other nodes would never hear that the job is over and would keep heartbeating into the void.
+
+    Args:
+        server: the embedded :class:`~trainguard.recovery.service.CoordinatorServer`.
+        timeout_s: longest wait, seconds (default: the job's lease timeout).
+
+    Returns:
+        True when every live node was told (or the job is not over, so there is nothing to tell).
+    """
+    import time
+
+    from trainguard.recovery.policy import Phase
+
+    core = server.core
+    if core.state.phase not in (Phase.SUCCEEDED, Phase.FAILED) or core.spec.nnodes <= 1:
+        return True
+    since = time.monotonic()
+    deadline = since + (core.spec.lease_timeout_s if timeout_s is None else timeout_s)
+    while time.monotonic() < deadline:
+        members = core.members()
+        waiting = [m for m in members.values() if m.alive and m.last_seen < since]
+        # Our own agent stopped heartbeating when its workers ended; every *other* live node must check in.
+        if len(waiting) <= 1:
+            return True
+        time.sleep(0.05)
+    log.warning("stopping the embedded coordinator before every node heard that the job ended")
+    return False
+
+
+def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: str | None,
+                     coordinator=None) -> RunExtras:
     """Starts /metrics and the health port the flags ask for, and registers the run for ``trainguard status``.
+
+    Args:
+        args: parsed ``trainguard run`` flags.
+        agent: this node's agent.
+        socket_path: its unix socket (registered for ``trainguard status``).
+        coordinator: the embedded coordinator server, if any (kept up at the end until the peers know).
 
     Raises:
         UsageError: an address cannot be bound.
@@ -306,7 +350,7 @@ def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: 
     from trainguard.agent.metrics import MetricsServer
     from trainguard.recovery.observe import ServingStatus
 
-    extras = RunExtras()
+    extras = RunExtras(coordinator=coordinator)
     try:
         if getattr(args, "metrics_listen", None):
             try:
