@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 #: Port the embedded coordinator of a Slurm job listens on (``--coordinator-port``).
 DEFAULT_SLURM_COORDINATOR_PORT = 29400
+#: Default of ``--coordinator-port``.
+COORDINATOR_PORT_ENV = "TRAINGUARD_COORDINATOR_PORT"
 #: Health service name of the job this ``trainguard run`` runs.
 RUN_SERVICE = "trainguard.run"
 
@@ -49,9 +51,13 @@ def add_run_deploy_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Slurm")
     g.add_argument("--no-slurm", dest="slurm", action="store_false",
                    help="ignore SLURM_* variables (default: use them to fill flags left at their defaults)")
-    g.add_argument("--coordinator-port", type=int, default=DEFAULT_SLURM_COORDINATOR_PORT, metavar="PORT",
-                   help=f"port of the coordinator the first Slurm node embeds (default "
+    g.add_argument("--coordinator-port", type=int, metavar="PORT",
+                   default=int(os.environ.get(COORDINATOR_PORT_ENV) or DEFAULT_SLURM_COORDINATOR_PORT),
+                   help=f"port of the coordinator the first Slurm node embeds (default ${COORDINATOR_PORT_ENV} or "
                         f"{DEFAULT_SLURM_COORDINATOR_PORT})")
+    g.add_argument("--cordon-command", default=None, metavar="TEMPLATE",
+                   help="embedded coordinator: run this per node it cordons, e.g. 'sudo scontrol update "
+                        "nodename={host} state=drain reason={reason}' (fields {node} {host} {job} {reason})")
     g = p.add_argument_group("joining a coordinator over TLS / mutual TLS")
     g.add_argument("--coordinator-ca", default=None, metavar="FILE",
                    help="PEM CA bundle: dial the coordinator over TLS and verify it")
@@ -276,6 +282,7 @@ class RunExtras:
     health: object | None = None
     registration: str | None = None
     coordinator: object | None = None
+    cordon: object | None = None
     _watch: object | None = field(default=None, repr=False)
 
     def stop(self) -> None:
@@ -285,6 +292,8 @@ class RunExtras:
 
         if self.coordinator is not None:
             linger_until_peers_told(self.coordinator)
+        if self.cordon is not None:
+            self.cordon.stop()  # type: ignore[attr-defined]
         if self._watch is not None:
             self._watch.set()  # type: ignore[attr-defined]
         if self.health is not None:
@@ -385,6 +394,11 @@ def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: 
             log.info("grpc.health.v1 on port %d", extras.health_port)
         if socket_path:
             extras.registration = register(agent.config.job, socket_path)
+        if coordinator is not None and getattr(args, "cordon_command", None):
+            from trainguard.recovery.cordon import CommandCordon, CordonDispatcher
+
+            extras.cordon = CordonDispatcher([CommandCordon(args.cordon_command)]).start()
+            coordinator.watch.add_cordon_listener(extras.cordon.submit)  # type: ignore[attr-defined]
     except BaseException:
         extras.stop()
         raise
