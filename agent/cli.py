@@ -13,6 +13,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Run a training script on this node with torchrun's environment; restart all "
                                    "ranks in a new generation when one fails.")
     add_run_arguments(p)
+    from trainguard.agent.run_deploy import add_run_deploy_arguments
+
+    add_run_deploy_arguments(p)  # Slurm, coordinator TLS/token, /metrics, health
     p.set_defaults(handler=_run)
 
     p = sub.add_parser("demo", help="train on 2 workers, SIGKILL one mid-run, show the recovery")

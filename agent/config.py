@@ -121,7 +121,9 @@ class GrpcSection:
 
     Attributes:
         listen: TCP ``HOST:PORT`` for remote callers (health checkers, ``trainguard status --target``); ``""``
-            disables TCP. Port 0 picks a free port (logged). Default ``0.0.0.0:7350``.
+            disables TCP. Port 0 picks a free port (logged). Default ``127.0.0.1:7350``: the TCP listener
+            serves the same methods as the socket, so expose it beyond the host only with TLS (``[tls]``,
+            mutual TLS with ``client_ca_file``).
         socket: unix socket path for local workers and ``trainguard status``; ``""`` disables it. Default
             ``/run/trainguard/agent.sock``.
         socket_mode: permission bits of the unix socket; must grant nothing to "other". Default ``0o660``.
@@ -134,7 +136,7 @@ class GrpcSection:
         reflection: serve gRPC server reflection (for grpcurl and debugging). Default true.
     """
 
-    listen: str = "0.0.0.0:7350"
+    listen: str = "127.0.0.1:7350"
     socket: str = "/run/trainguard/agent.sock"
     socket_mode: int = 0o660
     max_request_bytes: int = 65536

@@ -103,6 +103,8 @@ class NodeConfig:
             (:mod:`trainguard.agent.worker_store`); else rank 0 hosts it. Default True.
         standby_after_s: arm the warm standbys once the generation has run this long even if no worker reported
             a step through the hook (plain scripts never do). Default 3.0.
+        coordinator_channel: opens the channel to ``coordinator`` (TLS, client certificate and job token of
+            :class:`trainguard.recovery.rpc_security.RpcSecurity`); None dials plaintext without a token.
     """
 
     job: str
@@ -138,6 +140,7 @@ class NodeConfig:
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     host_store: bool = True
     standby_after_s: float = 3.0
+    coordinator_channel: Callable[[str], grpc.Channel] | None = None
 
 
 @dataclass
@@ -660,7 +663,8 @@ class NodeAgent:
             from trainguard.agent.worker_store import preload
 
             preload()  # torch for the workers' store, imported while the node registers
-        self._channel = grpc.insecure_channel(self.config.coordinator)
+        dial = self.config.coordinator_channel or grpc.insecure_channel
+        self._channel = dial(self.config.coordinator)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._register(self.config.coordinator_patience_s)
         self._start_detectors()

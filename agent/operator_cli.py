@@ -37,7 +37,8 @@ _SEEN_IDS = 4096
 def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     """Flags choosing and securing the agent to talk to."""
     p.add_argument("--socket", default=None, metavar="PATH",
-                   help=f"unix socket of the local agent (default ${SOCKET_ENV} or {DEFAULT_SOCKET})")
+                   help=f"unix socket of the local agent (default ${SOCKET_ENV}, the daemon's {DEFAULT_SOCKET}, "
+                        "else the newest `trainguard run` on this host)")
     p.add_argument("--target", default=None, metavar="HOST:PORT", help="a remote agent's TCP address")
     p.add_argument("--ca", default=None, metavar="FILE", help="PEM CA bundle: use TLS to --target and verify it")
     p.add_argument("--cert", default=None, metavar="FILE", help="PEM client certificate (mutual TLS)")
@@ -86,8 +87,13 @@ def open_channel(args: argparse.Namespace) -> tuple[grpc.Channel, str]:
             creds = channel_credentials(TlsFiles(args.cert or "", args.key or "", args.ca or ""))
             return grpc.secure_channel(args.target, creds, options), f"{args.target} (TLS)"
         return grpc.insecure_channel(args.target), args.target
-    path = args.socket or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
-    return grpc.insecure_channel(f"unix:{path}"), f"unix:{path}"
+    if args.socket:
+        path, origin = args.socket, "--socket"
+    else:
+        from trainguard.agent.job_registry import default_socket
+
+        path, origin = default_socket()  # env, the daemon, else the newest `trainguard run` on this host
+    return grpc.insecure_channel(f"unix:{path}"), f"unix:{path} ({origin})"
 
 
 def _unreachable(address: str, exc: grpc.RpcError) -> AgentError:

@@ -61,7 +61,10 @@ def run_job(args: argparse.Namespace) -> RunResult:
         ConfigError: unknown detector, or an unusable ``--detector-config`` file.
     """
     from trainguard.agent import run_torchrun as tr
+    from trainguard.agent.run_deploy import apply_slurm, run_security, start_run_extras
 
+    apply_slurm(args)  # SLURM_* fill the flags left at their defaults (no-op outside Slurm)
+    server_security, client_security = run_security(args)
     nproc = tr.resolve_nproc(args.nproc_per_node)
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
@@ -103,7 +106,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
                 JobSpec(job=job, nnodes=rdzv.min_nodes, max_restarts=args.max_restarts, heartbeat_interval_s=0.2,
                         hold_unhealthy=rdzv.max_nodes > 1, allow_shrink=rdzv.max_nodes > rdzv.min_nodes,
                         min_nodes=rdzv.min_nodes),
-                listen=rdzv.listen,
+                listen=rdzv.listen, security=server_security,
             ).start()
         except Exception as exc:
             raise UsageError(f"cannot embed the coordinator on {rdzv.listen}: {exc}; pick another "
@@ -157,6 +160,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         virtual_local_rank=args.virtual_local_rank,
         **({"poll_s": args.monitor_interval} if args.monitor_interval is not None else {}),
         **({"stop_grace_s": float(args.shutdown_timeout)} if args.shutdown_timeout is not None else {}),
+        coordinator_channel=client_security.channel,
     )
     from trainguard.agent.sdnotify import SystemdNotifier
 
@@ -167,13 +171,17 @@ def run_job(args: argparse.Namespace) -> RunResult:
     grpc_server, _ = serve(agent, config.socket_path)
     restore = install_signal_handlers(agent, signals)
     t0 = time.time()
+    extras = None
     try:
+        extras = start_run_extras(args, agent, config.socket_path, server)  # /metrics, health, status, linger
         try:
             code = agent.run()
             message = agent.final_message or ("stopped by signal" if code == 130 else "")
         except JobFailedError as exc:
             code, message = 1, str(exc)
     finally:
+        if extras is not None:
+            extras.stop()
         restore()
         grpc_server.stop(0.5).wait()
         if server is not None:

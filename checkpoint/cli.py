@@ -40,6 +40,7 @@ def register(subparsers: Any) -> None:
     common(q)
     q.add_argument("--keep", type=int, required=True, help="committed steps to keep (>= 1)")
     q.add_argument("--shm", default=None, help="also delete this job's shared-memory arena under this root")
+    q.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     q.set_defaults(handler=_gc)
 
     q = sub.add_parser("export", help="write a committed step in torch.distributed.checkpoint's layout "
@@ -179,10 +180,34 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def gc_plan(store: Any, keep: int) -> list[int]:
+    """The steps ``ckpt gc --keep KEEP`` deletes, without deleting them (what ``StepStore.retain`` removes, plus
+    torn steps older than the newest commit).
+
+    Args:
+        store: the job's step store.
+        keep: committed steps to keep (>= 1).
+
+    Returns:
+        The steps, ascending.
+    """
+    complete = sorted(s for s, _ in store.committed_steps())
+    newest = complete[-1] if complete else -1
+    oldest_kept = complete[-keep] if len(complete) > keep else None
+    return sorted(s for s in store.list_steps()
+                  if (oldest_kept is not None and s < oldest_kept) or (s not in complete and s < newest))
+
+
 def _gc(args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise CheckpointError("--keep must be >= 1")
     store = _store(args.directory, args.job)
+    if getattr(args, "dry_run", False):
+        plan = gc_plan(store, args.keep)
+        print(f"would remove {len(plan)} step(s): {plan}" if plan else "nothing to remove")
+        if args.shm:
+            print(f"would remove the shared-memory arena under {args.shm}")
+        return 0
     removed = store.retain(args.keep)
     complete = {s for s, _ in store.committed_steps()}
     newest = max(complete) if complete else -1

@@ -75,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit once the job succeeded (0) or failed (1) and every node was told")
+    from trainguard.recovery.deploy_cli import add_coordinator_deploy_arguments
+
+    add_coordinator_deploy_arguments(p)  # TLS, token, /metrics, health port, cordon hooks
     p.set_defaults(handler=handle_coordinator)
 
 
@@ -87,6 +90,8 @@ def handle_coordinator(args: argparse.Namespace) -> int:
     Raises:
         UsageError: bad flags, unusable store or address.
     """
+    from trainguard.errors import ConfigError
+    from trainguard.recovery.deploy_cli import coordinator_security, start_coordinator_extras
     from trainguard.recovery.errors import RecoveryError
     from trainguard.recovery.policy import Phase
     from trainguard.recovery.service import CoordinatorServer, JobSpec
@@ -99,15 +104,27 @@ def handle_coordinator(args: argparse.Namespace) -> int:
     try:
         if spec.store.startswith("sqlite://") and not args.store:
             Path(spec.store[len("sqlite://"):]).parent.mkdir(parents=True, exist_ok=True)
-        server = CoordinatorServer(spec, listen=args.listen).start()
-    except (RecoveryError, OSError) as exc:
+        security = coordinator_security(args)
+        server = CoordinatorServer(spec, listen=args.listen, security=security)
+    except (RecoveryError, ConfigError, OSError) as exc:
         raise UsageError(f"cannot start the coordinator: {exc}") from exc
+    try:
+        extras = start_coordinator_extras(args, server)
+    except BaseException:
+        server.stop(0)
+        raise
+    server.start()
     if args.port_file:
         tmp = args.port_file + ".tmp"
         Path(tmp).write_text(str(server.port))
         os.replace(tmp, args.port_file)
-    log.info("coordinator for job %r serving on %s:%d, store %s (fence epoch %d)", spec.job, server.host,
-             server.port, spec.store, server.core.fence.epoch)
+    log.info("coordinator for job %r serving on %s:%d (%s), store %s (fence epoch %d)%s", spec.job, server.host,
+             server.port, security.describe(), spec.store, server.core.fence.epoch,
+             "".join("; " + n for n in extras.notes))
+    if not security.token and not security.tls.ca_file and server.host not in ("127.0.0.1", "localhost", "[::1]"):
+        log.warning("anyone who reaches %s:%d can order restarts and drains of job %r: set a job token "
+                    "($TRAINGUARD_JOB_TOKEN_FILE) and/or mutual TLS (--tls-client-ca)", server.host, server.port,
+                    spec.job)
     print(f"trainguard: coordinator for job {spec.job!r} listening on {server.host}:{server.port}", file=sys.stderr,
           flush=True)
     stop = threading.Event()
@@ -131,5 +148,6 @@ def handle_coordinator(args: argparse.Namespace) -> int:
                     print(f"trainguard: job {spec.job} {phase.name.lower()}: {core.state.message}", file=sys.stderr)
                     break
     finally:
+        extras.stop()
         server.stop(1.0)
     return code

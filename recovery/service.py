@@ -30,6 +30,7 @@ import re
 import threading
 from collections.abc import Sequence
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -41,6 +42,9 @@ from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, In
                                         RecoveryError, RequestError, SlotTakenError, StaleGenerationError,
                                         StaleLeaseError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.store import Store
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainguard.recovery.rpc_security import RpcSecurity
 
 log = logging.getLogger(__name__)
 
@@ -244,12 +248,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._refuse(context, "CommitCheckpoint", exc)
 
 
-def build_grpc_server(max_workers: int, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
-    """The coordinator's gRPC server: the shared request guard first, then ``interceptors`` in order.
+def build_grpc_server(max_workers: int, interceptors: Sequence[grpc.ServerInterceptor] = (),
+                      auth: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
+    """The coordinator's gRPC server: ``auth`` first, then the shared request guard, then ``interceptors``.
+
+    Authentication runs before the guard so an unauthenticated caller is refused (UNAUTHENTICATED) before any
+    of its bytes are parsed.
 
     Args:
         max_workers: handler threads.
-        interceptors: more server interceptors (authentication, metrics...), run after the guard.
+        interceptors: more server interceptors (metrics...), run after the guard.
+        auth: authentication interceptors (the job token check), run before the guard.
 
     Returns:
         The server, with no service or port added yet.
@@ -257,7 +266,7 @@ def build_grpc_server(max_workers: int, interceptors: Sequence[grpc.ServerInterc
     guard = RequestGuard(COORDINATOR_SERVICE, MAX_REQUEST_BYTES)
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="coordinator"),
-        interceptors=[guard, *interceptors],
+        interceptors=[*auth, guard, *interceptors],
         options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                  ("grpc.so_reuseport", 0)],
     )
@@ -271,23 +280,37 @@ class CoordinatorServer:
         listen: ``host:port`` to bind (port 0 picks a free one).
         store: an opened store to use instead of ``spec.store``.
         max_workers: gRPC handler threads (handlers wait on group commits, so more threads mean bigger batches).
-        interceptors: server interceptors run after the shared request guard (see :func:`build_grpc_server`).
+        interceptors: server interceptors run after the token check and the shared request guard (see
+            :func:`build_grpc_server`).
+        security: TLS / mutual TLS and the job token (:mod:`trainguard.recovery.rpc_security`); None: plaintext,
+            no token.
 
     Raises:
         CoordinatorError: the address cannot be bound.
         StoreError: the store cannot be opened or holds corrupt state.
+        SecurityConfigError: a TLS file is unreadable or does not match its key.
     """
 
     def __init__(self, spec: JobSpec, listen: str = "127.0.0.1:0", store: Store | None = None,
-                 max_workers: int = 256, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> None:
+                 max_workers: int = 256, interceptors: Sequence[grpc.ServerInterceptor] = (),
+                 security: "RpcSecurity | None" = None) -> None:
+        from trainguard.recovery.observe import CoordinatorWatch
+        from trainguard.recovery.rpc_security import RpcSecurity
+
+        security = security or RpcSecurity()
         self.service = CoordinatorService(spec, store=store)
         self.core = self.service.core
-        self._server = build_grpc_server(max_workers, interceptors)
+        self._server = build_grpc_server(max_workers, interceptors, auth=security.server_interceptors())
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self._server)
+        self.watch = CoordinatorWatch(self.core)  # grpc.health.v1, cordon events, recovery times
+        self.watch.health.add_to_server(self._server)
         try:
-            self.port = self._server.add_insecure_port(listen)
+            self.port = security.add_port(self._server, listen)
         except RuntimeError:
             self.port = 0
+        except Exception:
+            self.core.close()  # a bad certificate: release the store before refusing
+            raise
         if self.port == 0:
             self.core.close()
             raise CoordinatorError(f"cannot listen on {listen}: address in use or not local; pick another "
@@ -316,11 +339,13 @@ class CoordinatorServer:
         """Starts serving; returns self."""
         self._server.start()
         self._reaper.start()
+        self.watch.start()
         return self
 
     def stop(self, grace_s: float = 0.5) -> None:
         """Stops serving, waits for in-flight calls up to ``grace_s`` seconds, flushes the store."""
         self._stop.set()
+        self.watch.stop()
         self._server.stop(grace_s).wait()
         if self._reaper.is_alive():
             self._reaper.join(timeout=5)

@@ -16,7 +16,9 @@ Backends, chosen by URL (:func:`open_store`), registered by scheme in :data:`BAC
 ``file:///abs/path/dir``               One JSON document rewritten per commit (write temp, fsync, rename,
                                        fsync dir) under an ``flock``; simple and inspectable, for small jobs.
 ``etcd://host:port[,host:port][/prefix]``  etcd v3 (3.4+) through its JSON gRPC gateway (``/v3/kv/*``) with the
-                                       standard library; a commit is one etcd transaction.
+                                       standard library; a commit is one etcd transaction. TLS, client
+                                       certificates and etcd users: ``?ca=&cert=&key=``, ``user@host``
+                                       (:mod:`trainguard.recovery.etcd_security`).
 ``memory://``                          In-process only (the coordinator embedded in a single-node ``trainguard
                                        run``, and tests): nothing survives the process.
 =====================================  ==========================================================================
@@ -42,8 +44,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainguard.recovery.errors import FencedError, StoreError, StoreURLError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainguard.recovery.etcd_security import EtcdSecurity
 
 
 @dataclass(frozen=True)
@@ -436,15 +442,21 @@ class EtcdStore(Store):
 
     max_ops_per_commit = 127  # etcd --max-txn-ops default 128, one slot kept for the fencing compare
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str = "", timeout_s: float = 10.0) -> None:
+    def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str = "", timeout_s: float = 10.0,
+                 security: "EtcdSecurity | None" = None) -> None:
         if not endpoints:
             raise StoreURLError("etcd store needs at least one host:port endpoint, e.g. etcd://127.0.0.1:2379")
+        from trainguard.recovery.etcd_security import EtcdSecurity
+
         self._endpoints = list(endpoints)
         self._prefix = prefix
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._conn: http.client.HTTPConnection | None = None
         self._current = 0
+        self._security = security or EtcdSecurity()  # TLS / client certificate / user (etcd_security.py)
+        self._ssl = self._security.ssl_context()
+        self._auth_token = ""
 
     # -- transport
     def _post(self, path: str, body: dict[str, object]) -> dict[str, object]:
@@ -455,10 +467,13 @@ class EtcdStore(Store):
                 host, port = self._endpoints[self._current]
                 try:
                     if self._conn is None:
-                        self._conn = http.client.HTTPConnection(host, port, timeout=self._timeout_s)
-                    self._conn.request("POST", path, data, {"Content-Type": "application/json"})
-                    resp = self._conn.getresponse()
-                    payload = resp.read()
+                        self._conn = http.client.HTTPSConnection(host, port, timeout=self._timeout_s,
+                                                                 context=self._ssl) if self._ssl else \
+                            http.client.HTTPConnection(host, port, timeout=self._timeout_s)
+                    resp, payload = self._request(path, data)
+                    if resp.status == 401 and self._security.user and path != "/v3/auth/authenticate":
+                        self._auth_token = ""  # expired (etcd's simple tokens live 5 minutes): log in again
+                        resp, payload = self._request(path, data)
                     if resp.status != 200:
                         raise StoreError(f"etcd at {host}:{port} answered {resp.status} to {path}: "
                                          f"{payload[:200].decode(errors='replace')}")
@@ -471,6 +486,23 @@ class EtcdStore(Store):
                     self._current = (self._current + 1) % len(self._endpoints)
         raise StoreError(f"no etcd endpoint answered ({'; '.join(errors)}): check that etcd runs and the "
                          "store URL lists its client address")
+
+    def _request(self, path: str, data: bytes) -> tuple[http.client.HTTPResponse, bytes]:
+        """One POST on the open connection, logging in first when a user is configured (lock held)."""
+        assert self._conn is not None
+        headers = {"Content-Type": "application/json"}
+        if self._security.user and path != "/v3/auth/authenticate":
+            if not self._auth_token:
+                body = json.dumps({"name": self._security.user, "password": self._security.password}).encode()
+                resp, payload = self._request("/v3/auth/authenticate", body)
+                if resp.status != 200:
+                    raise StoreError(f"etcd refused the login of user {self._security.user!r} ({resp.status}: "
+                                     f"{payload[:200].decode(errors='replace')}); check the password file")
+                self._auth_token = str(json.loads(payload).get("token", ""))
+            headers["Authorization"] = self._auth_token
+        self._conn.request("POST", path, data, headers)
+        resp = self._conn.getresponse()
+        return resp, resp.read()
 
     @staticmethod
     def _b64(raw: bytes) -> str:
@@ -657,15 +689,18 @@ def _open_sqlite(url: urllib.parse.SplitResult) -> Store:
 
 @register_backend("etcd")
 def _open_etcd(url: urllib.parse.SplitResult) -> Store:
+    from trainguard.recovery.etcd_security import etcd_security
+
+    security = etcd_security(url)  # ?ca=&cert=&key=&password_file= and user@ (see etcd_security.py)
     endpoints = []
-    for part in url.netloc.split(","):
+    for part in url.netloc.rpartition("@")[2].split(","):
         host, sep, port = part.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise StoreURLError(f"etcd endpoint {part!r} in {url.geturl()!r} is not host:port, e.g. "
                                 "etcd://127.0.0.1:2379")
         endpoints.append((host.strip("[]"), int(port)))
     prefix = url.path.lstrip("/")
-    return EtcdStore(endpoints, prefix=(prefix.rstrip("/") + "/") if prefix else "")
+    return EtcdStore(endpoints, prefix=(prefix.rstrip("/") + "/") if prefix else "", security=security)
 
 
 def open_store(url: str) -> Store:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 
@@ -65,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # that subsystem has no CLI (yet)
             raise
         module.register(sub)
+    from trainguard.cli_support import add_log_format_argument, add_log_format_everywhere
+
+    add_log_format_argument(parser, top_level=True)
+    add_log_format_everywhere(sub)
     return parser
 
 
@@ -79,17 +82,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from trainguard.cli_support import run_quietly_on_closed_pipe, setup_logging
+
+    try:
+        setup_logging(args)
+    except ValueError as exc:
+        print(f"trainguard: error: {exc}", file=sys.stderr)
+        return 2
     handler: Handler | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()
         return 2
     try:
-        return int(handler(args) or 0)
+        return run_quietly_on_closed_pipe(lambda: int(handler(args) or 0))
     except TrainguardError as exc:
         print(f"trainguard: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,411 @@
+"""``trainguard run`` where clusters run it: Slurm's environment, coordinator TLS and token, /metrics, health.
+
+- **Slurm.** Under ``srun`` (one task per node), ``SLURM_*`` fill in the flags left at their defaults: job
+  ``slurm-<SLURM_JOB_ID>``; node id, host and address from the node list (``SLURM_STEP_NODELIST``, else
+  ``SLURM_JOB_NODELIST``, compressed form ``gpu[01-04]`` expanded by python-hostlist) at ``SLURM_NODEID``;
+  ``--node-index`` = ``SLURM_NODEID`` (so GROUP_RANK follows Slurm's node order); ``--nnodes`` = the step's node
+  count; ``--nproc-per-node`` = ``SLURM_GPUS_ON_NODE`` when set. The first node of the list embeds the
+  coordinator on ``0.0.0.0:<--coordinator-port>``, the others join it at ``<first node>:<port>``. So one
+  script runs unchanged under ``srun``; ``--no-slurm`` ignores the variables.
+- **Security.** ``--coordinator-ca`` (verify the coordinator: TLS), ``--coordinator-cert/--coordinator-key``
+  (mutual TLS) and the job token (``--token-file``, ``$TRAINGUARD_JOB_TOKEN_FILE``, ``$TRAINGUARD_JOB_TOKEN``)
+  secure this node's calls; an embedded coordinator serves with ``--tls-cert/--tls-key/--tls-client-ca`` and
+  the same token.
+- **Observability.** ``--metrics-listen HOST:PORT`` serves Prometheus ``/metrics`` (generation, workers per
+  state, faults, recovery times, restarts, last checkpoint step); ``--health-listen HOST:PORT`` serves
+  ``grpc.health.v1`` only (Kubernetes gRPC probes): SERVING while the job runs. The run also registers its
+  socket so ``trainguard status`` on the same host finds it without flags (:mod:`trainguard.agent.job_registry`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Mapping
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from trainguard.agent.tls import TlsFiles
+from trainguard.errors import UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainguard.agent.node import NodeAgent
+    from trainguard.recovery.rpc_security import RpcSecurity
+
+log = logging.getLogger(__name__)
+
+#: Port the embedded coordinator of a Slurm job listens on (``--coordinator-port``).
+DEFAULT_SLURM_COORDINATOR_PORT = 29400
+#: Default of ``--coordinator-port``.
+COORDINATOR_PORT_ENV = "TRAINGUARD_COORDINATOR_PORT"
+#: Health service name of the job this ``trainguard run`` runs.
+RUN_SERVICE = "trainguard.run"
+
+
+def add_run_deploy_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the Slurm, security and observability flags of ``trainguard run``."""
+    g = p.add_argument_group("Slurm")
+    g.add_argument("--no-slurm", dest="slurm", action="store_false",
+                   help="ignore SLURM_* variables (default: use them to fill flags left at their defaults)")
+    g.add_argument("--coordinator-port", type=int, metavar="PORT",
+                   default=int(os.environ.get(COORDINATOR_PORT_ENV) or DEFAULT_SLURM_COORDINATOR_PORT),
+                   help=f"port of the coordinator the first Slurm node embeds (default ${COORDINATOR_PORT_ENV} or "
+                        f"{DEFAULT_SLURM_COORDINATOR_PORT})")
+    g.add_argument("--cordon-command", default=None, metavar="TEMPLATE",
+                   help="embedded coordinator: run this per node it cordons, e.g. 'sudo scontrol update "
+                        "nodename={host} state=drain reason={reason}' (fields {node} {host} {job} {reason})")
+    g = p.add_argument_group("joining a coordinator over TLS / mutual TLS")
+    g.add_argument("--coordinator-ca", default=None, metavar="FILE",
+                   help="PEM CA bundle: dial the coordinator over TLS and verify it")
+    g.add_argument("--coordinator-cert", default=None, metavar="FILE", help="PEM client certificate (mutual TLS)")
+    g.add_argument("--coordinator-key", default=None, metavar="FILE", help="PEM key of --coordinator-cert")
+    g.add_argument("--coordinator-server-name", default=None, metavar="NAME",
+                   help="name expected in the coordinator's certificate (default: the dialled host)")
+    from trainguard.recovery.deploy_cli import add_coordinator_security_arguments
+
+    add_coordinator_security_arguments(p)  # --tls-* of an embedded coordinator, --token-file for both
+    g = p.add_argument_group("observability")
+    g.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
+                   help="serve Prometheus /metrics here (generation, workers, faults, recovery times)")
+    g.add_argument("--health-listen", default=None, metavar="HOST:PORT",
+                   help="serve grpc.health.v1 here (SERVING while the job runs)")
+
+
+# ------------------------------------------------------------------------------------------------------ Slurm
+
+
+@dataclass(frozen=True)
+class SlurmPlacement:
+    """Where this ``trainguard run`` sits in a Slurm step.
+
+    Attributes:
+        job_id: ``SLURM_JOB_ID``.
+        nodes: the step's host names in Slurm order.
+        node_index: ``SLURM_NODEID`` (index into ``nodes``).
+        gpus_on_node: ``SLURM_GPUS_ON_NODE`` (0 when unset).
+    """
+
+    job_id: str
+    nodes: tuple[str, ...]
+    node_index: int
+    gpus_on_node: int = 0
+
+    @property
+    def host(self) -> str:
+        """This node's host name."""
+        return self.nodes[self.node_index]
+
+    @property
+    def first(self) -> bool:
+        """True on the node that embeds the coordinator."""
+        return self.node_index == 0
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "")
+    if not raw:
+        return None
+    head = raw.split("(")[0].split(",")[0]  # SLURM_TASKS_PER_NODE-style "2(x3)" and SLURM_GPUS "4,4"
+    try:
+        return int(head)
+    except ValueError:
+        raise UsageError(f"${name}={raw!r} is not a number; is this a Slurm job step?") from None
+
+
+def slurm_placement(environ: Mapping[str, str] | None = None) -> SlurmPlacement | None:
+    """Reads the placement from ``SLURM_*`` variables; None outside Slurm.
+
+    Raises:
+        UsageError: inconsistent variables (node id outside the list, several tasks per node).
+    """
+    env = os.environ if environ is None else environ
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    if not job_id:
+        return None
+    nodelist_var = next((v for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(v)),
+                        None)
+    if nodelist_var is None:
+        raise UsageError("$SLURM_JOB_ID is set but no SLURM_STEP_NODELIST/SLURM_JOB_NODELIST: start "
+                         "`trainguard run` with srun, or pass --no-slurm")
+    import hostlist
+
+    try:
+        nodes = tuple(hostlist.expand_hostlist(env[nodelist_var]))
+    except hostlist.BadHostlist as exc:
+        raise UsageError(f"${nodelist_var}={env[nodelist_var]!r} is not a Slurm host list ({exc})") from exc
+    node_index = _int_env(env, "SLURM_NODEID")
+    if node_index is None:
+        raise UsageError("$SLURM_NODEID is not set: start `trainguard run` with srun (one task per node), "
+                         "or pass --no-slurm")
+    if not 0 <= node_index < len(nodes):
+        raise UsageError(f"$SLURM_NODEID={node_index} is outside ${nodelist_var} ({len(nodes)} nodes)")
+    step_nodes = _int_env(env, "SLURM_STEP_NUM_NODES") or _int_env(env, "SLURM_NNODES") or len(nodes)
+    tasks = _int_env(env, "SLURM_STEP_NUM_TASKS") or _int_env(env, "SLURM_NTASKS")
+    if tasks is not None and tasks > step_nodes:
+        raise UsageError(f"{tasks} Slurm tasks on {step_nodes} node(s): trainguard run starts the workers of a "
+                         "node itself, so run one task per node (srun --ntasks-per-node=1)")
+    return SlurmPlacement(job_id=job_id, nodes=nodes, node_index=node_index,
+                          gpus_on_node=_int_env(env, "SLURM_GPUS_ON_NODE") or 0)
+
+
+def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> SlurmPlacement | None:
+    """Fills the ``trainguard run`` flags left at their defaults from Slurm's variables (in place).
+
+    Returns:
+        The placement, or None outside Slurm or with ``--no-slurm``.
+
+    Raises:
+        UsageError: see :func:`slurm_placement`.
+    """
+    if not getattr(args, "slurm", True):
+        return None
+    place = slurm_placement(environ)
+    if place is None:
+        return None
+    n = len(place.nodes)
+    if args.job is None and not getattr(args, "rdzv_id", None):
+        args.job = f"slurm-{place.job_id}"
+    if args.node_id is None:
+        args.node_id = place.host
+    if args.host is None:
+        args.host = place.host
+    if args.address is None and not getattr(args, "local_addr", None):
+        args.address = place.host
+    if args.node_index is None:
+        args.node_index = place.node_index
+    if str(args.nproc_per_node) == "1" and place.gpus_on_node > 1:
+        args.nproc_per_node = str(place.gpus_on_node)
+    port = getattr(args, "coordinator_port", DEFAULT_SLURM_COORDINATOR_PORT)
+    # torchrun's own rendezvous flags win over the Slurm mapping: it only fills a job that named no coordinator.
+    explicit = args.coordinator or getattr(args, "rdzv_endpoint", "") or getattr(args, "standalone", False)
+    if not explicit and n > 1:
+        if str(args.nnodes) == "1":
+            args.nnodes = str(n)
+        if place.first:
+            if args.coordinator_listen is None:
+                args.coordinator_listen = f"0.0.0.0:{port}"
+        else:
+            args.coordinator = f"{place.nodes[0]}:{port}"
+    log.info("slurm job %s: node %d of %d (%s), job %s, coordinator %s", place.job_id, place.node_index, n,
+             place.host, args.job, args.coordinator or f"embedded on {args.coordinator_listen}")
+    return place
+
+
+# --------------------------------------------------------------------------------------------------- security
+
+
+def run_security(args: argparse.Namespace) -> tuple["RpcSecurity", "RpcSecurity"]:
+    """The embedded coordinator's server security and this node's client security.
+
+    Raises:
+        SecurityConfigError: inconsistent flags or an unusable token.
+    """
+    from trainguard.recovery.rpc_security import RpcSecurity, token_from
+
+    token = token_from(getattr(args, "token_file", None))
+    server = RpcSecurity(TlsFiles(getattr(args, "tls_cert", None) or "", getattr(args, "tls_key", None) or "",
+                                  getattr(args, "tls_client_ca", None) or ""), token)
+    server.check_server()
+    client = RpcSecurity(TlsFiles(getattr(args, "coordinator_cert", None) or "",
+                                  getattr(args, "coordinator_key", None) or "",
+                                  getattr(args, "coordinator_ca", None) or ""),
+                         token, getattr(args, "coordinator_server_name", None) or "")
+    if getattr(args, "coordinator", None) is None and server.server_tls and not client.client_tls:
+        raise UsageError("the embedded coordinator serves TLS (--tls-cert) but this node would dial it in "
+                         "plaintext: add --coordinator-ca (and --coordinator-cert/--coordinator-key for mTLS)")
+    return server, client
+
+
+# ------------------------------------------------------------------------------------------- observability
+
+
+class RunMetrics:
+    """Prometheus metrics of one ``trainguard run``, read from the node agent at scrape time.
+
+    Series: ``trainguard_run_info{version,job,node}``, ``trainguard_run_generation``,
+    ``trainguard_run_workers{state}``, ``trainguard_run_faults_total``, ``trainguard_run_restarts_total``
+    (generations after the first), ``trainguard_run_recovery_seconds`` (fault -> first resumed step; summary of
+    every recovery), ``trainguard_run_last_checkpoint_step``, ``trainguard_run_predictor_score``.
+    """
+
+    def __init__(self, agent: "NodeAgent") -> None:
+        from prometheus_client import CollectorRegistry, disable_created_metrics
+
+        disable_created_metrics()
+        self.agent = agent
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def collect(self):
+        """Yields the metric families (prometheus-client collector API)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+        from trainguard._version import __version__
+        from trainguard.agent.workers import WorkerState
+
+        a = self.agent
+        info = GaugeMetricFamily("trainguard_run_info", "Identity of this trainguard run (always 1).",
+                                 labels=["version", "job", "node"])
+        info.add_metric([__version__, a.config.job, a.config.node_id], 1)
+        yield info
+        yield GaugeMetricFamily("trainguard_run_generation", "Generation the local workers run (-1 before).",
+                                value=a.generation)
+        counts = {s: 0 for s in WorkerState}
+        group = a.group
+        for w in (group.workers if group is not None else []):
+            counts[w.state] += 1
+        workers = GaugeMetricFamily("trainguard_run_workers", "Local workers per state.", labels=["state"])
+        for state, n in counts.items():
+            workers.add_metric([state.name.lower()], n)
+        yield workers
+        records = list(a.fault_records)
+        yield CounterMetricFamily("trainguard_run_faults", "Worker failures seen on this node.", value=len(records))
+        yield CounterMetricFamily("trainguard_run_restarts", "Generations started after the first.",
+                                  value=max(a.generation - 1, 0))
+        times = [r.recovery_s for r in records if r.recovery_s is not None]
+        yield SummaryMetricFamily("trainguard_run_recovery_seconds", "Fault to first resumed step, seconds.",
+                                  count_value=len(times), sum_value=float(sum(times)))
+        yield GaugeMetricFamily("trainguard_run_last_checkpoint_step", "Newest step reported durable.",
+                                value=a.last_checkpoint_step)
+        yield GaugeMetricFamily("trainguard_run_predictor_score", "Failure risk in [0, 1].", value=a.predictor_score)
+
+
+@dataclass
+class RunExtras:
+    """What :func:`start_run_extras` started around a ``trainguard run``; :meth:`stop` ends it."""
+
+    metrics_server: object | None = None
+    health_server: grpc.Server | None = None
+    health_port: int = 0
+    health: object | None = None
+    registration: str | None = None
+    coordinator: object | None = None
+    cordon: object | None = None
+    _watch: object | None = field(default=None, repr=False)
+
+    def stop(self) -> None:
+        """Lets an embedded coordinator tell the other nodes the job's end, marks health NOT_SERVING, stops the
+        servers, removes the status registration."""
+        from trainguard.agent.job_registry import unregister
+
+        if self.coordinator is not None:
+            linger_until_peers_told(self.coordinator)
+        if self.cordon is not None:
+            self.cordon.stop()  # type: ignore[attr-defined]
+        if self._watch is not None:
+            self._watch.set()  # type: ignore[attr-defined]
+        if self.health is not None:
+            self.health.shutdown()  # type: ignore[attr-defined]
+        if self.health_server is not None:
+            self.health_server.stop(0.5).wait(2)
+        if self.metrics_server is not None:
+            self.metrics_server.close()  # type: ignore[attr-defined]
+        if self.registration:
+            unregister(self.registration)
+
+
+def linger_until_peers_told(server, timeout_s: float | None = None) -> bool:
+    """Keeps an embedded coordinator serving until every other live node heartbeated after the job ended.
+
+    The first node of a multi-node job embeds the coordinator; if it went away as soon as its own workers
+    finished, the other nodes would never hear that the job is over and would keep heartbeating into the void.
+
+    Args:
+        server: the embedded :class:`~trainguard.recovery.service.CoordinatorServer`.
+        timeout_s: longest wait, seconds (default: the job's lease timeout).
+
+    Returns:
+        True when every live node was told (or the job is not over, so there is nothing to tell).
+    """
+    import time
+
+    from trainguard.recovery.policy import Phase
+
+    core = server.core
+    if core.state.phase not in (Phase.SUCCEEDED, Phase.FAILED) or core.spec.nnodes <= 1:
+        return True
+    since = time.monotonic()
+    deadline = since + (core.spec.lease_timeout_s if timeout_s is None else timeout_s)
+    while time.monotonic() < deadline:
+        members = core.members()
+        waiting = [m for m in members.values() if m.alive and m.last_seen < since]
+        # Our own agent stopped heartbeating when its workers ended; every *other* live node must check in.
+        if len(waiting) <= 1:
+            return True
+        time.sleep(0.05)
+    log.warning("stopping the embedded coordinator before every node heard that the job ended")
+    return False
+
+
+def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: str | None,
+                     coordinator=None) -> RunExtras:
+    """Starts /metrics and the health port the flags ask for, and registers the run for ``trainguard status``.
+
+    Args:
+        args: parsed ``trainguard run`` flags.
+        agent: this node's agent.
+        socket_path: its unix socket (registered for ``trainguard status``).
+        coordinator: the embedded coordinator server, if any (kept up at the end until the peers know).
+
+    Raises:
+        UsageError: an address cannot be bound.
+    """
+    import threading
+
+    from trainguard.agent.config import AgentConfigError
+    from trainguard.agent.job_registry import register
+    from trainguard.agent.metrics import MetricsServer
+    from trainguard.recovery.observe import ServingStatus
+
+    extras = RunExtras(coordinator=coordinator)
+    try:
+        if getattr(args, "metrics_listen", None):
+            try:
+                extras.metrics_server = MetricsServer(RunMetrics(agent), args.metrics_listen)  # type: ignore[arg-type]
+            except AgentConfigError as exc:
+                raise UsageError(str(exc).replace("metrics.listen", "--metrics-listen")) from exc
+            log.info("metrics on %s", extras.metrics_server.url)  # type: ignore[attr-defined]
+        if getattr(args, "health_listen", None):
+            health = ServingStatus(("", RUN_SERVICE))
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="run-health"),
+                                 options=[("grpc.so_reuseport", 0)])
+            health.add_to_server(server)
+            try:
+                extras.health_port = server.add_insecure_port(args.health_listen)
+            except RuntimeError:
+                extras.health_port = 0
+            if not extras.health_port:
+                raise UsageError(f"--health-listen {args.health_listen}: cannot listen there (in use or not "
+                                 "local); pick another address")
+            server.start()
+            extras.health, extras.health_server = health, server
+            stop = threading.Event()
+            extras._watch = stop
+
+            def follow() -> None:
+                # SERVING from the moment the agent runs until it stops (the job ended or was stopped).
+                while not stop.wait(0.25):
+                    health.set(not agent.stopping)
+
+            health.set(True)
+            threading.Thread(target=follow, name="run-health", daemon=True).start()
+            log.info("grpc.health.v1 on port %d", extras.health_port)
+        if socket_path:
+            extras.registration = register(agent.config.job, socket_path)
+        if coordinator is not None and getattr(args, "cordon_command", None):
+            from trainguard.recovery.cordon import CommandCordon, CordonDispatcher
+
+            extras.cordon = CordonDispatcher([CommandCordon(args.cordon_command)]).start()
+            coordinator.watch.add_cordon_listener(extras.cordon.submit)  # type: ignore[attr-defined]
+    except BaseException:
+        extras.stop()
+        raise
+    return extras
+
+
+__all__ = ["DEFAULT_SLURM_COORDINATOR_PORT", "RUN_SERVICE", "RunExtras", "RunMetrics", "SlurmPlacement",
+           "add_run_deploy_arguments", "apply_slurm", "run_security", "slurm_placement", "start_run_extras"]

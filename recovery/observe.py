@@ -1,0 +1,233 @@
+"""What the coordinator shows the outside: ``grpc.health.v1``, Prometheus ``/metrics`` and cordon events.
+
+A :class:`CoordinatorWatch` thread samples the coordinator every :data:`WATCH_PERIOD_S` seconds through its
+read-only views (``state``, ``members()``, ``fenced``), so none of this adds a line to the decision code:
+
+- health: ``""`` and ``trainguard.v1.Coordinator`` are SERVING while the coordinator owns its job's store, and
+  NOT_SERVING once another coordinator fenced it off or it is stopping;
+- cordons: a node newly in the policy's cordon list is handed to the cordon listeners (the scheduler hooks of
+  :mod:`trainguard.recovery.cordon`); after a restart every node already cordoned is handed over once again
+  (hooks are idempotent, and a crash between the decision and the hook must not lose the cordon);
+- recovery times: from the sample where the job left RUNNING to the first sample where it runs a newer
+  generation (resolution one watch period).
+
+Metrics (all read at scrape time, except the recovery histogram):
+
+=============================================  =======  ====================================================
+name                                           type     meaning
+=============================================  =======  ====================================================
+trainguard_coordinator_info{version,job}       gauge    1
+trainguard_job_phase{phase}                    gauge    1 for the current phase (forming, running, ...)
+trainguard_job_generation                      gauge    current generation (0 before the first one)
+trainguard_job_restarts_total                  counter  restarts spent
+trainguard_job_max_restarts                    gauge    restart budget
+trainguard_job_nodes{state}                    gauge    members alive / lost / cordoned
+trainguard_job_nodes_required                  gauge    nodes the job needs
+trainguard_job_recovery_seconds                histo    leaving RUNNING -> running a newer generation
+trainguard_coordinator_fenced                  gauge    1 once another coordinator took the job over
+trainguard_cordon_hook_runs_total{hook,result} counter  scheduler cordon attempts (ok / error)
+=============================================  =======  ====================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from trainguard._version import __version__
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from trainguard.recovery.cordon import CordonTarget
+from trainguard.recovery.policy import Phase
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.cordon import CordonDispatcher
+
+log = logging.getLogger(__name__)
+
+#: Full name of the coordinator's gRPC service (a health service name too).
+COORDINATOR_SERVICE = "trainguard.v1.Coordinator"
+#: Seconds between two samples of the coordinator's state.
+WATCH_PERIOD_S = 0.25
+_RECOVERY_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+
+
+class ServingStatus:
+    """A ``grpc.health.v1`` servicer with one SERVING / NOT_SERVING flag for a fixed set of service names.
+
+    Args:
+        services: the names served (``""`` is the whole server).
+    """
+
+    def __init__(self, services: tuple[str, ...]) -> None:
+        self.servicer = health.HealthServicer(experimental_non_blocking=True)
+        self._services = services
+        self._lock = threading.Lock()
+        self._serving: bool | None = None
+        self._stopped = False
+        self.set(False)
+
+    def set(self, serving: bool) -> None:
+        """Sets every service's status; ignored after :meth:`shutdown`."""
+        with self._lock:
+            if self._stopped or serving == self._serving:
+                return
+            self._serving = serving
+            status = health_pb2.HealthCheckResponse.SERVING if serving else \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in self._services:
+                self.servicer.set(name, status)
+
+    @property
+    def serving(self) -> bool:
+        """The current status."""
+        return bool(self._serving)
+
+    def shutdown(self) -> None:
+        """NOT_SERVING for good (a graceful stop)."""
+        self.set(False)
+        with self._lock:
+            self._stopped = True
+        self.servicer.enter_graceful_shutdown()
+
+    def add_to_server(self, server) -> None:
+        """Registers the health service on a gRPC server (before it starts)."""
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+
+class CoordinatorWatch:
+    """Samples a coordinator: health statuses, cordon events, recovery durations.
+
+    Args:
+        core: the coordinator.
+        period_s: sampling period, seconds.
+    """
+
+    def __init__(self, core: "JobCoordinator", period_s: float = WATCH_PERIOD_S) -> None:
+        self.core = core
+        self.period_s = period_s
+        self.health = ServingStatus(("", COORDINATOR_SERVICE))
+        self.recovery = Histogram("trainguard_job_recovery_seconds",
+                                  "Seconds from the job leaving RUNNING to it running a newer generation.",
+                                  buckets=_RECOVERY_BUCKETS, registry=None)
+        self.recoveries: list[float] = []
+        self._listeners: list[Callable[[CordonTarget], None]] = []
+        self._cordoned: set[str] = set()
+        self._left_running: tuple[float, int] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="coordinator-watch", daemon=True)
+
+    def add_cordon_listener(self, fn: Callable[[CordonTarget], None]) -> None:
+        """Calls ``fn`` for every node the coordinator cordons (on the watch thread; keep it quick)."""
+        self._listeners.append(fn)
+
+    def start(self) -> "CoordinatorWatch":
+        """Takes a first sample (so health answers at once) and starts the thread."""
+        self.sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Marks everything NOT_SERVING and stops sampling."""
+        self.health.shutdown()
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.sample()
+            except Exception:  # noqa: BLE001 (an observer must never take the coordinator down)
+                log.exception("coordinator watch: sampling failed")
+
+    def sample(self, now: float | None = None) -> None:
+        """Takes one sample: updates health, fires cordon listeners, times recoveries."""
+        now = time.monotonic() if now is None else now
+        core = self.core
+        self.health.set(not core.fenced)
+        st = core.state
+        phase, generation = st.phase, st.generation
+        if phase is not Phase.RUNNING and phase is not Phase.FORMING and self._left_running is None \
+                and generation > 0:
+            self._left_running = (now, generation)
+        elif phase is Phase.RUNNING and self._left_running is not None and generation > self._left_running[1]:
+            took = now - self._left_running[0]
+            self.recovery.observe(took)
+            self.recoveries.append(took)
+            self._left_running = None
+        if phase in (Phase.SUCCEEDED, Phase.FAILED):
+            self._left_running = None
+        new = [n for n in list(st.cordoned) if n not in self._cordoned]
+        if new and self._listeners:
+            members = core.members()
+            for node in new:
+                m = members.get(node)
+                host = (m.info.host or m.info.node_id) if m is not None else node
+                target = CordonTarget(node=node, host=host, job=core.spec.job, reason=st.message)
+                for fn in self._listeners:
+                    fn(target)
+        self._cordoned.update(new)
+
+
+class CoordinatorMetrics:
+    """The coordinator's metrics registry (a collector reading live state plus the recovery histogram).
+
+    Args:
+        watch: the coordinator's watch (state, recovery histogram).
+        dispatcher: the cordon dispatcher whose attempts are counted, or None.
+    """
+
+    def __init__(self, watch: CoordinatorWatch, dispatcher: "CordonDispatcher | None" = None) -> None:
+        disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._watch = watch
+        self._dispatcher = dispatcher
+        self.registry.register(self)
+        self.registry.register(watch.recovery)
+
+    def collect(self):
+        """Yields every metric family from the coordinator's current state (prometheus-client collector API)."""
+        core = self._watch.core
+        st = core.state
+        info = GaugeMetricFamily("trainguard_coordinator_info", "Identity of the coordinator (always 1).",
+                                 labels=["version", "job"])
+        info.add_metric([__version__, core.spec.job], 1)
+        yield info
+        phase = GaugeMetricFamily("trainguard_job_phase", "1 for the job's current phase.", labels=["phase"])
+        for p in Phase:
+            phase.add_metric([p.name.lower()], 1 if p is st.phase else 0)
+        yield phase
+        yield GaugeMetricFamily("trainguard_job_generation", "Current generation (0 before the first).",
+                                value=st.generation)
+        yield CounterMetricFamily("trainguard_job_restarts", "Restarts spent so far.", value=st.restart_count)
+        yield GaugeMetricFamily("trainguard_job_max_restarts", "The job's restart budget.",
+                                value=core.spec.max_restarts)
+        members = core.members()
+        cordoned = set(st.cordoned)
+        nodes = GaugeMetricFamily("trainguard_job_nodes", "Members by state.", labels=["state"])
+        nodes.add_metric(["alive"], sum(1 for m in members.values() if m.alive and m.info.node_id not in cordoned))
+        nodes.add_metric(["lost"], sum(1 for m in members.values() if not m.alive))
+        nodes.add_metric(["cordoned"], len(cordoned))
+        yield nodes
+        yield GaugeMetricFamily("trainguard_job_nodes_required", "Nodes the job needs.", value=core.spec.nnodes)
+        yield GaugeMetricFamily("trainguard_coordinator_fenced", "1 once another coordinator took the job over.",
+                                value=1 if core.fenced else 0)
+        runs = CounterMetricFamily("trainguard_cordon_hook_runs", "Scheduler cordon attempts.",
+                                   labels=["hook", "result"])
+        counts: dict[tuple[str, str], int] = {}
+        for hook, _node, outcome in list(self._dispatcher.results if self._dispatcher else []):
+            key = (hook, "ok" if outcome == "ok" else "error")
+            counts[key] = counts.get(key, 0) + 1
+        for (hook, result), n in sorted(counts.items()):
+            runs.add_metric([hook, result], n)
+        yield runs
+
+
+__all__ = ["COORDINATOR_SERVICE", "CoordinatorMetrics", "CoordinatorWatch", "ServingStatus", "WATCH_PERIOD_S"]

@@ -1,0 +1,93 @@
+"""Process-wide behaviour of the ``trainguard`` command: the log format and a quiet exit on a closed pipe.
+
+- ``--log-format {text,json,journal,auto}`` is accepted by every subcommand (and before it:
+  ``trainguard --log-format json run ...``); ``$TRAINGUARD_LOG_FORMAT`` sets the default. ``json`` writes one
+  object per line (``ts``, ``level``, ``logger``, ``msg``, extras) for log shippers; the formats are those of the
+  daemon (:mod:`trainguard.agent.logging_setup`). The daemon ``trainguard agent`` gets the flag through its
+  own override variable, so it wins over the ``[log]`` table of its config file.
+- ``trainguard events | head`` must end quietly: a :class:`BrokenPipeError` on stdout ends the command with exit
+  code 141 (128 + SIGPIPE, what a shell reports for a killed writer) and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+#: Default of ``--log-format`` when the flag is not given.
+LOG_FORMAT_ENV = "TRAINGUARD_LOG_FORMAT"
+#: Accepted values of ``--log-format``.
+LOG_FORMATS = ("text", "json", "journal", "auto")
+#: Exit code after the reader of stdout went away.
+EXIT_BROKEN_PIPE = 141
+
+
+def add_log_format_argument(parser: argparse.ArgumentParser, top_level: bool = False) -> None:
+    """Adds ``--log-format`` to ``parser`` (a subcommand's flag wins over the top-level one)."""
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                        dest="log_format_top" if top_level else "log_format",
+                        help=f"log records on stderr as text, json (one object per line), journal or auto "
+                             f"(default ${LOG_FORMAT_ENV} or text)")
+
+
+def add_log_format_everywhere(sub: argparse._SubParsersAction) -> None:
+    """Adds ``--log-format`` to every subcommand parser under ``sub`` (nested ones included)."""
+    for parser in set(sub.choices.values()):
+        if not any("--log-format" in a.option_strings for a in parser._actions):
+            add_log_format_argument(parser)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                add_log_format_everywhere(action)
+
+
+def chosen_log_format(args: argparse.Namespace) -> str | None:
+    """The format the flags or ``$TRAINGUARD_LOG_FORMAT`` ask for; None for the historical default.
+
+    Raises:
+        ValueError: ``$TRAINGUARD_LOG_FORMAT`` holds an unknown format.
+    """
+    fmt = getattr(args, "log_format", None) or getattr(args, "log_format_top", None)
+    if fmt:
+        return fmt
+    env = os.environ.get(LOG_FORMAT_ENV, "")
+    if env and env not in LOG_FORMATS:
+        raise ValueError(f"${LOG_FORMAT_ENV}={env!r}: use one of {', '.join(LOG_FORMATS)}")
+    return env or None
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    """Routes logging to stderr in the chosen format at ``args.log_level``.
+
+    Raises:
+        ValueError: unknown format in the environment.
+    """
+    fmt = chosen_log_format(args)
+    if fmt is None:
+        logging.basicConfig(level=getattr(logging, args.log_level),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        return
+    from trainguard.agent.config import LOG_FORMAT_ENV as AGENT_LOG_FORMAT_ENV
+    from trainguard.agent.logging_setup import configure_logging
+
+    configure_logging(fmt, args.log_level.lower())
+    # The daemon re-configures logging from its config file; the flag must win there too.
+    os.environ[AGENT_LOG_FORMAT_ENV] = fmt
+
+
+def run_quietly_on_closed_pipe(fn: Callable[[], int]) -> int:
+    """Runs ``fn``; a closed stdout (``| head``) ends it with :data:`EXIT_BROKEN_PIPE` instead of a traceback."""
+    try:
+        code = fn()
+        sys.stdout.flush()  # a pipe closed after the last print shows up here
+        return code
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush does not raise a second time.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_BROKEN_PIPE
