@@ -215,7 +215,36 @@ def run_security(args: argparse.Namespace) -> tuple["RpcSecurity", "RpcSecurity"
     if getattr(args, "coordinator", None) is None and server.server_tls and not client.client_tls:
         raise UsageError("the embedded coordinator serves TLS (--tls-cert) but this node would dial it in "
                          "plaintext: add --coordinator-ca (and --coordinator-cert/--coordinator-key for mTLS)")
+    if getattr(args, "coordinator", None):
+        probe_coordinator(client, args.coordinator)
     return server, client
+
+
+def probe_coordinator(client: "RpcSecurity", target: str, timeout_s: float = 3.0) -> None:
+    """One health check against a remote coordinator, so a TLS mistake fails at once instead of after the
+    registration patience (a coordinator that is not up yet is fine: the agent waits for it).
+
+    Raises:
+        SecurityConfigError: this node does not trust the coordinator's certificate.
+    """
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from trainguard.recovery.rpc_security import SecurityConfigError
+
+    with client.channel(target) as ch:
+        try:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            details = exc.details() or ""
+            if "handshake failed" in details.lower():
+                why = details.rsplit(": ", 2)[-2] if details.count(": ") >= 2 else details
+                raise SecurityConfigError(
+                    f"TLS with the coordinator {target} failed ({why.strip()[:160]}): check --coordinator-ca (the CA "
+                    "that signed its certificate) and --coordinator-server-name") from exc
+            if "Socket closed" in details:
+                log.warning("coordinator %s closed the connection while it was set up: if it serves TLS this node "
+                            "needs --coordinator-ca, and for mutual TLS --coordinator-cert/--coordinator-key from "
+                            "its client CA", target)
 
 
 # ------------------------------------------------------------------------------------------- observability
