@@ -215,7 +215,7 @@ def run_security(args: argparse.Namespace) -> tuple["RpcSecurity", "RpcSecurity"
     if getattr(args, "coordinator", None) is None and server.server_tls and not client.client_tls:
         raise UsageError("the embedded coordinator serves TLS (--tls-cert) but this node would dial it in "
                          "plaintext: add --coordinator-ca (and --coordinator-cert/--coordinator-key for mTLS)")
-    if getattr(args, "coordinator", None):
+    if getattr(args, "coordinator", None) and client.client_tls:
         probe_coordinator(client, args.coordinator)
     return server, client
 
