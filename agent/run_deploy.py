@@ -152,6 +152,16 @@ def slurm_placement(environ: Mapping[str, str] | None = None) -> SlurmPlacement 
                           gpus_on_node=_int_env(env, "SLURM_GPUS_ON_NODE") or 0)
 
 
+def _unset(value: object, default: object) -> bool:
+    """True when a flag was left alone: None (no default) or its default, as a number or as text."""
+    return value is None or value == default or str(value) == str(default)
+
+
+def _like(current: object, value: int) -> object:
+    """``value`` in the type the flag holds (text for torchrun-style ``N|MIN:MAX`` flags, else a number)."""
+    return str(value) if isinstance(current, str) else value
+
+
 def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> SlurmPlacement | None:
     """Fills the ``trainguard run`` flags left at their defaults from Slurm's variables (in place).
 
@@ -173,18 +183,18 @@ def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         args.node_id = place.host
     if args.host is None:
         args.host = place.host
-    if args.address == "127.0.0.1":
+    if _unset(args.address, "127.0.0.1"):
         args.address = place.host
-    if args.node_index == 0:
+    if _unset(args.node_index, 0):
         args.node_index = place.node_index
-    if args.nproc_per_node == 1 and place.gpus_on_node > 1:
-        args.nproc_per_node = place.gpus_on_node
+    if _unset(args.nproc_per_node, 1) and place.gpus_on_node > 1:
+        args.nproc_per_node = _like(args.nproc_per_node, place.gpus_on_node)
     port = getattr(args, "coordinator_port", DEFAULT_SLURM_COORDINATOR_PORT)
     if args.coordinator is None and n > 1:
-        if args.nnodes == 1:
-            args.nnodes = n
+        if _unset(args.nnodes, 1):
+            args.nnodes = _like(args.nnodes, n)
         if place.first:
-            if args.coordinator_listen == "127.0.0.1:0":
+            if _unset(args.coordinator_listen, "127.0.0.1:0"):
                 args.coordinator_listen = f"0.0.0.0:{port}"
         else:
             args.coordinator = f"{place.nodes[0]}:{port}"

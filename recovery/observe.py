@@ -173,11 +173,17 @@ class CoordinatorWatch:
             members = core.members()
             for node in new:
                 m = members.get(node)
-                host = (m.info.topology.host or m.info.node_id) if m is not None else node
+                host = _host_of(m.info) if m is not None else node
                 target = CordonTarget(node=node, host=host, job=core.spec.job, reason=st.message)
                 for fn in self._listeners:
                     fn(target)
         self._cordoned.update(new)
+
+
+def _host_of(info) -> str:
+    """The host a member registered (``info`` is the proto ``NodeInfo`` or a domain record with ``host``)."""
+    host = getattr(info, "host", "") or getattr(getattr(info, "topology", None), "host", "")
+    return host or info.node_id
 
 
 class CoordinatorMetrics:

@@ -46,12 +46,13 @@ def test_inconsistent_slurm_variables_are_one_line_errors(env, needle) -> None:
 def test_flags_left_at_defaults_are_filled_and_explicit_ones_win() -> None:
     args = build_parser().parse_args(["run", "train.py"])
     apply_slurm(args, _env(SLURM_GPUS_ON_NODE="4"))
-    assert (args.job, args.node_id, args.host, args.address, args.node_index, args.nnodes, args.nproc_per_node) == \
-        ("slurm-4242", "gpu02", "gpu02", "gpu02", 1, 3, 4)
+    assert (args.job, args.node_id, args.host, args.address, args.node_index) == \
+        ("slurm-4242", "gpu02", "gpu02", "gpu02", 1)
+    assert (str(args.nnodes), str(args.nproc_per_node)) == ("3", "4")  # numbers or torchrun-style text
     assert args.coordinator == "gpu01:29400"
     first = build_parser().parse_args(["run", "--coordinator-port", "29555", "train.py"])
     apply_slurm(first, _env(SLURM_NODEID="0"))
-    assert first.coordinator is None and first.coordinator_listen == "0.0.0.0:29555" and first.nnodes == 3
+    assert first.coordinator is None and first.coordinator_listen == "0.0.0.0:29555" and str(first.nnodes) == "3"
     explicit = build_parser().parse_args(["run", "--job", "mine", "--coordinator", "c:1", "train.py"])
     apply_slurm(explicit, _env())
     assert explicit.job == "mine" and explicit.coordinator == "c:1"
