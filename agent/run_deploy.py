@@ -187,6 +187,8 @@ def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         args.address = place.host
     if _unset(args.node_index, 0):
         args.node_index = place.node_index
+    if _unset(getattr(args, "node_rank", None), 0):  # torchrun's --node-rank, where the parser has it
+        args.node_rank = place.node_index
     if _unset(args.nproc_per_node, 1) and place.gpus_on_node > 1:
         args.nproc_per_node = _like(args.nproc_per_node, place.gpus_on_node)
     port = getattr(args, "coordinator_port", DEFAULT_SLURM_COORDINATOR_PORT)
