@@ -1,23 +1,15 @@
 """`trainguard run` under Slurm: SLURM_* fill in the job, node identity, node index, node count and the
-coordinator address, so the same command line runs on every node of an srun step. The last test runs two real
-`trainguard run` processes as Slurm's two nodes (only SLURM_NODEID differs) and checks the workers' torchrun
-environment."""
+coordinator address, so the same command line runs on every node of an srun step. Two real `trainguard run`
+processes as Slurm's two nodes (only SLURM_NODEID differs) run in tests/deploy/test_deploy.py, started by the
+shipped sbatch script under a fake srun."""
 
 from __future__ import annotations
-
-import json
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from trainguard.agent.run_deploy import apply_slurm, slurm_placement
 from trainguard.cli import build_parser
 from trainguard.errors import UsageError
-
-SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def _env(**kw: str) -> dict[str, str]:
@@ -58,37 +50,3 @@ def test_flags_left_at_defaults_are_filled_and_explicit_ones_win() -> None:
     assert explicit.job == "mine" and explicit.coordinator == "c:1"
     off = build_parser().parse_args(["run", "--no-slurm", "train.py"])
     assert apply_slurm(off, _env()) is None and off.job is None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_same_command_on_two_slurm_nodes_forms_one_job(tmp_path, tg_env) -> None:
-    port = _free_port()
-    out = tmp_path / "out"
-    out.mkdir()
-    # Slurm's two nodes are two host names of this machine; only SLURM_NODEID differs between the tasks.
-    base = {**tg_env, "SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": "localhost,127.0.0.1", "SLURM_JOB_NUM_NODES": "2",
-            "SLURM_NTASKS": "2", "TRAINGUARD_RUN_REGISTRY": str(tmp_path / "runs")}
-    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--no-standby", "--coordinator-port", str(port),
-           "--max-restarts", "0", str(SCRIPTS / "dump_env.py"), str(out)]
-    procs = [subprocess.Popen(cmd, env={**base, "SLURM_NODEID": str(i)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
-    try:
-        results = [p.communicate(timeout=150) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
-    envs = [json.loads((out / f"env{r}.json").read_text()) for r in (0, 1)]
-    for rank, e in enumerate(envs):
-        assert e["dist_world"] == 2 and e["dist_rank"] == rank
-        assert e["GROUP_RANK"] == str(rank) and e["WORLD_SIZE"] == "2"  # GROUP_RANK follows SLURM_NODEID
-        assert e["TORCHELASTIC_RUN_ID"] == "slurm-777"
-        assert e["MASTER_ADDR"] == "localhost"  # the first node of the Slurm list hosts rank 0
