@@ -23,6 +23,14 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 64 * 1024
 
 
+def _local_only(context: grpc.ServicerContext, method: str) -> None:
+    """Worker methods feed the supervisor (heartbeats decide hangs, reports decide drains): only processes on
+    this node may call them, over the unix socket; a TCP peer gets PERMISSION_DENIED."""
+    if not context.peer().startswith("unix:"):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                      f"{method} is served to local workers on the agent's unix socket only")
+
+
 class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
     """Answers health queries and worker heartbeats from the agent's live state.
 
@@ -57,6 +65,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
 
     def WorkerHeartbeat(self, request, context):  # noqa: N802
         """Records a worker's step and hands back the advisories pending for it."""
+        _local_only(context, "WorkerHeartbeat")
         if request.rank < 0 or request.step < -1 or request.step_time_s < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rank >= 0, step >= -1 and step_time_s >= 0 required")
         advisories = self._agent.on_worker_heartbeat(
@@ -67,6 +76,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
 
     def ReportCheckpoint(self, request, context):  # noqa: N802
         """Records that a worker's checkpoint step is durable in a tier."""
+        _local_only(context, "ReportCheckpoint")
         if request.step < 0 or request.rank < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "step and rank must be >= 0")
         self._agent.on_checkpoint_report(request)

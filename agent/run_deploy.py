@@ -152,6 +152,16 @@ def slurm_placement(environ: Mapping[str, str] | None = None) -> SlurmPlacement 
                           gpus_on_node=_int_env(env, "SLURM_GPUS_ON_NODE") or 0)
 
 
+def _unset(value: object, default: object) -> bool:
+    """True when a flag was left alone: None (no default) or its default, as a number or as text."""
+    return value is None or value == default or str(value) == str(default)
+
+
+def _like(current: object, value: int) -> object:
+    """``value`` in the type the flag holds (text for torchrun-style ``N|MIN:MAX`` flags, else a number)."""
+    return str(value) if isinstance(current, str) else value
+
+
 def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> SlurmPlacement | None:
     """Fills the ``trainguard run`` flags left at their defaults from Slurm's variables (in place).
 
@@ -167,26 +177,28 @@ def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     if place is None:
         return None
     n = len(place.nodes)
-    if args.job is None and not getattr(args, "rdzv_id", None):
+    if args.job is None:
         args.job = f"slurm-{place.job_id}"
     if args.node_id is None:
         args.node_id = place.host
     if args.host is None:
         args.host = place.host
-    if args.address is None and not getattr(args, "local_addr", None):
+    if _unset(args.address, "127.0.0.1"):
         args.address = place.host
-    if args.node_index is None:
+    if _unset(args.node_index, 0):
         args.node_index = place.node_index
-    if str(args.nproc_per_node) == "1" and place.gpus_on_node > 1:
-        args.nproc_per_node = str(place.gpus_on_node)
+    if _unset(getattr(args, "node_rank", None), 0):  # torchrun's --node-rank, where the parser has it
+        args.node_rank = place.node_index
+    if _unset(args.nproc_per_node, 1) and place.gpus_on_node > 1:
+        args.nproc_per_node = _like(args.nproc_per_node, place.gpus_on_node)
     port = getattr(args, "coordinator_port", DEFAULT_SLURM_COORDINATOR_PORT)
     # torchrun's own rendezvous flags win over the Slurm mapping: it only fills a job that named no coordinator.
     explicit = args.coordinator or getattr(args, "rdzv_endpoint", "") or getattr(args, "standalone", False)
     if not explicit and n > 1:
-        if str(args.nnodes) == "1":
-            args.nnodes = str(n)
+        if _unset(args.nnodes, 1):
+            args.nnodes = _like(args.nnodes, n)
         if place.first:
-            if args.coordinator_listen is None:
+            if _unset(args.coordinator_listen, "127.0.0.1:0"):
                 args.coordinator_listen = f"0.0.0.0:{port}"
         else:
             args.coordinator = f"{place.nodes[0]}:{port}"
@@ -217,7 +229,36 @@ def run_security(args: argparse.Namespace) -> tuple["RpcSecurity", "RpcSecurity"
     if getattr(args, "coordinator", None) is None and server.server_tls and not client.client_tls:
         raise UsageError("the embedded coordinator serves TLS (--tls-cert) but this node would dial it in "
                          "plaintext: add --coordinator-ca (and --coordinator-cert/--coordinator-key for mTLS)")
+    if getattr(args, "coordinator", None) and client.client_tls:
+        probe_coordinator(client, args.coordinator)
     return server, client
+
+
+def probe_coordinator(client: "RpcSecurity", target: str, timeout_s: float = 3.0) -> None:
+    """One health check against a remote coordinator, so a TLS mistake fails at once instead of after the
+    registration patience (a coordinator that is not up yet is fine: the agent waits for it).
+
+    Raises:
+        SecurityConfigError: this node does not trust the coordinator's certificate.
+    """
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from trainguard.recovery.rpc_security import SecurityConfigError
+
+    with client.channel(target) as ch:
+        try:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            details = exc.details() or ""
+            if "handshake failed" in details.lower():
+                why = details.rsplit(": ", 2)[-2] if details.count(": ") >= 2 else details
+                raise SecurityConfigError(
+                    f"TLS with the coordinator {target} failed ({why.strip()[:160]}): check --coordinator-ca (the CA "
+                    "that signed its certificate) and --coordinator-server-name") from exc
+            if "Socket closed" in details:
+                log.warning("coordinator %s closed the connection while it was set up: if it serves TLS this node "
+                            "needs --coordinator-ca, and for mutual TLS --coordinator-cert/--coordinator-key from "
+                            "its client CA", target)
 
 
 # ------------------------------------------------------------------------------------------- observability

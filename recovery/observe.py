@@ -8,8 +8,9 @@ read-only views (``state``, ``members()``, ``fenced``), so none of this adds a l
 - cordons: a node newly in the policy's cordon list is handed to the cordon listeners (the scheduler hooks of
   :mod:`trainguard.recovery.cordon`); after a restart every node already cordoned is handed over once again
   (hooks are idempotent, and a crash between the decision and the hook must not lose the cordon);
-- recovery times: from the sample where the job left RUNNING to the first sample where it runs a newer
-  generation (resolution one watch period).
+- recovery times: from the failure report that started a restart (the policy keeps each report's time) to the
+  first sample where the job runs the new generation (resolution one watch period). The node agents' own
+  ``trainguard_run_recovery_seconds`` runs to the first resumed training step.
 
 Metrics (all read at scrape time, except the recovery histogram):
 
@@ -23,7 +24,7 @@ trainguard_job_restarts_total                  counter  restarts spent
 trainguard_job_max_restarts                    gauge    restart budget
 trainguard_job_nodes{state}                    gauge    members alive / lost / cordoned
 trainguard_job_nodes_required                  gauge    nodes the job needs
-trainguard_job_recovery_seconds                histo    leaving RUNNING -> running a newer generation
+trainguard_job_recovery_seconds                histo    failure report -> the next generation running
 trainguard_coordinator_fenced                  gauge    1 once another coordinator took the job over
 trainguard_cordon_hook_runs_total{hook,result} counter  scheduler cordon attempts (ok / error)
 =============================================  =======  ====================================================
@@ -114,12 +115,12 @@ class CoordinatorWatch:
         self.period_s = period_s
         self.health = ServingStatus(("", COORDINATOR_SERVICE))
         self.recovery = Histogram("trainguard_job_recovery_seconds",
-                                  "Seconds from the job leaving RUNNING to it running a newer generation.",
+                                  "Seconds from a failure report to the next generation running.",
                                   buckets=_RECOVERY_BUCKETS, registry=None)
         self.recoveries: list[float] = []
         self._listeners: list[Callable[[CordonTarget], None]] = []
         self._cordoned: set[str] = set()
-        self._left_running: tuple[float, int] | None = None
+        self._gen_seen: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="coordinator-watch", daemon=True)
 
@@ -147,33 +148,42 @@ class CoordinatorWatch:
             except Exception:  # noqa: BLE001 (an observer must never take the coordinator down)
                 log.exception("coordinator watch: sampling failed")
 
-    def sample(self, now: float | None = None) -> None:
+    def sample(self) -> None:
         """Takes one sample: updates health, fires cordon listeners, times recoveries."""
-        now = time.monotonic() if now is None else now
         core = self.core
         self.health.set(not core.fenced)
         st = core.state
         phase, generation = st.phase, st.generation
-        if phase is not Phase.RUNNING and phase is not Phase.FORMING and self._left_running is None \
-                and generation > 0:
-            self._left_running = (now, generation)
-        elif phase is Phase.RUNNING and self._left_running is not None and generation > self._left_running[1]:
-            took = now - self._left_running[0]
-            self.recovery.observe(took)
-            self.recoveries.append(took)
-            self._left_running = None
-        if phase in (Phase.SUCCEEDED, Phase.FAILED):
-            self._left_running = None
+        if self._gen_seen is None:
+            self._gen_seen = generation  # a restarted coordinator: generations before now are not ours to time
+        elif generation > self._gen_seen and phase is Phase.RUNNING:
+            if generation > 1:  # generation 1 is the formation; every later one is a restart
+                # Restarts are decided on failure reports the policy keeps with their (wall) times; the newest one
+                # before now started this recovery.
+                times = [t for ts in dict(st.process_failures).values() for t in ts] + list(st.node_failures)
+                wall = time.time()
+                fault = max((t for t in times if t <= wall), default=None)
+                if fault is not None:
+                    took = wall - fault
+                    self.recovery.observe(took)
+                    self.recoveries.append(took)
+            self._gen_seen = generation
         new = [n for n in list(st.cordoned) if n not in self._cordoned]
         if new and self._listeners:
             members = core.members()
             for node in new:
                 m = members.get(node)
-                host = (m.info.host or m.info.node_id) if m is not None else node
+                host = _host_of(m.info) if m is not None else node
                 target = CordonTarget(node=node, host=host, job=core.spec.job, reason=st.message)
                 for fn in self._listeners:
                     fn(target)
         self._cordoned.update(new)
+
+
+def _host_of(info) -> str:
+    """The host a member registered (``info`` is the proto ``NodeInfo`` or a domain record with ``host``)."""
+    host = getattr(info, "host", "") or getattr(getattr(info, "topology", None), "host", "")
+    return host or info.node_id
 
 
 class CoordinatorMetrics:

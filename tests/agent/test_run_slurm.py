@@ -1,23 +1,15 @@
 """`trainguard run` under Slurm: SLURM_* fill in the job, node identity, node index, node count and the
-coordinator address, so the same command line runs on every node of an srun step. The last test runs two real
-`trainguard run` processes as Slurm's two nodes (only SLURM_NODEID differs) and checks the workers' torchrun
-environment."""
+coordinator address, so the same command line runs on every node of an srun step. Two real `trainguard run`
+processes as Slurm's two nodes (only SLURM_NODEID differs) run in tests/deploy/test_deploy.py, started by the
+shipped sbatch script under a fake srun."""
 
 from __future__ import annotations
-
-import json
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from trainguard.agent.run_deploy import apply_slurm, slurm_placement
 from trainguard.cli import build_parser
 from trainguard.errors import UsageError
-
-SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def _env(**kw: str) -> dict[str, str]:
@@ -46,48 +38,15 @@ def test_inconsistent_slurm_variables_are_one_line_errors(env, needle) -> None:
 def test_flags_left_at_defaults_are_filled_and_explicit_ones_win() -> None:
     args = build_parser().parse_args(["run", "train.py"])
     apply_slurm(args, _env(SLURM_GPUS_ON_NODE="4"))
-    assert (args.job, args.node_id, args.host, args.address, args.node_index, args.nnodes, args.nproc_per_node) == \
-        ("slurm-4242", "gpu02", "gpu02", "gpu02", 1, "3", "4")
+    assert (args.job, args.node_id, args.host, args.address, args.node_index) == \
+        ("slurm-4242", "gpu02", "gpu02", "gpu02", 1)
+    assert (str(args.nnodes), str(args.nproc_per_node)) == ("3", "4")  # numbers or torchrun-style text
     assert args.coordinator == "gpu01:29400"
     first = build_parser().parse_args(["run", "--coordinator-port", "29555", "train.py"])
     apply_slurm(first, _env(SLURM_NODEID="0"))
-    assert first.coordinator is None and first.coordinator_listen == "0.0.0.0:29555" and first.nnodes == "3"
+    assert first.coordinator is None and first.coordinator_listen == "0.0.0.0:29555" and str(first.nnodes) == "3"
     explicit = build_parser().parse_args(["run", "--job", "mine", "--coordinator", "c:1", "train.py"])
     apply_slurm(explicit, _env())
     assert explicit.job == "mine" and explicit.coordinator == "c:1"
     off = build_parser().parse_args(["run", "--no-slurm", "train.py"])
     assert apply_slurm(off, _env()) is None and off.job is None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_same_command_on_two_slurm_nodes_forms_one_job(tmp_path, tg_env) -> None:
-    port = _free_port()
-    out = tmp_path / "out"
-    out.mkdir()
-    # Slurm's two nodes are two host names of this machine; only SLURM_NODEID differs between the tasks.
-    base = {**tg_env, "SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": "localhost,127.0.0.1", "SLURM_JOB_NUM_NODES": "2",
-            "SLURM_NTASKS": "2", "TRAINGUARD_RUN_REGISTRY": str(tmp_path / "runs")}
-    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--no-standby", "--coordinator-port", str(port),
-           "--max-restarts", "0", str(SCRIPTS / "dump_env.py"), str(out)]
-    procs = [subprocess.Popen(cmd, env={**base, "SLURM_NODEID": str(i)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
-    try:
-        results = [p.communicate(timeout=150) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
-    envs = [json.loads((out / f"env{r}.json").read_text()) for r in (0, 1)]
-    for rank, e in enumerate(envs):
-        assert e["dist_world"] == 2 and e["dist_rank"] == rank
-        assert e["GROUP_RANK"] == str(rank) and e["WORLD_SIZE"] == "2"  # GROUP_RANK follows SLURM_NODEID
-        assert e["TORCHELASTIC_RUN_ID"] == "slurm-777"
-        assert e["MASTER_ADDR"] == "localhost"  # the first node of the Slurm list hosts rank 0

@@ -152,7 +152,10 @@ def test_the_sbatch_script_runs_one_job_across_its_nodes(tmp_path: Path, tg_env)
                      if (tmp_path / f"node{i}.log").exists())
     assert done.returncode == 0, done.stderr + logs
     envs = [json.loads((out / f"env{r}.json").read_text()) for r in (0, 1)]
-    assert [e["GROUP_RANK"] for e in envs] == ["0", "1"] and {e["TORCHELASTIC_RUN_ID"] for e in envs} == {"slurm-9001"}
+    for rank, e in enumerate(envs):  # one job of two nodes: the same command line, only SLURM_NODEID differed
+        assert e["dist_world"] == 2 and e["dist_rank"] == rank and e["WORLD_SIZE"] == "2"
+        assert e["GROUP_RANK"] == str(rank) and e["TORCHELASTIC_RUN_ID"] == "slurm-9001"
+        assert e["MASTER_ADDR"] == "localhost"  # the first node of the Slurm list hosts rank 0
     assert not list((tmp_path / ".trainguard").iterdir())  # the job token is removed at the end
     first = [json.loads(x) for x in (tmp_path / "node0.log").read_text().splitlines() if x.startswith("{")]
     assert any("metrics on http://127.0.0.1:" in r["msg"] for r in first)  # --log-format json from the script

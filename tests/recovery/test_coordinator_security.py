@@ -121,12 +121,12 @@ def test_bad_security_settings_are_one_line_errors(tmp_path, pki) -> None:
         _server(RpcSecurity(TlsFiles(str(pki.server_cert), str(pki.client_key))))
 
 
-def _run(tg_env, tmp_path, target: str, pki, token_file: Path) -> subprocess.CompletedProcess:
+def _run(tg_env, tmp_path, target: str, pki, token_file: Path, ca: str = "ca") -> subprocess.CompletedProcess:
     script = tmp_path / "ok.py"
     script.write_text("print('worker ran')\n")
     return subprocess.run(
         [sys.executable, "-m", "trainguard.cli", "run", "--no-standby", "--job", JOB, "--coordinator", target,
-         "--node-id", "node-a", "--coordinator-ca", str(pki.ca), "--coordinator-cert", str(pki.client_cert),
+         "--node-id", "node-a", "--coordinator-ca", str(getattr(pki, ca)), "--coordinator-cert", str(pki.client_cert),
          "--coordinator-key", str(pki.client_key), "--coordinator-server-name", "localhost",
          "--token-file", str(token_file), str(script)],
         env={**tg_env, "TRAINGUARD_RUN_REGISTRY": str(tmp_path / "runs")}, capture_output=True, text=True,
@@ -145,6 +145,9 @@ def test_trainguard_run_joins_a_secured_coordinator_and_a_wrong_token_is_turned_
         assert srv.core.members() == {}
         good = tmp_path / "token"
         good.write_text(TOKEN + "\n")
+        out = _run(tg_env, tmp_path, srv.target, pki, good, ca="other_ca")  # fails at once, not after 60 s
+        last = out.stderr.strip().splitlines()[-1]
+        assert out.returncode == 2 and "TLS with the coordinator" in last and "--coordinator-ca" in last, out.stderr
         out = _run(tg_env, tmp_path, srv.target, pki, good)
         assert out.returncode == 0, out.stderr[-3000:]
         assert "worker ran" in out.stdout and "job succeeded" in out.stderr

@@ -1,0 +1,60 @@
+"""`--log-format` on every subcommand (and its environment default), and the daemon following the flag."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+
+import pytest
+
+from trainguard.agent.config import LOG_FORMAT_ENV as AGENT_LOG_FORMAT_ENV
+from trainguard.agent.config import AgentConfig
+from trainguard.cli import build_parser, main
+from trainguard.cli_support import chosen_log_format, setup_logging
+
+
+def test_every_subcommand_takes_log_format_and_the_subcommand_flag_wins(monkeypatch) -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        assert any("--log-format" in a.option_strings for a in p._actions), name
+    monkeypatch.delenv("TRAINGUARD_LOG_FORMAT", raising=False)
+    assert chosen_log_format(parser.parse_args(["--log-format", "text", "version", "--log-format", "json"])) == "json"
+    assert chosen_log_format(parser.parse_args(["version"])) is None
+    monkeypatch.setenv("TRAINGUARD_LOG_FORMAT", "json")
+    assert chosen_log_format(parser.parse_args(["version"])) == "json"
+
+
+def test_bad_environment_format_is_a_one_line_error(monkeypatch) -> None:
+    monkeypatch.setenv("TRAINGUARD_LOG_FORMAT", "yaml")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["version"]) == 2
+    assert err.getvalue().count("\n") == 1 and "TRAINGUARD_LOG_FORMAT" in err.getvalue()
+
+
+def test_json_records_and_the_daemon_follows_the_flag(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(AGENT_LOG_FORMAT_ENV, "auto")  # so the undo removes what setup_logging sets
+    root = logging.getLogger()
+    saved = list(root.handlers), root.level
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(out):
+            setup_logging(build_parser().parse_args(["agent", "--log-format", "json"]))
+            logging.getLogger("trainguard.test").warning("hello %s", "there")
+        rec = json.loads(out.getvalue().splitlines()[-1])
+        assert (rec["level"], rec["logger"], rec["msg"]) == ("warning", "trainguard.test", "hello there")
+        cfg = tmp_path / "agent.toml"
+        cfg.write_text('[log]\nformat = "text"\n')
+        import os
+
+        assert AgentConfig.load(cfg, env=dict(os.environ)).log.format == "json"
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved[0]:
+            root.addHandler(h)
+        root.setLevel(saved[1])
