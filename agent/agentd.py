@@ -319,7 +319,8 @@ class AgentDaemon:
             group = self.node.group if self.node is not None else None
             self.metrics.set_worker_states(w.state.name for w in (group.workers if group is not None else []))
             if self.node is not None:
-                self.metrics.set_predictor(self.node.predictor_score, self.node.predictor_threshold)
+                self.metrics.set_predictor(self.node.predictor_score, self.node.predictor_threshold,
+                                           self.node.predictor_alarms_per_day)
                 # Each generation after the first is a restart of the worker group.
                 generation = self.node.generation
                 if generation > self._last_generation >= 0:

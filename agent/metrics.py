@@ -14,6 +14,7 @@ trainguard_detector_state{detector,state}         gauge    1 for the detector's 
 trainguard_health_events_total{source,kind,sev}   counter  health events emitted
 trainguard_predictor_score                        gauge    failure risk in [0, 1]
 trainguard_predictor_threshold                    gauge    risk above which workers are told to checkpoint
+trainguard_predictor_alarms_per_day               gauge    realised predictor alarm rate (vs its budget)
 trainguard_workers{state}                         gauge    local workers per state
 trainguard_worker_restarts_total                  counter  worker-group restarts (new generations)
 trainguard_checkpoint_stall_seconds{tier}         histo    training-loop time blocked by a checkpoint
@@ -87,6 +88,10 @@ class AgentMetrics:
         self.predictor_score = Gauge("trainguard_predictor_score", "Predicted failure risk in [0, 1].", registry=r)
         self.predictor_threshold = Gauge("trainguard_predictor_threshold",
                                          "Risk above which workers are told to checkpoint now.", registry=r)
+        self.predictor_alarms_per_day = Gauge(
+            "trainguard_predictor_alarms_per_day",
+            "Learned-tier predictor alarms per observed day so far (NaN before any), to compare with its budget.",
+            registry=r)
         self.workers = Gauge("trainguard_workers", "Local training workers per state.", ["state"], registry=r)
         for state in WORKER_STATES:
             self.workers.labels(state).set(0)
@@ -139,10 +144,11 @@ class AgentMetrics:
         severity = severity.lower() if severity.lower() in _SEVERITIES else "other"
         self.events.labels(source, kind, severity).inc()
 
-    def set_predictor(self, score: float, threshold: float) -> None:
-        """Sets the latest risk score and the threshold in use."""
+    def set_predictor(self, score: float, threshold: float, alarms_per_day: float = float("nan")) -> None:
+        """Sets the latest risk score, the threshold in use and the realised alarm rate."""
         self.predictor_score.set(score)
         self.predictor_threshold.set(threshold)
+        self.predictor_alarms_per_day.set(alarms_per_day)
 
     def set_worker_states(self, states: Iterable[str]) -> None:
         """Sets the worker-per-state gauges from the current state of every worker (names, lowercase)."""

@@ -231,6 +231,7 @@ class NodeAgent:
         self.last_checkpoint_step = -1
         self.predictor_score = 0.0
         self.predictor_threshold = 0.0
+        self.predictor_alarms_per_day = float("nan")  # realised learned-tier alarm rate (vs the budget)
         self._group: WorkerGroup | None = None
         self._lock = threading.RLock()
         self._advisories: dict[int, list[agent_pb2.Advisory]] = {}
@@ -767,6 +768,8 @@ class NodeAgent:
     def _on_score(self, score) -> None:
         self.predictor_score = score.score
         self.predictor_threshold = score.threshold
+        if self.predictor is not None:
+            self.predictor_alarms_per_day = self.predictor.runtime.realised_alarms_per_day()
 
     def _on_alarm(self, score) -> None:
         top = ", ".join(f"{name}={value:.3g}" for name, value in score.top_features[:3])

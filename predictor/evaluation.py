@@ -334,3 +334,91 @@ def failures_by_node(node: np.ndarray, ts: np.ndarray) -> dict[str, np.ndarray]:
     for n, t in zip(node.astype(str), ts):
         out.setdefault(n, []).append(float(t))
     return {n: np.sort(np.array(v)) for n, v in out.items()}
+
+
+@dataclass
+class WindowReport:
+    """Alarm events against labelled incident windows (data sets labelled with windows, not failure times).
+
+    Attributes:
+        windows: windows counted.
+        caught: windows with at least one alarm event inside.
+        false_alarms: alarm events inside no window.
+        days: observed days.
+    """
+
+    windows: int
+    caught: int
+    false_alarms: int
+    days: float
+
+    @property
+    def recall(self) -> float:
+        """Caught / windows (NaN without windows)."""
+        return self.caught / self.windows if self.windows else float("nan")
+
+    @property
+    def false_alarms_per_day(self) -> float:
+        """False alarms per observed day."""
+        return self.false_alarms / self.days if self.days else float("nan")
+
+
+def evaluate_windows(
+    series: list[tuple[np.ndarray, np.ndarray, list[tuple[float, float]]]], threshold: float, cooldown_s: float,
+) -> WindowReport:
+    """Event recall inside labelled windows and false alarms outside them, pooled over series.
+
+    An alarm event is as in :func:`alarm_events`. A window is caught when an event falls inside it (alarms
+    before or after a window do not count for it); an event outside every window is a false alarm.
+
+    Args:
+        series: per series ``(ts, score, windows)``, windows as ``(start, end)`` seconds.
+        threshold: alarm when ``score >= threshold``.
+        cooldown_s: least time between two events of a series.
+
+    Returns:
+        The pooled report.
+    """
+    rep = WindowReport(0, 0, 0, 0.0)
+    for ts, score, windows in series:
+        ev = alarm_events(ts, score, threshold, cooldown_s)
+        inside = np.zeros(len(ev), dtype=bool)
+        for lo, hi in windows:
+            hit = (ev >= lo) & (ev <= hi)
+            rep.windows += 1
+            rep.caught += int(hit.any())
+            inside |= hit
+        rep.false_alarms += int((~inside).sum())
+        if len(ts) > 1:
+            d = np.diff(ts)
+            step = float(np.median(d))
+            rep.days += float(d[d <= 10 * step].sum() + step) / 86400.0
+    return rep
+
+
+def threshold_at_budget(
+    series: list[tuple[np.ndarray, np.ndarray, list[tuple[float, float]]]], budget_per_day: float, cooldown_s: float,
+) -> tuple[float, WindowReport]:
+    """Lowest single threshold whose pooled false alarms per day stay within a budget (hindsight: the best
+    any fixed threshold could do on this data; used to compare scorers at equal false-alarm rates).
+
+    Returns:
+        ``(threshold, report at it)``.
+    """
+    scores = np.concatenate([s[np.isfinite(s)] for _, s, _ in series])
+    days = evaluate_windows(series, np.inf, cooldown_s).days
+    allowed = int(np.floor(budget_per_day * days + 1e-9))
+    k = min(len(scores), 5000)
+    cand = np.unique(np.partition(scores, len(scores) - k)[len(scores) - k:]) if len(scores) else np.zeros(0)
+    lo, hi = 0, len(cand)  # cand[hi] (or +inf past the end) keeps the budget
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if evaluate_windows(series, float(cand[mid]), cooldown_s).false_alarms <= allowed:
+            hi = mid
+        else:
+            lo = mid + 1
+    # the cooldown makes false alarms not quite monotone in the threshold: step up until the budget holds
+    while hi < len(cand) and evaluate_windows(series, float(cand[hi]), cooldown_s).false_alarms > allowed:
+        hi += 1
+    thr = float(cand[hi]) if hi < len(cand) else float("inf")
+    return thr, evaluate_windows(series, thr, cooldown_s)

@@ -12,6 +12,10 @@ import uuid
 import numpy as np
 import pytest
 
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from trainguard.agent.metrics import AgentMetrics
 from trainguard.agent.predictor_feed import (
     CATALOG_MAPPINGS,
     RATE_INTEGRALS,
@@ -434,6 +438,16 @@ def test_learned_tier_scores_the_mapped_names(tmp_path):
         assert s.alarm and s.source == "model"
         assert node.alarms and node.alarms[0].source == "model"
         assert any(f.startswith("pcie_aer_corrected_total") for f, _ in node.alarms[0].top_features)
+        # the realised alarm rate the agent exports next to the threshold (trainguard_predictor_alarms_per_day)
+        rate = node.monitor.runtime.realised_alarms_per_day()
+        (status,) = node.monitor.runtime.status()
+        assert status.alarms >= 1 and rate == pytest.approx(status.alarms_per_day) and rate > 0
+        metrics = AgentMetrics("node-a")
+        metrics.set_predictor(s.score, s.threshold, rate)
+        exported = {x.name: x.value for f in text_string_to_metric_families(
+            generate_latest(metrics.registry).decode()) for x in f.samples}
+        assert exported["trainguard_predictor_alarms_per_day"] == pytest.approx(rate)
+        assert exported["trainguard_predictor_threshold"] == pytest.approx(s.threshold)
     finally:
         node.close()
 
