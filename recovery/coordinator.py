@@ -225,6 +225,7 @@ class JobCoordinator:
         self._ckpt_req: CheckpointAsk | None = None  # job-wide checkpoint being relayed
         self._step_rate = 0.0  # steps/s of the current generation (EWMA over >= 1 s windows)
         self._rate_mark: tuple[float, int, int] | None = None  # (time, max step, generation) of the last sample
+        self._beat_observers: list[Callable[[Beat, float], None]] = []
         self.fenced = ""
         self._load()
 
@@ -621,26 +622,45 @@ class JobCoordinator:
             if req.generation > st.generation:
                 raise StaleGenerationError(f"node {req.node_id!r} runs generation {req.generation}, but job "
                                            f"{self.spec.job!r} is at generation {st.generation}: stop those workers")
-            if not m.alive:
-                log.info("job %s: node %s is back", self.spec.job, req.node_id)
-                self._mver += 1
-            m.last_seen, m.alive = now, True
-            if req.free_port > 0:
-                m.free_port = req.free_port
-            m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
-            if req.generation == st.generation and req.last_step >= 0:
-                self._observe_step(now, req.last_step, st.generation)
-            if req.generation == st.generation >= 0 and self._layout is not None \
-                    and self._layout.slot_of(req.node_id) is not None:
-                self._running.add(req.node_id)
-                if req.workers_succeeded:
-                    m.succeeded_generation = req.generation
-                    self._succeeded.add(req.node_id)
-            if req.generation == st.generation and st.consecutive and req.last_step > st.progress_step \
-                    and st.phase is Phase.RUNNING:
-                self._apply(Progressed(req.last_step))
+            self._record_beat(m, req, now)
             self._advance()
             return self._command(m)
+
+    def add_heartbeat_observer(self, observer: Callable[[Beat, float], None]) -> None:
+        """Calls ``observer(beat, now_s)`` for every accepted heartbeat (e.g. straggler detection).
+
+        Observers run with the coordinator's lock held, on the serving thread: keep them to a few microseconds
+        (queue the work elsewhere), and never call back into the coordinator.
+
+        Args:
+            observer: the callable; ``now_s`` is the coordinator's monotonic clock.
+        """
+        self._beat_observers.append(observer)
+
+    def _record_beat(self, m: Member, req: Beat, now: float) -> None:
+        """Everything a heartbeat's data changes (called with the lock held): liveness, the node's progress,
+        the step rate, who runs or finished the current generation, the backoff reset, and the observers."""
+        st = self._policy.state
+        if not m.alive:
+            log.info("job %s: node %s is back", self.spec.job, req.node_id)
+            self._mver += 1
+        m.last_seen, m.alive = now, True
+        if req.free_port > 0:
+            m.free_port = req.free_port
+        m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
+        if req.generation == st.generation and req.last_step >= 0:
+            self._observe_step(now, req.last_step, st.generation)
+        if req.generation == st.generation >= 0 and self._layout is not None \
+                and self._layout.slot_of(req.node_id) is not None:
+            self._running.add(req.node_id)
+            if req.workers_succeeded:
+                m.succeeded_generation = req.generation
+                self._succeeded.add(req.node_id)
+        if req.generation == st.generation and st.consecutive and req.last_step > st.progress_step \
+                and st.phase is Phase.RUNNING:
+            self._apply(Progressed(req.last_step))
+        for observe in self._beat_observers:
+            observe(req, now)
 
     def _command(self, m: Member) -> HeartbeatReply:
         st = self._policy.state

@@ -52,3 +52,15 @@ def test_node_records_of_an_older_store_are_restored() -> None:
     m = core.members()["old"]
     assert (m.info.pod_id, m.info.node_index, m.info.device_count, m.lease_id) == ("p9", 3, 4, "abc")
     core.close()
+
+
+def test_heartbeat_observers_see_every_accepted_beat() -> None:
+    from trainguard.recovery.domain import Beat, NodeRecord
+
+    core = JobCoordinator(JobSpec(job="j", nnodes=2), store=MemoryStore())
+    seen: list[tuple[str, int]] = []
+    core.add_heartbeat_observer(lambda beat, now: seen.append((beat.node_id, beat.last_step)))
+    lease, _, _ = core.register("j", NodeRecord("n0", "p", 0, "h0", 1), 40000)
+    core.heartbeat(Beat("j", "n0", lease, last_step=7))
+    assert seen == [("n0", 7)]
+    core.close()
