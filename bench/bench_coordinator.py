@@ -17,8 +17,9 @@ time of the server process, all threads): they depend little on how loaded the m
 rates, and they give the cores a coordinator needs for N nodes at a given interval (N / interval x CPU per
 heartbeat). The load average is printed before and after each size.
 
-Clients: ``--client-procs`` processes, each one asyncio loop with ``--channels`` ``grpc.aio`` channels and every
-node of the process in flight at once (hundreds of concurrent calls per channel). Requests are serialized once
+Clients: ``--client-procs`` processes, each one asyncio loop with ``--channels`` ``grpc.aio`` channels, every node
+of the process a coroutine and ``--inflight`` calls in flight at once (dozens per channel; far more only makes
+gRPC core shed calls with CANCELLED, on the no-op server too). Requests are serialized once
 up front and sent as bytes through raw-bytes multi-callables; steady-phase responses are not parsed. That makes a
 client call cost a few tens of microseconds of client CPU, so clients are not what limits the server.
 
@@ -115,8 +116,8 @@ def _start_server(kind: str, nodes: int, store: str, interval_s: float, tmp: Pat
 
 
 # ------------------------------------------------------------------------------------------------ clients
-async def _client_main(target: str, ids: list[int], nodes_total: int, channels: int, hb_period: float,
-                       hb_seconds: float, timeout: float, ctl: "mp.Queue", out: "mp.Queue") -> None:
+async def _client_main(target: str, ids: list[int], nodes_total: int, channels: int, inflight: int,
+                       hb_period: float, hb_seconds: float, timeout: float, ctl: "mp.Queue", out: "mp.Queue") -> None:
     import grpc
 
     from trainguard.proto import common_pb2, coordinator_pb2 as pb
@@ -135,16 +136,25 @@ async def _client_main(target: str, ids: list[int], nodes_total: int, channels: 
                                                                 host=f"host-{i}", device_count=8))
         reg_req[i] = pb.RegisterNodeRequest(job=JOB, node=info, free_port=20000 + i % 40000).SerializeToString()
     errors = 0
+    codes: dict[str, int] = {}
     leases: dict[int, str] = {}
     gens: dict[int, int] = {}
     started_at: list[float] = []
 
+    # Calls in flight per process: beyond a few thousand, gRPC core sheds the excess with CANCELLED
+    # (grpc.max_pending_requests); a real agent fleet spreads its heartbeats over the interval instead.
+    window = asyncio.Semaphore(inflight)
+
     async def call(fns: list, i: int, payload: bytes) -> bytes | None:
         nonlocal errors
         try:
-            return await fns[i % channels](payload, timeout=timeout)
-        except grpc.aio.AioRpcError:
+            async with window:
+                return await fns[i % channels](payload, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
             errors += 1
+            codes[exc.code().name] = codes.get(exc.code().name, 0) + 1
+            if os.environ.get("BENCH_DEBUG") and codes[exc.code().name] == 1:
+                print("client error:", exc.code().name, exc.details(), exc.debug_error_string(), flush=True)
             return None
 
     async def join(i: int) -> None:
@@ -188,13 +198,15 @@ async def _client_main(target: str, ids: list[int], nodes_total: int, channels: 
         while time.time() < go:
             await asyncio.sleep(0.002)
         t_a, e0 = time.time(), errors
+        codes.clear()
         if phase == "register":
             await asyncio.gather(*(join(i) for i in ids))
         elif phase == "deliver":
             await asyncio.wait([asyncio.ensure_future(until_start(i)) for i in ids], timeout=timeout)
         else:
             await asyncio.gather(*(beat(i, go) for i in ids))
-        out.put({"phase": phase, "t": (t_a, time.time()), "errors": errors - e0, "started_at": list(started_at),
+        out.put({"phase": phase, "t": (t_a, time.time()), "errors": errors - e0, "codes": dict(codes),
+                 "started_at": list(started_at),
                  "latencies": latencies if phase == "steady" else []})
     for c in chans:
         await c.close()
@@ -216,7 +228,7 @@ def _drive(target_port: int, server: psutil.Process, nodes: int, args: argparse.
     out: mp.Queue = mp.Queue()
     ctls = [mp.Queue() for _ in chunks]
     ps = [mp.Process(target=_client_proc, args=(f"127.0.0.1:{target_port}", c, nodes, args.channels,
-                                                 args.hb_period, args.hb_seconds, args.timeout, q, out))
+                                                 args.inflight, args.hb_period, args.hb_seconds, args.timeout, q, out))
           for c, q in zip(chunks, ctls)]
     for p in ps:
         p.start()
@@ -236,6 +248,9 @@ def _drive(target_port: int, server: psutil.Process, nodes: int, args: argparse.
             row[f"{phase}_s"] = end - go
             row[f"{phase}_cpu_s"] = cpu1 - cpu0
             row[f"{phase}_errors"] = sum(r["errors"] for r in res)
+            for r in res:
+                for code, k in r["codes"].items():
+                    row[f"error {code}"] = row.get(f"error {code}", 0) + k
             if phase == "deliver":
                 started = [t for r in res for t in r["started_at"]]
                 row["formed_nodes"] = len(started)
@@ -270,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-procs", type=int, default=max(2, min(8, (os.cpu_count() or 2) // 2)),
                     help="processes running the simulated agents (default: half the CPUs, 2..8)")
     ap.add_argument("--channels", type=int, default=8, help="gRPC connections per client process (8)")
+    ap.add_argument("--inflight", type=int, default=256,
+                    help="calls in flight at once per client process (256: 32 per channel with 8 channels)")
     ap.add_argument("--store", default="sqlite", choices=["memory", "sqlite", "file"],
                     help="coordinator store backend (a fresh temp one per size; default sqlite)")
     ap.add_argument("--timeout", type=float, default=300.0, help="per-phase limit, seconds (300)")
@@ -285,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     mp.set_start_method("spawn")
     print(f"machine: {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB, {_load()}; "
-          f"{args.client_procs} client procs x {args.channels} channels; store={args.store}; "
+          f"{args.client_procs} client procs x {args.channels} channels, {args.inflight} calls in flight each; "
+          f"store={args.store}; "
           f"heartbeat every {args.hb_period} s for {args.hb_seconds} s", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp_s:
@@ -312,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['formed_nodes']} nodes); CPU {r['cpu_ms_per_reg']:.3f} ms/registration, "
                       f"{r['cpu_us_per_hb']:.0f} us/heartbeat; heartbeats {r['hb_per_s']:.0f}/s of "
                       f"{n / args.hb_period:.0f}/s offered (p50 {r['hb_p50_ms']:.1f} ms, p99 {r['hb_p99_ms']:.1f} "
-                      f"ms); errors {r['register_errors'] + r['deliver_errors'] + r['steady_errors']:.0f}; "
+                      f"ms); errors {r['register_errors'] + r['deliver_errors'] + r['steady_errors']:.0f} "
+                      f"{ {k[6:]: v for k, v in r.items() if k.startswith('error ')} }; "
                       f"RSS {r['rss_mib']:.0f} MiB", flush=True)
             cores = c["cpu_us_per_hb"] * 1e-6 * 12500 / args.interval
             print(f"  coordinator / no-op: CPU per registration x{c['cpu_ms_per_reg'] / b['cpu_ms_per_reg']:.1f}, "

@@ -87,7 +87,8 @@ class JobSpec:
             the receiving node's entry (``RankTable.node_count`` tells the size). Default 1024.
         max_heartbeat_rate: heartbeats per second the coordinator invites at most: with more nodes than
             ``rate x heartbeat_interval_s`` it tells nodes a longer interval (nodes / rate) and stretches the
-            lease to at least 3 such intervals, so a large job cannot overload it. Default 5000/s.
+            lease to at least 3 such intervals, so a large job cannot overload it. Default 4000/s: about one
+            core of heartbeat handling including gRPC (measured ~240 us per heartbeat, bench/bench_coordinator.py).
         membership_timeout_s: how long a recovery waits for a valid membership (a spare of the right pod, a lost
             node coming back) before the job fails (MEMBERSHIP_IMPOSSIBLE), seconds. Default 600.
         store: state store URL (see :func:`~trainguard.recovery.store.open_store`). Default ``memory://``.
@@ -108,7 +109,7 @@ class JobSpec:
     repeat_window_s: float = 600.0
     hold_unhealthy: bool = True
     full_table_max_nodes: int = 1024
-    max_heartbeat_rate: float = 5000.0
+    max_heartbeat_rate: float = 4000.0
     membership_timeout_s: float = 600.0
     store: str = "memory://"
 

@@ -66,7 +66,8 @@ def test_vacant_slot_is_refused_unless_shrink_allowed() -> None:
         assign_ranks([_node("n0"), _node("n2", idx=2)], previous=first)
     shrunk = assign_ranks([_node("n0"), _node("n2", idx=2)], previous=first, allow_shrink=True)
     many = assign_ranks([_node(f"m{i}", idx=i) for i in range(20)])
-    with pytest.raises(MembershipError, match=r"^19 rank slot\(s\) have no node: .* and 14 more; register a spare node in pod 'p0'"):
+    with pytest.raises(MembershipError,
+                       match=r"^no spare node for 19 rank slot\(s\): .* and 14 more; register a spare node in pod 'p0'"):
         assign_ranks([_node("m0")], previous=many)
     assert shrunk.node_ids == ("n0", "n2") and shrunk.slots[1].first_rank == 2
 
