@@ -10,7 +10,9 @@ Heartbeat a prebuilt START or NONE: the transport's cost alone):
 2. **rank table delivery**: every node polls Heartbeat at the interval it is told until it gets START with the
    rank table -> the *formation time* of the table is phase 1 + phase 2 (first RegisterNode to last START);
 3. **steady heartbeats**: every node heartbeats once per ``--hb-period`` (jittered) for ``--hb-seconds`` ->
-   achieved heartbeats/s against the offered rate, latency p50/p99, and the server's CPU seconds per heartbeat.
+   achieved heartbeats/s against the offered rate, latency p50/p99, and the server's CPU seconds per heartbeat;
+4. **in process**: the coordinator's servicer called directly (no gRPC, one thread) with the same requests and
+   store: its own CPU per registration, START and heartbeat, apart from the transport.
 
 The main figures are the server's **CPU seconds per registration and per heartbeat** (``psutil`` user+system
 time of the server process, all threads): they depend little on how loaded the machine is, unlike wall-clock
@@ -272,6 +274,49 @@ def _drive(target_port: int, server: psutil.Process, nodes: int, args: argparse.
     return row
 
 
+class _Context:
+    """The servicer-context calls the coordinator's service makes on success (none) and refusal (abort)."""
+
+    def peer(self) -> str:
+        return "in-process"
+
+    def abort(self, code: object, details: str) -> None:
+        raise RuntimeError(f"{code}: {details}")
+
+
+def _in_process(nodes: int, store: str) -> dict[str, float]:
+    """The coordinator's own cost without gRPC: its servicer called directly, single-threaded (CPU time).
+
+    Same requests as the clients send (decoded messages in, messages out), same store, same job spec; the
+    difference to the gRPC figures is the transport (and thread hand-offs), which the no-op server measures.
+    """
+    from trainguard.proto import common_pb2, coordinator_pb2 as pb
+    from trainguard.recovery.service import CoordinatorService, JobSpec
+
+    svc = CoordinatorService(JobSpec(job=JOB, nnodes=nodes, heartbeat_interval_s=1.0, max_restarts=3,
+                                     lease_timeout_s=600.0, store=store, max_heartbeat_rate=1e9))
+    pods = max(1, nodes // 32)
+    ctx = _Context()
+    regs = [pb.RegisterNodeRequest(job=JOB, free_port=20000 + i % 40000, node=common_pb2.NodeInfo(
+        node_id=f"node-{i}", address=f"10.{i // 65536}.{i // 256 % 256}.{i % 256}", topology=common_pb2.Topology(
+            pod_id=f"pod-{i % pods}", node_index=i // pods, host=f"host-{i}", device_count=8))) for i in range(nodes)]
+    t0 = time.process_time()
+    leases = [svc.RegisterNode(r, ctx).lease_id for r in regs]
+    t1 = time.process_time()
+    for i in range(nodes):
+        svc.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id=f"node-{i}", lease_id=leases[i], generation=-1), ctx)
+    t2 = time.process_time()
+    beats = [pb.NodeHeartbeatRequest(job=JOB, node_id=f"node-{i}", lease_id=leases[i], generation=1,
+                                     workers_running=8, last_step=5) for i in range(nodes)]
+    for _ in range(3):
+        for b in beats:
+            svc.Heartbeat(b, ctx)
+    t3 = time.process_time()
+    svc.core.close()
+    return {"cpu_ms_per_reg": 1000 * (t1 - t0) / nodes, "cpu_us_per_start": 1e6 * (t2 - t1) / nodes,
+            "cpu_us_per_hb": 1e6 * (t3 - t2) / (3 * nodes)}
+
+
 def _load() -> str:
     a, b, c = os.getloadavg()
     return f"load {a:.1f}/{b:.1f}/{c:.1f}"
@@ -320,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                     proc.terminate()
                     proc.wait(30)
                 row[kind] = r
+            row["in_process"] = _in_process(n, store.replace(f"c{n}", f"c{n}-inproc"))
             row["load_after"] = _load()
             rows.append(row)
             c, b = row["coordinator"], row["noop"]
@@ -333,18 +379,24 @@ def main(argv: list[str] | None = None) -> int:
                       f"ms); errors {r['register_errors'] + r['deliver_errors'] + r['steady_errors']:.0f} "
                       f"{ {k[6:]: v for k, v in r.items() if k.startswith('error ')} }; "
                       f"RSS {r['rss_mib']:.0f} MiB", flush=True)
+            ip = row["in_process"]
+            print(f"  {'in process':>12}: CPU {ip['cpu_ms_per_reg']:.3f} ms/registration (serial: one store commit "
+                  f"each), {ip['cpu_us_per_start']:.0f} us/START, {ip['cpu_us_per_hb']:.0f} us/heartbeat: the "
+                  f"coordinator's own logic; 12,500 heartbeats/s of it take {ip['cpu_us_per_hb'] * 0.0125:.2f} core",
+                  flush=True)
             cores = c["cpu_us_per_hb"] * 1e-6 * 12500 / args.interval
             print(f"  coordinator / no-op: CPU per registration x{c['cpu_ms_per_reg'] / b['cpu_ms_per_reg']:.1f}, "
                   f"per heartbeat x{c['cpu_us_per_hb'] / b['cpu_us_per_hb']:.1f}; 12,500 nodes heartbeating every "
                   f"{args.interval:g} s would take {cores:.2f} core(s) of this machine", flush=True)
-    print("\n| nodes | formation s (coord / no-op) | CPU ms per registration (coord / no-op) | "
-          "CPU us per heartbeat (coord / no-op) | heartbeats/s (offered) | p99 ms | coord RSS MiB |")
+    print("\n| nodes | formation s (coord / no-op) | CPU ms per registration (coord / no-op / in process) | "
+          "CPU us per heartbeat (coord / no-op / in process) | heartbeats/s (offered) | p99 ms | coord RSS MiB |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        c, b = row["coordinator"], row["noop"]
+        c, b, ip = row["coordinator"], row["noop"], row["in_process"]
         print(f"| {c['nodes']} | {c['form_s']:.2f} / {b['form_s']:.2f} | {c['cpu_ms_per_reg']:.3f} / "
-              f"{b['cpu_ms_per_reg']:.3f} | {c['cpu_us_per_hb']:.0f} / {b['cpu_us_per_hb']:.0f} | "
-              f"{c['hb_per_s']:.0f} ({c['nodes'] / args.hb_period:.0f}) | {c['hb_p99_ms']:.1f} | {c['rss_mib']:.0f} |")
+              f"{b['cpu_ms_per_reg']:.3f} / {ip['cpu_ms_per_reg']:.3f} | {c['cpu_us_per_hb']:.0f} / "
+              f"{b['cpu_us_per_hb']:.0f} / {ip['cpu_us_per_hb']:.0f} | {c['hb_per_s']:.0f} "
+              f"({c['nodes'] / args.hb_period:.0f}) | {c['hb_p99_ms']:.1f} | {c['rss_mib']:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
