@@ -96,7 +96,8 @@ def handle_coordinator(args: argparse.Namespace) -> int:
                    heartbeat_interval_s=args.heartbeat_interval, group_size=args.group_size,
                    allow_shrink=args.allow_shrink, min_nodes=args.min_nodes, lease_timeout_s=args.lease_timeout,
                    backoff_initial_s=args.backoff, max_heartbeat_rate=args.max_heartbeat_rate,
-                   repeat_window_s=args.repeat_window, membership_timeout_s=args.membership_timeout, store=args.store or default_store(args.job))
+                   repeat_window_s=args.repeat_window, membership_timeout_s=args.membership_timeout,
+                   store=args.store or default_store(args.job))
     try:
         if spec.store.startswith("sqlite://") and not args.store:
             Path(spec.store[len("sqlite://"):]).parent.mkdir(parents=True, exist_ok=True)

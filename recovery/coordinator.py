@@ -44,8 +44,9 @@ from trainguard.recovery.errors import (DuplicateNodeError, FencedError, Members
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.domain import (Beat, CheckpointAsk, Command, FaultReport, GenerationTable, Instruction,
                                         NodeRecord)
-from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, GenerationFormed, GenerationRunning,
-                                        MembershipChanged, Persist, Progressed, Step, Tick, decide)
+from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, FormingChecked, GenerationFormed,
+                                        GenerationRunning, MembershipChanged, Persist, Progressed, Step, Tick,
+                                        decide)
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
@@ -312,14 +313,18 @@ class JobCoordinator:
         cordoned = set(self._policy.state.cordoned)
         active = sorted((m for m in self._members.values() if self._lease_live(m, now) and not m.info.spare
                          and m.info.node_id not in cordoned), key=lambda m: m.spec().order_key())
+        why, layout = "", None
         if len(active) < self.spec.nnodes:
             self._form_note = f"waiting for nodes: {len(active)} of {self.spec.nnodes} registered"
-            return None
-        try:
-            return assign_ranks([m.spec() for m in active[: self.spec.nnodes]], group_size=self.spec.group_size)
-        except MembershipError as exc:
-            self._note(f"cannot lay out ranks: {exc}")
-            return None
+        else:
+            try:
+                layout = assign_ranks([m.spec() for m in active[: self.spec.nnodes]], group_size=self.spec.group_size)
+            except MembershipError as exc:
+                why = f"cannot lay out ranks: {exc}"
+                self._note(why)
+        if why or self._policy.state.forming_since_s:
+            self._apply(FormingChecked(why, self._wall()))
+        return layout
 
     def _plan_layout(self, now: float) -> RankLayout | None:
         """Places the pending plan's vacancies on the membership now (see :mod:`~trainguard.recovery.planner`)."""
@@ -375,6 +380,8 @@ class JobCoordinator:
         if st.phase is Phase.FORMING:
             if len(self._members) >= self.spec.nnodes:
                 self._try_form(now)
+            if self._policy.state.forming_since_s and self._apply(Tick(self._wall())).changed:
+                self._mver += 1
         elif st.plan is not None:
             # Re-planned on every membership change (cached per version), during the backoff too, so the
             # plan's message and its wait clock follow the membership.

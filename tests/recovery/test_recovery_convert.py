@@ -36,7 +36,8 @@ def test_start_responses_share_one_wire_table_and_big_tables_are_cut() -> None:
     cache = convert.ResponseCache()
     ins = Instruction(Command.START, Phase.RECOVERING, 0.5, "m", table)
     a, b = cache.response(ins), cache.response(ins)
-    assert a is b and a.command == pb.NODE_COMMAND_START and [n.node_id for n in a.rank_table.nodes] == ["n0", "n1", "n2"]
+    assert a is b and a.command == pb.NODE_COMMAND_START
+    assert [n.node_id for n in a.rank_table.nodes] == ["n0", "n1", "n2"]
     assert a.rank_table.node_count == 3 and a.job_state == pb.JOB_STATE_RECOVERING
     cut = cache.response(Instruction(Command.START, Phase.RECOVERING, 0.5, "m", table, only_node="n1"))
     assert [n.node_id for n in cut.rank_table.nodes] == ["n1"] and cut.rank_table.node_count == 3
