@@ -67,8 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat-window", type=float, default=600.0, metavar="S",
                    help="seconds over which repeated failures escalate (2 process failures of one node -> node "
                         "level, 3 node-level failures -> job level; default 600)")
-    p.add_argument("--max-heartbeat-rate", type=float, default=5000.0,
-                   help="heartbeats/s the coordinator invites at most; more nodes get a longer interval (5000)")
+    p.add_argument("--max-heartbeat-rate", type=float, default=4000.0,
+                   help="heartbeats/s the coordinator invites at most; more nodes get a longer interval (4000: "
+                        "about one core, see bench/bench_coordinator.py)")
     p.add_argument("--membership-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a recovery waits for a valid membership (a spare of the right pod, a lost node "
                         "back) before the job fails (default 600)")
@@ -100,7 +101,8 @@ def handle_coordinator(args: argparse.Namespace) -> int:
                    heartbeat_interval_s=args.heartbeat_interval, group_size=args.group_size,
                    allow_shrink=args.allow_shrink, min_nodes=args.min_nodes, lease_timeout_s=args.lease_timeout,
                    backoff_initial_s=args.backoff, max_heartbeat_rate=args.max_heartbeat_rate,
-                   repeat_window_s=args.repeat_window, membership_timeout_s=args.membership_timeout, store=args.store or default_store(args.job))
+                   repeat_window_s=args.repeat_window, membership_timeout_s=args.membership_timeout,
+                   store=args.store or default_store(args.job))
     try:
         if spec.store.startswith("sqlite://") and not args.store:
             Path(spec.store[len("sqlite://"):]).parent.mkdir(parents=True, exist_ok=True)

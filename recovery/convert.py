@@ -90,10 +90,14 @@ def rank_table(t: GenerationTable | None, job: str, only_node: str = "") -> comm
     if t is None:
         return common_pb2.RankTable(job=job)
     msg = _table_header(t)
-    for s in t.slots:
-        if not only_node or s.node_id == only_node:
-            msg.nodes.add(node_id=s.node_id, group_rank=s.group_rank, first_rank=s.first_rank,
-                          local_world_size=s.local_world_size, address=s.address)
+    if only_node:
+        one = t.slot_of(only_node)
+        slots: tuple = (one,) if one is not None else ()
+    else:
+        slots = t.slots
+    for s in slots:
+        msg.nodes.add(node_id=s.node_id, group_rank=s.group_rank, first_rank=s.first_rank,
+                      local_world_size=s.local_world_size, address=s.address)
     return msg
 
 

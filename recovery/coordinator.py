@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import logging
-import re
 import threading
 import time
 import uuid
@@ -40,109 +39,21 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from trainguard.recovery.committer import GroupCommitter
-from trainguard.recovery.errors import (DuplicateNodeError, FencedError, InvalidRequestError, MembershipError,
+from trainguard.recovery.errors import (DuplicateNodeError, FencedError, MembershipError,
                                         NotServingError, PolicyError, SlotTakenError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.domain import (Beat, CheckpointAsk, Command, FaultReport, GenerationTable, Instruction,
                                         NodeRecord)
-from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, GenerationFormed, GenerationRunning,
-                                        MembershipChanged, Persist, Progressed, Step, Tick, decide)
+from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, FormingChecked, GenerationFormed,
+                                        GenerationRunning, MembershipChanged, Persist, Progressed, Step, Tick,
+                                        decide)
 from trainguard.recovery.planner import place
-from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyConfig, PolicyState, RecoveryPolicy
+from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
+from trainguard.recovery.spec import JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
 
 log = logging.getLogger(__name__)
-
-#: Job names: what fits in a store key and a log line.
-JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
-
-
-@dataclass
-class JobSpec:
-    """What the coordinator needs to know about the job before nodes arrive.
-
-    The first four fields (and their defaults) are what ``trainguard run`` embeds; the rest tune a standalone
-    coordinator (``trainguard coordinator``).
-
-    Attributes:
-        job: job name; requests for other jobs are refused.
-        nnodes: nodes that must register before the first generation starts (>= 1).
-        max_restarts: restarts allowed, counted job-wide by the coordinator (>= 0).
-        heartbeat_interval_s: interval told to agents, seconds. Default 0.5.
-        group_size: ranks per parallel group kept inside one pod (1: no constraint).
-        allow_shrink: a lost node with no spare may be dropped from the job.
-        min_nodes: fewest nodes a shrunk job may run on (0: ``nnodes``, i.e. never shrink below the start).
-        lease_timeout_s: a node silent for this long is lost, seconds. Default 10.
-        backoff_initial_s: wait before the 2nd consecutive restart without progress, seconds (doubles). Default 0.5.
-        backoff_max_s: cap of that wait, seconds. Default 30.
-        process_repeats_to_node: process-level failures of one node (within ``repeat_window_s``) that make the
-            next node-level.
-        node_repeats_to_job: node-level failures (within ``repeat_window_s``) that make the next one job-level.
-        hold_unhealthy: see :class:`~trainguard.recovery.policy.PolicyConfig` (``trainguard run`` on one node
-            turns it off: its only node is all the capacity there is). Default True.
-        repeat_window_s: how far back those repeats count, seconds. Default 600 (drills with compressed time
-            shrink it by their compression factor).
-        full_table_max_nodes: up to this many nodes every START carries the whole rank table; above it, only
-            the receiving node's entry (``RankTable.node_count`` tells the size). Default 1024.
-        max_heartbeat_rate: heartbeats per second the coordinator invites at most: with more nodes than
-            ``rate x heartbeat_interval_s`` it tells nodes a longer interval (nodes / rate) and stretches the
-            lease to at least 3 such intervals, so a large job cannot overload it. Default 5000/s.
-        membership_timeout_s: how long a recovery waits for a valid membership (a spare of the right pod, a lost
-            node coming back) before the job fails (MEMBERSHIP_IMPOSSIBLE), seconds. Default 600.
-        store: state store URL (see :func:`~trainguard.recovery.store.open_store`). Default ``memory://``.
-    """
-
-    job: str
-    nnodes: int = 1
-    max_restarts: int = 3
-    heartbeat_interval_s: float = 0.5
-    group_size: int = 1
-    allow_shrink: bool = False
-    min_nodes: int = 0
-    lease_timeout_s: float = 10.0
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
-    process_repeats_to_node: int = 2
-    node_repeats_to_job: int = 3
-    repeat_window_s: float = 600.0
-    hold_unhealthy: bool = True
-    full_table_max_nodes: int = 1024
-    max_heartbeat_rate: float = 5000.0
-    membership_timeout_s: float = 600.0
-    store: str = "memory://"
-
-    def validate(self) -> None:
-        """Checks every field.
-
-        Raises:
-            InvalidRequestError: a field is out of range; the message names it.
-        """
-        if not JOB_NAME_RE.match(self.job):
-            raise InvalidRequestError(f"job name {self.job!r} is invalid: use 1-128 of [A-Za-z0-9._:@-], "
-                                      "starting with a letter or digit")
-        if self.nnodes < 1 or self.max_restarts < 0 or self.group_size < 1 or self.min_nodes < 0:
-            raise InvalidRequestError("need nnodes >= 1, max_restarts >= 0, group_size >= 1, min_nodes >= 0")
-        if not self.repeat_window_s > 0:
-            raise InvalidRequestError(f"repeat window {self.repeat_window_s} s must be positive")
-        if not self.membership_timeout_s > 0:
-            raise InvalidRequestError(f"membership timeout {self.membership_timeout_s} s must be positive")
-        if self.max_heartbeat_rate <= 0:
-            raise InvalidRequestError(f"max heartbeat rate {self.max_heartbeat_rate}/s must be positive")
-        if self.heartbeat_interval_s <= 0 or self.lease_timeout_s <= self.heartbeat_interval_s:
-            raise InvalidRequestError(f"lease timeout {self.lease_timeout_s} s must exceed the heartbeat interval "
-                                      f"{self.heartbeat_interval_s} s (> 0)")
-
-    def policy_config(self) -> PolicyConfig:
-        """The recovery policy's knobs derived from this spec."""
-        return PolicyConfig(max_restarts=self.max_restarts, backoff_initial_s=self.backoff_initial_s,
-                            backoff_max_s=max(self.backoff_max_s, self.backoff_initial_s),
-                            process_repeats_to_node=self.process_repeats_to_node,
-                            node_repeats_to_job=self.node_repeats_to_job, window_s=self.repeat_window_s,
-                            hold_unhealthy=self.hold_unhealthy, allow_shrink=self.allow_shrink,
-                            min_nodes=self.min_nodes or self.nnodes,
-                            membership_timeout_s=self.membership_timeout_s)
-
 
 @dataclass
 class Member:
@@ -225,6 +136,7 @@ class JobCoordinator:
         self._ckpt_req: CheckpointAsk | None = None  # job-wide checkpoint being relayed
         self._step_rate = 0.0  # steps/s of the current generation (EWMA over >= 1 s windows)
         self._rate_mark: tuple[float, int, int] | None = None  # (time, max step, generation) of the last sample
+        self._beat_observers: list[Callable[[Beat, float], None]] = []
         self.fenced = ""
         self._load()
 
@@ -401,14 +313,18 @@ class JobCoordinator:
         cordoned = set(self._policy.state.cordoned)
         active = sorted((m for m in self._members.values() if self._lease_live(m, now) and not m.info.spare
                          and m.info.node_id not in cordoned), key=lambda m: m.spec().order_key())
+        why, layout = "", None
         if len(active) < self.spec.nnodes:
             self._form_note = f"waiting for nodes: {len(active)} of {self.spec.nnodes} registered"
-            return None
-        try:
-            return assign_ranks([m.spec() for m in active[: self.spec.nnodes]], group_size=self.spec.group_size)
-        except MembershipError as exc:
-            self._note(f"cannot lay out ranks: {exc}")
-            return None
+        else:
+            try:
+                layout = assign_ranks([m.spec() for m in active[: self.spec.nnodes]], group_size=self.spec.group_size)
+            except MembershipError as exc:
+                why = f"cannot lay out ranks: {exc}"
+                self._note(why)
+        if why or self._policy.state.forming_since_s:
+            self._apply(FormingChecked(why, self._wall()))
+        return layout
 
     def _plan_layout(self, now: float) -> RankLayout | None:
         """Places the pending plan's vacancies on the membership now (see :mod:`~trainguard.recovery.planner`)."""
@@ -464,6 +380,8 @@ class JobCoordinator:
         if st.phase is Phase.FORMING:
             if len(self._members) >= self.spec.nnodes:
                 self._try_form(now)
+            if self._policy.state.forming_since_s and self._apply(Tick(self._wall())).changed:
+                self._mver += 1
         elif st.plan is not None:
             # Re-planned on every membership change (cached per version), during the backoff too, so the
             # plan's message and its wait clock follow the membership.
@@ -621,26 +539,45 @@ class JobCoordinator:
             if req.generation > st.generation:
                 raise StaleGenerationError(f"node {req.node_id!r} runs generation {req.generation}, but job "
                                            f"{self.spec.job!r} is at generation {st.generation}: stop those workers")
-            if not m.alive:
-                log.info("job %s: node %s is back", self.spec.job, req.node_id)
-                self._mver += 1
-            m.last_seen, m.alive = now, True
-            if req.free_port > 0:
-                m.free_port = req.free_port
-            m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
-            if req.generation == st.generation and req.last_step >= 0:
-                self._observe_step(now, req.last_step, st.generation)
-            if req.generation == st.generation >= 0 and self._layout is not None \
-                    and self._layout.slot_of(req.node_id) is not None:
-                self._running.add(req.node_id)
-                if req.workers_succeeded:
-                    m.succeeded_generation = req.generation
-                    self._succeeded.add(req.node_id)
-            if req.generation == st.generation and st.consecutive and req.last_step > st.progress_step \
-                    and st.phase is Phase.RUNNING:
-                self._apply(Progressed(req.last_step))
+            self._record_beat(m, req, now)
             self._advance()
             return self._command(m)
+
+    def add_heartbeat_observer(self, observer: Callable[[Beat, float], None]) -> None:
+        """Calls ``observer(beat, now_s)`` for every accepted heartbeat (e.g. straggler detection).
+
+        Observers run with the coordinator's lock held, on the serving thread: keep them to a few microseconds
+        (queue the work elsewhere), and never call back into the coordinator.
+
+        Args:
+            observer: the callable; ``now_s`` is the coordinator's monotonic clock.
+        """
+        self._beat_observers.append(observer)
+
+    def _record_beat(self, m: Member, req: Beat, now: float) -> None:
+        """Everything a heartbeat's data changes (called with the lock held): liveness, the node's progress,
+        the step rate, who runs or finished the current generation, the backoff reset, and the observers."""
+        st = self._policy.state
+        if not m.alive:
+            log.info("job %s: node %s is back", self.spec.job, req.node_id)
+            self._mver += 1
+        m.last_seen, m.alive = now, True
+        if req.free_port > 0:
+            m.free_port = req.free_port
+        m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
+        if req.generation == st.generation and req.last_step >= 0:
+            self._observe_step(now, req.last_step, st.generation)
+        if req.generation == st.generation >= 0 and self._layout is not None \
+                and self._layout.slot_of(req.node_id) is not None:
+            self._running.add(req.node_id)
+            if req.workers_succeeded:
+                m.succeeded_generation = req.generation
+                self._succeeded.add(req.node_id)
+        if req.generation == st.generation and st.consecutive and req.last_step > st.progress_step \
+                and st.phase is Phase.RUNNING:
+            self._apply(Progressed(req.last_step))
+        for observe in self._beat_observers:
+            observe(req, now)
 
     def _command(self, m: Member) -> HeartbeatReply:
         st = self._policy.state

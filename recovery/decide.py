@@ -12,6 +12,7 @@ Events::
 
     FaultReported      a node (or the lease reaper) reports a fault       -> level, budget, plan (or FAILED)
     MembershipChanged  the pending plan was placed on the membership now  -> plan updated, wait clock
+    FormingChecked     the first generation's membership was laid out     -> wait clock (invalid layout only)
     Tick               time passed                                        -> MEMBERSHIP_IMPOSSIBLE after the timeout
     GenerationFormed   a generation got its rank table                    -> FORMING/plan -> current generation
     GenerationRunning  every node of the current generation runs it      -> RECOVERING -> RUNNING
@@ -49,6 +50,15 @@ class MembershipChanged:
 
 
 @dataclass(frozen=True)
+class FormingChecked:
+    """Whether the first generation can be laid out: ``why`` is the layout error, "" when valid (or nodes are
+    still missing, which is not a membership problem)."""
+
+    why: str
+    now_s: float
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed (wall clock seconds): drives the membership timeout."""
 
@@ -82,7 +92,8 @@ class Progressed:
     step: int
 
 
-Event = FaultReported | MembershipChanged | Tick | GenerationFormed | GenerationRunning | AllSucceeded | Progressed
+Event = (FaultReported | MembershipChanged | FormingChecked | Tick | GenerationFormed | GenerationRunning
+         | AllSucceeded | Progressed)
 
 
 class Severity(enum.Enum):
@@ -151,6 +162,8 @@ def decide(config: PolicyConfig, state: PolicyState, event: Event) -> Step:
         decision = policy.on_failure(event.failure, layout=event.layout, members=event.holders, spares=event.free)
     elif isinstance(event, MembershipChanged):
         policy.replanned(event.placement, event.now_s)
+    elif isinstance(event, FormingChecked):
+        policy.forming_checked(event.why, event.now_s)
     elif isinstance(event, Tick):
         if policy.check_membership(event.now_s):
             actions.append(Announce(Severity.ERROR, policy.state.message))

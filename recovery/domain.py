@@ -159,6 +159,14 @@ class GenerationTable:
     restart_count: int
     max_restarts: int
     slots: tuple[NodeSlot, ...]
+    _by_id: dict[str, NodeSlot] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_id", {s.node_id: s for s in self.slots})
+
+    def slot_of(self, node_id: str) -> NodeSlot | None:
+        """The slot a node holds in this generation, or None (a dictionary lookup: large tables are cut per node)."""
+        return self._by_id.get(node_id)
 
 
 @dataclass(frozen=True)

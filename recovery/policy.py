@@ -292,6 +292,8 @@ class PolicyState:
         cordoned: nodes excluded from the job.
         plan: the recovery being prepared, None when none.
         message: last human-readable reason (failure, recovery, success).
+        forming_waiting: why the first generation cannot be laid out although enough nodes registered ("").
+        forming_since_s: since when (wall seconds; 0: not waiting).
     """
 
     phase: Phase = Phase.FORMING
@@ -304,6 +306,8 @@ class PolicyState:
     cordoned: list[str] = field(default_factory=list)
     plan: Plan | None = None
     message: str = ""
+    forming_waiting: str = ""
+    forming_since_s: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         """JSON-friendly form (inverse of :meth:`from_dict`)."""
@@ -312,6 +316,7 @@ class PolicyState:
             "consecutive": self.consecutive, "progress_step": self.progress_step,
             "process_failures": self.process_failures, "node_failures": self.node_failures,
             "cordoned": self.cordoned, "message": self.message, "plan": None,
+            "forming_waiting": self.forming_waiting, "forming_since_s": self.forming_since_s,
         }
         if self.plan is not None:
             p = self.plan
@@ -347,7 +352,8 @@ class PolicyState:
                        int(d["consecutive"]), int(d["progress_step"]),  # type: ignore
                        {str(k): [float(t) for t in v] for k, v in dict(d["process_failures"]).items()},  # type: ignore
                        [float(t) for t in d["node_failures"]], [str(n) for n in d["cordoned"]],  # type: ignore
-                       plan, str(d.get("message", "")))
+                       plan, str(d.get("message", "")), str(d.get("forming_waiting", "")),  # type: ignore
+                       float(d.get("forming_since_s", 0.0)))  # type: ignore
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PolicyError(f"stored policy state is malformed ({exc}): the store is corrupt") from exc
 
@@ -490,9 +496,26 @@ class RecoveryPolicy:
             plan.waiting_since_s = now_s
         return before != (plan.replacements, plan.shrink, plan.waiting, plan.waiting_since_s)
 
+    def forming_checked(self, why: str, now_s: float) -> None:
+        """Records whether the first generation's membership can be laid out (enough nodes registered).
+
+        Args:
+            why: the layout error ("" when the layout is valid, or when nodes are still missing).
+            now_s: wall clock, seconds.
+        """
+        st = self.state
+        if st.phase is not Phase.FORMING:
+            return
+        if not why:
+            st.forming_waiting, st.forming_since_s = "", 0.0
+            return
+        st.forming_waiting = why
+        if not st.forming_since_s:
+            st.forming_since_s = now_s
+
     def check_membership(self, now_s: float) -> bool:
-        """Fails the job (MEMBERSHIP_IMPOSSIBLE) when the pending plan has waited longer than
-        :attr:`PolicyConfig.membership_timeout_s` for a valid membership.
+        """Fails the job (MEMBERSHIP_IMPOSSIBLE) when the pending plan, or the first generation, has waited
+        longer than :attr:`PolicyConfig.membership_timeout_s` for a valid membership.
 
         Args:
             now_s: wall clock, seconds.
@@ -500,7 +523,12 @@ class RecoveryPolicy:
         Returns:
             Whether the job failed now.
         """
-        plan, timeout = self.state.plan, self.config.membership_timeout_s
+        st, timeout = self.state, self.config.membership_timeout_s
+        if st.phase is Phase.FORMING and st.forming_since_s and now_s - st.forming_since_s >= timeout:
+            self.impossible(f"job failed: the first generation found no valid membership for {timeout:g} s: "
+                            f"{st.forming_waiting}")
+            return True
+        plan = st.plan
         if plan is None or not plan.waiting_since_s or now_s - plan.waiting_since_s < timeout:
             return False
         self.impossible(f"job failed: generation {plan.generation} found no valid membership for {timeout:g} s "

@@ -388,7 +388,8 @@ def describe_vacancies(previous: RankLayout, filled: Sequence[NodeSpec | None], 
                          f"device(s) in pod {need!r} (group size {g} keeps ranks {lo}..{lo + g - 1} in one pod)")
             pods.append(need)
         else:
-            parts.append(f"slot {old.group_rank} (was {old.node_id!r}, pod {old.pod_id!r}) needs a node of "
+            pod = f", pod {old.pod_id!r}" if old.pod_id else ""
+            parts.append(f"slot {old.group_rank} (was {old.node_id!r}{pod}) needs a node of "
                          f"{old.local_world_size} device(s)")
             pods.append(old.pod_id)
     names = "; ".join(parts)
@@ -402,7 +403,7 @@ def describe_vacancies(previous: RankLayout, filled: Sequence[NodeSpec | None], 
         shown = ", ".join(f"{m.node_id!r} (pod {m.pod_id!r}, {m.device_count} device(s))" for m in unplaced[:3])
         more = f" and {len(unplaced) - 3} more" if len(unplaced) > 3 else ""
         unusable = f"; free nodes that cannot take them: {shown}{more}"
-    return f"{len(vacant)} rank slot(s) have no node: {names}{unusable}; {spare}, or allow shrinking"
+    return f"no spare node for {len(vacant)} rank slot(s): {names}{unusable}; {spare}, or allow shrinking"
 
 
 def layout_from_mapping(rows: Sequence[Mapping[str, object]], group_size: int = 1) -> RankLayout:

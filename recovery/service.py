@@ -37,7 +37,8 @@ import grpc
 from trainguard.grpc_guard import RequestGuard
 from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
 from trainguard.recovery import convert
-from trainguard.recovery.coordinator import JOB_NAME_RE, JobCoordinator, JobSpec
+from trainguard.recovery.coordinator import JobCoordinator
+from trainguard.recovery.spec import JOB_NAME_RE, JobSpec
 from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, InvalidRequestError, NotServingError,
                                         RecoveryError, RequestError, SlotTakenError, StaleGenerationError,
                                         StaleLeaseError, UnknownJobError, UnknownNodeError)

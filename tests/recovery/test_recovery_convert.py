@@ -36,7 +36,8 @@ def test_start_responses_share_one_wire_table_and_big_tables_are_cut() -> None:
     cache = convert.ResponseCache()
     ins = Instruction(Command.START, Phase.RECOVERING, 0.5, "m", table)
     a, b = cache.response(ins), cache.response(ins)
-    assert a is b and a.command == pb.NODE_COMMAND_START and [n.node_id for n in a.rank_table.nodes] == ["n0", "n1", "n2"]
+    assert a is b and a.command == pb.NODE_COMMAND_START
+    assert [n.node_id for n in a.rank_table.nodes] == ["n0", "n1", "n2"]
     assert a.rank_table.node_count == 3 and a.job_state == pb.JOB_STATE_RECOVERING
     cut = cache.response(Instruction(Command.START, Phase.RECOVERING, 0.5, "m", table, only_node="n1"))
     assert [n.node_id for n in cut.rank_table.nodes] == ["n1"] and cut.rank_table.node_count == 3
@@ -51,4 +52,16 @@ def test_node_records_of_an_older_store_are_restored() -> None:
     core = JobCoordinator(JobSpec(job="j"), store=store)
     m = core.members()["old"]
     assert (m.info.pod_id, m.info.node_index, m.info.device_count, m.lease_id) == ("p9", 3, 4, "abc")
+    core.close()
+
+
+def test_heartbeat_observers_see_every_accepted_beat() -> None:
+    from trainguard.recovery.domain import Beat, NodeRecord
+
+    core = JobCoordinator(JobSpec(job="j", nnodes=2), store=MemoryStore())
+    seen: list[tuple[str, int]] = []
+    core.add_heartbeat_observer(lambda beat, now: seen.append((beat.node_id, beat.last_step)))
+    lease, _, _ = core.register("j", NodeRecord("n0", "p", 0, "h0", 1), 40000)
+    core.heartbeat(Beat("j", "n0", lease, last_step=7))
+    assert seen == [("n0", 7)]
     core.close()

@@ -65,3 +65,24 @@ def test_shrink_only_when_allowed_and_above_the_minimum() -> None:
     # A spare that arrives before the plan forms is used instead of shrinking.
     spare = place(flat, kept, (NodeSpec("s", "p2", 9, "s", 2),), allow_shrink=True)
     assert not spare.shrunk and spare.layout.node_ids == ("n0", "n1", "n2", "s")
+
+
+def test_first_generation_that_can_never_be_laid_out_fails_after_the_timeout() -> None:
+    from trainguard.recovery.coordinator import JobCoordinator, JobSpec
+    from trainguard.recovery.domain import Beat, Command, NodeRecord
+    from trainguard.recovery.store import MemoryStore
+
+    now = [100.0]
+    core = JobCoordinator(JobSpec(job="j", nnodes=2, group_size=4, membership_timeout_s=30.0), store=MemoryStore(),
+                          clock=lambda: now[0], wall=lambda: now[0])
+    # Two nodes of 2 devices in different pods: group size 4 can never be satisfied by these two.
+    leases = [core.register("j", NodeRecord(f"n{i}", f"p{i}", 0, f"h{i}", 2), 40000 + i)[0] for i in range(2)]
+    beat = core.heartbeat(Beat("j", "n0", leases[0])).response
+    assert beat.command is Command.WAIT and "cannot lay out ranks" in beat.message and "'p0'" in beat.message
+    now[0] += 29.0
+    assert core.heartbeat(Beat("j", "n0", leases[0])).response.phase is Phase.FORMING
+    now[0] += 2.0
+    final = core.heartbeat(Beat("j", "n0", leases[0])).response
+    assert final.phase is Phase.FAILED and final.command is Command.STOP
+    assert "first generation found no valid membership for 30 s" in final.message
+    core.close()

@@ -66,7 +66,9 @@ def test_vacant_slot_is_refused_unless_shrink_allowed() -> None:
         assign_ranks([_node("n0"), _node("n2", idx=2)], previous=first)
     shrunk = assign_ranks([_node("n0"), _node("n2", idx=2)], previous=first, allow_shrink=True)
     many = assign_ranks([_node(f"m{i}", idx=i) for i in range(20)])
-    with pytest.raises(MembershipError, match=r"^19 rank slot\(s\) have no node: .* and 14 more; register a spare node in pod 'p0'"):
+    with pytest.raises(MembershipError,
+                       match=r"^no spare node for 19 rank slot\(s\): .* and 14 more; "
+                             r"register a spare node in pod 'p0'"):
         assign_ranks([_node("m0")], previous=many)
     assert shrunk.node_ids == ("n0", "n2") and shrunk.slots[1].first_rank == 2
 
@@ -120,7 +122,8 @@ def test_group_size_replacement_from_other_pod_is_refused() -> None:
     # A newcomer of the other pod is not picked for the vacancy (it would split ranks 0..7 across pods); the
     # refusal names the pod the slot needs, not the pod of the unusable node.
     with pytest.raises(VacancyError, match=r"needs a node of 4 device\(s\) in pod 'pod-1' .*ranks 0\.\.7.*"
-                                           r"cannot take them: 'x' \(pod 'pod-2'.*register a spare node in pod 'pod-1'"):
+                                           r"cannot take them: 'x' \(pod 'pod-2'.*"
+                                           r"register a spare node in pod 'pod-1'"):
         assign_ranks([_node("a0", "pod-1", 0, dev=4), _node("x", "pod-2", 9, dev=4), _node("b0", "pod-2", 0, dev=4),
                       _node("b1", "pod-2", 1, dev=4)], previous=first, group_size=8)
     # A whole vacant group may move to another pod: the constraint still holds.

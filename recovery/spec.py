@@ -1,0 +1,99 @@
+"""What a job's coordinator is told before nodes arrive: :class:`JobSpec`, its validation and the policy it implies."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from trainguard.recovery.errors import InvalidRequestError
+from trainguard.recovery.policy import PolicyConfig
+
+#: Job names: what fits in a store key and a log line.
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
+
+@dataclass
+class JobSpec:
+    """What the coordinator needs to know about the job before nodes arrive.
+
+    The first four fields (and their defaults) are what ``trainguard run`` embeds; the rest tune a standalone
+    coordinator (``trainguard coordinator``).
+
+    Attributes:
+        job: job name; requests for other jobs are refused.
+        nnodes: nodes that must register before the first generation starts (>= 1).
+        max_restarts: restarts allowed, counted job-wide by the coordinator (>= 0).
+        heartbeat_interval_s: interval told to agents, seconds. Default 0.5.
+        group_size: ranks per parallel group kept inside one pod (1: no constraint).
+        allow_shrink: a lost node with no spare may be dropped from the job.
+        min_nodes: fewest nodes a shrunk job may run on (0: ``nnodes``, i.e. never shrink below the start).
+        lease_timeout_s: a node silent for this long is lost, seconds. Default 10.
+        backoff_initial_s: wait before the 2nd consecutive restart without progress, seconds (doubles). Default 0.5.
+        backoff_max_s: cap of that wait, seconds. Default 30.
+        process_repeats_to_node: process-level failures of one node (within ``repeat_window_s``) that make the
+            next node-level.
+        node_repeats_to_job: node-level failures (within ``repeat_window_s``) that make the next one job-level.
+        hold_unhealthy: see :class:`~trainguard.recovery.policy.PolicyConfig` (``trainguard run`` on one node
+            turns it off: its only node is all the capacity there is). Default True.
+        repeat_window_s: how far back those repeats count, seconds. Default 600 (drills with compressed time
+            shrink it by their compression factor).
+        full_table_max_nodes: up to this many nodes every START carries the whole rank table; above it, only
+            the receiving node's entry (``RankTable.node_count`` tells the size). Default 1024.
+        max_heartbeat_rate: heartbeats per second the coordinator invites at most: with more nodes than
+            ``rate x heartbeat_interval_s`` it tells nodes a longer interval (nodes / rate) and stretches the
+            lease to at least 3 such intervals, so a large job cannot overload it. Default 4000/s: about one
+            core of heartbeat handling including gRPC (measured ~240 us per heartbeat, bench/bench_coordinator.py).
+        membership_timeout_s: how long a recovery waits for a valid membership (a spare of the right pod, a lost
+            node coming back) before the job fails (MEMBERSHIP_IMPOSSIBLE), seconds. Default 600.
+        store: state store URL (see :func:`~trainguard.recovery.store.open_store`). Default ``memory://``.
+    """
+
+    job: str
+    nnodes: int = 1
+    max_restarts: int = 3
+    heartbeat_interval_s: float = 0.5
+    group_size: int = 1
+    allow_shrink: bool = False
+    min_nodes: int = 0
+    lease_timeout_s: float = 10.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    process_repeats_to_node: int = 2
+    node_repeats_to_job: int = 3
+    repeat_window_s: float = 600.0
+    hold_unhealthy: bool = True
+    full_table_max_nodes: int = 1024
+    max_heartbeat_rate: float = 4000.0
+    membership_timeout_s: float = 600.0
+    store: str = "memory://"
+
+    def validate(self) -> None:
+        """Checks every field.
+
+        Raises:
+            InvalidRequestError: a field is out of range; the message names it.
+        """
+        if not JOB_NAME_RE.match(self.job):
+            raise InvalidRequestError(f"job name {self.job!r} is invalid: use 1-128 of [A-Za-z0-9._:@-], "
+                                      "starting with a letter or digit")
+        if self.nnodes < 1 or self.max_restarts < 0 or self.group_size < 1 or self.min_nodes < 0:
+            raise InvalidRequestError("need nnodes >= 1, max_restarts >= 0, group_size >= 1, min_nodes >= 0")
+        if not self.repeat_window_s > 0:
+            raise InvalidRequestError(f"repeat window {self.repeat_window_s} s must be positive")
+        if not self.membership_timeout_s > 0:
+            raise InvalidRequestError(f"membership timeout {self.membership_timeout_s} s must be positive")
+        if self.max_heartbeat_rate <= 0:
+            raise InvalidRequestError(f"max heartbeat rate {self.max_heartbeat_rate}/s must be positive")
+        if self.heartbeat_interval_s <= 0 or self.lease_timeout_s <= self.heartbeat_interval_s:
+            raise InvalidRequestError(f"lease timeout {self.lease_timeout_s} s must exceed the heartbeat interval "
+                                      f"{self.heartbeat_interval_s} s (> 0)")
+
+    def policy_config(self) -> PolicyConfig:
+        """The recovery policy's knobs derived from this spec."""
+        return PolicyConfig(max_restarts=self.max_restarts, backoff_initial_s=self.backoff_initial_s,
+                            backoff_max_s=max(self.backoff_max_s, self.backoff_initial_s),
+                            process_repeats_to_node=self.process_repeats_to_node,
+                            node_repeats_to_job=self.node_repeats_to_job, window_s=self.repeat_window_s,
+                            hold_unhealthy=self.hold_unhealthy, allow_shrink=self.allow_shrink,
+                            min_nodes=self.min_nodes or self.nnodes,
+                            membership_timeout_s=self.membership_timeout_s)
