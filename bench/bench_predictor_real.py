@@ -1,9 +1,11 @@
 """Recall at a false-alarm budget on public, labelled server telemetry, next to two baselines in the same run.
 
-Data: ``bench/data/nab_aws/`` (see its SOURCE.md): series of NAB's realAWSCloudwatch folder (EC2/RDS CPU,
-network, ...; 5-minute CloudWatch samples, two weeks each) with NAB's labelled incident windows. NAB's
+Data (``--data``, each folder has a SOURCE.md): ``bench/data/nab_aws/`` (default): series of NAB's
+realAWSCloudwatch folder (EC2/RDS CPU; 5-minute CloudWatch samples, two weeks each) with NAB's labelled incident
+windows (``windows.json``); ``bench/data/ms_cloud_latency/``: hourly outbound API latency series of the
+Microsoft Cloud Monitoring Dataset with a per-row expert label (runs of labelled rows become windows). NAB's
 realKnownCause folder is deliberately NOT used: issue 19's own held-out evaluation very likely drew on it, so
-nothing here is tuned on it.
+nothing here is tuned on it. Window lengths (a day, an hour) are converted to rows from the measured interval.
 
 Protocol (issue 19's): an alarm event is the score reaching the threshold, repeated at most every cooldown
 (20 min); a window is caught when an event falls inside it; every event outside all windows is a false alarm.
@@ -22,7 +24,7 @@ baseline's window, our node's own threshold). Methods, all scored on the same ro
 this data (hindsight: the best a fixed threshold could do). "Self-calibrated at B" runs each node's online
 threshold with budget B and reports what happened: realised false alarms per day and recall, no hindsight.
 
-Usage: ``python bench/bench_predictor_real.py [--data bench/data/nab_aws] [--json out.json]``
+Usage: ``python bench/bench_predictor_real.py [--data bench/data/nab_aws|bench/data/ms_cloud_latency] [--json out.json]``
 """
 
 from __future__ import annotations
