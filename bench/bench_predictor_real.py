@@ -1,9 +1,11 @@
 """Recall at a false-alarm budget on public, labelled server telemetry, next to two baselines in the same run.
 
-Data: ``bench/data/nab_aws/`` (see its SOURCE.md): series of NAB's realAWSCloudwatch folder (EC2/RDS CPU,
-network, ...; 5-minute CloudWatch samples, two weeks each) with NAB's labelled incident windows. NAB's
+Data (``--data``, each folder has a SOURCE.md): ``bench/data/nab_aws/`` (default): series of NAB's
+realAWSCloudwatch folder (EC2/RDS CPU; 5-minute CloudWatch samples, two weeks each) with NAB's labelled incident
+windows (``windows.json``); ``bench/data/ms_cloud_latency/``: hourly outbound API latency series of the
+Microsoft Cloud Monitoring Dataset with a per-row expert label (runs of labelled rows become windows). NAB's
 realKnownCause folder is deliberately NOT used: issue 19's own held-out evaluation very likely drew on it, so
-nothing here is tuned on it.
+nothing here is tuned on it. Window lengths (a day, an hour) are converted to rows from the measured interval.
 
 Protocol (issue 19's): an alarm event is the score reaching the threshold, repeated at most every cooldown
 (20 min); a window is caught when an event falls inside it; every event outside all windows is a false alarm.
@@ -22,7 +24,7 @@ baseline's window, our node's own threshold). Methods, all scored on the same ro
 this data (hindsight: the best a fixed threshold could do). "Self-calibrated at B" runs each node's online
 threshold with budget B and reports what happened: realised false alarms per day and recall, no hindsight.
 
-Usage: ``python bench/bench_predictor_real.py [--data bench/data/nab_aws] [--json out.json]``
+Usage: ``python bench/bench_predictor_real.py [--data bench/data/nab_aws|bench/data/ms_cloud_latency] [--json out.json]``
 """
 
 from __future__ import annotations
@@ -49,23 +51,54 @@ BUDGETS = (0.05, 0.2)
 
 
 def _ts(text: str) -> float:
-    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+    """NAB's ``2014-02-14 14:30:00`` or ISO 8601 ``2018-06-17T00:00:00Z`` (both UTC) as Unix seconds."""
+    text = text.strip().strip('"').replace("T", " ").rstrip("Z")
+    return datetime.strptime(text[:19], "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+
+
+def _label_windows(ts: np.ndarray, label: np.ndarray) -> list[tuple[float, float]]:
+    """Runs of consecutive labelled rows as ``(first, last)`` timestamps (point labels -> incident windows)."""
+    out = []
+    start = None
+    for i, lab in enumerate(label):
+        if lab and start is None:
+            start = i
+        if start is not None and (not lab or i == len(label) - 1):
+            end = i if lab else i - 1
+            out.append((float(ts[start]), float(ts[end])))
+            start = None
+    return out
 
 
 def load_series(folder: Path) -> dict[str, tuple[np.ndarray, np.ndarray, list[tuple[float, float]]]]:
-    """Reads every ``*.csv`` (NAB format ``timestamp,value``) and ``windows.json`` of a folder.
+    """Reads every ``*.csv`` of a folder: ``timestamp,value`` with the windows in ``windows.json`` (NAB), or
+    ``timestamp,value,label`` with a 0/1 label per row (labelled runs become windows).
 
     Returns:
         series name -> (timestamps, values, labelled windows).
     """
-    windows = json.loads((folder / "windows.json").read_text())
+    wfile = folder / "windows.json"
+    windows = json.loads(wfile.read_text()) if wfile.exists() else None
     out = {}
     for f in sorted(folder.glob("*.csv")):
-        rows = [ln.split(",") for ln in f.read_text().splitlines()[1:] if ln.strip()]
+        lines = [ln for ln in f.read_text().splitlines() if ln.strip()]
+        header = [h.strip().lower() for h in lines[0].split(",")]
+        rows = [ln.split(",") for ln in lines[1:]]
         ts = np.array([_ts(r[0]) for r in rows])
         x = np.array([float(r[1]) for r in rows])
-        out[f.stem] = (ts, x, [(_ts(a[:19]), _ts(b[:19])) for a, b in windows[f.stem]])
+        if windows is not None:
+            win = [(_ts(a), _ts(b)) for a, b in windows[f.stem]]
+        elif "label" in header:
+            win = _label_windows(ts, np.array([int(r[header.index("label")]) for r in rows]))
+        else:
+            raise ValueError(f"{f}: no windows.json next to it and no label column; give one or the other")
+        out[f.stem] = (ts, x, win)
     return out
+
+
+def interval_of(data: dict) -> float:
+    """The sampling interval of the data: the median step over all series, seconds."""
+    return float(np.median(np.concatenate([np.diff(ts) for ts, _, _ in data.values()])))
 
 
 def rolling_robust_z(x: np.ndarray, window: int, min_rows: int = 12, std_floor: bool = False) -> np.ndarray:
@@ -91,13 +124,14 @@ def rolling_robust_z(x: np.ndarray, window: int, min_rows: int = 12, std_floor: 
     return z
 
 
-def isolation_forest(x: np.ndarray, seed: int = 0) -> np.ndarray:
-    """Anomaly scores of an IsolationForest fitted on the series itself."""
+def isolation_forest(x: np.ndarray, seed: int = 0, hour_rows: int = 12) -> np.ndarray:
+    """Anomaly scores of an IsolationForest fitted on the series itself (features: value, change, deviation
+    from the mean of the last ``hour_rows`` samples, i.e. the last hour)."""
     from sklearn.ensemble import IsolationForest
 
     d = np.r_[0.0, np.diff(x)]
     c = np.cumsum(np.r_[0.0, x])
-    k = np.minimum(np.arange(len(x)), 12)
+    k = np.minimum(np.arange(len(x)), max(1, hour_rows))
     mean_hour = np.where(k > 0, (c[np.arange(len(x))] - c[np.arange(len(x)) - k]) / np.maximum(k, 1), x)
     feats = np.column_stack([x, d, x - mean_hour])
     clf = IsolationForest(n_estimators=200, random_state=seed).fit(feats)
@@ -111,11 +145,12 @@ def _table(name: str, ts: np.ndarray, x: np.ndarray) -> MetricTable:
 def ours(data: dict, budget: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Leave-one-series-out robust-z scores and self-calibrated margins, per series."""
     out = {}
+    interval = interval_of(data)
     names = list(data)
     for name in names:
         others = concat_tables([_table(n, *data[n][:2]) for n in names if n != name])
         span = max(float(data[n][0][-1] - data[n][0][0]) for n in names)
-        cfg = TrainConfig(method="robust-z", features=FeatureConfig.for_data(300.0, span, peer=False),
+        cfg = TrainConfig(method="robust-z", features=FeatureConfig.for_data(interval, span, peer=False),
                           evaluation=EvalConfig(cooldown_s=COOLDOWN_S, budget_per_100_node_days=100 * budget),
                           gauges=("value",))
         model = train(others, None, cfg)
@@ -131,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(DEFAULT_DATA))
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--name", help="data set name for the printout (default: the folder's name)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     data = load_series(Path(args.data))
@@ -141,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
                                                  "rolling robust z (1 day), scale >= std": {}, "IsolationForest": {},
                                                  "trainguard (fleet rank)": {}, "trainguard (self-calibrated)": {}}
     per_budget = {b: ours(data, b) for b in BUDGETS}
+    interval = interval_of(data)
+    day_rows, hour_rows = int(round(86400.0 / interval)), int(round(3600.0 / interval))
     for name, (ts, x, _) in data.items():
-        methods["rolling robust z (1 day)"][name] = rolling_robust_z(x, 288)
-        methods["rolling robust z (1 day), scale >= std"][name] = rolling_robust_z(x, 288, std_floor=True)
-        methods["IsolationForest"][name] = isolation_forest(x)
+        methods["rolling robust z (1 day)"][name] = rolling_robust_z(x, day_rows)
+        methods["rolling robust z (1 day), scale >= std"][name] = rolling_robust_z(x, day_rows, std_floor=True)
+        methods["IsolationForest"][name] = isolation_forest(x, hour_rows=hour_rows)
         methods["trainguard (fleet rank)"][name] = per_budget[BUDGETS[0]][name][0]
         methods["trainguard (self-calibrated)"][name] = per_budget[BUDGETS[0]][name][1]
 
@@ -158,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
 
     n_win = sum(len(w) for _, _, w in data.values())
     days = evaluate_windows(scored(methods["IsolationForest"]), np.inf, COOLDOWN_S).days
-    print(f"{len(data)} series, {n_win} labelled windows, {days:.1f} days scored (NAB realAWSCloudwatch)")
+    print(f"{len(data)} series, {n_win} labelled windows, {days:.1f} days scored, interval {interval:g} s "
+          f"({args.name or Path(args.data).name})")
     figures: dict = {"series": list(data), "windows": n_win, "days": days, "methods": {}, "self_calibrated": {}}
     print("| method | " + " | ".join(f"recall at {b:g} false alarms/day" for b in BUDGETS) + " |")
     print("|---|" + "---|" * len(BUDGETS))

@@ -38,3 +38,42 @@ def test_self_calibrated_budget_holds_on_unseen_real_series(bench):
     assert rep.days > 30
     assert rep.false_alarms_per_day <= budget, (rep.false_alarms, rep.days)
     assert rep.caught >= 1  # it is not silent: at least one labelled incident is flagged
+
+
+MS_DATA = BENCH.parent / "data" / "ms_cloud_latency"
+
+
+def test_label_column_folder_becomes_incident_windows(bench, tmp_path):
+    # a folder without windows.json: runs of labelled rows are the windows, ISO timestamps with Z are UTC
+    rows = ["timestamp,value,label"] + [f"2018-06-17T{h:02d}:00:00Z,{h},{int(h in (3, 4, 5, 9, 23))}"
+                                        for h in range(24)]
+    (tmp_path / "s.csv").write_text("\n".join(rows) + "\n")
+    (ts, x, win), = bench.load_series(tmp_path).values()
+    t0 = 1529193600.0  # 2018-06-17T00:00Z
+    assert ts[0] == t0 and x[5] == 5.0 and bench.interval_of({"s": (ts, x, win)}) == 3600.0
+    assert win == [(t0 + 3 * 3600, t0 + 5 * 3600), (t0 + 9 * 3600, t0 + 9 * 3600), (t0 + 23 * 3600, t0 + 23 * 3600)]
+    (tmp_path / "s.csv").write_text("timestamp,value\n2018-06-17T00:00:00Z,1\n")
+    with pytest.raises(ValueError, match="windows.json"):
+        bench.load_series(tmp_path)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not MS_DATA.exists(), reason="second data set not present (see its LICENSE.md)")
+def test_self_calibrated_budget_holds_on_hourly_service_latency(bench):
+    """Second public data set (Microsoft Cloud Monitoring Dataset, hourly outbound API latency, 17 labelled
+    windows): hourly data gets its own derived windows; each held-out series keeps the budget."""
+    from trainguard.predictor.evaluation import evaluate_windows
+
+    data = bench.load_series(MS_DATA)
+    assert len(data) == 4 and all(len(ts) == 720 for ts, _, _ in data.values())
+    assert sum(len(w) for _, _, w in data.values()) == 17
+    budget = 0.2
+    margins = bench.ours(data, budget)
+    series = []
+    for name, (ts, _, windows) in data.items():
+        keep = ts >= ts[0] + 86400.0
+        series.append((ts[keep], margins[name][1][keep], windows))
+    rep = evaluate_windows(series, 0.0, bench.COOLDOWN_S)
+    assert rep.days > 100
+    assert rep.false_alarms_per_day <= budget, (rep.false_alarms, rep.days)
+    assert rep.caught >= 1
