@@ -82,8 +82,8 @@ def load_series(folder: Path) -> dict[str, tuple[np.ndarray, np.ndarray, list[tu
     out = {}
     for f in sorted(folder.glob("*.csv")):
         lines = [ln for ln in f.read_text().splitlines() if ln.strip()]
-        header = [h.strip().lower() for h in lines[0].split(",")]
-        rows = [ln.split(",") for ln in lines[1:]]
+        header = [h.strip().strip('"').lower() for h in lines[0].split(",")]
+        rows = [[c.strip().strip('"') for c in ln.split(",")] for ln in lines[1:]]  # upstream quotes its times
         ts = np.array([_ts(r[0]) for r in rows])
         x = np.array([float(r[1]) for r in rows])
         if windows is not None:
