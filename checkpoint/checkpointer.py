@@ -325,6 +325,15 @@ class Checkpointer:
         try:
             slot = arena.get(index, data_bytes)
             slot.lock(exclusive=True)
+        except StorageUnavailableError as exc:
+            self._release_slot(index)
+            if self.staging != "memory":
+                raise
+            raise StorageUnavailableError(
+                f"the state grew to {data_bytes / 2**20:.1f} MiB per snapshot and {self.config.memory.directory} "
+                "cannot hold its staging slots (a container's /dev/shm?): enlarge /dev/shm (docker run "
+                "--shm-size, a Kubernetes emptyDir with medium: Memory) or point checkpoint.memory.directory at a "
+                f"larger tmpfs; a new Checkpointer falls back to other staging ({exc})") from exc
         except BaseException:
             self._release_slot(index)
             raise
