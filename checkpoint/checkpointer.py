@@ -125,6 +125,7 @@ class Checkpointer:
         #: bytes verified (so read) per saved rank by the last restore: a reshard touches only the ranks and
         #: checksum chunks its shards overlap.
         self.last_restore_read: dict[int, int] = {}
+        self._memory_listing: dict[int, dict[int, Any]] | None = None
         self._lock = threading.Condition()
         self._status: dict[int, _StepStatus] = {}
         self._slot_busy: list[bool] = []
@@ -630,6 +631,7 @@ class Checkpointer:
         """
         src_rank = self.rank % info.world_size
         where = f"{tier} copy of step {info.step} rank {src_rank}"
+        self._memory_listing = None  # one listing of the shared-memory manifests per restore attempt
         man = self._read_manifest(tier, info.step, src_rank, where)
         if info.world_size != self.world_size and not (man.replicated or man.sharded or self.config.replicated):
             raise WorldSizeMismatchError(
@@ -672,9 +674,14 @@ class Checkpointer:
         log.info("restored step %d (rank %d's copy) from the %s tier", info.step, src_rank, tier)
         return True
 
+    def _memory_copy(self, step: int, rank: int) -> Any:
+        if self._memory_listing is None:
+            self._memory_listing = arena_mod.memory_manifests(self.config.memory.directory, self.job)
+        return self._memory_listing.get(step, {}).get(rank)
+
     def _read_manifest(self, tier: str, step: int, rank: int, where: str) -> Manifest:
         if tier == "memory":
-            found = arena_mod.memory_manifests(self.config.memory.directory, self.job).get(step, {}).get(rank)
+            found = self._memory_copy(step, rank)
             if found is None:
                 raise CorruptCheckpointError(f"{where} vanished")
             return found[1]
@@ -691,10 +698,15 @@ class Checkpointer:
 
     def _open_data(self, tier: str, step: int, rank: int, man: Manifest, where: str, populate: bool) -> RankCopy:
         if tier == "memory":
-            found = arena_mod.memory_manifests(self.config.memory.directory, self.job).get(step, {}).get(rank)
+            found = self._memory_copy(step, rank)
             if found is None or found[1].created != man.created:
                 raise CorruptCheckpointError(f"{where} was replaced while restoring")
-            return RankCopy(man, found[0].data, where, shared_lock=True, populate=populate)
+            copy = RankCopy(man, found[0].data, where, shared_lock=True, populate=populate)
+            # Under the shared lock the writer cannot reuse the slot; check it was not reused before we took it.
+            if arena_mod.read_tag(found[0]) != str(step) or not os.path.exists(found[0].manifest):
+                copy.close()
+                raise CorruptCheckpointError(f"{where} was replaced while restoring")
+            return copy
         store: StepStore | None = self.disk if tier == "disk" else self.remote_store()
         assert store is not None
         path = store.local_data_path(step, rank)
