@@ -20,7 +20,7 @@ from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.storage import data_name, manifest_name, step_dirname
 
 HERE = Path(__file__).parent
-# ~35 s for the module on an idle 2-core machine (7 rank processes in all); bounded well above that for loaded CI.
+# ~20 s for the module on a quiet 2-core machine, ~60 s loaded (7 rank processes in all); bounded well above.
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed"),
               pytest.mark.timeout(480)]
 
