@@ -85,14 +85,18 @@ class StagingArea:
         except OSError:
             short = self.nslots * nbytes
         if short == 0:
-            arena = self._open(shm_root, "memory", anonymous=False)
             try:
-                arena.preallocate(nbytes)
-                return arena
-            except StorageUnavailableError:
-                # Another process took the room between the check and the allocation: fall back as well.
-                self.close(remove=False)
-                short = max(1, arena_mod.staging_shortfall(arena.dir, self.nslots, nbytes))
+                arena: Arena | None = self._open(shm_root, "memory", anonymous=False)
+            except StorageUnavailableError:  # no usable memory directory at all (read-only, missing /dev/shm)
+                arena, short = None, self.nslots * nbytes
+            if arena is not None:
+                try:
+                    arena.preallocate(nbytes)
+                    return arena
+                except StorageUnavailableError:
+                    # Another process took the room between the check and the allocation: fall back as well.
+                    self.close(remove=False)
+                    short = max(1, arena_mod.staging_shortfall(arena.dir, self.nslots, nbytes))
         kind, where_dir = self.fallback()
         if where_dir is None:
             raise StorageUnavailableError(

@@ -241,3 +241,17 @@ def test_unsupported_tensors_raise_checkpoint_errors(make_config, value, needle)
         with pytest.raises(UnsupportedValueError, match=f"extra.t is .*{needle}") as ei:
             ck.save({"extra": {"t": value}}, 1)
         assert isinstance(ei.value, CheckpointError)
+
+
+def test_unusable_memory_directory_falls_back_too(tmp_path, make_config):
+    ro = tmp_path / "ro-shm"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64m", "tmpfs", str(ro)], check=True)
+    try:
+        events = []
+        with Checkpointer(make_config(memory={"directory": str(ro)}), job="ro", on_event=events.append) as ck:
+            ck.save({"w": torch.ones(1000)}, 1)
+            assert ck.wait(1, timeout=30) and ck.staging == "disk"
+        assert [e.kind for e in events] == ["checkpoint.staging_fallback"]
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
