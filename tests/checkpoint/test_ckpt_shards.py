@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainguard.checkpoint import CheckpointConfig, Checkpointer, CorruptCheckpointError
+from trainguard.checkpoint import CheckpointConfig, CheckpointError, Checkpointer, CorruptCheckpointError
 from trainguard.checkpoint.storage import LocalStore
 from trainguard.checkpoint.writer import write_rank_step
 
@@ -42,3 +42,29 @@ def test_shards_that_do_not_cover_the_tensor_are_refused(tmp_path):
     with Checkpointer(cfg, rank=0, world_size=1, job="j") as ck:
         with pytest.raises(CorruptCheckpointError, match=r"w: the saved shards cover 2000 of the 2400 elements"):
             ck.restore({"w": torch.zeros(60, 40), "n": 0})
+
+
+def test_plain_tensor_parallel_blocks_reshard_through_local_shard(tmp_path):
+    """Megatron-style manual TP: each rank holds a plain block; saved on 2 ranks, restored on 3 and on 1."""
+    from trainguard.checkpoint import LocalShard
+
+    cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False},
+                           persist={"service": "inline", "chunk_mib": 1})
+    for rank in range(2):  # column-parallel weight: rank r holds columns 20r..20r+19
+        block = LocalShard(GLOBAL[:, 20 * rank:20 * rank + 20].clone(), (60, 40), (0, 20 * rank))
+        with Checkpointer(cfg, rank=rank, world_size=2, job="tp") as ck:
+            ck.save({"w": block}, 4)
+            assert ck.wait(4, timeout=30)
+    rows = [(0, 20), (20, 20), (40, 20)]  # now row-parallel over 3 ranks
+    for rank, (start, n) in enumerate(rows):
+        live = LocalShard(torch.zeros(n, 40), (60, 40), (start, 0))
+        before = live.tensor
+        with Checkpointer(cfg, rank=rank, world_size=3, job="tp") as ck:
+            assert ck.restore({"w": live}) == 4
+        assert live.tensor is before and torch.equal(before, GLOBAL[start:start + n])
+    whole = torch.zeros(60, 40)
+    with Checkpointer(cfg, rank=0, world_size=1, job="tp") as ck:
+        assert ck.restore({"w": whole}) == 4
+    assert torch.equal(whole, GLOBAL)
+    with pytest.raises(CheckpointError, match="does not fit"):
+        LocalShard(torch.zeros(30, 40), (60, 40), (40, 0))
