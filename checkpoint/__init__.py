@@ -27,7 +27,7 @@ from trainguard.checkpoint.errors import (
 __all__ = [
     "CHECKPOINT_SERVICE_ENV", "CheckpointConfig", "MemoryTierConfig", "DiskTierConfig", "RemoteTierConfig",
     "PersistConfig", "Checkpointer", "SaveHandle", "StepInfo", "CheckpointError", "CorruptCheckpointError",
-    "NoCheckpointError", "StateMismatchError", "StorageUnavailableError", "WorldSizeMismatchError",
+    "NoCheckpointError", "StateMismatchError", "StorageUnavailableError", "WorldSizeMismatchError", "LocalShard",
 ]
 
 
@@ -36,4 +36,8 @@ def __getattr__(name: str):
         from trainguard.checkpoint import checkpointer
 
         return getattr(checkpointer, name)
+    if name == "LocalShard":
+        from trainguard.checkpoint.tree import LocalShard
+
+        return LocalShard
     raise AttributeError(f"module 'trainguard.checkpoint' has no attribute {name!r}")

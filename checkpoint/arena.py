@@ -11,9 +11,11 @@ tmpfs files, so they outlive a crashed worker; whoever owns the job's lifetime (
 service, or the private persist process) removes them. Locking: the writer of a slot holds ``flock(LOCK_EX)`` on
 its data file; the persist process and readers hold ``LOCK_SH``. No torch import (the persist process uses it).
 
-Ownership: one writer per (job, rank). The writer holds an exclusive, non-blocking ``flock`` on ``owner.lock`` in
-the rank's directory (an :class:`ArenaLease`) from its first save to its close; only the lease holder may remove
-the directory. A process that only restores never takes the lease, so it can neither remove nor reuse another
+Ownership: one writer per (job, rank). The writer holds an exclusive, non-blocking POSIX record lock
+(``lockf``) on ``owner.lock`` in the rank's directory (an :class:`ArenaLease`) from its first save to its close;
+only the lease holder may remove the directory. A record lock, unlike ``flock``, belongs to the process and is
+not inherited by ``fork()``: a DataLoader worker forked from the trainer and outliving it never keeps the lease
+from the trainer's successor. (Record locks do not exclude their own process, so a per-process registry does.) A process that only restores never takes the lease, so it can neither remove nor reuse another
 process's slots. The kernel drops a crashed owner's flock, so its successor takes the lease and reuses the slots
 (each under its slot lock, so a persist still reading a slot finishes first): the area is reclaimed, never torn.
 """
@@ -27,6 +29,7 @@ import mmap
 import os
 import re
 import shutil
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,6 +182,8 @@ class Arena:
 
 
 LEASE_NAME = "owner.lock"
+_HELD: set[str] = set()  # lease files this process holds (record locks never conflict within one process)
+_HELD_LOCK = threading.Lock()
 
 
 class ArenaLease:
@@ -191,6 +196,7 @@ class ArenaLease:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self.fd = -1
+        self._key = ""
 
     @property
     def held(self) -> bool:
@@ -209,24 +215,39 @@ class ArenaLease:
         path = os.path.join(self.directory, LEASE_NAME)
         try:
             os.makedirs(self.directory, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise storage_error(exc, f"create the staging area lock {path}") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+        key = os.path.realpath(path)
+        with _HELD_LOCK:
+            if key in _HELD:
+                raise ArenaOwnedError(
+                    f"this process ({os.getpid()}) already writes checkpoints for this job and rank "
+                    f"({self.directory}) through another Checkpointer; close it first or use another job name")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as exc:
+                raise storage_error(exc, f"create the staging area lock {path}") from exc
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                err = exc
+            else:
+                err = None
+                _HELD.add(key)
+        if err is not None:
+            exc = err
             try:
                 owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             finally:
                 os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise storage_error(exc, f"lock {path}") from exc
             raise ArenaOwnedError(
                 f"process {owner} already writes checkpoints for this job and rank ({self.directory}); only one "
                 "writer per (job, rank): give this process another job name, or only restore from it") from exc
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self.fd = fd
+        self.fd, self._key = fd, key
 
     def release(self, remove: bool) -> None:
         """Gives the lease back; with ``remove`` first deletes the directory (only the holder may)."""
@@ -238,7 +259,9 @@ class ArenaLease:
                 os.rmdir(os.path.dirname(self.directory))  # the job directory, once its last rank is gone
             except OSError:
                 pass
-        os.close(self.fd)
+        with _HELD_LOCK:
+            os.close(self.fd)  # releases the record lock
+            _HELD.discard(self._key)
         self.fd = -1
 
 

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from trainguard.checkpoint import arena as arena_mod
-from trainguard.checkpoint.arena import Arena, ArenaLease, write_tag
+from trainguard.checkpoint.arena import Arena, write_tag
 from trainguard.checkpoint.channel import PersistChannel, open_channel
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import (
@@ -50,6 +50,7 @@ from trainguard.checkpoint.manifest import Manifest, plan_layout
 from trainguard.checkpoint.reader import RankCopy
 from trainguard.checkpoint.shards import ShardedLoader
 from trainguard.checkpoint.snapshot import PendingCopy, SnapshotCopier, storage_ptrs
+from trainguard.checkpoint.staging import StagingArea
 from trainguard.checkpoint.storage import FsspecStore, LocalStore, StepStore, manifest_name
 from trainguard.checkpoint.tree import capture, restore_into
 
@@ -125,6 +126,7 @@ class Checkpointer:
         #: bytes verified (so read) per saved rank by the last restore: a reshard touches only the ranks and
         #: checksum chunks its shards overlap.
         self.last_restore_read: dict[int, int] = {}
+        self._memory_listing: dict[int, dict[int, Any]] | None = None
         self._lock = threading.Condition()
         self._status: dict[int, _StepStatus] = {}
         self._slot_busy: list[bool] = []
@@ -148,13 +150,9 @@ class Checkpointer:
                 self.remote_store()
             except StorageUnavailableError as exc:
                 self.events.storage_failed("remote", None, str(exc), 0)
-        self._nslots = (config.memory.keep + 1) if config.memory.enabled else 2
-        self.arena: Arena | None = None       # the staging slots, opened by the first prepare()/save()
-        self._lease: ArenaLease | None = None
+        nslots = (config.memory.keep + 1) if config.memory.enabled else 2
+        self._stage = StagingArea(config, job, rank, nslots, self.events)  # slots come with the first save
         self._channel: PersistChannel | None = None
-        #: where snapshots are staged: "memory" (the shared-memory tier), or the fallback for a too-small
-        #: /dev/shm (see prepare()): "disk" (local files) or "host" (anonymous, page-locked with CUDA).
-        self.staging: str | None = None
 
     # ------------------------------------------------------------------ writer resources
     @property
@@ -168,73 +166,38 @@ class Checkpointer:
             self._channel = open_channel(self.config, self.job, self.rank, self._on_report)
         return self._channel
 
-    def _staging_fallback(self) -> tuple[str, str | None]:
-        """``(kind, directory)`` of the staging used when the memory directory is too small (see config)."""
-        cfg = self.config
-        kind = cfg.memory.fallback
-        if kind == "auto":
-            kind = "host" if torch.cuda.is_available() else "disk"
-        if cfg.memory.fallback_directory:
-            return kind, cfg.memory.fallback_directory
-        if self.disk is not None:
-            return kind, os.path.join(cfg.disk_directory, ".trainguard-staging")
-        if kind == "host":
-            return kind, os.path.join(tempfile.gettempdir(), "trainguard-staging")
-        return kind, None
+    @property
+    def arena(self) -> Arena | None:
+        """The staging slots (None until the first ``prepare()``/``save()``)."""
+        return self._stage.arena
+
+    @property
+    def staging(self) -> str | None:
+        """Where snapshots are staged: "memory" (the shared-memory tier) or a fallback for a too-small /dev/shm
+        ("disk": local files; "host": anonymous memory, page-locked with CUDA); None before the first save."""
+        return self._stage.kind
 
     def _ensure_arena(self, nbytes: int) -> Arena:
-        """Opens the staging arena on first use, on /dev/shm when its slots fit there, else on local disk.
+        """The staging arena, opened on first use (see :class:`.staging.StagingArea`).
 
         Raises:
             ArenaOwnedError: another live process writes this job and rank.
             StorageUnavailableError: neither the memory directory nor the fallback can hold the slots.
         """
-        if self.arena is not None:
-            return self.arena
-        cfg = self.config
-        shm_root = cfg.memory.directory
-        shm_dir = arena_mod.rank_dir(shm_root, self.job, self.rank)
-        try:
-            short = arena_mod.staging_shortfall(shm_dir, self._nslots, nbytes)
-        except OSError:
-            short = self._nslots * nbytes
-        root, staging = shm_root, "memory"
-        anonymous = False
-        if short > 0:
-            kind, fallback = self._staging_fallback()
-            need_mib = self._nslots * nbytes / 2**20
-            if fallback is None:
-                raise StorageUnavailableError(
-                    f"{shm_root} lacks {short / 2**20:.1f} MiB for {self._nslots} staging slots of "
-                    f"{nbytes / 2**20:.1f} MiB and the disk tier is off; enlarge /dev/shm (docker run --shm-size, "
-                    "a Kubernetes emptyDir with medium: Memory) or set checkpoint.memory.directory")
-            where = (f"on local disk at {fallback}" if kind == "disk" else
-                     "in anonymous host memory" + (" (page-locked for the GPU copies)"
-                                                   if torch.cuda.is_available() else ""))
-            msg = (f"checkpoint staging: {shm_root} has too little room for {self._nslots} slots "
-                   f"({need_mib:.1f} MiB, {short / 2**20:.1f} MiB short; /dev/shm is 64 MiB in Docker and in "
-                   f"Kubernetes pods by default), so snapshots are staged {where} "
-                   f"and the in-memory tier is off for rank {self.rank}; to restore from memory "
-                   "again, enlarge /dev/shm (docker run --shm-size=16g, or mount a Kubernetes emptyDir with "
-                   "medium: Memory at /dev/shm) or point checkpoint.memory.directory "
-                   "($TRAINGUARD_CHECKPOINT_SHM_DIR) at a larger tmpfs")
-            self.events.notice("checkpoint.staging_fallback", msg, {
-                "shm_dir": shm_root, "needed_bytes": str(self._nslots * nbytes), "short_bytes": str(short),
-                "fallback": kind, "fallback_directory": fallback, "config_key": "checkpoint.memory.directory"})
-            root, staging, anonymous = fallback, kind, kind == "host"
-        lease = ArenaLease(arena_mod.rank_dir(root, self.job, self.rank))
-        lease.acquire()
-        try:
-            arena = Arena(root, self.job, self.rank, self._nslots, anonymous=anonymous)
-        except BaseException:
-            lease.release(remove=False)
-            raise
-        self._lease, self.arena, self.staging = lease, arena, staging
+        if self._stage.arena is not None:
+            return self._stage.arena
+        arena = self._stage.ensure(nbytes)
         self._slot_busy = [False] * arena.nslots
         # Slots surviving a crashed predecessor keep their step tags: reuse the oldest first, keep the newest.
         self._slot_step = [int(t) if (t := arena_mod.read_tag(arena.paths(i))).isdigit() else -1
                            for i in range(arena.nslots)]
         return arena
+
+    def _close_arena(self, remove: bool) -> None:
+        """Unmaps the slots and gives the lease back (removing the area only when ``remove``)."""
+        self._staging.clear()
+        self._copier.unpin_all()
+        self._stage.close(remove)
 
     # ------------------------------------------------------------------ tiers
     def remote_store(self) -> FsspecStore | None:
@@ -285,7 +248,11 @@ class Checkpointer:
         _, data_bytes = plan_layout(
             ((c.key, str(c.tensor.dtype).removeprefix("torch."), tuple(c.tensor.shape)) for c in cap.tensors),
             self.config.persist.alignment)
-        self._ensure_arena(data_bytes).preallocate(data_bytes)
+        arena = self._ensure_arena(data_bytes)
+        try:
+            arena.preallocate(data_bytes)
+        except StorageUnavailableError as exc:
+            raise self._stage.outgrown(data_bytes, exc) from exc
         return data_bytes
 
     def save(self, state: Mapping[str, Any], step: int, overlap_with: Any = None) -> SaveHandle:
@@ -325,6 +292,9 @@ class Checkpointer:
         try:
             slot = arena.get(index, data_bytes)
             slot.lock(exclusive=True)
+        except StorageUnavailableError as exc:
+            self._release_slot(index)
+            raise self._stage.outgrown(data_bytes, exc) from exc
         except BaseException:
             self._release_slot(index)
             raise
@@ -621,6 +591,7 @@ class Checkpointer:
         """
         src_rank = self.rank % info.world_size
         where = f"{tier} copy of step {info.step} rank {src_rank}"
+        self._memory_listing = None  # one listing of the shared-memory manifests per restore attempt
         man = self._read_manifest(tier, info.step, src_rank, where)
         if info.world_size != self.world_size and not (man.replicated or man.sharded or self.config.replicated):
             raise WorldSizeMismatchError(
@@ -663,9 +634,14 @@ class Checkpointer:
         log.info("restored step %d (rank %d's copy) from the %s tier", info.step, src_rank, tier)
         return True
 
+    def _memory_copy(self, step: int, rank: int) -> Any:
+        if self._memory_listing is None:
+            self._memory_listing = arena_mod.memory_manifests(self.config.memory.directory, self.job)
+        return self._memory_listing.get(step, {}).get(rank)
+
     def _read_manifest(self, tier: str, step: int, rank: int, where: str) -> Manifest:
         if tier == "memory":
-            found = arena_mod.memory_manifests(self.config.memory.directory, self.job).get(step, {}).get(rank)
+            found = self._memory_copy(step, rank)
             if found is None:
                 raise CorruptCheckpointError(f"{where} vanished")
             return found[1]
@@ -682,10 +658,15 @@ class Checkpointer:
 
     def _open_data(self, tier: str, step: int, rank: int, man: Manifest, where: str, populate: bool) -> RankCopy:
         if tier == "memory":
-            found = arena_mod.memory_manifests(self.config.memory.directory, self.job).get(step, {}).get(rank)
+            found = self._memory_copy(step, rank)
             if found is None or found[1].created != man.created:
                 raise CorruptCheckpointError(f"{where} was replaced while restoring")
-            return RankCopy(man, found[0].data, where, shared_lock=True, populate=populate)
+            copy = RankCopy(man, found[0].data, where, shared_lock=True, populate=populate)
+            # Under the shared lock the writer cannot reuse the slot; check it was not reused before we took it.
+            if arena_mod.read_tag(found[0]) != str(step) or not os.path.exists(found[0].manifest):
+                copy.close()
+                raise CorruptCheckpointError(f"{where} was replaced while restoring")
+            return copy
         store: StepStore | None = self.disk if tier == "disk" else self.remote_store()
         assert store is not None
         path = store.local_data_path(step, rank)
@@ -720,17 +701,12 @@ class Checkpointer:
             channel = self._channel
             if channel is not None:
                 channel.close()
-            self._staging.clear()
-            self._copier.unpin_all()
-            if self.arena is not None:
-                # Only the lease holder removes its area, and only when no agent-owned service keeps it for a
-                # restarted worker. A Checkpointer that never saved holds no lease and removes nothing.
-                remove = (channel is None or channel.owns_memory) and not self.config.memory.keep_on_close
-                if self.staging != "memory":
-                    remove = True  # fallback staging is not a tier: nothing to keep for a successor
-                self.arena.close(remove=False)
-                if self._lease is not None:
-                    self._lease.release(remove=remove)
+            # Only the lease holder removes its area, and only when no agent-owned service keeps it for a
+            # restarted worker. A Checkpointer that never saved holds no lease and removes nothing.
+            remove = (channel is None or channel.owns_memory) and not self.config.memory.keep_on_close
+            if self.staging not in (None, "memory"):
+                remove = True  # fallback staging is not a tier: nothing to keep for a successor
+            self._close_arena(remove=remove)
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -1,11 +1,12 @@
-"""Placing saved DTensor shards into any live layout: same mesh, another world size, or one unsharded tensor.
+"""Placing saved sharded tensors into any live layout: same mesh, another world size, or one unsharded tensor.
 
-Each rank's manifest tree records, for every DTensor it saved, the global shape and the offsets of its local shard
-(see :mod:`.tree`). A restoring rank asks, for each live tensor, for the global box it holds (its own DTensor
-shard, or the whole tensor when the live value is a plain tensor), and copies in the overlap of every saved shard
-with that box. Saved shards are memory-mapped without read-ahead and only the checksum chunks covering the bytes
-read are verified, so a rank reads only the byte ranges it needs (plus chunk rounding). When the live shard is
-exactly the one this rank saved, it is copied straight from this rank's own (fully verified) copy.
+Each rank's manifest tree records, for every DTensor or :class:`~.tree.LocalShard` it saved, the global shape
+and the offsets of its local block (see :mod:`.tree`). A restoring rank asks, for each live tensor, for the
+global box it holds (its own DTensor shard or LocalShard block, or the whole tensor when the live value is a
+plain tensor), and copies in the overlap of every saved shard with that box. Saved shards are memory-mapped
+without read-ahead and only the checksum chunks covering the bytes read are verified, so a rank reads only the
+byte ranges it needs (plus chunk rounding). When the live shard is exactly the one this rank saved, it is copied
+straight from this rank's own (fully verified) copy.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from trainguard.checkpoint.errors import CorruptCheckpointError, StateMismatchError
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.reader import RankCopy, check_fits
-from trainguard.checkpoint.tree import dtensor_nodes, dtensor_region, is_dtensor
+from trainguard.checkpoint.tree import LocalShard, dtensor_nodes, dtensor_region, is_dtensor
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class ShardedLoader:
             e = self.own.manifest.tensors[index]
             self.own.verify_range(e.offset, e.offset + e.nbytes)
 
-    def __call__(self, index: int, target: torch.Tensor | None, node: dict[str, Any] | None = None) -> torch.Tensor:
+    def __call__(self, index: int, target: Any, node: dict[str, Any] | None = None) -> Any:
         if node is None:
             self._check_own(index)
             return self._plain(index, target)
@@ -109,6 +110,12 @@ class ShardedLoader:
         gshape = tuple(int(x) for x in node["g"])
         if target is None:
             dst, off, result = torch.empty(gshape, dtype=dtype), (0,) * len(gshape), None
+        elif isinstance(target, LocalShard):
+            if target.global_shape != gshape or target.tensor.dtype != dtype:
+                raise StateMismatchError(
+                    f"{e.key}: the checkpoint holds {str(dtype).removeprefix('torch.')}{list(gshape)}, the live "
+                    f"LocalShard is of {str(target.tensor.dtype).removeprefix('torch.')}{list(target.global_shape)}")
+            dst, off, result = target.tensor, target.offsets, target
         elif is_dtensor(target):
             check_fits(e.key, target, gshape, dtype)
             lshape, off = dtensor_region(target)

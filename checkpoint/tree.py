@@ -48,6 +48,34 @@ def is_stateful(obj: Any) -> bool:
 
 
 @dataclass
+class LocalShard:
+    """One rank's block of a larger tensor held as a plain tensor (manual tensor or sequence parallelism,
+    Megatron-style layers): saved and resharded like a DTensor shard.
+
+    Put it in the state in place of the plain tensor, on save and on restore (the restore fills ``tensor`` in
+    place with the block at ``offsets``, whatever layout saved it).
+
+    Attributes:
+        tensor: this rank's block.
+        global_shape: shape of the whole tensor.
+        offsets: index of the block's first element in the whole tensor, per dimension.
+    """
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(x) for x in self.global_shape)
+        self.offsets = tuple(int(x) for x in self.offsets)
+        shape = tuple(self.tensor.shape)
+        if not (len(shape) == len(self.global_shape) == len(self.offsets)) or any(
+                o < 0 or o + n > g for o, n, g in zip(self.offsets, shape, self.global_shape)):
+            raise CheckpointError(f"LocalShard of shape {list(shape)} at offsets {list(self.offsets)} does not fit "
+                                  f"in global shape {list(self.global_shape)}")
+
+
+@dataclass
 class CapturedTensor:
     """One tensor of a captured state (a reference to the live tensor, not a copy).
 
@@ -173,6 +201,12 @@ def _encode(v: Any, path: str, out: Captured) -> Any:
         return int(v)
     if isinstance(v, float):
         return v if math.isfinite(v) else {"t": "float", "v": repr(v)}
+    if isinstance(v, LocalShard):
+        check_storable(v.tensor, path)
+        out.tensors.append(CapturedTensor(path, v.tensor.detach()))
+        out.sharded = True
+        return {"t": "dtensor", "i": len(out.tensors) - 1, "g": list(v.global_shape), "o": list(v.offsets),
+                "mesh": [], "pl": ["local"]}
     if isinstance(v, torch.Tensor):
         if is_dtensor(v):
             return _encode_dtensor(v, path, out)
@@ -247,7 +281,7 @@ def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
             return t.numpy()
         return t
     if tag == "dtensor":
-        return loader(int(node["i"]), target if isinstance(target, torch.Tensor) else None, node)
+        return loader(int(node["i"]), target if isinstance(target, (torch.Tensor, LocalShard)) else None, node)
     if tag == "dict" and is_stateful(target):
         # A plain state dict (e.g. imported from torch.distributed.checkpoint) restored into a Stateful object.
         return decode({"t": "stateful", "v": node}, loader, target)

@@ -201,7 +201,8 @@ class Session:
             The next step to run: the restored step + 1, or 0 when there is nothing to restore.
 
         Raises:
-            TrainguardError: a checkpoint exists but none can be restored (e.g. a different world size).
+            TrainguardError: a checkpoint exists but none can be restored (e.g. a different world size, or every
+                committed step is corrupt: ``CorruptCheckpointError``), on this rank or on another one.
         """
         if self._ckpt is None:
             return 0
@@ -226,7 +227,8 @@ class Session:
         when one is initialized (a lone process has nothing to agree with).
 
         Raises:
-            TrainguardError: some rank has no checkpoint at all while others restored one.
+            TrainguardError: some rank has no checkpoint at all while others restored one, or another rank's
+                restore raised (``failed`` marks this rank's own failure; its caller raises that).
         """
         try:
             import torch

@@ -2,7 +2,8 @@
 
 Usage: python ckpt_trainer.py CONFIG_JSON JOB RANK WORLD
 Commands (one per line): ``save N`` (saves a state derived from N, waits, prints ``saved N True|False`` or
-``error N <message>``), ``exit`` (closes and prints ``closed``). Prints ``ready <pid>`` first.
+``error N <message>``), ``fork S`` (forks a child that sleeps S seconds, prints ``forked <pid>``), ``exit``
+(closes and prints ``closed``). Prints ``ready <pid>`` first.
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ def main() -> None:
                 print(f"saved {n} {ck.wait(n, timeout=60)}", flush=True)
             except Exception as exc:  # reported to the test, which decides
                 print(f"error {n} {type(exc).__name__}: {exc}", flush=True)
+        elif cmd[0] == "fork":
+            # Like a DataLoader worker: a forked child inherits every descriptor and may outlive this process.
+            pid = os.fork()
+            if pid == 0:
+                import time
+
+                time.sleep(float(cmd[1]))
+                os._exit(0)
+            print(f"forked {pid}", flush=True)
         elif cmd[0] == "exit":
             break
     ck.close()

@@ -128,11 +128,23 @@ def test_reader_never_removes_the_writers_area_and_a_second_writer_is_refused(ma
 def test_crashed_owners_area_is_reclaimed(make_config):
     cfg = make_config()
     trainer = _start_trainer(cfg, "crash")
+    child = 0
     try:
         assert _ask(trainer, "save 1") == "saved 1 True"
+        # A forked child (a DataLoader worker) holds copies of every descriptor and outlives the trainer here:
+        # it must not keep the lease from the successor.
+        child = int(_ask(trainer, "fork 60").split()[1])
     finally:
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait()
+    try:
+        _check_successor(cfg)
+    finally:
+        if child:
+            os.kill(child, signal.SIGKILL)
+
+
+def _check_successor(cfg: CheckpointConfig) -> None:
     with Checkpointer(cfg, job="crash") as ck:
         live = {"w": torch.zeros(256, 64), "step": -1}
         assert ck.restore(live) == 1 and ck.last_restore_tier == "memory"  # the crashed owner's copy serves
@@ -140,6 +152,16 @@ def test_crashed_owners_area_is_reclaimed(make_config):
         assert ck.wait(2, timeout=30)
         assert ck.restore(live) == 2 and ck.last_restore_tier == "memory"
         assert torch.equal(live["w"], state_for(2)["w"])
+
+
+def test_second_writer_in_the_same_process_is_refused(make_config):
+    with Checkpointer(make_config(), job="same") as a, Checkpointer(make_config(), job="same") as b:
+        a.save({"w": torch.ones(3)}, 1)
+        with pytest.raises(ArenaOwnedError, match=f"this process \\({os.getpid()}\\) already writes"):
+            b.save({"w": torch.ones(3)}, 1)
+        assert a.wait(1, timeout=30)
+        a.save({"w": torch.ones(3)}, 2)  # the first writer's lease is intact
+        assert a.wait(2, timeout=30)
 
 
 # ---------------------------------------------------------------------- (c) re-save
@@ -241,3 +263,17 @@ def test_unsupported_tensors_raise_checkpoint_errors(make_config, value, needle)
         with pytest.raises(UnsupportedValueError, match=f"extra.t is .*{needle}") as ei:
             ck.save({"extra": {"t": value}}, 1)
         assert isinstance(ei.value, CheckpointError)
+
+
+def test_unusable_memory_directory_falls_back_too(tmp_path, make_config):
+    ro = tmp_path / "ro-shm"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64m", "tmpfs", str(ro)], check=True)
+    try:
+        events = []
+        with Checkpointer(make_config(memory={"directory": str(ro)}), job="ro", on_event=events.append) as ck:
+            ck.save({"w": torch.ones(1000)}, 1)
+            assert ck.wait(1, timeout=30) and ck.staging == "disk"
+        assert [e.kind for e in events] == ["checkpoint.staging_fallback"]
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)

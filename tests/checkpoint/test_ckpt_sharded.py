@@ -20,7 +20,9 @@ from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.storage import data_name, manifest_name, step_dirname
 
 HERE = Path(__file__).parent
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+# ~20 s for the module on a quiet 2-core machine, ~60 s loaded (7 rank processes in all); bounded well above.
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed"),
+              pytest.mark.timeout(480)]
 
 
 def _run(scenario: str, world: int, workdir: Path, timeout: float = 240) -> list[dict]:

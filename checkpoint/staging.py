@@ -1,0 +1,150 @@
+"""Where one rank's snapshots are staged: the shared-memory tier, or a fallback when /dev/shm is too small.
+
+Containers give /dev/shm 64 MiB (Docker's default, and Kubernetes pods without a memory-backed ``emptyDir``). The
+first ``prepare()``/``save()`` checks that the rank's staging slots fit in the memory directory and allocates them
+there at once (ranks of one node racing for a small /dev/shm either get all their slots or fall back). When they
+do not fit, snapshots are staged elsewhere so checkpoints still reach disk (``checkpoint.memory.fallback``):
+
+- ``"disk"``: slot files under ``<disk tier dir>/.trainguard-staging`` (CPU nodes: the state already fills host
+  memory, and the page cache absorbs the copy);
+- ``"host"``: anonymous shared memory (``memfd``), not bounded by /dev/shm, page-locked for the GPU copies where
+  CUDA is present (GPU nodes: the state lives on the device, host memory is free);
+- ``"auto"`` (default): host with CUDA, else disk.
+
+One warning names /dev/shm, ``docker run --shm-size``, a Kubernetes ``emptyDir`` with ``medium: Memory`` and the
+config key, and a ``checkpoint.staging_fallback`` health event says the same. A fallback is staging only, never a
+tier: the memory tier is off for this process until /dev/shm is enlarged.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from trainguard.checkpoint import arena as arena_mod
+from trainguard.checkpoint.arena import Arena, ArenaLease
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.errors import StorageUnavailableError
+from trainguard.checkpoint.events import EventSink
+
+EVENT_KIND = "checkpoint.staging_fallback"
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return bool(torch.cuda.is_available())
+
+
+class StagingArea:
+    """The staging slots of one rank and the lease that makes this process their only writer.
+
+    Args:
+        config: the checkpointer's configuration.
+        job: job name; rank: this rank.
+        nslots: staging slots (memory.keep + 1).
+        events: where the fallback's health event goes.
+    """
+
+    def __init__(self, config: CheckpointConfig, job: str, rank: int, nslots: int, events: EventSink) -> None:
+        self.config, self.job, self.rank, self.nslots, self.events = config, job, rank, nslots, events
+        self.arena: Arena | None = None
+        self.lease: ArenaLease | None = None
+        #: "memory", "disk" or "host" once opened; None before.
+        self.kind: str | None = None
+
+    def fallback(self) -> tuple[str, str | None]:
+        """``(kind, directory)`` of the staging used when the memory directory is too small (see module)."""
+        cfg = self.config
+        kind = cfg.memory.fallback
+        if kind == "auto":
+            kind = "host" if _cuda() else "disk"
+        if cfg.memory.fallback_directory:
+            return kind, cfg.memory.fallback_directory
+        if cfg.disk.enabled:
+            return kind, os.path.join(cfg.disk_directory, ".trainguard-staging")
+        if kind == "host":
+            return kind, os.path.join(tempfile.gettempdir(), "trainguard-staging")
+        return kind, None
+
+    def ensure(self, nbytes: int) -> Arena:
+        """Opens (once) the staging arena for slots of ``nbytes``: shared memory when they fit, else the fallback.
+
+        Raises:
+            ArenaOwnedError: another live process writes this job and rank.
+            StorageUnavailableError: neither the memory directory nor the fallback can hold the slots.
+        """
+        if self.arena is not None:
+            return self.arena
+        shm_root = self.config.memory.directory
+        try:
+            short = arena_mod.staging_shortfall(arena_mod.rank_dir(shm_root, self.job, self.rank), self.nslots,
+                                                nbytes)
+        except OSError:
+            short = self.nslots * nbytes
+        if short == 0:
+            try:
+                arena: Arena | None = self._open(shm_root, "memory", anonymous=False)
+            except StorageUnavailableError:  # no usable memory directory at all (read-only, missing /dev/shm)
+                arena, short = None, self.nslots * nbytes
+            if arena is not None:
+                try:
+                    arena.preallocate(nbytes)
+                    return arena
+                except StorageUnavailableError:
+                    # Another process took the room between the check and the allocation: fall back as well.
+                    self.close(remove=False)
+                    short = max(1, arena_mod.staging_shortfall(arena.dir, self.nslots, nbytes))
+        kind, where_dir = self.fallback()
+        if where_dir is None:
+            raise StorageUnavailableError(
+                f"{shm_root} lacks {short / 2**20:.1f} MiB for {self.nslots} staging slots of "
+                f"{nbytes / 2**20:.1f} MiB and the disk tier is off; enlarge /dev/shm (docker run --shm-size, "
+                "a Kubernetes emptyDir with medium: Memory) or set checkpoint.memory.directory")
+        where = (f"on local disk at {where_dir}" if kind == "disk" else
+                 "in anonymous host memory" + (" (page-locked for the GPU copies)" if _cuda() else ""))
+        msg = (f"checkpoint staging: {shm_root} has too little room for {self.nslots} slots "
+               f"({self.nslots * nbytes / 2**20:.1f} MiB, {short / 2**20:.1f} MiB short; /dev/shm is 64 MiB in "
+               f"Docker and in Kubernetes pods by default), so snapshots are staged {where} "
+               f"and the in-memory tier is off for rank {self.rank}; to restore from memory "
+               "again, enlarge /dev/shm (docker run --shm-size=16g, or mount a Kubernetes emptyDir with "
+               "medium: Memory at /dev/shm) or point checkpoint.memory.directory "
+               "($TRAINGUARD_CHECKPOINT_SHM_DIR) at a larger tmpfs")
+        self.events.notice(EVENT_KIND, msg, {
+            "shm_dir": shm_root, "needed_bytes": str(self.nslots * nbytes), "short_bytes": str(short),
+            "fallback": kind, "fallback_directory": where_dir, "config_key": "checkpoint.memory.directory"})
+        return self._open(where_dir, kind, anonymous=kind == "host")
+
+    def _open(self, root: str, kind: str, anonymous: bool) -> Arena:
+        lease = ArenaLease(arena_mod.rank_dir(root, self.job, self.rank))
+        lease.acquire()
+        try:
+            arena = Arena(root, self.job, self.rank, self.nslots, anonymous=anonymous)
+        except BaseException:
+            lease.release(remove=False)
+            raise
+        self.lease, self.arena, self.kind = lease, arena, kind
+        return arena
+
+    def outgrown(self, data_bytes: int, exc: StorageUnavailableError) -> StorageUnavailableError:
+        """The error for a state that outgrew the staging chosen at the first save (names /dev/shm when there)."""
+        if self.kind != "memory":
+            return exc
+        return StorageUnavailableError(
+            f"the state grew to {data_bytes / 2**20:.1f} MiB per snapshot and {self.config.memory.directory} "
+            "cannot hold its staging slots (a container's /dev/shm?): enlarge /dev/shm (docker run --shm-size, a "
+            "Kubernetes emptyDir with medium: Memory) or point checkpoint.memory.directory at a larger tmpfs; a new "
+            f"Checkpointer falls back to other staging ({exc})")
+
+    def close(self, remove: bool) -> None:
+        """Unmaps the slots and gives the lease back; only the lease holder removes, and only with ``remove``."""
+        if self.arena is not None:
+            self.arena.close(remove=False)
+        if self.lease is not None:
+            self.lease.release(remove=remove)
+        self.arena, self.lease, self.kind = None, None, None
+
+
+__all__ = ["EVENT_KIND", "StagingArea"]
