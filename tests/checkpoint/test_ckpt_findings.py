@@ -34,7 +34,9 @@ HERE = Path(__file__).parent
 @pytest.mark.parametrize("memory_enabled", [True, False])
 def test_small_shm_falls_back_to_disk_staging_and_says_how_to_fix(make_config, small_tmpfs, caplog,
                                                                   memory_enabled):
-    cfg = make_config(memory={"directory": str(small_tmpfs), "enabled": memory_enabled})
+    # "disk" pinned: with the default "auto" a CUDA node stages in page-locked host memory instead
+    # (test_ckpt_cuda.py covers that path).
+    cfg = make_config(memory={"directory": str(small_tmpfs), "enabled": memory_enabled, "fallback": "disk"})
     state = {"w": torch.randn(400_000), "step": 7}  # 1.6 MB: two slots cannot fit in 1 MiB
     events = []
     with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint"):
@@ -273,7 +275,8 @@ def test_unusable_memory_directory_falls_back_too(tmp_path, make_config):
         events = []
         with Checkpointer(make_config(memory={"directory": str(ro)}), job="ro", on_event=events.append) as ck:
             ck.save({"w": torch.ones(1000)}, 1)
-            assert ck.wait(1, timeout=30) and ck.staging == "disk"
+            # the default fallback ("auto"): local disk on a CPU node, page-locked host memory with CUDA
+            assert ck.wait(1, timeout=30) and ck.staging == ("host" if torch.cuda.is_available() else "disk")
         assert [e.kind for e in events] == ["checkpoint.staging_fallback"]
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
