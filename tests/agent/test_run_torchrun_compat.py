@@ -54,10 +54,14 @@ def _lines() -> list[tuple[str, list[str], dict]]:
          {"PYTHONPATH": str(SCRIPTS)}),
         ("no-python", ["--nproc-per-node", "1", "--max-restarts", "0", "--no-python", sys.executable, PRINT_ENV],
          {}),
+        pytest.param("gpu", ["--standalone", "--nproc-per-node", "gpu", "--max-restarts", "0", "--virtual-local-rank",
+                             PRINT_ENV], {},
+                     marks=pytest.mark.skipif(not os.path.exists("/dev/nvidia0"), reason="needs an NVIDIA GPU")),
     ]
 
 
-@pytest.mark.parametrize("name,line,extra_env", _lines(), ids=[c[0] for c in _lines()])
+@pytest.mark.parametrize("name,line,extra_env", _lines(),
+                         ids=[getattr(c, "values", c)[0] for c in _lines()])
 def test_same_command_line_same_worker_environment(tmp_path: Path, tg_env: dict, name: str, line: list[str],
                                                    extra_env: dict) -> None:
     env = {**tg_env, **extra_env}
