@@ -7,6 +7,7 @@ them that holds an ``__init__.py`` is found here, so adding a subpackage needs n
 from __future__ import annotations
 
 import os
+import shutil
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -24,14 +25,15 @@ class BuildWithTrace(build_py):
         super().run()
         here = os.path.dirname(os.path.abspath(__file__))
         src = os.environ.get(TRACE_ENV) or os.path.join(here, "..", "shared", "data", "stepfun-fault-trace")
+        dst = os.path.join(self.build_lib, "trainguard", "drill", "data", "stepfun")
+        shutil.rmtree(dst, ignore_errors=True)  # never a stale copy from an earlier build in build/
         if not os.path.isfile(os.path.join(src, "fault_trace.json")):
             print(f"trainguard: no fault trace at {src}; the wheel will not carry it (set {TRACE_ENV})")
             return
-        dst = os.path.join(self.build_lib, "trainguard", "drill", "data", "stepfun")
-        os.makedirs(dst, exist_ok=True)
+        os.makedirs(dst)
         for name in TRACE_FILES:
             if os.path.isfile(os.path.join(src, name)):
-                self.copy_file(os.path.join(src, name), os.path.join(dst, name))
+                shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
 
 # Folder -> import name. `trainguard/` is the namespace's own public face (hook, CLI).
 ROOTS = {

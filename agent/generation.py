@@ -77,6 +77,8 @@ class GenerationResources:
         self._error_dir = error_dir
         self._root: str | None = error_dir
         self._store: GenerationStore | None = None
+        self._disabled = False  # hosting failed once: rank 0 hosts from then on
+        self.failed: tuple[int, str] | None = None  # (generation, why) when hosting failed after the start
 
     def host_store(self, c: NodeConfig, table: common_pb2.RankTable, mine: common_pb2.NodeRanks) -> bool:
         """Closes the previous generation's store and, when this node holds rank 0, hosts the new one on the
@@ -86,17 +88,26 @@ class GenerationResources:
         (the port was taken since it was reported free), its rank 0 hosts it instead, at the same address.
         """
         self.close_store()
-        if not c.host_store:
+        if not c.host_store or self._disabled:
             return False
         if mine.first_rank != 0:
             return True
         from trainguard.agent.worker_store import GenerationStore, StoreHostError
 
+        generation = table.generation
+
+        def failed_later(exc: Exception) -> None:
+            # The workers were told the agent hosts the store: this generation cannot form. The agent restarts
+            # it (a new port), and rank 0 hosts the stores from then on.
+            self._disabled = True
+            self.failed = (generation, str(exc))
+
         try:
-            self._store = GenerationStore(table.master_port, table.world_size).start()
+            self._store = GenerationStore(table.master_port, table.world_size).start_soon(failed_later)
             return True
         except StoreHostError as exc:
-            log.warning("generation %d: %s; rank 0 hosts the store instead", table.generation, exc)
+            log.warning("generation %d: %s; rank 0 hosts the store instead", generation, exc)
+            self._disabled = True
             return False
 
     def close_store(self) -> None:

@@ -36,6 +36,7 @@ import grpc
 from trainguard._version import __version__
 from trainguard.agent.errors import CoordinatorUnavailableError, JobFailedError
 from trainguard.agent.event_bus import EventBus
+from trainguard.agent.fault_records import FaultPlan, FaultRecord  # noqa: F401 (re-exported)
 from trainguard.agent.generation import (  # noqa: F401 (the env names are re-exported)
     AGENT_SOCKET_ENV,
     GENERATION_ENV,
@@ -141,55 +142,6 @@ class NodeConfig:
     host_store: bool = True
     standby_after_s: float = 3.0
     coordinator_channel: Callable[[str], grpc.Channel] | None = None
-
-
-@dataclass
-class FaultRecord:
-    """The timeline of one worker failure, as this node saw it (Unix times in seconds).
-
-    Attributes:
-        generation: generation the failed worker belonged to.
-        rank: failed global rank.
-        cause: ``exit code N`` / ``signal SIGKILL (9)``.
-        injected_at: when a fault injector struck (None for real faults).
-        detected_at: when the agent saw the worker end.
-        restarted_at: when workers of the next generation were started here.
-        resumed_at: when a worker of the next generation completed its first step.
-        resumed_step: that step.
-        hardware: the node-level hardware event that explained the failure (``"pcie.aer_fatal: ..."``), or
-            None when the failure was reported as a process failure.
-        error: the exception the worker recorded in its ``TORCHELASTIC_ERROR_FILE`` (torch's ``@record``),
-            first line, or None.
-    """
-
-    generation: int
-    rank: int
-    cause: str
-    injected_at: float | None
-    detected_at: float
-    restarted_at: float | None = None
-    resumed_at: float | None = None
-    resumed_step: int | None = None
-    hardware: str | None = None
-    error: str | None = None
-
-    @property
-    def recovery_s(self) -> float | None:
-        """Fault (injection, else detection) to first completed step of the next generation."""
-        if self.resumed_at is None:
-            return None
-        return self.resumed_at - (self.injected_at or self.detected_at)
-
-
-@dataclass
-class FaultPlan:
-    """Kill ``rank`` with ``sig`` once it reports ``step`` in generation ``generation`` (drills and the demo)."""
-
-    rank: int
-    step: int
-    sig: int = signal.SIGKILL
-    generation: int = 1
-    done_at: float | None = None
 
 
 def find_free_port(address: str) -> int:
@@ -606,6 +558,19 @@ class NodeAgent:
     def _check_workers(self) -> None:
         group = self._group
         if group is None:
+            return
+        failed = self._resources.failed
+        if failed is not None and failed[0] == self.generation:
+            self._resources.failed = None
+            gen = self.generation
+            ev = HealthEvent(source="agent", kind="agent.store", severity=Severity.CRITICAL,
+                             action=Action.RESTART_PROCESS, subject="rank:0", node_id=self.config.node_id,
+                             message=f"generation {gen}: {failed[1]}; restarting with rank 0 hosting the store")
+            self.fault_records.append(FaultRecord(generation=gen, rank=0, cause=ev.message, injected_at=None,
+                                                  detected_at=time.time()))
+            log.error("%s", ev.message)
+            self._stop_workers()
+            self._report(ev, coordinator_pb2.RECOVERY_LEVEL_PROCESS, gen, 0, 0)
             return
         for w in group.poll():
             if w.state != WorkerState.FAILED:

@@ -98,6 +98,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
     coordinator = rdzv.coordinator
     if coordinator is None:
         from trainguard.recovery import CoordinatorServer, JobSpec
+        from trainguard.recovery.errors import CoordinatorError
 
         try:
             server = CoordinatorServer(
@@ -108,12 +109,16 @@ def run_job(args: argparse.Namespace) -> RunResult:
                         min_nodes=rdzv.min_nodes),
                 listen=rdzv.listen, security=server_security,
             ).start()
-        except Exception as exc:
-            raise UsageError(f"cannot embed the coordinator on {rdzv.listen}: {exc}; pick another "
-                             "--rdzv-endpoint/--master-port or --coordinator-listen") from exc
-        coordinator = server.target
-        if rdzv.multi_node:
-            print(f"trainguard: coordinator for job {job!r} listening on {server.target}", file=sys.stderr)
+        except CoordinatorError as exc:
+            if not rdzv.join_if_taken:
+                raise UsageError(f"cannot embed the coordinator on {rdzv.listen}: {exc}; pick another "
+                                 "--rdzv-endpoint/--master-port or --coordinator-listen") from exc
+            log.info("the coordinator's port %s is taken on this host: joining it", rdzv.listen)
+            coordinator = rdzv.listen
+        if server is not None:
+            coordinator = server.target
+            if rdzv.multi_node:
+                print(f"trainguard: coordinator for job {job!r} listening on {server.target}", file=sys.stderr)
 
     rundir = tempfile.mkdtemp(prefix="tg-")
     extra_env = {}
@@ -185,6 +190,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
         restore()
         grpc_server.stop(0.5).wait()
         if server is not None:
+            if rdzv.multi_node:
+                _let_nodes_hear_the_end(server, config.node_id)
             server.stop()
         if ckpt_service is not None:
             pid = ckpt_service.pid
@@ -194,6 +201,20 @@ def run_job(args: argparse.Namespace) -> RunResult:
         shutil.rmtree(rundir, ignore_errors=True)
     return RunResult(exit_code=code, message=message, faults=agent.fault_records,
                      generations=max(agent.generation, 0), wall_s=time.time() - t0)
+
+
+def _let_nodes_hear_the_end(server, own_node: str, patience_s: float = 10.0) -> None:
+    """Keeps the embedded coordinator up until every other live node has sent a heartbeat since the job ended
+    (its reply carries the end), at most ``patience_s`` seconds; otherwise those agents would lose their
+    coordinator without learning that the job is over."""
+    t_end = time.monotonic()
+    deadline = t_end + patience_s
+    while time.monotonic() < deadline:
+        pending = [m for nid, m in server.core.members().items() if nid != own_node and m.alive and m.last_seen < t_end]
+        if not pending:
+            return
+        time.sleep(0.05)
+    log.warning("stopping the embedded coordinator before every node heard that the job is over")
 
 
 def format_summary(result: RunResult) -> str:

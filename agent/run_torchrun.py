@@ -63,6 +63,8 @@ class Rendezvous:
         job: job name (``--job`` else ``--rdzv-id``), None for the default.
         join_timeout_s: how long the coordinator may be unreachable at registration.
         multi_node: the job may span more than one node.
+        join_if_taken: when the embedded coordinator cannot listen (another agent on this host got there
+            first), join the one at ``listen`` instead (torchrun's c10d backend does the same).
     """
 
     coordinator: str | None
@@ -73,6 +75,7 @@ class Rendezvous:
     join_timeout_s: float = 60.0
     multi_node: bool = False
     conf: dict[str, str] = field(default_factory=dict)
+    join_if_taken: bool = False
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -260,8 +263,10 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
         is_host = _conf_bool(conf, "is_host")
         if is_host is None:
             # torchrun's c10d backend: the agent on the endpoint's host serves; a second agent on that host
-            # finds the port taken and joins.
-            is_host = is_local_host(host) and _port_free(host, port)
+            # finds the port taken and joins (also when both tried at once: join_if_taken).
+            if is_local_host(host) and _port_free(host, port):
+                return Rendezvous(coordinator=None, listen=listen_flag or target, join_if_taken=True, **common)
+            return Rendezvous(coordinator=target, listen="", **common)
         if is_host:
             return Rendezvous(coordinator=None, listen=listen_flag or target, **common)
         return Rendezvous(coordinator=target, listen="", **common)

@@ -116,13 +116,15 @@ class StandbyPool:
     """One warm standby per local rank, kept by the node agent for the next generation.
 
     Armed once the current generation trains: when a worker reported its first step through the hook, or,
-    for plain scripts that never report, once the generation has run ``config.standby_after_s`` seconds
-    (its start-up is over by then; arming earlier makes the standbys' imports compete with the workers').
+    for plain scripts that never report (no worker of the job ever has), once the generation has run
+    ``config.standby_after_s`` seconds (its start-up is over by then; arming earlier makes the standbys' imports
+    compete with the workers').
     A spare node that never ran a generation arms as soon as it is registered.
     """
 
     def __init__(self) -> None:
         self._procs: dict[int, subprocess.Popen] = {}
+        self._hook_seen = False  # some worker of this job reported a step through the hook
 
     def ensure(self, config, group, group_started: float, spare_waiting: bool) -> None:
         """Arms the standbys when due (see the class docstring); a no-op once armed.
@@ -154,7 +156,9 @@ class StandbyPool:
         if not workers:
             return
         started = any(w.last_step >= 0 for w in workers)
-        if not started and time.monotonic() - group_started < config.standby_after_s:
+        self._hook_seen = self._hook_seen or started
+        # Workers that reported steps before will again: wait for theirs (a restore can outlast the delay).
+        if not started and (self._hook_seen or time.monotonic() - group_started < config.standby_after_s):
             return
         for w in workers:
             if script_argv(w.spec.argv) is None:

@@ -11,7 +11,9 @@ first, so nothing of an older generation can be read by a newer one (the cause o
 was a store shared across restarts).
 
 torch is imported in the agent only for this, in a background thread started with the agent
-(:func:`preload`), so the first generation does not wait for it.
+(:func:`preload`). The first generation does not wait for it: if the import is still running when its workers
+start, the store comes up from that thread as soon as the import is done, and the workers, importing torch
+themselves meanwhile, connect with the client's usual retries.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class GenerationStore:
         self.port = port
         self.world_size = world_size
         self._store = None
+        self._closed = False
 
     def start(self, timeout_s: float = 60.0) -> GenerationStore:
         """Listens on ``port`` (every interface, as torch's TCPStore server does).
@@ -68,6 +71,32 @@ class GenerationStore:
         """
         preload()
         _import_done.wait(timeout_s)
+        return self._listen(timeout_s)
+
+    def start_soon(self, on_error, timeout_s: float = 120.0) -> GenerationStore:
+        """Listens now if torch is imported, else from a thread once it is; ``on_error(exc)`` is called (from
+        that thread) when hosting fails there.
+
+        Raises:
+            StoreHostError: hosting failed right away.
+        """
+        preload()
+        if _import_done.is_set():
+            return self._listen(timeout_s)
+
+        def later() -> None:
+            _import_done.wait(timeout_s)
+            if self._closed:
+                return
+            try:
+                self._listen(timeout_s)
+            except StoreHostError as exc:
+                on_error(exc)
+
+        threading.Thread(target=later, name=f"store-{self.port}", daemon=True).start()
+        return self
+
+    def _listen(self, timeout_s: float) -> GenerationStore:
         if _import_error or not _import_done.is_set():
             raise StoreHostError(f"cannot import torch.distributed to host the workers' store: "
                                  f"{_import_error[0] if _import_error else 'import timed out'}")
@@ -83,4 +112,5 @@ class GenerationStore:
 
     def close(self) -> None:
         """Shuts the server down (torch stops it when the last reference goes)."""
+        self._closed = True
         self._store = None

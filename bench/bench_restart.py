@@ -5,8 +5,13 @@ completed step ``--kill-step`` of the first generation, SIGKILLs it from outside
 finish all steps within ``--hang-timeout`` seconds. It reports, per launcher, how many drills passed and the
 recovery time (SIGKILL to the first step completed by the restarted generation), median and max.
 
+Two workers (``--worker``): ``hook`` (``bench/drill_worker.py``, uses ``trainguard.init``) and ``plain``
+(``bench/plain_worker.py``, a plain DDP script that never imports trainguard and saves its own checkpoints). The
+same worker runs under every launcher of a run.
+
 Launchers compared in the same run:
-- ``trainguard``: ``trainguard run --max-restarts 2`` (warm standby workers on, the default).
+- ``trainguard``: ``trainguard run --max-restarts 2`` (warm standby workers on, the default; the agent hosts each
+  generation's store).
 - ``trainguard-no-standby``: the same with ``--no-standby``: restarted workers start a fresh interpreter.
 - ``torchrun-static``: ``torchrun --max-restarts 2`` with its default static rendezvous.
 - ``torchrun-c10d``: ``torchrun --max-restarts 2 --rdzv-backend c10d``.
@@ -30,7 +35,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-WORKER = HERE / "drill_worker.py"
+WORKERS = {"hook": HERE / "drill_worker.py", "plain": HERE / "plain_worker.py"}
 
 
 def _read(out: Path, rank: int) -> list[tuple[int, int, float, int]]:
@@ -46,9 +51,9 @@ def _read(out: Path, rank: int) -> list[tuple[int, int, float, int]]:
     return rows
 
 
-def _command(launcher: str, steps: int, delay: float, out: Path) -> tuple[list[str], dict]:
+def _command(launcher: str, steps: int, delay: float, out: Path, worker_kind: str) -> tuple[list[str], dict]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    worker = [str(WORKER), str(out), str(steps), str(delay)]
+    worker = [str(WORKERS[worker_kind]), str(out), str(steps), str(delay)]
     if launcher in ("trainguard", "trainguard-no-standby"):
         extra = ["--no-standby"] if launcher == "trainguard-no-standby" else []
         return [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--max-restarts", "2",
@@ -92,11 +97,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def drill(launcher: str, steps: int, kill_step: int, delay: float, hang_timeout: float) -> dict:
+def drill(launcher: str, steps: int, kill_step: int, delay: float, hang_timeout: float,
+          worker_kind: str = "hook") -> dict:
     """Runs one kill-and-restart drill; returns its outcome and timings."""
     with tempfile.TemporaryDirectory(prefix="tg-drill-") as tmp:
         out = Path(tmp)
-        cmd, env = _command(launcher, steps, delay, out)
+        cmd, env = _command(launcher, steps, delay, out, worker_kind)
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         result = {"launcher": launcher, "passed": False, "recovery_s": None, "reason": ""}
@@ -144,13 +150,20 @@ def main() -> None:
     ap.add_argument("--kill-step", type=int, default=160)
     ap.add_argument("--step-delay", type=float, default=0.05)
     ap.add_argument("--hang-timeout", type=float, default=45.0)
+    ap.add_argument("--worker", choices=sorted(WORKERS), default="hook",
+                    help="hook: uses trainguard.init; plain: a DDP script that never imports trainguard")
     ap.add_argument("--json", default=None, help="write all drill results here")
     args = ap.parse_args()
+    print(f"worker: {args.worker}; load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+          f"on {os.cpu_count()} cores", flush=True)
     results: dict[str, list[dict]] = {}
-    for launcher in args.launchers.split(","):
+    launchers = args.launchers.split(",")
+    for launcher in launchers:
         results[launcher] = []
-        for i in range(args.drills):
-            r = drill(launcher, args.steps, args.kill_step, args.step_delay, args.hang_timeout)
+    # Interleaved (one drill of each launcher in turn), so a change in the shared machine's load hits all alike.
+    for i in range(args.drills):
+        for launcher in launchers:
+            r = drill(launcher, args.steps, args.kill_step, args.step_delay, args.hang_timeout, args.worker)
             results[launcher].append(r)
             print(f"{launcher:<22} drill {i + 1:>2}: {'pass' if r['passed'] else 'FAIL'}"
                   + (f"  recovery {r['recovery_s']:.2f}s" if r["recovery_s"] is not None else "")
@@ -165,6 +178,7 @@ def main() -> None:
             base = med
         print(f"{launcher:<22} {sum(r['passed'] for r in rs):>4}/{len(rs):<3} {med:>15.2f}s "
               f"{(max(rec) if rec else float('nan')):>12.2f}s")
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if base:
         for launcher, rs in results.items():
             rec = [r["recovery_s"] for r in rs if r["passed"] and r["recovery_s"] is not None]

@@ -54,10 +54,14 @@ def _lines() -> list[tuple[str, list[str], dict]]:
          {"PYTHONPATH": str(SCRIPTS)}),
         ("no-python", ["--nproc-per-node", "1", "--max-restarts", "0", "--no-python", sys.executable, PRINT_ENV],
          {}),
+        pytest.param("gpu", ["--standalone", "--nproc-per-node", "gpu", "--max-restarts", "0", "--virtual-local-rank",
+                             PRINT_ENV], {},
+                     marks=pytest.mark.skipif(not os.path.exists("/dev/nvidia0"), reason="needs an NVIDIA GPU")),
     ]
 
 
-@pytest.mark.parametrize("name,line,extra_env", _lines(), ids=[c[0] for c in _lines()])
+@pytest.mark.parametrize("name,line,extra_env", _lines(),
+                         ids=[getattr(c, "values", c)[0] for c in _lines()])
 def test_same_command_line_same_worker_environment(tmp_path: Path, tg_env: dict, name: str, line: list[str],
                                                    extra_env: dict) -> None:
     env = {**tg_env, **extra_env}
@@ -167,3 +171,47 @@ def test_every_torchrun_flag_is_accepted() -> None:
     mine = {s for a in ours._actions for s in a.option_strings}
     theirs = {s for a in get_args_parser()._actions for s in a.option_strings}
     assert theirs - mine == set()
+
+
+def _two_nodes(launcher: str, port: int, out: Path, env: dict) -> tuple[dict[int, dict], list[str]]:
+    """Two agents on this machine form a 2-node job through the c10d endpoint; one worker each joins a gloo
+    group across them (tests/agent/scripts/dump_env.py)."""
+    out.mkdir()
+    line = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", "--max-restarts", "0"]
+    procs = []
+    for i, node in enumerate(("node-a", "node-b")):
+        extra = ["--node-id", node, *(["--local-addr", "127.0.0.1"] if i else [])] if launcher == "trainguard" \
+            else []
+        cmd = [sys.executable, "-m", "torch.distributed.run"] if launcher == "torchrun" else \
+            [sys.executable, "-m", "trainguard.cli", "run"]
+        procs.append(subprocess.Popen(cmd + line + extra + [str(SCRIPTS / "dump_env.py"), str(out)], env=env,
+                                      cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    errs = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            errs.append(err)
+            assert p.returncode == 0, f"{launcher}: {err[-3000:]}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    return {int(f.stem[3:]): json.loads(f.read_text()) for f in out.glob("env*.json")}, errs
+
+
+def test_two_nodes_through_a_c10d_endpoint_like_torchrun(tmp_path: Path, tg_env: dict) -> None:
+    theirs, _ = _two_nodes("torchrun", _port(), tmp_path / "torchrun", tg_env)
+    ours, errs = _two_nodes("trainguard", _port(), tmp_path / "trainguard", tg_env)
+    assert sorted(ours) == sorted(theirs) == [0, 1]
+    for rank in (0, 1):
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                    "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS", "dist_rank", "dist_world"):
+            assert ours[rank][key] == theirs[rank][key], (rank, key, ours[rank][key], theirs[rank][key])
+        assert ours[rank]["GROUP_RANK"] == str(rank)  # one worker per node: the node's rank is the worker's
+    # Both nodes are told that loopback addresses are unreachable from other nodes: the one left to the
+    # default, and the one given --local-addr 127.0.0.1.
+    assert "coordinator at loopback" in errs[0] and "pass --local-addr" in errs[0], errs[0][-2000:]
+    assert "--address/--local-addr 127.0.0.1 is a loopback address" in errs[1], errs[1][-2000:]
