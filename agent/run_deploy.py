@@ -23,7 +23,6 @@ import argparse
 import logging
 import os
 from collections.abc import Mapping
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -400,7 +399,7 @@ def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: 
     from trainguard.agent.config import AgentConfigError
     from trainguard.agent.job_registry import register
     from trainguard.agent.metrics import MetricsServer
-    from trainguard.recovery.observe import ServingStatus
+    from trainguard.recovery.observe import ServingStatus, serve_health_only
 
     extras = RunExtras(coordinator=coordinator)
     try:
@@ -412,17 +411,7 @@ def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: 
             log.info("metrics on %s", extras.metrics_server.url)  # type: ignore[attr-defined]
         if getattr(args, "health_listen", None):
             health = ServingStatus(("", RUN_SERVICE))
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="run-health"),
-                                 options=[("grpc.so_reuseport", 0)])
-            health.add_to_server(server)
-            try:
-                extras.health_port = server.add_insecure_port(args.health_listen)
-            except RuntimeError:
-                extras.health_port = 0
-            if not extras.health_port:
-                raise UsageError(f"--health-listen {args.health_listen}: cannot listen there (in use or not "
-                                 "local); pick another address")
-            server.start()
+            server, extras.health_port = serve_health_only(health, args.health_listen, "run-health")
             extras.health, extras.health_server = health, server
             stop = threading.Event()
             extras._watch = stop

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
@@ -118,7 +117,7 @@ def start_coordinator_extras(args: argparse.Namespace, server) -> CoordinatorExt
     """
     from trainguard.agent.config import AgentConfigError
     from trainguard.agent.metrics import MetricsServer
-    from trainguard.recovery.observe import CoordinatorMetrics
+    from trainguard.recovery.observe import CoordinatorMetrics, serve_health_only
 
     dispatcher = CordonDispatcher(cordon_hooks(args)).start()
     server.watch.add_cordon_listener(dispatcher.submit)
@@ -132,17 +131,7 @@ def start_coordinator_extras(args: argparse.Namespace, server) -> CoordinatorExt
                 raise UsageError(str(exc).replace("metrics.listen", "--metrics-listen")) from exc
             extras.notes.append(f"metrics on {extras.metrics_server.url}")  # type: ignore[attr-defined]
         if getattr(args, "health_listen", None):
-            hs = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coordinator-health"),
-                             options=[("grpc.so_reuseport", 0)])
-            server.watch.health.add_to_server(hs)
-            try:
-                extras.health_port = hs.add_insecure_port(args.health_listen)
-            except RuntimeError:
-                extras.health_port = 0
-            if not extras.health_port:
-                raise UsageError(f"--health-listen {args.health_listen}: cannot listen there (in use or not "
-                                 "local); pick another address")
-            hs.start()
+            hs, extras.health_port = serve_health_only(server.watch.health, args.health_listen, "coordinator-health")
             extras.health_server = hs
             extras.notes.append(f"grpc.health.v1 on port {extras.health_port}")
     except BaseException:

@@ -47,6 +47,8 @@ from trainguard.recovery.cordon import CordonTarget
 from trainguard.recovery.policy import Phase
 
 if TYPE_CHECKING:  # pragma: no cover
+    import grpc
+
     from trainguard.recovery.coordinator import JobCoordinator
     from trainguard.recovery.cordon import CordonDispatcher
 
@@ -100,6 +102,40 @@ class ServingStatus:
     def add_to_server(self, server) -> None:
         """Registers the health service on a gRPC server (before it starts)."""
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+
+
+def serve_health_only(status: ServingStatus, listen: str, name: str) -> tuple["grpc.Server", int]:
+    """Starts a plaintext gRPC server that serves only ``grpc.health.v1`` (Kubernetes' gRPC probes cannot speak
+    TLS, and health answers carry no job data).
+
+    Args:
+        status: the health servicer to expose.
+        listen: ``host:port`` to bind.
+        name: thread-name prefix of the server's handlers.
+
+    Returns:
+        The started server and its port.
+
+    Raises:
+        UsageError: ``listen`` cannot be bound (in use or not local), naming ``--health-listen``.
+    """
+    import grpc
+    from concurrent import futures
+
+    from trainguard.errors import UsageError
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=name),
+                         options=[("grpc.so_reuseport", 0)])
+    status.add_to_server(server)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
+    if not port:
+        raise UsageError(f"--health-listen {listen}: cannot listen there (in use or not local); pick another "
+                         "address")
+    server.start()
+    return server, port
 
 
 class CoordinatorWatch:
