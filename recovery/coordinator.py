@@ -38,12 +38,14 @@ from dataclasses import dataclass, field
 
 from trainguard.proto import common_pb2, coordinator_pb2
 from trainguard.recovery.committer import GroupCommitter
+from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.errors import (DuplicateNodeError, FencedError, InvalidRequestError, MembershipError,
                                         NotServingError, PolicyError, SlotTakenError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyConfig, PolicyState, RecoveryPolicy
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
+from trainguard.recovery.straggler import ReplaceDecision, StragglerConfig
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class JobSpec:
             ``rate x heartbeat_interval_s`` it tells nodes a longer interval (nodes / rate) and stretches the
             lease to at least 3 such intervals, so a large job cannot overload it. Default 5000/s.
         store: state store URL (see :func:`~trainguard.recovery.store.open_store`). Default ``memory://``.
+        failslow: straggler detection and replace policy (:mod:`~trainguard.recovery.straggler`).
     """
 
     job: str
@@ -103,6 +106,7 @@ class JobSpec:
     full_table_max_nodes: int = 1024
     max_heartbeat_rate: float = 5000.0
     store: str = "memory://"
+    failslow: StragglerConfig = field(default_factory=StragglerConfig)
 
     def validate(self) -> None:
         """Checks every field.
@@ -243,6 +247,7 @@ class JobCoordinator:
         self._step_rate = 0.0  # steps/s of the current generation (EWMA over >= 1 s windows)
         self._rate_mark: tuple[float, int, int] | None = None  # (time, max step, generation) of the last sample
         self.fenced = ""
+        self._failslow = FailSlowSupervisor(spec.failslow, wall=wall)  # fail-slow: see _failslow_* below
         self._load()
 
     # ------------------------------------------------------------------------------------------- persistence
@@ -663,6 +668,8 @@ class JobCoordinator:
             if req.free_port > 0:
                 m.free_port = req.free_port
             m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
+            self._failslow_apply(self._failslow.on_heartbeat(req, st.generation, now,
+                                                             lambda: len(self._candidates(now))), now)
             if req.generation == st.generation and req.last_step >= 0:
                 self._observe_step(now, req.last_step, st.generation)
             if req.generation == st.generation >= 0 and self._layout is not None \
@@ -719,6 +726,7 @@ class JobCoordinator:
             fut = self._state_fut
             pending = fut is not None and (not fut.done() or fut.exception() is not None)
             return HeartbeatReply(resp, fut if pending else None)
+        self._failslow.fill(resp)
         return HeartbeatReply(resp)
 
     def report(self, req: coordinator_pb2.ReportEventRequest) -> tuple[int, int, str, Future | None]:
@@ -743,6 +751,9 @@ class JobCoordinator:
                 raise StaleGenerationError(f"report about generation {req.generation}, but job {self.spec.job!r} "
                                            f"is at generation {st.generation}")
             m.last_seen = now
+            handled = self._failslow_report(req, now)
+            if handled is not None:
+                return _CMD.RECOVERY_LEVEL_NONE, st.generation, handled, None
             if req.proposed_level <= _CMD.RECOVERY_LEVEL_NONE and req.event.action == common_pb2.ACTION_CHECKPOINT_NOW:
                 return _CMD.RECOVERY_LEVEL_NONE, st.generation, self._request_checkpoint(req, now), None
             f = Failure(req.node_id, req.generation, classify(req.event, req.proposed_level),
@@ -845,6 +856,33 @@ class JobCoordinator:
                                            detail=f"no heartbeat for {now - m.last_seen:.1f} s",
                                            time_s=self._wall()), now)
             self._advance()
+
+    # ------------------------------------------------------------------------------------ fail-slow wiring
+    # All fail-slow logic lives in trainguard.recovery.failslow; these three methods only hand it the job's
+    # state and apply its decisions through the ordinary node-failure path.
+    def _failslow_report(self, req: coordinator_pb2.ReportEventRequest, now: float) -> str | None:
+        """Shows a report to fail-slow (called with the lock held); returns the answer when it was fail-slow's
+        own (stacks of a hang), else None and the report goes on to the policy."""
+        lay = self._layout
+        node_of = {s.first_rank + i: s.node_id for s in lay.slots for i in range(s.local_world_size)} if lay else {}
+        out = self._failslow.on_report(req, self._policy.state.generation, node_of, now)
+        self._failslow_apply(out.replace, now)
+        return out.message if out.handled else None
+
+    def _failslow_apply(self, d: ReplaceDecision | None, now: float) -> None:
+        """Replaces a slow (or repeatedly hanging) node with a spare as a node-level failure of that node."""
+        if d is None or self._layout is None or self._layout.slot_of(d.node_id) is None:
+            return
+        st = self._policy.state
+        if st.phase not in (Phase.RUNNING, Phase.RECOVERING) or not self._candidates(now):
+            log.warning("job %s: fail-slow would replace node %s but no spare is available: %s", self.spec.job,
+                        d.node_id, d.detail)
+            return
+        step = max((m.last_step for m in self._members.values() if m.generation == st.generation), default=-1)
+        self._failslow.applied(d, now, step, st.generation)
+        self._fail(Failure(d.node_id, st.generation, Cause.NODE_CRITICAL, Level.NODE, detail=d.detail,
+                           time_s=self._wall()), now)
+        self._advance()
 
 
 def _done_future() -> Future:

@@ -33,6 +33,7 @@ import grpc
 
 from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
 from trainguard.recovery.coordinator import JOB_NAME_RE, JobCoordinator, JobSpec
+from trainguard.recovery.failslow import validate_timings
 from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, InvalidRequestError, NotServingError,
                                         RecoveryError, RequestError, SlotTakenError, StaleGenerationError,
                                         StaleLeaseError, UnknownJobError, UnknownNodeError)
@@ -138,6 +139,7 @@ def validate_heartbeat(req: coordinator_pb2.NodeHeartbeatRequest) -> None:
     if req.workers_running < 0:
         raise _bad("workers_running", f"is {req.workers_running}; it must be >= 0")
     _check_port("free_port", req.free_port)
+    validate_timings(req)
 
 
 def validate_report(req: coordinator_pb2.ReportEventRequest) -> None:

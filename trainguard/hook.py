@@ -23,6 +23,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from trainguard.errors import TrainguardError
+from trainguard.step_timer import Section, StepTimer
 
 log = logging.getLogger("trainguard.hook")
 
@@ -58,16 +59,16 @@ class _AgentLink:
         self._generation = generation
         self._pid = os.getpid()
         self._cond = threading.Condition()
-        self._pending: tuple[int, float] | None = None
+        self._pending: tuple[int, float, dict[str, float] | None] | None = None
         self._advisories: list[Any] = []
         self._closed = False
         self.failures = 0
         self._thread = threading.Thread(target=self._loop, name="trainguard-heartbeat", daemon=True)
         self._thread.start()
 
-    def beat(self, step: int, step_time_s: float) -> None:
+    def beat(self, step: int, step_time_s: float, sections: dict[str, float] | None = None) -> None:
         with self._cond:
-            self._pending = (step, step_time_s)
+            self._pending = (step, step_time_s, sections)
             self._cond.notify()
 
     def take_advisories(self) -> list[Any]:
@@ -92,12 +93,12 @@ class _AgentLink:
                     self._cond.wait()
                 if self._closed and self._pending is None:
                     return
-                step, dt = self._pending
+                step, dt, sections = self._pending
                 self._pending = None
             try:
                 resp = self._stub.WorkerHeartbeat(
                     self._pb.WorkerHeartbeatRequest(rank=self._rank, pid=self._pid, generation=self._generation,
-                                                    step=step, step_time_s=dt),
+                                                    step=step, step_time_s=dt, section_s=sections or {}),
                     timeout=2.0,
                 )
                 if resp.advisories:
@@ -168,6 +169,10 @@ class Session:
         self._agent: _AgentLink | None = None
         self._ckpt = None
         self._finished = False
+        self._timer = StepTimer()
+        #: Wall time of the last completed step, seconds, and its sections (see :meth:`section`).
+        self.last_step_time_s = 0.0
+        self.last_sections: dict[str, float] = {}
 
         directory = checkpoint_dir if checkpoint_dir is not None else os.environ.get(CHECKPOINT_DIR_ENV)
         if directory:
@@ -273,6 +278,28 @@ class Session:
         log.error("%s: %s (training continues)", what, exc)
 
     # -- progress --------------------------------------------------------------------------------------------
+    def section(self, name: str) -> "Section":
+        """Times a part of the current step: ``with session.section("forward"): ...``.
+
+        The times of each name are summed over the step and sent with the step's heartbeat; the coordinator
+        compares ranks with them (:mod:`trainguard.recovery.straggler`). Wrap the time a rank waits for its
+        peers (all-reduce, barrier) in ``"comm"``: a rank's own work is its step time less that wait, so a
+        slow rank stands out even though every rank's step takes as long as the slowest one's. Other names
+        (``"data"``, ``"forward"``, ``"backward"``, ``"optim"``) are shown as they are. Where CUDA is
+        initialised, sections are timed with CUDA events on the current stream (GPU time, read without a
+        device synchronisation when the events have completed), else with ``time.perf_counter``.
+
+        Args:
+            name: section name, 1-32 characters of ``[A-Za-z0-9_.-]``.
+
+        Returns:
+            A reusable context manager (one per name; do not nest a name inside itself).
+
+        Raises:
+            TrainguardError: the name is malformed (a programming error, raised at once, outside any step).
+        """
+        return self._timer.section(name)
+
     def step_done(self, step: int, state: Mapping[str, Any] | None = None) -> None:
         """Marks ``step`` complete: heartbeat, advisories, and a save when due.
 
@@ -284,8 +311,10 @@ class Session:
         now = time.monotonic()
         dt = now - self._last_step_end
         self._last_step_end = now
+        sections = self._timer.collect()
+        self.last_step_time_s, self.last_sections = dt, sections
         if self._agent is not None:
-            self._agent.beat(step, dt)
+            self._agent.beat(step, dt, sections)
             self._apply_advisories()
         due = self.save_every > 0 and (step + 1) % self.save_every == 0
         at = step in self._checkpoint_at
