@@ -82,6 +82,15 @@ def run_job(args: argparse.Namespace) -> RunResult:
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
     job = args.job or f"{os.path.splitext(os.path.basename(args.script))[0]}-{int(time.time())}"
+    from trainguard.recovery.errors import InvalidRequestError
+    from trainguard.recovery.straggler import StragglerConfig
+
+    failslow = StragglerConfig(action=args.failslow_action, slow_ratio=args.failslow_ratio,
+                               clear_ratio=min(1.1, (1.0 + args.failslow_ratio) / 2))
+    try:
+        failslow.validate()
+    except InvalidRequestError as exc:
+        raise UsageError(f"--failslow-ratio {args.failslow_ratio}: must be > 1") from exc
 
     server = None
     coordinator = args.coordinator
@@ -91,7 +100,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         server = CoordinatorServer(
             # One node has nowhere else to go: a hardware fault restarts the job on it (the budget still bounds it).
             JobSpec(job=job, nnodes=args.nnodes, max_restarts=args.max_restarts, heartbeat_interval_s=0.2,
-                    hold_unhealthy=args.nnodes > 1),
+                    hold_unhealthy=args.nnodes > 1, failslow=failslow),
             listen=args.coordinator_listen,
         ).start()
         coordinator = server.target

@@ -11,7 +11,7 @@ Every ``window_s`` seconds (and at least ``min_steps`` steps per rank) a window 
   works from 2 ranks up). A job-wide slowdown moves the median with it and scores ~1 everywhere;
 - a **node score**: the same for the median of each node's ranks against the other nodes' medians;
 - an **individual score**: its step time over its own healthy baseline (the median of its first
-  ``baseline_windows`` windows). The median of these is the *job slowdown*, reported but never a straggler.
+  ``baseline_windows`` windows after two of warm-up). The median of these is the *job slowdown*, reported but never a straggler.
 
 Persistence and hysteresis. A rank (node) is flagged after ``persist_windows`` consecutive windows with a
 score >= ``slow_ratio`` and cleared after ``clear_windows`` consecutive windows below ``clear_ratio`` (<
@@ -168,6 +168,10 @@ class WindowResult:
     newly_flagged: tuple[SlowFinding, ...] = ()
 
 
+#: First windows of a rank left out of its baseline (start-up: imports, allocator warm-up, first restore).
+_WARMUP_WINDOWS = 2
+
+
 def _median(xs: Iterable[float]) -> float:
     vals = list(xs)
     return statistics.median(vals) if vals else math.nan
@@ -193,6 +197,7 @@ class StragglerDetector:
         self._nodes: dict[str, _Track] = {}
         self._baseline_obs: dict[int, list[float]] = {}
         self._individual: dict[int, float] = {}
+        self._windows_seen: dict[int, int] = {}
         self.generation = -1
         self.last: WindowResult | None = None
 
@@ -260,7 +265,8 @@ class StragglerDetector:
         # Individual scores against each rank's own baseline.
         for r, s in step.items():
             obs = self._baseline_obs.setdefault(r, [])
-            if len(obs) < cfg.baseline_windows:
+            self._windows_seen[r] = self._windows_seen.get(r, 0) + 1
+            if len(obs) < cfg.baseline_windows and self._windows_seen[r] > _WARMUP_WINDOWS:
                 obs.append(s)
             base = _median(obs)
             self._individual[r] = s / base if base > 0 else 1.0
