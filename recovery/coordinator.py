@@ -683,7 +683,7 @@ class JobCoordinator:
                 if not st.consecutive:
                     self._save_state()
             self._advance()
-            return self._command(m)
+            return self._failslow_reply(self._command(m))
 
     def _command(self, m: Member) -> HeartbeatReply:
         st = self._policy.state
@@ -726,7 +726,6 @@ class JobCoordinator:
             fut = self._state_fut
             pending = fut is not None and (not fut.done() or fut.exception() is not None)
             return HeartbeatReply(resp, fut if pending else None)
-        self._failslow.fill(resp)
         return HeartbeatReply(resp)
 
     def report(self, req: coordinator_pb2.ReportEventRequest) -> tuple[int, int, str, Future | None]:
@@ -868,6 +867,18 @@ class JobCoordinator:
         out = self._failslow.on_report(req, self._policy.state.generation, node_of, now)
         self._failslow_apply(out.replace, now)
         return out.message if out.handled else None
+
+    def _failslow_reply(self, reply: HeartbeatReply) -> HeartbeatReply:
+        """Adds fail-slow's findings and an open stack request to a heartbeat reply (a copy when the reply is
+        the START/RESTART shared by every node)."""
+        if not self._failslow.has_news():
+            return reply
+        resp = reply.response
+        if resp.command in (_CMD.NODE_COMMAND_START, _CMD.NODE_COMMAND_RESTART):
+            resp = coordinator_pb2.NodeHeartbeatResponse()
+            resp.CopyFrom(reply.response)
+        self._failslow.fill(resp)
+        return HeartbeatReply(resp, reply.durable)
 
     def _failslow_apply(self, d: ReplaceDecision | None, now: float) -> None:
         """Replaces a slow (or repeatedly hanging) node with a spare as a node-level failure of that node."""

@@ -128,10 +128,9 @@ class FailSlowSupervisor:
             if result is not None:
                 self._status = None
                 for f in result.newly_flagged:
-                    what = f"rank {f.rank}" if f.rank >= 0 else "node"
-                    log.warning("fail-slow: %s on node %s is a straggler: own work %.2fx the others' median, the "
-                                "job loses %.0f ms per %.0f ms step", what, f.node_id, f.ratio, f.excess_s * 1000,
-                                result.job_step_s * 1000)
+                    what = f"rank {f.rank} on node {f.node_id}" if f.rank >= 0 else f"node {f.node_id}"
+                    log.warning("fail-slow: %s is a straggler: own work %.2fx the others' median, the job loses "
+                                "%.0f ms per %.0f ms step", what, f.ratio, f.excess_s * 1000, result.job_step_s * 1000)
                     self._wall_of[f.since] = self._wall()
                 if result.slow_nodes:
                     decision = self.policy.decide(result, now, spares())
@@ -233,6 +232,10 @@ class FailSlowSupervisor:
             st.hang.CopyFrom(self._hang_proto)
         self._status = st
         return st
+
+    def has_news(self) -> bool:
+        """Whether replies carry anything (findings, or a stack request)."""
+        return self._collection is not None or bool(self.status().ByteSize())
 
     def fill(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> None:
         """Puts the findings, and an open stack request, into a heartbeat reply."""

@@ -314,7 +314,10 @@ class Session:
         sections = self._timer.collect()
         self.last_step_time_s, self.last_sections = dt, sections
         if self._agent is not None:
-            self._agent.beat(step, dt, sections)
+            if sections:
+                self._agent.beat(step, dt, sections)
+            else:
+                self._agent.beat(step, dt)
             self._apply_advisories()
         due = self.save_every > 0 and (step + 1) % self.save_every == 0
         at = step in self._checkpoint_at

@@ -184,16 +184,6 @@ class _Job:
                            text=True, env=self.env, timeout=30)
         return r.stdout
 
-    def stop(self, grace_steps: int = 30) -> None:
-        """Asks the workers to finish a few steps ahead, then ends every process."""
-        last = max((s[2] for s in self.steps(0)), default=0)
-        self.stop_file.write_text(str(last + grace_steps))
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs if "coordinator" not in
-                                                  str(p.args)):
-            time.sleep(0.2)
-        self.kill()
-
     def kill(self) -> None:
         """Kills every process group the drill started (idempotent)."""
         for p in self.procs:
@@ -242,7 +232,7 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
     throttle: CpuThrottle | None = None
     watched = [n for n in job.nodes if not n.startswith("spare")]
     try:
-        _wait_steps(job, 40, timeout=120)
+        _wait_steps(job, 20, timeout=120)
         progress(f"job running; watching {cfg.healthy_s:.0f} s of healthy training for false alarms")
         t_healthy = time.time()
         while time.time() - t_healthy < cfg.healthy_s:
@@ -291,7 +281,6 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         res.status_text = job.status_text(watched[0])
         st = job.status(watched[0]) or {}
         res.events = [e for e in st.get("recent_events", []) if e.get("source") == "failslow"]
-        job.stop()
         return res
     finally:
         if throttle is not None:
@@ -384,7 +373,6 @@ def run_hang_drill(cfg: HangDrillConfig, progress=print) -> HangDrillResult:
         if cfg.spare and cfg.nodes > 1:
             logs = "".join(p.read_text(errors="replace") for p in job.dir.glob("coordinator.log"))
             res.node_replaced = "fail-slow: replacing node" in logs or "hang outlier" in logs
-        job.stop()
         return res
     finally:
         job.kill()
