@@ -180,6 +180,42 @@ def drills(soak_s: float, hang_rounds: int) -> dict:
     return doc
 
 
+def ettr(detect_s: float, components: list[str] | None, gpus: int, episode_h: float) -> dict:
+    """The ETTR model with its fail-slow term: trainguard (measured detection, node replacement) against the
+    baseline (no detection: the job runs at the straggler's pace until someone notices), StepFun trace and
+    Llama-3 rate."""
+    from trainguard.drill.components import baseline_defaults, load_components
+    from trainguard.drill.ettr import FailSlow, JobSize, simulate, with_failslow
+    from trainguard.drill.report import load_traces
+
+    job = JobSize(gpus)
+    traces = load_traces(["stepfun", "llama3"], None, 348.0, 0)
+    tg, bl = load_components(components, baseline=baseline_defaults(1800.0))
+    doc: dict = {"gpus": gpus, "detect_s": detect_s, "episode_h": episode_h, "rows": []}
+    episode = episode_h * 3600.0
+    print(f"ETTR with fail-slow at {gpus} GPUs ({job.nodes} nodes). A slow episode lasts {episode_h:g} h unless "
+          f"acted on (an operator notices); trainguard flags it in {detect_s:.1f} s and replaces the node "
+          f"({tg.recovery_node_s:.0f} s + half a checkpoint interval of lost work); baseline: no detection")
+    print(f"  {'rate/node-day':>13} {'slowdown':>8}  {'trace':<8} {'no fail-slow':>12} {'trainguard':>10} "
+          f"{'tg, no fail-slow detection':>26} {'baseline':>9}")
+    reports = {tr.name: (simulate(tr, job, tg), simulate(tr, job, bl)) for tr in traces}
+    for rate in (0.003, 0.01, 0.03):
+        for slowdown in (1.1, 1.3, 2.0):
+            for name, (rt, rb) in reports.items():
+                fs_tg = FailSlow(rate, slowdown, episode, detect_s, tg.recovery_node_s + rt.result.interval_s / 2)
+                fs_none = FailSlow(rate, slowdown, episode, None)
+                row = {"rate_per_node_day": rate, "slowdown": slowdown, "trace": name,
+                       "ettr_trainguard_no_failslow": rt.result.ettr,
+                       "ettr_trainguard": with_failslow(rt.result.ettr, job.nodes, fs_tg),
+                       "ettr_trainguard_no_detection": with_failslow(rt.result.ettr, job.nodes, fs_none),
+                       "ettr_baseline": with_failslow(rb.result.ettr, job.nodes, fs_none)}
+                doc["rows"].append(row)
+                print(f"  {rate:>13g} {slowdown:>8g}  {name[:8]:<8} {100 * row['ettr_trainguard_no_failslow']:>11.2f}% "
+                      f"{100 * row['ettr_trainguard']:>9.2f}% {100 * row['ettr_trainguard_no_detection']:>25.2f}% "
+                      f"{100 * row['ettr_baseline']:>8.2f}%")
+    return doc
+
+
 def main() -> None:
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -194,11 +230,22 @@ def main() -> None:
     d.add_argument("--soak-s", type=float, default=120.0)
     d.add_argument("--hang-rounds", type=int, default=3)
     d.add_argument("--out", default=None)
+    e = sub.add_parser("ettr")
+    e.add_argument("--detect-s", type=float, default=10.0, help="measured straggler detection time, seconds")
+    e.add_argument("--components", action="append", default=None, help="measured component JSON (repeatable)")
+    e.add_argument("--gpus", type=int, default=16_384)
+    e.add_argument("--episode-h", type=float, default=4.0, help="hours until someone notices a slow node by hand")
+    e.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.cmd == "_worker":
         _worker_overhead(args.blocks, args.out)
         return
-    doc = overhead(args.blocks) if args.cmd == "overhead" else drills(args.soak_s, args.hang_rounds)
+    if args.cmd == "overhead":
+        doc = overhead(args.blocks)
+    elif args.cmd == "ettr":
+        doc = ettr(args.detect_s, args.components, args.gpus, args.episode_h)
+    else:
+        doc = drills(args.soak_s, args.hang_rounds)
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 
