@@ -126,7 +126,7 @@ class FailSlowView:
         return events
 
 
-def stack_evidence(pid_by_rank: Mapping[int, int], timeout_s: float = 2.0) -> dict[str, str]:
+def stack_evidence(pid_by_rank: Mapping[int, int], timeout_s: float = 5.0) -> dict[str, str]:
     """Dumps the Python stacks of live local workers at once (in parallel) for a hang localisation.
 
     Args:

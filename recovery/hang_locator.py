@@ -48,7 +48,9 @@ def parse_main_stack(text: str) -> tuple[str, ...]:
             continue
         m = _FH_THREAD.match(line)
         if m:
-            threads.append(("MainThread" if m.group("cur") == "Current thread" else "?", []))
+            # faulthandler names no thread, and "Current thread" is whichever thread took the signal (often the
+            # hook's heartbeat thread); the main thread is the oldest, listed last.
+            threads.append(("?", []))
             continue
         if not threads:
             continue
@@ -59,7 +61,6 @@ def parse_main_stack(text: str) -> tuple[str, ...]:
         return _NO_STACK
     main = next((fr for name, fr in threads if name == "MainThread" and fr), None)
     if main is None:
-        # faulthandler names no thread: the main thread is listed last (threads are listed newest first).
         main = next((fr for _, fr in reversed(threads) if fr), None)
     return tuple(main) if main else _NO_STACK
 

@@ -53,11 +53,12 @@ def test_py_spy_stacks_of_a_real_hung_job_name_the_stuck_rank(hung_job):
     assert tie.outlier_ranks == (2,)
 
 
-FAULTHANDLER_DUMP = '''Thread 0x00007f3a2b7fe640 (most recent call first):
+# The signal landed on the heartbeat thread ("Current thread"); the main thread, listed last, is what counts.
+FAULTHANDLER_DUMP = '''Current thread 0x00007f3a2b7fe640 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 324 in wait
   File "/repo/trainguard/hook.py", line 93 in _loop
 
-Current thread 0x00007f3a3c1b4740 (most recent call first):
+Thread 0x00007f3a3c1b4740 (most recent call first):
   File "/venv/torch/distributed/distributed_c10d.py", line 2501 in all_reduce
   File "/repo/train.py", line 40 in train_step
   File "/repo/train.py", line 60 in <module>

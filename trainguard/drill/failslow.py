@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainguard.drill.errors import SoakError
-from trainguard.drill.slowdown import CpuThrottle
+from trainguard.drill.slowdown import CpuThrottle, LinkRateCap
 
 
 @dataclass
@@ -53,6 +53,10 @@ class StragglerDrillConfig:
         after_s: seconds of training measured after detection (or after the replacement).
         width: MLP width of the worker (compute per step).
         workdir: folder for logs (a temporary one when empty; kept when given).
+        netns: run each node in its own network namespace with management and data links (multi-node only;
+            :class:`~trainguard.drill.netns.Fabric`).
+        link_rate: instead of the CPU quota, cap the data link of the node holding ``throttle_rank`` at this
+            tc rate (e.g. ``"100mbit"``) with a tbf qdisc on its ``data0`` inside its namespace (needs netns).
     """
 
     nodes: int = 1
@@ -66,6 +70,8 @@ class StragglerDrillConfig:
     after_s: float = 8.0
     width: int = 1024
     workdir: str = ""
+    netns: bool = False
+    link_rate: str = ""
 
 
 @dataclass
@@ -85,6 +91,7 @@ class StragglerDrillResult:
     status_text: str = ""
     slow_listed: list = field(default_factory=list)
     events: list = field(default_factory=list)
+    final_status: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The result as indented JSON."""
@@ -95,7 +102,7 @@ class _Job:
     """The processes of one drill job and their files."""
 
     def __init__(self, workdir: Path, nodes: int, nproc: int, spare: bool, action: str, worker_args: list[str],
-                 hang_floor_s: float = 60.0) -> None:
+                 hang_floor_s: float = 60.0, fabric=None) -> None:
         self.dir = workdir
         self.events = workdir / "events"
         self.events.mkdir(parents=True, exist_ok=True)
@@ -105,6 +112,7 @@ class _Job:
         self.nodes = [f"n{i}" for i in range(nodes)] + (["spare0"] if spare and nodes > 1 else [])
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.env = env
+        self.fabric = fabric
         worker = ["-m", "trainguard.drill.failslow_worker", "--events", str(self.events), "--stop-file",
                   str(self.stop_file), *worker_args]
         common = ["--nproc-per-node", str(nproc), "--hang-floor-s", str(hang_floor_s), "--max-restarts", "5",
@@ -113,7 +121,8 @@ class _Job:
             self._spawn("run-n0", ["run", "--node-id", "n0", *common, *worker])
             return
         port_file = workdir / "coordinator.port"
-        self._spawn("coordinator", ["coordinator", "--job", self.job, "--listen", "127.0.0.1:0", "--store",
+        host = fabric.coordinator_host if fabric is not None else "127.0.0.1"
+        self._spawn("coordinator", ["coordinator", "--job", self.job, "--listen", f"{host}:0", "--store",
                                     "memory://", "--nnodes", str(nodes), "--heartbeat-interval", "0.25",
                                     "--lease-timeout", "3", "--port-file", str(port_file), "--failslow-action",
                                     action, "--failslow-horizon", "600", "--failslow-cooldown", "30"])
@@ -122,17 +131,28 @@ class _Job:
             if time.monotonic() > deadline:
                 raise SoakError("the drill's coordinator did not start within 30 s")
             time.sleep(0.05)
-        target = f"127.0.0.1:{port_file.read_text().strip()}"
+        target = f"{host}:{port_file.read_text().strip()}"
         for i, node in enumerate(self.nodes):
             spare_flag = ["--spare"] if node.startswith("spare") else []
+            net = fabric.add(node) if fabric is not None else None
+            addr = ["--address", net.data_ip] if net is not None else []
             self._spawn(f"run-{node}", ["run", "--coordinator", target, "--node-id", node, "--node-index", str(i),
-                                        "--host", f"host{i}", *spare_flag, *common, *worker])
+                                        "--host", f"host{i}", *addr, *spare_flag, *common, *worker],
+                        netns=net.netns if net is not None else "")
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], netns: str = "") -> None:
         log = open(self.dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "trainguard.cli", "--log-level", "INFO", *args],
-                                           env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        cmd = [sys.executable, "-m", "trainguard.cli", "--log-level", "INFO", *args]
+        env = self.env
+        if netns:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+            env = {**env, "GLOO_SOCKET_IFNAME": "data0"}
+        self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True))
+
+    def node_of_rank(self, rank: int, nproc: int) -> str:
+        """The node holding ``rank`` in the first generation (nodes take ranks in index order)."""
+        return self.nodes[rank // nproc]
 
     def steps(self, rank: int = 0) -> list[tuple[float, int, int, float, float]]:
         """(time, generation, step, step_s, comm_s) lines of ``rank``'s step log."""
@@ -228,8 +248,22 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="tg-failslow-"))
     workdir.mkdir(parents=True, exist_ok=True)
     res = StragglerDrillResult(config=asdict(cfg))
-    job = _Job(workdir, cfg.nodes, cfg.nproc, cfg.spare, cfg.action, ["--width", str(cfg.width)])
-    throttle: CpuThrottle | None = None
+    fabric = None
+    if cfg.netns or cfg.link_rate:
+        from trainguard.drill.netns import Fabric, netns_unavailable_reason
+
+        why = netns_unavailable_reason()
+        if why or cfg.nodes < 2:
+            raise SoakError(f"the netns/link drill needs >= 2 nodes and network namespaces: {why or 'nodes < 2'}")
+        fabric = Fabric().__enter__()
+    throttle: CpuThrottle | LinkRateCap | None = None
+    try:
+        job = _Job(workdir, cfg.nodes, cfg.nproc, cfg.spare, cfg.action, ["--width", str(cfg.width)],
+                   fabric=fabric)
+    except BaseException:
+        if fabric is not None:
+            fabric.close()
+        raise
     watched = [n for n in job.nodes if not n.startswith("spare")]
     try:
         _wait_steps(job, 20, timeout=120)
@@ -244,10 +278,15 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         victim = job.pid_of(cfg.throttle_rank)
         if victim is None:
             raise SoakError(f"rank {cfg.throttle_rank} wrote no pid file: is the world that large?")
-        throttle = CpuThrottle(cfg.throttle_fraction)
         t_inject = time.time()
-        throttle.add([victim[0]])
-        progress(f"rank {cfg.throttle_rank} (pid {victim[0]}) capped at {cfg.throttle_fraction:g} CPU")
+        if cfg.link_rate:
+            node = job.node_of_rank(cfg.throttle_rank, cfg.nproc)
+            throttle = LinkRateCap("data0", cfg.link_rate, netns=fabric.nodes[node].netns)
+            progress(f"node {node}'s data link capped at {cfg.link_rate} (tbf)")
+        else:
+            throttle = CpuThrottle(cfg.throttle_fraction)
+            throttle.add([victim[0]])
+            progress(f"rank {cfg.throttle_rank} (pid {victim[0]}) capped at {cfg.throttle_fraction:g} CPU")
         deadline = t_inject + cfg.detect_timeout_s
         while time.time() < deadline:
             for node in watched:
@@ -281,11 +320,14 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         res.status_text = job.status_text(watched[0])
         st = job.status(watched[0]) or {}
         res.events = [e for e in st.get("recent_events", []) if e.get("source") == "failslow"]
+        res.final_status = {n: (job.status(n) or {}).get("failslow", {}) for n in watched}
         return res
     finally:
         if throttle is not None:
             throttle.close()
         job.kill()
+        if fabric is not None:
+            fabric.close()
         if not cfg.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
 
