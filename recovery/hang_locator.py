@@ -27,18 +27,27 @@ _PYSPY_THREAD = re.compile(r'^Thread\s+\S+\s+\((?:active|idle)[^)]*\):\s*"(?P<na
 _PYSPY_FRAME = re.compile(r"^\s+(?P<func>\S.*?)\s+\((?P<file>[^():]+)(?::\d+)?\)\s*$")
 _FH_THREAD = re.compile(r"^(?P<cur>Current thread|Thread) 0x[0-9a-fA-F]+")
 _FH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line \d+ in (?P<func>\S+)')
+_FROZEN = re.compile(r"^<frozen ([\w.]+)>$")
 _NO_STACK = ("<no stack>",)
-_MAX_FRAMES = 24
+# Innermost frames kept: where a rank is stuck; the launcher frames below the training loop differ between a
+# first start and a warm standby, and between dumpers, without saying anything about the hang.
+_MAX_FRAMES = 8
+
+
+def _file_name(path: str) -> str:
+    """A frame's file as both dumpers agree on it: the base name, ``<frozen runpy>`` read as ``runpy.py``."""
+    m = _FROZEN.match(path)
+    return f"{m.group(1).rsplit('.', 1)[-1]}.py" if m else os.path.basename(path)
 
 
 def parse_main_stack(text: str) -> tuple[str, ...]:
-    """The main thread's frames of a py-spy or faulthandler dump, innermost first, as ``func (file)``.
+    """The main thread's innermost frames of a py-spy or faulthandler dump, innermost first, as ``func (file)``.
 
     Args:
         text: the dump.
 
     Returns:
-        The frames (at most 24); ``("<no stack>",)`` when none can be read.
+        The frames (at most 8); ``("<no stack>",)`` when none can be read.
     """
     threads: list[tuple[str, list[str]]] = []
     for line in text.splitlines():
@@ -56,7 +65,7 @@ def parse_main_stack(text: str) -> tuple[str, ...]:
             continue
         m = _FH_FRAME.match(line) or _PYSPY_FRAME.match(line)
         if m and len(threads[-1][1]) < _MAX_FRAMES:
-            threads[-1][1].append(f"{m.group('func')} ({os.path.basename(m.group('file'))})")
+            threads[-1][1].append(f"{m.group('func')} ({_file_name(m.group('file'))})")
     if not threads:
         return _NO_STACK
     main = next((fr for name, fr in threads if name == "MainThread" and fr), None)

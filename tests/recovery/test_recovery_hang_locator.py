@@ -69,6 +69,9 @@ def test_faulthandler_dumps_parse_to_the_current_thread_without_line_numbers():
     sig = parse_main_stack(FAULTHANDLER_DUMP)
     assert sig[0] == "all_reduce (distributed_c10d.py)"
     assert sig == parse_main_stack(FAULTHANDLER_DUMP.replace("line 2501", "line 2502"))
+    frozen = FAULTHANDLER_DUMP.replace('  File "/repo/train.py", line 60 in <module>',
+                                       '  File "<frozen runpy>", line 88 in _run_code')
+    assert parse_main_stack(frozen)[-1] == "_run_code (runpy.py)"
     assert is_waiting(sig)
     assert parse_main_stack("no stack: pid 1 exited") == ("<no stack>",)
 
