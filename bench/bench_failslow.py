@@ -139,7 +139,7 @@ def _burners(n: int) -> list[subprocess.Popen]:
                               "time.sleep(0.002)"]) for _ in range(n)]
 
 
-def drills(soak_s: float, hang_rounds: int) -> dict:
+def drills(soak_s: float, hang_rounds: int, link_rate: str) -> dict:
     """Runs the drills (see the module docstring) and prints the table."""
     from trainguard.drill.failslow import HangDrillConfig, StragglerDrillConfig, run_hang_drill, run_straggler_drill
 
@@ -164,7 +164,19 @@ def drills(soak_s: float, hang_rounds: int) -> dict:
                                 "step_after_s": rep.step_after_s, "false_alarms": rep.false_alarms}
     hang = run_hang_drill(HangDrillConfig(nproc=3, rounds=hang_rounds), progress=print)
     doc["hang"] = {"rounds": hang_rounds, "localised": len(hang.findings), "correct": hang.correct,
-                   "accuracy": hang.accuracy}
+                   "accuracy": hang.accuracy,
+                   "findings": [{k: f.get(k) for k in ("generation", "outlier_ranks", "outlier_frame",
+                                                       "majority_frame", "groups")} for f in hang.findings]}
+    link = None
+    if link_rate:
+        link = run_straggler_drill(StragglerDrillConfig(nodes=3, nproc=1, netns=True, link_rate=link_rate,
+                                                        throttle_rank=1, healthy_s=8, after_s=6,
+                                                        detect_timeout_s=60), progress=print)
+        st = next(iter(link.final_status.values()), {})
+        doc["link"] = {"rate": link_rate, "detected": link.detected, "detection_s": link.detection_s,
+                       "step_healthy_s": link.step_healthy_s, "step_slow_s": link.step_slow_s,
+                       "job_slowdown": st.get("job_slowdown"), "false_alarms": link.false_alarms,
+                       "slow_listed": link.slow_listed}
     print()
     print(f"healthy soak {soak_s:.0f} s under background load: {soak.false_alarms} false alarm(s) in "
           f"{soak.status_polls_healthy} status polls")
@@ -177,6 +189,10 @@ def drills(soak_s: float, hang_rounds: int) -> dict:
           f"after replacement")
     print(f"hang localisation: {hang.correct}/{len(hang.findings)} rounds named the hung rank "
           f"({hang_rounds} injected)")
+    if link is not None:
+        print(f"slow link (3 nodes in netns, n1's data0 capped at {link_rate} by tbf): detected {link.detected} in "
+              f"{link.detection_s or 0:.1f} s; step {1000 * (link.step_healthy_s or 0):.0f} ms -> "
+              f"{1000 * (link.step_slow_s or 0):.0f} ms; listed {[(s['rank'], round(s['ratio'], 2)) for s in link.slow_listed]}")
     return doc
 
 
@@ -229,6 +245,7 @@ def main() -> None:
     d = sub.add_parser("drills")
     d.add_argument("--soak-s", type=float, default=120.0)
     d.add_argument("--hang-rounds", type=int, default=3)
+    d.add_argument("--link-rate", default="40mbit", help="tbf rate of the slow-link drill ('' skips it; needs netns)")
     d.add_argument("--out", default=None)
     e = sub.add_parser("ettr")
     e.add_argument("--detect-s", type=float, default=10.0, help="measured straggler detection time, seconds")
@@ -245,7 +262,7 @@ def main() -> None:
     elif args.cmd == "ettr":
         doc = ettr(args.detect_s, args.components, args.gpus, args.episode_h)
     else:
-        doc = drills(args.soak_s, args.hang_rounds)
+        doc = drills(args.soak_s, args.hang_rounds, args.link_rate)
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 

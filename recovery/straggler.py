@@ -359,7 +359,9 @@ class ReplacePolicy:
     """Decides whether a slow node is worth a node-level restart, and learns what one costs.
 
     The saving of replacing a node that costs the job ``excess_s`` of every ``step_s`` over a horizon ``H`` is
-    ``H * excess_s / step_s`` (the time the same steps would take less). The cost is the last measured
+    ``H * excess_s / step_s`` (the time the same steps would take less). When that node is the only one flagged
+    and the job's step grew against its own baseline, the growth counts as its excess if larger (a slow link
+    delays every rank's collective, not the node's own work). The cost is the last measured
     node-level restart: from the decision until the job is back at the step it had reached (so it includes the
     work lost since the last checkpoint), or ``restart_cost_s`` before any was measured.
     """
@@ -391,11 +393,17 @@ class ReplacePolicy:
         worst = result.slow_nodes[0]
         if not result.job_step_s > 0:
             return None
-        saved = cfg.horizon_s * worst.excess_s / result.job_step_s
+        excess = worst.excess_s
+        if len(result.slow_nodes) == 1 and result.job_slowdown >= cfg.slow_ratio:
+            # A slow link shows as a small own-work excess (its node waits a little less in the collective) while
+            # every rank's step grew: when one node is flagged and the whole job slowed against its own
+            # baseline, that slowdown is what replacing the node can win back.
+            excess = max(excess, result.job_step_s * (1.0 - 1.0 / result.job_slowdown))
+        saved = cfg.horizon_s * excess / result.job_step_s
         if saved < cfg.margin * self.cost_s:
             return None
         detail = (f"straggler node {worst.node_id}: own work {worst.ratio:.2f}x the other nodes' median, "
-                  f"{worst.excess_s * 1000:.0f} ms of every {result.job_step_s * 1000:.0f} ms step; replacing saves "
+                  f"{excess * 1000:.0f} ms of every {result.job_step_s * 1000:.0f} ms step; replacing saves "
                   f"~{saved:.0f} s over {cfg.horizon_s:.0f} s against a "
                   f"{'measured' if self.measured else 'assumed'} restart cost of {self.cost_s:.1f} s")
         return ReplaceDecision(worst.node_id, detail, saved, self.cost_s)
