@@ -176,3 +176,16 @@ def test_a_slow_link_is_valued_at_the_job_slowdown_it_causes():
     assert [f.node_id for f in r.slow_nodes] == ["n1"] and r.job_slowdown > 5
     d = ReplacePolicy(cfg).decide(r, t, spares=1)
     assert d is not None and d.saved_s > 500  # the own-work excess alone (35 ms of 1.5 s) would say ~14 s
+
+
+def test_leave_one_out_medians_match_the_definition():
+    from trainguard.recovery.straggler import _leave_one_out_medians
+
+    rng = random.Random(3)
+    for n in (2, 3, 4, 7, 10):
+        vals = {i: rng.choice([0.1, 0.2, 0.3, rng.random()]) for i in range(n)}
+        fast = _leave_one_out_medians(vals)
+        for k in vals:
+            import statistics
+
+            assert fast[k] == pytest.approx(statistics.median(v for q, v in vals.items() if q != k))
