@@ -14,8 +14,9 @@ Every ``window_s`` seconds (and at least ``min_steps`` steps per rank) a window 
   ``baseline_windows`` windows after two of warm-up). The median of these is the *job slowdown*, reported but never a straggler.
 
 Persistence and hysteresis. A rank (node) is flagged after ``persist_windows`` consecutive windows with a
-score >= ``slow_ratio`` and cleared after ``clear_windows`` consecutive windows below ``clear_ratio`` (<
-``slow_ratio``), so one noisy step, or one noisy window, never fires and a flag does not flap::
+score >= ``slow_ratio`` (and an excess of at least ``min_excess`` of the job's step) and cleared after
+``clear_windows`` consecutive windows below ``clear_ratio`` (< ``slow_ratio``), so one noisy step, or one noisy
+window, never fires and a flag does not flap::
 
     HEALTHY --score >= slow_ratio--> SUSPECT --persist_windows in a row--> SLOW
        ^  <----score < slow_ratio------'                                    |
@@ -66,7 +67,10 @@ class StragglerConfig:
     Attributes:
         slow_ratio: a rank whose own work is at least this multiple of the others' median is over. Default 1.3.
         clear_ratio: a flagged rank clears below this multiple (hysteresis). Default 1.1.
-        persist_windows: consecutive windows over ``slow_ratio`` to flag. Default 4.
+        min_excess: a rank (node) counts as over only when its own work also exceeds the others' by at least this
+            share of the job's step (0.1: it costs the job >= 10% of every step), so ranks whose own work is a
+            sliver of a communication-bound step do not fire on small absolute jitter. Default 0.1.
+        persist_windows: consecutive windows over ``slow_ratio`` to flag. Default 6.
         clear_windows: consecutive windows below ``clear_ratio`` to clear. Default 4.
         window_s: length of an evaluation window, seconds. Default 2.0.
         min_steps: steps a rank must complete in a window to be scored (the window waits for them, up to 5
@@ -82,7 +86,8 @@ class StragglerConfig:
 
     slow_ratio: float = 1.3
     clear_ratio: float = 1.1
-    persist_windows: int = 4
+    min_excess: float = 0.1
+    persist_windows: int = 6
     clear_windows: int = 4
     window_s: float = 2.0
     min_steps: int = 3
@@ -110,6 +115,8 @@ class StragglerConfig:
         for name in ("window_s", "horizon_s", "restart_cost_s", "margin"):
             if not getattr(self, name) > 0:
                 raise InvalidRequestError(f"failslow {name}={getattr(self, name)} must be > 0")
+        if not 0 <= self.min_excess < 1:
+            raise InvalidRequestError(f"failslow min_excess={self.min_excess} must be in [0, 1)")
         if self.cooldown_s < 0:
             raise InvalidRequestError(f"failslow cooldown_s={self.cooldown_s} must be >= 0")
         if self.action not in ("report", "replace"):
@@ -307,13 +314,14 @@ class StragglerDetector:
                 node_excess[n] = max(0.0, v - others)
 
         newly: list[SlowFinding] = []
+        floor = cfg.min_excess * job_step if job_step == job_step else 0.0
         for r, ratio in ratios.items():
             tr = self._ranks.setdefault(r, _Track())
-            if self._advance(tr, ratio, excess[r], basis, now):
+            if self._advance(tr, ratio, excess[r], basis, now, floor):
                 newly.append(self._finding(r, self._node_of.get(r, "?"), tr))
         for n, ratio in node_ratios.items():
             tr = self._nodes.setdefault(n, _Track())
-            if self._advance(tr, ratio, node_excess[n], basis, now):
+            if self._advance(tr, ratio, node_excess[n], basis, now, floor):
                 newly.append(self._finding(-1, n, tr))
         slow_ranks = tuple(sorted((self._finding(r, self._node_of.get(r, "?"), tr) for r, tr in self._ranks.items()
                                    if tr.state is FlagState.SLOW), key=lambda f: -f.ratio))
@@ -323,10 +331,10 @@ class StragglerDetector:
                                  tuple(newly))
         return self.last
 
-    def _advance(self, tr: _Track, ratio: float, excess: float, basis: str, now: float) -> bool:
+    def _advance(self, tr: _Track, ratio: float, excess: float, basis: str, now: float, floor: float) -> bool:
         """Moves one track through :data:`TRANSITIONS`; True when it just became SLOW."""
         cfg = self.config
-        over = ratio >= cfg.slow_ratio
+        over = ratio >= cfg.slow_ratio and excess >= floor
         tr.over = tr.over + 1 if over else 0
         tr.under = tr.under + 1 if ratio < cfg.clear_ratio else 0
         tr.ratio, tr.excess_s, tr.basis = ratio, excess, basis

@@ -168,7 +168,8 @@ def test_replace_policy_pays_off_only_beyond_the_restart_cost_and_respects_coold
 def test_a_slow_link_is_valued_at_the_job_slowdown_it_causes():
     """Measured shape of the tbf drill: the capped node waits ~40 ms less in a 1.5 s all-reduce (own work 70 vs
     35 ms) while every step went from 0.2 s to 1.5 s."""
-    cfg = StragglerConfig(window_s=1.0, persist_windows=2, action="replace", horizon_s=600, restart_cost_s=30)
+    cfg = StragglerConfig(window_s=1.0, persist_windows=2, action="replace", horizon_s=600, restart_cost_s=30,
+                          min_excess=0.0)  # the default 0.1 keeps such a small own-work excess from ever firing
     det = StragglerDetector(cfg)
     _, t = _run(det, 10, lambda t: {0: 0.035, 1: 0.035, 2: 0.035}, wait_extra=0.165)
     res, t = _run(det, 6, lambda t: {0: 0.035, 1: 0.07, 2: 0.035}, wait_extra=1.43, t0=t)
@@ -176,6 +177,12 @@ def test_a_slow_link_is_valued_at_the_job_slowdown_it_causes():
     assert [f.node_id for f in r.slow_nodes] == ["n1"] and r.job_slowdown > 5
     d = ReplacePolicy(cfg).decide(r, t, spares=1)
     assert d is not None and d.saved_s > 500  # the own-work excess alone (35 ms of 1.5 s) would say ~14 s
+
+
+def test_min_excess_keeps_a_sliver_of_a_communication_bound_step_from_firing():
+    det = StragglerDetector(StragglerConfig(window_s=1.0, persist_windows=2))
+    res, _ = _run(det, 12, lambda t: {0: 0.01, 1: 0.01, 2: 0.02}, wait_extra=0.5)  # 2x own work, 2% of the step
+    assert res and not any(r.slow_ranks or r.slow_nodes for r in res)
 
 
 def test_leave_one_out_medians_match_the_definition():
