@@ -192,7 +192,8 @@ def drills(soak_s: float, hang_rounds: int, link_rate: str) -> dict:
     if link is not None:
         print(f"slow link (3 nodes in netns, n1's data0 capped at {link_rate} by tbf): detected {link.detected} in "
               f"{link.detection_s or 0:.1f} s; step {1000 * (link.step_healthy_s or 0):.0f} ms -> "
-              f"{1000 * (link.step_slow_s or 0):.0f} ms; listed {[(s['rank'], round(s['ratio'], 2)) for s in link.slow_listed]}")
+              f"{1000 * (link.step_slow_s or 0):.0f} ms; listed "
+              f"{[(s['rank'], round(s['ratio'], 2)) for s in link.slow_listed]}")
     return doc
 
 

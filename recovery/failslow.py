@@ -201,7 +201,8 @@ class FailSlowSupervisor:
         self._status = None
         log.warning("fail-slow: hang of generation %d localised: outlier rank(s) %s on %s in %s; %d rank(s) wait in "
                     "%s; %d stack group(s)%s", col.generation, list(loc.outlier_ranks) or "none",
-                    ",".join(loc.outlier_nodes) or "-", loc.outlier_frame or "-", loc.ranks_seen - len(loc.outlier_ranks),
+                    ",".join(loc.outlier_nodes) or "-", loc.outlier_frame or "-",
+                    loc.ranks_seen - len(loc.outlier_ranks),
                     loc.majority_frame or "-", loc.groups, f"; no stack from rank(s) {missing}" if missing else "")
         if self._hang_repeats >= self.hang_repeats_to_replace and len(loc.outlier_nodes) == 1:
             node = loc.outlier_nodes[0]

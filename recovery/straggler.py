@@ -11,7 +11,8 @@ Every ``window_s`` seconds (and at least ``min_steps`` steps per rank) a window 
   works from 2 ranks up). A job-wide slowdown moves the median with it and scores ~1 everywhere;
 - a **node score**: the same for the median of each node's ranks against the other nodes' medians;
 - an **individual score**: its step time over its own healthy baseline (the median of its first
-  ``baseline_windows`` windows after two of warm-up). The median of these is the *job slowdown*, reported but never a straggler.
+  ``baseline_windows`` windows after two of warm-up). The median of these is the *job slowdown*, reported but
+  never a straggler.
 
 Persistence and hysteresis. A rank (node) is flagged after ``persist_windows`` consecutive windows with a
 score >= ``slow_ratio`` (and an excess of at least ``min_excess`` of the job's step) and cleared after
