@@ -328,8 +328,11 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         job.kill()
         if fabric is not None:
             fabric.close()
-        if not cfg.workdir:
+        failed = not res.detected or (cfg.action == "replace" and not res.replaced)
+        if not cfg.workdir and not failed:
             shutil.rmtree(workdir, ignore_errors=True)
+        elif failed:
+            progress(f"logs kept in {workdir}")
 
 
 @dataclass
