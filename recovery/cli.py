@@ -97,6 +97,9 @@ def handle_coordinator(args: argparse.Namespace) -> int:
     from trainguard.recovery.service import CoordinatorServer, JobSpec
     from trainguard.recovery.straggler import StragglerConfig
 
+    if not args.failslow_ratio > 1 or not args.failslow_horizon > 0 or args.failslow_cooldown < 0:
+        raise UsageError(f"--failslow-ratio {args.failslow_ratio} must be > 1, --failslow-horizon "
+                         f"{args.failslow_horizon} > 0 and --failslow-cooldown {args.failslow_cooldown} >= 0")
     spec = JobSpec(job=args.job, nnodes=args.nnodes, max_restarts=args.max_restarts,
                    heartbeat_interval_s=args.heartbeat_interval, group_size=args.group_size,
                    allow_shrink=args.allow_shrink, min_nodes=args.min_nodes, lease_timeout_s=args.lease_timeout,

@@ -148,3 +148,14 @@ def test_malformed_timings_are_refused_naming_the_field(coord):
             stub.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id="a", lease_id=a.lease, generation=-1,
                                                    timings=[bad]))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+
+
+@pytest.mark.parametrize("args", [["coordinator", "--job", "x", "--listen", "127.0.0.1:0", "--failslow-ratio", "0.9"],
+                                  ["run", "--failslow-ratio", "1.0", "examples/train.py"]])
+def test_bad_failslow_flags_are_one_line_errors_naming_the_flag(args):
+    import os
+
+    from tg_testutil import run_cli
+
+    r = run_cli(args, env=dict(os.environ), timeout=60)
+    assert r.returncode != 0 and "--failslow-ratio" in r.stderr and "Traceback" not in r.stderr
