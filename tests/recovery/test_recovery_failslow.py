@@ -159,3 +159,92 @@ def test_bad_failslow_flags_are_one_line_errors_naming_the_flag(args):
 
     r = run_cli(args, env=dict(os.environ), timeout=60)
     assert r.returncode != 0 and "--failslow-ratio" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- the core on plain types (no gRPC), on a simulated clock ---------------------------------------------------
+class _Core:
+    """A JobCoordinator fed domain types directly, nodes a and b (+ spares), time advanced by hand."""
+
+    def __init__(self, spares: int = 0) -> None:
+        from trainguard.recovery.coordinator import JobCoordinator
+        from trainguard.recovery.domain import NodeRecord
+        from trainguard.recovery.store import MemoryStore
+
+        self.t = 0.0
+        fs = StragglerConfig(window_s=0.3, persist_windows=3, clear_windows=3, min_steps=1, action="replace",
+                             horizon_s=600, restart_cost_s=5, cooldown_s=0)
+        self.core = JobCoordinator(JobSpec(job=JOB, nnodes=2, heartbeat_interval_s=0.1, lease_timeout_s=30,
+                                           backoff_initial_s=0.0, failslow=fs), store=MemoryStore(),
+                                   clock=lambda: self.t)
+        names = ["a", "b"] + [f"s{i}" for i in range(spares)]
+        self.lease = {n: self.core.register(JOB, NodeRecord(n, "p", i, n, 1, "127.0.0.1", spare=n.startswith("s")),
+                                            next(_ports))[0] for i, n in enumerate(names)}
+        self.gen = {n: -1 for n in names}
+        self.step = {n: 0 for n in names}
+        for _ in range(3):
+            for n in names:
+                self.beat(n)
+        assert self.gen["a"] == self.gen["b"] == 1
+
+    def beat(self, n: str, own_s: float | None = None, step_s: float = 0.2):
+        from trainguard.recovery.domain import Beat, Command, RankTiming
+
+        timings: tuple = ()
+        if own_s is not None and self.gen[n] > 0:
+            self.step[n] += 4
+            rank = self.core.layout.slot_of(n).first_rank
+            timings = (RankTiming(rank, self.step[n], step_s, step_s - own_s, own_s, 4),)
+        ins = self.core.heartbeat(Beat(JOB, n, self.lease[n], self.gen[n], 1 if self.gen[n] > 0 else 0, False,
+                                       self.step[n] if self.gen[n] > 0 else -1, next(_ports), timings)).response
+        if ins.command in (Command.START, Command.RESTART):
+            self.gen[n], self.step[n] = ins.table.generation, 0
+        elif ins.command is Command.STOP:
+            self.gen[n] = -1
+        return ins
+
+    def report(self, n: str, kind: str, stacks: dict, rank: int = -1, request: str = ""):
+        from trainguard.recovery.domain import FaultReport
+        from trainguard.recovery.policy import Cause, Level
+
+        # The cause is what convert.classify makes of these kinds ("hang" in the kind: a worker hang).
+        return self.core.report(FaultReport(JOB, n, self.lease[n], self.gen[n], Cause.WORKER_HANG,
+                                            Level.NONE if kind == "hang.stacks" else Level.PROCESS, rank,
+                                            detail=kind, kind=kind, stacks=stacks, stack_request=request))
+
+
+def test_core_a_straggler_with_no_spare_is_reported_in_every_reply_but_never_replaced() -> None:
+    c = _Core(spares=0)
+    seen = None
+    for _ in range(60):
+        c.t += 0.1
+        ins = c.beat("a", own_s=0.05)
+        c.beat("b", own_s=0.2)
+        if ins.failslow is not None and ins.failslow.slow:
+            seen = ins.failslow
+    assert seen is not None and [(r.rank, r.node_id) for r in seen.slow] == [(1, "b")]
+    assert seen.action == "report" and "slow node(s): b" in seen.message
+    st = c.core.state
+    assert st.generation == 1 and st.restart_count == 0 and st.plan is None and not st.cordoned
+    assert c.gen == {"a": 1, "b": 1}
+    c.core.close()
+
+
+def test_core_stack_answers_stay_with_failslow_and_never_reach_the_policy() -> None:
+    from trainguard.recovery.policy import Level
+
+    c = _Core(spares=1)
+    before = c.core.state
+    level, gen, msg, _ = c.report("b", "hang.stacks", {"stack.1": STUCK}, request="nobody-asked")
+    assert (level, gen) == (Level.NONE, 1) and "no hang localisation is open" in msg
+    assert c.core.state is before  # the policy never saw it: no decision, no new state
+    level, _, _, _ = c.report("a", "process.hung", {"stack": WAITING}, rank=0)
+    assert level is Level.PROCESS  # a hang report goes to the policy as before (and opens a collection)
+    after_hang = c.core.state
+    ask = c.beat("b").stacks
+    assert ask is not None and ask.generation == 1
+    level, gen, msg, _ = c.report("b", "hang.stacks", {"stack.1": STUCK}, request=ask.request_id)
+    assert level is Level.NONE and "1 stack(s)" in msg
+    assert c.core.state is after_hang and after_hang.restart_count <= 1
+    hang = c.beat("a").failslow.hang
+    assert hang.outlier_ranks == (1,) and hang.outlier_nodes == ("b",) and hang.repeats == 1
+    c.core.close()
