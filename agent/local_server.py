@@ -70,7 +70,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rank >= 0, step >= -1 and step_time_s >= 0 required")
         advisories = self._agent.on_worker_heartbeat(
             rank=request.rank, pid=request.pid, generation=request.generation, step=request.step,
-            step_time_s=request.step_time_s, finished=request.finished,
+            step_time_s=request.step_time_s, finished=request.finished, sections=request.section_s,
         )
         return agent_pb2.WorkerHeartbeatResponse(advisories=advisories, generation=self._agent.generation)
 

@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -48,6 +48,7 @@ from trainguard.agent.generation import (  # noqa: F401 (the env names are re-ex
 )
 from trainguard.agent.node_faults import NodeReportLedger, hardware_cause, hardware_detector_names
 from trainguard.agent.standby import StandbyPool
+from trainguard.agent.step_timing import FailSlowView, TimingRelay, stack_evidence
 from trainguard.agent.workers import WorkerGroup, WorkerState, describe_exit
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.proto import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -212,11 +213,16 @@ class NodeAgent:
         self._drain_due: tuple[float, HealthEvent, int] | None = None
         self._resources = GenerationResources(config.error_dir)  # the generation's store and error files
         self._group_started = 0.0  # time.monotonic() when the current generation's workers started
+        # Fail-slow: step timing relayed to the coordinator, its findings, stack requests answered.
+        self.timing = TimingRelay()
+        self.failslow = FailSlowView(config.node_id)
+        self._stack_requests: set[str] = set()
 
     # -- state served to workers and operators ---------------------------------------------------------------
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
-                            finished: bool = False) -> list:
-        """Records a step reported by a local worker; returns advisories pending for that rank."""
+                            finished: bool = False, sections: Mapping[str, float] | None = None) -> list:
+        """Records a step reported by a local worker (with its section times, if any); returns advisories
+        pending for that rank."""
         with self._lock:
             group = self._group
             w = group.by_rank(rank) if group is not None else None
@@ -229,6 +235,7 @@ class NodeAgent:
                 w.last_heartbeat = time.monotonic()
                 if step_time_s > 0:
                     w.step_times.append(step_time_s)
+                    self.timing.record(generation, rank, step, step_time_s, sections or {})
             for rec in self.fault_records:
                 if rec.resumed_at is None and rec.restarted_at is not None and step >= 0:
                     rec.resumed_at = now
@@ -304,6 +311,7 @@ class NodeAgent:
                 generation=self.generation,
                 last_checkpoint_step=self.last_checkpoint_step,
             )
+            h.failslow.CopyFrom(self.failslow.status)
             if self._group is not None:
                 now = time.monotonic()
                 for w in self._group.workers:
@@ -361,6 +369,8 @@ class NodeAgent:
                 self.fault_records.append(rec)
                 log.warning("generation %d: %s; stopping local workers", self.generation, ev.message)
                 gen = self.generation
+                if ev.kind == "process.hung":  # every local rank's stack, for the coordinator's localisation
+                    ev = HealthEvent(**{**ev.__dict__, "evidence": {**ev.evidence, **self._local_stacks()}})
                 self._stop_workers()
                 self._report(ev, coordinator_pb2.RECOVERY_LEVEL_PROCESS, gen, rank, 0)
             elif ev.action >= Action.DRAIN_NODE:
@@ -451,6 +461,7 @@ class NodeAgent:
                 last_step=max((w.last_step for w in group.workers), default=-1) if group else -1,
                 workers_succeeded=group.all_succeeded() if group is not None else False,
                 free_port=find_free_port(self.config.address),
+                timings=self.timing.drain(),
             )
         try:
             return self._stub.Heartbeat(req, timeout=_RPC_TIMEOUT_S)
@@ -791,8 +802,30 @@ class NodeAgent:
             return False
         return sum(1 for n in names if n.endswith(".commit")) >= table.world_size
 
+    def _local_stacks(self) -> dict[str, str]:
+        """Python stacks of every live local worker (``stack.<rank>`` evidence entries)."""
+        group = self._group
+        pids = {w.spec.rank: w.pid for w in group.workers if w.proc.poll() is None} if group is not None else {}
+        return stack_evidence(pids)
+
+    def _answer_stacks(self, req: coordinator_pb2.StackRequest) -> None:
+        """Sends the coordinator the local workers' stacks for a hang it localises, once per request, before
+        any command in the same reply stops the workers."""
+        if not req.request_id or req.request_id in self._stack_requests or req.generation != self.generation:
+            return
+        self._stack_requests.add(req.request_id)
+        evidence = {"request_id": req.request_id, **self._local_stacks()}
+        ev = HealthEvent(source="failslow", kind="hang.stacks", severity=Severity.INFO, action=Action.NONE,
+                         message=f"stacks of {sum(k.startswith('stack.') for k in evidence)} local rank(s)",
+                         evidence=evidence, node_id=self.config.node_id)
+        self._report(ev, coordinator_pb2.RECOVERY_LEVEL_NONE, self.generation, -1, 0)
+
     def _obey(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> int | None:
         cmd = resp.command
+        if resp.HasField("stacks"):
+            self._answer_stacks(resp.stacks)
+        for ev in self.failslow.update(resp.failslow):
+            self.bus.publish(ev)
         if resp.HasField("checkpoint"):
             self._relay_checkpoint(resp.checkpoint)
         if cmd in (coordinator_pb2.NODE_COMMAND_START, coordinator_pb2.NODE_COMMAND_RESTART):

@@ -190,6 +190,7 @@ def render(h: agent_pb2.NodeHealth, subsystems: dict[str, str] | None = None) ->
         lines += _table(["RANK", "LOCAL", "PID", "STATE", "STEP", "HEARTBEAT"], rows) + [""]
     else:
         lines += ["no workers", ""]
+    lines += render_failslow(h.failslow)
     if h.recent_events:
         rows = [[event_time(e), _enum(e.severity, common_pb2.Severity, "SEVERITY_"), e.source, e.kind,
                  e.subject or "-", e.message[:100]] for e in h.recent_events]
@@ -197,6 +198,29 @@ def render(h: agent_pb2.NodeHealth, subsystems: dict[str, str] | None = None) ->
     else:
         lines.append("no recent events")
     return "\n".join(lines)
+
+
+def render_failslow(f: common_pb2.FailSlowStatus) -> list[str]:
+    """The coordinator's fail-slow findings (slow ranks and by how much, the last hang localisation)."""
+    lines: list[str] = []
+    if f.job_step_s:
+        lines.append(f"fail-slow: job step {f.job_step_s * 1000:.0f} ms (median), {f.job_slowdown:.2f}x its own "
+                     f"baseline, {f.ranks_observed} ranks compared" + (f"; action: {f.action}" if f.action else ""))
+    if f.slow:
+        rows = [[str(s.rank), s.node_id, f"{s.ratio:.2f}x", f"{s.excess_s * 1000:.0f} ms", f"{s.individual:.2f}x",
+                 s.basis, datetime.fromtimestamp(s.since, timezone.utc).strftime("%H:%M:%SZ") if s.since else "-"]
+                for s in f.slow]
+        lines += _table(["SLOW RANK", "NODE", "VS OTHERS", "COST/STEP", "VS OWN BASELINE", "BASIS", "SINCE"], rows)
+        if f.message:
+            lines.append(f.message)
+    h = f.hang
+    if h.ranks_seen:
+        ranks = ", ".join(str(r) for r in h.outlier_ranks) or "none (all stacks alike)"
+        lines.append(f"last hang (generation {h.generation}): outlier rank(s) {ranks} on "
+                     f"{', '.join(h.outlier_nodes) or '-'} in {h.outlier_frame or '-'}; others in "
+                     f"{h.majority_frame or '-'} ({h.ranks_seen} ranks, {h.groups} stack groups, "
+                     f"{h.repeats} in a row)")
+    return lines + [""] if lines else lines
 
 
 def _to_json(message: Any) -> dict:

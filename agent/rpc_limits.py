@@ -59,6 +59,11 @@ def _check_heartbeat(req: agent_pb2.WorkerHeartbeatRequest) -> str | None:
         return f"step={req.step} is below -1"
     if not _finite_nonneg(req.step_time_s):
         return f"step_time_s={req.step_time_s} is not a finite non-negative number"
+    if len(req.section_s) > 16:
+        return f"section_s has {len(req.section_s)} entries; at most 16 section names are allowed"
+    for name, value in req.section_s.items():
+        if not _finite_nonneg(value):
+            return f"section_s[{name[:32]!r}]={value} is not a finite non-negative number"
     return None
 
 

@@ -93,6 +93,15 @@ def run_job(args: argparse.Namespace) -> RunResult:
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
     job = rdzv.job or f"{os.path.splitext(os.path.basename(args.script))[0]}-{int(time.time())}"
+    from trainguard.recovery.errors import InvalidRequestError
+    from trainguard.recovery.straggler import StragglerConfig
+
+    failslow = StragglerConfig(action=args.failslow_action, slow_ratio=args.failslow_ratio,
+                               clear_ratio=min(1.1, (1.0 + args.failslow_ratio) / 2))
+    try:
+        failslow.validate()
+    except InvalidRequestError as exc:
+        raise UsageError(f"--failslow-ratio {args.failslow_ratio}: must be > 1") from exc
 
     server = None
     coordinator = rdzv.coordinator
@@ -106,7 +115,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
                 # bounds it). --nnodes MIN:MAX: start on MIN; nodes beyond it wait as standbys for lost ones.
                 JobSpec(job=job, nnodes=rdzv.min_nodes, max_restarts=args.max_restarts, heartbeat_interval_s=0.2,
                         hold_unhealthy=rdzv.max_nodes > 1, allow_shrink=rdzv.max_nodes > rdzv.min_nodes,
-                        min_nodes=rdzv.min_nodes),
+                        min_nodes=rdzv.min_nodes, failslow=failslow),
                 listen=rdzv.listen, security=server_security,
             ).start()
         except CoordinatorError as exc:

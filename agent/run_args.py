@@ -184,6 +184,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="trained predictor model (`trainguard predictor train`); default: rules tier only")
     p.add_argument("--metric-history", default=None, metavar="PATH",
                    help="keep the detectors' metric history in this SQLite file (predictor training data)")
+    p.add_argument("--failslow-action", choices=["report", "replace"], default="report",
+                   help="what the coordinator does about a straggler node: report it (event, status), or replace it "
+                        "with a spare when that saves more than a node restart costs (default report)")
+    p.add_argument("--failslow-ratio", type=float, default=1.3, metavar="X",
+                   help="a rank whose own work per step is X times the other ranks' median is slow (default 1.3)")
     p.add_argument("--no-standby", dest="standby", action="store_false",
                    help="do not keep warm standby worker processes (slower restarts, less memory)")
     p.add_argument("script", help="training script (or module with -m, executable with --no-python)")

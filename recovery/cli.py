@@ -73,6 +73,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--membership-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a recovery waits for a valid membership (a spare of the right pod, a lost node "
                         "back) before the job fails (default 600)")
+    p.add_argument("--failslow-action", choices=["report", "replace"], default="report",
+                   help="straggler nodes: report them, or replace them with a spare when that pays (default report)")
+    p.add_argument("--failslow-ratio", type=float, default=1.3, metavar="X",
+                   help="a rank whose own work per step is X times the others' median is slow (default 1.3)")
+    p.add_argument("--failslow-horizon", type=float, default=3600.0, metavar="S",
+                   help="seconds over which a replacement's saving is projected (default 3600)")
+    p.add_argument("--failslow-cooldown", type=float, default=300.0, metavar="S",
+                   help="at least this long between two straggler replacements (default 300)")
     p.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit once the job succeeded (0) or failed (1) and every node was told")
@@ -96,13 +104,20 @@ def handle_coordinator(args: argparse.Namespace) -> int:
     from trainguard.recovery.errors import RecoveryError
     from trainguard.recovery.policy import Phase
     from trainguard.recovery.service import CoordinatorServer, JobSpec
+    from trainguard.recovery.straggler import StragglerConfig
 
+    if not args.failslow_ratio > 1 or not args.failslow_horizon > 0 or args.failslow_cooldown < 0:
+        raise UsageError(f"--failslow-ratio {args.failslow_ratio} must be > 1, --failslow-horizon "
+                         f"{args.failslow_horizon} > 0 and --failslow-cooldown {args.failslow_cooldown} >= 0")
     spec = JobSpec(job=args.job, nnodes=args.nnodes, max_restarts=args.max_restarts,
                    heartbeat_interval_s=args.heartbeat_interval, group_size=args.group_size,
                    allow_shrink=args.allow_shrink, min_nodes=args.min_nodes, lease_timeout_s=args.lease_timeout,
                    backoff_initial_s=args.backoff, max_heartbeat_rate=args.max_heartbeat_rate,
                    repeat_window_s=args.repeat_window, membership_timeout_s=args.membership_timeout,
-                   store=args.store or default_store(args.job))
+                   store=args.store or default_store(args.job),
+                   failslow=StragglerConfig(action=args.failslow_action, slow_ratio=args.failslow_ratio,
+                                            clear_ratio=min(1.1, (1.0 + args.failslow_ratio) / 2),
+                                            horizon_s=args.failslow_horizon, cooldown_s=args.failslow_cooldown))
     try:
         if spec.store.startswith("sqlite://") and not args.store:
             Path(spec.store[len("sqlite://"):]).parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,8 @@
 """Protobuf <-> domain types, for the coordinator's gRPC service only (the core never sees a message).
 
+Fail-slow rides on the same messages: a heartbeat's per-rank timing (``timings``), a report's stack dumps
+(``hang.stacks`` evidence), and a reply's findings (``failslow``) and stack request (``stacks``).
+
 Rank tables are the one large message: the wire form of a full table is built once per generation and reused
 for every node's START (a 1,024-node table is ~50 KB; building it per heartbeat would dominate formation).
 """
@@ -7,8 +10,8 @@ for every node's START (a 1,024-node table is ~50 KB; building it per heartbeat 
 from __future__ import annotations
 
 from trainguard.proto import common_pb2, coordinator_pb2 as pb
-from trainguard.recovery.domain import (Beat, CheckpointAsk, FaultReport, GenerationTable, Instruction,
-                                        NodeRecord)
+from trainguard.recovery.domain import (Beat, CheckpointAsk, FailSlowStatus, FaultReport, GenerationTable,
+                                        Instruction, NodeRecord, RankTiming, StackAsk)
 from trainguard.recovery.policy import Cause, Level
 
 
@@ -36,7 +39,8 @@ def legacy_node_record(hex_info: str) -> NodeRecord:
 def beat(req: pb.NodeHeartbeatRequest) -> Beat:
     """A heartbeat request as a :class:`Beat`."""
     return Beat(req.job, req.node_id, req.lease_id, req.generation, req.workers_running, req.workers_succeeded,
-                req.last_step, req.free_port)
+                req.last_step, req.free_port,
+                tuple(RankTiming(t.rank, t.step, t.step_s, t.wait_s, t.compute_s, t.steps) for t in req.timings))
 
 
 def classify(event: common_pb2.HealthEvent, proposed: int) -> Cause:
@@ -65,12 +69,14 @@ def classify(event: common_pb2.HealthEvent, proposed: int) -> Cause:
 
 
 def fault_report(req: pb.ReportEventRequest) -> FaultReport:
-    """A ReportEvent request as a classified :class:`FaultReport`."""
+    """A ReportEvent request as a classified :class:`FaultReport` (with the stack dumps its evidence carries)."""
     ev = req.event
+    stacks = {k: v for k, v in ev.evidence.items() if k == "stack" or k.startswith("stack.")}
     return FaultReport(req.job, req.node_id, req.lease_id, req.generation, classify(ev, req.proposed_level),
                        Level(req.proposed_level) if req.proposed_level >= 1 else Level.NONE, req.failed_rank,
                        req.exit_code, ev.message or ev.kind,
-                       req.proposed_level <= pb.RECOVERY_LEVEL_NONE and ev.action == common_pb2.ACTION_CHECKPOINT_NOW)
+                       req.proposed_level <= pb.RECOVERY_LEVEL_NONE and ev.action == common_pb2.ACTION_CHECKPOINT_NOW,
+                       kind=ev.kind, stacks=stacks, stack_request=ev.evidence.get("request_id", ""))
 
 
 def _table_header(t: GenerationTable) -> common_pb2.RankTable:
@@ -106,16 +112,40 @@ def checkpoint(c: CheckpointAsk) -> pb.CheckpointRequest:
     return pb.CheckpointRequest(at_step=c.at_step, reason=c.reason, request_id=c.request_id, generation=c.generation)
 
 
+def failslow_status(st: FailSlowStatus) -> common_pb2.FailSlowStatus:
+    """Fail-slow findings on the wire."""
+    msg = common_pb2.FailSlowStatus(job_step_s=st.job_step_s, job_slowdown=st.job_slowdown, action=st.action,
+                                    message=st.message, ranks_observed=st.ranks_observed)
+    for r in st.slow:
+        msg.slow.add(rank=r.rank, node_id=r.node_id, ratio=r.ratio, excess_s=r.excess_s, since=r.since,
+                     basis=r.basis, individual=r.individual)
+    h = st.hang
+    if h is not None:
+        msg.hang.CopyFrom(common_pb2.HangFinding(
+            generation=h.generation, outlier_ranks=list(h.outlier_ranks), outlier_nodes=list(h.outlier_nodes),
+            outlier_frame=h.outlier_frame, majority_frame=h.majority_frame, ranks_seen=h.ranks_seen,
+            groups=h.groups, repeats=h.repeats, time=h.time))
+    return msg
+
+
+def stack_request(a: StackAsk) -> pb.StackRequest:
+    """A stack request on the wire."""
+    return pb.StackRequest(request_id=a.request_id, generation=a.generation)
+
+
 class ResponseCache:
     """Heartbeat answers on the wire, built once where every node gets the same one.
 
     Every node of a generation gets the same START (or RESTART) with the full table: the response is built once per
-    (table, command, message, interval); the full table alone is kept per generation for GetRankTable.
+    (table, command, message, interval, fail-slow findings, stack request); the full table alone is kept per
+    generation for GetRankTable. The fail-slow findings every reply carries while there are any are converted once
+    per findings object (the coordinator keeps one until something changes).
     """
 
     def __init__(self) -> None:
         self._start: tuple[GenerationTable, tuple[object, ...], pb.NodeHeartbeatResponse] | None = None
         self._table: tuple[GenerationTable, common_pb2.RankTable] | None = None
+        self._failslow: tuple[FailSlowStatus, common_pb2.FailSlowStatus] | None = None
 
     def full_table(self, t: GenerationTable) -> common_pb2.RankTable:
         """The wire form of a full table, cached per generation table."""
@@ -125,16 +155,25 @@ class ResponseCache:
             self._table = cached
         return cached[1]
 
+    def failslow(self, st: FailSlowStatus) -> common_pb2.FailSlowStatus:
+        """The wire form of fail-slow findings, cached per findings object."""
+        cached = self._failslow
+        if cached is None or cached[0] is not st:
+            cached = (st, failslow_status(st))
+            self._failslow = cached
+        return cached[1]
+
     def response(self, ins: Instruction) -> pb.NodeHeartbeatResponse:
         """A heartbeat response for an instruction."""
         if ins.table is not None and not ins.only_node:
-            key = (ins.command, ins.message, ins.interval_s, ins.phase)
+            key = (ins.command, ins.message, ins.interval_s, ins.phase, ins.failslow, ins.stacks)
             cached = self._start
             if cached is not None and cached[0] is ins.table and cached[1] == key:
                 return cached[2]
             resp = pb.NodeHeartbeatResponse(command=int(ins.command), interval_s=ins.interval_s,
                                             job_state=ins.phase.value, message=ins.message)
             resp.rank_table.CopyFrom(self.full_table(ins.table))
+            self._add_failslow(resp, ins)
             self._start = (ins.table, key, resp)
             return resp
         resp = pb.NodeHeartbeatResponse(command=int(ins.command), interval_s=ins.interval_s,
@@ -143,4 +182,11 @@ class ResponseCache:
             resp.rank_table.CopyFrom(rank_table(ins.table, ins.table.job, ins.only_node))
         if ins.checkpoint is not None:
             resp.checkpoint.CopyFrom(checkpoint(ins.checkpoint))
+        self._add_failslow(resp, ins)
         return resp
+
+    def _add_failslow(self, resp: pb.NodeHeartbeatResponse, ins: Instruction) -> None:
+        if ins.failslow is not None:
+            resp.failslow.CopyFrom(self.failslow(ins.failslow))
+        if ins.stacks is not None:
+            resp.stacks.CopyFrom(stack_request(ins.stacks))

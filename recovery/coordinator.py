@@ -47,11 +47,13 @@ from trainguard.recovery.domain import (Beat, CheckpointAsk, Command, FaultRepor
 from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, FormingChecked, GenerationFormed,
                                         GenerationRunning, MembershipChanged, Persist, Progressed, Step, Tick,
                                         decide)
+from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
 from trainguard.recovery.spec import JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
+from trainguard.recovery.straggler import ReplaceDecision
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +140,7 @@ class JobCoordinator:
         self._rate_mark: tuple[float, int, int] | None = None  # (time, max step, generation) of the last sample
         self._beat_observers: list[Callable[[Beat, float], None]] = []
         self.fenced = ""
+        self._failslow = FailSlowSupervisor(spec.failslow, wall=wall)  # fail-slow: see _failslow_* below
         self._load()
 
     # ------------------------------------------------------------------------------------------- persistence
@@ -541,7 +544,7 @@ class JobCoordinator:
                                            f"{self.spec.job!r} is at generation {st.generation}: stop those workers")
             self._record_beat(m, req, now)
             self._advance()
-            return self._command(m)
+            return self._failslow_reply(self._command(m))
 
     def add_heartbeat_observer(self, observer: Callable[[Beat, float], None]) -> None:
         """Calls ``observer(beat, now_s)`` for every accepted heartbeat (e.g. straggler detection).
@@ -556,7 +559,8 @@ class JobCoordinator:
 
     def _record_beat(self, m: Member, req: Beat, now: float) -> None:
         """Everything a heartbeat's data changes (called with the lock held): liveness, the node's progress,
-        the step rate, who runs or finished the current generation, the backoff reset, and the observers."""
+        the step rate, who runs or finished the current generation, the backoff reset, the observers, and
+        fail-slow detection (the step timing the beat carries; a replacement it decides is applied here)."""
         st = self._policy.state
         if not m.alive:
             log.info("job %s: node %s is back", self.spec.job, req.node_id)
@@ -578,6 +582,8 @@ class JobCoordinator:
             self._apply(Progressed(req.last_step))
         for observe in self._beat_observers:
             observe(req, now)
+        self._failslow_apply(self._failslow.on_heartbeat(req, self._policy.state.generation, now,
+                                                         lambda: len(self._candidates(now))), now)
 
     def _command(self, m: Member) -> HeartbeatReply:
         st = self._policy.state
@@ -633,6 +639,9 @@ class JobCoordinator:
                 raise StaleGenerationError(f"report about generation {req.generation}, but job {self.spec.job!r} "
                                            f"is at generation {st.generation}")
             m.last_seen = now
+            handled = self._failslow_report(req, now)
+            if handled is not None:  # stacks for a hang being localised: fail-slow's own, not a failure
+                return Level.NONE, st.generation, handled, None
             if req.checkpoint_now:
                 return Level.NONE, st.generation, self._request_checkpoint(req, now), None
             f = Failure(req.node_id, req.generation, req.cause, req.proposed, req.rank, req.exit_code, req.detail,
@@ -731,6 +740,42 @@ class JobCoordinator:
                                            detail=f"no heartbeat for {now - m.last_seen:.1f} s",
                                            time_s=self._wall()), now)
             self._advance()
+
+    # ------------------------------------------------------------------------------------ fail-slow wiring
+    # All fail-slow logic lives in trainguard.recovery.failslow; these three methods only hand it the job's
+    # state and apply its decisions through the ordinary node-failure path.
+    def _failslow_report(self, req: FaultReport, now: float) -> str | None:
+        """Shows a report to fail-slow (called with the lock held); returns the answer when it was fail-slow's
+        own (stacks of a hang), else None and the report goes on to the policy."""
+        lay = self._layout
+        node_of = {s.first_rank + i: s.node_id for s in lay.slots for i in range(s.local_world_size)} if lay else {}
+        out = self._failslow.on_report(req, self._policy.state.generation, node_of, now)
+        self._failslow_apply(out.replace, now)
+        return out.message if out.handled else None
+
+    def _failslow_reply(self, reply: HeartbeatReply) -> HeartbeatReply:
+        """Adds fail-slow's findings and an open stack request to a heartbeat reply (the service puts them on the
+        wire; a START shared by every node is rebuilt there only when they change)."""
+        findings, stacks = self._failslow.reply_findings(), self._failslow.stack_request()
+        if findings is None and stacks is None:
+            return reply
+        return HeartbeatReply(replace(reply.response, failslow=findings, stacks=stacks), reply.durable)
+
+    def _failslow_apply(self, d: ReplaceDecision | None, now: float) -> None:
+        """Replaces a slow (or repeatedly hanging) node with a spare as a node-level failure of that node: the
+        decision goes through the policy's ordinary node-failure path (:meth:`_fail`), only when a spare exists."""
+        if d is None or self._layout is None or self._layout.slot_of(d.node_id) is None:
+            return
+        st = self._policy.state
+        if st.phase not in (Phase.RUNNING, Phase.RECOVERING) or not self._candidates(now):
+            log.warning("job %s: fail-slow would replace node %s but no spare is available: %s", self.spec.job,
+                        d.node_id, d.detail)
+            return
+        step = max((m.last_step for m in self._members.values() if m.generation == st.generation), default=-1)
+        self._failslow.applied(d, now, step, st.generation)
+        self._fail(Failure(d.node_id, st.generation, Cause.NODE_CRITICAL, Level.NODE, detail=d.detail,
+                           time_s=self._wall()), now)
+        self._advance()
 
 
 def _done_future() -> Future:

@@ -77,6 +77,27 @@ class NodeRecord:
 
 
 @dataclass(frozen=True)
+class RankTiming:
+    """One local rank's step timing over the steps it completed since its node's last heartbeat (medians).
+
+    Attributes:
+        rank: global rank.
+        step: last step completed.
+        step_s: median wall time of a step, seconds.
+        wait_s: median time waiting for peers (the ``comm`` section), seconds; -1 when unknown.
+        compute_s: median time in the other sections, seconds; -1 when no sections are used.
+        steps: steps summarised.
+    """
+
+    rank: int
+    step: int
+    step_s: float
+    wait_s: float = -1.0
+    compute_s: float = -1.0
+    steps: int = 1
+
+
+@dataclass(frozen=True)
 class Beat:
     """One node heartbeat.
 
@@ -89,6 +110,7 @@ class Beat:
         workers_succeeded: every worker of that generation exited 0.
         last_step: highest step completed (-1: none).
         free_port: a port free on the node now (0: none).
+        timings: step timing of the node's ranks since its last heartbeat (fail-slow detection).
     """
 
     job: str
@@ -99,6 +121,7 @@ class Beat:
     workers_succeeded: bool = False
     last_step: int = -1
     free_port: int = 0
+    timings: tuple[RankTiming, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +137,10 @@ class FaultReport:
         exit_code: the worker's exit code (negative: signal).
         detail: one line from the reporter.
         checkpoint_now: a predicted failure asks for a job-wide checkpoint instead of a restart.
+        kind: the reported event's kind (``process.hung``, ``hang.stacks``, ...).
+        stacks: Python stack dumps the event carries: ``stack.<rank>`` -> dump text, and ``stack`` for the
+            failing rank's own (fail-slow hang localisation).
+        stack_request: the coordinator's stack request this report answers ("" when none).
     """
 
     job: str
@@ -126,6 +153,9 @@ class FaultReport:
     exit_code: int = 0
     detail: str = ""
     checkpoint_now: bool = False
+    kind: str = ""
+    stacks: Mapping[str, str] = field(default_factory=dict)
+    stack_request: str = ""
 
 
 @dataclass(frozen=True)
@@ -136,6 +166,93 @@ class CheckpointAsk:
     reason: str
     request_id: str
     generation: int
+
+
+@dataclass(frozen=True)
+class StackAsk:
+    """Asks every node to report its live workers' Python stacks (once per ``request_id``): a hang is localised."""
+
+    request_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class SlowRank:
+    """A flagged straggler as operators see it.
+
+    Attributes:
+        rank: global rank (-1: a node finding).
+        node_id: its node.
+        ratio: its own work over the others' median.
+        excess_s: seconds per step the job loses to it.
+        since: Unix time it was first flagged (0: unknown).
+        basis: ``"compute"`` (own work vs the others') or ``"wait"`` (waits least).
+        individual: its step time over its own healthy baseline.
+    """
+
+    rank: int
+    node_id: str
+    ratio: float
+    excess_s: float
+    since: float
+    basis: str
+    individual: float
+
+
+@dataclass(frozen=True)
+class HangFinding:
+    """Where the latest hang was: ranks whose stacks differ from the majority's (the rest wait on them).
+
+    Attributes:
+        generation: the hung generation.
+        outlier_ranks, outlier_nodes: the outliers.
+        outlier_frame, majority_frame: innermost frame of the outliers' and of the majority's stack.
+        ranks_seen: ranks whose stacks were grouped.
+        groups: distinct stack signatures.
+        repeats: consecutive hangs with the same outlier node.
+        time: Unix time of the finding.
+    """
+
+    generation: int
+    outlier_ranks: tuple[int, ...]
+    outlier_nodes: tuple[str, ...]
+    outlier_frame: str
+    majority_frame: str
+    ranks_seen: int
+    groups: int
+    repeats: int
+    time: float
+
+
+@dataclass(frozen=True)
+class FailSlowStatus:
+    """The coordinator's fail-slow findings, relayed in every heartbeat reply while there are any.
+
+    Attributes:
+        slow: flagged ranks (at most ``StragglerConfig.max_listed``).
+        job_step_s: median step time of the job, seconds (0: unknown).
+        job_slowdown: that over the job's own healthy baseline (0: unknown).
+        action: ``"report"``, ``"replace <node>"``, or "" when nothing is flagged.
+        message: one line for operators.
+        hang: the latest hang localisation, if any.
+        ranks_observed: ranks scored in the last window.
+    """
+
+    slow: tuple[SlowRank, ...] = ()
+    job_step_s: float = 0.0
+    job_slowdown: float = 0.0
+    action: str = ""
+    message: str = ""
+    hang: HangFinding | None = None
+    ranks_observed: int = 0
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to tell (no window scored, nothing flagged, no hang localised)."""
+        return self == _NO_FINDINGS
+
+
+_NO_FINDINGS = FailSlowStatus()
 
 
 @dataclass(frozen=True)
@@ -181,6 +298,8 @@ class Instruction:
         table: START/RESTART: the generation's table.
         only_node: the node the table is cut down to ("" for the full table; large jobs send each node its entry).
         checkpoint: a pending job-wide checkpoint of the current generation.
+        failslow: the fail-slow findings (None when there are none).
+        stacks: an open stack request of a hang being localised.
     """
 
     command: Command
@@ -190,3 +309,5 @@ class Instruction:
     table: GenerationTable | None = None
     only_node: str = ""
     checkpoint: CheckpointAsk | None = None
+    failslow: FailSlowStatus | None = None
+    stacks: StackAsk | None = None

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainguard.recovery.errors import InvalidRequestError
 from trainguard.recovery.policy import PolicyConfig
+from trainguard.recovery.straggler import StragglerConfig
 
 #: Job names: what fits in a store key and a log line.
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
@@ -46,6 +47,7 @@ class JobSpec:
         membership_timeout_s: how long a recovery waits for a valid membership (a spare of the right pod, a lost
             node coming back) before the job fails (MEMBERSHIP_IMPOSSIBLE), seconds. Default 600.
         store: state store URL (see :func:`~trainguard.recovery.store.open_store`). Default ``memory://``.
+        failslow: straggler detection and replace policy (:mod:`~trainguard.recovery.straggler`).
     """
 
     job: str
@@ -66,6 +68,7 @@ class JobSpec:
     max_heartbeat_rate: float = 4000.0
     membership_timeout_s: float = 600.0
     store: str = "memory://"
+    failslow: StragglerConfig = field(default_factory=StragglerConfig)
 
     def validate(self) -> None:
         """Checks every field.

@@ -65,3 +65,35 @@ def test_heartbeat_observers_see_every_accepted_beat() -> None:
     core.heartbeat(Beat("j", "n0", lease, last_step=7))
     assert seen == [("n0", 7)]
     core.close()
+
+
+def test_failslow_fields_cross_the_wire_both_ways_and_the_shared_start_is_never_mutated() -> None:
+    from trainguard.recovery.domain import FailSlowStatus, HangFinding, RankTiming, SlowRank, StackAsk
+
+    hb = pb.NodeHeartbeatRequest(job="j", node_id="n", lease_id="l", generation=2, timings=[
+        pb.RankTiming(rank=3, step=40, step_s=0.2, wait_s=0.05, compute_s=0.15, steps=4)])
+    assert convert.beat(hb).timings == (RankTiming(3, 40, 0.2, 0.05, 0.15, 4),)
+    ev = common_pb2.HealthEvent(kind="hang.stacks", evidence={"request_id": "r1", "stack.3": "S3", "stack": "S",
+                                                              "pid": "77"})
+    rep = convert.fault_report(pb.ReportEventRequest(job="j", node_id="n", lease_id="l", generation=2, event=ev))
+    assert (rep.kind, dict(rep.stacks), rep.stack_request) == ("hang.stacks", {"stack.3": "S3", "stack": "S"}, "r1")
+
+    status = FailSlowStatus(slow=(SlowRank(3, "n", 1.5, 0.05, 1700000000.0, "wait", 1.4),), job_step_s=0.2,
+                            job_slowdown=1.4, action="report", message="1 slow rank(s)", ranks_observed=8,
+                            hang=HangFinding(2, (3,), ("n",), "load (d.py)", "all_reduce (c.py)", 8, 2, 1, 5.0))
+    cache = convert.ResponseCache()
+    resp = cache.response(Instruction(Command.NONE, Phase.RUNNING, 0.5, failslow=status, stacks=StackAsk("r1", 2)))
+    assert [(s.rank, s.node_id, s.ratio, s.basis) for s in resp.failslow.slow] == [(3, "n", 1.5, "wait")]
+    assert resp.failslow.ranks_observed == 8 and list(resp.failslow.hang.outlier_ranks) == [3]
+    assert resp.failslow.hang.outlier_frame == "load (d.py)" and resp.failslow.hang.repeats == 1
+    assert (resp.stacks.request_id, resp.stacks.generation) == ("r1", 2)
+    assert not cache.response(Instruction(Command.NONE, Phase.RUNNING, 0.5)).HasField("failslow")
+
+    slots = (NodeSlot("n0", 0, 0, 1, "10.0.0.1", "p"), NodeSlot("n1", 1, 1, 1, "10.0.0.1", "p"))
+    table = GenerationTable("j", 2, 2, "10.0.0.1", 29500, 1, 3, slots)
+    plain = cache.response(Instruction(Command.START, Phase.RECOVERING, 0.5, "m", table))
+    with_news = cache.response(Instruction(Command.START, Phase.RECOVERING, 0.5, "m", table, failslow=status,
+                                           stacks=StackAsk("r1", 2)))
+    assert with_news is not plain and with_news.failslow.slow[0].rank == 3 and with_news.stacks.request_id == "r1"
+    assert not plain.HasField("failslow") and not plain.HasField("stacks")
+    assert [n.node_id for n in with_news.rank_table.nodes] == ["n0", "n1"]

@@ -388,3 +388,78 @@ def _dur(s: float) -> str:
     if s < 7200:
         return f"{s / 60:.1f}min"
     return f"{s / 3600:.2f}h"
+
+
+@dataclass(frozen=True)
+class FailSlow:
+    """Fail-slow episodes: a node keeps running, slower, and synchronous training waits for it every step.
+
+    Attributes:
+        rate_per_node_day: episodes per node per day. Default 0.01 (an assumption: one per 100 node-days; at
+            2,048 nodes that is ~20 a day).
+        slowdown: the job's step time while the slow node is in, as a multiple of the healthy one. Default 1.3.
+        episode_s: how long an episode lasts if nobody acts, seconds (None: until the run ends; a throttling
+            GPU or a NIC at a lower speed stays so until someone replaces the part).
+        detect_s: episode start -> straggler flagged, seconds; None: never (the baseline: no detection, the job
+            runs at the straggler's pace).
+        mitigate_s: flagged -> the job back at full speed, seconds, all of it lost (node-level restart with a
+            warm spare plus the work since the last checkpoint). Only spent when the episode would outlast it.
+    """
+
+    rate_per_node_day: float = 0.01
+    slowdown: float = 1.3
+    episode_s: float | None = None
+    detect_s: float | None = 10.0
+    mitigate_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not self.rate_per_node_day >= 0 or not self.slowdown >= 1.0:
+            raise ComponentsError(f"fail-slow rate {self.rate_per_node_day} must be >= 0 and slowdown "
+                                  f"{self.slowdown} >= 1")
+        for name in ("episode_s", "detect_s"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ComponentsError(f"fail-slow {name} must be seconds >= 0 or None, got {v!r}")
+        if not (math.isfinite(self.mitigate_s) and self.mitigate_s >= 0):
+            raise ComponentsError(f"fail-slow mitigate_s must be seconds >= 0, got {self.mitigate_s!r}")
+
+
+def failslow_loss(nodes: int, fs: FailSlow) -> float:
+    """Expected share of wall time lost to fail-slow episodes, at steady state (the fail-slow term of ETTR).
+
+    Episodes start as a Poisson process of rate ``rate_per_node_day x nodes``. Synchronous training runs at the
+    pace of its slowest node, so what matters is whether *any* slow node is in: with episodes of ``D`` slow
+    seconds each, that is the case ``1 - exp(-rate x D)`` of the time, and each such second yields
+    ``1/slowdown`` of progress. Without detection ``D`` is the whole episode (``episode_s``; None: it never ends,
+    the job is always slowed). With detection, an episode that would outlast ``detect_s + mitigate_s`` (the
+    replace policy acts only when that pays) is slow for ``detect_s`` and then costs ``mitigate_s`` of lost
+    time; a shorter one runs its course slowly.
+
+    Args:
+        nodes: nodes in the job.
+        fs: the episode model and the system's detection and mitigation times.
+
+    Returns:
+        The expected lost share of wall time, in [0, 1].
+    """
+    rate = fs.rate_per_node_day * nodes / 86400.0
+    if rate == 0:
+        return 0.0
+    length = math.inf if fs.episode_s is None else fs.episode_s
+    slow, down = length, 0.0
+    if fs.detect_s is not None and length > fs.detect_s + fs.mitigate_s:
+        slow, down = fs.detect_s, fs.mitigate_s
+    slowed_share = 1.0 - math.exp(-rate * slow) if math.isfinite(slow) else 1.0
+    up = max(0.0, 1.0 - rate * down)
+    return 1.0 - up * (1.0 - slowed_share * (1.0 - 1.0 / fs.slowdown))
+
+
+def with_failslow(ettr: float, nodes: int, fs: FailSlow) -> float:
+    """ETTR after the fail-slow term (the replay's ETTR times the share fail-slow leaves).
+
+    Args:
+        ettr: ETTR from the fault replay (crash, hang, node and link faults).
+        nodes: nodes in the job.
+        fs: the fail-slow model.
+    """
+    return ettr * (1.0 - failslow_loss(nodes, fs))

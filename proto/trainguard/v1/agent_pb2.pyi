@@ -93,7 +93,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., step: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., exit_code: _Optional[int] = ...) -> None: ...
 
 class NodeHealth(_message.Message):
-    __slots__ = ("node_id", "version", "uptime_s", "detectors", "recent_events", "predictor_score", "predictor_threshold", "workers", "job", "generation", "last_checkpoint_step")
+    __slots__ = ("node_id", "version", "uptime_s", "detectors", "recent_events", "predictor_score", "predictor_threshold", "workers", "job", "generation", "last_checkpoint_step", "failslow")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class NodeHealth(_message.Message):
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    FAILSLOW_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     uptime_s: float
@@ -116,7 +117,8 @@ class NodeHealth(_message.Message):
     job: str
     generation: int
     last_checkpoint_step: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., detectors: _Optional[_Iterable[_Union[DetectorStatus, _Mapping]]] = ..., recent_events: _Optional[_Iterable[_Union[_common_pb2.HealthEvent, _Mapping]]] = ..., predictor_score: _Optional[float] = ..., predictor_threshold: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ...) -> None: ...
+    failslow: _common_pb2.FailSlowStatus
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., detectors: _Optional[_Iterable[_Union[DetectorStatus, _Mapping]]] = ..., recent_events: _Optional[_Iterable[_Union[_common_pb2.HealthEvent, _Mapping]]] = ..., predictor_score: _Optional[float] = ..., predictor_threshold: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("replay", "min_severity")
@@ -127,20 +129,29 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, replay: _Optional[int] = ..., min_severity: _Optional[_Union[_common_pb2.Severity, str]] = ...) -> None: ...
 
 class WorkerHeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "pid", "generation", "step", "step_time_s", "finished")
+    __slots__ = ("rank", "pid", "generation", "step", "step_time_s", "finished", "section_s")
+    class SectionSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SECTION_S_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     generation: int
     step: int
     step_time_s: float
     finished: bool
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., finished: _Optional[bool] = ...) -> None: ...
+    section_s: _containers.ScalarMap[str, float]
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., finished: _Optional[bool] = ..., section_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Advisory(_message.Message):
     __slots__ = ("kind", "reason", "advisory_id", "at_step")

@@ -143,3 +143,61 @@ class RankTable(_message.Message):
     max_restarts: int
     node_count: int
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeRanks, _Mapping]]] = ..., restart_count: _Optional[int] = ..., max_restarts: _Optional[int] = ..., node_count: _Optional[int] = ...) -> None: ...
+
+class SlowRank(_message.Message):
+    __slots__ = ("rank", "node_id", "ratio", "excess_s", "since", "basis", "individual")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    EXCESS_S_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    BASIS_FIELD_NUMBER: _ClassVar[int]
+    INDIVIDUAL_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node_id: str
+    ratio: float
+    excess_s: float
+    since: float
+    basis: str
+    individual: float
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., ratio: _Optional[float] = ..., excess_s: _Optional[float] = ..., since: _Optional[float] = ..., basis: _Optional[str] = ..., individual: _Optional[float] = ...) -> None: ...
+
+class HangFinding(_message.Message):
+    __slots__ = ("generation", "outlier_ranks", "outlier_nodes", "outlier_frame", "majority_frame", "ranks_seen", "groups", "repeats", "time")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OUTLIER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    OUTLIER_NODES_FIELD_NUMBER: _ClassVar[int]
+    OUTLIER_FRAME_FIELD_NUMBER: _ClassVar[int]
+    MAJORITY_FRAME_FIELD_NUMBER: _ClassVar[int]
+    RANKS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    outlier_ranks: _containers.RepeatedScalarFieldContainer[int]
+    outlier_nodes: _containers.RepeatedScalarFieldContainer[str]
+    outlier_frame: str
+    majority_frame: str
+    ranks_seen: int
+    groups: int
+    repeats: int
+    time: float
+    def __init__(self, generation: _Optional[int] = ..., outlier_ranks: _Optional[_Iterable[int]] = ..., outlier_nodes: _Optional[_Iterable[str]] = ..., outlier_frame: _Optional[str] = ..., majority_frame: _Optional[str] = ..., ranks_seen: _Optional[int] = ..., groups: _Optional[int] = ..., repeats: _Optional[int] = ..., time: _Optional[float] = ...) -> None: ...
+
+class FailSlowStatus(_message.Message):
+    __slots__ = ("slow", "job_step_s", "job_slowdown", "action", "message", "hang", "ranks_observed")
+    SLOW_FIELD_NUMBER: _ClassVar[int]
+    JOB_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    JOB_SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    HANG_FIELD_NUMBER: _ClassVar[int]
+    RANKS_OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    slow: _containers.RepeatedCompositeFieldContainer[SlowRank]
+    job_step_s: float
+    job_slowdown: float
+    action: str
+    message: str
+    hang: HangFinding
+    ranks_observed: int
+    def __init__(self, slow: _Optional[_Iterable[_Union[SlowRank, _Mapping]]] = ..., job_step_s: _Optional[float] = ..., job_slowdown: _Optional[float] = ..., action: _Optional[str] = ..., message: _Optional[str] = ..., hang: _Optional[_Union[HangFinding, _Mapping]] = ..., ranks_observed: _Optional[int] = ...) -> None: ...

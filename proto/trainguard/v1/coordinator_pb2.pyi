@@ -1,8 +1,9 @@
 from trainguard.proto.trainguard.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -71,7 +72,7 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port")
+    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +81,7 @@ class NodeHeartbeatRequest(_message.Message):
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     WORKERS_SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
     FREE_PORT_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     lease_id: str
@@ -88,7 +90,24 @@ class NodeHeartbeatRequest(_message.Message):
     last_step: int
     workers_succeeded: bool
     free_port: int
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ...) -> None: ...
+    timings: _containers.RepeatedCompositeFieldContainer[RankTiming]
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ...) -> None: ...
+
+class RankTiming(_message.Message):
+    __slots__ = ("rank", "step", "step_s", "wait_s", "compute_s", "steps")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    step: int
+    step_s: float
+    wait_s: float
+    compute_s: float
+    steps: int
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., step_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("at_step", "reason", "request_id", "generation")
@@ -103,20 +122,32 @@ class CheckpointRequest(_message.Message):
     def __init__(self, at_step: _Optional[int] = ..., reason: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "checkpoint")
+    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "checkpoint", "failslow", "stacks")
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    FAILSLOW_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
     command: NodeCommand
     rank_table: _common_pb2.RankTable
     interval_s: float
     job_state: JobState
     message: str
     checkpoint: CheckpointRequest
-    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ...) -> None: ...
+    failslow: _common_pb2.FailSlowStatus
+    stacks: StackRequest
+    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., stacks: _Optional[_Union[StackRequest, _Mapping]] = ...) -> None: ...
+
+class StackRequest(_message.Message):
+    __slots__ = ("request_id", "generation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    generation: int
+    def __init__(self, request_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReportEventRequest(_message.Message):
     __slots__ = ("job", "node_id", "lease_id", "generation", "event", "proposed_level", "failed_rank", "exit_code")

@@ -1,0 +1,265 @@
+"""Fail-slow at the coordinator: straggler detection, replace-by-policy and hang localisation, behind one object.
+
+:class:`FailSlowSupervisor` is what :class:`~trainguard.recovery.coordinator.JobCoordinator` calls; it holds
+no lock and no clock of its own (the coordinator calls it under its lock with its clock) and never touches the
+store or the recovery policy: it *returns* :class:`~trainguard.recovery.straggler.ReplaceDecision` s, which
+the coordinator applies through its ordinary node-failure path (cordon the node, give its slot to a spare).
+Like the rest of the core it sees only the plain types of :mod:`~trainguard.recovery.domain`;
+:mod:`~trainguard.recovery.convert` maps them to and from the wire.
+
+- Heartbeats carry per-rank timing (:attr:`Beat.timings <trainguard.recovery.domain.Beat>`, on the wire
+  ``NodeHeartbeatRequest.timings``): fed to :class:`~trainguard.recovery.straggler.StragglerDetector`; a slow
+  node may be replaced by :class:`~trainguard.recovery.straggler.ReplacePolicy`.
+- A hang report (``process.hung``) opens a :class:`~trainguard.recovery.hang_locator.HangCollection`: every
+  heartbeat reply asks the nodes for their workers' stacks (:class:`~trainguard.recovery.domain.StackAsk`, on
+  the wire ``NodeHeartbeatResponse.stacks``), agents answer with a ``hang.stacks`` event before they stop their
+  workers, and when every rank answered (or ``hang_collect_s`` passed) the stacks are grouped
+  (:func:`~trainguard.recovery.hang_locator.localise`). When the same node is the outlier of
+  ``hang_repeats_to_replace`` hangs in a row it is replaced. Stack answers are fail-slow's own: they never
+  reach the recovery policy (their kind would read as a hang).
+- Every heartbeat reply carries the findings (:class:`~trainguard.recovery.domain.FailSlowStatus`, on the wire
+  ``NodeHeartbeatResponse.failslow``), so ``trainguard status`` on any node shows the slow ranks and the last
+  hang localisation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from trainguard.recovery.domain import Beat, FailSlowStatus, FaultReport, HangFinding, SlowRank, StackAsk
+from trainguard.recovery.errors import InvalidRequestError
+from trainguard.recovery.hang_locator import HangCollection, Localisation, localise
+from trainguard.recovery.straggler import ReplaceDecision, ReplacePolicy, StragglerConfig, StragglerDetector, Timing
+
+log = logging.getLogger(__name__)
+
+#: Event kind agents use to answer a stack request.
+STACKS_KIND = "hang.stacks"
+#: Most timings one heartbeat may carry (ranks of one node).
+MAX_TIMINGS = 1024
+
+
+class _TimingFields(Protocol):
+    """What :func:`validate_timings` reads of one entry (the wire ``RankTiming`` or the domain one)."""
+
+    rank: int
+    steps: int
+    step_s: float
+    wait_s: float
+    compute_s: float
+
+
+def validate_timings(timings: Sequence[_TimingFields]) -> None:
+    """Checks a heartbeat's timing entries before anything is touched (the service calls it on the request).
+
+    Raises:
+        InvalidRequestError: too many entries, or a negative/non-finite number; the message names the field.
+    """
+    if len(timings) > MAX_TIMINGS:
+        raise InvalidRequestError(f"timings has {len(timings)} entries; at most {MAX_TIMINGS} are allowed")
+    for i, t in enumerate(timings):
+        if t.rank < 0 or t.steps < 0:
+            raise InvalidRequestError(f"timings[{i}].rank/steps must be >= 0 (got {t.rank}/{t.steps})")
+        if not (t.step_s >= 0 and t.step_s < 1e7):
+            raise InvalidRequestError(f"timings[{i}].step_s={t.step_s} must be a finite number of seconds >= 0")
+        for name in ("wait_s", "compute_s"):
+            v = getattr(t, name)
+            if not (v >= -1 and v < 1e7):
+                raise InvalidRequestError(f"timings[{i}].{name}={v} must be seconds >= 0, or -1 when unknown")
+
+
+@dataclass(frozen=True)
+class ReportOutcome:
+    """What the supervisor made of a reported event.
+
+    Attributes:
+        handled: the event was fail-slow's own (stacks for a hang); the coordinator answers with ``message``
+            and does nothing else.
+        message: answer for the reporter.
+        replace: a node to replace (a hang's repeated outlier), or None.
+    """
+
+    handled: bool = False
+    message: str = ""
+    replace: ReplaceDecision | None = None
+
+
+def is_hang_report(kind: str) -> bool:
+    """Whether a reported event's kind declares a hung worker (``process.hung`` and alike)."""
+    kind = kind.lower()
+    return kind != STACKS_KIND and ("hung" in kind or "hang" in kind or "stall" in kind)
+
+
+class FailSlowSupervisor:
+    """Fail-slow state of one job (see the module docstring).
+
+    Args:
+        config: straggler and replace-policy knobs.
+        hang_collect_s: how long to wait for every rank's stack after a hang report, seconds.
+        hang_repeats_to_replace: consecutive hangs with the same outlier node that make it replaced.
+        wall: wall clock for the Unix times shown to operators.
+    """
+
+    def __init__(self, config: StragglerConfig | None = None, hang_collect_s: float = 8.0,
+                 hang_repeats_to_replace: int = 2, wall=time.time) -> None:
+        self.detector = StragglerDetector(config)
+        self.config = self.detector.config
+        self.policy = ReplacePolicy(self.config)
+        self.hang_collect_s = hang_collect_s
+        self.hang_repeats_to_replace = hang_repeats_to_replace
+        self._wall = wall
+        self._collection: HangCollection | None = None
+        self.findings: list[tuple[int, Localisation]] = []  # (generation, localisation), oldest first
+        self._hang_repeats = 0
+        self._hang: HangFinding | None = None
+        self._status: FailSlowStatus | None = None
+        self._action = ""
+        self._wall_of: dict[float, float] = {}
+
+    # -- heartbeats ------------------------------------------------------------------------------------------
+    def on_heartbeat(self, req: Beat, generation: int, now: float,
+                     spares: Callable[[], int]) -> ReplaceDecision | None:
+        """Feeds one heartbeat's timing; may return a replacement the coordinator should apply.
+
+        Args:
+            req: the heartbeat (validated).
+            generation: the job's current generation.
+            now: coordinator clock, seconds.
+            spares: counts the spare nodes available now (called only when a slow node is up for replacement).
+        """
+        decision = None
+        if req.generation == generation:
+            cost = self.policy.progress(generation, req.last_step, now)
+            if cost is not None:
+                log.warning("fail-slow: a node-level restart cost %.1f s (decision to the job back at its step)",
+                            cost)
+            timings = [Timing(t.rank, req.node_id, t.step, t.step_s, t.wait_s, t.compute_s, t.steps)
+                       for t in req.timings]
+            result = self.detector.observe(generation, timings, now) if timings else None
+            if result is not None:
+                self._status = None
+                for f in result.newly_flagged:
+                    what = f"rank {f.rank} on node {f.node_id}" if f.rank >= 0 else f"node {f.node_id}"
+                    log.warning("fail-slow: %s is a straggler: own work %.2fx the others' median, the job loses "
+                                "%.0f ms per %.0f ms step", what, f.ratio, f.excess_s * 1000, result.job_step_s * 1000)
+                    self._wall_of[f.since] = self._wall()
+                if result.slow_nodes:
+                    decision = self.policy.decide(result, now, spares())
+                    if decision is None and not self._action.startswith("replace"):
+                        self._action = "report"
+        return decision or self._maybe_finish(now)
+
+    def applied(self, decision: ReplaceDecision, now: float, step: int, generation: int) -> None:
+        """The coordinator replaced ``decision.node_id`` (cost measurement and cooldown start)."""
+        self.policy.applied(decision, now, step, generation)
+        self._action = f"replace {decision.node_id}"
+        self._status = None
+        log.warning("fail-slow: replacing node %s: %s", decision.node_id, decision.detail)
+
+    # -- hangs -----------------------------------------------------------------------------------------------
+    def on_report(self, req: FaultReport, generation: int, node_of: Mapping[int, str],
+                  now: float) -> ReportOutcome:
+        """Looks at a reported event: answers stack reports, opens a collection on a hang report.
+
+        Args:
+            req: the report (validated).
+            generation: the job's current generation.
+            node_of: rank -> node id of the current generation (every rank expected to answer).
+            now: coordinator clock, seconds.
+        """
+        if req.kind == STACKS_KIND:
+            col = self._collection
+            if col is None or col.request_id != req.stack_request:
+                return ReportOutcome(True, "no hang localisation is open for these stacks")
+            new = col.add(req.node_id, req.stacks)
+            done = self._maybe_finish(now)
+            return ReportOutcome(True, f"{new} stack(s) received", done)
+        if not is_hang_report(req.kind) or req.generation != generation or generation < 0:
+            return ReportOutcome()
+        col = self._collection
+        if col is None or col.generation != generation:
+            col = HangCollection(generation, uuid.uuid4().hex[:12], now, now + self.hang_collect_s,
+                                 frozenset(node_of), node_of=dict(node_of))
+            self._collection = col
+            log.warning("fail-slow: %s reports a hang in generation %d; collecting every rank's stack",
+                        req.node_id, generation)
+        evidence = dict(req.stacks)
+        if "stack" in evidence and req.rank >= 0:
+            evidence.setdefault(f"stack.{req.rank}", evidence["stack"])
+        col.add(req.node_id, evidence)
+        return ReportOutcome(False, "", self._maybe_finish(now))
+
+    def tick(self, now: float) -> ReplaceDecision | None:
+        """Closes a hang collection whose deadline passed (call periodically)."""
+        return self._maybe_finish(now)
+
+    def _maybe_finish(self, now: float) -> ReplaceDecision | None:
+        col = self._collection
+        if col is None or not col.complete(now):
+            return None
+        self._collection = None
+        loc = localise(col.stacks, col.node_of)
+        prev = self.findings[-1][1] if self.findings else None
+        same = bool(loc.outlier_nodes) and prev is not None and prev.outlier_nodes == loc.outlier_nodes
+        self._hang_repeats = self._hang_repeats + 1 if same else (1 if loc.outlier_nodes else 0)
+        self.findings.append((col.generation, loc))
+        missing = sorted(col.expected - col.stacks.keys())
+        self._hang = HangFinding(
+            generation=col.generation, outlier_ranks=tuple(loc.outlier_ranks), outlier_nodes=tuple(loc.outlier_nodes),
+            outlier_frame=loc.outlier_frame, majority_frame=loc.majority_frame, ranks_seen=loc.ranks_seen,
+            groups=loc.groups, repeats=self._hang_repeats, time=self._wall())
+        self._status = None
+        log.warning("fail-slow: hang of generation %d localised: outlier rank(s) %s on %s in %s; %d rank(s) wait in "
+                    "%s; %d stack group(s)%s", col.generation, list(loc.outlier_ranks) or "none",
+                    ",".join(loc.outlier_nodes) or "-", loc.outlier_frame or "-",
+                    loc.ranks_seen - len(loc.outlier_ranks),
+                    loc.majority_frame or "-", loc.groups, f"; no stack from rank(s) {missing}" if missing else "")
+        if self._hang_repeats >= self.hang_repeats_to_replace and len(loc.outlier_nodes) == 1:
+            node = loc.outlier_nodes[0]
+            return ReplaceDecision(node, f"hang outlier {self._hang_repeats} times in a row: rank(s) "
+                                         f"{list(loc.outlier_ranks)} stuck in {loc.outlier_frame}", 0.0, 0.0)
+        return None
+
+    # -- replies ---------------------------------------------------------------------------------------------
+    def status(self) -> FailSlowStatus:
+        """The findings as shown to operators (cached until something changes)."""
+        if self._status is not None:
+            return self._status
+        res = self.detector.last
+        st = FailSlowStatus()
+        if res is not None:
+            slow = tuple(SlowRank(f.rank, f.node_id, f.ratio, f.excess_s, self._wall_of.get(f.since, 0.0), f.basis,
+                                  f.individual) for f in res.slow_ranks[: self.config.max_listed])
+            action = message = ""
+            if res.slow_ranks or res.slow_nodes:
+                action = self._action or "report"
+                nodes = ", ".join(f"{f.node_id} ({f.ratio:.2f}x)" for f in res.slow_nodes) or "-"
+                message = (f"{len(res.slow_ranks)} slow rank(s); slow node(s): {nodes}; restart cost "
+                           f"{self.policy.cost_s:.1f} s ({'measured' if self.policy.measured else 'assumed'})")
+            st = FailSlowStatus(slow=slow, job_step_s=_finite(res.job_step_s), job_slowdown=_finite(res.job_slowdown),
+                                action=action, message=message, ranks_observed=len(res.ratios))
+        if self._hang is not None and self._hang.ranks_seen:
+            st = FailSlowStatus(st.slow, st.job_step_s, st.job_slowdown, st.action, st.message, self._hang,
+                                st.ranks_observed)
+        self._status = st
+        return st
+
+    def reply_findings(self) -> FailSlowStatus | None:
+        """What heartbeat replies carry: the findings, or None while there are none."""
+        st = self.status()
+        return None if st.empty else st
+
+    def stack_request(self) -> StackAsk | None:
+        """The open stack request while a hang is being localised, else None."""
+        col = self._collection
+        return StackAsk(col.request_id, col.generation) if col is not None else None
+
+
+def _finite(x: float) -> float:
+    """0.0 for NaN (not measured yet), else ``x``."""
+    return x if x == x else 0.0

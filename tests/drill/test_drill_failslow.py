@@ -1,0 +1,72 @@
+"""Fail-slow drills on one machine, real injection: a worker capped by a cgroup v1 CPU quota is found and shown
+in `trainguard status` and the events; a rank hung in its data loader is named by grouping every rank's stack."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainguard.detectors.stackdump import find_py_spy
+from trainguard.drill.failslow import HangDrillConfig, StragglerDrillConfig, run_hang_drill, run_straggler_drill
+from trainguard.drill.slowdown import CpuThrottle, cpu_throttle_unavailable_reason
+
+CGROUP_WHY = cpu_throttle_unavailable_reason()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(CGROUP_WHY is not None, reason=str(CGROUP_WHY))
+def test_cpu_throttled_worker_is_detected_and_reported(tmp_path):
+    res = run_straggler_drill(StragglerDrillConfig(nproc=2, throttle_rank=1, throttle_fraction=0.1, healthy_s=8,
+                                                   after_s=1, workdir=str(tmp_path)), progress=lambda _: None)
+    assert res.status_polls_healthy >= 4
+    assert res.false_alarms == 0, "a healthy run flagged a straggler"
+    assert res.detected, res.status_text
+    assert [int(s["rank"]) for s in res.slow_listed] == [1]
+    assert res.slow_listed[0]["ratio"] >= 1.3 and res.slow_listed[0]["excess_s"] > 0
+    # The baseline without mitigation: the whole job runs at the straggler's pace.
+    assert res.step_slow_s > res.step_healthy_s
+    assert "SLOW RANK" in res.status_text and "action: report" in res.status_text
+    assert any(e["kind"] == "failslow.straggler" and e["subject"] == "rank:1" for e in res.events)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(find_py_spy() is None, reason="py-spy is not installed")
+def test_hung_rank_is_localised_by_its_stack(tmp_path):
+    res = run_hang_drill(HangDrillConfig(nproc=3, hang_rank=2, rounds=1, workdir=str(tmp_path)),
+                         progress=lambda _: None)
+    assert len(res.findings) == 1, res.status_text
+    f = res.findings[0]
+    assert [int(r) for r in f["outlier_ranks"]] == [2]
+    assert f["outlier_frame"].startswith("stuck_in_data_loader")
+    assert "all_reduce" in f["majority_frame"]
+    assert res.accuracy == 1.0
+    assert "last hang (generation 1): outlier rank(s) 2" in res.status_text
+    assert any(e["kind"] == "failslow.hang_localised" for e in res.events)
+
+
+@pytest.mark.skipif(CGROUP_WHY is not None, reason=str(CGROUP_WHY))
+def test_cpu_throttle_caps_a_busy_process_and_cleans_up(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with CpuThrottle(0.05) as t:
+            t.add([p.pid])
+            assert t.path.split("/")[-1] in open(f"/proc/{p.pid}/cgroup").read()
+            proc = psutil.Process(p.pid)
+            c0 = sum(proc.cpu_times()[:2])
+            time.sleep(1.5)
+            used = (sum(proc.cpu_times()[:2]) - c0) / 1.5
+            path = t.path
+        assert used < 0.15, f"throttled to 0.05 CPU but used {used:.2f}"
+        assert not os.path.exists(path)
+        assert "tg-slow" not in open(f"/proc/{p.pid}/cgroup").read()
+    finally:
+        p.kill()
+        p.wait()

@@ -1,0 +1,250 @@
+"""Fail-slow through a real coordinator over gRPC: timings in heartbeats -> a straggler shown in every reply and
+replaced by a spare by policy; hang reports -> stacks asked of every node, grouped, the repeated outlier
+replaced; malformed timings refused by field."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from trainguard.proto import common_pb2, coordinator_pb2_grpc
+from trainguard.proto import coordinator_pb2 as pb
+from trainguard.recovery.service import CoordinatorServer, JobSpec
+from trainguard.recovery.straggler import StragglerConfig
+
+JOB = "failslow-test"
+_ports = iter(range(41000, 60000))
+
+WAITING = '''Thread 100 (idle): "MainThread"
+    all_reduce (torch/distributed/distributed_c10d.py:2501)
+    train_step (train.py:40)
+    <module> (train.py:60)
+'''
+STUCK = '''Thread 101 (idle): "MainThread"
+    load_batch (data.py:12)
+    train_step (train.py:35)
+    <module> (train.py:60)
+'''
+
+
+class Node:
+    def __init__(self, stub, nid: str, idx: int, spare: bool = False) -> None:
+        self.stub, self.nid, self.gen, self.table, self.step = stub, nid, -1, None, 0
+        info = common_pb2.NodeInfo(node_id=nid, address="127.0.0.1", spare=spare,
+                                   topology=common_pb2.Topology(pod_id="p", node_index=idx, host=nid, device_count=1))
+        self.lease = stub.RegisterNode(pb.RegisterNodeRequest(job=JOB, node=info, free_port=next(_ports))).lease_id
+
+    @property
+    def rank(self) -> int:
+        return next(n.first_rank for n in self.table.nodes if n.node_id == self.nid)
+
+    def beat(self, own_s: float | None = None, step_s: float = 0.2) -> pb.NodeHeartbeatResponse:
+        timings = []
+        if own_s is not None and self.gen > 0:
+            self.step += 4
+            timings = [pb.RankTiming(rank=self.rank, step=self.step, step_s=step_s, wait_s=step_s - own_s,
+                                     compute_s=own_s, steps=4)]
+        resp = self.stub.Heartbeat(pb.NodeHeartbeatRequest(
+            job=JOB, node_id=self.nid, lease_id=self.lease, generation=self.gen, free_port=next(_ports),
+            workers_running=1 if self.gen > 0 else 0, last_step=self.step if self.gen > 0 else -1, timings=timings))
+        if resp.command in (pb.NODE_COMMAND_START, pb.NODE_COMMAND_RESTART):
+            self.gen, self.table, self.step = resp.rank_table.generation, resp.rank_table, 0
+        elif resp.command == pb.NODE_COMMAND_STOP:
+            self.gen = -1
+        return resp
+
+    def report(self, kind: str, evidence: dict, rank: int = -1, level=pb.RECOVERY_LEVEL_PROCESS, gen=None):
+        ev = common_pb2.HealthEvent(node_id=self.nid, source="process", kind=kind, message=kind,
+                                    severity=common_pb2.SEVERITY_ERROR, evidence=evidence)
+        return self.stub.ReportEvent(pb.ReportEventRequest(job=JOB, node_id=self.nid, lease_id=self.lease,
+                                                           generation=self.gen if gen is None else gen, event=ev,
+                                                           proposed_level=level, failed_rank=rank))
+
+
+@pytest.fixture
+def coord(request):
+    fs = StragglerConfig(window_s=0.3, persist_windows=3, clear_windows=3, min_steps=1, action="replace",
+                         horizon_s=600, restart_cost_s=5, cooldown_s=0)
+    srv = CoordinatorServer(JobSpec(job=JOB, nnodes=2, heartbeat_interval_s=0.1, lease_timeout_s=30,
+                                    backoff_initial_s=0.0, failslow=fs)).start()
+    chan = grpc.insecure_channel(srv.target)
+    try:
+        yield srv, coordinator_pb2_grpc.CoordinatorStub(chan)
+    finally:
+        chan.close()
+        srv.stop(0)
+
+
+def _form(stub) -> tuple[Node, Node, Node]:
+    a, b, s = Node(stub, "a", 0), Node(stub, "b", 1), Node(stub, "s", 9, spare=True)
+    for _ in range(3):
+        for n in (a, b, s):
+            n.beat()
+    assert a.gen == b.gen == 1 and s.gen == -1
+    return a, b, s
+
+
+def test_straggler_is_shown_to_every_node_then_replaced_by_the_spare_and_the_cost_measured(coord):
+    srv, stub = coord
+    a, b, s = _form(stub)
+    shown = None
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and s.gen < 2:
+        ra = a.beat(own_s=0.05)
+        rb = b.beat(own_s=0.2)  # b's own work is 4x a's: a waits 150 ms of every 200 ms step for it
+        s.beat()
+        shown = next((r.failslow for r in (ra, rb) if r.failslow.slow), shown)
+        time.sleep(0.05)
+    assert shown is not None, "no reply ever listed the straggler"
+    assert [(x.rank, x.node_id) for x in shown.slow] == [(1, "b")]
+    assert shown.slow[0].ratio == pytest.approx(4.0, rel=0.01) and shown.slow[0].excess_s == pytest.approx(0.15)
+    assert s.gen >= 2, "the straggler node was not replaced"
+    assert [n.node_id for n in s.table.nodes] == ["a", "s"] and s.rank == 1  # the spare took b's slot
+    r = b.beat()
+    assert r.command == pb.NODE_COMMAND_STOP and "cordoned" in r.message
+    # Back at the step reached before: the node restart's cost is measured and replaces the assumed 5 s.
+    for _ in range(60):
+        a.beat(own_s=0.05)
+        s.beat(own_s=0.05)
+        if srv.core._failslow.policy.measured:
+            break
+        time.sleep(0.02)
+    assert srv.core._failslow.policy.measured and 0 < srv.core._failslow.policy.cost_s < 20
+
+
+def test_hang_stacks_are_gathered_from_every_node_and_a_repeated_outlier_is_replaced(coord):
+    srv, stub = coord
+    a, b, s = _form(stub)
+    for round_ in (1, 2):
+        gen = a.gen
+        a.report("process.hung", {"stack": WAITING}, rank=a.rank)
+        rb = b.beat()
+        assert rb.stacks.request_id and rb.stacks.generation == gen
+        ans = b.report("hang.stacks", {"request_id": rb.stacks.request_id, f"stack.{b.rank}": STUCK},
+                       level=pb.RECOVERY_LEVEL_NONE, gen=gen)
+        assert ans.decided_level == pb.RECOVERY_LEVEL_NONE and "1 stack(s)" in ans.message
+        r = a.beat()
+        h = r.failslow.hang
+        assert list(h.outlier_ranks) == [1] and list(h.outlier_nodes) == ["b"] and h.repeats == round_
+        assert h.outlier_frame == "load_batch (data.py)" and h.majority_frame.startswith("all_reduce")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and a.gen <= gen:
+            for n in (a, b, s):
+                n.beat()
+        assert a.gen > gen
+    # The second hang with the same outlier: b's slot went to the spare.
+    assert [n.node_id for n in a.table.nodes] == ["a", "s"]
+
+
+def test_malformed_timings_are_refused_naming_the_field(coord):
+    srv, stub = coord
+    a = Node(stub, "a", 0)
+    for bad, field in [(pb.RankTiming(rank=0, step_s=float("nan"), steps=1), "step_s"),
+                       (pb.RankTiming(rank=0, step_s=0.1, wait_s=-5, steps=1), "wait_s"),
+                       (pb.RankTiming(rank=-1, step_s=0.1, steps=1), "rank")]:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id="a", lease_id=a.lease, generation=-1,
+                                                   timings=[bad]))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+
+
+@pytest.mark.parametrize("args", [["coordinator", "--job", "x", "--listen", "127.0.0.1:0", "--failslow-ratio", "0.9"],
+                                  ["run", "--failslow-ratio", "1.0", "examples/train.py"]])
+def test_bad_failslow_flags_are_one_line_errors_naming_the_flag(args):
+    import os
+
+    from tg_testutil import run_cli
+
+    r = run_cli(args, env=dict(os.environ), timeout=60)
+    assert r.returncode != 0 and "--failslow-ratio" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- the core on plain types (no gRPC), on a simulated clock ---------------------------------------------------
+class _Core:
+    """A JobCoordinator fed domain types directly, nodes a and b (+ spares), time advanced by hand."""
+
+    def __init__(self, spares: int = 0) -> None:
+        from trainguard.recovery.coordinator import JobCoordinator
+        from trainguard.recovery.domain import NodeRecord
+        from trainguard.recovery.store import MemoryStore
+
+        self.t = 0.0
+        fs = StragglerConfig(window_s=0.3, persist_windows=3, clear_windows=3, min_steps=1, action="replace",
+                             horizon_s=600, restart_cost_s=5, cooldown_s=0)
+        self.core = JobCoordinator(JobSpec(job=JOB, nnodes=2, heartbeat_interval_s=0.1, lease_timeout_s=30,
+                                           backoff_initial_s=0.0, failslow=fs), store=MemoryStore(),
+                                   clock=lambda: self.t)
+        names = ["a", "b"] + [f"s{i}" for i in range(spares)]
+        self.lease = {n: self.core.register(JOB, NodeRecord(n, "p", i, n, 1, "127.0.0.1", spare=n.startswith("s")),
+                                            next(_ports))[0] for i, n in enumerate(names)}
+        self.gen = {n: -1 for n in names}
+        self.step = {n: 0 for n in names}
+        for _ in range(3):
+            for n in names:
+                self.beat(n)
+        assert self.gen["a"] == self.gen["b"] == 1
+
+    def beat(self, n: str, own_s: float | None = None, step_s: float = 0.2):
+        from trainguard.recovery.domain import Beat, Command, RankTiming
+
+        timings: tuple = ()
+        if own_s is not None and self.gen[n] > 0:
+            self.step[n] += 4
+            rank = self.core.layout.slot_of(n).first_rank
+            timings = (RankTiming(rank, self.step[n], step_s, step_s - own_s, own_s, 4),)
+        ins = self.core.heartbeat(Beat(JOB, n, self.lease[n], self.gen[n], 1 if self.gen[n] > 0 else 0, False,
+                                       self.step[n] if self.gen[n] > 0 else -1, next(_ports), timings)).response
+        if ins.command in (Command.START, Command.RESTART):
+            self.gen[n], self.step[n] = ins.table.generation, 0
+        elif ins.command is Command.STOP:
+            self.gen[n] = -1
+        return ins
+
+    def report(self, n: str, kind: str, stacks: dict, rank: int = -1, request: str = ""):
+        from trainguard.recovery.domain import FaultReport
+        from trainguard.recovery.policy import Cause, Level
+
+        # The cause is what convert.classify makes of these kinds ("hang" in the kind: a worker hang).
+        return self.core.report(FaultReport(JOB, n, self.lease[n], self.gen[n], Cause.WORKER_HANG,
+                                            Level.NONE if kind == "hang.stacks" else Level.PROCESS, rank,
+                                            detail=kind, kind=kind, stacks=stacks, stack_request=request))
+
+
+def test_core_a_straggler_with_no_spare_is_reported_in_every_reply_but_never_replaced() -> None:
+    c = _Core(spares=0)
+    seen = None
+    for _ in range(60):
+        c.t += 0.1
+        ins = c.beat("a", own_s=0.05)
+        c.beat("b", own_s=0.2)
+        if ins.failslow is not None and ins.failslow.slow:
+            seen = ins.failslow
+    assert seen is not None and [(r.rank, r.node_id) for r in seen.slow] == [(1, "b")]
+    assert seen.action == "report" and "slow node(s): b" in seen.message
+    st = c.core.state
+    assert st.generation == 1 and st.restart_count == 0 and st.plan is None and not st.cordoned
+    assert c.gen == {"a": 1, "b": 1}
+    c.core.close()
+
+
+def test_core_stack_answers_stay_with_failslow_and_never_reach_the_policy() -> None:
+    from trainguard.recovery.policy import Level
+
+    c = _Core(spares=1)
+    before = c.core.state
+    level, gen, msg, _ = c.report("b", "hang.stacks", {"stack.1": STUCK}, request="nobody-asked")
+    assert (level, gen) == (Level.NONE, 1) and "no hang localisation is open" in msg
+    assert c.core.state is before  # the policy never saw it: no decision, no new state
+    level, _, _, _ = c.report("a", "process.hung", {"stack": WAITING}, rank=0)
+    assert level is Level.PROCESS  # a hang report goes to the policy as before (and opens a collection)
+    after_hang = c.core.state
+    ask = c.beat("b").stacks
+    assert ask is not None and ask.generation == 1
+    level, gen, msg, _ = c.report("b", "hang.stacks", {"stack.1": STUCK}, request=ask.request_id)
+    assert level is Level.NONE and "1 stack(s)" in msg
+    assert c.core.state is after_hang and after_hang.restart_count <= 1
+    hang = c.beat("a").failslow.hang
+    assert hang.outlier_ranks == (1,) and hang.outlier_nodes == ("b",) and hang.repeats == 1
+    c.core.close()
