@@ -153,6 +153,9 @@ class Checkpointer:
         nslots = (config.memory.keep + 1) if config.memory.enabled else 2
         self._stage = StagingArea(config, job, rank, nslots, self.events)  # slots come with the first save
         self._channel: PersistChannel | None = None
+        # The overlapped copy publishes from its own thread while the trainer may call wait(): without this lock
+        # both could start a persist process (and a reader thread) of their own on first use.
+        self._channel_lock = threading.Lock()
 
     # ------------------------------------------------------------------ writer resources
     @property
@@ -162,9 +165,10 @@ class Checkpointer:
         Raises:
             CheckpointError: the persist process cannot be started or reached.
         """
-        if self._channel is None:
-            self._channel = open_channel(self.config, self.job, self.rank, self._on_report)
-        return self._channel
+        with self._channel_lock:
+            if self._channel is None:
+                self._channel = open_channel(self.config, self.job, self.rank, self._on_report)
+            return self._channel
 
     @property
     def arena(self) -> Arena | None:

@@ -409,6 +409,9 @@ class ServiceChannel(PersistChannel):
         except OSError:
             pass
         self.sock.close()
+        if self._reader is not threading.current_thread():
+            # shutdown() ends its recv at once; joining it means a closed channel leaves no thread behind.
+            self._reader.join(timeout=5.0)
         if self.proc is not None:
             # The private service exits once its only client left and its queue drained.
             try:

@@ -47,3 +47,30 @@ def test_save_without_overlap_copies_everything_before_returning(make_config):
         got = torch.zeros(1000)
         ck.restore({"w": got})
         assert torch.equal(got, torch.ones(1000))
+
+
+def test_one_persist_process_per_checkpointer_and_no_thread_left(make_config):
+    """The overlapped copy publishes from its own thread while the trainer calls wait(): the first use from both
+    must start one persist process, not one each, and close() must leave no reader thread behind."""
+    import threading
+
+    import psutil
+
+    def readers() -> int:
+        return sum(t.name == "trainguard-ckpt-reader" for t in threading.enumerate())
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    with Checkpointer(make_config(), job="one-channel") as ck:
+        for step in range(1, 3):
+            model(torch.randn(4, 64)).sum().backward()
+            ck.save({"model": model, "optim": opt}, step, overlap_with=opt)
+            opt.step()
+            opt.zero_grad()
+        assert ck.wait(2, timeout=60)
+        spawned = [p for p in me.children() if p.pid not in before]
+        assert len(spawned) == 1, [p.cmdline() for p in spawned]
+        assert readers() == 1
+    assert readers() == 0
