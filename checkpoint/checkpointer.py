@@ -360,7 +360,10 @@ class Checkpointer:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 t = torch.frombuffer(slot.map, dtype=torch.uint8)
-            self._copier.pin(t)
+            if self.staging != "disk":
+                # File-backed slots on a real filesystem cannot be page-locked (cudaHostRegister fails with
+                # invalid value on an H200 node), and their copies end on disk anyway.
+                self._copier.pin(t)
             self._staging[index] = t
         return t
 

@@ -87,6 +87,7 @@ class SnapshotCopier:
     def __init__(self) -> None:
         self._stream: Any = None
         self._registered: dict[int, int] = {}
+        self._pin_warned = False
 
     def pin(self, staging: torch.Tensor) -> None:
         """Page-locks a staging buffer once so device-to-host copies are true DMA (CUDA only; no-op on CPU)."""
@@ -97,9 +98,12 @@ class SnapshotCopier:
             return
         rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
         if int(rc) != 0:
-            # Still correct without pinning (copies become staged through pageable memory), only slower.
-            log.warning("cudaHostRegister of a %d-byte staging buffer failed (code %d); device-to-host snapshot "
-                        "copies will not overlap", size, int(rc))
+            # Still correct without pinning (copies become staged through pageable memory), only slower; one
+            # warning per copier, not one per slot.
+            (log.debug if self._pin_warned else log.warning)(
+                "cudaHostRegister of a %d-byte staging buffer failed (code %d); device-to-host snapshot copies "
+                "will not overlap", size, int(rc))
+            self._pin_warned = True
             return
         self._registered[ptr] = size
 
