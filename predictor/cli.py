@@ -367,5 +367,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiplier of StepFun's fault rate")
     p.add_argument("--repair-scale", type=float, default=1.0, help="multiplier of the trace's repair times")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trace-dir", help="StepFun trace folder (default ../shared/data/stepfun-fault-trace)")
+    p.add_argument("--trace", "--trace-dir", dest="trace_dir", metavar="DIR",
+                   help="StepFun trace folder (default: $TRAINGUARD_FAULT_TRACE_DIR, the wheel's copy, "
+                        "shared/data/stepfun-fault-trace beside the checkout)")
     p.set_defaults(handler=_gen_trace)

@@ -49,21 +49,16 @@ from trainguard.predictor.catalog import CATALOG, MetricKind
 from trainguard.predictor.errors import DataFormatError
 from trainguard.predictor.table import EventTable, MetricTable
 
-#: Trace location relative to the repository root.
-DEFAULT_TRACE_REL = Path("..") / "shared" / "data" / "stepfun-fault-trace"
 #: Faults, servers and days of the published trace (its README).
 STEPFUN_FAULTS, STEPFUN_SERVERS, STEPFUN_DAYS = 584, 400, 348.98
 
 
 def default_trace_dir() -> Path:
-    """The nearest ``shared/data/stepfun-fault-trace`` above the repository root (``<root>/../shared`` in a
-    checkout, ``<root>/../../shared`` in a worktree under ``wt/``); the first candidate when none exists."""
-    repo = Path(__file__).resolve().parents[1]  # the repo root holds ``predictor/``
-    candidates = [(parent / DEFAULT_TRACE_REL.relative_to("..")).resolve() for parent in repo.parents]
-    for cand in candidates:
-        if (cand / "fault_trace.json").is_file():
-            return cand
-    return candidates[0]
+    """The StepFun trace folder, found the way every trainguard command finds it
+    (:func:`trainguard.drill.trace.trace_dir`: ``$TRAINGUARD_FAULT_TRACE_DIR``, the wheel's copy, the workspace)."""
+    from trainguard.drill.trace import trace_dir
+
+    return trace_dir()
 
 
 @dataclass(frozen=True)
@@ -155,7 +150,8 @@ def load_stepfun(trace_dir: str | Path | None = None) -> list[FaultKind]:
     try:
         events = json.loads(f.read_text())
     except OSError as exc:
-        raise DataFormatError(f"{f}: StepFun fault trace not found; pass --trace-dir to its folder") from exc
+        raise DataFormatError(f"{f}: StepFun fault trace not found; pass --trace DIR (or set "
+                              "TRAINGUARD_FAULT_TRACE_DIR) to the folder holding fault_trace.json") from exc
     except json.JSONDecodeError as exc:
         raise DataFormatError(f"{f}: not valid JSON; restore the published fault_trace.json") from exc
     counts: Counter[tuple[str, str, str]] = Counter()

@@ -37,8 +37,16 @@ TRACE_DIR_ENV = "TRAINGUARD_FAULT_TRACE_DIR"
 #: Where a wheel built next to the trace carries it, with its LICENSE (setup.py copies it in at build time).
 PACKAGED_TRACE_DIR = Path(__file__).resolve().parent / "data" / "stepfun"
 
-#: Where the trace lies in the team's workspace: ``../shared/data/stepfun-fault-trace`` next to the repo.
-DEFAULT_TRACE_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "stepfun-fault-trace"
+def _workspace_trace_dir() -> Path:
+    """The nearest ``shared/data/stepfun-fault-trace`` above the repository root (``<root>/../shared`` in a
+    checkout, higher up in a git worktree); the first candidate when none exists."""
+    repo = Path(__file__).resolve().parents[2]
+    candidates = [parent / "shared" / "data" / "stepfun-fault-trace" for parent in repo.parents]
+    return next((c for c in candidates if (c / "fault_trace.json").is_file()), candidates[0])
+
+
+#: Where the trace lies in the team's workspace: ``shared/data/stepfun-fault-trace`` beside the repo (or above it).
+DEFAULT_TRACE_DIR = _workspace_trace_dir()
 
 STEPFUN_POPULATION_NODES = 400
 LLAMA3_INTERRUPTIONS = 419
