@@ -125,8 +125,9 @@ class MetricTable:
             i = int(np.argmax(back))
             row = int(order[i + 1])
             raise DataFormatError(
-                f"{source}: node {n_sorted[i]!r} row {row + 1} has timestamp {t_sorted[i + 1]!r} not after the "
-                f"previous {t_sorted[i]!r}; timestamps of each node must strictly increase (sort and deduplicate)"
+                f"{source}: node {str(n_sorted[i])!r} row {row + 1} has timestamp {_fmt_ts(t_sorted[i + 1])} not "
+                f"after the previous {_fmt_ts(t_sorted[i])}; timestamps of each node must strictly increase (sort "
+                "and deduplicate)"
             )
 
     @property
@@ -391,3 +392,16 @@ def concat_tables(tables: Sequence[MetricTable]) -> MetricTable:
         list(cols), np.concatenate([t.ts for t in tables]), np.concatenate([t.node for t in tables]),
         np.concatenate([t.values for t in tables]), jobs,
     )
+
+
+def _fmt_ts(t: float) -> str:
+    """A timestamp for an error message: seconds as written (no numpy repr) and the UTC time they mean."""
+    import datetime
+
+    t = float(t)
+    try:
+        when = datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (OverflowError, OSError, ValueError):
+        return f"{t:.3f}"
+    return f"{t:.3f} ({when})"
+

@@ -64,3 +64,10 @@ def test_events_file(tmp_path):
         EventTable.from_csv(_write(tmp_path, "timestamp,node\n1,n\n", "bad.csv"))
     with pytest.raises(DataFormatError, match="cannot read"):
         EventTable.from_csv(tmp_path / "absent.csv")
+
+
+def test_order_error_prints_plain_times_not_numpy_reprs(tmp_path):
+    with pytest.raises(DataFormatError) as ei:
+        MetricTable.from_csv(_write(tmp_path, "timestamp,node,a\n1764667200,n1,1\n1764667200,n1,2\n"))
+    msg = str(ei.value)
+    assert "np.float64" not in msg and "1764667200.000 (2025-12-02T09:20:00Z)" in msg and "'n1' row 2" in msg
