@@ -14,6 +14,9 @@ import sys
 
 # gRPC's fork handlers only print warnings here: the agent forks workers that never use the parent's channels.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# gRPC core's own INFO/WARNING lines (e.g. "Handshake failed") would interleave unstructured text with our logs
+# (and break --log-format json); our code reports those failures itself, naming the flag to fix.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from collections.abc import Callable, Sequence
 
 from trainguard._version import __version__
