@@ -290,7 +290,7 @@ class Checkpointer:
         manifest = Manifest(job=self.job, step=step, rank=self.rank, world_size=self.world_size, tensors=entries,
                             tree=cap.tree, data_bytes=data_bytes, alignment=alignment,
                             chunk_bytes=self.config.persist.chunk_mib << 20, replicated=self.config.replicated,
-                            sharded=cap.sharded)
+                            sharded=cap.sharded, location=self.config.location)
         arena = self._ensure_arena(data_bytes)
         index = self._acquire_slot(step)
         try:
@@ -518,7 +518,8 @@ class Checkpointer:
     def _committed_by_tier(self) -> list[tuple[str, list[tuple[int, int]]]]:
         out: list[tuple[str, list[tuple[int, int]]]] = []
         if self.config.memory.enabled:
-            out.append(("memory", arena_mod.memory_committed(self.config.memory.directory, self.job)))
+            out.append(("memory", arena_mod.memory_committed(self.config.memory.directory, self.job,
+                                                                  self.config.location)))
         if self.disk is not None:
             out.append(("disk", self.disk.committed_steps()))
         if self.config.remote_url:
@@ -643,7 +644,8 @@ class Checkpointer:
 
     def _memory_copy(self, step: int, rank: int) -> Any:
         if self._memory_listing is None:
-            self._memory_listing = arena_mod.memory_manifests(self.config.memory.directory, self.job)
+            self._memory_listing = arena_mod.memory_manifests(self.config.memory.directory, self.job,
+                                                              self.config.location)
         return self._memory_listing.get(step, {}).get(rank)
 
     def _read_manifest(self, tier: str, step: int, rank: int, where: str) -> Manifest:
