@@ -162,6 +162,7 @@ class Arena:
         if slot is None or slot.size < nbytes:
             if slot is not None:
                 slot.close()
+                self.slots[index] = None  # a failed regrowth below must not leave a closed slot to close again
             slot = Slot(self.paths(index), nbytes, f"{self._name}-slot{index}" if self.anonymous else None)
             self.slots[index] = slot
         return slot

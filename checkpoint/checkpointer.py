@@ -197,6 +197,37 @@ class Checkpointer:
                            for i in range(arena.nslots)]
         return arena
 
+    def _outgrow_memory(self, nbytes: int, exc: StorageUnavailableError) -> Arena:
+        """Moves staging to the fallback when the state outgrew the shared-memory slots sized at the first save.
+
+        ``prepare()`` often runs before the optimizer creates its state, so the slots it sized in a small
+        /dev/shm stop fitting at the first real save; a storage failure must not raise into training. Waits for
+        the persists still reading the memory slots (their release messages name slot indexes), closes the
+        memory arena (its committed copies stay listed in the memory tier) and opens the fallback exactly as a
+        first save that does not fit would (one warning, one ``checkpoint.staging_fallback`` event).
+
+        Raises:
+            StorageUnavailableError: staging was not in shared memory (the fallback itself is full) or no
+                fallback is possible; ArenaOwnedError: another process writes the fallback area.
+        """
+        if self._stage.kind != "memory":
+            raise self._stage.outgrown(nbytes, exc) from exc
+        log.info("staging slots outgrown in %s (%s); falling back", self.config.memory.directory, exc)
+        with self._lock:
+            while any(self._slot_busy) and self.channel.alive():
+                self._lock.wait(0.5)
+        self._close_arena(remove=False)
+        try:
+            short = max(1, arena_mod.staging_shortfall(
+                arena_mod.rank_dir(self.config.memory.directory, self.job, self.rank), self._stage.nslots, nbytes))
+        except OSError:
+            short = self._stage.nslots * nbytes
+        arena = self._stage.fall_back(nbytes, short)
+        self._slot_busy = [False] * arena.nslots
+        self._slot_step = [int(t) if (t := arena_mod.read_tag(arena.paths(i))).isdigit() else -1
+                           for i in range(arena.nslots)]
+        return arena
+
     def _close_arena(self, remove: bool) -> None:
         """Unmaps the slots and gives the lease back (removing the area only when ``remove``)."""
         self._staging.clear()
@@ -256,7 +287,7 @@ class Checkpointer:
         try:
             arena.preallocate(data_bytes)
         except StorageUnavailableError as exc:
-            raise self._stage.outgrown(data_bytes, exc) from exc
+            self._outgrow_memory(data_bytes, exc).preallocate(data_bytes)
         return data_bytes
 
     def save(self, state: Mapping[str, Any], step: int, overlap_with: Any = None) -> SaveHandle:
@@ -298,7 +329,14 @@ class Checkpointer:
             slot.lock(exclusive=True)
         except StorageUnavailableError as exc:
             self._release_slot(index)
-            raise self._stage.outgrown(data_bytes, exc) from exc
+            arena = self._outgrow_memory(data_bytes, exc)
+            index = self._acquire_slot(step)
+            try:
+                slot = arena.get(index, data_bytes)
+                slot.lock(exclusive=True)
+            except BaseException:
+                self._release_slot(index)
+                raise
         except BaseException:
             self._release_slot(index)
             raise

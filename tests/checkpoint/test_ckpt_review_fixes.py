@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -55,3 +56,32 @@ def test_memory_copy_of_another_directory_with_the_same_job_is_never_restored(tm
         trainer.kill()
         trainer.wait()
 
+
+# ---------------------------------------------------------------------- item 4: state grows after prepare()
+def test_state_outgrowing_prepared_shm_slots_falls_back_instead_of_raising(make_config, small_tmpfs, caplog):
+    """prepare() before the optimizer made its state sizes the slots small; the first real save must not raise."""
+    cfg = make_config(memory={"directory": str(small_tmpfs), "keep": 1, "fallback": "disk"})
+    small = {"w": torch.randn(60_000), "step": 0}   # 2 slots of 240 KB fit the 1 MiB tmpfs
+    # AdamW-like growth to 960 KB: next to the 240 KB slot holding step 1, no slot of it fits in 1 MiB.
+    grown = {"w": small["w"].clone(), "m": torch.randn(60_000), "v": torch.randn(60_000), "g": torch.randn(60_000),
+             "step": 3}
+    events = []
+    with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint"):
+        with Checkpointer(cfg, job="grow", on_event=events.append) as ck:
+            ck.prepare(small)
+            assert ck.staging == "memory"
+            ck.save(small, 1)
+            assert ck.wait(1, timeout=60)
+            h = ck.save(grown, 3)  # raised StorageUnavailableError into the training loop before the fix
+            assert h.wait(timeout=60) and h.tiers_done == ["disk"]
+            assert ck.staging == "disk"
+            ck.save(grown, 4)
+            assert ck.wait(4, timeout=60)
+            assert [s.step for s in ck.steps()][-2:] == [3, 4]
+    assert [e.kind for e in events] == ["checkpoint.staging_fallback"]
+    assert len([r for r in caplog.records if "staging" in r.getMessage()]) == 1
+    live = {k: torch.zeros(60_000) for k in ("w", "m", "v", "g")} | {"step": -1}
+    with Checkpointer(cfg, job="grow") as ck2:
+        assert ck2.restore(live) == 4
+    for k in ("w", "m", "v", "g"):
+        assert torch.equal(live[k], grown[k]), k
