@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -13,6 +15,8 @@ import torch
 from ckpt_trainer import state_for
 
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
+from trainguard.checkpoint.storage import data_name, step_dirname
+from trainguard.cli import main
 
 HERE = Path(__file__).parent
 
@@ -85,3 +89,42 @@ def test_state_outgrowing_prepared_shm_slots_falls_back_instead_of_raising(make_
         assert ck2.restore(live) == 4
     for k in ("w", "m", "v", "g"):
         assert torch.equal(live[k], grown[k]), k
+
+
+# ---------------------------------------------------------------------- item 5: gc keeps a corrupt newest step
+def _cli(*args: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        rc = main(["ckpt", *args])
+    return rc, out.getvalue()
+
+
+def _corrupt(root: str, job: str, step: int) -> None:
+    with open(os.path.join(root, job, step_dirname(step), data_name(0)), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xff")
+
+
+def test_gc_counts_only_steps_that_verify(tmp_path):
+    root = str(tmp_path / "ck")
+    cfg = CheckpointConfig(directory=root, memory={"enabled": False}, persist={"service": "inline"},
+                           disk={"keep": 10})
+    with Checkpointer(cfg, job="j") as ck:
+        for s in (240, 260, 280):
+            ck.save({"w": torch.full((5000,), float(s))}, s)
+    _corrupt(root, "j", 280)
+    rc, out = _cli("gc", root, "--keep", "1", "--dry-run")
+    lines = out.strip().splitlines()
+    assert rc == 0 and lines[-1] == "would remove 1 step(s): [240]", out  # was [240, 260]: no valid step left
+    assert lines[0].startswith("would keep step 280: CORRUPT, not counted toward --keep") and "checksum" in lines[0]
+    assert lines[1] == "would keep step 260: verifies (1 of 1 kept by --keep)"
+    rc, out = _cli("gc", root, "--keep", "1")
+    assert rc == 0 and out.strip().splitlines()[-1] == "removed 1 step(s): [240]"
+    live = {"w": torch.zeros(5000)}
+    with Checkpointer(cfg, job="j") as ck:
+        assert ck.restore(live) == 260 and torch.equal(live["w"], torch.full((5000,), 260.0))
+    # Nothing verifies: gc deletes nothing and says so.
+    _corrupt(root, "j", 260)
+    rc, out = _cli("gc", root, "--keep", "1")
+    assert rc == 1 and "no committed step verifies; deleting nothing" in out
+    assert sorted(os.listdir(os.path.join(root, "j"))) == ["COMMITTED.json", step_dirname(260), step_dirname(280)]
