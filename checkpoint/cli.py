@@ -56,8 +56,9 @@ def register(subparsers: Any) -> None:
     q.add_argument("directory", help="checkpoint root (local path) to import into")
     q.add_argument("--job", required=True, help="job name to import under")
     q.add_argument("--step", type=int, default=None, help="step number (default: the exported step, else 0)")
-    q.add_argument("--world-size", type=int, default=1,
-                   help="ranks to shard a DCP checkpoint over (dim 0, like FSDP2); any world size restores it")
+    q.add_argument("--world-size", type=int, default=None,
+                   help="ranks to shard a DCP checkpoint over (dim 0, like FSDP2; default 1); any world size "
+                        "restores it. A `ckpt export` directory keeps its saved world size (another is refused)")
     q.set_defaults(handler=_import)
 
 

@@ -128,3 +128,26 @@ def test_gc_counts_only_steps_that_verify(tmp_path):
     rc, out = _cli("gc", root, "--keep", "1")
     assert rc == 1 and "no committed step verifies; deleting nothing" in out
     assert sorted(os.listdir(os.path.join(root, "j"))) == ["COMMITTED.json", step_dirname(260), step_dirname(280)]
+
+
+# ---------------------------------------------------------------------- item 6: import --world-size of an export
+def test_import_of_an_export_refuses_another_world_size(tmp_path):
+    root = str(tmp_path / "ck")
+    cfg = CheckpointConfig(directory=root, memory={"enabled": False}, persist={"service": "inline"})
+    with Checkpointer(cfg, job="j") as ck:
+        ck.save({"w": torch.arange(4000.0)}, 7)
+    assert _cli("export", root, str(tmp_path / "dcp"))[0] == 0
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main(["ckpt", "import", str(tmp_path / "dcp"), str(tmp_path / "imp"), "--job", "j2", "--world-size", "2"])
+    # Before: "imported ... as step 7" with world size 1, the flag silently ignored.
+    msg = err.getvalue().strip()
+    assert rc != 0 and "--world-size 2" in msg and "world size 1" in msg and len(msg.splitlines()) == 1, msg
+    assert not os.path.exists(tmp_path / "imp" / "j2" / step_dirname(7))
+    # The export's own world size (or none) still imports it exactly.
+    for extra in (["--world-size", "1"], []):
+        rc, _ = _cli("import", str(tmp_path / "dcp"), str(tmp_path / "imp"), "--job", "j2", *extra)
+        assert rc == 0
+    live = {"w": torch.zeros(4000)}
+    with Checkpointer(CheckpointConfig(directory=str(tmp_path / "imp"), memory={"enabled": False}), job="j2") as ck:
+        assert ck.restore(live) == 7 and torch.equal(live["w"], torch.arange(4000.0))
