@@ -450,9 +450,31 @@ class Checkpointer:
                 st.released = True
                 if st.slot >= 0:
                     self._slot_busy[st.slot] = False
+            stale = (self._stale_memory_copies(step, st.slot)
+                     if msg.get("op") == "tier" and msg.get("tier") == "memory" and msg.get("ok") and st else [])
             self._lock.notify_all()
+        for paths in stale:
+            try:
+                os.unlink(paths.manifest)  # no longer a memory-tier copy; the slot is reused by a later save
+            except FileNotFoundError:
+                pass
         if msg.get("op") == "tier" and not msg.get("ok"):
             self.events.storage_failed(msg.get("tier", "?"), step, msg.get("error", ""), int(msg.get("errno", 0)))
+
+    def _stale_memory_copies(self, step: int, slot: int) -> list[Any]:
+        """Slots (paths) whose memory copies fall outside ``memory.keep`` now that ``step`` is in memory.
+
+        The arena has ``keep + 1`` slots so a save never overwrites a copy being persisted; without this the
+        memory tier would list ``keep + 1`` steps. Only idle slots holding older steps are trimmed. Caller holds
+        ``self._lock``.
+        """
+        arena = self._stage.arena
+        if arena is None or self._stage.kind != "memory" or slot < 0:
+            return []
+        older = sorted((i for i, s in enumerate(self._slot_step)
+                        if i != slot and 0 <= s < step and not self._slot_busy[i]),
+                       key=lambda i: self._slot_step[i], reverse=True)
+        return [arena.paths(i) for i in older[max(0, self.config.memory.keep - 1):]]
 
     def _acquire_slot(self, step: int) -> int:
         """Picks a free slot holding the oldest step; waits while every slot is being persisted.

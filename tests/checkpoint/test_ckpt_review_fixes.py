@@ -151,3 +151,18 @@ def test_import_of_an_export_refuses_another_world_size(tmp_path):
     live = {"w": torch.zeros(4000)}
     with Checkpointer(CheckpointConfig(directory=str(tmp_path / "imp"), memory={"enabled": False}), job="j2") as ck:
         assert ck.restore(live) == 7 and torch.equal(live["w"], torch.arange(4000.0))
+
+
+# ---------------------------------------------------------------------- item 14: memory retention lists keep + 1
+def test_memory_tier_keeps_exactly_memory_keep_steps(make_config):
+    for keep in (1, 2):
+        cfg = make_config(memory={"keep": keep})
+        with Checkpointer(cfg, job=f"ret{keep}") as ck:
+            for s in range(1, 5):
+                ck.save({"w": torch.full((1000,), float(s))}, s)
+                assert ck.wait(s, timeout=60)
+            in_memory = [i.step for i in ck.steps() if "memory" in i.tiers]
+            assert in_memory == list(range(5 - keep, 5)), (keep, in_memory)  # was keep + 1 steps
+            live = {"w": torch.zeros(1000)}
+            assert ck.restore(live) == 4 and ck.last_restore_tier == "memory"
+            assert torch.equal(live["w"], torch.full((1000,), 4.0))
