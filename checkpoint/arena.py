@@ -162,6 +162,7 @@ class Arena:
         if slot is None or slot.size < nbytes:
             if slot is not None:
                 slot.close()
+                self.slots[index] = None  # a failed regrowth below must not leave a closed slot to close again
             slot = Slot(self.paths(index), nbytes, f"{self._name}-slot{index}" if self.anonymous else None)
             self.slots[index] = slot
         return slot
@@ -289,10 +290,13 @@ def staging_shortfall(directory: str, nslots: int, nbytes: int) -> int:
     return max(0, need - free_bytes(directory))
 
 
-def memory_manifests(shm_root: str, job: str) -> dict[int, dict[int, tuple[SlotPaths, Manifest]]]:
+def memory_manifests(shm_root: str, job: str,
+                     location: str | None = None) -> dict[int, dict[int, tuple[SlotPaths, Manifest]]]:
     """Every valid in-memory copy: ``{step: {rank: (slot paths, manifest)}}``.
 
-    Damaged manifests are skipped (a reader falls back to another tier).
+    Damaged manifests are skipped (a reader falls back to another tier). With ``location``, only copies written
+    by a Checkpointer of that checkpoint location count: the arena is keyed by job name only, and two runs in
+    different directories may share a job name on one host.
     """
     out: dict[int, dict[int, tuple[SlotPaths, Manifest]]] = {}
     base = os.path.join(shm_root, job)
@@ -321,16 +325,21 @@ def memory_manifests(shm_root: str, job: str) -> dict[int, dict[int, tuple[SlotP
                 continue
             if read_tag(paths) != str(man.step):
                 continue
+            if location is not None and man.location != location:
+                continue
             prev = out.get(man.step, {}).get(man.rank)
             if prev is None or man.created >= prev[1].created:  # a step saved twice: the newer copy wins
                 out.setdefault(man.step, {})[man.rank] = (paths, man)
     return out
 
 
-def memory_committed(shm_root: str, job: str) -> list[tuple[int, int]]:
-    """``(step, world_size)`` of steps whose every rank has an in-memory copy on this host, ascending."""
+def memory_committed(shm_root: str, job: str, location: str | None = None) -> list[tuple[int, int]]:
+    """``(step, world_size)`` of steps whose every rank has an in-memory copy on this host, ascending.
+
+    ``location``: as in :func:`memory_manifests`.
+    """
     out = []
-    for step, ranks in sorted(memory_manifests(shm_root, job).items()):
+    for step, ranks in sorted(memory_manifests(shm_root, job, location).items()):
         sizes = {m.world_size for _, m in ranks.values()}
         if len(sizes) == 1:
             ws = sizes.pop()

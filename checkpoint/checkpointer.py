@@ -197,6 +197,37 @@ class Checkpointer:
                            for i in range(arena.nslots)]
         return arena
 
+    def _outgrow_memory(self, nbytes: int, exc: StorageUnavailableError) -> Arena:
+        """Moves staging to the fallback when the state outgrew the shared-memory slots sized at the first save.
+
+        ``prepare()`` often runs before the optimizer creates its state, so the slots it sized in a small
+        /dev/shm stop fitting at the first real save; a storage failure must not raise into training. Waits for
+        the persists still reading the memory slots (their release messages name slot indexes), closes the
+        memory arena (its committed copies stay listed in the memory tier) and opens the fallback exactly as a
+        first save that does not fit would (one warning, one ``checkpoint.staging_fallback`` event).
+
+        Raises:
+            StorageUnavailableError: staging was not in shared memory (the fallback itself is full) or no
+                fallback is possible; ArenaOwnedError: another process writes the fallback area.
+        """
+        if self._stage.kind != "memory":
+            raise self._stage.outgrown(nbytes, exc) from exc
+        log.info("staging slots outgrown in %s (%s); falling back", self.config.memory.directory, exc)
+        with self._lock:
+            while any(self._slot_busy) and self.channel.alive():
+                self._lock.wait(0.5)
+        self._close_arena(remove=False)
+        try:
+            short = max(1, arena_mod.staging_shortfall(
+                arena_mod.rank_dir(self.config.memory.directory, self.job, self.rank), self._stage.nslots, nbytes))
+        except OSError:
+            short = self._stage.nslots * nbytes
+        arena = self._stage.fall_back(nbytes, short)
+        self._slot_busy = [False] * arena.nslots
+        self._slot_step = [int(t) if (t := arena_mod.read_tag(arena.paths(i))).isdigit() else -1
+                           for i in range(arena.nslots)]
+        return arena
+
     def _close_arena(self, remove: bool) -> None:
         """Unmaps the slots and gives the lease back (removing the area only when ``remove``)."""
         self._staging.clear()
@@ -256,7 +287,7 @@ class Checkpointer:
         try:
             arena.preallocate(data_bytes)
         except StorageUnavailableError as exc:
-            raise self._stage.outgrown(data_bytes, exc) from exc
+            self._outgrow_memory(data_bytes, exc).preallocate(data_bytes)
         return data_bytes
 
     def save(self, state: Mapping[str, Any], step: int, overlap_with: Any = None) -> SaveHandle:
@@ -290,7 +321,7 @@ class Checkpointer:
         manifest = Manifest(job=self.job, step=step, rank=self.rank, world_size=self.world_size, tensors=entries,
                             tree=cap.tree, data_bytes=data_bytes, alignment=alignment,
                             chunk_bytes=self.config.persist.chunk_mib << 20, replicated=self.config.replicated,
-                            sharded=cap.sharded)
+                            sharded=cap.sharded, location=self.config.location)
         arena = self._ensure_arena(data_bytes)
         index = self._acquire_slot(step)
         try:
@@ -298,7 +329,14 @@ class Checkpointer:
             slot.lock(exclusive=True)
         except StorageUnavailableError as exc:
             self._release_slot(index)
-            raise self._stage.outgrown(data_bytes, exc) from exc
+            arena = self._outgrow_memory(data_bytes, exc)
+            index = self._acquire_slot(step)
+            try:
+                slot = arena.get(index, data_bytes)
+                slot.lock(exclusive=True)
+            except BaseException:
+                self._release_slot(index)
+                raise
         except BaseException:
             self._release_slot(index)
             raise
@@ -412,9 +450,31 @@ class Checkpointer:
                 st.released = True
                 if st.slot >= 0:
                     self._slot_busy[st.slot] = False
+            stale = (self._stale_memory_copies(step, st.slot)
+                     if msg.get("op") == "tier" and msg.get("tier") == "memory" and msg.get("ok") and st else [])
             self._lock.notify_all()
+        for paths in stale:
+            try:
+                os.unlink(paths.manifest)  # no longer a memory-tier copy; the slot is reused by a later save
+            except FileNotFoundError:
+                pass
         if msg.get("op") == "tier" and not msg.get("ok"):
             self.events.storage_failed(msg.get("tier", "?"), step, msg.get("error", ""), int(msg.get("errno", 0)))
+
+    def _stale_memory_copies(self, step: int, slot: int) -> list[Any]:
+        """Slots (paths) whose memory copies fall outside ``memory.keep`` now that ``step`` is in memory.
+
+        The arena has ``keep + 1`` slots so a save never overwrites a copy being persisted; without this the
+        memory tier would list ``keep + 1`` steps. Only idle slots holding older steps are trimmed. Caller holds
+        ``self._lock``.
+        """
+        arena = self._stage.arena
+        if arena is None or self._stage.kind != "memory" or slot < 0:
+            return []
+        older = sorted((i for i, s in enumerate(self._slot_step)
+                        if i != slot and 0 <= s < step and not self._slot_busy[i]),
+                       key=lambda i: self._slot_step[i], reverse=True)
+        return [arena.paths(i) for i in older[max(0, self.config.memory.keep - 1):]]
 
     def _acquire_slot(self, step: int) -> int:
         """Picks a free slot holding the oldest step; waits while every slot is being persisted.
@@ -518,7 +578,8 @@ class Checkpointer:
     def _committed_by_tier(self) -> list[tuple[str, list[tuple[int, int]]]]:
         out: list[tuple[str, list[tuple[int, int]]]] = []
         if self.config.memory.enabled:
-            out.append(("memory", arena_mod.memory_committed(self.config.memory.directory, self.job)))
+            out.append(("memory", arena_mod.memory_committed(self.config.memory.directory, self.job,
+                                                                  self.config.location)))
         if self.disk is not None:
             out.append(("disk", self.disk.committed_steps()))
         if self.config.remote_url:
@@ -643,7 +704,8 @@ class Checkpointer:
 
     def _memory_copy(self, step: int, rank: int) -> Any:
         if self._memory_listing is None:
-            self._memory_listing = arena_mod.memory_manifests(self.config.memory.directory, self.job)
+            self._memory_listing = arena_mod.memory_manifests(self.config.memory.directory, self.job,
+                                                              self.config.location)
         return self._memory_listing.get(step, {}).get(rank)
 
     def _read_manifest(self, tier: str, step: int, rank: int, where: str) -> Manifest:

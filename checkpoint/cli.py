@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
@@ -36,9 +37,9 @@ def register(subparsers: Any) -> None:
     q.add_argument("--step", type=int, default=None)
     q.set_defaults(handler=_verify)
 
-    q = sub.add_parser("gc", help="keep the newest K committed steps, delete older and torn ones")
+    q = sub.add_parser("gc", help="keep the newest K committed steps that verify, delete older and torn ones")
     common(q)
-    q.add_argument("--keep", type=int, required=True, help="committed steps to keep (>= 1)")
+    q.add_argument("--keep", type=int, required=True, help="committed steps that verify to keep (>= 1); corrupt steps do not count")
     q.add_argument("--shm", default=None, help="also delete this job's shared-memory arena under this root")
     q.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     q.set_defaults(handler=_gc)
@@ -55,8 +56,9 @@ def register(subparsers: Any) -> None:
     q.add_argument("directory", help="checkpoint root (local path) to import into")
     q.add_argument("--job", required=True, help="job name to import under")
     q.add_argument("--step", type=int, default=None, help="step number (default: the exported step, else 0)")
-    q.add_argument("--world-size", type=int, default=1,
-                   help="ranks to shard a DCP checkpoint over (dim 0, like FSDP2); any world size restores it")
+    q.add_argument("--world-size", type=int, default=None,
+                   help="ranks to shard a DCP checkpoint over (dim 0, like FSDP2; default 1); any world size "
+                        "restores it. A `ckpt export` directory keeps its saved world size (another is refused)")
     q.set_defaults(handler=_import)
 
 
@@ -180,43 +182,85 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def gc_plan(store: Any, keep: int) -> list[int]:
-    """The steps ``ckpt gc --keep KEEP`` deletes, without deleting them (what ``StepStore.retain`` removes, plus
-    torn steps older than the newest commit).
+def _step_problem(store: Any, step: int, world_size: int) -> str | None:
+    """Why committed ``step`` does not verify (first failing rank), or None when every rank's copy verifies."""
+    for rank in range(world_size):
+        try:
+            with _open_rank(store, step, rank) as copy:
+                copy.verify()
+        except (CorruptCheckpointError, OSError) as exc:
+            return f"rank {rank}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    return None
+
+
+@dataclass
+class GcPlan:
+    """What ``ckpt gc --keep K`` keeps and deletes.
+
+    Attributes:
+        remove: steps to delete, ascending.
+        kept: ``(step, why)`` of every committed step kept, newest first.
+    """
+
+    remove: list[int]
+    kept: list[tuple[int, str]]
+
+
+def gc_plan(store: Any, keep: int) -> GcPlan:
+    """Plans ``ckpt gc --keep KEEP`` without deleting anything.
+
+    Only steps that verify count toward ``keep`` (a corrupt newest step must not push out the valid ones): the
+    committed steps are verified newest first until ``keep`` of them pass. Everything older than the oldest
+    kept valid step goes, and torn steps older than the newest commit; corrupt steps newer than that are kept
+    (not counted) for inspection. With no step that verifies nothing is deleted.
 
     Args:
         store: the job's step store.
-        keep: committed steps to keep (>= 1).
-
-    Returns:
-        The steps, ascending.
+        keep: steps that verify to keep (>= 1).
     """
-    complete = sorted(s for s, _ in store.committed_steps())
-    newest = complete[-1] if complete else -1
-    oldest_kept = complete[-keep] if len(complete) > keep else None
-    return sorted(s for s in store.list_steps()
-                  if (oldest_kept is not None and s < oldest_kept) or (s not in complete and s < newest))
+    committed = sorted(store.committed_steps(), reverse=True)
+    kept: list[tuple[int, str]] = []
+    valid = 0
+    oldest_kept: int | None = None
+    for step, ws in committed:
+        if valid == keep:
+            break
+        problem = _step_problem(store, step, ws)
+        if problem is None:
+            valid += 1
+            oldest_kept = step
+            kept.append((step, f"verifies ({valid} of {keep} kept by --keep)"))
+        else:
+            kept.append((step, f"CORRUPT, not counted toward --keep ({problem})"))
+    if oldest_kept is None:
+        return GcPlan([], kept)
+    complete = {s for s, _ in committed}
+    newest = committed[0][0]
+    # Torn leftovers older than the newest commit (a crashed save) go too; newer ones may still be in progress.
+    remove = sorted(s for s in store.list_steps()
+                    if s < oldest_kept or (s not in complete and s < newest))
+    return GcPlan(remove, kept)
 
 
 def _gc(args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise CheckpointError("--keep must be >= 1")
     store = _store(args.directory, args.job)
-    if getattr(args, "dry_run", False):
-        plan = gc_plan(store, args.keep)
-        print(f"would remove {len(plan)} step(s): {plan}" if plan else "nothing to remove")
+    plan = gc_plan(store, args.keep)
+    dry = getattr(args, "dry_run", False)
+    for step, why in plan.kept:
+        print(f"{'would keep' if dry else 'kept'} step {step}: {why}")
+    if plan.kept and not any(why.startswith("verifies") for _, why in plan.kept):
+        print("no committed step verifies; deleting nothing (run `trainguard ckpt verify`)")
+        return 1
+    if dry:
+        print(f"would remove {len(plan.remove)} step(s): {plan.remove}" if plan.remove else "nothing to remove")
         if args.shm:
             print(f"would remove the shared-memory arena under {args.shm}")
         return 0
-    removed = store.retain(args.keep)
-    complete = {s for s, _ in store.committed_steps()}
-    newest = max(complete) if complete else -1
-    # Torn leftovers older than the newest commit (a crashed save) go too; newer ones may still be in progress.
-    for s in store.list_steps():
-        if s not in complete and s < newest:
-            store.remove_step(s)
-            removed.append(s)
-    print(f"removed {len(removed)} step(s): {sorted(set(removed))}" if removed else "nothing to remove")
+    for s in plan.remove:
+        store.remove_step(s)
+    print(f"removed {len(plan.remove)} step(s): {plan.remove}" if plan.remove else "nothing to remove")
     if args.shm:
         from trainguard.checkpoint.arena import remove_job
 

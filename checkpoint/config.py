@@ -178,6 +178,17 @@ class CheckpointConfig:
         return base
 
     @property
+    def location(self) -> str:
+        """Identity of this checkpoint location (absolute real path, or the URL as given).
+
+        The shared-memory tier is keyed by job name only; its copies record this, so a Checkpointer of another
+        directory that shares the job name never restores them.
+        """
+        if is_local_url(self.directory):
+            return os.path.realpath(split_url(self.directory)[1])
+        return self.directory.rstrip("/")
+
+    @property
     def remote_url(self) -> str | None:
         """fsspec URL of the remote tier, or None."""
         if not is_local_url(self.directory):

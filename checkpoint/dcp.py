@@ -154,7 +154,7 @@ def _flat_fqns(prefix: str, tree: Any, keys: list[str]) -> list[str]:
     return [f"{prefix}.{k}" if prefix else k for k in keys]
 
 
-def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world_size: int = 1) -> int:
+def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world_size: int | None = None) -> int:
     """Imports a DCP checkpoint directory as a committed step of the disk tier.
 
     A checkpoint exported by :func:`export_step` from an unsharded step comes back exactly (same ranks, trees,
@@ -166,20 +166,22 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
         src_dir: DCP checkpoint directory.
         root: disk tier directory; job: job name.
         step: step number to store it as (default: the exported step, else 0).
-        world_size: ranks of the written step (each holds a dim-0 shard of every tensor). Default 1.
+        world_size: ranks of the written step (each holds a dim-0 shard of every tensor). Default 1. A trainguard
+            export is written back with the world size it was saved with: another ``world_size`` is refused.
 
     Returns:
         The step written.
 
     Raises:
         CorruptCheckpointError: metadata that would need unsafe unpickling, or unreadable files.
+        CheckpointError: ``world_size`` differs from a trainguard export's.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     if not os.path.isfile(os.path.join(src_dir, ".metadata")):
         raise CheckpointError(f"{src_dir} is not a torch.distributed.checkpoint directory (no .metadata file)")
-    if world_size < 1:
+    if world_size is not None and world_size < 1:
         raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
     reader, planner = _reader_and_planner(src_dir)
     md = reader.read_metadata()
@@ -187,7 +189,7 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
         from trainguard.checkpoint.dcp_sharded import import_sharded
 
         step = 0 if step is None else step
-        import_sharded(src_dir, md, LocalStore(root, job), step, world_size)
+        import_sharded(src_dir, md, LocalStore(root, job), step, world_size or 1)
         return step
     flat: dict[str, Any] = {}
     for fqn, sm in md.state_dict_metadata.items():
@@ -213,6 +215,11 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
         meta = json.loads(meta_raw)
         step = int(meta["step"]) if step is None else step
         ws = int(meta["world_size"])
+        if world_size is not None and world_size != ws:
+            # An export restores exactly as saved (same ranks and trees); resharding it is not implemented.
+            raise CheckpointError(
+                f"--world-size {world_size}: {src_dir} was exported by `trainguard ckpt export` from a step of "
+                f"world size {ws} and is imported as saved; omit --world-size (or pass {ws})")
         for r_str, rm in meta["ranks"].items():
             fqns = _flat_fqns(rm["prefix"], rm["tree"], rm["keys"])
             missing = [f for f in fqns if f not in flat]

@@ -75,6 +75,9 @@ class Manifest:
     format: str = FORMAT
     checksum: str = CHECKSUM_ALGO
     created: float = 0.0
+    #: the checkpoint location (``CheckpointConfig.location``) of the Checkpointer that wrote the copy; a
+    #: memory-tier copy is restored only by a Checkpointer of the same location ("" in older copies).
+    location: str = ""
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> bytes:

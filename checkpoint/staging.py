@@ -97,6 +97,18 @@ class StagingArea:
                     # Another process took the room between the check and the allocation: fall back as well.
                     self.close(remove=False)
                     short = max(1, arena_mod.staging_shortfall(arena.dir, self.nslots, nbytes))
+        return self.fall_back(nbytes, short)
+
+    def fall_back(self, nbytes: int, short: int) -> Arena:
+        """Opens the fallback staging for slots of ``nbytes`` (``short`` bytes missing in the memory directory).
+
+        Warns once and emits the ``checkpoint.staging_fallback`` event. The caller has closed any arena first.
+
+        Raises:
+            ArenaOwnedError: another live process writes this job and rank in the fallback directory.
+            StorageUnavailableError: there is no fallback (no disk tier and ``fallback = "disk"``), or it fails.
+        """
+        shm_root = self.config.memory.directory
         kind, where_dir = self.fallback()
         if where_dir is None:
             raise StorageUnavailableError(

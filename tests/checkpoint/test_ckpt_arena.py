@@ -34,7 +34,11 @@ def test_restarted_worker_overwrites_oldest_slot_first(make_config):
     with Checkpointer(cfg, job="order") as ck:  # a successor finds the slots with their step tags
         ck.save({"w": torch.full((10,), 3.0)}, 3)
         assert ck.wait(3, timeout=30)
-        assert sorted(arena_mod.memory_manifests(cfg.memory.directory, "order")) == [2, 3]
+        # Step 1 sat in slot 0 (the first free one), step 2 in slot 1: the successor reuses slot 0. Slot 1 keeps
+        # its bytes and tag, but with memory.keep = 1 it stops being listed once step 3 is in memory.
+        tags = [arena_mod.read_tag(ck.arena.paths(i)) for i in range(2)]
+        assert tags == ["3", "2"]
+        assert sorted(arena_mod.memory_manifests(cfg.memory.directory, "order")) == [3]
     arena_mod.remove_job(cfg.memory.directory, "order")
 
 
