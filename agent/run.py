@@ -92,7 +92,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         _check_checkpoint_dir(args.checkpoint_dir)
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
-    job = rdzv.job or f"{os.path.splitext(os.path.basename(args.script))[0]}-{int(time.time())}"
+    job = rdzv.job or tr.default_job_name(args.script, rdzv, time.time())
     from trainguard.recovery.errors import InvalidRequestError
     from trainguard.recovery.straggler import StragglerConfig
 

@@ -13,7 +13,9 @@ which forms every generation's rank table. The mapping (see :func:`resolve_rende
   free loopback port.
 - ``--nnodes MIN:MAX``: the job starts when MIN nodes have registered; a lost node is replaced by one of the
   nodes beyond MIN that wait as standbys, or the job shrinks, never below MIN.
-- ``--rdzv-id``: the job name.
+- ``--rdzv-id``: the job name. Without it (and without ``--job``) a multi-node job is named after the script and
+  the rendezvous port (``train-29500``), the same on every node, as torchrun's constant default id is; a one-node
+  job adds the start time, so successive runs do not share a name.
 
 The workers' store is not the rendezvous: every generation gets a new one (see :mod:`trainguard.agent.worker_store`).
 """
@@ -65,6 +67,8 @@ class Rendezvous:
         multi_node: the job may span more than one node.
         join_if_taken: when the embedded coordinator cannot listen (another agent on this host got there
             first), join the one at ``listen`` instead (torchrun's c10d backend does the same).
+        endpoint: the rendezvous endpoint every node of the job names (``--rdzv-endpoint``,
+            ``--master-addr:--master-port`` or ``--coordinator``); empty for a one-node job on a free port.
     """
 
     coordinator: str | None
@@ -76,6 +80,21 @@ class Rendezvous:
     multi_node: bool = False
     conf: dict[str, str] = field(default_factory=dict)
     join_if_taken: bool = False
+    endpoint: str = ""
+
+
+def default_job_name(script: str, rdzv: Rendezvous, now: float) -> str:
+    """The job name when neither ``--job`` nor ``--rdzv-id`` is given.
+
+    A multi-node job needs the same name on every node, whenever each starts: the script's name plus the
+    rendezvous port (torchrun's default rendezvous id is the constant ``none``; the port keeps two jobs of one
+    script on different endpoints apart). A one-node job adds the start time ``now``.
+    """
+    stem = os.path.splitext(os.path.basename(script.rstrip("/")))[0] or "job"
+    if rdzv.multi_node and rdzv.endpoint:
+        _, port = split_endpoint(rdzv.endpoint, 0, "--rdzv-endpoint")
+        return f"{stem}-{port}"
+    return f"{stem}-{int(now)}"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -250,7 +269,8 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
         split_endpoint(args.coordinator, 0, "--coordinator")
         if args.standalone:
             raise UsageError("--standalone embeds a coordinator; it cannot be combined with --coordinator")
-        return Rendezvous(coordinator=args.coordinator, listen="", **{**common, "multi_node": True})
+        return Rendezvous(coordinator=args.coordinator, listen="", endpoint=args.coordinator,
+                          **{**common, "multi_node": True})
     if args.standalone:
         if hi > 1:
             raise UsageError(f"--standalone is for one node; drop --nnodes {args.nnodes} or use --rdzv-endpoint")
@@ -260,6 +280,7 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
     if backend == "c10d" and args.rdzv_endpoint:
         host, port = split_endpoint(args.rdzv_endpoint, C10D_DEFAULT_PORT, "--rdzv-endpoint")
         target = join_endpoint(host, port)
+        common["endpoint"] = target
         is_host = _conf_bool(conf, "is_host")
         if is_host is None:
             # torchrun's c10d backend: the agent on the endpoint's host serves; a second agent on that host
@@ -277,6 +298,7 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
         if not 0 < port <= 65535:
             raise UsageError(f"--master-port {port}: expected 1..65535")
         target = join_endpoint(args.master_addr, port)
+        common["endpoint"] = target
         if args.node_rank < 0 or args.node_rank >= hi:
             raise UsageError(f"--node-rank {args.node_rank}: expected 0..{hi - 1} for --nnodes {args.nnodes}")
         if args.node_rank == 0:

@@ -215,3 +215,46 @@ def test_two_nodes_through_a_c10d_endpoint_like_torchrun(tmp_path: Path, tg_env:
     # default, and the one given --local-addr 127.0.0.1.
     assert "coordinator at loopback" in errs[0] and "pass --local-addr" in errs[0], errs[0][-2000:]
     assert "--address/--local-addr 127.0.0.1 is a loopback address" in errs[1], errs[1][-2000:]
+
+
+def _staggered_nodes(line: list[str], per_node: list[list[str]], out: Path, env: dict,
+                     delay_s: float = 1.5) -> list[str]:
+    """Starts one `trainguard run` per entry of ``per_node`` (``line`` plus that entry), each ``delay_s`` after the
+    previous one (nodes of a real job never start in the same second), and returns their stderr; every node
+    must succeed."""
+    import time
+
+    out.mkdir()
+    procs = []
+    try:
+        for extra in per_node:
+            if procs:
+                time.sleep(delay_s)
+            procs.append(subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", *line, *extra,
+                                           str(SCRIPTS / "dump_env.py"), str(out)], env=env, cwd=REPO,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                          start_new_session=True))
+        errs = []
+        for p in reversed(procs):  # the last node fails first when it cannot join
+            _, err = p.communicate(timeout=120)
+            errs.insert(0, err)
+            assert p.returncode == 0, err[-3000:]
+        return errs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+
+
+def test_static_nodes_without_rdzv_id_agree_on_the_job_name(tmp_path: Path, tg_env: dict) -> None:
+    """A torchrun line with no --rdzv-id: node 1 starts a second and a half after node 0 and still joins its job
+    (the default job name is the same on every node, not stamped with each node's start time)."""
+    port = _port()
+    line = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+            "--max-restarts", "0"]
+    _staggered_nodes(line, [["--node-rank", "0", "--node-id", "sa"], ["--node-rank", "1", "--node-id", "sb"]],
+                     tmp_path / "out", tg_env)
+    envs = {int(f.stem[3:]): json.loads(f.read_text()) for f in (tmp_path / "out").glob("env*.json")}
+    assert sorted(envs) == [0, 1]
+    assert envs[0]["TORCHELASTIC_RUN_ID"] == envs[1]["TORCHELASTIC_RUN_ID"] == f"dump_env-{port}"
