@@ -69,6 +69,7 @@ class Rendezvous:
             first), join the one at ``listen`` instead (torchrun's c10d backend does the same).
         endpoint: the rendezvous endpoint every node of the job names (``--rdzv-endpoint``,
             ``--master-addr:--master-port`` or ``--coordinator``); empty for a one-node job on a free port.
+        static_rank: ``--node-rank`` of a multi-node static rendezvous (None otherwise).
     """
 
     coordinator: str | None
@@ -81,6 +82,31 @@ class Rendezvous:
     conf: dict[str, str] = field(default_factory=dict)
     join_if_taken: bool = False
     endpoint: str = ""
+    static_rank: int | None = None
+
+
+def default_node_id(rdzv: Rendezvous, joining: str | None, hostname: str, pid: int) -> str:
+    """The node id when ``--node-id`` is not given; ``joining`` is the coordinator this agent joins (None when
+    it embeds it).
+
+    Several agents of one multi-node job may run on one host, and the coordinator takes a second agent with an
+    id it knows for a restart of the first (it takes the slot over). So the id is unique per agent there:
+
+    - static rendezvous with more than one node: ``HOST-rRANK`` (``--node-rank`` is unique and stable, so a
+      restarted agent keeps its slot);
+    - an agent joining a coordinator on its own host (the c10d agent that found the endpoint taken, or
+      ``--coordinator`` at a local address): ``HOST-pPID`` (a restarted agent is a new node; its old slot goes
+      when the lease ends; give ``--node-id`` to keep it);
+    - otherwise (the agent that embeds the coordinator, one per host by its port; an agent joining another
+      host): the host name, stable across restarts.
+    """
+    if rdzv.static_rank is not None:
+        return f"{hostname}-r{rdzv.static_rank}"
+    if joining is not None:
+        host, _ = split_endpoint(joining, 0, "--coordinator")
+        if is_local_host(host.strip("[]")):
+            return f"{hostname}-p{pid}"
+    return hostname
 
 
 def default_job_name(script: str, rdzv: Rendezvous, now: float) -> str:
@@ -299,6 +325,7 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
             raise UsageError(f"--master-port {port}: expected 1..65535")
         target = join_endpoint(args.master_addr, port)
         common["endpoint"] = target
+        common["static_rank"] = args.node_rank
         if args.node_rank < 0 or args.node_rank >= hi:
             raise UsageError(f"--node-rank {args.node_rank}: expected 0..{hi - 1} for --nnodes {args.nnodes}")
         if args.node_rank == 0:

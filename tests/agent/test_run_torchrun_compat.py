@@ -218,7 +218,7 @@ def test_two_nodes_through_a_c10d_endpoint_like_torchrun(tmp_path: Path, tg_env:
 
 
 def _staggered_nodes(line: list[str], per_node: list[list[str]], out: Path, env: dict,
-                     delay_s: float = 1.5) -> list[str]:
+                     delay_s: float = 1.5, last_fails_first: bool = True) -> list[str]:
     """Starts one `trainguard run` per entry of ``per_node`` (``line`` plus that entry), each ``delay_s`` after the
     previous one (nodes of a real job never start in the same second), and returns their stderr; every node
     must succeed."""
@@ -235,11 +235,13 @@ def _staggered_nodes(line: list[str], per_node: list[list[str]], out: Path, env:
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                           start_new_session=True))
         errs = []
-        for p in reversed(procs):  # the last node fails first when it cannot join
+        order = list(reversed(procs)) if last_fails_first else procs  # wait first for the one that would fail
+        errs = {}
+        for p in order:
             _, err = p.communicate(timeout=120)
-            errs.insert(0, err)
+            errs[p.pid] = err
             assert p.returncode == 0, err[-3000:]
-        return errs
+        return [errs[p.pid] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -258,3 +260,35 @@ def test_static_nodes_without_rdzv_id_agree_on_the_job_name(tmp_path: Path, tg_e
     envs = {int(f.stem[3:]): json.loads(f.read_text()) for f in (tmp_path / "out").glob("env*.json")}
     assert sorted(envs) == [0, 1]
     assert envs[0]["TORCHELASTIC_RUN_ID"] == envs[1]["TORCHELASTIC_RUN_ID"] == f"dump_env-{port}"
+
+
+def test_two_c10d_agents_on_one_host_without_node_id(tmp_path: Path, tg_env: dict) -> None:
+    """The README's "two agents on one host: the second joins" with torchrun's line unchanged (no --node-id):
+    the agent that finds the endpoint taken joins under its own node id instead of taking over the first
+    agent's slot (which ended the first agent, and the coordinator it embeds, with ALREADY_EXISTS)."""
+    line = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{_port()}", "--rdzv-id", "twoag", "--max-restarts", "0"]
+    _staggered_nodes(line, [[], []], tmp_path / "out", tg_env, delay_s=1.0, last_fails_first=False)
+    envs = {int(f.stem[3:]): json.loads(f.read_text()) for f in (tmp_path / "out").glob("env*.json")}
+    assert sorted(envs) == [0, 1] and {e["dist_world"] for e in envs.values()} == {2}
+
+
+def test_default_node_ids_are_unique_per_agent_where_agents_share_a_host() -> None:
+    from trainguard.agent.run_torchrun import Rendezvous, default_node_id
+
+    def rdzv(**kw) -> Rendezvous:
+        return Rendezvous(coordinator=None, listen="127.0.0.1:0", min_nodes=2, max_nodes=2, job="j",
+                          multi_node=True, **kw)
+
+    # Static rendezvous: the node rank tells the agents apart and survives a restart of the agent.
+    assert default_node_id(rdzv(static_rank=0), None, "vm", 11) == "vm-r0"
+    assert default_node_id(rdzv(static_rank=1), "127.0.0.1:29500", "vm", 12) == "vm-r1"
+    # c10d: the embedding agent keeps the host name; one joining it on the same host gets its pid.
+    assert default_node_id(rdzv(), None, "vm", 11) == "vm"
+    assert default_node_id(rdzv(), "127.0.0.1:29400", "vm", 12) == "vm-p12"
+    assert default_node_id(rdzv(), "localhost:29400", "vm", 13) == "vm-p13"
+    # Joining another host's coordinator (TEST-NET address, never local): the host name, stable.
+    assert default_node_id(rdzv(), "192.0.2.7:29400", "vm", 12) == "vm"
+    # One node: the host name.
+    one = Rendezvous(coordinator=None, listen="127.0.0.1:0", min_nodes=1, max_nodes=1, job=None)
+    assert default_node_id(one, None, "vm", 11) == "vm"
