@@ -134,6 +134,9 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     (["--signals-to-handle", "SIGTERM,SIGFOO"], ["--signals-to-handle", "SIGFOO"]),
     (["--no-python", "-m"], ["--no-python", "--module"]),
     (["--nnodes", "2", "--node-rank", "5"], ["--node-rank 5", "0..1"]),
+    (["--node-rank", "-1"], ["--node-rank -1", ">= 0"]),
+    (["--master-port", "99999"], ["--master-port 99999", "1..65535"]),
+    (["--rdzv-backend", "c10d", "--rdzv-conf", "is_host=maybe"], ["--rdzv-conf is_host='maybe'", "true or false"]),
     (["--monitor-interval", "0"], ["--monitor-interval", "> 0"]),
     (["--start-method", "thread"], ["--start-method", "invalid choice"]),
 ])
@@ -292,3 +295,22 @@ def test_default_node_ids_are_unique_per_agent_where_agents_share_a_host() -> No
     # One node: the host name.
     one = Rendezvous(coordinator=None, listen="127.0.0.1:0", min_nodes=1, max_nodes=1, job=None)
     assert default_node_id(one, None, "vm", 11) == "vm"
+
+
+@pytest.mark.parametrize("flags,warned", [
+    ([], False),  # one node joining a coordinator on this host: 127.0.0.1 is the right address
+    (["--nnodes", "2"], True),  # a multi-node job whose coordinator is at loopback: other hosts cannot join
+])
+def test_loopback_warning_only_for_a_real_multi_node_job(caplog, flags: list[str], warned: bool) -> None:
+    import argparse
+    import logging
+
+    from trainguard.agent.run_args import add_run_arguments
+    from trainguard.agent.run_torchrun import default_address, resolve_rendezvous
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    args = parser.parse_args(["--coordinator", "127.0.0.1:29400", *flags, PRINT_ENV])
+    with caplog.at_level(logging.WARNING, logger="trainguard.agent.run_torchrun"):
+        assert default_address(resolve_rendezvous(args), None) == "127.0.0.1"
+    assert ("coordinator at loopback" in caplog.text) is warned, caplog.text
