@@ -113,8 +113,9 @@ def default_job_name(script: str, rdzv: Rendezvous, now: float) -> str:
     """The job name when neither ``--job`` nor ``--rdzv-id`` is given.
 
     A job with a rendezvous endpoint (every multi-node one) needs the same name on every node, whenever each
-    starts: the script's name plus the rendezvous port (torchrun's default rendezvous id is the constant ``none``; the port keeps two jobs of one
-    script on different endpoints apart). A one-node job on a free port adds the start time ``now``.
+    starts: the script's name plus the rendezvous port (torchrun's default rendezvous id is the constant
+    ``none``; the port keeps two jobs of one script on different endpoints apart). A one-node job on a free port
+    adds the start time ``now``.
     """
     stem = os.path.splitext(os.path.basename(script.rstrip("/")))[0] or "job"
     if rdzv.endpoint:
