@@ -78,7 +78,9 @@ class NodeConfig:
         max_restarts: restart budget, exported to workers as TORCHELASTIC_MAX_RESTARTS.
         socket_path: unix socket of the local NodeAgent service.
         log_dir: per-rank worker logs; None inherits the agent's stdout/stderr.
-        coordinator_patience_s: how long the coordinator may be unreachable at registration, in seconds.
+        coordinator_patience_s: how long the coordinator may be unreachable at registration, in seconds; also how
+            long it may stay unreachable while this node runs no workers (running workers keep running through
+            any outage, waiting for a restarted coordinator).
         stop_grace_s: SIGTERM-to-SIGKILL grace when stopping workers, in seconds.
         extra_env: more variables for every worker.
         standby: keep one warm standby process per local rank, so a restart skips interpreter start-up and
@@ -191,6 +193,7 @@ class NodeAgent:
         self._channel: grpc.Channel | None = None
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
         self._lease = ""
+        self._unreachable_since: float | None = None  # first failed heartbeat of the current outage
         self._interval = 0.5
         self._wake = threading.Event()
         self._restart_count = 0
@@ -464,8 +467,15 @@ class NodeAgent:
                 timings=self.timing.drain(),
             )
         try:
-            return self._stub.Heartbeat(req, timeout=_RPC_TIMEOUT_S)
+            resp = self._stub.Heartbeat(req, timeout=_RPC_TIMEOUT_S)
+            self._unreachable_since = None
+            return resp
         except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if self._unreachable_since is None:
+                    self._unreachable_since = time.monotonic()
+            else:
+                self._unreachable_since = None
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 log.warning("coordinator forgot this node (%s); registering again", exc.details())
                 self._register(self.config.coordinator_patience_s)
@@ -634,7 +644,8 @@ class NodeAgent:
             0 when the job succeeded; 1 when it failed; 130 when stopped by a signal.
 
         Raises:
-            CoordinatorUnavailableError: registration failed.
+            CoordinatorUnavailableError: registration failed, or the coordinator stayed unreachable for
+                ``coordinator_patience_s`` while this node ran no workers.
         """
         if self.config.host_store:
             from trainguard.agent.worker_store import preload
@@ -667,6 +678,8 @@ class NodeAgent:
                         done = self._obey(resp)
                         if done is not None:
                             return done
+                    else:
+                        self._give_up_if_coordinator_gone(now)
                 self._wake.wait(self.config.poll_s)
                 self._wake.clear()
             return 130
@@ -678,6 +691,27 @@ class NodeAgent:
             self._channel.close()
             self.stopping = True
             self._resources.cleanup()
+
+    def _give_up_if_coordinator_gone(self, now: float) -> None:
+        """Ends an agent that has no running workers and has not reached its coordinator for
+        ``coordinator_patience_s`` (``--rdzv-conf join_timeout``): with nothing to keep alive it would otherwise
+        heartbeat into a coordinator that is gone, forever. Running workers are never stopped for an outage
+        (a restarted coordinator picks the job up again).
+
+        Raises:
+            CoordinatorUnavailableError: the bound passed.
+        """
+        since = self._unreachable_since
+        if since is None or now - since < self.config.coordinator_patience_s:
+            return
+        with self._lock:
+            running = self._group.running() if self._group is not None else 0
+        if running:
+            return
+        raise CoordinatorUnavailableError(
+            f"coordinator {self.config.coordinator} unreachable for {now - since:.0f}s with no workers running "
+            f"on this node (the bound is {self.config.coordinator_patience_s:.0f}s, --rdzv-conf join_timeout); "
+            "check that it runs, then start this node again")
 
     def _start_detectors(self) -> None:
         if not self.config.detectors:

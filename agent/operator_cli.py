@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
 
 from trainguard.agent.config import SOCKET_ENV
 from trainguard.agent.errors import AgentError
@@ -223,8 +224,46 @@ def render_failslow(f: common_pb2.FailSlowStatus) -> list[str]:
     return lines + [""] if lines else lines
 
 
+_INT64 = (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64)
+
+
+def _int64_as_numbers(message: Any, doc: dict) -> None:
+    """Turns the strings protobuf's JSON mapping gives 64-bit integers (``"step": "215"``) back into numbers, in
+    place, walking ``message``'s descriptor (nested messages, repeated fields and map values too); scripts read
+    ``w["step"] + 1``, and Python's JSON has no 53-bit limit to protect."""
+    for field in message.DESCRIPTOR.fields:
+        if field.name not in doc:
+            continue
+        value, sub = doc[field.name], getattr(message, field.name)
+        kind = field.message_type
+        if kind is not None and kind.GetOptions().map_entry:
+            kfield, vfield = kind.fields_by_name["key"], kind.fields_by_name["value"]
+            for key in value:
+                if vfield.message_type is not None and not vfield.message_type.full_name.startswith("google."):
+                    native_key = key if kfield.cpp_type == FieldDescriptor.CPPTYPE_STRING else \
+                        (key == "true" if kfield.cpp_type == FieldDescriptor.CPPTYPE_BOOL else int(key))
+                    _int64_as_numbers(sub[native_key], value[key])
+                elif vfield.cpp_type in _INT64:
+                    value[key] = int(value[key])
+        elif kind is not None:
+            if kind.full_name.startswith("google."):
+                continue  # well-known types (Timestamp, Duration, Struct) keep their JSON forms
+            if field.is_repeated:
+                for m, d in zip(sub, value):
+                    _int64_as_numbers(m, d)
+            else:
+                _int64_as_numbers(sub, value)
+        elif field.cpp_type in _INT64:
+            doc[field.name] = [int(v) for v in value] if field.is_repeated else int(value)
+
+
 def _to_json(message: Any) -> dict:
-    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+    """``message`` as a JSON-ready dict: every field (zero values too, so rank 0 has ``rank``), proto field
+    names, and 64-bit integers as numbers."""
+    doc = json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                    always_print_fields_with_no_presence=True)
+    _int64_as_numbers(message, doc)
+    return doc
 
 
 def format_event(e: common_pb2.HealthEvent, as_json: bool) -> str:

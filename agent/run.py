@@ -92,7 +92,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         _check_checkpoint_dir(args.checkpoint_dir)
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
-    job = rdzv.job or f"{os.path.splitext(os.path.basename(args.script))[0]}-{int(time.time())}"
+    job = rdzv.job or tr.default_job_name(args.script, rdzv, time.time())
     from trainguard.recovery.errors import InvalidRequestError
     from trainguard.recovery.straggler import StragglerConfig
 
@@ -148,7 +148,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
         coordinator=coordinator,
         argv=argv,
         nproc_per_node=nproc,
-        node_id=args.node_id or socket.gethostname(),
+        node_id=args.node_id or tr.default_node_id(rdzv, None if server is not None else coordinator,
+                                                   socket.gethostname(), os.getpid()),
         pod_id=args.pod,
         node_index=args.node_index if args.node_index is not None else args.node_rank,
         host=args.host or socket.gethostname(),

@@ -158,7 +158,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="join this coordinator instead of embedding one")
     g.add_argument("--coordinator-listen", default=None, metavar="HOST:PORT",
                    help="where the embedded coordinator listens (default 127.0.0.1:0, or the rendezvous address)")
-    g.add_argument("--node-id", default=None, help="stable node identity (default: host name)")
+    g.add_argument("--node-id", default=None,
+                   help="stable node identity (default: host name; HOST-rRANK with a multi-node static rendezvous, "
+                        "HOST-pPID when joining a coordinator on this host)")
     g.add_argument("--pod", default="", help="pod / supernode id of this node")
     g.add_argument("--node-index", type=int, default=None,
                    help="index of this node inside its pod (default: --node-rank)")

@@ -13,7 +13,9 @@ which forms every generation's rank table. The mapping (see :func:`resolve_rende
   free loopback port.
 - ``--nnodes MIN:MAX``: the job starts when MIN nodes have registered; a lost node is replaced by one of the
   nodes beyond MIN that wait as standbys, or the job shrinks, never below MIN.
-- ``--rdzv-id``: the job name.
+- ``--rdzv-id``: the job name. Without it (and without ``--job``) a job with a rendezvous endpoint (every
+  multi-node one) is named after the script and the endpoint's port (``train-29500``), the same on every node, as
+  torchrun's constant default id is; a one-node job on a free port adds the start time instead.
 
 The workers' store is not the rendezvous: every generation gets a new one (see :mod:`trainguard.agent.worker_store`).
 """
@@ -65,6 +67,9 @@ class Rendezvous:
         multi_node: the job may span more than one node.
         join_if_taken: when the embedded coordinator cannot listen (another agent on this host got there
             first), join the one at ``listen`` instead (torchrun's c10d backend does the same).
+        endpoint: the rendezvous endpoint every node of the job names (``--rdzv-endpoint``,
+            ``--master-addr:--master-port`` or ``--coordinator``); empty for a one-node job on a free port.
+        static_rank: ``--node-rank`` of a multi-node static rendezvous (None otherwise).
     """
 
     coordinator: str | None
@@ -76,6 +81,47 @@ class Rendezvous:
     multi_node: bool = False
     conf: dict[str, str] = field(default_factory=dict)
     join_if_taken: bool = False
+    endpoint: str = ""
+    static_rank: int | None = None
+
+
+def default_node_id(rdzv: Rendezvous, joining: str | None, hostname: str, pid: int) -> str:
+    """The node id when ``--node-id`` is not given; ``joining`` is the coordinator this agent joins (None when
+    it embeds it).
+
+    Several agents of one multi-node job may run on one host, and the coordinator takes a second agent with an
+    id it knows for a restart of the first (it takes the slot over). So the id is unique per agent there:
+
+    - static rendezvous with more than one node: ``HOST-rRANK`` (``--node-rank`` is unique and stable, so a
+      restarted agent keeps its slot);
+    - an agent joining a coordinator on its own host (the c10d agent that found the endpoint taken, or
+      ``--coordinator`` at a local address): ``HOST-pPID`` (a restarted agent is a new node; its old slot goes
+      when the lease ends; give ``--node-id`` to keep it);
+    - otherwise (the agent that embeds the coordinator, one per host by its port; an agent joining another
+      host): the host name, stable across restarts.
+    """
+    if rdzv.static_rank is not None:
+        return f"{hostname}-r{rdzv.static_rank}"
+    if joining is not None:
+        host, _ = split_endpoint(joining, 0, "--coordinator")
+        if is_local_host(host.strip("[]")):
+            return f"{hostname}-p{pid}"
+    return hostname
+
+
+def default_job_name(script: str, rdzv: Rendezvous, now: float) -> str:
+    """The job name when neither ``--job`` nor ``--rdzv-id`` is given.
+
+    A job with a rendezvous endpoint (every multi-node one) needs the same name on every node, whenever each
+    starts: the script's name plus the rendezvous port (torchrun's default rendezvous id is the constant
+    ``none``; the port keeps two jobs of one script on different endpoints apart). A one-node job on a free port
+    adds the start time ``now``.
+    """
+    stem = os.path.splitext(os.path.basename(script.rstrip("/")))[0] or "job"
+    if rdzv.endpoint:
+        _, port = split_endpoint(rdzv.endpoint, 0, "--rdzv-endpoint")
+        return f"{stem}-{port}"
+    return f"{stem}-{int(now)}"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -238,6 +284,11 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
     conf = parse_rdzv_conf(args.rdzv_conf)
     join_timeout = _conf_seconds(conf, "join_timeout", 60.0)
     job = args.job or args.rdzv_id
+    is_host = _conf_bool(conf, "is_host")  # checked whether or not the backend reads it
+    if args.node_rank < 0:
+        raise UsageError(f"--node-rank {args.node_rank}: expected >= 0")
+    if args.master_port is not None and not 0 < args.master_port <= 65535:
+        raise UsageError(f"--master-port {args.master_port}: expected 1..65535")
     backend = str(args.rdzv_backend).lower().replace("_", "-")
     if backend in _ETCD_BACKENDS:
         raise UsageError(f"--rdzv-backend {args.rdzv_backend}: trainguard's coordinator replaces the etcd rendezvous;"
@@ -247,10 +298,13 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
     common = dict(min_nodes=lo, max_nodes=hi, job=job, join_timeout_s=join_timeout, multi_node=hi > 1, conf=conf)
     listen_flag = args.coordinator_listen
     if args.coordinator:
-        split_endpoint(args.coordinator, 0, "--coordinator")
         if args.standalone:
             raise UsageError("--standalone embeds a coordinator; it cannot be combined with --coordinator")
-        return Rendezvous(coordinator=args.coordinator, listen="", **{**common, "multi_node": True})
+        # Without --nnodes the job may still span nodes (the coordinator knows its size), unless the coordinator
+        # is at a loopback address: then every node of the job is on this host and 127.0.0.1 reaches them all.
+        host, _ = split_endpoint(args.coordinator, 0, "--coordinator")
+        return Rendezvous(coordinator=args.coordinator, listen="", endpoint=args.coordinator,
+                          **{**common, "multi_node": hi > 1 or not is_loopback(host)})
     if args.standalone:
         if hi > 1:
             raise UsageError(f"--standalone is for one node; drop --nnodes {args.nnodes} or use --rdzv-endpoint")
@@ -260,7 +314,7 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
     if backend == "c10d" and args.rdzv_endpoint:
         host, port = split_endpoint(args.rdzv_endpoint, C10D_DEFAULT_PORT, "--rdzv-endpoint")
         target = join_endpoint(host, port)
-        is_host = _conf_bool(conf, "is_host")
+        common["endpoint"] = target
         if is_host is None:
             # torchrun's c10d backend: the agent on the endpoint's host serves; a second agent on that host
             # finds the port taken and joins (also when both tried at once: join_if_taken).
@@ -274,10 +328,10 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
         raise UsageError("--rdzv-backend c10d with more than one node needs --rdzv-endpoint HOST:PORT")
     if hi > 1:
         port = args.master_port if args.master_port is not None else STATIC_DEFAULT_PORT
-        if not 0 < port <= 65535:
-            raise UsageError(f"--master-port {port}: expected 1..65535")
         target = join_endpoint(args.master_addr, port)
-        if args.node_rank < 0 or args.node_rank >= hi:
+        common["endpoint"] = target
+        common["static_rank"] = args.node_rank
+        if args.node_rank >= hi:
             raise UsageError(f"--node-rank {args.node_rank}: expected 0..{hi - 1} for --nnodes {args.nnodes}")
         if args.node_rank == 0:
             return Rendezvous(coordinator=None, listen=listen_flag or target, **common)

@@ -151,3 +151,38 @@ def test_run_speaks_sd_notify_and_stops_gracefully(tmp_path: Path, tg_env: dict)
             proc.wait()
         sock.close()
     # Workers (sleeper.py and its grandchild) are gone: checked by the tg_env fixture.
+
+
+def test_agent_without_workers_gives_up_on_a_dead_coordinator(tmp_path: Path, tg_env: dict) -> None:
+    """An agent waiting for a rank table (no workers yet) whose coordinator is SIGKILLed ends with a clear error
+    after --rdzv-conf join_timeout, instead of logging `heartbeat failed: UNAVAILABLE` forever."""
+    port_file, err_file = tmp_path / "port", tmp_path / "agent.err"
+    coord = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "coordinator", "--job", "lone", "--listen",
+                              "127.0.0.1:0", "--store", "memory://", "--nnodes", "2", "--port-file", str(port_file)],
+                             env=tg_env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    agent = None
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists() or not port_file.read_text().strip():
+            assert coord.poll() is None and time.monotonic() < deadline, "the coordinator did not start"
+            time.sleep(0.05)
+        with open(err_file, "w") as err:
+            agent = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--coordinator",
+                                      f"127.0.0.1:{port_file.read_text().strip()}", "--job", "lone",
+                                      "--nproc-per-node", "1", "--rdzv-conf", "join_timeout=2",
+                                      str(SCRIPTS / "print_env.py"), str(tmp_path)],
+                                     env=tg_env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+        while "registered node" not in err_file.read_text():  # one of two nodes: it waits for the other
+            assert agent.poll() is None and time.monotonic() < deadline, err_file.read_text()
+            time.sleep(0.05)
+        coord.kill()
+        assert agent.wait(timeout=60) == 2, err_file.read_text()
+        text = err_file.read_text()
+        assert "heartbeat failed: UNAVAILABLE" in text
+        error = [ln for ln in text.splitlines() if ln.startswith("trainguard: error:")]
+        assert len(error) == 1 and "unreachable for" in error[0] and "join_timeout" in error[0], text[-2000:]
+    finally:
+        for p in (coord, agent):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()

@@ -79,6 +79,10 @@ def test_metrics_health_status_json_logs_and_closed_pipe(tmp_path, tg_env) -> No
         assert status.returncode == 0, status.stderr
         doc = json.loads(status.stdout)
         assert int(doc["generation"]) == 1 and len(doc["workers"]) == 1, doc
+        # Every field is there, zero values too (rank 0), and 64-bit integers are JSON numbers, not strings.
+        worker = doc["workers"][0]
+        assert worker["rank"] == 0 and worker["local_rank"] == 0 and worker["exit_code"] == 0, worker
+        assert type(worker["step"]) is int and type(doc["generation"]) is int, doc
 
         piped = subprocess.run(
             ["bash", "-c", f"{sys.executable} -m trainguard.cli status --json --watch 0.2 2>{tmp_path}/err | head -n 1;"

@@ -134,6 +134,9 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     (["--signals-to-handle", "SIGTERM,SIGFOO"], ["--signals-to-handle", "SIGFOO"]),
     (["--no-python", "-m"], ["--no-python", "--module"]),
     (["--nnodes", "2", "--node-rank", "5"], ["--node-rank 5", "0..1"]),
+    (["--node-rank", "-1"], ["--node-rank -1", ">= 0"]),
+    (["--master-port", "99999"], ["--master-port 99999", "1..65535"]),
+    (["--rdzv-backend", "c10d", "--rdzv-conf", "is_host=maybe"], ["--rdzv-conf is_host='maybe'", "true or false"]),
     (["--monitor-interval", "0"], ["--monitor-interval", "> 0"]),
     (["--start-method", "thread"], ["--start-method", "invalid choice"]),
 ])
@@ -215,3 +218,99 @@ def test_two_nodes_through_a_c10d_endpoint_like_torchrun(tmp_path: Path, tg_env:
     # default, and the one given --local-addr 127.0.0.1.
     assert "coordinator at loopback" in errs[0] and "pass --local-addr" in errs[0], errs[0][-2000:]
     assert "--address/--local-addr 127.0.0.1 is a loopback address" in errs[1], errs[1][-2000:]
+
+
+def _staggered_nodes(line: list[str], per_node: list[list[str]], out: Path, env: dict,
+                     delay_s: float = 1.5, last_fails_first: bool = True) -> list[str]:
+    """Starts one `trainguard run` per entry of ``per_node`` (``line`` plus that entry), each ``delay_s`` after the
+    previous one (nodes of a real job never start in the same second), and returns their stderr; every node
+    must succeed."""
+    import time
+
+    out.mkdir()
+    procs = []
+    try:
+        for extra in per_node:
+            if procs:
+                time.sleep(delay_s)
+            procs.append(subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", *line, *extra,
+                                           str(SCRIPTS / "dump_env.py"), str(out)], env=env, cwd=REPO,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                          start_new_session=True))
+        errs = []
+        order = list(reversed(procs)) if last_fails_first else procs  # wait first for the one that would fail
+        errs = {}
+        for p in order:
+            _, err = p.communicate(timeout=120)
+            errs[p.pid] = err
+            assert p.returncode == 0, err[-3000:]
+        return [errs[p.pid] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+
+
+def test_static_nodes_without_rdzv_id_agree_on_the_job_name(tmp_path: Path, tg_env: dict) -> None:
+    """A torchrun line with no --rdzv-id: node 1 starts a second and a half after node 0 and still joins its job
+    (the default job name is the same on every node, not stamped with each node's start time)."""
+    port = _port()
+    line = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+            "--max-restarts", "0"]
+    _staggered_nodes(line, [["--node-rank", "0", "--node-id", "sa"], ["--node-rank", "1", "--node-id", "sb"]],
+                     tmp_path / "out", tg_env)
+    envs = {int(f.stem[3:]): json.loads(f.read_text()) for f in (tmp_path / "out").glob("env*.json")}
+    assert sorted(envs) == [0, 1]
+    assert envs[0]["TORCHELASTIC_RUN_ID"] == envs[1]["TORCHELASTIC_RUN_ID"] == f"dump_env-{port}"
+
+
+def test_two_c10d_agents_on_one_host_without_node_id(tmp_path: Path, tg_env: dict) -> None:
+    """The README's "two agents on one host: the second joins" with torchrun's line unchanged (no --node-id):
+    the agent that finds the endpoint taken joins under its own node id instead of taking over the first
+    agent's slot (which ended the first agent, and the coordinator it embeds, with ALREADY_EXISTS)."""
+    line = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{_port()}", "--rdzv-id", "twoag", "--max-restarts", "0"]
+    _staggered_nodes(line, [[], []], tmp_path / "out", tg_env, delay_s=1.0, last_fails_first=False)
+    envs = {int(f.stem[3:]): json.loads(f.read_text()) for f in (tmp_path / "out").glob("env*.json")}
+    assert sorted(envs) == [0, 1] and {e["dist_world"] for e in envs.values()} == {2}
+
+
+def test_default_node_ids_are_unique_per_agent_where_agents_share_a_host() -> None:
+    from trainguard.agent.run_torchrun import Rendezvous, default_node_id
+
+    def rdzv(**kw) -> Rendezvous:
+        return Rendezvous(coordinator=None, listen="127.0.0.1:0", min_nodes=2, max_nodes=2, job="j",
+                          multi_node=True, **kw)
+
+    # Static rendezvous: the node rank tells the agents apart and survives a restart of the agent.
+    assert default_node_id(rdzv(static_rank=0), None, "vm", 11) == "vm-r0"
+    assert default_node_id(rdzv(static_rank=1), "127.0.0.1:29500", "vm", 12) == "vm-r1"
+    # c10d: the embedding agent keeps the host name; one joining it on the same host gets its pid.
+    assert default_node_id(rdzv(), None, "vm", 11) == "vm"
+    assert default_node_id(rdzv(), "127.0.0.1:29400", "vm", 12) == "vm-p12"
+    assert default_node_id(rdzv(), "localhost:29400", "vm", 13) == "vm-p13"
+    # Joining another host's coordinator (TEST-NET address, never local): the host name, stable.
+    assert default_node_id(rdzv(), "192.0.2.7:29400", "vm", 12) == "vm"
+    # One node: the host name.
+    one = Rendezvous(coordinator=None, listen="127.0.0.1:0", min_nodes=1, max_nodes=1, job=None)
+    assert default_node_id(one, None, "vm", 11) == "vm"
+
+
+@pytest.mark.parametrize("flags,warned", [
+    ([], False),  # one node joining a coordinator on this host: 127.0.0.1 is the right address
+    (["--nnodes", "2"], True),  # a multi-node job whose coordinator is at loopback: other hosts cannot join
+])
+def test_loopback_warning_only_for_a_real_multi_node_job(caplog, flags: list[str], warned: bool) -> None:
+    import argparse
+    import logging
+
+    from trainguard.agent.run_args import add_run_arguments
+    from trainguard.agent.run_torchrun import default_address, resolve_rendezvous
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    args = parser.parse_args(["--coordinator", "127.0.0.1:29400", *flags, PRINT_ENV])
+    with caplog.at_level(logging.WARNING, logger="trainguard.agent.run_torchrun"):
+        assert default_address(resolve_rendezvous(args), None) == "127.0.0.1"
+    assert ("coordinator at loopback" in caplog.text) is warned, caplog.text
