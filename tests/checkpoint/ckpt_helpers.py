@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
+
+from trainguard.checkpoint import CheckpointConfig
 
 
 def small_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -38,3 +46,21 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def start_trainer(cfg: CheckpointConfig, job: str) -> subprocess.Popen[str]:
+    """Starts ``ckpt_trainer.py`` (a second, real process saving under ``cfg`` as ``job``) and waits for it."""
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, str(here / "ckpt_trainer.py"), json.dumps(cfg.to_dict()), job, "0", "1"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert p.stdout is not None and p.stdout.readline().startswith("ready")
+    return p
+
+
+def ask(p: subprocess.Popen[str], cmd: str) -> str:
+    """Sends one command line to a trainer started by :func:`start_trainer`; returns its one-line answer."""
+    assert p.stdin is not None and p.stdout is not None
+    p.stdin.write(cmd + "\n")
+    p.stdin.flush()
+    return p.stdout.readline().strip()

@@ -4,16 +4,15 @@ unsupported tensors."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import ask, start_trainer
 from ckpt_trainer import state_for
 
 from trainguard.checkpoint import (
@@ -85,27 +84,14 @@ def test_state_fitting_small_shm_still_uses_memory(make_config, small_tmpfs):
 
 
 # ---------------------------------------------------------------------- (b) isolation
-def _start_trainer(cfg: CheckpointConfig, job: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.Popen([sys.executable, str(HERE / "ckpt_trainer.py"), json.dumps(cfg.to_dict()), job, "0", "1"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    assert p.stdout is not None and p.stdout.readline().startswith("ready")
-    return p
-
-
-def _ask(p: subprocess.Popen[str], cmd: str) -> str:
-    assert p.stdin is not None and p.stdout is not None
-    p.stdin.write(cmd + "\n")
-    p.stdin.flush()
-    return p.stdout.readline().strip()
 
 
 @pytest.mark.parametrize("reader_memory", [True, False])
 def test_reader_never_removes_the_writers_area_and_a_second_writer_is_refused(make_config, reader_memory):
     cfg = make_config()
-    trainer = _start_trainer(cfg, "iso")
+    trainer = start_trainer(cfg, "iso")
     try:
-        assert _ask(trainer, "save 1") == "saved 1 True"
+        assert ask(trainer, "save 1") == "saved 1 True"
         area = rank_dir(cfg.memory.directory, "iso", 0)
         assert os.path.isdir(area)
         # An evaluation job / notebook restores from the same directory and job, then closes.
@@ -116,12 +102,12 @@ def test_reader_never_removes_the_writers_area_and_a_second_writer_is_refused(ma
             assert reader.last_restore_tier == ("memory" if reader_memory else "disk")
         assert torch.equal(live["w"], state_for(1)["w"])
         assert os.path.isdir(area)
-        assert _ask(trainer, "save 2") == "saved 2 True"  # the trainer's next save still works
+        assert ask(trainer, "save 2") == "saved 2 True"  # the trainer's next save still works
         # A second writer for the same (job, rank) is refused with a clear error naming the owner.
         with Checkpointer(cfg, job="iso") as intruder:
             with pytest.raises(ArenaOwnedError, match=f"process {trainer.pid} already writes"):
                 intruder.save({"w": torch.ones(3)}, 5)
-        assert _ask(trainer, "save 3") == "saved 3 True"
+        assert ask(trainer, "save 3") == "saved 3 True"
     finally:
         trainer.kill()
         trainer.wait()
@@ -129,13 +115,13 @@ def test_reader_never_removes_the_writers_area_and_a_second_writer_is_refused(ma
 
 def test_crashed_owners_area_is_reclaimed(make_config):
     cfg = make_config()
-    trainer = _start_trainer(cfg, "crash")
+    trainer = start_trainer(cfg, "crash")
     child = 0
     try:
-        assert _ask(trainer, "save 1") == "saved 1 True"
+        assert ask(trainer, "save 1") == "saved 1 True"
         # A forked child (a DataLoader worker) holds copies of every descriptor and outlives the trainer here:
         # it must not keep the lease from the successor.
-        child = int(_ask(trainer, "fork 60").split()[1])
+        child = int(ask(trainer, "fork 60").split()[1])
     finally:
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait()
