@@ -72,7 +72,9 @@ def _grpc_options(config: AgentConfig) -> list[tuple[str, Any]]:
         ("grpc.max_send_message_length", 16 * 1024 * 1024),
         # Fail on a port another process holds instead of silently sharing it (grpc's default is SO_REUSEPORT).
         ("grpc.so_reuseport", 0),
-        ("grpc.max_concurrent_streams", 4 * g.max_workers),
+        # No grpc.max_concurrent_streams and no maximum_concurrent_rpcs: both refuse cheap calls (a burst of
+        # health probes got REFUSED_STREAM / RESOURCE_EXHAUSTED) where they must queue for a handler thread.
+        # The bound that matters is on the expensive calls: open WatchEvents streams (RequestGuard, max_watchers).
         # Find dead peers of long WatchEvents streams; accept keep-alive pings from clients every 10 s.
         ("grpc.keepalive_time_ms", 60_000),
         ("grpc.keepalive_timeout_ms", 20_000),
@@ -253,7 +255,6 @@ class AgentDaemon:
             futures.ThreadPoolExecutor(max_workers=g.max_workers, thread_name_prefix="trainguard-grpc"),
             interceptors=[guard],
             options=_grpc_options(config),
-            maximum_concurrent_rpcs=4 * g.max_workers,
         )
         agent_pb2_grpc.add_NodeAgentServicer_to_server(_DaemonService(self), server)
         self.health.add_to_server(server)

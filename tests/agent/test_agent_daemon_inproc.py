@@ -91,3 +91,41 @@ def test_watchdog_withheld_when_server_wedged_and_metrics_count_calls(tmp_path):
         notify.close()
     assert not loop.is_alive()
     assert not sock_path.exists()
+
+
+def test_a_burst_of_health_checks_queues_instead_of_being_refused(tmp_path):
+    """500 simultaneous grpc.health.v1 checks (probes from many pods, a monitoring burst) are all answered: the
+    concurrency bound belongs to the expensive calls (event streams), not to cheap health checks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\n[agent]\nloop_interval_s = 0.1\n'
+                      '[grpc]\nmax_workers = 4\nmax_watchers = 2\n')
+    sock_path = tmp_path / "agent.sock"
+    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    loop = threading.Thread(target=daemon.run)
+    loop.start()
+    try:
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            grpc.channel_ready_future(channel).result(timeout=10)
+            calls = [stub.Check.future(health_pb2.HealthCheckRequest(), timeout=60) for _ in range(500)]
+
+            def outcome(f):
+                try:
+                    return f.result().status
+                except grpc.RpcError as exc:
+                    return exc.code()
+
+            with ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(outcome, calls))
+        refused = [r for r in results if isinstance(r, grpc.StatusCode)]
+        assert not refused, f"{len(refused)} of 500 refused, e.g. {refused[:3]}"
+    finally:
+        daemon.request_stop()
+        loop.join(30)
