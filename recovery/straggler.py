@@ -200,6 +200,18 @@ def _leave_one_out_medians(values: Mapping[Any, float]) -> dict[Any, float]:
     return out
 
 
+def _relative_to_others(values: Mapping[Any, float]) -> tuple[dict[Any, float], dict[Any, float]]:
+    """Each key's value against the median of the others: (ratio, excess over it). Empty below two keys."""
+    ratios: dict[Any, float] = {}
+    excess: dict[Any, float] = {}
+    if len(values) >= 2:
+        for k, others in _leave_one_out_medians(values).items():
+            v = values[k]
+            ratios[k] = v / others if others > 0 else (math.inf if v > 0 else 1.0)
+            excess[k] = max(0.0, v - others)
+    return ratios, excess
+
+
 class StragglerDetector:
     """Scores ranks and nodes window by window (see the module docstring).
 
@@ -295,24 +307,12 @@ class StragglerDetector:
             self._individual[r] = s / base if base > 0 else 1.0
         job_slowdown = _median(self._individual[r] for r in step) if step else 1.0
 
-        ratios: dict[int, float] = {}
-        excess: dict[int, float] = {}
-        if len(own) >= 2:
-            for r, others in _leave_one_out_medians(own).items():
-                v = own[r]
-                ratios[r] = v / others if others > 0 else (math.inf if v > 0 else 1.0)
-                excess[r] = max(0.0, v - others)
+        ratios, excess = _relative_to_others(own)
         node_own: dict[str, list[float]] = {}
         for r, v in own.items():
             node_own.setdefault(self._node_of.get(r, "?"), []).append(v)
         node_med = {n: _median(vs) for n, vs in node_own.items()}
-        node_ratios: dict[str, float] = {}
-        node_excess: dict[str, float] = {}
-        if len(node_med) >= 2:
-            for n, others in _leave_one_out_medians(node_med).items():
-                v = node_med[n]
-                node_ratios[n] = v / others if others > 0 else (math.inf if v > 0 else 1.0)
-                node_excess[n] = max(0.0, v - others)
+        node_ratios, node_excess = _relative_to_others(node_med)
 
         newly: list[SlowFinding] = []
         floor = cfg.min_excess * job_step if job_step == job_step else 0.0
