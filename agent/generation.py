@@ -10,7 +10,16 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
-from trainguard.agent.workers import WorkerSpec, build_worker_env
+from trainguard.agent.errors import WorkerStartError
+from trainguard.agent.workers import WorkerSpec
+from trainguard.worker_env import (  # noqa: F401 (the env names are re-exported)
+    AGENT_SOCKET_ENV,
+    GENERATION_ENV,
+    JOB_ENV,
+    NODE_ID_ENV,
+    WorkerEnv,
+    WorkerEnvError,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainguard.agent.node import NodeConfig
@@ -18,12 +27,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainguard.proto import common_pb2
 
 log = logging.getLogger(__name__)
-
-#: Environment variables trainguard adds to each worker.
-AGENT_SOCKET_ENV = "TRAINGUARD_AGENT_SOCKET"
-GENERATION_ENV = "TRAINGUARD_GENERATION"
-JOB_ENV = "TRAINGUARD_JOB"
-NODE_ID_ENV = "TRAINGUARD_NODE_ID"
 
 
 def worker_specs(c: NodeConfig, table: common_pb2.RankTable, mine: common_pb2.NodeRanks, errors_dir: str,
@@ -35,8 +38,7 @@ def worker_specs(c: NodeConfig, table: common_pb2.RankTable, mine: common_pb2.No
         rank = mine.first_rank + local_rank
         error_file = os.path.join(errors_dir, f"rank{rank}", "error.json")
         os.makedirs(os.path.dirname(error_file), exist_ok=True)
-        env = build_worker_env(
-            os.environ,
+        worker = WorkerEnv(
             rank=rank,
             local_rank=local_rank,
             world_size=table.world_size,
@@ -52,15 +54,15 @@ def worker_specs(c: NodeConfig, table: common_pb2.RankTable, mine: common_pb2.No
             use_agent_store=use_agent_store,
             error_file=error_file,
             signals_to_handle=c.signals_to_handle,
-            virtual_local_rank=c.virtual_local_rank,
-            extra={
-                **c.extra_env,
-                GENERATION_ENV: str(table.generation),
-                JOB_ENV: c.job,
-                NODE_ID_ENV: c.node_id,
-                **({AGENT_SOCKET_ENV: c.socket_path} if c.socket_path else {}),
-            },
+            generation=table.generation,
+            job=c.job,
+            node_id=c.node_id,
+            agent_socket=c.socket_path or None,
         )
+        try:
+            env = worker.to_env(os.environ, virtual_local_rank=c.virtual_local_rank, extra=c.extra_env)
+        except WorkerEnvError as exc:
+            raise WorkerStartError(str(exc)) from exc
         specs.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=list(c.argv), env=env))
     return specs
 

@@ -20,12 +20,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from trainguard.worker_env import AGENT_SOCKET_ENV
+
 log = logging.getLogger(__name__)
 
 #: The daemon's socket override (same name as :data:`trainguard.agent.config.SOCKET_ENV`).
 DAEMON_SOCKET_ENV = "TRAINGUARD_AGENT_SOCKET_PATH"
-#: The socket variable every worker of ``trainguard run`` gets.
-WORKER_SOCKET_ENV = "TRAINGUARD_AGENT_SOCKET"
+#: The socket variable every worker of ``trainguard run`` gets (owned by :mod:`trainguard.worker_env`).
+WORKER_SOCKET_ENV = AGENT_SOCKET_ENV
 #: The daemon's default socket.
 DAEMON_SOCKET = "/run/trainguard/agent.sock"
 #: Overrides the directory of run records (tests, or several users sharing a runtime dir).

@@ -25,6 +25,7 @@ from trainguard.agent.node import FaultRecord, NodeAgent, NodeConfig, install_si
 from trainguard.agent.run_args import add_run_arguments, parse_fault  # noqa: F401 (re-exported)
 from trainguard.agent.run_detectors import run_detector_settings
 from trainguard.errors import UsageError
+from trainguard.worker_env import CHECKPOINT_DIR_ENV, CHECKPOINT_SERVICE_ENV, checkpoint_dir_value
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +134,9 @@ def run_job(args: argparse.Namespace) -> RunResult:
     extra_env = {}
     ckpt_service = None
     if args.checkpoint_dir:
-        extra_env["TRAINGUARD_CHECKPOINT_DIR"] = os.path.abspath(args.checkpoint_dir) \
-            if "://" not in args.checkpoint_dir else args.checkpoint_dir
+        extra_env[CHECKPOINT_DIR_ENV] = checkpoint_dir_value(args.checkpoint_dir)
         # The agent owns the job's persist process and shared-memory tier, so both outlive crashed workers:
         # a restarted worker restores from memory, and the dead worker's last snapshot still gets persisted.
-        from trainguard.checkpoint.config import CHECKPOINT_SERVICE_ENV
         from trainguard.checkpoint.service import CheckpointService
 
         ckpt_service = CheckpointService(job=job, socket_path=os.path.join(rundir, "ckpt.sock")).start()

@@ -27,10 +27,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from trainguard.checkpoint.errors import CheckpointConfigError
+from trainguard.worker_env import CHECKPOINT_SERVICE_ENV  # noqa: F401 (re-exported; the worker env owns it)
 
-#: Environment variable the node agent sets in each worker: unix socket path of the agent-owned checkpoint
-#: service. When absent, a :class:`~trainguard.checkpoint.Checkpointer` starts its own persist process.
-CHECKPOINT_SERVICE_ENV = "TRAINGUARD_CHECKPOINT_SERVICE"
 #: Environment variable overriding where the shared-memory tier lives (default ``/dev/shm/trainguard``).
 CHECKPOINT_SHM_DIR_ENV = "TRAINGUARD_CHECKPOINT_SHM_DIR"
 

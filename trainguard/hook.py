@@ -24,24 +24,9 @@ from typing import Any
 
 from trainguard.errors import TrainguardError
 from trainguard.step_timer import Section, StepTimer
+from trainguard.worker_env import WorkerEnv
 
 log = logging.getLogger("trainguard.hook")
-
-#: Default checkpoint location for every worker, set by ``trainguard run --checkpoint-dir``.
-CHECKPOINT_DIR_ENV = "TRAINGUARD_CHECKPOINT_DIR"
-AGENT_SOCKET_ENV = "TRAINGUARD_AGENT_SOCKET"
-GENERATION_ENV = "TRAINGUARD_GENERATION"
-JOB_ENV = "TRAINGUARD_JOB"
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise TrainguardError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 #: Fewest seconds between two step heartbeats of a worker. Steps completed meanwhile are folded into the next
@@ -175,12 +160,13 @@ class Session:
     ) -> None:
         if save_every < 0:
             raise TrainguardError(f"save_every must be >= 0, got {save_every}")
-        self.rank = _env_int("RANK", 0)
-        self.world_size = _env_int("WORLD_SIZE", 1)
-        self.local_rank = _env_int("LOCAL_RANK", 0)
-        self.restart_count = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
-        self.generation = _env_int(GENERATION_ENV, 0)
-        self.job = job or os.environ.get(JOB_ENV) or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+        env = WorkerEnv.from_env()
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.local_rank = env.local_rank
+        self.restart_count = env.restart_count
+        self.generation = env.generation
+        self.job = job or env.job_name
         self.save_every = save_every
         self.errors: list[BaseException] = []
         self.should_stop = False
@@ -198,14 +184,14 @@ class Session:
         self.last_step_time_s = 0.0
         self.last_sections: dict[str, float] = {}
 
-        directory = checkpoint_dir if checkpoint_dir is not None else os.environ.get(CHECKPOINT_DIR_ENV)
+        directory = checkpoint_dir if checkpoint_dir is not None else env.checkpoint_dir
         if directory:
             from trainguard.checkpoint import CheckpointConfig, Checkpointer
 
             cfg = CheckpointConfig(directory=directory, **dict(checkpoint_options or {}))
             self._ckpt = Checkpointer(cfg, rank=self.rank, world_size=self.world_size, job=self.job,
                                       on_event=self._on_checkpoint_event)
-        socket_path = os.environ.get(AGENT_SOCKET_ENV)
+        socket_path = env.agent_socket
         if socket_path:
             self._agent = _AgentLink(socket_path, self.rank, self.generation)
             # Lets the agent's hang detector put this worker's Python stacks into the "hung" event.

@@ -11,7 +11,8 @@ from tg_testutil import until
 
 from trainguard.agent.node import NodeConfig
 from trainguard.agent.standby import StandbyPool, activate
-from trainguard.agent.workers import WorkerGroup, WorkerSpec, build_worker_env
+from trainguard.agent.workers import WorkerGroup, WorkerSpec
+from trainguard.worker_env import WorkerEnv
 
 SLEEP = "import time; time.sleep(60)"
 
@@ -21,9 +22,7 @@ def _group(tmp_path: Path, tg_env: dict) -> tuple[NodeConfig, WorkerGroup]:
     script.write_text(SLEEP)
     argv = [sys.executable, "-u", str(script)]
     config = NodeConfig(job="j", coordinator="127.0.0.1:1", argv=argv, preload=("json",), standby_after_s=0.5)
-    env = build_worker_env(tg_env, rank=0, local_rank=0, world_size=1, local_world_size=1, group_rank=0,
-                           group_world_size=1, master_addr="127.0.0.1", master_port=1, restart_count=0,
-                           max_restarts=0, run_id="j")
+    env = WorkerEnv(master_addr="127.0.0.1", master_port=1, run_id="j", job="j").to_env(tg_env)
     group = WorkerGroup([WorkerSpec(rank=0, local_rank=0, argv=argv, env=env)])
     group.start()
     return config, group

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import trainguard
+from trainguard.worker_env import WorkerEnv
 
 
 def stuck_in_data_loader() -> None:
@@ -49,14 +50,15 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    gen = int(os.environ.get("TRAINGUARD_GENERATION", "0"))
+    wenv = WorkerEnv.from_env()
+    gen = wenv.generation
     hang_gens = {int(g) for g in args.hang_generations.split(",") if g.strip()}
     os.makedirs(args.events, exist_ok=True)
     with open(os.path.join(args.events, f"rank{rank}.pid"), "w") as f:
         f.write(f"{os.getpid()} {gen}\n")
-    sock = os.environ.get("TRAINGUARD_AGENT_SOCKET")
-    if sock and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        node = os.environ.get("TRAINGUARD_NODE_ID", "node")
+    sock = wenv.agent_socket
+    if sock and wenv.local_rank == 0:
+        node = wenv.node_id or "node"
         with open(os.path.join(args.events, f"agent-{node}.sock"), "w") as f:
             f.write(sock)
 

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import trainguard
+from trainguard.worker_env import WorkerEnv
 
 TRAIN_SAMPLES = 1500
 
@@ -95,7 +96,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    gen = int(os.environ.get("TRAINGUARD_GENERATION", "0"))
+    gen = WorkerEnv.from_env().generation
     os.makedirs(args.events, exist_ok=True)
     logging.getLogger("trainguard").addHandler(_EventLog(os.path.join(args.events, f"rank{rank}.events")))
 

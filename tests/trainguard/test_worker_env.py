@@ -1,0 +1,64 @@
+"""The worker environment contract: what a launcher writes (:meth:`WorkerEnv.to_env`) is what a worker reads
+(:meth:`WorkerEnv.from_env`), names and all."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainguard.errors import ConfigError
+from trainguard.worker_env import (
+    AGENT_SOCKET_ENV,
+    CHECKPOINT_DIR_ENV,
+    ERROR_FILE_ENV,
+    GENERATION_ENV,
+    WorkerEnv,
+    WorkerEnvError,
+    checkpoint_dir_value,
+)
+
+
+def test_what_the_launcher_writes_the_worker_reads_back() -> None:
+    sent = WorkerEnv(rank=5, local_rank=1, world_size=8, local_world_size=4, group_rank=1, group_world_size=2,
+                     master_addr="10.0.0.1", master_port=29500, restart_count=3, max_restarts=7, run_id="job",
+                     role="trainer", use_agent_store=True, error_file="/tmp/e.json", generation=4, job="job",
+                     node_id="n1", agent_socket="/run/a.sock", checkpoint_dir="s3://b/ckpt",
+                     checkpoint_service="/run/c.sock")
+    env = sent.to_env({"PATH": "/bin"})
+    assert env["PATH"] == "/bin" and env["RANK"] == "5" and env[GENERATION_ENV] == "4"
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["OMP_NUM_THREADS"] == "1"
+    assert WorkerEnv.from_env(env) == sent
+
+
+def test_alone_a_worker_is_rank_0_of_1_and_plain_torchrun_names_the_job() -> None:
+    alone = WorkerEnv.from_env({})
+    assert (alone.rank, alone.world_size, alone.generation, alone.job_name) == (0, 1, 0, "default")
+    assert alone.agent_socket is None and alone.checkpoint_dir is None
+    torchrun = WorkerEnv.from_env({"RANK": "2", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "tr", "RANK_X": "?"})
+    assert (torchrun.rank, torchrun.world_size, torchrun.job_name) == (2, 4, "tr")
+    assert WorkerEnv.from_env({"TRAINGUARD_JOB": "tg", "TORCHELASTIC_RUN_ID": "tr"}).job_name == "tg"
+
+
+def test_optional_variables_are_left_out_and_a_stale_error_file_is_removed() -> None:
+    env = WorkerEnv().to_env({ERROR_FILE_ENV: "/old", AGENT_SOCKET_ENV: "/inherited"})
+    assert ERROR_FILE_ENV not in env and CHECKPOINT_DIR_ENV not in env
+    assert env[AGENT_SOCKET_ENV] == "/inherited"  # only set values override the base
+
+
+def test_a_malformed_integer_names_the_variable() -> None:
+    with pytest.raises(WorkerEnvError, match=r"TRAINGUARD_GENERATION='x' is not an integer"):
+        WorkerEnv.from_env({GENERATION_ENV: "x"})
+    assert issubclass(WorkerEnvError, ConfigError)
+
+
+def test_virtual_local_rank_narrows_the_visible_devices() -> None:
+    env = WorkerEnv(local_rank=1, local_world_size=2).to_env({"CUDA_VISIBLE_DEVICES": "4,5"},
+                                                                virtual_local_rank=True)
+    assert (env["LOCAL_RANK"], env["CUDA_VISIBLE_DEVICES"]) == ("0", "5")
+    with pytest.raises(WorkerEnvError, match="local rank 2 has no device"):
+        WorkerEnv(local_rank=2).to_env({"CUDA_VISIBLE_DEVICES": "4,5"}, virtual_local_rank=True)
+
+
+def test_checkpoint_dir_value_makes_paths_absolute_and_keeps_urls(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert checkpoint_dir_value("ck") == str(tmp_path / "ck")
+    assert checkpoint_dir_value("file:///x/y") == "file:///x/y"
