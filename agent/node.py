@@ -50,6 +50,7 @@ from trainguard.agent.node_faults import NodeReportLedger, hardware_cause, hardw
 from trainguard.agent.standby import StandbyPool
 from trainguard.agent.step_timing import FailSlowView, TimingRelay, stack_evidence
 from trainguard.agent.workers import WorkerGroup, WorkerState, describe_exit
+from trainguard.checkpoint.location import job_step_committed
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.proto import agent_pb2, common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -823,18 +824,12 @@ class NodeAgent:
         self._report_node(due[1], self.generation, -1, 0)
 
     def _job_step_complete(self, step: int) -> bool:
-        """Whether checkpoint ``step`` has every rank's commit marker under ``checkpoint_dir`` (see
-        :mod:`trainguard.checkpoint.storage`)."""
-        from trainguard.checkpoint.storage import step_dirname
-
+        """Whether checkpoint ``step`` has every rank's commit marker at ``checkpoint_dir`` (a path or any
+        fsspec URL; see :mod:`trainguard.checkpoint.location`)."""
         table = self.table
         if not self.config.checkpoint_dir or table is None:
             return False
-        try:
-            names = os.listdir(os.path.join(self.config.checkpoint_dir, self.config.job, step_dirname(step)))
-        except OSError:
-            return False
-        return sum(1 for n in names if n.endswith(".commit")) >= table.world_size
+        return job_step_committed(self.config.checkpoint_dir, self.config.job, step, table.world_size)
 
     def _local_stacks(self) -> dict[str, str]:
         """Python stacks of every live local worker (``stack.<rank>`` evidence entries)."""

@@ -25,7 +25,8 @@ from trainguard.agent.node import FaultRecord, NodeAgent, NodeConfig, install_si
 from trainguard.agent.run_args import add_run_arguments, parse_fault  # noqa: F401 (re-exported)
 from trainguard.agent.run_detectors import run_detector_settings
 from trainguard.errors import UsageError
-from trainguard.worker_env import CHECKPOINT_DIR_ENV, CHECKPOINT_SERVICE_ENV, checkpoint_dir_value
+from trainguard.checkpoint.location import CheckpointLocation
+from trainguard.worker_env import CHECKPOINT_DIR_ENV, CHECKPOINT_SERVICE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +43,14 @@ class RunResult:
 
 
 def _check_checkpoint_dir(path: str) -> None:
-    if "://" in path and not path.startswith("file://"):
-        return  # remote URLs are checked by the checkpointer in each worker
-    local = path[len("file://"):] if path.startswith("file://") else path
+    from trainguard.checkpoint.errors import CheckpointConfigError
+
     try:
-        os.makedirs(local, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=local, prefix=".tg-probe-", delete=True)
-        probe.close()
-    except OSError as exc:
-        raise UsageError(f"checkpoint directory {local!r} is not writable: {exc.strerror or exc}; "
-                         "pick another --checkpoint-dir or fix its permissions") from exc
+        problem = CheckpointLocation.parse(path, "--checkpoint-dir").check_writable()
+    except CheckpointConfigError as exc:
+        raise UsageError(str(exc)) from exc
+    if problem is not None:
+        raise UsageError(f"{problem}; pick another --checkpoint-dir or fix its permissions")
 
 
 def run_job(args: argparse.Namespace) -> RunResult:
@@ -134,7 +133,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
     extra_env = {}
     ckpt_service = None
     if args.checkpoint_dir:
-        extra_env[CHECKPOINT_DIR_ENV] = checkpoint_dir_value(args.checkpoint_dir)
+        extra_env[CHECKPOINT_DIR_ENV] = CheckpointLocation.parse(args.checkpoint_dir).for_workers()
         # The agent owns the job's persist process and shared-memory tier, so both outlive crashed workers:
         # a restarted worker restores from memory, and the dead worker's last snapshot still gets persisted.
         from trainguard.checkpoint.service import CheckpointService

@@ -64,17 +64,14 @@ def register(subparsers: Any) -> None:
 
 # ---------------------------------------------------------------------- helpers
 def _store(directory: str, job: str | None) -> Any:
-    from trainguard.checkpoint.config import is_local_url, split_url
-    from trainguard.checkpoint.storage import FsspecStore, LocalStore
+    from trainguard.checkpoint.location import CheckpointLocation
 
+    location = CheckpointLocation.parse(directory, "the checkpoint root")
     if job is None:
         job = _only_job(directory)
-    if is_local_url(directory):
-        path = split_url(directory)[1]
-        if not os.path.isdir(path):
-            raise CheckpointError(f"{path} is not a directory; pass the checkpoint root")
-        return LocalStore(path, job)
-    return FsspecStore(directory, job)
+    if location.is_local and not os.path.isdir(location.local_path):
+        raise CheckpointError(f"{location.local_path} is not a directory; pass the checkpoint root")
+    return location.open_store(job)
 
 
 def _only_job(directory: str) -> str:
@@ -270,12 +267,13 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from trainguard.checkpoint.config import is_local_url, split_url
     from trainguard.checkpoint.dcp import export_step
+    from trainguard.checkpoint.location import CheckpointLocation
 
-    if not is_local_url(args.directory):
+    location = CheckpointLocation.parse(args.directory, "the checkpoint root")
+    if not location.is_local:
         raise CheckpointError("export reads the local disk tier; pass a local checkpoint root")
-    root = split_url(args.directory)[1]
+    root = location.local_path
     job = args.job or _only_job(root)
     bar = _bar(None, "verify+export")  # type: ignore[arg-type]
     try:
@@ -287,15 +285,16 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from trainguard.checkpoint.config import is_local_url, split_url
     from trainguard.checkpoint.dcp import import_dcp
+    from trainguard.checkpoint.location import CheckpointLocation
 
-    if not is_local_url(args.directory):
+    location = CheckpointLocation.parse(args.directory, "the checkpoint root")
+    if not location.is_local:
         raise CheckpointError("import writes the local disk tier; pass a local checkpoint root")
     from tqdm import tqdm
 
     with tqdm(total=1, desc="import", file=sys.stderr, disable=None, leave=False) as bar:
-        step = import_dcp(args.source, split_url(args.directory)[1], args.job, args.step, args.world_size)
+        step = import_dcp(args.source, location.local_path, args.job, args.step, args.world_size)
         bar.update(1)
     print(f"imported {args.source} as step {step} of job {args.job}")
     return 0

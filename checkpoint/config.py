@@ -21,34 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from trainguard.checkpoint.errors import CheckpointConfigError
+from trainguard.checkpoint.location import CheckpointLocation, is_local_url, split_url  # noqa: F401 (re-exported)
 from trainguard.worker_env import CHECKPOINT_SERVICE_ENV  # noqa: F401 (re-exported; the worker env owns it)
 
 #: Environment variable overriding where the shared-memory tier lives (default ``/dev/shm/trainguard``).
 CHECKPOINT_SHM_DIR_ENV = "TRAINGUARD_CHECKPOINT_SHM_DIR"
 
-_LOCAL_SCHEMES = ("", "file", "local")
 #: fsspec protocols whose files live inside the writing process: uploads there vanish with the persist process,
 #: so they can never be a durable tier.
 _IN_PROCESS_SCHEMES = ("memory",)
-
-
-def split_url(url: str) -> tuple[str, str]:
-    """Splits ``scheme://rest`` into ``(scheme, rest)``; a plain path gives ``("", path)``."""
-    if "://" in url:
-        scheme, rest = url.split("://", 1)
-        return scheme.lower(), rest
-    return "", url
-
-
-def is_local_url(url: str) -> bool:
-    """True when ``url`` names the local filesystem (a plain path or ``file://``)."""
-    return split_url(url)[0] in _LOCAL_SCHEMES
 
 
 @dataclass
@@ -170,10 +156,7 @@ class CheckpointConfig:
     @property
     def disk_directory(self) -> str:
         """Local directory of the disk tier."""
-        if is_local_url(self.directory):
-            return split_url(self.directory)[1]
-        base = self.local_cache or os.path.join(tempfile.gettempdir(), "trainguard-ckpt")
-        return base
+        return CheckpointLocation.parse(self.directory).disk_directory(self.local_cache)
 
     @property
     def location(self) -> str:
@@ -182,9 +165,7 @@ class CheckpointConfig:
         The shared-memory tier is keyed by job name only; its copies record this, so a Checkpointer of another
         directory that shares the job name never restores them.
         """
-        if is_local_url(self.directory):
-            return os.path.realpath(split_url(self.directory)[1])
-        return self.directory.rstrip("/")
+        return CheckpointLocation.parse(self.directory).identity
 
     @property
     def remote_url(self) -> str | None:

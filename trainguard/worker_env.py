@@ -242,13 +242,7 @@ class WorkerEnv:
         return env
 
 
-def checkpoint_dir_value(location: str) -> str:
-    """How a launcher passes ``--checkpoint-dir`` to workers: a local path made absolute (workers may run in
-    another directory), a URL as given."""
-    return location if "://" in location else os.path.abspath(location)
-
-
 __all__ = [
     "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_SERVICE_ENV", "DEFAULT_SIGNALS", "GENERATION_ENV",
-    "JOB_ENV", "NODE_ID_ENV", "WorkerEnv", "WorkerEnvError", "checkpoint_dir_value",
+    "JOB_ENV", "NODE_ID_ENV", "WorkerEnv", "WorkerEnvError",
 ]

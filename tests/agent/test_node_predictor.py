@@ -31,3 +31,26 @@ def test_history_records_samples(tmp_path) -> None:
         agent.predictor_tick({"pcie.aer_correctable[0000:01:00.0]": 1.0})
         time.sleep(0.01)
     assert agent.predictor.history is not None and agent.predictor.history.count() >= 3
+
+
+def test_drain_with_a_file_url_ends_once_the_asked_step_is_committed(tmp_path) -> None:
+    """Regression: the agent listed the raw ``--checkpoint-dir``, so with a ``file://`` URL a predicted-failure
+    drain never saw the job-wide checkpoint complete and always waited its whole grace."""
+    from trainguard.checkpoint.location import CheckpointLocation
+    from trainguard.proto import common_pb2, coordinator_pb2
+
+    url = f"file://{tmp_path}/ck"
+    agent = NodeAgent(NodeConfig(job="j", coordinator="", argv=[], node_id="n1", checkpoint_dir=url))
+    agent.start_predictor(model_path=None, history_path=None, interval_s=0.0, drain_grace_s=600.0)
+    agent.table = common_pb2.RankTable(job="j", generation=agent.generation, world_size=2)
+    agent.predictor_tick({"roce.link_up[eth0]": 0.0})  # rules alarm: checkpoint now, drain after the grace
+    assert agent._drain_due is not None
+    agent._relay_checkpoint(coordinator_pb2.CheckpointRequest(at_step=7, reason="alarm", request_id="r1",
+                                                              generation=agent.generation))
+    store = CheckpointLocation.parse(url).open_store("j")  # the workers' own layout, written for real
+    store.commit_rank(7, 0, 2, "d0")
+    agent._drain_if_due()
+    assert agent._drain_due is not None  # rank 1 has not committed: keep training within the grace
+    store.commit_rank(7, 1, 2, "d1")
+    agent._drain_if_due()
+    assert agent._drain_due is None  # the asked step is complete: drain now, not 600 s later

@@ -13,7 +13,6 @@ from trainguard.worker_env import (
     GENERATION_ENV,
     WorkerEnv,
     WorkerEnvError,
-    checkpoint_dir_value,
 )
 
 
@@ -56,9 +55,3 @@ def test_virtual_local_rank_narrows_the_visible_devices() -> None:
     assert (env["LOCAL_RANK"], env["CUDA_VISIBLE_DEVICES"]) == ("0", "5")
     with pytest.raises(WorkerEnvError, match="local rank 2 has no device"):
         WorkerEnv(local_rank=2).to_env({"CUDA_VISIBLE_DEVICES": "4,5"}, virtual_local_rank=True)
-
-
-def test_checkpoint_dir_value_makes_paths_absolute_and_keeps_urls(tmp_path, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    assert checkpoint_dir_value("ck") == str(tmp_path / "ck")
-    assert checkpoint_dir_value("file:///x/y") == "file:///x/y"

@@ -424,9 +424,12 @@ def _agent_detections(stderr_text: str) -> list[tuple[float, str]]:
 
 
 def _committed_step(ckpt: Path) -> int:
+    from trainguard.checkpoint.location import CheckpointLocation
+
+    record = CheckpointLocation.parse(str(ckpt)).open_store("soak").record() or {}
     try:
-        return int(json.loads((ckpt / "soak" / "COMMITTED.json").read_text())["step"])
-    except (OSError, ValueError, KeyError):
+        return int(record["step"])
+    except (KeyError, TypeError, ValueError):
         return -1
 
 

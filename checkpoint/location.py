@@ -1,0 +1,158 @@
+"""Where a job's checkpoints live, as every process reads it: the one parser of a checkpoint location.
+
+A location is what ``--checkpoint-dir`` / ``checkpoint.directory`` / ``$TRAINGUARD_CHECKPOINT_DIR`` hold: a local
+path, a ``file://`` URL, or any other fsspec URL (``s3://bucket/prefix``, ``memory://``...). The launcher, the
+workers' checkpointer, the operator CLI and the node agent's drain all parse it here, and ask layout questions
+("is step S complete?") through :class:`~trainguard.checkpoint.storage.StepStore`, so a URL works wherever a path
+does and no caller lists raw directories.
+
+No torch import: the agent and the CLI use this module.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from trainguard.checkpoint.errors import CheckpointConfigError, CheckpointError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainguard.checkpoint.storage import StepStore
+
+#: Schemes naming the local filesystem (no scheme is a plain path).
+LOCAL_SCHEMES = ("", "file", "local")
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """Splits ``scheme://rest`` into ``(scheme, rest)`` (scheme lower-cased); a plain path gives ``("", path)``."""
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        return scheme.lower(), rest
+    return "", url
+
+
+def is_local_url(url: str) -> bool:
+    """True when ``url`` names the local filesystem (a plain path or ``file://``)."""
+    return split_url(url)[0] in LOCAL_SCHEMES
+
+
+@dataclass(frozen=True)
+class CheckpointLocation:
+    """A parsed checkpoint root.
+
+    Attributes:
+        text: the location as given.
+        scheme: the URL scheme, lower-cased; empty for a plain path.
+        rest: what follows ``scheme://`` (the path itself for a plain path).
+    """
+
+    text: str
+    scheme: str
+    rest: str
+
+    @classmethod
+    def parse(cls, text: str, key: str = "checkpoint directory") -> CheckpointLocation:
+        """Parses a path or fsspec URL.
+
+        Args:
+            text: the location.
+            key: what the user set (flag or config key), named in the error.
+
+        Raises:
+            CheckpointConfigError: the location is empty.
+        """
+        if not isinstance(text, str) or not text.strip():
+            raise CheckpointConfigError(f"{key} is empty; set it to a local path or an fsspec URL")
+        scheme, rest = split_url(text)
+        return cls(text=text, scheme=scheme, rest=rest)
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the location is on the local filesystem (a path or ``file://``)."""
+        return self.scheme in LOCAL_SCHEMES
+
+    @property
+    def local_path(self) -> str:
+        """The local directory of a local location.
+
+        Raises:
+            CheckpointError: the location is remote.
+        """
+        if not self.is_local:
+            raise CheckpointError(f"{self.text} is not on the local filesystem; pass a local checkpoint root")
+        return self.rest
+
+    @property
+    def identity(self) -> str:
+        """What identifies this location across processes: the absolute real path, or the URL without a trailing
+        slash."""
+        if self.is_local:
+            return os.path.realpath(self.rest)
+        return self.text.rstrip("/")
+
+    def for_workers(self) -> str:
+        """How a launcher hands the location to workers (``$TRAINGUARD_CHECKPOINT_DIR``): a plain path made
+        absolute (workers may run elsewhere), a URL as given."""
+        return os.path.abspath(self.text) if self.scheme == "" else self.text
+
+    def disk_directory(self, local_cache: str | None) -> str:
+        """The local directory of the disk tier: the location itself when local, else ``local_cache`` (default
+        ``<tmp>/trainguard-ckpt``)."""
+        if self.is_local:
+            return self.rest
+        return local_cache or os.path.join(tempfile.gettempdir(), "trainguard-ckpt")
+
+    def check_writable(self) -> str | None:
+        """Creates a local location and checks a file can be written there; remote ones are checked by each
+        worker's checkpointer. Returns why it is unusable (one line), None when it is fine."""
+        if not self.is_local:
+            return None
+        try:
+            os.makedirs(self.rest, exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=self.rest, prefix=".tg-probe-", delete=True)
+            probe.close()
+        except OSError as exc:
+            return f"checkpoint directory {self.rest!r} is not writable: {exc.strerror or exc}"
+        return None
+
+    def open_store(self, job: str, storage_options: dict[str, Any] | None = None, fsync: bool = True) -> StepStore:
+        """The :class:`~trainguard.checkpoint.storage.StepStore` of ``job`` at this location: a
+        :class:`LocalStore` for a local one, an :class:`FsspecStore` otherwise.
+
+        Raises:
+            StorageUnavailableError: the remote filesystem cannot be created.
+        """
+        from trainguard.checkpoint.storage import FsspecStore, LocalStore
+
+        if self.is_local:
+            return LocalStore(self.rest, job, fsync=fsync)
+        return FsspecStore(self.text, job, storage_options)
+
+
+def step_committed(store: StepStore, step: int, world_size: int) -> bool:
+    """Whether every rank ``0..world_size-1`` has its commit marker in ``step`` (one listing, no reads: cheap
+    enough to poll). False when the step or the storage cannot be listed."""
+    from trainguard.checkpoint.storage import marker_name
+
+    if world_size <= 0:
+        return False
+    try:
+        names = set(store.list_names(step))
+    except (OSError, CheckpointError):
+        return False
+    return all(marker_name(rank) in names for rank in range(world_size))
+
+
+def job_step_committed(location: str, job: str, step: int, world_size: int) -> bool:
+    """:func:`step_committed` for a location as given (path or URL); False when it cannot be opened."""
+    try:
+        store = CheckpointLocation.parse(location).open_store(job)
+    except CheckpointError:
+        return False
+    return step_committed(store, step, world_size)
+
+
+__all__ = ["CheckpointLocation", "LOCAL_SCHEMES", "is_local_url", "job_step_committed", "split_url",
+           "step_committed"]

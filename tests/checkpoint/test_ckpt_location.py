@@ -1,0 +1,50 @@
+"""The one parser of a checkpoint location: paths and URLs, and layout questions through StepStore."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from trainguard.checkpoint.errors import CheckpointConfigError, CheckpointError
+from trainguard.checkpoint.location import CheckpointLocation, job_step_committed, step_committed
+from trainguard.checkpoint.storage import FsspecStore, LocalStore
+
+
+def test_paths_and_file_urls_are_local_other_urls_remote(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    plain, url, remote = (CheckpointLocation.parse(t) for t in ("ck", f"file://{tmp_path}/ck", "S3://b/p/"))
+    assert plain.is_local and url.is_local and not remote.is_local and remote.scheme == "s3"
+    assert plain.for_workers() == str(tmp_path / "ck") and url.for_workers() == url.text
+    assert plain.identity == url.identity == os.path.realpath(tmp_path / "ck")
+    assert remote.identity == "S3://b/p" and remote.disk_directory("/cache") == "/cache"
+    with pytest.raises(CheckpointError, match="not on the local filesystem"):
+        remote.local_path  # noqa: B018
+    with pytest.raises(CheckpointConfigError, match="--checkpoint-dir is empty"):
+        CheckpointLocation.parse(" ", "--checkpoint-dir")
+
+
+def test_a_local_location_is_checked_for_writes(tmp_path) -> None:
+    assert CheckpointLocation.parse(f"file://{tmp_path}/new").check_writable() is None
+    assert (tmp_path / "new").is_dir()
+    (tmp_path / "ro").mkdir(mode=0o500)
+    if os.geteuid() != 0:  # root writes anywhere
+        assert "not writable" in CheckpointLocation.parse(str(tmp_path / "ro")).check_writable()
+    assert CheckpointLocation.parse("memory://x").check_writable() is None  # each worker checks remote ones
+
+
+@pytest.mark.parametrize("kind", ["path", "file", "memory"])
+def test_step_completeness_through_the_store(tmp_path, kind: str) -> None:
+    text = {"path": str(tmp_path / "ck"), "file": f"file://{tmp_path}/ck", "memory": f"memory://{tmp_path}/ck"}[kind]
+    store = CheckpointLocation.parse(text).open_store("j")
+    assert isinstance(store, FsspecStore if kind == "memory" else LocalStore)
+    assert not job_step_committed(text, "j", 3, 2)  # nothing there yet
+    store.commit_rank(3, 1, 2, "d")
+    assert not step_committed(store, 3, 2)
+    store.commit_rank(3, 0, 2, "d")
+    assert step_committed(store, 3, 2) and job_step_committed(text, "j", 3, 2)
+    assert not step_committed(store, 3, 0)
+
+
+def test_an_unreachable_location_is_not_complete() -> None:
+    assert not job_step_committed("nosuchproto://x", "j", 1, 1)
