@@ -236,11 +236,9 @@ class AgentDaemon:
         from trainguard.detectors.errors import DetectorConfigError
 
         try:
-            from trainguard.detectors.base import create_detectors
-
-            return create_detectors(config.detector_names(), config.detector_settings(), root=config.detectors.root)
+            return config.detector_loader().create()
         except DetectorConfigError as exc:
-            raise AgentConfigError(f"{config.source}: detectors: {exc}") from exc
+            raise AgentConfigError(str(exc)) from exc
         except ImportError as exc:
             # A detector module missing from this install: keep serving health and metrics without detectors,
             # and say so on every health query rather than refuse to start.

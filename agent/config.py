@@ -455,28 +455,26 @@ class AgentConfig:
             if getattr(c, key):
                 _check_readable(getattr(c, key), f"coordinator.{key}", fail)
 
+    def detector_loader(self) -> Any:
+        """The ``[detectors]`` section read by the one detector-settings loader
+        (:class:`~trainguard.detectors.settings.DetectorSettings`).
+
+        Raises:
+            DetectorConfigError: an unknown detector, a table for one not enabled, or a bad field or root.
+        """
+        from trainguard.detectors.settings import DetectorSettings
+
+        d = self.detectors
+        return DetectorSettings.from_table({"enabled": d.enabled, "root": d.root, "interval_s": d.interval_s,
+                                            **d.settings}, source=self.source or "agent config", prefix="detectors.")
+
     def detector_names(self) -> list[str]:
         """The detectors to run: ``detectors.enabled`` with ``"all"`` expanded to the default set."""
-        from trainguard.detectors.base import DEFAULT_DETECTORS
-
-        names: list[str] = []
-        for name in self.detectors.enabled:
-            for n in DEFAULT_DETECTORS if name == "all" else (name,):
-                if n not in names:
-                    names.append(n)
-        return names
+        return list(self.detector_loader().enabled)
 
     def detector_settings(self) -> dict[str, dict[str, Any]]:
-        """Per-detector fields for ``create_detectors``: the ``[detectors.<name>]`` tables, with
-        ``detectors.interval_s`` filled in where a table does not set its own interval."""
-        out: dict[str, dict[str, Any]] = {}
-        for name in self.detector_names():
-            fields = dict(self.detectors.settings.get(name, {}))
-            if self.detectors.interval_s:
-                fields.setdefault("interval_s", self.detectors.interval_s)
-            if fields:
-                out[name] = fields
-        return out
+        """Per-detector fields for ``create_detectors`` (see :meth:`detector_loader`)."""
+        return self.detector_loader().settings()
 
     def _validate_detectors(self, fail: Any) -> None:
         # Detector names and their fields are checked by the detectors package when the daemon builds them

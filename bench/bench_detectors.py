@@ -157,7 +157,7 @@ def overhead_child(seconds: float, netns: str) -> None:
 
     import psutil
 
-    from trainguard.detectors.config import DetectorsConfig
+    from trainguard.detectors.settings import DetectorSettings
     from trainguard.detectors.process import WorkerSnapshot
     from trainguard.detectors.runner import DetectorRunner
 
@@ -176,7 +176,7 @@ def overhead_child(seconds: float, netns: str) -> None:
                         for i, p in enumerate(procs)]
 
         table: dict = {"roce": {"netns": netns, "interfaces": ["tgb*"]}} if netns else {}
-        cfg = DetectorsConfig.from_dict(table)
+        cfg = DetectorSettings.from_table(table, source="bench")
         baseline_rss = me.memory_info().rss
         events: list = []
         runner = DetectorRunner(cfg.create(worker_view=View()), on_event=events.append)

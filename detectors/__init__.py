@@ -1,6 +1,6 @@
 """Node detectors: raw hardware, bus, network and process signals in, typed health events out.
 
-The agent builds detectors from its ``[detectors]`` config (:class:`~trainguard.detectors.config.DetectorsConfig`)
+The agent builds detectors from its ``[detectors]`` config (:class:`~trainguard.detectors.settings.DetectorSettings`)
 and runs them in a :class:`~trainguard.detectors.runner.DetectorRunner`.
 """
 

@@ -35,19 +35,23 @@ def register(subparsers: Any) -> None:
 
 def _detect(args: argparse.Namespace) -> int:
     from trainguard.detectors.base import DetectorState
-    from trainguard.detectors.config import DetectorsConfig
     from trainguard.detectors.errors import DetectorConfigError
     from trainguard.detectors.runner import DetectorRunner
+    from trainguard.detectors.settings import DetectorSettings
 
     if args.window < 0:
         raise DetectorConfigError(f"--window {args.window} must be >= 0 seconds")
-    cfg = DetectorsConfig.from_toml(args.config, args.root) if args.config else DetectorsConfig.from_dict({}, args.root)
+    if args.config:
+        cfg = DetectorSettings.load(args.config, table="detectors", flag="--config")
+    else:
+        cfg = DetectorSettings(source="trainguard detect")
     if args.only:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
-        cfg = DetectorsConfig.from_dict(
-            {"enabled": names, **{n: vars(cfg.settings[n]) for n in names if n in cfg.settings}}, args.root)
+        cfg = DetectorSettings.from_table(
+            {"enabled": names, "root": cfg.root, "interval_s": cfg.interval_s,
+             **{n: cfg.tables[n] for n in names if n in cfg.tables}}, source="--only", enabled_flag="--only")
     events = []
-    runner = DetectorRunner(cfg.create(), on_event=events.append)
+    runner = DetectorRunner(cfg.create(root=args.root), on_event=events.append)
     try:
         runner.run_once()
         if args.window > 0:

@@ -9,8 +9,9 @@ import pytest
 
 from tg_testutil import run_cli
 from trainguard.agent.config import AgentConfigError
-from trainguard.agent.run_detectors import RunDetectorConfig, run_detector_settings
+from trainguard.agent.run_detectors import run_detector_settings
 from trainguard.detectors.base import create_detectors
+from trainguard.detectors.settings import DetectorSettings
 from trainguard.errors import UsageError
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -62,7 +63,7 @@ def test_file_hang_floor_wins_and_defaults_without_a_file(tmp_path: Path) -> Non
         "process": {"hang_floor_s": 12, "root": str(tmp_path)}}  # its own table may still move it
     assert run_detector_settings(("process", "pcie"), None, hang_floor_s=60.0) == {"process": {"hang_floor_s": 60.0}}
     assert run_detector_settings(("pcie",), None, hang_floor_s=60.0) == {}
-    config = RunDetectorConfig.load(write(tmp_path, ""))
+    config = DetectorSettings.load(write(tmp_path, ""), enabled=())
     assert (config.root, config.interval_s, config.tables) == ("/", 0.0, {})
 
 

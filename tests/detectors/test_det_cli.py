@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from trainguard.detectors.base import DEFAULT_DETECTORS, create_detectors, detector_names
-from trainguard.detectors.config import DetectorsConfig
+from trainguard.detectors.settings import DetectorSettings
 from trainguard.detectors.errors import DetectorConfigError
 from trainguard.detectors.roce import RoceConfig
 
@@ -67,14 +67,14 @@ def test_detectors_config_from_toml(tmp_path) -> None:
     cfg = tmp_path / "agent.toml"
     cfg.write_text('[agent]\nport = 1\n[detectors]\nenabled = ["roce", "process"]\n'
                    '[detectors.roce]\ninterfaces = ["ens1f*"]\nflap_threshold = 5\ninterval_s = 2\n')
-    c = DetectorsConfig.from_toml(str(cfg))
+    c = DetectorSettings.load(str(cfg), table="detectors")
     assert c.enabled == ("roce", "process")
-    roce = c.settings["roce"]
-    assert isinstance(roce, RoceConfig) and roce.interfaces == ("ens1f*",) and roce.interval_s == 2.0
     dets = c.create(worker_view=None)
     assert [d.name for d in dets] == ["roce", "process"]
-    with pytest.raises(DetectorConfigError, match="not in 'enabled'"):
-        DetectorsConfig.from_dict({"enabled": ["host"], "roce": {}})
+    roce = dets[0].config
+    assert isinstance(roce, RoceConfig) and roce.interfaces == ("ens1f*",) and roce.interval_s == 2.0
+    with pytest.raises(DetectorConfigError, match=r"\[roce\] configures detector 'roce', which enabled \(host\)"):
+        DetectorSettings.from_table({"enabled": ["host"], "roce": {}})
     with pytest.raises(DetectorConfigError, match="twice"):
         create_detectors(["host", "host"])
     assert set(DEFAULT_DETECTORS) <= set(detector_names())

@@ -1,0 +1,54 @@
+"""The one detector-settings loader: the daemon's section, ``trainguard run --detector-config`` and
+``trainguard detect --config`` read the same shape with the same checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainguard.detectors.base import DEFAULT_DETECTORS
+from trainguard.detectors.errors import DetectorConfigError
+from trainguard.detectors.settings import DetectorSettings
+
+
+def test_all_expands_roots_and_intervals_fill_in_and_tables_win(tmp_path: Path) -> None:
+    s = DetectorSettings.from_table({"enabled": ["all", "host"], "root": str(tmp_path), "interval_s": 2,
+                                     "roce": {"root": "/", "interval_s": 0.5}}, source="t")
+    assert s.enabled == DEFAULT_DETECTORS  # "all" expanded, "host" not repeated
+    fields = s.settings()
+    assert fields["roce"] == {"root": "/", "interval_s": 0.5}
+    assert fields["host"] == {"root": str(tmp_path), "interval_s": 2.0}
+    assert fields["process"] == {"interval_s": 2.0}  # watches real worker pids: never a fake root
+    assert s.settings(root="/")["process"]["root"] == "/"  # an explicit override (detect --root) reaches all
+
+
+def test_a_daemon_section_and_a_run_file_give_the_same_settings(tmp_path: Path) -> None:
+    daemon = tmp_path / "agent.toml"
+    daemon.write_text(f'[detectors]\nenabled = ["pcie", "process"]\nroot = "{tmp_path}"\n[detectors.pcie]\n'
+                      'aer_scope = "all"\n')
+    run = tmp_path / "run.toml"
+    run.write_text(f'root = "{tmp_path}"\n[pcie]\naer_scope = "all"\n')
+    a = DetectorSettings.load(daemon, table="detectors")
+    b = DetectorSettings.load(run, enabled=("pcie", "process"))
+    assert a.settings() == b.settings() and a.enabled == b.enabled
+
+
+@pytest.mark.parametrize("table,words", [
+    ({"enabled": "host"}, ["enabled: expected an array"]),
+    ({"enabled": ["host", "nosuch"]}, ["unknown detector 'nosuch'"]),
+    ({"enabled": ["host"], "roce": {}}, ["[roce] configures detector 'roce'", "enabled (host)"]),
+    ({"enabled": ["host"], "gpux": {}}, ["[gpux] is not a detector"]),
+    ({"interval_s": 0.01}, ["interval_s: 0.01 is outside [0.05, 3600]"]),
+    ({"interval_s": True}, ["interval_s: expected a number"]),
+    ({"root": "/no/such/tree"}, ["root: '/no/such/tree' is not a directory"]),
+    ({"hang_floor_s": 3}, ["unknown top-level key 'hang_floor_s'"]),
+    ({"enabled": ["process"], "process": {"hang_floor_s": -1}}, ["[process]", "hang_floor_s=-1"]),
+])
+def test_bad_settings_are_one_line_errors_naming_source_and_key(table: dict, words: list) -> None:
+    with pytest.raises(DetectorConfigError) as info:
+        DetectorSettings.from_table(table, source="cfg.toml")
+    msg = str(info.value)
+    assert msg.startswith("cfg.toml: ") and "\n" not in msg, msg
+    for word in words:
+        assert word in msg, msg
