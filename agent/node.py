@@ -750,7 +750,7 @@ class NodeAgent:
         Raises:
             TrainguardError: the model or history file is unusable (named in the message).
         """
-        from trainguard.agent.predictor_feed import PredictorMonitor
+        from trainguard.predictor.online_feed import PredictorMonitor
         from trainguard.predictor.history import MetricHistory
         from trainguard.predictor.runtime import PredictorRuntime
 

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainguard.agent.metrics import AgentMetrics
-from trainguard.agent.predictor_feed import (
+from trainguard.predictor.online_feed import (
     CATALOG_MAPPINGS,
     RATE_INTEGRALS,
     PredictorMonitor,
@@ -359,7 +359,7 @@ def test_bad_ticks_never_raise_and_are_logged_once(tmp_path, caplog):
 
     mon = PredictorMonitor(PredictorRuntime.load(None), "n", history=hist, on_score=broken)
     good = {"pcie.aer_fatal[x]": 0.0, "pcie.links_watched": 1.0}
-    with caplog.at_level(logging.DEBUG, logger="trainguard.agent.predictor_feed"):
+    with caplog.at_level(logging.DEBUG, logger="trainguard.predictor.online_feed"):
         assert mon.tick(10.0, {}) is None  # runner not sampled yet
         assert mon.tick(10.0, good) is not None and mon.tick(11.0, good) is not None  # callback errors swallowed
         assert len(calls) == 2
@@ -456,7 +456,7 @@ def test_model_metric_this_node_lacks_falls_back_to_rules(tmp_path, caplog):
     model = _train(LEARNED + ("gpu_temp_c",))
     node = _pci_rdma_node(tmp_path, model)
     try:
-        with caplog.at_level(logging.INFO, logger="trainguard.agent.predictor_feed"):
+        with caplog.at_level(logging.INFO, logger="trainguard.predictor.online_feed"):
             s = node.tick(1000.0, step_time_s=1.0)
         errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert len(errors) == 1 and "gpu_temp_c" in errors[0] and "rules tier only" in errors[0]
