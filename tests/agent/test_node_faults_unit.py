@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pcie_fakes import GPU, make_gpu
+from trainguard.testing.sysfs import GPU, write_gpu
 from trainguard.agent.node_faults import NodeReportLedger, hardware_cause, hardware_detector_names
 from trainguard.detectors.base import create_detectors
 from trainguard.detectors.events import Action, HealthEvent, Severity
@@ -52,7 +52,7 @@ def start(tree: Path, pending: Pending) -> tuple[DetectorRunner, tuple[str, ...]
 def rig(tmp_path: Path):
     """A healthy fake GPU tree, a started runner over it, the pending-event view and a report ledger."""
     tree = tmp_path / "fake"
-    make_gpu(tree)
+    write_gpu(tree)
     pending = Pending()
     runner, names = start(tree, pending)
     try:
@@ -65,7 +65,7 @@ def test_fresh_round_then_active_condition_then_nothing(rig) -> None:
     tree, pending, runner, names, ledger = rig
     assert names == ("pcie",)
     assert hardware_cause(runner, names, pending.snapshot, ledger, 1, "n1") is None  # healthy: a process fault
-    make_gpu(tree, nonfatal={"CmpltTO": 1})
+    write_gpu(tree, nonfatal={"CmpltTO": 1})
     assert hardware_cause(runner, names, pending.snapshot, ledger, 1, "n1") is None  # CHECKPOINT_NOW only
     pending.handled()
     (tree / "sys/bus/pci/devices" / GPU).unlink()  # the GPU fell off the bus
@@ -74,7 +74,7 @@ def test_fresh_round_then_active_condition_then_nothing(rig) -> None:
     pending.handled()  # the agent's loop handled (and reported) the event; the condition lasts
     ev = hardware_cause(runner, names, pending.snapshot, ledger, 2, "n1")
     assert ev is not None and ev.kind == "pcie.device_lost" and ev.node_id == "n1"
-    make_gpu(tree)  # back on the bus: the condition clears
+    write_gpu(tree)  # back on the bus: the condition clears
     assert hardware_cause(runner, names, pending.snapshot, ledger, 2, "n1") is None
 
 

@@ -15,7 +15,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from pcie_fakes import GPU, make_gpu
+from trainguard.testing.sysfs import GPU, write_gpu
 from tg_testutil import REPO
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -62,12 +62,12 @@ def log_time(stderr: str, text: str) -> float:
 
 def test_worker_killed_by_aer_fatal_gets_node_level_recovery(tmp_path: Path, tg_env: dict) -> None:
     tree = tmp_path / "fake"
-    make_gpu(tree)
+    write_gpu(tree)
     # The top-level root sends the hardware detectors to the fake tree (the process detector stays on the real
     # /proc of the workers). The PCIe detector's own schedule never comes round in this test: only the
     # out-of-schedule sample sees the fault.
     proc, worker = run_until_worker(tmp_path, tg_env, f'root = "{tree}"\n\n[pcie]\ninterval_s = 3600\n')
-    make_gpu(tree, fatal={"MalfTLP": 1})
+    write_gpu(tree, fatal={"MalfTLP": 1})
     os.kill(worker, signal.SIGKILL)
     err = finish(proc)
     assert proc.returncode == 0, err[-3000:]
@@ -87,11 +87,11 @@ def test_worker_killed_by_aer_fatal_gets_node_level_recovery(tmp_path: Path, tg_
 
 def test_predictor_alarm_drains_the_node_after_the_grace(tmp_path: Path, tg_env: dict) -> None:
     tree = tmp_path / "fake"
-    make_gpu(tree)
+    write_gpu(tree)
     grace = 1.5
     proc, _ = run_until_worker(tmp_path, tg_env, f'[pcie]\nroot = "{tree}"\ninterval_s = 0.2\n',
                                "--predictor-interval-s", "0.2", "--drain-grace-s", str(grace))
-    make_gpu(tree, width=8)  # the link trains at x8 of x16: a warning for the detector, an alarm for the rules tier
+    write_gpu(tree, width=8)  # the link trains at x8 of x16: a warning for the detector, an alarm for the rules tier
     narrowed = time.time()
     err = finish(proc)
     assert proc.returncode == 0, err[-3000:]

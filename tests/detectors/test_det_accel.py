@@ -21,32 +21,7 @@ from trainguard.detectors.nvidia import (
     open_nvml,
 )
 from trainguard.detectors.runner import DetectorRunner
-
-
-class GpuBackendDouble:
-    """Stands in for NVML (a leaf library this machine has no driver for); readings are set by the test."""
-
-    def __init__(self, readings: list[GpuReading]) -> None:
-        self.readings = readings
-        self.xids: list[tuple[int, int]] = []
-        self.fail: set[int] = set()
-        self.closed = False
-
-    def device_count(self) -> int:
-        return len(self.readings)
-
-    def read(self, index: int, nvlink: bool) -> GpuReading:
-        if index in self.fail:
-            raise RuntimeError("NVML Unknown Error")
-        r = self.readings[index]
-        return r if nvlink else replace(r, nvlinks={})
-
-    def xid_events(self) -> list[tuple[int, int]]:
-        out, self.xids = self.xids, []
-        return out
-
-    def close(self) -> None:
-        self.closed = True
+from trainguard.testing.nvml import GpuBackendDouble
 
 
 def healthy(index: int, pci: str) -> GpuReading:

@@ -16,6 +16,7 @@ from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.host import HostConfig, HostDetector
 from trainguard.detectors.runner import DetectorRunner
 from trainguard.detectors.thermal import ThermalConfig, ThermalDetector
+from trainguard.testing.sysfs import write_edac_mc, write_file, write_thermal_zone
 
 MEMINFO = """MemTotal:       65536000 kB
 MemFree:         1000000 kB
@@ -30,25 +31,19 @@ Hugepagesize:       2048 kB
 PSI = "some avg10={some} avg60=1.00 avg300=0.50 total=123456\nfull avg10={full} avg60=0.80 avg300=0.20 total=98765\n"
 
 
-def write(root, rel: str, text: str) -> None:
-    p = root / rel
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(text)
-
-
 def test_host_memory_and_pressure(tmp_path) -> None:
-    write(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
-    write(tmp_path, "proc/pressure/memory", PSI.format(some="0.00", full="0.00"))
-    write(tmp_path, "proc/pressure/io", PSI.format(some="4.50", full="2.25"))
-    write(tmp_path, "proc/pressure/cpu", "some avg10=12.00 avg60=3.00 avg300=1.00 total=42\n")  # before 5.13
+    write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
+    write_file(tmp_path, "proc/pressure/memory", PSI.format(some="0.00", full="0.00"))
+    write_file(tmp_path, "proc/pressure/io", PSI.format(some="4.50", full="2.25"))
+    write_file(tmp_path, "proc/pressure/cpu", "some avg10=12.00 avg60=3.00 avg300=1.00 total=42\n")  # before 5.13
     det = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0))  # the shared CI machine may be busy
     s = det.sample()
     assert s.events == [] and s.metrics["mem_available_pct"] == pytest.approx(50.0)
     assert 0.0 <= s.metrics["cpu_percent"] <= 100.0
     assert s.metrics["io_pressure_full_avg10"] == 2.25 and s.metrics["cpu_pressure_some_avg10"] == 12.0
     assert "cpu_pressure_full_avg10" not in s.metrics
-    write(tmp_path, "proc/meminfo", MEMINFO.format(avail=1000000))
-    write(tmp_path, "proc/pressure/memory", PSI.format(some="60.00", full="35.50"))
+    write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=1000000))
+    write_file(tmp_path, "proc/pressure/memory", PSI.format(some="60.00", full="35.50"))
     s = det.sample()
     assert sorted(e.kind for e in s.events) == ["host.memory_low", "host.memory_pressure"]
     assert all(e.action == Action.CHECKPOINT_NOW for e in s.events)
@@ -56,76 +51,55 @@ def test_host_memory_and_pressure(tmp_path) -> None:
 
 
 def test_host_malformed_files(tmp_path) -> None:
-    write(tmp_path, "proc/meminfo", "MemTotal:       65536000 kB\nMemFree: lots\n")
-    write(tmp_path, "proc/pressure/memory", "some avg10\n")
+    write_file(tmp_path, "proc/meminfo", "MemTotal:       65536000 kB\nMemFree: lots\n")
+    write_file(tmp_path, "proc/pressure/memory", "some avg10\n")
     events = []
     runner = DetectorRunner([HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0))],
                             on_event=events.append)
     runner.run_once()
     assert sorted(os.path.basename(e.subject) for e in events if e.kind == "detector.error") == ["meminfo", "memory"]
-    write(tmp_path, "proc/meminfo", "MemTotal:       65536000 kB\n")  # truncated: no MemAvailable
+    write_file(tmp_path, "proc/meminfo", "MemTotal:       65536000 kB\n")  # truncated: no MemAvailable
     os.remove(tmp_path / "proc/pressure/memory")  # no PSI support: silently skipped
     events.clear()
     runner.run_once()
     assert [e.evidence["reason"] for e in events if e.kind == "detector.error"] == ["no MemAvailable line (truncated?)"]
 
 
-def zone(root, n: int, temp_mc: int, trips: dict[str, int], ztype: str = "x86_pkg_temp") -> None:
-    z = f"sys/class/thermal/thermal_zone{n}"
-    write(root, f"{z}/type", ztype + "\n")
-    write(root, f"{z}/temp", f"{temp_mc}\n")
-    for i, (kind, t) in enumerate(trips.items()):
-        write(root, f"{z}/trip_point_{i}_type", kind + "\n")
-        write(root, f"{z}/trip_point_{i}_temp", f"{t}\n")
-
-
 def test_thermal_trip_points(tmp_path) -> None:
     trips = {"passive": 85000, "hot": 95000, "critical": 105000}
-    zone(tmp_path, 0, 45000, trips)
-    zone(tmp_path, 1, 30000, {}, "acpitz")
+    write_thermal_zone(tmp_path, 0, 45000, trips)
+    write_thermal_zone(tmp_path, 1, 30000, {}, "acpitz")
     det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
     s = det.sample()
     assert s.events == [] and s.metrics["max_temp_c"] == 45.0 and s.metrics["zones"] == 2.0
-    zone(tmp_path, 0, 101000, trips)
+    write_thermal_zone(tmp_path, 0, 101000, trips)
     s = det.sample()
     assert sorted(e.kind for e in s.events) == ["hw.temp_critical", "hw.temp_hot", "hw.temp_throttling"]
     crit = next(e for e in s.events if e.kind == "hw.temp_critical")
     assert crit.action == Action.CHECKPOINT_NOW and crit.subject == "thermal_zone0:x86_pkg_temp"
     assert s.state == DetectorState.FAILED
-    zone(tmp_path, 0, 50000, trips)
+    write_thermal_zone(tmp_path, 0, 50000, trips)
     assert sorted(e.kind for e in det.sample().events) == [
         "hw.temp_critical.cleared", "hw.temp_hot.cleared", "hw.temp_throttling.cleared"]
 
 
 def test_thermal_malformed_and_absent(tmp_path) -> None:
     assert ThermalDetector(ThermalConfig(root=str(tmp_path))).sample().state == DetectorState.NO_HARDWARE
-    zone(tmp_path, 0, 45000, {"critical": 105000})
-    write(tmp_path, "sys/class/thermal/thermal_zone0/temp", "")  # empty: sensor returned nothing
+    write_thermal_zone(tmp_path, 0, 45000, {"critical": 105000})
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/temp", "")  # empty: sensor returned nothing
     s = ThermalDetector(ThermalConfig(root=str(tmp_path))).sample()
     assert s.state == DetectorState.ERROR and "expected one integer" in s.detail
 
 
-def mc(root, n: int, ce: int, ue: int, dimms=((0, 0),)) -> None:
-    base = f"sys/devices/system/edac/mc/mc{n}"
-    write(root, f"{base}/ce_count", f"{ce}\n")
-    write(root, f"{base}/ue_count", f"{ue}\n")
-    write(root, f"{base}/ce_noinfo_count", "0\n")
-    write(root, f"{base}/mc_name", "Skylake Socket#0 IMC#0\n")
-    for i, (dce, due) in enumerate(dimms):
-        write(root, f"{base}/dimm{i}/dimm_ce_count", f"{dce}\n")
-        write(root, f"{base}/dimm{i}/dimm_ue_count", f"{due}\n")
-        write(root, f"{base}/dimm{i}/dimm_label", f"CPU_SrcID#0_MC#{n}_Chan#{i}_DIMM#0\n")
-
-
 def test_edac_uncorrectable_and_correctable_rate(tmp_path) -> None:
-    mc(tmp_path, 0, 0, 0)
-    mc(tmp_path, 1, 5, 0, dimms=((5, 0),))
+    write_edac_mc(tmp_path, 0, 0, 0)
+    write_edac_mc(tmp_path, 1, 5, 0, dimms=((5, 0),))
     det = EdacDetector(EdacConfig(root=str(tmp_path), ce_per_hour=100))
     s = det.sample()
     assert s.events == [] and s.metrics["ce_total"] == 5.0 and s.metrics["controllers"] == 2.0
     time.sleep(0.05)
-    mc(tmp_path, 0, 0, 1, dimms=((0, 1),))
-    mc(tmp_path, 1, 9, 0, dimms=((9, 0),))
+    write_edac_mc(tmp_path, 0, 0, 1, dimms=((0, 1),))
+    write_edac_mc(tmp_path, 1, 9, 0, dimms=((9, 0),))
     s = det.sample()
     by_kind = {e.kind: e for e in s.events}
     ue = by_kind["hw.memory_ue"]
@@ -137,8 +111,8 @@ def test_edac_uncorrectable_and_correctable_rate(tmp_path) -> None:
 
 def test_edac_malformed_and_absent(tmp_path) -> None:
     assert EdacDetector(EdacConfig(root=str(tmp_path))).sample().state == DetectorState.NO_HARDWARE
-    mc(tmp_path, 0, 0, 0)
-    write(tmp_path, "sys/devices/system/edac/mc/mc0/ue_count", "0x1\n")
+    write_edac_mc(tmp_path, 0, 0, 0)
+    write_file(tmp_path, "sys/devices/system/edac/mc/mc0/ue_count", "0x1\n")
     s = EdacDetector(EdacConfig(root=str(tmp_path))).sample()
     assert s.state == DetectorState.ERROR and len(s.errors) == 1
 
@@ -178,19 +152,19 @@ def test_disk_missing_path_and_bad_config(tmp_path) -> None:
 
 
 def test_disk_block_device_states(tmp_path) -> None:
-    write(tmp_path, "sys/class/nvme/nvme0/state", "live\n")
-    write(tmp_path, "sys/class/nvme/nvme1/state", "live\n")
-    write(tmp_path, "sys/block/sda/device/state", "running\n")
+    write_file(tmp_path, "sys/class/nvme/nvme0/state", "live\n")
+    write_file(tmp_path, "sys/class/nvme/nvme1/state", "live\n")
+    write_file(tmp_path, "sys/block/sda/device/state", "running\n")
     (tmp_path / "sys/block/loop0").mkdir(parents=True)  # no device/state: not checked
     det = DiskDetector(DiskConfig(root=str(tmp_path), paths=(str(tmp_path),)))
     s = det.sample()
     assert s.events == [] and s.metrics["block_devices_checked"] == 3.0
-    write(tmp_path, "sys/class/nvme/nvme1/state", "dead\n")
-    write(tmp_path, "sys/block/sda/device/state", "offline\n")
+    write_file(tmp_path, "sys/class/nvme/nvme1/state", "dead\n")
+    write_file(tmp_path, "sys/block/sda/device/state", "offline\n")
     s = det.sample()
     assert sorted((e.kind, e.subject) for e in s.events) == [
         ("disk.device_unhealthy", "block:sda"), ("disk.device_unhealthy", "nvme:nvme1")]
     assert s.state == DetectorState.FAILED and s.metrics["block_devices_unhealthy"] == 2.0
-    write(tmp_path, "sys/class/nvme/nvme0/state", "")
+    write_file(tmp_path, "sys/class/nvme/nvme0/state", "")
     s = det.sample()
     assert len(s.errors) == 1 and "state word" in s.errors[0].reason

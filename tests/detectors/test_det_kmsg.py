@@ -12,6 +12,7 @@ from trainguard.detectors.base import DetectorState
 from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.kmsg import KmsgConfig, KmsgDetector, parse_record
 from trainguard.detectors.runner import DetectorRunner
+from trainguard.testing.kmsg import append_kmsg, write_kmsg
 
 XID79 = "6,1201,5123456789,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python3, GPU has fallen off the bus."
 XID13 = "4,1202,5123456790,-;NVRM: Xid (PCI:0000:5e:00): 13, pid=4242, name=python3, Graphics SM Warp Exception"
@@ -21,18 +22,6 @@ MCE = "2,1204,5123456792,-;mce: [Hardware Error]: Machine check events logged"
 AER = ("3,1205,5123456793,-;pcieport 0000:00:03.0: AER: Uncorrected (Fatal) error received: 0000:3b:00.0\n"
        " SUBSYSTEM=pci\n DEVICE=+pci:0000:00:03.0")
 NOISE = "6,1206,5123456794,-;e1000e: eth0 NIC Link is Up 1000 Mbps Full Duplex"
-
-
-def fake_kmsg(tmp_path, *records: str) -> str:
-    dev = tmp_path / "dev"
-    dev.mkdir(exist_ok=True)
-    (dev / "kmsg").write_text("".join(r + "\n" for r in records))
-    return str(tmp_path)
-
-
-def append(tmp_path, *records: str) -> None:
-    with open(tmp_path / "dev" / "kmsg", "a") as f:
-        f.write("".join(r + "\n" for r in records))
 
 
 def test_parse_record_prefix_continuation_and_escapes() -> None:
@@ -47,10 +36,10 @@ def test_parse_record_prefix_continuation_and_escapes() -> None:
 
 
 def test_rules_turn_records_into_typed_events(tmp_path) -> None:
-    root = fake_kmsg(tmp_path)
+    root = write_kmsg(tmp_path)
     det = KmsgDetector(KmsgConfig(root=root))
     assert det.sample().events == []
-    append(tmp_path, XID79, XID13, OOM, MCE, AER, NOISE)
+    append_kmsg(tmp_path, XID79, XID13, OOM, MCE, AER, NOISE)
     s = det.sample()
     by_kind = {e.kind: e for e in s.events}
     assert [e.kind for e in s.events] == ["gpu.xid", "gpu.xid", "proc.oom_kill", "hw.mce_corrected", "pcie.aer_fatal"]
@@ -70,17 +59,17 @@ def test_rules_turn_records_into_typed_events(tmp_path) -> None:
 
 
 def test_existing_records_are_skipped_unless_replay(tmp_path) -> None:
-    root = fake_kmsg(tmp_path, OOM)
+    root = write_kmsg(tmp_path, OOM)
     assert KmsgDetector(KmsgConfig(root=root)).sample().events == []
     assert [e.kind for e in KmsgDetector(KmsgConfig(root=root, replay=True)).sample().events] == ["proc.oom_kill"]
 
 
 def test_unknown_xid_uses_the_default_entry_and_floods_are_deduplicated(tmp_path) -> None:
-    root = fake_kmsg(tmp_path)
+    root = write_kmsg(tmp_path)
     det = KmsgDetector(KmsgConfig(root=root, dedup_s=60))
     det.sample()
     line = "4,{},1,-;NVRM: Xid (PCI:0000:3b:00): 999, pid=1, name=x, something new"
-    append(tmp_path, *(line.format(i) for i in range(50)))
+    append_kmsg(tmp_path, *(line.format(i) for i in range(50)))
     s = det.sample()
     assert len(s.events) == 1 and s.events[0].evidence["xid_name"] == "unknown Xid"
     assert s.events[0].action == Action.WATCH
@@ -88,10 +77,10 @@ def test_unknown_xid_uses_the_default_entry_and_floods_are_deduplicated(tmp_path
 
 
 def test_malformed_and_truncated_records_yield_detector_error_events(tmp_path) -> None:
-    root = fake_kmsg(tmp_path)
+    root = write_kmsg(tmp_path)
     det = KmsgDetector(KmsgConfig(root=root))
     det.sample()
-    append(tmp_path, "garbage without prefix", "6,12", OOM)
+    append_kmsg(tmp_path, "garbage without prefix", "6,12", OOM)
     with open(tmp_path / "dev" / "kmsg", "a") as f:
         f.write("6,99,1,-;Out of memory: Killed proc")  # truncated: no newline yet, waits for the rest
     events = []
@@ -107,10 +96,10 @@ def test_malformed_and_truncated_records_yield_detector_error_events(tmp_path) -
 
 
 def test_only_malformed_records_put_the_detector_in_error_state(tmp_path) -> None:
-    root = fake_kmsg(tmp_path)
+    root = write_kmsg(tmp_path)
     det = KmsgDetector(KmsgConfig(root=root))
     det.sample()
-    append(tmp_path, "\x00\x01binary junk;")
+    append_kmsg(tmp_path, "\x00\x01binary junk;")
     s = det.sample()
     assert s.state == DetectorState.ERROR and len(s.errors) == 1 and "malformed record" in s.detail
 

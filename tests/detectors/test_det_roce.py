@@ -16,6 +16,7 @@ from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.errors import DetectorReadError
 from trainguard.detectors.roce import RoceConfig, RoceDetector
 from trainguard.detectors.runner import DetectorRunner
+from trainguard.testing.sysfs import write_rdma_port
 
 
 def next_event(q: "queue.Queue[HealthEvent]", kind: str, subject: str, timeout: float = 5.0) -> HealthEvent:
@@ -91,38 +92,15 @@ def test_ethtool_ioctl_reads_real_driver_statistics(veth_netns) -> None:
     assert "peer_ifindex" in stats and stats["peer_ifindex"] > 0  # veth's own statistic, from the kernel
 
 
-def build_rdma_tree(root, *, state="4: ACTIVE", symbol=0, link_downed=0, oos=0, rx_crc=0):
-    port = root / "sys/class/infiniband/mlx5_0/ports/1"
-    (port / "counters").mkdir(parents=True, exist_ok=True)
-    (port / "hw_counters").mkdir(exist_ok=True)
-    (port / "state").write_text(state + "\n")
-    (port / "phys_state").write_text("5: LinkUp\n")
-    (port / "link_layer").write_text("Ethernet\n")
-    (port / "rate").write_text("200 Gb/sec (4X HDR)\n")
-    for name, value in (("symbol_error", symbol), ("link_downed", link_downed), ("port_rcv_errors", 0),
-                        ("port_xmit_data", 123456789), ("link_error_recovery", 0)):
-        (port / "counters" / name).write_text(f"{value}\n")
-    for name, value in (("out_of_sequence", oos), ("packet_seq_err", 0), ("local_ack_timeout_err", 0),
-                        ("rnr_nak_retry_err", 0), ("np_cnp_sent", 0), ("rp_cnp_handled", 0), ("lifespan", 10)):
-        (port / "hw_counters" / name).write_text(f"{value}\n")
-    net = root / "sys/class/infiniband/mlx5_0/device/net/ens1f0np0"
-    net.mkdir(parents=True, exist_ok=True)
-    stats = root / "sys/class/net/ens1f0np0/statistics"
-    stats.mkdir(parents=True, exist_ok=True)
-    for name, value in (("rx_crc_errors", rx_crc), ("rx_errors", 0), ("tx_errors", 0), ("rx_dropped", 0),
-                        ("tx_dropped", 0), ("rx_bytes", 99)):
-        (stats / name).write_text(f"{value}\n")
-
-
 def test_rdma_counters_on_a_fake_tree(tmp_path) -> None:
-    build_rdma_tree(tmp_path)
+    write_rdma_port(tmp_path)
     det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
     det._listening = True  # the link table comes from the listener; this test is about counters only
     assert det.rdma_netdevs() == ["ens1f0np0"]
     s = det.sample()
     assert s.events == [] and s.metrics["port_active[mlx5_0/1]"] == 1.0
     time.sleep(0.05)
-    build_rdma_tree(tmp_path, link_downed=1, symbol=1000, oos=10**6, rx_crc=500)
+    write_rdma_port(tmp_path, link_downed=1, symbol=1000, oos=10**6, rx_crc=500)
     s = det.sample()
     kinds = sorted(e.kind for e in s.events)
     assert kinds == ["net.crc_errors", "roce.link_downed", "roce.out_of_sequence", "roce.symbol_errors"]
@@ -136,7 +114,7 @@ def test_rdma_counters_on_a_fake_tree(tmp_path) -> None:
 
 
 def test_port_not_active_and_malformed_files(tmp_path) -> None:
-    build_rdma_tree(tmp_path, state="1: DOWN")
+    write_rdma_port(tmp_path, state="1: DOWN")
     det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
     det._listening = True
     s = det.sample()
@@ -166,7 +144,7 @@ MLX5_ETHTOOL = """NIC statistics:
 
 
 def test_pfc_pause_storm_from_ethtool_statistics(tmp_path) -> None:
-    build_rdma_tree(tmp_path)
+    write_rdma_port(tmp_path)
     values = {"rx3": 0, "storm": 0}
 
     def fake_ethtool_s(ifname: str) -> dict[str, int]:

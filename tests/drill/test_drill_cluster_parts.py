@@ -12,7 +12,7 @@ import pytest
 from trainguard.detectors.events import Action
 from trainguard.detectors.pcie import PcieConfig, PcieDetector
 from trainguard.drill.errors import SoakError
-from trainguard.drill.fakehw import GPU, FakeNodeHardware
+from trainguard.testing.sysfs import GPU, FakeNodeHardware
 from trainguard.drill.netns import Fabric, netns_unavailable_reason
 from trainguard.drill.soak import CLUSTER_INJECTED, NO_NETNS_REASON, SoakConfig, plan_schedule
 from trainguard.drill.soak_cluster import first_log_match, log_time

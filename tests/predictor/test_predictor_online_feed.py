@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import subprocess
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -32,12 +30,15 @@ from trainguard.predictor.history import MetricHistory
 from trainguard.predictor.runtime import PredictorRuntime
 from trainguard.detectors.roce import RoceConfig, RoceDetector
 from trainguard.detectors.runner import DetectorRunner
-from trainguard.drill.fakehw import write_pci_device
+from trainguard.testing.kmsg import append_kmsg
+from trainguard.testing.netns import NetnsUnavailable, veth_pair
+from trainguard.testing.nvml import GpuBackendDouble
+from trainguard.testing.sysfs import write_pci_device, write_rdma_port
 
 # --- fake trees in the kernel's formats ----------------------------------------------------------------------
 
 ROOT_PORT, GPU0, GPU1 = "0000:00:03.0", "0000:3b:00.0", "0000:3c:00.0"
-pci_device = write_pci_device  # one PCI function in the kernel's sysfs formats
+pci_device = write_pci_device  # one PCI function in the kernel's sysfs formats (trainguard.testing)
 
 
 def pci_tree(root, gpu0_cor=0, gpu1_cor=0, gpu0_fatal=0, gpu0_width=16):
@@ -46,54 +47,15 @@ def pci_tree(root, gpu0_cor=0, gpu1_cor=0, gpu0_fatal=0, gpu0_width=16):
     pci_device(root, GPU1, cor={"BadTLP": gpu1_cor}, above=ROOT_PORT)
 
 
-def rdma_tree(root, state="4: ACTIVE", symbol=0, oos=0, ack_timeout=0, cnp=0, dev="mlx5_0"):
-    """/sys/class/infiniband/<dev>/ports/1/{state,counters,hw_counters}.
-
-    No backing netdev: with one, the detector (no listener runs here) would dump the link table over netlink at
-    each sample, slow on a loaded machine; link state from netlink is covered by the veth test.
-    """
-    port = root / "sys/class/infiniband" / dev / "ports/1"
-    (port / "counters").mkdir(parents=True, exist_ok=True)
-    (port / "hw_counters").mkdir(exist_ok=True)
-    (port / "state").write_text(state + "\n")
-    (port / "phys_state").write_text("5: LinkUp\n")
-    for name, value in (("symbol_error", symbol), ("link_downed", 0), ("port_rcv_errors", 0)):
-        (port / "counters" / name).write_text(f"{value}\n")
-    for name, value in (("out_of_sequence", oos), ("packet_seq_err", 0), ("local_ack_timeout_err", ack_timeout),
-                        ("rnr_nak_retry_err", 0), ("np_cnp_sent", 0), ("rp_cnp_handled", cnp)):
-        (port / "hw_counters" / name).write_text(f"{value}\n")
+def rdma_tree(root, dev="mlx5_0", **counters):
+    """An RDMA port without a backing netdev: with one, the detector (no listener runs here) would dump the link
+    table over netlink at each sample, slow on a loaded machine; link state from netlink is covered by the veth
+    test."""
+    write_rdma_port(root, device=dev, netdev=None, **counters)
 
 
 XID13 = "4,1202,5123456790,-;NVRM: Xid (PCI:0000:3b:00): 13, pid=4242, name=python3, Graphics SM Warp Exception"
 XID79 = "6,1203,5123456791,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, name=python3, GPU has fallen off the bus."
-
-
-def kmsg_append(root, *records: str) -> None:
-    dev = root / "dev"
-    dev.mkdir(exist_ok=True)
-    with open(dev / "kmsg", "a") as f:
-        f.write("".join(r + "\n" for r in records))
-
-
-class GpuBackendDouble:
-    """Stands in for NVML (no driver on this machine): readings and pending Xids are set by the test."""
-
-    def __init__(self, readings: list[GpuReading]) -> None:
-        self.readings = readings
-        self.xids: list[tuple[int, int]] = []
-
-    def device_count(self) -> int:
-        return len(self.readings)
-
-    def read(self, index: int, nvlink: bool) -> GpuReading:
-        return self.readings[index]
-
-    def xid_events(self) -> list[tuple[int, int]]:
-        out, self.xids = self.xids, []
-        return out
-
-    def close(self) -> None:
-        pass
 
 
 def gpu(index, pci, temp=50, sbe=0, dbe=0, throttle=0x1) -> GpuReading:
@@ -195,20 +157,11 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture
 def veth_ns():
     """A fresh network namespace holding an up veth pair (tgpa, tgpb); removed even when the test fails."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    ns = f"tgfeed-{uuid.uuid4().hex[:8]}"
-    if _ip("netns", "add", ns).returncode != 0:
-        pytest.skip("cannot create a network namespace here")
     try:
-        for cmd in (("link", "add", "tgpa", "type", "veth", "peer", "name", "tgpb"), ("link", "set", "tgpa", "up"),
-                    ("link", "set", "tgpb", "up")):
-            done = _ip("-n", ns, *cmd)
-            if done.returncode != 0:
-                pytest.skip(f"cannot set up a veth pair: {done.stderr.strip()}")
-        yield ns
-    finally:
-        _ip("netns", "del", ns)
+        with veth_pair("tgfeed", "tgpa", "tgpb") as (ns, _, _):
+            yield ns
+    except NetnsUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.mark.netns
@@ -256,7 +209,7 @@ def test_real_link_down_is_nic_down_and_counts_carrier_changes(veth_ns, tmp_path
 
 
 def test_xids_from_kernel_log_and_nvml_counted_once(tmp_path):
-    kmsg_append(tmp_path)
+    append_kmsg(tmp_path)
     backend = GpuBackendDouble([gpu(0, GPU0, temp=55, sbe=3, throttle=0x1), gpu(1, GPU1, temp=71, sbe=4, dbe=1)])
     node = Node([KmsgDetector(KmsgConfig(root=str(tmp_path))), NvidiaDetector(NvidiaConfig(), backend=backend)])
     try:
@@ -265,13 +218,13 @@ def test_xids_from_kernel_log_and_nvml_counted_once(tmp_path):
         assert not s.alarm and smp["gpu_xid_79_total"] == 0.0 and smp["gpu_xid_total"] == 0.0
         assert (smp["gpu_ecc_sbe_total"], smp["gpu_ecc_dbe_total"], smp["gpu_temp_c"]) == (7.0, 1.0, 71.0)
         assert smp["gpu_throttle_frac"] == 0.0  # 0x1 is GpuIdle: policy, not trouble
-        kmsg_append(tmp_path, XID13)
+        append_kmsg(tmp_path, XID13)
         backend.xids = [(0, 13)]  # NVML sees the same Xid as the kernel log: counted once
         backend.readings[1] = gpu(1, GPU1, temp=71, sbe=4, dbe=1, throttle=0x40)  # HW thermal slowdown
         assert not node.tick(2.0).alarm
         smp = node.monitor.last_sample
         assert smp["gpu_xid_13_total"] == 1.0 and smp["gpu_xid_total"] == 1.0 and smp["gpu_throttle_frac"] == 1.0
-        kmsg_append(tmp_path, XID79)
+        append_kmsg(tmp_path, XID79)
         s = node.tick(3.0)
         assert s.alarm and [h.rule for h in s.rule_hits] == ["xid79-fell-off-bus"]
         smp = node.monitor.last_sample

@@ -3,7 +3,7 @@
 ``trainguard drill --nodes N`` runs the drill's training job as a multi-node job: a ``trainguard coordinator``
 process, ``N`` node agents (``trainguard run --coordinator``, one worker each) and ``spares`` spare agents, each
 node in its own network namespace (:mod:`trainguard.drill.netns`: a management link for the coordinator, a data
-link for the collectives) with its own fake PCIe hardware tree (:mod:`trainguard.drill.fakehw`) that the agent's
+link for the collectives) with its own fake PCIe hardware tree (:mod:`trainguard.testing.sysfs`) that the agent's
 real PCIe detector and predictor read. That makes every fault class of the StepFun trace injectable for real:
 
 =============  =====================================================================================
@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainguard.drill.errors import SoakError
-from trainguard.drill.fakehw import FakeNodeHardware
+from trainguard.testing.sysfs import FakeNodeHardware
 from trainguard.drill.netns import Fabric, NodeNet
 from trainguard.drill.soak import (
     CLUSTER_HEARTBEAT_S,
