@@ -10,7 +10,8 @@ Record format (Documentation/ABI/testing/dev-kmsg)::
 none is pending, ``EPIPE`` that records were overwritten before we read them. A regular file under a fake root
 is read as a sequence of records, so tests use the same parser.
 
-Patterns live in ``rules/kmsg.json``; Xid codes map to actions through ``rules/xid.json``.
+Patterns live in ``rules/kmsg.json``; Xid codes map to actions through the fault
+facts' ``xid.json`` (:mod:`trainguard.faultfacts.xid`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import ClassVar
 from trainguard.detectors.base import Detector, DetectorConfig, DetectorState, Sample, register_detector
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Severity
-from trainguard.detectors.rules import KmsgRule, XidEntry, load_kmsg_rules, load_xid_catalog
+from trainguard.detectors.rules import KmsgRule, load_kmsg_rules
+from trainguard.faultfacts.xid import XidEntry, load_xid_catalog
 
 _PREFIX = re.compile(r"^(\d+),(\d+),(\d+),([^,;]*)(?:,[^;]*)?$")
 _ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")

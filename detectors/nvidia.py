@@ -1,7 +1,7 @@
 """NVIDIA GPU and NVLink detectors through NVML (``nvidia-ml-py``, imported only when the detector starts).
 
 ``nvidia`` reports per GPU: fallen off the bus (``NVML_ERROR_GPU_IS_LOST``), Xid critical errors (NVML event
-set, mapped to actions by ``rules/xid.json``), volatile/aggregate ECC counts, retired pages and remapped rows
+set, mapped to actions by the fault facts' ``xid.json``), volatile/aggregate ECC counts, retired pages and remapped rows
 (pending, failed), clock throttle reasons, and temperature against the GPU's own slowdown threshold.
 ``nvlink`` reports link state and the data-link error counters (replay, recovery, CRC) of every NVLink.
 
@@ -22,7 +22,7 @@ from trainguard.detectors.base import Detector, DetectorConfig, Sample, register
 from trainguard.detectors.counters import CounterTracker
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.rules import load_xid_catalog
+from trainguard.faultfacts.xid import load_xid_catalog
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,8 @@ Files (one schema each, named by :data:`SCHEMAS`):
     Kernel log patterns: ``{"rules": [{"name", "pattern", "kind", "severity", "action", "message",
     "subject"?, "lookup"?}]}``. ``pattern`` is a Python regex searched in the record's message; ``message`` is a
     ``str.format`` template over the pattern's named groups; ``subject`` names the group that identifies the
-    device or process; ``lookup: "xid"`` takes severity and action from ``xid.json`` by the ``xid`` group.
-``xid.json``
-    NVIDIA Xid codes: ``{"default": {...}, "codes": {"79": {"name", "severity", "action", "nvidia_action",
-    "description"}}}``; ``nvidia_action`` is the resolution bucket of NVIDIA's Xid catalog (RESTART_APP,
-    RESET_GPU, RESTART_BM, IGNORE, CONTACT_SUPPORT...) and ``action`` our reaction to it.
+    device or process; ``lookup: "xid"`` takes severity and action from the Xid table by the ``xid`` group (the
+    fault facts' ``xid.json``: :mod:`trainguard.faultfacts.xid`).
 ``counters.json``
     Counter thresholds: ``{"rules": [{"source", "counter", "mode", "threshold", "kind", "severity", "action",
     "description"}]}``; ``source`` is ``ib_counters``, ``ib_hw_counters``, ``netdev`` or ``ethtool``;
@@ -22,7 +19,6 @@ Operators may pass their own file of the same schema in a detector's config; it 
 
 from __future__ import annotations
 
-import json
 import re
 import string
 from dataclasses import dataclass
@@ -31,6 +27,7 @@ from typing import Any
 
 from trainguard.detectors.errors import RuleFileError
 from trainguard.detectors.events import Action, Severity
+from trainguard.faultfacts import FactFileError, check_fields, read_fact_file
 
 _KIND = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
 
@@ -58,27 +55,6 @@ class KmsgRule:
     message: str
     subject: str = ""
     lookup: str = ""
-
-
-@dataclass(frozen=True)
-class XidEntry:
-    """What an Xid code means and what to do.
-
-    Attributes:
-        code: the Xid number.
-        name: short name.
-        severity: event severity.
-        action: our recommended action.
-        nvidia_action: NVIDIA's resolution bucket.
-        description: one line.
-    """
-
-    code: int
-    name: str
-    severity: Severity
-    action: Action
-    nvidia_action: str
-    description: str
 
 
 @dataclass(frozen=True)
@@ -120,35 +96,22 @@ class CounterRule:
 
 
 #: File name -> loader of that schema; the shipped-rules test validates every file through it.
-SCHEMAS = ("kmsg.json", "xid.json", "counters.json")
+SCHEMAS = ("kmsg.json", "counters.json")
 COUNTER_SOURCES = ("ib_counters", "ib_hw_counters", "netdev", "ethtool")
 
 
 def _read(path: str | None, default_name: str) -> tuple[str, Any]:
     try:
-        if path:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            label = path
-        else:
-            text = resources.files(__name__).joinpath(default_name).read_text(encoding="utf-8")
-            label = f"{__name__}/{default_name}"
-    except OSError as exc:
-        raise RuleFileError(f"rule file {path or default_name} cannot be read: {exc}; check the path") from exc
-    try:
-        return label, json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RuleFileError(f"rule file {label} is not valid JSON: {exc}; fix the syntax") from exc
+        return read_fact_file(path, default_name, package=__name__)
+    except FactFileError as exc:
+        raise RuleFileError(str(exc).replace("fact file", "rule file", 1)) from exc
 
 
 def _fields(label: str, where: str, obj: Any, required: set[str], optional: set[str] = frozenset()) -> dict:
-    if not isinstance(obj, dict):
-        raise RuleFileError(f"{label}: {where} must be an object")
-    missing = required - set(obj)
-    unknown = set(obj) - required - optional
-    if missing or unknown:
-        raise RuleFileError(f"{label}: {where} has missing fields {sorted(missing)} / unknown fields {sorted(unknown)}")
-    return obj
+    try:
+        return check_fields(label, where, obj, required, optional)
+    except FactFileError as exc:
+        raise RuleFileError(str(exc)) from exc
 
 
 def _enums(label: str, where: str, obj: dict) -> tuple[Severity, Action]:
@@ -210,35 +173,6 @@ def load_kmsg_rules(path: str | None = None) -> list[KmsgRule]:
     return rules
 
 
-def load_xid_catalog(path: str | None = None) -> tuple[dict[int, XidEntry], XidEntry]:
-    """Loads the Xid catalog.
-
-    Args:
-        path: an operator's file; the shipped ``xid.json`` when None.
-
-    Returns:
-        ``(code -> entry, default entry for unknown codes)``.
-
-    Raises:
-        RuleFileError: unreadable file or an invalid entry.
-    """
-    label, data = _read(path, "xid.json")
-    _fields(label, "top level", data, {"default", "codes"}, {"comment", "source"})
-    keys = {"name", "severity", "action", "nvidia_action", "description"}
-
-    def entry(code: int, raw: Any) -> XidEntry:
-        e = _fields(label, f"xid {code}", raw, keys)
-        severity, action = _enums(label, f"xid {code}", e)
-        return XidEntry(code, str(e["name"]), severity, action, str(e["nvidia_action"]), str(e["description"]))
-
-    codes: dict[int, XidEntry] = {}
-    for key, raw in data["codes"].items():
-        if not key.isdigit():
-            raise RuleFileError(f"{label}: Xid code {key!r} must be a decimal number")
-        codes[int(key)] = entry(int(key), raw)
-    return codes, entry(0, data["default"])
-
-
 def load_counter_rules(path: str | None = None) -> list[CounterRule]:
     """Loads counter threshold rules.
 
@@ -276,7 +210,7 @@ def load_counter_rules(path: str | None = None) -> list[CounterRule]:
 
 
 #: Loader of each shipped file, by file name.
-LOADERS = {"kmsg.json": load_kmsg_rules, "xid.json": load_xid_catalog, "counters.json": load_counter_rules}
+LOADERS = {"kmsg.json": load_kmsg_rules, "counters.json": load_counter_rules}
 
 
 def shipped_rule_files() -> list[str]:

@@ -7,12 +7,10 @@ import json
 import pytest
 
 from trainguard.detectors.errors import RuleFileError
-from trainguard.detectors.events import Action
 from trainguard.detectors.rules import (
     LOADERS,
     load_counter_rules,
     load_kmsg_rules,
-    load_xid_catalog,
     shipped_rule_files,
 )
 
@@ -22,15 +20,6 @@ def test_every_shipped_rule_file_has_a_schema_and_validates() -> None:
     assert set(files) == set(LOADERS), f"rule files without a loader: {set(files) - set(LOADERS)}"
     for name in files:
         assert LOADERS[name](), f"{name} loaded empty"
-
-
-def test_xid_catalog_covers_the_codes_that_end_training() -> None:
-    codes, default = load_xid_catalog()
-    for code in (48, 79, 95, 119, 140):
-        assert codes[code].action == Action.DRAIN_NODE, code
-    for code in (13, 31, 43, 94):
-        assert codes[code].action == Action.RESTART_PROCESS, code
-    assert default.action == Action.WATCH
 
 
 def write(tmp_path, data) -> str:
@@ -71,12 +60,7 @@ def test_kmsg_rule_names_unique_and_json_syntax(tmp_path) -> None:
         load_kmsg_rules(str(tmp_path / "missing.json"))
 
 
-def test_xid_and_counter_validation_reject(tmp_path) -> None:
-    entry = {"name": "n", "severity": "error", "action": "watch", "nvidia_action": "IGNORE", "description": "d"}
-    with pytest.raises(RuleFileError, match="decimal"):
-        load_xid_catalog(write(tmp_path, {"default": entry, "codes": {"x1": entry}}))
-    with pytest.raises(RuleFileError, match="missing fields"):
-        load_xid_catalog(write(tmp_path, {"default": entry, "codes": {"1": {"name": "n"}}}))
+def test_counter_validation_rejects(tmp_path) -> None:
     rule = {"source": "ib_counters", "counter": "symbol_error", "mode": "rate", "threshold": 1, "kind": "a.b",
             "severity": "warning", "action": "watch", "description": "d"}
     assert load_counter_rules(write(tmp_path, {"rules": [rule]}))[0].matches("symbol_error")

@@ -17,7 +17,7 @@ from trainguard.drill.components import (
 )
 from trainguard.drill.errors import ComponentsError, TraceError
 from trainguard.drill.ettr import JobSize, build_timeline, evaluate, optimise_interval, simulate, young_daly
-from trainguard.drill.taxonomy import LLAMA3_CATEGORIES, FaultClass, classify_stepfun
+from trainguard.faultfacts.taxonomy import LLAMA3_CATEGORIES, FaultClass, classify_stepfun
 from trainguard.drill.trace import DAY_S, Fault, FaultTrace, llama3_trace, load_stepfun, poisson_trace, trace_dir
 
 STEPFUN = trace_dir()

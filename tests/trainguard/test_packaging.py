@@ -47,6 +47,9 @@ def test_wheel_carries_package_data_and_the_trace_with_its_license(wheel: Path) 
     for name in ("trainguard/__main__.py", "trainguard/py.typed", "trainguard/examples/train.py",
                  "trainguard/deploy/agent.toml", "trainguard/deploy/trainguard-agent.service",
                  "trainguard/drill/data/stepfun/fault_trace.json", "trainguard/drill/data/stepfun/LICENSE",
+                 "trainguard/faultfacts/xid.json", "trainguard/faultfacts/taxonomy.json",
+                 "trainguard/detectors/rules/kmsg.json", "trainguard/predictor/rules.json",
+                 "trainguard/testing/sysfs.py",
                  f"trainguard-{__version__}.dist-info/licenses/LICENSE"):
         assert name in names, name
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from trainguard.drill.errors import ComponentsError
-from trainguard.drill.taxonomy import FaultClass, RecoveryLevel
+from trainguard.faultfacts.taxonomy import FaultClass, RecoveryLevel
 
 #: Collective timeout of the baseline, seconds: torch's ``default_pg_timeout`` (30 min).
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0

@@ -29,7 +29,7 @@ import numpy as np
 
 from trainguard.drill.components import Components
 from trainguard.drill.errors import ComponentsError
-from trainguard.drill.taxonomy import FaultClass, RecoveryLevel
+from trainguard.faultfacts.taxonomy import FaultClass, RecoveryLevel
 from trainguard.drill.trace import GPUS_PER_NODE, FaultTrace
 
 

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainguard.drill.errors import SoakError
-from trainguard.drill.taxonomy import FaultClass
+from trainguard.faultfacts.taxonomy import FaultClass
 from trainguard.drill.trace import FaultTrace, load_stepfun
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import time
 from trainguard.drill.components import Components, baseline_defaults, trainguard_defaults
 from trainguard.drill.ettr import JobSize, build_timeline, cumulative_useful, evaluate, simulate
 from trainguard.drill.soak import SoakReport
-from trainguard.drill.taxonomy import FaultClass
+from trainguard.faultfacts.taxonomy import FaultClass
 from trainguard.drill.trace import Fault, FaultTrace, llama3_trace, load_stepfun
 
 

@@ -12,7 +12,7 @@ Figures used (and where they come from):
   GPUs per server. The span used is the time of the last event (348.98 days).
 - Llama 3 (Dubey et al. 2024, section 3.3.4 and Table 5): 419 unexpected interruptions in a 54-day snapshot of
   pre-training on 16,384 H100 GPUs (2,048 servers of 8), with the root causes in
-  :data:`~trainguard.drill.taxonomy.LLAMA3_CATEGORIES`. We model it as a Poisson process at that rate with
+  :data:`~trainguard.faultfacts.taxonomy.LLAMA3_CATEGORIES`. We model it as a Poisson process at that rate with
   the categories' shares.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trainguard.drill.errors import TraceError
-from trainguard.drill.taxonomy import LLAMA3_CATEGORIES, FaultClass, classify_stepfun
+from trainguard.faultfacts.taxonomy import LLAMA3_CATEGORIES, FaultClass, classify_stepfun
 
 DAY_S = 86_400.0
 
@@ -164,7 +164,7 @@ def load_stepfun(path: str | os.PathLike | None = None) -> FaultTrace:
 
     Returns:
         One :class:`Fault` per ``fault_start`` event, classified with
-        :func:`~trainguard.drill.taxonomy.classify_stepfun`, on a population of 400 nodes.
+        :func:`~trainguard.faultfacts.taxonomy.classify_stepfun`, on a population of 400 nodes.
 
     Raises:
         TraceError: the file is missing, not JSON, has no faults, or holds an entry we cannot classify.
@@ -201,7 +201,7 @@ def load_stepfun(path: str | os.PathLike | None = None) -> FaultTrace:
         fc = classify_stepfun(level, cls, desc)
         if fc is None:
             raise TraceError(f"{file}: event {i}: no fault class for {level}/{cls}/{desc}; add it to "
-                             "trainguard.drill.taxonomy.STEPFUN_CLASSES")
+                             "trainguard.faultfacts.taxonomy.STEPFUN_CLASSES")
         faults.append(Fault(time_s=t, fault_class=fc, label=f"{level}/{cls}/{desc}", node=str(ev.get("node_id", ""))))
     if not faults:
         raise TraceError(f"{file}: no fault_start events; is this the StepFun fault trace?")
@@ -230,7 +230,7 @@ def poisson_trace(
         nodes: population (>= 1).
         days: span (> 0), days.
         classes: fault class (or its label) -> relative weight (> 0); labels map through
-            :data:`~trainguard.drill.taxonomy.LLAMA3_CATEGORIES` when they are not a class name.
+            :data:`~trainguard.faultfacts.taxonomy.LLAMA3_CATEGORIES` when they are not a class name.
         seed: RNG seed; the same arguments give the same trace.
         source: where the figures come from.
 
