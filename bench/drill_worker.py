@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import trainguard
+from trainguard.worker_env import WorkerEnv
 
 
 def main() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
     out, steps, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = WorkerEnv.from_env().restart_count
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Linear(32, 32))
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
