@@ -11,6 +11,7 @@ import pytest
 
 from trainguard.detectors.base import DEFAULT_DETECTORS, create_detectors, detector_names
 from trainguard.detectors.settings import DetectorSettings
+from trainguard.testing.sysfs import write_file, write_thermal_zone
 from trainguard.detectors.errors import DetectorConfigError
 from trainguard.detectors.roce import RoceConfig
 
@@ -22,16 +23,9 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_detect_json_on_a_fake_tree(tmp_path) -> None:
-    z = tmp_path / "sys/class/thermal/thermal_zone0"
-    z.mkdir(parents=True)
-    (z / "type").write_text("x86_pkg_temp\n")
-    (z / "temp").write_text("99000\n")
-    (z / "trip_point_0_type").write_text("hot\n")
-    (z / "trip_point_0_temp").write_text("95000\n")
-    mc = tmp_path / "sys/devices/system/edac/mc/mc0"
-    mc.mkdir(parents=True)
-    (mc / "ce_count").write_text("0\n")
-    (mc / "ue_count").write_text("garbage\n")
+    write_thermal_zone(tmp_path, 0, 99000, {"hot": 95000})
+    write_file(tmp_path, "sys/devices/system/edac/mc/mc0/ce_count", "0\n")
+    write_file(tmp_path, "sys/devices/system/edac/mc/mc0/ue_count", "garbage\n")  # malformed: an error state
     done = run("detect", "--json", "--window", "0", "--root", str(tmp_path), "--only", "thermal,edac,pcie")
     assert done.returncode == 1, done.stderr  # a failed detector makes the probe fail
     out = json.loads(done.stdout)
