@@ -22,17 +22,14 @@ from trainguard.detectors.base import Detector, DetectorConfig, Sample, register
 from trainguard.detectors.counters import CounterTracker
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
+from trainguard.faultfacts.throttle import load_bad_throttle_reasons
 from trainguard.faultfacts.xid import load_xid_catalog
 
 log = logging.getLogger(__name__)
 
-#: Throttle reason bits (nvmlClocksEventReason*) that mean trouble, not policy; name -> bit.
-BAD_THROTTLE_REASONS = {
-    "HwSlowdown": 0x8,
-    "SwThermalSlowdown": 0x20,
-    "HwThermalSlowdown": 0x40,
-    "HwPowerBrakeSlowdown": 0x80,
-}
+#: Throttle reason bits (nvmlClocksEventReason*) that mean trouble, not policy; name -> bit (fault facts'
+#: ``throttle.json``).
+BAD_THROTTLE_REASONS = load_bad_throttle_reasons()
 
 
 @dataclass(frozen=True)

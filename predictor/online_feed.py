@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainguard.detectors.events import HealthEvent
-from trainguard.detectors.nvidia import BAD_THROTTLE_REASONS
+from trainguard.faultfacts.throttle import load_bad_throttle_reasons
 from trainguard.predictor.catalog import BY_NAME
 from trainguard.predictor.runtime import PredictorRuntime, Score
 
@@ -57,7 +57,7 @@ class Aggregate(enum.Enum):
 
 
 _BAD_THROTTLE_MASK = 0
-for _bit in BAD_THROTTLE_REASONS.values():
+for _bit in load_bad_throttle_reasons().values():
     _BAD_THROTTLE_MASK |= _bit
 
 

@@ -12,9 +12,11 @@ import pytest
 from trainguard.detectors.events import Action
 from trainguard.faultfacts import FactFileError, shipped_fact_files
 from trainguard.faultfacts.taxonomy import FaultClass, classify_stepfun, load_taxonomy
+from trainguard.faultfacts.throttle import load_bad_throttle_reasons
 from trainguard.faultfacts.xid import load_xid_catalog
 
-LOADERS = {"xid.json": load_xid_catalog, "taxonomy.json": load_taxonomy}
+LOADERS = {"xid.json": load_xid_catalog, "taxonomy.json": load_taxonomy,
+           "throttle.json": load_bad_throttle_reasons}
 
 
 def write(tmp_path, data) -> str:
@@ -49,6 +51,11 @@ def test_the_predictor_rules_act_only_on_xids_the_table_says_end_training() -> N
         assert code in codes and codes[code].action == Action.DRAIN_NODE, (code, codes.get(code))
 
 
+def test_throttle_bits_are_nvml_s() -> None:
+    assert load_bad_throttle_reasons() == {"HwSlowdown": 0x8, "SwThermalSlowdown": 0x20, "HwThermalSlowdown": 0x40,
+                                           "HwPowerBrakeSlowdown": 0x80}
+
+
 def test_taxonomy_classifies_by_most_specific_key() -> None:
     assert classify_stepfun("Hardware Failure", "GPU", "GPU Lost") == FaultClass.NODE_FAULT
     assert classify_stepfun("Hardware Failure", "Fan", "anything") == FaultClass.DEGRADED
@@ -65,6 +72,8 @@ def test_bad_fact_files_are_refused_naming_file_and_entry(tmp_path) -> None:
         load_xid_catalog(write(tmp_path, {"default": entry, "codes": {"1": {**entry, "action": "reboot"}}}))
     with pytest.raises(FactFileError, match="not valid JSON"):
         load_xid_catalog(write(tmp_path, "{"))
+    with pytest.raises(FactFileError, match="bit 12 must be a single bit"):
+        load_bad_throttle_reasons(write(tmp_path, {"bad_reasons": {"X": {"bit": 12, "description": "d"}}}))
     row = {"level": "L", "class": "C", "fault_class": "crash"}
     llama = {"categories": []}
     with pytest.raises(FactFileError, match="fault_class 'meltdown' is not one of"):

@@ -48,6 +48,7 @@ def test_wheel_carries_package_data_and_the_trace_with_its_license(wheel: Path) 
                  "trainguard/deploy/agent.toml", "trainguard/deploy/trainguard-agent.service",
                  "trainguard/drill/data/stepfun/fault_trace.json", "trainguard/drill/data/stepfun/LICENSE",
                  "trainguard/faultfacts/xid.json", "trainguard/faultfacts/taxonomy.json",
+                 "trainguard/faultfacts/throttle.json",
                  "trainguard/detectors/rules/kmsg.json", "trainguard/predictor/rules.json",
                  "trainguard/testing/sysfs.py",
                  f"trainguard-{__version__}.dist-info/licenses/LICENSE"):

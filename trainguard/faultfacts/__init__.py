@@ -7,6 +7,9 @@ every shipped file (``tests/trainguard/test_faultfacts.py``):
     NVIDIA Xid codes: name, severity, NVIDIA's resolution bucket and trainguard's action. Read by the ``nvidia``
     and ``kmsg`` detectors (an operator may pass a replacement file of the same schema); the predictor's rules
     tier acts on the codes the table says end training (a test keeps ``predictor/rules.json`` in step).
+``throttle.json`` (:mod:`trainguard.faultfacts.throttle`)
+    The NVML clock throttle reasons that mean trouble rather than policy. Read by the ``nvidia`` detector and the
+    predictor's detector feed.
 ``taxonomy.json`` (:mod:`trainguard.faultfacts.taxonomy`)
     How the faults of public traces (StepFun's fault trace, Llama 3's interruption table) map onto fault classes.
     Read by the drill's ETTR model and trace loader; the predictor's trace generator keys its precursors by the
