@@ -750,8 +750,8 @@ class NodeAgent:
         Raises:
             TrainguardError: the model or history file is unusable (named in the message).
         """
-        from trainguard.predictor.online_feed import PredictorMonitor
         from trainguard.predictor.history import MetricHistory
+        from trainguard.predictor.online_feed import PredictorMonitor
         from trainguard.predictor.runtime import PredictorRuntime
 
         history = MetricHistory(history_path) if history_path else None
