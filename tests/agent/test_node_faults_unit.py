@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.testing.sysfs import GPU, write_gpu
 from trainguard.agent.node_faults import NodeReportLedger, hardware_cause, hardware_detector_names
 from trainguard.detectors.base import create_detectors
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.runner import DetectorRunner
 from trainguard.proto import coordinator_pb2
+from trainguard.testing.sysfs import GPU, write_gpu
 
 
 class Pending:

@@ -15,8 +15,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from trainguard.testing.sysfs import GPU, write_gpu
 from tg_testutil import REPO
+
+from trainguard.testing.sysfs import GPU, write_gpu
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 

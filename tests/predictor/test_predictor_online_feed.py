@@ -14,6 +14,14 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainguard.agent.metrics import AgentMetrics
+from trainguard.detectors.events import Action, HealthEvent, Severity
+from trainguard.detectors.kmsg import KmsgConfig, KmsgDetector
+from trainguard.detectors.nvidia import GpuReading, NvidiaConfig, NvidiaDetector
+from trainguard.detectors.pcie import PcieConfig, PcieDetector
+from trainguard.detectors.roce import RoceConfig, RoceDetector
+from trainguard.detectors.runner import DetectorRunner
+from trainguard.predictor.catalog import BY_NAME
+from trainguard.predictor.history import MetricHistory
 from trainguard.predictor.online_feed import (
     CATALOG_MAPPINGS,
     RATE_INTEGRALS,
@@ -21,15 +29,7 @@ from trainguard.predictor.online_feed import (
     RateIntegrator,
     detector_metrics_to_catalog,
 )
-from trainguard.detectors.events import Action, HealthEvent, Severity
-from trainguard.detectors.kmsg import KmsgConfig, KmsgDetector
-from trainguard.detectors.nvidia import GpuReading, NvidiaConfig, NvidiaDetector
-from trainguard.detectors.pcie import PcieConfig, PcieDetector
-from trainguard.predictor.catalog import BY_NAME
-from trainguard.predictor.history import MetricHistory
 from trainguard.predictor.runtime import PredictorRuntime
-from trainguard.detectors.roce import RoceConfig, RoceDetector
-from trainguard.detectors.runner import DetectorRunner
 from trainguard.testing.kmsg import append_kmsg
 from trainguard.testing.netns import NetnsUnavailable, veth_pair
 from trainguard.testing.nvml import GpuBackendDouble
