@@ -26,6 +26,7 @@ from trainguard.agent.standby import StandbyPool
 from trainguard.agent.step_timing import TimingRelay, stack_evidence
 from trainguard.agent.workers import WorkerGroup, WorkerState, describe_exit
 from trainguard.proto import agent_pb2, common_pb2
+from trainguard.worker_env import ERROR_FILE_ENV
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainguard.agent.node import NodeConfig
@@ -274,7 +275,7 @@ class LocalSupervisor:
             rec = FaultRecord(
                 generation=self._generation, rank=w.spec.rank, cause=describe_exit(w.exit_code),
                 injected_at=self.injected_at(w.spec.rank), detected_at=time.time(),
-                error=read_error_file(w.spec.env.get("TORCHELASTIC_ERROR_FILE")),
+                error=read_error_file(w.spec.env.get(ERROR_FILE_ENV)),
             )
             self.fault_records.append(rec)
             self._fail()
