@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from trainguard.agent.errors import AgentError
+from trainguard.agent.qualify.config import QualifyConfigError, QualifySection
 from trainguard.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -254,6 +255,7 @@ class AgentConfig:
     detectors: DetectorsSection = field(default_factory=DetectorsSection)
     predictor: PredictorSection = field(default_factory=PredictorSection)
     coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
+    qualify: QualifySection = field(default_factory=QualifySection)  # trainguard.agent.qualify
     source: str = field(default="", compare=False)
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -454,6 +456,10 @@ class AgentConfig:
         for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
             if getattr(c, key):
                 _check_readable(getattr(c, key), f"coordinator.{key}", fail)
+        try:
+            self.qualify.validate()
+        except QualifyConfigError as exc:
+            raise AgentConfigError(f"{src}: {exc}") from exc
 
     def detector_names(self) -> list[str]:
         """The detectors to run: ``detectors.enabled`` with ``"all"`` expanded to the default set."""

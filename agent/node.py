@@ -47,6 +47,8 @@ from trainguard.agent.generation import (  # noqa: F401 (the env names are re-ex
     worker_specs,
 )
 from trainguard.agent.node_faults import NodeReportLedger, hardware_cause, hardware_detector_names
+from trainguard.agent.qualify.agent_side import NodeQualifier
+from trainguard.agent.qualify.config import QualifySection
 from trainguard.agent.standby import StandbyPool
 from trainguard.agent.step_timing import FailSlowView, TimingRelay, stack_evidence
 from trainguard.agent.workers import WorkerGroup, WorkerState, describe_exit
@@ -107,6 +109,8 @@ class NodeConfig:
             (:mod:`trainguard.agent.worker_store`); else rank 0 hosts it. Default True.
         standby_after_s: arm the warm standbys once the generation has run this long even if no worker reported
             a step through the hook (plain scripts never do). Default 3.0.
+        qualify: ``[qualify]`` settings: the node qualifies before it registers and, while idle, again every
+            ``recheck_s`` (:mod:`trainguard.agent.qualify`); None: it does not.
         coordinator_channel: opens the channel to ``coordinator`` (TLS, client certificate and job token of
             :class:`trainguard.recovery.rpc_security.RpcSecurity`); None dials plaintext without a token.
     """
@@ -145,6 +149,7 @@ class NodeConfig:
     host_store: bool = True
     standby_after_s: float = 3.0
     coordinator_channel: Callable[[str], grpc.Channel] | None = None
+    qualify: QualifySection | None = None
 
 
 def find_free_port(address: str) -> int:
@@ -220,6 +225,7 @@ class NodeAgent:
         self.timing = TimingRelay()
         self.failslow = FailSlowView(config.node_id)
         self._stack_requests: set[str] = set()
+        self.qualifier = NodeQualifier.for_node(config)  # pre-flight check sent at registration
 
     # -- state served to workers and operators ---------------------------------------------------------------
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
@@ -420,7 +426,8 @@ class NodeAgent:
                 resp = self._stub.RegisterNode(
                     coordinator_pb2.RegisterNodeRequest(job=self.config.job, node=self._node_info(),
                                                         free_port=find_free_port(self.config.address),
-                                                        agent_instance=self._instance),
+                                                        agent_instance=self._instance,
+                                                        qualification=self.qualifier.registration()),
                     timeout=_RPC_TIMEOUT_S,
                 )
                 self._lease = resp.lease_id
@@ -465,6 +472,7 @@ class NodeAgent:
                 workers_succeeded=group.all_succeeded() if group is not None else False,
                 free_port=find_free_port(self.config.address),
                 timings=self.timing.drain(),
+                qualification=self.qualifier.for_heartbeat(idle=group is None),
             )
         try:
             resp = self._stub.Heartbeat(req, timeout=_RPC_TIMEOUT_S)
