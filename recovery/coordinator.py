@@ -459,7 +459,6 @@ class JobCoordinator:
         nid, st = m.info.node_id, self._policy.state
         if nid in st.cordoned:
             return None
-        log.error("job %s: node %s refused: %s", self.spec.job, nid, m.refused)
         if self._layout is not None and self._layout.slot_of(nid) is not None \
                 and st.phase in (Phase.RUNNING, Phase.RECOVERING):
             self._fail(Failure(nid, st.generation, Cause.NODE_CRITICAL, detail=m.refused, time_s=self._wall()), now)

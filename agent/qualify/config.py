@@ -8,7 +8,7 @@ The table lives in the agent's TOML file (:class:`~trainguard.agent.config.Agent
     budget_s = 5.0              # the whole check, seconds; each check gets at most what is left
     check_timeout_s = 3.0       # one check, seconds
     nics = ["ens1f*"]           # interfaces whose speed is checked (globs); empty: the NIC check is skipped
-    nic_speed_mbps = 200000     # their expected speed; 0 only requires a known speed (link up)
+    nic_speed_mbps = 200000     # their expected speed; 0 only requires the link up
     rdma_rate_gbps = 200        # expected rate of every RDMA port; 0 only requires state ACTIVE
     disk_dir = "/data/ckpt"     # where the write test goes; "" uses the job's checkpoint dir or a temp dir
     disk_mib = 8
@@ -54,7 +54,8 @@ class QualifySection:
         pcie_speed_classes: class prefixes whose link *speed* must also be at its maximum (GPUs lower their speed
             when idle, so they are not listed). Default Ethernet, InfiniBand, accelerators.
         nics: network interface names or globs whose ``speed`` is checked; empty skips the check. Default empty.
-        nic_speed_mbps: the speed each of ``nics`` must report, Mb/s; 0 only requires a known speed. Default 0.
+        nic_speed_mbps: the speed each of ``nics`` must report, Mb/s; 0 only requires the link up (virtual NICs
+            report no speed). Default 0.
         rdma_rate_gbps: the rate each active RDMA port must report, Gb/s; 0 only requires ACTIVE. Default 0.
         disk_dir: directory the write test writes into; ``""`` uses the job's checkpoint directory, else the
             system temp dir. Default ``""``.

@@ -88,8 +88,10 @@ def test_nic_speed_against_the_expected_one(tmp_path) -> None:
     assert r.status is CheckStatus.PASS and "ens1f0 200000 Mb/s" in r.detail
     _, r = one(ctx_for(tmp_path, ["nic"], net_root=str(tmp_path), nics=["ens1f*"], nic_speed_mbps=200000))
     assert r.status is CheckStatus.FAIL and r.detail == "ens1f1 at 100000 Mb/s, expected 200000 Mb/s"
-    fake_nic(tmp_path, "ens1f1", "-1")
+    fake_nic(tmp_path, "ens1f1", "-1")  # virtio: no speed; fine unless a speed is expected
     _, r = one(ctx_for(tmp_path, ["nic"], net_root=str(tmp_path), nics=["ens1f1"]))
+    assert r.status is CheckStatus.PASS and r.detail == "ens1f1 unknown Mb/s"
+    _, r = one(ctx_for(tmp_path, ["nic"], net_root=str(tmp_path), nics=["ens1f1"], nic_speed_mbps=1000))
     assert r.status is CheckStatus.FAIL and "speed unknown" in r.detail
     _, r = one(ctx_for(tmp_path, ["nic"], net_root=str(tmp_path), nics=["ib*"]))
     assert r.status is CheckStatus.FAIL and "no interface matches ['ib*']" in r.detail
