@@ -427,7 +427,7 @@ class NodeAgent:
                     coordinator_pb2.RegisterNodeRequest(job=self.config.job, node=self._node_info(),
                                                         free_port=find_free_port(self.config.address),
                                                         agent_instance=self._instance,
-                                                        qualification=self.qualifier.registration()),
+                                                        qualification=self.qualifier.registration(self._stub)),
                     timeout=_RPC_TIMEOUT_S,
                 )
                 self._lease = resp.lease_id

@@ -51,7 +51,7 @@ def qualification(req: pb.RegisterNodeRequest | pb.NodeHeartbeatRequest) -> Qual
         return None
     q = req.qualification
     reason = q.reason or "; ".join(f"{c.name}: {c.detail}" for c in q.checks if c.status == "fail")
-    return Qualification(q.passed, reason, q.duration_s)
+    return Qualification(q.passed, reason, q.duration_s, q.echo_port, q.peer_s)
 
 
 def classify(event: common_pb2.HealthEvent, proposed: int) -> Cause:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import logging
+import random
 import threading
 import time
 import uuid
@@ -50,7 +51,7 @@ from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, Form
 from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
-from trainguard.recovery.qualification import Qualification
+from trainguard.recovery.qualification import PeerTimes, Qualification
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
 from trainguard.recovery.spec import JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
@@ -74,6 +75,7 @@ class Member:
     succeeded_generation: int = -1
     superseded: set[str] = field(default_factory=set)
     refused: str = ""  # why it failed qualification ("" when it did not): it stays cordoned for the job
+    echo_port: int = 0  # where it answers qualifying nodes' timed exchanges (0: it does not)
 
     def spec(self, replaces: str = "") -> NodeSpec:
         """The node as rank assignment sees it."""
@@ -143,6 +145,7 @@ class JobCoordinator:
         self._beat_observers: list[Callable[[Beat, float], None]] = []
         self.fenced = ""
         self._failslow = FailSlowSupervisor(spec.failslow, wall=wall)  # fail-slow: see _failslow_* below
+        self._peer_times = PeerTimes()  # qualified nodes' exchange times: the next node's reference
         self._load()
 
     # ------------------------------------------------------------------------------------------- persistence
@@ -466,6 +469,28 @@ class JobCoordinator:
             self._mver += 1
         return self._state_fut
 
+    def qualify_peers(self, job: str, node_id: str, count: int) -> tuple[list[tuple[str, str, int]], float, int]:
+        """Up to ``count`` qualified peers for ``node_id``'s timed exchange, and the reference time.
+
+        Peers are live, not cordoned, serve exchanges, and are picked at random so that many nodes qualifying at
+        once spread over the qualified ones.
+
+        Returns:
+            ([(node id, address, echo port)], median exchange time of the qualified nodes so far, how many).
+
+        Raises:
+            UnknownJobError, NotServingError: wrong job, or this coordinator cannot serve.
+        """
+        now = self._clock()
+        with self._lock:
+            self._check_serving(job)
+            cordoned = set(self._policy.state.cordoned)
+            pool = [m for m in self._members.values() if m.echo_port > 0 and m.info.address and not m.refused
+                    and m.info.node_id != node_id and m.info.node_id not in cordoned and self._lease_live(m, now)]
+            picked = random.sample(pool, min(count, len(pool)))
+            reference, history = self._peer_times.reference()
+        return [(m.info.node_id, m.info.address, m.echo_port) for m in picked], reference, history
+
     def refusal(self, node_id: str) -> str:
         """Why ``node_id`` is refused: the qualification it failed ("" when it did not)."""
         with self._lock:
@@ -539,6 +564,9 @@ class JobCoordinator:
             fut = self._submit([Put(self._prefix + "nodes/" + nid, json.dumps(
                 {"node": info.to_dict(), "lease": lease, "instance": instance, "refused": refused}).encode())])
             st = self._policy.state
+            if qualification is not None and not refused:
+                m.echo_port = qualification.echo_port
+                self._peer_times.record(qualification.peer_s)
             if refused:
                 fut = self._disqualify(m, now) or fut
             elif prev is not None and self._layout is not None and self._layout.slot_of(nid) is not None \

@@ -9,12 +9,18 @@ node waiting without a slot (a spare, a standby) sends each new verdict with a h
 - for a node that holds a slot while it runs (an agent restarted on a node that now fails), is a node-level
   failure: the slot goes to a spare, as for any node-level fault.
 
+Peers: a node that passed and serves timed exchanges (its ``echo_port``) is handed, with a few others, to the
+next nodes that qualify (:meth:`~trainguard.recovery.coordinator.JobCoordinator.qualify_peers`), with the
+median of the exchange times the qualified nodes measured (:class:`PeerTimes`, in memory) as their reference.
+
 The node stays cordoned for the job, even if a later check passes (a link that narrowed once is a failing part);
 the reason is kept in its durable node record, so a restarted coordinator refuses it the same way.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -26,11 +32,15 @@ class Qualification:
         passed: the node may take a slot.
         reason: why it may not, one line ("" when it passed).
         duration_s: how long the node's check took, seconds.
+        echo_port: where the node answers peers' timed exchanges on its address (0: it does not).
+        peer_s: its median exchange time with its peers, seconds (0: none measured).
     """
 
     passed: bool
     reason: str = ""
     duration_s: float = 0.0
+    echo_port: int = 0
+    peer_s: float = 0.0
 
     @property
     def refusal(self) -> str:
@@ -38,9 +48,29 @@ class Qualification:
         return "" if self.passed else f"failed qualification: {self.reason or 'no reason given'}"
 
 
+class PeerTimes:
+    """Exchange times of the nodes that qualified, for the next node's comparison (the last ``keep``).
+
+    Args:
+        keep: how many recent times the reference is the median of.
+    """
+
+    def __init__(self, keep: int = 64) -> None:
+        self._times: deque[float] = deque(maxlen=keep)
+
+    def record(self, seconds: float) -> None:
+        """Keeps a qualified node's median exchange time."""
+        if seconds > 0:
+            self._times.append(seconds)
+
+    def reference(self) -> tuple[float, int]:
+        """(median of the kept times, how many), (0.0, 0) when none."""
+        return (statistics.median(self._times), len(self._times)) if self._times else (0.0, 0)
+
+
 def refusal_message(node_id: str, reason: str) -> str:
     """The one line a refused node's registration gets."""
     return f"node {node_id!r} is cordoned ({reason}); it gets no rank in this job: repair it and start a new job"
 
 
-__all__ = ["Qualification", "refusal_message"]
+__all__ = ["PeerTimes", "Qualification", "refusal_message"]

@@ -146,6 +146,9 @@ def _check_qualification(req: coordinator_pb2.RegisterNodeRequest | coordinator_
         return
     q = req.qualification
     _check_text("qualification.reason", q.reason, _MAX_EVENT_TEXT)
+    _check_port("qualification.echo_port", q.echo_port)
+    if not 0 <= q.peer_s < 3600:
+        raise _bad("qualification.peer_s", f"is {q.peer_s}; use seconds in [0, 3600)")
     if len(q.checks) > 32:
         raise _bad("qualification.checks", f"has {len(q.checks)} entries; at most 32 are allowed")
     for c in q.checks:
@@ -247,6 +250,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return coordinator_pb2.ReportEventResponse(decided_level=int(level), new_generation=gen, message=msg)
         except RecoveryError as exc:
             self._refuse(context, "ReportEvent", exc)
+
+    def QualifyPeers(self, request, context):  # noqa: N802
+        """A few qualified peers for a qualifying node's timed exchange, and the reference time."""
+        try:
+            _check_job(request.job)
+            _check_node_id("node_id", request.node_id)
+            if not 0 <= request.count <= 16:
+                raise _bad("count", f"is {request.count}; use 0-16")
+            peers, reference, history = self.core.qualify_peers(request.job, request.node_id, request.count)
+            return coordinator_pb2.QualifyPeersResponse(
+                peers=[coordinator_pb2.QualifyPeer(node_id=n, address=a, port=p) for n, a, p in peers],
+                reference_s=reference, history=history)
+        except RecoveryError as exc:
+            self._refuse(context, "QualifyPeers", exc)
 
     def GetRankTable(self, request, context):  # noqa: N802
         """The current generation's full rank table (empty before the first generation forms)."""

@@ -4,7 +4,10 @@
 
 - :meth:`NodeQualifier.registration` runs the check once (bounded by ``qualify.budget_s``) before the node first
   registers, and returns the verdict for ``RegisterNodeRequest.qualification``. The coordinator cordons a node
-  whose verdict failed and refuses it with the reason, so the agent ends with that reason.
+  whose verdict failed and refuses it with the reason, so the agent ends with that reason. With the ``peers``
+  check it first serves timed exchanges on the node's address (:class:`~.peers.EchoServer`, kept for the agent's
+  life when the node passes, so later nodes time themselves against it) and asks the coordinator for peers; a
+  coordinator that cannot be reached yet raises the gRPC error so the registration's retry loop tries again.
 - :meth:`NodeQualifier.for_heartbeat` re-runs the check every ``qualify.recheck_s`` while the node runs no
   workers (a spare or a standby waiting to be promoted), on a background thread so heartbeats never wait, and
   hands each new verdict to the next heartbeat once. A failed one cordons the waiting node: it is never promoted
@@ -18,8 +21,13 @@ import threading
 import time
 from typing import Any
 
+from dataclasses import replace
+
+import grpc
+
 from trainguard.agent.qualify.base import QualifyContext
 from trainguard.agent.qualify.config import QualifySection
+from trainguard.agent.qualify.peers import EchoServer, Peer, PeerSet
 from trainguard.agent.qualify.runner import qualify_node
 from trainguard.agent.qualify.verdict import Verdict
 from trainguard.proto import coordinator_pb2
@@ -59,11 +67,17 @@ class NodeQualifier:
 
     Args:
         ctx: the node's context, or None when qualification is off.
+        job: the job, for the coordinator's peer query.
+        address: the node's data address, where it answers peers' exchanges.
         clock: monotonic clock, seconds.
     """
 
-    def __init__(self, ctx: QualifyContext | None, clock=time.monotonic) -> None:
+    def __init__(self, ctx: QualifyContext | None, job: str = "", address: str = "", clock=time.monotonic) -> None:
         self.ctx = ctx
+        self.job = job
+        self.address = address
+        self.echo: EchoServer | None = None
+        self._peer_error: grpc.RpcError | None = None
         self._clock = clock
         self._lock = threading.Lock()
         self.latest: Verdict | None = None  # the newest verdict (registration's, then each re-check's)
@@ -74,24 +88,74 @@ class NodeQualifier:
     @classmethod
     def for_node(cls, config: Any) -> "NodeQualifier":
         """The qualifier of a ``trainguard run`` agent's :class:`~trainguard.agent.node.NodeConfig`."""
-        return cls(context_for_node(config))
+        return cls(context_for_node(config), config.job, config.address)
 
-    def registration(self) -> coordinator_pb2.NodeQualification | None:
+    def registration(self, stub: Any = None) -> coordinator_pb2.NodeQualification | None:
         """The verdict to register with: the check runs (bounded) on the first call, later calls reuse it.
+
+        Args:
+            stub: the coordinator's stub, for the ``peers`` check (None skips that check).
 
         Returns:
             The verdict on the wire, or None when qualification is off.
+
+        Raises:
+            grpc.RpcError: UNAVAILABLE or DEADLINE_EXCEEDED from the peer query (the caller retries; no verdict is
+                kept).
         """
         if self.ctx is None:
             return None
         with self._lock:
             verdict = self.latest
         if verdict is None:
-            verdict = qualify_node(self.ctx)
+            verdict = qualify_node(self._with_peers(stub))
+            if self._peer_error is not None or not verdict.passed:
+                self._close_echo()
+            if self._peer_error is not None:
+                err, self._peer_error = self._peer_error, None
+                raise err
             with self._lock:
                 self.latest = verdict
                 self._next_check = self._clock() + self.ctx.config.recheck_s
-        return verdict.to_pb()
+        return verdict.to_pb(self.echo.port if self.echo is not None else 0)
+
+    def _with_peers(self, stub: Any) -> QualifyContext:
+        """The context with a peer source when the ``peers`` check runs (and the echo server it needs)."""
+        assert self.ctx is not None
+        cfg = self.ctx.config
+        if stub is None or "peers" not in cfg.checks or cfg.peer_count == 0 or not self.address:
+            return self.ctx
+        if self.echo is None:
+            try:
+                self.echo = EchoServer(self.address)
+            except OSError as exc:
+                log.warning("cannot serve qualification exchanges on %s (%s); peers cannot time against this node",
+                            self.address, exc)
+        return replace(self.ctx, peer_source=lambda count: self._ask_peers(stub, count))
+
+    def _ask_peers(self, stub: Any, count: int) -> PeerSet:
+        """Asks the coordinator for qualified peers; an old coordinator (UNIMPLEMENTED) has none."""
+        try:
+            resp = stub.QualifyPeers(coordinator_pb2.QualifyPeersRequest(job=self.job, node_id=self.ctx.node_id,
+                                                                         count=count), timeout=5.0)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return PeerSet()
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._peer_error = exc  # not a verdict: registration retries once the coordinator answers
+                return PeerSet()
+            raise
+        return PeerSet(tuple(Peer(p.node_id, p.address, p.port) for p in resp.peers), resp.reference_s,
+                       resp.history)
+
+    def _close_echo(self) -> None:
+        if self.echo is not None:
+            self.echo.close()
+            self.echo = None
+
+    def close(self) -> None:
+        """Stops answering peers' exchanges (the agent is leaving)."""
+        self._close_echo()
 
     def for_heartbeat(self, idle: bool) -> coordinator_pb2.NodeQualification | None:
         """A verdict not sent yet, if a re-check finished; starts a re-check when the node is idle and one is due.
@@ -112,7 +176,7 @@ class NodeQualifier:
                 self._running = True
         if due:
             threading.Thread(target=self._recheck, name="qualify-recheck", daemon=True).start()
-        return out.to_pb() if out is not None else None
+        return out.to_pb(self.echo.port if self.echo is not None else 0) if out is not None else None
 
     def _recheck(self) -> None:
         assert self.ctx is not None

@@ -28,6 +28,7 @@ class QualifyContext:
         detector_root: overrides every detector's root (the daemon's ``detectors.root``); None keeps each one's.
         checkpoint_dir: the job's local checkpoint directory, where the disk test writes unless ``disk_dir`` says
             otherwise; None when unknown or remote.
+        peer_source: asks the coordinator for qualified peers (:mod:`~.peers`); None outside registration.
     """
 
     node_id: str
@@ -36,6 +37,7 @@ class QualifyContext:
     detector_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     detector_root: str | None = None
     checkpoint_dir: str | None = None
+    peer_source: Callable[[int], Any] | None = None
 
     @property
     def sys_root(self) -> str:
@@ -54,10 +56,12 @@ class QualifyContext:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a check returns (the runner adds its name and duration)."""
+    """What a check returns (the runner adds its name and duration); ``measured_s`` is a time the check measured
+    that the coordinator keeps (the peer exchange's), 0 when none."""
 
     status: CheckStatus
     detail: str
+    measured_s: float = 0.0
 
 
 class Check(Protocol):
@@ -98,18 +102,19 @@ def make_check(name: str) -> Check:
     """
     import trainguard.agent.qualify.links  # noqa: F401 (registers pcie, nic, rdma)
     import trainguard.agent.qualify.local  # noqa: F401 (registers detectors, disk)
+    import trainguard.agent.qualify.peers  # noqa: F401 (registers peers)
 
     return _REGISTRY[name]()
 
 
-def passed(detail: str) -> Outcome:
+def passed(detail: str, measured_s: float = 0.0) -> Outcome:
     """A passing outcome."""
-    return Outcome(CheckStatus.PASS, detail)
+    return Outcome(CheckStatus.PASS, detail, measured_s)
 
 
-def failed(detail: str) -> Outcome:
+def failed(detail: str, measured_s: float = 0.0) -> Outcome:
     """A failing outcome."""
-    return Outcome(CheckStatus.FAIL, detail)
+    return Outcome(CheckStatus.FAIL, detail, measured_s)
 
 
 def skipped(detail: str) -> Outcome:

@@ -4,7 +4,7 @@ The table lives in the agent's TOML file (:class:`~trainguard.agent.config.Agent
 ``trainguard run --qualify-config FILE`` and ``trainguard qualify --config FILE`` read the same file::
 
     [qualify]
-    checks = ["detectors", "pcie", "nic", "rdma", "disk"]
+    checks = ["detectors", "pcie", "nic", "rdma", "disk", "peers"]
     budget_s = 5.0              # the whole check, seconds; each check gets at most what is left
     check_timeout_s = 3.0       # one check, seconds
     nics = ["ens1f*"]           # interfaces whose speed is checked (globs); empty: the NIC check is skipped
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from trainguard.errors import ConfigError
 
 #: Names of the local checks, in the order they run.
-CHECK_NAMES: tuple[str, ...] = ("detectors", "pcie", "nic", "rdma", "disk")
+CHECK_NAMES: tuple[str, ...] = ("detectors", "pcie", "nic", "rdma", "disk", "peers")
 
 
 class QualifyConfigError(ConfigError):
@@ -61,6 +61,13 @@ class QualifySection:
             system temp dir. Default ``""``.
         disk_mib: MiB written (fsync'd) by the write test. Default 8.
         disk_min_mib_s: the write rate the disk must reach, MiB/s. Default 50.0.
+        peer_count: already-qualified peers the node times an exchange with over its data address (``peers``
+            check, at registration only); 0 turns the check off. Default 3.
+        peer_kib: KiB sent to each peer and read back. Default 1024.
+        peer_slow_ratio: the node fails when its median exchange time is over this many times the median of the
+            nodes that qualified before it. Default 3.0.
+        peer_min_history: earlier nodes' times needed before the comparison applies (the first nodes only record
+            theirs). Default 3.
     """
 
     checks: list[str] = field(default_factory=lambda: list(CHECK_NAMES))
@@ -78,6 +85,10 @@ class QualifySection:
     disk_dir: str = ""
     disk_mib: int = 8
     disk_min_mib_s: float = 50.0
+    peer_count: int = 3
+    peer_kib: int = 1024
+    peer_slow_ratio: float = 3.0
+    peer_min_history: int = 3
 
     def validate(self) -> None:
         """Checks names and ranges.
@@ -104,6 +115,14 @@ class QualifySection:
             raise QualifyConfigError(f"qualify.disk_mib={self.disk_mib}: use 1-1024 MiB")
         if self.disk_min_mib_s < 0:
             raise QualifyConfigError(f"qualify.disk_min_mib_s={self.disk_min_mib_s}: use >= 0 MiB/s")
+        if not 0 <= self.peer_count <= 16:
+            raise QualifyConfigError(f"qualify.peer_count={self.peer_count}: use 0-16 (0: no peer check)")
+        if not 1 <= self.peer_kib <= 16384:
+            raise QualifyConfigError(f"qualify.peer_kib={self.peer_kib}: use 1-16384 KiB")
+        if not self.peer_slow_ratio > 1:
+            raise QualifyConfigError(f"qualify.peer_slow_ratio={self.peer_slow_ratio}: use a ratio > 1")
+        if self.peer_min_history < 1:
+            raise QualifyConfigError(f"qualify.peer_min_history={self.peer_min_history}: use >= 1")
         if not self.net_root:
             raise QualifyConfigError("qualify.net_root is empty; use '/' on a real node")
         for key in ("pcie_classes", "pcie_speed_classes"):

@@ -59,7 +59,7 @@ def qualify_node(ctx: QualifyContext) -> Verdict:
                                        f"not run: the {cfg.budget_s:g} s budget was spent by the checks before it"))
             continue
         outcome = _run_bounded(name, ctx, min(cfg.check_timeout_s, left))
-        results.append(CheckResult(name, outcome.status, outcome.detail, time.monotonic() - start))
+        results.append(CheckResult(name, outcome.status, outcome.detail, time.monotonic() - start, outcome.measured_s))
     verdict = Verdict(ctx.node_id, tuple(results), time.monotonic() - t0)
     (log.info if verdict.passed else log.error)("%s", verdict.summary())
     return verdict

@@ -33,12 +33,14 @@ class CheckResult:
         status: pass, fail or skip.
         detail: one line: what was checked, or why it failed / was skipped.
         duration_s: wall time of the check, seconds.
+        measured_s: a time the check measured for the coordinator to keep (the peer exchange's), 0 when none.
     """
 
     name: str
     status: CheckStatus
     detail: str
     duration_s: float = 0.0
+    measured_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class Verdict:
         """Why the node failed, one line (``""`` when it passed)."""
         return "; ".join(f"{r.name}: {r.detail}" for r in self.results if r.status is CheckStatus.FAIL)
 
+    @property
+    def peer_s(self) -> float:
+        """The node's median exchange time with its peers, seconds (0 when the peer check did not measure one)."""
+        return next((r.measured_s for r in self.results if r.name == "peers"), 0.0)
+
     def summary(self) -> str:
         """One line for logs: passed/failed, the reason, the time taken."""
         if self.passed:
@@ -84,12 +91,12 @@ class Verdict:
                            "checks": [dict(asdict(r), status=r.status.value, duration_s=round(r.duration_s, 4))
                                       for r in self.results]}, indent=2)
 
-    def to_pb(self) -> "coordinator_pb2.NodeQualification":
-        """The verdict on the wire."""
+    def to_pb(self, echo_port: int = 0) -> "coordinator_pb2.NodeQualification":
+        """The verdict on the wire; ``echo_port``: where the node answers peers' exchanges (0: it does not)."""
         from trainguard.proto import coordinator_pb2
 
         msg = coordinator_pb2.NodeQualification(passed=self.passed, reason=self.reason[:1000],
-                                                duration_s=self.duration_s)
+                                                duration_s=self.duration_s, echo_port=echo_port, peer_s=self.peer_s)
         for r in self.results:
             msg.checks.add(name=r.name, status=r.status.value, detail=r.detail[:500], duration_s=r.duration_s)
         return msg
@@ -108,7 +115,8 @@ class Verdict:
                 status = CheckStatus(c.status)
             except ValueError:
                 status = CheckStatus.FAIL
-            results.append(CheckResult(c.name, status, c.detail, c.duration_s))
+            results.append(CheckResult(c.name, status, c.detail, c.duration_s,
+                                       msg.peer_s if c.name == "peers" else 0.0))
         if not msg.passed and all(r.status is not CheckStatus.FAIL for r in results):
             results.append(CheckResult("verdict", CheckStatus.FAIL, msg.reason or "failed (no reason given)"))
         return cls(node_id, tuple(results), msg.duration_s)

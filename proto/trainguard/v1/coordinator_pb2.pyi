@@ -98,16 +98,50 @@ class NodeHeartbeatRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., qualification: _Optional[_Union[NodeQualification, _Mapping]] = ...) -> None: ...
 
 class NodeQualification(_message.Message):
-    __slots__ = ("passed", "reason", "duration_s", "checks")
+    __slots__ = ("passed", "reason", "duration_s", "checks", "echo_port", "peer_s")
     PASSED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     CHECKS_FIELD_NUMBER: _ClassVar[int]
+    ECHO_PORT_FIELD_NUMBER: _ClassVar[int]
+    PEER_S_FIELD_NUMBER: _ClassVar[int]
     passed: bool
     reason: str
     duration_s: float
     checks: _containers.RepeatedCompositeFieldContainer[QualificationCheck]
-    def __init__(self, passed: _Optional[bool] = ..., reason: _Optional[str] = ..., duration_s: _Optional[float] = ..., checks: _Optional[_Iterable[_Union[QualificationCheck, _Mapping]]] = ...) -> None: ...
+    echo_port: int
+    peer_s: float
+    def __init__(self, passed: _Optional[bool] = ..., reason: _Optional[str] = ..., duration_s: _Optional[float] = ..., checks: _Optional[_Iterable[_Union[QualificationCheck, _Mapping]]] = ..., echo_port: _Optional[int] = ..., peer_s: _Optional[float] = ...) -> None: ...
+
+class QualifyPeersRequest(_message.Message):
+    __slots__ = ("job", "node_id", "count")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    count: int
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class QualifyPeer(_message.Message):
+    __slots__ = ("node_id", "address", "port")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    port: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class QualifyPeersResponse(_message.Message):
+    __slots__ = ("peers", "reference_s", "history")
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_S_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[QualifyPeer]
+    reference_s: float
+    history: int
+    def __init__(self, peers: _Optional[_Iterable[_Union[QualifyPeer, _Mapping]]] = ..., reference_s: _Optional[float] = ..., history: _Optional[int] = ...) -> None: ...
 
 class QualificationCheck(_message.Message):
     __slots__ = ("name", "status", "detail", "duration_s")
