@@ -1,7 +1,9 @@
 """Benchmark of the pre-flight node qualification: what the check costs a node before it takes a slot.
 
 Setup: a fake sysfs tree shaped like an 8-GPU node (8 GPUs and 8 NICs on PCIe, the 8 NICs' netdevs at 400 Gb/s,
-8 RDMA ports, in the kernel's formats, :mod:`trainguard.drill.fakehw`), a real fsync'd disk write of ``--disk-mib`` MiB into ``--dir``, and every built-in detector sampled once
+8 RDMA ports, in the kernel's formats, :mod:`trainguard.drill.fakehw`), the peer check's 1 MiB exchange with
+three echo servers on loopback (the exchange's own cost; a data network adds its wire time), a real fsync'd disk
+write of ``--disk-mib`` MiB into ``--dir``, and every built-in detector sampled once
 on the real machine. Each round runs :func:`~trainguard.agent.qualify.runner.qualify_node` with every check.
 
 Baseline, measured in the same run: a fresh interpreter importing torch (``python -c "import torch"``), the cost
@@ -23,6 +25,7 @@ import time
 
 from trainguard.agent.qualify import QualifySection
 from trainguard.agent.qualify.base import QualifyContext
+from trainguard.agent.qualify.peers import EchoServer, Peer, PeerSet
 from trainguard.agent.qualify.runner import qualify_node
 from trainguard.detectors.base import DEFAULT_DETECTORS
 from trainguard.drill.fakehw import write_pci_device
@@ -58,7 +61,10 @@ def main() -> int:
         section = QualifySection(root=root, net_root=root, nics=["ens*"], nic_speed_mbps=400000, disk_dir=args.dir,
                                  disk_mib=args.disk_mib, disk_min_mib_s=0.0, rdma_rate_gbps=400)
         section.validate()
-        ctx = QualifyContext("bench", section, detector_names=DEFAULT_DETECTORS, detector_root="/")
+        echoes = [EchoServer("127.0.0.1") for _ in range(3)]  # three qualified peers (loopback: no wire)
+        found = PeerSet(tuple(Peer(f"p{i}", "127.0.0.1", e.port) for i, e in enumerate(echoes)), 0.0, 0)
+        ctx = QualifyContext("bench", section, detector_names=DEFAULT_DETECTORS, detector_root="/",
+                             peer_source=lambda count: found)
         qualify_node(ctx)  # warm-up: imports of the detector modules, not a node's steady cost
         per_check: dict[str, list[float]] = {name: [] for name in section.checks}
         totals: list[float] = []
@@ -68,6 +74,8 @@ def main() -> int:
             totals.append(verdict.duration_s)
             for r in verdict.results:
                 per_check[r.name].append(r.duration_s)
+        for e in echoes:
+            e.close()
     base: list[float] = []
     for _ in range(max(3, args.rounds // 3)):
         t0 = time.monotonic()

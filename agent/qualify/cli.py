@@ -2,7 +2,7 @@
 
 ``trainguard qualify [--config agent.toml] [--json]`` runs the ``[qualify]`` checks of the agent's configuration
 (with its ``[detectors]`` set) once and prints one line per check; exit code 0 when the node qualifies, 1 when
-it does not, 2 for a configuration error.
+it does not, 2 for a configuration error. The ``peers`` check needs the job's coordinator: it is skipped here.
 """
 
 from __future__ import annotations

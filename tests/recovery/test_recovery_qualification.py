@@ -146,3 +146,20 @@ def test_convert_reads_the_verdict_and_its_absence() -> None:
     req.qualification.CopyFrom(coordinator_pb2.NodeQualification(passed=False, checks=[
         coordinator_pb2.QualificationCheck(name="disk", status="fail", detail="/data: 3 MiB/s")]))
     assert convert.beat(req).qualification.refusal == "failed qualification: disk: /data: 3 MiB/s"
+
+
+def test_qualify_peers_are_live_qualified_echoing_nodes_with_the_median_reference() -> None:
+    clock = Clock()
+    core = JobCoordinator(JobSpec(job=JOB, nnodes=9), store=MemoryStore(), clock=clock, wall=clock)
+    core.register(JOB, node("a", 0), 31000, "ia", Qualification(True, echo_port=40000))
+    core.register(JOB, node("b", 1), 31001, "ib", Qualification(True, echo_port=40001, peer_s=0.02))
+    core.register(JOB, node("c", 2), 31002, "ic", Qualification(True, echo_port=40002, peer_s=0.04))
+    core.register(JOB, node("d", 3), 31003, "id", Qualification(True, peer_s=0.03))  # serves no exchange
+    core.register(JOB, node("e", 4), 31004, "ie", Qualification(False, "peers: slow", echo_port=40004, peer_s=9.0))
+    peers, reference, history = core.qualify_peers(JOB, "c", 5)
+    assert sorted(peers) == [("a", "10.0.0.0", 40000), ("b", "10.0.0.1", 40001)]
+    assert (reference, history) == (0.03, 3)  # the refused node's time is not part of the reference
+    assert len(core.qualify_peers(JOB, "new", 1)[0]) == 1
+    clock.t += 60  # every lease expired: no live peer
+    assert core.qualify_peers(JOB, "new", 3)[0] == []
+    core.close()
