@@ -605,6 +605,9 @@ class JobCoordinator:
             durable = None
             if req.qualification is not None and not req.qualification.passed and not m.refused:
                 m.refused = req.qualification.refusal
+                self._submit([Put(self._prefix + "nodes/" + m.info.node_id, json.dumps(  # durable before the cordon
+                    {"node": m.info.to_dict(), "lease": m.lease_id, "instance": m.instance,
+                     "refused": m.refused}).encode())])
                 durable = self._disqualify(m, now)
             self._advance()
             reply = self._failslow_reply(self._command(m))

@@ -76,9 +76,9 @@ def test_refusal_survives_a_coordinator_restart_and_a_passing_recheck() -> None:
 
 
 def test_spare_failing_its_recheck_is_never_promoted() -> None:
-    clock = Clock()
-    core = JobCoordinator(JobSpec(job=JOB, nnodes=1, heartbeat_interval_s=0.5, lease_timeout_s=3.0),
-                          store=MemoryStore(), clock=clock, wall=clock)
+    clock, store = Clock(), MemoryStore()
+    spec = JobSpec(job=JOB, nnodes=1, heartbeat_interval_s=0.5, lease_timeout_s=3.0)
+    core = JobCoordinator(spec, store=store, clock=clock, wall=clock)
     la, _, _ = core.register(JOB, node("a", 0), 31000, "ia", GOOD)
     ls1, _, _ = core.register(JOB, node("s1", 1, spare=True), 31001, "is1", GOOD)
     ls2, _, _ = core.register(JOB, node("s2", 2, spare=True), 31002, "is2", GOOD)
@@ -88,6 +88,8 @@ def test_spare_failing_its_recheck_is_never_promoted() -> None:
     # s1 (first in rank order) re-qualifies while waiting and fails: cordoned, so s2 takes the slot.
     reply = core.heartbeat(Beat(JOB, "s1", ls1, -1, free_port=31011, qualification=NARROW))
     assert reply.response.command is Command.STOP and "s1" in core.state.cordoned
+    core.wait_durable(reply.durable)
+    assert core.refusal("s1") == f"failed qualification: {NARROW.reason}"
     assert core.state.phase is Phase.RUNNING and core.state.generation == 1  # no restart for a spare
     core.report(FaultReport(JOB, "a", la, 1, Cause.NODE_CRITICAL, Level.NODE, rank=0, exit_code=-9, detail="gpu lost"))
     clock.t += 2.0  # past the backoff
@@ -96,6 +98,9 @@ def test_spare_failing_its_recheck_is_never_promoted() -> None:
         beat(core, "s1", ls1)
     table = core.rank_table(JOB)
     assert table is not None and table.generation == 2 and [s.node_id for s in table.slots] == ["s2"]
+    core.close()
+    core = JobCoordinator(spec, store=store, clock=clock, wall=clock)  # restarted: the reason is durable
+    assert core.refusal("s1") == f"failed qualification: {NARROW.reason}"
     core.close()
 
 
@@ -119,10 +124,11 @@ def test_the_service_refuses_with_failed_precondition_naming_the_reason() -> Non
     try:
         with grpc.insecure_channel(server.target) as ch:
             stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-            q = coordinator_pb2.NodeQualification(passed=False, duration_s=0.05, checks=[
-                coordinator_pb2.QualificationCheck(name="pcie", status="fail", detail="0000:3b:00.0 link trained at x4, below its x16")])
-            req = coordinator_pb2.RegisterNodeRequest(job=JOB, free_port=31000, qualification=q, node=common_pb2.NodeInfo(
-                node_id="bad", topology=common_pb2.Topology(host="bad", device_count=1)))
+            check = coordinator_pb2.QualificationCheck(name="pcie", status="fail",
+                                                       detail="0000:3b:00.0 link trained at x4, below its x16")
+            q = coordinator_pb2.NodeQualification(passed=False, duration_s=0.05, checks=[check])
+            info = common_pb2.NodeInfo(node_id="bad", topology=common_pb2.Topology(host="bad", device_count=1))
+            req = coordinator_pb2.RegisterNodeRequest(job=JOB, free_port=31000, qualification=q, node=info)
             with pytest.raises(grpc.RpcError) as exc:
                 stub.RegisterNode(req, timeout=5)
             assert exc.value.code() is grpc.StatusCode.FAILED_PRECONDITION
@@ -133,7 +139,8 @@ def test_the_service_refuses_with_failed_precondition_naming_the_reason() -> Non
             too_many.qualification.checks.extend([coordinator_pb2.QualificationCheck(name="x")] * 40)
             with pytest.raises(grpc.RpcError) as exc:
                 stub.RegisterNode(too_many, timeout=5)
-            assert exc.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "qualification.checks" in exc.value.details()
+            assert exc.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "qualification.checks" in exc.value.details()
     finally:
         server.stop()
 
