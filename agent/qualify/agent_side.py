@@ -77,7 +77,6 @@ class NodeQualifier:
         self.job = job
         self.address = address
         self.echo: EchoServer | None = None
-        self._peer_error: grpc.RpcError | None = None
         self._clock = clock
         self._lock = threading.Lock()
         self.latest: Verdict | None = None  # the newest verdict (registration's, then each re-check's)
@@ -100,8 +99,8 @@ class NodeQualifier:
             The verdict on the wire, or None when qualification is off.
 
         Raises:
-            grpc.RpcError: UNAVAILABLE or DEADLINE_EXCEEDED from the peer query (the caller retries; no verdict is
-                kept).
+            grpc.RpcError: the peer query failed (UNAVAILABLE while the coordinator starts: the caller's retry loop
+                tries again; no verdict is kept).
         """
         if self.ctx is None:
             return None
@@ -109,29 +108,34 @@ class NodeQualifier:
             verdict = self.latest
         if verdict is None:
             verdict = qualify_node(self._with_peers(stub))
-            if self._peer_error is not None or not verdict.passed:
+            if not verdict.passed:
                 self._close_echo()
-            if self._peer_error is not None:
-                err, self._peer_error = self._peer_error, None
-                raise err
             with self._lock:
                 self.latest = verdict
                 self._next_check = self._clock() + self.ctx.config.recheck_s
         return verdict.to_pb(self.echo.port if self.echo is not None else 0)
 
     def _with_peers(self, stub: Any) -> QualifyContext:
-        """The context with a peer source when the ``peers`` check runs (and the echo server it needs)."""
+        """The context with the peers to time when the ``peers`` check runs (and the echo server it needs).
+
+        The coordinator is asked first, so that an unreachable one stops the registration attempt before any
+        check runs (the caller's retry loop tries again; nothing is written to disk in vain).
+
+        Raises:
+            grpc.RpcError: the coordinator could not be asked (UNIMPLEMENTED, an older one, counts as no peers).
+        """
         assert self.ctx is not None
         cfg = self.ctx.config
         if stub is None or "peers" not in cfg.checks or cfg.peer_count == 0 or not self.address:
             return self.ctx
+        found = self._ask_peers(stub, cfg.peer_count)
         if self.echo is None:
             try:
                 self.echo = EchoServer(self.address)
             except OSError as exc:
                 log.warning("cannot serve qualification exchanges on %s (%s); peers cannot time against this node",
                             self.address, exc)
-        return replace(self.ctx, peer_source=lambda count: self._ask_peers(stub, count))
+        return replace(self.ctx, peer_source=lambda count: found)
 
     def _ask_peers(self, stub: Any, count: int) -> PeerSet:
         """Asks the coordinator for qualified peers; an old coordinator (UNIMPLEMENTED) has none."""
@@ -140,9 +144,6 @@ class NodeQualifier:
                                                                          count=count), timeout=5.0)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return PeerSet()
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self._peer_error = exc  # not a verdict: registration retries once the coordinator answers
                 return PeerSet()
             raise
         return PeerSet(tuple(Peer(p.node_id, p.address, p.port) for p in resp.peers), resp.reference_s,
