@@ -58,7 +58,7 @@ def _node_files(tmp: Path, name: str, narrow: bool) -> tuple[FakeNodeHardware, P
 
 
 @pytest.mark.skipif(NETNS_SKIP is not None, reason=NETNS_SKIP or "")
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_a_node_with_a_narrowed_link_is_refused_and_never_ranked(tmp_path: Path, tg_env: dict) -> None:
     hook = tmp_path / "record.py"
     hook.write_text(RECORD)
@@ -101,10 +101,10 @@ def test_a_node_with_a_narrowed_link_is_refused_and_never_ranked(tmp_path: Path,
                 return p, out, log
 
             narrow, narrow_out, narrow_log = launch("narrow")
-            assert narrow.wait(timeout=90) == 2, narrow_log.read_text()[-3000:]
+            assert narrow.wait(timeout=150) == 2, narrow_log.read_text()[-3000:]
             good, good_out, good_log = launch("good")
             spare, spare_out, spare_log = launch("spare", "--spare")
-            deadline = time.monotonic() + 90
+            deadline = time.monotonic() + 150
             while not (good_out / "env0.json").exists() or "registered node spare" not in spare_log.read_text():
                 assert good.poll() is None and spare.poll() is None and time.monotonic() < deadline, \
                     good_log.read_text()[-2000:] + spare_log.read_text()[-2000:]
@@ -115,9 +115,9 @@ def test_a_node_with_a_narrowed_link_is_refused_and_never_ranked(tmp_path: Path,
                 assert spare.poll() is None and time.monotonic() < deadline, spare_log.read_text()[-3000:]
                 time.sleep(0.1)
             (tmp_path / "release").touch()
-            assert good.wait(timeout=90) == 0, good_log.read_text()[-3000:]
-            assert spare.wait(timeout=60) == 0, spare_log.read_text()[-3000:]
-            assert coord.wait(timeout=30) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+            assert good.wait(timeout=150) == 0, good_log.read_text()[-3000:]
+            assert spare.wait(timeout=90) == 0, spare_log.read_text()[-3000:]
+            assert coord.wait(timeout=60) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
         finally:
             (tmp_path / "release").touch()
             for p in [*launchers, coord]:
