@@ -3,9 +3,10 @@
 Real coordinator, real ``trainguard run`` launchers, each node in its own network namespace with a real veth on
 the data bridge (:class:`trainguard.drill.netns.Fabric`). Three healthy nodes qualify (the first has no peer
 yet; the next two, started together once it registered, time a 1 MiB exchange with the ones registered before
-and leave their times as the reference) and run the job; then a fourth node whose data link is capped by ``tc tbf`` at 4 Mbit/s (the
-switch side of its NIC, as a link trained at a fraction of its speed) qualifies: its exchanges take ~2 s against
-the healthy nodes' milliseconds, so it is refused with the measured ratio and never gets a rank.
+and leave their times as the reference) and run the job; then a fourth node whose data link is capped by
+``tc tbf`` at 4 Mbit/s (the switch side of its NIC, as a link trained at a fraction of its speed) qualifies: its
+exchanges take ~2 s against the healthy nodes' milliseconds, so it is refused with the measured ratio and never
+gets a rank.
 """
 
 from __future__ import annotations
