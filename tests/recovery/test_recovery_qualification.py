@@ -170,3 +170,16 @@ def test_qualify_peers_are_live_qualified_echoing_nodes_with_the_median_referenc
     clock.t += 60  # every lease expired: no live peer
     assert core.qualify_peers(JOB, "new", 3)[0] == []
     core.close()
+
+
+def test_decide_node_disqualified_is_pure_and_idempotent() -> None:
+    from trainguard.recovery.decide import Announce, NodeDisqualified, Persist, decide
+    from trainguard.recovery.policy import PolicyConfig, PolicyState
+
+    state = PolicyState()
+    step = decide(PolicyConfig(), state, NodeDisqualified("n7", NARROW.refusal))
+    assert state.cordoned == [] and step.state.cordoned == ["n7"]  # the input is untouched
+    assert isinstance(step.actions[0], Persist) and isinstance(step.actions[1], Announce)
+    assert step.state.message == f"node n7 cordoned: {NARROW.refusal}"
+    again = decide(PolicyConfig(), step.state, NodeDisqualified("n7", "another reason"))
+    assert not again.changed and again.state.message == step.state.message
