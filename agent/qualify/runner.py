@@ -14,7 +14,7 @@ import threading
 import time
 
 from trainguard.agent.qualify.base import Outcome, QualifyContext, failed, make_check
-from trainguard.agent.qualify.verdict import CheckResult, Verdict
+from trainguard.agent.qualify.verdict import CheckResult, CheckStatus, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def qualify_node(ctx: QualifyContext) -> Verdict:
         start = time.monotonic()
         left = cfg.budget_s - (start - t0)
         if left <= 0:
-            results.append(CheckResult(name, failed("").status,
+            results.append(CheckResult(name, CheckStatus.FAIL,
                                        f"not run: the {cfg.budget_s:g} s budget was spent by the checks before it"))
             continue
         outcome = _run_bounded(name, ctx, min(cfg.check_timeout_s, left))
