@@ -16,6 +16,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     from trainguard.agent.run_deploy import add_run_deploy_arguments
 
     add_run_deploy_arguments(p)  # Slurm, coordinator TLS/token, /metrics, health
+    from trainguard.agent.qualify.cli import add_qualify_run_arguments
+
+    add_qualify_run_arguments(p)  # --qualify, --qualify-config
     p.set_defaults(handler=_run)
 
     p = sub.add_parser("demo", help="train on 2 workers, SIGKILL one mid-run, show the recovery")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from trainguard.agent.errors import AgentError
+from trainguard.agent.qualify.config import QualifyConfigError, QualifySection
 from trainguard.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -257,6 +258,7 @@ class AgentConfig:
     detectors: DetectorsSection = field(default_factory=DetectorsSection)
     predictor: PredictorSection = field(default_factory=PredictorSection)
     coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
+    qualify: QualifySection = field(default_factory=QualifySection)  # trainguard.agent.qualify
     source: str = field(default="", compare=False)
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -457,6 +459,10 @@ class AgentConfig:
         for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
             if getattr(c, key):
                 _check_readable(getattr(c, key), f"coordinator.{key}", fail)
+        try:
+            self.qualify.validate()
+        except QualifyConfigError as exc:
+            raise AgentConfigError(f"{src}: {exc}") from exc
 
     def detector_loader(self) -> Any:
         """The ``[detectors]`` section read by the one detector-settings loader

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -26,6 +27,9 @@ from trainguard.agent.node_faults import NodeReportLedger
 from trainguard.agent.parts import LINK_TRANSITIONS, HeartbeatContent, LinkState, LinkTrigger
 from trainguard.detectors.events import HealthEvent
 from trainguard.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+if TYPE_CHECKING:
+    from trainguard.agent.qualify.agent_side import NodeQualifier
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +87,15 @@ class GrpcCoordinatorLink:
         config: identity and address.
         on_generation_lost: called when the coordinator does not know the node's generation any more (its
             workers must stop before the node registers again); None for a member without workers.
+        qualifier: the node's pre-flight qualification (:class:`~trainguard.agent.qualify.agent_side.NodeQualifier`):
+            its verdict goes with the registration, and a node without workers sends each re-check's verdict with
+            a heartbeat; None: the node does not qualify.
     """
 
-    def __init__(self, config: LinkConfig, on_generation_lost: Callable[[], None] | None = None) -> None:
+    def __init__(self, config: LinkConfig, on_generation_lost: Callable[[], None] | None = None,
+                 qualifier: "NodeQualifier | None" = None) -> None:
         self.config = config
+        self.qualifier = qualifier
         self.reports = NodeReportLedger()
         #: Default seconds between heartbeats until the coordinator says otherwise.
         self.interval_s = 0.5
@@ -154,9 +163,10 @@ class GrpcCoordinatorLink:
         while True:
             try:
                 resp = self._stub.RegisterNode(
-                    coordinator_pb2.RegisterNodeRequest(job=self.config.job, node=self._node_info(),
-                                                        free_port=find_free_port(self.config.address),
-                                                        agent_instance=self._instance),
+                    coordinator_pb2.RegisterNodeRequest(
+                        job=self.config.job, node=self._node_info(), free_port=find_free_port(self.config.address),
+                        agent_instance=self._instance,
+                        qualification=self.qualifier.registration(self._stub) if self.qualifier else None),
                     timeout=RPC_TIMEOUT_S,
                 )
                 self._lease = resp.lease_id
@@ -190,6 +200,8 @@ class GrpcCoordinatorLink:
         assert self._stub is not None, "open() first"
         self._last_heartbeat = time.monotonic()
         fields = dict(content.heartbeat_fields())
+        if self.qualifier is not None:  # a re-check's verdict, while the node runs no generation (spare, standby)
+            fields["qualification"] = self.qualifier.for_heartbeat(idle=fields.get("generation", -1) < 0)
         req = coordinator_pb2.NodeHeartbeatRequest(
             job=self.config.job, node_id=self.config.node_id, lease_id=self._lease,
             free_port=find_free_port(self.config.address), **fields)

@@ -55,6 +55,8 @@ from trainguard.agent.generation import (  # noqa: F401 (the env names are re-ex
     NODE_ID_ENV,
 )
 from trainguard.agent.node_health import DetectorEventSource, LocalNodeHealth
+from trainguard.agent.qualify.agent_side import NodeQualifier
+from trainguard.agent.qualify.config import QualifySection
 from trainguard.agent.parts import SupervisorHook
 from trainguard.agent.step_timing import FailSlowView
 from trainguard.agent.supervisor import LocalSupervisor, WorkerExit
@@ -115,6 +117,8 @@ class NodeConfig:
             (:mod:`trainguard.agent.worker_store`); else rank 0 hosts it. Default True.
         standby_after_s: arm the warm standbys once the generation has run this long even if no worker reported
             a step through the hook (plain scripts never do). Default 3.0.
+        qualify: ``[qualify]`` settings: the node qualifies before it registers and, while idle, again every
+            ``recheck_s`` (:mod:`trainguard.agent.qualify`); None: it does not.
         coordinator_channel: opens the channel to ``coordinator`` (TLS, client certificate and job token of
             :class:`trainguard.recovery.rpc_security.RpcSecurity`); None dials plaintext without a token.
     """
@@ -154,6 +158,7 @@ class NodeConfig:
     host_store: bool = True
     standby_after_s: float = 3.0
     coordinator_channel: Callable[[str], grpc.Channel] | None = None
+    qualify: QualifySection | None = None
 
 
 def link_config(c: NodeConfig) -> LinkConfig:
@@ -186,7 +191,8 @@ class NodeAgent:
             os.environ.pop(var, None)
         self._wake = threading.Event()
         self.supervisor = LocalSupervisor(config, hooks)
-        self.link = GrpcCoordinatorLink(link_config(config), on_generation_lost=self._stop_workers)
+        self.link = GrpcCoordinatorLink(link_config(config), on_generation_lost=self._stop_workers,
+                                        qualifier=NodeQualifier.for_node(config))  # pre-flight check
         self.health = LocalNodeHealth(config.node_id, generation=lambda: self.supervisor.generation,
                                       on_alarm=self._ask_checkpoint, on_actionable=self._wake.set,
                                       threshold=config.predictor_threshold)

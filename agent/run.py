@@ -23,6 +23,7 @@ from trainguard.agent.errors import JobFailedError
 from trainguard.agent.guard import guard
 from trainguard.agent.node import FaultRecord, NodeAgent, NodeConfig, install_signal_handlers
 from trainguard.agent.run_args import add_run_arguments, parse_fault  # noqa: F401 (re-exported)
+from trainguard.agent.qualify.cli import qualify_for_run
 from trainguard.agent.run_detectors import run_detector_settings
 from trainguard.errors import UsageError
 from trainguard.checkpoint.location import CheckpointLocation
@@ -96,6 +97,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         _check_checkpoint_dir(args.checkpoint_dir)
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
+    qualify = qualify_for_run(args)  # [qualify] of --qualify-config (checked before anything starts)
     job = rdzv.job or tr.default_job_name(args.script, rdzv, time.time())
     from trainguard.recovery.errors import InvalidRequestError
     from trainguard.recovery.straggler import StragglerConfig
@@ -178,6 +180,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         **({"poll_s": args.monitor_interval} if args.monitor_interval is not None else {}),
         **({"stop_grace_s": float(args.shutdown_timeout)} if args.shutdown_timeout is not None else {}),
         coordinator_channel=client_security.channel,
+        qualify=qualify,
     )
     from trainguard.agent.sdnotify import SystemdNotifier
 

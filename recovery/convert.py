@@ -13,6 +13,7 @@ from trainguard.proto import common_pb2, coordinator_pb2 as pb
 from trainguard.recovery.domain import (Beat, CheckpointAsk, FailSlowStatus, FaultReport, GenerationTable,
                                         Instruction, NodeRecord, RankTiming, StackAsk)
 from trainguard.recovery.policy import Cause, Level
+from trainguard.recovery.qualification import Qualification
 
 
 def node_record(info: common_pb2.NodeInfo) -> NodeRecord:
@@ -40,7 +41,17 @@ def beat(req: pb.NodeHeartbeatRequest) -> Beat:
     """A heartbeat request as a :class:`Beat`."""
     return Beat(req.job, req.node_id, req.lease_id, req.generation, req.workers_running, req.workers_succeeded,
                 req.last_step, req.free_port,
-                tuple(RankTiming(t.rank, t.step, t.step_s, t.wait_s, t.compute_s, t.steps) for t in req.timings))
+                tuple(RankTiming(t.rank, t.step, t.step_s, t.wait_s, t.compute_s, t.steps) for t in req.timings),
+                qualification(req))
+
+
+def qualification(req: pb.RegisterNodeRequest | pb.NodeHeartbeatRequest) -> Qualification | None:
+    """The pre-flight verdict a registration or heartbeat carries (None when it carries none)."""
+    if not req.HasField("qualification"):
+        return None
+    q = req.qualification
+    reason = q.reason or "; ".join(f"{c.name}: {c.detail}" for c in q.checks if c.status == "fail")
+    return Qualification(q.passed, reason, q.duration_s, q.echo_port, q.peer_s)
 
 
 def classify(event: common_pb2.HealthEvent, proposed: int) -> Cause:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import logging
+import random
 import threading
 import time
 import uuid
@@ -45,11 +46,12 @@ from trainguard.recovery.errors import (DuplicateNodeError, FencedError, Members
 from trainguard.recovery.domain import (Beat, CheckpointAsk, Command, FaultReport, GenerationTable, Instruction,
                                         NodeRecord)
 from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, FormingChecked, GenerationFormed,
-                                        GenerationRunning, MembershipChanged, Persist, Progressed, Step, Tick,
-                                        decide)
+                                        GenerationRunning, MembershipChanged, NodeDisqualified, Persist, Progressed,
+                                        Step, Tick, decide)
 from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
+from trainguard.recovery.qualification import PeerTimes, Qualification
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
 from trainguard.recovery.spec import JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
@@ -72,6 +74,8 @@ class Member:
     last_step: int = -1
     succeeded_generation: int = -1
     superseded: set[str] = field(default_factory=set)
+    refused: str = ""  # why it failed qualification ("" when it did not): it stays cordoned for the job
+    echo_port: int = 0  # where it answers qualifying nodes' timed exchanges (0: it does not)
 
     def spec(self, replaces: str = "") -> NodeSpec:
         """The node as rank assignment sees it."""
@@ -141,6 +145,7 @@ class JobCoordinator:
         self._beat_observers: list[Callable[[Beat, float], None]] = []
         self.fenced = ""
         self._failslow = FailSlowSupervisor(spec.failslow, wall=wall)  # fail-slow: see _failslow_* below
+        self._peer_times = PeerTimes()  # qualified nodes' exchange times: the next node's reference
         self._load()
 
     # ------------------------------------------------------------------------------------------- persistence
@@ -157,7 +162,8 @@ class JobCoordinator:
                 else:  # written by trainguard <= 0.x: the NodeInfo message, hex-encoded
                     from trainguard.recovery.convert import legacy_node_record
                     info = legacy_node_record(d["info"])
-                self._members[info.node_id] = Member(info, str(d["lease"]), str(d.get("instance", "")), now)
+                self._members[info.node_id] = Member(info, str(d["lease"]), str(d.get("instance", "")), now,
+                                                     refused=str(d.get("refused", "")))
             except (ValueError, KeyError, TypeError) as exc:
                 raise StoreError(f"node record {key!r} is corrupt ({exc}): delete it or use a fresh store") from exc
         state = recs.get(self._prefix + "state")
@@ -447,9 +453,53 @@ class JobCoordinator:
         assert d is not None
         return d.level, d.generation, d.message
 
+    def _disqualify(self, m: Member, now: float) -> Future | None:
+        """Cordons a node that failed qualification (lock held; see :mod:`~trainguard.recovery.qualification`).
+
+        A slot holder of a running generation fails at node level (its slot goes to a spare); any other node only
+        joins the cordon list. Returns the state write to wait for, or None when nothing changed.
+        """
+        nid, st = m.info.node_id, self._policy.state
+        if nid in st.cordoned:
+            return None
+        if self._layout is not None and self._layout.slot_of(nid) is not None \
+                and st.phase in (Phase.RUNNING, Phase.RECOVERING):
+            self._fail(Failure(nid, st.generation, Cause.NODE_CRITICAL, detail=m.refused, time_s=self._wall()), now)
+        elif self._apply(NodeDisqualified(nid, m.refused)).changed:
+            self._mver += 1
+        return self._state_fut
+
+    def qualify_peers(self, job: str, node_id: str, count: int) -> tuple[list[tuple[str, str, int]], float, int]:
+        """Up to ``count`` qualified peers for ``node_id``'s timed exchange, and the reference time.
+
+        Peers are live, not cordoned, serve exchanges, and are picked at random so that many nodes qualifying at
+        once spread over the qualified ones.
+
+        Returns:
+            ([(node id, address, echo port)], median exchange time of the qualified nodes so far, how many).
+
+        Raises:
+            UnknownJobError, NotServingError: wrong job, or this coordinator cannot serve.
+        """
+        now = self._clock()
+        with self._lock:
+            self._check_serving(job)
+            cordoned = set(self._policy.state.cordoned)
+            pool = [m for m in self._members.values() if m.echo_port > 0 and m.info.address and not m.refused
+                    and m.info.node_id != node_id and m.info.node_id not in cordoned and self._lease_live(m, now)]
+            picked = random.sample(pool, min(count, len(pool)))
+            reference, history = self._peer_times.reference()
+        return [(m.info.node_id, m.info.address, m.echo_port) for m in picked], reference, history
+
+    def refusal(self, node_id: str) -> str:
+        """Why ``node_id`` is refused: the qualification it failed ("" when it did not)."""
+        with self._lock:
+            m = self._members.get(node_id)
+            return m.refused if m is not None and node_id in self._policy.state.cordoned else ""
+
     # --------------------------------------------------------------------------------------------------- API
     def register(self, job: str, info: NodeRecord, free_port: int,
-                 instance: str = "") -> tuple[str, int, Future]:
+                 instance: str = "", qualification: Qualification | None = None) -> tuple[str, int, Future]:
         """Adds or re-adds a node.
 
         Args:
@@ -457,9 +507,11 @@ class JobCoordinator:
             info: the node's identity and topology (validated for format by the service).
             free_port: a port free on the node now.
             instance: the agent process's random id ("" when unknown).
+            qualification: the node's pre-flight verdict (None: it did not qualify). A failed one cordons the node
+                (see :mod:`~trainguard.recovery.qualification`); :meth:`refusal` then says why.
 
         Returns:
-            (lease id, current generation, future of the durable node record).
+            (lease id, current generation, future of the durable node record and cordon).
 
         Raises:
             UnknownJobError, NotServingError: wrong job, or this coordinator cannot serve.
@@ -503,14 +555,21 @@ class JobCoordinator:
                         raise SlotTakenError(f"node {other.info.node_id!r} already claims the slot of "
                                              f"{info.replaces!r}: one replacement per slot")
             lease = uuid.uuid4().hex
+            refused = (prev.refused if prev is not None else "") \
+                or (qualification.refusal if qualification is not None else "")
             m = Member(info=info, lease_id=lease, instance=instance, last_seen=now, free_port=free_port,
-                       superseded=superseded)
+                       superseded=superseded, refused=refused)
             self._members[nid] = m
             self._mver += 1
             fut = self._submit([Put(self._prefix + "nodes/" + nid, json.dumps(
-                {"node": info.to_dict(), "lease": lease, "instance": instance}).encode())])
+                {"node": info.to_dict(), "lease": lease, "instance": instance, "refused": refused}).encode())])
             st = self._policy.state
-            if prev is not None and self._layout is not None and self._layout.slot_of(nid) is not None \
+            if qualification is not None and not refused:
+                m.echo_port = qualification.echo_port
+                self._peer_times.record(qualification.peer_s)
+            if refused:
+                fut = self._disqualify(m, now) or fut
+            elif prev is not None and self._layout is not None and self._layout.slot_of(nid) is not None \
                     and st.phase in (Phase.RUNNING, Phase.RECOVERING) and prev.generation >= 0:
                 # The agent restarted while its workers ran a generation: they are gone with it.
                 self._fail(Failure(nid, prev.generation, Cause.WORKER_EXIT, detail="node agent restarted",
@@ -543,8 +602,16 @@ class JobCoordinator:
                 raise StaleGenerationError(f"node {req.node_id!r} runs generation {req.generation}, but job "
                                            f"{self.spec.job!r} is at generation {st.generation}: stop those workers")
             self._record_beat(m, req, now)
+            durable = None
+            if req.qualification is not None and not req.qualification.passed and not m.refused:
+                m.refused = req.qualification.refusal
+                self._submit([Put(self._prefix + "nodes/" + m.info.node_id, json.dumps(  # durable before the cordon
+                    {"node": m.info.to_dict(), "lease": m.lease_id, "instance": m.instance,
+                     "refused": m.refused}).encode())])
+                durable = self._disqualify(m, now)
             self._advance()
-            return self._failslow_reply(self._command(m))
+            reply = self._failslow_reply(self._command(m))
+            return reply if durable is None or reply.durable is not None else replace(reply, durable=durable)
 
     def add_heartbeat_observer(self, observer: Callable[[Beat, float], None]) -> None:
         """Calls ``observer(beat, now_s)`` for every accepted heartbeat (e.g. straggler detection).
@@ -594,7 +661,8 @@ class JobCoordinator:
         if st.phase in (Phase.SUCCEEDED, Phase.FAILED):
             return HeartbeatReply(replace(ins, command=Command.STOP))
         if nid in st.cordoned:
-            return HeartbeatReply(replace(ins, command=Command.STOP, message=f"node {nid} is cordoned: {st.message}"))
+            return HeartbeatReply(replace(ins, command=Command.STOP,
+                                          message=f"node {nid} is cordoned: {m.refused or st.message}"))
         if st.plan is not None or self._layout is None:
             if self._layout is None and self._form_note:
                 ins = replace(ins, message=self._form_note)

@@ -18,6 +18,7 @@ Events::
     GenerationRunning  every node of the current generation runs it      -> RECOVERING -> RUNNING
     AllSucceeded       every rank of the current generation exited 0      -> SUCCEEDED
     Progressed         a step beyond the last start completed             -> backoff starts over
+    NodeDisqualified   a node without a slot failed its pre-flight check  -> cordoned, with the reason
 """
 
 from __future__ import annotations
@@ -92,8 +93,16 @@ class Progressed:
     step: int
 
 
+@dataclass(frozen=True)
+class NodeDisqualified:
+    """A node holding no slot failed its pre-flight qualification (:mod:`~.qualification`); ``reason`` says why."""
+
+    node_id: str
+    reason: str
+
+
 Event = (FaultReported | MembershipChanged | FormingChecked | Tick | GenerationFormed | GenerationRunning
-         | AllSucceeded | Progressed)
+         | AllSucceeded | Progressed | NodeDisqualified)
 
 
 class Severity(enum.Enum):
@@ -182,6 +191,14 @@ def decide(config: PolicyConfig, state: PolicyState, event: Event) -> Step:
         actions.append(Announce(Severity.INFO, policy.state.message))
     elif isinstance(event, Progressed):
         policy.progressed(event.step)
+    elif isinstance(event, NodeDisqualified):
+        # Holding no slot, the node needs no recovery: it only joins the cordon list, which keeps it out of the
+        # first generation and of every placement of spares (costs no restart and no budget).
+        st = policy.state
+        if event.node_id not in st.cordoned:
+            st.cordoned.append(event.node_id)
+            st.message = f"node {event.node_id} cordoned: {event.reason}"
+            actions.append(Announce(Severity.WARNING, st.message))
     new = policy.state
     if new.to_dict() != state.to_dict():
         actions.insert(0, Persist())

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from trainguard.recovery.policy import Cause, Level
+from trainguard.recovery.qualification import Qualification
 from trainguard.recovery.ranks import NodeSlot, NodeSpec
 
 
@@ -111,6 +112,7 @@ class Beat:
         last_step: highest step completed (-1: none).
         free_port: a port free on the node now (0: none).
         timings: step timing of the node's ranks since its last heartbeat (fail-slow detection).
+        qualification: a new pre-flight verdict of a node waiting without a slot (None: nothing new).
     """
 
     job: str
@@ -122,6 +124,7 @@ class Beat:
     last_step: int = -1
     free_port: int = 0
     timings: tuple[RankTiming, ...] = ()
+    qualification: Qualification | None = None
 
 
 @dataclass(frozen=True)

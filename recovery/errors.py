@@ -77,5 +77,9 @@ class StaleGenerationError(RequestError):
     """The request names a generation this job never had (OUT_OF_RANGE)."""
 
 
+class NodeRefusedError(RequestError):
+    """The node failed its pre-flight qualification and is cordoned (FAILED_PRECONDITION): it gets no rank."""
+
+
 class NotServingError(RequestError):
     """The coordinator cannot serve: its store failed or another coordinator took the job over (UNAVAILABLE)."""

@@ -210,7 +210,8 @@ class CoordinatorWatch:
             for node in new:
                 m = members.get(node)
                 host = _host_of(m.info) if m is not None else node
-                target = CordonTarget(node=node, host=host, job=core.spec.job, reason=st.message)
+                reason = (m.refused if m is not None else "") or st.message  # a failed qualification's own
+                target = CordonTarget(node=node, host=host, job=core.spec.job, reason=reason)
                 for fn in self._listeners:
                     fn(target)
         self._cordoned.update(new)

@@ -39,10 +39,11 @@ from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
 from trainguard.recovery import convert
 from trainguard.recovery.coordinator import JobCoordinator
 from trainguard.recovery.failslow import validate_timings
+from trainguard.recovery.qualification import refusal_message
 from trainguard.recovery.spec import JOB_NAME_RE, JobSpec
-from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, InvalidRequestError, NotServingError,
-                                        RecoveryError, RequestError, SlotTakenError, StaleGenerationError,
-                                        StaleLeaseError, UnknownJobError, UnknownNodeError)
+from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, InvalidRequestError, NodeRefusedError,
+                                        NotServingError, RecoveryError, RequestError, SlotTakenError,
+                                        StaleGenerationError, StaleLeaseError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.store import Store
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,6 +70,7 @@ STATUS_OF: dict[type[RequestError], grpc.StatusCode] = {
     SlotTakenError: grpc.StatusCode.FAILED_PRECONDITION,
     StaleGenerationError: grpc.StatusCode.OUT_OF_RANGE,
     NotServingError: grpc.StatusCode.UNAVAILABLE,
+    NodeRefusedError: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
@@ -135,6 +137,22 @@ def validate_register(req: coordinator_pb2.RegisterNodeRequest) -> None:
         _check_text(f"node.topology.labels[{k[:32]!r}]", k + v, 2 * _MAX_TEXT)
     _check_port("node.agent_port", n.agent_port)
     _check_port("free_port", req.free_port)
+    _check_qualification(req)
+
+
+def _check_qualification(req: coordinator_pb2.RegisterNodeRequest | coordinator_pb2.NodeHeartbeatRequest) -> None:
+    """Checks the size of a pre-flight verdict (fields 120+)."""
+    if not req.HasField("qualification"):
+        return
+    q = req.qualification
+    _check_text("qualification.reason", q.reason, _MAX_EVENT_TEXT)
+    _check_port("qualification.echo_port", q.echo_port)
+    if not 0 <= q.peer_s < 3600:
+        raise _bad("qualification.peer_s", f"is {q.peer_s}; use seconds in [0, 3600)")
+    if len(q.checks) > 32:
+        raise _bad("qualification.checks", f"has {len(q.checks)} entries; at most 32 are allowed")
+    for c in q.checks:
+        _check_text("qualification.checks.detail", c.name + c.status + c.detail, _MAX_EVENT_TEXT)
 
 
 def validate_heartbeat(req: coordinator_pb2.NodeHeartbeatRequest) -> None:
@@ -153,6 +171,7 @@ def validate_heartbeat(req: coordinator_pb2.NodeHeartbeatRequest) -> None:
         raise _bad("workers_running", f"is {req.workers_running}; it must be >= 0")
     _check_port("free_port", req.free_port)
     validate_timings(req.timings)
+    _check_qualification(req)
 
 
 def validate_report(req: coordinator_pb2.ReportEventRequest) -> None:
@@ -202,8 +221,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             validate_register(request)
             lease, gen, fut = self.core.register(request.job, convert.node_record(request.node),
-                                                 request.free_port, request.agent_instance)
+                                                 request.free_port, request.agent_instance,
+                                                 convert.qualification(request))
             self.core.wait_durable(fut, "the registration")
+            refused = self.core.refusal(request.node.node_id)
+            if refused:  # cordoned durably above: a restarted coordinator refuses it the same way
+                raise NodeRefusedError(refusal_message(request.node.node_id, refused))
             return coordinator_pb2.RegisterNodeResponse(generation=gen, lease_id=lease)
         except RecoveryError as exc:
             self._refuse(context, "RegisterNode", exc)
@@ -227,6 +250,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return coordinator_pb2.ReportEventResponse(decided_level=int(level), new_generation=gen, message=msg)
         except RecoveryError as exc:
             self._refuse(context, "ReportEvent", exc)
+
+    def QualifyPeers(self, request, context):  # noqa: N802
+        """A few qualified peers for a qualifying node's timed exchange, and the reference time."""
+        try:
+            _check_job(request.job)
+            _check_node_id("node_id", request.node_id)
+            if not 0 <= request.count <= 16:
+                raise _bad("count", f"is {request.count}; use 0-16")
+            peers, reference, history = self.core.qualify_peers(request.job, request.node_id, request.count)
+            return coordinator_pb2.QualifyPeersResponse(
+                peers=[coordinator_pb2.QualifyPeer(node_id=n, address=a, port=p) for n, a, p in peers],
+                reference_s=reference, history=history)
+        except RecoveryError as exc:
+            self._refuse(context, "QualifyPeers", exc)
 
     def GetRankTable(self, request, context):  # noqa: N802
         """The current generation's full rank table (empty before the first generation forms)."""

@@ -25,6 +25,7 @@ from trainguard.errors import TrainguardError
 #: Modules whose ``register(subparsers)`` adds subcommands. A module that does not exist yet is skipped.
 SUBSYSTEM_CLIS: tuple[str, ...] = (
     "trainguard.agent.cli",
+    "trainguard.agent.qualify.cli",
     "trainguard.recovery.cli",
     "trainguard.checkpoint.cli",
     "trainguard.detectors.cli",

@@ -52,16 +52,18 @@ RECOVERY_LEVEL_NODE: RecoveryLevel
 RECOVERY_LEVEL_JOB: RecoveryLevel
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("job", "node", "free_port", "agent_instance")
+    __slots__ = ("job", "node", "free_port", "agent_instance", "qualification")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     FREE_PORT_FIELD_NUMBER: _ClassVar[int]
     AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    QUALIFICATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     node: _common_pb2.NodeInfo
     free_port: int
     agent_instance: str
-    def __init__(self, job: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., free_port: _Optional[int] = ..., agent_instance: _Optional[str] = ...) -> None: ...
+    qualification: NodeQualification
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[_Union[_common_pb2.NodeInfo, _Mapping]] = ..., free_port: _Optional[int] = ..., agent_instance: _Optional[str] = ..., qualification: _Optional[_Union[NodeQualification, _Mapping]] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("generation", "lease_id")
@@ -72,7 +74,7 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings")
+    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings", "qualification")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +84,7 @@ class NodeHeartbeatRequest(_message.Message):
     WORKERS_SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
     FREE_PORT_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    QUALIFICATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     lease_id: str
@@ -91,7 +94,66 @@ class NodeHeartbeatRequest(_message.Message):
     workers_succeeded: bool
     free_port: int
     timings: _containers.RepeatedCompositeFieldContainer[RankTiming]
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ...) -> None: ...
+    qualification: NodeQualification
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., qualification: _Optional[_Union[NodeQualification, _Mapping]] = ...) -> None: ...
+
+class NodeQualification(_message.Message):
+    __slots__ = ("passed", "reason", "duration_s", "checks", "echo_port", "peer_s")
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    ECHO_PORT_FIELD_NUMBER: _ClassVar[int]
+    PEER_S_FIELD_NUMBER: _ClassVar[int]
+    passed: bool
+    reason: str
+    duration_s: float
+    checks: _containers.RepeatedCompositeFieldContainer[QualificationCheck]
+    echo_port: int
+    peer_s: float
+    def __init__(self, passed: _Optional[bool] = ..., reason: _Optional[str] = ..., duration_s: _Optional[float] = ..., checks: _Optional[_Iterable[_Union[QualificationCheck, _Mapping]]] = ..., echo_port: _Optional[int] = ..., peer_s: _Optional[float] = ...) -> None: ...
+
+class QualifyPeersRequest(_message.Message):
+    __slots__ = ("job", "node_id", "count")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    count: int
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class QualifyPeer(_message.Message):
+    __slots__ = ("node_id", "address", "port")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    port: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class QualifyPeersResponse(_message.Message):
+    __slots__ = ("peers", "reference_s", "history")
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_S_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[QualifyPeer]
+    reference_s: float
+    history: int
+    def __init__(self, peers: _Optional[_Iterable[_Union[QualifyPeer, _Mapping]]] = ..., reference_s: _Optional[float] = ..., history: _Optional[int] = ...) -> None: ...
+
+class QualificationCheck(_message.Message):
+    __slots__ = ("name", "status", "detail", "duration_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    status: str
+    detail: str
+    duration_s: float
+    def __init__(self, name: _Optional[str] = ..., status: _Optional[str] = ..., detail: _Optional[str] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
 class RankTiming(_message.Message):
     __slots__ = ("rank", "step", "step_s", "wait_s", "compute_s", "steps")

@@ -60,6 +60,11 @@ class CoordinatorStub:
                 request_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.CommitCheckpointRequest.SerializeToString,
                 response_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.CommitCheckpointResponse.FromString,
                 _registered_method=True)
+        self.QualifyPeers = channel.unary_unary(
+                '/trainguard.v1.Coordinator/QualifyPeers',
+                request_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.QualifyPeersRequest.SerializeToString,
+                response_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.QualifyPeersResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -95,6 +100,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def QualifyPeers(self, request, context):
+        """Pre-flight qualification: a few already-qualified peers to time a data-network exchange against.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +134,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.CommitCheckpoint,
                     request_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.CommitCheckpointRequest.FromString,
                     response_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.CommitCheckpointResponse.SerializeToString,
+            ),
+            'QualifyPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.QualifyPeers,
+                    request_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.QualifyPeersRequest.FromString,
+                    response_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.QualifyPeersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +276,33 @@ class Coordinator:
             '/trainguard.v1.Coordinator/CommitCheckpoint',
             trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.CommitCheckpointRequest.SerializeToString,
             trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.CommitCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QualifyPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainguard.v1.Coordinator/QualifyPeers',
+            trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.QualifyPeersRequest.SerializeToString,
+            trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.QualifyPeersResponse.FromString,
             options,
             channel_credentials,
             insecure,
