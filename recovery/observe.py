@@ -209,8 +209,10 @@ class CoordinatorWatch:
             members = core.members()
             for node in new:
                 m = members.get(node)
-                host = _host_of(m.info) if m is not None else node
-                target = CordonTarget(node=node, host=host, job=core.spec.job, reason=st.message)
+                seen = core.node_health.get(node)  # a daemon reports its host before its node registers
+                host = _host_of(m.info) if m is not None else (seen.report.host if seen and seen.report.host else node)
+                reason = core.cordon_reason(node) or st.message  # a daemon's report names its own fault
+                target = CordonTarget(node=node, host=host, job=core.spec.job, reason=reason)
                 for fn in self._listeners:
                     fn(target)
         self._cordoned.update(new)
