@@ -26,6 +26,7 @@ import socket
 import stat
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -34,6 +35,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
+from trainguard.agent.coordinator_report import (CoordinatorReporter, NodeVerdict, NodeVerdictLatch, ReporterState,
+                                                 ReportTarget)
 from trainguard.agent.errors import AgentError
 from trainguard.agent.event_bus import EventBus
 from trainguard.agent.health import NODE_AGENT_SERVICE, HealthReporter, enable_reflection
@@ -147,6 +150,11 @@ class AgentDaemon:
         self._started_at = time.monotonic()
         self._stopped = False
         self._last_generation = -1
+        # The node's verdict for coordinators, and one reporter per coordinator (configured, or a job's).
+        self.verdict_latch = NodeVerdictLatch()
+        self.instance = uuid.uuid4().hex
+        self.reporters: dict[str, CoordinatorReporter] = {}
+        self._reporters_lock = threading.Lock()
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -206,12 +214,7 @@ class AgentDaemon:
             self.health.set_subsystem("predictor", predictor_running or not config.predictor.enabled)
             if config.predictor.enabled and not predictor_running:
                 log.warning("predictor.enabled is true, but no detectors run to feed it; risk stays 0")
-            # The daemon does not join a coordinator yet (jobs run through `trainguard run`, which embeds one):
-            # say so instead of reporting a connection that does not exist.
-            self.health.set_subsystem("coordinator", not config.coordinator.address)
-            if config.coordinator.address:
-                log.warning("coordinator.address is set, but this agent version does not register with a "
-                            "coordinator from the daemon; run jobs with `trainguard run`")
+            self._start_configured_reporters(config)
             self._refresh()
         except BaseException:
             if self.runner is None:
@@ -305,8 +308,80 @@ class AgentDaemon:
     def _on_event(self, event: HealthEvent) -> None:
         if not event.node_id and self.config is not None:
             event = event.with_node(self.config.agent.node_id)
+        if self.verdict_latch.observe(event):
+            for reporter in self._reporter_list():
+                reporter.poke()  # a node-level fault: tell every coordinator now, not at the next interval
         if self.node is not None:
             self.node.bus.publish(event)
+
+    # -- coordinators -------------------------------------------------------------------------------------
+
+    def node_verdict(self) -> NodeVerdict:
+        """The node's verdict now: a latched node-level fault, else the predictor's score against the threshold."""
+        score = self.node.predictor_score if self.node is not None else 0.0
+        threshold = self.config.predictor.threshold if self.config is not None else 1.0
+        return self.verdict_latch.verdict(score, threshold)
+
+    def coordinator_security(self, config: AgentConfig) -> Any:
+        """The TLS files and job token of the configured coordinators (``[coordinator]``).
+
+        Raises:
+            AgentConfigError: the token file is unreadable.
+        """
+        from trainguard.agent.tls import TlsFiles as Files
+        from trainguard.recovery.rpc_security import RpcSecurity, SecurityConfigError, read_token_file
+
+        c = config.coordinator
+        try:
+            token = read_token_file(c.token_file, "coordinator.token_file") if c.token_file else ""
+        except SecurityConfigError as exc:
+            raise AgentConfigError(str(exc)) from exc
+        return RpcSecurity(tls=Files(c.tls_cert_file, c.tls_key_file, c.tls_ca_file), token=token)
+
+    def add_reporter(self, key: str, target: ReportTarget) -> CoordinatorReporter:
+        """Starts reporting to ``target`` under ``key`` (replacing a reporter with the same key).
+
+        Raises:
+            SecurityConfigError: a TLS file of the target is unreadable.
+        """
+        assert self.config is not None
+        c = self.config.coordinator
+        reporter = CoordinatorReporter(target, self.node_verdict, self.config.agent.node_id, socket.gethostname(),
+                                       self.instance, interval_s=c.heartbeat_interval_s, timeout_s=c.timeout_s)
+        reporter.start()
+        with self._reporters_lock:
+            old = self.reporters.pop(key, None)
+            self.reporters[key] = reporter
+        if old is not None:
+            old.stop()
+        return reporter
+
+    def remove_reporter(self, key: str) -> None:
+        """Stops the reporter under ``key``, if any."""
+        with self._reporters_lock:
+            old = self.reporters.pop(key, None)
+        if old is not None:
+            old.stop()
+
+    def _reporter_list(self) -> list[CoordinatorReporter]:
+        with self._reporters_lock:
+            return list(self.reporters.values())
+
+    def _start_configured_reporters(self, config: AgentConfig) -> None:
+        targets = config.coordinator.targets()
+        if not targets:
+            return
+        security = self.coordinator_security(config)
+        for address in targets:
+            self.add_reporter(f"config:{address}", ReportTarget(address, job=config.coordinator.job,
+                                                                security=security, origin="config"))
+        log.info("reporting node health to %d coordinator(s): %s", len(targets), ", ".join(targets))
+
+    def _coordinators_ok(self) -> bool:
+        """Whether every configured coordinator answers (attached jobs' coordinators come and go)."""
+        with self._reporters_lock:
+            configured = [r for k, r in self.reporters.items() if k.startswith("config:")]
+        return all(r.state in (ReporterState.REPORTING, ReporterState.CORDONED) for r in configured)
 
     def detector_statuses(self) -> list:
         """The detector runner's statuses (empty without detectors)."""
@@ -328,6 +403,7 @@ class AgentDaemon:
                     for _ in range(generation - self._last_generation):
                         self.metrics.count_worker_restart()
                 self._last_generation = max(self._last_generation, generation)
+        self.health.set_subsystem("coordinator", self._coordinators_ok())
         group = self.node.group if self.node is not None else None
         workers = group.workers if group is not None else []
         self.health.set_subsystem("workers", not any(w.state.name in ("FAILED", "HUNG") for w in workers))
@@ -378,7 +454,12 @@ class AgentDaemon:
             where.append(f"unix:{self.config.grpc.socket}")
         if self.config is not None and self.config.grpc.listen:
             where.append(f"tcp:{self.tcp_port}{'+tls' if self._certs else ''}")
-        return f"serving on {' '.join(where)}; {detectors}; {workers} workers; risk {score:.2f}"
+        reporters = self._reporter_list()
+        up = sum(1 for r in reporters if r.state in (ReporterState.REPORTING, ReporterState.CORDONED))
+        coordinators = f"; coordinators {up}/{len(reporters)} reporting" if reporters else ""
+        verdict = self.verdict_latch.verdict().verdict.name.lower()
+        return (f"serving on {' '.join(where)}; {detectors}; {workers} workers; risk {score:.2f}; "
+                f"node {verdict}{coordinators}")
 
     # -- main loop ----------------------------------------------------------------------------------------
 
@@ -474,6 +555,9 @@ class AgentDaemon:
         if self.node is not None:
             self.node.predictor_threshold = self.config.predictor.threshold
             self.node.config.stop_grace_s = self.config.agent.stop_grace_s
+        for reporter in self._reporter_list():
+            reporter.interval_s = self.config.coordinator.heartbeat_interval_s
+            reporter.timeout_s = self.config.coordinator.timeout_s
         log.info("configuration reloaded from %s", new.source)
         self._agent_event("agent.reloaded", Severity.INFO, f"configuration reloaded from {new.source}",
                           restart_needed=",".join(pending))
@@ -494,6 +578,8 @@ class AgentDaemon:
         self.notifier.close()
 
     def _shutdown_parts(self) -> None:
+        for key in list(self.reporters):
+            self.remove_reporter(key)
         if self.node is not None:
             self.node.request_stop()  # ends WatchEvents streams
             group = self.node.group
