@@ -34,13 +34,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from trainguard.agent.arena_keeper import ArenaKeeper, ArenaRootError, pid_alive
 from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
 from trainguard.agent.coordinator_report import (CoordinatorReporter, NodeVerdict, NodeVerdictLatch, ReporterState,
                                                  ReportTarget)
 from trainguard.agent.errors import AgentError
 from trainguard.agent.event_bus import EventBus
 from trainguard.agent.health import NODE_AGENT_SERVICE, HealthReporter, enable_reflection
-from trainguard.agent.local_server import NodeAgentService
+from trainguard.agent.local_server import NodeAgentService, local_only
 from trainguard.agent.logging_setup import configure_logging
 from trainguard.agent.metrics import AgentMetrics, MetricsServer
 from trainguard.agent.node import NodeAgent, NodeConfig
@@ -155,6 +156,9 @@ class AgentDaemon:
         self.instance = uuid.uuid4().hex
         self.reporters: dict[str, CoordinatorReporter] = {}
         self._reporters_lock = threading.Lock()
+        # Jobs `trainguard run` attached: job -> live launcher pids (their coordinator is reported to meanwhile).
+        self._jobs: dict[str, set[int]] = {}
+        self.arenas: ArenaKeeper | None = None
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -215,6 +219,8 @@ class AgentDaemon:
             if config.predictor.enabled and not predictor_running:
                 log.warning("predictor.enabled is true, but no detectors run to feed it; risk stays 0")
             self._start_configured_reporters(config)
+            self.arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s)
+            self.arenas.adopt_existing()
             self._refresh()
         except BaseException:
             if self.runner is None:
@@ -377,6 +383,60 @@ class AgentDaemon:
                                                                 security=security, origin="config"))
         log.info("reporting node health to %d coordinator(s): %s", len(targets), ", ".join(targets))
 
+    def attach_job(self, req: agent_pb2.AttachJobRequest) -> agent_pb2.AttachJobResponse:
+        """A launcher attaches its job: report to its coordinator, keep its arena (see ``AttachJob``).
+
+        Raises:
+            ArenaRootError: the launcher's arena root is not ``memory_tier.root``.
+            SecurityConfigError: a TLS file of the job's coordinator is unreadable.
+        """
+        from trainguard.agent.tls import TlsFiles as Files
+        from trainguard.recovery.rpc_security import RpcSecurity
+
+        assert self.config is not None and self.arenas is not None
+        kept = self.arenas.attach(req.job, req.arena_root, req.launcher_pid) if req.arena_root else False
+        if req.coordinator:
+            security = RpcSecurity(tls=Files(req.tls_cert_file, req.tls_key_file, req.tls_ca_file), token=req.token)
+            self.add_reporter(f"job:{req.job}", ReportTarget(req.coordinator, job=req.job, node_id=req.node_id,
+                                                             security=security, origin=f"job {req.job}"))
+        with self._reporters_lock:
+            self._jobs.setdefault(req.job, set()).add(req.launcher_pid)
+        self._agent_event("agent.job_attached", Severity.INFO,
+                          f"job {req.job} attached by launcher {req.launcher_pid}"
+                          + (f" (coordinator {req.coordinator})" if req.coordinator else ""),
+                          job=req.job, arena_kept=str(kept))
+        return agent_pb2.AttachJobResponse(node_id=self.config.agent.node_id, arena_kept=kept,
+                                           arena_ttl_s=self.arenas.ttl_s)
+
+    def detach_job(self, job: str, pid: int, ended: bool) -> bool:
+        """A launcher leaves ``job`` (``ended``: the job is over); returns whether the arena was removed."""
+        with self._reporters_lock:
+            pids = self._jobs.get(job, set())
+            pids.discard(pid)
+            last = not pids
+            if last:
+                self._jobs.pop(job, None)
+        if last or ended:
+            self.remove_reporter(f"job:{job}")
+        return self.arenas.detach(job, pid, ended) if self.arenas is not None else False
+
+    def _sweep_jobs(self) -> None:
+        """Forgets jobs whose launchers all died without detaching (SIGKILL); ages the kept arenas."""
+        with self._reporters_lock:
+            gone = []
+            for job, pids in self._jobs.items():
+                pids.intersection_update({p for p in pids if pid_alive(p)})
+                if not pids:
+                    gone.append(job)
+            for job in gone:
+                del self._jobs[job]
+        for job in gone:
+            log.warning("every launcher of job %s is gone without detaching; no more reports to its coordinator",
+                        job)
+            self.remove_reporter(f"job:{job}")
+        if self.arenas is not None:
+            self.arenas.sweep()
+
     def _coordinators_ok(self) -> bool:
         """Whether every configured coordinator answers (attached jobs' coordinators come and go)."""
         with self._reporters_lock:
@@ -507,6 +567,7 @@ class AgentDaemon:
                     self._reload.clear()
                     self.reload()
                 self._refresh()
+                self._sweep_jobs()
                 if self.runner is not None and self.node is not None:
                     self.node.predictor_tick(self.runner.latest_metrics())
                 if self.watchdog.seconds_until_due() == 0.0:
@@ -555,6 +616,8 @@ class AgentDaemon:
         if self.node is not None:
             self.node.predictor_threshold = self.config.predictor.threshold
             self.node.config.stop_grace_s = self.config.agent.stop_grace_s
+        if self.arenas is not None:
+            self.arenas.ttl_s = self.config.memory_tier.ttl_s
         for reporter in self._reporter_list():
             reporter.interval_s = self.config.coordinator.heartbeat_interval_s
             reporter.timeout_s = self.config.coordinator.timeout_s
@@ -635,6 +698,34 @@ class _DaemonService(NodeAgentService):
         if not health.detectors:
             health.MergeFrom(self._detector_part())
         return health
+
+    def AttachJob(self, request, context):  # noqa: N802 (gRPC naming)
+        """A `trainguard run` on this node attaches its job (local socket only)."""
+        from trainguard.recovery.rpc_security import SecurityConfigError
+        from trainguard.recovery.spec import JOB_NAME_RE
+
+        local_only(context, "AttachJob")
+        if not JOB_NAME_RE.match(request.job):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job[:64]!r} is not a job name")
+        if request.launcher_pid <= 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "launcher_pid must be the launcher's pid (> 0)")
+        if request.coordinator:
+            from trainguard.agent.config import parse_hostport
+
+            try:
+                parse_hostport(request.coordinator)
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"coordinator: {exc}")
+        try:
+            return self._daemon.attach_job(request)
+        except (ArenaRootError, SecurityConfigError) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    def DetachJob(self, request, context):  # noqa: N802 (gRPC naming)
+        """A launcher leaves its job; ``ended`` removes the job's arena now (local socket only)."""
+        local_only(context, "DetachJob")
+        removed = self._daemon.detach_job(request.job, request.launcher_pid, request.ended)
+        return agent_pb2.DetachJobResponse(arena_removed=removed)
 
     def ReportCheckpoint(self, request, context):  # noqa: N802 (gRPC naming)
         reply = super().ReportCheckpoint(request, context)

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -109,6 +110,9 @@ class NodeConfig:
             a step through the hook (plain scripts never do). Default 3.0.
         coordinator_channel: opens the channel to ``coordinator`` (TLS, client certificate and job token of
             :class:`trainguard.recovery.rpc_security.RpcSecurity`); None dials plaintext without a token.
+        health_source: where detector events and predictor alarms come from
+            (:mod:`trainguard.agent.health_source`); None runs ``detectors`` and the predictor in this process.
+        predictor: score failure risk in this process (off when the node daemon's predictor is used).
     """
 
     job: str
@@ -145,6 +149,8 @@ class NodeConfig:
     host_store: bool = True
     standby_after_s: float = 3.0
     coordinator_channel: Callable[[str], grpc.Channel] | None = None
+    health_source: Any = None
+    predictor: bool = True
 
 
 def find_free_port(address: str) -> int:
@@ -655,7 +661,10 @@ class NodeAgent:
         self._channel = dial(self.config.coordinator)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._register(self.config.coordinator_patience_s)
-        self._start_detectors()
+        from trainguard.agent.health_source import LocalHealthSource
+
+        health = self.config.health_source or LocalHealthSource()
+        health.start(self)
         if self._notifier is not None:
             self._notifier.ready(f"job {self.config.job}: registered, waiting for a rank table")
         next_hb = 0.0
@@ -684,6 +693,7 @@ class NodeAgent:
                 self._wake.clear()
             return 130
         finally:
+            health.stop()
             if self._runner is not None:
                 self._runner.stop()
             self._stop_workers()
@@ -713,6 +723,18 @@ class NodeAgent:
             f"on this node (the bound is {self.config.coordinator_patience_s:.0f}s, --rdzv-conf join_timeout); "
             "check that it runs, then start this node again")
 
+    def start_local_health(self) -> None:
+        """Starts this process's detectors and (when configured) predictor: a health source's local part."""
+        self._start_detectors()
+
+    def on_daemon_event(self, event: HealthEvent) -> None:
+        """An event of the node daemon: its predictor's alarm takes the checkpoint-then-drain path, the rest the
+        detector path (a node-level fault is reported to the coordinator)."""
+        if event.kind == "predictor.alarm":
+            self._alarm(event)
+        else:
+            self._on_detector_event(event)
+
     def _start_detectors(self) -> None:
         if not self.config.detectors:
             return
@@ -720,8 +742,10 @@ class NodeAgent:
         from trainguard.detectors.runner import DetectorRunner
 
         detectors = create_detectors(list(self.config.detectors), self.config.detector_config, worker_view=self)
-        self.start_predictor(self.config.predictor_model, self.config.history_path,
-                             interval_s=self.config.predictor_interval_s, drain_grace_s=self.config.drain_grace_s)
+        self._drain_grace_s = self.config.drain_grace_s
+        if self.config.predictor:
+            self.start_predictor(self.config.predictor_model, self.config.history_path,
+                                 interval_s=self.config.predictor_interval_s, drain_grace_s=self.config.drain_grace_s)
         self._hardware_detectors = hardware_detector_names(detectors)
 
         def on_event(event: HealthEvent) -> None:
@@ -794,6 +818,10 @@ class NodeAgent:
             node_id=self.config.node_id,
         )
         self.bus.publish(event)
+        self._alarm(event)
+
+    def _alarm(self, event: HealthEvent) -> None:
+        """A predicted failure: checkpoint now, then ask for a drain after the grace."""
         log.warning("predictor alarm: %s; asking for a checkpoint now, drain request in %.1f s",
                     event.message, self._drain_grace_s)
         self._ask_checkpoint(event)

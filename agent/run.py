@@ -129,6 +129,15 @@ def run_job(args: argparse.Namespace) -> RunResult:
             if rdzv.multi_node:
                 print(f"trainguard: coordinator for job {job!r} listening on {server.target}", file=sys.stderr)
 
+    node_id = args.node_id or tr.default_node_id(rdzv, None if server is not None else coordinator,
+                                                 socket.gethostname(), os.getpid())
+    # With a node daemon: its detectors, predictor and memory-tier keeper serve this job (only the worker
+    # detectors run here); without one, this launcher runs them itself.
+    from trainguard.agent.health_source import WORKER_DETECTORS, DaemonHealthSource, attach_daemon
+
+    daemon = attach_daemon(job, coordinator, node_id, client_security, bool(args.checkpoint_dir))
+    if daemon is not None:
+        detectors = tuple(d for d in detectors if d in WORKER_DETECTORS)
     rundir = tempfile.mkdtemp(prefix="tg-")
     extra_env = {}
     ckpt_service = None
@@ -148,8 +157,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         coordinator=coordinator,
         argv=argv,
         nproc_per_node=nproc,
-        node_id=args.node_id or tr.default_node_id(rdzv, None if server is not None else coordinator,
-                                                   socket.gethostname(), os.getpid()),
+        node_id=node_id,
         pod_id=args.pod,
         node_index=args.node_index if args.node_index is not None else args.node_rank,
         host=args.host or socket.gethostname(),
@@ -176,6 +184,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
         **({"poll_s": args.monitor_interval} if args.monitor_interval is not None else {}),
         **({"stop_grace_s": float(args.shutdown_timeout)} if args.shutdown_timeout is not None else {}),
         coordinator_channel=client_security.channel,
+        health_source=DaemonHealthSource(daemon) if daemon is not None else None,
+        predictor=daemon is None,
     )
     from trainguard.agent.sdnotify import SystemdNotifier
 
@@ -187,6 +197,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
     restore = install_signal_handlers(agent, signals)
     t0 = time.time()
     extras = None
+    code = None
     try:
         extras = start_run_extras(args, agent, config.socket_path, server)  # /metrics, health, status, linger
         try:
@@ -203,9 +214,12 @@ def run_job(args: argparse.Namespace) -> RunResult:
             if rdzv.multi_node:
                 _let_nodes_hear_the_end(server, config.node_id)
             server.stop()
+        if daemon is not None:  # the job is over unless a signal stopped it: a restart finds its arena
+            daemon.detach(ended=code in (0, 1))
+            daemon.close()
         if ckpt_service is not None:
             pid = ckpt_service.pid
-            ckpt_service.stop(remove_memory=True)
+            ckpt_service.stop(remove_memory=daemon is None or code in (0, 1))
             guard().forget(pid)
         guard().close()
         shutil.rmtree(rundir, ignore_errors=True)

@@ -1,0 +1,269 @@
+"""Where a ``trainguard run`` gets its node health from: its own detectors, or the node daemon's.
+
+A launcher needs two things about its node: detector events (a worker hung, a fatal AER error, a link down) and
+the predictor's alarms. Two sources provide them, and the composition in :mod:`trainguard.agent.run` picks one:
+
+- :class:`LocalHealthSource`: the launcher runs the detectors and the predictor itself (no daemon on the node:
+  ``trainguard run`` works alone, as it always did).
+- :class:`DaemonHealthSource`: the node daemon (``trainguard agent``) already runs the node's detectors and
+  predictor for every job; the launcher attaches to it over its unix socket (``AttachJob``: the daemon also
+  reports the node's health to this job's coordinator and keeps the job's memory-tier arena), and follows its
+  events (``WatchEvents``) instead of starting its own. Only the detectors that watch the launcher's own workers
+  (``process``: hangs) still run in the launcher: the daemon cannot see them.
+
+Both feed a :class:`HealthSink` (the node agent): detector events go to its usual fault handling, a predictor
+alarm to its checkpoint-then-drain path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from trainguard.agent.errors import AgentError
+from trainguard.agent.job_registry import DAEMON_SOCKET, DAEMON_SOCKET_ENV
+from trainguard.detectors.events import HealthEvent
+from trainguard.proto import agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: Detectors that watch the launcher's own workers; they run in the launcher even with a daemon.
+WORKER_DETECTORS = ("process",)
+#: Seconds a launcher waits for a daemon's first answer before it runs alone.
+PROBE_TIMEOUT_S = 2.0
+
+
+class DaemonAttachError(AgentError):
+    """The node daemon answered but refused to attach the job (the message says why)."""
+
+
+class HealthSink(Protocol):
+    """What a health source feeds: the node agent."""
+
+    def start_local_health(self) -> None:
+        """Starts the agent's own detectors and predictor (as configured)."""
+
+    def on_daemon_event(self, event: HealthEvent) -> None:
+        """Handles one event of the node daemon (a detector event, or a predictor alarm)."""
+
+
+class HealthSource(Protocol):
+    """One way of getting the node's health into a launcher."""
+
+    name: str
+
+    def start(self, sink: HealthSink) -> None:
+        """Starts feeding ``sink``."""
+
+    def stop(self) -> None:
+        """Stops feeding (idempotent)."""
+
+
+class LocalHealthSource:
+    """The launcher's own detectors and predictor."""
+
+    name = "local"
+
+    def start(self, sink: HealthSink) -> None:
+        """Starts the agent's detectors and predictor."""
+        sink.start_local_health()
+
+    def stop(self) -> None:
+        """Nothing to stop: the agent stops its detector runner itself."""
+
+
+def daemon_socket(environ: dict[str, str] | None = None) -> str:
+    """The daemon's socket path: ``$TRAINGUARD_AGENT_SOCKET_PATH`` (empty: no daemon), else the default."""
+    env = os.environ if environ is None else environ
+    return env.get(DAEMON_SOCKET_ENV, DAEMON_SOCKET)
+
+
+@dataclass(frozen=True)
+class JobAttachment:
+    """What a launcher tells the daemon about its job (``AttachJob``)."""
+
+    job: str
+    coordinator: str
+    node_id: str
+    arena_root: str = ""
+    token: str = ""
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+
+
+class DaemonLink:
+    """A launcher's connection to the node daemon's unix socket.
+
+    Args:
+        path: the daemon's socket.
+        channel: an open channel to it.
+    """
+
+    def __init__(self, path: str, channel: grpc.Channel) -> None:
+        self.path = path
+        self._channel = channel
+        self.stub = agent_pb2_grpc.NodeAgentStub(channel)
+        self.job = ""
+        self.attached: agent_pb2.AttachJobResponse | None = None
+
+    @classmethod
+    def connect(cls, path: str, timeout_s: float = PROBE_TIMEOUT_S) -> "DaemonLink | None":
+        """The daemon at ``path`` if one answers there, else None (the launcher runs alone)."""
+        if not path or not os.path.exists(path):
+            return None
+        channel = grpc.insecure_channel(f"unix:{path}")
+        try:
+            agent_pb2_grpc.NodeAgentStub(channel).GetHealth(agent_pb2.GetHealthRequest(max_events=1),
+                                                            timeout=timeout_s)
+        except grpc.RpcError as exc:
+            channel.close()
+            log.warning("a node daemon socket is at %s but does not answer (%s); running without it", path,
+                        exc.code().name)
+            return None
+        return cls(path, channel)
+
+    def attach(self, job: JobAttachment) -> agent_pb2.AttachJobResponse:
+        """Attaches the job; a daemon that refuses the arena root is asked again without the arena.
+
+        Raises:
+            DaemonAttachError: the daemon refused (e.g. an older daemon without ``AttachJob``).
+        """
+        req = agent_pb2.AttachJobRequest(
+            job=job.job, coordinator=job.coordinator, node_id=job.node_id, launcher_pid=os.getpid(),
+            arena_root=job.arena_root, token=job.token, tls_ca_file=job.tls_ca_file,
+            tls_cert_file=job.tls_cert_file, tls_key_file=job.tls_key_file)
+        try:
+            resp = self.stub.AttachJob(req, timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION and req.arena_root:
+                log.warning("node daemon keeps no arena for this job: %s", exc.details())
+                req.arena_root = ""
+                try:
+                    resp = self.stub.AttachJob(req, timeout=10)
+                except grpc.RpcError as exc2:
+                    raise DaemonAttachError(f"node daemon at {self.path}: {exc2.details()}") from exc2
+            else:
+                raise DaemonAttachError(f"node daemon at {self.path} did not attach job {job.job}: "
+                                        f"{exc.code().name}: {exc.details()}") from exc
+        self.job, self.attached = job.job, resp
+        return resp
+
+    def detach(self, ended: bool) -> None:
+        """Leaves the job (``ended``: it is over, the daemon removes its arena); errors are logged."""
+        if not self.job:
+            return
+        try:
+            self.stub.DetachJob(agent_pb2.DetachJobRequest(job=self.job, ended=ended, launcher_pid=os.getpid()),
+                                timeout=5)
+        except grpc.RpcError as exc:
+            log.warning("node daemon at %s: detaching job %s failed (%s)", self.path, self.job, exc.code().name)
+        self.job = ""
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self._channel.close()
+
+
+class DaemonHealthSource:
+    """The node daemon's events (``WatchEvents``) fed to the launcher's agent, reconnecting when the stream ends.
+
+    Args:
+        link: the attached daemon.
+        retry_s: seconds between reconnection attempts.
+    """
+
+    name = "daemon"
+
+    def __init__(self, link: DaemonLink, retry_s: float = 1.0) -> None:
+        self.link = link
+        self.retry_s = retry_s
+        self.events = 0
+        self._stop = threading.Event()
+        self._call = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self, sink: HealthSink) -> None:
+        """Starts the launcher's worker detectors and the stream of the daemon's events."""
+        sink.start_local_health()  # the run composition left only the worker detectors (and no predictor)
+        self._thread = threading.Thread(target=self._follow, args=(sink,), name="daemon-events", daemon=True)
+        self._thread.start()
+
+    def _follow(self, sink: HealthSink) -> None:
+        down = False
+        while not self._stop.is_set():
+            call = self.link.stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=0))
+            with self._lock:
+                self._call = call
+            if self._stop.is_set():
+                call.cancel()
+                return
+            try:
+                if down:
+                    log.info("node daemon at %s is back; following its events again", self.link.path)
+                    down = False
+                for msg in call:
+                    self.events += 1
+                    sink.on_daemon_event(HealthEvent.from_proto(msg))
+            except grpc.RpcError as exc:
+                if self._stop.is_set() or exc.code() is grpc.StatusCode.CANCELLED:
+                    return
+                if not down:
+                    log.warning("node daemon at %s: event stream ended (%s); retrying every %.0f s",
+                                self.link.path, exc.code().name, self.retry_s)
+                    down = True
+            self._stop.wait(self.retry_s)
+
+    def stop(self) -> None:
+        """Ends the stream (idempotent)."""
+        self._stop.set()
+        with self._lock:
+            if self._call is not None:
+                self._call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+__all__ = ["DaemonAttachError", "DaemonHealthSource", "DaemonLink", "HealthSink", "HealthSource", "JobAttachment",
+           "LocalHealthSource", "WORKER_DETECTORS", "daemon_socket"]
+
+
+def attach_daemon(job: str, coordinator: str, node_id: str, security, checkpointing: bool,
+                  environ: dict[str, str] | None = None) -> DaemonLink | None:
+    """Attaches ``job`` to the node daemon when one answers on its socket; None when none runs (run alone).
+
+    Args:
+        job: the job name.
+        coordinator: ``HOST:PORT`` of the job's coordinator (the daemon reports the node's health there too).
+        node_id: this launcher's node id (the daemon reports under it).
+        security: the launcher's :class:`~trainguard.recovery.rpc_security.RpcSecurity` towards the coordinator.
+        checkpointing: the job uses the memory tier: the daemon keeps its arena.
+        environ: the environment (``$TRAINGUARD_AGENT_SOCKET_PATH``, ``$TRAINGUARD_CHECKPOINT_SHM_DIR``).
+
+    Returns:
+        The attached link, or None: no daemon answers, or it refused the job (logged; the launcher runs alone).
+    """
+    from trainguard.checkpoint.config import CHECKPOINT_SHM_DIR_ENV
+
+    env = os.environ if environ is None else environ
+    link = DaemonLink.connect(daemon_socket(env))
+    if link is None:
+        return None
+    arena = env.get(CHECKPOINT_SHM_DIR_ENV, "/dev/shm/trainguard") if checkpointing else ""
+    try:
+        resp = link.attach(JobAttachment(job, coordinator, node_id, arena, security.token, security.tls.ca_file,
+                                         security.tls.cert_file, security.tls.key_file))
+    except DaemonAttachError as exc:  # e.g. a daemon of an older version: this launcher still runs, alone
+        link.close()
+        log.warning("%s; running with this launcher's own detectors and predictor", exc)
+        return None
+    log.info("attached job %s to the node daemon at %s (node %s): its detectors and predictor watch this node%s",
+             job, link.path, resp.node_id,
+             "; it kept this job's memory tier from a previous launcher" if resp.arena_kept else "")
+    return link
