@@ -401,6 +401,9 @@ class AgentDaemon:
                                                              security=security, origin=f"job {req.job}"))
         with self._reporters_lock:
             self._jobs.setdefault(req.job, set()).add(req.launcher_pid)
+        log.info("job %s attached by launcher %d (coordinator %s, node %s%s)", req.job, req.launcher_pid,
+                 req.coordinator or "none", req.node_id or self.config.agent.node_id,
+                 ", arena kept" if kept else "")
         self._agent_event("agent.job_attached", Severity.INFO,
                           f"job {req.job} attached by launcher {req.launcher_pid}"
                           + (f" (coordinator {req.coordinator})" if req.coordinator else ""),

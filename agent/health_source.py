@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +28,7 @@ import grpc
 
 from trainguard.agent.errors import AgentError
 from trainguard.agent.job_registry import DAEMON_SOCKET, DAEMON_SOCKET_ENV
-from trainguard.detectors.events import HealthEvent
+from trainguard.detectors.events import HealthEvent, Severity
 from trainguard.proto import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class DaemonLink:
         self.stub = agent_pb2_grpc.NodeAgentStub(channel)
         self.job = ""
         self.attached: agent_pb2.AttachJobResponse | None = None
+        self.attached_at = 0.0  # Unix time just before the attachment
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = PROBE_TIMEOUT_S) -> "DaemonLink | None":
@@ -138,6 +140,7 @@ class DaemonLink:
             job=job.job, coordinator=job.coordinator, node_id=job.node_id, launcher_pid=os.getpid(),
             arena_root=job.arena_root, token=job.token, tls_ca_file=job.tls_ca_file,
             tls_cert_file=job.tls_cert_file, tls_key_file=job.tls_key_file)
+        self.attached_at = time.time()
         try:
             resp = self.stub.AttachJob(req, timeout=10)
         except grpc.RpcError as exc:
@@ -170,20 +173,29 @@ class DaemonLink:
         self._channel.close()
 
 
+#: Recent events each (re)connection asks the daemon to replay; those older than the attachment, or already
+#: handled, are skipped, so an event between the attachment and the stream's start (or during a reconnection)
+#: is never lost.
+REPLAY_EVENTS = 256
+
+
 class DaemonHealthSource:
     """The node daemon's events (``WatchEvents``) fed to the launcher's agent, reconnecting when the stream ends.
 
     Args:
         link: the attached daemon.
         retry_s: seconds between reconnection attempts.
+        since: Unix time from which events concern this launcher (default: the link's attachment).
     """
 
     name = "daemon"
 
-    def __init__(self, link: DaemonLink, retry_s: float = 1.0) -> None:
+    def __init__(self, link: DaemonLink, retry_s: float = 1.0, since: float | None = None) -> None:
         self.link = link
         self.retry_s = retry_s
+        self.since = (link.attached_at or time.time()) if since is None else since
         self.events = 0
+        self._seen: dict[str, None] = {}  # event ids handled, oldest first (bounded)
         self._stop = threading.Event()
         self._call = None
         self._lock = threading.Lock()
@@ -198,7 +210,7 @@ class DaemonHealthSource:
     def _follow(self, sink: HealthSink) -> None:
         down = False
         while not self._stop.is_set():
-            call = self.link.stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=0))
+            call = self.link.stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=REPLAY_EVENTS))
             with self._lock:
                 self._call = call
             if self._stop.is_set():
@@ -210,7 +222,15 @@ class DaemonHealthSource:
                     down = False
                 for msg in call:
                     self.events += 1
-                    sink.on_daemon_event(HealthEvent.from_proto(msg))
+                    event = HealthEvent.from_proto(msg)
+                    if event.time < self.since or event.event_id in self._seen:
+                        continue  # from before this launcher attached, or replayed after a reconnection
+                    self._seen[event.event_id] = None
+                    if len(self._seen) > 4 * REPLAY_EVENTS:
+                        del self._seen[next(iter(self._seen))]
+                    if event.severity >= Severity.WARNING:  # the node's trouble belongs in the job's log too
+                        log.warning("node daemon: %s: %s", event.kind, event.message)
+                    sink.on_daemon_event(event)
             except grpc.RpcError as exc:
                 if self._stop.is_set() or exc.code() is grpc.StatusCode.CANCELLED:
                     return

@@ -138,6 +138,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
     daemon = attach_daemon(job, coordinator, node_id, client_security, bool(args.checkpoint_dir))
     if daemon is not None:
         detectors = tuple(d for d in detectors if d in WORKER_DETECTORS)
+        detector_config = {k: v for k, v in detector_config.items() if k in detectors}
     rundir = tempfile.mkdtemp(prefix="tg-")
     extra_env = {}
     ckpt_service = None

@@ -764,9 +764,11 @@ class JobCoordinator:
         now = self._clock()
         with self._lock:
             self._check_serving(report.job or self.spec.job)
-            self.node_health.record(report, now)
+            newly = self.node_health.record(report, now)
             nid = report.node_id
-            if report.verdict is Verdict.FATAL and not self._excluded(nid) \
+            # One failure per fatal latch: a job that restarts on the node anyway (one node, nowhere else to
+            # go) must not see every later report (each interval) as a new fault burning its restart budget.
+            if report.verdict is Verdict.FATAL and newly and not self._excluded(nid) \
                     and self._policy.state.phase not in (Phase.SUCCEEDED, Phase.FAILED):
                 fut_before = self._state_fut
                 st = self._policy.state
@@ -777,9 +779,11 @@ class JobCoordinator:
                 self._save_state()
                 self._advance()
                 fut = self._state_fut if self._state_fut is not fut_before else None
-                log.warning("job %s: node %s cordoned on its daemon's report: %s", self.spec.job, nid,
-                            report.reason)
-                return self._excluded(nid), f"node {nid} cordoned: {report.reason}", fut
+                cordoned = self._excluded(nid)
+                if cordoned:
+                    log.warning("job %s: node %s cordoned on its daemon's report: %s", self.spec.job, nid,
+                                report.reason)
+                return cordoned, f"node {nid} {'cordoned' if cordoned else 'failed'}: {report.reason}", fut
             cordoned = self._excluded(nid)
             return cordoned, f"node {nid} is cordoned" if cordoned else "noted", None
 
