@@ -622,7 +622,7 @@ class AgentDaemon:
         if self.arenas is not None:
             self.arenas.ttl_s = self.config.memory_tier.ttl_s
         for reporter in self._reporter_list():
-            reporter.interval_s = self.config.coordinator.heartbeat_interval_s
+            reporter.configured_interval_s = self.config.coordinator.heartbeat_interval_s
             reporter.timeout_s = self.config.coordinator.timeout_s
         log.info("configuration reloaded from %s", new.source)
         self._agent_event("agent.reloaded", Severity.INFO, f"configuration reloaded from {new.source}",

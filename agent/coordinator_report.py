@@ -155,6 +155,7 @@ class CoordinatorReporter:
         self._host = host
         self._instance = instance
         self.interval_s = interval_s
+        self.configured_interval_s = interval_s
         self.timeout_s = timeout_s
         self.state = ReporterState.CONNECTING
         self.message = ""
@@ -220,8 +221,8 @@ class CoordinatorReporter:
             self._move(ReporterState.UNREACHABLE, f"{exc.code().name}: {exc.details()}")
             return
         self.reports += 1
-        if resp.interval_s > 0:
-            self.interval_s = min(self.interval_s, resp.interval_s) if self.reports > 1 else resp.interval_s
+        # The coordinator may ask for a longer interval (it stretches intervals to bound its load), never shorter.
+        self.interval_s = max(self.configured_interval_s, resp.interval_s)
         self._move(ReporterState.CORDONED if resp.cordoned else ReporterState.REPORTING, resp.message)
 
     def _run(self) -> None:

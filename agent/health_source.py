@@ -113,6 +113,7 @@ class DaemonLink:
         self.job = ""
         self.attached: agent_pb2.AttachJobResponse | None = None
         self.attached_at = 0.0  # Unix time just before the attachment
+        self._request: agent_pb2.AttachJobRequest | None = None  # repeated by reattach()
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = PROBE_TIMEOUT_S) -> "DaemonLink | None":
@@ -141,6 +142,7 @@ class DaemonLink:
             arena_root=job.arena_root, token=job.token, tls_ca_file=job.tls_ca_file,
             tls_cert_file=job.tls_cert_file, tls_key_file=job.tls_key_file)
         self.attached_at = time.time()
+        self._request = req
         try:
             resp = self.stub.AttachJob(req, timeout=10)
         except grpc.RpcError as exc:
@@ -156,6 +158,19 @@ class DaemonLink:
                                         f"{exc.code().name}: {exc.details()}") from exc
         self.job, self.attached = job.job, resp
         return resp
+
+    def reattach(self) -> bool:
+        """Repeats the attachment (the daemon restarted and forgot the job); returns whether it took."""
+        req = self._request
+        if req is None or not self.job:
+            return False
+        try:
+            self.stub.AttachJob(req, timeout=10)
+        except grpc.RpcError as exc:
+            log.warning("node daemon at %s: attaching job %s again failed (%s)", self.path, self.job,
+                        exc.code().name)
+            return False
+        return True
 
     def detach(self, ended: bool) -> None:
         """Leaves the job (``ended``: it is over, the daemon removes its arena); errors are logged."""
@@ -218,7 +233,10 @@ class DaemonHealthSource:
                 return
             try:
                 if down:
-                    log.info("node daemon at %s is back; following its events again", self.link.path)
+                    # The daemon may have restarted: attach again so it keeps reporting to this job's
+                    # coordinator and keeps its arena.
+                    log.info("node daemon at %s is back; following its events again%s", self.link.path,
+                             "" if self.link.reattach() else " (not attached)")
                     down = False
                 for msg in call:
                     self.events += 1

@@ -787,6 +787,10 @@ class JobCoordinator:
             cordoned = self._excluded(nid)
             return cordoned, f"node {nid} is cordoned" if cordoned else "noted", None
 
+    def report_interval_s(self) -> float:
+        """How often node daemons should report: the heartbeat interval told to nodes now."""
+        return self._interval_s()
+
     def _excluded(self, node_id: str) -> bool:
         """Whether the node is cordoned, or about to be by the pending plan (called with the lock held)."""
         st = self._policy.state

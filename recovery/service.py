@@ -276,7 +276,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             cordoned, msg, fut = self.core.report_node_health(convert.node_health_report(request))
             self.core.wait_durable(fut, "the cordon")
             return coordinator_pb2.NodeHealthReportResponse(cordoned=cordoned, message=msg,
-                                                            interval_s=self.core.spec.heartbeat_interval_s)
+                                                            interval_s=self.core.report_interval_s())
         except RecoveryError as exc:
             self._refuse(context, "ReportNodeHealth", exc)
 
