@@ -262,8 +262,34 @@ def format_summary(result: RunResult) -> str:
     return "\n".join(lines)
 
 
+def summary_record(result: RunResult) -> dict:
+    """The end-of-run report as one JSON-ready object (``--log-format json``): the same facts as
+    :func:`format_summary`, times in seconds relative to each fault."""
+    faults = []
+    for f in result.faults:
+        t_fault = f.injected_at or f.detected_at
+        faults.append({
+            "generation": f.generation, "rank": f.rank, "cause": f.cause, "error": f.error,
+            "detected_after_s": round(f.detected_at - t_fault, 4),
+            "restarted_after_s": round(f.restarted_at - t_fault, 4) if f.restarted_at else None,
+            "first_step": f.resumed_step if f.resumed_at is not None else None,
+            "first_step_after_s": round(f.recovery_s, 4) if f.resumed_at is not None else None,
+            "node_fault": f.hardware})
+    return {"event": "run.summary", "status": {0: "succeeded", 130: "stopped"}.get(result.exit_code, "failed"),
+            "exit_code": result.exit_code, "wall_s": round(result.wall_s, 3), "generations": result.generations,
+            "message": result.message, "faults": faults}
+
+
 def handle_run(args: argparse.Namespace) -> int:
-    """``trainguard run`` handler."""
+    """``trainguard run`` handler: runs the job, then prints its summary (one JSON object with
+    ``--log-format json``, else text lines)."""
+    from trainguard.cli_support import chosen_log_format
+
     result = run_job(args)
-    print(format_summary(result), file=sys.stderr)
+    if chosen_log_format(args) == "json":
+        import json
+
+        print(json.dumps(summary_record(result), sort_keys=True), file=sys.stderr)
+    else:
+        print(format_summary(result), file=sys.stderr)
     return result.exit_code
