@@ -34,10 +34,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from trainguard.agent.arena_keeper import ArenaKeeper, ArenaRootError, pid_alive
+from trainguard.agent.arena_keeper import ArenaKeeper, ArenaRootError
 from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
-from trainguard.agent.coordinator_report import (CoordinatorReporter, NodeVerdict, NodeVerdictLatch, ReporterState,
-                                                 ReportTarget)
+from trainguard.agent.coordinator_report import NodeVerdict, NodeVerdictLatch
+from trainguard.agent.daemon_jobs import DaemonJobs
 from trainguard.agent.errors import AgentError
 from trainguard.agent.event_bus import EventBus
 from trainguard.agent.health import NODE_AGENT_SERVICE, HealthReporter, enable_reflection
@@ -154,11 +154,7 @@ class AgentDaemon:
         # The node's verdict for coordinators, and one reporter per coordinator (configured, or a job's).
         self.verdict_latch = NodeVerdictLatch()
         self.instance = uuid.uuid4().hex
-        self.reporters: dict[str, CoordinatorReporter] = {}
-        self._reporters_lock = threading.Lock()
-        # Jobs `trainguard run` attached: job -> live launcher pids (their coordinator is reported to meanwhile).
-        self._jobs: dict[str, set[int]] = {}
-        self.arenas: ArenaKeeper | None = None
+        self.jobs: DaemonJobs | None = None  # coordinators reported to, attached jobs, kept arenas
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -218,9 +214,12 @@ class AgentDaemon:
             self.health.set_subsystem("predictor", predictor_running or not config.predictor.enabled)
             if config.predictor.enabled and not predictor_running:
                 log.warning("predictor.enabled is true, but no detectors run to feed it; risk stays 0")
-            self._start_configured_reporters(config)
-            self.arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s)
-            self.arenas.adopt_existing()
+            arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s)
+            arenas.adopt_existing()
+            self.jobs = DaemonJobs(config.agent.node_id, socket.gethostname(), self.instance, self.node_verdict,
+                                   arenas, config.coordinator.heartbeat_interval_s, config.coordinator.timeout_s)
+            self.jobs.start_configured(config.coordinator.targets(), config.coordinator.job,
+                                       self.coordinator_security(config))
             self._refresh()
         except BaseException:
             if self.runner is None:
@@ -314,9 +313,8 @@ class AgentDaemon:
     def _on_event(self, event: HealthEvent) -> None:
         if not event.node_id and self.config is not None:
             event = event.with_node(self.config.agent.node_id)
-        if self.verdict_latch.observe(event):
-            for reporter in self._reporter_list():
-                reporter.poke()  # a node-level fault: tell every coordinator now, not at the next interval
+        if self.verdict_latch.observe(event) and self.jobs is not None:
+            self.jobs.poke()  # a node-level fault: tell every coordinator now, not at the next interval
         if self.node is not None:
             self.node.bus.publish(event)
 
@@ -344,107 +342,19 @@ class AgentDaemon:
             raise AgentConfigError(str(exc)) from exc
         return RpcSecurity(tls=Files(c.tls_cert_file, c.tls_key_file, c.tls_ca_file), token=token)
 
-    def add_reporter(self, key: str, target: ReportTarget) -> CoordinatorReporter:
-        """Starts reporting to ``target`` under ``key`` (replacing a reporter with the same key).
-
-        Raises:
-            SecurityConfigError: a TLS file of the target is unreadable.
-        """
-        assert self.config is not None
-        c = self.config.coordinator
-        reporter = CoordinatorReporter(target, self.node_verdict, self.config.agent.node_id, socket.gethostname(),
-                                       self.instance, interval_s=c.heartbeat_interval_s, timeout_s=c.timeout_s)
-        reporter.start()
-        with self._reporters_lock:
-            old = self.reporters.pop(key, None)
-            self.reporters[key] = reporter
-        if old is not None:
-            old.stop()
-        return reporter
-
-    def remove_reporter(self, key: str) -> None:
-        """Stops the reporter under ``key``, if any."""
-        with self._reporters_lock:
-            old = self.reporters.pop(key, None)
-        if old is not None:
-            old.stop()
-
-    def _reporter_list(self) -> list[CoordinatorReporter]:
-        with self._reporters_lock:
-            return list(self.reporters.values())
-
-    def _start_configured_reporters(self, config: AgentConfig) -> None:
-        targets = config.coordinator.targets()
-        if not targets:
-            return
-        security = self.coordinator_security(config)
-        for address in targets:
-            self.add_reporter(f"config:{address}", ReportTarget(address, job=config.coordinator.job,
-                                                                security=security, origin="config"))
-        log.info("reporting node health to %d coordinator(s): %s", len(targets), ", ".join(targets))
-
     def attach_job(self, req: agent_pb2.AttachJobRequest) -> agent_pb2.AttachJobResponse:
-        """A launcher attaches its job: report to its coordinator, keep its arena (see ``AttachJob``).
+        """A launcher attaches its job (see :meth:`DaemonJobs.attach`), announced on the event stream.
 
         Raises:
-            ArenaRootError: the launcher's arena root is not ``memory_tier.root``.
-            SecurityConfigError: a TLS file of the job's coordinator is unreadable.
+            ArenaRootError, SecurityConfigError: see :meth:`DaemonJobs.attach`.
         """
-        from trainguard.agent.tls import TlsFiles as Files
-        from trainguard.recovery.rpc_security import RpcSecurity
-
-        assert self.config is not None and self.arenas is not None
-        kept = self.arenas.attach(req.job, req.arena_root, req.launcher_pid) if req.arena_root else False
-        if req.coordinator:
-            security = RpcSecurity(tls=Files(req.tls_cert_file, req.tls_key_file, req.tls_ca_file), token=req.token)
-            self.add_reporter(f"job:{req.job}", ReportTarget(req.coordinator, job=req.job, node_id=req.node_id,
-                                                             security=security, origin=f"job {req.job}"))
-        with self._reporters_lock:
-            self._jobs.setdefault(req.job, set()).add(req.launcher_pid)
-        log.info("job %s attached by launcher %d (coordinator %s, node %s%s)", req.job, req.launcher_pid,
-                 req.coordinator or "none", req.node_id or self.config.agent.node_id,
-                 ", arena kept" if kept else "")
+        assert self.jobs is not None
+        resp = self.jobs.attach(req)
         self._agent_event("agent.job_attached", Severity.INFO,
                           f"job {req.job} attached by launcher {req.launcher_pid}"
                           + (f" (coordinator {req.coordinator})" if req.coordinator else ""),
-                          job=req.job, arena_kept=str(kept))
-        return agent_pb2.AttachJobResponse(node_id=self.config.agent.node_id, arena_kept=kept,
-                                           arena_ttl_s=self.arenas.ttl_s)
-
-    def detach_job(self, job: str, pid: int, ended: bool) -> bool:
-        """A launcher leaves ``job`` (``ended``: the job is over); returns whether the arena was removed."""
-        with self._reporters_lock:
-            pids = self._jobs.get(job, set())
-            pids.discard(pid)
-            last = not pids
-            if last:
-                self._jobs.pop(job, None)
-        if last or ended:
-            self.remove_reporter(f"job:{job}")
-        return self.arenas.detach(job, pid, ended) if self.arenas is not None else False
-
-    def _sweep_jobs(self) -> None:
-        """Forgets jobs whose launchers all died without detaching (SIGKILL); ages the kept arenas."""
-        with self._reporters_lock:
-            gone = []
-            for job, pids in self._jobs.items():
-                pids.intersection_update({p for p in pids if pid_alive(p)})
-                if not pids:
-                    gone.append(job)
-            for job in gone:
-                del self._jobs[job]
-        for job in gone:
-            log.warning("every launcher of job %s is gone without detaching; no more reports to its coordinator",
-                        job)
-            self.remove_reporter(f"job:{job}")
-        if self.arenas is not None:
-            self.arenas.sweep()
-
-    def _coordinators_ok(self) -> bool:
-        """Whether every configured coordinator answers (attached jobs' coordinators come and go)."""
-        with self._reporters_lock:
-            configured = [r for k, r in self.reporters.items() if k.startswith("config:")]
-        return all(r.state in (ReporterState.REPORTING, ReporterState.CORDONED) for r in configured)
+                          job=req.job, arena_kept=str(resp.arena_kept))
+        return resp
 
     def detector_statuses(self) -> list:
         """The detector runner's statuses (empty without detectors)."""
@@ -466,7 +376,7 @@ class AgentDaemon:
                     for _ in range(generation - self._last_generation):
                         self.metrics.count_worker_restart()
                 self._last_generation = max(self._last_generation, generation)
-        self.health.set_subsystem("coordinator", self._coordinators_ok())
+        self.health.set_subsystem("coordinator", self.jobs is None or self.jobs.configured_ok())
         group = self.node.group if self.node is not None else None
         workers = group.workers if group is not None else []
         self.health.set_subsystem("workers", not any(w.state.name in ("FAILED", "HUNG") for w in workers))
@@ -517,9 +427,8 @@ class AgentDaemon:
             where.append(f"unix:{self.config.grpc.socket}")
         if self.config is not None and self.config.grpc.listen:
             where.append(f"tcp:{self.tcp_port}{'+tls' if self._certs else ''}")
-        reporters = self._reporter_list()
-        up = sum(1 for r in reporters if r.state in (ReporterState.REPORTING, ReporterState.CORDONED))
-        coordinators = f"; coordinators {up}/{len(reporters)} reporting" if reporters else ""
+        coordinators = self.jobs.summary() if self.jobs is not None else ""
+        coordinators = f"; {coordinators}" if coordinators else ""
         verdict = self.verdict_latch.verdict().verdict.name.lower()
         return (f"serving on {' '.join(where)}; {detectors}; {workers} workers; risk {score:.2f}; "
                 f"node {verdict}{coordinators}")
@@ -570,7 +479,8 @@ class AgentDaemon:
                     self._reload.clear()
                     self.reload()
                 self._refresh()
-                self._sweep_jobs()
+                if self.jobs is not None:
+                    self.jobs.sweep()
                 if self.runner is not None and self.node is not None:
                     self.node.predictor_tick(self.runner.latest_metrics())
                 if self.watchdog.seconds_until_due() == 0.0:
@@ -619,11 +529,9 @@ class AgentDaemon:
         if self.node is not None:
             self.node.predictor_threshold = self.config.predictor.threshold
             self.node.config.stop_grace_s = self.config.agent.stop_grace_s
-        if self.arenas is not None:
-            self.arenas.ttl_s = self.config.memory_tier.ttl_s
-        for reporter in self._reporter_list():
-            reporter.configured_interval_s = self.config.coordinator.heartbeat_interval_s
-            reporter.timeout_s = self.config.coordinator.timeout_s
+        if self.jobs is not None:
+            self.jobs.arenas.ttl_s = self.config.memory_tier.ttl_s
+            self.jobs.set_timing(self.config.coordinator.heartbeat_interval_s, self.config.coordinator.timeout_s)
         log.info("configuration reloaded from %s", new.source)
         self._agent_event("agent.reloaded", Severity.INFO, f"configuration reloaded from {new.source}",
                           restart_needed=",".join(pending))
@@ -644,8 +552,8 @@ class AgentDaemon:
         self.notifier.close()
 
     def _shutdown_parts(self) -> None:
-        for key in list(self.reporters):
-            self.remove_reporter(key)
+        if self.jobs is not None:
+            self.jobs.stop()
         if self.node is not None:
             self.node.request_stop()  # ends WatchEvents streams
             group = self.node.group
@@ -727,7 +635,8 @@ class _DaemonService(NodeAgentService):
     def DetachJob(self, request, context):  # noqa: N802 (gRPC naming)
         """A launcher leaves its job; ``ended`` removes the job's arena now (local socket only)."""
         local_only(context, "DetachJob")
-        removed = self._daemon.detach_job(request.job, request.launcher_pid, request.ended)
+        jobs = self._daemon.jobs
+        removed = jobs.detach(request.job, request.launcher_pid, request.ended) if jobs is not None else False
         return agent_pb2.DetachJobResponse(arena_removed=removed)
 
     def ReportCheckpoint(self, request, context):  # noqa: N802 (gRPC naming)
