@@ -787,6 +787,10 @@ class JobCoordinator:
             cordoned = self._excluded(nid)
             return cordoned, f"node {nid} is cordoned" if cordoned else "noted", None
 
+    def silent_daemons(self) -> list[str]:
+        """Nodes whose daemon reported before but not for 3 report intervals (shown only, never cordoned)."""
+        return self.node_health.silent(self._clock(), 3 * self._interval_s())
+
     def report_interval_s(self) -> float:
         """How often node daemons should report: the heartbeat interval told to nodes now."""
         return self._interval_s()

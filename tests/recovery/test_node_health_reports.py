@@ -107,3 +107,30 @@ def test_table_keeps_the_first_fatal_reason_and_shows_silence() -> None:
     t.record(NodeHealthReport("", "m", "h", Verdict.HEALTHY), 2.0)
     assert t.fatal() == {"n": "aer"}
     assert t.silent(now_s=10.0, after_s=5.0) == ["m", "n"] and t.silent(now_s=3.0, after_s=5.0) == []
+
+
+def test_metrics_count_daemons_by_verdict_and_silence(tmp_path) -> None:
+    from prometheus_client import generate_latest
+
+    from trainguard.proto import coordinator_pb2_grpc
+    from trainguard.recovery.observe import CoordinatorMetrics
+    from trainguard.recovery.service import CoordinatorServer, JobSpec
+
+    srv = CoordinatorServer(JobSpec(job="nh-metrics", nnodes=2, heartbeat_interval_s=0.1,
+                                    store=f"sqlite://{tmp_path}/c.db")).start()
+    try:
+        with grpc.insecure_channel(srv.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            _report(stub, "ok", pb.NODE_HEALTH_VERDICT_HEALTHY)
+            _report(stub, "bad", pb.NODE_HEALTH_VERDICT_FATAL, "edac: uncorrectable ECC error")
+            text = generate_latest(CoordinatorMetrics(srv.watch).registry).decode()
+            assert 'trainguard_node_daemons{verdict="healthy"} 1.0' in text
+            assert 'trainguard_node_daemons{verdict="fatal"} 1.0' in text
+            assert 'trainguard_node_daemons{verdict="silent"} 0.0' in text
+            time.sleep(0.5)  # > 3 report intervals of 0.1 s without a report
+            _report(stub, "ok", pb.NODE_HEALTH_VERDICT_HEALTHY)
+            text = generate_latest(CoordinatorMetrics(srv.watch).registry).decode()
+            assert 'trainguard_node_daemons{verdict="silent"} 1.0' in text  # "bad" went silent
+            assert srv.core.silent_daemons() == ["bad"] and "ok" not in srv.core.state.cordoned
+    finally:
+        srv.stop(0)
