@@ -185,7 +185,7 @@ class AgentDaemon:
             metrics = self.metrics
             self.node.bus.add_callback(lambda e: metrics.count_event(e.source, e.kind, e.severity.name))
             self.node.predictor_threshold = config.predictor.threshold
-            self.metrics.set_predictor(self.node.predictor_score, config.predictor.threshold)
+            self.metrics.set_predictor(self.node.predictor_score, self.node.predictor_threshold)
             if config.metrics.listen:
                 self._metrics_server = MetricsServer(self.metrics, config.metrics.listen)
                 log.info("metrics on %s", self._metrics_server.url)
@@ -321,9 +321,10 @@ class AgentDaemon:
     # -- coordinators -------------------------------------------------------------------------------------
 
     def node_verdict(self) -> NodeVerdict:
-        """The node's verdict now: a latched node-level fault, else the predictor's score against the threshold."""
+        """The node's verdict now: a latched node-level fault, else the predictor's score against the threshold in
+        force (the configured one, else the model's calibrated one)."""
         score = self.node.predictor_score if self.node is not None else 0.0
-        threshold = self.config.predictor.threshold if self.config is not None else 1.0
+        threshold = self.node.predictor_threshold if self.node is not None else 1.0
         return self.verdict_latch.verdict(score, threshold)
 
     def coordinator_security(self, config: AgentConfig) -> Any:

@@ -88,7 +88,7 @@ class NodeVerdictLatch:
             fatal = self._fatal
         if fatal is not None:
             return NodeVerdict(Verdict.FATAL, f"{fatal.kind}: {fatal.message}", risk, fatal)
-        if threshold > 0 and risk >= threshold:
+        if threshold > 0 and risk >= threshold:  # a NaN threshold or risk (no score yet) compares False
             return NodeVerdict(Verdict.DEGRADED, f"predicted failure risk {risk:.2f} >= {threshold:.2f}", risk)
         return NodeVerdict(Verdict.HEALTHY, "", risk)
 

@@ -1,18 +1,14 @@
 """Where a ``trainguard run`` gets its node health from: its own detectors, or the node daemon's.
 
-A launcher needs two things about its node: detector events (a worker hung, a fatal AER error, a link down) and
-the predictor's alarms. Two sources provide them, and the composition in :mod:`trainguard.agent.run` picks one:
-
-- :class:`LocalHealthSource`: the launcher runs the detectors and the predictor itself (no daemon on the node:
-  ``trainguard run`` works alone, as it always did).
-- :class:`DaemonHealthSource`: the node daemon (``trainguard agent``) already runs the node's detectors and
-  predictor for every job; the launcher attaches to it over its unix socket (``AttachJob``: the daemon also
-  reports the node's health to this job's coordinator and keeps the job's memory-tier arena), and follows its
-  events (``WatchEvents``) instead of starting its own. Only the detectors that watch the launcher's own workers
-  (``process``: hangs) still run in the launcher: the daemon cannot see them.
-
-Both feed a :class:`HealthSink` (the node agent): detector events go to its usual fault handling, a predictor
-alarm to its checkpoint-then-drain path.
+A launcher needs detector events (a worker hung, a fatal AER error, a link down) and the predictor's alarms.
+Without a daemon on the node it runs the detectors and the predictor itself
+(:class:`~trainguard.agent.node_health.DetectorEventSource`), as it always did. With one, the node daemon
+(``trainguard agent``) already runs the node's detectors and predictor for every job: the launcher attaches to it
+over its unix socket (:func:`attach_daemon`, ``AttachJob``: the daemon also reports the node's health to this
+job's coordinator and keeps the job's memory-tier arena) and its node health watches a
+:class:`DaemonEventSource`: the daemon's events (``WatchEvents``) plus the detectors that watch the launcher's
+own workers (``process``: hangs), which the daemon cannot see. A daemon's ``predictor.alarm`` takes the
+checkpoint-then-drain path (``on_alarm``); every other event the usual one.
 """
 
 from __future__ import annotations
@@ -22,7 +18,8 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -41,41 +38,6 @@ PROBE_TIMEOUT_S = 2.0
 
 class DaemonAttachError(AgentError):
     """The node daemon answered but refused to attach the job (the message says why)."""
-
-
-class HealthSink(Protocol):
-    """What a health source feeds: the node agent."""
-
-    def start_local_health(self) -> None:
-        """Starts the agent's own detectors and predictor (as configured)."""
-
-    def on_daemon_event(self, event: HealthEvent) -> None:
-        """Handles one event of the node daemon (a detector event, or a predictor alarm)."""
-
-
-class HealthSource(Protocol):
-    """One way of getting the node's health into a launcher."""
-
-    name: str
-
-    def start(self, sink: HealthSink) -> None:
-        """Starts feeding ``sink``."""
-
-    def stop(self) -> None:
-        """Stops feeding (idempotent)."""
-
-
-class LocalHealthSource:
-    """The launcher's own detectors and predictor."""
-
-    name = "local"
-
-    def start(self, sink: HealthSink) -> None:
-        """Starts the agent's detectors and predictor."""
-        sink.start_local_health()
-
-    def stop(self) -> None:
-        """Nothing to stop: the agent stops its detector runner itself."""
 
 
 def daemon_socket(environ: dict[str, str] | None = None) -> str:
@@ -194,35 +156,70 @@ class DaemonLink:
 REPLAY_EVENTS = 256
 
 
-class DaemonHealthSource:
-    """The node daemon's events (``WatchEvents``) fed to the launcher's agent, reconnecting when the stream ends.
+class DaemonEventSource:
+    """The node daemon's events (``WatchEvents``) as an :class:`~trainguard.agent.parts.EventSource`, with the
+    launcher's own worker detectors beside them; reconnects (and re-attaches) when the stream ends.
 
     Args:
         link: the attached daemon.
+        local: the worker detectors running in the launcher (``process``), or None.
+        on_alarm: takes the daemon predictor's ``predictor.alarm`` events (checkpoint now, drain later); None
+            hands them to ``on_event`` like any other.
         retry_s: seconds between reconnection attempts.
         since: Unix time from which events concern this launcher (default: the link's attachment).
     """
 
-    name = "daemon"
+    hardware_names: tuple[str, ...] = ()  # the hardware detectors run in the daemon, on its own schedule
 
-    def __init__(self, link: DaemonLink, retry_s: float = 1.0, since: float | None = None) -> None:
+    def __init__(self, link: DaemonLink, local: Any = None, on_alarm: Callable[[HealthEvent], None] | None = None,
+                 retry_s: float = 1.0, since: float | None = None) -> None:
         self.link = link
+        self.local = local
+        self.on_alarm = on_alarm
         self.retry_s = retry_s
         self.since = (link.attached_at or time.time()) if since is None else since
         self.events = 0
         self._seen: dict[str, None] = {}  # event ids handled, oldest first (bounded)
         self._stop = threading.Event()
-        self._call = None
+        self._call: Any = None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def start(self, sink: HealthSink) -> None:
-        """Starts the launcher's worker detectors and the stream of the daemon's events."""
-        sink.start_local_health()  # the run composition left only the worker detectors (and no predictor)
-        self._thread = threading.Thread(target=self._follow, args=(sink,), name="daemon-events", daemon=True)
+    def start(self, on_event: Callable[[HealthEvent], None]) -> None:
+        """Starts the worker detectors and the stream of the daemon's events, both delivering to ``on_event``."""
+        if self.local is not None:
+            self.local.start(on_event)
+        self._thread = threading.Thread(target=self._follow, args=(on_event,), name="daemon-events", daemon=True)
         self._thread.start()
 
-    def _follow(self, sink: HealthSink) -> None:
+    def latest_metrics(self) -> dict[str, float]:
+        """The worker detectors' metrics (the daemon's own predictor scores the node's)."""
+        return self.local.latest_metrics() if self.local is not None else {}
+
+    def statuses(self) -> list:
+        """The worker detectors' statuses."""
+        return self.local.statuses() if self.local is not None else []
+
+    def sample_now(self, names: Sequence[str], timeout_s: float) -> list | None:
+        """Out-of-schedule samples run only for local detectors (the daemon samples on its own schedule)."""
+        return self.local.sample_now(names, timeout_s) if self.local is not None else []
+
+    def _deliver(self, msg: Any, on_event: Callable[[HealthEvent], None]) -> None:
+        event = HealthEvent.from_proto(msg)
+        if event.time < self.since or event.event_id in self._seen:
+            return  # from before this launcher attached, or replayed after a reconnection
+        self._seen[event.event_id] = None
+        if len(self._seen) > 4 * REPLAY_EVENTS:
+            del self._seen[next(iter(self._seen))]
+        self.events += 1
+        if event.severity >= Severity.WARNING:  # the node's trouble belongs in the job's log too
+            log.warning("node daemon: %s: %s", event.kind, event.message)
+        if event.kind == "predictor.alarm" and self.on_alarm is not None:
+            self.on_alarm(event)
+        else:
+            on_event(event)
+
+    def _follow(self, on_event: Callable[[HealthEvent], None]) -> None:
         down = False
         while not self._stop.is_set():
             call = self.link.stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=REPLAY_EVENTS))
@@ -239,16 +236,7 @@ class DaemonHealthSource:
                              "" if self.link.reattach() else " (not attached)")
                     down = False
                 for msg in call:
-                    self.events += 1
-                    event = HealthEvent.from_proto(msg)
-                    if event.time < self.since or event.event_id in self._seen:
-                        continue  # from before this launcher attached, or replayed after a reconnection
-                    self._seen[event.event_id] = None
-                    if len(self._seen) > 4 * REPLAY_EVENTS:
-                        del self._seen[next(iter(self._seen))]
-                    if event.severity >= Severity.WARNING:  # the node's trouble belongs in the job's log too
-                        log.warning("node daemon: %s: %s", event.kind, event.message)
-                    sink.on_daemon_event(event)
+                    self._deliver(msg, on_event)
             except grpc.RpcError as exc:
                 if self._stop.is_set() or exc.code() is grpc.StatusCode.CANCELLED:
                     return
@@ -259,17 +247,15 @@ class DaemonHealthSource:
             self._stop.wait(self.retry_s)
 
     def stop(self) -> None:
-        """Ends the stream (idempotent)."""
+        """Ends the stream and stops the worker detectors (idempotent)."""
         self._stop.set()
         with self._lock:
             if self._call is not None:
                 self._call.cancel()
         if self._thread is not None:
             self._thread.join(timeout=5)
-
-
-__all__ = ["DaemonAttachError", "DaemonHealthSource", "DaemonLink", "HealthSink", "HealthSource", "JobAttachment",
-           "LocalHealthSource", "WORKER_DETECTORS", "daemon_socket"]
+        if self.local is not None:
+            self.local.stop()
 
 
 def attach_daemon(job: str, coordinator: str, node_id: str, security, checkpointing: bool,
@@ -305,3 +291,7 @@ def attach_daemon(job: str, coordinator: str, node_id: str, security, checkpoint
              job, link.path, resp.node_id,
              "; it kept this job's memory tier from a previous launcher" if resp.arena_kept else "")
     return link
+
+
+__all__ = ["DaemonAttachError", "DaemonEventSource", "DaemonLink", "JobAttachment", "REPLAY_EVENTS",
+           "WORKER_DETECTORS", "attach_daemon", "daemon_socket"]

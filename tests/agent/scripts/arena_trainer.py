@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import trainguard
+from trainguard.checkpoint.config import MemoryTierConfig
 
 out, total = sys.argv[1], int(sys.argv[2])
 dist.init_process_group("gloo")
@@ -33,7 +34,10 @@ def digest() -> str:
     return h.hexdigest()
 
 
-session = trainguard.init(save_every=2)
+# Two snapshots kept in memory: the ranks are at most one save apart (every step all-reduces), so a kill at any
+# instant leaves a step complete in memory on every rank (with one kept, a rank already overwriting the step
+# its peer still holds leaves none, and the restart would come from disk).
+session = trainguard.init(save_every=2, checkpoint_options={"memory": MemoryTierConfig(keep=2)})
 start = session.restore(state)
 tier = getattr(session.checkpointer, "last_restore_tier", None)
 with open(os.path.join(out, f"restore-r{rank}-{os.getpid()}.json"), "w") as f:
