@@ -26,6 +26,7 @@ import socket
 import stat
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -33,11 +34,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from trainguard.agent.arena_keeper import ArenaKeeper, ArenaRootError
 from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
+from trainguard.agent.coordinator_report import NodeVerdict, NodeVerdictLatch
+from trainguard.agent.daemon_jobs import DaemonJobs
 from trainguard.agent.errors import AgentError
 from trainguard.agent.event_bus import EventBus
 from trainguard.agent.health import NODE_AGENT_SERVICE, HealthReporter, enable_reflection
-from trainguard.agent.local_server import NodeAgentService
+from trainguard.agent.local_server import NodeAgentService, local_only
 from trainguard.agent.logging_setup import configure_logging
 from trainguard.agent.metrics import AgentMetrics, MetricsServer
 from trainguard.agent.node import NodeAgent, NodeConfig
@@ -147,6 +151,10 @@ class AgentDaemon:
         self._started_at = time.monotonic()
         self._stopped = False
         self._last_generation = -1
+        # The node's verdict for coordinators, and one reporter per coordinator (configured, or a job's).
+        self.verdict_latch = NodeVerdictLatch()
+        self.instance = uuid.uuid4().hex
+        self.jobs: DaemonJobs | None = None  # coordinators reported to, attached jobs, kept arenas
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -206,12 +214,12 @@ class AgentDaemon:
             self.health.set_subsystem("predictor", predictor_running or not config.predictor.enabled)
             if config.predictor.enabled and not predictor_running:
                 log.warning("predictor.enabled is true, but no detectors run to feed it; risk stays 0")
-            # The daemon does not join a coordinator yet (jobs run through `trainguard run`, which embeds one):
-            # say so instead of reporting a connection that does not exist.
-            self.health.set_subsystem("coordinator", not config.coordinator.address)
-            if config.coordinator.address:
-                log.warning("coordinator.address is set, but this agent version does not register with a "
-                            "coordinator from the daemon; run jobs with `trainguard run`")
+            arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s)
+            arenas.adopt_existing()
+            self.jobs = DaemonJobs(config.agent.node_id, socket.gethostname(), self.instance, self.node_verdict,
+                                   arenas, config.coordinator.heartbeat_interval_s, config.coordinator.timeout_s)
+            self.jobs.start_configured(config.coordinator.targets(), config.coordinator.job,
+                                       self.coordinator_security(config))
             self._refresh()
         except BaseException:
             if self.runner is None:
@@ -303,8 +311,49 @@ class AgentDaemon:
     def _on_event(self, event: HealthEvent) -> None:
         if not event.node_id and self.config is not None:
             event = event.with_node(self.config.agent.node_id)
+        if self.verdict_latch.observe(event) and self.jobs is not None:
+            self.jobs.poke()  # a node-level fault: tell every coordinator now, not at the next interval
         if self.node is not None:
             self.node.bus.publish(event)
+
+    # -- coordinators -------------------------------------------------------------------------------------
+
+    def node_verdict(self) -> NodeVerdict:
+        """The node's verdict now: a latched node-level fault, else the predictor's score against the threshold in
+        force (the configured one, else the model's calibrated one)."""
+        score = self.node.predictor_score if self.node is not None else 0.0
+        threshold = self.node.predictor_threshold if self.node is not None else 1.0
+        return self.verdict_latch.verdict(score, threshold)
+
+    def coordinator_security(self, config: AgentConfig) -> Any:
+        """The TLS files and job token of the configured coordinators (``[coordinator]``).
+
+        Raises:
+            AgentConfigError: the token file is unreadable.
+        """
+        from trainguard.agent.tls import TlsFiles as Files
+        from trainguard.recovery.rpc_security import RpcSecurity, SecurityConfigError, read_token_file
+
+        c = config.coordinator
+        try:
+            token = read_token_file(c.token_file, "coordinator.token_file") if c.token_file else ""
+        except SecurityConfigError as exc:
+            raise AgentConfigError(str(exc)) from exc
+        return RpcSecurity(tls=Files(c.tls_cert_file, c.tls_key_file, c.tls_ca_file), token=token)
+
+    def attach_job(self, req: agent_pb2.AttachJobRequest) -> agent_pb2.AttachJobResponse:
+        """A launcher attaches its job (see :meth:`DaemonJobs.attach`), announced on the event stream.
+
+        Raises:
+            ArenaRootError, SecurityConfigError: see :meth:`DaemonJobs.attach`.
+        """
+        assert self.jobs is not None
+        resp = self.jobs.attach(req)
+        self._agent_event("agent.job_attached", Severity.INFO,
+                          f"job {req.job} attached by launcher {req.launcher_pid}"
+                          + (f" (coordinator {req.coordinator})" if req.coordinator else ""),
+                          job=req.job, arena_kept=str(resp.arena_kept))
+        return resp
 
     def detector_statuses(self) -> list:
         """The detector runner's statuses (empty without detectors)."""
@@ -326,6 +375,7 @@ class AgentDaemon:
                     for _ in range(generation - self._last_generation):
                         self.metrics.count_worker_restart()
                 self._last_generation = max(self._last_generation, generation)
+        self.health.set_subsystem("coordinator", self.jobs is None or self.jobs.configured_ok())
         group = self.node.group if self.node is not None else None
         workers = group.workers if group is not None else []
         self.health.set_subsystem("workers", not any(w.state.name in ("FAILED", "HUNG") for w in workers))
@@ -376,7 +426,11 @@ class AgentDaemon:
             where.append(f"unix:{self.config.grpc.socket}")
         if self.config is not None and self.config.grpc.listen:
             where.append(f"tcp:{self.tcp_port}{'+tls' if self._certs else ''}")
-        return f"serving on {' '.join(where)}; {detectors}; {workers} workers; risk {score:.2f}"
+        coordinators = self.jobs.summary() if self.jobs is not None else ""
+        coordinators = f"; {coordinators}" if coordinators else ""
+        verdict = self.verdict_latch.verdict().verdict.name.lower()
+        return (f"serving on {' '.join(where)}; {detectors}; {workers} workers; risk {score:.2f}; "
+                f"node {verdict}{coordinators}")
 
     # -- main loop ----------------------------------------------------------------------------------------
 
@@ -424,6 +478,8 @@ class AgentDaemon:
                     self._reload.clear()
                     self.reload()
                 self._refresh()
+                if self.jobs is not None:
+                    self.jobs.sweep()
                 if self.runner is not None and self.node is not None:
                     self.node.predictor_tick(self.runner.latest_metrics())
                 if self.watchdog.seconds_until_due() == 0.0:
@@ -472,6 +528,9 @@ class AgentDaemon:
         if self.node is not None:
             self.node.predictor_threshold = self.config.predictor.threshold
             self.node.config.stop_grace_s = self.config.agent.stop_grace_s
+        if self.jobs is not None:
+            self.jobs.arenas.ttl_s = self.config.memory_tier.ttl_s
+            self.jobs.set_timing(self.config.coordinator.heartbeat_interval_s, self.config.coordinator.timeout_s)
         log.info("configuration reloaded from %s", new.source)
         self._agent_event("agent.reloaded", Severity.INFO, f"configuration reloaded from {new.source}",
                           restart_needed=",".join(pending))
@@ -492,6 +551,8 @@ class AgentDaemon:
         self.notifier.close()
 
     def _shutdown_parts(self) -> None:
+        if self.jobs is not None:
+            self.jobs.stop()
         if self.node is not None:
             self.node.request_stop()  # ends WatchEvents streams
             group = self.node.group
@@ -547,6 +608,35 @@ class _DaemonService(NodeAgentService):
         if not health.detectors:
             health.MergeFrom(self._detector_part())
         return health
+
+    def AttachJob(self, request, context):  # noqa: N802 (gRPC naming)
+        """A `trainguard run` on this node attaches its job (local socket only)."""
+        from trainguard.recovery.rpc_security import SecurityConfigError
+        from trainguard.recovery.spec import JOB_NAME_RE
+
+        local_only(context, "AttachJob")
+        if not JOB_NAME_RE.match(request.job):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job[:64]!r} is not a job name")
+        if request.launcher_pid <= 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "launcher_pid must be the launcher's pid (> 0)")
+        if request.coordinator:
+            from trainguard.agent.config import parse_hostport
+
+            try:
+                parse_hostport(request.coordinator)
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"coordinator: {exc}")
+        try:
+            return self._daemon.attach_job(request)
+        except (ArenaRootError, SecurityConfigError) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    def DetachJob(self, request, context):  # noqa: N802 (gRPC naming)
+        """A launcher leaves its job; ``ended`` removes the job's arena now (local socket only)."""
+        local_only(context, "DetachJob")
+        jobs = self._daemon.jobs
+        removed = jobs.detach(request.job, request.launcher_pid, request.ended) if jobs is not None else False
+        return agent_pb2.DetachJobResponse(arena_removed=removed)
 
     def ReportCheckpoint(self, request, context):  # noqa: N802 (gRPC naming)
         reply = super().ReportCheckpoint(request, context)

@@ -222,22 +222,56 @@ class PredictorSection:
 class CoordinatorSection:
     """``[coordinator]``: the job coordinator this agent registers with.
 
+    The daemon reports this node's health verdict (its detectors and predictor) to every coordinator listed,
+    continuously, between jobs too; a coordinator cordons a node whose verdict is a fatal fault
+    (:mod:`trainguard.agent.coordinator_report`). Jobs that ``trainguard run`` attaches add their own coordinator.
+
     Attributes:
-        address: ``HOST:PORT`` of the coordinator; ``""`` runs the agent standalone (health, metrics and
-            detectors only). Default ``""``.
+        address: ``HOST:PORT`` of a coordinator; ``""`` for none. Default ``""``.
+        addresses: more coordinators' ``HOST:PORT`` (the same TLS and token options apply to all). Default ``[]``.
+        job: job name sent with each report; ``""`` means whatever job each coordinator serves. Default ``""``.
         timeout_s: deadline of each call to the coordinator, in seconds. Default 5.0.
-        heartbeat_interval_s: period of node heartbeats, in seconds. Default 2.0.
+        heartbeat_interval_s: period of health reports, in seconds (a coordinator may ask for longer). Default 2.0.
         tls_ca_file: PEM CA bundle to verify the coordinator; ``""`` connects in plaintext. Default ``""``.
         tls_cert_file: PEM client certificate for mutual TLS with the coordinator. Default ``""``.
         tls_key_file: PEM private key of ``tls_cert_file``. Default ``""``.
+        token_file: file holding the coordinators' job token (sent on every call); ``""`` for none. Default ``""``.
     """
 
     address: str = ""
+    addresses: list[str] = field(default_factory=list)
+    job: str = ""
     timeout_s: float = 5.0
     heartbeat_interval_s: float = 2.0
     tls_ca_file: str = ""
     tls_cert_file: str = ""
     tls_key_file: str = ""
+    token_file: str = ""
+
+    def targets(self) -> list[str]:
+        """Every configured coordinator address, ``address`` first, without duplicates."""
+        out: list[str] = []
+        for a in [self.address, *self.addresses]:
+            if a and a not in out:
+                out.append(a)
+        return out
+
+
+@dataclass
+class MemoryTierSection:
+    """``[memory_tier]``: the jobs' in-memory checkpoint arenas this daemon keeps on the node.
+
+    ``trainguard run`` registers its job's arena (``<root>/<job>``) with the daemon (``AttachJob``); the daemon
+    keeps it across launcher deaths, so a SIGKILLed launcher's restart restores from memory, and removes it when
+    the job ends (``DetachJob``) or ``ttl_s`` after its last launcher is gone, so nothing is left in /dev/shm.
+
+    Attributes:
+        root: tmpfs directory holding the jobs' arenas. Default ``/dev/shm/trainguard``.
+        ttl_s: seconds an arena outlives its last launcher before the daemon removes it. Default 3600.0.
+    """
+
+    root: str = "/dev/shm/trainguard"
+    ttl_s: float = 3600.0
 
 
 @dataclass
@@ -259,6 +293,7 @@ class AgentConfig:
     predictor: PredictorSection = field(default_factory=PredictorSection)
     coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
     qualify: QualifySection = field(default_factory=QualifySection)  # trainguard.agent.qualify
+    memory_tier: MemoryTierSection = field(default_factory=MemoryTierSection)
     source: str = field(default="", compare=False)
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -448,6 +483,20 @@ class AgentConfig:
         c = self.coordinator
         if c.address:
             _check_hostport(c.address, "coordinator.address", fail)
+        for i, a in enumerate(c.addresses):
+            _check_hostport(a, f"coordinator.addresses[{i}]", fail)
+        if c.job:
+            from trainguard.recovery.spec import JOB_NAME_RE
+
+            if not JOB_NAME_RE.match(c.job):
+                fail("coordinator.job", f"{c.job!r} is not a job name (1-128 of [A-Za-z0-9._:@-])")
+        if c.token_file:
+            from trainguard.recovery.rpc_security import SecurityConfigError, read_token_file
+
+            try:
+                read_token_file(c.token_file, "coordinator.token_file")
+            except SecurityConfigError as exc:
+                fail("coordinator.token_file", str(exc).split(": ", 1)[-1])
         if not 0.1 <= c.timeout_s <= 600:
             fail("coordinator.timeout_s", f"{c.timeout_s} is outside [0.1, 600] seconds")
         if not 0.1 <= c.heartbeat_interval_s <= 600:
@@ -459,6 +508,11 @@ class AgentConfig:
         for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
             if getattr(c, key):
                 _check_readable(getattr(c, key), f"coordinator.{key}", fail)
+        m = self.memory_tier
+        if not m.root or not os.path.isabs(m.root):
+            fail("memory_tier.root", f"{m.root!r} must be an absolute path (a tmpfs folder, e.g. /dev/shm/trainguard)")
+        if not 0 <= m.ttl_s <= 30 * 86400:
+            fail("memory_tier.ttl_s", f"{m.ttl_s} is outside [0, 2592000] seconds")
         try:
             self.qualify.validate()
         except QualifyConfigError as exc:
@@ -525,6 +579,7 @@ RELOADABLE = frozenset(
         "predictor.threshold",
         "coordinator.timeout_s",
         "coordinator.heartbeat_interval_s",
+        "memory_tier.ttl_s",
         "agent.loop_interval_s",
         "agent.stop_grace_s",
     }

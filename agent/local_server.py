@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 64 * 1024
 
 
-def _local_only(context: grpc.ServicerContext, method: str) -> None:
+def local_only(context: grpc.ServicerContext, method: str) -> None:
     """Worker methods feed the supervisor (heartbeats decide hangs, reports decide drains): only processes on
     this node may call them, over the unix socket; a TCP peer gets PERMISSION_DENIED."""
     if not context.peer().startswith("unix:"):
@@ -65,7 +65,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
 
     def WorkerHeartbeat(self, request, context):  # noqa: N802
         """Records a worker's step and hands back the advisories pending for it."""
-        _local_only(context, "WorkerHeartbeat")
+        local_only(context, "WorkerHeartbeat")
         if request.rank < 0 or request.step < -1 or request.step_time_s < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rank >= 0, step >= -1 and step_time_s >= 0 required")
         advisories = self._agent.on_worker_heartbeat(
@@ -76,7 +76,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
 
     def ReportCheckpoint(self, request, context):  # noqa: N802
         """Records that a worker's checkpoint step is durable in a tier."""
-        _local_only(context, "ReportCheckpoint")
+        local_only(context, "ReportCheckpoint")
         if request.step < 0 or request.rank < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "step and rank must be >= 0")
         self._agent.on_checkpoint_report(request)
@@ -121,4 +121,4 @@ def serve(agent: "NodeAgent", unix_socket: str | None, tcp_listen: str | None = 
     return server, port
 
 
-__all__ = ["NodeAgentService", "serve", "MAX_REQUEST_BYTES"]
+__all__ = ["NodeAgentService", "local_only", "serve", "MAX_REQUEST_BYTES"]

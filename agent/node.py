@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -121,6 +122,9 @@ class NodeConfig:
             ``recheck_s`` (:mod:`trainguard.agent.qualify`); None: it does not.
         coordinator_channel: opens the channel to ``coordinator`` (TLS, client certificate and job token of
             :class:`trainguard.recovery.rpc_security.RpcSecurity`); None dials plaintext without a token.
+        daemon: the node daemon this job attached to (:class:`~trainguard.agent.health_source.DaemonLink`): its
+            event stream and predictor stand in for this process's hardware detectors and predictor (only
+            ``detectors``, the worker ones, still run here); None runs them all here.
     """
 
     job: str
@@ -159,6 +163,7 @@ class NodeConfig:
     standby_after_s: float = 3.0
     coordinator_channel: Callable[[str], grpc.Channel] | None = None
     qualify: QualifySection | None = None
+    daemon: Any = None
 
 
 def link_config(c: NodeConfig) -> LinkConfig:
@@ -501,10 +506,17 @@ class NodeAgent:
         self._wake.set()
 
     def _start_health(self) -> None:
-        if not self.config.detectors:
+        local = DetectorEventSource.create(self.config.detectors, self.config.detector_config,
+                                           worker_view=self.supervisor) if self.config.detectors else None
+        if self.config.daemon is not None:  # the daemon's detectors and predictor watch this node
+            from trainguard.agent.health_source import DaemonEventSource
+
+            self.health.drain_grace_s = self.config.drain_grace_s
+            self.health.start(DaemonEventSource(self.config.daemon, local, on_alarm=self.health.alarm))
             return
-        source = DetectorEventSource.create(self.config.detectors, self.config.detector_config,
-                                            worker_view=self.supervisor)
+        if local is None:
+            return
+        source = local
         self.start_predictor(self.config.predictor_model, self.config.history_path,
                              interval_s=self.config.predictor_interval_s, drain_grace_s=self.config.drain_grace_s)
         self.health.start(source)

@@ -268,6 +268,11 @@ class LocalNodeHealth:
                       **{f"rule.{h.rule}": h.description for h in score.rule_hits}},
             node_id=self.node_id,
         )
+        self.alarm(event)
+
+    def alarm(self, event: HealthEvent) -> None:
+        """A predicted failure (this predictor's, or a node daemon's ``predictor.alarm``): published, handed to
+        ``on_alarm`` (ask for a job-wide checkpoint), and the drain timer started."""
         self.bus.publish(event)
         log.warning("predictor alarm: %s; asking for a checkpoint now, drain request in %.1f s",
                     event.message, self.drain_grace_s)

@@ -135,6 +135,16 @@ def run_job(args: argparse.Namespace) -> RunResult:
             if rdzv.multi_node:
                 print(f"trainguard: coordinator for job {job!r} listening on {server.target}", file=sys.stderr)
 
+    node_id = args.node_id or tr.default_node_id(rdzv, None if server is not None else coordinator,
+                                                 socket.gethostname(), os.getpid())
+    # With a node daemon: its detectors, predictor and memory-tier keeper serve this job (only the worker
+    # detectors run here); without one, this launcher runs them itself.
+    from trainguard.agent.health_source import WORKER_DETECTORS, attach_daemon
+
+    daemon = attach_daemon(job, coordinator, node_id, client_security, bool(args.checkpoint_dir))
+    if daemon is not None:
+        detectors = tuple(d for d in detectors if d in WORKER_DETECTORS)
+        detector_config = {k: v for k, v in detector_config.items() if k in detectors}
     rundir = tempfile.mkdtemp(prefix="tg-")
     extra_env = {}
     ckpt_service = None
@@ -152,8 +162,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         coordinator=coordinator,
         argv=argv,
         nproc_per_node=nproc,
-        node_id=args.node_id or tr.default_node_id(rdzv, None if server is not None else coordinator,
-                                                   socket.gethostname(), os.getpid()),
+        node_id=node_id,
         pod_id=args.pod,
         node_index=args.node_index if args.node_index is not None else args.node_rank,
         host=args.host or socket.gethostname(),
@@ -181,6 +190,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         **({"stop_grace_s": float(args.shutdown_timeout)} if args.shutdown_timeout is not None else {}),
         coordinator_channel=client_security.channel,
         qualify=qualify,
+        daemon=daemon,
     )
     from trainguard.agent.sdnotify import SystemdNotifier
 
@@ -197,6 +207,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
     restore = install_signal_handlers(agent, signals)
     t0 = time.time()
     extras = None
+    code = None
     try:
         extras = start_run_extras(args, agent, config.socket_path, server)  # /metrics, health, status, linger
         try:
@@ -213,9 +224,12 @@ def run_job(args: argparse.Namespace) -> RunResult:
             if rdzv.multi_node:
                 _let_nodes_hear_the_end(server, config.node_id)
             server.stop()
+        if daemon is not None:  # the job is over unless a signal stopped it: a restart finds its arena
+            daemon.detach(ended=code in (0, 1))
+            daemon.close()
         if ckpt_service is not None:
             pid = ckpt_service.pid
-            ckpt_service.stop(remove_memory=True)
+            ckpt_service.stop(remove_memory=daemon is None or code in (0, 1))
             guard().forget(pid)
         guard().close()
         shutil.rmtree(rundir, ignore_errors=True)
@@ -257,8 +271,34 @@ def format_summary(result: RunResult) -> str:
     return "\n".join(lines)
 
 
+def summary_record(result: RunResult) -> dict:
+    """The end-of-run report as one JSON-ready object (``--log-format json``): the same facts as
+    :func:`format_summary`, times in seconds relative to each fault."""
+    faults = []
+    for f in result.faults:
+        t_fault = f.injected_at or f.detected_at
+        faults.append({
+            "generation": f.generation, "rank": f.rank, "cause": f.cause, "error": f.error,
+            "detected_after_s": round(f.detected_at - t_fault, 4),
+            "restarted_after_s": round(f.restarted_at - t_fault, 4) if f.restarted_at else None,
+            "first_step": f.resumed_step if f.resumed_at is not None else None,
+            "first_step_after_s": round(f.recovery_s, 4) if f.resumed_at is not None else None,
+            "node_fault": f.hardware})
+    return {"event": "run.summary", "status": {0: "succeeded", 130: "stopped"}.get(result.exit_code, "failed"),
+            "exit_code": result.exit_code, "wall_s": round(result.wall_s, 3), "generations": result.generations,
+            "message": result.message, "faults": faults}
+
+
 def handle_run(args: argparse.Namespace) -> int:
-    """``trainguard run`` handler."""
+    """``trainguard run`` handler: runs the job, then prints its summary (one JSON object with
+    ``--log-format json``, else text lines)."""
+    from trainguard.cli_support import chosen_log_format
+
     result = run_job(args)
-    print(format_summary(result), file=sys.stderr)
+    if chosen_log_format(args) == "json":
+        import json
+
+        print(json.dumps(summary_record(result), sort_keys=True), file=sys.stderr)
+    else:
+        print(format_summary(result), file=sys.stderr)
     return result.exit_code

@@ -12,6 +12,7 @@ from __future__ import annotations
 from trainguard.proto import common_pb2, coordinator_pb2 as pb
 from trainguard.recovery.domain import (Beat, CheckpointAsk, FailSlowStatus, FaultReport, GenerationTable,
                                         Instruction, NodeRecord, RankTiming, StackAsk)
+from trainguard.recovery.node_health import NodeHealthReport, Verdict
 from trainguard.recovery.policy import Cause, Level
 from trainguard.recovery.qualification import Qualification
 
@@ -88,6 +89,12 @@ def fault_report(req: pb.ReportEventRequest) -> FaultReport:
                        req.exit_code, ev.message or ev.kind,
                        req.proposed_level <= pb.RECOVERY_LEVEL_NONE and ev.action == common_pb2.ACTION_CHECKPOINT_NOW,
                        kind=ev.kind, stacks=stacks, stack_request=ev.evidence.get("request_id", ""))
+
+
+def node_health_report(req: pb.NodeHealthReportRequest) -> NodeHealthReport:
+    """A node daemon's ReportNodeHealth request as a :class:`NodeHealthReport` (an unset verdict is HEALTHY)."""
+    verdict = Verdict(req.verdict) if req.verdict in (v.value for v in Verdict) else Verdict.HEALTHY
+    return NodeHealthReport(req.job, req.node_id, req.host, verdict, req.reason, req.risk, req.agent_instance)
 
 
 def _table_header(t: GenerationTable) -> common_pb2.RankTable:

@@ -49,6 +49,7 @@ from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, Form
                                         GenerationRunning, MembershipChanged, NodeDisqualified, Persist, Progressed,
                                         Step, Tick, decide)
 from trainguard.recovery.failslow import FailSlowSupervisor
+from trainguard.recovery.node_health import NodeHealthReport, NodeHealthTable, Verdict
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
 from trainguard.recovery.qualification import PeerTimes, Qualification
@@ -146,6 +147,7 @@ class JobCoordinator:
         self.fenced = ""
         self._failslow = FailSlowSupervisor(spec.failslow, wall=wall)  # fail-slow: see _failslow_* below
         self._peer_times = PeerTimes()  # qualified nodes' exchange times: the next node's reference
+        self.node_health = NodeHealthTable()  # what node daemons report: see report_node_health
         self._load()
 
     # ------------------------------------------------------------------------------------------- persistence
@@ -808,6 +810,67 @@ class JobCoordinator:
                                            detail=f"no heartbeat for {now - m.last_seen:.1f} s",
                                            time_s=self._wall()), now)
             self._advance()
+
+    # ------------------------------------------------------------------------------------ node daemons
+    def report_node_health(self, report: NodeHealthReport) -> tuple[bool, str, Future | None]:
+        """Records a node daemon's verdict; a FATAL one cordons the node through the policy's node-failure path.
+
+        The node need not be registered: a daemon reports between jobs, before its node's launcher registers,
+        so the node is cordoned before the first generation forms and never gets a rank. A node holding a slot
+        gets a node-level recovery (its slot goes to a spare, or the job waits for one). A HEALTHY report never
+        un-cordons a node, and a daemon's silence changes nothing.
+
+        Args:
+            report: the report (validated for format by the service).
+
+        Returns:
+            (whether the node is cordoned in this job now, message, the store write it depends on or None).
+
+        Raises:
+            UnknownJobError, NotServingError: the report names another job, or this coordinator cannot serve.
+        """
+        now = self._clock()
+        with self._lock:
+            self._check_serving(report.job or self.spec.job)
+            newly = self.node_health.record(report, now)
+            nid = report.node_id
+            # One failure per fatal latch: a job that restarts on the node anyway (one node, nowhere else to
+            # go) must not see every later report (each interval) as a new fault burning its restart budget.
+            if report.verdict is Verdict.FATAL and newly and not self._excluded(nid) \
+                    and self._policy.state.phase not in (Phase.SUCCEEDED, Phase.FAILED):
+                fut_before = self._state_fut
+                st = self._policy.state
+                self._fail(Failure(nid, st.generation, Cause.NODE_CRITICAL, Level.NODE,
+                                   detail=f"node daemon reports a fatal fault: {report.reason}",
+                                   time_s=self._wall()), now)
+                self._mver += 1  # the forming layout must drop the node even when the policy state looks unchanged
+                self._save_state()
+                self._advance()
+                fut = self._state_fut if self._state_fut is not fut_before else None
+                cordoned = self._excluded(nid)
+                if cordoned:
+                    log.warning("job %s: node %s cordoned on its daemon's report: %s", self.spec.job, nid,
+                                report.reason)
+                return cordoned, f"node {nid} {'cordoned' if cordoned else 'failed'}: {report.reason}", fut
+            cordoned = self._excluded(nid)
+            return cordoned, f"node {nid} is cordoned" if cordoned else "noted", None
+
+    def silent_daemons(self) -> list[str]:
+        """Nodes whose daemon reported before but not for 3 report intervals (shown only, never cordoned)."""
+        return self.node_health.silent(self._clock(), 3 * self._interval_s())
+
+    def report_interval_s(self) -> float:
+        """How often node daemons should report: the heartbeat interval told to nodes now."""
+        return self._interval_s()
+
+    def _excluded(self, node_id: str) -> bool:
+        """Whether the node is cordoned, or about to be by the pending plan (called with the lock held)."""
+        st = self._policy.state
+        return node_id in st.cordoned or (st.plan is not None and node_id in st.plan.cordon)
+
+    def cordon_reason(self, node_id: str) -> str:
+        """Why a node was cordoned when its daemon said so ("" otherwise: the policy's message tells)."""
+        return self.node_health.fatal().get(node_id, "")
 
     # ------------------------------------------------------------------------------------ fail-slow wiring
     # All fail-slow logic lives in trainguard.recovery.failslow; these three methods only hand it the job's

@@ -27,6 +27,8 @@ trainguard_job_nodes_required                  gauge    nodes the job needs
 trainguard_job_recovery_seconds                histo    failure report -> the next generation running
 trainguard_coordinator_fenced                  gauge    1 once another coordinator took the job over
 trainguard_cordon_hook_runs_total{hook,result} counter  scheduler cordon attempts (ok / error)
+trainguard_node_daemons{verdict}               gauge    nodes by their daemon's latest verdict, and ``silent``
+                                                        (no report for 3 report intervals; never cordoned)
 =============================================  =======  ====================================================
 """
 
@@ -44,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from trainguard._version import __version__
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from trainguard.recovery.cordon import CordonTarget
+from trainguard.recovery.node_health import Verdict
 from trainguard.recovery.policy import Phase
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -209,8 +212,10 @@ class CoordinatorWatch:
             members = core.members()
             for node in new:
                 m = members.get(node)
-                host = _host_of(m.info) if m is not None else node
-                reason = (m.refused if m is not None else "") or st.message  # a failed qualification's own
+                seen = core.node_health.get(node)  # a daemon reports its host before its node registers
+                host = _host_of(m.info) if m is not None else (seen.report.host if seen and seen.report.host else node)
+                # A failed qualification or a daemon's report names the node's own fault; else the job's message.
+                reason = (m.refused if m is not None else "") or core.cordon_reason(node) or st.message
                 target = CordonTarget(node=node, host=host, job=core.spec.job, reason=reason)
                 for fn in self._listeners:
                     fn(target)
@@ -275,6 +280,13 @@ class CoordinatorMetrics:
         for (hook, result), n in sorted(counts.items()):
             runs.add_metric([hook, result], n)
         yield runs
+        rows = core.node_health.snapshot()
+        daemons = GaugeMetricFamily("trainguard_node_daemons", "Nodes by their daemon's latest verdict; silent: no "
+                                    "report for 3 report intervals.", labels=["verdict"])
+        for v in Verdict:
+            daemons.add_metric([v.name.lower()], sum(1 for e in rows.values() if e.report.verdict is v))
+        daemons.add_metric(["silent"], len(core.silent_daemons()))
+        yield daemons
 
 
 __all__ = ["COORDINATOR_SERVICE", "CoordinatorMetrics", "CoordinatorWatch", "ServingStatus", "WATCH_PERIOD_S"]

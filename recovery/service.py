@@ -197,6 +197,25 @@ def validate_report(req: coordinator_pb2.ReportEventRequest) -> None:
         raise _bad("event.evidence", f"has {len(ev.evidence)} entries; at most 64 are allowed")
 
 
+def validate_node_health(req: coordinator_pb2.NodeHealthReportRequest) -> None:
+    """Checks a ReportNodeHealth request's format.
+
+    Raises:
+        InvalidRequestError: a field is missing or out of range.
+    """
+    if req.job:
+        _check_job(req.job)
+    _check_node_id("node_id", req.node_id)
+    _check_text("host", req.host)
+    _check_text("reason", req.reason, _MAX_EVENT_TEXT)
+    _check_text("agent_instance", req.agent_instance, 64)
+    if req.verdict not in coordinator_pb2.NodeHealthVerdict.values() \
+            or req.verdict == coordinator_pb2.NODE_HEALTH_VERDICT_UNSPECIFIED:
+        raise _bad("verdict", f"{req.verdict} is not a NodeHealthVerdict (HEALTHY, DEGRADED or FATAL)")
+    if not 0.0 <= req.risk <= 1.0:
+        raise _bad("risk", f"is {req.risk}; it must be in [0, 1]")
+
+
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     """gRPC servicer for one job.
 
@@ -286,6 +305,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return coordinator_pb2.CommitCheckpointResponse(last_committed_step=step)
         except RecoveryError as exc:
             self._refuse(context, "CommitCheckpoint", exc)
+
+    def ReportNodeHealth(self, request, context):  # noqa: N802
+        """Records a node daemon's verdict; a FATAL one cordons the node (answered once that is durable)."""
+        try:
+            validate_node_health(request)
+            cordoned, msg, fut = self.core.report_node_health(convert.node_health_report(request))
+            self.core.wait_durable(fut, "the cordon")
+            return coordinator_pb2.NodeHealthReportResponse(cordoned=cordoned, message=msg,
+                                                            interval_s=self.core.report_interval_s())
+        except RecoveryError as exc:
+            self._refuse(context, "ReportNodeHealth", exc)
 
 
 def build_grpc_server(max_workers: int, interceptors: Sequence[grpc.ServerInterceptor] = (),

@@ -192,3 +192,51 @@ class CheckpointReport(_message.Message):
 class CheckpointReportResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class AttachJobRequest(_message.Message):
+    __slots__ = ("job", "coordinator", "node_id", "launcher_pid", "arena_root", "token", "tls_ca_file", "tls_cert_file", "tls_key_file")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHER_PID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ROOT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TLS_CA_FILE_FIELD_NUMBER: _ClassVar[int]
+    TLS_CERT_FILE_FIELD_NUMBER: _ClassVar[int]
+    TLS_KEY_FILE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    coordinator: str
+    node_id: str
+    launcher_pid: int
+    arena_root: str
+    token: str
+    tls_ca_file: str
+    tls_cert_file: str
+    tls_key_file: str
+    def __init__(self, job: _Optional[str] = ..., coordinator: _Optional[str] = ..., node_id: _Optional[str] = ..., launcher_pid: _Optional[int] = ..., arena_root: _Optional[str] = ..., token: _Optional[str] = ..., tls_ca_file: _Optional[str] = ..., tls_cert_file: _Optional[str] = ..., tls_key_file: _Optional[str] = ...) -> None: ...
+
+class AttachJobResponse(_message.Message):
+    __slots__ = ("node_id", "arena_kept", "arena_ttl_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_KEPT_FIELD_NUMBER: _ClassVar[int]
+    ARENA_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    arena_kept: bool
+    arena_ttl_s: float
+    def __init__(self, node_id: _Optional[str] = ..., arena_kept: _Optional[bool] = ..., arena_ttl_s: _Optional[float] = ...) -> None: ...
+
+class DetachJobRequest(_message.Message):
+    __slots__ = ("job", "ended", "launcher_pid")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHER_PID_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    ended: bool
+    launcher_pid: int
+    def __init__(self, job: _Optional[str] = ..., ended: _Optional[bool] = ..., launcher_pid: _Optional[int] = ...) -> None: ...
+
+class DetachJobResponse(_message.Message):
+    __slots__ = ("arena_removed",)
+    ARENA_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    arena_removed: bool
+    def __init__(self, arena_removed: _Optional[bool] = ...) -> None: ...

@@ -55,6 +55,16 @@ class NodeAgentStub:
                 request_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.CheckpointReport.SerializeToString,
                 response_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.CheckpointReportResponse.FromString,
                 _registered_method=True)
+        self.AttachJob = channel.unary_unary(
+                '/trainguard.v1.NodeAgent/AttachJob',
+                request_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.AttachJobRequest.SerializeToString,
+                response_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.AttachJobResponse.FromString,
+                _registered_method=True)
+        self.DetachJob = channel.unary_unary(
+                '/trainguard.v1.NodeAgent/DetachJob',
+                request_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.DetachJobRequest.SerializeToString,
+                response_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.DetachJobResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -88,6 +98,22 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachJob(self, request, context):
+        """The node daemon only: `trainguard run` attaches its job. The daemon then reports this node's health to the
+        job's coordinator too and keeps the job's memory-tier arena across launcher deaths (until DetachJob with
+        `ended`, or a TTL after the last launcher is gone).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetachJob(self, request, context):
+        """The node daemon only: a launcher leaves its job (`ended`: the job is over, its arena is removed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +136,16 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.ReportCheckpoint,
                     request_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.CheckpointReport.FromString,
                     response_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.CheckpointReportResponse.SerializeToString,
+            ),
+            'AttachJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachJob,
+                    request_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.AttachJobRequest.FromString,
+                    response_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.AttachJobResponse.SerializeToString,
+            ),
+            'DetachJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DetachJob,
+                    request_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.DetachJobRequest.FromString,
+                    response_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.DetachJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +256,60 @@ class NodeAgent:
             '/trainguard.v1.NodeAgent/ReportCheckpoint',
             trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.CheckpointReport.SerializeToString,
             trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.CheckpointReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainguard.v1.NodeAgent/AttachJob',
+            trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.AttachJobRequest.SerializeToString,
+            trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.AttachJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetachJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainguard.v1.NodeAgent/DetachJob',
+            trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.DetachJobRequest.SerializeToString,
+            trainguard_dot_proto_dot_trainguard_dot_v1_dot_agent__pb2.DetachJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

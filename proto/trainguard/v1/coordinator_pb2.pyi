@@ -33,6 +33,13 @@ class RecoveryLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RECOVERY_LEVEL_PROCESS: _ClassVar[RecoveryLevel]
     RECOVERY_LEVEL_NODE: _ClassVar[RecoveryLevel]
     RECOVERY_LEVEL_JOB: _ClassVar[RecoveryLevel]
+
+class NodeHealthVerdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_HEALTH_VERDICT_UNSPECIFIED: _ClassVar[NodeHealthVerdict]
+    NODE_HEALTH_VERDICT_HEALTHY: _ClassVar[NodeHealthVerdict]
+    NODE_HEALTH_VERDICT_DEGRADED: _ClassVar[NodeHealthVerdict]
+    NODE_HEALTH_VERDICT_FATAL: _ClassVar[NodeHealthVerdict]
 NODE_COMMAND_UNSPECIFIED: NodeCommand
 NODE_COMMAND_NONE: NodeCommand
 NODE_COMMAND_START: NodeCommand
@@ -50,6 +57,10 @@ RECOVERY_LEVEL_NONE: RecoveryLevel
 RECOVERY_LEVEL_PROCESS: RecoveryLevel
 RECOVERY_LEVEL_NODE: RecoveryLevel
 RECOVERY_LEVEL_JOB: RecoveryLevel
+NODE_HEALTH_VERDICT_UNSPECIFIED: NodeHealthVerdict
+NODE_HEALTH_VERDICT_HEALTHY: NodeHealthVerdict
+NODE_HEALTH_VERDICT_DEGRADED: NodeHealthVerdict
+NODE_HEALTH_VERDICT_FATAL: NodeHealthVerdict
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("job", "node", "free_port", "agent_instance", "qualification")
@@ -262,3 +273,33 @@ class CommitCheckpointResponse(_message.Message):
     LAST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     last_committed_step: int
     def __init__(self, last_committed_step: _Optional[int] = ...) -> None: ...
+
+class NodeHealthReportRequest(_message.Message):
+    __slots__ = ("job", "node_id", "host", "verdict", "reason", "risk", "agent_instance", "cause")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RISK_FIELD_NUMBER: _ClassVar[int]
+    AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    host: str
+    verdict: NodeHealthVerdict
+    reason: str
+    risk: float
+    agent_instance: str
+    cause: _common_pb2.HealthEvent
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., host: _Optional[str] = ..., verdict: _Optional[_Union[NodeHealthVerdict, str]] = ..., reason: _Optional[str] = ..., risk: _Optional[float] = ..., agent_instance: _Optional[str] = ..., cause: _Optional[_Union[_common_pb2.HealthEvent, _Mapping]] = ...) -> None: ...
+
+class NodeHealthReportResponse(_message.Message):
+    __slots__ = ("cordoned", "message", "interval_s")
+    CORDONED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    cordoned: bool
+    message: str
+    interval_s: float
+    def __init__(self, cordoned: _Optional[bool] = ..., message: _Optional[str] = ..., interval_s: _Optional[float] = ...) -> None: ...

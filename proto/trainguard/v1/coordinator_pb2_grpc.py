@@ -65,6 +65,11 @@ class CoordinatorStub:
                 request_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.QualifyPeersRequest.SerializeToString,
                 response_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.QualifyPeersResponse.FromString,
                 _registered_method=True)
+        self.ReportNodeHealth = channel.unary_unary(
+                '/trainguard.v1.Coordinator/ReportNodeHealth',
+                request_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.NodeHealthReportRequest.SerializeToString,
+                response_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.NodeHealthReportResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -107,6 +112,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportNodeHealth(self, request, context):
+        """A node's daemon (`trainguard agent`) reports the node's own health, between jobs too: a FATAL verdict
+        cordons the node (it never gets a rank); silence alone changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +152,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.QualifyPeers,
                     request_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.QualifyPeersRequest.FromString,
                     response_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.QualifyPeersResponse.SerializeToString,
+            ),
+            'ReportNodeHealth': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportNodeHealth,
+                    request_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.NodeHealthReportRequest.FromString,
+                    response_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.NodeHealthReportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +321,33 @@ class Coordinator:
             '/trainguard.v1.Coordinator/QualifyPeers',
             trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.QualifyPeersRequest.SerializeToString,
             trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.QualifyPeersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportNodeHealth(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainguard.v1.Coordinator/ReportNodeHealth',
+            trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.NodeHealthReportRequest.SerializeToString,
+            trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.NodeHealthReportResponse.FromString,
             options,
             channel_credentials,
             insecure,

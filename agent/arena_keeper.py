@@ -1,0 +1,257 @@
+"""The node daemon keeps the jobs' in-memory checkpoint arenas: alive across launcher deaths, removed when done.
+
+A job's memory tier is a folder of tmpfs files (``<root>/<job>/rank_NNNNN/``, :mod:`trainguard.checkpoint.arena`)
+that outlives its writers by design, so a restarted worker restores from memory. Without a keeper, whoever ends
+the job removes it; a ``trainguard run`` killed with SIGKILL never does, and the folder stays in /dev/shm until
+the host reboots. With a daemon on the node, each launcher registers its job's arena (``AttachJob``); the
+:class:`ArenaKeeper` then:
+
+- keeps the arena while any launcher of the job lives, and for ``ttl_s`` after the last one died, so a
+  restarted launcher (same job name) finds its snapshots and restores from memory;
+- removes it at once when a launcher says the job is over (``DetachJob`` with ``ended``);
+- removes it ``ttl_s`` after its last launcher is gone, but never while a process still holds a rank's writer
+  lease (``owner.lock``, a POSIX record lock): a writer the daemon does not know of is never robbed;
+- at daemon start, adopts the arenas already under its root (left by launchers that died while no daemon ran),
+  with the TTL counted from then.
+
+One arena's states::
+
+    HELD (a launcher lives) --last launcher gone--> ORPHANED --ttl_s passed, no lease held--> REMOVED
+      ^                                               |
+      '---------------- a launcher attaches ----------'
+    HELD/ORPHANED --DetachJob(ended)--> REMOVED
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from trainguard.agent.errors import AgentError
+from trainguard.checkpoint.arena import LEASE_NAME
+
+log = logging.getLogger(__name__)
+
+
+class ArenaRootError(AgentError):
+    """A launcher's arena root is not the daemon's (``memory_tier.root``)."""
+
+
+class ArenaState(enum.Enum):
+    """Where a kept arena stands."""
+
+    HELD = "held"
+    ORPHANED = "orphaned"
+    REMOVED = "removed"
+
+
+_A = ArenaState
+#: Allowed moves; anything else is a bug in this module.
+TRANSITIONS: dict[ArenaState, frozenset[ArenaState]] = {
+    _A.HELD: frozenset({_A.HELD, _A.ORPHANED, _A.REMOVED}),
+    _A.ORPHANED: frozenset({_A.HELD, _A.ORPHANED, _A.REMOVED}),
+    _A.REMOVED: frozenset(),
+}
+
+
+@dataclass
+class KeptArena:
+    """One job's arena as the keeper tracks it.
+
+    Attributes:
+        job: the job name (the arena is ``<root>/<job>``).
+        launchers: pids of the live launchers of the job on this node.
+        state: see :class:`ArenaState`.
+        orphaned_at: when the last launcher was found gone (monotonic seconds); 0 while held.
+    """
+
+    job: str
+    launchers: set[int] = field(default_factory=set)
+    state: ArenaState = ArenaState.HELD
+    orphaned_at: float = 0.0
+
+    def move(self, new: ArenaState) -> None:
+        """Changes the state, checking :data:`TRANSITIONS`."""
+        if new not in TRANSITIONS[self.state]:
+            raise AssertionError(f"arena {self.job}: {self.state.name} -> {new.name} is not allowed")
+        self.state = new
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not reaped: e.g. a launcher the daemon's caller has not waited for) is gone.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def lease_held(arena_dir: str) -> bool:
+    """Whether some process holds a rank's writer lease (``rank_*/owner.lock``) in ``arena_dir``.
+
+    Probes each lock with a non-blocking exclusive record lock and releases it at once.
+    """
+    try:
+        ranks = [e for e in os.scandir(arena_dir) if e.is_dir() and e.name.startswith("rank_")]
+    except OSError:
+        return False
+    for entry in ranks:
+        path = os.path.join(entry.path, LEASE_NAME)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_UN)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EAGAIN):
+                return True
+        finally:
+            os.close(fd)
+    return False
+
+
+class ArenaKeeper:
+    """The daemon's table of kept arenas under one tmpfs root; thread-safe.
+
+    Args:
+        root: the daemon's ``memory_tier.root``.
+        ttl_s: seconds an arena outlives its last launcher.
+        clock: monotonic clock, seconds.
+        alive: whether a launcher pid still runs (tests of the TTL pass their own).
+    """
+
+    def __init__(self, root: str, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 alive: Callable[[int], bool] = pid_alive) -> None:
+        self.root = os.path.realpath(root)
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._alive = alive
+        self._lock = threading.Lock()
+        self._arenas: dict[str, KeptArena] = {}
+
+    def arena_dir(self, job: str) -> str:
+        """The arena folder of ``job``."""
+        return os.path.join(self.root, job)
+
+    def adopt_existing(self) -> list[str]:
+        """Takes the arenas already under the root as orphans (TTL from now); returns their job names."""
+        try:
+            names = sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False))
+        except OSError:
+            return []
+        now = self._clock()
+        with self._lock:
+            for job in names:
+                self._arenas.setdefault(job, KeptArena(job, state=ArenaState.ORPHANED, orphaned_at=now))
+        if names:
+            log.info("memory tier: adopted %d arena(s) left under %s (removed %.0f s after now unless a launcher "
+                     "attaches): %s", len(names), self.root, self.ttl_s, ", ".join(names))
+        return names
+
+    def attach(self, job: str, root: str, pid: int) -> bool:
+        """Registers launcher ``pid`` of ``job``.
+
+        Args:
+            job: the job name.
+            root: the launcher's arena root (must be this keeper's).
+            pid: the launcher's pid.
+
+        Returns:
+            True when the arena was already kept (a restarted launcher finds its snapshots).
+
+        Raises:
+            ArenaRootError: ``root`` is not this keeper's root, or ``job`` is not a plain folder name.
+        """
+        if not job or "/" in job or job in (".", ".."):
+            raise ArenaRootError(f"job {job!r} is not a usable arena folder name")
+        if os.path.realpath(root) != self.root:
+            raise ArenaRootError(
+                f"arena root {root} is not this daemon's memory_tier.root {self.root}: set "
+                f"TRAINGUARD_CHECKPOINT_SHM_DIR={self.root} for the job (or change memory_tier.root)")
+        with self._lock:
+            kept = self._arenas.get(job)
+            had = kept is not None and os.path.isdir(self.arena_dir(job))
+            if kept is None:
+                kept = self._arenas[job] = KeptArena(job)
+            if kept.state is ArenaState.ORPHANED:
+                kept.move(ArenaState.HELD)
+                kept.orphaned_at = 0.0
+            kept.launchers.add(pid)
+        log.info("memory tier: job %s attached by launcher %d (%s)", job, pid,
+                 "its arena was kept" if had else "new arena")
+        return had
+
+    def detach(self, job: str, pid: int, ended: bool) -> bool:
+        """A launcher leaves; with ``ended`` the job is over and its arena is removed now.
+
+        Returns:
+            True when the arena was removed.
+        """
+        with self._lock:
+            kept = self._arenas.get(job)
+            if kept is None:
+                return False
+            kept.launchers.discard(pid)
+            if not ended:
+                return False
+            del self._arenas[job]
+            kept.move(ArenaState.REMOVED)
+        self._remove(job, "the job ended")
+        return True
+
+    def sweep(self) -> list[str]:
+        """Ages the arenas: orphans those whose launchers are all gone, removes orphans past the TTL.
+
+        Returns:
+            The jobs whose arenas were removed.
+        """
+        now = self._clock()
+        due: list[str] = []
+        with self._lock:
+            for job, kept in list(self._arenas.items()):
+                kept.launchers = {p for p in kept.launchers if self._alive(p)}
+                if kept.launchers:
+                    continue
+                if kept.state is ArenaState.HELD:
+                    kept.move(ArenaState.ORPHANED)
+                    kept.orphaned_at = now
+                    log.info("memory tier: every launcher of job %s is gone; keeping its arena %.0f s",
+                             job, self.ttl_s)
+                if now - kept.orphaned_at >= self.ttl_s:
+                    if lease_held(self.arena_dir(job)):
+                        continue  # a writer the daemon does not know of: never rob it
+                    del self._arenas[job]
+                    kept.move(ArenaState.REMOVED)
+                    due.append(job)
+        for job in due:
+            self._remove(job, f"no launcher for {self.ttl_s:.0f} s")
+        return due
+
+    def kept(self) -> dict[str, KeptArena]:
+        """A snapshot of the table."""
+        with self._lock:
+            return {j: KeptArena(k.job, set(k.launchers), k.state, k.orphaned_at) for j, k in self._arenas.items()}
+
+    def _remove(self, job: str, why: str) -> None:
+        shutil.rmtree(self.arena_dir(job), ignore_errors=True)
+        log.info("memory tier: removed the arena of job %s (%s)", job, why)
+
+
+__all__ = ["ArenaKeeper", "ArenaRootError", "ArenaState", "KeptArena", "TRANSITIONS", "lease_held", "pid_alive"]

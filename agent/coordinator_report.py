@@ -1,0 +1,239 @@
+"""The node daemon's health reports to coordinators: the node's verdict, every interval, between jobs too.
+
+The daemon (``trainguard agent``) runs the node's detectors and predictor whether a job runs or not. Each
+coordinator it knows of, from its configuration (``[coordinator] address``/``addresses``) or from a job that
+``trainguard run`` attached (``AttachJob``), gets the node's verdict on its own thread through
+``Coordinator.ReportNodeHealth``; the coordinator cordons a node whose verdict is FATAL and never starts a
+generation on it (:mod:`trainguard.recovery.node_health`).
+
+The verdict (:class:`NodeVerdictLatch`): the first node-level fault event (action DRAIN_NODE or more, severity
+ERROR or more: a fatal AER error, a GPU gone, a link down) latches FATAL with that event's message as the
+reason, until the daemon restarts (an operator repairs the node, then restarts its daemon); a predictor score
+at or above the configured threshold is DEGRADED (reported, never cordoned); else HEALTHY.
+
+One reporter's states::
+
+    CONNECTING --ok--> REPORTING --coordinator says cordoned--> CORDONED
+        |  ^              |   ^                                   |
+        |  '---- ok ------+   '------------ ok ------ UNREACHABLE <'  (any call failing)
+        '--fail--> UNREACHABLE
+    any --stop()--> STOPPED
+
+A coordinator that cannot be reached is retried every interval and logged once per outage; it never stops the
+daemon.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from trainguard.detectors.events import Action, HealthEvent, Severity
+from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
+from trainguard.recovery.node_health import Verdict
+from trainguard.recovery.rpc_security import RpcSecurity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    """The daemon's verdict on its node at one instant.
+
+    Attributes:
+        verdict: HEALTHY, DEGRADED or FATAL.
+        reason: one line saying why ("" when healthy).
+        risk: the predictor's score in [0, 1].
+        cause: the event behind a FATAL verdict, if any.
+    """
+
+    verdict: Verdict
+    reason: str = ""
+    risk: float = 0.0
+    cause: HealthEvent | None = None
+
+
+class NodeVerdictLatch:
+    """Turns the daemon's event stream and predictor score into the node's verdict; thread-safe."""
+
+    def __init__(self) -> None:
+        """Creates a latch that says HEALTHY until a node-level fault arrives."""
+        self._lock = threading.Lock()
+        self._fatal: HealthEvent | None = None
+
+    @staticmethod
+    def is_node_fault(event: HealthEvent) -> bool:
+        """Whether ``event`` says the node itself is broken (the daemon's own events never are)."""
+        return event.source != "agent" and event.action >= Action.DRAIN_NODE and event.severity >= Severity.ERROR
+
+    def observe(self, event: HealthEvent) -> bool:
+        """Feeds one event; returns True when it latched the node FATAL (the first node-level fault)."""
+        if not self.is_node_fault(event):
+            return False
+        with self._lock:
+            if self._fatal is not None:
+                return False
+            self._fatal = event
+        log.error("node verdict FATAL: %s: %s", event.kind, event.message)
+        return True
+
+    def verdict(self, risk: float = 0.0, threshold: float = 1.0) -> NodeVerdict:
+        """The verdict now, given the predictor's latest score and the configured alarm threshold."""
+        with self._lock:
+            fatal = self._fatal
+        if fatal is not None:
+            return NodeVerdict(Verdict.FATAL, f"{fatal.kind}: {fatal.message}", risk, fatal)
+        if threshold > 0 and risk >= threshold:  # a NaN threshold or risk (no score yet) compares False
+            return NodeVerdict(Verdict.DEGRADED, f"predicted failure risk {risk:.2f} >= {threshold:.2f}", risk)
+        return NodeVerdict(Verdict.HEALTHY, "", risk)
+
+
+@dataclass(frozen=True)
+class ReportTarget:
+    """One coordinator the daemon reports to.
+
+    Attributes:
+        address: ``HOST:PORT`` of the coordinator.
+        job: job name sent with each report; ``""`` means the job that coordinator serves.
+        node_id: node id to report under; ``""`` means the daemon's own ``agent.node_id`` (a launcher that
+            attached with its own ``--node-id`` is reported under that one).
+        security: TLS files and job token of the connection.
+        origin: what asked for it, for logs: ``"config"`` or ``"job <name>"``.
+    """
+
+    address: str
+    job: str = ""
+    node_id: str = ""
+    security: RpcSecurity = field(default_factory=RpcSecurity)
+    origin: str = "config"
+
+
+class ReporterState(enum.Enum):
+    """Where one reporter stands with its coordinator."""
+
+    CONNECTING = "connecting"
+    REPORTING = "reporting"
+    CORDONED = "cordoned"
+    UNREACHABLE = "unreachable"
+    STOPPED = "stopped"
+
+
+_S = ReporterState
+#: Allowed moves; anything else is a bug in this module.
+TRANSITIONS: dict[ReporterState, frozenset[ReporterState]] = {
+    _S.CONNECTING: frozenset({_S.REPORTING, _S.CORDONED, _S.UNREACHABLE, _S.STOPPED}),
+    _S.REPORTING: frozenset({_S.REPORTING, _S.CORDONED, _S.UNREACHABLE, _S.STOPPED}),
+    _S.CORDONED: frozenset({_S.CORDONED, _S.UNREACHABLE, _S.STOPPED}),
+    _S.UNREACHABLE: frozenset({_S.UNREACHABLE, _S.REPORTING, _S.CORDONED, _S.STOPPED}),
+    _S.STOPPED: frozenset({_S.STOPPED}),
+}
+
+
+class CoordinatorReporter:
+    """Reports the node's verdict to one coordinator every interval, on its own thread.
+
+    Args:
+        target: the coordinator.
+        verdict: returns the verdict now (called on the reporter's thread).
+        node_id: the daemon's node id (used when ``target.node_id`` is empty).
+        host: this host's name (the scheduler's node name, for the coordinator's cordon hooks).
+        instance: random id of this daemon process.
+        interval_s: seconds between reports (the coordinator may ask for another interval).
+        timeout_s: deadline of each call, seconds.
+    """
+
+    def __init__(self, target: ReportTarget, verdict: Callable[[], NodeVerdict], node_id: str, host: str,
+                 instance: str, interval_s: float = 2.0, timeout_s: float = 5.0) -> None:
+        self.target = target
+        self.node_id = target.node_id or node_id
+        self._verdict = verdict
+        self._host = host
+        self._instance = instance
+        self.interval_s = interval_s
+        self.configured_interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.state = ReporterState.CONNECTING
+        self.message = ""
+        self.reports = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._channel: grpc.Channel | None = None
+        self._thread = threading.Thread(target=self._run, name=f"report-{target.address}", daemon=True)
+
+    def _move(self, new: ReporterState, message: str = "") -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise AssertionError(f"reporter {self.target.address}: {self.state.name} -> {new.name} is not allowed")
+        if new is ReporterState.UNREACHABLE and self.state is not ReporterState.UNREACHABLE:
+            log.warning("coordinator %s (%s) unreachable: %s; retrying every %.1f s", self.target.address,
+                        self.target.origin, message, self.interval_s)
+        elif new is ReporterState.CORDONED and self.state is not ReporterState.CORDONED:
+            log.warning("coordinator %s (%s) cordoned node %s: %s", self.target.address, self.target.origin,
+                        self.node_id, message)
+        elif new is ReporterState.REPORTING and self.state is not ReporterState.REPORTING:
+            log.info("reporting node %s health to coordinator %s (%s)", self.node_id, self.target.address,
+                     self.target.origin)
+        self.state, self.message = new, message
+
+    def start(self) -> "CoordinatorReporter":
+        """Starts the reporting thread; returns self.
+
+        Raises:
+            SecurityConfigError: a TLS file of the target is unreadable.
+        """
+        self._channel = self.target.security.channel(self.target.address)
+        self._thread.start()
+        return self
+
+    def poke(self) -> None:
+        """Reports now instead of at the next interval (the verdict just changed)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Stops reporting and closes the channel (idempotent)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.timeout_s + 2)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self.state is not ReporterState.STOPPED:
+            self._move(ReporterState.STOPPED)
+
+    def report_once(self) -> None:
+        """Sends one report and updates the state from the answer (errors become UNREACHABLE)."""
+        assert self._channel is not None, "start() first"
+        v = self._verdict()
+        req = coordinator_pb2.NodeHealthReportRequest(
+            job=self.target.job, node_id=self.node_id, host=self._host, verdict=int(v.verdict),
+            reason=v.reason[:4000], risk=min(max(v.risk, 0.0), 1.0) if v.risk == v.risk else 0.0,
+            agent_instance=self._instance)
+        if v.cause is not None:
+            req.cause.CopyFrom(v.cause.to_proto())
+        try:
+            resp = coordinator_pb2_grpc.CoordinatorStub(self._channel).ReportNodeHealth(req, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            self._move(ReporterState.UNREACHABLE, f"{exc.code().name}: {exc.details()}")
+            return
+        self.reports += 1
+        # The coordinator may ask for a longer interval (it stretches intervals to bound its load), never shorter.
+        self.interval_s = max(self.configured_interval_s, resp.interval_s)
+        self._move(ReporterState.CORDONED if resp.cordoned else ReporterState.REPORTING, resp.message)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.report_once()
+            except Exception:  # noqa: BLE001 (a reporter bug must never take the daemon down)
+                log.exception("reporting to coordinator %s failed", self.target.address)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+
+__all__ = ["CoordinatorReporter", "NodeVerdict", "NodeVerdictLatch", "ReportTarget", "ReporterState",
+           "TRANSITIONS"]

@@ -1,0 +1,171 @@
+"""What the node daemon does for coordinators and jobs: one health reporter per coordinator, the attached jobs'
+launchers, and the kept memory-tier arenas.
+
+Coordinators come from the daemon's configuration (``[coordinator]``, reported to for the daemon's whole life)
+or from a job ``trainguard run`` attached (``AttachJob``: reported to while a launcher of the job lives). A job
+whose launchers all died without ``DetachJob`` (SIGKILL) stops being reported to; its arena is aged by the
+:class:`~trainguard.agent.arena_keeper.ArenaKeeper`. See :mod:`trainguard.agent.coordinator_report` for the
+verdict and the reporters' states.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from trainguard.agent.arena_keeper import ArenaKeeper, pid_alive
+from trainguard.agent.coordinator_report import CoordinatorReporter, NodeVerdict, ReporterState, ReportTarget
+from trainguard.agent.tls import TlsFiles
+from trainguard.proto import agent_pb2
+from trainguard.recovery.rpc_security import RpcSecurity
+
+log = logging.getLogger(__name__)
+
+_UP = (ReporterState.REPORTING, ReporterState.CORDONED)
+
+
+class DaemonJobs:
+    """The daemon's reporters, attached jobs and kept arenas; thread-safe.
+
+    Args:
+        node_id: the daemon's ``agent.node_id``.
+        host: this host's name (the scheduler's node name).
+        instance: random id of the daemon process.
+        verdict: the node's verdict now.
+        arenas: the keeper of the jobs' arenas.
+        interval_s: seconds between reports (``coordinator.heartbeat_interval_s``).
+        timeout_s: deadline of each report (``coordinator.timeout_s``).
+    """
+
+    def __init__(self, node_id: str, host: str, instance: str, verdict: Callable[[], NodeVerdict],
+                 arenas: ArenaKeeper, interval_s: float, timeout_s: float) -> None:
+        self.node_id, self.host, self.instance = node_id, host, instance
+        self._verdict = verdict
+        self.arenas = arenas
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self._lock = threading.Lock()
+        self._reporters: dict[str, CoordinatorReporter] = {}
+        self._jobs: dict[str, set[int]] = {}  # job -> live launcher pids
+
+    # -- reporters ------------------------------------------------------------------------------------------
+    def add_reporter(self, key: str, target: ReportTarget) -> CoordinatorReporter:
+        """Starts reporting to ``target`` under ``key`` (replacing a reporter with the same key).
+
+        Raises:
+            SecurityConfigError: a TLS file of the target is unreadable.
+        """
+        reporter = CoordinatorReporter(target, self._verdict, self.node_id, self.host, self.instance,
+                                       interval_s=self.interval_s, timeout_s=self.timeout_s)
+        reporter.start()
+        with self._lock:
+            old = self._reporters.pop(key, None)
+            self._reporters[key] = reporter
+        if old is not None:
+            old.stop()
+        return reporter
+
+    def remove_reporter(self, key: str) -> None:
+        """Stops the reporter under ``key``, if any."""
+        with self._lock:
+            old = self._reporters.pop(key, None)
+        if old is not None:
+            old.stop()
+
+    def reporters(self) -> list[CoordinatorReporter]:
+        """Every running reporter."""
+        with self._lock:
+            return list(self._reporters.values())
+
+    def start_configured(self, targets: list[str], job: str, security: RpcSecurity) -> None:
+        """Starts one reporter per configured coordinator.
+
+        Raises:
+            SecurityConfigError: a TLS file is unreadable.
+        """
+        for address in targets:
+            self.add_reporter(f"config:{address}", ReportTarget(address, job=job, security=security))
+        if targets:
+            log.info("reporting node health to %d coordinator(s): %s", len(targets), ", ".join(targets))
+
+    def poke(self) -> None:
+        """Every reporter reports now (the verdict changed)."""
+        for reporter in self.reporters():
+            reporter.poke()
+
+    def set_timing(self, interval_s: float, timeout_s: float) -> None:
+        """Applies reloaded report settings to every reporter."""
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        for reporter in self.reporters():
+            reporter.configured_interval_s = interval_s
+            reporter.timeout_s = timeout_s
+
+    def configured_ok(self) -> bool:
+        """Whether every configured coordinator answers (attached jobs' coordinators come and go)."""
+        with self._lock:
+            configured = [r for k, r in self._reporters.items() if k.startswith("config:")]
+        return all(r.state in _UP for r in configured)
+
+    def summary(self) -> str:
+        """``coordinators U/N reporting`` for the status line ("" when there are none)."""
+        reporters = self.reporters()
+        up = sum(1 for r in reporters if r.state in _UP)
+        return f"coordinators {up}/{len(reporters)} reporting" if reporters else ""
+
+    # -- jobs ----------------------------------------------------------------------------------------------
+    def attach(self, req: agent_pb2.AttachJobRequest) -> agent_pb2.AttachJobResponse:
+        """A launcher attaches its job: report to its coordinator, keep its arena (see ``AttachJob``).
+
+        Raises:
+            ArenaRootError: the launcher's arena root is not ``memory_tier.root``.
+            SecurityConfigError: a TLS file of the job's coordinator is unreadable.
+        """
+        kept = self.arenas.attach(req.job, req.arena_root, req.launcher_pid) if req.arena_root else False
+        if req.coordinator:
+            security = RpcSecurity(tls=TlsFiles(req.tls_cert_file, req.tls_key_file, req.tls_ca_file),
+                                   token=req.token)
+            self.add_reporter(f"job:{req.job}", ReportTarget(req.coordinator, job=req.job, node_id=req.node_id,
+                                                             security=security, origin=f"job {req.job}"))
+        with self._lock:
+            self._jobs.setdefault(req.job, set()).add(req.launcher_pid)
+        log.info("job %s attached by launcher %d (coordinator %s, node %s%s)", req.job, req.launcher_pid,
+                 req.coordinator or "none", req.node_id or self.node_id, ", arena kept" if kept else "")
+        return agent_pb2.AttachJobResponse(node_id=self.node_id, arena_kept=kept, arena_ttl_s=self.arenas.ttl_s)
+
+    def detach(self, job: str, pid: int, ended: bool) -> bool:
+        """A launcher leaves ``job`` (``ended``: the job is over); returns whether the arena was removed."""
+        with self._lock:
+            pids = self._jobs.get(job, set())
+            pids.discard(pid)
+            last = not pids
+            if last:
+                self._jobs.pop(job, None)
+        if last or ended:
+            self.remove_reporter(f"job:{job}")
+        return self.arenas.detach(job, pid, ended)
+
+    def sweep(self) -> None:
+        """Forgets jobs whose launchers all died without detaching (SIGKILL); ages the kept arenas."""
+        with self._lock:
+            gone = []
+            for job, pids in self._jobs.items():
+                pids.intersection_update({p for p in pids if pid_alive(p)})
+                if not pids:
+                    gone.append(job)
+            for job in gone:
+                del self._jobs[job]
+        for job in gone:
+            log.warning("every launcher of job %s is gone without detaching; no more reports to its coordinator",
+                        job)
+            self.remove_reporter(f"job:{job}")
+        self.arenas.sweep()
+
+    def stop(self) -> None:
+        """Stops every reporter."""
+        with self._lock:
+            keys = list(self._reporters)
+        for key in keys:
+            self.remove_reporter(key)
+
+
+__all__ = ["DaemonJobs"]

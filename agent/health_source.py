@@ -1,0 +1,297 @@
+"""Where a ``trainguard run`` gets its node health from: its own detectors, or the node daemon's.
+
+A launcher needs detector events (a worker hung, a fatal AER error, a link down) and the predictor's alarms.
+Without a daemon on the node it runs the detectors and the predictor itself
+(:class:`~trainguard.agent.node_health.DetectorEventSource`), as it always did. With one, the node daemon
+(``trainguard agent``) already runs the node's detectors and predictor for every job: the launcher attaches to it
+over its unix socket (:func:`attach_daemon`, ``AttachJob``: the daemon also reports the node's health to this
+job's coordinator and keeps the job's memory-tier arena) and its node health watches a
+:class:`DaemonEventSource`: the daemon's events (``WatchEvents``) plus the detectors that watch the launcher's
+own workers (``process``: hangs), which the daemon cannot see. A daemon's ``predictor.alarm`` takes the
+checkpoint-then-drain path (``on_alarm``); every other event the usual one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from trainguard.agent.errors import AgentError
+from trainguard.agent.job_registry import DAEMON_SOCKET, DAEMON_SOCKET_ENV
+from trainguard.detectors.events import HealthEvent, Severity
+from trainguard.proto import agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: Detectors that watch the launcher's own workers; they run in the launcher even with a daemon.
+WORKER_DETECTORS = ("process",)
+#: Seconds a launcher waits for a daemon's first answer before it runs alone.
+PROBE_TIMEOUT_S = 2.0
+
+
+class DaemonAttachError(AgentError):
+    """The node daemon answered but refused to attach the job (the message says why)."""
+
+
+def daemon_socket(environ: dict[str, str] | None = None) -> str:
+    """The daemon's socket path: ``$TRAINGUARD_AGENT_SOCKET_PATH`` (empty: no daemon), else the default."""
+    env = os.environ if environ is None else environ
+    return env.get(DAEMON_SOCKET_ENV, DAEMON_SOCKET)
+
+
+@dataclass(frozen=True)
+class JobAttachment:
+    """What a launcher tells the daemon about its job (``AttachJob``)."""
+
+    job: str
+    coordinator: str
+    node_id: str
+    arena_root: str = ""
+    token: str = ""
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+
+
+class DaemonLink:
+    """A launcher's connection to the node daemon's unix socket.
+
+    Args:
+        path: the daemon's socket.
+        channel: an open channel to it.
+    """
+
+    def __init__(self, path: str, channel: grpc.Channel) -> None:
+        self.path = path
+        self._channel = channel
+        self.stub = agent_pb2_grpc.NodeAgentStub(channel)
+        self.job = ""
+        self.attached: agent_pb2.AttachJobResponse | None = None
+        self.attached_at = 0.0  # Unix time just before the attachment
+        self._request: agent_pb2.AttachJobRequest | None = None  # repeated by reattach()
+
+    @classmethod
+    def connect(cls, path: str, timeout_s: float = PROBE_TIMEOUT_S) -> "DaemonLink | None":
+        """The daemon at ``path`` if one answers there, else None (the launcher runs alone)."""
+        if not path or not os.path.exists(path):
+            return None
+        channel = grpc.insecure_channel(f"unix:{path}")
+        try:
+            agent_pb2_grpc.NodeAgentStub(channel).GetHealth(agent_pb2.GetHealthRequest(max_events=1),
+                                                            timeout=timeout_s)
+        except grpc.RpcError as exc:
+            channel.close()
+            log.warning("a node daemon socket is at %s but does not answer (%s); running without it", path,
+                        exc.code().name)
+            return None
+        return cls(path, channel)
+
+    def attach(self, job: JobAttachment) -> agent_pb2.AttachJobResponse:
+        """Attaches the job; a daemon that refuses the arena root is asked again without the arena.
+
+        Raises:
+            DaemonAttachError: the daemon refused (e.g. an older daemon without ``AttachJob``).
+        """
+        req = agent_pb2.AttachJobRequest(
+            job=job.job, coordinator=job.coordinator, node_id=job.node_id, launcher_pid=os.getpid(),
+            arena_root=job.arena_root, token=job.token, tls_ca_file=job.tls_ca_file,
+            tls_cert_file=job.tls_cert_file, tls_key_file=job.tls_key_file)
+        self.attached_at = time.time()
+        self._request = req
+        try:
+            resp = self.stub.AttachJob(req, timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION and req.arena_root:
+                log.warning("node daemon keeps no arena for this job: %s", exc.details())
+                req.arena_root = ""
+                try:
+                    resp = self.stub.AttachJob(req, timeout=10)
+                except grpc.RpcError as exc2:
+                    raise DaemonAttachError(f"node daemon at {self.path}: {exc2.details()}") from exc2
+            else:
+                raise DaemonAttachError(f"node daemon at {self.path} did not attach job {job.job}: "
+                                        f"{exc.code().name}: {exc.details()}") from exc
+        self.job, self.attached = job.job, resp
+        return resp
+
+    def reattach(self) -> bool:
+        """Repeats the attachment (the daemon restarted and forgot the job); returns whether it took."""
+        req = self._request
+        if req is None or not self.job:
+            return False
+        try:
+            self.stub.AttachJob(req, timeout=10)
+        except grpc.RpcError as exc:
+            log.warning("node daemon at %s: attaching job %s again failed (%s)", self.path, self.job,
+                        exc.code().name)
+            return False
+        return True
+
+    def detach(self, ended: bool) -> None:
+        """Leaves the job (``ended``: it is over, the daemon removes its arena); errors are logged."""
+        if not self.job:
+            return
+        try:
+            self.stub.DetachJob(agent_pb2.DetachJobRequest(job=self.job, ended=ended, launcher_pid=os.getpid()),
+                                timeout=5)
+        except grpc.RpcError as exc:
+            log.warning("node daemon at %s: detaching job %s failed (%s)", self.path, self.job, exc.code().name)
+        self.job = ""
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self._channel.close()
+
+
+#: Recent events each (re)connection asks the daemon to replay; those older than the attachment, or already
+#: handled, are skipped, so an event between the attachment and the stream's start (or during a reconnection)
+#: is never lost.
+REPLAY_EVENTS = 256
+
+
+class DaemonEventSource:
+    """The node daemon's events (``WatchEvents``) as an :class:`~trainguard.agent.parts.EventSource`, with the
+    launcher's own worker detectors beside them; reconnects (and re-attaches) when the stream ends.
+
+    Args:
+        link: the attached daemon.
+        local: the worker detectors running in the launcher (``process``), or None.
+        on_alarm: takes the daemon predictor's ``predictor.alarm`` events (checkpoint now, drain later); None
+            hands them to ``on_event`` like any other.
+        retry_s: seconds between reconnection attempts.
+        since: Unix time from which events concern this launcher (default: the link's attachment).
+    """
+
+    hardware_names: tuple[str, ...] = ()  # the hardware detectors run in the daemon, on its own schedule
+
+    def __init__(self, link: DaemonLink, local: Any = None, on_alarm: Callable[[HealthEvent], None] | None = None,
+                 retry_s: float = 1.0, since: float | None = None) -> None:
+        self.link = link
+        self.local = local
+        self.on_alarm = on_alarm
+        self.retry_s = retry_s
+        self.since = (link.attached_at or time.time()) if since is None else since
+        self.events = 0
+        self._seen: dict[str, None] = {}  # event ids handled, oldest first (bounded)
+        self._stop = threading.Event()
+        self._call: Any = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_event: Callable[[HealthEvent], None]) -> None:
+        """Starts the worker detectors and the stream of the daemon's events, both delivering to ``on_event``."""
+        if self.local is not None:
+            self.local.start(on_event)
+        self._thread = threading.Thread(target=self._follow, args=(on_event,), name="daemon-events", daemon=True)
+        self._thread.start()
+
+    def latest_metrics(self) -> dict[str, float]:
+        """The worker detectors' metrics (the daemon's own predictor scores the node's)."""
+        return self.local.latest_metrics() if self.local is not None else {}
+
+    def statuses(self) -> list:
+        """The worker detectors' statuses."""
+        return self.local.statuses() if self.local is not None else []
+
+    def sample_now(self, names: Sequence[str], timeout_s: float) -> list | None:
+        """Out-of-schedule samples run only for local detectors (the daemon samples on its own schedule)."""
+        return self.local.sample_now(names, timeout_s) if self.local is not None else []
+
+    def _deliver(self, msg: Any, on_event: Callable[[HealthEvent], None]) -> None:
+        event = HealthEvent.from_proto(msg)
+        if event.time < self.since or event.event_id in self._seen:
+            return  # from before this launcher attached, or replayed after a reconnection
+        self._seen[event.event_id] = None
+        if len(self._seen) > 4 * REPLAY_EVENTS:
+            del self._seen[next(iter(self._seen))]
+        self.events += 1
+        if event.severity >= Severity.WARNING:  # the node's trouble belongs in the job's log too
+            log.warning("node daemon: %s: %s", event.kind, event.message)
+        if event.kind == "predictor.alarm" and self.on_alarm is not None:
+            self.on_alarm(event)
+        else:
+            on_event(event)
+
+    def _follow(self, on_event: Callable[[HealthEvent], None]) -> None:
+        down = False
+        while not self._stop.is_set():
+            call = self.link.stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=REPLAY_EVENTS))
+            with self._lock:
+                self._call = call
+            if self._stop.is_set():
+                call.cancel()
+                return
+            try:
+                if down:
+                    # The daemon may have restarted: attach again so it keeps reporting to this job's
+                    # coordinator and keeps its arena.
+                    log.info("node daemon at %s is back; following its events again%s", self.link.path,
+                             "" if self.link.reattach() else " (not attached)")
+                    down = False
+                for msg in call:
+                    self._deliver(msg, on_event)
+            except grpc.RpcError as exc:
+                if self._stop.is_set() or exc.code() is grpc.StatusCode.CANCELLED:
+                    return
+                if not down:
+                    log.warning("node daemon at %s: event stream ended (%s); retrying every %.0f s",
+                                self.link.path, exc.code().name, self.retry_s)
+                    down = True
+            self._stop.wait(self.retry_s)
+
+    def stop(self) -> None:
+        """Ends the stream and stops the worker detectors (idempotent)."""
+        self._stop.set()
+        with self._lock:
+            if self._call is not None:
+                self._call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.local is not None:
+            self.local.stop()
+
+
+def attach_daemon(job: str, coordinator: str, node_id: str, security, checkpointing: bool,
+                  environ: dict[str, str] | None = None) -> DaemonLink | None:
+    """Attaches ``job`` to the node daemon when one answers on its socket; None when none runs (run alone).
+
+    Args:
+        job: the job name.
+        coordinator: ``HOST:PORT`` of the job's coordinator (the daemon reports the node's health there too).
+        node_id: this launcher's node id (the daemon reports under it).
+        security: the launcher's :class:`~trainguard.recovery.rpc_security.RpcSecurity` towards the coordinator.
+        checkpointing: the job uses the memory tier: the daemon keeps its arena.
+        environ: the environment (``$TRAINGUARD_AGENT_SOCKET_PATH``, ``$TRAINGUARD_CHECKPOINT_SHM_DIR``).
+
+    Returns:
+        The attached link, or None: no daemon answers, or it refused the job (logged; the launcher runs alone).
+    """
+    from trainguard.checkpoint.config import CHECKPOINT_SHM_DIR_ENV
+
+    env = os.environ if environ is None else environ
+    link = DaemonLink.connect(daemon_socket(env))
+    if link is None:
+        return None
+    arena = env.get(CHECKPOINT_SHM_DIR_ENV, "/dev/shm/trainguard") if checkpointing else ""
+    try:
+        resp = link.attach(JobAttachment(job, coordinator, node_id, arena, security.token, security.tls.ca_file,
+                                         security.tls.cert_file, security.tls.key_file))
+    except DaemonAttachError as exc:  # e.g. a daemon of an older version: this launcher still runs, alone
+        link.close()
+        log.warning("%s; running with this launcher's own detectors and predictor", exc)
+        return None
+    log.info("attached job %s to the node daemon at %s (node %s): its detectors and predictor watch this node%s",
+             job, link.path, resp.node_id,
+             "; it kept this job's memory tier from a previous launcher" if resp.arena_kept else "")
+    return link
+
+
+__all__ = ["DaemonAttachError", "DaemonEventSource", "DaemonLink", "JobAttachment", "REPLAY_EVENTS",
+           "WORKER_DETECTORS", "attach_daemon", "daemon_socket"]

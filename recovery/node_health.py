@@ -1,0 +1,121 @@
+"""The coordinator's per-node health table: what each node's daemon last said about its node.
+
+A node daemon (``trainguard agent`` with a coordinator configured, or attached by ``trainguard run``) reports
+its node's verdict continuously, between jobs too. The table keeps the latest report per node id and answers
+two questions for the coordinator:
+
+- which nodes must be cordoned: a node whose daemon reported :attr:`Verdict.FATAL` (a node-level fault such as
+  a fatal PCIe AER error, a GPU gone, a link down). The verdict is sticky in the table: a later HEALTHY report
+  does not un-cordon the node (the policy's cordon list is the job's decision; only a new job forgets it).
+- which nodes went silent: reported once, then stopped. Silence alone is *not* a reason to cordon (a daemon
+  restarting, or a node between jobs without a daemon, is not a sick node); it is only shown.
+
+Plain types only: the service converts protobuf in :mod:`trainguard.recovery.convert`.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+
+class Verdict(enum.IntEnum):
+    """A daemon's verdict on its node, ordered: larger is worse."""
+
+    HEALTHY = 1
+    DEGRADED = 2  # predictor alarm or warnings: shown, never cordoned for
+    FATAL = 3  # a node-level fault: cordon
+
+
+@dataclass(frozen=True)
+class NodeHealthReport:
+    """One report of a node's daemon.
+
+    Attributes:
+        job: job named by the reporter; ``""`` means the job this coordinator serves.
+        node_id: the node reported about.
+        host: scheduler node name (for cordon hooks); ``""`` when unknown.
+        verdict: the daemon's verdict.
+        reason: one line saying why (the fault event's message for FATAL).
+        risk: the predictor's score in [0, 1].
+        instance: random id of the reporting daemon process.
+    """
+
+    job: str
+    node_id: str
+    host: str
+    verdict: Verdict
+    reason: str = ""
+    risk: float = 0.0
+    instance: str = ""
+
+
+@dataclass(frozen=True)
+class NodeHealthEntry:
+    """The table's row of one node.
+
+    Attributes:
+        report: the newest report.
+        received_s: when it arrived (the coordinator's monotonic clock), seconds.
+        fatal_reason: the reason of the first FATAL report ("" while the node never reported one).
+    """
+
+    report: NodeHealthReport
+    received_s: float
+    fatal_reason: str = ""
+
+    def silent(self, now_s: float, after_s: float) -> bool:
+        """Whether the daemon has not reported for more than ``after_s`` seconds."""
+        return now_s - self.received_s > after_s
+
+
+class NodeHealthTable:
+    """Latest daemon report per node; thread-safe."""
+
+    def __init__(self) -> None:
+        """Creates an empty table."""
+        self._lock = threading.Lock()
+        self._rows: dict[str, NodeHealthEntry] = {}
+
+    def record(self, report: NodeHealthReport, now_s: float) -> bool:
+        """Keeps ``report`` as the node's newest.
+
+        Args:
+            report: the report.
+            now_s: arrival time, seconds (monotonic).
+
+        Returns:
+            True when this report makes the node newly fatal (its first FATAL verdict).
+        """
+        with self._lock:
+            old = self._rows.get(report.node_id)
+            fatal_reason = old.fatal_reason if old is not None else ""
+            newly = report.verdict is Verdict.FATAL and not fatal_reason
+            if newly:
+                fatal_reason = report.reason or "fatal fault reported by the node daemon"
+            self._rows[report.node_id] = NodeHealthEntry(report, now_s, fatal_reason)
+            return newly
+
+    def get(self, node_id: str) -> NodeHealthEntry | None:
+        """The node's row, or None when its daemon never reported."""
+        with self._lock:
+            return self._rows.get(node_id)
+
+    def fatal(self) -> dict[str, str]:
+        """Node id -> reason, for every node whose daemon ever reported a fatal fault."""
+        with self._lock:
+            return {n: e.fatal_reason for n, e in self._rows.items() if e.fatal_reason}
+
+    def silent(self, now_s: float, after_s: float) -> list[str]:
+        """Node ids whose daemon has not reported for more than ``after_s`` seconds (shown, never cordoned)."""
+        with self._lock:
+            return sorted(n for n, e in self._rows.items() if e.silent(now_s, after_s))
+
+    def snapshot(self) -> dict[str, NodeHealthEntry]:
+        """A copy of every row."""
+        with self._lock:
+            return dict(self._rows)
+
+
+__all__ = ["NodeHealthEntry", "NodeHealthReport", "NodeHealthTable", "Verdict"]

@@ -1,0 +1,161 @@
+"""`trainguard run` on a node with a daemon attaches to it: the daemon's detectors (not the launcher's own) find a
+node fault, and the daemon keeps the job's memory tier, so a SIGKILLed launcher's restart restores from memory.
+
+Real processes: the daemon (ExecStart of deploy/trainguard-agent.service), `trainguard run` launchers with gloo
+workers saving through the hook, `kill -9` of the launcher's whole process group; a fake sysfs tree in the real
+formats for the daemon's PCIe detector; the arena in a per-test folder of /dev/shm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agentd_unit import UnitDaemon, clean_env, wait_until
+from tg_testutil import REPO
+from trainguard.checkpoint.arena import memory_committed
+from trainguard.drill.fakehw import FakeNodeHardware
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def daemon_config(sysfs: Path, shm: Path, ttl_s: float = 300.0) -> str:
+    return f"""
+[agent]
+node_id = "n1"
+loop_interval_s = 0.2
+[log]
+format = "text"
+[grpc]
+listen = ""
+[metrics]
+listen = ""
+[detectors]
+enabled = ["pcie"]
+root = "{sysfs}"
+interval_s = 0.2
+[predictor]
+enabled = false
+[memory_tier]
+root = "{shm}"
+ttl_s = {ttl_s}
+"""
+
+
+@pytest.fixture
+def shm():
+    path = Path(f"/dev/shm/tg-h16d-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_cmd(job: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "trainguard.cli", "run", "--standalone", "--rdzv-id", job, "--no-standby", *args]
+
+
+def test_attached_launcher_sees_the_daemons_detectors_not_its_own(tmp_path: Path, tg_env: dict, shm: Path):
+    daemon_hw = FakeNodeHardware(tmp_path / "daemon-sysfs")
+    FakeNodeHardware(tmp_path / "launcher-sysfs")  # healthy: what the launcher's own pcie detector would read
+    (tmp_path / "det.toml").write_text(f'root = "{tmp_path / "launcher-sysfs"}"\n[pcie]\ninterval_s = 0.2\n')
+    daemon = UnitDaemon(tmp_path / "daemon", daemon_config(tmp_path / "daemon-sysfs", shm), clean_env(tg_env))
+    env = dict(clean_env(tg_env), TRAINGUARD_AGENT_SOCKET_PATH=str(daemon.socket_path))
+    proc = None
+    try:
+        daemon.wait_ready()
+        proc = subprocess.Popen(
+            run_cmd(f"att-{os.getpid()}", "--nproc-per-node", "1", "--max-restarts", "0", "--detectors",
+                    "process,pcie", "--detector-config", str(tmp_path / "det.toml"), str(SCRIPTS / "sleeper.py")),
+            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "launcher.log", "w"),
+            start_new_session=True)
+        daemon.wait_log(f"job att-{os.getpid()} attached by launcher {proc.pid}")
+        daemon.wait_log("reporting node ")  # to the job's (embedded) coordinator, under the launcher's node id
+        time.sleep(1.0)  # the daemon's detector sampled the healthy tree; the launcher is following its events
+        daemon_hw.narrow_link(4)
+        wait_until(lambda: "node daemon: pcie.link_narrow" in (tmp_path / "launcher.log").read_text(), 30,
+                   "the daemon's event in the launcher's log")
+        daemon_hw.aer_fatal()
+        proc.wait(timeout=60)
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        daemon.close()
+    err = (tmp_path / "launcher.log").read_text()
+    assert "attached job att-" in err and "to the node daemon at" in err, err[-3000:]
+    # The faults exist only in the daemon's tree: the launcher learned them from the daemon (its event stream,
+    # and the daemon's own report to the job's coordinator, whichever comes first).
+    assert "node daemon: pcie.link_narrow: PCIe link of 0000:3b:00.0 trained at x4, below its x16" in err, err
+    assert proc.returncode == 1 and "restart budget exhausted" in err and "pcie.aer_fatal" in err, err[-3000:]
+
+
+def newest_restore(out: Path, rank: int, pids_before: set[str]) -> dict:
+    files = [p for p in out.glob(f"restore-r{rank}-*.json") if p.name not in pids_before]
+    assert files, f"rank {rank} never restored"
+    return json.loads(min(files, key=lambda p: p.stat().st_mtime).read_text())
+
+
+def test_sigkilled_launchers_restart_restores_from_the_daemons_memory(tmp_path: Path, tg_env: dict, shm: Path):
+    job = f"mem-{os.getpid()}"
+    FakeNodeHardware(tmp_path / "sysfs")
+    daemon = UnitDaemon(tmp_path / "daemon", daemon_config(tmp_path / "sysfs", shm), clean_env(tg_env))
+    env = dict(clean_env(tg_env), TRAINGUARD_AGENT_SOCKET_PATH=str(daemon.socket_path),
+               TRAINGUARD_CHECKPOINT_SHM_DIR=str(shm))
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    cmd = run_cmd(job, "--nproc-per-node", "2", "--max-restarts", "0", "--detectors", "process",
+                  "--checkpoint-dir", str(ckpt), str(SCRIPTS / "arena_trainer.py"), str(out), "16")
+    first = second = None
+    try:
+        daemon.wait_ready()
+        first = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 start_new_session=True)
+        wait_until(lambda: memory_committed(str(shm), job) and memory_committed(str(shm), job)[-1][0] >= 5, 90,
+                   "step 5 in the memory tier")
+        # kill -9 the launcher and everything in its session (workers, persist process, guard).
+        group = [p for p in psutil.process_iter() if _sid(p) == first.pid]
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+        psutil.wait_procs(group, timeout=20)
+        saved = memory_committed(str(shm), job)[-1][0]
+        daemon.wait_log(f"every launcher of job {job} is gone; keeping its arena 300 s")
+        assert (shm / job).is_dir()
+        shutil.rmtree(ckpt)  # no disk copy: only the memory tier can serve the restart
+        before = {p.name for p in out.glob("restore-*.json")}
+        second = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True)
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 0, err[-3000:]
+        assert "it kept this job's memory tier from a previous launcher" in err, err[-3000:]
+        for rank in (0, 1):
+            got = newest_restore(out, rank, before)
+            assert got["tier"] == "memory" and got["next_step"] == saved + 1, got
+            # Bitwise: the restored parameters and optimizer state hash to what the killed run had at that step.
+            assert got["digest"] == (out / f"digest-r{rank}-s{saved}").read_text()
+        # The job ended: the daemon removed its arena (nothing left in /dev/shm).
+        wait_until(lambda: not (shm / job).exists(), 20, "the arena's removal")
+        daemon.wait_log(f"memory tier: removed the arena of job {job} (the job ended)")
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+        daemon.close()
+
+
+def _sid(p: psutil.Process) -> int:
+    try:
+        return os.getsid(p.pid)
+    except (ProcessLookupError, PermissionError):
+        return -1

@@ -1,0 +1,35 @@
+"""The daemon's coordinator and memory-tier options: one-line errors naming the key, and what they resolve to."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainguard.agent.config import AgentConfig, AgentConfigError
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('[coordinator]\naddresses = ["h:1", "nohost"]\n', "coordinator.addresses[1]: 'nohost' is not HOST:PORT"),
+    ('[coordinator]\naddresses = "h:1"\n', "coordinator.addresses: expected an array"),
+    ('[coordinator]\njob = "a b"\n', "coordinator.job: 'a b' is not a job name"),
+    ('[coordinator]\ntoken_file = "/nonexistent/token"\n', "coordinator.token_file: cannot read the job token"),
+    ('[memory_tier]\nroot = "shm"\n', "memory_tier.root: 'shm' must be an absolute path"),
+    ('[memory_tier]\nttl_s = -1\n', "memory_tier.ttl_s: -1.0 is outside [0, 2592000] seconds"),
+    ('[memory_tier]\nkeep = 2\n', "unknown key 'keep' in [memory_tier]"),
+])
+def test_bad_option_is_one_line_naming_the_key(tmp_path, text, needle):
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    with pytest.raises(AgentConfigError) as err:
+        AgentConfig.load(path, env={})
+    assert needle in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_targets_merge_address_and_addresses_and_short_token_is_refused(tmp_path):
+    path = tmp_path / "agent.toml"
+    path.write_text('[coordinator]\naddress = "a:1"\naddresses = ["b:2", "a:1"]\n')
+    assert AgentConfig.load(path, env={}).coordinator.targets() == ["a:1", "b:2"]
+    token = tmp_path / "token"
+    token.write_text("short\n")
+    path.write_text(f'[coordinator]\naddress = "a:1"\ntoken_file = "{token}"\n')
+    with pytest.raises(AgentConfigError, match="coordinator.token_file: the job token has 5 characters"):
+        AgentConfig.load(path, env={})

@@ -1,0 +1,98 @@
+"""The daemon's arena keeper on real tmpfs folders: kept while a launcher lives and for the TTL after, removed at
+the job's end or after the TTL, never while another process holds a rank's writer lease; arenas left before the
+daemon started are adopted and aged out. The clock is injected (the TTL is the unit under test); pids and the
+lease are real (a child process holding :class:`trainguard.checkpoint.arena.ArenaLease`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trainguard.agent.arena_keeper import ArenaKeeper, ArenaRootError, ArenaState, lease_held
+
+
+@pytest.fixture
+def root():
+    path = Path(f"/dev/shm/tg-h16d-keeper-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _arena(root: Path, job: str) -> Path:
+    d = root / job / "rank_00000"
+    d.mkdir(parents=True)
+    (d / "slot_0.data").write_bytes(b"x" * 4096)
+    return root / job
+
+
+def test_kept_while_a_launcher_lives_and_for_the_ttl_after(root):
+    clock = Clock()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    keeper = ArenaKeeper(str(root), ttl_s=60, clock=clock)
+    assert keeper.attach("j1", str(root), dead.pid) is False  # a new job: nothing kept yet
+    arena = _arena(root, "j1")
+    keeper.attach("j2", str(root), os.getpid())  # this process stands for a live launcher
+    _arena(root, "j2")
+    assert keeper.sweep() == [] and keeper.kept()["j1"].state is ArenaState.ORPHANED
+    clock.now += 59
+    assert keeper.sweep() == [] and arena.is_dir()
+    # A restarted launcher (same job) within the TTL finds the arena kept.
+    again = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert keeper.attach("j1", str(root), again.pid) is True
+        assert keeper.kept()["j1"].state is ArenaState.HELD
+        clock.now += 600
+        assert keeper.sweep() == [] and arena.is_dir()
+    finally:
+        again.kill()
+        again.wait()
+    keeper.sweep()  # orphaned now, TTL from now
+    clock.now += 60
+    assert keeper.sweep() == ["j1"] and not arena.exists()
+    assert (root / "j2").is_dir() and "j2" in keeper.kept()  # its launcher lives
+    assert keeper.detach("j2", os.getpid(), ended=True) is True and not (root / "j2").exists()
+
+
+def test_a_held_writer_lease_is_never_robbed_and_leftovers_are_adopted(root):
+    clock = Clock()
+    arena = _arena(root, "old")  # left by a launcher that died while no daemon ran
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from trainguard.checkpoint.arena import ArenaLease; "
+         "l = ArenaLease(sys.argv[1]); l.acquire(); print('held', flush=True); time.sleep(60)",
+         str(arena / "rank_00000")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert lease_held(str(arena))
+        keeper = ArenaKeeper(str(root), ttl_s=10, clock=clock)
+        assert keeper.adopt_existing() == ["old"]
+        clock.now += 11
+        assert keeper.sweep() == [] and arena.is_dir()  # a writer the daemon does not know of
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not lease_held(str(arena))  # the kernel dropped the dead writer's record lock
+    assert keeper.sweep() == ["old"] and not arena.exists()
+
+
+def test_another_root_or_a_path_as_job_is_refused(root, tmp_path):
+    keeper = ArenaKeeper(str(root), ttl_s=10)
+    with pytest.raises(ArenaRootError, match="memory_tier.root"):
+        keeper.attach("j", str(tmp_path), os.getpid())
+    with pytest.raises(ArenaRootError, match="not a usable arena folder name"):
+        keeper.attach("../etc", str(root), os.getpid())

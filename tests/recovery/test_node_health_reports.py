@@ -1,0 +1,136 @@
+"""Node daemons' health reports at a real `trainguard coordinator` process over gRPC: a FATAL verdict cordons the
+node (before it registers, or while it holds a slot), through the cordon hooks, with the daemon's reason; a
+silent daemon cordons nothing; bad reports are refused precisely."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import grpc
+import pytest
+
+from coordinator_client import CoordinatorProcess, beat_until, node_info
+from trainguard.proto import common_pb2, coordinator_pb2 as pb
+from trainguard.recovery.node_health import NodeHealthReport, NodeHealthTable, Verdict
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _report(stub, node: str, verdict: int, reason: str = "", job: str = "") -> pb.NodeHealthReportResponse:
+    return stub.ReportNodeHealth(pb.NodeHealthReportRequest(job=job, node_id=node, host=f"host-{node}",
+                                                            verdict=verdict, reason=reason, risk=0.1,
+                                                            agent_instance="d1"), timeout=10)
+
+
+@pytest.fixture
+def coordinator(tmp_path, tg_env):
+    hook_out = tmp_path / "cordoned.txt"
+    # The cordon hook appends "<host> <reason>" per cordoned node (a Slurm `scontrol` stand-in).
+    hook = f"{sys.executable} -c \"import sys; open(sys.argv[1], 'a').write(' '.join(sys.argv[2:]) + chr(10))\" " \
+           f"{hook_out} {{host}} {{reason}}"
+    c = CoordinatorProcess(tmp_path, tg_env, "nh-job", "--nnodes", "2", "--heartbeat-interval", "0.1",
+                           "--lease-timeout", "30", "--backoff", "0", "--cordon-command", hook)
+    try:
+        yield c, hook_out
+    finally:
+        c.stop()
+
+
+def _wait_file(path, needle: str, timeout: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and needle in path.read_text():
+            return path.read_text()
+        time.sleep(0.05)
+    raise AssertionError(f"{needle!r} never appeared in {path}: {path.read_text() if path.exists() else '-'}")
+
+
+def test_fatal_report_before_registration_keeps_the_node_out_of_every_generation(coordinator) -> None:
+    c, hook_out = coordinator
+    # Reported healthy first, then fatal: cordoned (the hook runs with the daemon's own reason).
+    assert not _report(c.stub, "sick", pb.NODE_HEALTH_VERDICT_HEALTHY).cordoned
+    resp = _report(c.stub, "sick", pb.NODE_HEALTH_VERDICT_FATAL, "pcie: AER fatal error on 0000:3b:00.0")
+    assert resp.cordoned and "AER fatal" in resp.message and resp.interval_s > 0
+    text = _wait_file(hook_out, "host-sick")
+    assert "AER fatal error on 0000:3b:00.0" in text
+    # A later HEALTHY report does not un-cordon it; a silent daemon ("quiet") is never cordoned.
+    assert _report(c.stub, "sick", pb.NODE_HEALTH_VERDICT_HEALTHY).cordoned
+    assert not _report(c.stub, "quiet", pb.NODE_HEALTH_VERDICT_HEALTHY).cordoned
+    sick = c.agent(node_info("sick", idx=0))
+    a = c.agent(node_info("a", idx=1))
+    b = c.agent(node_info("b", idx=2))
+    beat_until([sick, a, b], lambda: a.gen > 0 and b.gen > 0)
+    assert sick.gen < 0 and "cordoned" in sick.last.message
+    assert sorted(n.node_id for n in a.table.nodes) == ["a", "b"]
+    # "quiet" went silent long ago: still not cordoned, and the hook never ran for it.
+    assert not _report(c.stub, "quiet", pb.NODE_HEALTH_VERDICT_DEGRADED, "predictor alarm").cordoned
+    assert "quiet" not in hook_out.read_text()
+
+
+def test_fatal_report_about_a_slot_holder_moves_its_slot_to_a_spare(coordinator) -> None:
+    c, _ = coordinator
+    a = c.agent(node_info("a", idx=0))
+    b = c.agent(node_info("b", idx=1))
+    spare = c.agent(node_info("s", idx=2, spare=True))
+    beat_until([a, b, spare], lambda: a.gen == 1 and b.gen == 1)
+    resp = _report(c.stub, "b", pb.NODE_HEALTH_VERDICT_FATAL, "nvidia: GPU 0000:17:00.0 fell off the bus")
+    assert resp.cordoned
+    beat_until([a, b, spare], lambda: a.gen == 2 and spare.gen == 2)
+    assert sorted(n.node_id for n in a.table.nodes) == ["a", "s"] and b.gen < 0
+    # Repeated FATAL reports (every interval) are not new failures: no third generation.
+    for _ in range(3):
+        assert _report(c.stub, "b", pb.NODE_HEALTH_VERDICT_FATAL, "still broken").cordoned
+    a.beat()
+    assert a.gen == 2 and a.last.rank_table.restart_count <= 1
+
+
+@pytest.mark.parametrize("req, needle", [
+    (pb.NodeHealthReportRequest(node_id="", verdict=pb.NODE_HEALTH_VERDICT_FATAL), "node_id"),
+    (pb.NodeHealthReportRequest(node_id="n1", verdict=pb.NODE_HEALTH_VERDICT_UNSPECIFIED), "verdict"),
+    (pb.NodeHealthReportRequest(node_id="n1", verdict=pb.NODE_HEALTH_VERDICT_HEALTHY, risk=3.0), "risk"),
+    (pb.NodeHealthReportRequest(node_id="n1", verdict=pb.NODE_HEALTH_VERDICT_HEALTHY, job="other"), "unknown job"),
+])
+def test_bad_reports_are_refused_naming_the_field(coordinator, req, needle) -> None:
+    c, _ = coordinator
+    with pytest.raises(grpc.RpcError) as err:
+        c.stub.ReportNodeHealth(req, timeout=10)
+    assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+    assert needle in err.value.details()
+
+
+def test_table_keeps_the_first_fatal_reason_and_shows_silence() -> None:
+    t = NodeHealthTable()
+    assert not t.record(NodeHealthReport("", "n", "h", Verdict.HEALTHY), 0.0)
+    assert t.record(NodeHealthReport("", "n", "h", Verdict.FATAL, "aer"), 1.0)
+    assert not t.record(NodeHealthReport("", "n", "h", Verdict.FATAL, "later"), 2.0)
+    t.record(NodeHealthReport("", "m", "h", Verdict.HEALTHY), 2.0)
+    assert t.fatal() == {"n": "aer"}
+    assert t.silent(now_s=10.0, after_s=5.0) == ["m", "n"] and t.silent(now_s=3.0, after_s=5.0) == []
+
+
+def test_metrics_count_daemons_by_verdict_and_silence(tmp_path) -> None:
+    from prometheus_client import generate_latest
+
+    from trainguard.proto import coordinator_pb2_grpc
+    from trainguard.recovery.observe import CoordinatorMetrics
+    from trainguard.recovery.service import CoordinatorServer, JobSpec
+
+    srv = CoordinatorServer(JobSpec(job="nh-metrics", nnodes=2, heartbeat_interval_s=0.1,
+                                    store=f"sqlite://{tmp_path}/c.db")).start()
+    try:
+        with grpc.insecure_channel(srv.target) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            _report(stub, "ok", pb.NODE_HEALTH_VERDICT_HEALTHY)
+            _report(stub, "bad", pb.NODE_HEALTH_VERDICT_FATAL, "edac: uncorrectable ECC error")
+            text = generate_latest(CoordinatorMetrics(srv.watch).registry).decode()
+            assert 'trainguard_node_daemons{verdict="healthy"} 1.0' in text
+            assert 'trainguard_node_daemons{verdict="fatal"} 1.0' in text
+            assert 'trainguard_node_daemons{verdict="silent"} 0.0' in text
+            time.sleep(0.5)  # > 3 report intervals of 0.1 s without a report
+            _report(stub, "ok", pb.NODE_HEALTH_VERDICT_HEALTHY)
+            text = generate_latest(CoordinatorMetrics(srv.watch).registry).decode()
+            assert 'trainguard_node_daemons{verdict="silent"} 1.0' in text  # "bad" went silent
+            assert srv.core.silent_daemons() == ["bad"] and "ok" not in srv.core.state.cordoned
+    finally:
+        srv.stop(0)
