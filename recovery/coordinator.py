@@ -53,7 +53,7 @@ from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
 from trainguard.recovery.spec import JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
-from trainguard.recovery.straggler import ReplaceDecision
+from trainguard.recovery.straggler import ReplaceDecision, WindowSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -544,7 +544,11 @@ class JobCoordinator:
                                            f"{self.spec.job!r} is at generation {st.generation}: stop those workers")
             self._record_beat(m, req, now)
             self._advance()
-            return self._failslow_reply(self._command(m))
+            reply = self._failslow_reply(self._command(m))
+            window = self._failslow.pop_window()
+        if window is not None:  # a fail-slow window closed: scored without the lock (~1 s at 16k ranks)
+            self._failslow_score(window)
+        return reply
 
     def add_heartbeat_observer(self, observer: Callable[[Beat, float], None]) -> None:
         """Calls ``observer(beat, now_s)`` for every accepted heartbeat (e.g. straggler detection).
@@ -582,8 +586,7 @@ class JobCoordinator:
             self._apply(Progressed(req.last_step))
         for observe in self._beat_observers:
             observe(req, now)
-        self._failslow_apply(self._failslow.on_heartbeat(req, self._policy.state.generation, now,
-                                                         lambda: len(self._candidates(now))), now)
+        self._failslow_apply(self._failslow.on_beat(req, self._policy.state.generation, now), now)
 
     def _command(self, m: Member) -> HeartbeatReply:
         st = self._policy.state
@@ -760,6 +763,16 @@ class JobCoordinator:
         if findings is None and stacks is None:
             return reply
         return HeartbeatReply(replace(reply.response, failslow=findings, stacks=stacks), reply.durable)
+
+    def _failslow_score(self, window: WindowSnapshot) -> None:
+        """Scores a closed fail-slow window WITHOUT the lock, then applies its findings under it (the
+        supervisor drops them when the generation changed meanwhile)."""
+        result = self._failslow.score(window)
+        if result is None:
+            return
+        with self._lock:
+            now = self._clock()
+            self._failslow_apply(self._failslow.apply_window(result, now, lambda: len(self._candidates(now))), now)
 
     def _failslow_apply(self, d: ReplaceDecision | None, now: float) -> None:
         """Replaces a slow (or repeatedly hanging) node with a spare as a node-level failure of that node: the

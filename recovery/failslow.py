@@ -34,7 +34,8 @@ from typing import Protocol
 from trainguard.recovery.domain import Beat, FailSlowStatus, FaultReport, HangFinding, SlowRank, StackAsk
 from trainguard.recovery.errors import InvalidRequestError
 from trainguard.recovery.hang_locator import HangCollection, Localisation, localise
-from trainguard.recovery.straggler import ReplaceDecision, ReplacePolicy, StragglerConfig, StragglerDetector, Timing
+from trainguard.recovery.straggler import (ReplaceDecision, ReplacePolicy, StragglerConfig, StragglerDetector, Timing,
+                                           WindowResult, WindowSnapshot)
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +121,13 @@ class FailSlowSupervisor:
         self._status: FailSlowStatus | None = None
         self._action = ""
         self._wall_of: dict[float, float] = {}
+        self._window: WindowSnapshot | None = None  # closed under the coordinator's lock, scored outside it
 
     # -- heartbeats ------------------------------------------------------------------------------------------
     def on_heartbeat(self, req: Beat, generation: int, now: float,
                      spares: Callable[[], int]) -> ReplaceDecision | None:
-        """Feeds one heartbeat's timing; may return a replacement the coordinator should apply.
+        """Feeds one heartbeat's timing and scores a window that closed, all at once (for callers whose lock may
+        be held that long; the coordinator uses :meth:`on_beat`, :meth:`score` and :meth:`apply_window`).
 
         Args:
             req: the heartbeat (validated).
@@ -132,27 +135,64 @@ class FailSlowSupervisor:
             now: coordinator clock, seconds.
             spares: counts the spare nodes available now (called only when a slow node is up for replacement).
         """
-        decision = None
+        decision = self.on_beat(req, generation, now)
+        snap = self.pop_window()
+        if snap is not None:
+            result = self.score(snap)
+            if result is not None:
+                decision = self.apply_window(result, now, spares) or decision
+        return decision
+
+    def on_beat(self, req: Beat, generation: int, now: float) -> ReplaceDecision | None:
+        """The cheap part of a heartbeat (call under the coordinator's lock): measures a pending replacement's
+        cost, adds the beat's timing to the open window (a window that closes waits in :meth:`pop_window`),
+        and closes a hang collection that is due; returns a replacement that collection decided, or None."""
         if req.generation == generation:
             cost = self.policy.progress(generation, req.last_step, now)
             if cost is not None:
                 log.warning("fail-slow: a node-level restart cost %.1f s (decision to the job back at its step)",
                             cost)
-            timings = [Timing(t.rank, req.node_id, t.step, t.step_s, t.wait_s, t.compute_s, t.steps)
-                       for t in req.timings]
-            result = self.detector.observe(generation, timings, now) if timings else None
-            if result is not None:
-                self._status = None
-                for f in result.newly_flagged:
-                    what = f"rank {f.rank} on node {f.node_id}" if f.rank >= 0 else f"node {f.node_id}"
-                    log.warning("fail-slow: %s is a straggler: own work %.2fx the others' median, the job loses "
-                                "%.0f ms per %.0f ms step", what, f.ratio, f.excess_s * 1000, result.job_step_s * 1000)
-                    self._wall_of[f.since] = self._wall()
-                if result.slow_nodes:
-                    decision = self.policy.decide(result, now, spares())
-                    if decision is None and not self._action.startswith("replace"):
-                        self._action = "report"
-        return decision or self._maybe_finish(now)
+            if req.timings:
+                timings = [Timing(t.rank, req.node_id, t.step, t.step_s, t.wait_s, t.compute_s, t.steps)
+                           for t in req.timings]
+                snap = self.detector.collect(generation, timings, now)
+                if snap is not None:
+                    self._window = snap
+        return self._maybe_finish(now)
+
+    def pop_window(self) -> WindowSnapshot | None:
+        """The window that closed since the last call, to :meth:`score` (outside the coordinator's lock)."""
+        snap, self._window = self._window, None
+        return snap
+
+    def score(self, snap: WindowSnapshot) -> WindowResult | None:
+        """Scores a closed window; needs no outside lock (None: stale, a new generation began since)."""
+        return self.detector.score(snap)
+
+    def apply_window(self, result: WindowResult, now: float, spares: Callable[[], int]) -> ReplaceDecision | None:
+        """Takes a scored window's findings (call under the coordinator's lock): logs new flags, refreshes the
+        status, and asks the replace policy about a slow node. A result from before a reset (its generation
+        ended while it was scored) is dropped.
+
+        Args:
+            result: from :meth:`score`.
+            now: coordinator clock, seconds.
+            spares: counts the spare nodes available now.
+        """
+        if not self.detector.is_current(result):
+            return None
+        self._status = None
+        for f in result.newly_flagged:
+            what = f"rank {f.rank} on node {f.node_id}" if f.rank >= 0 else f"node {f.node_id}"
+            log.warning("fail-slow: %s is a straggler: own work %.2fx the others' median, the job loses "
+                        "%.0f ms per %.0f ms step", what, f.ratio, f.excess_s * 1000, result.job_step_s * 1000)
+            self._wall_of[f.since] = self._wall()
+        decision = None
+        if result.slow_nodes:
+            decision = self.policy.decide(result, now, spares())
+            if decision is None and not self._action.startswith("replace"):
+                self._action = "report"
+        return decision
 
     def applied(self, decision: ReplaceDecision, now: float, step: int, generation: int) -> None:
         """The coordinator replaced ``decision.node_id`` (cost measurement and cooldown start)."""

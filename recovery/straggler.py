@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import math
 import statistics
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 from dataclasses import dataclass, field
@@ -164,6 +165,28 @@ class SlowFinding:
 
 
 @dataclass(frozen=True)
+class WindowSnapshot:
+    """A closed window's samples, taken under the caller's lock and scored outside it (:meth:`StragglerDetector.
+    score`).
+
+    Attributes:
+        epoch: the detector's epoch when the window closed (a reset in between makes the scores stale).
+        seq: the window's number within the detector (an older window scored late is dropped).
+        generation: the job generation of the samples.
+        time: when the window closed, seconds.
+        samples: rank -> the summaries of the window.
+        node_of: rank -> node id.
+    """
+
+    epoch: int
+    seq: int
+    generation: int
+    time: float
+    samples: Mapping[int, list[Timing]]
+    node_of: Mapping[int, str]
+
+
+@dataclass(frozen=True)
 class WindowResult:
     """What one closed window found."""
 
@@ -175,6 +198,8 @@ class WindowResult:
     slow_ranks: tuple[SlowFinding, ...]
     slow_nodes: tuple[SlowFinding, ...]
     newly_flagged: tuple[SlowFinding, ...] = ()
+    generation: int = -1
+    epoch: int = 0
 
 
 #: First windows of a rank left out of its baseline (start-up: imports, allocator warm-up, first restore).
@@ -235,10 +260,33 @@ class StragglerDetector:
         self._windows_seen: dict[int, int] = {}
         self.generation = -1
         self.last: WindowResult | None = None
+        # Scoring may run outside the caller's lock (collect() under it, score() after): ``_state_lock`` guards
+        # the epoch and the flag tracks against a concurrent reset(); ``_score_lock`` runs one scoring at a time
+        # (the baselines and tracks belong to it).
+        self._state_lock = threading.Lock()
+        self._score_lock = threading.Lock()
+        self._epoch = 0
+        self._seq = 0
+        self._scored_seq = 0
 
     # -- input -----------------------------------------------------------------------------------------------
     def observe(self, generation: int, timings: Iterable[Timing], now: float) -> WindowResult | None:
-        """Adds heartbeat summaries; closes the window when it is due.
+        """Adds heartbeat summaries; closes and scores the window when it is due (:meth:`collect` then
+        :meth:`score`, for a caller with no lock to keep short).
+
+        Args:
+            generation: the job generation the summaries belong to (older ones are ignored).
+            timings: summaries from one heartbeat.
+            now: current time, seconds (any monotonic clock).
+
+        Returns:
+            The closed window's result, or None when no window closed.
+        """
+        snap = self.collect(generation, timings, now)
+        return self.score(snap) if snap is not None else None
+
+    def collect(self, generation: int, timings: Iterable[Timing], now: float) -> WindowSnapshot | None:
+        """Adds heartbeat summaries; when the window is due, detaches its samples (cheap: no scoring).
 
         A new generation (a restart) starts fresh windows and flags: the ranks may sit on other nodes now.
 
@@ -248,7 +296,7 @@ class StragglerDetector:
             now: current time, seconds (any monotonic clock).
 
         Returns:
-            The closed window's result, or None when no window closed.
+            The closed window to :meth:`score` (possibly outside the caller's lock), or None.
         """
         if generation < self.generation:
             return None
@@ -265,13 +313,15 @@ class StragglerDetector:
 
     def reset(self, generation: int) -> None:
         """Forgets windows and flags (kept: individual baselines, which belong to the ranks' history)."""
-        self.generation = generation
-        self._window_start = None
-        self._samples.clear()
-        self._node_of.clear()
-        self._ranks.clear()
-        self._nodes.clear()
-        self.last = None
+        with self._state_lock:
+            self._epoch += 1
+            self.generation = generation
+            self._window_start = None
+            self._samples = {}
+            self._node_of = {}
+            self._ranks = {}  # new objects: a scoring still running on the old ones cannot touch these
+            self._nodes = {}
+            self.last = None
 
     def _maybe_close(self, now: float) -> WindowResult | None:
         cfg = self.config
@@ -283,11 +333,38 @@ class StragglerDetector:
             return None
         samples, self._samples = self._samples, {}
         self._window_start = now
-        return self._score(now, {r: ts for r, ts in samples.items() if counts[r] >= 1})
+        self._seq += 1
+        return WindowSnapshot(self._epoch, self._seq, self.generation, now,
+                              {r: ts for r, ts in samples.items() if counts[r] >= 1}, dict(self._node_of))
 
     # -- scoring ---------------------------------------------------------------------------------------------
-    def _score(self, now: float, samples: Mapping[int, list[Timing]]) -> WindowResult:
+    def score(self, snap: WindowSnapshot) -> WindowResult | None:
+        """Scores a closed window (thread-safe; needs no outside lock).
+
+        Returns:
+            The result (also kept as :attr:`last`), or None when the window went stale: the detector was reset
+            (a new generation) since it closed, or a newer window was scored first.
+        """
+        with self._score_lock:
+            with self._state_lock:
+                if snap.epoch != self._epoch or snap.seq <= self._scored_seq:
+                    return None
+                ranks, nodes = self._ranks, self._nodes
+            result = self._score(snap, ranks, nodes)
+            with self._state_lock:
+                if snap.epoch != self._epoch:
+                    return None
+                self._scored_seq = snap.seq
+                self.last = result
+            return result
+
+    def is_current(self, result: WindowResult) -> bool:
+        """Whether ``result`` still belongs to the detector's epoch (no reset since it was scored)."""
+        return result.epoch == self._epoch
+
+    def _score(self, snap: WindowSnapshot, ranks: dict[int, _Track], nodes: dict[str, _Track]) -> WindowResult:
         cfg = self.config
+        now, samples, node_of = snap.time, snap.samples, snap.node_of
         step = {r: _median(t.step_s for t in ts) for r, ts in samples.items()}
         own = {r: _median(t.compute_s for t in ts if t.compute_s >= 0) for r, ts in samples.items()}
         own = {r: v for r, v in own.items() if not math.isnan(v)}
@@ -310,27 +387,26 @@ class StragglerDetector:
         ratios, excess = _relative_to_others(own)
         node_own: dict[str, list[float]] = {}
         for r, v in own.items():
-            node_own.setdefault(self._node_of.get(r, "?"), []).append(v)
+            node_own.setdefault(node_of.get(r, "?"), []).append(v)
         node_med = {n: _median(vs) for n, vs in node_own.items()}
         node_ratios, node_excess = _relative_to_others(node_med)
 
         newly: list[SlowFinding] = []
         floor = cfg.min_excess * job_step if job_step == job_step else 0.0
         for r, ratio in ratios.items():
-            tr = self._ranks.setdefault(r, _Track())
+            tr = ranks.setdefault(r, _Track())
             if self._advance(tr, ratio, excess[r], basis, now, floor):
-                newly.append(self._finding(r, self._node_of.get(r, "?"), tr))
+                newly.append(self._finding(r, node_of.get(r, "?"), tr, node_of))
         for n, ratio in node_ratios.items():
-            tr = self._nodes.setdefault(n, _Track())
+            tr = nodes.setdefault(n, _Track())
             if self._advance(tr, ratio, node_excess[n], basis, now, floor):
-                newly.append(self._finding(-1, n, tr))
-        slow_ranks = tuple(sorted((self._finding(r, self._node_of.get(r, "?"), tr) for r, tr in self._ranks.items()
+                newly.append(self._finding(-1, n, tr, node_of))
+        slow_ranks = tuple(sorted((self._finding(r, node_of.get(r, "?"), tr, node_of) for r, tr in ranks.items()
                                    if tr.state is FlagState.SLOW), key=lambda f: -f.ratio))
-        slow_nodes = tuple(sorted((self._finding(-1, n, tr) for n, tr in self._nodes.items()
+        slow_nodes = tuple(sorted((self._finding(-1, n, tr, node_of) for n, tr in nodes.items()
                                    if tr.state is FlagState.SLOW), key=lambda f: -f.ratio))
-        self.last = WindowResult(now, job_step, job_slowdown, ratios, node_ratios, slow_ranks, slow_nodes,
-                                 tuple(newly))
-        return self.last
+        return WindowResult(now, job_step, job_slowdown, ratios, node_ratios, slow_ranks, slow_nodes,
+                            tuple(newly), snap.generation, snap.epoch)
 
     def _advance(self, tr: _Track, ratio: float, excess: float, basis: str, now: float, floor: float) -> bool:
         """Moves one track through :data:`TRANSITIONS`; True when it just became SLOW."""
@@ -351,9 +427,9 @@ class StragglerDetector:
             return True
         return False
 
-    def _finding(self, rank: int, node: str, tr: _Track) -> SlowFinding:
+    def _finding(self, rank: int, node: str, tr: _Track, node_of: Mapping[int, str]) -> SlowFinding:
         ind = self._individual.get(rank, 1.0) if rank >= 0 else _median(
-            self._individual.get(r, 1.0) for r, n in self._node_of.items() if n == node)
+            self._individual.get(r, 1.0) for r, n in node_of.items() if n == node)
         return SlowFinding(rank, node, tr.ratio, tr.excess_s, tr.since, tr.basis, ind)
 
     # -- views -----------------------------------------------------------------------------------------------

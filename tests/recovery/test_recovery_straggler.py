@@ -196,3 +196,50 @@ def test_leave_one_out_medians_match_the_definition():
             import statistics
 
             assert fast[k] == pytest.approx(statistics.median(v for q, v in vals.items() if q != k))
+
+
+def _window(det: StragglerDetector, t: float, gen: int = 1, own: float = 0.1):
+    """Feeds heartbeats until a window closes; returns (snapshot, time)."""
+    while True:
+        ts = [Timing(r, f"n{r}", 0, 0.2, 0.2 - own, own, 4) for r in range(3)]
+        snap = det.collect(gen, ts, t)
+        t += 0.5
+        if snap is not None:
+            return snap, t
+
+
+def test_a_window_scored_after_a_new_generation_began_is_dropped_not_applied():
+    # The coordinator closes a window under its lock and scores it outside; a restart may come in between.
+    det = StragglerDetector(StragglerConfig(window_s=2.0))
+    snap, t = _window(det, 0.0)
+    assert snap.generation == 1 and set(snap.samples) == {0, 1, 2}
+    det.collect(2, [], t)  # generation 2 starts (reset) before the generation-1 window is scored
+    assert det.score(snap) is None and det.last is None
+    snap2, t = _window(det, t, gen=2)
+    res = det.score(snap2)
+    assert res is not None and res.generation == 2 and det.is_current(res) and det.last is res
+
+
+def test_an_older_window_scored_after_a_newer_one_is_dropped():
+    det = StragglerDetector(StragglerConfig(window_s=2.0))
+    older, t = _window(det, 0.0)
+    newer, t = _window(det, t)
+    assert newer.seq == older.seq + 1
+    assert det.score(newer) is not None
+    assert det.score(older) is None, "a late, older window must not overwrite the newer findings"
+
+
+def test_collect_then_score_gives_the_same_findings_as_observe():
+    cfg = StragglerConfig(window_s=2.0, persist_windows=3)
+    a, b = StragglerDetector(cfg), StragglerDetector(cfg)
+    last_a = last_b = None
+    t = 0.0
+    for i in range(80):
+        own = {0: 0.1, 1: 0.1, 2: 0.3 if i > 30 else 0.1}
+        ts = [Timing(r, f"n{r}", i, 0.3, 0.3 - v, v, 4) for r, v in own.items()]
+        last_a = a.observe(1, ts, t) or last_a
+        snap = b.collect(1, ts, t)
+        last_b = (b.score(snap) if snap else None) or last_b
+        t += 0.5
+    assert [f.rank for f in last_a.slow_ranks] == [f.rank for f in last_b.slow_ranks] == [2]
+    assert last_a.ratios == last_b.ratios
