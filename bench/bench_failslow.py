@@ -3,6 +3,12 @@ localisation accuracy, each against its baseline measured in the same run.
 
     python bench/bench_failslow.py overhead [--blocks 40]        # sections + step_done vs a bare loop
     python bench/bench_failslow.py drills [--soak-s 120] [--hang-rounds 3] [--out FILE]
+    python bench/bench_failslow.py lock [--ranks 16384] [--ranks-per-node 8] [--windows 4]
+
+``lock`` drives a real :class:`~trainguard.recovery.coordinator.JobCoordinator` (in process, simulated clock,
+memory store) with the heartbeats of ``--ranks`` ranks and times how long each call holds the coordinator's
+lock: the window-closing heartbeat with scoring inside the lock (before; the same class with the whole call
+under its lock) against scoring after it (now), plus the scoring time itself (still paid, off the lock).
 
 ``overhead`` runs one worker under ``trainguard run`` (a real agent receiving every heartbeat). The worker
 alternates blocks of 20 steps of a small MLP: bare (no hook call at all) and hooked (five ``session.section``
@@ -196,6 +202,131 @@ def drills(soak_s: float, hang_rounds: int, link_rate: str) -> dict:
     return doc
 
 
+class _TimedLock:
+    """An RLock that records how long each outermost hold lasted (seconds)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._t0 = 0.0
+        self.holds: list[float] = []
+
+    def acquire(self, *a, **kw) -> bool:
+        ok = self._lock.acquire(*a, **kw)
+        if ok:
+            self._depth += 1
+            if self._depth == 1:
+                self._t0 = time.perf_counter()
+        return ok
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.holds.append(time.perf_counter() - self._t0)
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def lock_hold(ranks: int, per_node: int, windows: int) -> dict:
+    """Lock hold time of heartbeats at ``ranks`` ranks, window scoring inside the lock (before) vs outside (now).
+
+    Every node beats once per simulated 0.25 s with its ranks' timing; one rank is 2x slow so the windows have
+    something to find. Reported: the longest hold of the heartbeat that closes a window, the median hold of the
+    others, and the scoring time of a window measured on its own.
+    """
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.domain import Beat, Command, NodeRecord, RankTiming
+    from trainguard.recovery.spec import JobSpec
+    from trainguard.recovery.store import MemoryStore
+    from trainguard.recovery.straggler import StragglerConfig
+
+    class LockedScoring(JobCoordinator):
+        """The coordinator as it was: the whole heartbeat, window scoring included, under the lock."""
+
+        def heartbeat(self, req):  # noqa: D102
+            with self._lock:
+                return super().heartbeat(req)
+
+    nodes = ranks // per_node
+    out: dict = {"ranks": ranks, "nodes": nodes, "ranks_per_node": per_node}
+    for name, cls in (("before_scoring_under_lock", LockedScoring), ("now_scoring_off_lock", JobCoordinator)):
+        clock = [0.0]
+        core = cls(JobSpec(job="bench", nnodes=nodes, heartbeat_interval_s=0.25, lease_timeout_s=3600,
+                           failslow=StragglerConfig(window_s=2.0)), store=MemoryStore(), clock=lambda: clock[0])
+        lock = _TimedLock()
+        core._lock = lock  # noqa: SLF001 - instrument the real lock
+        names = [f"n{i}" for i in range(nodes)]
+        lease = {n: core.register("bench", NodeRecord(n, "p", i, n, per_node, "127.0.0.1"), 20000 + i)[0]
+                 for i, n in enumerate(names)}
+        gen = dict.fromkeys(names, -1)
+        step = dict.fromkeys(names, 0)
+        first = {}
+
+        def beat(n: str, timed: bool) -> float:
+            t = ()
+            if timed and gen[n] > 0:
+                step[n] += 2
+                r0 = first[n]
+                t = tuple(RankTiming(r, step[n], 0.2, 0.2 - (0.2 if r == 5 else 0.1), 0.2 if r == 5 else 0.1, 2)
+                          for r in range(r0, r0 + per_node))
+            t0 = time.perf_counter()
+            ins = core.heartbeat(Beat("bench", n, lease[n], gen[n], per_node if gen[n] > 0 else 0, False,
+                                      step[n] if gen[n] > 0 else -1, 0, t)).response
+            dt = time.perf_counter() - t0
+            if ins.command in (Command.START, Command.RESTART):
+                gen[n] = ins.table.generation
+                first[n] = core.layout.slot_of(n).first_rank
+            return dt
+
+        for _ in range(2):
+            for n in names:
+                beat(n, False)
+        assert all(g == 1 for g in gen.values()), "the bench job did not form"
+        lock.holds.clear()
+        closing: list[float] = []
+        other: list[float] = []
+        while core._failslow.detector._seq < windows + 1:  # noqa: SLF001 - count windows closed
+            clock[0] += 0.25
+            for n in names:
+                seq = core._failslow.detector._seq  # noqa: SLF001
+                n_holds = len(lock.holds)
+                beat(n, True)
+                holds = lock.holds[n_holds:]
+                (closing if core._failslow.detector._seq != seq else other).append(max(holds))  # noqa: SLF001
+        det = core._failslow.detector  # noqa: SLF001
+        row = {"window_closing_hold_max_s": max(closing[1:] or closing),
+               "window_closing_hold_median_s": statistics.median(closing[1:] or closing),
+               "other_hold_median_s": statistics.median(other), "windows": len(closing),
+               "slow_found": [f.rank for f in (det.last.slow_ranks if det.last else ())]}
+        out[name] = row
+        print(f"{name}: window-closing heartbeat holds the lock {1000 * row['window_closing_hold_median_s']:.1f} ms "
+              f"(max {1000 * row['window_closing_hold_max_s']:.1f}); other heartbeats {1e6 * row['other_hold_median_s']:.0f} us")
+    # Scoring alone (the work moved off the lock), on one window's worth of samples.
+    from trainguard.recovery.straggler import StragglerDetector, Timing
+
+    det = StragglerDetector(StragglerConfig(window_s=2.0))
+    t = 0.0
+    snap = None
+    while snap is None:
+        snap = det.collect(1, [Timing(r, f"n{r // per_node}", 0, 0.2, 0.1, 0.1, 2) for r in range(ranks)], t)
+        t += 0.25
+    t0 = time.perf_counter()
+    det.score(snap)
+    out["scoring_s"] = time.perf_counter() - t0
+    b, a = out["before_scoring_under_lock"], out["now_scoring_off_lock"]
+    out["hold_ratio_before_over_now"] = b["window_closing_hold_median_s"] / a["window_closing_hold_median_s"]
+    print(f"{ranks} ranks: window-closing lock hold {1000 * b['window_closing_hold_median_s']:.1f} ms -> "
+          f"{1000 * a['window_closing_hold_median_s']:.1f} ms ({out['hold_ratio_before_over_now']:.0f}x less); "
+          f"the scoring itself, now off the lock: {1000 * out['scoring_s']:.0f} ms per window")
+    return out
+
+
 def ettr(detect_s: float, components: list[str] | None, gpus: int, episode_h: float) -> dict:
     """The ETTR model with its fail-slow term: trainguard (measured detection, node replacement) against the
     baseline (no detection: the job runs at the straggler's pace until someone notices), StepFun trace and
@@ -247,6 +378,11 @@ def main() -> None:
     d.add_argument("--hang-rounds", type=int, default=3)
     d.add_argument("--link-rate", default="40mbit", help="tbf rate of the slow-link drill ('' skips it; needs netns)")
     d.add_argument("--out", default=None)
+    lk = sub.add_parser("lock")
+    lk.add_argument("--ranks", type=int, default=16_384)
+    lk.add_argument("--ranks-per-node", type=int, default=8)
+    lk.add_argument("--windows", type=int, default=4)
+    lk.add_argument("--out", default=None)
     e = sub.add_parser("ettr")
     e.add_argument("--detect-s", type=float, default=10.0, help="measured straggler detection time, seconds")
     e.add_argument("--components", action="append", default=None, help="measured component JSON (repeatable)")
@@ -259,6 +395,8 @@ def main() -> None:
         return
     if args.cmd == "overhead":
         doc = overhead(args.blocks)
+    elif args.cmd == "lock":
+        doc = lock_hold(args.ranks, args.ranks_per_node, args.windows)
     elif args.cmd == "ettr":
         doc = ettr(args.detect_s, args.components, args.gpus, args.episode_h)
     else:

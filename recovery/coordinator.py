@@ -544,7 +544,7 @@ class JobCoordinator:
                                            f"{self.spec.job!r} is at generation {st.generation}: stop those workers")
             self._record_beat(m, req, now)
             self._advance()
-            reply = self._failslow_reply(self._command(m))
+            reply = self._failslow_reply(self._command(m), m.info.node_id)
             window = self._failslow.pop_window()
         if window is not None:  # a fail-slow window closed: scored without the lock (~1 s at 16k ranks)
             self._failslow_score(window)
@@ -586,7 +586,8 @@ class JobCoordinator:
             self._apply(Progressed(req.last_step))
         for observe in self._beat_observers:
             observe(req, now)
-        self._failslow_apply(self._failslow.on_beat(req, self._policy.state.generation, now), now)
+        self._failslow_apply(self._failslow.on_beat(req, self._policy.state.generation, now,
+                                                    lambda: len(self._candidates(now))), now)
 
     def _command(self, m: Member) -> HeartbeatReply:
         st = self._policy.state
@@ -756,13 +757,15 @@ class JobCoordinator:
         self._failslow_apply(out.replace, now)
         return out.message if out.handled else None
 
-    def _failslow_reply(self, reply: HeartbeatReply) -> HeartbeatReply:
-        """Adds fail-slow's findings and an open stack request to a heartbeat reply (the service puts them on the
-        wire; a START shared by every node is rebuilt there only when they change)."""
+    def _failslow_reply(self, reply: HeartbeatReply, node_id: str = "") -> HeartbeatReply:
+        """Adds fail-slow's findings, an open stack request and the node's link probe to a heartbeat reply (the
+        service puts them on the wire; a START shared by every node is rebuilt there only when they change)."""
         findings, stacks = self._failslow.reply_findings(), self._failslow.stack_request()
-        if findings is None and stacks is None:
+        probes = self._failslow.link_asks(node_id) if node_id else ()
+        if findings is None and stacks is None and not probes:
             return reply
-        return HeartbeatReply(replace(reply.response, failslow=findings, stacks=stacks), reply.durable)
+        return HeartbeatReply(replace(reply.response, failslow=findings, stacks=stacks, link_probes=probes),
+                              reply.durable)
 
     def _failslow_score(self, window: WindowSnapshot) -> None:
         """Scores a closed fail-slow window WITHOUT the lock, then applies its findings under it (the
@@ -772,7 +775,14 @@ class JobCoordinator:
             return
         with self._lock:
             now = self._clock()
-            self._failslow_apply(self._failslow.apply_window(result, now, lambda: len(self._candidates(now))), now)
+            self._failslow_apply(self._failslow.apply_window(result, now, lambda: len(self._candidates(now)),
+                                                             self._slot_addresses), now)
+
+    def _slot_addresses(self) -> dict[str, str]:
+        """Node -> address of the current generation's slot holders (the nodes a link probe pairs)."""
+        lay = self._layout
+        return {s.node_id: self._members[s.node_id].info.address for s in lay.slots
+                if s.node_id in self._members} if lay is not None else {}
 
     def _failslow_apply(self, d: ReplaceDecision | None, now: float) -> None:
         """Replaces a slow (or repeatedly hanging) node with a spare as a node-level failure of that node: the

@@ -28,14 +28,16 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from trainguard.recovery.domain import Beat, FailSlowStatus, FaultReport, HangFinding, SlowRank, StackAsk
+from trainguard.recovery.domain import (Beat, FailSlowStatus, FaultReport, HangFinding, LinkProbeAsk, SlowRank,
+                                        StackAsk)
 from trainguard.recovery.errors import InvalidRequestError
 from trainguard.recovery.hang_locator import HangCollection, Localisation, localise
-from trainguard.recovery.straggler import (ReplaceDecision, ReplacePolicy, StragglerConfig, StragglerDetector, Timing,
-                                           WindowResult, WindowSnapshot)
+from trainguard.recovery.link_locator import LinkFinding, LinkLocator
+from trainguard.recovery.straggler import (ReplaceDecision, ReplacePolicy, SlowFinding, StragglerConfig,
+                                           StragglerDetector, Timing, WindowResult, WindowSnapshot)
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,11 @@ class FailSlowSupervisor:
         self._action = ""
         self._wall_of: dict[float, float] = {}
         self._window: WindowSnapshot | None = None  # closed under the coordinator's lock, scored outside it
+        # Slow links: probe ports the nodes announce, the locator, the generation its campaign belongs to.
+        self.links = LinkLocator(self.config.link)
+        self._probe_ports: dict[str, int] = {}
+        self._link_generation = -1
+        self._link_since_wall = 0.0
 
     # -- heartbeats ------------------------------------------------------------------------------------------
     def on_heartbeat(self, req: Beat, generation: int, now: float,
@@ -135,7 +142,7 @@ class FailSlowSupervisor:
             now: coordinator clock, seconds.
             spares: counts the spare nodes available now (called only when a slow node is up for replacement).
         """
-        decision = self.on_beat(req, generation, now)
+        decision = self.on_beat(req, generation, now, spares)
         snap = self.pop_window()
         if snap is not None:
             result = self.score(snap)
@@ -143,10 +150,13 @@ class FailSlowSupervisor:
                 decision = self.apply_window(result, now, spares) or decision
         return decision
 
-    def on_beat(self, req: Beat, generation: int, now: float) -> ReplaceDecision | None:
+    def on_beat(self, req: Beat, generation: int, now: float,
+                spares: Callable[[], int] | None = None) -> ReplaceDecision | None:
         """The cheap part of a heartbeat (call under the coordinator's lock): measures a pending replacement's
         cost, adds the beat's timing to the open window (a window that closes waits in :meth:`pop_window`),
-        and closes a hang collection that is due; returns a replacement that collection decided, or None."""
+        takes link-probe results, and closes a hang collection that is due; returns a replacement that a hang
+        collection or a link probe decided, or None."""
+        link_decision = self._on_link_beat(req, generation, now, spares)
         if req.generation == generation:
             cost = self.policy.progress(generation, req.last_step, now)
             if cost is not None:
@@ -158,7 +168,53 @@ class FailSlowSupervisor:
                 snap = self.detector.collect(generation, timings, now)
                 if snap is not None:
                     self._window = snap
-        return self._maybe_finish(now)
+        return self._maybe_finish(now) or link_decision
+
+    # -- slow links ------------------------------------------------------------------------------------------
+    def _on_link_beat(self, req: Beat, generation: int, now: float,
+                      spares: Callable[[], int] | None) -> ReplaceDecision | None:
+        if req.link_probe_port > 0:
+            self._probe_ports[req.node_id] = req.link_probe_port
+        if generation != self._link_generation:
+            self._link_generation = generation
+            self.links.abort()
+        before = self.links.last_outcome
+        finding = self.links.on_results(req.link_results, now) if req.link_results else self.links.tick(now)
+        if self.links.last_outcome != before:
+            self._status = None
+        if finding is None:
+            return None
+        self._link_since_wall = self._wall()
+        log.warning("fail-slow: %s", self.links.last_outcome)
+        return self._link_decision(now, spares)
+
+    def _link_decision(self, now: float, spares: Callable[[], int] | None) -> ReplaceDecision | None:
+        """Asks the replace policy about the node a link probe named (valued at the job's slowdown)."""
+        f, res = self.links.finding, self.detector.last
+        if f is None or res is None or spares is None or not res.job_step_s > 0 or not res.job_slowdown > 1:
+            return None
+        if not self._action.startswith("replace"):
+            self._action = "report"
+        excess = res.job_step_s * (1.0 - 1.0 / res.job_slowdown)
+        node = SlowFinding(-1, f.node_id, f.ratio, excess, f.since, "link", res.job_slowdown)
+        view = WindowResult(now, res.job_step_s, res.job_slowdown, {}, {}, (), (node,), (), res.generation,
+                            res.epoch)
+        d = self.policy.decide(view, now, spares())
+        if d is None:
+            return None
+        return ReplaceDecision(d.node_id, f"slow links on node {f.node_id}: {self.links.last_outcome}; the job runs "
+                                          f"{res.job_slowdown:.1f}x slower than its baseline; replacing saves "
+                                          f"~{d.saved_s:.0f} s against a restart cost of {d.cost_s:.1f} s",
+                               d.saved_s, d.cost_s)
+
+    def link_asks(self, node_id: str) -> tuple[LinkProbeAsk, ...]:
+        """The link probe ``node_id`` should run now (for its heartbeat reply)."""
+        return self.links.asks_for(node_id)
+
+    @property
+    def link_finding(self) -> LinkFinding | None:
+        """The node the last link probe named, while the job stays slow."""
+        return self.links.finding
 
     def pop_window(self) -> WindowSnapshot | None:
         """The window that closed since the last call, to :meth:`score` (outside the coordinator's lock)."""
@@ -169,7 +225,8 @@ class FailSlowSupervisor:
         """Scores a closed window; needs no outside lock (None: stale, a new generation began since)."""
         return self.detector.score(snap)
 
-    def apply_window(self, result: WindowResult, now: float, spares: Callable[[], int]) -> ReplaceDecision | None:
+    def apply_window(self, result: WindowResult, now: float, spares: Callable[[], int],
+                     addresses: Callable[[], Mapping[str, str]] | None = None) -> ReplaceDecision | None:
         """Takes a scored window's findings (call under the coordinator's lock): logs new flags, refreshes the
         status, and asks the replace policy about a slow node. A result from before a reset (its generation
         ended while it was scored) is dropped.
@@ -178,6 +235,7 @@ class FailSlowSupervisor:
             result: from :meth:`score`.
             now: coordinator clock, seconds.
             spares: counts the spare nodes available now.
+            addresses: node -> address of the nodes holding ranks now (for link probes; None: no probing).
         """
         if not self.detector.is_current(result):
             return None
@@ -192,11 +250,21 @@ class FailSlowSupervisor:
             decision = self.policy.decide(result, now, spares())
             if decision is None and not self._action.startswith("replace"):
                 self._action = "report"
+        if addresses is not None:
+            addr = addresses()
+            f = self.links.finding
+            if f is not None and f.node_id not in addr:
+                self.links.forget(f.node_id)  # replaced: it holds no ranks now
+            endpoints = {n: (a, self._probe_ports.get(n, 0)) for n, a in addr.items()}
+            self.links.on_window(result.job_slowdown, bool(result.slow_ranks or result.slow_nodes), endpoints, now)
+            if decision is None and self.links.finding is not None and not result.slow_nodes:
+                decision = self._link_decision(now, spares)
         return decision
 
     def applied(self, decision: ReplaceDecision, now: float, step: int, generation: int) -> None:
         """The coordinator replaced ``decision.node_id`` (cost measurement and cooldown start)."""
         self.policy.applied(decision, now, step, generation)
+        self.links.forget(decision.node_id)
         self._action = f"replace {decision.node_id}"
         self._status = None
         log.warning("fail-slow: replacing node %s: %s", decision.node_id, decision.detail)
@@ -275,17 +343,28 @@ class FailSlowSupervisor:
         if res is not None:
             slow = tuple(SlowRank(f.rank, f.node_id, f.ratio, f.excess_s, self._wall_of.get(f.since, 0.0), f.basis,
                                   f.individual) for f in res.slow_ranks[: self.config.max_listed])
+            lf = self.links.finding
+            if lf is not None:
+                excess = res.job_step_s * (1.0 - 1.0 / res.job_slowdown) if res.job_slowdown > 1 else 0.0
+                slow = (SlowRank(-1, lf.node_id, lf.ratio, _finite(excess), self._link_since_wall, "link",
+                                 _finite(res.job_slowdown)),) + slow[: self.config.max_listed - 1]
             action = message = ""
-            if res.slow_ranks or res.slow_nodes:
+            if lf is not None and not (res.slow_ranks or res.slow_nodes):
+                action = self._action or "report"
+                message = (f"slow link: {self.links.last_outcome}; restart cost {self.policy.cost_s:.1f} s "
+                           f"({'measured' if self.policy.measured else 'assumed'})")
+            elif res.slow_ranks or res.slow_nodes:
                 action = self._action or "report"
                 nodes = ", ".join(f"{f.node_id} ({f.ratio:.2f}x)" for f in res.slow_nodes) or "-"
                 message = (f"{len(res.slow_ranks)} slow rank(s); slow node(s): {nodes}; restart cost "
                            f"{self.policy.cost_s:.1f} s ({'measured' if self.policy.measured else 'assumed'})")
             st = FailSlowStatus(slow=slow, job_step_s=_finite(res.job_step_s), job_slowdown=_finite(res.job_slowdown),
-                                action=action, message=message, ranks_observed=len(res.ratios))
+                                action=action, message=message, ranks_observed=len(res.ratios),
+                                link_probe=self.links.last_outcome)
+        elif self.links.last_outcome:
+            st = FailSlowStatus(link_probe=self.links.last_outcome)
         if self._hang is not None and self._hang.ranks_seen:
-            st = FailSlowStatus(st.slow, st.job_step_s, st.job_slowdown, st.action, st.message, self._hang,
-                                st.ranks_observed)
+            st = replace(st, hang=self._hang)
         self._status = st
         return st
 

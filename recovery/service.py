@@ -39,6 +39,7 @@ from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
 from trainguard.recovery import convert
 from trainguard.recovery.coordinator import JobCoordinator
 from trainguard.recovery.failslow import validate_timings
+from trainguard.recovery.link_locator import validate_link_results
 from trainguard.recovery.spec import JOB_NAME_RE, JobSpec
 from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, InvalidRequestError, NotServingError,
                                         RecoveryError, RequestError, SlotTakenError, StaleGenerationError,
@@ -153,6 +154,7 @@ def validate_heartbeat(req: coordinator_pb2.NodeHeartbeatRequest) -> None:
         raise _bad("workers_running", f"is {req.workers_running}; it must be >= 0")
     _check_port("free_port", req.free_port)
     validate_timings(req.timings)
+    validate_link_results(req.link_results, req.link_probe_port)
 
 
 def validate_report(req: coordinator_pb2.ReportEventRequest) -> None:

@@ -38,6 +38,7 @@ from typing import Any
 from dataclasses import dataclass, field
 
 from trainguard.recovery.errors import InvalidRequestError
+from trainguard.recovery.link_locator import LinkProbeConfig
 
 
 class FlagState(enum.Enum):
@@ -84,6 +85,8 @@ class StragglerConfig:
         margin: replace only when the projected saving is at least this multiple of the cost. Default 2.
         cooldown_s: at least this long between two replacements, seconds. Default 300.
         max_listed: slow ranks listed in the status at most. Default 16.
+        link: slow-link localisation (:class:`~trainguard.recovery.link_locator.LinkProbeConfig`): probe the
+            nodes' links when the job slows down with no compute straggler.
     """
 
     slow_ratio: float = 1.3
@@ -100,6 +103,7 @@ class StragglerConfig:
     margin: float = 2.0
     cooldown_s: float = 300.0
     max_listed: int = 16
+    link: LinkProbeConfig = field(default_factory=LinkProbeConfig)
 
     def validate(self) -> None:
         """Checks every field.
@@ -123,6 +127,7 @@ class StragglerConfig:
             raise InvalidRequestError(f"failslow cooldown_s={self.cooldown_s} must be >= 0")
         if self.action not in ("report", "replace"):
             raise InvalidRequestError(f"failslow action={self.action!r}: use 'report' or 'replace'")
+        self.link.validate()
 
 
 @dataclass(frozen=True)
