@@ -48,6 +48,7 @@ from trainguard.agent.generation import (  # noqa: F401 (the env names are re-ex
 )
 from trainguard.agent.node_faults import NodeReportLedger, hardware_cause, hardware_detector_names
 from trainguard.agent.standby import StandbyPool
+from trainguard.agent.link_probe import LinkProber
 from trainguard.agent.step_timing import FailSlowView, TimingRelay, stack_evidence
 from trainguard.agent.workers import WorkerGroup, WorkerState, describe_exit
 from trainguard.detectors.events import Action, HealthEvent, Severity
@@ -220,6 +221,7 @@ class NodeAgent:
         self.timing = TimingRelay()
         self.failslow = FailSlowView(config.node_id)
         self._stack_requests: set[str] = set()
+        self.link_probe = LinkProber(config.address)  # slow-link localisation: listener + probes asked for
 
     # -- state served to workers and operators ---------------------------------------------------------------
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
@@ -465,6 +467,8 @@ class NodeAgent:
                 workers_succeeded=group.all_succeeded() if group is not None else False,
                 free_port=find_free_port(self.config.address),
                 timings=self.timing.drain(),
+                link_probe_port=self.link_probe.port,
+                link_results=self.link_probe.drain(),
             )
         try:
             resp = self._stub.Heartbeat(req, timeout=_RPC_TIMEOUT_S)
@@ -688,6 +692,7 @@ class NodeAgent:
                 self._runner.stop()
             self._stop_workers()
             self._standbys.drop()
+            self.link_probe.close()
             self._channel.close()
             self.stopping = True
             self._resources.cleanup()
@@ -860,6 +865,7 @@ class NodeAgent:
             self._answer_stacks(resp.stacks)
         for ev in self.failslow.update(resp.failslow):
             self.bus.publish(ev)
+        self.link_probe.run(resp.link_probes)
         if resp.HasField("checkpoint"):
             self._relay_checkpoint(resp.checkpoint)
         if cmd in (coordinator_pb2.NODE_COMMAND_START, coordinator_pb2.NODE_COMMAND_RESTART):
