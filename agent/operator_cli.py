@@ -214,7 +214,7 @@ def render_failslow(f: common_pb2.FailSlowStatus) -> list[str]:
         lines += _table(["SLOW RANK", "NODE", "VS OTHERS", "COST/STEP", "VS OWN BASELINE", "BASIS", "SINCE"], rows)
         if f.message:
             lines.append(f.message)
-    if f.link_probe:
+    if f.link_probe and f.link_probe not in f.message:
         lines.append(f"link probe: {f.link_probe}")
     h = f.hang
     if h.ranks_seen:

@@ -88,6 +88,9 @@ class StragglerDrillResult:
     step_after_s: float | None = None
     replaced: bool = False
     replacement_s: float | None = None
+    named_node: str = ""
+    link_probe: str = ""
+    metrics: dict = field(default_factory=dict)
     status_text: str = ""
     slow_listed: list = field(default_factory=list)
     events: list = field(default_factory=list)
@@ -117,8 +120,14 @@ class _Job:
                   str(self.stop_file), *worker_args]
         common = ["--nproc-per-node", str(nproc), "--hang-floor-s", str(hang_floor_s), "--max-restarts", "5",
                   "--failslow-action", action, "--job", self.job]
+        self.metrics_url = ""
         if nodes == 1:
-            self._spawn("run-n0", ["run", "--node-id", "n0", *common, *worker])
+            from trainguard.agent.node import find_free_port
+
+            port = find_free_port("127.0.0.1")
+            self.metrics_url = f"http://127.0.0.1:{port}/metrics"
+            self._spawn("run-n0", ["run", "--node-id", "n0", "--metrics-listen", f"127.0.0.1:{port}", *common,
+                                   *worker])
             return
         port_file = workdir / "coordinator.port"
         host = fabric.coordinator_host if fabric is not None else "127.0.0.1"
@@ -204,6 +213,23 @@ class _Job:
                            text=True, env=self.env, timeout=30)
         return r.stdout
 
+    def failslow_metrics(self) -> dict[str, float]:
+        """The ``trainguard_failslow_*`` samples of the node's ``/metrics`` (single-node drill; {} otherwise)."""
+        if not self.metrics_url:
+            return {}
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return {}
+        return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith("trainguard_failslow_")}
+
     def kill(self) -> None:
         """Kills every process group the drill started (idempotent)."""
         for p in self.procs:
@@ -279,10 +305,10 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         if victim is None:
             raise SoakError(f"rank {cfg.throttle_rank} wrote no pid file: is the world that large?")
         t_inject = time.time()
+        capped = job.node_of_rank(cfg.throttle_rank, cfg.nproc)
         if cfg.link_rate:
-            node = job.node_of_rank(cfg.throttle_rank, cfg.nproc)
-            throttle = LinkRateCap("data0", cfg.link_rate, netns=fabric.nodes[node].netns)
-            progress(f"node {node}'s data link capped at {cfg.link_rate} (tbf)")
+            throttle = LinkRateCap("data0", cfg.link_rate, netns=fabric.nodes[capped].netns)
+            progress(f"node {capped}'s data link capped at {cfg.link_rate} (tbf)")
         else:
             throttle = CpuThrottle(cfg.throttle_fraction)
             throttle.add([victim[0]])
@@ -291,9 +317,14 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         while time.time() < deadline:
             for node in watched:
                 slow = _slow_listed(job.status(node))
-                hit = [s for s in slow if int(s.get("rank", 0)) == cfg.throttle_rank]
+                if cfg.link_rate:  # a slow link is a node finding (rank -1, basis "link")
+                    hit = [s for s in slow if s.get("basis") == "link" and s.get("node_id") == capped]
+                else:
+                    hit = [s for s in slow if int(s.get("rank", 0)) == cfg.throttle_rank]
                 if hit:
                     res.detected, res.detection_s, res.slow_listed = True, time.time() - t_inject, slow
+                    res.named_node = hit[0].get("node_id", "")
+                    res.metrics = job.failslow_metrics()
                     break
             if res.detected:
                 break
@@ -321,6 +352,7 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         st = job.status(watched[0]) or {}
         res.events = [e for e in st.get("recent_events", []) if e.get("source") == "failslow"]
         res.final_status = {n: (job.status(n) or {}).get("failslow", {}) for n in watched}
+        res.link_probe = next((f.get("link_probe", "") for f in res.final_status.values() if f.get("link_probe")), "")
         return res
     finally:
         if throttle is not None:
