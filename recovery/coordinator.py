@@ -586,8 +586,7 @@ class JobCoordinator:
             self._apply(Progressed(req.last_step))
         for observe in self._beat_observers:
             observe(req, now)
-        self._failslow_apply(self._failslow.on_beat(req, self._policy.state.generation, now,
-                                                    lambda: len(self._candidates(now))), now)
+        self._failslow_apply(self._failslow.on_beat(req, self._policy.state.generation, now), now)
 
     def _command(self, m: Member) -> HeartbeatReply:
         st = self._policy.state

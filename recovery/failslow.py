@@ -142,7 +142,7 @@ class FailSlowSupervisor:
             now: coordinator clock, seconds.
             spares: counts the spare nodes available now (called only when a slow node is up for replacement).
         """
-        decision = self.on_beat(req, generation, now, spares)
+        decision = self.on_beat(req, generation, now)
         snap = self.pop_window()
         if snap is not None:
             result = self.score(snap)
@@ -150,13 +150,12 @@ class FailSlowSupervisor:
                 decision = self.apply_window(result, now, spares) or decision
         return decision
 
-    def on_beat(self, req: Beat, generation: int, now: float,
-                spares: Callable[[], int] | None = None) -> ReplaceDecision | None:
+    def on_beat(self, req: Beat, generation: int, now: float) -> ReplaceDecision | None:
         """The cheap part of a heartbeat (call under the coordinator's lock): measures a pending replacement's
         cost, adds the beat's timing to the open window (a window that closes waits in :meth:`pop_window`),
-        takes link-probe results, and closes a hang collection that is due; returns a replacement that a hang
-        collection or a link probe decided, or None."""
-        link_decision = self._on_link_beat(req, generation, now, spares)
+        takes link-probe results, and closes a hang collection that is due; returns a replacement that the hang
+        collection decided, or None."""
+        self._on_link_beat(req, generation, now)
         if req.generation == generation:
             cost = self.policy.progress(generation, req.last_step, now)
             if cost is not None:
@@ -168,11 +167,10 @@ class FailSlowSupervisor:
                 snap = self.detector.collect(generation, timings, now)
                 if snap is not None:
                     self._window = snap
-        return self._maybe_finish(now) or link_decision
+        return self._maybe_finish(now)
 
     # -- slow links ------------------------------------------------------------------------------------------
-    def _on_link_beat(self, req: Beat, generation: int, now: float,
-                      spares: Callable[[], int] | None) -> ReplaceDecision | None:
+    def _on_link_beat(self, req: Beat, generation: int, now: float) -> None:
         if req.link_probe_port > 0:
             self._probe_ports[req.node_id] = req.link_probe_port
         if generation != self._link_generation:
@@ -182,11 +180,11 @@ class FailSlowSupervisor:
         finding = self.links.on_results(req.link_results, now) if req.link_results else self.links.tick(now)
         if self.links.last_outcome != before:
             self._status = None
-        if finding is None:
-            return None
-        self._link_since_wall = self._wall()
-        log.warning("fail-slow: %s", self.links.last_outcome)
-        return self._link_decision(now, spares)
+        if finding is not None:
+            # No action yet: the finding goes out in every reply first, and the replace policy weighs it at the
+            # next scored window, if the job is still slow then (one probe campaign alone never replaces a node).
+            self._link_since_wall = self._wall()
+            log.warning("fail-slow: %s", self.links.last_outcome)
 
     def _link_decision(self, now: float, spares: Callable[[], int] | None) -> ReplaceDecision | None:
         """Asks the replace policy about the node a link probe named (valued at the job's slowdown)."""
@@ -362,7 +360,7 @@ class FailSlowSupervisor:
                                 action=action, message=message, ranks_observed=len(res.ratios),
                                 link_probe=self.links.last_outcome)
         elif self.links.last_outcome:
-            st = FailSlowStatus(link_probe=self.links.last_outcome)
+            st = FailSlowStatus(action=self._action, link_probe=self.links.last_outcome)
         if self._hang is not None and self._hang.ranks_seen:
             st = replace(st, hang=self._hang)
         self._status = st

@@ -354,6 +354,7 @@ class LinkLocator:
         if self.finding is not None and self.finding.node_id == node_id:
             self.finding = None
             self._over = 0
+            self.last_outcome += f"; node {node_id} replaced"
 
     def abort(self) -> None:
         """Ends a campaign early (the job's membership changed: the pairs no longer hold ranks)."""

@@ -319,6 +319,7 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
                 slow = _slow_listed(job.status(node))
                 if cfg.link_rate:  # a slow link is a node finding (rank -1, basis "link")
                     hit = [s for s in slow if s.get("basis") == "link" and s.get("node_id") == capped]
+                    res.link_probe = ((job.status(node) or {}).get("failslow") or {}).get("link_probe", "")
                 else:
                     hit = [s for s in slow if int(s.get("rank", 0)) == cfg.throttle_rank]
                 if hit:
@@ -352,7 +353,8 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         st = job.status(watched[0]) or {}
         res.events = [e for e in st.get("recent_events", []) if e.get("source") == "failslow"]
         res.final_status = {n: (job.status(n) or {}).get("failslow", {}) for n in watched}
-        res.link_probe = next((f.get("link_probe", "") for f in res.final_status.values() if f.get("link_probe")), "")
+        res.link_probe = next((f.get("link_probe", "") for f in res.final_status.values() if f.get("link_probe")),
+                              res.link_probe)
         return res
     finally:
         if throttle is not None:
