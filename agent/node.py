@@ -48,6 +48,7 @@ from trainguard.agent.generation import (  # noqa: F401 (the env names are re-ex
 )
 from trainguard.agent.node_faults import NodeReportLedger, hardware_cause, hardware_detector_names
 from trainguard.agent.standby import StandbyPool
+from trainguard.agent.lease_keeper import keep_lease
 from trainguard.agent.link_probe import LinkProber
 from trainguard.agent.step_timing import FailSlowView, TimingRelay, stack_evidence
 from trainguard.agent.workers import WorkerGroup, WorkerState, describe_exit
@@ -659,7 +660,8 @@ class NodeAgent:
         self._channel = dial(self.config.coordinator)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._register(self.config.coordinator_patience_s)
-        self._start_detectors()
+        with keep_lease(self._keepalive, self._interval, "detector start"):  # imports: seconds on a busy host
+            self._start_detectors()
         if self._notifier is not None:
             self._notifier.ready(f"job {self.config.job}: registered, waiting for a rank table")
         next_hb = 0.0

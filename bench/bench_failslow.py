@@ -22,7 +22,10 @@ overhead in percent.
   detection time, step time healthy / under the straggler (the no-detection baseline runs at that pace);
 - the replace drill (2 nodes + a warm spare, action replace): step time before, under, after replacement;
 - the hang drill (3 ranks, rank 2 hangs in its data loader in ``--hang-rounds`` generations in a row):
-  localisation accuracy.
+  localisation accuracy;
+- the slow-link drill (3 nodes + a spare in network namespaces, n1's data veth capped with ``tbf`` at
+  ``--link-rate``; action replace): time until the link probes name n1, step time healthy / slow link /
+  after the replacement.
 """
 
 from __future__ import annotations
@@ -175,13 +178,13 @@ def drills(soak_s: float, hang_rounds: int, link_rate: str) -> dict:
     link = None
     if link_rate:
         link = run_straggler_drill(StragglerDrillConfig(nodes=3, nproc=1, netns=True, link_rate=link_rate,
-                                                        throttle_rank=1, healthy_s=8, after_s=6,
-                                                        detect_timeout_s=60), progress=print)
-        st = next(iter(link.final_status.values()), {})
-        doc["link"] = {"rate": link_rate, "detected": link.detected, "detection_s": link.detection_s,
-                       "step_healthy_s": link.step_healthy_s, "step_slow_s": link.step_slow_s,
-                       "job_slowdown": st.get("job_slowdown"), "false_alarms": link.false_alarms,
-                       "slow_listed": link.slow_listed}
+                                                        throttle_rank=1, spare=True, action="replace", healthy_s=8,
+                                                        after_s=8, detect_timeout_s=120), progress=print)
+        doc["link"] = {"rate": link_rate, "detected": link.detected, "named": link.named_node,
+                       "detection_s": link.detection_s, "replaced": link.replaced,
+                       "replacement_after_detection_s": link.replacement_s, "step_healthy_s": link.step_healthy_s,
+                       "step_slow_s": link.step_slow_s, "step_after_s": link.step_after_s,
+                       "false_alarms": link.false_alarms, "probe": link.link_probe}
     print()
     print(f"healthy soak {soak_s:.0f} s under background load: {soak.false_alarms} false alarm(s) in "
           f"{soak.status_polls_healthy} status polls")
@@ -195,10 +198,11 @@ def drills(soak_s: float, hang_rounds: int, link_rate: str) -> dict:
     print(f"hang localisation: {hang.correct}/{len(hang.findings)} rounds named the hung rank "
           f"({hang_rounds} injected)")
     if link is not None:
-        print(f"slow link (3 nodes in netns, n1's data0 capped at {link_rate} by tbf): detected {link.detected} in "
-              f"{link.detection_s or 0:.1f} s; step {1000 * (link.step_healthy_s or 0):.0f} ms -> "
-              f"{1000 * (link.step_slow_s or 0):.0f} ms; listed "
-              f"{[(s['rank'], round(s['ratio'], 2)) for s in link.slow_listed]}")
+        print(f"slow link (3 nodes + spare in netns, n1's data0 capped at {link_rate} by tbf): named "
+              f"{link.named_node or 'none'} in {link.detection_s or 0:.1f} s, replaced {link.replaced} "
+              f"({link.replacement_s or 0:.1f} s later); step {1000 * (link.step_healthy_s or 0):.0f} ms healthy, "
+              f"{1000 * (link.step_slow_s or 0):.0f} ms slow link (baseline), {1000 * (link.step_after_s or 0):.0f} "
+              f"ms after replacement; {link.link_probe}")
     return doc
 
 

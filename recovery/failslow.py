@@ -129,6 +129,7 @@ class FailSlowSupervisor:
         self._probe_ports: dict[str, int] = {}
         self._link_generation = -1
         self._link_since_wall = 0.0
+        self._verdict_logged = ""
 
     # -- heartbeats ------------------------------------------------------------------------------------------
     def on_heartbeat(self, req: Beat, generation: int, now: float,
@@ -198,12 +199,23 @@ class FailSlowSupervisor:
         view = WindowResult(now, res.job_step_s, res.job_slowdown, {}, {}, (), (node,), (), res.generation,
                             res.epoch)
         d = self.policy.decide(view, now, spares())
+        self._log_verdict()
         if d is None:
             return None
         return ReplaceDecision(d.node_id, f"slow links on node {f.node_id}: {self.links.last_outcome}; the job runs "
                                           f"{res.job_slowdown:.1f}x slower than its baseline; replacing saves "
                                           f"~{d.saved_s:.0f} s against a restart cost of {d.cost_s:.1f} s",
                                d.saved_s, d.cost_s)
+
+    def _log_verdict(self) -> None:
+        """Logs why the replace policy kept a slow node, once per node (the coordinator log then says why a drill
+        or an operator saw a straggler reported but not replaced)."""
+        v = self.policy.verdict
+        key = v.split(":", 1)[0]
+        if v and key != self._verdict_logged:
+            log.warning("fail-slow: %s", v)
+            self._status = None
+        self._verdict_logged = key if v else ""
 
     def link_asks(self, node_id: str) -> tuple[LinkProbeAsk, ...]:
         """The link probe ``node_id`` should run now (for its heartbeat reply)."""
@@ -248,6 +260,7 @@ class FailSlowSupervisor:
             decision = self.policy.decide(result, now, spares())
             if decision is None and not self._action.startswith("replace"):
                 self._action = "report"
+            self._log_verdict()
         if addresses is not None:
             addr = addresses()
             f = self.links.finding
@@ -356,6 +369,8 @@ class FailSlowSupervisor:
                 nodes = ", ".join(f"{f.node_id} ({f.ratio:.2f}x)" for f in res.slow_nodes) or "-"
                 message = (f"{len(res.slow_ranks)} slow rank(s); slow node(s): {nodes}; restart cost "
                            f"{self.policy.cost_s:.1f} s ({'measured' if self.policy.measured else 'assumed'})")
+            if message and self.config.action == "replace" and self.policy.verdict:
+                message += f"; {self.policy.verdict}"
             st = FailSlowStatus(slow=slow, job_step_s=_finite(res.job_step_s), job_slowdown=_finite(res.job_slowdown),
                                 action=action, message=message, ranks_observed=len(res.ratios),
                                 link_probe=self.links.last_outcome)

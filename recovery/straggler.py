@@ -476,6 +476,7 @@ class ReplacePolicy:
     measured: bool = False
     last_replace: float = -math.inf
     replaced: list[str] = field(default_factory=list)
+    verdict: str = ""  # why the last slow node weighed was not replaced ("" when it was, or none was weighed)
     _pending: tuple[float, int, int] | None = None  # (decision time, step reached, generation) of a replacement
 
     def __post_init__(self) -> None:
@@ -499,14 +500,20 @@ class ReplacePolicy:
         if not result.job_step_s > 0:
             return None
         excess = worst.excess_s
-        if len(result.slow_nodes) == 1 and result.job_slowdown >= cfg.slow_ratio:
-            # A slow link shows as a small own-work excess (its node waits a little less in the collective) while
-            # every rank's step grew: when one node is flagged and the whole job slowed against its own
-            # baseline, that slowdown is what replacing the node can win back.
+        if len(result.slow_nodes) == 1 and result.job_slowdown > 1.0:
+            # The own-work excess understates what a lone slow node costs: a slow link shows as a small one (its
+            # node waits a little less in the collective), and a CPU-starved rank is also starved inside its
+            # `comm` section, which then counts as waiting. When one node is flagged, the job's step growth
+            # against its own baseline is the direct measure of what replacing it wins back.
             excess = max(excess, result.job_step_s * (1.0 - 1.0 / result.job_slowdown))
         saved = cfg.horizon_s * excess / result.job_step_s
         if saved < cfg.margin * self.cost_s:
+            self.verdict = (f"not replacing node {worst.node_id}: it costs {excess * 1000:.0f} ms of every "
+                            f"{result.job_step_s * 1000:.0f} ms step, ~{saved:.0f} s over {cfg.horizon_s:.0f} s, "
+                            f"less than {cfg.margin:g} x the {'measured' if self.measured else 'assumed'} restart "
+                            f"cost of {self.cost_s:.1f} s")
             return None
+        self.verdict = ""
         detail = (f"straggler node {worst.node_id}: own work {worst.ratio:.2f}x the other nodes' median, "
                   f"{excess * 1000:.0f} ms of every {result.job_step_s * 1000:.0f} ms step; replacing saves "
                   f"~{saved:.0f} s over {cfg.horizon_s:.0f} s against a "

@@ -243,3 +243,25 @@ def test_collect_then_score_gives_the_same_findings_as_observe():
         t += 0.5
     assert [f.rank for f in last_a.slow_ranks] == [f.rank for f in last_b.slow_ranks] == [2]
     assert last_a.ratios == last_b.ratios
+
+
+def test_a_lone_slow_node_is_valued_at_what_the_job_lost_even_below_the_slowdown_ratio():
+    """The replace-drill flake (2 nodes + spare, horizon 600 s, 60 s assumed restart, margin 2: a saving must be
+    >= 120 s). Under background load the healthy step is already 200 ms and the CPU-starved rank is starved inside
+    its `comm` section too, so its own-work excess is 50 ms of a 255 ms step (600 x 50/255 = 118 s: never worth
+    it) while the job's step grew by 55 ms (129 s). It used to be reported for ever and never replaced."""
+    cfg = StragglerConfig(window_s=1.0, persist_windows=2, action="replace", horizon_s=600, restart_cost_s=60)
+    det = StragglerDetector(cfg)
+    _, t = _run(det, 12, lambda t: {0: 0.15, 1: 0.15}, wait_extra=0.05)
+    res, t = _run(det, 6, lambda t: {0: 0.15, 1: 0.20}, wait_extra=0.055, t0=t)
+    r = res[-1]
+    assert [f.node_id for f in r.slow_nodes] == ["n1"] and r.slow_nodes[0].excess_s == pytest.approx(0.05)
+    assert 1.0 < r.job_slowdown < cfg.slow_ratio
+    pol = ReplacePolicy(cfg)
+    d = pol.decide(r, t, spares=1)
+    assert d is not None and d.node_id == "n1" and d.saved_s == pytest.approx(600 * 0.055 / 0.255, rel=0.02)
+    # Below the margin, the policy says why (the coordinator logs it and puts it in the status message).
+    stingy = ReplacePolicy(StragglerConfig(action="replace", horizon_s=600, restart_cost_s=100))
+    assert stingy.decide(r, t, spares=1) is None
+    assert stingy.verdict.startswith("not replacing node n1") and "less than 2 x the assumed restart cost" in \
+        stingy.verdict

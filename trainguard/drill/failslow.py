@@ -8,6 +8,9 @@ worker is capped at a fraction of a core through a cgroup v1 CPU quota (:class:`
 CpuThrottle`). The drill measures when ``trainguard status`` first lists that rank (detection time), the job's
 step time healthy, under the straggler (the baseline without detection: the job runs at the straggler's pace),
 and after mitigation (``--failslow-action replace``: the straggler's node is swapped for the spare).
+With ``link_rate`` the node holding ``throttle_rank`` gets its data link capped by a ``tbf`` qdisc instead (nodes in
+network namespaces); no rank's own work changes, so detection is the coordinator's link probe naming that node
+(a ``link`` finding in ``trainguard status``).
 
 **Hang drill** (:func:`run_hang_drill`). Rank ``hang_rank`` hangs in its data loader at a given step in each
 of ``rounds`` generations while the others wait for it in their all-reduce; the process detector declares the
