@@ -767,21 +767,19 @@ class JobCoordinator:
                               reply.durable)
 
     def _failslow_score(self, window: WindowSnapshot) -> None:
-        """Scores a closed fail-slow window WITHOUT the lock, then applies its findings under it (the
-        supervisor drops them when the generation changed meanwhile)."""
+        """Scores a closed fail-slow window WITHOUT the lock, then applies it under the lock (the supervisor drops
+        it when the generation changed meanwhile); link probes pair the slot holders at their addresses."""
         result = self._failslow.score(window)
         if result is None:
             return
         with self._lock:
-            now = self._clock()
+            if self.fenced:
+                return
+            now, lay = self._clock(), self._layout
+            addresses = {s.node_id: self._members[s.node_id].info.address for s in (lay.slots if lay else ())
+                         if s.node_id in self._members}
             self._failslow_apply(self._failslow.apply_window(result, now, lambda: len(self._candidates(now)),
-                                                             self._slot_addresses), now)
-
-    def _slot_addresses(self) -> dict[str, str]:
-        """Node -> address of the current generation's slot holders (the nodes a link probe pairs)."""
-        lay = self._layout
-        return {s.node_id: self._members[s.node_id].info.address for s in lay.slots
-                if s.node_id in self._members} if lay is not None else {}
+                                                             lambda: addresses), now)
 
     def _failslow_apply(self, d: ReplaceDecision | None, now: float) -> None:
         """Replaces a slow (or repeatedly hanging) node with a spare as a node-level failure of that node: the
