@@ -3,6 +3,7 @@ localisation accuracy, each against its baseline measured in the same run.
 
     python bench/bench_failslow.py overhead [--blocks 40]        # sections + step_done vs a bare loop
     python bench/bench_failslow.py drills [--soak-s 120] [--hang-rounds 3] [--out FILE]
+    python bench/bench_failslow.py link [--link-rate 40mbit] [--out FILE]   # the slow-link drill alone
     python bench/bench_failslow.py lock [--ranks 16384] [--ranks-per-node 8] [--windows 4]
 
 ``lock`` drives a real :class:`~trainguard.recovery.coordinator.JobCoordinator` (in process, simulated clock,
@@ -177,14 +178,7 @@ def drills(soak_s: float, hang_rounds: int, link_rate: str) -> dict:
                                                        "majority_frame", "groups")} for f in hang.findings]}
     link = None
     if link_rate:
-        link = run_straggler_drill(StragglerDrillConfig(nodes=3, nproc=1, netns=True, link_rate=link_rate,
-                                                        throttle_rank=1, spare=True, action="replace", healthy_s=8,
-                                                        after_s=8, detect_timeout_s=120), progress=print)
-        doc["link"] = {"rate": link_rate, "detected": link.detected, "named": link.named_node,
-                       "detection_s": link.detection_s, "replaced": link.replaced,
-                       "replacement_after_detection_s": link.replacement_s, "step_healthy_s": link.step_healthy_s,
-                       "step_slow_s": link.step_slow_s, "step_after_s": link.step_after_s,
-                       "false_alarms": link.false_alarms, "probe": link.link_probe}
+        doc["link"], link = link_drill(link_rate)
     print()
     print(f"healthy soak {soak_s:.0f} s under background load: {soak.false_alarms} false alarm(s) in "
           f"{soak.status_polls_healthy} status polls")
@@ -198,11 +192,7 @@ def drills(soak_s: float, hang_rounds: int, link_rate: str) -> dict:
     print(f"hang localisation: {hang.correct}/{len(hang.findings)} rounds named the hung rank "
           f"({hang_rounds} injected)")
     if link is not None:
-        print(f"slow link (3 nodes + spare in netns, n1's data0 capped at {link_rate} by tbf): named "
-              f"{link.named_node or 'none'} in {link.detection_s or 0:.1f} s, replaced {link.replaced} "
-              f"({link.replacement_s or 0:.1f} s later); step {1000 * (link.step_healthy_s or 0):.0f} ms healthy, "
-              f"{1000 * (link.step_slow_s or 0):.0f} ms slow link (baseline), {1000 * (link.step_after_s or 0):.0f} "
-              f"ms after replacement; {link.link_probe}")
+        _print_link(doc["link"])
     return doc
 
 
@@ -235,6 +225,31 @@ class _TimedLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def link_drill(link_rate: str) -> tuple[dict, object]:
+    """The slow-link drill: 3 nodes + a warm spare in network namespaces, n1's data veth capped with tbf at
+    ``link_rate``, action replace. Returns (figures, the drill's result)."""
+    from trainguard.drill.failslow import StragglerDrillConfig, run_straggler_drill
+
+    link = run_straggler_drill(StragglerDrillConfig(nodes=3, nproc=1, netns=True, link_rate=link_rate,
+                                                    throttle_rank=1, spare=True, action="replace", healthy_s=8,
+                                                    after_s=8, detect_timeout_s=120), progress=print)
+    return {"rate": link_rate, "detected": link.detected, "named": link.named_node,
+            "detection_s": link.detection_s, "replaced": link.replaced,
+            "replacement_after_detection_s": link.replacement_s, "step_healthy_s": link.step_healthy_s,
+            "step_slow_s": link.step_slow_s, "step_after_s": link.step_after_s,
+            "false_alarms": link.false_alarms, "healthy_polls": link.status_polls_healthy,
+            "probe": link.link_probe}, link
+
+
+def _print_link(d: dict) -> None:
+    print(f"slow link (3 nodes + spare in netns, n1's data0 capped at {d['rate']} by tbf): named "
+          f"{d['named'] or 'none'} in {d['detection_s'] or 0:.1f} s, replaced {d['replaced']} "
+          f"({d['replacement_after_detection_s'] or 0:.1f} s later); step {1000 * (d['step_healthy_s'] or 0):.0f} ms "
+          f"healthy, {1000 * (d['step_slow_s'] or 0):.0f} ms slow link (baseline), "
+          f"{1000 * (d['step_after_s'] or 0):.0f} ms after replacement; {d['false_alarms']} false alarm(s) in "
+          f"{d['healthy_polls']} healthy polls; {d['probe']}")
 
 
 def lock_hold(ranks: int, per_node: int, windows: int) -> dict:
@@ -382,6 +397,9 @@ def main() -> None:
     d.add_argument("--hang-rounds", type=int, default=3)
     d.add_argument("--link-rate", default="40mbit", help="tbf rate of the slow-link drill ('' skips it; needs netns)")
     d.add_argument("--out", default=None)
+    ln = sub.add_parser("link")
+    ln.add_argument("--link-rate", default="40mbit")
+    ln.add_argument("--out", default=None)
     lk = sub.add_parser("lock")
     lk.add_argument("--ranks", type=int, default=16_384)
     lk.add_argument("--ranks-per-node", type=int, default=8)
@@ -399,6 +417,10 @@ def main() -> None:
         return
     if args.cmd == "overhead":
         doc = overhead(args.blocks)
+    elif args.cmd == "link":
+        doc = link_drill(args.link_rate)[0]
+        print()
+        _print_link(doc)
     elif args.cmd == "lock":
         doc = lock_hold(args.ranks, args.ranks_per_node, args.windows)
     elif args.cmd == "ettr":

@@ -257,7 +257,10 @@ class StragglerDetector:
         self.config.validate()
         self._window_start: float | None = None
         self._samples: dict[int, list[Timing]] = {}
+        self._steps: dict[int, int] = {}  # steps per rank in the open window (kept as samples come: O(1) a beat)
+        self._short = 0  # ranks of the open window below min_steps
         self._node_of: dict[int, str] = {}
+        self._node_of_shared = False  # handed to a snapshot: copy before the next change
         self._ranks: dict[int, _Track] = {}
         self._nodes: dict[str, _Track] = {}
         self._baseline_obs: dict[int, list[float]] = {}
@@ -313,7 +316,13 @@ class StragglerDetector:
             if t.steps <= 0 or not (t.step_s > 0 and math.isfinite(t.step_s)):
                 continue
             self._samples.setdefault(t.rank, []).append(t)
-            self._node_of[t.rank] = t.node_id
+            before = self._steps.get(t.rank, 0)
+            after = self._steps[t.rank] = before + t.steps
+            self._short += (after < self.config.min_steps) - (0 < before < self.config.min_steps)
+            if self._node_of.get(t.rank) != t.node_id:
+                if self._node_of_shared:  # a snapshot being scored reads the old map
+                    self._node_of, self._node_of_shared = dict(self._node_of), False
+                self._node_of[t.rank] = t.node_id
         return self._maybe_close(now)
 
     def reset(self, generation: int) -> None:
@@ -322,8 +331,8 @@ class StragglerDetector:
             self._epoch += 1
             self.generation = generation
             self._window_start = None
-            self._samples = {}
-            self._node_of = {}
+            self._samples, self._steps, self._short = {}, {}, 0
+            self._node_of, self._node_of_shared = {}, False
             self._ranks = {}  # new objects: a scoring still running on the old ones cannot touch these
             self._nodes = {}
             self.last = None
@@ -333,14 +342,14 @@ class StragglerDetector:
         age = now - (now if self._window_start is None else self._window_start)
         if age < cfg.window_s:
             return None
-        counts = {r: sum(t.steps for t in ts) for r, ts in self._samples.items()}
-        if age < 5 * cfg.window_s and (len(counts) < 2 or min(counts.values()) < cfg.min_steps):
+        # O(1) per beat: this runs under the coordinator's lock on every heartbeat once the window is due.
+        if age < 5 * cfg.window_s and (len(self._steps) < 2 or self._short > 0):
             return None
-        samples, self._samples = self._samples, {}
+        samples, self._samples, self._steps, self._short = self._samples, {}, {}, 0
         self._window_start = now
         self._seq += 1
-        return WindowSnapshot(self._epoch, self._seq, self.generation, now,
-                              {r: ts for r, ts in samples.items() if counts[r] >= 1}, dict(self._node_of))
+        self._node_of_shared = True  # no copy of 16k entries under the lock: copied on the next change instead
+        return WindowSnapshot(self._epoch, self._seq, self.generation, now, samples, self._node_of)
 
     # -- scoring ---------------------------------------------------------------------------------------------
     def score(self, snap: WindowSnapshot) -> WindowResult | None:

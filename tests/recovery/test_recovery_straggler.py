@@ -265,3 +265,25 @@ def test_a_lone_slow_node_is_valued_at_what_the_job_lost_even_below_the_slowdown
     assert stingy.decide(r, t, spares=1) is None
     assert stingy.verdict.startswith("not replacing node n1") and "less than 2 x the assumed restart cost" in \
         stingy.verdict
+
+
+def test_a_closed_windows_node_map_is_not_changed_by_later_beats():
+    # The snapshot shares the detector's rank -> node map (no 16k-entry copy under the lock); a later change
+    # must copy first, or a window being scored would see ranks move under it.
+    det = StragglerDetector(StragglerConfig(window_s=2.0))
+    snap, t = _window(det, 0.0)
+    assert snap.node_of[1] == "n1"
+    det.collect(1, [Timing(1, "n9", 0, 0.2, 0.1, 0.1, 4)], t)
+    assert snap.node_of[1] == "n1" and det._node_of[1] == "n9"
+
+
+def test_a_window_waits_for_min_steps_from_every_rank_then_closes_anyway_after_five_lengths():
+    det = StragglerDetector(StragglerConfig(window_s=1.0, min_steps=3))
+    t, snap = 0.0, None
+    while snap is None:  # rank 1 completes 1 step per beat, rank 0 ten: rank 1 holds the window open
+        snap = det.collect(1, [Timing(0, "a", 0, 0.1, 0.05, 0.05, 10), Timing(1, "b", 0, 0.1, 0.05, 0.05, 1)], t)
+        t += 0.5
+    assert t - 0.5 == 1.0 and sum(x.steps for x in snap.samples[1]) == 3
+    det2 = StragglerDetector(StragglerConfig(window_s=1.0, min_steps=100))
+    closed = [det2.collect(1, [Timing(r, "a", 0, 0.1, 0.05, 0.05, 1) for r in range(2)], k * 0.5) for k in range(12)]
+    assert any(c is not None for c in closed)  # by 5 window lengths, even short
