@@ -3,7 +3,7 @@ localisation accuracy, each against its baseline measured in the same run.
 
     python bench/bench_failslow.py overhead [--blocks 40]        # sections + step_done vs a bare loop
     python bench/bench_failslow.py drills [--soak-s 120] [--hang-rounds 3] [--out FILE]
-    python bench/bench_failslow.py link [--link-rate 40mbit] [--out FILE]   # the slow-link drill alone
+    python bench/bench_failslow.py link [--link-rate 40mbit] [--out FILE]   # healthy links, then one capped
     python bench/bench_failslow.py lock [--ranks 16384] [--ranks-per-node 8] [--windows 4]
 
 ``lock`` drives a real :class:`~trainguard.recovery.coordinator.JobCoordinator` (in process, simulated clock,
@@ -243,6 +243,20 @@ def link_drill(link_rate: str) -> tuple[dict, object]:
             "probe": link.link_probe}, link
 
 
+def healthy_links_drill() -> dict:
+    """The same 3-node netns cluster with healthy links, slowed job-wide (every worker under one shared CPU quota):
+    the coordinator probes the links, and must name no node."""
+    from trainguard.drill.failslow import StragglerDrillConfig, run_straggler_drill
+
+    r = run_straggler_drill(StragglerDrillConfig(nodes=3, nproc=1, netns=True, throttle_all=True,
+                                                 throttle_fraction=0.15, healthy_s=8, after_s=1,
+                                                 detect_timeout_s=150), progress=print)
+    slowdown = f"{r.step_slow_s / r.step_healthy_s:.1f}x slower" if r.step_slow_s and r.step_healthy_s else "?"
+    return {"named": r.named_node, "probe": r.link_probe, "outcome_after_s": r.detection_s,
+            "step_healthy_s": r.step_healthy_s, "step_slow_s": r.step_slow_s, "job_slowdown": slowdown,
+            "false_alarms": r.false_alarms}
+
+
 def _print_link(d: dict) -> None:
     print(f"slow link (3 nodes + spare in netns, n1's data0 capped at {d['rate']} by tbf): named "
           f"{d['named'] or 'none'} in {d['detection_s'] or 0:.1f} s, replaced {d['replaced']} "
@@ -418,9 +432,13 @@ def main() -> None:
     if args.cmd == "overhead":
         doc = overhead(args.blocks)
     elif args.cmd == "link":
-        doc = link_drill(args.link_rate)[0]
+        healthy = healthy_links_drill()
+        doc = {"healthy_links": healthy, "slow_link": link_drill(args.link_rate)[0]}
         print()
-        _print_link(doc)
+        print(f"healthy links, every worker under one shared CPU quota (job {healthy['job_slowdown']}): probe "
+              f"outcome after {healthy['outcome_after_s'] or 0:.1f} s: {healthy['probe']}; named: "
+              f"{healthy['named'] or 'none'}")
+        _print_link(doc["slow_link"])
     elif args.cmd == "lock":
         doc = lock_hold(args.ranks, args.ranks_per_node, args.windows)
     elif args.cmd == "ettr":

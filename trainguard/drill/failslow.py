@@ -60,6 +60,9 @@ class StragglerDrillConfig:
             :class:`~trainguard.drill.netns.Fabric`).
         link_rate: instead of the CPU quota, cap the data link of the node holding ``throttle_rank`` at this
             tc rate (e.g. ``"100mbit"``) with a tbf qdisc on its ``data0`` inside its namespace (needs netns).
+        throttle_all: instead, put every worker under one shared CPU quota (``throttle_fraction`` x workers): the
+            whole job slows down, no rank more than the others and no link: with 3+ nodes the coordinator probes
+            the (healthy) links, and the drill waits for the campaign's outcome (it must name no node).
     """
 
     nodes: int = 1
@@ -75,6 +78,7 @@ class StragglerDrillConfig:
     workdir: str = ""
     netns: bool = False
     link_rate: str = ""
+    throttle_all: bool = False
 
 
 @dataclass
@@ -312,6 +316,12 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         if cfg.link_rate:
             throttle = LinkRateCap("data0", cfg.link_rate, netns=fabric.nodes[capped].netns)
             progress(f"node {capped}'s data link capped at {cfg.link_rate} (tbf)")
+        elif cfg.throttle_all:
+            world = cfg.nproc * len(watched)
+            pids = [p[0] for p in (job.pid_of(r) for r in range(world)) if p is not None]
+            throttle = CpuThrottle(cfg.throttle_fraction * len(pids))
+            throttle.add(pids)
+            progress(f"all {len(pids)} workers share {cfg.throttle_fraction * len(pids):g} CPU (job-wide slowdown)")
         else:
             throttle = CpuThrottle(cfg.throttle_fraction)
             throttle.add([victim[0]])
@@ -320,6 +330,14 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         while time.time() < deadline:
             for node in watched:
                 slow = _slow_listed(job.status(node))
+                if cfg.throttle_all:  # healthy links: wait for a probe campaign to finish, whatever it says
+                    res.link_probe = ((job.status(node) or {}).get("failslow") or {}).get("link_probe", "")
+                    if res.link_probe and not res.link_probe.startswith("probing"):
+                        res.detection_s = time.time() - t_inject
+                        res.named_node = next((s.get("node_id", "") for s in slow if s.get("basis") == "link"), "")
+                        res.slow_listed = slow
+                        break
+                    continue
                 if cfg.link_rate:  # a slow link is a node finding (rank -1, basis "link")
                     hit = [s for s in slow if s.get("basis") == "link" and s.get("node_id") == capped]
                     res.link_probe = ((job.status(node) or {}).get("failslow") or {}).get("link_probe", "")
@@ -330,7 +348,7 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
                     res.named_node = hit[0].get("node_id", "")
                     res.metrics = job.failslow_metrics()
                     break
-            if res.detected:
+            if res.detected or (cfg.throttle_all and res.detection_s is not None):
                 break
             time.sleep(0.5)
         t_detect = time.time()
@@ -365,7 +383,8 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         job.kill()
         if fabric is not None:
             fabric.close()
-        failed = not res.detected or (cfg.action == "replace" and not res.replaced)
+        failed = (res.detection_s is None or bool(res.named_node)) if cfg.throttle_all else \
+            (not res.detected or (cfg.action == "replace" and not res.replaced))
         if not cfg.workdir and not failed:
             shutil.rmtree(workdir, ignore_errors=True)
         elif failed:
