@@ -20,7 +20,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from trainguard.proto import coordinator_pb2
 
@@ -224,3 +224,17 @@ class LinkProber:
         """Stops the listener."""
         if self._server is not None:
             self._server.close()
+
+
+class WithLinkProbe:
+    """Heartbeat content (:class:`~trainguard.agent.parts.HeartbeatContent`): another content's fields plus the
+    link probe's listener port and the probe results finished since the last heartbeat."""
+
+    def __init__(self, inner, prober: LinkProber) -> None:
+        self.inner = inner
+        self.prober = prober
+
+    def heartbeat_fields(self) -> Mapping[str, object]:
+        """The inner content's ``NodeHeartbeatRequest`` fields, ``link_probe_port`` and ``link_results``."""
+        return {**self.inner.heartbeat_fields(), "link_probe_port": self.prober.port,
+                "link_results": self.prober.drain()}
