@@ -375,6 +375,8 @@ class AgentDaemon:
                     for _ in range(generation - self._last_generation):
                         self.metrics.count_worker_restart()
                 self._last_generation = max(self._last_generation, generation)
+                fs = self.node.failslow.status  # the coordinator's latest findings, as this node received them
+                self.metrics.set_failslow(fs.slow, fs.job_slowdown, fs.job_step_s, self.node.config.node_id)
         self.health.set_subsystem("coordinator", self.jobs is None or self.jobs.configured_ok())
         group = self.node.group if self.node is not None else None
         workers = group.workers if group is not None else []

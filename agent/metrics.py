@@ -24,6 +24,13 @@ trainguard_checkpoint_last_step                   gauge    newest step reported 
 trainguard_grpc_requests_total{method,code}       counter  NodeAgent calls served
 trainguard_grpc_request_duration_seconds{method}  histo    NodeAgent unary call latency
 trainguard_watchdog_pings_total                   counter  systemd watchdog keep-alives sent
+trainguard_failslow_slow_ranks{scope}             gauge    ranks the coordinator flags as stragglers: in the
+                                                           job (scope="job") / on this node (scope="node")
+trainguard_failslow_worst_ratio{scope}            gauge    largest flagged ratio (1 when none flagged)
+trainguard_failslow_node_slow{basis}              gauge    1 when this node is flagged (basis "compute",
+                                                           "wait" own work, or "link": its links probed slow)
+trainguard_failslow_job_slowdown                  gauge    job step time over its own baseline (0: unknown)
+trainguard_failslow_job_step_seconds              gauge    median step time of the job (0: unknown)
 ================================================  =======  ==============================================
 """
 
@@ -48,6 +55,8 @@ DETECTOR_STATES = ("ok", "degraded", "failed", "no_hardware", "error")
 WORKER_STATES = ("starting", "running", "succeeded", "failed", "stopped", "hung")
 #: Values of the ``tier`` label of checkpoint metrics; anything else is counted as ``other``.
 CHECKPOINT_TIERS = ("snapshot", "memory", "disk", "remote")
+#: Values of the ``basis`` label of ``trainguard_failslow_node_slow`` (``SlowRank.basis``).
+FAILSLOW_BASES = ("compute", "wait", "step", "link")
 #: Largest number of distinct event kinds kept as label values; later new kinds are counted as ``other`` so a
 #: buggy detector cannot explode the series count.
 MAX_EVENT_KINDS = 200
@@ -114,6 +123,20 @@ class AgentMetrics:
                                       "Server-side latency of unary NodeAgent calls.", ["method"],
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.watchdog_pings = Counter("trainguard_watchdog_pings", "systemd watchdog keep-alives sent.", registry=r)
+        self.failslow_slow_ranks = Gauge("trainguard_failslow_slow_ranks",
+                                         "Ranks flagged as stragglers by the coordinator, in the job or on this node.",
+                                         ["scope"], registry=r)
+        self.failslow_worst_ratio = Gauge("trainguard_failslow_worst_ratio",
+                                          "Largest flagged straggler ratio (1 when none is flagged).", ["scope"],
+                                          registry=r)
+        self.failslow_node_slow = Gauge("trainguard_failslow_node_slow",
+                                        "1 when the coordinator flags this node, by basis (link: its links).",
+                                        ["basis"], registry=r)
+        self.failslow_job_slowdown = Gauge("trainguard_failslow_job_slowdown",
+                                           "Job step time over the job's own baseline (0: unknown).", registry=r)
+        self.failslow_job_step = Gauge("trainguard_failslow_job_step_seconds",
+                                       "Median step time of the job (0: unknown).", registry=r)
+        self.set_failslow([], 0.0, 0.0, "")
 
     # -- updates ------------------------------------------------------------------------------------------
 
@@ -182,11 +205,77 @@ class AgentMetrics:
             if step > self.ckpt_last_step._value.get():  # noqa: SLF001 - read back the gauge's own value
                 self.ckpt_last_step.set(step)
 
+    def set_failslow(self, slow: Iterable, job_slowdown: float, job_step_s: float, node_id: str) -> None:
+        """Sets the fail-slow gauges from the coordinator's latest findings as this node received them.
+
+        Args:
+            slow: the flagged entries (``SlowRank`` messages or alike: ``rank``, ``node_id``, ``ratio``, ``basis``;
+                rank -1 is a node finding, e.g. a slow link).
+            job_slowdown: the job's step time over its own baseline (0: unknown).
+            job_step_s: the job's median step time, seconds (0: unknown).
+            node_id: this node (its share of the findings is the ``node`` scope).
+        """
+        v = failslow_values(slow, node_id)
+        with self._lock:
+            for scope in ("job", "node"):
+                self.failslow_slow_ranks.labels(scope).set(v[f"slow_ranks_{scope}"])
+                self.failslow_worst_ratio.labels(scope).set(v[f"worst_ratio_{scope}"])
+            for basis in FAILSLOW_BASES:
+                self.failslow_node_slow.labels(basis).set(v[f"node_slow_{basis}"])
+            self.failslow_job_slowdown.set(job_slowdown)
+            self.failslow_job_step.set(job_step_s)
+
     def observe_request(self, method: str, code: str, seconds: float | None) -> None:
         """Counts one gRPC call (method short name, status code name) and its latency when unary."""
         self.grpc_requests.labels(method, code).inc()
         if seconds is not None:
             self.grpc_latency.labels(method).observe(seconds)
+
+
+def failslow_values(slow: Iterable, node_id: str) -> dict[str, float]:
+    """The fail-slow gauge values of one node from the coordinator's flagged entries (see
+    :meth:`AgentMetrics.set_failslow`): ``slow_ranks_job|node``, ``worst_ratio_job|node``, ``node_slow_<basis>``."""
+    slow = list(slow)
+    ranks = [s for s in slow if s.rank >= 0]
+    mine = [s for s in ranks if s.node_id == node_id]
+    out: dict[str, float] = {}
+    for scope, rows in (("job", ranks), ("node", mine)):
+        out[f"slow_ranks_{scope}"] = len(rows)
+        out[f"worst_ratio_{scope}"] = max((s.ratio for s in rows), default=1.0)
+    flagged = {s.basis for s in slow if s.node_id == node_id}
+    for basis in FAILSLOW_BASES:
+        out[f"node_slow_{basis}"] = 1.0 if basis in flagged else 0.0
+    return out
+
+
+def failslow_families(status, node_id: str) -> list:
+    """The fail-slow gauges as prometheus-client metric families, for collectors that read state at scrape time
+    (``trainguard run``'s :class:`~trainguard.agent.run_deploy.RunMetrics`); same names as :class:`AgentMetrics`.
+
+    Args:
+        status: the coordinator's latest ``FailSlowStatus`` as this node received it.
+        node_id: this node.
+    """
+    from prometheus_client.core import GaugeMetricFamily
+
+    v = failslow_values(status.slow, node_id)
+    ranks = GaugeMetricFamily("trainguard_failslow_slow_ranks",
+                              "Ranks flagged as stragglers by the coordinator, in the job or on this node.",
+                              labels=["scope"])
+    ratio = GaugeMetricFamily("trainguard_failslow_worst_ratio",
+                              "Largest flagged straggler ratio (1 when none is flagged).", labels=["scope"])
+    for scope in ("job", "node"):
+        ranks.add_metric([scope], v[f"slow_ranks_{scope}"])
+        ratio.add_metric([scope], v[f"worst_ratio_{scope}"])
+    node = GaugeMetricFamily("trainguard_failslow_node_slow",
+                             "1 when the coordinator flags this node, by basis (link: its links).", labels=["basis"])
+    for basis in FAILSLOW_BASES:
+        node.add_metric([basis], v[f"node_slow_{basis}"])
+    return [ranks, ratio, node,
+            GaugeMetricFamily("trainguard_failslow_job_slowdown", "Job step time over the job's own baseline "
+                              "(0: unknown).", value=status.job_slowdown),
+            GaugeMetricFamily("trainguard_failslow_job_step_seconds", "Median step time of the job (0: unknown).",
+                              value=status.job_step_s)]
 
 
 class MetricsServer:

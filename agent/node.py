@@ -55,6 +55,8 @@ from trainguard.agent.generation import (  # noqa: F401 (the env names are re-ex
     JOB_ENV,
     NODE_ID_ENV,
 )
+from trainguard.agent.lease_keeper import keep_lease
+from trainguard.agent.link_probe import LinkProber, WithLinkProbe
 from trainguard.agent.node_health import DetectorEventSource, LocalNodeHealth
 from trainguard.agent.qualify.agent_side import NodeQualifier
 from trainguard.agent.qualify.config import QualifySection
@@ -208,8 +210,10 @@ class NodeAgent:
         self._lock = threading.RLock()
         self._relayed: set[str] = set()  # job-wide checkpoint requests already passed to the workers
         self._stack_requests: set[str] = set()
-        # Fail-slow: the coordinator's findings about this node.
+        # Fail-slow: the coordinator's findings about this node; link probes (listener + probes it asks for).
         self.failslow = FailSlowView(config.node_id)
+        self.link_probe = LinkProber(config.address)
+        self._beat_content = WithLinkProbe(self.supervisor, self.link_probe)
 
     # -- the parts' state, as operators and the local service read it ----------------------------------------
     @property
@@ -395,6 +399,7 @@ class NodeAgent:
             self._answer_stacks(resp.stacks)
         for ev in self.failslow.update(resp.failslow):
             self.bus.publish(ev)
+        self.link_probe.run(resp.link_probes)
         if resp.HasField("checkpoint"):
             self._relay_checkpoint(resp.checkpoint)
         self.link.follow(resp)
@@ -538,7 +543,8 @@ class NodeAgent:
             preload()  # torch for the workers' store, imported while the node registers
         try:
             self.link.open()
-            self._start_health()
+            with keep_lease(lambda: self.link.keepalive(self._beat_content), self.link.interval_s, "detector start"):
+                self._start_health()  # imports: seconds on a busy host, longer than a short lease
             if self._notifier is not None:
                 self._notifier.ready(f"job {self.config.job}: registered, waiting for a rank table")
             next_hb = 0.0
@@ -553,7 +559,7 @@ class NodeAgent:
                     spare_waiting=self.config.spare and self.generation <= 0 and self.link.connected)
                 now = time.monotonic()
                 if now >= next_hb:
-                    resp = self.link.heartbeat(self.supervisor)
+                    resp = self.link.heartbeat(self._beat_content)
                     next_hb = now + (resp.interval_s if resp is not None and resp.interval_s > 0
                                      else self.link.interval_s)
                     if resp is not None:
@@ -568,6 +574,7 @@ class NodeAgent:
         finally:
             self.health.stop()
             self.supervisor.close()
+            self.link_probe.close()
             self.link.close()
             self.stopping = True
 

@@ -210,12 +210,14 @@ def render_failslow(f: common_pb2.FailSlowStatus) -> list[str]:
         lines.append(f"fail-slow: job step {f.job_step_s * 1000:.0f} ms (median), {f.job_slowdown:.2f}x its own "
                      f"baseline, {f.ranks_observed} ranks compared" + (f"; action: {f.action}" if f.action else ""))
     if f.slow:
-        rows = [[str(s.rank), s.node_id, f"{s.ratio:.2f}x", f"{s.excess_s * 1000:.0f} ms", f"{s.individual:.2f}x",
+        rows = [[str(s.rank) if s.rank >= 0 else "(node)", s.node_id, f"{s.ratio:.2f}x", f"{s.excess_s * 1000:.0f} ms", f"{s.individual:.2f}x",
                  s.basis, datetime.fromtimestamp(s.since, timezone.utc).strftime("%H:%M:%SZ") if s.since else "-"]
                 for s in f.slow]
         lines += _table(["SLOW RANK", "NODE", "VS OTHERS", "COST/STEP", "VS OWN BASELINE", "BASIS", "SINCE"], rows)
         if f.message:
             lines.append(f.message)
+    if f.link_probe and f.link_probe not in f.message:
+        lines.append(f"link probe: {f.link_probe}")
     h = f.hang
     if h.ranks_seen:
         ranks = ", ".join(str(r) for r in h.outlier_ranks) or "none (all stacks alike)"

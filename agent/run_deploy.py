@@ -269,7 +269,8 @@ class RunMetrics:
     Series: ``trainguard_run_info{version,job,node}``, ``trainguard_run_generation``,
     ``trainguard_run_workers{state}``, ``trainguard_run_faults_total``, ``trainguard_run_restarts_total``
     (generations after the first), ``trainguard_run_recovery_seconds`` (fault -> first resumed step; summary of
-    every recovery), ``trainguard_run_last_checkpoint_step``, ``trainguard_run_predictor_score``.
+    every recovery), ``trainguard_run_last_checkpoint_step``, ``trainguard_run_predictor_score``, and the
+    ``trainguard_failslow_*`` gauges (:func:`~trainguard.agent.metrics.failslow_families`).
     """
 
     def __init__(self, agent: "NodeAgent") -> None:
@@ -312,6 +313,9 @@ class RunMetrics:
         yield GaugeMetricFamily("trainguard_run_last_checkpoint_step", "Newest step reported durable.",
                                 value=a.last_checkpoint_step)
         yield GaugeMetricFamily("trainguard_run_predictor_score", "Failure risk in [0, 1].", value=a.predictor_score)
+        from trainguard.agent.metrics import failslow_families
+
+        yield from failslow_families(a.failslow.status, a.config.node_id)  # the coordinator's fail-slow findings
 
 
 @dataclass

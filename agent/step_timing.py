@@ -101,6 +101,16 @@ class FailSlowView:
             if key in self._seen:
                 continue
             self._seen.add(key)
+            if s.basis == "link":
+                events.append(HealthEvent(
+                    source="failslow", kind="failslow.slow_link", severity=Severity.WARNING, action=Action.WATCH,
+                    subject=f"node:{s.node_id}", node_id=self.node_id,
+                    message=(f"node {s.node_id}'s links are slow in every probed pair ({s.ratio:.1f}x below the "
+                             f"others); the job runs {s.individual:.2f}x slower than its baseline; action: "
+                             f"{status.action or 'report'}"),
+                    evidence={"node": s.node_id, "ratio": f"{s.ratio:.4f}", "excess_s": f"{s.excess_s:.6f}",
+                              "job_slowdown": f"{s.individual:.4f}", "probe": status.link_probe[:500]}))
+                continue
             events.append(HealthEvent(
                 source="failslow", kind="failslow.straggler", severity=Severity.WARNING, action=Action.WATCH,
                 subject=f"rank:{s.rank}", node_id=self.node_id,

@@ -3,6 +3,13 @@ localisation accuracy, each against its baseline measured in the same run.
 
     python bench/bench_failslow.py overhead [--blocks 40]        # sections + step_done vs a bare loop
     python bench/bench_failslow.py drills [--soak-s 120] [--hang-rounds 3] [--out FILE]
+    python bench/bench_failslow.py link [--link-rate 40mbit] [--out FILE]   # healthy links, then one capped
+    python bench/bench_failslow.py lock [--ranks 16384] [--ranks-per-node 8] [--windows 4]
+
+``lock`` drives a real :class:`~trainguard.recovery.coordinator.JobCoordinator` (in process, simulated clock,
+memory store) with the heartbeats of ``--ranks`` ranks and times how long each call holds the coordinator's
+lock: the window-closing heartbeat with scoring inside the lock (before; the same class with the whole call
+under its lock) against scoring after it (now), plus the scoring time itself (still paid, off the lock).
 
 ``overhead`` runs one worker under ``trainguard run`` (a real agent receiving every heartbeat). The worker
 alternates blocks of 20 steps of a small MLP: bare (no hook call at all) and hooked (five ``session.section``
@@ -16,7 +23,10 @@ overhead in percent.
   detection time, step time healthy / under the straggler (the no-detection baseline runs at that pace);
 - the replace drill (2 nodes + a warm spare, action replace): step time before, under, after replacement;
 - the hang drill (3 ranks, rank 2 hangs in its data loader in ``--hang-rounds`` generations in a row):
-  localisation accuracy.
+  localisation accuracy;
+- the slow-link drill (3 nodes + a spare in network namespaces, n1's data veth capped with ``tbf`` at
+  ``--link-rate``; action replace): time until the link probes name n1, step time healthy / slow link /
+  after the replacement.
 """
 
 from __future__ import annotations
@@ -168,14 +178,7 @@ def drills(soak_s: float, hang_rounds: int, link_rate: str) -> dict:
                                                        "majority_frame", "groups")} for f in hang.findings]}
     link = None
     if link_rate:
-        link = run_straggler_drill(StragglerDrillConfig(nodes=3, nproc=1, netns=True, link_rate=link_rate,
-                                                        throttle_rank=1, healthy_s=8, after_s=6,
-                                                        detect_timeout_s=60), progress=print)
-        st = next(iter(link.final_status.values()), {})
-        doc["link"] = {"rate": link_rate, "detected": link.detected, "detection_s": link.detection_s,
-                       "step_healthy_s": link.step_healthy_s, "step_slow_s": link.step_slow_s,
-                       "job_slowdown": st.get("job_slowdown"), "false_alarms": link.false_alarms,
-                       "slow_listed": link.slow_listed}
+        doc["link"], link = link_drill(link_rate)
     print()
     print(f"healthy soak {soak_s:.0f} s under background load: {soak.false_alarms} false alarm(s) in "
           f"{soak.status_polls_healthy} status polls")
@@ -189,11 +192,172 @@ def drills(soak_s: float, hang_rounds: int, link_rate: str) -> dict:
     print(f"hang localisation: {hang.correct}/{len(hang.findings)} rounds named the hung rank "
           f"({hang_rounds} injected)")
     if link is not None:
-        print(f"slow link (3 nodes in netns, n1's data0 capped at {link_rate} by tbf): detected {link.detected} in "
-              f"{link.detection_s or 0:.1f} s; step {1000 * (link.step_healthy_s or 0):.0f} ms -> "
-              f"{1000 * (link.step_slow_s or 0):.0f} ms; listed "
-              f"{[(s['rank'], round(s['ratio'], 2)) for s in link.slow_listed]}")
+        _print_link(doc["link"])
     return doc
+
+
+class _TimedLock:
+    """An RLock that records how long each outermost hold lasted (seconds)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._t0 = 0.0
+        self.holds: list[float] = []
+
+    def acquire(self, *a, **kw) -> bool:
+        ok = self._lock.acquire(*a, **kw)
+        if ok:
+            self._depth += 1
+            if self._depth == 1:
+                self._t0 = time.perf_counter()
+        return ok
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.holds.append(time.perf_counter() - self._t0)
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def link_drill(link_rate: str) -> tuple[dict, object]:
+    """The slow-link drill: 3 nodes + a warm spare in network namespaces, n1's data veth capped with tbf at
+    ``link_rate``, action replace. Returns (figures, the drill's result)."""
+    from trainguard.drill.failslow import StragglerDrillConfig, run_straggler_drill
+
+    link = run_straggler_drill(StragglerDrillConfig(nodes=3, nproc=1, netns=True, link_rate=link_rate,
+                                                    throttle_rank=1, spare=True, action="replace", healthy_s=8,
+                                                    after_s=8, detect_timeout_s=120), progress=print)
+    return {"rate": link_rate, "detected": link.detected, "named": link.named_node,
+            "detection_s": link.detection_s, "replaced": link.replaced,
+            "replacement_after_detection_s": link.replacement_s, "step_healthy_s": link.step_healthy_s,
+            "step_slow_s": link.step_slow_s, "step_after_s": link.step_after_s,
+            "false_alarms": link.false_alarms, "healthy_polls": link.status_polls_healthy,
+            "probe": link.link_probe}, link
+
+
+def healthy_links_drill() -> dict:
+    """The same 3-node netns cluster with healthy links, slowed job-wide (every worker under one shared CPU quota):
+    the coordinator probes the links, and must name no node."""
+    from trainguard.drill.failslow import StragglerDrillConfig, run_straggler_drill
+
+    r = run_straggler_drill(StragglerDrillConfig(nodes=3, nproc=1, netns=True, throttle_all=True,
+                                                 throttle_fraction=0.15, healthy_s=8, after_s=1,
+                                                 detect_timeout_s=150), progress=print)
+    slowdown = f"{r.step_slow_s / r.step_healthy_s:.1f}x slower" if r.step_slow_s and r.step_healthy_s else "?"
+    return {"named": r.named_node, "probe": r.link_probe, "outcome_after_s": r.detection_s,
+            "step_healthy_s": r.step_healthy_s, "step_slow_s": r.step_slow_s, "job_slowdown": slowdown,
+            "false_alarms": r.false_alarms}
+
+
+def _print_link(d: dict) -> None:
+    print(f"slow link (3 nodes + spare in netns, n1's data0 capped at {d['rate']} by tbf): named "
+          f"{d['named'] or 'none'} in {d['detection_s'] or 0:.1f} s, replaced {d['replaced']} "
+          f"({d['replacement_after_detection_s'] or 0:.1f} s later); step {1000 * (d['step_healthy_s'] or 0):.0f} ms "
+          f"healthy, {1000 * (d['step_slow_s'] or 0):.0f} ms slow link (baseline), "
+          f"{1000 * (d['step_after_s'] or 0):.0f} ms after replacement; {d['false_alarms']} false alarm(s) in "
+          f"{d['healthy_polls']} healthy polls; {d['probe']}")
+
+
+def lock_hold(ranks: int, per_node: int, windows: int) -> dict:
+    """Lock hold time of heartbeats at ``ranks`` ranks, window scoring inside the lock (before) vs outside (now).
+
+    Every node beats once per simulated 0.25 s with its ranks' timing; one rank is 2x slow so the windows have
+    something to find. Reported: the longest hold of the heartbeat that closes a window, the median hold of the
+    others, and the scoring time of a window measured on its own.
+    """
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.domain import Beat, Command, NodeRecord, RankTiming
+    from trainguard.recovery.spec import JobSpec
+    from trainguard.recovery.store import MemoryStore
+    from trainguard.recovery.straggler import StragglerConfig
+
+    class LockedScoring(JobCoordinator):
+        """The coordinator as it was: the whole heartbeat, window scoring included, under the lock."""
+
+        def heartbeat(self, req):  # noqa: D102
+            with self._lock:
+                return super().heartbeat(req)
+
+    nodes = ranks // per_node
+    out: dict = {"ranks": ranks, "nodes": nodes, "ranks_per_node": per_node}
+    for name, cls in (("before_scoring_under_lock", LockedScoring), ("now_scoring_off_lock", JobCoordinator)):
+        clock = [0.0]
+        core = cls(JobSpec(job="bench", nnodes=nodes, heartbeat_interval_s=0.25, lease_timeout_s=3600,
+                           failslow=StragglerConfig(window_s=2.0)), store=MemoryStore(), clock=lambda: clock[0])
+        lock = _TimedLock()
+        core._lock = lock  # noqa: SLF001 - instrument the real lock
+        names = [f"n{i}" for i in range(nodes)]
+        lease = {n: core.register("bench", NodeRecord(n, "p", i, n, per_node, "127.0.0.1"), 20000 + i)[0]
+                 for i, n in enumerate(names)}
+        gen = dict.fromkeys(names, -1)
+        step = dict.fromkeys(names, 0)
+        first = {}
+
+        def beat(n: str, timed: bool) -> float:
+            t = ()
+            if timed and gen[n] > 0:
+                step[n] += 2
+                r0 = first[n]
+                t = tuple(RankTiming(r, step[n], 0.2, 0.2 - (0.2 if r == 5 else 0.1), 0.2 if r == 5 else 0.1, 2)
+                          for r in range(r0, r0 + per_node))
+            t0 = time.perf_counter()
+            ins = core.heartbeat(Beat("bench", n, lease[n], gen[n], per_node if gen[n] > 0 else 0, False,
+                                      step[n] if gen[n] > 0 else -1, 0, t)).response
+            dt = time.perf_counter() - t0
+            if ins.command in (Command.START, Command.RESTART):
+                gen[n] = ins.table.generation
+                first[n] = core.layout.slot_of(n).first_rank
+            return dt
+
+        for _ in range(2):
+            for n in names:
+                beat(n, False)
+        assert all(g == 1 for g in gen.values()), "the bench job did not form"
+        lock.holds.clear()
+        closing: list[float] = []
+        other: list[float] = []
+        while core._failslow.detector._seq < windows + 1:  # noqa: SLF001 - count windows closed
+            clock[0] += 0.25
+            for n in names:
+                seq = core._failslow.detector._seq  # noqa: SLF001
+                n_holds = len(lock.holds)
+                beat(n, True)
+                holds = lock.holds[n_holds:]
+                (closing if core._failslow.detector._seq != seq else other).append(max(holds))  # noqa: SLF001
+        det = core._failslow.detector  # noqa: SLF001
+        row = {"window_closing_hold_max_s": max(closing[1:] or closing),
+               "window_closing_hold_median_s": statistics.median(closing[1:] or closing),
+               "other_hold_median_s": statistics.median(other), "windows": len(closing),
+               "slow_found": [f.rank for f in (det.last.slow_ranks if det.last else ())]}
+        out[name] = row
+        print(f"{name}: window-closing heartbeat holds the lock {1000 * row['window_closing_hold_median_s']:.1f} ms "
+              f"(max {1000 * row['window_closing_hold_max_s']:.1f}); other heartbeats {1e6 * row['other_hold_median_s']:.0f} us")
+    # Scoring alone (the work moved off the lock), on one window's worth of samples.
+    from trainguard.recovery.straggler import StragglerDetector, Timing
+
+    det = StragglerDetector(StragglerConfig(window_s=2.0))
+    t = 0.0
+    snap = None
+    while snap is None:
+        snap = det.collect(1, [Timing(r, f"n{r // per_node}", 0, 0.2, 0.1, 0.1, 2) for r in range(ranks)], t)
+        t += 0.25
+    t0 = time.perf_counter()
+    det.score(snap)
+    out["scoring_s"] = time.perf_counter() - t0
+    b, a = out["before_scoring_under_lock"], out["now_scoring_off_lock"]
+    out["hold_ratio_before_over_now"] = b["window_closing_hold_median_s"] / a["window_closing_hold_median_s"]
+    print(f"{ranks} ranks: window-closing lock hold {1000 * b['window_closing_hold_median_s']:.1f} ms -> "
+          f"{1000 * a['window_closing_hold_median_s']:.1f} ms ({out['hold_ratio_before_over_now']:.0f}x less); "
+          f"the scoring itself, now off the lock: {1000 * out['scoring_s']:.0f} ms per window")
+    return out
 
 
 def ettr(detect_s: float, components: list[str] | None, gpus: int, episode_h: float) -> dict:
@@ -247,6 +411,14 @@ def main() -> None:
     d.add_argument("--hang-rounds", type=int, default=3)
     d.add_argument("--link-rate", default="40mbit", help="tbf rate of the slow-link drill ('' skips it; needs netns)")
     d.add_argument("--out", default=None)
+    ln = sub.add_parser("link")
+    ln.add_argument("--link-rate", default="40mbit")
+    ln.add_argument("--out", default=None)
+    lk = sub.add_parser("lock")
+    lk.add_argument("--ranks", type=int, default=16_384)
+    lk.add_argument("--ranks-per-node", type=int, default=8)
+    lk.add_argument("--windows", type=int, default=4)
+    lk.add_argument("--out", default=None)
     e = sub.add_parser("ettr")
     e.add_argument("--detect-s", type=float, default=10.0, help="measured straggler detection time, seconds")
     e.add_argument("--components", action="append", default=None, help="measured component JSON (repeatable)")
@@ -259,6 +431,16 @@ def main() -> None:
         return
     if args.cmd == "overhead":
         doc = overhead(args.blocks)
+    elif args.cmd == "link":
+        healthy = healthy_links_drill()
+        doc = {"healthy_links": healthy, "slow_link": link_drill(args.link_rate)[0]}
+        print()
+        print(f"healthy links, every worker under one shared CPU quota (job {healthy['job_slowdown']}): probe "
+              f"outcome after {healthy['outcome_after_s'] or 0:.1f} s: {healthy['probe']}; named: "
+              f"{healthy['named'] or 'none'}")
+        _print_link(doc["slow_link"])
+    elif args.cmd == "lock":
+        doc = lock_hold(args.ranks, args.ranks_per_node, args.windows)
     elif args.cmd == "ettr":
         doc = ettr(args.detect_s, args.components, args.gpus, args.episode_h)
     else:

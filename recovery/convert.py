@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from trainguard.proto import common_pb2, coordinator_pb2 as pb
 from trainguard.recovery.domain import (Beat, CheckpointAsk, FailSlowStatus, FaultReport, GenerationTable,
-                                        Instruction, NodeRecord, RankTiming, StackAsk)
+                                        Instruction, LinkProbeResult, NodeRecord, RankTiming, StackAsk)
 from trainguard.recovery.node_health import NodeHealthReport, Verdict
 from trainguard.recovery.policy import Cause, Level
 from trainguard.recovery.qualification import Qualification
@@ -43,7 +43,9 @@ def beat(req: pb.NodeHeartbeatRequest) -> Beat:
     return Beat(req.job, req.node_id, req.lease_id, req.generation, req.workers_running, req.workers_succeeded,
                 req.last_step, req.free_port,
                 tuple(RankTiming(t.rank, t.step, t.step_s, t.wait_s, t.compute_s, t.steps) for t in req.timings),
-                qualification(req))
+                qualification(req), req.link_probe_port,
+                tuple(LinkProbeResult(r.probe_id, r.peer_node, r.bytes, r.up_s, r.down_s, r.error)
+                      for r in req.link_results))
 
 
 def qualification(req: pb.RegisterNodeRequest | pb.NodeHeartbeatRequest) -> Qualification | None:
@@ -133,7 +135,7 @@ def checkpoint(c: CheckpointAsk) -> pb.CheckpointRequest:
 def failslow_status(st: FailSlowStatus) -> common_pb2.FailSlowStatus:
     """Fail-slow findings on the wire."""
     msg = common_pb2.FailSlowStatus(job_step_s=st.job_step_s, job_slowdown=st.job_slowdown, action=st.action,
-                                    message=st.message, ranks_observed=st.ranks_observed)
+                                    message=st.message, ranks_observed=st.ranks_observed, link_probe=st.link_probe)
     for r in st.slow:
         msg.slow.add(rank=r.rank, node_id=r.node_id, ratio=r.ratio, excess_s=r.excess_s, since=r.since,
                      basis=r.basis, individual=r.individual)
@@ -184,7 +186,7 @@ class ResponseCache:
     def response(self, ins: Instruction) -> pb.NodeHeartbeatResponse:
         """A heartbeat response for an instruction."""
         if ins.table is not None and not ins.only_node:
-            key = (ins.command, ins.message, ins.interval_s, ins.phase, ins.failslow, ins.stacks)
+            key = (ins.command, ins.message, ins.interval_s, ins.phase, ins.failslow, ins.stacks, ins.link_probes)
             cached = self._start
             if cached is not None and cached[0] is ins.table and cached[1] == key:
                 return cached[2]
@@ -208,3 +210,6 @@ class ResponseCache:
             resp.failslow.CopyFrom(self.failslow(ins.failslow))
         if ins.stacks is not None:
             resp.stacks.CopyFrom(stack_request(ins.stacks))
+        for a in ins.link_probes:
+            resp.link_probes.add(probe_id=a.probe_id, peer_node=a.peer_node, peer_address=a.peer_address,
+                                 peer_port=a.peer_port, bytes=a.bytes, timeout_s=a.timeout_s)

@@ -56,7 +56,7 @@ from trainguard.recovery.qualification import PeerTimes, Qualification
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
 from trainguard.recovery.spec import JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
-from trainguard.recovery.straggler import ReplaceDecision
+from trainguard.recovery.straggler import ReplaceDecision, WindowSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -612,8 +612,13 @@ class JobCoordinator:
                      "refused": m.refused}).encode())])
                 durable = self._disqualify(m, now)
             self._advance()
-            reply = self._failslow_reply(self._command(m))
-            return reply if durable is None or reply.durable is not None else replace(reply, durable=durable)
+            reply = self._failslow_reply(self._command(m), m.info.node_id)
+            if durable is not None and reply.durable is None:
+                reply = replace(reply, durable=durable)
+            window = self._failslow.pop_window()
+        if window is not None:  # a fail-slow window closed: scored without the lock (~1 s at 16k ranks)
+            self._failslow_score(window)
+        return reply
 
     def add_heartbeat_observer(self, observer: Callable[[Beat, float], None]) -> None:
         """Calls ``observer(beat, now_s)`` for every accepted heartbeat (e.g. straggler detection).
@@ -651,8 +656,7 @@ class JobCoordinator:
             self._apply(Progressed(req.last_step))
         for observe in self._beat_observers:
             observe(req, now)
-        self._failslow_apply(self._failslow.on_heartbeat(req, self._policy.state.generation, now,
-                                                         lambda: len(self._candidates(now))), now)
+        self._failslow_apply(self._failslow.on_beat(req, self._policy.state.generation, now), now)
 
     def _command(self, m: Member) -> HeartbeatReply:
         st = self._policy.state
@@ -884,13 +888,30 @@ class JobCoordinator:
         self._failslow_apply(out.replace, now)
         return out.message if out.handled else None
 
-    def _failslow_reply(self, reply: HeartbeatReply) -> HeartbeatReply:
-        """Adds fail-slow's findings and an open stack request to a heartbeat reply (the service puts them on the
-        wire; a START shared by every node is rebuilt there only when they change)."""
+    def _failslow_reply(self, reply: HeartbeatReply, node_id: str = "") -> HeartbeatReply:
+        """Adds fail-slow's findings, an open stack request and the node's link probe to a heartbeat reply (the
+        service puts them on the wire; a START shared by every node is rebuilt there only when they change)."""
         findings, stacks = self._failslow.reply_findings(), self._failslow.stack_request()
-        if findings is None and stacks is None:
+        probes = self._failslow.link_asks(node_id) if node_id else ()
+        if findings is None and stacks is None and not probes:
             return reply
-        return HeartbeatReply(replace(reply.response, failslow=findings, stacks=stacks), reply.durable)
+        return HeartbeatReply(replace(reply.response, failslow=findings, stacks=stacks, link_probes=probes),
+                              reply.durable)
+
+    def _failslow_score(self, window: WindowSnapshot) -> None:
+        """Scores a closed fail-slow window WITHOUT the lock, then applies it under the lock (the supervisor drops
+        it when the generation changed meanwhile); link probes pair the slot holders at their addresses."""
+        result = self._failslow.score(window)
+        if result is None:
+            return
+        with self._lock:
+            if self.fenced:
+                return
+            now, lay = self._clock(), self._layout
+            addresses = {s.node_id: self._members[s.node_id].info.address for s in (lay.slots if lay else ())
+                         if s.node_id in self._members}
+            self._failslow_apply(self._failslow.apply_window(result, now, lambda: len(self._candidates(now)),
+                                                             lambda: addresses), now)
 
     def _failslow_apply(self, d: ReplaceDecision | None, now: float) -> None:
         """Replaces a slow (or repeatedly hanging) node with a spare as a node-level failure of that node: the

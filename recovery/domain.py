@@ -113,6 +113,8 @@ class Beat:
         free_port: a port free on the node now (0: none).
         timings: step timing of the node's ranks since its last heartbeat (fail-slow detection).
         qualification: a new pre-flight verdict of a node waiting without a slot (None: nothing new).
+        link_probe_port: the node's link-probe listener on its address (0: none; slow-link localisation).
+        link_results: link probes the node finished since its last heartbeat.
     """
 
     job: str
@@ -125,6 +127,39 @@ class Beat:
     free_port: int = 0
     timings: tuple[RankTiming, ...] = ()
     qualification: Qualification | None = None
+    link_probe_port: int = 0
+    link_results: tuple[LinkProbeResult, ...] = ()
+
+
+@dataclass(frozen=True)
+class LinkProbeAsk:
+    """A timed TCP transfer a node should run to a peer over the data network (slow-link localisation).
+
+    Attributes:
+        probe_id: identifies the probe (the answer names it).
+        peer_node, peer_address, peer_port: where the peer's probe listener is.
+        bytes: bytes to send (the peer echoes them back).
+        timeout_s: give up after this long, seconds.
+    """
+
+    probe_id: str
+    peer_node: str
+    peer_address: str
+    peer_port: int
+    bytes: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class LinkProbeResult:
+    """The outcome of one :class:`LinkProbeAsk` (seconds; ``error`` set when it failed)."""
+
+    probe_id: str
+    peer_node: str
+    bytes: int
+    up_s: float
+    down_s: float
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -239,6 +274,7 @@ class FailSlowStatus:
         message: one line for operators.
         hang: the latest hang localisation, if any.
         ranks_observed: ranks scored in the last window.
+        link_probe: slow-link localisation: the last probe campaign's outcome, or its progress ("" when none).
     """
 
     slow: tuple[SlowRank, ...] = ()
@@ -248,6 +284,7 @@ class FailSlowStatus:
     message: str = ""
     hang: HangFinding | None = None
     ranks_observed: int = 0
+    link_probe: str = ""
 
     @property
     def empty(self) -> bool:
@@ -303,6 +340,7 @@ class Instruction:
         checkpoint: a pending job-wide checkpoint of the current generation.
         failslow: the fail-slow findings (None when there are none).
         stacks: an open stack request of a hang being localised.
+        link_probes: link probes this node should run now (slow-link localisation).
     """
 
     command: Command
@@ -314,3 +352,4 @@ class Instruction:
     checkpoint: CheckpointAsk | None = None
     failslow: FailSlowStatus | None = None
     stacks: StackAsk | None = None
+    link_probes: tuple[LinkProbeAsk, ...] = ()

@@ -28,13 +28,16 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from trainguard.recovery.domain import Beat, FailSlowStatus, FaultReport, HangFinding, SlowRank, StackAsk
+from trainguard.recovery.domain import (Beat, FailSlowStatus, FaultReport, HangFinding, LinkProbeAsk, SlowRank,
+                                        StackAsk)
 from trainguard.recovery.errors import InvalidRequestError
 from trainguard.recovery.hang_locator import HangCollection, Localisation, localise
-from trainguard.recovery.straggler import ReplaceDecision, ReplacePolicy, StragglerConfig, StragglerDetector, Timing
+from trainguard.recovery.link_locator import LinkFinding, LinkLocator
+from trainguard.recovery.straggler import (ReplaceDecision, ReplacePolicy, SlowFinding, StragglerConfig,
+                                           StragglerDetector, Timing, WindowResult, WindowSnapshot)
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +123,19 @@ class FailSlowSupervisor:
         self._status: FailSlowStatus | None = None
         self._action = ""
         self._wall_of: dict[float, float] = {}
+        self._window: WindowSnapshot | None = None  # closed under the coordinator's lock, scored outside it
+        # Slow links: probe ports the nodes announce, the locator, the generation its campaign belongs to.
+        self.links = LinkLocator(self.config.link)
+        self._probe_ports: dict[str, int] = {}
+        self._link_generation = -1
+        self._link_since_wall = 0.0
+        self._verdict_logged = ""
 
     # -- heartbeats ------------------------------------------------------------------------------------------
     def on_heartbeat(self, req: Beat, generation: int, now: float,
                      spares: Callable[[], int]) -> ReplaceDecision | None:
-        """Feeds one heartbeat's timing; may return a replacement the coordinator should apply.
+        """Feeds one heartbeat's timing and scores a window that closed, all at once (for callers whose lock may
+        be held that long; the coordinator uses :meth:`on_beat`, :meth:`score` and :meth:`apply_window`).
 
         Args:
             req: the heartbeat (validated).
@@ -132,31 +143,139 @@ class FailSlowSupervisor:
             now: coordinator clock, seconds.
             spares: counts the spare nodes available now (called only when a slow node is up for replacement).
         """
-        decision = None
+        decision = self.on_beat(req, generation, now)
+        snap = self.pop_window()
+        if snap is not None:
+            result = self.score(snap)
+            if result is not None:
+                decision = self.apply_window(result, now, spares) or decision
+        return decision
+
+    def on_beat(self, req: Beat, generation: int, now: float) -> ReplaceDecision | None:
+        """The cheap part of a heartbeat (call under the coordinator's lock): measures a pending replacement's
+        cost, adds the beat's timing to the open window (a window that closes waits in :meth:`pop_window`),
+        takes link-probe results, and closes a hang collection that is due; returns a replacement that the hang
+        collection decided, or None."""
+        self._on_link_beat(req, generation, now)
         if req.generation == generation:
             cost = self.policy.progress(generation, req.last_step, now)
             if cost is not None:
                 log.warning("fail-slow: a node-level restart cost %.1f s (decision to the job back at its step)",
                             cost)
-            timings = [Timing(t.rank, req.node_id, t.step, t.step_s, t.wait_s, t.compute_s, t.steps)
-                       for t in req.timings]
-            result = self.detector.observe(generation, timings, now) if timings else None
-            if result is not None:
-                self._status = None
-                for f in result.newly_flagged:
-                    what = f"rank {f.rank} on node {f.node_id}" if f.rank >= 0 else f"node {f.node_id}"
-                    log.warning("fail-slow: %s is a straggler: own work %.2fx the others' median, the job loses "
-                                "%.0f ms per %.0f ms step", what, f.ratio, f.excess_s * 1000, result.job_step_s * 1000)
-                    self._wall_of[f.since] = self._wall()
-                if result.slow_nodes:
-                    decision = self.policy.decide(result, now, spares())
-                    if decision is None and not self._action.startswith("replace"):
-                        self._action = "report"
-        return decision or self._maybe_finish(now)
+            if req.timings:
+                timings = [Timing(t.rank, req.node_id, t.step, t.step_s, t.wait_s, t.compute_s, t.steps)
+                           for t in req.timings]
+                snap = self.detector.collect(generation, timings, now)
+                if snap is not None:
+                    self._window = snap
+        return self._maybe_finish(now)
+
+    # -- slow links ------------------------------------------------------------------------------------------
+    def _on_link_beat(self, req: Beat, generation: int, now: float) -> None:
+        if req.link_probe_port > 0:
+            self._probe_ports[req.node_id] = req.link_probe_port
+        if generation != self._link_generation:
+            self._link_generation = generation
+            self.links.abort()
+        before = self.links.last_outcome
+        finding = self.links.on_results(req.link_results, now) if req.link_results else self.links.tick(now)
+        if self.links.last_outcome != before:
+            self._status = None
+        if finding is not None:
+            # No action yet: the finding goes out in every reply first, and the replace policy weighs it at the
+            # next scored window, if the job is still slow then (one probe campaign alone never replaces a node).
+            self._link_since_wall = self._wall()
+            log.warning("fail-slow: %s", self.links.last_outcome)
+
+    def _link_decision(self, now: float, spares: Callable[[], int] | None) -> ReplaceDecision | None:
+        """Asks the replace policy about the node a link probe named (valued at the job's slowdown)."""
+        f, res = self.links.finding, self.detector.last
+        if f is None or res is None or spares is None or not res.job_step_s > 0 or not res.job_slowdown > 1:
+            return None
+        if not self._action.startswith("replace"):
+            self._action = "report"
+        excess = res.job_step_s * (1.0 - 1.0 / res.job_slowdown)
+        node = SlowFinding(-1, f.node_id, f.ratio, excess, f.since, "link", res.job_slowdown)
+        view = WindowResult(now, res.job_step_s, res.job_slowdown, {}, {}, (), (node,), (), res.generation,
+                            res.epoch)
+        d = self.policy.decide(view, now, spares())
+        self._log_verdict()
+        if d is None:
+            return None
+        return ReplaceDecision(d.node_id, f"slow links on node {f.node_id}: {self.links.last_outcome}; the job runs "
+                                          f"{res.job_slowdown:.1f}x slower than its baseline; replacing saves "
+                                          f"~{d.saved_s:.0f} s against a restart cost of {d.cost_s:.1f} s",
+                               d.saved_s, d.cost_s)
+
+    def _log_verdict(self) -> None:
+        """Logs why the replace policy kept a slow node, once per node (the coordinator log then says why a drill
+        or an operator saw a straggler reported but not replaced)."""
+        v = self.policy.verdict
+        key = v.split(":", 1)[0]
+        if v and key != self._verdict_logged:
+            log.warning("fail-slow: %s", v)
+            self._status = None
+        self._verdict_logged = key if v else ""
+
+    def link_asks(self, node_id: str) -> tuple[LinkProbeAsk, ...]:
+        """The link probe ``node_id`` should run now (for its heartbeat reply)."""
+        return self.links.asks_for(node_id)
+
+    @property
+    def link_finding(self) -> LinkFinding | None:
+        """The node the last link probe named, while the job stays slow."""
+        return self.links.finding
+
+    def pop_window(self) -> WindowSnapshot | None:
+        """The window that closed since the last call, to :meth:`score` (outside the coordinator's lock)."""
+        snap, self._window = self._window, None
+        return snap
+
+    def score(self, snap: WindowSnapshot) -> WindowResult | None:
+        """Scores a closed window; needs no outside lock (None: stale, a new generation began since)."""
+        return self.detector.score(snap)
+
+    def apply_window(self, result: WindowResult, now: float, spares: Callable[[], int],
+                     addresses: Callable[[], Mapping[str, str]] | None = None) -> ReplaceDecision | None:
+        """Takes a scored window's findings (call under the coordinator's lock): logs new flags, refreshes the
+        status, and asks the replace policy about a slow node. A result from before a reset (its generation
+        ended while it was scored) is dropped.
+
+        Args:
+            result: from :meth:`score`.
+            now: coordinator clock, seconds.
+            spares: counts the spare nodes available now.
+            addresses: node -> address of the nodes holding ranks now (for link probes; None: no probing).
+        """
+        if not self.detector.is_current(result):
+            return None
+        self._status = None
+        for f in result.newly_flagged:
+            what = f"rank {f.rank} on node {f.node_id}" if f.rank >= 0 else f"node {f.node_id}"
+            log.warning("fail-slow: %s is a straggler: own work %.2fx the others' median, the job loses "
+                        "%.0f ms per %.0f ms step", what, f.ratio, f.excess_s * 1000, result.job_step_s * 1000)
+            self._wall_of[f.since] = self._wall()
+        decision = None
+        if result.slow_nodes:
+            decision = self.policy.decide(result, now, spares())
+            if decision is None and not self._action.startswith("replace"):
+                self._action = "report"
+            self._log_verdict()
+        if addresses is not None:
+            addr = addresses()
+            f = self.links.finding
+            if f is not None and f.node_id not in addr:
+                self.links.forget(f.node_id)  # replaced: it holds no ranks now
+            endpoints = {n: (a, self._probe_ports.get(n, 0)) for n, a in addr.items()}
+            self.links.on_window(result.job_slowdown, bool(result.slow_ranks or result.slow_nodes), endpoints, now)
+            if decision is None and self.links.finding is not None and not result.slow_nodes:
+                decision = self._link_decision(now, spares)
+        return decision
 
     def applied(self, decision: ReplaceDecision, now: float, step: int, generation: int) -> None:
         """The coordinator replaced ``decision.node_id`` (cost measurement and cooldown start)."""
         self.policy.applied(decision, now, step, generation)
+        self.links.forget(decision.node_id)
         self._action = f"replace {decision.node_id}"
         self._status = None
         log.warning("fail-slow: replacing node %s: %s", decision.node_id, decision.detail)
@@ -235,17 +354,30 @@ class FailSlowSupervisor:
         if res is not None:
             slow = tuple(SlowRank(f.rank, f.node_id, f.ratio, f.excess_s, self._wall_of.get(f.since, 0.0), f.basis,
                                   f.individual) for f in res.slow_ranks[: self.config.max_listed])
+            lf = self.links.finding
+            if lf is not None:
+                excess = res.job_step_s * (1.0 - 1.0 / res.job_slowdown) if res.job_slowdown > 1 else 0.0
+                slow = (SlowRank(-1, lf.node_id, lf.ratio, _finite(excess), self._link_since_wall, "link",
+                                 _finite(res.job_slowdown)),) + slow[: self.config.max_listed - 1]
             action = message = ""
-            if res.slow_ranks or res.slow_nodes:
+            if lf is not None and not (res.slow_ranks or res.slow_nodes):
+                action = self._action or "report"
+                message = (f"slow link: {self.links.last_outcome}; restart cost {self.policy.cost_s:.1f} s "
+                           f"({'measured' if self.policy.measured else 'assumed'})")
+            elif res.slow_ranks or res.slow_nodes:
                 action = self._action or "report"
                 nodes = ", ".join(f"{f.node_id} ({f.ratio:.2f}x)" for f in res.slow_nodes) or "-"
                 message = (f"{len(res.slow_ranks)} slow rank(s); slow node(s): {nodes}; restart cost "
                            f"{self.policy.cost_s:.1f} s ({'measured' if self.policy.measured else 'assumed'})")
+            if message and self.config.action == "replace" and self.policy.verdict:
+                message += f"; {self.policy.verdict}"
             st = FailSlowStatus(slow=slow, job_step_s=_finite(res.job_step_s), job_slowdown=_finite(res.job_slowdown),
-                                action=action, message=message, ranks_observed=len(res.ratios))
+                                action=action, message=message, ranks_observed=len(res.ratios),
+                                link_probe=self.links.last_outcome)
+        elif self.links.last_outcome:
+            st = FailSlowStatus(action=self._action, link_probe=self.links.last_outcome)
         if self._hang is not None and self._hang.ranks_seen:
-            st = FailSlowStatus(st.slow, st.job_step_s, st.job_slowdown, st.action, st.message, self._hang,
-                                st.ranks_observed)
+            st = replace(st, hang=self._hang)
         self._status = st
         return st
 

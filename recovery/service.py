@@ -40,6 +40,7 @@ from trainguard.recovery import convert
 from trainguard.recovery.coordinator import JobCoordinator
 from trainguard.recovery.failslow import validate_timings
 from trainguard.recovery.qualification import refusal_message
+from trainguard.recovery.link_locator import validate_link_results
 from trainguard.recovery.spec import JOB_NAME_RE, JobSpec
 from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, InvalidRequestError, NodeRefusedError,
                                         NotServingError, RecoveryError, RequestError, SlotTakenError,
@@ -172,6 +173,7 @@ def validate_heartbeat(req: coordinator_pb2.NodeHeartbeatRequest) -> None:
     _check_port("free_port", req.free_port)
     validate_timings(req.timings)
     _check_qualification(req)
+    validate_link_results(req.link_results, req.link_probe_port)
 
 
 def validate_report(req: coordinator_pb2.ReportEventRequest) -> None:

@@ -32,11 +32,13 @@ from __future__ import annotations
 import enum
 import math
 import statistics
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 from dataclasses import dataclass, field
 
 from trainguard.recovery.errors import InvalidRequestError
+from trainguard.recovery.link_locator import LinkProbeConfig
 
 
 class FlagState(enum.Enum):
@@ -83,6 +85,8 @@ class StragglerConfig:
         margin: replace only when the projected saving is at least this multiple of the cost. Default 2.
         cooldown_s: at least this long between two replacements, seconds. Default 300.
         max_listed: slow ranks listed in the status at most. Default 16.
+        link: slow-link localisation (:class:`~trainguard.recovery.link_locator.LinkProbeConfig`): probe the
+            nodes' links when the job slows down with no compute straggler.
     """
 
     slow_ratio: float = 1.3
@@ -99,6 +103,7 @@ class StragglerConfig:
     margin: float = 2.0
     cooldown_s: float = 300.0
     max_listed: int = 16
+    link: LinkProbeConfig = field(default_factory=LinkProbeConfig)
 
     def validate(self) -> None:
         """Checks every field.
@@ -122,6 +127,7 @@ class StragglerConfig:
             raise InvalidRequestError(f"failslow cooldown_s={self.cooldown_s} must be >= 0")
         if self.action not in ("report", "replace"):
             raise InvalidRequestError(f"failslow action={self.action!r}: use 'report' or 'replace'")
+        self.link.validate()
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,28 @@ class SlowFinding:
 
 
 @dataclass(frozen=True)
+class WindowSnapshot:
+    """A closed window's samples, taken under the caller's lock and scored outside it (:meth:`StragglerDetector.
+    score`).
+
+    Attributes:
+        epoch: the detector's epoch when the window closed (a reset in between makes the scores stale).
+        seq: the window's number within the detector (an older window scored late is dropped).
+        generation: the job generation of the samples.
+        time: when the window closed, seconds.
+        samples: rank -> the summaries of the window.
+        node_of: rank -> node id.
+    """
+
+    epoch: int
+    seq: int
+    generation: int
+    time: float
+    samples: Mapping[int, list[Timing]]
+    node_of: Mapping[int, str]
+
+
+@dataclass(frozen=True)
 class WindowResult:
     """What one closed window found."""
 
@@ -175,6 +203,8 @@ class WindowResult:
     slow_ranks: tuple[SlowFinding, ...]
     slow_nodes: tuple[SlowFinding, ...]
     newly_flagged: tuple[SlowFinding, ...] = ()
+    generation: int = -1
+    epoch: int = 0
 
 
 #: First windows of a rank left out of its baseline (start-up: imports, allocator warm-up, first restore).
@@ -227,7 +257,10 @@ class StragglerDetector:
         self.config.validate()
         self._window_start: float | None = None
         self._samples: dict[int, list[Timing]] = {}
+        self._steps: dict[int, int] = {}  # steps per rank in the open window (kept as samples come: O(1) a beat)
+        self._short = 0  # ranks of the open window below min_steps
         self._node_of: dict[int, str] = {}
+        self._node_of_shared = False  # handed to a snapshot: copy before the next change
         self._ranks: dict[int, _Track] = {}
         self._nodes: dict[str, _Track] = {}
         self._baseline_obs: dict[int, list[float]] = {}
@@ -235,10 +268,33 @@ class StragglerDetector:
         self._windows_seen: dict[int, int] = {}
         self.generation = -1
         self.last: WindowResult | None = None
+        # Scoring may run outside the caller's lock (collect() under it, score() after): ``_state_lock`` guards
+        # the epoch and the flag tracks against a concurrent reset(); ``_score_lock`` runs one scoring at a time
+        # (the baselines and tracks belong to it).
+        self._state_lock = threading.Lock()
+        self._score_lock = threading.Lock()
+        self._epoch = 0
+        self._seq = 0
+        self._scored_seq = 0
 
     # -- input -----------------------------------------------------------------------------------------------
     def observe(self, generation: int, timings: Iterable[Timing], now: float) -> WindowResult | None:
-        """Adds heartbeat summaries; closes the window when it is due.
+        """Adds heartbeat summaries; closes and scores the window when it is due (:meth:`collect` then
+        :meth:`score`, for a caller with no lock to keep short).
+
+        Args:
+            generation: the job generation the summaries belong to (older ones are ignored).
+            timings: summaries from one heartbeat.
+            now: current time, seconds (any monotonic clock).
+
+        Returns:
+            The closed window's result, or None when no window closed.
+        """
+        snap = self.collect(generation, timings, now)
+        return self.score(snap) if snap is not None else None
+
+    def collect(self, generation: int, timings: Iterable[Timing], now: float) -> WindowSnapshot | None:
+        """Adds heartbeat summaries; when the window is due, detaches its samples (cheap: no scoring).
 
         A new generation (a restart) starts fresh windows and flags: the ranks may sit on other nodes now.
 
@@ -248,7 +304,7 @@ class StragglerDetector:
             now: current time, seconds (any monotonic clock).
 
         Returns:
-            The closed window's result, or None when no window closed.
+            The closed window to :meth:`score` (possibly outside the caller's lock), or None.
         """
         if generation < self.generation:
             return None
@@ -260,34 +316,69 @@ class StragglerDetector:
             if t.steps <= 0 or not (t.step_s > 0 and math.isfinite(t.step_s)):
                 continue
             self._samples.setdefault(t.rank, []).append(t)
-            self._node_of[t.rank] = t.node_id
+            before = self._steps.get(t.rank, 0)
+            after = self._steps[t.rank] = before + t.steps
+            self._short += (after < self.config.min_steps) - (0 < before < self.config.min_steps)
+            if self._node_of.get(t.rank) != t.node_id:
+                if self._node_of_shared:  # a snapshot being scored reads the old map
+                    self._node_of, self._node_of_shared = dict(self._node_of), False
+                self._node_of[t.rank] = t.node_id
         return self._maybe_close(now)
 
     def reset(self, generation: int) -> None:
         """Forgets windows and flags (kept: individual baselines, which belong to the ranks' history)."""
-        self.generation = generation
-        self._window_start = None
-        self._samples.clear()
-        self._node_of.clear()
-        self._ranks.clear()
-        self._nodes.clear()
-        self.last = None
+        with self._state_lock:
+            self._epoch += 1
+            self.generation = generation
+            self._window_start = None
+            self._samples, self._steps, self._short = {}, {}, 0
+            self._node_of, self._node_of_shared = {}, False
+            self._ranks = {}  # new objects: a scoring still running on the old ones cannot touch these
+            self._nodes = {}
+            self.last = None
 
     def _maybe_close(self, now: float) -> WindowResult | None:
         cfg = self.config
         age = now - (now if self._window_start is None else self._window_start)
         if age < cfg.window_s:
             return None
-        counts = {r: sum(t.steps for t in ts) for r, ts in self._samples.items()}
-        if age < 5 * cfg.window_s and (len(counts) < 2 or min(counts.values()) < cfg.min_steps):
+        # O(1) per beat: this runs under the coordinator's lock on every heartbeat once the window is due.
+        if age < 5 * cfg.window_s and (len(self._steps) < 2 or self._short > 0):
             return None
-        samples, self._samples = self._samples, {}
+        samples, self._samples, self._steps, self._short = self._samples, {}, {}, 0
         self._window_start = now
-        return self._score(now, {r: ts for r, ts in samples.items() if counts[r] >= 1})
+        self._seq += 1
+        self._node_of_shared = True  # no copy of 16k entries under the lock: copied on the next change instead
+        return WindowSnapshot(self._epoch, self._seq, self.generation, now, samples, self._node_of)
 
     # -- scoring ---------------------------------------------------------------------------------------------
-    def _score(self, now: float, samples: Mapping[int, list[Timing]]) -> WindowResult:
+    def score(self, snap: WindowSnapshot) -> WindowResult | None:
+        """Scores a closed window (thread-safe; needs no outside lock).
+
+        Returns:
+            The result (also kept as :attr:`last`), or None when the window went stale: the detector was reset
+            (a new generation) since it closed, or a newer window was scored first.
+        """
+        with self._score_lock:
+            with self._state_lock:
+                if snap.epoch != self._epoch or snap.seq <= self._scored_seq:
+                    return None
+                ranks, nodes = self._ranks, self._nodes
+            result = self._score(snap, ranks, nodes)
+            with self._state_lock:
+                if snap.epoch != self._epoch:
+                    return None
+                self._scored_seq = snap.seq
+                self.last = result
+            return result
+
+    def is_current(self, result: WindowResult) -> bool:
+        """Whether ``result`` still belongs to the detector's epoch (no reset since it was scored)."""
+        return result.epoch == self._epoch
+
+    def _score(self, snap: WindowSnapshot, ranks: dict[int, _Track], nodes: dict[str, _Track]) -> WindowResult:
         cfg = self.config
+        now, samples, node_of = snap.time, snap.samples, snap.node_of
         step = {r: _median(t.step_s for t in ts) for r, ts in samples.items()}
         own = {r: _median(t.compute_s for t in ts if t.compute_s >= 0) for r, ts in samples.items()}
         own = {r: v for r, v in own.items() if not math.isnan(v)}
@@ -310,27 +401,26 @@ class StragglerDetector:
         ratios, excess = _relative_to_others(own)
         node_own: dict[str, list[float]] = {}
         for r, v in own.items():
-            node_own.setdefault(self._node_of.get(r, "?"), []).append(v)
+            node_own.setdefault(node_of.get(r, "?"), []).append(v)
         node_med = {n: _median(vs) for n, vs in node_own.items()}
         node_ratios, node_excess = _relative_to_others(node_med)
 
         newly: list[SlowFinding] = []
         floor = cfg.min_excess * job_step if job_step == job_step else 0.0
         for r, ratio in ratios.items():
-            tr = self._ranks.setdefault(r, _Track())
+            tr = ranks.setdefault(r, _Track())
             if self._advance(tr, ratio, excess[r], basis, now, floor):
-                newly.append(self._finding(r, self._node_of.get(r, "?"), tr))
+                newly.append(self._finding(r, node_of.get(r, "?"), tr, node_of))
         for n, ratio in node_ratios.items():
-            tr = self._nodes.setdefault(n, _Track())
+            tr = nodes.setdefault(n, _Track())
             if self._advance(tr, ratio, node_excess[n], basis, now, floor):
-                newly.append(self._finding(-1, n, tr))
-        slow_ranks = tuple(sorted((self._finding(r, self._node_of.get(r, "?"), tr) for r, tr in self._ranks.items()
+                newly.append(self._finding(-1, n, tr, node_of))
+        slow_ranks = tuple(sorted((self._finding(r, node_of.get(r, "?"), tr, node_of) for r, tr in ranks.items()
                                    if tr.state is FlagState.SLOW), key=lambda f: -f.ratio))
-        slow_nodes = tuple(sorted((self._finding(-1, n, tr) for n, tr in self._nodes.items()
+        slow_nodes = tuple(sorted((self._finding(-1, n, tr, node_of) for n, tr in nodes.items()
                                    if tr.state is FlagState.SLOW), key=lambda f: -f.ratio))
-        self.last = WindowResult(now, job_step, job_slowdown, ratios, node_ratios, slow_ranks, slow_nodes,
-                                 tuple(newly))
-        return self.last
+        return WindowResult(now, job_step, job_slowdown, ratios, node_ratios, slow_ranks, slow_nodes,
+                            tuple(newly), snap.generation, snap.epoch)
 
     def _advance(self, tr: _Track, ratio: float, excess: float, basis: str, now: float, floor: float) -> bool:
         """Moves one track through :data:`TRANSITIONS`; True when it just became SLOW."""
@@ -351,9 +441,9 @@ class StragglerDetector:
             return True
         return False
 
-    def _finding(self, rank: int, node: str, tr: _Track) -> SlowFinding:
+    def _finding(self, rank: int, node: str, tr: _Track, node_of: Mapping[int, str]) -> SlowFinding:
         ind = self._individual.get(rank, 1.0) if rank >= 0 else _median(
-            self._individual.get(r, 1.0) for r, n in self._node_of.items() if n == node)
+            self._individual.get(r, 1.0) for r, n in node_of.items() if n == node)
         return SlowFinding(rank, node, tr.ratio, tr.excess_s, tr.since, tr.basis, ind)
 
     # -- views -----------------------------------------------------------------------------------------------
@@ -395,6 +485,7 @@ class ReplacePolicy:
     measured: bool = False
     last_replace: float = -math.inf
     replaced: list[str] = field(default_factory=list)
+    verdict: str = ""  # why the last slow node weighed was not replaced ("" when it was, or none was weighed)
     _pending: tuple[float, int, int] | None = None  # (decision time, step reached, generation) of a replacement
 
     def __post_init__(self) -> None:
@@ -418,14 +509,20 @@ class ReplacePolicy:
         if not result.job_step_s > 0:
             return None
         excess = worst.excess_s
-        if len(result.slow_nodes) == 1 and result.job_slowdown >= cfg.slow_ratio:
-            # A slow link shows as a small own-work excess (its node waits a little less in the collective) while
-            # every rank's step grew: when one node is flagged and the whole job slowed against its own
-            # baseline, that slowdown is what replacing the node can win back.
+        if len(result.slow_nodes) == 1 and result.job_slowdown > 1.0:
+            # The own-work excess understates what a lone slow node costs: a slow link shows as a small one (its
+            # node waits a little less in the collective), and a CPU-starved rank is also starved inside its
+            # `comm` section, which then counts as waiting. When one node is flagged, the job's step growth
+            # against its own baseline is the direct measure of what replacing it wins back.
             excess = max(excess, result.job_step_s * (1.0 - 1.0 / result.job_slowdown))
         saved = cfg.horizon_s * excess / result.job_step_s
         if saved < cfg.margin * self.cost_s:
+            self.verdict = (f"not replacing node {worst.node_id}: it costs {excess * 1000:.0f} ms of every "
+                            f"{result.job_step_s * 1000:.0f} ms step, ~{saved:.0f} s over {cfg.horizon_s:.0f} s, "
+                            f"less than {cfg.margin:g} x the {'measured' if self.measured else 'assumed'} restart "
+                            f"cost of {self.cost_s:.1f} s")
             return None
+        self.verdict = ""
         detail = (f"straggler node {worst.node_id}: own work {worst.ratio:.2f}x the other nodes' median, "
                   f"{excess * 1000:.0f} ms of every {result.job_step_s * 1000:.0f} ms step; replacing saves "
                   f"~{saved:.0f} s over {cfg.horizon_s:.0f} s against a "

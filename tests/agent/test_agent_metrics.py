@@ -114,3 +114,37 @@ def test_real_prometheus_scrapes_and_answers_a_query(served, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_failslow_gauges_show_the_coordinators_findings_for_this_node(served):
+    from trainguard.agent.metrics import failslow_families
+    from trainguard.proto import common_pb2
+
+    metrics, server = served
+    st = common_pb2.FailSlowStatus(job_step_s=0.3, job_slowdown=4.5)
+    st.slow.add(rank=3, node_id="node-a", ratio=2.5, basis="wait")
+    st.slow.add(rank=7, node_id="node-b", ratio=3.5, basis="wait")
+    st.slow.add(rank=-1, node_id="node-a", ratio=80.0, basis="link")
+    metrics.set_failslow(st.slow, st.job_slowdown, st.job_step_s, "node-a")
+    text = scrape(server.url)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("trainguard_failslow_slow_ranks", (("scope", "job"),))] == 2
+    assert samples[("trainguard_failslow_slow_ranks", (("scope", "node"),))] == 1
+    assert samples[("trainguard_failslow_worst_ratio", (("scope", "job"),))] == 3.5
+    assert samples[("trainguard_failslow_worst_ratio", (("scope", "node"),))] == 2.5
+    assert samples[("trainguard_failslow_node_slow", (("basis", "link"),))] == 1
+    assert samples[("trainguard_failslow_node_slow", (("basis", "wait"),))] == 1
+    assert samples[("trainguard_failslow_node_slow", (("basis", "compute"),))] == 0
+    assert samples[("trainguard_failslow_job_slowdown", ())] == 4.5
+    # Cleared findings go back to zero (the gauges never keep a stale straggler).
+    metrics.set_failslow([], 1.0, 0.1, "node-a")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(scrape(server.url)) for s in f.samples}
+    assert samples[("trainguard_failslow_slow_ranks", (("scope", "job"),))] == 0
+    assert samples[("trainguard_failslow_node_slow", (("basis", "link"),))] == 0
+    # The scrape-time families of `trainguard run` carry the same values.
+    fams = {f.name: f for f in failslow_families(st, "node-b")}
+    assert {tuple(s.labels.items()): s.value for s in fams["trainguard_failslow_slow_ranks"].samples} == \
+        {(("scope", "job"),): 2, (("scope", "node"),): 1}
+    assert fams["trainguard_failslow_job_step_seconds"].samples[0].value == 0.3

@@ -1,5 +1,7 @@
 """Fail-slow drills on one machine, real injection: a worker capped by a cgroup v1 CPU quota is found and shown
-in `trainguard status` and the events; a rank hung in its data loader is named by grouping every rank's stack."""
+in `trainguard status`, the events and /metrics; a node whose data link is capped by tbf (3 nodes in network
+namespaces) is named by pairwise link probes; a rank hung in its data loader is named by grouping every rank's
+stack."""
 
 from __future__ import annotations
 
@@ -7,9 +9,11 @@ import pytest
 
 from trainguard.detectors.stackdump import find_py_spy
 from trainguard.drill.failslow import HangDrillConfig, StragglerDrillConfig, run_hang_drill, run_straggler_drill
+from trainguard.drill.netns import netns_unavailable_reason
 from trainguard.drill.slowdown import CpuThrottle, cpu_throttle_unavailable_reason
 
 CGROUP_WHY = cpu_throttle_unavailable_reason()
+NETNS_WHY = netns_unavailable_reason()
 
 
 @pytest.mark.slow
@@ -27,6 +31,10 @@ def test_cpu_throttled_worker_is_detected_and_reported(tmp_path):
     assert res.step_slow_s > res.step_healthy_s
     assert "SLOW RANK" in res.status_text and "action: report" in res.status_text
     assert any(e["kind"] == "failslow.straggler" and e["subject"] == "rank:1" for e in res.events)
+    # The run's /metrics carries the same finding (scraped when it was detected).
+    assert res.metrics["trainguard_failslow_slow_ranks{scope=job}"] == 1, res.metrics
+    assert res.metrics["trainguard_failslow_slow_ranks{scope=node}"] == 1
+    assert res.metrics["trainguard_failslow_worst_ratio{scope=job}"] >= 1.3
 
 
 @pytest.mark.slow
@@ -43,6 +51,26 @@ def test_hung_rank_is_localised_by_its_stack(tmp_path):
     assert res.accuracy == 1.0
     assert "last hang (generation 1): outlier rank(s) 2" in res.status_text
     assert any(e["kind"] == "failslow.hang_localised" for e in res.events)
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(NETNS_WHY is not None, reason=str(NETNS_WHY))
+def test_a_node_slowed_on_its_link_is_named_by_pairwise_link_probes(tmp_path):
+    # Three nodes in their own network namespaces; n1's data link is capped by a real tbf qdisc. Every rank's own
+    # work stays flat (the ring waits on the slow hop alike), so only the link probe can name n1.
+    res = run_straggler_drill(StragglerDrillConfig(nodes=3, nproc=1, netns=True, link_rate="40mbit", throttle_rank=1,
+                                                   healthy_s=6, after_s=1, detect_timeout_s=120,
+                                                   workdir=str(tmp_path)), progress=lambda _: None)
+    assert res.false_alarms == 0 and res.status_polls_healthy >= 6, "a healthy run named a node"
+    assert res.detected and res.named_node == "n1", (res.link_probe, res.status_text)
+    assert "node n1: slow in all 2 of its probed link pair(s)" in res.link_probe
+    link = [s for s in res.slow_listed if s.get("basis") == "link"]
+    assert link and int(link[0]["rank"]) == -1 and link[0]["ratio"] >= 4
+    assert res.step_slow_s > 2 * res.step_healthy_s  # the no-detection baseline: the job at the slow link's pace
+    assert "(node)" in res.status_text and "link" in res.status_text
+    assert any(e["kind"] == "failslow.slow_link" and e["subject"] == "node:n1" for e in res.events)
 
 
 @pytest.mark.skipif(CGROUP_WHY is not None, reason=str(CGROUP_WHY))

@@ -196,3 +196,94 @@ def test_leave_one_out_medians_match_the_definition():
             import statistics
 
             assert fast[k] == pytest.approx(statistics.median(v for q, v in vals.items() if q != k))
+
+
+def _window(det: StragglerDetector, t: float, gen: int = 1, own: float = 0.1):
+    """Feeds heartbeats until a window closes; returns (snapshot, time)."""
+    while True:
+        ts = [Timing(r, f"n{r}", 0, 0.2, 0.2 - own, own, 4) for r in range(3)]
+        snap = det.collect(gen, ts, t)
+        t += 0.5
+        if snap is not None:
+            return snap, t
+
+
+def test_a_window_scored_after_a_new_generation_began_is_dropped_not_applied():
+    # The coordinator closes a window under its lock and scores it outside; a restart may come in between.
+    det = StragglerDetector(StragglerConfig(window_s=2.0))
+    snap, t = _window(det, 0.0)
+    assert snap.generation == 1 and set(snap.samples) == {0, 1, 2}
+    det.collect(2, [], t)  # generation 2 starts (reset) before the generation-1 window is scored
+    assert det.score(snap) is None and det.last is None
+    snap2, t = _window(det, t, gen=2)
+    res = det.score(snap2)
+    assert res is not None and res.generation == 2 and det.is_current(res) and det.last is res
+
+
+def test_an_older_window_scored_after_a_newer_one_is_dropped():
+    det = StragglerDetector(StragglerConfig(window_s=2.0))
+    older, t = _window(det, 0.0)
+    newer, t = _window(det, t)
+    assert newer.seq == older.seq + 1
+    assert det.score(newer) is not None
+    assert det.score(older) is None, "a late, older window must not overwrite the newer findings"
+
+
+def test_collect_then_score_gives_the_same_findings_as_observe():
+    cfg = StragglerConfig(window_s=2.0, persist_windows=3)
+    a, b = StragglerDetector(cfg), StragglerDetector(cfg)
+    last_a = last_b = None
+    t = 0.0
+    for i in range(80):
+        own = {0: 0.1, 1: 0.1, 2: 0.3 if i > 30 else 0.1}
+        ts = [Timing(r, f"n{r}", i, 0.3, 0.3 - v, v, 4) for r, v in own.items()]
+        last_a = a.observe(1, ts, t) or last_a
+        snap = b.collect(1, ts, t)
+        last_b = (b.score(snap) if snap else None) or last_b
+        t += 0.5
+    assert [f.rank for f in last_a.slow_ranks] == [f.rank for f in last_b.slow_ranks] == [2]
+    assert last_a.ratios == last_b.ratios
+
+
+def test_a_lone_slow_node_is_valued_at_what_the_job_lost_even_below_the_slowdown_ratio():
+    """The replace-drill flake (2 nodes + spare, horizon 600 s, 60 s assumed restart, margin 2: a saving must be
+    >= 120 s). Under background load the healthy step is already 200 ms and the CPU-starved rank is starved inside
+    its `comm` section too, so its own-work excess is 50 ms of a 255 ms step (600 x 50/255 = 118 s: never worth
+    it) while the job's step grew by 55 ms (129 s). It used to be reported for ever and never replaced."""
+    cfg = StragglerConfig(window_s=1.0, persist_windows=2, action="replace", horizon_s=600, restart_cost_s=60)
+    det = StragglerDetector(cfg)
+    _, t = _run(det, 12, lambda t: {0: 0.15, 1: 0.15}, wait_extra=0.05)
+    res, t = _run(det, 6, lambda t: {0: 0.15, 1: 0.20}, wait_extra=0.055, t0=t)
+    r = res[-1]
+    assert [f.node_id for f in r.slow_nodes] == ["n1"] and r.slow_nodes[0].excess_s == pytest.approx(0.05)
+    assert 1.0 < r.job_slowdown < cfg.slow_ratio
+    pol = ReplacePolicy(cfg)
+    d = pol.decide(r, t, spares=1)
+    assert d is not None and d.node_id == "n1" and d.saved_s == pytest.approx(600 * 0.055 / 0.255, rel=0.02)
+    # Below the margin, the policy says why (the coordinator logs it and puts it in the status message).
+    stingy = ReplacePolicy(StragglerConfig(action="replace", horizon_s=600, restart_cost_s=100))
+    assert stingy.decide(r, t, spares=1) is None
+    assert stingy.verdict.startswith("not replacing node n1") and "less than 2 x the assumed restart cost" in \
+        stingy.verdict
+
+
+def test_a_closed_windows_node_map_is_not_changed_by_later_beats():
+    # The snapshot shares the detector's rank -> node map (no 16k-entry copy under the lock); a later change
+    # must copy first, or a window being scored would see ranks move under it.
+    det = StragglerDetector(StragglerConfig(window_s=2.0))
+    snap, t = _window(det, 0.0)
+    assert snap.node_of[1] == "n1"
+    det.collect(1, [Timing(1, "n9", 0, 0.2, 0.1, 0.1, 4)], t)
+    assert snap.node_of[1] == "n1" and det._node_of[1] == "n9"
+
+
+def test_a_window_waits_for_min_steps_from_every_rank_then_closes_anyway_after_five_lengths():
+    det = StragglerDetector(StragglerConfig(window_s=1.0, min_steps=3))
+    t, snap = 0.0, None
+    while snap is None:  # rank 1 completes 1 step per beat, rank 0 ten: rank 1 holds the window open
+        snap = det.collect(1, [Timing(0, "a", 0, 0.1, 0.05, 0.05, 10), Timing(1, "b", 0, 0.1, 0.05, 0.05, 1)], t)
+        t += 0.5
+    assert t - 0.5 == 1.0 and sum(x.steps for x in snap.samples[1]) == 3
+    det2 = StragglerDetector(StragglerConfig(window_s=1.0, min_steps=100))
+    closed = [det2.collect(1, [Timing(r, "a", 0, 0.1, 0.05, 0.05, 1) for r in range(2)], k * 0.5) for k in range(12)]
+    assert any(c is not None for c in closed)  # by 5 window lengths, even short

@@ -8,6 +8,9 @@ worker is capped at a fraction of a core through a cgroup v1 CPU quota (:class:`
 CpuThrottle`). The drill measures when ``trainguard status`` first lists that rank (detection time), the job's
 step time healthy, under the straggler (the baseline without detection: the job runs at the straggler's pace),
 and after mitigation (``--failslow-action replace``: the straggler's node is swapped for the spare).
+With ``link_rate`` the node holding ``throttle_rank`` gets its data link capped by a ``tbf`` qdisc instead (nodes in
+network namespaces); no rank's own work changes, so detection is the coordinator's link probe naming that node
+(a ``link`` finding in ``trainguard status``).
 
 **Hang drill** (:func:`run_hang_drill`). Rank ``hang_rank`` hangs in its data loader at a given step in each
 of ``rounds`` generations while the others wait for it in their all-reduce; the process detector declares the
@@ -57,6 +60,9 @@ class StragglerDrillConfig:
             :class:`~trainguard.drill.netns.Fabric`).
         link_rate: instead of the CPU quota, cap the data link of the node holding ``throttle_rank`` at this
             tc rate (e.g. ``"100mbit"``) with a tbf qdisc on its ``data0`` inside its namespace (needs netns).
+        throttle_all: instead, put every worker under one shared CPU quota (``throttle_fraction`` x workers): the
+            whole job slows down, no rank more than the others and no link: with 3+ nodes the coordinator probes
+            the (healthy) links, and the drill waits for the campaign's outcome (it must name no node).
     """
 
     nodes: int = 1
@@ -72,6 +78,7 @@ class StragglerDrillConfig:
     workdir: str = ""
     netns: bool = False
     link_rate: str = ""
+    throttle_all: bool = False
 
 
 @dataclass
@@ -88,6 +95,9 @@ class StragglerDrillResult:
     step_after_s: float | None = None
     replaced: bool = False
     replacement_s: float | None = None
+    named_node: str = ""
+    link_probe: str = ""
+    metrics: dict = field(default_factory=dict)
     status_text: str = ""
     slow_listed: list = field(default_factory=list)
     events: list = field(default_factory=list)
@@ -117,8 +127,14 @@ class _Job:
                   str(self.stop_file), *worker_args]
         common = ["--nproc-per-node", str(nproc), "--hang-floor-s", str(hang_floor_s), "--max-restarts", "5",
                   "--failslow-action", action, "--job", self.job]
+        self.metrics_url = ""
         if nodes == 1:
-            self._spawn("run-n0", ["run", "--node-id", "n0", *common, *worker])
+            from trainguard.agent.node import find_free_port
+
+            port = find_free_port("127.0.0.1")
+            self.metrics_url = f"http://127.0.0.1:{port}/metrics"
+            self._spawn("run-n0", ["run", "--node-id", "n0", "--metrics-listen", f"127.0.0.1:{port}", *common,
+                                   *worker])
             return
         port_file = workdir / "coordinator.port"
         host = fabric.coordinator_host if fabric is not None else "127.0.0.1"
@@ -204,6 +220,23 @@ class _Job:
                            text=True, env=self.env, timeout=30)
         return r.stdout
 
+    def failslow_metrics(self) -> dict[str, float]:
+        """The ``trainguard_failslow_*`` samples of the node's ``/metrics`` (single-node drill; {} otherwise)."""
+        if not self.metrics_url:
+            return {}
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return {}
+        return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith("trainguard_failslow_")}
+
     def kill(self) -> None:
         """Kills every process group the drill started (idempotent)."""
         for p in self.procs:
@@ -279,10 +312,16 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         if victim is None:
             raise SoakError(f"rank {cfg.throttle_rank} wrote no pid file: is the world that large?")
         t_inject = time.time()
+        capped = job.node_of_rank(cfg.throttle_rank, cfg.nproc)
         if cfg.link_rate:
-            node = job.node_of_rank(cfg.throttle_rank, cfg.nproc)
-            throttle = LinkRateCap("data0", cfg.link_rate, netns=fabric.nodes[node].netns)
-            progress(f"node {node}'s data link capped at {cfg.link_rate} (tbf)")
+            throttle = LinkRateCap("data0", cfg.link_rate, netns=fabric.nodes[capped].netns)
+            progress(f"node {capped}'s data link capped at {cfg.link_rate} (tbf)")
+        elif cfg.throttle_all:
+            world = cfg.nproc * len(watched)
+            pids = [p[0] for p in (job.pid_of(r) for r in range(world)) if p is not None]
+            throttle = CpuThrottle(cfg.throttle_fraction * len(pids))
+            throttle.add(pids)
+            progress(f"all {len(pids)} workers share {cfg.throttle_fraction * len(pids):g} CPU (job-wide slowdown)")
         else:
             throttle = CpuThrottle(cfg.throttle_fraction)
             throttle.add([victim[0]])
@@ -291,11 +330,25 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         while time.time() < deadline:
             for node in watched:
                 slow = _slow_listed(job.status(node))
-                hit = [s for s in slow if int(s.get("rank", 0)) == cfg.throttle_rank]
+                if cfg.throttle_all:  # healthy links: wait for a probe campaign to finish, whatever it says
+                    res.link_probe = ((job.status(node) or {}).get("failslow") or {}).get("link_probe", "")
+                    if res.link_probe and not res.link_probe.startswith("probing"):
+                        res.detection_s = time.time() - t_inject
+                        res.named_node = next((s.get("node_id", "") for s in slow if s.get("basis") == "link"), "")
+                        res.slow_listed = slow
+                        break
+                    continue
+                if cfg.link_rate:  # a slow link is a node finding (rank -1, basis "link")
+                    hit = [s for s in slow if s.get("basis") == "link" and s.get("node_id") == capped]
+                    res.link_probe = ((job.status(node) or {}).get("failslow") or {}).get("link_probe", "")
+                else:
+                    hit = [s for s in slow if int(s.get("rank", 0)) == cfg.throttle_rank]
                 if hit:
                     res.detected, res.detection_s, res.slow_listed = True, time.time() - t_inject, slow
+                    res.named_node = hit[0].get("node_id", "")
+                    res.metrics = job.failslow_metrics()
                     break
-            if res.detected:
+            if res.detected or (cfg.throttle_all and res.detection_s is not None):
                 break
             time.sleep(0.5)
         t_detect = time.time()
@@ -321,6 +374,8 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         st = job.status(watched[0]) or {}
         res.events = [e for e in st.get("recent_events", []) if e.get("source") == "failslow"]
         res.final_status = {n: (job.status(n) or {}).get("failslow", {}) for n in watched}
+        res.link_probe = next((f.get("link_probe", "") for f in res.final_status.values() if f.get("link_probe")),
+                              res.link_probe)
         return res
     finally:
         if throttle is not None:
@@ -328,7 +383,8 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         job.kill()
         if fabric is not None:
             fabric.close()
-        failed = not res.detected or (cfg.action == "replace" and not res.replaced)
+        failed = (res.detection_s is None or bool(res.named_node)) if cfg.throttle_all else \
+            (not res.detected or (cfg.action == "replace" and not res.replaced))
         if not cfg.workdir and not failed:
             shutil.rmtree(workdir, ignore_errors=True)
         elif failed:

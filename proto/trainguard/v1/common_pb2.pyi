@@ -185,7 +185,7 @@ class HangFinding(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., outlier_ranks: _Optional[_Iterable[int]] = ..., outlier_nodes: _Optional[_Iterable[str]] = ..., outlier_frame: _Optional[str] = ..., majority_frame: _Optional[str] = ..., ranks_seen: _Optional[int] = ..., groups: _Optional[int] = ..., repeats: _Optional[int] = ..., time: _Optional[float] = ...) -> None: ...
 
 class FailSlowStatus(_message.Message):
-    __slots__ = ("slow", "job_step_s", "job_slowdown", "action", "message", "hang", "ranks_observed")
+    __slots__ = ("slow", "job_step_s", "job_slowdown", "action", "message", "hang", "ranks_observed", "link_probe")
     SLOW_FIELD_NUMBER: _ClassVar[int]
     JOB_STEP_S_FIELD_NUMBER: _ClassVar[int]
     JOB_SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,7 @@ class FailSlowStatus(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     HANG_FIELD_NUMBER: _ClassVar[int]
     RANKS_OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    LINK_PROBE_FIELD_NUMBER: _ClassVar[int]
     slow: _containers.RepeatedCompositeFieldContainer[SlowRank]
     job_step_s: float
     job_slowdown: float
@@ -200,4 +201,5 @@ class FailSlowStatus(_message.Message):
     message: str
     hang: HangFinding
     ranks_observed: int
-    def __init__(self, slow: _Optional[_Iterable[_Union[SlowRank, _Mapping]]] = ..., job_step_s: _Optional[float] = ..., job_slowdown: _Optional[float] = ..., action: _Optional[str] = ..., message: _Optional[str] = ..., hang: _Optional[_Union[HangFinding, _Mapping]] = ..., ranks_observed: _Optional[int] = ...) -> None: ...
+    link_probe: str
+    def __init__(self, slow: _Optional[_Iterable[_Union[SlowRank, _Mapping]]] = ..., job_step_s: _Optional[float] = ..., job_slowdown: _Optional[float] = ..., action: _Optional[str] = ..., message: _Optional[str] = ..., hang: _Optional[_Union[HangFinding, _Mapping]] = ..., ranks_observed: _Optional[int] = ..., link_probe: _Optional[str] = ...) -> None: ...

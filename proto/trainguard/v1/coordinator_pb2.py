@@ -25,59 +25,63 @@ _sym_db = _symbol_database.Default()
 from trainguard.proto.trainguard.v1 import common_pb2 as trainguard_dot_proto_dot_trainguard_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0trainguard/proto/trainguard/v1/coordinator.proto\x12\rtrainguard.v1\x1a+trainguard/proto/trainguard/v1/common.proto\"\xad\x01\n\x13RegisterNodeRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12%\n\x04node\x18\x02 \x01(\x0b\x32\x17.trainguard.v1.NodeInfo\x12\x11\n\tfree_port\x18\x03 \x01(\x05\x12\x16\n\x0e\x61gent_instance\x18\x04 \x01(\t\x12\x37\n\rqualification\x18x \x01(\x0b\x32 .trainguard.v1.NodeQualification\"<\n\x14RegisterNodeResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x99\x02\n\x14NodeHeartbeatRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x17\n\x0fworkers_running\x18\x05 \x01(\x05\x12\x11\n\tlast_step\x18\x06 \x01(\x03\x12\x19\n\x11workers_succeeded\x18\x07 \x01(\x08\x12\x11\n\tfree_port\x18\x08 \x01(\x05\x12*\n\x07timings\x18\t \x03(\x0b\x32\x19.trainguard.v1.RankTiming\x12\x37\n\rqualification\x18x \x01(\x0b\x32 .trainguard.v1.NodeQualification\"\x9d\x01\n\x11NodeQualification\x12\x0e\n\x06passed\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nduration_s\x18\x03 \x01(\x01\x12\x31\n\x06\x63hecks\x18\x04 \x03(\x0b\x32!.trainguard.v1.QualificationCheck\x12\x11\n\techo_port\x18\x05 \x01(\x05\x12\x0e\n\x06peer_s\x18\x06 \x01(\x01\"B\n\x13QualifyPeersRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x05\"=\n\x0bQualifyPeer\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\x05\"g\n\x14QualifyPeersResponse\x12)\n\x05peers\x18\x01 \x03(\x0b\x32\x1a.trainguard.v1.QualifyPeer\x12\x13\n\x0breference_s\x18\x02 \x01(\x01\x12\x0f\n\x07history\x18\x03 \x01(\x05\"V\n\x12QualificationCheck\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x12\n\nduration_s\x18\x04 \x01(\x01\"j\n\nRankTiming\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06step_s\x18\x03 \x01(\x01\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\x12\r\n\x05steps\x18\x06 \x01(\x05\"\\\n\x11\x43heckpointRequest\x12\x0f\n\x07\x61t_step\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"\xd7\x02\n\x15NodeHeartbeatResponse\x12+\n\x07\x63ommand\x18\x01 \x01(\x0e\x32\x1a.trainguard.v1.NodeCommand\x12,\n\nrank_table\x18\x02 \x01(\x0b\x32\x18.trainguard.v1.RankTable\x12\x12\n\ninterval_s\x18\x03 \x01(\x01\x12*\n\tjob_state\x18\x04 \x01(\x0e\x32\x17.trainguard.v1.JobState\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x34\n\ncheckpoint\x18\x06 \x01(\x0b\x32 .trainguard.v1.CheckpointRequest\x12/\n\x08\x66\x61ilslow\x18\x07 \x01(\x0b\x32\x1d.trainguard.v1.FailSlowStatus\x12+\n\x06stacks\x18\x08 \x01(\x0b\x32\x1b.trainguard.v1.StackRequest\"6\n\x0cStackRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\xe1\x01\n\x12ReportEventRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12)\n\x05\x65vent\x18\x05 \x01(\x0b\x32\x1a.trainguard.v1.HealthEvent\x12\x34\n\x0eproposed_level\x18\x06 \x01(\x0e\x32\x1c.trainguard.v1.RecoveryLevel\x12\x13\n\x0b\x66\x61iled_rank\x18\x07 \x01(\x05\x12\x11\n\texit_code\x18\x08 \x01(\x05\"s\n\x13ReportEventResponse\x12\x33\n\rdecided_level\x18\x01 \x01(\x0e\x32\x1c.trainguard.v1.RecoveryLevel\x12\x16\n\x0enew_generation\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\"\"\n\x13GetRankTableRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"E\n\x17\x43ommitCheckpointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\"7\n\x18\x43ommitCheckpointResponse\x12\x1b\n\x13last_committed_step\x18\x01 \x01(\x03\"\xd9\x01\n\x17NodeHealthReportRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x31\n\x07verdict\x18\x04 \x01(\x0e\x32 .trainguard.v1.NodeHealthVerdict\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0c\n\x04risk\x18\x06 \x01(\x01\x12\x16\n\x0e\x61gent_instance\x18\x07 \x01(\t\x12)\n\x05\x63\x61use\x18\x08 \x01(\x0b\x32\x1a.trainguard.v1.HealthEvent\"Q\n\x18NodeHealthReportResponse\x12\x10\n\x08\x63ordoned\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\ninterval_s\x18\x03 \x01(\x01*\xa2\x01\n\x0bNodeCommand\x12\x1c\n\x18NODE_COMMAND_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_COMMAND_NONE\x10\x01\x12\x16\n\x12NODE_COMMAND_START\x10\x02\x12\x18\n\x14NODE_COMMAND_RESTART\x10\x03\x12\x15\n\x11NODE_COMMAND_STOP\x10\x04\x12\x15\n\x11NODE_COMMAND_WAIT\x10\x05*\x9c\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_FORMING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05*\x95\x01\n\rRecoveryLevel\x12\x1e\n\x1aRECOVERY_LEVEL_UNSPECIFIED\x10\x00\x12\x17\n\x13RECOVERY_LEVEL_NONE\x10\x01\x12\x1a\n\x16RECOVERY_LEVEL_PROCESS\x10\x02\x12\x17\n\x13RECOVERY_LEVEL_NODE\x10\x03\x12\x16\n\x12RECOVERY_LEVEL_JOB\x10\x04*\x9a\x01\n\x11NodeHealthVerdict\x12#\n\x1fNODE_HEALTH_VERDICT_UNSPECIFIED\x10\x00\x12\x1f\n\x1bNODE_HEALTH_VERDICT_HEALTHY\x10\x01\x12 \n\x1cNODE_HEALTH_VERDICT_DEGRADED\x10\x02\x12\x1d\n\x19NODE_HEALTH_VERDICT_FATAL\x10\x03\x32\x85\x05\n\x0b\x43oordinator\x12W\n\x0cRegisterNode\x12\".trainguard.v1.RegisterNodeRequest\x1a#.trainguard.v1.RegisterNodeResponse\x12V\n\tHeartbeat\x12#.trainguard.v1.NodeHeartbeatRequest\x1a$.trainguard.v1.NodeHeartbeatResponse\x12T\n\x0bReportEvent\x12!.trainguard.v1.ReportEventRequest\x1a\".trainguard.v1.ReportEventResponse\x12L\n\x0cGetRankTable\x12\".trainguard.v1.GetRankTableRequest\x1a\x18.trainguard.v1.RankTable\x12\x63\n\x10\x43ommitCheckpoint\x12&.trainguard.v1.CommitCheckpointRequest\x1a\'.trainguard.v1.CommitCheckpointResponse\x12W\n\x0cQualifyPeers\x12\".trainguard.v1.QualifyPeersRequest\x1a#.trainguard.v1.QualifyPeersResponse\x12\x63\n\x10ReportNodeHealth\x12&.trainguard.v1.NodeHealthReportRequest\x1a\'.trainguard.v1.NodeHealthReportResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0trainguard/proto/trainguard/v1/coordinator.proto\x12\rtrainguard.v1\x1a+trainguard/proto/trainguard/v1/common.proto\"\xad\x01\n\x13RegisterNodeRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12%\n\x04node\x18\x02 \x01(\x0b\x32\x17.trainguard.v1.NodeInfo\x12\x11\n\tfree_port\x18\x03 \x01(\x05\x12\x16\n\x0e\x61gent_instance\x18\x04 \x01(\t\x12\x37\n\rqualification\x18x \x01(\x0b\x32 .trainguard.v1.NodeQualification\"<\n\x14RegisterNodeResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\xea\x02\n\x14NodeHeartbeatRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x17\n\x0fworkers_running\x18\x05 \x01(\x05\x12\x11\n\tlast_step\x18\x06 \x01(\x03\x12\x19\n\x11workers_succeeded\x18\x07 \x01(\x08\x12\x11\n\tfree_port\x18\x08 \x01(\x05\x12*\n\x07timings\x18\t \x03(\x0b\x32\x19.trainguard.v1.RankTiming\x12\x37\n\rqualification\x18x \x01(\x0b\x32 .trainguard.v1.NodeQualification\x12\x18\n\x0flink_probe_port\x18\xaa\x01 \x01(\r\x12\x35\n\x0clink_results\x18\xab\x01 \x03(\x0b\x32\x1e.trainguard.v1.LinkProbeResult\"\x9d\x01\n\x11NodeQualification\x12\x0e\n\x06passed\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nduration_s\x18\x03 \x01(\x01\x12\x31\n\x06\x63hecks\x18\x04 \x03(\x0b\x32!.trainguard.v1.QualificationCheck\x12\x11\n\techo_port\x18\x05 \x01(\x05\x12\x0e\n\x06peer_s\x18\x06 \x01(\x01\"B\n\x13QualifyPeersRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x05\"=\n\x0bQualifyPeer\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\x05\"g\n\x14QualifyPeersResponse\x12)\n\x05peers\x18\x01 \x03(\x0b\x32\x1a.trainguard.v1.QualifyPeer\x12\x13\n\x0breference_s\x18\x02 \x01(\x01\x12\x0f\n\x07history\x18\x03 \x01(\x05\"V\n\x12QualificationCheck\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x12\n\nduration_s\x18\x04 \x01(\x01\"~\n\x0cLinkProbeAsk\x12\x10\n\x08probe_id\x18\x01 \x01(\t\x12\x11\n\tpeer_node\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x11\n\tpeer_port\x18\x04 \x01(\r\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\"r\n\x0fLinkProbeResult\x12\x10\n\x08probe_id\x18\x01 \x01(\t\x12\x11\n\tpeer_node\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0c\n\x04up_s\x18\x04 \x01(\x01\x12\x0e\n\x06\x64own_s\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"j\n\nRankTiming\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06step_s\x18\x03 \x01(\x01\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\x12\r\n\x05steps\x18\x06 \x01(\x05\"\\\n\x11\x43heckpointRequest\x12\x0f\n\x07\x61t_step\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"\x8a\x03\n\x15NodeHeartbeatResponse\x12+\n\x07\x63ommand\x18\x01 \x01(\x0e\x32\x1a.trainguard.v1.NodeCommand\x12,\n\nrank_table\x18\x02 \x01(\x0b\x32\x18.trainguard.v1.RankTable\x12\x12\n\ninterval_s\x18\x03 \x01(\x01\x12*\n\tjob_state\x18\x04 \x01(\x0e\x32\x17.trainguard.v1.JobState\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x34\n\ncheckpoint\x18\x06 \x01(\x0b\x32 .trainguard.v1.CheckpointRequest\x12/\n\x08\x66\x61ilslow\x18\x07 \x01(\x0b\x32\x1d.trainguard.v1.FailSlowStatus\x12+\n\x06stacks\x18\x08 \x01(\x0b\x32\x1b.trainguard.v1.StackRequest\x12\x31\n\x0blink_probes\x18\xaa\x01 \x03(\x0b\x32\x1b.trainguard.v1.LinkProbeAsk\"6\n\x0cStackRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\xe1\x01\n\x12ReportEventRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12)\n\x05\x65vent\x18\x05 \x01(\x0b\x32\x1a.trainguard.v1.HealthEvent\x12\x34\n\x0eproposed_level\x18\x06 \x01(\x0e\x32\x1c.trainguard.v1.RecoveryLevel\x12\x13\n\x0b\x66\x61iled_rank\x18\x07 \x01(\x05\x12\x11\n\texit_code\x18\x08 \x01(\x05\"s\n\x13ReportEventResponse\x12\x33\n\rdecided_level\x18\x01 \x01(\x0e\x32\x1c.trainguard.v1.RecoveryLevel\x12\x16\n\x0enew_generation\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\"\"\n\x13GetRankTableRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"E\n\x17\x43ommitCheckpointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\"7\n\x18\x43ommitCheckpointResponse\x12\x1b\n\x13last_committed_step\x18\x01 \x01(\x03\"\xd9\x01\n\x17NodeHealthReportRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x31\n\x07verdict\x18\x04 \x01(\x0e\x32 .trainguard.v1.NodeHealthVerdict\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0c\n\x04risk\x18\x06 \x01(\x01\x12\x16\n\x0e\x61gent_instance\x18\x07 \x01(\t\x12)\n\x05\x63\x61use\x18\x08 \x01(\x0b\x32\x1a.trainguard.v1.HealthEvent\"Q\n\x18NodeHealthReportResponse\x12\x10\n\x08\x63ordoned\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\ninterval_s\x18\x03 \x01(\x01*\xa2\x01\n\x0bNodeCommand\x12\x1c\n\x18NODE_COMMAND_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_COMMAND_NONE\x10\x01\x12\x16\n\x12NODE_COMMAND_START\x10\x02\x12\x18\n\x14NODE_COMMAND_RESTART\x10\x03\x12\x15\n\x11NODE_COMMAND_STOP\x10\x04\x12\x15\n\x11NODE_COMMAND_WAIT\x10\x05*\x9c\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_FORMING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05*\x95\x01\n\rRecoveryLevel\x12\x1e\n\x1aRECOVERY_LEVEL_UNSPECIFIED\x10\x00\x12\x17\n\x13RECOVERY_LEVEL_NONE\x10\x01\x12\x1a\n\x16RECOVERY_LEVEL_PROCESS\x10\x02\x12\x17\n\x13RECOVERY_LEVEL_NODE\x10\x03\x12\x16\n\x12RECOVERY_LEVEL_JOB\x10\x04*\x9a\x01\n\x11NodeHealthVerdict\x12#\n\x1fNODE_HEALTH_VERDICT_UNSPECIFIED\x10\x00\x12\x1f\n\x1bNODE_HEALTH_VERDICT_HEALTHY\x10\x01\x12 \n\x1cNODE_HEALTH_VERDICT_DEGRADED\x10\x02\x12\x1d\n\x19NODE_HEALTH_VERDICT_FATAL\x10\x03\x32\x85\x05\n\x0b\x43oordinator\x12W\n\x0cRegisterNode\x12\".trainguard.v1.RegisterNodeRequest\x1a#.trainguard.v1.RegisterNodeResponse\x12V\n\tHeartbeat\x12#.trainguard.v1.NodeHeartbeatRequest\x1a$.trainguard.v1.NodeHeartbeatResponse\x12T\n\x0bReportEvent\x12!.trainguard.v1.ReportEventRequest\x1a\".trainguard.v1.ReportEventResponse\x12L\n\x0cGetRankTable\x12\".trainguard.v1.GetRankTableRequest\x1a\x18.trainguard.v1.RankTable\x12\x63\n\x10\x43ommitCheckpoint\x12&.trainguard.v1.CommitCheckpointRequest\x1a\'.trainguard.v1.CommitCheckpointResponse\x12W\n\x0cQualifyPeers\x12\".trainguard.v1.QualifyPeersRequest\x1a#.trainguard.v1.QualifyPeersResponse\x12\x63\n\x10ReportNodeHealth\x12&.trainguard.v1.NodeHealthReportRequest\x1a\'.trainguard.v1.NodeHealthReportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trainguard.proto.trainguard.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODECOMMAND']._serialized_start=2535
-  _globals['_NODECOMMAND']._serialized_end=2697
-  _globals['_JOBSTATE']._serialized_start=2700
-  _globals['_JOBSTATE']._serialized_end=2856
-  _globals['_RECOVERYLEVEL']._serialized_start=2859
-  _globals['_RECOVERYLEVEL']._serialized_end=3008
-  _globals['_NODEHEALTHVERDICT']._serialized_start=3011
-  _globals['_NODEHEALTHVERDICT']._serialized_end=3165
+  _globals['_NODECOMMAND']._serialized_start=2911
+  _globals['_NODECOMMAND']._serialized_end=3073
+  _globals['_JOBSTATE']._serialized_start=3076
+  _globals['_JOBSTATE']._serialized_end=3232
+  _globals['_RECOVERYLEVEL']._serialized_start=3235
+  _globals['_RECOVERYLEVEL']._serialized_end=3384
+  _globals['_NODEHEALTHVERDICT']._serialized_start=3387
+  _globals['_NODEHEALTHVERDICT']._serialized_end=3541
   _globals['_REGISTERNODEREQUEST']._serialized_start=113
   _globals['_REGISTERNODEREQUEST']._serialized_end=286
   _globals['_REGISTERNODERESPONSE']._serialized_start=288
   _globals['_REGISTERNODERESPONSE']._serialized_end=348
   _globals['_NODEHEARTBEATREQUEST']._serialized_start=351
-  _globals['_NODEHEARTBEATREQUEST']._serialized_end=632
-  _globals['_NODEQUALIFICATION']._serialized_start=635
-  _globals['_NODEQUALIFICATION']._serialized_end=792
-  _globals['_QUALIFYPEERSREQUEST']._serialized_start=794
-  _globals['_QUALIFYPEERSREQUEST']._serialized_end=860
-  _globals['_QUALIFYPEER']._serialized_start=862
-  _globals['_QUALIFYPEER']._serialized_end=923
-  _globals['_QUALIFYPEERSRESPONSE']._serialized_start=925
-  _globals['_QUALIFYPEERSRESPONSE']._serialized_end=1028
-  _globals['_QUALIFICATIONCHECK']._serialized_start=1030
-  _globals['_QUALIFICATIONCHECK']._serialized_end=1116
-  _globals['_RANKTIMING']._serialized_start=1118
-  _globals['_RANKTIMING']._serialized_end=1224
-  _globals['_CHECKPOINTREQUEST']._serialized_start=1226
-  _globals['_CHECKPOINTREQUEST']._serialized_end=1318
-  _globals['_NODEHEARTBEATRESPONSE']._serialized_start=1321
-  _globals['_NODEHEARTBEATRESPONSE']._serialized_end=1664
-  _globals['_STACKREQUEST']._serialized_start=1666
-  _globals['_STACKREQUEST']._serialized_end=1720
-  _globals['_REPORTEVENTREQUEST']._serialized_start=1723
-  _globals['_REPORTEVENTREQUEST']._serialized_end=1948
-  _globals['_REPORTEVENTRESPONSE']._serialized_start=1950
-  _globals['_REPORTEVENTRESPONSE']._serialized_end=2065
-  _globals['_GETRANKTABLEREQUEST']._serialized_start=2067
-  _globals['_GETRANKTABLEREQUEST']._serialized_end=2101
-  _globals['_COMMITCHECKPOINTREQUEST']._serialized_start=2103
-  _globals['_COMMITCHECKPOINTREQUEST']._serialized_end=2172
-  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_start=2174
-  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_end=2229
-  _globals['_NODEHEALTHREPORTREQUEST']._serialized_start=2232
-  _globals['_NODEHEALTHREPORTREQUEST']._serialized_end=2449
-  _globals['_NODEHEALTHREPORTRESPONSE']._serialized_start=2451
-  _globals['_NODEHEALTHREPORTRESPONSE']._serialized_end=2532
-  _globals['_COORDINATOR']._serialized_start=3168
-  _globals['_COORDINATOR']._serialized_end=3813
+  _globals['_NODEHEARTBEATREQUEST']._serialized_end=713
+  _globals['_NODEQUALIFICATION']._serialized_start=716
+  _globals['_NODEQUALIFICATION']._serialized_end=873
+  _globals['_QUALIFYPEERSREQUEST']._serialized_start=875
+  _globals['_QUALIFYPEERSREQUEST']._serialized_end=941
+  _globals['_QUALIFYPEER']._serialized_start=943
+  _globals['_QUALIFYPEER']._serialized_end=1004
+  _globals['_QUALIFYPEERSRESPONSE']._serialized_start=1006
+  _globals['_QUALIFYPEERSRESPONSE']._serialized_end=1109
+  _globals['_QUALIFICATIONCHECK']._serialized_start=1111
+  _globals['_QUALIFICATIONCHECK']._serialized_end=1197
+  _globals['_LINKPROBEASK']._serialized_start=1199
+  _globals['_LINKPROBEASK']._serialized_end=1325
+  _globals['_LINKPROBERESULT']._serialized_start=1327
+  _globals['_LINKPROBERESULT']._serialized_end=1441
+  _globals['_RANKTIMING']._serialized_start=1443
+  _globals['_RANKTIMING']._serialized_end=1549
+  _globals['_CHECKPOINTREQUEST']._serialized_start=1551
+  _globals['_CHECKPOINTREQUEST']._serialized_end=1643
+  _globals['_NODEHEARTBEATRESPONSE']._serialized_start=1646
+  _globals['_NODEHEARTBEATRESPONSE']._serialized_end=2040
+  _globals['_STACKREQUEST']._serialized_start=2042
+  _globals['_STACKREQUEST']._serialized_end=2096
+  _globals['_REPORTEVENTREQUEST']._serialized_start=2099
+  _globals['_REPORTEVENTREQUEST']._serialized_end=2324
+  _globals['_REPORTEVENTRESPONSE']._serialized_start=2326
+  _globals['_REPORTEVENTRESPONSE']._serialized_end=2441
+  _globals['_GETRANKTABLEREQUEST']._serialized_start=2443
+  _globals['_GETRANKTABLEREQUEST']._serialized_end=2477
+  _globals['_COMMITCHECKPOINTREQUEST']._serialized_start=2479
+  _globals['_COMMITCHECKPOINTREQUEST']._serialized_end=2548
+  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_start=2550
+  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_end=2605
+  _globals['_NODEHEALTHREPORTREQUEST']._serialized_start=2608
+  _globals['_NODEHEALTHREPORTREQUEST']._serialized_end=2825
+  _globals['_NODEHEALTHREPORTRESPONSE']._serialized_start=2827
+  _globals['_NODEHEALTHREPORTRESPONSE']._serialized_end=2908
+  _globals['_COORDINATOR']._serialized_start=3544
+  _globals['_COORDINATOR']._serialized_end=4189
 # @@protoc_insertion_point(module_scope)

@@ -85,7 +85,7 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings", "qualification")
+    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings", "qualification", "link_probe_port", "link_results")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,8 @@ class NodeHeartbeatRequest(_message.Message):
     FREE_PORT_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     QUALIFICATION_FIELD_NUMBER: _ClassVar[int]
+    LINK_PROBE_PORT_FIELD_NUMBER: _ClassVar[int]
+    LINK_RESULTS_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     lease_id: str
@@ -106,7 +108,9 @@ class NodeHeartbeatRequest(_message.Message):
     free_port: int
     timings: _containers.RepeatedCompositeFieldContainer[RankTiming]
     qualification: NodeQualification
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., qualification: _Optional[_Union[NodeQualification, _Mapping]] = ...) -> None: ...
+    link_probe_port: int
+    link_results: _containers.RepeatedCompositeFieldContainer[LinkProbeResult]
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., qualification: _Optional[_Union[NodeQualification, _Mapping]] = ..., link_probe_port: _Optional[int] = ..., link_results: _Optional[_Iterable[_Union[LinkProbeResult, _Mapping]]] = ...) -> None: ...
 
 class NodeQualification(_message.Message):
     __slots__ = ("passed", "reason", "duration_s", "checks", "echo_port", "peer_s")
@@ -166,6 +170,38 @@ class QualificationCheck(_message.Message):
     duration_s: float
     def __init__(self, name: _Optional[str] = ..., status: _Optional[str] = ..., detail: _Optional[str] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
+class LinkProbeAsk(_message.Message):
+    __slots__ = ("probe_id", "peer_node", "peer_address", "peer_port", "bytes", "timeout_s")
+    PROBE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_NODE_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEER_PORT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    probe_id: str
+    peer_node: str
+    peer_address: str
+    peer_port: int
+    bytes: int
+    timeout_s: float
+    def __init__(self, probe_id: _Optional[str] = ..., peer_node: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_port: _Optional[int] = ..., bytes: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class LinkProbeResult(_message.Message):
+    __slots__ = ("probe_id", "peer_node", "bytes", "up_s", "down_s", "error")
+    PROBE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_NODE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    UP_S_FIELD_NUMBER: _ClassVar[int]
+    DOWN_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    probe_id: str
+    peer_node: str
+    bytes: int
+    up_s: float
+    down_s: float
+    error: str
+    def __init__(self, probe_id: _Optional[str] = ..., peer_node: _Optional[str] = ..., bytes: _Optional[int] = ..., up_s: _Optional[float] = ..., down_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
 class RankTiming(_message.Message):
     __slots__ = ("rank", "step", "step_s", "wait_s", "compute_s", "steps")
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -195,7 +231,7 @@ class CheckpointRequest(_message.Message):
     def __init__(self, at_step: _Optional[int] = ..., reason: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "checkpoint", "failslow", "stacks")
+    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "checkpoint", "failslow", "stacks", "link_probes")
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +240,7 @@ class NodeHeartbeatResponse(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     FAILSLOW_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
+    LINK_PROBES_FIELD_NUMBER: _ClassVar[int]
     command: NodeCommand
     rank_table: _common_pb2.RankTable
     interval_s: float
@@ -212,7 +249,8 @@ class NodeHeartbeatResponse(_message.Message):
     checkpoint: CheckpointRequest
     failslow: _common_pb2.FailSlowStatus
     stacks: StackRequest
-    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., stacks: _Optional[_Union[StackRequest, _Mapping]] = ...) -> None: ...
+    link_probes: _containers.RepeatedCompositeFieldContainer[LinkProbeAsk]
+    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., stacks: _Optional[_Union[StackRequest, _Mapping]] = ..., link_probes: _Optional[_Iterable[_Union[LinkProbeAsk, _Mapping]]] = ...) -> None: ...
 
 class StackRequest(_message.Message):
     __slots__ = ("request_id", "generation")
