@@ -9,13 +9,14 @@ generation and the warm standbys for the next one (:data:`SUPERVISOR_TRANSITIONS
 
                  start                spawned
     INIT -------------> STARTING -------------> RUNNING ---every worker exited 0---> SUCCEEDED
-     ^ (also from         | spawn error          |   \\
-     |  STOPPED, FAILED,  v                       |    `--process detector: hang--> HUNG
-     |  SUCCEEDED)      FAILED <--stopped-.       |                                  |
-     |                                    |       | worker failed / stop             | stop
-     |                                 STOPPING <-'----------------------------------'
-     |                                    | stopped (on request)
-     '------------------------------- STOPPED
+                          | spawn error          |   \\
+                          v                      |    `--process detector: hang--> HUNG
+                        FAILED <--stopped-.      |                                  |
+                                          |      | worker failed / stop             | stop
+                                       STOPPING <'----------------------------------'
+                                          | stopped (on request)
+                                          v
+                                       STOPPED          STOPPED, FAILED, SUCCEEDED --start--> STARTING
 
   STOPPING ends in FAILED when a worker failed or hung, in STOPPED when the stop was asked for. Each worker has
   its own :class:`~trainguard.agent.workers.WorkerState`: STARTING from spawn until it reports through the hook

@@ -229,6 +229,9 @@ class LocalSupervisor:
         with self._lock:
             group = self._group
             self._group = None
+        if group is not None and self._life.state == SupervisorState.RUNNING and group.all_succeeded():
+            # Every worker exited 0 since the last poll (the heartbeat that told the coordinator saw it first).
+            self._life.fire(_T.ALL_SUCCEEDED)
         if group is not None and self._life.fire_if(_T.STOP):
             group.stop(self.config.stop_grace_s, tick=keepalive)
             self._life.fire(_T.STOPPED_AFTER_FAILURE if self._failed else _T.STOPPED)

@@ -149,3 +149,66 @@ def test_health_lifecycle_refuses_illegal_moves() -> None:
     assert life.fire(HealthTrigger.STOP) == HealthState.STOPPED
     with pytest.raises(IllegalTransitionError):
         life.fire(HealthTrigger.START)  # a stopped watch does not come back
+
+
+class StreamSource:
+    """An event source that is not the local detectors (as a node daemon's event stream would be): events are
+    pushed in from another thread; its statuses carry the conditions still active."""
+
+    hardware_names = ("pcie",)
+
+    def __init__(self) -> None:
+        self.on_event = None
+        self.sampled: list = []
+        self.conditions: tuple = ()
+
+    def start(self, on_event) -> None:
+        self.on_event = on_event
+
+    def stop(self) -> None:
+        self.on_event = None
+
+    def latest_metrics(self) -> dict[str, float]:
+        return {"pcie.aer_correctable[0000:01:00.0]": 3.0}
+
+    def statuses(self) -> list:
+        from trainguard.detectors.base import DetectorState
+        from trainguard.detectors.runner import DetectorStatus
+
+        return [DetectorStatus(name="pcie", state=DetectorState.OK, conditions=self.conditions)]
+
+    def sample_now(self, names, timeout_s: float):
+        self.sampled.append(tuple(names))
+        return []
+
+
+def test_event_source_is_swappable() -> None:
+    import threading
+
+    from trainguard.agent.node_faults import NodeReportLedger
+    from trainguard.detectors.events import Action, HealthEvent, Severity
+
+    woken = threading.Event()
+    source = StreamSource()
+    health = LocalNodeHealth("n7", on_actionable=woken.set)
+    health.start(source)
+    assert health.state == HealthState.WATCHING
+    sub = health.bus.subscribe()
+    fatal = HealthEvent(source="pcie", kind="pcie.aer_fatal", severity=Severity.CRITICAL, action=Action.DRAIN_NODE,
+                        message="AER fatal")
+    exited = HealthEvent(source="process", kind="process.killed", severity=Severity.ERROR,
+                         action=Action.RESTART_PROCESS, subject="rank:0", message="killed")
+    for ev in (fatal, exited):
+        threading.Thread(target=source.on_event, args=(ev,)).start()
+    seen = [sub.get(timeout=2.0), sub.get(timeout=2.0)]
+    assert {e.kind for e in seen} == {"pcie.aer_fatal", "process.killed"} and {e.node_id for e in seen} == {"n7"}
+    assert woken.wait(2.0)
+    # The supervisor sees worker exits itself: only the node-level fault waits for action.
+    assert [e.kind for e in health.take_actionable()] == ["pcie.aer_fatal"] and health.take_actionable() == []
+    # A worker failure asks the source for a fresh sample and finds the condition that still holds.
+    assert health.hardware_cause(NodeReportLedger(), generation=1) is None and source.sampled == [("pcie",)]
+    source.conditions = (fatal,)
+    cause = health.hardware_cause(NodeReportLedger(), generation=1)
+    assert cause is not None and cause.kind == "pcie.aer_fatal" and cause.node_id == "n7"
+    health.stop()
+    assert health.state == HealthState.STOPPED and source.on_event is None
