@@ -1,7 +1,7 @@
 """Benchmark of the pre-flight node qualification: what the check costs a node before it takes a slot.
 
 Setup: a fake sysfs tree shaped like an 8-GPU node (8 GPUs and 8 NICs on PCIe, the 8 NICs' netdevs at 400 Gb/s,
-8 RDMA ports, in the kernel's formats, :mod:`trainguard.drill.fakehw`), the peer check's 1 MiB exchange with
+8 RDMA ports, in the kernel's formats, :mod:`trainguard.testing.sysfs`), the peer check's 1 MiB exchange with
 three echo servers on loopback (the exchange's own cost; a data network adds its wire time), a real fsync'd disk
 write of ``--disk-mib`` MiB into ``--dir``, and every built-in detector sampled once
 on the real machine. Each round runs :func:`~trainguard.agent.qualify.runner.qualify_node` with every check.
@@ -28,7 +28,7 @@ from trainguard.agent.qualify.base import QualifyContext
 from trainguard.agent.qualify.peers import EchoServer, Peer, PeerSet
 from trainguard.agent.qualify.runner import qualify_node
 from trainguard.detectors.base import DEFAULT_DETECTORS
-from trainguard.drill.fakehw import write_pci_device
+from trainguard.testing.sysfs import write_pci_device
 
 
 def eight_gpu_node(root: str) -> None:

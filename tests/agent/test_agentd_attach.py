@@ -24,7 +24,7 @@ import pytest
 from agentd_unit import UnitDaemon, clean_env, wait_until
 from tg_testutil import REPO
 from trainguard.checkpoint.arena import memory_committed
-from trainguard.drill.fakehw import FakeNodeHardware
+from trainguard.testing.sysfs import FakeNodeHardware
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 

@@ -5,7 +5,7 @@ launchers form the job without it: the sick node never gets a rank.
 
 Real processes throughout: `trainguard coordinator`, the daemon (ExecStart of deploy/trainguard-agent.service),
 three `trainguard run` launchers whose gloo workers form a real process group; the daemon's PCIe detector reads
-a fake sysfs tree in the real formats (:class:`trainguard.drill.fakehw.FakeNodeHardware`).
+a fake sysfs tree in the real formats (:class:`trainguard.testing.sysfs.FakeNodeHardware`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 from agentd_unit import UnitDaemon, clean_env, wait_until
 from tg_testutil import REPO
-from trainguard.drill.fakehw import GPU, FakeNodeHardware
+from trainguard.testing.sysfs import GPU, FakeNodeHardware
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 JOB = f"nh-{os.getpid()}"

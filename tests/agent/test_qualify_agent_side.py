@@ -7,7 +7,7 @@ import time
 from trainguard.agent.node import NodeConfig
 from trainguard.agent.qualify import QualifySection, Verdict
 from trainguard.agent.qualify.agent_side import NodeQualifier
-from trainguard.drill.fakehw import FakeNodeHardware
+from trainguard.testing.sysfs import FakeNodeHardware
 
 
 class Clock:

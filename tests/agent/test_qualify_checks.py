@@ -16,7 +16,7 @@ from trainguard.agent.config import AgentConfig, AgentConfigError
 from trainguard.agent.qualify import CheckStatus, QualifyConfigError, QualifySection, Verdict
 from trainguard.agent.qualify.base import QualifyContext, passed, register_check
 from trainguard.agent.qualify.runner import qualify_node
-from trainguard.drill.fakehw import GPU, FakeNodeHardware, write_pci_device
+from trainguard.testing.sysfs import GPU, FakeNodeHardware, write_pci_device
 
 NIC = "0000:5e:00.0"
 

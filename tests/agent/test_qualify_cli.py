@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from trainguard.cli import main
-from trainguard.drill.fakehw import GPU, FakeNodeHardware
+from trainguard.testing.sysfs import GPU, FakeNodeHardware
 
 
 def write_config(tmp_path, root) -> str:

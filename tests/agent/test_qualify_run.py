@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.drill.fakehw import GPU, FakeNodeHardware
+from trainguard.testing.sysfs import GPU, FakeNodeHardware
 from trainguard.drill.netns import Fabric, netns_unavailable_reason
 
 REPO = Path(__file__).resolve().parents[2]
