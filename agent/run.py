@@ -284,7 +284,11 @@ def summary_record(result: RunResult) -> dict:
             "first_step": f.resumed_step if f.resumed_at is not None else None,
             "first_step_after_s": round(f.recovery_s, 4) if f.resumed_at is not None else None,
             "node_fault": f.hardware})
-    return {"event": "run.summary", "status": {0: "succeeded", 130: "stopped"}.get(result.exit_code, "failed"),
+    # Shaped like the JSON log records around it (ts, level, logger, msg: the summary's first text line), plus
+    # the structured fields.
+    return {"ts": time.time(), "level": "info" if result.exit_code in (0, 130) else "error",
+            "logger": "trainguard.run", "msg": format_summary(result).splitlines()[0],
+            "event": "run.summary", "status": {0: "succeeded", 130: "stopped"}.get(result.exit_code, "failed"),
             "exit_code": result.exit_code, "wall_s": round(result.wall_s, 3), "generations": result.generations,
             "message": result.message, "faults": faults}
 

@@ -86,6 +86,22 @@ class UnitDaemon:
                 raise AssertionError(f"{needle!r} not in the daemon's log:\n{self.log()[-4000:]}")
             time.sleep(0.05)
 
+    def wait_sampled(self, detector: str, timeout: float = 30.0) -> None:
+        """Waits until ``detector`` has taken a sample (its metrics are in GetHealth): the next change of the
+        hardware is then an event, not the baseline."""
+        import grpc
+
+        from trainguard.proto import agent_pb2, agent_pb2_grpc
+
+        with grpc.insecure_channel(f"unix:{self.socket_path}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+
+            def sampled() -> bool:
+                health = stub.GetHealth(agent_pb2.GetHealthRequest(), timeout=5)
+                return any(d.name == detector and d.metrics for d in health.detectors)
+
+            wait_until(sampled, timeout, f"a sample of the {detector} detector")
+
     def close(self) -> None:
         """Stops the daemon (SIGTERM, then SIGKILL) and closes its files."""
         if self.proc.poll() is None:

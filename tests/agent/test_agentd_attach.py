@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -81,7 +80,7 @@ def test_attached_launcher_sees_the_daemons_detectors_not_its_own(tmp_path: Path
             start_new_session=True)
         daemon.wait_log(f"job att-{os.getpid()} attached by launcher {proc.pid}")
         daemon.wait_log("reporting node ")  # to the job's (embedded) coordinator, under the launcher's node id
-        time.sleep(1.0)  # the daemon's detector sampled the healthy tree; the launcher is following its events
+        daemon.wait_sampled("pcie")  # the healthy tree is the baseline: the next change is an event
         daemon_hw.narrow_link(4)
         wait_until(lambda: "node daemon: pcie.link_narrow" in (tmp_path / "launcher.log").read_text(), 30,
                    "the daemon's event in the launcher's log")

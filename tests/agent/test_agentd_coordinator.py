@@ -90,7 +90,7 @@ token_file = "{token}"
         status = daemon.wait_ready()
         assert "node healthy" in status, status
         daemon.wait_log(f"reporting node sick health to coordinator {address} (config)")
-        time.sleep(0.5)  # the PCIe detector has sampled the healthy tree: the next increase is an event
+        daemon.wait_sampled("pcie")  # the healthy tree is the baseline: the next increase is an event
         hw.aer_fatal()
         daemon.wait_log("node verdict FATAL: pcie.aer_fatal")
         # The hook gets the host the daemon runs on (the scheduler's node name) and the daemon's own reason.

@@ -23,6 +23,7 @@ def test_json_summary_names_the_fault(tg_env):
     lines = [json.loads(line) for line in proc.stderr.splitlines() if line.strip()]
     (summary,) = [line for line in lines if line.get("event") == "run.summary"]
     assert summary["event"] == "run.summary" and summary["status"] == "failed" and summary["exit_code"] == 1
+    assert summary["level"] == "error" and summary["msg"].startswith("trainguard: job FAILED after")
     assert summary["generations"] == 1 and "restart budget exhausted" in summary["message"]
     (fault,) = summary["faults"]
     assert fault["rank"] == 0 and fault["cause"] == "exit code 7" and fault["generation"] == 1

@@ -1,0 +1,90 @@
+"""The daemon-backed event source against a real daemon in this process (real gRPC over its unix socket): events
+published after the attachment reach ``on_event`` (those before it never do), a daemon predictor alarm goes to
+``on_alarm`` (the checkpoint-then-drain path), and a refused arena root still attaches the job without it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from trainguard.agent.agentd import AgentDaemon, config_loader
+from trainguard.agent.health_source import DaemonEventSource, attach_daemon
+from trainguard.agent.sdnotify import SystemdNotifier
+from trainguard.detectors.events import Action, HealthEvent, Severity
+from trainguard.recovery.rpc_security import RpcSecurity
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logger():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    (tmp_path / "fake").mkdir()
+    shm = tmp_path / "shm"
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[metrics]\nlisten = ""\n[grpc]\nlisten = ""\n[detectors]\nenabled = ["host"]\n'
+                      f'root = "{tmp_path / "fake"}"\n[predictor]\nenabled = false\n[agent]\nloop_interval_s = 0.1\n'
+                      f'[memory_tier]\nroot = "{shm}"\n')
+    d = AgentDaemon(config_loader(str(config), None, str(tmp_path / "agent.sock"), str(tmp_path / "state")),
+                    SystemdNotifier(None))
+    d.start()
+    loop = threading.Thread(target=d.run)
+    loop.start()
+    yield d, tmp_path
+    d.request_stop()
+    loop.join(20)
+
+
+def _event(kind: str, action: Action = Action.WATCH, severity: Severity = Severity.WARNING) -> HealthEvent:
+    return HealthEvent(source="pcie" if kind != "predictor.alarm" else "predictor", kind=kind, severity=severity,
+                       action=action, message=f"{kind} happened")
+
+
+def _wait(cond, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_events_since_the_attachment_and_the_daemons_alarm_take_their_paths(daemon, monkeypatch):
+    d, tmp = daemon
+    d._on_event(_event("pcie.link_narrow"))  # before the attachment: not this launcher's business
+    time.sleep(0.05)
+    monkeypatch.setenv("TRAINGUARD_AGENT_SOCKET_PATH", str(tmp / "agent.sock"))
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_SHM_DIR", str(tmp / "elsewhere"))  # not the daemon's root
+    link = attach_daemon("j1", "", "node-a", RpcSecurity(), checkpointing=True)
+    assert link is not None and link.attached is not None and not link.attached.arena_kept
+    assert "j1" not in d.jobs.arenas.kept()  # the arena root was refused; the job is attached without it
+    # An event between the attachment and the stream's start is replayed, not lost.
+    d._on_event(_event("pcie.aer_fatal", Action.DRAIN_NODE, Severity.CRITICAL))
+    events, alarms = [], []
+    source = DaemonEventSource(link, on_alarm=alarms.append)
+    source.start(events.append)
+    try:
+        d._on_event(_event("predictor.alarm", Action.DRAIN_NODE, Severity.CRITICAL))
+        _wait(lambda: len(alarms) == 1 and len(events) >= 1, "the alarm and the fault")
+        time.sleep(0.3)
+        kinds = [e.kind for e in events]
+        assert "pcie.link_narrow" not in kinds and kinds.count("pcie.aer_fatal") == 1, kinds
+        assert alarms[0].kind == "predictor.alarm" and "predictor.alarm" not in kinds
+    finally:
+        source.stop()
+        link.detach(ended=True)
+        link.close()
+
+
+def test_no_daemon_on_the_socket_means_running_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINGUARD_AGENT_SOCKET_PATH", str(tmp_path / "absent.sock"))
+    assert attach_daemon("j", "", "n", RpcSecurity(), checkpointing=False) is None
+    monkeypatch.setenv("TRAINGUARD_AGENT_SOCKET_PATH", "")
+    assert attach_daemon("j", "", "n", RpcSecurity(), checkpointing=False) is None
