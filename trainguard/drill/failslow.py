@@ -40,6 +40,11 @@ from trainguard.drill.errors import SoakError
 from trainguard.drill.slowdown import CpuThrottle, LinkRateCap
 
 
+#: Seconds of healthy training before the job's own step-time baseline has formed (the detector's 2 warm-up and
+#: 5 baseline windows of 2 s, plus margin); slow-link and job-wide injections wait at least this long.
+BASELINE_FORMS_S = 18.0
+
+
 @dataclass
 class StragglerDrillConfig:
     """Knobs of the straggler drill.
@@ -302,7 +307,12 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         _wait_steps(job, 20, timeout=120)
         progress(f"job running; watching {cfg.healthy_s:.0f} s of healthy training for false alarms")
         t_healthy = time.time()
-        while time.time() - t_healthy < cfg.healthy_s:
+        healthy_s = cfg.healthy_s
+        if cfg.link_rate or cfg.throttle_all:
+            # A slow link or a job-wide slowdown shows only against the job's own baseline, which forms over the
+            # first windows of timing (2 warm-up + 5 baseline windows of 2 s): injecting earlier spoils it.
+            healthy_s = max(healthy_s, BASELINE_FORMS_S)
+        while time.time() - t_healthy < healthy_s:
             for node in watched:
                 slow = _slow_listed(job.status(node))
                 res.status_polls_healthy += 1
