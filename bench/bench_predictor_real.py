@@ -43,7 +43,7 @@ from trainguard.predictor.calibration import calibrate_table
 from trainguard.predictor.evaluation import EvalConfig, evaluate_windows, threshold_at_budget
 from trainguard.predictor.features import FeatureConfig
 from trainguard.predictor.table import MetricTable, concat_tables
-from trainguard.predictor.training import TrainConfig, score_table, train
+from trainguard.predictor.training import TrainConfig, calibration_scores, score_table, train
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "nab_aws"
 COOLDOWN_S = 1200.0
@@ -142,23 +142,31 @@ def _table(name: str, ts: np.ndarray, x: np.ndarray) -> MetricTable:
     return MetricTable(["value"], ts, np.array([name] * len(ts), dtype=object), x.reshape(-1, 1))
 
 
-def ours(data: dict, budget: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Leave-one-series-out robust-z scores and self-calibrated margins, per series."""
-    out = {}
+def ours(data: dict, budget: float | tuple[float, ...]) -> dict:
+    """Leave-one-series-out robust-z scores and self-calibrated margins, per series.
+
+    Returns:
+        series -> (scores, margins) for one budget; for a tuple of budgets, budget -> that mapping (one model
+        per held-out series, calibrated once per budget).
+    """
+    budgets = budget if isinstance(budget, tuple) else (budget,)
+    out: dict = {b: {} for b in budgets}
     interval = interval_of(data)
     names = list(data)
     for name in names:
         others = concat_tables([_table(n, *data[n][:2]) for n in names if n != name])
         span = max(float(data[n][0][-1] - data[n][0][0]) for n in names)
         cfg = TrainConfig(method="robust-z", features=FeatureConfig.for_data(interval, span, peer=False),
-                          evaluation=EvalConfig(cooldown_s=COOLDOWN_S, budget_per_100_node_days=100 * budget),
+                          evaluation=EvalConfig(cooldown_s=COOLDOWN_S, budget_per_100_node_days=100 * budgets[0]),
                           gauges=("value",))
         model = train(others, None, cfg)
         frame, score = score_table(model, _table(name, *data[name][:2]))
         order = np.argsort(frame.ts)
-        margin, _ = calibrate_table(frame.ts, frame.node, score, replace(model.calibration, budget_per_day=budget))
-        out[name] = (score[order], margin[order])
-    return out
+        cal_in = calibration_scores(model, frame, score)
+        for b in budgets:
+            margin, _ = calibrate_table(frame.ts, frame.node, cal_in, replace(model.calibration, budget_per_day=b))
+            out[b][name] = (score[order], margin[order])
+    return out if isinstance(budget, tuple) else out[budgets[0]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     methods: dict[str, dict[str, np.ndarray]] = {"rolling robust z (1 day)": {},
                                                  "rolling robust z (1 day), scale >= std": {}, "IsolationForest": {},
                                                  "trainguard (fleet rank)": {}, "trainguard (self-calibrated)": {}}
-    per_budget = {b: ours(data, b) for b in BUDGETS}
+    per_budget = ours(data, BUDGETS)
     interval = interval_of(data)
     day_rows, hour_rows = int(round(86400.0 / interval)), int(round(3600.0 / interval))
     for name, (ts, x, _) in data.items():

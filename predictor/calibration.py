@@ -61,6 +61,11 @@ class CalibrationConfig:
             under-estimates: aiming at the budget itself, a synthetic fleet of other make than the training
             one (tests/predictor/test_predictor_transfer.py) got 0.35-1.4x the budget over six seeds; at
             half of it, 0.2-0.8x.
+        per_family: each metric family of a node has its own threshold at ``budget / F`` (F families with a
+            scored feature; a union bound keeps the node within its budget) and the node alarms when any
+            family reaches its own (default False, the behaviour of models trained before it existed: one
+            threshold per node over the model's score). Only scorers with per-family scores use it
+            (robust-z, threshold); a tree ensemble keeps one threshold per node.
     """
 
     budget_per_day: float = 0.01
@@ -70,6 +75,7 @@ class CalibrationConfig:
     tail_fraction: float = 0.05
     refit_s: float = 3600.0
     safety: float = 2.0
+    per_family: bool = False
 
     def __post_init__(self) -> None:
         if not self.budget_per_day > 0:
@@ -225,8 +231,10 @@ class TailCalibrator:
         Returns:
             ``(threshold, p_tail)``: threshold inf and p_tail NaN while warming up.
         """
-        if self._first_ts is None:
+        if self._first_ts is None and score == score:  # warm-up counts from the first informed score
             self._first_ts = ts
+        if self._first_ts is None:
+            return math.inf, math.nan
         block = int(math.floor(ts / self.cfg.block_s))
         if block != self._cur_block:
             self._close_block()
@@ -255,18 +263,21 @@ def surprise(p: float) -> float:
     return -math.log10(max(p, P_FLOOR)) if p == p else math.nan
 
 
-def calibrate_series(ts: np.ndarray, score: np.ndarray, cfg: CalibrationConfig) -> tuple[np.ndarray, np.ndarray]:
+def calibrate_series(
+    ts: np.ndarray, score: np.ndarray, cfg: CalibrationConfig, alpha: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Runs one node's scores through a fresh :class:`TailCalibrator` (offline twin of the runtime).
 
     Args:
         ts: times, seconds, increasing.
-        score: the model's scores.
+        score: the model's scores (NaN: skipped).
         cfg: calibration parameters.
+        alpha: block exceedance probability (default ``cfg.alpha``; ``cfg.alpha / F`` for one of F families).
 
     Returns:
         ``(threshold, surprise)`` per row (inf / NaN while warming up).
     """
-    cal = TailCalibrator(cfg)
+    cal = TailCalibrator(cfg, alpha)
     thr = np.empty(len(ts))
     sur = np.empty(len(ts))
     for i, (t, s) in enumerate(zip(ts.tolist(), score.tolist())):
@@ -281,21 +292,53 @@ def calibrate_table(
     """:func:`calibrate_series` for every node of a table (rows in any order), on the log-odds of the scores
     as the runtime does.
 
+    Args:
+        ts, node: time and node of each row.
+        score: the model's score per row, shape (n,), or one score per metric family, shape (n, F)
+            (:func:`~.scorers.family_scores`): then each (node, family) has its own threshold at ``alpha / F``
+            (so the node's F families together stay within its budget: a union bound) and the node alarms
+            when any family reaches its own.
+        cfg: calibration parameters.
+
     Returns:
         ``(margin, surprise)`` per row, in the input row order: ``margin`` is the log-odds of the score minus
-        the node's threshold in force (-inf while warming up); the runtime alarms where it is >= 0.
+        the node's threshold in force, the largest over families (-inf while warming up, NaN-free); the
+        runtime alarms where it is >= 0. ``surprise`` is the largest family surprise less ``log10(F)``
+        (Bonferroni), so it stays comparable between models with different numbers of families.
     """
-    lo = np.log(np.clip(score, 1e-12, 1.0 - 1e-12) / (1.0 - np.clip(score, 1e-12, 1.0 - 1e-12)))
-    thr = np.full(len(ts), math.inf)
-    sur = np.full(len(ts), math.nan)
+    s2 = np.asarray(score, dtype=np.float64)
+    s2 = s2.reshape(len(ts), -1)
+    n_fam = s2.shape[1]
+    sc = np.clip(s2, 1e-12, 1.0 - 1e-12)
+    lo = np.log(sc / (1.0 - sc))
+    thr = np.full(s2.shape, math.inf)
+    sur = np.full(s2.shape, math.nan)
     keys = node.astype(str)
+    alpha = cfg.alpha / n_fam
     for n in np.unique(keys):
         rows = np.flatnonzero(keys == n)
         rows = rows[np.argsort(ts[rows], kind="stable")]
-        thr[rows], sur[rows] = calibrate_series(ts[rows], lo[rows], cfg)
+        for f in range(n_fam):
+            thr[rows, f], sur[rows, f] = calibrate_series(ts[rows], lo[rows, f], cfg, alpha)
     with np.errstate(invalid="ignore"):
-        margin = np.where(np.isfinite(thr), lo - thr, -np.inf)
-    return margin, sur
+        m = np.where(np.isfinite(thr) & ~np.isnan(lo), lo - thr, -np.inf)
+    with np.errstate(invalid="ignore"), warnings_off():
+        s_out = np.nanmax(sur, axis=1) - math.log10(n_fam)
+    return m.max(axis=1), np.where(np.isnan(s_out), np.nan, np.maximum(s_out, 0.0))
+
+
+class warnings_off:
+    """Silences numpy RuntimeWarnings in a block (an all-NaN row of a max is expected while warming up)."""
+
+    def __enter__(self) -> None:
+        import warnings
+
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.simplefilter("ignore", RuntimeWarning)
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
 
 
 @dataclass

@@ -56,12 +56,18 @@ def _usage(msg: str) -> Exception:
 def _read_metrics(path: str, resample: float | None, counters: set[str] | frozenset[str] = frozenset()) -> Any:
     from trainguard.predictor.table import MetricTable
 
-    table = MetricTable.from_csv(path)
-    if resample is not None:
-        if resample <= 0:
-            raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
-        table = table.resample(resample, counters)
-    return table
+    if resample is None:
+        return MetricTable.from_csv(path)
+    if resample <= 0:
+        raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
+    # resampling sorts each node and merges the samples of a bin, so rows out of order or sharing a
+    # timestamp are data to merge, not an error
+    table = MetricTable.from_csv(path, check_order=False)
+    dup = table.duplicate_rows()
+    if dup:
+        print(f"{path}: merged {dup} row(s) that repeat a node's timestamp into their {resample:g} s bin "
+              "(gauges averaged, counters' last value)", file=sys.stderr)
+    return table.resample(resample, counters)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -107,7 +113,7 @@ def _eval(args: argparse.Namespace) -> int:
     from trainguard.predictor.evaluation import calibrate_threshold, evaluate_events, failures_by_node
     from trainguard.predictor.model import PredictorModel, _json_safe
     from trainguard.predictor.table import EventTable
-    from trainguard.predictor.training import score_table
+    from trainguard.predictor.training import calibration_scores, score_table
 
     model = PredictorModel.load(args.model)
     ev = _eval_config(args, model.eval_config)
@@ -124,8 +130,8 @@ def _eval(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         cal = replace(model.calibration, budget_per_day=ev.budget_per_100_node_days / 100.0)
-        margin, _ = calibrate_table(frame.ts, frame.node, score, cal)
-        mode = "online per node"
+        margin, _ = calibrate_table(frame.ts, frame.node, calibration_scores(model, frame, score), cal)
+        mode = "online per node and metric family" if cal.per_family else "online per node"
         rep = evaluate_events(frame.ts, frame.node, margin, 0.0, failures, ev, interval)
     out = rep.summary()
     if mode != "fixed":
@@ -253,7 +259,9 @@ def _metrics(args: argparse.Namespace) -> int:
     if args.metrics:
         from trainguard.predictor.training import column_kinds
 
-        table = _read_metrics(args.metrics, None)
+        from trainguard.predictor.table import MetricTable
+
+        table = MetricTable.from_csv(args.metrics, check_order=False)  # only its columns are classified
         print(f"columns of {args.metrics}, as training would take them:")
         for c in column_kinds(table, tuple(args.counter), tuple(args.gauge)):
             print(f"  {c.name:28s} {c.kind.value if c.kind else 'unused':8s} ({c.reason})")

@@ -91,13 +91,16 @@ def model():
 
 def test_online_scores_thresholds_and_alarms_equal_offline(model):
     from trainguard.predictor.runtime import PredictorRuntime
-    from trainguard.predictor.training import score_table
+    from trainguard.predictor.training import calibration_scores, score_table
 
     assert model.spec.config.self_window_s > 0 and any(n.endswith("_z") for n in model.spec.feature_names)
     assert model.calibration is not None and model.calibration.budget_per_day == pytest.approx(3.0)
     table = _table(days=3.0, seed=5)  # other data than the training's
     frame, score = score_table(model, table)
-    margin, _ = calibrate_table(frame.ts, frame.node, score, model.calibration)
+    fam = calibration_scores(model, frame, score)  # one threshold per node and metric family
+    assert model.calibration.per_family and [f for f, _ in model.spec.families] == ["errors", "cpu"]
+    assert fam.shape == (len(score), 2)
+    margin, _ = calibrate_table(frame.ts, frame.node, fam, model.calibration)
     rt = PredictorRuntime(model)
     online = {}
     for i in np.argsort(table.ts, kind="stable"):
@@ -105,7 +108,11 @@ def test_online_scores_thresholds_and_alarms_equal_offline(model):
         online[(s.node, s.ts)] = s
     keys = list(zip(frame.node.tolist(), frame.ts.tolist()))
     on_score = np.array([online[k].score for k in keys])
-    assert np.allclose(on_score, score, atol=1e-5)
+    # the online score is the deciding family's (NaN while the baselines warm up reads 0, said in degraded)
+    idx = np.array([["errors", "cpu"].index(online[k].family) for k in keys])
+    expect = fam[np.arange(len(keys)), idx]
+    assert np.allclose(on_score, np.nan_to_num(expect, nan=0.0), atol=1e-5)
+    assert all("warming up" in " ".join(online[k].degraded) for k, e in zip(keys, expect) if np.isnan(e))
     on_alarm = np.array([online[k].alarm for k in keys])
     off_alarm = margin >= 0
     assert off_alarm.any() and (on_alarm != off_alarm).sum() <= 2  # rounding at the threshold only
