@@ -61,11 +61,12 @@ class CalibrationConfig:
             under-estimates: aiming at the budget itself, a synthetic fleet of other make than the training
             one (tests/predictor/test_predictor_transfer.py) got 0.35-1.4x the budget over six seeds; at
             half of it, 0.2-0.8x.
-        per_family: each metric family of a node has its own threshold at ``budget / F`` (F families with a
-            scored feature; a union bound keeps the node within its budget) and the node alarms when any
-            family reaches its own (default False, the behaviour of models trained before it existed: one
-            threshold per node over the model's score). Only scorers with per-family scores use it
-            (robust-z, threshold); a tree ensemble keeps one threshold per node.
+        per_family: calibrate per node and metric family (default False, the behaviour of models trained
+            before it existed: one threshold per node over the model's score): each (node, family) fits its
+            own threshold at the budget, the node's statistic is the largest margin of a family over its own
+            threshold, and one more threshold per node on that statistic, at the budget, decides the alarm
+            (:func:`calibrate_table`). Only scorers with per-family scores use it (robust-z, threshold); a
+            tree ensemble keeps one threshold per node.
     """
 
     budget_per_day: float = 0.01
@@ -295,50 +296,66 @@ def calibrate_table(
     Args:
         ts, node: time and node of each row.
         score: the model's score per row, shape (n,), or one score per metric family, shape (n, F)
-            (:func:`~.scorers.family_scores`): then each (node, family) has its own threshold at ``alpha / F``
-            (so the node's F families together stay within its budget: a union bound) and the node alarms
-            when any family reaches its own.
+            (:func:`~.scorers.family_scores`). Per family, each (node, family) fits its own threshold (the
+            family's own tail: a quiet family is not judged by a noisy one's), the node's statistic is the
+            largest family margin over its own threshold, and a last threshold per node on that statistic, at
+            the node's budget, decides: so the node keeps its budget by the same construction as with one
+            score (a union bound over F thresholds at ``budget / F`` was tried first and broke the budget on
+            the synthetic fleet: sparse counter families put their threshold just above the few days seen).
         cfg: calibration parameters.
 
     Returns:
-        ``(margin, surprise)`` per row, in the input row order: ``margin`` is the log-odds of the score minus
-        the node's threshold in force, the largest over families (-inf while warming up, NaN-free); the
-        runtime alarms where it is >= 0. ``surprise`` is the largest family surprise less ``log10(F)``
-        (Bonferroni), so it stays comparable between models with different numbers of families.
+        ``(margin, surprise)`` per row, in the input row order: ``margin`` is the node's statistic minus its
+        threshold in force (-inf while warming up: with families, a day for the families' thresholds and a
+        day for the node's); the runtime alarms where it is >= 0. ``surprise`` is the node-level one.
     """
     s2 = np.asarray(score, dtype=np.float64)
     s2 = s2.reshape(len(ts), -1)
     n_fam = s2.shape[1]
     sc = np.clip(s2, 1e-12, 1.0 - 1e-12)
     lo = np.log(sc / (1.0 - sc))
-    thr = np.full(s2.shape, math.inf)
-    sur = np.full(s2.shape, math.nan)
+    stat = lo[:, 0].copy() if n_fam == 1 else np.full(len(ts), np.nan)
+    thr = np.full(len(ts), math.inf)
+    sur = np.full(len(ts), math.nan)
     keys = node.astype(str)
-    alpha = cfg.alpha / n_fam
     for n in np.unique(keys):
         rows = np.flatnonzero(keys == n)
         rows = rows[np.argsort(ts[rows], kind="stable")]
-        for f in range(n_fam):
-            thr[rows, f], sur[rows, f] = calibrate_series(ts[rows], lo[rows, f], cfg, alpha)
+        if n_fam > 1:
+            stat[rows] = family_statistic(ts[rows], lo[rows], cfg)
+        thr[rows], sur[rows] = calibrate_series(ts[rows], stat[rows], cfg)
     with np.errstate(invalid="ignore"):
-        m = np.where(np.isfinite(thr) & ~np.isnan(lo), lo - thr, -np.inf)
-    with np.errstate(invalid="ignore"), warnings_off():
-        s_out = np.nanmax(sur, axis=1) - math.log10(n_fam)
-    return m.max(axis=1), np.where(np.isnan(s_out), np.nan, np.maximum(s_out, 0.0))
+        margin = np.where(np.isfinite(thr) & ~np.isnan(stat), stat - thr, -np.inf)
+    return margin, sur
 
 
-class warnings_off:
-    """Silences numpy RuntimeWarnings in a block (an all-NaN row of a max is expected while warming up)."""
+def family_statistic(ts: np.ndarray, lo: np.ndarray, cfg: CalibrationConfig) -> np.ndarray:
+    """One node's per-family statistic: the largest margin of a family's log-odds over that family's own
+    threshold (NaN while no family is warm); offline twin of :class:`FamilyCalibrator`."""
+    fc = FamilyCalibrator(cfg, lo.shape[1])
+    return np.array([fc.statistic(t, row)[0] for t, row in zip(ts.tolist(), lo.tolist())])
 
-    def __enter__(self) -> None:
-        import warnings
 
-        self._ctx = warnings.catch_warnings()
-        self._ctx.__enter__()
-        warnings.simplefilter("ignore", RuntimeWarning)
+class FamilyCalibrator:
+    """One node's thresholds per metric family and the statistic they give (see :func:`calibrate_table`)."""
 
-    def __exit__(self, *exc: object) -> None:
-        self._ctx.__exit__(*exc)
+    def __init__(self, cfg: CalibrationConfig, n_families: int) -> None:
+        self.cals = [TailCalibrator(cfg) for _ in range(n_families)]
+
+    def statistic(self, ts: float, lo: list[float]) -> tuple[float, int, float]:
+        """Feeds one row of family log-odds (NaN: unknown); returns ``(statistic, deciding family, its
+        threshold)``: the largest margin over the families' own thresholds (NaN while none is warm)."""
+        best, arg, arg_thr = math.nan, 0, math.inf
+        for f, (cal, v) in enumerate(zip(self.cals, lo)):
+            thr, _ = cal.observe(ts, v)
+            if v == v and math.isfinite(thr) and not (v - thr <= best):
+                best, arg, arg_thr = v - thr, f, thr
+        return best, arg, arg_thr
+
+    @property
+    def thresholds(self) -> list[float]:
+        """Each family's threshold in force (log-odds; inf while warming up)."""
+        return [c.threshold for c in self.cals]
 
 
 @dataclass

@@ -88,7 +88,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         method=args.method, evaluation=_eval_config(args), calib_fraction=args.calib_fraction, seed=args.seed,
         features=features, counters=tuple(args.counter), gauges=tuple(args.gauge),
-        online_calibration=args.calibration == "online",
+        online_calibration=args.calibration != "fixed", per_family=args.calibration == "online-family",
     )
     model = train(metrics, events, cfg)
     size = model.save(args.out)
@@ -97,11 +97,17 @@ def _train(args: argparse.Namespace) -> int:
     print(f"trained {s['method']} on {s['rows']} rows, {s['nodes']} nodes, {s['node_days']:.1f} node-days, "
           f"{s['failures_total']} failures; interval {fc.interval_s:g} s, windows {fc.short_window_s:g}/"
           f"{fc.long_window_s:g} s, own baseline {fc.self_window_s:g} s; fleet threshold {model.threshold:.4f}; "
-          f"thresholds {'per node, online, to ' if model.calibration else 'fixed, '}"
+          f"thresholds {_threshold_mode(model)}"
           f"{model.eval_config.budget_per_100_node_days / 100:g} alarms/node-day; saved {args.out} ({size} bytes)")
     if s["ignored_columns"]:
         print(f"ignored columns (left to the rules tier or without values): {', '.join(s['ignored_columns'])}")
     return 0
+
+
+def _threshold_mode(model: Any) -> str:
+    if model.calibration is None:
+        return "fixed, "
+    return "per node and metric family, online, to " if model.calibration.per_family else "per node, online, to "
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -327,8 +333,9 @@ def register(subparsers: Any) -> None:
     _add_column_args(p)
     p.add_argument("--no-peer", action="store_true", help="no peer z-scores (for a model run on one node alone)")
     p.add_argument("--calib-fraction", type=float, default=0.25, help="trailing share of time to calibrate on")
-    p.add_argument("--calibration", default="online", choices=["online", "fixed"],
-                   help="online: each node fits its own threshold to the budget (default); fixed: the fleet's")
+    p.add_argument("--calibration", default="online", choices=["online", "online-family", "fixed"],
+                   help="online: each node fits its own threshold to the budget (default); online-family: per node "
+                        "and metric family (unsupervised tier; see the predictor README); fixed: the fleet's")
     p.add_argument("--seed", type=int, default=0)
     _add_eval_args(p, defaults=True)
     p.set_defaults(handler=_train)

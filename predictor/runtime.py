@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainguard.predictor.calibration import AlarmLedger, TailCalibrator, log_odds, surprise
+from trainguard.predictor.calibration import AlarmLedger, FamilyCalibrator, TailCalibrator, log_odds, surprise
 from trainguard.predictor.errors import DataFormatError, FeatureMismatchError
 from trainguard.predictor.features import SelfBaseline, node_features, peer_z
 from trainguard.predictor.long_baseline import LongBaseline
@@ -60,9 +60,10 @@ class Score:
         degraded: reasons the score is less informed than in training (empty when fully informed).
         surprise: ``-log10`` of the probability that this node shows a score this high in a block of its
             own history (NaN without online calibration or while it warms up): comparable between nodes.
-            With per-family thresholds: the smallest family probability times the number of families.
+            With per-family thresholds: of the node's statistic (the largest family margin).
         family: with per-family thresholds, the metric family whose margin over its own threshold is the
-            largest (it decided ``alarm``; ``score`` and ``threshold`` are that family's); else empty.
+            largest (it decides ``alarm``; ``score`` is that family's score and ``threshold`` its own
+            threshold plus the node's); else empty.
     """
 
     node: str
@@ -91,8 +92,8 @@ class NodeStatus:
         alarms_per_day: realised rate (an upper bound of the false-alarm rate: every alarm counts).
         budget_per_day: the budget the threshold is calibrated to (the node's: with per-family
             thresholds each family gets an equal share).
-        family_thresholds: with per-family thresholds, ``(family, threshold)`` of each (``threshold`` is
-            then the smallest); empty otherwise.
+        family_thresholds: with per-family thresholds, ``(family, threshold)`` of each (log-odds;
+            ``threshold`` is then the node's, on the largest family margin); empty otherwise.
     """
 
     node: str
@@ -172,7 +173,8 @@ class PredictorRuntime:
         self._nodes: dict[str, _NodeBuffer] = {}
         self._self: dict[str, SelfBaseline] = {}
         self._long: dict[str, LongBaseline] = {}
-        self._cal: dict[str, list[TailCalibrator]] = {}
+        self._cal: dict[str, TailCalibrator] = {}
+        self._fam: dict[str, FamilyCalibrator] = {}
         self._ledger: dict[str, AlarmLedger] = {}
         self._families: list[str] | None = None  # metric families with their own thresholds (None: one)
         if model is not None and model.calibration is not None and model.calibration.per_family:
@@ -228,7 +230,7 @@ class PredictorRuntime:
 
     def forget(self, node: str) -> None:
         """Drops a node's history (it left the job or was replaced): a new node calibrates afresh."""
-        for d in (self._nodes, self._self, self._long, self._cal, self._ledger):
+        for d in (self._nodes, self._self, self._long, self._cal, self._fam, self._ledger):
             d.pop(node, None)  # type: ignore[attr-defined]
 
     def status(self) -> list[NodeStatus]:
@@ -241,9 +243,10 @@ class PredictorRuntime:
         for node in sorted(self._ledger):
             led = self._ledger[node]
             c = self._cal.get(node)
-            thr = min(x.threshold for x in c) if c is not None else self.model.threshold
-            fam = tuple(zip(self._families, (x.threshold for x in c))) if c is not None and self._families else ()
-            out.append(NodeStatus(node, thr, any(x.warm for x in c) if c is not None else True, led.events,
+            thr = c.threshold if c is not None else self.model.threshold
+            fc = self._fam.get(node)
+            fam = tuple(zip(self._families, fc.thresholds)) if fc is not None and self._families else ()
+            out.append(NodeStatus(node, thr, c.warm if c is not None else True, led.events,
                                   led.observed_s / 86400.0, led.per_day, budget, fam))
         return out
 
@@ -333,30 +336,25 @@ class PredictorRuntime:
         informed = score == score  # NaN: no scored feature known yet (the node's baselines warm up)
         cfg = self.model.calibration
         if cfg is not None:
-            fam_scores = [score]
+            cal = self._cal.get(node)
+            if cal is None:
+                cal = self._cal[node] = TailCalibrator(cfg)
+            stat = log_odds(score) if informed else math.nan
+            fam_thr = 0.0
             if self._families is not None:
-                fam_scores = family_scores(self.model.scorer, self.model.spec.families, row.reshape(1, -1))[1][0].tolist()
-            cals = self._cal.get(node)
-            if cals is None:
-                cals = self._cal[node] = [TailCalibrator(cfg, cfg.alpha / len(fam_scores)) for _ in fam_scores]
-            best = (-math.inf, math.inf, math.nan, 0)  # margin, threshold (log-odds), p, family index
-            p_min = math.inf
-            for f, (cal, s_f) in enumerate(zip(cals, fam_scores)):
-                lo = log_odds(s_f) if s_f == s_f else math.nan
-                thr_lo, p = cal.observe(ts, lo)  # a NaN is skipped: the threshold learns only from real scores
-                margin = lo - thr_lo if lo == lo and math.isfinite(thr_lo) else -math.inf
-                if margin > best[0] or (best[0] == -math.inf and f == 0):
-                    best = (margin, thr_lo, p, f)
-                if p == p:
-                    p_min = min(p_min, p)
-            margin, thr_lo, _, f = best
-            learned_alarm = margin >= 0.0
-            # a union bound over the families (Bonferroni): comparable whatever their number
-            sur = max(surprise(min(1.0, p_min * len(cals))), 0.0) if math.isfinite(p_min) else math.nan
-            if self._families is not None:
+                fs = family_scores(self.model.scorer, self.model.spec.families, row.reshape(1, -1))[1][0].tolist()
+                fc = self._fam.get(node)
+                if fc is None:
+                    fc = self._fam[node] = FamilyCalibrator(cfg, len(fs))
+                stat, f, fam_thr = fc.statistic(ts, [log_odds(v) if v == v else math.nan for v in fs])
                 family = self._families[f]
-                score = fam_scores[f] if fam_scores[f] == fam_scores[f] else score  # the deciding family's
+                if fs[f] == fs[f]:
+                    score = fs[f]  # the deciding family's score, against its own threshold plus the node's
+            thr_lo, p = cal.observe(ts, stat)  # a NaN is skipped: the threshold learns only from real scores
+            sur = surprise(p)
+            learned_alarm = stat == stat and stat >= thr_lo
             # the threshold in score units (inf while warming up)
+            thr_lo = thr_lo + fam_thr
             thr = 1.0 / (1.0 + math.exp(-min(max(thr_lo, -700.0), 700.0))) if math.isfinite(thr_lo) else math.inf
         else:
             learned_alarm = informed and score >= thr
