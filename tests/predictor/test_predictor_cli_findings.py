@@ -205,3 +205,24 @@ def test_metrics_classifies_columns_of_rows_out_of_order(tmp_path, capsys):
     assert "gauge" in lines["cpu"] and "counter" in lines["ops"]
     assert main(["predictor", "train", "--metrics", path, "--out", str(tmp_path / "x.json")]) == 2
     assert "row 12" in capsys.readouterr().err
+
+
+def test_train_per_node_and_family_then_eval_and_score(trained, tmp_path, capsys):
+    """``--calibration online-family``: thresholds per node and metric family (latency, retries, req) are what
+    ``eval`` evaluates and what ``score`` alarms on."""
+    d, metrics, _ = trained
+    model = tmp_path / "fam.json"
+    capsys.readouterr()
+    assert main(["predictor", "train", "--metrics", metrics, "--out", str(model), "--method", "robust-z",
+                 "--calibration", "online-family"]) == 0
+    assert "per node and metric family, online" in capsys.readouterr().out
+    from trainguard.predictor.model import PredictorModel
+
+    m = PredictorModel.load(model)
+    assert m.calibration.per_family and [f for f, _ in m.spec.families] == ["retries", "req", "latency"]
+    events = _write(tmp_path / "e.csv", ["kind"], [])
+    assert main(["predictor", "eval", "--model", str(model), "--metrics", metrics, "--events", events, "--json"]) == 0
+    assert _no_nan_json(capsys.readouterr().out)["threshold_mode"] == "online per node and metric family"
+    out = tmp_path / "s.csv"
+    assert main(["predictor", "score", "--model", str(model), "--metrics", metrics, "--out", str(out)]) == 0
+    assert len(list(csv.DictReader(out.open()))) == sum(1 for _ in open(metrics)) - 1
