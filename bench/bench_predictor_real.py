@@ -14,7 +14,8 @@ baseline's window, our node's own threshold). Methods, all scored on the same ro
 
 - ``rolling robust z (1 day)``: ``|x - median| / (1.4826 MAD)`` over the preceding day of the series;
 - ``IsolationForest``: scikit-learn's, fitted per series on (value, change, deviation from the last hour's
-  mean), transductively on the whole series (it sees the incidents it scores: an advantage);
+  mean), transductively on the whole series (it sees the incidents it scores, and the future: an advantage);
+  and the same refitted each day on the preceding week only, as a deployed detector would run it (causal);
 - ``trainguard (fleet rank)``: the robust-z tier trained on the *other* series (leave one series out), on the
   node's own-baseline ``_z`` features, windows derived from the interval; one pooled threshold;
 - ``trainguard (self-calibrated)``: the same scores through each node's online threshold (:mod:`calibration`);
@@ -24,7 +25,13 @@ baseline's window, our node's own threshold). Methods, all scored on the same ro
 this data (hindsight: the best a fixed threshold could do). "Self-calibrated at B" runs each node's online
 threshold with budget B and reports what happened: realised false alarms per day and recall, no hindsight.
 
-Usage: ``python bench/bench_predictor_real.py [--data bench/data/nab_aws|bench/data/ms_cloud_latency] [--json out.json]``
+Synthetic fleet (the same run, unless ``--data`` or ``--no-synthetic``): trained on one generated fleet, tested
+on one generated differently (the transfer test's), failures instead of windows (a hit is an alarm 2-30 min
+before a failure with a precursor); the same two baselines per node on the raw metrics, plus the supervised
+tier; recall of predictable failures at the best pooled threshold, and realised rates at the self-calibrated
+thresholds.
+
+Usage: ``python bench/bench_predictor_real.py [--data FOLDER ...] [--no-synthetic] [--json out.json]``
 """
 
 from __future__ import annotations
@@ -43,9 +50,10 @@ from trainguard.predictor.calibration import calibrate_table
 from trainguard.predictor.evaluation import EvalConfig, evaluate_windows, threshold_at_budget
 from trainguard.predictor.features import FeatureConfig
 from trainguard.predictor.table import MetricTable, concat_tables
-from trainguard.predictor.training import TrainConfig, score_table, train
+from trainguard.predictor.training import TrainConfig, calibration_scores, score_table, train
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "nab_aws"
+MS_DATA = Path(__file__).resolve().parent / "data" / "ms_cloud_latency"
 COOLDOWN_S = 1200.0
 BUDGETS = (0.05, 0.2)
 
@@ -138,66 +146,224 @@ def isolation_forest(x: np.ndarray, seed: int = 0, hour_rows: int = 12) -> np.nd
     return -clf.score_samples(feats)
 
 
+def isolation_forest_causal(ts: np.ndarray, x: np.ndarray, seed: int = 0, hour_rows: int = 12,
+                            window_s: float = 7 * 86400.0) -> np.ndarray:
+    """The same IsolationForest as a deployed detector would run it: refitted each day on the preceding week
+    only (it never sees the rows it scores, nor the future); NaN on the first day."""
+    from sklearn.ensemble import IsolationForest
+
+    d = np.r_[0.0, np.diff(x)]
+    c = np.cumsum(np.r_[0.0, x])
+    idx = np.arange(len(x))
+    k = np.minimum(idx, max(1, hour_rows))
+    mean_hour = np.where(k > 0, (c[idx] - c[idx - k]) / np.maximum(k, 1), x)
+    feats = np.column_stack([x, d, x - mean_hour])
+    out = np.full(len(x), np.nan)
+    day = np.floor((ts - ts[0]) / 86400.0)
+    for dd in np.unique(day)[1:]:
+        rows = day == dd
+        t_start = ts[rows][0]
+        past = (ts < t_start) & (ts >= t_start - window_s)
+        clf = IsolationForest(n_estimators=200, random_state=seed).fit(feats[past])
+        out[rows] = -clf.score_samples(feats[rows])
+    return out
+
+
 def _table(name: str, ts: np.ndarray, x: np.ndarray) -> MetricTable:
     return MetricTable(["value"], ts, np.array([name] * len(ts), dtype=object), x.reshape(-1, 1))
 
 
-def ours(data: dict, budget: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Leave-one-series-out robust-z scores and self-calibrated margins, per series."""
-    out = {}
+def ours(data: dict, budget: float | tuple[float, ...]) -> dict:
+    """Leave-one-series-out robust-z scores and self-calibrated margins, per series.
+
+    Returns:
+        series -> (scores, margins) for one budget; for a tuple of budgets, budget -> that mapping (one model
+        per held-out series, calibrated once per budget).
+    """
+    budgets = budget if isinstance(budget, tuple) else (budget,)
+    out: dict = {b: {} for b in budgets}
     interval = interval_of(data)
     names = list(data)
     for name in names:
         others = concat_tables([_table(n, *data[n][:2]) for n in names if n != name])
         span = max(float(data[n][0][-1] - data[n][0][0]) for n in names)
         cfg = TrainConfig(method="robust-z", features=FeatureConfig.for_data(interval, span, peer=False),
-                          evaluation=EvalConfig(cooldown_s=COOLDOWN_S, budget_per_100_node_days=100 * budget),
+                          evaluation=EvalConfig(cooldown_s=COOLDOWN_S, budget_per_100_node_days=100 * budgets[0]),
                           gauges=("value",))
         model = train(others, None, cfg)
         frame, score = score_table(model, _table(name, *data[name][:2]))
         order = np.argsort(frame.ts)
-        margin, _ = calibrate_table(frame.ts, frame.node, score, replace(model.calibration, budget_per_day=budget))
-        out[name] = (score[order], margin[order])
-    return out
+        cal_in = calibration_scores(model, frame, score)
+        for b in budgets:
+            margin, _ = calibrate_table(frame.ts, frame.node, cal_in, replace(model.calibration, budget_per_day=b))
+            out[b][name] = (score[order], margin[order])
+    return out if isinstance(budget, tuple) else out[budgets[0]]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the comparison and prints the tables."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(DEFAULT_DATA))
-    ap.add_argument("--json", help="also write the figures here")
-    ap.add_argument("--name", help="data set name for the printout (default: the folder's name)")
-    args = ap.parse_args(argv)
-    t0 = time.monotonic()
-    data = load_series(Path(args.data))
+def rolling_robust_z_blocks(ts: np.ndarray, x: np.ndarray, window_s: float = 86400.0, refresh_s: float = 3600.0,
+                            std_floor: bool = True) -> np.ndarray:
+    """The rolling robust z-score for long series at a fine interval: median and MAD (scale at least the
+    standard deviation with ``std_floor``) of the preceding ``window_s``, refreshed every ``refresh_s``
+    (a per-row day-long median is too slow at 60 s samples). Columns of ``x`` are scored separately; the
+    row's score is the largest |z|."""
+    n = len(ts)
+    z = np.full(x.shape, np.nan)
+    blk = np.floor(ts / refresh_s)
+    starts = np.flatnonzero(np.r_[True, blk[1:] != blk[:-1]])
+    ends = np.r_[starts[1:], n]
+    import warnings
+
+    for a, b in zip(starts, ends):
+        lo = int(np.searchsorted(ts, ts[a] - window_s, side="left"))
+        if a - lo < 12:
+            continue
+        w = x[lo:a]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            med = np.nanmedian(w, axis=0)
+            mad = np.nanmedian(np.abs(w - med), axis=0)
+            std = np.nanstd(w, axis=0) if std_floor else np.zeros(x.shape[1])
+        scale = np.maximum(np.maximum(1.4826 * mad, 1e-9 + 1e-6 * np.abs(med)), std)
+        z[a:b] = np.abs(x[a:b] - med) / scale
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmax(z, axis=1)
+
+
+def synthetic_fleet(seed: int, n_nodes: int = 36) -> tuple:
+    """The transfer test's fleet generated differently from the training one (3x decoys, 2x congestion, 3x
+    dropouts, jobs of 4, gauges at other levels with a daily pattern): ``n_nodes`` x 6 days at 60 s."""
+    from trainguard.predictor.tracegen import TraceConfig, generate
+
+    tr = generate(TraceConfig(n_nodes=n_nodes, days=6, interval_s=60, rate_scale=100, repair_scale=0.05, seed=seed,
+                              decoy_rate=3, congestion_rate=4, dropout_rate=12, job_size=4))
+    mt = tr.metrics
+    vals = mt.values.copy()
+    rng = np.random.default_rng(seed)
+    for node in np.unique(mt.node.astype(str)):
+        r = mt.node.astype(str) == node
+        day = np.sin(2 * np.pi * mt.ts[r] / 86400.0)
+        j = mt.columns.index("gpu_temp_c")
+        vals[r, j] += rng.uniform(-10, 10) + 3.0 * day
+        j = mt.columns.index("step_time_s")
+        vals[r, j] *= rng.uniform(0.6, 1.6) * (1 + 0.05 * day)
+    return MetricTable(mt.columns, mt.ts, mt.node, vals, mt.job), tr
+
+
+def run_synthetic(figures: dict) -> None:
+    """Synthetic fleet: train on one generated fleet (seed 1, 3 days), evaluate on one generated differently
+    (seed 11); failures instead of windows (a hit is an alarm 2-30 min before a failure with a precursor);
+    the same baselines, per node on the raw metrics (gauge values, counter increments)."""
+    from trainguard.predictor.evaluation import calibrate_threshold, evaluate_events, failures_by_node
+    from trainguard.predictor.tracegen import TraceConfig, generate
+
+    a = generate(TraceConfig(n_nodes=12, days=3, interval_s=60, rate_scale=100, repair_scale=0.05, seed=1))
+    b_metrics, tr = synthetic_fleet(11)
+    failures = failures_by_node(tr.events.node, tr.events.ts)
+    pkeys = tr.predictable_keys()
+    methods: dict[str, np.ndarray] = {}
+    margins: dict[str, np.ndarray] = {}
+    frame = None
+    for method in ("robust-z", "hgb"):
+        cfg = TrainConfig(method=method, features=FeatureConfig.for_data(60.0, 3 * 86400, peer=False),
+                          evaluation=EvalConfig(budget_per_100_node_days=100 * BUDGETS[0]), max_iter=60,
+                          min_failures=1)
+        model = train(a.metrics, a.events, cfg)
+        fr, score = score_table(model, b_metrics)
+        frame = fr if frame is None else frame
+        assert np.array_equal(fr.ts, frame.ts)
+        label = "trainguard unsupervised" if method == "robust-z" else "trainguard supervised (hgb)"
+        methods[label + " (fleet rank)"] = score
+        from trainguard.predictor.scorers import family_scores
+
+        _, fam = family_scores(model.scorer, model.spec.families, fr.x)
+        for bud in BUDGETS:
+            for how, cal_in in (("per node", score), ("per node and family", fam)):
+                if how == "per node and family" and fam.shape[1] < 2:
+                    continue
+                cc = replace(model.calibration, budget_per_day=bud, per_family=how != "per node")
+                margins[f"{label}, {how} ({fam.shape[1] if how != 'per node' else 1})|{bud}"] = calibrate_table(
+                    fr.ts, fr.node, cal_in, cc)[0]
+    assert frame is not None
+    # baselines per node on the raw metrics, rows in the frame's order (grouped by node, time order)
+    rz = np.full(len(frame.ts), np.nan)
+    iso = np.full(len(frame.ts), np.nan)
+    counters = [i for i, c in enumerate(b_metrics.columns) if c.endswith("_total")]
+    for s in b_metrics.per_node():
+        rows = np.flatnonzero(frame.node.astype(str) == s.node)
+        v = s.values.copy()
+        d = np.diff(v, axis=0, prepend=v[:1])
+        v[:, counters] = np.where(d[:, counters] < 0, v[:, counters], d[:, counters])
+        v = np.where(np.isnan(v), np.nanmedian(v, axis=0), v)
+        rz[rows] = rolling_robust_z_blocks(s.ts, v)
+        from sklearn.ensemble import IsolationForest
+
+        iso[rows] = -IsolationForest(n_estimators=100, random_state=0).fit(v).score_samples(v)
+    methods = {"rolling robust z (1 day), scale >= std": rz, "IsolationForest": iso, **methods}
+    keep = frame.ts >= frame.ts.min() + 86400.0
+    ev_cfg = EvalConfig(cooldown_s=COOLDOWN_S)
+    out: dict = {"methods": {}, "self_calibrated": {}}
+    print("\nsynthetic fleet: trained on one generated fleet (12 nodes x 3 days), tested on one generated "
+          f"differently ({len(set(frame.node.astype(str)))} nodes x 6 days, first day not scored)")
+    print("| method | " + " | ".join(f"recall (predictable) at {b:g} false alarms/day" for b in BUDGETS) + " |")
+    print("|---|" + "---|" * len(BUDGETS))
+    for m, sc in methods.items():
+        cells = []
+        out["methods"][m] = {}
+        for bud in BUDGETS:
+            ev = replace(ev_cfg, budget_per_100_node_days=100 * bud)
+            _, rep = calibrate_threshold(frame.ts[keep], frame.node[keep], sc[keep], failures, ev, 60.0)
+            c, t = rep.recall_of(pkeys)
+            fa = rep.false_alarms_per_100_node_days / 100.0
+            cells.append(f"{c / t if t else float('nan'):.2f} ({c}/{t}; {fa:.3f} FA/day)")
+            out["methods"][m][str(bud)] = {"caught": c, "predictable": t, "false_alarms_per_day": fa}
+        print(f"| {m} | " + " | ".join(cells) + " |")
+    print("\n| method | budget (false alarms/day) | realised at the self-calibrated thresholds | recall (predictable) |")
+    print("|---|---|---|---|")
+    for key, mg in margins.items():
+        label, bud = key.split("|")
+        rep = evaluate_events(frame.ts[keep], frame.node[keep], mg[keep], 0.0, failures, ev_cfg, 60.0)
+        c, t = rep.recall_of(pkeys)
+        out["self_calibrated"][key] = {"false_alarms_per_day": rep.false_alarms_per_100_node_days / 100.0,
+                                       "false_alarms": rep.false_alarms, "caught": c, "predictable": t}
+        print(f"| {label} | {bud} | {rep.false_alarms_per_100_node_days / 100.0:.3f} ({rep.false_alarms} in "
+              f"{rep.node_days:.0f} node-days) | {c / t if t else float('nan'):.2f} ({c}/{t}) |")
+    figures["synthetic"] = out
+
+
+def run_dataset(folder: Path, name: str) -> dict | None:
+    """Runs the comparison on one labelled folder, prints its tables and returns its figures."""
+    data = load_series(folder)
     if not data:
-        print(f"no series under {args.data}", file=sys.stderr)
-        return 2
+        print(f"no series under {folder}", file=sys.stderr)
+        return None
     methods: dict[str, dict[str, np.ndarray]] = {"rolling robust z (1 day)": {},
                                                  "rolling robust z (1 day), scale >= std": {}, "IsolationForest": {},
+                                                 "IsolationForest, refitted daily on the past week (causal)": {},
                                                  "trainguard (fleet rank)": {}, "trainguard (self-calibrated)": {}}
-    per_budget = {b: ours(data, b) for b in BUDGETS}
+    per_budget = ours(data, BUDGETS)
     interval = interval_of(data)
     day_rows, hour_rows = int(round(86400.0 / interval)), int(round(3600.0 / interval))
-    for name, (ts, x, _) in data.items():
-        methods["rolling robust z (1 day)"][name] = rolling_robust_z(x, day_rows)
-        methods["rolling robust z (1 day), scale >= std"][name] = rolling_robust_z(x, day_rows, std_floor=True)
-        methods["IsolationForest"][name] = isolation_forest(x, hour_rows=hour_rows)
-        methods["trainguard (fleet rank)"][name] = per_budget[BUDGETS[0]][name][0]
-        methods["trainguard (self-calibrated)"][name] = per_budget[BUDGETS[0]][name][1]
+    for sname, (ts, x, _) in data.items():
+        methods["rolling robust z (1 day)"][sname] = rolling_robust_z(x, day_rows)
+        methods["rolling robust z (1 day), scale >= std"][sname] = rolling_robust_z(x, day_rows, std_floor=True)
+        methods["IsolationForest"][sname] = isolation_forest(x, hour_rows=hour_rows)
+        methods["IsolationForest, refitted daily on the past week (causal)"][sname] = isolation_forest_causal(
+            ts, x, hour_rows=hour_rows)
+        methods["trainguard (fleet rank)"][sname] = per_budget[BUDGETS[0]][sname][0]
+        methods["trainguard (self-calibrated)"][sname] = per_budget[BUDGETS[0]][sname][1]
 
     def scored(scores: dict[str, np.ndarray]) -> list:
         out = []
-        for name, (ts, _, win) in data.items():
+        for sname, (ts, _, win) in data.items():
             keep = ts >= ts[0] + 86400.0  # every method gets a day of history first
-            s = np.where(np.isnan(scores[name]), -np.inf, scores[name])
+            s = np.where(np.isnan(scores[sname]), -np.inf, scores[sname])
             out.append((ts[keep], s[keep], win))
         return out
 
     n_win = sum(len(w) for _, _, w in data.values())
     days = evaluate_windows(scored(methods["IsolationForest"]), np.inf, COOLDOWN_S).days
-    print(f"{len(data)} series, {n_win} labelled windows, {days:.1f} days scored, interval {interval:g} s "
-          f"({args.name or Path(args.data).name})")
+    print(f"\n{len(data)} series, {n_win} labelled windows, {days:.1f} days scored, interval {interval:g} s ({name})")
     figures: dict = {"series": list(data), "windows": n_win, "days": days, "methods": {}, "self_calibrated": {}}
     print("| method | " + " | ".join(f"recall at {b:g} false alarms/day" for b in BUDGETS) + " |")
     print("|---|" + "---|" * len(BUDGETS))
@@ -221,6 +387,33 @@ def main(argv: list[str] | None = None) -> int:
                                               "caught": rep.caught}
         print(f"| {b:g} | {rep.false_alarms_per_day:.3f} ({rep.false_alarms} in {rep.days:.1f} days) | "
               f"{rep.recall:.2f} ({rep.caught}/{rep.windows}) |")
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the comparison on every data set asked for (default: all present) and prints the tables."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", action="append", help="a labelled folder (repeatable; default: "
+                    "bench/data/nab_aws, bench/data/ms_cloud_latency when downloaded, and the synthetic fleet)")
+    ap.add_argument("--no-synthetic", action="store_true", help="leave the synthetic fleet out")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    folders = [Path(d) for d in args.data] if args.data else [
+        d for d in (DEFAULT_DATA, MS_DATA) if any(d.glob("*.csv"))]
+    figures: dict = {}
+    for folder in folders:
+        f = run_dataset(folder, folder.name)
+        if f is None:
+            return 2
+        figures[folder.name] = f
+    if not args.no_synthetic and not args.data:
+        from trainguard.predictor.tracegen import default_trace_dir
+
+        if (default_trace_dir() / "fault_trace.json").is_file():
+            run_synthetic(figures)
+        else:
+            print(f"(synthetic fleet skipped: StepFun fault trace absent at {default_trace_dir()})")
     print(f"\n(whole run {time.monotonic() - t0:.1f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

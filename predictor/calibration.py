@@ -61,6 +61,12 @@ class CalibrationConfig:
             under-estimates: aiming at the budget itself, a synthetic fleet of other make than the training
             one (tests/predictor/test_predictor_transfer.py) got 0.35-1.4x the budget over six seeds; at
             half of it, 0.2-0.8x.
+        per_family: calibrate per node and metric family (default False, the behaviour of models trained
+            before it existed: one threshold per node over the model's score): each (node, family) fits its
+            own threshold at the budget, the node's statistic is the largest margin of a family over its own
+            threshold, and one more threshold per node on that statistic, at the budget, decides the alarm
+            (:func:`calibrate_table`). Only scorers with per-family scores use it (robust-z, threshold); a
+            tree ensemble keeps one threshold per node.
     """
 
     budget_per_day: float = 0.01
@@ -70,6 +76,7 @@ class CalibrationConfig:
     tail_fraction: float = 0.05
     refit_s: float = 3600.0
     safety: float = 2.0
+    per_family: bool = False
 
     def __post_init__(self) -> None:
         if not self.budget_per_day > 0:
@@ -225,8 +232,10 @@ class TailCalibrator:
         Returns:
             ``(threshold, p_tail)``: threshold inf and p_tail NaN while warming up.
         """
-        if self._first_ts is None:
+        if self._first_ts is None and score == score:  # warm-up counts from the first informed score
             self._first_ts = ts
+        if self._first_ts is None:
+            return math.inf, math.nan
         block = int(math.floor(ts / self.cfg.block_s))
         if block != self._cur_block:
             self._close_block()
@@ -255,18 +264,21 @@ def surprise(p: float) -> float:
     return -math.log10(max(p, P_FLOOR)) if p == p else math.nan
 
 
-def calibrate_series(ts: np.ndarray, score: np.ndarray, cfg: CalibrationConfig) -> tuple[np.ndarray, np.ndarray]:
+def calibrate_series(
+    ts: np.ndarray, score: np.ndarray, cfg: CalibrationConfig, alpha: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Runs one node's scores through a fresh :class:`TailCalibrator` (offline twin of the runtime).
 
     Args:
         ts: times, seconds, increasing.
-        score: the model's scores.
+        score: the model's scores (NaN: skipped).
         cfg: calibration parameters.
+        alpha: block exceedance probability (default ``cfg.alpha``; ``cfg.alpha / F`` for one of F families).
 
     Returns:
         ``(threshold, surprise)`` per row (inf / NaN while warming up).
     """
-    cal = TailCalibrator(cfg)
+    cal = TailCalibrator(cfg, alpha)
     thr = np.empty(len(ts))
     sur = np.empty(len(ts))
     for i, (t, s) in enumerate(zip(ts.tolist(), score.tolist())):
@@ -281,21 +293,69 @@ def calibrate_table(
     """:func:`calibrate_series` for every node of a table (rows in any order), on the log-odds of the scores
     as the runtime does.
 
+    Args:
+        ts, node: time and node of each row.
+        score: the model's score per row, shape (n,), or one score per metric family, shape (n, F)
+            (:func:`~.scorers.family_scores`). Per family, each (node, family) fits its own threshold (the
+            family's own tail: a quiet family is not judged by a noisy one's), the node's statistic is the
+            largest family margin over its own threshold, and a last threshold per node on that statistic, at
+            the node's budget, decides: so the node keeps its budget by the same construction as with one
+            score (a union bound over F thresholds at ``budget / F`` was tried first and broke the budget on
+            the synthetic fleet: sparse counter families put their threshold just above the few days seen).
+        cfg: calibration parameters.
+
     Returns:
-        ``(margin, surprise)`` per row, in the input row order: ``margin`` is the log-odds of the score minus
-        the node's threshold in force (-inf while warming up); the runtime alarms where it is >= 0.
+        ``(margin, surprise)`` per row, in the input row order: ``margin`` is the node's statistic minus its
+        threshold in force (-inf while warming up: with families, a day for the families' thresholds and a
+        day for the node's); the runtime alarms where it is >= 0. ``surprise`` is the node-level one.
     """
-    lo = np.log(np.clip(score, 1e-12, 1.0 - 1e-12) / (1.0 - np.clip(score, 1e-12, 1.0 - 1e-12)))
+    s2 = np.asarray(score, dtype=np.float64)
+    s2 = s2.reshape(len(ts), -1)
+    n_fam = s2.shape[1]
+    sc = np.clip(s2, 1e-12, 1.0 - 1e-12)
+    lo = np.log(sc / (1.0 - sc))
+    stat = lo[:, 0].copy() if n_fam == 1 else np.full(len(ts), np.nan)
     thr = np.full(len(ts), math.inf)
     sur = np.full(len(ts), math.nan)
     keys = node.astype(str)
     for n in np.unique(keys):
         rows = np.flatnonzero(keys == n)
         rows = rows[np.argsort(ts[rows], kind="stable")]
-        thr[rows], sur[rows] = calibrate_series(ts[rows], lo[rows], cfg)
+        if n_fam > 1:
+            stat[rows] = family_statistic(ts[rows], lo[rows], cfg)
+        thr[rows], sur[rows] = calibrate_series(ts[rows], stat[rows], cfg)
     with np.errstate(invalid="ignore"):
-        margin = np.where(np.isfinite(thr), lo - thr, -np.inf)
+        margin = np.where(np.isfinite(thr) & ~np.isnan(stat), stat - thr, -np.inf)
     return margin, sur
+
+
+def family_statistic(ts: np.ndarray, lo: np.ndarray, cfg: CalibrationConfig) -> np.ndarray:
+    """One node's per-family statistic: the largest margin of a family's log-odds over that family's own
+    threshold (NaN while no family is warm); offline twin of :class:`FamilyCalibrator`."""
+    fc = FamilyCalibrator(cfg, lo.shape[1])
+    return np.array([fc.statistic(t, row)[0] for t, row in zip(ts.tolist(), lo.tolist())])
+
+
+class FamilyCalibrator:
+    """One node's thresholds per metric family and the statistic they give (see :func:`calibrate_table`)."""
+
+    def __init__(self, cfg: CalibrationConfig, n_families: int) -> None:
+        self.cals = [TailCalibrator(cfg) for _ in range(n_families)]
+
+    def statistic(self, ts: float, lo: list[float]) -> tuple[float, int, float]:
+        """Feeds one row of family log-odds (NaN: unknown); returns ``(statistic, deciding family, its
+        threshold)``: the largest margin over the families' own thresholds (NaN while none is warm)."""
+        best, arg, arg_thr = math.nan, 0, math.inf
+        for f, (cal, v) in enumerate(zip(self.cals, lo)):
+            thr, _ = cal.observe(ts, v)
+            if v == v and math.isfinite(thr) and not (v - thr <= best):
+                best, arg, arg_thr = v - thr, f, thr
+        return best, arg, arg_thr
+
+    @property
+    def thresholds(self) -> list[float]:
+        """Each family's threshold in force (log-odds; inf while warming up)."""
+        return [c.threshold for c in self.cals]
 
 
 @dataclass

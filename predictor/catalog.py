@@ -66,6 +66,16 @@ CATALOG: tuple[MetricInfo, ...] = (
 #: Name -> info.
 BY_NAME: dict[str, MetricInfo] = {m.name: m for m in CATALOG}
 
+def metric_family(name: str) -> str:
+    """The family a metric belongs to for per-family alarm thresholds: its name up to the first ``_`` or
+    ``.`` (the catalog's families are ``gpu``, ``pcie``, ``nic``, ``rdma`` and ``step``); a name without
+    either is a family of its own."""
+    for i, ch in enumerate(name):
+        if ch in "_." and i > 0:
+            return name[:i]
+    return name
+
+
 #: Columns of the interchange format that are not metrics.
 RESERVED_COLUMNS: frozenset[str] = frozenset({"timestamp", "node", "job"})
 

@@ -56,12 +56,18 @@ def _usage(msg: str) -> Exception:
 def _read_metrics(path: str, resample: float | None, counters: set[str] | frozenset[str] = frozenset()) -> Any:
     from trainguard.predictor.table import MetricTable
 
-    table = MetricTable.from_csv(path)
-    if resample is not None:
-        if resample <= 0:
-            raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
-        table = table.resample(resample, counters)
-    return table
+    if resample is None:
+        return MetricTable.from_csv(path)
+    if resample <= 0:
+        raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
+    # resampling sorts each node and merges the samples of a bin, so rows out of order or sharing a
+    # timestamp are data to merge, not an error
+    table = MetricTable.from_csv(path, check_order=False)
+    dup = table.duplicate_rows()
+    if dup:
+        print(f"{path}: merged {dup} row(s) that repeat a node's timestamp into their {resample:g} s bin "
+              "(gauges averaged, counters' last value)", file=sys.stderr)
+    return table.resample(resample, counters)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -82,7 +88,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         method=args.method, evaluation=_eval_config(args), calib_fraction=args.calib_fraction, seed=args.seed,
         features=features, counters=tuple(args.counter), gauges=tuple(args.gauge),
-        online_calibration=args.calibration == "online",
+        online_calibration=args.calibration != "fixed", per_family=args.calibration == "online-family",
     )
     model = train(metrics, events, cfg)
     size = model.save(args.out)
@@ -91,11 +97,17 @@ def _train(args: argparse.Namespace) -> int:
     print(f"trained {s['method']} on {s['rows']} rows, {s['nodes']} nodes, {s['node_days']:.1f} node-days, "
           f"{s['failures_total']} failures; interval {fc.interval_s:g} s, windows {fc.short_window_s:g}/"
           f"{fc.long_window_s:g} s, own baseline {fc.self_window_s:g} s; fleet threshold {model.threshold:.4f}; "
-          f"thresholds {'per node, online, to ' if model.calibration else 'fixed, '}"
+          f"thresholds {_threshold_mode(model)}"
           f"{model.eval_config.budget_per_100_node_days / 100:g} alarms/node-day; saved {args.out} ({size} bytes)")
     if s["ignored_columns"]:
         print(f"ignored columns (left to the rules tier or without values): {', '.join(s['ignored_columns'])}")
     return 0
+
+
+def _threshold_mode(model: Any) -> str:
+    if model.calibration is None:
+        return "fixed, "
+    return "per node and metric family, online, to " if model.calibration.per_family else "per node, online, to "
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -107,7 +119,7 @@ def _eval(args: argparse.Namespace) -> int:
     from trainguard.predictor.evaluation import calibrate_threshold, evaluate_events, failures_by_node
     from trainguard.predictor.model import PredictorModel, _json_safe
     from trainguard.predictor.table import EventTable
-    from trainguard.predictor.training import score_table
+    from trainguard.predictor.training import calibration_scores, score_table
 
     model = PredictorModel.load(args.model)
     ev = _eval_config(args, model.eval_config)
@@ -124,8 +136,8 @@ def _eval(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         cal = replace(model.calibration, budget_per_day=ev.budget_per_100_node_days / 100.0)
-        margin, _ = calibrate_table(frame.ts, frame.node, score, cal)
-        mode = "online per node"
+        margin, _ = calibrate_table(frame.ts, frame.node, calibration_scores(model, frame, score), cal)
+        mode = "online per node and metric family" if cal.per_family else "online per node"
         rep = evaluate_events(frame.ts, frame.node, margin, 0.0, failures, ev, interval)
     out = rep.summary()
     if mode != "fixed":
@@ -253,7 +265,9 @@ def _metrics(args: argparse.Namespace) -> int:
     if args.metrics:
         from trainguard.predictor.training import column_kinds
 
-        table = _read_metrics(args.metrics, None)
+        from trainguard.predictor.table import MetricTable
+
+        table = MetricTable.from_csv(args.metrics, check_order=False)  # only its columns are classified
         print(f"columns of {args.metrics}, as training would take them:")
         for c in column_kinds(table, tuple(args.counter), tuple(args.gauge)):
             print(f"  {c.name:28s} {c.kind.value if c.kind else 'unused':8s} ({c.reason})")
@@ -319,8 +333,9 @@ def register(subparsers: Any) -> None:
     _add_column_args(p)
     p.add_argument("--no-peer", action="store_true", help="no peer z-scores (for a model run on one node alone)")
     p.add_argument("--calib-fraction", type=float, default=0.25, help="trailing share of time to calibrate on")
-    p.add_argument("--calibration", default="online", choices=["online", "fixed"],
-                   help="online: each node fits its own threshold to the budget (default); fixed: the fleet's")
+    p.add_argument("--calibration", default="online", choices=["online", "online-family", "fixed"],
+                   help="online: each node fits its own threshold to the budget (default); online-family: per node "
+                        "and metric family (unsupervised tier; see the predictor README); fixed: the fleet's")
     p.add_argument("--seed", type=int, default=0)
     _add_eval_args(p, defaults=True)
     p.set_defaults(handler=_train)

@@ -303,6 +303,8 @@ def calibrate_threshold(
         r = evaluate_events(ts, node, score, thr, failures, cfg, interval_s, stop_after_false=allowed)
         return r.false_alarms <= allowed
 
+    if len(cand) == 0:  # no score known in the calibration period (baselines still warming up there)
+        return top, evaluate_events(ts, node, score, top, failures, cfg, interval_s)
     lo, hi = 0, len(cand)  # invariant: cand[hi] (or top) is ok
     if ok(float(cand[0])):
         hi = 0

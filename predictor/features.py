@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from trainguard.predictor.catalog import BY_NAME, MetricKind
+from trainguard.predictor.catalog import BY_NAME, MetricKind, metric_family
 from trainguard.predictor.errors import DataFormatError, FeatureMismatchError
+from trainguard.predictor.long_baseline import LongBaselineConfig, long_baseline_z
 from trainguard.predictor.table import MetricTable
 
 #: Fewest reporting nodes at an interval for peer z-scores to be computed (else they are missing).
@@ -39,6 +40,10 @@ MIN_PEERS = 3
 PEER_Z_CLIP = 20.0
 #: Smallest peer scale (same unit as the feature), so identical peers do not divide by zero.
 PEER_SCALE_FLOOR = 1e-3
+
+#: Window of the robust long baseline of models trained with derived windows (a week: the incidents of a
+#: day or two stay a small share of it; the daily profile sees seven days per hour slot).
+ROBUST_WINDOW_S = 7 * 86400.0
 
 TELEMETRY_FEATURES = ("telemetry.gap_s", "telemetry.coverage_l", "telemetry.nan_frac_l")
 
@@ -56,6 +61,10 @@ class FeatureConfig:
             counter rate and gauge level (and their short-window changes) also gets a ``_z`` feature: its
             deviation from that baseline in units of the node's own typical deviation (0: off, the default of
             models trained before it existed). Scale-free, so it transfers between nodes and fleets.
+        robust_window_s: window of the node's robust long baseline with its daily profile, seconds
+            (:mod:`.long_baseline`): the same columns also get an ``_rz`` feature, their deviation from it,
+            which incidents do not inflate and a daily pattern does not trigger (0: off, the default of models
+            trained before it existed).
     """
 
     interval_s: float = 5.0
@@ -63,6 +72,7 @@ class FeatureConfig:
     long_window_s: float = 1800.0
     peer: bool = True
     self_window_s: float = 0.0
+    robust_window_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (0 < self.interval_s <= self.short_window_s < self.long_window_s):
@@ -101,12 +111,21 @@ class FeatureConfig:
             if history_s > 0:
                 long = max(min(long, history_s / 4.0), 2.0 * short)
         self_w = min(86400.0, max(2.0 * long, history_s / 8.0))
-        return cls(interval_s=interval_s, short_window_s=short, long_window_s=long, peer=peer, self_window_s=self_w)
+        return cls(interval_s=interval_s, short_window_s=short, long_window_s=long, peer=peer, self_window_s=self_w,
+                   robust_window_s=max(ROBUST_WINDOW_S, 2.0 * long))
 
     @property
     def self_min_rows(self) -> int:
         """Rows a node's own baseline needs before its ``_z`` features are reported (else missing)."""
         return int(max(10, round(self.short_window_s / self.interval_s), round(self.self_window_s / self.interval_s / 3)))
+
+    @property
+    def long_baseline(self) -> "LongBaselineConfig | None":
+        """Parameters of the robust long baseline (None when off)."""
+        if self.robust_window_s <= 0:
+            return None
+        return LongBaselineConfig(window_s=self.robust_window_s, interval_s=self.interval_s,
+                                  min_span_s=max(self.long_window_s, 6 * 3600.0), paired=True)
 
     @property
     def self_alpha(self) -> float:
@@ -182,9 +201,13 @@ class FeatureSpec:
 
     @cached_property
     def node_feature_names(self) -> list[str]:
-        """Names of all per-node features: windowed ones, then the ``_z`` against the node's own baseline."""
+        """Names of all per-node features: windowed ones, then the ``_z`` against the node's own baseline,
+        then the ``_rz`` against its robust long baseline (when on)."""
         w = self.window_feature_names
-        return w + [w[c] + "_z" for c in self.self_source_columns]
+        names = w + [w[c] + "_z" for c in self.self_source_columns]
+        if self.config.robust_window_s > 0:
+            names += [w[c] + "_rz" for c in self.self_source_columns]
+        return names
 
     @cached_property
     def peer_base_columns(self) -> list[int]:
@@ -199,6 +222,18 @@ class FeatureSpec:
         if self.config.peer:
             names = names + [names[c].rsplit(".", 1)[0] + ".peer_z" for c in self.peer_base_columns]
         return names
+
+    @cached_property
+    def families(self) -> list[tuple[str, list[int]]]:
+        """Metric families (:func:`~.catalog.metric_family`) and the columns of each family's features, in
+        order of first appearance (telemetry health features belong to none)."""
+        fam_of = {m: metric_family(m) for m in self.metrics}
+        out: dict[str, list[int]] = {}
+        for i, name in enumerate(self.feature_names):
+            metric = name.rsplit(".", 1)[0]
+            if metric in fam_of:
+                out.setdefault(fam_of[metric], []).append(i)
+        return list(out.items())
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -538,7 +573,12 @@ def table_features(table: MetricTable, spec: FeatureSpec, missing: str = "error"
         x[r : r + m, :n_w] = feats
         if spec.self_source_columns:
             cfg = spec.config
-            x[r : r + m, n_w:n_node_f] = self_z(feats[:, spec.self_source_columns], cfg.self_alpha, cfg.self_min_rows)
+            src = feats[:, spec.self_source_columns]
+            k = len(spec.self_source_columns)
+            x[r : r + m, n_w : n_w + k] = self_z(src, cfg.self_alpha, cfg.self_min_rows)
+            lb = cfg.long_baseline
+            if lb is not None:
+                x[r : r + m, n_w + k : n_w + 2 * k] = long_baseline_z(lb, s.ts, src)
         ts_out[r : r + m], node_out[r : r + m], job_out[r : r + m] = s.ts, s.node, s.job
         r += m
     if spec.config.peer:

@@ -34,12 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-from trainguard.predictor.calibration import AlarmLedger, TailCalibrator, log_odds, surprise
+from trainguard.predictor.calibration import AlarmLedger, FamilyCalibrator, TailCalibrator, log_odds, surprise
 from trainguard.predictor.errors import DataFormatError, FeatureMismatchError
 from trainguard.predictor.features import SelfBaseline, node_features, peer_z
+from trainguard.predictor.long_baseline import LongBaseline
 from trainguard.predictor.model import PredictorModel
 from trainguard.predictor.rules import RuleHit, RulesTier
-from trainguard.predictor.scorers import TreeEnsembleScorer
+from trainguard.predictor.scorers import TreeEnsembleScorer, family_scores
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class Score:
         degraded: reasons the score is less informed than in training (empty when fully informed).
         surprise: ``-log10`` of the probability that this node shows a score this high in a block of its
             own history (NaN without online calibration or while it warms up): comparable between nodes.
+            With per-family thresholds: of the node's statistic (the largest family margin).
+        family: with per-family thresholds, the metric family whose margin over its own threshold is the
+            largest (it decides ``alarm``; ``score`` is that family's score and ``threshold`` its own
+            threshold plus the node's); else empty.
     """
 
     node: str
@@ -71,6 +76,7 @@ class Score:
     source: str = "model"
     degraded: tuple[str, ...] = ()
     surprise: float = math.nan
+    family: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,10 @@ class NodeStatus:
         alarms: learned-tier alarm events so far (cooldown applied; rules excluded).
         observed_days: time observed, days (gaps beyond 10 intervals not counted).
         alarms_per_day: realised rate (an upper bound of the false-alarm rate: every alarm counts).
-        budget_per_day: the budget the threshold is calibrated to.
+        budget_per_day: the budget the threshold is calibrated to (the node's: with per-family
+            thresholds each family gets an equal share).
+        family_thresholds: with per-family thresholds, ``(family, threshold)`` of each (log-odds;
+            ``threshold`` is then the node's, on the largest family margin); empty otherwise.
     """
 
     node: str
@@ -94,6 +103,7 @@ class NodeStatus:
     observed_days: float
     alarms_per_day: float
     budget_per_day: float
+    family_thresholds: tuple[tuple[str, float], ...] = ()
 
 
 class _NodeBuffer:
@@ -162,8 +172,14 @@ class PredictorRuntime:
         self.top_k = top_k
         self._nodes: dict[str, _NodeBuffer] = {}
         self._self: dict[str, SelfBaseline] = {}
+        self._long: dict[str, LongBaseline] = {}
         self._cal: dict[str, TailCalibrator] = {}
+        self._fam: dict[str, FamilyCalibrator] = {}
         self._ledger: dict[str, AlarmLedger] = {}
+        self._families: list[str] | None = None  # metric families with their own thresholds (None: one)
+        if model is not None and model.calibration is not None and model.calibration.per_family:
+            names, _ = family_scores(model.scorer, model.spec.families, np.zeros((1, len(model.spec.feature_names))))
+            self._families = names if names != ["all"] else None
         self._fast = None
         if model is not None and isinstance(model.scorer, TreeEnsembleScorer):
             self._fast = [
@@ -214,7 +230,7 @@ class PredictorRuntime:
 
     def forget(self, node: str) -> None:
         """Drops a node's history (it left the job or was replaced): a new node calibrates afresh."""
-        for d in (self._nodes, self._self, self._cal, self._ledger):
+        for d in (self._nodes, self._self, self._long, self._cal, self._fam, self._ledger):
             d.pop(node, None)  # type: ignore[attr-defined]
 
     def status(self) -> list[NodeStatus]:
@@ -228,8 +244,10 @@ class PredictorRuntime:
             led = self._ledger[node]
             c = self._cal.get(node)
             thr = c.threshold if c is not None else self.model.threshold
+            fc = self._fam.get(node)
+            fam = tuple(zip(self._families, fc.thresholds)) if fc is not None and self._families else ()
             out.append(NodeStatus(node, thr, c.warm if c is not None else True, led.events,
-                                  led.observed_s / 86400.0, led.per_day, budget))
+                                  led.observed_s / 86400.0, led.per_day, budget, fam))
         return out
 
     def realised_alarms_per_day(self) -> float:
@@ -282,7 +300,15 @@ class PredictorRuntime:
         if base is None:
             base = self._self[node] = SelfBaseline(len(spec.self_source_columns), spec.config.self_alpha,
                                                    spec.config.self_min_rows)
-        return np.concatenate([w, base.step(w[spec.self_source_columns])])
+        src = w[spec.self_source_columns]
+        parts = [w, base.step(src)]
+        lb_cfg = spec.config.long_baseline
+        if lb_cfg is not None:
+            lb = self._long.get(node)
+            if lb is None:
+                lb = self._long[node] = LongBaseline(lb_cfg)
+            parts.append(lb.step(float(ts), src))
+        return np.concatenate(parts)
 
     def _finish(self, ts: float, node: str, row: np.ndarray, hits: list[RuleHit], degraded: list[str]) -> Score:
         assert self.model is not None
@@ -306,19 +332,35 @@ class PredictorRuntime:
         else:
             score = float(self.model.scorer.score(row.reshape(1, -1))[0])
             top = self.model.scorer.top_features(row, self.top_k)
-        thr, sur = self.model.threshold, math.nan
+        thr, sur, family = self.model.threshold, math.nan, ""
+        informed = score == score  # NaN: no scored feature known yet (the node's baselines warm up)
         cfg = self.model.calibration
         if cfg is not None:
             cal = self._cal.get(node)
             if cal is None:
                 cal = self._cal[node] = TailCalibrator(cfg)
-            thr_lo, p = cal.observe(ts, log_odds(score))
+            stat = log_odds(score) if informed else math.nan
+            fam_thr = 0.0
+            if self._families is not None:
+                fs = family_scores(self.model.scorer, self.model.spec.families, row.reshape(1, -1))[1][0].tolist()
+                fc = self._fam.get(node)
+                if fc is None:
+                    fc = self._fam[node] = FamilyCalibrator(cfg, len(fs))
+                stat, f, fam_thr = fc.statistic(ts, [log_odds(v) if v == v else math.nan for v in fs])
+                family = self._families[f]
+                if fs[f] == fs[f]:
+                    score = fs[f]  # the deciding family's score, against its own threshold plus the node's
+            thr_lo, p = cal.observe(ts, stat)  # a NaN is skipped: the threshold learns only from real scores
             sur = surprise(p)
-            learned_alarm = log_odds(score) >= thr_lo
+            learned_alarm = stat == stat and stat >= thr_lo
             # the threshold in score units (inf while warming up)
+            thr_lo = thr_lo + fam_thr
             thr = 1.0 / (1.0 + math.exp(-min(max(thr_lo, -700.0), 700.0))) if math.isfinite(thr_lo) else math.inf
         else:
-            learned_alarm = score >= thr
+            learned_alarm = informed and score >= thr
+        if score != score:
+            degraded.append("baselines warming up (no scored feature known yet; score reads 0)")
+            score = 0.0
         led = self._ledger.get(node)
         if led is None:
             ev = self.model.eval_config
@@ -326,8 +368,9 @@ class PredictorRuntime:
         led.add(ts, learned_alarm)
         if hits:
             top = [(f"rule:{h.rule}", 1.0) for h in hits] + top
-            return Score(node, ts, 1.0, thr, True, top[: self.top_k + len(hits)], hits, "rules", tuple(degraded), sur)
-        return Score(node, ts, score, thr, learned_alarm, top, [], "model", tuple(degraded), sur)
+            return Score(node, ts, 1.0, thr, True, top[: self.top_k + len(hits)], hits, "rules", tuple(degraded), sur,
+                         family)
+        return Score(node, ts, score, thr, learned_alarm, top, [], "model", tuple(degraded), sur, family)
 
     def observe(self, ts: float, node: str, metrics: dict[str, float]) -> Score:
         """Scores one sample of one node.

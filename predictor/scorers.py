@@ -65,6 +65,12 @@ class Scorer(abc.ABC):
             ModelFileError: the parameters are malformed.
         """
 
+    def family_scores(self, x: np.ndarray, groups: list[list[int]]) -> np.ndarray | None:
+        """One score per group of feature columns (a metric family), shape (n, len(groups)), on the same
+        scale as :meth:`score`; None when the scorer has no per-family score (a tree ensemble's score is
+        one joint function of all features)."""
+        return None
+
     def top_features(self, row: np.ndarray, k: int = 5) -> list[Contribution]:
         """The ``k`` features contributing most to one row's score, largest first.
 
@@ -231,6 +237,8 @@ class RobustZScorer(Scorer):
     def default_scored(feature_names: list[str]) -> np.ndarray:
         """Which features count in the score (see the module docstring)."""
         names = list(feature_names)
+        if any(n.endswith("_rz") for n in names):  # the robust long baseline supersedes the EW one
+            return np.array([n.endswith(("_rz", ".peer_z")) for n in names], dtype=bool)
         free = np.array([n.endswith(("_z", ".peer_z")) for n in names], dtype=bool)
         if free.any():
             return free
@@ -270,11 +278,31 @@ class RobustZScorer(Scorer):
         return np.partition(z, z.shape[1] - k, axis=1)[:, -k:].mean(axis=1)
 
     def score(self, x: np.ndarray) -> np.ndarray:
+        """Scores in [0, 1]; NaN for a row with no scored feature known yet (e.g. a node's baselines still
+        warming up): no evidence is not a score of 0, and a self-calibrated threshold must not learn from it."""
+        x = np.asarray(x, dtype=np.float64)
         raw = self._raw(x)
-        return raw / (raw + self.k)
+        out = raw / (raw + self.k)
+        unknown = np.isnan(x[:, self.scored]).all(axis=1) if self.scored.any() else np.zeros(len(x), dtype=bool)
+        return np.where(unknown, np.nan, out)
 
     def contributions(self, row: np.ndarray) -> np.ndarray:
         return np.where(self.scored, self._z(np.asarray(row, dtype=np.float64).reshape(1, -1))[0], 0.0)
+
+    def family_scores(self, x: np.ndarray, groups: list[list[int]]) -> np.ndarray | None:
+        """The score restricted to each group's scored features (top-k mean, same ``k`` normaliser)."""
+        x = np.asarray(x, dtype=np.float64)
+        z = self._z(x)
+        out = np.full((len(x), len(groups)), np.nan)
+        for g, cols in enumerate(groups):
+            c = [i for i in cols if self.scored[i]]
+            if not c:
+                continue
+            zz = z[:, c]
+            k = min(self.TOP_K, len(c))
+            raw = np.partition(zz, len(c) - k, axis=1)[:, -k:].mean(axis=1)
+            out[:, g] = np.where(np.isnan(x[:, c]).all(axis=1), np.nan, raw / (raw + self.k))
+        return out
 
     def to_params(self) -> dict[str, Any]:
         return {"median": self.median.tolist(), "scale": self.scale.tolist(), "k": self.k,
@@ -335,6 +363,18 @@ class ThresholdScorer(Scorer):
         out[self.columns] = self._ratio(np.asarray(row).reshape(1, -1))[0]
         return out
 
+    def family_scores(self, x: np.ndarray, groups: list[list[int]]) -> np.ndarray | None:
+        """The largest ratio among each group's watched features, as ``r / (1 + r)``."""
+        r = self._ratio(x)
+        out = np.full((len(r), len(groups)), np.nan)
+        pos = {int(c): j for j, c in enumerate(self.columns)}
+        for g, cols in enumerate(groups):
+            j = [pos[c] for c in cols if c in pos]
+            if j:
+                m = r[:, j].max(axis=1)
+                out[:, g] = m / (1.0 + m)
+        return out
+
     def to_params(self) -> dict[str, Any]:
         return {"columns": self.columns.tolist(), "limits": self.limits.tolist()}
 
@@ -344,6 +384,36 @@ class ThresholdScorer(Scorer):
         if len(cols) != len(lim) or (len(cols) and (cols.min() < 0 or cols.max() >= len(feature_names))):
             raise ModelFileError("threshold parameters do not match the feature list; retrain and save the model")
         return cls(feature_names, cols, lim)
+
+
+def family_scores(scorer: Scorer, families: list[tuple[str, list[int]]], x: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """Scores per metric family for per-(node, family) thresholds.
+
+    Args:
+        scorer: the model's scorer.
+        families: ``[(family, feature columns), ...]`` (:attr:`~.features.FeatureSpec.families`).
+        x: feature rows, shape (n, F).
+
+    Returns:
+        ``(family names, scores of shape (n, len(names)))``: the families with a scored feature; a single
+        ``"all"`` column holding :meth:`Scorer.score` when there are fewer than two or the scorer has no
+        per-family score.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if len(families) >= 2:
+        fs = scorer.family_scores(x, [cols for _, cols in families])
+        if fs is not None:
+            keep = [g for g in range(fs.shape[1]) if _has_scored(scorer, families[g][1])]  # fixed by the model
+            if len(keep) >= 2:
+                return [families[g][0] for g in keep], fs[:, keep]
+    return ["all"], scorer.score(x).reshape(-1, 1)
+
+
+def _has_scored(scorer: Scorer, cols: list[int]) -> bool:
+    scored = getattr(scorer, "scored", None)
+    if scored is not None:
+        return bool(np.asarray(scored)[cols].any())
+    return bool(set(cols) & set(np.asarray(getattr(scorer, "columns", [])).tolist()))
 
 
 #: Scorer kinds by name.

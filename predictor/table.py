@@ -94,11 +94,13 @@ class MetricTable:
         self.values = np.asarray(self.values, dtype=np.float64).reshape(len(self.ts), len(self.columns))
         self.validate()
 
-    def validate(self, source: str = "metrics") -> None:
+    def validate(self, source: str = "metrics", check_order: bool = True) -> None:
         """Checks shapes, finiteness of timestamps and per-node strictly increasing time.
 
         Args:
             source: name used in error messages (a file path).
+            check_order: also check that each node's timestamps strictly increase (False for a table that is
+                only resampled, which sorts and merges, or whose columns are only classified).
 
         Raises:
             DataFormatError: on the first problem found.
@@ -115,7 +117,7 @@ class MetricTable:
             raise DataFormatError(f"{source}: a timestamp is NaN or infinite; every row needs a finite timestamp")
         if np.isinf(self.values).any():
             raise DataFormatError(f"{source}: a metric value is infinite; use NaN (an empty cell) for missing values")
-        if len(self.ts) == 0:
+        if len(self.ts) == 0 or not check_order:
             return
         order = np.lexsort((np.arange(len(self.ts)), self.node.astype(str)))
         n_sorted, t_sorted = self.node[order], self.ts[order]
@@ -170,6 +172,13 @@ class MetricTable:
         steps = np.vstack(parts) if parts else np.zeros((0, len(self.columns)))
         return {c: steps[:, i] for i, c in enumerate(self.columns)}
 
+    def duplicate_rows(self) -> int:
+        """Rows whose node already has a row at the same timestamp (what :meth:`resample` merges)."""
+        if len(self.ts) == 0:
+            return 0
+        keys = np.rec.fromarrays([self.node.astype(str), self.ts])
+        return int(len(keys) - len(np.unique(keys)))
+
     def median_interval(self) -> float | None:
         """Median spacing between consecutive samples of a node, seconds (None with fewer than two samples)."""
         gaps = [np.diff(s.ts) for s in self.per_node() if len(s.ts) > 1]
@@ -181,7 +190,9 @@ class MetricTable:
         A bin ``[k*i, (k+1)*i)`` becomes one row stamped at its end ``(k+1)*i`` (the time its values are all
         known, so no row looks into its future). Gauges take the mean of the bin's values, counters (and any
         column in ``counters``) the last value; a bin with no sample of a node has no row (a gap stays a gap);
-        a cell missing in every sample of a bin stays missing.
+        a cell missing in every sample of a bin stays missing. Rows need not be in order: each node is sorted
+        by time first (stable, so of two samples with the same timestamp the later row counts as the later
+        one), and samples sharing a timestamp are merged into their bin like any other two samples.
 
         Args:
             interval_s: grid spacing, seconds (> 0).
@@ -230,11 +241,14 @@ class MetricTable:
         )
 
     @classmethod
-    def from_csv(cls, path: str | Path) -> "MetricTable":
+    def from_csv(cls, path: str | Path, check_order: bool = True) -> "MetricTable":
         """Reads a metrics CSV file.
 
         Args:
             path: file path.
+            check_order: refuse a node whose timestamps do not strictly increase (default). False only for a
+                table that is resampled next (:meth:`resample` sorts each node and merges samples of one bin)
+                or whose columns are only classified.
 
         Returns:
             The validated table.
@@ -282,7 +296,7 @@ class MetricTable:
         table = cls.__new__(cls)
         table.columns, table.ts, table.node, table.values = columns, np.array(ts), np.array(nodes, dtype=object), values
         table.job = np.array(jobs, dtype=object) if i_job is not None else None
-        table.validate(str(path))
+        table.validate(str(path), check_order)
         return table
 
     def to_csv(self, path: str | Path) -> None:

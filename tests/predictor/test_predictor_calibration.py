@@ -85,19 +85,22 @@ def model():
 
     table = _table(seed=0)
     fc = FeatureConfig.for_data(300.0, 2.5 * 86400, peer=False)
-    return train(table, None, TrainConfig(method="robust-z", features=fc,
+    return train(table, None, TrainConfig(method="robust-z", features=fc, per_family=True,
                                           evaluation=EvalConfig(budget_per_100_node_days=300.0)))
 
 
 def test_online_scores_thresholds_and_alarms_equal_offline(model):
     from trainguard.predictor.runtime import PredictorRuntime
-    from trainguard.predictor.training import score_table
+    from trainguard.predictor.training import calibration_scores, score_table
 
     assert model.spec.config.self_window_s > 0 and any(n.endswith("_z") for n in model.spec.feature_names)
     assert model.calibration is not None and model.calibration.budget_per_day == pytest.approx(3.0)
     table = _table(days=3.0, seed=5)  # other data than the training's
     frame, score = score_table(model, table)
-    margin, _ = calibrate_table(frame.ts, frame.node, score, model.calibration)
+    fam = calibration_scores(model, frame, score)  # one threshold per node and metric family
+    assert model.calibration.per_family and [f for f, _ in model.spec.families] == ["errors", "cpu"]
+    assert fam.shape == (len(score), 2)
+    margin, _ = calibrate_table(frame.ts, frame.node, fam, model.calibration)
     rt = PredictorRuntime(model)
     online = {}
     for i in np.argsort(table.ts, kind="stable"):
@@ -105,7 +108,11 @@ def test_online_scores_thresholds_and_alarms_equal_offline(model):
         online[(s.node, s.ts)] = s
     keys = list(zip(frame.node.tolist(), frame.ts.tolist()))
     on_score = np.array([online[k].score for k in keys])
-    assert np.allclose(on_score, score, atol=1e-5)
+    # the online score is the deciding family's (NaN while the baselines warm up reads 0, said in degraded)
+    idx = np.array([["errors", "cpu"].index(online[k].family) for k in keys])
+    expect = fam[np.arange(len(keys)), idx]
+    assert np.allclose(on_score, np.nan_to_num(expect, nan=0.0), atol=1e-5)
+    assert all("warming up" in " ".join(online[k].degraded) for k, e in zip(keys, expect) if np.isnan(e))
     on_alarm = np.array([online[k].alarm for k in keys])
     off_alarm = margin >= 0
     assert off_alarm.any() and (on_alarm != off_alarm).sum() <= 2  # rounding at the threshold only
@@ -126,3 +133,29 @@ def test_saved_model_keeps_its_calibration(model, tmp_path):
     model.save(tmp_path / "m.json")
     back = PredictorModel.load(tmp_path / "m.json")
     assert back.calibration == model.calibration and back.spec == model.spec
+
+
+def test_per_family_thresholds_keep_the_node_budget_and_hear_a_quiet_family():
+    """Issue 19: calibrate per node AND metric family. Three families of one node, each with its own tail:
+    each family's margin over its own threshold, and the node's threshold on the largest margin, keep the
+    node's alarms within its budget; an incident in the quiet family, below the noisy family's usual tail, is
+    heard, while one threshold over the node's overall score loses it under the noisy family's tail."""
+    rng = np.random.default_rng(11)
+    ts = np.arange(30 * 288) * 300.0  # 30 days at 5 min
+    lo = np.column_stack([rng.exponential(2.0, len(ts)) + 2.0,  # a noisy family
+                          rng.exponential(0.3, len(ts)),  # a quiet one
+                          rng.standard_normal(len(ts))])  # a light-tailed one
+    inc = (ts >= 20 * 86400.0) & (ts < 20 * 86400.0 + 3600.0)
+    lo[inc, 1] += 6.0  # far out for the quiet family, ordinary for the noisy one (p99 of it is ~11)
+    fam = 1.0 / (1.0 + np.exp(-lo))
+    node = np.array(["a"] * len(ts), dtype=object)
+    budget = 0.5
+    cfg = CalibrationConfig.for_interval(300.0, budget, per_family=True)
+    margin, sur = calibrate_table(ts, node, fam, cfg)
+    quiet = ~inc
+    rate = len(alarm_events(ts[quiet], margin[quiet], 0.0, 1200.0)) / ((ts[-1] - ts[0] - 86400.0) / 86400.0)
+    assert rate <= budget, rate
+    assert (margin[inc] >= 0).any()  # heard by the quiet family's own threshold
+    single, _ = calibrate_table(ts, node, fam.max(axis=1), CalibrationConfig.for_interval(300.0, budget))
+    assert not (single[inc] >= 0).any()  # lost under the node's one threshold over its overall score
+    assert np.nanmax(sur[inc]) > np.nanmax(sur[quiet & (ts > 86400.0 * 2)]) - 1.0
