@@ -5,8 +5,15 @@ Lifecycle (one process)::
     load config --> logging --> state dir --> TLS files --> detectors --> /metrics --> gRPC (unix + TCP)
         --> detectors start --> READY=1 --> main loop --SIGHUP--> RELOADING=1, re-read config, READY=1
                                              |
-                                             '--SIGTERM/SIGINT--> STOPPING=1, health NOT_SERVING, stop workers,
+                                             '--SIGTERM/SIGINT--> STOPPING=1, health NOT_SERVING, stop reporting,
                                                                   detectors, servers; remove the socket; exit 0
+
+Parts: :class:`~trainguard.agent.node_health.LocalNodeHealth` with the detectors as its event source
+(:class:`~trainguard.agent.node_health.DetectorEventSource`) and the predictor; the node's verdict
+(:class:`~trainguard.agent.coordinator_report.NodeVerdictLatch`, fed from the event bus) reported to every
+coordinator by :class:`~trainguard.agent.daemon_jobs.DaemonJobs`; :class:`~trainguard.agent.daemon_node.DaemonNode`
+is what the local gRPC service serves. ``trainguard run`` composes the same node health with a worker supervisor
+and a job's coordinator link (:mod:`trainguard.agent.node`).
 
 Any problem before READY=1 (bad config, unreadable certificate, address in use, another agent on the socket)
 raises :class:`~trainguard.agent.config.AgentConfigError` or :class:`~trainguard.agent.errors.AgentError`; the
@@ -38,13 +45,14 @@ from trainguard.agent.arena_keeper import ArenaKeeper, ArenaRootError
 from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
 from trainguard.agent.coordinator_report import NodeVerdict, NodeVerdictLatch
 from trainguard.agent.daemon_jobs import DaemonJobs
+from trainguard.agent.daemon_node import DaemonNode
 from trainguard.agent.errors import AgentError
 from trainguard.agent.event_bus import EventBus
 from trainguard.agent.health import NODE_AGENT_SERVICE, HealthReporter, enable_reflection
 from trainguard.agent.local_server import NodeAgentService, local_only
 from trainguard.agent.logging_setup import configure_logging
 from trainguard.agent.metrics import AgentMetrics, MetricsServer
-from trainguard.agent.node import NodeAgent, NodeConfig
+from trainguard.agent.node_health import DetectorEventSource, LocalNodeHealth
 from trainguard.agent.rpc_limits import RequestGuard
 from trainguard.agent.sdnotify import (
     WATCHDOG_PID_ENV,
@@ -134,8 +142,11 @@ class AgentDaemon:
         self.config: AgentConfig | None = None
         self.health = HealthReporter()
         self.metrics: AgentMetrics | None = None
-        self.node: NodeAgent | None = None
-        self.runner: Any = None
+        # The daemon's parts: node health (detectors as its event source, predictor, event bus), the node its
+        # local service serves, and (below) its coordinator reporting. No workers, no job's coordinator link.
+        self.node_health: LocalNodeHealth | None = None
+        self.source: DetectorEventSource | None = None
+        self.node: DaemonNode | None = None
         self.detector_gap = ""
         self.tcp_port = 0
         self._metrics_server: MetricsServer | None = None
@@ -150,7 +161,6 @@ class AgentDaemon:
         self._status_line = ""
         self._started_at = time.monotonic()
         self._stopped = False
-        self._last_generation = -1
         # The node's verdict for coordinators, and one reporter per coordinator (configured, or a job's).
         self.verdict_latch = NodeVerdictLatch()
         self.instance = uuid.uuid4().hex
@@ -176,16 +186,18 @@ class AgentDaemon:
         detectors = self._create_detectors(config)
         try:
             self.metrics = AgentMetrics(config.agent.node_id)
-            self.node = NodeAgent(
-                NodeConfig(job="", coordinator=config.coordinator.address, argv=[], node_id=config.agent.node_id,
-                           socket_path=config.grpc.socket or None, stop_grace_s=config.agent.stop_grace_s)
-            )
-            self.node.bus = EventBus(recent=config.detectors.recent_events)
-            # Count every event on the bus (detectors, workers, the agent itself), whoever published it.
+            health = LocalNodeHealth(config.agent.node_id, bus=EventBus(recent=config.detectors.recent_events),
+                                     threshold=config.predictor.threshold)
+            self.node_health = health
+            self.node = DaemonNode(config.agent.node_id, health)
+            # Count every event on the bus (detectors, the agent itself), whoever published it; node-level faults
+            # latch the node's verdict for the coordinators.
             metrics = self.metrics
-            self.node.bus.add_callback(lambda e: metrics.count_event(e.source, e.kind, e.severity.name))
-            self.node.predictor_threshold = config.predictor.threshold
-            self.metrics.set_predictor(self.node.predictor_score, self.node.predictor_threshold)
+            health.bus.add_callback(lambda e: metrics.count_event(e.source, e.kind, e.severity.name))
+            health.bus.add_callback(self._latch)
+            self.metrics.set_predictor(health.score, health.threshold)
+            # Nobody hands the daemon fail-slow findings (those go to a job's launcher): the gauges read empty.
+            self.metrics.set_failslow([], 0.0, 0.0, config.agent.node_id)
             if config.metrics.listen:
                 self._metrics_server = MetricsServer(self.metrics, config.metrics.listen)
                 log.info("metrics on %s", self._metrics_server.url)
@@ -193,24 +205,16 @@ class AgentDaemon:
             if detectors is not None and config.predictor.enabled:
                 # Rules tier always; the learned tier when a model file is configured. The metric history in
                 # the state directory is the training data of the next model.
-                self.node.start_predictor(config.predictor.model or None,
-                                          os.path.join(config.agent.state_dir, "metric-history.sqlite"))
+                health.start_predictor(config.predictor.model or None,
+                                       os.path.join(config.agent.state_dir, "metric-history.sqlite"))
             if detectors is not None:
-                from trainguard.detectors.runner import DetectorRunner
-
-                node = self.node
-
-                def on_event(event: HealthEvent) -> None:
-                    node.predictor_event(event)
-                    self._on_event(event)
-
-                self.runner = DetectorRunner(detectors, on_event=on_event)
-                self.runner.start()
+                self.source = DetectorEventSource(detectors)
+                health.start(self.source)  # events: predictor, bus (-> metrics, verdict latch, WatchEvents)
             self.health.set("", True)
             self.health.set(NODE_AGENT_SERVICE, True)
             self.health.set_subsystem("metrics", self._metrics_server is not None)
-            # SERVING when a predictor scores risk (the node agent owns it once wired) or none is wanted.
-            predictor_running = getattr(self.node, "predictor", None) is not None
+            # SERVING when a predictor scores risk or none is wanted.
+            predictor_running = health.predictor is not None
             self.health.set_subsystem("predictor", predictor_running or not config.predictor.enabled)
             if config.predictor.enabled and not predictor_running:
                 log.warning("predictor.enabled is true, but no detectors run to feed it; risk stays 0")
@@ -222,7 +226,7 @@ class AgentDaemon:
                                        self.coordinator_security(config))
             self._refresh()
         except BaseException:
-            if self.runner is None:
+            if self.runner is None:  # the source never started
                 for det in detectors or []:
                     det.close()  # not handed to a runner yet: release their sockets and files here
             self._shutdown_parts()
@@ -309,21 +313,31 @@ class AgentDaemon:
                                    node_id=self.config.agent.node_id if self.config else ""))
 
     def _on_event(self, event: HealthEvent) -> None:
+        """Publishes an event of the daemon itself on the node's bus (detector events come through node health)."""
         if not event.node_id and self.config is not None:
             event = event.with_node(self.config.agent.node_id)
+        if self.node_health is not None:
+            self.node_health.bus.publish(event)
+
+    def _latch(self, event: HealthEvent) -> None:
+        """Bus callback: a node-level fault latches the verdict FATAL and tells every coordinator now."""
         if self.verdict_latch.observe(event) and self.jobs is not None:
-            self.jobs.poke()  # a node-level fault: tell every coordinator now, not at the next interval
-        if self.node is not None:
-            self.node.bus.publish(event)
+            self.jobs.poke()  # not at the next interval
+
+    @property
+    def runner(self) -> Any:
+        """The detector runner of the event source (None without detectors, or before start)."""
+        return self.source.runner if self.source is not None else None
 
     # -- coordinators -------------------------------------------------------------------------------------
 
     def node_verdict(self) -> NodeVerdict:
         """The node's verdict now: a latched node-level fault, else the predictor's score against the threshold in
         force (the configured one, else the model's calibrated one)."""
-        score = self.node.predictor_score if self.node is not None else 0.0
-        threshold = self.node.predictor_threshold if self.node is not None else 1.0
-        return self.verdict_latch.verdict(score, threshold)
+        health = self.node_health
+        if health is None:
+            return self.verdict_latch.verdict()
+        return self.verdict_latch.verdict(health.score, health.threshold)
 
     def coordinator_security(self, config: AgentConfig) -> Any:
         """The TLS files and job token of the configured coordinators (``[coordinator]``).
@@ -364,23 +378,12 @@ class AgentDaemon:
         statuses = self.detector_statuses()
         if self.metrics is not None:
             self.metrics.set_detector_states({s.name: s.state.name for s in statuses})
-            group = self.node.group if self.node is not None else None
-            self.metrics.set_worker_states(w.state.name for w in (group.workers if group is not None else []))
-            if self.node is not None:
-                self.metrics.set_predictor(self.node.predictor_score, self.node.predictor_threshold,
-                                           self.node.predictor_alarms_per_day)
-                # Each generation after the first is a restart of the worker group.
-                generation = self.node.generation
-                if generation > self._last_generation >= 0:
-                    for _ in range(generation - self._last_generation):
-                        self.metrics.count_worker_restart()
-                self._last_generation = max(self._last_generation, generation)
-                fs = self.node.failslow.status  # the coordinator's latest findings, as this node received them
-                self.metrics.set_failslow(fs.slow, fs.job_slowdown, fs.job_step_s, self.node.config.node_id)
+            self.metrics.set_worker_states([])  # the daemon runs no workers (jobs' launchers do)
+            if self.node_health is not None:
+                h = self.node_health
+                self.metrics.set_predictor(h.score, h.threshold, h.alarms_per_day)
         self.health.set_subsystem("coordinator", self.jobs is None or self.jobs.configured_ok())
-        group = self.node.group if self.node is not None else None
-        workers = group.workers if group is not None else []
-        self.health.set_subsystem("workers", not any(w.state.name in ("FAILED", "HUNG") for w in workers))
+        self.health.set_subsystem("workers", True)
         from trainguard.detectors.base import DetectorState
 
         bad = (DetectorState.FAILED, DetectorState.ERROR)
@@ -419,9 +422,8 @@ class AgentDaemon:
         """One line for systemd's STATUS= and the log."""
         statuses = self.detector_statuses()
         ok = sum(1 for s in statuses if s.state.name in ("OK", "NO_HARDWARE"))
-        group = self.node.group if self.node is not None else None
-        workers = len(group.workers) if group is not None else 0
-        score = self.node.predictor_score if self.node is not None else 0.0
+        workers = 0  # jobs' launchers run the workers
+        score = self.node_health.score if self.node_health is not None else 0.0
         detectors = f"detectors {ok}/{len(statuses)} ok" if not self.detector_gap else "no detectors"
         where = []
         if self.config is not None and self.config.grpc.socket:
@@ -482,8 +484,10 @@ class AgentDaemon:
                 self._refresh()
                 if self.jobs is not None:
                     self.jobs.sweep()
-                if self.runner is not None and self.node is not None:
-                    self.node.predictor_tick(self.runner.latest_metrics())
+                if self.node_health is not None:
+                    self.node_health.take_actionable()  # acted on by the verdict latch; keep the queue empty
+                    if self.runner is not None:
+                        self.node_health.tick(None, self.runner.latest_metrics())
                 if self.watchdog.seconds_until_due() == 0.0:
                     if self.watchdog.tick(self._healthy()) and self.metrics is not None:
                         self.metrics.watchdog_pings.inc()
@@ -527,9 +531,8 @@ class AgentDaemon:
             updates[(section, name)] = getattr(getattr(new, section), name)
         self.config = old.with_overrides(updates)
         configure_logging(self.config.log.format, self.config.log.level)
-        if self.node is not None:
-            self.node.predictor_threshold = self.config.predictor.threshold
-            self.node.config.stop_grace_s = self.config.agent.stop_grace_s
+        if self.node_health is not None:
+            self.node_health.threshold = self.config.predictor.threshold
         if self.jobs is not None:
             self.jobs.arenas.ttl_s = self.config.memory_tier.ttl_s
             self.jobs.set_timing(self.config.coordinator.heartbeat_interval_s, self.config.coordinator.timeout_s)
@@ -556,12 +559,9 @@ class AgentDaemon:
         if self.jobs is not None:
             self.jobs.stop()
         if self.node is not None:
-            self.node.request_stop()  # ends WatchEvents streams
-            group = self.node.group
-            if group is not None:
-                group.stop(self.config.agent.stop_grace_s if self.config else 3.0)
-        if self.runner is not None:
-            self.runner.stop()
+            self.node.stopping = True  # ends WatchEvents streams
+        if self.node_health is not None and self.node_health.state.name != "STOPPED":
+            self.node_health.stop()  # stops the detectors
         if self._self_channel is not None:
             self._self_channel.close()
         if self._server is not None:

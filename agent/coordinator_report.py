@@ -68,8 +68,10 @@ class NodeVerdictLatch:
 
     @staticmethod
     def is_node_fault(event: HealthEvent) -> bool:
-        """Whether ``event`` says the node itself is broken (the daemon's own events never are)."""
-        return event.source != "agent" and event.action >= Action.DRAIN_NODE and event.severity >= Severity.ERROR
+        """Whether ``event`` says the node itself is broken (the daemon's own events never are, and a prediction
+        is a risk, reported as DEGRADED through the score, not a fault)."""
+        return (event.source not in ("agent", "predictor") and event.action >= Action.DRAIN_NODE
+                and event.severity >= Severity.ERROR)
 
     def observe(self, event: HealthEvent) -> bool:
         """Feeds one event; returns True when it latched the node FATAL (the first node-level fault)."""

@@ -7,15 +7,16 @@ blocks on the coordinator, so a training step is never slowed by the control pla
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from concurrent import futures
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from trainguard.proto import agent_pb2, agent_pb2_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainguard.agent.node import NodeAgent
+    from trainguard.agent.event_bus import EventBus
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +32,33 @@ def local_only(context: grpc.ServicerContext, method: str) -> None:
                       f"{method} is served to local workers on the agent's unix socket only")
 
 
+class ServedNode(Protocol):
+    """What the service reads and feeds: a ``trainguard run`` node (:class:`~trainguard.agent.node.NodeAgent`) or
+    the daemon's (:class:`~trainguard.agent.daemon_node.DaemonNode`)."""
+
+    bus: "EventBus"
+    stopping: bool
+    generation: int
+
+    def health_snapshot(self, max_events: int = 20) -> agent_pb2.NodeHealth:
+        """The node's health now."""
+
+    def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
+                            finished: bool = False, sections: Mapping[str, float] | None = None) -> list:
+        """Records a local worker's step; returns the advisories pending for it."""
+
+    def on_checkpoint_report(self, report: agent_pb2.CheckpointReport) -> None:
+        """Records a durable checkpoint step."""
+
+
 class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
     """Answers health queries and worker heartbeats from the agent's live state.
 
     Args:
-        agent: the running node agent.
+        agent: the running node (a ``trainguard run`` node agent or the daemon's node).
     """
 
-    def __init__(self, agent: "NodeAgent") -> None:
+    def __init__(self, agent: ServedNode) -> None:
         self._agent = agent
 
     def GetHealth(self, request, context):  # noqa: N802 (gRPC naming)
@@ -83,7 +103,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         return agent_pb2.CheckpointReportResponse()
 
 
-def serve(agent: "NodeAgent", unix_socket: str | None, tcp_listen: str | None = None) -> tuple[grpc.Server, int]:
+def serve(agent: ServedNode, unix_socket: str | None, tcp_listen: str | None = None) -> tuple[grpc.Server, int]:
     """Starts the NodeAgent service on a unix socket and/or a TCP address.
 
     Args:
@@ -121,4 +141,4 @@ def serve(agent: "NodeAgent", unix_socket: str | None, tcp_listen: str | None = 
     return server, port
 
 
-__all__ = ["NodeAgentService", "local_only", "serve", "MAX_REQUEST_BYTES"]
+__all__ = ["NodeAgentService", "ServedNode", "local_only", "serve", "MAX_REQUEST_BYTES"]

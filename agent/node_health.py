@@ -254,7 +254,7 @@ class LocalNodeHealth:
         self._score = score.score
         self._threshold = score.threshold
         if self.predictor is not None:
-            self.alarms_per_day = self.predictor.runtime.realised_alarms_per_day()
+            self.alarms_per_day = self.predictor.realised_alarms_per_day()  # at the threshold in force
 
     def _on_alarm(self, score: Any) -> None:
         top = ", ".join(f"{name}={value:.3g}" for name, value in score.top_features[:3])

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from trainguard.detectors.events import HealthEvent
 from trainguard.faultfacts.throttle import load_bad_throttle_reasons
+from trainguard.predictor.calibration import AlarmLedger
 from trainguard.predictor.catalog import BY_NAME
 from trainguard.predictor.runtime import PredictorRuntime, Score
 
@@ -441,6 +442,10 @@ class PredictorMonitor:
         self._last_ts: float | None = None
         self._alarm_up = False
         self._last_alarm_ts = -math.inf
+        # Learned-tier alarm events counted against the configured threshold (the runtime counts against the
+        # model's own), and the threshold they were counted at: a new threshold starts a new count.
+        self._configured_ledger: AlarmLedger | None = None
+        self._ledger_threshold: float | None = None
 
     @property
     def rules_only(self) -> bool:
@@ -500,6 +505,7 @@ class PredictorMonitor:
             score = self._score(ts, detector_metrics, step_time_s)
             if score is None:
                 return None
+            self._count_configured(score)
             score = with_threshold(score, self.threshold)
             fire = score.alarm and (not self._alarm_up or ts - self._last_alarm_ts >= self.realarm_s)
             self._alarm_up = score.alarm
@@ -510,6 +516,30 @@ class PredictorMonitor:
         if fire:
             self._call("on_alarm", self.on_alarm, score)
         return score
+
+    def _configured(self) -> float | None:
+        t = self.threshold
+        return None if t is None or math.isnan(t) else float(t)
+
+    def _count_configured(self, score: Score) -> None:
+        """Accounts ``score`` (the runtime's) in the configured threshold's alarm ledger (no-op when unset)."""
+        threshold = self._configured()
+        model = self.runtime.model
+        if threshold is None or model is None:
+            return
+        if self._configured_ledger is None or self._ledger_threshold != threshold:
+            ev = model.eval_config
+            self._configured_ledger = AlarmLedger(ev.cooldown_s, 10.0 * model.spec.config.interval_s)
+            self._ledger_threshold = threshold
+        self._configured_ledger.add(score.ts, score.source == "model" and score.score >= threshold)
+
+    def realised_alarms_per_day(self) -> float:
+        """Learned-tier alarm events per observed node-day at the threshold in force: counted against the configured
+        threshold since it was set, else the runtime's count against the model's own (NaN before any time)."""
+        with self._lock:
+            if self._configured() is not None and self._configured_ledger is not None:
+                return self._configured_ledger.per_day
+        return self.runtime.realised_alarms_per_day()
 
     def _call(self, name: str, fn: Callable[[Score], None] | None, score: Score) -> None:
         if fn is None:

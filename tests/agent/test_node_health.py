@@ -73,6 +73,10 @@ def test_configured_threshold_drives_the_alarm(model_file: str) -> None:
     alarms = _alarms(health)
     assert len(alarms) == 1 and alarms[0].evidence["threshold"] == "0.5000", alarms
     assert health.state == HealthState.ALARMED and health.drain_pending
+    # The realised alarm rate counts at the threshold in force: one alarm event in 43 observed intervals; the
+    # runtime's own count (against the model's infinite threshold) has none.
+    assert health.predictor.runtime.realised_alarms_per_day() == 0.0
+    assert health.alarms_per_day == pytest.approx(86400.0 / (43 * 5.0))
 
 
 def test_unset_threshold_keeps_the_models_calibrated_one(model_file: str) -> None:
@@ -82,6 +86,7 @@ def test_unset_threshold_keeps_the_models_calibrated_one(model_file: str) -> Non
     # The same hot score: the node's own threshold is still calibrating (infinite), so no alarm.
     assert scores[-1].score >= 0.5 and math.isinf(scores[-1].threshold)
     assert math.isinf(health.threshold) and not _alarms(health) and health.state == HealthState.INIT
+    assert health.alarms_per_day == 0.0  # the model's own count: no alarm at its threshold
 
 
 def test_threshold_set_later_applies_from_the_next_score(model_file: str) -> None:
@@ -96,6 +101,7 @@ def test_threshold_set_later_applies_from_the_next_score(model_file: str) -> Non
     assert health.threshold == 0.3  # the last score was judged at 0.3; the next one shows the model's
     _feed(health.predictor, [HOT_C], t0 + 42 * 5.0)
     assert math.isinf(health.threshold)
+    assert health.alarms_per_day == 0.0  # unset: the rate is the model's own again
 
 
 def test_daemon_status_metrics_and_alarms_use_the_configured_threshold(tmp_path: Path, model_file: str) -> None:
@@ -114,7 +120,7 @@ def test_daemon_status_metrics_and_alarms_use_the_configured_threshold(tmp_path:
                          SystemdNotifier(None))
     daemon.start()
     try:
-        node = daemon.node
+        node = daemon.node_health
         _feed(node.predictor, [NORMAL_C] * 40 + [HOT_C] * 4, time.time())
         daemon._refresh()  # what the daemon's loop does each turn: live state into metrics and health
         alarms = [e for e in node.bus.recent(50) if e.kind == "predictor.alarm"]
