@@ -55,6 +55,7 @@ from trainguard.agent.generation import (  # noqa: F401 (the env names are re-ex
     JOB_ENV,
     NODE_ID_ENV,
 )
+from trainguard.agent.echo_probe import EchoListener
 from trainguard.agent.lease_keeper import keep_lease
 from trainguard.agent.link_probe import LinkProber, WithLinkProbe
 from trainguard.agent.node_health import DetectorEventSource, LocalNodeHealth
@@ -198,8 +199,10 @@ class NodeAgent:
             os.environ.pop(var, None)
         self._wake = threading.Event()
         self.supervisor = LocalSupervisor(config, hooks)
+        # One echo listener on the data address: qualification's peer check and fail-slow's link probes.
+        self.echo = EchoListener(config.address)
         self.link = GrpcCoordinatorLink(link_config(config), on_generation_lost=self._stop_workers,
-                                        qualifier=NodeQualifier.for_node(config))  # pre-flight check
+                                        qualifier=NodeQualifier.for_node(config, self.echo))  # pre-flight check
         self.health = LocalNodeHealth(config.node_id, generation=lambda: self.supervisor.generation,
                                       on_alarm=self._ask_checkpoint, on_actionable=self._wake.set,
                                       threshold=config.predictor_threshold)
@@ -212,7 +215,7 @@ class NodeAgent:
         self._stack_requests: set[str] = set()
         # Fail-slow: the coordinator's findings about this node; link probes (listener + probes it asks for).
         self.failslow = FailSlowView(config.node_id)
-        self.link_probe = LinkProber(config.address)
+        self.link_probe = LinkProber(config.address, self.echo)
         self._beat_content = WithLinkProbe(self.supervisor, self.link_probe)
 
     # -- the parts' state, as operators and the local service read it ----------------------------------------

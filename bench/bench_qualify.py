@@ -25,7 +25,8 @@ import time
 
 from trainguard.agent.qualify import QualifySection
 from trainguard.agent.qualify.base import QualifyContext
-from trainguard.agent.qualify.peers import EchoServer, Peer, PeerSet
+from trainguard.agent.echo_probe import EchoProbeServer
+from trainguard.agent.qualify.peers import Peer, PeerSet
 from trainguard.agent.qualify.runner import qualify_node
 from trainguard.detectors.base import DEFAULT_DETECTORS
 from trainguard.testing.sysfs import write_pci_device
@@ -61,7 +62,7 @@ def main() -> int:
         section = QualifySection(root=root, net_root=root, nics=["ens*"], nic_speed_mbps=400000, disk_dir=args.dir,
                                  disk_mib=args.disk_mib, disk_min_mib_s=0.0, rdma_rate_gbps=400)
         section.validate()
-        echoes = [EchoServer("127.0.0.1") for _ in range(3)]  # three qualified peers (loopback: no wire)
+        echoes = [EchoProbeServer("127.0.0.1") for _ in range(3)]  # three qualified peers (loopback: no wire)
         found = PeerSet(tuple(Peer(f"p{i}", "127.0.0.1", e.port) for i, e in enumerate(echoes)), 0.0, 0)
         ctx = QualifyContext("bench", section, detector_names=DEFAULT_DETECTORS, detector_root="/",
                              peer_source=lambda count: found)

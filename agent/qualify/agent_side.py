@@ -5,7 +5,8 @@
 - :meth:`NodeQualifier.registration` runs the check once (bounded by ``qualify.budget_s``) before the node first
   registers, and returns the verdict for ``RegisterNodeRequest.qualification``. The coordinator cordons a node
   whose verdict failed and refuses it with the reason, so the agent ends with that reason. With the ``peers``
-  check it first serves timed exchanges on the node's address (:class:`~.peers.EchoServer`, kept for the agent's
+  check it first serves timed exchanges on the node's address (the node's
+  :class:`~trainguard.agent.echo_probe.EchoListener`, shared with fail-slow's link probes, kept for the agent's
   life when the node passes, so later nodes time themselves against it) and asks the coordinator for peers; a
   coordinator that cannot be reached yet raises the gRPC error so the registration's retry loop tries again.
 - :meth:`NodeQualifier.for_heartbeat` re-runs the check every ``qualify.recheck_s`` while the node runs no
@@ -25,9 +26,10 @@ from dataclasses import replace
 
 import grpc
 
+from trainguard.agent.echo_probe import EchoListener
 from trainguard.agent.qualify.base import QualifyContext
 from trainguard.agent.qualify.config import QualifySection
-from trainguard.agent.qualify.peers import EchoServer, Peer, PeerSet
+from trainguard.agent.qualify.peers import Peer, PeerSet
 from trainguard.agent.qualify.runner import qualify_node
 from trainguard.agent.qualify.verdict import Verdict
 from trainguard.proto import coordinator_pb2
@@ -70,13 +72,17 @@ class NodeQualifier:
         job: the job, for the coordinator's peer query.
         address: the node's data address, where it answers peers' exchanges.
         clock: monotonic clock, seconds.
+        listener: the node's echo listener when another feature shares it (link probes); default: its own,
+            started when the ``peers`` check first runs.
     """
 
-    def __init__(self, ctx: QualifyContext | None, job: str = "", address: str = "", clock=time.monotonic) -> None:
+    def __init__(self, ctx: QualifyContext | None, job: str = "", address: str = "", clock=time.monotonic,
+                 listener: EchoListener | None = None) -> None:
         self.ctx = ctx
         self.job = job
         self.address = address
-        self.echo: EchoServer | None = None
+        self.echo: EchoListener | None = None  # serving peers' exchanges (the peers check is on)
+        self._shared = listener
         self._clock = clock
         self._lock = threading.Lock()
         self.latest: Verdict | None = None  # the newest verdict (registration's, then each re-check's)
@@ -85,9 +91,10 @@ class NodeQualifier:
         self._running = False
 
     @classmethod
-    def for_node(cls, config: Any) -> "NodeQualifier":
-        """The qualifier of a ``trainguard run`` agent's :class:`~trainguard.agent.node.NodeConfig`."""
-        return cls(context_for_node(config), config.job, config.address)
+    def for_node(cls, config: Any, listener: EchoListener | None = None) -> "NodeQualifier":
+        """The qualifier of a ``trainguard run`` agent's :class:`~trainguard.agent.node.NodeConfig` (``listener``:
+        the node's echo listener, shared with its link probes)."""
+        return cls(context_for_node(config), config.job, config.address, listener=listener)
 
     def registration(self, stub: Any = None) -> coordinator_pb2.NodeQualification | None:
         """The verdict to register with: the check runs (bounded) on the first call, later calls reuse it.
@@ -113,7 +120,12 @@ class NodeQualifier:
             with self._lock:
                 self.latest = verdict
                 self._next_check = self._clock() + self.ctx.config.recheck_s
-        return verdict.to_pb(self.echo.port if self.echo is not None else 0)
+        return verdict.to_pb(self.echo_port)
+
+    @property
+    def echo_port(self) -> int:
+        """Where this node answers peers' exchanges (0: it does not)."""
+        return self.echo.port if self.echo is not None else 0
 
     def _with_peers(self, stub: Any) -> QualifyContext:
         """The context with the peers to time when the ``peers`` check runs (and the echo server it needs).
@@ -130,11 +142,8 @@ class NodeQualifier:
             return self.ctx
         found = self._ask_peers(stub, cfg.peer_count)
         if self.echo is None:
-            try:
-                self.echo = EchoServer(self.address)
-            except OSError as exc:
-                log.warning("cannot serve qualification exchanges on %s (%s); peers cannot time against this node",
-                            self.address, exc)
+            self.echo = self._shared if self._shared is not None else EchoListener(self.address)
+            self.echo.port  # noqa: B018 - start it now (0 and one warning when it cannot listen)
         return replace(self.ctx, peer_source=lambda count: found)
 
     def _ask_peers(self, stub: Any, count: int) -> PeerSet:
@@ -150,9 +159,9 @@ class NodeQualifier:
                        resp.history)
 
     def _close_echo(self) -> None:
-        if self.echo is not None:
+        if self.echo is not None and self.echo is not self._shared:  # a shared one is the node's to close
             self.echo.close()
-            self.echo = None
+        self.echo = None
 
     def close(self) -> None:
         """Stops answering peers' exchanges (the agent is leaving)."""
@@ -177,7 +186,7 @@ class NodeQualifier:
                 self._running = True
         if due:
             threading.Thread(target=self._recheck, name="qualify-recheck", daemon=True).start()
-        return out.to_pb(self.echo.port if self.echo is not None else 0) if out is not None else None
+        return out.to_pb(self.echo_port) if out is not None else None
 
     def _recheck(self) -> None:
         assert self.ctx is not None

@@ -1,9 +1,10 @@
 """The peer check: a small timed exchange with a few already-qualified peers over the data network.
 
-Every node that qualified serves :class:`EchoServer` on its data address (the one it registers); the port goes
-with its verdict (``NodeQualification.echo_port``). A node qualifying asks the coordinator for up to
-``peer_count`` such peers (``QualifyPeers``), sends each ``peer_kib`` KiB and reads them back, and takes the
-median of the round trips as its time. The coordinator keeps the times of the nodes that qualified before and
+Every node that qualified serves the node's echo listener (:class:`~trainguard.agent.echo_probe.EchoListener`,
+the same one fail-slow's link probes use) on its data address (the one it registers); the port goes with its
+verdict (``NodeQualification.echo_port``). A node qualifying asks the coordinator for up to ``peer_count`` such
+peers (``QualifyPeers``), sends each ``peer_kib`` KiB and reads them back (one echo probe), and takes the median
+of the round trips (up + down, connection set-up not counted) as its time. The coordinator keeps the times of the nodes that qualified before and
 answers with their median (the reference): a node whose time is over ``peer_slow_ratio`` times the reference
 fails. Its own link is on every one of its round trips, a slow peer on one only, so the median pins the slowness
 on the node under test.
@@ -13,32 +14,21 @@ record theirs); it is the median, so it stays right while fewer than half of the
 kept in the coordinator's memory (a restarted coordinator starts a new history); and a TCP exchange on the data
 network is a stand-in for the job's collective (gloo/NCCL), not the collective itself.
 
-Wire format of one exchange: 4 bytes big-endian length N (at most :data:`MAX_EXCHANGE_BYTES`), then N bytes;
-the server writes the same N bytes back.
+Wire format, bounds and timing: :mod:`trainguard.agent.echo_probe`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import statistics
-import struct
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trainguard.agent.echo_probe import MAX_PROBE_BYTES, ProbeError, probe_once
 from trainguard.agent.qualify.base import Outcome, QualifyContext, failed, passed, register_check, skipped
 
 log = logging.getLogger(__name__)
-
-#: Largest exchange a server answers, bytes.
-MAX_EXCHANGE_BYTES = 16 << 20
-#: Exchanges a server answers at once (more connections wait in the listen backlog).
-MAX_CONCURRENT = 4
-#: Seconds a server waits for a client's bytes before dropping the connection.
-SERVER_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -65,82 +55,17 @@ class PeerSet:
     history: int = 0
 
 
-def _recv_exact(sock: socket.socket, n: int, buf: bytearray | None = None) -> bytes:
-    out = buf if buf is not None else bytearray(n)
-    view = memoryview(out)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if not k:
-            raise ConnectionError(f"peer closed after {got} of {n} bytes")
-        got += k
-    return bytes(out) if buf is None else b""
-
-
-class EchoServer:
-    """Answers peers' timed exchanges on ``address`` (port 0 picks one); a daemon thread per connection.
-
-    Args:
-        address: the node's data address (what it registers).
-    """
-
-    def __init__(self, address: str) -> None:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((address, 0))
-        self._sock.listen(16)
-        self.port: int = self._sock.getsockname()[1]
-        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT)
-        self._closed = False
-        threading.Thread(target=self._accept, name="qualify-echo", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            self._slots.acquire()
-            threading.Thread(target=self._serve, args=(conn,), name="qualify-echo-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(SERVER_TIMEOUT_S)
-            (n,) = struct.unpack("!I", _recv_exact(conn, 4))
-            if n > MAX_EXCHANGE_BYTES:
-                return
-            conn.sendall(_recv_exact(conn, n))
-        except (OSError, ConnectionError, struct.error) as exc:
-            log.debug("qualify echo: %s", exc)
-        finally:
-            conn.close()
-            self._slots.release()
-
-    def close(self) -> None:
-        """Stops accepting (exchanges in flight finish)."""
-        self._closed = True
-        self._sock.close()
-
-
-def exchange(peer: Peer, payload: bytes, timeout_s: float) -> float:
-    """One timed exchange with ``peer``: connect, send ``payload``, read it back.
+def exchange(peer: Peer, nbytes: int, timeout_s: float) -> float:
+    """One timed exchange with ``peer``: ``nbytes`` sent and read back through its echo listener.
 
     Returns:
-        Seconds from connect to the last byte back.
+        Seconds from the first byte sent to the last byte back (up + down).
 
     Raises:
-        OSError, ConnectionError: unreachable, refused, timed out, or the echo differed.
+        ProbeError: unreachable, refused, timed out, or a short answer.
     """
-    t0 = time.monotonic()
-    with socket.create_connection((peer.address, peer.port), timeout=timeout_s) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(struct.pack("!I", len(payload)) + payload)
-        back = _recv_exact(sock, len(payload))
-    took = time.monotonic() - t0
-    if back != payload:
-        raise ConnectionError("echo differs from what was sent")
-    return took
+    up_s, down_s = probe_once(peer.address, peer.port, min(nbytes, MAX_PROBE_BYTES), timeout_s)
+    return up_s + down_s
 
 
 @register_check("peers")
@@ -160,7 +85,7 @@ class PeerExchangeCheck:
         found = source(cfg.peer_count)
         if not found.peers:
             return skipped("no qualified peer yet (the first node of a job)")
-        payload = os.urandom(cfg.peer_kib * 1024)
+        nbytes = cfg.peer_kib * 1024
         times: list[float] = []
         errors: list[str] = []
         for peer in found.peers:
@@ -168,8 +93,8 @@ class PeerExchangeCheck:
             if left <= 0:
                 break
             try:
-                times.append(exchange(peer, payload, left))
-            except (OSError, ConnectionError) as exc:
+                times.append(exchange(peer, nbytes, left))
+            except ProbeError as exc:
                 errors.append(f"{peer.node_id} ({peer.address}:{peer.port}): {exc}")
         if not times:
             return failed("no peer answered over the data network: " + "; ".join(errors or ["out of time"]))
@@ -187,4 +112,4 @@ class PeerExchangeCheck:
         return passed(f"{note}, {ratio:.1f}x the median of {found.history} qualified node(s)", mine)
 
 
-__all__ = ["EchoServer", "MAX_EXCHANGE_BYTES", "Peer", "PeerExchangeCheck", "PeerSet", "exchange"]
+__all__ = ["Peer", "PeerExchangeCheck", "PeerSet", "exchange"]

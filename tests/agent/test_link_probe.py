@@ -8,12 +8,13 @@ import time
 
 import pytest
 
-from trainguard.agent.link_probe import LinkProber, LinkProbeServer, ProbeError, probe_once
+from trainguard.agent.echo_probe import EchoProbeServer, ProbeError, probe_once
+from trainguard.agent.link_probe import LinkProber
 from trainguard.proto import coordinator_pb2
 
 
 def test_a_probe_moves_the_bytes_both_ways_and_times_each_direction():
-    srv = LinkProbeServer("127.0.0.1")
+    srv = EchoProbeServer("127.0.0.1")
     try:
         up, down = probe_once("127.0.0.1", srv.port, 2 << 20, timeout_s=20)
         assert up > 0 and down > 0
@@ -26,7 +27,7 @@ def test_a_probe_moves_the_bytes_both_ways_and_times_each_direction():
 
 
 def test_a_closed_listener_is_a_probe_error_not_a_hang():
-    srv = LinkProbeServer("127.0.0.1")
+    srv = EchoProbeServer("127.0.0.1")
     port = srv.port
     srv.close()
     with pytest.raises(ProbeError, match=str(port)):
@@ -34,7 +35,7 @@ def test_a_closed_listener_is_a_probe_error_not_a_hang():
 
 
 def test_the_listener_drops_a_connection_asking_for_too_much_and_keeps_serving():
-    srv = LinkProbeServer("127.0.0.1")
+    srv = EchoProbeServer("127.0.0.1")
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
             s.sendall(struct.pack("!Q", 1 << 40))

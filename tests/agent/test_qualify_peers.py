@@ -7,7 +7,8 @@ import struct
 
 from trainguard.agent.qualify import CheckStatus, QualifySection
 from trainguard.agent.qualify.base import QualifyContext
-from trainguard.agent.qualify.peers import MAX_EXCHANGE_BYTES, EchoServer, Peer, PeerSet, exchange
+from trainguard.agent.echo_probe import MAX_PROBE_BYTES, EchoProbeServer
+from trainguard.agent.qualify.peers import Peer, PeerSet, exchange
 from trainguard.agent.qualify.runner import qualify_node
 
 
@@ -18,19 +19,19 @@ def ctx_with(source, **fields) -> QualifyContext:
 
 
 def test_echo_server_returns_the_bytes_and_drops_oversized_requests() -> None:
-    server = EchoServer("127.0.0.1")
+    server = EchoProbeServer("127.0.0.1")
     try:
-        took = exchange(Peer("p", "127.0.0.1", server.port), b"x" * 100_000, timeout_s=5)
+        took = exchange(Peer("p", "127.0.0.1", server.port), 100_000, timeout_s=5)
         assert 0 < took < 5
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
-            s.sendall(struct.pack("!I", MAX_EXCHANGE_BYTES + 1))
+            s.sendall(struct.pack("!Q", MAX_PROBE_BYTES + 1))
             assert s.recv(1) == b""  # closed without reading gigabytes
     finally:
         server.close()
 
 
 def test_peer_check_records_its_time_passes_within_the_ratio_and_fails_beyond() -> None:
-    servers = [EchoServer("127.0.0.1") for _ in range(2)]
+    servers = [EchoProbeServer("127.0.0.1") for _ in range(2)]
     try:
         peers = tuple(Peer(f"p{i}", "127.0.0.1", s.port) for i, s in enumerate(servers))
         asked: list[int] = []
