@@ -46,6 +46,7 @@ from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
 from trainguard.agent.coordinator_report import NodeVerdict, NodeVerdictLatch
 from trainguard.agent.daemon_jobs import DaemonJobs
 from trainguard.agent.daemon_node import DaemonNode
+from trainguard.agent.daemon_qualify import DaemonQualification
 from trainguard.agent.errors import AgentError
 from trainguard.agent.event_bus import EventBus
 from trainguard.agent.health import NODE_AGENT_SERVICE, HealthReporter, enable_reflection
@@ -165,6 +166,7 @@ class AgentDaemon:
         self.verdict_latch = NodeVerdictLatch()
         self.instance = uuid.uuid4().hex
         self.jobs: DaemonJobs | None = None  # coordinators reported to, attached jobs, kept arenas
+        self.qualification: DaemonQualification | None = None  # [qualify] in_daemon
 
     # -- start --------------------------------------------------------------------------------------------
 
@@ -218,6 +220,9 @@ class AgentDaemon:
             self.health.set_subsystem("predictor", predictor_running or not config.predictor.enabled)
             if config.predictor.enabled and not predictor_running:
                 log.warning("predictor.enabled is true, but no detectors run to feed it; risk stays 0")
+            if config.qualify.in_daemon:  # before the first report, so a refused node is cordoned at once
+                self.qualification = DaemonQualification(config, self._on_event)
+                self.qualification.start()
             arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s)
             arenas.adopt_existing()
             self.jobs = DaemonJobs(config.agent.node_id, socket.gethostname(), self.instance, self.node_verdict,
@@ -484,6 +489,8 @@ class AgentDaemon:
                 self._refresh()
                 if self.jobs is not None:
                     self.jobs.sweep()
+                if self.qualification is not None:
+                    self.qualification.poll()
                 if self.node_health is not None:
                     self.node_health.take_actionable()  # acted on by the verdict latch; keep the queue empty
                     if self.runner is not None:

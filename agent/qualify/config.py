@@ -68,6 +68,9 @@ class QualifySection:
             nodes that qualified before it. Default 3.0.
         peer_min_history: earlier nodes' times needed before the comparison applies (the first nodes only record
             theirs). Default 3.
+        in_daemon: the daemon (``trainguard agent``) qualifies its node at start and every ``recheck_s``; a failed
+            verdict latches the node FATAL for its coordinators (:mod:`trainguard.agent.daemon_qualify`).
+            Default false.
     """
 
     checks: list[str] = field(default_factory=lambda: list(CHECK_NAMES))
@@ -89,6 +92,7 @@ class QualifySection:
     peer_kib: int = 1024
     peer_slow_ratio: float = 3.0
     peer_min_history: int = 3
+    in_daemon: bool = False
 
     def validate(self) -> None:
         """Checks names and ranges.
