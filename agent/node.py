@@ -46,6 +46,7 @@ from trainguard.agent.generation import (  # noqa: F401 (the env names are re-ex
     read_error_file,
     worker_specs,
 )
+from trainguard.agent.memory_tier import MemoryTier, apply_restore_plan
 from trainguard.agent.node_faults import NodeReportLedger, hardware_cause, hardware_detector_names
 from trainguard.agent.standby import StandbyPool
 from trainguard.agent.step_timing import FailSlowView, TimingRelay, stack_evidence
@@ -220,6 +221,9 @@ class NodeAgent:
         self.timing = TimingRelay()
         self.failslow = FailSlowView(config.node_id)
         self._stack_requests: set[str] = set()
+        # Job-wide memory tier (agent/memory_tier.py): verified holdings out in heartbeats, restore plan in.
+        self.memory_tier = MemoryTier.for_checkpoint_dir(config.checkpoint_dir, config.job)
+        self._restore_plan: coordinator_pb2.MemoryRestorePlan | None = None
 
     # -- state served to workers and operators ---------------------------------------------------------------
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
@@ -465,6 +469,7 @@ class NodeAgent:
                 workers_succeeded=group.all_succeeded() if group is not None else False,
                 free_port=find_free_port(self.config.address),
                 timings=self.timing.drain(),
+                memory=self.memory_tier.scan() if self.memory_tier is not None else (),
             )
         try:
             resp = self._stub.Heartbeat(req, timeout=_RPC_TIMEOUT_S)
@@ -538,6 +543,7 @@ class NodeAgent:
         c = self.config
         use_agent_store = self._resources.host_store(c, table, mine)
         specs = worker_specs(c, table, mine, self._resources.error_dir(table.generation), use_agent_store)
+        apply_restore_plan(specs, self._restore_plan, table.generation)
         group = WorkerGroup(specs, log_dir=c.log_dir, streams=c.streams, role=c.role)
         with self._lock:
             self.table = table
@@ -655,6 +661,8 @@ class NodeAgent:
         self._channel = dial(self.config.coordinator)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._register(self.config.coordinator_patience_s)
+        if self.memory_tier is not None:
+            self.memory_tier.start()
         self._start_detectors()
         if self._notifier is not None:
             self._notifier.ready(f"job {self.config.job}: registered, waiting for a rank table")
@@ -686,6 +694,8 @@ class NodeAgent:
         finally:
             if self._runner is not None:
                 self._runner.stop()
+            if self.memory_tier is not None:
+                self.memory_tier.stop()
             self._stop_workers()
             self._standbys.drop()
             self._channel.close()
@@ -864,6 +874,7 @@ class NodeAgent:
             self._relay_checkpoint(resp.checkpoint)
         if cmd in (coordinator_pb2.NODE_COMMAND_START, coordinator_pb2.NODE_COMMAND_RESTART):
             if resp.rank_table.generation != self.generation or self._group is None:
+                self._restore_plan = resp.restore_plan if resp.HasField("restore_plan") else None
                 self._stop_workers()
                 self._start_generation(resp.rank_table)
         elif cmd == coordinator_pb2.NODE_COMMAND_STOP:

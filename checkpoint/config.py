@@ -34,6 +34,13 @@ CHECKPOINT_SERVICE_ENV = "TRAINGUARD_CHECKPOINT_SERVICE"
 #: Environment variable overriding where the shared-memory tier lives (default ``/dev/shm/trainguard``).
 CHECKPOINT_SHM_DIR_ENV = "TRAINGUARD_CHECKPOINT_SHM_DIR"
 
+#: Environment variable the node agent sets in each worker of a new generation: the coordinator's restore plan
+#: for that rank, JSON ``{"generation", "step", "memory_steps", "source", "peer_node"}``
+#: (:mod:`trainguard.recovery.memory_plan`). ``memory_steps`` are steps whose every rank's copy lies in its own
+#: node's memory: the Checkpointer then restores them from this node's memory although the other copies lie on
+#: other hosts.
+RESTORE_PLAN_ENV = "TRAINGUARD_RESTORE_PLAN"
+
 _LOCAL_SCHEMES = ("", "file", "local")
 #: fsspec protocols whose files live inside the writing process: uploads there vanish with the persist process,
 #: so they can never be a durable tier.

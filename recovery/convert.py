@@ -12,6 +12,7 @@ from __future__ import annotations
 from trainguard.proto import common_pb2, coordinator_pb2 as pb
 from trainguard.recovery.domain import (Beat, CheckpointAsk, FailSlowStatus, FaultReport, GenerationTable,
                                         Instruction, NodeRecord, RankTiming, StackAsk)
+from trainguard.recovery.memory_plan import MemoryHolding, RestorePlan
 from trainguard.recovery.policy import Cause, Level
 
 
@@ -40,7 +41,8 @@ def beat(req: pb.NodeHeartbeatRequest) -> Beat:
     """A heartbeat request as a :class:`Beat`."""
     return Beat(req.job, req.node_id, req.lease_id, req.generation, req.workers_running, req.workers_succeeded,
                 req.last_step, req.free_port,
-                tuple(RankTiming(t.rank, t.step, t.step_s, t.wait_s, t.compute_s, t.steps) for t in req.timings))
+                tuple(RankTiming(t.rank, t.step, t.step_s, t.wait_s, t.compute_s, t.steps) for t in req.timings),
+                tuple(MemoryHolding(h.step, h.world_size, tuple(h.ranks)) for h in req.memory))
 
 
 def classify(event: common_pb2.HealthEvent, proposed: int) -> Cause:
@@ -112,6 +114,14 @@ def checkpoint(c: CheckpointAsk) -> pb.CheckpointRequest:
     return pb.CheckpointRequest(at_step=c.at_step, reason=c.reason, request_id=c.request_id, generation=c.generation)
 
 
+def restore_plan(p: RestorePlan) -> pb.MemoryRestorePlan:
+    """A restore plan on the wire."""
+    msg = pb.MemoryRestorePlan(step=p.step, memory_steps=list(p.memory_steps))
+    for r in p.ranks:
+        msg.ranks.add(rank=r.rank, source=int(r.source), peer_node=r.peer_node)
+    return msg
+
+
 def failslow_status(st: FailSlowStatus) -> common_pb2.FailSlowStatus:
     """Fail-slow findings on the wire."""
     msg = common_pb2.FailSlowStatus(job_step_s=st.job_step_s, job_slowdown=st.job_slowdown, action=st.action,
@@ -166,13 +176,15 @@ class ResponseCache:
     def response(self, ins: Instruction) -> pb.NodeHeartbeatResponse:
         """A heartbeat response for an instruction."""
         if ins.table is not None and not ins.only_node:
-            key = (ins.command, ins.message, ins.interval_s, ins.phase, ins.failslow, ins.stacks)
+            key = (ins.command, ins.message, ins.interval_s, ins.phase, ins.failslow, ins.stacks, ins.restore_plan)
             cached = self._start
             if cached is not None and cached[0] is ins.table and cached[1] == key:
                 return cached[2]
             resp = pb.NodeHeartbeatResponse(command=int(ins.command), interval_s=ins.interval_s,
                                             job_state=ins.phase.value, message=ins.message)
             resp.rank_table.CopyFrom(self.full_table(ins.table))
+            if ins.restore_plan is not None:
+                resp.restore_plan.CopyFrom(restore_plan(ins.restore_plan))
             self._add_failslow(resp, ins)
             self._start = (ins.table, key, resp)
             return resp
@@ -180,6 +192,8 @@ class ResponseCache:
                                         job_state=ins.phase.value, message=ins.message)
         if ins.table is not None:
             resp.rank_table.CopyFrom(rank_table(ins.table, ins.table.job, ins.only_node))
+            if ins.restore_plan is not None:
+                resp.restore_plan.CopyFrom(restore_plan(ins.restore_plan))
         if ins.checkpoint is not None:
             resp.checkpoint.CopyFrom(checkpoint(ins.checkpoint))
         self._add_failslow(resp, ins)

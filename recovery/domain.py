@@ -11,6 +11,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from trainguard.recovery.memory_plan import MemoryHolding, RestorePlan
 from trainguard.recovery.policy import Cause, Level
 from trainguard.recovery.ranks import NodeSlot, NodeSpec
 
@@ -111,6 +112,7 @@ class Beat:
         last_step: highest step completed (-1: none).
         free_port: a port free on the node now (0: none).
         timings: step timing of the node's ranks since its last heartbeat (fail-slow detection).
+        memory: the in-memory checkpoint copies the node holds (:mod:`~trainguard.recovery.memory_plan`).
     """
 
     job: str
@@ -122,6 +124,7 @@ class Beat:
     last_step: int = -1
     free_port: int = 0
     timings: tuple[RankTiming, ...] = ()
+    memory: tuple[MemoryHolding, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,7 @@ class Instruction:
         checkpoint: a pending job-wide checkpoint of the current generation.
         failslow: the fail-slow findings (None when there are none).
         stacks: an open stack request of a hang being localised.
+        restore_plan: START/RESTART: where each rank reads its checkpoint (None: no memory holdings known).
     """
 
     command: Command
@@ -311,3 +315,4 @@ class Instruction:
     checkpoint: CheckpointAsk | None = None
     failslow: FailSlowStatus | None = None
     stacks: StackAsk | None = None
+    restore_plan: RestorePlan | None = None

@@ -215,6 +215,9 @@ class FaultOutcome:
         recovery_s: fault to first step of the next generation (enospc: space freed to the next committed save).
         steps_lost: steps done again after the restart.
         level: recovery level (``process``, ``node``; ``none`` for enospc and coordinator, where training goes on).
+        restore_tiers: rank -> the checkpoint tier its restore in the next generation read (``memory``, ``disk``,
+            ``remote``), from the workers' ``rank<R>.restores`` lines.
+        restore_s: the slowest rank's restore time in the next generation, seconds.
     """
 
     kind: str
@@ -230,6 +233,8 @@ class FaultOutcome:
     level: str = "process"
     node: str = ""
     predicted: bool | None = None
+    restore_tiers: dict[int, str] = field(default_factory=dict)
+    restore_s: float | None = None
 
 
 @dataclass
@@ -295,6 +300,22 @@ class _StepLog:
 
     def max_step(self) -> int:
         return max((rows[-1][2] for rows in self.rows if rows), default=-1)
+
+
+def read_restores(events: Path, nproc: int, generation: int) -> tuple[dict[int, str], float | None]:
+    """(rank -> tier, slowest restore seconds) of the restores the workers logged in ``generation``."""
+    tiers: dict[int, str] = {}
+    slowest = None
+    for r in range(nproc):
+        for line in _read_lines(events / f"rank{r}.restores"):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("generation") == generation:
+                tiers[r] = str(rec.get("tier"))
+                slowest = max(slowest or 0.0, float(rec.get("restore_s", 0.0)))
+    return tiers, slowest
 
 
 def load_schedule(cfg: SoakConfig, progress) -> tuple[list[PlannedFault], list[PlannedFault], float,

@@ -66,6 +66,7 @@ from trainguard.drill.soak import (
     _Tmpfs,
     follow_enospc,
     load_schedule,
+    read_restores,
     step_stats,
     unplanned_restart,
     verify_reference,
@@ -436,10 +437,12 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
                 hosting = _hosting(cluster, steps, gen)
                 replaced = pending_node is not None and pending_node not in hosting.values()
                 pending.level = "node" if replaced else "process"
+                pending.restore_tiers, pending.restore_s = read_restores(events, nproc, gen)
                 if pending.kind == "precursor" and pending.predicted is None:
                     pending.predicted = replaced
                 progress(f"  recovered at {pending.level} level: generation {gen} resumed at step {resumed} "
-                         f"({pending.steps_lost} steps lost), {pending.recovery_s:.2f} s after the fault"
+                         f"({pending.steps_lost} steps lost), {pending.recovery_s:.2f} s after the fault; restored "
+                         f"from {_tiers_text(pending.restore_tiers)}"
                          + (f"; {pending_node.name} replaced by "
                             f"{', '.join(n.name for n in hosting.values() if n.role == 'spare')}" if replaced else ""))
                 _repair(cluster, hosting, progress)
@@ -500,6 +503,15 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
                                                                           else "")
                  + (f", {o.injected_s - o.planned_s:.1f} s late" if o.injected_s - o.planned_s > 1 else ""))
     return _finish(cfg, cluster, outcomes, skipped, compression, window, t_launch, t0, steps, out_file, progress)
+
+
+def _tiers_text(tiers: dict[int, str]) -> str:
+    """``memory (ranks 0, 1)``-style summary of where the ranks restored from."""
+    by: dict[str, list[int]] = {}
+    for r, t in sorted(tiers.items()):
+        by.setdefault(t, []).append(r)
+    return ", ".join(f"{t} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for t, rs in by.items()) \
+        or "nothing logged yet"
 
 
 def _repair(cluster: _Cluster, hosting: dict[int, _Node], progress) -> None:

@@ -25,43 +25,51 @@ _sym_db = _symbol_database.Default()
 from trainguard.proto.trainguard.v1 import common_pb2 as trainguard_dot_proto_dot_trainguard_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0trainguard/proto/trainguard/v1/coordinator.proto\x12\rtrainguard.v1\x1a+trainguard/proto/trainguard/v1/common.proto\"t\n\x13RegisterNodeRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12%\n\x04node\x18\x02 \x01(\x0b\x32\x17.trainguard.v1.NodeInfo\x12\x11\n\tfree_port\x18\x03 \x01(\x05\x12\x16\n\x0e\x61gent_instance\x18\x04 \x01(\t\"<\n\x14RegisterNodeResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\xe0\x01\n\x14NodeHeartbeatRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x17\n\x0fworkers_running\x18\x05 \x01(\x05\x12\x11\n\tlast_step\x18\x06 \x01(\x03\x12\x19\n\x11workers_succeeded\x18\x07 \x01(\x08\x12\x11\n\tfree_port\x18\x08 \x01(\x05\x12*\n\x07timings\x18\t \x03(\x0b\x32\x19.trainguard.v1.RankTiming\"j\n\nRankTiming\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06step_s\x18\x03 \x01(\x01\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\x12\r\n\x05steps\x18\x06 \x01(\x05\"\\\n\x11\x43heckpointRequest\x12\x0f\n\x07\x61t_step\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"\xd7\x02\n\x15NodeHeartbeatResponse\x12+\n\x07\x63ommand\x18\x01 \x01(\x0e\x32\x1a.trainguard.v1.NodeCommand\x12,\n\nrank_table\x18\x02 \x01(\x0b\x32\x18.trainguard.v1.RankTable\x12\x12\n\ninterval_s\x18\x03 \x01(\x01\x12*\n\tjob_state\x18\x04 \x01(\x0e\x32\x17.trainguard.v1.JobState\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x34\n\ncheckpoint\x18\x06 \x01(\x0b\x32 .trainguard.v1.CheckpointRequest\x12/\n\x08\x66\x61ilslow\x18\x07 \x01(\x0b\x32\x1d.trainguard.v1.FailSlowStatus\x12+\n\x06stacks\x18\x08 \x01(\x0b\x32\x1b.trainguard.v1.StackRequest\"6\n\x0cStackRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\xe1\x01\n\x12ReportEventRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12)\n\x05\x65vent\x18\x05 \x01(\x0b\x32\x1a.trainguard.v1.HealthEvent\x12\x34\n\x0eproposed_level\x18\x06 \x01(\x0e\x32\x1c.trainguard.v1.RecoveryLevel\x12\x13\n\x0b\x66\x61iled_rank\x18\x07 \x01(\x05\x12\x11\n\texit_code\x18\x08 \x01(\x05\"s\n\x13ReportEventResponse\x12\x33\n\rdecided_level\x18\x01 \x01(\x0e\x32\x1c.trainguard.v1.RecoveryLevel\x12\x16\n\x0enew_generation\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\"\"\n\x13GetRankTableRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"E\n\x17\x43ommitCheckpointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\"7\n\x18\x43ommitCheckpointResponse\x12\x1b\n\x13last_committed_step\x18\x01 \x01(\x03*\xa2\x01\n\x0bNodeCommand\x12\x1c\n\x18NODE_COMMAND_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_COMMAND_NONE\x10\x01\x12\x16\n\x12NODE_COMMAND_START\x10\x02\x12\x18\n\x14NODE_COMMAND_RESTART\x10\x03\x12\x15\n\x11NODE_COMMAND_STOP\x10\x04\x12\x15\n\x11NODE_COMMAND_WAIT\x10\x05*\x9c\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_FORMING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05*\x95\x01\n\rRecoveryLevel\x12\x1e\n\x1aRECOVERY_LEVEL_UNSPECIFIED\x10\x00\x12\x17\n\x13RECOVERY_LEVEL_NONE\x10\x01\x12\x1a\n\x16RECOVERY_LEVEL_PROCESS\x10\x02\x12\x17\n\x13RECOVERY_LEVEL_NODE\x10\x03\x12\x16\n\x12RECOVERY_LEVEL_JOB\x10\x04\x32\xc7\x03\n\x0b\x43oordinator\x12W\n\x0cRegisterNode\x12\".trainguard.v1.RegisterNodeRequest\x1a#.trainguard.v1.RegisterNodeResponse\x12V\n\tHeartbeat\x12#.trainguard.v1.NodeHeartbeatRequest\x1a$.trainguard.v1.NodeHeartbeatResponse\x12T\n\x0bReportEvent\x12!.trainguard.v1.ReportEventRequest\x1a\".trainguard.v1.ReportEventResponse\x12L\n\x0cGetRankTable\x12\".trainguard.v1.GetRankTableRequest\x1a\x18.trainguard.v1.RankTable\x12\x63\n\x10\x43ommitCheckpoint\x12&.trainguard.v1.CommitCheckpointRequest\x1a\'.trainguard.v1.CommitCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0trainguard/proto/trainguard/v1/coordinator.proto\x12\rtrainguard.v1\x1a+trainguard/proto/trainguard/v1/common.proto\"t\n\x13RegisterNodeRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12%\n\x04node\x18\x02 \x01(\x0b\x32\x17.trainguard.v1.NodeInfo\x12\x11\n\tfree_port\x18\x03 \x01(\x05\x12\x16\n\x0e\x61gent_instance\x18\x04 \x01(\t\"<\n\x14RegisterNodeResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x03\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x8f\x02\n\x14NodeHeartbeatRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12\x17\n\x0fworkers_running\x18\x05 \x01(\x05\x12\x11\n\tlast_step\x18\x06 \x01(\x03\x12\x19\n\x11workers_succeeded\x18\x07 \x01(\x08\x12\x11\n\tfree_port\x18\x08 \x01(\x05\x12*\n\x07timings\x18\t \x03(\x0b\x32\x19.trainguard.v1.RankTiming\x12-\n\x06memory\x18\x8c\x01 \x03(\x0b\x32\x1c.trainguard.v1.MemoryHolding\"@\n\rMemoryHolding\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\r\n\x05ranks\x18\x03 \x03(\x05\"\\\n\x0bRankRestore\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12,\n\x06source\x18\x02 \x01(\x0e\x32\x1c.trainguard.v1.RestoreSource\x12\x11\n\tpeer_node\x18\x03 \x01(\t\"b\n\x11MemoryRestorePlan\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x14\n\x0cmemory_steps\x18\x02 \x03(\x03\x12)\n\x05ranks\x18\x03 \x03(\x0b\x32\x1a.trainguard.v1.RankRestore\"j\n\nRankTiming\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06step_s\x18\x03 \x01(\x01\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x11\n\tcompute_s\x18\x05 \x01(\x01\x12\r\n\x05steps\x18\x06 \x01(\x05\"\\\n\x11\x43heckpointRequest\x12\x0f\n\x07\x61t_step\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"\x90\x03\n\x15NodeHeartbeatResponse\x12+\n\x07\x63ommand\x18\x01 \x01(\x0e\x32\x1a.trainguard.v1.NodeCommand\x12,\n\nrank_table\x18\x02 \x01(\x0b\x32\x18.trainguard.v1.RankTable\x12\x12\n\ninterval_s\x18\x03 \x01(\x01\x12*\n\tjob_state\x18\x04 \x01(\x0e\x32\x17.trainguard.v1.JobState\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x34\n\ncheckpoint\x18\x06 \x01(\x0b\x32 .trainguard.v1.CheckpointRequest\x12/\n\x08\x66\x61ilslow\x18\x07 \x01(\x0b\x32\x1d.trainguard.v1.FailSlowStatus\x12+\n\x06stacks\x18\x08 \x01(\x0b\x32\x1b.trainguard.v1.StackRequest\x12\x37\n\x0crestore_plan\x18\x8c\x01 \x01(\x0b\x32 .trainguard.v1.MemoryRestorePlan\"6\n\x0cStackRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\xe1\x01\n\x12ReportEventRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\x12)\n\x05\x65vent\x18\x05 \x01(\x0b\x32\x1a.trainguard.v1.HealthEvent\x12\x34\n\x0eproposed_level\x18\x06 \x01(\x0e\x32\x1c.trainguard.v1.RecoveryLevel\x12\x13\n\x0b\x66\x61iled_rank\x18\x07 \x01(\x05\x12\x11\n\texit_code\x18\x08 \x01(\x05\"s\n\x13ReportEventResponse\x12\x33\n\rdecided_level\x18\x01 \x01(\x0e\x32\x1c.trainguard.v1.RecoveryLevel\x12\x16\n\x0enew_generation\x18\x02 \x01(\x03\x12\x0f\n\x07message\x18\x03 \x01(\t\"\"\n\x13GetRankTableRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"E\n\x17\x43ommitCheckpointRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\"7\n\x18\x43ommitCheckpointResponse\x12\x1b\n\x13last_committed_step\x18\x01 \x01(\x03*\xa2\x01\n\x0bNodeCommand\x12\x1c\n\x18NODE_COMMAND_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_COMMAND_NONE\x10\x01\x12\x16\n\x12NODE_COMMAND_START\x10\x02\x12\x18\n\x14NODE_COMMAND_RESTART\x10\x03\x12\x15\n\x11NODE_COMMAND_STOP\x10\x04\x12\x15\n\x11NODE_COMMAND_WAIT\x10\x05*\x8c\x01\n\rRestoreSource\x12\x1e\n\x1aRESTORE_SOURCE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bRESTORE_SOURCE_LOCAL_MEMORY\x10\x01\x12\x1e\n\x1aRESTORE_SOURCE_PEER_MEMORY\x10\x02\x12\x1a\n\x16RESTORE_SOURCE_STORAGE\x10\x03*\x9c\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_FORMING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05*\x95\x01\n\rRecoveryLevel\x12\x1e\n\x1aRECOVERY_LEVEL_UNSPECIFIED\x10\x00\x12\x17\n\x13RECOVERY_LEVEL_NONE\x10\x01\x12\x1a\n\x16RECOVERY_LEVEL_PROCESS\x10\x02\x12\x17\n\x13RECOVERY_LEVEL_NODE\x10\x03\x12\x16\n\x12RECOVERY_LEVEL_JOB\x10\x04\x32\xc7\x03\n\x0b\x43oordinator\x12W\n\x0cRegisterNode\x12\".trainguard.v1.RegisterNodeRequest\x1a#.trainguard.v1.RegisterNodeResponse\x12V\n\tHeartbeat\x12#.trainguard.v1.NodeHeartbeatRequest\x1a$.trainguard.v1.NodeHeartbeatResponse\x12T\n\x0bReportEvent\x12!.trainguard.v1.ReportEventRequest\x1a\".trainguard.v1.ReportEventResponse\x12L\n\x0cGetRankTable\x12\".trainguard.v1.GetRankTableRequest\x1a\x18.trainguard.v1.RankTable\x12\x63\n\x10\x43ommitCheckpoint\x12&.trainguard.v1.CommitCheckpointRequest\x1a\'.trainguard.v1.CommitCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trainguard.proto.trainguard.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODECOMMAND']._serialized_start=1633
-  _globals['_NODECOMMAND']._serialized_end=1795
-  _globals['_JOBSTATE']._serialized_start=1798
-  _globals['_JOBSTATE']._serialized_end=1954
-  _globals['_RECOVERYLEVEL']._serialized_start=1957
-  _globals['_RECOVERYLEVEL']._serialized_end=2106
+  _globals['_NODECOMMAND']._serialized_start=1997
+  _globals['_NODECOMMAND']._serialized_end=2159
+  _globals['_RESTORESOURCE']._serialized_start=2162
+  _globals['_RESTORESOURCE']._serialized_end=2302
+  _globals['_JOBSTATE']._serialized_start=2305
+  _globals['_JOBSTATE']._serialized_end=2461
+  _globals['_RECOVERYLEVEL']._serialized_start=2464
+  _globals['_RECOVERYLEVEL']._serialized_end=2613
   _globals['_REGISTERNODEREQUEST']._serialized_start=112
   _globals['_REGISTERNODEREQUEST']._serialized_end=228
   _globals['_REGISTERNODERESPONSE']._serialized_start=230
   _globals['_REGISTERNODERESPONSE']._serialized_end=290
   _globals['_NODEHEARTBEATREQUEST']._serialized_start=293
-  _globals['_NODEHEARTBEATREQUEST']._serialized_end=517
-  _globals['_RANKTIMING']._serialized_start=519
-  _globals['_RANKTIMING']._serialized_end=625
-  _globals['_CHECKPOINTREQUEST']._serialized_start=627
-  _globals['_CHECKPOINTREQUEST']._serialized_end=719
-  _globals['_NODEHEARTBEATRESPONSE']._serialized_start=722
-  _globals['_NODEHEARTBEATRESPONSE']._serialized_end=1065
-  _globals['_STACKREQUEST']._serialized_start=1067
-  _globals['_STACKREQUEST']._serialized_end=1121
-  _globals['_REPORTEVENTREQUEST']._serialized_start=1124
-  _globals['_REPORTEVENTREQUEST']._serialized_end=1349
-  _globals['_REPORTEVENTRESPONSE']._serialized_start=1351
-  _globals['_REPORTEVENTRESPONSE']._serialized_end=1466
-  _globals['_GETRANKTABLEREQUEST']._serialized_start=1468
-  _globals['_GETRANKTABLEREQUEST']._serialized_end=1502
-  _globals['_COMMITCHECKPOINTREQUEST']._serialized_start=1504
-  _globals['_COMMITCHECKPOINTREQUEST']._serialized_end=1573
-  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_start=1575
-  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_end=1630
-  _globals['_COORDINATOR']._serialized_start=2109
-  _globals['_COORDINATOR']._serialized_end=2564
+  _globals['_NODEHEARTBEATREQUEST']._serialized_end=564
+  _globals['_MEMORYHOLDING']._serialized_start=566
+  _globals['_MEMORYHOLDING']._serialized_end=630
+  _globals['_RANKRESTORE']._serialized_start=632
+  _globals['_RANKRESTORE']._serialized_end=724
+  _globals['_MEMORYRESTOREPLAN']._serialized_start=726
+  _globals['_MEMORYRESTOREPLAN']._serialized_end=824
+  _globals['_RANKTIMING']._serialized_start=826
+  _globals['_RANKTIMING']._serialized_end=932
+  _globals['_CHECKPOINTREQUEST']._serialized_start=934
+  _globals['_CHECKPOINTREQUEST']._serialized_end=1026
+  _globals['_NODEHEARTBEATRESPONSE']._serialized_start=1029
+  _globals['_NODEHEARTBEATRESPONSE']._serialized_end=1429
+  _globals['_STACKREQUEST']._serialized_start=1431
+  _globals['_STACKREQUEST']._serialized_end=1485
+  _globals['_REPORTEVENTREQUEST']._serialized_start=1488
+  _globals['_REPORTEVENTREQUEST']._serialized_end=1713
+  _globals['_REPORTEVENTRESPONSE']._serialized_start=1715
+  _globals['_REPORTEVENTRESPONSE']._serialized_end=1830
+  _globals['_GETRANKTABLEREQUEST']._serialized_start=1832
+  _globals['_GETRANKTABLEREQUEST']._serialized_end=1866
+  _globals['_COMMITCHECKPOINTREQUEST']._serialized_start=1868
+  _globals['_COMMITCHECKPOINTREQUEST']._serialized_end=1937
+  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_start=1939
+  _globals['_COMMITCHECKPOINTRESPONSE']._serialized_end=1994
+  _globals['_COORDINATOR']._serialized_start=2616
+  _globals['_COORDINATOR']._serialized_end=3071
 # @@protoc_insertion_point(module_scope)

@@ -17,6 +17,13 @@ class NodeCommand(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_COMMAND_STOP: _ClassVar[NodeCommand]
     NODE_COMMAND_WAIT: _ClassVar[NodeCommand]
 
+class RestoreSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESTORE_SOURCE_UNSPECIFIED: _ClassVar[RestoreSource]
+    RESTORE_SOURCE_LOCAL_MEMORY: _ClassVar[RestoreSource]
+    RESTORE_SOURCE_PEER_MEMORY: _ClassVar[RestoreSource]
+    RESTORE_SOURCE_STORAGE: _ClassVar[RestoreSource]
+
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
@@ -39,6 +46,10 @@ NODE_COMMAND_START: NodeCommand
 NODE_COMMAND_RESTART: NodeCommand
 NODE_COMMAND_STOP: NodeCommand
 NODE_COMMAND_WAIT: NodeCommand
+RESTORE_SOURCE_UNSPECIFIED: RestoreSource
+RESTORE_SOURCE_LOCAL_MEMORY: RestoreSource
+RESTORE_SOURCE_PEER_MEMORY: RestoreSource
+RESTORE_SOURCE_STORAGE: RestoreSource
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_FORMING: JobState
 JOB_STATE_RUNNING: JobState
@@ -72,7 +83,7 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings")
+    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings", "memory")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +93,7 @@ class NodeHeartbeatRequest(_message.Message):
     WORKERS_SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
     FREE_PORT_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     lease_id: str
@@ -91,7 +103,38 @@ class NodeHeartbeatRequest(_message.Message):
     workers_succeeded: bool
     free_port: int
     timings: _containers.RepeatedCompositeFieldContainer[RankTiming]
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ...) -> None: ...
+    memory: _containers.RepeatedCompositeFieldContainer[MemoryHolding]
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., memory: _Optional[_Iterable[_Union[MemoryHolding, _Mapping]]] = ...) -> None: ...
+
+class MemoryHolding(_message.Message):
+    __slots__ = ("step", "world_size", "ranks")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    world_size: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RankRestore(_message.Message):
+    __slots__ = ("rank", "source", "peer_node")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PEER_NODE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    source: RestoreSource
+    peer_node: str
+    def __init__(self, rank: _Optional[int] = ..., source: _Optional[_Union[RestoreSource, str]] = ..., peer_node: _Optional[str] = ...) -> None: ...
+
+class MemoryRestorePlan(_message.Message):
+    __slots__ = ("step", "memory_steps", "ranks")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    memory_steps: _containers.RepeatedScalarFieldContainer[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankRestore]
+    def __init__(self, step: _Optional[int] = ..., memory_steps: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[_Union[RankRestore, _Mapping]]] = ...) -> None: ...
 
 class RankTiming(_message.Message):
     __slots__ = ("rank", "step", "step_s", "wait_s", "compute_s", "steps")
@@ -122,7 +165,7 @@ class CheckpointRequest(_message.Message):
     def __init__(self, at_step: _Optional[int] = ..., reason: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "checkpoint", "failslow", "stacks")
+    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "checkpoint", "failslow", "stacks", "restore_plan")
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +174,7 @@ class NodeHeartbeatResponse(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     FAILSLOW_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_PLAN_FIELD_NUMBER: _ClassVar[int]
     command: NodeCommand
     rank_table: _common_pb2.RankTable
     interval_s: float
@@ -139,7 +183,8 @@ class NodeHeartbeatResponse(_message.Message):
     checkpoint: CheckpointRequest
     failslow: _common_pb2.FailSlowStatus
     stacks: StackRequest
-    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., stacks: _Optional[_Union[StackRequest, _Mapping]] = ...) -> None: ...
+    restore_plan: MemoryRestorePlan
+    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., stacks: _Optional[_Union[StackRequest, _Mapping]] = ..., restore_plan: _Optional[_Union[MemoryRestorePlan, _Mapping]] = ...) -> None: ...
 
 class StackRequest(_message.Message):
     __slots__ = ("request_id", "generation")
