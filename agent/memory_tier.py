@@ -19,13 +19,13 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from trainguard.checkpoint import arena as arena_mod
 from trainguard.checkpoint.config import RESTORE_PLAN_ENV, CheckpointConfig, MemoryTierConfig
 from trainguard.checkpoint.errors import CheckpointError
-from trainguard.checkpoint.manifest import verify_checksums
+from trainguard.checkpoint.manifest import Manifest, verify_checksums
 from trainguard.proto import coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -55,11 +55,18 @@ class MemoryTier:
         shm_root: the arena root (the workers' ``checkpoint.memory.directory``).
         job: job name.
         location: checkpoint location of the job (copies of another location sharing the job name are ignored).
-        interval_s: seconds between two rescans.
+        interval_s: seconds between two rescans (unchanged manifests are not parsed again). Default 0.05.
     """
 
-    def __init__(self, shm_root: str, job: str, location: str, interval_s: float = 0.2) -> None:
+    def __init__(self, shm_root: str, job: str, location: str, interval_s: float = 0.05, replicas=None) -> None:
         self.shm_root, self.job, self.location = shm_root, job, location
+        #: the node's :class:`~trainguard.checkpoint.replica_store.ReplicaStore`, whose copies are reported as
+        #: ``replica_ranks`` (verified when they arrived); None without peer replication.
+        self.replicas = replicas
+        self._own: dict[int, tuple[int, arena_mod.SlotPaths, Manifest]] = {}
+        self._manifests: dict[str, tuple[int, int, Manifest]] = {}  # parsed manifests, by path and mtime
+        #: called (from the scanning thread) when a rank's newest own copy changed: the replica sender wakes.
+        self.on_new_copy: Callable[[], None] | None = None
         self.interval_s = interval_s
         self._verified: dict[_CopyKey, bool] = {}
         self._holdings: list[coordinator_pb2.MemoryHolding] = []
@@ -93,8 +100,12 @@ class MemoryTier:
             return self._scan()
 
     def _scan(self) -> list[coordinator_pb2.MemoryHolding]:
-        found = arena_mod.memory_manifests(self.shm_root, self.job, self.location)
+        found = arena_mod.memory_manifests(self.shm_root, self.job, self.location, self._manifests)
+        live = {p.manifest for ranks in found.values() for p, _ in ranks.values()}
+        for path in set(self._manifests) - live:
+            del self._manifests[path]
         seen: set[_CopyKey] = set()
+        own: dict[int, tuple[int, arena_mod.SlotPaths, Manifest]] = {}
         by_step: dict[tuple[int, int], list[int]] = {}
         for step, ranks in found.items():
             for rank, (paths, man) in ranks.items():
@@ -107,13 +118,34 @@ class MemoryTier:
                         self._verified[key] = ok
                 if ok:
                     by_step.setdefault((step, man.world_size), []).append(rank)
+                    if rank not in own or own[rank][0] < step:
+                        own[rank] = (step, paths, man)
         for key in set(self._verified) - seen:
             del self._verified[key]
-        out = [coordinator_pb2.MemoryHolding(step=s, world_size=ws, ranks=sorted(rs))
-               for (s, ws), rs in sorted(by_step.items(), reverse=True)]
+        replicated: dict[tuple[int, int], list[int]] = {}
+        if self.replicas is not None:
+            for r in self.replicas.replicas():
+                replicated.setdefault((r.step, r.manifest.world_size), []).append(r.rank)
+        out = [coordinator_pb2.MemoryHolding(step=s, world_size=ws, ranks=sorted(by_step.get((s, ws), ())),
+                                             replica_ranks=sorted(replicated.get((s, ws), ())))
+               for (s, ws) in sorted(set(by_step) | set(replicated), reverse=True)]
         with self._lock:
             self._holdings = out
+            changed = {r: c[0] for r, c in own.items()} != {r: c[0] for r, c in self._own.items()}
+            self._own = own
+        if changed and self.on_new_copy is not None:
+            self.on_new_copy()
         return out
+
+    def own_copies(self) -> dict[int, tuple[int, arena_mod.SlotPaths, Manifest]]:
+        """rank -> (step, slot paths, manifest) of the newest verified copy of each rank in this node's arena."""
+        with self._lock:
+            return dict(self._own)
+
+    def own_copy(self, rank: int) -> tuple[str, Manifest] | None:
+        """(data path, manifest) of this node's newest verified copy of ``rank``, or None."""
+        c = self.own_copies().get(rank)
+        return (c[1].data, c[2]) if c is not None else None
 
     def _verify(self, paths: arena_mod.SlotPaths, man) -> bool | None:
         """True when the slot still holds this copy and every chunk matches; None when it changed meanwhile."""

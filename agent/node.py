@@ -47,6 +47,7 @@ from trainguard.agent.generation import (  # noqa: F401 (the env names are re-ex
     worker_specs,
 )
 from trainguard.agent.memory_tier import MemoryTier, apply_restore_plan
+from trainguard.agent.replica_agent import ReplicaAgent, ReplicaConfig
 from trainguard.agent.node_faults import NodeReportLedger, hardware_cause, hardware_detector_names
 from trainguard.agent.standby import StandbyPool
 from trainguard.agent.step_timing import FailSlowView, TimingRelay, stack_evidence
@@ -110,6 +111,9 @@ class NodeConfig:
             a step through the hook (plain scripts never do). Default 3.0.
         coordinator_channel: opens the channel to ``coordinator`` (TLS, client certificate and job token of
             :class:`trainguard.recovery.rpc_security.RpcSecurity`); None dials plaintext without a token.
+        replica: peer replication of the in-memory checkpoints (:mod:`trainguard.agent.replica_agent`).
+        memory_tier: ``"job"``: report the node's in-memory checkpoints and restore from any node's memory (see
+            :mod:`trainguard.agent.memory_tier`); ``"host"``: neither (each host's memory tier on its own).
     """
 
     job: str
@@ -146,6 +150,8 @@ class NodeConfig:
     host_store: bool = True
     standby_after_s: float = 3.0
     coordinator_channel: Callable[[str], grpc.Channel] | None = None
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
+    memory_tier: str = "job"
 
 
 def find_free_port(address: str) -> int:
@@ -222,8 +228,11 @@ class NodeAgent:
         self.failslow = FailSlowView(config.node_id)
         self._stack_requests: set[str] = set()
         # Job-wide memory tier (agent/memory_tier.py): verified holdings out in heartbeats, restore plan in.
-        self.memory_tier = MemoryTier.for_checkpoint_dir(config.checkpoint_dir, config.job)
+        self.memory_tier = MemoryTier.for_checkpoint_dir(config.checkpoint_dir, config.job) \
+            if config.memory_tier == "job" else None
         self._restore_plan: coordinator_pb2.MemoryRestorePlan | None = None
+        self.replicas = ReplicaAgent(config.replica, self.memory_tier, config.node_id, config.address) \
+            if self.memory_tier is not None and config.replica.enabled else None
 
     # -- state served to workers and operators ---------------------------------------------------------------
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
@@ -470,6 +479,8 @@ class NodeAgent:
                 free_port=find_free_port(self.config.address),
                 timings=self.timing.drain(),
                 memory=self.memory_tier.scan() if self.memory_tier is not None else (),
+                replica_address=self.replicas.address if self.replicas is not None else "",
+                replica_bytes=self.replicas.store.bytes_held() if self.replicas is not None else 0,
             )
         try:
             resp = self._stub.Heartbeat(req, timeout=_RPC_TIMEOUT_S)
@@ -543,6 +554,8 @@ class NodeAgent:
         c = self.config
         use_agent_store = self._resources.host_store(c, table, mine)
         specs = worker_specs(c, table, mine, self._resources.error_dir(table.generation), use_agent_store)
+        if self.replicas is not None:  # a new slot's ranks: their buddy's copies into this node's memory first
+            self.replicas.fetch_planned(self._restore_plan, [s.rank for s in specs], tick=self._keepalive)
         apply_restore_plan(specs, self._restore_plan, table.generation)
         group = WorkerGroup(specs, log_dir=c.log_dir, streams=c.streams, role=c.role)
         with self._lock:
@@ -663,6 +676,8 @@ class NodeAgent:
         self._register(self.config.coordinator_patience_s)
         if self.memory_tier is not None:
             self.memory_tier.start()
+        if self.replicas is not None:
+            self.replicas.start()
         self._start_detectors()
         if self._notifier is not None:
             self._notifier.ready(f"job {self.config.job}: registered, waiting for a rank table")
@@ -696,6 +711,8 @@ class NodeAgent:
                 self._runner.stop()
             if self.memory_tier is not None:
                 self.memory_tier.stop()
+            if self.replicas is not None:
+                self.replicas.stop()
             self._stop_workers()
             self._standbys.drop()
             self._channel.close()
@@ -872,6 +889,8 @@ class NodeAgent:
             self.bus.publish(ev)
         if resp.HasField("checkpoint"):
             self._relay_checkpoint(resp.checkpoint)
+        if self.replicas is not None:
+            self.replicas.set_targets(resp.replica_targets)
         if cmd in (coordinator_pb2.NODE_COMMAND_START, coordinator_pb2.NODE_COMMAND_RESTART):
             if resp.rank_table.generation != self.generation or self._group is None:
                 self._restore_plan = resp.restore_plan if resp.HasField("restore_plan") else None

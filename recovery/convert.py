@@ -42,7 +42,8 @@ def beat(req: pb.NodeHeartbeatRequest) -> Beat:
     return Beat(req.job, req.node_id, req.lease_id, req.generation, req.workers_running, req.workers_succeeded,
                 req.last_step, req.free_port,
                 tuple(RankTiming(t.rank, t.step, t.step_s, t.wait_s, t.compute_s, t.steps) for t in req.timings),
-                tuple(MemoryHolding(h.step, h.world_size, tuple(h.ranks)) for h in req.memory))
+                tuple(MemoryHolding(h.step, h.world_size, tuple(h.ranks), tuple(h.replica_ranks))
+                      for h in req.memory), req.replica_address, req.replica_bytes)
 
 
 def classify(event: common_pb2.HealthEvent, proposed: int) -> Cause:
@@ -118,7 +119,7 @@ def restore_plan(p: RestorePlan) -> pb.MemoryRestorePlan:
     """A restore plan on the wire."""
     msg = pb.MemoryRestorePlan(step=p.step, memory_steps=list(p.memory_steps))
     for r in p.ranks:
-        msg.ranks.add(rank=r.rank, source=int(r.source), peer_node=r.peer_node)
+        msg.ranks.add(rank=r.rank, source=int(r.source), peer_node=r.peer_node, peer_address=r.peer_address)
     return msg
 
 
@@ -176,7 +177,8 @@ class ResponseCache:
     def response(self, ins: Instruction) -> pb.NodeHeartbeatResponse:
         """A heartbeat response for an instruction."""
         if ins.table is not None and not ins.only_node:
-            key = (ins.command, ins.message, ins.interval_s, ins.phase, ins.failslow, ins.stacks, ins.restore_plan)
+            key = (ins.command, ins.message, ins.interval_s, ins.phase, ins.failslow, ins.stacks, ins.restore_plan,
+                   ins.replica_targets)
             cached = self._start
             if cached is not None and cached[0] is ins.table and cached[1] == key:
                 return cached[2]
@@ -200,6 +202,8 @@ class ResponseCache:
         return resp
 
     def _add_failslow(self, resp: pb.NodeHeartbeatResponse, ins: Instruction) -> None:
+        for node_id, address in ins.replica_targets:  # (rides with every reply, like the fail-slow findings)
+            resp.replica_targets.add(node_id=node_id, address=address)
         if ins.failslow is not None:
             resp.failslow.CopyFrom(self.failslow(ins.failslow))
         if ins.stacks is not None:

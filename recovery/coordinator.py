@@ -48,7 +48,7 @@ from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, Form
                                         GenerationRunning, MembershipChanged, Persist, Progressed, Step, Tick,
                                         decide)
 from trainguard.recovery.failslow import FailSlowSupervisor
-from trainguard.recovery.memory_plan import MemoryHolding, RestorePlan, plan_restore
+from trainguard.recovery.memory_plan import MemoryHolding, RestorePlan, buddies, plan_restore
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
@@ -147,6 +147,8 @@ class JobCoordinator:
         self._memory: dict[str, tuple[MemoryHolding, ...]] = {}
         self._plan_cache: tuple[tuple[object, int], RestorePlan | None] | None = None
         self._fresh: set[str] = set()  # nodes whose holdings arrived after the current table was installed
+        self._replica_addr: dict[str, str] = {}  # node -> its replica server (peer replication)
+        self._buddy_cache: tuple[tuple[object, int], dict[str, tuple[tuple[str, str], ...]]] | None = None
         self._formed_at = 0.0
         self._load()
 
@@ -554,7 +556,7 @@ class JobCoordinator:
             self._record_beat(m, req, now)
             self._advance()
             self._fresh.add(req.node_id)  # recorded in this call, so no older than the current table
-            return self._failslow_reply(self._command(m))
+            return self._failslow_reply(self._with_buddies(self._command(m), req.node_id))
 
     def add_heartbeat_observer(self, observer: Callable[[Beat, float], None]) -> None:
         """Calls ``observer(beat, now_s)`` for every accepted heartbeat (e.g. straggler detection).
@@ -582,6 +584,9 @@ class JobCoordinator:
         if self._memory.get(req.node_id, ()) != req.memory:
             self._memory[req.node_id] = req.memory
             self._plan_cache = None
+        if self._replica_addr.get(req.node_id, "") != req.replica_address:
+            self._replica_addr[req.node_id] = req.replica_address
+            self._plan_cache = self._buddy_cache = None
         if req.generation == st.generation and req.last_step >= 0:
             self._observe_step(now, req.last_step, st.generation)
         if req.generation == st.generation >= 0 and self._layout is not None \
@@ -633,6 +638,25 @@ class JobCoordinator:
         pending = fut is not None and (not fut.done() or fut.exception() is not None)
         return HeartbeatReply(ins, fut if pending else None)
 
+    def _live_replica_addresses(self) -> dict[str, str]:
+        return {nid: a for nid, a in self._replica_addr.items()
+                if a and (m := self._members.get(nid)) is not None and m.alive}
+
+    def _with_buddies(self, reply: HeartbeatReply, node_id: str) -> HeartbeatReply:
+        """Adds the node's replica targets (its buddies in the current table, see
+        :func:`~.memory_plan.buddies`), cached per table and liveness."""
+        table = self._table
+        if table is None or self.spec.memory_replicas <= 0 or not self._replica_addr.get(node_id):
+            return reply
+        cached = self._buddy_cache
+        if cached is None or cached[0][0] is not table or cached[0][1] != self._mver:
+            addr = self._live_replica_addresses()
+            chosen = buddies(table.slots, self.spec.memory_replicas, addr)
+            cached = ((table, self._mver), {n: tuple((b, addr[b]) for b in bs) for n, bs in chosen.items()})
+            self._buddy_cache = cached
+        targets = cached[1].get(node_id, ())
+        return replace(reply, response=replace(reply.response, replica_targets=targets)) if targets else reply
+
     def _holdings_fresh(self) -> bool:
         """Whether every node of the current table reported its memory holdings since the table was installed
         (or nobody reports any, or two heartbeat intervals passed). A snapshot can land on a node between its
@@ -657,7 +681,7 @@ class JobCoordinator:
             return cached[1]
         live = {nid: held for nid, held in self._memory.items()
                 if held and (m := self._members.get(nid)) is not None and m.alive}
-        plan = plan_restore(table.slots, table.world_size, live) if live else None
+        plan = plan_restore(table.slots, table.world_size, live, self._live_replica_addresses()) if live else None
         if plan is not None:
             log.info("job %s: generation %d restore plan: step %d, %s", self.spec.job, table.generation, plan.step,
                      ", ".join(f"{n} rank(s) from {k.replace('_', ' ')}" for k, n in plan.source_counts().items()))

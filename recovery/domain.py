@@ -113,6 +113,8 @@ class Beat:
         free_port: a port free on the node now (0: none).
         timings: step timing of the node's ranks since its last heartbeat (fail-slow detection).
         memory: the in-memory checkpoint copies the node holds (:mod:`~trainguard.recovery.memory_plan`).
+        replica_address: host:port of the node's replica server ("" when it serves none).
+        replica_bytes: memory other nodes' replicas hold on the node.
     """
 
     job: str
@@ -125,6 +127,8 @@ class Beat:
     free_port: int = 0
     timings: tuple[RankTiming, ...] = ()
     memory: tuple[MemoryHolding, ...] = ()
+    replica_address: str = ""
+    replica_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -304,6 +308,7 @@ class Instruction:
         failslow: the fail-slow findings (None when there are none).
         stacks: an open stack request of a hang being localised.
         restore_plan: START/RESTART: where each rank reads its checkpoint (None: no memory holdings known).
+        replica_targets: ``(node id, replica address)`` of the node's buddies in the current table.
     """
 
     command: Command
@@ -316,3 +321,4 @@ class Instruction:
     failslow: FailSlowStatus | None = None
     stacks: StackAsk | None = None
     restore_plan: RestorePlan | None = None
+    replica_targets: tuple[tuple[str, str], ...] = ()

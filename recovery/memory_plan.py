@@ -38,11 +38,13 @@ class MemoryHolding:
         step: the checkpoint step.
         world_size: ranks of the job that saved it.
         ranks: saved ranks whose copy of ``step`` lies in the node's arena.
+        replica_ranks: saved ranks of other nodes whose replica of ``step`` the node holds (peer replication).
     """
 
     step: int
     world_size: int
     ranks: tuple[int, ...]
+    replica_ranks: tuple[int, ...] = ()
 
 
 class RestoreSource(enum.IntEnum):
@@ -61,11 +63,13 @@ class RankRestore:
         rank: the rank in the new table.
         source: where it reads.
         peer_node: the node holding its copy (PEER_MEMORY only).
+        peer_address: that node's replica server, host:port (PEER_MEMORY only).
     """
 
     rank: int
     source: RestoreSource
     peer_node: str = ""
+    peer_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,8 @@ class RestorePlan:
 
     Attributes:
         step: the newest step every rank can read from memory (its own node's or a peer's); -1 when none.
-        memory_steps: steps whose each rank's copy lies on the node holding that rank, newest first.
+        memory_steps: steps whose each rank's copy lies on the node holding that rank, newest first, and ``step``
+            (a rank sent to a peer's memory holds ``step`` locally once its node fetched it).
         ranks: one entry per rank of the table, in rank order.
     """
 
@@ -94,12 +99,13 @@ class RestorePlan:
 StepHolders = dict[int, dict[int, tuple[str, ...]]]
 
 
-def holders(reports: Mapping[str, Sequence[MemoryHolding]], world_size: int) -> StepHolders:
+def holders(reports: Mapping[str, Sequence[MemoryHolding]], world_size: int, replicas: bool = True) -> StepHolders:
     """Who holds which copy, counting only steps saved with ``world_size`` ranks.
 
     Args:
         reports: node id -> its latest holdings (live nodes only).
         world_size: the job's world size (a copy saved at another size is not restored from memory).
+        replicas: count peer replicas too (else only each node's own arena).
 
     Returns:
         ``{step: {rank: node ids}}``; node ids sorted, so the result does not depend on report order.
@@ -110,7 +116,7 @@ def holders(reports: Mapping[str, Sequence[MemoryHolding]], world_size: int) -> 
             if h.world_size != world_size:
                 continue
             per_rank = acc.setdefault(h.step, {})
-            for r in h.ranks:
+            for r in h.ranks + (h.replica_ranks if replicas else ()):
                 if 0 <= r < world_size:
                     per_rank.setdefault(r, set()).add(node)
     return {s: {r: tuple(sorted(ns)) for r, ns in per.items()} for s, per in acc.items()}
@@ -125,14 +131,15 @@ def _rank_owner(slots: Sequence[NodeSlot]) -> dict[int, str]:
     return {s.first_rank + i: s.node_id for s in slots for i in range(s.local_world_size)}
 
 
-def plan_restore(slots: Sequence[NodeSlot], world_size: int,
-                 reports: Mapping[str, Sequence[MemoryHolding]]) -> RestorePlan:
+def plan_restore(slots: Sequence[NodeSlot], world_size: int, reports: Mapping[str, Sequence[MemoryHolding]],
+                 addresses: Mapping[str, str] | None = None) -> RestorePlan:
     """The restore plan of a new generation.
 
     Args:
         slots: the new table's node slots (which node holds which ranks).
         world_size: ranks in the new table.
         reports: node id -> latest memory holdings of every live node.
+        addresses: node id -> its replica server (host:port); a peer without one cannot serve a copy.
 
     Returns:
         The plan: the newest step every rank can read from memory (own node first, then the lowest-named peer
@@ -140,19 +147,53 @@ def plan_restore(slots: Sequence[NodeSlot], world_size: int,
         the plan's step read STORAGE.
     """
     owner = _rank_owner(slots)
-    held = holders(reports, world_size)
-    local_steps = tuple(sorted((s for s, per in held.items()
-                                if all(owner.get(r) in per.get(r, ()) for r in range(world_size))), reverse=True))
-    full = [s for s, per in held.items() if len(per) == world_size]
+    addresses = addresses or {}
+    own = holders(reports, world_size, replicas=False)
+    anywhere = holders(reports, world_size)
+    local_steps = {s for s, per in own.items() if all(owner.get(r) in per.get(r, ()) for r in range(world_size))}
+
+    def servable(step: int, r: int) -> tuple[str, ...]:
+        return tuple(n for n in anywhere.get(step, {}).get(r, ()) if n == owner.get(r) or addresses.get(n))
+
+    full = [s for s in anywhere if all(servable(s, r) for r in range(world_size))]
     step = max(full, default=-1)
     ranks = []
     for r in range(world_size):
-        nodes = held.get(step, {}).get(r, ())
         me = owner.get(r, "")
-        if step >= 0 and me in nodes:
+        mine = own.get(step, {}).get(r, ())
+        peers = [n for n in servable(step, r) if n != me]
+        if step >= 0 and me in mine:
             ranks.append(RankRestore(r, RestoreSource.LOCAL_MEMORY))
-        elif step >= 0 and nodes:
-            ranks.append(RankRestore(r, RestoreSource.PEER_MEMORY, nodes[0]))
+        elif step >= 0 and peers:
+            ranks.append(RankRestore(r, RestoreSource.PEER_MEMORY, peers[0], addresses.get(peers[0], "")))
         else:
             ranks.append(RankRestore(r, RestoreSource.STORAGE))
-    return RestorePlan(step, local_steps, tuple(ranks))
+    if step >= 0:
+        local_steps.add(step)
+    return RestorePlan(step, tuple(sorted(local_steps, reverse=True)), tuple(ranks))
+
+
+def buddies(slots: Sequence[NodeSlot], count: int, addresses: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """The nodes each node of a table replicates its ranks' snapshots to.
+
+    Deterministic: walking the table's nodes in group-rank order (a ring), each node takes the next ``count``
+    nodes that serve replicas, those of another pod (failure domain) first and, only when there are too few
+    of those, nodes of its own pod.
+
+    Args:
+        slots: the table's node slots.
+        count: replicas per node (0: none).
+        addresses: node id -> replica server; nodes without one are never chosen.
+
+    Returns:
+        node id -> buddy node ids, nearest first.
+    """
+    order = sorted(slots, key=lambda s: s.group_rank)
+    out: dict[str, tuple[str, ...]] = {}
+    n = len(order)
+    for i, me in enumerate(order):
+        ring = [order[(i + k) % n] for k in range(1, n) if addresses.get(order[(i + k) % n].node_id)]
+        other = [s.node_id for s in ring if s.pod_id != me.pod_id]
+        same = [s.node_id for s in ring if s.pod_id == me.pod_id]
+        out[me.node_id] = tuple((other + same)[:max(0, count)])
+    return out

@@ -1,6 +1,8 @@
-"""Job-wide memory tier in the cluster drill: a worker SIGKILLed on one of 2 node agents (each node in its own
-network namespace with its own shared-memory arena, gloo over the data links) restarts every rank from its own
-node's memory, and the final model equals the fault-free run bitwise."""
+"""Job-wide memory tier in the cluster drill (2 node agents and a spare, each node in its own network namespace
+with its own shared-memory arena, gloo over the data links): a worker SIGKILLed restarts every rank from its own
+node's memory; a node agent SIGKILLed with its workers (node lost) is replaced by the spare, which fetches the
+lost node's ranks from their buddy's memory before its workers start, so every rank restores from memory again;
+the final model equals the fault-free run bitwise."""
 
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ needs_stepfun = pytest.mark.skipif(not (trace_dir() / "fault_trace.json").is_fil
 @needs_stepfun
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_process_crash_restores_every_rank_from_its_own_nodes_memory(tmp_path) -> None:
+def test_process_crash_and_node_loss_restore_every_rank_from_memory(tmp_path) -> None:
     netns = netns_unavailable_reason() is None
-    cfg = SoakConfig(wall_s=5.0, step_delay_s=0.05, save_every=5, trace_faults=0, extra=("kill",), nodes=2,
-                     spares=1, netns=netns, workdir=str(tmp_path / "soak"))
+    # Faults strike once the newest snapshot is 0.3 s old (it replicates in milliseconds): this test is about the
+    # buddy's copy; a node lost before its newest snapshot replicated restores that step from disk.
+    cfg = SoakConfig(wall_s=6.0, step_delay_s=0.05, save_every=10, trace_faults=0, extra=("kill", "agentkill"),
+                     nodes=2, spares=1, netns=netns, workdir=str(tmp_path / "soak"), settle_after_save_s=0.3)
     lines: list[str] = []
     rep = run_soak(cfg, progress=lines.append)
     text = "\n".join(lines)
@@ -29,3 +33,8 @@ def test_process_crash_restores_every_rank_from_its_own_nodes_memory(tmp_path) -
     assert kill.level == "process", text
     assert kill.restore_tiers == {0: "memory", 1: "memory"}, text
     assert kill.restore_s is not None and kill.recovery_s is not None
+    lost = next(f for f in rep.faults if f.kind == "agentkill")
+    assert lost.level == "node", text
+    assert lost.restore_tiers == {0: "memory", 1: "memory"}, text
+    spare_logs = "".join(p.read_text() for p in (tmp_path / "soak").glob("spare*.log"))
+    assert f"fetched rank {lost.rank} step" in spare_logs, text  # from the buddy's memory, before the workers

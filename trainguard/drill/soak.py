@@ -124,6 +124,11 @@ class SoakConfig:
         drain_grace_s: seconds between a predictor alarm's checkpoint advisory and the drain request
             (``trainguard run --drain-grace-s``; production default 30). Default 2.
         precursor_lead_s: drill seconds between a precursor and the fault it announces. Default 10.
+        memory_tier: the nodes' ``trainguard run --memory-tier`` (cluster drills): ``job`` restores from every
+            node's memory and buddies' replicas; ``host`` is the behaviour before (disk after any multi-node
+            fault). Default ``job``.
+        settle_after_save_s: inject a restarting fault only once the newest save is at least this old, seconds
+            (cluster drills; pins a test to "the snapshot had time to replicate"). Default 0 (any time).
     """
 
     wall_s: float = 180.0
@@ -148,6 +153,8 @@ class SoakConfig:
     lease_timeout_s: float = 3.0
     drain_grace_s: float = 2.0
     precursor_lead_s: float = 10.0
+    memory_tier: str = "job"
+    settle_after_save_s: float = 0.0
 
     def validate(self) -> None:
         """Checks ranges.
@@ -174,6 +181,8 @@ class SoakConfig:
                  f"{CLUSTER_HEARTBEAT_S:g} s heartbeat intervals"),
                 (self.drain_grace_s < 0, f"--drain-grace {self.drain_grace_s:g}: must be >= 0 seconds"),
                 (self.precursor_lead_s <= 0, f"--precursor-lead {self.precursor_lead_s:g}: must be > 0 seconds"),
+                (self.memory_tier not in ("job", "host"), f"--memory-tier {self.memory_tier}: use job or host"),
+                (self.settle_after_save_s < 0, f"settle_after_save_s {self.settle_after_save_s:g}: must be >= 0"),
             ) if wrong]
             if bad:
                 raise SoakError("; ".join(bad))

@@ -229,7 +229,7 @@ class _Cluster:
                str(self.cfg.max_restarts), "--checkpoint-dir", str(self.ckpt), "--log-dir",
                str(self.workdir / "logs" / name), "--hang-floor-s", str(self.cfg.hang_bound_s), "--detectors",
                detectors, "--detector-config", str(conf), "--drain-grace-s", str(self.cfg.drain_grace_s),
-               "--predictor-interval-s", "0.5"]
+               "--predictor-interval-s", "0.5", "--memory-tier", self.cfg.memory_tier]
         if spare:
             cmd.append("--spare")
         cmd += ["-m", "trainguard.drill.soak_worker", *self.worker_args]
@@ -485,6 +485,8 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
             coord = {"outcome": o, "killed": now, "restarted": None, "gen": gen, "step": steps.max_step()}
         else:
             v = _victim(cluster, steps, rng, nproc)
+            if v is not None and p.kind in RESTART_KINDS and not _settled(steps, cfg.settle_after_save_s, now):
+                v = None
             if v is None or (p.kind == "linkdown" and cluster.fabric is None):
                 todo.insert(0, p)
                 continue
@@ -503,6 +505,14 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
                                                                           else "")
                  + (f", {o.injected_s - o.planned_s:.1f} s late" if o.injected_s - o.planned_s > 1 else ""))
     return _finish(cfg, cluster, outcomes, skipped, compression, window, t_launch, t0, steps, out_file, progress)
+
+
+def _settled(steps: _StepLog, settle_s: float, now: float) -> bool:
+    """Whether the newest save of any rank is at least ``settle_s`` old (always with ``settle_s`` 0)."""
+    if settle_s <= 0:
+        return True
+    saves = [row[0] for rows in steps.rows for row in rows if row[5]]
+    return bool(saves) and now - max(saves) >= settle_s
 
 
 def _tiers_text(tiers: dict[int, str]) -> str:

@@ -83,7 +83,7 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings", "memory")
+    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings", "memory", "replica_address", "replica_bytes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,8 @@ class NodeHeartbeatRequest(_message.Message):
     FREE_PORT_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_BYTES_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     lease_id: str
@@ -104,27 +106,41 @@ class NodeHeartbeatRequest(_message.Message):
     free_port: int
     timings: _containers.RepeatedCompositeFieldContainer[RankTiming]
     memory: _containers.RepeatedCompositeFieldContainer[MemoryHolding]
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., memory: _Optional[_Iterable[_Union[MemoryHolding, _Mapping]]] = ...) -> None: ...
+    replica_address: str
+    replica_bytes: int
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., memory: _Optional[_Iterable[_Union[MemoryHolding, _Mapping]]] = ..., replica_address: _Optional[str] = ..., replica_bytes: _Optional[int] = ...) -> None: ...
 
 class MemoryHolding(_message.Message):
-    __slots__ = ("step", "world_size", "ranks")
+    __slots__ = ("step", "world_size", "ranks", "replica_ranks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_RANKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    replica_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., replica_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RankRestore(_message.Message):
-    __slots__ = ("rank", "source", "peer_node")
+    __slots__ = ("rank", "source", "peer_node", "peer_address")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PEER_NODE_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     source: RestoreSource
     peer_node: str
-    def __init__(self, rank: _Optional[int] = ..., source: _Optional[_Union[RestoreSource, str]] = ..., peer_node: _Optional[str] = ...) -> None: ...
+    peer_address: str
+    def __init__(self, rank: _Optional[int] = ..., source: _Optional[_Union[RestoreSource, str]] = ..., peer_node: _Optional[str] = ..., peer_address: _Optional[str] = ...) -> None: ...
+
+class ReplicaTarget(_message.Message):
+    __slots__ = ("node_id", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class MemoryRestorePlan(_message.Message):
     __slots__ = ("step", "memory_steps", "ranks")
@@ -165,7 +181,7 @@ class CheckpointRequest(_message.Message):
     def __init__(self, at_step: _Optional[int] = ..., reason: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "checkpoint", "failslow", "stacks", "restore_plan")
+    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "checkpoint", "failslow", "stacks", "restore_plan", "replica_targets")
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +191,7 @@ class NodeHeartbeatResponse(_message.Message):
     FAILSLOW_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_PLAN_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_TARGETS_FIELD_NUMBER: _ClassVar[int]
     command: NodeCommand
     rank_table: _common_pb2.RankTable
     interval_s: float
@@ -184,7 +201,8 @@ class NodeHeartbeatResponse(_message.Message):
     failslow: _common_pb2.FailSlowStatus
     stacks: StackRequest
     restore_plan: MemoryRestorePlan
-    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., stacks: _Optional[_Union[StackRequest, _Mapping]] = ..., restore_plan: _Optional[_Union[MemoryRestorePlan, _Mapping]] = ...) -> None: ...
+    replica_targets: _containers.RepeatedCompositeFieldContainer[ReplicaTarget]
+    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., stacks: _Optional[_Union[StackRequest, _Mapping]] = ..., restore_plan: _Optional[_Union[MemoryRestorePlan, _Mapping]] = ..., replica_targets: _Optional[_Iterable[_Union[ReplicaTarget, _Mapping]]] = ...) -> None: ...
 
 class StackRequest(_message.Message):
     __slots__ = ("request_id", "generation")
