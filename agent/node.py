@@ -328,6 +328,9 @@ class NodeAgent:
                 last_checkpoint_step=self.last_checkpoint_step,
             )
             h.failslow.CopyFrom(self.failslow.status)
+            if self.replicas is not None:
+                h.replica_bytes, h.replica_limit_bytes = self.replicas.store.bytes_held(), self.replicas.store.max_bytes
+                h.replica_buddies.extend(self.replicas.buddies)
             if self._group is not None:
                 now = time.monotonic()
                 for w in self._group.workers:

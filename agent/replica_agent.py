@@ -134,6 +134,12 @@ class ReplicaAgent:
             self.server.stop()
             self.server = None
 
+    @property
+    def buddies(self) -> list[str]:
+        """Node ids this node currently replicates to."""
+        with self._lock:
+            return [n for n, _ in self._targets]
+
     # -- push ------------------------------------------------------------------------------------------------
     def set_targets(self, targets: Sequence[coordinator_pb2.ReplicaTarget]) -> None:
         """The buddies the coordinator named in its latest heartbeat answer."""

@@ -179,3 +179,31 @@ def test_agent_pushes_new_snapshots_and_re_replicates_to_a_new_buddy(roots) -> N
         sender.stop()
         server_b.stop()
         server_c.stop()
+
+
+def test_replica_memory_is_reported_in_metrics_and_status(roots, monkeypatch, tmp_path) -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from trainguard.agent.node import NodeAgent, NodeConfig
+    from trainguard.agent.operator_cli import render
+    from trainguard.agent.run_deploy import RunMetrics
+
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_SHM_DIR", roots[0])
+    agent = NodeAgent(NodeConfig(job="job", coordinator="127.0.0.1:1", argv=["x"], checkpoint_dir=str(tmp_path),
+                                 replica=ReplicaConfig(memory_mib=16), address="127.0.0.1"))
+    server, _ = _server(roots[1])
+    try:
+        data = _snapshot(roots[1], 1, 5)  # another node's copy, pushed into this node's store
+        path, man = _own(roots[1], 1)
+        assert push(agent.replicas.start().address, copy_stream("job", man, path, "b", Throttle(0)), 30).ok
+        text = generate_latest(RunMetrics(agent).registry).decode()
+        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert values["trainguard_run_replica_bytes"] == len(data)
+        assert values["trainguard_run_replica_limit_bytes"] == 16 << 20
+        agent.replicas.set_targets([pb.ReplicaTarget(node_id="b", address=server.address)])
+        shown = render(agent.health_snapshot())
+        assert "memory replicas: 0.2 of 16 MiB held for other nodes; replicating to b" in shown
+    finally:
+        agent.replicas.stop()
+        server.stop()
