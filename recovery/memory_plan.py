@@ -142,11 +142,13 @@ def plan_restore(slots: Sequence[NodeSlot], world_size: int, reports: Mapping[st
         addresses: node id -> its replica server (host:port); a peer without one cannot serve a copy.
 
     Returns:
-        The plan: the newest step every rank can read from memory (own node first, then the lowest-named peer
-        holding it), and the steps each rank can read from its own node's memory. Ranks without a memory copy of
+        The plan: the newest step every rank can read from memory (own node first, then a peer holding it: one
+        of the new table before one outside it, then by name), and the steps each rank can read from its own
+        node's memory. Ranks without a memory copy of
         the plan's step read STORAGE.
     """
     owner = _rank_owner(slots)
+    in_table = {s.node_id for s in slots}
     addresses = addresses or {}
     own = holders(reports, world_size, replicas=False)
     anywhere = holders(reports, world_size)
@@ -161,7 +163,9 @@ def plan_restore(slots: Sequence[NodeSlot], world_size: int, reports: Mapping[st
     for r in range(world_size):
         me = owner.get(r, "")
         mine = own.get(step, {}).get(r, ())
-        peers = [n for n in servable(step, r) if n != me]
+        # Nodes of the new table first (healthy by the coordinator's account), then the rest by name: a node
+        # replaced for a hardware fault may still serve its memory, but its buddy's replica is the safer source.
+        peers = sorted((n for n in servable(step, r) if n != me), key=lambda n: (n not in in_table, n))
         if step >= 0 and me in mine:
             ranks.append(RankRestore(r, RestoreSource.LOCAL_MEMORY))
         elif step >= 0 and peers:

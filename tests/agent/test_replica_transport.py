@@ -207,3 +207,41 @@ def test_replica_memory_is_reported_in_metrics_and_status(roots, monkeypatch, tm
     finally:
         agent.replicas.stop()
         server.stop()
+
+
+def test_fetch_falls_back_when_the_buddy_is_gone_or_its_replica_is_corrupt(roots) -> None:
+    a, b, c = roots
+    tier_c = MemoryTier(c, "job", "/ckpt")
+    fetcher = ReplicaAgent(ReplicaConfig(timeout_s=10), tier_c, "c", "127.0.0.1")
+    server_b, store_b = _server(b)
+    try:
+        _snapshot(a, 0, 30)
+        path, man = _own(a, 0)
+        assert push(server_b.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+
+        def plan(address: str) -> pb.MemoryRestorePlan:
+            return pb.MemoryRestorePlan(step=30, memory_steps=[30], ranks=[
+                pb.RankRestore(rank=0, source=pb.RESTORE_SOURCE_PEER_MEMORY, peer_node="b", peer_address=address),
+                pb.RankRestore(rank=1, source=pb.RESTORE_SOURCE_LOCAL_MEMORY)])
+
+        with open(store_b.newest(0).data, "r+b") as f:  # b's replica of rank 0 rots
+            f.write(b"\x00\x01\x02")
+        assert fetcher.fetch_planned(plan(server_b.address), [0]) == []  # checksum: next source (storage)
+        dead = f"127.0.0.1:{_free_port()}"  # the buddy died with the node it held the copy for
+        assert fetcher.fetch_planned(plan(dead), [0]) == []
+        assert fetcher.stats.fetch_failures == 2 and not memory_manifests(c, "job", "/ckpt")
+        store_b.remove_all()
+        assert push(server_b.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        ticks: list[int] = []
+        assert fetcher.fetch_planned(plan(server_b.address), [0, 1], tick=lambda: ticks.append(1)) == [0]
+        assert sorted(memory_manifests(c, "job", "/ckpt")) == [30]
+    finally:
+        server_b.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

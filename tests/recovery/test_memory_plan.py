@@ -35,6 +35,9 @@ def test_replacement_node_reads_a_peer_or_storage_and_other_world_sizes_do_not_c
     assert plan.step == 20 and plan.memory_steps == (20,)  # 20: once c fetched ranks 2, 3 from a
     assert plan.ranks[2] == RankRestore(2, RestoreSource.PEER_MEMORY, "a", "10.0.0.1:7000")
     assert plan.ranks[0].source is RestoreSource.LOCAL_MEMORY
+    # b was replaced for a hardware fault but still serves its memory: a's replica (a is in the table) goes first.
+    both = plan_restore(slots, 4, {**reports, "b": [MemoryHolding(20, 4, (2, 3))]}, {"a": "a:1", "b": "b:1"})
+    assert both.ranks[2].peer_node == "a"
     no_server = plan_restore(slots, 4, reports, {})  # a serves no replicas: its copies of 2, 3 are unreachable
     assert no_server.step == -1 and {r.source for r in no_server.ranks} == {RestoreSource.STORAGE}
     alone = plan_restore(slots, 4, {"a": [MemoryHolding(20, 4, (0, 1))]})
