@@ -14,24 +14,38 @@ import pytest
 import torch
 
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
-from trainguard.checkpoint.arena import memory_manifests
+from trainguard.checkpoint.arena import Arena, memory_manifests, write_tag
+from trainguard.checkpoint.storage import LocalStore
+from trainguard.checkpoint.tree import capture
+from trainguard.checkpoint.writer import write_rank_step
 from trainguard.checkpoint.config import RESTORE_PLAN_ENV
 from ckpt_helpers import assert_same, flat, small_model, train_step
 
 
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):
-    """Step 3 saved by 2 ranks, each into its own host's arena (kept), and committed on the shared disk."""
+    """Step 3 of 2 ranks committed on the shared disk, and each rank's copy in its own host's arena.
+
+    The copies are written as the disk writer and the persist process leave them (the drill test covers the
+    whole path through a Checkpointer's save); this keeps the module free of persist processes.
+    """
     tmp_path = tmp_path_factory.mktemp("jw")
     roots = [f"/dev/shm/trainguard-test-{uuid.uuid4().hex[:10]}" for _ in range(2)]
     states = []
     for rank, root in enumerate(roots):
-        cfg = CheckpointConfig(directory=str(tmp_path / "ckpt"), memory={"directory": root, "keep_on_close": True})
+        cfg = CheckpointConfig(directory=str(tmp_path / "ckpt"), memory={"directory": root})
         m, opt = small_model(seed=rank)
         train_step(m, opt)
-        with Checkpointer(cfg, rank=rank, world_size=2, job="jw") as ck:
-            ck.save({"model": m, "optim": opt}, 3)
-            assert ck.wait(3)
+        cap = capture({"model": m, "optim": opt})
+        store = LocalStore(cfg.disk_directory, "jw")
+        man = write_rank_step(store, 3, rank, 2, cap.tree, [(c.key, c.tensor) for c in cap.tensors])
+        man.location = cfg.location
+        data = open(store.local_data_path(3, rank), "rb").read(man.data_bytes)
+        slot = Arena(root, "jw", rank, 2).get(0, man.data_bytes)
+        slot.map[:man.data_bytes] = data
+        with open(slot.paths.manifest, "wb") as f:
+            f.write(man.to_json())
+        write_tag(slot.paths, "3")
         states.append(flat(m, opt))
     yield tmp_path, roots, states
     for r in roots:
