@@ -114,10 +114,16 @@ class ReplicaAgent:
         return self.server.address if self.server is not None else ""
 
     def start(self) -> "ReplicaAgent":
-        """Starts the server and the push thread."""
+        """Starts the server and the push thread. A server that cannot listen on the node's address leaves this
+        node out of replication (logged; it reports no replica address, so no node picks it as a buddy)."""
         if self.server is None:
-            self.server = ReplicaServer(self.servicer, self._host)
-            log.info("serving in-memory checkpoint replicas on %s", self.server.address)
+            try:
+                self.server = ReplicaServer(self.servicer, self._host)
+            except (CheckpointError, RuntimeError, OSError) as exc:
+                log.warning("not serving in-memory checkpoint replicas: cannot listen on %s (%s); this node's "
+                            "snapshots are still pushed to its buddies", self._host, exc)
+            else:
+                log.info("serving in-memory checkpoint replicas on %s", self.server.address)
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="replica-push", daemon=True)
             self._thread.start()

@@ -646,7 +646,7 @@ class JobCoordinator:
         """Adds the node's replica targets (its buddies in the current table, see
         :func:`~.memory_plan.buddies`), cached per table and liveness."""
         table = self._table
-        if table is None or self.spec.memory_replicas <= 0 or not self._replica_addr.get(node_id):
+        if table is None or self.spec.memory_replicas <= 0 or table.slot_of(node_id) is None:
             return reply
         cached = self._buddy_cache
         if cached is None or cached[0][0] is not table or cached[0][1] != self._mver:

@@ -245,3 +245,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_an_address_the_node_cannot_listen_on_leaves_it_out_of_replication(roots) -> None:
+    agent = ReplicaAgent(ReplicaConfig(), MemoryTier(roots[0], "job", "/ckpt"), "n", "192.0.2.1")  # TEST-NET-1
+    try:
+        assert agent.start().address == ""  # no buddy ever picks a node without a replica address
+    finally:
+        agent.stop()
