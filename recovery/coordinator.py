@@ -147,6 +147,8 @@ class JobCoordinator:
         self._memory: dict[str, tuple[MemoryHolding, ...]] = {}
         self._plan_cache: tuple[tuple[object, int], RestorePlan | None] | None = None
         self._fresh: set[str] = set()  # nodes whose holdings arrived after the current table was installed
+        self._fresh_slots = 0  # how many of them hold a slot of the current table
+        self._memory_known = False  # some node reported in-memory copies (else no plan and no wait)
         self._replica_addr: dict[str, str] = {}  # node -> its replica server (peer replication)
         self._buddy_cache: tuple[tuple[object, int], dict[str, tuple[tuple[str, str], ...]]] | None = None
         self._formed_at = 0.0
@@ -313,6 +315,7 @@ class JobCoordinator:
         self._running.clear()
         self._succeeded.clear()
         self._fresh.clear()
+        self._fresh_slots = 0
         self._formed_at = self._clock()
         self._mver += 1
         log.info("job %s: generation %d formed: %d nodes, world size %d, master %s:%d", self.spec.job, generation,
@@ -555,7 +558,10 @@ class JobCoordinator:
                                            f"{self.spec.job!r} is at generation {st.generation}: stop those workers")
             self._record_beat(m, req, now)
             self._advance()
-            self._fresh.add(req.node_id)  # recorded in this call, so no older than the current table
+            if req.node_id not in self._fresh:  # recorded in this call, so no older than the current table
+                self._fresh.add(req.node_id)
+                if self._table is not None and self._table.slot_of(req.node_id) is not None:
+                    self._fresh_slots += 1
             return self._failslow_reply(self._with_buddies(self._command(m), req.node_id))
 
     def add_heartbeat_observer(self, observer: Callable[[Beat, float], None]) -> None:
@@ -583,6 +589,7 @@ class JobCoordinator:
         m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
         if self._memory.get(req.node_id, ()) != req.memory:
             self._memory[req.node_id] = req.memory
+            self._memory_known = self._memory_known or bool(req.memory)
             self._plan_cache = None
         if self._replica_addr.get(req.node_id, "") != req.replica_address:
             self._replica_addr[req.node_id] = req.replica_address
@@ -651,7 +658,7 @@ class JobCoordinator:
         cached = self._buddy_cache
         if cached is None or cached[0][0] is not table or cached[0][1] != self._mver:
             addr = self._live_replica_addresses()
-            chosen = buddies(table.slots, self.spec.memory_replicas, addr)
+            chosen = buddies(table.slots, self.spec.memory_replicas, addr) if addr else {}
             cached = ((table, self._mver), {n: tuple((b, addr[b]) for b in bs) for n, bs in chosen.items()})
             self._buddy_cache = cached
         targets = cached[1].get(node_id, ())
@@ -662,9 +669,7 @@ class JobCoordinator:
         (or nobody reports any, or two heartbeat intervals passed). A snapshot can land on a node between its
         last heartbeat and a fault; a plan from older holdings would send some ranks to disk while others read
         memory, so a new generation's STARTs wait at most that long for one fresh report from each node."""
-        if self._table is None or not any(self._memory.values()):
-            return True
-        if all(s.node_id in self._fresh for s in self._table.slots):
+        if self._table is None or not self._memory_known or self._fresh_slots >= len(self._table.slots):
             return True
         return self._clock() - self._formed_at >= 2 * self._interval_s()
 

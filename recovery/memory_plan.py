@@ -24,6 +24,7 @@ Pure: plain types in, plain types out; no clock, no I/O (the coordinator and the
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -180,9 +181,10 @@ def plan_restore(slots: Sequence[NodeSlot], world_size: int, reports: Mapping[st
 def buddies(slots: Sequence[NodeSlot], count: int, addresses: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
     """The nodes each node of a table replicates its ranks' snapshots to.
 
-    Deterministic: walking the table's nodes in group-rank order (a ring), each node takes the next ``count``
-    nodes that serve replicas, those of another pod (failure domain) first and, only when there are too few
-    of those, nodes of its own pod.
+    Deterministic: walking the table's nodes in group-rank order (a ring) from one pod's length ahead, each node
+    takes the first ``count`` nodes that serve replicas, those of another pod (failure domain) first and, only
+    when there are too few of those, nodes of its own pod. With pods of equal size every node holds ``count``
+    replicas.
 
     Args:
         slots: the table's node slots.
@@ -195,9 +197,33 @@ def buddies(slots: Sequence[NodeSlot], count: int, addresses: Mapping[str, str])
     order = sorted(slots, key=lambda s: s.group_rank)
     out: dict[str, tuple[str, ...]] = {}
     n = len(order)
+    serving = [s for s in order if addresses.get(s.node_id)]
+    per_pod: dict[str, int] = {}
+    for s in serving:
+        per_pod[s.pod_id] = per_pod.get(s.pod_id, 0) + 1
+    pod_size: dict[str, int] = {}
+    for s in order:
+        pod_size[s.pod_id] = pod_size.get(s.pod_id, 0) + 1
     for i, me in enumerate(order):
-        ring = [order[(i + k) % n] for k in range(1, n) if addresses.get(order[(i + k) % n].node_id)]
-        other = [s.node_id for s in ring if s.pod_id != me.pod_id]
-        same = [s.node_id for s in ring if s.pod_id == me.pod_id]
-        out[me.node_id] = tuple((other + same)[:max(0, count)])
+        mine_serving = per_pod.get(me.pod_id, 0) - (1 if addresses.get(me.node_id) else 0)
+        want_other = min(max(0, count), len(serving) - per_pod.get(me.pod_id, 0))
+        want_same = min(max(0, count) - want_other, mine_serving)
+        other: list[str] = []
+        same: list[str] = []
+        # Start one pod's length ahead: pods are contiguous in rank order, so with pods of equal size each node
+        # lands on the node at its own offset in the next pod and every node holds one replica (starting at the
+        # next node would pile a whole pod's replicas onto the next pod's first node). Walk only as far as needed.
+        start = pod_size[me.pod_id] if pod_size[me.pod_id] < n else 1
+        for k in itertools.chain(range(start, n), range(1, start)):
+            if len(other) >= want_other and len(same) >= want_same:
+                break
+            s = order[(i + k) % n]
+            if not addresses.get(s.node_id):
+                continue
+            if s.pod_id != me.pod_id:
+                if len(other) < want_other:
+                    other.append(s.node_id)
+            elif len(same) < want_same:
+                same.append(s.node_id)
+        out[me.node_id] = tuple(other + same)
     return out

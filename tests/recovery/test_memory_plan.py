@@ -48,7 +48,7 @@ def test_buddies_are_deterministic_and_prefer_another_pod() -> None:
     slots = (NodeSlot("a", 0, 0, 1, "", "p0"), NodeSlot("b", 1, 1, 1, "", "p0"),
              NodeSlot("c", 2, 2, 1, "", "p1"), NodeSlot("d", 3, 3, 1, "", "p1"))
     addr = {n: f"{n}:1" for n in "abcd"}
-    assert buddies(slots, 1, addr) == {"a": ("c",), "b": ("c",), "c": ("a",), "d": ("a",)}
+    assert buddies(slots, 1, addr) == {"a": ("c",), "b": ("d",), "c": ("a",), "d": ("b",)}  # one replica each
     assert buddies(tuple(reversed(slots)), 1, addr) == buddies(slots, 1, addr)  # order of the table rows
     assert buddies(slots, 2, addr)["a"] == ("c", "d")
     assert buddies(slots, 3, addr)["a"] == ("c", "d", "b")  # its own pod only when the others run out
