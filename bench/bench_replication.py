@@ -100,7 +100,6 @@ def main() -> None:
     import torch
 
     from trainguard.agent.replica_transport import Throttle, copy_stream, fetch, push
-    from trainguard.checkpoint.manifest import verify_checksums
     from trainguard.checkpoint.reader import RankCopy
     from trainguard.checkpoint.replica_store import arena_writer
     from trainguard.checkpoint.storage import LocalStore

@@ -21,10 +21,10 @@ needs_stepfun = pytest.mark.skipif(not (trace_dir() / "fault_trace.json").is_fil
 @pytest.mark.timeout(600)
 def test_process_crash_and_node_loss_restore_every_rank_from_memory(tmp_path) -> None:
     netns = netns_unavailable_reason() is None
-    # Faults strike once the newest snapshot is 0.3 s old (it replicates in milliseconds): this test is about the
-    # buddy's copy; a node lost before its newest snapshot replicated restores that step from disk.
+    # Faults strike once every rank's newest snapshot is a replica in another node's memory: this test is about
+    # the buddy's copy (a node lost before its newest snapshot replicated restores that step from disk).
     cfg = SoakConfig(wall_s=6.0, step_delay_s=0.05, save_every=10, trace_faults=0, extra=("kill", "agentkill"),
-                     nodes=2, spares=1, netns=netns, workdir=str(tmp_path / "soak"), settle_after_save_s=0.3)
+                     nodes=2, spares=1, netns=netns, workdir=str(tmp_path / "soak"), strike_after_replication=True)
     lines: list[str] = []
     rep = run_soak(cfg, progress=lines.append)
     text = "\n".join(lines)

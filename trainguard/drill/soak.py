@@ -127,8 +127,10 @@ class SoakConfig:
         memory_tier: the nodes' ``trainguard run --memory-tier`` (cluster drills): ``job`` restores from every
             node's memory and buddies' replicas; ``host`` is the behaviour before (disk after any multi-node
             fault). Default ``job``.
-        settle_after_save_s: inject a restarting fault only once the newest save is at least this old, seconds
-            (cluster drills; pins a test to "the snapshot had time to replicate"). Default 0 (any time).
+        strike_after_replication: inject a restarting fault only once every rank's newest snapshot lies in
+            another node's memory as a verified replica (cluster drills with the job memory tier; pins a test to
+            "the snapshot had replicated": on a loaded machine the niced persist process alone can take longer
+            than a save interval to publish a snapshot). Default False (any time).
     """
 
     wall_s: float = 180.0
@@ -154,7 +156,7 @@ class SoakConfig:
     drain_grace_s: float = 2.0
     precursor_lead_s: float = 10.0
     memory_tier: str = "job"
-    settle_after_save_s: float = 0.0
+    strike_after_replication: bool = False
 
     def validate(self) -> None:
         """Checks ranges.
@@ -182,7 +184,8 @@ class SoakConfig:
                 (self.drain_grace_s < 0, f"--drain-grace {self.drain_grace_s:g}: must be >= 0 seconds"),
                 (self.precursor_lead_s <= 0, f"--precursor-lead {self.precursor_lead_s:g}: must be > 0 seconds"),
                 (self.memory_tier not in ("job", "host"), f"--memory-tier {self.memory_tier}: use job or host"),
-                (self.settle_after_save_s < 0, f"settle_after_save_s {self.settle_after_save_s:g}: must be >= 0"),
+                (self.strike_after_replication and self.memory_tier != "job",
+                 "strike_after_replication needs the job memory tier (replicas)"),
             ) if wrong]
             if bad:
                 raise SoakError("; ".join(bad))

@@ -485,7 +485,8 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
             coord = {"outcome": o, "killed": now, "restarted": None, "gen": gen, "step": steps.max_step()}
         else:
             v = _victim(cluster, steps, rng, nproc)
-            if v is not None and p.kind in RESTART_KINDS and not _settled(steps, cfg.settle_after_save_s, now):
+            if v is not None and p.kind in RESTART_KINDS and cfg.strike_after_replication \
+                    and not _replicated(cluster, steps, nproc):
                 v = None
             if v is None or (p.kind == "linkdown" and cluster.fabric is None):
                 todo.insert(0, p)
@@ -507,12 +508,25 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
     return _finish(cfg, cluster, outcomes, skipped, compression, window, t_launch, t0, steps, out_file, progress)
 
 
-def _settled(steps: _StepLog, settle_s: float, now: float) -> bool:
-    """Whether the newest save of any rank is at least ``settle_s`` old (always with ``settle_s`` 0)."""
-    if settle_s <= 0:
-        return True
-    saves = [row[0] for rows in steps.rows for row in rows if row[5]]
-    return bool(saves) and now - max(saves) >= settle_s
+def _replicated(cluster: _Cluster, steps: _StepLog, nproc: int) -> bool:
+    """Whether every rank's newest snapshot is a published replica in some other live node's memory (the files
+    :mod:`trainguard.checkpoint.replica_store` publishes under each node's arena root)."""
+    newest = []
+    for r in range(nproc):
+        saved = [row[2] for row in steps.rows[r] if row[5]]
+        if not saved:
+            return False
+        newest.append(max(saved))
+    step = min(newest)  # a step every rank saved
+    gen = steps.generation()
+    for r in range(nproc):
+        rows = [row for row in steps.rows[r] if row[1] == gen]
+        owner = cluster.node_of_pid(rows[-1][3]) if rows else None
+        if not any(n is not owner and (Path(f"{cluster.env['TRAINGUARD_CHECKPOINT_SHM_DIR']}-{n.name}") / "soak"
+                                      / "replicas" / f"rank_{r:05d}" / f"step_{step:012d}.manifest.json").exists()
+                   for n in cluster.live()):
+            return False
+    return True
 
 
 def _tiers_text(tiers: dict[int, str]) -> str:
