@@ -177,7 +177,7 @@ class AgentDaemon:
             metrics = self.metrics
             self.node.bus.add_callback(lambda e: metrics.count_event(e.source, e.kind, e.severity.name))
             self.node.predictor_threshold = config.predictor.threshold
-            self.metrics.set_predictor(self.node.predictor_score, config.predictor.threshold)
+            self.metrics.set_predictor(self.node.predictor_score, self.node.predictor_threshold)
             if config.metrics.listen:
                 self._metrics_server = MetricsServer(self.metrics, config.metrics.listen)
                 log.info("metrics on %s", self._metrics_server.url)

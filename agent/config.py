@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import socket
 import sys
@@ -205,13 +206,15 @@ class PredictorSection:
     Attributes:
         enabled: score risk from the metric stream. Default true.
         model: path of a trained model file; ``""`` uses the built-in default model. Default ``""``.
-        threshold: risk score in [0, 1] above which the agent advises "checkpoint now". Reloaded on SIGHUP.
-            Default 0.5.
+        threshold: risk score in [0, 1] at which the predictor alarms (workers advised to checkpoint now, then
+            the node drained); it drives alarms, ``GetHealth`` and ``trainguard_predictor_threshold``. Unset (or
+            ``nan``): the model's own threshold, calibrated per node to its false-alarm budget. Reloaded on
+            SIGHUP. Default unset.
     """
 
     enabled: bool = True
     model: str = ""
-    threshold: float = 0.5
+    threshold: float = math.nan
 
 
 @dataclass
@@ -435,8 +438,8 @@ class AgentConfig:
         self._validate_detectors(fail)
 
         p = self.predictor
-        if not 0.0 <= p.threshold <= 1.0:
-            fail("predictor.threshold", f"{p.threshold} is outside [0, 1]")
+        if not math.isnan(p.threshold) and not 0.0 <= p.threshold <= 1.0:
+            fail("predictor.threshold", f"{p.threshold} is outside [0, 1] (leave it unset for the model's own)")
         if p.enabled and p.model:
             _check_readable(p.model, "predictor.model", fail)
 

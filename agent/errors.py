@@ -19,3 +19,7 @@ class CoordinatorUnavailableError(AgentError):
 
 class JobFailedError(AgentError):
     """The coordinator declared the job failed (restart budget exhausted or impossible membership)."""
+
+
+class IllegalTransitionError(AgentError):
+    """A part of the node agent was asked for a lifecycle transition its table does not allow (a bug)."""

@@ -1,9 +1,8 @@
 """What a node agent records about worker failures (:class:`FaultRecord`, the timeline ``trainguard run``
-prints) and the faults drills inject (:class:`FaultPlan`)."""
+prints). The faults drills inject live with the drills (:mod:`trainguard.drill.inject`)."""
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 
 
@@ -44,13 +43,3 @@ class FaultRecord:
             return None
         return self.resumed_at - (self.injected_at or self.detected_at)
 
-
-@dataclass
-class FaultPlan:
-    """Kill ``rank`` with ``sig`` once it reports ``step`` in generation ``generation`` (drills and the demo)."""
-
-    rank: int
-    step: int
-    sig: int = signal.SIGKILL
-    generation: int = 1
-    done_at: float | None = None

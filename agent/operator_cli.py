@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from trainguard.agent.config import SOCKET_ENV
 from trainguard.agent.errors import AgentError
 from trainguard.agent.tls import TlsFiles, channel_credentials
+from trainguard.cli_support import watch_reader_gone
 from trainguard.proto import agent_pb2, agent_pb2_grpc, common_pb2
 
 #: Socket used when neither ``--socket``, ``--target`` nor ``$TRAINGUARD_AGENT_SOCKET_PATH`` says otherwise.
@@ -319,9 +321,10 @@ def handle_status(args: argparse.Namespace, out: IO[str] | None = None) -> int:
 
 
 def follow_events(stub: agent_pb2_grpc.NodeAgentStub, replay: int, min_severity: int,
-                  renew_s: float = STREAM_RENEW_S, err: IO[str] | None = None) -> Iterator[common_pb2.HealthEvent]:
-    """Yields events forever: renews the stream every ``renew_s`` seconds, reconnects after errors, and drops
-    events already yielded (by ``event_id``).
+                  renew_s: float = STREAM_RENEW_S, err: IO[str] | None = None,
+                  stop: threading.Event | None = None, calls: list | None = None) -> Iterator[common_pb2.HealthEvent]:
+    """Yields events until ``stop`` is set (forever without one): renews the stream every ``renew_s`` seconds,
+    reconnects after errors, and drops events already yielded (by ``event_id``).
 
     Args:
         stub: NodeAgent stub.
@@ -329,13 +332,22 @@ def follow_events(stub: agent_pb2_grpc.NodeAgentStub, replay: int, min_severity:
         min_severity: ``trainguard.v1.Severity`` value.
         renew_s: deadline of each stream call, in seconds.
         err: where reconnection notes go (default stderr).
+        stop: when set, the stream ends; whoever sets it also cancels the call in ``calls`` so a blocked read
+            returns at once.
+        calls: if given, holds the live call as its only element (for that cancel).
     """
     err = err or sys.stderr
+    stop = stop or threading.Event()
     seen: OrderedDict[str, None] = OrderedDict()
     backoff = 0.2
-    while True:
+    while not stop.is_set():
         call = stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=replay, min_severity=min_severity),
                                 timeout=renew_s)
+        if calls is not None:
+            calls[:] = [call]
+        if stop.is_set():  # set between the check above and the call being published
+            call.cancel()
+            return
         try:
             for event in call:
                 backoff = 0.2
@@ -346,6 +358,8 @@ def follow_events(stub: agent_pb2_grpc.NodeAgentStub, replay: int, min_severity:
                     seen.popitem(last=False)
                 yield event
         except grpc.RpcError as exc:
+            if stop.is_set():
+                return
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 continue  # renewal
             if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
@@ -377,8 +391,21 @@ def handle_events(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             return 0
         # Fail fast with one line when nothing answers, before streaming forever.
         fetch(stub, address, 0, args.timeout)
-        for e in follow_events(stub, args.replay, min_sev):
+        stop, calls = threading.Event(), []
+
+        def reader_gone() -> None:
+            stop.set()
+            for call in list(calls):
+                call.cancel()
+
+        try:
+            watch_reader_gone(out.fileno(), reader_gone)
+        except (AttributeError, OSError, ValueError):
+            pass  # not a real file (tests hand in a StringIO): nothing to watch
+        for e in follow_events(stub, args.replay, min_sev, stop=stop, calls=calls):
             print(format_event(e, args.json), file=out, flush=True)
+        if stop.is_set():
+            raise BrokenPipeError("the reader of stdout went away")  # ends with the usual 141, no traceback
         return 0
     except KeyboardInterrupt:
         return 0

@@ -34,7 +34,7 @@ import math
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from trainguard.detectors.events import HealthEvent
@@ -360,6 +360,19 @@ class CatalogFeed:
         return out
 
 
+def with_threshold(score: Score, threshold: float | None) -> Score:
+    """``score`` judged against a configured alarm threshold instead of the model's own (per-node calibrated)
+    one: ``alarm`` becomes ``score >= threshold``, a rule hit stays an alarm.
+
+    Args:
+        score: the runtime's score.
+        threshold: the operator's threshold in [0, 1]; None or NaN leaves ``score`` as it is.
+    """
+    if threshold is None or math.isnan(threshold):
+        return score
+    return replace(score, threshold=threshold, alarm=score.source == "rules" or score.score >= threshold)
+
+
 class PredictorMonitor:
     """The predictor embedded in the node agent: call :meth:`tick` once per interval from the agent loop.
 
@@ -390,6 +403,7 @@ class PredictorMonitor:
         on_alarm: Callable[[Score], None] | None = None,
         on_score: Callable[[Score], None] | None = None,
         realarm_s: float = 300.0,
+        threshold: float | None = None,
     ) -> None:
         """Creates a monitor.
 
@@ -400,6 +414,8 @@ class PredictorMonitor:
             on_alarm: called with the score when an alarm starts and every ``realarm_s`` while it lasts.
             on_score: called with every score.
             realarm_s: seconds between two ``on_alarm`` calls of one lasting alarm (default 300).
+            threshold: alarm when the score reaches this (in [0, 1]) instead of the model's own threshold
+                (see :func:`with_threshold`); None (default) keeps the model's. Settable later.
 
         Raises:
             ValueError: ``realarm_s`` is not positive or ``node_id`` is empty.
@@ -414,6 +430,7 @@ class PredictorMonitor:
         self.on_alarm = on_alarm
         self.on_score = on_score
         self.realarm_s = float(realarm_s)
+        self.threshold = threshold
         self.feed = CatalogFeed()
         self.problems: dict[str, int] = {}
         self.last_score: Score | None = None
@@ -483,6 +500,7 @@ class PredictorMonitor:
             score = self._score(ts, detector_metrics, step_time_s)
             if score is None:
                 return None
+            score = with_threshold(score, self.threshold)
             fire = score.alarm and (not self._alarm_up or ts - self._last_alarm_ts >= self.realarm_s)
             self._alarm_up = score.alarm
             if fire:

@@ -63,6 +63,10 @@ def run_job(args: argparse.Namespace) -> RunResult:
     from trainguard.agent import run_torchrun as tr
     from trainguard.agent.run_deploy import apply_slurm, run_security, start_run_extras
 
+    # The store's torch import runs in a background thread (worker_store.preload); a job that ends before it
+    # finishes would otherwise let torch's atexit hooks (FakeTensor cache stats) log at INFO through our root
+    # logger before torch configured its own loggers. torch resets this from TORCH_LOGS once imported.
+    logging.getLogger("torch").setLevel(logging.WARNING)
     apply_slurm(args)  # SLURM_* fill the flags left at their defaults (no-op outside Slurm)
     server_security, client_security = run_security(args)
     nproc = tr.resolve_nproc(args.nproc_per_node)
@@ -182,7 +186,12 @@ def run_job(args: argparse.Namespace) -> RunResult:
     from trainguard.agent.sdnotify import SystemdNotifier
 
     # Under systemd (a job unit of Type=notify) the launcher speaks sd_notify; workers never inherit the socket.
-    agent = NodeAgent(config, faults=faults, notifier=SystemdNotifier.from_env(unset=True))
+    hooks = []
+    if faults:  # --fault: the drill's injector strikes the workers (the agent itself injects nothing)
+        from trainguard.drill.inject import StepFaultInjector
+
+        hooks.append(StepFaultInjector(faults))
+    agent = NodeAgent(config, hooks=hooks, notifier=SystemdNotifier.from_env(unset=True))
     from trainguard.agent.local_server import serve
 
     grpc_server, _ = serve(agent, config.socket_path)

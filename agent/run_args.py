@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from trainguard.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainguard.agent.fault_records import FaultPlan
+    from trainguard.drill.inject import FaultPlan
 
 
 def parse_fault(text: str) -> "FaultPlan":
@@ -38,7 +38,7 @@ def parse_fault(text: str) -> "FaultPlan":
             raise UsageError(f"--fault {text!r}: unknown signal {parts[2]!r}") from None
     if rank < 0 or step < 0 or generation < 1:
         raise UsageError(f"--fault {text!r}: rank and step must be >= 0, generation >= 1")
-    from trainguard.agent.fault_records import FaultPlan
+    from trainguard.drill.inject import FaultPlan
 
     return FaultPlan(rank=rank, step=step, sig=sig, generation=generation)
 

@@ -4,11 +4,14 @@ A :class:`WorkerGroup` owns the processes of one generation on one node. Each wo
 session (so the whole tree it forks can be signalled at once) and gets ``PR_SET_PDEATHSIG`` so it dies with the
 agent even when the agent is SIGKILLed: a launcher must never leave orphans holding accelerators.
 
-Worker lifecycle (one per rank)::
+Worker lifecycle (one per rank; the group as a whole is the supervisor's, see :mod:`trainguard.agent.parts`)::
 
-    STARTING --spawned--> RUNNING --exit 0--> SUCCEEDED
-                             |----exit != 0 / signal--> FAILED
-                             '----stop()--------------> STOPPED
+    spawned                first report through the hook,
+    -------> STARTING ---- or alive for the supervisor's running_after_s ----> RUNNING --exit 0--> SUCCEEDED
+                |                                                              |  |----exit != 0 / signal--> FAILED
+                '--exit / stop() (as from RUNNING)                             |  '----stop()--------------> STOPPED
+                                                                               '--process detector: hang--> HUNG
+    HUNG --stop()--> STOPPED
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class Worker:
     spec: WorkerSpec
     proc: subprocess.Popen
     started_at: float
-    state: WorkerState = WorkerState.RUNNING
+    state: WorkerState = WorkerState.STARTING  # RUNNING once it reports through the hook, or has lived a while
     exit_code: int | None = None
     ended_at: float | None = None
     last_step: int = -1

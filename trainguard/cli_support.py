@@ -6,7 +6,9 @@
   daemon (:mod:`trainguard.agent.logging_setup`). The daemon ``trainguard agent`` gets the flag through its
   own override variable, so it wins over the ``[log]`` table of its config file.
 - ``trainguard events | head`` must end quietly: a :class:`BrokenPipeError` on stdout ends the command with exit
-  code 141 (128 + SIGPIPE, what a shell reports for a killed writer) and no traceback.
+  code 141 (128 + SIGPIPE, what a shell reports for a killed writer) and no traceback. A command that waits
+  (``events --follow | head -1``) learns of the closed pipe at once through :func:`watch_reader_gone`, not at
+  its next write, which may be hours away.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
+import stat
 import sys
+import threading
 from collections.abc import Callable
 
 #: Default of ``--log-format`` when the flag is not given.
@@ -91,3 +96,44 @@ def run_quietly_on_closed_pipe(fn: Callable[[], int]) -> int:
         except (OSError, ValueError):
             pass
         return EXIT_BROKEN_PIPE
+
+
+def watch_reader_gone(fd: int, on_gone: Callable[[], None]) -> threading.Thread | None:
+    """Calls ``on_gone`` (from a daemon thread) as soon as nobody reads ``fd`` any more.
+
+    A writer to a pipe otherwise learns that its reader exited only when it next writes; a command that streams
+    rare events would sit there until the next event. Linux reports ``POLLERR`` on a pipe's write end once the
+    last reader has closed it (``POLLHUP`` on a socket), so one blocking ``poll`` is enough.
+
+    Args:
+        fd: the file descriptor written to (normally ``sys.stdout.fileno()``).
+        on_gone: called once when the reader is gone.
+
+    Returns:
+        The watcher thread, or ``None`` when ``fd`` is not a pipe or socket (a terminal or file has no reader
+        to lose).
+    """
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return None
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        return None
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLERR | select.POLLHUP)
+        while True:
+            try:
+                ready = poller.poll()
+            except InterruptedError:
+                continue
+            except OSError:
+                return
+            if any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in ready):
+                on_gone()
+                return
+
+    thread = threading.Thread(target=watch, name="reader-gone", daemon=True)
+    thread.start()
+    return thread

@@ -259,6 +259,13 @@ def test_status_and_events_cli(agents, tmp_path):
         follow.kill()
         follow.wait(10)
     assert sum("agent.started" in line for line in lines) == 1
+    # `--follow | head -1`: head exits after the replayed event; the follower must notice the closed pipe at
+    # once (no new event will come to write into it) and end with the pipe's 141, no traceback.
+    piped = subprocess.run(
+        ["bash", "-c", 'set -o pipefail; "$0" -m trainguard.cli events --follow --socket "$1" | head -1',
+         sys.executable, str(agent.socket_path)], capture_output=True, text=True, timeout=60)
+    assert piped.returncode == 141, (piped.returncode, piped.stderr)
+    assert len(piped.stdout.splitlines()) == 1 and "Traceback" not in piped.stderr, piped.stdout
     # --watch refreshes until interrupted.
     watch = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "status", "--watch", "0.2", *sock],
                              stdout=subprocess.PIPE, text=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from trainguard.agent.node import NodeAgent, NodeConfig
+from trainguard.agent.parts import HealthState
 from trainguard.detectors.events import Action
 
 
@@ -18,10 +19,10 @@ def test_rules_alarm_advises_checkpoint_then_schedules_drain() -> None:
     ev = sub.get(timeout=1.0)
     assert ev is not None and ev.kind == "predictor.alarm" and ev.action == Action.DRAIN_NODE
     assert "rule.nic-down" in ev.evidence and agent.predictor_score == 1.0
-    assert agent._drain_due is not None
+    assert agent.health.drain_pending and agent.health.state == HealthState.ALARMED
     time.sleep(0.25)
-    agent._drain_if_due()  # standalone (no coordinator): the request is dropped, the schedule cleared
-    assert agent._drain_due is None
+    agent.drain_if_due()  # standalone (no coordinator): the request is dropped, the schedule cleared
+    assert not agent.health.drain_pending and agent.health.state == HealthState.WATCHING
 
 
 def test_history_records_samples(tmp_path) -> None:

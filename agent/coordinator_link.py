@@ -1,0 +1,317 @@
+"""The coordinator link: one node's membership in one job's coordinator (register, heartbeat, report).
+
+It registers the node (retrying while the coordinator is unreachable, up to a patience), renews the lease with
+heartbeats whose worker part comes from a :class:`~trainguard.agent.parts.HeartbeatContent` (the supervisor, or
+:class:`~trainguard.agent.parts.NoWorkers` for a member that only reports health), registers again when the
+coordinator forgot the node, and reports events, each node-level fault once per generation
+(:class:`~trainguard.agent.node_faults.NodeReportLedger`). It runs no workers and interprets no command beyond
+its own state; the composition acts on the commands. States: :data:`~trainguard.agent.parts.LINK_TRANSITIONS`
+(diagram in :mod:`trainguard.agent.parts`).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from trainguard.agent.errors import CoordinatorUnavailableError
+from trainguard.agent.lifecycle import Lifecycle
+from trainguard.agent.node_faults import NodeReportLedger
+from trainguard.agent.parts import LINK_TRANSITIONS, HeartbeatContent, LinkState, LinkTrigger
+from trainguard.detectors.events import HealthEvent
+from trainguard.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: Deadline of every call to the coordinator, seconds.
+RPC_TIMEOUT_S = 5.0
+
+_T = LinkTrigger
+
+
+def find_free_port(address: str) -> int:
+    """A TCP port free on ``address`` right now (bind to port 0, read it, close)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LinkConfig:
+    """Who this node is to the coordinator, and how to reach it.
+
+    Attributes:
+        job: job name, as known to the coordinator.
+        coordinator: ``host:port`` of the coordinator; "" for a standalone node (nothing is dialled, reports
+            go nowhere).
+        node_id: stable identity of the node.
+        pod_id: pod / supernode label.
+        node_index: index of the node in its pod.
+        host: host name used for ordering.
+        address: address other nodes reach this node at (also where free ports are looked for).
+        device_count: local worker slots (0 for a health-only member).
+        spare: join as a spare (no ranks until needed).
+        patience_s: how long the coordinator may be unreachable at registration, seconds; also how long it
+            may stay unreachable while this node runs no workers.
+        channel: opens the channel to ``coordinator`` (TLS and token); None dials plaintext.
+    """
+
+    job: str
+    coordinator: str
+    node_id: str
+    pod_id: str = ""
+    node_index: int = 0
+    host: str = field(default_factory=socket.gethostname)
+    address: str = "127.0.0.1"
+    device_count: int = 0
+    spare: bool = False
+    patience_s: float = 60.0
+    channel: Callable[[str], grpc.Channel] | None = None
+
+
+class GrpcCoordinatorLink:
+    """The coordinator link over gRPC (implements :class:`~trainguard.agent.parts.CoordinatorLink`).
+
+    Args:
+        config: identity and address.
+        on_generation_lost: called when the coordinator does not know the node's generation any more (its
+            workers must stop before the node registers again); None for a member without workers.
+    """
+
+    def __init__(self, config: LinkConfig, on_generation_lost: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.reports = NodeReportLedger()
+        #: Default seconds between heartbeats until the coordinator says otherwise.
+        self.interval_s = 0.5
+        self._on_generation_lost = on_generation_lost
+        self._life: Lifecycle[LinkState, LinkTrigger] = Lifecycle("coordinator link", LINK_TRANSITIONS,
+                                                                  LinkState.UNREGISTERED)
+        self._channel: grpc.Channel | None = None
+        self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
+        self._lease = ""
+        self._generation = -1
+        self._unreachable_since: float | None = None  # first failed heartbeat of the current outage
+        self._last_heartbeat = 0.0
+        self._in_keepalive = False
+        # Tells a restarted agent of this node apart from a second agent claiming the same node id.
+        self._instance = uuid.uuid4().hex
+
+    # -- state ---------------------------------------------------------------------------------------------
+    @property
+    def state(self) -> LinkState:
+        """The current lifecycle state."""
+        return self._life.state
+
+    @property
+    def generation(self) -> int:
+        """The generation this node runs for the coordinator (RUNNING), or the last one; -1 before."""
+        return self._generation
+
+    @property
+    def connected(self) -> bool:
+        """Whether a coordinator is dialled."""
+        return self._stub is not None
+
+    @property
+    def lease(self) -> str:
+        """The lease of the current registration ("" before)."""
+        return self._lease
+
+    # -- membership ----------------------------------------------------------------------------------------
+    def open(self) -> None:
+        """Dials the coordinator and registers (UNREGISTERED -> WAITING).
+
+        Raises:
+            CoordinatorUnavailableError: it refused, or stayed unreachable for ``patience_s``.
+        """
+        dial = self.config.channel or grpc.insecure_channel
+        self._channel = dial(self.config.coordinator)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._register()
+
+    def _node_info(self) -> common_pb2.NodeInfo:
+        c = self.config
+        return common_pb2.NodeInfo(
+            node_id=c.node_id,
+            topology=common_pb2.Topology(pod_id=c.pod_id, node_index=c.node_index, host=c.host,
+                                         device_count=c.device_count),
+            address=c.address,
+            spare=c.spare,
+        )
+
+    def _register(self) -> None:
+        assert self._stub is not None, "open() first"
+        patience_s = self.config.patience_s
+        deadline = time.monotonic() + patience_s
+        delay = 0.1
+        while True:
+            try:
+                resp = self._stub.RegisterNode(
+                    coordinator_pb2.RegisterNodeRequest(job=self.config.job, node=self._node_info(),
+                                                        free_port=find_free_port(self.config.address),
+                                                        agent_instance=self._instance),
+                    timeout=RPC_TIMEOUT_S,
+                )
+                self._lease = resp.lease_id
+                self._life.fire(_T.REGISTERED)
+                log.info("registered node %s with coordinator %s", self.config.node_id, self.config.coordinator)
+                return
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise CoordinatorUnavailableError(
+                        f"coordinator {self.config.coordinator} refused registration: {code.name}: {exc.details()}"
+                    ) from exc
+                if time.monotonic() > deadline:
+                    raise CoordinatorUnavailableError(
+                        f"coordinator {self.config.coordinator} unreachable for {patience_s:.0f}s; "
+                        "check the address and that it runs"
+                    ) from exc
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+
+    def heartbeat(self, content: HeartbeatContent) -> coordinator_pb2.NodeHeartbeatResponse | None:
+        """Sends one heartbeat.
+
+        Returns:
+            The reply, or None when the coordinator was unreachable (the outage is timed, see
+            :meth:`check_patience`) or forgot this node (the node registered again, in WAITING).
+
+        Raises:
+            CoordinatorUnavailableError: registering again failed.
+        """
+        assert self._stub is not None, "open() first"
+        self._last_heartbeat = time.monotonic()
+        fields = dict(content.heartbeat_fields())
+        req = coordinator_pb2.NodeHeartbeatRequest(
+            job=self.config.job, node_id=self.config.node_id, lease_id=self._lease,
+            free_port=find_free_port(self.config.address), **fields)
+        try:
+            resp = self._stub.Heartbeat(req, timeout=RPC_TIMEOUT_S)
+            self._unreachable_since = None
+            return resp
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if self._unreachable_since is None:
+                    self._unreachable_since = time.monotonic()
+            else:
+                self._unreachable_since = None
+            if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                log.warning("coordinator forgot this node (%s); registering again", exc.details())
+                self._life.fire_if(_T.FORGOTTEN)
+                self._register()
+            elif code == grpc.StatusCode.OUT_OF_RANGE:
+                log.warning("coordinator does not know our generation (%s); stopping workers and registering "
+                            "again", exc.details())
+                if self._on_generation_lost is not None:
+                    self._on_generation_lost()
+                self._life.fire_if(_T.FORGOTTEN)
+                self._register()
+            else:
+                log.warning("coordinator heartbeat failed: %s; workers keep running", code.name)
+            return None
+
+    def keepalive(self, content: HeartbeatContent) -> None:
+        """Renews the lease while the owner's loop is busy (stopping hung workers); commands in the reply are
+        left to the loop's next heartbeat, which gets them again."""
+        if self._stub is not None and not self._in_keepalive \
+                and time.monotonic() - self._last_heartbeat >= self.interval_s:
+            self._in_keepalive = True
+            try:
+                self.heartbeat(content)
+            finally:
+                self._in_keepalive = False
+
+    def follow(self, resp: coordinator_pb2.NodeHeartbeatResponse, node_id: str | None = None) -> None:
+        """Moves the link after the command in a heartbeat reply.
+
+        START/RESTART of a table that gives ``node_id`` ranks: RUNNING(generation); STOP: STOPPING, then DONE
+        when the job is over, else back to WAITING (the job goes on without this node's workers).
+        """
+        node_id = node_id or self.config.node_id
+        cmd = resp.command
+        if cmd in (coordinator_pb2.NODE_COMMAND_START, coordinator_pb2.NODE_COMMAND_RESTART):
+            if any(n.node_id == node_id for n in resp.rank_table.nodes):
+                self._life.fire_if(_T.GENERATION)
+                self._generation = resp.rank_table.generation
+        elif cmd == coordinator_pb2.NODE_COMMAND_STOP:
+            self._life.fire_if(_T.STOP)
+            if resp.job_state in (coordinator_pb2.JOB_STATE_SUCCEEDED, coordinator_pb2.JOB_STATE_FAILED):
+                self._life.fire_if(_T.JOB_ENDED)
+            else:
+                self._life.fire_if(_T.IDLE)  # the job goes on without this node's workers for now
+
+    def check_patience(self, workers_running: int, now: float | None = None) -> None:
+        """Ends a member that runs no workers and has not reached its coordinator for ``patience_s``: with
+        nothing to keep alive it would otherwise heartbeat into a coordinator that is gone, forever. Running
+        workers are never stopped for an outage (a restarted coordinator picks the job up again).
+
+        Raises:
+            CoordinatorUnavailableError: the bound passed.
+        """
+        now = time.monotonic() if now is None else now
+        since = self._unreachable_since
+        if since is None or now - since < self.config.patience_s or workers_running:
+            return
+        raise CoordinatorUnavailableError(
+            f"coordinator {self.config.coordinator} unreachable for {now - since:.0f}s with no workers running "
+            f"on this node (the bound is {self.config.patience_s:.0f}s, --rdzv-conf join_timeout); "
+            "check that it runs, then start this node again")
+
+    # -- reports -------------------------------------------------------------------------------------------
+    def report(self, event: HealthEvent, level: int, generation: int, rank: int = -1, code: int = 0) -> None:
+        """Reports ``event`` about ``generation`` with a proposed recovery level (nothing without a
+        coordinator; an unreachable one learns from heartbeats)."""
+        if self._stub is None:
+            return  # standalone: no coordinator to tell
+        req = coordinator_pb2.ReportEventRequest(
+            job=self.config.job, node_id=self.config.node_id, lease_id=self._lease, generation=generation,
+            event=event.to_proto(), proposed_level=level, failed_rank=rank, exit_code=code,
+        )
+        try:
+            resp = self._stub.ReportEvent(req, timeout=RPC_TIMEOUT_S)
+            log.info("coordinator: %s", resp.message)
+        except grpc.RpcError as exc:
+            log.warning("could not report the failure to the coordinator (%s); it will learn from heartbeats",
+                        exc.code().name)
+
+    def report_node(self, event: HealthEvent, generation: int, rank: int = -1, code: int = 0) -> None:
+        """Reports a node- (or job-) level fault of ``generation`` and notes it, so it goes out once."""
+        self.report(event, self.reports.record(event, generation), generation, rank, code)
+
+    def ask_checkpoint(self, event: HealthEvent, generation: int) -> bool:
+        """Asks the coordinator for a job-wide checkpoint (``event`` says why).
+
+        Returns:
+            True when the coordinator took the request; False without a coordinator or when the call failed.
+        """
+        if self._stub is None:
+            return False
+        req = coordinator_pb2.ReportEventRequest(
+            job=self.config.job, node_id=self.config.node_id, lease_id=self._lease, generation=generation,
+            event=event.to_proto(), proposed_level=coordinator_pb2.RECOVERY_LEVEL_NONE, failed_rank=-1)
+        try:
+            resp = self._stub.ReportEvent(req, timeout=RPC_TIMEOUT_S)
+            log.info("coordinator: %s", resp.message)
+            return True
+        except grpc.RpcError as exc:
+            log.warning("could not ask the coordinator for a job-wide checkpoint (%s); advising the local "
+                        "workers only", exc.code().name)
+            return False
+
+    def close(self) -> None:
+        """Leaves: any state -> DONE; closes the channel."""
+        self._life.fire(_T.CLOSE)
+        if self._channel is not None:
+            self._channel.close()
+
+
+__all__ = ["GrpcCoordinatorLink", "LinkConfig", "RPC_TIMEOUT_S", "find_free_port"]

@@ -1,0 +1,90 @@
+"""The coordinator link against a real coordinator over gRPC: a health-only member (no workers) registers,
+heartbeats and reports; a worker member follows START and STOP; illegal moves are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainguard.agent.coordinator_link import GrpcCoordinatorLink, LinkConfig
+from trainguard.agent.errors import CoordinatorUnavailableError, IllegalTransitionError
+from trainguard.agent.lifecycle import Lifecycle
+from trainguard.agent.parts import LINK_TRANSITIONS, LinkState, LinkTrigger, NoWorkers
+from trainguard.detectors.events import Action, HealthEvent, Severity
+from trainguard.proto import coordinator_pb2
+from trainguard.recovery import CoordinatorServer, JobSpec
+
+
+@pytest.fixture
+def coordinator():
+    srv = CoordinatorServer(JobSpec(job="link", nnodes=1, heartbeat_interval_s=0.1), listen="127.0.0.1:0").start()
+    yield srv
+    srv.stop()
+
+
+def test_health_only_member_registers_heartbeats_and_reports(coordinator) -> None:
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator=coordinator.target, node_id="watcher",
+                                          spare=True, patience_s=5.0))
+    assert link.state == LinkState.UNREGISTERED and not link.connected
+    link.open()
+    try:
+        assert link.state == LinkState.WAITING and link.lease
+        resp = link.heartbeat(NoWorkers())
+        assert resp is not None
+        link.follow(resp)
+        assert link.state == LinkState.WAITING  # a spare without workers gets no ranks
+        assert "watcher" in coordinator.core.members()
+        ev = HealthEvent(source="pcie", kind="pcie.link_narrow", severity=Severity.WARNING, action=Action.WATCH,
+                         message="x16 -> x4", node_id="watcher")
+        link.report(ev, coordinator_pb2.RECOVERY_LEVEL_NONE, generation=-1)  # between jobs: no generation
+        assert link.heartbeat(NoWorkers()) is not None
+    finally:
+        link.close()
+    assert link.state == LinkState.DONE
+
+
+def test_worker_member_follows_start_then_stop(coordinator) -> None:
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator=coordinator.target, node_id="n1",
+                                          device_count=1, patience_s=5.0))
+    link.open()
+    try:
+        resp = link.heartbeat(NoWorkers())
+        assert resp.command == coordinator_pb2.NODE_COMMAND_START, resp
+        link.follow(resp)
+        assert link.state == LinkState.RUNNING and link.generation == resp.rank_table.generation >= 1
+        stop = coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_STOP,
+                                                     job_state=coordinator_pb2.JOB_STATE_RUNNING)
+        link.follow(stop)  # stop the workers, the job goes on: wait for a table
+        assert link.state == LinkState.WAITING
+        link.follow(resp)
+        link.follow(coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_STOP,
+                                                          job_state=coordinator_pb2.JOB_STATE_SUCCEEDED))
+        assert link.state == LinkState.DONE
+    finally:
+        link.close()
+
+
+def test_unreachable_coordinator_is_bounded_by_patience() -> None:
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1", patience_s=0.3))
+    with pytest.raises(CoordinatorUnavailableError, match="unreachable"):
+        link.open()
+    assert link.state == LinkState.UNREGISTERED
+    link.close()
+    assert link.state == LinkState.DONE
+
+
+def test_link_table_refuses_illegal_moves() -> None:
+    life = Lifecycle("coordinator link", LINK_TRANSITIONS, LinkState.UNREGISTERED)
+    with pytest.raises(IllegalTransitionError, match="coordinator link: no transition from UNREGISTERED"):
+        life.fire(LinkTrigger.GENERATION)  # no ranks before registering
+    life.fire(LinkTrigger.REGISTERED)
+    with pytest.raises(IllegalTransitionError):
+        life.fire(LinkTrigger.JOB_ENDED)  # the job ends through STOP
+    life.fire(LinkTrigger.GENERATION)
+    life.fire(LinkTrigger.STOP)
+    assert life.state == LinkState.STOPPING
+    with pytest.raises(IllegalTransitionError):
+        life.fire(LinkTrigger.GENERATION)
+    life.fire(LinkTrigger.JOB_ENDED)
+    with pytest.raises(IllegalTransitionError):
+        life.fire(LinkTrigger.REGISTERED)  # DONE is final
+    assert life.fire(LinkTrigger.CLOSE) == LinkState.DONE

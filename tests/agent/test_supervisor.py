@@ -1,0 +1,167 @@
+"""The worker supervisor's lifecycle with real worker processes: kill -9 drives RUNNING -> STOPPING -> FAILED, a
+hang seen by the real process detector drives HUNG, exit 0 drives SUCCEEDED; illegal moves are refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainguard.agent.errors import IllegalTransitionError
+from trainguard.agent.lifecycle import Lifecycle
+from trainguard.agent.node import NodeConfig
+from trainguard.agent.node_health import DetectorEventSource, LocalNodeHealth
+from trainguard.agent.parts import (
+    SUPERVISOR_TRANSITIONS,
+    SupervisorHook,
+    SupervisorState,
+    SupervisorTrigger,
+)
+from trainguard.agent.supervisor import LocalSupervisor
+from trainguard.agent.workers import WorkerState
+from trainguard.drill.inject import FaultPlan, StepFaultInjector
+from trainguard.proto import common_pb2
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def _config(tmp_path: Path, argv: list[str], nproc: int = 2) -> NodeConfig:
+    return NodeConfig(job="sup", coordinator="", argv=argv, nproc_per_node=nproc, node_id="n1", standby=False,
+                      host_store=False, error_dir=str(tmp_path / "errors"), stop_grace_s=2.0)
+
+
+def _table(generation: int = 1, nproc: int = 2, node_id: str = "n1") -> common_pb2.RankTable:
+    return common_pb2.RankTable(
+        generation=generation, world_size=nproc, master_addr="127.0.0.1", master_port=29999,
+        nodes=[common_pb2.NodeRanks(node_id=node_id, first_rank=0, local_world_size=nproc, group_rank=0)])
+
+
+def _poll_until_failure(sup: LocalSupervisor, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        failure = sup.poll()
+        if failure is not None:
+            return failure
+        time.sleep(0.05)
+    raise AssertionError(f"no failure within {timeout_s}s; state {sup.state}")
+
+
+def test_sigkilled_worker_drives_running_to_failed(tmp_path: Path) -> None:
+    sup = LocalSupervisor(_config(tmp_path, SLEEPER))
+    assert sup.state == SupervisorState.INIT
+    try:
+        assert sup.start(_table())
+        assert sup.state == SupervisorState.RUNNING and sup.generation == 1
+        assert {w.state for w in sup.group.workers} == {WorkerState.STARTING}
+        assert sup.poll() is None
+        victim = sup.group.by_rank(1)
+        os.kill(victim.pid, signal.SIGKILL)
+        failure = _poll_until_failure(sup)
+        assert (failure.rank, failure.exit_code) == (1, -signal.SIGKILL)
+        assert failure.cause == "signal SIGKILL (9)" and failure.record.injected_at is None
+        assert sup.state == SupervisorState.STOPPING and victim.state == WorkerState.FAILED
+        survivor = sup.group.by_rank(0)
+        sup.stop()
+        assert sup.state == SupervisorState.FAILED and sup.group is None
+        assert survivor.proc.poll() is not None and survivor.state == WorkerState.STOPPED
+        # The next generation starts from FAILED.
+        assert sup.start(_table(generation=2)) and sup.state == SupervisorState.RUNNING
+        sup.stop()
+        assert sup.state == SupervisorState.STOPPED
+    finally:
+        sup.close()
+
+
+def test_first_report_makes_a_worker_running_and_exit_zero_succeeds(tmp_path: Path) -> None:
+    sup = LocalSupervisor(_config(tmp_path, [sys.executable, "-c", "import time; time.sleep(1.5)"]),
+                          running_after_s=60.0)
+    try:
+        sup.start(_table())
+        w0, w1 = sup.group.by_rank(0), sup.group.by_rank(1)
+        sup.on_heartbeat(rank=0, pid=w0.pid, generation=1, step=0, step_time_s=0.1)
+        assert w0.state == WorkerState.RUNNING and w1.state == WorkerState.STARTING
+        assert sup.on_heartbeat(rank=1, pid=w1.pid, generation=0, step=3, step_time_s=0.1) == []  # old generation
+        assert w1.state == WorkerState.STARTING and w1.last_step == -1
+        deadline = time.monotonic() + 20
+        while sup.state == SupervisorState.RUNNING and time.monotonic() < deadline:
+            assert sup.poll() is None
+            time.sleep(0.05)
+        assert sup.state == SupervisorState.SUCCEEDED
+        assert {w.state for w in sup.group.workers} == {WorkerState.SUCCEEDED}
+        sup.stop()  # a STOP for a job that succeeded leaves the outcome as it is
+        assert sup.state == SupervisorState.SUCCEEDED
+    finally:
+        sup.close()
+
+
+@pytest.mark.timeout(60)
+def test_hang_seen_by_the_process_detector_drives_hung(tmp_path: Path) -> None:
+    sup = LocalSupervisor(_config(tmp_path, SLEEPER, nproc=1))
+    source = DetectorEventSource.create(
+        ["process"], {"process": {"interval_s": 0.1, "hang_floor_s": 1.0, "stack_dump": False}}, worker_view=sup)
+    health = LocalNodeHealth("n1")
+    try:
+        sup.start(_table(nproc=1))
+        w = sup.group.by_rank(0)
+        for step in range(3):  # what the hook sends through the local service: steps, then nothing (hung)
+            sup.on_heartbeat(rank=0, pid=w.pid, generation=1, step=step, step_time_s=0.05)
+        health.start(source)
+        deadline = time.monotonic() + 30
+        hung = []
+        while not hung and time.monotonic() < deadline:
+            hung = [e for e in health.take_actionable() if e.kind == "process.hung"]
+            time.sleep(0.1)
+        assert hung, "the process detector reported no hang"
+        assert sup.mark_hung(hung[0]) == 0
+        assert sup.state == SupervisorState.HUNG and w.state == WorkerState.HUNG
+        assert sup.fault_records[-1].rank == 0
+        sup.stop()
+        assert sup.state == SupervisorState.FAILED
+    finally:
+        health.stop()
+        sup.close()
+
+
+def test_drill_hook_injects_the_fault_and_dates_it(tmp_path: Path) -> None:
+    injector = StepFaultInjector([FaultPlan(rank=1, step=5, sig=signal.SIGKILL, generation=1)])
+    assert isinstance(injector, SupervisorHook)
+    sup = LocalSupervisor(_config(tmp_path, SLEEPER), hooks=[injector])
+    try:
+        sup.start(_table())
+        w1 = sup.group.by_rank(1)
+        sup.on_heartbeat(rank=1, pid=w1.pid, generation=1, step=4, step_time_s=0.1)
+        assert sup.poll() is None and w1.proc.poll() is None  # not at its step yet
+        sup.on_heartbeat(rank=1, pid=w1.pid, generation=1, step=5, step_time_s=0.1)
+        failure = _poll_until_failure(sup)
+        assert failure.rank == 1 and failure.record.injected_at == injector.plans[0].done_at is not None
+        assert failure.record.detected_at >= failure.record.injected_at
+    finally:
+        sup.close()
+
+
+def test_table_without_this_node_starts_nothing(tmp_path: Path) -> None:
+    sup = LocalSupervisor(_config(tmp_path, SLEEPER))
+    assert not sup.start(_table(node_id="other")) and sup.state == SupervisorState.INIT and sup.group is None
+    sup.close()
+
+
+def test_supervisor_table_refuses_illegal_moves() -> None:
+    life = Lifecycle("supervisor", SUPERVISOR_TRANSITIONS, SupervisorState.INIT)
+    for trigger in (SupervisorTrigger.SPAWNED, SupervisorTrigger.HANG, SupervisorTrigger.WORKER_FAILED,
+                    SupervisorTrigger.STOPPED, SupervisorTrigger.ALL_SUCCEEDED):
+        with pytest.raises(IllegalTransitionError, match=f"supervisor: no transition from INIT on {trigger.value}"):
+            life.fire(trigger)
+    assert life.state == SupervisorState.INIT  # a refused move changes nothing
+    life.fire(SupervisorTrigger.START)
+    life.fire(SupervisorTrigger.SPAWNED)
+    life.fire(SupervisorTrigger.ALL_SUCCEEDED)
+    with pytest.raises(IllegalTransitionError):
+        life.fire(SupervisorTrigger.HANG)  # a finished group cannot hang
+    assert not life.fire_if(SupervisorTrigger.WORKER_FAILED) and life.state == SupervisorState.SUCCEEDED
+    # Every state can be left except through the table, and every outcome can start a new generation.
+    for end in (SupervisorState.STOPPED, SupervisorState.SUCCEEDED, SupervisorState.FAILED):
+        assert SUPERVISOR_TRANSITIONS[(end, SupervisorTrigger.START)] == SupervisorState.STARTING
