@@ -86,3 +86,31 @@ def test_no_checkpoint_dir_no_tier(tmp_path, monkeypatch) -> None:
     tier = MemoryTier.for_checkpoint_dir(str(tmp_path / "c"), "job")
     assert tier.shm_root == str(tmp_path / "shm") and tier.location == os.path.realpath(tmp_path / "c")
     assert tier.scan() == []
+
+
+def test_job_memory_takes_the_plan_of_a_new_generation_only_and_merges_heartbeat_fields(root) -> None:
+    from trainguard.agent.job_memory import HeartbeatParts, JobMemory
+    from trainguard.agent.replica_agent import ReplicaConfig
+
+    _copy(root, 0, 4)
+    jm = JobMemory(MemoryTier(root, "job", "/ckpt"), None)
+    plan = pb.MemoryRestorePlan(step=4, memory_steps=[4])
+    start = pb.NodeHeartbeatResponse(command=pb.NODE_COMMAND_RESTART, restore_plan=plan)
+    start.rank_table.generation = 3
+    jm.follow(start, current_generation=2)
+    assert jm.plan == plan
+    jm.follow(start, current_generation=3)  # the same START heard again once its workers run: kept
+    jm.follow(pb.NodeHeartbeatResponse(command=pb.NODE_COMMAND_NONE), current_generation=3)
+    assert jm.plan == plan
+    again = pb.NodeHeartbeatResponse(command=pb.NODE_COMMAND_START)
+    again.rank_table.generation = 4
+    jm.follow(again, current_generation=3)
+    assert jm.plan is None  # a START without a plan: no stale plan for the new workers
+
+    class Workers:
+        def heartbeat_fields(self):
+            return {"generation": 3, "last_step": 9}
+
+    fields = HeartbeatParts(Workers(), jm, None).heartbeat_fields()
+    assert fields["generation"] == 3 and [h.step for h in fields["memory"]] == [4] and fields["replica_address"] == ""
+    assert JobMemory.for_node("/ckpt", "job", "host", ReplicaConfig(), "n", "127.0.0.1") is None
