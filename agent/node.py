@@ -58,10 +58,12 @@ from trainguard.agent.generation import (  # noqa: F401 (the env names are re-ex
 from trainguard.agent.echo_probe import EchoListener
 from trainguard.agent.lease_keeper import keep_lease
 from trainguard.agent.link_probe import LinkProber, WithLinkProbe
+from trainguard.agent.job_memory import HeartbeatParts, JobMemory
 from trainguard.agent.node_health import DetectorEventSource, LocalNodeHealth
 from trainguard.agent.qualify.agent_side import NodeQualifier
 from trainguard.agent.qualify.config import QualifySection
 from trainguard.agent.parts import SupervisorHook
+from trainguard.agent.replica_agent import ReplicaConfig
 from trainguard.agent.step_timing import FailSlowView
 from trainguard.agent.supervisor import LocalSupervisor, WorkerExit
 from trainguard.agent.workers import WorkerGroup, describe_exit
@@ -128,6 +130,9 @@ class NodeConfig:
         daemon: the node daemon this job attached to (:class:`~trainguard.agent.health_source.DaemonLink`): its
             event stream and predictor stand in for this process's hardware detectors and predictor (only
             ``detectors``, the worker ones, still run here); None runs them all here.
+        replica: peer replication of the in-memory checkpoints (:mod:`trainguard.agent.replica_agent`).
+        memory_tier: ``"job"``: report the node's in-memory checkpoints and restore from any node's memory (see
+            :mod:`trainguard.agent.job_memory`); ``"host"``: neither (each host's memory tier on its own).
     """
 
     job: str
@@ -167,6 +172,8 @@ class NodeConfig:
     coordinator_channel: Callable[[str], grpc.Channel] | None = None
     qualify: QualifySection | None = None
     daemon: Any = None
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
+    memory_tier: str = "job"
 
 
 def link_config(c: NodeConfig) -> LinkConfig:
@@ -216,9 +223,17 @@ class NodeAgent:
         # Fail-slow: the coordinator's findings about this node; link probes (listener + probes it asks for).
         self.failslow = FailSlowView(config.node_id)
         self.link_probe = LinkProber(config.address, self.echo)
-        self._beat_content = WithLinkProbe(self.supervisor, self.link_probe)
+        # Job-wide memory tier (agent/job_memory.py): holdings and replicas out in heartbeats, plan and buddies in.
+        self.job_memory = JobMemory.for_node(config.checkpoint_dir, config.job, config.memory_tier, config.replica,
+                                             config.node_id, config.address)
+        self._beat_content = WithLinkProbe(HeartbeatParts(self.supervisor, self.job_memory), self.link_probe)
 
     # -- the parts' state, as operators and the local service read it ----------------------------------------
+    @property
+    def replicas(self):
+        """The node's peer replication (:class:`~trainguard.agent.replica_agent.ReplicaAgent`), or None."""
+        return self.job_memory.replicas if self.job_memory is not None else None
+
     @property
     def bus(self) -> EventBus:
         """The node's event bus (node health's)."""
@@ -315,6 +330,8 @@ class NodeAgent:
             last_checkpoint_step=self.last_checkpoint_step,
         )
         h.failslow.CopyFrom(self.failslow.status)
+        if self.job_memory is not None:
+            self.job_memory.fill_health(h)
         self.supervisor.worker_statuses(h)
         for ev in self.bus.recent(max_events):
             h.recent_events.append(ev.to_proto())
@@ -406,6 +423,8 @@ class NodeAgent:
         if resp.HasField("checkpoint"):
             self._relay_checkpoint(resp.checkpoint)
         self.link.follow(resp)
+        if self.job_memory is not None:
+            self.job_memory.follow(resp, self.generation if self.group is not None else -1)
         if cmd in (coordinator_pb2.NODE_COMMAND_START, coordinator_pb2.NODE_COMMAND_RESTART):
             if resp.rank_table.generation != self.generation or self.group is None:
                 self._stop_workers()
@@ -421,7 +440,10 @@ class NodeAgent:
         return None
 
     def _start_generation(self, table: common_pb2.RankTable) -> None:
-        if not self.supervisor.start(table):
+        jm = self.job_memory
+        keepalive = lambda: self.link.keepalive(self._beat)  # noqa: E731 (the lease lives on while a slot fetches)
+        before = (lambda specs: jm.before_spawn(specs, table.generation, tick=keepalive)) if jm is not None else None
+        if not self.supervisor.start(table, before_spawn=before):
             return
         mine = next(n for n in table.nodes if n.node_id == self.config.node_id)
         if self._notifier is not None:
@@ -430,7 +452,7 @@ class NodeAgent:
                                   f"{table.restart_count} restarts")
 
     def _stop_workers(self) -> None:
-        self.supervisor.stop(keepalive=lambda: self.link.keepalive(self.supervisor))
+        self.supervisor.stop(keepalive=lambda: self.link.keepalive(self._beat))
 
     # -- failures ----------------------------------------------------------------------------------------------
     def _check_workers(self) -> None:
@@ -546,6 +568,8 @@ class NodeAgent:
             preload()  # torch for the workers' store, imported while the node registers
         try:
             self.link.open()
+            if self.job_memory is not None:
+                self.job_memory.start()
             with keep_lease(lambda: self.link.keepalive(self._beat_content), self.link.interval_s, "detector start"):
                 self._start_health()  # imports: seconds on a busy host, longer than a short lease
             if self._notifier is not None:
@@ -576,6 +600,8 @@ class NodeAgent:
             return 130
         finally:
             self.health.stop()
+            if self.job_memory is not None:
+                self.job_memory.stop()
             self.supervisor.close()
             self.link_probe.close()
             self.link.close()

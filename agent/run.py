@@ -191,6 +191,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
         coordinator_channel=client_security.channel,
         qualify=qualify,
         daemon=daemon,
+        replica=replica_config(args),
+        memory_tier=args.memory_tier,
     )
     from trainguard.agent.sdnotify import SystemdNotifier
 
@@ -235,6 +237,23 @@ def run_job(args: argparse.Namespace) -> RunResult:
         shutil.rmtree(rundir, ignore_errors=True)
     return RunResult(exit_code=code, message=message, faults=agent.fault_records,
                      generations=max(agent.generation, 0), wall_s=time.time() - t0)
+
+
+def replica_config(args: argparse.Namespace):
+    """The ``--replica-*`` flags as a validated :class:`~trainguard.agent.replica_agent.ReplicaConfig`.
+
+    Raises:
+        UsageError: a value out of range (the message names the flag).
+    """
+    from trainguard.agent.replica_agent import ReplicaConfig, ReplicaConfigError
+
+    cfg = ReplicaConfig(enabled=args.replica, bandwidth_mib_s=args.replica_bandwidth_mib_s,
+                        memory_mib=args.replica_memory_mib)
+    try:
+        cfg.validate()
+    except ReplicaConfigError as exc:
+        raise UsageError(str(exc)) from exc
+    return cfg
 
 
 def _let_nodes_hear_the_end(server, own_node: str, patience_s: float = 10.0) -> None:

@@ -151,6 +151,16 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", default=None, help="job name (default: --rdzv-id, else script name + time)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="checkpoint directory or fsspec URL given to every worker as $TRAINGUARD_CHECKPOINT_DIR")
+    p.add_argument("--replica-bandwidth-mib-s", type=float, default=1024.0, metavar="MIB_S",
+                   help="cap on pushing this node's in-memory checkpoint to its buddy node, MiB/s (0: none)")
+    p.add_argument("--replica-memory-mib", type=int, default=8192, metavar="MIB",
+                   help="most memory other nodes' checkpoint replicas may hold on this node (0: hold none)")
+    p.add_argument("--memory-tier", choices=("job", "host"), default="job",
+                   help="job: report this node's in-memory checkpoints to the coordinator, which plans restores "
+                        "from every node's memory and buddies' replicas (default); host: a step counts in memory "
+                        "only when every rank's copy is on one host, no replication (the behaviour before)")
+    p.add_argument("--no-replica", dest="replica", action="store_false",
+                   help="neither push this node's in-memory checkpoints to a buddy nor serve or fetch replicas")
     p.add_argument("--fault", action="append", default=[], metavar="RANK:STEP[:SIGNAL[:GEN]]",
                    help="inject a fault: send SIGNAL (default KILL) to RANK once it reports STEP (repeatable)")
     g = p.add_argument_group("multi-node")

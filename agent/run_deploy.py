@@ -269,8 +269,10 @@ class RunMetrics:
     Series: ``trainguard_run_info{version,job,node}``, ``trainguard_run_generation``,
     ``trainguard_run_workers{state}``, ``trainguard_run_faults_total``, ``trainguard_run_restarts_total``
     (generations after the first), ``trainguard_run_recovery_seconds`` (fault -> first resumed step; summary of
-    every recovery), ``trainguard_run_last_checkpoint_step``, ``trainguard_run_predictor_score``, and the
-    ``trainguard_failslow_*`` gauges (:func:`~trainguard.agent.metrics.failslow_families`).
+    every recovery), ``trainguard_run_last_checkpoint_step``, ``trainguard_run_predictor_score``, the
+    ``trainguard_failslow_*`` gauges (:func:`~trainguard.agent.metrics.failslow_families`); with peer
+    replication ``trainguard_run_replica_bytes``, ``..._limit_bytes``, ``..._pushes_total``,
+    ``..._push_failures_total``, ``..._evictions_total``, ``..._push_seconds``.
     """
 
     def __init__(self, agent: "NodeAgent") -> None:
@@ -316,6 +318,21 @@ class RunMetrics:
         from trainguard.agent.metrics import failslow_families
 
         yield from failslow_families(a.failslow.status, a.config.node_id)  # the coordinator's fail-slow findings
+        rep = getattr(a, "replicas", None)
+        if rep is not None:  # peer replication of the in-memory checkpoints (agent/replica_agent.py)
+            yield GaugeMetricFamily("trainguard_run_replica_bytes", "Memory other nodes' checkpoint replicas hold "
+                                    "on this node.", value=rep.store.bytes_held())
+            yield GaugeMetricFamily("trainguard_run_replica_limit_bytes", "Bound on that memory.",
+                                    value=rep.store.max_bytes)
+            yield CounterMetricFamily("trainguard_run_replica_pushes", "Snapshots replicated to a buddy node.",
+                                      value=rep.stats.pushes)
+            yield CounterMetricFamily("trainguard_run_replica_push_failures", "Replications that failed.",
+                                      value=rep.stats.push_failures)
+            yield CounterMetricFamily("trainguard_run_replica_evictions", "Replicas evicted to stay within the "
+                                      "bound.", value=rep.store.evicted)
+            secs = rep.stats.push_seconds
+            yield SummaryMetricFamily("trainguard_run_replica_push_seconds", "Time to replicate one snapshot "
+                                      "(recent pushes).", count_value=len(secs), sum_value=float(sum(secs)))
 
 
 @dataclass

@@ -177,8 +177,11 @@ class LocalSupervisor:
         return adv_id
 
     # -- lifecycle -----------------------------------------------------------------------------------------
-    def start(self, table: common_pb2.RankTable) -> bool:
+    def start(self, table: common_pb2.RankTable, before_spawn: Callable[[list], None] | None = None) -> bool:
         """Starts this node's ranks of ``table`` as a new generation (STARTING -> RUNNING).
+
+        ``before_spawn`` is called with the workers' specs before they start (the job memory tier fetches a new
+        slot's copies there and puts each worker's restore plan into its environment).
 
         Returns:
             False when the table gives this node no ranks (nothing started).
@@ -193,6 +196,8 @@ class LocalSupervisor:
         self._life.fire(_T.START)
         use_agent_store = self._resources.host_store(c, table, mine)
         specs = worker_specs(c, table, mine, self._resources.error_dir(table.generation), use_agent_store)
+        if before_spawn is not None:
+            before_spawn(specs)
         group = WorkerGroup(specs, log_dir=c.log_dir, streams=c.streams, role=c.role)
         with self._lock:
             self.table = table

@@ -290,13 +290,15 @@ def staging_shortfall(directory: str, nslots: int, nbytes: int) -> int:
     return max(0, need - free_bytes(directory))
 
 
-def memory_manifests(shm_root: str, job: str,
-                     location: str | None = None) -> dict[int, dict[int, tuple[SlotPaths, Manifest]]]:
+def memory_manifests(shm_root: str, job: str, location: str | None = None,
+                     cache: dict[str, tuple[int, int, Manifest]] | None = None,
+                     ) -> dict[int, dict[int, tuple[SlotPaths, Manifest]]]:
     """Every valid in-memory copy: ``{step: {rank: (slot paths, manifest)}}``.
 
     Damaged manifests are skipped (a reader falls back to another tier). With ``location``, only copies written
     by a Checkpointer of that checkpoint location count: the arena is keyed by job name only, and two runs in
-    different directories may share a job name on one host.
+    different directories may share a job name on one host. ``cache`` (path -> (mtime ns, size, manifest)), kept
+    by a caller that lists often (the node agent, several times a second), skips parsing unchanged manifests.
     """
     out: dict[int, dict[int, tuple[SlotPaths, Manifest]]] = {}
     base = os.path.join(shm_root, job)
@@ -319,8 +321,7 @@ def memory_manifests(shm_root: str, job: str,
                 continue
             paths = SlotPaths.of(d, int(sm.group(1)))
             try:
-                with open(paths.manifest, "rb") as f:
-                    man = Manifest.from_json(f.read(), paths.manifest)
+                man = _read_manifest(paths.manifest, cache)
             except (OSError, CorruptCheckpointError):
                 continue
             if read_tag(paths) != str(man.step):
@@ -331,6 +332,20 @@ def memory_manifests(shm_root: str, job: str,
             if prev is None or man.created >= prev[1].created:  # a step saved twice: the newer copy wins
                 out.setdefault(man.step, {})[man.rank] = (paths, man)
     return out
+
+
+def _read_manifest(path: str, cache: dict[str, tuple[int, int, Manifest]] | None) -> Manifest:
+    if cache is None:
+        with open(path, "rb") as f:
+            return Manifest.from_json(f.read(), path)
+    st = os.stat(path)
+    hit = cache.get(path)
+    if hit is not None and hit[0] == st.st_mtime_ns and hit[1] == st.st_size:
+        return hit[2]
+    with open(path, "rb") as f:
+        man = Manifest.from_json(f.read(), path)
+    cache[path] = (st.st_mtime_ns, st.st_size, man)
+    return man
 
 
 def memory_committed(shm_root: str, job: str, location: str | None = None) -> list[tuple[int, int]]:

@@ -48,6 +48,7 @@ from trainguard.checkpoint.errors import (
 from trainguard.checkpoint.events import EventSink
 from trainguard.checkpoint.manifest import Manifest, plan_layout
 from trainguard.checkpoint.reader import RankCopy
+from trainguard.checkpoint.restore_plan import job_memory_steps_from_env, own_memory_steps
 from trainguard.checkpoint.shards import ShardedLoader
 from trainguard.checkpoint.snapshot import PendingCopy, SnapshotCopier, storage_ptrs
 from trainguard.checkpoint.staging import StagingArea
@@ -127,6 +128,9 @@ class Checkpointer:
         #: checksum chunks its shards overlap.
         self.last_restore_read: dict[int, int] = {}
         self._memory_listing: dict[int, dict[int, Any]] | None = None
+        #: steps the coordinator's restore plan says every rank holds in its own node's memory (see
+        #: :data:`~trainguard.checkpoint.config.RESTORE_PLAN_ENV`); this rank restores them from local memory.
+        self.job_memory_steps: frozenset[int] = job_memory_steps_from_env()
         self._lock = threading.Condition()
         self._status: dict[int, _StepStatus] = {}
         self._slot_busy: list[bool] = []
@@ -578,8 +582,11 @@ class Checkpointer:
     def _committed_by_tier(self) -> list[tuple[str, list[tuple[int, int]]]]:
         out: list[tuple[str, list[tuple[int, int]]]] = []
         if self.config.memory.enabled:
-            out.append(("memory", arena_mod.memory_committed(self.config.memory.directory, self.job,
-                                                                  self.config.location)))
+            mem = arena_mod.memory_committed(self.config.memory.directory, self.job, self.config.location)
+            if self.job_memory_steps:
+                mem = sorted(set(mem) | {(s, self.world_size) for s in own_memory_steps(
+                    self.config, self.job, self.rank, self.world_size, self.job_memory_steps)})
+            out.append(("memory", mem))
         if self.disk is not None:
             out.append(("disk", self.disk.committed_steps()))
         if self.config.remote_url:

@@ -27,7 +27,8 @@ from typing import Any, Mapping
 
 from trainguard.checkpoint.errors import CheckpointConfigError
 from trainguard.checkpoint.location import CheckpointLocation, is_local_url, split_url  # noqa: F401 (re-exported)
-from trainguard.worker_env import CHECKPOINT_SERVICE_ENV  # noqa: F401 (re-exported; the worker env owns it)
+# Re-exported: the worker environment (trainguard.worker_env) owns these names.
+from trainguard.worker_env import CHECKPOINT_SERVICE_ENV, RESTORE_PLAN_ENV  # noqa: F401
 
 #: Environment variable overriding where the shared-memory tier lives (default ``/dev/shm/trainguard``).
 CHECKPOINT_SHM_DIR_ENV = "TRAINGUARD_CHECKPOINT_SHM_DIR"

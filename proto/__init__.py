@@ -11,6 +11,9 @@ from trainguard.proto.trainguard.v1 import (  # noqa: F401  (re-exported)
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
+    replica_pb2,
+    replica_pb2_grpc,
 )
 
-__all__ = ["agent_pb2", "agent_pb2_grpc", "common_pb2", "coordinator_pb2", "coordinator_pb2_grpc"]
+__all__ = ["agent_pb2", "agent_pb2_grpc", "common_pb2", "coordinator_pb2", "coordinator_pb2_grpc", "replica_pb2",
+           "replica_pb2_grpc"]

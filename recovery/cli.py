@@ -59,6 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ranks per parallel group kept consecutive inside one pod (default 1: no constraint)")
     p.add_argument("--allow-shrink", action="store_true", help="drop a lost node's slot when no spare is left")
     p.add_argument("--min-nodes", type=int, default=0, help="fewest nodes after shrinking (default: --nnodes)")
+    p.add_argument("--memory-replicas", type=int, default=1,
+                   help="buddy nodes (another pod's first) holding each node's in-memory checkpoint (1; 0: none)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between node heartbeats (1.0)")
     p.add_argument("--lease-timeout", type=float, default=10.0,
                    help="seconds without heartbeat after which a node is lost (default 10)")
@@ -114,7 +116,7 @@ def handle_coordinator(args: argparse.Namespace) -> int:
                    allow_shrink=args.allow_shrink, min_nodes=args.min_nodes, lease_timeout_s=args.lease_timeout,
                    backoff_initial_s=args.backoff, max_heartbeat_rate=args.max_heartbeat_rate,
                    repeat_window_s=args.repeat_window, membership_timeout_s=args.membership_timeout,
-                   store=args.store or default_store(args.job),
+                   store=args.store or default_store(args.job), memory_replicas=args.memory_replicas,
                    failslow=StragglerConfig(action=args.failslow_action, slow_ratio=args.failslow_ratio,
                                             clear_ratio=min(1.1, (1.0 + args.failslow_ratio) / 2),
                                             horizon_s=args.failslow_horizon, cooldown_s=args.failslow_cooldown))

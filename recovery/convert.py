@@ -13,6 +13,7 @@ from trainguard.proto import common_pb2, coordinator_pb2 as pb
 from trainguard.recovery.domain import (Beat, CheckpointAsk, FailSlowStatus, FaultReport, GenerationTable,
                                         Instruction, LinkProbeResult, NodeRecord, RankTiming, StackAsk)
 from trainguard.recovery.node_health import NodeHealthReport, Verdict
+from trainguard.recovery.memory_plan import MemoryHolding, RestorePlan
 from trainguard.recovery.policy import Cause, Level
 from trainguard.recovery.qualification import Qualification
 
@@ -45,7 +46,9 @@ def beat(req: pb.NodeHeartbeatRequest) -> Beat:
                 tuple(RankTiming(t.rank, t.step, t.step_s, t.wait_s, t.compute_s, t.steps) for t in req.timings),
                 qualification(req), req.link_probe_port,
                 tuple(LinkProbeResult(r.probe_id, r.peer_node, r.bytes, r.up_s, r.down_s, r.error)
-                      for r in req.link_results))
+                      for r in req.link_results),
+                tuple(MemoryHolding(h.step, h.world_size, tuple(h.ranks), tuple(h.replica_ranks))
+                      for h in req.memory), req.replica_address, req.replica_bytes)
 
 
 def qualification(req: pb.RegisterNodeRequest | pb.NodeHeartbeatRequest) -> Qualification | None:
@@ -132,6 +135,14 @@ def checkpoint(c: CheckpointAsk) -> pb.CheckpointRequest:
     return pb.CheckpointRequest(at_step=c.at_step, reason=c.reason, request_id=c.request_id, generation=c.generation)
 
 
+def restore_plan(p: RestorePlan) -> pb.MemoryRestorePlan:
+    """A restore plan on the wire."""
+    msg = pb.MemoryRestorePlan(step=p.step, memory_steps=list(p.memory_steps))
+    for r in p.ranks:
+        msg.ranks.add(rank=r.rank, source=int(r.source), peer_node=r.peer_node, peer_address=r.peer_address)
+    return msg
+
+
 def failslow_status(st: FailSlowStatus) -> common_pb2.FailSlowStatus:
     """Fail-slow findings on the wire."""
     msg = common_pb2.FailSlowStatus(job_step_s=st.job_step_s, job_slowdown=st.job_slowdown, action=st.action,
@@ -186,13 +197,16 @@ class ResponseCache:
     def response(self, ins: Instruction) -> pb.NodeHeartbeatResponse:
         """A heartbeat response for an instruction."""
         if ins.table is not None and not ins.only_node:
-            key = (ins.command, ins.message, ins.interval_s, ins.phase, ins.failslow, ins.stacks, ins.link_probes)
+            key = (ins.command, ins.message, ins.interval_s, ins.phase, ins.failslow, ins.stacks, ins.link_probes,
+                   ins.restore_plan, ins.replica_targets)
             cached = self._start
             if cached is not None and cached[0] is ins.table and cached[1] == key:
                 return cached[2]
             resp = pb.NodeHeartbeatResponse(command=int(ins.command), interval_s=ins.interval_s,
                                             job_state=ins.phase.value, message=ins.message)
             resp.rank_table.CopyFrom(self.full_table(ins.table))
+            if ins.restore_plan is not None:
+                resp.restore_plan.CopyFrom(restore_plan(ins.restore_plan))
             self._add_failslow(resp, ins)
             self._start = (ins.table, key, resp)
             return resp
@@ -200,12 +214,16 @@ class ResponseCache:
                                         job_state=ins.phase.value, message=ins.message)
         if ins.table is not None:
             resp.rank_table.CopyFrom(rank_table(ins.table, ins.table.job, ins.only_node))
+            if ins.restore_plan is not None:
+                resp.restore_plan.CopyFrom(restore_plan(ins.restore_plan))
         if ins.checkpoint is not None:
             resp.checkpoint.CopyFrom(checkpoint(ins.checkpoint))
         self._add_failslow(resp, ins)
         return resp
 
     def _add_failslow(self, resp: pb.NodeHeartbeatResponse, ins: Instruction) -> None:
+        for node_id, address in ins.replica_targets:  # (rides with every reply, like the fail-slow findings)
+            resp.replica_targets.add(node_id=node_id, address=address)
         if ins.failslow is not None:
             resp.failslow.CopyFrom(self.failslow(ins.failslow))
         if ins.stacks is not None:

@@ -11,6 +11,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from trainguard.recovery.memory_plan import MemoryHolding, RestorePlan
 from trainguard.recovery.policy import Cause, Level
 from trainguard.recovery.qualification import Qualification
 from trainguard.recovery.ranks import NodeSlot, NodeSpec
@@ -115,6 +116,9 @@ class Beat:
         qualification: a new pre-flight verdict of a node waiting without a slot (None: nothing new).
         link_probe_port: the node's link-probe listener on its address (0: none; slow-link localisation).
         link_results: link probes the node finished since its last heartbeat.
+        memory: the in-memory checkpoint copies the node holds (:mod:`~trainguard.recovery.memory_plan`).
+        replica_address: host:port of the node's replica server ("" when it serves none).
+        replica_bytes: memory other nodes' replicas hold on the node.
     """
 
     job: str
@@ -129,6 +133,9 @@ class Beat:
     qualification: Qualification | None = None
     link_probe_port: int = 0
     link_results: tuple[LinkProbeResult, ...] = ()
+    memory: tuple[MemoryHolding, ...] = ()
+    replica_address: str = ""
+    replica_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -341,6 +348,8 @@ class Instruction:
         failslow: the fail-slow findings (None when there are none).
         stacks: an open stack request of a hang being localised.
         link_probes: link probes this node should run now (slow-link localisation).
+        restore_plan: START/RESTART: where each rank reads its checkpoint (None: no memory holdings known).
+        replica_targets: ``(node id, replica address)`` of the node's buddies in the current table.
     """
 
     command: Command
@@ -353,3 +362,5 @@ class Instruction:
     failslow: FailSlowStatus | None = None
     stacks: StackAsk | None = None
     link_probes: tuple[LinkProbeAsk, ...] = ()
+    restore_plan: RestorePlan | None = None
+    replica_targets: tuple[tuple[str, str], ...] = ()

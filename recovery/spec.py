@@ -48,6 +48,8 @@ class JobSpec:
             node coming back) before the job fails (MEMBERSHIP_IMPOSSIBLE), seconds. Default 600.
         store: state store URL (see :func:`~trainguard.recovery.store.open_store`). Default ``memory://``.
         failslow: straggler detection and replace policy (:mod:`~trainguard.recovery.straggler`).
+        memory_replicas: buddy nodes each node replicates its ranks' in-memory snapshots to (another pod's
+            first; :func:`~trainguard.recovery.memory_plan.buddies`); 0 turns peer replication off. Default 1.
     """
 
     job: str
@@ -69,6 +71,7 @@ class JobSpec:
     membership_timeout_s: float = 600.0
     store: str = "memory://"
     failslow: StragglerConfig = field(default_factory=StragglerConfig)
+    memory_replicas: int = 1
 
     def validate(self) -> None:
         """Checks every field.
@@ -85,6 +88,8 @@ class JobSpec:
             raise InvalidRequestError(f"repeat window {self.repeat_window_s} s must be positive")
         if not self.membership_timeout_s > 0:
             raise InvalidRequestError(f"membership timeout {self.membership_timeout_s} s must be positive")
+        if self.memory_replicas < 0:
+            raise InvalidRequestError(f"memory replicas {self.memory_replicas} must be >= 0 (0: no replication)")
         if self.max_heartbeat_rate <= 0:
             raise InvalidRequestError(f"max heartbeat rate {self.max_heartbeat_rate}/s must be positive")
         if self.heartbeat_interval_s <= 0 or self.lease_timeout_s <= self.heartbeat_interval_s:

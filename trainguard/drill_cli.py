@@ -115,6 +115,9 @@ def _register_drill(sub: argparse._SubParsersAction) -> None:
                    help="predictor alarm to drain request, seconds (cluster drill; default 2)")
     p.add_argument("--precursor-lead", type=float, default=10.0,
                    help="seconds between a precursor and the fault it announces (cluster drill; default 10)")
+    p.add_argument("--memory-tier", choices=("job", "host"), default="job",
+                   help="cluster drill: job restores from every node's memory and buddies' replicas (default); "
+                        "host limits the memory tier to one host (the behaviour before: disk after node faults)")
     p.add_argument("--no-verify", action="store_true", help="skip the fault-free reference run")
     p.add_argument("--plot", default=None, metavar="PNG", help="write ETTR over time + fault timeline here")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
@@ -149,7 +152,7 @@ def _handle_drill(args: argparse.Namespace) -> int:
                      enospc_window_s=args.enospc_window, seed=args.seed, trace_dir=args.trace, workdir=args.workdir,
                      verify=not args.no_verify, nodes=args.nodes, spares=args.spares, netns=not args.no_netns,
                      lease_timeout_s=args.lease_timeout, drain_grace_s=args.drain_grace,
-                     precursor_lead_s=args.precursor_lead)
+                     precursor_lead_s=args.precursor_lead, memory_tier=args.memory_tier)
     if cfg.nodes and cfg.netns:
         from trainguard.drill.netns import netns_unavailable_reason
 

@@ -33,6 +33,11 @@ NODE_ID_ENV = "TRAINGUARD_NODE_ID"
 CHECKPOINT_DIR_ENV = "TRAINGUARD_CHECKPOINT_DIR"
 #: Unix socket of the agent-owned checkpoint service; when absent a Checkpointer starts its own persist process.
 CHECKPOINT_SERVICE_ENV = "TRAINGUARD_CHECKPOINT_SERVICE"
+#: The coordinator's restore plan for this worker's rank, set by the node agent for each new generation: JSON
+#: ``{"generation", "step", "memory_steps", "source", "peer_node"}`` (:mod:`trainguard.recovery.memory_plan`).
+#: ``memory_steps`` are steps whose every rank's copy lies in its own node's memory: the Checkpointer then
+#: restores them from this node's memory although the other copies lie on other hosts.
+RESTORE_PLAN_ENV = "TRAINGUARD_RESTORE_PLAN"
 
 #: torchrun's variable names (``torch.distributed.run``), set for every worker.
 RANK_ENV = "RANK"
@@ -244,5 +249,5 @@ class WorkerEnv:
 
 __all__ = [
     "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_SERVICE_ENV", "DEFAULT_SIGNALS", "GENERATION_ENV",
-    "JOB_ENV", "NODE_ID_ENV", "WorkerEnv", "WorkerEnvError",
+    "JOB_ENV", "NODE_ID_ENV", "RESTORE_PLAN_ENV", "WorkerEnv", "WorkerEnvError",
 ]

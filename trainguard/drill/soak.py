@@ -124,6 +124,13 @@ class SoakConfig:
         drain_grace_s: seconds between a predictor alarm's checkpoint advisory and the drain request
             (``trainguard run --drain-grace-s``; production default 30). Default 2.
         precursor_lead_s: drill seconds between a precursor and the fault it announces. Default 10.
+        memory_tier: the nodes' ``trainguard run --memory-tier`` (cluster drills): ``job`` restores from every
+            node's memory and buddies' replicas; ``host`` is the behaviour before (disk after any multi-node
+            fault). Default ``job``.
+        strike_after_replication: inject a restarting fault only once every rank's newest snapshot lies in
+            another node's memory as a verified replica (cluster drills with the job memory tier; pins a test to
+            "the snapshot had replicated": on a loaded machine the niced persist process alone can take longer
+            than a save interval to publish a snapshot). Default False (any time).
     """
 
     wall_s: float = 180.0
@@ -148,6 +155,8 @@ class SoakConfig:
     lease_timeout_s: float = 3.0
     drain_grace_s: float = 2.0
     precursor_lead_s: float = 10.0
+    memory_tier: str = "job"
+    strike_after_replication: bool = False
 
     def validate(self) -> None:
         """Checks ranges.
@@ -174,6 +183,9 @@ class SoakConfig:
                  f"{CLUSTER_HEARTBEAT_S:g} s heartbeat intervals"),
                 (self.drain_grace_s < 0, f"--drain-grace {self.drain_grace_s:g}: must be >= 0 seconds"),
                 (self.precursor_lead_s <= 0, f"--precursor-lead {self.precursor_lead_s:g}: must be > 0 seconds"),
+                (self.memory_tier not in ("job", "host"), f"--memory-tier {self.memory_tier}: use job or host"),
+                (self.strike_after_replication and self.memory_tier != "job",
+                 "strike_after_replication needs the job memory tier (replicas)"),
             ) if wrong]
             if bad:
                 raise SoakError("; ".join(bad))
@@ -215,6 +227,9 @@ class FaultOutcome:
         recovery_s: fault to first step of the next generation (enospc: space freed to the next committed save).
         steps_lost: steps done again after the restart.
         level: recovery level (``process``, ``node``; ``none`` for enospc and coordinator, where training goes on).
+        restore_tiers: rank -> the checkpoint tier its restore in the next generation read (``memory``, ``disk``,
+            ``remote``), from the workers' ``rank<R>.restores`` lines.
+        restore_s: the slowest rank's restore time in the next generation, seconds.
     """
 
     kind: str
@@ -230,6 +245,8 @@ class FaultOutcome:
     level: str = "process"
     node: str = ""
     predicted: bool | None = None
+    restore_tiers: dict[int, str] = field(default_factory=dict)
+    restore_s: float | None = None
 
 
 @dataclass
@@ -295,6 +312,22 @@ class _StepLog:
 
     def max_step(self) -> int:
         return max((rows[-1][2] for rows in self.rows if rows), default=-1)
+
+
+def read_restores(events: Path, nproc: int, generation: int) -> tuple[dict[int, str], float | None]:
+    """(rank -> tier, slowest restore seconds) of the restores the workers logged in ``generation``."""
+    tiers: dict[int, str] = {}
+    slowest = None
+    for r in range(nproc):
+        for line in _read_lines(events / f"rank{r}.restores"):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("generation") == generation:
+                tiers[r] = str(rec.get("tier"))
+                slowest = max(slowest or 0.0, float(rec.get("restore_s", 0.0)))
+    return tiers, slowest
 
 
 def load_schedule(cfg: SoakConfig, progress) -> tuple[list[PlannedFault], list[PlannedFault], float,

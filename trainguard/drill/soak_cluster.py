@@ -66,6 +66,7 @@ from trainguard.drill.soak import (
     _Tmpfs,
     follow_enospc,
     load_schedule,
+    read_restores,
     step_stats,
     unplanned_restart,
     verify_reference,
@@ -228,7 +229,7 @@ class _Cluster:
                str(self.cfg.max_restarts), "--checkpoint-dir", str(self.ckpt), "--log-dir",
                str(self.workdir / "logs" / name), "--hang-floor-s", str(self.cfg.hang_bound_s), "--detectors",
                detectors, "--detector-config", str(conf), "--drain-grace-s", str(self.cfg.drain_grace_s),
-               "--predictor-interval-s", "0.5"]
+               "--predictor-interval-s", "0.5", "--memory-tier", self.cfg.memory_tier]
         if spare:
             cmd.append("--spare")
         cmd += ["-m", "trainguard.drill.soak_worker", *self.worker_args]
@@ -436,10 +437,12 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
                 hosting = _hosting(cluster, steps, gen)
                 replaced = pending_node is not None and pending_node not in hosting.values()
                 pending.level = "node" if replaced else "process"
+                pending.restore_tiers, pending.restore_s = read_restores(events, nproc, gen)
                 if pending.kind == "precursor" and pending.predicted is None:
                     pending.predicted = replaced
                 progress(f"  recovered at {pending.level} level: generation {gen} resumed at step {resumed} "
-                         f"({pending.steps_lost} steps lost), {pending.recovery_s:.2f} s after the fault"
+                         f"({pending.steps_lost} steps lost), {pending.recovery_s:.2f} s after the fault; restored "
+                         f"from {_tiers_text(pending.restore_tiers)}"
                          + (f"; {pending_node.name} replaced by "
                             f"{', '.join(n.name for n in hosting.values() if n.role == 'spare')}" if replaced else ""))
                 _repair(cluster, hosting, progress)
@@ -482,6 +485,9 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
             coord = {"outcome": o, "killed": now, "restarted": None, "gen": gen, "step": steps.max_step()}
         else:
             v = _victim(cluster, steps, rng, nproc)
+            if v is not None and p.kind in RESTART_KINDS and cfg.strike_after_replication \
+                    and not _replicated(cluster, steps, nproc):
+                v = None
             if v is None or (p.kind == "linkdown" and cluster.fabric is None):
                 todo.insert(0, p)
                 continue
@@ -500,6 +506,36 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
                                                                           else "")
                  + (f", {o.injected_s - o.planned_s:.1f} s late" if o.injected_s - o.planned_s > 1 else ""))
     return _finish(cfg, cluster, outcomes, skipped, compression, window, t_launch, t0, steps, out_file, progress)
+
+
+def _replicated(cluster: _Cluster, steps: _StepLog, nproc: int) -> bool:
+    """Whether every rank's newest snapshot is a published replica in some other live node's memory (the files
+    :mod:`trainguard.checkpoint.replica_store` publishes under each node's arena root)."""
+    newest = []
+    for r in range(nproc):
+        saved = [row[2] for row in steps.rows[r] if row[5]]
+        if not saved:
+            return False
+        newest.append(max(saved))
+    step = min(newest)  # a step every rank saved
+    gen = steps.generation()
+    for r in range(nproc):
+        rows = [row for row in steps.rows[r] if row[1] == gen]
+        owner = cluster.node_of_pid(rows[-1][3]) if rows else None
+        if not any(n is not owner and (Path(f"{cluster.env['TRAINGUARD_CHECKPOINT_SHM_DIR']}-{n.name}") / "soak"
+                                      / "replicas" / f"rank_{r:05d}" / f"step_{step:012d}.manifest.json").exists()
+                   for n in cluster.live()):
+            return False
+    return True
+
+
+def _tiers_text(tiers: dict[int, str]) -> str:
+    """``memory (ranks 0, 1)``-style summary of where the ranks restored from."""
+    by: dict[str, list[int]] = {}
+    for r, t in sorted(tiers.items()):
+        by.setdefault(t, []).append(r)
+    return ", ".join(f"{t} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for t, rs in by.items()) \
+        or "nothing logged yet"
 
 
 def _repair(cluster: _Cluster, hosting: dict[int, _Node], progress) -> None:

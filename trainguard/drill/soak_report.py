@@ -162,8 +162,9 @@ def drill_components(rep: SoakReport, torch_save_s: float,
     tg = trainguard_defaults(**{**m, "checkpoint_interval_s": interval, "persist_s": 0.0,
                                 "predicted_share": m.get("predicted_share", 0.0),
                                 "predictable": ("degraded",) if cluster else (), "levels": levels,
-                                # a multi-node job's memory tier is per host: it restores from the shared disk
-                                "memory_restore": not cluster})
+                                # --memory-tier host: a multi-node job's memory tier is per host, so it restores
+                                # from the shared disk; job (the default): from every node's memory
+                                "memory_restore": not cluster or rep.config.get("memory_tier", "job") == "job"})
     bl = baseline_defaults(checkpoint_interval_s=interval, checkpoint_stall_s=torch_save_s,
                            recovery_job_s=baseline_restart_s if baseline_restart_s is not None
                            else m.get("recovery_process_s", tg.recovery_process_s),
@@ -182,19 +183,21 @@ def format_soak(rep: SoakReport, torch_save_s: float, trace_dir: str | None = No
         w(f"faults: StepFun trace as a {rep.config['represent_gpus']}-GPU job lives it, days "
           f"{rep.window_days[0]:.2f}-{rep.window_days[1]:.2f}, time compressed {rep.compression:,.0f}x")
     w(f"  {'#':>2} {'at':>7} {'kind':<11} {'class':<11} {'node':<7} {'level':<8} {'detected':>9} {'recovered':>10} "
-      f"{'lost':>5}  origin")
+      f"{'lost':>5} {'restored from':<14} origin")
     for i, f in enumerate(rep.faults, 1):
         det = f"{f.detected_s:.2f}s" if f.detected_s is not None else "-"
         rec = f"{f.recovery_s:.2f}s" if f.recovery_s is not None else "-"
         lost = str(f.steps_lost) if f.steps_lost is not None else "-"
         pred = {True: " [predicted in time]", False: " [NOT drained in time]", None: ""}[f.predicted]
+        tiers = sorted(set(f.restore_tiers.values()))
+        source = "-" if not tiers else tiers[0] if len(tiers) == 1 else "+".join(tiers)
         w(f"  {i:>2} {f.injected_s:6.1f}s {f.kind:<11} {f.fault_class:<11} {f.node or '-':<7} {f.level:<8} {det:>9} "
-          f"{rec:>10} {lost:>5}  {f.label}{pred}")
+          f"{rec:>10} {lost:>5} {source:<14} {f.label}{pred}")
     w("  (detected: fault to the agent seeing the exit / the process detector flagging the hang / the agent naming "
       "the hardware cause / the coordinator's lease expiring / the predictor's alarm / the hook logging the "
       "checkpoint error; recovered: fault to the first step of the next generation, for enospc: space freed to "
       "the next committed checkpoint, for coordinator: kill to the new coordinator serving; lost: steps done "
-      "again)")
+      "again; restored from: the checkpoint tier every rank's restore read)")
     if rep.skipped:
         counts: dict[str, int] = {}
         for p in rep.skipped:

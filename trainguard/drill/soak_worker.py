@@ -6,8 +6,9 @@ the same number of steps. Each rank appends to ``<events>/rank<R>.steps`` one li
 
     unix_time generation step pid step_done_seconds saved(0/1)
 
-and to ``<events>/rank<R>.events`` one JSON line per checkpoint warning or error the hook logs (ENOSPC and the
-like), so the drill can time detection and recovery from outside. Rank 0 writes ``params_sha256`` to ``--out``.
+to ``<events>/rank<R>.events`` one JSON line per checkpoint warning or error the hook logs (ENOSPC and the
+like), and to ``<events>/rank<R>.restores`` one JSON line per restore (generation, step, tier, seconds), so the
+drill can time detection, recovery and restore from outside. Rank 0 writes ``params_sha256`` to ``--out``.
 
 Run as ``trainguard run --nproc-per-node 2 -m trainguard.drill.soak_worker --steps N --events DIR``.
 """
@@ -110,7 +111,13 @@ def main() -> None:
     loss_fn = nn.CrossEntropyLoss()
     session = trainguard.init(save_every=args.save_every)
     state = {"model": model, "optim": optim}
+    t_restore = time.perf_counter()
     start = session.restore(state)
+    restore_s = time.perf_counter() - t_restore
+    if start > 0:  # where this rank's checkpoint came from, and how long the restore took (the drill reports it)
+        with open(os.path.join(args.events, f"rank{rank}.restores"), "a") as f:
+            f.write(json.dumps({"t": time.time(), "generation": gen, "step": start - 1, "restore_s": restore_s,
+                                "tier": getattr(session.checkpointer, "last_restore_tier", None)}) + "\n")
     pid = os.getpid()
     steps = args.steps
     step = start

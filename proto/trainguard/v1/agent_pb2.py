@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from trainguard.proto.trainguard.v1 import common_pb2 as trainguard_dot_proto_dot_trainguard_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*trainguard/proto/trainguard/v1/agent.proto\x12\rtrainguard.v1\x1a+trainguard/proto/trainguard/v1/common.proto\"&\n\x10GetHealthRequest\x12\x12\n\nmax_events\x18\x01 \x01(\x05\"\xc8\x01\n\x0e\x44\x65tectorStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.trainguard.v1.DetectorState\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12;\n\x07metrics\x18\x04 \x03(\x0b\x32*.trainguard.v1.DetectorStatus.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa7\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.trainguard.v1.WorkerState\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x1c\n\x14last_heartbeat_age_s\x18\x06 \x01(\x01\x12\x11\n\texit_code\x18\x07 \x01(\x05\"\xf9\x02\n\nNodeHealth\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12\x30\n\tdetectors\x18\x04 \x03(\x0b\x32\x1d.trainguard.v1.DetectorStatus\x12\x31\n\rrecent_events\x18\x05 \x03(\x0b\x32\x1a.trainguard.v1.HealthEvent\x12\x17\n\x0fpredictor_score\x18\x06 \x01(\x01\x12\x1b\n\x13predictor_threshold\x18\x07 \x01(\x01\x12,\n\x07workers\x18\x08 \x03(\x0b\x32\x1b.trainguard.v1.WorkerStatus\x12\x0b\n\x03job\x18\t \x01(\t\x12\x12\n\ngeneration\x18\n \x01(\x03\x12\x1c\n\x14last_checkpoint_step\x18\x0b \x01(\x03\x12/\n\x08\x66\x61ilslow\x18\x0c \x01(\x0b\x32\x1d.trainguard.v1.FailSlowStatus\"S\n\x12WatchEventsRequest\x12\x0e\n\x06replay\x18\x01 \x01(\x05\x12-\n\x0cmin_severity\x18\x02 \x01(\x0e\x32\x17.trainguard.v1.Severity\"\xf5\x01\n\x16WorkerHeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x46\n\tsection_s\x18\x07 \x03(\x0b\x32\x33.trainguard.v1.WorkerHeartbeatRequest.SectionSEntry\x1a/\n\rSectionSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"k\n\x08\x41\x64visory\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.trainguard.v1.AdvisoryKind\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0b\x61\x64visory_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61t_step\x18\x04 \x01(\x03\"Z\n\x17WorkerHeartbeatResponse\x12+\n\nadvisories\x18\x01 \x03(\x0b\x32\x17.trainguard.v1.Advisory\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"o\n\x10\x43heckpointReport\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0f\n\x07stall_s\x18\x05 \x01(\x01\x12\x11\n\tpersist_s\x18\x06 \x01(\x01\"\x1a\n\x18\x43heckpointReportResponse\"\xc0\x01\n\x10\x41ttachJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x14\n\x0clauncher_pid\x18\x04 \x01(\x05\x12\x12\n\narena_root\x18\x05 \x01(\t\x12\r\n\x05token\x18\x06 \x01(\t\x12\x13\n\x0btls_ca_file\x18\x07 \x01(\t\x12\x15\n\rtls_cert_file\x18\x08 \x01(\t\x12\x14\n\x0ctls_key_file\x18\t \x01(\t\"M\n\x11\x41ttachJobResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\narena_kept\x18\x02 \x01(\x08\x12\x13\n\x0b\x61rena_ttl_s\x18\x03 \x01(\x01\"D\n\x10\x44\x65tachJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05\x65nded\x18\x02 \x01(\x08\x12\x14\n\x0clauncher_pid\x18\x03 \x01(\x05\"*\n\x11\x44\x65tachJobResponse\x12\x15\n\rarena_removed\x18\x01 \x01(\x08*\xb8\x01\n\rDetectorState\x12\x1e\n\x1a\x44\x45TECTOR_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x45TECTOR_STATE_OK\x10\x01\x12\x1b\n\x17\x44\x45TECTOR_STATE_DEGRADED\x10\x02\x12\x19\n\x15\x44\x45TECTOR_STATE_FAILED\x10\x03\x12\x1e\n\x1a\x44\x45TECTOR_STATE_NO_HARDWARE\x10\x04\x12\x18\n\x14\x44\x45TECTOR_STATE_ERROR\x10\x05*\xc6\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x18\n\x14WORKER_STATE_RUNNING\x10\x02\x12\x1a\n\x16WORKER_STATE_SUCCEEDED\x10\x03\x12\x17\n\x13WORKER_STATE_FAILED\x10\x04\x12\x18\n\x14WORKER_STATE_STOPPED\x10\x05\x12\x15\n\x11WORKER_STATE_HUNG\x10\x06*g\n\x0c\x41\x64visoryKind\x12\x1d\n\x19\x41\x44VISORY_KIND_UNSPECIFIED\x10\x00\x12 \n\x1c\x41\x44VISORY_KIND_CHECKPOINT_NOW\x10\x01\x12\x16\n\x12\x41\x44VISORY_KIND_STOP\x10\x02\x32\x84\x04\n\tNodeAgent\x12G\n\tGetHealth\x12\x1f.trainguard.v1.GetHealthRequest\x1a\x19.trainguard.v1.NodeHealth\x12N\n\x0bWatchEvents\x12!.trainguard.v1.WatchEventsRequest\x1a\x1a.trainguard.v1.HealthEvent0\x01\x12`\n\x0fWorkerHeartbeat\x12%.trainguard.v1.WorkerHeartbeatRequest\x1a&.trainguard.v1.WorkerHeartbeatResponse\x12\\\n\x10ReportCheckpoint\x12\x1f.trainguard.v1.CheckpointReport\x1a\'.trainguard.v1.CheckpointReportResponse\x12N\n\tAttachJob\x12\x1f.trainguard.v1.AttachJobRequest\x1a .trainguard.v1.AttachJobResponse\x12N\n\tDetachJob\x12\x1f.trainguard.v1.DetachJobRequest\x1a .trainguard.v1.DetachJobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*trainguard/proto/trainguard/v1/agent.proto\x12\rtrainguard.v1\x1a+trainguard/proto/trainguard/v1/common.proto\"&\n\x10GetHealthRequest\x12\x12\n\nmax_events\x18\x01 \x01(\x05\"\xc8\x01\n\x0e\x44\x65tectorStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.trainguard.v1.DetectorState\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12;\n\x07metrics\x18\x04 \x03(\x0b\x32*.trainguard.v1.DetectorStatus.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa7\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.trainguard.v1.WorkerState\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x1c\n\x14last_heartbeat_age_s\x18\x06 \x01(\x01\x12\x11\n\texit_code\x18\x07 \x01(\x05\"\xc9\x03\n\nNodeHealth\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12\x30\n\tdetectors\x18\x04 \x03(\x0b\x32\x1d.trainguard.v1.DetectorStatus\x12\x31\n\rrecent_events\x18\x05 \x03(\x0b\x32\x1a.trainguard.v1.HealthEvent\x12\x17\n\x0fpredictor_score\x18\x06 \x01(\x01\x12\x1b\n\x13predictor_threshold\x18\x07 \x01(\x01\x12,\n\x07workers\x18\x08 \x03(\x0b\x32\x1b.trainguard.v1.WorkerStatus\x12\x0b\n\x03job\x18\t \x01(\t\x12\x12\n\ngeneration\x18\n \x01(\x03\x12\x1c\n\x14last_checkpoint_step\x18\x0b \x01(\x03\x12/\n\x08\x66\x61ilslow\x18\x0c \x01(\x0b\x32\x1d.trainguard.v1.FailSlowStatus\x12\x16\n\rreplica_bytes\x18\x8c\x01 \x01(\x03\x12\x1c\n\x13replica_limit_bytes\x18\x8d\x01 \x01(\x03\x12\x18\n\x0freplica_buddies\x18\x8e\x01 \x03(\t\"S\n\x12WatchEventsRequest\x12\x0e\n\x06replay\x18\x01 \x01(\x05\x12-\n\x0cmin_severity\x18\x02 \x01(\x0e\x32\x17.trainguard.v1.Severity\"\xf5\x01\n\x16WorkerHeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x46\n\tsection_s\x18\x07 \x03(\x0b\x32\x33.trainguard.v1.WorkerHeartbeatRequest.SectionSEntry\x1a/\n\rSectionSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"k\n\x08\x41\x64visory\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.trainguard.v1.AdvisoryKind\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0b\x61\x64visory_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61t_step\x18\x04 \x01(\x03\"Z\n\x17WorkerHeartbeatResponse\x12+\n\nadvisories\x18\x01 \x03(\x0b\x32\x17.trainguard.v1.Advisory\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"o\n\x10\x43heckpointReport\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0f\n\x07stall_s\x18\x05 \x01(\x01\x12\x11\n\tpersist_s\x18\x06 \x01(\x01\"\x1a\n\x18\x43heckpointReportResponse\"\xc0\x01\n\x10\x41ttachJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x13\n\x0b\x63oordinator\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x14\n\x0clauncher_pid\x18\x04 \x01(\x05\x12\x12\n\narena_root\x18\x05 \x01(\t\x12\r\n\x05token\x18\x06 \x01(\t\x12\x13\n\x0btls_ca_file\x18\x07 \x01(\t\x12\x15\n\rtls_cert_file\x18\x08 \x01(\t\x12\x14\n\x0ctls_key_file\x18\t \x01(\t\"M\n\x11\x41ttachJobResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\narena_kept\x18\x02 \x01(\x08\x12\x13\n\x0b\x61rena_ttl_s\x18\x03 \x01(\x01\"D\n\x10\x44\x65tachJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05\x65nded\x18\x02 \x01(\x08\x12\x14\n\x0clauncher_pid\x18\x03 \x01(\x05\"*\n\x11\x44\x65tachJobResponse\x12\x15\n\rarena_removed\x18\x01 \x01(\x08*\xb8\x01\n\rDetectorState\x12\x1e\n\x1a\x44\x45TECTOR_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x45TECTOR_STATE_OK\x10\x01\x12\x1b\n\x17\x44\x45TECTOR_STATE_DEGRADED\x10\x02\x12\x19\n\x15\x44\x45TECTOR_STATE_FAILED\x10\x03\x12\x1e\n\x1a\x44\x45TECTOR_STATE_NO_HARDWARE\x10\x04\x12\x18\n\x14\x44\x45TECTOR_STATE_ERROR\x10\x05*\xc6\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x18\n\x14WORKER_STATE_RUNNING\x10\x02\x12\x1a\n\x16WORKER_STATE_SUCCEEDED\x10\x03\x12\x17\n\x13WORKER_STATE_FAILED\x10\x04\x12\x18\n\x14WORKER_STATE_STOPPED\x10\x05\x12\x15\n\x11WORKER_STATE_HUNG\x10\x06*g\n\x0c\x41\x64visoryKind\x12\x1d\n\x19\x41\x44VISORY_KIND_UNSPECIFIED\x10\x00\x12 \n\x1c\x41\x44VISORY_KIND_CHECKPOINT_NOW\x10\x01\x12\x16\n\x12\x41\x44VISORY_KIND_STOP\x10\x02\x32\x84\x04\n\tNodeAgent\x12G\n\tGetHealth\x12\x1f.trainguard.v1.GetHealthRequest\x1a\x19.trainguard.v1.NodeHealth\x12N\n\x0bWatchEvents\x12!.trainguard.v1.WatchEventsRequest\x1a\x1a.trainguard.v1.HealthEvent0\x01\x12`\n\x0fWorkerHeartbeat\x12%.trainguard.v1.WorkerHeartbeatRequest\x1a&.trainguard.v1.WorkerHeartbeatResponse\x12\\\n\x10ReportCheckpoint\x12\x1f.trainguard.v1.CheckpointReport\x1a\'.trainguard.v1.CheckpointReportResponse\x12N\n\tAttachJob\x12\x1f.trainguard.v1.AttachJobRequest\x1a .trainguard.v1.AttachJobResponse\x12N\n\tDetachJob\x12\x1f.trainguard.v1.DetachJobRequest\x1a .trainguard.v1.DetachJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,12 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DETECTORSTATUS_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_WORKERHEARTBEATREQUEST_SECTIONSENTRY']._loaded_options = None
   _globals['_WORKERHEARTBEATREQUEST_SECTIONSENTRY']._serialized_options = b'8\001'
-  _globals['_DETECTORSTATE']._serialized_start=1963
-  _globals['_DETECTORSTATE']._serialized_end=2147
-  _globals['_WORKERSTATE']._serialized_start=2150
-  _globals['_WORKERSTATE']._serialized_end=2348
-  _globals['_ADVISORYKIND']._serialized_start=2350
-  _globals['_ADVISORYKIND']._serialized_end=2453
+  _globals['_DETECTORSTATE']._serialized_start=2043
+  _globals['_DETECTORSTATE']._serialized_end=2227
+  _globals['_WORKERSTATE']._serialized_start=2230
+  _globals['_WORKERSTATE']._serialized_end=2428
+  _globals['_ADVISORYKIND']._serialized_start=2430
+  _globals['_ADVISORYKIND']._serialized_end=2533
   _globals['_GETHEALTHREQUEST']._serialized_start=106
   _globals['_GETHEALTHREQUEST']._serialized_end=144
   _globals['_DETECTORSTATUS']._serialized_start=147
@@ -51,29 +51,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERSTATUS']._serialized_start=350
   _globals['_WORKERSTATUS']._serialized_end=517
   _globals['_NODEHEALTH']._serialized_start=520
-  _globals['_NODEHEALTH']._serialized_end=897
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=899
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=982
-  _globals['_WORKERHEARTBEATREQUEST']._serialized_start=985
-  _globals['_WORKERHEARTBEATREQUEST']._serialized_end=1230
-  _globals['_WORKERHEARTBEATREQUEST_SECTIONSENTRY']._serialized_start=1183
-  _globals['_WORKERHEARTBEATREQUEST_SECTIONSENTRY']._serialized_end=1230
-  _globals['_ADVISORY']._serialized_start=1232
-  _globals['_ADVISORY']._serialized_end=1339
-  _globals['_WORKERHEARTBEATRESPONSE']._serialized_start=1341
-  _globals['_WORKERHEARTBEATRESPONSE']._serialized_end=1431
-  _globals['_CHECKPOINTREPORT']._serialized_start=1433
-  _globals['_CHECKPOINTREPORT']._serialized_end=1544
-  _globals['_CHECKPOINTREPORTRESPONSE']._serialized_start=1546
-  _globals['_CHECKPOINTREPORTRESPONSE']._serialized_end=1572
-  _globals['_ATTACHJOBREQUEST']._serialized_start=1575
-  _globals['_ATTACHJOBREQUEST']._serialized_end=1767
-  _globals['_ATTACHJOBRESPONSE']._serialized_start=1769
-  _globals['_ATTACHJOBRESPONSE']._serialized_end=1846
-  _globals['_DETACHJOBREQUEST']._serialized_start=1848
-  _globals['_DETACHJOBREQUEST']._serialized_end=1916
-  _globals['_DETACHJOBRESPONSE']._serialized_start=1918
-  _globals['_DETACHJOBRESPONSE']._serialized_end=1960
-  _globals['_NODEAGENT']._serialized_start=2456
-  _globals['_NODEAGENT']._serialized_end=2972
+  _globals['_NODEHEALTH']._serialized_end=977
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=979
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=1062
+  _globals['_WORKERHEARTBEATREQUEST']._serialized_start=1065
+  _globals['_WORKERHEARTBEATREQUEST']._serialized_end=1310
+  _globals['_WORKERHEARTBEATREQUEST_SECTIONSENTRY']._serialized_start=1263
+  _globals['_WORKERHEARTBEATREQUEST_SECTIONSENTRY']._serialized_end=1310
+  _globals['_ADVISORY']._serialized_start=1312
+  _globals['_ADVISORY']._serialized_end=1419
+  _globals['_WORKERHEARTBEATRESPONSE']._serialized_start=1421
+  _globals['_WORKERHEARTBEATRESPONSE']._serialized_end=1511
+  _globals['_CHECKPOINTREPORT']._serialized_start=1513
+  _globals['_CHECKPOINTREPORT']._serialized_end=1624
+  _globals['_CHECKPOINTREPORTRESPONSE']._serialized_start=1626
+  _globals['_CHECKPOINTREPORTRESPONSE']._serialized_end=1652
+  _globals['_ATTACHJOBREQUEST']._serialized_start=1655
+  _globals['_ATTACHJOBREQUEST']._serialized_end=1847
+  _globals['_ATTACHJOBRESPONSE']._serialized_start=1849
+  _globals['_ATTACHJOBRESPONSE']._serialized_end=1926
+  _globals['_DETACHJOBREQUEST']._serialized_start=1928
+  _globals['_DETACHJOBREQUEST']._serialized_end=1996
+  _globals['_DETACHJOBRESPONSE']._serialized_start=1998
+  _globals['_DETACHJOBRESPONSE']._serialized_end=2040
+  _globals['_NODEAGENT']._serialized_start=2536
+  _globals['_NODEAGENT']._serialized_end=3052
 # @@protoc_insertion_point(module_scope)

@@ -93,7 +93,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., step: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., exit_code: _Optional[int] = ...) -> None: ...
 
 class NodeHealth(_message.Message):
-    __slots__ = ("node_id", "version", "uptime_s", "detectors", "recent_events", "predictor_score", "predictor_threshold", "workers", "job", "generation", "last_checkpoint_step", "failslow")
+    __slots__ = ("node_id", "version", "uptime_s", "detectors", "recent_events", "predictor_score", "predictor_threshold", "workers", "job", "generation", "last_checkpoint_step", "failslow", "replica_bytes", "replica_limit_bytes", "replica_buddies")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,9 @@ class NodeHealth(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     FAILSLOW_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_BUDDIES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     uptime_s: float
@@ -118,7 +121,10 @@ class NodeHealth(_message.Message):
     generation: int
     last_checkpoint_step: int
     failslow: _common_pb2.FailSlowStatus
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., detectors: _Optional[_Iterable[_Union[DetectorStatus, _Mapping]]] = ..., recent_events: _Optional[_Iterable[_Union[_common_pb2.HealthEvent, _Mapping]]] = ..., predictor_score: _Optional[float] = ..., predictor_threshold: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ...) -> None: ...
+    replica_bytes: int
+    replica_limit_bytes: int
+    replica_buddies: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., detectors: _Optional[_Iterable[_Union[DetectorStatus, _Mapping]]] = ..., recent_events: _Optional[_Iterable[_Union[_common_pb2.HealthEvent, _Mapping]]] = ..., predictor_score: _Optional[float] = ..., predictor_threshold: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., replica_bytes: _Optional[int] = ..., replica_limit_bytes: _Optional[int] = ..., replica_buddies: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("replay", "min_severity")

@@ -17,6 +17,13 @@ class NodeCommand(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_COMMAND_STOP: _ClassVar[NodeCommand]
     NODE_COMMAND_WAIT: _ClassVar[NodeCommand]
 
+class RestoreSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESTORE_SOURCE_UNSPECIFIED: _ClassVar[RestoreSource]
+    RESTORE_SOURCE_LOCAL_MEMORY: _ClassVar[RestoreSource]
+    RESTORE_SOURCE_PEER_MEMORY: _ClassVar[RestoreSource]
+    RESTORE_SOURCE_STORAGE: _ClassVar[RestoreSource]
+
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
@@ -46,6 +53,10 @@ NODE_COMMAND_START: NodeCommand
 NODE_COMMAND_RESTART: NodeCommand
 NODE_COMMAND_STOP: NodeCommand
 NODE_COMMAND_WAIT: NodeCommand
+RESTORE_SOURCE_UNSPECIFIED: RestoreSource
+RESTORE_SOURCE_LOCAL_MEMORY: RestoreSource
+RESTORE_SOURCE_PEER_MEMORY: RestoreSource
+RESTORE_SOURCE_STORAGE: RestoreSource
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_FORMING: JobState
 JOB_STATE_RUNNING: JobState
@@ -85,7 +96,7 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings", "qualification", "link_probe_port", "link_results")
+    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings", "qualification", "link_probe_port", "link_results", "memory", "replica_address", "replica_bytes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +109,9 @@ class NodeHeartbeatRequest(_message.Message):
     QUALIFICATION_FIELD_NUMBER: _ClassVar[int]
     LINK_PROBE_PORT_FIELD_NUMBER: _ClassVar[int]
     LINK_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_BYTES_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     lease_id: str
@@ -110,7 +124,10 @@ class NodeHeartbeatRequest(_message.Message):
     qualification: NodeQualification
     link_probe_port: int
     link_results: _containers.RepeatedCompositeFieldContainer[LinkProbeResult]
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., qualification: _Optional[_Union[NodeQualification, _Mapping]] = ..., link_probe_port: _Optional[int] = ..., link_results: _Optional[_Iterable[_Union[LinkProbeResult, _Mapping]]] = ...) -> None: ...
+    memory: _containers.RepeatedCompositeFieldContainer[MemoryHolding]
+    replica_address: str
+    replica_bytes: int
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., qualification: _Optional[_Union[NodeQualification, _Mapping]] = ..., link_probe_port: _Optional[int] = ..., link_results: _Optional[_Iterable[_Union[LinkProbeResult, _Mapping]]] = ..., memory: _Optional[_Iterable[_Union[MemoryHolding, _Mapping]]] = ..., replica_address: _Optional[str] = ..., replica_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeQualification(_message.Message):
     __slots__ = ("passed", "reason", "duration_s", "checks", "echo_port", "peer_s")
@@ -202,6 +219,48 @@ class LinkProbeResult(_message.Message):
     error: str
     def __init__(self, probe_id: _Optional[str] = ..., peer_node: _Optional[str] = ..., bytes: _Optional[int] = ..., up_s: _Optional[float] = ..., down_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
+class MemoryHolding(_message.Message):
+    __slots__ = ("step", "world_size", "ranks", "replica_ranks")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_RANKS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    world_size: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    replica_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., replica_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RankRestore(_message.Message):
+    __slots__ = ("rank", "source", "peer_node", "peer_address")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PEER_NODE_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    source: RestoreSource
+    peer_node: str
+    peer_address: str
+    def __init__(self, rank: _Optional[int] = ..., source: _Optional[_Union[RestoreSource, str]] = ..., peer_node: _Optional[str] = ..., peer_address: _Optional[str] = ...) -> None: ...
+
+class ReplicaTarget(_message.Message):
+    __slots__ = ("node_id", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class MemoryRestorePlan(_message.Message):
+    __slots__ = ("step", "memory_steps", "ranks")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    memory_steps: _containers.RepeatedScalarFieldContainer[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankRestore]
+    def __init__(self, step: _Optional[int] = ..., memory_steps: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[_Union[RankRestore, _Mapping]]] = ...) -> None: ...
+
 class RankTiming(_message.Message):
     __slots__ = ("rank", "step", "step_s", "wait_s", "compute_s", "steps")
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -231,7 +290,7 @@ class CheckpointRequest(_message.Message):
     def __init__(self, at_step: _Optional[int] = ..., reason: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "checkpoint", "failslow", "stacks", "link_probes")
+    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "checkpoint", "failslow", "stacks", "link_probes", "restore_plan", "replica_targets")
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +300,8 @@ class NodeHeartbeatResponse(_message.Message):
     FAILSLOW_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
     LINK_PROBES_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_PLAN_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_TARGETS_FIELD_NUMBER: _ClassVar[int]
     command: NodeCommand
     rank_table: _common_pb2.RankTable
     interval_s: float
@@ -250,7 +311,9 @@ class NodeHeartbeatResponse(_message.Message):
     failslow: _common_pb2.FailSlowStatus
     stacks: StackRequest
     link_probes: _containers.RepeatedCompositeFieldContainer[LinkProbeAsk]
-    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., stacks: _Optional[_Union[StackRequest, _Mapping]] = ..., link_probes: _Optional[_Iterable[_Union[LinkProbeAsk, _Mapping]]] = ...) -> None: ...
+    restore_plan: MemoryRestorePlan
+    replica_targets: _containers.RepeatedCompositeFieldContainer[ReplicaTarget]
+    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., stacks: _Optional[_Union[StackRequest, _Mapping]] = ..., link_probes: _Optional[_Iterable[_Union[LinkProbeAsk, _Mapping]]] = ..., restore_plan: _Optional[_Union[MemoryRestorePlan, _Mapping]] = ..., replica_targets: _Optional[_Iterable[_Union[ReplicaTarget, _Mapping]]] = ...) -> None: ...
 
 class StackRequest(_message.Message):
     __slots__ = ("request_id", "generation")

@@ -1,0 +1,253 @@
+"""Peer replication of in-memory checkpoints, the node agent's side: serve, push to buddies, fetch for a new slot.
+
+* **Serve**: a ``MemoryReplica`` gRPC server on the node's data address (:mod:`.replica_transport`) receives
+  buddies' copies into the node's :class:`~trainguard.checkpoint.replica_store.ReplicaStore` (bounded memory,
+  published only once verified) and serves copies to replacement nodes.
+* **Push**: a background thread sends each local rank's newest verified snapshot (from :class:`.MemoryTier`) to
+  every buddy the coordinator named for the current table (``NodeHeartbeatResponse.replica_targets``), one copy
+  at a time, under a bandwidth cap. A buddy that changes (lost, or a new table) simply gets the newest copies: the
+  sender remembers what each buddy already holds, so a lost buddy is re-replicated to its successor.
+* **Fetch**: before a replacement node's workers start, the ranks the restore plan sends to a peer's memory are
+  fetched into this node's own arena as memory-tier copies (:func:`~trainguard.checkpoint.replica_store.
+  arena_writer`), so the workers restore from local memory as after a plain restart. A peer that fails (down,
+  no copy, a copy failing its checksums) is followed by the next one holding the rank, then by the workers' own
+  tiers (disk, remote).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from trainguard.agent.errors import AgentError
+from trainguard.agent.memory_tier import MemoryTier
+from trainguard.agent.replica_transport import ReplicaServer, ReplicaServicer, Throttle, copy_stream, fetch, push
+from trainguard.checkpoint.errors import CheckpointError
+from trainguard.checkpoint.replica_store import ReplicaStore, arena_writer
+from trainguard.proto import coordinator_pb2
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaConfigError(AgentError):
+    """A replication setting is out of range (the message names the flag)."""
+
+
+@dataclass
+class ReplicaConfig:
+    """Peer replication of the node's in-memory checkpoints (``trainguard run --replica-*``).
+
+    Attributes:
+        enabled: serve, push and fetch replicas (the coordinator picks the buddies; ``trainguard coordinator
+            --memory-replicas`` sets how many). Default True.
+        bandwidth_mib_s: cap on each push stream, MiB/s; 0 = no cap. Default 1024 (a tenth of a 100 Gb/s NIC).
+        memory_mib: most memory other nodes' replicas may hold on this node, MiB. Default 8192.
+        reserve_mib: tmpfs space a replica must leave free for this node's own next snapshots, MiB. Default 64.
+        timeout_s: bound on one push or fetch, seconds. Default 600.
+    """
+
+    enabled: bool = True
+    bandwidth_mib_s: float = 1024.0
+    memory_mib: int = 8192
+    reserve_mib: int = 64
+    timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        """Raises :class:`ReplicaConfigError` naming the flag of a value out of range."""
+        for flag, value in (("--replica-bandwidth-mib-s", self.bandwidth_mib_s), ("--replica-memory-mib",
+                                                                                 self.memory_mib),
+                            ("--replica-reserve-mib", self.reserve_mib)):
+            if value < 0:
+                raise ReplicaConfigError(f"{flag} {value}: must be >= 0")
+        if self.timeout_s <= 0:
+            raise ReplicaConfigError(f"replica timeout {self.timeout_s}: must be > 0 seconds")
+
+
+@dataclass
+class ReplicaStats:
+    """What replication did so far (logged, and reported in heartbeats as the memory replicas hold)."""
+
+    pushes: int = 0
+    push_failures: int = 0
+    pushed_bytes: int = 0
+    push_seconds: list[float] = field(default_factory=list)  # each completed push, newest last (at most 256)
+    fetches: int = 0
+    fetch_failures: int = 0
+
+
+class ReplicaAgent:
+    """Serves, pushes and fetches one job's replicas on this node (see the module docstring).
+
+    Args:
+        config: the settings.
+        tier: the node's memory tier (own copies to push; replicas are reported through it).
+        node_id: this node.
+        host: the data address to serve on.
+    """
+
+    def __init__(self, config: ReplicaConfig, tier: MemoryTier, node_id: str, host: str) -> None:
+        config.validate()
+        self.config, self.tier, self.node_id, self.job = config, tier, node_id, tier.job
+        self.store = ReplicaStore(tier.shm_root, tier.job, config.memory_mib << 20, config.reserve_mib << 20)
+        tier.replicas = self.store
+        self.servicer = ReplicaServicer(tier.job, self.store, tier.own_copy)
+        self._host = host
+        self.server: ReplicaServer | None = None
+        self.stats = ReplicaStats()
+        self._targets: tuple[tuple[str, str], ...] = ()
+        self._pushed: dict[tuple[str, int], tuple[int, float]] = {}  # (buddy, rank) -> (step, created) it holds
+        self._retry_at: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        tier.on_new_copy = self._wake.set  # a new snapshot is pushed as soon as the scan verified it
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        """host:port of the replica server ("" before :meth:`start`)."""
+        return self.server.address if self.server is not None else ""
+
+    def start(self) -> "ReplicaAgent":
+        """Starts the server and the push thread. A server that cannot listen on the node's address leaves this
+        node out of replication (logged; it reports no replica address, so no node picks it as a buddy)."""
+        if self.server is None:
+            try:
+                self.server = ReplicaServer(self.servicer, self._host)
+            except (CheckpointError, RuntimeError, OSError) as exc:
+                log.warning("not serving in-memory checkpoint replicas: cannot listen on %s (%s); this node's "
+                            "snapshots are still pushed to its buddies", self._host, exc)
+            else:
+                log.info("serving in-memory checkpoint replicas on %s", self.server.address)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="replica-push", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops pushing and serving."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    @property
+    def buddies(self) -> list[str]:
+        """Node ids this node currently replicates to."""
+        with self._lock:
+            return [n for n, _ in self._targets]
+
+    # -- push ------------------------------------------------------------------------------------------------
+    def set_targets(self, targets: Sequence[coordinator_pb2.ReplicaTarget]) -> None:
+        """The buddies the coordinator named in its latest heartbeat answer."""
+        new = tuple((t.node_id, t.address) for t in targets if t.address and t.node_id != self.node_id)
+        with self._lock:
+            if new != self._targets:
+                log.info("replicating in-memory checkpoints to %s", ", ".join(n for n, _ in new) or "nobody")
+                self._targets = new
+                self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._push_due()
+            except Exception:  # noqa: BLE001 - replication must never take the agent down; the next round retries
+                log.exception("replicating in-memory checkpoints failed")
+            self._wake.wait(1.0)  # retries of failed pushes; new snapshots and buddies wake it at once
+            self._wake.clear()
+
+    def _push_due(self) -> None:
+        with self._lock:
+            targets = self._targets
+        copies = self.tier.own_copies()
+        for buddy, address in targets:
+            if time.monotonic() < self._retry_at.get(buddy, 0.0):
+                continue
+            for rank, (step, paths, man) in sorted(copies.items()):
+                if self._stop.is_set():
+                    return
+                if self._pushed.get((buddy, rank)) == (step, man.created):
+                    continue
+                t0 = time.monotonic()
+                try:
+                    ack = push(address, copy_stream(self.job, man, paths.data, self.node_id,
+                                                    Throttle(self.config.bandwidth_mib_s)), self.config.timeout_s)
+                except (grpc.RpcError, CheckpointError, OSError) as exc:
+                    self.stats.push_failures += 1
+                    self._retry_at[buddy] = time.monotonic() + 1.0
+                    log.warning("replica of rank %d step %d to %s failed: %s", rank, step, buddy,
+                                _rpc_text(exc))
+                    break
+                if not ack.ok:
+                    self.stats.push_failures += 1
+                    self._retry_at[buddy] = time.monotonic() + 1.0
+                    log.warning("%s refused the replica of rank %d step %d: %s", buddy, rank, step, ack.error)
+                    break
+                took = time.monotonic() - t0
+                self._pushed[(buddy, rank)] = (step, man.created)
+                self.stats.pushes += 1
+                self.stats.pushed_bytes += man.data_bytes
+                self.stats.push_seconds = (self.stats.push_seconds + [took])[-256:]
+                log.info("replicated rank %d step %d to %s: %d bytes in %.3f s", rank, step, buddy, man.data_bytes,
+                         took)
+
+    # -- fetch -----------------------------------------------------------------------------------------------
+    def fetch_planned(self, plan: coordinator_pb2.MemoryRestorePlan | None, ranks: Sequence[int],
+                      tick: Callable[[], None] | None = None) -> list[int]:
+        """Fetches into this node's arena the local ranks the plan sends to a peer's memory.
+
+        Args:
+            plan: the generation's restore plan (None: nothing to do).
+            ranks: this node's ranks in the new table.
+            tick: called while waiting (keeps the coordinator lease alive).
+
+        Returns:
+            The ranks fetched and verified (the others restore from their own tiers).
+        """
+        if plan is None or plan.step < 0:
+            return []
+        wanted = [e for e in plan.ranks if e.rank in set(ranks)
+                  and e.source == coordinator_pb2.RESTORE_SOURCE_PEER_MEMORY and e.peer_address]
+        done: list[int] = []
+        threads = []
+        for e in wanted:
+            th = threading.Thread(target=self._fetch_one, args=(e, plan.step, done), daemon=True,
+                                  name=f"replica-fetch-{e.rank}")
+            th.start()
+            threads.append(th)
+        for th in threads:
+            while th.is_alive():
+                th.join(0.2)
+                if tick is not None:
+                    tick()
+        return sorted(done)
+
+    def _fetch_one(self, entry: coordinator_pb2.RankRestore, step: int, done: list[int]) -> None:
+        t0 = time.monotonic()
+        try:
+            _, man = fetch(entry.peer_address, self.job, entry.rank, step,
+                           lambda m: arena_writer(self.tier.shm_root, self.job, m), self.config.timeout_s)
+        except (grpc.RpcError, CheckpointError, OSError) as exc:
+            self.stats.fetch_failures += 1
+            log.warning("rank %d: no copy of step %d from %s's memory (%s); its workers restore from disk or "
+                        "remote storage", entry.rank, step, entry.peer_node, _rpc_text(exc))
+            return
+        self.stats.fetches += 1
+        done.append(entry.rank)
+        log.info("fetched rank %d step %d from %s's memory: %d bytes in %.3f s", entry.rank, man.step,
+                 entry.peer_node, man.data_bytes, time.monotonic() - t0)
+
+
+def _rpc_text(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)

@@ -1,0 +1,212 @@
+"""Moving in-memory checkpoint copies between node agents: gRPC streaming over the data network.
+
+Why gRPC streaming: the agents already run gRPC (grpcio is a dependency, its flow control and HTTP/2 framing
+are well kept), a client-streaming ``PushReplica`` and a server-streaming ``FetchReplica`` carry a copy in
+bounded pieces (:data:`PIECE_BYTES`) without a framing of our own, and a peer that dies mid-stream surfaces as
+a cancelled or failed stream on the other side. The bytes themselves are never trusted: the sender checks each
+checksum chunk against the manifest before sending it (a slot rewritten under it aborts the push), and the
+receiver verifies the whole copy again before publishing it (:mod:`trainguard.checkpoint.replica_store`), so a
+copy that looks complete is complete.
+
+Framing: the first :class:`ReplicaChunk` is a header (job, rank, step, manifest JSON, sender); every further one
+carries ``data`` at ``offset``.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
+
+import grpc
+
+from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from trainguard.checkpoint.manifest import CHECKSUM_ALGO, Manifest, chunk_checksum
+from trainguard.checkpoint.replica_store import ReplicaRefusedError, ReplicaStore, ReplicaWriter
+from trainguard.proto import replica_pb2, replica_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: Most bytes of data per message: one checksum chunk of the default 4 MiB goes as one message, without a copy
+#: (both sides raise gRPC's 4 MiB default message limit to :data:`MAX_MESSAGE_BYTES`).
+PIECE_BYTES = 4 << 20
+#: Largest message either side accepts: a piece, or a header whose manifest lists many tensors.
+MAX_MESSAGE_BYTES = 64 << 20
+_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+class Throttle:
+    """Caps the bytes per second of one stream (0: no cap), sleeping the sender as needed.
+
+    Args:
+        mib_s: the cap in MiB/s.
+    """
+
+    def __init__(self, mib_s: float) -> None:
+        self.rate = mib_s * (1 << 20)
+        self._t0 = time.monotonic()
+        self._sent = 0
+
+    def take(self, nbytes: int) -> None:
+        """Accounts ``nbytes`` about to be sent; returns when the cap allows them."""
+        self._sent += nbytes
+        if self.rate > 0:
+            ahead = self._sent / self.rate - (time.monotonic() - self._t0)
+            if ahead > 0:
+                time.sleep(ahead)
+
+
+def copy_stream(job: str, man: Manifest, data_path: str, from_node: str,
+                throttle: Throttle) -> Iterator[replica_pb2.ReplicaChunk]:
+    """The messages of one copy: the header, then the data checked chunk by chunk against the manifest.
+
+    Raises (while iterating):
+        CorruptCheckpointError: a chunk does not match its checksum (the slot was reused, or the copy is damaged).
+    """
+    yield replica_pb2.ReplicaChunk(job=job, rank=man.rank, step=man.step, manifest=man.to_json(), from_node=from_node)
+    fd = os.open(data_path, os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, man.data_bytes, prot=mmap.PROT_READ) as m:
+            cb = man.chunk_bytes
+            for i, expected in enumerate(man.chunks):
+                o, e = i * cb, min((i + 1) * cb, man.data_bytes)
+                chunk = m[o:e]
+                if chunk_checksum(chunk) != expected:
+                    raise CorruptCheckpointError(f"rank {man.rank} step {man.step}: chunk {i} fails its "
+                                                 f"{CHECKSUM_ALGO} checksum (the slot was reused or is damaged)")
+                for p in range(0, len(chunk), PIECE_BYTES):
+                    piece = chunk[p:p + PIECE_BYTES]
+                    throttle.take(len(piece))
+                    yield replica_pb2.ReplicaChunk(offset=o + p, data=piece)
+    finally:
+        os.close(fd)
+
+
+def receive(messages: Iterable[replica_pb2.ReplicaChunk], job: str,
+            open_writer: Callable[[Manifest], ReplicaWriter]) -> tuple[object, Manifest]:
+    """Reads one copy from ``messages`` into a writer and commits it.
+
+    Returns:
+        (what the writer's commit returned, the manifest).
+
+    Raises:
+        ReplicaRefusedError: a bad header, a foreign job, no room, a torn stream or a checksum mismatch (nothing
+            is published). A failure of the stream itself (the peer died) propagates after the partial copy is
+            dropped.
+    """
+    it = iter(messages)
+    try:
+        head = next(it)
+    except StopIteration as exc:
+        raise ReplicaRefusedError("empty replica stream") from exc
+    if head.job != job:
+        raise ReplicaRefusedError(f"replica of job {head.job!r} sent to the agent of job {job!r}")
+    try:
+        man = Manifest.from_json(head.manifest, f"replica header of rank {head.rank} step {head.step}")
+    except CorruptCheckpointError as exc:
+        raise ReplicaRefusedError(str(exc)) from exc
+    if (man.rank, man.step) != (head.rank, head.step):
+        raise ReplicaRefusedError(f"replica header says rank {head.rank} step {head.step}, its manifest rank "
+                                  f"{man.rank} step {man.step}")
+    with open_writer(man) as w:
+        for msg in it:
+            w.write(msg.offset, msg.data)
+        return w.commit(), man
+
+
+class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
+    """Receives buddies' copies into the store and serves copies to replacement nodes.
+
+    Args:
+        job: the job.
+        store: where received replicas go.
+        own_copy: rank -> (data path, manifest) of this node's own newest verified copy of that rank, or None.
+    """
+
+    def __init__(self, job: str, store: ReplicaStore,
+                 own_copy: Callable[[int], tuple[str, Manifest] | None]) -> None:
+        self.job, self.store, self.own_copy = job, store, own_copy
+        self.received_bytes = 0
+
+    def PushReplica(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        try:
+            replica, man = receive(request_iterator, self.job, self.store.begin)
+        except ReplicaRefusedError as exc:
+            log.warning("replica refused: %s", exc)
+            return replica_pb2.ReplicaAck(ok=False, error=str(exc))
+        self.received_bytes += man.data_bytes
+        log.info("holding the replica of rank %d step %d (%d bytes)", man.rank, man.step, man.data_bytes)
+        return replica_pb2.ReplicaAck(ok=True, bytes=man.data_bytes)
+
+    def FetchReplica(self, request, context):  # noqa: N802 (gRPC method name)
+        if request.job != self.job:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"this agent serves job {self.job!r}, not {request.job!r}")
+        candidates = []
+        own = self.own_copy(request.rank)
+        if own is not None and own[1].step >= request.min_step:
+            candidates.append(own)
+        rep = self.store.newest(request.rank, request.min_step)
+        if rep is not None:
+            candidates.append((rep.data, rep.manifest))
+        if not candidates:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no in-memory copy of rank {request.rank} at step >= "
+                                                     f"{request.min_step} on this node")
+        data, man = max(candidates, key=lambda c: c[1].step)
+        try:
+            yield from copy_stream(self.job, man, data, "", Throttle(0))
+        except (CorruptCheckpointError, OSError) as exc:
+            context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+
+
+class ReplicaServer:
+    """The agent's ``MemoryReplica`` gRPC server on its data address.
+
+    Args:
+        servicer: the service.
+        host: address to listen on (the node's data address).
+    """
+
+    def __init__(self, servicer: ReplicaServicer, host: str) -> None:
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="replica"),
+                                  options=_OPTIONS)
+        replica_pb2_grpc.add_MemoryReplicaServicer_to_server(servicer, self.server)
+        bracket = f"[{host}]" if ":" in host else host
+        port = self.server.add_insecure_port(f"{bracket}:0")
+        if not port:
+            raise CheckpointError(f"cannot listen for replicas on {host}")
+        self.address = f"{bracket}:{port}"
+        self.server.start()
+
+    def stop(self) -> None:
+        """Stops serving (in-flight streams are cancelled; their partial copies are dropped)."""
+        self.server.stop(0.5).wait()
+
+
+def push(address: str, messages: Iterator[replica_pb2.ReplicaChunk], timeout_s: float) -> replica_pb2.ReplicaAck:
+    """Sends one copy to the buddy at ``address``.
+
+    Raises:
+        grpc.RpcError: the buddy is unreachable or died mid-stream, or the stream failed on this side (a chunk
+            failing its checksum cancels it).
+    """
+    with grpc.insecure_channel(address, options=_OPTIONS) as ch:
+        return replica_pb2_grpc.MemoryReplicaStub(ch).PushReplica(messages, timeout=timeout_s)
+
+
+def fetch(address: str, job: str, rank: int, min_step: int, open_writer: Callable[[Manifest], ReplicaWriter],
+          timeout_s: float) -> tuple[object, Manifest]:
+    """Fetches the newest copy of ``rank`` (step >= ``min_step``) from the node at ``address``.
+
+    Raises:
+        grpc.RpcError: the peer is unreachable, holds no such copy (NOT_FOUND), or died mid-stream.
+        ReplicaRefusedError: the copy failed verification or does not fit (nothing is published).
+    """
+    with grpc.insecure_channel(address, options=_OPTIONS) as ch:
+        stream = replica_pb2_grpc.MemoryReplicaStub(ch).FetchReplica(
+            replica_pb2.FetchReplicaRequest(job=job, rank=rank, min_step=min_step), timeout=timeout_s)
+        return receive(stream, job, open_writer)
+

@@ -1,0 +1,324 @@
+"""Other nodes' snapshots held in this node's memory (peer replicas), published only once verified.
+
+Layout, next to the job's own arena (``<shm_root>/<job>/rank_NNNNN/``)::
+
+    <shm_root>/<job>/replicas/rank_00003/step_000000000120.data            raw bytes, the arena's data layout
+    <shm_root>/<job>/replicas/rank_00003/step_000000000120.manifest.json   present only for a complete copy
+    <shm_root>/<job>/replicas/rank_00003/.partial-<uuid>                   a copy being received
+
+A copy arrives in pieces into a ``.partial-*`` file; :meth:`ReplicaWriter.commit` verifies every chunk against the
+manifest's checksums, renames the data into place, then writes the manifest (temporary name + rename): the
+manifest is the commit marker, so a sender or receiver killed mid-transfer leaves at most a ``.partial-*`` file
+that nothing lists (and the next store on that root removes). Only the newest copy per rank is kept.
+
+Memory is bounded: ``max_bytes`` caps what replicas may hold, and a new copy first evicts older replicas (other
+ranks' oldest steps first), never this node's own snapshots, which live in the arena's rank directories and are
+not this store's to touch. When the tmpfs itself is short of room for the copy plus ``reserve_bytes`` (kept free
+for the node's own next snapshots), replicas are evicted too, and the copy is refused if that is not enough.
+
+No torch import (the agent uses it).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import shutil
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from trainguard.checkpoint.arena import SlotPaths, free_bytes, read_tag, write_tag
+from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from trainguard.checkpoint.manifest import Manifest, verify_checksums
+
+_STEP_RE = re.compile(r"^step_(\d{12})\.manifest\.json$")
+_RANK_RE = re.compile(r"^rank_(\d{5})$")
+
+
+class ReplicaRefusedError(CheckpointError):
+    """A replica does not fit (memory bound or tmpfs full) or failed verification; the message says which."""
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One complete replica: its files and its manifest."""
+
+    rank: int
+    step: int
+    data: str
+    manifest_path: str
+    manifest: Manifest
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of memory the copy holds."""
+        return self.manifest.data_bytes
+
+
+class ReplicaStore:
+    """The replicas of one job on this node (see the module docstring).
+
+    Args:
+        shm_root: the arena root (tmpfs).
+        job: job name.
+        max_bytes: cap on the bytes all replicas may hold (0: no replicas at all).
+        reserve_bytes: free tmpfs space a new replica must leave for this node's own snapshots.
+    """
+
+    def __init__(self, shm_root: str, job: str, max_bytes: int, reserve_bytes: int = 0) -> None:
+        self.root = os.path.join(shm_root, job, "replicas")
+        self.max_bytes = max_bytes
+        self.reserve_bytes = reserve_bytes
+        self._lock = threading.Lock()
+        self._manifests: dict[str, tuple[int, int, Manifest]] = {}  # parsed manifests, by path and mtime
+        #: replicas evicted to make room since start (a metric).
+        self.evicted = 0
+        os.makedirs(self.root, exist_ok=True)
+        for d, _, names in os.walk(self.root):  # a receiver killed mid-transfer left these
+            for n in names:
+                if n.startswith(".partial-") or n.endswith(".tmp"):
+                    try:
+                        os.unlink(os.path.join(d, n))
+                    except OSError:
+                        pass
+
+    def _rank_dir(self, rank: int) -> str:
+        return os.path.join(self.root, f"rank_{rank:05d}")
+
+    @staticmethod
+    def _base(directory: str, step: int) -> str:
+        return os.path.join(directory, f"step_{step:012d}")
+
+    # -- listing ---------------------------------------------------------------------------------------------
+    def replicas(self) -> list[Replica]:
+        """Every complete replica (damaged manifests skipped), oldest step first."""
+        out = []
+        try:
+            rank_names = os.listdir(self.root)
+        except OSError:
+            return out
+        for rn in rank_names:
+            m = _RANK_RE.match(rn)
+            if not m:
+                continue
+            d = os.path.join(self.root, rn)
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            for n in names:
+                sm = _STEP_RE.match(n)
+                if not sm:
+                    continue
+                base = self._base(d, int(sm.group(1)))
+                try:
+                    man = self._manifest(base + ".manifest.json")
+                except (OSError, CorruptCheckpointError):
+                    continue
+                out.append(Replica(int(m.group(1)), man.step, base + ".data", base + ".manifest.json", man))
+        return sorted(out, key=lambda r: (r.step, r.rank))
+
+    def _manifest(self, path: str) -> Manifest:
+        st = os.stat(path)
+        hit = self._manifests.get(path)
+        if hit is not None and hit[0] == st.st_mtime_ns and hit[1] == st.st_size:
+            return hit[2]
+        with open(path, "rb") as f:
+            man = Manifest.from_json(f.read(), path)
+        if len(self._manifests) > 4096:
+            self._manifests.clear()
+        self._manifests[path] = (st.st_mtime_ns, st.st_size, man)
+        return man
+
+    def newest(self, rank: int, min_step: int = -1) -> Replica | None:
+        """The newest complete replica of ``rank`` of at least ``min_step``, or None."""
+        mine = [r for r in self.replicas() if r.rank == rank and r.step >= min_step]
+        return mine[-1] if mine else None
+
+    def bytes_held(self) -> int:
+        """Bytes of memory all complete replicas hold."""
+        return sum(r.nbytes for r in self.replicas())
+
+    # -- writing ---------------------------------------------------------------------------------------------
+    def begin(self, manifest: Manifest) -> "ReplicaWriter":
+        """Makes room for and starts receiving a copy of ``manifest``'s rank and step.
+
+        Raises:
+            ReplicaRefusedError: it cannot fit within ``max_bytes`` or the tmpfs even after evicting every other
+                replica (the message names the bound).
+        """
+        need = manifest.data_bytes
+        with self._lock:
+            if need > self.max_bytes:
+                raise ReplicaRefusedError(f"replica of rank {manifest.rank} step {manifest.step} is {need} bytes, "
+                                          f"over the replica memory bound of {self.max_bytes} bytes")
+            held = self.replicas()
+            # Evict the oldest replicas of other ranks and older copies of this rank until the new one fits.
+            victims = [r for r in held if not (r.rank == manifest.rank and r.step >= manifest.step)]
+            total = sum(r.nbytes for r in held)
+            while victims and (total + need > self.max_bytes or self._short(need)):
+                v = victims.pop(0)
+                self._remove(v)
+                total -= v.nbytes
+                self.evicted += 1
+            if total + need > self.max_bytes or self._short(need):
+                raise ReplicaRefusedError(
+                    f"no room for the replica of rank {manifest.rank} step {manifest.step} ({need} bytes): "
+                    f"replicas hold {total} of {self.max_bytes} bytes and the tmpfs has "
+                    f"{free_bytes(self.root)} bytes free with {self.reserve_bytes} reserved for own snapshots")
+            d = self._rank_dir(manifest.rank)
+            os.makedirs(d, exist_ok=True)
+            return ReplicaWriter(manifest, os.path.join(d, f".partial-{uuid.uuid4().hex}"), self._publish)
+
+    def _short(self, need: int) -> bool:
+        return free_bytes(self.root) < need + self.reserve_bytes
+
+    def _remove(self, r: Replica) -> None:
+        for p in (r.manifest_path, r.data):  # the manifest first: the copy stops being listed at once
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    def _publish(self, manifest: Manifest, partial: str) -> Replica:
+        with self._lock:
+            d = self._rank_dir(manifest.rank)
+            base = self._base(d, manifest.step)
+            try:
+                os.unlink(base + ".manifest.json")  # a copy of the same step already here: replaced
+            except FileNotFoundError:
+                pass
+            os.replace(partial, base + ".data")
+            tmp = base + ".manifest.json.tmp"
+            with open(tmp, "wb") as f:
+                f.write(manifest.to_json())
+            os.replace(tmp, base + ".manifest.json")  # the commit marker, last
+            for r in self.replicas():
+                if r.rank == manifest.rank and r.step < manifest.step:
+                    self._remove(r)  # only the newest copy per rank is kept
+            return Replica(manifest.rank, manifest.step, base + ".data", base + ".manifest.json", manifest)
+
+    def remove_all(self) -> None:
+        """Deletes every replica (the job is over)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class ReplicaWriter:
+    """One copy being received into ``partial``, published by ``publish(manifest, partial)`` once verified (see
+    :meth:`ReplicaStore.begin` and :func:`arena_writer`); use as a context manager to abort on error."""
+
+    def __init__(self, manifest: Manifest, partial: str, publish: Callable[[Manifest, str], Any]) -> None:
+        self.manifest, self.partial, self._publish = manifest, partial, publish
+        self.received = 0
+        self.fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(self.fd, 0, max(manifest.data_bytes, 1))
+        except OSError as exc:
+            self.abort()
+            raise ReplicaRefusedError(f"cannot allocate {manifest.data_bytes} bytes for a replica: {exc}") from exc
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Writes one piece at ``offset``.
+
+        Raises:
+            ReplicaRefusedError: the piece lies outside the copy.
+        """
+        if offset < 0 or offset + len(data) > self.manifest.data_bytes:
+            raise ReplicaRefusedError(f"piece at {offset} (+{len(data)}) is outside the copy's "
+                                      f"{self.manifest.data_bytes} bytes")
+        os.pwrite(self.fd, data, offset)
+        self.received += len(data)
+
+    def commit(self) -> Any:
+        """Verifies every chunk, then publishes the copy atomically.
+
+        Raises:
+            ReplicaRefusedError: bytes missing or a chunk fails its checksum (nothing is published).
+        """
+        try:
+            if self.received < self.manifest.data_bytes:
+                raise ReplicaRefusedError(f"replica of rank {self.manifest.rank} step {self.manifest.step} is torn: "
+                                          f"{self.received} of {self.manifest.data_bytes} bytes arrived")
+            with mmap.mmap(self.fd, self.manifest.data_bytes, prot=mmap.PROT_READ) as m:
+                view = memoryview(m)
+                try:
+                    verify_checksums(view, self.manifest, f"replica of rank {self.manifest.rank} step "
+                                                          f"{self.manifest.step}")
+                finally:
+                    view.release()
+        except CorruptCheckpointError as exc:
+            self.abort()
+            raise ReplicaRefusedError(str(exc)) from exc
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self.fd)
+        self.fd = -1
+        return self._publish(self.manifest, self.partial)
+
+    def abort(self) -> None:
+        """Drops the partial copy."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            os.unlink(self.partial)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "ReplicaWriter":
+        return self
+
+    def __exit__(self, exc_type, *_: object) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def arena_writer(shm_root: str, job: str, manifest: Manifest) -> ReplicaWriter:
+    """Receives a copy of ``manifest``'s rank straight into this node's arena, as a memory-tier copy.
+
+    A replacement node fetches its slot's snapshots from a buddy this way before its workers start, so they
+    restore from local memory as after a plain process restart. The copy goes to a slot holding no complete copy
+    (else the one holding the oldest step); on commit the data is renamed over the slot's file, the tag set and
+    the slot manifest written last, exactly as the persist process leaves a slot.
+
+    Raises:
+        ReplicaRefusedError: no room for it (the tmpfs is full).
+    """
+    d = os.path.join(shm_root, job, f"rank_{manifest.rank:05d}")
+    os.makedirs(d, exist_ok=True)
+    for n in os.listdir(d):  # an earlier fetch killed mid-transfer (only the agent writes these)
+        if n.startswith(".partial-"):
+            try:
+                os.unlink(os.path.join(d, n))
+            except OSError:
+                pass
+
+    def age(i: int) -> int:
+        p = SlotPaths.of(d, i)
+        tag = read_tag(p)
+        return int(tag) if tag.isdigit() and os.path.exists(p.manifest) else -1
+
+    index = min(range(2), key=age)
+
+    def publish(man: Manifest, partial: str) -> SlotPaths:
+        paths = SlotPaths.of(d, index)
+        try:
+            os.unlink(paths.manifest)
+        except FileNotFoundError:
+            pass
+        os.replace(partial, paths.data)
+        write_tag(paths, str(man.step))
+        tmp = paths.manifest + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(man.to_json())
+        os.replace(tmp, paths.manifest)
+        return paths
+
+    if free_bytes(d) < manifest.data_bytes:
+        raise ReplicaRefusedError(f"no room in {d} for rank {manifest.rank}'s copy of step {manifest.step} "
+                                  f"({manifest.data_bytes} bytes)")
+    return ReplicaWriter(manifest, os.path.join(d, f".partial-{uuid.uuid4().hex}"), publish)

@@ -1,0 +1,254 @@
+"""Peer replication between node agents (agent/replica_transport.py, agent/replica_agent.py), over real gRPC on
+loopback: a push lands as a verified replica, a replacement fetches it into its own arena, a corrupt replica is
+refused (the fetcher falls back), kill -9 of the sender or of the receiver mid-transfer leaves no copy that looks
+complete, and a node re-replicates to a new buddy when its buddy changes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+
+from trainguard.agent.memory_tier import MemoryTier
+from trainguard.agent.replica_agent import ReplicaAgent, ReplicaConfig
+from trainguard.agent.replica_transport import ReplicaServer, ReplicaServicer, Throttle, copy_stream, fetch, push
+from trainguard.checkpoint.arena import Arena, memory_manifests, write_tag
+from trainguard.checkpoint.manifest import Manifest, compute_checksums, plan_layout
+from trainguard.checkpoint.replica_store import ReplicaStore, arena_writer
+from trainguard.proto import coordinator_pb2 as pb
+
+SCRIPT = Path(__file__).parent / "scripts" / "replica_peer.py"
+
+
+@pytest.fixture
+def roots():
+    made = [f"/dev/shm/trainguard-test-{uuid.uuid4().hex[:10]}" for _ in range(3)]
+    yield made
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _snapshot(root: str, rank: int, step: int, mib: float = 0.25, slot: int = 0) -> bytes:
+    """One complete own copy in the arena, as the persist process leaves it; returns its bytes."""
+    entries, nbytes = plan_layout([("w", "uint8", (int(mib * (1 << 20)),))], 4096)
+    data = (bytes(range(256)) * (nbytes // 256 + 1))[:nbytes]
+    data = bytes([step % 256]) + data[1:]
+    arena = Arena(root, "job", rank, 2)
+    s = arena.get(slot, nbytes)
+    s.map[:nbytes] = data
+    man = Manifest(job="job", step=step, rank=rank, world_size=2, tensors=entries, tree={}, data_bytes=nbytes,
+                   chunk_bytes=1 << 20, created=time.time(), location="/ckpt")
+    man.chunks = compute_checksums(memoryview(s.map), nbytes, man.chunk_bytes)
+    with open(s.paths.manifest, "wb") as f:
+        f.write(man.to_json())
+    write_tag(s.paths, str(step))
+    arena.close()
+    return data
+
+
+def _server(root: str) -> tuple[ReplicaServer, ReplicaStore]:
+    store = ReplicaStore(root, "job", 1 << 30)
+    tier = MemoryTier(root, "job", "/ckpt")
+    return ReplicaServer(ReplicaServicer("job", store, tier.own_copy), "127.0.0.1"), store
+
+
+def _own(root: str, rank: int):
+    tier = MemoryTier(root, "job", "/ckpt")
+    tier.scan()
+    return tier.own_copy(rank)
+
+
+def test_push_then_fetch_into_a_new_nodes_arena_and_a_corrupt_replica_is_refused(roots) -> None:
+    a, b, c = roots
+    data = _snapshot(a, 0, 40)
+    server, store = _server(b)
+    try:
+        path, man = _own(a, 0)
+        ack = push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30)
+        assert ack.ok and ack.bytes == man.data_bytes
+        rep = store.newest(0)
+        assert rep.step == 40 and open(rep.data, "rb").read(len(data)) == data
+        _, got = fetch(server.address, "job", 0, 40, lambda m: arena_writer(c, "job", m), 30)
+        paths, man_c = memory_manifests(c, "job", "/ckpt")[40][0]
+        assert got.step == 40 and open(paths.data, "rb").read(len(data)) == data
+        with pytest.raises(grpc.RpcError) as err:  # only newer copies asked for: none here
+            fetch(server.address, "job", 0, 41, lambda m: arena_writer(c, "job", m), 30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with open(rep.data, "r+b") as f:  # the replica rots in memory
+            f.seek(1000)
+            f.write(b"\xff\x00")
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(server.address, "job", 0, 40, lambda m: arena_writer(roots[2] + "-x", "job", m), 30)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert not memory_manifests(roots[2] + "-x", "job", "/ckpt")  # the fetcher holds nothing that looks whole
+    finally:
+        server.stop()
+        shutil.rmtree(roots[2] + "-x", ignore_errors=True)
+
+
+def _partials(root: str) -> list[str]:
+    return [n for _, _, names in os.walk(root) for n in names if n.startswith(".partial")]
+
+
+def _wait(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_kill_9_of_the_sender_mid_transfer_leaves_no_copy(roots, tg_env) -> None:
+    a, b, _ = roots
+    _snapshot(a, 1, 9, mib=8)
+    server, store = _server(b)
+    try:
+        p = subprocess.Popen([sys.executable, str(SCRIPT), "push", server.address, a, "job", "1", "2"], env=tg_env,
+                             stdout=subprocess.PIPE, text=True)
+        _wait(lambda: _partials(b), "the transfer never started")
+        time.sleep(0.3)
+        p.kill()
+        p.wait()
+        _wait(lambda: not _partials(b), "the receiver kept the partial copy of a dead sender")
+        assert store.replicas() == []
+    finally:
+        server.stop()
+
+
+def test_kill_9_of_the_receiver_mid_transfer_leaves_no_copy(roots, tg_env) -> None:
+    a, b, _ = roots
+    _snapshot(a, 1, 9, mib=8)
+    portfile = Path(b + "-port")
+    p = subprocess.Popen([sys.executable, str(SCRIPT), "serve", b, "job", str(portfile)], env=tg_env)
+    try:
+        _wait(portfile.exists, "the receiver did not start")
+        path, man = _own(a, 1)
+        outcome: list[object] = []
+
+        def send() -> None:
+            try:
+                outcome.append(push(portfile.read_text(), copy_stream("job", man, path, "a", Throttle(2)), 60))
+            except grpc.RpcError as exc:
+                outcome.append(exc)
+
+        th = threading.Thread(target=send)
+        th.start()
+        _wait(lambda: _partials(b), "the transfer never started")
+        p.kill()
+        p.wait()
+        th.join(30)
+        assert outcome and isinstance(outcome[0], grpc.RpcError)  # the sender learns the copy did not land
+        assert _partials(b)  # what the dead receiver left ...
+        assert ReplicaStore(b, "job", 1 << 30).replicas() == [] and not _partials(b)  # ... is never a copy
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        portfile.unlink(missing_ok=True)
+
+
+def test_agent_pushes_new_snapshots_and_re_replicates_to_a_new_buddy(roots) -> None:
+    a, b, c = roots
+    tier_a = MemoryTier(a, "job", "/ckpt", interval_s=0.02)
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier_a, "a", "127.0.0.1").start()
+    tier_a.start()
+    server_b, store_b = _server(b)
+    server_c, store_c = _server(c)
+    try:
+        _snapshot(a, 0, 10)
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server_b.address)])
+        _wait(lambda: (r := store_b.newest(0)) is not None and r.step == 10, "step 10 never reached b")
+        _snapshot(a, 0, 20, slot=1)
+        _wait(lambda: store_b.newest(0).step == 20, "step 20 never reached b")
+        # b is lost; the coordinator names c: the newest copy goes there without a new snapshot.
+        sender.set_targets([pb.ReplicaTarget(node_id="c", address=server_c.address)])
+        _wait(lambda: (r := store_c.newest(0)) is not None and r.step == 20, "c never got the copy")
+        assert sender.stats.pushes == 3 and len(sender.stats.push_seconds) == 3
+        held = [(h.step, list(h.ranks), list(h.replica_ranks)) for h in MemoryTier(c, "job", "/ckpt",
+                                                                                     replicas=store_c).scan()]
+        assert held == [(20, [], [0])]  # c reports the replica, not an own copy
+    finally:
+        tier_a.stop()
+        sender.stop()
+        server_b.stop()
+        server_c.stop()
+
+
+def test_replica_memory_is_reported_in_metrics_and_status(roots, monkeypatch, tmp_path) -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from trainguard.agent.node import NodeAgent, NodeConfig
+    from trainguard.agent.operator_cli import render
+    from trainguard.agent.run_deploy import RunMetrics
+
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_SHM_DIR", roots[0])
+    agent = NodeAgent(NodeConfig(job="job", coordinator="127.0.0.1:1", argv=["x"], checkpoint_dir=str(tmp_path),
+                                 replica=ReplicaConfig(memory_mib=16), address="127.0.0.1"))
+    server, _ = _server(roots[1])
+    try:
+        data = _snapshot(roots[1], 1, 5)  # another node's copy, pushed into this node's store
+        path, man = _own(roots[1], 1)
+        assert push(agent.replicas.start().address, copy_stream("job", man, path, "b", Throttle(0)), 30).ok
+        text = generate_latest(RunMetrics(agent).registry).decode()
+        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert values["trainguard_run_replica_bytes"] == len(data)
+        assert values["trainguard_run_replica_limit_bytes"] == 16 << 20
+        agent.replicas.set_targets([pb.ReplicaTarget(node_id="b", address=server.address)])
+        shown = render(agent.health_snapshot())
+        assert "memory replicas: 0.2 of 16 MiB held for other nodes; replicating to b" in shown
+    finally:
+        agent.replicas.stop()
+        server.stop()
+
+
+def test_fetch_falls_back_when_the_buddy_is_gone_or_its_replica_is_corrupt(roots) -> None:
+    a, b, c = roots
+    tier_c = MemoryTier(c, "job", "/ckpt")
+    fetcher = ReplicaAgent(ReplicaConfig(timeout_s=10), tier_c, "c", "127.0.0.1")
+    server_b, store_b = _server(b)
+    try:
+        _snapshot(a, 0, 30)
+        path, man = _own(a, 0)
+        assert push(server_b.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+
+        def plan(address: str) -> pb.MemoryRestorePlan:
+            return pb.MemoryRestorePlan(step=30, memory_steps=[30], ranks=[
+                pb.RankRestore(rank=0, source=pb.RESTORE_SOURCE_PEER_MEMORY, peer_node="b", peer_address=address),
+                pb.RankRestore(rank=1, source=pb.RESTORE_SOURCE_LOCAL_MEMORY)])
+
+        with open(store_b.newest(0).data, "r+b") as f:  # b's replica of rank 0 rots
+            f.write(b"\x00\x01\x02")
+        assert fetcher.fetch_planned(plan(server_b.address), [0]) == []  # checksum: next source (storage)
+        dead = f"127.0.0.1:{_free_port()}"  # the buddy died with the node it held the copy for
+        assert fetcher.fetch_planned(plan(dead), [0]) == []
+        assert fetcher.stats.fetch_failures == 2 and not memory_manifests(c, "job", "/ckpt")
+        store_b.remove_all()
+        assert push(server_b.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        assert fetcher.fetch_planned(plan(server_b.address), [0, 1]) == [0]  # rank 1 reads its own memory
+        assert sorted(memory_manifests(c, "job", "/ckpt")) == [30]
+    finally:
+        server_b.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_address_the_node_cannot_listen_on_leaves_it_out_of_replication(roots) -> None:
+    agent = ReplicaAgent(ReplicaConfig(), MemoryTier(roots[0], "job", "/ckpt"), "n", "192.0.2.1")  # TEST-NET-1
+    try:
+        assert agent.start().address == ""  # no buddy ever picks a node without a replica address
+    finally:
+        agent.stop()

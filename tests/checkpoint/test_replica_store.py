@@ -1,0 +1,101 @@
+"""Peer replicas in a node's memory (checkpoint/replica_store.py): published only when every chunk verified,
+never a torn or corrupt copy, leftovers of a killed receiver cleaned, only the newest copy per rank, a memory
+bound that evicts other replicas (never the node's own snapshots) and refuses what cannot fit, and a copy
+installed straight into the arena that the memory tier lists."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+
+import pytest
+
+from trainguard.checkpoint.arena import memory_manifests
+from trainguard.checkpoint.manifest import Manifest, compute_checksums, plan_layout
+from trainguard.checkpoint.replica_store import ReplicaRefusedError, ReplicaStore, arena_writer
+
+
+@pytest.fixture
+def root():
+    d = f"/dev/shm/trainguard-test-{uuid.uuid4().hex[:10]}"
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _copy(rank: int, step: int, kib: int = 64, fill: int = 3) -> tuple[Manifest, bytes]:
+    entries, nbytes = plan_layout([("w", "uint8", (kib << 10,))], 4096)
+    data = bytes([(fill + i) % 251 for i in range(256)]) * (nbytes // 256)
+    man = Manifest(job="job", step=step, rank=rank, world_size=4, tensors=entries, tree={}, data_bytes=nbytes,
+                   chunk_bytes=16 << 10, created=time.time(), location="/ckpt")
+    man.chunks = compute_checksums(memoryview(data), nbytes, man.chunk_bytes)
+    return man, data
+
+
+def _send(store_or_writer, man: Manifest, data: bytes, upto: int | None = None):
+    w = store_or_writer.begin(man) if isinstance(store_or_writer, ReplicaStore) else store_or_writer
+    for o in range(0, len(data) if upto is None else upto, 8192):
+        w.write(o, data[o:o + 8192])
+    return w
+
+
+def test_publish_only_verified_copies(root) -> None:
+    store = ReplicaStore(root, "job", 1 << 20)
+    man, data = _copy(1, 10)
+    w = _send(store, man, data, upto=len(data) // 2)
+    assert store.replicas() == []  # arriving: not listed
+    with pytest.raises(ReplicaRefusedError, match="torn"):
+        w.commit()
+    bad = bytearray(data)
+    bad[20000] ^= 1
+    with pytest.raises(ReplicaRefusedError, match="chunk 1"):
+        _send(store, man, bytes(bad)).commit()
+    assert store.replicas() == [] and not any(n.startswith(".partial") for n in os.listdir(store.root + "/rank_00001"))
+    rep = _send(store, man, data).commit()
+    assert (rep.rank, rep.step) == (1, 10) and open(rep.data, "rb").read(len(data)) == data
+    rep2 = _send(store, *_copy(1, 15)).commit()
+    assert [(r.rank, r.step) for r in store.replicas()] == [(1, 15)] and not os.path.exists(rep.data)
+    assert store.newest(1).step == 15 and store.newest(1, min_step=16) is None and store.bytes_held() == rep2.nbytes
+
+
+def test_a_killed_receivers_leftovers_are_never_listed_and_are_cleaned(root) -> None:
+    store = ReplicaStore(root, "job", 1 << 20)
+    man, data = _copy(2, 7)
+    w = _send(store, man, data, upto=len(data) // 2)  # the receiver "dies": nothing commits, nothing aborts
+    os.close(w.fd)
+    assert store.replicas() == []
+    again = ReplicaStore(root, "job", 1 << 20)  # the agent comes back on the same tmpfs
+    assert not any(n.startswith(".partial") for n in os.listdir(again.root + "/rank_00002"))
+
+
+def test_memory_bound_evicts_older_replicas_first_and_refuses_what_cannot_fit(root) -> None:
+    man_a, data_a = _copy(0, 5)
+    store = ReplicaStore(root, "job", 2 * man_a.data_bytes)
+    own_dir = os.path.join(root, "job", "rank_00003")  # this node's own snapshot: never the store's to evict
+    os.makedirs(own_dir)
+    with open(os.path.join(own_dir, "slot_0.data"), "wb") as f:
+        f.write(b"own")
+    _send(store, man_a, data_a).commit()
+    _send(store, *_copy(1, 6)).commit()
+    _send(store, *_copy(2, 7)).commit()  # over the bound: the oldest replica (rank 0) goes
+    assert [(r.rank, r.step) for r in store.replicas()] == [(1, 6), (2, 7)] and store.evicted == 1
+    assert open(os.path.join(own_dir, "slot_0.data"), "rb").read() == b"own"
+    with pytest.raises(ReplicaRefusedError, match="over the replica memory bound"):
+        store.begin(_copy(3, 8, kib=256)[0])
+    tight = ReplicaStore(root, "job2", 1 << 40, reserve_bytes=1 << 50)  # the tmpfs cannot keep the reserve
+    with pytest.raises(ReplicaRefusedError, match="reserved for own snapshots"):
+        tight.begin(man_a)
+
+
+def test_arena_writer_installs_a_memory_tier_copy(root) -> None:
+    man, data = _copy(1, 12)
+    paths = _send(arena_writer(root, "job", man), man, data).commit()
+    found = memory_manifests(root, "job", "/ckpt")
+    assert found[12][1][0] == paths and found[12][1][1].created == man.created
+    assert open(paths.data, "rb").read() == data
+    bad = bytearray(data)
+    bad[0] ^= 1
+    with pytest.raises(ReplicaRefusedError):
+        _send(arena_writer(root, "job", _copy(1, 13)[0]), _copy(1, 13)[0], bytes(bad)).commit()
+    assert sorted(memory_manifests(root, "job", "/ckpt")) == [12]  # the failed fetch left the old copy alone
