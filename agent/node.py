@@ -452,7 +452,7 @@ class NodeAgent:
                                   f"{table.restart_count} restarts")
 
     def _stop_workers(self) -> None:
-        self.supervisor.stop(keepalive=lambda: self.link.keepalive(self._beat))
+        self.supervisor.stop(keepalive=lambda: self.link.keepalive(self._beat_content))
 
     # -- failures ----------------------------------------------------------------------------------------------
     def _check_workers(self) -> None:
