@@ -50,7 +50,7 @@ from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, Form
                                         Step, Tick, decide)
 from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.node_health import NodeHealthReport, NodeHealthTable, Verdict
-from trainguard.recovery.memory_plan import MemoryHolding, RestorePlan, buddies, plan_restore
+from trainguard.recovery.memory_book import MemoryBook
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
 from trainguard.recovery.qualification import PeerTimes, Qualification
@@ -151,14 +151,7 @@ class JobCoordinator:
         self.node_health = NodeHealthTable()  # what node daemons report: see report_node_health
         # Job-wide memory tier: each node's latest in-memory checkpoint copies, and the restore plan built from
         # them for the current table (recomputed when holdings, liveness or the table change).
-        self._memory: dict[str, tuple[MemoryHolding, ...]] = {}
-        self._plan_cache: tuple[tuple[object, int], RestorePlan | None] | None = None
-        self._fresh: set[str] = set()  # nodes whose holdings arrived after the current table was installed
-        self._fresh_slots = 0  # how many of them hold a slot of the current table
-        self._memory_known = False  # some node reported in-memory copies (else no plan and no wait)
-        self._replica_addr: dict[str, str] = {}  # node -> its replica server (peer replication)
-        self._buddy_cache: tuple[tuple[object, int], dict[str, tuple[tuple[str, str], ...]]] | None = None
-        self._formed_at = 0.0
+        self._memory = MemoryBook(spec.job, self._alive)
         self._load()
 
     # ------------------------------------------------------------------------------------------- persistence
@@ -322,9 +315,7 @@ class JobCoordinator:
         self._form_note = ""
         self._running.clear()
         self._succeeded.clear()
-        self._fresh.clear()
-        self._fresh_slots = 0
-        self._formed_at = self._clock()
+        self._memory.table_installed(self._clock())
         self._mver += 1
         log.info("job %s: generation %d formed: %d nodes, world size %d, master %s:%d", self.spec.job, generation,
                  len(layout.slots), layout.world_size, layout.master_addr, port)
@@ -626,10 +617,7 @@ class JobCoordinator:
                      "refused": m.refused}).encode())])
                 durable = self._disqualify(m, now)
             self._advance()
-            if req.node_id not in self._fresh:  # recorded in this call, so no older than the current table
-                self._fresh.add(req.node_id)
-                if self._table is not None and self._table.slot_of(req.node_id) is not None:
-                    self._fresh_slots += 1
+            self._memory.mark_fresh(req.node_id, self._table)  # recorded in this call: no older than the table
             reply = self._failslow_reply(self._with_buddies(self._command(m), req.node_id), m.info.node_id)
             if durable is not None and reply.durable is None:
                 reply = replace(reply, durable=durable)
@@ -661,13 +649,7 @@ class JobCoordinator:
         if req.free_port > 0:
             m.free_port = req.free_port
         m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
-        if self._memory.get(req.node_id, ()) != req.memory:
-            self._memory[req.node_id] = req.memory
-            self._memory_known = self._memory_known or bool(req.memory)
-            self._plan_cache = None
-        if self._replica_addr.get(req.node_id, "") != req.replica_address:
-            self._replica_addr[req.node_id] = req.replica_address
-            self._plan_cache = self._buddy_cache = None
+        self._memory.record(req.node_id, req.memory, req.replica_address)
         if req.generation == st.generation and req.last_step >= 0:
             self._observe_step(now, req.last_step, st.generation)
         if req.generation == st.generation >= 0 and self._layout is not None \
@@ -710,62 +692,23 @@ class JobCoordinator:
         # Up to full_table_max_nodes every START carries the whole table (the service builds its wire form
         # once per generation); above it, only the receiving node's entry.
         big = self._table is not None and len(self._table.slots) > self.spec.full_table_max_nodes
-        if not self._holdings_fresh():
+        if not self._memory.holdings_fresh(self._table, self._clock, self._interval_s()):
             return HeartbeatReply(replace(ins, message=f"generation {st.generation}: waiting for every node's "
                                           "in-memory checkpoint holdings"))
         ins = replace(ins, command=Command.START if m.generation < 0 else Command.RESTART, table=self._table,
-                      only_node=nid if big else "", restore_plan=self._restore_plan())
+                      only_node=nid if big else "", restore_plan=self._memory.restore_plan(self._table, self._mver))
         fut = self._state_fut
         pending = fut is not None and (not fut.done() or fut.exception() is not None)
         return HeartbeatReply(ins, fut if pending else None)
 
-    def _live_replica_addresses(self) -> dict[str, str]:
-        return {nid: a for nid, a in self._replica_addr.items()
-                if a and (m := self._members.get(nid)) is not None and m.alive}
+    def _alive(self, node_id: str) -> bool:
+        """Whether ``node_id`` is a member whose lease has not been found expired (lock held)."""
+        return (m := self._members.get(node_id)) is not None and m.alive
 
     def _with_buddies(self, reply: HeartbeatReply, node_id: str) -> HeartbeatReply:
-        """Adds the node's replica targets (its buddies in the current table, see
-        :func:`~.memory_plan.buddies`), cached per table and liveness."""
-        table = self._table
-        if table is None or self.spec.memory_replicas <= 0 or table.slot_of(node_id) is None:
-            return reply
-        cached = self._buddy_cache
-        if cached is None or cached[0][0] is not table or cached[0][1] != self._mver:
-            addr = self._live_replica_addresses()
-            chosen = buddies(table.slots, self.spec.memory_replicas, addr) if addr else {}
-            cached = ((table, self._mver), {n: tuple((b, addr[b]) for b in bs) for n, bs in chosen.items()})
-            self._buddy_cache = cached
-        targets = cached[1].get(node_id, ())
+        """Adds the node's replica targets (see :meth:`MemoryBook.replica_targets`) to a heartbeat reply."""
+        targets = self._memory.replica_targets(self._table, self._mver, self.spec.memory_replicas, node_id)
         return replace(reply, response=replace(reply.response, replica_targets=targets)) if targets else reply
-
-    def _holdings_fresh(self) -> bool:
-        """Whether every node of the current table reported its memory holdings since the table was installed
-        (or nobody reports any, or two heartbeat intervals passed). A snapshot can land on a node between its
-        last heartbeat and a fault; a plan from older holdings would send some ranks to disk while others read
-        memory, so a new generation's STARTs wait at most that long for one fresh report from each node."""
-        if self._table is None or not self._memory_known or self._fresh_slots >= len(self._table.slots):
-            return True
-        return self._clock() - self._formed_at >= 2 * self._interval_s()
-
-    def _restore_plan(self) -> RestorePlan | None:
-        """Where each rank of the current table reads its checkpoint (see :mod:`.memory_plan`), from the live
-        nodes' latest memory holdings; None while no node reported any. Cached per table, holdings and
-        liveness, so a generation's STARTs cost one plan."""
-        table = self._table
-        if table is None:
-            return None
-        key = (table, self._mver)
-        cached = self._plan_cache
-        if cached is not None and cached[0][0] is table and cached[0][1] == self._mver:
-            return cached[1]
-        live = {nid: held for nid, held in self._memory.items()
-                if held and (m := self._members.get(nid)) is not None and m.alive}
-        plan = plan_restore(table.slots, table.world_size, live, self._live_replica_addresses()) if live else None
-        if plan is not None:
-            log.info("job %s: generation %d restore plan: step %d, %s", self.spec.job, table.generation, plan.step,
-                     ", ".join(f"{n} rank(s) from {k.replace('_', ' ')}" for k, n in plan.source_counts().items()))
-        self._plan_cache = (key, plan)
-        return plan
 
     def report(self, req: FaultReport) -> tuple[Level, int, str, Future | None]:
         """Decides the recovery for a reported event.
