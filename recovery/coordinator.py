@@ -28,7 +28,6 @@ so its workers are gone) is a process-level failure of that generation.
 from __future__ import annotations
 
 import json
-import math
 import logging
 import random
 import threading
@@ -39,11 +38,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
+from trainguard.recovery.checkpoint_relay import CheckpointRelay
 from trainguard.recovery.committer import GroupCommitter
 from trainguard.recovery.errors import (DuplicateNodeError, FencedError, MembershipError,
                                         NotServingError, PolicyError, SlotTakenError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
-from trainguard.recovery.domain import (Beat, CheckpointAsk, Command, FaultReport, GenerationTable, Instruction,
+from trainguard.recovery.domain import (Beat, Command, FaultReport, GenerationTable, Instruction,
                                         NodeRecord)
 from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, FormingChecked, GenerationFormed,
                                         GenerationRunning, MembershipChanged, NodeDisqualified, Persist, Progressed,
@@ -141,9 +141,7 @@ class JobCoordinator:
         self._layout_cache: tuple[object, RankLayout | None] | None = None
         self._running: set[str] = set()  # slot holders running the current generation
         self._succeeded: set[str] = set()  # slot holders whose workers of the current generation all exited 0
-        self._ckpt_req: CheckpointAsk | None = None  # job-wide checkpoint being relayed
-        self._step_rate = 0.0  # steps/s of the current generation (EWMA over >= 1 s windows)
-        self._rate_mark: tuple[float, int, int] | None = None  # (time, max step, generation) of the last sample
+        self._relay = CheckpointRelay(spec.job)  # job-wide checkpoint requests and the step rate they need
         self._beat_observers: list[Callable[[Beat, float], None]] = []
         self.fenced = ""
         self._failslow = FailSlowSupervisor(spec.failslow, wall=wall)  # fail-slow: see _failslow_* below
@@ -651,7 +649,7 @@ class JobCoordinator:
         m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
         self._memory.record(req.node_id, req.memory, req.replica_address)
         if req.generation == st.generation and req.last_step >= 0:
-            self._observe_step(now, req.last_step, st.generation)
+            self._relay.observe_step(now, req.last_step, st.generation)
         if req.generation == st.generation >= 0 and self._layout is not None \
                 and self._layout.slot_of(req.node_id) is not None:
             self._running.add(req.node_id)
@@ -685,8 +683,8 @@ class JobCoordinator:
         if slot is None:
             return HeartbeatReply(replace(ins, command=idle, message="spare: no ranks in this generation"))
         if m.generation == st.generation:
-            req = self._ckpt_req
-            if req is not None and req.generation == st.generation:
+            req = self._relay.pending(st.generation)
+            if req is not None:
                 ins = replace(ins, checkpoint=req)
             return HeartbeatReply(ins)
         # Up to full_table_max_nodes every START carries the whole table (the service builds its wire form
@@ -745,41 +743,12 @@ class JobCoordinator:
             fut = self._state_fut if self._state_fut is not fut_before else None
             return level, gen, msg, fut
 
-    def _observe_step(self, now: float, step: int, generation: int) -> None:
-        """Keeps the job's step rate from heartbeats (for how far ahead a job-wide checkpoint must be set)."""
-        mark = self._rate_mark
-        if mark is None or mark[2] != generation or step < mark[1]:
-            self._rate_mark = (now, step, generation)
-            return
-        if now - mark[0] >= 1.0:
-            rate = (step - mark[1]) / (now - mark[0])
-            self._step_rate = rate if self._step_rate == 0.0 else 0.5 * self._step_rate + 0.5 * rate
-            self._rate_mark = (now, step, generation)
-
     def _request_checkpoint(self, req: FaultReport, now: float) -> str:
-        """Sets a job-wide checkpoint at a step every rank has not reached yet (called with the lock held).
-
-        The step is the furthest step reported plus what the job does in two heartbeat intervals and half a
-        second more (time for every agent to hear of it and tell its workers), at least 2 steps ahead. A request
-        still ahead of the job is kept rather than moved.
-
-        Returns:
-            The message for the reporter.
-        """
-        st = self._policy.state
-        if st.phase is not Phase.RUNNING or st.plan is not None or self._layout is None:
-            return f"no checkpoint requested: the job is {st.phase.name.lower()}"
-        furthest = max((self._members[s.node_id].last_step for s in self._layout.slots
-                        if s.node_id in self._members), default=-1)
-        cur = self._ckpt_req
-        if cur is not None and cur.generation == st.generation and cur.at_step > furthest:
-            return f"a job-wide checkpoint at step {cur.at_step} is already pending"
-        ahead = max(2, math.ceil(self._step_rate * (2.0 * self._interval_s() + 0.5)) + 1)
-        self._ckpt_req = CheckpointAsk(at_step=furthest + ahead, reason=f"{req.node_id}: {req.detail}",
-                                       request_id=uuid.uuid4().hex[:12], generation=st.generation)
-        log.warning("job %s: job-wide checkpoint requested at step %d (furthest step %d, %.1f steps/s): %s",
-                    self.spec.job, self._ckpt_req.at_step, furthest, self._step_rate, self._ckpt_req.reason)
-        return f"job-wide checkpoint at step {self._ckpt_req.at_step}"
+        """Sets a job-wide checkpoint at a step no rank reached yet (lock held; see :class:`CheckpointRelay`)."""
+        lay = self._layout
+        steps = [self._members[s.node_id].last_step for s in lay.slots if s.node_id in self._members] \
+            if lay is not None else None
+        return self._relay.request(self._policy.state, steps, self._interval_s(), f"{req.node_id}: {req.detail}")
 
     def rank_table(self, job: str) -> GenerationTable | None:
         """The current generation's full rank table (None before the first one forms).
