@@ -49,6 +49,7 @@ from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, Form
                                         GenerationRunning, MembershipChanged, NodeDisqualified, Persist, Progressed,
                                         Step, Tick, decide)
 from trainguard.recovery.failslow import FailSlowSupervisor
+from trainguard.recovery.failslow_wiring import FailSlowWiring
 from trainguard.recovery.node_health import NodeHealthReport, NodeHealthTable, Verdict
 from trainguard.recovery.memory_book import MemoryBook
 from trainguard.recovery.planner import place
@@ -145,6 +146,7 @@ class JobCoordinator:
         self._beat_observers: list[Callable[[Beat, float], None]] = []
         self.fenced = ""
         self._failslow = FailSlowSupervisor(spec.failslow, wall=wall)  # fail-slow: see _failslow_* below
+        self._slow = FailSlowWiring(spec.job, self._failslow)
         self._peer_times = PeerTimes()  # qualified nodes' exchange times: the next node's reference
         self.node_health = NodeHealthTable()  # what node daemons report: see report_node_health
         # Job-wide memory tier: each node's latest in-memory checkpoint copies, and the restore plan built from
@@ -865,26 +867,19 @@ class JobCoordinator:
         return self.node_health.fatal().get(node_id, "")
 
     # ------------------------------------------------------------------------------------ fail-slow wiring
-    # All fail-slow logic lives in trainguard.recovery.failslow; these three methods only hand it the job's
-    # state and apply its decisions through the ordinary node-failure path.
+    # All fail-slow logic lives in trainguard.recovery.failslow, the translation in FailSlowWiring; these
+    # methods only hand them the job's state and apply decisions through the ordinary node-failure path.
     def _failslow_report(self, req: FaultReport, now: float) -> str | None:
         """Shows a report to fail-slow (called with the lock held); returns the answer when it was fail-slow's
         own (stacks of a hang), else None and the report goes on to the policy."""
-        lay = self._layout
-        node_of = {s.first_rank + i: s.node_id for s in lay.slots for i in range(s.local_world_size)} if lay else {}
-        out = self._failslow.on_report(req, self._policy.state.generation, node_of, now)
-        self._failslow_apply(out.replace, now)
-        return out.message if out.handled else None
+        message, decision = self._slow.on_report(req, self._layout, self._policy.state.generation, now)
+        self._failslow_apply(decision, now)
+        return message
 
     def _failslow_reply(self, reply: HeartbeatReply, node_id: str = "") -> HeartbeatReply:
-        """Adds fail-slow's findings, an open stack request and the node's link probe to a heartbeat reply (the
-        service puts them on the wire; a START shared by every node is rebuilt there only when they change)."""
-        findings, stacks = self._failslow.reply_findings(), self._failslow.stack_request()
-        probes = self._failslow.link_asks(node_id) if node_id else ()
-        if findings is None and stacks is None and not probes:
-            return reply
-        return HeartbeatReply(replace(reply.response, failslow=findings, stacks=stacks, link_probes=probes),
-                              reply.durable)
+        """Adds fail-slow's findings, an open stack request and the node's link probe to a heartbeat reply."""
+        ins = self._slow.decorate(reply.response, node_id)
+        return reply if ins is None else HeartbeatReply(ins, reply.durable)
 
     def _failslow_score(self, window: WindowSnapshot) -> None:
         """Scores a closed fail-slow window WITHOUT the lock, then applies it under the lock (the supervisor drops
@@ -895,27 +890,19 @@ class JobCoordinator:
         with self._lock:
             if self.fenced:
                 return
-            now, lay = self._clock(), self._layout
-            addresses = {s.node_id: self._members[s.node_id].info.address for s in (lay.slots if lay else ())
-                         if s.node_id in self._members}
+            now = self._clock()
+            addresses = self._slow.slot_addresses(self._layout, self._members)
             self._failslow_apply(self._failslow.apply_window(result, now, lambda: len(self._candidates(now)),
                                                              lambda: addresses), now)
 
     def _failslow_apply(self, d: ReplaceDecision | None, now: float) -> None:
-        """Replaces a slow (or repeatedly hanging) node with a spare as a node-level failure of that node: the
-        decision goes through the policy's ordinary node-failure path (:meth:`_fail`), only when a spare exists."""
-        if d is None or self._layout is None or self._layout.slot_of(d.node_id) is None:
-            return
-        st = self._policy.state
-        if st.phase not in (Phase.RUNNING, Phase.RECOVERING) or not self._candidates(now):
-            log.warning("job %s: fail-slow would replace node %s but no spare is available: %s", self.spec.job,
-                        d.node_id, d.detail)
-            return
-        step = max((m.last_step for m in self._members.values() if m.generation == st.generation), default=-1)
-        self._failslow.applied(d, now, step, st.generation)
-        self._fail(Failure(d.node_id, st.generation, Cause.NODE_CRITICAL, Level.NODE, detail=d.detail,
-                           time_s=self._wall()), now)
-        self._advance()
+        """Replaces a slow (or repeatedly hanging) node with a spare as a node-level failure of that node (see
+        :meth:`FailSlowWiring.replacement`), through the policy's ordinary node-failure path (:meth:`_fail`)."""
+        f = self._slow.replacement(d, self._layout, self._policy.state, lambda: bool(self._candidates(now)),
+                                   self._members.values(), now, self._wall)
+        if f is not None:
+            self._fail(f, now)
+            self._advance()
 
 
 def _done_future() -> Future:
