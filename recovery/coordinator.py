@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import threading
 import time
 import uuid
@@ -50,11 +49,13 @@ from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, Form
                                         Step, Tick, decide)
 from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.failslow_wiring import FailSlowWiring
-from trainguard.recovery.node_health import NodeHealthReport, NodeHealthTable, Verdict
+from trainguard.recovery.daemon_reports import DaemonReports
+from trainguard.recovery.node_health import NodeHealthReport
 from trainguard.recovery.memory_book import MemoryBook
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
-from trainguard.recovery.qualification import PeerTimes, Qualification
+from trainguard.recovery.peer_pool import PeerPool
+from trainguard.recovery.qualification import Qualification
 from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
 from trainguard.recovery.spec import JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
@@ -147,8 +148,9 @@ class JobCoordinator:
         self.fenced = ""
         self._failslow = FailSlowSupervisor(spec.failslow, wall=wall)  # fail-slow: see _failslow_* below
         self._slow = FailSlowWiring(spec.job, self._failslow)
-        self._peer_times = PeerTimes()  # qualified nodes' exchange times: the next node's reference
-        self.node_health = NodeHealthTable()  # what node daemons report: see report_node_health
+        self._peers = PeerPool()  # qualified nodes' exchange times: the next node's reference
+        self._daemons = DaemonReports(spec.job)
+        self.node_health = self._daemons.table  # what node daemons report: see report_node_health
         # Job-wide memory tier: each node's latest in-memory checkpoint copies, and the restore plan built from
         # them for the current table (recomputed when holdings, liveness or the table change).
         self._memory = MemoryBook(spec.job, self._alive)
@@ -491,12 +493,8 @@ class JobCoordinator:
         now = self._clock()
         with self._lock:
             self._check_serving(job)
-            cordoned = set(self._policy.state.cordoned)
-            pool = [m for m in self._members.values() if m.echo_port > 0 and m.info.address and not m.refused
-                    and m.info.node_id != node_id and m.info.node_id not in cordoned and self._lease_live(m, now)]
-            picked = random.sample(pool, min(count, len(pool)))
-            reference, history = self._peer_times.reference()
-        return [(m.info.node_id, m.info.address, m.echo_port) for m in picked], reference, history
+            return self._peers.pick(self._members.values(), node_id, count, set(self._policy.state.cordoned),
+                                    lambda m: self._lease_live(m, now))
 
     def refusal(self, node_id: str) -> str:
         """Why ``node_id`` is refused: the qualification it failed ("" when it did not)."""
@@ -573,7 +571,7 @@ class JobCoordinator:
             st = self._policy.state
             if qualification is not None and not refused:
                 m.echo_port = qualification.echo_port
-                self._peer_times.record(qualification.peer_s)
+                self._peers.record(qualification.peer_s)
             if refused:
                 fut = self._disqualify(m, now) or fut
             elif prev is not None and self._layout is not None and self._layout.slot_of(nid) is not None \
@@ -826,32 +824,21 @@ class JobCoordinator:
         now = self._clock()
         with self._lock:
             self._check_serving(report.job or self.spec.job)
-            newly = self.node_health.record(report, now)
-            nid = report.node_id
-            # One failure per fatal latch: a job that restarts on the node anyway (one node, nowhere else to
-            # go) must not see every later report (each interval) as a new fault burning its restart budget.
-            if report.verdict is Verdict.FATAL and newly and not self._excluded(nid) \
-                    and self._policy.state.phase not in (Phase.SUCCEEDED, Phase.FAILED):
-                fut_before = self._state_fut
-                st = self._policy.state
-                self._fail(Failure(nid, st.generation, Cause.NODE_CRITICAL, Level.NODE,
-                                   detail=f"node daemon reports a fatal fault: {report.reason}",
-                                   time_s=self._wall()), now)
-                self._mver += 1  # the forming layout must drop the node even when the policy state looks unchanged
-                self._save_state()
-                self._advance()
-                fut = self._state_fut if self._state_fut is not fut_before else None
-                cordoned = self._excluded(nid)
-                if cordoned:
-                    log.warning("job %s: node %s cordoned on its daemon's report: %s", self.spec.job, nid,
-                                report.reason)
-                return cordoned, f"node {nid} {'cordoned' if cordoned else 'failed'}: {report.reason}", fut
-            cordoned = self._excluded(nid)
-            return cordoned, f"node {nid} is cordoned" if cordoned else "noted", None
+            fut_before = self._state_fut
+            cordoned, message = self._daemons.record(report, now, self._policy.state, self._excluded,
+                                                     lambda f: self._fail_node_on_report(f, now), self._wall)
+            return cordoned, message, self._state_fut if self._state_fut is not fut_before else None
+
+    def _fail_node_on_report(self, f: Failure, now: float) -> None:
+        """Applies a daemon's fatal verdict as a node failure (lock held), and moves the job on."""
+        self._fail(f, now)
+        self._mver += 1  # the forming layout must drop the node even when the policy state looks unchanged
+        self._save_state()
+        self._advance()
 
     def silent_daemons(self) -> list[str]:
         """Nodes whose daemon reported before but not for 3 report intervals (shown only, never cordoned)."""
-        return self.node_health.silent(self._clock(), 3 * self._interval_s())
+        return self._daemons.silent(self._clock(), 3 * self._interval_s())
 
     def report_interval_s(self) -> float:
         """How often node daemons should report: the heartbeat interval told to nodes now."""
@@ -864,7 +851,7 @@ class JobCoordinator:
 
     def cordon_reason(self, node_id: str) -> str:
         """Why a node was cordoned when its daemon said so ("" otherwise: the policy's message tells)."""
-        return self.node_health.fatal().get(node_id, "")
+        return self._daemons.cordon_reason(node_id)
 
     # ------------------------------------------------------------------------------------ fail-slow wiring
     # All fail-slow logic lives in trainguard.recovery.failslow, the translation in FailSlowWiring; these
