@@ -32,7 +32,6 @@ import logging
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from trainguard.recovery.checkpoint_relay import CheckpointRelay
 from trainguard.recovery.committer import GroupCommitter
 from trainguard.recovery.errors import (DuplicateNodeError, FencedError, MembershipError,
-                                        NotServingError, PolicyError, SlotTakenError, StaleGenerationError,
+                                        NotServingError, SlotTakenError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.domain import (Beat, Command, FaultReport, GenerationTable, Instruction,
                                         NodeRecord)
@@ -48,6 +47,7 @@ from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, Form
                                         GenerationRunning, MembershipChanged, NodeDisqualified, Persist, Progressed,
                                         Step, Tick, decide)
 from trainguard.recovery.failslow import FailSlowSupervisor
+from trainguard.recovery.job_records import decode_node, decode_state, node_value, state_value
 from trainguard.recovery.failslow_wiring import FailSlowWiring
 from trainguard.recovery.daemon_reports import DaemonReports
 from trainguard.recovery.node_health import NodeHealthReport
@@ -56,7 +56,7 @@ from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
 from trainguard.recovery.peer_pool import PeerPool
 from trainguard.recovery.qualification import Qualification
-from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
+from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks
 from trainguard.recovery.spec import JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
 from trainguard.recovery.straggler import ReplaceDecision, WindowSnapshot
@@ -92,14 +92,6 @@ class HeartbeatReply:
 
     response: Instruction
     durable: Future | None = None
-
-
-def _encode(obj: object) -> bytes:
-    return zlib.compress(json.dumps(obj, separators=(",", ":")).encode(), 3)
-
-
-def _decode(raw: bytes) -> object:
-    return json.loads(zlib.decompress(raw))
 
 
 class JobCoordinator:
@@ -161,30 +153,14 @@ class JobCoordinator:
         now = self._clock()
         recs = self._raw_store.scan(self._prefix)
         for key, rec in recs.items():
-            if not key.startswith(self._prefix + "nodes/"):
-                continue
-            try:
-                d = json.loads(rec.value)
-                if "node" in d:
-                    info = NodeRecord.from_dict(d["node"])
-                else:  # written by trainguard <= 0.x: the NodeInfo message, hex-encoded
-                    from trainguard.recovery.convert import legacy_node_record
-                    info = legacy_node_record(d["info"])
-                self._members[info.node_id] = Member(info, str(d["lease"]), str(d.get("instance", "")), now,
-                                                     refused=str(d.get("refused", "")))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise StoreError(f"node record {key!r} is corrupt ({exc}): delete it or use a fresh store") from exc
+            if key.startswith(self._prefix + "nodes/"):
+                n = decode_node(key, rec.value)
+                self._members[n.info.node_id] = Member(n.info, n.lease, n.instance, now, refused=n.refused)
         state = recs.get(self._prefix + "state")
         if state is not None:
-            try:
-                d = _decode(state.value)
-                self._policy.state = PolicyState.from_dict(d["policy"])  # type: ignore[index]
-                rows = d["layout"]  # type: ignore[index]
-                self._layout = layout_from_mapping(rows, int(d["group_size"])) if rows else None  # type: ignore
-                self._master_port = int(d["master_port"])  # type: ignore[index]
-                self._used_ports = {int(p) for p in d["used_ports"]}  # type: ignore[index]
-            except (ValueError, KeyError, TypeError, zlib.error, PolicyError, MembershipError) as exc:
-                raise StoreError(f"job state of {self.spec.job!r} is corrupt ({exc}): use a fresh store") from exc
+            d = decode_state(self.spec.job, state.value)
+            self._policy.state, self._layout, self._master_port, self._used_ports = \
+                d.policy, d.layout, d.master_port, d.used_ports
         ck = recs.get(self._prefix + "checkpoint")
         if ck is not None:
             self._committed_step = int(json.loads(ck.value)["step"])
@@ -197,11 +173,8 @@ class JobCoordinator:
 
     def _save_state(self) -> Future:
         """Queues a snapshot of the job state; callers needing durability wait on the future (lock released)."""
-        st = self._policy.state
-        doc = {"policy": st.to_dict(), "layout": layout_to_rows(self._layout) if self._layout else None,
-               "group_size": self._layout.group_size if self._layout else self.spec.group_size,
-               "master_port": self._master_port, "used_ports": sorted(self._used_ports)}
-        fut = self._submit([Put(self._prefix + "state", _encode(doc))])
+        fut = self._submit([Put(self._prefix + "state", state_value(
+            self._policy.state, self._layout, self.spec.group_size, self._master_port, self._used_ports))])
         self._state_fut = fut
         return fut
 
@@ -566,8 +539,7 @@ class JobCoordinator:
                        superseded=superseded, refused=refused)
             self._members[nid] = m
             self._mver += 1
-            fut = self._submit([Put(self._prefix + "nodes/" + nid, json.dumps(
-                {"node": info.to_dict(), "lease": lease, "instance": instance, "refused": refused}).encode())])
+            fut = self._submit([Put(self._prefix + "nodes/" + nid, node_value(info, lease, instance, refused))])
             st = self._policy.state
             if qualification is not None and not refused:
                 m.echo_port = qualification.echo_port
@@ -610,9 +582,8 @@ class JobCoordinator:
             durable = None
             if req.qualification is not None and not req.qualification.passed and not m.refused:
                 m.refused = req.qualification.refusal
-                self._submit([Put(self._prefix + "nodes/" + m.info.node_id, json.dumps(  # durable before the cordon
-                    {"node": m.info.to_dict(), "lease": m.lease_id, "instance": m.instance,
-                     "refused": m.refused}).encode())])
+                self._submit([Put(self._prefix + "nodes/" + m.info.node_id,  # durable before the cordon
+                                  node_value(m.info, m.lease_id, m.instance, m.refused))])
                 durable = self._disqualify(m, now)
             self._advance()
             self._memory.mark_fresh(req.node_id, self._table)  # recorded in this call: no older than the table
