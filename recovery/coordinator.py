@@ -34,57 +34,33 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from trainguard.recovery.checkpoint_relay import CheckpointRelay
 from trainguard.recovery.committer import GroupCommitter
-from trainguard.recovery.errors import (DuplicateNodeError, FencedError, MembershipError,
-                                        NotServingError, SlotTakenError, StaleGenerationError,
-                                        StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
-from trainguard.recovery.domain import (Beat, Command, FaultReport, GenerationTable, Instruction,
-                                        NodeRecord)
+from trainguard.recovery.daemon_reports import DaemonReports
 from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, FormingChecked, GenerationFormed,
                                         GenerationRunning, MembershipChanged, NodeDisqualified, Persist, Progressed,
                                         Step, Tick, decide)
+from trainguard.recovery.domain import Beat, Command, FaultReport, GenerationTable, Instruction, NodeRecord
+from trainguard.recovery.errors import (FencedError, MembershipError, NotServingError, StaleGenerationError,
+                                        StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.failslow import FailSlowSupervisor
-from trainguard.recovery.job_records import decode_node, decode_state, node_value, state_value
 from trainguard.recovery.failslow_wiring import FailSlowWiring
-from trainguard.recovery.daemon_reports import DaemonReports
-from trainguard.recovery.node_health import NodeHealthReport
+from trainguard.recovery.job_records import decode_node, decode_state, node_value, state_value
+from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
 from trainguard.recovery.memory_book import MemoryBook
+from trainguard.recovery.node_health import NodeHealthReport
+from trainguard.recovery.peer_pool import PeerPool
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
-from trainguard.recovery.peer_pool import PeerPool
 from trainguard.recovery.qualification import Qualification
-from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks
+from trainguard.recovery.ranks import RankLayout, assign_ranks
 from trainguard.recovery.spec import JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
 from trainguard.recovery.straggler import ReplaceDecision, WindowSnapshot
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class Member:
-    """A registered node as the coordinator tracks it."""
-
-    info: NodeRecord
-    lease_id: str
-    instance: str
-    last_seen: float
-    alive: bool = True
-    free_port: int = 0
-    generation: int = -1
-    workers_running: int = 0
-    last_step: int = -1
-    succeeded_generation: int = -1
-    superseded: set[str] = field(default_factory=set)
-    refused: str = ""  # why it failed qualification ("" when it did not): it stays cordoned for the job
-    echo_port: int = 0  # where it answers qualifying nodes' timed exchanges (0: it does not)
-
-    def spec(self, replaces: str = "") -> NodeSpec:
-        """The node as rank assignment sees it."""
-        return self.info.spec(replaces)
-
 
 @dataclass(frozen=True)
 class HeartbeatReply:
@@ -501,37 +477,14 @@ class JobCoordinator:
             self._check_serving(job)
             nid = info.node_id
             prev = self._members.get(nid)
-            superseded: set[str] = set()
-            if prev is not None:
-                superseded = set(prev.superseded)
-                if instance and instance in prev.superseded:
-                    raise DuplicateNodeError(
-                        f"node id {nid!r} was taken over by a newer agent at {prev.info.address or '?'}: this "
-                        "agent is a duplicate; give each node a unique --node-id")
-                if self._lease_live(prev, now):
-                    if instance and instance == prev.instance:
-                        return prev.lease_id, self._policy.state.generation, _done_future()
-                    same_host = prev.info.address == info.address and prev.info.host == info.host
-                    if not same_host:
-                        raise DuplicateNodeError(
-                            f"node id {nid!r} is held by a live agent at {prev.info.address or '?'} (last heartbeat "
-                            f"{now - prev.last_seen:.1f} s ago): give each node a unique --node-id, or wait "
-                            f"{self._lease_s():.0f} s for that lease to expire")
-                if prev.instance:
-                    superseded.add(prev.instance)
-            if info.replaces:
-                holder = self._members.get(info.replaces)
-                lay = self._layout
-                if holder is not None and self._lease_live(holder, now) and lay is not None \
-                        and lay.slot_of(info.replaces) is not None and info.replaces not in self._policy.state.cordoned:
-                    raise SlotTakenError(
-                        f"node {nid!r} claims the slot of {info.replaces!r}, which is alive and holds it: only a "
-                        "failed or cordoned node's slot can be taken over")
-                for other in self._members.values():
-                    if other.info.node_id != nid and other.info.replaces == info.replaces \
-                            and self._lease_live(other, now):
-                        raise SlotTakenError(f"node {other.info.node_id!r} already claims the slot of "
-                                             f"{info.replaces!r}: one replacement per slot")
+            superseded = superseded_instances(prev, info, instance, prev is not None and self._lease_live(prev, now),
+                                              now, self._lease_s)
+            if superseded is None:  # the live agent registering again (a retried call): its lease stands
+                assert prev is not None
+                return prev.lease_id, self._policy.state.generation, _done_future()
+            check_slot_claim(info, self._members.get(info.replaces) if info.replaces else None,
+                             self._members.values(), self._layout, self._policy.state.cordoned,
+                             lambda m: self._lease_live(m, now))
             lease = uuid.uuid4().hex
             refused = (prev.refused if prev is not None else "") \
                 or (qualification.refusal if qualification is not None else "")
