@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from trainguard.recovery.checkpoint_relay import CheckpointRelay
 from trainguard.recovery.committer import GroupCommitter
@@ -42,7 +42,7 @@ from trainguard.recovery.daemon_reports import DaemonReports
 from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, FormingChecked, GenerationFormed,
                                         GenerationRunning, MembershipChanged, NodeDisqualified, Persist, Progressed,
                                         Step, Tick, decide)
-from trainguard.recovery.domain import Beat, Command, FaultReport, GenerationTable, Instruction, NodeRecord
+from trainguard.recovery.domain import Beat, FaultReport, GenerationTable, NodeRecord
 from trainguard.recovery.errors import (FencedError, MembershipError, NotServingError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.failslow import FailSlowSupervisor
@@ -50,6 +50,7 @@ from trainguard.recovery.failslow_wiring import FailSlowWiring
 from trainguard.recovery.job_records import decode_node, decode_state, node_value, state_value
 from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
 from trainguard.recovery.memory_book import MemoryBook
+from trainguard.recovery.node_command import HeartbeatReply, command_for
 from trainguard.recovery.node_health import NodeHealthReport
 from trainguard.recovery.peer_pool import PeerPool
 from trainguard.recovery.planner import place
@@ -61,13 +62,6 @@ from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, op
 from trainguard.recovery.straggler import ReplaceDecision, WindowSnapshot
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class HeartbeatReply:
-    """A heartbeat's answer, plus the store write the answer depends on (None when durable already)."""
-
-    response: Instruction
-    durable: Future | None = None
 
 
 class JobCoordinator:
@@ -588,40 +582,12 @@ class JobCoordinator:
         self._failslow_apply(self._failslow.on_beat(req, self._policy.state.generation, now), now)
 
     def _command(self, m: Member) -> HeartbeatReply:
+        """What the node must do now (lock held; see :func:`~.node_command.command_for`)."""
         st = self._policy.state
-        ins = Instruction(Command.NONE, st.phase, self._interval_s(), st.message)
-        nid = m.info.node_id
-        slot = self._layout.slot_of(nid) if self._layout is not None else None
-        idle = Command.STOP if m.generation >= 0 else Command.WAIT
-        if st.phase in (Phase.SUCCEEDED, Phase.FAILED):
-            return HeartbeatReply(replace(ins, command=Command.STOP))
-        if nid in st.cordoned:
-            return HeartbeatReply(replace(ins, command=Command.STOP,
-                                          message=f"node {nid} is cordoned: {m.refused or st.message}"))
-        if st.plan is not None or self._layout is None:
-            if self._layout is None and self._form_note:
-                ins = replace(ins, message=self._form_note)
-            elif st.plan is not None and st.plan.waiting:
-                ins = replace(ins, message=f"generation {st.plan.generation} waits: {st.plan.waiting}")
-            return HeartbeatReply(replace(ins, command=idle))
-        if slot is None:
-            return HeartbeatReply(replace(ins, command=idle, message="spare: no ranks in this generation"))
-        if m.generation == st.generation:
-            req = self._relay.pending(st.generation)
-            if req is not None:
-                ins = replace(ins, checkpoint=req)
-            return HeartbeatReply(ins)
-        # Up to full_table_max_nodes every START carries the whole table (the service builds its wire form
-        # once per generation); above it, only the receiving node's entry.
-        big = self._table is not None and len(self._table.slots) > self.spec.full_table_max_nodes
-        if not self._memory.holdings_fresh(self._table, self._clock, self._interval_s()):
-            return HeartbeatReply(replace(ins, message=f"generation {st.generation}: waiting for every node's "
-                                          "in-memory checkpoint holdings"))
-        ins = replace(ins, command=Command.START if m.generation < 0 else Command.RESTART, table=self._table,
-                      only_node=nid if big else "", restore_plan=self._memory.restore_plan(self._table, self._mver))
-        fut = self._state_fut
-        pending = fut is not None and (not fut.done() or fut.exception() is not None)
-        return HeartbeatReply(ins, fut if pending else None)
+        return command_for(m, st, self._layout, self._table, self._interval_s(), self._form_note,
+                           self._relay.pending(st.generation), self.spec.full_table_max_nodes,
+                           lambda: self._memory.holdings_fresh(self._table, self._clock, self._interval_s()),
+                           lambda: self._memory.restore_plan(self._table, self._mver), self._state_fut)
 
     def _alive(self, node_id: str) -> bool:
         """Whether ``node_id`` is a member whose lease has not been found expired (lock held)."""
