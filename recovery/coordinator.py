@@ -9,7 +9,13 @@ effect layer around it (membership, leases, store commits, the commands agents r
 - :mod:`~trainguard.recovery.ranks` (who gets which ranks),
 - :mod:`~trainguard.recovery.policy` (which recovery level a failure gets, budget, backoff, de-duplication),
 - :mod:`~trainguard.recovery.store` (compare-and-set with a fencing token) through a
-  :class:`~trainguard.recovery.committer.GroupCommitter`.
+  :class:`~trainguard.recovery.committer.GroupCommitter`, records encoded by :mod:`.job_records`,
+
+and one collaborator per feature, each called with this coordinator's lock held: :mod:`.membership` (the member
+record, admission rules), :mod:`.node_command` (a heartbeat's answer), :mod:`.memory_book` (the memory tier's
+holdings, restore plan and replica targets), :mod:`.checkpoint_relay` (job-wide checkpoint requests),
+:mod:`.peer_pool` (qualification peers), :mod:`.daemon_reports` (node daemons' verdicts) and
+:mod:`.failslow_wiring` (to and from :mod:`.failslow`).
 
 Durability. Store keys under ``trainguard/jobs/<job>/``: ``fence`` (epoch of the owning coordinator),
 ``nodes/<node id>`` (registration and lease, one key per node so 12.5k registrations are not one growing
