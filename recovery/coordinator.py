@@ -9,7 +9,13 @@ effect layer around it (membership, leases, store commits, the commands agents r
 - :mod:`~trainguard.recovery.ranks` (who gets which ranks),
 - :mod:`~trainguard.recovery.policy` (which recovery level a failure gets, budget, backoff, de-duplication),
 - :mod:`~trainguard.recovery.store` (compare-and-set with a fencing token) through a
-  :class:`~trainguard.recovery.committer.GroupCommitter`.
+  :class:`~trainguard.recovery.committer.GroupCommitter`, records encoded by :mod:`.job_records`,
+
+and one collaborator per feature, each called with this coordinator's lock held: :mod:`.membership` (the member
+record, admission rules), :mod:`.node_command` (a heartbeat's answer), :mod:`.memory_book` (the memory tier's
+holdings, restore plan and replica targets), :mod:`.checkpoint_relay` (job-wide checkpoint requests),
+:mod:`.peer_pool` (qualification peers), :mod:`.daemon_reports` (node daemons' verdicts) and
+:mod:`.failslow_wiring` (to and from :mod:`.failslow`).
 
 Durability. Store keys under ``trainguard/jobs/<job>/``: ``fence`` (epoch of the owning coordinator),
 ``nodes/<node id>`` (registration and lease, one key per node so 12.5k registrations are not one growing
@@ -28,76 +34,40 @@ so its workers are gone) is a process-level failure of that generation.
 from __future__ import annotations
 
 import json
-import math
 import logging
-import random
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
+from trainguard.recovery.checkpoint_relay import CheckpointRelay
 from trainguard.recovery.committer import GroupCommitter
-from trainguard.recovery.errors import (DuplicateNodeError, FencedError, MembershipError,
-                                        NotServingError, PolicyError, SlotTakenError, StaleGenerationError,
-                                        StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
-from trainguard.recovery.domain import (Beat, CheckpointAsk, Command, FaultReport, GenerationTable, Instruction,
-                                        NodeRecord)
+from trainguard.recovery.daemon_reports import DaemonReports
 from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, FormingChecked, GenerationFormed,
                                         GenerationRunning, MembershipChanged, NodeDisqualified, Persist, Progressed,
                                         Step, Tick, decide)
+from trainguard.recovery.domain import Beat, FaultReport, GenerationTable, NodeRecord
+from trainguard.recovery.errors import (FencedError, MembershipError, NotServingError, StaleGenerationError,
+                                        StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.failslow import FailSlowSupervisor
-from trainguard.recovery.node_health import NodeHealthReport, NodeHealthTable, Verdict
-from trainguard.recovery.memory_plan import MemoryHolding, RestorePlan, buddies, plan_restore
+from trainguard.recovery.failslow_wiring import FailSlowWiring
+from trainguard.recovery.job_records import decode_node, decode_state, node_value, state_value
+from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
+from trainguard.recovery.memory_book import MemoryBook
+from trainguard.recovery.node_command import HeartbeatReply, command_for
+from trainguard.recovery.node_health import NodeHealthReport
+from trainguard.recovery.peer_pool import PeerPool
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
-from trainguard.recovery.qualification import PeerTimes, Qualification
-from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows
+from trainguard.recovery.qualification import Qualification
+from trainguard.recovery.ranks import RankLayout, assign_ranks
 from trainguard.recovery.spec import JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
 from trainguard.recovery.straggler import ReplaceDecision, WindowSnapshot
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class Member:
-    """A registered node as the coordinator tracks it."""
-
-    info: NodeRecord
-    lease_id: str
-    instance: str
-    last_seen: float
-    alive: bool = True
-    free_port: int = 0
-    generation: int = -1
-    workers_running: int = 0
-    last_step: int = -1
-    succeeded_generation: int = -1
-    superseded: set[str] = field(default_factory=set)
-    refused: str = ""  # why it failed qualification ("" when it did not): it stays cordoned for the job
-    echo_port: int = 0  # where it answers qualifying nodes' timed exchanges (0: it does not)
-
-    def spec(self, replaces: str = "") -> NodeSpec:
-        """The node as rank assignment sees it."""
-        return self.info.spec(replaces)
-
-
-@dataclass(frozen=True)
-class HeartbeatReply:
-    """A heartbeat's answer, plus the store write the answer depends on (None when durable already)."""
-
-    response: Instruction
-    durable: Future | None = None
-
-
-def _encode(obj: object) -> bytes:
-    return zlib.compress(json.dumps(obj, separators=(",", ":")).encode(), 3)
-
-
-def _decode(raw: bytes) -> object:
-    return json.loads(zlib.decompress(raw))
 
 
 class JobCoordinator:
@@ -141,24 +111,17 @@ class JobCoordinator:
         self._layout_cache: tuple[object, RankLayout | None] | None = None
         self._running: set[str] = set()  # slot holders running the current generation
         self._succeeded: set[str] = set()  # slot holders whose workers of the current generation all exited 0
-        self._ckpt_req: CheckpointAsk | None = None  # job-wide checkpoint being relayed
-        self._step_rate = 0.0  # steps/s of the current generation (EWMA over >= 1 s windows)
-        self._rate_mark: tuple[float, int, int] | None = None  # (time, max step, generation) of the last sample
+        self._relay = CheckpointRelay(spec.job)  # job-wide checkpoint requests and the step rate they need
         self._beat_observers: list[Callable[[Beat, float], None]] = []
         self.fenced = ""
         self._failslow = FailSlowSupervisor(spec.failslow, wall=wall)  # fail-slow: see _failslow_* below
-        self._peer_times = PeerTimes()  # qualified nodes' exchange times: the next node's reference
-        self.node_health = NodeHealthTable()  # what node daemons report: see report_node_health
+        self._slow = FailSlowWiring(spec.job, self._failslow)
+        self._peers = PeerPool()  # qualified nodes' exchange times: the next node's reference
+        self._daemons = DaemonReports(spec.job)
+        self.node_health = self._daemons.table  # what node daemons report: see report_node_health
         # Job-wide memory tier: each node's latest in-memory checkpoint copies, and the restore plan built from
         # them for the current table (recomputed when holdings, liveness or the table change).
-        self._memory: dict[str, tuple[MemoryHolding, ...]] = {}
-        self._plan_cache: tuple[tuple[object, int], RestorePlan | None] | None = None
-        self._fresh: set[str] = set()  # nodes whose holdings arrived after the current table was installed
-        self._fresh_slots = 0  # how many of them hold a slot of the current table
-        self._memory_known = False  # some node reported in-memory copies (else no plan and no wait)
-        self._replica_addr: dict[str, str] = {}  # node -> its replica server (peer replication)
-        self._buddy_cache: tuple[tuple[object, int], dict[str, tuple[tuple[str, str], ...]]] | None = None
-        self._formed_at = 0.0
+        self._memory = MemoryBook(spec.job, self._alive)
         self._load()
 
     # ------------------------------------------------------------------------------------------- persistence
@@ -166,30 +129,14 @@ class JobCoordinator:
         now = self._clock()
         recs = self._raw_store.scan(self._prefix)
         for key, rec in recs.items():
-            if not key.startswith(self._prefix + "nodes/"):
-                continue
-            try:
-                d = json.loads(rec.value)
-                if "node" in d:
-                    info = NodeRecord.from_dict(d["node"])
-                else:  # written by trainguard <= 0.x: the NodeInfo message, hex-encoded
-                    from trainguard.recovery.convert import legacy_node_record
-                    info = legacy_node_record(d["info"])
-                self._members[info.node_id] = Member(info, str(d["lease"]), str(d.get("instance", "")), now,
-                                                     refused=str(d.get("refused", "")))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise StoreError(f"node record {key!r} is corrupt ({exc}): delete it or use a fresh store") from exc
+            if key.startswith(self._prefix + "nodes/"):
+                n = decode_node(key, rec.value)
+                self._members[n.info.node_id] = Member(n.info, n.lease, n.instance, now, refused=n.refused)
         state = recs.get(self._prefix + "state")
         if state is not None:
-            try:
-                d = _decode(state.value)
-                self._policy.state = PolicyState.from_dict(d["policy"])  # type: ignore[index]
-                rows = d["layout"]  # type: ignore[index]
-                self._layout = layout_from_mapping(rows, int(d["group_size"])) if rows else None  # type: ignore
-                self._master_port = int(d["master_port"])  # type: ignore[index]
-                self._used_ports = {int(p) for p in d["used_ports"]}  # type: ignore[index]
-            except (ValueError, KeyError, TypeError, zlib.error, PolicyError, MembershipError) as exc:
-                raise StoreError(f"job state of {self.spec.job!r} is corrupt ({exc}): use a fresh store") from exc
+            d = decode_state(self.spec.job, state.value)
+            self._policy.state, self._layout, self._master_port, self._used_ports = \
+                d.policy, d.layout, d.master_port, d.used_ports
         ck = recs.get(self._prefix + "checkpoint")
         if ck is not None:
             self._committed_step = int(json.loads(ck.value)["step"])
@@ -202,11 +149,8 @@ class JobCoordinator:
 
     def _save_state(self) -> Future:
         """Queues a snapshot of the job state; callers needing durability wait on the future (lock released)."""
-        st = self._policy.state
-        doc = {"policy": st.to_dict(), "layout": layout_to_rows(self._layout) if self._layout else None,
-               "group_size": self._layout.group_size if self._layout else self.spec.group_size,
-               "master_port": self._master_port, "used_ports": sorted(self._used_ports)}
-        fut = self._submit([Put(self._prefix + "state", _encode(doc))])
+        fut = self._submit([Put(self._prefix + "state", state_value(
+            self._policy.state, self._layout, self.spec.group_size, self._master_port, self._used_ports))])
         self._state_fut = fut
         return fut
 
@@ -322,9 +266,7 @@ class JobCoordinator:
         self._form_note = ""
         self._running.clear()
         self._succeeded.clear()
-        self._fresh.clear()
-        self._fresh_slots = 0
-        self._formed_at = self._clock()
+        self._memory.table_installed(self._clock())
         self._mver += 1
         log.info("job %s: generation %d formed: %d nodes, world size %d, master %s:%d", self.spec.job, generation,
                  len(layout.slots), layout.world_size, layout.master_addr, port)
@@ -500,12 +442,8 @@ class JobCoordinator:
         now = self._clock()
         with self._lock:
             self._check_serving(job)
-            cordoned = set(self._policy.state.cordoned)
-            pool = [m for m in self._members.values() if m.echo_port > 0 and m.info.address and not m.refused
-                    and m.info.node_id != node_id and m.info.node_id not in cordoned and self._lease_live(m, now)]
-            picked = random.sample(pool, min(count, len(pool)))
-            reference, history = self._peer_times.reference()
-        return [(m.info.node_id, m.info.address, m.echo_port) for m in picked], reference, history
+            return self._peers.pick(self._members.values(), node_id, count, set(self._policy.state.cordoned),
+                                    lambda m: self._lease_live(m, now))
 
     def refusal(self, node_id: str) -> str:
         """Why ``node_id`` is refused: the qualification it failed ("" when it did not)."""
@@ -539,37 +477,14 @@ class JobCoordinator:
             self._check_serving(job)
             nid = info.node_id
             prev = self._members.get(nid)
-            superseded: set[str] = set()
-            if prev is not None:
-                superseded = set(prev.superseded)
-                if instance and instance in prev.superseded:
-                    raise DuplicateNodeError(
-                        f"node id {nid!r} was taken over by a newer agent at {prev.info.address or '?'}: this "
-                        "agent is a duplicate; give each node a unique --node-id")
-                if self._lease_live(prev, now):
-                    if instance and instance == prev.instance:
-                        return prev.lease_id, self._policy.state.generation, _done_future()
-                    same_host = prev.info.address == info.address and prev.info.host == info.host
-                    if not same_host:
-                        raise DuplicateNodeError(
-                            f"node id {nid!r} is held by a live agent at {prev.info.address or '?'} (last heartbeat "
-                            f"{now - prev.last_seen:.1f} s ago): give each node a unique --node-id, or wait "
-                            f"{self._lease_s():.0f} s for that lease to expire")
-                if prev.instance:
-                    superseded.add(prev.instance)
-            if info.replaces:
-                holder = self._members.get(info.replaces)
-                lay = self._layout
-                if holder is not None and self._lease_live(holder, now) and lay is not None \
-                        and lay.slot_of(info.replaces) is not None and info.replaces not in self._policy.state.cordoned:
-                    raise SlotTakenError(
-                        f"node {nid!r} claims the slot of {info.replaces!r}, which is alive and holds it: only a "
-                        "failed or cordoned node's slot can be taken over")
-                for other in self._members.values():
-                    if other.info.node_id != nid and other.info.replaces == info.replaces \
-                            and self._lease_live(other, now):
-                        raise SlotTakenError(f"node {other.info.node_id!r} already claims the slot of "
-                                             f"{info.replaces!r}: one replacement per slot")
+            superseded = superseded_instances(prev, info, instance, prev is not None and self._lease_live(prev, now),
+                                              now, self._lease_s)
+            if superseded is None:  # the live agent registering again (a retried call): its lease stands
+                assert prev is not None
+                return prev.lease_id, self._policy.state.generation, _done_future()
+            check_slot_claim(info, self._members.get(info.replaces) if info.replaces else None,
+                             self._members.values(), self._layout, self._policy.state.cordoned,
+                             lambda m: self._lease_live(m, now))
             lease = uuid.uuid4().hex
             refused = (prev.refused if prev is not None else "") \
                 or (qualification.refusal if qualification is not None else "")
@@ -577,12 +492,11 @@ class JobCoordinator:
                        superseded=superseded, refused=refused)
             self._members[nid] = m
             self._mver += 1
-            fut = self._submit([Put(self._prefix + "nodes/" + nid, json.dumps(
-                {"node": info.to_dict(), "lease": lease, "instance": instance, "refused": refused}).encode())])
+            fut = self._submit([Put(self._prefix + "nodes/" + nid, node_value(info, lease, instance, refused))])
             st = self._policy.state
             if qualification is not None and not refused:
                 m.echo_port = qualification.echo_port
-                self._peer_times.record(qualification.peer_s)
+                self._peers.record(qualification.peer_s)
             if refused:
                 fut = self._disqualify(m, now) or fut
             elif prev is not None and self._layout is not None and self._layout.slot_of(nid) is not None \
@@ -621,15 +535,11 @@ class JobCoordinator:
             durable = None
             if req.qualification is not None and not req.qualification.passed and not m.refused:
                 m.refused = req.qualification.refusal
-                self._submit([Put(self._prefix + "nodes/" + m.info.node_id, json.dumps(  # durable before the cordon
-                    {"node": m.info.to_dict(), "lease": m.lease_id, "instance": m.instance,
-                     "refused": m.refused}).encode())])
+                self._submit([Put(self._prefix + "nodes/" + m.info.node_id,  # durable before the cordon
+                                  node_value(m.info, m.lease_id, m.instance, m.refused))])
                 durable = self._disqualify(m, now)
             self._advance()
-            if req.node_id not in self._fresh:  # recorded in this call, so no older than the current table
-                self._fresh.add(req.node_id)
-                if self._table is not None and self._table.slot_of(req.node_id) is not None:
-                    self._fresh_slots += 1
+            self._memory.mark_fresh(req.node_id, self._table)  # recorded in this call: no older than the table
             reply = self._failslow_reply(self._with_buddies(self._command(m), req.node_id), m.info.node_id)
             if durable is not None and reply.durable is None:
                 reply = replace(reply, durable=durable)
@@ -661,15 +571,9 @@ class JobCoordinator:
         if req.free_port > 0:
             m.free_port = req.free_port
         m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
-        if self._memory.get(req.node_id, ()) != req.memory:
-            self._memory[req.node_id] = req.memory
-            self._memory_known = self._memory_known or bool(req.memory)
-            self._plan_cache = None
-        if self._replica_addr.get(req.node_id, "") != req.replica_address:
-            self._replica_addr[req.node_id] = req.replica_address
-            self._plan_cache = self._buddy_cache = None
+        self._memory.record(req.node_id, req.memory, req.replica_address)
         if req.generation == st.generation and req.last_step >= 0:
-            self._observe_step(now, req.last_step, st.generation)
+            self._relay.observe_step(now, req.last_step, st.generation)
         if req.generation == st.generation >= 0 and self._layout is not None \
                 and self._layout.slot_of(req.node_id) is not None:
             self._running.add(req.node_id)
@@ -684,88 +588,21 @@ class JobCoordinator:
         self._failslow_apply(self._failslow.on_beat(req, self._policy.state.generation, now), now)
 
     def _command(self, m: Member) -> HeartbeatReply:
+        """What the node must do now (lock held; see :func:`~.node_command.command_for`)."""
         st = self._policy.state
-        ins = Instruction(Command.NONE, st.phase, self._interval_s(), st.message)
-        nid = m.info.node_id
-        slot = self._layout.slot_of(nid) if self._layout is not None else None
-        idle = Command.STOP if m.generation >= 0 else Command.WAIT
-        if st.phase in (Phase.SUCCEEDED, Phase.FAILED):
-            return HeartbeatReply(replace(ins, command=Command.STOP))
-        if nid in st.cordoned:
-            return HeartbeatReply(replace(ins, command=Command.STOP,
-                                          message=f"node {nid} is cordoned: {m.refused or st.message}"))
-        if st.plan is not None or self._layout is None:
-            if self._layout is None and self._form_note:
-                ins = replace(ins, message=self._form_note)
-            elif st.plan is not None and st.plan.waiting:
-                ins = replace(ins, message=f"generation {st.plan.generation} waits: {st.plan.waiting}")
-            return HeartbeatReply(replace(ins, command=idle))
-        if slot is None:
-            return HeartbeatReply(replace(ins, command=idle, message="spare: no ranks in this generation"))
-        if m.generation == st.generation:
-            req = self._ckpt_req
-            if req is not None and req.generation == st.generation:
-                ins = replace(ins, checkpoint=req)
-            return HeartbeatReply(ins)
-        # Up to full_table_max_nodes every START carries the whole table (the service builds its wire form
-        # once per generation); above it, only the receiving node's entry.
-        big = self._table is not None and len(self._table.slots) > self.spec.full_table_max_nodes
-        if not self._holdings_fresh():
-            return HeartbeatReply(replace(ins, message=f"generation {st.generation}: waiting for every node's "
-                                          "in-memory checkpoint holdings"))
-        ins = replace(ins, command=Command.START if m.generation < 0 else Command.RESTART, table=self._table,
-                      only_node=nid if big else "", restore_plan=self._restore_plan())
-        fut = self._state_fut
-        pending = fut is not None and (not fut.done() or fut.exception() is not None)
-        return HeartbeatReply(ins, fut if pending else None)
+        return command_for(m, st, self._layout, self._table, self._interval_s(), self._form_note,
+                           self._relay.pending(st.generation), self.spec.full_table_max_nodes,
+                           lambda: self._memory.holdings_fresh(self._table, self._clock, self._interval_s()),
+                           lambda: self._memory.restore_plan(self._table, self._mver), self._state_fut)
 
-    def _live_replica_addresses(self) -> dict[str, str]:
-        return {nid: a for nid, a in self._replica_addr.items()
-                if a and (m := self._members.get(nid)) is not None and m.alive}
+    def _alive(self, node_id: str) -> bool:
+        """Whether ``node_id`` is a member whose lease has not been found expired (lock held)."""
+        return (m := self._members.get(node_id)) is not None and m.alive
 
     def _with_buddies(self, reply: HeartbeatReply, node_id: str) -> HeartbeatReply:
-        """Adds the node's replica targets (its buddies in the current table, see
-        :func:`~.memory_plan.buddies`), cached per table and liveness."""
-        table = self._table
-        if table is None or self.spec.memory_replicas <= 0 or table.slot_of(node_id) is None:
-            return reply
-        cached = self._buddy_cache
-        if cached is None or cached[0][0] is not table or cached[0][1] != self._mver:
-            addr = self._live_replica_addresses()
-            chosen = buddies(table.slots, self.spec.memory_replicas, addr) if addr else {}
-            cached = ((table, self._mver), {n: tuple((b, addr[b]) for b in bs) for n, bs in chosen.items()})
-            self._buddy_cache = cached
-        targets = cached[1].get(node_id, ())
+        """Adds the node's replica targets (see :meth:`MemoryBook.replica_targets`) to a heartbeat reply."""
+        targets = self._memory.replica_targets(self._table, self._mver, self.spec.memory_replicas, node_id)
         return replace(reply, response=replace(reply.response, replica_targets=targets)) if targets else reply
-
-    def _holdings_fresh(self) -> bool:
-        """Whether every node of the current table reported its memory holdings since the table was installed
-        (or nobody reports any, or two heartbeat intervals passed). A snapshot can land on a node between its
-        last heartbeat and a fault; a plan from older holdings would send some ranks to disk while others read
-        memory, so a new generation's STARTs wait at most that long for one fresh report from each node."""
-        if self._table is None or not self._memory_known or self._fresh_slots >= len(self._table.slots):
-            return True
-        return self._clock() - self._formed_at >= 2 * self._interval_s()
-
-    def _restore_plan(self) -> RestorePlan | None:
-        """Where each rank of the current table reads its checkpoint (see :mod:`.memory_plan`), from the live
-        nodes' latest memory holdings; None while no node reported any. Cached per table, holdings and
-        liveness, so a generation's STARTs cost one plan."""
-        table = self._table
-        if table is None:
-            return None
-        key = (table, self._mver)
-        cached = self._plan_cache
-        if cached is not None and cached[0][0] is table and cached[0][1] == self._mver:
-            return cached[1]
-        live = {nid: held for nid, held in self._memory.items()
-                if held and (m := self._members.get(nid)) is not None and m.alive}
-        plan = plan_restore(table.slots, table.world_size, live, self._live_replica_addresses()) if live else None
-        if plan is not None:
-            log.info("job %s: generation %d restore plan: step %d, %s", self.spec.job, table.generation, plan.step,
-                     ", ".join(f"{n} rank(s) from {k.replace('_', ' ')}" for k, n in plan.source_counts().items()))
-        self._plan_cache = (key, plan)
-        return plan
 
     def report(self, req: FaultReport) -> tuple[Level, int, str, Future | None]:
         """Decides the recovery for a reported event.
@@ -802,41 +639,12 @@ class JobCoordinator:
             fut = self._state_fut if self._state_fut is not fut_before else None
             return level, gen, msg, fut
 
-    def _observe_step(self, now: float, step: int, generation: int) -> None:
-        """Keeps the job's step rate from heartbeats (for how far ahead a job-wide checkpoint must be set)."""
-        mark = self._rate_mark
-        if mark is None or mark[2] != generation or step < mark[1]:
-            self._rate_mark = (now, step, generation)
-            return
-        if now - mark[0] >= 1.0:
-            rate = (step - mark[1]) / (now - mark[0])
-            self._step_rate = rate if self._step_rate == 0.0 else 0.5 * self._step_rate + 0.5 * rate
-            self._rate_mark = (now, step, generation)
-
     def _request_checkpoint(self, req: FaultReport, now: float) -> str:
-        """Sets a job-wide checkpoint at a step every rank has not reached yet (called with the lock held).
-
-        The step is the furthest step reported plus what the job does in two heartbeat intervals and half a
-        second more (time for every agent to hear of it and tell its workers), at least 2 steps ahead. A request
-        still ahead of the job is kept rather than moved.
-
-        Returns:
-            The message for the reporter.
-        """
-        st = self._policy.state
-        if st.phase is not Phase.RUNNING or st.plan is not None or self._layout is None:
-            return f"no checkpoint requested: the job is {st.phase.name.lower()}"
-        furthest = max((self._members[s.node_id].last_step for s in self._layout.slots
-                        if s.node_id in self._members), default=-1)
-        cur = self._ckpt_req
-        if cur is not None and cur.generation == st.generation and cur.at_step > furthest:
-            return f"a job-wide checkpoint at step {cur.at_step} is already pending"
-        ahead = max(2, math.ceil(self._step_rate * (2.0 * self._interval_s() + 0.5)) + 1)
-        self._ckpt_req = CheckpointAsk(at_step=furthest + ahead, reason=f"{req.node_id}: {req.detail}",
-                                       request_id=uuid.uuid4().hex[:12], generation=st.generation)
-        log.warning("job %s: job-wide checkpoint requested at step %d (furthest step %d, %.1f steps/s): %s",
-                    self.spec.job, self._ckpt_req.at_step, furthest, self._step_rate, self._ckpt_req.reason)
-        return f"job-wide checkpoint at step {self._ckpt_req.at_step}"
+        """Sets a job-wide checkpoint at a step no rank reached yet (lock held; see :class:`CheckpointRelay`)."""
+        lay = self._layout
+        steps = [self._members[s.node_id].last_step for s in lay.slots if s.node_id in self._members] \
+            if lay is not None else None
+        return self._relay.request(self._policy.state, steps, self._interval_s(), f"{req.node_id}: {req.detail}")
 
     def rank_table(self, job: str) -> GenerationTable | None:
         """The current generation's full rank table (None before the first one forms).
@@ -912,32 +720,21 @@ class JobCoordinator:
         now = self._clock()
         with self._lock:
             self._check_serving(report.job or self.spec.job)
-            newly = self.node_health.record(report, now)
-            nid = report.node_id
-            # One failure per fatal latch: a job that restarts on the node anyway (one node, nowhere else to
-            # go) must not see every later report (each interval) as a new fault burning its restart budget.
-            if report.verdict is Verdict.FATAL and newly and not self._excluded(nid) \
-                    and self._policy.state.phase not in (Phase.SUCCEEDED, Phase.FAILED):
-                fut_before = self._state_fut
-                st = self._policy.state
-                self._fail(Failure(nid, st.generation, Cause.NODE_CRITICAL, Level.NODE,
-                                   detail=f"node daemon reports a fatal fault: {report.reason}",
-                                   time_s=self._wall()), now)
-                self._mver += 1  # the forming layout must drop the node even when the policy state looks unchanged
-                self._save_state()
-                self._advance()
-                fut = self._state_fut if self._state_fut is not fut_before else None
-                cordoned = self._excluded(nid)
-                if cordoned:
-                    log.warning("job %s: node %s cordoned on its daemon's report: %s", self.spec.job, nid,
-                                report.reason)
-                return cordoned, f"node {nid} {'cordoned' if cordoned else 'failed'}: {report.reason}", fut
-            cordoned = self._excluded(nid)
-            return cordoned, f"node {nid} is cordoned" if cordoned else "noted", None
+            fut_before = self._state_fut
+            cordoned, message = self._daemons.record(report, now, self._policy.state, self._excluded,
+                                                     lambda f: self._fail_node_on_report(f, now), self._wall)
+            return cordoned, message, self._state_fut if self._state_fut is not fut_before else None
+
+    def _fail_node_on_report(self, f: Failure, now: float) -> None:
+        """Applies a daemon's fatal verdict as a node failure (lock held), and moves the job on."""
+        self._fail(f, now)
+        self._mver += 1  # the forming layout must drop the node even when the policy state looks unchanged
+        self._save_state()
+        self._advance()
 
     def silent_daemons(self) -> list[str]:
         """Nodes whose daemon reported before but not for 3 report intervals (shown only, never cordoned)."""
-        return self.node_health.silent(self._clock(), 3 * self._interval_s())
+        return self._daemons.silent(self._clock(), 3 * self._interval_s())
 
     def report_interval_s(self) -> float:
         """How often node daemons should report: the heartbeat interval told to nodes now."""
@@ -950,29 +747,22 @@ class JobCoordinator:
 
     def cordon_reason(self, node_id: str) -> str:
         """Why a node was cordoned when its daemon said so ("" otherwise: the policy's message tells)."""
-        return self.node_health.fatal().get(node_id, "")
+        return self._daemons.cordon_reason(node_id)
 
     # ------------------------------------------------------------------------------------ fail-slow wiring
-    # All fail-slow logic lives in trainguard.recovery.failslow; these three methods only hand it the job's
-    # state and apply its decisions through the ordinary node-failure path.
+    # All fail-slow logic lives in trainguard.recovery.failslow, the translation in FailSlowWiring; these
+    # methods only hand them the job's state and apply decisions through the ordinary node-failure path.
     def _failslow_report(self, req: FaultReport, now: float) -> str | None:
         """Shows a report to fail-slow (called with the lock held); returns the answer when it was fail-slow's
         own (stacks of a hang), else None and the report goes on to the policy."""
-        lay = self._layout
-        node_of = {s.first_rank + i: s.node_id for s in lay.slots for i in range(s.local_world_size)} if lay else {}
-        out = self._failslow.on_report(req, self._policy.state.generation, node_of, now)
-        self._failslow_apply(out.replace, now)
-        return out.message if out.handled else None
+        message, decision = self._slow.on_report(req, self._layout, self._policy.state.generation, now)
+        self._failslow_apply(decision, now)
+        return message
 
     def _failslow_reply(self, reply: HeartbeatReply, node_id: str = "") -> HeartbeatReply:
-        """Adds fail-slow's findings, an open stack request and the node's link probe to a heartbeat reply (the
-        service puts them on the wire; a START shared by every node is rebuilt there only when they change)."""
-        findings, stacks = self._failslow.reply_findings(), self._failslow.stack_request()
-        probes = self._failslow.link_asks(node_id) if node_id else ()
-        if findings is None and stacks is None and not probes:
-            return reply
-        return HeartbeatReply(replace(reply.response, failslow=findings, stacks=stacks, link_probes=probes),
-                              reply.durable)
+        """Adds fail-slow's findings, an open stack request and the node's link probe to a heartbeat reply."""
+        ins = self._slow.decorate(reply.response, node_id)
+        return reply if ins is None else HeartbeatReply(ins, reply.durable)
 
     def _failslow_score(self, window: WindowSnapshot) -> None:
         """Scores a closed fail-slow window WITHOUT the lock, then applies it under the lock (the supervisor drops
@@ -983,27 +773,19 @@ class JobCoordinator:
         with self._lock:
             if self.fenced:
                 return
-            now, lay = self._clock(), self._layout
-            addresses = {s.node_id: self._members[s.node_id].info.address for s in (lay.slots if lay else ())
-                         if s.node_id in self._members}
+            now = self._clock()
+            addresses = self._slow.slot_addresses(self._layout, self._members)
             self._failslow_apply(self._failslow.apply_window(result, now, lambda: len(self._candidates(now)),
                                                              lambda: addresses), now)
 
     def _failslow_apply(self, d: ReplaceDecision | None, now: float) -> None:
-        """Replaces a slow (or repeatedly hanging) node with a spare as a node-level failure of that node: the
-        decision goes through the policy's ordinary node-failure path (:meth:`_fail`), only when a spare exists."""
-        if d is None or self._layout is None or self._layout.slot_of(d.node_id) is None:
-            return
-        st = self._policy.state
-        if st.phase not in (Phase.RUNNING, Phase.RECOVERING) or not self._candidates(now):
-            log.warning("job %s: fail-slow would replace node %s but no spare is available: %s", self.spec.job,
-                        d.node_id, d.detail)
-            return
-        step = max((m.last_step for m in self._members.values() if m.generation == st.generation), default=-1)
-        self._failslow.applied(d, now, step, st.generation)
-        self._fail(Failure(d.node_id, st.generation, Cause.NODE_CRITICAL, Level.NODE, detail=d.detail,
-                           time_s=self._wall()), now)
-        self._advance()
+        """Replaces a slow (or repeatedly hanging) node with a spare as a node-level failure of that node (see
+        :meth:`FailSlowWiring.replacement`), through the policy's ordinary node-failure path (:meth:`_fail`)."""
+        f = self._slow.replacement(d, self._layout, self._policy.state, lambda: bool(self._candidates(now)),
+                                   self._members.values(), now, self._wall)
+        if f is not None:
+            self._fail(f, now)
+            self._advance()
 
 
 def _done_future() -> Future:

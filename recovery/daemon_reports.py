@@ -1,0 +1,72 @@
+"""What the coordinator does with node daemons' health reports: keep them, and fail a node on a fatal one.
+
+A node daemon reports its node's verdict continuously, between jobs too (:mod:`~trainguard.recovery.node_health`
+holds the table). :class:`DaemonReports` records each report and decides whether it is a new fault of this job:
+a FATAL verdict, new since the daemon's last report, about a node not cordoned already, while the job still
+runs. The coordinator applies that failure through the policy's ordinary node-failure path.
+
+It is not thread-safe on its own: :class:`~trainguard.recovery.coordinator.JobCoordinator` calls
+:meth:`DaemonReports.record` with its lock held; the table is thread-safe and is read without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from trainguard.recovery.node_health import NodeHealthReport, NodeHealthTable, Verdict
+from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState
+
+log = logging.getLogger("trainguard.recovery.coordinator")  # the coordinator's log lines, unchanged by the split
+
+
+class DaemonReports:
+    """Node daemons' reports to one job's coordinator.
+
+    Args:
+        job: the job name, for log lines.
+    """
+
+    def __init__(self, job: str) -> None:
+        self._job = job
+        self.table = NodeHealthTable()  # what node daemons report: see record
+
+    def record(self, report: NodeHealthReport, now: float, st: PolicyState,
+               excluded: Callable[[str], bool], fail: Callable[[Failure], None],
+               wall: Callable[[], float]) -> tuple[bool, str]:
+        """Records a report and fails its node on a new fatal verdict (call with the coordinator's lock held).
+
+        One failure per fatal latch: a job that restarts on the node anyway (one node, nowhere else to go) must
+        not see every later report (each interval) as a new fault burning its restart budget.
+
+        Args:
+            report: the report.
+            now: the coordinator's monotonic clock, seconds.
+            st: the job's policy state now (read before the failure is applied).
+            excluded: whether a node is cordoned, or about to be by the pending plan.
+            fail: applies a node failure (the policy's node-failure path).
+            wall: the wall clock for the failure's time.
+
+        Returns:
+            (whether the node is cordoned in this job now, the message for the daemon).
+        """
+        newly = self.table.record(report, now)
+        nid = report.node_id
+        if report.verdict is Verdict.FATAL and newly and not excluded(nid) \
+                and st.phase not in (Phase.SUCCEEDED, Phase.FAILED):
+            fail(Failure(nid, st.generation, Cause.NODE_CRITICAL, Level.NODE,
+                         detail=f"node daemon reports a fatal fault: {report.reason}", time_s=wall()))
+            cordoned = excluded(nid)
+            if cordoned:
+                log.warning("job %s: node %s cordoned on its daemon's report: %s", self._job, nid, report.reason)
+            return cordoned, f"node {nid} {'cordoned' if cordoned else 'failed'}: {report.reason}"
+        cordoned = excluded(nid)
+        return cordoned, f"node {nid} is cordoned" if cordoned else "noted"
+
+    def silent(self, now: float, after_s: float) -> list[str]:
+        """Nodes whose daemon reported before but not for ``after_s`` (shown only, never cordoned)."""
+        return self.table.silent(now, after_s)
+
+    def cordon_reason(self, node_id: str) -> str:
+        """Why a node was cordoned when its daemon said so ("" otherwise: the policy's message tells)."""
+        return self.table.fatal().get(node_id, "")

@@ -1,0 +1,86 @@
+"""The coordinator's records in the store, encoded and decoded: one record per node, and the job state.
+
+Keys live under ``trainguard/jobs/<job>/`` (see :mod:`~trainguard.recovery.coordinator` for what each holds and
+when it is written). A node record is JSON: the node's identity, its lease, its agent's instance id and why it
+failed qualification. The state record is zlib-compressed JSON: the policy state, the rank layout, MASTER_PORT
+and every port used so far. Pure functions: the coordinator reads and writes the store itself.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+
+from trainguard.recovery.domain import NodeRecord
+from trainguard.recovery.errors import MembershipError, PolicyError, StoreError
+from trainguard.recovery.policy import PolicyState
+from trainguard.recovery.ranks import RankLayout, layout_from_mapping, layout_to_rows
+
+
+@dataclass(frozen=True)
+class StoredNode:
+    """A node record as read back: identity, lease, agent instance, qualification refusal ("" if none)."""
+
+    info: NodeRecord
+    lease: str
+    instance: str
+    refused: str
+
+
+@dataclass(frozen=True)
+class StoredState:
+    """The job state record as read back."""
+
+    policy: PolicyState
+    layout: RankLayout | None
+    master_port: int
+    used_ports: set[int]
+
+
+def node_value(info: NodeRecord, lease: str, instance: str, refused: str) -> bytes:
+    """The value of a node's record."""
+    return json.dumps({"node": info.to_dict(), "lease": lease, "instance": instance, "refused": refused}).encode()
+
+
+def decode_node(key: str, value: bytes) -> StoredNode:
+    """Reads a node record (also the NodeInfo form written by trainguard <= 0.x).
+
+    Raises:
+        StoreError: the record is corrupt.
+    """
+    try:
+        d = json.loads(value)
+        if "node" in d:
+            info = NodeRecord.from_dict(d["node"])
+        else:  # written by trainguard <= 0.x: the NodeInfo message, hex-encoded
+            from trainguard.recovery.convert import legacy_node_record
+            info = legacy_node_record(d["info"])
+        return StoredNode(info, str(d["lease"]), str(d.get("instance", "")), str(d.get("refused", "")))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"node record {key!r} is corrupt ({exc}): delete it or use a fresh store") from exc
+
+
+def state_value(policy: PolicyState, layout: RankLayout | None, group_size: int, master_port: int,
+                used_ports: set[int]) -> bytes:
+    """The value of the job state record; ``group_size`` is the layout's, or the spec's while there is none."""
+    doc = {"policy": policy.to_dict(), "layout": layout_to_rows(layout) if layout else None,
+           "group_size": layout.group_size if layout else group_size,
+           "master_port": master_port, "used_ports": sorted(used_ports)}
+    return zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), 3)
+
+
+def decode_state(job: str, value: bytes) -> StoredState:
+    """Reads the job state record of ``job``.
+
+    Raises:
+        StoreError: the record is corrupt.
+    """
+    try:
+        d = json.loads(zlib.decompress(value))
+        policy = PolicyState.from_dict(d["policy"])
+        rows = d["layout"]
+        layout = layout_from_mapping(rows, int(d["group_size"])) if rows else None
+        return StoredState(policy, layout, int(d["master_port"]), {int(p) for p in d["used_ports"]})
+    except (ValueError, KeyError, TypeError, zlib.error, PolicyError, MembershipError) as exc:
+        raise StoreError(f"job state of {job!r} is corrupt ({exc}): use a fresh store") from exc

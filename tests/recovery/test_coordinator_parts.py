@@ -1,0 +1,69 @@
+"""The coordinator's collaborators on their own: store records, admission rules, the checkpoint relay.
+
+The coordinator's tests (test_recovery_service, test_recovery_stateful, ...) cover them through the coordinator;
+these pin the edges that are awkward to reach through it (corrupt records, the step-rate arithmetic).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+
+from trainguard.recovery.checkpoint_relay import CheckpointRelay
+from trainguard.recovery.domain import NodeRecord
+from trainguard.recovery.errors import DuplicateNodeError, SlotTakenError, StoreError
+from trainguard.recovery.job_records import decode_node, decode_state, node_value, state_value
+from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
+from trainguard.recovery.policy import Phase, PolicyState
+from trainguard.recovery.ranks import assign_ranks
+
+
+def test_records_round_trip_and_corrupt_ones_name_the_key() -> None:
+    info = NodeRecord("n1", pod_id="p", address="10.0.0.1", host="h1")
+    n = decode_node("k", node_value(info, "lease", "inst", "x4, below its x16"))
+    assert (n.info, n.lease, n.instance, n.refused) == (info, "lease", "inst", "x4, below its x16")
+    layout = assign_ranks([info.spec()], group_size=1)
+    st = PolicyState(phase=Phase.RUNNING, generation=3)
+    d = decode_state("job", state_value(st, layout, 1, 29500, {29500, 29501}))
+    assert d.policy == st and d.layout == layout and d.master_port == 29500 and d.used_ports == {29500, 29501}
+    assert decode_state("job", state_value(st, None, 4, 0, set())).layout is None
+    with pytest.raises(StoreError, match="node record 'k' is corrupt"):
+        decode_node("k", b"{not json")
+    with pytest.raises(StoreError, match="job state of 'job' is corrupt"):
+        decode_state("job", zlib.compress(json.dumps({"policy": {}}).encode()))
+
+
+def test_admission_rules() -> None:
+    info = NodeRecord("n1", address="a", host="h")
+    assert superseded_instances(None, info, "i2", False, 0.0, lambda: 9.0) == set()
+    prev = Member(info, "lease", "i1", last_seen=0.0, superseded={"i0"})
+    assert superseded_instances(prev, info, "i1", True, 1.0, lambda: 9.0) is None  # the same agent again
+    assert superseded_instances(prev, info, "i2", True, 1.0, lambda: 9.0) == {"i0", "i1"}  # same host: takes over
+    with pytest.raises(DuplicateNodeError, match="taken over by a newer agent"):
+        superseded_instances(prev, info, "i0", True, 1.0, lambda: 9.0)
+    with pytest.raises(DuplicateNodeError, match="wait 9 s"):
+        superseded_instances(prev, NodeRecord("n1", address="b", host="h2"), "i2", True, 1.0, lambda: 9.0)
+    holder = Member(NodeRecord("old"), "l", "", 0.0)
+    layout = assign_ranks([holder.spec()], group_size=1)
+    claim = NodeRecord("new", replaces="old")
+    with pytest.raises(SlotTakenError, match="alive and holds it"):
+        check_slot_claim(claim, holder, [holder], layout, [], lambda m: True)
+    check_slot_claim(claim, holder, [holder], layout, ["old"], lambda m: True)  # cordoned: may be taken over
+    rival = Member(NodeRecord("other", replaces="old"), "l", "", 0.0)
+    with pytest.raises(SlotTakenError, match="one replacement per slot"):
+        check_slot_claim(claim, holder, [holder, rival], layout, ["old"], lambda m: True)
+
+
+def test_checkpoint_relay_sets_a_step_ahead_of_the_job_and_keeps_a_pending_one() -> None:
+    relay = CheckpointRelay("job")
+    for t in range(5):  # 10 steps/s
+        relay.observe_step(float(t), 10 * t, 1)
+    st = PolicyState(phase=Phase.RUNNING, generation=1)
+    assert relay.request(st, [40, 38], 1.0, "n1: drain") == "job-wide checkpoint at step 66"  # 40 + ceil(25) + 1
+    ask = relay.pending(1)
+    assert ask is not None and ask.at_step == 66 and ask.reason == "n1: drain" and relay.pending(2) is None
+    assert "already pending" in relay.request(st, [50], 1.0, "n2: again")
+    assert relay.request(PolicyState(phase=Phase.RECOVERING, generation=1), [50], 1.0, "x").startswith(
+        "no checkpoint requested: the job is recovering")
