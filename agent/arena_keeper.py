@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainguard.agent.errors import AgentError
+from trainguard.agent.pids import pid_alive
 from trainguard.checkpoint.arena import LEASE_NAME
 
 log = logging.getLogger(__name__)
@@ -83,22 +84,6 @@ class KeptArena:
         if new not in TRANSITIONS[self.state]:
             raise AssertionError(f"arena {self.job}: {self.state.name} -> {new.name} is not allowed")
         self.state = new
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not reaped: e.g. a launcher the daemon's caller has not waited for) is gone.
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 def lease_held(arena_dir: str) -> bool:
@@ -254,4 +239,4 @@ class ArenaKeeper:
         log.info("memory tier: removed the arena of job %s (%s)", job, why)
 
 
-__all__ = ["ArenaKeeper", "ArenaRootError", "ArenaState", "KeptArena", "TRANSITIONS", "lease_held", "pid_alive"]
+__all__ = ["ArenaKeeper", "ArenaRootError", "ArenaState", "KeptArena", "TRANSITIONS", "lease_held"]

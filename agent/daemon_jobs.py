@@ -14,8 +14,9 @@ import logging
 import threading
 from collections.abc import Callable
 
-from trainguard.agent.arena_keeper import ArenaKeeper, pid_alive
+from trainguard.agent.arena_keeper import ArenaKeeper
 from trainguard.agent.coordinator_report import CoordinatorReporter, NodeVerdict, ReporterState, ReportTarget
+from trainguard.agent.pids import pid_alive
 from trainguard.agent.tls import TlsFiles
 from trainguard.proto import agent_pb2
 from trainguard.recovery.rpc_security import RpcSecurity

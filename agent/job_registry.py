@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from trainguard.agent.pids import pid_alive
 from trainguard.worker_env import AGENT_SOCKET_ENV
 
 log = logging.getLogger(__name__)
@@ -83,16 +84,6 @@ def unregister(path: str) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def live_runs() -> list[RunRecord]:
     """Records of runs whose process still lives and whose socket exists, newest first; stale ones are removed."""
     d = registry_dir()
@@ -111,7 +102,7 @@ def live_runs() -> list[RunRecord]:
             rec = RunRecord(str(raw["job"]), int(raw["pid"]), str(raw["socket"]), float(raw["started"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not _alive(rec.pid) or not os.path.exists(rec.socket):
+        if not pid_alive(rec.pid) or not os.path.exists(rec.socket):
             unregister(path)
             continue
         runs.append(rec)

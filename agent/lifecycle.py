@@ -2,10 +2,10 @@
 
 Each part (:mod:`~trainguard.agent.supervisor`, :mod:`~trainguard.agent.coordinator_link`,
 :mod:`~trainguard.agent.node_health`) names its states and triggers in enums and spells its transitions out as a
-``{(state, trigger): next_state}`` table, as :mod:`trainguard.recovery.policy` does for a job. A trigger the table
-does not list for the current state is refused with :class:`~trainguard.agent.errors.IllegalTransitionError`:
-the parts call :meth:`Lifecycle.fire` where their code believes the move is legal, so a refusal is a bug, and a
-loud one.
+``{(state, trigger): next_state}`` table, as :mod:`trainguard.recovery.policy` does for a job (both are looked
+up by :func:`trainguard.lifecycle.next_state`). A trigger the table does not list for the current state is
+refused with :class:`~trainguard.agent.errors.IllegalTransitionError`: the parts call :meth:`Lifecycle.fire`
+where their code believes the move is legal, so a refusal is a bug, and a loud one.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Generic, TypeVar
 
 from trainguard.agent.errors import IllegalTransitionError
+from trainguard.lifecycle import next_state
 
 S = TypeVar("S", bound=enum.Enum)
 T = TypeVar("T", bound=enum.Enum)
@@ -37,12 +38,8 @@ def lookup(table: Mapping[tuple[S, T], S], state: S, trigger: T, part: str) -> S
     Raises:
         IllegalTransitionError: the table has no such transition.
     """
-    try:
-        return table[(state, trigger)]
-    except KeyError:
-        raise IllegalTransitionError(
-            f"{part}: no transition from {state.name} on {trigger.name.lower()}: this is a trainguard bug, please "
-            "report it with the agent log") from None
+    return next_state(table, state, trigger, error=IllegalTransitionError, bug_of="trainguard", log="agent",
+                      part=part)
 
 
 class Lifecycle(Generic[S, T]):

@@ -230,35 +230,15 @@ def rolling_robust_z_blocks(ts: np.ndarray, x: np.ndarray, window_s: float = 864
         return np.nanmax(z, axis=1)
 
 
-def synthetic_fleet(seed: int, n_nodes: int = 36) -> tuple:
-    """The transfer test's fleet generated differently from the training one (3x decoys, 2x congestion, 3x
-    dropouts, jobs of 4, gauges at other levels with a daily pattern): ``n_nodes`` x 6 days at 60 s."""
-    from trainguard.predictor.tracegen import TraceConfig, generate
-
-    tr = generate(TraceConfig(n_nodes=n_nodes, days=6, interval_s=60, rate_scale=100, repair_scale=0.05, seed=seed,
-                              decoy_rate=3, congestion_rate=4, dropout_rate=12, job_size=4))
-    mt = tr.metrics
-    vals = mt.values.copy()
-    rng = np.random.default_rng(seed)
-    for node in np.unique(mt.node.astype(str)):
-        r = mt.node.astype(str) == node
-        day = np.sin(2 * np.pi * mt.ts[r] / 86400.0)
-        j = mt.columns.index("gpu_temp_c")
-        vals[r, j] += rng.uniform(-10, 10) + 3.0 * day
-        j = mt.columns.index("step_time_s")
-        vals[r, j] *= rng.uniform(0.6, 1.6) * (1 + 0.05 * day)
-    return MetricTable(mt.columns, mt.ts, mt.node, vals, mt.job), tr
-
-
 def run_synthetic(figures: dict) -> None:
     """Synthetic fleet: train on one generated fleet (seed 1, 3 days), evaluate on one generated differently
     (seed 11); failures instead of windows (a hit is an alarm 2-30 min before a failure with a precursor);
     the same baselines, per node on the raw metrics (gauge values, counter increments)."""
     from trainguard.predictor.evaluation import calibrate_threshold, evaluate_events, failures_by_node
-    from trainguard.predictor.tracegen import TraceConfig, generate
+    from trainguard.predictor.tracegen import TraceConfig, generate, shifted_fleet
 
     a = generate(TraceConfig(n_nodes=12, days=3, interval_s=60, rate_scale=100, repair_scale=0.05, seed=1))
-    b_metrics, tr = synthetic_fleet(11)
+    b_metrics, tr = shifted_fleet(11, n_nodes=36)  # the transfer test's fleet, 3x the nodes
     failures = failures_by_node(tr.events.node, tr.events.ts)
     pkeys = tr.predictable_keys()
     methods: dict[str, np.ndarray] = {}

@@ -31,7 +31,7 @@ import re
 import shutil
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from trainguard.checkpoint.errors import ArenaOwnedError, CorruptCheckpointError, StorageUnavailableError
 from trainguard.checkpoint.fileio import storage_error
@@ -301,40 +301,51 @@ def memory_manifests(shm_root: str, job: str, location: str | None = None,
     by a caller that lists often (the node agent, several times a second), skips parsing unchanged manifests.
     """
     out: dict[int, dict[int, tuple[SlotPaths, Manifest]]] = {}
-    base = os.path.join(shm_root, job)
+    for _rank, d, slot in rank_files(os.path.join(shm_root, job), _SLOT_MANIFEST_RE):
+        paths = SlotPaths.of(d, slot)
+        try:
+            man = read_manifest(paths.manifest, cache)
+        except (OSError, CorruptCheckpointError):
+            continue
+        if read_tag(paths) != str(man.step):
+            continue
+        if location is not None and man.location != location:
+            continue
+        prev = out.get(man.step, {}).get(man.rank)
+        if prev is None or man.created >= prev[1].created:  # a step saved twice: the newer copy wins
+            out.setdefault(man.step, {})[man.rank] = (paths, man)
+    return out
+
+
+def rank_files(root: str, name_re: re.Pattern[str]) -> Iterator[tuple[int, str, int]]:
+    """``(rank, rank folder, number)`` for every file in ``root/rank_NNNNN/`` whose name matches ``name_re``
+    (its first group: the slot or step number). A missing ``root`` or an unreadable rank folder yields nothing:
+    listings skip what they cannot read, like a damaged manifest."""
     try:
-        rank_names = os.listdir(base)
+        rank_names = os.listdir(root)
     except OSError:
-        return out
+        return
     for rn in rank_names:
         m = _RANK_RE.match(rn)
         if not m:
             continue
-        d = os.path.join(base, rn)
+        d = os.path.join(root, rn)
         try:
             names = os.listdir(d)
         except OSError:
             continue
         for n in names:
-            sm = _SLOT_MANIFEST_RE.match(n)
-            if not sm:
-                continue
-            paths = SlotPaths.of(d, int(sm.group(1)))
-            try:
-                man = _read_manifest(paths.manifest, cache)
-            except (OSError, CorruptCheckpointError):
-                continue
-            if read_tag(paths) != str(man.step):
-                continue
-            if location is not None and man.location != location:
-                continue
-            prev = out.get(man.step, {}).get(man.rank)
-            if prev is None or man.created >= prev[1].created:  # a step saved twice: the newer copy wins
-                out.setdefault(man.step, {})[man.rank] = (paths, man)
-    return out
+            nm = name_re.match(n)
+            if nm:
+                yield int(m.group(1)), d, int(nm.group(1))
 
 
-def _read_manifest(path: str, cache: dict[str, tuple[int, int, Manifest]] | None) -> Manifest:
+_MANIFEST_CACHE_MAX = 4096  # entries; a cache past this is emptied rather than grown (listing stays correct)
+
+
+def read_manifest(path: str, cache: dict[str, tuple[int, int, Manifest]] | None = None) -> Manifest:
+    """The manifest at ``path``; with ``cache`` (path -> (mtime ns, size, manifest)), an unchanged file is not
+    parsed again. Raises OSError or CorruptCheckpointError like :meth:`Manifest.from_json`."""
     if cache is None:
         with open(path, "rb") as f:
             return Manifest.from_json(f.read(), path)
@@ -344,6 +355,8 @@ def _read_manifest(path: str, cache: dict[str, tuple[int, int, Manifest]] | None
         return hit[2]
     with open(path, "rb") as f:
         man = Manifest.from_json(f.read(), path)
+    if len(cache) > _MANIFEST_CACHE_MAX:
+        cache.clear()
     cache[path] = (st.st_mtime_ns, st.st_size, man)
     return man
 

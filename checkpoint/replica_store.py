@@ -30,12 +30,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from trainguard.checkpoint.arena import SlotPaths, free_bytes, read_tag, write_tag
+from trainguard.checkpoint.arena import SlotPaths, free_bytes, rank_files, read_manifest, read_tag, write_tag
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import Manifest, verify_checksums
 
 _STEP_RE = re.compile(r"^step_(\d{12})\.manifest\.json$")
-_RANK_RE = re.compile(r"^rank_(\d{5})$")
 
 
 class ReplicaRefusedError(CheckpointError):
@@ -96,42 +95,14 @@ class ReplicaStore:
     def replicas(self) -> list[Replica]:
         """Every complete replica (damaged manifests skipped), oldest step first."""
         out = []
-        try:
-            rank_names = os.listdir(self.root)
-        except OSError:
-            return out
-        for rn in rank_names:
-            m = _RANK_RE.match(rn)
-            if not m:
-                continue
-            d = os.path.join(self.root, rn)
+        for rank, d, step in rank_files(self.root, _STEP_RE):
+            base = self._base(d, step)
             try:
-                names = os.listdir(d)
-            except OSError:
+                man = read_manifest(base + ".manifest.json", self._manifests)
+            except (OSError, CorruptCheckpointError):
                 continue
-            for n in names:
-                sm = _STEP_RE.match(n)
-                if not sm:
-                    continue
-                base = self._base(d, int(sm.group(1)))
-                try:
-                    man = self._manifest(base + ".manifest.json")
-                except (OSError, CorruptCheckpointError):
-                    continue
-                out.append(Replica(int(m.group(1)), man.step, base + ".data", base + ".manifest.json", man))
+            out.append(Replica(rank, man.step, base + ".data", base + ".manifest.json", man))
         return sorted(out, key=lambda r: (r.step, r.rank))
-
-    def _manifest(self, path: str) -> Manifest:
-        st = os.stat(path)
-        hit = self._manifests.get(path)
-        if hit is not None and hit[0] == st.st_mtime_ns and hit[1] == st.st_size:
-            return hit[2]
-        with open(path, "rb") as f:
-            man = Manifest.from_json(f.read(), path)
-        if len(self._manifests) > 4096:
-            self._manifests.clear()
-        self._manifests[path] = (st.st_mtime_ns, st.st_size, man)
-        return man
 
     def newest(self, rank: int, min_step: int = -1) -> Replica | None:
         """The newest complete replica of ``rank`` of at least ``min_step``, or None."""

@@ -476,6 +476,29 @@ def generate(cfg: TraceConfig) -> Trace:
     return Trace(cfg, metrics, events, faults)
 
 
+def shifted_fleet(seed: int, n_nodes: int) -> tuple[MetricTable, Trace]:
+    """A fleet generated differently from the default one, to test that a model transfers: ``n_nodes`` x 6 days
+    at 60 s with 3x the benign decoys, 2x the congestion, 3x the telemetry dropouts, jobs of 4, and each node's
+    GPU temperature offset (+-10 C) and step time scaled (0.6-1.6x), both with a daily pattern.
+
+    Returns:
+        The shifted metrics, and the generated trace (its events and faults; its ``metrics`` are unshifted).
+    """
+    tr = generate(TraceConfig(n_nodes=n_nodes, days=6, interval_s=60, rate_scale=100, repair_scale=0.05, seed=seed,
+                              decoy_rate=3, congestion_rate=4, dropout_rate=12, job_size=4))
+    mt = tr.metrics
+    vals = mt.values.copy()
+    rng = np.random.default_rng(seed)
+    for node in np.unique(mt.node.astype(str)):
+        r = mt.node.astype(str) == node
+        day = np.sin(2 * np.pi * mt.ts[r] / 86400.0)
+        j = mt.columns.index("gpu_temp_c")
+        vals[r, j] += rng.uniform(-10, 10) + 3.0 * day
+        j = mt.columns.index("step_time_s")
+        vals[r, j] *= rng.uniform(0.6, 1.6) * (1 + 0.05 * day)
+    return MetricTable(mt.columns, mt.ts, mt.node, vals, mt.job), tr
+
+
 def _dropouts(t: np.ndarray, rng: np.random.Generator, per_day: float, days: float) -> np.ndarray:
     drop = np.zeros(len(t), dtype=bool)
     for s in rng.integers(0, len(t), rng.poisson(per_day * days)):

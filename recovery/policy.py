@@ -46,6 +46,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from trainguard.lifecycle import next_state
 from trainguard.recovery.errors import PolicyError
 from trainguard.recovery.planner import Placement, place
 from trainguard.recovery.ranks import NodeSpec, RankLayout
@@ -101,11 +102,7 @@ def transition(phase: Phase, trigger: Trigger) -> Phase:
     Raises:
         PolicyError: the table has no such transition.
     """
-    try:
-        return TRANSITIONS[(phase, trigger)]
-    except KeyError:
-        raise PolicyError(f"no transition from {phase.name} on {trigger.value}: this is a coordinator bug, "
-                          "please report it with the coordinator log") from None
+    return next_state(TRANSITIONS, phase, trigger, error=PolicyError, bug_of="coordinator", log="coordinator")
 
 
 class Level(enum.IntEnum):

@@ -124,9 +124,31 @@ def wait_until(cond, timeout: float, what: str, period: float = 0.05) -> None:
         time.sleep(period)
 
 
+def pcie_daemon_config(node_id: str, sysfs: Path, extra: str = "") -> str:
+    """agent.toml for a quiet test daemon: a 0.2 s loop, text log, no TCP gRPC or metrics listener, only the
+    PCIe detector (on the fake sysfs tree at ``sysfs``), no predictor; ``extra`` appends further tables."""
+    return f"""
+[agent]
+node_id = "{node_id}"
+loop_interval_s = 0.2
+[log]
+format = "text"
+[grpc]
+listen = ""
+[metrics]
+listen = ""
+[detectors]
+enabled = ["pcie"]
+root = "{sysfs}"
+interval_s = 0.2
+[predictor]
+enabled = false
+{extra}"""
+
+
 def clean_env(env: dict[str, str]) -> dict[str, str]:
     """``env`` without variables pointing a launcher at a daemon or a job token (each test sets its own)."""
     return {k: v for k, v in env.items() if not k.startswith(("TRAINGUARD_AGENT", "TRAINGUARD_JOB_TOKEN"))}
 
 
-__all__ = ["UNIT", "UnitDaemon", "clean_env", "unit_command", "wait_until"]
+__all__ = ["UNIT", "UnitDaemon", "clean_env", "pcie_daemon_config", "unit_command", "wait_until"]

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 import time
 import urllib.request
 
 import grpc
-import pytest
 
 from trainguard.agent.agentd import AgentDaemon, config_loader
 from trainguard.agent.sdnotify import SystemdNotifier, Watchdog
 from trainguard.proto import agent_pb2, agent_pb2_grpc
-
-
-@pytest.fixture(autouse=True)
-def restore_root_logger():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def recv_until(sock: socket.socket, key: str, timeout: float = 20.0) -> str:

@@ -3,7 +3,6 @@ refused there, served on the unix socket, and the listener binds to loopback unl
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import grpc
@@ -12,15 +11,6 @@ import pytest
 from trainguard.agent.agentd import AgentDaemon, config_loader
 from trainguard.agent.config import AgentConfig
 from trainguard.proto import agent_pb2, agent_pb2_grpc
-
-
-@pytest.fixture(autouse=True)
-def restore_root_logger():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def test_default_tcp_listener_is_loopback() -> None:

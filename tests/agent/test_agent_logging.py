@@ -12,15 +12,6 @@ import pytest
 from trainguard.agent import logging_setup as ls
 
 
-@pytest.fixture(autouse=True)
-def restore_root_logger():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 def test_journal_prefix_on_every_line_and_no_timestamp():
     out = io.StringIO()
     assert ls.configure_logging("journal", "debug", out) == "journal"

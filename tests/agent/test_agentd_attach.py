@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agentd_unit import UnitDaemon, clean_env, wait_until
+from agentd_unit import UnitDaemon, clean_env, pcie_daemon_config, wait_until
 from tg_testutil import REPO
 from trainguard.checkpoint.arena import memory_committed
 from trainguard.testing.sysfs import FakeNodeHardware
@@ -31,26 +31,10 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def daemon_config(sysfs: Path, shm: Path, ttl_s: float = 300.0) -> str:
-    return f"""
-[agent]
-node_id = "n1"
-loop_interval_s = 0.2
-[log]
-format = "text"
-[grpc]
-listen = ""
-[metrics]
-listen = ""
-[detectors]
-enabled = ["pcie"]
-root = "{sysfs}"
-interval_s = 0.2
-[predictor]
-enabled = false
-[memory_tier]
+    return pcie_daemon_config("n1", sysfs, f"""[memory_tier]
 root = "{shm}"
 ttl_s = {ttl_s}
-"""
+""")
 
 
 @pytest.fixture

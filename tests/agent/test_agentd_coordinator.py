@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from agentd_unit import UnitDaemon, clean_env, wait_until
+from agentd_unit import UnitDaemon, clean_env, pcie_daemon_config, wait_until
 from tg_testutil import REPO
 from trainguard.testing.sysfs import GPU, FakeNodeHardware
 
@@ -64,27 +64,11 @@ def test_daemon_with_a_fatal_fault_keeps_its_node_out_of_the_jobs_generations(tm
             f"{hook_out} {{host}} {{reason}}")
     coord, address = start_coordinator(tmp_path, env, "--cordon-command", hook)
     hw = FakeNodeHardware(tmp_path / "sysfs")
-    daemon = UnitDaemon(tmp_path / "daemon", f"""
-[agent]
-node_id = "sick"
-loop_interval_s = 0.2
-[log]
-format = "text"
-[grpc]
-listen = ""
-[metrics]
-listen = ""
-[detectors]
-enabled = ["pcie"]
-root = "{tmp_path / 'sysfs'}"
-interval_s = 0.2
-[predictor]
-enabled = false
-[coordinator]
+    daemon = UnitDaemon(tmp_path / "daemon", pcie_daemon_config("sick", tmp_path / "sysfs", f"""[coordinator]
 address = "{address}"
 heartbeat_interval_s = 0.2
 token_file = "{token}"
-""", {k: v for k, v in env.items() if k != "TRAINGUARD_JOB_TOKEN_FILE"})
+"""), {k: v for k, v in env.items() if k != "TRAINGUARD_JOB_TOKEN_FILE"})
     procs: list[subprocess.Popen] = []
     try:
         status = daemon.wait_ready()

@@ -4,7 +4,6 @@ published after the attachment reach ``on_event`` (those before it never do), a 
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
@@ -15,15 +14,6 @@ from trainguard.agent.health_source import DaemonEventSource, attach_daemon
 from trainguard.agent.sdnotify import SystemdNotifier
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.recovery.rpc_security import RpcSecurity
-
-
-@pytest.fixture(autouse=True)
-def restore_root_logger():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 import urllib.request
@@ -19,15 +18,6 @@ from trainguard.agent.parts import HEALTH_TRANSITIONS, HealthState, HealthTrigge
 from trainguard.proto import agent_pb2, agent_pb2_grpc
 
 NORMAL_C, HOT_C = 60.0, 95.0
-
-
-@pytest.fixture(autouse=True)
-def restore_root_logger():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.fixture(scope="module")

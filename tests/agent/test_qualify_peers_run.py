@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from fabric_coordinator import start_fabric_coordinator
 from trainguard.drill.netns import Fabric, netns_unavailable_reason
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,23 +41,11 @@ def test_a_node_with_a_slow_data_link_fails_the_peer_check(tmp_path: Path, tg_en
     config = tmp_path / "agent.toml"
     config.write_text('[qualify]\nchecks = ["peers"]\npeer_count = 3\npeer_kib = 1024\npeer_slow_ratio = 3.0\n'
                       'peer_min_history = 2\nbudget_s = 60.0\ncheck_timeout_s = 30.0\n')
-    port_file = tmp_path / "port"
     with Fabric() as fabric:
         nets = {name: fabric.add(name) for name in ("g1", "g2", "g3", "slow")}
-        coord_log = open(tmp_path / "coordinator.log", "w")
-        coord = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.cli", "coordinator", "--job", "pjob", "--listen",
-             f"{fabric.coordinator_host}:0", "--store", "memory://", "--nnodes", "3", "--heartbeat-interval", "0.2",
-             "--port-file", str(port_file), "--exit-when-done"],
-            env=tg_env, cwd=REPO, stdout=coord_log, stderr=subprocess.STDOUT)
+        coord, coord_log, target = start_fabric_coordinator(fabric, tmp_path, tg_env, "pjob", 3)
         launchers: dict[str, subprocess.Popen] = {}
         try:
-            deadline = time.monotonic() + 60
-            while not port_file.exists() or not port_file.read_text().strip():
-                assert coord.poll() is None and time.monotonic() < deadline, (tmp_path / "coordinator.log").read_text()
-                time.sleep(0.05)
-            target = f"{fabric.coordinator_host}:{port_file.read_text().strip()}"
-
             def launch(name: str) -> None:
                 out = tmp_path / f"{name}-out"
                 out.mkdir()

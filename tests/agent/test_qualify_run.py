@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from fabric_coordinator import start_fabric_coordinator
 from trainguard.testing.sysfs import GPU, FakeNodeHardware
 from trainguard.drill.netns import Fabric, netns_unavailable_reason
 
@@ -63,27 +64,16 @@ def test_a_node_with_a_narrowed_link_is_refused_and_never_ranked(tmp_path: Path,
     hook = tmp_path / "record.py"
     hook.write_text(RECORD)
     cordoned = tmp_path / "cordoned.jsonl"
-    port_file = tmp_path / "port"
     script = tmp_path / "wait_for_release.py"
     script.write_text(WAIT_FOR_RELEASE)
     hardware: dict[str, FakeNodeHardware] = {}
     with Fabric() as fabric:
         nets = {name: fabric.add(name) for name in ("narrow", "good", "spare")}
-        coord_log = open(tmp_path / "coordinator.log", "w")
-        coord = subprocess.Popen(
-            [sys.executable, "-m", "trainguard.cli", "coordinator", "--job", "qjob", "--listen",
-             f"{fabric.coordinator_host}:0", "--store", "memory://", "--nnodes", "1", "--heartbeat-interval", "0.2",
-             "--port-file", str(port_file), "--exit-when-done",
-             "--cordon-command", f"{sys.executable} {hook} {cordoned} {{node}} {{reason}}"],
-            env=tg_env, cwd=REPO, stdout=coord_log, stderr=subprocess.STDOUT)
+        coord, coord_log, target = start_fabric_coordinator(
+            fabric, tmp_path, tg_env, "qjob", 1,
+            "--cordon-command", f"{sys.executable} {hook} {cordoned} {{node}} {{reason}}")
         launchers: list[subprocess.Popen] = []
         try:
-            deadline = time.monotonic() + 60
-            while not port_file.exists() or not port_file.read_text().strip():
-                assert coord.poll() is None and time.monotonic() < deadline, (tmp_path / "coordinator.log").read_text()
-                time.sleep(0.05)
-            target = f"{fabric.coordinator_host}:{port_file.read_text().strip()}"
-
             def launch(name: str, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
                 hardware[name], qualify, detectors = _node_files(tmp_path, name, narrow=name == "narrow")
                 out = tmp_path / f"{name}-out"

@@ -17,25 +17,6 @@ needs_trace = pytest.mark.skipif(
 BUDGET = 20.0  # false alarms per 100 node-days (0.2 per node-day): about 11 allowed on the test fleet
 
 
-def _other_fleet(seed: int):
-    from trainguard.predictor.table import MetricTable
-    from trainguard.predictor.tracegen import TraceConfig, generate
-
-    tr = generate(TraceConfig(n_nodes=12, days=6, interval_s=60, rate_scale=100, repair_scale=0.05, seed=seed,
-                              decoy_rate=3, congestion_rate=4, dropout_rate=12, job_size=4))
-    mt = tr.metrics
-    vals = mt.values.copy()
-    rng = np.random.default_rng(seed)
-    for node in np.unique(mt.node.astype(str)):
-        r = mt.node.astype(str) == node
-        day = np.sin(2 * np.pi * mt.ts[r] / 86400.0)
-        j = mt.columns.index("gpu_temp_c")
-        vals[r, j] += rng.uniform(-10, 10) + 3.0 * day
-        j = mt.columns.index("step_time_s")
-        vals[r, j] *= rng.uniform(0.6, 1.6) * (1 + 0.05 * day)
-    return MetricTable(mt.columns, mt.ts, mt.node, vals, mt.job), tr.events
-
-
 @needs_trace
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["hgb", "robust-z"])
@@ -43,14 +24,15 @@ def test_budget_holds_on_a_fleet_generated_differently(method):
     from trainguard.predictor.calibration import calibrate_table
     from trainguard.predictor.evaluation import EvalConfig, evaluate_events, failures_by_node
     from trainguard.predictor.features import FeatureConfig
-    from trainguard.predictor.tracegen import TraceConfig, generate
+    from trainguard.predictor.tracegen import TraceConfig, generate, shifted_fleet
     from trainguard.predictor.training import TrainConfig, calibration_scores, score_table, train
 
     a = generate(TraceConfig(n_nodes=12, days=3, interval_s=60, rate_scale=100, repair_scale=0.05, seed=1))
     cfg = TrainConfig(method=method, features=FeatureConfig.for_data(60.0, 3 * 86400, peer=False),
                       evaluation=EvalConfig(budget_per_100_node_days=BUDGET), max_iter=60, min_failures=1)
     model = train(a.metrics, a.events, cfg)
-    b_metrics, b_events = _other_fleet(seed=11)
+    b_metrics, b_trace = shifted_fleet(seed=11, n_nodes=12)
+    b_events = b_trace.events
     frame, score = score_table(model, b_metrics)
     failures = failures_by_node(b_events.node, b_events.ts)
     # what the runtime does (one threshold per node: the default; per node and family is measured in the bench)

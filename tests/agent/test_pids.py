@@ -1,0 +1,51 @@
+"""pid_alive against real processes: this one, a zombie (exited, not reaped) and a reaped one; and the run
+registry, which uses it, dropping the record of a launcher that is a zombie although its socket file stayed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trainguard.agent import job_registry
+from trainguard.agent.pids import pid_alive
+
+
+def _zombie() -> subprocess.Popen:
+    """A child that has exited and is not reaped yet (poll/wait not called)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while True:
+        with open(f"/proc/{p.pid}/stat", "rb") as fh:
+            if fh.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                return p
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.02)
+
+
+def test_live_zombie_and_reaped_processes() -> None:
+    assert pid_alive(os.getpid())
+    p = _zombie()
+    try:
+        assert not pid_alive(p.pid)
+    finally:
+        p.wait()
+    assert not pid_alive(p.pid)
+
+
+def test_a_zombie_launchers_record_is_dropped(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(job_registry.REGISTRY_DIR_ENV, str(tmp_path))
+    sock = tmp_path / "launcher.sock"
+    sock.touch()  # a launcher killed with SIGKILL leaves its socket file behind
+    p = _zombie()
+    try:
+        for pid, job in ((os.getpid(), "alive"), (p.pid, "zombie")):
+            (tmp_path / f"{pid}.json").write_text(
+                json.dumps({"job": job, "pid": pid, "socket": str(sock), "started": time.time()}))
+        assert [r.job for r in job_registry.live_runs()] == ["alive"]
+        assert not (tmp_path / f"{p.pid}.json").exists()
+    finally:
+        p.wait()
