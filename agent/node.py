@@ -441,7 +441,7 @@ class NodeAgent:
 
     def _start_generation(self, table: common_pb2.RankTable) -> None:
         jm = self.job_memory
-        keepalive = lambda: self.link.keepalive(self._beat)  # noqa: E731 (the lease lives on while a slot fetches)
+        keepalive = lambda: self.link.keepalive(self._beat_content)  # noqa: E731 (the lease lives on while a slot fetches)
         before = (lambda specs: jm.before_spawn(specs, table.generation, tick=keepalive)) if jm is not None else None
         if not self.supervisor.start(table, before_spawn=before):
             return
