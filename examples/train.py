@@ -66,6 +66,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (0: never)")
     ap.add_argument("--checkpoint-dir", default=None, help="default: $TRAINGUARD_CHECKPOINT_DIR")
+    ap.add_argument("--memory-keep", type=int, default=1,
+                    help="snapshots each rank keeps in memory (2 keeps the previous one while the next is saved, so a "
+                         "kill during a save still finds a step every rank holds in memory)")
     ap.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step, to mimic compute")
     ap.add_argument("--out", default=None, help="rank 0 writes final metrics (JSON) here")
     args = ap.parse_args()
@@ -87,7 +90,8 @@ def main() -> None:
     optim = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
 
-    session = trainguard.init(checkpoint_dir=args.checkpoint_dir, save_every=args.save_every)
+    session = trainguard.init(checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
+                              checkpoint_options={"memory": {"keep": args.memory_keep}})
     state = {"model": model, "optim": optim}
     start = session.restore(state)
     if rank == 0:
