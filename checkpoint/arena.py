@@ -5,6 +5,9 @@ Per job and rank, ``slots`` files under a tmpfs directory (``/dev/shm/trainguard
     slot_0.data            staging buffer (flat, aligned, same layout as the disk data file)
     slot_0.tag             the step whose bytes the buffer holds, or "writing"
     slot_0.manifest.json   present only while the slot holds a complete, checksummed copy of that step
+    slot_0.retired.json    the manifest of a copy trimmed from the tier (outside ``memory.keep``): not listed,
+                           but its bytes stay valid until the slot is reused, so a restore whose ranks agree on
+                           that step can still read it from memory (see :func:`memory_manifests`)
 
 Slots are allocated once, pre-faulted (``posix_fallocate`` + ``MAP_POPULATE``) and reused, and they are plain
 tmpfs files, so they outlive a crashed worker; whoever owns the job's lifetime (the node agent's checkpoint
@@ -39,6 +42,7 @@ from trainguard.checkpoint.manifest import Manifest
 
 _RANK_RE = re.compile(r"^rank_(\d{5})$")
 _SLOT_MANIFEST_RE = re.compile(r"^slot_(\d+)\.manifest\.json$")
+_SLOT_RETIRED_RE = re.compile(r"^slot_(\d+)\.retired\.json$")
 WRITING = "writing"
 
 
@@ -59,6 +63,31 @@ class SlotPaths:
     def of(cls, directory: str, index: int) -> "SlotPaths":
         base = os.path.join(directory, f"slot_{index}")
         return cls(base + ".data", base + ".tag", base + ".manifest.json")
+
+    @property
+    def retired(self) -> str:
+        """Where the manifest goes when the copy leaves the tier but its bytes are still intact."""
+        return self.manifest[: -len(".manifest.json")] + ".retired.json"
+
+
+def retire_manifest(paths: SlotPaths) -> None:
+    """Takes the slot's copy out of the memory tier's listing, keeping its manifest as the retired one.
+
+    ``os.replace`` is atomic: a reader sees the copy either listed or retired, never neither.
+    """
+    try:
+        os.replace(paths.manifest, paths.retired)
+    except FileNotFoundError:
+        pass
+
+
+def drop_manifests(paths: SlotPaths) -> None:
+    """Removes the slot's listed and retired manifests: its bytes are about to be overwritten."""
+    for p in (paths.manifest, paths.retired):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
 
 
 def read_tag(paths: SlotPaths) -> str:
@@ -291,7 +320,7 @@ def staging_shortfall(directory: str, nslots: int, nbytes: int) -> int:
 
 
 def memory_manifests(shm_root: str, job: str, location: str | None = None,
-                     cache: dict[str, tuple[int, int, Manifest]] | None = None,
+                     cache: dict[str, tuple[int, int, Manifest]] | None = None, retired: bool = False,
                      ) -> dict[int, dict[int, tuple[SlotPaths, Manifest]]]:
     """Every valid in-memory copy: ``{step: {rank: (slot paths, manifest)}}``.
 
@@ -299,21 +328,28 @@ def memory_manifests(shm_root: str, job: str, location: str | None = None,
     by a Checkpointer of that checkpoint location count: the arena is keyed by job name only, and two runs in
     different directories may share a job name on one host. ``cache`` (path -> (mtime ns, size, manifest)), kept
     by a caller that lists often (the node agent, several times a second), skips parsing unchanged manifests.
+    ``retired``: also the copies trimmed from the tier whose slots were not reused yet (a restore's candidates,
+    never the tier's listing); a listed copy of the same step and rank wins over a retired one.
     """
     out: dict[int, dict[int, tuple[SlotPaths, Manifest]]] = {}
-    for _rank, d, slot in rank_files(os.path.join(shm_root, job), _SLOT_MANIFEST_RE):
-        paths = SlotPaths.of(d, slot)
-        try:
-            man = read_manifest(paths.manifest, cache)
-        except (OSError, CorruptCheckpointError):
-            continue
-        if read_tag(paths) != str(man.step):
-            continue
-        if location is not None and man.location != location:
-            continue
-        prev = out.get(man.step, {}).get(man.rank)
-        if prev is None or man.created >= prev[1].created:  # a step saved twice: the newer copy wins
-            out.setdefault(man.step, {})[man.rank] = (paths, man)
+    kinds = [(_SLOT_MANIFEST_RE, False)] + ([(_SLOT_RETIRED_RE, True)] if retired else [])
+    for name_re, is_retired in kinds:
+        listed = {(s, r) for s, ranks in out.items() for r in ranks}
+        for _rank, d, slot in rank_files(os.path.join(shm_root, job), name_re):
+            paths = SlotPaths.of(d, slot)
+            try:
+                man = read_manifest(paths.retired if is_retired else paths.manifest, cache)
+            except (OSError, CorruptCheckpointError):
+                continue
+            if read_tag(paths) != str(man.step):
+                continue
+            if location is not None and man.location != location:
+                continue
+            if (man.step, man.rank) in listed:
+                continue
+            prev = out.get(man.step, {}).get(man.rank)
+            if prev is None or man.created >= prev[1].created:  # a step saved twice: the newer copy wins
+                out.setdefault(man.step, {})[man.rank] = (paths, man)
     return out
 
 
@@ -361,13 +397,14 @@ def read_manifest(path: str, cache: dict[str, tuple[int, int, Manifest]] | None 
     return man
 
 
-def memory_committed(shm_root: str, job: str, location: str | None = None) -> list[tuple[int, int]]:
+def memory_committed(shm_root: str, job: str, location: str | None = None,
+                     retired: bool = False) -> list[tuple[int, int]]:
     """``(step, world_size)`` of steps whose every rank has an in-memory copy on this host, ascending.
 
-    ``location``: as in :func:`memory_manifests`.
+    ``location``, ``retired``: as in :func:`memory_manifests`.
     """
     out = []
-    for step, ranks in sorted(memory_manifests(shm_root, job, location).items()):
+    for step, ranks in sorted(memory_manifests(shm_root, job, location, retired=retired).items()):
         sizes = {m.world_size for _, m in ranks.values()}
         if len(sizes) == 1:
             ws = sizes.pop()

@@ -346,10 +346,8 @@ class Checkpointer:
             raise
         try:
             paths = slot.paths
-            try:
-                os.unlink(paths.manifest)  # the slot stops being a memory-tier copy before it is overwritten
-            except FileNotFoundError:
-                pass
+            # The slot stops being a memory-tier copy (listed or retired) before it is overwritten.
+            arena_mod.drop_manifests(paths)
             write_tag(paths, arena_mod.WRITING)
             staging = self._staging_of(index, slot)
             deferred_ptrs = storage_ptrs(_as_list(overlap_with)) if overlap_with is not None else set()
@@ -458,10 +456,9 @@ class Checkpointer:
                      if msg.get("op") == "tier" and msg.get("tier") == "memory" and msg.get("ok") and st else [])
             self._lock.notify_all()
         for paths in stale:
-            try:
-                os.unlink(paths.manifest)  # no longer a memory-tier copy; the slot is reused by a later save
-            except FileNotFoundError:
-                pass
+            # Out of the tier's listing, but its bytes stay intact until a later save reuses the slot: a restore
+            # whose ranks agree on that step (another rank was killed before its next copy was complete) reads it.
+            arena_mod.retire_manifest(paths)
         if msg.get("op") == "tier" and not msg.get("ok"):
             self.events.storage_failed(msg.get("tier", "?"), step, msg.get("error", ""), int(msg.get("errno", 0)))
 
@@ -573,16 +570,23 @@ class Checkpointer:
 
         A remote tier that cannot be listed is skipped (and logged).
         """
+        return self._list_steps(retired=False)
+
+    def _list_steps(self, retired: bool) -> list[StepInfo]:
+        """:meth:`steps`; with ``retired``, the memory tier also counts copies trimmed from it but still intact
+        (a restore's candidates: with ``memory.keep = 1`` a kill between two ranks' completions of step N+1 leaves
+        one rank's N retired and the other's listed, and every byte of N still in memory)."""
         found: dict[int, StepInfo] = {}
-        for tier, committed in self._committed_by_tier():
+        for tier, committed in self._committed_by_tier(retired):
             for s, ws in committed:
                 found.setdefault(s, StepInfo(s, ws)).tiers.append(tier)
         return [found[s] for s in sorted(found)]
 
-    def _committed_by_tier(self) -> list[tuple[str, list[tuple[int, int]]]]:
+    def _committed_by_tier(self, retired: bool = False) -> list[tuple[str, list[tuple[int, int]]]]:
         out: list[tuple[str, list[tuple[int, int]]]] = []
         if self.config.memory.enabled:
-            mem = arena_mod.memory_committed(self.config.memory.directory, self.job, self.config.location)
+            mem = arena_mod.memory_committed(self.config.memory.directory, self.job, self.config.location,
+                                             retired=retired)
             if self.job_memory_steps:
                 mem = sorted(set(mem) | {(s, self.world_size) for s in own_memory_steps(
                     self.config, self.job, self.rank, self.world_size, self.job_memory_steps)})
@@ -631,7 +635,7 @@ class Checkpointer:
             StateMismatchError: the checkpoint does not fit ``state`` (the message names the key).
         """
         self._finish_pending()
-        infos = self.steps()
+        infos = self._list_steps(retired=True)  # the newest step still wins; retired copies only add older ones
         if step is not None:
             infos = [i for i in infos if i.step == step]
         reasons: list[str] = []
@@ -712,7 +716,7 @@ class Checkpointer:
     def _memory_copy(self, step: int, rank: int) -> Any:
         if self._memory_listing is None:
             self._memory_listing = arena_mod.memory_manifests(self.config.memory.directory, self.job,
-                                                              self.config.location)
+                                                              self.config.location, retired=True)
         return self._memory_listing.get(step, {}).get(rank)
 
     def _read_manifest(self, tier: str, step: int, rank: int, where: str) -> Manifest:
@@ -739,7 +743,8 @@ class Checkpointer:
                 raise CorruptCheckpointError(f"{where} was replaced while restoring")
             copy = RankCopy(man, found[0].data, where, shared_lock=True, populate=populate)
             # Under the shared lock the writer cannot reuse the slot; check it was not reused before we took it.
-            if arena_mod.read_tag(found[0]) != str(step) or not os.path.exists(found[0].manifest):
+            if arena_mod.read_tag(found[0]) != str(step) or not (os.path.exists(found[0].manifest)
+                                                                  or os.path.exists(found[0].retired)):
                 copy.close()
                 raise CorruptCheckpointError(f"{where} was replaced while restoring")
             return copy
