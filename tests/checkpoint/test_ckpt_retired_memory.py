@@ -65,12 +65,23 @@ def test_ranks_one_save_apart_restore_common_step_from_memory(tmp_path, shm_dir)
         with Checkpointer(CheckpointConfig.from_dict(cfg), rank=0, world_size=2, job=job) as ck:
             assert [i.step for i in ck.steps() if "memory" in i.tiers] == []
             assert [i.step for i in ck.steps()] == [1]  # disk: rank 1 never saved 2
-        for rank in (0, 1):  # each rank's restart agrees on step 1 and reads it from memory, bitwise
-            step, tier, state = _restore(cfg, job, rank)
-            exp = state_for(rank, 1)
-            assert (step, tier) == (1, "memory"), (rank, step, tier)
-            assert torch.equal(state["w"], exp["w"]) and torch.equal(state["b"], exp["b"])
-            assert state["meta"] == exp["meta"]
+        # Both ranks restart as a real 2-process gloo job; Session.restore agrees on one step with an all-reduce.
+        env = {k: v for k, v in os.environ.items() if k != "TRAINGUARD_CHECKPOINT_SERVICE"}
+        procs = [subprocess.Popen([sys.executable, str(HERE / "retired_restore_worker.py"), json.dumps(cfg), job,
+                                   str(r), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=dict(env, RANK=str(r), WORLD_SIZE="2", PYTHONPATH=str(HERE)))
+                 for r in (0, 1)]
+        try:
+            outs = [p.communicate(timeout=120) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+        facts = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+        assert facts == [{"rank": r, "step": 1, "tier": "memory", "bitwise": True} for r in (0, 1)], facts
     finally:
         svc.stop(remove_memory=True)
     assert not os.path.exists(os.path.join(shm_dir, job))  # retired copies go with the arena
