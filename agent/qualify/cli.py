@@ -8,6 +8,7 @@ it does not, 2 for a configuration error. The ``peers`` check needs the job's co
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from trainguard.agent.qualify.config import CHECK_NAMES, QualifySection
@@ -49,8 +50,11 @@ def qualify_for_run(args: argparse.Namespace) -> QualifySection | None:
     """
     path = getattr(args, "qualify_config", None)
     if path:
-        from trainguard.agent.config import AgentConfig
+        from trainguard.agent.config import AgentConfig, AgentConfigError
 
+        if not os.path.isfile(path):  # the loader's own message names the daemon's --config flag
+            raise AgentConfigError(f"--qualify-config {path}: no such file; pass an agent TOML with a [qualify] "
+                                   f"table (see deploy/agent.toml), or --qualify for the defaults")
         return AgentConfig.load(path).qualify
     if getattr(args, "qualify", False):
         section = QualifySection()

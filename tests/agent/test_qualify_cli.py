@@ -30,3 +30,20 @@ def test_qualify_cli_text_json_and_exit_codes(tmp_path, capsys) -> None:
     assert [c["name"] for c in doc["checks"]] == ["pcie", "disk"] and doc["duration_s"] > 0
     assert main(["qualify", "--config", config, "--checks", "pcie,gpu-burn"]) == 2
     assert "--checks 'pcie,gpu-burn': qualify.checks: unknown check 'gpu-burn'" in capsys.readouterr().err
+
+
+def test_run_qualify_config_errors_name_the_run_flag(tmp_path) -> None:
+    import argparse
+
+    import pytest
+
+    from trainguard.agent.config import AgentConfigError
+    from trainguard.agent.qualify.cli import qualify_for_run
+
+    with pytest.raises(AgentConfigError, match=r"^--qualify-config .*no such file"):
+        qualify_for_run(argparse.Namespace(qualify_config=str(tmp_path / "missing.toml"), qualify=False))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[qualify]\nbudget_s = -1\n")
+    with pytest.raises(AgentConfigError, match="budget_s"):
+        qualify_for_run(argparse.Namespace(qualify_config=str(bad), qualify=False))
+    assert qualify_for_run(argparse.Namespace(qualify_config=None, qualify=False)) is None
