@@ -26,6 +26,7 @@ import grpc
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import CHECKSUM_ALGO, Manifest, chunk_checksum
 from trainguard.checkpoint.replica_store import ReplicaRefusedError, ReplicaStore, ReplicaWriter
+from trainguard.grpc_guard import RequestGuard
 from trainguard.proto import replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -171,8 +172,10 @@ class ReplicaServer:
     """
 
     def __init__(self, servicer: ReplicaServicer, host: str) -> None:
+        # The shared guard: random bytes on either method get INVALID_ARGUMENT, not gRPC's INTERNAL + traceback.
+        guard = RequestGuard("trainguard.v1.MemoryReplica", max_request_bytes=MAX_MESSAGE_BYTES)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="replica"),
-                                  options=_OPTIONS)
+                                  interceptors=[guard], options=_OPTIONS)
         replica_pb2_grpc.add_MemoryReplicaServicer_to_server(servicer, self.server)
         bracket = f"[{host}]" if ":" in host else host
         port = self.server.add_insecure_port(f"{bracket}:0")

@@ -76,7 +76,13 @@ class RequestGuard(grpc.ServerInterceptor):
                 request_deserializer=None,
                 response_serializer=handler.response_serializer,
             )
-        return handler  # client-streaming methods: none in our services
+        if handler.stream_unary is not None:  # the replica push: each message checked as it arrives
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap_client_stream(handler.stream_unary, handler.request_deserializer, check, short),
+                request_deserializer=None,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # bidirectional streams: none in our services
 
     def _decode(self, raw: bytes, deserialize: Callable[[bytes], Any], check: Validator | None,
                 context: grpc.ServicerContext) -> Any:
@@ -107,6 +113,23 @@ class RequestGuard(grpc.ServerInterceptor):
             try:
                 request = self._decode(raw, deserialize, check, context)
                 response = behavior(request, context)
+                failed = False
+                return response
+            finally:
+                self._observe(short, context, failed, time.perf_counter() - start)
+
+        return guarded
+
+    def _wrap_client_stream(self, behavior: Callable, deserialize: Callable, check: Validator | None,
+                            short: str) -> Callable:
+        def guarded(raw_messages: Any, context: grpc.ServicerContext) -> Any:
+            start = time.perf_counter()
+            failed = True
+            try:
+                # Decoded lazily: a bad message aborts the call where the handler reads it, so whatever the
+                # handler staged from the earlier ones is dropped by its own error path.
+                requests = (self._decode(raw, deserialize, check, context) for raw in raw_messages)
+                response = behavior(requests, context)
                 failed = False
                 return response
             finally:

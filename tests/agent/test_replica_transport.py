@@ -252,3 +252,27 @@ def test_an_address_the_node_cannot_listen_on_leaves_it_out_of_replication(roots
         assert agent.start().address == ""  # no buddy ever picks a node without a replica address
     finally:
         agent.stop()
+
+
+def test_random_bytes_on_both_replica_methods_get_invalid_argument_and_leave_no_copy(roots) -> None:
+    import random
+
+    server, _store = _server(roots[0])
+    rnd = random.Random(5)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            push_raw = ch.stream_unary("/trainguard.v1.MemoryReplica/PushReplica", request_serializer=None,
+                                       response_deserializer=None)
+            fetch_raw = ch.unary_stream("/trainguard.v1.MemoryReplica/FetchReplica", request_serializer=None,
+                                        response_deserializer=None)
+            codes = set()
+            for _ in range(10):
+                blobs = [b"\xff" + rnd.randbytes(rnd.randint(1, 200)) for _ in range(rnd.randint(1, 3))]
+                for call in (lambda: push_raw(iter(blobs), timeout=10), lambda: list(fetch_raw(blobs[0], timeout=10))):
+                    with pytest.raises(grpc.RpcError) as err:
+                        call()
+                    codes.add(err.value.code())
+        assert codes == {grpc.StatusCode.INVALID_ARGUMENT}, codes
+        assert _partials(roots[0]) == [] and memory_manifests(roots[0], "job") == {}
+    finally:
+        server.stop()
