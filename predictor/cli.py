@@ -196,7 +196,7 @@ def _score(args: argparse.Namespace) -> int:
     try:
         w = csv.writer(out)
         w.writerow(["timestamp", "node", "score", "threshold", "alarm", "source", "top_features", "degraded",
-                    "surprise"])
+                    "surprise", "family"])
         for group in rounds:
             samples = {nodes[r]: dict(zip(metrics.columns, metrics.values[r].tolist())) for r in group}
             ts_of = {nodes[r]: float(metrics.ts[r]) for r in group}
@@ -209,7 +209,7 @@ def _score(args: argparse.Namespace) -> int:
                 written += 1
                 w.writerow([repr(ts_of[n]), n, f"{s.score:.6f}", f"{s.threshold:.6f}", int(s.alarm), s.source,
                             ";".join(f"{k}={v:g}" for k, v in s.top_features), "|".join(s.degraded),
-                            "" if s.surprise != s.surprise else f"{s.surprise:.3f}"])
+                            "" if s.surprise != s.surprise else f"{s.surprise:.3f}", s.family])
     finally:
         if out is not sys.stdout:
             out.close()

@@ -45,6 +45,10 @@ PEER_SCALE_FLOOR = 1e-3
 #: day or two stay a small share of it; the daily profile sees seven days per hour slot).
 ROBUST_WINDOW_S = 7 * 86400.0
 
+#: The robust baseline's recent window for models trained with derived windows: a day (see
+#: :class:`FeatureConfig`; at hourly sampling, the fewest rows a scale is taken from).
+RECENT_WINDOW_S = 86400.0
+
 TELEMETRY_FEATURES = ("telemetry.gap_s", "telemetry.coverage_l", "telemetry.nan_frac_l")
 
 
@@ -65,6 +69,9 @@ class FeatureConfig:
             (:mod:`.long_baseline`): the same columns also get an ``_rz`` feature, their deviation from it,
             which incidents do not inflate and a daily pattern does not trigger (0: off, the default of models
             trained before it existed).
+        robust_recent_window_s: the robust baseline's second, recent window, seconds (a day for derived
+            windows): a deviation counts as far as both the week and the last day show it, so a lasting level
+            shift stops scoring within hours (0: off, the default of models trained before it existed).
     """
 
     interval_s: float = 5.0
@@ -73,6 +80,7 @@ class FeatureConfig:
     peer: bool = True
     self_window_s: float = 0.0
     robust_window_s: float = 0.0
+    robust_recent_window_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (0 < self.interval_s <= self.short_window_s < self.long_window_s):
@@ -112,7 +120,7 @@ class FeatureConfig:
                 long = max(min(long, history_s / 4.0), 2.0 * short)
         self_w = min(86400.0, max(2.0 * long, history_s / 8.0))
         return cls(interval_s=interval_s, short_window_s=short, long_window_s=long, peer=peer, self_window_s=self_w,
-                   robust_window_s=max(ROBUST_WINDOW_S, 2.0 * long))
+                   robust_window_s=max(ROBUST_WINDOW_S, 2.0 * long), robust_recent_window_s=RECENT_WINDOW_S)
 
     @property
     def self_min_rows(self) -> int:
@@ -125,7 +133,8 @@ class FeatureConfig:
         if self.robust_window_s <= 0:
             return None
         return LongBaselineConfig(window_s=self.robust_window_s, interval_s=self.interval_s,
-                                  min_span_s=max(self.long_window_s, 6 * 3600.0), paired=True)
+                                  min_span_s=max(self.long_window_s, 6 * 3600.0), paired=True,
+                                  recent_window_s=self.robust_recent_window_s)
 
     @property
     def self_alpha(self) -> float:

@@ -12,8 +12,20 @@ pattern (a nightly batch job, diurnal load) is expected, not anomalous.
 Per row and feature the result is ``rz``: the deviation ``(x - median) / scale`` or, when the daily profile
 is known, the one of ``(x - median) / scale`` and ``(x - profile[hour]) / profile_scale`` closer to
 zero (a value is anomalous only when neither the node's usual range nor its usual value at this hour of the
-day explains it). ``scale = max(1.4826 MAD, (q90 - q10) / 2.563, floor)``: the interdecile term keeps a
-quantised or mostly-zero series (MAD 0) from dividing by almost nothing. Clipped to +-:data:`RZ_CLIP`.
+day explains it). With ``recent_window_s`` (a day for models trained with derived windows) the same is
+asked of the last day alone: the deviation is the one closer to zero of the week's and the day's. A lasting
+level shift (a dependency that starts being called, a new job's load) is then news for its first few
+samples, not for the ~10% of the week (17 hours) before the week's own quantiles absorb it (measured on
+hourly service latency: a tenfold rise that no one labelled took most of a tight budget; on NAB's AWS
+series, 4/9 incidents caught at 0.2 false alarms/day without the recent window, 7/9 with it), while a spike
+still deviates from both.
+``scale = max(1.4826 MAD, (q90 - q10) / 2.563, floor)``: the interdecile term keeps a quantised or
+mostly-zero series (MAD 0) from dividing by almost nothing; where nine rows in ten are alike (q90 = q10: a
+dependency called a few times a day, a counter at rest) both robust terms are 0 and the standard deviation
+takes their place, so a usual call is ~1/sqrt(share of rows with calls) deviations away, not at the 10^4
+clip. Measured on the 23 hourly latency series: with every call of the two idle ones at the clip, the best
+pooled threshold at 0.05 false alarms/day caught 6 of 74 incidents. Only there: elsewhere a standard
+deviation is what an incident inflates (one 20x spike in a week raises it ~30-fold). Clipped to +-:data:`RZ_CLIP`.
 
 Cheap and identical offline and online: the history keeps the first sample of every ``stride_s`` (at most
 about 2000 rows per window), and the statistics are recomputed once per ``refresh_s`` block (an hour by
@@ -55,6 +67,8 @@ class LongBaselineConfig:
         season_min_days: days of history needed for the daily profile (0: no profile).
         paired: columns are (level, change) pairs whose change is scored only as far as the level confirms
             it (see :func:`_confirm`; the features' layout).
+        recent_window_s: a second, shorter trailing window without a daily profile (0: off); the deviation
+            is the one closer to zero of the two (see the module docstring).
     """
 
     window_s: float
@@ -63,6 +77,7 @@ class LongBaselineConfig:
     min_span_s: float = 6 * 3600.0
     season_min_days: int = 1
     paired: bool = False
+    recent_window_s: float = 0.0
 
     @property
     def stride_s(self) -> float:
@@ -76,9 +91,14 @@ class LongBaselineConfig:
 
 
 def _scale(v: np.ndarray, med: np.ndarray) -> np.ndarray:
-    q10, q90 = np.percentile(v, [10.0, 90.0], axis=0)
+    # nearest rank, not interpolated: between a run of zeros and the first call, an interpolated q90 is a
+    # sliver of the call (z ~ 12 for a usual call) instead of 0 (idle) or the call (busy)
+    q10, q90 = np.percentile(v, [10.0, 90.0], axis=0, method="nearest")
     mad = np.median(np.abs(v - med), axis=0)
-    return np.maximum.reduce([_MAD_SD * mad, (q90 - q10) / _IDR_SD, np.maximum(1e-3 * np.abs(med), 1e-6)])
+    robust = np.maximum(_MAD_SD * mad, (q90 - q10) / _IDR_SD)
+    # nine rows in ten alike (an idle dependency, a counter at rest): the robust terms measure nothing
+    robust = np.where(robust > 0, robust, np.std(v, axis=0))
+    return np.maximum(robust, np.maximum(1e-3 * np.abs(med), 1e-6))
 
 
 @dataclass
@@ -87,6 +107,7 @@ class _Stats:
     scale: np.ndarray  # (k,)
     prof: np.ndarray | None  # (SLOTS, k), NaN where a slot lacks days
     prof_scale: np.ndarray | None
+    recent: tuple[np.ndarray, np.ndarray] | None = None  # median and scale of the recent window
 
 
 def _stats(cfg: LongBaselineConfig, hts: np.ndarray, hx: np.ndarray) -> _Stats | None:
@@ -121,7 +142,13 @@ def _stats(cfg: LongBaselineConfig, hts: np.ndarray, hx: np.ndarray) -> _Stats |
             prof_scale = np.broadcast_to(np.maximum(pooled, PROFILE_SCALE_SHARE * scale), prof.shape)
         else:
             prof = None
-    return _Stats(med, scale, prof, prof_scale)
+    recent = None
+    if cfg.recent_window_s > 0:
+        r = hts > hts[-1] - cfg.recent_window_s
+        if r.sum() >= 20:
+            rmed = np.median(hx[r], axis=0)
+            recent = (rmed, _scale(hx[r], rmed))
+    return _Stats(med, scale, prof, prof_scale, recent)
 
 
 def _deviation(st: _Stats, ts: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -131,6 +158,9 @@ def _deviation(st: _Stats, ts: np.ndarray, x: np.ndarray) -> np.ndarray:
         slot = (np.floor(np.mod(ts, 86400.0) / (86400.0 / SLOTS))).astype(np.int64)
         zs = (x - st.prof[slot]) / st.prof_scale[slot]  # type: ignore[index]
         z = np.where(np.isnan(zs) | (np.abs(z) <= np.abs(zs)), z, zs)
+    if st.recent is not None:
+        zr = (x - st.recent[0]) / st.recent[1]
+        z = np.where(np.abs(z) <= np.abs(zr), z, zr)
     return np.clip(z, -RZ_CLIP, RZ_CLIP)
 
 

@@ -225,4 +225,8 @@ def test_train_per_node_and_family_then_eval_and_score(trained, tmp_path, capsys
     assert _no_nan_json(capsys.readouterr().out)["threshold_mode"] == "online per node and metric family"
     out = tmp_path / "s.csv"
     assert main(["predictor", "score", "--model", str(model), "--metrics", metrics, "--out", str(out)]) == 0
-    assert len(list(csv.DictReader(out.open()))) == sum(1 for _ in open(metrics)) - 1
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == sum(1 for _ in open(metrics)) - 1
+    # each row names the family whose margin decided it (empty while the node warms up)
+    assert {r["family"] for r in rows} - {""} <= {"retries", "req", "latency"}
+    assert {r["family"] for r in rows} - {""}

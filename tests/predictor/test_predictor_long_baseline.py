@@ -89,17 +89,59 @@ def test_an_incident_does_not_inflate_the_scale_for_the_next():
     assert ew[i2] < 0.5 * ew[i1]  # the EW mean absolute deviation does (issue 19's diagnosis)
 
 
-def test_online_equals_offline_with_gaps_and_missing_columns():
+@pytest.mark.parametrize("recent_s", [0.0, 6 * 3600.0])
+def test_online_equals_offline_with_gaps_and_missing_columns(recent_s):
     rng = np.random.default_rng(5)
     n = 6000
     t = T0 + np.cumsum(rng.choice([60.0, 60.0, 60.0, 600.0], n))  # 1-minute samples, some 10-minute gaps
     x = np.column_stack([rng.standard_normal(n), np.sin(2 * np.pi * t / 86400.0) * 5 + rng.standard_normal(n),
                          np.full(n, np.nan)])  # the third column is never seen
     x[:50, 1] = np.nan  # the second starts later
-    cfg = LongBaselineConfig(window_s=2 * 86400.0, interval_s=60.0, min_span_s=3 * 3600.0, season_min_days=2)
+    cfg = LongBaselineConfig(window_s=2 * 86400.0, interval_s=60.0, min_span_s=3 * 3600.0, season_min_days=2,
+                             recent_window_s=recent_s)
     off = long_baseline_z(cfg, t, x)
     lb = LongBaseline(cfg)
     on = np.vstack([lb.step(float(ti), xi) for ti, xi in zip(t, x)])
     assert np.isnan(off[:, 2]).all() and np.isfinite(off[-100:, :2]).all()
     np.testing.assert_allclose(on, off, rtol=1e-9, atol=1e-9)
     assert np.isnan(off[t < t[0] + 3 * 3600.0 - 60.0]).all()  # nothing before the minimum span
+
+
+def test_a_lasting_level_shift_stops_scoring_within_a_day_and_a_spike_after_it_still_does():
+    # hourly latency ~60 ms; from day 8 a dependency runs at ~600 ms for good (no one labels that), and on
+    # day 10 it spikes to 6000 ms once
+    rng = np.random.default_rng(7)
+    t = T0 + 3600.0 * np.arange(24 * 12)
+    x = 60.0 + rng.standard_normal(len(t)) * 3.0
+    shift, spike = 24 * 8, 24 * 10 + 7
+    x[shift:] += 540.0
+    x[spike] = 6000.0
+    week = LongBaselineConfig(window_s=7 * 86400.0, interval_s=3600.0)
+    both = LongBaselineConfig(window_s=7 * 86400.0, interval_s=3600.0, recent_window_s=86400.0)
+    zw = long_baseline_z(week, t, x.reshape(-1, 1))[:, 0]
+    zb = long_baseline_z(both, t, x.reshape(-1, 1))[:, 0]
+    settling = slice(shift + 5, shift + 16)  # under 10% of the week's rows: its quantiles have not moved yet
+    assert np.abs(zw[settling]).min() > 100
+    assert np.abs(zb[settling]).max() < 3  # the last day's have
+    assert zb[shift] > 20  # the shift itself is news
+    assert zb[spike] > 15  # and a spike on the new level still is
+
+
+
+@pytest.mark.parametrize("rate", [0.01, 0.07])
+def test_a_mostly_idle_series_keeps_a_finite_scale(rate):
+    # a dependency called once a day and in a share of the other hours (~700 ms), 0 otherwise: MAD = 0 and
+    # q90 = q10 = 0
+    rng = np.random.default_rng(8)
+    t = T0 + 3600.0 * np.arange(24 * 14)
+    calls = rng.random(len(t)) < rate
+    calls[5::24] = True
+    x = np.where(calls, 700.0 + rng.standard_normal(len(t)) * 80.0, 0.0)
+    slow = 24 * 12 + 5
+    x[slow] = 5000.0
+    cfg = LongBaselineConfig(window_s=7 * 86400.0, interval_s=3600.0, season_min_days=0)
+    z = long_baseline_z(cfg, t, x.reshape(-1, 1))[:, 0]
+    usual = (np.arange(len(t)) >= 24 * 7) & calls & (np.arange(len(t)) != slow)
+    share = calls[: 24 * 7].mean()
+    assert np.abs(z[usual]).max() < 2.0 / np.sqrt(share)  # ~1/sqrt(share of rows with calls), not 10^4
+    assert z[slow] > 5 * np.median(np.abs(z[usual]))  # a call 7x slower than usual stands out
