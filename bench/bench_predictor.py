@@ -96,9 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--exclude-early", action="store_true", help="leave a precursor's early rows out of the fit")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--features", choices=["derived", "fixed"], default="derived",
+                    help="derived: windows and the node's own baselines from the interval and the span, as "
+                         "`trainguard predictor train` does (default); fixed: the 5/30 min windows only")
     args = ap.parse_args(argv)
     t_start = time.monotonic()
-    fc = FeatureConfig(interval_s=args.interval)
+    fc = (FeatureConfig.for_data(args.interval, args.days * 86400.0, peer=True) if args.features == "derived"
+          else FeatureConfig(interval_s=args.interval))
     ev = EvalConfig(budget_per_100_node_days=args.budget)
     cfg = TrainConfig(features=fc, evaluation=ev, seed=args.seed, exclude_early=args.exclude_early)
     print(f"StepFun trace: {json.dumps(stepfun_summary())}")
