@@ -98,7 +98,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
     qualify = qualify_for_run(args)  # [qualify] of --qualify-config (checked before anything starts)
-    job = rdzv.job or tr.default_job_name(args.script, rdzv, time.time())
+    job = rdzv.job or tr.default_job_name(args.script, rdzv, time.time(), args.checkpoint_dir)
     from trainguard.recovery.errors import InvalidRequestError
     from trainguard.recovery.straggler import StragglerConfig
 

@@ -15,7 +15,8 @@ which forms every generation's rank table. The mapping (see :func:`resolve_rende
   nodes beyond MIN that wait as standbys, or the job shrinks, never below MIN.
 - ``--rdzv-id``: the job name. Without it (and without ``--job``) a job with a rendezvous endpoint (every
   multi-node one) is named after the script and the endpoint's port (``train-29500``), the same on every node, as
-  torchrun's constant default id is; a one-node job on a free port adds the start time instead.
+  torchrun's constant default id is; a one-node job on a free port is named after the script and its
+  checkpoint directory (so rerunning the command resumes the same job), or the start time without one.
 
 The workers' store is not the rendezvous: every generation gets a new one (see :mod:`trainguard.agent.worker_store`).
 """
@@ -23,6 +24,7 @@ The workers' store is not the rendezvous: every generation gets a new one (see :
 from __future__ import annotations
 
 import argparse
+import hashlib
 import ipaddress
 import logging
 import os
@@ -109,18 +111,24 @@ def default_node_id(rdzv: Rendezvous, joining: str | None, hostname: str, pid: i
     return hostname
 
 
-def default_job_name(script: str, rdzv: Rendezvous, now: float) -> str:
+def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: str | None = None) -> str:
     """The job name when neither ``--job`` nor ``--rdzv-id`` is given.
 
     A job with a rendezvous endpoint (every multi-node one) needs the same name on every node, whenever each
     starts: the script's name plus the rendezvous port (torchrun's default rendezvous id is the constant
     ``none``; the port keeps two jobs of one script on different endpoints apart). A one-node job on a free port
-    adds the start time ``now``.
+    with a checkpoint directory is named after the script and that directory (its resolved path or URL,
+    hashed): rerunning the same command after a crash is the same job, so it finds its in-memory checkpoint
+    (which the node's daemon keeps for a while), and two runs of one script on other directories do not share
+    one. Without a checkpoint directory there is nothing to resume: the start time ``now`` keeps runs apart.
     """
     stem = os.path.splitext(os.path.basename(script.rstrip("/")))[0] or "job"
     if rdzv.endpoint:
         _, port = split_endpoint(rdzv.endpoint, 0, "--rdzv-endpoint")
         return f"{stem}-{port}"
+    if checkpoint_dir:
+        where = checkpoint_dir if "://" in checkpoint_dir else os.path.realpath(os.path.expanduser(checkpoint_dir))
+        return f"{stem}-{hashlib.sha256(where.encode()).hexdigest()[:10]}"
     return f"{stem}-{int(now)}"
 
 

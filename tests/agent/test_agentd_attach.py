@@ -44,8 +44,9 @@ def shm():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def run_cmd(job: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "trainguard.cli", "run", "--standalone", "--rdzv-id", job, "--no-standby", *args]
+def run_cmd(job: str | None, *args: str) -> list[str]:
+    named = ["--rdzv-id", job] if job is not None else []
+    return [sys.executable, "-m", "trainguard.cli", "run", "--standalone", *named, "--no-standby", *args]
 
 
 def test_attached_launcher_sees_the_daemons_detectors_not_its_own(tmp_path: Path, tg_env: dict, shm: Path):
@@ -89,8 +90,12 @@ def newest_restore(out: Path, rank: int, pids_before: set[str]) -> dict:
     return json.loads(min(files, key=lambda p: p.stat().st_mtime).read_text())
 
 
-def test_sigkilled_launchers_restart_restores_from_the_daemons_memory(tmp_path: Path, tg_env: dict, shm: Path):
-    job = f"mem-{os.getpid()}"
+@pytest.mark.parametrize("named", [True, False], ids=["rdzv-id", "default-name"])
+def test_sigkilled_launchers_restart_restores_from_the_daemons_memory(tmp_path: Path, tg_env: dict, shm: Path,
+                                                                      named: bool):
+    """Rerunning the same command restores from memory: with an explicit job name, and with none (the default
+    name of a one-node job follows its checkpoint directory, not its start time)."""
+    job = f"mem-{os.getpid()}" if named else None
     FakeNodeHardware(tmp_path / "sysfs")
     daemon = UnitDaemon(tmp_path / "daemon", daemon_config(tmp_path / "sysfs", shm), clean_env(tg_env))
     env = dict(clean_env(tg_env), TRAINGUARD_AGENT_SOCKET_PATH=str(daemon.socket_path),
@@ -104,6 +109,10 @@ def test_sigkilled_launchers_restart_restores_from_the_daemons_memory(tmp_path: 
         daemon.wait_ready()
         first = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  start_new_session=True)
+        if job is None:  # the arena the run creates is named after its job
+            wait_until(lambda: shm.is_dir() and [d for d in shm.iterdir() if d.is_dir()], 90, "the job's arena")
+            job = next(d.name for d in shm.iterdir() if d.is_dir())
+            assert job.startswith("arena_trainer-"), job
         wait_until(lambda: memory_committed(str(shm), job) and memory_committed(str(shm), job)[-1][0] >= 5, 90,
                    "step 5 in the memory tier")
         # kill -9 the launcher and everything in its session (workers, persist process, guard).

@@ -314,3 +314,18 @@ def test_loopback_warning_only_for_a_real_multi_node_job(caplog, flags: list[str
     with caplog.at_level(logging.WARNING, logger="trainguard.agent.run_torchrun"):
         assert default_address(resolve_rendezvous(args), None) == "127.0.0.1"
     assert ("coordinator at loopback" in caplog.text) is warned, caplog.text
+
+
+def test_one_node_default_job_name_follows_the_checkpoint_directory(tmp_path: Path) -> None:
+    """Without --job/--rdzv-id, rerunning a one-node command later is the same job when it checkpoints to the
+    same place (so it finds its memory copy); other directories, or none, are other jobs."""
+    from trainguard.agent.run_torchrun import Rendezvous, default_job_name
+
+    solo = Rendezvous(coordinator=None, listen="127.0.0.1:0", min_nodes=1, max_nodes=1, job="", multi_node=False)
+    a, b = tmp_path / "a", tmp_path / "b"
+    name = default_job_name("train.py", solo, 1000.0, str(a))
+    assert name.startswith("train-") and name == default_job_name("/x/train.py", solo, 9999.0, str(a / ".." / "a"))
+    assert name != default_job_name("train.py", solo, 1000.0, str(b))
+    assert default_job_name("train.py", solo, 1000.0, "s3://bucket/run") != default_job_name(
+        "train.py", solo, 1000.0, "s3://bucket/other")
+    assert default_job_name("train.py", solo, 1000.0) == "train-1000"  # nothing to resume: the start time
