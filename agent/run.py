@@ -43,6 +43,24 @@ class RunResult:
     wall_s: float
 
 
+def _refuse_a_second_default_job(job: str, script: str, checkpoint_dir: str | None) -> None:
+    """A one-node job's default name follows its checkpoint directory (so a rerun resumes it); a second live
+    run under that name would restore from the first one's memory and then be refused every checkpoint (one
+    writer per job and rank). Say so before anything starts.
+
+    Raises:
+        UsageError: a live ``trainguard run`` of this user already runs ``job``.
+    """
+    from trainguard.agent.job_registry import live_runs
+
+    for rec in live_runs():
+        if rec.job == job and rec.pid != os.getpid():
+            raise UsageError(
+                f"job {job} (the default name of {os.path.basename(script)} on --checkpoint-dir {checkpoint_dir}) "
+                f"is already running here as pid {rec.pid}; a second trainer on the same checkpoint directory "
+                "cannot write checkpoints: give it --job NAME or another --checkpoint-dir")
+
+
 def _check_checkpoint_dir(path: str) -> None:
     from trainguard.checkpoint.errors import CheckpointConfigError
 
@@ -99,6 +117,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
     qualify = qualify_for_run(args)  # [qualify] of --qualify-config (checked before anything starts)
     job = rdzv.job or tr.default_job_name(args.script, rdzv, time.time(), args.checkpoint_dir)
+    if not rdzv.job and not rdzv.endpoint:
+        _refuse_a_second_default_job(job, args.script, args.checkpoint_dir)
     from trainguard.recovery.errors import InvalidRequestError
     from trainguard.recovery.straggler import StragglerConfig
 

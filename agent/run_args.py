@@ -148,7 +148,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Adds the ``trainguard run`` flags to ``p``: torchrun's (see :func:`add_torchrun_arguments`), then
     trainguard's own."""
     add_torchrun_arguments(p)
-    p.add_argument("--job", default=None, help="job name (default: --rdzv-id; else the script name plus the rendezvous port, or the "
+    p.add_argument("--job", default=None,
+                   help="job name (default: --rdzv-id; else the script name plus the rendezvous port, or the "
                         "checkpoint directory, or the start time)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="checkpoint directory or fsspec URL given to every worker as $TRAINGUARD_CHECKPOINT_DIR")

@@ -90,6 +90,13 @@ class FeatureConfig:
                 f"{max(self.interval_s, 300.0) * 5:g} --long-window {max(self.interval_s, 300.0) * 30:g} or leave "
                 "both out to derive them from the interval"
             )
+        if min(self.self_window_s, self.robust_window_s, self.robust_recent_window_s) < 0 or (
+                0 < self.robust_window_s <= self.robust_recent_window_s):
+            raise DataFormatError(
+                f"baseline windows must satisfy self_window_s >= 0 and 0 <= robust_recent_window_s < "
+                f"robust_window_s (0: off); got {self.self_window_s:g}, {self.robust_recent_window_s:g}, "
+                f"{self.robust_window_s:g} s: retrain with derived windows or fix the model file's feature_spec"
+            )
 
     @classmethod
     def for_data(
@@ -120,7 +127,8 @@ class FeatureConfig:
                 long = max(min(long, history_s / 4.0), 2.0 * short)
         self_w = min(86400.0, max(2.0 * long, history_s / 8.0))
         return cls(interval_s=interval_s, short_window_s=short, long_window_s=long, peer=peer, self_window_s=self_w,
-                   robust_window_s=max(ROBUST_WINDOW_S, 2.0 * long), robust_recent_window_s=RECENT_WINDOW_S)
+                   robust_window_s=max(ROBUST_WINDOW_S, 2.0 * long),
+                   robust_recent_window_s=RECENT_WINDOW_S)
 
     @property
     def self_min_rows(self) -> int:

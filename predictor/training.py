@@ -199,7 +199,8 @@ def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = Tr
     if method == "hgb" and spec.config.robust_window_s > 0:
         # the robust long baseline feeds the unsupervised tier only: with its features a tree ensemble broke
         # the transfer test's budget (34 false alarms per 100 node-days against 20; without them it holds)
-        spec = FeatureSpec(spec.metrics, replace(spec.config, robust_window_s=0.0), spec.kinds)
+        off = replace(spec.config, robust_window_s=0.0, robust_recent_window_s=0.0)
+        spec = FeatureSpec(spec.metrics, off, spec.kinds)
         keep = [frame.names.index(n) for n in spec.feature_names]
         frame = FeatureFrame(spec.feature_names, frame.x[:, keep], frame.ts, frame.node, frame.missing_metrics)
     scorer = fit_scorer(method, frame, fit_rows, y, cfg)

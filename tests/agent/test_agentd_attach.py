@@ -151,3 +151,26 @@ def _sid(p: psutil.Process) -> int:
         return os.getsid(p.pid)
     except (ProcessLookupError, PermissionError):
         return -1
+
+
+def test_a_second_run_of_a_default_named_job_is_refused_with_the_fix(tmp_path: Path, tg_env: dict):
+    """The default name of a one-node job follows its checkpoint directory: a second `trainguard run` of the same
+    command while the first lives would share its memory and be refused every checkpoint. It is refused at once,
+    naming the first run and the flags that set them apart, and the first run is untouched."""
+    env = dict(clean_env(tg_env), TRAINGUARD_RUN_REGISTRY=str(tmp_path / "runs"))
+    cmd = run_cmd(None, "--nproc-per-node", "1", "--max-restarts", "0", "--detectors", "process",
+                  "--checkpoint-dir", str(tmp_path / "ckpt"), str(SCRIPTS / "sleeper.py"))
+    first = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        wait_until(lambda: (tmp_path / "runs").is_dir() and any((tmp_path / "runs").glob("*.json")), 60,
+                   "the first run's record")
+        second = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"is already running here as pid {first.pid}" in second.stderr, second.stderr[-2000:]
+        assert "give it --job NAME or another --checkpoint-dir" in second.stderr
+        assert first.poll() is None  # the first run goes on
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()

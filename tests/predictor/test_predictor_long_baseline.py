@@ -145,3 +145,15 @@ def test_a_mostly_idle_series_keeps_a_finite_scale(rate):
     share = calls[: 24 * 7].mean()
     assert np.abs(z[usual]).max() < 2.0 / np.sqrt(share)  # ~1/sqrt(share of rows with calls), not 10^4
     assert z[slow] > 5 * np.median(np.abs(z[usual]))  # a call 7x slower than usual stands out
+
+
+def test_bad_baseline_windows_are_refused_with_the_fix():
+    from trainguard.predictor.errors import DataFormatError
+    from trainguard.predictor.features import FeatureConfig
+
+    ok = FeatureConfig.for_data(3600.0, 30 * 86400.0, peer=False)
+    assert 0 < ok.robust_recent_window_s < ok.robust_window_s
+    for bad in ({"robust_recent_window_s": -1.0}, {"robust_recent_window_s": ok.robust_window_s},
+                {"robust_recent_window_s": -5.0, "robust_window_s": 0.0}):
+        with pytest.raises(DataFormatError, match="robust_recent_window_s < robust_window_s"):
+            FeatureConfig(**{**ok.to_dict(), **bad})
