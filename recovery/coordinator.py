@@ -111,6 +111,7 @@ class JobCoordinator:
         self._layout_cache: tuple[object, RankLayout | None] | None = None
         self._running: set[str] = set()  # slot holders running the current generation
         self._succeeded: set[str] = set()  # slot holders whose workers of the current generation all exited 0
+        self._plan_since: tuple[int, float] = (-1, 0.0)  # (plan generation, when it was made): see _quiet_holder
         self._relay = CheckpointRelay(spec.job)  # job-wide checkpoint requests and the step rate they need
         self._beat_observers: list[Callable[[Beat, float], None]] = []
         self.fenced = ""
@@ -384,16 +385,22 @@ class JobCoordinator:
 
         When a node dies, its peers' collectives break at once and they report a process-level failure before
         the dead node's lease expires. Restarting in place then would wait on the dead node, and its expiry would
-        cost a second restart; waiting (at most until the lease expires, or the node's next heartbeat) lets the
-        expiry merge into this plan as one node-level restart.
+        cost a second restart; waiting (at most until the lease expires, or until every holder's first heartbeat
+        after the plan) lets the expiry merge into this plan as one node-level restart.
         """
         plan = self._policy.state.plan
         if plan is None or plan.level is not Level.PROCESS or self._layout is None:
             return False
+        if self._plan_since[0] != plan.generation:  # a plan restored from the store: timed from now
+            self._plan_since = (plan.generation, now)
+        since = self._plan_since[1]
         quiet = 2.0 * self._interval_s()
         for slot in self._layout.slots:
             m = self._members.get(slot.node_id)
-            if m is not None and m.alive and now - m.last_seen > quiet:
+            # Silence alone misses a peer that died a heartbeat ago: its peers' sockets reset at once, faster
+            # than two intervals. A holder must also have been heard since the plan was made; a live one is,
+            # within one interval, and it needs that heartbeat anyway to learn of the restart.
+            if m is not None and m.alive and (now - m.last_seen > quiet or m.last_seen < since):
                 return True
         return False
 
@@ -403,6 +410,9 @@ class JobCoordinator:
         spares = [m.spec() for m in self._candidates(now) if m.info.node_id != f.node_id]
         # A merged report (another node of the same fault) is routine at scale: decide() logs it at debug.
         step = self._apply(FaultReported(f, lay, tuple(holders), tuple(spares)), persist=False)
+        plan = self._policy.state.plan
+        if plan is not None and self._plan_since[0] != plan.generation:
+            self._plan_since = (plan.generation, now)
         if step.changed:
             self._mver += 1
             self._rebuild_table()

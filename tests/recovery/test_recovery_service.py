@@ -226,6 +226,45 @@ def test_peers_crash_report_waits_for_the_quiet_node_and_merges_into_one_node_re
     assert t.restart_count == 1
 
 
+@pytest.mark.parametrize("server", [{"nnodes": 3, "lease": 1.5}], indirect=True)
+def test_peers_crash_report_right_after_the_last_heartbeat_still_waits_for_the_dead_node(server) -> None:
+    """b0 dies just after a heartbeat and a0's report comes before b0 has missed any: the process-level restart
+    waits to hear from b0 after the plan and, as it never does, becomes one node-level restart (a regression:
+    the restart went ahead in place with the dead b0 and its lease expiry cost a second restart)."""
+    srv, stub = server
+    nodes = _form(stub, [_info("a0", "pa", 0), _info("a1", "pa", 1), _info("b0", "pb", 0)])
+    spare = Node(stub, _info("sb", "pb", 9, spare=True))
+    for n in nodes + [spare]:
+        n.beat(workers_running=2)
+    r = nodes[0].fail(rank=0, code=1)  # b0's last heartbeat was a few ms ago
+    assert r.new_generation == 2
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and spare.gen < 2:
+        for n in nodes[:2] + [spare]:
+            n.beat(workers_running=2)
+            assert not (n.gen == 2 and "b0" in [x.node_id for x in n.table.nodes])  # no restart in place
+        time.sleep(0.05)
+    t = spare.table
+    assert spare.gen == 2 and [n.node_id for n in t.nodes] == ["a0", "a1", "sb"], t
+    assert t.restart_count == 1
+
+
+@pytest.mark.parametrize("server", [{"nnodes": 3, "lease": 1.5}], indirect=True)
+def test_process_restart_in_place_forms_once_every_holder_has_beaten_after_the_report(server) -> None:
+    """A worker crash with every node alive: the restart stays in place, and forms at the first round of
+    heartbeats after the report."""
+    srv, stub = server
+    nodes = _form(stub, [_info("a0", "pa", 0), _info("a1", "pa", 1), _info("b0", "pb", 0)])
+    for n in nodes:
+        n.beat(workers_running=2)
+    assert nodes[1].fail(rank=2, code=1).new_generation == 2
+    for _ in range(2):  # the round that forms it, and one to tell the nodes that beat before the last one
+        for n in nodes:
+            n.beat(workers_running=0)
+    assert all(n.gen == 2 for n in nodes), [n.gen for n in nodes]
+    assert [x.node_id for x in nodes[0].table.nodes] == ["a0", "a1", "b0"]
+
+
 def test_predicted_failure_gets_one_job_wide_checkpoint_step_ahead_of_every_rank(server) -> None:
     srv, stub = server
     nodes = _form(stub, [_info("a0", "pa", 0), _info("a1", "pa", 1), _info("b0", "pb", 0)])
