@@ -57,6 +57,18 @@ def test_label_column_folder_becomes_incident_windows(bench, tmp_path):
         bench.load_series(tmp_path)
 
 
+def test_an_event_labelled_on_most_series_at_once_is_found_as_one_shared_window(bench, tmp_path):
+    # 4 series: the 03:00-05:00 window on three of them is one event; the 09:00 one and series d's are not
+    labels = {"a": (3, 4, 5), "b": (3, 4, 5, 9), "c": (3, 4, 5), "d": (4, 5)}
+    for name, hours in labels.items():
+        rows = ["timestamp,value,label"] + [f"2018-06-17T{h:02d}:00:00Z,{h},{int(h in hours)}" for h in range(24)]
+        (tmp_path / f"{name}.csv").write_text("\n".join(rows) + "\n")
+    t0 = 1529193600.0
+    assert bench.shared_windows(bench.load_series(tmp_path)) == {(t0 + 3 * 3600, t0 + 5 * 3600)}
+    (tmp_path / "c.csv").unlink()  # two of three series: below the floor of 3 series
+    assert bench.shared_windows(bench.load_series(tmp_path)) == frozenset()
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not any(MS_DATA.glob("*.csv")), reason="second data set not downloaded (see bench/data/ms_cloud_latency/SOURCE.md)")
 def test_self_calibrated_budget_holds_on_hourly_service_latency(bench):
