@@ -89,6 +89,9 @@ class LocalSupervisor:
         self._resources = GenerationResources(config.error_dir)  # the generation's store and error files
         self._started = 0.0  # time.monotonic() when the current generation's workers started
         self._failed = False  # the current stop ends in FAILED (a worker failed or hung)
+        # Some worker of this job, in any generation, reported through the hook: the job's workers do, so a
+        # silent one before its first step is hung (a script without the hook is never judged by silence).
+        self._hook_seen = False
 
     # -- state ---------------------------------------------------------------------------------------------
     @property
@@ -143,6 +146,7 @@ class LocalSupervisor:
             if w is None or (pid and w.pid != pid) or generation != self._generation:
                 return []  # a straggler of an older generation
             now = time.time()
+            w.hooked = self._hook_seen = True
             if w.state == WorkerState.STARTING:
                 w.state = WorkerState.RUNNING  # it reached the hook: its start-up is over
             w.finished = w.finished or finished
@@ -356,7 +360,8 @@ class LocalSupervisor:
         return [
             WorkerSnapshot(rank=w.spec.rank, pid=w.pid, started_at=w.started_at + offset, last_step=w.last_step,
                            last_heartbeat=mono if w.finished else w.last_heartbeat,
-                           recent_step_times=tuple(w.step_times), returncode=w.exit_code)
+                           recent_step_times=tuple(w.step_times), returncode=w.exit_code,
+                           hooked=w.hooked or self._hook_seen)
             for w in group.workers
         ]
 

@@ -77,6 +77,7 @@ class Worker:
     ended_at: float | None = None
     last_step: int = -1
     last_heartbeat: float | None = None  # time.monotonic() of the last step report
+    hooked: bool = False  # it reported through the hook (a step, or the hook's hello at start)
     step_times: deque = field(default_factory=lambda: deque(maxlen=64))
     finished: bool = False  # the worker said its training loop is over
 

@@ -7,6 +7,13 @@ A worker is **hung** when no step heartbeat arrived for longer than its bound::
 
     bound = max(hang_floor_s, hang_multiplier * max(recent_step_times))   after the first step time
     bound = startup_grace_s, counted from started_at                       before it
+    no bound                                                               a worker that does not report
+
+A worker that never speaks the hook (an unmodified torch script: no ``trainguard`` import, so no step
+heartbeats, ever) cannot be judged by silence: with the start-up bound it was killed as hung after
+``startup_grace_s`` however well it trained, and again after every restart until the job failed. The agent
+says which workers report (``hooked``: this one reached the hook, or a worker of an earlier generation of the
+job did); the others' hangs are left to torch's own collective timeouts, as under torchrun.
 
 It is then reported once (``process.hung``, with the worker's stacks in the evidence, see
 :mod:`trainguard.detectors.stackdump`) and cleared when heartbeats resume. The dump is taken in a helper thread
@@ -18,6 +25,7 @@ never delays the exit reports of the other workers. An ended worker is reported 
 from __future__ import annotations
 
 import collections
+import math
 import os
 import signal
 import threading
@@ -47,6 +55,8 @@ class WorkerSnapshot:
         recent_step_times: wall seconds of the latest steps (a few dozen, newest last).
         returncode: ``Popen.returncode`` once reaped (>= 0 exit code, < 0 killed by signal ``-N``); None while the
             agent has not reaped it.
+        hooked: whether step heartbeats are to be expected from it (it reached the hook, or a worker of an
+            earlier generation of its job did); False: a script that never reports, not judged by silence.
     """
 
     rank: int
@@ -56,6 +66,7 @@ class WorkerSnapshot:
     last_heartbeat: float | None = None
     recent_step_times: Sequence[float] = ()
     returncode: int | None = None
+    hooked: bool = True
 
 
 @runtime_checkable
@@ -261,7 +272,7 @@ class ProcessDetector(Detector):
             ``(bound_s, since)``: the bound in seconds and the monotonic time silence is counted from.
         """
         if snapshot.last_heartbeat is None:
-            return config.startup_grace_s, snapshot.started_at
+            return (config.startup_grace_s if snapshot.hooked else math.inf), snapshot.started_at
         times = [t for t in snapshot.recent_step_times if t >= 0]
         if not times:
             return config.startup_grace_s, snapshot.last_heartbeat
@@ -312,7 +323,8 @@ class ProcessDetector(Detector):
             age = now - since
             max_age = max(max_age, age)
             s.metrics[f"heartbeat_age_s[{subject}]"] = age
-            s.metrics[f"hang_bound_s[{subject}]"] = bound
+            if math.isfinite(bound):  # none for a worker that does not report
+                s.metrics[f"hang_bound_s[{subject}]"] = bound
             self._check_hang(s, w, age, bound)
             self._check_memory(s, w, stat.rss_bytes, now)
             if scan_threads:

@@ -56,13 +56,17 @@ class _AgentLink:
         self._closed = False
         self.failures = 0
         self.sent = 0  # step heartbeats sent
+        # The hello: a heartbeat of step -1 tells the agent at once that this worker reports, so a silence
+        # before its first step is a hang (a script without the hook is never judged by silence). n = 0 marks
+        # it: the first step replaces it rather than averaging its step time with nothing.
+        self._pending = [-1, 0.0, 0, None]
         self._thread = threading.Thread(target=self._loop, name="trainguard-heartbeat", daemon=True)
         self._thread.start()
 
     def beat(self, step: int, step_time_s: float, sections: dict[str, float] | None = None) -> None:
         with self._cond:
             p = self._pending
-            if p is None:
+            if p is None or p[2] == 0:  # nothing pending, or only the hello (not sent yet: a step says more)
                 self._pending = [step, step_time_s, 1, dict(sections) if sections else None]
                 # Wake the sender only for the first step since its last heartbeat: it then sleeps until the
                 # next one is due. Waking it at every step cost a GIL hand-off per step (~2% of a 6 ms step).
@@ -101,7 +105,7 @@ class _AgentLink:
                 step, total, n, sums = self._pending
                 self._pending = None
             next_send = time.monotonic() + HEARTBEAT_MIN_INTERVAL_S
-            dt = total / n
+            dt = total / n if n else 0.0
             sections = {name: v / n for name, v in sums.items()} if sums else None
             try:
                 resp = self._stub.WorkerHeartbeat(
@@ -109,7 +113,7 @@ class _AgentLink:
                                                     step=step, step_time_s=dt, section_s=sections or {}),
                     timeout=2.0,
                 )
-                self.sent += 1
+                self.sent += n > 0  # the hello is not a step heartbeat
                 if resp.advisories:
                     with self._cond:
                         self._advisories.extend(resp.advisories)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import signal
@@ -204,6 +205,8 @@ def test_startup_grace_applies_before_first_heartbeat() -> None:
     assert ProcessDetector.hang_bound(snap, cfg) == (10.0, snap.started_at)
     withsteps = replace(snap, last_heartbeat=1.0, recent_step_times=(3.0, 2.0))
     assert ProcessDetector.hang_bound(withsteps, replace(cfg, hang_multiplier=5.0)) == (15.0, 1.0)
+    # a worker that does not report (a script without the hook) has no bound: silence says nothing about it
+    assert ProcessDetector.hang_bound(replace(snap, hooked=False), cfg) == (math.inf, snap.started_at)
 
 
 def test_memory_growth_reported() -> None:
