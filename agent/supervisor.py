@@ -149,7 +149,10 @@ class LocalSupervisor:
             w.hooked = self._hook_seen = True
             if w.state == WorkerState.STARTING:
                 w.state = WorkerState.RUNNING  # it reached the hook: its start-up is over
-            w.finished = w.finished or finished
+            if w.finished and not finished:
+                # the hook's pause of hang detection is over: silence counts afresh from here
+                w.last_heartbeat = time.monotonic()
+            w.finished = finished  # the latest state: the hook sends its messages in order, from one thread
             if step > w.last_step:
                 w.last_step = step
                 w.last_heartbeat = time.monotonic()

@@ -15,11 +15,12 @@ heartbeats or saves are logged, latched in :attr:`Session.errors` and reported a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 from trainguard.errors import TrainguardError
@@ -36,7 +37,13 @@ HEARTBEAT_MIN_INTERVAL_S = 0.25
 
 
 class _AgentLink:
-    """Heartbeats to the local agent from a background thread, so a step never waits on the control plane."""
+    """Heartbeats to the local agent from a background thread, so a step never waits on the control plane.
+
+    Every message goes out from that one thread, in order, and carries the worker's current "no steps expected"
+    state (``finished`` on the wire: a pause of hang detection, or the loop's end): a pause or finish sent from
+    the caller's thread could overtake a step heartbeat already on its way, and the agent takes the latest
+    state it receives.
+    """
 
     def __init__(self, socket_path: str, rank: int, generation: int) -> None:
         import grpc
@@ -54,6 +61,9 @@ class _AgentLink:
         self._pending: list | None = None
         self._advisories: list[Any] = []
         self._closed = False
+        self._quiet = False  # no steps expected now (hang detection paused, or the loop is over)
+        self._state_seq = 0  # bumped on every change of _quiet; _sent_seq: the last one delivered
+        self._sent_seq = 0
         self.failures = 0
         self.sent = 0  # step heartbeats sent
         # The hello: a heartbeat of step -1 tells the agent at once that this worker reports, so a silence
@@ -79,6 +89,19 @@ class _AgentLink:
                         acc[name] = acc.get(name, 0.0) + v
                     p[3] = acc
 
+    def set_quiet(self, quiet: bool, timeout: float = 2.0) -> bool:
+        """Tells the agent that no steps are expected from now on (``quiet``) or that they are again, after
+        any step heartbeat already pending; waits up to ``timeout`` s for the message to be sent. Returns whether
+        it was sent in time (an agent that is away is no reason to stop training)."""
+        with self._cond:
+            if self._quiet == quiet:
+                return True
+            self._quiet = quiet
+            self._state_seq += 1
+            seq = self._state_seq
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: self._sent_seq >= seq or self._closed, timeout)
+
     def take_advisories(self) -> list[Any]:
         with self._cond:
             out, self._advisories = self._advisories, []
@@ -98,22 +121,26 @@ class _AgentLink:
         next_send = 0.0
         while True:
             with self._cond:
-                while not self._closed and (self._pending is None or time.monotonic() < next_send):
+                while not self._closed and self._sent_seq == self._state_seq and (
+                        self._pending is None or time.monotonic() < next_send):
                     self._cond.wait(None if self._pending is None else max(0.0, next_send - time.monotonic()))
-                if self._closed and self._pending is None:
+                if self._closed and self._pending is None and self._sent_seq == self._state_seq:
                     return
-                step, total, n, sums = self._pending
-                self._pending = None
-            next_send = time.monotonic() + HEARTBEAT_MIN_INTERVAL_S
+                pending, self._pending = self._pending, None
+                seq, quiet = self._state_seq, self._quiet
+            step, total, n, sums = pending if pending is not None else (-1, 0.0, 0, None)
+            if pending is not None:
+                next_send = time.monotonic() + HEARTBEAT_MIN_INTERVAL_S
             dt = total / n if n else 0.0
             sections = {name: v / n for name, v in sums.items()} if sums else None
             try:
                 resp = self._stub.WorkerHeartbeat(
                     self._pb.WorkerHeartbeatRequest(rank=self._rank, pid=self._pid, generation=self._generation,
-                                                    step=step, step_time_s=dt, section_s=sections or {}),
+                                                    step=step, step_time_s=dt, section_s=sections or {},
+                                                    finished=quiet),
                     timeout=2.0,
                 )
-                self.sent += n > 0  # the hello is not a step heartbeat
+                self.sent += n > 0  # the hello and state changes are not step heartbeats
                 if resp.advisories:
                     with self._cond:
                         self._advisories.extend(resp.advisories)
@@ -121,17 +148,14 @@ class _AgentLink:
                 self.failures += 1
                 if self.failures in (1, 10, 100):
                     log.warning("heartbeat to the agent failed (%s); training continues", exc)
+            with self._cond:
+                self._sent_seq = max(self._sent_seq, seq)
+                self._cond.notify_all()
 
     def finish(self) -> None:
         """Tells the agent that no more steps will come (so a long final evaluation is not a hang)."""
-        try:
-            self._stub.WorkerHeartbeat(
-                self._pb.WorkerHeartbeatRequest(rank=self._rank, pid=self._pid, generation=self._generation,
-                                                step=-1, finished=True),
-                timeout=2.0,
-            )
-        except Exception as exc:  # noqa: BLE001 - the agent being away must not stop the worker
-            log.debug("final heartbeat failed: %s", exc)
+        if not self.set_quiet(True):
+            log.debug("the agent did not take the end of the loop in time")
 
     def close(self) -> None:
         with self._cond:
@@ -381,6 +405,32 @@ class Session:
         if self._agent is not None and not self._finished:
             self._finished = True
             self._agent.finish()
+
+    @contextlib.contextmanager
+    def pause_hang_detection(self, reason: str = "") -> Iterator[None]:
+        """A long phase between steps that is not a hang: ``with session.pause_hang_detection("evaluation"):``.
+
+        The agent counts a worker as hung when no step arrives for ``max(--hang-floor-s, 5 x its slowest recent
+        step)`` (60 s by default), so a periodic evaluation, a synchronous export or a data re-shuffle that
+        takes longer would be killed and restarted. Inside this block the agent expects no steps; when it ends,
+        the silence is counted afresh from there (a worker that hangs after the block is still found). Steps
+        reported inside the block count as usual. A no-op without an agent (plain ``torchrun``, alone) and after
+        :meth:`finish`. Do not use it around training steps: a hang inside the block is not detected (the
+        collectives' own timeouts still apply).
+
+        Args:
+            reason: what the phase is, for the log.
+        """
+        link = self._agent if not self._finished else None
+        if link is not None:
+            log.info("hang detection paused%s", f" ({reason})" if reason else "")
+            link.set_quiet(True)
+        try:
+            yield
+        finally:
+            if link is not None and not self._finished:
+                link.set_quiet(False)
+                log.info("hang detection resumed%s", f" after {reason}" if reason else "")
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every saved checkpoint is durable."""
