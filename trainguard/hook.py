@@ -207,6 +207,8 @@ class Session:
         self._agent: _AgentLink | None = None
         self._ckpt = None
         self._finished = False
+        self._pauses = 0  # open pause_hang_detection blocks
+        self._pause_lock = threading.Lock()
         self._timer = StepTimer()
         #: Wall time of the last completed step, seconds, and its sections (see :meth:`section`).
         self.last_step_time_s = 0.0
@@ -422,15 +424,22 @@ class Session:
             reason: what the phase is, for the log.
         """
         link = self._agent if not self._finished else None
-        if link is not None:
-            log.info("hang detection paused%s", f" ({reason})" if reason else "")
-            link.set_quiet(True)
+        if link is None:
+            yield
+            return
+        with self._pause_lock:  # nested or concurrent pauses: detection resumes when the last one ends
+            self._pauses += 1
+            if self._pauses == 1:
+                log.info("hang detection paused%s", f" ({reason})" if reason else "")
+                link.set_quiet(True)
         try:
             yield
         finally:
-            if link is not None and not self._finished:
-                link.set_quiet(False)
-                log.info("hang detection resumed%s", f" after {reason}" if reason else "")
+            with self._pause_lock:
+                self._pauses -= 1
+                if self._pauses == 0 and not self._finished:
+                    link.set_quiet(False)
+                    log.info("hang detection resumed%s", f" after {reason}" if reason else "")
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every saved checkpoint is durable."""

@@ -53,6 +53,10 @@ BLOCKS = {
     "paused": f"with session.pause_hang_detection('evaluation'):\n    time.sleep({3 * HANG_FLOOR_S})",
     # the same without the pause: hung (the test can fail)
     "silent": f"time.sleep({3 * HANG_FLOOR_S})",
+    # nested pauses: the inner one's end does not resume detection inside the outer one
+    "nested-paused": "with session.pause_hang_detection('evaluation'):\n"
+                     "    with session.pause_hang_detection('export'):\n        time.sleep(0.5)\n"
+                     f"    time.sleep({3 * HANG_FLOOR_S})",
     # a short pause, then the same silence: hung, counted from the pause's end
     "paused-then-silent": f"with session.pause_hang_detection('evaluation'):\n    time.sleep(1)\n"
                           f"time.sleep({3 * HANG_FLOOR_S})",
@@ -85,7 +89,7 @@ def test_a_hooked_worker_silent_before_its_first_step_is_hung(tmp_path: Path, tg
 def test_a_long_phase_between_steps_is_no_hang_inside_a_pause_only(tmp_path: Path, tg_env: dict, block: str) -> None:
     code, out = _run(tmp_path, tg_env, BETWEEN_STEPS.format(block=BLOCKS[block]), "--max-restarts", "0",
                      "--hang-floor-s", str(HANG_FLOOR_S))
-    if block == "paused":
+    if block in ("paused", "nested-paused"):
         assert code == 0 and "worker done" in out and "0 fault(s)" in out, out[-3000:]
     else:
         assert code != 0 and "worker done" not in out, out[-3000:]
