@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -112,6 +113,7 @@ class JobCoordinator:
         self._running: set[str] = set()  # slot holders running the current generation
         self._succeeded: set[str] = set()  # slot holders whose workers of the current generation all exited 0
         self._plan_since: tuple[int, float] = (-1, 0.0)  # (plan generation, when it was made): see _quiet_holder
+        self._beat_at: dict[str, float] = {}  # node -> when its last heartbeat (with its holdings) arrived
         self._relay = CheckpointRelay(spec.job)  # job-wide checkpoint requests and the step rate they need
         self._beat_observers: list[Callable[[Beat, float], None]] = []
         self.fenced = ""
@@ -337,8 +339,17 @@ class JobCoordinator:
             return  # the rank-0 node reports a fresh port with its next heartbeat
         st = self._policy.state
         generation = 1 if st.phase is Phase.FORMING or st.plan is None else st.plan.generation
+        in_place = st.plan is not None and st.plan.level is Level.PROCESS and self._plan_since[0] == generation
         step = self._apply(GenerationFormed(generation), persist=False)
         self._install(layout, step.state.generation, port)
+        if in_place:
+            # A restart in place forms only once every holder was heard from since the fault (_quiet_holder):
+            # the holdings those heartbeats carried are as fresh as the wait for fresh holdings asks, and
+            # asking again would cost every restart one more heartbeat interval.
+            since = self._plan_since[1]
+            for slot in layout.slots:
+                if self._beat_at.get(slot.node_id, -math.inf) > since:  # after the fault, not with it
+                    self._memory.mark_fresh(slot.node_id, self._table)
         self._save_state()
 
     def _advance(self) -> None:
@@ -582,6 +593,7 @@ class JobCoordinator:
             m.free_port = req.free_port
         m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
         self._memory.record(req.node_id, req.memory, req.replica_address)
+        self._beat_at[req.node_id] = now
         if req.generation == st.generation and req.last_step >= 0:
             self._relay.observe_step(now, req.last_step, st.generation)
         if req.generation == st.generation >= 0 and self._layout is not None \

@@ -108,6 +108,33 @@ def test_restart_waits_for_fresh_holdings_so_every_node_gets_the_same_plan() -> 
     core.close()
 
 
+def test_restart_in_place_waits_one_round_of_heartbeats_not_two() -> None:
+    """On a clock that moves: the restart in place forms only once b is heard from after a's report (b could
+    be the node whose death broke a's worker), and the holdings of that round are fresh enough for the plan: b
+    gets RESTART in the same heartbeat, a at its next one (not one more round for fresh holdings)."""
+    now = [100.0]
+    core, leases = _two_node_job(now)
+    for n in "ab":
+        _beat(core, leases, n, -1, -1, ())
+        _beat(core, leases, n, -1, -1, ())
+    _beat(core, leases, "a", 1, 9, (5,))
+    _beat(core, leases, "b", 1, 9, (5,))
+    now[0] += 0.1
+    _beat(core, leases, "a", 1, 10, (10,))
+    now[0] += 0.1
+    core.report(FaultReport("j", "a", leases["a"], 1, Cause.WORKER_EXIT, Level.PROCESS, rank=0))
+    now[0] += 0.1
+    first = _beat(core, leases, "a", 1, 10, (10,), running=0)
+    assert first.command is Command.STOP, first  # b not heard from since the report: nothing formed yet
+    now[0] += 0.1
+    second = _beat(core, leases, "b", 1, 10, (10,))
+    assert second.command is Command.RESTART and second.restore_plan.step == 10, second
+    now[0] += 0.1
+    again = _beat(core, leases, "a", 1, 10, (10,), running=0)
+    assert again.command is Command.RESTART and again.restore_plan == second.restore_plan
+    core.close()
+
+
 def test_a_silent_node_delays_the_restart_at_most_two_heartbeat_intervals() -> None:
     now = [100.0]
     core, leases = _two_node_job(now)
