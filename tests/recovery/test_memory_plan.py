@@ -69,6 +69,15 @@ def test_plan_crosses_the_wire_and_is_part_of_the_cached_start() -> None:
     assert convert.beat(hb).memory == (MemoryHolding(5, 4, (0, 1)),)
 
 
+def _running_two_node_job(now: list[float]):
+    """A two-node job whose first generation every node has started."""
+    core, leases = _two_node_job(now)
+    for n in "ab":
+        _beat(core, leases, n, -1, -1, ())
+        _beat(core, leases, n, -1, -1, ())
+    return core, leases
+
+
 def _two_node_job(now: list[float]):
     core = JobCoordinator(JobSpec(job="j", nnodes=2, backoff_initial_s=0.0), store=MemoryStore(), clock=lambda: now[0],
                           wall=lambda: now[0])
@@ -113,10 +122,7 @@ def test_restart_in_place_waits_one_round_of_heartbeats_not_two() -> None:
     be the node whose death broke a's worker), and the holdings of that round are fresh enough for the plan: b
     gets RESTART in the same heartbeat, a at its next one (not one more round for fresh holdings)."""
     now = [100.0]
-    core, leases = _two_node_job(now)
-    for n in "ab":
-        _beat(core, leases, n, -1, -1, ())
-        _beat(core, leases, n, -1, -1, ())
+    core, leases = _running_two_node_job(now)
     _beat(core, leases, "a", 1, 9, (5,))
     _beat(core, leases, "b", 1, 9, (5,))
     now[0] += 0.1
@@ -137,10 +143,7 @@ def test_restart_in_place_waits_one_round_of_heartbeats_not_two() -> None:
 
 def test_a_silent_node_delays_the_restart_at_most_two_heartbeat_intervals() -> None:
     now = [100.0]
-    core, leases = _two_node_job(now)
-    for n in "ab":
-        _beat(core, leases, n, -1, -1, ())
-        _beat(core, leases, n, -1, -1, ())
+    core, leases = _running_two_node_job(now)
     _beat(core, leases, "a", 1, 10, (10,))
     core.report(FaultReport("j", "a", leases["a"], 1, Cause.WORKER_EXIT, Level.PROCESS, rank=0))
     assert _beat(core, leases, "a", 1, 10, (10,), running=0).command is Command.NONE
