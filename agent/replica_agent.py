@@ -49,6 +49,8 @@ class ReplicaConfig:
         memory_mib: most memory other nodes' replicas may hold on this node, MiB. Default 8192.
         reserve_mib: tmpfs space a replica must leave free for this node's own next snapshots, MiB. Default 64.
         timeout_s: bound on one push or fetch, seconds. Default 600.
+        token: the job token (``--token-file``, as for the coordinator): demanded by this node's replica server
+            and sent to its peers'; ``""``: none (anyone reaching the data address may push or fetch).
     """
 
     enabled: bool = True
@@ -56,6 +58,7 @@ class ReplicaConfig:
     memory_mib: int = 8192
     reserve_mib: int = 64
     timeout_s: float = 600.0
+    token: str = field(default="", repr=False)  # a secret: kept out of reprs and logs
 
     def validate(self) -> None:
         """Raises :class:`ReplicaConfigError` naming the flag of a value out of range."""
@@ -118,12 +121,13 @@ class ReplicaAgent:
         node out of replication (logged; it reports no replica address, so no node picks it as a buddy)."""
         if self.server is None:
             try:
-                self.server = ReplicaServer(self.servicer, self._host)
+                self.server = ReplicaServer(self.servicer, self._host, self.config.token)
             except (CheckpointError, RuntimeError, OSError) as exc:
                 log.warning("not serving in-memory checkpoint replicas: cannot listen on %s (%s); this node's "
                             "snapshots are still pushed to its buddies", self._host, exc)
             else:
-                log.info("serving in-memory checkpoint replicas on %s", self.server.address)
+                log.info("serving in-memory checkpoint replicas on %s (%s)", self.server.address,
+                         "job token required" if self.config.token else "no job token: anyone reaching it may call")
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="replica-push", daemon=True)
             self._thread.start()
@@ -180,7 +184,8 @@ class ReplicaAgent:
                 t0 = time.monotonic()
                 try:
                     ack = push(address, copy_stream(self.job, man, paths.data, self.node_id,
-                                                    Throttle(self.config.bandwidth_mib_s)), self.config.timeout_s)
+                                                    Throttle(self.config.bandwidth_mib_s)), self.config.timeout_s,
+                               self.config.token)
                 except (grpc.RpcError, CheckpointError, OSError) as exc:
                     self.stats.push_failures += 1
                     self._retry_at[buddy] = time.monotonic() + 1.0
@@ -235,7 +240,8 @@ class ReplicaAgent:
         t0 = time.monotonic()
         try:
             _, man = fetch(entry.peer_address, self.job, entry.rank, step,
-                           lambda m: arena_writer(self.tier.shm_root, self.job, m), self.config.timeout_s)
+                           lambda m: arena_writer(self.tier.shm_root, self.job, m), self.config.timeout_s,
+                           self.config.token)
         except (grpc.RpcError, CheckpointError, OSError) as exc:
             self.stats.fetch_failures += 1
             log.warning("rank %d: no copy of step %d from %s's memory (%s); its workers restore from disk or "

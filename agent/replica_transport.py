@@ -10,6 +10,11 @@ copy that looks complete is complete.
 
 Framing: the first :class:`ReplicaChunk` is a header (job, rank, step, manifest JSON, sender); every further one
 carries ``data`` at ``offset``.
+
+Who may call: with a job token (``--token-file``, the one the coordinator checks) the server refuses every push
+and fetch without it (``UNAUTHENTICATED``, before any byte is read), and peers send it. Without one, anyone who
+reaches the data address could read every rank's weights or push a copy with valid checksums of its own making
+(checksums detect damage, not forgery), which a replacement node would then restore.
 """
 
 from __future__ import annotations
@@ -169,13 +174,18 @@ class ReplicaServer:
     Args:
         servicer: the service.
         host: address to listen on (the node's data address).
+        token: the job token every call must carry; ``""`` serves anyone (a job without a token).
     """
 
-    def __init__(self, servicer: ReplicaServicer, host: str) -> None:
+    def __init__(self, servicer: ReplicaServicer, host: str, token: str = "") -> None:
+        from trainguard.recovery.rpc_security import TokenCheck
+
         # The shared guard: random bytes on either method get INVALID_ARGUMENT, not gRPC's INTERNAL + traceback.
         guard = RequestGuard("trainguard.v1.MemoryReplica", max_request_bytes=MAX_MESSAGE_BYTES)
+        self.token_check = TokenCheck(token, what="replica server") if token else None
+        interceptors = [guard] if self.token_check is None else [self.token_check, guard]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="replica"),
-                                  interceptors=[guard], options=_OPTIONS)
+                                  interceptors=interceptors, options=_OPTIONS)
         replica_pb2_grpc.add_MemoryReplicaServicer_to_server(servicer, self.server)
         bracket = f"[{host}]" if ":" in host else host
         port = self.server.add_insecure_port(f"{bracket}:0")
@@ -189,27 +199,38 @@ class ReplicaServer:
         self.server.stop(0.5).wait()
 
 
-def push(address: str, messages: Iterator[replica_pb2.ReplicaChunk], timeout_s: float) -> replica_pb2.ReplicaAck:
-    """Sends one copy to the buddy at ``address``.
+def _metadata(token: str) -> tuple[tuple[str, str], ...]:
+    from trainguard.recovery.rpc_security import TOKEN_METADATA_KEY
+
+    return ((TOKEN_METADATA_KEY, f"Bearer {token}"),) if token else ()
+
+
+def push(address: str, messages: Iterator[replica_pb2.ReplicaChunk], timeout_s: float,
+         token: str = "") -> replica_pb2.ReplicaAck:
+    """Sends one copy to the buddy at ``address`` (with the job token, when the job has one).
 
     Raises:
-        grpc.RpcError: the buddy is unreachable or died mid-stream, or the stream failed on this side (a chunk
-            failing its checksum cancels it).
+        grpc.RpcError: the buddy is unreachable, refused the token (UNAUTHENTICATED) or died mid-stream, or the
+            stream failed on this side (a chunk failing its checksum cancels it).
     """
     with grpc.insecure_channel(address, options=_OPTIONS) as ch:
-        return replica_pb2_grpc.MemoryReplicaStub(ch).PushReplica(messages, timeout=timeout_s)
+        return replica_pb2_grpc.MemoryReplicaStub(ch).PushReplica(messages, timeout=timeout_s,
+                                                                  metadata=_metadata(token))
 
 
 def fetch(address: str, job: str, rank: int, min_step: int, open_writer: Callable[[Manifest], ReplicaWriter],
-          timeout_s: float) -> tuple[object, Manifest]:
-    """Fetches the newest copy of ``rank`` (step >= ``min_step``) from the node at ``address``.
+          timeout_s: float, token: str = "") -> tuple[object, Manifest]:
+    """Fetches the newest copy of ``rank`` (step >= ``min_step``) from the node at ``address`` (with the job
+    token, when the job has one).
 
     Raises:
-        grpc.RpcError: the peer is unreachable, holds no such copy (NOT_FOUND), or died mid-stream.
+        grpc.RpcError: the peer is unreachable, refused the token (UNAUTHENTICATED), holds no such copy
+            (NOT_FOUND), or died mid-stream.
         ReplicaRefusedError: the copy failed verification or does not fit (nothing is published).
     """
     with grpc.insecure_channel(address, options=_OPTIONS) as ch:
         stream = replica_pb2_grpc.MemoryReplicaStub(ch).FetchReplica(
-            replica_pb2.FetchReplicaRequest(job=job, rank=rank, min_step=min_step), timeout=timeout_s)
+            replica_pb2.FetchReplicaRequest(job=job, rank=rank, min_step=min_step), timeout=timeout_s,
+            metadata=_metadata(token))
         return receive(stream, job, open_writer)
 

@@ -211,7 +211,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         coordinator_channel=client_security.channel,
         qualify=qualify,
         daemon=daemon,
-        replica=replica_config(args),
+        replica=replica_config(args, client_security.token),
         memory_tier=args.memory_tier,
     )
     from trainguard.agent.sdnotify import SystemdNotifier
@@ -259,8 +259,9 @@ def run_job(args: argparse.Namespace) -> RunResult:
                      generations=max(agent.generation, 0), wall_s=time.time() - t0)
 
 
-def replica_config(args: argparse.Namespace):
-    """The ``--replica-*`` flags as a validated :class:`~trainguard.agent.replica_agent.ReplicaConfig`.
+def replica_config(args: argparse.Namespace, token: str = ""):
+    """The ``--replica-*`` flags as a validated :class:`~trainguard.agent.replica_agent.ReplicaConfig`; the
+    replica servers demand the job ``token`` (the coordinator's) when there is one.
 
     Raises:
         UsageError: a value out of range (the message names the flag).
@@ -268,7 +269,7 @@ def replica_config(args: argparse.Namespace):
     from trainguard.agent.replica_agent import ReplicaConfig, ReplicaConfigError
 
     cfg = ReplicaConfig(enabled=args.replica, bandwidth_mib_s=args.replica_bandwidth_mib_s,
-                        memory_mib=args.replica_memory_mib)
+                        memory_mib=args.replica_memory_mib, token=token)
     try:
         cfg.validate()
     except ReplicaConfigError as exc:

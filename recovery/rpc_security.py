@@ -96,10 +96,24 @@ def token_from(token_file: str | None, environ: Mapping[str, str] | None = None)
     return ""
 
 
-def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+def _deny(code: grpc.StatusCode, message: str, like: grpc.RpcMethodHandler | None = None) -> grpc.RpcMethodHandler:
+    """A handler that aborts every call with ``code``, of the same streaming kind as ``like`` (gRPC serves a
+    stream method through a handler of its own kind only; None: unary-unary)."""
     def abort(request, context):  # noqa: ARG001 (gRPC handler signature)
         context.abort(code, message)
 
+    def abort_stream(request, context):  # noqa: ARG001 (a generator: server-streaming handlers return one)
+        context.abort(code, message)
+        yield  # pragma: no cover - abort raises
+
+    req = bool(like is not None and like.request_streaming)
+    resp = bool(like is not None and like.response_streaming)
+    if req and resp:
+        return grpc.stream_stream_rpc_method_handler(abort_stream)
+    if req:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    if resp:
+        return grpc.unary_stream_rpc_method_handler(abort_stream)
     return grpc.unary_unary_rpc_method_handler(abort)
 
 
@@ -109,11 +123,14 @@ class TokenCheck(grpc.ServerInterceptor):
     Args:
         token: the expected token.
         open_prefixes: method-name prefixes served without a token.
+        what: the service, as refusals name it. Default ``"coordinator"``.
     """
 
-    def __init__(self, token: str, open_prefixes: Sequence[str] = OPEN_METHOD_PREFIXES) -> None:
+    def __init__(self, token: str, open_prefixes: Sequence[str] = OPEN_METHOD_PREFIXES,
+                 what: str = "coordinator") -> None:
         self._expected = f"Bearer {token}".encode()
         self._open = tuple(open_prefixes)
+        self._what = what
         self.refused = 0
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
@@ -131,8 +148,10 @@ class TokenCheck(grpc.ServerInterceptor):
         self.refused += 1
         why = "no job token" if not got else "a wrong job token"
         log.warning("refused %s: %s (the caller needs $%s or --token-file)", method, why, TOKEN_ENV)
-        # The handler kind must match the method's; every coordinator method is unary-unary.
-        return _deny(grpc.StatusCode.UNAUTHENTICATED, f"{why}: this coordinator requires the job's token")
+        # The refusal's handler must be of the method's own kind (the replica service streams), so the real
+        # handler is looked up, never run.
+        return _deny(grpc.StatusCode.UNAUTHENTICATED, f"{why}: this {self._what} requires the job's token",
+                     continuation(handler_call_details))
 
 
 class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

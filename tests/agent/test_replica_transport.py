@@ -54,10 +54,10 @@ def _snapshot(root: str, rank: int, step: int, mib: float = 0.25, slot: int = 0)
     return data
 
 
-def _server(root: str) -> tuple[ReplicaServer, ReplicaStore]:
+def _server(root: str, token: str = "") -> tuple[ReplicaServer, ReplicaStore]:
     store = ReplicaStore(root, "job", 1 << 30)
     tier = MemoryTier(root, "job", "/ckpt")
-    return ReplicaServer(ReplicaServicer("job", store, tier.own_copy), "127.0.0.1"), store
+    return ReplicaServer(ReplicaServicer("job", store, tier.own_copy), "127.0.0.1", token), store
 
 
 def _own(root: str, rank: int):
@@ -276,3 +276,64 @@ def test_random_bytes_on_both_replica_methods_get_invalid_argument_and_leave_no_
         assert _partials(roots[0]) == [] and memory_manifests(roots[0], "job") == {}
     finally:
         server.stop()
+
+
+TOKEN = "replica-token-0123456789abcdef"
+
+
+def test_with_a_job_token_a_caller_without_it_can_neither_push_nor_fetch(roots) -> None:
+    a, b, c = roots
+    data = _snapshot(a, 0, 7)
+    server, store = _server(b, TOKEN)
+    try:
+        path, man = _own(a, 0)
+        for token in ("", "another-token-0123456789"):
+            with pytest.raises(grpc.RpcError) as err:  # a forged copy would pass its own checksums: refused unread
+                push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30, token)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "job's token" in err.value.details()
+        assert store.replicas() == [] and _partials(b) == []
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30, TOKEN).ok  # the job's own
+        assert open(store.newest(0).data, "rb").read(len(data)) == data
+        for token in ("", "another-token-0123456789"):  # what a stranger would read: the weights b now holds
+            with pytest.raises(grpc.RpcError) as err:
+                fetch(server.address, "job", 0, 0, lambda m: arena_writer(c, "job", m), 30, token)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert not memory_manifests(c, "job", "/ckpt")
+        assert server.token_check.refused == 4
+        # Random bytes without the token: refused before the guard even parses them.
+        with grpc.insecure_channel(server.address) as ch:
+            raw = ch.unary_stream("/trainguard.v1.MemoryReplica/FetchReplica", request_serializer=None,
+                                  response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as err:
+                list(raw(b"\xff\x00garbage", timeout=10))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        _, got = fetch(server.address, "job", 0, 7, lambda m: arena_writer(c, "job", m), 30, TOKEN)
+        assert got.rank == 0 and sorted(memory_manifests(c, "job", "/ckpt")) == [7]
+    finally:
+        server.stop()
+
+
+def test_agents_of_a_job_with_a_token_replicate_and_fetch_between_them(roots) -> None:
+    a, b, c = roots
+    tier_a = MemoryTier(a, "job", "/ckpt", interval_s=0.02)
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0, token=TOKEN), tier_a, "a", "127.0.0.1").start()
+    holder = ReplicaAgent(ReplicaConfig(token=TOKEN), MemoryTier(b, "job", "/ckpt"), "b", "127.0.0.1").start()
+    fetcher = ReplicaAgent(ReplicaConfig(timeout_s=10, token=TOKEN), MemoryTier(c, "job", "/ckpt"), "c",
+                           "127.0.0.1")
+    tier_a.start()
+    try:
+        assert TOKEN not in repr(sender.config)
+        data = _snapshot(a, 0, 12)
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=holder.address)])
+        _wait(lambda: (r := holder.store.newest(0)) is not None and r.step == 12, "step 12 never reached b")
+        plan = pb.MemoryRestorePlan(step=12, memory_steps=[12], ranks=[
+            pb.RankRestore(rank=0, source=pb.RESTORE_SOURCE_PEER_MEMORY, peer_node="b", peer_address=holder.address)])
+        assert fetcher.fetch_planned(plan, [0]) == [0]
+        paths, _ = memory_manifests(c, "job", "/ckpt")[12][0]
+        assert open(paths.data, "rb").read(len(data)) == data
+        assert holder.server.token_check.refused == 0
+    finally:
+        tier_a.stop()
+        sender.stop()
+        holder.stop()

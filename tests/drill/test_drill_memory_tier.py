@@ -38,3 +38,6 @@ def test_process_crash_and_node_loss_restore_every_rank_from_memory(tmp_path) ->
     assert lost.restore_tiers == {0: "memory", 1: "memory"}, text
     spare_logs = "".join(p.read_text() for p in (tmp_path / "soak").glob("spare*.log"))
     assert f"fetched rank {lost.rank} step" in spare_logs, text  # from the buddy's memory, before the workers
+    node_logs = [p.read_text() for p in (tmp_path / "soak").glob("*.log") if not p.name.startswith("coordinator")]
+    serving = [ln for log in node_logs for ln in log.splitlines() if "serving in-memory checkpoint replicas" in ln]
+    assert serving and all("job token required" in ln for ln in serving), serving  # the drill sets a token

@@ -41,6 +41,7 @@ import math
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -333,8 +334,10 @@ def run_cluster_soak(cfg: SoakConfig, progress=print) -> SoakReport:
     events, ckpt = workdir / "events", workdir / "ckpt"
     shm = Path("/dev/shm") / f"tg-soak-{os.getpid()}"
     marker = f"tg-soak-{os.getpid()}-{time.time_ns()}"
+    # The drill's job runs as a secured deployment would: its coordinator and every node's replica server demand
+    # this job token, so faults and recoveries are measured with the token checks in the path.
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TRAINGUARD_CHECKPOINT_SHM_DIR=str(shm),
-               TG_DRILL_MARKER=marker, GRPC_VERBOSITY="ERROR")
+               TG_DRILL_MARKER=marker, GRPC_VERBOSITY="ERROR", TRAINGUARD_JOB_TOKEN=secrets.token_hex(16))
     stop_file, out_file = workdir / "stop_at", workdir / "final.json"
     worker_args = ["--events", str(events), "--stop-file", str(stop_file), "--step-delay", str(cfg.step_delay_s),
                    "--save-every", str(cfg.save_every), "--out", str(out_file)]
