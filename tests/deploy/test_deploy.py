@@ -1,18 +1,22 @@
 """The shipped deployment files: Kubernetes manifests validated offline against the API schemas (and a broken
 copy refused, naming the field); every trainguard command line in them parsed by trainguard's own parser; the
 agent's ConfigMap loaded by the agent's config loader; probes, /dev/shm and the security flags where they must
-be. The Slurm batch script runs for real under a fake ``srun`` that starts it once per node of the list."""
+be; the node daemon's socket, the checkpoint arenas and the client certificate a train pod attaches with, each
+the same host or secret file in both pods. The Slurm batch script runs for real under a fake ``srun`` that
+starts it once per node of the list."""
 
 from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
 import socket
 import stat
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -90,7 +94,7 @@ def test_every_trainguard_command_line_parses_and_is_secured() -> None:
     assert run.coordinator.startswith("trainguard-coordinator:")
 
 
-def test_long_running_pods_have_grpc_probes_and_a_memory_dev_shm() -> None:
+def test_long_running_pods_have_grpc_probes_and_the_train_pod_a_memory_dev_shm() -> None:
     pytest.importorskip("yaml")
     specs = _pod_specs()
     for name in ("DaemonSet/trainguard-agent", "Deployment/trainguard-coordinator", "Job/llm-pretrain"):
@@ -98,11 +102,10 @@ def test_long_running_pods_have_grpc_probes_and_a_memory_dev_shm() -> None:
         assert "grpc" in c["livenessProbe"] and "grpc" in c["startupProbe"], name
         port = c["livenessProbe"]["grpc"]["port"]
         assert port in [p["containerPort"] for p in c["ports"]], name
-    for name in ("DaemonSet/trainguard-agent", "Job/llm-pretrain"):
-        spec = specs[name]
-        (c,) = spec["containers"]
-        vol = next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")
-        assert next(v for v in spec["volumes"] if v["name"] == vol)["emptyDir"]["medium"] == "Memory"
+    spec = specs["Job/llm-pretrain"]  # data loader workers and NCCL; the daemon keeps no data in its /dev/shm
+    (c,) = spec["containers"]
+    vol = next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    assert next(v for v in spec["volumes"] if v["name"] == vol)["emptyDir"]["medium"] == "Memory"
 
 
 def test_the_agent_configmap_loads(tmp_path: Path) -> None:
@@ -114,6 +117,161 @@ def test_the_agent_configmap_loads(tmp_path: Path) -> None:
     path.write_text(cm["data"]["agent.toml"])
     cfg = AgentConfig.load(path, env={})
     assert cfg.detectors.root == "/host" and cfg.log.format == "json"
+
+
+# -- what a train pod shares with the node daemon ---------------------------------------------------------------
+DAEMON, TRAIN = "DaemonSet/trainguard-agent", "Job/llm-pretrain"
+
+
+def _mount(spec: dict, path: str) -> tuple[dict, dict] | None:
+    """The volume mount holding ``path`` in the pod's container, and its volume; None on the image's own files.
+    With nested mounts the deepest mount point wins, as in the container."""
+    (c,) = spec["containers"]
+    over = [m for m in c.get("volumeMounts", [])
+            if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+    if not over:
+        return None
+    m = max(over, key=lambda m: len(m["mountPath"]))
+    return m, next(v for v in spec["volumes"] if v["name"] == m["name"])
+
+
+def _backing(name: str, path: str) -> tuple:
+    """What file ``path`` in pod ``name``'s container is: ``("hostPath", host path)``, ``("secret", name, key)``,
+    ``("configMap", name, key)``, or something only that pod sees (an emptyDir, the image)."""
+    spec = _pod_specs()[name]
+    found = _mount(spec, path)
+    if found is None:
+        return ("image of", name, path)
+    m, vol = found
+    rel = posixpath.normpath(posixpath.join(m.get("subPath", ""), posixpath.relpath(path, m["mountPath"])))
+    if "hostPath" in vol:
+        return ("hostPath", posixpath.normpath(posixpath.join(vol["hostPath"]["path"], rel)))
+    if "secret" in vol and "items" not in vol["secret"]:
+        return ("secret", vol["secret"]["secretName"], rel)
+    if "configMap" in vol and "items" not in vol["configMap"]:
+        return ("configMap", vol["configMap"]["name"], rel)
+    return ("volume of", name, m["name"], rel)
+
+
+def _use_env(monkeypatch, name: str) -> dict[str, str]:
+    """Makes this process's trainguard environment the container's (downward-API values as placeholders)."""
+    (c,) = _pod_specs()[name]["containers"]
+    for var in [v for v in os.environ if v.startswith("TRAINGUARD_")]:
+        monkeypatch.delenv(var)
+    env = {e["name"]: e.get("value", "x") for e in c.get("env", [])}
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    return dict(os.environ)
+
+
+def _daemon_config(tmp_path: Path, monkeypatch):
+    """The configuration ``trainguard agent`` starts with in the DaemonSet: its command line, its environment and
+    the ConfigMap file it reads."""
+    from trainguard.agent.agentd import config_loader
+    from trainguard.cli import build_parser
+
+    (c,) = _pod_specs()[DAEMON]["containers"]
+    args = build_parser().parse_args(c["command"][1:])
+    kind, cm_name, key = _backing(DAEMON, args.config)
+    assert kind == "configMap", args.config
+    cm = next(d for d in _docs(K8S / "agent-daemonset.yaml")
+              if d["kind"] == "ConfigMap" and d["metadata"]["name"] == cm_name)
+    path = tmp_path / key
+    path.write_text(cm["data"][key])
+    _use_env(monkeypatch, DAEMON)
+    return config_loader(str(path), args.grpc_listen, args.socket, args.state_dir)()
+
+
+def _launcher_attachment(monkeypatch):
+    """What ``trainguard run`` in the train Job's container asks of the node daemon, from its command line and
+    environment: ``(socket path it dials, JobAttachment it sends)``, taken at the daemon link."""
+    from trainguard.agent import health_source
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.cli import build_parser
+    from trainguard.recovery.rpc_security import RpcSecurity
+
+    (c,) = _pod_specs()[TRAIN]["containers"]
+    args = build_parser().parse_args([_expand(a) for a in c["command"][1:]])
+    env = _use_env(monkeypatch, TRAIN)
+    seen: dict = {}
+
+    class Link:
+        path = "daemon"
+
+        def attach(self, job):
+            seen["job"] = job
+            return SimpleNamespace(node_id="n", arena_kept=False)
+
+    def connect(path, timeout_s=0.0):
+        seen["socket"] = path
+        return Link()
+
+    monkeypatch.setattr(health_source.DaemonLink, "connect", staticmethod(connect))
+    # As run_security builds it, without reading the token file.
+    tls = TlsFiles(args.coordinator_cert or "", args.coordinator_key or "", args.coordinator_ca or "")
+    link = health_source.attach_daemon(args.job, args.coordinator, args.node_id, RpcSecurity(tls, "t" * 32),
+                                       bool(args.checkpoint_dir), environ=env)
+    assert link is not None
+    return seen["socket"], seen["job"]
+
+
+def _ids(name: str) -> tuple[int, set[int]]:
+    """The container's uid (set in the manifest: the image's is unknown here) and the groups it runs with."""
+    spec = _pod_specs()[name]
+    (c,) = spec["containers"]
+    pod, ctr = spec.get("securityContext", {}), c.get("securityContext", {})
+    uid = ctr.get("runAsUser", pod.get("runAsUser"))
+    assert uid is not None, f"{name}: the container's user is the image's, not the manifest's"
+    gid = ctr.get("runAsGroup", pod.get("runAsGroup"))
+    groups = {g for g in [gid, pod.get("fsGroup"), *pod.get("supplementalGroups", [])] if g is not None}
+    return uid, groups
+
+
+def test_a_train_pod_reaches_the_node_daemons_socket_through_the_host(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("yaml")
+    cfg = _daemon_config(tmp_path, monkeypatch)
+    assert cfg.grpc.socket
+    dialled, _ = _launcher_attachment(monkeypatch)
+    served, reached = _backing(DAEMON, cfg.grpc.socket), _backing(TRAIN, dialled)
+    assert served[0] == "hostPath" and served == reached, (served, reached)
+    for name, path in ((DAEMON, cfg.grpc.socket), (TRAIN, dialled)):
+        _, vol = _mount(_pod_specs()[name], path)
+        assert vol["hostPath"].get("type") == "DirectoryOrCreate", name  # whichever pod starts first creates it
+    assert not _mount(_pod_specs()[DAEMON], cfg.grpc.socket)[0].get("readOnly")  # the daemon creates the socket
+    # The socket belongs to the daemon's user and group, with grpc.socket_mode; connecting needs write access.
+    (duid, dgroups), (tuid, tgroups) = _ids(DAEMON), _ids(TRAIN)
+    mode = cfg.grpc.socket_mode
+    assert (tuid == duid and mode & 0o200) or (dgroups & tgroups and mode & 0o020), (oct(mode), duid, tuid)
+
+
+def test_the_checkpoint_arenas_are_one_host_tmpfs_folder_for_the_daemon_and_the_train_pods(
+        tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("yaml")
+    from trainguard.checkpoint.config import MemoryTierConfig
+    from trainguard.checkpoint.service import CheckpointService
+
+    root = _daemon_config(tmp_path, monkeypatch).memory_tier.root
+    _, attachment = _launcher_attachment(monkeypatch)  # from here on, the train container's environment
+    workers = MemoryTierConfig().directory  # where the workers' snapshots go by default
+    service = CheckpointService(job=attachment.job).shm_dir  # the launcher's checkpoint service
+    # The daemon keeps an arena only under its own root, compared as a path string in its own container.
+    assert attachment.arena_root == root == workers == service, (attachment.arena_root, root, workers, service)
+    kept, written = _backing(DAEMON, root), _backing(TRAIN, root)
+    assert kept[0] == "hostPath" and kept == written, (kept, written)
+    assert kept[1].startswith("/dev/shm/"), kept  # the host's tmpfs: the arena is the memory tier
+    for name in (DAEMON, TRAIN):  # the workers write it, the daemon removes it
+        m, vol = _mount(_pod_specs()[name], root)
+        assert not m.get("readOnly") and vol["hostPath"].get("type") == "DirectoryOrCreate", name
+
+
+def test_the_daemon_reads_the_client_certificate_a_train_pod_attaches_with(monkeypatch) -> None:
+    pytest.importorskip("yaml")
+    _, attachment = _launcher_attachment(monkeypatch)
+    files = [attachment.tls_ca_file, attachment.tls_cert_file, attachment.tls_key_file]
+    assert all(files), files  # the shipped Job dials its coordinator with mutual TLS
+    for path in files:  # AttachJob carries paths; the daemon opens them in its own container
+        sent, opened = _backing(TRAIN, path), _backing(DAEMON, path)
+        assert sent[0] == "secret" and sent == opened, (path, sent, opened)
 
 
 FAKE_SRUN = """#!/bin/bash
