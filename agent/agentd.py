@@ -44,11 +44,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from trainguard.agent.arena_keeper import ArenaKeeper, ArenaRootError
 from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
 from trainguard.agent.coordinator_report import NodeVerdict, NodeVerdictLatch
-from trainguard.agent.daemon_jobs import DaemonJobs
+from trainguard.agent.daemon_jobs import REFUSED_METADATA_KEY, DaemonJobs, describe_launcher, launcher_key
 from trainguard.agent.daemon_node import DaemonNode
 from trainguard.agent.daemon_qualify import DaemonQualification
 from trainguard.agent.errors import AgentError
 from trainguard.agent.event_bus import EventBus
+from trainguard.agent.launcher_lock import LOCK_NAME_RE
 from trainguard.agent.health import NODE_AGENT_SERVICE, HealthReporter, enable_reflection
 from trainguard.agent.local_server import NodeAgentService, local_only
 from trainguard.agent.logging_setup import configure_logging
@@ -223,10 +224,15 @@ class AgentDaemon:
             if config.qualify.in_daemon:  # before the first report, so a refused node is cordoned at once
                 self.qualification = DaemonQualification(config, self._on_event)
                 self.qualification.start()
-            arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s)
+            from trainguard.agent.launcher_lock import launcher_alive, launchers_dir
+
+            # Launchers are known by the lock they hold beside the socket (pids differ between pods).
+            alive = launcher_alive(launchers_dir(config.grpc.socket) if config.grpc.socket else None)
+            arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s, alive=alive)
             arenas.adopt_existing()
             self.jobs = DaemonJobs(config.agent.node_id, socket.gethostname(), self.instance, self.node_verdict,
-                                   arenas, config.coordinator.heartbeat_interval_s, config.coordinator.timeout_s)
+                                   arenas, config.coordinator.heartbeat_interval_s, config.coordinator.timeout_s,
+                                   alive=alive)
             self.jobs.start_configured(config.coordinator.targets(), config.coordinator.job,
                                        self.coordinator_security(config))
             self._refresh()
@@ -299,6 +305,13 @@ class AgentDaemon:
         if g.socket:
             os.chmod(g.socket, g.socket_mode)
             self._socket_ino = os.stat(g.socket).st_ino
+            from trainguard.agent.launcher_lock import prepare_launchers_dir
+
+            try:
+                prepare_launchers_dir(g.socket, g.socket_mode)
+            except OSError as exc:  # launchers then go by pid: right unless they run in another pid namespace
+                log.warning("cannot prepare the launchers' lock folder beside %s (%s); attached launchers are "
+                            "known by pid only", g.socket, exc)
             self._self_channel = grpc.insecure_channel(f"unix:{g.socket}")
         elif self._certs is None:
             self._self_channel = grpc.insecure_channel(f"127.0.0.1:{self.tcp_port}")
@@ -369,7 +382,7 @@ class AgentDaemon:
         assert self.jobs is not None
         resp = self.jobs.attach(req)
         self._agent_event("agent.job_attached", Severity.INFO,
-                          f"job {req.job} attached by launcher {req.launcher_pid}"
+                          f"job {req.job} attached by launcher {describe_launcher(req)}"
                           + (f" (coordinator {req.coordinator})" if req.coordinator else ""),
                           job=req.job, arena_kept=str(resp.arena_kept))
         return resp
@@ -628,6 +641,9 @@ class _DaemonService(NodeAgentService):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job[:64]!r} is not a job name")
         if request.launcher_pid <= 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "launcher_pid must be the launcher's pid (> 0)")
+        if request.launcher_lock and not LOCK_NAME_RE.match(request.launcher_lock):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"launcher_lock {request.launcher_lock[:64]!r} is not a "
+                                                            "lock file name in the daemon's launchers folder")
         if request.coordinator:
             from trainguard.agent.config import parse_hostport
 
@@ -637,14 +653,19 @@ class _DaemonService(NodeAgentService):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"coordinator: {exc}")
         try:
             return self._daemon.attach_job(request)
-        except (ArenaRootError, SecurityConfigError) as exc:
+        except ArenaRootError as exc:
+            # Marked, so the launcher retries without the arena only when the arena was what was refused.
+            context.set_trailing_metadata(((REFUSED_METADATA_KEY, "arena"),))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except SecurityConfigError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the job's coordinator TLS files, as this daemon "
+                                                               f"reads them: {exc}")
 
     def DetachJob(self, request, context):  # noqa: N802 (gRPC naming)
         """A launcher leaves its job; ``ended`` removes the job's arena now (local socket only)."""
         local_only(context, "DetachJob")
         jobs = self._daemon.jobs
-        removed = jobs.detach(request.job, request.launcher_pid, request.ended) if jobs is not None else False
+        removed = jobs.detach(request.job, launcher_key(request), request.ended) if jobs is not None else False
         return agent_pb2.DetachJobResponse(arena_removed=removed)
 
     def ReportCheckpoint(self, request, context):  # noqa: N802 (gRPC naming)

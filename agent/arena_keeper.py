@@ -69,13 +69,13 @@ class KeptArena:
 
     Attributes:
         job: the job name (the arena is ``<root>/<job>``).
-        launchers: pids of the live launchers of the job on this node.
+        launchers: keys of the live launchers of the job on this node (a lock file's name, or a pid).
         state: see :class:`ArenaState`.
         orphaned_at: when the last launcher was found gone (monotonic seconds); 0 while held.
     """
 
     job: str
-    launchers: set[int] = field(default_factory=set)
+    launchers: set[int | str] = field(default_factory=set)
     state: ArenaState = ArenaState.HELD
     orphaned_at: float = 0.0
 
@@ -119,11 +119,12 @@ class ArenaKeeper:
         root: the daemon's ``memory_tier.root``.
         ttl_s: seconds an arena outlives its last launcher.
         clock: monotonic clock, seconds.
-        alive: whether a launcher pid still runs (tests of the TTL pass their own).
+        alive: whether a launcher still runs, by its key (the daemon's tests a lock file or a pid; tests of the
+            TTL pass their own). Default: by pid.
     """
 
     def __init__(self, root: str, ttl_s: float, clock: Callable[[], float] = time.monotonic,
-                 alive: Callable[[int], bool] = pid_alive) -> None:
+                 alive: Callable[[int | str], bool] = pid_alive) -> None:
         self.root = os.path.realpath(root)
         self.ttl_s = ttl_s
         self._clock = clock
@@ -150,13 +151,13 @@ class ArenaKeeper:
                      "attaches): %s", len(names), self.root, self.ttl_s, ", ".join(names))
         return names
 
-    def attach(self, job: str, root: str, pid: int) -> bool:
-        """Registers launcher ``pid`` of ``job``.
+    def attach(self, job: str, root: str, launcher: int | str) -> bool:
+        """Registers a launcher of ``job``.
 
         Args:
             job: the job name.
             root: the launcher's arena root (must be this keeper's).
-            pid: the launcher's pid.
+            launcher: the launcher's key (its lock file's name, or its pid).
 
         Returns:
             True when the arena was already kept (a restarted launcher finds its snapshots).
@@ -178,13 +179,13 @@ class ArenaKeeper:
             if kept.state is ArenaState.ORPHANED:
                 kept.move(ArenaState.HELD)
                 kept.orphaned_at = 0.0
-            kept.launchers.add(pid)
-        log.info("memory tier: job %s attached by launcher %d (%s)", job, pid,
+            kept.launchers.add(launcher)
+        log.info("memory tier: job %s attached by launcher %s (%s)", job, launcher,
                  "its arena was kept" if had else "new arena")
         return had
 
-    def detach(self, job: str, pid: int, ended: bool) -> bool:
-        """A launcher leaves; with ``ended`` the job is over and its arena is removed now.
+    def detach(self, job: str, launcher: int | str, ended: bool) -> bool:
+        """Launcher ``launcher`` (its key) leaves; with ``ended`` the job is over and its arena is removed now.
 
         Returns:
             True when the arena was removed.
@@ -193,7 +194,7 @@ class ArenaKeeper:
             kept = self._arenas.get(job)
             if kept is None:
                 return False
-            kept.launchers.discard(pid)
+            kept.launchers.discard(launcher)
             if not ended:
                 return False
             del self._arenas[job]

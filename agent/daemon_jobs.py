@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 
 _UP = (ReporterState.REPORTING, ReporterState.CORDONED)
 
+#: Trailing-metadata key of an ``AttachJob`` refusal saying what was refused (``arena``: only the arena root, so
+#: the launcher may attach again without it).
+REFUSED_METADATA_KEY = "trainguard-refused"
+
 
 class DaemonJobs:
     """The daemon's reporters, attached jobs and kept arenas; thread-safe.
@@ -37,17 +41,20 @@ class DaemonJobs:
         arenas: the keeper of the jobs' arenas.
         interval_s: seconds between reports (``coordinator.heartbeat_interval_s``).
         timeout_s: deadline of each report (``coordinator.timeout_s``).
+        alive: whether a launcher still lives, by its key (:func:`launcher_key`). Default: by pid.
     """
 
     def __init__(self, node_id: str, host: str, instance: str, verdict: Callable[[], NodeVerdict],
-                 arenas: ArenaKeeper, interval_s: float, timeout_s: float) -> None:
+                 arenas: ArenaKeeper, interval_s: float, timeout_s: float,
+                 alive: Callable[[int | str], bool] = pid_alive) -> None:
         self.node_id, self.host, self.instance = node_id, host, instance
         self._verdict = verdict
         self.arenas = arenas
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._lock = threading.Lock()
         self._reporters: dict[str, CoordinatorReporter] = {}
-        self._jobs: dict[str, set[int]] = {}  # job -> live launcher pids
+        self._alive = alive
+        self._jobs: dict[str, set[int | str]] = {}  # job -> its live launchers' keys
 
     # -- reporters ------------------------------------------------------------------------------------------
     def add_reporter(self, key: str, target: ReportTarget) -> CoordinatorReporter:
@@ -121,37 +128,44 @@ class DaemonJobs:
             ArenaRootError: the launcher's arena root is not ``memory_tier.root``.
             SecurityConfigError: a TLS file of the job's coordinator is unreadable.
         """
-        kept = self.arenas.attach(req.job, req.arena_root, req.launcher_pid) if req.arena_root else False
+        key = launcher_key(req)
+        kept = self.arenas.attach(req.job, req.arena_root, key) if req.arena_root else False
         if req.coordinator:
             security = RpcSecurity(tls=TlsFiles(req.tls_cert_file, req.tls_key_file, req.tls_ca_file),
                                    token=req.token)
-            self.add_reporter(f"job:{req.job}", ReportTarget(req.coordinator, job=req.job, node_id=req.node_id,
-                                                             security=security, origin=f"job {req.job}"))
+            try:
+                self.add_reporter(f"job:{req.job}", ReportTarget(req.coordinator, job=req.job, node_id=req.node_id,
+                                                                 security=security, origin=f"job {req.job}"))
+            except Exception:
+                # Refused: the arena must not stay held for a launcher that is not attached and never detaches.
+                if req.arena_root:
+                    self.arenas.detach(req.job, key, ended=False)
+                raise
         with self._lock:
-            self._jobs.setdefault(req.job, set()).add(req.launcher_pid)
-        log.info("job %s attached by launcher %d (coordinator %s, node %s%s)", req.job, req.launcher_pid,
+            self._jobs.setdefault(req.job, set()).add(key)
+        log.info("job %s attached by launcher %s (coordinator %s, node %s%s)", req.job, describe_launcher(req),
                  req.coordinator or "none", req.node_id or self.node_id, ", arena kept" if kept else "")
         return agent_pb2.AttachJobResponse(node_id=self.node_id, arena_kept=kept, arena_ttl_s=self.arenas.ttl_s)
 
-    def detach(self, job: str, pid: int, ended: bool) -> bool:
-        """A launcher leaves ``job`` (``ended``: the job is over); returns whether the arena was removed."""
+    def detach(self, job: str, key: int | str, ended: bool) -> bool:
+        """Launcher ``key`` leaves ``job`` (``ended``: the job is over); returns whether the arena was removed."""
         with self._lock:
-            pids = self._jobs.get(job, set())
-            pids.discard(pid)
-            last = not pids
+            keys = self._jobs.get(job, set())
+            keys.discard(key)
+            last = not keys
             if last:
                 self._jobs.pop(job, None)
         if last or ended:
             self.remove_reporter(f"job:{job}")
-        return self.arenas.detach(job, pid, ended)
+        return self.arenas.detach(job, key, ended)
 
     def sweep(self) -> None:
         """Forgets jobs whose launchers all died without detaching (SIGKILL); ages the kept arenas."""
         with self._lock:
             gone = []
-            for job, pids in self._jobs.items():
-                pids.intersection_update({p for p in pids if pid_alive(p)})
-                if not pids:
+            for job, keys in self._jobs.items():
+                keys.intersection_update({k for k in keys if self._alive(k)})
+                if not keys:
                     gone.append(job)
             for job in gone:
                 del self._jobs[job]
@@ -169,4 +183,15 @@ class DaemonJobs:
             self.remove_reporter(key)
 
 
-__all__ = ["DaemonJobs"]
+def launcher_key(req: agent_pb2.AttachJobRequest | agent_pb2.DetachJobRequest) -> int | str:
+    """How the daemon knows a launcher: its lock file's name when it holds one (valid across pid namespaces),
+    else its pid."""
+    return req.launcher_lock or req.launcher_pid
+
+
+def describe_launcher(req: agent_pb2.AttachJobRequest | agent_pb2.DetachJobRequest) -> str:
+    """``pid 123`` or ``pid 1, lock job.1.ab12.lock`` for logs and events."""
+    return f"pid {req.launcher_pid}" + (f", lock {req.launcher_lock}" if req.launcher_lock else "")
+
+
+__all__ = ["DaemonJobs", "REFUSED_METADATA_KEY", "describe_launcher", "launcher_key"]

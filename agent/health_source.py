@@ -25,6 +25,7 @@ import grpc
 
 from trainguard.agent.errors import AgentError
 from trainguard.agent.job_registry import DAEMON_SOCKET, DAEMON_SOCKET_ENV
+from trainguard.agent.launcher_lock import LauncherLock
 from trainguard.detectors.events import HealthEvent, Severity
 from trainguard.proto import agent_pb2, agent_pb2_grpc
 
@@ -38,6 +39,17 @@ PROBE_TIMEOUT_S = 2.0
 
 class DaemonAttachError(AgentError):
     """The node daemon answered but refused to attach the job (the message says why)."""
+
+
+def _refused(exc: grpc.RpcError) -> str:
+    """What an ``AttachJob`` refusal says was refused (``"arena"``), from its trailing metadata; "" if unsaid."""
+    from trainguard.agent.daemon_jobs import REFUSED_METADATA_KEY
+
+    try:
+        pairs = exc.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - an error raised before the call got metadata
+        return ""
+    return next((str(v) for k, v in pairs if k == REFUSED_METADATA_KEY), "")
 
 
 def daemon_socket(environ: dict[str, str] | None = None) -> str:
@@ -76,6 +88,7 @@ class DaemonLink:
         self.attached: agent_pb2.AttachJobResponse | None = None
         self.attached_at = 0.0  # Unix time just before the attachment
         self._request: agent_pb2.AttachJobRequest | None = None  # repeated by reattach()
+        self.lock: LauncherLock | None = None  # how the daemon tells this launcher lives (pids differ in pods)
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = PROBE_TIMEOUT_S) -> "DaemonLink | None":
@@ -99,16 +112,19 @@ class DaemonLink:
         Raises:
             DaemonAttachError: the daemon refused (e.g. an older daemon without ``AttachJob``).
         """
+        if self.lock is None:
+            self.lock = LauncherLock.acquire(self.path, job.job)
         req = agent_pb2.AttachJobRequest(
             job=job.job, coordinator=job.coordinator, node_id=job.node_id, launcher_pid=os.getpid(),
             arena_root=job.arena_root, token=job.token, tls_ca_file=job.tls_ca_file,
-            tls_cert_file=job.tls_cert_file, tls_key_file=job.tls_key_file)
+            tls_cert_file=job.tls_cert_file, tls_key_file=job.tls_key_file,
+            launcher_lock=self.lock.name if self.lock is not None else "")
         self.attached_at = time.time()
         self._request = req
         try:
             resp = self.stub.AttachJob(req, timeout=10)
         except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION and req.arena_root:
+            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION and req.arena_root and _refused(exc) == "arena":
                 log.warning("node daemon keeps no arena for this job: %s", exc.details())
                 req.arena_root = ""
                 try:
@@ -139,15 +155,19 @@ class DaemonLink:
         if not self.job:
             return
         try:
-            self.stub.DetachJob(agent_pb2.DetachJobRequest(job=self.job, ended=ended, launcher_pid=os.getpid()),
-                                timeout=5)
+            self.stub.DetachJob(agent_pb2.DetachJobRequest(
+                job=self.job, ended=ended, launcher_pid=os.getpid(),
+                launcher_lock=self.lock.name if self.lock is not None else ""), timeout=5)
         except grpc.RpcError as exc:
             log.warning("node daemon at %s: detaching job %s failed (%s)", self.path, self.job, exc.code().name)
         self.job = ""
 
     def close(self) -> None:
-        """Closes the channel."""
+        """Closes the channel and drops the launcher lock (the daemon then sees this launcher gone)."""
         self._channel.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 #: Recent events each (re)connection asks the daemon to replay; those older than the attachment, or already

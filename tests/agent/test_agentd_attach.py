@@ -63,7 +63,7 @@ def test_attached_launcher_sees_the_daemons_detectors_not_its_own(tmp_path: Path
                     "process,pcie", "--detector-config", str(tmp_path / "det.toml"), str(SCRIPTS / "sleeper.py")),
             env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "launcher.log", "w"),
             start_new_session=True)
-        daemon.wait_log(f"job att-{os.getpid()} attached by launcher {proc.pid}")
+        daemon.wait_log(f"job att-{os.getpid()} attached by launcher pid {proc.pid}")
         daemon.wait_log("reporting node ")  # to the job's (embedded) coordinator, under the launcher's node id
         daemon.wait_sampled("pcie")  # the healthy tree is the baseline: the next change is an event
         daemon_hw.narrow_link(4)
@@ -143,6 +143,43 @@ def test_sigkilled_launchers_restart_restores_from_the_daemons_memory(tmp_path: 
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.communicate()
+        daemon.close()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare(1) and root")
+def test_a_launcher_in_another_pid_namespace_is_known_by_its_lock_not_its_pid(tmp_path: Path, tg_env: dict,
+                                                                             shm: Path):
+    """As in Kubernetes, where the daemon and the launcher run in pods of their own: the launcher is pid 1 of its
+    namespace, and "pid 1" in the daemon's is another process that always lives. Known by pid, a SIGKILLed
+    launcher would keep its job attached and its arena held forever; known by the lock it holds beside the
+    daemon's socket, it is seen gone and its arena ages out."""
+    job = f"ns-{os.getpid()}"
+    FakeNodeHardware(tmp_path / "sysfs")
+    daemon = UnitDaemon(tmp_path / "daemon", daemon_config(tmp_path / "sysfs", shm, ttl_s=2.0), clean_env(tg_env))
+    env = dict(clean_env(tg_env), TRAINGUARD_AGENT_SOCKET_PATH=str(daemon.socket_path),
+               TRAINGUARD_CHECKPOINT_SHM_DIR=str(shm))
+    cmd = ["unshare", "--pid", "--fork", "--kill-child",
+           *run_cmd(job, "--nproc-per-node", "1", "--max-restarts", "0", "--detectors", "process",
+                    "--checkpoint-dir", str(tmp_path / "ckpt"), str(SCRIPTS / "sleeper.py"))]
+    proc = None
+    try:
+        daemon.wait_ready()
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=open(tmp_path / "launcher.log", "w"), start_new_session=True)
+        daemon.wait_log(f"job {job} attached by launcher pid 1, lock {job}.1.")
+        locks = list((daemon.socket_path.parent / "launchers").glob(f"{job}.1.*.lock"))
+        assert len(locks) == 1, locks
+        (shm / job).mkdir(parents=True, exist_ok=True)  # the arena, as the first save would leave it
+        launcher = psutil.Process(proc.pid).children()[0]  # pid 1 of the new namespace
+        launcher.kill()  # its namespace dies with it: workers included
+        proc.wait(timeout=30)
+        daemon.wait_log(f"every launcher of job {job} is gone without detaching")
+        daemon.wait_log(f"memory tier: removed the arena of job {job} (no launcher for 2 s)")
+        assert not (shm / job).exists() and not locks[0].exists()
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         daemon.close()
 
 

@@ -78,3 +78,19 @@ def test_no_daemon_on_the_socket_means_running_alone(tmp_path, monkeypatch):
     assert attach_daemon("j", "", "n", RpcSecurity(), checkpointing=False) is None
     monkeypatch.setenv("TRAINGUARD_AGENT_SOCKET_PATH", "")
     assert attach_daemon("j", "", "n", RpcSecurity(), checkpointing=False) is None
+
+
+def test_a_tls_file_the_daemon_cannot_read_is_named_and_holds_no_arena(daemon, monkeypatch, caplog):
+    from trainguard.agent.tls import TlsFiles
+
+    d, tmp = daemon
+    monkeypatch.setenv("TRAINGUARD_AGENT_SOCKET_PATH", str(tmp / "agent.sock"))
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_SHM_DIR", str(tmp / "shm"))  # the daemon's root: not the problem
+    security = RpcSecurity(tls=TlsFiles(ca_file=str(tmp / "not-in-the-daemons-container.crt")))
+    with caplog.at_level("WARNING", logger="trainguard.agent.health_source"):
+        assert attach_daemon("j2", "127.0.0.1:1", "node-a", security, checkpointing=True) is None
+    text = caplog.text
+    assert "coordinator TLS files" in text and "not-in-the-daemons-container.crt" in text, text
+    assert "keeps no arena" not in text, text  # the arena root was never the problem
+    assert d.jobs.arenas.kept().get("j2") is None or not d.jobs.arenas.kept()["j2"].launchers
+    assert not list((tmp / "launchers").glob("j2.*.lock"))  # the refused launcher dropped its lock

@@ -238,6 +238,11 @@ def test_a_train_pod_reaches_the_node_daemons_socket_through_the_host(tmp_path: 
         _, vol = _mount(_pod_specs()[name], path)
         assert vol["hostPath"].get("type") == "DirectoryOrCreate", name  # whichever pod starts first creates it
     assert not _mount(_pod_specs()[DAEMON], cfg.grpc.socket)[0].get("readOnly")  # the daemon creates the socket
+    # The launcher holds its liveness lock in launchers/ beside the socket (pids differ between the pods).
+    from trainguard.agent.launcher_lock import launchers_dir
+
+    assert _backing(TRAIN, launchers_dir(dialled)) == _backing(DAEMON, launchers_dir(cfg.grpc.socket))
+    assert not _mount(_pod_specs()[TRAIN], launchers_dir(dialled))[0].get("readOnly")
     # The socket belongs to the daemon's user and group, with grpc.socket_mode; connecting needs write access.
     (duid, dgroups), (tuid, tgroups) = _ids(DAEMON), _ids(TRAIN)
     mode = cfg.grpc.socket_mode

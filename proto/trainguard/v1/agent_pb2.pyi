@@ -200,7 +200,7 @@ class CheckpointReportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AttachJobRequest(_message.Message):
-    __slots__ = ("job", "coordinator", "node_id", "launcher_pid", "arena_root", "token", "tls_ca_file", "tls_cert_file", "tls_key_file")
+    __slots__ = ("job", "coordinator", "node_id", "launcher_pid", "arena_root", "token", "tls_ca_file", "tls_cert_file", "tls_key_file", "launcher_lock")
     JOB_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,7 @@ class AttachJobRequest(_message.Message):
     TLS_CA_FILE_FIELD_NUMBER: _ClassVar[int]
     TLS_CERT_FILE_FIELD_NUMBER: _ClassVar[int]
     TLS_KEY_FILE_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHER_LOCK_FIELD_NUMBER: _ClassVar[int]
     job: str
     coordinator: str
     node_id: str
@@ -219,7 +220,8 @@ class AttachJobRequest(_message.Message):
     tls_ca_file: str
     tls_cert_file: str
     tls_key_file: str
-    def __init__(self, job: _Optional[str] = ..., coordinator: _Optional[str] = ..., node_id: _Optional[str] = ..., launcher_pid: _Optional[int] = ..., arena_root: _Optional[str] = ..., token: _Optional[str] = ..., tls_ca_file: _Optional[str] = ..., tls_cert_file: _Optional[str] = ..., tls_key_file: _Optional[str] = ...) -> None: ...
+    launcher_lock: str
+    def __init__(self, job: _Optional[str] = ..., coordinator: _Optional[str] = ..., node_id: _Optional[str] = ..., launcher_pid: _Optional[int] = ..., arena_root: _Optional[str] = ..., token: _Optional[str] = ..., tls_ca_file: _Optional[str] = ..., tls_cert_file: _Optional[str] = ..., tls_key_file: _Optional[str] = ..., launcher_lock: _Optional[str] = ...) -> None: ...
 
 class AttachJobResponse(_message.Message):
     __slots__ = ("node_id", "arena_kept", "arena_ttl_s")
@@ -232,14 +234,16 @@ class AttachJobResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., arena_kept: _Optional[bool] = ..., arena_ttl_s: _Optional[float] = ...) -> None: ...
 
 class DetachJobRequest(_message.Message):
-    __slots__ = ("job", "ended", "launcher_pid")
+    __slots__ = ("job", "ended", "launcher_pid", "launcher_lock")
     JOB_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
     LAUNCHER_PID_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHER_LOCK_FIELD_NUMBER: _ClassVar[int]
     job: str
     ended: bool
     launcher_pid: int
-    def __init__(self, job: _Optional[str] = ..., ended: _Optional[bool] = ..., launcher_pid: _Optional[int] = ...) -> None: ...
+    launcher_lock: str
+    def __init__(self, job: _Optional[str] = ..., ended: _Optional[bool] = ..., launcher_pid: _Optional[int] = ..., launcher_lock: _Optional[str] = ...) -> None: ...
 
 class DetachJobResponse(_message.Message):
     __slots__ = ("arena_removed",)
