@@ -237,20 +237,27 @@ class ReplicaAgent:
         return sorted(done)
 
     def _fetch_one(self, entry: coordinator_pb2.RankRestore, step: int, done: list[int]) -> None:
-        t0 = time.monotonic()
-        try:
-            _, man = fetch(entry.peer_address, self.job, entry.rank, step,
-                           lambda m: arena_writer(self.tier.shm_root, self.job, m), self.config.timeout_s,
-                           self.config.token)
-        except (grpc.RpcError, CheckpointError, OSError) as exc:
-            self.stats.fetch_failures += 1
-            log.warning("rank %d: no copy of step %d from %s's memory (%s); its workers restore from disk or "
-                        "remote storage", entry.rank, step, entry.peer_node, _rpc_text(exc))
+        sources = [(entry.peer_node, entry.peer_address)] + [(a.node_id, a.address) for a in entry.alternates
+                                                               if a.address]
+        for i, (node, address) in enumerate(sources):
+            t0 = time.monotonic()
+            try:
+                _, man = fetch(address, self.job, entry.rank, step,
+                               lambda m: arena_writer(self.tier.shm_root, self.job, m), self.config.timeout_s,
+                               self.config.token)
+            except (grpc.RpcError, CheckpointError, OSError) as exc:
+                self.stats.fetch_failures += 1
+                following = (f"trying {sources[i + 1][0]}'s" if i + 1 < len(sources)
+                             else "its workers restore from disk or remote storage")
+                log.warning("rank %d: no copy of step %d from %s's memory (%s); %s", entry.rank, step, node,
+                            _rpc_text(exc), following)
+                continue
+            self.stats.fetches += 1
+            entry.peer_node, entry.peer_address = node, address  # the workers are told where it came from
+            done.append(entry.rank)
+            log.info("fetched rank %d step %d from %s's memory: %d bytes in %.3f s", entry.rank, man.step, node,
+                     man.data_bytes, time.monotonic() - t0)
             return
-        self.stats.fetches += 1
-        done.append(entry.rank)
-        log.info("fetched rank %d step %d from %s's memory: %d bytes in %.3f s", entry.rank, man.step,
-                 entry.peer_node, man.data_bytes, time.monotonic() - t0)
 
 
 def _rpc_text(exc: BaseException) -> str:

@@ -139,7 +139,9 @@ def restore_plan(p: RestorePlan) -> pb.MemoryRestorePlan:
     """A restore plan on the wire."""
     msg = pb.MemoryRestorePlan(step=p.step, memory_steps=list(p.memory_steps))
     for r in p.ranks:
-        msg.ranks.add(rank=r.rank, source=int(r.source), peer_node=r.peer_node, peer_address=r.peer_address)
+        entry = msg.ranks.add(rank=r.rank, source=int(r.source), peer_node=r.peer_node, peer_address=r.peer_address)
+        for node, address in r.alternates:
+            entry.alternates.add(node_id=node, address=address)
     return msg
 
 

@@ -65,12 +65,15 @@ class RankRestore:
         source: where it reads.
         peer_node: the node holding its copy (PEER_MEMORY only).
         peer_address: that node's replica server, host:port (PEER_MEMORY only).
+        alternates: (node, replica server) of the other nodes holding the same copy, to try in order when
+            ``peer_node`` fails (PEER_MEMORY only; ``--memory-replicas 2`` and more).
     """
 
     rank: int
     source: RestoreSource
     peer_node: str = ""
     peer_address: str = ""
+    alternates: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,8 @@ def plan_restore(slots: Sequence[NodeSlot], world_size: int, reports: Mapping[st
 
     Returns:
         The plan: the newest step every rank can read from memory (own node first, then a peer holding it: one
-        of the new table before one outside it, then by name), and the steps each rank can read from its own
+        of the new table before one outside it, then by name; the other holders follow as alternates), and the
+        steps each rank can read from its own
         node's memory. Ranks without a memory copy of
         the plan's step read STORAGE.
     """
@@ -170,7 +174,8 @@ def plan_restore(slots: Sequence[NodeSlot], world_size: int, reports: Mapping[st
         if step >= 0 and me in mine:
             ranks.append(RankRestore(r, RestoreSource.LOCAL_MEMORY))
         elif step >= 0 and peers:
-            ranks.append(RankRestore(r, RestoreSource.PEER_MEMORY, peers[0], addresses.get(peers[0], "")))
+            ranks.append(RankRestore(r, RestoreSource.PEER_MEMORY, peers[0], addresses.get(peers[0], ""),
+                                     tuple((n, addresses.get(n, "")) for n in peers[1:])))
         else:
             ranks.append(RankRestore(r, RestoreSource.STORAGE))
     if step >= 0:

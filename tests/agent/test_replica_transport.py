@@ -337,3 +337,35 @@ def test_agents_of_a_job_with_a_token_replicate_and_fetch_between_them(roots) ->
         tier_a.stop()
         sender.stop()
         holder.stop()
+
+
+def test_a_failing_holder_is_followed_by_the_plans_next_holder_before_storage(roots) -> None:
+    """--memory-replicas 2: the plan lists both holders of a rank's copy; the first one's copy rots, the second
+    serves it, and the workers are told where it came from."""
+    a, b, c = roots
+    d = roots[2] + "-d"
+    tier_c = MemoryTier(c, "job", "/ckpt")
+    fetcher = ReplicaAgent(ReplicaConfig(timeout_s=10), tier_c, "c", "127.0.0.1")
+    server_b, store_b = _server(b)
+    server_d, store_d = _server(d)
+    try:
+        data = _snapshot(a, 0, 50)
+        path, man = _own(a, 0)
+        for server in (server_b, server_d):
+            assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        with open(store_b.newest(0).data, "r+b") as f:  # b's replica rots
+            f.write(b"\x00\x01\x02")
+        plan = pb.MemoryRestorePlan(step=50, memory_steps=[50], ranks=[
+            pb.RankRestore(rank=0, source=pb.RESTORE_SOURCE_PEER_MEMORY, peer_node="b",
+                           peer_address=server_b.address,
+                           alternates=[pb.PeerCopy(node_id="gone", address=f"127.0.0.1:{_free_port()}"),
+                                       pb.PeerCopy(node_id="d", address=server_d.address)])])
+        assert fetcher.fetch_planned(plan, [0]) == [0]
+        assert fetcher.stats.fetch_failures == 2 and fetcher.stats.fetches == 1
+        paths, _ = memory_manifests(c, "job", "/ckpt")[50][0]
+        assert open(paths.data, "rb").read(len(data)) == data
+        assert plan.ranks[0].peer_node == "d"  # what the workers' restore plan names
+    finally:
+        server_b.stop()
+        server_d.stop()
+        shutil.rmtree(d, ignore_errors=True)

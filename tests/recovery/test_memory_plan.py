@@ -38,6 +38,8 @@ def test_replacement_node_reads_a_peer_or_storage_and_other_world_sizes_do_not_c
     # b was replaced for a hardware fault but still serves its memory: a's replica (a is in the table) goes first.
     both = plan_restore(slots, 4, {**reports, "b": [MemoryHolding(20, 4, (2, 3))]}, {"a": "a:1", "b": "b:1"})
     assert both.ranks[2].peer_node == "a"
+    assert both.ranks[2].alternates == (("b", "b:1"),)  # the second holder, tried when a's copy fails
+    assert convert.restore_plan(both).ranks[2].alternates[0].address == "b:1"  # and on the wire
     no_server = plan_restore(slots, 4, reports, {})  # a serves no replicas: its copies of 2, 3 are unreachable
     assert no_server.step == -1 and {r.source for r in no_server.ranks} == {RestoreSource.STORAGE}
     alone = plan_restore(slots, 4, {"a": [MemoryHolding(20, 4, (0, 1))]})

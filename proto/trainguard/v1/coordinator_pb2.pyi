@@ -232,16 +232,26 @@ class MemoryHolding(_message.Message):
     def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., replica_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RankRestore(_message.Message):
-    __slots__ = ("rank", "source", "peer_node", "peer_address")
+    __slots__ = ("rank", "source", "peer_node", "peer_address", "alternates")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PEER_NODE_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     source: RestoreSource
     peer_node: str
     peer_address: str
-    def __init__(self, rank: _Optional[int] = ..., source: _Optional[_Union[RestoreSource, str]] = ..., peer_node: _Optional[str] = ..., peer_address: _Optional[str] = ...) -> None: ...
+    alternates: _containers.RepeatedCompositeFieldContainer[PeerCopy]
+    def __init__(self, rank: _Optional[int] = ..., source: _Optional[_Union[RestoreSource, str]] = ..., peer_node: _Optional[str] = ..., peer_address: _Optional[str] = ..., alternates: _Optional[_Iterable[_Union[PeerCopy, _Mapping]]] = ...) -> None: ...
+
+class PeerCopy(_message.Message):
+    __slots__ = ("node_id", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class ReplicaTarget(_message.Message):
     __slots__ = ("node_id", "address")
