@@ -320,10 +320,16 @@ def node_features(
         inc = np.nan_to_num(inc, nan=0.0)
         # prefix[k] = sum of increments of rows 1..k-1 (row 0's increment is unknown and never used)
         prefix = np.vstack([np.zeros((1, len(ci))), np.cumsum(inc, axis=0)])
-        el_s = np.maximum(t - ts[j_s], cfg.interval_s)[:, None]
-        el_l = np.maximum(t - ts[j_l], cfg.interval_s)[:, None]
-        rate_s = (prefix[i1] - prefix[j_s + 1]) / el_s * 60.0
-        rate_l = (prefix[i1] - prefix[j_l + 1]) / el_l * 60.0
+        # A window that holds no sample before the row itself (the row follows a gap longer than the window)
+        # says nothing about the rate; the increase since the previous sample over the time since then does.
+        # Counting the window as "no increase" made every counter read 0 after a gap: a false alarm.
+        prev_row = np.maximum(out_rows - 1, 0)
+        c_s = np.where(j_s >= out_rows, prev_row, j_s)
+        c_l = np.where(j_l >= out_rows, prev_row, j_l)
+        el_s = np.maximum(t - ts[c_s], cfg.interval_s)[:, None]
+        el_l = np.maximum(t - ts[c_l], cfg.interval_s)[:, None]
+        rate_s = (prefix[i1] - prefix[c_s + 1]) / el_s * 60.0
+        rate_l = (prefix[i1] - prefix[c_l + 1]) / el_l * 60.0
         block = np.empty((len(out_rows), 3 * len(ci)))
         block[:, 0::3], block[:, 1::3], block[:, 2::3] = rate_s, rate_l, rate_s - rate_l
         cols.append(block)

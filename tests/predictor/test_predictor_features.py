@@ -37,6 +37,28 @@ def test_counter_rates_and_reset():
     assert f["gpu_ecc_sbe_total.rate_l"][-1] >= 0
 
 
+def test_a_counter_that_kept_counting_through_a_gap_reads_its_rate_not_zero():
+    """After a gap longer than both windows, the windows hold no earlier sample: the rate is the increase since
+    the previous sample over the time since then (found by a user's review: 0 was read, a -14 robust z and a
+    false alarm on the first row after every long gap). Rows with an earlier sample in the window are as before."""
+    spec = FeatureSpec(("gpu_ecc_sbe_total", "gpu_temp_c"), CFG)
+    ts = np.r_[np.arange(40), np.arange(400, 440)] * 60.0  # a 6-hour gap after row 39
+    counter = ts / 60.0 * 6.0  # 6 per minute all along, gap included
+    vals = np.column_stack([counter, np.full(len(ts), 60.0)])
+    f = _feats(spec, ts, vals)
+    for name in ("rate_s", "rate_l"):
+        assert f[f"gpu_ecc_sbe_total.{name}"][40] == pytest.approx(6.0)  # 2166 in 361 min
+        assert f[f"gpu_ecc_sbe_total.{name}"][41] == pytest.approx(6.0)  # a window with 2 samples: as before
+    assert f["gpu_ecc_sbe_total.accel"][40] == pytest.approx(0.0)
+    assert f["telemetry.gap_s"][40] == pytest.approx(361 * 60.0)  # the gap is still seen as a gap
+    assert f["gpu_temp_c.level"][40] == pytest.approx(60.0)
+    # A counter that stood still through the gap (the node was off) does read 0: that is what happened.
+    still = counter.copy()
+    still[40:] = counter[39] + np.arange(40) * 6.0
+    f = _feats(spec, ts, np.column_stack([still, np.full(len(ts), 60.0)]))
+    assert f["gpu_ecc_sbe_total.rate_s"][40] == pytest.approx(0.0)
+
+
 def test_gauge_level_drift_slope_and_telemetry():
     spec = FeatureSpec(("gpu_temp_c",), CFG)
     ts = np.arange(60) * 60.0
