@@ -53,16 +53,29 @@ def _usage(msg: str) -> Exception:
     return PredictorError(msg)
 
 
+def _check_out_folder(path: str, flag: str) -> None:
+    """Refuses an output path whose folder does not exist before any work is done (training can take minutes)."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise _usage(f"{flag} {path}: folder {folder} does not exist; create it or write somewhere else")
+
+
 def _read_metrics(path: str, resample: float | None, counters: set[str] | frozenset[str] = frozenset()) -> Any:
     from trainguard.predictor.table import MetricTable
 
     if resample is None:
         return MetricTable.from_csv(path)
-    if resample <= 0:
-        raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
     # resampling sorts each node and merges the samples of a bin, so rows out of order or sharing a
     # timestamp are data to merge, not an error
-    table = MetricTable.from_csv(path, check_order=False)
+    return _resampled(MetricTable.from_csv(path, check_order=False), path, resample, counters)
+
+
+def _resampled(table: Any, path: str, resample: float, counters: set[str] | frozenset[str]) -> Any:
+    """``table`` (read without the order check) on a ``resample`` s grid, saying how many rows were merged."""
+    if not resample > 0:
+        raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
     dup = table.duplicate_rows()
     if dup:
         print(f"{path}: merged {dup} row(s) that repeat a node's timestamp into their {resample:g} s bin "
@@ -72,14 +85,19 @@ def _read_metrics(path: str, resample: float | None, counters: set[str] | frozen
 
 def _train(args: argparse.Namespace) -> int:
     from trainguard.predictor.features import FeatureConfig
-    from trainguard.predictor.table import EventTable
+    from trainguard.predictor.table import EventTable, MetricTable
     from trainguard.predictor.training import TrainConfig, column_kinds, train
 
-    metrics = _read_metrics(args.metrics, None)
-    if args.resample is not None:
-        kinds = column_kinds(metrics, tuple(args.counter), tuple(args.gauge))
+    _check_out_folder(args.out, "--out")
+    if args.resample is None:
+        metrics = _read_metrics(args.metrics, None)
+    else:
+        # the columns are classified on the raw rows (counters keep their last value in a bin), which need
+        # no order for that: --resample accepts rows out of order here as in eval and score
+        raw = MetricTable.from_csv(args.metrics, check_order=False)
+        kinds = column_kinds(raw, tuple(args.counter), tuple(args.gauge))
         counters = {c.name for c in kinds if c.kind is not None and c.kind.value == "counter"}
-        metrics = _read_metrics(args.metrics, args.resample, counters)
+        metrics = _resampled(raw, args.metrics, args.resample, counters)
     events = EventTable.from_csv(args.events) if args.events else None
     interval = args.interval if args.interval is not None else (args.resample or metrics.median_interval() or 60.0)
     span = float(metrics.ts.max() - metrics.ts.min()) if len(metrics.ts) else 0.0
@@ -123,6 +141,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     model = PredictorModel.load(args.model)
     ev = _eval_config(args, model.eval_config)
+    truth = _read_faults(args.faults) if args.faults else None
     metrics = _read_metrics(args.metrics, args.resample, _model_counters(model))
     events = EventTable.from_csv(args.events)
     frame, score = score_table(model, metrics, args.missing)
@@ -152,9 +171,7 @@ def _eval(args: argparse.Namespace) -> int:
     out["hindsight_threshold"], out["hindsight_recall"] = best_thr, best.recall
     if frame.missing_metrics:
         out["degraded_missing_metrics"] = frame.missing_metrics
-    if args.faults:
-        with open(args.faults) as fh:
-            truth = json.load(fh)["faults"]
+    if truth is not None:
         keys = {(f["node"], float(f["ts"])) for f in truth if f.get("predictable")}
         c, t = rep.recall_of(keys)
         out["predictable_failures"], out["predictable_caught"] = t, c
@@ -165,6 +182,23 @@ def _eval(args: argparse.Namespace) -> int:
         for k, v in out.items():
             print(f"{k:32s} {v:.4f}" if isinstance(v, float) and not math.isnan(v) else f"{k:32s} {v}")
     return 0
+
+
+def _read_faults(path: str) -> list[dict[str, Any]]:
+    """The ``faults`` list of a gen-trace ``faults.json`` (each with ``node``, ``ts``, ``predictable``)."""
+    what = "pass the faults.json that `trainguard predictor gen-trace` wrote beside the metrics"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except OSError as exc:
+        raise _usage(f"--faults {path}: cannot read it ({exc.strerror}); {what}") from exc
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise _usage(f"--faults {path}: not JSON (truncated?); {what}") from exc
+    faults = doc.get("faults") if isinstance(doc, dict) else None
+    if not (isinstance(faults, list) and all(isinstance(f, dict) and isinstance(f.get("ts"), (int, float))
+                                             and "node" in f for f in faults)):
+        raise _usage(f"--faults {path}: not a faults file (no 'faults' list of node, ts, predictable); {what}")
+    return faults
 
 
 def _model_counters(model: Any) -> set[str]:
@@ -192,7 +226,11 @@ def _score(args: argparse.Namespace) -> int:
     peer = rt.model is not None and rt.model.spec.config.peer
     rounds = _score_rounds(metrics.ts, nodes, jobs, interval if peer else None)
     alarms = written = 0
-    out = open(args.out, "w", newline="") if args.out != "-" else sys.stdout
+    try:
+        out = open(args.out, "w", newline="") if args.out != "-" else sys.stdout
+    except OSError as exc:
+        raise _usage(f"--out {args.out}: cannot write it ({exc.strerror}); check that its folder exists and is "
+                     "writable") from exc
     try:
         w = csv.writer(out)
         w.writerow(["timestamp", "node", "score", "threshold", "alarm", "source", "top_features", "degraded",
@@ -291,8 +329,24 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _gen_trace(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from trainguard.predictor.tracegen import TraceConfig, generate
 
+    for flag, v, ok, need in (("--nodes", args.nodes, args.nodes >= 1, "at least 1"),
+                              ("--days", args.days, args.days > 0, "positive"),
+                              ("--interval", args.interval, args.interval > 0, "positive (seconds)"),
+                              ("--rate-scale", args.rate_scale, args.rate_scale >= 0, ">= 0"),
+                              ("--repair-scale", args.repair_scale, args.repair_scale > 0, "positive")):
+        if not ok:  # also NaN, which compares false
+            raise _usage(f"{flag} {v:g}: must be {need}")
+    if args.days * 86400 < args.interval:
+        raise _usage(f"--days {args.days:g} is shorter than one --interval {args.interval:g} s; give more days or a "
+                     "shorter interval")
+    try:  # before minutes of generation, not after
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _usage(f"--out {args.out}: cannot create the folder ({exc.strerror}); give a writable folder") from exc
     cfg = TraceConfig(n_nodes=args.nodes, days=args.days, interval_s=args.interval, rate_scale=args.rate_scale,
                       repair_scale=args.repair_scale, seed=args.seed, trace_dir=args.trace_dir)
     tr = generate(cfg)

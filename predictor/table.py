@@ -139,6 +139,8 @@ class MetricTable:
 
     def per_node(self) -> Iterator[NodeSeries]:
         """Yields each node's series, nodes in sorted order, rows in time order."""
+        if len(self.ts) == 0:
+            return
         keys = self.node.astype(str)
         order = np.lexsort((self.ts, keys))
         keys_sorted = keys[order]
@@ -258,7 +260,7 @@ class MetricTable:
         """
         path = Path(path)
         try:
-            with path.open(newline="") as fh:
+            with path.open(newline="", encoding="utf-8") as fh:
                 reader = csv.reader(fh)
                 header = next(reader, None)
                 if header is None:
@@ -292,6 +294,10 @@ class MetricTable:
                     rows.append([_parse_value(row[i], f"{where} column {header[i]!r}") for i in metric_idx])
         except OSError as exc:
             raise DataFormatError(f"{path}: cannot read metrics file ({exc.strerror}); check the path") from exc
+        except UnicodeDecodeError as exc:
+            raise DataFormatError(_not_utf8(path, exc)) from exc
+        if not ts:
+            raise DataFormatError(f"{path}: no data rows after the header; give at least a row per node and interval")
         values = np.array(rows, dtype=np.float64).reshape(len(rows), len(columns))
         table = cls.__new__(cls)
         table.columns, table.ts, table.node, table.values = columns, np.array(ts), np.array(nodes, dtype=object), values
@@ -361,7 +367,7 @@ class EventTable:
         """
         path = Path(path)
         try:
-            with path.open(newline="") as fh:
+            with path.open(newline="", encoding="utf-8") as fh:
                 reader = csv.reader(fh)
                 header = [h.strip() for h in (next(reader, None) or [])]
                 missing = [c for c in ("timestamp", "node", "kind") if c not in header]
@@ -379,6 +385,8 @@ class EventTable:
                     kinds.append(row[ikind].strip())
         except OSError as exc:
             raise DataFormatError(f"{path}: cannot read events file ({exc.strerror}); check the path") from exc
+        except UnicodeDecodeError as exc:
+            raise DataFormatError(_not_utf8(path, exc)) from exc
         return cls(np.array(ts), np.array(nodes, dtype=object), np.array(kinds, dtype=object))
 
     def to_csv(self, path: str | Path) -> None:
@@ -406,6 +414,11 @@ def concat_tables(tables: Sequence[MetricTable]) -> MetricTable:
         list(cols), np.concatenate([t.ts for t in tables]), np.concatenate([t.node for t in tables]),
         np.concatenate([t.values for t in tables]), jobs,
     )
+
+
+def _not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
+    return (f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} cannot be decoded; a binary file, or text in "
+            "another encoding such as Latin-1?); save it as a UTF-8 CSV")
 
 
 def _fmt_ts(t: float) -> str:

@@ -230,3 +230,92 @@ def test_train_per_node_and_family_then_eval_and_score(trained, tmp_path, capsys
     # each row names the family whose margin decided it (empty while the node warms up)
     assert {r["family"] for r in rows} - {""} <= {"retries", "req", "latency"}
     assert {r["family"] for r in rows} - {""}
+
+
+def _fleet_rows(nodes=3, n=400, step=60.0, seed=0, t0=1_700_000_000.0):
+    """Rows of ``nodes`` healthy nodes (latency gauge, retries and req_total counters), sorted by time."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for k in range(nodes):
+        c = tot = 0.0
+        for i in range(n):
+            c += float(rng.random() < 0.05)
+            tot += float(rng.integers(0, 3))
+            rows.append([t0 + step * i, f"n{k}", round(50 + rng.standard_normal(), 3), c, tot])
+    rows.sort(key=lambda r: r[0])
+    return rows
+
+
+COLS = ["latency_ms", "retries", "req_total"]
+
+
+def test_train_resample_accepts_unsorted_rows_and_repeated_timestamps(tmp_path, capsys):
+    """Second review, finding 2: ``train --resample`` read the file unresampled first and refused rows out of
+    order or repeating a timestamp, which the README promises --resample accepts (as score and eval did)."""
+    rows = _fleet_rows()
+    rows.append(list(rows[500]))  # a node repeats a timestamp
+    rows[10], rows[40] = rows[40], rows[10]  # and rows go back in time
+    path = _write(tmp_path / "m.csv", COLS, rows)
+    capsys.readouterr()
+    assert main(["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json"), "--method", "robust-z",
+                 "--resample", "60"]) == 0
+    assert "merged 1 row(s) that repeat a node's timestamp" in capsys.readouterr().err
+
+
+def _one_line_error(capsys, argv):
+    """Runs the CLI expecting a refusal: exit 2 and one line on stderr (no traceback); returns the line."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("trainguard: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_bad_inputs_and_outputs_are_one_line_errors(trained, tmp_path, capsys):
+    """Second review, finding 3: a header-only or non-UTF-8 CSV, an output folder that does not exist, a bad
+    ``--faults`` file, a model holding NaN and impossible ``gen-trace`` flags gave Python tracebacks (exit 1)."""
+    d, metrics, model = trained
+    events = _write(tmp_path / "e.csv", ["kind"], [])
+    header_only = _write(tmp_path / "h.csv", COLS, [])
+    binary = tmp_path / "b.csv"
+    binary.write_bytes(b"timestamp,node,latency_ms\n1700000000,n\xf0\xff\x00,1\n")
+    for argv in (["train", "--metrics", header_only, "--out", str(tmp_path / "x.json")],
+                 ["score", "--model", model, "--metrics", header_only],
+                 ["eval", "--model", model, "--metrics", header_only, "--events", events],
+                 ["metrics", "--metrics", header_only]):
+        assert "no data rows" in _one_line_error(capsys, ["predictor", *argv])
+    for argv in (["train", "--metrics", str(binary), "--out", str(tmp_path / "x.json")],
+                 ["score", "--model", model, "--metrics", str(binary)],
+                 ["eval", "--model", model, "--metrics", str(binary), "--events", events],
+                 ["eval", "--model", model, "--metrics", metrics, "--events", str(binary)],
+                 ["score", "--model", model, "--metrics", metrics, "--rules", str(binary)],
+                 ["metrics", "--metrics", str(binary)]):
+        assert "UTF-8" in _one_line_error(capsys, ["predictor", *argv])
+    nowhere = tmp_path / "no_such_dir"
+    err = _one_line_error(capsys, ["predictor", "train", "--metrics", metrics, "--out", str(nowhere / "t.json")])
+    assert "no_such_dir" in err and "folder" in err
+    err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", metrics,
+                                   "--out", str(nowhere / "s.csv")])
+    assert "no_such_dir" in err and "folder" in err
+    not_faults = tmp_path / "x.json"
+    not_faults.write_text('{"x": 1}')
+    truncated = tmp_path / "t.json"
+    truncated.write_text('{"faults": [{"node": "n1", "ts"')
+    for faults in (str(nowhere / "faults.json"), str(not_faults), str(truncated)):
+        err = _one_line_error(capsys, ["predictor", "eval", "--model", model, "--metrics", metrics,
+                                       "--events", events, "--faults", faults])
+        assert faults in err and "gen-trace" in err
+    text = open(model).read()
+    for lit in ("NaN", "Infinity"):
+        bad = tmp_path / f"{lit}.json"
+        bad.write_text(text.replace('"interval_s":60.0', f'"interval_s":{lit}', 1))
+        assert lit in _one_line_error(capsys, ["predictor", "score", "--model", str(bad), "--metrics", metrics])
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for flags, what in ((["--nodes", "0"], "--nodes"), (["--days", "-1"], "--days"), (["--interval", "0"], "--interval"),
+                        (["--rate-scale", "-1"], "--rate-scale"), (["--repair-scale", "0"], "--repair-scale"),
+                        (["--days", "0.0001"], "shorter than one --interval")):
+        err = _one_line_error(capsys, ["predictor", "gen-trace", "--out", str(tmp_path / "gt"), *flags])
+        assert what in err
+    err = _one_line_error(capsys, ["predictor", "gen-trace", "--out", str(a_file / "x"), "--nodes", "2"])
+    assert str(a_file / "x") in err
