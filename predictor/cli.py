@@ -239,7 +239,8 @@ def _score(args: argparse.Namespace) -> int:
             samples = {nodes[r]: dict(zip(metrics.columns, metrics.values[r].tolist())) for r in group}
             ts_of = {nodes[r]: float(metrics.ts[r]) for r in group}
             if peer:
-                scores = rt.observe_many(min(ts_of.values()), samples)
+                # each row at its own time, as the offline features (eval) see it; the slot only groups peers
+                scores = rt.observe_many(min(ts_of.values()), samples, ts_of)
             else:
                 scores = {n: rt.observe(ts_of[n], n, m) for n, m in samples.items()}
             for n, s in scores.items():

@@ -319,3 +319,33 @@ def test_bad_inputs_and_outputs_are_one_line_errors(trained, tmp_path, capsys):
         assert what in err
     err = _one_line_error(capsys, ["predictor", "gen-trace", "--out", str(a_file / "x"), "--nodes", "2"])
     assert str(a_file / "x") in err
+
+
+@pytest.mark.parametrize("jitter", [0.0, 120.0])
+def test_score_matches_offline_scores_on_jittered_timestamps(tmp_path, capsys, jitter):
+    """Second review, finding 4: ``score`` scored every node of a peer slot at the earliest node's timestamp,
+    so with jittered timestamps its scores drifted from ``eval``'s (``score_table``); each row is scored at its
+    own time now. Regular timestamps are the control."""
+    rng = np.random.default_rng(4)
+    rows = _fleet_rows(nodes=4, n=700, step=300.0, seed=4, t0=1_700_000_100.0)
+    for r in rows:
+        r[0] += float(rng.uniform(-jitter, jitter))
+    rows.sort(key=lambda r: r[0])
+    path = _write(tmp_path / "m.csv", COLS, rows)
+    model = tmp_path / "m.json"
+    assert main(["predictor", "train", "--metrics", path, "--out", str(model), "--method", "robust-z",
+                 "--interval", "300"]) == 0
+    out = tmp_path / "s.csv"
+    assert main(["predictor", "score", "--model", str(model), "--metrics", path, "--out", str(out)]) == 0
+    from trainguard.predictor.model import PredictorModel
+    from trainguard.predictor.table import MetricTable
+    from trainguard.predictor.training import score_table
+
+    m = PredictorModel.load(model)
+    assert m.spec.config.peer
+    frame, offline = score_table(m, MetricTable.from_csv(path))
+    want = {(str(n), float(t)): s for n, t, s in zip(frame.node, frame.ts, np.nan_to_num(offline, nan=0.0))}
+    got = {(r["node"], float(r["timestamp"])): float(r["score"]) for r in csv.DictReader(out.open())}
+    assert got.keys() == want.keys()
+    diff = max(abs(got[k] - want[k]) for k in got)
+    assert diff < 5e-6, diff
