@@ -218,9 +218,9 @@ def _score(args: argparse.Namespace) -> int:
     rt.check_metrics(metrics.columns)
     interval = rt.model.spec.config.interval_s if rt.model is not None else 1.0
     if rt.model is not None:
-        from trainguard.predictor.features import check_interval
+        from trainguard.predictor.training import check_sampling
 
-        check_interval(metrics, interval)
+        check_sampling(metrics, interval)
     jobs = metrics.job.astype(str) if metrics.job is not None else np.full(len(metrics.ts), "")
     nodes = metrics.node.astype(str)
     peer = rt.model is not None and rt.model.spec.config.peer

@@ -298,6 +298,7 @@ class MetricTable:
             raise DataFormatError(_not_utf8(path, exc)) from exc
         if not ts:
             raise DataFormatError(f"{path}: no data rows after the header; give at least a row per node and interval")
+        _check_seconds(path, ts)
         values = np.array(rows, dtype=np.float64).reshape(len(rows), len(columns))
         table = cls.__new__(cls)
         table.columns, table.ts, table.node, table.values = columns, np.array(ts), np.array(nodes, dtype=object), values
@@ -387,6 +388,7 @@ class EventTable:
             raise DataFormatError(f"{path}: cannot read events file ({exc.strerror}); check the path") from exc
         except UnicodeDecodeError as exc:
             raise DataFormatError(_not_utf8(path, exc)) from exc
+        _check_seconds(path, ts)
         return cls(np.array(ts), np.array(nodes, dtype=object), np.array(kinds, dtype=object))
 
     def to_csv(self, path: str | Path) -> None:
@@ -413,6 +415,26 @@ def concat_tables(tables: Sequence[MetricTable]) -> MetricTable:
     return MetricTable(
         list(cols), np.concatenate([t.ts for t in tables]), np.concatenate([t.node for t in tables]),
         np.concatenate([t.values for t in tables]), jobs,
+    )
+
+
+#: Unix seconds beyond this (the year 5138) are taken for a finer unit: no recorded data lies there, while
+#: milliseconds since the epoch (1.7e12 in 2024) and microseconds (1.7e15) always do.
+_MAX_SECONDS = 1e11
+
+
+def _check_seconds(path: Path, ts: list[float]) -> None:
+    """Refuses timestamps that are epoch milliseconds, microseconds or nanoseconds, naming the conversion
+    (read as seconds they would be thousands of years ahead, and the interval 1000x too long)."""
+    finite = [t for t in ts if math.isfinite(t)]
+    big = max(finite, default=0.0)
+    if big <= _MAX_SECONDS:
+        return
+    units = (("milliseconds", 1_000), ("microseconds", 1_000_000), ("nanoseconds", 1_000_000_000))
+    unit, factor = next(((u, f) for u, f in units if big / f <= _MAX_SECONDS), units[-1])
+    raise DataFormatError(
+        f"{path}: timestamps look like {unit} since the epoch ({big:.0f} would be the year "
+        f"{1970 + big / 31_557_600:.0f} in seconds); divide them by {factor} (the format takes Unix seconds)"
     )
 
 

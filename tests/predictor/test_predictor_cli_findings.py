@@ -349,3 +349,55 @@ def test_score_matches_offline_scores_on_jittered_timestamps(tmp_path, capsys, j
     assert got.keys() == want.keys()
     diff = max(abs(got[k] - want[k]) for k in got)
     assert diff < 5e-6, diff
+
+
+def test_nodes_sampled_at_different_intervals_are_refused_by_name(trained, tmp_path, capsys):
+    """Second review, finding 5: n0,n1 at 60 s and n2,n3 at 300 s gave a 60 s model without a word (the check
+    read the fleet's median), and scoring then degraded most rows; each node's interval is checked now."""
+    rows = _fleet_rows(nodes=2, n=1500, step=60.0) + [
+        [t, f"n{int(n[1:]) + 2}", *v] for t, n, *v in _fleet_rows(nodes=2, n=300, step=300.0, seed=1)]
+    rows.sort(key=lambda r: r[0])
+    path = _write(tmp_path / "mixed.csv", COLS, rows)
+    err = _one_line_error(capsys, ["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json")])
+    assert "n2 (300 s)" in err and "n3 (300 s)" in err and "n0" not in err and "--resample 300" in err
+    _, _, model = trained  # 60 s
+    err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path])
+    assert "n2 (300 s)" in err and "n3 (300 s)" in err
+    events = _write(tmp_path / "e.csv", ["kind"], [])
+    err = _one_line_error(capsys, ["predictor", "eval", "--model", model, "--metrics", path, "--events", events])
+    assert "n2 (300 s)" in err
+    assert main(["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json"), "--method", "robust-z",
+                 "--resample", "300"]) == 0
+
+
+@pytest.mark.parametrize("unit, factor", [("milliseconds", 1000), ("microseconds", 1_000_000)])
+def test_epoch_milliseconds_are_recognised(trained, tmp_path, capsys, unit, factor):
+    """Second review, finding 6: timestamps in epoch milliseconds were read as seconds ("sampled every
+    60000 s ... pass --resample 60"); the error now says what they are and how to convert them."""
+    d, metrics, model = trained
+    rows = [[int(r[0]) * factor, *r[1:]] for r in _fleet_rows()]
+    path = _write(tmp_path / "ms.csv", COLS, rows)
+    for argv in (["train", "--metrics", path, "--out", str(tmp_path / "m.json")],
+                 ["score", "--model", model, "--metrics", path]):
+        err = _one_line_error(capsys, ["predictor", *argv])
+        assert f"look like {unit} since the epoch" in err and f"divide them by {factor}" in err, err
+    events = _write(tmp_path / "e.csv", ["kind"], [[1_700_003_000 * factor, "n1", "XID 79"]])
+    err = _one_line_error(capsys, ["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events])
+    assert f"look like {unit} since the epoch" in err and "e.csv" in err
+
+
+def test_data_coarser_than_the_model_asks_for_a_model_at_its_interval(trained, tmp_path, capsys):
+    """Second review, finding 7: 300 s data on a 60 s model suggested ``--resample 60``, which cannot make data
+    finer (the same error again); the error says the data is coarser and a model at its interval is needed."""
+    _, _, model = trained  # 60 s
+    path = _write(tmp_path / "m5.csv", COLS, _fleet_rows(step=300.0))
+    err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path])
+    assert "coarser" in err and "--resample 60" not in err and "--interval 300" in err
+    err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path, "--resample", "60"])
+    assert "coarser" in err
+    err = _one_line_error(capsys, ["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json"),
+                                   "--interval", "60"])
+    assert "coarser" in err and "--interval 300" in err and "--resample 60" not in err
+    # finer data still gets --resample to the model's interval
+    fine = _write(tmp_path / "m1.csv", COLS, _fleet_rows(step=20.0))
+    assert "--resample 60" in _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", fine])
