@@ -134,7 +134,9 @@ def _eval(args: argparse.Namespace) -> int:
     import numpy as np
 
     from trainguard.predictor.calibration import calibrate_table
-    from trainguard.predictor.evaluation import calibrate_threshold, evaluate_events, failures_by_node
+    from trainguard.predictor.evaluation import (
+        calibrate_threshold, evaluate_events, failures_by_node, uncounted_events,
+    )
     from trainguard.predictor.model import PredictorModel, _json_safe
     from trainguard.predictor.table import EventTable
     from trainguard.predictor.training import calibration_scores, score_table
@@ -147,6 +149,8 @@ def _eval(args: argparse.Namespace) -> int:
     frame, score = score_table(model, metrics, args.missing)
     failures = failures_by_node(events.node, events.ts)
     interval = model.spec.config.interval_s
+    uncounted = uncounted_events(events.node, events.ts, frame.ts, frame.node, ev, interval)
+    _report_uncounted(args.events, args.metrics, len(events), uncounted)
     if args.threshold is not None or model.calibration is None:
         thr = model.threshold if args.threshold is None else args.threshold
         mode = "fixed"
@@ -159,6 +163,8 @@ def _eval(args: argparse.Namespace) -> int:
         mode = "online per node and metric family" if cal.per_family else "online per node"
         rep = evaluate_events(frame.ts, frame.node, margin, 0.0, failures, ev, interval)
     out = rep.summary()
+    out["events_total"] = len(events)
+    out["events_not_counted"] = {k: len(v) for k, v in uncounted.items()}
     if mode != "fixed":
         out["threshold"] = None  # one per node, changing over time
     out["threshold_mode"] = mode
@@ -182,6 +188,30 @@ def _eval(args: argparse.Namespace) -> int:
         for k, v in out.items():
             print(f"{k:32s} {v:.4f}" if isinstance(v, float) and not math.isnan(v) else f"{k:32s} {v}")
     return 0
+
+
+def _report_uncounted(events_path: str, metrics_path: str, total: int,
+                      uncounted: dict[str, list[tuple[str, float]]]) -> None:
+    """One warning line for events eval cannot count as failures; refuses an events file none of whose events
+    falls on a node and time of the metrics (the wrong file, or another unit of time)."""
+    from trainguard.predictor.table import _fmt_ts
+
+    why = {"node_not_in_metrics": "on nodes absent from the metrics",
+           "outside_node_data": "outside their node's data",
+           "warning_window_not_observed": "within the first --horizon of their node's data (no warning window)"}
+    n = sum(len(v) for v in uncounted.values())
+    if not n:
+        return
+    key = next(k for k, v in uncounted.items() if v)
+    node, t = uncounted[key][0]
+    example = f"e.g. node {node!r} at {_fmt_ts(t)}"
+    unmatched = len(uncounted["node_not_in_metrics"]) + len(uncounted["outside_node_data"])
+    if unmatched == total:
+        raise _usage(f"{events_path}: none of its {total} events falls on a node and time of {metrics_path} "
+                     f"({example}, {why[key]}); give the events of the same nodes and period (timestamps in Unix "
+                     "seconds)")
+    parts = ", ".join(f"{len(v)} {why[k]}" for k, v in uncounted.items() if v)
+    print(f"{events_path}: {n} of {total} events not counted as failures: {parts}; {example}", file=sys.stderr)
 
 
 def _read_faults(path: str) -> list[dict[str, Any]]:
@@ -215,11 +245,12 @@ def _score(args: argparse.Namespace) -> int:
     rt = PredictorRuntime.load(args.model, rules_path=args.rules, missing=args.missing)
     counters = _model_counters(rt.model) if rt.model is not None else set()
     metrics = _read_metrics(args.metrics, args.resample, counters)
-    rt.check_metrics(metrics.columns)
     interval = rt.model.spec.config.interval_s if rt.model is not None else 1.0
     if rt.model is not None:
+        from trainguard.predictor.features import align_metrics
         from trainguard.predictor.training import check_sampling
 
+        align_metrics(metrics.columns, rt.model.spec, args.missing)  # eval's check, naming --missing nan
         check_sampling(metrics, interval)
     jobs = metrics.job.astype(str) if metrics.job is not None else np.full(len(metrics.ts), "")
     nodes = metrics.node.astype(str)

@@ -94,13 +94,14 @@ class MetricTable:
         self.values = np.asarray(self.values, dtype=np.float64).reshape(len(self.ts), len(self.columns))
         self.validate()
 
-    def validate(self, source: str = "metrics", check_order: bool = True) -> None:
+    def validate(self, source: str = "metrics", check_order: bool = True, lines: Sequence[int] | None = None) -> None:
         """Checks shapes, finiteness of timestamps and per-node strictly increasing time.
 
         Args:
             source: name used in error messages (a file path).
             check_order: also check that each node's timestamps strictly increase (False for a table that is
                 only resampled, which sorts and merges, or whose columns are only classified).
+            lines: the file line of each row, for messages as ``source:LINE`` (default: the row's number).
 
         Raises:
             DataFormatError: on the first problem found.
@@ -125,11 +126,13 @@ class MetricTable:
         back = same & (np.diff(t_sorted) <= 0)
         if back.any():
             i = int(np.argmax(back))
-            row = int(order[i + 1])
+            row, prev = int(order[i + 1]), int(order[i])
+            where, before = ((f"{source}:{lines[row]}", f"line {lines[prev]}") if lines is not None
+                             else (f"{source}: row {row + 1}", f"row {prev + 1}"))
             raise DataFormatError(
-                f"{source}: node {str(n_sorted[i])!r} row {row + 1} has timestamp {_fmt_ts(t_sorted[i + 1])} not "
-                f"after the previous {_fmt_ts(t_sorted[i])}; timestamps of each node must strictly increase (sort "
-                "and deduplicate)"
+                f"{where}: node {str(n_sorted[i])!r} has timestamp {_fmt_ts(t_sorted[i + 1])}, not after its "
+                f"previous {_fmt_ts(t_sorted[i])} ({before}); timestamps of each node must strictly increase: sort "
+                "the rows and drop repeats, or pass --resample SECONDS, which sorts them and merges a bin's samples"
             )
 
     @property
@@ -279,9 +282,11 @@ class MetricTable:
                 nodes: list[str] = []
                 jobs: list[str] = []
                 rows: list[list[float]] = []
+                lines: list[int] = []
                 for line_no, row in enumerate(reader, start=2):
                     if not row:
                         continue
+                    lines.append(line_no)
                     if len(row) != len(header):
                         raise DataFormatError(f"{path}:{line_no}: {len(row)} cells but the header has {len(header)}")
                     where = f"{path}:{line_no}"
@@ -303,7 +308,7 @@ class MetricTable:
         table = cls.__new__(cls)
         table.columns, table.ts, table.node, table.values = columns, np.array(ts), np.array(nodes, dtype=object), values
         table.job = np.array(jobs, dtype=object) if i_job is not None else None
-        table.validate(str(path), check_order)
+        table.validate(str(path), check_order, lines)
         return table
 
     def to_csv(self, path: str | Path) -> None:

@@ -204,7 +204,7 @@ def test_metrics_classifies_columns_of_rows_out_of_order(tmp_path, capsys):
     lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  ")}
     assert "gauge" in lines["cpu"] and "counter" in lines["ops"]
     assert main(["predictor", "train", "--metrics", path, "--out", str(tmp_path / "x.json")]) == 2
-    assert "row 12" in capsys.readouterr().err
+    assert f"{path}:13: " in capsys.readouterr().err  # data row 12, after the header
 
 
 def test_train_per_node_and_family_then_eval_and_score(trained, tmp_path, capsys):
@@ -401,3 +401,50 @@ def test_data_coarser_than_the_model_asks_for_a_model_at_its_interval(trained, t
     # finer data still gets --resample to the model's interval
     fine = _write(tmp_path / "m1.csv", COLS, _fleet_rows(step=20.0))
     assert "--resample 60" in _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", fine])
+
+
+def test_eval_reports_events_it_cannot_match(trained, tmp_path, capsys):
+    """Second review, finding 8: an event on a node absent from the metrics, or outside the data's time span,
+    was dropped without a word ("failures": 0, exit 0); they are counted and named now, and an events file of
+    which no event matches the metrics at all is refused."""
+    d, metrics, model = trained  # n0..n2, 400 rows at 60 s from 1_700_000_000
+    t0 = 1_700_000_000.0
+    events = _write(tmp_path / "e.csv", ["kind"], [[t0 + 300 * 60, "n1", "XID 79"], [t0 + 200 * 60, "n9", "GPU Lost"],
+                                                   [t0 + 86400 * 30, "n2", "GPU Lost"]])
+    capsys.readouterr()
+    assert main(["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events, "--json"]) == 0
+    cap = capsys.readouterr()
+    out = _no_nan_json(cap.out)
+    assert out["failures"] == 1 and out["events_total"] == 3
+    assert out["events_not_counted"] == {"node_not_in_metrics": 1, "outside_node_data": 1,
+                                         "warning_window_not_observed": 0}
+    warn = [ln for ln in cap.err.splitlines() if "not counted" in ln]
+    assert len(warn) == 1 and "2 of 3" in warn[0] and "node 'n9' at" in warn[0]
+    none = _write(tmp_path / "none.csv", ["kind"], [[t0 + 200 * 60, "n9", "GPU Lost"],
+                                                   [t0 - 86400, "n1", "GPU Lost"]])
+    err = _one_line_error(capsys, ["predictor", "eval", "--model", model, "--metrics", metrics, "--events", none])
+    assert "none of its 2 events" in err
+
+
+def test_order_error_names_the_file_line_and_resample(tmp_path, capsys):
+    """Second review, finding 9: a node going back in time was reported by its row index ("row 17"), where
+    every other message names file:LINE, and without --resample, which accepts such rows."""
+    rows = _fleet_rows(nodes=1, n=200)
+    rows[20], rows[21] = rows[21], rows[20]  # data rows 21 and 22: the later one is on file line 23
+    path = tmp_path / "m.csv"
+    _write(path, COLS, rows)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:5] + ["\n"] + lines[5:]))  # a blank line before them: line 24 now
+    err = _one_line_error(capsys, ["predictor", "train", "--metrics", str(path), "--out", str(tmp_path / "m.json")])
+    assert f"{path}:24: node 'n0'" in err and "line 23" in err and "--resample" in err, err
+
+
+def test_score_missing_metric_error_names_the_cli_flag(trained, tmp_path, capsys):
+    """Second review, finding 10: ``score`` refused data lacking a model metric with the agent's advice
+    ("enable those detectors ... missing='nan'"); it names ``--missing nan`` as ``eval`` does."""
+    _, _, model = trained
+    path = _write(tmp_path / "m.csv", COLS[:2], [r[:4] for r in _fleet_rows()])  # no req_total
+    err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path])
+    assert "req_total" in err and "--missing nan" in err and "agent" not in err and "missing='nan'" not in err
+    assert main(["predictor", "score", "--model", model, "--metrics", path, "--missing", "nan",
+                 "--out", str(tmp_path / "s.csv")]) == 0
