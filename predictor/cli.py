@@ -84,11 +84,12 @@ def _resampled(table: Any, path: str, resample: float, counters: set[str] | froz
 
 
 def _train(args: argparse.Namespace) -> int:
-    from trainguard.predictor.features import FeatureConfig
+    from trainguard.predictor.features import MIN_PEERS, FeatureConfig
     from trainguard.predictor.table import EventTable, MetricTable
     from trainguard.predictor.training import TrainConfig, column_kinds, train
 
     _check_out_folder(args.out, "--out")
+    notes: list[str] = []  # printed after the summary
     if args.resample is None:
         metrics = _read_metrics(args.metrics, None)
     else:
@@ -101,7 +102,18 @@ def _train(args: argparse.Namespace) -> int:
     events = EventTable.from_csv(args.events) if args.events else None
     interval = args.interval if args.interval is not None else (args.resample or metrics.median_interval() or 60.0)
     span = float(metrics.ts.max() - metrics.ts.min()) if len(metrics.ts) else 0.0
-    features = FeatureConfig.for_data(interval, span, peer=not args.no_peer, short_window_s=args.short_window,
+    peer = not args.no_peer
+    if peer:
+        per_job: dict[str, set[str]] = {}
+        for j, n in zip(metrics.job if metrics.job is not None else [""] * len(metrics.ts), metrics.node):
+            per_job.setdefault(str(j), set()).add(str(n))
+        most = max((len(v) for v in per_job.values()), default=0)
+        if most < MIN_PEERS:
+            # peers would be missing in every row, here and when scoring: every score flagged degraded
+            peer = False
+            notes.append(f"peer features off (as --no-peer): the largest job has {most} node(s), peer z-scores "
+                         f"need {MIN_PEERS} of one job; train on {MIN_PEERS} or more nodes for a fleet model")
+    features = FeatureConfig.for_data(interval, span, peer=peer, short_window_s=args.short_window,
                                       long_window_s=args.long_window)
     cfg = TrainConfig(
         method=args.method, evaluation=_eval_config(args), calib_fraction=args.calib_fraction, seed=args.seed,
@@ -119,6 +131,8 @@ def _train(args: argparse.Namespace) -> int:
           f"{model.eval_config.budget_per_100_node_days / 100:g} alarms/node-day; saved {args.out} ({size} bytes)")
     if s["ignored_columns"]:
         print(f"ignored columns (left to the rules tier or without values): {', '.join(s['ignored_columns'])}")
+    for note in notes:
+        print(note)
     return 0
 
 
@@ -130,8 +144,6 @@ def _threshold_mode(model: Any) -> str:
 
 def _eval(args: argparse.Namespace) -> int:
     import math
-
-    import numpy as np
 
     from trainguard.predictor.calibration import calibrate_table
     from trainguard.predictor.evaluation import (
@@ -257,6 +269,7 @@ def _score(args: argparse.Namespace) -> int:
     peer = rt.model is not None and rt.model.spec.config.peer
     rounds = _score_rounds(metrics.ts, nodes, jobs, interval if peer else None)
     alarms = written = 0
+    rule_alarms: dict[str, int] = {}  # the runtime's status counts the budgeted (learned) tier only
     try:
         out = open(args.out, "w", newline="") if args.out != "-" else sys.stdout
     except OSError as exc:
@@ -276,6 +289,8 @@ def _score(args: argparse.Namespace) -> int:
                 scores = {n: rt.observe(ts_of[n], n, m) for n, m in samples.items()}
             for n, s in scores.items():
                 alarms += int(s.alarm)
+                if s.alarm and s.source == "rules":
+                    rule_alarms[n] = rule_alarms.get(n, 0) + 1
                 written += 1
                 w.writerow([repr(ts_of[n]), n, f"{s.score:.6f}", f"{s.threshold:.6f}", int(s.alarm), s.source,
                             ";".join(f"{k}={v:g}" for k, v in s.top_features), "|".join(s.degraded),
@@ -286,11 +301,17 @@ def _score(args: argparse.Namespace) -> int:
     if written != len(metrics.ts):  # a bug, never a silent loss
         raise _usage(f"scored {written} of {len(metrics.ts)} rows; please report this with the input file")
     src = f" (resampled to {args.resample:g} s)" if args.resample is not None else ""
-    print(f"scored {written} rows{src}, {alarms} above threshold", file=sys.stderr)
+    n_rules = sum(rule_alarms.values())
+    print(f"scored {written} rows{src}, {alarms} above threshold ({alarms - n_rules} learned tier, {n_rules} "
+          "rules-tier)", file=sys.stderr)
     for st in rt.status():
-        if st.observed_days > 0:
-            print(f"node {st.node}: {st.alarms} alarms in {st.observed_days:.2f} days = {st.alarms_per_day:.3g}/day "
-                  f"(budget {st.budget_per_day:g}/day{'' if st.calibrated else ', still warming up'})", file=sys.stderr)
+        rules = rule_alarms.get(st.node, 0)
+        if st.observed_days > 0 or rules:
+            print(f"node {st.node}: {st.alarms} learned-tier alarms in {st.observed_days:.2f} days = "
+                  f"{st.alarms_per_day:.3g}/day (budget {st.budget_per_day:g}/day"
+                  f"{'' if st.calibrated else ', still warming up'})"
+                  + (f"; {rules} rules-tier alarm(s) (fatal faults, outside the budget)" if rules else ""),
+                  file=sys.stderr)
     return 0
 
 

@@ -448,3 +448,39 @@ def test_score_missing_metric_error_names_the_cli_flag(trained, tmp_path, capsys
     assert "req_total" in err and "--missing nan" in err and "agent" not in err and "missing='nan'" not in err
     assert main(["predictor", "score", "--model", model, "--metrics", path, "--missing", "nan",
                  "--out", str(tmp_path / "s.csv")]) == 0
+
+
+def test_score_summary_counts_rules_tier_alarms(tmp_path, capsys):
+    """Second review, finding 11: ``score`` printed "2 above threshold" and then "node n2: 0 alarms": the
+    per-node lines left out the rules tier (a NIC down); they count it now, apart from the budgeted tier."""
+    rows = [r + [0.0 if r[1] == "n2" and 300 <= (r[0] - 1_700_000_000.0) / 60 < 302 else 1.0] for r in _fleet_rows()]
+    path = _write(tmp_path / "m.csv", [*COLS, "nic_up"], rows)
+    model = tmp_path / "m.json"
+    assert main(["predictor", "train", "--metrics", path, "--out", str(model), "--method", "robust-z"]) == 0
+    capsys.readouterr()
+    assert main(["predictor", "score", "--model", str(model), "--metrics", path, "--out", str(tmp_path / "s.csv")]) == 0
+    err = capsys.readouterr().err
+    scored = list(csv.DictReader((tmp_path / "s.csv").open()))
+    rules = [r for r in scored if r["source"] == "rules" and r["alarm"] == "1"]
+    assert {r["node"] for r in rules} == {"n2"} and len(rules) == 2
+    line = next(ln for ln in err.splitlines() if ln.startswith("node n2:"))
+    assert "0 learned-tier alarms" in line and "2 rules-tier alarm(s)" in line, err
+    assert "2 rules-tier" in err.splitlines()[0]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_train_on_fewer_nodes_than_peers_need_turns_peer_features_off(tmp_path, capsys, nodes):
+    """Second review, finding 12: a model trained on one node kept peer features, which need three nodes of a
+    job, so every row it scored was degraded "peer features missing"; training turns them off and says so."""
+    path = _write(tmp_path / "m.csv", COLS, _fleet_rows(nodes=nodes))
+    model = tmp_path / "m.json"
+    capsys.readouterr()
+    assert main(["predictor", "train", "--metrics", path, "--out", str(model), "--method", "robust-z"]) == 0
+    out = capsys.readouterr().out
+    assert "peer features off" in out and "--no-peer" in out
+    from trainguard.predictor.model import PredictorModel
+
+    assert not PredictorModel.load(model).spec.config.peer
+    scores = tmp_path / "s.csv"
+    assert main(["predictor", "score", "--model", str(model), "--metrics", path, "--out", str(scores)]) == 0
+    assert not any("peer" in r["degraded"] for r in csv.DictReader(scores.open()))
