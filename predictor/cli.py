@@ -62,14 +62,25 @@ def _check_out_folder(path: str, flag: str) -> None:
         raise _usage(f"{flag} {path}: folder {folder} does not exist; create it or write somewhere else")
 
 
-def _read_metrics(path: str, resample: float | None, counters: set[str] | frozenset[str] = frozenset()) -> Any:
+def _load_metrics(path: str, check_order: bool = True, used: Any = None) -> Any:
+    """The metrics file, without the non-numeric columns the command does not read (``used``: name -> bool;
+    None: columns without any number), which are named on stderr."""
     from trainguard.predictor.table import MetricTable
 
+    table = MetricTable.from_csv(path, check_order, ignore_text=True, used=used)
+    if table.text_columns:
+        why = "not read by the model or the rules" if used is not None else "text, not metrics"
+        print(f"{path}: ignored non-numeric column(s): {', '.join(table.text_columns)} ({why})", file=sys.stderr)
+    return table
+
+
+def _read_metrics(path: str, resample: float | None, counters: set[str] | frozenset[str] = frozenset(),
+                  used: Any = None) -> Any:
     if resample is None:
-        return MetricTable.from_csv(path)
+        return _load_metrics(path, used=used)
     # resampling sorts each node and merges the samples of a bin, so rows out of order or sharing a
     # timestamp are data to merge, not an error
-    return _resampled(MetricTable.from_csv(path, check_order=False), path, resample, counters)
+    return _resampled(_load_metrics(path, False, used), path, resample, counters)
 
 
 def _resampled(table: Any, path: str, resample: float, counters: set[str] | frozenset[str]) -> Any:
@@ -85,7 +96,7 @@ def _resampled(table: Any, path: str, resample: float, counters: set[str] | froz
 
 def _train(args: argparse.Namespace) -> int:
     from trainguard.predictor.features import MIN_PEERS, FeatureConfig
-    from trainguard.predictor.table import EventTable, MetricTable
+    from trainguard.predictor.table import EventTable
     from trainguard.predictor.training import TrainConfig, column_kinds, train
 
     _check_out_folder(args.out, "--out")
@@ -95,7 +106,7 @@ def _train(args: argparse.Namespace) -> int:
     else:
         # the columns are classified on the raw rows (counters keep their last value in a bin), which need
         # no order for that: --resample accepts rows out of order here as in eval and score
-        raw = MetricTable.from_csv(args.metrics, check_order=False)
+        raw = _load_metrics(args.metrics, check_order=False)
         kinds = column_kinds(raw, tuple(args.counter), tuple(args.gauge))
         counters = {c.name for c in kinds if c.kind is not None and c.kind.value == "counter"}
         metrics = _resampled(raw, args.metrics, args.resample, counters)
@@ -156,7 +167,8 @@ def _eval(args: argparse.Namespace) -> int:
     model = PredictorModel.load(args.model)
     ev = _eval_config(args, model.eval_config)
     truth = _read_faults(args.faults) if args.faults else None
-    metrics = _read_metrics(args.metrics, args.resample, _model_counters(model))
+    used = set(model.spec.metrics)
+    metrics = _read_metrics(args.metrics, args.resample, _model_counters(model), used.__contains__)
     events = EventTable.from_csv(args.events)
     frame, score = score_table(model, metrics, args.missing)
     failures = failures_by_node(events.node, events.ts)
@@ -256,7 +268,7 @@ def _score(args: argparse.Namespace) -> int:
 
     rt = PredictorRuntime.load(args.model, rules_path=args.rules, missing=args.missing)
     counters = _model_counters(rt.model) if rt.model is not None else set()
-    metrics = _read_metrics(args.metrics, args.resample, counters)
+    metrics = _read_metrics(args.metrics, args.resample, counters, _score_reads(rt))
     interval = rt.model.spec.config.interval_s if rt.model is not None else 1.0
     if rt.model is not None:
         from trainguard.predictor.features import align_metrics
@@ -315,6 +327,15 @@ def _score(args: argparse.Namespace) -> int:
     return 0
 
 
+def _score_reads(rt: Any) -> Any:
+    """Whether ``score`` reads a column: a metric of the model or one the rules tier watches."""
+    import fnmatch
+
+    metrics = set(rt.model.spec.metrics) if rt.model is not None else set()
+    patterns = rt.rules.watched_patterns
+    return lambda c: c in metrics or any(fnmatch.fnmatchcase(c, p) for p in patterns)
+
+
 def _score_rounds(ts: Any, nodes: Any, jobs: Any, interval: float | None) -> list[Any]:
     """Row groups in the order they are scored; every row exactly once.
 
@@ -356,12 +377,12 @@ def _metrics(args: argparse.Namespace) -> int:
     if args.metrics:
         from trainguard.predictor.training import column_kinds
 
-        from trainguard.predictor.table import MetricTable
-
-        table = MetricTable.from_csv(args.metrics, check_order=False)  # only its columns are classified
+        table = _load_metrics(args.metrics, check_order=False)  # only its columns are classified
         print(f"columns of {args.metrics}, as training would take them:")
         for c in column_kinds(table, tuple(args.counter), tuple(args.gauge)):
             print(f"  {c.name:28s} {c.kind.value if c.kind else 'unused':8s} ({c.reason})")
+        for name in table.text_columns:
+            print(f"  {name:28s} {'unused':8s} (not numeric)")
     if args.model:
         from trainguard.predictor.model import PredictorModel
 

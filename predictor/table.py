@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -80,6 +80,7 @@ class MetricTable:
         node: node names, shape (n,), dtype object.
         values: shape (n, len(columns)), float64, NaN where missing.
         job: job names, shape (n,), or None (all nodes are one job).
+        text_columns: non-numeric columns :meth:`from_csv` left out (not among ``columns``).
     """
 
     columns: list[str]
@@ -87,6 +88,7 @@ class MetricTable:
     node: np.ndarray
     values: np.ndarray
     job: np.ndarray | None = None
+    text_columns: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.ts = np.asarray(self.ts, dtype=np.float64)
@@ -246,14 +248,22 @@ class MetricTable:
         )
 
     @classmethod
-    def from_csv(cls, path: str | Path, check_order: bool = True) -> "MetricTable":
+    def from_csv(cls, path: str | Path, check_order: bool = True, ignore_text: bool = False,
+                 used: Callable[[str], bool] | None = None) -> "MetricTable":
         """Reads a metrics CSV file.
+
+        A cell that is not a number is refused, except with ``ignore_text``: then its column is left out (named
+        in ``text_columns``) when it is not ``used``, or, with ``used`` None, when none of its cells is a number
+        (a text column such as a status); a bad cell in any other column is still refused.
 
         Args:
             path: file path.
             check_order: refuse a node whose timestamps do not strictly increase (default). False only for a
                 table that is resampled next (:meth:`resample` sorts each node and merges samples of one bin)
                 or whose columns are only classified.
+            ignore_text: leave non-numeric columns out instead of refusing them (default False).
+            used: with ``ignore_text``, whether the caller reads a metric column (a model's, the rules'); None
+                when it cannot know yet (training).
 
         Returns:
             The validated table.
@@ -263,7 +273,8 @@ class MetricTable:
         """
         path = Path(path)
         try:
-            with path.open(newline="", encoding="utf-8") as fh:
+            # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
+            with path.open(newline="", encoding="utf-8-sig") as fh:
                 reader = csv.reader(fh)
                 header = next(reader, None)
                 if header is None:
@@ -283,6 +294,8 @@ class MetricTable:
                 jobs: list[str] = []
                 rows: list[list[float]] = []
                 lines: list[int] = []
+                bad: dict[int, tuple[int, DataFormatError]] = {}  # column -> first non-numeric cell
+                numeric = [False] * len(metric_idx)
                 for line_no, row in enumerate(reader, start=2):
                     if not row:
                         continue
@@ -296,7 +309,16 @@ class MetricTable:
                     nodes.append(row[i_node].strip())
                     if i_job is not None:
                         jobs.append(row[i_job].strip())
-                    rows.append([_parse_value(row[i], f"{where} column {header[i]!r}") for i in metric_idx])
+                    cells: list[float] = []
+                    for k, i in enumerate(metric_idx):
+                        try:
+                            v = _parse_value(row[i], f"{where} column {header[i]!r}")
+                        except DataFormatError as exc:
+                            bad.setdefault(k, (line_no, exc))
+                            v = math.nan
+                        numeric[k] = numeric[k] or v == v
+                        cells.append(v)
+                    rows.append(cells)
         except OSError as exc:
             raise DataFormatError(f"{path}: cannot read metrics file ({exc.strerror}); check the path") from exc
         except UnicodeDecodeError as exc:
@@ -304,10 +326,17 @@ class MetricTable:
         if not ts:
             raise DataFormatError(f"{path}: no data rows after the header; give at least a row per node and interval")
         _check_seconds(path, ts)
-        values = np.array(rows, dtype=np.float64).reshape(len(rows), len(columns))
+        refused = [bad[k] for k in bad
+                   if not ignore_text or (used(columns[k]) if used is not None else numeric[k])]
+        if refused:
+            raise min(refused, key=lambda b: b[0])[1]
+        keep = [k for k in range(len(columns)) if k not in bad]
+        values = np.array(rows, dtype=np.float64).reshape(len(rows), len(columns))[:, keep]
         table = cls.__new__(cls)
-        table.columns, table.ts, table.node, table.values = columns, np.array(ts), np.array(nodes, dtype=object), values
+        table.columns, table.ts, table.node, table.values = ([columns[k] for k in keep], np.array(ts),
+                                                             np.array(nodes, dtype=object), values)
         table.job = np.array(jobs, dtype=object) if i_job is not None else None
+        table.text_columns = [columns[k] for k in sorted(bad)]
         table.validate(str(path), check_order, lines)
         return table
 
@@ -373,7 +402,7 @@ class EventTable:
         """
         path = Path(path)
         try:
-            with path.open(newline="", encoding="utf-8") as fh:
+            with path.open(newline="", encoding="utf-8-sig") as fh:
                 reader = csv.reader(fh)
                 header = [h.strip() for h in (next(reader, None) or [])]
                 missing = [c for c in ("timestamp", "node", "kind") if c not in header]

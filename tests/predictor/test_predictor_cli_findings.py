@@ -484,3 +484,38 @@ def test_train_on_fewer_nodes_than_peers_need_turns_peer_features_off(tmp_path, 
     scores = tmp_path / "s.csv"
     assert main(["predictor", "score", "--model", str(model), "--metrics", path, "--out", str(scores)]) == 0
     assert not any("peer" in r["degraded"] for r in csv.DictReader(scores.open()))
+
+
+def test_bom_header_and_unused_text_columns_are_read(trained, tmp_path, capsys):
+    """Second review, finding 13: a header starting with a UTF-8 BOM gave "missing column(s) ['timestamp']",
+    and a text column no model reads (``status``) blocked scoring; the BOM is skipped and unused text columns
+    are ignored with a line naming them, while a bad cell in a column the model uses is still refused."""
+    d, metrics, model = trained
+    rows = _fleet_rows()
+    plain = tmp_path / "plain.csv"
+    _write(plain, COLS, rows)
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert main(["predictor", "score", "--model", model, "--metrics", str(bom), "--out", str(tmp_path / "s.csv")]) == 0
+    assert main(["predictor", "train", "--metrics", str(bom), "--out", str(tmp_path / "b.json"),
+                 "--method", "robust-z"]) == 0
+    text = _write(tmp_path / "text.csv", [*COLS, "status"], [r + ["ok" if i % 5 else "degraded"]
+                                                             for i, r in enumerate(rows)])
+    events = _write(tmp_path / "e.csv", ["kind"], [])
+    capsys.readouterr()
+    for argv in (["score", "--model", model, "--metrics", text, "--out", str(tmp_path / "s.csv")],
+                 ["eval", "--model", model, "--metrics", text, "--events", events],
+                 ["train", "--metrics", text, "--out", str(tmp_path / "t.json"), "--method", "robust-z"]):
+        assert main(["predictor", *argv]) == 0, argv
+        cap = capsys.readouterr()
+        assert "ignored non-numeric column(s): status" in cap.out + cap.err, argv
+    from trainguard.predictor.model import PredictorModel
+
+    assert "status" not in PredictorModel.load(tmp_path / "t.json").spec.metrics
+    bad = [list(r) for r in rows]
+    bad[100][2] = "N/A"  # latency_ms, which the model uses
+    bad_cell = _write(tmp_path / "bad.csv", COLS, bad)
+    for argv in (["score", "--model", model, "--metrics", bad_cell],
+                 ["train", "--metrics", bad_cell, "--out", str(tmp_path / "t.json")]):
+        err = _one_line_error(capsys, ["predictor", *argv])
+        assert f"{bad_cell}:102 column 'latency_ms': value 'N/A' is not a number" in err
