@@ -19,15 +19,15 @@ from typing import Any
 def _add_eval_args(p: argparse.ArgumentParser, defaults: bool) -> None:
     """Horizon, lead, cooldown and budget; at ``eval`` they default to the model's own (None)."""
     d = (lambda v: v) if defaults else (lambda v: None)
-    own = "" if defaults else "; default: the model's"
+    own = (lambda v: f"default {v}") if defaults else (lambda v: "default: the model's")
     p.add_argument("--horizon", type=float, default=d(1800.0),
-                   help=f"H: earliest useful warning, seconds (default 1800{own})")
+                   help=f"H: earliest useful warning, seconds ({own('1800')})")
     p.add_argument("--min-lead", "--lead", dest="min_lead", type=float, default=d(120.0),
-                   help=f"L: checkpoint time, the least useful lead, seconds (default 120{own})")
+                   help=f"L: checkpoint time, the least useful lead, seconds ({own('120')})")
     p.add_argument("--cooldown", type=float, default=d(1200.0),
-                   help=f"least time between two alarms of a node (and repeat interval), seconds (default 1200{own})")
+                   help=f"least time between two alarms of a node (and repeat interval), seconds ({own('1200')})")
     p.add_argument("--budget", type=float, default=d(1.0),
-                   help=f"false alarms allowed per 100 node-days (default 1, i.e. 0.01 per node-day{own})")
+                   help=f"false alarms allowed per 100 node-days ({own('1, i.e. 0.01 per node-day')})")
 
 
 def _eval_config(args: argparse.Namespace, base: Any = None) -> Any:
@@ -45,6 +45,13 @@ def _eval_config(args: argparse.Namespace, base: Any = None) -> Any:
     if cfg.min_lead_s >= cfg.horizon_s:
         raise _usage(f"--min-lead {cfg.min_lead_s:g} must be below --horizon {cfg.horizon_s:g}")
     return cfg
+
+
+def _local(path: str) -> str:
+    """argparse type of every file argument: a URL would otherwise be read as the local path ``https:/...``."""
+    if "://" in path:
+        raise argparse.ArgumentTypeError(f"{path}: only local files are read, not URLs; download it first")
+    return path
 
 
 def _usage(msg: str) -> Exception:
@@ -91,7 +98,12 @@ def _resampled(table: Any, path: str, resample: float, counters: set[str] | froz
     if dup:
         print(f"{path}: merged {dup} row(s) that repeat a node's timestamp into their {resample:g} s bin "
               "(gauges averaged, counters' last value)", file=sys.stderr)
-    return table.resample(resample, counters)
+    out = table.resample(resample, counters)
+    other = len(table.ts) - len(out.ts) - dup  # every bin is one row: the rest went into a bin with another
+    if other:
+        print(f"{path}: merged {other} row(s) sampled at other times into the {resample:g} s bin of another sample "
+              "of their node (gauges averaged, counters' last value)", file=sys.stderr)
+    return out
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -99,6 +111,13 @@ def _train(args: argparse.Namespace) -> int:
     from trainguard.predictor.table import EventTable
     from trainguard.predictor.training import TrainConfig, column_kinds, train
 
+    for flag, v in (("--interval", args.interval), ("--short-window", args.short_window),
+                    ("--long-window", args.long_window), ("--resample", args.resample)):
+        if v is not None and not 0 < v < float("inf"):
+            raise _usage(f"{flag} {v:g}: must be a positive number of seconds (or leave it out)")
+    if not 0.05 <= args.calib_fraction <= 0.8:
+        raise _usage(f"--calib-fraction {args.calib_fraction:g}: must be within [0.05, 0.8] (the trailing share of "
+                     "the history that calibrates the threshold; default 0.25)")
     _check_out_folder(args.out, "--out")
     notes: list[str] = []  # printed after the summary
     if args.resample is None:
@@ -371,22 +390,27 @@ def _score_rounds(ts: Any, nodes: Any, jobs: Any, interval: float | None) -> lis
 def _metrics(args: argparse.Namespace) -> int:
     from trainguard.predictor.catalog import CATALOG
 
-    print("catalog (the detectors' names; any other numeric column is accepted too):")
-    for m in CATALOG:
-        print(f"  {m.name:28s} {m.kind.value:8s} {m.unit:9s} {m.description}")
+    # every file is read before anything is printed: an error is then the only output
+    table = kinds = model = None
     if args.metrics:
         from trainguard.predictor.training import column_kinds
 
         table = _load_metrics(args.metrics, check_order=False)  # only its columns are classified
-        print(f"columns of {args.metrics}, as training would take them:")
-        for c in column_kinds(table, tuple(args.counter), tuple(args.gauge)):
-            print(f"  {c.name:28s} {c.kind.value if c.kind else 'unused':8s} ({c.reason})")
-        for name in table.text_columns:
-            print(f"  {name:28s} {'unused':8s} (not numeric)")
+        kinds = column_kinds(table, tuple(args.counter), tuple(args.gauge))
     if args.model:
         from trainguard.predictor.model import PredictorModel
 
         model = PredictorModel.load(args.model)
+    print("catalog (the detectors' names; any other numeric column is accepted too):")
+    for m in CATALOG:
+        print(f"  {m.name:28s} {m.kind.value:8s} {m.unit:9s} {m.description}")
+    if table is not None and kinds is not None:
+        print(f"columns of {args.metrics}, as training would take them:")
+        for c in kinds:
+            print(f"  {c.name:28s} {c.kind.value if c.kind else 'unused':8s} ({c.reason})")
+        for name in table.text_columns:
+            print(f"  {name:28s} {'unused':8s} (not numeric)")
+    if model is not None:
         print(f"metrics of {args.model}:")
         for m, k in zip(model.spec.metrics, model.spec.kinds):
             print(f"  {m:28s} {k}")
@@ -451,9 +475,9 @@ def register(subparsers: Any) -> None:
     top.set_defaults(handler=lambda a: (top.print_help(), 2)[1])
 
     p = sub.add_parser("train", help="fit a model on a metrics history (CSV) and save it")
-    p.add_argument("--metrics", required=True, help="metrics CSV: timestamp,node[,job],<metrics...>")
-    p.add_argument("--events", help="failures CSV: timestamp,node,kind (without: unsupervised)")
-    p.add_argument("--out", required=True, help="model file to write (JSON)")
+    p.add_argument("--metrics", required=True, type=_local, help="metrics CSV: timestamp,node[,job],<metrics...>")
+    p.add_argument("--events", type=_local, help="failures CSV: timestamp,node,kind (without: unsupervised)")
+    p.add_argument("--out", required=True, type=_local, help="model file to write (JSON)")
     p.add_argument("--method", default="auto", choices=["auto", "hgb", "robust-z", "threshold"])
     p.add_argument("--interval", type=float, help="sampling interval of the data, seconds (default: measured)")
     p.add_argument("--short-window", type=float, help="short feature window, seconds (default: from the interval)")
@@ -469,10 +493,13 @@ def register(subparsers: Any) -> None:
     p.set_defaults(handler=_train)
 
     p = sub.add_parser("eval", help="event recall, lead times and false alarms of a model on data")
-    p.add_argument("--model", required=True)
-    p.add_argument("--metrics", required=True)
-    p.add_argument("--events", required=True)
-    p.add_argument("--faults", help="faults.json of gen-trace: also report recall on predictable faults")
+    p.add_argument("--model", required=True, type=_local, help="model file written by `train`")
+    p.add_argument("--metrics", required=True, type=_local,
+                   help="metrics CSV to evaluate on: timestamp,node[,job],<metrics...> (other nodes or a later period)")
+    p.add_argument("--events", required=True, type=_local,
+                   help="failures CSV of the same nodes and period: timestamp,node,kind")
+    p.add_argument("--faults", type=_local,
+                   help="faults.json of gen-trace: also report recall on predictable faults")
     p.add_argument("--threshold", type=float, help="one fixed threshold for every node instead of the model's")
     p.add_argument("--missing", default="error", choices=["error", "nan"], help="model metrics absent from the data")
     p.add_argument("--resample", type=float, help="bring the data to this interval, seconds, first")
@@ -481,36 +508,38 @@ def register(subparsers: Any) -> None:
     p.set_defaults(handler=_eval)
 
     p = sub.add_parser("score", help="stream a metrics CSV through the online runtime (rules + model)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--metrics", required=True)
-    p.add_argument("--out", default="-", help="scores CSV ('-' for stdout)")
-    p.add_argument("--rules", help="rules file (default: the shipped rules.json)")
+    p.add_argument("--model", required=True, type=_local, help="model file written by `train`")
+    p.add_argument("--metrics", required=True, type=_local,
+                   help="metrics CSV to score: timestamp,node[,job],<metrics...>")
+    p.add_argument("--out", default="-", type=_local, help="scores CSV ('-' for stdout)")
+    p.add_argument("--rules", type=_local, help="rules file (default: the shipped rules.json)")
     p.add_argument("--missing", default="error", choices=["error", "nan"])
     p.add_argument("--resample", type=float, help="bring the data to this interval, seconds, first")
     p.set_defaults(handler=_score)
 
     p = sub.add_parser("metrics", help="list the metric catalog and how each column of a file is taken")
-    p.add_argument("--metrics", help="metrics CSV: show what each column is taken as (counter, gauge, unused)")
-    p.add_argument("--model", help="model file: show its metrics and their kinds")
+    p.add_argument("--metrics", type=_local,
+                   help="metrics CSV: show what each column is taken as (counter, gauge, unused)")
+    p.add_argument("--model", type=_local, help="model file: show its metrics and their kinds")
     _add_column_args(p, resample=False)
     p.set_defaults(handler=_metrics)
 
     p = sub.add_parser("export", help="export the agent's history store to CSV")
-    p.add_argument("--history", required=True, help="history SQLite file")
-    p.add_argument("--metrics", required=True)
-    p.add_argument("--events", required=True)
+    p.add_argument("--history", required=True, type=_local, help="history SQLite file")
+    p.add_argument("--metrics", required=True, type=_local, help="metrics CSV to write")
+    p.add_argument("--events", required=True, type=_local, help="events CSV to write")
     p.add_argument("--since", type=float, help="only data at or after this Unix time")
     p.set_defaults(handler=_export)
 
     p = sub.add_parser("gen-trace", help="write a synthetic trace following StepFun's fault mix")
-    p.add_argument("--out", required=True, help="folder for metrics.csv, events.csv, faults.json")
+    p.add_argument("--out", required=True, type=_local, help="folder for metrics.csv, events.csv, faults.json")
     p.add_argument("--nodes", type=int, default=16)
     p.add_argument("--days", type=float, default=2.0)
     p.add_argument("--interval", type=float, default=30.0)
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiplier of StepFun's fault rate")
     p.add_argument("--repair-scale", type=float, default=1.0, help="multiplier of the trace's repair times")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trace", "--trace-dir", dest="trace_dir", metavar="DIR",
+    p.add_argument("--trace", "--trace-dir", dest="trace_dir", metavar="DIR", type=_local,
                    help="StepFun trace folder (default: $TRAINGUARD_FAULT_TRACE_DIR, the wheel's copy, "
                         "shared/data/stepfun-fault-trace beside the checkout)")
     p.set_defaults(handler=_gen_trace)

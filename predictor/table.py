@@ -28,9 +28,14 @@ from trainguard.predictor.errors import DataFormatError
 
 def _parse_time(text: str, where: str) -> float:
     try:
-        return float(text)
+        t = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(t):
+            raise DataFormatError(f"{where}: timestamp {text!r} is not a time; every row needs its Unix seconds or "
+                                  "ISO 8601 time")
+        return t
     try:
         dt = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:

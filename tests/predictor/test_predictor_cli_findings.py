@@ -519,3 +519,76 @@ def test_bom_header_and_unused_text_columns_are_read(trained, tmp_path, capsys):
                  ["train", "--metrics", bad_cell, "--out", str(tmp_path / "t.json")]):
         err = _one_line_error(capsys, ["predictor", *argv])
         assert f"{bad_cell}:102 column 'latency_ms': value 'N/A' is not a number" in err
+
+
+def test_small_findings_urls_nan_timestamps_and_flag_names(trained, tmp_path, capsys):
+    """Second review, finding 14: a URL was read as the local path "https:/..."; a NaN timestamp's error named
+    no row; ``--interval nan`` advised "--short-window nan"; ``--calib-fraction 2`` did not name the flag."""
+    d, metrics, model = trained
+    url = "https://example.com/m.csv"
+    for argv in (["score", "--model", model, "--metrics", url], ["train", "--metrics", url, "--out", "x.json"],
+                 ["eval", "--model", "https://example.com/m.json", "--metrics", metrics, "--events", url]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as ei:
+            main(["predictor", *argv])
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert "only local files" in err and "https://example.com/m." in err
+    rows = _fleet_rows()
+    rows[30][0] = float("nan")  # file line 32
+    nan_ts = tmp_path / "nan_ts.csv"
+    with open(nan_ts, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["timestamp", "node", *COLS])
+        w.writerows([["nan" if r[0] != r[0] else r[0], *r[1:]] for r in rows])
+    err = _one_line_error(capsys, ["predictor", "train", "--metrics", str(nan_ts), "--out", str(tmp_path / "m.json")])
+    assert f"{nan_ts}:32:" in err and "timestamp" in err
+    for flag, value in (("--interval", "nan"), ("--interval", "-5"), ("--short-window", "nan"),
+                        ("--long-window", "0")):
+        err = _one_line_error(capsys, ["predictor", "train", "--metrics", metrics, "--out", str(tmp_path / "m.json"),
+                                       flag, value])
+        assert err.startswith(f"trainguard: error: {flag} {value}: must be a positive"), err
+    for value in ("2", "0.01", "nan"):
+        err = _one_line_error(capsys, ["predictor", "train", "--metrics", metrics, "--out", str(tmp_path / "m.json"),
+                                       "--calib-fraction", value])
+        assert f"--calib-fraction {value}" in err and "0.05" in err and "0.8" in err
+
+
+def test_eval_and_score_help_texts(capsys):
+    """Second review, finding 14: ``eval --help`` said "(default 1800; default: the model's)", and --model,
+    --metrics and --events of eval and score had no help text."""
+    for cmd in ("eval", "score"):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            main(["predictor", cmd, "--help"])
+        text = " ".join(capsys.readouterr().out.split("options:")[1].split())
+        for flag in ("--model MODEL", "--metrics METRICS") + (("--events EVENTS",) if cmd == "eval" else ()):
+            assert text.split(flag)[1].split()[0] not in ("--metrics", "--events", "--out", "--faults"), (cmd, flag)
+        if cmd == "eval":
+            assert "(default: the model's)" in text and "default 1800" not in text
+
+
+def test_metrics_reads_the_file_before_listing_the_catalog(tmp_path, capsys):
+    """Second review, finding 14: ``metrics --metrics bad.csv`` printed the whole catalog, then the error."""
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,host,x\n1,a,2\n")
+    capsys.readouterr()
+    assert main(["predictor", "metrics", "--metrics", str(bad)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "missing column" in cap.err
+
+
+def test_resample_reports_samples_merged_at_other_times(tmp_path, capsys):
+    """Second review, finding 14: ``--resample`` reported samples repeating a timestamp that it merged, but
+    not samples at other times merged into one bin; both are counted now."""
+    rows = _fleet_rows(n=900, step=20.0)  # three samples of a node in each 60 s bin
+    path = _write(tmp_path / "m.csv", COLS, rows + [list(rows[-1])])  # and one exact repeat
+    model = tmp_path / "m.json"
+    capsys.readouterr()
+    assert main(["predictor", "train", "--metrics", path, "--out", str(model), "--method", "robust-z",
+                 "--resample", "60"]) == 0
+    err = capsys.readouterr().err
+    assert "merged 1 row(s) that repeat a node's timestamp" in err
+    # 2700 distinct samples in 900 bins (3 x 300, and a bin boundary may split none: t0 is a multiple of 20)
+    bins = len({(r[1], int(r[0] // 60)) for r in rows})
+    assert f"merged {len(rows) - bins} row(s) sampled at other times into the 60 s bin" in err, err
