@@ -19,15 +19,15 @@ from typing import Any
 def _add_eval_args(p: argparse.ArgumentParser, defaults: bool) -> None:
     """Horizon, lead, cooldown and budget; at ``eval`` they default to the model's own (None)."""
     d = (lambda v: v) if defaults else (lambda v: None)
-    own = "" if defaults else "; default: the model's"
+    own = (lambda v: f"default {v}") if defaults else (lambda v: "default: the model's")
     p.add_argument("--horizon", type=float, default=d(1800.0),
-                   help=f"H: earliest useful warning, seconds (default 1800{own})")
+                   help=f"H: earliest useful warning, seconds ({own('1800')})")
     p.add_argument("--min-lead", "--lead", dest="min_lead", type=float, default=d(120.0),
-                   help=f"L: checkpoint time, the least useful lead, seconds (default 120{own})")
+                   help=f"L: checkpoint time, the least useful lead, seconds ({own('120')})")
     p.add_argument("--cooldown", type=float, default=d(1200.0),
-                   help=f"least time between two alarms of a node (and repeat interval), seconds (default 1200{own})")
+                   help=f"least time between two alarms of a node (and repeat interval), seconds ({own('1200')})")
     p.add_argument("--budget", type=float, default=d(1.0),
-                   help=f"false alarms allowed per 100 node-days (default 1, i.e. 0.01 per node-day{own})")
+                   help=f"false alarms allowed per 100 node-days ({own('1, i.e. 0.01 per node-day')})")
 
 
 def _eval_config(args: argparse.Namespace, base: Any = None) -> Any:
@@ -47,43 +47,103 @@ def _eval_config(args: argparse.Namespace, base: Any = None) -> Any:
     return cfg
 
 
+def _local(path: str) -> str:
+    """argparse type of every file argument: a URL would otherwise be read as the local path ``https:/...``."""
+    if "://" in path:
+        raise argparse.ArgumentTypeError(f"{path}: only local files are read, not URLs; download it first")
+    return path
+
+
 def _usage(msg: str) -> Exception:
     from trainguard.predictor.errors import PredictorError
 
     return PredictorError(msg)
 
 
-def _read_metrics(path: str, resample: float | None, counters: set[str] | frozenset[str] = frozenset()) -> Any:
+def _check_out_folder(path: str, flag: str) -> None:
+    """Refuses an output path whose folder does not exist before any work is done (training can take minutes)."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise _usage(f"{flag} {path}: folder {folder} does not exist; create it or write somewhere else")
+
+
+def _load_metrics(path: str, check_order: bool = True, used: Any = None) -> Any:
+    """The metrics file, without the non-numeric columns the command does not read (``used``: name -> bool;
+    None: columns without any number), which are named on stderr."""
     from trainguard.predictor.table import MetricTable
 
+    table = MetricTable.from_csv(path, check_order, ignore_text=True, used=used)
+    if table.text_columns:
+        why = "not read by the model or the rules" if used is not None else "text, not metrics"
+        print(f"{path}: ignored non-numeric column(s): {', '.join(table.text_columns)} ({why})", file=sys.stderr)
+    return table
+
+
+def _read_metrics(path: str, resample: float | None, counters: set[str] | frozenset[str] = frozenset(),
+                  used: Any = None) -> Any:
     if resample is None:
-        return MetricTable.from_csv(path)
-    if resample <= 0:
-        raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
+        return _load_metrics(path, used=used)
     # resampling sorts each node and merges the samples of a bin, so rows out of order or sharing a
     # timestamp are data to merge, not an error
-    table = MetricTable.from_csv(path, check_order=False)
+    return _resampled(_load_metrics(path, False, used), path, resample, counters)
+
+
+def _resampled(table: Any, path: str, resample: float, counters: set[str] | frozenset[str]) -> Any:
+    """``table`` (read without the order check) on a ``resample`` s grid, saying how many rows were merged."""
+    if not resample > 0:
+        raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
     dup = table.duplicate_rows()
     if dup:
         print(f"{path}: merged {dup} row(s) that repeat a node's timestamp into their {resample:g} s bin "
               "(gauges averaged, counters' last value)", file=sys.stderr)
-    return table.resample(resample, counters)
+    out = table.resample(resample, counters)
+    other = len(table.ts) - len(out.ts) - dup  # every bin is one row: the rest went into a bin with another
+    if other:
+        print(f"{path}: merged {other} row(s) sampled at other times into the {resample:g} s bin of another sample "
+              "of their node (gauges averaged, counters' last value)", file=sys.stderr)
+    return out
 
 
 def _train(args: argparse.Namespace) -> int:
-    from trainguard.predictor.features import FeatureConfig
+    from trainguard.predictor.features import MIN_PEERS, FeatureConfig
     from trainguard.predictor.table import EventTable
     from trainguard.predictor.training import TrainConfig, column_kinds, train
 
-    metrics = _read_metrics(args.metrics, None)
-    if args.resample is not None:
-        kinds = column_kinds(metrics, tuple(args.counter), tuple(args.gauge))
+    for flag, v in (("--interval", args.interval), ("--short-window", args.short_window),
+                    ("--long-window", args.long_window), ("--resample", args.resample)):
+        if v is not None and not 0 < v < float("inf"):
+            raise _usage(f"{flag} {v:g}: must be a positive number of seconds (or leave it out)")
+    if not 0.05 <= args.calib_fraction <= 0.8:
+        raise _usage(f"--calib-fraction {args.calib_fraction:g}: must be within [0.05, 0.8] (the trailing share of "
+                     "the history that calibrates the threshold; default 0.25)")
+    _check_out_folder(args.out, "--out")
+    notes: list[str] = []  # printed after the summary
+    if args.resample is None:
+        metrics = _read_metrics(args.metrics, None)
+    else:
+        # the columns are classified on the raw rows (counters keep their last value in a bin), which need
+        # no order for that: --resample accepts rows out of order here as in eval and score
+        raw = _load_metrics(args.metrics, check_order=False)
+        kinds = column_kinds(raw, tuple(args.counter), tuple(args.gauge))
         counters = {c.name for c in kinds if c.kind is not None and c.kind.value == "counter"}
-        metrics = _read_metrics(args.metrics, args.resample, counters)
+        metrics = _resampled(raw, args.metrics, args.resample, counters)
     events = EventTable.from_csv(args.events) if args.events else None
     interval = args.interval if args.interval is not None else (args.resample or metrics.median_interval() or 60.0)
     span = float(metrics.ts.max() - metrics.ts.min()) if len(metrics.ts) else 0.0
-    features = FeatureConfig.for_data(interval, span, peer=not args.no_peer, short_window_s=args.short_window,
+    peer = not args.no_peer
+    if peer:
+        per_job: dict[str, set[str]] = {}
+        for j, n in zip(metrics.job if metrics.job is not None else [""] * len(metrics.ts), metrics.node):
+            per_job.setdefault(str(j), set()).add(str(n))
+        most = max((len(v) for v in per_job.values()), default=0)
+        if most < MIN_PEERS:
+            # peers would be missing in every row, here and when scoring: every score flagged degraded
+            peer = False
+            notes.append(f"peer features off (as --no-peer): the largest job has {most} node(s), peer z-scores "
+                         f"need {MIN_PEERS} of one job; train on {MIN_PEERS} or more nodes for a fleet model")
+    features = FeatureConfig.for_data(interval, span, peer=peer, short_window_s=args.short_window,
                                       long_window_s=args.long_window)
     cfg = TrainConfig(
         method=args.method, evaluation=_eval_config(args), calib_fraction=args.calib_fraction, seed=args.seed,
@@ -101,6 +161,8 @@ def _train(args: argparse.Namespace) -> int:
           f"{model.eval_config.budget_per_100_node_days / 100:g} alarms/node-day; saved {args.out} ({size} bytes)")
     if s["ignored_columns"]:
         print(f"ignored columns (left to the rules tier or without values): {', '.join(s['ignored_columns'])}")
+    for note in notes:
+        print(note)
     return 0
 
 
@@ -113,21 +175,25 @@ def _threshold_mode(model: Any) -> str:
 def _eval(args: argparse.Namespace) -> int:
     import math
 
-    import numpy as np
-
     from trainguard.predictor.calibration import calibrate_table
-    from trainguard.predictor.evaluation import calibrate_threshold, evaluate_events, failures_by_node
+    from trainguard.predictor.evaluation import (
+        calibrate_threshold, evaluate_events, failures_by_node, uncounted_events,
+    )
     from trainguard.predictor.model import PredictorModel, _json_safe
     from trainguard.predictor.table import EventTable
     from trainguard.predictor.training import calibration_scores, score_table
 
     model = PredictorModel.load(args.model)
     ev = _eval_config(args, model.eval_config)
-    metrics = _read_metrics(args.metrics, args.resample, _model_counters(model))
+    truth = _read_faults(args.faults) if args.faults else None
+    used = set(model.spec.metrics)
+    metrics = _read_metrics(args.metrics, args.resample, _model_counters(model), used.__contains__)
     events = EventTable.from_csv(args.events)
     frame, score = score_table(model, metrics, args.missing)
     failures = failures_by_node(events.node, events.ts)
     interval = model.spec.config.interval_s
+    uncounted = uncounted_events(events.node, events.ts, frame.ts, frame.node, ev, interval)
+    _report_uncounted(args.events, args.metrics, len(events), uncounted)
     if args.threshold is not None or model.calibration is None:
         thr = model.threshold if args.threshold is None else args.threshold
         mode = "fixed"
@@ -140,6 +206,8 @@ def _eval(args: argparse.Namespace) -> int:
         mode = "online per node and metric family" if cal.per_family else "online per node"
         rep = evaluate_events(frame.ts, frame.node, margin, 0.0, failures, ev, interval)
     out = rep.summary()
+    out["events_total"] = len(events)
+    out["events_not_counted"] = {k: len(v) for k, v in uncounted.items()}
     if mode != "fixed":
         out["threshold"] = None  # one per node, changing over time
     out["threshold_mode"] = mode
@@ -152,9 +220,7 @@ def _eval(args: argparse.Namespace) -> int:
     out["hindsight_threshold"], out["hindsight_recall"] = best_thr, best.recall
     if frame.missing_metrics:
         out["degraded_missing_metrics"] = frame.missing_metrics
-    if args.faults:
-        with open(args.faults) as fh:
-            truth = json.load(fh)["faults"]
+    if truth is not None:
         keys = {(f["node"], float(f["ts"])) for f in truth if f.get("predictable")}
         c, t = rep.recall_of(keys)
         out["predictable_failures"], out["predictable_caught"] = t, c
@@ -165,6 +231,47 @@ def _eval(args: argparse.Namespace) -> int:
         for k, v in out.items():
             print(f"{k:32s} {v:.4f}" if isinstance(v, float) and not math.isnan(v) else f"{k:32s} {v}")
     return 0
+
+
+def _report_uncounted(events_path: str, metrics_path: str, total: int,
+                      uncounted: dict[str, list[tuple[str, float]]]) -> None:
+    """One warning line for events eval cannot count as failures; refuses an events file none of whose events
+    falls on a node and time of the metrics (the wrong file, or another unit of time)."""
+    from trainguard.predictor.table import _fmt_ts
+
+    why = {"node_not_in_metrics": "on nodes absent from the metrics",
+           "outside_node_data": "outside their node's data",
+           "warning_window_not_observed": "within the first --horizon of their node's data (no warning window)"}
+    n = sum(len(v) for v in uncounted.values())
+    if not n:
+        return
+    key = next(k for k, v in uncounted.items() if v)
+    node, t = uncounted[key][0]
+    example = f"e.g. node {node!r} at {_fmt_ts(t)}"
+    unmatched = len(uncounted["node_not_in_metrics"]) + len(uncounted["outside_node_data"])
+    if unmatched == total:
+        raise _usage(f"{events_path}: none of its {total} events falls on a node and time of {metrics_path} "
+                     f"({example}, {why[key]}); give the events of the same nodes and period (timestamps in Unix "
+                     "seconds)")
+    parts = ", ".join(f"{len(v)} {why[k]}" for k, v in uncounted.items() if v)
+    print(f"{events_path}: {n} of {total} events not counted as failures: {parts}; {example}", file=sys.stderr)
+
+
+def _read_faults(path: str) -> list[dict[str, Any]]:
+    """The ``faults`` list of a gen-trace ``faults.json`` (each with ``node``, ``ts``, ``predictable``)."""
+    what = "pass the faults.json that `trainguard predictor gen-trace` wrote beside the metrics"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except OSError as exc:
+        raise _usage(f"--faults {path}: cannot read it ({exc.strerror}); {what}") from exc
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise _usage(f"--faults {path}: not JSON (truncated?); {what}") from exc
+    faults = doc.get("faults") if isinstance(doc, dict) else None
+    if not (isinstance(faults, list) and all(isinstance(f, dict) and isinstance(f.get("ts"), (int, float))
+                                             and "node" in f for f in faults)):
+        raise _usage(f"--faults {path}: not a faults file (no 'faults' list of node, ts, predictable); {what}")
+    return faults
 
 
 def _model_counters(model: Any) -> set[str]:
@@ -180,19 +287,25 @@ def _score(args: argparse.Namespace) -> int:
 
     rt = PredictorRuntime.load(args.model, rules_path=args.rules, missing=args.missing)
     counters = _model_counters(rt.model) if rt.model is not None else set()
-    metrics = _read_metrics(args.metrics, args.resample, counters)
-    rt.check_metrics(metrics.columns)
+    metrics = _read_metrics(args.metrics, args.resample, counters, _score_reads(rt))
     interval = rt.model.spec.config.interval_s if rt.model is not None else 1.0
     if rt.model is not None:
-        from trainguard.predictor.features import check_interval
+        from trainguard.predictor.features import align_metrics
+        from trainguard.predictor.training import check_sampling
 
-        check_interval(metrics, interval)
+        align_metrics(metrics.columns, rt.model.spec, args.missing)  # eval's check, naming --missing nan
+        check_sampling(metrics, interval)
     jobs = metrics.job.astype(str) if metrics.job is not None else np.full(len(metrics.ts), "")
     nodes = metrics.node.astype(str)
     peer = rt.model is not None and rt.model.spec.config.peer
     rounds = _score_rounds(metrics.ts, nodes, jobs, interval if peer else None)
     alarms = written = 0
-    out = open(args.out, "w", newline="") if args.out != "-" else sys.stdout
+    rule_alarms: dict[str, int] = {}  # the runtime's status counts the budgeted (learned) tier only
+    try:
+        out = open(args.out, "w", newline="") if args.out != "-" else sys.stdout
+    except OSError as exc:
+        raise _usage(f"--out {args.out}: cannot write it ({exc.strerror}); check that its folder exists and is "
+                     "writable") from exc
     try:
         w = csv.writer(out)
         w.writerow(["timestamp", "node", "score", "threshold", "alarm", "source", "top_features", "degraded",
@@ -201,11 +314,14 @@ def _score(args: argparse.Namespace) -> int:
             samples = {nodes[r]: dict(zip(metrics.columns, metrics.values[r].tolist())) for r in group}
             ts_of = {nodes[r]: float(metrics.ts[r]) for r in group}
             if peer:
-                scores = rt.observe_many(min(ts_of.values()), samples)
+                # each row at its own time, as the offline features (eval) see it; the slot only groups peers
+                scores = rt.observe_many(min(ts_of.values()), samples, ts_of)
             else:
                 scores = {n: rt.observe(ts_of[n], n, m) for n, m in samples.items()}
             for n, s in scores.items():
                 alarms += int(s.alarm)
+                if s.alarm and s.source == "rules":
+                    rule_alarms[n] = rule_alarms.get(n, 0) + 1
                 written += 1
                 w.writerow([repr(ts_of[n]), n, f"{s.score:.6f}", f"{s.threshold:.6f}", int(s.alarm), s.source,
                             ";".join(f"{k}={v:g}" for k, v in s.top_features), "|".join(s.degraded),
@@ -216,12 +332,27 @@ def _score(args: argparse.Namespace) -> int:
     if written != len(metrics.ts):  # a bug, never a silent loss
         raise _usage(f"scored {written} of {len(metrics.ts)} rows; please report this with the input file")
     src = f" (resampled to {args.resample:g} s)" if args.resample is not None else ""
-    print(f"scored {written} rows{src}, {alarms} above threshold", file=sys.stderr)
+    n_rules = sum(rule_alarms.values())
+    print(f"scored {written} rows{src}, {alarms} above threshold ({alarms - n_rules} learned tier, {n_rules} "
+          "rules-tier)", file=sys.stderr)
     for st in rt.status():
-        if st.observed_days > 0:
-            print(f"node {st.node}: {st.alarms} alarms in {st.observed_days:.2f} days = {st.alarms_per_day:.3g}/day "
-                  f"(budget {st.budget_per_day:g}/day{'' if st.calibrated else ', still warming up'})", file=sys.stderr)
+        rules = rule_alarms.get(st.node, 0)
+        if st.observed_days > 0 or rules:
+            print(f"node {st.node}: {st.alarms} learned-tier alarms in {st.observed_days:.2f} days = "
+                  f"{st.alarms_per_day:.3g}/day (budget {st.budget_per_day:g}/day"
+                  f"{'' if st.calibrated else ', still warming up'})"
+                  + (f"; {rules} rules-tier alarm(s) (fatal faults, outside the budget)" if rules else ""),
+                  file=sys.stderr)
     return 0
+
+
+def _score_reads(rt: Any) -> Any:
+    """Whether ``score`` reads a column: a metric of the model or one the rules tier watches."""
+    import fnmatch
+
+    metrics = set(rt.model.spec.metrics) if rt.model is not None else set()
+    patterns = rt.rules.watched_patterns
+    return lambda c: c in metrics or any(fnmatch.fnmatchcase(c, p) for p in patterns)
 
 
 def _score_rounds(ts: Any, nodes: Any, jobs: Any, interval: float | None) -> list[Any]:
@@ -259,22 +390,27 @@ def _score_rounds(ts: Any, nodes: Any, jobs: Any, interval: float | None) -> lis
 def _metrics(args: argparse.Namespace) -> int:
     from trainguard.predictor.catalog import CATALOG
 
-    print("catalog (the detectors' names; any other numeric column is accepted too):")
-    for m in CATALOG:
-        print(f"  {m.name:28s} {m.kind.value:8s} {m.unit:9s} {m.description}")
+    # every file is read before anything is printed: an error is then the only output
+    table = kinds = model = None
     if args.metrics:
         from trainguard.predictor.training import column_kinds
 
-        from trainguard.predictor.table import MetricTable
-
-        table = MetricTable.from_csv(args.metrics, check_order=False)  # only its columns are classified
-        print(f"columns of {args.metrics}, as training would take them:")
-        for c in column_kinds(table, tuple(args.counter), tuple(args.gauge)):
-            print(f"  {c.name:28s} {c.kind.value if c.kind else 'unused':8s} ({c.reason})")
+        table = _load_metrics(args.metrics, check_order=False)  # only its columns are classified
+        kinds = column_kinds(table, tuple(args.counter), tuple(args.gauge))
     if args.model:
         from trainguard.predictor.model import PredictorModel
 
         model = PredictorModel.load(args.model)
+    print("catalog (the detectors' names; any other numeric column is accepted too):")
+    for m in CATALOG:
+        print(f"  {m.name:28s} {m.kind.value:8s} {m.unit:9s} {m.description}")
+    if table is not None and kinds is not None:
+        print(f"columns of {args.metrics}, as training would take them:")
+        for c in kinds:
+            print(f"  {c.name:28s} {c.kind.value if c.kind else 'unused':8s} ({c.reason})")
+        for name in table.text_columns:
+            print(f"  {name:28s} {'unused':8s} (not numeric)")
+    if model is not None:
         print(f"metrics of {args.model}:")
         for m, k in zip(model.spec.metrics, model.spec.kinds):
             print(f"  {m:28s} {k}")
@@ -291,8 +427,24 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _gen_trace(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from trainguard.predictor.tracegen import TraceConfig, generate
 
+    for flag, v, ok, need in (("--nodes", args.nodes, args.nodes >= 1, "at least 1"),
+                              ("--days", args.days, args.days > 0, "positive"),
+                              ("--interval", args.interval, args.interval > 0, "positive (seconds)"),
+                              ("--rate-scale", args.rate_scale, args.rate_scale >= 0, ">= 0"),
+                              ("--repair-scale", args.repair_scale, args.repair_scale > 0, "positive")):
+        if not ok:  # also NaN, which compares false
+            raise _usage(f"{flag} {v:g}: must be {need}")
+    if args.days * 86400 < args.interval:
+        raise _usage(f"--days {args.days:g} is shorter than one --interval {args.interval:g} s; give more days or a "
+                     "shorter interval")
+    try:  # before minutes of generation, not after
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _usage(f"--out {args.out}: cannot create the folder ({exc.strerror}); give a writable folder") from exc
     cfg = TraceConfig(n_nodes=args.nodes, days=args.days, interval_s=args.interval, rate_scale=args.rate_scale,
                       repair_scale=args.repair_scale, seed=args.seed, trace_dir=args.trace_dir)
     tr = generate(cfg)
@@ -323,9 +475,9 @@ def register(subparsers: Any) -> None:
     top.set_defaults(handler=lambda a: (top.print_help(), 2)[1])
 
     p = sub.add_parser("train", help="fit a model on a metrics history (CSV) and save it")
-    p.add_argument("--metrics", required=True, help="metrics CSV: timestamp,node[,job],<metrics...>")
-    p.add_argument("--events", help="failures CSV: timestamp,node,kind (without: unsupervised)")
-    p.add_argument("--out", required=True, help="model file to write (JSON)")
+    p.add_argument("--metrics", required=True, type=_local, help="metrics CSV: timestamp,node[,job],<metrics...>")
+    p.add_argument("--events", type=_local, help="failures CSV: timestamp,node,kind (without: unsupervised)")
+    p.add_argument("--out", required=True, type=_local, help="model file to write (JSON)")
     p.add_argument("--method", default="auto", choices=["auto", "hgb", "robust-z", "threshold"])
     p.add_argument("--interval", type=float, help="sampling interval of the data, seconds (default: measured)")
     p.add_argument("--short-window", type=float, help="short feature window, seconds (default: from the interval)")
@@ -341,10 +493,13 @@ def register(subparsers: Any) -> None:
     p.set_defaults(handler=_train)
 
     p = sub.add_parser("eval", help="event recall, lead times and false alarms of a model on data")
-    p.add_argument("--model", required=True)
-    p.add_argument("--metrics", required=True)
-    p.add_argument("--events", required=True)
-    p.add_argument("--faults", help="faults.json of gen-trace: also report recall on predictable faults")
+    p.add_argument("--model", required=True, type=_local, help="model file written by `train`")
+    p.add_argument("--metrics", required=True, type=_local,
+                   help="metrics CSV to evaluate on: timestamp,node[,job],<metrics...> (other nodes or a later period)")
+    p.add_argument("--events", required=True, type=_local,
+                   help="failures CSV of the same nodes and period: timestamp,node,kind")
+    p.add_argument("--faults", type=_local,
+                   help="faults.json of gen-trace: also report recall on predictable faults")
     p.add_argument("--threshold", type=float, help="one fixed threshold for every node instead of the model's")
     p.add_argument("--missing", default="error", choices=["error", "nan"], help="model metrics absent from the data")
     p.add_argument("--resample", type=float, help="bring the data to this interval, seconds, first")
@@ -353,36 +508,38 @@ def register(subparsers: Any) -> None:
     p.set_defaults(handler=_eval)
 
     p = sub.add_parser("score", help="stream a metrics CSV through the online runtime (rules + model)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--metrics", required=True)
-    p.add_argument("--out", default="-", help="scores CSV ('-' for stdout)")
-    p.add_argument("--rules", help="rules file (default: the shipped rules.json)")
+    p.add_argument("--model", required=True, type=_local, help="model file written by `train`")
+    p.add_argument("--metrics", required=True, type=_local,
+                   help="metrics CSV to score: timestamp,node[,job],<metrics...>")
+    p.add_argument("--out", default="-", type=_local, help="scores CSV ('-' for stdout)")
+    p.add_argument("--rules", type=_local, help="rules file (default: the shipped rules.json)")
     p.add_argument("--missing", default="error", choices=["error", "nan"])
     p.add_argument("--resample", type=float, help="bring the data to this interval, seconds, first")
     p.set_defaults(handler=_score)
 
     p = sub.add_parser("metrics", help="list the metric catalog and how each column of a file is taken")
-    p.add_argument("--metrics", help="metrics CSV: show what each column is taken as (counter, gauge, unused)")
-    p.add_argument("--model", help="model file: show its metrics and their kinds")
+    p.add_argument("--metrics", type=_local,
+                   help="metrics CSV: show what each column is taken as (counter, gauge, unused)")
+    p.add_argument("--model", type=_local, help="model file: show its metrics and their kinds")
     _add_column_args(p, resample=False)
     p.set_defaults(handler=_metrics)
 
     p = sub.add_parser("export", help="export the agent's history store to CSV")
-    p.add_argument("--history", required=True, help="history SQLite file")
-    p.add_argument("--metrics", required=True)
-    p.add_argument("--events", required=True)
+    p.add_argument("--history", required=True, type=_local, help="history SQLite file")
+    p.add_argument("--metrics", required=True, type=_local, help="metrics CSV to write")
+    p.add_argument("--events", required=True, type=_local, help="events CSV to write")
     p.add_argument("--since", type=float, help="only data at or after this Unix time")
     p.set_defaults(handler=_export)
 
     p = sub.add_parser("gen-trace", help="write a synthetic trace following StepFun's fault mix")
-    p.add_argument("--out", required=True, help="folder for metrics.csv, events.csv, faults.json")
+    p.add_argument("--out", required=True, type=_local, help="folder for metrics.csv, events.csv, faults.json")
     p.add_argument("--nodes", type=int, default=16)
     p.add_argument("--days", type=float, default=2.0)
     p.add_argument("--interval", type=float, default=30.0)
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiplier of StepFun's fault rate")
     p.add_argument("--repair-scale", type=float, default=1.0, help="multiplier of the trace's repair times")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trace", "--trace-dir", dest="trace_dir", metavar="DIR",
+    p.add_argument("--trace", "--trace-dir", dest="trace_dir", metavar="DIR", type=_local,
                    help="StepFun trace folder (default: $TRAINGUARD_FAULT_TRACE_DIR, the wheel's copy, "
                         "shared/data/stepfun-fault-trace beside the checkout)")
     p.set_defaults(handler=_gen_trace)

@@ -268,6 +268,35 @@ def evaluate_events(
     return rep
 
 
+def uncounted_events(
+    ev_node: np.ndarray, ev_ts: np.ndarray, ts: np.ndarray, node: np.ndarray, cfg: EvalConfig, interval_s: float,
+) -> dict[str, list[tuple[str, float]]]:
+    """The events :func:`evaluate_events` does not count as failures, by reason (the same rule as there).
+
+    Args:
+        ev_node, ev_ts: events.
+        ts, node: the scored rows.
+        cfg: evaluation parameters (``horizon_s``).
+        interval_s: nominal sampling interval, seconds.
+
+    Returns:
+        ``node_not_in_metrics``, ``outside_node_data`` (before the node's first row or after its last) and
+        ``warning_window_not_observed`` (the node's data starts less than H before the event): (node, time) of
+        each such event.
+    """
+    span = {n: (float(ts[rows].min()), float(ts[rows].max())) for n, rows in _node_groups(node)}
+    out: dict[str, list[tuple[str, float]]] = {
+        "node_not_in_metrics": [], "outside_node_data": [], "warning_window_not_observed": []}
+    for n, f in zip(ev_node.astype(str).tolist(), ev_ts.astype(float).tolist()):
+        if n not in span:
+            out["node_not_in_metrics"].append((n, f))
+        elif f < span[n][0] or f - cfg.min_lead_s > span[n][1] + interval_s:
+            out["outside_node_data"].append((n, f))
+        elif f - cfg.horizon_s < span[n][0]:
+            out["warning_window_not_observed"].append((n, f))
+    return out
+
+
 def calibrate_threshold(
     ts: np.ndarray, node: np.ndarray, score: np.ndarray, failures: dict[str, np.ndarray], cfg: EvalConfig,
     interval_s: float,

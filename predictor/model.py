@@ -50,6 +50,14 @@ def _key(key: str | bytes | None) -> bytes | None:
     return key.encode() if isinstance(key, str) else key
 
 
+class _NonJSONConstant(ValueError):
+    """``NaN``, ``Infinity`` or ``-Infinity`` in a file: Python's json reads them, JSON has no such value."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NonJSONConstant(name)
+
+
 def _json_safe(obj: Any) -> Any:
     """Replaces NaN/inf (not valid JSON) with None, recursively."""
     if isinstance(obj, float):
@@ -118,11 +126,17 @@ class PredictorModel:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         data = json.dumps(doc, separators=(",", ":")).encode()
-        with tmp.open("wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        try:
+            with tmp.open("wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise ModelFileError(
+                f"{path}: cannot write model file ({exc.strerror}); check that its folder exists and is writable"
+            ) from exc
         return len(data)
 
     @classmethod
@@ -143,11 +157,17 @@ class PredictorModel:
         """
         path = Path(path)
         try:
-            doc = json.loads(path.read_bytes())
+            doc = json.loads(path.read_bytes(), parse_constant=_refuse_constant)
         except OSError as exc:
             raise ModelFileError(f"{path}: cannot read model file ({exc.strerror}); check the path") from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelFileError(f"{path}: not a JSON model file (corrupted or truncated?); retrain or restore it") from exc
+        except _NonJSONConstant as exc:
+            # save() never writes one (allow_nan=False), so the file was edited or produced elsewhere
+            raise ModelFileError(
+                f"{path}: model file holds {exc}, which is not JSON and never written by trainguard; the file was "
+                "altered, retrain or restore it"
+            ) from exc
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ModelFileError(f"{path}: not a trainguard predictor model file")
         if doc.get("version") != VERSION:

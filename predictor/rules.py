@@ -127,6 +127,8 @@ class RulesTier:
             raise RuleFileError(f"{path}: cannot read rules file ({exc.strerror}); check the path") from exc
         except json.JSONDecodeError as exc:
             raise RuleFileError(f"{path}: rules file is not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+        except UnicodeDecodeError as exc:
+            raise RuleFileError(f"{path}: rules file is not UTF-8 text (a binary file?); give a rules JSON file") from exc
         rules = doc.get("rules") if isinstance(doc, dict) else None
         if not isinstance(rules, list):
             raise RuleFileError(f"{where}: expected an object with a 'rules' list")

@@ -400,12 +400,15 @@ class PredictorRuntime:
             degraded.append("peer features missing (single-node observe; use observe_many with the job's nodes)")
         return self._finish(ts, node, row.astype(np.float32).astype(np.float64), hits, degraded)
 
-    def observe_many(self, ts: float, samples: dict[str, dict[str, float]]) -> dict[str, Score]:
+    def observe_many(self, ts: float, samples: dict[str, dict[str, float]],
+                     node_ts: dict[str, float] | None = None) -> dict[str, Score]:
         """Scores one interval of several nodes of one job, with peer z-scores across them.
 
         Args:
             ts: interval time, Unix seconds.
             samples: node -> sample.
+            node_ts: node -> its own sample time, where nodes' clocks or collection times differ within the
+                interval (default ``ts`` for every node); each node's features and threshold use its own.
 
         Returns:
             node -> score. With fewer than 3 nodes, peer features stay missing (as in training) and each
@@ -415,16 +418,17 @@ class PredictorRuntime:
             DataFormatError, FeatureMismatchError: as :meth:`observe`.
         """
         out: dict[str, Score] = {}
+        at = {n: ts if node_ts is None else node_ts.get(n, ts) for n in samples}
         if self.model is None:
-            return {n: self.observe(ts, n, m) for n, m in samples.items()}
+            return {n: self.observe(at[n], n, m) for n, m in samples.items()}
         spec = self.model.spec
         nodes = list(samples)
-        hits = {n: self.rules.evaluate(ts, n, samples[n]) for n in nodes}
+        hits = {n: self.rules.evaluate(at[n], n, samples[n]) for n in nodes}
         degraded = {n: [] for n in nodes}  # type: dict[str, list[str]]
         rows = np.full((len(nodes), len(spec.feature_names)), np.nan)
         n_node = len(spec.node_feature_names)
         for k, n in enumerate(nodes):
-            rows[k, :n_node] = self._node_row(ts, n, samples[n], degraded[n])
+            rows[k, :n_node] = self._node_row(at[n], n, samples[n], degraded[n])
         if spec.config.peer:
             rows32 = rows.astype(np.float32)
             rows[:, n_node:] = peer_z(rows32[:, spec.peer_base_columns].astype(np.float64), np.zeros(len(nodes), np.int64))
@@ -433,5 +437,5 @@ class PredictorRuntime:
                     degraded[n].append("peer features missing (fewer than 3 nodes)")
         rows = rows.astype(np.float32).astype(np.float64)
         for k, n in enumerate(nodes):
-            out[n] = self._finish(ts, n, rows[k], hits[n], degraded[n])
+            out[n] = self._finish(at[n], n, rows[k], hits[n], degraded[n])
         return out

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -28,9 +28,14 @@ from trainguard.predictor.errors import DataFormatError
 
 def _parse_time(text: str, where: str) -> float:
     try:
-        return float(text)
+        t = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(t):
+            raise DataFormatError(f"{where}: timestamp {text!r} is not a time; every row needs its Unix seconds or "
+                                  "ISO 8601 time")
+        return t
     try:
         dt = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
@@ -80,6 +85,7 @@ class MetricTable:
         node: node names, shape (n,), dtype object.
         values: shape (n, len(columns)), float64, NaN where missing.
         job: job names, shape (n,), or None (all nodes are one job).
+        text_columns: non-numeric columns :meth:`from_csv` left out (not among ``columns``).
     """
 
     columns: list[str]
@@ -87,6 +93,7 @@ class MetricTable:
     node: np.ndarray
     values: np.ndarray
     job: np.ndarray | None = None
+    text_columns: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.ts = np.asarray(self.ts, dtype=np.float64)
@@ -94,13 +101,14 @@ class MetricTable:
         self.values = np.asarray(self.values, dtype=np.float64).reshape(len(self.ts), len(self.columns))
         self.validate()
 
-    def validate(self, source: str = "metrics", check_order: bool = True) -> None:
+    def validate(self, source: str = "metrics", check_order: bool = True, lines: Sequence[int] | None = None) -> None:
         """Checks shapes, finiteness of timestamps and per-node strictly increasing time.
 
         Args:
             source: name used in error messages (a file path).
             check_order: also check that each node's timestamps strictly increase (False for a table that is
                 only resampled, which sorts and merges, or whose columns are only classified).
+            lines: the file line of each row, for messages as ``source:LINE`` (default: the row's number).
 
         Raises:
             DataFormatError: on the first problem found.
@@ -125,11 +133,13 @@ class MetricTable:
         back = same & (np.diff(t_sorted) <= 0)
         if back.any():
             i = int(np.argmax(back))
-            row = int(order[i + 1])
+            row, prev = int(order[i + 1]), int(order[i])
+            where, before = ((f"{source}:{lines[row]}", f"line {lines[prev]}") if lines is not None
+                             else (f"{source}: row {row + 1}", f"row {prev + 1}"))
             raise DataFormatError(
-                f"{source}: node {str(n_sorted[i])!r} row {row + 1} has timestamp {_fmt_ts(t_sorted[i + 1])} not "
-                f"after the previous {_fmt_ts(t_sorted[i])}; timestamps of each node must strictly increase (sort "
-                "and deduplicate)"
+                f"{where}: node {str(n_sorted[i])!r} has timestamp {_fmt_ts(t_sorted[i + 1])}, not after its "
+                f"previous {_fmt_ts(t_sorted[i])} ({before}); timestamps of each node must strictly increase: sort "
+                "the rows and drop repeats, or pass --resample SECONDS, which sorts them and merges a bin's samples"
             )
 
     @property
@@ -139,6 +149,8 @@ class MetricTable:
 
     def per_node(self) -> Iterator[NodeSeries]:
         """Yields each node's series, nodes in sorted order, rows in time order."""
+        if len(self.ts) == 0:
+            return
         keys = self.node.astype(str)
         order = np.lexsort((self.ts, keys))
         keys_sorted = keys[order]
@@ -241,14 +253,22 @@ class MetricTable:
         )
 
     @classmethod
-    def from_csv(cls, path: str | Path, check_order: bool = True) -> "MetricTable":
+    def from_csv(cls, path: str | Path, check_order: bool = True, ignore_text: bool = False,
+                 used: Callable[[str], bool] | None = None) -> "MetricTable":
         """Reads a metrics CSV file.
+
+        A cell that is not a number is refused, except with ``ignore_text``: then its column is left out (named
+        in ``text_columns``) when it is not ``used``, or, with ``used`` None, when none of its cells is a number
+        (a text column such as a status); a bad cell in any other column is still refused.
 
         Args:
             path: file path.
             check_order: refuse a node whose timestamps do not strictly increase (default). False only for a
                 table that is resampled next (:meth:`resample` sorts each node and merges samples of one bin)
                 or whose columns are only classified.
+            ignore_text: leave non-numeric columns out instead of refusing them (default False).
+            used: with ``ignore_text``, whether the caller reads a metric column (a model's, the rules'); None
+                when it cannot know yet (training).
 
         Returns:
             The validated table.
@@ -258,7 +278,8 @@ class MetricTable:
         """
         path = Path(path)
         try:
-            with path.open(newline="") as fh:
+            # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
+            with path.open(newline="", encoding="utf-8-sig") as fh:
                 reader = csv.reader(fh)
                 header = next(reader, None)
                 if header is None:
@@ -277,9 +298,13 @@ class MetricTable:
                 nodes: list[str] = []
                 jobs: list[str] = []
                 rows: list[list[float]] = []
+                lines: list[int] = []
+                bad: dict[int, tuple[int, DataFormatError]] = {}  # column -> first non-numeric cell
+                numeric = [False] * len(metric_idx)
                 for line_no, row in enumerate(reader, start=2):
                     if not row:
                         continue
+                    lines.append(line_no)
                     if len(row) != len(header):
                         raise DataFormatError(f"{path}:{line_no}: {len(row)} cells but the header has {len(header)}")
                     where = f"{path}:{line_no}"
@@ -289,14 +314,35 @@ class MetricTable:
                     nodes.append(row[i_node].strip())
                     if i_job is not None:
                         jobs.append(row[i_job].strip())
-                    rows.append([_parse_value(row[i], f"{where} column {header[i]!r}") for i in metric_idx])
+                    cells: list[float] = []
+                    for k, i in enumerate(metric_idx):
+                        try:
+                            v = _parse_value(row[i], f"{where} column {header[i]!r}")
+                        except DataFormatError as exc:
+                            bad.setdefault(k, (line_no, exc))
+                            v = math.nan
+                        numeric[k] = numeric[k] or v == v
+                        cells.append(v)
+                    rows.append(cells)
         except OSError as exc:
             raise DataFormatError(f"{path}: cannot read metrics file ({exc.strerror}); check the path") from exc
-        values = np.array(rows, dtype=np.float64).reshape(len(rows), len(columns))
+        except UnicodeDecodeError as exc:
+            raise DataFormatError(_not_utf8(path, exc)) from exc
+        if not ts:
+            raise DataFormatError(f"{path}: no data rows after the header; give at least a row per node and interval")
+        _check_seconds(path, ts)
+        refused = [bad[k] for k in bad
+                   if not ignore_text or (used(columns[k]) if used is not None else numeric[k])]
+        if refused:
+            raise min(refused, key=lambda b: b[0])[1]
+        keep = [k for k in range(len(columns)) if k not in bad]
+        values = np.array(rows, dtype=np.float64).reshape(len(rows), len(columns))[:, keep]
         table = cls.__new__(cls)
-        table.columns, table.ts, table.node, table.values = columns, np.array(ts), np.array(nodes, dtype=object), values
+        table.columns, table.ts, table.node, table.values = ([columns[k] for k in keep], np.array(ts),
+                                                             np.array(nodes, dtype=object), values)
         table.job = np.array(jobs, dtype=object) if i_job is not None else None
-        table.validate(str(path), check_order)
+        table.text_columns = [columns[k] for k in sorted(bad)]
+        table.validate(str(path), check_order, lines)
         return table
 
     def to_csv(self, path: str | Path) -> None:
@@ -361,7 +407,7 @@ class EventTable:
         """
         path = Path(path)
         try:
-            with path.open(newline="") as fh:
+            with path.open(newline="", encoding="utf-8-sig") as fh:
                 reader = csv.reader(fh)
                 header = [h.strip() for h in (next(reader, None) or [])]
                 missing = [c for c in ("timestamp", "node", "kind") if c not in header]
@@ -379,6 +425,9 @@ class EventTable:
                     kinds.append(row[ikind].strip())
         except OSError as exc:
             raise DataFormatError(f"{path}: cannot read events file ({exc.strerror}); check the path") from exc
+        except UnicodeDecodeError as exc:
+            raise DataFormatError(_not_utf8(path, exc)) from exc
+        _check_seconds(path, ts)
         return cls(np.array(ts), np.array(nodes, dtype=object), np.array(kinds, dtype=object))
 
     def to_csv(self, path: str | Path) -> None:
@@ -406,6 +455,31 @@ def concat_tables(tables: Sequence[MetricTable]) -> MetricTable:
         list(cols), np.concatenate([t.ts for t in tables]), np.concatenate([t.node for t in tables]),
         np.concatenate([t.values for t in tables]), jobs,
     )
+
+
+#: Unix seconds beyond this (the year 5138) are taken for a finer unit: no recorded data lies there, while
+#: milliseconds since the epoch (1.7e12 in 2024) and microseconds (1.7e15) always do.
+_MAX_SECONDS = 1e11
+
+
+def _check_seconds(path: Path, ts: list[float]) -> None:
+    """Refuses timestamps that are epoch milliseconds, microseconds or nanoseconds, naming the conversion
+    (read as seconds they would be thousands of years ahead, and the interval 1000x too long)."""
+    finite = [t for t in ts if math.isfinite(t)]
+    big = max(finite, default=0.0)
+    if big <= _MAX_SECONDS:
+        return
+    units = (("milliseconds", 1_000), ("microseconds", 1_000_000), ("nanoseconds", 1_000_000_000))
+    unit, factor = next(((u, f) for u, f in units if big / f <= _MAX_SECONDS), units[-1])
+    raise DataFormatError(
+        f"{path}: timestamps look like {unit} since the epoch ({big:.0f} would be the year "
+        f"{1970 + big / 31_557_600:.0f} in seconds); divide them by {factor} (the format takes Unix seconds)"
+    )
+
+
+def _not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
+    return (f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} cannot be decoded; a binary file, or text in "
+            "another encoding such as Latin-1?); save it as a UTF-8 CSV")
 
 
 def _fmt_ts(t: float) -> str:

@@ -183,7 +183,7 @@ def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = Tr
         features = FeatureConfig.for_data(step, float(metrics.ts.max() - metrics.ts.min()))
     spec = FeatureSpec(tuple(c.name for c in used), features, tuple(c.kind.value for c in used if c.kind))
     known = list(spec.metrics)
-    check_interval(metrics, spec.config.interval_s)
+    check_sampling(metrics, spec.config.interval_s)
     frame = table_features(metrics, spec)
     events = events if events is not None else EventTable.empty()
     failures = failures_by_node(events.node, events.ts)
@@ -242,6 +242,51 @@ def column_kinds(metrics: MetricTable, counters: tuple[str, ...] = (), gauges: t
         raise DataFormatError(str(exc)) from exc
 
 
+def check_sampling(metrics: MetricTable, interval_s: float, tolerance: float = 0.25) -> float:
+    """Checks that every node of a table is sampled at the interval a model assumes, saying what helps.
+
+    :func:`~.features.check_interval` reads the fleet's median spacing; this also checks each node's own
+    (nodes at 60 s and 300 s in one file would give a 60 s model that half the fleet cannot feed) and tells
+    data coarser than the model, which only a model at the data's interval can score, from data finer than
+    it, which ``--resample`` brings to the model's interval.
+
+    Args:
+        metrics: the data.
+        interval_s: the model's (or ``--interval``'s) interval, seconds.
+        tolerance: accepted relative difference of a median spacing (default 0.25, as ``check_interval``).
+
+    Returns:
+        The fleet's median spacing, seconds (``interval_s`` when unknown).
+
+    Raises:
+        DataFormatError: the fleet or a node is sampled at another interval; the message names the nodes, their
+            intervals and the flag to use.
+    """
+    gaps = {s.node: np.diff(s.ts) for s in metrics.per_node() if len(s.ts) > 1}
+    if not gaps:
+        return interval_s
+    median = float(np.median(np.concatenate(list(gaps.values()))))
+    if median > (1 + tolerance) * interval_s:
+        raise DataFormatError(
+            f"the data is sampled every {median:g} s, coarser than the {interval_s:g} s the model (or --interval) assumes, and "
+            f"resampling cannot make data finer; use a model trained at the data's interval (train on data "
+            f"like it, or with --interval {median:g})"
+        )
+    check_interval(metrics, interval_s, tolerance)  # finer data: names --resample to the model's interval
+    off = {n: float(np.median(g)) for n, g in gaps.items()}
+    off = {n: m for n, m in off.items() if abs(m - interval_s) > tolerance * interval_s}
+    if off:
+        coarsest = max(max(off.values()), interval_s)
+        listed = ", ".join(f"{n} ({m:g} s)" for n, m in sorted(off.items())[:6]) + (" ..." if len(off) > 6 else "")
+        raise DataFormatError(
+            f"{len(off)} of {len(gaps)} nodes are not sampled every {interval_s:g} s like the rest: {listed}; one "
+            f"model takes one interval: pass --resample {coarsest:g} to bring every node to it"
+            + (f" (with a model trained at {coarsest:g} s)" if coarsest > interval_s else "")
+            + ", or leave those nodes out"
+        )
+    return median
+
+
 def calibration_scores(model: PredictorModel, frame: FeatureFrame, score: np.ndarray) -> np.ndarray:
     """What a model's online thresholds are fitted on: the score, or one score per metric family when the
     model calibrates per family (shape (n, F); see :func:`~.scorers.family_scores`). Offline twin of the
@@ -268,6 +313,6 @@ def score_table(model: PredictorModel, metrics: MetricTable, missing: str = "err
         FeatureMismatchError: a model metric is missing and ``missing == "error"``.
         DataFormatError: the data is not sampled at the model's interval.
     """
-    check_interval(metrics, model.spec.config.interval_s)
+    check_sampling(metrics, model.spec.config.interval_s)
     frame = table_features(metrics, model.spec, missing)
     return frame, model.scorer.score(frame.x)

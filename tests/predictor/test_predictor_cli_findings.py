@@ -204,7 +204,7 @@ def test_metrics_classifies_columns_of_rows_out_of_order(tmp_path, capsys):
     lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  ")}
     assert "gauge" in lines["cpu"] and "counter" in lines["ops"]
     assert main(["predictor", "train", "--metrics", path, "--out", str(tmp_path / "x.json")]) == 2
-    assert "row 12" in capsys.readouterr().err
+    assert f"{path}:13: " in capsys.readouterr().err  # data row 12, after the header
 
 
 def test_train_per_node_and_family_then_eval_and_score(trained, tmp_path, capsys):
@@ -230,3 +230,365 @@ def test_train_per_node_and_family_then_eval_and_score(trained, tmp_path, capsys
     # each row names the family whose margin decided it (empty while the node warms up)
     assert {r["family"] for r in rows} - {""} <= {"retries", "req", "latency"}
     assert {r["family"] for r in rows} - {""}
+
+
+def _fleet_rows(nodes=3, n=400, step=60.0, seed=0, t0=1_700_000_000.0):
+    """Rows of ``nodes`` healthy nodes (latency gauge, retries and req_total counters), sorted by time."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for k in range(nodes):
+        c = tot = 0.0
+        for i in range(n):
+            c += float(rng.random() < 0.05)
+            tot += float(rng.integers(0, 3))
+            rows.append([t0 + step * i, f"n{k}", round(50 + rng.standard_normal(), 3), c, tot])
+    rows.sort(key=lambda r: r[0])
+    return rows
+
+
+COLS = ["latency_ms", "retries", "req_total"]
+
+
+def test_train_resample_accepts_unsorted_rows_and_repeated_timestamps(tmp_path, capsys):
+    """Second review, finding 2: ``train --resample`` read the file unresampled first and refused rows out of
+    order or repeating a timestamp, which the README promises --resample accepts (as score and eval did)."""
+    rows = _fleet_rows()
+    rows.append(list(rows[500]))  # a node repeats a timestamp
+    rows[10], rows[40] = rows[40], rows[10]  # and rows go back in time
+    path = _write(tmp_path / "m.csv", COLS, rows)
+    capsys.readouterr()
+    assert main(["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json"), "--method", "robust-z",
+                 "--resample", "60"]) == 0
+    assert "merged 1 row(s) that repeat a node's timestamp" in capsys.readouterr().err
+
+
+def _one_line_error(capsys, argv):
+    """Runs the CLI expecting a refusal: exit 2 and one line on stderr (no traceback); returns the line."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("trainguard: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_bad_inputs_and_outputs_are_one_line_errors(trained, tmp_path, capsys):
+    """Second review, finding 3: a header-only or non-UTF-8 CSV, an output folder that does not exist, a bad
+    ``--faults`` file, a model holding NaN and impossible ``gen-trace`` flags gave Python tracebacks (exit 1)."""
+    d, metrics, model = trained
+    events = _write(tmp_path / "e.csv", ["kind"], [])
+    header_only = _write(tmp_path / "h.csv", COLS, [])
+    binary = tmp_path / "b.csv"
+    binary.write_bytes(b"timestamp,node,latency_ms\n1700000000,n\xf0\xff\x00,1\n")
+    for argv in (["train", "--metrics", header_only, "--out", str(tmp_path / "x.json")],
+                 ["score", "--model", model, "--metrics", header_only],
+                 ["eval", "--model", model, "--metrics", header_only, "--events", events],
+                 ["metrics", "--metrics", header_only]):
+        assert "no data rows" in _one_line_error(capsys, ["predictor", *argv])
+    for argv in (["train", "--metrics", str(binary), "--out", str(tmp_path / "x.json")],
+                 ["score", "--model", model, "--metrics", str(binary)],
+                 ["eval", "--model", model, "--metrics", str(binary), "--events", events],
+                 ["eval", "--model", model, "--metrics", metrics, "--events", str(binary)],
+                 ["score", "--model", model, "--metrics", metrics, "--rules", str(binary)],
+                 ["metrics", "--metrics", str(binary)]):
+        assert "UTF-8" in _one_line_error(capsys, ["predictor", *argv])
+    nowhere = tmp_path / "no_such_dir"
+    err = _one_line_error(capsys, ["predictor", "train", "--metrics", metrics, "--out", str(nowhere / "t.json")])
+    assert "no_such_dir" in err and "folder" in err
+    err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", metrics,
+                                   "--out", str(nowhere / "s.csv")])
+    assert "no_such_dir" in err and "folder" in err
+    not_faults = tmp_path / "x.json"
+    not_faults.write_text('{"x": 1}')
+    truncated = tmp_path / "t.json"
+    truncated.write_text('{"faults": [{"node": "n1", "ts"')
+    for faults in (str(nowhere / "faults.json"), str(not_faults), str(truncated)):
+        err = _one_line_error(capsys, ["predictor", "eval", "--model", model, "--metrics", metrics,
+                                       "--events", events, "--faults", faults])
+        assert faults in err and "gen-trace" in err
+    text = open(model).read()
+    for lit in ("NaN", "Infinity"):
+        bad = tmp_path / f"{lit}.json"
+        bad.write_text(text.replace('"interval_s":60.0', f'"interval_s":{lit}', 1))
+        assert lit in _one_line_error(capsys, ["predictor", "score", "--model", str(bad), "--metrics", metrics])
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for flags, what in ((["--nodes", "0"], "--nodes"), (["--days", "-1"], "--days"), (["--interval", "0"], "--interval"),
+                        (["--rate-scale", "-1"], "--rate-scale"), (["--repair-scale", "0"], "--repair-scale"),
+                        (["--days", "0.0001"], "shorter than one --interval")):
+        err = _one_line_error(capsys, ["predictor", "gen-trace", "--out", str(tmp_path / "gt"), *flags])
+        assert what in err
+    err = _one_line_error(capsys, ["predictor", "gen-trace", "--out", str(a_file / "x"), "--nodes", "2"])
+    assert str(a_file / "x") in err
+
+
+@pytest.mark.parametrize("jitter", [0.0, 120.0])
+def test_score_matches_offline_scores_on_jittered_timestamps(tmp_path, capsys, jitter):
+    """Second review, finding 4: ``score`` scored every node of a peer slot at the earliest node's timestamp,
+    so with jittered timestamps its scores drifted from ``eval``'s (``score_table``); each row is scored at its
+    own time now. Regular timestamps are the control."""
+    rng = np.random.default_rng(4)
+    rows = _fleet_rows(nodes=4, n=700, step=300.0, seed=4, t0=1_700_000_100.0)
+    for r in rows:
+        r[0] += float(rng.uniform(-jitter, jitter))
+    rows.sort(key=lambda r: r[0])
+    path = _write(tmp_path / "m.csv", COLS, rows)
+    model = tmp_path / "m.json"
+    assert main(["predictor", "train", "--metrics", path, "--out", str(model), "--method", "robust-z",
+                 "--interval", "300"]) == 0
+    out = tmp_path / "s.csv"
+    assert main(["predictor", "score", "--model", str(model), "--metrics", path, "--out", str(out)]) == 0
+    from trainguard.predictor.model import PredictorModel
+    from trainguard.predictor.table import MetricTable
+    from trainguard.predictor.training import score_table
+
+    m = PredictorModel.load(model)
+    assert m.spec.config.peer
+    frame, offline = score_table(m, MetricTable.from_csv(path))
+    want = {(str(n), float(t)): s for n, t, s in zip(frame.node, frame.ts, np.nan_to_num(offline, nan=0.0))}
+    got = {(r["node"], float(r["timestamp"])): float(r["score"]) for r in csv.DictReader(out.open())}
+    assert got.keys() == want.keys()
+    diff = max(abs(got[k] - want[k]) for k in got)
+    assert diff < 5e-6, diff
+
+
+def test_nodes_sampled_at_different_intervals_are_refused_by_name(trained, tmp_path, capsys):
+    """Second review, finding 5: n0,n1 at 60 s and n2,n3 at 300 s gave a 60 s model without a word (the check
+    read the fleet's median), and scoring then degraded most rows; each node's interval is checked now."""
+    rows = _fleet_rows(nodes=2, n=1500, step=60.0) + [
+        [t, f"n{int(n[1:]) + 2}", *v] for t, n, *v in _fleet_rows(nodes=2, n=300, step=300.0, seed=1)]
+    rows.sort(key=lambda r: r[0])
+    path = _write(tmp_path / "mixed.csv", COLS, rows)
+    err = _one_line_error(capsys, ["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json")])
+    assert "n2 (300 s)" in err and "n3 (300 s)" in err and "n0" not in err and "--resample 300" in err
+    _, _, model = trained  # 60 s
+    err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path])
+    assert "n2 (300 s)" in err and "n3 (300 s)" in err
+    events = _write(tmp_path / "e.csv", ["kind"], [])
+    err = _one_line_error(capsys, ["predictor", "eval", "--model", model, "--metrics", path, "--events", events])
+    assert "n2 (300 s)" in err
+    assert main(["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json"), "--method", "robust-z",
+                 "--resample", "300"]) == 0
+
+
+@pytest.mark.parametrize("unit, factor", [("milliseconds", 1000), ("microseconds", 1_000_000)])
+def test_epoch_milliseconds_are_recognised(trained, tmp_path, capsys, unit, factor):
+    """Second review, finding 6: timestamps in epoch milliseconds were read as seconds ("sampled every
+    60000 s ... pass --resample 60"); the error now says what they are and how to convert them."""
+    d, metrics, model = trained
+    rows = [[int(r[0]) * factor, *r[1:]] for r in _fleet_rows()]
+    path = _write(tmp_path / "ms.csv", COLS, rows)
+    for argv in (["train", "--metrics", path, "--out", str(tmp_path / "m.json")],
+                 ["score", "--model", model, "--metrics", path]):
+        err = _one_line_error(capsys, ["predictor", *argv])
+        assert f"look like {unit} since the epoch" in err and f"divide them by {factor}" in err, err
+    events = _write(tmp_path / "e.csv", ["kind"], [[1_700_003_000 * factor, "n1", "XID 79"]])
+    err = _one_line_error(capsys, ["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events])
+    assert f"look like {unit} since the epoch" in err and "e.csv" in err
+
+
+def test_data_coarser_than_the_model_asks_for_a_model_at_its_interval(trained, tmp_path, capsys):
+    """Second review, finding 7: 300 s data on a 60 s model suggested ``--resample 60``, which cannot make data
+    finer (the same error again); the error says the data is coarser and a model at its interval is needed."""
+    _, _, model = trained  # 60 s
+    path = _write(tmp_path / "m5.csv", COLS, _fleet_rows(step=300.0))
+    err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path])
+    assert "coarser" in err and "--resample 60" not in err and "--interval 300" in err
+    err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path, "--resample", "60"])
+    assert "coarser" in err
+    err = _one_line_error(capsys, ["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json"),
+                                   "--interval", "60"])
+    assert "coarser" in err and "--interval 300" in err and "--resample 60" not in err
+    # finer data still gets --resample to the model's interval
+    fine = _write(tmp_path / "m1.csv", COLS, _fleet_rows(step=20.0))
+    assert "--resample 60" in _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", fine])
+
+
+def test_eval_reports_events_it_cannot_match(trained, tmp_path, capsys):
+    """Second review, finding 8: an event on a node absent from the metrics, or outside the data's time span,
+    was dropped without a word ("failures": 0, exit 0); they are counted and named now, and an events file of
+    which no event matches the metrics at all is refused."""
+    d, metrics, model = trained  # n0..n2, 400 rows at 60 s from 1_700_000_000
+    t0 = 1_700_000_000.0
+    events = _write(tmp_path / "e.csv", ["kind"], [[t0 + 300 * 60, "n1", "XID 79"], [t0 + 200 * 60, "n9", "GPU Lost"],
+                                                   [t0 + 86400 * 30, "n2", "GPU Lost"]])
+    capsys.readouterr()
+    assert main(["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events, "--json"]) == 0
+    cap = capsys.readouterr()
+    out = _no_nan_json(cap.out)
+    assert out["failures"] == 1 and out["events_total"] == 3
+    assert out["events_not_counted"] == {"node_not_in_metrics": 1, "outside_node_data": 1,
+                                         "warning_window_not_observed": 0}
+    warn = [ln for ln in cap.err.splitlines() if "not counted" in ln]
+    assert len(warn) == 1 and "2 of 3" in warn[0] and "node 'n9' at" in warn[0]
+    none = _write(tmp_path / "none.csv", ["kind"], [[t0 + 200 * 60, "n9", "GPU Lost"],
+                                                   [t0 - 86400, "n1", "GPU Lost"]])
+    err = _one_line_error(capsys, ["predictor", "eval", "--model", model, "--metrics", metrics, "--events", none])
+    assert "none of its 2 events" in err
+
+
+def test_order_error_names_the_file_line_and_resample(tmp_path, capsys):
+    """Second review, finding 9: a node going back in time was reported by its row index ("row 17"), where
+    every other message names file:LINE, and without --resample, which accepts such rows."""
+    rows = _fleet_rows(nodes=1, n=200)
+    rows[20], rows[21] = rows[21], rows[20]  # data rows 21 and 22: the later one is on file line 23
+    path = tmp_path / "m.csv"
+    _write(path, COLS, rows)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:5] + ["\n"] + lines[5:]))  # a blank line before them: line 24 now
+    err = _one_line_error(capsys, ["predictor", "train", "--metrics", str(path), "--out", str(tmp_path / "m.json")])
+    assert f"{path}:24: node 'n0'" in err and "line 23" in err and "--resample" in err, err
+
+
+def test_score_missing_metric_error_names_the_cli_flag(trained, tmp_path, capsys):
+    """Second review, finding 10: ``score`` refused data lacking a model metric with the agent's advice
+    ("enable those detectors ... missing='nan'"); it names ``--missing nan`` as ``eval`` does."""
+    _, _, model = trained
+    path = _write(tmp_path / "m.csv", COLS[:2], [r[:4] for r in _fleet_rows()])  # no req_total
+    err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path])
+    assert "req_total" in err and "--missing nan" in err and "agent" not in err and "missing='nan'" not in err
+    assert main(["predictor", "score", "--model", model, "--metrics", path, "--missing", "nan",
+                 "--out", str(tmp_path / "s.csv")]) == 0
+
+
+def test_score_summary_counts_rules_tier_alarms(tmp_path, capsys):
+    """Second review, finding 11: ``score`` printed "2 above threshold" and then "node n2: 0 alarms": the
+    per-node lines left out the rules tier (a NIC down); they count it now, apart from the budgeted tier."""
+    rows = [r + [0.0 if r[1] == "n2" and 300 <= (r[0] - 1_700_000_000.0) / 60 < 302 else 1.0] for r in _fleet_rows()]
+    path = _write(tmp_path / "m.csv", [*COLS, "nic_up"], rows)
+    model = tmp_path / "m.json"
+    assert main(["predictor", "train", "--metrics", path, "--out", str(model), "--method", "robust-z"]) == 0
+    capsys.readouterr()
+    assert main(["predictor", "score", "--model", str(model), "--metrics", path, "--out", str(tmp_path / "s.csv")]) == 0
+    err = capsys.readouterr().err
+    scored = list(csv.DictReader((tmp_path / "s.csv").open()))
+    rules = [r for r in scored if r["source"] == "rules" and r["alarm"] == "1"]
+    assert {r["node"] for r in rules} == {"n2"} and len(rules) == 2
+    line = next(ln for ln in err.splitlines() if ln.startswith("node n2:"))
+    assert "0 learned-tier alarms" in line and "2 rules-tier alarm(s)" in line, err
+    assert "2 rules-tier" in err.splitlines()[0]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_train_on_fewer_nodes_than_peers_need_turns_peer_features_off(tmp_path, capsys, nodes):
+    """Second review, finding 12: a model trained on one node kept peer features, which need three nodes of a
+    job, so every row it scored was degraded "peer features missing"; training turns them off and says so."""
+    path = _write(tmp_path / "m.csv", COLS, _fleet_rows(nodes=nodes))
+    model = tmp_path / "m.json"
+    capsys.readouterr()
+    assert main(["predictor", "train", "--metrics", path, "--out", str(model), "--method", "robust-z"]) == 0
+    out = capsys.readouterr().out
+    assert "peer features off" in out and "--no-peer" in out
+    from trainguard.predictor.model import PredictorModel
+
+    assert not PredictorModel.load(model).spec.config.peer
+    scores = tmp_path / "s.csv"
+    assert main(["predictor", "score", "--model", str(model), "--metrics", path, "--out", str(scores)]) == 0
+    assert not any("peer" in r["degraded"] for r in csv.DictReader(scores.open()))
+
+
+def test_bom_header_and_unused_text_columns_are_read(trained, tmp_path, capsys):
+    """Second review, finding 13: a header starting with a UTF-8 BOM gave "missing column(s) ['timestamp']",
+    and a text column no model reads (``status``) blocked scoring; the BOM is skipped and unused text columns
+    are ignored with a line naming them, while a bad cell in a column the model uses is still refused."""
+    d, metrics, model = trained
+    rows = _fleet_rows()
+    plain = tmp_path / "plain.csv"
+    _write(plain, COLS, rows)
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert main(["predictor", "score", "--model", model, "--metrics", str(bom), "--out", str(tmp_path / "s.csv")]) == 0
+    assert main(["predictor", "train", "--metrics", str(bom), "--out", str(tmp_path / "b.json"),
+                 "--method", "robust-z"]) == 0
+    text = _write(tmp_path / "text.csv", [*COLS, "status"], [r + ["ok" if i % 5 else "degraded"]
+                                                             for i, r in enumerate(rows)])
+    events = _write(tmp_path / "e.csv", ["kind"], [])
+    capsys.readouterr()
+    for argv in (["score", "--model", model, "--metrics", text, "--out", str(tmp_path / "s.csv")],
+                 ["eval", "--model", model, "--metrics", text, "--events", events],
+                 ["train", "--metrics", text, "--out", str(tmp_path / "t.json"), "--method", "robust-z"]):
+        assert main(["predictor", *argv]) == 0, argv
+        cap = capsys.readouterr()
+        assert "ignored non-numeric column(s): status" in cap.out + cap.err, argv
+    from trainguard.predictor.model import PredictorModel
+
+    assert "status" not in PredictorModel.load(tmp_path / "t.json").spec.metrics
+    bad = [list(r) for r in rows]
+    bad[100][2] = "N/A"  # latency_ms, which the model uses
+    bad_cell = _write(tmp_path / "bad.csv", COLS, bad)
+    for argv in (["score", "--model", model, "--metrics", bad_cell],
+                 ["train", "--metrics", bad_cell, "--out", str(tmp_path / "t.json")]):
+        err = _one_line_error(capsys, ["predictor", *argv])
+        assert f"{bad_cell}:102 column 'latency_ms': value 'N/A' is not a number" in err
+
+
+def test_small_findings_urls_nan_timestamps_and_flag_names(trained, tmp_path, capsys):
+    """Second review, finding 14: a URL was read as the local path "https:/..."; a NaN timestamp's error named
+    no row; ``--interval nan`` advised "--short-window nan"; ``--calib-fraction 2`` did not name the flag."""
+    d, metrics, model = trained
+    url = "https://example.com/m.csv"
+    for argv in (["score", "--model", model, "--metrics", url], ["train", "--metrics", url, "--out", "x.json"],
+                 ["eval", "--model", "https://example.com/m.json", "--metrics", metrics, "--events", url]):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as ei:
+            main(["predictor", *argv])
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert "only local files" in err and "https://example.com/m." in err
+    rows = _fleet_rows()
+    rows[30][0] = float("nan")  # file line 32
+    nan_ts = tmp_path / "nan_ts.csv"
+    with open(nan_ts, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["timestamp", "node", *COLS])
+        w.writerows([["nan" if r[0] != r[0] else r[0], *r[1:]] for r in rows])
+    err = _one_line_error(capsys, ["predictor", "train", "--metrics", str(nan_ts), "--out", str(tmp_path / "m.json")])
+    assert f"{nan_ts}:32:" in err and "timestamp" in err
+    for flag, value in (("--interval", "nan"), ("--interval", "-5"), ("--short-window", "nan"),
+                        ("--long-window", "0")):
+        err = _one_line_error(capsys, ["predictor", "train", "--metrics", metrics, "--out", str(tmp_path / "m.json"),
+                                       flag, value])
+        assert err.startswith(f"trainguard: error: {flag} {value}: must be a positive"), err
+    for value in ("2", "0.01", "nan"):
+        err = _one_line_error(capsys, ["predictor", "train", "--metrics", metrics, "--out", str(tmp_path / "m.json"),
+                                       "--calib-fraction", value])
+        assert f"--calib-fraction {value}" in err and "0.05" in err and "0.8" in err
+
+
+def test_eval_and_score_help_texts(capsys):
+    """Second review, finding 14: ``eval --help`` said "(default 1800; default: the model's)", and --model,
+    --metrics and --events of eval and score had no help text."""
+    for cmd in ("eval", "score"):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            main(["predictor", cmd, "--help"])
+        text = " ".join(capsys.readouterr().out.split("options:")[1].split())
+        for flag in ("--model MODEL", "--metrics METRICS") + (("--events EVENTS",) if cmd == "eval" else ()):
+            assert text.split(flag)[1].split()[0] not in ("--metrics", "--events", "--out", "--faults"), (cmd, flag)
+        if cmd == "eval":
+            assert "(default: the model's)" in text and "default 1800" not in text
+
+
+def test_metrics_reads_the_file_before_listing_the_catalog(tmp_path, capsys):
+    """Second review, finding 14: ``metrics --metrics bad.csv`` printed the whole catalog, then the error."""
+    bad = tmp_path / "bad.csv"
+    bad.write_text("time,host,x\n1,a,2\n")
+    capsys.readouterr()
+    assert main(["predictor", "metrics", "--metrics", str(bad)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "missing column" in cap.err
+
+
+def test_resample_reports_samples_merged_at_other_times(tmp_path, capsys):
+    """Second review, finding 14: ``--resample`` reported samples repeating a timestamp that it merged, but
+    not samples at other times merged into one bin; both are counted now."""
+    rows = _fleet_rows(n=900, step=20.0)  # three samples of a node in each 60 s bin
+    path = _write(tmp_path / "m.csv", COLS, rows + [list(rows[-1])])  # and one exact repeat
+    model = tmp_path / "m.json"
+    capsys.readouterr()
+    assert main(["predictor", "train", "--metrics", path, "--out", str(model), "--method", "robust-z",
+                 "--resample", "60"]) == 0
+    err = capsys.readouterr().err
+    assert "merged 1 row(s) that repeat a node's timestamp" in err
+    # 2700 distinct samples in 900 bins (3 x 300, and a bin boundary may split none: t0 is a multiple of 20)
+    bins = len({(r[1], int(r[0] // 60)) for r in rows})
+    assert f"merged {len(rows) - bins} row(s) sampled at other times into the 60 s bin" in err, err

@@ -70,4 +70,5 @@ def test_order_error_prints_plain_times_not_numpy_reprs(tmp_path):
     with pytest.raises(DataFormatError) as ei:
         MetricTable.from_csv(_write(tmp_path, "timestamp,node,a\n1764667200,n1,1\n1764667200,n1,2\n"))
     msg = str(ei.value)
-    assert "np.float64" not in msg and "1764667200.000 (2025-12-02T09:20:00Z)" in msg and "'n1' row 2" in msg
+    assert "np.float64" not in msg and "1764667200.000 (2025-12-02T09:20:00Z)" in msg
+    assert ".csv:3: node 'n1'" in msg  # the file line (data row 2)
