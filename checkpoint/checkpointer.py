@@ -94,6 +94,8 @@ class _StepStatus:
     failed: dict[str, str] = field(default_factory=dict)
     released: bool = False
     slot: int = -1
+    slot_freed: bool = False  # the slot was handed back (it may hold a newer step now: never free it twice)
+    request: int = 0  # the persist request's id: reports of an earlier save of the same step are not this one's
 
 
 class Checkpointer:
@@ -133,6 +135,7 @@ class Checkpointer:
         self.job_memory_steps: frozenset[int] = job_memory_steps_from_env()
         self._lock = threading.Condition()
         self._status: dict[int, _StepStatus] = {}
+        self._requests = 0  # persist requests sent (their ids)
         self._slot_busy: list[bool] = []
         self._slot_step: list[int] = []
         self._pending: PendingCopy | None = None
@@ -367,7 +370,8 @@ class Checkpointer:
             self._release_slot(index)
             raise
         with self._lock:
-            self._status[step] = _StepStatus(expected=self._expected_tiers(), slot=index)
+            self._requests += 1
+            self._status[step] = _StepStatus(expected=self._expected_tiers(), slot=index, request=self._requests)
             self._slot_step[index] = step
             self._last_step = step
             # Forget old, finished steps so a long run does not grow this dict without bound.
@@ -410,7 +414,7 @@ class Checkpointer:
     def _submit(self, step: int, index: int, manifest: Manifest, paths: Any) -> None:
         cfg = self.config
         req = {
-            "op": "persist", "id": step, "job": self.job, "rank": self.rank, "world_size": self.world_size,
+            "op": "persist", "id": self._status[step].request, "job": self.job, "rank": self.rank, "world_size": self.world_size,
             "step": step, "slot": paths.tag[: -len(".tag")],
             "slot_data": paths.data,  # differs from "<slot>.data" for anonymous (memfd) staging
             "manifest": arena_mod.manifest_dict(manifest),
@@ -434,24 +438,35 @@ class Checkpointer:
                 for t in st.expected - st.ok:
                     st.failed.setdefault(t, message)
                 st.released = True
-                if st.slot >= 0:
-                    self._slot_busy[st.slot] = False
+                self._free_slot(st)
             self._lock.notify_all()
+
+    def _free_slot(self, st: _StepStatus) -> None:
+        """Hands ``st``'s staging slot back, once. Caller holds ``self._lock``."""
+        if st.slot >= 0 and not st.slot_freed:
+            st.slot_freed = True
+            self._slot_busy[st.slot] = False
 
     def _on_report(self, msg: dict[str, Any]) -> None:
         """Receives persist outcomes (from the persist process's reader thread or inline)."""
         step = int(msg.get("step", -1))
         with self._lock:
             st = self._status.get(step)
+            if st is not None and msg.get("id") not in (None, st.request):
+                # An earlier save of this step (its upload can outlive it): its outcomes are not this save's.
+                # Its slot was freed when that save's slot_free arrived, before this save took a slot.
+                st = None
             if msg.get("op") == "tier" and st is not None:
                 if msg.get("ok"):
                     st.ok.add(msg["tier"])
                 else:
                     st.failed[msg["tier"]] = msg.get("error", "failed")
-            elif msg.get("op") == "released" and st is not None:
-                st.released = True
-                if st.slot >= 0:
-                    self._slot_busy[st.slot] = False
+            elif msg.get("op") in ("slot_free", "released") and st is not None:
+                # slot_free: the memory and disk tiers are done, the upload (if any) reads the disk copy, so the
+                # slot takes the next snapshot while a slow remote still works on this one.
+                if msg["op"] == "released":
+                    st.released = True
+                self._free_slot(st)
             stale = (self._stale_memory_copies(step, st.slot)
                      if msg.get("op") == "tier" and msg.get("tier") == "memory" and msg.get("ok") and st else [])
             self._lock.notify_all()
@@ -485,13 +500,16 @@ class Checkpointer:
         """
         with self._lock:
             while True:
+                if self._channel is not None and not self._channel.alive():
+                    self._persist_died()  # before the snapshot, so this save goes to the new persist process
                 same = [i for i, s in enumerate(self._slot_step) if s == step]
                 if same:
                     if not self._slot_busy[same[0]]:
                         self._slot_busy[same[0]] = True
                         return same[0]
                     if not self.channel.alive():
-                        raise CheckpointError("the persist process died; create a new Checkpointer")
+                        self._persist_died()
+                        continue
                     self._lock.wait(0.5)
                     continue
                 free = [i for i, b in enumerate(self._slot_busy) if not b]
@@ -500,8 +518,33 @@ class Checkpointer:
                     self._slot_busy[i] = True
                     return i
                 if not self.channel.alive():
-                    raise CheckpointError("the persist process died; create a new Checkpointer")
+                    self._persist_died()
+                    continue
                 self._lock.wait(0.5)
+
+    def _persist_died(self) -> None:
+        """The persist process is gone (killed, OOM): the steps it had not finished failed in their unfinished
+        tiers (reported, not raised: a save must not kill training), their slots are free again, and the next
+        use of :attr:`channel` starts a new persist process (or reconnects to the agent's). Caller holds
+        ``self._lock``."""
+        lost = sorted(s for s, st in self._status.items() if not st.released)
+        why = "the persist process died before this step was durable in every tier"
+        for step in lost:
+            st = self._status[step]
+            for t in st.expected - st.ok:
+                st.failed.setdefault(t, why)
+            st.released = True
+            self._free_slot(st)
+        with self._channel_lock:
+            dead, self._channel = self._channel, None
+        if dead is not None:
+            try:
+                dead.close()
+            except Exception:  # noqa: BLE001 - it is already gone; closing only tidies our side
+                pass
+        self.events.storage_failed("persist", lost[-1] if lost else None,
+                                   f"{why} (steps {lost}); starting a new persist process", 0)
+        self._lock.notify_all()
 
     def _release_slot(self, index: int) -> None:
         with self._lock:

@@ -15,8 +15,11 @@ Request (a JSON object)::
      "bandwidth_mib_s": 0}
 
 Each outcome is reported as a JSON object through ``report``: ``{"op": "tier", "id", "step", "tier", "ok":
-true}`` or ``{"op": "tier", ..., "ok": false, "error": "one line", "errno": 28}``, then ``{"op": "released",
-"id", "step"}`` once the slot may be reused.
+true}`` or ``{"op": "tier", ..., "ok": false, "error": "one line", "errno": 28}``; ``{"op": "slot_free", "id",
+"step"}`` once the staging slot may be reused (the memory and disk tiers are done: an upload reads the disk
+copy), and ``{"op": "released", "id", "step"}`` once every tier has reported. With an
+:class:`~trainguard.checkpoint.uploads.UploadQueue` the upload runs there, after ``slot_free``, so a slow or
+hung remote never holds a slot (and so never blocks ``save()``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableErro
 from trainguard.checkpoint.fileio import Throttle, storage_error
 from trainguard.checkpoint.manifest import Manifest, TensorEntry, chunk_checksum, compute_checksums
 from trainguard.checkpoint.storage import FsspecStore, LocalStore, manifest_name
+from trainguard.checkpoint.uploads import UploadQueue
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +59,24 @@ def _errno_of(exc: BaseException) -> int:
     return 0
 
 
-def persist_snapshot(req: dict[str, Any], report: Report) -> None:
+def persist_snapshot(req: dict[str, Any], report: Report, uploads: UploadQueue | None = None) -> None:
     """Persists one snapshot described by ``req`` (see module docstring); never raises for storage failures.
 
     Args:
         req: the persist request.
         report: receives one JSON-ready dict per outcome.
+        uploads: where the remote upload goes once the slot is free; None uploads here, before returning.
     """
     rid, step = req.get("id"), int(req["step"])
     paths = SlotPaths(req.get("slot_data") or req["slot"] + ".data", req["slot"] + ".tag",
                       req["slot"] + ".manifest.json")
+    upload: Callable[[], None] | None = None
     try:
         fd = os.open(paths.data, os.O_RDONLY)
     except OSError as exc:
         report({"op": "tier", "id": rid, "step": step, "tier": "memory", "ok": False,
                 "error": f"staging slot {paths.data} vanished: {exc}", "errno": exc.errno or 0})
+        report({"op": "slot_free", "id": rid, "step": step})
         report({"op": "released", "id": rid, "step": step})
         return
     try:
@@ -85,16 +92,45 @@ def persist_snapshot(req: dict[str, Any], report: Report) -> None:
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
             view = memoryview(mm)
             try:
-                _persist_locked(req, view, paths, report)
+                uploading = uploads.steps_of(req.get("job")) if uploads is not None else set()
+                upload = _persist_locked(req, view, paths, report, uploading)
             finally:
                 view.release()
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+        report({"op": "slot_free", "id": rid, "step": step})
+        if upload is None:
+            report({"op": "released", "id": rid, "step": step})
+    if upload is None:
+        return
+
+    def run() -> None:
+        try:
+            upload()
+        finally:
+            report({"op": "released", "id": rid, "step": step})
+
+    if uploads is None:
+        run()
+        return
+
+    def drop(newer: int) -> None:
+        log.warning("step %d rank %s: upload dropped, step %d came before it started (the remote is slower than "
+                    "the saves)", step, req.get("rank"), newer)
+        report({"op": "tier", "id": rid, "step": step, "tier": "remote", "ok": False, "errno": 0,
+                "error": f"not uploaded: step {newer} was saved before this upload could start (the remote is "
+                         "slower than the save interval, or hung); the newer step is uploaded instead"})
         report({"op": "released", "id": rid, "step": step})
 
+    remote = req["remote"]
+    uploads.put((req.get("job"), req.get("rank"), remote.get("url")), step, run, drop)
 
-def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, report: Report) -> None:
+
+def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, report: Report,
+                    uploading: set[int]) -> Callable[[], None] | None:
+    """The memory and disk tiers of one snapshot; returns its remote upload to run once the slot is free
+    (None: no remote tier). Disk retention spares ``uploading``: steps whose uploads still read their disk copy."""
     rid, step, rank, ws = req.get("id"), int(req["step"]), int(req["rank"]), int(req["world_size"])
     man = _manifest_from(req["manifest"])
     man.created = time.time()
@@ -160,14 +196,18 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
             disk_ok = True
             outcome("disk", None)
             try:
-                local.retain(int(disk.get("keep", 3)), protect=step)
+                local.retain(int(disk.get("keep", 3)), protect={step, *uploading})
             except OSError as exc:
                 log.warning("disk retention of %s failed: %s", local.describe(), exc)
         except CheckpointError as exc:
             outcome("disk", exc)
 
     remote = req.get("remote")
-    if remote and remote.get("url"):
+    if not (remote and remote.get("url")):
+        return None
+
+    def upload() -> None:
+        # Reads only the disk copy (and the manifest JSON): the staging slot may hold the next snapshot by now.
         try:
             if not disk_ok or local is None:
                 raise StorageUnavailableError(f"step {step} was not written to local disk, so it cannot be "
@@ -187,6 +227,10 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
             outcome("remote", exc)
         except OSError as exc:
             outcome("remote", StorageUnavailableError(f"cannot upload step {step}: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - an fsspec backend's own error types: still the remote tier's
+            outcome("remote", StorageUnavailableError(f"cannot upload step {step}: {exc!r}"))
+
+    return upload
 
 
 def _write_hashing(fd: int, view: memoryview, nbytes: int, chunk_bytes: int, throttle: Throttle,

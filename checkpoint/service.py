@@ -47,6 +47,7 @@ from trainguard.checkpoint.arena import remove_job
 from trainguard.checkpoint.channel import PersistChannel
 from trainguard.checkpoint.config import CHECKPOINT_SHM_DIR_ENV, CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableError
+from trainguard.checkpoint.uploads import UploadQueue
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class PersistServer:
         self.private = private
         self.parent_pid = parent_pid
         self.work: queue.Queue[tuple[_Conn, dict[str, Any]] | None] = queue.Queue()
+        self.uploads = UploadQueue()  # remote uploads, after the slots are free (see checkpoint/uploads.py)
         self.clients = 0
         self.ever_connected = False
         self.busy = 0
@@ -119,9 +121,10 @@ class PersistServer:
                 os.unlink(self.socket_path)
             except FileNotFoundError:
                 pass
-        # Drain: a shutdown waits for everything already queued.
+        # Drain: a shutdown waits for everything already queued, uploads included.
         self.work.put(None)
         worker.join()
+        self.uploads.wait_idle()
 
     def _parent_alive(self) -> bool:
         if self.parent_pid is None:
@@ -136,7 +139,8 @@ class PersistServer:
 
     def _idle(self) -> bool:
         with self._state:
-            return self.clients == 0 and self.busy == 0 and self.work.empty()
+            quiet = self.clients == 0 and self.busy == 0 and self.work.empty()
+        return quiet and self.uploads.idle()
 
     def _read_loop(self, conn: _Conn) -> None:
         buf = b""
@@ -193,9 +197,10 @@ class PersistServer:
             conn, msg = item
             try:
                 if msg.get("op") == "drain":
+                    self.uploads.wait_idle()  # "drained" promises the uploads queued before it too
                     conn.send({"op": "drained"})
                 else:
-                    persist_snapshot(msg, conn.send)
+                    persist_snapshot(msg, conn.send, self.uploads)
             except Exception as exc:  # one bad request must not kill the service
                 log.exception("persist of step %s failed", msg.get("step"))
                 conn.send({"op": "tier", "id": msg.get("id"), "step": msg.get("step"), "tier": "disk", "ok": False,

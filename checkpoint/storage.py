@@ -21,6 +21,7 @@ import re
 import shutil
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import Any, Callable
 
 from trainguard.checkpoint.errors import StorageUnavailableError
@@ -178,12 +179,13 @@ class StepStore(ABC):
         except (OSError, ValueError):
             return None
 
-    def retain(self, keep: int, protect: int | None = None) -> list[int]:
+    def retain(self, keep: int, protect: int | Collection[int] | None = None) -> list[int]:
         """Deletes all but the ``keep`` newest complete steps, and torn steps older than the oldest kept one.
 
         Args:
             keep: retention K (>= 1).
-            protect: a step never to delete (the one just written).
+            protect: steps never to delete (the one just written; on the disk tier, steps still being uploaded
+                from it).
 
         Returns:
             The deleted steps.
@@ -193,9 +195,10 @@ class StepStore(ABC):
             return []
         kept = complete[-keep:]
         oldest_kept = kept[0]
+        spared = {protect} if isinstance(protect, int) else set(protect or ())
         removed = []
         for s in self.list_steps():
-            if s < oldest_kept and s != protect:
+            if s < oldest_kept and s not in spared:
                 self.remove_step(s)
                 removed.append(s)
         return removed
