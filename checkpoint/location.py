@@ -11,6 +11,7 @@ No torch import: the agent and the CLI use this module.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -98,11 +99,15 @@ class CheckpointLocation:
         return os.path.abspath(self.text) if self.scheme == "" else self.text
 
     def disk_directory(self, local_cache: str | None) -> str:
-        """The local directory of the disk tier: the location itself when local, else ``local_cache`` (default
-        ``<tmp>/trainguard-ckpt``)."""
+        """The local directory of the disk tier: the location itself when local, else ``local_cache``, by default
+        ``<tmp>/trainguard-ckpt-<12 hex digits of the SHA-256 of identity>``: one folder per remote location."""
         if self.is_local:
             return self.rest
-        return local_cache or os.path.join(tempfile.gettempdir(), "trainguard-ckpt")
+        if local_cache:
+            return local_cache
+        # Keyed by the URL, not shared: jobs of one name on two URLs would otherwise restore each other's steps.
+        digest = hashlib.sha256(self.identity.encode()).hexdigest()[:12]
+        return os.path.join(tempfile.gettempdir(), f"trainguard-ckpt-{digest}")
 
     def check_writable(self) -> str | None:
         """Creates a local location and checks a file can be written there; remote ones are checked by each
