@@ -757,10 +757,7 @@ class Checkpointer:
             raw = store.read_small(step, manifest_name(rank))
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(f"{where}: manifest is missing") from exc
-        man = Manifest.from_json(raw, where)
-        if man.step != step or man.rank != rank:
-            raise CorruptCheckpointError(f"{where}: manifest names step {man.step} rank {man.rank}")
-        return man
+        return Manifest.from_json(raw, where).check_place(step, rank, where)
 
     def _open_data(self, tier: str, step: int, rank: int, man: Manifest, where: str, populate: bool) -> RankCopy:
         if tier == "memory":

@@ -108,7 +108,7 @@ def _open_rank(store: Any, step: int, rank: int) -> Any:
         raw = store.read_small(step, manifest_name(rank))
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{where}: manifest is missing") from exc
-    man = Manifest.from_json(raw, f"{where} manifest")
+    man = Manifest.from_json(raw, f"{where} manifest").check_place(step, rank, where)
     path = store.local_data_path(step, rank)
     if path is not None:
         return RankCopy(man, path, where)

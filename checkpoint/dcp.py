@@ -115,10 +115,12 @@ def export_step(root: str, job: str, step: int | None, out_dir: str,
     try:
         state: dict[str, Any] = {}
         meta: dict[str, Any] = {"step": step, "world_size": ws, "ranks": {}}
-        man0 = Manifest.from_json(store.read_small(step, manifest_name(0)), "rank 0 manifest")
+        man0 = Manifest.from_json(store.read_small(step, manifest_name(0)), "rank 0 manifest").check_place(
+            step, 0, f"step {step} rank 0")
         ranks = [0] if (ws == 1 or man0.replicated) else list(range(ws))
         for r in ranks:
-            man = man0 if r == 0 else Manifest.from_json(store.read_small(step, manifest_name(r)), f"rank {r}")
+            man = man0 if r == 0 else Manifest.from_json(store.read_small(step, manifest_name(r)),
+                                                         f"rank {r}").check_place(step, r, f"step {step} rank {r}")
             copy = RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}")
             copies.append(copy)
             copy.verify(progress)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import os
+import shutil
 import tempfile
 
 import torch
 
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
+from trainguard.checkpoint.storage import step_dirname
+from trainguard.cli import main
 
 # Nothing listens on port 1: a remote location whose tier fails at once, while the disk tier (its local cache)
 # still commits, as with an unreachable or misconfigured bucket.
@@ -16,6 +22,20 @@ UNREACHABLE = "ftp://127.0.0.1:1"
 
 def _remote_cfg(directory: str, **kw) -> CheckpointConfig:
     return CheckpointConfig(directory=directory, memory={"enabled": False}, persist={"service": "inline"}, **kw)
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["ckpt", *args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _local_steps(root: str, job: str = "j", steps: tuple[int, ...] = (0, 1, 2, 3)) -> CheckpointConfig:
+    cfg = CheckpointConfig(directory=root, memory={"enabled": False}, persist={"service": "inline"},
+                           disk={"keep": 10})
+    _save(cfg, job, steps, 0.0)
+    return cfg
 
 
 def _save(cfg: CheckpointConfig, job: str, steps: tuple[int, ...], value: float) -> None:
@@ -55,3 +75,21 @@ def test_a_local_cache_shared_by_two_urls_never_restores_the_other_urls_steps(tm
     assert warned and f"{UNREACHABLE}/bucket-a/exp1" in warned[0] and f"{UNREACHABLE}/bucket-b/other-exp" in warned[0]
     with Checkpointer(a, job="train") as ck:  # its own steps still restore
         assert ck.restore(live) == 7 and torch.equal(live["w"], torch.full((1000,), 8.0))
+
+
+# ---------------------------------------------------------------------- a step folder copied to another step
+def test_verify_and_gc_refuse_a_step_folder_copied_to_another_step(tmp_path):
+    root = str(tmp_path / "ck")
+    cfg = _local_steps(root)
+    shutil.copytree(os.path.join(root, "j", step_dirname(3)), os.path.join(root, "j", step_dirname(9)))
+    rc, out, _ = _cli("verify", root)
+    assert rc == 1 and "step 9 rank 0: CORRUPT: step 9 rank 0: manifest names step 3 rank 0" in out, out  # was OK
+    assert "step 3 rank 0: OK" in out
+    rc, out, _ = _cli("gc", root, "--keep", "1")
+    lines = out.strip().splitlines()
+    assert rc == 0 and lines[0].startswith("kept step 9: CORRUPT, not counted toward --keep"), out
+    assert lines[1] == "kept step 3: verifies (1 of 1 kept by --keep)"
+    assert lines[-1] == "removed 3 step(s): [0, 1, 2]"  # was [0, 1, 2, 3]: nothing restorable left
+    live = {"w": torch.zeros(1000)}
+    with Checkpointer(cfg, job="j") as ck:
+        assert ck.restore(live) == 3 and torch.equal(live["w"], torch.full((1000,), 3.0))
