@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -33,9 +34,20 @@ from trainguard.checkpoint.fileio import (
     write_file_from,
 )
 
+log = logging.getLogger(__name__)
+
 COMMIT_RECORD = "COMMITTED.json"
 _STEP_RE = re.compile(r"^step_(\d{12})$")
 _MARKER_RE = re.compile(r"^rank_(\d{5})\.commit$")
+#: stray files named like a step already reported by this process (the persist process lists at every save).
+_warned_strays: set[str] = set()
+
+
+def _skip_stray(path: str) -> None:
+    """Warns once per process about a plain file named like a step, which every listing skips."""
+    if path not in _warned_strays:
+        _warned_strays.add(path)
+        log.warning("ignoring %s: a file named like a checkpoint step, not a step folder; remove or rename it", path)
 
 
 def step_dirname(step: int) -> str:
@@ -291,10 +303,17 @@ class LocalStore(StepStore):
 
     def list_steps(self) -> list[int]:
         try:
-            names = os.listdir(self.job_dir)
+            entries = list(os.scandir(self.job_dir))
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for n in names if (m := _STEP_RE.match(n)))
+        steps = []
+        for e in entries:
+            if m := _STEP_RE.match(e.name):
+                if e.is_dir():
+                    steps.append(int(m.group(1)))
+                else:
+                    _skip_stray(e.path)
+        return sorted(steps)
 
     def list_names(self, step: int) -> list[str]:
         try:
@@ -399,10 +418,18 @@ class FsspecStore(StepStore):
 
     def list_steps(self) -> list[int]:
         try:
-            entries = self._guard("list", lambda: self.fs.ls(self.job_dir, detail=False))
+            entries = self._guard("list", lambda: self.fs.ls(self.job_dir, detail=True))
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for e in entries if (m := _STEP_RE.match(e.rstrip("/").rsplit("/", 1)[-1])))
+        steps = set()
+        for e in entries:
+            if m := _STEP_RE.match(e["name"].rstrip("/").rsplit("/", 1)[-1]):
+                # An object store may hold an object and a prefix of one name: the prefix is the step.
+                if e.get("type") == "file":
+                    _skip_stray(f"{self.url}/{self.job_dir.rsplit('/', 1)[-1]}/{m.group(0)}")
+                else:
+                    steps.add(int(m.group(1)))
+        return sorted(steps)
 
     def list_names(self, step: int) -> list[str]:
         try:

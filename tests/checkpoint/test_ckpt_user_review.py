@@ -12,6 +12,7 @@ import tempfile
 import torch
 
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
+from trainguard.checkpoint.location import CheckpointLocation
 from trainguard.checkpoint.storage import step_dirname
 from trainguard.cli import main
 
@@ -93,3 +94,31 @@ def test_verify_and_gc_refuse_a_step_folder_copied_to_another_step(tmp_path):
     live = {"w": torch.zeros(1000)}
     with Checkpointer(cfg, job="j") as ck:
         assert ck.restore(live) == 3 and torch.equal(live["w"], torch.full((1000,), 3.0))
+
+
+# ---------------------------------------------------------------------- a plain file named like a step
+def test_a_stray_file_named_like_a_step_is_skipped_everywhere(tmp_path, caplog):
+    root = str(tmp_path / "ck")
+    cfg = _local_steps(root)
+    stray = os.path.join(root, "j", step_dirname(5))
+    with open(stray, "w") as f:
+        f.write("x")
+    live = {"w": torch.zeros(1000)}
+    with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint"):
+        with Checkpointer(cfg, job="j") as ck:
+            assert ck.restore(live) == 3  # raised NotADirectoryError
+        for action in ("ls", "verify"):
+            rc, out, err = _cli(action, root)
+            assert rc == 0 and "Traceback" not in err, (action, out, err)  # exit 1 with a traceback
+        rc, out, _ = _cli("gc", root, "--keep", "2")
+        assert rc == 0 and out.strip().splitlines()[-1] == "removed 2 step(s): [0, 1]", out
+    assert os.path.isfile(stray)  # not ours to delete
+    assert [r.getMessage() for r in caplog.records if stray in r.getMessage()] == [
+        f"ignoring {stray}: a file named like a checkpoint step, not a step folder; remove or rename it"]
+
+
+def test_a_remote_object_named_like_a_step_is_not_a_step(tmp_path):
+    store = CheckpointLocation.parse(f"memory://{tmp_path}/ck").open_store("j")
+    store.commit_rank(3, 0, 1, "d")
+    store.fs.pipe_file(f"{store.job_dir}/{step_dirname(5)}", b"x")
+    assert store.list_steps() == [3]  # was [3, 5]
