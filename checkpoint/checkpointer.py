@@ -53,7 +53,7 @@ from trainguard.checkpoint.restore_plan import job_memory_steps_from_env, own_me
 from trainguard.checkpoint.shards import ShardedLoader
 from trainguard.checkpoint.snapshot import PendingCopy, SnapshotCopier, storage_ptrs
 from trainguard.checkpoint.staging import StagingArea
-from trainguard.checkpoint.storage import FsspecStore, LocalStore, StepStore, manifest_name
+from trainguard.checkpoint.storage import FsspecStore, LocalStore, StepStore, check_job_name, manifest_name
 from trainguard.checkpoint.tree import capture, restore_into
 
 log = logging.getLogger(__name__)
@@ -119,8 +119,7 @@ class Checkpointer:
                  on_event: Callable[[Any], None] | None = None) -> None:
         if not 0 <= rank < world_size:
             raise CheckpointError(f"rank {rank} is outside world size {world_size}; pass 0 <= rank < world_size")
-        if not job or "/" in job or job.startswith("."):
-            raise CheckpointError(f"job name {job!r} is not a valid directory name; use letters, digits, -_")
+        check_job_name(job)
         self.config = config
         self.rank, self.world_size, self.job = rank, world_size, job
         self.events = EventSink(on_event, rank)

@@ -23,7 +23,7 @@ import torch
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.reader import RankCopy
-from trainguard.checkpoint.storage import LocalStore, manifest_name
+from trainguard.checkpoint.storage import LocalStore, check_job_name, manifest_name
 from trainguard.checkpoint.tree import capture, decode
 from trainguard.checkpoint.writer import write_rank_step
 
@@ -176,11 +176,12 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
 
     Raises:
         CorruptCheckpointError: metadata that would need unsafe unpickling, or unreadable files.
-        CheckpointError: ``world_size`` differs from a trainguard export's.
+        CheckpointError: ``world_size`` differs from a trainguard export's; ``job`` is not a valid folder name.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+    check_job_name(job)  # before reading the source: ``../evil`` would write outside ``root``
     if not os.path.isfile(os.path.join(src_dir, ".metadata")):
         raise CheckpointError(f"{src_dir} is not a torch.distributed.checkpoint directory (no .metadata file)")
     if world_size is not None and world_size < 1:

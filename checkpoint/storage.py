@@ -24,7 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
-from trainguard.checkpoint.errors import StorageUnavailableError
+from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableError
 from trainguard.checkpoint.fileio import (
     PendingFile,
     Throttle,
@@ -48,6 +48,19 @@ def _skip_stray(path: str) -> None:
     if path not in _warned_strays:
         _warned_strays.add(path)
         log.warning("ignoring %s: a file named like a checkpoint step, not a step folder; remove or rename it", path)
+
+
+def check_job_name(job: str) -> str:
+    """Returns ``job`` when it can name the job's folder under a checkpoint root.
+
+    Raises:
+        CheckpointError: the name is empty, holds ``/`` or starts with ``.``: the folder would not be a direct
+            child of the root (``../evil``) or would be hidden from job listings.
+    """
+    if not isinstance(job, str) or not job or "/" in job or job.startswith("."):
+        raise CheckpointError(f"job name {job!r} is not a valid directory name (it is empty, holds '/' or starts "
+                              "with '.'); use letters, digits, -_")
+    return job
 
 
 def step_dirname(step: int) -> str:
@@ -220,13 +233,16 @@ class LocalStore(StepStore):
         root: checkpoint root directory.
         job: job name (a subdirectory of root).
         fsync: fsync files and directories (off voids crash safety; benchmarks only).
+
+    Raises:
+        CheckpointError: the job name is not a valid folder name (see :func:`check_job_name`).
     """
 
     tier = "disk"
 
     def __init__(self, root: str, job: str, fsync: bool = True) -> None:
         self.root = os.path.abspath(root)
-        self.job_dir = os.path.join(self.root, job)
+        self.job_dir = os.path.join(self.root, check_job_name(job))
         self.fsync = fsync
 
     def describe(self) -> str:
@@ -350,6 +366,7 @@ class FsspecStore(StepStore):
 
     Raises:
         StorageUnavailableError: the filesystem cannot be created (unknown protocol, unreachable server...).
+        CheckpointError: the job name is not a valid folder name (see :func:`check_job_name`).
     """
 
     tier = "remote"
@@ -357,6 +374,7 @@ class FsspecStore(StepStore):
     def __init__(self, url: str, job: str, storage_options: dict[str, Any] | None = None) -> None:
         import fsspec
 
+        check_job_name(job)
         self.url = url.rstrip("/")
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))

@@ -122,3 +122,17 @@ def test_a_remote_object_named_like_a_step_is_not_a_step(tmp_path):
     store.commit_rank(3, 0, 1, "d")
     store.fs.pipe_file(f"{store.job_dir}/{step_dirname(5)}", b"x")
     assert store.list_steps() == [3]  # was [3, 5]
+
+
+# ---------------------------------------------------------------------- job names that leave the root
+def test_cli_refuses_a_job_name_that_is_not_a_folder_of_the_root(tmp_path):
+    root = str(tmp_path / "ck")
+    _local_steps(root, steps=(4,))
+    assert _cli("export", root, str(tmp_path / "dcp"))[0] == 0
+    rc, out, err = _cli("import", str(tmp_path / "dcp"), str(tmp_path / "imp"), "--job", "../evil")
+    assert rc == 2 and err.strip() == ("trainguard: error: job name '../evil' is not a valid directory name (it is "
+                                       "empty, holds '/' or starts with '.'); use letters, digits, -_"), err
+    assert not os.path.exists(tmp_path / "evil") and not os.path.exists(tmp_path / "imp")  # was written, rc 0
+    for action in ("ls", "verify"):
+        rc, _, err = _cli(action, root, "--job", "../ck")
+        assert rc == 2 and "job name '../ck' is not a valid directory name" in err, (action, err)
