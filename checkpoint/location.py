@@ -27,15 +27,22 @@ LOCAL_SCHEMES = ("", "file", "local")
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """Splits ``scheme://rest`` into ``(scheme, rest)`` (scheme lower-cased); a plain path gives ``("", path)``."""
+    """Splits ``scheme://rest`` into ``(scheme, rest)`` (scheme lower-cased); a plain path gives ``("", path)``.
+
+    ``file:/abs`` and ``local:/abs`` (no ``//``) give ``("file", "/abs")`` and ``("local", "/abs")``: fsspec reads
+    them as the local path ``/abs``, so they must not become a folder named ``file:`` under the working directory.
+    """
     if "://" in url:
         scheme, rest = url.split("://", 1)
         return scheme.lower(), rest
+    head, sep, rest = url.partition(":")
+    if sep and head.lower() in LOCAL_SCHEMES:
+        return head.lower(), rest
     return "", url
 
 
 def is_local_url(url: str) -> bool:
-    """True when ``url`` names the local filesystem (a plain path or ``file://``)."""
+    """True when ``url`` names the local filesystem (a plain path, ``file://`` or ``file:``)."""
     return split_url(url)[0] in LOCAL_SCHEMES
 
 
@@ -46,7 +53,7 @@ class CheckpointLocation:
     Attributes:
         text: the location as given.
         scheme: the URL scheme, lower-cased; empty for a plain path.
-        rest: what follows ``scheme://`` (the path itself for a plain path).
+        rest: what follows ``scheme://`` or ``file:`` (the path itself for a plain path).
     """
 
     text: str

@@ -136,3 +136,28 @@ def test_cli_refuses_a_job_name_that_is_not_a_folder_of_the_root(tmp_path):
     for action in ("ls", "verify"):
         rc, _, err = _cli(action, root, "--job", "../ck")
         assert rc == 2 and "job name '../ck' is not a valid directory name" in err, (action, err)
+
+
+# ---------------------------------------------------------------------- file:/abs (one slash), as fsspec reads it
+def test_a_single_slash_file_url_is_the_local_absolute_path(tmp_path, monkeypatch):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    loc = CheckpointLocation.parse(f"file:{tmp_path}/ck")
+    assert loc.is_local and loc.local_path == f"{tmp_path}/ck"  # was ./file:/.../ck
+    assert CheckpointLocation.parse(f"FILE:{tmp_path}/ck").identity == loc.identity == str(tmp_path / "ck")
+    cfg = _local_steps(f"file:{tmp_path}/ck", steps=(1,))
+    assert cfg.disk_directory == f"{tmp_path}/ck" and os.path.isdir(tmp_path / "ck" / "j" / step_dirname(1))
+    rc, out, _ = _cli("ls", f"file:{tmp_path}/ck")
+    assert rc == 0 and out.startswith(f"job j at {tmp_path}/ck/j;"), out
+    assert os.listdir(cwd) == []
+
+    # The agent's readers of the same location agree (a disk qualification target, a default job name).
+    from trainguard.agent.qualify.local import _local_dir
+    from trainguard.agent.run_torchrun import Rendezvous, default_job_name
+
+    assert _local_dir(f"file:{tmp_path}/ck") == f"{tmp_path}/ck" and _local_dir("s3://b/p") is None
+    solo = Rendezvous(coordinator=None, listen="127.0.0.1:0", min_nodes=1, max_nodes=1, job="", multi_node=False)
+    name = default_job_name("train.py", solo, 0.0, "file:/data/ck")
+    monkeypatch.chdir(tmp_path)
+    assert default_job_name("train.py", solo, 0.0, "file:/data/ck") == name  # hashed ./file:/data/ck before
