@@ -67,14 +67,17 @@ def _store(directory: str, job: str | None) -> Any:
     from trainguard.checkpoint.location import CheckpointLocation
 
     location = CheckpointLocation.parse(directory, "the checkpoint root")
-    if job is None:
-        job = _only_job(directory)
     if location.is_local and not os.path.isdir(location.local_path):
         raise CheckpointError(f"{location.local_path} is not a directory; pass the checkpoint root")
-    return location.open_store(job)
+    return location.open_store(_job(directory, job))
 
 
-def _only_job(directory: str) -> str:
+def _jobs(directory: str) -> list[str]:
+    """The job folders under a checkpoint root, sorted.
+
+    Raises:
+        CheckpointError: the root cannot be listed.
+    """
     import fsspec
 
     try:
@@ -82,9 +85,29 @@ def _only_job(directory: str) -> str:
         jobs = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(root, detail=False) if fs.isdir(e)]
     except Exception as exc:
         raise CheckpointError(f"cannot list {directory}: {exc}") from exc
-    jobs = [j for j in jobs if not j.startswith(".")]
+    return sorted(j for j in jobs if not j.startswith("."))
+
+
+def _job(directory: str, job: str | None) -> str:
+    """``--job`` when the root holds that job, else the root's only job when ``--job`` was not given.
+
+    Raises:
+        CheckpointError: not a valid job name, no such job (the message lists the jobs there), or no ``--job``
+            and not exactly one job.
+    """
+    from trainguard.checkpoint.storage import check_job_name
+
+    if job is not None:
+        check_job_name(job)
+    jobs = _jobs(directory)
+    if job is not None:
+        # An empty listing would read as "no steps yet" and exit 0, hiding a misspelt --job.
+        if job not in jobs:
+            raise CheckpointError(f"{directory} holds no job {job!r} (jobs there: {', '.join(jobs) or 'none'}); "
+                                  "check --job")
+        return job
     if len(jobs) != 1:
-        raise CheckpointError(f"{directory} holds {len(jobs)} jobs ({', '.join(sorted(jobs)) or 'none'}); "
+        raise CheckpointError(f"{directory} holds {len(jobs)} jobs ({', '.join(jobs) or 'none'}); "
                               "choose one with --job")
     return jobs[0]
 
@@ -274,7 +297,7 @@ def _export(args: argparse.Namespace) -> int:
     if not location.is_local:
         raise CheckpointError("export reads the local disk tier; pass a local checkpoint root")
     root = location.local_path
-    job = args.job or _only_job(root)
+    job = _job(root, args.job)
     bar = _bar(None, "verify+export")  # type: ignore[arg-type]
     try:
         step = export_step(root, job, args.step, args.output, bar.update)

@@ -161,3 +161,17 @@ def test_a_single_slash_file_url_is_the_local_absolute_path(tmp_path, monkeypatc
     name = default_job_name("train.py", solo, 0.0, "file:/data/ck")
     monkeypatch.chdir(tmp_path)
     assert default_job_name("train.py", solo, 0.0, "file:/data/ck") == name  # hashed ./file:/data/ck before
+
+
+# ---------------------------------------------------------------------- small CLI findings
+def test_ckpt_commands_refuse_a_job_the_root_does_not_hold(tmp_path):
+    root = str(tmp_path / "ck")
+    _local_steps(root, job="train", steps=(1,))
+    _local_steps(root, job="eval", steps=(1,))
+    for action in ("ls", "verify", "gc", "export"):
+        extra = {"gc": ["--keep", "1"], "export": [str(tmp_path / "out")]}.get(action, [])
+        rc, out, err = _cli(action, root, "--job", "nosuchjob", *extra)
+        # ls printed an empty table with exit code 0; gc said "nothing to remove"
+        assert rc == 2 and err.strip() == (f"trainguard: error: {root} holds no job 'nosuchjob' (jobs there: "
+                                           "eval, train); check --job"), (action, out, err)
+    assert _cli("ls", root, "--job", "train")[0] == 0
