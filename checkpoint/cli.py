@@ -49,6 +49,8 @@ def register(subparsers: Any) -> None:
     common(q)
     q.add_argument("output", help="destination directory for the DCP checkpoint")
     q.add_argument("--step", type=int, default=None, help="step to export (default: newest committed)")
+    q.add_argument("--force", action="store_true",
+                   help="write into an OUTPUT folder that is not empty (files of the same names are replaced)")
     q.set_defaults(handler=_export)
 
     q = sub.add_parser("import", help="import a torch.distributed.checkpoint directory as a committed step")
@@ -298,6 +300,12 @@ def _export(args: argparse.Namespace) -> int:
         raise CheckpointError("export reads the local disk tier; pass a local checkpoint root")
     root = location.local_path
     job = _job(root, args.job)
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise CheckpointError(f"{args.output} is a file; pass a folder (new or empty) for the export")
+    if os.path.isdir(args.output) and os.listdir(args.output) and not getattr(args, "force", False):
+        # DCP writes its .metadata and shard files over whatever is there: another export would be lost.
+        raise CheckpointError(f"{args.output} is not empty; choose a new folder, or pass --force to write the "
+                              "export into it")
     bar = _bar(None, "verify+export")  # type: ignore[arg-type]
     try:
         step = export_step(root, job, args.step, args.output, bar.update)

@@ -175,3 +175,18 @@ def test_ckpt_commands_refuse_a_job_the_root_does_not_hold(tmp_path):
         assert rc == 2 and err.strip() == (f"trainguard: error: {root} holds no job 'nosuchjob' (jobs there: "
                                            "eval, train); check --job"), (action, out, err)
     assert _cli("ls", root, "--job", "train")[0] == 0
+
+
+def test_export_refuses_a_non_empty_output_folder_without_force(tmp_path):
+    root, out = str(tmp_path / "ck"), tmp_path / "out"
+    _local_steps(root, steps=(1, 2))
+    assert _cli("export", root, str(out), "--step", "1")[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    rc, _, err = _cli("export", root, str(out), "--step", "2")
+    assert rc == 2 and err.strip() == (f"trainguard: error: {out} is not empty; choose a new folder, or pass --force "
+                                       "to write the export into it"), err  # overwrote step 1's export, rc 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    rc, stdout, _ = _cli("export", root, str(out), "--step", "2", "--force")
+    assert rc == 0 and stdout.startswith("exported step 2 of job j")
+    (tmp_path / "empty").mkdir()
+    assert _cli("export", root, str(tmp_path / "empty"))[0] == 0  # an empty folder needs no --force
