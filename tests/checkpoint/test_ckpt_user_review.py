@@ -9,9 +9,11 @@ import os
 import shutil
 import tempfile
 
+import pytest
 import torch
 
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
+from trainguard.checkpoint.errors import CheckpointConfigError
 from trainguard.checkpoint.location import CheckpointLocation
 from trainguard.checkpoint.storage import step_dirname
 from trainguard.cli import main
@@ -190,3 +192,14 @@ def test_export_refuses_a_non_empty_output_folder_without_force(tmp_path):
     assert rc == 0 and stdout.startswith("exported step 2 of job j")
     (tmp_path / "empty").mkdir()
     assert _cli("export", root, str(tmp_path / "empty"))[0] == 0  # an empty folder needs no --force
+
+
+def test_an_unknown_url_scheme_is_refused_at_config_time_naming_the_key(tmp_path):
+    with pytest.raises(CheckpointConfigError, match=r"^checkpoint.directory = 'bogus://x/y': fsspec knows no "
+                                                    r"protocol 'bogus'; use a local path"):
+        CheckpointConfig(directory="bogus://x/y")  # was accepted; every save then failed
+    with pytest.raises(CheckpointConfigError, match=r"^checkpoint.remote.url = 'simplecache::bogus://b': .*'bogus'"):
+        CheckpointConfig(directory=str(tmp_path), remote={"url": "simplecache::bogus://b"})
+    # Known protocols pass, even when their package is not installed where the config is built.
+    for url in ("s3://bucket/p", "GS://bucket/p", "ftp://host/p", "simplecache::s3://bucket/p"):
+        assert CheckpointConfig(directory=url).remote_url == url
