@@ -129,9 +129,9 @@ class CheckpointConfig:
         directory: the checkpoint root: a local path / ``file://`` URL (disk tier) or a remote fsspec URL (then
             the remote tier uses it and the disk tier lives under ``local_cache``).
         local_cache: local directory for the disk tier when ``directory`` is remote. Default
-            ``<tmpdir>/trainguard-ckpt-<hash>``, ``<hash>`` being 12 hex digits of the SHA-256 of the URL without a
-            trailing slash, so each remote location has its own. Steps found there that another location wrote
-            (a ``local_cache`` shared by two URLs) are skipped by restore with a warning.
+            ``<tmpdir>/trainguard-ckpt-cache/<hash>``, ``<hash>`` being 12 hex digits of the SHA-256 of the URL
+            without a trailing slash, so each remote location has its own. Steps found there that another location
+            wrote (a ``local_cache`` shared by two URLs) are skipped by restore with a warning.
         replicated: every rank holds the same state (plain DDP), so a checkpoint may be restored with another
             world size from any rank's copy. Default False.
         verify_on_restore: check every chunk's checksum before loading. Default True.

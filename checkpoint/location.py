@@ -107,14 +107,14 @@ class CheckpointLocation:
 
     def disk_directory(self, local_cache: str | None) -> str:
         """The local directory of the disk tier: the location itself when local, else ``local_cache``, by default
-        ``<tmp>/trainguard-ckpt-<12 hex digits of the SHA-256 of identity>``: one folder per remote location."""
+        ``<tmp>/trainguard-ckpt-cache/<12 hex digits of the SHA-256 of identity>``: one per remote location."""
         if self.is_local:
             return self.rest
         if local_cache:
             return local_cache
         # Keyed by the URL, not shared: jobs of one name on two URLs would otherwise restore each other's steps.
         digest = hashlib.sha256(self.identity.encode()).hexdigest()[:12]
-        return os.path.join(tempfile.gettempdir(), f"trainguard-ckpt-{digest}")
+        return os.path.join(tempfile.gettempdir(), "trainguard-ckpt-cache", digest)
 
     def check_writable(self) -> str | None:
         """Creates a local location and checks a file can be written there; remote ones are checked by each

@@ -52,7 +52,7 @@ def test_two_remote_locations_get_their_own_default_local_cache(tmp_path, monkey
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     a, b = _remote_cfg(f"{UNREACHABLE}/bucket-a/exp1"), _remote_cfg(f"{UNREACHABLE}/bucket-b/other-exp")
     assert a.disk_directory != b.disk_directory  # both were <tmp>/trainguard-ckpt
-    assert a.disk_directory.startswith(str(tmp_path / "trainguard-ckpt-"))
+    assert os.path.dirname(a.disk_directory) == str(tmp_path / "trainguard-ckpt-cache")
     assert _remote_cfg(f"{UNREACHABLE}/bucket-a/exp1/").disk_directory == a.disk_directory
     _save(a, "train", (50, 51, 52), 1.0)
     live = {"w": torch.zeros(1000)}
