@@ -24,7 +24,7 @@ from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.reader import RankCopy
 from trainguard.checkpoint.storage import LocalStore, check_job_name, manifest_name
-from trainguard.checkpoint.tree import capture, decode
+from trainguard.checkpoint.tree import decode
 from trainguard.checkpoint.writer import write_rank_step
 
 META_KEY = "_trainguard"
