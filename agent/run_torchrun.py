@@ -32,6 +32,7 @@ import signal
 import socket
 from dataclasses import dataclass, field
 
+from trainguard.checkpoint.location import split_url
 from trainguard.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,9 @@ def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: 
         _, port = split_endpoint(rdzv.endpoint, 0, "--rdzv-endpoint")
         return f"{stem}-{port}"
     if checkpoint_dir:
-        where = checkpoint_dir if "://" in checkpoint_dir else os.path.realpath(os.path.expanduser(checkpoint_dir))
+        # A URL (file:/abs included) is hashed as given: resolving it as a path would depend on the cwd.
+        where = (checkpoint_dir if split_url(checkpoint_dir)[0]
+                 else os.path.realpath(os.path.expanduser(checkpoint_dir)))
         return f"{stem}-{hashlib.sha256(where.encode()).hexdigest()[:10]}"
     return f"{stem}-{int(now)}"
 

@@ -46,13 +46,14 @@ from trainguard.checkpoint.errors import (
     WorldSizeMismatchError,
 )
 from trainguard.checkpoint.events import EventSink
+from trainguard.checkpoint.location import is_local_url
 from trainguard.checkpoint.manifest import Manifest, plan_layout
 from trainguard.checkpoint.reader import RankCopy
 from trainguard.checkpoint.restore_plan import job_memory_steps_from_env, own_memory_steps
 from trainguard.checkpoint.shards import ShardedLoader
 from trainguard.checkpoint.snapshot import PendingCopy, SnapshotCopier, storage_ptrs
 from trainguard.checkpoint.staging import StagingArea
-from trainguard.checkpoint.storage import FsspecStore, LocalStore, StepStore, manifest_name
+from trainguard.checkpoint.storage import FsspecStore, LocalStore, StepStore, check_job_name, manifest_name
 from trainguard.checkpoint.tree import capture, restore_into
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,7 @@ class Checkpointer:
                  on_event: Callable[[Any], None] | None = None) -> None:
         if not 0 <= rank < world_size:
             raise CheckpointError(f"rank {rank} is outside world size {world_size}; pass 0 <= rank < world_size")
-        if not job or "/" in job or job.startswith("."):
-            raise CheckpointError(f"job name {job!r} is not a valid directory name; use letters, digits, -_")
+        check_job_name(job)
         self.config = config
         self.rank, self.world_size, self.job = rank, world_size, job
         self.events = EventSink(on_event, rank)
@@ -635,7 +635,7 @@ class Checkpointer:
                     self.config, self.job, self.rank, self.world_size, self.job_memory_steps)})
             out.append(("memory", mem))
         if self.disk is not None:
-            out.append(("disk", self.disk.committed_steps()))
+            out.append(("disk", self._own_disk_steps(self.disk.committed_steps())))
         if self.config.remote_url:
             try:
                 store = self.remote_store()
@@ -643,6 +643,31 @@ class Checkpointer:
                     out.append(("remote", store.committed_steps()))
             except StorageUnavailableError as exc:
                 log.warning("remote tier not listed: %s", exc)
+        return out
+
+    def _own_disk_steps(self, committed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``committed`` without the steps another location wrote, when the disk tier caches a remote location.
+
+        That cache is only keyed by the folder: a ``local_cache`` given to two URLs holds both jobs of one name,
+        and restoring the other URL's step would silently load another experiment. Rank 0's manifest decides for
+        every rank, so all ranks list the same steps. A local checkpoint directory is not checked: it stays the
+        same checkpoint when moved or mounted at another path.
+        """
+        if is_local_url(self.config.directory) or self.disk is None:
+            return committed
+        own = self.config.location
+        out = []
+        for s, ws in committed:
+            try:
+                written_for = Manifest.from_json(self.disk.read_small(s, manifest_name(0))).location
+            except (OSError, CorruptCheckpointError):
+                written_for = ""  # a damaged copy: the restore reports it
+            if written_for and written_for != own:
+                log.warning("not restoring step %d from the disk tier %s: it was written for %s, not for this "
+                            "checkpointer's %s; give each location its own checkpoint.local_cache", s,
+                            self.disk.describe(), written_for, own)
+                continue
+            out.append((s, ws))
         return out
 
     # ------------------------------------------------------------------ restore
@@ -774,10 +799,7 @@ class Checkpointer:
             raw = store.read_small(step, manifest_name(rank))
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(f"{where}: manifest is missing") from exc
-        man = Manifest.from_json(raw, where)
-        if man.step != step or man.rank != rank:
-            raise CorruptCheckpointError(f"{where}: manifest names step {man.step} rank {man.rank}")
-        return man
+        return Manifest.from_json(raw, where).check_place(step, rank, where)
 
     def _open_data(self, tier: str, step: int, rank: int, man: Manifest, where: str, populate: bool) -> RankCopy:
         if tier == "memory":

@@ -49,6 +49,8 @@ def register(subparsers: Any) -> None:
     common(q)
     q.add_argument("output", help="destination directory for the DCP checkpoint")
     q.add_argument("--step", type=int, default=None, help="step to export (default: newest committed)")
+    q.add_argument("--force", action="store_true",
+                   help="write into an OUTPUT folder that is not empty (files of the same names are replaced)")
     q.set_defaults(handler=_export)
 
     q = sub.add_parser("import", help="import a torch.distributed.checkpoint directory as a committed step")
@@ -67,14 +69,17 @@ def _store(directory: str, job: str | None) -> Any:
     from trainguard.checkpoint.location import CheckpointLocation
 
     location = CheckpointLocation.parse(directory, "the checkpoint root")
-    if job is None:
-        job = _only_job(directory)
     if location.is_local and not os.path.isdir(location.local_path):
         raise CheckpointError(f"{location.local_path} is not a directory; pass the checkpoint root")
-    return location.open_store(job)
+    return location.open_store(_job(directory, job))
 
 
-def _only_job(directory: str) -> str:
+def _jobs(directory: str) -> list[str]:
+    """The job folders under a checkpoint root, sorted.
+
+    Raises:
+        CheckpointError: the root cannot be listed.
+    """
     import fsspec
 
     try:
@@ -82,9 +87,29 @@ def _only_job(directory: str) -> str:
         jobs = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(root, detail=False) if fs.isdir(e)]
     except Exception as exc:
         raise CheckpointError(f"cannot list {directory}: {exc}") from exc
-    jobs = [j for j in jobs if not j.startswith(".")]
+    return sorted(j for j in jobs if not j.startswith("."))
+
+
+def _job(directory: str, job: str | None) -> str:
+    """``--job`` when the root holds that job, else the root's only job when ``--job`` was not given.
+
+    Raises:
+        CheckpointError: not a valid job name, no such job (the message lists the jobs there), or no ``--job``
+            and not exactly one job.
+    """
+    from trainguard.checkpoint.storage import check_job_name
+
+    if job is not None:
+        check_job_name(job)
+    jobs = _jobs(directory)
+    if job is not None:
+        # An empty listing would read as "no steps yet" and exit 0, hiding a misspelt --job.
+        if job not in jobs:
+            raise CheckpointError(f"{directory} holds no job {job!r} (jobs there: {', '.join(jobs) or 'none'}); "
+                                  "check --job")
+        return job
     if len(jobs) != 1:
-        raise CheckpointError(f"{directory} holds {len(jobs)} jobs ({', '.join(sorted(jobs)) or 'none'}); "
+        raise CheckpointError(f"{directory} holds {len(jobs)} jobs ({', '.join(jobs) or 'none'}); "
                               "choose one with --job")
     return jobs[0]
 
@@ -108,7 +133,7 @@ def _open_rank(store: Any, step: int, rank: int) -> Any:
         raw = store.read_small(step, manifest_name(rank))
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{where}: manifest is missing") from exc
-    man = Manifest.from_json(raw, f"{where} manifest")
+    man = Manifest.from_json(raw, f"{where} manifest").check_place(step, rank, where)
     path = store.local_data_path(step, rank)
     if path is not None:
         return RankCopy(man, path, where)
@@ -274,7 +299,13 @@ def _export(args: argparse.Namespace) -> int:
     if not location.is_local:
         raise CheckpointError("export reads the local disk tier; pass a local checkpoint root")
     root = location.local_path
-    job = args.job or _only_job(root)
+    job = _job(root, args.job)
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise CheckpointError(f"{args.output} is a file; pass a folder (new or empty) for the export")
+    if os.path.isdir(args.output) and os.listdir(args.output) and not getattr(args, "force", False):
+        # DCP writes its .metadata and shard files over whatever is there: another export would be lost.
+        raise CheckpointError(f"{args.output} is not empty; choose a new folder, or pass --force to write the "
+                              "export into it")
     bar = _bar(None, "verify+export")  # type: ignore[arg-type]
     try:
         step = export_step(root, job, args.step, args.output, bar.update)

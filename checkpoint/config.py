@@ -129,7 +129,9 @@ class CheckpointConfig:
         directory: the checkpoint root: a local path / ``file://`` URL (disk tier) or a remote fsspec URL (then
             the remote tier uses it and the disk tier lives under ``local_cache``).
         local_cache: local directory for the disk tier when ``directory`` is remote. Default
-            ``<tmpdir>/trainguard-ckpt``.
+            ``<tmpdir>/trainguard-ckpt-cache/<hash>``, ``<hash>`` being 12 hex digits of the SHA-256 of the URL
+            without a trailing slash, so each remote location has its own. Steps found there that another location
+            wrote (a ``local_cache`` shared by two URLs) are skipped by restore with a warning.
         replicated: every rank holds the same state (plain DDP), so a checkpoint may be restored with another
             world size from any rank's copy. Default False.
         verify_on_restore: check every chunk's checksum before loading. Default True.
@@ -240,21 +242,31 @@ class CheckpointConfig:
 
 
 def check_durable_url(url: str, key: str) -> None:
-    """Refuses an fsspec URL whose filesystem lives inside the writing process (``memory://``).
+    """Refuses an fsspec URL whose protocol fsspec does not know, or whose filesystem lives inside the writing
+    process (``memory://``).
+
+    A protocol fsspec knows whose package is missing here (``s3://`` without s3fs) passes: the processes that
+    write may have it, and each save that cannot reach the tier reports it.
 
     Raises:
-        CheckpointConfigError: the URL's filesystem cannot outlive the persist process (the message names ``key``).
+        CheckpointConfigError: unknown protocol, or a filesystem that cannot outlive the persist process (the
+            message names ``key``).
     """
-    scheme = split_url(url)[0]
-    in_process = scheme in _IN_PROCESS_SCHEMES
-    if not in_process:
-        try:
-            import fsspec
-            from fsspec.implementations.memory import MemoryFileSystem
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
 
-            in_process = issubclass(fsspec.get_filesystem_class(scheme), MemoryFileSystem)
-        except (ImportError, ValueError):
-            in_process = False  # unknown protocol: reported when the tier is first used
+    in_process = False
+    for protocol in split_url(url)[0].split("::"):  # a chained URL (simplecache::s3://...) names several
+        try:
+            in_process |= protocol in _IN_PROCESS_SCHEMES or issubclass(fsspec.get_filesystem_class(protocol),
+                                                                        MemoryFileSystem)
+        except ImportError:
+            pass
+        except ValueError:
+            # Unchecked, a typo in the scheme passed here and failed every save, one health event at a time.
+            raise CheckpointConfigError(
+                f"{key} = {url!r}: fsspec knows no protocol {protocol!r}; use a local path, a file:// URL or a "
+                "protocol fsspec supports (s3://, gs://, az://... see fsspec.available_protocols())") from None
     if in_process:
         raise CheckpointConfigError(
             f"{key} = {url!r} is an in-process filesystem: its files die with the persist process, so no step "

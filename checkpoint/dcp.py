@@ -23,8 +23,8 @@ import torch
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.reader import RankCopy
-from trainguard.checkpoint.storage import LocalStore, manifest_name
-from trainguard.checkpoint.tree import capture, decode
+from trainguard.checkpoint.storage import LocalStore, check_job_name, manifest_name
+from trainguard.checkpoint.tree import decode
 from trainguard.checkpoint.writer import write_rank_step
 
 META_KEY = "_trainguard"
@@ -115,10 +115,12 @@ def export_step(root: str, job: str, step: int | None, out_dir: str,
     try:
         state: dict[str, Any] = {}
         meta: dict[str, Any] = {"step": step, "world_size": ws, "ranks": {}}
-        man0 = Manifest.from_json(store.read_small(step, manifest_name(0)), "rank 0 manifest")
+        man0 = Manifest.from_json(store.read_small(step, manifest_name(0)), "rank 0 manifest").check_place(
+            step, 0, f"step {step} rank 0")
         ranks = [0] if (ws == 1 or man0.replicated) else list(range(ws))
         for r in ranks:
-            man = man0 if r == 0 else Manifest.from_json(store.read_small(step, manifest_name(r)), f"rank {r}")
+            man = man0 if r == 0 else Manifest.from_json(store.read_small(step, manifest_name(r)),
+                                                         f"rank {r}").check_place(step, r, f"step {step} rank {r}")
             copy = RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}")
             copies.append(copy)
             copy.verify(progress)
@@ -174,11 +176,12 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
 
     Raises:
         CorruptCheckpointError: metadata that would need unsafe unpickling, or unreadable files.
-        CheckpointError: ``world_size`` differs from a trainguard export's.
+        CheckpointError: ``world_size`` differs from a trainguard export's; ``job`` is not a valid folder name.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+    check_job_name(job)  # before reading the source: ``../evil`` would write outside ``root``
     if not os.path.isfile(os.path.join(src_dir, ".metadata")):
         raise CheckpointError(f"{src_dir} is not a torch.distributed.checkpoint directory (no .metadata file)")
     if world_size is not None and world_size < 1:

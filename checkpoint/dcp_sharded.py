@@ -60,7 +60,8 @@ def export_sharded(store: LocalStore, step: int, world_size: int, out_dir: str,
     planner_data: dict[str, Any] = {}
     written: set[tuple[str, tuple[int, ...]]] = set()
     for r in range(world_size):
-        man = Manifest.from_json(store.read_small(step, manifest_name(r)), f"step {step} rank {r} manifest")
+        man = Manifest.from_json(store.read_small(step, manifest_name(r)), f"step {step} rank {r} manifest"
+                                 ).check_place(step, r, f"step {step} rank {r}")
         rel = f"__{r}_0.distcp"
         with RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}", populate=False) as copy:
             copy.verify(progress)

@@ -11,6 +11,7 @@ No torch import: the agent and the CLI use this module.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -26,15 +27,22 @@ LOCAL_SCHEMES = ("", "file", "local")
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """Splits ``scheme://rest`` into ``(scheme, rest)`` (scheme lower-cased); a plain path gives ``("", path)``."""
+    """Splits ``scheme://rest`` into ``(scheme, rest)`` (scheme lower-cased); a plain path gives ``("", path)``.
+
+    ``file:/abs`` and ``local:/abs`` (no ``//``) give ``("file", "/abs")`` and ``("local", "/abs")``: fsspec reads
+    them as the local path ``/abs``, so they must not become a folder named ``file:`` under the working directory.
+    """
     if "://" in url:
         scheme, rest = url.split("://", 1)
         return scheme.lower(), rest
+    head, sep, rest = url.partition(":")
+    if sep and head.lower() in LOCAL_SCHEMES:
+        return head.lower(), rest
     return "", url
 
 
 def is_local_url(url: str) -> bool:
-    """True when ``url`` names the local filesystem (a plain path or ``file://``)."""
+    """True when ``url`` names the local filesystem (a plain path, ``file://`` or ``file:``)."""
     return split_url(url)[0] in LOCAL_SCHEMES
 
 
@@ -45,7 +53,7 @@ class CheckpointLocation:
     Attributes:
         text: the location as given.
         scheme: the URL scheme, lower-cased; empty for a plain path.
-        rest: what follows ``scheme://`` (the path itself for a plain path).
+        rest: what follows ``scheme://`` or ``file:`` (the path itself for a plain path).
     """
 
     text: str
@@ -98,11 +106,15 @@ class CheckpointLocation:
         return os.path.abspath(self.text) if self.scheme == "" else self.text
 
     def disk_directory(self, local_cache: str | None) -> str:
-        """The local directory of the disk tier: the location itself when local, else ``local_cache`` (default
-        ``<tmp>/trainguard-ckpt``)."""
+        """The local directory of the disk tier: the location itself when local, else ``local_cache``, by default
+        ``<tmp>/trainguard-ckpt-cache/<12 hex digits of the SHA-256 of identity>``: one per remote location."""
         if self.is_local:
             return self.rest
-        return local_cache or os.path.join(tempfile.gettempdir(), "trainguard-ckpt")
+        if local_cache:
+            return local_cache
+        # Keyed by the URL, not shared: jobs of one name on two URLs would otherwise restore each other's steps.
+        digest = hashlib.sha256(self.identity.encode()).hexdigest()[:12]
+        return os.path.join(tempfile.gettempdir(), "trainguard-ckpt-cache", digest)
 
     def check_writable(self) -> str | None:
         """Creates a local location and checks a file can be written there; remote ones are checked by each

@@ -114,6 +114,20 @@ class Manifest:
         except TypeError as exc:
             raise CorruptCheckpointError(f"{where} has unexpected fields ({exc})") from exc
 
+    def check_place(self, step: int, rank: int, where: str) -> "Manifest":
+        """Returns this manifest when it names ``step`` and ``rank``, the step folder and file it was read from.
+
+        Every reader of a persistent tier checks this, so a step folder copied or renamed to another step (its
+        checksums all pass) is refused alike by restore, ``ckpt verify``, ``ckpt gc`` and ``ckpt export``.
+
+        Raises:
+            CorruptCheckpointError: the manifest names another step or rank.
+        """
+        if self.step != step or self.rank != rank:
+            raise CorruptCheckpointError(f"{where}: manifest names step {self.step} rank {self.rank}; the step "
+                                         "folder was copied or renamed, delete it")
+        return self
+
     @property
     def n_chunks(self) -> int:
         """Number of checksummed chunks covering the data file."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection
 from typing import Any, Callable
 
-from trainguard.checkpoint.errors import StorageUnavailableError
+from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableError
 from trainguard.checkpoint.fileio import (
     PendingFile,
     Throttle,
@@ -34,9 +35,33 @@ from trainguard.checkpoint.fileio import (
     write_file_from,
 )
 
+log = logging.getLogger(__name__)
+
 COMMIT_RECORD = "COMMITTED.json"
 _STEP_RE = re.compile(r"^step_(\d{12})$")
 _MARKER_RE = re.compile(r"^rank_(\d{5})\.commit$")
+#: stray files named like a step already reported by this process (the persist process lists at every save).
+_warned_strays: set[str] = set()
+
+
+def _skip_stray(path: str) -> None:
+    """Warns once per process about a plain file named like a step, which every listing skips."""
+    if path not in _warned_strays:
+        _warned_strays.add(path)
+        log.warning("ignoring %s: a file named like a checkpoint step, not a step folder; remove or rename it", path)
+
+
+def check_job_name(job: str) -> str:
+    """Returns ``job`` when it can name the job's folder under a checkpoint root.
+
+    Raises:
+        CheckpointError: the name is empty, holds ``/`` or starts with ``.``: the folder would not be a direct
+            child of the root (``../evil``) or would be hidden from job listings.
+    """
+    if not isinstance(job, str) or not job or "/" in job or job.startswith("."):
+        raise CheckpointError(f"job name {job!r} is not a valid directory name (it is empty, holds '/' or starts "
+                              "with '.'); use letters, digits, -_")
+    return job
 
 
 def step_dirname(step: int) -> str:
@@ -211,13 +236,16 @@ class LocalStore(StepStore):
         root: checkpoint root directory.
         job: job name (a subdirectory of root).
         fsync: fsync files and directories (off voids crash safety; benchmarks only).
+
+    Raises:
+        CheckpointError: the job name is not a valid folder name (see :func:`check_job_name`).
     """
 
     tier = "disk"
 
     def __init__(self, root: str, job: str, fsync: bool = True) -> None:
         self.root = os.path.abspath(root)
-        self.job_dir = os.path.join(self.root, job)
+        self.job_dir = os.path.join(self.root, check_job_name(job))
         self.fsync = fsync
 
     def describe(self) -> str:
@@ -294,10 +322,17 @@ class LocalStore(StepStore):
 
     def list_steps(self) -> list[int]:
         try:
-            names = os.listdir(self.job_dir)
+            entries = list(os.scandir(self.job_dir))
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for n in names if (m := _STEP_RE.match(n)))
+        steps = []
+        for e in entries:
+            if m := _STEP_RE.match(e.name):
+                if e.is_dir():
+                    steps.append(int(m.group(1)))
+                else:
+                    _skip_stray(e.path)
+        return sorted(steps)
 
     def list_names(self, step: int) -> list[str]:
         try:
@@ -334,6 +369,7 @@ class FsspecStore(StepStore):
 
     Raises:
         StorageUnavailableError: the filesystem cannot be created (unknown protocol, unreachable server...).
+        CheckpointError: the job name is not a valid folder name (see :func:`check_job_name`).
     """
 
     tier = "remote"
@@ -341,6 +377,7 @@ class FsspecStore(StepStore):
     def __init__(self, url: str, job: str, storage_options: dict[str, Any] | None = None) -> None:
         import fsspec
 
+        check_job_name(job)
         self.url = url.rstrip("/")
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
@@ -402,10 +439,18 @@ class FsspecStore(StepStore):
 
     def list_steps(self) -> list[int]:
         try:
-            entries = self._guard("list", lambda: self.fs.ls(self.job_dir, detail=False))
+            entries = self._guard("list", lambda: self.fs.ls(self.job_dir, detail=True))
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for e in entries if (m := _STEP_RE.match(e.rstrip("/").rsplit("/", 1)[-1])))
+        steps = set()
+        for e in entries:
+            if m := _STEP_RE.match(e["name"].rstrip("/").rsplit("/", 1)[-1]):
+                # An object store may hold an object and a prefix of one name: the prefix is the step.
+                if e.get("type") == "file":
+                    _skip_stray(f"{self.url}/{self.job_dir.rsplit('/', 1)[-1]}/{m.group(0)}")
+                else:
+                    steps.add(int(m.group(1)))
+        return sorted(steps)
 
     def list_names(self, step: int) -> list[str]:
         try:

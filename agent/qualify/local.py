@@ -16,6 +16,7 @@ import time
 import uuid
 
 from trainguard.agent.qualify.base import Outcome, QualifyContext, failed, passed, register_check, skipped
+from trainguard.checkpoint.location import LOCAL_SCHEMES, split_url
 from trainguard.detectors.events import Severity
 
 _CHUNK = 1 << 20
@@ -70,9 +71,8 @@ def _local_dir(path: str | None) -> str | None:
     """A local directory from a checkpoint location: a path or ``file://`` URL; None for a remote URL."""
     if not path:
         return None
-    if "://" in path:
-        return path[len("file://"):] if path.startswith("file://") else None
-    return path
+    scheme, rest = split_url(path)  # the checkpointer's own parsing: file:/abs is /abs, not ./file:/abs
+    return rest if scheme in LOCAL_SCHEMES else None
 
 
 def _existing(path: str) -> str:
