@@ -144,6 +144,9 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
         except ReplicaRefusedError as exc:
             log.warning("replica refused: %s", exc)
             return replica_pb2.ReplicaAck(ok=False, error=str(exc))
+        except OSError as exc:  # the tmpfs itself (full, or a folder another agent on this host changed)
+            log.warning("replica not stored: %s", exc)
+            return replica_pb2.ReplicaAck(ok=False, error=f"the receiver could not store it: {exc}")
         self.received_bytes += man.data_bytes
         log.info("holding the replica of rank %d step %d (%d bytes)", man.rank, man.step, man.data_bytes)
         return replica_pb2.ReplicaAck(ok=True, bytes=man.data_bytes)

@@ -163,7 +163,9 @@ class ReplicaStore:
             except FileNotFoundError:
                 pass
             os.replace(partial, base + ".data")
-            tmp = base + ".manifest.json.tmp"
+            # Unique: two agents of one job on one host share this folder, and a shared temp name made one's
+            # rename fail on the other's (FileNotFoundError).
+            tmp = f"{base}.manifest.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             with open(tmp, "wb") as f:
                 f.write(manifest.to_json())
             os.replace(tmp, base + ".manifest.json")  # the commit marker, last

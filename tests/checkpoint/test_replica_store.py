@@ -99,3 +99,30 @@ def test_arena_writer_installs_a_memory_tier_copy(root) -> None:
     with pytest.raises(ReplicaRefusedError):
         _send(arena_writer(root, "job", _copy(1, 13)[0]), _copy(1, 13)[0], bytes(bad)).commit()
     assert sorted(memory_manifests(root, "job", "/ckpt")) == [12]  # the failed fetch left the old copy alone
+
+
+def test_two_agents_on_one_host_publishing_the_same_replica_never_fail(root) -> None:
+    """Two agents of one job on one host share the replica folder (found by a user's review: a shared temporary
+    manifest name made one's rename fail with FileNotFoundError, a traceback in the gRPC server). Two stores
+    stand for the two processes (each has its own lock, as two processes would)."""
+    import threading
+
+    stores = [ReplicaStore(root, "job", 1 << 30), ReplicaStore(root, "job", 1 << 30)]
+    man, data = _copy(1, 20, kib=16)
+    errors: list[BaseException] = []
+
+    def publish(store: ReplicaStore) -> None:
+        for _ in range(150):
+            try:
+                _send(store, man, data).commit()
+            except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+                errors.append(exc)
+
+    threads = [threading.Thread(target=publish, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+    rep = stores[0].newest(1)
+    assert rep is not None and rep.step == 20 and open(rep.data, "rb").read(len(data)) == data
