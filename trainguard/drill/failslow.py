@@ -366,6 +366,13 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         steps = job.steps(0)
         res.step_healthy_s = _median_step(steps, t_healthy, t_inject)
         res.step_slow_s = _median_step(steps, t_inject + 2.0, t_detect)
+        if res.step_slow_s is None and cfg.action == "report":
+            # Detection came before three slow steps (a loaded machine: each step at the slow pace takes long).
+            # A report changes nothing in the job, so the steps after it are still at the slow pace.
+            deadline = time.time() + 60.0
+            while res.step_slow_s is None and time.time() < deadline:
+                time.sleep(0.5)
+                res.step_slow_s = _median_step(job.steps(0), t_inject + 2.0, time.time())
         gen0 = max((s[1] for s in steps), default=1)
         if cfg.action == "replace" and res.detected:
             deadline = time.time() + cfg.detect_timeout_s
