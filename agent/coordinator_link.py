@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 #: Deadline of every call to the coordinator, seconds.
 RPC_TIMEOUT_S = 5.0
+#: Failure reports kept for sending again while the coordinator is unreachable (the newest; older ones are about
+#: generations a later report supersedes).
+MAX_UNSENT_REPORTS = 8
 
 _T = LinkTrigger
 
@@ -107,6 +110,11 @@ class GrpcCoordinatorLink:
         self._lease = ""
         self._generation = -1
         self._unreachable_since: float | None = None  # first failed heartbeat of the current outage
+        # Reports the coordinator never got (it was down or did not answer in time): sent again before the next
+        # heartbeat. The heartbeat of a node whose workers were stopped says "no generation", which a
+        # coordinator that never heard of the failure answers with START of the same generation: without the
+        # report it would rerun that generation with its old port and restart count, uncounted.
+        self._unsent: list[coordinator_pb2.ReportEventRequest] = []
         self._last_heartbeat = 0.0
         self._in_keepalive = False
         # Tells a restarted agent of this node apart from a second agent claiming the same node id.
@@ -199,6 +207,11 @@ class GrpcCoordinatorLink:
         """
         assert self._stub is not None, "open() first"
         self._last_heartbeat = time.monotonic()
+        if self._unsent and self._send_unsent() is grpc.StatusCode.UNAVAILABLE:
+            self._unreachable_since = self._unreachable_since or time.monotonic()
+            log.warning("coordinator still unreachable: %d failure report(s) wait; workers keep running",
+                        len(self._unsent))
+            return None  # down: the heartbeat would fail as well
         fields = dict(content.heartbeat_fields())
         if self.qualifier is not None:  # a re-check's verdict, while the node runs no generation (spare, standby)
             fields["qualification"] = self.qualifier.for_heartbeat(idle=fields.get("generation", -1) < 0)
@@ -208,6 +221,14 @@ class GrpcCoordinatorLink:
         try:
             resp = self._stub.Heartbeat(req, timeout=RPC_TIMEOUT_S)
             self._unreachable_since = None
+            failed = max((r.generation for r in self._unsent), default=-1)
+            if resp.command in (coordinator_pb2.NODE_COMMAND_START, coordinator_pb2.NODE_COMMAND_RESTART) \
+                    and 0 <= resp.rank_table.generation <= failed:
+                # The coordinator has not heard of this node's failure in that generation yet (the report
+                # timed out): starting it again would rerun a failed generation, uncounted. Wait for the report.
+                log.warning("not starting generation %d again: this node's failure report about it has not "
+                            "reached the coordinator yet", resp.rank_table.generation)
+                return None
             return resp
         except grpc.RpcError as exc:
             code = exc.code()
@@ -261,10 +282,17 @@ class GrpcCoordinatorLink:
             else:
                 self._life.fire_if(_T.IDLE)  # the job goes on without this node's workers for now
 
-    def check_patience(self, workers_running: int, now: float | None = None) -> None:
+    def check_patience(self, workers_running: int, now: float | None = None,
+                       local_succeeded: int | None = None) -> None:
         """Ends a member that runs no workers and has not reached its coordinator for ``patience_s``: with
         nothing to keep alive it would otherwise heartbeat into a coordinator that is gone, forever. Running
         workers are never stopped for an outage (a restarted coordinator picks the job up again).
+
+        Args:
+            workers_running: the node's live workers.
+            now: monotonic time (default now).
+            local_succeeded: the generation whose local workers all exited 0, if they did (the message then
+                says the job may well be over, and that this node must not simply be started again).
 
         Raises:
             CoordinatorUnavailableError: the bound passed.
@@ -273,10 +301,16 @@ class GrpcCoordinatorLink:
         since = self._unreachable_since
         if since is None or now - since < self.config.patience_s or workers_running:
             return
+        bound = f"(the bound is {self.config.patience_s:.0f}s, --rdzv-conf join_timeout)"
+        if local_succeeded is not None:
+            raise CoordinatorUnavailableError(
+                f"every local worker of generation {local_succeeded} exited 0, but coordinator "
+                f"{self.config.coordinator} has been unreachable for {now - since:.0f}s {bound}, so whether the "
+                "whole job succeeded is unknown here: check the coordinator or the other nodes; start this node "
+                "again only if the job did not finish (a rerun of a finished job starts it over)")
         raise CoordinatorUnavailableError(
             f"coordinator {self.config.coordinator} unreachable for {now - since:.0f}s with no workers running "
-            f"on this node (the bound is {self.config.patience_s:.0f}s, --rdzv-conf join_timeout); "
-            "check that it runs, then start this node again")
+            f"on this node {bound}; check that it runs, then start this node again")
 
     # -- reports -------------------------------------------------------------------------------------------
     def report(self, event: HealthEvent, level: int, generation: int, rank: int = -1, code: int = 0) -> None:
@@ -292,8 +326,37 @@ class GrpcCoordinatorLink:
             resp = self._stub.ReportEvent(req, timeout=RPC_TIMEOUT_S)
             log.info("coordinator: %s", resp.message)
         except grpc.RpcError as exc:
-            log.warning("could not report the failure to the coordinator (%s); it will learn from heartbeats",
-                        exc.code().name)
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # A report the coordinator may have taken (a lost answer) is safe to send again: a report
+                # about a generation it already left changes nothing.
+                self._unsent = (self._unsent + [req])[-MAX_UNSENT_REPORTS:]
+                log.warning("could not report the failure to the coordinator (%s); it is sent again before the "
+                            "next heartbeat", exc.code().name)
+            else:
+                log.warning("the coordinator refused the failure report (%s: %s)", exc.code().name, exc.details())
+
+    def _send_unsent(self) -> grpc.StatusCode | None:
+        """Sends the reports the coordinator did not get, oldest first.
+
+        Returns:
+            None when none is left; else the code that stopped it (UNAVAILABLE: down; DEADLINE_EXCEEDED: up but
+            slow, so the heartbeat still goes out and keeps the lease). A report the coordinator refuses (e.g.
+            about a generation it never had) is dropped, logged.
+        """
+        assert self._stub is not None
+        while self._unsent:
+            req = self._unsent[0]
+            req.lease_id = self._lease  # the node may have registered again since
+            try:
+                resp = self._stub.ReportEvent(req, timeout=RPC_TIMEOUT_S)
+                log.info("coordinator (failure report sent again): %s", resp.message)
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return exc.code()
+                log.warning("the coordinator refused a failure report sent again (%s: %s); dropped",
+                            exc.code().name, exc.details())
+            self._unsent.pop(0)
+        return None
 
     def report_node(self, event: HealthEvent, generation: int, rank: int = -1, code: int = 0) -> None:
         """Reports a node- (or job-) level fault of ``generation`` and notes it, so it goes out once."""
@@ -326,4 +389,4 @@ class GrpcCoordinatorLink:
             self._channel.close()
 
 
-__all__ = ["GrpcCoordinatorLink", "LinkConfig", "RPC_TIMEOUT_S", "find_free_port"]
+__all__ = ["GrpcCoordinatorLink", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S", "find_free_port"]

@@ -60,6 +60,7 @@ from trainguard.agent.lease_keeper import keep_lease
 from trainguard.agent.link_probe import LinkProber, WithLinkProbe
 from trainguard.agent.job_memory import HeartbeatParts, JobMemory
 from trainguard.agent.node_health import DetectorEventSource, LocalNodeHealth
+from trainguard.agent.parts import SupervisorState
 from trainguard.agent.qualify.agent_side import NodeQualifier
 from trainguard.agent.qualify.config import QualifySection
 from trainguard.agent.parts import SupervisorHook
@@ -214,6 +215,7 @@ class NodeAgent:
                                       on_alarm=self._ask_checkpoint, on_actionable=self._wake.set,
                                       threshold=config.predictor_threshold)
         self.stopping = False
+        self.stop_code = 130  # what run() returns once stopped: 128 + the signal (see request_stop)
         self.started_at = time.time()
         self.final_message = ""
         self.last_checkpoint_step = -1
@@ -528,11 +530,13 @@ class NodeAgent:
                 self.link.report_node(ev, self.generation)
 
     # -- main loop ---------------------------------------------------------------------------------------------
-    def request_stop(self) -> None:
-        """Asks the loop to stop the workers and return (signal handlers call this)."""
+    def request_stop(self, signum: int = signal.SIGINT) -> None:
+        """Asks the loop to stop the workers and return ``128 + signum`` (signal handlers call this: 143 for
+        SIGTERM, 130 for SIGINT, as a shell reports them, so a scheduler tells a TERM from a Ctrl-C)."""
         if self._notifier is not None and not self.stopping:
             self._notifier.stopping(f"job {self.config.job}: stopping workers")
         self.stopping = True
+        self.stop_code = 128 + int(signum)
         self._wake.set()
 
     def _start_health(self) -> None:
@@ -555,7 +559,8 @@ class NodeAgent:
         """Runs until the job ends or a stop is requested.
 
         Returns:
-            0 when the job succeeded; 1 when it failed; 130 when stopped by a signal.
+            0 when the job succeeded; 1 when it failed; 128 + the signal when stopped by one (143: SIGTERM,
+            130: SIGINT).
 
         Raises:
             CoordinatorUnavailableError: registration failed, or the coordinator stayed unreachable for
@@ -594,10 +599,12 @@ class NodeAgent:
                         if done is not None:
                             return done
                     else:
-                        self.link.check_patience(self.supervisor.running(), now)
+                        done_gen = self.link.generation \
+                            if self.supervisor.state is SupervisorState.SUCCEEDED else None
+                        self.link.check_patience(self.supervisor.running(), now, done_gen)
                 self._wake.wait(self.config.poll_s)
                 self._wake.clear()
-            return 130
+            return self.stop_code
         finally:
             self.health.stop()
             if self.job_memory is not None:
@@ -616,7 +623,7 @@ def install_signal_handlers(agent: NodeAgent, signals: Sequence[int] = (signal.S
 
     def handler(signum, _frame):
         log.warning("received %s: stopping workers", signal.Signals(signum).name)
-        agent.request_stop()
+        agent.request_stop(signum)
 
     for s in old:
         signal.signal(s, handler)

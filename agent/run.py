@@ -31,6 +31,9 @@ from trainguard.worker_env import CHECKPOINT_DIR_ENV, CHECKPOINT_SERVICE_ENV
 
 log = logging.getLogger(__name__)
 
+#: Exit codes of a run stopped by a signal (128 + SIGINT, 128 + SIGTERM), reported as "stopped", not failed.
+STOPPED_CODES = frozenset({130, 143})
+
 
 @dataclass
 class RunResult:
@@ -234,7 +237,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         extras = start_run_extras(args, agent, config.socket_path, server)  # /metrics, health, status, linger
         try:
             code = agent.run()
-            message = agent.final_message or ("stopped by signal" if code == 130 else "")
+            message = agent.final_message or ("stopped by signal" if code in STOPPED_CODES else "")
         except JobFailedError as exc:
             code, message = 1, str(exc)
     finally:
@@ -294,7 +297,7 @@ def _let_nodes_hear_the_end(server, own_node: str, patience_s: float = 10.0) -> 
 def format_summary(result: RunResult) -> str:
     """The end-of-run report: outcome, then one line per fault with its timeline."""
     lines = []
-    status = {0: "succeeded", 130: "stopped"}.get(result.exit_code, "FAILED")
+    status = "succeeded" if result.exit_code == 0 else "stopped" if result.exit_code in STOPPED_CODES else "FAILED"
     lines.append(f"trainguard: job {status} after {result.wall_s:.1f}s, {result.generations} generation(s), "
                  f"{len(result.faults)} fault(s)" + (f": {result.message}" if result.message else ""))
     for i, f in enumerate(result.faults, 1):
@@ -326,9 +329,11 @@ def summary_record(result: RunResult) -> dict:
             "node_fault": f.hardware})
     # Shaped like the JSON log records around it (ts, level, logger, msg: the summary's first text line), plus
     # the structured fields.
-    return {"ts": time.time(), "level": "info" if result.exit_code in (0, 130) else "error",
+    stopped = result.exit_code in STOPPED_CODES
+    return {"ts": time.time(), "level": "info" if result.exit_code == 0 or stopped else "error",
             "logger": "trainguard.run", "msg": format_summary(result).splitlines()[0],
-            "event": "run.summary", "status": {0: "succeeded", 130: "stopped"}.get(result.exit_code, "failed"),
+            "event": "run.summary",
+            "status": "succeeded" if result.exit_code == 0 else "stopped" if stopped else "failed",
             "exit_code": result.exit_code, "wall_s": round(result.wall_s, 3), "generations": result.generations,
             "message": result.message, "faults": faults}
 

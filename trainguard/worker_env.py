@@ -213,7 +213,9 @@ class WorkerEnv:
             USE_AGENT_STORE_ENV: str(bool(self.use_agent_store)),
             SIGNALS_TO_HANDLE_ENV: self.signals_to_handle,
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "PYTHONUNBUFFERED": "1",
+            # Unbuffered by default so a worker's last lines reach the log before a crash; a user's own setting
+            # (e.g. PYTHONUNBUFFERED= to keep whole lines together on a shared console) wins.
+            "PYTHONUNBUFFERED": base.get("PYTHONUNBUFFERED", "1"),
         })
         if self.error_file:
             env[ERROR_FILE_ENV] = self.error_file

@@ -72,6 +72,29 @@ def test_unreachable_coordinator_is_bounded_by_patience() -> None:
     assert link.state == LinkState.DONE
 
 
+def test_an_outage_after_the_local_workers_succeeded_does_not_say_start_again(coordinator) -> None:
+    """Found by a user's review: a job that finished while its coordinator was down ended with "check that it
+    runs, then start this node again", which reruns a finished job."""
+    import time
+
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator=coordinator.target, node_id="n1",
+                                          device_count=1, patience_s=0.3))
+    link.open()
+    try:
+        link.follow(link.heartbeat(NoWorkers()))
+        coordinator.stop()
+        assert link.heartbeat(NoWorkers()) is None
+        time.sleep(0.4)
+        with pytest.raises(CoordinatorUnavailableError) as err:
+            link.check_patience(0, local_succeeded=link.generation)
+        text = str(err.value)
+        assert f"every local worker of generation {link.generation} exited 0" in text and "unknown" in text, text
+        with pytest.raises(CoordinatorUnavailableError, match="start this node again"):
+            link.check_patience(0)  # no workers and nothing finished: starting again is the advice
+    finally:
+        link.close()
+
+
 def test_link_table_refuses_illegal_moves() -> None:
     life = Lifecycle("coordinator link", LINK_TRANSITIONS, LinkState.UNREGISTERED)
     with pytest.raises(IllegalTransitionError, match="coordinator link: no transition from UNREGISTERED"):

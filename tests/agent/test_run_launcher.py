@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tg_testutil import REPO, run_cli
 
@@ -47,7 +48,10 @@ def test_exhausted_budget_names_rank_exit_code_and_restarts(tmp_path: Path, tg_e
     assert summary.count("fault ") == 3, summary
 
 
-def test_sigterm_stops_everything(tmp_path: Path, tg_env: dict) -> None:
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_stops_everything(tmp_path: Path, tg_env: dict, signum: int, code: int) -> None:
+    """Either signal stops every worker gracefully; the exit code is 128 + the signal, as a shell reports it
+    (found by a user's review: SIGTERM gave 130, so a scheduler could not tell it from a Ctrl-C)."""
     proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2",
                              str(SCRIPTS / "sleeper.py")], env=tg_env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -59,9 +63,9 @@ def test_sigterm_stops_everything(tmp_path: Path, tg_env: dict) -> None:
                 break
             time.sleep(0.1)
         assert len(kids) >= 4, "workers did not start"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=20)
-        assert proc.returncode == 130, err
+        assert proc.returncode == code, err
         assert "stopped" in err
     finally:
         if proc.poll() is None:
@@ -144,7 +148,7 @@ def test_run_speaks_sd_notify_and_stops_gracefully(tmp_path: Path, tg_env: dict)
         proc.send_signal(signal.SIGTERM)
         wait_for("STOPPING=1")
         proc.wait(timeout=30)
-        assert proc.returncode == 130
+        assert proc.returncode == 143
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -202,6 +202,44 @@ def test_worker_kill_then_coordinator_kill_loopback(tmp_path, procs, clean_diges
     _no_orphans(marker)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_worker_lost_while_the_coordinator_is_down_is_recovered_once_it_is_back(tmp_path, procs,
+                                                                              clean_digest) -> None:
+    """The failure report goes out while the coordinator is down: it is sent again once the coordinator is back,
+    so the job moves to generation 2 with a fresh port and a counted restart (found by a user's review: the node,
+    its workers stopped, asked for work, and the restored coordinator started generation 1 again on its old
+    port with restart count 0, uncounted)."""
+    marker = uuid.uuid4().hex
+    env = _env(marker, "lo")
+    store = f"sqlite://{tmp_path}/state.db"
+    coord, port = _coordinator(procs, env, tmp_path, "127.0.0.1:0", store, 30.0)
+    target = f"127.0.0.1:{port}"
+    out = tmp_path / "out.json"
+    n0 = _agent(procs, env, target, "n0", 0, "127.0.0.1", tmp_path / "ck", out)
+    n1 = _agent(procs, env, target, "n1", 1, "127.0.0.1", tmp_path / "ck", None, ["--fault", "1:9:KILL"])
+    for node in (n0, n1):  # both run generation 1 (their workers still start up: the fault is at step 9)
+        node.wait_line(r"generation 1: started ranks", 150)
+    coord.kill()
+    t_kill = n1.wait_line(r"fault injected: SIGKILL to rank 1", 60)
+    n1.wait_line(r"could not report the failure to the coordinator", 30, after=t_kill)
+    time.sleep(1.0)  # heartbeats meanwhile find no coordinator either
+    coord2, _ = _coordinator(procs, env, tmp_path, f"127.0.0.1:{port}", store, 30.0, "coordinator2")
+    assert n0.p.wait(150) == 0, n0.text()[-3000:]
+    assert n1.p.wait(30) == 0, n1.text()[-3000:]
+    result = json.loads(out.read_text())
+    assert result["restart_count"] == 1 and result["params_sha256"] == clean_digest, result
+    for node in (n0, n1):  # generation 1 ran once; the recovery is generation 2
+        text = node.text()
+        assert len(re.findall(r"generation 1: started ranks", text)) == 1, text[-3000:]
+        assert re.search(r"generation 2: started ranks", text), text[-3000:]
+    ports = re.findall(r"generation (\d+): started ranks \d+\.\.\d+ \(master [^:]+:(\d+)\)", n0.text())
+    assert len({p for _, p in ports}) == len(ports) == 2, ports  # generation 2 got a port of its own
+    assert "failure report sent again" in n1.text()
+    coord2.kill()
+    _no_orphans(marker)
+
+
 class Bridge:
     """A bridge in the root namespace and one namespace per node with a veth pair and its own IP."""
 

@@ -55,3 +55,9 @@ def test_virtual_local_rank_narrows_the_visible_devices() -> None:
     assert (env["LOCAL_RANK"], env["CUDA_VISIBLE_DEVICES"]) == ("0", "5")
     with pytest.raises(WorkerEnvError, match="local rank 2 has no device"):
         WorkerEnv(local_rank=2).to_env({"CUDA_VISIBLE_DEVICES": "4,5"}, virtual_local_rank=True)
+
+
+def test_the_users_own_buffering_wins() -> None:
+    """Found by a user's review: PYTHONUNBUFFERED was forced to 1 over the user's own setting."""
+    assert WorkerEnv().to_env({})["PYTHONUNBUFFERED"] == "1"
+    assert WorkerEnv().to_env({"PYTHONUNBUFFERED": ""})["PYTHONUNBUFFERED"] == ""
