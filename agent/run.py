@@ -15,7 +15,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -168,7 +167,10 @@ def run_job(args: argparse.Namespace) -> RunResult:
     if daemon is not None:
         detectors = tuple(d for d in detectors if d in WORKER_DETECTORS)
         detector_config = {k: v for k, v in detector_config.items() if k in detectors}
-    rundir = tempfile.mkdtemp(prefix="tg-")
+    from trainguard.agent.rundir import make_rundir, reap_stale_rundirs
+
+    reap_stale_rundirs()  # folders of launchers that died by SIGKILL (they cannot remove their own)
+    rundir = make_rundir()
     extra_env = {}
     ckpt_service = None
     if args.checkpoint_dir:
