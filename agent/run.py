@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import socket
 import sys
 import time
@@ -167,7 +166,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
     if daemon is not None:
         detectors = tuple(d for d in detectors if d in WORKER_DETECTORS)
         detector_config = {k: v for k, v in detector_config.items() if k in detectors}
-    from trainguard.agent.rundir import make_rundir, reap_stale_rundirs
+    from trainguard.agent.rundir import make_rundir, reap_stale_rundirs, remove_rundir
 
     reap_stale_rundirs()  # folders of launchers that died by SIGKILL (they cannot remove their own)
     rundir = make_rundir()
@@ -259,7 +258,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
             ckpt_service.stop(remove_memory=daemon is None or code in (0, 1))
             guard().forget(pid)
         guard().close()
-        shutil.rmtree(rundir, ignore_errors=True)
+        remove_rundir(rundir)
     return RunResult(exit_code=code, message=message, faults=agent.fault_records,
                      generations=max(agent.generation, 0), wall_s=time.time() - t0)
 
