@@ -11,6 +11,9 @@ verdict and the reporters' states.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 
@@ -19,11 +22,14 @@ from trainguard.agent.coordinator_report import CoordinatorReporter, NodeVerdict
 from trainguard.agent.pids import pid_alive
 from trainguard.agent.tls import TlsFiles
 from trainguard.proto import agent_pb2
-from trainguard.recovery.rpc_security import RpcSecurity
+from trainguard.recovery.rpc_security import RpcSecurity, SecurityConfigError
 
 log = logging.getLogger(__name__)
 
 _UP = (ReporterState.REPORTING, ReporterState.CORDONED)
+
+#: Largest PEM file the daemon keeps for an attached job (as the launcher's limit).
+MAX_PEM_BYTES = 1 << 20
 
 #: Trailing-metadata key of an ``AttachJob`` refusal saying what was refused (``arena``: only the arena root, so
 #: the launcher may attach again without it).
@@ -54,6 +60,7 @@ class DaemonJobs:
         self._lock = threading.Lock()
         self._reporters: dict[str, CoordinatorReporter] = {}
         self._alive = alive
+        self._pem_root: str | None = None  # the attached jobs' TLS files, as their launchers sent them
         self._jobs: dict[str, set[int | str]] = {}  # job -> its live launchers' keys
 
     # -- reporters ------------------------------------------------------------------------------------------
@@ -131,9 +138,8 @@ class DaemonJobs:
         key = launcher_key(req)
         kept = self.arenas.attach(req.job, req.arena_root, key) if req.arena_root else False
         if req.coordinator:
-            security = RpcSecurity(tls=TlsFiles(req.tls_cert_file, req.tls_key_file, req.tls_ca_file),
-                                   token=req.token)
             try:
+                security = self._job_security(req)
                 self.add_reporter(f"job:{req.job}", ReportTarget(req.coordinator, job=req.job, node_id=req.node_id,
                                                                  security=security, origin=f"job {req.job}"))
             except Exception:
@@ -147,6 +153,46 @@ class DaemonJobs:
                  req.coordinator or "none", req.node_id or self.node_id, ", arena kept" if kept else "")
         return agent_pb2.AttachJobResponse(node_id=self.node_id, arena_kept=kept, arena_ttl_s=self.arenas.ttl_s)
 
+    def _job_security(self, req: agent_pb2.AttachJobRequest) -> RpcSecurity:
+        """The TLS and token the launcher reaches its coordinator with. PEM contents in the request are written
+        to a folder only this daemon reads and used instead of the launcher's paths (which name files in the
+        launcher's container).
+
+        Raises:
+            SecurityConfigError: a file cannot be written here, or a PEM is too large.
+        """
+        files = TlsFiles(req.tls_cert_file, req.tls_key_file, req.tls_ca_file)
+        pems = (("ca.pem", req.tls_ca_pem), ("cert.pem", req.tls_cert_pem), ("key.pem", req.tls_key_pem))
+        if any(data for _, data in pems):
+            written: dict[str, str] = {}
+            try:
+                with self._lock:
+                    if self._pem_root is None:
+                        self._pem_root = tempfile.mkdtemp(prefix="trainguard-job-tls-")  # mode 0700
+                folder = os.path.join(self._pem_root, req.job)  # a checked job name (agentd): one path element
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+                for name, data in pems:
+                    if not data:
+                        continue
+                    if len(data) > MAX_PEM_BYTES:
+                        raise SecurityConfigError(f"job {req.job}: its {name} is {len(data)} bytes; at most "
+                                                  f"{MAX_PEM_BYTES}")
+                    path = os.path.join(folder, name)
+                    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                    with os.fdopen(fd, "wb") as fh:
+                        fh.write(data)
+                    os.replace(path + ".tmp", path)
+                    written[name] = path
+            except OSError as exc:
+                raise SecurityConfigError(f"job {req.job}: cannot keep its TLS files here ({exc})") from exc
+            files = TlsFiles(written.get("cert.pem", files.cert_file), written.get("key.pem", files.key_file),
+                             written.get("ca.pem", files.ca_file))
+        return RpcSecurity(tls=files, token=req.token, server_name=req.tls_server_name)
+
+    def _forget_pems(self, job: str) -> None:
+        if self._pem_root is not None:
+            shutil.rmtree(os.path.join(self._pem_root, job), ignore_errors=True)
+
     def detach(self, job: str, key: int | str, ended: bool) -> bool:
         """Launcher ``key`` leaves ``job`` (``ended``: the job is over); returns whether the arena was removed."""
         with self._lock:
@@ -157,6 +203,7 @@ class DaemonJobs:
                 self._jobs.pop(job, None)
         if last or ended:
             self.remove_reporter(f"job:{job}")
+            self._forget_pems(job)
         return self.arenas.detach(job, key, ended)
 
     def sweep(self) -> None:
@@ -173,14 +220,17 @@ class DaemonJobs:
             log.warning("every launcher of job %s is gone without detaching; no more reports to its coordinator",
                         job)
             self.remove_reporter(f"job:{job}")
+            self._forget_pems(job)
         self.arenas.sweep()
 
     def stop(self) -> None:
-        """Stops every reporter."""
+        """Stops every reporter and removes the jobs' TLS files."""
         with self._lock:
             keys = list(self._reporters)
         for key in keys:
             self.remove_reporter(key)
+        if self._pem_root is not None:
+            shutil.rmtree(self._pem_root, ignore_errors=True)
 
 
 def launcher_key(req: agent_pb2.AttachJobRequest | agent_pb2.DetachJobRequest) -> int | str:

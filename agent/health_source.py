@@ -70,6 +70,24 @@ class JobAttachment:
     tls_ca_file: str = ""
     tls_cert_file: str = ""
     tls_key_file: str = ""
+    tls_server_name: str = ""
+
+
+#: Largest TLS file a launcher sends the daemon (a CA bundle of a few hundred certificates fits).
+MAX_PEM_BYTES = 1 << 20
+
+
+def _pem(path: str) -> bytes:
+    """The file's contents for ``AttachJob`` (b"" when unset or unreadable here: the daemon then tries the path
+    itself, and names it when it cannot read it either)."""
+    if not path:
+        return b""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_PEM_BYTES + 1)
+    except OSError:
+        return b""
+    return data if len(data) <= MAX_PEM_BYTES else b""
 
 
 class DaemonLink:
@@ -118,6 +136,9 @@ class DaemonLink:
             job=job.job, coordinator=job.coordinator, node_id=job.node_id, launcher_pid=os.getpid(),
             arena_root=job.arena_root, token=job.token, tls_ca_file=job.tls_ca_file,
             tls_cert_file=job.tls_cert_file, tls_key_file=job.tls_key_file,
+            # The contents too: in Kubernetes the daemon runs in another container and cannot open these paths.
+            tls_ca_pem=_pem(job.tls_ca_file), tls_cert_pem=_pem(job.tls_cert_file), tls_key_pem=_pem(job.tls_key_file),
+            tls_server_name=job.tls_server_name,
             launcher_lock=self.lock.name if self.lock is not None else "")
         self.attached_at = time.time()
         self._request = req
@@ -302,7 +323,7 @@ def attach_daemon(job: str, coordinator: str, node_id: str, security, checkpoint
     arena = env.get(CHECKPOINT_SHM_DIR_ENV, "/dev/shm/trainguard") if checkpointing else ""
     try:
         resp = link.attach(JobAttachment(job, coordinator, node_id, arena, security.token, security.tls.ca_file,
-                                         security.tls.cert_file, security.tls.key_file))
+                                         security.tls.cert_file, security.tls.key_file, security.server_name))
     except DaemonAttachError as exc:  # e.g. a daemon of an older version: this launcher still runs, alone
         link.close()
         log.warning("%s; running with this launcher's own detectors and predictor", exc)

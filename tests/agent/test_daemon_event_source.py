@@ -94,3 +94,50 @@ def test_a_tls_file_the_daemon_cannot_read_is_named_and_holds_no_arena(daemon, m
     assert "keeps no arena" not in text, text  # the arena root was never the problem
     assert d.jobs.arenas.kept().get("j2") is None or not d.jobs.arenas.kept()["j2"].launchers
     assert not list((tmp / "launchers").glob("j2.*.lock"))  # the refused launcher dropped its lock
+
+
+def test_the_daemon_reaches_a_jobs_mtls_coordinator_with_the_pems_the_launcher_sent(daemon, monkeypatch, tmp_path):
+    """In Kubernetes the daemon runs in another container and cannot open the launcher's certificate paths: the
+    launcher sends the PEM contents, the daemon keeps them in a folder of its own. The launcher's files are
+    deleted right after the attachment, and the daemon still reports over mutual TLS with the job token."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from agent_testutil import make_pki
+
+    from trainguard.agent.coordinator_report import ReporterState
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery import CoordinatorServer, JobSpec
+
+    d, tmp = daemon
+    pki = make_pki(tmp_path / "pki")
+    token = "0123456789abcdef0123456789abcdef"
+    server = CoordinatorServer(JobSpec(job="j4", nnodes=1, heartbeat_interval_s=0.2, store="memory://"),
+                               listen="127.0.0.1:0",
+                               security=RpcSecurity(TlsFiles(str(pki.server_cert), str(pki.server_key), str(pki.ca)),
+                                                    token)).start()
+    mine = tmp_path / "launcher-only"  # the files as only the launcher's container has them
+    mine.mkdir()
+    for f in (pki.ca, pki.client_cert, pki.client_key):
+        shutil.copy(f, mine / f.name)
+    monkeypatch.setenv("TRAINGUARD_AGENT_SOCKET_PATH", str(tmp / "agent.sock"))
+    security = RpcSecurity(TlsFiles(str(mine / pki.client_cert.name), str(mine / pki.client_key.name),
+                                    str(mine / pki.ca.name)), token, server_name="localhost")
+    link = None
+    try:
+        link = attach_daemon("j4", server.target, "node-a", security, checkpointing=False)
+        assert link is not None
+        shutil.rmtree(mine)
+        reporter = next(r for r in d.jobs.reporters() if r.target.job == "j4")
+        assert not reporter.target.security.tls.ca_file.startswith(str(mine))  # the daemon's own copy
+        assert oct(Path(reporter.target.security.tls.key_file).stat().st_mode & 0o777) == "0o600"
+        _wait(lambda: reporter.state in (ReporterState.REPORTING, ReporterState.CORDONED), "a report over mTLS", 20)
+        pem_dir = Path(reporter.target.security.tls.key_file).parent
+    finally:
+        if link is not None:
+            link.detach(ended=True)
+            link.close()
+        server.stop(0)
+    assert not pem_dir.exists()  # the job ended: its key is not kept

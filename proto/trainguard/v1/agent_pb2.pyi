@@ -200,7 +200,7 @@ class CheckpointReportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AttachJobRequest(_message.Message):
-    __slots__ = ("job", "coordinator", "node_id", "launcher_pid", "arena_root", "token", "tls_ca_file", "tls_cert_file", "tls_key_file", "launcher_lock")
+    __slots__ = ("job", "coordinator", "node_id", "launcher_pid", "arena_root", "token", "tls_ca_file", "tls_cert_file", "tls_key_file", "launcher_lock", "tls_ca_pem", "tls_cert_pem", "tls_key_pem", "tls_server_name")
     JOB_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,10 @@ class AttachJobRequest(_message.Message):
     TLS_CERT_FILE_FIELD_NUMBER: _ClassVar[int]
     TLS_KEY_FILE_FIELD_NUMBER: _ClassVar[int]
     LAUNCHER_LOCK_FIELD_NUMBER: _ClassVar[int]
+    TLS_CA_PEM_FIELD_NUMBER: _ClassVar[int]
+    TLS_CERT_PEM_FIELD_NUMBER: _ClassVar[int]
+    TLS_KEY_PEM_FIELD_NUMBER: _ClassVar[int]
+    TLS_SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
     job: str
     coordinator: str
     node_id: str
@@ -221,7 +225,11 @@ class AttachJobRequest(_message.Message):
     tls_cert_file: str
     tls_key_file: str
     launcher_lock: str
-    def __init__(self, job: _Optional[str] = ..., coordinator: _Optional[str] = ..., node_id: _Optional[str] = ..., launcher_pid: _Optional[int] = ..., arena_root: _Optional[str] = ..., token: _Optional[str] = ..., tls_ca_file: _Optional[str] = ..., tls_cert_file: _Optional[str] = ..., tls_key_file: _Optional[str] = ..., launcher_lock: _Optional[str] = ...) -> None: ...
+    tls_ca_pem: bytes
+    tls_cert_pem: bytes
+    tls_key_pem: bytes
+    tls_server_name: str
+    def __init__(self, job: _Optional[str] = ..., coordinator: _Optional[str] = ..., node_id: _Optional[str] = ..., launcher_pid: _Optional[int] = ..., arena_root: _Optional[str] = ..., token: _Optional[str] = ..., tls_ca_file: _Optional[str] = ..., tls_cert_file: _Optional[str] = ..., tls_key_file: _Optional[str] = ..., launcher_lock: _Optional[str] = ..., tls_ca_pem: _Optional[bytes] = ..., tls_cert_pem: _Optional[bytes] = ..., tls_key_pem: _Optional[bytes] = ..., tls_server_name: _Optional[str] = ...) -> None: ...
 
 class AttachJobResponse(_message.Message):
     __slots__ = ("node_id", "arena_kept", "arena_ttl_s")
