@@ -171,17 +171,24 @@ def _no_orphans(marker: str) -> None:
     assert not left, f"orphans: {[p.pid for p in left]}"
 
 
+def _faulty_pair(procs: list[Proc], tmp: Path, lease: float):
+    """A coordinator (sqlite store) and two loopback nodes whose rank 1 is SIGKILLed at step 9; returns
+    (marker, env, store, coordinator, its port, n0, n1, rank 0's result file)."""
+    marker = uuid.uuid4().hex
+    env = _env(marker, "lo")
+    store = f"sqlite://{tmp}/state.db"
+    coord, port = _coordinator(procs, env, tmp, "127.0.0.1:0", store, lease)
+    target = f"127.0.0.1:{port}"
+    out = tmp / "out.json"
+    n0 = _agent(procs, env, target, "n0", 0, "127.0.0.1", tmp / "ck", out)
+    n1 = _agent(procs, env, target, "n1", 1, "127.0.0.1", tmp / "ck", None, ["--fault", "1:9:KILL"])
+    return marker, env, store, coord, port, n0, n1, out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_worker_kill_then_coordinator_kill_loopback(tmp_path, procs, clean_digest) -> None:
-    marker = uuid.uuid4().hex
-    env = _env(marker, "lo")
-    store = f"sqlite://{tmp_path}/state.db"
-    coord, port = _coordinator(procs, env, tmp_path, "127.0.0.1:0", store, 10.0)
-    target = f"127.0.0.1:{port}"
-    out = tmp_path / "out.json"
-    n0 = _agent(procs, env, target, "n0", 0, "127.0.0.1", tmp_path / "ck", out)
-    n1 = _agent(procs, env, target, "n1", 1, "127.0.0.1", tmp_path / "ck", None, ["--fault", "1:9:KILL"])
+    marker, env, store, coord, port, n0, n1, out = _faulty_pair(procs, tmp_path, 10.0)
     t_kill = n1.wait_line(r"fault injected: SIGKILL to rank 1", 150)
     t_resume = n0.wait_line(r"\[rank 0\] generation 2: starting at step", 90, after=t_kill)
     print(f"\nprocess level (worker SIGKILL): recovery {t_resume - t_kill:.2f} s (fault -> new generation resumes)")
@@ -210,14 +217,7 @@ def test_a_worker_lost_while_the_coordinator_is_down_is_recovered_once_it_is_bac
     so the job moves to generation 2 with a fresh port and a counted restart (found by a user's review: the node,
     its workers stopped, asked for work, and the restored coordinator started generation 1 again on its old
     port with restart count 0, uncounted)."""
-    marker = uuid.uuid4().hex
-    env = _env(marker, "lo")
-    store = f"sqlite://{tmp_path}/state.db"
-    coord, port = _coordinator(procs, env, tmp_path, "127.0.0.1:0", store, 30.0)
-    target = f"127.0.0.1:{port}"
-    out = tmp_path / "out.json"
-    n0 = _agent(procs, env, target, "n0", 0, "127.0.0.1", tmp_path / "ck", out)
-    n1 = _agent(procs, env, target, "n1", 1, "127.0.0.1", tmp_path / "ck", None, ["--fault", "1:9:KILL"])
+    marker, env, store, coord, port, n0, n1, out = _faulty_pair(procs, tmp_path, 30.0)
     for node in (n0, n1):  # both run generation 1 (their workers still start up: the fault is at step 9)
         node.wait_line(r"generation 1: started ranks", 150)
     coord.kill()
