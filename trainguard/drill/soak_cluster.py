@@ -489,7 +489,7 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
         else:
             v = _victim(cluster, steps, rng, nproc)
             if v is not None and p.kind in RESTART_KINDS and cfg.strike_after_replication \
-                    and not _replicated(cluster, steps, nproc):
+                    and not _replicated(cluster, steps, nproc, cfg.save_every):
                 v = None
             if v is None or (p.kind == "linkdown" and cluster.fabric is None):
                 todo.insert(0, p)
@@ -511,9 +511,12 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
     return _finish(cfg, cluster, outcomes, skipped, compression, window, t_launch, t0, steps, out_file, progress)
 
 
-def _replicated(cluster: _Cluster, steps: _StepLog, nproc: int) -> bool:
+def _replicated(cluster: _Cluster, steps: _StepLog, nproc: int, save_every: int) -> bool:
     """Whether every rank's newest snapshot is a published replica in some other live node's memory (the files
-    :mod:`trainguard.checkpoint.replica_store` publishes under each node's arena root)."""
+    :mod:`trainguard.checkpoint.replica_store` publishes under each node's arena root), with the next snapshot
+    still a few steps away: a strike just after a newer snapshot of one rank lands but before its peer's is
+    replicated leaves the ranks' newest listed copies at different steps (``memory.keep = 1`` lists one step per
+    rank), and the restore goes to disk (1 run in 5 under a loaded CI)."""
     newest = []
     for r in range(nproc):
         saved = [row[2] for row in steps.rows[r] if row[5]]
@@ -522,6 +525,9 @@ def _replicated(cluster: _Cluster, steps: _StepLog, nproc: int) -> bool:
         newest.append(max(saved))
     step = min(newest)  # a step every rank saved
     gen = steps.generation()
+    reached = max((row[2] for r in range(nproc) for row in steps.rows[r] if row[1] == gen), default=step)
+    if reached >= step + save_every - 3:
+        return False
     for r in range(nproc):
         rows = [row for row in steps.rows[r] if row[1] == gen]
         owner = cluster.node_of_pid(rows[-1][3]) if rows else None
