@@ -1,5 +1,5 @@
-"""The launcher's private run folder (``<tmp>/tg-XXXXXXXX``: its sockets, the workers' error files), and the
-removal of those left by launchers that died.
+"""The launcher's private run folder (``<tmp>/tg-`` plus 8 random characters: its sockets, the workers' error
+files), and the removal of those left by launchers that died.
 
 A ``trainguard run`` removes its folder when it ends, but one killed with SIGKILL cannot: its workers and its
 persist process die with it (PR_SET_PDEATHSIG, the guard), the folder stays. One node accumulated 765 of them
@@ -123,5 +123,5 @@ def reap_stale_rundirs(tmp: str | None = None, now: float | None = None) -> list
     return removed
 
 
-__all__ = ["LEGACY_MIN_AGE_S", "LOCK_NAME", "MIN_AGE_S", "RUNDIR_RE", "SOCKET_NAME", "make_rundir", "owner_gone", "remove_rundir",
-           "reap_stale_rundirs", "socket_dead"]
+__all__ = ["LEGACY_MIN_AGE_S", "LOCK_NAME", "MIN_AGE_S", "RUNDIR_RE", "SOCKET_NAME", "make_rundir", "owner_gone",
+           "reap_stale_rundirs", "remove_rundir", "socket_dead"]
