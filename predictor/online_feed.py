@@ -48,6 +48,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Catalog metrics the training workers report (through the hook's step heartbeats), not a detector: absent
+#: until the first step of a generation, and never from a script that does not import trainguard.
+WORKER_METRICS = frozenset({"step_time_s"})
+#: Seconds after the first tick with detector metrics before the model's metrics are judged present or absent:
+#: detectors sample at their own intervals (30 s for the slowest defaults), so the first tick sees only some.
+MODEL_CHECK_SETTLE_S = 60.0
+
 
 class Aggregate(enum.Enum):
     """How the values of several detector metrics (devices) become one catalog value."""
@@ -387,11 +394,15 @@ class PredictorMonitor:
     - a bad tick (time not after the previous one, a value the predictor refuses, a history write that fails, a
       callback that raises) is logged once per distinct problem (later ones at debug level, all counted in
       :attr:`problems`) and the tick returns None (a history or callback failure still returns the score);
-    - feature mismatch: at the first tick with detector metrics, the model's metrics absent from the mapped
-      sample are named in one ERROR log and the monitor falls back to rules only for the rest of its life (a
-      model trained elsewhere must not score with made-up inputs; retrain on this node's exported history or
-      enable the detectors). After that check, a model metric missing from one sample (a detector error) is
-      passed as NaN: the predictor forward-fills it, as in training.
+    - feature mismatch: ``settle_s`` after the first tick with detector metrics (the detectors sample at their
+      own intervals, so the first tick sees only some of them), the model's detector metrics that no sample
+      carried by then are named in one ERROR log and the monitor falls back to rules only for the rest of its
+      life (a model trained elsewhere must not score with made-up inputs; retrain on this node's exported
+      history or enable the detectors). Until then, and after it for a metric that comes and goes (a detector
+      error), a missing model metric is passed as NaN: the predictor forward-fills it, as in training.
+      Metrics the workers report (:data:`WORKER_METRICS`: ``step_time_s``) never cause the fallback: they are
+      absent until a generation's first step, whatever the node produces (a model trained on this node's own
+      history used to be dropped at the first tick, before any step).
     - a tick with no detector metrics at all (the runner has not sampled yet) is skipped (None).
     """
 
@@ -405,6 +416,7 @@ class PredictorMonitor:
         on_score: Callable[[Score], None] | None = None,
         realarm_s: float = 300.0,
         threshold: float | None = None,
+        settle_s: float = MODEL_CHECK_SETTLE_S,
     ) -> None:
         """Creates a monitor.
 
@@ -417,12 +429,16 @@ class PredictorMonitor:
             realarm_s: seconds between two ``on_alarm`` calls of one lasting alarm (default 300).
             threshold: alarm when the score reaches this (in [0, 1]) instead of the model's own threshold
                 (see :func:`with_threshold`); None (default) keeps the model's. Settable later.
+            settle_s: seconds from the first tick with detector metrics to the check of the model's metrics
+                (default :data:`MODEL_CHECK_SETTLE_S`; 0 checks the first tick).
 
         Raises:
             ValueError: ``realarm_s`` is not positive or ``node_id`` is empty.
         """
         if not realarm_s > 0:
             raise ValueError(f"realarm_s={realarm_s} must be > 0 seconds")
+        if not settle_s >= 0:
+            raise ValueError(f"settle_s={settle_s} must be >= 0 seconds")
         if not node_id:
             raise ValueError("node_id must be a non-empty node name")
         self.runtime = runtime
@@ -438,7 +454,10 @@ class PredictorMonitor:
         self.last_sample: dict[str, float] = {}
         self.absent_model_metrics: list[str] = []
         self._lock = threading.RLock()
+        self.settle_s = float(settle_s)
         self._checked = False
+        self._first_ts: float | None = None  # first tick with detector metrics: the settle window's start
+        self._seen: set[str] = set()  # metric names some sample carried before the check
         self._last_ts: float | None = None
         self._alarm_up = False
         self._last_alarm_ts = -math.inf
@@ -470,15 +489,19 @@ class PredictorMonitor:
         log.log(level if first else logging.DEBUG, "predictor monitor: %s%s", message,
                 "" if first else f" (x{self.problems[key]})")
 
-    def _check_model(self, sample: dict[str, float]) -> None:
+    def _check_model(self) -> None:
         self._checked = True
         model = self.runtime.model
-        unevaluable = self.runtime.rules.unevaluable(set(sample))
+        unevaluable = self.runtime.rules.unevaluable(self._seen)
         if unevaluable:
             log.info("predictor monitor: rules that cannot fire on this node (no source metric): %s", unevaluable)
         if model is None:
             return
-        absent = [m for m in model.spec.metrics if m not in sample]
+        waiting = [m for m in model.spec.metrics if m not in self._seen and m in WORKER_METRICS]
+        if waiting:
+            log.info("predictor monitor: %s not reported yet (no training step on this node so far); scored as "
+                     "missing until the workers report steps", waiting)
+        absent = [m for m in model.spec.metrics if m not in self._seen and m not in WORKER_METRICS]
         if not absent:
             return
         self.absent_model_metrics = absent
@@ -574,18 +597,31 @@ class PredictorMonitor:
             return None
         self._last_ts = t
         if not self._checked:
-            self._check_model(sample)
+            self._seen.update(sample)
+            if self._first_ts is None:
+                self._first_ts = t
+            if t - self._first_ts >= self.settle_s:
+                self._check_model()
+        measured = dict(sample)  # the history keeps what was read, not the NaN placeholders scored below
         model = self.runtime.model
         if model is not None:
             for m in model.spec.metrics:
                 if m not in sample:
-                    self._problem(f"missing:{m}", f"{m} missing from this sample (its detector failed?); "
-                                  "scored as a missing reading")
+                    # before the check, its detector may not have sampled yet: judged at the settle window's end
+                    if not self._checked:
+                        sample[m] = math.nan
+                        continue
+                    if m in WORKER_METRICS:
+                        self._problem(f"missing:{m}", f"{m} missing from this sample (no training step reported "
+                                      "in this generation yet); scored as a missing reading", logging.INFO)
+                    else:
+                        self._problem(f"missing:{m}", f"{m} missing from this sample (its detector failed?); "
+                                      "scored as a missing reading")
                     sample[m] = math.nan
         self.last_sample = sample
         if self.history is not None:
             try:
-                self.history.append(t, self.node_id, sample)
+                self.history.append(t, self.node_id, measured)
             except Exception as exc:  # noqa: BLE001 - losing history must not stop scoring
                 self._problem(f"history:{type(exc).__name__}", f"cannot store the sample: {exc}")
         try:

@@ -68,15 +68,18 @@ def gpu(index, pci, temp=50, sbe=0, dbe=0, throttle=0x1) -> GpuReading:
 class Node:
     """A runner over real detectors plus a monitor fed by its events and metrics."""
 
-    def __init__(self, detectors, runtime=None, history=None, realarm_s=300.0):
+    def __init__(self, detectors, runtime=None, history=None, realarm_s=300.0, settle_s=60.0):
         self.alarms, self.scores = [], []
         self.monitor = PredictorMonitor(runtime or PredictorRuntime.load(None), "node-a", history=history,
-                                        on_alarm=self.alarms.append, on_score=self.scores.append, realarm_s=realarm_s)
+                                        on_alarm=self.alarms.append, on_score=self.scores.append, realarm_s=realarm_s,
+                                        settle_s=settle_s)
         self.runner = DetectorRunner(detectors, on_event=self.monitor.observe_event)
 
-    def tick(self, ts, step_time_s=None):
+    def tick(self, ts, step_time_s=None, without=()):
+        """One interval; ``without``: prefixes of detector metrics this tick lacks (a detector not sampled yet)."""
         self.runner.run_once()
-        return self.monitor.tick(ts, self.runner.latest_metrics(), step_time_s)
+        metrics = {k: v for k, v in self.runner.latest_metrics().items() if not k.startswith(tuple(without))}
+        return self.monitor.tick(ts, metrics, step_time_s)
 
     def close(self):
         self.runner.stop()
@@ -411,12 +414,57 @@ def test_model_metric_this_node_lacks_falls_back_to_rules(tmp_path, caplog):
     try:
         with caplog.at_level(logging.INFO, logger="trainguard.predictor.online_feed"):
             s = node.tick(1000.0, step_time_s=1.0)
+            assert s.source == "model" and not node.monitor.rules_only  # judged at the end of the settle window
+            s = node.tick(1060.0, step_time_s=1.0)
         errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert len(errors) == 1 and "gpu_temp_c" in errors[0] and "rules tier only" in errors[0]
         assert s is not None and s.source == "rules" and node.monitor.rules_only
         assert node.monitor.absent_model_metrics == ["gpu_temp_c"]
         pci_tree(tmp_path, gpu0_fatal=1)
-        s = node.tick(1005.0, step_time_s=1.0)
+        s = node.tick(1065.0, step_time_s=1.0)
         assert s.alarm and [h.rule for h in s.rule_hits] == ["aer-fatal"]
+    finally:
+        node.close()
+
+
+def test_a_model_of_this_nodes_history_is_kept_while_no_step_is_reported(tmp_path, caplog):
+    """A model trained on this node's own exported history (step time among its metrics) used to be dropped for
+    good at the first tick: the agent ticks before the workers' first step (found by using the CLI's advice
+    "retrain on this node's history" on a real run)."""
+    model = _train(LEARNED)
+    history = MetricHistory(tmp_path / "h.sqlite")
+    node = _pci_rdma_node(tmp_path, model)
+    node.monitor.history = history
+    try:
+        with caplog.at_level(logging.INFO, logger="trainguard.predictor.online_feed"):
+            for k in range(20):  # 95 s of start-up (rendezvous, data loading): no step yet
+                s = node.tick(1000.0 + 5 * k)
+            assert not node.monitor.rules_only and s.source == "model"
+            for k in range(20, 30):
+                s = node.tick(1000.0 + 5 * k, step_time_s=1.0)
+        assert not node.monitor.rules_only and s.source == "model" and not s.degraded
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert any("step_time_s" in r.getMessage() and "no training step" in r.getMessage() for r in caplog.records)
+        # the history keeps what was read: no step time before the first step, the step times after it
+        table, _ = history.to_tables()
+        steps = table.values[:, table.columns.index("step_time_s")]
+        assert np.isnan(steps[:20]).all() and (steps[20:] == 1.0).all()
+    finally:
+        node.close()
+        history.close()
+
+
+def test_a_detector_that_samples_late_is_not_taken_for_absent(tmp_path, caplog):
+    """Detectors sample at their own intervals (up to 30 s by default): the first tick holds only some of their
+    metrics. A model metric of a detector that has not sampled yet must not drop the model for good."""
+    node = _pci_rdma_node(tmp_path, _train(LEARNED))
+    try:
+        with caplog.at_level(logging.INFO, logger="trainguard.predictor.online_feed"):
+            for k in range(6):  # the RoCE detector's first sample comes 30 s after the PCIe one's
+                node.tick(1000.0 + 5 * k, step_time_s=1.0, without=("roce.",))
+            for k in range(6, 20):
+                s = node.tick(1000.0 + 5 * k, step_time_s=1.0)
+        assert not node.monitor.rules_only and s.source == "model" and not s.degraded
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     finally:
         node.close()
