@@ -6,9 +6,13 @@ Heavy imports (numpy, matplotlib, torch) stay inside the handlers so ``trainguar
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from trainguard.errors import UsageError
+
+#: Longest span of Llama-3-rate faults ``--llama-days`` may ask for, days.
+MAX_LLAMA_DAYS = 36500.0
 
 #: Extra kinds of a cluster drill when --extra is not given: each injectable kind once.
 CLUSTER_DEFAULT_EXTRA = ("kill", "stop", "hwfault", "agentkill", "linkdown", "precursor", "coordinator", "enospc")
@@ -51,12 +55,13 @@ def _handle_ettr(args: argparse.Namespace) -> int:
     bad = set(kinds) - {"stepfun", "llama3"}
     if not kinds or bad:
         raise UsageError(f"--traces {args.traces!r}: use a comma list of stepfun, llama3")
-    if args.llama_days <= 0:
-        raise UsageError(f"--llama-days must be > 0, got {args.llama_days}")
+    # Faults are drawn one by one: an unbounded span (inf, or a typo of many digits) would never finish.
+    if not 0 < args.llama_days <= MAX_LLAMA_DAYS:
+        raise UsageError(f"--llama-days must be > 0 and at most {MAX_LLAMA_DAYS:.0f} (100 years), got {args.llama_days}")
     job = JobSize(gpus=args.gpus, gpus_per_node=args.gpus_per_node)
     timeout = args.collective_timeout if args.collective_timeout is not None else DEFAULT_COLLECTIVE_TIMEOUT_S
-    if timeout < 0:
-        raise UsageError(f"--collective-timeout must be >= 0, got {timeout}")
+    if not (math.isfinite(timeout) and timeout >= 0):
+        raise UsageError(f"--collective-timeout must be a finite number of seconds >= 0, got {timeout}")
     tg, bl = load_components(args.components, baseline=baseline_defaults(timeout))
     if args.interval is not None:
         tg = tg.with_overrides({"checkpoint_interval_s": args.interval}, where="--interval")
