@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import time
 
@@ -49,6 +50,13 @@ def test_bad_config_is_refused():
     for bad in (dict(nproc=1), dict(wall_s=0), dict(extra=("meteor",)), dict(hang_bound_s=0)):
         with pytest.raises(SoakError):
             SoakConfig(**bad).validate()
+    # a NaN passed every range check and an endless span never ended (`trainguard drill --minutes inf` trained
+    # until killed); each is refused by its flag
+    for field, flag in (("wall_s", "--minutes"), ("trace_faults", "--trace-faults"),
+                        ("enospc_window_s", "--enospc-window"), ("hang_bound_s", "--hang-bound")):
+        for value in (math.nan, math.inf):
+            with pytest.raises(SoakError, match=f"{flag} {value:g}: must be a finite number"):
+                SoakConfig(**{field: value}).validate()
 
 
 def test_agent_log_detection_times():

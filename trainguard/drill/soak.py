@@ -164,10 +164,28 @@ class SoakConfig:
         Raises:
             SoakError: a value out of range or an unknown extra kind.
         """
-        if not self.wall_s > 0 or self.nproc < 2 or self.step_delay_s < 0 or self.save_every < 1:
-            raise SoakError("soak drill needs wall_s > 0, nproc >= 2, step_delay_s >= 0 and save_every >= 1")
-        if self.trace_faults < 0 or self.hang_bound_s <= 0 or self.enospc_window_s <= 0 or self.tmpfs_mib < 1:
-            raise SoakError("soak drill needs trace_faults >= 0, hang_bound_s > 0, enospc_window_s > 0, tmpfs_mib >= 1")
+        # Named by their `trainguard drill` flags. A NaN passes every comparison and an infinite span never ends
+        # (a drill of --minutes inf trained until killed), so each is checked finite first.
+        seconds = {"--minutes": self.wall_s, "--step-delay": self.step_delay_s, "--trace-faults": self.trace_faults,
+                   "--hang-bound": self.hang_bound_s, "--enospc-window": self.enospc_window_s,
+                   "--lease-timeout": self.lease_timeout_s, "--drain-grace": self.drain_grace_s,
+                   "--precursor-lead": self.precursor_lead_s}
+        bad = [f"{flag} {value:g}: must be a finite number" for flag, value in seconds.items()
+               if not math.isfinite(value)]
+        if bad:
+            raise SoakError("; ".join(bad))
+        bad = [why for wrong, why in (
+            (self.wall_s <= 0, f"--minutes {self.wall_s / 60:g}: must be > 0"),
+            (self.nproc < 2, f"--nproc {self.nproc}: the drill needs at least 2 workers"),
+            (self.step_delay_s < 0, f"--step-delay {self.step_delay_s:g}: must be >= 0 seconds"),
+            (self.save_every < 1, f"--save-every {self.save_every}: must be >= 1 step"),
+            (self.trace_faults < 0, f"--trace-faults {self.trace_faults:g}: must be >= 0"),
+            (self.hang_bound_s <= 0, f"--hang-bound {self.hang_bound_s:g}: must be > 0 seconds"),
+            (self.enospc_window_s <= 0, f"--enospc-window {self.enospc_window_s:g}: must be > 0 seconds"),
+            (self.tmpfs_mib < 1, f"tmpfs_mib {self.tmpfs_mib}: must be >= 1"),
+        ) if wrong]
+        if bad:
+            raise SoakError("; ".join(bad))
         kinds = CLUSTER_EXTRA_KINDS if self.nodes else EXTRA_KINDS
         bad = set(self.extra) - set(kinds)
         if bad:
