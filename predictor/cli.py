@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -39,8 +40,11 @@ def _eval_config(args: argparse.Namespace, base: Any = None) -> Any:
              "budget_per_100_node_days": args.budget}
     for flag, v in (("--horizon", args.horizon), ("--min-lead", args.min_lead), ("--cooldown", args.cooldown),
                     ("--budget", args.budget)):
-        if v is not None and not (v > 0 if flag in ("--horizon", "--budget") else v >= 0):
-            raise _usage(f"{flag} {v:g}: must be {'positive' if flag in ('--horizon', '--budget') else '>= 0'}")
+        # finite too: an infinite budget crashed calibration with a traceback, an infinite horizon or cooldown
+        # was written into the model file as a value no JSON reader takes
+        if v is not None and not (math.isfinite(v) and (v > 0 if flag in ("--horizon", "--budget") else v >= 0)):
+            kind = "positive" if flag in ("--horizon", "--budget") else ">= 0"
+            raise _usage(f"{flag} {v:g}: must be a finite number, {kind}")
     cfg = replace(base if base is not None else EvalConfig(), **{k: v for k, v in given.items() if v is not None})
     if cfg.min_lead_s >= cfg.horizon_s:
         raise _usage(f"--min-lead {cfg.min_lead_s:g} must be below --horizon {cfg.horizon_s:g}")

@@ -105,6 +105,12 @@ def test_eval_flags_and_json_without_nan(trained, capsys):
     assert main(["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events,
                  "--lead", "4000"]) == 2
     assert "--min-lead 4000 must be below --horizon 1800" in capsys.readouterr().err
+    # an infinite budget crashed with a traceback (OverflowError); an infinite horizon or cooldown was written
+    # into the model as null and a later eval crashed on it
+    for flag in ("--budget", "--horizon", "--cooldown"):
+        assert main(["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events,
+                     flag, "inf"]) == 2
+        assert f"{flag} inf: must be a finite number" in capsys.readouterr().err
 
 
 def test_resample_other_and_mixed_intervals(trained, tmp_path, capsys):
