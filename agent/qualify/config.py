@@ -20,6 +20,8 @@ raises :class:`QualifyConfigError` naming the key and what to do.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from trainguard.errors import ConfigError
@@ -100,6 +102,12 @@ class QualifySection:
         Raises:
             QualifyConfigError: the first bad value, naming its key.
         """
+        # TOML has nan and inf literals, and a NaN passes every range check below (disk_min_mib_s = inf failed
+        # every node's disk check, nan passed every one)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise QualifyConfigError(f"qualify.{f.name}={value}: must be a finite number")
         for name in self.checks:
             if name not in CHECK_NAMES:
                 raise QualifyConfigError(f"qualify.checks: unknown check {name!r}; use any of {', '.join(CHECK_NAMES)}")

@@ -237,6 +237,9 @@ def test_a_hung_check_fails_at_its_timeout_and_the_budget_bounds_the_rest(tmp_pa
     ("[qualify]\nbudget_s = 0\n", "qualify.budget_s=0.0: use 0 < seconds <= 600"),
     ("[qualify]\nnic_speed_mbps = \"fast\"\n", "qualify.nic_speed_mbps: expected an integer"),
     ("[qualify]\ndisk_mb = 8\n", "unknown key 'disk_mb' in [qualify]"),
+    # TOML's nan and inf: an infinite disk rate failed every node, a NaN one passed every node
+    ("[qualify]\ndisk_min_mib_s = inf\n", "qualify.disk_min_mib_s=inf: must be a finite number"),
+    ("[qualify]\nrecheck_s = nan\n", "qualify.recheck_s=nan: must be a finite number"),
 ])
 def test_qualify_table_errors_name_the_key(tmp_path, text, needle) -> None:
     path = tmp_path / "agent.toml"
