@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 
@@ -36,8 +37,34 @@ SUBSYSTEM_CLIS: tuple[str, ...] = (
 Handler = Callable[[argparse.Namespace], int]
 
 
+def finite_float(text: str) -> float:
+    """argparse type of every ``type=float`` flag: a number, refused when NaN or infinite.
+
+    ``float()`` takes "nan" and "inf"; a NaN passes every range check (``x < 0`` is false), so a lease timeout
+    of nan was a coordinator that never expired a dead node, and an infinite duration a run that never ended.
+    No trainguard flag means anything by them.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not a finite number (argparse names the flag).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line plus the usage hint, exit code 2."""
+    """ArgumentParser whose errors are one line plus the usage hint, exit code 2, and whose float flags are
+    finite (:func:`finite_float`)."""
+
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        """As :class:`argparse.ArgumentParser`; values of ``type=float`` flags, argument groups' included, are
+        converted by :func:`finite_float` (argparse looks a flag's type up in the parser's registry first)."""
+        super().__init__(*args, **kwargs)
+        self.register("type", float, finite_float)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"trainguard: error: {message} (see '{self.prog} --help')\n")

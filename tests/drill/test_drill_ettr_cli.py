@@ -25,9 +25,8 @@ def test_ettr_cli_bad_input_is_one_line(tmp_path, capsys):
     assert main(["ettr", "--traces", "weibull"]) == 2
     assert main(["ettr", "--trace", str(tmp_path)]) == 2
     assert main(["ettr", "--traces", "llama3", "--gpus", "0"]) == 2
-    # an endless span used to draw faults forever; a NaN timeout was blamed on a component the user never named
-    assert main(["ettr", "--traces", "llama3", "--llama-days", "inf"]) == 2
-    assert main(["ettr", "--traces", "llama3", "--collective-timeout", "nan"]) == 2
+    # an endless span used to draw faults forever (the parser refuses inf itself: trainguard.cli.finite_float)
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "1e12"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 5 and all(line.startswith("trainguard: error:") for line in err)
-    assert "--llama-days" in err[3] and "--collective-timeout" in err[4]
+    assert len(err) == 4 and all(line.startswith("trainguard: error:") for line in err)
+    assert "--llama-days" in err[3] and "at most 36500" in err[3]

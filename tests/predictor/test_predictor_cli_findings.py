@@ -3,13 +3,16 @@ column, ``predictor metrics``, ``--resample``, errors naming the flag to use, ga
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
+import math
 
 import numpy as np
 import pytest
 
 from trainguard.cli import main
+from trainguard.predictor.cli import _eval_config
 
 
 def _write(path, columns, rows):
@@ -106,11 +109,15 @@ def test_eval_flags_and_json_without_nan(trained, capsys):
                  "--lead", "4000"]) == 2
     assert "--min-lead 4000 must be below --horizon 1800" in capsys.readouterr().err
     # an infinite budget crashed with a traceback (OverflowError); an infinite horizon or cooldown was written
-    # into the model as null and a later eval crashed on it
+    # into the model as null and a later eval crashed on it (the parser refuses them before _eval_config sees
+    # them; _eval_config refuses them too, for callers that build the namespace themselves)
     for flag in ("--budget", "--horizon", "--cooldown"):
-        assert main(["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events,
-                     flag, "inf"]) == 2
-        assert f"{flag} inf: must be a finite number" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            main(["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events, flag, "inf"])
+        assert f"argument {flag}: 'inf' is not a finite number" in capsys.readouterr().err
+        with pytest.raises(Exception, match=f"{flag} inf: must be a finite number"):
+            _eval_config(argparse.Namespace(**{"horizon": None, "min_lead": None, "cooldown": None, "budget": None,
+                                               flag[2:]: math.inf}))
 
 
 def test_resample_other_and_mixed_intervals(trained, tmp_path, capsys):
@@ -271,7 +278,11 @@ def test_train_resample_accepts_unsorted_rows_and_repeated_timestamps(tmp_path, 
 def _one_line_error(capsys, argv):
     """Runs the CLI expecting a refusal: exit 2 and one line on stderr (no traceback); returns the line."""
     capsys.readouterr()
-    assert main(argv) == 2
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # the parser's own refusals (argparse exits)
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("trainguard: error: ") and "\n" not in err and "Traceback" not in err, err
     return err
@@ -553,8 +564,11 @@ def test_small_findings_urls_nan_timestamps_and_flag_names(trained, tmp_path, ca
                         ("--long-window", "0")):
         err = _one_line_error(capsys, ["predictor", "train", "--metrics", metrics, "--out", str(tmp_path / "m.json"),
                                        flag, value])
-        assert err.startswith(f"trainguard: error: {flag} {value}: must be a positive"), err
-    for value in ("2", "0.01", "nan"):
+        if value == "nan":  # refused by the parser itself, as every float flag (trainguard.cli.finite_float)
+            assert err.startswith(f"trainguard: error: argument {flag}: 'nan' is not a finite number"), err
+        else:
+            assert err.startswith(f"trainguard: error: {flag} {value}: must be a positive"), err
+    for value in ("2", "0.01"):
         err = _one_line_error(capsys, ["predictor", "train", "--metrics", metrics, "--out", str(tmp_path / "m.json"),
                                        "--calib-fraction", value])
         assert f"--calib-fraction {value}" in err and "0.05" in err and "0.8" in err

@@ -58,3 +58,32 @@ def test_json_records_and_the_daemon_follows_the_flag(monkeypatch, tmp_path) -> 
         for h in saved[0]:
             root.addHandler(h)
         root.setLevel(saved[1])
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser, path: str = "trainguard"):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _leaf_parsers(sub, f"{path} {name}")
+
+
+def test_no_flag_takes_nan_or_infinity(capsys) -> None:
+    """float() takes "nan" and "inf", and a NaN passes every range check: `trainguard coordinator --lease-timeout
+    nan` served a job whose dead nodes never expired, `trainguard drill --minutes inf` never ended."""
+    floats = [(p, a.option_strings[-1]) for _, p in _leaf_parsers(build_parser()) for a in p._actions
+              if a.type is float and a.option_strings]
+    assert len(floats) > 40
+    for p, flag in floats:  # every float flag of every subcommand, argument groups' included
+        with pytest.raises(SystemExit):
+            p.parse_known_args([flag, "nan"])
+        assert "is not a finite number" in capsys.readouterr().err, (p.prog, flag)
+    for argv in (["coordinator", "--job", "j", "--store", "memory://", "--lease-timeout", "nan"],
+                 ["drill", "--minutes", "inf"], ["ettr", "--llama-days=-inf"],
+                 ["predictor", "train", "--metrics", "m.csv", "--out", "x.json", "--budget", "inf"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("trainguard: error: argument --") and "is not a finite number" in err, err
+        assert len(err.splitlines()) == 1
