@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from trainguard.agent.errors import CoordinatorUnavailableError
+from trainguard.agent.errors import AgentError, CoordinatorUnavailableError
 from trainguard.agent.lifecycle import Lifecycle
 from trainguard.agent.node_faults import NodeReportLedger
 from trainguard.agent.parts import LINK_TRANSITIONS, HeartbeatContent, LinkState, LinkTrigger
@@ -43,11 +43,22 @@ _T = LinkTrigger
 
 
 def find_free_port(address: str) -> int:
-    """A TCP port free on ``address`` right now (bind to port 0, read it, close)."""
+    """A TCP port free on ``address`` right now (bind to port 0, read it, close).
+
+    Raises:
+        AgentError: ``address`` is not an address of this host (or a name that does not resolve); the node
+            would publish an address its peers cannot reach, so this is a configuration error, not a retry.
+    """
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+            return s.getsockname()[1]
+    except OSError as exc:  # gaierror (a name that does not resolve) included
+        raise AgentError(
+            f"cannot listen on this node's address {address!r} ({exc.strerror or exc}): it must be an address "
+            "of this host that its peers reach it at; pass one with --local-addr (or --address), or make the "
+            "host name resolve to it") from exc
 
 
 @dataclass

@@ -111,3 +111,20 @@ def test_link_table_refuses_illegal_moves() -> None:
     with pytest.raises(IllegalTransitionError):
         life.fire(LinkTrigger.REGISTERED)  # DONE is final
     assert life.fire(LinkTrigger.CLOSE) == LinkState.DONE
+
+
+@pytest.mark.parametrize("address", ["192.0.2.1", "no-such-host.invalid"])
+def test_an_address_that_is_not_this_hosts_is_a_one_line_error(address, tmp_path) -> None:
+    """`trainguard run --local-addr` with an address of another host, or a Slurm node list whose names do not
+    resolve here, ended in a socket traceback at registration; now it names the address and the flag."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text("print('never started')\n")
+    done = subprocess.run([sys.executable, "-m", "trainguard.cli", "run", "--standalone", "--local-addr", address,
+                           str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.strip().splitlines()[-1]
+    assert err.startswith(f"trainguard: error: cannot listen on this node's address '{address}'") and "--local-addr" in err
+    assert "Traceback" not in done.stderr and "never started" not in done.stdout
