@@ -605,6 +605,25 @@ def parse_hostport(text: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+def hostport_arg(text: str) -> str:
+    """argparse type of the ``--*-listen HOST:PORT`` flags: checked as :func:`parse_hostport` does, kept as written.
+
+    Without it a port that is not a number reached the server's start: a ValueError traceback from
+    ``trainguard run --metrics-listen 127.0.0.1:abc``, "address in use or not local" from the coordinator's
+    ``--listen 127.0.0.1:99999``.
+
+    Raises:
+        argparse.ArgumentTypeError: not ``HOST:PORT`` (argparse names the flag).
+    """
+    import argparse
+
+    try:
+        parse_hostport(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _check_hostport(value: str, key: str, fail: Any) -> None:
     try:
         parse_hostport(value)

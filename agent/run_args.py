@@ -8,6 +8,7 @@ import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from trainguard.agent.config import hostport_arg
 from trainguard.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -168,7 +169,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-node")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="join this coordinator instead of embedding one")
-    g.add_argument("--coordinator-listen", default=None, metavar="HOST:PORT",
+    g.add_argument("--coordinator-listen", default=None, metavar="HOST:PORT", type=hostport_arg,
                    help="where the embedded coordinator listens (default 127.0.0.1:0, or the rendezvous address)")
     g.add_argument("--node-id", default=None,
                    help="stable node identity (default: host name; HOST-rRANK with a multi-node static rendezvous, "

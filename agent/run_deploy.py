@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from trainguard.agent.tls import TlsFiles
+from trainguard.agent.config import hostport_arg
 from trainguard.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,9 +69,9 @@ def add_run_deploy_arguments(p: argparse.ArgumentParser) -> None:
 
     add_coordinator_security_arguments(p)  # --tls-* of an embedded coordinator, --token-file for both
     g = p.add_argument_group("observability")
-    g.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
+    g.add_argument("--metrics-listen", default=None, metavar="HOST:PORT", type=hostport_arg,
                    help="serve Prometheus /metrics here (generation, workers, faults, recovery times)")
-    g.add_argument("--health-listen", default=None, metavar="HOST:PORT",
+    g.add_argument("--health-listen", default=None, metavar="HOST:PORT", type=hostport_arg,
                    help="serve grpc.health.v1 here (SERVING while the job runs)")
 
 

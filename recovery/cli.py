@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from trainguard.agent.config import hostport_arg
 from trainguard.errors import UsageError
 
 log = logging.getLogger("trainguard.coordinator")
@@ -48,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("coordinator", help="run a job's coordinator (membership, ranks, recovery) as a server",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--job", required=True, help="job name the node agents use")
-    p.add_argument("--listen", default="0.0.0.0:29400", metavar="HOST:PORT",
+    p.add_argument("--listen", default="0.0.0.0:29400", metavar="HOST:PORT", type=hostport_arg,
                    help="address to serve gRPC on (default 0.0.0.0:29400; port 0 picks one)")
     p.add_argument("--store", default=None, metavar="URL",
                    help="state store: sqlite:///path.db (default under ~/.local/state/trainguard), "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from trainguard.agent.tls import TlsFiles
+from trainguard.agent.config import hostport_arg
 from trainguard.errors import UsageError
 from trainguard.recovery.cordon import CommandCordon, CordonDispatcher, CordonHook, KubeAccess, KubernetesCordon
 from trainguard.recovery.rpc_security import RpcSecurity, token_from
@@ -37,9 +38,9 @@ def add_coordinator_deploy_arguments(p: argparse.ArgumentParser) -> None:
     """Every deployment flag of ``trainguard coordinator``."""
     add_coordinator_security_arguments(p)
     g = p.add_argument_group("observability")
-    g.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
+    g.add_argument("--metrics-listen", default=None, metavar="HOST:PORT", type=hostport_arg,
                    help="serve Prometheus /metrics here (job phase, generation, restarts, recovery times, nodes)")
-    g.add_argument("--health-listen", default=None, metavar="HOST:PORT",
+    g.add_argument("--health-listen", default=None, metavar="HOST:PORT", type=hostport_arg,
                    help="also serve grpc.health.v1 alone, in plaintext, here (Kubernetes gRPC probes cannot "
                         "speak TLS); the main port serves it too")
     g = p.add_argument_group("scheduler cordon hooks (when the coordinator cordons a node)")

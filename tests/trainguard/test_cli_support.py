@@ -87,3 +87,20 @@ def test_no_flag_takes_nan_or_infinity(capsys) -> None:
         err = capsys.readouterr().err.strip()
         assert err.startswith("trainguard: error: argument --") and "is not a finite number" in err, err
         assert len(err.splitlines()) == 1
+
+
+def test_listen_flags_refuse_a_port_that_is_not_one(capsys) -> None:
+    """`trainguard run --metrics-listen 127.0.0.1:abc` ended in a ValueError traceback; the coordinator's
+    `--listen 127.0.0.1:99999` said "address in use or not local". (`trainguard agent --grpc-listen` is checked
+    by the daemon's config loader, which names grpc.listen: '' there disables TCP.)"""
+    flags = [(p, a.option_strings[0]) for _, p in _leaf_parsers(build_parser()) for a in p._actions
+             if a.metavar == "HOST:PORT" and a.option_strings and a.option_strings[0].endswith("listen")
+             and a.option_strings[0] != "--grpc-listen"]
+    assert {f for _, f in flags} >= {"--listen", "--metrics-listen", "--health-listen", "--coordinator-listen"}
+    for p, flag in flags:
+        for bad, why in (("127.0.0.1:abc", "port must be a number"), ("127.0.0.1:99999", "port must be a number"),
+                         ("nohost", "is not HOST:PORT")):
+            with pytest.raises(SystemExit):
+                p.parse_known_args([flag, bad])
+            err = capsys.readouterr().err
+            assert f"argument {flag}" in err and why in err, (p.prog, flag, err)
