@@ -37,3 +37,22 @@ def test_readme_example_is_read_by_the_real_detectors(tmp_path) -> None:
         for d in (pcie, kmsg, thermal):
             d.close()
     assert {"pcie.link_narrow", "pcie.aer_fatal", "hw.temp_critical", "gpu.xid"} <= kinds, kinds
+
+
+def test_a_tree_made_under_a_relative_root_or_moved_is_still_read(tmp_path, monkeypatch) -> None:
+    """The /sys/bus/pci/devices links were written with their target as given: under a relative root
+    (FakeNodeHardware("hw"), as a user's test would write it) every link was broken and the PCIe detector
+    saw no device at all ("no watched PCIe device ... reports AER counters or link status")."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    testing.FakeNodeHardware("hw").narrow_link(4)
+    shutil.copytree(tmp_path / "hw", tmp_path / "moved", symlinks=True)  # links as links, as `cp -a` copies
+    for root in (tmp_path / "hw", tmp_path / "moved"):
+        pcie = PcieDetector(PcieConfig(root=str(root)))
+        try:
+            sample = pcie.sample()
+        finally:
+            pcie.close()
+        assert sample.metrics.get("links_watched") == 1.0, (root, sample)
+        assert {e.kind for e in sample.events} == {"pcie.link_narrow"}

@@ -80,7 +80,9 @@ def write_pci_device(root: str | os.PathLike, bdf: str, cls: str = "0x030200", a
     link = Path(root) / "sys/bus/pci/devices" / bdf
     link.parent.mkdir(parents=True, exist_ok=True)
     if not link.is_symlink():
-        link.symlink_to(d)
+        # relative, as the kernel's own (../../../devices/...): a target written as given broke every link of a
+        # tree made under a relative root (FakeNodeHardware("hw")), and an absolute one a tree copied elsewhere
+        link.symlink_to(os.path.relpath(d, link.parent))
     write_file(d, "class", cls + "\n")
     write_file(d, "aer_dev_correctable", aer_table(cor_names, "TOTAL_ERR_COR", cor))
     write_file(d, "aer_dev_nonfatal", aer_table(AER_UNCORRECTABLE, "TOTAL_ERR_NONFATAL", nonfatal))
