@@ -3,7 +3,7 @@
 The detectors name their metrics ``"<detector>.<metric>"`` with per-device values in brackets
 (``"pcie.aer_correctable[0000:3b:00.0]"``); the predictor knows the catalog names of
 :mod:`trainguard.predictor.catalog` (``pcie_aer_corrected_total``...) and the rule names of its
-``rules.json`` (``gpu_xid_79_total``, ``pcie_aer_fatal_total``, ``pcie_link_width``, ``nic_up``). Three kinds of
+``rules.json`` (``gpu_xid_79_total``, ``pcie_aer_fatal_total``, ``pcie_link_width``, ``nic_up``). Four kinds of
 translation, each a module-level table:
 
 * :data:`CATALOG_MAPPINGS` - stateless, :func:`detector_metrics_to_catalog`: a catalog metric is an aggregate
@@ -15,11 +15,16 @@ translation, each a module-level table:
   stream: Xids are events only (``gpu.xid`` from ``nvidia`` and ``kmsg``, the code in ``evidence["xid"]``),
   carrier changes are the ``net.link_down``/``net.link_up`` events of ``roce`` (netlink, as they happen), and a
   PCIe link's maximum width is only in the evidence of ``pcie.link_narrow``.
+* :func:`passthrough_metrics` - the node-level metrics of the host-side detectors (:data:`PASSTHROUGH_DETECTORS`:
+  memory and CPU pressure, disk fill, kernel-log match counts...) under their own names, ``<detector>_<metric>``
+  (``host_mem_available_pct``, ``kmsg_matches_oom_kill``): the predictor takes any numeric metric, and this way
+  the agent's history records them and a model trained on them scores in the agent too.
 
 Catalog metrics without a source on this node are absent from the sample (the predictor's missing policy
 handles that): ``gpu_row_remap_pending`` (NVML pending remaps are a condition, not a metric),
 ``pcie_replay_total`` (no PCIe replay counter is read) and ``nic_fec_corrected_total`` (no FEC counter is read).
-Detector metrics without a counterpart are dropped.
+Other detector metrics (per-device values of the host-side detectors, the process detector's worker figures)
+are dropped.
 
 :class:`PredictorMonitor` embeds all of it with a :class:`~trainguard.predictor.runtime.PredictorRuntime`
 and an optional :class:`~trainguard.predictor.history.MetricHistory`: one ``tick()`` per interval
@@ -51,6 +56,10 @@ log = logging.getLogger(__name__)
 #: Catalog metrics the training workers report (through the hook's step heartbeats), not a detector: absent
 #: until the first step of a generation, and never from a script that does not import trainguard.
 WORKER_METRICS = frozenset({"step_time_s"})
+#: Detectors whose node-level metrics (no device in brackets) reach the predictor under their own names. Not the
+#: process detector: its figures count workers, which restarts change on purpose; not the hardware detectors the
+#: catalog already maps (their per-device values are aggregated there).
+PASSTHROUGH_DETECTORS = frozenset({"host", "disk", "kmsg", "thermal", "edac"})
 #: Seconds after the first tick with detector metrics before the model's metrics are judged present or absent:
 #: detectors sample at their own intervals (30 s for the slowest defaults), so the first tick sees only some.
 MODEL_CHECK_SETTLE_S = 60.0
@@ -335,8 +344,27 @@ class EventCounters:
         return out
 
 
+def passthrough_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The node-level metrics of :data:`PASSTHROUGH_DETECTORS`, named ``<detector>_<metric>``.
+
+    Args:
+        metrics: ``DetectorRunner.latest_metrics()``.
+
+    Returns:
+        Predictor metric name -> value (NaN for a reading that is not a finite number).
+    """
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        detector, dot, name = key.partition(".")
+        if not dot or "[" in name or detector not in PASSTHROUGH_DETECTORS:
+            continue
+        v = _finite(value)
+        out[f"{detector}_{name}"] = math.nan if v is None else v
+    return out
+
+
 class CatalogFeed:
-    """All three translations together: one predictor sample per tick (see the module docstring)."""
+    """All four translations together: one predictor sample per tick (see the module docstring)."""
 
     def __init__(self) -> None:
         """Creates a feed with empty state."""
@@ -362,7 +390,8 @@ class CatalogFeed:
         Returns:
             Predictor metric name -> value.
         """
-        out = detector_metrics_to_catalog(metrics, step_time_s)
+        out = passthrough_metrics(metrics)
+        out.update(detector_metrics_to_catalog(metrics, step_time_s))
         out.update(self.rates.update(ts, metrics))
         out.update(self.events.metrics(metrics))
         return out

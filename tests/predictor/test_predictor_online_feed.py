@@ -349,7 +349,7 @@ def _train(columns, seed=0):
     for c in columns:
         if c == "step_time_s":
             cols.append(1.0 + 0.02 * rng.standard_normal(n))
-        elif c == "gpu_temp_c":
+        elif c == "gpu_temp_c" or c.startswith("host_"):
             cols.append(60 + rng.standard_normal(n))
         else:  # a counter with rare small increments
             cols.append(np.cumsum(rng.random(n) < 0.01).astype(float))
@@ -468,3 +468,28 @@ def test_a_detector_that_samples_late_is_not_taken_for_absent(tmp_path, caplog):
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     finally:
         node.close()
+
+
+def test_host_metrics_reach_the_history_and_a_model_trained_on_them(tmp_path, caplog):
+    """Any numeric metric (issue 19), end to end in the agent: the host-side detectors' node-level metrics are
+    fed under their own names, so the history records them and a model trained on them scores. Before, only
+    catalog metrics were fed: such a model fell back to the rules tier on every node ("this node does not
+    produce host_mem_available_pct")."""
+    from trainguard.detectors.host import HostConfig, HostDetector
+
+    history = MetricHistory(tmp_path / "h.sqlite")
+    node = Node([HostDetector(HostConfig())], runtime=PredictorRuntime(_train(("host_mem_available_pct",
+                                                                              "host_load1_per_cpu"))),
+                history=history, settle_s=0.0)  # the real /proc of this machine
+    try:
+        with caplog.at_level(logging.ERROR, logger="trainguard.predictor.online_feed"):
+            scores = [node.tick(1000.0 + 5 * k) for k in range(3)]
+        assert not caplog.records and not node.monitor.rules_only
+        assert all(s is not None and s.source == "model" and not s.degraded for s in scores)
+        table, _ = history.to_tables()
+        assert {"host_mem_available_pct", "host_load1_per_cpu", "host_cpu_percent"} <= set(table.columns)
+        assert 0 < table.values[-1, table.columns.index("host_mem_available_pct")] <= 100
+        assert not [c for c in table.columns if "[" in c or c.startswith("process_")]  # per-device values stay out
+    finally:
+        node.close()
+        history.close()
