@@ -663,7 +663,16 @@ class _DaemonService(NodeAgentService):
 
     def DetachJob(self, request, context):  # noqa: N802 (gRPC naming)
         """A launcher leaves its job; ``ended`` removes the job's arena now (local socket only)."""
+        from trainguard.recovery.spec import JOB_NAME_RE
+
         local_only(context, "DetachJob")
+        # The job name becomes a path under the daemon's folders (its TLS files, its arena): a name that is not
+        # one plain path element ("/etc", "../..") would have the daemon delete a folder of someone else's.
+        if not JOB_NAME_RE.match(request.job):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job[:64]!r} is not a job name")
+        if request.launcher_lock and not LOCK_NAME_RE.match(request.launcher_lock):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"launcher_lock {request.launcher_lock[:64]!r} is not a "
+                                                            "lock file name in the daemon's launchers folder")
         jobs = self._daemon.jobs
         removed = jobs.detach(request.job, launcher_key(request), request.ended) if jobs is not None else False
         return agent_pb2.DetachJobResponse(arena_removed=removed)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 import threading
 import time
 import urllib.request
 
 import grpc
+import pytest
 
 from trainguard.agent.agentd import AgentDaemon, config_loader
 from trainguard.agent.sdnotify import SystemdNotifier, Watchdog
@@ -118,3 +121,54 @@ def test_a_burst_of_health_checks_queues_instead_of_being_refused(tmp_path):
     finally:
         daemon.request_stop()
         loop.join(30)
+
+
+def test_detach_job_with_a_path_for_a_job_name_deletes_nothing(tmp_path):
+    """DetachJob's job name names a folder the daemon removes (the job's TLS files): a path instead of a name
+    ("/elsewhere", "../..") is refused, and the folder it names survives."""
+    (tmp_path / "fake").mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("x")
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
+    sock_path = tmp_path / "agent.sock"
+    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    try:
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            # A job sending its CA's contents gives the daemon its folder of jobs' TLS files (refused here: the
+            # bytes are no CA, but the folder is made).
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.AttachJob(agent_pb2.AttachJobRequest(job="j1", coordinator="127.0.0.1:1", launcher_pid=1,
+                                                          tls_ca_pem=b"not a certificate"), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            for name in (str(victim), os.path.relpath(victim, tempfile.gettempdir() + "/x"), ""):
+                with pytest.raises(grpc.RpcError) as bad:
+                    stub.DetachJob(agent_pb2.DetachJobRequest(job=name, launcher_pid=1), timeout=10)
+                assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                assert "is not a job name" in bad.value.details()
+            assert (victim / "precious").exists()
+            stub.DetachJob(agent_pb2.DetachJobRequest(job="j1", launcher_pid=1), timeout=10)  # a name still works
+    finally:
+        daemon.stop()
+    assert (victim / "precious").exists()
+
+
+def test_daemon_jobs_never_removes_a_folder_outside_its_own(tmp_path):
+    """The same bound one level down: DaemonJobs itself removes only a job name's folder under its own."""
+    from trainguard.agent.arena_keeper import ArenaKeeper
+    from trainguard.agent.coordinator_report import NodeVerdict
+    from trainguard.agent.daemon_jobs import DaemonJobs
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    jobs = DaemonJobs("n1", "h", "i", NodeVerdict, ArenaKeeper(str(tmp_path / "shm"), 60.0), 1.0, 1.0)
+    jobs._pem_root = str(tmp_path / "pems")
+    os.makedirs(jobs._pem_root)
+    for name in (str(victim), "../victim", ""):
+        jobs.detach(name, 1, ended=True)
+    assert victim.exists() and os.path.isdir(jobs._pem_root)
