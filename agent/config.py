@@ -134,7 +134,8 @@ class GrpcSection:
         max_message_bytes: transport cap on any message, in bytes; larger ones are dropped by gRPC itself with
             RESOURCE_EXHAUSTED before they are read. Must be >= ``max_request_bytes``. Default 4194304.
         max_workers: threads serving calls (each open ``WatchEvents`` stream holds one). Default 16.
-        max_watchers: concurrent ``WatchEvents`` streams; more get RESOURCE_EXHAUSTED. Default 8.
+        max_watchers: concurrent ``WatchEvents`` and server reflection streams; more get RESOURCE_EXHAUSTED.
+            Default 8.
         reflection: serve gRPC server reflection (for grpcurl and debugging). Default true.
     """
 

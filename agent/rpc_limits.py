@@ -8,7 +8,8 @@ guarded method so that the handler receives the request *bytes* first:
 2. bytes that do not parse as the request message -> INVALID_ARGUMENT;
 3. a field out of range (negative rank, unknown severity, absurd replay count...) -> INVALID_ARGUMENT naming it;
 4. more than ``max_watchers`` concurrent server streams -> RESOURCE_EXHAUSTED, so watchers cannot take every
-   serving thread away from health checks.
+   serving thread away from health checks. Server reflection streams (grpcurl) count against the same bound:
+   each holds a serving thread while it is open, idle or not.
 
 Each call is counted in the agent's metrics by method and status code.
 """
@@ -16,7 +17,10 @@ Each call is counted in the agent's metrics by method and status code.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import grpc
 
 from trainguard.grpc_guard import CallObserver, RequestGuard as SharedRequestGuard, Validator
 from trainguard.proto import agent_pb2, common_pb2
@@ -29,6 +33,8 @@ MAX_HEALTH_EVENTS = 1000
 MAX_REPLAY = 10_000
 #: Checkpoint tiers a worker may report ("snapshot": copied out of the model, not yet in any tier).
 CHECKPOINT_TIERS = ("snapshot", "memory", "disk", "remote")
+#: Method prefixes of the server reflection services, whose bidirectional streams count as watchers.
+REFLECTION_PREFIXES = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
 
 def _finite_nonneg(value: float) -> bool:
     return math.isfinite(value) and value >= 0
@@ -109,3 +115,33 @@ class RequestGuard(SharedRequestGuard):
         """
         super().__init__(GUARDED_SERVICE, max_request_bytes, max_watchers, observer,
                          VALIDATORS if validators is None else validators)
+
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        """Guards the NodeAgent methods (see the module docstring) and bounds the reflection streams."""
+        if not details.method.startswith(REFLECTION_PREFIXES) or self._streams is None:
+            return super().intercept_service(continuation, details)
+        handler = continuation(details)
+        if handler is None or handler.stream_stream is None:
+            return handler
+        return grpc.stream_stream_rpc_method_handler(
+            self._bounded_stream(handler.stream_stream),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _bounded_stream(self, behavior: Callable) -> Callable:
+        # A reflection stream holds a serving thread for as long as the client keeps it open: unbounded, a few
+        # idle grpcurl sessions (or anyone who can connect) would leave no thread for health checks, and the
+        # daemon's own self-check would then withhold the systemd watchdog pings.
+        streams = self._streams
+
+        def guarded(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            if not streams.acquire(blocking=False):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              "too many concurrent streams; retry later or raise grpc.max_watchers")
+            try:
+                yield from behavior(requests, context)
+            finally:
+                streams.release()
+
+        return guarded

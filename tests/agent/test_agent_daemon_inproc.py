@@ -172,3 +172,54 @@ def test_daemon_jobs_never_removes_a_folder_outside_its_own(tmp_path):
     for name in (str(victim), "../victim", ""):
         jobs.detach(name, 1, ended=True)
     assert victim.exists() and os.path.isdir(jobs._pem_root)
+
+
+def test_idle_reflection_streams_leave_a_thread_for_health_checks(tmp_path):
+    """Reflection streams (grpcurl sessions, or anyone who connects) each hold a serving thread while open: they
+    count against grpc.max_watchers, so more than max_workers of them idle still leave health checks answered."""
+    import queue
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[grpc]\nmax_workers = 3\nmax_watchers = 2\n')
+    sock_path = tmp_path / "agent.sock"
+    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    feeds: list[queue.Queue] = []
+
+    def requests(feed: queue.Queue):
+        while (item := feed.get()) is not None:
+            yield item
+
+    streams = []
+    try:
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            for _ in range(5):  # more than the serving threads, every one kept open
+                feeds.append(queue.Queue())
+                feeds[-1].put(ask)
+                streams.append(stub.ServerReflectionInfo(requests(feeds[-1]), timeout=10))
+            # Asked after the streams on the same connection, so queued behind them for a serving thread.
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            codes = []
+            for stream in streams:
+                try:
+                    next(stream)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+            assert sorted(c.name for c in codes) == ["OK", "OK", "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED",
+                                                     "RESOURCE_EXHAUSTED"]
+    finally:
+        for feed in feeds:
+            feed.put(None)
+        for stream in streams:
+            stream.cancel()
+        daemon.stop()
