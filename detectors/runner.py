@@ -309,8 +309,9 @@ class DetectorRunner:
                 raise TypeError(f"sample() returned {type(sample).__name__}, not Sample")
         except Exception as exc:  # noqa: BLE001 - a broken detector must not take the agent down
             log.debug("detector %s raised", det.name, exc_info=True)
-            path = exc.path if isinstance(exc, DetectorReadError) else ""
-            err = DetectorReadError(path or det.name, f"{type(exc).__name__}: {exc}")
+            # A read error says what it is itself; anything else is named by its type (a bug in the detector).
+            err = exc if isinstance(exc, DetectorReadError) else DetectorReadError(det.name,
+                                                                                  f"{type(exc).__name__}: {exc}")
             sample = Sample()
             sample.error(err)
             sample.detail = str(err)

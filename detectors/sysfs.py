@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+from collections.abc import Callable
 
 from trainguard.detectors.errors import DetectorReadError
 
@@ -130,10 +131,36 @@ def list_dir(path: str) -> list[str]:
 
     Returns:
         Entry names.
+
+    Raises:
+        DetectorReadError: the directory exists but cannot be listed (permission denied, I/O error, a symlink
+            loop), so a detector records it as an unreadable input instead of raising out of its sample.
     """
     try:
         return sorted(os.listdir(path))
     except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        raise DetectorReadError(path, f"cannot list ({exc.strerror or exc})") from exc
+
+
+def list_dir_or_record(path: str, record: Callable[[DetectorReadError], None] | None) -> list[str]:
+    """:func:`list_dir`, but a directory that cannot be listed counts as empty and its error goes to ``record``
+    (a sample's ``error``; None drops it), so one unreadable folder does not end the whole sample: the events
+    of the devices read before it would be lost with it.
+
+    Args:
+        path: directory.
+        record: receives the read error, if any.
+
+    Returns:
+        Entry names (none when the directory cannot be listed).
+    """
+    try:
+        return list_dir(path)
+    except DetectorReadError as exc:
+        if record is not None:
+            record(exc)
         return []
 
 

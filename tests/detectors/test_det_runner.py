@@ -200,3 +200,20 @@ def test_a_stalled_sample_shows_as_error(monkeypatch) -> None:
         release.set()
         runner.stop()
     assert {s.name: s.state for s in runner.statuses()} == {"nfs": DetectorState.OK, "after": DetectorState.OK}
+
+
+def test_a_read_error_raised_out_of_sample_is_reported_as_itself(tmp_path) -> None:
+    """A detector's top folder that exists but cannot be listed: one read error naming the folder and the cause,
+    not an OSError with a traceback, nor the error's text wrapped in its own class name."""
+    from trainguard.detectors.edac import EdacConfig, EdacDetector
+
+    mc = tmp_path / "sys/devices/system/edac/mc"
+    mc.parent.mkdir(parents=True)
+    mc.symlink_to("mc")  # ELOOP on listing (root reads past permissions)
+    events: list = []
+    runner = DetectorRunner([EdacDetector(EdacConfig(root=str(tmp_path)))], on_event=events.append)
+    runner.run_once()
+    (status,) = runner.statuses()
+    assert status.state == DetectorState.ERROR
+    assert status.detail.startswith(f"{mc}: cannot list (Too many levels of symbolic links)"), status.detail
+    assert [e.subject for e in events if e.kind == "detector.error"] == [str(mc)]
