@@ -26,6 +26,7 @@ progress. A wedged loop or server therefore stops the pings and systemd restarts
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
@@ -97,6 +98,35 @@ def _grpc_options(config: AgentConfig) -> list[tuple[str, Any]]:
     ]
 
 
+def _lock_socket_path(path: str) -> int:
+    """Takes the exclusive lock ``<socket>.lock`` that one daemon per socket path holds for its life; returns its fd.
+
+    The probe of :func:`_prepare_socket_path` alone cannot tell a second daemon that one runs when its socket
+    file was removed under it (a cleaner, a hand), nor win a start race: gRPC unlinks and rebinds a path even
+    while another server listens on it, so two daemons would run (both keeping arenas and reporting the node).
+
+    Raises:
+        AgentConfigError: the lock file cannot be created.
+        AgentError: another daemon holds the lock.
+    """
+    lock_path = f"{path}.lock"
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise AgentConfigError(f"grpc.socket: cannot create {lock_path} ({exc.strerror}); pick another "
+                               "--socket") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise AgentError(f"another trainguard agent{f' (pid {holder})' if holder.isdigit() else ''} holds "
+                         f"{lock_path}, so serves on {path}; stop that agent first or pick another --socket") from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def _prepare_socket_path(path: str) -> None:
     """Creates the socket's folder (0750) and removes a stale socket; refuses to steal a live one."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -155,6 +185,7 @@ class AgentDaemon:
         self._server: grpc.Server | None = None
         self._certs: ServerCertificates | None = None
         self._socket_ino: int | None = None
+        self._socket_lock: int | None = None  # fd of <socket>.lock, held for the daemon's life
         self._self_check: Any = None
         self._self_channel: grpc.Channel | None = None
         self._stop = threading.Event()
@@ -282,6 +313,13 @@ class AgentDaemon:
         if g.reflection:
             enable_reflection(server)
         if g.socket:
+            folder = os.path.dirname(os.path.abspath(g.socket))
+            try:
+                os.makedirs(folder, mode=0o750, exist_ok=True)
+            except OSError as exc:
+                raise AgentConfigError(f"grpc.socket: cannot create folder {folder} ({exc.strerror}); pick another "
+                                       "--socket") from exc
+            self._socket_lock = _lock_socket_path(g.socket)
             _prepare_socket_path(g.socket)
             try:
                 server.add_insecure_port(f"unix:{g.socket}")
@@ -595,6 +633,9 @@ class AgentDaemon:
                     os.unlink(sock)
             except FileNotFoundError:
                 pass
+        if self._socket_lock is not None:
+            os.close(self._socket_lock)  # the file stays: unlinking a lock file races with the next daemon's open
+            self._socket_lock = None
 
 
 class _DaemonService(NodeAgentService):

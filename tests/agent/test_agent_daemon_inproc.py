@@ -132,6 +132,7 @@ def test_detach_job_with_a_path_for_a_job_name_deletes_nothing(tmp_path):
     (victim / "precious").write_text("x")
     config = tmp_path / "agent.toml"
     config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[metrics]\nlisten = ""\n'
                       f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
     sock_path = tmp_path / "agent.sock"
     daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
@@ -185,6 +186,7 @@ def test_idle_reflection_streams_leave_a_thread_for_health_checks(tmp_path):
     (tmp_path / "fake").mkdir()
     config = tmp_path / "agent.toml"
     config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[metrics]\nlisten = ""\n'
                       '[grpc]\nmax_workers = 3\nmax_watchers = 2\n')
     sock_path = tmp_path / "agent.sock"
     daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
@@ -223,3 +225,34 @@ def test_idle_reflection_streams_leave_a_thread_for_health_checks(tmp_path):
         for stream in streams:
             stream.cancel()
         daemon.stop()
+
+
+def test_a_second_daemon_on_the_socket_path_is_refused_even_with_the_socket_file_gone(tmp_path):
+    """One daemon per socket path: its socket file removed under it (a cleaner, a hand), a second daemon's probe
+    finds nothing, yet it must not start beside the first (both would keep the arenas and report the node)."""
+    from trainguard.agent.errors import AgentError
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[metrics]\nlisten = ""\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
+    sock_path = tmp_path / "run" / "agent.sock"
+
+    def daemon() -> AgentDaemon:
+        return AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                           SystemdNotifier(None))
+
+    first = daemon()
+    first.start()
+    try:
+        sock_path.unlink()
+        second = daemon()
+        with pytest.raises(AgentError, match=rf"another trainguard agent \(pid {os.getpid()}\) holds "):
+            second.start()
+        assert not sock_path.exists()  # the refused one left nothing behind
+    finally:
+        first.stop()
+    third = daemon()  # the lock is released with the first daemon
+    third.start()
+    third.stop()
