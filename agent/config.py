@@ -130,7 +130,7 @@ class GrpcSection:
             ``/run/trainguard/agent.sock``.
         socket_mode: permission bits of the unix socket; must grant nothing to "other". Default ``0o660``.
         max_request_bytes: largest request a method accepts, in bytes; larger ones get INVALID_ARGUMENT.
-            Default 65536.
+            ``AttachJob`` accepts at least ``rpc_limits.ATTACH_MAX_REQUEST_BYTES`` (a job's TLS files). Default 65536.
         max_message_bytes: transport cap on any message, in bytes; larger ones are dropped by gRPC itself with
             RESOURCE_EXHAUSTED before they are read. Must be >= ``max_request_bytes``. Default 4194304.
         max_workers: threads serving calls (each open ``WatchEvents`` stream holds one). Default 16.

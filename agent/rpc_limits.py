@@ -33,6 +33,10 @@ MAX_HEALTH_EVENTS = 1000
 MAX_REPLAY = 10_000
 #: Checkpoint tiers a worker may report ("snapshot": copied out of the model, not yet in any tier).
 CHECKPOINT_TIERS = ("snapshot", "memory", "disk", "remote")
+#: Largest AttachJob request, whatever ``max_request_bytes`` says: it carries the launcher's coordinator TLS files'
+#: contents, up to 1 MiB each (``health_source.MAX_PEM_BYTES``: a CA bundle of a few hundred certificates, like a
+#: system bundle of 200 KiB, must fit), and the daemon serves it on its unix socket only.
+ATTACH_MAX_REQUEST_BYTES = 3 * (1 << 20) + 64 * 1024
 #: Method prefixes of the server reflection services, whose bidirectional streams count as watchers.
 REFLECTION_PREFIXES = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
 
@@ -115,9 +119,14 @@ class RequestGuard(SharedRequestGuard):
         """
         super().__init__(GUARDED_SERVICE, max_request_bytes, max_watchers, observer,
                          VALIDATORS if validators is None else validators)
+        # The same checks on AttachJob with its own size bound (see ATTACH_MAX_REQUEST_BYTES).
+        self._attach = SharedRequestGuard(GUARDED_SERVICE, max(max_request_bytes, ATTACH_MAX_REQUEST_BYTES), 0,
+                                          observer, VALIDATORS if validators is None else validators)
 
     def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         """Guards the NodeAgent methods (see the module docstring) and bounds the reflection streams."""
+        if details.method == f"/{GUARDED_SERVICE}/AttachJob":
+            return self._attach.intercept_service(continuation, details)
         if not details.method.startswith(REFLECTION_PREFIXES) or self._streams is None:
             return super().intercept_service(continuation, details)
         handler = continuation(details)

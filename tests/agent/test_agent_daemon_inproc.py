@@ -256,3 +256,44 @@ def test_a_second_daemon_on_the_socket_path_is_refused_even_with_the_socket_file
     third = daemon()  # the lock is released with the first daemon
     third.start()
     third.stop()
+
+
+def test_a_job_whose_coordinator_ca_is_a_system_bundle_attaches(tmp_path):
+    """The launcher sends its coordinator TLS files' contents (up to 1 MiB each) with AttachJob; a CA bundle of a
+    few hundred certificates (200 KiB) is over grpc.max_request_bytes, and was refused as oversized, so the job
+    ran without the daemon (no kept arena). The bound of the other methods still holds."""
+    from trainguard.agent.health_source import DaemonLink, JobAttachment
+    from trainguard.agent.rpc_limits import ATTACH_MAX_REQUEST_BYTES
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[metrics]\nlisten = ""\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
+    sock_path = tmp_path / "agent.sock"
+    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    try:
+        # Bytes that are no CA keep the test off certificate generation: past the size bound, the daemon reads
+        # them as the job's CA and refuses them by their contents (FAILED_PRECONDITION), not by their size.
+        bundle = tmp_path / "bundle.pem"
+        bundle.write_bytes(b"# " + b"x" * 200 * 1024 + b"\n")
+        link = DaemonLink.connect(str(sock_path))
+        assert link is not None
+        with pytest.raises(Exception, match="FAILED_PRECONDITION: the job's coordinator TLS files") as refused:
+            link.attach(JobAttachment(job="bundle-job", coordinator="127.0.0.1:1", node_id="n1",
+                                      tls_ca_file=str(bundle)))
+        assert "exceeds" not in str(refused.value)
+        link.close()
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            attach = channel.unary_unary("/trainguard.v1.NodeAgent/AttachJob")
+            with pytest.raises(grpc.RpcError) as big:
+                attach(b"\x0a\x01j" + b"\x5a\x00" * (ATTACH_MAX_REQUEST_BYTES // 2), timeout=10)
+            assert big.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds" in big.value.details()
+            health = channel.unary_unary("/trainguard.v1.NodeAgent/GetHealth")
+            with pytest.raises(grpc.RpcError) as oversized:
+                health(b"\x08\x01" + b"\x5a\x00" * 40_000, timeout=10)
+            assert oversized.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "65536" in oversized.value.details()
+    finally:
+        daemon.stop()
