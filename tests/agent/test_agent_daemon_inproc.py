@@ -262,7 +262,7 @@ def test_a_job_whose_coordinator_ca_is_a_system_bundle_attaches(tmp_path):
     """The launcher sends its coordinator TLS files' contents (up to 1 MiB each) with AttachJob; a CA bundle of a
     few hundred certificates (200 KiB) is over grpc.max_request_bytes, and was refused as oversized, so the job
     ran without the daemon (no kept arena). The bound of the other methods still holds."""
-    from trainguard.agent.health_source import DaemonLink, JobAttachment
+    from trainguard.agent.health_source import DaemonAttachError, DaemonLink, JobAttachment
     from trainguard.agent.rpc_limits import ATTACH_MAX_REQUEST_BYTES
 
     (tmp_path / "fake").mkdir()
@@ -281,7 +281,7 @@ def test_a_job_whose_coordinator_ca_is_a_system_bundle_attaches(tmp_path):
         bundle.write_bytes(b"# " + b"x" * 200 * 1024 + b"\n")
         link = DaemonLink.connect(str(sock_path))
         assert link is not None
-        with pytest.raises(Exception, match="FAILED_PRECONDITION: the job's coordinator TLS files") as refused:
+        with pytest.raises(DaemonAttachError, match="FAILED_PRECONDITION: the job's coordinator TLS files") as refused:
             link.attach(JobAttachment(job="bundle-job", coordinator="127.0.0.1:1", node_id="n1",
                                       tls_ca_file=str(bundle)))
         assert "exceeds" not in str(refused.value)
