@@ -235,6 +235,17 @@ class AgentDaemon:
             if config.metrics.listen:
                 self._metrics_server = MetricsServer(self.metrics, config.metrics.listen)
                 log.info("metrics on %s", self._metrics_server.url)
+            from trainguard.agent.launcher_lock import launcher_alive, launchers_dir
+
+            # Launchers are known by the lock they hold beside the socket (pids differ between pods).
+            alive = launcher_alive(launchers_dir(config.grpc.socket) if config.grpc.socket else None)
+            arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s, alive=alive)
+            arenas.adopt_existing()
+            # Before the socket serves: a launcher re-attaching the moment it answers (this daemon restarted under
+            # a running job) must find the jobs' table, not an AssertionError that leaves its job unattached.
+            self.jobs = DaemonJobs(config.agent.node_id, socket.gethostname(), self.instance, self.node_verdict,
+                                   arenas, config.coordinator.heartbeat_interval_s, config.coordinator.timeout_s,
+                                   alive=alive)
             self._start_grpc(config)
             if detectors is not None and config.predictor.enabled:
                 # Rules tier always; the learned tier when a model file is configured. The metric history in
@@ -255,15 +266,6 @@ class AgentDaemon:
             if config.qualify.in_daemon:  # before the first report, so a refused node is cordoned at once
                 self.qualification = DaemonQualification(config, self._on_event)
                 self.qualification.start()
-            from trainguard.agent.launcher_lock import launcher_alive, launchers_dir
-
-            # Launchers are known by the lock they hold beside the socket (pids differ between pods).
-            alive = launcher_alive(launchers_dir(config.grpc.socket) if config.grpc.socket else None)
-            arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s, alive=alive)
-            arenas.adopt_existing()
-            self.jobs = DaemonJobs(config.agent.node_id, socket.gethostname(), self.instance, self.node_verdict,
-                                   arenas, config.coordinator.heartbeat_interval_s, config.coordinator.timeout_s,
-                                   alive=alive)
             self.jobs.start_configured(config.coordinator.targets(), config.coordinator.job,
                                        self.coordinator_security(config))
             self._refresh()

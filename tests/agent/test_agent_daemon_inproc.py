@@ -297,3 +297,42 @@ def test_a_job_whose_coordinator_ca_is_a_system_bundle_attaches(tmp_path):
             assert oversized.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "65536" in oversized.value.details()
     finally:
         daemon.stop()
+
+
+def test_a_job_attaching_while_the_daemon_still_starts_is_attached(tmp_path, monkeypatch):
+    """The socket answers before the daemon is READY (its predictor, detectors, qualification start after); a
+    launcher re-attaching the moment a restarted daemon answers got UNKNOWN (an AssertionError: no jobs table
+    yet) and went on with its job unattached: no arena kept, no reports to its coordinator."""
+    from trainguard.agent import node_health
+
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "shm").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[metrics]\nlisten = ""\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
+    sock_path = tmp_path / "agent.sock"
+    still_starting = threading.Event()
+    go_on = threading.Event()
+    start_predictor = node_health.LocalNodeHealth.start_predictor
+
+    def held_start(self, *args, **kwargs):  # the start-up step after the socket serves, held open
+        still_starting.set()
+        go_on.wait(30)
+        return start_predictor(self, *args, **kwargs)
+
+    monkeypatch.setattr(node_health.LocalNodeHealth, "start_predictor", held_start)
+    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    starting = threading.Thread(target=daemon.start)
+    starting.start()
+    try:
+        assert still_starting.wait(30)
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            reply = stub.AttachJob(agent_pb2.AttachJobRequest(job="j1", launcher_pid=os.getpid(),
+                                                              arena_root=str(tmp_path / "shm")), timeout=10)
+        assert reply.node_id and reply.arena_ttl_s > 0
+    finally:
+        go_on.set()
+        starting.join(30)
+        daemon.stop()
