@@ -153,6 +153,19 @@ def _prepare_socket_path(path: str) -> None:
     raise AgentError(f"another process serves on {path}; stop that agent first or pick another --socket")
 
 
+def _self_check_host(listen: str) -> str:
+    """Where the daemon reaches its own TCP listener ``listen`` (``HOST:PORT``): the host itself, or loopback of
+    the same family for a wildcard address (an IPv6 or a single interface's address is not on 127.0.0.1)."""
+    from trainguard.agent.config import parse_hostport
+
+    host, _ = parse_hostport(listen)
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
 class AgentDaemon:
     """Owns every part of the running daemon; ``start()``, then ``run()`` until a stop signal."""
 
@@ -354,7 +367,7 @@ class AgentDaemon:
                             "known by pid only", g.socket, exc)
             self._self_channel = grpc.insecure_channel(f"unix:{g.socket}")
         elif self._certs is None:
-            self._self_channel = grpc.insecure_channel(f"127.0.0.1:{self.tcp_port}")
+            self._self_channel = grpc.insecure_channel(f"{_self_check_host(g.listen)}:{self.tcp_port}")
         if self._self_channel is not None:
             self._self_check = health_pb2_grpc.HealthStub(self._self_channel).Check
         log.info("gRPC on %s%s", f"unix:{g.socket} " if g.socket else "",
@@ -548,16 +561,22 @@ class AgentDaemon:
                     self.node_health.take_actionable()  # acted on by the verdict latch; keep the queue empty
                     if self.runner is not None:
                         self.node_health.tick(None, self.runner.latest_metrics())
+                withheld = False
                 if self.watchdog.seconds_until_due() == 0.0:
-                    if self.watchdog.tick(self._healthy()) and self.metrics is not None:
-                        self.metrics.watchdog_pings.inc()
+                    if self.watchdog.tick(self._healthy()):
+                        if self.metrics is not None:
+                            self.metrics.watchdog_pings.inc()
+                    else:
+                        withheld = True
                 summary = self._summary()
                 if summary != self._status_line:
                     self._status_line = summary
                     self.notifier.status(summary)
                 timeout = self.config.agent.loop_interval_s
                 due = self.watchdog.seconds_until_due()
-                if due is not None:
+                # A keep-alive withheld (the self-check failed, or systemd's socket refused it) stays due: check
+                # again after a loop interval, not at once (that spun the loop, logging an error every 10 ms).
+                if due is not None and not withheld:
                     timeout = min(timeout, max(due, 0.01))
                 self._wake.wait(timeout)
                 self._wake.clear()

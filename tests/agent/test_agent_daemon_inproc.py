@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from trainguard.agent.agentd import AgentDaemon, config_loader
+from trainguard.agent.config import AgentConfigError
 from trainguard.agent.sdnotify import SystemdNotifier, Watchdog
 from trainguard.proto import agent_pb2, agent_pb2_grpc
 
@@ -336,3 +337,59 @@ def test_a_job_attaching_while_the_daemon_still_starts_is_attached(tmp_path, mon
         go_on.set()
         starting.join(30)
         daemon.stop()
+
+
+def test_a_withheld_keep_alive_is_retried_after_a_loop_interval_not_at_once(tmp_path):
+    """A keep-alive that cannot go out (self-check failing, systemd's socket refusing it) stays due; the loop
+    re-checked every 10 ms, logging an error each time (about 100 lines a second), instead of once per
+    agent.loop_interval_s."""
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[metrics]\nlisten = ""\n[agent]\nloop_interval_s = 0.2\n')
+    notifier = SystemdNotifier(str(tmp_path / "nobody-listens.sock"))  # every keep-alive fails to send
+    daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "agent.sock"), str(tmp_path / "state")),
+                         notifier)
+    daemon.watchdog = Watchdog(notifier, 0.4)
+    waits: list[float] = []
+
+    class Recorded(threading.Event):
+        def wait(self, timeout=None):  # the loop's pause, recorded; ends the loop after a few
+            waits.append(timeout)
+            if len(waits) >= 4:
+                daemon.request_stop()
+            return super().wait(0)
+
+    daemon.start()
+    daemon._wake = Recorded()
+    daemon.run()
+    assert waits and all(w == 0.2 for w in waits), waits
+
+
+def test_the_self_check_reaches_a_tcp_only_daemon_on_ipv6_loopback(tmp_path):
+    """No socket, TCP on [::1]: the self-check dialled 127.0.0.1, never answered, so the watchdog was never
+    pinged and systemd would restart the daemon every WatchdogSec."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[metrics]\nlisten = ""\n[agent]\nloop_interval_s = 0.1\n')
+    notifier = SystemdNotifier(str(tmp_path / "notify.sock"))
+    daemon = AgentDaemon(config_loader(str(config), "[::1]:0", "", str(tmp_path / "state")), notifier)
+    daemon.watchdog = Watchdog(notifier, 0.4)
+    try:
+        daemon.start()
+    except AgentConfigError as exc:  # an IPv6-less host
+        pytest.skip(str(exc))
+    loop = threading.Thread(target=daemon.run)
+    loop.start()
+    try:
+        recv_until(notify, "READY")
+        recv_until(notify, "WATCHDOG", 10)
+    finally:
+        daemon.request_stop()
+        loop.join(30)
+        notify.close()
