@@ -91,12 +91,26 @@ def _check_checkpoint(req: agent_pb2.CheckpointReport) -> str | None:
     return None
 
 
+#: Longest text fields of an AttachJob, in characters: host names, HOST:PORT, a token, file paths. Only the PEM
+#: contents need the method's larger size bound; the rest go into logs, events and every health report.
+ATTACH_FIELD_LIMITS = {"node_id": 253, "coordinator": 512, "token": 4096, "tls_server_name": 253,
+                       "tls_ca_file": 4096, "tls_cert_file": 4096, "tls_key_file": 4096, "arena_root": 4096}
+
+
+def _check_attach(req: agent_pb2.AttachJobRequest) -> str | None:
+    for name, limit in ATTACH_FIELD_LIMITS.items():
+        if len(getattr(req, name)) > limit:
+            return f"{name} is {len(getattr(req, name))} characters; at most {limit}"
+    return None
+
+
 #: Method full name -> range check of its decoded request (returns a problem, or None).
 VALIDATORS: dict[str, Validator] = {
     f"/{GUARDED_SERVICE}/GetHealth": _check_get_health,
     f"/{GUARDED_SERVICE}/WatchEvents": _check_watch,
     f"/{GUARDED_SERVICE}/WorkerHeartbeat": _check_heartbeat,
     f"/{GUARDED_SERVICE}/ReportCheckpoint": _check_checkpoint,
+    f"/{GUARDED_SERVICE}/AttachJob": _check_attach,
 }
 
 class RequestGuard(SharedRequestGuard):

@@ -292,6 +292,13 @@ def test_a_job_whose_coordinator_ca_is_a_system_bundle_attaches(tmp_path):
             with pytest.raises(grpc.RpcError) as big:
                 attach(b"\x0a\x01j" + b"\x5a\x00" * (ATTACH_MAX_REQUEST_BYTES // 2), timeout=10)
             assert big.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds" in big.value.details()
+            # Only the PEM contents get the larger bound: a text field that large is refused, naming it.
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            with pytest.raises(grpc.RpcError) as long_id:
+                stub.AttachJob(agent_pb2.AttachJobRequest(job="j2", launcher_pid=1, node_id="n" * 100_000),
+                               timeout=10)
+            assert long_id.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "node_id is 100000 characters; at most 253" in long_id.value.details()
             health = channel.unary_unary("/trainguard.v1.NodeAgent/GetHealth")
             with pytest.raises(grpc.RpcError) as oversized:
                 health(b"\x08\x01" + b"\x5a\x00" * 40_000, timeout=10)
