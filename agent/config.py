@@ -19,6 +19,7 @@ import dataclasses
 import ipaddress
 import math
 import os
+import re
 import socket
 import sys
 import types
@@ -75,6 +76,8 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
 
 LOG_FORMATS = ("auto", "journal", "text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: What a node id may be: the coordinators' rule (``recovery/service.py`` refuses any other in every report).
+NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 # sun_path is 108 bytes on Linux, one of which is the terminating NUL.
 _MAX_SOCKET_PATH_BYTES = 107
 
@@ -411,6 +414,9 @@ class AgentConfig:
         a = self.agent
         if not a.node_id.strip():
             fail("agent.node_id", "must not be empty")
+        if not NODE_ID_RE.match(a.node_id):
+            fail("agent.node_id", f"{a.node_id[:64]!r} is not a node id (1-128 of [A-Za-z0-9._:@-], starting with "
+                                  "a letter or digit); coordinators refuse every report under it")
         if not a.state_dir:
             fail("agent.state_dir", "must not be empty")
         if not 0.05 <= a.loop_interval_s <= 60:
