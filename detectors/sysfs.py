@@ -13,7 +13,9 @@ from collections.abc import Callable
 
 from trainguard.detectors.errors import DetectorReadError
 
-_INT = re.compile(r"^[+-]?\d+$")
+# 40 digits hold any counter a kernel prints (u64: 20); longer text is corrupt, and int() of more than 4300
+# digits raises ValueError out of the sample instead of a read error naming the file.
+_INT = re.compile(r"^[+-]?\d{1,40}$")
 _MAX_TEXT = 1 << 20
 
 
