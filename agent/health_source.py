@@ -171,6 +171,7 @@ class DaemonLink:
         self.unreachable = False
         if req is None or not self.job:
             return False
+        self._renew_lock(req)
         try:
             self.stub.AttachJob(req, timeout=10)
         except grpc.RpcError as exc:
@@ -180,6 +181,18 @@ class DaemonLink:
                             exc.code().name)
             return False
         return True
+
+    def _renew_lock(self, req: agent_pb2.AttachJobRequest) -> None:
+        """Takes a new liveness lock when this launcher's lock file is gone with the daemon's folder: systemd
+        removes a unit's RuntimeDirectory= when it stops, so a restarted daemon, not finding the file named in the
+        attachment, would count this live launcher dead and drop its job."""
+        if self.lock is None or os.path.exists(self.lock.path) or not os.path.isdir(os.path.dirname(self.lock.path)):
+            return  # still there, or the new daemon has not made its folder yet (the attachment fails anyway)
+        fresh = LauncherLock.acquire(self.path, self.job)
+        if fresh is not None:
+            self.lock.release()
+            self.lock = fresh
+            req.launcher_lock = fresh.name
 
     def detach(self, ended: bool) -> None:
         """Leaves the job (``ended``: it is over, the daemon removes its arena); errors are logged."""

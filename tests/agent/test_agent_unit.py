@@ -35,6 +35,7 @@ def test_unit_has_what_operators_rely_on():
     assert settings["Restart"] == "on-failure"
     assert settings["WatchdogSec"]
     assert settings["RuntimeDirectory"] == "trainguard"
+    assert settings["RuntimeDirectoryPreserve"] == "restart"  # the launchers' locks outlive a restart
     assert settings["ExecReload"] == "/bin/kill -HUP $MAINPID"
     assert "AF_NETLINK" in settings["RestrictAddressFamilies"]
     assert settings["ProtectKernelTunables"] == "yes"  # /sys read-only, still readable

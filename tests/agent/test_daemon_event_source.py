@@ -179,3 +179,28 @@ def test_a_restarted_daemon_is_attached_again_and_not_called_back_before_it_answ
         link.close()
         if again is not None:
             again.stop()
+
+
+def test_a_launcher_outlives_the_daemons_runtime_folder(daemon, monkeypatch):
+    """systemd removes RuntimeDirectory= (the socket's folder, with the launchers' lock files) when the daemon
+    stops; the restarted daemon, not finding the lock named in the re-attachment, counted the live launcher dead
+    at its first sweep and dropped its job (no reports to its coordinator, its arena orphaned)."""
+    import shutil
+
+    d, tmp = daemon
+    monkeypatch.setenv("TRAINGUARD_AGENT_SOCKET_PATH", str(tmp / "agent.sock"))
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_SHM_DIR", str(tmp / "shm"))
+    link = attach_daemon("j1", "", "node-a", RpcSecurity(), checkpointing=True)
+    assert link is not None and link.lock is not None
+    d.request_stop()
+    _wait(lambda: not (tmp / "agent.sock").exists(), "the daemon's stop")
+    shutil.rmtree(tmp / "launchers")  # as systemd does between stop and start
+    again = AgentDaemon(d._load_config, SystemdNotifier(None))
+    again.start()
+    try:
+        assert link.reattach()
+        again.jobs.sweep()
+        assert "j1" in again.jobs._jobs and again.jobs.arenas.kept()["j1"].state.name == "HELD"
+    finally:
+        link.close()
+        again.stop()
