@@ -91,7 +91,8 @@ class AgentSection:
     """``[agent]``: identity and main loop of the daemon.
 
     Attributes:
-        node_id: stable identity of this node, reported to the coordinator. Default: the host name.
+        node_id: stable identity of this node, reported to the coordinator; :data:`NODE_ID_RE`. Default: the host
+            name.
         state_dir: directory the agent owns for state that survives restarts (created at start, mode 0750).
             Default ``/var/lib/trainguard``.
         loop_interval_s: period of the main loop that checks subsystems and pings the systemd watchdog, in
