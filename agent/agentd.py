@@ -26,6 +26,7 @@ progress. A wedged loop or server therefore stops the pings and systemd restarts
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
@@ -97,6 +98,35 @@ def _grpc_options(config: AgentConfig) -> list[tuple[str, Any]]:
     ]
 
 
+def _lock_socket_path(path: str) -> int:
+    """Takes the exclusive lock ``<socket>.lock`` that one daemon per socket path holds for its life; returns its fd.
+
+    The probe of :func:`_prepare_socket_path` alone cannot tell a second daemon that one runs when its socket
+    file was removed under it (a cleaner, a hand), nor win a start race: gRPC unlinks and rebinds a path even
+    while another server listens on it, so two daemons would run (both keeping arenas and reporting the node).
+
+    Raises:
+        AgentConfigError: the lock file cannot be created.
+        AgentError: another daemon holds the lock.
+    """
+    lock_path = f"{path}.lock"
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise AgentConfigError(f"grpc.socket: cannot create {lock_path} ({exc.strerror}); pick another "
+                               "--socket") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise AgentError(f"another trainguard agent{f' (pid {holder})' if holder.isdigit() else ''} holds "
+                         f"{lock_path}, so serves on {path}; stop that agent first or pick another --socket") from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def _prepare_socket_path(path: str) -> None:
     """Creates the socket's folder (0750) and removes a stale socket; refuses to steal a live one."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -121,6 +151,19 @@ def _prepare_socket_path(path: str) -> None:
     finally:
         probe.close()
     raise AgentError(f"another process serves on {path}; stop that agent first or pick another --socket")
+
+
+def _self_check_host(listen: str) -> str:
+    """Where the daemon reaches its own TCP listener ``listen`` (``HOST:PORT``): the host itself, or loopback of
+    the same family for a wildcard address (an IPv6 or a single interface's address is not on 127.0.0.1)."""
+    from trainguard.agent.config import parse_hostport
+
+    host, _ = parse_hostport(listen)
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
 
 
 class AgentDaemon:
@@ -155,6 +198,7 @@ class AgentDaemon:
         self._server: grpc.Server | None = None
         self._certs: ServerCertificates | None = None
         self._socket_ino: int | None = None
+        self._socket_lock: int | None = None  # fd of <socket>.lock, held for the daemon's life
         self._self_check: Any = None
         self._self_channel: grpc.Channel | None = None
         self._stop = threading.Event()
@@ -204,6 +248,17 @@ class AgentDaemon:
             if config.metrics.listen:
                 self._metrics_server = MetricsServer(self.metrics, config.metrics.listen)
                 log.info("metrics on %s", self._metrics_server.url)
+            from trainguard.agent.launcher_lock import launcher_alive, launchers_dir
+
+            # Launchers are known by the lock they hold beside the socket (pids differ between pods).
+            alive = launcher_alive(launchers_dir(config.grpc.socket) if config.grpc.socket else None)
+            arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s, alive=alive)
+            arenas.adopt_existing()
+            # Before the socket serves: a launcher re-attaching the moment it answers (this daemon restarted under
+            # a running job) must find the jobs' table, not an AssertionError that leaves its job unattached.
+            self.jobs = DaemonJobs(config.agent.node_id, socket.gethostname(), self.instance, self.node_verdict,
+                                   arenas, config.coordinator.heartbeat_interval_s, config.coordinator.timeout_s,
+                                   alive=alive)
             self._start_grpc(config)
             if detectors is not None and config.predictor.enabled:
                 # Rules tier always; the learned tier when a model file is configured. The metric history in
@@ -224,15 +279,6 @@ class AgentDaemon:
             if config.qualify.in_daemon:  # before the first report, so a refused node is cordoned at once
                 self.qualification = DaemonQualification(config, self._on_event)
                 self.qualification.start()
-            from trainguard.agent.launcher_lock import launcher_alive, launchers_dir
-
-            # Launchers are known by the lock they hold beside the socket (pids differ between pods).
-            alive = launcher_alive(launchers_dir(config.grpc.socket) if config.grpc.socket else None)
-            arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s, alive=alive)
-            arenas.adopt_existing()
-            self.jobs = DaemonJobs(config.agent.node_id, socket.gethostname(), self.instance, self.node_verdict,
-                                   arenas, config.coordinator.heartbeat_interval_s, config.coordinator.timeout_s,
-                                   alive=alive)
             self.jobs.start_configured(config.coordinator.targets(), config.coordinator.job,
                                        self.coordinator_security(config))
             self._refresh()
@@ -282,6 +328,13 @@ class AgentDaemon:
         if g.reflection:
             enable_reflection(server)
         if g.socket:
+            folder = os.path.dirname(os.path.abspath(g.socket))
+            try:
+                os.makedirs(folder, mode=0o750, exist_ok=True)
+            except OSError as exc:
+                raise AgentConfigError(f"grpc.socket: cannot create folder {folder} ({exc.strerror}); pick another "
+                                       "--socket") from exc
+            self._socket_lock = _lock_socket_path(g.socket)
             _prepare_socket_path(g.socket)
             try:
                 server.add_insecure_port(f"unix:{g.socket}")
@@ -314,7 +367,7 @@ class AgentDaemon:
                             "known by pid only", g.socket, exc)
             self._self_channel = grpc.insecure_channel(f"unix:{g.socket}")
         elif self._certs is None:
-            self._self_channel = grpc.insecure_channel(f"127.0.0.1:{self.tcp_port}")
+            self._self_channel = grpc.insecure_channel(f"{_self_check_host(g.listen)}:{self.tcp_port}")
         if self._self_channel is not None:
             self._self_check = health_pb2_grpc.HealthStub(self._self_channel).Check
         log.info("gRPC on %s%s", f"unix:{g.socket} " if g.socket else "",
@@ -508,16 +561,22 @@ class AgentDaemon:
                     self.node_health.take_actionable()  # acted on by the verdict latch; keep the queue empty
                     if self.runner is not None:
                         self.node_health.tick(None, self.runner.latest_metrics())
+                withheld = False
                 if self.watchdog.seconds_until_due() == 0.0:
-                    if self.watchdog.tick(self._healthy()) and self.metrics is not None:
-                        self.metrics.watchdog_pings.inc()
+                    if self.watchdog.tick(self._healthy()):
+                        if self.metrics is not None:
+                            self.metrics.watchdog_pings.inc()
+                    else:
+                        withheld = True
                 summary = self._summary()
                 if summary != self._status_line:
                     self._status_line = summary
                     self.notifier.status(summary)
                 timeout = self.config.agent.loop_interval_s
                 due = self.watchdog.seconds_until_due()
-                if due is not None:
+                # A keep-alive withheld (the self-check failed, or systemd's socket refused it) stays due: check
+                # again after a loop interval, not at once (that spun the loop, logging an error every 10 ms).
+                if due is not None and not withheld:
                     timeout = min(timeout, max(due, 0.01))
                 self._wake.wait(timeout)
                 self._wake.clear()
@@ -595,6 +654,9 @@ class AgentDaemon:
                     os.unlink(sock)
             except FileNotFoundError:
                 pass
+        if self._socket_lock is not None:
+            os.close(self._socket_lock)  # the file stays: unlinking a lock file races with the next daemon's open
+            self._socket_lock = None
 
 
 class _DaemonService(NodeAgentService):
@@ -663,7 +725,16 @@ class _DaemonService(NodeAgentService):
 
     def DetachJob(self, request, context):  # noqa: N802 (gRPC naming)
         """A launcher leaves its job; ``ended`` removes the job's arena now (local socket only)."""
+        from trainguard.recovery.spec import JOB_NAME_RE
+
         local_only(context, "DetachJob")
+        # The job name becomes a path under the daemon's folders (its TLS files, its arena): a name that is not
+        # one plain path element ("/etc", "../..") would have the daemon delete a folder of someone else's.
+        if not JOB_NAME_RE.match(request.job):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job[:64]!r} is not a job name")
+        if request.launcher_lock and not LOCK_NAME_RE.match(request.launcher_lock):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"launcher_lock {request.launcher_lock[:64]!r} is not a "
+                                                            "lock file name in the daemon's launchers folder")
         jobs = self._daemon.jobs
         removed = jobs.detach(request.job, launcher_key(request), request.ended) if jobs is not None else False
         return agent_pb2.DetachJobResponse(arena_removed=removed)

@@ -30,6 +30,7 @@ import fcntl
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -199,8 +200,7 @@ class ArenaKeeper:
                 return False
             del self._arenas[job]
             kept.move(ArenaState.REMOVED)
-        self._remove(job, "the job ended")
-        return True
+        return self._remove(job, "the job ended")
 
     def sweep(self) -> list[str]:
         """Ages the arenas: orphans those whose launchers are all gone, removes orphans past the TTL.
@@ -226,18 +226,35 @@ class ArenaKeeper:
                     del self._arenas[job]
                     kept.move(ArenaState.REMOVED)
                     due.append(job)
-        for job in due:
-            self._remove(job, f"no launcher for {self.ttl_s:.0f} s")
-        return due
+        return [job for job in due if self._remove(job, f"no launcher for {self.ttl_s:.0f} s")]
 
     def kept(self) -> dict[str, KeptArena]:
         """A snapshot of the table."""
         with self._lock:
             return {j: KeptArena(k.job, set(k.launchers), k.state, k.orphaned_at) for j, k in self._arenas.items()}
 
-    def _remove(self, job: str, why: str) -> None:
-        shutil.rmtree(self.arena_dir(job), ignore_errors=True)
+    def _remove(self, job: str, why: str) -> bool:
+        """Removes ``job``'s arena folder; returns whether it is gone (a failure is logged, naming the cause)."""
+        failures: list[str] = []
+
+        def note(path: str, exc: BaseException) -> None:
+            if not isinstance(exc, FileNotFoundError):  # already gone is what we want
+                failures.append(f"{path}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}")
+
+        path = self.arena_dir(job)
+        if sys.version_info >= (3, 12):  # onerror is deprecated from 3.12 on
+            shutil.rmtree(path, onexc=lambda _func, where, exc: note(where, exc))
+        else:
+            shutil.rmtree(path, onerror=lambda _func, where, exc_info: note(where, exc_info[1]))
+        if failures:
+            # Left in the tmpfs: say so instead of claiming it removed. The usual cause is an arena its job's user
+            # owns and a daemon without CAP_DAC_OVERRIDE/CAP_FOWNER (the shipped unit grants both).
+            log.warning("memory tier: cannot remove the arena of job %s (%s): %s%s; it stays in %s until removed "
+                        "by hand or adopted again at the daemon's next start", job, why, failures[0],
+                        f" (and {len(failures) - 1} more)" if len(failures) > 1 else "", path)
+            return False
         log.info("memory tier: removed the arena of job %s (%s)", job, why)
+        return True
 
 
 __all__ = ["ArenaKeeper", "ArenaRootError", "ArenaState", "KeptArena", "TRANSITIONS", "lease_held"]

@@ -19,6 +19,7 @@ import dataclasses
 import ipaddress
 import math
 import os
+import re
 import socket
 import sys
 import types
@@ -75,6 +76,8 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
 
 LOG_FORMATS = ("auto", "journal", "text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: What a node id may be: the coordinators' rule (``recovery/service.py`` refuses any other in every report).
+NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 # sun_path is 108 bytes on Linux, one of which is the terminating NUL.
 _MAX_SOCKET_PATH_BYTES = 107
 
@@ -88,7 +91,8 @@ class AgentSection:
     """``[agent]``: identity and main loop of the daemon.
 
     Attributes:
-        node_id: stable identity of this node, reported to the coordinator. Default: the host name.
+        node_id: stable identity of this node, reported to the coordinator; :data:`NODE_ID_RE`. Default: the host
+            name.
         state_dir: directory the agent owns for state that survives restarts (created at start, mode 0750).
             Default ``/var/lib/trainguard``.
         loop_interval_s: period of the main loop that checks subsystems and pings the systemd watchdog, in
@@ -130,11 +134,12 @@ class GrpcSection:
             ``/run/trainguard/agent.sock``.
         socket_mode: permission bits of the unix socket; must grant nothing to "other". Default ``0o660``.
         max_request_bytes: largest request a method accepts, in bytes; larger ones get INVALID_ARGUMENT.
-            Default 65536.
+            ``AttachJob`` accepts at least ``rpc_limits.ATTACH_MAX_REQUEST_BYTES`` (a job's TLS files). Default 65536.
         max_message_bytes: transport cap on any message, in bytes; larger ones are dropped by gRPC itself with
             RESOURCE_EXHAUSTED before they are read. Must be >= ``max_request_bytes``. Default 4194304.
         max_workers: threads serving calls (each open ``WatchEvents`` stream holds one). Default 16.
-        max_watchers: concurrent ``WatchEvents`` streams; more get RESOURCE_EXHAUSTED. Default 8.
+        max_watchers: concurrent ``WatchEvents`` and server reflection streams; more get RESOURCE_EXHAUSTED.
+            Default 8.
         reflection: serve gRPC server reflection (for grpcurl and debugging). Default true.
     """
 
@@ -410,6 +415,9 @@ class AgentConfig:
         a = self.agent
         if not a.node_id.strip():
             fail("agent.node_id", "must not be empty")
+        if not NODE_ID_RE.match(a.node_id):
+            fail("agent.node_id", f"{a.node_id[:64]!r} is not a node id (1-128 of [A-Za-z0-9._:@-], starting with "
+                                  "a letter or digit); coordinators refuse every report under it")
         if not a.state_dir:
             fail("agent.state_dir", "must not be empty")
         if not 0.05 <= a.loop_interval_s <= 60:

@@ -23,6 +23,7 @@ from trainguard.agent.pids import pid_alive
 from trainguard.agent.tls import TlsFiles
 from trainguard.proto import agent_pb2
 from trainguard.recovery.rpc_security import RpcSecurity, SecurityConfigError
+from trainguard.recovery.spec import JOB_NAME_RE
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ class DaemonJobs:
                 with self._lock:
                     if self._pem_root is None:
                         self._pem_root = tempfile.mkdtemp(prefix="trainguard-job-tls-")  # mode 0700
-                folder = os.path.join(self._pem_root, req.job)  # a checked job name (agentd): one path element
+                folder = self._job_folder(req.job)
                 os.makedirs(folder, mode=0o700, exist_ok=True)
                 for name, data in pems:
                     if not data:
@@ -189,9 +190,20 @@ class DaemonJobs:
                              written.get("ca.pem", files.ca_file))
         return RpcSecurity(tls=files, token=req.token, server_name=req.tls_server_name)
 
+    def _job_folder(self, job: str) -> str:
+        """The folder of ``job``'s TLS files under the daemon's own 0700 folder.
+
+        Raises:
+            SecurityConfigError: ``job`` is not a job name, so not one plain path element.
+        """
+        if self._pem_root is None or not JOB_NAME_RE.match(job):
+            raise SecurityConfigError(f"job {job[:64]!r} is not a job name")
+        return os.path.join(self._pem_root, job)
+
     def _forget_pems(self, job: str) -> None:
-        if self._pem_root is not None:
-            shutil.rmtree(os.path.join(self._pem_root, job), ignore_errors=True)
+        if self._pem_root is None or not JOB_NAME_RE.match(job):
+            return  # nothing of a non-job-name was ever written, and rmtree must never leave the folder
+        shutil.rmtree(self._job_folder(job), ignore_errors=True)
 
     def detach(self, job: str, key: int | str, ended: bool) -> bool:
         """Launcher ``key`` leaves ``job`` (``ended``: the job is over); returns whether the arena was removed."""

@@ -90,6 +90,12 @@ def _pem(path: str) -> bytes:
     return data if len(data) <= MAX_PEM_BYTES else b""
 
 
+# The daemon is on this host: a restarted one answers within seconds. gRPC's default reconnect backoff grows to
+# 120 s while it is down, so the launcher could go on unattached for minutes after it is back.
+_LOCAL_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 class DaemonLink:
     """A launcher's connection to the node daemon's unix socket.
 
@@ -107,13 +113,14 @@ class DaemonLink:
         self.attached_at = 0.0  # Unix time just before the attachment
         self._request: agent_pb2.AttachJobRequest | None = None  # repeated by reattach()
         self.lock: LauncherLock | None = None  # how the daemon tells this launcher lives (pids differ in pods)
+        self.unreachable = False  # the last reattach() found no daemon answering (UNAVAILABLE)
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = PROBE_TIMEOUT_S) -> "DaemonLink | None":
         """The daemon at ``path`` if one answers there, else None (the launcher runs alone)."""
         if not path or not os.path.exists(path):
             return None
-        channel = grpc.insecure_channel(f"unix:{path}")
+        channel = grpc.insecure_channel(f"unix:{path}", options=_LOCAL_RECONNECT)
         try:
             agent_pb2_grpc.NodeAgentStub(channel).GetHealth(agent_pb2.GetHealthRequest(max_events=1),
                                                             timeout=timeout_s)
@@ -161,15 +168,31 @@ class DaemonLink:
     def reattach(self) -> bool:
         """Repeats the attachment (the daemon restarted and forgot the job); returns whether it took."""
         req = self._request
+        self.unreachable = False
         if req is None or not self.job:
             return False
+        self._renew_lock(req)
         try:
             self.stub.AttachJob(req, timeout=10)
         except grpc.RpcError as exc:
-            log.warning("node daemon at %s: attaching job %s again failed (%s)", self.path, self.job,
-                        exc.code().name)
+            self.unreachable = exc.code() is grpc.StatusCode.UNAVAILABLE
+            if not self.unreachable:  # no daemon yet is the caller's to report, once
+                log.warning("node daemon at %s: attaching job %s again failed (%s)", self.path, self.job,
+                            exc.code().name)
             return False
         return True
+
+    def _renew_lock(self, req: agent_pb2.AttachJobRequest) -> None:
+        """Takes a new liveness lock when this launcher's lock file is gone with the daemon's folder: systemd
+        removes a unit's RuntimeDirectory= when it stops, so a restarted daemon, not finding the file named in the
+        attachment, would count this live launcher dead and drop its job."""
+        if self.lock is None or os.path.exists(self.lock.path) or not os.path.isdir(os.path.dirname(self.lock.path)):
+            return  # still there, or the new daemon has not made its folder yet (the attachment fails anyway)
+        fresh = LauncherLock.acquire(self.path, self.job)
+        if fresh is not None:
+            self.lock.release()
+            self.lock = fresh
+            req.launcher_lock = fresh.name
 
     def detach(self, ended: bool) -> None:
         """Leaves the job (``ended``: it is over, the daemon removes its arena); errors are logged."""
@@ -272,9 +295,14 @@ class DaemonEventSource:
             try:
                 if down:
                     # The daemon may have restarted: attach again so it keeps reporting to this job's
-                    # coordinator and keeps its arena.
+                    # coordinator and keeps its arena. Not answering yet is still down, not "back".
+                    attached = self.link.reattach()
+                    if not attached and self.link.unreachable:
+                        call.cancel()
+                        self._stop.wait(self.retry_s)
+                        continue
                     log.info("node daemon at %s is back; following its events again%s", self.link.path,
-                             "" if self.link.reattach() else " (not attached)")
+                             "" if attached else " (not attached)")
                     down = False
                 for msg in call:
                     self._deliver(msg, on_event)

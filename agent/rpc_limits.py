@@ -8,7 +8,8 @@ guarded method so that the handler receives the request *bytes* first:
 2. bytes that do not parse as the request message -> INVALID_ARGUMENT;
 3. a field out of range (negative rank, unknown severity, absurd replay count...) -> INVALID_ARGUMENT naming it;
 4. more than ``max_watchers`` concurrent server streams -> RESOURCE_EXHAUSTED, so watchers cannot take every
-   serving thread away from health checks.
+   serving thread away from health checks. Server reflection streams (grpcurl) count against the same bound:
+   each holds a serving thread while it is open, idle or not.
 
 Each call is counted in the agent's metrics by method and status code.
 """
@@ -16,7 +17,10 @@ Each call is counted in the agent's metrics by method and status code.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import grpc
 
 from trainguard.grpc_guard import CallObserver, RequestGuard as SharedRequestGuard, Validator
 from trainguard.proto import agent_pb2, common_pb2
@@ -29,6 +33,12 @@ MAX_HEALTH_EVENTS = 1000
 MAX_REPLAY = 10_000
 #: Checkpoint tiers a worker may report ("snapshot": copied out of the model, not yet in any tier).
 CHECKPOINT_TIERS = ("snapshot", "memory", "disk", "remote")
+#: Largest AttachJob request, whatever ``max_request_bytes`` says: it carries the launcher's coordinator TLS files'
+#: contents, up to 1 MiB each (``health_source.MAX_PEM_BYTES``: a CA bundle of a few hundred certificates, like a
+#: system bundle of 200 KiB, must fit), and the daemon serves it on its unix socket only.
+ATTACH_MAX_REQUEST_BYTES = 3 * (1 << 20) + 64 * 1024
+#: Method prefixes of the server reflection services, whose bidirectional streams count as watchers.
+REFLECTION_PREFIXES = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
 
 def _finite_nonneg(value: float) -> bool:
     return math.isfinite(value) and value >= 0
@@ -81,12 +91,26 @@ def _check_checkpoint(req: agent_pb2.CheckpointReport) -> str | None:
     return None
 
 
+#: Longest text fields of an AttachJob, in characters: host names, HOST:PORT, a token, file paths. Only the PEM
+#: contents need the method's larger size bound; the rest go into logs, events and every health report.
+ATTACH_FIELD_LIMITS = {"node_id": 253, "coordinator": 512, "token": 4096, "tls_server_name": 253,
+                       "tls_ca_file": 4096, "tls_cert_file": 4096, "tls_key_file": 4096, "arena_root": 4096}
+
+
+def _check_attach(req: agent_pb2.AttachJobRequest) -> str | None:
+    for name, limit in ATTACH_FIELD_LIMITS.items():
+        if len(getattr(req, name)) > limit:
+            return f"{name} is {len(getattr(req, name))} characters; at most {limit}"
+    return None
+
+
 #: Method full name -> range check of its decoded request (returns a problem, or None).
 VALIDATORS: dict[str, Validator] = {
     f"/{GUARDED_SERVICE}/GetHealth": _check_get_health,
     f"/{GUARDED_SERVICE}/WatchEvents": _check_watch,
     f"/{GUARDED_SERVICE}/WorkerHeartbeat": _check_heartbeat,
     f"/{GUARDED_SERVICE}/ReportCheckpoint": _check_checkpoint,
+    f"/{GUARDED_SERVICE}/AttachJob": _check_attach,
 }
 
 class RequestGuard(SharedRequestGuard):
@@ -109,3 +133,38 @@ class RequestGuard(SharedRequestGuard):
         """
         super().__init__(GUARDED_SERVICE, max_request_bytes, max_watchers, observer,
                          VALIDATORS if validators is None else validators)
+        # The same checks on AttachJob with its own size bound (see ATTACH_MAX_REQUEST_BYTES).
+        self._attach = SharedRequestGuard(GUARDED_SERVICE, max(max_request_bytes, ATTACH_MAX_REQUEST_BYTES), 0,
+                                          observer, VALIDATORS if validators is None else validators)
+
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        """Guards the NodeAgent methods (see the module docstring) and bounds the reflection streams."""
+        if details.method == f"/{GUARDED_SERVICE}/AttachJob":
+            return self._attach.intercept_service(continuation, details)
+        if not details.method.startswith(REFLECTION_PREFIXES) or self._streams is None:
+            return super().intercept_service(continuation, details)
+        handler = continuation(details)
+        if handler is None or handler.stream_stream is None:
+            return handler
+        return grpc.stream_stream_rpc_method_handler(
+            self._bounded_stream(handler.stream_stream),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _bounded_stream(self, behavior: Callable) -> Callable:
+        # A reflection stream holds a serving thread for as long as the client keeps it open: unbounded, a few
+        # idle grpcurl sessions (or anyone who can connect) would leave no thread for health checks, and the
+        # daemon's own self-check would then withhold the systemd watchdog pings.
+        streams = self._streams
+
+        def guarded(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            if not streams.acquire(blocking=False):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              "too many concurrent streams; retry later or raise grpc.max_watchers")
+            try:
+                yield from behavior(requests, context)
+            finally:
+                streams.release()
+
+        return guarded

@@ -90,6 +90,11 @@ _STATE_RANK = {
 }
 
 
+#: Longest sampling period a detector may be given, in seconds (a day): a longer one is a typo, and one past the
+#: platform's time_t (1e12, inf) ended the runner's sampling thread with an OverflowError.
+MAX_INTERVAL_S = 86400.0
+
+
 @dataclass
 class DetectorConfig:
     """Fields every detector's config has.
@@ -97,7 +102,8 @@ class DetectorConfig:
     Attributes:
         root: directory that stands for ``/`` when reading sysfs/procfs/dev files; tests point it at a fake tree.
             Default ``"/"``.
-        interval_s: seconds between two ``sample()`` calls by the runner. Default 5.0.
+        interval_s: seconds between two ``sample()`` calls by the runner, in (0, :data:`MAX_INTERVAL_S`].
+            Default 5.0.
     """
 
     root: str = "/"
@@ -111,8 +117,9 @@ class DetectorConfig:
         """
         if not isinstance(self.root, str) or not self.root:
             raise DetectorConfigError(f"detector root {self.root!r} must be a non-empty path; use '/' on a real node")
-        if not self.interval_s > 0:
-            raise DetectorConfigError(f"interval_s={self.interval_s} must be > 0 seconds")
+        if not 0 < self.interval_s <= MAX_INTERVAL_S:  # NaN fails too
+            raise DetectorConfigError(f"interval_s={self.interval_s} must be > 0 and at most {MAX_INTERVAL_S:.0f} "
+                                      "seconds")
 
     def path(self, path: str) -> str:
         """Maps an absolute system path (``/sys/class/net``) under :attr:`root`.

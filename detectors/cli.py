@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -41,6 +42,10 @@ def _detect(args: argparse.Namespace) -> int:
 
     if args.window < 0:
         raise DetectorConfigError(f"--window {args.window} must be >= 0 seconds")
+    if args.root and not os.path.isdir(args.root):
+        # Checked like a config's root: a mistyped one read as a node with no hardware at all (exit 0).
+        raise DetectorConfigError(f"--root {args.root!r} is not a directory; create the fake tree first or fix "
+                                  "the path")
     if args.config:
         cfg = DetectorSettings.load(args.config, table="detectors", flag="--config")
     else:

@@ -23,7 +23,7 @@ import psutil
 from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.sysfs import list_dir, read_text
+from trainguard.detectors.sysfs import list_dir_or_record, read_text
 
 
 @dataclass
@@ -129,8 +129,10 @@ class DiskDetector(Detector):
     def _block_devices(self, s: Sample) -> None:
         nvme = self.config.path("/sys/class/nvme")
         block = self.config.path("/sys/block")
-        checks = [(f"nvme:{c}", os.path.join(nvme, c, "state"), "live") for c in list_dir(nvme)]
-        checks += [(f"block:{d}", os.path.join(block, d, "device", "state"), "running") for d in list_dir(block)
+        checks = [(f"nvme:{c}", os.path.join(nvme, c, "state"), "live")
+                  for c in list_dir_or_record(nvme, s.error)]
+        checks += [(f"block:{d}", os.path.join(block, d, "device", "state"), "running")
+                   for d in list_dir_or_record(block, s.error)
                    if os.path.exists(os.path.join(block, d, "device", "state"))]
         bad = 0
         for subject, path, good in checks:

@@ -21,7 +21,7 @@ from trainguard.detectors.base import Detector, DetectorConfig, DetectorState, S
 from trainguard.detectors.counters import CounterTracker
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.sysfs import list_dir, read_int, read_text
+from trainguard.detectors.sysfs import list_dir, list_dir_or_record, read_int, read_text
 
 
 @dataclass
@@ -116,7 +116,7 @@ class EdacDetector(Detector):
 
     def _dimms(self, s: Sample, mdir: str) -> list[tuple[str, int, int]]:
         out = []
-        for sub in list_dir(mdir):
+        for sub in list_dir_or_record(mdir, s.error):
             if not (sub.startswith("dimm") or sub.startswith("rank")) or not sub[4:].isdigit():
                 continue
             ddir = os.path.join(mdir, sub)

@@ -39,7 +39,7 @@ from trainguard.detectors.ethtool import ethtool_stats
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message
 from trainguard.detectors.rules import CounterRule, load_counter_rules
-from trainguard.detectors.sysfs import list_dir, read_int, read_text
+from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_text
 
 _PORT_STATE = re.compile(r"^(\d+):\s*(\S+)$")
 
@@ -128,7 +128,12 @@ class RoceDetector(ListeningDetector):
             Interface names.
         """
         ib = self.config.path("/sys/class/infiniband")
-        return sorted({n for dev in list_dir(ib) for n in list_dir(os.path.join(ib, dev, "device", "net"))})
+        names: set[str] = set()
+        # Also asked from the netlink thread, where no sample records errors: a folder that cannot be listed is
+        # skipped (sample() records an unlistable infiniband folder itself).
+        for dev in list_dir_or_record(ib, None):
+            names.update(list_dir_or_record(os.path.join(ib, dev, "device", "net"), None))
+        return sorted(names)
 
     def _patterns(self) -> tuple[str, ...]:
         # The RDMA netdevs are listed once per sample, not on every netlink message.
@@ -271,8 +276,8 @@ class RoceDetector(ListeningDetector):
         self._auto = None
         patterns = self._patterns()
         ib_root = self.config.path("/sys/class/infiniband")
-        ib_devs = list_dir(ib_root) if self.config.rdma else []
-        if not patterns and not ib_devs:
+        ib_devs = list_dir_or_record(ib_root, s.error) if self.config.rdma else []
+        if not patterns and not ib_devs and not s.errors:
             return self.no_hardware("no RDMA devices under /sys/class/infiniband and no interfaces configured")
         if patterns and not self._listening and not self._links:
             try:
@@ -286,7 +291,7 @@ class RoceDetector(ListeningDetector):
         use_ethtool = self.config.ethtool and (
             self._ethtool is not ethtool_stats or (self.config.root == "/" and not self.config.netns)
         )
-        for ifname in sorted(i for i in list_dir(netdev_root) if self.watched(i)):
+        for ifname in sorted(i for i in list_dir_or_record(netdev_root, s.error) if self.watched(i)):
             self._sample_netdev(s, os.path.join(netdev_root, ifname, "statistics"), ifname, now)
             if use_ethtool:
                 try:
@@ -297,7 +302,7 @@ class RoceDetector(ListeningDetector):
                 for name, value in sorted(stats.items()):
                     self._apply(s, "ethtool", ifname, name, value, now)
         for dev in ib_devs:
-            for port in list_dir(os.path.join(ib_root, dev, "ports")):
+            for port in list_dir_or_record(os.path.join(ib_root, dev, "ports"), s.error):
                 self._sample_ib_port(s, os.path.join(ib_root, dev, "ports", port), f"{dev}/{port}", now)
         return s
 
@@ -326,7 +331,7 @@ class RoceDetector(ListeningDetector):
             s.metrics["link_flaps_in_window"] = float(sum(len(self._downs.get(i, ())) for i in links))
 
     def _sample_netdev(self, s: Sample, stats_dir: str, ifname: str, now: float) -> None:
-        for name in list_dir(stats_dir):
+        for name in list_dir_or_record(stats_dir, s.error):
             if not any(r.matches(name) for r in self._rules["netdev"]):
                 continue
             try:
@@ -357,7 +362,7 @@ class RoceDetector(ListeningDetector):
             s.error(exc)
         for folder, source in (("counters", "ib_counters"), ("hw_counters", "ib_hw_counters")):
             cdir = os.path.join(port_dir, folder)
-            for name in list_dir(cdir):
+            for name in list_dir_or_record(cdir, s.error):
                 if not any(r.matches(name) for r in self._rules[source]):
                     continue
                 try:

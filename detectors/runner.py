@@ -49,6 +49,8 @@ LISTENER_RETRY_S = 5.0
 STALL_AFTER_S = 30.0
 
 EventCallback = Callable[[HealthEvent], None]
+# Longest single wait of the sampling thread; it re-checks what is due after each.
+_MAX_WAIT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -263,7 +265,8 @@ class DetectorRunner:
                 self._serve_requests(due)
                 wait = due[0][0] - time.monotonic() if due else None
                 if wait is None or wait > 0:
-                    self._kick.wait(wait)
+                    # Bounded: a wait beyond the platform's time_t raises OverflowError and ends this thread.
+                    self._kick.wait(min(wait, _MAX_WAIT_S) if wait is not None else None)
                     continue
                 when, index = heapq.heappop(due)
                 det = self._detectors[index]
@@ -309,8 +312,9 @@ class DetectorRunner:
                 raise TypeError(f"sample() returned {type(sample).__name__}, not Sample")
         except Exception as exc:  # noqa: BLE001 - a broken detector must not take the agent down
             log.debug("detector %s raised", det.name, exc_info=True)
-            path = exc.path if isinstance(exc, DetectorReadError) else ""
-            err = DetectorReadError(path or det.name, f"{type(exc).__name__}: {exc}")
+            # A read error says what it is itself; anything else is named by its type (a bug in the detector).
+            err = exc if isinstance(exc, DetectorReadError) else DetectorReadError(det.name,
+                                                                                  f"{type(exc).__name__}: {exc}")
             sample = Sample()
             sample.error(err)
             sample.detail = str(err)

@@ -64,6 +64,7 @@ class DetectorSettings:
         interval_s: sampling period of every polled detector, seconds; 0 keeps each detector's own. Default 0.
         tables: detector name -> its fields as written (each checked by its config class).
         source: where the settings came from (file or flag), first in every error message.
+        prefix: how the tables are named in that file (``"detectors."``: ``[detectors.pcie]``). Default ``""``.
     """
 
     enabled: tuple[str, ...] = DEFAULT_DETECTORS
@@ -71,6 +72,7 @@ class DetectorSettings:
     interval_s: float = 0.0
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)
     source: str = "<detector settings>"
+    prefix: str = ""
 
     # ------------------------------------------------------------------ loaders
     @classmethod
@@ -130,7 +132,7 @@ class DetectorSettings:
                     f"({','.join(resolved) or 'none'}) does not enable; add it to {enabled_flag} or remove the table")
             if "root" in sub:
                 _check_root(sub["root"], f"{where} root", source)
-        settings = cls(enabled=resolved, tables=tables, source=source, **kwargs)
+        settings = cls(enabled=resolved, tables=tables, source=source, prefix=prefix, **kwargs)
         settings.settings()  # every table checked by its detector's own config class, now
         return settings
 
@@ -208,7 +210,7 @@ class DetectorSettings:
             try:
                 make_config(name, fields)
             except DetectorConfigError as exc:
-                where = f"[{name}]" if name in self.tables else f"detector '{name}'"
+                where = f"[{self.prefix}{name}]" if name in self.tables else f"detector '{name}'"
                 raise DetectorConfigError(f"{self.source}: {where}: {exc}") from exc
             if fields:
                 out[name] = fields

@@ -9,10 +9,13 @@ from __future__ import annotations
 import glob
 import os
 import re
+from collections.abc import Callable
 
 from trainguard.detectors.errors import DetectorReadError
 
-_INT = re.compile(r"^[+-]?\d+$")
+# 40 digits hold any counter a kernel prints (u64: 20); longer text is corrupt, and int() of more than 4300
+# digits raises ValueError out of the sample instead of a read error naming the file.
+_INT = re.compile(r"^[+-]?\d{1,40}$")
 _MAX_TEXT = 1 << 20
 
 
@@ -130,10 +133,36 @@ def list_dir(path: str) -> list[str]:
 
     Returns:
         Entry names.
+
+    Raises:
+        DetectorReadError: the directory exists but cannot be listed (permission denied, I/O error, a symlink
+            loop), so a detector records it as an unreadable input instead of raising out of its sample.
     """
     try:
         return sorted(os.listdir(path))
     except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        raise DetectorReadError(path, f"cannot list ({exc.strerror or exc})") from exc
+
+
+def list_dir_or_record(path: str, record: Callable[[DetectorReadError], None] | None) -> list[str]:
+    """:func:`list_dir`, but a directory that cannot be listed counts as empty and its error goes to ``record``
+    (a sample's ``error``; None drops it), so one unreadable folder does not end the whole sample: the events
+    of the devices read before it would be lost with it.
+
+    Args:
+        path: directory.
+        record: receives the read error, if any.
+
+    Returns:
+        Entry names (none when the directory cannot be listed).
+    """
+    try:
+        return list_dir(path)
+    except DetectorReadError as exc:
+        if record is not None:
+            record(exc)
         return []
 
 

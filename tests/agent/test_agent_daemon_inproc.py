@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 import threading
 import time
 import urllib.request
 
 import grpc
+import pytest
 
 from trainguard.agent.agentd import AgentDaemon, config_loader
+from trainguard.agent.config import AgentConfigError
 from trainguard.agent.sdnotify import SystemdNotifier, Watchdog
 from trainguard.proto import agent_pb2, agent_pb2_grpc
 
@@ -118,3 +122,281 @@ def test_a_burst_of_health_checks_queues_instead_of_being_refused(tmp_path):
     finally:
         daemon.request_stop()
         loop.join(30)
+
+
+def test_detach_job_with_a_path_for_a_job_name_deletes_nothing(tmp_path):
+    """DetachJob's job name names a folder the daemon removes (the job's TLS files): a path instead of a name
+    ("/elsewhere", "../..") is refused, and the folder it names survives."""
+    (tmp_path / "fake").mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("x")
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[metrics]\nlisten = ""\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
+    sock_path = tmp_path / "agent.sock"
+    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    try:
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            # A job sending its CA's contents gives the daemon its folder of jobs' TLS files (refused here: the
+            # bytes are no CA, but the folder is made).
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.AttachJob(agent_pb2.AttachJobRequest(job="j1", coordinator="127.0.0.1:1", launcher_pid=1,
+                                                          tls_ca_pem=b"not a certificate"), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            for name in (str(victim), os.path.relpath(victim, tempfile.gettempdir() + "/x"), ""):
+                with pytest.raises(grpc.RpcError) as bad:
+                    stub.DetachJob(agent_pb2.DetachJobRequest(job=name, launcher_pid=1), timeout=10)
+                assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                assert "is not a job name" in bad.value.details()
+            assert (victim / "precious").exists()
+            stub.DetachJob(agent_pb2.DetachJobRequest(job="j1", launcher_pid=1), timeout=10)  # a name still works
+    finally:
+        daemon.stop()
+    assert (victim / "precious").exists()
+
+
+def test_daemon_jobs_never_removes_a_folder_outside_its_own(tmp_path):
+    """The same bound one level down: DaemonJobs itself removes only a job name's folder under its own."""
+    from trainguard.agent.arena_keeper import ArenaKeeper
+    from trainguard.agent.coordinator_report import NodeVerdict
+    from trainguard.agent.daemon_jobs import DaemonJobs
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    jobs = DaemonJobs("n1", "h", "i", NodeVerdict, ArenaKeeper(str(tmp_path / "shm"), 60.0), 1.0, 1.0)
+    jobs._pem_root = str(tmp_path / "pems")
+    os.makedirs(jobs._pem_root)
+    for name in (str(victim), "../victim", ""):
+        jobs.detach(name, 1, ended=True)
+    assert victim.exists() and os.path.isdir(jobs._pem_root)
+
+
+def test_idle_reflection_streams_leave_a_thread_for_health_checks(tmp_path):
+    """Reflection streams (grpcurl sessions, or anyone who connects) each hold a serving thread while open: they
+    count against grpc.max_watchers, so more than max_workers of them idle still leave health checks answered."""
+    import queue
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[metrics]\nlisten = ""\n'
+                      '[grpc]\nmax_workers = 3\nmax_watchers = 2\n')
+    sock_path = tmp_path / "agent.sock"
+    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    feeds: list[queue.Queue] = []
+
+    def requests(feed: queue.Queue):
+        while (item := feed.get()) is not None:
+            yield item
+
+    streams = []
+    try:
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            for _ in range(5):  # more than the serving threads, every one kept open
+                feeds.append(queue.Queue())
+                feeds[-1].put(ask)
+                streams.append(stub.ServerReflectionInfo(requests(feeds[-1]), timeout=10))
+            # Asked after the streams on the same connection, so queued behind them for a serving thread.
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            codes = []
+            for stream in streams:
+                try:
+                    next(stream)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+            assert sorted(c.name for c in codes) == ["OK", "OK", "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED",
+                                                     "RESOURCE_EXHAUSTED"]
+    finally:
+        for feed in feeds:
+            feed.put(None)
+        for stream in streams:
+            stream.cancel()
+        daemon.stop()
+
+
+def test_a_second_daemon_on_the_socket_path_is_refused_even_with_the_socket_file_gone(tmp_path):
+    """One daemon per socket path: its socket file removed under it (a cleaner, a hand), a second daemon's probe
+    finds nothing, yet it must not start beside the first (both would keep the arenas and report the node)."""
+    from trainguard.agent.errors import AgentError
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[metrics]\nlisten = ""\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
+    sock_path = tmp_path / "run" / "agent.sock"
+
+    def daemon() -> AgentDaemon:
+        return AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                           SystemdNotifier(None))
+
+    first = daemon()
+    first.start()
+    try:
+        sock_path.unlink()
+        second = daemon()
+        with pytest.raises(AgentError, match=rf"another trainguard agent \(pid {os.getpid()}\) holds "):
+            second.start()
+        assert not sock_path.exists()  # the refused one left nothing behind
+    finally:
+        first.stop()
+    third = daemon()  # the lock is released with the first daemon
+    third.start()
+    third.stop()
+
+
+def test_a_job_whose_coordinator_ca_is_a_system_bundle_attaches(tmp_path):
+    """The launcher sends its coordinator TLS files' contents (up to 1 MiB each) with AttachJob; a CA bundle of a
+    few hundred certificates (200 KiB) is over grpc.max_request_bytes, and was refused as oversized, so the job
+    ran without the daemon (no kept arena). The bound of the other methods still holds."""
+    from trainguard.agent.health_source import DaemonAttachError, DaemonLink, JobAttachment
+    from trainguard.agent.rpc_limits import ATTACH_MAX_REQUEST_BYTES
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[metrics]\nlisten = ""\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
+    sock_path = tmp_path / "agent.sock"
+    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    try:
+        # Bytes that are no CA keep the test off certificate generation: past the size bound, the daemon reads
+        # them as the job's CA and refuses them by their contents (FAILED_PRECONDITION), not by their size.
+        bundle = tmp_path / "bundle.pem"
+        bundle.write_bytes(b"# " + b"x" * 200 * 1024 + b"\n")
+        link = DaemonLink.connect(str(sock_path))
+        assert link is not None
+        with pytest.raises(DaemonAttachError, match="FAILED_PRECONDITION: the job's coordinator TLS files") as refused:
+            link.attach(JobAttachment(job="bundle-job", coordinator="127.0.0.1:1", node_id="n1",
+                                      tls_ca_file=str(bundle)))
+        assert "exceeds" not in str(refused.value)
+        link.close()
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            attach = channel.unary_unary("/trainguard.v1.NodeAgent/AttachJob")
+            with pytest.raises(grpc.RpcError) as big:
+                attach(b"\x0a\x01j" + b"\x5a\x00" * (ATTACH_MAX_REQUEST_BYTES // 2), timeout=10)
+            assert big.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds" in big.value.details()
+            # Only the PEM contents get the larger bound: a text field that large is refused, naming it.
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            with pytest.raises(grpc.RpcError) as long_id:
+                stub.AttachJob(agent_pb2.AttachJobRequest(job="j2", launcher_pid=1, node_id="n" * 100_000),
+                               timeout=10)
+            assert long_id.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "node_id is 100000 characters; at most 253" in long_id.value.details()
+            health = channel.unary_unary("/trainguard.v1.NodeAgent/GetHealth")
+            with pytest.raises(grpc.RpcError) as oversized:
+                health(b"\x08\x01" + b"\x5a\x00" * 40_000, timeout=10)
+            assert oversized.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "65536" in oversized.value.details()
+    finally:
+        daemon.stop()
+
+
+def test_a_job_attaching_while_the_daemon_still_starts_is_attached(tmp_path, monkeypatch):
+    """The socket answers before the daemon is READY (its predictor, detectors, qualification start after); a
+    launcher re-attaching the moment a restarted daemon answers got UNKNOWN (an AssertionError: no jobs table
+    yet) and went on with its job unattached: no arena kept, no reports to its coordinator."""
+    from trainguard.agent import node_health
+
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "shm").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[metrics]\nlisten = ""\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
+    sock_path = tmp_path / "agent.sock"
+    still_starting = threading.Event()
+    go_on = threading.Event()
+    start_predictor = node_health.LocalNodeHealth.start_predictor
+
+    def held_start(self, *args, **kwargs):  # the start-up step after the socket serves, held open
+        still_starting.set()
+        go_on.wait(30)
+        return start_predictor(self, *args, **kwargs)
+
+    monkeypatch.setattr(node_health.LocalNodeHealth, "start_predictor", held_start)
+    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    starting = threading.Thread(target=daemon.start)
+    starting.start()
+    try:
+        assert still_starting.wait(30)
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            reply = stub.AttachJob(agent_pb2.AttachJobRequest(job="j1", launcher_pid=os.getpid(),
+                                                              arena_root=str(tmp_path / "shm")), timeout=10)
+        assert reply.node_id and reply.arena_ttl_s > 0
+    finally:
+        go_on.set()
+        starting.join(30)
+        daemon.stop()
+
+
+def test_a_withheld_keep_alive_is_retried_after_a_loop_interval_not_at_once(tmp_path):
+    """A keep-alive that cannot go out (self-check failing, systemd's socket refusing it) stays due; the loop
+    re-checked every 10 ms, logging an error each time (about 100 lines a second), instead of once per
+    agent.loop_interval_s."""
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[metrics]\nlisten = ""\n[agent]\nloop_interval_s = 0.2\n')
+    notifier = SystemdNotifier(str(tmp_path / "nobody-listens.sock"))  # every keep-alive fails to send
+    daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "agent.sock"), str(tmp_path / "state")),
+                         notifier)
+    daemon.watchdog = Watchdog(notifier, 0.4)
+    waits: list[float] = []
+
+    class Recorded(threading.Event):
+        def wait(self, timeout=None):  # the loop's pause, recorded; ends the loop after a few
+            waits.append(timeout)
+            if len(waits) >= 4:
+                daemon.request_stop()
+            return super().wait(0)
+
+    daemon.start()
+    daemon._wake = Recorded()
+    daemon.run()
+    assert waits and all(w == 0.2 for w in waits), waits
+
+
+def test_the_self_check_reaches_a_tcp_only_daemon_on_ipv6_loopback(tmp_path):
+    """No socket, TCP on [::1]: the self-check dialled 127.0.0.1, never answered, so the watchdog was never
+    pinged and systemd would restart the daemon every WatchdogSec."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      '[metrics]\nlisten = ""\n[agent]\nloop_interval_s = 0.1\n')
+    notifier = SystemdNotifier(str(tmp_path / "notify.sock"))
+    daemon = AgentDaemon(config_loader(str(config), "[::1]:0", "", str(tmp_path / "state")), notifier)
+    daemon.watchdog = Watchdog(notifier, 0.4)
+    try:
+        daemon.start()
+    except AgentConfigError as exc:  # an IPv6-less host
+        pytest.skip(str(exc))
+    loop = threading.Thread(target=daemon.run)
+    loop.start()
+    try:
+        recv_until(notify, "READY")
+        recv_until(notify, "WATCHDOG", 10)
+    finally:
+        daemon.request_stop()
+        loop.join(30)
+        notify.close()

@@ -35,6 +35,7 @@ def test_unit_has_what_operators_rely_on():
     assert settings["Restart"] == "on-failure"
     assert settings["WatchdogSec"]
     assert settings["RuntimeDirectory"] == "trainguard"
+    assert settings["RuntimeDirectoryPreserve"] == "restart"  # the launchers' locks outlive a restart
     assert settings["ExecReload"] == "/bin/kill -HUP $MAINPID"
     assert "AF_NETLINK" in settings["RestrictAddressFamilies"]
     assert settings["ProtectKernelTunables"] == "yes"  # /sys read-only, still readable
@@ -42,3 +43,38 @@ def test_unit_has_what_operators_rely_on():
     for forbidden in ("PrivateDevices", "ProtectKernelLogs", "ProtectClock", "DevicePolicy", "PrivateNetwork"):
         assert forbidden not in settings
     assert "--socket ${RUNTIME_DIRECTORY}/agent.sock" in settings["ExecStart"]
+
+
+ARENA_SWEEP = """
+import sys
+from trainguard.agent.arena_keeper import ArenaKeeper
+keeper = ArenaKeeper(sys.argv[1], 0.0)
+keeper.adopt_existing()
+print(keeper.sweep())
+"""
+
+
+def test_the_units_capabilities_let_the_daemon_remove_an_arena_its_jobs_user_owns(tmp_path):
+    """Launchers run as the users of the unit's group, so their arenas are theirs: the daemon, root limited to the
+    unit's CapabilityBoundingSet, must still remove one whose job is over (it used to log it removed and leave it
+    in /dev/shm: no CAP_DAC_OVERRIDE to unlink in the user's folders)."""
+    import os
+    import pwd
+
+    if shutil.which("setpriv") is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv (util-linux) to run under the unit's capability bounding set")
+    caps = re.search(r"^CapabilityBoundingSet=(.*)$", UNIT.read_text(), re.M).group(1).split()
+    nobody = pwd.getpwnam("nobody")
+    root = tmp_path / "shm"
+    rank = root / "job-a" / "rank_00000"
+    rank.mkdir(parents=True)
+    (rank / "data").write_bytes(b"snapshot")
+    (rank / "owner.lock").write_bytes(b"")
+    for path in (root / "job-a", rank, rank / "data", rank / "owner.lock"):
+        os.chown(path, nobody.pw_uid, nobody.pw_gid)
+        os.chmod(path, 0o755 if path.is_dir() else 0o600)  # what a launcher's umask 022 leaves
+    bounding = ",".join(["-all", *(c.lower().replace("cap_", "+") for c in caps)])
+    proc = subprocess.run(["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all", sys.executable, "-c",
+                           ARENA_SWEEP, str(root)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['job-a']" and not (root / "job-a").exists(), proc.stdout + proc.stderr

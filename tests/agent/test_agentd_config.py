@@ -33,3 +33,27 @@ def test_targets_merge_address_and_addresses_and_short_token_is_refused(tmp_path
     path.write_text(f'[coordinator]\naddress = "a:1"\ntoken_file = "{token}"\n')
     with pytest.raises(AgentConfigError, match="coordinator.token_file: the job token has 5 characters"):
         AgentConfig.load(path, env={})
+
+
+def test_a_bad_detector_table_is_named_as_the_file_names_it(tmp_path):
+    """In agent.toml a detector's table is [detectors.pcie]; the error said [pcie], a table the file has not."""
+    from trainguard.detectors.errors import DetectorConfigError
+
+    path = tmp_path / "agent.toml"
+    path.write_text('[detectors]\nenabled = ["pcie"]\n[detectors.pcie]\ninterval_s = -5\n')
+    with pytest.raises(DetectorConfigError, match=r"\[detectors\.pcie\]: interval_s=-5\.0 must be > 0"):
+        AgentConfig.load(path, env={}).detector_loader()
+
+
+@pytest.mark.parametrize("node_id", ["gpu node 1", "rack/3", "-n1", "n" * 129])
+def test_a_node_id_coordinators_refuse_is_refused_at_start(tmp_path, node_id):
+    """The daemon started with such a node id and every report was refused by every coordinator (logged as
+    "unreachable"); the rule is the coordinators' own."""
+    from trainguard.agent.config import NODE_ID_RE
+    from trainguard.recovery.service import _NODE_ID_RE
+
+    assert NODE_ID_RE.pattern == _NODE_ID_RE.pattern
+    path = tmp_path / "agent.toml"
+    path.write_text(f'[agent]\nnode_id = "{node_id}"\n')
+    with pytest.raises(AgentConfigError, match="agent.node_id: .* is not a node id"):
+        AgentConfig.load(path, env={})

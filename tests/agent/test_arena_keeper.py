@@ -5,6 +5,7 @@ lease are real (a child process holding :class:`trainguard.checkpoint.arena.Aren
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -96,3 +97,24 @@ def test_another_root_or_a_path_as_job_is_refused(root, tmp_path):
         keeper.attach("j", str(tmp_path), os.getpid())
     with pytest.raises(ArenaRootError, match="not a usable arena folder name"):
         keeper.attach("../etc", str(root), os.getpid())
+
+
+def test_an_arena_that_cannot_be_removed_is_said_so_not_logged_removed(tmp_path: Path, caplog) -> None:
+    """rmtree failing (an immutable file here; in production a daemon without the rights to another user's
+    files) leaves the arena: sweep() does not count it removed, and the log names the file and the cause."""
+    keeper = ArenaKeeper(str(tmp_path), 0.0)
+    stuck = tmp_path / "j1" / "rank_00000" / "data"
+    stuck.parent.mkdir(parents=True)
+    stuck.write_bytes(b"x")
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (needs root and an ext4/tmpfs folder)")
+    try:
+        keeper.adopt_existing()
+        with caplog.at_level(logging.INFO, logger="trainguard.agent.arena_keeper"):
+            assert keeper.sweep() == []
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    assert stuck.exists()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("cannot remove the arena of job j1" in m and "Operation not permitted" in m for m in lines), lines
+    assert not any("removed the arena of job j1" in m and "cannot" not in m for m in lines), lines

@@ -141,3 +141,66 @@ def test_the_daemon_reaches_a_jobs_mtls_coordinator_with_the_pems_the_launcher_s
             link.close()
         server.stop(0)
     assert not pem_dir.exists()  # the job ended: its key is not kept
+
+
+def test_a_restarted_daemon_is_attached_again_and_not_called_back_before_it_answers(daemon, monkeypatch):
+    """While the daemon is down the launcher said, every retry, that it was "back ... (not attached)" (a
+    reattach that found nobody), three lines a second; it is back when it answers, and then attached again."""
+    import logging
+
+    d, tmp = daemon
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # the daemon's start resets the root's
+    logger = logging.getLogger("trainguard.agent.health_source")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    monkeypatch.setenv("TRAINGUARD_AGENT_SOCKET_PATH", str(tmp / "agent.sock"))
+    link = attach_daemon("j1", "", "node-a", RpcSecurity(), checkpointing=False)
+    assert link is not None
+    source = DaemonEventSource(link, retry_s=0.05)
+    source.start(lambda e: None)
+    again = None
+    try:
+        d.request_stop()  # the daemon goes away under the job
+        _wait(lambda: any("event stream ended" in m for m in lines), "the launcher to see the daemon gone")
+        _wait(lambda: not (tmp / "agent.sock").exists(), "the daemon's stop")
+        for _ in range(5):  # a few retry periods without a daemon
+            time.sleep(0.05)
+        assert not [m for m in lines if "is back" in m or "again failed" in m], lines
+        again = AgentDaemon(d._load_config, SystemdNotifier(None))
+        again.start()
+        _wait(lambda: "j1" in again.jobs._jobs, "the job attached to the restarted daemon")
+        _wait(lambda: any("is back; following its events again" in m for m in lines), "the launcher's log")
+        assert not [m for m in lines if "(not attached)" in m], lines
+    finally:
+        logger.removeHandler(handler)
+        source.stop()
+        link.close()
+        if again is not None:
+            again.stop()
+
+
+def test_a_launcher_outlives_the_daemons_runtime_folder(daemon, monkeypatch):
+    """systemd removes RuntimeDirectory= (the socket's folder, with the launchers' lock files) when the daemon
+    stops; the restarted daemon, not finding the lock named in the re-attachment, counted the live launcher dead
+    at its first sweep and dropped its job (no reports to its coordinator, its arena orphaned)."""
+    import shutil
+
+    d, tmp = daemon
+    monkeypatch.setenv("TRAINGUARD_AGENT_SOCKET_PATH", str(tmp / "agent.sock"))
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_SHM_DIR", str(tmp / "shm"))
+    link = attach_daemon("j1", "", "node-a", RpcSecurity(), checkpointing=True)
+    assert link is not None and link.lock is not None
+    d.request_stop()
+    _wait(lambda: not (tmp / "agent.sock").exists(), "the daemon's stop")
+    shutil.rmtree(tmp / "launchers")  # as systemd does between stop and start
+    again = AgentDaemon(d._load_config, SystemdNotifier(None))
+    again.start()
+    try:
+        assert link.reattach()
+        again.jobs.sweep()
+        assert "j1" in again.jobs._jobs and again.jobs.arenas.kept()["j1"].state.name == "HELD"
+    finally:
+        link.close()
+        again.stop()

@@ -282,6 +282,24 @@ def test_a_train_pod_sends_its_client_certificate_the_daemon_mounts_none(monkeyp
     assert daemon_secrets == [], daemon_secrets
 
 
+def test_the_daemon_can_keep_an_attached_jobs_tls_files(monkeypatch) -> None:
+    """The daemon writes each attached job's TLS files (sent with AttachJob) into a 0700 folder of the temp dir;
+    with readOnlyRootFilesystem and no volume there, every AttachJob of the shipped mutual-TLS Job was refused
+    (Read-only file system), so each job ran without the daemon. The folder is a writable, memory-backed volume
+    of the daemon's pod only: the keys stay off the host's disks and out of the train pods."""
+    pytest.importorskip("yaml")
+    spec = _pod_specs()[DAEMON]
+    (c,) = spec["containers"]
+    env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
+    tmp = next((env[v] for v in ("TMPDIR", "TEMP", "TMP") if env.get(v)), "/tmp")  # as tempfile.gettempdir()
+    found = _mount(spec, tmp)
+    if not c.get("securityContext", {}).get("readOnlyRootFilesystem") and found is None:
+        return  # the image's own /tmp is writable
+    assert found is not None, f"{tmp}: on the read-only root filesystem"
+    m, vol = found
+    assert not m.get("readOnly") and vol.get("emptyDir", {}).get("medium") == "Memory", (m, vol)
+
+
 FAKE_SRUN = """#!/bin/bash
 # srun --ntasks-per-node=1 stand-in: run the command once per node of the job's node list, as Slurm would.
 while [[ $1 == --* ]]; do shift; done

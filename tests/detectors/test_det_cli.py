@@ -51,6 +51,9 @@ def test_detect_table_on_this_machine_names_missing_hardware() -> None:
 def test_detect_rejects_bad_names_and_config(tmp_path) -> None:
     done = run("detect", "--only", "bogus")
     assert done.returncode == 2 and "unknown detector 'bogus'" in done.stderr
+    # A mistyped --root said "no hardware" for every detector and exited 0.
+    done = run("detect", "--window", "0", "--root", str(tmp_path / "no-such-tree"), "--only", "edac")
+    assert done.returncode == 2 and "--root" in done.stderr and "is not a directory" in done.stderr, done
     cfg = tmp_path / "agent.toml"
     cfg.write_text('[detectors]\nenabled = ["disk"]\n[detectors.disk]\npaths = "/"\n')
     done = run("detect", "--config", str(cfg))

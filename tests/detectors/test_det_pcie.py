@@ -78,3 +78,19 @@ def test_no_pcie_status_files_is_no_hardware(tmp_path) -> None:
     (tmp_path / "sys/bus/pci/devices/0000:00:00.0/class").write_text("0x060000\n")
     s = PcieDetector(PcieConfig(root=str(tmp_path))).sample()
     assert s.state == DetectorState.NO_HARDWARE
+
+
+def test_a_counter_of_absurd_length_is_a_read_error_beside_another_devices_event(tmp_path) -> None:
+    """A corrupt AER table holding a 5000-digit count raised ValueError (int() refuses over 4300 digits) out of
+    sample(), dropping the sample: the other device's fatal error in it was never reported."""
+    write_pci_device(tmp_path, ROOT_PORT, cls="0x060400")
+    write_pci_device(tmp_path, GPU, above=ROOT_PORT)
+    events = []
+    runner = DetectorRunner([PcieDetector(PcieConfig(root=str(tmp_path), aer_scope="all"))], on_event=events.append)
+    runner.run_once()
+    (tmp_path / "sys/bus/pci/devices" / ROOT_PORT / "aer_dev_correctable").write_text(f"RxErr {'9' * 5000}\n")
+    write_pci_device(tmp_path, GPU, above=ROOT_PORT, fatal={"DLP": 1})
+    runner.run_once()
+    assert [e.subject for e in events if e.kind == "pcie.aer_fatal"] == [GPU]
+    (bad,) = [e for e in events if e.kind == "detector.error"]
+    assert bad.subject.endswith(f"{ROOT_PORT}/aer_dev_correctable") and "is not '<name> <count>'" in bad.message

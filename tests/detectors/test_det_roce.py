@@ -171,3 +171,28 @@ def test_parse_ethtool_s_rejects_garbage() -> None:
 def test_no_rdma_and_no_interfaces_is_no_hardware(tmp_path) -> None:
     s = RoceDetector(RoceConfig(root=str(tmp_path))).sample()
     assert s.state == DetectorState.NO_HARDWARE and "infiniband" in s.detail
+
+
+def test_a_folder_that_cannot_be_listed_loses_no_other_ports_event(tmp_path) -> None:
+    """One port's counters folder cannot be listed (EACCES under a container's LSM, EIO from a wedged device; a
+    symlink loop here, since root reads past permissions): recorded as that folder's read error, while the other
+    port's DOWN is still reported. It used to raise out of sample(), dropping the event after its condition had
+    latched, so it was never reported at all."""
+    write_rdma_port(tmp_path, device="mlx5_0", netdev=None)
+    write_rdma_port(tmp_path, device="mlx5_1", netdev=None)
+    hw = tmp_path / "sys/class/infiniband/mlx5_1/ports/1/hw_counters"
+    for f in hw.iterdir():
+        f.unlink()
+    hw.rmdir()
+    hw.symlink_to("hw_counters")  # ELOOP on listing
+    events: list[HealthEvent] = []
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    runner = DetectorRunner([det], on_event=events.append)
+    runner.run_once()
+    write_rdma_port(tmp_path, device="mlx5_0", state="1: DOWN", netdev=None)
+    runner.run_once()
+    assert [e.subject for e in events if e.kind == "roce.port_down"] == ["mlx5_0/1"]
+    errors = [e for e in events if e.kind == "detector.error"]
+    assert [e.subject for e in errors] == [str(hw)]
+    assert "cannot list (Too many levels of symbolic links)" in errors[0].message
+    assert "DetectorReadError" not in errors[0].message and "OSError" not in errors[0].message

@@ -200,3 +200,45 @@ def test_a_stalled_sample_shows_as_error(monkeypatch) -> None:
         release.set()
         runner.stop()
     assert {s.name: s.state for s in runner.statuses()} == {"nfs": DetectorState.OK, "after": DetectorState.OK}
+
+
+def test_a_read_error_raised_out_of_sample_is_reported_as_itself(tmp_path) -> None:
+    """A detector's top folder that exists but cannot be listed: one read error naming the folder and the cause,
+    not an OSError with a traceback, nor the error's text wrapped in its own class name."""
+    from trainguard.detectors.edac import EdacConfig, EdacDetector
+
+    mc = tmp_path / "sys/devices/system/edac/mc"
+    mc.parent.mkdir(parents=True)
+    mc.symlink_to("mc")  # ELOOP on listing (root reads past permissions)
+    events: list = []
+    runner = DetectorRunner([EdacDetector(EdacConfig(root=str(tmp_path)))], on_event=events.append)
+    runner.run_once()
+    (status,) = runner.statuses()
+    assert status.state == DetectorState.ERROR
+    assert status.detail.startswith(f"{mc}: cannot list (Too many levels of symbolic links)"), status.detail
+    assert [e.subject for e in events if e.kind == "detector.error"] == [str(mc)]
+
+
+@pytest.mark.parametrize("interval", [1e12, float("inf"), float("nan"), 86400.5, 0.0])
+def test_a_detector_interval_beyond_a_day_or_not_finite_is_refused_naming_it(tmp_path, interval) -> None:
+    """A per-detector ``interval_s`` of 1e12 passed (> 0) and ended the runner's sampling thread with an
+    OverflowError traceback: the daemon then served stale states forever."""
+    from trainguard.detectors.base import create_detectors
+
+    with pytest.raises(DetectorConfigError, match=r"interval_s=.* must be > 0 and at most 86400 seconds"):
+        create_detectors(["edac"], {"edac": {"interval_s": interval}}, root=str(tmp_path))
+
+
+def test_the_sampling_thread_survives_a_wait_past_the_platforms_time_t(tmp_path) -> None:
+    """Whatever the interval, the runner's thread keeps serving (here one set after validation)."""
+    from trainguard.detectors.edac import EdacConfig, EdacDetector
+
+    det = EdacDetector(EdacConfig(root=str(tmp_path)))
+    det.config.interval_s = 1e12
+    runner = DetectorRunner([det])
+    runner.start()
+    try:
+        assert runner.sample_now(["edac"], timeout_s=10) is not None  # after the first sample's long wait
+        assert runner.sample_now(["edac"], timeout_s=10) is not None
+    finally:
+        runner.stop()
