@@ -26,7 +26,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from trainguard.checkpoint.errors import CheckpointConfigError
-from trainguard.checkpoint.location import CheckpointLocation, is_local_url, split_url  # noqa: F401 (re-exported)
+from trainguard.checkpoint.location import (  # noqa: F401 (re-exported)
+    CheckpointLocation,
+    check_local_url,
+    is_local_url,
+    split_url,
+)
 # Re-exported: the worker environment (trainguard.worker_env) owns these names.
 from trainguard.worker_env import CHECKPOINT_SERVICE_ENV, RESTORE_PLAN_ENV  # noqa: F401
 
@@ -185,6 +190,9 @@ class CheckpointConfig:
         """
         if not isinstance(self.directory, str) or not self.directory.strip():
             raise CheckpointConfigError("checkpoint.directory is empty; set it to a local path or an fsspec URL")
+        check_local_url(self.directory, "checkpoint.directory")
+        if isinstance(self.remote.url, str):
+            check_local_url(self.remote.url, "checkpoint.remote.url")
         for name, value in (("memory.keep", self.memory.keep), ("disk.keep", self.disk.keep),
                             ("remote.keep", self.remote.keep)):
             if not isinstance(value, int) or value < 1:
