@@ -209,8 +209,9 @@ class Checkpointer:
 
         ``prepare()`` often runs before the optimizer creates its state, so the slots it sized in a small
         /dev/shm stop fitting at the first real save; a storage failure must not raise into training. Waits for
-        the persists still reading the memory slots (their release messages name slot indexes), closes the
-        memory arena (its committed copies stay listed in the memory tier) and opens the fallback exactly as a
+        the persists still reading the memory slots (their release messages name slot indexes), unmaps the
+        memory arena (its committed copies stay listed in the memory tier; its lease is kept so ``close()``
+        removes them as it would the arena in use) and opens the fallback exactly as a
         first save that does not fit would (one warning, one ``checkpoint.staging_fallback`` event).
 
         Raises:
@@ -223,7 +224,9 @@ class Checkpointer:
         with self._lock:
             while any(self._slot_busy) and self.channel.alive():
                 self._lock.wait(0.5)
-        self._close_arena(remove=False)
+        self._staging.clear()
+        self._copier.unpin_all()
+        self._stage.retire_memory()
         try:
             short = max(1, arena_mod.staging_shortfall(
                 arena_mod.rank_dir(self.config.memory.directory, self.job, self.rank), self._stage.nslots, nbytes))
@@ -235,11 +238,12 @@ class Checkpointer:
                            for i in range(arena.nslots)]
         return arena
 
-    def _close_arena(self, remove: bool) -> None:
-        """Unmaps the slots and gives the lease back (removing the area only when ``remove``)."""
+    def _close_arena(self, remove: bool, remove_outgrown: bool = False) -> None:
+        """Unmaps the slots and gives the lease back (removing the area only when ``remove``; the shared-memory
+        slots the state outgrew only when ``remove_outgrown``)."""
         self._staging.clear()
         self._copier.unpin_all()
-        self._stage.close(remove)
+        self._stage.close(remove, remove_outgrown)
 
     # ------------------------------------------------------------------ tiers
     def remote_store(self) -> FsspecStore | None:
@@ -849,10 +853,10 @@ class Checkpointer:
                 channel.close()
             # Only the lease holder removes its area, and only when no agent-owned service keeps it for a
             # restarted worker. A Checkpointer that never saved holds no lease and removes nothing.
-            remove = (channel is None or channel.owns_memory) and not self.config.memory.keep_on_close
-            if self.staging not in (None, "memory"):
-                remove = True  # fallback staging is not a tier: nothing to keep for a successor
-            self._close_arena(remove=remove)
+            remove_memory = (channel is None or channel.owns_memory) and not self.config.memory.keep_on_close
+            # Fallback staging is not a tier: nothing to keep for a successor.
+            remove = remove_memory or self.staging not in (None, "memory")
+            self._close_arena(remove=remove, remove_outgrown=remove_memory)
 
     def __enter__(self) -> "Checkpointer":
         return self

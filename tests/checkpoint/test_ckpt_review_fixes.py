@@ -69,6 +69,8 @@ def test_state_outgrowing_prepared_shm_slots_falls_back_instead_of_raising(make_
             assert [s.step for s in ck.steps()][-2:] == [3, 4]
     assert [e.kind for e in events] == ["checkpoint.staging_fallback"]
     assert len([r for r in caplog.records if "staging" in r.getMessage()]) == 1
+    # A clean close removes the outgrown shared-memory slots too: they held the container's /dev/shm after exit.
+    assert os.listdir(small_tmpfs) == []
     live = {k: torch.zeros(60_000) for k in ("w", "m", "v", "g")} | {"step": -1}
     with Checkpointer(cfg, job="grow") as ck2:
         assert ck2.restore(live) == 4
