@@ -152,9 +152,9 @@ def run_job(args: argparse.Namespace) -> RunResult:
             log.info("the coordinator's port %s is taken on this host: joining it", rdzv.listen)
             coordinator = rdzv.listen
         if server is not None:
-            coordinator = server.target
+            coordinator = tr.dial_target(server.target)
             if rdzv.multi_node:
-                print(f"trainguard: coordinator for job {job!r} listening on {server.target}", file=sys.stderr)
+                print(f"trainguard: coordinator for job {job!r} listening on {coordinator}", file=sys.stderr)
 
     node_id = args.node_id or tr.default_node_id(rdzv, None if server is not None else coordinator,
                                                  socket.gethostname(), os.getpid())

@@ -249,6 +249,18 @@ def join_endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def dial_target(target: str) -> str:
+    """``target`` (``host:port``) with an IPv6 literal bracketed: ``::1:5000`` -> ``[::1]:5000``.
+
+    The embedded coordinator reports ``host:port`` unbracketed; gRPC cannot dial that, so an agent serving
+    ``--rdzv-endpoint [::1]:PORT`` waited out its join timeout against its own coordinator.
+    """
+    host, sep, port = target.rpartition(":")
+    if not sep or target.startswith("[") or ":" not in host or not port.isdigit():
+        return target
+    return join_endpoint(host, int(port))
+
+
 def is_local_host(host: str) -> bool:
     """Whether ``host`` names this machine (loopback, its host name, or one of its interface addresses)."""
     if host in ("localhost", socket.gethostname(), socket.getfqdn()):
