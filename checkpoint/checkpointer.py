@@ -46,6 +46,7 @@ from trainguard.checkpoint.errors import (
     WorldSizeMismatchError,
 )
 from trainguard.checkpoint.events import EventSink
+from trainguard.checkpoint.fileio import storage_error
 from trainguard.checkpoint.location import is_local_url
 from trainguard.checkpoint.manifest import Manifest, plan_layout
 from trainguard.checkpoint.reader import RankCopy
@@ -238,6 +239,18 @@ class Checkpointer:
                            for i in range(arena.nslots)]
         return arena
 
+    def _reopen_vanished_arena(self) -> None:
+        """Opens new staging slots when the arena's folder was removed under this process (an operator's
+        ``rm`` or a cleaner of /dev/shm): the old slots are unlinked files nobody else can open, so every later
+        save would fail on them. Waits for the persists still reading them first, as :meth:`_outgrow_memory`
+        does; the copies they held are gone from the memory tier either way."""
+        log.warning("checkpoint staging area %s was removed by another process; allocating new slots (the "
+                    "in-memory copies it held are lost, the other tiers are not)", self._stage.arena.dir)
+        with self._lock:
+            while any(self._slot_busy) and self.channel.alive():
+                self._lock.wait(0.5)
+        self._close_arena(remove=False)
+
     def _close_arena(self, remove: bool, remove_outgrown: bool = False) -> None:
         """Unmaps the slots and gives the lease back (removing the area only when ``remove``; the shared-memory
         slots the state outgrew only when ``remove_outgrown``)."""
@@ -333,6 +346,8 @@ class Checkpointer:
                             tree=cap.tree, data_bytes=data_bytes, alignment=alignment,
                             chunk_bytes=self.config.persist.chunk_mib << 20, replicated=self.config.replicated,
                             sharded=cap.sharded, location=self.config.location)
+        if self._stage.arena is not None and not os.path.isdir(self._stage.arena.dir):
+            self._reopen_vanished_arena()
         arena = self._ensure_arena(data_bytes)
         index = self._acquire_slot(step)
         try:
@@ -354,8 +369,11 @@ class Checkpointer:
         try:
             paths = slot.paths
             # The slot stops being a memory-tier copy (listed or retired) before it is overwritten.
-            arena_mod.drop_manifests(paths)
-            write_tag(paths, arena_mod.WRITING)
+            try:
+                arena_mod.drop_manifests(paths)
+                write_tag(paths, arena_mod.WRITING)
+            except OSError as exc:  # the folder removed under us: a storage failure, never the step's error
+                raise storage_error(exc, f"mark staging slot {index} of {arena.dir} as being written") from exc
             staging = self._staging_of(index, slot)
             deferred_ptrs = storage_ptrs(_as_list(overlap_with)) if overlap_with is not None else set()
             eager, deferred = [], []
