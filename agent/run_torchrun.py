@@ -24,7 +24,6 @@ The workers' store is not the rendezvous: every generation gets a new one (see :
 from __future__ import annotations
 
 import argparse
-import hashlib
 import ipaddress
 import logging
 import os
@@ -32,8 +31,8 @@ import signal
 import socket
 from dataclasses import dataclass, field
 
-from trainguard.checkpoint.location import split_url
 from trainguard.errors import UsageError
+from trainguard.worker_env import checkpoint_job_name
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +127,8 @@ def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: 
         _, port = split_endpoint(rdzv.endpoint, 0, "--rdzv-endpoint")
         return f"{stem}-{port}"
     if checkpoint_dir:
-        # A URL (file:/abs included) is hashed as given: resolving it as a path would depend on the cwd.
-        where = (checkpoint_dir if split_url(checkpoint_dir)[0]
-                 else os.path.realpath(os.path.expanduser(checkpoint_dir)))
-        return f"{stem}-{hashlib.sha256(where.encode()).hexdigest()[:10]}"
+        # The hook names a torchrun launch's checkpoints the same way: either launcher resumes the other's.
+        return checkpoint_job_name(script, checkpoint_dir)
     return f"{stem}-{int(now)}"
 
 
