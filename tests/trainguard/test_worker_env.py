@@ -63,11 +63,11 @@ def test_the_users_own_buffering_wins() -> None:
     assert WorkerEnv().to_env({"PYTHONUNBUFFERED": ""})["PYTHONUNBUFFERED"] == ""
 
 
-def test_only_run_ids_torchrun_made_up_are_replaced_by_the_checkpoint_job_name(tmp_path) -> None:
+def test_only_a_standalone_run_id_is_replaced_by_the_checkpoint_job_name(tmp_path) -> None:
     from trainguard.worker_env import checkpoint_job_name, torchrun_made_run_id
 
-    assert torchrun_made_run_id("none") and torchrun_made_run_id("1516a3a8-3556-40d7-8f40-61188d81d1c8")
-    assert not torchrun_made_run_id("exp7") and not torchrun_made_run_id("") and not torchrun_made_run_id("None")
+    assert torchrun_made_run_id("1516a3a8-3556-40d7-8f40-61188d81d1c8")
+    assert not any(torchrun_made_run_id(r) for r in ("exp7", "", "none", "1516a3a8-3556-10d7-8f40-61188d81d1c8"))
     name = checkpoint_job_name("/x/train.py", str(tmp_path / "ck"))
     assert name.startswith("train-") and name == checkpoint_job_name("train.py", f"{tmp_path}/ck/")
     assert checkpoint_job_name("/x/pkg/__main__.py", "s3://b/p").startswith("pkg-")
