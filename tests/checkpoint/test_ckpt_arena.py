@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import time
 
@@ -72,6 +74,18 @@ def test_removing_a_job_arena_spares_ranks_a_live_process_writes(tmp_path) -> No
          "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
+        # `trainguard ckpt gc --shm` goes through it too, and says which ranks it left.
+        from trainguard.checkpoint import CheckpointConfig
+        from trainguard.cli import main
+
+        cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False},
+                               persist={"service": "inline"})
+        with Checkpointer(cfg, job="same") as ck:
+            ck.save({"w": torch.ones(8)}, 1)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["ckpt", "gc", str(tmp_path / "ck"), "--keep", "1", "--shm", root]) == 0
+        assert "except ranks [0]: a live process writes them" in out.getvalue()
         assert arena_mod.remove_job(root, "same") == [0]
         assert sorted(os.listdir(os.path.join(root, "same"))) == ["rank_00000"]
         assert os.path.exists(os.path.join(arena_mod.rank_dir(root, "same", 0), "slot_0.data"))
