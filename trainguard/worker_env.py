@@ -72,7 +72,8 @@ def torchrun_made_run_id(run_id: str) -> bool:
 def checkpoint_job_name(script: str, checkpoint_dir: str) -> str:
     """``<script stem>-<10 hex digits of the SHA-256 of the checkpoint location>``: the job name of a one-node
     ``trainguard run`` with ``--checkpoint-dir`` and no ``--job``, and of the hook under a ``torchrun
-    --standalone`` launch (whose run id is a fresh uuid), so rerunning the same command finds the same checkpoints under either launcher.
+    --standalone`` launch (whose run id is a fresh uuid), so rerunning the same command finds the same
+    checkpoints under either launcher.
 
     A plain path is resolved (``~``, symlinks, relative to the working directory); a URL (``file:/abs``
     included) is hashed as given. A ``-m`` module's ``__main__.py`` is named after its package folder.
