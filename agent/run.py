@@ -44,10 +44,11 @@ class RunResult:
     wall_s: float
 
 
-def _refuse_a_second_default_job(job: str, script: str, checkpoint_dir: str | None) -> None:
+def _refuse_a_second_job(job: str, script: str, checkpoint_dir: str | None, named: bool) -> None:
     """A one-node job's default name follows its checkpoint directory (so a rerun resumes it); a second live
     run under that name would restore from the first one's memory and then be refused every checkpoint (one
-    writer per job and rank). Say so before anything starts.
+    writer per job and rank). So would a second one-node run given the same ``--job``/``--rdzv-id`` (``named``):
+    the in-memory tier of a host is keyed by job name. Say so before anything starts.
 
     Raises:
         UsageError: a live ``trainguard run`` of this user already runs ``job``.
@@ -56,6 +57,10 @@ def _refuse_a_second_default_job(job: str, script: str, checkpoint_dir: str | No
 
     for rec in live_runs():
         if rec.job == job and rec.pid != os.getpid():
+            if named:
+                raise UsageError(
+                    f"job {job} is already running here as pid {rec.pid}; runs on one host share their in-memory "
+                    "checkpoints by job name, so this one could write none: give it another --job/--rdzv-id")
             raise UsageError(
                 f"job {job} (the default name of {os.path.basename(script)} on --checkpoint-dir {checkpoint_dir}) "
                 f"is already running here as pid {rec.pid}; a second trainer on the same checkpoint directory "
@@ -118,8 +123,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
     qualify = qualify_for_run(args)  # [qualify] of --qualify-config (checked before anything starts)
     job = rdzv.job or tr.default_job_name(args.script, rdzv, time.time(), args.checkpoint_dir)
-    if not rdzv.job and not rdzv.endpoint:
-        _refuse_a_second_default_job(job, args.script, args.checkpoint_dir)
+    if not rdzv.endpoint and (not rdzv.job or args.checkpoint_dir):
+        _refuse_a_second_job(job, args.script, args.checkpoint_dir, named=bool(rdzv.job))
     from trainguard.recovery.errors import InvalidRequestError
     from trainguard.recovery.straggler import StragglerConfig
 
@@ -152,9 +157,9 @@ def run_job(args: argparse.Namespace) -> RunResult:
             log.info("the coordinator's port %s is taken on this host: joining it", rdzv.listen)
             coordinator = rdzv.listen
         if server is not None:
-            coordinator = server.target
+            coordinator = tr.dial_target(server.target)
             if rdzv.multi_node:
-                print(f"trainguard: coordinator for job {job!r} listening on {server.target}", file=sys.stderr)
+                print(f"trainguard: coordinator for job {job!r} listening on {coordinator}", file=sys.stderr)
 
     node_id = args.node_id or tr.default_node_id(rdzv, None if server is not None else coordinator,
                                                  socket.gethostname(), os.getpid())

@@ -24,7 +24,6 @@ The workers' store is not the rendezvous: every generation gets a new one (see :
 from __future__ import annotations
 
 import argparse
-import hashlib
 import ipaddress
 import logging
 import os
@@ -32,8 +31,8 @@ import signal
 import socket
 from dataclasses import dataclass, field
 
-from trainguard.checkpoint.location import split_url
 from trainguard.errors import UsageError
+from trainguard.worker_env import checkpoint_job_name
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +127,8 @@ def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: 
         _, port = split_endpoint(rdzv.endpoint, 0, "--rdzv-endpoint")
         return f"{stem}-{port}"
     if checkpoint_dir:
-        # A URL (file:/abs included) is hashed as given: resolving it as a path would depend on the cwd.
-        where = (checkpoint_dir if split_url(checkpoint_dir)[0]
-                 else os.path.realpath(os.path.expanduser(checkpoint_dir)))
-        return f"{stem}-{hashlib.sha256(where.encode()).hexdigest()[:10]}"
+        # The hook names a torchrun launch's checkpoints the same way: either launcher resumes the other's.
+        return checkpoint_job_name(script, checkpoint_dir)
     return f"{stem}-{int(now)}"
 
 
@@ -247,6 +244,18 @@ def split_endpoint(text: str, default_port: int, flag: str) -> tuple[str, int]:
 def join_endpoint(host: str, port: int) -> str:
     """``host:port``, bracketing IPv6 literals."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def dial_target(target: str) -> str:
+    """``target`` (``host:port``) with an IPv6 literal bracketed: ``::1:5000`` -> ``[::1]:5000``.
+
+    The embedded coordinator reports ``host:port`` unbracketed; gRPC cannot dial that, so an agent serving
+    ``--rdzv-endpoint [::1]:PORT`` waited out its join timeout against its own coordinator.
+    """
+    host, sep, port = target.rpartition(":")
+    if not sep or target.startswith("[") or ":" not in host or not port.isdigit():
+        return target
+    return join_endpoint(host, int(port))
 
 
 def is_local_host(host: str) -> bool:

@@ -413,9 +413,42 @@ def memory_committed(shm_root: str, job: str, location: str | None = None,
     return out
 
 
-def remove_job(shm_root: str, job: str) -> None:
-    """Deletes a job's whole arena (all ranks)."""
-    shutil.rmtree(os.path.join(shm_root, job), ignore_errors=True)
+def remove_job(shm_root: str, job: str) -> list[int]:
+    """Deletes a job's arena (every rank, the replicas), except the ranks whose lease a live process holds.
+
+    The arena is keyed by job name only: another run of the same name on this host (another checkpoint
+    directory) may be writing there, and only a lease holder may remove a rank's area. Deleting it all made the
+    first run to end take the other's memory tier with it, and that trainer's next save failed on a missing
+    folder.
+
+    Returns:
+        The ranks left in place because a live process holds their lease.
+    """
+    root = os.path.join(shm_root, job)
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    kept = []
+    for name in names:
+        path = os.path.join(root, name)
+        m = _RANK_RE.match(name)
+        if m is None:
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        lease = ArenaLease(path)
+        try:
+            lease.acquire()
+        except ArenaOwnedError:
+            kept.append(int(m.group(1)))
+            continue
+        except StorageUnavailableError:
+            shutil.rmtree(path, ignore_errors=True)  # no lock file can be made there: nobody writes it either
+            continue
+        lease.release(remove=True)
+    if not kept:
+        shutil.rmtree(root, ignore_errors=True)
+    return sorted(kept)
 
 
 def open_readonly(paths: SlotPaths) -> tuple[int, mmap.mmap]:

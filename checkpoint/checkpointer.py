@@ -46,6 +46,7 @@ from trainguard.checkpoint.errors import (
     WorldSizeMismatchError,
 )
 from trainguard.checkpoint.events import EventSink
+from trainguard.checkpoint.fileio import storage_error
 from trainguard.checkpoint.location import is_local_url
 from trainguard.checkpoint.manifest import Manifest, plan_layout
 from trainguard.checkpoint.reader import RankCopy
@@ -209,8 +210,9 @@ class Checkpointer:
 
         ``prepare()`` often runs before the optimizer creates its state, so the slots it sized in a small
         /dev/shm stop fitting at the first real save; a storage failure must not raise into training. Waits for
-        the persists still reading the memory slots (their release messages name slot indexes), closes the
-        memory arena (its committed copies stay listed in the memory tier) and opens the fallback exactly as a
+        the persists still reading the memory slots (their release messages name slot indexes), unmaps the
+        memory arena (its committed copies stay listed in the memory tier; its lease is kept so ``close()``
+        removes them as it would the arena in use) and opens the fallback exactly as a
         first save that does not fit would (one warning, one ``checkpoint.staging_fallback`` event).
 
         Raises:
@@ -223,7 +225,9 @@ class Checkpointer:
         with self._lock:
             while any(self._slot_busy) and self.channel.alive():
                 self._lock.wait(0.5)
-        self._close_arena(remove=False)
+        self._staging.clear()
+        self._copier.unpin_all()
+        self._stage.retire_memory()
         try:
             short = max(1, arena_mod.staging_shortfall(
                 arena_mod.rank_dir(self.config.memory.directory, self.job, self.rank), self._stage.nslots, nbytes))
@@ -235,11 +239,24 @@ class Checkpointer:
                            for i in range(arena.nslots)]
         return arena
 
-    def _close_arena(self, remove: bool) -> None:
-        """Unmaps the slots and gives the lease back (removing the area only when ``remove``)."""
+    def _reopen_vanished_arena(self) -> None:
+        """Opens new staging slots when the arena's folder was removed under this process (an operator's
+        ``rm`` or a cleaner of /dev/shm): the old slots are unlinked files nobody else can open, so every later
+        save would fail on them. Waits for the persists still reading them first, as :meth:`_outgrow_memory`
+        does; the copies they held are gone from the memory tier either way."""
+        log.warning("checkpoint staging area %s was removed by another process; allocating new slots (the "
+                    "in-memory copies it held are lost, the other tiers are not)", self._stage.arena.dir)
+        with self._lock:
+            while any(self._slot_busy) and self.channel.alive():
+                self._lock.wait(0.5)
+        self._close_arena(remove=False)
+
+    def _close_arena(self, remove: bool, remove_outgrown: bool = False) -> None:
+        """Unmaps the slots and gives the lease back (removing the area only when ``remove``; the shared-memory
+        slots the state outgrew only when ``remove_outgrown``)."""
         self._staging.clear()
         self._copier.unpin_all()
-        self._stage.close(remove)
+        self._stage.close(remove, remove_outgrown)
 
     # ------------------------------------------------------------------ tiers
     def remote_store(self) -> FsspecStore | None:
@@ -329,6 +346,8 @@ class Checkpointer:
                             tree=cap.tree, data_bytes=data_bytes, alignment=alignment,
                             chunk_bytes=self.config.persist.chunk_mib << 20, replicated=self.config.replicated,
                             sharded=cap.sharded, location=self.config.location)
+        if self._stage.arena is not None and not os.path.isdir(self._stage.arena.dir):
+            self._reopen_vanished_arena()
         arena = self._ensure_arena(data_bytes)
         index = self._acquire_slot(step)
         try:
@@ -350,8 +369,11 @@ class Checkpointer:
         try:
             paths = slot.paths
             # The slot stops being a memory-tier copy (listed or retired) before it is overwritten.
-            arena_mod.drop_manifests(paths)
-            write_tag(paths, arena_mod.WRITING)
+            try:
+                arena_mod.drop_manifests(paths)
+                write_tag(paths, arena_mod.WRITING)
+            except OSError as exc:  # the folder removed under us: a storage failure, never the step's error
+                raise storage_error(exc, f"mark staging slot {index} of {arena.dir} as being written") from exc
             staging = self._staging_of(index, slot)
             deferred_ptrs = storage_ptrs(_as_list(overlap_with)) if overlap_with is not None else set()
             eager, deferred = [], []
@@ -849,10 +871,10 @@ class Checkpointer:
                 channel.close()
             # Only the lease holder removes its area, and only when no agent-owned service keeps it for a
             # restarted worker. A Checkpointer that never saved holds no lease and removes nothing.
-            remove = (channel is None or channel.owns_memory) and not self.config.memory.keep_on_close
-            if self.staging not in (None, "memory"):
-                remove = True  # fallback staging is not a tier: nothing to keep for a successor
-            self._close_arena(remove=remove)
+            remove_memory = (channel is None or channel.owns_memory) and not self.config.memory.keep_on_close
+            # Fallback staging is not a tier: nothing to keep for a successor.
+            remove = remove_memory or self.staging not in (None, "memory")
+            self._close_arena(remove=remove, remove_outgrown=remove_memory)
 
     def __enter__(self) -> "Checkpointer":
         return self

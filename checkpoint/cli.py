@@ -286,8 +286,12 @@ def _gc(args: argparse.Namespace) -> int:
     if args.shm:
         from trainguard.checkpoint.arena import remove_job
 
-        remove_job(args.shm, store.job_dir.rstrip("/").rsplit("/", 1)[-1])
-        print(f"removed the shared-memory arena under {args.shm}")
+        kept = remove_job(args.shm, store.job_dir.rstrip("/").rsplit("/", 1)[-1])
+        if kept:  # a live trainer holds these ranks' leases: removing its slots would fail its next save
+            print(f"removed the shared-memory arena under {args.shm}, except ranks {kept}: a live process "
+                  "writes them")
+        else:
+            print(f"removed the shared-memory arena under {args.shm}")
     return 0
 
 

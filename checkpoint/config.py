@@ -26,7 +26,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from trainguard.checkpoint.errors import CheckpointConfigError
-from trainguard.checkpoint.location import CheckpointLocation, is_local_url, split_url  # noqa: F401 (re-exported)
+from trainguard.checkpoint.location import (  # noqa: F401 (re-exported)
+    CheckpointLocation,
+    check_local_url,
+    is_local_url,
+    split_url,
+)
 # Re-exported: the worker environment (trainguard.worker_env) owns these names.
 from trainguard.worker_env import CHECKPOINT_SERVICE_ENV, RESTORE_PLAN_ENV  # noqa: F401
 
@@ -61,7 +66,7 @@ class MemoryTierConfig:
 
     enabled: bool = True
     keep: int = 1
-    directory: str = field(default_factory=lambda: os.environ.get(CHECKPOINT_SHM_DIR_ENV, "/dev/shm/trainguard"))
+    directory: str = field(default_factory=lambda: os.environ.get(CHECKPOINT_SHM_DIR_ENV) or "/dev/shm/trainguard")
     keep_on_close: bool = False
     fallback: str = "auto"
     fallback_directory: str | None = None
@@ -153,6 +158,9 @@ class CheckpointConfig:
             value = getattr(self, name)
             if isinstance(value, Mapping):
                 setattr(self, name, _build(cls, value, f"checkpoint.{name}"))
+            elif not isinstance(value, cls):
+                raise CheckpointConfigError(f"checkpoint.{name} is {value!r}; it must be a table of "
+                                            f"{', '.join(f.name for f in dataclasses.fields(cls))}")
         self.validate()
 
     # ------------------------------------------------------------------ derived
@@ -185,6 +193,12 @@ class CheckpointConfig:
         """
         if not isinstance(self.directory, str) or not self.directory.strip():
             raise CheckpointConfigError("checkpoint.directory is empty; set it to a local path or an fsspec URL")
+        for obj, where in ((self, "checkpoint"), (self.memory, "checkpoint.memory"), (self.disk, "checkpoint.disk"),
+                           (self.remote, "checkpoint.remote"), (self.persist, "checkpoint.persist")):
+            _check_types(obj, where)
+        check_local_url(self.directory, "checkpoint.directory")
+        if isinstance(self.remote.url, str):
+            check_local_url(self.remote.url, "checkpoint.remote.url")
         for name, value in (("memory.keep", self.memory.keep), ("disk.keep", self.disk.keep),
                             ("remote.keep", self.remote.keep)):
             if not isinstance(value, int) or value < 1:
@@ -271,6 +285,37 @@ def check_durable_url(url: str, key: str) -> None:
         raise CheckpointConfigError(
             f"{key} = {url!r} is an in-process filesystem: its files die with the persist process, so no step "
             "saved there would be durable; use a path, file:// on shared storage, or an object store (s3://...)")
+
+
+#: Field annotation -> (accepted types, how the error says it). ``bool`` is an ``int`` to Python, so it is refused
+#: where a number is meant; a TOML string such as ``enabled = "false"`` used to pass as a true value.
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "bool": ((bool,), "true or false"),
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "str": ((str,), "a non-empty string"),
+    "str | None": ((str, type(None)), "a non-empty string (or left out)"),
+    "dict[str, Any]": ((Mapping,), "a table"),
+}
+
+
+def _check_types(obj: Any, where: str) -> None:
+    """Refuses a field whose value is not of its annotated type, or an empty string where a path or URL goes.
+
+    Raises:
+        CheckpointConfigError: naming ``where.field``, the value and the type it must have.
+    """
+    for f in dataclasses.fields(obj):
+        spec = _FIELD_TYPES.get(f.type) if isinstance(f.type, str) else None
+        if spec is None:
+            continue
+        types, what = spec
+        value = getattr(obj, f.name)
+        ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
+        if ok and isinstance(value, str) and not value.strip():
+            ok = False
+        if not ok:
+            raise CheckpointConfigError(f"{where}.{f.name} is {value!r}; it must be {what}")
 
 
 def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:

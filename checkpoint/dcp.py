@@ -189,9 +189,10 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
     reader, planner = _reader_and_planner(src_dir)
     md = reader.read_metadata()
     if not _is_trainguard_export(md):
-        from trainguard.checkpoint.dcp_sharded import import_sharded
+        from trainguard.checkpoint.dcp_sharded import exported_step, import_sharded
 
-        step = 0 if step is None else step
+        if step is None:
+            step = exported_step(src_dir) or 0
         import_sharded(src_dir, md, LocalStore(root, job), step, world_size or 1)
         return step
     flat: dict[str, Any] = {}

@@ -15,6 +15,7 @@ Neither direction ever holds more than one rank's data.
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import pickle
@@ -27,6 +28,30 @@ from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.reader import RankCopy
 from trainguard.checkpoint.storage import LocalStore, manifest_name
 from trainguard.checkpoint.tree import capture, decode
+
+
+#: Written beside a sharded export's ``.metadata``: DCP's ``Metadata`` has no field for the step, and without it
+#: ``ckpt import`` of the export came back as step 0 (a resumed run restarted its schedule).
+EXPORT_RECORD = "trainguard-export.json"
+
+
+def exported_step(src_dir: str) -> int | None:
+    """The step a sharded ``ckpt export`` wrote to ``src_dir`` (its :data:`EXPORT_RECORD`); None without one.
+
+    Raises:
+        CorruptCheckpointError: the record is there but unreadable or holds no step.
+    """
+    path = os.path.join(src_dir, EXPORT_RECORD)
+    try:
+        with open(path) as f:
+            step = json.load(f)["step"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"{path} is not a trainguard export record ({exc}); pass --step") from exc
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CorruptCheckpointError(f"{path} holds step {step!r}, not a step number; pass --step")
+    return step
 
 
 def _flatten(nested: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -120,12 +145,14 @@ def export_sharded(store: LocalStore, step: int, world_size: int, out_dir: str,
                                              f"{math.prod(entry.size)} elements; a rank's copy is incomplete")
     meta = Metadata(state_dict_metadata=md, planner_data=planner_data, storage_data=storage,
                     storage_meta=StorageMeta(), version="1.0.0")
-    tmp = os.path.join(out_dir, ".metadata.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(out_dir, ".metadata"))
+    for name, blob in ((".metadata", pickle.dumps(meta)),
+                       (EXPORT_RECORD, json.dumps({"step": step, "world_size": world_size}).encode())):
+        tmp = os.path.join(out_dir, name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(out_dir, name))
 
 
 def dim0_shard(size: tuple[int, ...], rank: int, world_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -41,6 +41,25 @@ def split_url(url: str) -> tuple[str, str]:
     return "", url
 
 
+def check_local_url(url: str, key: str) -> None:
+    """Refuses a ``file://`` (or ``local://``) URL with a host part: ``file://localhost/data`` or the typo
+    ``file://data/ckpt``.
+
+    fsspec reads what follows ``//`` as a path relative to the working directory (``./localhost/data``), so such
+    a URL silently put checkpoints in a folder of whatever directory each process was started in.
+
+    Raises:
+        CheckpointConfigError: the URL has a host part (the message names ``key`` and the absolute form).
+    """
+    if "://" not in url:
+        return
+    scheme, rest = split_url(url)
+    if scheme in LOCAL_SCHEMES and not rest.startswith("/"):
+        raise CheckpointConfigError(
+            f"{key} = {url!r}: a {scheme}:// URL takes an absolute path after '//' ({scheme}:///abs/dir); "
+            f"{rest.split('/', 1)[0]!r} would be a folder under the working directory, not a host")
+
+
 def is_local_url(url: str) -> bool:
     """True when ``url`` names the local filesystem (a plain path, ``file://`` or ``file:``)."""
     return split_url(url)[0] in LOCAL_SCHEMES
@@ -73,6 +92,7 @@ class CheckpointLocation:
         """
         if not isinstance(text, str) or not text.strip():
             raise CheckpointConfigError(f"{key} is empty; set it to a local path or an fsspec URL")
+        check_local_url(text, key)
         scheme, rest = split_url(text)
         return cls(text=text, scheme=scheme, rest=rest)
 
@@ -166,5 +186,5 @@ def job_step_committed(location: str, job: str, step: int, world_size: int) -> b
     return step_committed(store, step, world_size)
 
 
-__all__ = ["CheckpointLocation", "LOCAL_SCHEMES", "is_local_url", "job_step_committed", "split_url",
+__all__ = ["CheckpointLocation", "LOCAL_SCHEMES", "check_local_url", "is_local_url", "job_step_committed", "split_url",
            "step_committed"]

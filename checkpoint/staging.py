@@ -54,6 +54,8 @@ class StagingArea:
         self.lease: ArenaLease | None = None
         #: "memory", "disk" or "host" once opened; None before.
         self.kind: str | None = None
+        #: The shared-memory lease kept after the state outgrew its slots (see :meth:`retire_memory`).
+        self.outgrown_lease: ArenaLease | None = None
 
     def fallback(self) -> tuple[str, str | None]:
         """``(kind, directory)`` of the staging used when the memory directory is too small (see module)."""
@@ -150,13 +152,28 @@ class StagingArea:
             "Kubernetes emptyDir with medium: Memory) or point checkpoint.memory.directory at a larger tmpfs; a new "
             f"Checkpointer falls back to other staging ({exc})")
 
-    def close(self, remove: bool) -> None:
-        """Unmaps the slots and gives the lease back; only the lease holder removes, and only with ``remove``."""
+    def retire_memory(self) -> None:
+        """Unmaps the shared-memory slots the state outgrew, keeping their lease until :meth:`close`.
+
+        Their committed copies stay restorable meanwhile, and ``close`` removes them as it removes an arena in
+        use: given back now, the lease could never be retaken to remove them, so a clean exit left the slots
+        holding a container's /dev/shm.
+        """
+        if self.arena is not None:
+            self.arena.close(remove=False)
+        self.outgrown_lease, self.lease = self.lease, None
+        self.arena, self.kind = None, None
+
+    def close(self, remove: bool, remove_outgrown: bool = False) -> None:
+        """Unmaps the slots and gives the lease back; only the lease holder removes, and only with ``remove``
+        (``remove_outgrown`` for the shared-memory slots left by :meth:`retire_memory`)."""
         if self.arena is not None:
             self.arena.close(remove=False)
         if self.lease is not None:
             self.lease.release(remove=remove)
-        self.arena, self.lease, self.kind = None, None, None
+        if self.outgrown_lease is not None:
+            self.outgrown_lease.release(remove=remove_outgrown)
+        self.arena, self.lease, self.kind, self.outgrown_lease = None, None, None, None
 
 
 __all__ = ["EVENT_KIND", "StagingArea"]

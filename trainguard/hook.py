@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -25,7 +26,7 @@ from typing import Any
 
 from trainguard.errors import TrainguardError
 from trainguard.step_timer import Section, StepTimer
-from trainguard.worker_env import WorkerEnv
+from trainguard.worker_env import WorkerEnv, checkpoint_job_name, torchrun_made_run_id
 
 log = logging.getLogger("trainguard.hook")
 
@@ -172,7 +173,10 @@ class Session:
         checkpoint_dir: directory or fsspec URL for checkpoints; defaults to ``$TRAINGUARD_CHECKPOINT_DIR``;
             None disables checkpointing.
         save_every: save automatically every this many steps in :meth:`step_done` (0: only on request).
-        job: job name (defaults to ``$TRAINGUARD_JOB`` or ``$TORCHELASTIC_RUN_ID``).
+        job: job name (defaults to ``$TRAINGUARD_JOB``, else ``$TORCHELASTIC_RUN_ID`` unless torchrun made it up
+            for a ``--standalone`` launch (a fresh uuid): then, with checkpoints, ``<script>-<hash of the
+            checkpoint location>`` as ``trainguard run`` names it, so a relaunch resumes; ``default`` in a lone
+            process).
         checkpoint_options: extra fields for :class:`trainguard.checkpoint.CheckpointConfig`.
 
     Raises:
@@ -194,7 +198,15 @@ class Session:
         self.local_rank = env.local_rank
         self.restart_count = env.restart_count
         self.generation = env.generation
-        self.job = job or env.job_name
+        directory = checkpoint_dir if checkpoint_dir is not None else env.checkpoint_dir
+        if job:
+            self.job = job
+        elif directory and not env.job and torchrun_made_run_id(env.run_id):
+            # A --standalone launch's run id is a fresh uuid, so each relaunch of the same command saved into a
+            # new job folder and resumed nothing.
+            self.job = checkpoint_job_name(sys.argv[0] if sys.argv and sys.argv[0] else "job", directory)
+        else:
+            self.job = env.job_name
         self.save_every = save_every
         self.errors: list[BaseException] = []
         self.should_stop = False
@@ -214,7 +226,6 @@ class Session:
         self.last_step_time_s = 0.0
         self.last_sections: dict[str, float] = {}
 
-        directory = checkpoint_dir if checkpoint_dir is not None else env.checkpoint_dir
         if directory:
             from trainguard.checkpoint import CheckpointConfig, Checkpointer
 

@@ -190,3 +190,30 @@ def test_agent_without_workers_gives_up_on_a_dead_coordinator(tmp_path: Path, tg
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_second_one_node_run_of_the_same_job_name_is_refused(tmp_path: Path, tg_env: dict) -> None:
+    """Two one-node runs given the same --job on one host (other checkpoint directories) share the host's
+    in-memory tier by job name: the second was refused every checkpoint (and, ending first, removed the first
+    one's slots). It is refused before anything starts, naming the first run."""
+    env = dict(tg_env, TRAINGUARD_RUN_REGISTRY=str(tmp_path / "runs"))
+    job = f"twin-{os.getpid()}"
+
+    def cmd(ckpt: str) -> list[str]:
+        return [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "1", "--max-restarts", "0",
+                "--job", job, "--checkpoint-dir", str(tmp_path / ckpt), str(SCRIPTS / "sleeper.py")]
+
+    first = subprocess.Popen(cmd("a"), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list((tmp_path / "runs").glob("*.json")):
+            time.sleep(0.05)
+        second = run_cli(cmd("b")[3:], env)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"job {job} is already running here as pid {first.pid}" in second.stderr, second.stderr[-2000:]
+        assert "give it another --job/--rdzv-id" in second.stderr
+        assert first.poll() is None  # the first run goes on
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()

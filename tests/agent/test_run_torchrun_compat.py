@@ -329,3 +329,24 @@ def test_one_node_default_job_name_follows_the_checkpoint_directory(tmp_path: Pa
     assert default_job_name("train.py", solo, 1000.0, "s3://bucket/run") != default_job_name(
         "train.py", solo, 1000.0, "s3://bucket/other")
     assert default_job_name("train.py", solo, 1000.0) == "train-1000"  # nothing to resume: the start time
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_c10d_endpoint_at_an_ipv6_literal_like_torchrun(tmp_path: Path, tg_env: dict) -> None:
+    """torchrun takes `--rdzv-endpoint [::1]:PORT`; the agent embedding the coordinator there dialled it as
+    `::1:PORT` (no brackets), never reached it and ended after its join timeout."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_cli(["run", "--nproc-per-node", "1", "--max-restarts", "0", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", "[::1]:0", "--rdzv-conf", "join_timeout=5", PRINT_ENV, str(out)], tg_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "env0.json").read_text())["env"]["WORLD_SIZE"] == "1"

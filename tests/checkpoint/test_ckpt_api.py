@@ -136,6 +136,25 @@ def test_config_validation_and_toml(tmp_path):
     assert cfg.disk.keep == 7 and cfg.remote_url == "file:///mnt/nfs/ck" and cfg.disk_directory == "/data/ck"
 
 
+@pytest.mark.parametrize("data,message", [
+    ({"memory": {"enabled": "false"}}, "checkpoint.memory.enabled is 'false'; it must be true or false"),
+    ({"replicated": "yes"}, "checkpoint.replicated is 'yes'; it must be true or false"),
+    ({"persist": {"bandwidth_mib_s": "fast"}}, "checkpoint.persist.bandwidth_mib_s is 'fast'; it must be a number"),
+    ({"persist": {"chunk_mib": None}}, "checkpoint.persist.chunk_mib is None; it must be an integer"),
+    ({"disk": {"keep": True}}, "checkpoint.disk.keep is True; it must be an integer"),
+    ({"memory": {"directory": ""}}, "checkpoint.memory.directory is ''; it must be a non-empty string"),
+    ({"remote": {"url": ""}}, "checkpoint.remote.url is ''; it must be a non-empty string"),
+    ({"remote": {"storage_options": "anon"}}, "checkpoint.remote.storage_options is 'anon'; it must be a table"),
+    ({"memory": 5}, "checkpoint.memory is 5; it must be a table of enabled, keep"),
+])
+def test_a_value_of_the_wrong_type_is_refused_naming_the_key(data, message):
+    """A TOML string where a boolean goes (`enabled = "false"`) passed as true; other wrong types failed later
+    with a message naming no key (or an AttributeError)."""
+    with pytest.raises(CheckpointConfigError) as err:
+        CheckpointConfig.from_dict({"directory": "x", **data})
+    assert message in str(err.value)
+
+
 def test_unsupported_value_is_a_clear_error(make_config):
     with Checkpointer(make_config(), job="bad") as ck:
         with pytest.raises(CheckpointError, match="extra.f.*unsupported type"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import time
 
@@ -52,3 +54,44 @@ def test_bandwidth_cap_paces_the_persist(make_config):
         # 8 MiB at 8 MiB/s takes about a second; save() itself must not wait for it.
         assert time.monotonic() - t0 >= 0.8
         assert saved - t0 < time.monotonic() - t0 - 0.5
+
+
+def test_removing_a_job_arena_spares_ranks_a_live_process_writes(tmp_path) -> None:
+    """The arena is keyed by job name only: a second run of the same name on this host ending with code 0
+    removed the whole job folder, the first run's live slots included, and that trainer's next save failed."""
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "shm")
+    for rank in (0, 1):
+        os.makedirs(arena_mod.rank_dir(root, "same", rank))
+        with open(os.path.join(arena_mod.rank_dir(root, "same", rank), "slot_0.data"), "wb") as f:
+            f.write(b"x" * 64)
+    os.makedirs(os.path.join(root, "same", "replicas"))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from trainguard.checkpoint.arena import ArenaLease; "
+         f"ArenaLease({arena_mod.rank_dir(root, 'same', 0)!r}).acquire(); print('held', flush=True); "
+         "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        # `trainguard ckpt gc --shm` goes through it too, and says which ranks it left.
+        from trainguard.checkpoint import CheckpointConfig
+        from trainguard.cli import main
+
+        cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False},
+                               persist={"service": "inline"})
+        with Checkpointer(cfg, job="same") as ck:
+            ck.save({"w": torch.ones(8)}, 1)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["ckpt", "gc", str(tmp_path / "ck"), "--keep", "1", "--shm", root]) == 0
+        assert "except ranks [0]: a live process writes them" in out.getvalue()
+        assert arena_mod.remove_job(root, "same") == [0]
+        assert sorted(os.listdir(os.path.join(root, "same"))) == ["rank_00000"]
+        assert os.path.exists(os.path.join(arena_mod.rank_dir(root, "same", 0), "slot_0.data"))
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert arena_mod.remove_job(root, "same") == []  # the holder is gone: its lease is free
+    assert not os.path.exists(os.path.join(root, "same"))
+    assert arena_mod.remove_job(root, "none") == []

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointConfigError, CheckpointError
 from trainguard.checkpoint.location import CheckpointLocation, job_step_committed, step_committed
 from trainguard.checkpoint.storage import FsspecStore, LocalStore
@@ -48,3 +49,17 @@ def test_step_completeness_through_the_store(tmp_path, kind: str) -> None:
 
 def test_an_unreachable_location_is_not_complete() -> None:
     assert not job_step_committed("nosuchproto://x", "j", 1, 1)
+
+
+@pytest.mark.parametrize("url", ["file://localhost/data/ck", "file://data/ck", "local://host/ck", "file://"])
+def test_a_file_url_with_a_host_part_is_refused_naming_the_key(tmp_path, monkeypatch, url: str) -> None:
+    # fsspec reads file://localhost/data/ck as ./localhost/data/ck: checkpoints landed under the working directory.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointConfigError, match="--checkpoint-dir = .*absolute path after '//'"):
+        CheckpointLocation.parse(url, "--checkpoint-dir")
+    with pytest.raises(CheckpointConfigError, match="checkpoint.directory = "):
+        CheckpointConfig(directory=url)
+    with pytest.raises(CheckpointConfigError, match="checkpoint.remote.url = "):
+        CheckpointConfig(directory=str(tmp_path / "ck"), remote={"url": url})
+    assert os.listdir(tmp_path) == []
+    assert CheckpointLocation.parse(f"file://{tmp_path}/ck").local_path == f"{tmp_path}/ck"

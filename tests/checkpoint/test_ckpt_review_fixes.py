@@ -69,6 +69,8 @@ def test_state_outgrowing_prepared_shm_slots_falls_back_instead_of_raising(make_
             assert [s.step for s in ck.steps()][-2:] == [3, 4]
     assert [e.kind for e in events] == ["checkpoint.staging_fallback"]
     assert len([r for r in caplog.records if "staging" in r.getMessage()]) == 1
+    # A clean close removes the outgrown shared-memory slots too: they held the container's /dev/shm after exit.
+    assert os.listdir(small_tmpfs) == []
     live = {k: torch.zeros(60_000) for k in ("w", "m", "v", "g")} | {"step": -1}
     with Checkpointer(cfg, job="grow") as ck2:
         assert ck2.restore(live) == 4
@@ -151,3 +153,23 @@ def test_memory_tier_keeps_exactly_memory_keep_steps(make_config):
             live = {"w": torch.zeros(1000)}
             assert ck.restore(live) == 4 and ck.last_restore_tier == "memory"
             assert torch.equal(live["w"], torch.full((1000,), 4.0))
+
+
+def test_a_staging_area_removed_under_the_trainer_is_reallocated(make_config, caplog):
+    """`rm -rf /dev/shm/trainguard/<job>` (or a sibling run of the same job name ending) while a trainer runs:
+    its next save raised FileNotFoundError into the training step instead of staging anew."""
+    import shutil
+
+    cfg = make_config(persist={"service": "inline"})
+    with Checkpointer(cfg, job="gone") as ck:
+        ck.save({"w": torch.full((1000,), 1.0)}, 1)
+        assert ck.wait(1, timeout=60)
+        shutil.rmtree(os.path.join(cfg.memory.directory, "gone"))
+        with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint"):
+            h = ck.save({"w": torch.full((1000,), 2.0)}, 2)
+        assert h.wait(timeout=60) and sorted(h.tiers_done) == ["disk", "memory"]
+        assert any("was removed by another process" in r.getMessage() for r in caplog.records)
+    live = {"w": torch.zeros(1000)}
+    with Checkpointer(cfg, job="gone") as ck2:
+        assert ck2.restore(live) == 2
+    assert torch.equal(live["w"], torch.full((1000,), 2.0))

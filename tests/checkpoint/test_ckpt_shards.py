@@ -68,3 +68,29 @@ def test_plain_tensor_parallel_blocks_reshard_through_local_shard(tmp_path):
     assert torch.equal(whole, GLOBAL)
     with pytest.raises(CheckpointError, match="does not fit"):
         LocalShard(torch.zeros(30, 40), (60, 40), (40, 0))
+
+
+def test_sharded_export_imports_back_as_its_own_step(tmp_path):
+    """`ckpt import` of a sharded `ckpt export` came back as step 0: a resumed run restarted its schedule."""
+    from trainguard.checkpoint import LocalShard
+    from trainguard.checkpoint.dcp import export_step, import_dcp
+
+    cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False},
+                           persist={"service": "inline"})
+    for rank in range(2):
+        block = LocalShard(GLOBAL[30 * rank:30 * rank + 30].clone(), (60, 40), (30 * rank, 0))
+        with Checkpointer(cfg, rank=rank, world_size=2, job="tp") as ck:
+            ck.save({"w": block, "n": 3}, 1234)
+            assert ck.wait(1234, timeout=30)
+    assert export_step(str(tmp_path / "ck"), "tp", None, str(tmp_path / "dcp")) == 1234
+    assert import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck2"), "tp", world_size=3) == 1234
+    assert import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck3"), "tp", step=7) == 7  # --step still wins
+    whole = torch.zeros(60, 40)
+    cfg2 = CheckpointConfig(directory=str(tmp_path / "ck2"), memory={"enabled": False},
+                            persist={"service": "inline"})
+    with Checkpointer(cfg2, rank=0, world_size=1, job="tp") as ck:
+        assert ck.restore({"w": whole, "n": 0}) == 1234
+    assert torch.equal(whole, GLOBAL)
+    (tmp_path / "dcp" / "trainguard-export.json").write_text("{")
+    with pytest.raises(CorruptCheckpointError, match="pass --step"):
+        import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck4"), "tp")

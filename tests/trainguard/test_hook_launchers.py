@@ -47,3 +47,11 @@ def test_plain_torchrun(tmp_path: Path, tg_env: dict) -> None:
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["steps"] == 20
     assert (tmp_path / "ckpt").exists()
+    # Relaunching the same --standalone command resumes: torchrun gives each launch a fresh uuid as its run id,
+    # and the hook named its checkpoint job after it, so every relaunch started over from step 0.
+    r = _python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
+                 "--steps", "22", "--save-every", "10", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--out", str(out)], tg_env, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(out.read_text())["restored_step"] == 19
+    assert len(list((tmp_path / "ckpt").iterdir())) == 1  # one job folder for both launches

@@ -61,3 +61,13 @@ def test_the_users_own_buffering_wins() -> None:
     """Found by a user's review: PYTHONUNBUFFERED was forced to 1 over the user's own setting."""
     assert WorkerEnv().to_env({})["PYTHONUNBUFFERED"] == "1"
     assert WorkerEnv().to_env({"PYTHONUNBUFFERED": ""})["PYTHONUNBUFFERED"] == ""
+
+
+def test_only_a_standalone_run_id_is_replaced_by_the_checkpoint_job_name(tmp_path) -> None:
+    from trainguard.worker_env import checkpoint_job_name, torchrun_made_run_id
+
+    assert torchrun_made_run_id("1516a3a8-3556-40d7-8f40-61188d81d1c8")
+    assert not any(torchrun_made_run_id(r) for r in ("exp7", "", "none", "1516a3a8-3556-10d7-8f40-61188d81d1c8"))
+    name = checkpoint_job_name("/x/train.py", str(tmp_path / "ck"))
+    assert name.startswith("train-") and name == checkpoint_job_name("train.py", f"{tmp_path}/ck/")
+    assert checkpoint_job_name("/x/pkg/__main__.py", "s3://b/p").startswith("pkg-")
