@@ -195,6 +195,13 @@ class ArenaKeeper:
             kept = self._arenas.get(job)
             if kept is None:
                 return False
+            others = kept.launchers - {launcher}
+            if ended and launcher not in kept.launchers and others:
+                # Not one of the job's launchers while others of it live: not its call (any user of the socket may
+                # send DetachJob, and the daemon may remove files of every user's job).
+                log.warning("memory tier: launcher %s, not one of job %s's, said the job ended; its arena stays "
+                            "while launchers %s live", launcher, job, ", ".join(map(str, sorted(others, key=str))))
+                return False
             kept.launchers.discard(launcher)
             if not ended:
                 return False

@@ -209,6 +209,12 @@ class DaemonJobs:
         """Launcher ``key`` leaves ``job`` (``ended``: the job is over); returns whether the arena was removed."""
         with self._lock:
             keys = self._jobs.get(job, set())
+            if ended and key not in keys and keys:
+                # Not one of the job's launchers while one lives: its coordinator's reports and TLS files stay
+                # (the arena keeper refuses the same).
+                log.warning("launcher %s, not one of job %s's, said the job ended; ignored while its launchers live",
+                            key, job)
+                return False
             keys.discard(key)
             last = not keys
             if last:

@@ -176,6 +176,24 @@ def test_daemon_jobs_never_removes_a_folder_outside_its_own(tmp_path):
     assert victim.exists() and os.path.isdir(jobs._pem_root)
 
 
+
+def test_a_job_is_ended_only_by_its_own_launchers_while_one_lives(tmp_path):
+    """Any user of the socket may send DetachJob: one that is not the job's launcher ended it for the daemon (its
+    coordinator no longer reported to, its TLS files and its arena removed) while its launcher still ran."""
+    from trainguard.agent.arena_keeper import ArenaKeeper
+    from trainguard.agent.coordinator_report import NodeVerdict
+    from trainguard.agent.daemon_jobs import DaemonJobs
+
+    (tmp_path / "shm").mkdir()
+    jobs = DaemonJobs("n1", "h", "i", NodeVerdict, ArenaKeeper(str(tmp_path / "shm"), 60.0), 1.0, 1.0)
+    jobs.attach(agent_pb2.AttachJobRequest(job="j1", launcher_pid=os.getpid(), arena_root=str(tmp_path / "shm")))
+    (tmp_path / "shm" / "j1").mkdir()
+    assert jobs.detach("j1", 999_999, ended=True) is False
+    assert "j1" in jobs._jobs and (tmp_path / "shm" / "j1").is_dir()
+    assert jobs.detach("j1", os.getpid(), ended=True) is True
+    assert "j1" not in jobs._jobs and not (tmp_path / "shm" / "j1").exists()
+
+
 def test_idle_reflection_streams_leave_a_thread_for_health_checks(tmp_path):
     """Reflection streams (grpcurl sessions, or anyone who connects) each hold a serving thread while open: they
     count against grpc.max_watchers, so more than max_workers of them idle still leave health checks answered."""

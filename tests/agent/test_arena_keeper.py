@@ -118,3 +118,18 @@ def test_an_arena_that_cannot_be_removed_is_said_so_not_logged_removed(tmp_path:
     lines = [r.getMessage() for r in caplog.records]
     assert any("cannot remove the arena of job j1" in m and "Operation not permitted" in m for m in lines), lines
     assert not any("removed the arena of job j1" in m and "cannot" not in m for m in lines), lines
+
+
+def test_only_a_launcher_of_the_job_ends_it_while_one_lives(root) -> None:
+    """DetachJob(ended) removes the arena at once; from a launcher that never attached the job while the job's own
+    launcher lives (another user on the socket), it removes nothing: the daemon may delete any user's files."""
+    keeper = ArenaKeeper(str(root), ttl_s=60)
+    arena = _arena(root, "j1")
+    keeper.attach("j1", str(root), os.getpid())  # this process stands for the job's live launcher
+    assert keeper.detach("j1", "intruder.1.ab.lock", ended=True) is False and arena.is_dir()
+    assert keeper.kept()["j1"].launchers == {os.getpid()}
+    assert keeper.detach("j1", os.getpid(), ended=True) is True and not arena.exists()
+    # With no launcher left (a daemon restarted since), whoever ends the job ends it.
+    _arena(root, "j2")
+    keeper.adopt_existing()
+    assert keeper.detach("j2", "restarted.2.cd.lock", ended=True) is True and not (root / "j2").exists()
