@@ -59,8 +59,9 @@ class QualifySection:
         nic_speed_mbps: the speed each of ``nics`` must report, Mb/s; 0 only requires the link up (virtual NICs
             report no speed). Default 0.
         rdma_rate_gbps: the rate each active RDMA port must report, Gb/s; 0 only requires ACTIVE. Default 0.
-        disk_dir: directory the write test writes into; ``""`` uses the job's checkpoint directory, else the
-            system temp dir. Default ``""``.
+        disk_dir: directory the write test writes into; it must exist (a missing one fails the check rather than
+            testing the disk above it); ``""`` uses the job's checkpoint directory (or its nearest existing
+            folder), else the system temp dir. Default ``""``.
         disk_mib: MiB written (fsync'd) by the write test. Default 8.
         disk_min_mib_s: the write rate the disk must reach, MiB/s. Default 50.0.
         peer_count: already-qualified peers the node times an exchange with over its data address (``peers``

@@ -93,6 +93,11 @@ class DiskWriteCheck:
     def run(self, ctx: QualifyContext, deadline: float) -> Outcome:
         """Writes the test file, fsyncs it, times both, removes it."""
         cfg = ctx.config
+        if cfg.disk_dir and not os.path.isdir(cfg.disk_dir):
+            # the operator named the disk to test: an ancestor would be another disk (the root filesystem under a
+            # volume that failed to mount), and the node would qualify on the wrong one
+            return failed(f"qualify.disk_dir {cfg.disk_dir}: no such directory (not mounted?); create it or fix "
+                          "the path")
         target = _existing(cfg.disk_dir or _local_dir(ctx.checkpoint_dir) or tempfile.gettempdir())
         path = os.path.join(target, f".trainguard-qualify-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         block = os.urandom(_CHUNK)  # incompressible: a compressing filesystem must not flatter the rate

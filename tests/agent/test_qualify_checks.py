@@ -194,6 +194,17 @@ def test_disk_writes_and_removes_its_file_and_refuses_a_slow_rate(tmp_path) -> N
     assert os.listdir(tmp_path) == []
 
 
+def test_a_configured_disk_dir_that_does_not_exist_fails_instead_of_testing_another_disk(tmp_path) -> None:
+    """qualify.disk_dir names the disk to test; when it was missing (a volume that failed to mount) the check
+    wrote to its nearest existing ancestor, the root filesystem, and the node qualified on the wrong disk."""
+    missing = tmp_path / "data" / "ckpt"
+    ctx = QualifyContext("n1", QualifySection(checks=["disk"], disk_mib=1, disk_min_mib_s=0.001,
+                                              disk_dir=str(missing)))
+    _, r = one(ctx)
+    assert r.status is CheckStatus.FAIL and r.detail.startswith(f"qualify.disk_dir {missing}: no such directory")
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_disk_full_fails_with_the_os_error(tmp_path) -> None:
     small = tmp_path / "small"
