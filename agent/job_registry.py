@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -55,15 +56,40 @@ def registry_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"trainguard-{os.getuid()}", "runs")
 
 
+def _untrusted(d: str) -> str | None:
+    """Why the records under ``d`` cannot be trusted (None when they can).
+
+    ``d`` and, unless :data:`REGISTRY_DIR_ENV` chose it, its parent must be this user's and writable by no one
+    else: whoever can rename entries in a folder above the records can swap them, and ``trainguard status``
+    would then ask (and show the answer of) a socket of theirs. ``/tmp/trainguard-<uid>`` is a name anyone can
+    create first.
+    """
+    chain = [d] if os.environ.get(REGISTRY_DIR_ENV) else [d, os.path.dirname(d)]
+    for path in chain:
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            return f"{path}: {exc.strerror or exc}"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{path} is not a directory"
+        if st.st_uid != os.getuid():
+            return f"{path} belongs to uid {st.st_uid}"
+        if st.st_mode & 0o022:
+            return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 def register(job: str, socket_path: str) -> str | None:
     """Writes this process's record; returns its path (None when the directory is unusable: status then needs
     ``--socket``, nothing else is lost)."""
     d = registry_dir()
     try:
+        if not os.environ.get(REGISTRY_DIR_ENV):
+            os.makedirs(os.path.dirname(d), mode=0o700, exist_ok=True)  # makedirs' mode is the leaf's only
         os.makedirs(d, mode=0o700, exist_ok=True)
-        st = os.stat(d)
-        if st.st_uid != os.getuid():
-            log.warning("not registering the run for `trainguard status`: %s belongs to uid %d", d, st.st_uid)
+        why = _untrusted(d)
+        if why:
+            log.warning("not registering the run for `trainguard status`: %s", why)
             return None
         path = os.path.join(d, f"{os.getpid()}.json")
         tmp = path + ".tmp"
@@ -90,6 +116,10 @@ def live_runs() -> list[RunRecord]:
     try:
         names = os.listdir(d)
     except OSError:
+        return []
+    why = _untrusted(d)
+    if why:
+        log.warning("ignoring the run records in %s: %s", d, why)
         return []
     runs = []
     for name in names:

@@ -49,3 +49,25 @@ def test_a_zombie_launchers_record_is_dropped(tmp_path: Path, monkeypatch) -> No
         assert not (tmp_path / f"{p.pid}.json").exists()
     finally:
         p.wait()
+
+
+def test_run_records_under_a_folder_another_user_controls_are_not_trusted(tmp_path: Path, monkeypatch) -> None:
+    """/tmp/trainguard-<uid> is a name anyone can create first; its owner could then swap the records and point
+    `trainguard status` at a socket of theirs. Only the leaf runs/ folder's owner used to be checked."""
+    import tempfile
+
+    monkeypatch.delenv(job_registry.REGISTRY_DIR_ENV, raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sock = tmp_path / "launcher.sock"
+    sock.touch()
+    path = job_registry.register("mine", str(sock))  # a fresh parent: created private, trusted
+    assert path is not None and [r.job for r in job_registry.live_runs()] == ["mine"]
+    parent = Path(job_registry.registry_dir()).parent
+    assert parent.stat().st_mode & 0o777 == 0o700
+    parent.chmod(0o777)  # a folder others may write: records could be swapped under it
+    assert job_registry.live_runs() == [] and job_registry.register("mine", str(sock)) is None
+    parent.chmod(0o700)
+    if os.geteuid() == 0:
+        os.chown(parent, 65534, 65534)  # pre-created by another user (nobody)
+        assert job_registry.live_runs() == [] and job_registry.register("mine", str(sock)) is None
