@@ -47,8 +47,9 @@ class RunResult:
 def _refuse_a_second_job(job: str, script: str, checkpoint_dir: str | None, named: bool) -> None:
     """A one-node job's default name follows its checkpoint directory (so a rerun resumes it); a second live
     run under that name would restore from the first one's memory and then be refused every checkpoint (one
-    writer per job and rank). So would a second one-node run given the same ``--job``/``--rdzv-id`` (``named``):
-    the in-memory tier of a host is keyed by job name. Say so before anything starts.
+    writer per job and rank). So would a second one-node run given the same ``--job``/``--rdzv-id`` (``named``)
+    whose workers write in the same shared-memory root: a host's in-memory tier is keyed by job name. Say so
+    before anything starts.
 
     Raises:
         UsageError: a live ``trainguard run`` of this user already runs ``job``.
@@ -58,9 +59,18 @@ def _refuse_a_second_job(job: str, script: str, checkpoint_dir: str | None, name
     for rec in live_runs():
         if rec.job == job and rec.pid != os.getpid():
             if named:
+                from trainguard.checkpoint.arena import live_writers
+                from trainguard.checkpoint.config import MemoryTierConfig
+
+                # Only where both would share one arena: runs given their own shm root (drills) are apart.
+                shm = MemoryTierConfig().directory
+                writers = live_writers(shm, job)
+                if not writers:
+                    continue
                 raise UsageError(
-                    f"job {job} is already running here as pid {rec.pid}; runs on one host share their in-memory "
-                    "checkpoints by job name, so this one could write none: give it another --job/--rdzv-id")
+                    f"job {job} is already running here as pid {rec.pid} and writes checkpoints in {shm} (pid "
+                    f"{sorted(set(writers.values()))[0]}); runs on one host share their in-memory checkpoints by "
+                    "job name, so this one could write none: give it another --job/--rdzv-id")
             raise UsageError(
                 f"job {job} (the default name of {os.path.basename(script)} on --checkpoint-dir {checkpoint_dir}) "
                 f"is already running here as pid {rec.pid}; a second trainer on the same checkpoint directory "

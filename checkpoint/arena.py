@@ -413,6 +413,38 @@ def memory_committed(shm_root: str, job: str, location: str | None = None,
     return out
 
 
+def live_writers(shm_root: str, job: str) -> dict[int, int]:
+    """``{rank: pid}`` of the job's ranks under ``shm_root`` whose lease records a live process (read only: the
+    pid a holder wrote into its ``owner.lock``; a stale pid of a dead holder is skipped).
+
+    A hint for refusing a second run of the same job name up front, never for ownership: only taking the lease
+    decides that.
+    """
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir(os.path.join(shm_root, job))
+    except OSError:
+        return out
+    for name in names:
+        m = _RANK_RE.match(name)
+        if m is None:
+            continue
+        rank = int(m.group(1))
+        try:
+            with open(os.path.join(shm_root, job, name, LEASE_NAME), "rb") as f:
+                pid = int(f.read(32).strip() or b"0")
+            if pid > 0 and pid != os.getpid():
+                os.kill(pid, 0)
+                out[rank] = pid
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            out[rank] = pid  # another user's live process
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def remove_job(shm_root: str, job: str) -> list[int]:
     """Deletes a job's arena (every rank, the replicas), except the ranks whose lease a live process holds.
 

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from trainguard.checkpoint.arena import remove_job
 from trainguard.checkpoint.channel import PersistChannel
-from trainguard.checkpoint.config import CHECKPOINT_SHM_DIR_ENV, CheckpointConfig
+from trainguard.checkpoint.config import CheckpointConfig, MemoryTierConfig
 from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableError
 from trainguard.checkpoint.uploads import UploadQueue
 
@@ -227,7 +227,9 @@ class CheckpointService:
         self.job = job
         self.address = socket_path or os.path.join(tempfile.gettempdir(),
                                                    f"trainguard-ckpt-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")
-        self.shm_dir = shm_dir or os.environ.get(CHECKPOINT_SHM_DIR_ENV, "/dev/shm/trainguard")
+        # The workers' default (MemoryTierConfig): an empty variable is unset. Read as "", the arena root was the
+        # working directory, and stop() removed the folder named like the job there.
+        self.shm_dir = shm_dir or MemoryTierConfig().directory
         self.nice = nice
         self.proc: subprocess.Popen[bytes] | None = None
 

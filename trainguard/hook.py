@@ -174,7 +174,7 @@ class Session:
             None disables checkpointing.
         save_every: save automatically every this many steps in :meth:`step_done` (0: only on request).
         job: job name (defaults to ``$TRAINGUARD_JOB``, else ``$TORCHELASTIC_RUN_ID`` unless torchrun made it up
-            for a ``--standalone`` launch (a fresh uuid): then, with checkpoints, ``<script>-<hash of the
+            for a one-node launch (a fresh uuid): then, with checkpoints, ``<script>-<hash of the
             checkpoint location>`` as ``trainguard run`` names it, so a relaunch resumes; ``default`` in a lone
             process).
         checkpoint_options: extra fields for :class:`trainguard.checkpoint.CheckpointConfig`.
@@ -202,7 +202,7 @@ class Session:
         if job:
             self.job = job
         elif directory and not env.job and torchrun_made_run_id(env.run_id):
-            # A --standalone launch's run id is a fresh uuid, so each relaunch of the same command saved into a
+            # A one-node torchrun launch's run id is a fresh uuid, so each relaunch of the same command saved into a
             # new job folder and resumed nothing.
             self.job = checkpoint_job_name(sys.argv[0] if sys.argv and sys.argv[0] else "job", directory)
         else:

@@ -58,21 +58,22 @@ USE_AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
-#: The run id torchrun makes up for each ``--standalone`` launch: a fresh uuid4, so it names no job across
-#: launches. (Its default ``--rdzv-id`` ``none`` is stable, and every node of a multi-node job sees the same.)
+#: The run id torchrun makes up for each one-node launch (``--standalone``, or no rendezvous flags): a fresh
+#: uuid4, so it names no job across launches. (A multi-node job's ``none``, torchrun's default ``--rdzv-id``,
+#: is stable and the same on every node.)
 _TORCHRUN_MADE_RUN_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
 
 def torchrun_made_run_id(run_id: str) -> bool:
-    """Whether ``run_id`` is one torchrun made up for a single launch (a ``--standalone`` uuid4), not a
+    """Whether ``run_id`` is one torchrun made up for a single one-node launch (a uuid4), not a
     ``--rdzv-id`` someone chose or torchrun's stable default ``none``."""
     return bool(_TORCHRUN_MADE_RUN_ID.match(run_id))
 
 
 def checkpoint_job_name(script: str, checkpoint_dir: str) -> str:
     """``<script stem>-<10 hex digits of the SHA-256 of the checkpoint location>``: the job name of a one-node
-    ``trainguard run`` with ``--checkpoint-dir`` and no ``--job``, and of the hook under a ``torchrun
-    --standalone`` launch (whose run id is a fresh uuid), so rerunning the same command finds the same
+    ``trainguard run`` with ``--checkpoint-dir`` and no ``--job``, and of the hook under a one-node
+    torchrun launch (whose run id is a fresh uuid), so rerunning the same command finds the same
     checkpoints under either launcher.
 
     A plain path is resolved (``~``, symlinks, relative to the working directory); a URL (``file:/abs``

@@ -196,24 +196,36 @@ def test_a_second_one_node_run_of_the_same_job_name_is_refused(tmp_path: Path, t
     """Two one-node runs given the same --job on one host (other checkpoint directories) share the host's
     in-memory tier by job name: the second was refused every checkpoint (and, ending first, removed the first
     one's slots). It is refused before anything starts, naming the first run."""
-    env = dict(tg_env, TRAINGUARD_RUN_REGISTRY=str(tmp_path / "runs"))
+    shm = tmp_path / "shm"
+    env = dict(tg_env, TRAINGUARD_RUN_REGISTRY=str(tmp_path / "runs"), TRAINGUARD_CHECKPOINT_SHM_DIR=str(shm))
     job = f"twin-{os.getpid()}"
+    # The first run's worker holds its rank's staging lease, as a trainer does from its first save on.
+    writer = tmp_path / "writer.py"
+    writer.write_text("import os, time\nfrom trainguard.checkpoint.arena import ArenaLease, rank_dir\n"
+                      f"ArenaLease(rank_dir({str(shm)!r}, os.environ['TRAINGUARD_JOB'], 0)).acquire()\n"
+                      "time.sleep(120)\n")
 
-    def cmd(ckpt: str) -> list[str]:
+    def cmd(ckpt: str, script: Path) -> list[str]:
         return [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "1", "--max-restarts", "0",
-                "--job", job, "--checkpoint-dir", str(tmp_path / ckpt), str(SCRIPTS / "sleeper.py")]
+                "--job", job, "--checkpoint-dir", str(tmp_path / ckpt), str(script)]
 
-    first = subprocess.Popen(cmd("a"), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+    first = subprocess.Popen(cmd("a", writer), env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not list((tmp_path / "runs").glob("*.json")):
+        lease = shm / job / "rank_00000" / "owner.lock"
+        while time.monotonic() < deadline and not (lease.exists() and lease.read_text().strip()):
             time.sleep(0.05)
-        second = run_cli(cmd("b")[3:], env)
+        second = run_cli(cmd("b", SCRIPTS / "sleeper.py")[3:], env)
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"job {job} is already running here as pid {first.pid}" in second.stderr, second.stderr[-2000:]
         assert "give it another --job/--rdzv-id" in second.stderr
         assert first.poll() is None  # the first run goes on
+        # A run of the same name with its own shared-memory root (as the drills give each run) is not refused.
+        apart = run_cli(["run", "--nproc-per-node", "1", "--max-restarts", "0", "--job", job, "--checkpoint-dir",
+                         str(tmp_path / "c"), str(SCRIPTS / "print_env.py"), str(tmp_path)],
+                        dict(env, TRAINGUARD_CHECKPOINT_SHM_DIR=str(tmp_path / "shm2")))
+        assert apart.returncode == 0, apart.stderr[-2000:]
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()

@@ -95,3 +95,20 @@ def test_removing_a_job_arena_spares_ranks_a_live_process_writes(tmp_path) -> No
     assert arena_mod.remove_job(root, "same") == []  # the holder is gone: its lease is free
     assert not os.path.exists(os.path.join(root, "same"))
     assert arena_mod.remove_job(root, "none") == []
+
+
+def test_an_empty_shm_dir_variable_means_the_default_for_workers_and_service(monkeypatch, tmp_path) -> None:
+    """TRAINGUARD_CHECKPOINT_SHM_DIR= (set, empty) made the arena root the working directory, and the agent's
+    checkpoint service removed the folder named like the job there when the job ended."""
+    from trainguard.checkpoint.config import MemoryTierConfig
+    from trainguard.checkpoint.service import CheckpointService
+
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_SHM_DIR", "")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mymodel").mkdir()
+    (tmp_path / "mymodel" / "train.py").write_text("user code")
+    assert MemoryTierConfig().directory == "/dev/shm/trainguard"
+    svc = CheckpointService(job="mymodel")
+    assert svc.shm_dir == "/dev/shm/trainguard"
+    svc.stop(remove_memory=False)  # never started: nothing to stop
+    assert (tmp_path / "mymodel" / "train.py").exists()
