@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -327,6 +327,18 @@ class DaemonEventSource:
             self.local.stop()
 
 
+def launcher_arena_root(environ: Mapping[str, str]) -> str:
+    """The shared-memory root this launcher's workers checkpoint into, as the daemon is told at attachment.
+
+    An empty ``$TRAINGUARD_CHECKPOINT_SHM_DIR`` means the default, as for the workers
+    (:mod:`trainguard.checkpoint.config`); read as "", the daemon was told the job has no arena and did not keep
+    it across a launcher restart.
+    """
+    from trainguard.checkpoint.config import CHECKPOINT_SHM_DIR_ENV, DEFAULT_SHM_ROOT
+
+    return environ.get(CHECKPOINT_SHM_DIR_ENV) or DEFAULT_SHM_ROOT
+
+
 def attach_daemon(job: str, coordinator: str, node_id: str, security, checkpointing: bool,
                   environ: dict[str, str] | None = None) -> DaemonLink | None:
     """Attaches ``job`` to the node daemon when one answers on its socket; None when none runs (run alone).
@@ -342,13 +354,11 @@ def attach_daemon(job: str, coordinator: str, node_id: str, security, checkpoint
     Returns:
         The attached link, or None: no daemon answers, or it refused the job (logged; the launcher runs alone).
     """
-    from trainguard.checkpoint.config import CHECKPOINT_SHM_DIR_ENV
-
     env = os.environ if environ is None else environ
     link = DaemonLink.connect(daemon_socket(env))
     if link is None:
         return None
-    arena = env.get(CHECKPOINT_SHM_DIR_ENV, "/dev/shm/trainguard") if checkpointing else ""
+    arena = launcher_arena_root(env) if checkpointing else ""
     try:
         resp = link.attach(JobAttachment(job, coordinator, node_id, arena, security.token, security.tls.ca_file,
                                          security.tls.cert_file, security.tls.key_file, security.server_name))
@@ -363,4 +373,4 @@ def attach_daemon(job: str, coordinator: str, node_id: str, security, checkpoint
 
 
 __all__ = ["DaemonAttachError", "DaemonEventSource", "DaemonLink", "JobAttachment", "REPLAY_EVENTS",
-           "WORKER_DETECTORS", "attach_daemon", "daemon_socket"]
+           "WORKER_DETECTORS", "attach_daemon", "daemon_socket", "launcher_arena_root"]

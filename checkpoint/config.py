@@ -37,6 +37,8 @@ from trainguard.worker_env import CHECKPOINT_SERVICE_ENV, RESTORE_PLAN_ENV  # no
 
 #: Environment variable overriding where the shared-memory tier lives (default ``/dev/shm/trainguard``).
 CHECKPOINT_SHM_DIR_ENV = "TRAINGUARD_CHECKPOINT_SHM_DIR"
+#: The shared-memory tier's root when that variable is unset or empty.
+DEFAULT_SHM_ROOT = "/dev/shm/trainguard"
 
 #: fsspec protocols whose files live inside the writing process: uploads there vanish with the persist process,
 #: so they can never be a durable tier.
@@ -66,7 +68,7 @@ class MemoryTierConfig:
 
     enabled: bool = True
     keep: int = 1
-    directory: str = field(default_factory=lambda: os.environ.get(CHECKPOINT_SHM_DIR_ENV) or "/dev/shm/trainguard")
+    directory: str = field(default_factory=lambda: os.environ.get(CHECKPOINT_SHM_DIR_ENV) or DEFAULT_SHM_ROOT)
     keep_on_close: bool = False
     fallback: str = "auto"
     fallback_directory: str | None = None

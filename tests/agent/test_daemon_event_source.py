@@ -204,3 +204,17 @@ def test_a_launcher_outlives_the_daemons_runtime_folder(daemon, monkeypatch):
     finally:
         link.close()
         again.stop()
+
+
+def test_an_empty_shm_dir_variable_tells_the_daemon_the_default_arena_root():
+    """Workers read an empty $TRAINGUARD_CHECKPOINT_SHM_DIR as the default root; the launcher told the daemon ""
+    (no arena), so the daemon did not keep the job's arena across a launcher restart."""
+    from trainguard.agent.health_source import launcher_arena_root
+    from trainguard.checkpoint.config import CheckpointConfig
+
+    for env in ({}, {"TRAINGUARD_CHECKPOINT_SHM_DIR": ""}):
+        assert launcher_arena_root(env) == "/dev/shm/trainguard"
+    assert launcher_arena_root({"TRAINGUARD_CHECKPOINT_SHM_DIR": "/mnt/shm"}) == "/mnt/shm"
+    import os
+
+    assert CheckpointConfig.from_dict({"directory": "/tmp/x"}).memory.directory == launcher_arena_root(os.environ)
