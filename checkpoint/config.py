@@ -20,6 +20,7 @@ Layout in a TOML file (every key optional except ``directory``)::
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -316,6 +317,8 @@ def _check_types(obj: Any, where: str) -> None:
         ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
         if ok and isinstance(value, str) and not value.strip():
             ok = False
+        if ok and isinstance(value, float) and not math.isfinite(value):
+            ok, what = False, "a finite number"  # TOML's nan passes every range check, inf is no cap either
         if not ok:
             raise CheckpointConfigError(f"{where}.{f.name} is {value!r}; it must be {what}")
 

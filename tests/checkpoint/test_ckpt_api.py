@@ -140,6 +140,9 @@ def test_config_validation_and_toml(tmp_path):
     ({"memory": {"enabled": "false"}}, "checkpoint.memory.enabled is 'false'; it must be true or false"),
     ({"replicated": "yes"}, "checkpoint.replicated is 'yes'; it must be true or false"),
     ({"persist": {"bandwidth_mib_s": "fast"}}, "checkpoint.persist.bandwidth_mib_s is 'fast'; it must be a number"),
+    # TOML's nan and inf literals: a NaN cap passed the >= 0 check and reached the persist process's throttle
+    ({"persist": {"bandwidth_mib_s": float("nan")}}, "checkpoint.persist.bandwidth_mib_s is nan; it must be a finite"),
+    ({"persist": {"bandwidth_mib_s": float("inf")}}, "checkpoint.persist.bandwidth_mib_s is inf; it must be a finite"),
     ({"persist": {"chunk_mib": None}}, "checkpoint.persist.chunk_mib is None; it must be an integer"),
     ({"disk": {"keep": True}}, "checkpoint.disk.keep is True; it must be an integer"),
     ({"memory": {"directory": ""}}, "checkpoint.memory.directory is ''; it must be a non-empty string"),
