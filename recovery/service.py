@@ -393,11 +393,11 @@ class CoordinatorServer:
 
     @property
     def target(self) -> str:
-        """``host:port`` clients dial."""
+        """``host:port`` clients dial (an IPv6 literal in brackets: gRPC cannot dial ``::1:29400``)."""
         host = self.host.strip("[]")
         if host in ("", "0.0.0.0", "::"):
             host = "127.0.0.1"
-        return f"{host}:{self.port}"
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     def _reap(self) -> None:
         period = min(0.5, self.core.spec.lease_timeout_s / 4)

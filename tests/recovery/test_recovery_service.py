@@ -388,3 +388,28 @@ def test_interval_and_lease_stretch_to_keep_under_the_heartbeat_rate() -> None:
     assert r.response.interval_s == pytest.approx(3.0) and r.response.command == pb.NODE_COMMAND_WAIT
     assert core._lease_s() == pytest.approx(9.0)
     core.close()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_the_dial_target_of_an_ipv6_listener_is_bracketed() -> None:
+    """`trainguard coordinator --listen [::1]:P`: the server's dial target read ::1:P, which gRPC cannot dial
+    (an embedded coordinator's own agent waited out its join timeout against it)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    srv = CoordinatorServer(JobSpec(job=JOB, nnodes=1), listen="[::1]:0").start()
+    try:
+        assert srv.target == f"[::1]:{srv.port}"
+        with grpc.insecure_channel(srv.target) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        srv.stop()
