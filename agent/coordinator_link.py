@@ -117,6 +117,7 @@ class GrpcCoordinatorLink:
         self._unsent: list[coordinator_pb2.ReportEventRequest] = []
         self._last_heartbeat = 0.0
         self._in_keepalive = False
+        self._told = ""  # the last STOP/WAIT message logged: a standing one is logged once, not every heartbeat
         # Tells a restarted agent of this node apart from a second agent claiming the same node id.
         self._instance = uuid.uuid4().hex
 
@@ -281,6 +282,19 @@ class GrpcCoordinatorLink:
                 self._life.fire_if(_T.JOB_ENDED)
             else:
                 self._life.fire_if(_T.IDLE)  # the job goes on without this node's workers for now
+        self._log_standing(resp)
+
+    def _log_standing(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> None:
+        """Logs why the coordinator keeps this node idle (cordoned, or a recovery waiting for capacity), once per
+        message: without it a cordoned node that registered again, or every node of a job waiting for a spare,
+        sat silent for up to ``--membership-timeout`` while only the coordinator's log said why."""
+        cmd = resp.command
+        if cmd not in (coordinator_pb2.NODE_COMMAND_STOP, coordinator_pb2.NODE_COMMAND_WAIT) or not resp.message \
+                or resp.message == self._told \
+                or resp.job_state in (coordinator_pb2.JOB_STATE_SUCCEEDED, coordinator_pb2.JOB_STATE_FAILED):
+            return
+        self._told = resp.message
+        (log.warning if cmd == coordinator_pb2.NODE_COMMAND_STOP else log.info)("coordinator: %s", resp.message)
 
     def check_patience(self, workers_running: int, now: float | None = None,
                        local_succeeded: int | None = None) -> None:

@@ -63,6 +63,29 @@ def test_worker_member_follows_start_then_stop(coordinator) -> None:
         link.close()
 
 
+def test_a_standing_stop_or_wait_message_is_logged_once(caplog) -> None:
+    """Found by a user's review: a node cordoned in an earlier recovery that registered again under its id, and
+    every node of a job waiting for a spare, logged nothing while the job waited (the why was only in the
+    coordinator's log)."""
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1"))
+    cordoned = coordinator_pb2.NodeHeartbeatResponse(
+        command=coordinator_pb2.NODE_COMMAND_STOP, job_state=coordinator_pb2.JOB_STATE_RECOVERING,
+        message="node n1 is cordoned: node n1 node lost (no heartbeat for 6.0 s)")
+    with caplog.at_level("INFO", logger="trainguard.agent.coordinator_link"):
+        for _ in range(3):
+            link.follow(cordoned)
+        waits = coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_WAIT,
+                                                      message="generation 3 waits: no spare node for 1 slot")
+        link.follow(waits)
+        link.follow(waits)
+        link.follow(coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_STOP,
+                                                          job_state=coordinator_pb2.JOB_STATE_SUCCEEDED,
+                                                          message="succeeded in generation 3"))
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said == [("WARNING", f"coordinator: {cordoned.message}"), ("INFO", f"coordinator: {waits.message}")]
+    link.close()
+
+
 def test_unreachable_coordinator_is_bounded_by_patience() -> None:
     link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1", patience_s=0.3))
     with pytest.raises(CoordinatorUnavailableError, match="unreachable"):
