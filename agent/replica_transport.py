@@ -137,16 +137,19 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
                  own_copy: Callable[[int], tuple[str, Manifest] | None]) -> None:
         self.job, self.store, self.own_copy = job, store, own_copy
         self.received_bytes = 0
+        self._refusing = False  # refused the last push: a refusal in a row is logged at debug level only
 
     def PushReplica(self, request_iterator, context):  # noqa: N802 (gRPC method name)
         try:
             replica, man = receive(request_iterator, self.job, self.store.begin)
         except ReplicaRefusedError as exc:
-            log.warning("replica refused: %s", exc)
+            (log.debug if self._refusing else log.warning)("replica refused: %s", exc)
+            self._refusing = True
             return replica_pb2.ReplicaAck(ok=False, error=str(exc))
         except OSError as exc:  # the tmpfs itself (full, or a folder another agent on this host changed)
             log.warning("replica not stored: %s", exc)
             return replica_pb2.ReplicaAck(ok=False, error=f"the receiver could not store it: {exc}")
+        self._refusing = False
         self.received_bytes += man.data_bytes
         log.info("holding the replica of rank %d step %d (%d bytes)", man.rank, man.step, man.data_bytes)
         return replica_pb2.ReplicaAck(ok=True, bytes=man.data_bytes)

@@ -181,6 +181,49 @@ def test_agent_pushes_new_snapshots_and_re_replicates_to_a_new_buddy(roots) -> N
         server_c.stop()
 
 
+def test_a_buddy_refusing_for_room_is_retried_less_often_and_warned_about_once(roots, caplog) -> None:
+    """Found by a user's review: with Docker's 64 MiB /dev/shm a buddy can never keep the 64 MiB reserve free, and
+    the same copy was pushed, refused and warned about on both nodes every second for the job's whole life."""
+    a, b, _ = roots
+    t = [0.0]
+    tier_a = MemoryTier(a, "job", "/ckpt")
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier_a, "a", "127.0.0.1", clock=lambda: t[0])
+    server_b, store_b = _server(b)
+    store_b.reserve_bytes = 1 << 60  # no tmpfs has this free: every push is refused for room
+    try:
+        _snapshot(a, 0, 10)
+        tier_a.scan()
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server_b.address)])
+        with caplog.at_level("DEBUG", logger="trainguard.agent"):
+            attempts = []
+            for second in range(1, 121):  # two minutes, the push loop waking every second
+                t[0] = float(second)
+                before = sender.stats.push_failures
+                sender._push_due()
+                if sender.stats.push_failures > before:
+                    attempts.append(second)
+            warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            assert attempts == [1, 2, 4, 8, 16, 32, 64], attempts
+            assert len(warned) == 2, warned  # the sender's first refusal, and the receiver's
+            assert any("b refused the replica of rank 0 step 10" in w and "less often" in w for w in warned)
+            assert any(w.startswith("replica refused: no room") for w in warned)
+            store_b.reserve_bytes = 0  # room again: the next retry lands, and a later refusal is news again
+            t[0] = 200.0
+            sender._push_due()
+            assert store_b.newest(0).step == 10 and sender.stats.pushes == 1
+            assert any(r.getMessage() == "b accepts replicas again" for r in caplog.records)
+            store_b.reserve_bytes = 1 << 60
+            _snapshot(a, 0, 20, slot=1)
+            tier_a.scan()
+            t[0] = 201.0
+            sender._push_due()
+            warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            assert len(warned) == 4 and "step 20" in warned[-1] + warned[-2], warned
+    finally:
+        sender.stop()
+        server_b.stop()
+
+
 def test_replica_memory_is_reported_in_metrics_and_status(roots, monkeypatch, tmp_path) -> None:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
