@@ -154,6 +154,46 @@ def test_kill_9_of_the_receiver_mid_transfer_leaves_no_copy(roots, tg_env) -> No
         portfile.unlink(missing_ok=True)
 
 
+def test_a_frozen_peer_ends_a_push_or_fetch_by_keepalive_not_by_the_calls_deadline(roots, tg_env) -> None:
+    """Found by a user's review: a peer that stops answering (SIGSTOP here; a link gone without a reset in the
+    field) held a push, or a replacement's fetch, until the call's whole deadline (600 s by default), so the
+    job's next generation waited 10 minutes. The calls now end UNAVAILABLE once the peer misses its pings; the
+    deadline here is far longer, so DEADLINE_EXCEEDED would mean the stall went unnoticed."""
+    import signal
+
+    a, b, c = roots
+    _snapshot(a, 1, 9, mib=8)
+    portfile = Path(b + "-port")
+    p = subprocess.Popen([sys.executable, str(SCRIPT), "serve", b, "job", str(portfile)], env=tg_env)
+    try:
+        _wait(portfile.exists, "the receiver did not start")
+        address = portfile.read_text()
+        path, man = _own(a, 1)
+        assert push(address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok  # a copy to fetch later
+        outcome: list[object] = []
+
+        def send() -> None:
+            try:
+                outcome.append(push(address, copy_stream("job", man, path, "a", Throttle(2)), 300, stall_s=1))
+            except grpc.RpcError as exc:
+                outcome.append(exc.code())
+
+        th = threading.Thread(target=send)
+        th.start()
+        _wait(lambda: _partials(b), "the transfer never started")
+        os.kill(p.pid, signal.SIGSTOP)  # frozen mid-transfer: its socket stays open, nothing answers
+        th.join(300)
+        assert outcome == [grpc.StatusCode.UNAVAILABLE], outcome
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(address, "job", 1, 0, lambda m: arena_writer(c, "job", m), 300, stall_s=1)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE, err.value
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        p.kill()
+        p.wait()
+        portfile.unlink(missing_ok=True)
+
+
 def test_agent_pushes_new_snapshots_and_re_replicates_to_a_new_buddy(roots) -> None:
     a, b, c = roots
     tier_a = MemoryTier(a, "job", "/ckpt", interval_s=0.02)
