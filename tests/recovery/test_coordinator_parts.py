@@ -128,3 +128,24 @@ def test_a_cordoned_node_back_under_its_id_is_told_why_and_named_while_a_vacancy
     old = PolicyState(phase=Phase.RUNNING, cordoned=["n1"]).to_dict()
     del old["cordon_why"]
     assert PolicyState.from_dict(old).cordon_why == {}
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("heartbeat_interval_s", float("nan"), "heartbeat interval nan"),
+    ("lease_timeout_s", float("inf"), "lease timeout inf"),
+    ("lease_timeout_s", float("nan"), "lease timeout nan"),
+    ("backoff_initial_s", float("inf"), "backoff inf"),
+    ("backoff_initial_s", -1.0, "backoff -1.0"),
+    ("backoff_max_s", float("nan"), "backoff maximum nan"),
+    ("max_heartbeat_rate", float("nan"), "max heartbeat rate nan"),
+])
+def test_a_job_spec_refuses_non_finite_times(field: str, value: float, said: str) -> None:
+    """Found by a user's review: `trainguard coordinator --heartbeat-interval nan` served (nodes were told a NaN
+    interval), and `--lease-timeout inf` or `--backoff inf` served a job whose dead node is never replaced, or
+    whose second restart never starts."""
+    from trainguard.recovery.errors import InvalidRequestError
+    from trainguard.recovery.spec import JobSpec
+
+    JobSpec(job="ok").validate()
+    with pytest.raises(InvalidRequestError, match=said):
+        JobSpec(job="ok", **{field: value}).validate()
