@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,10 +72,10 @@ class ReplicaConfig:
         for flag, value in (("--replica-bandwidth-mib-s", self.bandwidth_mib_s), ("--replica-memory-mib",
                                                                                  self.memory_mib),
                             ("--replica-reserve-mib", self.reserve_mib)):
-            if value < 0:
-                raise ReplicaConfigError(f"{flag} {value}: must be >= 0")
-        if self.timeout_s <= 0:
-            raise ReplicaConfigError(f"replica timeout {self.timeout_s}: must be > 0 seconds")
+            if not (value >= 0 and math.isfinite(value)):  # NaN passed `< 0` and meant "no cap", silently
+                raise ReplicaConfigError(f"{flag} {value}: must be a finite number >= 0")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ReplicaConfigError(f"replica timeout {self.timeout_s}: must be a finite number of seconds > 0")
 
 
 @dataclass

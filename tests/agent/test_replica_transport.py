@@ -221,6 +221,19 @@ def test_agent_pushes_new_snapshots_and_re_replicates_to_a_new_buddy(roots) -> N
         server_c.stop()
 
 
+@pytest.mark.parametrize("field, value, said", [("bandwidth_mib_s", float("nan"), "--replica-bandwidth-mib-s nan"),
+                                               ("bandwidth_mib_s", float("inf"), "--replica-bandwidth-mib-s inf"),
+                                               ("memory_mib", -1, "--replica-memory-mib -1"),
+                                               ("timeout_s", float("nan"), "replica timeout nan")])
+def test_replica_settings_out_of_range_name_their_flag(field, value, said) -> None:
+    """Found by a user's review: `trainguard run --replica-bandwidth-mib-s nan` was taken as "no cap", silently."""
+    from trainguard.agent.replica_agent import ReplicaConfigError
+
+    ReplicaConfig().validate()
+    with pytest.raises(ReplicaConfigError, match=said):
+        ReplicaConfig(**{field: value}).validate()
+
+
 def test_a_buddy_refusing_for_room_is_retried_less_often_and_warned_about_once(roots, caplog) -> None:
     """Found by a user's review: with Docker's 64 MiB /dev/shm a buddy can never keep the 64 MiB reserve free, and
     the same copy was pushed, refused and warned about on both nodes every second for the job's whole life."""
