@@ -227,6 +227,7 @@ class LinkLocator:
         self.finding: LinkFinding | None = None
         self.last_outcome = ""  # one line for operators
         self._untimed = False  # the last window compared no two ranks' own work (see on_window)
+        self._unprobed = False  # last_outcome is the "cannot probe" line, which names the cause of a slowdown
         self.campaigns = 0
         self.started_at: float | None = None
 
@@ -263,6 +264,10 @@ class LinkLocator:
         slowed = job_slowdown == job_slowdown and job_slowdown >= cfg.slow_ratio
         self._over = self._over + 1 if slowed and not compute_straggler else 0
         self._under = self._under + 1 if not (job_slowdown >= cfg.clear_ratio) else 0
+        if compute_straggler and self._unprobed:
+            # A rank flagged since: the slowdown has its cause, and "with no compute straggler" would contradict
+            # the slow-rank table beside it in every status.
+            self.last_outcome, self._unprobed = "", False
         if self.finding is not None and self._under >= cfg.clear_windows:
             self.last_outcome = (f"{self.finding.node_id}'s links: cleared (the job's step is back within "
                                  f"{cfg.clear_ratio:g}x of its baseline)")
@@ -275,6 +280,7 @@ class LinkLocator:
         if len(ready) < 3:
             self.last_outcome = (f"job {job_slowdown:.2f}x slower {self._cause()}; link probe needs >= 3 "
                                  f"nodes with a probe listener, {len(ready)} have one")
+            self._unprobed = True
             self._next_ok = now + cfg.cooldown_s
             return False
         rounds = pair_rounds(sorted(ready), cfg.max_peers, cfg.repeats)

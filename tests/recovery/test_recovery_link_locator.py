@@ -271,6 +271,16 @@ def test_two_nodes_without_timed_ranks_are_told_why_no_rank_is_named():
     assert "no compute straggler" in loc.last_outcome and "needs >= 3 nodes" in loc.last_outcome
 
 
+def test_the_cannot_probe_line_goes_once_a_compute_straggler_is_flagged():
+    # Found by a user's review (2 nodes, one worker CPU-throttled): `trainguard status` listed the slow rank and,
+    # below it, "link probe: job 3.81x slower with no compute straggler", written while the flag was persisting.
+    loc = LinkLocator(LinkProbeConfig(trigger_windows=1, cooldown_s=0))
+    two = {n: EP[n] for n in "ab"}
+    loc.on_window(3.0, False, two, 0.0)
+    assert "no compute straggler" in loc.last_outcome
+    assert not loc.on_window(3.0, True, two, 1.0) and loc.last_outcome == ""
+
+
 def test_core_healthy_links_under_a_job_slowdown_name_no_one():
     c = _Core3(spares=1)
     rng = random.Random(3)
