@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from trainguard.agent.errors import CoordinatorUnavailableError
+from trainguard.agent.errors import CoordinatorUnavailableError, RegistrationCancelledError
 from trainguard.agent.lifecycle import Lifecycle
 from trainguard.agent.node_faults import NodeReportLedger
 from trainguard.agent.parts import LINK_TRANSITIONS, HeartbeatContent, LinkState, LinkTrigger
@@ -118,6 +119,7 @@ class GrpcCoordinatorLink:
         self._last_heartbeat = 0.0
         self._in_keepalive = False
         self._told = ""  # the last STOP/WAIT message logged: a standing one is logged once, not every heartbeat
+        self._cancelled = threading.Event()  # a stop was asked for: a registration still waiting gives up
         # Tells a restarted agent of this node apart from a second agent claiming the same node id.
         self._instance = uuid.uuid4().hex
 
@@ -193,8 +195,17 @@ class GrpcCoordinatorLink:
                         f"coordinator {self.config.coordinator} unreachable for {patience_s:.0f}s; "
                         "check the address and that it runs"
                     ) from exc
-                time.sleep(delay)
+                if self._cancelled.wait(delay):
+                    raise RegistrationCancelledError(
+                        f"registration with coordinator {self.config.coordinator} cancelled: a stop was asked for"
+                    ) from exc
                 delay = min(2.0, delay * 2)
+
+    def cancel(self) -> None:
+        """Ends a registration still waiting for an unreachable coordinator (a signal asked the node to stop):
+        :meth:`open` then raises :class:`RegistrationCancelledError` within one retry delay (2 s at most)
+        instead of retrying until ``patience_s`` (SIGTERM used to be obeyed only after the whole patience)."""
+        self._cancelled.set()
 
     def heartbeat(self, content: HeartbeatContent) -> coordinator_pb2.NodeHeartbeatResponse | None:
         """Sends one heartbeat.

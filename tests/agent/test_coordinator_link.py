@@ -134,3 +134,39 @@ def test_link_table_refuses_illegal_moves() -> None:
     with pytest.raises(IllegalTransitionError):
         life.fire(LinkTrigger.REGISTERED)  # DONE is final
     assert life.fire(LinkTrigger.CLOSE) == LinkState.DONE
+
+
+def test_a_stop_while_registering_with_an_unreachable_coordinator_ends_the_run_at_once(tmp_path) -> None:
+    """Found by a user's review: `timeout 20 trainguard run --coordinator <down> ...` logged "received SIGTERM:
+    stopping workers" and then went on retrying registration until the 60 s patience, ending with "coordinator
+    unreachable" instead of the signal's 143."""
+    import signal
+    import threading
+
+    from trainguard.agent.errors import RegistrationCancelledError
+    from trainguard.agent.node import NodeAgent, NodeConfig
+
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1", patience_s=600))
+    raised: list[BaseException] = []
+
+    def register() -> None:
+        try:
+            link.open()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            raised.append(exc)
+
+    th = threading.Thread(target=register)
+    th.start()
+    link.cancel()
+    th.join(60)
+    assert not th.is_alive() and len(raised) == 1 and isinstance(raised[0], RegistrationCancelledError), raised
+    link.close()
+
+    agent = NodeAgent(NodeConfig(job="link", coordinator="127.0.0.1:1", argv=["x"], checkpoint_dir=str(tmp_path),
+                                 address="127.0.0.1", coordinator_patience_s=600))
+    codes: list[int] = []
+    runner = threading.Thread(target=lambda: codes.append(agent.run()))
+    runner.start()
+    agent.request_stop(signal.SIGTERM)
+    runner.join(60)
+    assert not runner.is_alive() and codes == [143], codes
