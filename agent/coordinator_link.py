@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from trainguard.agent.errors import AgentError, CoordinatorUnavailableError
+from trainguard.agent.errors import AgentError, CoordinatorUnavailableError, RegistrationCancelledError
 from trainguard.agent.lifecycle import Lifecycle
 from trainguard.agent.node_faults import NodeReportLedger
 from trainguard.agent.parts import LINK_TRANSITIONS, HeartbeatContent, LinkState, LinkTrigger
@@ -128,6 +129,8 @@ class GrpcCoordinatorLink:
         self._unsent: list[coordinator_pb2.ReportEventRequest] = []
         self._last_heartbeat = 0.0
         self._in_keepalive = False
+        self._told = ""  # the last STOP/WAIT message logged: a standing one is logged once, not every heartbeat
+        self._cancelled = threading.Event()  # a stop was asked for: a registration still waiting gives up
         # Tells a restarted agent of this node apart from a second agent claiming the same node id.
         self._instance = uuid.uuid4().hex
 
@@ -203,8 +206,17 @@ class GrpcCoordinatorLink:
                         f"coordinator {self.config.coordinator} unreachable for {patience_s:.0f}s; "
                         "check the address and that it runs"
                     ) from exc
-                time.sleep(delay)
+                if self._cancelled.wait(delay):
+                    raise RegistrationCancelledError(
+                        f"registration with coordinator {self.config.coordinator} cancelled: a stop was asked for"
+                    ) from exc
                 delay = min(2.0, delay * 2)
+
+    def cancel(self) -> None:
+        """Ends a registration still waiting for an unreachable coordinator (a signal asked the node to stop):
+        :meth:`open` then raises :class:`RegistrationCancelledError` within one retry delay (2 s at most)
+        instead of retrying until ``patience_s`` (SIGTERM used to be obeyed only after the whole patience)."""
+        self._cancelled.set()
 
     def heartbeat(self, content: HeartbeatContent) -> coordinator_pb2.NodeHeartbeatResponse | None:
         """Sends one heartbeat.
@@ -292,6 +304,19 @@ class GrpcCoordinatorLink:
                 self._life.fire_if(_T.JOB_ENDED)
             else:
                 self._life.fire_if(_T.IDLE)  # the job goes on without this node's workers for now
+        self._log_standing(resp)
+
+    def _log_standing(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> None:
+        """Logs why the coordinator keeps this node idle (cordoned, or a recovery waiting for capacity), once per
+        message: without it a cordoned node that registered again, or every node of a job waiting for a spare,
+        sat silent for up to ``--membership-timeout`` while only the coordinator's log said why."""
+        cmd = resp.command
+        if cmd not in (coordinator_pb2.NODE_COMMAND_STOP, coordinator_pb2.NODE_COMMAND_WAIT) or not resp.message \
+                or resp.message == self._told \
+                or resp.job_state in (coordinator_pb2.JOB_STATE_SUCCEEDED, coordinator_pb2.JOB_STATE_FAILED):
+            return
+        self._told = resp.message
+        (log.warning if cmd == coordinator_pb2.NODE_COMMAND_STOP else log.info)("coordinator: %s", resp.message)
 
     def check_patience(self, workers_running: int, now: float | None = None,
                        local_succeeded: int | None = None) -> None:

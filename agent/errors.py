@@ -17,6 +17,10 @@ class CoordinatorUnavailableError(AgentError):
     """The coordinator did not answer within the configured patience."""
 
 
+class RegistrationCancelledError(CoordinatorUnavailableError):
+    """A stop was asked for while the node still waited to register with an unreachable coordinator."""
+
+
 class JobFailedError(AgentError):
     """The coordinator declared the job failed (restart budget exhausted or impossible membership)."""
 

@@ -46,7 +46,7 @@ import grpc
 
 from trainguard._version import __version__
 from trainguard.agent.coordinator_link import GrpcCoordinatorLink, LinkConfig, find_free_port  # noqa: F401
-from trainguard.agent.errors import JobFailedError
+from trainguard.agent.errors import JobFailedError, RegistrationCancelledError
 from trainguard.agent.event_bus import EventBus
 from trainguard.agent.fault_records import FaultRecord  # noqa: F401 (re-exported)
 from trainguard.agent.generation import (  # noqa: F401 (the env names are re-exported)
@@ -537,6 +537,7 @@ class NodeAgent:
             self._notifier.stopping(f"job {self.config.job}: stopping workers")
         self.stopping = True
         self.stop_code = 128 + int(signum)
+        self.link.cancel()  # a registration still waiting for the coordinator gives up now
         self._wake.set()
 
     def _start_health(self) -> None:
@@ -572,7 +573,10 @@ class NodeAgent:
 
             preload()  # torch for the workers' store, imported while the node registers
         try:
-            self.link.open()
+            try:
+                self.link.open()
+            except RegistrationCancelledError:
+                return self.stop_code  # stopped by a signal before the coordinator answered
             if self.job_memory is not None:
                 self.job_memory.start()
             with keep_lease(lambda: self.link.keepalive(self._beat_content), self.link.interval_s, "detector start"):

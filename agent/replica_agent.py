@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +33,12 @@ from trainguard.checkpoint.replica_store import ReplicaStore, arena_writer
 from trainguard.proto import coordinator_pb2
 
 log = logging.getLogger(__name__)
+
+#: Seconds before a refused push is tried again, doubled at each further refusal by the same buddy up to
+#: :data:`REFUSED_RETRY_MAX_S`. A refusal for room persists (a 64 MiB container /dev/shm can never keep the
+#: reserve free): retried every second, it cost a warning per second on both ends for the job's whole life.
+REFUSED_RETRY_S = 1.0
+REFUSED_RETRY_MAX_S = 60.0
 
 
 class ReplicaConfigError(AgentError):
@@ -65,10 +72,10 @@ class ReplicaConfig:
         for flag, value in (("--replica-bandwidth-mib-s", self.bandwidth_mib_s), ("--replica-memory-mib",
                                                                                  self.memory_mib),
                             ("--replica-reserve-mib", self.reserve_mib)):
-            if value < 0:
-                raise ReplicaConfigError(f"{flag} {value}: must be >= 0")
-        if self.timeout_s <= 0:
-            raise ReplicaConfigError(f"replica timeout {self.timeout_s}: must be > 0 seconds")
+            if not (value >= 0 and math.isfinite(value)):  # NaN passed `< 0` and meant "no cap", silently
+                raise ReplicaConfigError(f"{flag} {value}: must be a finite number >= 0")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ReplicaConfigError(f"replica timeout {self.timeout_s}: must be a finite number of seconds > 0")
 
 
 @dataclass
@@ -91,10 +98,13 @@ class ReplicaAgent:
         tier: the node's memory tier (own copies to push; replicas are reported through it).
         node_id: this node.
         host: the data address to serve on.
+        clock: monotonic clock of the retry times, seconds (tests may inject one).
     """
 
-    def __init__(self, config: ReplicaConfig, tier: MemoryTier, node_id: str, host: str) -> None:
+    def __init__(self, config: ReplicaConfig, tier: MemoryTier, node_id: str, host: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         config.validate()
+        self._clock = clock
         self.config, self.tier, self.node_id, self.job = config, tier, node_id, tier.job
         self.store = ReplicaStore(tier.shm_root, tier.job, config.memory_mib << 20, config.reserve_mib << 20)
         tier.replicas = self.store
@@ -105,6 +115,7 @@ class ReplicaAgent:
         self._targets: tuple[tuple[str, str], ...] = ()
         self._pushed: dict[tuple[str, int], tuple[int, float]] = {}  # (buddy, rank) -> (step, created) it holds
         self._retry_at: dict[str, float] = {}
+        self._refusals: dict[str, int] = {}  # buddy -> refusals since its last accepted push (backoff, logging)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         tier.on_new_copy = self._wake.set  # a new snapshot is pushed as soon as the scan verified it
@@ -174,36 +185,51 @@ class ReplicaAgent:
             targets = self._targets
         copies = self.tier.own_copies()
         for buddy, address in targets:
-            if time.monotonic() < self._retry_at.get(buddy, 0.0):
+            if self._clock() < self._retry_at.get(buddy, 0.0):
                 continue
             for rank, (step, paths, man) in sorted(copies.items()):
                 if self._stop.is_set():
                     return
                 if self._pushed.get((buddy, rank)) == (step, man.created):
                     continue
-                t0 = time.monotonic()
+                t0 = self._clock()
                 try:
                     ack = push(address, copy_stream(self.job, man, paths.data, self.node_id,
                                                     Throttle(self.config.bandwidth_mib_s)), self.config.timeout_s,
                                self.config.token)
                 except (grpc.RpcError, CheckpointError, OSError) as exc:
                     self.stats.push_failures += 1
-                    self._retry_at[buddy] = time.monotonic() + 1.0
+                    self._retry_at[buddy] = self._clock() + 1.0
                     log.warning("replica of rank %d step %d to %s failed: %s", rank, step, buddy,
                                 _rpc_text(exc))
                     break
                 if not ack.ok:
-                    self.stats.push_failures += 1
-                    self._retry_at[buddy] = time.monotonic() + 1.0
-                    log.warning("%s refused the replica of rank %d step %d: %s", buddy, rank, step, ack.error)
+                    self._refused(buddy, rank, step, ack.error)
                     break
-                took = time.monotonic() - t0
+                took = self._clock() - t0
+                if self._refusals.pop(buddy, 0):
+                    log.info("%s accepts replicas again", buddy)
                 self._pushed[(buddy, rank)] = (step, man.created)
                 self.stats.pushes += 1
                 self.stats.pushed_bytes += man.data_bytes
                 self.stats.push_seconds = (self.stats.push_seconds + [took])[-256:]
                 log.info("replicated rank %d step %d to %s: %d bytes in %.3f s", rank, step, buddy, man.data_bytes,
                          took)
+
+    def _refused(self, buddy: str, rank: int, step: int, error: str) -> None:
+        """Backs off from a buddy that refused a copy, doubling the wait per refusal in a row; only the first
+        refusal in a row is a warning (the push-failure count in the metrics and status keeps counting)."""
+        self.stats.push_failures += 1
+        n = self._refusals[buddy] = self._refusals.get(buddy, 0) + 1
+        wait = min(REFUSED_RETRY_S * 2 ** (n - 1), REFUSED_RETRY_MAX_S)
+        self._retry_at[buddy] = self._clock() + wait
+        if n == 1:
+            log.warning("%s refused the replica of rank %d step %d: %s (retried after %.0f s, then less often up "
+                        "to every %.0f s; further refusals are logged at debug level)", buddy, rank, step, error,
+                        wait, REFUSED_RETRY_MAX_S)
+        else:
+            log.debug("%s refused the replica of rank %d step %d again (%d in a row): %s", buddy, rank, step, n,
+                      error)
 
     # -- fetch -----------------------------------------------------------------------------------------------
     def fetch_planned(self, plan: coordinator_pb2.MemoryRestorePlan | None, ranks: Sequence[int],

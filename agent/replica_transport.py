@@ -43,6 +43,22 @@ PIECE_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 _OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+#: A push or fetch whose peer stops answering (frozen, or its link gone without a reset) for about this long is
+#: abandoned, seconds: the channel pings every half of it and gives the ping the other half, and a connection
+#: attempt gets as long. Without it only the call's whole bound (``ReplicaConfig.timeout_s``, 600 s) ended it: a
+#: replacement fetching from a peer that froze held the job's next generation for 10 minutes.
+STALL_S = 20.0
+#: The server accepts those pings, also while it sends nothing (a receiver during a push).
+_SERVER_OPTIONS = _OPTIONS + [("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+                              ("grpc.http2.max_ping_strikes", 0)]
+
+
+def _channel_options(stall_s: float) -> list[tuple[str, int]]:
+    """Client options: message limits, and keepalive pings that end a call once the peer is silent ~``stall_s``."""
+    half_ms = max(500, int(stall_s * 500))
+    return _OPTIONS + [("grpc.keepalive_time_ms", half_ms), ("grpc.keepalive_timeout_ms", half_ms),
+                       ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0),
+                       ("grpc.min_reconnect_backoff_ms", 2 * half_ms)]
 
 
 class Throttle:
@@ -137,16 +153,19 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
                  own_copy: Callable[[int], tuple[str, Manifest] | None]) -> None:
         self.job, self.store, self.own_copy = job, store, own_copy
         self.received_bytes = 0
+        self._refusing = False  # refused the last push: a refusal in a row is logged at debug level only
 
     def PushReplica(self, request_iterator, context):  # noqa: N802 (gRPC method name)
         try:
             replica, man = receive(request_iterator, self.job, self.store.begin)
         except ReplicaRefusedError as exc:
-            log.warning("replica refused: %s", exc)
+            (log.debug if self._refusing else log.warning)("replica refused: %s", exc)
+            self._refusing = True
             return replica_pb2.ReplicaAck(ok=False, error=str(exc))
         except OSError as exc:  # the tmpfs itself (full, or a folder another agent on this host changed)
             log.warning("replica not stored: %s", exc)
             return replica_pb2.ReplicaAck(ok=False, error=f"the receiver could not store it: {exc}")
+        self._refusing = False
         self.received_bytes += man.data_bytes
         log.info("holding the replica of rank %d step %d (%d bytes)", man.rank, man.step, man.data_bytes)
         return replica_pb2.ReplicaAck(ok=True, bytes=man.data_bytes)
@@ -188,7 +207,7 @@ class ReplicaServer:
         self.token_check = TokenCheck(token, what="replica server") if token else None
         interceptors = [guard] if self.token_check is None else [self.token_check, guard]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="replica"),
-                                  interceptors=interceptors, options=_OPTIONS)
+                                  interceptors=interceptors, options=_SERVER_OPTIONS)
         replica_pb2_grpc.add_MemoryReplicaServicer_to_server(servicer, self.server)
         bracket = f"[{host}]" if ":" in host else host
         port = self.server.add_insecure_port(f"{bracket}:0")
@@ -209,29 +228,30 @@ def _metadata(token: str) -> tuple[tuple[str, str], ...]:
 
 
 def push(address: str, messages: Iterator[replica_pb2.ReplicaChunk], timeout_s: float,
-         token: str = "") -> replica_pb2.ReplicaAck:
-    """Sends one copy to the buddy at ``address`` (with the job token, when the job has one).
+         token: str = "", stall_s: float = STALL_S) -> replica_pb2.ReplicaAck:
+    """Sends one copy to the buddy at ``address`` (with the job token, when the job has one); a buddy silent for
+    about ``stall_s`` seconds ends the call (UNAVAILABLE) well before ``timeout_s``.
 
     Raises:
         grpc.RpcError: the buddy is unreachable, refused the token (UNAUTHENTICATED) or died mid-stream, or the
             stream failed on this side (a chunk failing its checksum cancels it).
     """
-    with grpc.insecure_channel(address, options=_OPTIONS) as ch:
+    with grpc.insecure_channel(address, options=_channel_options(stall_s)) as ch:
         return replica_pb2_grpc.MemoryReplicaStub(ch).PushReplica(messages, timeout=timeout_s,
                                                                   metadata=_metadata(token))
 
 
 def fetch(address: str, job: str, rank: int, min_step: int, open_writer: Callable[[Manifest], ReplicaWriter],
-          timeout_s: float, token: str = "") -> tuple[object, Manifest]:
+          timeout_s: float, token: str = "", stall_s: float = STALL_S) -> tuple[object, Manifest]:
     """Fetches the newest copy of ``rank`` (step >= ``min_step``) from the node at ``address`` (with the job
-    token, when the job has one).
+    token, when the job has one); a peer silent for about ``stall_s`` seconds ends the call before ``timeout_s``.
 
     Raises:
         grpc.RpcError: the peer is unreachable, refused the token (UNAUTHENTICATED), holds no such copy
             (NOT_FOUND), or died mid-stream.
         ReplicaRefusedError: the copy failed verification or does not fit (nothing is published).
     """
-    with grpc.insecure_channel(address, options=_OPTIONS) as ch:
+    with grpc.insecure_channel(address, options=_channel_options(stall_s)) as ch:
         stream = replica_pb2_grpc.MemoryReplicaStub(ch).FetchReplica(
             replica_pb2.FetchReplicaRequest(job=job, rank=rank, min_step=min_step), timeout=timeout_s,
             metadata=_metadata(token))

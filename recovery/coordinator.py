@@ -312,10 +312,27 @@ class JobCoordinator:
         placement = place(lay, [m.spec() for m in holders], free,
                           allow_shrink=plan.level is Level.NODE and self.spec.allow_shrink,
                           min_nodes=self._policy.config.min_nodes)
+        if placement.layout is None:
+            placement = replace(placement, waiting=placement.waiting + self._cordoned_live(now))
         self._apply(MembershipChanged(placement, self._wall()))
         if placement.layout is None:
             self._note(f"generation {plan.generation} waits: {placement.waiting}")
         return placement.layout
+
+    def _cordoned_live(self, now: float) -> str:
+        """Names the live members a vacancy cannot use because they are cordoned (lock held; "" when none).
+
+        A node cordoned in an earlier recovery stays out of the job when its agent registers again under the same
+        id, so an operator who restarted it would otherwise read only "register a spare node" while the job
+        waits, with no hint that the node they just started is excluded, nor why.
+        """
+        st = self._policy.state
+        live = sorted(n for n in st.cordoned if (m := self._members.get(n)) is not None and self._lease_live(m, now))
+        if not live:
+            return ""
+        named = ", ".join(f"{n!r} ({self._members[n].refused or st.cordon_why.get(n) or 'cordoned'})" for n in live)
+        return (f"; registered but cordoned for this job, so never given a slot again: {named} (a repaired machine "
+                "joins under a new --node-id)")
 
     def _next_layout(self, now: float) -> RankLayout | None:
         """The layout the next generation would get; recomputed only when the membership changed.

@@ -111,11 +111,18 @@ class CommandCordon:
         if not self._words:
             raise CordonConfigError("--cordon-command is empty; give a command such as "
                                     "'scontrol update nodename={host} state=drain reason={reason}'")
+        use = ", ".join("{" + f + "}" for f in COMMAND_FIELDS)
         for word in self._words:
-            for _, fname, _, _ in string.Formatter().parse(word):
-                if fname is not None and fname not in COMMAND_FIELDS:
-                    raise CordonConfigError(f"--cordon-command: unknown field {{{fname}}}; use "
-                                            + ", ".join("{" + f + "}" for f in COMMAND_FIELDS))
+            try:
+                for _, fname, _, _ in string.Formatter().parse(word):
+                    if fname is not None and fname not in COMMAND_FIELDS:
+                        raise CordonConfigError(f"--cordon-command: unknown field {{{fname}}}; use {use}")
+                # A brace left open, or a conversion/format spec the field cannot take, fails here, at start-up,
+                # rather than at the first cordon on the dispatcher thread.
+                word.format(**dict.fromkeys(COMMAND_FIELDS, "x"))
+            except (ValueError, KeyError, IndexError, AttributeError) as exc:
+                raise CordonConfigError(f"--cordon-command: cannot use {word!r} ({exc}); write a field as {use}, "
+                                        "and a literal brace as {{ or }}") from exc
         self.timeout_s = timeout_s
 
     def argv(self, target: CordonTarget) -> list[str]:

@@ -197,6 +197,7 @@ def decide(config: PolicyConfig, state: PolicyState, event: Event) -> Step:
         st = policy.state
         if event.node_id not in st.cordoned:
             st.cordoned.append(event.node_id)
+            st.cordon_why[event.node_id] = event.reason
             st.message = f"node {event.node_id} cordoned: {event.reason}"
             actions.append(Announce(Severity.WARNING, st.message))
     new = policy.state

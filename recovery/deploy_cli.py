@@ -116,7 +116,7 @@ def start_coordinator_extras(args: argparse.Namespace, server) -> CoordinatorExt
     Raises:
         UsageError: an address cannot be bound or a hook is misconfigured.
     """
-    from trainguard.agent.config import AgentConfigError
+    from trainguard.agent.config import AgentConfigError, parse_hostport
     from trainguard.agent.metrics import MetricsServer
     from trainguard.recovery.observe import CoordinatorMetrics, serve_health_only
 
@@ -126,6 +126,10 @@ def start_coordinator_extras(args: argparse.Namespace, server) -> CoordinatorExt
     try:
         if getattr(args, "metrics_listen", None):
             metrics = CoordinatorMetrics(server.watch, dispatcher)
+            try:
+                parse_hostport(args.metrics_listen)
+            except ValueError as exc:  # a traceback before: the metrics server only checks a parsed address
+                raise UsageError(f"--metrics-listen {exc}") from exc
             try:
                 extras.metrics_server = MetricsServer(metrics, args.metrics_listen)  # type: ignore[arg-type]
             except AgentConfigError as exc:

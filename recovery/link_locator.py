@@ -226,15 +226,24 @@ class LinkLocator:
         self._campaign: _Campaign | None = None
         self.finding: LinkFinding | None = None
         self.last_outcome = ""  # one line for operators
+        self._untimed = False  # the last window compared no two ranks' own work (see on_window)
+        self._unprobed = False  # last_outcome is the "cannot probe" line, which names the cause of a slowdown
         self.campaigns = 0
         self.started_at: float | None = None
+
+    def _cause(self) -> str:
+        """Why no rank explains the slowdown, for the outcome lines."""
+        if self._untimed:
+            return ("but no rank times its own work, so a slow rank cannot be named (time the step's parts with "
+                    "session.section(...), the wait in collectives as 'comm')")
+        return "with no compute straggler"
 
     def _move(self, event: str) -> None:
         self.state = TRANSITIONS[(self.state, event)]
 
     # -- trigger ---------------------------------------------------------------------------------------------
     def on_window(self, job_slowdown: float, compute_straggler: bool, endpoints: Mapping[str, tuple[str, int]],
-                  now: float) -> bool:
+                  now: float, ranks_compared: bool = True) -> bool:
         """Looks at a scored window; may start a probe campaign.
 
         Args:
@@ -243,14 +252,22 @@ class LinkLocator:
                 slowdown: no probe).
             endpoints: node -> (address, probe port) of the nodes holding ranks now (port 0: cannot be probed).
             now: coordinator clock, seconds.
+            ranks_compared: the window compared at least two ranks' own work. False when the ranks report step
+                times only (a training loop without timed sections): a slow rank then looks like a slow link,
+                and the outcome lines say so instead of claiming there is no compute straggler.
 
         Returns:
             True when a campaign started.
         """
         cfg = self.config
+        self._untimed = not ranks_compared
         slowed = job_slowdown == job_slowdown and job_slowdown >= cfg.slow_ratio
         self._over = self._over + 1 if slowed and not compute_straggler else 0
         self._under = self._under + 1 if not (job_slowdown >= cfg.clear_ratio) else 0
+        if compute_straggler and self._unprobed:
+            # A rank flagged since: the slowdown has its cause, and "with no compute straggler" would contradict
+            # the slow-rank table beside it in every status.
+            self.last_outcome, self._unprobed = "", False
         if self.finding is not None and self._under >= cfg.clear_windows:
             self.last_outcome = (f"{self.finding.node_id}'s links: cleared (the job's step is back within "
                                  f"{cfg.clear_ratio:g}x of its baseline)")
@@ -261,8 +278,9 @@ class LinkLocator:
             return False
         ready = {n: ep for n, ep in endpoints.items() if ep[1] > 0 and ep[0]}
         if len(ready) < 3:
-            self.last_outcome = (f"job {job_slowdown:.2f}x slower with no compute straggler; link probe needs >= 3 "
+            self.last_outcome = (f"job {job_slowdown:.2f}x slower {self._cause()}; link probe needs >= 3 "
                                  f"nodes with a probe listener, {len(ready)} have one")
+            self._unprobed = True
             self._next_ok = now + cfg.cooldown_s
             return False
         rounds = pair_rounds(sorted(ready), cfg.max_peers, cfg.repeats)
@@ -340,6 +358,8 @@ class LinkLocator:
             rates = sorted(best.values())
             self.last_outcome = (f"link probe of {len(best)} pair(s) in {took:.1f} s named no node (pair rates "
                                  f"{_mbs(rates[0])}..{_mbs(rates[-1])} MB/s)" if rates else "link probe: no pairs")
+            if self._untimed:
+                self.last_outcome += f"; the job is slower {self._cause()}"
             self.finding = None
             return None
         node, ratio, med, ref, pairs = named[0]

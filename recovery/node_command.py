@@ -54,7 +54,8 @@ def command_for(m: Member, st: PolicyState, layout: RankLayout | None, table: Ge
         return HeartbeatReply(replace(ins, command=Command.STOP))
     if nid in st.cordoned:
         return HeartbeatReply(replace(ins, command=Command.STOP,
-                                      message=f"node {nid} is cordoned: {m.refused or st.message}"))
+                                      message=f"node {nid} is cordoned: "
+                                              f"{m.refused or st.cordon_why.get(nid) or st.message}"))
     if st.plan is not None or layout is None:
         if layout is None and form_note:
             ins = replace(ins, message=form_note)

@@ -120,13 +120,17 @@ def serve_health_only(status: ServingStatus, listen: str, name: str) -> tuple["g
         The started server and its port.
 
     Raises:
-        UsageError: ``listen`` cannot be bound (in use or not local), naming ``--health-listen``.
+        UsageError: ``listen`` has no port in 0-65535 or cannot be bound (in use or not local), naming
+            ``--health-listen``.
     """
     import grpc
     from concurrent import futures
 
     from trainguard.errors import UsageError
 
+    _, sep, port_text = listen.rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:  # gRPC binds 99999 to another port, silently
+        raise UsageError(f"--health-listen {listen!r}: give HOST:PORT with a port in 0-65535")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=name),
                          options=[("grpc.so_reuseport", 0)])
     status.add_to_server(server)

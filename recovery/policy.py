@@ -287,6 +287,8 @@ class PolicyState:
         process_failures: node id -> times (s) of its process-level failures in the window.
         node_failures: times (s) of node-level failures in the window.
         cordoned: nodes excluded from the job.
+        cordon_why: node id -> the failure that cordoned it (or will, once the plan forms), for the node's own
+            heartbeat answer and the wait message of a plan that cannot be placed.
         plan: the recovery being prepared, None when none.
         message: last human-readable reason (failure, recovery, success).
         forming_waiting: why the first generation cannot be laid out although enough nodes registered ("").
@@ -305,6 +307,7 @@ class PolicyState:
     message: str = ""
     forming_waiting: str = ""
     forming_since_s: float = 0.0
+    cordon_why: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         """JSON-friendly form (inverse of :meth:`from_dict`)."""
@@ -314,6 +317,7 @@ class PolicyState:
             "process_failures": self.process_failures, "node_failures": self.node_failures,
             "cordoned": self.cordoned, "message": self.message, "plan": None,
             "forming_waiting": self.forming_waiting, "forming_since_s": self.forming_since_s,
+            "cordon_why": self.cordon_why,
         }
         if self.plan is not None:
             p = self.plan
@@ -350,7 +354,8 @@ class PolicyState:
                        {str(k): [float(t) for t in v] for k, v in dict(d["process_failures"]).items()},  # type: ignore
                        [float(t) for t in d["node_failures"]], [str(n) for n in d["cordoned"]],  # type: ignore
                        plan, str(d.get("message", "")), str(d.get("forming_waiting", "")),  # type: ignore
-                       float(d.get("forming_since_s", 0.0)))  # type: ignore
+                       float(d.get("forming_since_s", 0.0)),  # type: ignore
+                       {str(k): str(v) for k, v in dict(d.get("cordon_why") or {}).items()})  # type: ignore
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PolicyError(f"stored policy state is malformed ({exc}): the store is corrupt") from exc
 
@@ -605,11 +610,13 @@ class RecoveryPolicy:
             # No generation runs: a failing node simply does not get a rank.
             if f.node_id not in st.cordoned and base >= Level.NODE:
                 st.cordoned.append(f.node_id)
+                st.cordon_why[f.node_id] = f.describe()
             return Decision(Level.NONE, st.generation, message=f"before the first generation: {f.describe()}")
         if layout is not None and layout.slot_of(f.node_id) is None:
             # A spare (or a node the layout no longer holds) runs no ranks: no generation to replace.
             if base >= Level.NODE and f.node_id not in st.cordoned:
                 st.cordoned.append(f.node_id)
+                st.cordon_why[f.node_id] = f.describe()
                 return Decision(Level.NONE, st.generation, message=f"spare cordoned: {f.describe()}")
             return Decision(Level.NONE, st.generation, message=f"no ranks on that node: {f.describe()}")
         self._prune(f.time_s)
@@ -635,6 +642,8 @@ class RecoveryPolicy:
         st.plan = plan
         self._record(f, level)
         self._add_failed(plan, f, level)
+        if level >= Level.NODE:
+            st.cordon_why[f.node_id] = f.describe()
         reasons = self._place_nodes(plan, layout, members, spares)
         if reasons:
             plan.level = ESCALATION[(Level.NODE, Escalation.NO_SPARE_NO_SHRINK)]
@@ -679,6 +688,8 @@ class RecoveryPolicy:
         if level >= Level.NODE:
             self._record(f, level)
         self._add_failed(plan, f, level)
+        if level >= Level.NODE:
+            st.cordon_why[f.node_id] = f.describe()
         if plan.level >= Level.NODE:
             reasons = self._place_nodes(plan, layout, members, spares)
             if reasons:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import re
 from dataclasses import dataclass, field
 
@@ -90,11 +92,16 @@ class JobSpec:
             raise InvalidRequestError(f"membership timeout {self.membership_timeout_s} s must be positive")
         if self.memory_replicas < 0:
             raise InvalidRequestError(f"memory replicas {self.memory_replicas} must be >= 0 (0: no replication)")
-        if self.max_heartbeat_rate <= 0:
+        if not (self.max_heartbeat_rate > 0 and math.isfinite(self.max_heartbeat_rate)):
             raise InvalidRequestError(f"max heartbeat rate {self.max_heartbeat_rate}/s must be positive")
-        if self.heartbeat_interval_s <= 0 or self.lease_timeout_s <= self.heartbeat_interval_s:
+        # NaN passed every comparison below (nodes were told a NaN interval), and an infinite lease or backoff
+        # never runs out: a dead node would never be replaced, a second restart never start.
+        if not (0 < self.heartbeat_interval_s < self.lease_timeout_s and math.isfinite(self.lease_timeout_s)):
             raise InvalidRequestError(f"lease timeout {self.lease_timeout_s} s must exceed the heartbeat interval "
-                                      f"{self.heartbeat_interval_s} s (> 0)")
+                                      f"{self.heartbeat_interval_s} s (> 0), both finite")
+        for what, v in (("backoff", self.backoff_initial_s), ("backoff maximum", self.backoff_max_s)):
+            if not (v >= 0 and math.isfinite(v)):
+                raise InvalidRequestError(f"{what} {v} s must be a finite number of seconds >= 0")
 
     def policy_config(self) -> PolicyConfig:
         """The recovery policy's knobs derived from this spec."""

@@ -63,6 +63,29 @@ def test_worker_member_follows_start_then_stop(coordinator) -> None:
         link.close()
 
 
+def test_a_standing_stop_or_wait_message_is_logged_once(caplog) -> None:
+    """Found by a user's review: a node cordoned in an earlier recovery that registered again under its id, and
+    every node of a job waiting for a spare, logged nothing while the job waited (the why was only in the
+    coordinator's log)."""
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1"))
+    cordoned = coordinator_pb2.NodeHeartbeatResponse(
+        command=coordinator_pb2.NODE_COMMAND_STOP, job_state=coordinator_pb2.JOB_STATE_RECOVERING,
+        message="node n1 is cordoned: node n1 node lost (no heartbeat for 6.0 s)")
+    with caplog.at_level("INFO", logger="trainguard.agent.coordinator_link"):
+        for _ in range(3):
+            link.follow(cordoned)
+        waits = coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_WAIT,
+                                                      message="generation 3 waits: no spare node for 1 slot")
+        link.follow(waits)
+        link.follow(waits)
+        link.follow(coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_STOP,
+                                                          job_state=coordinator_pb2.JOB_STATE_SUCCEEDED,
+                                                          message="succeeded in generation 3"))
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said == [("WARNING", f"coordinator: {cordoned.message}"), ("INFO", f"coordinator: {waits.message}")]
+    link.close()
+
+
 def test_unreachable_coordinator_is_bounded_by_patience() -> None:
     link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1", patience_s=0.3))
     with pytest.raises(CoordinatorUnavailableError, match="unreachable"):
@@ -128,3 +151,39 @@ def test_an_address_that_is_not_this_hosts_is_a_one_line_error(address, tmp_path
     err = done.stderr.strip().splitlines()[-1]
     assert err.startswith(f"trainguard: error: cannot listen on this node's address '{address}'") and "--local-addr" in err
     assert "Traceback" not in done.stderr and "never started" not in done.stdout
+
+
+def test_a_stop_while_registering_with_an_unreachable_coordinator_ends_the_run_at_once(tmp_path) -> None:
+    """Found by a user's review: `timeout 20 trainguard run --coordinator <down> ...` logged "received SIGTERM:
+    stopping workers" and then went on retrying registration until the 60 s patience, ending with "coordinator
+    unreachable" instead of the signal's 143."""
+    import signal
+    import threading
+
+    from trainguard.agent.errors import RegistrationCancelledError
+    from trainguard.agent.node import NodeAgent, NodeConfig
+
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1", patience_s=600))
+    raised: list[BaseException] = []
+
+    def register() -> None:
+        try:
+            link.open()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            raised.append(exc)
+
+    th = threading.Thread(target=register)
+    th.start()
+    link.cancel()
+    th.join(60)
+    assert not th.is_alive() and len(raised) == 1 and isinstance(raised[0], RegistrationCancelledError), raised
+    link.close()
+
+    agent = NodeAgent(NodeConfig(job="link", coordinator="127.0.0.1:1", argv=["x"], checkpoint_dir=str(tmp_path),
+                                 address="127.0.0.1", coordinator_patience_s=600))
+    codes: list[int] = []
+    runner = threading.Thread(target=lambda: codes.append(agent.run()))
+    runner.start()
+    agent.request_stop(signal.SIGTERM)
+    runner.join(60)
+    assert not runner.is_alive() and codes == [143], codes

@@ -154,6 +154,46 @@ def test_kill_9_of_the_receiver_mid_transfer_leaves_no_copy(roots, tg_env) -> No
         portfile.unlink(missing_ok=True)
 
 
+def test_a_frozen_peer_ends_a_push_or_fetch_by_keepalive_not_by_the_calls_deadline(roots, tg_env) -> None:
+    """Found by a user's review: a peer that stops answering (SIGSTOP here; a link gone without a reset in the
+    field) held a push, or a replacement's fetch, until the call's whole deadline (600 s by default), so the
+    job's next generation waited 10 minutes. The calls now end UNAVAILABLE once the peer misses its pings; the
+    deadline here is far longer, so DEADLINE_EXCEEDED would mean the stall went unnoticed."""
+    import signal
+
+    a, b, c = roots
+    _snapshot(a, 1, 9, mib=8)
+    portfile = Path(b + "-port")
+    p = subprocess.Popen([sys.executable, str(SCRIPT), "serve", b, "job", str(portfile)], env=tg_env)
+    try:
+        _wait(portfile.exists, "the receiver did not start")
+        address = portfile.read_text()
+        path, man = _own(a, 1)
+        assert push(address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok  # a copy to fetch later
+        outcome: list[object] = []
+
+        def send() -> None:
+            try:
+                outcome.append(push(address, copy_stream("job", man, path, "a", Throttle(2)), 300, stall_s=1))
+            except grpc.RpcError as exc:
+                outcome.append(exc.code())
+
+        th = threading.Thread(target=send)
+        th.start()
+        _wait(lambda: _partials(b), "the transfer never started")
+        os.kill(p.pid, signal.SIGSTOP)  # frozen mid-transfer: its socket stays open, nothing answers
+        th.join(300)
+        assert outcome == [grpc.StatusCode.UNAVAILABLE], outcome
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(address, "job", 1, 0, lambda m: arena_writer(c, "job", m), 300, stall_s=1)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE, err.value
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        p.kill()
+        p.wait()
+        portfile.unlink(missing_ok=True)
+
+
 def test_agent_pushes_new_snapshots_and_re_replicates_to_a_new_buddy(roots) -> None:
     a, b, c = roots
     tier_a = MemoryTier(a, "job", "/ckpt", interval_s=0.02)
@@ -179,6 +219,62 @@ def test_agent_pushes_new_snapshots_and_re_replicates_to_a_new_buddy(roots) -> N
         sender.stop()
         server_b.stop()
         server_c.stop()
+
+
+@pytest.mark.parametrize("field, value, said", [("bandwidth_mib_s", float("nan"), "--replica-bandwidth-mib-s nan"),
+                                               ("bandwidth_mib_s", float("inf"), "--replica-bandwidth-mib-s inf"),
+                                               ("memory_mib", -1, "--replica-memory-mib -1"),
+                                               ("timeout_s", float("nan"), "replica timeout nan")])
+def test_replica_settings_out_of_range_name_their_flag(field, value, said) -> None:
+    """Found by a user's review: `trainguard run --replica-bandwidth-mib-s nan` was taken as "no cap", silently."""
+    from trainguard.agent.replica_agent import ReplicaConfigError
+
+    ReplicaConfig().validate()
+    with pytest.raises(ReplicaConfigError, match=said):
+        ReplicaConfig(**{field: value}).validate()
+
+
+def test_a_buddy_refusing_for_room_is_retried_less_often_and_warned_about_once(roots, caplog) -> None:
+    """Found by a user's review: with Docker's 64 MiB /dev/shm a buddy can never keep the 64 MiB reserve free, and
+    the same copy was pushed, refused and warned about on both nodes every second for the job's whole life."""
+    a, b, _ = roots
+    t = [0.0]
+    tier_a = MemoryTier(a, "job", "/ckpt")
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier_a, "a", "127.0.0.1", clock=lambda: t[0])
+    server_b, store_b = _server(b)
+    store_b.reserve_bytes = 1 << 60  # no tmpfs has this free: every push is refused for room
+    try:
+        _snapshot(a, 0, 10)
+        tier_a.scan()
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server_b.address)])
+        with caplog.at_level("DEBUG", logger="trainguard.agent"):
+            attempts = []
+            for second in range(1, 121):  # two minutes, the push loop waking every second
+                t[0] = float(second)
+                before = sender.stats.push_failures
+                sender._push_due()
+                if sender.stats.push_failures > before:
+                    attempts.append(second)
+            warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            assert attempts == [1, 2, 4, 8, 16, 32, 64], attempts
+            assert len(warned) == 2, warned  # the sender's first refusal, and the receiver's
+            assert any("b refused the replica of rank 0 step 10" in w and "less often" in w for w in warned)
+            assert any(w.startswith("replica refused: no room") for w in warned)
+            store_b.reserve_bytes = 0  # room again: the next retry lands, and a later refusal is news again
+            t[0] = 200.0
+            sender._push_due()
+            assert store_b.newest(0).step == 10 and sender.stats.pushes == 1
+            assert any(r.getMessage() == "b accepts replicas again" for r in caplog.records)
+            store_b.reserve_bytes = 1 << 60
+            _snapshot(a, 0, 20, slot=1)
+            tier_a.scan()
+            t[0] = 201.0
+            sender._push_due()
+            warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            assert len(warned) == 4 and "step 20" in warned[-1] + warned[-2], warned
+    finally:
+        sender.stop()
+        server_b.stop()
 
 
 def test_replica_memory_is_reported_in_metrics_and_status(roots, monkeypatch, tmp_path) -> None:

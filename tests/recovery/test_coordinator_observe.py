@@ -79,3 +79,28 @@ def test_restart_is_timed_counted_and_exported_and_fencing_turns_health_off(tmp_
     finally:
         ch.close()
         srv.stop(0)
+
+
+def test_a_metrics_or_health_address_without_a_valid_port_is_a_one_line_usage_error() -> None:
+    """Found by a user's review: `--metrics-listen 127.0.0.1:99999` (or no port at all) ended `trainguard
+    coordinator` with a ValueError traceback, and `--health-listen 127.0.0.1:99999` served health on some other
+    port, silently."""
+    import argparse
+
+    import pytest
+
+    from trainguard.errors import UsageError
+    from trainguard.recovery.deploy_cli import start_coordinator_extras
+
+    server = CoordinatorServer(JobSpec(job=JOB, nnodes=1, store="memory://"), listen="127.0.0.1:0")
+    try:
+        for flag, value, said in (("metrics_listen", "127.0.0.1:99999", "port must be a number in 0-65535"),
+                                  ("metrics_listen", "nohost", "'nohost' is not HOST:PORT"),
+                                  ("health_listen", "127.0.0.1:99999", "a port in 0-65535"),
+                                  ("health_listen", "nohost", "a port in 0-65535")):
+            with pytest.raises(UsageError) as err:
+                start_coordinator_extras(argparse.Namespace(**{flag: value}), server)
+            text = str(err.value)
+            assert text.startswith(f"--{flag.replace('_', '-')} ") and said in text and "\n" not in text, text
+    finally:
+        server.stop()

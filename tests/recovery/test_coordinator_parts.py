@@ -67,3 +67,85 @@ def test_checkpoint_relay_sets_a_step_ahead_of_the_job_and_keeps_a_pending_one()
     assert "already pending" in relay.request(st, [50], 1.0, "n2: again")
     assert relay.request(PolicyState(phase=Phase.RECOVERING, generation=1), [50], 1.0, "x").startswith(
         "no checkpoint requested: the job is recovering")
+
+
+def test_a_cordoned_node_back_under_its_id_is_told_why_and_named_while_a_vacancy_waits() -> None:
+    """Found by a user's review (3 real nodes): n1 was SIGKILLed and replaced by the spare s0, its agent was started
+    again under the same id, then s0 died. The job waited for a spare for --membership-timeout, saying only
+    "register a spare node", while n1 (cordoned, never given a slot again) heard "node n1 is cordoned: <the latest
+    restart's message about s0>"."""
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.domain import Beat, Command
+    from trainguard.recovery.spec import JobSpec
+    from trainguard.recovery.store import MemoryStore
+
+    t = [0.0]
+    store = MemoryStore()
+    spec = JobSpec(job="cj", nnodes=2, heartbeat_interval_s=1.0, lease_timeout_s=5.0, backoff_initial_s=0.0)
+    core = JobCoordinator(spec, store=store, clock=lambda: t[0], wall=lambda: 1000.0 + t[0])
+    lease: dict[str, str] = {}
+    gen: dict[str, int] = {}
+
+    def register(nid: str, idx: int, spare: bool = False) -> None:
+        lease[nid] = core.register("cj", NodeRecord(nid, "p", idx, nid, 1, "127.0.0.1", spare=spare), 20000 + idx)[0]
+        gen[nid] = -1
+
+    def beat(nid: str):
+        ins = core.heartbeat(Beat("cj", nid, lease[nid], gen[nid], 1 if gen[nid] > 0 else 0,
+                                  free_port=30000 + int(t[0]))).response
+        if ins.command in (Command.START, Command.RESTART):
+            gen[nid] = ins.table.generation
+        elif ins.command is Command.STOP:
+            gen[nid] = -1
+        return ins
+
+    def run(seconds: int, nodes: tuple[str, ...]) -> dict:
+        last = {}
+        for _ in range(seconds):
+            t[0] += 1.0
+            core.reap()
+            last = {n: beat(n) for n in nodes}
+        return last
+
+    register("n0", 0)
+    register("n1", 1)
+    register("s0", 2, spare=True)
+    run(2, ("n0", "n1", "s0"))
+    run(8, ("n0", "s0"))  # n1 silent: lost, its slot goes to s0
+    assert [s.node_id for s in core.layout.slots] == ["n0", "s0"] and "n1" in core.state.cordoned
+    register("n1", 1)  # its agent started again under the same id
+    last = run(8, ("n0", "n1"))  # s0 silent: lost, no spare left
+    assert last["n1"].command is Command.STOP
+    assert last["n1"].message == "node n1 is cordoned: node n1 node lost (no heartbeat for 6.0 s)", last["n1"].message
+    waits = last["n0"].message
+    assert "no spare node for 1 rank slot(s)" in waits and "registered but cordoned for this job" in waits, waits
+    assert "'n1' (node n1 node lost" in waits and "new --node-id" in waits
+    core.close()
+    # The reason survives a coordinator restart (state record), and a record written before it existed still loads.
+    again = JobCoordinator(spec, store=store, clock=lambda: t[0], wall=lambda: 1000.0 + t[0])
+    assert again.state.cordon_why["n1"] == "node n1 node lost (no heartbeat for 6.0 s)"
+    again.close()
+    old = PolicyState(phase=Phase.RUNNING, cordoned=["n1"]).to_dict()
+    del old["cordon_why"]
+    assert PolicyState.from_dict(old).cordon_why == {}
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("heartbeat_interval_s", float("nan"), "heartbeat interval nan"),
+    ("lease_timeout_s", float("inf"), "lease timeout inf"),
+    ("lease_timeout_s", float("nan"), "lease timeout nan"),
+    ("backoff_initial_s", float("inf"), "backoff inf"),
+    ("backoff_initial_s", -1.0, "backoff -1.0"),
+    ("backoff_max_s", float("nan"), "backoff maximum nan"),
+    ("max_heartbeat_rate", float("nan"), "max heartbeat rate nan"),
+])
+def test_a_job_spec_refuses_non_finite_times(field: str, value: float, said: str) -> None:
+    """Found by a user's review: `trainguard coordinator --heartbeat-interval nan` served (nodes were told a NaN
+    interval), and `--lease-timeout inf` or `--backoff inf` served a job whose dead node is never replaced, or
+    whose second restart never starts."""
+    from trainguard.recovery.errors import InvalidRequestError
+    from trainguard.recovery.spec import JobSpec
+
+    JobSpec(job="ok").validate()
+    with pytest.raises(InvalidRequestError, match=said):
+        JobSpec(job="ok", **{field: value}).validate()

@@ -176,6 +176,12 @@ def test_command_hook_runs_without_a_shell_and_records_argv(tmp_path) -> None:
         CommandCordon(f"{sys.executable} {failing} {{host}}").cordon(TARGET)
     with pytest.raises(CordonConfigError, match="unknown field {hostname}"):
         CommandCordon("scontrol update nodename={hostname}")
+    # Found by a user's review: a brace left open raised a ValueError traceback at start-up, and a field with a
+    # conversion or a nested spec it cannot take passed the check, to fail only at the first cordon.
+    for bad in ("scontrol update nodename={host", "drain {node!z}", "drain {node:{x}}", "drain }"):
+        with pytest.raises(CordonConfigError, match=r"--cordon-command: cannot use .*write a field as \{node\}"):
+            CommandCordon(bad)
+    assert CommandCordon("echo {{literal}} {node}").argv(TARGET) == ["echo", "{literal}", TARGET.node]
 
 
 def test_dispatcher_runs_each_node_once_and_survives_a_failing_hook(tmp_path) -> None:

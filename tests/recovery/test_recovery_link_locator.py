@@ -159,13 +159,14 @@ _ports = itertools.count(31000)
 class _Core3:
     """A JobCoordinator with nodes a, b, c (+ spares) that announce probe listeners; the test answers probes."""
 
-    def __init__(self, spares: int = 0, action: str = "replace") -> None:
+    def __init__(self, spares: int = 0, action: str = "replace", timed: bool = True) -> None:
         from trainguard.recovery.coordinator import JobCoordinator
         from trainguard.recovery.domain import NodeRecord
         from trainguard.recovery.spec import JobSpec
         from trainguard.recovery.store import MemoryStore
 
         self.t = 0.0
+        self.timed = timed  # False: ranks report step times only (a loop without sections)
         fs = StragglerConfig(window_s=0.3, persist_windows=3, clear_windows=3, min_steps=1, action=action,
                              horizon_s=600, restart_cost_s=5, cooldown_s=0,
                              link=LinkProbeConfig(trigger_windows=2, cooldown_s=5, timeout_s=3))
@@ -191,7 +192,8 @@ class _Core3:
         if self.gen[n] > 0 and self.core.layout.slot_of(n) is not None:
             self.step[n] += 3
             rank = self.core.layout.slot_of(n).first_rank
-            timings = (RankTiming(rank, self.step[n], step_s, step_s - 0.05, 0.05, 3),)
+            timings = (RankTiming(rank, self.step[n], step_s, step_s - 0.05, 0.05, 3) if self.timed
+                       else RankTiming(rank, self.step[n], step_s, -1.0, -1.0, 3),)
         res, self.results[n] = tuple(self.results[n]), []
         ins = self.core.heartbeat(Beat("lj", n, self.lease[n], self.gen[n], 1 if self.gen[n] > 0 else 0, False,
                                        self.step[n] if self.gen[n] > 0 else -1, next(_ports), timings,
@@ -244,6 +246,39 @@ def test_core_report_only_lists_the_node_as_a_link_finding_in_every_reply():
     assert fs.slow[0].ratio > 50 and fs.slow[0].individual > 5 and "node b: slow in all 2" in fs.link_probe
     assert c.core.state.generation == 1 and not c.core.state.cordoned
     c.core.close()
+
+
+def test_core_a_slowdown_with_untimed_ranks_says_no_rank_was_compared_not_that_none_is_slow():
+    # A loop without session.section reports step times only: every rank's step is the slow rank's, so no
+    # rank can be compared. The outcome said "no compute straggler" (found by a user's review: examples/train.py
+    # with one worker CPU-throttled to 5% read "job 4.52x slower with no compute straggler").
+    c = _Core3(spares=0, action="report", timed=False)
+    c.run(4.0, 0.2, lambda x, y: 500 * MB)
+    last = c.run(6.0, 2.0, lambda x, y: 500 * MB)
+    fs = last["a"].failslow
+    assert c.asked and fs is not None and fs.ranks_observed == 0
+    assert "named no node" in fs.link_probe and "no rank times its own work" in fs.link_probe, fs.link_probe
+    assert "no compute straggler" not in fs.link_probe
+    c.core.close()
+
+
+def test_two_nodes_without_timed_ranks_are_told_why_no_rank_is_named():
+    loc = LinkLocator(LinkProbeConfig(trigger_windows=1, cooldown_s=0))
+    two = {n: EP[n] for n in "ab"}
+    assert not loc.on_window(3.0, False, two, 0.0, ranks_compared=False)
+    assert "no rank times its own work" in loc.last_outcome and "session.section" in loc.last_outcome
+    assert not loc.on_window(3.0, False, two, 1.0)
+    assert "no compute straggler" in loc.last_outcome and "needs >= 3 nodes" in loc.last_outcome
+
+
+def test_the_cannot_probe_line_goes_once_a_compute_straggler_is_flagged():
+    # Found by a user's review (2 nodes, one worker CPU-throttled): `trainguard status` listed the slow rank and,
+    # below it, "link probe: job 3.81x slower with no compute straggler", written while the flag was persisting.
+    loc = LinkLocator(LinkProbeConfig(trigger_windows=1, cooldown_s=0))
+    two = {n: EP[n] for n in "ab"}
+    loc.on_window(3.0, False, two, 0.0)
+    assert "no compute straggler" in loc.last_outcome
+    assert not loc.on_window(3.0, True, two, 1.0) and loc.last_outcome == ""
 
 
 def test_core_healthy_links_under_a_job_slowdown_name_no_one():
