@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from typing import IO, Any
 
@@ -24,8 +25,9 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 
-from trainguard.agent.config import SOCKET_ENV
+from trainguard.agent.config import SOCKET_ENV, hostport_arg
 from trainguard.agent.errors import AgentError
+from trainguard.agent.rpc_limits import MAX_HEALTH_EVENTS, MAX_REPLAY
 from trainguard.agent.tls import TlsFiles, channel_credentials
 from trainguard.cli_support import watch_reader_gone
 from trainguard.proto import agent_pb2, agent_pb2_grpc, common_pb2
@@ -37,18 +39,67 @@ STREAM_RENEW_S = 600.0
 _SEEN_IDS = 4096
 
 
+def target_arg(text: str) -> str:
+    """argparse type of ``--target``: ``HOST:PORT`` (``[v6]:PORT``), never a URL.
+
+    Without it ``--target http://node7:7350`` and ``--target node7`` reached gRPC and came back as "no node agent
+    answers", sending the operator after a daemon that was running.
+
+    Raises:
+        argparse.ArgumentTypeError: a URL, or not ``HOST:PORT`` (argparse names the flag).
+    """
+    if "://" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is a URL; give the agent's HOST:PORT, e.g. node7:7350")
+    return hostport_arg(text)
+
+
+def positive_seconds_arg(text: str) -> float:
+    """argparse type of ``--timeout`` and ``--watch``: a finite number of seconds above 0.
+
+    Without it ``--timeout 0`` read as "no node agent answers" (DEADLINE_EXCEEDED) and ``--watch -1`` ended in a
+    ValueError traceback from ``time.sleep``.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, not finite, or not above 0.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: use a number of seconds above 0")
+    return value
+
+
+def _count_arg(limit: int) -> Callable[[str], int]:
+    """argparse type of an event count in ``[0, limit]`` (the agent refuses more: INVALID_ARGUMENT)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not 0 <= value <= limit:
+            raise argparse.ArgumentTypeError(f"{value} is outside 0-{limit}")
+        return value
+
+    return parse
+
+
 def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     """Flags choosing and securing the agent to talk to."""
     p.add_argument("--socket", default=None, metavar="PATH",
                    help=f"unix socket of the local agent (default ${SOCKET_ENV}, the daemon's {DEFAULT_SOCKET}, "
                         "else the newest `trainguard run` on this host)")
-    p.add_argument("--target", default=None, metavar="HOST:PORT", help="a remote agent's TCP address")
+    p.add_argument("--target", default=None, type=target_arg, metavar="HOST:PORT",
+                   help="a remote agent's TCP address")
     p.add_argument("--ca", default=None, metavar="FILE", help="PEM CA bundle: use TLS to --target and verify it")
     p.add_argument("--cert", default=None, metavar="FILE", help="PEM client certificate (mutual TLS)")
     p.add_argument("--key", default=None, metavar="FILE", help="PEM key of --cert")
     p.add_argument("--server-name", default=None, metavar="NAME",
                    help="name expected in the agent's certificate (default: the host of --target)")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline of each call (default 5)")
+    p.add_argument("--timeout", type=positive_seconds_arg, default=5.0, metavar="SECONDS",
+                   help="deadline of each call (default 5)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,16 +108,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Show node health (detectors, workers, recent events, predictor risk).")
     add_connection_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON (one object; one per line with --watch)")
-    p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+    p.add_argument("--watch", nargs="?", type=positive_seconds_arg, const=2.0, default=None, metavar="SECONDS",
                    help="refresh every SECONDS (default 2) until Ctrl-C")
-    p.add_argument("--events", type=int, default=10, metavar="N", help="recent events to show (default 10)")
+    p.add_argument("--events", type=_count_arg(MAX_HEALTH_EVENTS), default=10, metavar="N",
+                   help=f"recent events to show (0-{MAX_HEALTH_EVENTS}, default 10)")
     p.set_defaults(handler=handle_status)
 
     p = sub.add_parser("events", help="print a node agent's health events",
                        description="Print recent health events; with --follow, stream new ones until Ctrl-C.")
     add_connection_arguments(p)
     p.add_argument("--follow", "-f", action="store_true", help="keep streaming new events")
-    p.add_argument("--replay", type=int, default=20, metavar="N", help="recent events to print first (default 20)")
+    p.add_argument("--replay", type=_count_arg(MAX_REPLAY), default=20, metavar="N",
+                   help=f"recent events to print first (0-{MAX_HEALTH_EVENTS}; with --follow 0-{MAX_REPLAY}; "
+                        "default 20)")
     p.add_argument("--min-severity", default="info", choices=["info", "warning", "error", "critical"])
     p.add_argument("--json", action="store_true", help="one JSON object per event")
     p.set_defaults(handler=handle_events)
@@ -381,6 +435,10 @@ def handle_events(args: argparse.Namespace, out: IO[str] | None = None) -> int:
     out = out or sys.stdout
     if args.replay < 0:
         raise AgentError("--replay must be >= 0")
+    if not args.follow and args.replay > MAX_HEALTH_EVENTS:
+        # Without --follow the events come from GetHealth, which serves at most MAX_HEALTH_EVENTS.
+        raise AgentError(f"--replay {args.replay}: at most {MAX_HEALTH_EVENTS} without --follow "
+                         f"(with --follow up to {MAX_REPLAY})")
     min_sev = common_pb2.Severity.Value(f"SEVERITY_{args.min_severity.upper()}")
     channel, address = open_channel(args)
     stub = agent_pb2_grpc.NodeAgentStub(channel)

@@ -50,11 +50,18 @@ def _detect(args: argparse.Namespace) -> int:
         cfg = DetectorSettings.load(args.config, table="detectors", flag="--config")
     else:
         cfg = DetectorSettings(source="trainguard detect")
-    if args.only:
+    if args.only is not None:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
+        if not names:
+            # Ran nothing and exited 0: a health probe passing on an empty $VAR.
+            raise DetectorConfigError(f"--only {args.only!r} names no detector; give comma-separated names "
+                                      "(e.g. --only pcie,kmsg) or leave the flag out to run every one")
         cfg = DetectorSettings.from_table(
             {"enabled": names, "root": cfg.root, "interval_s": cfg.interval_s,
              **{n: cfg.tables[n] for n in names if n in cfg.tables}}, source="--only", enabled_flag="--only")
+    if not cfg.enabled:
+        raise DetectorConfigError(f"{args.config}: detectors.enabled is empty: no detector to run; name some "
+                                  "(or \"all\") to check this node")
     events = []
     runner = DetectorRunner(cfg.create(root=args.root), on_event=events.append)
     try:

@@ -399,7 +399,9 @@ class CatalogFeed:
 
 def with_threshold(score: Score, threshold: float | None) -> Score:
     """``score`` judged against a configured alarm threshold instead of the model's own (per-node calibrated)
-    one: ``alarm`` becomes ``score >= threshold``, a rule hit stays an alarm.
+    one: ``alarm`` becomes ``score >= threshold``, a rule hit stays an alarm. A rules-only runtime (no model)
+    scores every quiet sample as ``source="rules"``, score 0: only a hit may alarm (keying on the source alarmed
+    on every quiet tick).
 
     Args:
         score: the runtime's score.
@@ -407,7 +409,7 @@ def with_threshold(score: Score, threshold: float | None) -> Score:
     """
     if threshold is None or math.isnan(threshold):
         return score
-    return replace(score, threshold=threshold, alarm=score.source == "rules" or score.score >= threshold)
+    return replace(score, threshold=threshold, alarm=bool(score.rule_hits) or score.score >= threshold)
 
 
 class PredictorMonitor:

@@ -69,6 +69,20 @@ def test_configured_threshold_drives_the_alarm(model_file: str) -> None:
     assert health.alarms_per_day == pytest.approx(86400.0 / (43 * 5.0))
 
 
+def test_configured_threshold_without_a_model_alarms_only_on_a_rule_hit() -> None:
+    # `predictor.threshold = 0.5` with no model file (the daemon's default: rules tier only) alarmed on every
+    # quiet tick, "failure risk 0.00 >= 0.50 (rules)": checkpoint-now and a drain request for a healthy node.
+    health = LocalNodeHealth("n1", threshold=0.5)
+    health.start_predictor(None, None, interval_s=0.0)
+    t0 = time.time()
+    quiet = [health.predictor.tick(t0 + i * 5.0, {"pcie.aer_fatal[0000:3b:00.0]": 0.0}) for i in range(3)]
+    assert all(s is not None and not s.alarm and s.score == 0.0 for s in quiet), quiet
+    assert not _alarms(health) and health.state == HealthState.INIT and not health.drain_pending
+    hit = health.predictor.tick(t0 + 15.0, {"pcie.aer_fatal[0000:3b:00.0]": 1.0})  # a fatal AER error: the rules fire
+    assert hit is not None and hit.alarm and hit.rule_hits, hit
+    assert len(_alarms(health)) == 1 and health.state == HealthState.ALARMED
+
+
 def test_unset_threshold_keeps_the_models_calibrated_one(model_file: str) -> None:
     health = LocalNodeHealth("n1")
     health.start_predictor(model_file, None, interval_s=0.0)

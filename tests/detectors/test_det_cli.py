@@ -75,3 +75,24 @@ def test_detectors_config_from_toml(tmp_path) -> None:
     with pytest.raises(DetectorConfigError, match="twice"):
         create_detectors(["host", "host"])
     assert set(DEFAULT_DETECTORS) <= set(detector_names())
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--only", " , "), "names no detector"),
+    (("--only", ""), "names no detector"),
+])
+def test_detect_refuses_to_run_no_detector(argv, says, capsys) -> None:
+    # `trainguard detect --only "$LIST"` with an empty list ran nothing and exited 0: a probe that always passed.
+    from trainguard.cli import main
+
+    assert main(["detect", "--window", "0", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_detect_refuses_a_config_enabling_no_detector(tmp_path, capsys) -> None:
+    from trainguard.cli import main
+
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text("[detectors]\nenabled = []\n")
+    assert main(["detect", "--window", "0", "--config", str(cfg)]) == 2
+    assert "detectors.enabled is empty" in capsys.readouterr().err
