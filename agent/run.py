@@ -193,7 +193,12 @@ def run_job(args: argparse.Namespace) -> RunResult:
         # a restarted worker restores from memory, and the dead worker's last snapshot still gets persisted.
         from trainguard.checkpoint.service import CheckpointService
 
-        ckpt_service = CheckpointService(job=job, socket_path=os.path.join(rundir, "ckpt.sock")).start()
+        def _rewatch(old_pid: int, new_pid: int) -> None:
+            guard().forget(old_pid)  # its group is gone, and group ids are reused
+            guard().watch(new_pid)
+
+        ckpt_service = CheckpointService(job=job, socket_path=os.path.join(rundir, "ckpt.sock"),
+                                         on_restart=_rewatch).start()
         guard().watch(ckpt_service.pid)
         extra_env[CHECKPOINT_SERVICE_ENV] = ckpt_service.address
     config = NodeConfig(

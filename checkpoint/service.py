@@ -215,15 +215,27 @@ class PersistServer:
 class CheckpointService:
     """Starts and stops a checkpoint service process (the node agent runs one per job).
 
+    A process that dies while the job runs (an OOM kill, a stray ``kill -9``) is started again at the same
+    socket, with a growing pause between restarts of one that keeps dying: the workers' checkpointers reconnect
+    at their next save. Without that, every later persist of the node failed for the rest of the job (the
+    durable tiers silently gone: "connection refused" at each save) while the job reported success.
+
     Args:
         job: job name (used to remove its shared-memory arena on ``stop``).
         socket_path: where to listen; default a fresh path under the temp directory.
         shm_dir: the arena's tmpfs root (default ``$TRAINGUARD_CHECKPOINT_SHM_DIR`` or ``/dev/shm/trainguard``).
         nice: niceness of the service process (0..19).
+        on_restart: called with the old and the new process id after a restart (the launcher's guard forgets
+            the dead one's group and watches the new one's).
     """
 
+    #: Pause before restarting a service that died, seconds; doubled per death within a minute of the last
+    #: start, up to :attr:`MAX_RESTART_DELAY_S`.
+    RESTART_DELAY_S = 0.2
+    MAX_RESTART_DELAY_S = 30.0
+
     def __init__(self, job: str = "default", socket_path: str | None = None, shm_dir: str | None = None,
-                 nice: int = 10) -> None:
+                 nice: int = 10, on_restart: Callable[[int, int], None] | None = None) -> None:
         self.job = job
         self.address = socket_path or os.path.join(tempfile.gettempdir(),
                                                    f"trainguard-ckpt-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")
@@ -231,15 +243,21 @@ class CheckpointService:
         # working directory, and stop() removed the folder named like the job there.
         self.shm_dir = shm_dir or MemoryTierConfig().directory
         self.nice = nice
+        self.on_restart = on_restart
         self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # orders a restart's swap of ``proc`` against stop()
+        self._watcher: threading.Thread | None = None
 
     @property
     def pid(self) -> int | None:
         """Process id of the service, or None when not running."""
-        return self.proc.pid if self.proc else None
+        proc = self.proc
+        return proc.pid if proc else None
 
     def start(self, timeout: float = 30.0) -> "CheckpointService":
-        """Spawns the service and waits until it accepts connections.
+        """Spawns the service, waits until it accepts connections, and keeps it running until :meth:`stop`.
 
         Returns:
             self, for chaining.
@@ -249,7 +267,55 @@ class CheckpointService:
         """
         self.proc = _spawn(self.address, private=False, nice=self.nice)
         _wait_listening(self.address, self.proc, timeout)
+        self._stopping.clear()
+        self._watcher = threading.Thread(target=self._keep_running, name="ckpt-service-watch", daemon=True)
+        self._watcher.start()
         return self
+
+    def _keep_running(self) -> None:
+        delay = self.RESTART_DELAY_S
+        started = time.monotonic()
+        while not self._stopping.is_set():
+            proc = self.proc
+            if proc is None:
+                return
+            try:
+                code = proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                continue
+            if self._stopping.is_set():
+                return
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            if self.restarts and time.monotonic() - started < 60.0:
+                delay = min(delay * 2, self.MAX_RESTART_DELAY_S)  # it keeps dying: do not spin
+            else:
+                delay = self.RESTART_DELAY_S
+            log.error("the checkpoint service of job %s (pid %d) ended with %s while the job runs; the persists it "
+                      "had not finished are lost (reported to the workers); starting it again in %.1f s",
+                      self.job, proc.pid, how, delay)
+            if self._stopping.wait(delay):
+                return
+            try:
+                new = _spawn(self.address, private=False, nice=self.nice)
+                _wait_listening(self.address, new, 30.0)
+            except (OSError, CheckpointError) as exc:
+                log.error("cannot start the checkpoint service again: %s; retrying", exc)
+                continue
+            with self._lock:
+                if self._stopping.is_set():  # stop() came while it started: it must not outlive the job
+                    new.kill()
+                    new.wait()
+                    return
+                self.proc = new
+            started = time.monotonic()
+            self.restarts += 1
+            log.warning("checkpoint service of job %s started again (pid %d, restart %d): the workers reconnect at "
+                        "their next save", self.job, new.pid, self.restarts)
+            if self.on_restart is not None:
+                try:
+                    self.on_restart(proc.pid, new.pid)
+                except Exception:  # noqa: BLE001 - a callback must not end the supervision
+                    log.exception("on_restart callback failed")
 
     def stop(self, remove_memory: bool = True, timeout: float = 120.0) -> None:
         """Drains queued persists, stops the process, and (by default) removes the job's shared-memory arena.
@@ -258,6 +324,11 @@ class CheckpointService:
             remove_memory: delete the arena (the job is over). Keep it when only restarting the service.
             timeout: seconds to wait for the drain before killing the process.
         """
+        with self._lock:
+            self._stopping.set()  # before the shutdown: its exit is not a death to restart from
+        if self._watcher is not None:
+            self._watcher.join(35.0)
+            self._watcher = None
         if self.proc is not None:
             try:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

@@ -254,3 +254,34 @@ def test_restore_after_worker_sigkill_served_from_shared_memory(tmp_path, shm_di
         if svc is not None:
             svc.stop(remove_memory=True)
             assert not os.path.exists(os.path.join(shm_dir, job))
+
+
+def test_a_killed_checkpoint_service_is_started_again_and_saves_reach_disk(tmp_path, shm_dir):
+    """The agent's checkpoint service killed alone (an OOM kill): it was never started again, every later persist
+    of the node failed ("cannot connect to the checkpoint service ... Connection refused") and the job still
+    reported success with no step of that rank on disk (found by a user's review, 2-node job)."""
+    job = "svc-restart"
+    restarted: list[tuple[int, int]] = []
+    svc = CheckpointService(job=job, shm_dir=shm_dir, nice=0,
+                            on_restart=lambda old, new: restarted.append((old, new))).start()
+    try:
+        cfg = CheckpointConfig(directory=str(tmp_path / "ck"), disk={"keep": 3},
+                               memory={"directory": shm_dir, "enabled": False},
+                               persist={"service": svc.address, "chunk_mib": 1})
+        with Checkpointer(cfg, job=job) as ck:
+            assert ck.save(state_for(0, 1), 1).wait(timeout=60)
+            first = svc.pid
+            os.kill(first, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while not restarted and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert restarted and restarted[0][0] == first and svc.pid == restarted[0][1] != first
+            saved = False
+            for step in (2, 3):  # the first save after the death may find the old connection gone
+                saved = ck.save(state_for(0, step), step).wait(timeout=60)
+            assert saved and svc.restarts == 1
+        _committed_all_verify(cfg, job)
+        assert (tmp_path / "ck" / job / step_dirname(3)).is_dir()
+    finally:
+        svc.stop(remove_memory=True, timeout=10)
+    assert not psutil.pid_exists(restarted[0][1]) or psutil.Process(restarted[0][1]).status() == psutil.STATUS_ZOMBIE
