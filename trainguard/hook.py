@@ -35,6 +35,8 @@ log = logging.getLogger("trainguard.hook")
 #: heartbeat (mean step time and sections), so a fast loop does not pay one RPC per step: at ~7 ms per step a
 #: heartbeat per step cost 7% of the step's CPU, one per 100 ms still 3% (bench/bench_failslow.py overhead).
 HEARTBEAT_MIN_INTERVAL_S = 0.25
+#: Most errors :attr:`Session.errors` keeps (the newest).
+MAX_LATCHED_ERRORS = 1000
 
 
 class _AgentLink:
@@ -335,11 +337,23 @@ class Session:
         return True
 
     def _on_checkpoint_event(self, event) -> None:
-        log.warning("checkpoint: %s", getattr(event, "message", event))
+        # The checkpointer has logged it. A failure of a background tier (the persist process's disk write, the
+        # upload) is latched like a failed save: it used to be logged only, so a job whose every disk write failed
+        # (ENOSPC) ended with session.errors == [].
+        from trainguard.checkpoint.errors import StorageUnavailableError
+        from trainguard.detectors.events import Severity
+
+        if getattr(event, "severity", None) in (Severity.ERROR, Severity.CRITICAL):
+            self._remember(StorageUnavailableError(getattr(event, "message", str(event))))
 
     def _latch(self, exc: BaseException, what: str) -> None:
-        self.errors.append(exc)
+        self._remember(exc)
         log.error("%s: %s (training continues)", what, exc)
+
+    def _remember(self, exc: BaseException) -> None:
+        self.errors.append(exc)
+        if len(self.errors) > MAX_LATCHED_ERRORS:  # a save failing every step for days must not grow without end
+            del self.errors[:-MAX_LATCHED_ERRORS]
 
     # -- progress --------------------------------------------------------------------------------------------
     def section(self, name: str) -> "Section":
