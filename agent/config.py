@@ -211,7 +211,8 @@ class PredictorSection:
 
     Attributes:
         enabled: score risk from the metric stream. Default true.
-        model: path of a trained model file; ``""`` uses the built-in default model. Default ``""``.
+        model: path of a trained model file; ``""`` scores with the rules tier only (there is no built-in
+            learned model). Default ``""``.
         threshold: risk score in [0, 1] at which the predictor alarms (workers advised to checkpoint now, then
             the node drained); it drives alarms, ``GetHealth`` and ``trainguard_predictor_threshold``. Unset (or
             ``nan``): the model's own threshold, calibrated per node to its false-alarm budget. Reloaded on
@@ -600,6 +601,8 @@ def parse_hostport(text: str) -> tuple[str, int]:
     Raises:
         ValueError: no port, a port outside 0-65535, or an empty host.
     """
+    if "://" in text:  # else "http://h:80" was answered with advice about IPv6 brackets
+        raise ValueError(f"{text!r} is a URL; give HOST:PORT (e.g. 127.0.0.1:7350)")
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
         raise ValueError(f"{text!r} is not HOST:PORT")

@@ -96,7 +96,10 @@ class AgentMetrics:
                               ["source", "kind", "severity"], registry=r)
         self.predictor_score = Gauge("trainguard_predictor_score", "Predicted failure risk in [0, 1].", registry=r)
         self.predictor_threshold = Gauge("trainguard_predictor_threshold",
-                                         "Risk above which workers are told to checkpoint now.", registry=r)
+                                         "Risk above which workers are told to checkpoint now (NaN before the "
+                                         "first score).", registry=r)
+        # NaN, not 0, until the first score: an alert rule "score >= threshold" fired on 0 >= 0 at start-up
+        self.predictor_threshold.set(float("nan"))
         self.predictor_alarms_per_day = Gauge(
             "trainguard_predictor_alarms_per_day",
             "Learned-tier predictor alarms per observed day so far (NaN before any), to compare with its budget.",

@@ -148,3 +148,15 @@ def test_failslow_gauges_show_the_coordinators_findings_for_this_node(served):
     assert {tuple(s.labels.items()): s.value for s in fams["trainguard_failslow_slow_ranks"].samples} == \
         {(("scope", "job"),): 2, (("scope", "node"),): 1}
     assert fams["trainguard_failslow_job_step_seconds"].samples[0].value == 0.3
+
+
+def test_the_predictor_threshold_is_nan_until_the_first_score(served):
+    """It read 0 until the first score, so an alert rule "score >= threshold" fired on 0 >= 0 at every start."""
+    import math
+
+    metrics, server = served
+    value = {s.name: s.value for f in text_string_to_metric_families(scrape(server.url)) for s in f.samples}
+    assert math.isnan(value["trainguard_predictor_threshold"])
+    metrics.set_predictor(0.1, 0.7)
+    value = {s.name: s.value for f in text_string_to_metric_families(scrape(server.url)) for s in f.samples}
+    assert value["trainguard_predictor_threshold"] == 0.7 and value["trainguard_predictor_score"] == 0.1

@@ -99,7 +99,7 @@ def test_listen_flags_refuse_a_port_that_is_not_one(capsys) -> None:
     assert {f for _, f in flags} >= {"--listen", "--metrics-listen", "--health-listen", "--coordinator-listen"}
     for p, flag in flags:
         for bad, why in (("127.0.0.1:abc", "port must be a number"), ("127.0.0.1:99999", "port must be a number"),
-                         ("nohost", "is not HOST:PORT")):
+                         ("nohost", "is not HOST:PORT"), ("http://127.0.0.1:9477", "is a URL; give HOST:PORT")):
             with pytest.raises(SystemExit):
                 p.parse_known_args([flag, bad])
             err = capsys.readouterr().err
