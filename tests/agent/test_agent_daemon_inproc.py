@@ -124,20 +124,26 @@ def test_a_burst_of_health_checks_queues_instead_of_being_refused(tmp_path):
         loop.join(30)
 
 
-def test_detach_job_with_a_path_for_a_job_name_deletes_nothing(tmp_path):
-    """DetachJob's job name names a folder the daemon removes (the job's TLS files): a path instead of a name
-    ("/elsewhere", "../..") is refused, and the folder it names survives."""
+def _quiet_daemon(tmp_path):
+    """A daemon (not started) on a socket in ``tmp_path`` with no detectors, predictor or metrics port, its
+    memory-tier root in ``tmp_path``; returns it and its socket path."""
     (tmp_path / "fake").mkdir()
-    victim = tmp_path / "victim"
-    victim.mkdir()
-    (victim / "precious").write_text("x")
     config = tmp_path / "agent.toml"
     config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
                       '[metrics]\nlisten = ""\n'
                       f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
     sock_path = tmp_path / "agent.sock"
-    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
-                         SystemdNotifier(None))
+    return AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                       SystemdNotifier(None)), sock_path
+
+
+def test_detach_job_with_a_path_for_a_job_name_deletes_nothing(tmp_path):
+    """DetachJob's job name names a folder the daemon removes (the job's TLS files): a path instead of a name
+    ("/elsewhere", "../..") is refused, and the folder it names survives."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("x")
+    daemon, sock_path = _quiet_daemon(tmp_path)
     daemon.start()
     try:
         with grpc.insecure_channel(f"unix:{sock_path}") as channel:
@@ -284,14 +290,7 @@ def test_a_job_whose_coordinator_ca_is_a_system_bundle_attaches(tmp_path):
     from trainguard.agent.health_source import DaemonAttachError, DaemonLink, JobAttachment
     from trainguard.agent.rpc_limits import ATTACH_MAX_REQUEST_BYTES
 
-    (tmp_path / "fake").mkdir()
-    config = tmp_path / "agent.toml"
-    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
-                      '[metrics]\nlisten = ""\n'
-                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
-    sock_path = tmp_path / "agent.sock"
-    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
-                         SystemdNotifier(None))
+    daemon, sock_path = _quiet_daemon(tmp_path)
     daemon.start()
     try:
         # Bytes that are no CA keep the test off certificate generation: past the size bound, the daemon reads
