@@ -132,7 +132,10 @@ class _AgentLink:
                 pending, self._pending = self._pending, None
                 seq, quiet = self._state_seq, self._quiet
             step, total, n, sums = pending if pending is not None else (-1, 0.0, 0, None)
-            if pending is not None:
+            if pending is not None and n > 0:
+                # Not after the hello: the first step goes out at once. It marks the end of a restart (the
+                # agent's "first resumed step"); held back behind the hello it was reported as a later step, up
+                # to 0.25 s late (the demo said "resumed at step 203" after a restore to step 200).
                 next_send = time.monotonic() + HEARTBEAT_MIN_INTERVAL_S
             dt = total / n if n else 0.0
             sections = {name: v / n for name, v in sums.items()} if sums else None

@@ -1,5 +1,5 @@
-"""The hook latches a failed background tier in ``Session.errors`` (the README's promise), not only a failed
-``save()`` call."""
+"""What the hook reports: a failed background tier latched in ``Session.errors`` (the README's promise), not
+only a failed ``save()`` call; the first step after the hello sent to the agent at once."""
 
 from __future__ import annotations
 
@@ -42,3 +42,43 @@ def test_the_latched_errors_keep_the_newest(tmp_path) -> None:
         s._latch(StorageUnavailableError(f"failure {i}"), "save")
     assert len(s.errors) == MAX_LATCHED_ERRORS and str(s.errors[-1]) == f"failure {MAX_LATCHED_ERRORS + 4}"
     s.close()
+
+
+def test_the_first_step_after_the_hello_is_reported_at_once(tmp_path) -> None:
+    """The hello went out at start and the first step waited out the heartbeat interval behind it (0.25 s),
+    folded into a later step: the agent's "first resumed step" after a restart read 203 for a restore to 200
+    (seen in `make demo`). Real gRPC over a unix socket to a recording agent."""
+    import time
+    from concurrent import futures
+
+    import grpc
+
+    from trainguard.hook import _AgentLink
+    from trainguard.proto import agent_pb2, agent_pb2_grpc
+
+    steps: list[int] = []
+
+    class Agent(agent_pb2_grpc.NodeAgentServicer):
+        def WorkerHeartbeat(self, request, context):  # noqa: N802
+            steps.append(request.step)
+            return agent_pb2.WorkerHeartbeatResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(Agent(), server)
+    sock = tmp_path / "agent.sock"
+    server.add_insecure_port(f"unix:{sock}")
+    server.start()
+    try:
+        link = _AgentLink(str(sock), rank=0, generation=2)
+        deadline = time.monotonic() + 10
+        while not steps and time.monotonic() < deadline:  # the hello (step -1)
+            time.sleep(0.005)
+        link.beat(200, 0.01)
+        time.sleep(0.1)  # well inside the heartbeat interval
+        for step in range(201, 210):
+            link.beat(step, 0.01)
+        time.sleep(0.5)
+        link.close()
+    finally:
+        server.stop(0)
+    assert steps[:2] == [-1, 200], steps
