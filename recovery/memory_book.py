@@ -107,7 +107,10 @@ class MemoryBook:
             return cached[1]
         live = {nid: held for nid, held in self._memory.items() if held and self._alive(nid)}
         plan = plan_restore(table.slots, table.world_size, live, self.live_replica_addresses()) if live else None
-        if plan is not None:
+        if plan is not None and plan.step < 0:  # read as "step -1 from storage" in every job's first generation
+            log.info("job %s: generation %d restore plan: no step held in memory by every rank; each restores "
+                     "from storage (its newest committed step, if any)", self._job, table.generation)
+        elif plan is not None:
             log.info("job %s: generation %d restore plan: step %d, %s", self._job, table.generation, plan.step,
                      ", ".join(f"{n} rank(s) from {k.replace('_', ' ')}" for k, n in plan.source_counts().items()))
         self._plan_cache = (key, plan)
