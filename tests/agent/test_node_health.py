@@ -222,3 +222,21 @@ def test_event_source_is_swappable() -> None:
     assert cause is not None and cause.kind == "pcie.aer_fatal" and cause.node_id == "n7"
     health.stop()
     assert health.state == HealthState.STOPPED and source.on_event is None
+
+
+def test_threshold_zero_alarms_on_no_quiet_tick_and_no_warming_up_score() -> None:
+    # `predictor.threshold = 0` (valid: in [0, 1]) alarmed, asked for a checkpoint and drained the node on every
+    # tick without a model ("failure risk 0.00 >= 0.00 (rules)"), and with one on every tick whose score was no
+    # score yet (the baselines warming up, read as 0).
+    from trainguard.predictor.online_feed import with_threshold
+    from trainguard.predictor.runtime import WARMING_UP, Score
+
+    health = LocalNodeHealth("n1", threshold=0.0)
+    health.start_predictor(None, None, interval_s=0.0)
+    t0 = time.time()
+    quiet = [health.predictor.tick(t0 + i * 5.0, {"pcie.aer_fatal[0000:3b:00.0]": 0.0}) for i in range(3)]
+    assert all(s is not None and not s.alarm for s in quiet), quiet
+    assert not _alarms(health) and not health.drain_pending
+    warming = Score("n1", t0, 0.0, math.inf, False, degraded=(WARMING_UP,))
+    assert not with_threshold(warming, 0.0).alarm
+    assert with_threshold(Score("n1", t0, 0.0, math.inf, False), 0.0).alarm  # a real score of 0 reaches 0
