@@ -88,6 +88,25 @@ class DetectorEventSource:
         return self.runner.sample_now(names, timeout_s=timeout_s) if self.runner is not None else []
 
 
+def tick_time(wall: float, mono: float, last: tuple[float, float] | None) -> float:
+    """The time stamp of one predictor tick: the wall clock while it moves forward; once it stepped back (NTP, an
+    operator's ``date -s``), the previous stamp plus the monotonic time since it. The predictor refuses samples
+    whose time does not increase, so stamping on the raw clock left it blind, rules tier included (a fatal AER
+    error, Xid 79), for as long as the clock had stepped back.
+
+    Args:
+        wall: the wall clock now, Unix seconds.
+        mono: the monotonic clock now, seconds.
+        last: ``(stamp, mono)`` of the previous tick, or None for the first.
+
+    Returns:
+        The stamp, Unix seconds: after the previous one, and the wall clock itself whenever that is.
+    """
+    if last is None or wall > last[0]:
+        return wall
+    return last[0] + max(mono - last[1], 1e-6)
+
+
 class LocalNodeHealth:
     """One node's health watch (implements :class:`~trainguard.agent.parts.NodeHealth`).
 
@@ -99,11 +118,14 @@ class LocalNodeHealth:
         on_actionable: called when an event needing action was queued (the composition wakes its loop).
         threshold: the operator's alarm threshold in [0, 1]; None (or NaN) uses the model's own, calibrated per
             node (see :attr:`threshold`).
+        wall_clock: the time stamp source of the predictor's samples, Unix seconds (default ``time.time``); see
+            :func:`tick_time` for a clock that steps back.
     """
 
     def __init__(self, node_id: str, bus: EventBus | None = None, generation: Callable[[], int] = lambda: -1,
                  on_alarm: Callable[[HealthEvent], None] | None = None,
-                 on_actionable: Callable[[], None] | None = None, threshold: float | None = None) -> None:
+                 on_actionable: Callable[[], None] | None = None, threshold: float | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.node_id = node_id
         self.bus = bus if bus is not None else EventBus()
         self.source: EventSource | None = None
@@ -126,6 +148,9 @@ class LocalNodeHealth:
         # (when, alarm, generation at the alarm) of the drain the predictor scheduled.
         self._drain_due: tuple[float, HealthEvent, int] | None = None
         self._drain_after_step: int | None = None  # the job-wide checkpoint a pending drain waits for
+        self._wall_clock = wall_clock
+        self._last_stamp: tuple[float, float] | None = None  # (stamp, monotonic time) of the last tick
+        self._stepped_back = False
 
     # -- state ---------------------------------------------------------------------------------------------
     @property
@@ -248,7 +273,14 @@ class LocalNodeHealth:
         self._next_tick = time.monotonic() + self._interval_s
         if metrics is None:
             metrics = self.source.latest_metrics() if self.source is not None else {}
-        self.predictor.tick(time.time(), metrics, step_time_s)
+        wall, mono = self._wall_clock(), time.monotonic()
+        ts = tick_time(wall, mono, self._last_stamp)
+        if ts != wall and not self._stepped_back:  # once per step, not every tick
+            log.warning("predictor: the wall clock stepped back %.1f s; samples are stamped on continued time "
+                        "(%.1f s ahead of the clock) so the predictor keeps scoring", ts - wall, ts - wall)
+        self._stepped_back = ts != wall
+        self._last_stamp = (ts, mono)
+        self.predictor.tick(ts, metrics, step_time_s)
 
     def _on_score(self, score: Any) -> None:
         self._score = score.score
@@ -322,4 +354,4 @@ class LocalNodeHealth:
         self._life.fire_if(_T.DRAINED)
 
 
-__all__ = ["DetectorEventSource", "LocalNodeHealth", "SEEN_BY_SUPERVISOR"]
+__all__ = ["DetectorEventSource", "LocalNodeHealth", "SEEN_BY_SUPERVISOR", "tick_time"]

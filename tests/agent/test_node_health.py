@@ -240,3 +240,20 @@ def test_threshold_zero_alarms_on_no_quiet_tick_and_no_warming_up_score() -> Non
     warming = Score("n1", t0, 0.0, math.inf, False, degraded=(WARMING_UP,))
     assert not with_threshold(warming, 0.0).alarm
     assert with_threshold(Score("n1", t0, 0.0, math.inf, False), 0.0).alarm  # a real score of 0 reaches 0
+
+
+def test_a_clock_stepped_back_does_not_blind_the_rules_tier() -> None:
+    # The samples were stamped with the raw wall clock; the predictor refuses a time that does not increase, so
+    # after NTP stepped the clock back 10 minutes every tick was skipped for 10 minutes, and a fatal AER error
+    # in them raised no alarm (no checkpoint advisory, no drain).
+    walls = iter([1_000_000.0, 1_000_005.0, 999_405.0, 999_410.0])
+    health = LocalNodeHealth("n1", wall_clock=lambda: next(walls))
+    health.start_predictor(None, None, interval_s=0.0)
+    fatal = "pcie.aer_fatal[0000:3b:00.0]"
+    health.tick(metrics={fatal: 0.0})
+    health.tick(metrics={fatal: 0.0})
+    health.tick(metrics={fatal: 0.0})  # the clock stepped back
+    health.tick(metrics={fatal: 1.0})
+    last = health.predictor.last_score
+    assert last is not None and last.alarm and last.rule_hits and last.ts > 1_000_005.0, last
+    assert len(_alarms(health)) == 1 and health.drain_pending
