@@ -66,6 +66,10 @@ class MetricHistory:
         self._lock = threading.Lock()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file where the folder goes, a read-only or absent mount
+            raise HistoryError(f"{self.path}: cannot create the metric history's folder {self.path.parent} "
+                               f"({exc.strerror or exc}); pick a path in a writable folder") from exc
+        try:
             self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA auto_vacuum = INCREMENTAL")
             self._db.execute("PRAGMA journal_mode = WAL")

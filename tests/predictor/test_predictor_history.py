@@ -76,3 +76,11 @@ def test_not_a_database(tmp_path):
     p.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(HistoryError, match="cannot open"):
         MetricHistory(p)
+
+
+def test_a_folder_that_cannot_be_created_is_a_history_error(tmp_path):
+    # `trainguard run --metric-history afile/h.sqlite` (a file where the folder goes) ended in a FileExistsError
+    # traceback instead of the one-line error the CLI prints for a HistoryError.
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(HistoryError, match="afile.*writable folder"):
+        MetricHistory(tmp_path / "afile" / "h.sqlite")
