@@ -253,11 +253,20 @@ class LocalNodeHealth:
         from trainguard.predictor.history import MetricHistory
         from trainguard.predictor.runtime import PredictorRuntime
 
+        runtime = PredictorRuntime.load(model_path, missing="nan")
+        trained_s = runtime.model.spec.config.interval_s if runtime.model is not None else interval_s
+        if interval_s > 0 and abs(interval_s - trained_s) > 0.25 * trained_s:
+            # The features count rows against the trained interval (coverage, gaps, the per-row baselines), so
+            # scores at another interval are not those the model was trained and calibrated on.
+            log.warning("predictor: the model %s was trained on samples every %g s but scores every %g s here; its "
+                        "features and scores will differ from training: score every %g s "
+                        "(--predictor-interval-s) or retrain with --interval %g", model_path, trained_s, interval_s,
+                        trained_s, interval_s)
         history = MetricHistory(history_path) if history_path else None
         self._interval_s = interval_s
         self.drain_grace_s = drain_grace_s
         self.predictor = PredictorMonitor(
-            PredictorRuntime.load(model_path, missing="nan"), self.node_id, history=history,
+            runtime, self.node_id, history=history,
             on_score=self._on_score, on_alarm=self._on_alarm, threshold=self._configured,
         )
 

@@ -257,3 +257,13 @@ def test_a_clock_stepped_back_does_not_blind_the_rules_tier() -> None:
     last = health.predictor.last_score
     assert last is not None and last.alarm and last.rule_hits and last.ts > 1_000_005.0, last
     assert len(_alarms(health)) == 1 and health.drain_pending
+
+
+def test_a_tick_interval_other_than_the_models_is_named(model_file: str, caplog) -> None:
+    # `trainguard run --predictor-interval-s 0.5` with a model trained at 5 s scored in silence on features the
+    # model never saw (coverage, gaps and baselines count rows against the trained interval).
+    with caplog.at_level("WARNING", logger="trainguard.agent.node_health"):
+        LocalNodeHealth("n1").start_predictor(model_file, None, interval_s=5.0)
+        assert not caplog.records
+        LocalNodeHealth("n1").start_predictor(model_file, None, interval_s=0.5)
+    assert any("every 5 s but scores every 0.5 s" in r.getMessage() for r in caplog.records), caplog.records
