@@ -139,7 +139,9 @@ class LocalNodeHealth:
         self._lock = threading.RLock()
         self._pending: list[HealthEvent] = []
         self._score = 0.0
-        self._threshold = 0.0  # of the last score
+        # Of the last score; before it, 1.0 (only a rule hit, score 1.0, reaches it): a 0 read as "alert at 0" and
+        # fired `score >= threshold` alert rules on the metrics at start-up.
+        self._threshold = 1.0
         self._configured: float | None = None
         self.threshold = threshold  # type: ignore[assignment]
         self._interval_s = 5.0
@@ -166,7 +168,7 @@ class LocalNodeHealth:
     @property
     def threshold(self) -> float:
         """The alarm threshold in force: the configured one when set, else the model's own threshold of the last
-        score (per node, calibrated online; 0.0 before the first score). Alarms, ``GetHealth`` and the metrics
+        score (per node, calibrated online; 1.0 before the first score). Alarms, ``GetHealth`` and the metrics
         all use it.
 
         Setting it (a configuration reload) takes effect from the next score; None or NaN: the model's own.

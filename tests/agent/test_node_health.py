@@ -267,3 +267,28 @@ def test_a_tick_interval_other_than_the_models_is_named(model_file: str, caplog)
         assert not caplog.records
         LocalNodeHealth("n1").start_predictor(model_file, None, interval_s=0.5)
     assert any("every 5 s but scores every 0.5 s" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_daemon_threshold_gauge_does_not_read_0_before_the_first_score(tmp_path: Path) -> None:
+    # The metrics start at NaN so that an alert rule `score >= threshold` does not fire on 0 >= 0 at start-up,
+    # but the daemon copied the node health's threshold of 0.0 (no score yet, none configured) over it at once.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from trainguard.agent.agentd import AgentDaemon, config_loader
+    from trainguard.agent.sdnotify import SystemdNotifier
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[metrics]\nlisten = "127.0.0.1:0"\n[detectors]\nroot = "{tmp_path / "fake"}"\n')
+    daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "agent.sock"), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    try:
+        daemon._refresh()
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon._metrics_server.port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    finally:
+        daemon.stop()
+    value = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    score, threshold = value["trainguard_predictor_score"], value["trainguard_predictor_threshold"]
+    assert not score >= threshold, (score, threshold)
