@@ -97,9 +97,21 @@ class MetricHistory:
     def _node_id(self, node: str) -> int:
         nid = self._nodes.get(node)
         if nid is None:
-            nid = int(self._db.execute("INSERT INTO nodes (name) VALUES (?)", (node,)).lastrowid)
+            # OR IGNORE, then read: another process on the same file (a second run, an export) may have added it
+            # since this one read the table; a plain INSERT failed its UNIQUE constraint on every later append.
+            self._db.execute("INSERT OR IGNORE INTO nodes (name) VALUES (?)", (node,))
+            nid = int(self._db.execute("SELECT id FROM nodes WHERE name = ?", (node,)).fetchone()[0])
             self._nodes[node] = nid
         return nid
+
+    def _schema_id(self, names: tuple[str, ...]) -> int:
+        sid = self._schemas.get(names)
+        if sid is None:
+            text = json.dumps(names)
+            self._db.execute("INSERT OR IGNORE INTO schemas (names) VALUES (?)", (text,))  # as in _node_id
+            sid = int(self._db.execute("SELECT id FROM schemas WHERE names = ?", (text,)).fetchone()[0])
+            self._schemas[names] = sid
+        return sid
 
     def append(self, ts: float, node: str, metrics: dict[str, float]) -> None:
         """Stores one sample.
@@ -126,15 +138,14 @@ class MetricHistory:
                     f"node {node!r}: sample at {ts} is not after the stored {last}; samples must be appended in time order"
                 )
             try:
-                self._db.execute("BEGIN")
-                sid = self._schemas.get(names)
-                if sid is None:
-                    sid = int(self._db.execute("INSERT INTO schemas (names) VALUES (?)", (json.dumps(names),)).lastrowid)
-                    self._schemas[names] = sid
+                self._db.execute("BEGIN IMMEDIATE")  # the write lock first: another writer waits, not fails
+                sid = self._schema_id(names)
                 self._db.execute("INSERT INTO samples VALUES (?, ?, ?, ?)", (ts, self._node_id(node), sid, vals.tobytes()))
                 self._db.execute("COMMIT")
             except sqlite3.DatabaseError as exc:
                 self._rollback()
+                self._schemas.pop(names, None)  # ids read in a rolled-back transaction may not exist
+                self._nodes.pop(node, None)
                 raise HistoryError(f"{self.path}: cannot store sample ({exc}); check disk space") from exc
             self._last[node] = ts
             self._since_prune += 1
@@ -156,11 +167,12 @@ class MetricHistory:
             raise HistoryError(f"event on node {node!r}: timestamp {ts!r} is not finite")
         with self._lock:
             try:
-                self._db.execute("BEGIN")
+                self._db.execute("BEGIN IMMEDIATE")
                 self._db.execute("INSERT INTO events VALUES (?, ?, ?)", (ts, self._node_id(node), str(kind)))
                 self._db.execute("COMMIT")
             except sqlite3.DatabaseError as exc:
                 self._rollback()
+                self._nodes.pop(node, None)
                 raise HistoryError(f"{self.path}: cannot store event ({exc}); check disk space") from exc
 
     def _rollback(self) -> None:
@@ -226,11 +238,18 @@ class MetricHistory:
         """
         lo = -math.inf if since is None else since
         with self._lock:
-            names_of = {i: json.loads(s) for s, i in ((json.dumps(k), v) for k, v in self._schemas.items())}
-            node_of = {i: n for n, i in self._nodes.items()}
-            rows = self._db.execute(
-                "SELECT ts, node_id, schema_id, vals FROM samples WHERE ts >= ? ORDER BY ts, node_id", (lo,)).fetchall()
-            evs = self._db.execute("SELECT ts, node_id, kind FROM events WHERE ts >= ? ORDER BY ts", (lo,)).fetchall()
+            # From the file, not this object's caches (another process may have added names and schemas), in one
+            # read transaction so that every row's schema and node are in the snapshot.
+            self._db.execute("BEGIN")
+            try:
+                names_of = {i: json.loads(s) for i, s in self._db.execute("SELECT id, names FROM schemas")}
+                node_of = {i: n for i, n in self._db.execute("SELECT id, name FROM nodes")}
+                rows = self._db.execute("SELECT ts, node_id, schema_id, vals FROM samples WHERE ts >= ? "
+                                        "ORDER BY ts, node_id", (lo,)).fetchall()
+                evs = self._db.execute("SELECT ts, node_id, kind FROM events WHERE ts >= ? ORDER BY ts",
+                                       (lo,)).fetchall()
+            finally:
+                self._rollback()
         columns = sorted({n for names in names_of.values() for n in names})
         pos = {c: i for i, c in enumerate(columns)}
         idx_of = {sid: np.array([pos[n] for n in names], dtype=np.int64) for sid, names in names_of.items()}
