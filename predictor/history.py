@@ -45,7 +45,7 @@ class MetricHistory:
     """
 
     def __init__(self, path: str | Path, retention_s: float = 30 * 86400.0, max_bytes: int = 512 * 2**20,
-                 prune_every: int = 720) -> None:
+                 prune_every: int = 720, readonly: bool = False) -> None:
         """Opens or creates a store.
 
         Args:
@@ -53,9 +53,11 @@ class MetricHistory:
             retention_s: keep this much history before the newest sample, seconds (default 30 days).
             max_bytes: bound on the live data size, bytes (default 512 MiB).
             prune_every: appends between two retention passes (default 720, one hour at 5 s).
+            readonly: only read an existing store (an export): nothing is created or written, so a read-only
+                file or mount works and a mistyped path is an error, not a new empty store.
 
         Raises:
-            HistoryError: the file cannot be opened or is not a history store.
+            HistoryError: the file cannot be opened or is not a history store (or, ``readonly``, does not exist).
         """
         if retention_s <= 0 or max_bytes <= 0 or prune_every <= 0:
             raise HistoryError("retention_s, max_bytes and prune_every must be positive")
@@ -64,6 +66,10 @@ class MetricHistory:
         self.max_bytes = int(max_bytes)
         self.prune_every = int(prune_every)
         self._lock = threading.Lock()
+        self._since_prune = 0
+        if readonly:
+            self._open_readonly()
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a file where the folder goes, a read-only or absent mount
@@ -75,13 +81,27 @@ class MetricHistory:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = NORMAL")
             self._db.executescript(_SCHEMA)
-            self._nodes = {n: i for i, n in self._db.execute("SELECT id, name FROM nodes")}
-            self._schemas = {tuple(json.loads(s)): i for i, s in self._db.execute("SELECT id, names FROM schemas")}
-            self._last = {n: t for n, t in self._db.execute(
-                "SELECT nodes.name, MAX(samples.ts) FROM samples JOIN nodes ON nodes.id = samples.node_id GROUP BY node_id")}
+            self._load_tables()
         except sqlite3.DatabaseError as exc:
             raise HistoryError(f"{self.path}: cannot open metric history ({exc}); move the file aside to start anew") from exc
-        self._since_prune = 0
+
+    def _open_readonly(self) -> None:
+        if not self.path.is_file():
+            raise HistoryError(f"{self.path}: no metric history there (the agent writes it where --metric-history "
+                               "or its state directory says); check the path")
+        try:
+            self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False,
+                                       isolation_level=None)
+            self._load_tables()
+        except sqlite3.DatabaseError as exc:
+            raise HistoryError(f"{self.path}: cannot read metric history ({exc}); is it a trainguard history "
+                               "file (--metric-history)?") from exc
+
+    def _load_tables(self) -> None:
+        self._nodes = {n: i for i, n in self._db.execute("SELECT id, name FROM nodes")}
+        self._schemas = {tuple(json.loads(s)): i for i, s in self._db.execute("SELECT id, names FROM schemas")}
+        self._last = {n: t for n, t in self._db.execute(
+            "SELECT nodes.name, MAX(samples.ts) FROM samples JOIN nodes ON nodes.id = samples.node_id GROUP BY node_id")}
 
     def close(self) -> None:
         """Closes the store (further calls fail)."""
