@@ -153,6 +153,9 @@ class LocalNodeHealth:
         self._wall_clock = wall_clock
         self._last_stamp: tuple[float, float] | None = None  # (stamp, monotonic time) of the last tick
         self._stepped_back = False
+        self._ticks = 0  # predictor ticks so far
+        # (tick count, generation) when the last node-level fault event (drain or more) came from the detectors
+        self._fault: tuple[int, int] | None = None
 
     # -- state ---------------------------------------------------------------------------------------------
     @property
@@ -203,6 +206,9 @@ class LocalNodeHealth:
         self.predictor_event(event)
         event = event.with_node(self.node_id) if not event.node_id else event
         self.bus.publish(event)
+        if event.action >= Action.DRAIN_NODE and event.kind != "predictor.alarm":
+            with self._lock:
+                self._fault = (self._ticks, self._generation())
         if event.action >= Action.RESTART_PROCESS and event.kind not in SEEN_BY_SUPERVISOR:
             with self._lock:
                 self._pending.append(event)
@@ -292,6 +298,8 @@ class LocalNodeHealth:
         self._stepped_back = ts != wall
         self._last_stamp = (ts, mono)
         self.predictor.tick(ts, metrics, step_time_s)
+        with self._lock:
+            self._ticks += 1
 
     def _on_score(self, score: Any) -> None:
         self._score = score.score
@@ -324,7 +332,19 @@ class LocalNodeHealth:
         with self._lock:
             self._life.fire_if(_T.ALARM)  # not after stop()
             if self._drain_due is None:
-                self._drain_due = (time.monotonic() + self.drain_grace_s, event, self._generation())
+                self._drain_due = (time.monotonic() + self.drain_grace_s, event, self._alarm_generation(event))
+
+    def _alarm_generation(self, event: HealthEvent) -> int:
+        """The generation a drain for ``event`` is about. A rules-tier alarm reads the same sample as a detector's
+        node-level fault event (a fatal AER error, Xid 79), one tick later: when such an event came since the tick
+        before, the alarm is about that event's generation. Stamped with the generation now, it drained the node
+        a second time after the coordinator had already restarted the job for the event (two restarts of the
+        budget for one fault), as the drain only stands down for a report since the alarm's generation."""
+        now = self._generation()
+        fault = self._fault
+        if event.evidence.get("source") == "rules" and fault is not None and fault[0] >= self._ticks - 1:
+            return min(now, fault[1])
+        return now
 
     # -- drain timer ---------------------------------------------------------------------------------------
     @property

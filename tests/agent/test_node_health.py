@@ -292,3 +292,30 @@ def test_daemon_threshold_gauge_does_not_read_0_before_the_first_score(tmp_path:
     value = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     score, threshold = value["trainguard_predictor_score"], value["trainguard_predictor_threshold"]
     assert not score >= threshold, (score, threshold)
+
+
+def test_a_rules_alarm_for_a_reported_fault_is_about_the_faults_generation() -> None:
+    # A fatal AER error: the pcie detector's event had the node reported at once (generation 1) and the
+    # coordinator restarted the job (generation 2); a tick later the rules tier alarmed on the same counter,
+    # stamped generation 2, and its drain (which stands down only for a report since the alarm's generation)
+    # restarted the job a second time: two restarts of the budget for one fault (seen with `trainguard run`).
+    from trainguard.detectors.events import Action, HealthEvent, Severity
+
+    generation = [1]
+    health = LocalNodeHealth("n1", generation=lambda: generation[0])
+    health.start_predictor(None, None, interval_s=0.0, drain_grace_s=0.0)
+    fatal = "pcie.aer_fatal[0000:3b:00.0]"
+    health.tick(metrics={fatal: 0.0})
+    health.observe(HealthEvent(source="pcie", kind="pcie.aer_fatal", severity=Severity.CRITICAL,
+                               action=Action.DRAIN_NODE, message="1 new uncorrectable fatal error(s)",
+                               subject="0000:3b:00.0"))
+    generation[0] = 2  # the coordinator restarted the job for it
+    health.tick(metrics={fatal: 1.0})
+    due = health.due_drain(lambda step: False)
+    assert due is not None and due[1] == 1, due
+    health.drained()
+    for _ in range(3):  # a later fault the detectors did not report is about the generation it happens in
+        health.tick(metrics={fatal: 1.0})
+    health.tick(metrics={fatal: 2.0})
+    due = health.due_drain(lambda step: False)
+    assert due is not None and due[1] == 2, due
