@@ -88,6 +88,25 @@ class DetectorEventSource:
         return self.runner.sample_now(names, timeout_s=timeout_s) if self.runner is not None else []
 
 
+def tick_time(wall: float, mono: float, last: tuple[float, float] | None) -> float:
+    """The time stamp of one predictor tick: the wall clock while it moves forward; once it stepped back (NTP, an
+    operator's ``date -s``), the previous stamp plus the monotonic time since it. The predictor refuses samples
+    whose time does not increase, so stamping on the raw clock left it blind, rules tier included (a fatal AER
+    error, Xid 79), for as long as the clock had stepped back.
+
+    Args:
+        wall: the wall clock now, Unix seconds.
+        mono: the monotonic clock now, seconds.
+        last: ``(stamp, mono)`` of the previous tick, or None for the first.
+
+    Returns:
+        The stamp, Unix seconds: after the previous one, and the wall clock itself whenever that is.
+    """
+    if last is None or wall > last[0]:
+        return wall
+    return last[0] + max(mono - last[1], 1e-6)
+
+
 class LocalNodeHealth:
     """One node's health watch (implements :class:`~trainguard.agent.parts.NodeHealth`).
 
@@ -99,11 +118,14 @@ class LocalNodeHealth:
         on_actionable: called when an event needing action was queued (the composition wakes its loop).
         threshold: the operator's alarm threshold in [0, 1]; None (or NaN) uses the model's own, calibrated per
             node (see :attr:`threshold`).
+        wall_clock: the time stamp source of the predictor's samples, Unix seconds (default ``time.time``); see
+            :func:`tick_time` for a clock that steps back.
     """
 
     def __init__(self, node_id: str, bus: EventBus | None = None, generation: Callable[[], int] = lambda: -1,
                  on_alarm: Callable[[HealthEvent], None] | None = None,
-                 on_actionable: Callable[[], None] | None = None, threshold: float | None = None) -> None:
+                 on_actionable: Callable[[], None] | None = None, threshold: float | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.node_id = node_id
         self.bus = bus if bus is not None else EventBus()
         self.source: EventSource | None = None
@@ -117,7 +139,9 @@ class LocalNodeHealth:
         self._lock = threading.RLock()
         self._pending: list[HealthEvent] = []
         self._score = 0.0
-        self._threshold = 0.0  # of the last score
+        # Of the last score; before it, 1.0 (only a rule hit, score 1.0, reaches it): a 0 read as "alert at 0" and
+        # fired `score >= threshold` alert rules on the metrics at start-up.
+        self._threshold = 1.0
         self._configured: float | None = None
         self.threshold = threshold  # type: ignore[assignment]
         self._interval_s = 5.0
@@ -126,6 +150,12 @@ class LocalNodeHealth:
         # (when, alarm, generation at the alarm) of the drain the predictor scheduled.
         self._drain_due: tuple[float, HealthEvent, int] | None = None
         self._drain_after_step: int | None = None  # the job-wide checkpoint a pending drain waits for
+        self._wall_clock = wall_clock
+        self._last_stamp: tuple[float, float] | None = None  # (stamp, monotonic time) of the last tick
+        self._stepped_back = False
+        self._ticks = 0  # predictor ticks so far
+        # (tick count, generation) when the last node-level fault event (drain or more) came from the detectors
+        self._fault: tuple[int, int] | None = None
 
     # -- state ---------------------------------------------------------------------------------------------
     @property
@@ -141,7 +171,7 @@ class LocalNodeHealth:
     @property
     def threshold(self) -> float:
         """The alarm threshold in force: the configured one when set, else the model's own threshold of the last
-        score (per node, calibrated online; 0.0 before the first score). Alarms, ``GetHealth`` and the metrics
+        score (per node, calibrated online; 1.0 before the first score). Alarms, ``GetHealth`` and the metrics
         all use it.
 
         Setting it (a configuration reload) takes effect from the next score; None or NaN: the model's own.
@@ -176,6 +206,9 @@ class LocalNodeHealth:
         self.predictor_event(event)
         event = event.with_node(self.node_id) if not event.node_id else event
         self.bus.publish(event)
+        if event.action >= Action.DRAIN_NODE and event.kind != "predictor.alarm":
+            with self._lock:
+                self._fault = (self._ticks, self._generation())
         if event.action >= Action.RESTART_PROCESS and event.kind not in SEEN_BY_SUPERVISOR:
             with self._lock:
                 self._pending.append(event)
@@ -228,11 +261,20 @@ class LocalNodeHealth:
         from trainguard.predictor.history import MetricHistory
         from trainguard.predictor.runtime import PredictorRuntime
 
+        runtime = PredictorRuntime.load(model_path, missing="nan")
+        trained_s = runtime.model.spec.config.interval_s if runtime.model is not None else interval_s
+        if interval_s > 0 and abs(interval_s - trained_s) > 0.25 * trained_s:
+            # The features count rows against the trained interval (coverage, gaps, the per-row baselines), so
+            # scores at another interval are not those the model was trained and calibrated on.
+            log.warning("predictor: the model %s was trained on samples every %g s but scores every %g s here; its "
+                        "features and scores will differ from training: score every %g s "
+                        "(--predictor-interval-s) or retrain with --interval %g", model_path, trained_s, interval_s,
+                        trained_s, interval_s)
         history = MetricHistory(history_path) if history_path else None
         self._interval_s = interval_s
         self.drain_grace_s = drain_grace_s
         self.predictor = PredictorMonitor(
-            PredictorRuntime.load(model_path, missing="nan"), self.node_id, history=history,
+            runtime, self.node_id, history=history,
             on_score=self._on_score, on_alarm=self._on_alarm, threshold=self._configured,
         )
 
@@ -248,7 +290,16 @@ class LocalNodeHealth:
         self._next_tick = time.monotonic() + self._interval_s
         if metrics is None:
             metrics = self.source.latest_metrics() if self.source is not None else {}
-        self.predictor.tick(time.time(), metrics, step_time_s)
+        wall, mono = self._wall_clock(), time.monotonic()
+        ts = tick_time(wall, mono, self._last_stamp)
+        if ts != wall and not self._stepped_back:  # once per step, not every tick
+            log.warning("predictor: the wall clock stepped back %.1f s; samples are stamped on continued time "
+                        "(%.1f s ahead of the clock) so the predictor keeps scoring", ts - wall, ts - wall)
+        self._stepped_back = ts != wall
+        self._last_stamp = (ts, mono)
+        self.predictor.tick(ts, metrics, step_time_s)
+        with self._lock:
+            self._ticks += 1
 
     def _on_score(self, score: Any) -> None:
         self._score = score.score
@@ -281,7 +332,19 @@ class LocalNodeHealth:
         with self._lock:
             self._life.fire_if(_T.ALARM)  # not after stop()
             if self._drain_due is None:
-                self._drain_due = (time.monotonic() + self.drain_grace_s, event, self._generation())
+                self._drain_due = (time.monotonic() + self.drain_grace_s, event, self._alarm_generation(event))
+
+    def _alarm_generation(self, event: HealthEvent) -> int:
+        """The generation a drain for ``event`` is about. A rules-tier alarm reads the same sample as a detector's
+        node-level fault event (a fatal AER error, Xid 79), one tick later: when such an event came since the tick
+        before, the alarm is about that event's generation. Stamped with the generation now, it drained the node
+        a second time after the coordinator had already restarted the job for the event (two restarts of the
+        budget for one fault), as the drain only stands down for a report since the alarm's generation."""
+        now = self._generation()
+        fault = self._fault
+        if event.evidence.get("source") == "rules" and fault is not None and fault[0] >= self._ticks - 1:
+            return min(now, fault[1])
+        return now
 
     # -- drain timer ---------------------------------------------------------------------------------------
     @property
@@ -322,4 +385,4 @@ class LocalNodeHealth:
         self._life.fire_if(_T.DRAINED)
 
 
-__all__ = ["DetectorEventSource", "LocalNodeHealth", "SEEN_BY_SUPERVISOR"]
+__all__ = ["DetectorEventSource", "LocalNodeHealth", "SEEN_BY_SUPERVISOR", "tick_time"]

@@ -424,7 +424,7 @@ def _metrics(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from trainguard.predictor.history import MetricHistory
 
-    with MetricHistory(args.history) as h:
+    with MetricHistory(args.history, readonly=True) as h:
         n, e = h.export(args.metrics, args.events, since=args.since)
     print(f"exported {n} samples and {e} events")
     return 0

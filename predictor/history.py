@@ -45,7 +45,7 @@ class MetricHistory:
     """
 
     def __init__(self, path: str | Path, retention_s: float = 30 * 86400.0, max_bytes: int = 512 * 2**20,
-                 prune_every: int = 720) -> None:
+                 prune_every: int = 720, readonly: bool = False) -> None:
         """Opens or creates a store.
 
         Args:
@@ -53,9 +53,11 @@ class MetricHistory:
             retention_s: keep this much history before the newest sample, seconds (default 30 days).
             max_bytes: bound on the live data size, bytes (default 512 MiB).
             prune_every: appends between two retention passes (default 720, one hour at 5 s).
+            readonly: only read an existing store (an export): nothing is created or written, so a read-only
+                file or mount works and a mistyped path is an error, not a new empty store.
 
         Raises:
-            HistoryError: the file cannot be opened or is not a history store.
+            HistoryError: the file cannot be opened or is not a history store (or, ``readonly``, does not exist).
         """
         if retention_s <= 0 or max_bytes <= 0 or prune_every <= 0:
             raise HistoryError("retention_s, max_bytes and prune_every must be positive")
@@ -64,20 +66,42 @@ class MetricHistory:
         self.max_bytes = int(max_bytes)
         self.prune_every = int(prune_every)
         self._lock = threading.Lock()
+        self._since_prune = 0
+        if readonly:
+            self._open_readonly()
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file where the folder goes, a read-only or absent mount
+            raise HistoryError(f"{self.path}: cannot create the metric history's folder {self.path.parent} "
+                               f"({exc.strerror or exc}); pick a path in a writable folder") from exc
+        try:
             self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA auto_vacuum = INCREMENTAL")
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = NORMAL")
             self._db.executescript(_SCHEMA)
-            self._nodes = {n: i for i, n in self._db.execute("SELECT id, name FROM nodes")}
-            self._schemas = {tuple(json.loads(s)): i for i, s in self._db.execute("SELECT id, names FROM schemas")}
-            self._last = {n: t for n, t in self._db.execute(
-                "SELECT nodes.name, MAX(samples.ts) FROM samples JOIN nodes ON nodes.id = samples.node_id GROUP BY node_id")}
+            self._load_tables()
         except sqlite3.DatabaseError as exc:
             raise HistoryError(f"{self.path}: cannot open metric history ({exc}); move the file aside to start anew") from exc
-        self._since_prune = 0
+
+    def _open_readonly(self) -> None:
+        if not self.path.is_file():
+            raise HistoryError(f"{self.path}: no metric history there (the agent writes it where --metric-history "
+                               "or its state directory says); check the path")
+        try:
+            self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False,
+                                       isolation_level=None)
+            self._load_tables()
+        except sqlite3.DatabaseError as exc:
+            raise HistoryError(f"{self.path}: cannot read metric history ({exc}); is it a trainguard history "
+                               "file (--metric-history)?") from exc
+
+    def _load_tables(self) -> None:
+        self._nodes = {n: i for i, n in self._db.execute("SELECT id, name FROM nodes")}
+        self._schemas = {tuple(json.loads(s)): i for i, s in self._db.execute("SELECT id, names FROM schemas")}
+        self._last = {n: t for n, t in self._db.execute(
+            "SELECT nodes.name, MAX(samples.ts) FROM samples JOIN nodes ON nodes.id = samples.node_id GROUP BY node_id")}
 
     def close(self) -> None:
         """Closes the store (further calls fail)."""
@@ -93,9 +117,21 @@ class MetricHistory:
     def _node_id(self, node: str) -> int:
         nid = self._nodes.get(node)
         if nid is None:
-            nid = int(self._db.execute("INSERT INTO nodes (name) VALUES (?)", (node,)).lastrowid)
+            # OR IGNORE, then read: another process on the same file (a second run, an export) may have added it
+            # since this one read the table; a plain INSERT failed its UNIQUE constraint on every later append.
+            self._db.execute("INSERT OR IGNORE INTO nodes (name) VALUES (?)", (node,))
+            nid = int(self._db.execute("SELECT id FROM nodes WHERE name = ?", (node,)).fetchone()[0])
             self._nodes[node] = nid
         return nid
+
+    def _schema_id(self, names: tuple[str, ...]) -> int:
+        sid = self._schemas.get(names)
+        if sid is None:
+            text = json.dumps(names)
+            self._db.execute("INSERT OR IGNORE INTO schemas (names) VALUES (?)", (text,))  # as in _node_id
+            sid = int(self._db.execute("SELECT id FROM schemas WHERE names = ?", (text,)).fetchone()[0])
+            self._schemas[names] = sid
+        return sid
 
     def append(self, ts: float, node: str, metrics: dict[str, float]) -> None:
         """Stores one sample.
@@ -122,15 +158,14 @@ class MetricHistory:
                     f"node {node!r}: sample at {ts} is not after the stored {last}; samples must be appended in time order"
                 )
             try:
-                self._db.execute("BEGIN")
-                sid = self._schemas.get(names)
-                if sid is None:
-                    sid = int(self._db.execute("INSERT INTO schemas (names) VALUES (?)", (json.dumps(names),)).lastrowid)
-                    self._schemas[names] = sid
+                self._db.execute("BEGIN IMMEDIATE")  # the write lock first: another writer waits, not fails
+                sid = self._schema_id(names)
                 self._db.execute("INSERT INTO samples VALUES (?, ?, ?, ?)", (ts, self._node_id(node), sid, vals.tobytes()))
                 self._db.execute("COMMIT")
             except sqlite3.DatabaseError as exc:
                 self._rollback()
+                self._schemas.pop(names, None)  # ids read in a rolled-back transaction may not exist
+                self._nodes.pop(node, None)
                 raise HistoryError(f"{self.path}: cannot store sample ({exc}); check disk space") from exc
             self._last[node] = ts
             self._since_prune += 1
@@ -152,11 +187,12 @@ class MetricHistory:
             raise HistoryError(f"event on node {node!r}: timestamp {ts!r} is not finite")
         with self._lock:
             try:
-                self._db.execute("BEGIN")
+                self._db.execute("BEGIN IMMEDIATE")
                 self._db.execute("INSERT INTO events VALUES (?, ?, ?)", (ts, self._node_id(node), str(kind)))
                 self._db.execute("COMMIT")
             except sqlite3.DatabaseError as exc:
                 self._rollback()
+                self._nodes.pop(node, None)
                 raise HistoryError(f"{self.path}: cannot store event ({exc}); check disk space") from exc
 
     def _rollback(self) -> None:
@@ -222,11 +258,18 @@ class MetricHistory:
         """
         lo = -math.inf if since is None else since
         with self._lock:
-            names_of = {i: json.loads(s) for s, i in ((json.dumps(k), v) for k, v in self._schemas.items())}
-            node_of = {i: n for n, i in self._nodes.items()}
-            rows = self._db.execute(
-                "SELECT ts, node_id, schema_id, vals FROM samples WHERE ts >= ? ORDER BY ts, node_id", (lo,)).fetchall()
-            evs = self._db.execute("SELECT ts, node_id, kind FROM events WHERE ts >= ? ORDER BY ts", (lo,)).fetchall()
+            # From the file, not this object's caches (another process may have added names and schemas), in one
+            # read transaction so that every row's schema and node are in the snapshot.
+            self._db.execute("BEGIN")
+            try:
+                names_of = {i: json.loads(s) for i, s in self._db.execute("SELECT id, names FROM schemas")}
+                node_of = {i: n for i, n in self._db.execute("SELECT id, name FROM nodes")}
+                rows = self._db.execute("SELECT ts, node_id, schema_id, vals FROM samples WHERE ts >= ? "
+                                        "ORDER BY ts, node_id", (lo,)).fetchall()
+                evs = self._db.execute("SELECT ts, node_id, kind FROM events WHERE ts >= ? ORDER BY ts",
+                                       (lo,)).fetchall()
+            finally:
+                self._rollback()
         columns = sorted({n for names in names_of.values() for n in names})
         pos = {c: i for i, c in enumerate(columns)}
         idx_of = {sid: np.array([pos[n] for n in names], dtype=np.int64) for sid, names in names_of.items()}

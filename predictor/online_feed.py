@@ -46,7 +46,7 @@ from trainguard.detectors.events import HealthEvent
 from trainguard.faultfacts.throttle import load_bad_throttle_reasons
 from trainguard.predictor.calibration import AlarmLedger
 from trainguard.predictor.catalog import BY_NAME
-from trainguard.predictor.runtime import PredictorRuntime, Score
+from trainguard.predictor.runtime import WARMING_UP, PredictorRuntime, Score
 
 if TYPE_CHECKING:
     from trainguard.predictor.history import MetricHistory
@@ -401,7 +401,8 @@ def with_threshold(score: Score, threshold: float | None) -> Score:
     """``score`` judged against a configured alarm threshold instead of the model's own (per-node calibrated)
     one: ``alarm`` becomes ``score >= threshold``, a rule hit stays an alarm. A rules-only runtime (no model)
     scores every quiet sample as ``source="rules"``, score 0: only a hit may alarm (keying on the source alarmed
-    on every quiet tick).
+    on every quiet tick). Nor may a model score that is no score yet (:data:`~.runtime.WARMING_UP`, read as 0):
+    a threshold of 0 alarmed (and drained the node) on every such tick.
 
     Args:
         score: the runtime's score.
@@ -409,7 +410,12 @@ def with_threshold(score: Score, threshold: float | None) -> Score:
     """
     if threshold is None or math.isnan(threshold):
         return score
-    return replace(score, threshold=threshold, alarm=bool(score.rule_hits) or score.score >= threshold)
+    return replace(score, threshold=threshold, alarm=bool(score.rule_hits) or _reaches(score, threshold))
+
+
+def _reaches(score: Score, threshold: float) -> bool:
+    """Whether a learned score reaches ``threshold`` (never a rules-only placeholder or a warming-up one)."""
+    return score.source == "model" and WARMING_UP not in score.degraded and score.score >= threshold
 
 
 class PredictorMonitor:
@@ -585,7 +591,7 @@ class PredictorMonitor:
             ev = model.eval_config
             self._configured_ledger = AlarmLedger(ev.cooldown_s, 10.0 * model.spec.config.interval_s)
             self._ledger_threshold = threshold
-        self._configured_ledger.add(score.ts, score.source == "model" and score.score >= threshold)
+        self._configured_ledger.add(score.ts, _reaches(score, threshold))
 
     def realised_alarms_per_day(self) -> float:
         """Learned-tier alarm events per observed node-day at the threshold in force: counted against the configured

@@ -42,6 +42,9 @@ from trainguard.predictor.model import PredictorModel
 from trainguard.predictor.rules import RuleHit, RulesTier
 from trainguard.predictor.scorers import TreeEnsembleScorer, family_scores
 
+#: ``Score.degraded`` reason of a model score that is no score yet (NaN, read as 0): no threshold may alarm on it.
+WARMING_UP = "baselines warming up (no scored feature known yet; score reads 0)"
+
 
 @dataclass(frozen=True)
 class Score:
@@ -359,7 +362,7 @@ class PredictorRuntime:
         else:
             learned_alarm = informed and score >= thr
         if score != score:
-            degraded.append("baselines warming up (no scored feature known yet; score reads 0)")
+            degraded.append(WARMING_UP)
             score = 0.0
         led = self._ledger.get(node)
         if led is None:

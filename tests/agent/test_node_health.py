@@ -222,3 +222,100 @@ def test_event_source_is_swappable() -> None:
     assert cause is not None and cause.kind == "pcie.aer_fatal" and cause.node_id == "n7"
     health.stop()
     assert health.state == HealthState.STOPPED and source.on_event is None
+
+
+def test_threshold_zero_alarms_on_no_quiet_tick_and_no_warming_up_score() -> None:
+    # `predictor.threshold = 0` (valid: in [0, 1]) alarmed, asked for a checkpoint and drained the node on every
+    # tick without a model ("failure risk 0.00 >= 0.00 (rules)"), and with one on every tick whose score was no
+    # score yet (the baselines warming up, read as 0).
+    from trainguard.predictor.online_feed import with_threshold
+    from trainguard.predictor.runtime import WARMING_UP, Score
+
+    health = LocalNodeHealth("n1", threshold=0.0)
+    health.start_predictor(None, None, interval_s=0.0)
+    t0 = time.time()
+    quiet = [health.predictor.tick(t0 + i * 5.0, {"pcie.aer_fatal[0000:3b:00.0]": 0.0}) for i in range(3)]
+    assert all(s is not None and not s.alarm for s in quiet), quiet
+    assert not _alarms(health) and not health.drain_pending
+    warming = Score("n1", t0, 0.0, math.inf, False, degraded=(WARMING_UP,))
+    assert not with_threshold(warming, 0.0).alarm
+    assert with_threshold(Score("n1", t0, 0.0, math.inf, False), 0.0).alarm  # a real score of 0 reaches 0
+
+
+def test_a_clock_stepped_back_does_not_blind_the_rules_tier() -> None:
+    # The samples were stamped with the raw wall clock; the predictor refuses a time that does not increase, so
+    # after NTP stepped the clock back 10 minutes every tick was skipped for 10 minutes, and a fatal AER error
+    # in them raised no alarm (no checkpoint advisory, no drain).
+    walls = iter([1_000_000.0, 1_000_005.0, 999_405.0, 999_410.0])
+    health = LocalNodeHealth("n1", wall_clock=lambda: next(walls))
+    health.start_predictor(None, None, interval_s=0.0)
+    fatal = "pcie.aer_fatal[0000:3b:00.0]"
+    health.tick(metrics={fatal: 0.0})
+    health.tick(metrics={fatal: 0.0})
+    health.tick(metrics={fatal: 0.0})  # the clock stepped back
+    health.tick(metrics={fatal: 1.0})
+    last = health.predictor.last_score
+    assert last is not None and last.alarm and last.rule_hits and last.ts > 1_000_005.0, last
+    assert len(_alarms(health)) == 1 and health.drain_pending
+
+
+def test_a_tick_interval_other_than_the_models_is_named(model_file: str, caplog) -> None:
+    # `trainguard run --predictor-interval-s 0.5` with a model trained at 5 s scored in silence on features the
+    # model never saw (coverage, gaps and baselines count rows against the trained interval).
+    with caplog.at_level("WARNING", logger="trainguard.agent.node_health"):
+        LocalNodeHealth("n1").start_predictor(model_file, None, interval_s=5.0)
+        assert not caplog.records
+        LocalNodeHealth("n1").start_predictor(model_file, None, interval_s=0.5)
+    assert any("every 5 s but scores every 0.5 s" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_daemon_threshold_gauge_does_not_read_0_before_the_first_score(tmp_path: Path) -> None:
+    # The metrics start at NaN so that an alert rule `score >= threshold` does not fire on 0 >= 0 at start-up,
+    # but the daemon copied the node health's threshold of 0.0 (no score yet, none configured) over it at once.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from trainguard.agent.agentd import AgentDaemon, config_loader
+    from trainguard.agent.sdnotify import SystemdNotifier
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[metrics]\nlisten = "127.0.0.1:0"\n[detectors]\nroot = "{tmp_path / "fake"}"\n')
+    daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "agent.sock"), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    try:
+        daemon._refresh()
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon._metrics_server.port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    finally:
+        daemon.stop()
+    value = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    score, threshold = value["trainguard_predictor_score"], value["trainguard_predictor_threshold"]
+    assert not score >= threshold, (score, threshold)
+
+
+def test_a_rules_alarm_for_a_reported_fault_is_about_the_faults_generation() -> None:
+    # A fatal AER error: the pcie detector's event had the node reported at once (generation 1) and the
+    # coordinator restarted the job (generation 2); a tick later the rules tier alarmed on the same counter,
+    # stamped generation 2, and its drain (which stands down only for a report since the alarm's generation)
+    # restarted the job a second time: two restarts of the budget for one fault (seen with `trainguard run`).
+    from trainguard.detectors.events import Action, HealthEvent, Severity
+
+    generation = [1]
+    health = LocalNodeHealth("n1", generation=lambda: generation[0])
+    health.start_predictor(None, None, interval_s=0.0, drain_grace_s=0.0)
+    fatal = "pcie.aer_fatal[0000:3b:00.0]"
+    health.tick(metrics={fatal: 0.0})
+    health.observe(HealthEvent(source="pcie", kind="pcie.aer_fatal", severity=Severity.CRITICAL,
+                               action=Action.DRAIN_NODE, message="1 new uncorrectable fatal error(s)",
+                               subject="0000:3b:00.0"))
+    generation[0] = 2  # the coordinator restarted the job for it
+    health.tick(metrics={fatal: 1.0})
+    due = health.due_drain(lambda step: False)
+    assert due is not None and due[1] == 1, due
+    health.drained()
+    for _ in range(3):  # a later fault the detectors did not report is about the generation it happens in
+        health.tick(metrics={fatal: 1.0})
+    health.tick(metrics={fatal: 2.0})
+    due = health.due_drain(lambda step: False)
+    assert due is not None and due[1] == 2, due

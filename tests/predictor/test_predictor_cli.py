@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from trainguard.cli import main
+from trainguard.predictor.errors import HistoryError
 from trainguard.predictor.tracegen import default_trace_dir
 
 needs_trace = pytest.mark.skipif(
@@ -95,3 +96,23 @@ def test_console_script_help_is_fast_and_lists_commands():
                             "trainguard.predictor; print('sklearn' in sys.modules)"],
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "False"
+
+
+def test_export_reads_only_and_refuses_a_mistyped_path(tmp_path, capsys):
+    # `predictor export --history` opened the store for writing: a mistyped path made a new folder and an empty
+    # store and exported "0 samples" with exit 0, and a read-only copy failed with "attempt to write a readonly
+    # database; move the file aside to start anew" (advice that discards the data).
+    from trainguard.predictor.history import MetricHistory
+
+    typo = tmp_path / "hsitory" / "h.sqlite"
+    assert main(["predictor", "export", "--history", str(typo), "--metrics", str(tmp_path / "m.csv"),
+                 "--events", str(tmp_path / "e.csv")]) == 2
+    assert "no metric history there" in capsys.readouterr().err and not typo.parent.exists()
+    live = MetricHistory(tmp_path / "h.sqlite")  # an agent still writing it (the WAL not checkpointed)
+    live.append(1.0, "n", {"gpu_temp_c": 50.0})
+    reader = MetricHistory(tmp_path / "h.sqlite", readonly=True)
+    with pytest.raises(HistoryError, match="cannot store sample"):
+        reader.append(2.0, "n", {"gpu_temp_c": 51.0})
+    assert list(reader.to_tables()[0].ts) == [1.0]
+    reader.close()
+    live.close()

@@ -76,3 +76,29 @@ def test_not_a_database(tmp_path):
     p.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(HistoryError, match="cannot open"):
         MetricHistory(p)
+
+
+def test_a_folder_that_cannot_be_created_is_a_history_error(tmp_path):
+    # `trainguard run --metric-history afile/h.sqlite` (a file where the folder goes) ended in a FileExistsError
+    # traceback instead of the one-line error the CLI prints for a HistoryError.
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(HistoryError, match="afile.*writable folder"):
+        MetricHistory(tmp_path / "afile" / "h.sqlite")
+
+
+def test_a_history_shared_by_two_stores_keeps_both_writers(tmp_path):
+    # Two runs on one --metric-history file: the second writer's cached tables missed the node and schema the
+    # first had added, its INSERT failed their UNIQUE constraint, and every one of its samples and events was
+    # lost ("cannot store sample ...; check disk space"); the first's export missed the second's rows.
+    path = tmp_path / "h.sqlite"
+    first, second = MetricHistory(path), MetricHistory(path)
+    first.append(1.0, "vm", {"a": 1.0})
+    second.append(2.0, "vm", {"a": 2.0})
+    second.append(3.0, "vm", {"b": 3.0})
+    second.record_event(3.5, "vm", "GPU Lost")
+    first.append(4.0, "vm", {"b": 4.0})
+    metrics, events = first.to_tables()
+    assert metrics.columns == ["a", "b"] and list(metrics.ts) == [1.0, 2.0, 3.0, 4.0]
+    assert list(metrics.node) == ["vm"] * 4 and list(events.kind) == ["GPU Lost"]
+    first.close()
+    second.close()
