@@ -23,6 +23,30 @@ log = logging.getLogger(__name__)
 
 IFF_UP = 0x1
 
+# pyroute2 is imported on first use (it is slow to import). Its modules import each other in a cycle, so two
+# threads importing it at once (the sampler's one-shot dump and the listener, both at agent start) can hit
+# Python's import deadlock detection ("deadlock detected by _ModuleLock('pyroute2.netlink.rtnl')"), which
+# surfaced as a spurious detector.error; one lock makes the first import single-threaded.
+_IMPORT_LOCK = threading.Lock()
+
+
+def open_iproute(netns: str = "") -> Any:
+    """Opens a pyroute2 ``IPRoute`` socket, importing pyroute2 safely from any thread.
+
+    Args:
+        netns: name of a network namespace (``ip netns add``); the current one when empty.
+
+    Returns:
+        The open socket; the caller closes it.
+
+    Raises:
+        OSError / pyroute2 errors: the socket cannot be opened (no such namespace, no permission).
+    """
+    with _IMPORT_LOCK:
+        from pyroute2 import IPRoute
+        from pyroute2.netlink.rtnl import RTMGRP_LINK  # noqa: F401 - imported here for LinkWatcher.run
+    return IPRoute(netns=netns) if netns else IPRoute()
+
 
 @dataclass(frozen=True)
 class LinkInfo:
@@ -101,9 +125,7 @@ class LinkWatcher:
         self.ready = threading.Event()
 
     def _open(self) -> Any:
-        from pyroute2 import IPRoute
-
-        return IPRoute(netns=self._netns) if self._netns else IPRoute()
+        return open_iproute(self._netns)
 
     def run(self) -> None:
         """Seeds the table and blocks delivering changes until :meth:`stop` (call from a dedicated thread).
@@ -111,9 +133,9 @@ class LinkWatcher:
         Raises:
             OSError / pyroute2 errors: the socket cannot be opened (no such namespace, no permission).
         """
-        from pyroute2.netlink.rtnl import RTMGRP_LINK
-
         sock = self._open()
+        from pyroute2.netlink.rtnl import RTMGRP_LINK  # already imported by _open(), under its lock
+
         with self._lock:
             if self._stopped:
                 sock.close()

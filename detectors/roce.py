@@ -37,7 +37,7 @@ from trainguard.detectors.counters import CounterTracker
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.ethtool import ethtool_stats
 from trainguard.detectors.events import Action, HealthEvent, Severity
-from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message
+from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message, open_iproute
 from trainguard.detectors.rules import CounterRule, load_counter_rules
 from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_text
 
@@ -202,12 +202,14 @@ class RoceDetector(ListeningDetector):
         return False
 
     def _on_link(self, info: LinkInfo, initial: bool) -> None:
+        with self._lock:
+            renamed = self._take_renamed(info)
         if not self.watched(info.ifname):
             return
         events: list[HealthEvent] = []
         now = time.monotonic()
         with self._lock:
-            prev = self._links.get(info.ifname)
+            prev = self._links.get(info.ifname, renamed)
             self._links[info.ifname] = info
             if info.up:
                 self._down_since.pop(info.ifname, None)
@@ -241,6 +243,27 @@ class RoceDetector(ListeningDetector):
                 ev = HealthEvent(**{**ev.__dict__, "time": info.time or ev.time})
                 emit(ev)
 
+    def _take_renamed(self, info: LinkInfo) -> LinkInfo | None:
+        """Drops the entry of a link that now has another name (same index) and returns it.
+
+        The table is keyed by name; without this a renamed link (``ip link set X name Y``, done while down) left
+        its old name behind as down forever: ``net.link_down_persistent`` and a FAILED detector for an interface
+        that no longer exists. Its down time and flap history move to the new name, which is the same link.
+        """
+        for name, known in list(self._links.items()):
+            if known.index != info.index or name == info.ifname or known.removed:
+                continue
+            del self._links[name]
+            since = self._down_since.pop(name, None)
+            downs = self._downs.pop(name, None)
+            if self.watched(info.ifname):
+                if since is not None:
+                    self._down_since.setdefault(info.ifname, since)
+                if downs:
+                    self._downs[info.ifname].extend(downs)
+            return known
+        return None
+
     def _trim(self, downs: collections.deque[float], now: float) -> None:
         while downs and now - downs[0] > self.config.flap_window_s:
             downs.popleft()
@@ -253,9 +276,7 @@ class RoceDetector(ListeningDetector):
 
     def _dump_links(self) -> None:
         """One-shot link table when no listener runs (``trainguard detect``)."""
-        from pyroute2 import IPRoute
-
-        ipr = IPRoute(netns=self.config.netns) if self.config.netns else IPRoute()
+        ipr = open_iproute(self.config.netns)
         try:
             for msg in ipr.get_links():
                 info = link_from_message(msg)
@@ -315,7 +336,7 @@ class RoceDetector(ListeningDetector):
                 downs = self._downs.get(ifname, collections.deque())
                 self._trim(downs, now)
                 s.metrics[f"link_downs_in_window[{ifname}]"] = float(len(downs))
-                if f"flap/{ifname}" in self._active:
+                if f"flap/{ifname}" in self._active or len(downs) >= self.config.flap_threshold:
                     self._flap_condition(s, ifname, len(downs))
                 since = self._down_since.get(ifname)
                 if since is not None:
@@ -326,6 +347,13 @@ class RoceDetector(ListeningDetector):
                                Action.DRAIN_NODE, f"link {ifname} has been down for over "
                                f"{self.config.down_grace_s:.0f} s", ifname,
                                {"operstate": info.operstate, "carrier": int(info.carrier)})
+            # Conditions of a name that left the table (the link was renamed) end here, not never.
+            for key in [k for k in self._active if k.split("/", 1)[0] in ("down", "flap")]:
+                gone = key.split("/", 1)[1]
+                if gone not in links:
+                    kind = "net.link_down_persistent" if key.startswith("down/") else "net.link_flapping"
+                    self.condition(s, key, False, kind, Severity.INFO, Action.NONE,
+                                   f"link {gone} no longer exists under that name", gone, {})
             s.metrics["links_watched"] = float(len(links))
             s.metrics["links_down"] = float(down)
             s.metrics["link_flaps_in_window"] = float(sum(len(self._downs.get(i, ())) for i in links))
