@@ -12,6 +12,7 @@ another thread, which makes the pending ``get()`` return empty.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -112,7 +113,8 @@ class LinkWatcher:
 
     Args:
         on_link: called from the watching thread with every decoded link message (changes and the initial dump,
-            the latter with ``initial=True``).
+            the latter with ``initial=True``; the dump that resynchronises the table after notifications were
+            lost comes with ``initial=False``, so a link that changed meanwhile reads as a change).
         netns: name of a network namespace (``ip netns add``) to watch; the agent's own when empty.
     """
 
@@ -144,17 +146,22 @@ class LinkWatcher:
         try:
             # Bind before the dump so that no change between the two is lost.
             sock.bind(groups=RTMGRP_LINK)
-            dump = self._open()
-            try:
-                for msg in dump.get_links():
-                    info = link_from_message(msg)
-                    if info is not None:
-                        self._on_link(info, True)
-            finally:
-                dump.close()
+            self._dump(initial=True)
             self.ready.set()
-            while True:
-                msgs = sock.get()
+            while not self._stopped:
+                try:
+                    msgs = sock.get()
+                except OSError as exc:
+                    if exc.errno != errno.ENOBUFS:
+                        raise
+                    # A burst of link messages (pod veths churning beside the NICs) overflowed the socket buffer
+                    # and the kernel dropped some. The socket still works; a fresh dump brings the table up to
+                    # date, and a link whose state differs from the last one seen is reported as a change. (This
+                    # ended the listener: 5 s blind, then a re-dump that reported no missed down at all.)
+                    log.warning("rtnetlink %s: link notifications were lost (%s); resynchronising from a dump",
+                                self._netns or "(own namespace)", exc.strerror or exc)
+                    self._dump(initial=False)
+                    continue
                 received = time.time()
                 if not msgs:
                     return  # stop() closed the socket
@@ -171,6 +178,16 @@ class LinkWatcher:
                 sock.close()
             except Exception:  # noqa: BLE001 - closing twice after stop() is harmless
                 pass
+
+    def _dump(self, initial: bool) -> None:
+        dump = self._open()
+        try:
+            for msg in dump.get_links():
+                info = link_from_message(msg)
+                if info is not None:
+                    self._on_link(info, initial)
+        finally:
+            dump.close()
 
     def stop(self) -> None:
         """Makes :meth:`run` return; safe from any thread, more than once."""

@@ -139,6 +139,52 @@ print([e.message for e in events if e.kind == "detector.error"])
 
 
 @pytest.mark.netns
+def test_lost_link_notifications_resync_the_table_and_report_the_change(veth_netns, tmp_path) -> None:
+    """A burst of link messages (other veths churning, as a Kubernetes node's pod veths do) while the listener is
+    busy overflows its socket: the kernel drops messages and the next read fails with ENOBUFS. That ended the
+    listener, so the watched link's change that was dropped in the burst was never reported; now the table is
+    resynchronised from a dump and the change reported."""
+    ns, a, _ = veth_netns
+    n = 60
+    subprocess.run(["ip", "-n", ns, "-batch", "-"], check=True, timeout=60, text=True,
+                   input="".join(f"link add tgn{i} type veth peer name tgp{i}\n" for i in range(n)))
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), ethtool=False))
+    q: queue.Queue[HealthEvent] = queue.Queue()
+    release = threading.Event()
+
+    def busy_emit(ev: HealthEvent) -> None:
+        q.put(ev)
+        release.wait(30)  # the listener is held while the burst fills its socket
+
+    failure: list[BaseException] = []
+
+    def listen() -> None:
+        try:
+            det.listen(busy_emit)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            failure.append(exc)
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    try:
+        assert det.wait_ready(30.0), "the netlink listener did not start"
+        ip(ns, "link", "set", a, "down")
+        next_event(q, "net.link_down", a)
+        churn = "".join(f"link set tgn{i} up\nlink set tgp{i} up\nlink set tgn{i} down\n" for i in range(n))
+        subprocess.run(["ip", "-n", ns, "-batch", "-"], input=churn * 3, text=True, check=True, timeout=60)
+        ip(ns, "link", "set", a, "up")  # lost with the burst's tail
+        subprocess.run(["ip", "-n", ns, "-batch", "-"], input=churn * 3, text=True, check=True, timeout=60)
+        release.set()
+        up = next_event(q, "net.link_up", a, timeout=20.0)
+        assert up.evidence["admin_up"] == "1"
+        assert det.links()[a].up and not failure, failure
+    finally:
+        release.set()
+        det.stop_listening()
+        listener.join(10)
+
+
+@pytest.mark.netns
 def test_ethtool_ioctl_reads_real_driver_statistics(veth_netns) -> None:
     ns, a, _ = veth_netns
     code = ("from trainguard.detectors.ethtool import ethtool_stats; import json; "
