@@ -118,6 +118,7 @@ class RoceDetector(ListeningDetector):
         self._stopping = False
         self._listening = False
         self._auto: tuple[str, ...] | None = None
+        self._ports_seen: set[str] = set()
 
     # -- which interfaces -------------------------------------------------------------------------------------
 
@@ -298,7 +299,7 @@ class RoceDetector(ListeningDetector):
         patterns = self._patterns()
         ib_root = self.config.path("/sys/class/infiniband")
         ib_devs = list_dir_or_record(ib_root, s.error) if self.config.rdma else []
-        if not patterns and not ib_devs and not s.errors:
+        if not patterns and not ib_devs and not s.errors and not self._ports_seen:
             return self.no_hardware("no RDMA devices under /sys/class/infiniband and no interfaces configured")
         if patterns and not self._listening and not self._links:
             try:
@@ -322,10 +323,32 @@ class RoceDetector(ListeningDetector):
                     stats = {}
                 for name, value in sorted(stats.items()):
                     self._apply(s, "ethtool", ifname, name, value, now)
+        present: set[str] = set()
+        unlisted: set[str] = set()
         for dev in ib_devs:
-            for port in list_dir_or_record(os.path.join(ib_root, dev, "ports"), s.error):
+            errors = len(s.errors)
+            ports = list_dir_or_record(os.path.join(ib_root, dev, "ports"), s.error)
+            if len(s.errors) > errors:
+                unlisted.add(dev)
+            for port in ports:
+                present.add(f"{dev}/{port}")
                 self._sample_ib_port(s, os.path.join(ib_root, dev, "ports", port), f"{dev}/{port}", now)
+        if self.config.rdma and not (s.errors and not ib_devs):
+            self._sample_gone_ports(s, present, unlisted)
         return s
+
+    def _sample_gone_ports(self, s: Sample, present: set[str], unlisted: set[str]) -> None:
+        """A port seen before and now missing from sysfs (the driver's health recovery removed the device, it
+        was unbound or fell off the bus) is down; it used to vanish without an event, and a port_down already
+        raised for it never cleared. Ports of a device whose folder could not be listed are not judged."""
+        for subject in sorted(self._ports_seen - present):
+            if subject.split("/", 1)[0] in unlisted:
+                continue
+            s.metrics[f"port_active[{subject}]"] = 0.0
+            self.condition(s, f"port/{subject}", True, "roce.port_down", Severity.ERROR, Action.CHECKPOINT_NOW,
+                           f"RDMA port {subject} is gone from /sys/class/infiniband (device removed or reset)",
+                           subject, {"state": "missing"})
+        self._ports_seen |= present
 
     def _sample_links(self, s: Sample, now: float) -> None:
         with self._lock:

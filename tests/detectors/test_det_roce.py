@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -263,6 +264,30 @@ def test_pfc_pause_storm_from_ethtool_statistics(tmp_path) -> None:
     s = det.sample()
     assert sorted(e.kind for e in s.events) == ["roce.pfc_pause_rx", "roce.pfc_storm"]
     assert s.metrics["rx_prio3_pause_per_s[ens1f0np0]"] > 10000
+
+
+def test_a_port_that_disappears_is_down_until_it_is_back(tmp_path) -> None:
+    """An RDMA device removed from sysfs (mlx5 health recovery, unbind, fallen off the bus) vanished from the
+    detector without an event; with every device gone it even read as "no hardware"."""
+    write_rdma_port(tmp_path, device="mlx5_0", netdev=None)
+    write_rdma_port(tmp_path, device="mlx5_1", netdev=None)
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    assert det.sample().events == []
+    ib = tmp_path / "sys/class/infiniband"
+    shutil.rmtree(ib / "mlx5_1")
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("roce.port_down", "mlx5_1/1")]
+    assert "gone" in s.events[0].message and s.metrics["port_active[mlx5_1/1]"] == 0.0
+    assert s.state == DetectorState.FAILED
+    shutil.rmtree(ib)
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("roce.port_down", "mlx5_0/1")]
+    assert s.state == DetectorState.FAILED
+    write_rdma_port(tmp_path, device="mlx5_0", netdev=None)
+    write_rdma_port(tmp_path, device="mlx5_1", netdev=None)
+    s = det.sample()
+    assert sorted((e.kind, e.subject) for e in s.events) == [("roce.port_down.cleared", "mlx5_0/1"),
+                                                              ("roce.port_down.cleared", "mlx5_1/1")]
 
 
 def test_parse_ethtool_s_rejects_garbage() -> None:
