@@ -163,7 +163,10 @@ class RoceDetector(ListeningDetector):
         Args:
             emit: receives each event.
         """
-        if not self._patterns():
+        # With no interfaces configured the watched set is the RDMA devices' netdevs, which can appear after the
+        # start (the driver loads late): the listener runs anyway. It used to return, and the one-shot dump of
+        # the first sample then stood as the link table for good (a NIC that went down still read up).
+        if not self._patterns() and (self.config.interfaces or not self.config.rdma):
             return
         with self._lock:
             if self._stopping:
@@ -203,23 +206,36 @@ class RoceDetector(ListeningDetector):
         return False
 
     def _on_link(self, info: LinkInfo, initial: bool) -> None:
-        with self._lock:
-            renamed = self._take_renamed(info)
-        if not self.watched(info.ifname):
-            return
+        events = self._link_events(info, initial)
+        emit = self._emit
+        if emit is not None:
+            for ev in events:
+                emit(ev)
+
+    def _link_events(self, info: LinkInfo, initial: bool) -> list[HealthEvent]:
+        """Records one link message; returns the events of a change of its state (none for a first sight)."""
         events: list[HealthEvent] = []
         now = time.monotonic()
         with self._lock:
+            renamed = self._take_renamed(info)
             prev = self._links.get(info.ifname, renamed)
+            watched = self.watched(info.ifname)
+            if info.removed and not watched:
+                self._forget(info.ifname)  # pods' veths come and go: the table keeps no unwatched leftovers
+                return []
+            # Unwatched links are kept too: with no interfaces configured, a NIC becomes watched when its RDMA
+            # device appears (the driver loads after the agent), and its state must be known by then.
             self._links[info.ifname] = info
             if info.up:
                 self._down_since.pop(info.ifname, None)
             else:
                 self._down_since.setdefault(info.ifname, now)
+            if not watched:
+                return []
             # Only transitions are events; a link first seen (in the dump, or created later) is just recorded,
             # and one that stays down is reported by sample() after down_grace_s.
             if initial or prev is None or prev.up == info.up:
-                return
+                return []
             evidence = {"ifname": info.ifname, "operstate": info.operstate, "carrier": int(info.carrier),
                         "admin_up": int(info.admin_up), "carrier_changes": info.carrier_changes,
                         "removed": int(info.removed)}
@@ -238,11 +254,7 @@ class RoceDetector(ListeningDetector):
             else:
                 events.append(self.event("net.link_up", Severity.INFO, Action.NONE,
                                          f"link {info.ifname} is up again", info.ifname, evidence))
-        emit = self._emit
-        if emit is not None:
-            for ev in events:
-                ev = HealthEvent(**{**ev.__dict__, "time": info.time or ev.time})
-                emit(ev)
+        return [HealthEvent(**{**ev.__dict__, "time": info.time or ev.time}) for ev in events]
 
     def _take_renamed(self, info: LinkInfo) -> LinkInfo | None:
         """Drops the entry of a link that now has another name (same index) and returns it.
@@ -254,16 +266,20 @@ class RoceDetector(ListeningDetector):
         for name, known in list(self._links.items()):
             if known.index != info.index or name == info.ifname or known.removed:
                 continue
-            del self._links[name]
-            since = self._down_since.pop(name, None)
-            downs = self._downs.pop(name, None)
-            if self.watched(info.ifname):
-                if since is not None:
-                    self._down_since.setdefault(info.ifname, since)
-                if downs:
-                    self._downs[info.ifname].extend(downs)
+            since = self._down_since.get(name)
+            downs = self._downs.get(name)
+            self._forget(name)
+            if since is not None:
+                self._down_since.setdefault(info.ifname, since)
+            if downs:
+                self._downs[info.ifname].extend(downs)
             return known
         return None
+
+    def _forget(self, ifname: str) -> None:
+        self._links.pop(ifname, None)
+        self._down_since.pop(ifname, None)
+        self._downs.pop(ifname, None)
 
     def _trim(self, downs: collections.deque[float], now: float) -> None:
         while downs and now - downs[0] > self.config.flap_window_s:
@@ -275,14 +291,15 @@ class RoceDetector(ListeningDetector):
                        f"link {ifname} went down {count} times within {self.config.flap_window_s:.0f} s",
                        ifname, {"downs_in_window": count, "threshold": self.config.flap_threshold})
 
-    def _dump_links(self) -> None:
-        """One-shot link table when no listener runs (``trainguard detect``)."""
+    def _dump_links(self, s: Sample) -> None:
+        """The link table from a dump when no listener runs (``trainguard detect``, a listener between retries);
+        a change since the previous dump is reported in the sample."""
         ipr = open_iproute(self.config.netns)
         try:
             for msg in ipr.get_links():
                 info = link_from_message(msg)
                 if info is not None:
-                    self._on_link(info, True)
+                    s.events.extend(self._link_events(info, False))
         finally:
             ipr.close()
 
@@ -301,9 +318,9 @@ class RoceDetector(ListeningDetector):
         ib_devs = list_dir_or_record(ib_root, s.error) if self.config.rdma else []
         if not patterns and not ib_devs and not s.errors and not self._ports_seen:
             return self.no_hardware("no RDMA devices under /sys/class/infiniband and no interfaces configured")
-        if patterns and not self._listening and not self._links:
+        if patterns and not self._listening:
             try:
-                self._dump_links()
+                self._dump_links(s)
             except Exception as exc:  # noqa: BLE001 - no netlink (namespace gone...) is a read error, not a crash
                 s.error(DetectorReadError(f"rtnetlink {self.config.netns or ''}".strip(), str(exc)))
         now = time.monotonic()
@@ -440,10 +457,10 @@ class RoceDetector(ListeningDetector):
                             "threshold": rule.threshold, "mode": rule.mode})
 
     def links(self) -> dict[str, Any]:
-        """The current link table (tests and the CLI).
+        """The current table of the watched links (tests and the CLI).
 
         Returns:
             Interface name -> :class:`~trainguard.detectors.netlink.LinkInfo`.
         """
         with self._lock:
-            return dict(self._links)
+            return {k: v for k, v in self._links.items() if self.watched(k)}

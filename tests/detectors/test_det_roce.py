@@ -186,6 +186,47 @@ def test_lost_link_notifications_resync_the_table_and_report_the_change(veth_net
 
 
 @pytest.mark.netns
+def test_without_a_listener_every_sample_reads_the_link_table_again(veth_netns, tmp_path) -> None:
+    """``trainguard detect --window`` (no listener): only the first sample dumped the link table, so a link that
+    went down after it still read up in every later sample."""
+    ns, a, _ = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=0.0, ethtool=False))
+    s = det.sample()
+    assert s.metrics[f"link_up[{a}]"] == 1.0 and s.events == []
+    ip(ns, "link", "set", a, "down")
+    s = det.sample()
+    assert s.metrics[f"link_up[{a}]"] == 0.0 and s.state == DetectorState.FAILED
+    assert sorted(e.kind for e in s.events) == ["net.link_down", "net.link_down_persistent"]
+    ip(ns, "link", "set", a, "up")
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == ["net.link_down_persistent.cleared", "net.link_up"]
+
+
+@pytest.mark.netns
+def test_an_rdma_netdev_that_appears_after_the_start_is_watched(veth_netns, tmp_path) -> None:
+    """No interfaces configured and no RDMA device yet at the start (the driver loads late): the listener
+    returned at once for good, and the sampler's one-shot dump stood as the link table, so the NIC going down
+    later still read up."""
+    ns, a, _ = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, down_grace_s=0.0, ethtool=False))
+    q: queue.Queue[HealthEvent] = queue.Queue()
+    listener = threading.Thread(target=det.listen, args=(q.put,), daemon=True)
+    listener.start()
+    try:
+        assert det.wait_ready(10.0), "the listener gave up with no RDMA device yet"
+        write_rdma_port(tmp_path, netdev=a)
+        assert det.sample().metrics[f"link_up[{a}]"] == 1.0
+        ip(ns, "link", "set", a, "down")
+        next_event(q, "net.link_down", a)
+        s = det.sample()
+    finally:
+        det.stop_listening()
+        listener.join(10)
+    assert s.metrics[f"link_up[{a}]"] == 0.0
+    assert [(e.kind, e.subject) for e in s.events] == [("net.link_down_persistent", a)]
+
+
+@pytest.mark.netns
 def test_ethtool_ioctl_reads_real_driver_statistics(veth_netns) -> None:
     ns, a, _ = veth_netns
     code = ("from trainguard.detectors.ethtool import ethtool_stats; import json; "
