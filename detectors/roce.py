@@ -316,6 +316,7 @@ class RoceDetector(ListeningDetector):
         patterns = self._patterns()
         ib_root = self.config.path("/sys/class/infiniband")
         ib_devs = list_dir_or_record(ib_root, s.error) if self.config.rdma else []
+        ib_unlistable = bool(s.errors)
         if not patterns and not ib_devs and not s.errors and not self._ports_seen:
             return self.no_hardware("no RDMA devices under /sys/class/infiniband and no interfaces configured")
         if patterns and not self._listening:
@@ -350,7 +351,7 @@ class RoceDetector(ListeningDetector):
             for port in ports:
                 present.add(f"{dev}/{port}")
                 self._sample_ib_port(s, os.path.join(ib_root, dev, "ports", port), f"{dev}/{port}", now)
-        if self.config.rdma and not (s.errors and not ib_devs):
+        if self.config.rdma and not ib_unlistable:
             self._sample_gone_ports(s, present, unlisted)
         return s
 
