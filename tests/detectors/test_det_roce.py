@@ -238,6 +238,56 @@ def test_ethtool_ioctl_reads_real_driver_statistics(veth_netns) -> None:
     assert "peer_ifindex" in stats and stats["peer_ifindex"] > 0  # veth's own statistic, from the kernel
 
 
+@pytest.mark.netns
+def test_ethtool_read_while_the_queue_count_changes_never_returns_blank_statistics(veth_netns) -> None:
+    """veth (like mlx5) exports per-queue statistics; a channel change (``ethtool -L``) between the ioctl's three
+    calls made the kernel answer another count (0 on recent kernels, nothing written): blank names and every
+    value 0, taken by the counter tracker as a reset and then as one huge increase (a false PFC storm)."""
+    ns, _, _ = veth_netns
+    ip(ns, "link", "add", "tgq0", "numtxqueues", "16", "numrxqueues", "16", "type", "veth", "peer", "name", "tgq1",
+       "numtxqueues", "16", "numrxqueues", "16")
+    code = """
+import ctypes, fcntl, json, socket, struct, threading
+from trainguard.detectors.errors import DetectorReadError
+from trainguard.detectors.ethtool import ethtool_stats
+
+def set_channels(n):  # ETHTOOL_SCHANNELS: struct ethtool_channels, rx_count and tx_count
+    buf = ctypes.create_string_buffer(struct.pack("=9I", 0x3D, 0, 0, 0, 0, n, n, 0, 0))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = struct.pack("16sP", b"tgq0", ctypes.addressof(buf))
+        fcntl.ioctl(s.fileno(), 0x8946, ifreq + b"\\0" * (40 - len(ifreq)))
+
+stop = threading.Event()
+def flip():
+    while not stop.is_set():
+        set_channels(16)
+        set_channels(1)
+t = threading.Thread(target=flip)
+t.start()
+bad, good, retried = 0, 0, 0
+try:
+    for _ in range(300):
+        try:
+            stats = ethtool_stats("tgq0")
+        except DetectorReadError:
+            retried += 1
+            continue
+        if "peer_ifindex" in stats and "" not in stats:
+            good += 1
+        else:
+            bad += 1
+finally:
+    stop.set()
+    t.join()
+print(json.dumps({"bad": bad, "good": good, "retried": retried}))
+"""
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    import json
+    counts = json.loads(out)
+    assert counts["bad"] == 0 and counts["good"] > 0, counts
+
+
 def test_rdma_counters_on_a_fake_tree(tmp_path) -> None:
     write_rdma_port(tmp_path)
     det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
