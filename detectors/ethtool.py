@@ -37,18 +37,35 @@ def _ioctl(sock: socket.socket, ifname: str, buf: ctypes.Array) -> None:
     fcntl.ioctl(sock.fileno(), SIOCETHTOOL, ifreq)
 
 
-def ethtool_stats(ifname: str) -> dict[str, int]:
+def ethtool_stats(ifname: str, attempts: int = 3) -> dict[str, int]:
     """Reads the driver statistics of ``ifname`` in the current network namespace.
+
+    The number of statistics can change between the three calls (mlx5 and veth export per-queue counters, and
+    ``ethtool -L`` changes the queues); the kernel then answers with another count (recent kernels with 0 and
+    nothing written), and the names and values would not match: every value read as 0, which the counter
+    tracker takes as a reset, so the next sample saw the whole counter as one increase (a false PFC storm).
+    Such a read is tried again.
 
     Args:
         ifname: interface name.
+        attempts: reads tried while the number of statistics keeps changing.
 
     Returns:
         Statistic name -> value; empty when the driver exports none (or does not support the request).
 
     Raises:
-        DetectorReadError: no such interface, or the request failed otherwise.
+        DetectorReadError: no such interface, the number of statistics kept changing, or the request failed.
     """
+    for _ in range(attempts):
+        stats = _read_stats(ifname)
+        if stats is not None:
+            return stats
+    raise DetectorReadError(f"ethtool -S {ifname}",
+                            f"the number of driver statistics changed during each of {attempts} reads")
+
+
+def _read_stats(ifname: str) -> dict[str, int] | None:
+    """One read of the statistics; None when their number changed between the calls."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         # struct ethtool_sset_info { u32 cmd; u32 reserved; u64 sset_mask; u32 data[]; }
@@ -62,12 +79,16 @@ def ethtool_stats(ifname: str) -> dict[str, int]:
             struct.pack("=III", ETHTOOL_GSTRINGS, ETH_SS_STATS, count) + b"\0" * (count * ETH_GSTRING_LEN)
         )
         _ioctl(sock, ifname, strings)
+        if struct.unpack("=I", strings.raw[8:12])[0] != count:
+            return None
         raw_names = strings.raw[12 : 12 + count * ETH_GSTRING_LEN]
         names = [raw_names[i : i + ETH_GSTRING_LEN].split(b"\0", 1)[0].decode("ascii", "replace")
                  for i in range(0, len(raw_names), ETH_GSTRING_LEN)]
         # struct ethtool_stats { u32 cmd; u32 n_stats; u64 data[]; }
         stats = ctypes.create_string_buffer(struct.pack("=II", ETHTOOL_GSTATS, count) + b"\0" * (8 * count))
         _ioctl(sock, ifname, stats)
+        if struct.unpack("=I", stats.raw[4:8])[0] != count:
+            return None
         values = struct.unpack(f"={count}Q", stats.raw[8 : 8 + 8 * count])
         return dict(zip(names, values))
     except OSError as exc:

@@ -12,6 +12,7 @@ another thread, which makes the pending ``get()`` return empty.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -22,6 +23,30 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 IFF_UP = 0x1
+
+# pyroute2 is imported on first use (it is slow to import). Its modules import each other in a cycle, so two
+# threads importing it at once (the sampler's one-shot dump and the listener, both at agent start) can hit
+# Python's import deadlock detection ("deadlock detected by _ModuleLock('pyroute2.netlink.rtnl')"), which
+# surfaced as a spurious detector.error; one lock makes the first import single-threaded.
+_IMPORT_LOCK = threading.Lock()
+
+
+def open_iproute(netns: str = "") -> Any:
+    """Opens a pyroute2 ``IPRoute`` socket, importing pyroute2 safely from any thread.
+
+    Args:
+        netns: name of a network namespace (``ip netns add``); the current one when empty.
+
+    Returns:
+        The open socket; the caller closes it.
+
+    Raises:
+        OSError / pyroute2 errors: the socket cannot be opened (no such namespace, no permission).
+    """
+    with _IMPORT_LOCK:
+        from pyroute2 import IPRoute
+        from pyroute2.netlink.rtnl import RTMGRP_LINK  # noqa: F401 - imported here for LinkWatcher.run
+    return IPRoute(netns=netns) if netns else IPRoute()
 
 
 @dataclass(frozen=True)
@@ -88,7 +113,8 @@ class LinkWatcher:
 
     Args:
         on_link: called from the watching thread with every decoded link message (changes and the initial dump,
-            the latter with ``initial=True``).
+            the latter with ``initial=True``; the dump that resynchronises the table after notifications were
+            lost comes with ``initial=False``, so a link that changed meanwhile reads as a change).
         netns: name of a network namespace (``ip netns add``) to watch; the agent's own when empty.
     """
 
@@ -101,9 +127,7 @@ class LinkWatcher:
         self.ready = threading.Event()
 
     def _open(self) -> Any:
-        from pyroute2 import IPRoute
-
-        return IPRoute(netns=self._netns) if self._netns else IPRoute()
+        return open_iproute(self._netns)
 
     def run(self) -> None:
         """Seeds the table and blocks delivering changes until :meth:`stop` (call from a dedicated thread).
@@ -111,9 +135,9 @@ class LinkWatcher:
         Raises:
             OSError / pyroute2 errors: the socket cannot be opened (no such namespace, no permission).
         """
-        from pyroute2.netlink.rtnl import RTMGRP_LINK
-
         sock = self._open()
+        from pyroute2.netlink.rtnl import RTMGRP_LINK  # already imported by _open(), under its lock
+
         with self._lock:
             if self._stopped:
                 sock.close()
@@ -122,17 +146,22 @@ class LinkWatcher:
         try:
             # Bind before the dump so that no change between the two is lost.
             sock.bind(groups=RTMGRP_LINK)
-            dump = self._open()
-            try:
-                for msg in dump.get_links():
-                    info = link_from_message(msg)
-                    if info is not None:
-                        self._on_link(info, True)
-            finally:
-                dump.close()
+            self._dump(initial=True)
             self.ready.set()
-            while True:
-                msgs = sock.get()
+            while not self._stopped:
+                try:
+                    msgs = sock.get()
+                except OSError as exc:
+                    if exc.errno != errno.ENOBUFS:
+                        raise
+                    # A burst of link messages (pod veths churning beside the NICs) overflowed the socket buffer
+                    # and the kernel dropped some. The socket still works; a fresh dump brings the table up to
+                    # date, and a link whose state differs from the last one seen is reported as a change. (This
+                    # ended the listener: 5 s blind, then a re-dump that reported no missed down at all.)
+                    log.warning("rtnetlink %s: link notifications were lost (%s); resynchronising from a dump",
+                                self._netns or "(own namespace)", exc.strerror or exc)
+                    self._dump(initial=False)
+                    continue
                 received = time.time()
                 if not msgs:
                     return  # stop() closed the socket
@@ -149,6 +178,16 @@ class LinkWatcher:
                 sock.close()
             except Exception:  # noqa: BLE001 - closing twice after stop() is harmless
                 pass
+
+    def _dump(self, initial: bool) -> None:
+        dump = self._open()
+        try:
+            for msg in dump.get_links():
+                info = link_from_message(msg)
+                if info is not None:
+                    self._on_link(info, initial)
+        finally:
+            dump.close()
 
     def stop(self) -> None:
         """Makes :meth:`run` return; safe from any thread, more than once."""

@@ -37,7 +37,7 @@ from trainguard.detectors.counters import CounterTracker
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.ethtool import ethtool_stats
 from trainguard.detectors.events import Action, HealthEvent, Severity
-from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message
+from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message, open_iproute
 from trainguard.detectors.rules import CounterRule, load_counter_rules
 from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_text
 
@@ -118,6 +118,7 @@ class RoceDetector(ListeningDetector):
         self._stopping = False
         self._listening = False
         self._auto: tuple[str, ...] | None = None
+        self._ports_seen: set[str] = set()
 
     # -- which interfaces -------------------------------------------------------------------------------------
 
@@ -162,7 +163,10 @@ class RoceDetector(ListeningDetector):
         Args:
             emit: receives each event.
         """
-        if not self._patterns():
+        # With no interfaces configured the watched set is the RDMA devices' netdevs, which can appear after the
+        # start (the driver loads late): the listener runs anyway. It used to return, and the one-shot dump of
+        # the first sample then stood as the link table for good (a NIC that went down still read up).
+        if not self._patterns() and (self.config.interfaces or not self.config.rdma):
             return
         with self._lock:
             if self._stopping:
@@ -202,21 +206,36 @@ class RoceDetector(ListeningDetector):
         return False
 
     def _on_link(self, info: LinkInfo, initial: bool) -> None:
-        if not self.watched(info.ifname):
-            return
+        events = self._link_events(info, initial)
+        emit = self._emit
+        if emit is not None:
+            for ev in events:
+                emit(ev)
+
+    def _link_events(self, info: LinkInfo, initial: bool) -> list[HealthEvent]:
+        """Records one link message; returns the events of a change of its state (none for a first sight)."""
         events: list[HealthEvent] = []
         now = time.monotonic()
         with self._lock:
-            prev = self._links.get(info.ifname)
+            renamed = self._take_renamed(info)
+            prev = self._links.get(info.ifname, renamed)
+            watched = self.watched(info.ifname)
+            if info.removed and not watched:
+                self._forget(info.ifname)  # pods' veths come and go: the table keeps no unwatched leftovers
+                return []
+            # Unwatched links are kept too: with no interfaces configured, a NIC becomes watched when its RDMA
+            # device appears (the driver loads after the agent), and its state must be known by then.
             self._links[info.ifname] = info
             if info.up:
                 self._down_since.pop(info.ifname, None)
             else:
                 self._down_since.setdefault(info.ifname, now)
+            if not watched:
+                return []
             # Only transitions are events; a link first seen (in the dump, or created later) is just recorded,
             # and one that stays down is reported by sample() after down_grace_s.
             if initial or prev is None or prev.up == info.up:
-                return
+                return []
             evidence = {"ifname": info.ifname, "operstate": info.operstate, "carrier": int(info.carrier),
                         "admin_up": int(info.admin_up), "carrier_changes": info.carrier_changes,
                         "removed": int(info.removed)}
@@ -235,11 +254,32 @@ class RoceDetector(ListeningDetector):
             else:
                 events.append(self.event("net.link_up", Severity.INFO, Action.NONE,
                                          f"link {info.ifname} is up again", info.ifname, evidence))
-        emit = self._emit
-        if emit is not None:
-            for ev in events:
-                ev = HealthEvent(**{**ev.__dict__, "time": info.time or ev.time})
-                emit(ev)
+        return [HealthEvent(**{**ev.__dict__, "time": info.time or ev.time}) for ev in events]
+
+    def _take_renamed(self, info: LinkInfo) -> LinkInfo | None:
+        """Drops the entry of a link that now has another name (same index) and returns it.
+
+        The table is keyed by name; without this a renamed link (``ip link set X name Y``, done while down) left
+        its old name behind as down forever: ``net.link_down_persistent`` and a FAILED detector for an interface
+        that no longer exists. Its down time and flap history move to the new name, which is the same link.
+        """
+        for name, known in list(self._links.items()):
+            if known.index != info.index or name == info.ifname or known.removed:
+                continue
+            since = self._down_since.get(name)
+            downs = self._downs.get(name)
+            self._forget(name)
+            if since is not None:
+                self._down_since.setdefault(info.ifname, since)
+            if downs:
+                self._downs[info.ifname].extend(downs)
+            return known
+        return None
+
+    def _forget(self, ifname: str) -> None:
+        self._links.pop(ifname, None)
+        self._down_since.pop(ifname, None)
+        self._downs.pop(ifname, None)
 
     def _trim(self, downs: collections.deque[float], now: float) -> None:
         while downs and now - downs[0] > self.config.flap_window_s:
@@ -251,16 +291,15 @@ class RoceDetector(ListeningDetector):
                        f"link {ifname} went down {count} times within {self.config.flap_window_s:.0f} s",
                        ifname, {"downs_in_window": count, "threshold": self.config.flap_threshold})
 
-    def _dump_links(self) -> None:
-        """One-shot link table when no listener runs (``trainguard detect``)."""
-        from pyroute2 import IPRoute
-
-        ipr = IPRoute(netns=self.config.netns) if self.config.netns else IPRoute()
+    def _dump_links(self, s: Sample) -> None:
+        """The link table from a dump when no listener runs (``trainguard detect``, a listener between retries);
+        a change since the previous dump is reported in the sample."""
+        ipr = open_iproute(self.config.netns)
         try:
             for msg in ipr.get_links():
                 info = link_from_message(msg)
                 if info is not None:
-                    self._on_link(info, True)
+                    s.events.extend(self._link_events(info, False))
         finally:
             ipr.close()
 
@@ -277,11 +316,12 @@ class RoceDetector(ListeningDetector):
         patterns = self._patterns()
         ib_root = self.config.path("/sys/class/infiniband")
         ib_devs = list_dir_or_record(ib_root, s.error) if self.config.rdma else []
-        if not patterns and not ib_devs and not s.errors:
+        ib_unlistable = bool(s.errors)
+        if not patterns and not ib_devs and not s.errors and not self._ports_seen:
             return self.no_hardware("no RDMA devices under /sys/class/infiniband and no interfaces configured")
-        if patterns and not self._listening and not self._links:
+        if patterns and not self._listening:
             try:
-                self._dump_links()
+                self._dump_links(s)
             except Exception as exc:  # noqa: BLE001 - no netlink (namespace gone...) is a read error, not a crash
                 s.error(DetectorReadError(f"rtnetlink {self.config.netns or ''}".strip(), str(exc)))
         now = time.monotonic()
@@ -301,10 +341,32 @@ class RoceDetector(ListeningDetector):
                     stats = {}
                 for name, value in sorted(stats.items()):
                     self._apply(s, "ethtool", ifname, name, value, now)
+        present: set[str] = set()
+        unlisted: set[str] = set()
         for dev in ib_devs:
-            for port in list_dir_or_record(os.path.join(ib_root, dev, "ports"), s.error):
+            errors = len(s.errors)
+            ports = list_dir_or_record(os.path.join(ib_root, dev, "ports"), s.error)
+            if len(s.errors) > errors:
+                unlisted.add(dev)
+            for port in ports:
+                present.add(f"{dev}/{port}")
                 self._sample_ib_port(s, os.path.join(ib_root, dev, "ports", port), f"{dev}/{port}", now)
+        if self.config.rdma and not ib_unlistable:
+            self._sample_gone_ports(s, present, unlisted)
         return s
+
+    def _sample_gone_ports(self, s: Sample, present: set[str], unlisted: set[str]) -> None:
+        """A port seen before and now missing from sysfs (the driver's health recovery removed the device, it
+        was unbound or fell off the bus) is down; it used to vanish without an event, and a port_down already
+        raised for it never cleared. Ports of a device whose folder could not be listed are not judged."""
+        for subject in sorted(self._ports_seen - present):
+            if subject.split("/", 1)[0] in unlisted:
+                continue
+            s.metrics[f"port_active[{subject}]"] = 0.0
+            self.condition(s, f"port/{subject}", True, "roce.port_down", Severity.ERROR, Action.CHECKPOINT_NOW,
+                           f"RDMA port {subject} is gone from /sys/class/infiniband (device removed or reset)",
+                           subject, {"state": "missing"})
+        self._ports_seen |= present
 
     def _sample_links(self, s: Sample, now: float) -> None:
         with self._lock:
@@ -315,7 +377,7 @@ class RoceDetector(ListeningDetector):
                 downs = self._downs.get(ifname, collections.deque())
                 self._trim(downs, now)
                 s.metrics[f"link_downs_in_window[{ifname}]"] = float(len(downs))
-                if f"flap/{ifname}" in self._active:
+                if f"flap/{ifname}" in self._active or len(downs) >= self.config.flap_threshold:
                     self._flap_condition(s, ifname, len(downs))
                 since = self._down_since.get(ifname)
                 if since is not None:
@@ -326,6 +388,13 @@ class RoceDetector(ListeningDetector):
                                Action.DRAIN_NODE, f"link {ifname} has been down for over "
                                f"{self.config.down_grace_s:.0f} s", ifname,
                                {"operstate": info.operstate, "carrier": int(info.carrier)})
+            # Conditions of a name that left the table (the link was renamed) end here, not never.
+            for key in [k for k in self._active if k.split("/", 1)[0] in ("down", "flap")]:
+                gone = key.split("/", 1)[1]
+                if gone not in links:
+                    kind = "net.link_down_persistent" if key.startswith("down/") else "net.link_flapping"
+                    self.condition(s, key, False, kind, Severity.INFO, Action.NONE,
+                                   f"link {gone} no longer exists under that name", gone, {})
             s.metrics["links_watched"] = float(len(links))
             s.metrics["links_down"] = float(down)
             s.metrics["link_flaps_in_window"] = float(sum(len(self._downs.get(i, ())) for i in links))
@@ -389,10 +458,10 @@ class RoceDetector(ListeningDetector):
                             "threshold": rule.threshold, "mode": rule.mode})
 
     def links(self) -> dict[str, Any]:
-        """The current link table (tests and the CLI).
+        """The current table of the watched links (tests and the CLI).
 
         Returns:
             Interface name -> :class:`~trainguard.detectors.netlink.LinkInfo`.
         """
         with self._lock:
-            return dict(self._links)
+            return {k: v for k, v in self._links.items() if self.watched(k)}

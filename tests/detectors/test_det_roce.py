@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -81,6 +83,150 @@ def test_persistent_down_and_one_shot_dump_without_listener(veth_netns, tmp_path
 
 
 @pytest.mark.netns
+def test_a_renamed_link_leaves_no_ghost_that_reads_down_forever(veth_netns, tmp_path) -> None:
+    """``ip link set X down; ip link set X name Y; ip link set Y up`` (a rename needs the link down): the table
+    was keyed by name, so X stayed in it as down forever and the next sample reported
+    net.link_down_persistent (CRITICAL, drain the node) for an interface that no longer exists."""
+    ns, a, b = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=("tgv*",), down_grace_s=0.0,
+                                  ethtool=False))
+    q: queue.Queue[HealthEvent] = queue.Queue()
+    listener = threading.Thread(target=det.listen, args=(q.put,), daemon=True)
+    listener.start()
+    try:
+        assert det.wait_ready(30.0), "the netlink listener did not start"
+        ip(ns, "link", "set", a, "down")
+        ip(ns, "link", "set", a, "name", "tgvr")
+        ip(ns, "link", "set", "tgvr", "up")
+        next_event(q, "net.link_up", "tgvr")
+        deadline = time.monotonic() + 10
+        while not all(i.up for i in det.links().values()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the peer's carrier comes back in a message of its own
+        s = det.sample()
+    finally:
+        det.stop_listening()
+        listener.join(10)
+    assert sorted(det.links()) == sorted([b, "tgvr"])
+    assert [e.kind for e in s.events] == [] and s.metrics["links_down"] == 0.0
+    assert s.state != DetectorState.FAILED and f"link_up[{a}]" not in s.metrics
+
+
+@pytest.mark.netns
+def test_first_samples_beside_the_listener_raise_no_import_deadlock_error(veth_netns) -> None:
+    """At agent start the sampler's one-shot link dump and the listener imported pyroute2 at once from two
+    threads, and Python's import deadlock detection ("deadlock detected by _ModuleLock('pyroute2.netlink.rtnl')")
+    turned into a detector.error in most starts. Needs a fresh interpreter each time (pyroute2 not yet imported);
+    the race is not certain in one start, so a few are tried."""
+    ns, _, _ = veth_netns
+    code = f"""
+import tempfile
+from trainguard.detectors.roce import RoceConfig, RoceDetector
+from trainguard.detectors.runner import DetectorRunner
+root = tempfile.mkdtemp()
+dets = [RoceDetector(RoceConfig(root=root, netns={ns!r}, interfaces=("tgv*",), ethtool=False)) for _ in range(3)]
+events = []
+runners = [DetectorRunner([d], on_event=events.append) for d in dets]
+for r in runners:
+    r.start()
+for d in dets:
+    assert d.wait_ready(30)
+for r in runners:
+    r.stop()
+print([e.message for e in events if e.kind == "detector.error"])
+"""
+    for _ in range(5):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.netns
+def test_lost_link_notifications_resync_the_table_and_report_the_change(veth_netns, tmp_path) -> None:
+    """A burst of link messages (other veths churning, as a Kubernetes node's pod veths do) while the listener is
+    busy overflows its socket: the kernel drops messages and the next read fails with ENOBUFS. That ended the
+    listener, so the watched link's change that was dropped in the burst was never reported; now the table is
+    resynchronised from a dump and the change reported."""
+    ns, a, _ = veth_netns
+    n = 60
+    subprocess.run(["ip", "-n", ns, "-batch", "-"], check=True, timeout=60, text=True,
+                   input="".join(f"link add tgn{i} type veth peer name tgp{i}\n" for i in range(n)))
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), ethtool=False))
+    q: queue.Queue[HealthEvent] = queue.Queue()
+    release = threading.Event()
+
+    def busy_emit(ev: HealthEvent) -> None:
+        q.put(ev)
+        release.wait(30)  # the listener is held while the burst fills its socket
+
+    failure: list[BaseException] = []
+
+    def listen() -> None:
+        try:
+            det.listen(busy_emit)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            failure.append(exc)
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    try:
+        assert det.wait_ready(30.0), "the netlink listener did not start"
+        ip(ns, "link", "set", a, "down")
+        next_event(q, "net.link_down", a)
+        churn = "".join(f"link set tgn{i} up\nlink set tgp{i} up\nlink set tgn{i} down\n" for i in range(n))
+        subprocess.run(["ip", "-n", ns, "-batch", "-"], input=churn * 3, text=True, check=True, timeout=60)
+        ip(ns, "link", "set", a, "up")  # lost with the burst's tail
+        subprocess.run(["ip", "-n", ns, "-batch", "-"], input=churn * 3, text=True, check=True, timeout=60)
+        release.set()
+        up = next_event(q, "net.link_up", a, timeout=20.0)
+        assert up.evidence["admin_up"] == "1"
+        assert det.links()[a].up and not failure, failure
+    finally:
+        release.set()
+        det.stop_listening()
+        listener.join(10)
+
+
+@pytest.mark.netns
+def test_without_a_listener_every_sample_reads_the_link_table_again(veth_netns, tmp_path) -> None:
+    """``trainguard detect --window`` (no listener): only the first sample dumped the link table, so a link that
+    went down after it still read up in every later sample."""
+    ns, a, _ = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=0.0, ethtool=False))
+    s = det.sample()
+    assert s.metrics[f"link_up[{a}]"] == 1.0 and s.events == []
+    ip(ns, "link", "set", a, "down")
+    s = det.sample()
+    assert s.metrics[f"link_up[{a}]"] == 0.0 and s.state == DetectorState.FAILED
+    assert sorted(e.kind for e in s.events) == ["net.link_down", "net.link_down_persistent"]
+    ip(ns, "link", "set", a, "up")
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == ["net.link_down_persistent.cleared", "net.link_up"]
+
+
+@pytest.mark.netns
+def test_an_rdma_netdev_that_appears_after_the_start_is_watched(veth_netns, tmp_path) -> None:
+    """No interfaces configured and no RDMA device yet at the start (the driver loads late): the listener
+    returned at once for good, and the sampler's one-shot dump stood as the link table, so the NIC going down
+    later still read up."""
+    ns, a, _ = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, down_grace_s=0.0, ethtool=False))
+    q: queue.Queue[HealthEvent] = queue.Queue()
+    listener = threading.Thread(target=det.listen, args=(q.put,), daemon=True)
+    listener.start()
+    try:
+        assert det.wait_ready(10.0), "the listener gave up with no RDMA device yet"
+        write_rdma_port(tmp_path, netdev=a)
+        assert det.sample().metrics[f"link_up[{a}]"] == 1.0
+        ip(ns, "link", "set", a, "down")
+        next_event(q, "net.link_down", a)
+        s = det.sample()
+    finally:
+        det.stop_listening()
+        listener.join(10)
+    assert s.metrics[f"link_up[{a}]"] == 0.0
+    assert [(e.kind, e.subject) for e in s.events] == [("net.link_down_persistent", a)]
+
+
+@pytest.mark.netns
 def test_ethtool_ioctl_reads_real_driver_statistics(veth_netns) -> None:
     ns, a, _ = veth_netns
     code = ("from trainguard.detectors.ethtool import ethtool_stats; import json; "
@@ -90,6 +236,56 @@ def test_ethtool_ioctl_reads_real_driver_statistics(veth_netns) -> None:
     import json
     stats = json.loads(out)
     assert "peer_ifindex" in stats and stats["peer_ifindex"] > 0  # veth's own statistic, from the kernel
+
+
+@pytest.mark.netns
+def test_ethtool_read_while_the_queue_count_changes_never_returns_blank_statistics(veth_netns) -> None:
+    """veth (like mlx5) exports per-queue statistics; a channel change (``ethtool -L``) between the ioctl's three
+    calls made the kernel answer another count (0 on recent kernels, nothing written): blank names and every
+    value 0, taken by the counter tracker as a reset and then as one huge increase (a false PFC storm)."""
+    ns, _, _ = veth_netns
+    ip(ns, "link", "add", "tgq0", "numtxqueues", "16", "numrxqueues", "16", "type", "veth", "peer", "name", "tgq1",
+       "numtxqueues", "16", "numrxqueues", "16")
+    code = """
+import ctypes, fcntl, json, socket, struct, threading
+from trainguard.detectors.errors import DetectorReadError
+from trainguard.detectors.ethtool import ethtool_stats
+
+def set_channels(n):  # ETHTOOL_SCHANNELS: struct ethtool_channels, rx_count and tx_count
+    buf = ctypes.create_string_buffer(struct.pack("=9I", 0x3D, 0, 0, 0, 0, n, n, 0, 0))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = struct.pack("16sP", b"tgq0", ctypes.addressof(buf))
+        fcntl.ioctl(s.fileno(), 0x8946, ifreq + b"\\0" * (40 - len(ifreq)))
+
+stop = threading.Event()
+def flip():
+    while not stop.is_set():
+        set_channels(16)
+        set_channels(1)
+t = threading.Thread(target=flip)
+t.start()
+bad, good, retried = 0, 0, 0
+try:
+    for _ in range(300):
+        try:
+            stats = ethtool_stats("tgq0")
+        except DetectorReadError:
+            retried += 1
+            continue
+        if "peer_ifindex" in stats and "" not in stats:
+            good += 1
+        else:
+            bad += 1
+finally:
+    stop.set()
+    t.join()
+print(json.dumps({"bad": bad, "good": good, "retried": retried}))
+"""
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    import json
+    counts = json.loads(out)
+    assert counts["bad"] == 0 and counts["good"] > 0, counts
 
 
 def test_rdma_counters_on_a_fake_tree(tmp_path) -> None:
@@ -159,6 +355,30 @@ def test_pfc_pause_storm_from_ethtool_statistics(tmp_path) -> None:
     s = det.sample()
     assert sorted(e.kind for e in s.events) == ["roce.pfc_pause_rx", "roce.pfc_storm"]
     assert s.metrics["rx_prio3_pause_per_s[ens1f0np0]"] > 10000
+
+
+def test_a_port_that_disappears_is_down_until_it_is_back(tmp_path) -> None:
+    """An RDMA device removed from sysfs (mlx5 health recovery, unbind, fallen off the bus) vanished from the
+    detector without an event; with every device gone it even read as "no hardware"."""
+    write_rdma_port(tmp_path, device="mlx5_0", netdev=None)
+    write_rdma_port(tmp_path, device="mlx5_1", netdev=None)
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    assert det.sample().events == []
+    ib = tmp_path / "sys/class/infiniband"
+    shutil.rmtree(ib / "mlx5_1")
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("roce.port_down", "mlx5_1/1")]
+    assert "gone" in s.events[0].message and s.metrics["port_active[mlx5_1/1]"] == 0.0
+    assert s.state == DetectorState.FAILED
+    shutil.rmtree(ib)
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("roce.port_down", "mlx5_0/1")]
+    assert s.state == DetectorState.FAILED
+    write_rdma_port(tmp_path, device="mlx5_0", netdev=None)
+    write_rdma_port(tmp_path, device="mlx5_1", netdev=None)
+    s = det.sample()
+    assert sorted((e.kind, e.subject) for e in s.events) == [("roce.port_down.cleared", "mlx5_0/1"),
+                                                              ("roce.port_down.cleared", "mlx5_1/1")]
 
 
 def test_parse_ethtool_s_rejects_garbage() -> None:
