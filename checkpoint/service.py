@@ -293,14 +293,17 @@ class CheckpointService:
             log.error("the checkpoint service of job %s (pid %d) ended with %s while the job runs; the persists it "
                       "had not finished are lost (reported to the workers); starting it again in %.1f s",
                       self.job, proc.pid, how, delay)
-            if self._stopping.wait(delay):
-                return
-            try:
-                new = _spawn(self.address, private=False, nice=self.nice)
-                _wait_listening(self.address, new, 30.0)
-            except (OSError, CheckpointError) as exc:
-                log.error("cannot start the checkpoint service again: %s; retrying", exc)
-                continue
+            new = None
+            while new is None:
+                if self._stopping.wait(delay):
+                    return
+                try:
+                    new = _spawn(self.address, private=False, nice=self.nice)
+                    _wait_listening(self.address, new, 30.0)
+                except (OSError, CheckpointError) as exc:
+                    new = None
+                    delay = min(delay * 2, self.MAX_RESTART_DELAY_S)
+                    log.error("cannot start the checkpoint service again: %s; retrying in %.1f s", exc, delay)
             with self._lock:
                 if self._stopping.is_set():  # stop() came while it started: it must not outlive the job
                     new.kill()

@@ -31,17 +31,24 @@ def recv_until(sock: socket.socket, key: str, timeout: float = 20.0) -> str:
     raise AssertionError(f"no {key} within {timeout}s")
 
 
-def test_watchdog_withheld_when_server_wedged_and_metrics_count_calls(tmp_path):
+def _daemon_under_watchdog(tmp_path, detectors_and_more: str, grpc_listen: str, sock: str):
+    """A daemon (not started) on a fake detector root, its sd_notify messages arriving on the returned datagram
+    socket and a keep-alive due every 0.2 s; ``detectors_and_more`` continues the ``[detectors]`` table."""
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify.sock"))
     (tmp_path / "fake").mkdir()
     config = tmp_path / "agent.toml"
-    config.write_text(f'[metrics]\nlisten = "127.0.0.1:0"\n[detectors]\nroot = "{tmp_path / "fake"}"\n'
-                      '[agent]\nloop_interval_s = 0.1\n')
-    sock_path = tmp_path / "agent.sock"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\n' + detectors_and_more)
     notifier = SystemdNotifier(str(tmp_path / "notify.sock"))
-    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")), notifier)
-    daemon.watchdog = Watchdog(notifier, 0.4)  # a keep-alive due every 0.2 s
+    daemon = AgentDaemon(config_loader(str(config), grpc_listen, sock, str(tmp_path / "state")), notifier)
+    daemon.watchdog = Watchdog(notifier, 0.4)
+    return daemon, notify
+
+
+def test_watchdog_withheld_when_server_wedged_and_metrics_count_calls(tmp_path):
+    sock_path = tmp_path / "agent.sock"
+    daemon, notify = _daemon_under_watchdog(tmp_path, '[metrics]\nlisten = "127.0.0.1:0"\n'
+                                            '[agent]\nloop_interval_s = 0.1\n', "", str(sock_path))
     daemon.start()
     loop = threading.Thread(target=daemon.run)
     loop.start()
@@ -395,15 +402,8 @@ def test_the_self_check_reaches_a_tcp_only_daemon_on_ipv6_loopback(tmp_path):
     pinged and systemd would restart the daemon every WatchdogSec."""
     if not socket.has_ipv6:
         pytest.skip("no IPv6 here")
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(tmp_path / "notify.sock"))
-    (tmp_path / "fake").mkdir()
-    config = tmp_path / "agent.toml"
-    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
-                      '[metrics]\nlisten = ""\n[agent]\nloop_interval_s = 0.1\n')
-    notifier = SystemdNotifier(str(tmp_path / "notify.sock"))
-    daemon = AgentDaemon(config_loader(str(config), "[::1]:0", "", str(tmp_path / "state")), notifier)
-    daemon.watchdog = Watchdog(notifier, 0.4)
+    daemon, notify = _daemon_under_watchdog(tmp_path, 'enabled = []\n[predictor]\nenabled = false\n[metrics]\n'
+                                            'listen = ""\n[agent]\nloop_interval_s = 0.1\n', "[::1]:0", "")
     try:
         daemon.start()
     except AgentConfigError as exc:  # an IPv6-less host

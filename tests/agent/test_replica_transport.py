@@ -122,13 +122,24 @@ def test_kill_9_of_the_sender_mid_transfer_leaves_no_copy(roots, tg_env) -> None
         server.stop()
 
 
+def _receiver(root: str, tg_env) -> tuple[subprocess.Popen, Path]:
+    """A replica receiver for ``root`` in a process of its own, listening; returns it and its port file."""
+    portfile = Path(root + "-port")
+    p = subprocess.Popen([sys.executable, str(SCRIPT), "serve", root, "job", str(portfile)], env=tg_env)
+    try:
+        _wait(portfile.exists, "the receiver did not start")
+    except BaseException:
+        p.kill()
+        p.wait()
+        raise
+    return p, portfile
+
+
 def test_kill_9_of_the_receiver_mid_transfer_leaves_no_copy(roots, tg_env) -> None:
     a, b, _ = roots
     _snapshot(a, 1, 9, mib=8)
-    portfile = Path(b + "-port")
-    p = subprocess.Popen([sys.executable, str(SCRIPT), "serve", b, "job", str(portfile)], env=tg_env)
+    p, portfile = _receiver(b, tg_env)
     try:
-        _wait(portfile.exists, "the receiver did not start")
         path, man = _own(a, 1)
         outcome: list[object] = []
 
@@ -163,10 +174,8 @@ def test_a_frozen_peer_ends_a_push_or_fetch_by_keepalive_not_by_the_calls_deadli
 
     a, b, c = roots
     _snapshot(a, 1, 9, mib=8)
-    portfile = Path(b + "-port")
-    p = subprocess.Popen([sys.executable, str(SCRIPT), "serve", b, "job", str(portfile)], env=tg_env)
+    p, portfile = _receiver(b, tg_env)
     try:
-        _wait(portfile.exists, "the receiver did not start")
         address = portfile.read_text()
         path, man = _own(a, 1)
         assert push(address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok  # a copy to fetch later
