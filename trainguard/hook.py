@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
+from trainguard import gloo_exit
 from trainguard.errors import TrainguardError
 from trainguard.step_timer import Section, StepTimer
 from trainguard.worker_env import WorkerEnv, checkpoint_job_name, torchrun_made_run_id
@@ -231,6 +232,10 @@ class Session:
         self.last_step_time_s = 0.0
         self.last_sections: dict[str, float] = {}
 
+        # A worker that finished its training must not die with SIGABRT at exit because a gloo thread still
+        # holds a finished collective (see trainguard.gloo_exit): under trainguard run or torchrun that reads as a
+        # failed job.
+        gloo_exit.install()
         if directory:
             from trainguard.checkpoint import CheckpointConfig, Checkpointer
 
