@@ -86,6 +86,11 @@ class JobSpec:
                                       "starting with a letter or digit")
         if self.nnodes < 1 or self.max_restarts < 0 or self.group_size < 1 or self.min_nodes < 0:
             raise InvalidRequestError("need nnodes >= 1, max_restarts >= 0, group_size >= 1, min_nodes >= 0")
+        if self.min_nodes > self.nnodes:
+            # Shrinking only ever removes nodes: a minimum above the start refused every shrink, so the first lost
+            # node left the job waiting for a spare without saying that the flag was why.
+            raise InvalidRequestError(f"min nodes {self.min_nodes} exceeds nnodes {self.nnodes}: a job shrinks from "
+                                      f"--nnodes down to --min-nodes; use --min-nodes <= {self.nnodes} (0: --nnodes)")
         if not self.repeat_window_s > 0:
             raise InvalidRequestError(f"repeat window {self.repeat_window_s} s must be positive")
         if not self.membership_timeout_s > 0:

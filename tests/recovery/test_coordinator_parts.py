@@ -149,3 +149,14 @@ def test_a_job_spec_refuses_non_finite_times(field: str, value: float, said: str
     JobSpec(job="ok").validate()
     with pytest.raises(InvalidRequestError, match=said):
         JobSpec(job="ok", **{field: value}).validate()
+
+
+def test_a_job_spec_refuses_a_minimum_above_its_node_count() -> None:
+    """`trainguard coordinator --nnodes 2 --min-nodes 3 --allow-shrink` served; every shrink was then refused as
+    "below the minimum", so the first lost node left the job waiting with no word about the flag."""
+    from trainguard.recovery.errors import InvalidRequestError
+    from trainguard.recovery.spec import JobSpec
+
+    JobSpec(job="ok", nnodes=3, min_nodes=3).validate()
+    with pytest.raises(InvalidRequestError, match=r"min nodes 3 exceeds nnodes 2.*--min-nodes <= 2"):
+        JobSpec(job="ok", nnodes=2, min_nodes=3).validate()
