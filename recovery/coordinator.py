@@ -148,6 +148,14 @@ class JobCoordinator:
             log.info("job %s restored from store (fence epoch %d): %s, generation %d, %d restart(s), %d node(s)",
                      self.spec.job, self.fence.epoch, st.phase.name, st.generation, st.restart_count,
                      len(self._members))
+        lay = self._layout
+        if lay is not None and (len(lay.slots) != self.spec.nnodes or lay.group_size != self.spec.group_size):
+            # The stored layout wins so that a coordinator restart keeps every rank where it was; a changed flag
+            # used to be ignored without a word.
+            log.warning("job %s: the stored rank layout has %d node(s) with group size %d, this coordinator was "
+                        "started with --nnodes %d --group-size %d; the job keeps the stored layout (the job "
+                        "shrank, or the flags changed). To lay the job out afresh, use a new --job name or --store",
+                        self.spec.job, len(lay.slots), lay.group_size, self.spec.nnodes, self.spec.group_size)
         self._rebuild_table()
 
     def _save_state(self) -> Future:

@@ -160,3 +160,34 @@ def test_a_job_spec_refuses_a_minimum_above_its_node_count() -> None:
     JobSpec(job="ok", nnodes=3, min_nodes=3).validate()
     with pytest.raises(InvalidRequestError, match=r"min nodes 3 exceeds nnodes 2.*--min-nodes <= 2"):
         JobSpec(job="ok", nnodes=2, min_nodes=3).validate()
+
+
+def test_a_restart_with_another_node_count_warns_that_the_stored_layout_is_kept(caplog) -> None:
+    """A coordinator restarted with a different --nnodes served the stored 2-node layout without a word."""
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.domain import Beat, Command
+    from trainguard.recovery.spec import JobSpec
+    from trainguard.recovery.store import MemoryStore
+
+    t = [0.0]
+    store = MemoryStore()
+    spec = JobSpec(job="rj", nnodes=2, heartbeat_interval_s=1.0, lease_timeout_s=5.0, backoff_initial_s=0.0)
+    core = JobCoordinator(spec, store=store, clock=lambda: t[0], wall=lambda: 1000.0 + t[0])
+    leases = {nid: core.register("rj", NodeRecord(nid, "p", i, nid, 1, "127.0.0.1"), 20000 + i)[0]
+              for i, nid in enumerate(("n0", "n1"))}
+    for _ in range(2):
+        t[0] += 1.0
+        commands = {nid: core.heartbeat(Beat("rj", nid, lease, -1, 0, free_port=30000)).response.command
+                    for nid, lease in leases.items()}
+    assert set(commands.values()) == {Command.START}
+    core.close()
+    with caplog.at_level("WARNING", logger="trainguard.recovery.coordinator"):
+        JobCoordinator(spec, store=store, clock=lambda: t[0], wall=lambda: 1000.0 + t[0]).close()
+    assert "stored rank layout" not in caplog.text
+    with caplog.at_level("WARNING", logger="trainguard.recovery.coordinator"):
+        again = JobCoordinator(JobSpec(job="rj", nnodes=3, heartbeat_interval_s=1.0, lease_timeout_s=5.0),
+                               store=store, clock=lambda: t[0], wall=lambda: 1000.0 + t[0])
+    assert [s.node_id for s in again.layout.slots] == ["n0", "n1"]
+    again.close()
+    assert "the stored rank layout has 2 node(s) with group size 1, this coordinator was started with --nnodes 3" \
+        in caplog.text and "new --job name or --store" in caplog.text
