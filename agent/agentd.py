@@ -440,6 +440,18 @@ class AgentDaemon:
                           job=req.job, arena_kept=str(resp.arena_kept))
         return resp
 
+    def detach_job(self, req: agent_pb2.DetachJobRequest) -> bool:
+        """A launcher leaves its job (see :meth:`DaemonJobs.leave`), announced on the event stream as attaching is;
+        returns whether the job's arena was removed."""
+        if self.jobs is None:
+            return False
+        who = describe_launcher(req)
+        done = self.jobs.leave(req.job, launcher_key(req), req.ended, who)
+        self._agent_event("agent.job_detached", Severity.WARNING if done.ignored else Severity.INFO, done.summary,
+                          job=req.job, ended=str(req.ended), ignored=str(done.ignored),
+                          arena_removed=str(done.arena_removed))
+        return done.arena_removed
+
     def detector_statuses(self) -> list:
         """The detector runner's statuses (empty without detectors)."""
         return list(self.runner.statuses()) if self.runner is not None else []
@@ -735,9 +747,7 @@ class _DaemonService(NodeAgentService):
         if request.launcher_lock and not LOCK_NAME_RE.match(request.launcher_lock):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"launcher_lock {request.launcher_lock[:64]!r} is not a "
                                                             "lock file name in the daemon's launchers folder")
-        jobs = self._daemon.jobs
-        removed = jobs.detach(request.job, launcher_key(request), request.ended) if jobs is not None else False
-        return agent_pb2.DetachJobResponse(arena_removed=removed)
+        return agent_pb2.DetachJobResponse(arena_removed=self._daemon.detach_job(request))
 
     def ReportCheckpoint(self, request, context):  # noqa: N802 (gRPC naming)
         reply = super().ReportCheckpoint(request, context)

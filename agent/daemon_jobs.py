@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from trainguard.agent.arena_keeper import ArenaKeeper
 from trainguard.agent.coordinator_report import CoordinatorReporter, NodeVerdict, ReporterState, ReportTarget
@@ -35,6 +36,15 @@ MAX_PEM_BYTES = 1 << 20
 #: Trailing-metadata key of an ``AttachJob`` refusal saying what was refused (``arena``: only the arena root, so
 #: the launcher may attach again without it).
 REFUSED_METADATA_KEY = "trainguard-refused"
+
+
+@dataclass(frozen=True)
+class Detached:
+    """What a launcher's ``DetachJob`` did."""
+
+    ignored: bool  #: it said the job ended but is not one of the job's live launchers
+    arena_removed: bool
+    summary: str  #: what happened, as logged
 
 
 class DaemonJobs:
@@ -207,22 +217,38 @@ class DaemonJobs:
 
     def detach(self, job: str, key: int | str, ended: bool) -> bool:
         """Launcher ``key`` leaves ``job`` (``ended``: the job is over); returns whether the arena was removed."""
+        return self.leave(job, key, ended).arena_removed
+
+    def leave(self, job: str, key: int | str, ended: bool, launcher: str = "") -> Detached:
+        """Launcher ``key`` (described as ``launcher`` in the log, by its key if unsaid) leaves ``job``
+        (``ended``: the job is over), logged as attaching is.
+
+        Returns:
+            Whether the request was ignored, whether the job's arena was removed, and the line logged.
+        """
+        who = launcher or str(key)
         with self._lock:
             keys = self._jobs.get(job, set())
             if ended and key not in keys and keys:
                 # Not one of the job's launchers while one lives: its coordinator's reports and TLS files stay
                 # (the arena keeper refuses the same).
-                log.warning("launcher %s, not one of job %s's, said the job ended; ignored while its launchers live",
-                            key, job)
-                return False
+                summary = (f"launcher {who}, not one of job {job}'s, said the job ended; ignored while its launchers "
+                           "live")
+                log.warning("%s", summary)
+                return Detached(ignored=True, arena_removed=False, summary=summary)
             keys.discard(key)
-            last = not keys
-            if last:
+            left = len(keys)
+            if not left:
                 self._jobs.pop(job, None)
-        if last or ended:
+        if not left or ended:
             self.remove_reporter(f"job:{job}")
             self._forget_pems(job)
-        return self.arenas.detach(job, key, ended)
+        removed = self.arenas.detach(job, key, ended)
+        outcome = (("its arena removed" if removed else "no arena of it removed") if ended
+                   else f"{left} launcher(s) of it left")
+        summary = f"job {job} detached by launcher {who} (the job {'ended' if ended else 'goes on'}; {outcome})"
+        log.info("%s", summary)
+        return Detached(ignored=False, arena_removed=removed, summary=summary)
 
     def sweep(self) -> None:
         """Forgets jobs whose launchers all died without detaching (SIGKILL); ages the kept arenas."""
@@ -262,4 +288,4 @@ def describe_launcher(req: agent_pb2.AttachJobRequest | agent_pb2.DetachJobReque
     return f"pid {req.launcher_pid}" + (f", lock {req.launcher_lock}" if req.launcher_lock else "")
 
 
-__all__ = ["DaemonJobs", "REFUSED_METADATA_KEY", "describe_launcher", "launcher_key"]
+__all__ = ["DaemonJobs", "Detached", "REFUSED_METADATA_KEY", "describe_launcher", "launcher_key"]

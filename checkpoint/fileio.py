@@ -6,8 +6,11 @@ No torch here: the persist process uses it.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import re
 import time
+from collections.abc import Collection
 from typing import Callable
 
 from trainguard.checkpoint.errors import StorageUnavailableError
@@ -33,6 +36,69 @@ def storage_error(exc: OSError, what: str) -> StorageUnavailableError:
     return StorageUnavailableError(f"cannot {what}: {exc.strerror or exc} ({hint})")
 
 
+#: A temporary file of :func:`atomic_write`, :class:`PendingFile` or :func:`write_file_from`: ``<name>.tmp.<pid>``.
+TMP_RE = re.compile(r"^(.+)\.tmp\.(\d+)$")
+
+
+def open_tmp(tmp: str) -> int:
+    """Creates (truncates) the temporary file ``tmp`` for writing and holds an exclusive ``flock`` on it until the
+    descriptor is closed, so :func:`remove_stale_tmp` never takes it for a dead writer's.
+
+    A flock belongs to the open file, not the process, and the kernel drops it when its writer dies (SIGKILL
+    included). A sweeper that removed the file between its creation and the lock leaves it unlinked: it is then
+    created again.
+
+    Raises:
+        OSError: the file cannot be created.
+    """
+    while True:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            return fd  # a filesystem without flock: unlocked, and the sweeper there removes nothing (see below)
+        if os.fstat(fd).st_nlink:
+            return fd
+        os.close(fd)
+
+
+def remove_stale_tmp(directory: str, targets: Collection[str]) -> list[str]:
+    """Removes the temporary files of ``targets`` (final file names) in ``directory`` left by writers that died
+    mid-write (``kill -9``).
+
+    A file is stale when no open file holds its flock (see :func:`open_tmp`): its writer is gone, on this host or
+    another sharing the filesystem. Files named after this process's pid are left alone (on NFS a flock is a
+    record lock, which never excludes its own process), and so is every file where flock is not supported.
+
+    Returns:
+        The names removed.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = TMP_RE.match(name)
+        if m is None or m.group(1) not in targets or int(m.group(2)) == os.getpid():
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # gone already (committed or removed), or not a plain file of ours
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)  # while locked: a writer that opened it since sees it unlinked and starts over
+                removed.append(name)
+        except OSError:
+            pass  # a live writer holds it (EWOULDBLOCK), it was renamed into place, or no flock here
+        finally:
+            os.close(fd)
+    return removed
+
+
 def atomic_write(path: str, data: bytes, fsync: bool = True) -> None:
     """Writes ``data`` to ``path`` atomically (temp file, fsync, rename, directory fsync).
 
@@ -41,7 +107,7 @@ def atomic_write(path: str, data: bytes, fsync: bool = True) -> None:
     """
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = open_tmp(tmp)
         try:
             view = memoryview(data)
             while view:
@@ -103,7 +169,7 @@ class PendingFile:
         self.path = path
         self.tmp = f"{path}.tmp.{os.getpid()}"
         self.fsync = fsync
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = open_tmp(self.tmp)
 
     def commit(self) -> None:
         """fsync, close, rename into place, fsync the directory.
@@ -149,7 +215,7 @@ def write_file_from(path: str, view: memoryview, nbytes: int, chunk_bytes: int, 
     """
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = open_tmp(tmp)
         try:
             off = 0
             while off < nbytes:

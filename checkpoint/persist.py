@@ -145,6 +145,7 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
         local = LocalStore(disk["root"], man.job, fsync=bool(disk.get("fsync", True)))
         try:
             local.uncommit_rank(step, rank)
+            _remove_stale_tmp(local, rank)
             pending = local.begin_data(step, rank)
             try:
                 _write_hashing(pending.fd, view, man.data_bytes, man.chunk_bytes, throttle, chunks)
@@ -231,6 +232,19 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
             outcome("remote", StorageUnavailableError(f"cannot upload step {step}: {exc!r}"))
 
     return upload
+
+
+def _remove_stale_tmp(local: LocalStore, rank: int) -> None:
+    """Before writing: a persist process killed mid-write left its temporary file (as large as a rank's data) in
+    its step folder until retention removed the folder; on a nearly full disk it failed this write."""
+    try:
+        removed = local.remove_stale_tmp(rank)
+    except OSError as exc:
+        log.warning("cannot remove stale temporary files in %s: %s", local.describe(), exc)
+        return
+    if removed:
+        log.info("removed %d temporary file(s) of writers killed mid-write in %s: %s", len(removed),
+                 local.describe(), ", ".join(sorted(removed)[:4]) + (" ..." if len(removed) > 4 else ""))
 
 
 def _write_hashing(fd: int, view: memoryview, nbytes: int, chunk_bytes: int, throttle: Throttle,

@@ -31,6 +31,7 @@ from trainguard.checkpoint.fileio import (
     Throttle,
     atomic_write,
     fsync_dir,
+    remove_stale_tmp,
     storage_error,
     write_file_from,
 )
@@ -307,6 +308,22 @@ class LocalStore(StepStore):
         """
         d = self._step_dir(step, create=True)
         return PendingFile(os.path.join(d, data_name(rank)), self.fsync)
+
+    def remove_stale_tmp(self, rank: int) -> list[str]:
+        """Removes the temporary files of ``rank``'s files (data, manifest, commit marker) that writers killed
+        mid-write left in the step folders (see :func:`~trainguard.checkpoint.fileio.remove_stale_tmp`: a live
+        writer's stays). Only the rank's own: the other ranks' may be written from other hosts, where a flock
+        is not always shared (NFS ``local_lock``, Lustre ``localflock``).
+
+        Returns:
+            The paths removed, relative to the job's folder.
+        """
+        targets = {data_name(rank), manifest_name(rank), marker_name(rank)}
+        removed = []
+        for step in self.list_steps():
+            removed += [os.path.join(step_dirname(step), name)
+                        for name in remove_stale_tmp(self._step_dir(step), targets)]
+        return removed
 
     def write_small(self, step: int | None, name: str, data: bytes) -> None:
         atomic_write(os.path.join(self._step_dir(step, create=True), name), data, self.fsync)

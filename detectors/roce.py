@@ -11,7 +11,8 @@ Event-driven part (its own thread, see :mod:`trainguard.detectors.netlink`): eac
 - PFC pause counters from the NIC driver statistics (``ethtool -S``, read by ioctl).
 
 Thresholds are the ``counters.json`` rules. Watched interfaces are ``interfaces`` (glob patterns) or, when empty,
-the netdevs of the RDMA devices (``/sys/class/infiniband/<dev>/device/net/*``).
+the netdevs of the RDMA devices (``/sys/class/infiniband/<dev>/device/net/*``). Patterns that match no interface at
+all are ``roce.interfaces_unmatched`` (a warning; the detector reads degraded until an interface matches).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from trainguard.detectors.rules import CounterRule, load_counter_rules
 from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_text
 
 _PORT_STATE = re.compile(r"^(\d+):\s*(\S+)$")
+#: Interfaces named in the message of patterns that match none (all of them are in its evidence).
+_SHOWN_NETDEVS = 8
 
 
 @dataclass
@@ -331,7 +334,9 @@ class RoceDetector(ListeningDetector):
         use_ethtool = self.config.ethtool and (
             self._ethtool is not ethtool_stats or (self.config.root == "/" and not self.config.netns)
         )
-        for ifname in sorted(i for i in list_dir_or_record(netdev_root, s.error) if self.watched(i)):
+        netdevs = list_dir_or_record(netdev_root, s.error)
+        self._unmatched_condition(s, netdevs)
+        for ifname in sorted(i for i in netdevs if self.watched(i)):
             self._sample_netdev(s, os.path.join(netdev_root, ifname, "statistics"), ifname, now)
             if use_ethtool:
                 try:
@@ -354,6 +359,29 @@ class RoceDetector(ListeningDetector):
         if self.config.rdma and not ib_unlistable:
             self._sample_gone_ports(s, present, unlisted)
         return s
+
+    def _unmatched_condition(self, s: Sample, netdevs: list[str]) -> None:
+        """Configured ``interfaces`` patterns that match no interface (a typo, a NIC udev has not renamed yet)
+        leave no link watched: said as a warning, cleared once a matching interface appears. It read healthy.
+
+        Judged on the netdevs of ``/sys/class/net`` and the link table, and only once that table is complete
+        (the listener's initial dump done, or this sample's own dump).
+        """
+        patterns = self.config.interfaces
+        if not patterns:
+            return  # the RDMA devices' netdevs: nothing configured to be wrong
+        watcher = self._watcher
+        if self._listening and (watcher is None or not watcher.ready.is_set()):
+            return
+        with self._lock:
+            present = sorted(set(netdevs) | set(self._links))
+        matched = any(fnmatch.fnmatchcase(i, p) for i in present for p in patterns)
+        shown = ", ".join(present[:_SHOWN_NETDEVS]) + (f" (+{len(present) - _SHOWN_NETDEVS} more)"
+                                                        if len(present) > _SHOWN_NETDEVS else "")
+        self.condition(s, "interfaces", not matched, "roce.interfaces_unmatched", Severity.WARNING, Action.NONE,
+                       f"interfaces pattern(s) {', '.join(patterns)} match no network interface, so no link is "
+                       f"watched; present: {shown or 'none'}",
+                       "", {"interfaces": ",".join(patterns), "present": ",".join(present)})
 
     def _sample_gone_ports(self, s: Sample, present: set[str], unlisted: set[str]) -> None:
         """A port seen before and now missing from sysfs (the driver's health recovery removed the device, it

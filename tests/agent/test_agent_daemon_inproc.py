@@ -417,3 +417,55 @@ def test_the_self_check_reaches_a_tcp_only_daemon_on_ipv6_loopback(tmp_path):
         daemon.request_stop()
         loop.join(30)
         notify.close()
+
+
+def test_detach_job_is_logged_and_announced_as_attach_job_is(tmp_path, capfd):
+    """AttachJob is logged and announced on the event stream; DetachJob was neither, so an operator could not see
+    when, or by which launcher, a job left the daemon, nor whether it ended (arena removed) or only left."""
+    from trainguard.proto import common_pb2
+
+    daemon, sock_path = _quiet_daemon(tmp_path)
+    (tmp_path / "shm").mkdir()
+    daemon.start()
+    try:
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            for lock in ("j1.1.aa.lock", "j1.2.bb.lock"):
+                stub.AttachJob(agent_pb2.AttachJobRequest(job="j1", launcher_pid=1, launcher_lock=lock,
+                                                          arena_root=str(tmp_path / "shm")), timeout=10)
+            (tmp_path / "shm" / "j1").mkdir()
+            stub.DetachJob(agent_pb2.DetachJobRequest(job="j1", launcher_pid=1, launcher_lock="j1.9.zz.lock",
+                                                      ended=True), timeout=10)
+            stub.DetachJob(agent_pb2.DetachJobRequest(job="j1", launcher_pid=1, launcher_lock="j1.1.aa.lock"),
+                           timeout=10)
+            reply = stub.DetachJob(agent_pb2.DetachJobRequest(job="j1", launcher_pid=1, launcher_lock="j1.2.bb.lock",
+                                                              ended=True), timeout=10)
+            assert reply.arena_removed
+            events = []
+            stream = stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=50), timeout=5)
+            try:
+                for ev in stream:  # the replay, then live events: stops at the last detach's
+                    events.append(ev)
+                    if ev.kind == "agent.job_detached" and ev.evidence["arena_removed"] == "True":
+                        break
+            except grpc.RpcError as exc:  # without that event the stream waits for more until its deadline
+                assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+            stream.cancel()
+    finally:
+        daemon.stop()
+    detached = [(e.severity, e.message, dict(e.evidence)) for e in events if e.kind == "agent.job_detached"]
+    assert detached == [
+        (common_pb2.SEVERITY_WARNING, "launcher pid 1, lock j1.9.zz.lock, not one of job j1's, said the job "
+                                     "ended; ignored while its launchers live",
+         {"job": "j1", "ended": "True", "ignored": "True", "arena_removed": "False"}),
+        (common_pb2.SEVERITY_INFO, "job j1 detached by launcher pid 1, lock j1.1.aa.lock (the job goes on; 1 "
+                                  "launcher(s) of it left)",
+         {"job": "j1", "ended": "False", "ignored": "False", "arena_removed": "False"}),
+        (common_pb2.SEVERITY_INFO, "job j1 detached by launcher pid 1, lock j1.2.bb.lock (the job ended; its "
+                                  "arena removed)",
+         {"job": "j1", "ended": "True", "ignored": "False", "arena_removed": "True"}),
+    ], detached
+    logged = capfd.readouterr().err  # the daemon's log, to its stderr as under systemd
+    for severity, message, _ in detached:
+        level = "WARNING" if severity == common_pb2.SEVERITY_WARNING else "INFO"
+        assert f"{level} trainguard.agent.daemon_jobs: {message}" in logged, logged

@@ -285,3 +285,56 @@ def test_a_killed_checkpoint_service_is_started_again_and_saves_reach_disk(tmp_p
     finally:
         svc.stop(remove_memory=True, timeout=10)
     assert not psutil.pid_exists(restarted[0][1]) or psutil.Process(restarted[0][1]).status() == psutil.STATUS_ZOMBIE
+
+
+_LIVE_WRITER = """
+import sys, time
+from trainguard.checkpoint.storage import LocalStore
+pending = LocalStore(sys.argv[1], sys.argv[2]).begin_data(1, 0)  # rank 0 of step 1, being written
+print(pending.tmp, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_persist_process_killed_mid_write_leaves_no_temp_file_but_a_live_writers_stays(tmp_path, shm_dir):
+    """kill -9 of the persist process while it wrote a rank's data left ``rank_00000.data.tmp.<pid>`` (as large
+    as the rank's data) in the step folder until retention removed the folder; the next persist removes it, and
+    never the temporary file of a writer still at work (another process writing the same file, e.g. the persist
+    process of an earlier incarnation of the rank)."""
+    job = "tmpkill"
+    live = subprocess.Popen([sys.executable, "-c", _LIVE_WRITER, str(tmp_path / "ck"), job], stdout=subprocess.PIPE,
+                            text=True)
+    svc = CheckpointService(job=job, shm_dir=shm_dir, nice=0).start()
+    try:
+        live_tmp = Path(live.stdout.readline().strip())
+        assert live_tmp.name == f"{data_name(0)}.tmp.{live.pid}", live_tmp
+        # Throttled: the write is done at once, then the throttle holds the file uncommitted for seconds.
+        cfg = CheckpointConfig(directory=str(tmp_path / "ck"), disk={"keep": 3},
+                               memory={"directory": shm_dir, "enabled": False},
+                               persist={"service": svc.address, "chunk_mib": 1, "bandwidth_mib_s": 0.01})
+        ck = Checkpointer(cfg, job=job)
+        ck.save(state_for(0, 1), 1)
+        stale = tmp_path / "ck" / job / step_dirname(1) / f"{data_name(0)}.tmp.{svc.pid}"
+        deadline = time.monotonic() + 30
+        while not stale.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stale.exists(), sorted(os.listdir(stale.parent))
+        os.kill(svc.pid, signal.SIGKILL)
+        svc.proc.wait()
+        ck.close()
+    finally:
+        svc.stop(remove_memory=False, timeout=5)
+    assert stale.exists()  # what the killed writer left
+    svc = CheckpointService(job=job, shm_dir=shm_dir, nice=0).start()
+    try:
+        cfg = CheckpointConfig(directory=str(tmp_path / "ck"), disk={"keep": 3},
+                               memory={"directory": shm_dir, "enabled": False},
+                               persist={"service": svc.address, "chunk_mib": 1})
+        with Checkpointer(cfg, job=job) as ck:
+            assert ck.save(state_for(0, 2), 2).wait(timeout=60)
+        assert not stale.exists(), sorted(os.listdir(stale.parent))
+        assert live_tmp.exists()  # its writer lives
+    finally:
+        svc.stop(remove_memory=True, timeout=10)
+        live.kill()
+        live.wait()

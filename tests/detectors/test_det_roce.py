@@ -18,7 +18,7 @@ from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.errors import DetectorReadError
 from trainguard.detectors.roce import RoceConfig, RoceDetector
 from trainguard.detectors.runner import DetectorRunner
-from trainguard.testing.sysfs import write_rdma_port
+from trainguard.testing.sysfs import write_file, write_rdma_port
 
 
 def next_event(q: "queue.Queue[HealthEvent]", kind: str, subject: str, timeout: float = 5.0) -> HealthEvent:
@@ -416,3 +416,28 @@ def test_a_folder_that_cannot_be_listed_loses_no_other_ports_event(tmp_path) -> 
     assert [e.subject for e in errors] == [str(hw)]
     assert "cannot list (Too many levels of symbolic links)" in errors[0].message
     assert "DetectorReadError" not in errors[0].message and "OSError" not in errors[0].message
+
+
+def test_interfaces_patterns_that_match_nothing_are_said_until_an_interface_matches(tmp_path) -> None:
+    """A typo in ``interfaces`` (``ens1f*`` on a host whose NICs are ``enp*``) left no link watched while the
+    detector read healthy, without a word; now a warning until a matching interface appears (udev renaming the
+    NIC after the start)."""
+    import socket
+
+    if any(name.startswith("ens1f") for _, name in socket.if_nameindex()):
+        pytest.skip("this host has an ens1f* interface: the pattern matches")
+    for name in ("enp1s0f0", "enp1s0f1"):
+        write_file(tmp_path, f"sys/class/net/{name}/statistics/rx_crc_errors", "0\n")
+    det = RoceDetector(RoceConfig(root=str(tmp_path), interfaces=("ens1f*",), rdma=False, ethtool=False))
+    first, second = det.sample(), det.sample()
+    assert [(e.kind, e.severity) for e in first.events] == [("roce.interfaces_unmatched", Severity.WARNING)]
+    assert second.events == []  # said once, held while it lasts
+    for s in (first, second):
+        assert s.state == DetectorState.DEGRADED
+        assert s.detail.startswith("interfaces pattern(s) ens1f* match no network interface, so no link is watched; "
+                                   "present: "), s.detail
+        assert "enp1s0f0, enp1s0f1" in s.detail
+    (tmp_path / "sys/class/net/enp1s0f0").rename(tmp_path / "sys/class/net/ens1f0np0")
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["roce.interfaces_unmatched.cleared"]
+    assert s.state == DetectorState.OK and "rx_crc_errors_per_s[ens1f0np0]" in s.metrics, s.metrics
