@@ -45,7 +45,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from trainguard.agent.arena_keeper import ArenaKeeper, ArenaRootError
 from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
 from trainguard.agent.coordinator_report import NodeVerdict, NodeVerdictLatch
-from trainguard.agent.daemon_jobs import REFUSED_METADATA_KEY, DaemonJobs, describe_launcher, launcher_key
+from trainguard.agent.daemon_jobs import (REFUSED_METADATA_KEY, DaemonJobs, JobTlsPathRefused, describe_launcher,
+                                          launcher_key)
 from trainguard.agent.daemon_node import DaemonNode
 from trainguard.agent.daemon_qualify import DaemonQualification
 from trainguard.agent.errors import AgentError
@@ -258,7 +259,7 @@ class AgentDaemon:
             # a running job) must find the jobs' table, not an AssertionError that leaves its job unattached.
             self.jobs = DaemonJobs(config.agent.node_id, socket.gethostname(), self.instance, self.node_verdict,
                                    arenas, config.coordinator.heartbeat_interval_s, config.coordinator.timeout_s,
-                                   alive=alive)
+                                   alive=alive, tls_dirs=tuple(config.coordinator.job_tls_dirs))
             self._start_grpc(config)
             if detectors is not None and config.predictor.enabled:
                 # Rules tier always; the learned tier when a model file is configured. The metric history in
@@ -731,6 +732,8 @@ class _DaemonService(NodeAgentService):
             # Marked, so the launcher retries without the arena only when the arena was what was refused.
             context.set_trailing_metadata(((REFUSED_METADATA_KEY, "arena"),))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except JobTlsPathRefused as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except SecurityConfigError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the job's coordinator TLS files, as this daemon "
                                                                f"reads them: {exc}")
