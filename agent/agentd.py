@@ -167,6 +167,24 @@ def _self_check_host(listen: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def detector_counts(statuses: list) -> str:
+    """``detectors 7 ok, 4 no hardware, 1 failed`` for the status line: the detectors by state, ok first, then
+    the others that occur (a detector with nothing to watch on this node is not "ok": it watches nothing, and
+    one not sampled yet has read nothing).
+
+    Args:
+        statuses: the runner's :class:`~trainguard.detectors.runner.DetectorStatus` list.
+    """
+    counts: dict[str, int] = {}
+    for status in sorted(statuses, key=lambda s: s.state):
+        # OK is the runner's state before a first sample; a stalled first sample already reads ERROR.
+        unsampled = not status.samples and status.state.name == "OK"
+        label = "not sampled yet" if unsampled else status.state.name.lower().replace("_", " ")
+        counts[label] = counts.get(label, 0) + 1
+    counts = {"ok": counts.pop("ok", 0), **counts}
+    return "detectors " + ", ".join(f"{n} {label}" for label, n in counts.items())
+
+
 class AgentDaemon:
     """Owns every part of the running daemon; ``start()``, then ``run()`` until a stop signal."""
 
@@ -504,11 +522,9 @@ class AgentDaemon:
 
     def _summary(self) -> str:
         """One line for systemd's STATUS= and the log."""
-        statuses = self.detector_statuses()
-        ok = sum(1 for s in statuses if s.state.name in ("OK", "NO_HARDWARE"))
         workers = 0  # jobs' launchers run the workers
         score = self.node_health.score if self.node_health is not None else 0.0
-        detectors = f"detectors {ok}/{len(statuses)} ok" if not self.detector_gap else "no detectors"
+        detectors = detector_counts(self.detector_statuses()) if not self.detector_gap else "no detectors"
         where = []
         if self.config is not None and self.config.grpc.socket:
             where.append(f"unix:{self.config.grpc.socket}")
