@@ -45,7 +45,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from trainguard.agent.arena_keeper import ArenaKeeper, ArenaRootError
 from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
 from trainguard.agent.coordinator_report import NodeVerdict, NodeVerdictLatch
-from trainguard.agent.daemon_jobs import REFUSED_METADATA_KEY, DaemonJobs, describe_launcher, launcher_key
+from trainguard.agent.daemon_jobs import (REFUSED_METADATA_KEY, DaemonJobs, JobTlsPathRefused, describe_launcher,
+                                          launcher_key)
 from trainguard.agent.daemon_node import DaemonNode
 from trainguard.agent.daemon_qualify import DaemonQualification
 from trainguard.agent.errors import AgentError
@@ -166,6 +167,24 @@ def _self_check_host(listen: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def detector_counts(statuses: list) -> str:
+    """``detectors 7 ok, 4 no hardware, 1 failed`` for the status line: the detectors by state, ok first, then
+    the others that occur (a detector with nothing to watch on this node is not "ok": it watches nothing, and
+    one not sampled yet has read nothing).
+
+    Args:
+        statuses: the runner's :class:`~trainguard.detectors.runner.DetectorStatus` list.
+    """
+    counts: dict[str, int] = {}
+    for status in sorted(statuses, key=lambda s: s.state):
+        # OK is the runner's state before a first sample; a stalled first sample already reads ERROR.
+        unsampled = not status.samples and status.state.name == "OK"
+        label = "not sampled yet" if unsampled else status.state.name.lower().replace("_", " ")
+        counts[label] = counts.get(label, 0) + 1
+    counts = {"ok": counts.pop("ok", 0), **counts}
+    return "detectors " + ", ".join(f"{n} {label}" for label, n in counts.items())
+
+
 class AgentDaemon:
     """Owns every part of the running daemon; ``start()``, then ``run()`` until a stop signal."""
 
@@ -258,7 +277,7 @@ class AgentDaemon:
             # a running job) must find the jobs' table, not an AssertionError that leaves its job unattached.
             self.jobs = DaemonJobs(config.agent.node_id, socket.gethostname(), self.instance, self.node_verdict,
                                    arenas, config.coordinator.heartbeat_interval_s, config.coordinator.timeout_s,
-                                   alive=alive)
+                                   alive=alive, tls_dirs=tuple(config.coordinator.job_tls_dirs))
             self._start_grpc(config)
             if detectors is not None and config.predictor.enabled:
                 # Rules tier always; the learned tier when a model file is configured. The metric history in
@@ -503,11 +522,9 @@ class AgentDaemon:
 
     def _summary(self) -> str:
         """One line for systemd's STATUS= and the log."""
-        statuses = self.detector_statuses()
-        ok = sum(1 for s in statuses if s.state.name in ("OK", "NO_HARDWARE"))
         workers = 0  # jobs' launchers run the workers
         score = self.node_health.score if self.node_health is not None else 0.0
-        detectors = f"detectors {ok}/{len(statuses)} ok" if not self.detector_gap else "no detectors"
+        detectors = detector_counts(self.detector_statuses()) if not self.detector_gap else "no detectors"
         where = []
         if self.config is not None and self.config.grpc.socket:
             where.append(f"unix:{self.config.grpc.socket}")
@@ -731,6 +748,8 @@ class _DaemonService(NodeAgentService):
             # Marked, so the launcher retries without the arena only when the arena was what was refused.
             context.set_trailing_metadata(((REFUSED_METADATA_KEY, "arena"),))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except JobTlsPathRefused as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except SecurityConfigError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the job's coordinator TLS files, as this daemon "
                                                                f"reads them: {exc}")

@@ -242,6 +242,11 @@ class CoordinatorSection:
         tls_cert_file: PEM client certificate for mutual TLS with the coordinator. Default ``""``.
         tls_key_file: PEM private key of ``tls_cert_file``. Default ``""``.
         token_file: file holding the coordinators' job token (sent on every call); ``""`` for none. Default ``""``.
+        job_tls_dirs: folders whose files an attached job (``AttachJob``) may name by path (``tls_*_file`` sent
+            without its PEM contents). The daemon runs as root for any user of its socket: it opens no other
+            path a launcher names, so none can have it present this node's own key, or read a root-only file, to
+            a coordinator of its choosing. Absolute paths, compared after resolving symlinks. Default ``[]``
+            (launchers send the contents, as ``trainguard run`` does).
     """
 
     address: str = ""
@@ -253,6 +258,7 @@ class CoordinatorSection:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     token_file: str = ""
+    job_tls_dirs: list[str] = field(default_factory=list)
 
     def targets(self) -> list[str]:
         """Every configured coordinator address, ``address`` first, without duplicates."""
@@ -517,6 +523,9 @@ class AgentConfig:
         for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
             if getattr(c, key):
                 _check_readable(getattr(c, key), f"coordinator.{key}", fail)
+        for i, folder in enumerate(c.job_tls_dirs):
+            if not folder or not os.path.isabs(folder):
+                fail(f"coordinator.job_tls_dirs[{i}]", f"{folder!r} must be an absolute path of a folder")
         m = self.memory_tier
         if not m.root or not os.path.isabs(m.root):
             fail("memory_tier.root", f"{m.root!r} must be an absolute path (a tmpfs folder, e.g. /dev/shm/trainguard)")

@@ -15,12 +15,12 @@ One reporter's states::
 
     CONNECTING --ok--> REPORTING --coordinator says cordoned--> CORDONED
         |  ^              |   ^                                   |
-        |  '---- ok ------+   '------------ ok ------ UNREACHABLE <'  (any call failing)
-        '--fail--> UNREACHABLE
+        |  '---- ok ------+   '------------ ok ------ UNREACHABLE <'  (a call failing)
+        '--fail--> UNREACHABLE          (REFUSED likewise: the coordinator answered with a refusal)
     any --stop()--> STOPPED
 
-A coordinator that cannot be reached is retried every interval and logged once per outage; it never stops the
-daemon.
+A coordinator that cannot be reached, or refuses the reports (bad credentials, a request it rejects), is retried
+every interval and logged once per outage, naming the status code and what it means; it never stops the daemon.
 """
 
 from __future__ import annotations
@@ -122,16 +122,31 @@ class ReporterState(enum.Enum):
     REPORTING = "reporting"
     CORDONED = "cordoned"
     UNREACHABLE = "unreachable"
+    REFUSED = "refused"  #: it answers, and refuses the reports (see :data:`REFUSALS`)
     STOPPED = "stopped"
+
+
+#: Status codes by which a coordinator that answered refuses a report, and what each means to an operator
+#: (any other failure is UNREACHABLE).
+REFUSALS: dict[grpc.StatusCode, str] = {
+    grpc.StatusCode.UNAUTHENTICATED: "bad or missing credentials: check the job token (token_file) the coordinator "
+                                     "requires",
+    grpc.StatusCode.PERMISSION_DENIED: "credentials not allowed: check the token and client certificate",
+    grpc.StatusCode.INVALID_ARGUMENT: "the coordinator refused the request: check the node id and job name",
+    grpc.StatusCode.NOT_FOUND: "the coordinator does not know the job: check the job name",
+    grpc.StatusCode.FAILED_PRECONDITION: "the coordinator refused the request in its present state",
+    grpc.StatusCode.UNIMPLEMENTED: "the coordinator has no ReportNodeHealth: upgrade it",
+}
 
 
 _S = ReporterState
 #: Allowed moves; anything else is a bug in this module.
 TRANSITIONS: dict[ReporterState, frozenset[ReporterState]] = {
-    _S.CONNECTING: frozenset({_S.REPORTING, _S.CORDONED, _S.UNREACHABLE, _S.STOPPED}),
-    _S.REPORTING: frozenset({_S.REPORTING, _S.CORDONED, _S.UNREACHABLE, _S.STOPPED}),
-    _S.CORDONED: frozenset({_S.CORDONED, _S.UNREACHABLE, _S.STOPPED}),
-    _S.UNREACHABLE: frozenset({_S.UNREACHABLE, _S.REPORTING, _S.CORDONED, _S.STOPPED}),
+    _S.CONNECTING: frozenset({_S.REPORTING, _S.CORDONED, _S.UNREACHABLE, _S.REFUSED, _S.STOPPED}),
+    _S.REPORTING: frozenset({_S.REPORTING, _S.CORDONED, _S.UNREACHABLE, _S.REFUSED, _S.STOPPED}),
+    _S.CORDONED: frozenset({_S.CORDONED, _S.UNREACHABLE, _S.REFUSED, _S.STOPPED}),
+    _S.UNREACHABLE: frozenset({_S.UNREACHABLE, _S.REFUSED, _S.REPORTING, _S.CORDONED, _S.STOPPED}),
+    _S.REFUSED: frozenset({_S.REFUSED, _S.UNREACHABLE, _S.REPORTING, _S.CORDONED, _S.STOPPED}),
     _S.STOPPED: frozenset({_S.STOPPED}),
 }
 
@@ -173,6 +188,9 @@ class CoordinatorReporter:
         if new is ReporterState.UNREACHABLE and self.state is not ReporterState.UNREACHABLE:
             log.warning("coordinator %s (%s) unreachable: %s; retrying every %.1f s", self.target.address,
                         self.target.origin, message, self.interval_s)
+        elif new is ReporterState.REFUSED and self.state is not ReporterState.REFUSED:
+            log.warning("coordinator %s (%s) refuses node %s's health reports: %s; retrying every %.1f s",
+                        self.target.address, self.target.origin, self.node_id, message, self.interval_s)
         elif new is ReporterState.CORDONED and self.state is not ReporterState.CORDONED:
             log.warning("coordinator %s (%s) cordoned node %s: %s", self.target.address, self.target.origin,
                         self.node_id, message)
@@ -208,7 +226,8 @@ class CoordinatorReporter:
             self._move(ReporterState.STOPPED)
 
     def report_once(self) -> None:
-        """Sends one report and updates the state from the answer (errors become UNREACHABLE)."""
+        """Sends one report and updates the state from the answer (a refusal, :data:`REFUSALS`, becomes REFUSED;
+        any other error UNREACHABLE)."""
         assert self._channel is not None, "start() first"
         v = self._verdict()
         req = coordinator_pb2.NodeHealthReportRequest(
@@ -220,7 +239,11 @@ class CoordinatorReporter:
         try:
             resp = coordinator_pb2_grpc.CoordinatorStub(self._channel).ReportNodeHealth(req, timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            self._move(ReporterState.UNREACHABLE, f"{exc.code().name}: {exc.details()}")
+            meaning = REFUSALS.get(exc.code())
+            if meaning is None:
+                self._move(ReporterState.UNREACHABLE, f"{exc.code().name}: {exc.details()}")
+            else:
+                self._move(ReporterState.REFUSED, f"{exc.code().name} ({meaning}): {exc.details()}")
             return
         self.reports += 1
         # The coordinator may ask for a longer interval (it stretches intervals to bound its load), never shorter.
@@ -237,5 +260,5 @@ class CoordinatorReporter:
             self._wake.clear()
 
 
-__all__ = ["CoordinatorReporter", "NodeVerdict", "NodeVerdictLatch", "ReportTarget", "ReporterState",
+__all__ = ["REFUSALS", "CoordinatorReporter", "NodeVerdict", "NodeVerdictLatch", "ReportTarget", "ReporterState",
            "TRANSITIONS"]

@@ -38,6 +38,11 @@ MAX_PEM_BYTES = 1 << 20
 REFUSED_METADATA_KEY = "trainguard-refused"
 
 
+class JobTlsPathRefused(SecurityConfigError):
+    """A launcher named a TLS file by path, outside the folders the daemon's config lets jobs name
+    (``coordinator.job_tls_dirs``): the root daemon would open it on behalf of any socket user."""
+
+
 @dataclass(frozen=True)
 class Detached:
     """What a launcher's ``DetachJob`` did."""
@@ -59,11 +64,13 @@ class DaemonJobs:
         interval_s: seconds between reports (``coordinator.heartbeat_interval_s``).
         timeout_s: deadline of each report (``coordinator.timeout_s``).
         alive: whether a launcher still lives, by its key (:func:`launcher_key`). Default: by pid.
+        tls_dirs: folders whose files a launcher may name by path instead of sending their contents
+            (``coordinator.job_tls_dirs``). Default: none.
     """
 
     def __init__(self, node_id: str, host: str, instance: str, verdict: Callable[[], NodeVerdict],
                  arenas: ArenaKeeper, interval_s: float, timeout_s: float,
-                 alive: Callable[[int | str], bool] = pid_alive) -> None:
+                 alive: Callable[[int | str], bool] = pid_alive, tls_dirs: tuple[str, ...] = ()) -> None:
         self.node_id, self.host, self.instance = node_id, host, instance
         self._verdict = verdict
         self.arenas = arenas
@@ -71,6 +78,7 @@ class DaemonJobs:
         self._lock = threading.Lock()
         self._reporters: dict[str, CoordinatorReporter] = {}
         self._alive = alive
+        self.tls_dirs = tuple(os.path.realpath(d) for d in tls_dirs)
         self._pem_root: str | None = None  # the attached jobs' TLS files, as their launchers sent them
         self._jobs: dict[str, set[int | str]] = {}  # job -> its live launchers' keys
 
@@ -144,6 +152,7 @@ class DaemonJobs:
 
         Raises:
             ArenaRootError: the launcher's arena root is not ``memory_tier.root``.
+            JobTlsPathRefused: a TLS file named by path lies outside ``tls_dirs``.
             SecurityConfigError: a TLS file of the job's coordinator is unreadable.
         """
         key = launcher_key(req)
@@ -167,9 +176,10 @@ class DaemonJobs:
     def _job_security(self, req: agent_pb2.AttachJobRequest) -> RpcSecurity:
         """The TLS and token the launcher reaches its coordinator with. PEM contents in the request are written
         to a folder only this daemon reads and used instead of the launcher's paths (which name files in the
-        launcher's container).
+        launcher's container). A path sent without contents is opened only under ``tls_dirs``.
 
         Raises:
+            JobTlsPathRefused: a path sent without contents lies outside ``tls_dirs``.
             SecurityConfigError: a file cannot be written here, or a PEM is too large.
         """
         files = TlsFiles(req.tls_cert_file, req.tls_key_file, req.tls_ca_file)
@@ -198,7 +208,30 @@ class DaemonJobs:
                 raise SecurityConfigError(f"job {req.job}: cannot keep its TLS files here ({exc})") from exc
             files = TlsFiles(written.get("cert.pem", files.cert_file), written.get("key.pem", files.key_file),
                              written.get("ca.pem", files.ca_file))
+        files = TlsFiles(self._allowed(files.cert_file, "tls_cert_file", req.tls_cert_pem),
+                         self._allowed(files.key_file, "tls_key_file", req.tls_key_pem),
+                         self._allowed(files.ca_file, "tls_ca_file", req.tls_ca_pem))
         return RpcSecurity(tls=files, token=req.token, server_name=req.tls_server_name)
+
+    def _allowed(self, path: str, field: str, pem: bytes) -> str:
+        """``path`` resolved (what the reporter opens), when the launcher sent ``pem`` (then ``path`` is the
+        daemon's own copy) or it lies under ``tls_dirs``.
+
+        Raises:
+            JobTlsPathRefused: a path sent without contents, outside ``tls_dirs``.
+        """
+        if not path or pem:
+            return path
+        # Resolved first: a symlink in a folder of the caller's must not lead the check into an allowed folder's
+        # name while the open follows it elsewhere.
+        real = os.path.realpath(path)
+        if any(os.path.commonpath((real, d)) == d for d in self.tls_dirs):
+            return real
+        allowed = ", ".join(self.tls_dirs) or "none configured"
+        raise JobTlsPathRefused(f"{field} {path[:256]!r}: this daemon opens a launcher's TLS file by path only under "
+                                f"coordinator.job_tls_dirs ({allowed}); send its contents in "
+                                f"{field.replace('_file', '_pem')} (trainguard run does) or add its folder to "
+                                "coordinator.job_tls_dirs in the daemon's config")
 
     def _job_folder(self, job: str) -> str:
         """The folder of ``job``'s TLS files under the daemon's own 0700 folder.
@@ -288,4 +321,4 @@ def describe_launcher(req: agent_pb2.AttachJobRequest | agent_pb2.DetachJobReque
     return f"pid {req.launcher_pid}" + (f", lock {req.launcher_lock}" if req.launcher_lock else "")
 
 
-__all__ = ["DaemonJobs", "Detached", "REFUSED_METADATA_KEY", "describe_launcher", "launcher_key"]
+__all__ = ["DaemonJobs", "Detached", "JobTlsPathRefused", "REFUSED_METADATA_KEY", "describe_launcher", "launcher_key"]

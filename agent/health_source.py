@@ -78,8 +78,8 @@ MAX_PEM_BYTES = 1 << 20
 
 
 def _pem(path: str) -> bytes:
-    """The file's contents for ``AttachJob`` (b"" when unset or unreadable here: the daemon then tries the path
-    itself, and names it when it cannot read it either)."""
+    """The file's contents for ``AttachJob`` (b"" when unset or unreadable here: the daemon then opens the path
+    itself only if its ``coordinator.job_tls_dirs`` holds it, and names the field when it refuses)."""
     if not path:
         return b""
     try:

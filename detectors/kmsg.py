@@ -165,6 +165,7 @@ class KmsgDetector(Detector):
         self._fd = fd
 
     def _read_records(self, s: Sample) -> list[str]:
+        """The records pending, at most ``max_records``; a read error ends the reading and is added to ``s``."""
         assert self._fd is not None
         path = self.config.path(self.config.device)
         records: list[str] = []
@@ -177,7 +178,10 @@ class KmsgDetector(Detector):
                 if exc.errno == errno.EPIPE:
                     self._lost += 1  # the ring buffer wrapped past unread records; the next read resumes
                     continue
-                raise DetectorReadError(path, f"read failed: {exc.strerror}") from exc
+                # Reported in the sample beside the records read before it: raising here dropped them, and
+                # they were already consumed from the device, so no later sample would see them.
+                s.error(DetectorReadError(path, f"read failed: {exc.strerror}"))
+                break
             if not chunk:
                 break
             if self._is_device:

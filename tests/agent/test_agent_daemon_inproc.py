@@ -469,3 +469,30 @@ def test_detach_job_is_logged_and_announced_as_attach_job_is(tmp_path, capfd):
     for severity, message, _ in detached:
         level = "WARNING" if severity == common_pb2.SEVERITY_WARNING else "INFO"
         assert f"{level} trainguard.agent.daemon_jobs: {message}" in logged, logged
+
+
+def test_the_status_line_counts_detectors_without_hardware_apart_from_ok(tmp_path):
+    """systemd's STATUS= said "detectors 3/3 ok" for three detectors with no hardware to watch (an empty fake
+    root), and the same before any had sampled."""
+    from trainguard.detectors.base import DetectorState
+    from trainguard.detectors.runner import DetectorStatus
+
+    daemon, notify = _daemon_under_watchdog(
+        tmp_path, 'enabled = ["nvidia", "edac", "thermal"]\n[predictor]\nenabled = false\n[metrics]\nlisten = ""\n'
+        f'[agent]\nloop_interval_s = 0.1\n[memory_tier]\nroot = "{tmp_path / "shm"}"\n', "",
+        str(tmp_path / "agent.sock"))
+    daemon.start()
+    loop = threading.Thread(target=daemon.run)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 20
+        while "detectors 0 ok, 3 no hardware;" not in recv_until(notify, "STATUS"):
+            assert time.monotonic() < deadline, "no status line counting the detectors without hardware"
+    finally:
+        daemon.request_stop()
+        loop.join(30)
+    from trainguard.agent.agentd import detector_counts
+
+    statuses = [DetectorStatus("a", DetectorState.FAILED, samples=2), DetectorStatus("b", DetectorState.OK),
+                DetectorStatus("c", DetectorState.OK, samples=1), DetectorStatus("d", DetectorState.ERROR)]
+    assert detector_counts(statuses) == "detectors 1 ok, 1 not sampled yet, 1 failed, 1 error"

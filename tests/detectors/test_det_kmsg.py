@@ -127,3 +127,33 @@ def test_real_dev_kmsg_user_facility_line(tmp_path) -> None:
         assert s.events[0].evidence["facility"] == "1"
     finally:
         det.close()
+
+
+def test_a_read_error_mid_sample_keeps_the_records_read_before_it() -> None:
+    """A read error after some records (here a pty master whose other end closed: its pending record, then EIO)
+    raised out of the sample, dropping records already consumed from the device: the Xid below was never
+    reported. The records read are matched and the error reported beside them."""
+    import fcntl
+    import struct
+    import tty
+
+    det = KmsgDetector(KmsgConfig(root="/", device="/dev/ptmx", replay=True))  # a tty: no seeking to the end
+    slave = -1
+    try:
+        assert det.sample().events == []  # opens the master
+        master = det._fd  # the device's other end is the test's to write
+        fcntl.ioctl(master, 0x40045431, struct.pack("i", 0))  # TIOCSPTLCK: unlock the peer
+        index = struct.unpack("I", fcntl.ioctl(master, 0x80045430, struct.pack("I", 0)))[0]  # TIOCGPTN
+        slave = os.open(f"/dev/pts/{index}", os.O_RDWR | os.O_NOCTTY)
+        tty.setraw(slave)
+        os.write(slave, b"3,7,100,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus.\n")
+        os.close(slave)
+        slave = -1
+        s = det.sample()
+        assert [(e.kind, e.subject) for e in s.events] == [("gpu.xid", "0000:3b:00")]
+        assert len(s.errors) == 1 and "read failed" in str(s.errors[0])
+        assert s.state == DetectorState.FAILED and s.metrics["records"] == 1.0
+    finally:
+        if slave >= 0:
+            os.close(slave)
+        det.close()
