@@ -239,9 +239,26 @@ class LocalNodeHealth:
         return hardware_cause(source, names, self.pending, ledger, generation, self.node_id)
 
     def record_failure(self, ts: float, kind: str) -> None:
-        """Stores a hard failure of this node in the predictor's history (its training labels)."""
+        """Stores a hard failure of this node in the predictor's history (its training labels).
+
+        Args:
+            ts: failure time on the wall clock (``time.time()``), Unix seconds; stored on the samples' clock
+                (see :meth:`on_sample_clock`).
+            kind: failure kind, e.g. ``"process.exit"``.
+        """
         if self.predictor is not None:
-            self.predictor.record_failure(ts, kind)
+            self.predictor.record_failure(self.on_sample_clock(ts), kind)
+
+    def on_sample_clock(self, ts: float) -> float:
+        """A wall-clock time ``ts`` on the clock the predictor's samples are stamped on: ``ts`` itself, but after
+        the wall clock stepped back (see :func:`tick_time`) shifted by what the samples run ahead of it. Failures
+        stamped on the raw clock were labelled the step away from the samples they came with, so training and
+        evaluation read the wrong samples as those before the failure."""
+        last = self._last_stamp
+        if last is None:
+            return ts
+        wall, mono = self._wall_clock(), time.monotonic()
+        return ts + (tick_time(wall, mono, last) - wall)
 
     # -- predictor -----------------------------------------------------------------------------------------
     def start_predictor(self, model_path: str | None, history_path: str | None, interval_s: float = 5.0,

@@ -319,3 +319,26 @@ def test_a_rules_alarm_for_a_reported_fault_is_about_the_faults_generation() -> 
     health.tick(metrics={fatal: 2.0})
     due = health.due_drain(lambda step: False)
     assert due is not None and due[1] == 2, due
+
+
+def test_a_failure_after_a_clock_step_back_is_stamped_on_the_samples_clock(tmp_path: Path) -> None:
+    # After a step back the samples are stamped on continued time, but the failure's time (the supervisor's
+    # detected_at, time.time()) went into the history as is: its label sat the step (here 600 s) before the
+    # samples around it, so training and evaluation read the wrong samples as "before the failure".
+    from trainguard.predictor.history import MetricHistory
+
+    wall = [1_000_000.0]
+    health = LocalNodeHealth("n1", wall_clock=lambda: wall[0])
+    health.start_predictor(None, str(tmp_path / "h.sqlite"), interval_s=0.0)
+    fatal = "pcie.aer_fatal[0000:3b:00.0]"
+    health.tick(metrics={fatal: 0.0})
+    wall[0] = 1_000_005.0
+    health.tick(metrics={fatal: 0.0})
+    wall[0] = 999_405.0  # the clock stepped back 600 s
+    health.tick(metrics={fatal: 0.0})
+    health.record_failure(wall[0], "process.exit")  # stamped by the supervisor on the stepped-back clock
+    health.tick(metrics={fatal: 0.0})
+    samples, events = MetricHistory(tmp_path / "h.sqlite", readonly=True).to_tables()
+    assert len(samples.ts) == 4 and len(events) == 1
+    # the failure lies among the samples it came with: after the third, not 600 s before all of them
+    assert samples.ts[2] <= events.ts[0] <= samples.ts[3], (samples.ts, events.ts)
