@@ -288,12 +288,29 @@ class LocalNodeHealth:
                         "(--predictor-interval-s) or retrain with --interval %g", model_path, trained_s, interval_s,
                         trained_s, interval_s)
         history = MetricHistory(history_path) if history_path else None
+        if history is not None:
+            self._continue_history(history)
         self._interval_s = interval_s
         self.drain_grace_s = drain_grace_s
         self.predictor = PredictorMonitor(
             runtime, self.node_id, history=history,
             on_score=self._on_score, on_alarm=self._on_alarm, threshold=self._configured,
         )
+
+    def _continue_history(self, history: Any) -> None:
+        """Continues the samples' clock from the history's newest sample of this node when that is ahead of the
+        wall clock (it stepped back while the agent was down): the history refuses samples at or before it, so it
+        recorded nothing, the next model's training data, for as long as the step, while scoring went on."""
+        stored = history.last_ts(self.node_id)
+        wall = self._wall_clock()
+        if stored is None or stored < wall:
+            return
+        self._last_stamp = (stored, time.monotonic())
+        self._stepped_back = True  # this warning is the one of this step
+        log.warning("predictor: the metric history %s holds samples of node %r up to %.1f s ahead of the wall clock "
+                    "(it stepped back since they were stored); samples are stamped on continued time from the newest "
+                    "stored one until the clock catches up. If those stored times are wrong (a file from another "
+                    "host), move the file aside to start a new history", history.path, self.node_id, stored - wall)
 
     def tick(self, step_time_s: float | None = None, metrics: Mapping[str, float] | None = None) -> None:
         """Scores one sample when an interval has passed (call from the owner's loop).

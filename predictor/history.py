@@ -242,6 +242,14 @@ class MetricHistory:
         self._db.execute("PRAGMA incremental_vacuum")
         return int(deleted)
 
+    def last_ts(self, node: str) -> float | None:
+        """The time of the node's newest stored sample, Unix seconds (None: none stored). :meth:`append` refuses
+        samples at or before it."""
+        with self._lock:
+            row = self._db.execute("SELECT MAX(samples.ts) FROM samples JOIN nodes ON nodes.id = samples.node_id "
+                                   "WHERE nodes.name = ?", (node,)).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
     def count(self) -> int:
         """Samples stored."""
         with self._lock:

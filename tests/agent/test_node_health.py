@@ -342,3 +342,27 @@ def test_a_failure_after_a_clock_step_back_is_stamped_on_the_samples_clock(tmp_p
     assert len(samples.ts) == 4 and len(events) == 1
     # the failure lies among the samples it came with: after the third, not 600 s before all of them
     assert samples.ts[2] <= events.ts[0] <= samples.ts[3], (samples.ts, events.ts)
+
+
+def test_a_restart_after_a_clock_step_back_goes_on_recording_history(tmp_path: Path, caplog) -> None:
+    # The history's newest sample of the node was ahead of the wall clock after an agent restart (the clock had
+    # stepped back 600 s): every append was refused until the clock passed it, logged once, so for the length of
+    # the step the history (the next model's training data) recorded nothing while scoring went on.
+    from trainguard.predictor.history import MetricHistory
+
+    path = tmp_path / "h.sqlite"
+    with MetricHistory(path) as h:
+        for i in range(3):
+            h.append(1_000_600.0 + i * 5.0, "n1", {"gpu_temp_c": 60.0})
+    wall = [1_000_000.0]
+    health = LocalNodeHealth("n1", wall_clock=lambda: wall[0])
+    with caplog.at_level("WARNING"):
+        health.start_predictor(None, str(path), interval_s=0.0)
+        for _ in range(3):
+            health.tick(metrics={"pcie.aer_fatal[0000:3b:00.0]": 0.0})
+            wall[0] += 5.0
+    samples, _ = MetricHistory(path, readonly=True).to_tables()
+    assert len(samples.ts) == 6 and np.all(np.diff(samples.ts) > 0), samples.ts
+    steps = [r.getMessage() for r in caplog.records if "ahead of the wall clock" in r.getMessage()]
+    assert len(steps) == 1 and "610.0 s" in steps[0] and str(path) in steps[0], caplog.records
+    assert not [r for r in caplog.records if "cannot store" in r.getMessage()], caplog.records
