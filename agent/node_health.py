@@ -169,6 +169,11 @@ class LocalNodeHealth:
         return self._score
 
     @property
+    def interval_s(self) -> float:
+        """Seconds between two predictor scores (see :meth:`start_predictor`)."""
+        return self._interval_s
+
+    @property
     def threshold(self) -> float:
         """The alarm threshold in force: the configured one when set, else the model's own threshold of the last
         score (per node, calibrated online; 1.0 before the first score). Alarms, ``GetHealth`` and the metrics
@@ -262,7 +267,7 @@ class LocalNodeHealth:
 
     # -- predictor -----------------------------------------------------------------------------------------
     def start_predictor(self, model_path: str | None, history_path: str | None, interval_s: float = 5.0,
-                        drain_grace_s: float = 30.0) -> None:
+                        drain_grace_s: float = 30.0, interval_key: str = "--predictor-interval-s") -> None:
         """Scores failure risk from the source's metrics every ``interval_s`` seconds.
 
         Args:
@@ -270,6 +275,8 @@ class LocalNodeHealth:
             history_path: SQLite file keeping the metric history (training data), or None.
             interval_s: seconds between scores.
             drain_grace_s: seconds from an alarm (checkpoint asked for) to the drain request.
+            interval_key: the flag or config key setting ``interval_s``, named in the warning about a model trained
+                at another interval.
 
         Raises:
             TrainguardError: the model or history file is unusable (named in the message).
@@ -285,8 +292,8 @@ class LocalNodeHealth:
             # scores at another interval are not those the model was trained and calibrated on.
             log.warning("predictor: the model %s was trained on samples every %g s but scores every %g s here; its "
                         "features and scores will differ from training: score every %g s "
-                        "(--predictor-interval-s) or retrain with --interval %g", model_path, trained_s, interval_s,
-                        trained_s, interval_s)
+                        "(%s) or retrain with --interval %g", model_path, trained_s, interval_s, trained_s,
+                        interval_key, interval_s)
         history = MetricHistory(history_path) if history_path else None
         if history is not None:
             self._continue_history(history)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import urllib.request
@@ -366,3 +367,29 @@ def test_a_restart_after_a_clock_step_back_goes_on_recording_history(tmp_path: P
     steps = [r.getMessage() for r in caplog.records if "ahead of the wall clock" in r.getMessage()]
     assert len(steps) == 1 and "610.0 s" in steps[0] and str(path) in steps[0], caplog.records
     assert not [r for r in caplog.records if "cannot store" in r.getMessage()], caplog.records
+
+
+def test_daemon_scores_at_its_configured_predictor_interval(tmp_path: Path, model_file: str) -> None:
+    # The daemon had no [predictor] interval_s: it always scored every 5 s, and a model trained at another
+    # interval got only a warning pointing at a `trainguard run` flag the daemon does not have.
+    from trainguard.agent.agentd import AgentDaemon, config_loader
+    from trainguard.agent.sdnotify import SystemdNotifier
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\n'
+                      f'[predictor]\nmodel = "{model_file}"\ninterval_s = 2.5\n')
+    daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "agent.sock"), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    records: list[logging.LogRecord] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = records.append  # type: ignore[method-assign]  # the daemon's log set-up stops propagation
+    logging.getLogger("trainguard.agent.node_health").addHandler(catch)
+    try:
+        daemon.start()
+        assert daemon.node_health.interval_s == 2.5
+        assert any("every 5 s but scores every 2.5 s" in r.getMessage() and "(predictor.interval_s)" in r.getMessage()
+                   for r in records), records
+    finally:
+        logging.getLogger("trainguard.agent.node_health").removeHandler(catch)
+        daemon.stop()
