@@ -22,6 +22,7 @@ import socket
 import sqlite3
 import threading
 import uuid
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,10 @@ CREATE TABLE IF NOT EXISTS writers (node TEXT PRIMARY KEY, writer TEXT NOT NULL,
 
 log = logging.getLogger(__name__)
 
+#: The writable stores open in this process, by writer id: a claim of this process is live only while its store is
+#: (one dropped without close() left a claim that a live pid kept up).
+_OPEN: "weakref.WeakValueDictionary[str, MetricHistory]" = weakref.WeakValueDictionary()
+
 
 def _boot_id() -> str:
     """This boot's id (a pid of an earlier boot names no live process); "" where the kernel does not say."""
@@ -54,7 +59,13 @@ def _boot_id() -> str:
         return ""
 
 
-def _pid_alive(pid: int) -> bool:
+def _claim_alive(writer: str, host: str, boot: str, pid: int) -> bool:
+    """Whether the writer of a claim still writes: a store open in this process, or a live process of this boot on
+    this host (a writer on another host cannot be judged, and is not taken for live)."""
+    if host != socket.gethostname() or boot != _boot_id():
+        return False
+    if pid == os.getpid():
+        return writer in _OPEN
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -103,6 +114,8 @@ class MetricHistory:
         self._readonly = readonly
         self._writer = uuid.uuid4().hex
         self._stored: dict[str, str] = {}  # node -> the node name this store writes it under
+        if not readonly:
+            _OPEN[self._writer] = self
         if readonly:
             self._open_readonly()
             return
@@ -141,6 +154,7 @@ class MetricHistory:
 
     def close(self) -> None:
         """Closes the store, releasing its claims on nodes (further calls fail)."""
+        _OPEN.pop(self._writer, None)
         with self._lock:
             if self._stored and not self._readonly:
                 try:
@@ -167,8 +181,7 @@ class MetricHistory:
                 name = node if k == 1 else f"{node}#{k}"
                 row = self._db.execute("SELECT writer, host, boot, pid FROM writers WHERE node = ?",
                                        (name,)).fetchone()
-                if row is None or row[0] == self._writer or not (row[1] == host and row[2] == boot
-                                                                 and _pid_alive(int(row[3]))):
+                if row is None or row[0] == self._writer or not _claim_alive(row[0], row[1], row[2], int(row[3])):
                     break
                 owner_pid = int(row[3])
                 k += 1

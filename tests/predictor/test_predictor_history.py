@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import numpy as np
@@ -132,7 +133,12 @@ def test_two_live_writers_of_one_node_are_kept_apart_and_named(tmp_path, caplog)
     with caplog.at_level("WARNING", logger="trainguard.predictor.history"):
         third.append(5.0, "vm", {"a": 5.0})
     assert not caplog.records and list(third.to_tables()[0].node)[-1] == "vm"
-    third.close()
+    del third  # dropped without close(), in this live process: its claim goes with it
+    gc.collect()
+    with caplog.at_level("WARNING", logger="trainguard.predictor.history"), MetricHistory(path) as fourth:
+        fourth.append(6.0, "vm", {"a": 6.0})
+        assert list(fourth.to_tables()[0].node)[-1] == "vm"
+    assert not caplog.records
 
 
 def test_a_killed_writers_node_is_taken_over_in_silence(tmp_path, caplog):
