@@ -308,7 +308,13 @@ class LocalNodeHealth:
         """Continues the samples' clock from the history's newest sample of this node when that is ahead of the
         wall clock (it stepped back while the agent was down): the history refuses samples at or before it, so it
         recorded nothing, the next model's training data, for as long as the step, while scoring went on."""
-        stored = history.last_ts(self.node_id)
+        from trainguard.predictor.errors import HistoryError
+
+        try:
+            stored = history.last_ts(self.node_id)
+        except HistoryError as exc:  # a full disk: scoring goes on, and the appends say it (once)
+            log.warning("predictor: %s", exc)
+            return
         wall = self._wall_clock()
         if stored is None or stored < wall:
             return
