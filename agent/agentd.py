@@ -283,7 +283,8 @@ class AgentDaemon:
                 # Rules tier always; the learned tier when a model file is configured. The metric history in
                 # the state directory is the training data of the next model.
                 health.start_predictor(config.predictor.model or None,
-                                       os.path.join(config.agent.state_dir, "metric-history.sqlite"))
+                                       os.path.join(config.agent.state_dir, "metric-history.sqlite"),
+                                       interval_s=config.predictor.interval_s, interval_key="predictor.interval_s")
             if detectors is not None:
                 self.source = DetectorEventSource(detectors)
                 health.start(self.source)  # events: predictor, bus (-> metrics, verdict latch, WatchEvents)

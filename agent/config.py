@@ -217,11 +217,15 @@ class PredictorSection:
             the node drained); it drives alarms, ``GetHealth`` and ``trainguard_predictor_threshold``. Unset (or
             ``nan``): the model's own threshold, calibrated per node to its false-alarm budget. Reloaded on
             SIGHUP. Default unset.
+        interval_s: seconds between two scores (and history samples), in [0.1, 3600]; set it to the interval the
+            model was trained at (a model's features count rows against that interval). The daemon scores at most
+            once per ``agent.loop_interval_s``. Default 5.0.
     """
 
     enabled: bool = True
     model: str = ""
     threshold: float = math.nan
+    interval_s: float = 5.0
 
 
 @dataclass
@@ -492,6 +496,8 @@ class AgentConfig:
         p = self.predictor
         if not math.isnan(p.threshold) and not 0.0 <= p.threshold <= 1.0:
             fail("predictor.threshold", f"{p.threshold} is outside [0, 1] (leave it unset for the model's own)")
+        if not 0.1 <= p.interval_s <= 3600:  # NaN and inf fail it too
+            fail("predictor.interval_s", f"{p.interval_s} is outside [0.1, 3600] seconds")
         if p.enabled and p.model:
             _check_readable(p.model, "predictor.model", fail)
 

@@ -169,6 +169,11 @@ class LocalNodeHealth:
         return self._score
 
     @property
+    def interval_s(self) -> float:
+        """Seconds between two predictor scores (see :meth:`start_predictor`)."""
+        return self._interval_s
+
+    @property
     def threshold(self) -> float:
         """The alarm threshold in force: the configured one when set, else the model's own threshold of the last
         score (per node, calibrated online; 1.0 before the first score). Alarms, ``GetHealth`` and the metrics
@@ -239,13 +244,30 @@ class LocalNodeHealth:
         return hardware_cause(source, names, self.pending, ledger, generation, self.node_id)
 
     def record_failure(self, ts: float, kind: str) -> None:
-        """Stores a hard failure of this node in the predictor's history (its training labels)."""
+        """Stores a hard failure of this node in the predictor's history (its training labels).
+
+        Args:
+            ts: failure time on the wall clock (``time.time()``), Unix seconds; stored on the samples' clock
+                (see :meth:`on_sample_clock`).
+            kind: failure kind, e.g. ``"process.exit"``.
+        """
         if self.predictor is not None:
-            self.predictor.record_failure(ts, kind)
+            self.predictor.record_failure(self.on_sample_clock(ts), kind)
+
+    def on_sample_clock(self, ts: float) -> float:
+        """A wall-clock time ``ts`` on the clock the predictor's samples are stamped on: ``ts`` itself, but after
+        the wall clock stepped back (see :func:`tick_time`) shifted by what the samples run ahead of it. Failures
+        stamped on the raw clock were labelled the step away from the samples they came with, so training and
+        evaluation read the wrong samples as those before the failure."""
+        last = self._last_stamp
+        if last is None:
+            return ts
+        wall, mono = self._wall_clock(), time.monotonic()
+        return ts + (tick_time(wall, mono, last) - wall)
 
     # -- predictor -----------------------------------------------------------------------------------------
     def start_predictor(self, model_path: str | None, history_path: str | None, interval_s: float = 5.0,
-                        drain_grace_s: float = 30.0) -> None:
+                        drain_grace_s: float = 30.0, interval_key: str = "--predictor-interval-s") -> None:
         """Scores failure risk from the source's metrics every ``interval_s`` seconds.
 
         Args:
@@ -253,6 +275,8 @@ class LocalNodeHealth:
             history_path: SQLite file keeping the metric history (training data), or None.
             interval_s: seconds between scores.
             drain_grace_s: seconds from an alarm (checkpoint asked for) to the drain request.
+            interval_key: the flag or config key setting ``interval_s``, named in the warning about a model trained
+                at another interval.
 
         Raises:
             TrainguardError: the model or history file is unusable (named in the message).
@@ -268,15 +292,38 @@ class LocalNodeHealth:
             # scores at another interval are not those the model was trained and calibrated on.
             log.warning("predictor: the model %s was trained on samples every %g s but scores every %g s here; its "
                         "features and scores will differ from training: score every %g s "
-                        "(--predictor-interval-s) or retrain with --interval %g", model_path, trained_s, interval_s,
-                        trained_s, interval_s)
+                        "(%s) or retrain with --interval %g", model_path, trained_s, interval_s, trained_s,
+                        interval_key, interval_s)
         history = MetricHistory(history_path) if history_path else None
+        if history is not None:
+            self._continue_history(history)
         self._interval_s = interval_s
         self.drain_grace_s = drain_grace_s
         self.predictor = PredictorMonitor(
             runtime, self.node_id, history=history,
             on_score=self._on_score, on_alarm=self._on_alarm, threshold=self._configured,
         )
+
+    def _continue_history(self, history: Any) -> None:
+        """Continues the samples' clock from the history's newest sample of this node when that is ahead of the
+        wall clock (it stepped back while the agent was down): the history refuses samples at or before it, so it
+        recorded nothing, the next model's training data, for as long as the step, while scoring went on."""
+        from trainguard.predictor.errors import HistoryError
+
+        try:
+            stored = history.last_ts(self.node_id)
+        except HistoryError as exc:  # a full disk: scoring goes on, and the appends say it (once)
+            log.warning("predictor: %s", exc)
+            return
+        wall = self._wall_clock()
+        if stored is None or stored < wall:
+            return
+        self._last_stamp = (stored, time.monotonic())
+        self._stepped_back = True  # this warning is the one of this step
+        log.warning("predictor: the metric history %s holds samples of node %r up to %.1f s ahead of the wall clock "
+                    "(it stepped back since they were stored); samples are stamped on continued time from the newest "
+                    "stored one until the clock catches up. If those stored times are wrong (a file from another "
+                    "host), move the file aside to start a new history", history.path, self.node_id, stored - wall)
 
     def tick(self, step_time_s: float | None = None, metrics: Mapping[str, float] | None = None) -> None:
         """Scores one sample when an interval has passed (call from the owner's loop).

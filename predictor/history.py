@@ -15,9 +15,14 @@ pages return to the file system (``auto_vacuum=INCREMENTAL``).
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import socket
 import sqlite3
 import threading
+import uuid
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -35,13 +40,52 @@ CREATE INDEX IF NOT EXISTS samples_ts ON samples (ts);
 CREATE INDEX IF NOT EXISTS samples_node_ts ON samples (node_id, ts);
 CREATE TABLE IF NOT EXISTS events (ts REAL NOT NULL, node_id INTEGER NOT NULL, kind TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS events_ts ON events (ts);
+CREATE TABLE IF NOT EXISTS writers (node TEXT PRIMARY KEY, writer TEXT NOT NULL, host TEXT NOT NULL,
+                                    boot TEXT NOT NULL, pid INTEGER NOT NULL);
 """
+
+log = logging.getLogger(__name__)
+
+#: The writable stores open in this process, by writer id: a claim of this process is live only while its store is
+#: (one dropped without close() left a claim that a live pid kept up).
+_OPEN: "weakref.WeakValueDictionary[str, MetricHistory]" = weakref.WeakValueDictionary()
+
+
+def _boot_id() -> str:
+    """This boot's id (a pid of an earlier boot names no live process); "" where the kernel does not say."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _claim_alive(writer: str, host: str, boot: str, pid: int) -> bool:
+    """Whether the writer of a claim still writes: a store open in this process, or a live process of this boot on
+    this host (a writer on another host cannot be judged, and is not taken for live)."""
+    if host != socket.gethostname() or boot != _boot_id():
+        return False
+    if pid == os.getpid():
+        return writer in _OPEN
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 class MetricHistory:
     """A bounded local store of metric samples and failure events (see the module docstring).
 
     Safe to use from several threads of one process (one connection behind a lock).
+
+    Each writable store is a writer of its own: the first to write a node claims it (table ``writers``: writer id,
+    host, boot id, pid; released on :meth:`close`). Another store writing the same node while that writer lives
+    (two runs on one host with the same node id and file) stores under ``<node>#2`` (``#3``, ...) and logs one
+    warning: interleaved under one node, the export showed one node sampled twice as often, its series mixing two
+    runs. A claim whose process is gone (closed, killed, an earlier boot) is taken over in silence; a writer on
+    another host (a shared file system) is not detected.
     """
 
     def __init__(self, path: str | Path, retention_s: float = 30 * 86400.0, max_bytes: int = 512 * 2**20,
@@ -67,6 +111,11 @@ class MetricHistory:
         self.prune_every = int(prune_every)
         self._lock = threading.Lock()
         self._since_prune = 0
+        self._readonly = readonly
+        self._writer = uuid.uuid4().hex
+        self._stored: dict[str, str] = {}  # node -> the node name this store writes it under
+        if not readonly:
+            _OPEN[self._writer] = self
         if readonly:
             self._open_readonly()
             return
@@ -104,9 +153,52 @@ class MetricHistory:
             "SELECT nodes.name, MAX(samples.ts) FROM samples JOIN nodes ON nodes.id = samples.node_id GROUP BY node_id")}
 
     def close(self) -> None:
-        """Closes the store (further calls fail)."""
+        """Closes the store, releasing its claims on nodes (further calls fail)."""
+        _OPEN.pop(self._writer, None)
         with self._lock:
+            if self._stored and not self._readonly:
+                try:
+                    self._db.execute("DELETE FROM writers WHERE writer = ?", (self._writer,))
+                except sqlite3.DatabaseError:
+                    pass  # the claims die with this process anyway (judged by pid)
             self._db.close()
+
+    def _stored_name(self, node: str) -> str:
+        """The node name this store writes ``node`` under: ``node`` unless another live writer claimed it (see the
+        class docstring). Call with the lock held.
+
+        Raises:
+            HistoryError: the claim could not be written.
+        """
+        name = self._stored.get(node)
+        if name is not None or self._readonly:
+            return name or node
+        host, boot, pid = socket.gethostname(), _boot_id(), os.getpid()
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            k, owner_pid = 1, 0
+            while True:
+                name = node if k == 1 else f"{node}#{k}"
+                row = self._db.execute("SELECT writer, host, boot, pid FROM writers WHERE node = ?",
+                                       (name,)).fetchone()
+                if row is None or row[0] == self._writer or not _claim_alive(row[0], row[1], row[2], int(row[3])):
+                    break
+                owner_pid = int(row[3])
+                k += 1
+            self._db.execute("INSERT OR REPLACE INTO writers VALUES (?, ?, ?, ?, ?)",
+                             (name, self._writer, host, boot, pid))
+            self._db.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            self._rollback()
+            raise HistoryError(f"{self.path}: cannot record this run as the writer of node {node!r} ({exc}); "
+                               "check disk space") from exc
+        if name != node:
+            log.warning("metric history %s: node %r is written by another live run (pid %d on this host), so this "
+                        "run stores its samples and failures as node %r to keep the two series apart; give each run "
+                        "its own history file (--metric-history) or node id (--node-id)", self.path, node, owner_pid,
+                        name)
+        self._stored[node] = name
+        return name
 
     def __enter__(self) -> "MetricHistory":
         return self
@@ -152,6 +244,7 @@ class MetricHistory:
         except (TypeError, ValueError) as exc:
             raise HistoryError(f"node {node!r}: a metric value is not a number ({exc}); pass floats") from exc
         with self._lock:
+            node = self._stored_name(node)
             last = self._last.get(node)
             if last is not None and ts <= last:
                 raise HistoryError(
@@ -186,6 +279,7 @@ class MetricHistory:
         if not math.isfinite(ts):
             raise HistoryError(f"event on node {node!r}: timestamp {ts!r} is not finite")
         with self._lock:
+            node = self._stored_name(node)
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 self._db.execute("INSERT INTO events VALUES (?, ?, ?)", (ts, self._node_id(node), str(kind)))
@@ -241,6 +335,20 @@ class MetricHistory:
                 break
         self._db.execute("PRAGMA incremental_vacuum")
         return int(deleted)
+
+    def last_ts(self, node: str) -> float | None:
+        """The time of the node's newest sample stored by this store's writes of it (under ``<node>#2`` while
+        another live writer holds the node), Unix seconds (None: none stored). :meth:`append` refuses samples at
+        or before it.
+
+        Raises:
+            HistoryError: the store's claim on the node could not be written.
+        """
+        with self._lock:
+            node = self._stored_name(node)
+            row = self._db.execute("SELECT MAX(samples.ts) FROM samples JOIN nodes ON nodes.id = samples.node_id "
+                                   "WHERE nodes.name = ?", (node,)).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
 
     def count(self) -> int:
         """Samples stored."""

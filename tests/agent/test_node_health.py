@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import urllib.request
@@ -319,3 +320,76 @@ def test_a_rules_alarm_for_a_reported_fault_is_about_the_faults_generation() -> 
     health.tick(metrics={fatal: 2.0})
     due = health.due_drain(lambda step: False)
     assert due is not None and due[1] == 2, due
+
+
+def test_a_failure_after_a_clock_step_back_is_stamped_on_the_samples_clock(tmp_path: Path) -> None:
+    # After a step back the samples are stamped on continued time, but the failure's time (the supervisor's
+    # detected_at, time.time()) went into the history as is: its label sat the step (here 600 s) before the
+    # samples around it, so training and evaluation read the wrong samples as "before the failure".
+    from trainguard.predictor.history import MetricHistory
+
+    wall = [1_000_000.0]
+    health = LocalNodeHealth("n1", wall_clock=lambda: wall[0])
+    health.start_predictor(None, str(tmp_path / "h.sqlite"), interval_s=0.0)
+    fatal = "pcie.aer_fatal[0000:3b:00.0]"
+    health.tick(metrics={fatal: 0.0})
+    wall[0] = 1_000_005.0
+    health.tick(metrics={fatal: 0.0})
+    wall[0] = 999_405.0  # the clock stepped back 600 s
+    health.tick(metrics={fatal: 0.0})
+    health.record_failure(wall[0], "process.exit")  # stamped by the supervisor on the stepped-back clock
+    health.tick(metrics={fatal: 0.0})
+    samples, events = MetricHistory(tmp_path / "h.sqlite", readonly=True).to_tables()
+    assert len(samples.ts) == 4 and len(events) == 1
+    # the failure lies among the samples it came with: after the third, not 600 s before all of them
+    assert samples.ts[2] <= events.ts[0] <= samples.ts[3], (samples.ts, events.ts)
+
+
+def test_a_restart_after_a_clock_step_back_goes_on_recording_history(tmp_path: Path, caplog) -> None:
+    # The history's newest sample of the node was ahead of the wall clock after an agent restart (the clock had
+    # stepped back 600 s): every append was refused until the clock passed it, logged once, so for the length of
+    # the step the history (the next model's training data) recorded nothing while scoring went on.
+    from trainguard.predictor.history import MetricHistory
+
+    path = tmp_path / "h.sqlite"
+    with MetricHistory(path) as h:
+        for i in range(3):
+            h.append(1_000_600.0 + i * 5.0, "n1", {"gpu_temp_c": 60.0})
+    wall = [1_000_000.0]
+    health = LocalNodeHealth("n1", wall_clock=lambda: wall[0])
+    with caplog.at_level("WARNING"):
+        health.start_predictor(None, str(path), interval_s=0.0)
+        for _ in range(3):
+            health.tick(metrics={"pcie.aer_fatal[0000:3b:00.0]": 0.0})
+            wall[0] += 5.0
+    samples, _ = MetricHistory(path, readonly=True).to_tables()
+    assert len(samples.ts) == 6 and np.all(np.diff(samples.ts) > 0), samples.ts
+    steps = [r.getMessage() for r in caplog.records if "ahead of the wall clock" in r.getMessage()]
+    assert len(steps) == 1 and "610.0 s" in steps[0] and str(path) in steps[0], caplog.records
+    assert not [r for r in caplog.records if "cannot store" in r.getMessage()], caplog.records
+
+
+def test_daemon_scores_at_its_configured_predictor_interval(tmp_path: Path, model_file: str) -> None:
+    # The daemon had no [predictor] interval_s: it always scored every 5 s, and a model trained at another
+    # interval got only a warning pointing at a `trainguard run` flag the daemon does not have.
+    from trainguard.agent.agentd import AgentDaemon, config_loader
+    from trainguard.agent.sdnotify import SystemdNotifier
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\n'
+                      f'[predictor]\nmodel = "{model_file}"\ninterval_s = 2.5\n')
+    daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "agent.sock"), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    records: list[logging.LogRecord] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = records.append  # type: ignore[method-assign]  # the daemon's log set-up stops propagation
+    logging.getLogger("trainguard.agent.node_health").addHandler(catch)
+    try:
+        daemon.start()
+        assert daemon.node_health.interval_s == 2.5
+        assert any("every 5 s but scores every 2.5 s" in r.getMessage() and "(predictor.interval_s)" in r.getMessage()
+                   for r in records), records
+    finally:
+        logging.getLogger("trainguard.agent.node_health").removeHandler(catch)
+        daemon.stop()

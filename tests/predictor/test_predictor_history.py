@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import numpy as np
@@ -99,6 +100,58 @@ def test_a_history_shared_by_two_stores_keeps_both_writers(tmp_path):
     first.append(4.0, "vm", {"b": 4.0})
     metrics, events = first.to_tables()
     assert metrics.columns == ["a", "b"] and list(metrics.ts) == [1.0, 2.0, 3.0, 4.0]
-    assert list(metrics.node) == ["vm"] * 4 and list(events.kind) == ["GPU Lost"]
+    # both live: the second writer's rows are kept apart under a node of its own (see the next test)
+    assert list(metrics.node) == ["vm", "vm#2", "vm#2", "vm"] and list(events.kind) == ["GPU Lost"]
     first.close()
     second.close()
+
+
+def test_two_live_writers_of_one_node_are_kept_apart_and_named(tmp_path, caplog):
+    # Two runs on one host with the same node id (the hostname) and one history file interleaved their samples
+    # under one node: the export showed one node sampled twice as often, in silence, and its series (gaps,
+    # baselines, the failure labels) mixed two runs. The second live writer now stores under a node of its own.
+    path = tmp_path / "h.sqlite"
+    first = MetricHistory(path)
+    first.append(1.0, "vm", {"a": 1.0})
+    second = MetricHistory(path)
+    with caplog.at_level("WARNING", logger="trainguard.predictor.history"):
+        second.append(2.0, "vm", {"a": 2.0})
+        second.record_event(2.5, "vm", "GPU Lost")
+        second.append(3.0, "vm", {"a": 3.0})
+    first.append(4.0, "vm", {"a": 4.0})
+    metrics, events = first.to_tables()
+    assert list(metrics.node) == ["vm", "vm#2", "vm#2", "vm"], metrics.node
+    assert list(events.node) == ["vm#2"]
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "'vm'" in warned[0] and str(path) in warned[0] and "vm#2" in warned[0], warned
+    assert "--metric-history" in warned[0] and "--node-id" in warned[0]
+    second.close()
+    # a writer that is gone (closed, or its process dead) does not keep its node: the next run writes under it
+    caplog.clear()
+    third = MetricHistory(path)
+    first.close()
+    with caplog.at_level("WARNING", logger="trainguard.predictor.history"):
+        third.append(5.0, "vm", {"a": 5.0})
+    assert not caplog.records and list(third.to_tables()[0].node)[-1] == "vm"
+    del third  # dropped without close(), in this live process: its claim goes with it
+    gc.collect()
+    with caplog.at_level("WARNING", logger="trainguard.predictor.history"), MetricHistory(path) as fourth:
+        fourth.append(6.0, "vm", {"a": 6.0})
+        assert list(fourth.to_tables()[0].node)[-1] == "vm"
+    assert not caplog.records
+
+
+def test_a_killed_writers_node_is_taken_over_in_silence(tmp_path, caplog):
+    # An agent restarted after kill -9 left its claim on the node in the file; the new run must write on under
+    # the same node, not be taken for a second live writer.
+    import subprocess
+    import sys
+
+    path = tmp_path / "h.sqlite"
+    code = (f"from trainguard.predictor.history import MetricHistory; h = MetricHistory({str(path)!r}); "
+            "h.append(1.0, 'vm', {'a': 1.0}); import os; os._exit(0)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    with caplog.at_level("WARNING", logger="trainguard.predictor.history"), MetricHistory(path) as h:
+        h.append(2.0, "vm", {"a": 2.0})
+        assert list(h.to_tables()[0].node) == ["vm", "vm"]
+    assert not caplog.records
