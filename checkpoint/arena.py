@@ -128,7 +128,10 @@ class Slot:
                 raise storage_error(exc, f"create {nbytes} bytes of anonymous shared memory") from exc
             self.paths = SlotPaths(f"/proc/{os.getpid()}/fd/{self.fd}", paths.tag, paths.manifest)
         else:
-            self.fd = os.open(paths.data, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                self.fd = os.open(paths.data, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as exc:  # a tmpfs out of inodes (nr_inodes), too many open files...
+                raise storage_error(exc, f"create the shared-memory slot {paths.data}") from exc
         try:
             st = os.fstat(self.fd)
             size = max(st.st_size, nbytes)

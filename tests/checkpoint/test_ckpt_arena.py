@@ -178,3 +178,14 @@ def test_sparse_slot_files_do_not_count_as_held_shared_memory(tmp_path) -> None:
             assert stage.kind == "disk"
         finally:
             stage.close(remove=True)
+
+
+def test_a_slot_file_that_cannot_be_created_falls_back_instead_of_raising_into_training(tmp_path) -> None:
+    """A /dev/shm out of inodes: creating the second slot file failed with a raw OSError, which went out of
+    save() into the training step instead of the documented fallback."""
+    with _tmpfs(tmp_path / f"shm-{os.getpid()}", "8m,nr_inodes=5") as root:  # room for slot_0.data only
+        cfg = CheckpointConfig(directory=str(tmp_path / "ckpt"), memory={"directory": root, "fallback": "disk"})
+        with Checkpointer(cfg, job="ino") as ck:
+            assert ck.save({"w": torch.ones(1000)}, 1).wait(timeout=30)
+            assert ck.staging == "disk"
+            assert not [n for n in os.listdir(arena_mod.rank_dir(root, "ino", 0)) if n.endswith(".data")]
