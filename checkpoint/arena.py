@@ -128,13 +128,17 @@ class Slot:
                 raise storage_error(exc, f"create {nbytes} bytes of anonymous shared memory") from exc
             self.paths = SlotPaths(f"/proc/{os.getpid()}/fd/{self.fd}", paths.tag, paths.manifest)
         else:
-            self.fd = os.open(paths.data, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                self.fd = os.open(paths.data, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as exc:  # a tmpfs out of inodes (nr_inodes), too many open files...
+                raise storage_error(exc, f"create the shared-memory slot {paths.data}") from exc
         try:
-            size = os.fstat(self.fd).st_size
-            if size < nbytes:
-                # Allocates tmpfs pages once; later saves reuse them.
-                os.posix_fallocate(self.fd, 0, nbytes)
-                size = nbytes
+            st = os.fstat(self.fd)
+            size = max(st.st_size, nbytes)
+            if st.st_size < nbytes or st.st_blocks * 512 < size:
+                # Allocates tmpfs pages once; later saves reuse them. A sparse file (its holes hold no memory)
+                # is filled too: a write into a hole of a full tmpfs is a SIGBUS, this is an error.
+                os.posix_fallocate(self.fd, 0, size)
             self.size = size
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self.map = mmap.mmap(self.fd, size, flags=flags)
@@ -197,9 +201,39 @@ class Arena:
         return slot
 
     def preallocate(self, nbytes: int) -> None:
-        """Allocates and pre-faults every slot (cost paid once, before the first save)."""
-        for i in range(self.nslots):
-            self.get(i, nbytes)
+        """Allocates and pre-faults every slot (cost paid once, before the first save), all or none.
+
+        When a slot cannot be allocated (ranks of a node racing for a small /dev/shm), the memory taken is given
+        back before raising: slot files holding no copy (no tag, no manifest) are removed, and those holding a
+        predecessor's copy are cut back to their old size (the copy stays). Otherwise the loser of the race kept
+        that memory, unused, for the rest of the run while staging elsewhere.
+
+        Raises:
+            StorageUnavailableError: a slot cannot be allocated.
+        """
+        before: dict[int, int | None] = {}
+        if not self.anonymous:
+            for i in range(self.nslots):
+                try:
+                    before[i] = os.stat(self.paths(i).data).st_size
+                except FileNotFoundError:
+                    before[i] = None
+        try:
+            for i in range(self.nslots):
+                self.get(i, nbytes)
+        except StorageUnavailableError:
+            self.close()
+            for i, size in before.items():
+                paths = self.paths(i)
+                holds_copy = bool(read_tag(paths)) or any(os.path.exists(p) for p in (paths.manifest, paths.retired))
+                try:
+                    if size is None or not holds_copy:
+                        os.unlink(paths.data)
+                    elif os.stat(paths.data).st_size > size:
+                        os.truncate(paths.data, size)
+                except OSError:
+                    pass  # gone already; what it holds is freed with the arena
+            raise
 
     def close(self, remove: bool = False) -> None:
         """Unmaps every slot; with ``remove`` also deletes this rank's arena directory."""
@@ -307,12 +341,13 @@ def free_bytes(directory: str) -> int:
 def staging_shortfall(directory: str, nslots: int, nbytes: int) -> int:
     """Bytes missing on ``directory``'s filesystem to hold ``nslots`` slots of ``nbytes`` (0 when they fit).
 
-    Slot files already there count for what they hold (they are reused, not reallocated).
+    Slot files already there count for the memory allocated to them (they are reused, not reallocated): their
+    allocated blocks, not their size, as a sparse file holds none of its holes.
     """
     have = 0
     for i in range(nslots):
         try:
-            have += min(os.stat(SlotPaths.of(directory, i).data).st_size, nbytes)
+            have += min(os.stat(SlotPaths.of(directory, i).data).st_blocks * 512, nbytes)
         except OSError:
             pass
     need = nslots * nbytes - have

@@ -847,7 +847,7 @@ class Checkpointer:
                 return RankCopy(man, path, where, populate=populate)
             finally:
                 os.unlink(path)  # the mapping keeps the pages alive
-        return RankCopy(man, path, where, populate=populate)
+        return RankCopy(man, path, where, populate=populate, advisory_lock=True)
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:

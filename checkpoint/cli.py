@@ -136,7 +136,7 @@ def _open_rank(store: Any, step: int, rank: int) -> Any:
     man = Manifest.from_json(raw, f"{where} manifest").check_place(step, rank, where)
     path = store.local_data_path(step, rank)
     if path is not None:
-        return RankCopy(man, path, where)
+        return RankCopy(man, path, where, advisory_lock=True)
     fd, tmp = tempfile.mkstemp(suffix=".data")
     os.close(fd)
     try:

@@ -121,7 +121,7 @@ def export_step(root: str, job: str, step: int | None, out_dir: str,
         for r in ranks:
             man = man0 if r == 0 else Manifest.from_json(store.read_small(step, manifest_name(r)),
                                                          f"rank {r}").check_place(step, r, f"step {step} rank {r}")
-            copy = RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}")
+            copy = RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}", advisory_lock=True)
             copies.append(copy)
             copy.verify(progress)
             decoded = decode(man.tree, lambda i, _t, _n=None, c=copy: c.tensor(i), None)

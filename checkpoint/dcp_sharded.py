@@ -88,7 +88,8 @@ def export_sharded(store: LocalStore, step: int, world_size: int, out_dir: str,
         man = Manifest.from_json(store.read_small(step, manifest_name(r)), f"step {step} rank {r} manifest"
                                  ).check_place(step, r, f"step {step} rank {r}")
         rel = f"__{r}_0.distcp"
-        with RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}", populate=False) as copy:
+        with RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}", populate=False,
+                      advisory_lock=True) as copy:
             copy.verify(progress)
             views: dict[int, tuple[int, dict[str, Any] | None]] = {}
 

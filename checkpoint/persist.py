@@ -24,6 +24,7 @@ hung remote never holds a slot (and so never blocks ``save()``).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -34,7 +35,7 @@ from typing import Any, Callable
 
 from trainguard.checkpoint.arena import SlotPaths, read_tag
 from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableError
-from trainguard.checkpoint.fileio import Throttle, storage_error
+from trainguard.checkpoint.fileio import PendingFile, Throttle, storage_error
 from trainguard.checkpoint.manifest import Manifest, TensorEntry, chunk_checksum, compute_checksums
 from trainguard.checkpoint.storage import FsspecStore, LocalStore, manifest_name
 from trainguard.checkpoint.uploads import UploadQueue
@@ -146,12 +147,18 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
         try:
             local.uncommit_rank(step, rank)
             _remove_stale_tmp(local, rank)
-            pending = local.begin_data(step, rank)
+            full: OSError | None = None
             try:
-                _write_hashing(pending.fd, view, man.data_bytes, man.chunk_bytes, throttle, chunks)
-            except BaseException:
-                pending.abort()
-                raise
+                pending = _write_data(local, step, rank, view, man, throttle, chunks)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                full = exc.with_traceback(None)  # see below: its frames hold slices of the snapshot
+            if full is not None:
+                if not _make_room(local, step, rank, man.data_bytes, int(disk.get("keep", 3)), uploading):
+                    raise full
+                chunks.clear()
+                pending = _write_data(local, step, rank, view, man, throttle, chunks)
         except OSError as exc:
             # Drop the traceback: its frames hold slices of the snapshot's memoryview, and a live slice makes
             # closing the mmap fail with BufferError, which would mask this error.
@@ -232,6 +239,49 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
             outcome("remote", StorageUnavailableError(f"cannot upload step {step}: {exc!r}"))
 
     return upload
+
+
+def _write_data(local: LocalStore, step: int, rank: int, view: memoryview, man: Manifest, throttle: Throttle,
+                chunks: list[str]) -> PendingFile:
+    """Writes a rank's data file under its temporary name, hashing each chunk into ``chunks``.
+
+    Raises:
+        OSError: the write failed; the temporary file is gone.
+    """
+    pending = local.begin_data(step, rank)
+    try:
+        _write_hashing(pending.fd, view, man.data_bytes, man.chunk_bytes, throttle, chunks)
+    except BaseException:
+        pending.abort()
+        raise
+    return pending
+
+
+#: Room asked for the manifest and commit marker written after a rank's data file.
+_SMALL_FILES_BYTES = 256 << 10
+
+
+def _make_room(local: LocalStore, step: int, rank: int, data_bytes: int, keep: int, uploading: set[int]) -> bool:
+    """After ENOSPC: removes older steps so this one fits; True when some were removed (write once more).
+
+    With retention K, K steps may fit on the filesystem but not K+1, and retention removes the oldest step only
+    after the new one commits: without this, every later save failed and the disk tier stayed K steps old.
+    """
+    try:
+        removed = local.make_room(data_bytes + _SMALL_FILES_BYTES, protect={step, *uploading})
+    except OSError as exc:
+        log.warning("cannot make room for step %d in %s: %s", step, local.describe(), exc)
+        return False
+    if not removed:
+        log.info("step %d rank %d: the disk is full and removing older steps would not make room for %.1f MiB "
+                 "(the newest complete step, and steps being written or read, stay)", step, rank,
+                 data_bytes / 2**20)
+        return False
+    log.warning("step %d rank %d: the disk of %s is full; removed older step(s) %s to make room for %.1f MiB (the "
+                "newest complete step stays); retention keep=%d does not fit on this filesystem: lower "
+                "checkpoint.disk.keep or free space", step, rank, local.describe(),
+                ", ".join(map(str, removed)), data_bytes / 2**20, keep)
+    return True
 
 
 def _remove_stale_tmp(local: LocalStore, rank: int) -> None:

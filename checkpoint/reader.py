@@ -36,6 +36,8 @@ class RankCopy:
         data_path: local path of the data file / slot.
         where: description for messages (``"disk step 120 rank 0"``).
         shared_lock: hold ``flock(LOCK_SH)`` while open (shared-memory slots).
+        advisory_lock: hold ``flock(LOCK_SH)`` while open where the filesystem supports it (disk copies: the
+            persist process making room on a full disk leaves a step being read in place).
         populate: pre-fault the whole mapping (read it all ahead). Off for copies of which only some byte ranges
             are read (another rank's shards during a reshard): pages are then read on first touch.
 
@@ -44,7 +46,7 @@ class RankCopy:
     """
 
     def __init__(self, manifest: Manifest, data_path: str, where: str, shared_lock: bool = False,
-                 populate: bool = True) -> None:
+                 populate: bool = True, advisory_lock: bool = False) -> None:
         self.manifest = manifest
         self.where = where
         self._verified: set[int] = set()
@@ -56,6 +58,11 @@ class RankCopy:
         try:
             if shared_lock:
                 fcntl.flock(self.fd, fcntl.LOCK_SH)
+            elif advisory_lock:
+                try:
+                    fcntl.flock(self.fd, fcntl.LOCK_SH)
+                except OSError:
+                    pass  # no flock on this filesystem: readable all the same
             size = os.fstat(self.fd).st_size
             if size < manifest.data_bytes:
                 raise CorruptCheckpointError(

@@ -15,6 +15,7 @@ the record loses nothing. No torch import: the persist process uses this module.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -230,6 +231,38 @@ class StepStore(ABC):
         return removed
 
 
+def _lock_unused(directory: str) -> tuple[list[int], int] | None:
+    """Takes an exclusive flock on every file of a step folder, held until the caller closes the descriptors.
+
+    Returns:
+        ``(descriptors, bytes allocated to the files)``, or None when a file is in use (a reader's shared flock,
+        a writer's exclusive one) and the folder must stay. Where flock is unsupported, files count as unused.
+    """
+    fds: list[int] = []
+    allocated = 0
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return fds, 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # gone meanwhile, or not a plain file of ours
+        fds.append(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            for f in fds:
+                os.close(f)
+            return None
+        except OSError:
+            pass  # no flock here (or NFS, where an exclusive lock needs write access): as retention, unchecked
+        allocated += os.fstat(fd).st_blocks * 512
+    return fds, allocated
+
+
 class LocalStore(StepStore):
     """The local disk tier (fsync'ed temp file + rename + directory fsync for every file).
 
@@ -368,6 +401,55 @@ class LocalStore(StepStore):
         if self.fsync and os.path.isdir(d):
             fsync_dir(d)
         shutil.rmtree(d, ignore_errors=True)
+
+    def make_room(self, needed: int, protect: Collection[int] = ()) -> list[int]:
+        """Frees ``needed`` bytes on a full filesystem by removing the oldest steps older than the newest complete
+        one (complete or torn: retention would remove those torn steps too once the complete steps before them
+        are gone), oldest first, and only as many as it takes.
+
+        Never removed: the newest complete step (a restore's first choice), steps newer than it (being written),
+        ``protect`` (the step being written, steps an upload still reads), and steps with a file in use: a
+        restore holds a shared flock on the data files it reads, a writer an exclusive one on its temporary file
+        (a flock is not seen across hosts on every filesystem, as for :func:`remove_stale_tmp`). When removing
+        every candidate would still not free ``needed`` bytes, nothing is removed.
+
+        Args:
+            needed: bytes the failed write needs (data file plus its small files).
+            protect: steps never to remove.
+
+        Returns:
+            The removed steps, ascending; empty when nothing could make room.
+
+        Raises:
+            OSError: the filesystem cannot be inspected.
+        """
+        complete = [s for s, _ in self.committed_steps()]
+        if len(complete) < 2:
+            return []
+        st = os.statvfs(self.job_dir)
+        free = st.f_bavail * st.f_frsize
+        spared = set(protect)
+        plan: list[tuple[int, list[int]]] = []
+        for s in self.list_steps():
+            if free >= needed or s >= complete[-1]:
+                break
+            if s in spared:
+                continue
+            held = _lock_unused(self._step_dir(s))
+            if held is None:
+                continue
+            plan.append((s, held[0]))
+            free += held[1]
+        try:
+            if free < needed:
+                return []
+            for s, _ in plan:
+                self.remove_step(s)
+            return [s for s, _ in plan]
+        finally:
+            for _, fds in plan:
+                for fd in fds:
+                    os.close(fd)
 
     def local_data_path(self, step: int, rank: int) -> str | None:
         return os.path.join(self._step_dir(step), data_name(rank))

@@ -5,12 +5,17 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
 import time
 
+import pytest
 import torch
 
-from trainguard.checkpoint import Checkpointer
+from trainguard.checkpoint import CheckpointConfig, Checkpointer
 from trainguard.checkpoint import arena as arena_mod
+from trainguard.checkpoint.errors import StorageUnavailableError
+from trainguard.checkpoint.events import EventSink
+from trainguard.checkpoint.staging import StagingArea
 
 
 def test_prepare_allocates_every_slot_once(make_config):
@@ -112,3 +117,75 @@ def test_an_empty_shm_dir_variable_means_the_default_for_workers_and_service(mon
     assert svc.shm_dir == "/dev/shm/trainguard"
     svc.stop(remove_memory=False)  # never started: nothing to stop
     assert (tmp_path / "mymodel" / "train.py").exists()
+
+
+@contextlib.contextmanager
+def _tmpfs(path, size: str):
+    """A private tmpfs of ``size`` at ``path`` (a container's small /dev/shm), unmounted afterwards."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def test_preallocation_that_runs_out_gives_back_what_it_allocated(tmp_path) -> None:
+    """Ranks racing for a small /dev/shm: the loser's slots allocated before the one that failed stayed
+    allocated (unused: it stages elsewhere) until the end of the run. A predecessor's copy in a slot that was
+    grown stays intact."""
+    mib = 1 << 20
+    with _tmpfs(tmp_path / f"shm-{os.getpid()}", "8m") as root:
+        first = arena_mod.Arena(root, "race", 0, 3)
+        slot = first.get(0, mib)  # a predecessor's 1 MiB copy in slot 0
+        slot.map[:4] = b"copy"
+        arena_mod.write_tag(first.paths(0), "7")
+        first.close()
+        before = _free(root)
+        arena = arena_mod.Arena(root, "race", 0, 3)
+        with pytest.raises(StorageUnavailableError):
+            arena.preallocate(3 * mib)  # slot 0 grows, slot 1 fits, slot 2 does not
+        assert _free(root) == before
+        assert sorted(n for n in os.listdir(arena.dir) if n.endswith(".data")) == ["slot_0.data"]
+        with open(arena.paths(0).data, "rb") as f:
+            assert os.fstat(f.fileno()).st_size == mib and f.read(4) == b"copy"
+
+
+def test_sparse_slot_files_do_not_count_as_held_shared_memory(tmp_path) -> None:
+    """Slot files were counted by their size: sparse ones (holding no memory) made a too-small /dev/shm look
+    big enough, and staging went to shared memory it could not back."""
+    mib = 1 << 20
+    with _tmpfs(tmp_path / f"shm-{os.getpid()}", "8m") as root:
+        d = arena_mod.rank_dir(root, "sparse", 0)
+        os.makedirs(d)
+        for i in range(2):
+            with open(arena_mod.SlotPaths.of(d, i).data, "wb") as f:
+                f.truncate(6 * mib)  # a file of 6 MiB holding no memory
+        assert arena_mod.staging_shortfall(d, 2, 6 * mib) == 12 * mib - _free(root)
+        before = _free(root)
+        with pytest.raises(StorageUnavailableError):  # their holes are filled first: never a SIGBUS later
+            arena_mod.Arena(root, "sparse", 0, 2).preallocate(6 * mib)
+        assert _free(root) == before and not [n for n in os.listdir(d) if n.endswith(".data")]
+        cfg = CheckpointConfig(directory=str(tmp_path / "ckpt"), memory={"directory": root, "fallback": "disk"})
+        stage = StagingArea(cfg, "sparse", 0, 2, EventSink(None, 0))
+        try:
+            stage.ensure(6 * mib)
+            assert stage.kind == "disk"
+        finally:
+            stage.close(remove=True)
+
+
+def test_a_slot_file_that_cannot_be_created_falls_back_instead_of_raising_into_training(tmp_path) -> None:
+    """A /dev/shm out of inodes: creating the second slot file failed with a raw OSError, which went out of
+    save() into the training step instead of the documented fallback."""
+    with _tmpfs(tmp_path / f"shm-{os.getpid()}", "8m,nr_inodes=5") as root:  # room for slot_0.data only
+        cfg = CheckpointConfig(directory=str(tmp_path / "ckpt"), memory={"directory": root, "fallback": "disk"})
+        with Checkpointer(cfg, job="ino") as ck:
+            assert ck.save({"w": torch.ones(1000)}, 1).wait(timeout=30)
+            assert ck.staging == "disk"
+            assert not [n for n in os.listdir(arena_mod.rank_dir(root, "ino", 0)) if n.endswith(".data")]

@@ -20,7 +20,8 @@ from trainguard.checkpoint import CheckpointConfig, Checkpointer
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.reader import RankCopy
 from trainguard.checkpoint.service import CheckpointService
-from trainguard.checkpoint.storage import data_name, manifest_name, step_dirname
+from trainguard.checkpoint.storage import LocalStore, data_name, manifest_name, step_dirname
+from trainguard.checkpoint.writer import write_rank_step
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "ckpt_worker.py"
@@ -105,6 +106,82 @@ def test_full_disk_reports_event_keeps_old_and_retries(tmp_path, shm_dir):
             h = ck.save({"w": torch.full((200_000,), 3.0)}, 3)  # the next save retries and succeeds
             assert h.wait(timeout=30)
             assert [s for s, _ in ck.disk.committed_steps()][-1] == 3
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_retention_that_does_not_fit_the_disk_makes_room_instead_of_failing_every_save(tmp_path, shm_dir):
+    """keep=2 on a disk holding two steps but not three: the third save hit ENOSPC, and as retention removes the
+    oldest step only after the new one commits, every later save failed too. The writer now removes the oldest
+    complete step (never the newest, nor one a restore reads) and writes once more."""
+    mnt = tmp_path / f"keep-{os.getpid()}"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=True)
+    n = 300_000  # 1.2 MB a step: two fit in 3 MiB, three do not
+    try:
+        events = Events()
+        cfg = CheckpointConfig(directory=str(mnt / "ck"), memory={"directory": shm_dir}, disk={"keep": 2})
+        with Checkpointer(cfg, job="room", on_event=events) as ck:
+            for s in range(1, 6):
+                assert ck.save({"w": torch.full((n,), float(s))}, s).wait(timeout=30), events
+            assert [s for s, _ in ck.disk.committed_steps()] == [4, 5] and not events
+            # A restore reading step 4 (the older one) keeps it: no room, the clear error stays, step 5 intact.
+            man = Manifest.from_json(ck.disk.read_small(4, manifest_name(0)))
+            reading = ck._open_data("disk", 4, 0, man, "disk copy of step 4", populate=False)
+            try:
+                assert ck.save({"w": torch.full((n,), 6.0)}, 6).wait(timeout=30) is False
+            finally:
+                reading.close()
+            assert [e.kind for e in events] == ["checkpoint.disk_full"]
+            assert "lower the retention" in events[0].message
+            assert [s for s, _ in ck.disk.committed_steps()] == [4, 5]
+            assert ck.save({"w": torch.full((n,), 7.0)}, 7).wait(timeout=30)
+            assert [s for s, _ in ck.disk.committed_steps()] == [5, 7]
+        disk_only = CheckpointConfig(directory=str(mnt / "ck"), memory={"enabled": False, "directory": shm_dir})
+        with Checkpointer(disk_only, job="room") as ck:
+            w = torch.zeros(n)
+            assert ck.restore({"w": w}) == 7 and ck.last_restore_tier == "disk"
+            assert torch.equal(w, torch.full((n,), 7.0))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_making_room_spares_the_newest_complete_step_newer_steps_and_live_writers(tmp_path):
+    """Unit rules of LocalStore.make_room: oldest first and only what it takes; never the newest complete step,
+    a step newer than it (another rank may be finishing it), a protected step, or a step whose temporary file a
+    live writer holds; nothing at all when every candidate together would not free enough."""
+    mnt = tmp_path / f"room-{os.getpid()}"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+    unit = 512 << 10  # one step's data
+    try:
+        store = LocalStore(str(mnt), "rules", fsync=False)
+
+        def put(step: int, ws: int = 1) -> None:
+            write_rank_step(store, step, 0, ws, {"w": {"t": "tensor", "i": 0}}, [("w", torch.ones(unit // 4))])
+
+        def free() -> int:
+            st = os.statvfs(store.job_dir)
+            return st.f_bavail * st.f_frsize
+
+        put(1)
+        put(2, ws=2)  # torn: rank 1 never committed, older than the newest complete step
+        put(3)
+        put(4)
+        put(5, ws=2)  # torn and newer than the newest complete step: another rank may be finishing it
+        assert store.make_room(free() + 4 * unit) == []  # 1, 2 and 3 together free 3 units: remove nothing
+        assert store.list_steps() == [1, 2, 3, 4, 5]
+        assert store.make_room(free() + unit // 2, protect={1}) == [2]
+        writer = store.begin_data(3, 1)  # a live writer's temporary file in step 3
+        try:
+            assert store.make_room(free() + 2 * unit) == []  # only step 1 may go: not enough
+            assert store.make_room(free() + unit // 2) == [1]
+        finally:
+            writer.abort()
+        assert store.make_room(free() + 2 * unit) == []
+        assert store.make_room(free() + unit // 2) == [3]
+        assert store.list_steps() == [4, 5] and [s for s, _ in store.committed_steps()] == [4]
+        assert store.make_room(free() + unit // 2) == []  # one complete step left: never removed
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
 
