@@ -53,3 +53,19 @@ def until(cond, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """Waits for every process (``timeout`` s each) and returns ``(returncode, stdout, stderr)`` of each; any
+    still running when this ends (a timeout, an assertion of the caller's) is killed and reaped."""
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append((p.returncode, stdout or "", stderr or ""))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out

@@ -46,6 +46,13 @@ def _save_two(ck: Checkpointer) -> None:
         assert ck.wait(s, timeout=30)
 
 
+def _service_disk_config(tmp_path, shm_dir: str, svc: CheckpointService, keep: int, **persist) -> CheckpointConfig:
+    """Disk tier under ``tmp_path/ck`` persisted by ``svc``, no memory tier, 1 MiB chunks."""
+    return CheckpointConfig(directory=str(tmp_path / "ck"), disk={"keep": keep},
+                            memory={"directory": shm_dir, "enabled": False},
+                            persist={"service": svc.address, "chunk_mib": 1, **persist})
+
+
 @pytest.mark.parametrize("target", ["data", "manifest"])
 def test_byte_flip_on_disk_falls_back_to_previous_step(make_config, caplog, target):
     cfg = make_config(memory={"enabled": False})
@@ -240,9 +247,7 @@ def test_sigkill_loop_during_persist_never_leaves_torn_state(tmp_path, shm_dir):
     for i in range(1, 51):
         svc = CheckpointService(job=job, shm_dir=shm_dir, nice=0).start()
         try:
-            cfg = CheckpointConfig(directory=str(tmp_path / "ck"), disk={"keep": 2},
-                                   memory={"directory": shm_dir, "enabled": False},
-                                   persist={"service": svc.address, "chunk_mib": 1})
+            cfg = _service_disk_config(tmp_path, shm_dir, svc, keep=2)
             ck = Checkpointer(cfg, job=job)
             t0 = time.monotonic()
             h = ck.save(state_for(0, i), i)
@@ -342,9 +347,7 @@ def test_a_killed_checkpoint_service_is_started_again_and_saves_reach_disk(tmp_p
     svc = CheckpointService(job=job, shm_dir=shm_dir, nice=0,
                             on_restart=lambda old, new: restarted.append((old, new))).start()
     try:
-        cfg = CheckpointConfig(directory=str(tmp_path / "ck"), disk={"keep": 3},
-                               memory={"directory": shm_dir, "enabled": False},
-                               persist={"service": svc.address, "chunk_mib": 1})
+        cfg = _service_disk_config(tmp_path, shm_dir, svc, keep=3)
         with Checkpointer(cfg, job=job) as ck:
             assert ck.save(state_for(0, 1), 1).wait(timeout=60)
             first = svc.pid
@@ -386,9 +389,7 @@ def test_a_persist_process_killed_mid_write_leaves_no_temp_file_but_a_live_write
         live_tmp = Path(live.stdout.readline().strip())
         assert live_tmp.name == f"{data_name(0)}.tmp.{live.pid}", live_tmp
         # Throttled: the write is done at once, then the throttle holds the file uncommitted for seconds.
-        cfg = CheckpointConfig(directory=str(tmp_path / "ck"), disk={"keep": 3},
-                               memory={"directory": shm_dir, "enabled": False},
-                               persist={"service": svc.address, "chunk_mib": 1, "bandwidth_mib_s": 0.01})
+        cfg = _service_disk_config(tmp_path, shm_dir, svc, keep=3, bandwidth_mib_s=0.01)
         ck = Checkpointer(cfg, job=job)
         ck.save(state_for(0, 1), 1)
         stale = tmp_path / "ck" / job / step_dirname(1) / f"{data_name(0)}.tmp.{svc.pid}"
@@ -404,9 +405,7 @@ def test_a_persist_process_killed_mid_write_leaves_no_temp_file_but_a_live_write
     assert stale.exists()  # what the killed writer left
     svc = CheckpointService(job=job, shm_dir=shm_dir, nice=0).start()
     try:
-        cfg = CheckpointConfig(directory=str(tmp_path / "ck"), disk={"keep": 3},
-                               memory={"directory": shm_dir, "enabled": False},
-                               persist={"service": svc.address, "chunk_mib": 1})
+        cfg = _service_disk_config(tmp_path, shm_dir, svc, keep=3)
         with Checkpointer(cfg, job=job) as ck:
             assert ck.save(state_for(0, 2), 2).wait(timeout=60)
         assert not stale.exists(), sorted(os.listdir(stale.parent))

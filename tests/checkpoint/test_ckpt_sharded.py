@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_ckpt_cli_dcp import _cli
+from tg_testutil import communicate_all
 
 from trainguard.checkpoint import Checkpointer
 from trainguard.checkpoint.manifest import Manifest
@@ -33,16 +34,9 @@ def _run(scenario: str, world: int, workdir: Path, timeout: float = 240) -> list
                                str(workdir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(world)]
     out = []
-    try:
-        for r, p in enumerate(procs):
-            stdout, stderr = p.communicate(timeout=timeout)
-            assert p.returncode == 0, f"rank {r} of {scenario} failed:\n{stderr[-4000:]}"
-            out.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    for r, (rc, stdout, stderr) in enumerate(communicate_all(procs, timeout)):
+        assert rc == 0, f"rank {r} of {scenario} failed:\n{stderr[-4000:]}"
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
     return out
 
 

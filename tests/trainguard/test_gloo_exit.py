@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tg_testutil import REPO
+from tg_testutil import REPO, communicate_all
 from trainguard import gloo_exit
 
 # The race made certain: a collective issued in a backward pass completes on the gloo thread while the main
@@ -67,17 +67,8 @@ def _run_pair(tmp_path: Path, env: dict, mode: str) -> list[subprocess.Completed
                               env=dict(env, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                                        MASTER_PORT=str(port)))
              for r in range(2)]
-    out = []
-    try:
-        for p in procs:
-            stdout, _ = p.communicate(timeout=90)
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, ""))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    return [subprocess.CompletedProcess(p.args, rc, stdout, "")
+            for p, (rc, stdout, _) in zip(procs, communicate_all(procs, timeout=90))]
 
 
 @pytest.mark.timeout(180)
