@@ -90,7 +90,10 @@ def test_a_tls_file_the_daemon_cannot_read_is_named_and_holds_no_arena(daemon, m
     with caplog.at_level("WARNING", logger="trainguard.agent.health_source"):
         assert attach_daemon("j2", "127.0.0.1:1", "node-a", security, checkpointing=True) is None
     text = caplog.text
-    assert "coordinator TLS files" in text and "not-in-the-daemons-container.crt" in text, text
+    # Named by path without its contents, outside coordinator.job_tls_dirs (none here): refused before the daemon
+    # opens anything, naming the field, the file and both ways out.
+    assert "tls_ca_file" in text and "not-in-the-daemons-container.crt" in text, text
+    assert "tls_ca_pem" in text and "coordinator.job_tls_dirs" in text, text
     assert "keeps no arena" not in text, text  # the arena root was never the problem
     assert d.jobs.arenas.kept().get("j2") is None or not d.jobs.arenas.kept()["j2"].launchers
     assert not list((tmp / "launchers").glob("j2.*.lock"))  # the refused launcher dropped its lock
