@@ -155,7 +155,7 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
                     raise
                 full = exc.with_traceback(None)  # see below: its frames hold slices of the snapshot
             if full is not None:
-                if not _make_room(local, step, rank, man.data_bytes, int(disk.get("keep", 3)), uploading):
+                if not _make_room(local, step, rank, _room_needed(man), int(disk.get("keep", 3)), uploading):
                     raise full
                 chunks.clear()
                 pending = _write_data(local, step, rank, view, man, throttle, chunks)
@@ -257,30 +257,39 @@ def _write_data(local: LocalStore, step: int, rank: int, view: memoryview, man: 
     return pending
 
 
-#: Room asked for the manifest and commit marker written after a rank's data file.
-_SMALL_FILES_BYTES = 256 << 10
+#: Room asked, besides the manifest's own size, for the small files written after a rank's data file (commit
+#: marker, the job's commit record): a block each, with margin.
+_SMALL_FILES_BYTES = 16 << 10
+#: Bytes of one chunk checksum in the manifest's JSON (16 hex digits, quotes, comma), with margin.
+_CHECKSUM_JSON_BYTES = 24
 
 
-def _make_room(local: LocalStore, step: int, rank: int, data_bytes: int, keep: int, uploading: set[int]) -> bool:
+def _room_needed(man: Manifest) -> int:
+    """Bytes a rank's step takes on disk: its data, its manifest (with the chunk checksums it will hold) and the
+    small files. A fixed 256 KiB allowance made a job whose steps are a few hundred KiB never find room."""
+    return man.data_bytes + len(man.to_json()) + _CHECKSUM_JSON_BYTES * man.n_chunks + _SMALL_FILES_BYTES
+
+
+def _make_room(local: LocalStore, step: int, rank: int, needed: int, keep: int, uploading: set[int]) -> bool:
     """After ENOSPC: removes older steps so this one fits; True when some were removed (write once more).
 
     With retention K, K steps may fit on the filesystem but not K+1, and retention removes the oldest step only
     after the new one commits: without this, every later save failed and the disk tier stayed K steps old.
     """
     try:
-        removed = local.make_room(data_bytes + _SMALL_FILES_BYTES, protect={step, *uploading})
+        removed = local.make_room(needed, protect={step, *uploading})
     except OSError as exc:
         log.warning("cannot make room for step %d in %s: %s", step, local.describe(), exc)
         return False
     if not removed:
         log.info("step %d rank %d: the disk is full and removing older steps would not make room for %.1f MiB "
                  "(the newest complete step, and steps being written or read, stay)", step, rank,
-                 data_bytes / 2**20)
+                 needed / 2**20)
         return False
     log.warning("step %d rank %d: the disk of %s is full; removed older step(s) %s to make room for %.1f MiB (the "
                 "newest complete step stays); retention keep=%d does not fit on this filesystem: lower "
                 "checkpoint.disk.keep or free space", step, rank, local.describe(),
-                ", ".join(map(str, removed)), data_bytes / 2**20, keep)
+                ", ".join(map(str, removed)), needed / 2**20, keep)
     return True
 
 

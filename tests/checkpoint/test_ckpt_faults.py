@@ -117,14 +117,16 @@ def test_full_disk_reports_event_keeps_old_and_retries(tmp_path, shm_dir):
         subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
-def test_retention_that_does_not_fit_the_disk_makes_room_instead_of_failing_every_save(tmp_path, shm_dir):
+# Two steps fit, three do not: 1.2 MB steps on 3 MiB, and 100 kB steps on 270 KiB (small steps: a fixed 256 KiB
+# allowance for the manifest and markers was more than removing a step freed, so such a job never found room).
+@pytest.mark.parametrize("n, size", [(300_000, "3m"), (25_000, "270k")])
+def test_retention_that_does_not_fit_the_disk_makes_room_instead_of_failing_every_save(tmp_path, shm_dir, n, size):
     """keep=2 on a disk holding two steps but not three: the third save hit ENOSPC, and as retention removes the
     oldest step only after the new one commits, every later save failed too. The writer now removes the oldest
     complete step (never the newest, nor one a restore reads) and writes once more."""
     mnt = tmp_path / f"keep-{os.getpid()}"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=True)
-    n = 300_000  # 1.2 MB a step: two fit in 3 MiB, three do not
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True)
     try:
         events = Events()
         cfg = CheckpointConfig(directory=str(mnt / "ck"), memory={"directory": shm_dir}, disk={"keep": 2})
