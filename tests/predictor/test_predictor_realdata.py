@@ -57,6 +57,21 @@ def test_label_column_folder_becomes_incident_windows(bench, tmp_path):
         bench.load_series(tmp_path)
 
 
+def test_rows_stamped_at_a_minute_already_seen_are_dropped_for_every_method(bench, tmp_path, capsys):
+    # NAB's ec2_disk_write_bytes_1ef3de and ec2_network_in_5abac7 stamp 12 rows 2014-03-09 03:00:00 (the collector
+    # at a daylight-saving change); the predictor refuses time standing still, so the loader keeps the first
+    rows = ["timestamp,value", "2014-03-09 01:55:00,1", "2014-03-09 03:00:00,2", "2014-03-09 03:00:00,3",
+            "2014-03-09 03:00:00,4", "2014-03-09 03:04:00,5"]
+    (tmp_path / "s.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "windows.json").write_text('{"s": []}')
+    (ts, x, _), = bench.load_series(tmp_path).values()
+    assert list(x) == [1.0, 2.0, 5.0] and (np.diff(ts) > 0).all()
+    assert "2 row(s) whose timestamp is not after the previous one dropped" in capsys.readouterr().err
+    held = bench.load_series(bench.HELDOUT_DATA)  # the copied held-out series load whole, in order
+    assert len(held) == 12 and sum(len(w) for _, _, w in held.values()) == 21
+    assert all((np.diff(ts) > 0).all() for ts, _, _ in held.values())
+
+
 def test_an_event_labelled_on_most_series_at_once_is_found_as_one_shared_window(bench, tmp_path):
     # 4 series: the 03:00-05:00 window on three of them is one event; the 09:00 one and series d's are not
     labels = {"a": (3, 4, 5), "b": (3, 4, 5, 9), "c": (3, 4, 5), "d": (4, 5)}
