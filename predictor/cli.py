@@ -317,6 +317,10 @@ def _score(args: argparse.Namespace) -> int:
         for group in rounds:
             samples = {nodes[r]: dict(zip(metrics.columns, metrics.values[r].tolist())) for r in group}
             ts_of = {nodes[r]: float(metrics.ts[r]) for r in group}
+            # the input's own timestamp text (ISO, offsets, integers), so a score row joins back to its input row
+            # on (timestamp, node); resampled bins have no input text and are written as Unix seconds
+            stamp = {nodes[r]: metrics.ts_text[r] if metrics.ts_text is not None else repr(ts_of[nodes[r]])
+                     for r in group}
             if peer:
                 # each row at its own time, as the offline features (eval) see it; the slot only groups peers
                 scores = rt.observe_many(min(ts_of.values()), samples, ts_of)
@@ -327,7 +331,7 @@ def _score(args: argparse.Namespace) -> int:
                 if s.alarm and s.source == "rules":
                     rule_alarms[n] = rule_alarms.get(n, 0) + 1
                 written += 1
-                w.writerow([repr(ts_of[n]), n, f"{s.score:.6f}", f"{s.threshold:.6f}", int(s.alarm), s.source,
+                w.writerow([stamp[n], n, f"{s.score:.6f}", f"{s.threshold:.6f}", int(s.alarm), s.source,
                             ";".join(f"{k}={v:g}" for k, v in s.top_features), "|".join(s.degraded),
                             "" if s.surprise != s.surprise else f"{s.surprise:.3f}", s.family])
     finally:

@@ -86,6 +86,8 @@ class MetricTable:
         values: shape (n, len(columns)), float64, NaN where missing.
         job: job names, shape (n,), or None (all nodes are one job).
         text_columns: non-numeric columns :meth:`from_csv` left out (not among ``columns``).
+        ts_text: each row's timestamp cell as the file wrote it (:meth:`from_csv` only; None for a table made
+            otherwise, e.g. resampled), so that output rows can carry the input's own time and join back to it.
     """
 
     columns: list[str]
@@ -94,6 +96,7 @@ class MetricTable:
     values: np.ndarray
     job: np.ndarray | None = None
     text_columns: list[str] = field(default_factory=list)
+    ts_text: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.ts = np.asarray(self.ts, dtype=np.float64)
@@ -295,6 +298,7 @@ class MetricTable:
                 metric_idx = [i for i, h in enumerate(header) if h not in RESERVED_COLUMNS]
                 columns = [header[i] for i in metric_idx]
                 ts: list[float] = []
+                ts_text: list[str] = []
                 nodes: list[str] = []
                 jobs: list[str] = []
                 rows: list[list[float]] = []
@@ -309,6 +313,7 @@ class MetricTable:
                         raise DataFormatError(f"{path}:{line_no}: {len(row)} cells but the header has {len(header)}")
                     where = f"{path}:{line_no}"
                     ts.append(_parse_time(row[i_ts], where))
+                    ts_text.append(row[i_ts].strip())
                     if not row[i_node].strip():
                         raise DataFormatError(f"{where}: empty node name; every row needs its node")
                     nodes.append(row[i_node].strip())
@@ -342,6 +347,7 @@ class MetricTable:
                                                              np.array(nodes, dtype=object), values)
         table.job = np.array(jobs, dtype=object) if i_job is not None else None
         table.text_columns = [columns[k] for k in sorted(bad)]
+        table.ts_text = ts_text
         table.validate(str(path), check_order, lines)
         return table
 
