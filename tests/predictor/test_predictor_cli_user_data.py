@@ -63,3 +63,34 @@ def test_score_rows_carry_the_input_timestamp_text_and_join_back(fleet, tmp_path
                  "--resample", "60"]) == 0
     with out.open() as fh:
         assert all(float(r["timestamp"]) % 60 == 0 for r in csv.DictReader(fh))
+
+
+def test_history_refuses_an_infinite_value_and_still_exports_a_store_holding_one(tmp_path, capsys):
+    """``MetricHistory.append`` stored ``inf`` (the API documents NaN for unknown values, and ``observe`` refuses
+    inf); from then on ``trainguard predictor export`` of the whole store failed with "metrics: a metric value is
+    infinite", naming no node or time. Now append refuses it by name, and a store that already holds one (written
+    before) exports every row with that cell empty."""
+    import sqlite3
+
+    from trainguard.predictor.errors import HistoryError
+    from trainguard.predictor.history import MetricHistory
+
+    path = tmp_path / "h.sqlite"
+    with MetricHistory(path) as h:
+        for i in range(5):
+            h.append(T0 + 60.0 * i, "n0", {"cpu": 1.0 + i, "gpu_xid_79_total": 0.0})
+        with pytest.raises(HistoryError, match="'cpu' is infinite"):
+            h.append(T0 + 600.0, "n0", {"cpu": float("inf"), "gpu_xid_79_total": 0.0})
+        assert h.count() == 5
+    # a store written before the refusal: one stored value turned to -inf
+    db = sqlite3.connect(path)
+    db.execute("UPDATE samples SET vals = ? WHERE ts = ?",
+               (np.array([float("-inf"), 0.0], dtype="<f8").tobytes(), T0 + 120.0))
+    db.commit()
+    db.close()
+    out, ev = tmp_path / "m.csv", tmp_path / "e.csv"
+    assert main(["predictor", "export", "--history", str(path), "--metrics", str(out), "--events", str(ev)]) == 0
+    assert "exported 5 samples" in capsys.readouterr().out
+    with out.open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["cpu"] for r in rows] == ["1.0", "2.0", "", "4.0", "5.0"]
