@@ -484,7 +484,30 @@ def _check_seconds(path: Path, ts: list[float]) -> None:
 
 
 def _not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
-    return (f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} cannot be decoded; a binary file, or text in "
+    """The message for a file that is not UTF-8, naming the line and column of the first bad byte (the decoder's
+    own offset is within a read buffer, so the file is read again as bytes to find it)."""
+    where, byte = str(path), exc.object[exc.start]
+    try:
+        with path.open("rb") as fh:
+            lines = fh.read().split(b"\n")
+    except OSError:
+        lines = []
+    for line_no, raw in enumerate(lines, start=1):
+        try:
+            raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+        except UnicodeDecodeError as bad:
+            byte = raw[bad.start]
+            where = f"{path}:{line_no}"
+            try:  # the column too, where the header and the line parse (not in a binary file)
+                header = next(csv.reader([lines[0].decode("utf-8-sig", "replace").rstrip("\r")]), [])
+                cells = next(csv.reader([raw.decode("utf-8", "replace").rstrip("\r")]), [])
+            except csv.Error:
+                header = cells = []
+            col = next((i for i, c in enumerate(cells) if "\ufffd" in c), None)
+            if col is not None and line_no > 1 and col < len(header):
+                where += f" column {header[col].strip()!r}"
+            break
+    return (f"{where}: not UTF-8 text (byte 0x{byte:02x} cannot be decoded; a binary file, or text in "
             "another encoding such as Latin-1?); save it as a UTF-8 CSV")
 
 

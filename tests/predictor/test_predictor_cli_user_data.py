@@ -94,3 +94,20 @@ def test_history_refuses_an_infinite_value_and_still_exports_a_store_holding_one
     with out.open() as fh:
         rows = list(csv.DictReader(fh))
     assert [r["cpu"] for r in rows] == ["1.0", "2.0", "", "4.0", "5.0"]
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_line_and_column(fleet, tmp_path, capsys):
+    """A Latin-1 byte on line 1000 of a metrics file (past the decoder's first buffer) and in an events file's
+    ``kind``: the error said only "FILE: not UTF-8 text", leaving the user to search the whole file."""
+    _, metrics, model = fleet
+    bad = tmp_path / "latin.csv"
+    lines = metrics.read_bytes().split(b"\n")
+    lines[999] = lines[999].rsplit(b",", 1)[0] + b",5\xe90"
+    bad.write_bytes(b"\n".join(lines))
+    assert main(["predictor", "metrics", "--metrics", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{bad}:1000 column 'cpu': not UTF-8 text (byte 0xe9" in err and len(err.splitlines()) == 1
+    events = tmp_path / "e.csv"
+    events.write_bytes(b"timestamp,node,kind\n" + str(T0 + 6000).encode() + b",n0,GPU \xe9 lost\n")
+    assert main(["predictor", "eval", "--model", str(model), "--metrics", str(metrics), "--events", str(events)]) == 2
+    assert f"{events}:2 column 'kind': not UTF-8" in capsys.readouterr().err
