@@ -73,6 +73,25 @@ def _check_out_folder(path: str, flag: str) -> None:
         raise _usage(f"{flag} {path}: folder {folder} does not exist; create it or write somewhere else")
 
 
+def _check_not_an_input(path: str | None, flag: str, inputs: dict[str, str | None]) -> None:
+    """Refuses an output path that names a file the command reads or also writes (by the file, links included):
+    it was overwritten, e.g. ``score --metrics m.csv --out m.csv`` replaced the user's telemetry with its scores."""
+    import os
+
+    if path is None or path == "-":
+        return
+    for in_flag, src in inputs.items():
+        if src is None:
+            continue
+        try:
+            same = os.path.samefile(path, src)
+        except OSError:  # either does not exist (yet): then only the same spelled path is the same file
+            same = os.path.realpath(path) == os.path.realpath(src)
+        if same:
+            raise _usage(f"{flag} {path} is the same file as {in_flag} {src}: writing one would destroy the other; "
+                         f"give {flag} a path of its own")
+
+
 def _load_metrics(path: str, check_order: bool = True, used: Any = None) -> Any:
     """The metrics file, without the non-numeric columns the command does not read (``used``: name -> bool;
     None: columns without any number), which are named on stderr."""
@@ -123,6 +142,7 @@ def _train(args: argparse.Namespace) -> int:
         raise _usage(f"--calib-fraction {args.calib_fraction:g}: must be within [0.05, 0.8] (the trailing share of "
                      "the history that calibrates the threshold; default 0.25)")
     _check_out_folder(args.out, "--out")
+    _check_not_an_input(args.out, "--out", {"--metrics": args.metrics, "--events": args.events})
     notes: list[str] = []  # printed after the summary
     if args.resample is None:
         metrics = _read_metrics(args.metrics, None)
@@ -289,6 +309,7 @@ def _score(args: argparse.Namespace) -> int:
 
     from trainguard.predictor.runtime import PredictorRuntime
 
+    _check_not_an_input(args.out, "--out", {"--metrics": args.metrics, "--model": args.model, "--rules": args.rules})
     rt = PredictorRuntime.load(args.model, rules_path=args.rules, missing=args.missing)
     counters = _model_counters(rt.model) if rt.model is not None else set()
     metrics = _read_metrics(args.metrics, args.resample, counters, _score_reads(rt))
@@ -428,6 +449,8 @@ def _metrics(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from trainguard.predictor.history import MetricHistory
 
+    _check_not_an_input(args.metrics, "--metrics", {"--history": args.history})
+    _check_not_an_input(args.events, "--events", {"--history": args.history, "--metrics": args.metrics})
     with MetricHistory(args.history, readonly=True) as h:
         n, e = h.export(args.metrics, args.events, since=args.since)
     print(f"exported {n} samples and {e} events")

@@ -111,3 +111,34 @@ def test_a_byte_that_is_not_utf8_is_named_by_line_and_column(fleet, tmp_path, ca
     events.write_bytes(b"timestamp,node,kind\n" + str(T0 + 6000).encode() + b",n0,GPU \xe9 lost\n")
     assert main(["predictor", "eval", "--model", str(model), "--metrics", str(metrics), "--events", str(events)]) == 2
     assert f"{events}:2 column 'kind': not UTF-8" in capsys.readouterr().err
+
+
+def test_an_output_path_that_is_an_input_is_refused_before_anything_is_written(fleet, tmp_path, capsys):
+    """``score --metrics m.csv --out m.csv`` replaced the user's telemetry with its scores, ``train --out`` the
+    metrics with the model, ``export`` with one path for ``--metrics`` and ``--events`` kept only the events (and
+    reported the samples as exported)."""
+    from trainguard.predictor.history import MetricHistory
+
+    _, metrics, model = fleet
+    mine = tmp_path / "mine.csv"
+    mine.write_bytes(metrics.read_bytes())
+    link = tmp_path / "link.csv"
+    link.symlink_to(mine)
+    before, model_before = mine.read_bytes(), model.read_bytes()
+    cases = [
+        ["score", "--model", str(model), "--metrics", str(mine), "--out", str(mine)],
+        ["score", "--model", str(model), "--metrics", str(mine), "--out", str(link)],
+        ["score", "--model", str(model), "--metrics", str(mine), "--out", str(model)],
+        ["train", "--metrics", str(mine), "--out", str(mine), "--method", "robust-z"],
+    ]
+    for args in cases:
+        assert main(["predictor", *args]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert "--out" in err and "is the same file as" in err and len(err.splitlines()) == 1
+    assert mine.read_bytes() == before and model.read_bytes() == model_before
+    store = tmp_path / "h.sqlite"
+    with MetricHistory(store) as h:
+        h.append(float(T0), "n0", {"cpu": 1.0})
+    both = tmp_path / "both.csv"
+    assert main(["predictor", "export", "--history", str(store), "--metrics", str(both), "--events", str(both)]) == 2
+    assert "--events" in capsys.readouterr().err and not both.exists()
