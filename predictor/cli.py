@@ -155,6 +155,14 @@ def _train(args: argparse.Namespace) -> int:
         metrics = _resampled(raw, args.metrics, args.resample, counters)
     events = EventTable.from_csv(args.events) if args.events else None
     interval = args.interval if args.interval is not None else (args.resample or metrics.median_interval() or 60.0)
+    if events is not None:
+        from trainguard.predictor.evaluation import uncounted_events
+
+        # as eval does: an event on a node or at a time the metrics do not have labels no row, and was dropped
+        # in silence (an events file of other nodes or another period trained a model with no failure at all)
+        unusable = uncounted_events(events.node, events.ts, metrics.ts, metrics.node, _eval_config(args), interval)
+        unusable["warning_window_not_observed"] = []  # still labels the rows of its window the data has
+        _report_uncounted(args.events, args.metrics, len(events), unusable)
     span = float(metrics.ts.max() - metrics.ts.min()) if len(metrics.ts) else 0.0
     peer = not args.no_peer
     if peer:

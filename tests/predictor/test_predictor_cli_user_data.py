@@ -142,3 +142,24 @@ def test_an_output_path_that_is_an_input_is_refused_before_anything_is_written(f
     both = tmp_path / "both.csv"
     assert main(["predictor", "export", "--history", str(store), "--metrics", str(both), "--events", str(both)]) == 2
     assert "--events" in capsys.readouterr().err and not both.exists()
+
+
+def test_train_names_events_it_cannot_use_and_refuses_a_file_of_none(fleet, tmp_path, capsys):
+    """``train --events`` took events on nodes absent from the metrics, or years away from them, without a word
+    (and a file of only such events trained a model on no failure at all, its summary counting them); ``eval``
+    already named them."""
+    _, metrics, _ = fleet
+    events = tmp_path / "e.csv"
+    events.write_text("timestamp,node,kind\n"
+                      f"{T0 + 60 * 200},n1,GPU Lost\n"
+                      f"{T0 + 60 * 200},n9,GPU Lost\n"
+                      "2019-02-20T10:00:00Z,n0,GPU Lost\n")
+    model = tmp_path / "m.json"
+    args = ["predictor", "train", "--metrics", str(metrics), "--out", str(model), "--method", "robust-z"]
+    assert main(args + ["--events", str(events)]) == 0
+    err = capsys.readouterr().err
+    assert f"{events}: 2 of 3 events not counted as failures: 1 on nodes absent from the metrics, 1 outside" in err
+    model.unlink()
+    events.write_text("timestamp,node,kind\n2019-02-20T10:00:00Z,n0,GPU Lost\n")
+    assert main(args + ["--events", str(events)]) == 2
+    assert "none of its 1 events falls on a node and time" in capsys.readouterr().err and not model.exists()
