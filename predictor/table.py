@@ -427,6 +427,9 @@ class EventTable:
                     if len(row) != len(header):
                         raise DataFormatError(f"{path}:{line_no}: {len(row)} cells but the header has {len(header)}")
                     ts.append(_parse_time(row[it], f"{path}:{line_no}"))
+                    if not row[inode].strip():  # as in a metrics file: it matched no node and was never counted
+                        raise DataFormatError(f"{path}:{line_no}: empty node name; every event needs the node it "
+                                              "happened on")
                     nodes.append(row[inode].strip())
                     kinds.append(row[ikind].strip())
         except OSError as exc:

@@ -163,3 +163,15 @@ def test_train_names_events_it_cannot_use_and_refuses_a_file_of_none(fleet, tmp_
     events.write_text("timestamp,node,kind\n2019-02-20T10:00:00Z,n0,GPU Lost\n")
     assert main(args + ["--events", str(events)]) == 2
     assert "none of its 1 events falls on a node and time" in capsys.readouterr().err and not model.exists()
+
+
+def test_an_event_without_a_node_is_refused_by_line(tmp_path):
+    """A metrics row with an empty node is refused (FILE:LINE); an event with one was read as node '' and could
+    never match a node."""
+    from trainguard.predictor.errors import DataFormatError
+    from trainguard.predictor.table import EventTable
+
+    events = tmp_path / "e.csv"
+    events.write_text(f"timestamp,node,kind\n{T0},n0,GPU Lost\n{T0 + 60}, ,GPU Lost\n")
+    with pytest.raises(DataFormatError, match=r"e\.csv:3: empty node name"):
+        EventTable.from_csv(events)
