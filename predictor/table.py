@@ -336,11 +336,19 @@ class MetricTable:
         if not ts:
             raise DataFormatError(f"{path}: no data rows after the header; give at least a row per node and interval")
         _check_seconds(path, ts)
+        unnamed = [k for k, c in enumerate(columns) if not c]
+        for k in unnamed:
+            # a row index (pandas' to_csv without index=False, a spreadsheet's first column) was taken as a metric
+            # named '' (an increasing counter), which every file scored later had to have too
+            if numeric[k] or k in bad:
+                raise DataFormatError(
+                    f"{path}:1: column {metric_idx[k] + 1} of the header has no name but holds values (a row index?); "
+                    "name it, or leave it out (pandas: to_csv(..., index=False))")
         refused = [bad[k] for k in bad
                    if not ignore_text or (used(columns[k]) if used is not None else numeric[k])]
         if refused:
             raise min(refused, key=lambda b: b[0])[1]
-        keep = [k for k in range(len(columns)) if k not in bad]
+        keep = [k for k in range(len(columns)) if k not in bad and k not in unnamed]  # unnamed: empty (a trailing comma)
         values = np.array(rows, dtype=np.float64).reshape(len(rows), len(columns))[:, keep]
         table = cls.__new__(cls)
         table.columns, table.ts, table.node, table.values = ([columns[k] for k in keep], np.array(ts),

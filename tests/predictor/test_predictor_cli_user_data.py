@@ -175,3 +175,23 @@ def test_an_event_without_a_node_is_refused_by_line(tmp_path):
     events.write_text(f"timestamp,node,kind\n{T0},n0,GPU Lost\n{T0 + 60}, ,GPU Lost\n")
     with pytest.raises(DataFormatError, match=r"e\.csv:3: empty node name"):
         EventTable.from_csv(events)
+
+
+def test_an_unnamed_column_with_values_is_refused_and_an_empty_one_left_out(fleet, tmp_path, capsys):
+    """pandas' ``to_csv`` writes its row index as a first column with an empty name: ``train`` took it as a
+    counter metric named '', and every file scored with that model then had to have a column '' ("the data
+    lacks metric(s) ['']"). An unnamed column without values (a trailing comma on every line) stays harmless."""
+    from trainguard.predictor.model import PredictorModel
+
+    _, metrics, _ = fleet
+    lines = metrics.read_text().splitlines()
+    indexed = tmp_path / "indexed.csv"
+    indexed.write_text("\n".join([f",{lines[0]}"] + [f"{i},{ln}" for i, ln in enumerate(lines[1:])]) + "\n")
+    model = tmp_path / "m.json"
+    assert main(["predictor", "train", "--metrics", str(indexed), "--out", str(model), "--method", "robust-z"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{indexed}:1: column 1 of the header has no name but holds values" in err and not model.exists()
+    trailing = tmp_path / "trailing.csv"
+    trailing.write_text("\n".join(f"{ln}," for ln in lines) + "\n")
+    assert main(["predictor", "train", "--metrics", str(trailing), "--out", str(model), "--method", "robust-z"]) == 0
+    assert list(PredictorModel.load(model).spec.metrics) == ["cpu"]
