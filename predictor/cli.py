@@ -459,8 +459,14 @@ def _export(args: argparse.Namespace) -> int:
 
     _check_not_an_input(args.metrics, "--metrics", {"--history": args.history})
     _check_not_an_input(args.events, "--events", {"--history": args.history, "--metrics": args.metrics})
+    for flag, path in (("--metrics", args.metrics), ("--events", args.events)):
+        _check_out_folder(path, flag)  # before the first file is written, not a traceback after it
     with MetricHistory(args.history, readonly=True) as h:
-        n, e = h.export(args.metrics, args.events, since=args.since)
+        try:
+            n, e = h.export(args.metrics, args.events, since=args.since)
+        except OSError as exc:  # a read-only folder, a full disk, a folder where the file goes
+            flag = "--events" if exc.filename == args.events else "--metrics"
+            raise _usage(f"{flag} {exc.filename}: cannot write it ({exc.strerror}); give a writable path") from exc
     print(f"exported {n} samples and {e} events")
     return 0
 

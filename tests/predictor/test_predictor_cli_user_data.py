@@ -195,3 +195,20 @@ def test_an_unnamed_column_with_values_is_refused_and_an_empty_one_left_out(flee
     trailing.write_text("\n".join(f"{ln}," for ln in lines) + "\n")
     assert main(["predictor", "train", "--metrics", str(trailing), "--out", str(model), "--method", "robust-z"]) == 0
     assert list(PredictorModel.load(model).spec.metrics) == ["cpu"]
+
+
+def test_export_to_a_path_it_cannot_write_is_a_one_line_error(tmp_path, capsys):
+    """``export --metrics missing/m.csv`` (or ``--events`` naming a folder) ended in a FileNotFoundError /
+    IsADirectoryError traceback, the second after the metrics file was already written."""
+    from trainguard.predictor.history import MetricHistory
+
+    store = tmp_path / "h.sqlite"
+    with MetricHistory(store) as h:
+        h.append(float(T0), "n0", {"cpu": 1.0})
+    base = ["predictor", "export", "--history", str(store)]
+    assert main(base + ["--metrics", str(tmp_path / "no" / "m.csv"), "--events", str(tmp_path / "e.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("trainguard: error: --metrics") and "does not exist" in err and len(err.splitlines()) == 1
+    assert main(base + ["--metrics", str(tmp_path / "m.csv"), "--events", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"trainguard: error: --events {tmp_path}: cannot write it") and len(err.splitlines()) == 1
