@@ -408,6 +408,16 @@ class EventTable:
     def __len__(self) -> int:
         return len(self.ts)
 
+    def unique(self) -> tuple["EventTable", int]:
+        """The events without rows that repeat an earlier one's node and time (one failure logged twice, e.g. by two
+        detectors), and how many were left out."""
+        seen: set[tuple[str, float]] = set()
+        keep = np.zeros(len(self.ts), dtype=bool)
+        for i, key in enumerate(zip(self.node.astype(str).tolist(), self.ts.tolist())):
+            keep[i] = key not in seen
+            seen.add(key)
+        return EventTable(self.ts[keep], self.node[keep], self.kind[keep]), int((~keep).sum())
+
     def for_node(self, node: str) -> np.ndarray:
         """Failure times of one node, sorted."""
         return np.sort(self.ts[self.node.astype(str) == node]) if len(self.ts) else np.zeros(0)

@@ -212,3 +212,21 @@ def test_export_to_a_path_it_cannot_write_is_a_one_line_error(tmp_path, capsys):
     assert main(base + ["--metrics", str(tmp_path / "m.csv"), "--events", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"trainguard: error: --events {tmp_path}: cannot write it") and len(err.splitlines()) == 1
+
+
+def test_eval_counts_a_failure_logged_twice_once(fleet, tmp_path, capsys):
+    """An events file with the same node and time on two rows (one failure logged by two detectors) counted two
+    failures, caught or missed together, so one repeated event moved recall (1 of 3 caught read 3 of 5)."""
+    import json
+
+    _, metrics, model = fleet
+    t1, t2 = T0 + 60 * 250, T0 + 60 * 260
+    events = tmp_path / "e.csv"
+    events.write_text("timestamp,node,kind\n" + "".join(f"{t1},n1,GPU Lost\n" for _ in range(3)) + f"{t2},n2,PSU\n")
+    capsys.readouterr()
+    assert main(["predictor", "eval", "--model", str(model), "--metrics", str(metrics), "--events", str(events),
+                 "--json"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert (out["failures"], out["events_total"], out["events_repeated"]) == (2, 4, 2)
+    assert f"{events}: 2 event(s) repeat the node and time of an earlier one" in cap.err
