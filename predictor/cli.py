@@ -290,7 +290,7 @@ def _report_uncounted(events_path: str, metrics_path: str, total: int,
     if unmatched == total:
         raise _usage(f"{events_path}: none of its {total} events falls on a node and time of {metrics_path} "
                      f"({example}, {why[key]}); give the events of the same nodes and period (timestamps in Unix "
-                     "seconds)")
+                     "seconds or ISO 8601; a time without an offset is read as UTC)")
     parts = ", ".join(f"{len(v)} {why[k]}" for k, v in uncounted.items() if v)
     print(f"{events_path}: {n} of {total} events not counted as failures: {parts}; {example}", file=sys.stderr)
 

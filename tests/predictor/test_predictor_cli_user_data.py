@@ -162,7 +162,10 @@ def test_train_names_events_it_cannot_use_and_refuses_a_file_of_none(fleet, tmp_
     model.unlink()
     events.write_text("timestamp,node,kind\n2019-02-20T10:00:00Z,n0,GPU Lost\n")
     assert main(args + ["--events", str(events)]) == 2
-    assert "none of its 1 events falls on a node and time" in capsys.readouterr().err and not model.exists()
+    err = capsys.readouterr().err
+    assert "none of its 1 events falls on a node and time" in err and not model.exists()
+    # the file's ISO times were read: the hint named only Unix seconds, as if they had not been
+    assert "(timestamps in Unix seconds or ISO 8601; a time without an offset is read as UTC)" in err
 
 
 def test_an_event_without_a_node_is_refused_by_line(tmp_path):
