@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainguard.predictor.catalog import RESERVED_COLUMNS
 from trainguard.predictor.errors import HistoryError
 from trainguard.predictor.table import EventTable, MetricTable
 
@@ -239,6 +240,11 @@ class MetricHistory:
         if not math.isfinite(ts):
             raise HistoryError(f"node {node!r}: timestamp {ts!r} is not finite")
         names = tuple(sorted(metrics))
+        unfit = [n for n in names if not n or n in RESERVED_COLUMNS]
+        if unfit:
+            # each name becomes a column of the export, which could then not be written or read back
+            raise HistoryError(f"node {node!r}: metric name(s) {unfit} cannot be stored (empty, or a column the CSV "
+                               f"format reserves: {sorted(RESERVED_COLUMNS)}); rename the metric")
         try:
             vals = np.array([float(metrics[n]) for n in names], dtype="<f8")
         except (TypeError, ValueError) as exc:

@@ -233,3 +233,18 @@ def test_eval_counts_a_failure_logged_twice_once(fleet, tmp_path, capsys):
     out = json.loads(cap.out)
     assert (out["failures"], out["events_total"], out["events_repeated"]) == (2, 4, 2)
     assert f"{events}: 2 event(s) repeat the node and time of an earlier one" in cap.err
+
+
+@pytest.mark.parametrize("name", ["job", "node", "timestamp", ""])
+def test_history_refuses_a_metric_name_the_export_cannot_write(tmp_path, name):
+    """A sample with a metric named ``job`` (or ``node``, ``timestamp``, '') was stored; every export of the
+    store then failed ("metrics: ['job'] are reserved column names")."""
+    from trainguard.predictor.errors import HistoryError
+    from trainguard.predictor.history import MetricHistory
+
+    with MetricHistory(tmp_path / "h.sqlite") as h:
+        with pytest.raises(HistoryError, match="rename the metric"):
+            h.append(float(T0), "n0", {name: 1.0, "cpu": 2.0})
+        h.append(float(T0), "n0", {"cpu": 2.0})
+        metrics, _ = h.to_tables()
+    assert metrics.columns == ["cpu"] and len(metrics.ts) == 1
