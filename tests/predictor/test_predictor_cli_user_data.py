@@ -248,3 +248,33 @@ def test_history_refuses_a_metric_name_the_export_cannot_write(tmp_path, name):
         h.append(float(T0), "n0", {"cpu": 2.0})
         metrics, _ = h.to_tables()
     assert metrics.columns == ["cpu"] and len(metrics.ts) == 1
+
+
+def test_a_refused_sample_changes_no_state_so_a_fatal_counter_still_alarms(fleet):
+    """``observe`` ran the rules tier before checking the sample: a sample refused for a repeated timestamp that
+    carried an XID 79 increase left the rules tier holding the new count, so the next sample showed no increase
+    and the fatal fault never alarmed. ``observe_many`` took in the nodes before the one refused, so the round
+    could not be sent again ("not after the previous")."""
+    import math
+
+    from trainguard.predictor.errors import DataFormatError
+    from trainguard.predictor.runtime import PredictorRuntime
+
+    _, _, model = fleet
+    rt = PredictorRuntime.load(str(model))
+    for i in range(3):
+        assert not rt.observe(T0 + 60.0 * i, "n0", {"cpu": 50.0, "gpu_xid_79_total": 0.0}).alarm
+    with pytest.raises(DataFormatError, match="not after the previous"):
+        rt.observe(T0 + 120.0, "n0", {"cpu": 50.0, "gpu_xid_79_total": 1.0})
+    s = rt.observe(T0 + 180.0, "n0", {"cpu": 50.0, "gpu_xid_79_total": 1.0})
+    assert s.alarm and s.source == "rules" and [h.rule for h in s.rule_hits] == ["xid79-fell-off-bus"]
+    with pytest.raises(DataFormatError, match="'cpu' is infinite"):
+        rt.observe(T0 + 240.0, "n0", {"cpu": math.inf, "gpu_xid_79_total": 2.0})
+    assert [h.rule for h in rt.observe(T0 + 240.0, "n0", {"cpu": math.nan, "gpu_xid_79_total": 2.0}).rule_hits] \
+        == ["xid79-fell-off-bus"]
+    good = {"cpu": 50.0}
+    rt.observe_many(T0, {"a": good, "b": good, "c": good})
+    with pytest.raises(DataFormatError, match="'cpu' is infinite"):
+        rt.observe_many(T0 + 60.0, {"a": good, "b": {"cpu": math.inf}, "c": good})
+    out = rt.observe_many(T0 + 60.0, {"a": good, "b": {"cpu": math.nan}, "c": good})  # the round again
+    assert sorted(out) == ["a", "b", "c"]
