@@ -278,3 +278,17 @@ def test_a_refused_sample_changes_no_state_so_a_fatal_counter_still_alarms(fleet
         rt.observe_many(T0 + 60.0, {"a": good, "b": {"cpu": math.inf}, "c": good})
     out = rt.observe_many(T0 + 60.0, {"a": good, "b": {"cpu": math.nan}, "c": good})  # the round again
     assert sorted(out) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("flag", ["--long-window", "--short-window"])
+def test_a_feature_window_longer_than_the_data_is_refused_by_flag(fleet, tmp_path, capsys, flag):
+    """``train --long-window 1e12`` (or a short window that large, which the long one then doubled) trained; the
+    runtime keeps a buffer of the long window per node, so every ``score`` with the model then died of a
+    MemoryError traceback (24.8 GiB asked for)."""
+    _, metrics, _ = fleet
+    model = tmp_path / "m.json"
+    assert main(["predictor", "train", "--metrics", str(metrics), "--out", str(model), "--method", "robust-z",
+                 flag, "1e12"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{flag} 1e+12 s is longer than the data's 17940 s" in err and len(err.splitlines()) == 1
+    assert not model.exists()
