@@ -348,7 +348,8 @@ class MetricTable:
                    if not ignore_text or (used(columns[k]) if used is not None else numeric[k])]
         if refused:
             raise min(refused, key=lambda b: b[0])[1]
-        keep = [k for k in range(len(columns)) if k not in bad and k not in unnamed]  # unnamed: empty (a trailing comma)
+        # an unnamed column left here holds no value (a trailing comma on every line): left out
+        keep = [k for k in range(len(columns)) if k not in bad and k not in unnamed]
         values = np.array(rows, dtype=np.float64).reshape(len(rows), len(columns))[:, keep]
         table = cls.__new__(cls)
         table.columns, table.ts, table.node, table.values = ([columns[k] for k in keep], np.array(ts),
