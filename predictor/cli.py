@@ -73,6 +73,25 @@ def _check_out_folder(path: str, flag: str) -> None:
         raise _usage(f"{flag} {path}: folder {folder} does not exist; create it or write somewhere else")
 
 
+def _check_not_an_input(path: str | None, flag: str, inputs: dict[str, str | None]) -> None:
+    """Refuses an output path that names a file the command reads or also writes (by the file, links included):
+    it was overwritten, e.g. ``score --metrics m.csv --out m.csv`` replaced the user's telemetry with its scores."""
+    import os
+
+    if path is None or path == "-":
+        return
+    for in_flag, src in inputs.items():
+        if src is None:
+            continue
+        try:
+            same = os.path.samefile(path, src)
+        except OSError:  # either does not exist (yet): then only the same spelled path is the same file
+            same = os.path.realpath(path) == os.path.realpath(src)
+        if same:
+            raise _usage(f"{flag} {path} is the same file as {in_flag} {src}: writing one would destroy the other; "
+                         f"give {flag} a path of its own")
+
+
 def _load_metrics(path: str, check_order: bool = True, used: Any = None) -> Any:
     """The metrics file, without the non-numeric columns the command does not read (``used``: name -> bool;
     None: columns without any number), which are named on stderr."""
@@ -123,6 +142,7 @@ def _train(args: argparse.Namespace) -> int:
         raise _usage(f"--calib-fraction {args.calib_fraction:g}: must be within [0.05, 0.8] (the trailing share of "
                      "the history that calibrates the threshold; default 0.25)")
     _check_out_folder(args.out, "--out")
+    _check_not_an_input(args.out, "--out", {"--metrics": args.metrics, "--events": args.events})
     notes: list[str] = []  # printed after the summary
     if args.resample is None:
         metrics = _read_metrics(args.metrics, None)
@@ -135,6 +155,14 @@ def _train(args: argparse.Namespace) -> int:
         metrics = _resampled(raw, args.metrics, args.resample, counters)
     events = EventTable.from_csv(args.events) if args.events else None
     interval = args.interval if args.interval is not None else (args.resample or metrics.median_interval() or 60.0)
+    if events is not None:
+        from trainguard.predictor.evaluation import uncounted_events
+
+        # as eval does: an event on a node or at a time the metrics do not have labels no row, and was dropped
+        # in silence (an events file of other nodes or another period trained a model with no failure at all)
+        unusable = uncounted_events(events.node, events.ts, metrics.ts, metrics.node, _eval_config(args), interval)
+        unusable["warning_window_not_observed"] = []  # still labels the rows of its window the data has
+        _report_uncounted(args.events, args.metrics, len(events), unusable)
     span = float(metrics.ts.max() - metrics.ts.min()) if len(metrics.ts) else 0.0
     peer = not args.no_peer
     if peer:
@@ -192,7 +220,12 @@ def _eval(args: argparse.Namespace) -> int:
     truth = _read_faults(args.faults) if args.faults else None
     used = set(model.spec.metrics)
     metrics = _read_metrics(args.metrics, args.resample, _model_counters(model), used.__contains__)
-    events = EventTable.from_csv(args.events)
+    events, repeated = EventTable.from_csv(args.events).unique()
+    if repeated:
+        # one failure logged twice counted as two, each caught or missed by the same alarm: recall and the
+        # failure counts were off
+        print(f"{args.events}: {repeated} event(s) repeat the node and time of an earlier one; each failure counted "
+              "once", file=sys.stderr)
     frame, score = score_table(model, metrics, args.missing)
     failures = failures_by_node(events.node, events.ts)
     interval = model.spec.config.interval_s
@@ -210,7 +243,8 @@ def _eval(args: argparse.Namespace) -> int:
         mode = "online per node and metric family" if cal.per_family else "online per node"
         rep = evaluate_events(frame.ts, frame.node, margin, 0.0, failures, ev, interval)
     out = rep.summary()
-    out["events_total"] = len(events)
+    out["events_total"] = len(events) + repeated
+    out["events_repeated"] = repeated
     out["events_not_counted"] = {k: len(v) for k, v in uncounted.items()}
     if mode != "fixed":
         out["threshold"] = None  # one per node, changing over time
@@ -256,7 +290,7 @@ def _report_uncounted(events_path: str, metrics_path: str, total: int,
     if unmatched == total:
         raise _usage(f"{events_path}: none of its {total} events falls on a node and time of {metrics_path} "
                      f"({example}, {why[key]}); give the events of the same nodes and period (timestamps in Unix "
-                     "seconds)")
+                     "seconds or ISO 8601; a time without an offset is read as UTC)")
     parts = ", ".join(f"{len(v)} {why[k]}" for k, v in uncounted.items() if v)
     print(f"{events_path}: {n} of {total} events not counted as failures: {parts}; {example}", file=sys.stderr)
 
@@ -289,6 +323,7 @@ def _score(args: argparse.Namespace) -> int:
 
     from trainguard.predictor.runtime import PredictorRuntime
 
+    _check_not_an_input(args.out, "--out", {"--metrics": args.metrics, "--model": args.model, "--rules": args.rules})
     rt = PredictorRuntime.load(args.model, rules_path=args.rules, missing=args.missing)
     counters = _model_counters(rt.model) if rt.model is not None else set()
     metrics = _read_metrics(args.metrics, args.resample, counters, _score_reads(rt))
@@ -317,6 +352,10 @@ def _score(args: argparse.Namespace) -> int:
         for group in rounds:
             samples = {nodes[r]: dict(zip(metrics.columns, metrics.values[r].tolist())) for r in group}
             ts_of = {nodes[r]: float(metrics.ts[r]) for r in group}
+            # the input's own timestamp text (ISO, offsets, integers), so a score row joins back to its input row
+            # on (timestamp, node); resampled bins have no input text and are written as Unix seconds
+            stamp = {nodes[r]: metrics.ts_text[r] if metrics.ts_text is not None else repr(ts_of[nodes[r]])
+                     for r in group}
             if peer:
                 # each row at its own time, as the offline features (eval) see it; the slot only groups peers
                 scores = rt.observe_many(min(ts_of.values()), samples, ts_of)
@@ -327,7 +366,7 @@ def _score(args: argparse.Namespace) -> int:
                 if s.alarm and s.source == "rules":
                     rule_alarms[n] = rule_alarms.get(n, 0) + 1
                 written += 1
-                w.writerow([repr(ts_of[n]), n, f"{s.score:.6f}", f"{s.threshold:.6f}", int(s.alarm), s.source,
+                w.writerow([stamp[n], n, f"{s.score:.6f}", f"{s.threshold:.6f}", int(s.alarm), s.source,
                             ";".join(f"{k}={v:g}" for k, v in s.top_features), "|".join(s.degraded),
                             "" if s.surprise != s.surprise else f"{s.surprise:.3f}", s.family])
     finally:
@@ -424,8 +463,16 @@ def _metrics(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from trainguard.predictor.history import MetricHistory
 
+    _check_not_an_input(args.metrics, "--metrics", {"--history": args.history})
+    _check_not_an_input(args.events, "--events", {"--history": args.history, "--metrics": args.metrics})
+    for flag, path in (("--metrics", args.metrics), ("--events", args.events)):
+        _check_out_folder(path, flag)  # before the first file is written, not a traceback after it
     with MetricHistory(args.history, readonly=True) as h:
-        n, e = h.export(args.metrics, args.events, since=args.since)
+        try:
+            n, e = h.export(args.metrics, args.events, since=args.since)
+        except OSError as exc:  # a read-only folder, a full disk, a folder where the file goes
+            flag = "--events" if exc.filename == args.events else "--metrics"
+            raise _usage(f"{flag} {exc.filename}: cannot write it ({exc.strerror}); give a writable path") from exc
     print(f"exported {n} samples and {e} events")
     return 0
 

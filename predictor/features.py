@@ -118,6 +118,14 @@ class FeatureConfig:
         Raises:
             DataFormatError: the windows do not fit the interval (the message names the flags).
         """
+        for flag, given in (("--short-window", short_window_s), ("--long-window", long_window_s)):
+            # the online runtime keeps a buffer of the long window per node: a window of 1e12 s trained, then
+            # every score asked for tens of GiB (a MemoryError traceback); no window longer than the history
+            # can be fitted anyway
+            if given is not None and history_s > 0 and given > history_s:
+                raise DataFormatError(
+                    f"{flag} {given:g} s is longer than the data's {history_s:g} s; give at most a quarter of it "
+                    f"({history_s / 4:g}) or leave the window flags out to derive them")
         short = short_window_s if short_window_s is not None else max(5.0 * interval_s, 300.0)
         if long_window_s is not None:
             long = long_window_s

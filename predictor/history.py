@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainguard.predictor.catalog import RESERVED_COLUMNS
 from trainguard.predictor.errors import HistoryError
 from trainguard.predictor.table import EventTable, MetricTable
 
@@ -239,10 +240,20 @@ class MetricHistory:
         if not math.isfinite(ts):
             raise HistoryError(f"node {node!r}: timestamp {ts!r} is not finite")
         names = tuple(sorted(metrics))
+        unfit = [n for n in names if not n or n in RESERVED_COLUMNS]
+        if unfit:
+            # each name becomes a column of the export, which could then not be written or read back
+            raise HistoryError(f"node {node!r}: metric name(s) {unfit} cannot be stored (empty, or a column the CSV "
+                               f"format reserves: {sorted(RESERVED_COLUMNS)}); rename the metric")
         try:
             vals = np.array([float(metrics[n]) for n in names], dtype="<f8")
         except (TypeError, ValueError) as exc:
             raise HistoryError(f"node {node!r}: a metric value is not a number ({exc}); pass floats") from exc
+        if np.isinf(vals).any():
+            # the CSV format (and PredictorRuntime.observe) refuses an infinite value: one stored here made every
+            # later export of the whole store fail
+            bad = names[int(np.argmax(np.isinf(vals)))]
+            raise HistoryError(f"node {node!r}: metric {bad!r} is infinite; pass NaN for a value that is unknown")
         with self._lock:
             node = self._stored_name(node)
             last = self._last.get(node)
@@ -384,6 +395,14 @@ class MetricHistory:
         values = np.full((len(rows), len(columns)), np.nan)
         for r, (_, _, sid, blob) in enumerate(rows):
             values[r, idx_of[sid]] = np.frombuffer(blob, dtype="<f8")
+        inf = np.isinf(values)
+        if inf.any():
+            # written before append refused them: exported as missing cells (the CSV format has no infinity),
+            # said once, rather than no export at all
+            r, c = (int(i[0]) for i in np.nonzero(inf))
+            log.warning("metric history %s: %d infinite value(s) exported as missing (empty) cells, e.g. node %r "
+                        "metric %r at %r", self.path, int(inf.sum()), node_of[rows[r][1]], columns[c], rows[r][0])
+            values[inf] = np.nan
         metrics = MetricTable(columns, np.array([r[0] for r in rows], dtype=np.float64),
                               np.array([node_of[r[1]] for r in rows], dtype=object), values)
         events = EventTable(np.array([e[0] for e in evs], dtype=np.float64),

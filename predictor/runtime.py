@@ -259,6 +259,39 @@ class PredictorRuntime:
         days = sum(x.observed_s for x in led) / 86400.0
         return sum(x.events for x in led) / days if days > 0 else math.nan
 
+    def _check_sample(self, ts: float, node: str, metrics: dict[str, float]) -> None:
+        """Refuses a sample before the rules tier or the features take it in. The rules tier ran first and kept
+        what it saw, so a refused sample (a repeated timestamp, an infinite value) that carried a fatal counter's
+        increase left none for the next sample to show: the XID alarm never fired.
+
+        Raises:
+            DataFormatError, FeatureMismatchError: as :meth:`observe`.
+        """
+        if not math.isfinite(ts):
+            raise DataFormatError(f"node {node!r}: timestamp {ts!r} is not finite")
+        buf = self._nodes.get(node)
+        if buf is not None and buf.n and ts <= buf.ts[buf.n - 1]:
+            raise DataFormatError(
+                f"node {node!r}: timestamp {ts} is not after the previous {buf.ts[buf.n - 1]}; samples must arrive "
+                "in increasing time (check the clock or drop the duplicate)"
+            )
+        for m, v in metrics.items():
+            if v is None:
+                continue
+            try:
+                x = float(v)
+            except (TypeError, ValueError):
+                raise DataFormatError(f"node {node!r}: metric {m!r} has non-numeric value {v!r}") from None
+            if math.isinf(x):
+                raise DataFormatError(f"node {node!r}: metric {m!r} is infinite; report NaN when unknown")
+        if self.model is not None and self.missing == "error":
+            absent = [m for m in self.model.spec.metrics if metrics.get(m) is None]
+            if absent:
+                raise FeatureMismatchError(
+                    f"node {node!r}: sample lacks {absent}, which the model was trained on; supply them or run "
+                    "with missing='nan' (degraded scores)"
+                )
+
     def _node_row(self, ts: float, node: str, metrics: dict[str, float], degraded: list[str]) -> np.ndarray:
         assert self.model is not None
         spec = self.model.spec
@@ -390,6 +423,7 @@ class PredictorRuntime:
             DataFormatError: time not increasing, non-numeric or infinite value.
             FeatureMismatchError: a model metric is absent and the policy is ``"error"``.
         """
+        self._check_sample(ts, node, metrics)
         hits = self.rules.evaluate(ts, node, metrics)
         if self.model is None:
             return Score(node, ts, 1.0 if hits else 0.0, 1.0, bool(hits),
@@ -426,6 +460,8 @@ class PredictorRuntime:
             return {n: self.observe(at[n], n, m) for n, m in samples.items()}
         spec = self.model.spec
         nodes = list(samples)
+        for n in nodes:  # every node's sample before any state changes: one refused sample refuses the round
+            self._check_sample(at[n], n, samples[n])
         hits = {n: self.rules.evaluate(at[n], n, samples[n]) for n in nodes}
         degraded = {n: [] for n in nodes}  # type: dict[str, list[str]]
         rows = np.full((len(nodes), len(spec.feature_names)), np.nan)

@@ -86,6 +86,8 @@ class MetricTable:
         values: shape (n, len(columns)), float64, NaN where missing.
         job: job names, shape (n,), or None (all nodes are one job).
         text_columns: non-numeric columns :meth:`from_csv` left out (not among ``columns``).
+        ts_text: each row's timestamp cell as the file wrote it (:meth:`from_csv` only; None for a table made
+            otherwise, e.g. resampled), so that output rows can carry the input's own time and join back to it.
     """
 
     columns: list[str]
@@ -94,6 +96,7 @@ class MetricTable:
     values: np.ndarray
     job: np.ndarray | None = None
     text_columns: list[str] = field(default_factory=list)
+    ts_text: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.ts = np.asarray(self.ts, dtype=np.float64)
@@ -295,6 +298,7 @@ class MetricTable:
                 metric_idx = [i for i, h in enumerate(header) if h not in RESERVED_COLUMNS]
                 columns = [header[i] for i in metric_idx]
                 ts: list[float] = []
+                ts_text: list[str] = []
                 nodes: list[str] = []
                 jobs: list[str] = []
                 rows: list[list[float]] = []
@@ -309,6 +313,7 @@ class MetricTable:
                         raise DataFormatError(f"{path}:{line_no}: {len(row)} cells but the header has {len(header)}")
                     where = f"{path}:{line_no}"
                     ts.append(_parse_time(row[i_ts], where))
+                    ts_text.append(row[i_ts].strip())
                     if not row[i_node].strip():
                         raise DataFormatError(f"{where}: empty node name; every row needs its node")
                     nodes.append(row[i_node].strip())
@@ -331,17 +336,27 @@ class MetricTable:
         if not ts:
             raise DataFormatError(f"{path}: no data rows after the header; give at least a row per node and interval")
         _check_seconds(path, ts)
+        unnamed = [k for k, c in enumerate(columns) if not c]
+        for k in unnamed:
+            # a row index (pandas' to_csv without index=False, a spreadsheet's first column) was taken as a metric
+            # named '' (an increasing counter), which every file scored later had to have too
+            if numeric[k] or k in bad:
+                raise DataFormatError(
+                    f"{path}:1: column {metric_idx[k] + 1} of the header has no name but holds values (a row index?); "
+                    "name it, or leave it out (pandas: to_csv(..., index=False))")
         refused = [bad[k] for k in bad
                    if not ignore_text or (used(columns[k]) if used is not None else numeric[k])]
         if refused:
             raise min(refused, key=lambda b: b[0])[1]
-        keep = [k for k in range(len(columns)) if k not in bad]
+        # an unnamed column left here holds no value (a trailing comma on every line): left out
+        keep = [k for k in range(len(columns)) if k not in bad and k not in unnamed]
         values = np.array(rows, dtype=np.float64).reshape(len(rows), len(columns))[:, keep]
         table = cls.__new__(cls)
         table.columns, table.ts, table.node, table.values = ([columns[k] for k in keep], np.array(ts),
                                                              np.array(nodes, dtype=object), values)
         table.job = np.array(jobs, dtype=object) if i_job is not None else None
         table.text_columns = [columns[k] for k in sorted(bad)]
+        table.ts_text = ts_text
         table.validate(str(path), check_order, lines)
         return table
 
@@ -394,6 +409,16 @@ class EventTable:
     def __len__(self) -> int:
         return len(self.ts)
 
+    def unique(self) -> tuple["EventTable", int]:
+        """The events without rows that repeat an earlier one's node and time (one failure logged twice, e.g. by two
+        detectors), and how many were left out."""
+        seen: set[tuple[str, float]] = set()
+        keep = np.zeros(len(self.ts), dtype=bool)
+        for i, key in enumerate(zip(self.node.astype(str).tolist(), self.ts.tolist())):
+            keep[i] = key not in seen
+            seen.add(key)
+        return EventTable(self.ts[keep], self.node[keep], self.kind[keep]), int((~keep).sum())
+
     def for_node(self, node: str) -> np.ndarray:
         """Failure times of one node, sorted."""
         return np.sort(self.ts[self.node.astype(str) == node]) if len(self.ts) else np.zeros(0)
@@ -421,6 +446,9 @@ class EventTable:
                     if len(row) != len(header):
                         raise DataFormatError(f"{path}:{line_no}: {len(row)} cells but the header has {len(header)}")
                     ts.append(_parse_time(row[it], f"{path}:{line_no}"))
+                    if not row[inode].strip():  # as in a metrics file: it matched no node and was never counted
+                        raise DataFormatError(f"{path}:{line_no}: empty node name; every event needs the node it "
+                                              "happened on")
                     nodes.append(row[inode].strip())
                     kinds.append(row[ikind].strip())
         except OSError as exc:
@@ -478,7 +506,30 @@ def _check_seconds(path: Path, ts: list[float]) -> None:
 
 
 def _not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
-    return (f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} cannot be decoded; a binary file, or text in "
+    """The message for a file that is not UTF-8, naming the line and column of the first bad byte (the decoder's
+    own offset is within a read buffer, so the file is read again as bytes to find it)."""
+    where, byte = str(path), exc.object[exc.start]
+    try:
+        with path.open("rb") as fh:
+            lines = fh.read().split(b"\n")
+    except OSError:
+        lines = []
+    for line_no, raw in enumerate(lines, start=1):
+        try:
+            raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+        except UnicodeDecodeError as bad:
+            byte = raw[bad.start]
+            where = f"{path}:{line_no}"
+            try:  # the column too, where the header and the line parse (not in a binary file)
+                header = next(csv.reader([lines[0].decode("utf-8-sig", "replace").rstrip("\r")]), [])
+                cells = next(csv.reader([raw.decode("utf-8", "replace").rstrip("\r")]), [])
+            except csv.Error:
+                header = cells = []
+            col = next((i for i, c in enumerate(cells) if "\ufffd" in c), None)
+            if col is not None and line_no > 1 and col < len(header):
+                where += f" column {header[col].strip()!r}"
+            break
+    return (f"{where}: not UTF-8 text (byte 0x{byte:02x} cannot be decoded; a binary file, or text in "
             "another encoding such as Latin-1?); save it as a UTF-8 CSV")
 
 
