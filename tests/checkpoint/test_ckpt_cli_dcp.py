@@ -96,3 +96,23 @@ def test_import_foreign_dcp_checkpoint(tmp_path):
     assert state["epoch"] == 4
     for k, v in m.state_dict().items():
         assert torch.equal(m2.state_dict()[k], v), k
+
+
+def test_export_and_import_take_file_urls_and_refuse_remote_ones(tmp_path, monkeypatch):
+    # A file:// URL names the local folder, as it does for the checkpoint root: the export lands there (no
+    # ./file:/... folder under the working directory), a second export is refused unless --force, and import
+    # reads it back. An in-process or remote URL is refused naming the argument, not reported as exported.
+    monkeypatch.chdir(tmp_path)
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        ck.save({"w": torch.arange(10.0)}, 4)
+    out_url = f"file://{tmp_path}/exp"
+    first = _cli("export", str(tmp_path / "ck"), out_url)
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "exp" / ".metadata").is_file() and not (tmp_path / "file:").exists()
+    again = _cli("export", str(tmp_path / "ck"), out_url)
+    assert again.returncode == 2 and "not empty" in again.stderr
+    imp = _cli("import", out_url, str(tmp_path / "ck2"), "--job", "k")
+    assert imp.returncode == 0 and "as step 4" in imp.stdout, imp.stderr
+    mem = _cli("export", str(tmp_path / "ck"), "memory://exp")
+    assert mem.returncode == 2 and "output 'memory://exp' is not a local folder" in mem.stderr
+    assert not (tmp_path / "memory:").exists()
