@@ -116,3 +116,26 @@ def test_export_and_import_take_file_urls_and_refuse_remote_ones(tmp_path, monke
     mem = _cli("export", str(tmp_path / "ck"), "memory://exp")
     assert mem.returncode == 2 and "output 'memory://exp' is not a local folder" in mem.stderr
     assert not (tmp_path / "memory:").exists()
+
+
+def test_commit_record_or_marker_of_the_wrong_shape_fails_no_commit(tmp_path):
+    # COMMITTED.json and the commit markers are only read, never trusted: valid JSON of another shape used to
+    # raise in every commit (each step failed, retention never ran) and make `ckpt ls` print a traceback.
+    from trainguard.checkpoint.storage import marker_name
+
+    with Checkpointer(_inline(tmp_path, disk={"keep": 1}), job="j") as ck:
+        ck.save({"w": torch.zeros(100)}, 1)
+        assert ck.wait()
+    job_dir = tmp_path / "ck" / "j"
+    (job_dir / "COMMITTED.json").write_text("[1]")
+    (job_dir / step_dirname(1) / marker_name(0)).write_text('{"world_size": "x"}')
+    listing = _cli("ls", str(tmp_path / "ck"))
+    assert listing.returncode == 0 and "newest committed (record): none" in listing.stdout, listing.stderr
+    with Checkpointer(_inline(tmp_path, disk={"keep": 1}), job="j") as ck:
+        assert ck.restore({"w": torch.ones(100)}) is None  # step 1 lost its marker: not committed
+        for s in (2, 3):
+            ck.save({"w": torch.full((100,), float(s))}, s)
+            assert ck.wait(s)
+        assert [i.step for i in ck.steps()] == [3]
+    assert json.loads((job_dir / "COMMITTED.json").read_text())["step"] == 3
+    assert sorted(os.listdir(job_dir)) == ["COMMITTED.json", step_dirname(3)]
