@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from trainguard.checkpoint import agreement
 from trainguard.checkpoint import arena as arena_mod
 from trainguard.checkpoint.arena import Arena, write_tag
 from trainguard.checkpoint.channel import PersistChannel, open_channel
@@ -700,6 +701,11 @@ class Checkpointer:
         A copy failing its checksums is skipped with a logged reason; the next tier, then the previous complete
         step, is tried. ``last_restore_tier`` names the tier that served it.
 
+        Inside a process group of ``world_size`` ranks (``torch.distributed`` initialized) a restore without
+        ``step`` is a collective, called by every rank: the ranks agree on one step (see :mod:`.agreement`). A
+        rank whose copy of the newest step is torn falls back to an older one, the others follow it (each logs
+        which steps the ranks restored), and when any rank's restore raises, every rank raises.
+
         Sharded state (DTensors: FSDP2, tensor parallel) is placed into the live layout whatever the saving
         layout was: the same mesh (each rank copies its own shard), another world size, or plain tensors on one
         rank; each rank reads only the byte ranges its shards overlap (see :mod:`.shards`). Non-DTensor values of
@@ -723,11 +729,45 @@ class Checkpointer:
                 replicated state.
             NoCheckpointError: ``step`` was given and no tier holds a valid copy of it.
             StateMismatchError: the checkpoint does not fit ``state`` (the message names the key).
+            CheckpointError: inside a process group, another rank's restore raised, or some ranks found no
+                checkpoint while others restored one.
         """
+        if step is not None or not agreement.in_group(self.world_size):
+            return self._restore_local(state, step, corrupt_ok)
+        try:
+            mine = self._restore_local(state, None, corrupt_ok)
+        except Exception:
+            agreement.exchange(agreement.FAILED)  # the other ranks must not wait for this one, nor train
+            raise
+        while True:
+            lowest, highest = agreement.exchange(agreement.NOTHING if mine is None else mine)
+            if lowest == agreement.FAILED:
+                raise CheckpointError(f"rank {self.rank}: another rank could not restore job {self.job!r} (see "
+                                      "its log: corrupt copies or a state mismatch); no rank starts training")
+            if lowest == highest:
+                return mine
+            if lowest == agreement.NOTHING:
+                raise CheckpointError(
+                    f"rank {self.rank}: some ranks of job {self.job!r} have no checkpoint while others restored "
+                    f"up to step {highest}; check each rank's files with `trainguard ckpt verify`")
+            log.warning("rank %d: ranks restored steps %d..%d of job %r; every rank resumes from step %d",
+                        self.rank, lowest, highest, self.job, lowest)
+            if mine != lowest:
+                try:
+                    mine = self._restore_local(state, None, corrupt_ok=False, at_most=lowest)
+                except Exception:
+                    agreement.exchange(agreement.FAILED)
+                    raise
+
+    def _restore_local(self, state: MutableMapping[str, Any], step: int | None, corrupt_ok: bool,
+                       at_most: int | None = None) -> int | None:
+        """:meth:`restore` on this rank alone; ``at_most`` leaves out newer steps (another rank's fallback)."""
         self._finish_pending()
         infos = self._list_steps(retired=True)  # the newest step still wins; retired copies only add older ones
         if step is not None:
             infos = [i for i in infos if i.step == step]
+        if at_most is not None:
+            infos = [i for i in infos if i.step <= at_most]
         reasons: list[str] = []
         for info in reversed(infos):
             for tier in info.tiers:
