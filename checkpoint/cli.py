@@ -114,13 +114,19 @@ def _job(directory: str, job: str | None) -> str:
     return jobs[0]
 
 
-def _local_folder(text: str, name: str, verb: str) -> str:
-    """The local path of the DCP folder argument ``name``: a path, ``file:///abs`` or ``file:/abs``.
+_DCP_HINT = ("export and import use local folders only: give a path (or file:///abs/dir) and copy the folder to "
+             "or from remote storage with its own tools")
+_SHM_HINT = "give the shared-memory tier's root as a path (or file:///abs/dir), e.g. /dev/shm/trainguard"
+
+
+def _local_folder(text: str, name: str, hint: str) -> str:
+    """The local path of the folder argument ``name``: a path, ``file:///abs`` or ``file:/abs``.
 
     Before, the text went to ``os`` and to ``dcp.save`` as given: ``export DIR file:///abs/out`` created a folder
     ``./file:/abs/out`` under the working directory and skipped the not-empty check (DCP's own fsspec writer put
     the files in ``/abs/out``, over an earlier export), ``export DIR memory://out`` reported success for files
-    that vanished with the process, and ``import file:///abs/dcp`` said the export had no ``.metadata``.
+    that vanished with the process, ``import file:///abs/dcp`` said the export had no ``.metadata``, and
+    ``gc --shm file:///dev/shm/trainguard`` said it removed an arena it never looked at.
 
     Raises:
         CheckpointError: a remote or in-process URL (``s3://``, ``memory://``), or a ``file://`` URL with a host
@@ -130,8 +136,7 @@ def _local_folder(text: str, name: str, verb: str) -> str:
 
     location = CheckpointLocation.parse(text, name)
     if not location.is_local:
-        raise CheckpointError(f"{name} {text!r} is not a local folder: {verb} local files only; give a path (or "
-                              "file:///abs/dir) and copy the folder to or from remote storage with its own tools")
+        raise CheckpointError(f"{name} {text!r} is not a local folder; {hint}")
     return location.local_path
 
 
@@ -169,6 +174,8 @@ def _open_rank(store: Any, step: int, rank: int) -> Any:
 
 # ---------------------------------------------------------------------- handlers
 def _ls(args: argparse.Namespace) -> int:
+    if args.shm:
+        args.shm = _local_folder(args.shm, "--shm", _SHM_HINT)
     store = _store(args.directory, args.job)
     job = store.job_dir.rstrip("/").rsplit("/", 1)[-1]
     rows = []
@@ -288,6 +295,8 @@ def gc_plan(store: Any, keep: int) -> GcPlan:
 def _gc(args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise CheckpointError("--keep must be >= 1")
+    if args.shm:
+        args.shm = _local_folder(args.shm, "--shm", _SHM_HINT)
     store = _store(args.directory, args.job)
     plan = gc_plan(store, args.keep)
     dry = getattr(args, "dry_run", False)
@@ -325,7 +334,7 @@ def _export(args: argparse.Namespace) -> int:
         raise CheckpointError("export reads the local disk tier; pass a local checkpoint root")
     root = location.local_path
     job = _job(root, args.job)
-    output = _local_folder(args.output, "output", "export writes")
+    output = _local_folder(args.output, "output", _DCP_HINT)
     if os.path.exists(output) and not os.path.isdir(output):
         raise CheckpointError(f"{args.output} is a file; pass a folder (new or empty) for the export")
     if os.path.isdir(output) and os.listdir(output) and not getattr(args, "force", False):
@@ -351,7 +360,7 @@ def _import(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     with tqdm(total=1, desc="import", file=sys.stderr, disable=None, leave=False) as bar:
-        step = import_dcp(_local_folder(args.source, "source", "import reads"), location.local_path, args.job,
+        step = import_dcp(_local_folder(args.source, "source", _DCP_HINT), location.local_path, args.job,
                           args.step, args.world_size)
         bar.update(1)
     print(f"imported {args.source} as step {step} of job {args.job}")

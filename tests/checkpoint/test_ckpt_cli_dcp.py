@@ -139,3 +139,21 @@ def test_commit_record_or_marker_of_the_wrong_shape_fails_no_commit(tmp_path):
         assert [i.step for i in ck.steps()] == [3]
     assert json.loads((job_dir / "COMMITTED.json").read_text())["step"] == 3
     assert sorted(os.listdir(job_dir)) == ["COMMITTED.json", step_dirname(3)]
+
+
+def test_shm_flag_takes_a_file_url_and_refuses_other_urls(tmp_path):
+    # `gc --shm file:///root` printed "removed the shared-memory arena" and removed nothing (and `ls --shm`
+    # listed nothing): the URL was read as a relative folder.
+    from trainguard.checkpoint import arena as arena_mod
+
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        ck.save({"w": torch.zeros(10)}, 1)
+    rank_dir = arena_mod.rank_dir(str(tmp_path / "shm"), "j", 0)
+    os.makedirs(rank_dir)
+    (tmp_path / "shm" / "j" / "rank_00000" / "slot_0.data").write_bytes(b"x" * 64)
+    gc = _cli("gc", str(tmp_path / "ck"), "--keep", "1", "--shm", f"file://{tmp_path}/shm")
+    assert gc.returncode == 0, gc.stderr
+    assert not os.path.exists(rank_dir)
+    assert f"removed the shared-memory arena under {tmp_path}/shm" in gc.stdout
+    bad = _cli("ls", str(tmp_path / "ck"), "--shm", "memory://shm")
+    assert bad.returncode == 2 and "--shm 'memory://shm' is not a local folder" in bad.stderr
