@@ -352,15 +352,13 @@ class Checkpointer:
         arena = self._ensure_arena(data_bytes)
         index = self._acquire_slot(step)
         try:
-            slot = arena.get(index, data_bytes)
-            slot.lock(exclusive=True)
+            slot = self._take_slot(arena, index, data_bytes)
         except StorageUnavailableError as exc:
             self._release_slot(index)
             arena = self._outgrow_memory(data_bytes, exc)
             index = self._acquire_slot(step)
             try:
-                slot = arena.get(index, data_bytes)
-                slot.lock(exclusive=True)
+                slot = self._take_slot(arena, index, data_bytes)
             except BaseException:
                 self._release_slot(index)
                 raise
@@ -369,12 +367,6 @@ class Checkpointer:
             raise
         try:
             paths = slot.paths
-            # The slot stops being a memory-tier copy (listed or retired) before it is overwritten.
-            try:
-                arena_mod.drop_manifests(paths)
-                write_tag(paths, arena_mod.WRITING)
-            except OSError as exc:  # the folder removed under us: a storage failure, never the step's error
-                raise storage_error(exc, f"mark staging slot {index} of {arena.dir} as being written") from exc
             staging = self._staging_of(index, slot)
             deferred_ptrs = storage_ptrs(_as_list(overlap_with)) if overlap_with is not None else set()
             eager, deferred = [], []
@@ -406,11 +398,15 @@ class Checkpointer:
                 if err is not None:
                     self._fail_step(step, f"snapshot copy failed: {err}")
                     return
-                write_tag(paths, str(step))
+                try:
+                    write_tag(paths, str(step))
+                except OSError as exc:  # a full tmpfs (see _take_slot): this step is lost, not the training
+                    err = storage_error(exc, f"tag staging slot {index} of {arena.dir} with step {step}")
+                    self._fail_step(step, f"snapshot not published: {err}")
+                    return
             finally:
                 slot.unlock()
-            if err is None:
-                self._submit(step, index, manifest, paths)
+            self._submit(step, index, manifest, paths)
 
         if deferred:
             self._install_hooks(_as_list(overlap_with))
@@ -418,6 +414,28 @@ class Checkpointer:
         else:
             publish(None)
         return SaveHandle(step, self)
+
+    def _take_slot(self, arena: Arena, index: int, nbytes: int) -> Any:
+        """Slot ``index`` of ``arena``, sized for ``nbytes``, locked and tagged as being written.
+
+        The slot stops being a memory-tier copy (listed or retired) before it is overwritten. Tagging it creates
+        a small file: on a /dev/shm that another process filled after the slots were allocated (DataLoader
+        workers share tensors there) it fails with ENOSPC. That used to raise out of ``save()`` at every step
+        (no step reached disk either); now the caller stages on the fallback, as for slots that do not fit.
+
+        Raises:
+            StorageUnavailableError: the slot cannot be sized, locked or tagged (the folder removed under us, a
+                full tmpfs).
+        """
+        slot = arena.get(index, nbytes)
+        slot.lock(exclusive=True)
+        try:
+            arena_mod.drop_manifests(slot.paths)
+            write_tag(slot.paths, arena_mod.WRITING)
+        except OSError as exc:
+            slot.unlock()
+            raise storage_error(exc, f"mark staging slot {index} of {arena.dir} as being written") from exc
+        return slot
 
     def _staging_of(self, index: int, slot: Any) -> torch.Tensor:
         t = self._staging.get(index)

@@ -184,10 +184,16 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
 
     if req.get("memory"):
         tmp = paths.manifest + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(man_json)
-        os.replace(tmp, paths.manifest)
-        outcome("memory", None)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(man_json)
+            os.replace(tmp, paths.manifest)
+        except OSError as exc:
+            # A /dev/shm filled by another process: only the memory tier fails. Before, the error left this
+            # function and the disk copy, already written, was never committed.
+            outcome("memory", storage_error(exc.with_traceback(None), f"publish step {step} in memory"))
+        else:
+            outcome("memory", None)
 
     disk_ok = False
     if disk and local is not None:
