@@ -191,7 +191,9 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
         except OSError as exc:
             # A /dev/shm filled by another process: only the memory tier fails. Before, the error left this
             # function and the disk copy, already written, was never committed.
-            outcome("memory", storage_error(exc.with_traceback(None), f"publish step {step} in memory"))
+            err = storage_error(exc.with_traceback(None), f"publish step {step} in memory")
+            err.__cause__ = exc  # keeps the errno for the event kind
+            outcome("memory", err)
         else:
             outcome("memory", None)
 
