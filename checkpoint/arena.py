@@ -100,11 +100,43 @@ def read_tag(paths: SlotPaths) -> str:
 
 
 def write_tag(paths: SlotPaths, tag: str) -> None:
-    """Sets the slot's tag (tmpfs: a rename is enough, there is nothing to fsync)."""
+    """Sets the slot's tag (tmpfs: a rename is enough, there is nothing to fsync).
+
+    On a tmpfs that another process filled, the new file finds no page: the tag is then written over the old
+    one in place (its page is already there). A reader racing that write sees neither tag whole, so it takes
+    the slot for one being rewritten, which is what it is.
+
+    Raises:
+        OSError: the tag cannot be written either way.
+    """
     tmp = paths.tag + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(tag)
+    try:
+        with open(tmp, "w") as f:
+            f.write(tag)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        _overwrite_tag(paths.tag, tag, exc)
+        return
     os.replace(tmp, paths.tag)
+
+
+def _overwrite_tag(path: str, tag: str, full: OSError) -> None:
+    """Writes ``tag`` over the existing tag file in place; raises ``full`` when there is none."""
+    try:
+        os.unlink(path + ".tmp")
+    except OSError:
+        pass
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        raise full from None
+    try:
+        data = tag.encode()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
 
 
 class Slot:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from trainguard.checkpoint import agreement
 from trainguard.checkpoint import arena as arena_mod
 from trainguard.checkpoint.arena import Arena, write_tag
 from trainguard.checkpoint.channel import PersistChannel, open_channel
@@ -351,15 +352,13 @@ class Checkpointer:
         arena = self._ensure_arena(data_bytes)
         index = self._acquire_slot(step)
         try:
-            slot = arena.get(index, data_bytes)
-            slot.lock(exclusive=True)
+            slot = self._take_slot(arena, index, data_bytes)
         except StorageUnavailableError as exc:
             self._release_slot(index)
             arena = self._outgrow_memory(data_bytes, exc)
             index = self._acquire_slot(step)
             try:
-                slot = arena.get(index, data_bytes)
-                slot.lock(exclusive=True)
+                slot = self._take_slot(arena, index, data_bytes)
             except BaseException:
                 self._release_slot(index)
                 raise
@@ -368,12 +367,6 @@ class Checkpointer:
             raise
         try:
             paths = slot.paths
-            # The slot stops being a memory-tier copy (listed or retired) before it is overwritten.
-            try:
-                arena_mod.drop_manifests(paths)
-                write_tag(paths, arena_mod.WRITING)
-            except OSError as exc:  # the folder removed under us: a storage failure, never the step's error
-                raise storage_error(exc, f"mark staging slot {index} of {arena.dir} as being written") from exc
             staging = self._staging_of(index, slot)
             deferred_ptrs = storage_ptrs(_as_list(overlap_with)) if overlap_with is not None else set()
             eager, deferred = [], []
@@ -405,11 +398,15 @@ class Checkpointer:
                 if err is not None:
                     self._fail_step(step, f"snapshot copy failed: {err}")
                     return
-                write_tag(paths, str(step))
+                try:
+                    write_tag(paths, str(step))
+                except OSError as exc:  # a full tmpfs (see _take_slot): this step is lost, not the training
+                    err = storage_error(exc, f"tag staging slot {index} of {arena.dir} with step {step}")
+                    self._fail_step(step, f"snapshot not published: {err}")
+                    return
             finally:
                 slot.unlock()
-            if err is None:
-                self._submit(step, index, manifest, paths)
+            self._submit(step, index, manifest, paths)
 
         if deferred:
             self._install_hooks(_as_list(overlap_with))
@@ -417,6 +414,28 @@ class Checkpointer:
         else:
             publish(None)
         return SaveHandle(step, self)
+
+    def _take_slot(self, arena: Arena, index: int, nbytes: int) -> Any:
+        """Slot ``index`` of ``arena``, sized for ``nbytes``, locked and tagged as being written.
+
+        The slot stops being a memory-tier copy (listed or retired) before it is overwritten. Tagging it creates
+        a small file: on a /dev/shm that another process filled after the slots were allocated (DataLoader
+        workers share tensors there) it fails with ENOSPC. That used to raise out of ``save()`` at every step
+        (no step reached disk either); now the caller stages on the fallback, as for slots that do not fit.
+
+        Raises:
+            StorageUnavailableError: the slot cannot be sized, locked or tagged (the folder removed under us, a
+                full tmpfs).
+        """
+        slot = arena.get(index, nbytes)
+        slot.lock(exclusive=True)
+        try:
+            arena_mod.drop_manifests(slot.paths)
+            write_tag(slot.paths, arena_mod.WRITING)
+        except OSError as exc:
+            slot.unlock()
+            raise storage_error(exc, f"mark staging slot {index} of {arena.dir} as being written") from exc
+        return slot
 
     def _staging_of(self, index: int, slot: Any) -> torch.Tensor:
         t = self._staging.get(index)
@@ -700,6 +719,11 @@ class Checkpointer:
         A copy failing its checksums is skipped with a logged reason; the next tier, then the previous complete
         step, is tried. ``last_restore_tier`` names the tier that served it.
 
+        Inside a process group of ``world_size`` ranks (``torch.distributed`` initialized) a restore without
+        ``step`` is a collective, called by every rank: the ranks agree on one step (see :mod:`.agreement`). A
+        rank whose copy of the newest step is torn falls back to an older one, the others follow it (each logs
+        which steps the ranks restored), and when any rank's restore raises, every rank raises.
+
         Sharded state (DTensors: FSDP2, tensor parallel) is placed into the live layout whatever the saving
         layout was: the same mesh (each rank copies its own shard), another world size, or plain tensors on one
         rank; each rank reads only the byte ranges its shards overlap (see :mod:`.shards`). Non-DTensor values of
@@ -723,11 +747,45 @@ class Checkpointer:
                 replicated state.
             NoCheckpointError: ``step`` was given and no tier holds a valid copy of it.
             StateMismatchError: the checkpoint does not fit ``state`` (the message names the key).
+            CheckpointError: inside a process group, another rank's restore raised, or some ranks found no
+                checkpoint while others restored one.
         """
+        if step is not None or not agreement.in_group(self.world_size):
+            return self._restore_local(state, step, corrupt_ok)
+        try:
+            mine = self._restore_local(state, None, corrupt_ok)
+        except Exception:
+            agreement.exchange(agreement.FAILED)  # the other ranks must not wait for this one, nor train
+            raise
+        while True:
+            lowest, highest = agreement.exchange(agreement.NOTHING if mine is None else mine)
+            if lowest == agreement.FAILED:
+                raise CheckpointError(f"rank {self.rank}: another rank could not restore job {self.job!r} (see "
+                                      "its log: corrupt copies or a state mismatch); no rank starts training")
+            if lowest == highest:
+                return mine
+            if lowest == agreement.NOTHING:
+                raise CheckpointError(
+                    f"rank {self.rank}: some ranks of job {self.job!r} have no checkpoint while others restored "
+                    f"up to step {highest}; check each rank's files with `trainguard ckpt verify`")
+            log.warning("rank %d: ranks restored steps %d..%d of job %r; every rank resumes from step %d",
+                        self.rank, lowest, highest, self.job, lowest)
+            if mine != lowest:
+                try:
+                    mine = self._restore_local(state, None, corrupt_ok=False, at_most=lowest)
+                except Exception:
+                    agreement.exchange(agreement.FAILED)
+                    raise
+
+    def _restore_local(self, state: MutableMapping[str, Any], step: int | None, corrupt_ok: bool,
+                       at_most: int | None = None) -> int | None:
+        """:meth:`restore` on this rank alone; ``at_most`` leaves out newer steps (another rank's fallback)."""
         self._finish_pending()
         infos = self._list_steps(retired=True)  # the newest step still wins; retired copies only add older ones
         if step is not None:
             infos = [i for i in infos if i.step == step]
+        if at_most is not None:
+            infos = [i for i in infos if i.step <= at_most]
         reasons: list[str] = []
         for info in reversed(infos):
             for tier in info.tiers:

@@ -114,6 +114,32 @@ def _job(directory: str, job: str | None) -> str:
     return jobs[0]
 
 
+_DCP_HINT = ("export and import use local folders only: give a path (or file:///abs/dir) and copy the folder to "
+             "or from remote storage with its own tools")
+_SHM_HINT = "give the shared-memory tier's root as a path (or file:///abs/dir), e.g. /dev/shm/trainguard"
+
+
+def _local_folder(text: str, name: str, hint: str) -> str:
+    """The local path of the folder argument ``name``: a path, ``file:///abs`` or ``file:/abs``.
+
+    Before, the text went to ``os`` and to ``dcp.save`` as given: ``export DIR file:///abs/out`` created a folder
+    ``./file:/abs/out`` under the working directory and skipped the not-empty check (DCP's own fsspec writer put
+    the files in ``/abs/out``, over an earlier export), ``export DIR memory://out`` reported success for files
+    that vanished with the process, ``import file:///abs/dcp`` said the export had no ``.metadata``, and
+    ``gc --shm file:///dev/shm/trainguard`` said it removed an arena it never looked at.
+
+    Raises:
+        CheckpointError: a remote or in-process URL (``s3://``, ``memory://``), or a ``file://`` URL with a host
+            part; the message names the argument.
+    """
+    from trainguard.checkpoint.location import CheckpointLocation
+
+    location = CheckpointLocation.parse(text, name)
+    if not location.is_local:
+        raise CheckpointError(f"{name} {text!r} is not a local folder; {hint}")
+    return location.local_path
+
+
 def _bar(total: int | None, desc: str) -> Any:
     from tqdm import tqdm
 
@@ -148,6 +174,8 @@ def _open_rank(store: Any, step: int, rank: int) -> Any:
 
 # ---------------------------------------------------------------------- handlers
 def _ls(args: argparse.Namespace) -> int:
+    if args.shm:
+        args.shm = _local_folder(args.shm, "--shm", _SHM_HINT)
     store = _store(args.directory, args.job)
     job = store.job_dir.rstrip("/").rsplit("/", 1)[-1]
     rows = []
@@ -267,6 +295,8 @@ def gc_plan(store: Any, keep: int) -> GcPlan:
 def _gc(args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise CheckpointError("--keep must be >= 1")
+    if args.shm:
+        args.shm = _local_folder(args.shm, "--shm", _SHM_HINT)
     store = _store(args.directory, args.job)
     plan = gc_plan(store, args.keep)
     dry = getattr(args, "dry_run", False)
@@ -304,15 +334,16 @@ def _export(args: argparse.Namespace) -> int:
         raise CheckpointError("export reads the local disk tier; pass a local checkpoint root")
     root = location.local_path
     job = _job(root, args.job)
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
+    output = _local_folder(args.output, "output", _DCP_HINT)
+    if os.path.exists(output) and not os.path.isdir(output):
         raise CheckpointError(f"{args.output} is a file; pass a folder (new or empty) for the export")
-    if os.path.isdir(args.output) and os.listdir(args.output) and not getattr(args, "force", False):
+    if os.path.isdir(output) and os.listdir(output) and not getattr(args, "force", False):
         # DCP writes its .metadata and shard files over whatever is there: another export would be lost.
         raise CheckpointError(f"{args.output} is not empty; choose a new folder, or pass --force to write the "
                               "export into it")
     bar = _bar(None, "verify+export")  # type: ignore[arg-type]
     try:
-        step = export_step(root, job, args.step, args.output, bar.update)
+        step = export_step(root, job, args.step, output, bar.update)
     finally:
         bar.close()
     print(f"exported step {step} of job {job} to {args.output} (torch.distributed.checkpoint layout)")
@@ -329,7 +360,8 @@ def _import(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     with tqdm(total=1, desc="import", file=sys.stderr, disable=None, leave=False) as bar:
-        step = import_dcp(args.source, location.local_path, args.job, args.step, args.world_size)
+        step = import_dcp(_local_folder(args.source, "source", _DCP_HINT), location.local_path, args.job,
+                          args.step, args.world_size)
         bar.update(1)
     print(f"imported {args.source} as step {step} of job {args.job}")
     return 0

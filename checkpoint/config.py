@@ -191,6 +191,9 @@ class CheckpointConfig:
     def validate(self) -> None:
         """Checks every field.
 
+        A ``file://`` URL in a field that takes a local directory (``local_cache``, ``memory.directory``,
+        ``memory.fallback_directory``) is replaced by its path, as for ``directory``.
+
         Raises:
             CheckpointConfigError: a value is out of range or inconsistent (the message names it).
         """
@@ -199,6 +202,11 @@ class CheckpointConfig:
         for obj, where in ((self, "checkpoint"), (self.memory, "checkpoint.memory"), (self.disk, "checkpoint.disk"),
                            (self.remote, "checkpoint.remote"), (self.persist, "checkpoint.persist")):
             _check_types(obj, where)
+        self.local_cache = _local_directory(self.local_cache, "checkpoint.local_cache")
+        self.memory.directory = _local_directory(
+            self.memory.directory, f"checkpoint.memory.directory (or ${CHECKPOINT_SHM_DIR_ENV})")
+        self.memory.fallback_directory = _local_directory(self.memory.fallback_directory,
+                                                          "checkpoint.memory.fallback_directory")
         check_local_url(self.directory, "checkpoint.directory")
         if isinstance(self.remote.url, str):
             check_local_url(self.remote.url, "checkpoint.remote.url")
@@ -300,6 +308,25 @@ _FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "str | None": ((str, type(None)), "a non-empty string (or left out)"),
     "dict[str, Any]": ((Mapping,), "a table"),
 }
+
+
+def _local_directory(value: str | None, key: str) -> str | None:
+    """The local path a local-directory field names: a path as given, ``file:///abs`` or ``file:/abs`` as ``/abs``.
+
+    Before, such a field was used as a path verbatim: ``TRAINGUARD_CHECKPOINT_SHM_DIR=file:///dev/shm/tg`` put the
+    "shared-memory" arena in a folder ``./file:/dev/shm/tg`` on the disk of each process's working directory.
+
+    Raises:
+        CheckpointConfigError: another URL (``s3://``, ``memory://``) or a ``file://`` URL with a host part,
+            naming ``key``.
+    """
+    if value is None:
+        return None
+    location = CheckpointLocation.parse(value, key)
+    if not location.is_local:
+        raise CheckpointConfigError(f"{key} = {value!r}: takes a local directory (a path or file:///abs/dir), "
+                                    "not a URL")
+    return location.local_path
 
 
 def _check_types(obj: Any, where: str) -> None:

@@ -184,10 +184,18 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
 
     if req.get("memory"):
         tmp = paths.manifest + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(man_json)
-        os.replace(tmp, paths.manifest)
-        outcome("memory", None)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(man_json)
+            os.replace(tmp, paths.manifest)
+        except OSError as exc:
+            # A /dev/shm filled by another process: only the memory tier fails. Before, the error left this
+            # function and the disk copy, already written, was never committed.
+            err = storage_error(exc.with_traceback(None), f"publish step {step} in memory")
+            err.__cause__ = exc  # keeps the errno for the event kind
+            outcome("memory", err)
+        else:
+            outcome("memory", None)
 
     disk_ok = False
     if disk and local is not None:
@@ -197,8 +205,17 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
             try:
                 assert pending is not None
                 pending.commit()  # fsync, rename, directory fsync
-                local.write_small(step, manifest_name(rank), man_json)
-                local.commit_rank(step, rank, ws, digest)
+                try:
+                    _write_commit(local, step, rank, ws, man_json, digest)
+                except OSError as exc:
+                    # The data fitted but its manifest or marker did not. Without room made here the step stayed
+                    # torn, newer than the newest complete one, which make_room never removes: on a disk of ~2.5
+                    # steps a 2-rank job then failed every later step (steps 15-99 of 100 measured).
+                    if exc.errno != errno.ENOSPC or not _make_room(
+                            local, step, rank, len(man_json) + _SMALL_FILES_BYTES, int(disk.get("keep", 3)),
+                            uploading):
+                        raise
+                    _write_commit(local, step, rank, ws, man_json, digest)
             except OSError as exc:
                 raise storage_error(exc, f"write step {step} to {local.describe()}") from exc
             disk_ok = True
@@ -241,6 +258,12 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
     return upload
 
 
+def _write_commit(local: LocalStore, step: int, rank: int, world_size: int, man_json: bytes, digest: str) -> None:
+    """Writes a rank's manifest, then its commit marker (and the job's commit record when the step is complete)."""
+    local.write_small(step, manifest_name(rank), man_json)
+    local.commit_rank(step, rank, world_size, digest)
+
+
 def _write_data(local: LocalStore, step: int, rank: int, view: memoryview, man: Manifest, throttle: Throttle,
                 chunks: list[str]) -> PendingFile:
     """Writes a rank's data file under its temporary name, hashing each chunk into ``chunks``.
@@ -271,7 +294,8 @@ def _room_needed(man: Manifest) -> int:
 
 
 def _make_room(local: LocalStore, step: int, rank: int, needed: int, keep: int, uploading: set[int]) -> bool:
-    """After ENOSPC: removes older steps so this one fits; True when some were removed (write once more).
+    """After ENOSPC: removes older steps so this one fits; True when the write should be tried once more (steps
+    were removed, or there is room already: another rank's persist removed steps since the write failed).
 
     With retention K, K steps may fit on the filesystem but not K+1, and retention removes the oldest step only
     after the new one commits: without this, every later save failed and the disk tier stayed K steps old.
@@ -282,6 +306,12 @@ def _make_room(local: LocalStore, step: int, rank: int, needed: int, keep: int, 
         log.warning("cannot make room for step %d in %s: %s", step, local.describe(), exc)
         return False
     if not removed:
+        try:
+            st = os.statvfs(local.job_dir)
+            if st.f_bavail * st.f_frsize >= needed:
+                return True  # another rank's persist removed steps meanwhile (its retention, or its make_room)
+        except OSError:
+            pass
         log.info("step %d rank %d: the disk is full and removing older steps would not make room for %.1f MiB "
                  "(the newest complete step, and steps being written or read, stay)", step, rank,
                  needed / 2**20)

@@ -142,9 +142,11 @@ class StepStore(ABC):
             if not m:
                 continue
             try:
-                out[int(m.group(1))] = json.loads(self.read_small(step, name))
+                marker = json.loads(self.read_small(step, name))
             except (OSError, ValueError):
                 continue
+            if isinstance(marker, dict) and _int_field(marker, "world_size") > 0:
+                out[int(m.group(1))] = marker
         return out
 
     def is_complete(self, step: int) -> tuple[bool, int]:
@@ -152,7 +154,7 @@ class StepStore(ABC):
         marks = self.markers(step)
         if not marks:
             return False, 0
-        sizes = {int(m.get("world_size", -1)) for m in marks.values()}
+        sizes = {_int_field(m, "world_size") for m in marks.values()}
         if len(sizes) != 1:
             return False, 0
         ws = sizes.pop()
@@ -182,11 +184,8 @@ class StepStore(ABC):
         return complete
 
     def _update_record(self, step: int, world_size: int) -> None:
-        try:
-            current = json.loads(self.read_small(None, COMMIT_RECORD)).get("step", -1)
-        except (OSError, ValueError):
-            current = -1
-        if step >= int(current):
+        record = self.record()
+        if record is None or step >= record["step"]:
             self.write_small(None, COMMIT_RECORD, json.dumps(
                 {"step": step, "world_size": world_size, "time": time.time()}).encode())
 
@@ -200,11 +199,22 @@ class StepStore(ABC):
         return out
 
     def record(self) -> dict[str, Any] | None:
-        """The per-job commit record, or None."""
+        """The per-job commit record, or None when it is missing or damaged.
+
+        Damaged includes valid JSON of the wrong shape (``[1]``, ``{"step": "x"}``): the record is only a hint
+        (readers trust the markers), so it must never fail a commit. Before, such a record raised in every
+        commit: the persist process failed each step and retention never ran, and ``ckpt ls`` printed a
+        traceback.
+        """
         try:
-            return json.loads(self.read_small(None, COMMIT_RECORD))
+            record = json.loads(self.read_small(None, COMMIT_RECORD))
         except (OSError, ValueError):
             return None
+        if not isinstance(record, dict) or _int_field(record, "step") < 0:
+            log.warning("ignoring the damaged commit record %s/%s; the step markers decide", self.describe(),
+                        COMMIT_RECORD)
+            return None
+        return record
 
     def retain(self, keep: int, protect: int | Collection[int] | None = None) -> list[int]:
         """Deletes all but the ``keep`` newest complete steps, and torn steps older than the oldest kept one.
@@ -229,6 +239,12 @@ class StepStore(ABC):
                 self.remove_step(s)
                 removed.append(s)
         return removed
+
+
+def _int_field(obj: dict[str, Any], key: str) -> int:
+    """``obj[key]`` when it is an int (not a bool), else -1: marker and record files are read, not trusted."""
+    value = obj.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
 
 
 def _lock_unused(directory: str) -> tuple[list[int], int] | None:

@@ -96,3 +96,64 @@ def test_import_foreign_dcp_checkpoint(tmp_path):
     assert state["epoch"] == 4
     for k, v in m.state_dict().items():
         assert torch.equal(m2.state_dict()[k], v), k
+
+
+def test_export_and_import_take_file_urls_and_refuse_remote_ones(tmp_path, monkeypatch):
+    # A file:// URL names the local folder, as it does for the checkpoint root: the export lands there (no
+    # ./file:/... folder under the working directory), a second export is refused unless --force, and import
+    # reads it back. An in-process or remote URL is refused naming the argument, not reported as exported.
+    monkeypatch.chdir(tmp_path)
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        ck.save({"w": torch.arange(10.0)}, 4)
+    out_url = f"file://{tmp_path}/exp"
+    first = _cli("export", str(tmp_path / "ck"), out_url)
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "exp" / ".metadata").is_file() and not (tmp_path / "file:").exists()
+    again = _cli("export", str(tmp_path / "ck"), out_url)
+    assert again.returncode == 2 and "not empty" in again.stderr
+    imp = _cli("import", out_url, str(tmp_path / "ck2"), "--job", "k")
+    assert imp.returncode == 0 and "as step 4" in imp.stdout, imp.stderr
+    mem = _cli("export", str(tmp_path / "ck"), "memory://exp")
+    assert mem.returncode == 2 and "output 'memory://exp' is not a local folder" in mem.stderr
+    assert not (tmp_path / "memory:").exists()
+
+
+def test_commit_record_or_marker_of_the_wrong_shape_fails_no_commit(tmp_path):
+    # COMMITTED.json and the commit markers are only read, never trusted: valid JSON of another shape used to
+    # raise in every commit (each step failed, retention never ran) and make `ckpt ls` print a traceback.
+    from trainguard.checkpoint.storage import marker_name
+
+    with Checkpointer(_inline(tmp_path, disk={"keep": 1}), job="j") as ck:
+        ck.save({"w": torch.zeros(100)}, 1)
+        assert ck.wait()
+    job_dir = tmp_path / "ck" / "j"
+    (job_dir / "COMMITTED.json").write_text("[1]")
+    (job_dir / step_dirname(1) / marker_name(0)).write_text('{"world_size": "x"}')
+    listing = _cli("ls", str(tmp_path / "ck"))
+    assert listing.returncode == 0 and "newest committed (record): none" in listing.stdout, listing.stderr
+    with Checkpointer(_inline(tmp_path, disk={"keep": 1}), job="j") as ck:
+        assert ck.restore({"w": torch.ones(100)}) is None  # step 1 lost its marker: not committed
+        for s in (2, 3):
+            ck.save({"w": torch.full((100,), float(s))}, s)
+            assert ck.wait(s)
+        assert [i.step for i in ck.steps()] == [3]
+    assert json.loads((job_dir / "COMMITTED.json").read_text())["step"] == 3
+    assert sorted(os.listdir(job_dir)) == ["COMMITTED.json", step_dirname(3)]
+
+
+def test_shm_flag_takes_a_file_url_and_refuses_other_urls(tmp_path):
+    # `gc --shm file:///root` printed "removed the shared-memory arena" and removed nothing (and `ls --shm`
+    # listed nothing): the URL was read as a relative folder.
+    from trainguard.checkpoint import arena as arena_mod
+
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        ck.save({"w": torch.zeros(10)}, 1)
+    rank_dir = arena_mod.rank_dir(str(tmp_path / "shm"), "j", 0)
+    os.makedirs(rank_dir)
+    (tmp_path / "shm" / "j" / "rank_00000" / "slot_0.data").write_bytes(b"x" * 64)
+    gc = _cli("gc", str(tmp_path / "ck"), "--keep", "1", "--shm", f"file://{tmp_path}/shm")
+    assert gc.returncode == 0, gc.stderr
+    assert not os.path.exists(rank_dir)
+    assert f"removed the shared-memory arena under {tmp_path}/shm" in gc.stdout
+    bad = _cli("ls", str(tmp_path / "ck"), "--shm", "memory://shm")
+    assert bad.returncode == 2 and "--shm 'memory://shm' is not a local folder" in bad.stderr

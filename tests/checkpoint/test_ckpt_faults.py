@@ -416,3 +416,47 @@ def test_a_persist_process_killed_mid_write_leaves_no_temp_file_but_a_live_write
         svc.stop(remove_memory=True, timeout=10)
         live.kill()
         live.wait()
+
+
+def test_a_marker_that_does_not_fit_makes_room_too(tmp_path, shm_dir):
+    """The data file fits, its commit marker does not. Room was made only for the data write, so the step stayed
+    torn: newer than the newest complete step, which making room never removes. On a disk of ~2.5 steps a 2-rank
+    torchrun job tore a step this way at step 13 and failed every later step (15-99 of 100)."""
+    mnt = tmp_path / f"marker-{os.getpid()}"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        cfg = CheckpointConfig(directory=str(mnt / "ck"), memory={"directory": shm_dir},
+                               persist={"service": "inline"})
+        with Checkpointer(cfg, job="m") as ck:
+            for s in (1, 2):
+                assert ck.save({"w": torch.full((40_000,), float(s))}, s).wait(timeout=30)
+            step2 = mnt / "ck" / "m" / step_dirname(2)
+            pages = (os.path.getsize(step2 / data_name(0)) // 4096
+                     + -(-os.path.getsize(step2 / manifest_name(0)) // 4096))
+            filler = mnt / "filler"
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                while os.write(fd, b"\0" * 4096) == 4096:
+                    pass
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            os.truncate(filler, os.path.getsize(filler) - pages * 4096)  # room for data and manifest only
+            assert ck.save({"w": torch.full((40_000,), 3.0)}, 3).wait(timeout=30)
+            assert [s for s, _ in ck.disk.committed_steps()] == [2, 3]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_room_freed_by_another_rank_meanwhile_retries_the_write(tmp_path):
+    """Two ranks' persists hit ENOSPC together; one's retention or make_room removed the older step first, so the
+    other found a single complete step, removed nothing and failed its write although there was room now (the
+    2-rank job above then tore that step and stalled again)."""
+    from trainguard.checkpoint.persist import _make_room
+
+    store = LocalStore(str(tmp_path / "ck"), "j")
+    write_rank_step(store, 1, 0, 1, {"w": {"t": "tensor", "i": 0}}, [("w", torch.zeros(10))])
+    assert [s for s, _ in store.committed_steps()] == [1]
+    assert _make_room(store, 2, 0, 4096, 2, set())  # nothing to remove, but the disk has room: write again

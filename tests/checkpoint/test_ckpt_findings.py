@@ -266,3 +266,37 @@ def test_unusable_memory_directory_falls_back_too(tmp_path, make_config):
         assert [e.kind for e in events] == ["checkpoint.staging_fallback"]
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+def _fill(directory, leave_pages: int) -> None:
+    """Fills a tmpfs as another process would (DataLoader workers share tensors in /dev/shm), leaving
+    ``leave_pages`` pages free."""
+    path = os.path.join(directory, "filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, b"\0" * 4096) == 4096:
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    os.truncate(path, max(0, os.path.getsize(path) - leave_pages * 4096))
+
+
+@pytest.mark.parametrize("leave_pages", [0, 1])
+def test_shm_filled_after_allocation_costs_the_memory_tier_only(make_config, small_tmpfs, leave_pages):
+    # Full: tagging the slot failed and save() raised at every step (no step reached disk). One page left: the
+    # fresh slot's first tag took it, the step's tag found none, and then the persist failed writing the
+    # memory-tier manifest (three pages), so the disk copy already written was never committed. Now the first
+    # case stages on the disk fallback, the second rewrites the tag in place and loses the memory tier only.
+    cfg = make_config(memory={"directory": str(small_tmpfs), "fallback": "disk"},
+                      persist={"service": "inline", "alignment": 64})
+    state = {f"t{i}": torch.full((16,), float(i)) for i in range(150)}  # a ~12 KB manifest, 10 KB of data
+    with Checkpointer(cfg, job="f") as ck:
+        ck.prepare(state)
+        ck.save(state, 1)
+        assert ck.wait(1, timeout=60) and ck.staging == "memory"
+        _fill(str(small_tmpfs), leave_pages)
+        ck.save(state, 2)
+        ck.wait(2, timeout=60)
+        assert "disk" in {s.step: s.tiers for s in ck.steps()}[2]

@@ -63,3 +63,20 @@ def test_a_file_url_with_a_host_part_is_refused_naming_the_key(tmp_path, monkeyp
         CheckpointConfig(directory=str(tmp_path / "ck"), remote={"url": url})
     assert os.listdir(tmp_path) == []
     assert CheckpointLocation.parse(f"file://{tmp_path}/ck").local_path == f"{tmp_path}/ck"
+
+
+def test_local_directory_keys_take_file_urls_and_refuse_other_urls(tmp_path, monkeypatch) -> None:
+    # The shared-memory root, its fallback and the remote location's local cache were used verbatim: a file://
+    # URL there became a folder ./file:/... on the disk of the working directory (no tmpfs at all).
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_SHM_DIR", "file:///dev/shm/tg-x")
+    cfg = CheckpointConfig(directory=str(tmp_path / "ck"), local_cache="file:/tmp/c",
+                           memory={"fallback_directory": f"file://{tmp_path}/fb"})
+    assert cfg.memory.directory == "/dev/shm/tg-x" and cfg.local_cache == "/tmp/c"
+    assert cfg.memory.fallback_directory == f"{tmp_path}/fb"
+    for kw, key in (({"local_cache": "s3://b/c"}, "checkpoint.local_cache"),
+                    ({"memory": {"directory": "memory://x"}}, "checkpoint.memory.directory"),
+                    ({"memory": {"directory": "file://host/x"}}, "checkpoint.memory.directory")):
+        with pytest.raises(CheckpointConfigError, match=key):
+            CheckpointConfig(directory=str(tmp_path / "ck"), **kw)
+    assert not (tmp_path / "file:").exists()

@@ -90,7 +90,7 @@ def test_reshard_to_two_ranks_dcp_export_import_and_corrupt_rank(saved):
         os.path.getsize(root / "fsdp" / step_dirname(3) / data_name(r)) for r in range(4)) * 0.75
     # Rank 0 needs saved ranks 0-1 (intact), rank 1 needs the corrupt rank 2: both raise, neither hangs.
     assert facts[1]["bad_raised"] == "CorruptCheckpointError"
-    assert facts[0]["bad_raised"] == "TrainguardError"
+    assert facts[0]["bad_raised"] == "CheckpointError"  # a TrainguardError: the checkpointer's agreement raised it
 
 
 def test_reshard_to_one_plain_process_for_evaluation(saved):
@@ -109,3 +109,20 @@ def test_reshard_to_one_plain_process_for_evaluation(saved):
         assert ck.restore({"model": plain}) == 1
     for k, v in plain.state_dict().items():
         assert torch.equal(v, tp_ref[k]), k
+
+
+def test_direct_restore_in_a_process_group_agrees_on_one_step(tmp_path):
+    # The README's sharded example calls Checkpointer.restore on every rank without the hook. Rank 1's copy of
+    # the newest step is torn: it fell back to step 1 while rank 0 loaded step 2, and the job trained from a mix
+    # of both. Now every rank resumes from step 1; with no step left for rank 1, every rank raises (none hangs).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(HERE / "agree_worker.py"), str(r), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    facts = []
+    for r, (rc, stdout, stderr) in enumerate(communicate_all(procs, 120)):
+        assert rc == 0, f"rank {r} failed:\n{stderr[-4000:]}"
+        facts.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert [f["a"] for f in facts] == [1, 1]
+    assert [f["a_w"] for f in facts] == [1.0, 11.0]  # step 1 of each rank, not rank 0's step 2
+    assert facts[0]["b"] == "CheckpointError" and facts[1]["b"] == "CorruptCheckpointError"
