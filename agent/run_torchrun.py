@@ -238,6 +238,14 @@ def split_endpoint(text: str, default_port: int, flag: str) -> tuple[str, int]:
         raise UsageError(f"{flag} {text!r}: the port must be a number") from None
     if not host or not 0 <= port <= 65535:
         raise UsageError(f"{flag} {text!r}: expected HOST[:PORT] with a port in 0..65535")
+    if ":" in host and not text.startswith("["):
+        # Only an IPv6 address has colons in its host part; anything else (a URL, an etcd-style list of
+        # endpoints) was taken for one and dialled as '[http://h:29400]:29400' until the join timeout.
+        try:
+            ipaddress.IPv6Address(host.split("%")[0])
+        except ValueError:
+            raise UsageError(f"{flag} {text!r}: expected one HOST[:PORT] without a scheme (an IPv6 address in "
+                             "brackets: [fd00::1]:29400)") from None
     return host, port
 
 

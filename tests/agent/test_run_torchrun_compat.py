@@ -128,6 +128,12 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     (["--rdzv-backend", "zookeeper"], ["--rdzv-backend", "static or c10d"]),
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:99999"], ["--rdzv-endpoint", "0..65535"]),
     (["--standalone", "--nnodes", "2"], ["--standalone", "one node"]),
+    # A URL or an etcd-style endpoint list was taken for an IPv6 host and dialled until the join timeout.
+    (["--rdzv-backend", "c10d", "--nnodes", "2", "--rdzv-endpoint", "http://192.0.2.7:29400", "--rdzv-conf",
+      "join_timeout=1"], ["--rdzv-endpoint 'http://192.0.2.7:29400'", "without a scheme"]),
+    (["--rdzv-backend", "c10d", "--nnodes", "2", "--rdzv-endpoint", "192.0.2.7:29400,192.0.2.8:29400",
+      "--rdzv-conf", "join_timeout=1"], ["--rdzv-endpoint", "one HOST[:PORT]"]),
+    (["--coordinator", "grpc://192.0.2.7:29400", "--rdzv-conf", "join_timeout=1"], ["--coordinator", "one HOST"]),
     (["--log-dir", "/tmp", "--redirects", "7"], ["--redirects", "0 (none)"]),
     (["--tee", "1"], ["--redirects/--tee", "--log-dir"]),
     (["--local-ranks-filter", "a,b"], ["--local-ranks-filter", "comma list"]),
