@@ -302,13 +302,12 @@ def replica_config(args: argparse.Namespace, token: str = ""):
 
 
 def _let_nodes_hear_the_end(server, own_node: str, patience_s: float = 10.0) -> None:
-    """Keeps the embedded coordinator up until every other live node has sent a heartbeat since the job ended
-    (its reply carries the end), at most ``patience_s`` seconds; otherwise those agents would lose their
-    coordinator without learning that the job is over."""
-    t_end = time.monotonic()
-    deadline = t_end + patience_s
+    """Keeps the embedded coordinator up until a heartbeat answer has told every other live node that the job
+    ended (:meth:`JobCoordinator.not_told_of_end`), at most ``patience_s`` seconds; otherwise those agents would
+    lose their coordinator without learning that the job is over."""
+    deadline = time.monotonic() + patience_s
     while time.monotonic() < deadline:
-        pending = [m for nid, m in server.core.members().items() if nid != own_node and m.alive and m.last_seen < t_end]
+        pending = [nid for nid in server.core.not_told_of_end() if nid != own_node]
         if not pending:
             return
         time.sleep(0.05)

@@ -346,6 +346,7 @@ class RunExtras:
     health: object | None = None
     registration: str | None = None
     coordinator: object | None = None
+    own_node: str = ""
     cordon: object | None = None
     _watch: object | None = field(default=None, repr=False)
 
@@ -355,7 +356,7 @@ class RunExtras:
         from trainguard.agent.job_registry import unregister
 
         if self.coordinator is not None:
-            linger_until_peers_told(self.coordinator)
+            linger_until_peers_told(self.coordinator, own_node=self.own_node)
         if self.cordon is not None:
             self.cordon.stop()  # type: ignore[attr-defined]
         if self._watch is not None:
@@ -370,8 +371,9 @@ class RunExtras:
             unregister(self.registration)
 
 
-def linger_until_peers_told(server, timeout_s: float | None = None) -> bool:
-    """Keeps an embedded coordinator serving until every other live node heartbeated after the job ended.
+def linger_until_peers_told(server, timeout_s: float | None = None, own_node: str = "") -> bool:
+    """Keeps an embedded coordinator serving until a heartbeat answer told every other live node that the job
+    ended (:meth:`~trainguard.recovery.coordinator.JobCoordinator.not_told_of_end`).
 
     The first node of a multi-node job embeds the coordinator; if it went away as soon as its own workers
     finished, the other nodes would never hear that the job is over and would keep heartbeating into the void.
@@ -379,6 +381,7 @@ def linger_until_peers_told(server, timeout_s: float | None = None) -> bool:
     Args:
         server: the embedded :class:`~trainguard.recovery.service.CoordinatorServer`.
         timeout_s: longest wait, seconds (default: the job's lease timeout).
+        own_node: this launcher's node id, which needs no telling.
 
     Returns:
         True when every live node was told (or the job is not over, so there is nothing to tell).
@@ -390,13 +393,11 @@ def linger_until_peers_told(server, timeout_s: float | None = None) -> bool:
     core = server.core
     if core.state.phase not in (Phase.SUCCEEDED, Phase.FAILED) or core.spec.nnodes <= 1:
         return True
-    since = time.monotonic()
-    deadline = since + (core.spec.lease_timeout_s if timeout_s is None else timeout_s)
+    deadline = time.monotonic() + (core.spec.lease_timeout_s if timeout_s is None else timeout_s)
     while time.monotonic() < deadline:
-        members = core.members()
-        waiting = [m for m in members.values() if m.alive and m.last_seen < since]
-        # Our own agent stopped heartbeating when its workers ended; every *other* live node must check in.
-        if len(waiting) <= 1:
+        # Told, not heard from since this call: a node told by an earlier answer exits without another
+        # heartbeat, and waiting for one kept every multi-node job's first node up for a lease (10 s).
+        if not [nid for nid in core.not_told_of_end() if nid != own_node]:
             return True
         time.sleep(0.05)
     log.warning("stopping the embedded coordinator before every node heard that the job ended")
@@ -423,7 +424,7 @@ def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: 
     from trainguard.agent.metrics import MetricsServer
     from trainguard.recovery.observe import ServingStatus, serve_health_only
 
-    extras = RunExtras(coordinator=coordinator)
+    extras = RunExtras(coordinator=coordinator, own_node=agent.config.node_id)
     try:
         if getattr(args, "metrics_listen", None):
             try:

@@ -9,8 +9,8 @@ which forms every generation's rank table. The mapping (see :func:`resolve_rende
   torchrun). The node where HOST is a local address embeds it there (``--rdzv-conf is_host=...`` forces the
   choice); if another local agent already holds the port, this one joins it, as torchrun's c10d backend does.
 - ``--rdzv-backend static`` (torchrun's default): with more than one node the coordinator is at
-  ``--master-addr:--master-port`` (port 29500), embedded by ``--node-rank 0``; on one node it is embedded on a
-  free loopback port.
+  ``--rdzv-endpoint`` when given, else ``--master-addr:--master-port`` (port 29500), as torchrun's static
+  backend picks it, embedded by ``--node-rank 0``; on one node it is embedded on a free loopback port.
 - ``--nnodes MIN:MAX``: the job starts when MIN nodes have registered; a lost node is replaced by one of the
   nodes beyond MIN that wait as standbys, or the job shrinks, never below MIN.
 - ``--rdzv-id``: the job name. Without it (and without ``--job``) a job with a rendezvous endpoint (every
@@ -238,6 +238,14 @@ def split_endpoint(text: str, default_port: int, flag: str) -> tuple[str, int]:
         raise UsageError(f"{flag} {text!r}: the port must be a number") from None
     if not host or not 0 <= port <= 65535:
         raise UsageError(f"{flag} {text!r}: expected HOST[:PORT] with a port in 0..65535")
+    if ":" in host and not text.startswith("["):
+        # Only an IPv6 address has colons in its host part; anything else (a URL, an etcd-style list of
+        # endpoints) was taken for one and dialled as '[http://h:29400]:29400' until the join timeout.
+        try:
+            ipaddress.IPv6Address(host.split("%")[0])
+        except ValueError:
+            raise UsageError(f"{flag} {text!r}: expected one HOST[:PORT] without a scheme (an IPv6 address in "
+                             "brackets: [fd00::1]:29400)") from None
     return host, port
 
 
@@ -348,7 +356,12 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
         raise UsageError("--rdzv-backend c10d with more than one node needs --rdzv-endpoint HOST:PORT")
     if hi > 1:
         port = args.master_port if args.master_port is not None else STATIC_DEFAULT_PORT
-        target = join_endpoint(args.master_addr, port)
+        # torchrun's static backend takes --rdzv-endpoint over --master-addr/--master-port when given
+        # (torch.distributed.run.get_rdzv_endpoint); ignoring it sent node rank 1 to 127.0.0.1:29500.
+        host = args.master_addr
+        if args.rdzv_endpoint:
+            host, port = split_endpoint(args.rdzv_endpoint, port, "--rdzv-endpoint")
+        target = join_endpoint(host, port)
         common["endpoint"] = target
         common["static_rank"] = args.node_rank
         if args.node_rank >= hi:

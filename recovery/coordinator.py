@@ -112,6 +112,7 @@ class JobCoordinator:
         self._layout_cache: tuple[object, RankLayout | None] | None = None
         self._running: set[str] = set()  # slot holders running the current generation
         self._succeeded: set[str] = set()  # slot holders whose workers of the current generation all exited 0
+        self._told_end: set[str] = set()  # nodes a heartbeat answer told that the job is over
         self._plan_since: tuple[int, float] = (-1, 0.0)  # (plan generation, when it was made): see _quiet_holder
         self._beat_at: dict[str, float] = {}  # node -> when its last heartbeat (with its holdings) arrived
         self._relay = CheckpointRelay(spec.job)  # job-wide checkpoint requests and the step rate they need
@@ -219,6 +220,17 @@ class JobCoordinator:
         """A snapshot of the membership."""
         with self._lock:
             return dict(self._members)
+
+    def not_told_of_end(self) -> list[str]:
+        """Live nodes that no heartbeat answer has told yet that the job is over (all live nodes while it
+        runs). An embedded coordinator stays up until this is empty, so every agent learns the outcome.
+
+        Judged by the answers, not by heartbeat times against the moment the caller noticed the end: a node told
+        in the answer that ended the job, or just before its caller got round to asking, exits at once and is
+        never heard again (the launcher embedding the coordinator then waited its whole patience for it, and
+        logged the node as lost)."""
+        with self._lock:
+            return sorted(nid for nid, m in self._members.items() if m.alive and nid not in self._told_end)
 
     def _check_serving(self, job: str) -> None:
         if self.fenced:
@@ -590,6 +602,8 @@ class JobCoordinator:
             if durable is not None and reply.durable is None:
                 reply = replace(reply, durable=durable)
             window = self._failslow.pop_window()
+            if self._policy.state.phase in (Phase.SUCCEEDED, Phase.FAILED):
+                self._told_end.add(req.node_id)
         if window is not None:  # a fail-slow window closed: scored without the lock (~1 s at 16k ranks)
             self._failslow_score(window)
         return reply

@@ -128,6 +128,12 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     (["--rdzv-backend", "zookeeper"], ["--rdzv-backend", "static or c10d"]),
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:99999"], ["--rdzv-endpoint", "0..65535"]),
     (["--standalone", "--nnodes", "2"], ["--standalone", "one node"]),
+    # A URL or an etcd-style endpoint list was taken for an IPv6 host and dialled until the join timeout.
+    (["--rdzv-backend", "c10d", "--nnodes", "2", "--rdzv-endpoint", "http://192.0.2.7:29400", "--rdzv-conf",
+      "join_timeout=1"], ["--rdzv-endpoint 'http://192.0.2.7:29400'", "without a scheme"]),
+    (["--rdzv-backend", "c10d", "--nnodes", "2", "--rdzv-endpoint", "192.0.2.7:29400,192.0.2.8:29400",
+      "--rdzv-conf", "join_timeout=1"], ["--rdzv-endpoint", "one HOST[:PORT]"]),
+    (["--coordinator", "grpc://192.0.2.7:29400", "--rdzv-conf", "join_timeout=1"], ["--coordinator", "one HOST"]),
     (["--log-dir", "/tmp", "--redirects", "7"], ["--redirects", "0 (none)"]),
     (["--tee", "1"], ["--redirects/--tee", "--log-dir"]),
     (["--local-ranks-filter", "a,b"], ["--local-ranks-filter", "comma list"]),
@@ -350,3 +356,28 @@ def test_c10d_endpoint_at_an_ipv6_literal_like_torchrun(tmp_path: Path, tg_env: 
                  "--rdzv-endpoint", "[::1]:0", "--rdzv-conf", "join_timeout=5", PRINT_ENV, str(out)], tg_env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((out / "env0.json").read_text())["env"]["WORLD_SIZE"] == "1"
+
+
+@pytest.mark.parametrize("rank,coordinator,listen", [
+    ("1", "192.0.2.7:29511", ""),  # node rank 1 joins the endpoint's host, not MASTER_ADDR's 127.0.0.1:29500
+    ("0", None, "192.0.2.7:29511"),  # node rank 0 embeds the coordinator there (is_host is not consulted)
+])
+def test_static_backend_takes_the_rdzv_endpoint_like_torchrun(rank: str, coordinator: str | None,
+                                                                listen: str) -> None:
+    """``torchrun --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT`` (static backend, the default): torchrun
+    puts the rendezvous at the endpoint (``get_rdzv_endpoint``); trainguard ignored it and used
+    ``--master-addr:--master-port``'s defaults, so node 1 dialled its own loopback port 29500."""
+    import argparse
+
+    from trainguard.agent.run_args import add_run_arguments
+    from trainguard.agent.run_torchrun import resolve_rendezvous
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    args = parser.parse_args(["--nnodes=2", f"--node-rank={rank}", "--rdzv-endpoint=192.0.2.7:29511", PRINT_ENV])
+    rdzv = resolve_rendezvous(args)
+    assert (rdzv.coordinator, rdzv.listen, rdzv.endpoint) == (coordinator, listen, "192.0.2.7:29511")
+    # Without a port the endpoint keeps --master-port's (else 29500), as the static backend's default.
+    args = parser.parse_args(["--nnodes=2", "--node-rank=1", "--rdzv-endpoint=192.0.2.7", "--master-port=29522",
+                              PRINT_ENV])
+    assert resolve_rendezvous(args).coordinator == "192.0.2.7:29522"

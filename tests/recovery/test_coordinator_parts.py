@@ -191,3 +191,43 @@ def test_a_restart_with_another_node_count_warns_that_the_stored_layout_is_kept(
     again.close()
     assert "the stored rank layout has 2 node(s) with group size 1, this coordinator was started with --nnodes 3" \
         in caplog.text and "new --job name or --store" in caplog.text
+
+
+def test_the_embedding_launcher_stops_once_every_node_was_told_the_end(caplog) -> None:
+    """Found by a review (two `trainguard run` agents, c10d or static rendezvous): the agent embedding the
+    coordinator kept it up for its whole 10 s patience after every job, and logged the other node as lost. It
+    waited for a heartbeat *after the moment it noticed the end* (past its own shutdown steps), but the other
+    agent had already been told the end by the answer to an earlier heartbeat and exited at once."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from trainguard.agent.run import _let_nodes_hear_the_end
+    from trainguard.agent.run_deploy import linger_until_peers_told
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.domain import Beat, Command
+    from trainguard.recovery.spec import JobSpec
+    from trainguard.recovery.store import MemoryStore
+
+    spec = JobSpec(job="ej", nnodes=2, heartbeat_interval_s=1.0, lease_timeout_s=60.0)
+    core = JobCoordinator(spec, store=MemoryStore(), clock=time.monotonic)
+    lease = {nid: core.register("ej", NodeRecord(nid, "p", i, nid, 1, "127.0.0.1"), 20000 + i)[0]
+             for i, nid in enumerate(("n0", "n1"))}
+    gen = {nid: core.heartbeat(Beat("ej", nid, lease[nid], -1, 0, free_port=30000)).response.table.generation
+           for nid in ("n0", "n1")}
+
+    def done(nid: str):
+        return core.heartbeat(Beat("ej", nid, lease[nid], gen[nid], 0, workers_succeeded=True)).response
+
+    done("n1")
+    assert core.not_told_of_end() == ["n0", "n1"]  # still running: nobody was told
+    assert done("n0").command is Command.STOP  # the job ended inside this heartbeat, which says so
+    assert core.not_told_of_end() == ["n1"]
+    assert done("n1").command is Command.STOP  # n1 is told, and its agent exits without another heartbeat
+    assert core.not_told_of_end() == []
+    # n0's launcher noticing the end later: both of its waits (the run extras', then the launcher's) end at once.
+    with caplog.at_level(logging.WARNING, logger="trainguard.agent"):
+        assert linger_until_peers_told(SimpleNamespace(core=core), timeout_s=1.0)
+        _let_nodes_hear_the_end(SimpleNamespace(core=core), "n0", patience_s=1.0)
+    assert "before every node heard" not in caplog.text
+    core.close()
