@@ -293,16 +293,10 @@ class PredictorRuntime:
                 )
 
     def _node_row(self, ts: float, node: str, metrics: dict[str, float], degraded: list[str]) -> np.ndarray:
+        """The model's feature row of one sample (its timestamp and values already passed :meth:`_check_sample`)."""
         assert self.model is not None
         spec = self.model.spec
-        if not math.isfinite(ts):
-            raise DataFormatError(f"node {node!r}: timestamp {ts!r} is not finite")
         buf = self._nodes.get(node)
-        if buf is not None and buf.n and ts <= buf.ts[buf.n - 1]:
-            raise DataFormatError(
-                f"node {node!r}: timestamp {ts} is not after the previous {buf.ts[buf.n - 1]}; samples must arrive "
-                "in increasing time (check the clock or drop the duplicate)"
-            )
         raw = np.empty(len(spec.metrics))
         absent = []
         for i, m in enumerate(spec.metrics):
