@@ -69,3 +69,19 @@ def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple
                 p.kill()
                 p.wait()
     return out
+
+
+def fill_fs(directory: str | os.PathLike, leave_pages: int) -> Path:
+    """Fills the file system of ``directory`` as another process would (DataLoader workers sharing tensors in
+    /dev/shm, another job's files), leaving ``leave_pages`` 4 KiB pages free; returns the filler file."""
+    path = Path(directory) / "filler"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, b"\0" * 4096) == 4096:
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    os.truncate(path, max(0, os.path.getsize(path) - leave_pages * 4096))
+    return path

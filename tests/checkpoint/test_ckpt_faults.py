@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch
 from ckpt_worker import state_for
+from tg_testutil import fill_fs
 
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
 from trainguard.checkpoint.manifest import Manifest
@@ -434,16 +435,7 @@ def test_a_marker_that_does_not_fit_makes_room_too(tmp_path, shm_dir):
             step2 = mnt / "ck" / "m" / step_dirname(2)
             pages = (os.path.getsize(step2 / data_name(0)) // 4096
                      + -(-os.path.getsize(step2 / manifest_name(0)) // 4096))
-            filler = mnt / "filler"
-            fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                while os.write(fd, b"\0" * 4096) == 4096:
-                    pass
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-            os.truncate(filler, os.path.getsize(filler) - pages * 4096)  # room for data and manifest only
+            fill_fs(mnt, leave_pages=pages)  # room for data and manifest only
             assert ck.save({"w": torch.full((40_000,), 3.0)}, 3).wait(timeout=30)
             assert [s for s, _ in ck.disk.committed_steps()] == [2, 3]
     finally:

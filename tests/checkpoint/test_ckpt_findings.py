@@ -14,6 +14,7 @@ import pytest
 import torch
 from ckpt_helpers import ask, start_trainer
 from ckpt_trainer import state_for
+from tg_testutil import fill_fs
 
 from trainguard.checkpoint import (
     CheckpointConfig,
@@ -268,21 +269,6 @@ def test_unusable_memory_directory_falls_back_too(tmp_path, make_config):
         subprocess.run(["umount", "-l", str(ro)], check=False)
 
 
-def _fill(directory, leave_pages: int) -> None:
-    """Fills a tmpfs as another process would (DataLoader workers share tensors in /dev/shm), leaving
-    ``leave_pages`` pages free."""
-    path = os.path.join(directory, "filler")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while os.write(fd, b"\0" * 4096) == 4096:
-            pass
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    os.truncate(path, max(0, os.path.getsize(path) - leave_pages * 4096))
-
-
 @pytest.mark.parametrize("leave_pages", [0, 1])
 def test_shm_filled_after_allocation_costs_the_memory_tier_only(make_config, small_tmpfs, leave_pages):
     # Full: tagging the slot failed and save() raised at every step (no step reached disk). One page left: the
@@ -296,7 +282,7 @@ def test_shm_filled_after_allocation_costs_the_memory_tier_only(make_config, sma
         ck.prepare(state)
         ck.save(state, 1)
         assert ck.wait(1, timeout=60) and ck.staging == "memory"
-        _fill(str(small_tmpfs), leave_pages)
+        fill_fs(small_tmpfs, leave_pages)
         ck.save(state, 2)
         ck.wait(2, timeout=60)
         assert "disk" in {s.step: s.tiers for s in ck.steps()}[2]
