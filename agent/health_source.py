@@ -332,11 +332,17 @@ def launcher_arena_root(environ: Mapping[str, str]) -> str:
 
     An empty ``$TRAINGUARD_CHECKPOINT_SHM_DIR`` means the default, as for the workers
     (:mod:`trainguard.checkpoint.config`); read as "", the daemon was told the job has no arena and did not keep
-    it across a launcher restart.
+    it across a launcher restart. A ``file://`` URL names its path, as the workers read it; any other value is
+    passed on as given (the workers refuse it, naming the variable).
     """
-    from trainguard.checkpoint.config import CHECKPOINT_SHM_DIR_ENV, DEFAULT_SHM_ROOT
+    from trainguard.checkpoint.config import CHECKPOINT_SHM_DIR_ENV, DEFAULT_SHM_ROOT, local_directory
+    from trainguard.checkpoint.errors import CheckpointConfigError
 
-    return environ.get(CHECKPOINT_SHM_DIR_ENV) or DEFAULT_SHM_ROOT
+    root = environ.get(CHECKPOINT_SHM_DIR_ENV) or DEFAULT_SHM_ROOT
+    try:
+        return local_directory(root, f"${CHECKPOINT_SHM_DIR_ENV}") or DEFAULT_SHM_ROOT
+    except CheckpointConfigError:
+        return root
 
 
 def attach_daemon(job: str, coordinator: str, node_id: str, security, checkpointing: bool,

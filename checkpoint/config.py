@@ -202,10 +202,10 @@ class CheckpointConfig:
         for obj, where in ((self, "checkpoint"), (self.memory, "checkpoint.memory"), (self.disk, "checkpoint.disk"),
                            (self.remote, "checkpoint.remote"), (self.persist, "checkpoint.persist")):
             _check_types(obj, where)
-        self.local_cache = _local_directory(self.local_cache, "checkpoint.local_cache")
-        self.memory.directory = _local_directory(
+        self.local_cache = local_directory(self.local_cache, "checkpoint.local_cache")
+        self.memory.directory = local_directory(
             self.memory.directory, f"checkpoint.memory.directory (or ${CHECKPOINT_SHM_DIR_ENV})")
-        self.memory.fallback_directory = _local_directory(self.memory.fallback_directory,
+        self.memory.fallback_directory = local_directory(self.memory.fallback_directory,
                                                           "checkpoint.memory.fallback_directory")
         check_local_url(self.directory, "checkpoint.directory")
         if isinstance(self.remote.url, str):
@@ -310,7 +310,7 @@ _FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 
-def _local_directory(value: str | None, key: str) -> str | None:
+def local_directory(value: str | None, key: str) -> str | None:
     """The local path a local-directory field names: a path as given, ``file:///abs`` or ``file:/abs`` as ``/abs``.
 
     Before, such a field was used as a path verbatim: ``TRAINGUARD_CHECKPOINT_SHM_DIR=file:///dev/shm/tg`` put the

@@ -218,6 +218,12 @@ def test_an_empty_shm_dir_variable_tells_the_daemon_the_default_arena_root():
     for env in ({}, {"TRAINGUARD_CHECKPOINT_SHM_DIR": ""}):
         assert launcher_arena_root(env) == "/dev/shm/trainguard"
     assert launcher_arena_root({"TRAINGUARD_CHECKPOINT_SHM_DIR": "/mnt/shm"}) == "/mnt/shm"
+    # the workers read a file:// URL as its path, so the daemon must be told that path, not "file:///mnt/shm"
+    for url in ("file:///mnt/shm", "file:/mnt/shm"):
+        assert launcher_arena_root({"TRAINGUARD_CHECKPOINT_SHM_DIR": url}) == "/mnt/shm"
+        assert CheckpointConfig.from_dict({"directory": "/tmp/x", "memory": {"directory": url}}).memory.directory \
+            == launcher_arena_root({"TRAINGUARD_CHECKPOINT_SHM_DIR": url})
+    assert launcher_arena_root({"TRAINGUARD_CHECKPOINT_SHM_DIR": "s3://b/x"}) == "s3://b/x"  # workers refuse it
     import os
 
     assert CheckpointConfig.from_dict({"directory": "/tmp/x"}).memory.directory == launcher_arena_root(os.environ)
