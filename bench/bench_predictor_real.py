@@ -95,22 +95,30 @@ def load_series(folder: Path) -> dict[str, tuple[np.ndarray, np.ndarray, list[tu
         lines = [ln for ln in f.read_text().splitlines() if ln.strip()]
         header = [h.strip().strip('"').lower() for h in lines[0].split(",")]
         rows = [[c.strip().strip('"') for c in ln.split(",")] for ln in lines[1:]]  # upstream quotes its times
+        if windows is None and "label" not in header:
+            raise ValueError(f"{f}: no windows.json next to it and no label column; give one or the other")
         ts = np.array([_ts(r[0]) for r in rows])
-        x = np.array([float(r[1]) for r in rows])
+        x = np.array([float(r[1]) if len(r) > 1 and r[1] != "" else np.nan for r in rows])
+        label = (np.array([int(float(r[header.index("label")])) for r in rows]) if windows is None
+                 else np.zeros(len(rows), dtype=int))
         # Two NAB series (ec2_disk_write_bytes_1ef3de, ec2_network_in_5abac7) stamp 12 rows 2014-03-09 03:00:00,
-        # where US daylight saving began; the predictor refuses a node's time standing still or going back, so
-        # all but the first such row are dropped here, for every method alike, and counted.
-        keep = np.r_[True, ts[1:] > np.maximum.accumulate(ts)[:-1]]
+        # where US daylight saving began, and MS crash-rate series repeat an hour's row; the predictor refuses a
+        # node's time standing still or going back, so all but the first such row are dropped here, for every
+        # method alike, and counted.
+        keep = np.r_[True, ts[1:] > np.maximum.accumulate(ts)[:-1]] if len(ts) else np.ones(0, dtype=bool)
         if not keep.all():
             print(f"{f.name}: {int((~keep).sum())} row(s) whose timestamp is not after the previous one dropped",
                   file=sys.stderr)
-            ts, x = ts[keep], x[keep]
+            ts, x, label = ts[keep], x[keep], label[keep]
         if windows is not None:
             win = [(_ts(a), _ts(b)) for a, b in windows[f.stem]]
-        elif "label" in header:
-            win = _label_windows(ts, np.array([int(r[header.index("label")]) for r in rows]))
         else:
-            raise ValueError(f"{f}: no windows.json next to it and no label column; give one or the other")
+            win = _label_windows(ts, label)  # from every row: an incident hour without a value is still one
+        # An hour without a value (MS app1-06 has a few rows `TIME,,0`) is a missing sample: left out (a gap).
+        valued = ~np.isnan(x)
+        if not valued.all():
+            print(f"{f.name}: {int((~valued).sum())} row(s) without a value left out", file=sys.stderr)
+            ts, x = ts[valued], x[valued]
         out[f.stem] = (ts, x, win)
     return out
 

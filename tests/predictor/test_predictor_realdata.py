@@ -72,6 +72,21 @@ def test_rows_stamped_at_a_minute_already_seen_are_dropped_for_every_method(benc
     assert all((np.diff(ts) > 0).all() for ts, _, _ in held.values())
 
 
+def test_label_rows_with_repeated_hours_and_missing_values_keep_their_windows(bench, tmp_path, capsys):
+    # MS crash-rate files repeat an hour's row (once with another label) and leave some values empty; the
+    # windows come from every labelled hour (a value-less one too), the values keep only hours that have one
+    rows = ["TimeStamp,Value,Label", "2018-07-03 00:00:00,1,0", "2018-07-03 01:00:00,5,1", "2018-07-03 01:00:00,5,0",
+            "2018-07-03 02:00:00,,1", "2018-07-03 03:00:00,2,0", "2018-07-03 03:00:00,2,0", "2018-07-03 04:00:00,,0",
+            "2018-07-03 05:00:00,3,1"]
+    (tmp_path / "app.csv").write_text("\n".join(rows))  # upstream has no final newline
+    (ts, x, win), = bench.load_series(tmp_path).values()
+    t0 = 1530576000.0  # 2018-07-03T00:00Z
+    assert list(x) == [1.0, 5.0, 2.0, 3.0] and list(ts) == [t0, t0 + 3600, t0 + 3 * 3600, t0 + 5 * 3600]
+    assert win == [(t0 + 3600, t0 + 2 * 3600), (t0 + 5 * 3600, t0 + 5 * 3600)]
+    err = capsys.readouterr().err
+    assert "2 row(s) whose timestamp is not after" in err and "2 row(s) without a value left out" in err
+
+
 def test_an_event_labelled_on_most_series_at_once_is_found_as_one_shared_window(bench, tmp_path):
     # 4 series: the 03:00-05:00 window on three of them is one event; the 09:00 one and series d's are not
     labels = {"a": (3, 4, 5), "b": (3, 4, 5, 9), "c": (3, 4, 5), "d": (4, 5)}
