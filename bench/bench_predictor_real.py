@@ -4,7 +4,8 @@ Data (``--data``, each folder has a SOURCE.md): ``bench/data/nab_aws/`` (default
 realAWSCloudwatch folder (EC2/RDS CPU; 5-minute CloudWatch samples, two weeks each) with NAB's labelled incident
 windows (``windows.json``); ``bench/data/nab_aws_heldout/``: the folder's other 12 series (CPU, disk, network,
 request counts), copied after the predictor's development and first scored with a protocol fixed beforehand;
-``bench/data/ms_cloud_latency/``: hourly outbound API latency series of the
+``bench/data/ms_crash_rate/``: hourly application crash rates of the same dataset (a held-out domain, scored first
+with a protocol fixed beforehand); ``bench/data/ms_cloud_latency/``: hourly outbound API latency series of the
 Microsoft Cloud Monitoring Dataset with a per-row expert label (runs of labelled rows become windows). NAB's
 realKnownCause folder is deliberately NOT used: issue 19's own held-out evaluation very likely drew on it, so
 nothing here is tuned on it. Window lengths (a day, an hour) are converted to rows from the measured interval.
@@ -57,6 +58,7 @@ from trainguard.predictor.training import TrainConfig, calibration_scores, score
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "nab_aws"
 HELDOUT_DATA = Path(__file__).resolve().parent / "data" / "nab_aws_heldout"
 MS_DATA = Path(__file__).resolve().parent / "data" / "ms_cloud_latency"
+MS_CRASH_DATA = Path(__file__).resolve().parent / "data" / "ms_crash_rate"
 COOLDOWN_S = 1200.0
 BUDGETS = (0.05, 0.2)
 
@@ -423,13 +425,14 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the comparison on every data set asked for (default: all present) and prints the tables."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", action="append", help="a labelled folder (repeatable; default: "
-                    "bench/data/nab_aws, nab_aws_heldout, ms_cloud_latency when downloaded, and the synthetic fleet)")
+                    "bench/data/nab_aws, nab_aws_heldout, ms_cloud_latency and ms_crash_rate when downloaded, and the "
+                    "synthetic fleet)")
     ap.add_argument("--no-synthetic", action="store_true", help="leave the synthetic fleet out")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     folders = [Path(d) for d in args.data] if args.data else [
-        d for d in (DEFAULT_DATA, HELDOUT_DATA, MS_DATA) if any(d.glob("*.csv"))]
+        d for d in (DEFAULT_DATA, HELDOUT_DATA, MS_DATA, MS_CRASH_DATA) if any(d.glob("*.csv"))]
     figures: dict = {}
     for folder in folders:
         f = run_dataset(folder, folder.name)

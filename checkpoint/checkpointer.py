@@ -517,6 +517,15 @@ class Checkpointer:
             arena_mod.retire_manifest(paths)
         if msg.get("op") == "tier" and not msg.get("ok"):
             self.events.storage_failed(msg.get("tier", "?"), step, msg.get("error", ""), int(msg.get("errno", 0)))
+        elif msg.get("op") == "tier" and msg.get("evicted"):
+            # Saved, but only by removing older steps from a full disk: fewer steps are kept than configured, and
+            # the next save may find no step left to remove. The operator hears of it now, not at that failure.
+            evicted = ", ".join(str(int(n)) for n in msg["evicted"])
+            self.events.notice(
+                "checkpoint.disk_full",
+                f"checkpoint {msg.get('tier', '?')} tier is full: step {step} fitted only after older step(s) "
+                f"{evicted} were removed; free space or lower checkpoint.disk.keep",
+                {"tier": str(msg.get("tier", "?")), "step": str(step), "evicted": evicted})
 
     def _stale_memory_copies(self, step: int, slot: int) -> list[Any]:
         """Slots (paths) whose memory copies fall outside ``memory.keep`` now that ``step`` is in memory.

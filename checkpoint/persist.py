@@ -140,6 +140,7 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
     local: LocalStore | None = None
     disk_error: BaseException | None = None
     chunks: list[str] = []
+    evicted: list[int] = []  # older steps removed to make room on a full disk: reported with the disk outcome
     if disk:
         # One pass over the snapshot: each chunk is hashed right before it is written (cache-hot), and the data
         # reaches the page cache before the memory tier is published; the fsync comes after that.
@@ -155,7 +156,8 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
                     raise
                 full = exc.with_traceback(None)  # see below: its frames hold slices of the snapshot
             if full is not None:
-                if not _make_room(local, step, rank, _room_needed(man), int(disk.get("keep", 3)), uploading):
+                if not _make_room(local, step, rank, _room_needed(man), int(disk.get("keep", 3)), uploading,
+                                  evicted):
                     raise full
                 chunks.clear()
                 pending = _write_data(local, step, rank, view, man, throttle, chunks)
@@ -174,8 +176,10 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
     man_json = man.to_json()
     digest = json.loads(man_json)["self_xxh3"]
 
-    def outcome(tier: str, exc: BaseException | None) -> None:
-        msg = {"op": "tier", "id": rid, "step": step, "tier": tier, "ok": exc is None}
+    def outcome(tier: str, exc: BaseException | None, evicted: list[int] | None = None) -> None:
+        msg: dict[str, Any] = {"op": "tier", "id": rid, "step": step, "tier": tier, "ok": exc is None}
+        if evicted:
+            msg["evicted"] = sorted(evicted)
         if exc is not None:
             msg["error"] = str(exc).splitlines()[0] if str(exc) else repr(exc)
             msg["errno"] = _errno_of(exc)
@@ -213,13 +217,13 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
                     # steps a 2-rank job then failed every later step (steps 15-99 of 100 measured).
                     if exc.errno != errno.ENOSPC or not _make_room(
                             local, step, rank, len(man_json) + _SMALL_FILES_BYTES, int(disk.get("keep", 3)),
-                            uploading):
+                            uploading, evicted):
                         raise
                     _write_commit(local, step, rank, ws, man_json, digest)
             except OSError as exc:
                 raise storage_error(exc, f"write step {step} to {local.describe()}") from exc
             disk_ok = True
-            outcome("disk", None)
+            outcome("disk", None, evicted)
             try:
                 local.retain(int(disk.get("keep", 3)), protect={step, *uploading})
             except OSError as exc:
@@ -293,9 +297,11 @@ def _room_needed(man: Manifest) -> int:
     return man.data_bytes + len(man.to_json()) + _CHECKSUM_JSON_BYTES * man.n_chunks + _SMALL_FILES_BYTES
 
 
-def _make_room(local: LocalStore, step: int, rank: int, needed: int, keep: int, uploading: set[int]) -> bool:
+def _make_room(local: LocalStore, step: int, rank: int, needed: int, keep: int, uploading: set[int],
+               evicted: list[int]) -> bool:
     """After ENOSPC: removes older steps so this one fits; True when the write should be tried once more (steps
-    were removed, or there is room already: another rank's persist removed steps since the write failed).
+    were removed, or there is room already: another rank's persist removed steps since the write failed). The
+    steps removed are added to ``evicted``: a save that succeeds only by them still tells the job its disk is full.
 
     With retention K, K steps may fit on the filesystem but not K+1, and retention removes the oldest step only
     after the new one commits: without this, every later save failed and the disk tier stayed K steps old.
@@ -316,6 +322,7 @@ def _make_room(local: LocalStore, step: int, rank: int, needed: int, keep: int, 
                  "(the newest complete step, and steps being written or read, stay)", step, rank,
                  needed / 2**20)
         return False
+    evicted.extend(removed)
     log.warning("step %d rank %d: the disk of %s is full; removed older step(s) %s to make room for %.1f MiB (the "
                 "newest complete step stays); retention keep=%d does not fit on this filesystem: lower "
                 "checkpoint.disk.keep or free space", step, rank, local.describe(),

@@ -134,7 +134,13 @@ def test_retention_that_does_not_fit_the_disk_makes_room_instead_of_failing_ever
         with Checkpointer(cfg, job="room", on_event=events) as ck:
             for s in range(1, 6):
                 assert ck.save({"w": torch.full((n,), float(s))}, s).wait(timeout=30), events
-            assert [s for s, _ in ck.disk.committed_steps()] == [4, 5] and not events
+            assert [s for s, _ in ck.disk.committed_steps()] == [4, 5]
+            # every save fitted, but steps 3-5 only by removing an older step: the job hears the disk is full
+            # (a warning), as it does when a save fails (an error), not only at that failure
+            assert [(e.kind, e.severity.name, e.evidence["step"], e.evidence["evicted"]) for e in events] == [
+                ("checkpoint.disk_full", "WARNING", str(s), str(s - 2)) for s in (3, 4, 5)]
+            assert "free space or lower checkpoint.disk.keep" in events[0].message
+            events.clear()
             # A restore reading step 4 (the older one) keeps it: no room, the clear error stays, step 5 intact.
             man = Manifest.from_json(ck.disk.read_small(4, manifest_name(0)))
             reading = ck._open_data("disk", 4, 0, man, "disk copy of step 4", populate=False)
@@ -147,6 +153,7 @@ def test_retention_that_does_not_fit_the_disk_makes_room_instead_of_failing_ever
             assert [s for s, _ in ck.disk.committed_steps()] == [4, 5]
             assert ck.save({"w": torch.full((n,), 7.0)}, 7).wait(timeout=30)
             assert [s for s, _ in ck.disk.committed_steps()] == [5, 7]
+            assert [(e.kind, e.severity.name) for e in events[1:]] == [("checkpoint.disk_full", "WARNING")]
         disk_only = CheckpointConfig(directory=str(mnt / "ck"), memory={"enabled": False, "directory": shm_dir})
         with Checkpointer(disk_only, job="room") as ck:
             w = torch.zeros(n)
@@ -451,4 +458,4 @@ def test_room_freed_by_another_rank_meanwhile_retries_the_write(tmp_path):
     store = LocalStore(str(tmp_path / "ck"), "j")
     write_rank_step(store, 1, 0, 1, {"w": {"t": "tensor", "i": 0}}, [("w", torch.zeros(10))])
     assert [s for s, _ in store.committed_steps()] == [1]
-    assert _make_room(store, 2, 0, 4096, 2, set())  # nothing to remove, but the disk has room: write again
+    assert _make_room(store, 2, 0, 4096, 2, set(), [])  # nothing to remove, but the disk has room: write again
