@@ -237,26 +237,41 @@ class RoceDetector(ListeningDetector):
                 return []
             # Only transitions are events; a link first seen (in the dump, or created later) is just recorded,
             # and one that stays down is reported by sample() after down_grace_s.
-            if initial or prev is None or prev.up == info.up:
+            if initial or prev is None:
+                return []
+            # The kernel coalesces carrier changes (link-watch): a link that bounced several times between two
+            # messages shows only the state it ended in. Its carrier-loss counter says how often it went down;
+            # without it, 10 bounces in 20 ms read as one down (or none) and the flapping never showed.
+            went_down = prev.up and not info.up
+            downs_now = max(info.carrier_downs_since(prev), int(went_down))
+            if not downs_now and prev.up == info.up:
                 return []
             evidence = {"ifname": info.ifname, "operstate": info.operstate, "carrier": int(info.carrier),
                         "admin_up": int(info.admin_up), "carrier_changes": info.carrier_changes,
                         "removed": int(info.removed)}
-            if not info.up:
-                downs = self._downs[info.ifname]
-                downs.append(now)
-                self._trim(downs, now)
-                why = "removed" if info.removed else ("administratively down" if not info.admin_up else "no carrier")
-                events.append(self.event("net.link_down", Severity.ERROR, Action.CHECKPOINT_NOW,
-                                         f"link {info.ifname} went down ({why}, operstate {info.operstate})",
-                                         info.ifname, {**evidence, "downs_in_window": len(downs)}))
-                if len(downs) >= self.config.flap_threshold:
-                    s = Sample()
-                    self._flap_condition(s, info.ifname, len(downs))
-                    events.extend(s.events)
-            else:
+            downs = self._downs[info.ifname]
+            downs.extend([now] * downs_now)
+            self._trim(downs, now)
+            if went_down or (prev.up and downs_now):
+                if went_down:
+                    why = "removed" if info.removed else ("administratively down" if not info.admin_up
+                                                          else "no carrier")
+                    text = f"link {info.ifname} went down ({why}, operstate {info.operstate})"
+                else:
+                    text = (f"link {info.ifname} lost its carrier {downs_now} time(s) and got it back between two "
+                            f"link notifications")
+                if downs_now > 1 and went_down:
+                    text += f", after {downs_now - 1} more carrier loss(es) since the last notification"
+                events.append(self.event("net.link_down", Severity.ERROR, Action.CHECKPOINT_NOW, text,
+                                         info.ifname, {**evidence, "downs_in_window": len(downs),
+                                                       "downs_since_last": downs_now}))
+            if info.up:
                 events.append(self.event("net.link_up", Severity.INFO, Action.NONE,
                                          f"link {info.ifname} is up again", info.ifname, evidence))
+            if len(downs) >= self.config.flap_threshold:
+                s = Sample()
+                self._flap_condition(s, info.ifname, len(downs))
+                events.extend(s.events)
         return [HealthEvent(**{**ev.__dict__, "time": info.time or ev.time}) for ev in events]
 
     def _take_renamed(self, info: LinkInfo) -> LinkInfo | None:
