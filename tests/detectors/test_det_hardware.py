@@ -83,6 +83,24 @@ def test_thermal_trip_points(tmp_path) -> None:
         "hw.temp_critical.cleared", "hw.temp_hot.cleared", "hw.temp_throttling.cleared"]
 
 
+def test_unset_trip_points_raise_nothing(tmp_path) -> None:
+    """x86_pkg_temp on an Intel server: two ``passive`` trips at 0 until someone programs them (newer kernels:
+    -274000, THERMAL_TEMP_INVALID; ACPI zones use that for a critical trip they have no value for). Every
+    temperature is above them: the detector read DEGRADED (throttling) on every such node, and a critical trip
+    at -274 C asked for a checkpoint at 45 C. A real trip beside them still counts."""
+    z0, z1 = "sys/class/thermal/thermal_zone0", "sys/class/thermal/thermal_zone1"
+    write_thermal_zone(tmp_path, 0, 45000, {})
+    for i, t in enumerate(("0", "0")):
+        write_file(tmp_path, f"{z0}/trip_point_{i}_type", "passive\n")
+        write_file(tmp_path, f"{z0}/trip_point_{i}_temp", t + "\n")
+    write_thermal_zone(tmp_path, 1, 45000, {"passive": -274000, "critical": -274000, "hot": 90000}, "acpitz")
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert s.events == [] and s.state == DetectorState.OK, [e.message for e in s.events]
+    write_file(tmp_path, f"{z1}/temp", "91000\n")
+    assert [e.kind for e in det.sample().events] == ["hw.temp_hot"]
+
+
 def test_thermal_malformed_and_absent(tmp_path) -> None:
     assert ThermalDetector(ThermalConfig(root=str(tmp_path))).sample().state == DetectorState.NO_HARDWARE
     write_thermal_zone(tmp_path, 0, 45000, {"critical": 105000})
