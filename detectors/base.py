@@ -171,8 +171,16 @@ def _coerce(owner: str, key: str, hint: Any, value: Any) -> Any:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if origin is tuple and isinstance(value, (list, tuple)):
+        # Items are checked too: paths = ["/", 7] had the disk detector statvfs() file descriptor 7, and
+        # interfaces = [1] ended every sample in a TypeError, both a detector error instead of a config error.
+        item = typing.get_args(hint)[0] if typing.get_args(hint) else None
+        bad = [v for v in value if isinstance(item, type) and not isinstance(v, item)]
+        if bad:
+            raise DetectorConfigError(f"{owner}.{key}={list(value)!r}: item {bad[0]!r} must be of type "
+                                      f"{item.__name__}")
         return tuple(value)
-    if hint in (float, int, str, bool) and not isinstance(value, hint):
+    # bool is an int in Python: flap_threshold = true read as 1.
+    if hint in (float, int, str, bool) and (not isinstance(value, hint) or (hint is int and isinstance(value, bool))):
         raise DetectorConfigError(f"{owner}.{key}={value!r} must be of type {hint.__name__}")
     if origin is tuple and not isinstance(value, tuple):
         raise DetectorConfigError(f"{owner}.{key}={value!r} must be a list")

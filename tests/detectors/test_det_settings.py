@@ -44,6 +44,12 @@ def test_a_daemon_section_and_a_run_file_give_the_same_settings(tmp_path: Path) 
     ({"root": "/no/such/tree"}, ["root: '/no/such/tree' is not a directory"]),
     ({"hang_floor_s": 3}, ["unknown top-level key 'hang_floor_s'"]),
     ({"enabled": ["process"], "process": {"hang_floor_s": -1}}, ["[process]", "hang_floor_s=-1"]),
+    # Items of a list were not checked: the disk detector statvfs()'d file descriptor 7, the roce detector ended
+    # every sample in a TypeError; a boolean passed for an integer.
+    ({"enabled": ["disk"], "disk": {"paths": ["/", 7]}}, ["[disk]", "paths=['/', 7]: item 7 must be of type str"]),
+    ({"enabled": ["roce"], "roce": {"interfaces": [1]}}, ["[roce]", "interfaces=[1]: item 1 must be"]),
+    ({"enabled": ["pcie"], "pcie": {"link_classes": [3]}}, ["[pcie]", "link_classes=[3]"]),
+    ({"enabled": ["roce"], "roce": {"flap_threshold": True}}, ["[roce]", "flap_threshold=True must be of type int"]),
 ])
 def test_bad_settings_are_one_line_errors_naming_source_and_key(table: dict, words: list) -> None:
     with pytest.raises(DetectorConfigError) as info:
