@@ -50,6 +50,10 @@ def test_a_daemon_section_and_a_run_file_give_the_same_settings(tmp_path: Path) 
     ({"enabled": ["roce"], "roce": {"interfaces": [1]}}, ["[roce]", "interfaces=[1]: item 1 must be"]),
     ({"enabled": ["pcie"], "pcie": {"link_classes": [3]}}, ["[pcie]", "link_classes=[3]"]),
     ({"enabled": ["roce"], "roce": {"flap_threshold": True}}, ["[roce]", "flap_threshold=True must be of type int"]),
+    # nan passed every range check (x < 0, x <= 0): a flap window that never emptied, thresholds never reached.
+    ({"enabled": ["roce"], "roce": {"flap_window_s": float("nan")}}, ["[roce]", "flap_window_s=nan must be a number"]),
+    ({"enabled": ["pcie"], "pcie": {"correctable_per_s": float("nan")}}, ["[pcie]", "correctable_per_s=nan"]),
+    ({"enabled": ["thermal"], "thermal": {"critical_margin_c": float("nan")}}, ["[thermal]", "critical_margin_c=nan"]),
 ])
 def test_bad_settings_are_one_line_errors_naming_source_and_key(table: dict, words: list) -> None:
     with pytest.raises(DetectorConfigError) as info:
