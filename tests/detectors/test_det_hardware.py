@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import time
@@ -48,6 +49,28 @@ def test_host_memory_and_pressure(tmp_path) -> None:
     assert sorted(e.kind for e in s.events) == ["host.memory_low", "host.memory_pressure"]
     assert all(e.action == Action.CHECKPOINT_NOW for e in s.events)
     assert s.metrics["mem_pressure_full_avg10"] == 35.5 and s.state == DetectorState.DEGRADED
+
+
+def test_psi_disabled_at_boot_is_no_pressure_not_an_error(tmp_path, monkeypatch) -> None:
+    """RHEL 8 (CONFIG_PSI_DEFAULT_DISABLED=y) without psi=1: /proc/pressure/* exist and reading them fails with
+    EOPNOTSUPP. That was a detector.error, the host detector in ERROR for good and ``trainguard detect`` exiting
+    1 on every such node. A regular file cannot fail so, so the read syscall answers as that kernel does for
+    the pressure files only; any other read error is still one."""
+    write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
+    for resource in ("memory", "io", "cpu"):
+        write_file(tmp_path, f"proc/pressure/{resource}", PSI.format(some="1.00", full="0.50"))
+    real_read = os.read
+
+    def kernel_read(fd: int, n: int) -> bytes:
+        if "/proc/pressure/" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", kernel_read)
+    s = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0)).sample()
+    assert s.errors == [] and s.state == DetectorState.OK, s.detail
+    assert s.metrics["mem_available_pct"] == pytest.approx(50.0)
+    assert not any("pressure" in k for k in s.metrics)
 
 
 def test_host_malformed_files(tmp_path) -> None:
