@@ -39,7 +39,7 @@ from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.ethtool import ethtool_stats
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message, open_iproute
-from trainguard.detectors.rules import CounterRule, load_counter_rules
+from trainguard.detectors.rules import CounterRule, check_operator_file, load_counter_rules
 from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_text
 
 _PORT_STATE = re.compile(r"^(\d+):\s*(\S+)$")
@@ -79,11 +79,12 @@ class RoceConfig(DetectorConfig):
         """Checks ranges.
 
         Raises:
-            DetectorConfigError: a value is out of range.
+            DetectorConfigError: a value is out of range, or the operator's rule file is unreadable or invalid.
         """
         super().validate()
         if self.flap_threshold < 1 or self.flap_window_s <= 0 or self.down_grace_s < 0:
             raise DetectorConfigError("roce: flap_threshold must be >= 1, flap_window_s > 0, down_grace_s >= 0")
+        check_operator_file("roce.rules_file", self.rules_file, load_counter_rules)
 
 
 @register_detector

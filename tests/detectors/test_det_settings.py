@@ -54,6 +54,12 @@ def test_a_daemon_section_and_a_run_file_give_the_same_settings(tmp_path: Path) 
     ({"enabled": ["roce"], "roce": {"flap_window_s": float("nan")}}, ["[roce]", "flap_window_s=nan must be a number"]),
     ({"enabled": ["pcie"], "pcie": {"correctable_per_s": float("nan")}}, ["[pcie]", "correctable_per_s=nan"]),
     ({"enabled": ["thermal"], "thermal": {"critical_margin_c": float("nan")}}, ["[thermal]", "critical_margin_c=nan"]),
+    # An operator's rule file was read only when the detector was built: `trainguard run` had registered with the
+    # coordinator by then, and the error named neither the table nor the key.
+    ({"enabled": ["kmsg"], "kmsg": {"rules_file": "/no/such/kmsg.json"}}, ["[kmsg]", "kmsg.rules_file='/no/such"]),
+    ({"enabled": ["kmsg"], "kmsg": {"xid_file": "/no/such/xid.json"}}, ["[kmsg]", "kmsg.xid_file='/no/such"]),
+    ({"enabled": ["roce"], "roce": {"rules_file": "/no/such/c.json"}}, ["[roce]", "roce.rules_file='/no/such"]),
+    ({"enabled": ["nvidia"], "nvidia": {"xid_file": "/no/such/xid.json"}}, ["[nvidia]", "nvidia.xid_file='/no/such"]),
 ])
 def test_bad_settings_are_one_line_errors_naming_source_and_key(table: dict, words: list) -> None:
     with pytest.raises(DetectorConfigError) as info:
