@@ -217,7 +217,10 @@ class RoceDetector(ListeningDetector):
                 emit(ev)
 
     def _link_events(self, info: LinkInfo, initial: bool) -> list[HealthEvent]:
-        """Records one link message; returns the events of a change of its state (none for a first sight)."""
+        """Records one link message; returns the events of a change of its state (none for a first sight).
+
+        ``initial`` (a listener's first dump) changes nothing: a link known from before is compared all the same.
+        """
         events: list[HealthEvent] = []
         now = time.monotonic()
         with self._lock:
@@ -237,8 +240,10 @@ class RoceDetector(ListeningDetector):
             if not watched:
                 return []
             # Only transitions are events; a link first seen (in the dump, or created later) is just recorded,
-            # and one that stays down is reported by sample() after down_grace_s.
-            if initial or prev is None:
+            # and one that stays down is reported by sample() after down_grace_s. A listener's initial dump is
+            # compared with what was seen before it too (a sample's dump at start, the listener before it failed
+            # and was restarted): a link that went down in between was recorded silently, its down never said.
+            if prev is None:
                 return []
             # The kernel coalesces carrier changes (link-watch): a link that bounced several times between two
             # messages shows only the state it ended in. Its carrier-loss counter says how often it went down;

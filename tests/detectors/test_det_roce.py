@@ -236,6 +236,27 @@ def test_bounces_between_two_link_readings_count_as_flaps(veth_netns, tmp_path) 
     assert s.metrics[f"link_downs_in_window[{a}]"] == 5.0 and s.metrics[f"link_up[{a}]"] == 1.0
 
 
+@pytest.mark.netns
+def test_a_link_that_went_down_before_the_listener_started_is_reported(veth_netns, tmp_path) -> None:
+    """The runner samples and starts the listener at once (and restarts a listener that failed, 5 s later); the
+    listener's initial dump was recorded silently, so a link seen up by a sample and down in that dump had no
+    net.link_down at all (only net.link_down_persistent, down_grace_s later)."""
+    ns, a, _ = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=3600, ethtool=False))
+    assert det.sample().metrics[f"link_up[{a}]"] == 1.0
+    ip(ns, "link", "set", a, "down")
+    q: queue.Queue[HealthEvent] = queue.Queue()
+    listener = threading.Thread(target=det.listen, args=(q.put,), daemon=True)
+    listener.start()
+    try:
+        assert det.wait_ready(30.0), "the netlink listener did not start"
+        down = next_event(q, "net.link_down", a)
+    finally:
+        det.stop_listening()
+        listener.join(10)
+    assert "administratively down" in down.message
+
+
 def test_carrier_downs_are_counted_from_carrier_changes_on_kernels_without_a_down_count() -> None:
     """Before Linux 4.19 only IFLA_CARRIER_CHANGES (every transition) is reported: from carrier on, the odd
     transitions are downs; from carrier off, the even ones."""
