@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import math
 import os
 import typing
 from abc import ABC, abstractmethod
@@ -120,6 +121,12 @@ class DetectorConfig:
         if not 0 < self.interval_s <= MAX_INTERVAL_S:  # NaN fails too
             raise DetectorConfigError(f"interval_s={self.interval_s} must be > 0 and at most {MAX_INTERVAL_S:.0f} "
                                       "seconds")
+        # TOML has nan, and every range check (x < 0, x <= 0) passes it: flap_window_s = nan never emptied the
+        # flap window (a link flapping for good after 3 downs ever), a nan threshold never fired.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and math.isnan(value):
+                raise DetectorConfigError(f"{type(self).__name__}.{f.name}=nan must be a number")
 
     def path(self, path: str) -> str:
         """Maps an absolute system path (``/sys/class/net``) under :attr:`root`.
@@ -171,8 +178,16 @@ def _coerce(owner: str, key: str, hint: Any, value: Any) -> Any:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if origin is tuple and isinstance(value, (list, tuple)):
+        # Items are checked too: paths = ["/", 7] had the disk detector statvfs() file descriptor 7, and
+        # interfaces = [1] ended every sample in a TypeError, both a detector error instead of a config error.
+        item = typing.get_args(hint)[0] if typing.get_args(hint) else None
+        bad = [v for v in value if isinstance(item, type) and not isinstance(v, item)]
+        if bad:
+            raise DetectorConfigError(f"{owner}.{key}={list(value)!r}: item {bad[0]!r} must be of type "
+                                      f"{item.__name__}")
         return tuple(value)
-    if hint in (float, int, str, bool) and not isinstance(value, hint):
+    # bool is an int in Python: flap_threshold = true read as 1.
+    if hint in (float, int, str, bool) and (not isinstance(value, hint) or (hint is int and isinstance(value, bool))):
         raise DetectorConfigError(f"{owner}.{key}={value!r} must be of type {hint.__name__}")
     if origin is tuple and not isinstance(value, tuple):
         raise DetectorConfigError(f"{owner}.{key}={value!r} must be a list")

@@ -12,6 +12,9 @@ import os
 import time
 from typing import Any
 
+#: Longest ``--window`` between the two samples, seconds.
+MAX_WINDOW_S = 3600.0
+
 
 def register(subparsers: Any) -> None:
     """Adds the ``detect`` subcommand.
@@ -40,8 +43,9 @@ def _detect(args: argparse.Namespace) -> int:
     from trainguard.detectors.runner import DetectorRunner
     from trainguard.detectors.settings import DetectorSettings
 
-    if args.window < 0:
-        raise DetectorConfigError(f"--window {args.window} must be >= 0 seconds")
+    if not 0 <= args.window <= MAX_WINDOW_S:
+        # 1e10 ended in an OverflowError traceback from time.sleep(); an hour is already far past any use.
+        raise DetectorConfigError(f"--window {args.window} must be >= 0 and at most {MAX_WINDOW_S:.0f} seconds")
     if args.root and not os.path.isdir(args.root):
         # Checked like a config's root: a mistyped one read as a node with no hardware at all (exit 0).
         raise DetectorConfigError(f"--root {args.root!r} is not a directory; create the fake tree first or fix "

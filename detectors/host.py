@@ -4,10 +4,15 @@ CPU utilisation comes from psutil; memory from ``/proc/meminfo`` (``MemTotal``, 
 pressure from ``/proc/pressure/memory`` (``some``/``full`` lines of ``avg10=... avg60=... avg300=... total=...``,
 Documentation/accounting/psi.rst), both under the configured root. ``full avg10`` is the share of the last
 10 s in which every non-idle task was stalled on memory: the node is thrashing, and an OOM kill is near.
+
+A kernel built with ``CONFIG_PSI_DEFAULT_DISABLED`` (RHEL 8, some distribution kernels) and not booted with
+``psi=1`` has the ``/proc/pressure`` files, but reading them fails with ``EOPNOTSUPP``: pressure is then not
+measured on this node, as without the files, rather than an unreadable input.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from typing import ClassVar
@@ -44,6 +49,29 @@ def parse_meminfo(text: str, path: str) -> dict[str, int]:
         if key not in out:
             raise DetectorReadError(path, f"no {key} line (truncated?)")
     return out
+
+
+def read_psi(path: str) -> dict[str, str] | None:
+    """Reads a ``/proc/pressure/<resource>`` file.
+
+    Args:
+        path: the file.
+
+    Returns:
+        ``"<some|full>.<key>"`` -> value, or None when the kernel does not measure pressure (no file, or PSI
+        disabled at boot: the read fails with ``EOPNOTSUPP``).
+
+    Raises:
+        DetectorReadError: the file cannot be read for another reason, or is not in the PSI format.
+    """
+    if not os.path.exists(path):  # a kernel without CONFIG_PSI
+        return None
+    try:
+        return read_key_values(path)
+    except DetectorReadError as exc:
+        if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.EOPNOTSUPP:
+            return None
+        raise
 
 
 @dataclass
@@ -120,24 +148,24 @@ class HostDetector(Detector):
         except DetectorReadError as exc:
             s.error(exc)
         psi_path = cfg.path("/proc/pressure/memory")
-        if os.path.exists(psi_path):  # absent on kernels without CONFIG_PSI: nothing to read, not an error
-            try:
-                psi = read_key_values(psi_path)
-                some, full = float(psi["some.avg10"]), float(psi["full.avg10"])
-            except (DetectorReadError, KeyError, ValueError) as exc:
-                s.error(exc if isinstance(exc, DetectorReadError) else
-                        DetectorReadError(psi_path, f"no valid 'some/full avg10' values ({exc})"))
-            else:
+        try:
+            psi = read_psi(psi_path)  # None: pressure not measured here (no CONFIG_PSI, or psi=0), not an error
+            some, full = (float(psi["some.avg10"]), float(psi["full.avg10"])) if psi is not None else (0.0, 0.0)
+        except (DetectorReadError, KeyError, ValueError) as exc:
+            s.error(exc if isinstance(exc, DetectorReadError) else
+                    DetectorReadError(psi_path, f"no valid 'some/full avg10' values ({exc})"))
+        else:
+            if psi is not None:
                 s.metrics.update({"mem_pressure_some_avg10": some, "mem_pressure_full_avg10": full})
                 self.condition(s, "psi", full > cfg.psi_full_avg10_pct, "host.memory_pressure", Severity.WARNING,
                                Action.CHECKPOINT_NOW, f"memory pressure: all tasks stalled {full:.1f}% of the "
                                f"last 10 s", "", {"full_avg10": full, "some_avg10": some})
         for resource in ("cpu", "io"):  # metrics only: the predictor learns what they mean on each fleet
             path = cfg.path(f"/proc/pressure/{resource}")
-            if not os.path.exists(path):
-                continue
             try:
-                values = read_key_values(path)
+                values = read_psi(path)
+                if values is None:
+                    continue
                 s.metrics[f"{resource}_pressure_some_avg10"] = float(values["some.avg10"])
                 if "full.avg10" in values:  # the cpu file has a 'full' line only since Linux 5.13
                     s.metrics[f"{resource}_pressure_full_avg10"] = float(values["full.avg10"])

@@ -27,7 +27,7 @@ from typing import ClassVar
 from trainguard.detectors.base import Detector, DetectorConfig, DetectorState, Sample, register_detector
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Severity
-from trainguard.detectors.rules import KmsgRule, load_kmsg_rules
+from trainguard.detectors.rules import KmsgRule, check_operator_file, load_kmsg_rules
 from trainguard.faultfacts.xid import XidEntry, load_xid_catalog
 
 _PREFIX = re.compile(r"^(\d+),(\d+),(\d+),([^,;]*)(?:,[^;]*)?$")
@@ -112,11 +112,13 @@ class KmsgConfig(DetectorConfig):
         """Checks ranges.
 
         Raises:
-            DetectorConfigError: a value is out of range.
+            DetectorConfigError: a value is out of range, or a rule or Xid file is unreadable or invalid.
         """
         super().validate()
         if self.dedup_s < 0 or self.state_window_s <= 0 or self.max_records <= 0:
             raise DetectorConfigError("kmsg: dedup_s must be >= 0, state_window_s and max_records > 0")
+        check_operator_file("kmsg.rules_file", self.rules_file, load_kmsg_rules)
+        check_operator_file("kmsg.xid_file", self.xid_file, load_xid_catalog)
 
 
 @register_detector

@@ -4,7 +4,10 @@
 seeds its table with a dump of every link, then blocks on the socket and calls back on each change of a link's
 usable state. A link is **up** when it is administratively up (``IFF_UP``) and has carrier (``IFLA_CARRIER``):
 operstate alone is not enough, since a veth whose peer went down reports ``DOWN`` on one side and
-``LOWERLAYERDOWN`` on the other, and drivers differ. ``IFLA_CARRIER_CHANGES`` is kept as evidence.
+``LOWERLAYERDOWN`` on the other, and drivers differ. The kernel sends carrier changes through its link-watch
+work, which coalesces them: a link that drops and regains carrier several times before that work runs yields one
+message with the state it ended in. ``IFLA_CARRIER_DOWN_COUNT`` (Linux 4.19+; else ``IFLA_CARRIER_CHANGES``,
+every transition) says how many downs happened meanwhile.
 
 The pyroute2 0.9 socket is read by ``get()``, which blocks; :meth:`LinkWatcher.stop` closes the socket from
 another thread, which makes the pending ``get()`` return empty.
@@ -60,6 +63,7 @@ class LinkInfo:
         carrier: the driver reports carrier.
         operstate: RFC 2863 operational state as the kernel names it (``UP``, ``DOWN``, ``LOWERLAYERDOWN``...).
         carrier_changes: the kernel's count of carrier transitions (0 when not reported).
+        carrier_down_count: the kernel's count of carrier losses; None when the kernel does not report it.
         removed: the link was deleted (``RTM_DELLINK``).
         time: Unix time when the message was received.
     """
@@ -72,11 +76,32 @@ class LinkInfo:
     carrier_changes: int
     removed: bool = False
     time: float = 0.0
+    carrier_down_count: int | None = None
 
     @property
     def up(self) -> bool:
         """Usable: administratively up, with carrier, and not removed."""
         return self.admin_up and self.carrier and not self.removed
+
+    def carrier_downs_since(self, prev: LinkInfo) -> int:
+        """Carrier losses between ``prev`` (an earlier message about the same link) and this message.
+
+        Args:
+            prev: the state last seen of this link.
+
+        Returns:
+            How many times the carrier went down in between; 0 when the counters cannot tell (another link
+            under the same name, counters reset with a new device).
+        """
+        if prev.index != self.index or prev.removed:
+            return 0
+        if self.carrier_down_count is not None and prev.carrier_down_count is not None:
+            return max(0, self.carrier_down_count - prev.carrier_down_count)
+        changes = self.carrier_changes - prev.carrier_changes
+        if changes <= 0:
+            return 0
+        # Transitions alternate: from carrier on, the 1st, 3rd, ... are downs; from carrier off, the 2nd, 4th, ...
+        return (changes + 1) // 2 if prev.carrier else changes // 2
 
 
 def link_from_message(msg: Any, received: float | None = None) -> LinkInfo | None:
@@ -96,6 +121,7 @@ def link_from_message(msg: Any, received: float | None = None) -> LinkInfo | Non
     if name is None:
         return None
     carrier = msg.get_attr("IFLA_CARRIER")
+    down_count = msg.get_attr("IFLA_CARRIER_DOWN_COUNT")
     return LinkInfo(
         ifname=name,
         index=int(msg.get("index", 0)),
@@ -105,6 +131,7 @@ def link_from_message(msg: Any, received: float | None = None) -> LinkInfo | Non
         carrier_changes=int(msg.get_attr("IFLA_CARRIER_CHANGES") or 0),
         removed=event == "RTM_DELLINK",
         time=time.time() if received is None else received,
+        carrier_down_count=None if down_count is None else int(down_count),
     )
 
 

@@ -22,6 +22,7 @@ from trainguard.detectors.base import Detector, DetectorConfig, Sample, register
 from trainguard.detectors.counters import CounterTracker
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
+from trainguard.detectors.rules import check_operator_file
 from trainguard.faultfacts.throttle import load_bad_throttle_reasons
 from trainguard.faultfacts.xid import load_xid_catalog
 
@@ -301,11 +302,12 @@ class NvidiaConfig(DetectorConfig):
         """Checks ranges.
 
         Raises:
-            DetectorConfigError: a value is out of range.
+            DetectorConfigError: a value is out of range, or the operator's Xid file is unreadable or invalid.
         """
         super().validate()
         if self.temp_margin_c < 0 or self.ecc_corrected_per_hour < 0:
             raise DetectorConfigError("nvidia: temp_margin_c and ecc_corrected_per_hour must be >= 0")
+        check_operator_file("nvidia.xid_file", self.xid_file, load_xid_catalog)
 
 
 class _NvmlDetector(Detector):

@@ -157,6 +157,13 @@ class PcieDetector(Detector):
         present = list_dir(base)
         for gone in set(self._devices) - set(present):
             del self._devices[gone]
+            # One that comes back (rescan after a removal, hot-plug) is a new pci_dev whose AER counters start at
+            # zero (pci_aer_init): its counts at the first reading after are new errors. Compared with the old
+            # totals instead, a fatal error on a device that had as many before it left went unreported.
+            for fname, _ in _AER_FILES:
+                if f"{gone}/{fname}" in self._last:
+                    self._counters.update(f"{gone}/{fname}", 0)
+                    self._last[f"{gone}/{fname}"] = {}
         infos: dict[str, _DeviceInfo] = {}
         for bdf in present:
             try:

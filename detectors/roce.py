@@ -39,7 +39,7 @@ from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.ethtool import ethtool_stats
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message, open_iproute
-from trainguard.detectors.rules import CounterRule, load_counter_rules
+from trainguard.detectors.rules import CounterRule, check_operator_file, load_counter_rules
 from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_text
 
 _PORT_STATE = re.compile(r"^(\d+):\s*(\S+)$")
@@ -79,11 +79,12 @@ class RoceConfig(DetectorConfig):
         """Checks ranges.
 
         Raises:
-            DetectorConfigError: a value is out of range.
+            DetectorConfigError: a value is out of range, or the operator's rule file is unreadable or invalid.
         """
         super().validate()
         if self.flap_threshold < 1 or self.flap_window_s <= 0 or self.down_grace_s < 0:
             raise DetectorConfigError("roce: flap_threshold must be >= 1, flap_window_s > 0, down_grace_s >= 0")
+        check_operator_file("roce.rules_file", self.rules_file, load_counter_rules)
 
 
 @register_detector
@@ -216,7 +217,10 @@ class RoceDetector(ListeningDetector):
                 emit(ev)
 
     def _link_events(self, info: LinkInfo, initial: bool) -> list[HealthEvent]:
-        """Records one link message; returns the events of a change of its state (none for a first sight)."""
+        """Records one link message; returns the events of a change of its state (none for a first sight).
+
+        ``initial`` (a listener's first dump) changes nothing: a link known from before is compared all the same.
+        """
         events: list[HealthEvent] = []
         now = time.monotonic()
         with self._lock:
@@ -236,27 +240,44 @@ class RoceDetector(ListeningDetector):
             if not watched:
                 return []
             # Only transitions are events; a link first seen (in the dump, or created later) is just recorded,
-            # and one that stays down is reported by sample() after down_grace_s.
-            if initial or prev is None or prev.up == info.up:
+            # and one that stays down is reported by sample() after down_grace_s. A listener's initial dump is
+            # compared with what was seen before it too (a sample's dump at start, the listener before it failed
+            # and was restarted): a link that went down in between was recorded silently, its down never said.
+            if prev is None:
+                return []
+            # The kernel coalesces carrier changes (link-watch): a link that bounced several times between two
+            # messages shows only the state it ended in. Its carrier-loss counter says how often it went down;
+            # without it, 10 bounces in 20 ms read as one down (or none) and the flapping never showed.
+            went_down = prev.up and not info.up
+            downs_now = max(info.carrier_downs_since(prev), int(went_down))
+            if not downs_now and prev.up == info.up:
                 return []
             evidence = {"ifname": info.ifname, "operstate": info.operstate, "carrier": int(info.carrier),
                         "admin_up": int(info.admin_up), "carrier_changes": info.carrier_changes,
                         "removed": int(info.removed)}
-            if not info.up:
-                downs = self._downs[info.ifname]
-                downs.append(now)
-                self._trim(downs, now)
-                why = "removed" if info.removed else ("administratively down" if not info.admin_up else "no carrier")
-                events.append(self.event("net.link_down", Severity.ERROR, Action.CHECKPOINT_NOW,
-                                         f"link {info.ifname} went down ({why}, operstate {info.operstate})",
-                                         info.ifname, {**evidence, "downs_in_window": len(downs)}))
-                if len(downs) >= self.config.flap_threshold:
-                    s = Sample()
-                    self._flap_condition(s, info.ifname, len(downs))
-                    events.extend(s.events)
-            else:
+            downs = self._downs[info.ifname]
+            downs.extend([now] * downs_now)
+            self._trim(downs, now)
+            if went_down or (prev.up and downs_now):
+                if went_down:
+                    why = "removed" if info.removed else ("administratively down" if not info.admin_up
+                                                          else "no carrier")
+                    text = f"link {info.ifname} went down ({why}, operstate {info.operstate})"
+                else:
+                    text = (f"link {info.ifname} lost its carrier {downs_now} time(s) and got it back between two "
+                            f"link notifications")
+                if downs_now > 1 and went_down:
+                    text += f", after {downs_now - 1} more carrier loss(es) since the last notification"
+                events.append(self.event("net.link_down", Severity.ERROR, Action.CHECKPOINT_NOW, text,
+                                         info.ifname, {**evidence, "downs_in_window": len(downs),
+                                                       "downs_since_last": downs_now}))
+            if info.up:
                 events.append(self.event("net.link_up", Severity.INFO, Action.NONE,
                                          f"link {info.ifname} is up again", info.ifname, evidence))
+            if len(downs) >= self.config.flap_threshold:
+                s = Sample()
+                self._flap_condition(s, info.ifname, len(downs))
+                events.extend(s.events)
         return [HealthEvent(**{**ev.__dict__, "time": info.time or ev.time}) for ev in events]
 
     def _take_renamed(self, info: LinkInfo) -> LinkInfo | None:

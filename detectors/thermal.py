@@ -4,6 +4,10 @@
 ``active``, ``passive``, ``hot``, ``critical`` with ``trip_point_<K>_temp`` beside it. Reaching ``passive``
 means the kernel throttles (warning); ``hot`` is an error; within ``critical_margin_c`` of ``critical`` the node
 is about to power off, so a checkpoint should be taken now.
+
+A trip point at or below 0 millidegrees is not set: drivers write ``0`` or ``THERMAL_TEMP_INVALID`` (``-274000``)
+there (``x86_pkg_temp`` on Intel servers has two ``passive`` trips at 0 until someone programs them; iwlwifi
+and ACPI zones use -274000), and the kernel's own thermal core disables such trips. They are ignored.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.sysfs import list_dir, read_int, read_text
 
 _TRIP = re.compile(r"^trip_point_(\d+)_type$")
+#: Trip temperatures (millidegrees) at or below this mean "not set" (0, THERMAL_TEMP_INVALID = -274000).
+_TRIP_UNSET_MC = 0
 
 
 @dataclass
@@ -65,7 +71,10 @@ class ThermalDetector(Detector):
                     m = _TRIP.match(f)
                     if m:
                         kind = read_text(os.path.join(zdir, f))
-                        value = read_int(os.path.join(zdir, f"trip_point_{m.group(1)}_temp")) / 1000.0
+                        millideg = read_int(os.path.join(zdir, f"trip_point_{m.group(1)}_temp"))
+                        if millideg <= _TRIP_UNSET_MC:
+                            continue  # an unset trip: every temperature is "above" it
+                        value = millideg / 1000.0
                         trips[kind] = min(value, trips.get(kind, value))
             except DetectorReadError as exc:
                 s.error(exc)

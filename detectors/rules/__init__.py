@@ -22,14 +22,36 @@ from __future__ import annotations
 import re
 import string
 from dataclasses import dataclass
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-from trainguard.detectors.errors import RuleFileError
+from trainguard.detectors.errors import DetectorConfigError, RuleFileError
 from trainguard.detectors.events import Action, Severity
 from trainguard.faultfacts import FactFileError, check_fields, read_fact_file
 
 _KIND = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
+
+
+def check_operator_file(key: str, path: str, load: Callable[[str], object]) -> None:
+    """Loads an operator's rule or fact file named by a detector's config, so that a bad one is a config error
+    when the settings are read (it was found only when the detector was built: ``trainguard run`` had already
+    registered with the coordinator, and the error named neither the table nor the key).
+
+    Args:
+        key: the config field, e.g. ``"kmsg.rules_file"``.
+        path: the file; empty for the shipped one (nothing to check).
+        load: the loader (:func:`load_kmsg_rules`, :func:`load_counter_rules`, ``load_xid_catalog``).
+
+    Raises:
+        DetectorConfigError: the file cannot be read or is invalid; names the key.
+    """
+    if not path:
+        return
+    try:
+        load(path)
+    except (RuleFileError, FactFileError) as exc:
+        raise DetectorConfigError(f"{key}={path!r}: {exc}") from exc
 
 
 @dataclass(frozen=True)

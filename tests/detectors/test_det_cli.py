@@ -80,6 +80,7 @@ def test_detectors_config_from_toml(tmp_path) -> None:
 @pytest.mark.parametrize("argv, says", [
     (("--only", " , "), "names no detector"),
     (("--only", ""), "names no detector"),
+    (("--only", "host", "--window", "1e10"), "--window 10000000000.0 must be >= 0 and at most 3600"),  # a traceback
 ])
 def test_detect_refuses_to_run_no_detector(argv, says, capsys) -> None:
     # `trainguard detect --only "$LIST"` with an empty list ran nothing and exited 0: a probe that always passed.

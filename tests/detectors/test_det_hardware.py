@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import time
@@ -50,6 +51,28 @@ def test_host_memory_and_pressure(tmp_path) -> None:
     assert s.metrics["mem_pressure_full_avg10"] == 35.5 and s.state == DetectorState.DEGRADED
 
 
+def test_psi_disabled_at_boot_is_no_pressure_not_an_error(tmp_path, monkeypatch) -> None:
+    """RHEL 8 (CONFIG_PSI_DEFAULT_DISABLED=y) without psi=1: /proc/pressure/* exist and reading them fails with
+    EOPNOTSUPP. That was a detector.error, the host detector in ERROR for good and ``trainguard detect`` exiting
+    1 on every such node. A regular file cannot fail so, so the read syscall answers as that kernel does for
+    the pressure files only; any other read error is still one."""
+    write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
+    for resource in ("memory", "io", "cpu"):
+        write_file(tmp_path, f"proc/pressure/{resource}", PSI.format(some="1.00", full="0.50"))
+    real_read = os.read
+
+    def kernel_read(fd: int, n: int) -> bytes:
+        if "/proc/pressure/" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", kernel_read)
+    s = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0)).sample()
+    assert s.errors == [] and s.state == DetectorState.OK, s.detail
+    assert s.metrics["mem_available_pct"] == pytest.approx(50.0)
+    assert not any("pressure" in k for k in s.metrics)
+
+
 def test_host_malformed_files(tmp_path) -> None:
     write_file(tmp_path, "proc/meminfo", "MemTotal:       65536000 kB\nMemFree: lots\n")
     write_file(tmp_path, "proc/pressure/memory", "some avg10\n")
@@ -81,6 +104,24 @@ def test_thermal_trip_points(tmp_path) -> None:
     write_thermal_zone(tmp_path, 0, 50000, trips)
     assert sorted(e.kind for e in det.sample().events) == [
         "hw.temp_critical.cleared", "hw.temp_hot.cleared", "hw.temp_throttling.cleared"]
+
+
+def test_unset_trip_points_raise_nothing(tmp_path) -> None:
+    """x86_pkg_temp on an Intel server: two ``passive`` trips at 0 until someone programs them (newer kernels:
+    -274000, THERMAL_TEMP_INVALID; ACPI zones use that for a critical trip they have no value for). Every
+    temperature is above them: the detector read DEGRADED (throttling) on every such node, and a critical trip
+    at -274 C asked for a checkpoint at 45 C. A real trip beside them still counts."""
+    z0, z1 = "sys/class/thermal/thermal_zone0", "sys/class/thermal/thermal_zone1"
+    write_thermal_zone(tmp_path, 0, 45000, {})
+    for i, t in enumerate(("0", "0")):
+        write_file(tmp_path, f"{z0}/trip_point_{i}_type", "passive\n")
+        write_file(tmp_path, f"{z0}/trip_point_{i}_temp", t + "\n")
+    write_thermal_zone(tmp_path, 1, 45000, {"passive": -274000, "critical": -274000, "hot": 90000}, "acpitz")
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert s.events == [] and s.state == DetectorState.OK, [e.message for e in s.events]
+    write_file(tmp_path, f"{z1}/temp", "91000\n")
+    assert [e.kind for e in det.sample().events] == ["hw.temp_hot"]
 
 
 def test_thermal_malformed_and_absent(tmp_path) -> None:

@@ -58,6 +58,23 @@ def test_rules_turn_records_into_typed_events(tmp_path) -> None:
     assert s.metrics["matches_nvidia_xid"] == 2.0 and s.metrics["records"] == 6.0
 
 
+def test_aer_lines_of_old_and_new_kernels_both_match(tmp_path) -> None:
+    """Newer kernels print "AER: Uncorrected (Non-Fatal) error message received from <bdf>" (older: "error
+    received: <bdf>"); the fatal rule knew both, the non-fatal one only the old: a non-fatal error on a current
+    kernel raised nothing."""
+    write_kmsg(tmp_path)
+    det = KmsgDetector(KmsgConfig(root=str(tmp_path)))
+    det.sample()
+    lines = [("Fatal", "error received: 0000:3b:00.0"), ("Fatal", "error message received from 0000:3c:00.0"),
+             ("Non-Fatal", "error received: 0000:3d:00.0"),
+             ("Non-Fatal", "error message received from 0000:3e:00.0")]
+    for seq, (severity, tail) in enumerate(lines, 1):
+        append_kmsg(tmp_path, f"3,{seq},100,-;pcieport 0000:00:03.0: AER: Multiple Uncorrected ({severity}) {tail}")
+    got = [(e.kind, e.subject) for e in det.sample().events]
+    assert got == [("pcie.aer_fatal", "0000:3b:00.0"), ("pcie.aer_fatal", "0000:3c:00.0"),
+                   ("pcie.aer_nonfatal", "0000:3d:00.0"), ("pcie.aer_nonfatal", "0000:3e:00.0")], got
+
+
 def test_existing_records_are_skipped_unless_replay(tmp_path) -> None:
     root = write_kmsg(tmp_path, OOM)
     assert KmsgDetector(KmsgConfig(root=root)).sample().events == []

@@ -59,6 +59,24 @@ def test_degraded_link_width_speed_and_lost_device(tmp_path) -> None:
         ("pcie.device_lost", "0000:86:00.0", Severity.CRITICAL)]
 
 
+def test_a_device_back_on_the_bus_counts_its_errors_from_zero(tmp_path) -> None:
+    """A GPU removed and rescanned is a new pci_dev whose AER counters start at zero. It had one fatal error
+    before it left; back with one new fatal error, the total read the same (1) and the new error was lost."""
+    write_pci_device(tmp_path, GPU, above=ROOT_PORT)
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    det.sample()
+    write_pci_device(tmp_path, GPU, above=ROOT_PORT, fatal={"DLP": 1})
+    assert [e.kind for e in det.sample().events] == ["pcie.aer_fatal"]
+    (tmp_path / f"sys/bus/pci/devices/{GPU}").unlink()
+    shutil.rmtree(tmp_path / f"sys/devices/pci0000:00/{ROOT_PORT}/{GPU}")
+    assert [e.kind for e in det.sample().events] == ["pcie.device_lost"]
+    write_pci_device(tmp_path, GPU, above=ROOT_PORT, fatal={"CmpltTO": 1})  # back, with one new fatal error
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == ["pcie.aer_fatal", "pcie.device_lost.cleared"]
+    fatal = next(e for e in s.events if e.kind == "pcie.aer_fatal")
+    assert fatal.evidence["delta"] == "1" and fatal.evidence["errors"] == "CmpltTO+1"
+
+
 def test_malformed_and_truncated_aer_files(tmp_path) -> None:
     d = write_pci_device(tmp_path, "0000:3b:00.0")
     (d / "aer_dev_correctable").write_text("RxErr 0\nBadTLP\n")  # truncated mid-line

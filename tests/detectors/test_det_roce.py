@@ -14,6 +14,7 @@ import pytest
 
 from trainguard.detectors.base import DetectorState
 from trainguard.detectors.ethtool import parse_ethtool_s
+from trainguard.detectors.netlink import LinkInfo, link_from_message, open_iproute
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.errors import DetectorReadError
 from trainguard.detectors.roce import RoceConfig, RoceDetector
@@ -200,6 +201,72 @@ def test_without_a_listener_every_sample_reads_the_link_table_again(veth_netns, 
     ip(ns, "link", "set", a, "up")
     s = det.sample()
     assert sorted(e.kind for e in s.events) == ["net.link_down_persistent.cleared", "net.link_up"]
+
+
+@pytest.mark.netns
+def test_bounces_between_two_link_readings_count_as_flaps(veth_netns, tmp_path) -> None:
+    """The kernel coalesces carrier changes (link-watch), and ``trainguard detect`` reads the link table 1 s
+    apart: a link whose peer bounced 5 times in a few ms was up at both readings, so no down was counted and no
+    net.link_flapping raised (seen with the listener too: 10 bounces in 21 ms came as one down and one up).
+    The kernel's carrier-loss counter now counts them."""
+    ns, a, b = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), flap_threshold=3,
+                                  down_grace_s=3600, ethtool=False))
+    assert det.sample().events == []
+
+    def downs() -> tuple[int, bool]:
+        ipr = open_iproute(ns)
+        try:
+            info = link_from_message(ipr.get_links(ifname=a)[0])
+        finally:
+            ipr.close()
+        assert info is not None and info.carrier_down_count is not None
+        return info.carrier_down_count, info.up
+
+    before, _ = downs()
+    subprocess.run(["ip", "-n", ns, "-batch", "-"], check=True, timeout=30, text=True,
+                   input=f"link set {b} down\nlink set {b} up\n" * 5)
+    deadline = time.monotonic() + 10
+    while downs() != (before + 5, True) and time.monotonic() < deadline:
+        time.sleep(0.02)  # the carrier comes back through the kernel's link-watch work
+    s = det.sample()
+    kinds = [e.kind for e in s.events]
+    assert kinds == ["net.link_down", "net.link_up", "net.link_flapping"], kinds
+    assert s.events[0].evidence["downs_since_last"] == "5"
+    assert s.metrics[f"link_downs_in_window[{a}]"] == 5.0 and s.metrics[f"link_up[{a}]"] == 1.0
+
+
+@pytest.mark.netns
+def test_a_link_that_went_down_before_the_listener_started_is_reported(veth_netns, tmp_path) -> None:
+    """The runner samples and starts the listener at once (and restarts a listener that failed, 5 s later); the
+    listener's initial dump was recorded silently, so a link seen up by a sample and down in that dump had no
+    net.link_down at all (only net.link_down_persistent, down_grace_s later)."""
+    ns, a, _ = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=3600, ethtool=False))
+    assert det.sample().metrics[f"link_up[{a}]"] == 1.0
+    ip(ns, "link", "set", a, "down")
+    q: queue.Queue[HealthEvent] = queue.Queue()
+    listener = threading.Thread(target=det.listen, args=(q.put,), daemon=True)
+    listener.start()
+    try:
+        assert det.wait_ready(30.0), "the netlink listener did not start"
+        down = next_event(q, "net.link_down", a)
+    finally:
+        det.stop_listening()
+        listener.join(10)
+    assert "administratively down" in down.message
+
+
+def test_carrier_downs_are_counted_from_carrier_changes_on_kernels_without_a_down_count() -> None:
+    """Before Linux 4.19 only IFLA_CARRIER_CHANGES (every transition) is reported: from carrier on, the odd
+    transitions are downs; from carrier off, the even ones."""
+    up = LinkInfo("eth0", 2, True, True, "UP", 10)
+    down = LinkInfo("eth0", 2, True, False, "DOWN", 11)
+    assert LinkInfo("eth0", 2, True, True, "UP", 16).carrier_downs_since(up) == 3
+    assert LinkInfo("eth0", 2, True, False, "DOWN", 15).carrier_downs_since(up) == 3
+    assert LinkInfo("eth0", 2, True, True, "UP", 14).carrier_downs_since(down) == 1
+    assert LinkInfo("eth0", 3, True, True, "UP", 16).carrier_downs_since(up) == 0  # another link, same name
+    assert LinkInfo("eth0", 2, True, True, "UP", 0).carrier_downs_since(up) == 0
 
 
 @pytest.mark.netns

@@ -44,6 +44,22 @@ def test_a_daemon_section_and_a_run_file_give_the_same_settings(tmp_path: Path) 
     ({"root": "/no/such/tree"}, ["root: '/no/such/tree' is not a directory"]),
     ({"hang_floor_s": 3}, ["unknown top-level key 'hang_floor_s'"]),
     ({"enabled": ["process"], "process": {"hang_floor_s": -1}}, ["[process]", "hang_floor_s=-1"]),
+    # Items of a list were not checked: the disk detector statvfs()'d file descriptor 7, the roce detector ended
+    # every sample in a TypeError; a boolean passed for an integer.
+    ({"enabled": ["disk"], "disk": {"paths": ["/", 7]}}, ["[disk]", "paths=['/', 7]: item 7 must be of type str"]),
+    ({"enabled": ["roce"], "roce": {"interfaces": [1]}}, ["[roce]", "interfaces=[1]: item 1 must be"]),
+    ({"enabled": ["pcie"], "pcie": {"link_classes": [3]}}, ["[pcie]", "link_classes=[3]"]),
+    ({"enabled": ["roce"], "roce": {"flap_threshold": True}}, ["[roce]", "flap_threshold=True must be of type int"]),
+    # nan passed every range check (x < 0, x <= 0): a flap window that never emptied, thresholds never reached.
+    ({"enabled": ["roce"], "roce": {"flap_window_s": float("nan")}}, ["[roce]", "flap_window_s=nan must be a number"]),
+    ({"enabled": ["pcie"], "pcie": {"correctable_per_s": float("nan")}}, ["[pcie]", "correctable_per_s=nan"]),
+    ({"enabled": ["thermal"], "thermal": {"critical_margin_c": float("nan")}}, ["[thermal]", "critical_margin_c=nan"]),
+    # An operator's rule file was read only when the detector was built: `trainguard run` had registered with the
+    # coordinator by then, and the error named neither the table nor the key.
+    ({"enabled": ["kmsg"], "kmsg": {"rules_file": "/no/such/kmsg.json"}}, ["[kmsg]", "kmsg.rules_file='/no/such"]),
+    ({"enabled": ["kmsg"], "kmsg": {"xid_file": "/no/such/xid.json"}}, ["[kmsg]", "kmsg.xid_file='/no/such"]),
+    ({"enabled": ["roce"], "roce": {"rules_file": "/no/such/c.json"}}, ["[roce]", "roce.rules_file='/no/such"]),
+    ({"enabled": ["nvidia"], "nvidia": {"xid_file": "/no/such/xid.json"}}, ["[nvidia]", "nvidia.xid_file='/no/such"]),
 ])
 def test_bad_settings_are_one_line_errors_naming_source_and_key(table: dict, words: list) -> None:
     with pytest.raises(DetectorConfigError) as info:
