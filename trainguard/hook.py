@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 from trainguard import gloo_exit
-from trainguard.errors import TrainguardError
+from trainguard.errors import TrainguardError, UsageError
 from trainguard.step_timer import Section, StepTimer
 from trainguard.worker_env import WorkerEnv, checkpoint_job_name, torchrun_made_run_id
 
@@ -219,6 +219,8 @@ class Session:
         self.last_saved_step: int | None = None
         self.restored_step: int | None = None
         self._last_step_end = time.monotonic()
+        self._last_step: int | None = None  # the highest step reported through step_done
+        self._backward_warned = False
         self._handled_advisories: set[str] = set()
         self._checkpoint_now = False
         self._checkpoint_at: set[int] = set()  # steps of pending job-wide checkpoints
@@ -390,10 +392,16 @@ class Session:
         """Marks ``step`` complete: heartbeat, advisories, and a save when due.
 
         Args:
-            step: the step just completed (0-based).
+            step: the step just completed (0-based), counted over the whole run: it must grow from call to call
+                (a step that does not is latched in :attr:`errors` and logged once; under an agent the worker is
+                then taken for hung, because only a higher step counts as progress).
             state: what to checkpoint when a save is due (every ``save_every`` steps, or when the agent advises
                 a checkpoint); None skips saving.
         """
+        if self._last_step is not None and step <= self._last_step:
+            self._step_went_back(step)
+        else:
+            self._last_step = step
         now = time.monotonic()
         dt = now - self._last_step_end
         self._last_step_end = now
@@ -415,6 +423,19 @@ class Session:
         if state is not None and (due or at or self._checkpoint_now):
             self._checkpoint_now = False
             self.save(state, step)
+
+    def _step_went_back(self, step: int) -> None:
+        """Warns once about a step that does not grow (e.g. the index within an epoch, or one step reported per
+        micro-batch): the agent counts only a higher step as progress, so the worker would be killed as hung
+        with no word of why, and ``save_every`` would save over earlier checkpoints of the same step."""
+        if self._backward_warned:
+            return
+        self._backward_warned = True
+        what = "the agent counts only a higher step as progress and will restart this worker as hung" \
+            if self._agent is not None else "checkpoints of a repeated step replace the earlier ones"
+        self._latch(UsageError(f"step_done({step}) after step_done({self._last_step}): steps must grow over the "
+                               f"whole run (pass a global step counter, not the index within an epoch); {what}"),
+                    f"rank {self.rank}")
 
     def _apply_advisories(self) -> None:
         from trainguard.proto import agent_pb2

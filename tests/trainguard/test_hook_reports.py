@@ -82,3 +82,28 @@ def test_the_first_step_after_the_hello_is_reported_at_once(tmp_path) -> None:
     finally:
         server.stop(0)
     assert steps[:2] == [-1, 200], steps
+
+
+def test_a_step_that_does_not_grow_is_named_once_and_latched(tmp_path, caplog) -> None:
+    """Found running a loop that passes the index within the epoch (`for step, batch in enumerate(loader)`)
+    under `trainguard run`: the agent took every step of the second epoch as no progress, killed the healthy
+    worker as hung ("sent no step heartbeat for 8.4 s after step 19") three times and failed the job; nothing
+    in the worker's log said why."""
+    import logging
+
+    from trainguard.errors import UsageError
+
+    s = Session(job="epochs")
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainguard"):
+            for _epoch in range(3):
+                for step in range(4):
+                    s.step_done(step)
+        assert len(s.errors) == 1 and isinstance(s.errors[0], UsageError), s.errors
+        msg = str(s.errors[0])
+        assert "step_done(0) after step_done(3)" in msg and "global step" in msg, msg
+        assert caplog.text.count("steps must grow") == 1, caplog.text
+        s.step_done(9)  # growing again is fine, and says nothing more
+        assert len(s.errors) == 1
+    finally:
+        s.close()
