@@ -228,6 +228,9 @@ class Session:
         self._ckpt = None
         self._finished = False
         self._pauses = 0  # open pause_hang_detection blocks
+        self._pause_start = 0.0  # when the outermost open pause began (monotonic seconds)
+        self._steps_reported = 0  # step_done calls, and their count when the outermost pause began
+        self._pause_steps = 0
         self._pause_lock = threading.Lock()
         self._timer = StepTimer()
         #: Wall time of the last completed step, seconds, and its sections (see :meth:`section`).
@@ -402,6 +405,7 @@ class Session:
             self._step_went_back(step)
         else:
             self._last_step = step
+        self._steps_reported += 1
         now = time.monotonic()
         dt = now - self._last_step_end
         self._last_step_end = now
@@ -470,30 +474,36 @@ class Session:
         step)`` (60 s by default), so a periodic evaluation, a synchronous export or a data re-shuffle that
         takes longer would be killed and restarted. Inside this block the agent expects no steps; when it ends,
         the silence is counted afresh from there (a worker that hangs after the block is still found). Steps
-        reported inside the block count as usual. A no-op without an agent (plain ``torchrun``, alone) and after
-        :meth:`finish`. Do not use it around training steps: a hang inside the block is not detected (the
+        reported inside the block count as usual. A block with no step inside is left out of the next step's
+        time (:attr:`last_step_time_s`, what the agent and fail-slow detection see), with or without an agent.
+        The pause itself is a no-op without an agent (plain ``torchrun``, alone) and after :meth:`finish`. Do
+        not use it around training steps: a hang inside the block is not detected (the
         collectives' own timeouts still apply).
 
         Args:
             reason: what the phase is, for the log.
         """
         link = self._agent if not self._finished else None
-        if link is None:
-            yield
-            return
         with self._pause_lock:  # nested or concurrent pauses: detection resumes when the last one ends
             self._pauses += 1
             if self._pauses == 1:
-                log.info("hang detection paused%s", f" ({reason})" if reason else "")
-                link.set_quiet(True)
+                self._pause_start, self._pause_steps = time.monotonic(), self._steps_reported
+                if link is not None:
+                    log.info("hang detection paused%s", f" ({reason})" if reason else "")
+                    link.set_quiet(True)
         try:
             yield
         finally:
             with self._pause_lock:
                 self._pauses -= 1
-                if self._pauses == 0 and not self._finished:
-                    link.set_quiet(False)
-                    log.info("hang detection resumed%s", f" after {reason}" if reason else "")
+                if self._pauses == 0:
+                    if self._steps_reported == self._pause_steps:
+                        # The phase is not part of the next step: counted in, it became the agent's "slowest
+                        # recent step", and the hang bound (5x that) grew to 5x the evaluation for a while.
+                        self._last_step_end += time.monotonic() - self._pause_start
+                    if link is not None and not self._finished:
+                        link.set_quiet(False)
+                        log.info("hang detection resumed%s", f" after {reason}" if reason else "")
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every saved checkpoint is durable."""

@@ -107,3 +107,78 @@ def test_a_step_that_does_not_grow_is_named_once_and_latched(tmp_path, caplog) -
         assert len(s.errors) == 1
     finally:
         s.close()
+
+
+class _Clock:
+    """The hook's clock, moved by the test (only the hook module's ``time`` is replaced)."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def perf_counter(self) -> float:
+        return self.t
+
+
+class _QuietLink:
+    """The agent side of the hook's link: records the step times and pauses it is sent."""
+
+    def __init__(self) -> None:
+        self.beats: list[tuple[int, float]] = []
+        self.quiet: list[bool] = []
+
+    def beat(self, step: int, dt: float, sections=None) -> None:
+        self.beats.append((step, dt))
+
+    def set_quiet(self, quiet: bool, timeout: float = 2.0) -> bool:
+        self.quiet.append(quiet)
+        return True
+
+    def take_advisories(self) -> list:
+        return []
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_paused_phase_is_not_counted_in_the_next_steps_time(monkeypatch) -> None:
+    """Found with a real `trainguard run` job (hang floor 8 s): after a 5 s evaluation inside
+    pause_hang_detection, the next step was reported as 5.06 s, the agent's hang bound became 5x that, and a rank
+    that hung two steps later was found after 25.4 s instead of 8 (a 10 min evaluation: 50 min)."""
+    from trainguard import hook
+
+    clock = _Clock()
+    monkeypatch.setattr(hook, "time", clock)
+    link = _QuietLink()
+    s = Session(job="pause")
+    s._agent = link
+    try:
+        clock.t += 0.05
+        s.step_done(0)
+        with s.pause_hang_detection("evaluation"):
+            clock.t += 300.0
+        clock.t += 0.05
+        s.step_done(1)
+        assert link.quiet == [True, False]
+        assert link.beats[-1] == (1, pytest.approx(0.05)) and s.last_step_time_s == pytest.approx(0.05)
+        with s.pause_hang_detection("evaluation"):  # a step inside the block counts as usual, from the last one
+            clock.t += 0.05
+            s.step_done(2)
+            clock.t += 10.0
+        clock.t += 0.05
+        s.step_done(3)
+        assert [dt for _, dt in link.beats[-2:]] == [pytest.approx(0.05), pytest.approx(10.05)]
+        s._agent = None
+        with s.pause_hang_detection("evaluation"):  # no agent: still left out of last_step_time_s
+            clock.t += 60.0
+        clock.t += 0.05
+        s.step_done(4)
+        assert s.last_step_time_s == pytest.approx(0.05)
+    finally:
+        s._agent = None
+        s.close()
