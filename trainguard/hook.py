@@ -233,7 +233,8 @@ class Session:
         self._pause_steps = 0
         self._pause_lock = threading.Lock()
         self._timer = StepTimer()
-        #: Wall time of the last completed step, seconds, and its sections (see :meth:`section`).
+        #: Wall time of the last completed step, seconds (the first one's runs from init), and its sections (see
+        #: :meth:`section`).
         self.last_step_time_s = 0.0
         self.last_sections: dict[str, float] = {}
 
@@ -412,10 +413,13 @@ class Session:
         sections = self._timer.collect()
         self.last_step_time_s, self.last_sections = dt, sections
         if self._agent is not None:
+            # The first step's time runs from init(): set-up and restore, not a step. Sent as 0 (unknown, which
+            # the agent skips): as a step it became the agent's "slowest recent step" and the hang bound 5x it.
+            sent = dt if self._steps_reported > 1 else 0.0
             if sections:
-                self._agent.beat(step, dt, sections)
+                self._agent.beat(step, sent, sections)
             else:
-                self._agent.beat(step, dt)
+                self._agent.beat(step, sent)
             self._apply_advisories()
         due = self.save_every > 0 and (step + 1) % self.save_every == 0
         at = step in self._checkpoint_at

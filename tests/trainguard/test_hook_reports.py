@@ -182,3 +182,26 @@ def test_a_paused_phase_is_not_counted_in_the_next_steps_time(monkeypatch) -> No
     finally:
         s._agent = None
         s.close()
+
+
+def test_the_first_steps_time_since_init_is_sent_as_unknown(monkeypatch) -> None:
+    """Found with a real `trainguard run` job (hang floor 8 s) that spent 6 s building its model after init(): the
+    first step was reported as 6.35 s, the agent's hang bound became 5x that, and a rank that hung at step 5 was
+    found after 32 s instead of 8 (a model and data set loaded in 5 min: 25 min)."""
+    from trainguard import hook
+
+    clock = _Clock()
+    monkeypatch.setattr(hook, "time", clock)
+    link = _QuietLink()
+    s = Session(job="first")
+    s._agent = link
+    try:
+        clock.t += 360.0  # set-up after init
+        s.step_done(0)
+        clock.t += 0.05
+        s.step_done(1)
+        assert link.beats == [(0, 0.0), (1, pytest.approx(0.05))]
+        assert s.last_step_time_s == pytest.approx(0.05)
+    finally:
+        s._agent = None
+        s.close()
