@@ -40,6 +40,17 @@ HEARTBEAT_MIN_INTERVAL_S = 0.25
 MAX_LATCHED_ERRORS = 1000
 
 
+def _rpc_error_line(exc: BaseException) -> str:
+    """A failed call as one line: ``CODE: details`` for a gRPC error, whose ``str()`` spans several lines."""
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        try:
+            return f"{code().name}: {details()}".replace("\n", " ")
+        except Exception:  # noqa: BLE001 - a half-built error must not break the heartbeat thread
+            pass
+    return str(exc).replace("\n", " ")
+
+
 class _AgentLink:
     """Heartbeats to the local agent from a background thread, so a step never waits on the control plane.
 
@@ -154,7 +165,7 @@ class _AgentLink:
             except Exception as exc:  # noqa: BLE001
                 self.failures += 1
                 if self.failures in (1, 10, 100):
-                    log.warning("heartbeat to the agent failed (%s); training continues", exc)
+                    log.warning("heartbeat to the agent failed (%s); training continues", _rpc_error_line(exc))
             with self._cond:
                 self._sent_seq = max(self._sent_seq, seq)
                 self._cond.notify_all()

@@ -205,3 +205,22 @@ def test_the_first_steps_time_since_init_is_sent_as_unknown(monkeypatch) -> None
     finally:
         s._agent = None
         s.close()
+
+
+def test_an_agent_that_is_away_is_warned_about_in_one_line(tmp_path, caplog) -> None:
+    """Found running the hook with $TRAINGUARD_AGENT_SOCKET naming a socket no agent serves: training went on (as it
+    should), but the warning was gRPC's five-line error repr, debug string included."""
+    import logging
+    import time
+
+    from trainguard.hook import _AgentLink
+
+    with caplog.at_level(logging.WARNING, logger="trainguard.hook"):
+        link = _AgentLink(str(tmp_path / "no-agent.sock"), rank=0, generation=1)
+        deadline = time.monotonic() + 20
+        while not link.failures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        link.close()
+    lines = [r.getMessage() for r in caplog.records if "heartbeat to the agent failed" in r.getMessage()]
+    assert lines and all("\n" not in m for m in lines), lines
+    assert "UNAVAILABLE" in lines[0] and "no-agent.sock" in lines[0], lines[0]
