@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import sys
 import threading
@@ -207,8 +208,14 @@ class Session:
         job: str | None = None,
         checkpoint_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if save_every < 0:
-            raise TrainguardError(f"save_every must be >= 0, got {save_every}")
+        try:
+            every = operator.index(save_every)  # an int (numpy's too); a str or None compared with 0 was a TypeError
+        except TypeError:
+            every = -1
+        if every < 0 or isinstance(save_every, bool):
+            raise TrainguardError(f"save_every must be a whole number of steps >= 0 (0: only on request), got "
+                                  f"{save_every!r}")
+        save_every = every
         env = WorkerEnv.from_env()
         self.rank = env.rank
         self.world_size = env.world_size

@@ -224,3 +224,22 @@ def test_an_agent_that_is_away_is_warned_about_in_one_line(tmp_path, caplog) -> 
     lines = [r.getMessage() for r in caplog.records if "heartbeat to the agent failed" in r.getMessage()]
     assert lines and all("\n" not in m for m in lines), lines
     assert "UNAVAILABLE" in lines[0] and "no-agent.sock" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("value", ["20", None, 2.5, -1, True])
+def test_a_save_every_that_is_not_a_step_count_is_a_one_line_error(value) -> None:
+    """Found calling trainguard.init as a new user would, with a value read from the environment or argparse:
+    save_every="20" or None raised TypeError ('<' not supported between 'str' and 'int'), and 2.5 was taken
+    (saving at steps 4, 9, 14...)."""
+    from trainguard.errors import TrainguardError
+
+    with pytest.raises(TrainguardError, match=r"save_every must be a whole number of steps >= 0.*got"):
+        Session(save_every=value, job="every")
+
+
+def test_a_numpy_save_every_is_taken_as_its_int() -> None:
+    import numpy as np
+
+    s = Session(save_every=np.int64(5), job="every")
+    assert s.save_every == 5 and type(s.save_every) is int
+    s.close()
