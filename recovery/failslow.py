@@ -267,8 +267,10 @@ class FailSlowSupervisor:
             if f is not None and f.node_id not in addr:
                 self.links.forget(f.node_id)  # replaced: it holds no ranks now
             endpoints = {n: (a, self._probe_ports.get(n, 0)) for n, a in addr.items()}
-            self.links.on_window(result.job_slowdown, bool(result.slow_ranks or result.slow_nodes), endpoints, now,
-                                 ranks_compared=len(result.ratios) >= 2)
+            # A rank whose flag is still persisting explains the slowdown as well as a flagged one: probing then
+            # would say "no compute straggler" and spend the campaign cooldown on a compute problem.
+            compute = bool(result.slow_ranks or result.slow_nodes or result.suspects)
+            self.links.on_window(result.job_slowdown, compute, endpoints, now, ranks_compared=len(result.ratios) >= 2)
             if decision is None and self.links.finding is not None and not result.slow_nodes:
                 decision = self._link_decision(now, spares)
         return decision

@@ -7,9 +7,9 @@ own history) with no slow rank. :class:`LinkLocator` turns that into a named nod
 ByteRobust's pairwise tests:
 
 1. **Trigger.** ``trigger_windows`` consecutive scored windows with a job slowdown >= ``slow_ratio`` and no
-   rank or node flagged by its own work (a compute straggler has its own finding), at least ``cooldown_s``
-   after the last probe campaign, and at least 3 nodes (2 nodes share their only pair: no way to tell which
-   end is slow).
+   rank or node flagged by its own work, or over the threshold while its flag persists (a compute straggler
+   has its own finding), at least ``cooldown_s`` after the last probe campaign, and at least 3 nodes (2 nodes
+   share their only pair: no way to tell which end is slow).
 2. **Probe.** The nodes are paired in rounds (a round-robin schedule: each round a matching, so no node runs
    two probes at once); each node is paired with up to ``max_peers`` others, and every pair is probed
    ``repeats`` times. A probe is a timed TCP transfer over the data network: the node sends ``probe_bytes``
@@ -248,8 +248,8 @@ class LinkLocator:
 
         Args:
             job_slowdown: the window's job slowdown (step time over the job's own baseline; NaN: unknown).
-            compute_straggler: a rank or node is flagged by its own work (then that finding explains the
-                slowdown: no probe).
+            compute_straggler: a rank or node is flagged by its own work, or over the threshold while its flag
+                persists (then that finding explains the slowdown: no probe).
             endpoints: node -> (address, probe port) of the nodes holding ranks now (port 0: cannot be probed).
             now: coordinator clock, seconds.
             ranks_compared: the window compared at least two ranks' own work. False when the ranks report step

@@ -205,6 +205,7 @@ class WindowResult:
     newly_flagged: tuple[SlowFinding, ...] = ()
     generation: int = -1
     epoch: int = 0
+    suspects: int = 0  # ranks and nodes over slow_ratio whose flag is still persisting (not SLOW yet)
 
 
 #: First windows of a rank left out of its baseline (start-up: imports, allocator warm-up, first restore).
@@ -419,8 +420,9 @@ class StragglerDetector:
                                    if tr.state is FlagState.SLOW), key=lambda f: -f.ratio))
         slow_nodes = tuple(sorted((self._finding(-1, n, tr, node_of) for n, tr in nodes.items()
                                    if tr.state is FlagState.SLOW), key=lambda f: -f.ratio))
+        suspects = sum(tr.state is FlagState.SUSPECT for tracks in (ranks, nodes) for tr in tracks.values())
         return WindowResult(now, job_step, job_slowdown, ratios, node_ratios, slow_ranks, slow_nodes,
-                            tuple(newly), snap.generation, snap.epoch)
+                            tuple(newly), snap.generation, snap.epoch, suspects)
 
     def _advance(self, tr: _Track, ratio: float, excess: float, basis: str, now: float, floor: float) -> bool:
         """Moves one track through :data:`TRANSITIONS`; True when it just became SLOW."""

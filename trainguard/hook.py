@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import sys
 import threading
@@ -25,7 +26,7 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 from trainguard import gloo_exit
-from trainguard.errors import TrainguardError
+from trainguard.errors import TrainguardError, UsageError
 from trainguard.step_timer import Section, StepTimer
 from trainguard.worker_env import WorkerEnv, checkpoint_job_name, torchrun_made_run_id
 
@@ -38,6 +39,17 @@ log = logging.getLogger("trainguard.hook")
 HEARTBEAT_MIN_INTERVAL_S = 0.25
 #: Most errors :attr:`Session.errors` keeps (the newest).
 MAX_LATCHED_ERRORS = 1000
+
+
+def _rpc_error_line(exc: BaseException) -> str:
+    """A failed call as one line: ``CODE: details`` for a gRPC error, whose ``str()`` spans several lines."""
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        try:
+            return f"{code().name}: {details()}".replace("\n", " ")
+        except Exception:  # noqa: BLE001 - a half-built error must not break the heartbeat thread
+            pass
+    return str(exc).replace("\n", " ")
 
 
 class _AgentLink:
@@ -154,7 +166,7 @@ class _AgentLink:
             except Exception as exc:  # noqa: BLE001
                 self.failures += 1
                 if self.failures in (1, 10, 100):
-                    log.warning("heartbeat to the agent failed (%s); training continues", exc)
+                    log.warning("heartbeat to the agent failed (%s); training continues", _rpc_error_line(exc))
             with self._cond:
                 self._sent_seq = max(self._sent_seq, seq)
                 self._cond.notify_all()
@@ -196,8 +208,14 @@ class Session:
         job: str | None = None,
         checkpoint_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if save_every < 0:
-            raise TrainguardError(f"save_every must be >= 0, got {save_every}")
+        try:
+            every = operator.index(save_every)  # an int (numpy's too); a str or None compared with 0 was a TypeError
+        except TypeError:
+            every = -1
+        if every < 0 or isinstance(save_every, bool):
+            raise TrainguardError(f"save_every must be a whole number of steps >= 0 (0: only on request), got "
+                                  f"{save_every!r}")
+        save_every = every
         env = WorkerEnv.from_env()
         self.rank = env.rank
         self.world_size = env.world_size
@@ -219,6 +237,8 @@ class Session:
         self.last_saved_step: int | None = None
         self.restored_step: int | None = None
         self._last_step_end = time.monotonic()
+        self._last_step: int | None = None  # the highest step reported through step_done
+        self._backward_warned = False
         self._handled_advisories: set[str] = set()
         self._checkpoint_now = False
         self._checkpoint_at: set[int] = set()  # steps of pending job-wide checkpoints
@@ -226,9 +246,13 @@ class Session:
         self._ckpt = None
         self._finished = False
         self._pauses = 0  # open pause_hang_detection blocks
+        self._pause_start = 0.0  # when the outermost open pause began (monotonic seconds)
+        self._steps_reported = 0  # step_done calls, and their count when the outermost pause began
+        self._pause_steps = 0
         self._pause_lock = threading.Lock()
         self._timer = StepTimer()
-        #: Wall time of the last completed step, seconds, and its sections (see :meth:`section`).
+        #: Wall time of the last completed step, seconds (the first one's runs from init), and its sections (see
+        #: :meth:`section`).
         self.last_step_time_s = 0.0
         self.last_sections: dict[str, float] = {}
 
@@ -390,20 +414,30 @@ class Session:
         """Marks ``step`` complete: heartbeat, advisories, and a save when due.
 
         Args:
-            step: the step just completed (0-based).
+            step: the step just completed (0-based), counted over the whole run: it must grow from call to call
+                (a step that does not is latched in :attr:`errors` and logged once; under an agent the worker is
+                then taken for hung, because only a higher step counts as progress).
             state: what to checkpoint when a save is due (every ``save_every`` steps, or when the agent advises
                 a checkpoint); None skips saving.
         """
+        if self._last_step is not None and step <= self._last_step:
+            self._step_went_back(step)
+        else:
+            self._last_step = step
+        self._steps_reported += 1
         now = time.monotonic()
         dt = now - self._last_step_end
         self._last_step_end = now
         sections = self._timer.collect()
         self.last_step_time_s, self.last_sections = dt, sections
         if self._agent is not None:
+            # The first step's time runs from init(): set-up and restore, not a step. Sent as 0 (unknown, which
+            # the agent skips): as a step it became the agent's "slowest recent step" and the hang bound 5x it.
+            sent = dt if self._steps_reported > 1 else 0.0
             if sections:
-                self._agent.beat(step, dt, sections)
+                self._agent.beat(step, sent, sections)
             else:
-                self._agent.beat(step, dt)
+                self._agent.beat(step, sent)
             self._apply_advisories()
         due = self.save_every > 0 and (step + 1) % self.save_every == 0
         at = step in self._checkpoint_at
@@ -415,6 +449,19 @@ class Session:
         if state is not None and (due or at or self._checkpoint_now):
             self._checkpoint_now = False
             self.save(state, step)
+
+    def _step_went_back(self, step: int) -> None:
+        """Warns once about a step that does not grow (e.g. the index within an epoch, or one step reported per
+        micro-batch): the agent counts only a higher step as progress, so the worker would be killed as hung
+        with no word of why, and ``save_every`` would save over earlier checkpoints of the same step."""
+        if self._backward_warned:
+            return
+        self._backward_warned = True
+        what = "the agent counts only a higher step as progress and will restart this worker as hung" \
+            if self._agent is not None else "checkpoints of a repeated step replace the earlier ones"
+        self._latch(UsageError(f"step_done({step}) after step_done({self._last_step}): steps must grow over the "
+                               f"whole run (pass a global step counter, not the index within an epoch); {what}"),
+                    f"rank {self.rank}")
 
     def _apply_advisories(self) -> None:
         from trainguard.proto import agent_pb2
@@ -449,30 +496,36 @@ class Session:
         step)`` (60 s by default), so a periodic evaluation, a synchronous export or a data re-shuffle that
         takes longer would be killed and restarted. Inside this block the agent expects no steps; when it ends,
         the silence is counted afresh from there (a worker that hangs after the block is still found). Steps
-        reported inside the block count as usual. A no-op without an agent (plain ``torchrun``, alone) and after
-        :meth:`finish`. Do not use it around training steps: a hang inside the block is not detected (the
+        reported inside the block count as usual. A block with no step inside is left out of the next step's
+        time (:attr:`last_step_time_s`, what the agent and fail-slow detection see), with or without an agent.
+        The pause itself is a no-op without an agent (plain ``torchrun``, alone) and after :meth:`finish`. Do
+        not use it around training steps: a hang inside the block is not detected (the
         collectives' own timeouts still apply).
 
         Args:
             reason: what the phase is, for the log.
         """
         link = self._agent if not self._finished else None
-        if link is None:
-            yield
-            return
         with self._pause_lock:  # nested or concurrent pauses: detection resumes when the last one ends
             self._pauses += 1
             if self._pauses == 1:
-                log.info("hang detection paused%s", f" ({reason})" if reason else "")
-                link.set_quiet(True)
+                self._pause_start, self._pause_steps = time.monotonic(), self._steps_reported
+                if link is not None:
+                    log.info("hang detection paused%s", f" ({reason})" if reason else "")
+                    link.set_quiet(True)
         try:
             yield
         finally:
             with self._pause_lock:
                 self._pauses -= 1
-                if self._pauses == 0 and not self._finished:
-                    link.set_quiet(False)
-                    log.info("hang detection resumed%s", f" after {reason}" if reason else "")
+                if self._pauses == 0:
+                    if self._steps_reported == self._pause_steps:
+                        # The phase is not part of the next step: counted in, it became the agent's "slowest
+                        # recent step", and the hang bound (5x that) grew to 5x the evaluation for a while.
+                        self._last_step_end += time.monotonic() - self._pause_start
+                    if link is not None and not self._finished:
+                        link.set_quiet(False)
+                        log.info("hang detection resumed%s", f" after {reason}" if reason else "")
 
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until every saved checkpoint is durable."""

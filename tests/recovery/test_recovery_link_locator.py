@@ -167,6 +167,7 @@ class _Core3:
 
         self.t = 0.0
         self.timed = timed  # False: ranks report step times only (a loop without sections)
+        self.own: dict[str, float] = {}  # node -> its rank's own work per step (default 0.05 s)
         fs = StragglerConfig(window_s=0.3, persist_windows=3, clear_windows=3, min_steps=1, action=action,
                              horizon_s=600, restart_cost_s=5, cooldown_s=0,
                              link=LinkProbeConfig(trigger_windows=2, cooldown_s=5, timeout_s=3))
@@ -192,7 +193,8 @@ class _Core3:
         if self.gen[n] > 0 and self.core.layout.slot_of(n) is not None:
             self.step[n] += 3
             rank = self.core.layout.slot_of(n).first_rank
-            timings = (RankTiming(rank, self.step[n], step_s, step_s - 0.05, 0.05, 3) if self.timed
+            own = self.own.get(n, 0.05)
+            timings = (RankTiming(rank, self.step[n], step_s, step_s - own, own, 3) if self.timed
                        else RankTiming(rank, self.step[n], step_s, -1.0, -1.0, 3),)
         res, self.results[n] = tuple(self.results[n]), []
         ins = self.core.heartbeat(Beat("lj", n, self.lease[n], self.gen[n], 1 if self.gen[n] > 0 else 0, False,
@@ -290,4 +292,19 @@ def test_core_healthy_links_under_a_job_slowdown_name_no_one():
     assert c.core.state.generation == 1 and not c.core.state.cordoned
     fs = last["a"].failslow
     assert fs is None or not fs.slow
+    c.core.close()
+
+
+def test_core_a_compute_straggler_still_persisting_starts_no_link_probe():
+    # Found in a real 3-rank gloo job with one rank sleeping 0.1 s in its step: while the rank's flag persisted
+    # (2.8x the others for 6 windows), `trainguard status` said "job 2.33x slower with no compute straggler" and,
+    # with >= 3 nodes, a probe campaign ran (and its 60 s cooldown then held back a real one).
+    c = _Core3(spares=0, action="report")
+    c.run(4.0, 0.2, lambda x, y: 500 * MB)
+    c.own["b"] = 1.9  # b's own work makes every rank's step 2 s; a and c wait for it
+    last = c.run(6.0, 2.0, lambda x, y: 500 * MB)
+    fs = last["a"].failslow
+    assert fs is not None and [(r.rank, r.node_id) for r in fs.slow if r.rank >= 0] == [(1, "b")], fs
+    assert not c.asked, f"a link probe ran for a compute straggler: {c.core._failslow.links.last_outcome}"
+    assert "no compute straggler" not in fs.link_probe, fs.link_probe
     c.core.close()

@@ -82,3 +82,164 @@ def test_the_first_step_after_the_hello_is_reported_at_once(tmp_path) -> None:
     finally:
         server.stop(0)
     assert steps[:2] == [-1, 200], steps
+
+
+def test_a_step_that_does_not_grow_is_named_once_and_latched(tmp_path, caplog) -> None:
+    """Found running a loop that passes the index within the epoch (`for step, batch in enumerate(loader)`)
+    under `trainguard run`: the agent took every step of the second epoch as no progress, killed the healthy
+    worker as hung ("sent no step heartbeat for 8.4 s after step 19") three times and failed the job; nothing
+    in the worker's log said why."""
+    import logging
+
+    from trainguard.errors import UsageError
+
+    s = Session(job="epochs")
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainguard"):
+            for _epoch in range(3):
+                for step in range(4):
+                    s.step_done(step)
+        assert len(s.errors) == 1 and isinstance(s.errors[0], UsageError), s.errors
+        msg = str(s.errors[0])
+        assert "step_done(0) after step_done(3)" in msg and "global step" in msg, msg
+        assert caplog.text.count("steps must grow") == 1, caplog.text
+        s.step_done(9)  # growing again is fine, and says nothing more
+        assert len(s.errors) == 1
+    finally:
+        s.close()
+
+
+class _Clock:
+    """The hook's clock, moved by the test (only the hook module's ``time`` is replaced)."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def perf_counter(self) -> float:
+        return self.t
+
+
+class _QuietLink:
+    """The agent side of the hook's link: records the step times and pauses it is sent."""
+
+    def __init__(self) -> None:
+        self.beats: list[tuple[int, float]] = []
+        self.quiet: list[bool] = []
+
+    def beat(self, step: int, dt: float, sections=None) -> None:
+        self.beats.append((step, dt))
+
+    def set_quiet(self, quiet: bool, timeout: float = 2.0) -> bool:
+        self.quiet.append(quiet)
+        return True
+
+    def take_advisories(self) -> list:
+        return []
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_paused_phase_is_not_counted_in_the_next_steps_time(monkeypatch) -> None:
+    """Found with a real `trainguard run` job (hang floor 8 s): after a 5 s evaluation inside
+    pause_hang_detection, the next step was reported as 5.06 s, the agent's hang bound became 5x that, and a rank
+    that hung two steps later was found after 25.4 s instead of 8 (a 10 min evaluation: 50 min)."""
+    from trainguard import hook
+
+    clock = _Clock()
+    monkeypatch.setattr(hook, "time", clock)
+    link = _QuietLink()
+    s = Session(job="pause")
+    s._agent = link
+    try:
+        clock.t += 0.05
+        s.step_done(0)
+        with s.pause_hang_detection("evaluation"):
+            clock.t += 300.0
+        clock.t += 0.05
+        s.step_done(1)
+        assert link.quiet == [True, False]
+        assert link.beats[-1] == (1, pytest.approx(0.05)) and s.last_step_time_s == pytest.approx(0.05)
+        with s.pause_hang_detection("evaluation"):  # a step inside the block counts as usual, from the last one
+            clock.t += 0.05
+            s.step_done(2)
+            clock.t += 10.0
+        clock.t += 0.05
+        s.step_done(3)
+        assert [dt for _, dt in link.beats[-2:]] == [pytest.approx(0.05), pytest.approx(10.05)]
+        s._agent = None
+        with s.pause_hang_detection("evaluation"):  # no agent: still left out of last_step_time_s
+            clock.t += 60.0
+        clock.t += 0.05
+        s.step_done(4)
+        assert s.last_step_time_s == pytest.approx(0.05)
+    finally:
+        s._agent = None
+        s.close()
+
+
+def test_the_first_steps_time_since_init_is_sent_as_unknown(monkeypatch) -> None:
+    """Found with a real `trainguard run` job (hang floor 8 s) that spent 6 s building its model after init(): the
+    first step was reported as 6.35 s, the agent's hang bound became 5x that, and a rank that hung at step 5 was
+    found after 32 s instead of 8 (a model and data set loaded in 5 min: 25 min)."""
+    from trainguard import hook
+
+    clock = _Clock()
+    monkeypatch.setattr(hook, "time", clock)
+    link = _QuietLink()
+    s = Session(job="first")
+    s._agent = link
+    try:
+        clock.t += 360.0  # set-up after init
+        s.step_done(0)
+        clock.t += 0.05
+        s.step_done(1)
+        assert link.beats == [(0, 0.0), (1, pytest.approx(0.05))]
+        assert s.last_step_time_s == pytest.approx(0.05)
+    finally:
+        s._agent = None
+        s.close()
+
+
+def test_an_agent_that_is_away_is_warned_about_in_one_line(tmp_path, caplog) -> None:
+    """Found running the hook with $TRAINGUARD_AGENT_SOCKET naming a socket no agent serves: training went on (as it
+    should), but the warning was gRPC's five-line error repr, debug string included."""
+    import logging
+    import time
+
+    from trainguard.hook import _AgentLink
+
+    with caplog.at_level(logging.WARNING, logger="trainguard.hook"):
+        link = _AgentLink(str(tmp_path / "no-agent.sock"), rank=0, generation=1)
+        deadline = time.monotonic() + 20
+        while not link.failures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        link.close()
+    lines = [r.getMessage() for r in caplog.records if "heartbeat to the agent failed" in r.getMessage()]
+    assert lines and all("\n" not in m for m in lines), lines
+    assert "UNAVAILABLE" in lines[0] and "no-agent.sock" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("value", ["20", None, 2.5, -1, True])
+def test_a_save_every_that_is_not_a_step_count_is_a_one_line_error(value) -> None:
+    """Found calling trainguard.init as a new user would, with a value read from the environment or argparse:
+    save_every="20" or None raised TypeError ('<' not supported between 'str' and 'int'), and 2.5 was taken
+    (saving at steps 4, 9, 14...)."""
+    from trainguard.errors import TrainguardError
+
+    with pytest.raises(TrainguardError, match=r"save_every must be a whole number of steps >= 0.*got"):
+        Session(save_every=value, job="every")
+
+
+def test_a_numpy_save_every_is_taken_as_its_int() -> None:
+    import numpy as np
+
+    s = Session(save_every=np.int64(5), job="every")
+    assert s.save_every == 5 and type(s.save_every) is int
+    s.close()

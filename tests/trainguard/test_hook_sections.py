@@ -33,6 +33,7 @@ def test_sections_are_summed_per_step_and_reset(tmp_path):
     s = Session(job="sections")
     link = _Link()
     s._agent = link
+    measured = []
     for step in range(2):
         for _ in range(3):
             with s.section("forward"):
@@ -40,7 +41,10 @@ def test_sections_are_summed_per_step_and_reset(tmp_path):
         with s.section("comm"):
             time.sleep(0.02)
         s.step_done(step)
-    (_, dt, sec), (_, dt2, sec2) = link.beats
+        measured.append(s.last_step_time_s)
+    (_, sent, sec), (_, dt2, sec2) = link.beats
+    dt = measured[0]  # the first step's time runs from init(): sent as 0 (unknown)
+    assert sent == 0.0 and dt2 == measured[1]
     assert set(sec) == {"forward", "comm"}
     assert 0.03 <= sec["forward"] < dt and 0.02 <= sec["comm"] < dt
     assert sec["forward"] + sec["comm"] <= dt
