@@ -159,6 +159,12 @@ class LocalSupervisor:
                 if step_time_s > 0:
                     w.step_times.append(step_time_s)
                     self.timing.record(generation, rank, step, step_time_s, sections or {})
+            elif step >= 0:
+                # A step that does not grow (the index within an epoch: `for step, batch in enumerate(loader)`,
+                # or a rollback) is still a step done: the hook sends step numbers only from step_done. Taken as
+                # silence, it had a healthy job restarted as hung from its second epoch on. Its time is not
+                # recorded: the fail-slow windows follow step numbers.
+                w.last_heartbeat = time.monotonic()
             for rec in self.fault_records:
                 if rec.resumed_at is None and rec.restarted_at is not None and step >= 0:
                     rec.resumed_at = now

@@ -452,13 +452,14 @@ class Session:
 
     def _step_went_back(self, step: int) -> None:
         """Warns once about a step that does not grow (e.g. the index within an epoch, or one step reported per
-        micro-batch): the agent counts only a higher step as progress, so the worker would be killed as hung
-        with no word of why, and ``save_every`` would save over earlier checkpoints of the same step."""
+        micro-batch): checkpoints are named by step, so ``save_every`` saves over earlier checkpoints of the same
+        step and a restart resumes from the highest step, not the latest. (The agent counts such a step as
+        progress; it used to count only a higher one and restart the worker as hung.)"""
         if self._backward_warned:
             return
         self._backward_warned = True
-        what = "the agent counts only a higher step as progress and will restart this worker as hung" \
-            if self._agent is not None else "checkpoints of a repeated step replace the earlier ones"
+        what = ("checkpoints of a repeated step replace the earlier ones, and a restart resumes from the highest "
+                "step saved, not the latest")
         self._latch(UsageError(f"step_done({step}) after step_done({self._last_step}): steps must grow over the "
                                f"whole run (pass a global step counter, not the index within an epoch); {what}"),
                     f"rank {self.rank}")

@@ -98,6 +98,28 @@ def test_first_report_makes_a_worker_running_and_exit_zero_succeeds(tmp_path: Pa
         sup.close()
 
 
+def test_a_step_number_that_restarts_each_epoch_still_counts_as_progress(tmp_path: Path) -> None:
+    """`for step, batch in enumerate(loader)` reports 0, 1, ... again every epoch: each report is a step done, so
+    the silence the hang detector measures starts afresh (it used to count only a higher step, and a healthy job
+    was restarted as hung in its second epoch)."""
+    sup = LocalSupervisor(_config(tmp_path, SLEEPER, nproc=1))
+    try:
+        sup.start(_table(nproc=1))
+        w = sup.group.by_rank(0)
+        for step in range(3):
+            sup.on_heartbeat(rank=0, pid=w.pid, generation=1, step=step, step_time_s=0.05)
+        before, steps = w.last_heartbeat, len(w.step_times)
+        time.sleep(0.05)
+        sup.on_heartbeat(rank=0, pid=w.pid, generation=1, step=0, step_time_s=0.05)  # the next epoch's first step
+        assert w.last_heartbeat > before and w.last_step == 2 and len(w.step_times) == steps
+        stamp = w.last_heartbeat
+        time.sleep(0.05)
+        sup.on_heartbeat(rank=0, pid=w.pid, generation=1, step=-1, step_time_s=0.0, finished=True)  # a state change
+        assert w.last_heartbeat == stamp  # only a step done is progress, not the hook's pause message
+    finally:
+        sup.close()
+
+
 @pytest.mark.timeout(60)
 def test_hang_seen_by_the_process_detector_drives_hung(tmp_path: Path) -> None:
     sup = LocalSupervisor(_config(tmp_path, SLEEPER, nproc=1))
