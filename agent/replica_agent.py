@@ -116,6 +116,7 @@ class ReplicaAgent:
         self._pushed: dict[tuple[str, int], tuple[int, float]] = {}  # (buddy, rank) -> (step, created) it holds
         self._retry_at: dict[str, float] = {}
         self._refusals: dict[str, int] = {}  # buddy -> refusals since its last accepted push (backoff, logging)
+        self._addresses: dict[str, str] = {}  # buddy -> the replica address it was last named at
         self._lock = threading.Lock()
         self._wake = threading.Event()
         tier.on_new_copy = self._wake.set  # a new snapshot is pushed as soon as the scan verified it
@@ -168,8 +169,23 @@ class ReplicaAgent:
         with self._lock:
             if new != self._targets:
                 log.info("replicating in-memory checkpoints to %s", ", ".join(n for n, _ in new) or "nobody")
+                # A buddy at another address is another process (restarted, or its node rebooted with an empty
+                # /dev/shm): what its predecessor held says nothing about it. Keyed by node id only, the copies
+                # it had were never sent again, so it held nothing of this node until the next snapshot.
+                for buddy, address in new:
+                    if self._addresses.get(buddy, address) != address:
+                        self._forget(buddy)
+                    self._addresses[buddy] = address
                 self._targets = new
                 self._wake.set()
+
+    def _forget(self, buddy: str) -> None:
+        """Drops what ``buddy`` was known to hold and its refusal backoff (the caller holds the lock)."""
+        for key in list(self._pushed):  # a copy: the push thread adds entries without the lock
+            if key[0] == buddy:
+                self._pushed.pop(key, None)
+        self._retry_at.pop(buddy, None)
+        self._refusals.pop(buddy, None)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

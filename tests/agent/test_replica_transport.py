@@ -230,6 +230,31 @@ def test_agent_pushes_new_snapshots_and_re_replicates_to_a_new_buddy(roots) -> N
         server_c.stop()
 
 
+def test_a_buddy_back_at_a_new_address_gets_the_newest_copy_again(roots) -> None:
+    """A buddy named at another address is another process (its agent restarted, its node rebooted with an empty
+    /dev/shm): keyed by node id only, the sender took it to hold what its predecessor held and sent it nothing
+    until the node's next snapshot, so a loss of this node before then found no copy in any peer's memory."""
+    a, b, b2 = roots
+    tier_a = MemoryTier(a, "job", "/ckpt", interval_s=0.02)
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier_a, "a", "127.0.0.1").start()
+    tier_a.start()
+    server_b, store_b = _server(b)
+    server_b2, store_b2 = _server(b2)
+    try:
+        _snapshot(a, 0, 10)
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server_b.address)])
+        _wait(lambda: (r := store_b.newest(0)) is not None and r.step == 10, "step 10 never reached b")
+        server_b.stop()
+        sender.set_targets([])  # b lost: no buddy for a while, then b back, a new process on an empty arena
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server_b2.address)])
+        _wait(lambda: (r := store_b2.newest(0)) is not None and r.step == 10, "the returned b never got step 10")
+        assert sender.stats.pushes == 2
+    finally:
+        tier_a.stop()
+        sender.stop()
+        server_b2.stop()
+
+
 @pytest.mark.parametrize("field, value, said", [("bandwidth_mib_s", float("nan"), "--replica-bandwidth-mib-s nan"),
                                                ("bandwidth_mib_s", float("inf"), "--replica-bandwidth-mib-s inf"),
                                                ("memory_mib", -1, "--replica-memory-mib -1"),
