@@ -155,3 +155,21 @@ def test_bad_bytes_on_health_and_reflection_get_invalid_argument_and_no_tracebac
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     (resp,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=3)
     assert resp.list_services_response.service
+
+
+def test_idle_health_watchers_hold_no_serving_thread(server):
+    """grpcio's health Watch answers through a callback, holding no thread while a probe watches; the guard in
+    front of it must keep it so: as a generator it held one per stream, and 4 idle watchers here (16 on the daemon,
+    from anyone reaching its TCP port) left no thread for a health check, the daemon's own self-check included."""
+    channel, _, reporter, _ = server
+    reporter.set("", True)
+    health = health_pb2_grpc.HealthStub(channel)
+    watches = [health.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(8)]
+    try:
+        for w in watches:
+            assert next(w).status == health_pb2.HealthCheckResponse.SERVING
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for w in watches:
+            w.cancel()
