@@ -348,6 +348,8 @@ class AgentDaemon:
             config.detector_loader().settings()
         except DetectorConfigError as exc:
             raise AgentConfigError(str(exc)) from exc
+        except ImportError:
+            pass  # a detector module missing from this install: the start runs without detectors, not refused
 
     def _start_grpc(self, config: AgentConfig) -> None:
         g = config.grpc
