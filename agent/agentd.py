@@ -335,6 +335,22 @@ class AgentDaemon:
             log.error("%s; running without detectors", self.detector_gap)
             return None
 
+    @staticmethod
+    def _check_detectors(config: AgentConfig) -> None:
+        """Checks the ``[detectors]`` settings as :meth:`_create_detectors` does, creating no detector.
+
+        Raises:
+            AgentConfigError: an unknown detector, a table for one not enabled, a bad field or root.
+        """
+        from trainguard.detectors.errors import DetectorConfigError
+
+        try:
+            config.detector_loader().settings()
+        except DetectorConfigError as exc:
+            raise AgentConfigError(str(exc)) from exc
+        except ImportError:
+            pass  # a detector module missing from this install: the start runs without detectors, not refused
+
     def _start_grpc(self, config: AgentConfig) -> None:
         g = config.grpc
         guard = RequestGuard(g.max_request_bytes, g.max_watchers, observer=self.metrics.observe_request)
@@ -624,6 +640,9 @@ class AgentDaemon:
         old = self.config
         try:
             new = self._load_config()
+            # Checked as start() checks them: detectors.* apply only after a restart, and a table start() refuses
+            # (an unknown detector or field) was taken here, so the next restart of the unit failed.
+            self._check_detectors(new)
             if self._certs is not None and new.tls.enabled:
                 self._certs.reload(TlsFiles(new.tls.cert_file, new.tls.key_file, new.tls.client_ca_file))
         except (AgentConfigError, AgentError) as exc:

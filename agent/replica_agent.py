@@ -34,7 +34,7 @@ from trainguard.proto import coordinator_pb2
 
 log = logging.getLogger(__name__)
 
-#: Seconds before a refused push is tried again, doubled at each further refusal by the same buddy up to
+#: Seconds before a refused or failed push is tried again, doubled at each further one to the same buddy up to
 #: :data:`REFUSED_RETRY_MAX_S`. A refusal for room persists (a 64 MiB container /dev/shm can never keep the
 #: reserve free): retried every second, it cost a warning per second on both ends for the job's whole life.
 REFUSED_RETRY_S = 1.0
@@ -116,6 +116,7 @@ class ReplicaAgent:
         self._pushed: dict[tuple[str, int], tuple[int, float]] = {}  # (buddy, rank) -> (step, created) it holds
         self._retry_at: dict[str, float] = {}
         self._refusals: dict[str, int] = {}  # buddy -> refusals since its last accepted push (backoff, logging)
+        self._addresses: dict[str, str] = {}  # buddy -> the replica address it was last named at
         self._lock = threading.Lock()
         self._wake = threading.Event()
         tier.on_new_copy = self._wake.set  # a new snapshot is pushed as soon as the scan verified it
@@ -168,8 +169,23 @@ class ReplicaAgent:
         with self._lock:
             if new != self._targets:
                 log.info("replicating in-memory checkpoints to %s", ", ".join(n for n, _ in new) or "nobody")
+                # A buddy at another address is another process (restarted, or its node rebooted with an empty
+                # /dev/shm): what its predecessor held says nothing about it. Keyed by node id only, the copies
+                # it had were never sent again, so it held nothing of this node until the next snapshot.
+                for buddy, address in new:
+                    if self._addresses.get(buddy, address) != address:
+                        self._forget(buddy)
+                    self._addresses[buddy] = address
                 self._targets = new
                 self._wake.set()
+
+    def _forget(self, buddy: str) -> None:
+        """Drops what ``buddy`` was known to hold and its refusal backoff (the caller holds the lock)."""
+        for key in list(self._pushed):  # a copy: the push thread adds entries without the lock
+            if key[0] == buddy:
+                self._pushed.pop(key, None)
+        self._retry_at.pop(buddy, None)
+        self._refusals.pop(buddy, None)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -198,10 +214,9 @@ class ReplicaAgent:
                                                     Throttle(self.config.bandwidth_mib_s)), self.config.timeout_s,
                                self.config.token)
                 except (grpc.RpcError, CheckpointError, OSError) as exc:
-                    self.stats.push_failures += 1
-                    self._retry_at[buddy] = self._clock() + 1.0
-                    log.warning("replica of rank %d step %d to %s failed: %s", rank, step, buddy,
-                                _rpc_text(exc))
+                    # Backed off as a refusal is: a buddy whose replica port cannot be reached (a firewall, its
+                    # data link down while it still heartbeats) cost a warning per second for the job's life.
+                    self._refused(buddy, rank, step, _rpc_text(exc), failed=True)
                     break
                 if not ack.ok:
                     self._refused(buddy, rank, step, ack.error)
@@ -216,20 +231,21 @@ class ReplicaAgent:
                 log.info("replicated rank %d step %d to %s: %d bytes in %.3f s", rank, step, buddy, man.data_bytes,
                          took)
 
-    def _refused(self, buddy: str, rank: int, step: int, error: str) -> None:
-        """Backs off from a buddy that refused a copy, doubling the wait per refusal in a row; only the first
-        refusal in a row is a warning (the push-failure count in the metrics and status keeps counting)."""
+    def _refused(self, buddy: str, rank: int, step: int, error: str, failed: bool = False) -> None:
+        """Backs off from a buddy that refused a copy (or that a push to failed: ``failed``), doubling the wait
+        per refusal or failure in a row; only the first in a row is a warning (the push-failure count in the
+        metrics and status keeps counting)."""
         self.stats.push_failures += 1
         n = self._refusals[buddy] = self._refusals.get(buddy, 0) + 1
         wait = min(REFUSED_RETRY_S * 2 ** (n - 1), REFUSED_RETRY_MAX_S)
         self._retry_at[buddy] = self._clock() + wait
+        what = f"the replica of rank {rank} step {step} to {buddy} failed" if failed else \
+            f"{buddy} refused the replica of rank {rank} step {step}"
         if n == 1:
-            log.warning("%s refused the replica of rank %d step %d: %s (retried after %.0f s, then less often up "
-                        "to every %.0f s; further refusals are logged at debug level)", buddy, rank, step, error,
-                        wait, REFUSED_RETRY_MAX_S)
+            log.warning("%s: %s (retried after %.0f s, then less often up to every %.0f s; further failures are "
+                        "logged at debug level)", what, error, wait, REFUSED_RETRY_MAX_S)
         else:
-            log.debug("%s refused the replica of rank %d step %d again (%d in a row): %s", buddy, rank, step, n,
-                      error)
+            log.debug("%s again (%d in a row): %s", what, n, error)
 
     # -- fetch -----------------------------------------------------------------------------------------------
     def fetch_planned(self, plan: coordinator_pb2.MemoryRestorePlan | None, ranks: Sequence[int],

@@ -1,7 +1,8 @@
 """The node daemon started the way the shipped systemd unit starts it, without systemd.
 
 `ExecStart=` and `Environment=` are read from ``deploy/trainguard-agent.service``; only what systemd itself
-would supply is substituted: the console script's path (the unit says /usr/bin/trainguard), the configuration
+would supply is substituted: the console script's path (the unit names
+`trainguard` without a folder), the configuration
 path (``--config``), ``${RUNTIME_DIRECTORY}`` and ``${STATE_DIRECTORY}`` (per-test folders), and
 ``$NOTIFY_SOCKET`` (a datagram socket the test reads READY=1 from). Imported by name by the agent tests.
 """
@@ -26,7 +27,7 @@ def unit_command(config: Path, runtime_dir: Path, state_dir: Path) -> tuple[list
     exec_start = exec_start.replace("${RUNTIME_DIRECTORY}", str(runtime_dir)).replace(
         "${STATE_DIRECTORY}", str(state_dir))
     argv = shlex.split(exec_start)
-    assert argv[0] == "/usr/bin/trainguard", argv
+    assert argv[0] == "trainguard", argv
     argv[0] = str(Path(sys.executable).with_name("trainguard"))
     argv[argv.index("--config") + 1] = str(config)
     env = dict(kv.split("=", 1) for kv in re.findall(r"^Environment=(\S+)$", text, re.M))

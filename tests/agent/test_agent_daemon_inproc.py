@@ -496,3 +496,28 @@ def test_the_status_line_counts_detectors_without_hardware_apart_from_ok(tmp_pat
     statuses = [DetectorStatus("a", DetectorState.FAILED, samples=2), DetectorStatus("b", DetectorState.OK),
                 DetectorStatus("c", DetectorState.OK, samples=1), DetectorStatus("d", DetectorState.ERROR)]
     assert detector_counts(statuses) == "detectors 1 ok, 1 not sampled yet, 1 failed, 1 error"
+
+
+@pytest.mark.parametrize("detectors", ['enabled = ["nosuch"]\n', 'enabled = ["roce"]\n[detectors.roce]\nnosuch = 1\n',
+                                       'enabled = ["roce"]\n[detectors.roce]\ninterval_s = -1\n'])
+def test_reload_refuses_detector_settings_that_start_refuses(tmp_path, detectors):
+    """detectors.* apply only after a restart, but a reload must check them as the start does: the reload took a
+    table naming an unknown detector or field ('apply only after a restart'), and the unit's next restart failed."""
+    daemon, _ = _quiet_daemon(tmp_path)
+    daemon.start()
+    try:
+        config = tmp_path / "agent.toml"
+        good = config.read_text()
+        config.write_text(good.replace("enabled = []\n", "").replace("[predictor]", detectors + "[predictor]"))
+        restarted = AgentDaemon(config_loader(str(config), "", str(tmp_path / "next.sock"), str(tmp_path / "state")),
+                                SystemdNotifier(None))
+        with pytest.raises(AgentConfigError):  # the unit's next start
+            restarted.start()
+        daemon.reload()
+        kinds = [e.kind for e in daemon.node_health.bus.recent(20)]
+        assert kinds[-1] == "agent.reload_failed", kinds
+        config.write_text(good)
+        daemon.reload()
+        assert daemon.node_health.bus.recent(1)[0].kind == "agent.reloaded"
+    finally:
+        daemon.stop()

@@ -125,3 +125,51 @@ def test_health_per_subsystem_and_reflection(server):
     (resp,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=3)
     names = {s.name for s in resp.list_services_response.service}
     assert {"trainguard.v1.NodeAgent", "grpc.health.v1.Health"} <= names
+
+
+def test_bad_bytes_on_health_and_reflection_get_invalid_argument_and_no_traceback(server, caplog):
+    """grpc.health.v1 answers anyone reaching the TCP port: random bytes there got gRPC's own INTERNAL and an
+    ERROR traceback in the daemon's log per request, oversized ones were parsed whatever max_request_bytes said."""
+    channel, _, reporter, _ = server
+    reporter.set("", True)
+    bad = (b"\x0a\xff\xff", b"\xff" * 7, b"\x0a\x02" + b"\xc3\x28")  # torn, not protobuf, bad UTF-8 in a string
+    for method in ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/List"):
+        raw = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+        for payload in bad if method.endswith("Check") else bad[:2]:  # List's request has no string field
+            assert code_of(raw, payload)[0] == grpc.StatusCode.INVALID_ARGUMENT, (method, payload)
+        code, details = code_of(raw, b"\x0a\x80\x10" + b"a" * 2048)  # a 2 KB service name: over the 1 KB limit
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the 1024-byte limit" in details
+    watch = channel.unary_stream("/grpc.health.v1.Health/Watch", request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as err:
+        list(watch(bad[0], timeout=3))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    reflect = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                    request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as err:
+        list(reflect(iter([bad[1]]), timeout=3))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+    # Well-formed calls still pass.
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=3).status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (resp,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=3)
+    assert resp.list_services_response.service
+
+
+def test_idle_health_watchers_hold_no_serving_thread(server):
+    """grpcio's health Watch answers through a callback, holding no thread while a probe watches; the guard in
+    front of it must keep it so: as a generator it held one per stream, and 4 idle watchers here (16 on the daemon,
+    from anyone reaching its TCP port) left no thread for a health check, the daemon's own self-check included."""
+    channel, _, reporter, _ = server
+    reporter.set("", True)
+    health = health_pb2_grpc.HealthStub(channel)
+    watches = [health.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(8)]
+    try:
+        for w in watches:
+            assert next(w).status == health_pb2.HealthCheckResponse.SERVING
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for w in watches:
+            w.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -20,10 +21,31 @@ def test_unit_verifies_without_a_single_warning(tmp_path):
     # verify checks that ExecStart's binary exists; point it at the trainguard of this environment, nothing else.
     trainguard = Path(sys.executable).with_name("trainguard")
     assert trainguard.exists(), "the trainguard console script is not installed in this environment"
-    assert text.count("/usr/bin/trainguard ") == 1
+    assert text.count("ExecStart=trainguard ") == 1
     copy = tmp_path / UNIT.name
-    copy.write_text(text.replace("/usr/bin/trainguard ", f"{trainguard} "))
+    copy.write_text(text.replace("ExecStart=trainguard ", f"ExecStart={trainguard} "))
     proc = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60)
+    output = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 0 and output == "", f"systemd-analyze verify printed:\n{output}"
+
+
+def test_the_unit_as_shipped_finds_a_trainguard_that_pip_installed_as_root(tmp_path):
+    """The unit copied verbatim (README: install it, `systemctl enable --now`) must start the trainguard that
+    `pip install` put in /usr/local/bin; it named /usr/bin/trainguard, where pip as root on Debian, Ubuntu or
+    Fedora writes nothing, and failed with status 203/EXEC. /usr/local/bin is replaced in a private mount
+    namespace only."""
+    if shutil.which("systemd-analyze") is None or shutil.which("unshare") is None:
+        pytest.skip("systemd-analyze or unshare is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("a private mount namespace needs root")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "trainguard").symlink_to(Path(sys.executable).with_name("trainguard"))
+    copy = tmp_path / UNIT.name
+    shutil.copyfile(UNIT, copy)
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", 'mount --bind "$0" /usr/local/bin && '
+                           'exec systemd-analyze verify "$1"', str(bindir), str(copy)],
+                          capture_output=True, text=True, timeout=60)
     output = (proc.stdout + proc.stderr).strip()
     assert proc.returncode == 0 and output == "", f"systemd-analyze verify printed:\n{output}"
 

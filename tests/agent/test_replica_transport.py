@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -230,6 +231,31 @@ def test_agent_pushes_new_snapshots_and_re_replicates_to_a_new_buddy(roots) -> N
         server_c.stop()
 
 
+def test_a_buddy_back_at_a_new_address_gets_the_newest_copy_again(roots) -> None:
+    """A buddy named at another address is another process (its agent restarted, its node rebooted with an empty
+    /dev/shm): keyed by node id only, the sender took it to hold what its predecessor held and sent it nothing
+    until the node's next snapshot, so a loss of this node before then found no copy in any peer's memory."""
+    a, b, b2 = roots
+    tier_a = MemoryTier(a, "job", "/ckpt", interval_s=0.02)
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier_a, "a", "127.0.0.1").start()
+    tier_a.start()
+    server_b, store_b = _server(b)
+    server_b2, store_b2 = _server(b2)
+    try:
+        _snapshot(a, 0, 10)
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server_b.address)])
+        _wait(lambda: (r := store_b.newest(0)) is not None and r.step == 10, "step 10 never reached b")
+        server_b.stop()
+        sender.set_targets([])  # b lost: no buddy for a while, then b back, a new process on an empty arena
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server_b2.address)])
+        _wait(lambda: (r := store_b2.newest(0)) is not None and r.step == 10, "the returned b never got step 10")
+        assert sender.stats.pushes == 2
+    finally:
+        tier_a.stop()
+        sender.stop()
+        server_b2.stop()
+
+
 @pytest.mark.parametrize("field, value, said", [("bandwidth_mib_s", float("nan"), "--replica-bandwidth-mib-s nan"),
                                                ("bandwidth_mib_s", float("inf"), "--replica-bandwidth-mib-s inf"),
                                                ("memory_mib", -1, "--replica-memory-mib -1"),
@@ -284,6 +310,36 @@ def test_a_buddy_refusing_for_room_is_retried_less_often_and_warned_about_once(r
     finally:
         sender.stop()
         server_b.stop()
+
+
+def test_a_buddy_that_cannot_be_reached_is_retried_less_often_and_warned_about_once(roots, caplog) -> None:
+    """Found by a user's review: a buddy whose replica port nobody can reach (a firewall in front of its port, its
+    data link down while it still heartbeats) cost a warning and a connection attempt every second, for as long
+    as the coordinator kept naming it."""
+    a, _, _ = roots
+    t = [0.0]
+    tier_a = MemoryTier(a, "job", "/ckpt")
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier_a, "a", "127.0.0.1", clock=lambda: t[0])
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: every connection is refused
+    try:
+        _snapshot(a, 0, 10)
+        tier_a.scan()
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=f"127.0.0.1:{closed.getsockname()[1]}")])
+        with caplog.at_level("DEBUG", logger="trainguard.agent"):
+            attempts = []
+            for second in range(1, 121):
+                t[0] = float(second)
+                before = sender.stats.push_failures
+                sender._push_due()
+                if sender.stats.push_failures > before:
+                    attempts.append(second)
+        assert attempts == [1, 2, 4, 8, 16, 32, 64], attempts
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and "rank 0 step 10 to b failed" in warned[0] and "less often" in warned[0], warned
+    finally:
+        closed.close()
+        sender.stop()
 
 
 def test_replica_memory_is_reported_in_metrics_and_status(roots, monkeypatch, tmp_path) -> None:
