@@ -22,7 +22,13 @@ from typing import Any
 
 import grpc
 
-from trainguard.grpc_guard import CallObserver, RequestGuard as SharedRequestGuard, Validator
+from trainguard.grpc_guard import (
+    HEALTH_SERVICE,
+    CallObserver,
+    HealthGuard,
+    RequestGuard as SharedRequestGuard,
+    Validator,
+)
 from trainguard.proto import agent_pb2, common_pb2
 
 #: Service whose methods are guarded.
@@ -39,8 +45,6 @@ CHECKPOINT_TIERS = ("snapshot", "memory", "disk", "remote")
 ATTACH_MAX_REQUEST_BYTES = 3 * (1 << 20) + 64 * 1024
 #: Method prefixes of the server reflection services, whose bidirectional streams count as watchers.
 REFLECTION_PREFIXES = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
-#: The standard health service the daemon serves beside NodeAgent (unauthenticated, also on TCP).
-HEALTH_SERVICE = "grpc.health.v1.Health"
 
 def _finite_nonneg(value: float) -> bool:
     return math.isfinite(value) and value >= 0
@@ -138,17 +142,14 @@ class RequestGuard(SharedRequestGuard):
         # The same checks on AttachJob with its own size bound (see ATTACH_MAX_REQUEST_BYTES).
         self._attach = SharedRequestGuard(GUARDED_SERVICE, max(max_request_bytes, ATTACH_MAX_REQUEST_BYTES), 0,
                                           observer, VALIDATORS if validators is None else validators)
-        # Size and well-formedness on the health service too (Check, List; Watch in _health_watch): gRPC's own
-        # deserializer answered random bytes there with INTERNAL and an ERROR traceback in the daemon's log per
-        # request, from anyone reaching the TCP port.
-        self._health = SharedRequestGuard(HEALTH_SERVICE, max_request_bytes)
+        # Size and well-formedness on the health service too: gRPC's own deserializer answered random bytes there
+        # with INTERNAL and an ERROR traceback in the daemon's log per request, from anyone reaching the TCP port.
+        self._health = HealthGuard(max_request_bytes)
 
     def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         """Guards the NodeAgent methods (see the module docstring) and bounds the reflection streams."""
         if details.method == f"/{GUARDED_SERVICE}/AttachJob":
             return self._attach.intercept_service(continuation, details)
-        if details.method == f"/{HEALTH_SERVICE}/Watch":
-            return self._health_watch(continuation(details))
         if details.method.startswith(f"/{HEALTH_SERVICE}/"):
             return self._health.intercept_service(continuation, details)
         if not details.method.startswith(REFLECTION_PREFIXES):
@@ -161,25 +162,6 @@ class RequestGuard(SharedRequestGuard):
             request_deserializer=None,
             response_serializer=handler.response_serializer,
         )
-
-    def _health_watch(self, handler: Any) -> Any:
-        """The health Watch, its request checked and still non-blocking: grpcio's servicer answers through a
-        callback and holds no serving thread while a probe watches; a plain generator wrapper held one per
-        stream, so a few idle watchers took every thread away from the daemon's own self-check."""
-        if handler is None or handler.unary_stream is None:
-            return handler
-        behavior, deserialize = handler.unary_stream, handler.request_deserializer
-        non_blocking = bool(getattr(behavior, "experimental_non_blocking", False))
-
-        def watch(raw: bytes, context: grpc.ServicerContext, send_response_callback: Callable | None = None) -> Any:
-            request = self._decode(raw, deserialize, None, context)
-            if non_blocking:
-                return behavior(request, context, send_response_callback)
-            return behavior(request, context)
-
-        watch.experimental_non_blocking = non_blocking  # type: ignore[attr-defined]
-        return grpc.unary_stream_rpc_method_handler(watch, request_deserializer=None,
-                                                    response_serializer=handler.response_serializer)
 
     def _bounded_stream(self, behavior: Callable, deserialize: Callable) -> Callable:
         # A reflection stream holds a serving thread for as long as the client keeps it open: unbounded, a few

@@ -131,7 +131,11 @@ def serve_health_only(status: ServingStatus, listen: str, name: str) -> tuple["g
     _, sep, port_text = listen.rpartition(":")
     if not sep or not port_text.isdigit() or int(port_text) > 65535:  # gRPC binds 99999 to another port, silently
         raise UsageError(f"--health-listen {listen!r}: give HOST:PORT with a port in 0-65535")
+    from trainguard.grpc_guard import HEALTH_MAX_REQUEST_BYTES, HealthGuard
+
+    # Probes and anyone else reach this port: random bytes get INVALID_ARGUMENT, not INTERNAL and a traceback.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=name),
+                         interceptors=[HealthGuard(HEALTH_MAX_REQUEST_BYTES)],
                          options=[("grpc.so_reuseport", 0)])
     status.add_to_server(server)
     try:

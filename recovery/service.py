@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from trainguard.grpc_guard import RequestGuard
+from trainguard.grpc_guard import HEALTH_MAX_REQUEST_BYTES, HealthGuard, RequestGuard
 from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
 from trainguard.recovery import convert
 from trainguard.recovery.coordinator import JobCoordinator
@@ -322,7 +322,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
 def build_grpc_server(max_workers: int, interceptors: Sequence[grpc.ServerInterceptor] = (),
                       auth: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
-    """The coordinator's gRPC server: ``auth`` first, then the shared request guard, then ``interceptors``.
+    """The coordinator's gRPC server: ``auth`` first, then the shared request guards (the coordinator's service,
+    the health service), then ``interceptors``.
 
     Authentication runs before the guard so an unauthenticated caller is refused (UNAUTHENTICATED) before any
     of its bytes are parsed.
@@ -336,9 +337,10 @@ def build_grpc_server(max_workers: int, interceptors: Sequence[grpc.ServerInterc
         The server, with no service or port added yet.
     """
     guard = RequestGuard(COORDINATOR_SERVICE, MAX_REQUEST_BYTES)
+    health = HealthGuard(HEALTH_MAX_REQUEST_BYTES)  # random bytes there: INVALID_ARGUMENT, not INTERNAL + traceback
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="coordinator"),
-        interceptors=[*auth, guard, *interceptors],
+        interceptors=[*auth, guard, health, *interceptors],
         options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                  ("grpc.so_reuseport", 0)],
     )

@@ -156,3 +156,51 @@ class RequestGuard(grpc.ServerInterceptor):
                 self._observe(short, context, failed, None)
 
         return guarded
+
+
+#: The standard health service every trainguard server exposes beside its own (unauthenticated, also on TCP).
+HEALTH_SERVICE = "grpc.health.v1.Health"
+#: Largest health request a server without a configured bound accepts: a HealthCheckRequest is a service name.
+HEALTH_MAX_REQUEST_BYTES = 4096
+
+
+class HealthGuard(grpc.ServerInterceptor):
+    """The size and well-formedness checks of :class:`RequestGuard` on ``grpc.health.v1`` (Check, List, Watch).
+
+    The health service answers anyone who reaches the port; gRPC's own deserializer answered random bytes there
+    with INTERNAL and an ERROR traceback in the server's log per request. Watch keeps grpcio's non-blocking form:
+    a plain generator wrapper held a serving thread per open stream, so a few idle watchers (probes) took every
+    thread away from health checks. Other services pass untouched.
+    """
+
+    def __init__(self, max_request_bytes: int) -> None:
+        """Creates the guard.
+
+        Args:
+            max_request_bytes: largest accepted request, in bytes.
+        """
+        self._guard = RequestGuard(HEALTH_SERVICE, max_request_bytes)
+
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        if details.method == f"/{HEALTH_SERVICE}/Watch":
+            return self._watch(continuation(details))
+        if details.method.startswith(f"/{HEALTH_SERVICE}/"):
+            return self._guard.intercept_service(continuation, details)
+        return continuation(details)
+
+    def _watch(self, handler: Any) -> Any:
+        if handler is None or handler.unary_stream is None:
+            return handler
+        behavior, deserialize = handler.unary_stream, handler.request_deserializer
+        non_blocking = bool(getattr(behavior, "experimental_non_blocking", False))
+        guard = self._guard
+
+        def watch(raw: bytes, context: grpc.ServicerContext, send_response_callback: Callable | None = None) -> Any:
+            request = guard._decode(raw, deserialize, None, context)
+            if non_blocking:
+                return behavior(request, context, send_response_callback)
+            return behavior(request, context)
+
+        watch.experimental_non_blocking = non_blocking  # type: ignore[attr-defined]
+        return grpc.unary_stream_rpc_method_handler(watch, request_deserializer=None,
+                                                    response_serializer=handler.response_serializer)

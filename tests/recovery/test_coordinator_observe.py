@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 
@@ -87,8 +88,6 @@ def test_a_metrics_or_health_address_without_a_valid_port_is_a_one_line_usage_er
     port, silently."""
     import argparse
 
-    import pytest
-
     from trainguard.errors import UsageError
     from trainguard.recovery.deploy_cli import start_coordinator_extras
 
@@ -103,4 +102,38 @@ def test_a_metrics_or_health_address_without_a_valid_port_is_a_one_line_usage_er
             text = str(err.value)
             assert text.startswith(f"--{flag.replace('_', '-')} ") and said in text and "\n" not in text, text
     finally:
+        server.stop()
+
+
+def test_bad_bytes_on_the_coordinators_health_service_get_invalid_argument_and_no_traceback(caplog) -> None:
+    """Random bytes to grpc.health.v1 on the coordinator's port and on its plaintext --health-listen port got
+    gRPC's own INTERNAL and an ERROR traceback in the coordinator's log per request (found by the node daemon's
+    review, whose health service had the same gap); well-formed checks and watches still answer."""
+    from trainguard.recovery.observe import ServingStatus, serve_health_only
+
+    server = CoordinatorServer(JobSpec(job=JOB, nnodes=1, store="memory://"), listen="127.0.0.1:0").start()
+    status = ServingStatus(("",))
+    status.set(True)
+    probe, port = serve_health_only(status, "127.0.0.1:0", "probe")
+    try:
+        for target in (server.target, f"127.0.0.1:{port}"):
+            with grpc.insecure_channel(target) as ch:
+                check = ch.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None,
+                                       response_deserializer=None)
+                for payload in (b"\x0a\xff\xff", b"\xff" * 7, b"\x0a\x02\xc3\x28", b"\x0a\x80\x40" + b"a" * 8192):
+                    with pytest.raises(grpc.RpcError) as err:
+                        check(payload, timeout=5)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (target, payload[:8])
+                watch = ch.unary_stream("/grpc.health.v1.Health/Watch", request_serializer=None,
+                                        response_deserializer=None)
+                with pytest.raises(grpc.RpcError) as err:
+                    list(watch(b"\xff" * 7, timeout=5))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert _health(ch) == health_pb2.HealthCheckResponse.SERVING
+                stream = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=5)
+                assert next(stream).status == health_pb2.HealthCheckResponse.SERVING
+                stream.cancel()
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+    finally:
+        probe.stop(0)
         server.stop()
