@@ -85,3 +85,28 @@ def fill_fs(directory: str | os.PathLike, leave_pages: int) -> Path:
         os.close(fd)
     os.truncate(path, max(0, os.path.getsize(path) - leave_pages * 4096))
     return path
+
+
+class HookLinkFake:
+    """The agent side of the training hook's link (``Session._agent``), recording what the hook sends: each step
+    heartbeat as ``(step, step time, sections)`` and each pause of hang detection (``quiet``)."""
+
+    def __init__(self) -> None:
+        self.beats: list[tuple] = []
+        self.quiet: list[bool] = []
+
+    def beat(self, step: int, dt: float, sections=None) -> None:
+        self.beats.append((step, dt, sections))
+
+    def set_quiet(self, quiet: bool, timeout: float = 2.0) -> bool:
+        self.quiet.append(quiet)
+        return True
+
+    def take_advisories(self) -> list:
+        return []
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

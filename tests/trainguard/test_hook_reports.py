@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 import torch
+from tg_testutil import HookLinkFake
 
 from trainguard.checkpoint.errors import StorageUnavailableError
 from trainguard.hook import MAX_LATCHED_ERRORS, Session
@@ -122,30 +123,6 @@ class _Clock:
         return self.t
 
 
-class _QuietLink:
-    """The agent side of the hook's link: records the step times and pauses it is sent."""
-
-    def __init__(self) -> None:
-        self.beats: list[tuple[int, float]] = []
-        self.quiet: list[bool] = []
-
-    def beat(self, step: int, dt: float, sections=None) -> None:
-        self.beats.append((step, dt))
-
-    def set_quiet(self, quiet: bool, timeout: float = 2.0) -> bool:
-        self.quiet.append(quiet)
-        return True
-
-    def take_advisories(self) -> list:
-        return []
-
-    def finish(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def test_a_paused_phase_is_not_counted_in_the_next_steps_time(monkeypatch) -> None:
     """Found with a real `trainguard run` job (hang floor 8 s): after a 5 s evaluation inside
     pause_hang_detection, the next step was reported as 5.06 s, the agent's hang bound became 5x that, and a rank
@@ -154,7 +131,7 @@ def test_a_paused_phase_is_not_counted_in_the_next_steps_time(monkeypatch) -> No
 
     clock = _Clock()
     monkeypatch.setattr(hook, "time", clock)
-    link = _QuietLink()
+    link = HookLinkFake()
     s = Session(job="pause")
     s._agent = link
     try:
@@ -165,14 +142,14 @@ def test_a_paused_phase_is_not_counted_in_the_next_steps_time(monkeypatch) -> No
         clock.t += 0.05
         s.step_done(1)
         assert link.quiet == [True, False]
-        assert link.beats[-1] == (1, pytest.approx(0.05)) and s.last_step_time_s == pytest.approx(0.05)
+        assert link.beats[-1][:2] == (1, pytest.approx(0.05)) and s.last_step_time_s == pytest.approx(0.05)
         with s.pause_hang_detection("evaluation"):  # a step inside the block counts as usual, from the last one
             clock.t += 0.05
             s.step_done(2)
             clock.t += 10.0
         clock.t += 0.05
         s.step_done(3)
-        assert [dt for _, dt in link.beats[-2:]] == [pytest.approx(0.05), pytest.approx(10.05)]
+        assert [dt for _, dt, _ in link.beats[-2:]] == [pytest.approx(0.05), pytest.approx(10.05)]
         s._agent = None
         with s.pause_hang_detection("evaluation"):  # no agent: still left out of last_step_time_s
             clock.t += 60.0
@@ -192,7 +169,7 @@ def test_the_first_steps_time_since_init_is_sent_as_unknown(monkeypatch) -> None
 
     clock = _Clock()
     monkeypatch.setattr(hook, "time", clock)
-    link = _QuietLink()
+    link = HookLinkFake()
     s = Session(job="first")
     s._agent = link
     try:
@@ -200,7 +177,7 @@ def test_the_first_steps_time_since_init_is_sent_as_unknown(monkeypatch) -> None
         s.step_done(0)
         clock.t += 0.05
         s.step_done(1)
-        assert link.beats == [(0, 0.0), (1, pytest.approx(0.05))]
+        assert [b[:2] for b in link.beats] == [(0, 0.0), (1, pytest.approx(0.05))]
         assert s.last_step_time_s == pytest.approx(0.05)
     finally:
         s._agent = None

@@ -7,31 +7,16 @@ import time
 
 import pytest
 
+from tg_testutil import HookLinkFake
+
 from trainguard.errors import TrainguardError
 from trainguard.hook import Session
 from trainguard.step_timer import StepTimer
 
 
-class _Link:
-    def __init__(self) -> None:
-        self.beats: list[tuple] = []
-
-    def beat(self, step: int, dt: float, sections=None) -> None:
-        self.beats.append((step, dt, sections))
-
-    def take_advisories(self) -> list:
-        return []
-
-    def finish(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def test_sections_are_summed_per_step_and_reset(tmp_path):
     s = Session(job="sections")
-    link = _Link()
+    link = HookLinkFake()
     s._agent = link
     measured = []
     for step in range(2):
