@@ -21,8 +21,6 @@ import math
 import os
 import re
 import socket
-import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +28,8 @@ from typing import Any, Mapping
 
 from trainguard.agent.errors import AgentError
 from trainguard.agent.qualify.config import QualifyConfigError, QualifySection
+from trainguard.config_loader import build, config_field, read_toml
 from trainguard.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 #: Where the daemon reads its configuration when neither ``--config`` nor :data:`CONFIG_ENV` says otherwise.
 DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.toml"
@@ -202,7 +196,8 @@ class DetectorsSection:
     root: str = "/"
     interval_s: float = 0.0
     recent_events: int = 256
-    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Filled from the [detectors.<name>] sub-tables (see AgentConfig.from_mapping), never a key of its own.
+    settings: dict[str, dict[str, Any]] = config_field(default_factory=dict, internal=True)
 
 
 @dataclass
@@ -224,7 +219,7 @@ class PredictorSection:
 
     enabled: bool = True
     model: str = ""
-    threshold: float = math.nan
+    threshold: float = config_field(default=math.nan, nan=True)  # nan: unset, the model's own
     interval_s: float = 5.0
 
 
@@ -310,8 +305,8 @@ class AgentConfig:
     coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
     qualify: QualifySection = field(default_factory=QualifySection)  # trainguard.agent.qualify
     memory_tier: MemoryTierSection = field(default_factory=MemoryTierSection)
-    source: str = field(default="", compare=False)
-    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    source: str = config_field(default="", compare=False, internal=True)
+    origins: dict[str, str] = config_field(default_factory=dict, compare=False, repr=False, internal=True)
 
     # -- construction ---------------------------------------------------------------------------------------
 
@@ -329,17 +324,16 @@ class AgentConfig:
         Raises:
             AgentConfigError: unknown table or key, or a value of the wrong type.
         """
-        sections = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("source", "origins")}
-        built: dict[str, Any] = {}
-        for name, value in data.items():
-            if name not in sections:
-                raise AgentConfigError(
-                    f"{source}: unknown table [{name}]; known tables: {', '.join(sorted(sections))}"
-                )
-            if not isinstance(value, Mapping):
-                raise AgentConfigError(f"{source}: '{name}' must be a table ([{name}]), got {_type_name(value)}")
-            built[name] = _build_section(_section_type(cls, name), value, name, source)
-        return cls(**built, source=source)
+        # [detectors.<name>] sub-tables are each detector's own fields, checked by the detectors package.
+        data = dict(data)
+        detectors = data.get("detectors")
+        tables: dict[str, dict[str, Any]] = {}
+        if isinstance(detectors, Mapping):
+            tables = {k: dict(v) for k, v in detectors.items() if isinstance(v, Mapping)}
+            data["detectors"] = {k: v for k, v in detectors.items() if k not in tables}
+        config = build(cls, data, source=source, error=AgentConfigError, extra={"source": source})
+        config.detectors.settings = tables
+        return config
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> "AgentConfig":
@@ -359,19 +353,10 @@ class AgentConfig:
         env = os.environ if env is None else env
         explicit = path is not None or bool(env.get(CONFIG_ENV))
         file = Path(path if path is not None else env.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
-        try:
-            raw = file.read_bytes()
-        except FileNotFoundError:
-            if explicit:
-                raise AgentConfigError(f"{file}: config file not found; pass an existing --config PATH") from None
+        if not explicit and not file.exists():
             config = cls(source="<defaults>")
-        except OSError as exc:
-            raise AgentConfigError(f"{file}: cannot read config file ({exc.strerror}); check its permissions") from exc
         else:
-            try:
-                data = tomllib.loads(raw.decode("utf-8"))
-            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-                raise AgentConfigError(f"{file}: not valid TOML: {exc}") from exc
+            data = read_toml(file, error=AgentConfigError, what="config file", flag="--config")
             config = cls.from_mapping(data, source=str(file))
         config = config.with_env(env)
         config.validate()
@@ -665,63 +650,12 @@ def _check_readable(path: str, key: str, fail: Any) -> None:
         fail(key, f"cannot read {path} ({exc.strerror}); check the path and its permissions")
 
 
-def _type_name(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array"}.get(
-        type(value), type(value).__name__
-    )
-
-
 def _section_type(cls: type, name: str) -> type:
     return typing.get_type_hints(cls)[name]
 
 
 def _field_type(section_cls: type, key: str) -> Any:
     return typing.get_type_hints(section_cls)[key]
-
-
-def _build_section(section_cls: type, values: Mapping[str, Any], section: str, source: str) -> Any:
-    hints = typing.get_type_hints(section_cls)
-    known = [f.name for f in dataclasses.fields(section_cls) if f.name != "settings"]
-    kwargs: dict[str, Any] = {}
-    for key, value in values.items():
-        if section_cls is DetectorsSection and isinstance(value, Mapping):
-            kwargs.setdefault("settings", {})[key] = dict(value)  # [detectors.<name>]
-            continue
-        if key not in hints or key == "settings":
-            raise AgentConfigError(
-                f"{source}: unknown key '{key}' in [{section}]; known keys: {', '.join(known)}"
-            )
-        kwargs[key] = _check_type(value, hints[key], f"{section}.{key}", source)
-    return section_cls(**kwargs)
-
-
-def _check_type(value: Any, ftype: Any, key: str, source: str) -> Any:
-    def wrong(expected: str) -> AgentConfigError:
-        return AgentConfigError(f"{source}: {key}: expected {expected}, got {_type_name(value)} {value!r}")
-
-    if ftype is bool:
-        if not isinstance(value, bool):
-            raise wrong("a boolean (true/false)")
-        return value
-    if ftype is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise wrong("an integer")
-        return value
-    if ftype is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise wrong("a number")
-        return float(value)
-    if ftype is str:
-        if not isinstance(value, str):
-            raise wrong("a string")
-        return value
-    origin = typing.get_origin(ftype)
-    if origin in (list, types.GenericAlias) or origin is list:
-        (item_type,) = typing.get_args(ftype)
-        if not isinstance(value, list):
-            raise wrong("an array")
-        return [_check_type(v, item_type, f"{key}[{i}]", source) for i, v in enumerate(value)]
-    raise AssertionError(f"unsupported config field type {ftype!r} for {key}")  # a bug in this module
 
 
 def _parse_env(text: str, ftype: Any, var: str) -> Any:

@@ -4,7 +4,6 @@ Layout in a TOML file (every key optional except ``directory``)::
 
     [checkpoint]
     directory = "/data/ckpt"          # local path (or file:// URL) of the disk tier, or a remote fsspec URL
-    job = "demo"
     [checkpoint.memory]
     enabled = true
     keep = 1
@@ -15,15 +14,16 @@ Layout in a TOML file (every key optional except ``directory``)::
     keep = 5
     [checkpoint.persist]
     bandwidth_mib_s = 0               # 0 = unthrottled
+
+The file is read by the shared loader (:mod:`trainguard.config_loader`: types, unknown keys, nan/inf); the
+ranges and consistency rules are :meth:`CheckpointConfig.validate`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 from trainguard.checkpoint.errors import CheckpointConfigError
@@ -33,6 +33,8 @@ from trainguard.checkpoint.location import (  # noqa: F401 (re-exported)
     is_local_url,
     split_url,
 )
+from trainguard.config_loader import build, check_fields, read_toml, select_table
+
 # Re-exported: the worker environment (trainguard.worker_env) owns these names.
 from trainguard.worker_env import CHECKPOINT_SERVICE_ENV, RESTORE_PLAN_ENV  # noqa: F401
 
@@ -159,11 +161,8 @@ class CheckpointConfig:
         for name, cls in (("memory", MemoryTierConfig), ("disk", DiskTierConfig), ("remote", RemoteTierConfig),
                           ("persist", PersistConfig)):
             value = getattr(self, name)
-            if isinstance(value, Mapping):
-                setattr(self, name, _build(cls, value, f"checkpoint.{name}"))
-            elif not isinstance(value, cls):
-                raise CheckpointConfigError(f"checkpoint.{name} is {value!r}; it must be a table of "
-                                            f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+            if not isinstance(value, cls):  # CheckpointConfig(memory={"keep": 2}) in code
+                setattr(self, name, build(cls, value, table=f"checkpoint.{name}", error=CheckpointConfigError))
         self.validate()
 
     # ------------------------------------------------------------------ derived
@@ -197,11 +196,11 @@ class CheckpointConfig:
         Raises:
             CheckpointConfigError: a value is out of range or inconsistent (the message names it).
         """
-        if not isinstance(self.directory, str) or not self.directory.strip():
-            raise CheckpointConfigError("checkpoint.directory is empty; set it to a local path or an fsspec URL")
         for obj, where in ((self, "checkpoint"), (self.memory, "checkpoint.memory"), (self.disk, "checkpoint.disk"),
                            (self.remote, "checkpoint.remote"), (self.persist, "checkpoint.persist")):
-            _check_types(obj, where)
+            # A config made in code has not been through the loader: the same type checks, then ours.
+            check_fields(obj, where, error=CheckpointConfigError)
+            _check_non_empty(obj, where)
         self.local_cache = local_directory(self.local_cache, "checkpoint.local_cache")
         self.memory.directory = local_directory(
             self.memory.directory, f"checkpoint.memory.directory (or ${CHECKPOINT_SHM_DIR_ENV})")
@@ -236,30 +235,38 @@ class CheckpointConfig:
 
     # ------------------------------------------------------------------ loaders
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "CheckpointConfig":
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "", table: str = "checkpoint") -> "CheckpointConfig":
         """Builds a config from a mapping such as a TOML ``[checkpoint]`` table.
 
+        Args:
+            data: the table.
+            source: the file it was read from, first in every error message (``""``: none).
+            table: how the file names the table (``""``: its top level), in error messages.
+
         Raises:
-            CheckpointConfigError: unknown key or bad value.
+            CheckpointConfigError: not a table, unknown key, missing ``directory`` or bad value.
         """
-        return _build(cls, data, "checkpoint")
+        try:
+            return build(cls, data, source=source, table=table, error=CheckpointConfigError)
+        except CheckpointConfigError as exc:
+            if source and not str(exc).startswith(f"{source}: "):  # a range or consistency rule of validate()
+                raise CheckpointConfigError(f"{source}: {exc}") from exc
+            raise
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str], table: str = "checkpoint") -> "CheckpointConfig":
         """Loads the ``[checkpoint]`` table (or the whole file when it has no such table) of a TOML file.
 
         Raises:
-            CheckpointConfigError: unreadable file, TOML syntax error, unknown key or bad value.
+            CheckpointConfigError: missing or unreadable file, not UTF-8, TOML syntax error, unknown key or bad
+                value (each naming the file).
         """
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-            import tomli as tomllib  # type: ignore[no-redef]
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointConfigError(f"cannot read checkpoint config {path}: {exc}") from exc
-        return cls.from_dict(data.get(table, data))
+        source = os.fspath(path)
+        document = read_toml(source, error=CheckpointConfigError, what="checkpoint config file")
+        section = select_table(document, table, source, error=CheckpointConfigError)
+        if section is None:
+            return cls.from_dict(document, source=source, table="")
+        return cls.from_dict(section, source=source, table=table)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (JSON/TOML-ready) of every field."""
@@ -298,18 +305,6 @@ def check_durable_url(url: str, key: str) -> None:
             "saved there would be durable; use a path, file:// on shared storage, or an object store (s3://...)")
 
 
-#: Field annotation -> (accepted types, how the error says it). ``bool`` is an ``int`` to Python, so it is refused
-#: where a number is meant; a TOML string such as ``enabled = "false"`` used to pass as a true value.
-_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    "bool": ((bool,), "true or false"),
-    "int": ((int,), "an integer"),
-    "float": ((int, float), "a number"),
-    "str": ((str,), "a non-empty string"),
-    "str | None": ((str, type(None)), "a non-empty string (or left out)"),
-    "dict[str, Any]": ((Mapping,), "a table"),
-}
-
-
 def local_directory(value: str | None, key: str) -> str | None:
     """The local path a local-directory field names: a path as given, ``file:///abs`` or ``file:/abs`` as ``/abs``.
 
@@ -329,33 +324,16 @@ def local_directory(value: str | None, key: str) -> str | None:
     return location.local_path
 
 
-def _check_types(obj: Any, where: str) -> None:
-    """Refuses a field whose value is not of its annotated type, or an empty string where a path or URL goes.
+def _check_non_empty(obj: Any, where: str) -> None:
+    """Refuses an empty string where a path or URL goes (the loader has checked the types already).
 
     Raises:
-        CheckpointConfigError: naming ``where.field``, the value and the type it must have.
+        CheckpointConfigError: naming ``where.field``.
     """
     for f in dataclasses.fields(obj):
-        spec = _FIELD_TYPES.get(f.type) if isinstance(f.type, str) else None
-        if spec is None:
-            continue
-        types, what = spec
         value = getattr(obj, f.name)
-        ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
-        if ok and isinstance(value, str) and not value.strip():
-            ok = False
-        if ok and isinstance(value, float) and not math.isfinite(value):
-            ok, what = False, "a finite number"  # TOML's nan passes every range check, inf is no cap either
-        if not ok:
+        if isinstance(value, str) and not value.strip():
+            if f.name == "directory" and where == "checkpoint":
+                raise CheckpointConfigError("checkpoint.directory is empty; set it to a local path or an fsspec URL")
+            what = "a non-empty string (or left out)" if f.default is None else "a non-empty string"
             raise CheckpointConfigError(f"{where}.{f.name} is {value!r}; it must be {what}")
-
-
-def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - names
-    if unknown:
-        raise CheckpointConfigError(f"unknown key(s) {sorted(unknown)} in [{where}]; known: {sorted(names)}")
-    try:
-        return cls(**dict(data))
-    except TypeError as exc:
-        raise CheckpointConfigError(f"bad [{where}] table: {exc}") from exc

@@ -27,11 +27,11 @@ the source, the key and what to do.
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.config_loader import build, config_field, read_toml, select_table, suggest, type_name
 from trainguard.detectors.base import (
     DEFAULT_DETECTORS,
     Detector,
@@ -48,9 +48,13 @@ HANG_DETECTOR = "process"
 INTERVAL_RANGE_S = (0.05, 3600.0)
 
 
-def _type_name(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array"}.get(
-        type(value), type(value).__name__)
+@dataclass
+class _TopLevel:
+    """The keys of the settings table that are not detector tables (their types; ranges are checked below)."""
+
+    enabled: list[str] | None = config_field(default=None, expected="an array of detector names")
+    root: str = "/"
+    interval_s: float = 0.0
 
 
 @dataclass
@@ -94,39 +98,32 @@ class DetectorSettings:
             DetectorConfigError: an unknown key, a value of the wrong type or out of range, an unknown detector,
                 a table for a detector that is not enabled, or a bad detector field.
         """
-        def fail(key: str, what: str) -> DetectorConfigError:
-            return DetectorConfigError(f"{source}: {key}: {what}")
-
-        data = dict(table)
-        tables: dict[str, dict[str, Any]] = {}
-        kwargs: dict[str, Any] = {}
-        names = enabled
-        for key, value in data.items():
-            if isinstance(value, Mapping):
-                tables[key] = dict(value)
-            elif key == "enabled" and enabled is None:
-                if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) for n in value):
-                    raise fail(f"{prefix}enabled", f"expected an array of detector names, got {_type_name(value)} "
-                                                   f"{value!r}")
-                names = value
-            elif key == "root":
-                kwargs["root"] = _check_root(value, f"{prefix}root", source)
-            elif key == "interval_s":
-                kwargs["interval_s"] = _check_interval(value, f"{prefix}interval_s", source)
-            else:
+        tables = {k: dict(v) for k, v in table.items() if isinstance(v, Mapping)}
+        scalars = {k: v for k, v in table.items() if k not in tables}
+        own = ("root", "interval_s") if enabled is not None else ("root", "interval_s", "enabled")
+        for key, value in scalars.items():
+            # Not the shared loader's message: here every other key must be a detector's table, and says so.
+            if key not in own:
                 top = "the top level" if not prefix else f"[{prefix.rstrip('.')}]"
                 raise DetectorConfigError(
-                    f"{source}: unknown top-level key '{prefix}{key}' ({_type_name(value)}); {top} holds only "
-                    f"'root', 'interval_s'{'' if enabled is not None else ', enabled'}, every other key must be a "
-                    f"[detector] table, e.g. [{prefix}{key}]")
+                    f"{source}: unknown top-level key '{prefix}{key}' ({type_name(value)});{suggest(key, own)} "
+                    f"{top} holds only {', '.join(repr(k) for k in own)}, every other key must be a [detector] "
+                    f"table, e.g. [{prefix}{key}]")
+        top_level = build(_TopLevel, scalars, source=source, table=prefix.rstrip("."), error=DetectorConfigError)
+        kwargs: dict[str, Any] = {}
+        if "root" in scalars:
+            kwargs["root"] = _check_root(top_level.root, f"{prefix}root", source)
+        if "interval_s" in scalars:
+            kwargs["interval_s"] = _check_interval(top_level.interval_s, f"{prefix}interval_s", source)
+        names = enabled if enabled is not None else top_level.enabled
         resolved = _expand(DEFAULT_DETECTORS if names is None else names, f"{prefix}enabled", source)
         for name, sub in tables.items():
             where = f"[{prefix}{name}]"
             if name not in resolved:
                 if name not in detector_names():
                     raise DetectorConfigError(
-                        f"{source}: {where} is not a detector (detectors: {', '.join(detector_names())}); "
-                        "rename or remove the table")
+                        f"{source}: {where} is not a detector;{suggest(name, detector_names())} detectors: "
+                        f"{', '.join(detector_names())}; rename or remove the table")
                 raise DetectorConfigError(
                     f"{source}: {where} configures detector '{name}', which {enabled_flag} "
                     f"({','.join(resolved) or 'none'}) does not enable; add it to {enabled_flag} or remove the table")
@@ -152,28 +149,9 @@ class DetectorSettings:
             DetectorConfigError: the file is missing, unreadable, not UTF-8 TOML, or holds bad settings.
         """
         source = os.fspath(path)
-        try:
-            with open(source, "rb") as fh:
-                raw = fh.read()
-        except FileNotFoundError:
-            raise DetectorConfigError(f"{source}: detector config file not found; pass an existing {flag} PATH") \
-                from None
-        except IsADirectoryError:
-            raise DetectorConfigError(f"{source}: is a directory; {flag} takes a TOML file") from None
-        except OSError as exc:
-            raise DetectorConfigError(f"{source}: cannot read detector config ({exc.strerror}); check its "
-                                      "permissions") from exc
-        try:
-            data = tomllib.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise DetectorConfigError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the file "
-                                      "as UTF-8") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise DetectorConfigError(f"{source}: not valid TOML: {exc}; fix the file") from exc
+        data = read_toml(source, error=DetectorConfigError, what="detector config file", flag=flag)
         if table is not None:
-            section = data.get(table, {})
-            if not isinstance(section, Mapping):
-                raise DetectorConfigError(f"{source}: {table}: must be a table [{table}]")
+            section = select_table(data, table, source, error=DetectorConfigError) or {}
             return cls.from_table(section, source=source, prefix=f"{table}.", enabled=enabled,
                                   enabled_flag=enabled_flag)
         return cls.from_table(data, source=source, enabled=enabled, enabled_flag=enabled_flag)
@@ -235,9 +213,7 @@ def _expand(names: Sequence[str], key: str, source: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _check_interval(value: Any, key: str, source: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DetectorConfigError(f"{source}: {key}: expected a number, got {_type_name(value)} {value!r}")
+def _check_interval(value: float, key: str, source: str) -> float:
     lo, hi = INTERVAL_RANGE_S
     if value != 0 and not lo <= value <= hi:
         raise DetectorConfigError(f"{source}: {key}: {value} is outside [{lo:g}, {hi:g}] seconds; use 0 to keep "
@@ -246,8 +222,8 @@ def _check_interval(value: Any, key: str, source: str) -> float:
 
 
 def _check_root(value: Any, key: str, source: str) -> str:
-    if not isinstance(value, str):
-        raise DetectorConfigError(f"{source}: {key}: expected a string, got {_type_name(value)} {value!r}")
+    if not isinstance(value, str):  # a detector table's own root, which the shared loader has not seen
+        raise DetectorConfigError(f"{source}: {key}: expected a string, got {type_name(value)} {value!r}")
     if not value:
         raise DetectorConfigError(f"{source}: {key}: must not be empty; use \"/\" for the real system")
     if not os.path.isdir(value):

@@ -58,7 +58,7 @@ def test_example_values_equal_the_defaults():
         ("[detectors]\nenabled = \"all\"\n", "detectors.enabled: expected an array"),
         ("[grpc]\nlisten_addr = \"x\"\n", "unknown key 'listen_addr' in [grpc]"),
         ("[gprc]\nlisten = \"x\"\n", "unknown table [gprc]"),
-        ("grpc = 3\n", "'grpc' must be a table"),
+        ("grpc = 3\n", "grpc: expected a table [grpc] of listen, socket"),
         ("[grpc]\nlisten = \"localhost\"\n", "grpc.listen: 'localhost' is not HOST:PORT"),
         ("[grpc]\nlisten = \"h:99999\"\n", "port must be a number in 0-65535"),
         ("[grpc]\nsocket_mode = 0o666\n", "grants access to every user"),
@@ -135,3 +135,37 @@ def test_parse_hostport_ipv6():
     assert cfg.parse_hostport("[::1]:7350") == ("::1", 7350)
     with pytest.raises(ValueError, match="brackets"):
         cfg.parse_hostport("::1:7350")
+
+
+@pytest.mark.parametrize("text, needle", [
+    # was: "unknown key 'listen_addr' in [grpc]; known keys: ..." with no suggestion
+    ('[grpc]\nlisten_addr = "127.0.0.1:1"\n', "unknown key 'listen_addr' in [grpc]; did you mean 'listen'?"),
+    ('[gprc]\nlisten = "127.0.0.1:1"\n', "unknown table [gprc]; did you mean 'grpc'?"),
+    # was: "not valid TOML: 'utf-8' codec can't decode byte 0xe9 in position 25: invalid continuation byte"
+    (b'[agent]\nstate_dir = "/caf\xe9"\n', "not UTF-8 text (invalid continuation byte at byte 25, line 2)"),
+    # was: "not valid TOML: Invalid value (at line 2, column 10)"
+    ("[grpc]\nlisten = \n", "not valid TOML at line 2, column 10: Invalid value"),
+])
+def test_file_problems_name_the_line_or_the_nearest_key(tmp_path, text, needle):
+    path = tmp_path / "agent.toml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(AgentConfigError) as err:
+        AgentConfig.load(path, env={})
+    assert needle in str(err.value) and str(err.value).startswith(f"{path}: ") and "\n" not in str(err.value)
+
+
+def test_a_directory_given_as_config_is_named_as_such(tmp_path):
+    # was: "cannot read config file (Is a directory); check its permissions"
+    with pytest.raises(AgentConfigError, match=r": is a directory; --config takes a TOML file$"):
+        AgentConfig.load(tmp_path, env={})
+
+
+def test_predictor_threshold_nan_still_means_unset_and_settings_is_no_key(tmp_path):
+    """The shared loader refuses nan for floats; predictor.threshold allows it (documented: unset)."""
+    import math
+
+    path = write(tmp_path, "[predictor]\nthreshold = nan\n")
+    assert math.isnan(AgentConfig.load(path, env={}).predictor.threshold)
+    path = write(tmp_path, "[detectors]\nsettings = 1\n")  # the per-detector tables fill it, never a key
+    with pytest.raises(AgentConfigError, match=r"unknown key 'settings' in \[detectors\]"):
+        AgentConfig.load(path, env={})

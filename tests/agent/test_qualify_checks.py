@@ -249,8 +249,8 @@ def test_a_hung_check_fails_at_its_timeout_and_the_budget_bounds_the_rest(tmp_pa
     ("[qualify]\nnic_speed_mbps = \"fast\"\n", "qualify.nic_speed_mbps: expected an integer"),
     ("[qualify]\ndisk_mb = 8\n", "unknown key 'disk_mb' in [qualify]"),
     # TOML's nan and inf: an infinite disk rate failed every node, a NaN one passed every node
-    ("[qualify]\ndisk_min_mib_s = inf\n", "qualify.disk_min_mib_s=inf: must be a finite number"),
-    ("[qualify]\nrecheck_s = nan\n", "qualify.recheck_s=nan: must be a finite number"),
+    ("[qualify]\ndisk_min_mib_s = inf\n", "qualify.disk_min_mib_s: expected a finite number (inf is not"),
+    ("[qualify]\nrecheck_s = nan\n", "qualify.recheck_s: expected a finite number (nan is not"),
 ])
 def test_qualify_table_errors_name_the_key(tmp_path, text, needle) -> None:
     path = tmp_path / "agent.toml"

@@ -137,18 +137,18 @@ def test_config_validation_and_toml(tmp_path):
 
 
 @pytest.mark.parametrize("data,message", [
-    ({"memory": {"enabled": "false"}}, "checkpoint.memory.enabled is 'false'; it must be true or false"),
-    ({"replicated": "yes"}, "checkpoint.replicated is 'yes'; it must be true or false"),
-    ({"persist": {"bandwidth_mib_s": "fast"}}, "checkpoint.persist.bandwidth_mib_s is 'fast'; it must be a number"),
+    ({"memory": {"enabled": "false"}}, "checkpoint.memory.enabled: expected a boolean (true or false), got a string 'false'"),
+    ({"replicated": "yes"}, "checkpoint.replicated: expected a boolean (true or false), got a string 'yes'"),
+    ({"persist": {"bandwidth_mib_s": "fast"}}, "checkpoint.persist.bandwidth_mib_s: expected a number, got a string 'fast'"),
     # TOML's nan and inf literals: a NaN cap passed the >= 0 check and reached the persist process's throttle
-    ({"persist": {"bandwidth_mib_s": float("nan")}}, "checkpoint.persist.bandwidth_mib_s is nan; it must be a finite"),
-    ({"persist": {"bandwidth_mib_s": float("inf")}}, "checkpoint.persist.bandwidth_mib_s is inf; it must be a finite"),
-    ({"persist": {"chunk_mib": None}}, "checkpoint.persist.chunk_mib is None; it must be an integer"),
-    ({"disk": {"keep": True}}, "checkpoint.disk.keep is True; it must be an integer"),
+    ({"persist": {"bandwidth_mib_s": float("nan")}}, "checkpoint.persist.bandwidth_mib_s: expected a finite number (nan is not allowed"),
+    ({"persist": {"bandwidth_mib_s": float("inf")}}, "checkpoint.persist.bandwidth_mib_s: expected a finite number (inf is not allowed"),
+    ({"persist": {"chunk_mib": None}}, "checkpoint.persist.chunk_mib: expected an integer, got None"),
+    ({"disk": {"keep": True}}, "checkpoint.disk.keep: expected an integer, got a boolean True"),
     ({"memory": {"directory": ""}}, "checkpoint.memory.directory is ''; it must be a non-empty string"),
     ({"remote": {"url": ""}}, "checkpoint.remote.url is ''; it must be a non-empty string"),
-    ({"remote": {"storage_options": "anon"}}, "checkpoint.remote.storage_options is 'anon'; it must be a table"),
-    ({"memory": 5}, "checkpoint.memory is 5; it must be a table of enabled, keep"),
+    ({"remote": {"storage_options": "anon"}}, "checkpoint.remote.storage_options: expected a table, got a string 'anon'"),
+    ({"memory": 5}, "checkpoint.memory: expected a table [checkpoint.memory] of enabled, keep"),
 ])
 def test_a_value_of_the_wrong_type_is_refused_naming_the_key(data, message):
     """A TOML string where a boolean goes (`enabled = "false"`) passed as true; other wrong types failed later

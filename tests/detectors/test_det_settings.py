@@ -68,3 +68,26 @@ def test_bad_settings_are_one_line_errors_naming_source_and_key(table: dict, wor
     assert msg.startswith("cfg.toml: ") and "\n" not in msg, msg
     for word in words:
         assert word in msg, msg
+
+
+@pytest.mark.parametrize("text, table, words", [
+    # was: no suggestion
+    ("intervals_s = 1\n", None, ["unknown top-level key 'intervals_s'", "did you mean 'interval_s'?"]),
+    ("[pcei]\n", None, ["[pcei] is not a detector; did you mean 'pcie'?"]),
+    # was: "(invalid continuation byte at byte 12)", the line unnamed
+    (b'root = "/caf\xe9"\n', None, ["not UTF-8 text (invalid continuation byte at byte 12, line 1)"]),
+    # was: "detectors: must be a table [detectors]"
+    ("detectors = 3\n", "detectors", ["detectors: expected a table [detectors], got an integer 3"]),
+    # was: "enabled: expected an array of detector names, got an array ['host', 1]"
+    ('[detectors]\nenabled = ["host", 1]\n', "detectors", ["detectors.enabled[1]: expected a string, got an integer"]),
+    ("[detectors]\ninterval_s = nan\n", "detectors", ["detectors.interval_s: expected a finite number (nan"]),
+])
+def test_files_read_through_the_shared_loader(tmp_path: Path, text, table, words) -> None:
+    path = tmp_path / "det.toml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(DetectorConfigError) as info:
+        DetectorSettings.load(path, table=table)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: ") and "\n" not in msg, msg
+    for word in words:
+        assert word in msg, msg
