@@ -39,7 +39,7 @@ def _event(kind: str, action: Action = Action.WATCH, severity: Severity = Severi
                        action=action, message=f"{kind} happened")
 
 
-def _wait(cond, what: str, timeout: float = 10.0) -> None:
+def _wait(cond, what: str, timeout: float = 30.0) -> None:  # a daemon stop + start on a loaded 2-core CI box
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
