@@ -18,6 +18,12 @@ each node decides its own threshold from its own recent scores, online, so that 
   2017) with a sliding window. The fit is redone every ``refit_s``.
 - Until a node has ``warmup_s`` of history it does not alarm from the learned tier (the rules tier still
   does): a budget cannot be promised from no data.
+- A confirmed incident (the node failed; an operator labelled a window) leaves the history
+  (:meth:`TailCalibrator.exclude`): the budget is one of *false* alarms, so the tail it is spent on is the
+  node's normal operation. Without that, a node with an incident every few days fits its threshold above its
+  own incidents, and spends its budget on true alarms: on MS application crash rates the thresholds used a
+  tenth of the budget. An alarm nobody confirms stays in (SPOT's rule of leaving out every block that alarmed
+  broke the budget three times over on the synthetic fleet: it also leaves out the false alarms).
 
 :class:`TailCalibrator` is one node's state, used as is by the online runtime and, through
 :func:`calibrate_series`, by offline evaluation, so the two agree exactly. Pure numpy; no scikit-learn.
@@ -28,7 +34,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -220,6 +226,23 @@ class TailCalibrator:
         self._fit = fit_tail(self._sorted, self.alpha, self.cfg.tail_fraction)
         self._fit_ts = ts
 
+    def exclude(self, start: float, end: float) -> None:
+        """Takes a confirmed incident's span out of the history the threshold is fitted on; the threshold is
+        refitted at the next block.
+
+        Args:
+            start, end: the incident's span, seconds (blocks overlapping it leave, the current one too).
+        """
+        if not (math.isfinite(start) and math.isfinite(end)) or end < start:
+            raise PredictorError(f"incident span {start!r}..{end!r} must be finite and in time order")
+        lo = int(math.floor(start / self.cfg.block_s))
+        hi = int(math.floor(end / self.cfg.block_s))
+        if any(lo <= b <= hi for b, _ in self._blocks):
+            self._blocks = deque((b, v) for b, v in self._blocks if not lo <= b <= hi)
+        if self._cur_block is not None and lo <= self._cur_block <= hi:
+            self._cur_max = -math.inf
+        self._fit_ts = -math.inf
+
     def observe(self, ts: float, score: float) -> tuple[float, float]:
         """Takes one score; returns the threshold in force for it and its tail probability.
 
@@ -259,6 +282,10 @@ def log_odds(score: float) -> float:
     return math.log(s / (1.0 - s))
 
 
+Incident = tuple[float, float, float]
+"""A confirmed incident: ``(start, end, known_at)``, seconds; its blocks leave the history at ``known_at``."""
+
+
 def surprise(p: float) -> float:
     """``-log10`` of a tail probability: a score comparable between nodes (NaN stays NaN)."""
     return -math.log10(max(p, P_FLOOR)) if p == p else math.nan
@@ -266,6 +293,7 @@ def surprise(p: float) -> float:
 
 def calibrate_series(
     ts: np.ndarray, score: np.ndarray, cfg: CalibrationConfig, alpha: float | None = None,
+    incidents: Sequence[Incident] = (),
 ) -> tuple[np.ndarray, np.ndarray]:
     """Runs one node's scores through a fresh :class:`TailCalibrator` (offline twin of the runtime).
 
@@ -274,6 +302,8 @@ def calibrate_series(
         score: the model's scores (NaN: skipped).
         cfg: calibration parameters.
         alpha: block exceedance probability (default ``cfg.alpha``; ``cfg.alpha / F`` for one of F families).
+        incidents: the node's confirmed incidents, each taken out of the history from its ``known_at`` on
+            (:meth:`TailCalibrator.exclude`, what the runtime's ``record_incident`` does).
 
     Returns:
         ``(threshold, surprise)`` per row (inf / NaN while warming up).
@@ -281,14 +311,35 @@ def calibrate_series(
     cal = TailCalibrator(cfg, alpha)
     thr = np.empty(len(ts))
     sur = np.empty(len(ts))
+    feed = _IncidentFeed(incidents)
     for i, (t, s) in enumerate(zip(ts.tolist(), score.tolist())):
+        for a, b in feed.due(t):
+            cal.exclude(a, b)
         thr[i], p = cal.observe(t, s)
         sur[i] = surprise(p)
     return thr, sur
 
 
+class _IncidentFeed:
+    """Hands out incidents in the order they become known."""
+
+    def __init__(self, incidents: Sequence[Incident]) -> None:
+        self._left = sorted(incidents, key=lambda inc: inc[2])
+        self._k = 0
+
+    def due(self, ts: float) -> list[tuple[float, float]]:
+        """Incidents known by ``ts`` and not handed out yet."""
+        out = []
+        while self._k < len(self._left) and self._left[self._k][2] <= ts:
+            a, b, _ = self._left[self._k]
+            out.append((a, b))
+            self._k += 1
+        return out
+
+
 def calibrate_table(
     ts: np.ndarray, node: np.ndarray, score: np.ndarray, cfg: CalibrationConfig,
+    incidents: Mapping[str, Sequence[Incident]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`calibrate_series` for every node of a table (rows in any order), on the log-odds of the scores
     as the runtime does.
@@ -303,6 +354,7 @@ def calibrate_table(
             score (a union bound over F thresholds at ``budget / F`` was tried first and broke the budget on
             the synthetic fleet: sparse counter families put their threshold just above the few days seen).
         cfg: calibration parameters.
+        incidents: node -> its confirmed incidents (see :func:`calibrate_series`; default none).
 
     Returns:
         ``(margin, surprise)`` per row, in the input row order: ``margin`` is the node's statistic minus its
@@ -321,19 +373,27 @@ def calibrate_table(
     for n in np.unique(keys):
         rows = np.flatnonzero(keys == n)
         rows = rows[np.argsort(ts[rows], kind="stable")]
+        inc = (incidents or {}).get(n, ())
         if n_fam > 1:
-            stat[rows] = family_statistic(ts[rows], lo[rows], cfg)
-        thr[rows], sur[rows] = calibrate_series(ts[rows], stat[rows], cfg)
+            stat[rows] = family_statistic(ts[rows], lo[rows], cfg, inc)
+        thr[rows], sur[rows] = calibrate_series(ts[rows], stat[rows], cfg, incidents=inc)
     with np.errstate(invalid="ignore"):
         margin = np.where(np.isfinite(thr) & ~np.isnan(stat), stat - thr, -np.inf)
     return margin, sur
 
 
-def family_statistic(ts: np.ndarray, lo: np.ndarray, cfg: CalibrationConfig) -> np.ndarray:
+def family_statistic(ts: np.ndarray, lo: np.ndarray, cfg: CalibrationConfig,
+                     incidents: Sequence[Incident] = ()) -> np.ndarray:
     """One node's per-family statistic: the largest margin of a family's log-odds over that family's own
     threshold (NaN while no family is warm); offline twin of :class:`FamilyCalibrator`."""
     fc = FamilyCalibrator(cfg, lo.shape[1])
-    return np.array([fc.statistic(t, row)[0] for t, row in zip(ts.tolist(), lo.tolist())])
+    feed = _IncidentFeed(incidents)
+    out = np.empty(len(ts))
+    for i, (t, row) in enumerate(zip(ts.tolist(), lo.tolist())):
+        for a, b in feed.due(t):
+            fc.exclude(a, b)
+        out[i] = fc.statistic(t, row)[0]
+    return out
 
 
 class FamilyCalibrator:
@@ -351,6 +411,11 @@ class FamilyCalibrator:
             if v == v and math.isfinite(thr) and not (v - thr <= best):
                 best, arg, arg_thr = v - thr, f, thr
         return best, arg, arg_thr
+
+    def exclude(self, start: float, end: float) -> None:
+        """Takes a confirmed incident out of every family's history (:meth:`TailCalibrator.exclude`)."""
+        for c in self.cals:
+            c.exclude(start, end)
 
     @property
     def thresholds(self) -> list[float]:

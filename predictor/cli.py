@@ -239,7 +239,10 @@ def _eval(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         cal = replace(model.calibration, budget_per_day=ev.budget_per_100_node_days / 100.0)
-        margin, _ = calibrate_table(frame.ts, frame.node, calibration_scores(model, frame, score), cal)
+        # as the agent does: each failure takes the hours before it out of the node's calibration history
+        # once it happened (PredictorMonitor.record_failure)
+        incidents = {n: [(t - ev.early_s, t, t) for t in f.tolist()] for n, f in failures.items()}
+        margin, _ = calibrate_table(frame.ts, frame.node, calibration_scores(model, frame, score), cal, incidents)
         mode = "online per node and metric family" if cal.per_family else "online per node"
         rep = evaluate_events(frame.ts, frame.node, margin, 0.0, failures, ev, interval)
     out = rep.summary()

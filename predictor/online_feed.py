@@ -674,6 +674,12 @@ class PredictorMonitor:
             ts: failure time, Unix seconds.
             kind: failure kind, e.g. ``"GPU Lost"``.
         """
+        model = self.runtime.model
+        if model is not None and model.calibration is not None and math.isfinite(ts):
+            # the hours before a failure are an incident, not the node's normal tail: they leave the history
+            # its threshold is fitted on (an alarm up to early_s before a failure is not a false one either)
+            with self._lock:
+                self.runtime.record_incident(self.node_id, ts - model.eval_config.early_s, ts)
         if self.history is None:
             return
         with self._lock:

@@ -236,6 +236,24 @@ class PredictorRuntime:
         for d in (self._nodes, self._self, self._long, self._cal, self._fam, self._ledger):
             d.pop(node, None)  # type: ignore[attr-defined]
 
+    def record_incident(self, node: str, start: float, end: float) -> None:
+        """Takes a confirmed incident of a node (it failed; an operator labelled the span) out of the history
+        its online threshold is fitted on: the budget is one of false alarms (see :mod:`.calibration`).
+
+        Args:
+            node: the node.
+            start, end: the incident's span, Unix seconds.
+
+        Raises:
+            PredictorError: a span that is not finite or not in time order.
+        """
+        cal = self._cal.get(node)
+        if cal is not None:
+            cal.exclude(start, end)
+        fc = self._fam.get(node)
+        if fc is not None:
+            fc.exclude(start, end)
+
     def status(self) -> list[NodeStatus]:
         """Live calibration state and realised alarm rate of every node seen (sorted by node)."""
         if self.model is None:

@@ -159,3 +159,80 @@ def test_per_family_thresholds_keep_the_node_budget_and_hear_a_quiet_family():
     single, _ = calibrate_table(ts, node, fam.max(axis=1), CalibrationConfig.for_interval(300.0, budget))
     assert not (single[inc] >= 0).any()  # lost under the node's one threshold over its overall score
     assert np.nanmax(sur[inc]) > np.nanmax(sur[quiet & (ts > 86400.0 * 2)]) - 1.0
+
+
+def _noise_with_incidents(seed=4, days=40, every_days=3.0, height=6.0):
+    """A node at 5 min: exponential noise, and a 3-hour incident (noise + ``height``) every ``every_days``."""
+    rng = np.random.default_rng(seed)
+    ts = np.arange(days * 288) * 300.0
+    s = rng.exponential(size=len(ts))
+    spans = []
+    for start in np.arange(2.0, days - 0.5, every_days) * 86400.0:
+        end = start + 3 * 3600.0
+        s[(ts >= start) & (ts < end)] += height
+        spans.append((float(start), float(end)))
+    return ts, s, spans
+
+
+def test_confirmed_incidents_leave_the_history_and_the_false_alarm_budget_holds():
+    ts, s, spans = _noise_with_incidents()
+    inside = np.zeros(len(ts), bool)
+    for a, b in spans:
+        inside |= (ts >= a) & (ts < b)
+    budget = 1.0
+    cfg = CalibrationConfig.for_interval(300.0, budget)
+    alone, _ = calibrate_series(ts, s, cfg)
+    fed, _ = calibrate_series(ts, s, cfg, incidents=[(a, b, b) for a, b in spans])  # known once each ends
+    warm = np.isfinite(alone) & (ts > 9 * 86400.0)  # after the first week: incidents in every history
+    # without feedback the node's own incidents set its threshold: above all of its noise, so the budget of
+    # false alarms goes unused and an incident only a little above the noise would go unheard
+    assert np.median(alone[warm]) > s[~inside].max()
+    assert np.median(fed[warm]) < np.median(alone[warm]) - 2.0
+    # with them fed back the threshold is fitted on the node's normal operation: false alarms (outside the
+    # incidents) stay within the budget, which now counts false alarms only
+    false = (s >= fed) & ~inside
+    assert 0 < _alarms_per_day(ts, false) <= budget
+    caught = sum(bool(((s >= fed) & (ts >= a) & (ts < b)).any()) for a, b in spans)
+    assert caught == len([a for a, _ in spans if a > 86400.0])
+
+
+def test_incident_known_later_changes_nothing_before_it_and_bad_spans_are_refused():
+    ts, s, spans = _noise_with_incidents(days=12)
+    cfg = CalibrationConfig.for_interval(300.0, 1.0)
+    alone, _ = calibrate_series(ts, s, cfg)
+    known = spans[1][1] + 86400.0  # confirmed a day after the incident ended
+    fed, _ = calibrate_series(ts, s, cfg, incidents=[(spans[1][0], spans[1][1], known)])
+    assert np.array_equal(alone[ts < known], fed[ts < known])  # no hindsight
+    assert (fed[ts >= known] != alone[ts >= known]).any()  # and from then on it is out of the history
+    cal = TailCalibrator(cfg)
+    for bad in ((5.0, 1.0), (math.nan, 1.0), (0.0, math.inf)):
+        with pytest.raises(PredictorError, match="incident span"):
+            cal.exclude(*bad)
+
+
+def test_runtime_record_incident_equals_offline_feedback(model):
+    from trainguard.predictor.runtime import PredictorRuntime
+    from trainguard.predictor.training import calibration_scores, score_table
+
+    table = _table(days=3.0, seed=5)
+    frame, score = score_table(model, table)
+    fam = calibration_scores(model, frame, score)
+    t_fail = float(table.ts.min()) + 2.3 * 86400.0  # n1 fails; its next day is scored with the feedback
+    span = (t_fail - model.eval_config.early_s, t_fail)
+    margin, _ = calibrate_table(frame.ts, frame.node, fam, model.calibration, {"n1": [(*span, t_fail)]})
+    alone, _ = calibrate_table(frame.ts, frame.node, fam, model.calibration)
+    after = (frame.node == "n1") & (frame.ts > t_fail + 3600.0)
+    assert (margin[after] != alone[after]).any()  # the feedback matters here
+    rt = PredictorRuntime(model)
+    online = {}
+    fed = False
+    for i in np.argsort(table.ts, kind="stable"):
+        if not fed and table.ts[i] >= t_fail:
+            rt.record_incident("n1", *span)
+            fed = True
+        s = rt.observe(float(table.ts[i]), str(table.node[i]), dict(zip(table.columns, table.values[i].tolist())))
+        online[(s.node, s.ts)] = s
+    keys = list(zip(frame.node.tolist(), frame.ts.tolist()))
+    on_alarm = np.array([online[k].alarm for k in keys])
+    assert (on_alarm != (margin >= 0)).sum() <= 2  # rounding at the threshold only
+    rt.record_incident("nobody-seen", *span)  # a node without history: nothing to take out, no error

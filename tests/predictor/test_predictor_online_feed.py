@@ -493,3 +493,40 @@ def test_host_metrics_reach_the_history_and_a_model_trained_on_them(tmp_path, ca
     finally:
         node.close()
         history.close()
+
+
+def test_a_failure_takes_the_hours_before_it_out_of_the_nodes_calibration(tmp_path):
+    # the agent reports a failure of its node (NodeHealth.record_failure): the hours before it were an incident,
+    # not the node's normal operation, so they leave the history its own threshold is fitted on
+    from dataclasses import replace
+
+    from trainguard.predictor.calibration import CalibrationConfig
+
+    class Recording(PredictorRuntime):
+        def __init__(self, model):
+            super().__init__(model)
+            self.incidents = []
+
+        def record_incident(self, node, start, end):
+            self.incidents.append((node, start, end))
+            super().record_incident(node, start, end)
+
+    fleet = _train(LEARNED)
+    calibrated = replace(fleet, calibration=CalibrationConfig.for_interval(5.0, 1.0, warmup_s=0.0, window_s=3600.0))
+    for model, expect in ((calibrated, True), (fleet, False)):
+        rt = Recording(model)
+        node = _pci_rdma_node(tmp_path / ("c" if expect else "f"), model)
+        node.monitor.runtime = rt
+        try:
+            t0 = 1_700_000_000.0
+            for k in range(40):
+                assert node.tick(t0 + 5 * k, step_time_s=1.0) is not None
+            node.monitor.record_failure(t0 + 200.0, "GPU Lost")
+        finally:
+            node.close()
+        if expect:
+            assert rt.incidents == [("node-a", t0 + 200.0 - model.eval_config.early_s, t0 + 200.0)]
+            cal = rt._cal["node-a"]
+            assert not cal._blocks  # every block of the node's short history lay in the incident's span
+        else:  # the fleet's fixed threshold: nothing to take out of
+            assert rt.incidents == []
