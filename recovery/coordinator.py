@@ -106,6 +106,7 @@ class JobCoordinator:
         self._committed_step = -1
         self._node_steps: dict[str, int] = {}
         self._form_note = ""
+        self._last_call_at: float | None = None  # when the first generation stops waiting for nodes past nnodes
         self._table: GenerationTable | None = None
         self._state_fut: Future | None = None
         self._mver = 0  # bumped on every membership/liveness change: invalidates _layout_cache
@@ -150,7 +151,8 @@ class JobCoordinator:
                      self.spec.job, self.fence.epoch, st.phase.name, st.generation, st.restart_count,
                      len(self._members))
         lay = self._layout
-        if lay is not None and (len(lay.slots) != self.spec.nnodes or lay.group_size != self.spec.group_size):
+        if lay is not None and (not self.spec.nnodes <= len(lay.slots) <= self._max_nodes()
+                                or lay.group_size != self.spec.group_size):
             # The stored layout wins so that a coordinator restart keeps every rank where it was; a changed flag
             # used to be ignored without a word.
             log.warning("job %s: the stored rank layout has %d node(s) with group size %d, this coordinator was "
@@ -299,16 +301,35 @@ class JobCoordinator:
             self._form_note = text
             log.warning("job %s: %s", self.spec.job, text)
 
+    def _max_nodes(self) -> int:
+        return max(self.spec.max_nodes, self.spec.nnodes)
+
+    def _last_call_over(self, now: float) -> bool:
+        """Whether the first generation's wait for nodes beyond ``nnodes`` has run out (lock held)."""
+        return self._last_call_at is not None and now >= self._last_call_at
+
     def _first_layout(self, now: float) -> RankLayout | None:
         cordoned = set(self._policy.state.cordoned)
         active = sorted((m for m in self._members.values() if self._lease_live(m, now) and not m.info.spare
                          and m.info.node_id not in cordoned), key=lambda m: m.spec().order_key())
         why, layout = "", None
+        most = self._max_nodes()
         if len(active) < self.spec.nnodes:
             self._form_note = f"waiting for nodes: {len(active)} of {self.spec.nnodes} registered"
+            self._last_call_at = None  # torchrun clears its deadline too when the count drops below the minimum
+        elif len(active) < most and not self._last_call_over(now):
+            # torchrun's last call: once MIN joined, nodes arriving within last_call_timeout still join the first
+            # round, so a job that could run on MAX nodes does not start on MIN because the rest came late.
+            if self._last_call_at is None:
+                self._last_call_at = now + self.spec.last_call_s
+                log.info("job %s: %d node(s) registered, enough to start; waiting up to %.0f s for up to %d",
+                         self.spec.job, len(active), self.spec.last_call_s, most)
+            self._form_note = (f"waiting for nodes: {len(active)} of {self.spec.nnodes}..{most} registered; the "
+                               f"job starts with those there {self.spec.last_call_s:.0f} s after {self.spec.nnodes} "
+                               f"had registered (last call), or at once with {most}")
         else:
             try:
-                layout = assign_ranks([m.spec() for m in active[: self.spec.nnodes]], group_size=self.spec.group_size)
+                layout = assign_ranks([m.spec() for m in active[:most]], group_size=self.spec.group_size)
             except MembershipError as exc:
                 why = f"cannot lay out ranks: {exc}"
                 self._note(why)
@@ -361,7 +382,8 @@ class JobCoordinator:
         a 12.5k-node formation quadratic, so the result is cached per membership version.
         """
         st = self._policy.state
-        key = (self._mver, st.plan.generation if st.plan else 0, st.plan.level if st.plan else None)
+        key = (self._mver, st.plan.generation if st.plan else 0, st.plan.level if st.plan else None,
+               self._last_call_over(now))
         if self._layout_cache is None or self._layout_cache[0] != key:
             layout = self._first_layout(now) if st.phase is Phase.FORMING else self._plan_layout(now)
             self._layout_cache = (key, layout)
