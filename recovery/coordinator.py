@@ -46,9 +46,9 @@ from dataclasses import replace
 from trainguard.recovery.checkpoint_relay import CheckpointRelay
 from trainguard.recovery.committer import GroupCommitter
 from trainguard.recovery.daemon_reports import DaemonReports
-from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, FormingChecked, GenerationFormed,
-                                        GenerationRunning, MembershipChanged, NodeDisqualified, Persist, Progressed,
-                                        Step, Tick, decide)
+from trainguard.recovery.decide import (AllSucceeded, DaemonHealthy, Event, FaultReported, FormingChecked,
+                                        GenerationFormed, GenerationRunning, MembershipChanged, NodeDisqualified,
+                                        Persist, Progressed, Step, Tick, decide)
 from trainguard.recovery.domain import Beat, FaultReport, GenerationTable, NodeRecord
 from trainguard.recovery.errors import (FencedError, MembershipError, NotServingError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
@@ -58,7 +58,7 @@ from trainguard.recovery.job_records import decode_node, decode_state, node_valu
 from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
 from trainguard.recovery.memory_book import MemoryBook
 from trainguard.recovery.node_command import HeartbeatReply, command_for
-from trainguard.recovery.node_health import NodeHealthReport
+from trainguard.recovery.node_health import NodeHealthReport, Verdict
 from trainguard.recovery.peer_pool import PeerPool
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
@@ -372,8 +372,9 @@ class JobCoordinator:
         if not live:
             return ""
         named = ", ".join(f"{n!r} ({self._members[n].refused or st.cordon_why.get(n) or 'cordoned'})" for n in live)
-        return (f"; registered but cordoned for this job, so never given a slot again: {named} (a repaired machine "
-                "joins under a new --node-id)")
+        return (f"; registered but cordoned for this job: {named} (once a machine is repaired, restart its node "
+                "daemon: a healthy report from the new daemon returns it to service; without a daemon, it joins "
+                "under a new --node-id)")
 
     def _next_layout(self, now: float) -> RankLayout | None:
         """The layout the next generation would get; recomputed only when the membership changed.
@@ -440,7 +441,13 @@ class JobCoordinator:
     def _apply(self, event: Event, persist: bool = True) -> Step:
         """The effect layer: runs the pure decision step on the policy state, keeps the new state, applies the
         actions (log lines; a store commit unless ``persist`` is off because the caller commits itself)."""
+        before = set(self._policy.state.cordoned)
         step = decide(self._policy.config, self._policy.state, event)
+        for node in set(step.state.cordoned) - before:
+            # Which daemon process vouched for the node when it was cordoned: only a healthy report from another
+            # one (the daemon restarted after a repair) returns it to service (see report_node_health).
+            row = self._daemons.table.get(node)
+            step.state.cordon_daemon[node] = row.report.instance if row is not None else ""
         self._policy.state = step.state
         for action in step.actions:
             if isinstance(action, Persist):
@@ -788,8 +795,14 @@ class JobCoordinator:
 
         The node need not be registered: a daemon reports between jobs, before its node's launcher registers,
         so the node is cordoned before the first generation forms and never gets a rank. A node holding a slot
-        gets a node-level recovery (its slot goes to a spare, or the job waits for one). A HEALTHY report never
-        un-cordons a node, and a daemon's silence changes nothing.
+        gets a node-level recovery (its slot goes to a spare, or the job waits for one). A daemon's silence
+        changes nothing.
+
+        Uncordon. A cordoned node stays out while the daemon that was running when it was cordoned keeps
+        reporting (HEALTHY included: a latched fault, a slow or crashing node look healthy to it). A HEALTHY report
+        from a *restarted* daemon (another instance: what an operator does once the machine is repaired) returns
+        the node to service, as a spare or a waiting vacancy's filler, without a new node id or a coordinator
+        restart. A node refused by its pre-flight check, or about to be cordoned by the pending plan, stays out.
 
         Args:
             report: the report (validated for format by the service).
@@ -806,7 +819,20 @@ class JobCoordinator:
             fut_before = self._state_fut
             cordoned, message = self._daemons.record(report, now, self._policy.state, self._excluded,
                                                      lambda f: self._fail_node_on_report(f, now), self._wall)
+            if cordoned and self._may_uncordon(report):
+                if self._apply(DaemonHealthy(report.node_id, report.instance)).changed:
+                    self._mver += 1  # a vacancy waiting for a spare is re-planned with this node
+                    self._advance()
+                    cordoned, message = False, self._policy.state.message
             return cordoned, message, self._state_fut if self._state_fut is not fut_before else None
+
+    def _may_uncordon(self, report: NodeHealthReport) -> bool:
+        """Whether a daemon's report may return its cordoned node to service (lock held): a HEALTHY verdict, and
+        the node neither refused by its pre-flight check nor holding a slot."""
+        nid = report.node_id
+        m = self._members.get(nid)
+        return report.verdict is Verdict.HEALTHY and not (m is not None and m.refused) \
+            and (self._layout is None or self._layout.slot_of(nid) is None)
 
     def _fail_node_on_report(self, f: Failure, now: float) -> None:
         """Applies a daemon's fatal verdict as a node failure (lock held), and moves the job on."""

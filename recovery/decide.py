@@ -19,6 +19,7 @@ Events::
     AllSucceeded       every rank of the current generation exited 0      -> SUCCEEDED
     Progressed         a step beyond the last start completed             -> backoff starts over
     NodeDisqualified   a node without a slot failed its pre-flight check  -> cordoned, with the reason
+    DaemonHealthy      a restarted node daemon reports a cordoned node healthy -> uncordoned (a spare again)
 """
 
 from __future__ import annotations
@@ -101,8 +102,17 @@ class NodeDisqualified:
     reason: str
 
 
+@dataclass(frozen=True)
+class DaemonHealthy:
+    """A node daemon reports its node HEALTHY; ``instance`` is the daemon process's id. The coordinator sends it
+    only for a cordoned node that holds no slot and was not refused by its pre-flight check."""
+
+    node_id: str
+    instance: str
+
+
 Event = (FaultReported | MembershipChanged | FormingChecked | Tick | GenerationFormed | GenerationRunning
-         | AllSucceeded | Progressed | NodeDisqualified)
+         | AllSucceeded | Progressed | NodeDisqualified | DaemonHealthy)
 
 
 class Severity(enum.Enum):
@@ -200,6 +210,9 @@ def decide(config: PolicyConfig, state: PolicyState, event: Event) -> Step:
             st.cordon_why[event.node_id] = event.reason
             st.message = f"node {event.node_id} cordoned: {event.reason}"
             actions.append(Announce(Severity.WARNING, st.message))
+    elif isinstance(event, DaemonHealthy):
+        if policy.uncordon(event.node_id, event.instance):
+            actions.append(Announce(Severity.WARNING, policy.state.message))
     new = policy.state
     if new.to_dict() != state.to_dict():
         actions.insert(0, Persist())
