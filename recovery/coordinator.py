@@ -820,10 +820,11 @@ class JobCoordinator:
             cordoned, message = self._daemons.record(report, now, self._policy.state, self._excluded,
                                                      lambda f: self._fail_node_on_report(f, now), self._wall)
             if cordoned and self._may_uncordon(report):
-                if self._apply(DaemonHealthy(report.node_id, report.instance)).changed:
+                step = self._apply(DaemonHealthy(report.node_id, report.instance))
+                if step.changed:
+                    cordoned, message = False, step.state.message
                     self._mver += 1  # a vacancy waiting for a spare is re-planned with this node
                     self._advance()
-                    cordoned, message = False, self._policy.state.message
             return cordoned, message, self._state_fut if self._state_fut is not fut_before else None
 
     def _may_uncordon(self, report: NodeHealthReport) -> bool:
