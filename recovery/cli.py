@@ -95,6 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_coordinator_deploy_arguments(p)  # TLS, token, /metrics, health port, cordon hooks
     p.set_defaults(handler=handle_coordinator)
+    from trainguard.recovery.uncordon_cli import register as register_uncordon
+
+    register_uncordon(sub)  # the operator's `trainguard uncordon NODE` against a running coordinator
 
 
 def handle_coordinator(args: argparse.Namespace) -> int:

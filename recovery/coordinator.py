@@ -48,7 +48,7 @@ from trainguard.recovery.committer import GroupCommitter
 from trainguard.recovery.daemon_reports import DaemonReports
 from trainguard.recovery.decide import (AllSucceeded, DaemonHealthy, Event, FaultReported, FormingChecked,
                                         GenerationFormed, GenerationRunning, MembershipChanged, NodeDisqualified,
-                                        Persist, Progressed, Step, Tick, decide)
+                                        OperatorUncordon, Persist, Progressed, Step, Tick, decide)
 from trainguard.recovery.domain import Beat, FaultReport, GenerationTable, NodeRecord
 from trainguard.recovery.errors import (FencedError, MembershipError, NotServingError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
@@ -826,6 +826,42 @@ class JobCoordinator:
                     self._mver += 1  # a vacancy waiting for a spare is re-planned with this node
                     self._advance()
             return cordoned, message, self._state_fut if self._state_fut is not fut_before else None
+
+    def uncordon(self, job: str, node_id: str, reason: str = "") -> tuple[bool, str, Future | None]:
+        """An operator returns a cordoned node to service (``trainguard uncordon``): a repaired machine with no node
+        daemon to vouch for it, or one whose pre-flight refusal they overrule (its record is rewritten without it).
+
+        Args:
+            job: job name from the request.
+            node_id: the node.
+            reason: the operator's one line, for the log.
+
+        Returns:
+            (whether it was uncordoned, message, the store write to wait for or None).
+
+        Raises:
+            UnknownJobError, NotServingError: wrong job, or this coordinator cannot serve.
+        """
+        with self._lock:
+            self._check_serving(job)
+            st = self._policy.state
+            if st.plan is not None and node_id in st.plan.cordon:
+                return False, (f"node {node_id} stays cordoned: generation {st.plan.generation} is replacing it now; "
+                               "uncordon it once that generation runs"), None
+            if node_id not in st.cordoned:
+                return False, f"node {node_id} is not cordoned in job {self.spec.job!r}", None
+            step = self._apply(OperatorUncordon(node_id, " ".join(reason.split())[:200]), persist=False)
+            if not step.changed:
+                return False, f"node {node_id} stays cordoned: {st.message}", None
+            m = self._members.get(node_id)
+            if m is not None and m.refused:
+                m.refused = ""
+                self._submit([Put(self._prefix + "nodes/" + node_id, node_value(m.info, m.lease_id, m.instance, ""))])
+            message = step.state.message
+            self._mver += 1  # a vacancy waiting for a spare is re-planned with this node
+            self._save_state()
+            self._advance()
+            return True, message, self._state_fut
 
     def _may_uncordon(self, report: NodeHealthReport) -> bool:
         """Whether a daemon's report may return its cordoned node to service (lock held): a HEALTHY verdict, and

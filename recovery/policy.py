@@ -295,7 +295,8 @@ class PolicyState:
         forming_since_s: since when (wall seconds; 0: not waiting).
         cordon_daemon: node id -> the node daemon instance last heard from the node when it was cordoned ("":
             none). A healthy report from another instance (the daemon was restarted, as an operator does once
-            the machine is repaired) returns the node to service (:meth:`RecoveryPolicy.uncordon`).
+            the machine is repaired) returns the node to service (:meth:`RecoveryPolicy.uncordon`), as an
+            operator can (``trainguard uncordon``).
     """
 
     phase: Phase = Phase.FORMING
@@ -420,28 +421,24 @@ class RecoveryPolicy:
         st.generation = generation
         st.progress_step = max(st.progress_step, step)
 
-    def uncordon(self, node_id: str, instance: str) -> bool:
-        """A node daemon instance other than the one heard when ``node_id`` was cordoned reports it healthy:
-        the node is back in service (a spare, or a vacancy's filler). Nodes a pending plan is about to cordon
-        stay out (their failure is being handled now).
+    def uncordon(self, node_id: str, why: str) -> bool:
+        """Returns a cordoned node to service (a spare, or a vacancy's filler). A node the pending plan is about to
+        cordon stays out: its failure is being handled now.
 
         Args:
             node_id: the node.
-            instance: the reporting daemon process's id ("" never uncordons: it cannot be told apart).
+            why: what vouches for it, for the job's message (a restarted daemon's report, an operator).
 
         Returns:
             Whether the node was uncordoned.
         """
         st = self.state
-        if node_id not in st.cordoned or not instance or instance == st.cordon_daemon.get(node_id, ""):
+        if node_id not in st.cordoned or (st.plan is not None and node_id in st.plan.cordon):
             return False
-        if st.plan is not None and node_id in st.plan.cordon:
-            return False
-        why = st.cordon_why.pop(node_id, "")
+        was = st.cordon_why.pop(node_id, "")
         st.cordoned.remove(node_id)
         st.cordon_daemon.pop(node_id, None)
-        st.message = (f"node {node_id} back in service: its node daemon was restarted and reports it healthy"
-                      + (f" (cordoned for: {why})" if why else ""))
+        st.message = f"node {node_id} back in service: {why}" + (f" (cordoned for: {was})" if was else "")
         return True
 
     def started(self, generation: int) -> None:
