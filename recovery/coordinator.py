@@ -373,8 +373,7 @@ class JobCoordinator:
             return ""
         named = ", ".join(f"{n!r} ({self._members[n].refused or st.cordon_why.get(n) or 'cordoned'})" for n in live)
         return (f"; registered but cordoned for this job: {named} (once a machine is repaired, restart its node "
-                "daemon: a healthy report from the new daemon returns it to service; without a daemon, it joins "
-                "under a new --node-id)")
+                "daemon, whose healthy report returns it to service, or run `trainguard uncordon NODE`)")
 
     def _next_layout(self, now: float) -> RankLayout | None:
         """The layout the next generation would get; recomputed only when the membership changed.
