@@ -799,9 +799,10 @@ class JobCoordinator:
 
         Uncordon. A cordoned node stays out while the daemon that was running when it was cordoned keeps
         reporting (HEALTHY included: a latched fault, a slow or crashing node look healthy to it). A HEALTHY report
-        from a *restarted* daemon (another instance: what an operator does once the machine is repaired) returns
-        the node to service, as a spare or a waiting vacancy's filler, without a new node id or a coordinator
-        restart. A node refused by its pre-flight check, or about to be cordoned by the pending plan, stays out.
+        from a *restarted* daemon (another instance: what an operator does once the machine is repaired; its
+        second in a row, so its detectors have sampled) returns the node to service, as a spare or a waiting
+        vacancy's filler, without a new node id or a coordinator restart. A node refused by its pre-flight check,
+        or about to be cordoned by the pending plan, stays out (``trainguard uncordon`` overrules those).
 
         Args:
             report: the report (validated for format by the service).
@@ -863,12 +864,16 @@ class JobCoordinator:
             return True, message, self._state_fut
 
     def _may_uncordon(self, report: NodeHealthReport) -> bool:
-        """Whether a daemon's report may return its cordoned node to service (lock held): a HEALTHY verdict, and
-        the node neither refused by its pre-flight check nor holding a slot."""
+        """Whether a daemon's report may return its cordoned node to service (lock held): the second HEALTHY report
+        in a row of its daemon process, and the node neither refused by its pre-flight check nor holding a slot.
+
+        The second, not the first: a daemon just restarted on a machine still broken may send its first report
+        before its detectors sampled the fault; one report interval later they have."""
         nid = report.node_id
         m = self._members.get(nid)
-        return report.verdict is Verdict.HEALTHY and not (m is not None and m.refused) \
-            and (self._layout is None or self._layout.slot_of(nid) is None)
+        row = self._daemons.table.get(nid)
+        return report.verdict is Verdict.HEALTHY and row is not None and row.healthy_streak >= 2 \
+            and not (m is not None and m.refused) and (self._layout is None or self._layout.slot_of(nid) is None)
 
     def _fail_node_on_report(self, f: Failure, now: float) -> None:
         """Applies a daemon's fatal verdict as a node failure (lock held), and moves the job on."""

@@ -61,11 +61,13 @@ class NodeHealthEntry:
         report: the newest report.
         received_s: when it arrived (the coordinator's monotonic clock), seconds.
         fatal_reason: the reason of the first FATAL report ("" while the node never reported one).
+        healthy_streak: HEALTHY reports in a row from this daemon instance (its newest included).
     """
 
     report: NodeHealthReport
     received_s: float
     fatal_reason: str = ""
+    healthy_streak: int = 0
 
     def silent(self, now_s: float, after_s: float) -> bool:
         """Whether the daemon has not reported for more than ``after_s`` seconds."""
@@ -97,7 +99,9 @@ class NodeHealthTable:
             newly = report.verdict is Verdict.FATAL and not fatal_reason
             if newly:
                 fatal_reason = report.reason or "fatal fault reported by the node daemon"
-            self._rows[report.node_id] = NodeHealthEntry(report, now_s, fatal_reason)
+            healthy = report.verdict is Verdict.HEALTHY
+            streak = (old.healthy_streak + 1 if same_daemon else 1) if healthy else 0
+            self._rows[report.node_id] = NodeHealthEntry(report, now_s, fatal_reason, streak)
             return newly
 
     def get(self, node_id: str) -> NodeHealthEntry | None:
