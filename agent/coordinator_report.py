@@ -14,6 +14,7 @@ at or above the configured threshold is DEGRADED (reported, never cordoned); els
 One reporter's states::
 
     CONNECTING --ok--> REPORTING --coordinator says cordoned--> CORDONED
+        |  ^              |   ^  <--back in service (trainguard uncordon)--'
         |  ^              |   ^                                   |
         |  '---- ok ------+   '------------ ok ------ UNREACHABLE <'  (a call failing)
         '--fail--> UNREACHABLE          (REFUSED likewise: the coordinator answered with a refusal)
@@ -144,7 +145,8 @@ _S = ReporterState
 TRANSITIONS: dict[ReporterState, frozenset[ReporterState]] = {
     _S.CONNECTING: frozenset({_S.REPORTING, _S.CORDONED, _S.UNREACHABLE, _S.REFUSED, _S.STOPPED}),
     _S.REPORTING: frozenset({_S.REPORTING, _S.CORDONED, _S.UNREACHABLE, _S.REFUSED, _S.STOPPED}),
-    _S.CORDONED: frozenset({_S.CORDONED, _S.UNREACHABLE, _S.REFUSED, _S.STOPPED}),
+    # An operator may return the node to service while this daemon keeps reporting (trainguard uncordon).
+    _S.CORDONED: frozenset({_S.CORDONED, _S.REPORTING, _S.UNREACHABLE, _S.REFUSED, _S.STOPPED}),
     _S.UNREACHABLE: frozenset({_S.UNREACHABLE, _S.REFUSED, _S.REPORTING, _S.CORDONED, _S.STOPPED}),
     _S.REFUSED: frozenset({_S.REFUSED, _S.UNREACHABLE, _S.REPORTING, _S.CORDONED, _S.STOPPED}),
     _S.STOPPED: frozenset({_S.STOPPED}),
@@ -194,6 +196,9 @@ class CoordinatorReporter:
         elif new is ReporterState.CORDONED and self.state is not ReporterState.CORDONED:
             log.warning("coordinator %s (%s) cordoned node %s: %s", self.target.address, self.target.origin,
                         self.node_id, message)
+        elif new is ReporterState.REPORTING and self.state is ReporterState.CORDONED:
+            log.warning("coordinator %s (%s) returned node %s to service", self.target.address, self.target.origin,
+                        self.node_id)
         elif new is ReporterState.REPORTING and self.state is not ReporterState.REPORTING:
             log.info("reporting node %s health to coordinator %s (%s)", self.node_id, self.target.address,
                      self.target.origin)

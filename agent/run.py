@@ -154,8 +154,10 @@ def run_job(args: argparse.Namespace) -> RunResult:
         try:
             server = CoordinatorServer(
                 # One node has nowhere else to go: a hardware fault restarts the job on it (the budget still
-                # bounds it). --nnodes MIN:MAX: start on MIN; nodes beyond it wait as standbys for lost ones.
-                JobSpec(job=job, nnodes=rdzv.min_nodes, max_restarts=args.max_restarts, heartbeat_interval_s=0.2,
+                # bounds it). --nnodes MIN:MAX: start on MIN to MAX (those there at the last call); later nodes
+                # wait as standbys for lost ones.
+                JobSpec(job=job, nnodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, last_call_s=rdzv.last_call_s,
+                        max_restarts=args.max_restarts, heartbeat_interval_s=0.2,
                         hold_unhealthy=rdzv.max_nodes > 1, allow_shrink=rdzv.max_nodes > rdzv.min_nodes,
                         min_nodes=rdzv.min_nodes, failslow=failslow),
                 listen=rdzv.listen, security=server_security,

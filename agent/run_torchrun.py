@@ -11,8 +11,9 @@ which forms every generation's rank table. The mapping (see :func:`resolve_rende
 - ``--rdzv-backend static`` (torchrun's default): with more than one node the coordinator is at
   ``--rdzv-endpoint`` when given, else ``--master-addr:--master-port`` (port 29500), as torchrun's static
   backend picks it, embedded by ``--node-rank 0``; on one node it is embedded on a free loopback port.
-- ``--nnodes MIN:MAX``: the job starts when MIN nodes have registered; a lost node is replaced by one of the
-  nodes beyond MIN that wait as standbys, or the job shrinks, never below MIN.
+- ``--nnodes MIN:MAX``: as torchrun's rendezvous, once MIN nodes have registered the job waits up to
+  ``--rdzv-conf last_call_timeout`` (30 s) for more and starts with those there, at once when MAX are; nodes
+  arriving later wait as standbys: a lost node is replaced by one, or the job shrinks, never below MIN.
 - ``--rdzv-id``: the job name. Without it (and without ``--job``) a job with a rendezvous endpoint (every
   multi-node one) is named after the script and the endpoint's port (``train-29500``), the same on every node, as
   torchrun's constant default id is; a one-node job on a free port is named after the script and its
@@ -41,7 +42,8 @@ STATIC_DEFAULT_PORT = 29500
 #: torchrun's rendezvous backends; etcd ones name an etcd server, which trainguard's coordinator replaces.
 _BACKENDS = ("static", "c10d")
 _ETCD_BACKENDS = ("etcd", "etcd-v2")
-#: ``--rdzv-conf`` keys torchrun documents; the ones trainguard uses are join_timeout and is_host.
+#: ``--rdzv-conf`` keys torchrun documents; the ones trainguard uses are join_timeout, last_call_timeout and
+#: is_host.
 _RDZV_KEYS = frozenset({"join_timeout", "last_call_timeout", "close_timeout", "timeout", "read_timeout",
                         "is_host", "keep_alive_interval", "keep_alive_max_attempt", "use_libuv", "store_type",
                         "rank", "local_addr"})
@@ -66,6 +68,8 @@ class Rendezvous:
         max_nodes: most nodes the job takes (the rest beyond ``min_nodes`` wait as standbys).
         job: job name (``--job`` else ``--rdzv-id``), None for the default.
         join_timeout_s: how long the coordinator may be unreachable at registration.
+        last_call_s: once ``min_nodes`` registered, how long the first generation waits for more, up to
+            ``max_nodes`` (torchrun's ``last_call_timeout``), seconds.
         multi_node: the job may span more than one node.
         join_if_taken: when the embedded coordinator cannot listen (another agent on this host got there
             first), join the one at ``listen`` instead (torchrun's c10d backend does the same).
@@ -80,6 +84,7 @@ class Rendezvous:
     max_nodes: int
     job: str | None
     join_timeout_s: float = 60.0
+    last_call_s: float = 30.0
     multi_node: bool = False
     conf: dict[str, str] = field(default_factory=dict)
     join_if_taken: bool = False
@@ -311,6 +316,7 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
     lo, hi = parse_nnodes(args.nnodes)
     conf = parse_rdzv_conf(args.rdzv_conf)
     join_timeout = _conf_seconds(conf, "join_timeout", 60.0)
+    last_call = _conf_seconds(conf, "last_call_timeout", 30.0)
     job = args.job or args.rdzv_id
     is_host = _conf_bool(conf, "is_host")  # checked whether or not the backend reads it
     if args.node_rank < 0:
@@ -323,7 +329,8 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
                          " use --rdzv-backend c10d --rdzv-endpoint HOST:PORT of the node that embeds it")
     if backend not in _BACKENDS:
         raise UsageError(f"--rdzv-backend {args.rdzv_backend!r}: expected static or c10d")
-    common = dict(min_nodes=lo, max_nodes=hi, job=job, join_timeout_s=join_timeout, multi_node=hi > 1, conf=conf)
+    common = dict(min_nodes=lo, max_nodes=hi, job=job, join_timeout_s=join_timeout, last_call_s=last_call,
+                  multi_node=hi > 1, conf=conf)
     listen_flag = args.coordinator_listen
     if args.coordinator:
         if args.standalone:

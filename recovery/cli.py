@@ -54,7 +54,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", default=None, metavar="URL",
                    help="state store: sqlite:///path.db (default under ~/.local/state/trainguard), "
                         "file:///dir, etcd://host:port[,host:port][/prefix], memory://")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes needed before the first generation (default 1)")
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="nodes needed before the first generation (default 1); MIN:MAX as torchrun: once MIN "
+                        "registered, wait --last-call-timeout for up to MAX, at once with MAX")
+    p.add_argument("--last-call-timeout", type=float, default=30.0, metavar="S",
+                   help="with --nnodes MIN:MAX, seconds to wait for more nodes once MIN registered (default 30)")
     p.add_argument("--max-restarts", type=int, default=3, help="job-wide restart budget (default 3)")
     p.add_argument("--group-size", type=int, default=1,
                    help="ranks per parallel group kept consecutive inside one pod (default 1: no constraint)")
@@ -91,6 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_coordinator_deploy_arguments(p)  # TLS, token, /metrics, health port, cordon hooks
     p.set_defaults(handler=handle_coordinator)
+    from trainguard.recovery.uncordon_cli import register as register_uncordon
+
+    register_uncordon(sub)  # the operator's `trainguard uncordon NODE` against a running coordinator
 
 
 def handle_coordinator(args: argparse.Namespace) -> int:
@@ -112,7 +119,13 @@ def handle_coordinator(args: argparse.Namespace) -> int:
     if not args.failslow_ratio > 1 or not args.failslow_horizon > 0 or args.failslow_cooldown < 0:
         raise UsageError(f"--failslow-ratio {args.failslow_ratio} must be > 1, --failslow-horizon "
                          f"{args.failslow_horizon} > 0 and --failslow-cooldown {args.failslow_cooldown} >= 0")
-    spec = JobSpec(job=args.job, nnodes=args.nnodes, max_restarts=args.max_restarts,
+    from trainguard.agent.run_torchrun import parse_nnodes
+
+    lo, hi = parse_nnodes(args.nnodes)
+    if not (args.last_call_timeout >= 0 and args.last_call_timeout < float("inf")):
+        raise UsageError(f"--last-call-timeout {args.last_call_timeout}: expected seconds >= 0")
+    spec = JobSpec(job=args.job, nnodes=lo, max_nodes=hi, last_call_s=args.last_call_timeout,
+                   max_restarts=args.max_restarts,
                    heartbeat_interval_s=args.heartbeat_interval, group_size=args.group_size,
                    allow_shrink=args.allow_shrink, min_nodes=args.min_nodes, lease_timeout_s=args.lease_timeout,
                    backoff_initial_s=args.backoff, max_heartbeat_rate=args.max_heartbeat_rate,

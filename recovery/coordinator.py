@@ -46,9 +46,9 @@ from dataclasses import replace
 from trainguard.recovery.checkpoint_relay import CheckpointRelay
 from trainguard.recovery.committer import GroupCommitter
 from trainguard.recovery.daemon_reports import DaemonReports
-from trainguard.recovery.decide import (AllSucceeded, Event, FaultReported, FormingChecked, GenerationFormed,
-                                        GenerationRunning, MembershipChanged, NodeDisqualified, Persist, Progressed,
-                                        Step, Tick, decide)
+from trainguard.recovery.decide import (AllSucceeded, DaemonHealthy, Event, FaultReported, FormingChecked,
+                                        GenerationFormed, GenerationRunning, MembershipChanged, NodeDisqualified,
+                                        OperatorUncordon, Persist, Progressed, Step, Tick, decide)
 from trainguard.recovery.domain import Beat, FaultReport, GenerationTable, NodeRecord
 from trainguard.recovery.errors import (FencedError, MembershipError, NotServingError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
@@ -58,7 +58,7 @@ from trainguard.recovery.job_records import decode_node, decode_state, node_valu
 from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
 from trainguard.recovery.memory_book import MemoryBook
 from trainguard.recovery.node_command import HeartbeatReply, command_for
-from trainguard.recovery.node_health import NodeHealthReport
+from trainguard.recovery.node_health import NodeHealthReport, Verdict
 from trainguard.recovery.peer_pool import PeerPool
 from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
@@ -106,6 +106,7 @@ class JobCoordinator:
         self._committed_step = -1
         self._node_steps: dict[str, int] = {}
         self._form_note = ""
+        self._last_call_at: float | None = None  # when the first generation stops waiting for nodes past nnodes
         self._table: GenerationTable | None = None
         self._state_fut: Future | None = None
         self._mver = 0  # bumped on every membership/liveness change: invalidates _layout_cache
@@ -150,7 +151,8 @@ class JobCoordinator:
                      self.spec.job, self.fence.epoch, st.phase.name, st.generation, st.restart_count,
                      len(self._members))
         lay = self._layout
-        if lay is not None and (len(lay.slots) != self.spec.nnodes or lay.group_size != self.spec.group_size):
+        if lay is not None and (not self.spec.nnodes <= len(lay.slots) <= self._max_nodes()
+                                or lay.group_size != self.spec.group_size):
             # The stored layout wins so that a coordinator restart keeps every rank where it was; a changed flag
             # used to be ignored without a word.
             log.warning("job %s: the stored rank layout has %d node(s) with group size %d, this coordinator was "
@@ -299,16 +301,35 @@ class JobCoordinator:
             self._form_note = text
             log.warning("job %s: %s", self.spec.job, text)
 
+    def _max_nodes(self) -> int:
+        return max(self.spec.max_nodes, self.spec.nnodes)
+
+    def _last_call_over(self, now: float) -> bool:
+        """Whether the first generation's wait for nodes beyond ``nnodes`` has run out (lock held)."""
+        return self._last_call_at is not None and now >= self._last_call_at
+
     def _first_layout(self, now: float) -> RankLayout | None:
         cordoned = set(self._policy.state.cordoned)
         active = sorted((m for m in self._members.values() if self._lease_live(m, now) and not m.info.spare
                          and m.info.node_id not in cordoned), key=lambda m: m.spec().order_key())
         why, layout = "", None
+        most = self._max_nodes()
         if len(active) < self.spec.nnodes:
             self._form_note = f"waiting for nodes: {len(active)} of {self.spec.nnodes} registered"
+            self._last_call_at = None  # torchrun clears its deadline too when the count drops below the minimum
+        elif len(active) < most and not self._last_call_over(now):
+            # torchrun's last call: once MIN joined, nodes arriving within last_call_timeout still join the first
+            # round, so a job that could run on MAX nodes does not start on MIN because the rest came late.
+            if self._last_call_at is None:
+                self._last_call_at = now + self.spec.last_call_s
+                log.info("job %s: %d node(s) registered, enough to start; waiting up to %.0f s for up to %d",
+                         self.spec.job, len(active), self.spec.last_call_s, most)
+            self._form_note = (f"waiting for nodes: {len(active)} of {self.spec.nnodes}..{most} registered; the "
+                               f"job starts with those there {self.spec.last_call_s:.0f} s after {self.spec.nnodes} "
+                               f"had registered (last call), or at once with {most}")
         else:
             try:
-                layout = assign_ranks([m.spec() for m in active[: self.spec.nnodes]], group_size=self.spec.group_size)
+                layout = assign_ranks([m.spec() for m in active[:most]], group_size=self.spec.group_size)
             except MembershipError as exc:
                 why = f"cannot lay out ranks: {exc}"
                 self._note(why)
@@ -351,8 +372,8 @@ class JobCoordinator:
         if not live:
             return ""
         named = ", ".join(f"{n!r} ({self._members[n].refused or st.cordon_why.get(n) or 'cordoned'})" for n in live)
-        return (f"; registered but cordoned for this job, so never given a slot again: {named} (a repaired machine "
-                "joins under a new --node-id)")
+        return (f"; registered but cordoned for this job: {named} (once a machine is repaired, restart its node "
+                "daemon, whose healthy report returns it to service, or run `trainguard uncordon NODE`)")
 
     def _next_layout(self, now: float) -> RankLayout | None:
         """The layout the next generation would get; recomputed only when the membership changed.
@@ -361,7 +382,8 @@ class JobCoordinator:
         a 12.5k-node formation quadratic, so the result is cached per membership version.
         """
         st = self._policy.state
-        key = (self._mver, st.plan.generation if st.plan else 0, st.plan.level if st.plan else None)
+        key = (self._mver, st.plan.generation if st.plan else 0, st.plan.level if st.plan else None,
+               self._last_call_over(now))
         if self._layout_cache is None or self._layout_cache[0] != key:
             layout = self._first_layout(now) if st.phase is Phase.FORMING else self._plan_layout(now)
             self._layout_cache = (key, layout)
@@ -418,7 +440,13 @@ class JobCoordinator:
     def _apply(self, event: Event, persist: bool = True) -> Step:
         """The effect layer: runs the pure decision step on the policy state, keeps the new state, applies the
         actions (log lines; a store commit unless ``persist`` is off because the caller commits itself)."""
+        before = set(self._policy.state.cordoned)
         step = decide(self._policy.config, self._policy.state, event)
+        for node in set(step.state.cordoned) - before:
+            # Which daemon process vouched for the node when it was cordoned: only a healthy report from another
+            # one (the daemon restarted after a repair) returns it to service (see report_node_health).
+            row = self._daemons.table.get(node)
+            step.state.cordon_daemon[node] = row.report.instance if row is not None else ""
         self._policy.state = step.state
         for action in step.actions:
             if isinstance(action, Persist):
@@ -766,8 +794,15 @@ class JobCoordinator:
 
         The node need not be registered: a daemon reports between jobs, before its node's launcher registers,
         so the node is cordoned before the first generation forms and never gets a rank. A node holding a slot
-        gets a node-level recovery (its slot goes to a spare, or the job waits for one). A HEALTHY report never
-        un-cordons a node, and a daemon's silence changes nothing.
+        gets a node-level recovery (its slot goes to a spare, or the job waits for one). A daemon's silence
+        changes nothing.
+
+        Uncordon. A cordoned node stays out while the daemon that was running when it was cordoned keeps
+        reporting (HEALTHY included: a latched fault, a slow or crashing node look healthy to it). A HEALTHY report
+        from a *restarted* daemon (another instance: what an operator does once the machine is repaired; its
+        second in a row, so its detectors have sampled) returns the node to service, as a spare or a waiting
+        vacancy's filler, without a new node id or a coordinator restart. A node refused by its pre-flight check,
+        or about to be cordoned by the pending plan, stays out (``trainguard uncordon`` overrules those).
 
         Args:
             report: the report (validated for format by the service).
@@ -784,7 +819,61 @@ class JobCoordinator:
             fut_before = self._state_fut
             cordoned, message = self._daemons.record(report, now, self._policy.state, self._excluded,
                                                      lambda f: self._fail_node_on_report(f, now), self._wall)
+            if cordoned and self._may_uncordon(report):
+                step = self._apply(DaemonHealthy(report.node_id, report.instance))
+                if step.changed:
+                    cordoned, message = False, step.state.message
+                    self._mver += 1  # a vacancy waiting for a spare is re-planned with this node
+                    self._advance()
             return cordoned, message, self._state_fut if self._state_fut is not fut_before else None
+
+    def uncordon(self, job: str, node_id: str, reason: str = "") -> tuple[bool, str, Future | None]:
+        """An operator returns a cordoned node to service (``trainguard uncordon``): a repaired machine with no node
+        daemon to vouch for it, or one whose pre-flight refusal they overrule (its record is rewritten without it).
+
+        Args:
+            job: job name from the request.
+            node_id: the node.
+            reason: the operator's one line, for the log.
+
+        Returns:
+            (whether it was uncordoned, message, the store write to wait for or None).
+
+        Raises:
+            UnknownJobError, NotServingError: wrong job, or this coordinator cannot serve.
+        """
+        with self._lock:
+            self._check_serving(job)
+            st = self._policy.state
+            if st.plan is not None and node_id in st.plan.cordon:
+                return False, (f"node {node_id} stays cordoned: generation {st.plan.generation} is replacing it now; "
+                               "uncordon it once that generation runs"), None
+            if node_id not in st.cordoned:
+                return False, f"node {node_id} is not cordoned in job {self.spec.job!r}", None
+            step = self._apply(OperatorUncordon(node_id, " ".join(reason.split())[:200]), persist=False)
+            if not step.changed:
+                return False, f"node {node_id} stays cordoned: {st.message}", None
+            m = self._members.get(node_id)
+            if m is not None and m.refused:
+                m.refused = ""
+                self._submit([Put(self._prefix + "nodes/" + node_id, node_value(m.info, m.lease_id, m.instance, ""))])
+            message = step.state.message
+            self._mver += 1  # a vacancy waiting for a spare is re-planned with this node
+            self._save_state()
+            self._advance()
+            return True, message, self._state_fut
+
+    def _may_uncordon(self, report: NodeHealthReport) -> bool:
+        """Whether a daemon's report may return its cordoned node to service (lock held): the second HEALTHY report
+        in a row of its daemon process, and the node neither refused by its pre-flight check nor holding a slot.
+
+        The second, not the first: a daemon just restarted on a machine still broken may send its first report
+        before its detectors sampled the fault; one report interval later they have."""
+        nid = report.node_id
+        m = self._members.get(nid)
+        row = self._daemons.table.get(nid)
+        return report.verdict is Verdict.HEALTHY and row is not None and row.healthy_streak >= 2 \
+            and not (m is not None and m.refused) and (self._layout is None or self._layout.slot_of(nid) is None)
 
     def _fail_node_on_report(self, f: Failure, now: float) -> None:
         """Applies a daemon's fatal verdict as a node failure (lock held), and moves the job on."""

@@ -298,6 +298,13 @@ class CordonDispatcher:
             self._seen.add(target.node)
         self._queue.put(target)
 
+    def forget(self, node: str) -> None:
+        """The coordinator returned ``node`` to service: a later cordon of it runs the hooks again. (The mark the
+        hooks made stays: lifting it, ``scontrol update state=resume`` or ``kubectl uncordon``, is the operator's
+        call, as the repair was.)"""
+        with self._lock:
+            self._seen.discard(node)
+
     def _run(self) -> None:
         while True:
             target = self._queue.get()

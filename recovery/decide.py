@@ -19,6 +19,8 @@ Events::
     AllSucceeded       every rank of the current generation exited 0      -> SUCCEEDED
     Progressed         a step beyond the last start completed             -> backoff starts over
     NodeDisqualified   a node without a slot failed its pre-flight check  -> cordoned, with the reason
+    DaemonHealthy      a restarted node daemon reports a cordoned node healthy -> uncordoned (a spare again)
+    OperatorUncordon   an operator returns a cordoned node to service     -> uncordoned (a spare again)
 """
 
 from __future__ import annotations
@@ -101,8 +103,25 @@ class NodeDisqualified:
     reason: str
 
 
+@dataclass(frozen=True)
+class DaemonHealthy:
+    """A node daemon reports its node HEALTHY; ``instance`` is the daemon process's id. The coordinator sends it
+    only for a cordoned node that holds no slot and was not refused by its pre-flight check."""
+
+    node_id: str
+    instance: str
+
+
+@dataclass(frozen=True)
+class OperatorUncordon:
+    """An operator vouches for a cordoned node (``trainguard uncordon``); ``reason`` is their one line."""
+
+    node_id: str
+    reason: str = ""
+
+
 Event = (FaultReported | MembershipChanged | FormingChecked | Tick | GenerationFormed | GenerationRunning
-         | AllSucceeded | Progressed | NodeDisqualified)
+         | AllSucceeded | Progressed | NodeDisqualified | DaemonHealthy | OperatorUncordon)
 
 
 class Severity(enum.Enum):
@@ -200,6 +219,17 @@ def decide(config: PolicyConfig, state: PolicyState, event: Event) -> Step:
             st.cordon_why[event.node_id] = event.reason
             st.message = f"node {event.node_id} cordoned: {event.reason}"
             actions.append(Announce(Severity.WARNING, st.message))
+    elif isinstance(event, DaemonHealthy):
+        # Only another daemon process than the one heard at the cordon vouches for a repair: the one that saw the
+        # fault (or a slow, crashing or lost node it did not see) says healthy all along.
+        seen = policy.state.cordon_daemon.get(event.node_id, "")
+        if event.instance and event.instance != seen and policy.uncordon(
+                event.node_id, "its node daemon was restarted and reports it healthy"):
+            actions.append(Announce(Severity.WARNING, policy.state.message))
+    elif isinstance(event, OperatorUncordon):
+        if policy.uncordon(event.node_id, "an operator returned it to service"
+                           + (f": {event.reason}" if event.reason else "")):
+            actions.append(Announce(Severity.WARNING, policy.state.message))
     new = policy.state
     if new.to_dict() != state.to_dict():
         actions.insert(0, Persist())

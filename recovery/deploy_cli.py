@@ -122,6 +122,7 @@ def start_coordinator_extras(args: argparse.Namespace, server) -> CoordinatorExt
 
     dispatcher = CordonDispatcher(cordon_hooks(args)).start()
     server.watch.add_cordon_listener(dispatcher.submit)
+    server.watch.add_uncordon_listener(dispatcher.forget)
     extras = CoordinatorExtras(dispatcher)
     try:
         if getattr(args, "metrics_listen", None):

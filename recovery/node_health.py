@@ -5,8 +5,10 @@ its node's verdict continuously, between jobs too. The table keeps the latest re
 two questions for the coordinator:
 
 - which nodes must be cordoned: a node whose daemon reported :attr:`Verdict.FATAL` (a node-level fault such as
-  a fatal PCIe AER error, a GPU gone, a link down). The verdict is sticky in the table: a later HEALTHY report
-  does not un-cordon the node (the policy's cordon list is the job's decision; only a new job forgets it).
+  a fatal PCIe AER error, a GPU gone, a link down). The verdict is sticky for that daemon process, as the
+  daemon's own latch is: a later HEALTHY report from the same instance changes nothing; a restarted daemon (a new
+  instance, as after a repair) starts with a clean slate, and the coordinator may return the node to service
+  (see :meth:`~trainguard.recovery.coordinator.JobCoordinator.report_node_health`).
 - which nodes went silent: reported once, then stopped. Silence alone is *not* a reason to cordon (a daemon
   restarting, or a node between jobs without a daemon, is not a sick node); it is only shown.
 
@@ -59,11 +61,13 @@ class NodeHealthEntry:
         report: the newest report.
         received_s: when it arrived (the coordinator's monotonic clock), seconds.
         fatal_reason: the reason of the first FATAL report ("" while the node never reported one).
+        healthy_streak: HEALTHY reports in a row from this daemon instance (its newest included).
     """
 
     report: NodeHealthReport
     received_s: float
     fatal_reason: str = ""
+    healthy_streak: int = 0
 
     def silent(self, now_s: float, after_s: float) -> bool:
         """Whether the daemon has not reported for more than ``after_s`` seconds."""
@@ -86,15 +90,18 @@ class NodeHealthTable:
             now_s: arrival time, seconds (monotonic).
 
         Returns:
-            True when this report makes the node newly fatal (its first FATAL verdict).
+            True when this report makes the node newly fatal (its first FATAL verdict from this daemon instance).
         """
         with self._lock:
             old = self._rows.get(report.node_id)
-            fatal_reason = old.fatal_reason if old is not None else ""
+            same_daemon = old is not None and old.report.instance == report.instance
+            fatal_reason = old.fatal_reason if old is not None and same_daemon else ""
             newly = report.verdict is Verdict.FATAL and not fatal_reason
             if newly:
                 fatal_reason = report.reason or "fatal fault reported by the node daemon"
-            self._rows[report.node_id] = NodeHealthEntry(report, now_s, fatal_reason)
+            healthy = report.verdict is Verdict.HEALTHY
+            streak = (old.healthy_streak + 1 if same_daemon else 1) if healthy else 0
+            self._rows[report.node_id] = NodeHealthEntry(report, now_s, fatal_reason, streak)
             return newly
 
     def get(self, node_id: str) -> NodeHealthEntry | None:

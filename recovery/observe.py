@@ -166,6 +166,7 @@ class CoordinatorWatch:
                                   buckets=_RECOVERY_BUCKETS, registry=None)
         self.recoveries: list[float] = []
         self._listeners: list[Callable[[CordonTarget], None]] = []
+        self._back_listeners: list[Callable[[str], None]] = []
         self._cordoned: set[str] = set()
         self._gen_seen: int | None = None
         self._stop = threading.Event()
@@ -174,6 +175,10 @@ class CoordinatorWatch:
     def add_cordon_listener(self, fn: Callable[[CordonTarget], None]) -> None:
         """Calls ``fn`` for every node the coordinator cordons (on the watch thread; keep it quick)."""
         self._listeners.append(fn)
+
+    def add_uncordon_listener(self, fn: Callable[[str], None]) -> None:
+        """Calls ``fn(node_id)`` for every node the coordinator returns to service (on the watch thread)."""
+        self._back_listeners.append(fn)
 
     def start(self) -> "CoordinatorWatch":
         """Takes a first sample (so health answers at once) and starts the thread."""
@@ -228,6 +233,12 @@ class CoordinatorWatch:
                 for fn in self._listeners:
                     fn(target)
         self._cordoned.update(new)
+        # A node back in service (its daemon restarted after a repair) is forgotten, so that cordoning it again
+        # fires the hooks again.
+        for node in self._cordoned - set(st.cordoned):
+            self._cordoned.discard(node)
+            for back in self._back_listeners:
+                back(node)
 
 
 def _host_of(info) -> str:

@@ -293,6 +293,10 @@ class PolicyState:
         message: last human-readable reason (failure, recovery, success).
         forming_waiting: why the first generation cannot be laid out although enough nodes registered ("").
         forming_since_s: since when (wall seconds; 0: not waiting).
+        cordon_daemon: node id -> the node daemon instance last heard from the node when it was cordoned ("":
+            none). A healthy report from another instance (the daemon was restarted, as an operator does once
+            the machine is repaired) returns the node to service (:meth:`RecoveryPolicy.uncordon`), as an
+            operator can (``trainguard uncordon``).
     """
 
     phase: Phase = Phase.FORMING
@@ -308,6 +312,7 @@ class PolicyState:
     forming_waiting: str = ""
     forming_since_s: float = 0.0
     cordon_why: dict[str, str] = field(default_factory=dict)
+    cordon_daemon: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         """JSON-friendly form (inverse of :meth:`from_dict`)."""
@@ -317,7 +322,7 @@ class PolicyState:
             "process_failures": self.process_failures, "node_failures": self.node_failures,
             "cordoned": self.cordoned, "message": self.message, "plan": None,
             "forming_waiting": self.forming_waiting, "forming_since_s": self.forming_since_s,
-            "cordon_why": self.cordon_why,
+            "cordon_why": self.cordon_why, "cordon_daemon": self.cordon_daemon,
         }
         if self.plan is not None:
             p = self.plan
@@ -355,7 +360,8 @@ class PolicyState:
                        [float(t) for t in d["node_failures"]], [str(n) for n in d["cordoned"]],  # type: ignore
                        plan, str(d.get("message", "")), str(d.get("forming_waiting", "")),  # type: ignore
                        float(d.get("forming_since_s", 0.0)),  # type: ignore
-                       {str(k): str(v) for k, v in dict(d.get("cordon_why") or {}).items()})  # type: ignore
+                       {str(k): str(v) for k, v in dict(d.get("cordon_why") or {}).items()},  # type: ignore
+                       {str(k): str(v) for k, v in dict(d.get("cordon_daemon") or {}).items()})  # type: ignore
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PolicyError(f"stored policy state is malformed ({exc}): the store is corrupt") from exc
 
@@ -414,6 +420,26 @@ class RecoveryPolicy:
             raise PolicyError(f"cannot form generation {generation} while {st.phase.name}")
         st.generation = generation
         st.progress_step = max(st.progress_step, step)
+
+    def uncordon(self, node_id: str, why: str) -> bool:
+        """Returns a cordoned node to service (a spare, or a vacancy's filler). A node the pending plan is about to
+        cordon stays out: its failure is being handled now.
+
+        Args:
+            node_id: the node.
+            why: what vouches for it, for the job's message (a restarted daemon's report, an operator).
+
+        Returns:
+            Whether the node was uncordoned.
+        """
+        st = self.state
+        if node_id not in st.cordoned or (st.plan is not None and node_id in st.plan.cordon):
+            return False
+        was = st.cordon_why.pop(node_id, "")
+        st.cordoned.remove(node_id)
+        st.cordon_daemon.pop(node_id, None)
+        st.message = f"node {node_id} back in service: {why}" + (f" (cordoned for: {was})" if was else "")
+        return True
 
     def started(self, generation: int) -> None:
         """Every node of ``generation`` reported its workers running: RECOVERING becomes RUNNING.

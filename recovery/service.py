@@ -319,6 +319,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except RecoveryError as exc:
             self._refuse(context, "ReportNodeHealth", exc)
 
+    def UncordonNode(self, request, context):  # noqa: N802
+        """An operator returns a cordoned node to service (answered once that is durable)."""
+        try:
+            _check_job(request.job)
+            _check_node_id("node_id", request.node_id)
+            _check_text("reason", request.reason, _MAX_EVENT_TEXT)
+            done, msg, fut = self.core.uncordon(request.job, request.node_id, request.reason)
+            self.core.wait_durable(fut, "the uncordon")
+            return coordinator_pb2.UncordonNodeResponse(uncordoned=done, message=msg)
+        except RecoveryError as exc:
+            self._refuse(context, "UncordonNode", exc)
+
 
 def build_grpc_server(max_workers: int, interceptors: Sequence[grpc.ServerInterceptor] = (),
                       auth: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:

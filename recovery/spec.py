@@ -25,6 +25,11 @@ class JobSpec:
     Attributes:
         job: job name; requests for other jobs are refused.
         nnodes: nodes that must register before the first generation starts (>= 1).
+        max_nodes: most nodes the first generation takes (0: ``nnodes``). Above ``nnodes`` (torchrun's
+            ``--nnodes MIN:MAX``), the job waits once ``nnodes`` registered, up to ``last_call_s`` more, for
+            nodes up to ``max_nodes`` and starts at once when that many are there, as torchrun's rendezvous does;
+            nodes beyond the first generation wait as standbys.
+        last_call_s: that wait, seconds (torchrun's ``last_call_timeout``). Default 30.
         max_restarts: restarts allowed, counted job-wide by the coordinator (>= 0).
         heartbeat_interval_s: interval told to agents, seconds. Default 0.5.
         group_size: ranks per parallel group kept inside one pod (1: no constraint).
@@ -74,6 +79,8 @@ class JobSpec:
     store: str = "memory://"
     failslow: StragglerConfig = field(default_factory=StragglerConfig)
     memory_replicas: int = 1
+    max_nodes: int = 0
+    last_call_s: float = 30.0
 
     def validate(self) -> None:
         """Checks every field.
@@ -91,6 +98,11 @@ class JobSpec:
             # node left the job waiting for a spare without saying that the flag was why.
             raise InvalidRequestError(f"min nodes {self.min_nodes} exceeds nnodes {self.nnodes}: a job shrinks from "
                                       f"--nnodes down to --min-nodes; use --min-nodes <= {self.nnodes} (0: --nnodes)")
+        if self.max_nodes and self.max_nodes < self.nnodes:
+            raise InvalidRequestError(f"max nodes {self.max_nodes} is below nnodes {self.nnodes}: use MIN:MAX with "
+                                      "MIN <= MAX")
+        if not (self.last_call_s >= 0 and math.isfinite(self.last_call_s)):
+            raise InvalidRequestError(f"last call {self.last_call_s} s must be a finite number of seconds >= 0")
         if not self.repeat_window_s > 0:
             raise InvalidRequestError(f"repeat window {self.repeat_window_s} s must be positive")
         if not self.membership_timeout_s > 0:

@@ -468,6 +468,7 @@ class ReplaceDecision:
     detail: str
     saved_s: float
     cost_s: float
+    ranks: tuple[int, ...] = ()  # the node's slow ranks it is replaced for (empty: none flagged on their own)
 
 
 @dataclass
@@ -480,6 +481,11 @@ class ReplacePolicy:
     delays every rank's collective, not the node's own work). The cost is the last measured
     node-level restart: from the decision until the job is back at the step it had reached (so it includes the
     work lost since the last checkpoint), or ``restart_cost_s`` before any was measured.
+
+    Slowness that follows the rank. A replacement takes the slot, so the new node runs the same ranks. A rank
+    slow because of its role (the last pipeline stage, rank 0 logging) is just as slow on the new node; the
+    policy remembers the slow ranks each replacement was for, and a node flagged again for one of those ranks
+    is reported, never replaced: the rank is slow, not the node, and replacing would burn spare after spare.
     """
 
     config: StragglerConfig
@@ -488,6 +494,7 @@ class ReplacePolicy:
     last_replace: float = -math.inf
     replaced: list[str] = field(default_factory=list)
     verdict: str = ""  # why the last slow node weighed was not replaced ("" when it was, or none was weighed)
+    replaced_for: dict[int, str] = field(default_factory=dict)  # slow rank -> node replaced for it (first one)
     _pending: tuple[float, int, int] | None = None  # (decision time, step reached, generation) of a replacement
 
     def __post_init__(self) -> None:
@@ -505,10 +512,18 @@ class ReplacePolicy:
         cfg = self.config
         if cfg.action != "replace" or not result.slow_nodes or self._pending is not None or spares <= 0:
             return None
-        if now - self.last_replace < cfg.cooldown_s:
-            return None
         worst = result.slow_nodes[0]
         if not result.job_step_s > 0:
+            return None
+        ranks = tuple(sorted(f.rank for f in result.slow_ranks if f.node_id == worst.node_id))
+        followed = [r for r in ranks if r in self.replaced_for and self.replaced_for[r] != worst.node_id]
+        if followed:
+            r = followed[0]
+            self.verdict = (f"not replacing node {worst.node_id}: rank {r} was as slow on node "
+                            f"{self.replaced_for[r]}, replaced for it; the slowness follows the rank (its role, "
+                            f"e.g. the last pipeline stage), not the node: look at rank {r}'s work")
+            return None
+        if now - self.last_replace < cfg.cooldown_s:
             return None
         excess = worst.excess_s
         if len(result.slow_nodes) == 1 and result.job_slowdown > 1.0:
@@ -529,12 +544,14 @@ class ReplacePolicy:
                   f"{excess * 1000:.0f} ms of every {result.job_step_s * 1000:.0f} ms step; replacing saves "
                   f"~{saved:.0f} s over {cfg.horizon_s:.0f} s against a "
                   f"{'measured' if self.measured else 'assumed'} restart cost of {self.cost_s:.1f} s")
-        return ReplaceDecision(worst.node_id, detail, saved, self.cost_s)
+        return ReplaceDecision(worst.node_id, detail, saved, self.cost_s, ranks)
 
     def applied(self, decision: ReplaceDecision, now: float, step_reached: int, generation: int) -> None:
         """Notes that the coordinator replaced the node (starts the cost measurement and the cooldown)."""
         self.last_replace = now
         self.replaced.append(decision.node_id)
+        for r in decision.ranks:
+            self.replaced_for.setdefault(r, decision.node_id)
         self._pending = (now, step_reached, generation)
 
     def progress(self, generation: int, step: int, now: float) -> float | None:

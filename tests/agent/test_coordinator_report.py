@@ -60,3 +60,31 @@ def test_a_closed_port_is_still_unreachable() -> None:
         port = s.getsockname()[1]  # bound, never listening: connections are refused
         state, message = _report(f"127.0.0.1:{port}")
     assert state is ReporterState.UNREACHABLE and message.startswith("UNAVAILABLE")
+
+
+def test_a_cordoned_node_returned_to_service_by_an_operator_reports_on(caplog) -> None:
+    """The daemon keeps reporting while an operator uncordons its node (trainguard uncordon): its reporter goes
+    back from CORDONED to REPORTING (that transition was refused, which killed the reporter's thread)."""
+    from trainguard.recovery.service import CoordinatorServer, JobSpec
+
+    caplog.set_level("WARNING", logger="trainguard.agent.coordinator_report")
+    srv = CoordinatorServer(JobSpec(job="rep-unc", nnodes=2), listen="127.0.0.1:0").start()
+    verdict = [NodeVerdict(Verdict.FATAL, "nvidia: GPU fell off the bus")]
+    reporter = CoordinatorReporter(ReportTarget(srv.target, job="rep-unc"), lambda: verdict[0], "n1", "h1", "i1",
+                                   interval_s=0.05, timeout_s=5.0).start()
+    try:
+        deadline = time.monotonic() + 30
+        while reporter.state is not ReporterState.CORDONED:
+            assert time.monotonic() < deadline, f"never cordoned: {reporter.state} {reporter.message}"
+            time.sleep(0.01)
+        verdict[0] = NodeVerdict(Verdict.HEALTHY)
+        done, _, fut = srv.core.uncordon("rep-unc", "n1", "GPU reseated")
+        srv.core.wait_durable(fut)
+        assert done
+        while reporter.state is not ReporterState.REPORTING:
+            assert time.monotonic() < deadline, f"still {reporter.state}: {reporter.message}"
+            time.sleep(0.01)
+        assert "returned node n1 to service" in caplog.text
+    finally:
+        reporter.stop()
+        srv.stop(0)

@@ -282,6 +282,20 @@ def test_two_c10d_agents_on_one_host_without_node_id(tmp_path: Path, tg_env: dic
     assert sorted(envs) == [0, 1] and {e["dist_world"] for e in envs.values()} == {2}
 
 
+def test_nnodes_min_max_waits_for_the_last_call_like_torchrun(tmp_path: Path, tg_env: dict) -> None:
+    """``--nnodes 1:2``: the second node starts a second and a half after the first. torchrun's rendezvous waits
+    last_call_timeout after MIN joined for more nodes, so both nodes form one 2-node world; starting on MIN at once
+    ran the job on one node and left the other idle as a standby."""
+    line = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{_port()}", "--rdzv-id", "lastcall", "--rdzv-conf", "last_call_timeout=20",
+            "--max-restarts", "0"]
+    _staggered_nodes(line, [["--node-id", "lc-a"], ["--node-id", "lc-b", "--local-addr", "127.0.0.1"]],
+                     tmp_path / "out", tg_env, delay_s=1.5, last_fails_first=False)
+    envs = {int(f.stem[3:]): json.loads(f.read_text()) for f in (tmp_path / "out").glob("env*.json")}
+    assert sorted(envs) == [0, 1], envs
+    assert {e["WORLD_SIZE"] for e in envs.values()} == {"2"} and {e["dist_world"] for e in envs.values()} == {2}
+
+
 def test_default_node_ids_are_unique_per_agent_where_agents_share_a_host() -> None:
     from trainguard.agent.run_torchrun import Rendezvous, default_node_id
 

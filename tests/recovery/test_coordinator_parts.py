@@ -119,7 +119,7 @@ def test_a_cordoned_node_back_under_its_id_is_told_why_and_named_while_a_vacancy
     assert last["n1"].message == "node n1 is cordoned: node n1 node lost (no heartbeat for 6.0 s)", last["n1"].message
     waits = last["n0"].message
     assert "no spare node for 1 rank slot(s)" in waits and "registered but cordoned for this job" in waits, waits
-    assert "'n1' (node n1 node lost" in waits and "new --node-id" in waits
+    assert "'n1' (node n1 node lost" in waits and "restart its node daemon" in waits and "trainguard uncordon" in waits
     core.close()
     # The reason survives a coordinator restart (state record), and a record written before it existed still loads.
     again = JobCoordinator(spec, store=store, clock=lambda: t[0], wall=lambda: 1000.0 + t[0])

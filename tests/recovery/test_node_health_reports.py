@@ -17,10 +17,11 @@ from trainguard.recovery.node_health import NodeHealthReport, NodeHealthTable, V
 pytestmark = pytest.mark.timeout(90)
 
 
-def _report(stub, node: str, verdict: int, reason: str = "", job: str = "") -> pb.NodeHealthReportResponse:
+def _report(stub, node: str, verdict: int, reason: str = "", job: str = "",
+            instance: str = "d1") -> pb.NodeHealthReportResponse:
     return stub.ReportNodeHealth(pb.NodeHealthReportRequest(job=job, node_id=node, host=f"host-{node}",
                                                             verdict=verdict, reason=reason, risk=0.1,
-                                                            agent_instance="d1"), timeout=10)
+                                                            agent_instance=instance), timeout=10)
 
 
 @pytest.fixture
@@ -85,6 +86,38 @@ def test_fatal_report_about_a_slot_holder_moves_its_slot_to_a_spare(coordinator)
     assert a.gen == 2 and a.last.rank_table.restart_count <= 1
 
 
+def test_a_replaced_node_whose_restarted_daemon_reports_it_healthy_serves_again(coordinator) -> None:
+    # b's daemon reports a fatal fault: b is cordoned, the spare takes its slot. The machine is repaired and its
+    # daemon restarted: the new daemon's healthy report returns b to service, so when the spare fails in turn
+    # b fills the vacancy (it stayed cordoned for good, and the job waited for a spare nobody had).
+    c, hook_out = coordinator
+    a = c.agent(node_info("a", idx=0))
+    b = c.agent(node_info("b", idx=1))
+    s = c.agent(node_info("s", idx=2, spare=True))
+    beat_until([a, b, s], lambda: a.gen == 1 and b.gen == 1)
+    assert _report(c.stub, "b", pb.NODE_HEALTH_VERDICT_FATAL, "nvidia: GPU 0000:17:00.0 fell off the bus").cordoned
+    beat_until([a, b, s], lambda: a.gen == 2 and s.gen == 2)
+    # The daemon that saw the fault, still running, says healthy: a latched or intermittent fault, not a repair.
+    assert _report(c.stub, "b", pb.NODE_HEALTH_VERDICT_HEALTHY).cordoned
+    b.beat()
+    assert b.gen < 0 and "cordoned" in b.last.message
+    # The restarted daemon's first report may predate its detectors' first sample: the second one vouches.
+    assert _report(c.stub, "b", pb.NODE_HEALTH_VERDICT_HEALTHY, instance="d2").cordoned
+    resp = _report(c.stub, "b", pb.NODE_HEALTH_VERDICT_HEALTHY, instance="d2")
+    assert not resp.cordoned and "back in service" in resp.message, resp.message
+    time.sleep(0.6)  # lets the coordinator's watch (a sample every 0.25 s) see b back, as it would in service
+    # The spare's own daemon now reports a fatal fault: b takes the slot back.
+    assert _report(c.stub, "s", pb.NODE_HEALTH_VERDICT_FATAL, "pcie: AER fatal error", instance="ds").cordoned
+    beat_until([a, b, s], lambda: a.gen == 3 and b.gen == 3)
+    assert sorted(n.node_id for n in a.table.nodes) == ["a", "b"] and s.gen < 0
+    # Back in service means exposed again: a new fatal verdict from the new daemon cordons b once more, its slot
+    # goes to a new spare, and the scheduler hook runs again for it.
+    s2 = c.agent(node_info("s2", idx=3, spare=True))
+    assert _report(c.stub, "b", pb.NODE_HEALTH_VERDICT_FATAL, "nvidia: GPU gone again", instance="d2").cordoned
+    beat_until([a, b, s2], lambda: a.gen == 4 and s2.gen == 4)
+    assert "GPU gone again" in _wait_file(hook_out, "GPU gone again")
+
+
 @pytest.mark.parametrize("req, needle", [
     (pb.NodeHealthReportRequest(node_id="", verdict=pb.NODE_HEALTH_VERDICT_FATAL), "node_id"),
     (pb.NodeHealthReportRequest(node_id="n1", verdict=pb.NODE_HEALTH_VERDICT_UNSPECIFIED), "verdict"),
@@ -134,3 +167,28 @@ def test_metrics_count_daemons_by_verdict_and_silence(tmp_path) -> None:
             assert srv.core.silent_daemons() == ["bad"] and "ok" not in srv.core.state.cordoned
     finally:
         srv.stop(0)
+
+
+def test_the_daemon_that_saw_a_cordon_still_cannot_lift_it_after_a_coordinator_restart(tmp_path) -> None:
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.spec import JobSpec
+
+    spec = JobSpec(job="nh-restart", nnodes=2, store=f"sqlite://{tmp_path}/c.db")
+
+    def report(core: JobCoordinator, verdict: Verdict, instance: str) -> bool:
+        cordoned, _, fut = core.report_node_health(NodeHealthReport("", "sick", "h", verdict, "AER fatal",
+                                                                    instance=instance))
+        core.wait_durable(fut)
+        return cordoned
+
+    core = JobCoordinator(spec)
+    assert report(core, Verdict.FATAL, "d1")
+    core.close()
+    core = JobCoordinator(spec)  # its health table starts empty; the cordon and who saw it are in the store
+    try:
+        assert report(core, Verdict.HEALTHY, "d1") and report(core, Verdict.HEALTHY, "d1")
+        assert "sick" in core.state.cordoned
+        assert report(core, Verdict.HEALTHY, "d2")  # its first report: the detectors may not have sampled yet
+        assert not report(core, Verdict.HEALTHY, "d2") and "sick" not in core.state.cordoned
+    finally:
+        core.close()

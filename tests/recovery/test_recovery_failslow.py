@@ -114,6 +114,40 @@ def test_straggler_is_shown_to_every_node_then_replaced_by_the_spare_and_the_cos
     assert srv.core._failslow.policy.measured and 0 < srv.core._failslow.policy.cost_s < 20
 
 
+def test_a_rank_slow_by_its_role_is_reported_not_replaced_again_when_its_replacement_is_as_slow(coord):
+    # Rank 1 is slower whatever node runs it (its role: the last pipeline stage, say). Replacing b once is fair
+    # (the policy cannot tell yet), but when the spare that took b's slot is just as slow in rank 1, the slowness
+    # follows the rank, not the node: a second replacement would only burn the next spare, and the next.
+    srv, stub = coord
+    a, b, s1 = _form(stub)
+    s2 = Node(stub, "s2", 10, spare=True)
+    nodes = [a, b, s1, s2]
+
+    def beat_all() -> list[pb.NodeHeartbeatResponse]:
+        out = []
+        for n in nodes:
+            rank = n.rank if n.gen > 0 else -1
+            out.append(n.beat(own_s=0.2 if rank == 1 else 0.05))  # rank 1's own work is 4x, on any node
+        time.sleep(0.05)
+        return out
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and s1.gen < 2:
+        beat_all()
+    assert s1.gen == 2 and s1.rank == 1, "the first straggler node was not replaced"
+    verdict = ""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and s2.gen < 3 and not verdict:
+        verdict = next((r.failslow.message for r in beat_all() if "follows the rank" in r.failslow.message), "")
+    assert s2.gen < 3 and [n.node_id for n in a.table.nodes] == ["a", "s"], "replaced again: a role straggler " \
+        "burns one spare after another"
+    assert "rank 1" in verdict and "node b" in verdict, verdict
+    # Still slow and still shown, and still not replaced.
+    for _ in range(10):
+        rs = beat_all()
+    assert s2.gen < 3 and [(x.rank, x.node_id) for x in rs[0].failslow.slow] == [(1, "s")]
+
+
 def test_hang_stacks_are_gathered_from_every_node_and_a_repeated_outlier_is_replaced(coord):
     srv, stub = coord
     a, b, s = _form(stub)

@@ -369,7 +369,8 @@ def test_sigkilled_coordinator_continues_the_job(tmp_path, tg_env, scheme, reque
 @pytest.mark.parametrize("args, needle", [
     (["--store", "nosuch:///x"], "unknown store URL"),
     (["--store", "etcd://noport"], "is not host:port"),
-    (["--nnodes", "0"], "nnodes >= 1"),
+    (["--nnodes", "0"], "--nnodes '0': need 1 <= MIN <= MAX"),
+    (["--nnodes", "2", "--last-call-timeout", "-1"], "--last-call-timeout -1.0"),
     (["--job", "bad job!"], "job name"),
 ])
 def test_cli_bad_flags_are_one_line_errors(args, needle, tg_env) -> None:

@@ -414,3 +414,21 @@ class NodeHealthReportResponse(_message.Message):
     message: str
     interval_s: float
     def __init__(self, cordoned: _Optional[bool] = ..., message: _Optional[str] = ..., interval_s: _Optional[float] = ...) -> None: ...
+
+class UncordonNodeRequest(_message.Message):
+    __slots__ = ("job", "node_id", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class UncordonNodeResponse(_message.Message):
+    __slots__ = ("uncordoned", "message")
+    UNCORDONED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    uncordoned: bool
+    message: str
+    def __init__(self, uncordoned: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...

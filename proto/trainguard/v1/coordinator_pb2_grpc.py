@@ -70,6 +70,11 @@ class CoordinatorStub:
                 request_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.NodeHealthReportRequest.SerializeToString,
                 response_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.NodeHealthReportResponse.FromString,
                 _registered_method=True)
+        self.UncordonNode = channel.unary_unary(
+                '/trainguard.v1.Coordinator/UncordonNode',
+                request_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.UncordonNodeRequest.SerializeToString,
+                response_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.UncordonNodeResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -120,6 +125,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UncordonNode(self, request, context):
+        """An operator returns a cordoned node to service (`trainguard uncordon`), e.g. a repaired machine with no
+        node daemon to vouch for it; the node becomes a spare and may fill a vacancy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +170,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportNodeHealth,
                     request_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.NodeHealthReportRequest.FromString,
                     response_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.NodeHealthReportResponse.SerializeToString,
+            ),
+            'UncordonNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.UncordonNode,
+                    request_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.UncordonNodeRequest.FromString,
+                    response_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.UncordonNodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -348,6 +366,33 @@ class Coordinator:
             '/trainguard.v1.Coordinator/ReportNodeHealth',
             trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.NodeHealthReportRequest.SerializeToString,
             trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.NodeHealthReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UncordonNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainguard.v1.Coordinator/UncordonNode',
+            trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.UncordonNodeRequest.SerializeToString,
+            trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.UncordonNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
