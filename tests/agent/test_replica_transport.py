@@ -530,3 +530,104 @@ def test_a_failing_holder_is_followed_by_the_plans_next_holder_before_storage(ro
         server_b.stop()
         server_d.stop()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _held_in_memory(root: str) -> int:
+    """Bytes the replica folder holds on the tmpfs now: published copies and copies being received (allocated
+    to their full size when they begin)."""
+    total = 0
+    for d, _, names in os.walk(os.path.join(root, "job", "replicas")):
+        for n in names:
+            if n.endswith(".data") or n.startswith(".partial-"):
+                try:
+                    total += os.stat(os.path.join(d, n)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+    return total
+
+
+def test_pushes_arriving_together_never_hold_more_than_the_bound(roots) -> None:
+    """Found by a review: each push was checked against --replica-memory-mib alone, without the copies still
+    being received, so four 4 MiB pushes arriving at once all passed a 10 MiB bound and held 16 MiB. Now a push
+    reserves its bytes as it begins; the pushes that do not fit are refused with an answer naming the bound, and
+    the replicas held stay within it while the copies arrive and after."""
+    a, b, _ = roots
+    for rank in range(4):
+        _snapshot(a, rank, 30, mib=4)
+    store = ReplicaStore(b, "job", 10 << 20)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1")
+    copies = [_own(a, rank) for rank in range(4)]
+    start = threading.Barrier(4)
+    acks: list[object] = []
+    peak = [0]
+    done = threading.Event()
+
+    def send(path: str, man: Manifest) -> None:
+        start.wait()
+        acks.append(push(server.address, copy_stream("job", man, path, "a", Throttle(8)), 60))
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _held_in_memory(b))
+            time.sleep(0.005)
+
+    senders = [threading.Thread(target=send, args=c) for c in copies]
+    watcher = threading.Thread(target=watch)
+    try:
+        watcher.start()
+        for th in senders:
+            th.start()
+        for th in senders:
+            th.join(60)
+        done.set()
+        watcher.join(10)
+        assert len(acks) == 4
+        refused = [ack.error for ack in acks if not ack.ok]
+        assert len(refused) == 2, acks  # two fit in 10 MiB, whichever began first
+        assert all(e.startswith("no room for the replica of rank") and "being received reserve" in e
+                   for e in refused), refused
+        assert peak[0] <= 10 << 20, f"replicas held {peak[0]} bytes, over the 10 MiB bound"
+        assert len(store.replicas()) == 2 and store.bytes_held() <= 10 << 20
+        assert store.bytes_reserved() == 0 and _partials(b) == []
+        # The reservations were given back: a later push fits where the published copies leave room.
+        path, man = copies[[r.rank for r in store.replicas()][0]]
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok
+    finally:
+        done.set()
+        server.stop()
+
+
+def test_a_node_refused_while_another_copy_arrives_backs_off_and_lands_it_later(roots, caplog) -> None:
+    """The pusher's side of the reservation: a buddy whose bound is taken by a copy it is still receiving answers
+    "no room", the sending agent warns once and retries later (no crash, no retry storm), and the copy lands once
+    the other one is in and may be evicted for it."""
+    a, b, c = roots
+    _snapshot(c, 1, 5, mib=4)  # another node's copy, arriving slowly at b
+    _snapshot(a, 0, 7, mib=4)
+    store = ReplicaStore(b, "job", 6 << 20)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1")
+    tier_a = MemoryTier(a, "job", "/ckpt")
+    tier_a.scan()
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier_a, "a", "127.0.0.1")
+    path, man = _own(c, 1)
+    slow: list[object] = []
+    th = threading.Thread(target=lambda: slow.append(push(server.address, copy_stream("job", man, path, "c",
+                                                                                        Throttle(4)), 60)))
+    try:
+        th.start()
+        _wait(lambda: _partials(b), "the slow copy never began")
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server.address)])
+        with caplog.at_level("WARNING", logger="trainguard.agent"):
+            sender.start()
+            _wait(lambda: sender.stats.push_failures == 1, "the push was not refused while the other copy arrived")
+            th.join(60)
+            assert slow and slow[0].ok
+            _wait(lambda: (r := store.newest(0)) is not None and r.step == 7, "the refused copy never landed")
+        assert sender.stats.pushes == 1 and sender.stats.push_failures == 1
+        warned = [r.getMessage() for r in caplog.records if r.name.endswith("replica_agent")]
+        assert len(warned) == 1 and "b refused the replica of rank 0 step 7" in warned[0], warned
+        assert store.bytes_held() <= 6 << 20 and store.newest(1) is None  # evicted for the newer arrival
+    finally:
+        sender.stop()
+        th.join(60)
+        server.stop()
