@@ -53,7 +53,9 @@ class ReplicaConfig:
         enabled: serve, push and fetch replicas (the coordinator picks the buddies; ``trainguard coordinator
             --memory-replicas`` sets how many). Default True.
         bandwidth_mib_s: cap on each push stream, MiB/s; 0 = no cap. Default 1024 (a tenth of a 100 Gb/s NIC).
-        memory_mib: most memory other nodes' replicas may hold on this node, MiB. Default 8192.
+        memory_mib: most memory other nodes' replicas may hold on this node, MiB; 0: none (the node tells the
+            coordinator, which never makes it a buddy; it still pushes its own copies and serves them). Default
+            8192.
         reserve_mib: tmpfs space a replica must leave free for this node's own next snapshots, MiB. Default 64.
         timeout_s: bound on one push or fetch, seconds. Default 600.
         token: the job token (``--token-file``, as for the coordinator): demanded by this node's replica server
@@ -138,8 +140,10 @@ class ReplicaAgent:
                 log.warning("not serving in-memory checkpoint replicas: cannot listen on %s (%s); this node's "
                             "snapshots are still pushed to its buddies", self._host, exc)
             else:
-                log.info("serving in-memory checkpoint replicas on %s (%s)", self.server.address,
-                         "job token required" if self.config.token else "no job token: anyone reaching it may call")
+                log.info("serving in-memory checkpoint replicas on %s (%s)%s", self.server.address,
+                         "job token required" if self.config.token else "no job token: anyone reaching it may call",
+                         "; holding none of other nodes' (--replica-memory-mib 0), only serving this node's own"
+                         if self.config.memory_mib == 0 else "")
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="replica-push", daemon=True)
             self._thread.start()
