@@ -37,10 +37,32 @@ from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import Manifest, verify_checksums
 
 _STEP_RE = re.compile(r"^step_(\d{12})\.manifest\.json$")
+#: Highest rank and step a copy can be filed under (``rank_NNNNN``, ``step_NNNNNNNNNNNN``): a name with more
+#: digits is listed by nothing, so its memory would be held outside the bound until the job ends.
+MAX_RANK = 99_999
+MAX_STEP = 10**12 - 1
 
 
 class ReplicaRefusedError(CheckpointError):
     """A replica does not fit (memory bound or tmpfs full) or failed verification; the message says which."""
+
+
+def check_numbers(manifest: Manifest) -> None:
+    """Refuses a received manifest whose numbers no copy can be filed or sized by (a peer's bug, or a sender
+    crafting them: the manifest's own checksum proves nothing about its sender).
+
+    Raises:
+        ReplicaRefusedError: rank, step, size or chunk size is not an integer in range, or the checksums are not
+            a list of strings (the message names which).
+    """
+    for name, value, low, high in (("rank", manifest.rank, 0, MAX_RANK), ("step", manifest.step, 0, MAX_STEP),
+                                   ("data_bytes", manifest.data_bytes, 0, None),
+                                   ("chunk_bytes", manifest.chunk_bytes, 1, None)):
+        if type(value) is not int or value < low or (high is not None and value > high):
+            raise ReplicaRefusedError(f"replica manifest has {name} {value!r}: must be an integer from {low}"
+                                      + (f" to {high}" if high is not None else ""))
+    if not (isinstance(manifest.chunks, list) and all(isinstance(c, str) for c in manifest.chunks)):
+        raise ReplicaRefusedError("replica manifest's chunks must be a list of checksums")
 
 
 @dataclass(frozen=True)
@@ -132,6 +154,7 @@ class ReplicaStore:
             ReplicaRefusedError: it cannot fit within ``max_bytes`` (with the copies being received now) or the
                 tmpfs even after evicting every other complete replica (the message names the bound).
         """
+        check_numbers(manifest)
         need = manifest.data_bytes
         what = f"the replica of rank {manifest.rank} step {manifest.step} ({need} bytes)"
         with self._lock:
@@ -295,8 +318,9 @@ def arena_writer(shm_root: str, job: str, manifest: Manifest) -> ReplicaWriter:
     the slot manifest written last, exactly as the persist process leaves a slot.
 
     Raises:
-        ReplicaRefusedError: no room for it (the tmpfs is full).
+        ReplicaRefusedError: no room for it (the tmpfs is full), or its manifest's numbers are out of range.
     """
+    check_numbers(manifest)
     d = os.path.join(shm_root, job, f"rank_{manifest.rank:05d}")
     os.makedirs(d, exist_ok=True)
     for n in os.listdir(d):  # an earlier fetch killed mid-transfer (only the agent writes these)
