@@ -53,6 +53,16 @@ _SERVER_OPTIONS = _OPTIONS + [("grpc.http2.min_recv_ping_interval_without_data_m
                               ("grpc.http2.max_ping_strikes", 0)]
 
 
+def _server_options(stall_s: float) -> list[tuple[str, int]]:
+    """Server options: those of :data:`_SERVER_OPTIONS`, and pings of its own that end a call once the peer is
+    silent ~``stall_s``. Without them a sender that froze mid-push (or whose link went without a reset) held a
+    server thread, the copy's memory reservation and its tmpfs space until the sender's own deadline (600 s by
+    default), refusing other pushes for room meanwhile; four of them left no thread for a replacement's fetch."""
+    half_ms = max(500, int(stall_s * 500))
+    return _SERVER_OPTIONS + [("grpc.keepalive_time_ms", half_ms), ("grpc.keepalive_timeout_ms", half_ms),
+                              ("grpc.http2.ping_timeout_ms", half_ms)]
+
+
 def _channel_options(stall_s: float) -> list[tuple[str, int]]:
     """Client options: message limits, and keepalive pings that end a call once the peer is silent ~``stall_s``."""
     half_ms = max(500, int(stall_s * 500))
@@ -197,9 +207,10 @@ class ReplicaServer:
         servicer: the service.
         host: address to listen on (the node's data address).
         token: the job token every call must carry; ``""`` serves anyone (a job without a token).
+        stall_s: a caller silent for about this long (frozen, or its link gone) loses its call, seconds.
     """
 
-    def __init__(self, servicer: ReplicaServicer, host: str, token: str = "") -> None:
+    def __init__(self, servicer: ReplicaServicer, host: str, token: str = "", stall_s: float = STALL_S) -> None:
         from trainguard.recovery.rpc_security import TokenCheck
 
         # The shared guard: random bytes on either method get INVALID_ARGUMENT, not gRPC's INTERNAL + traceback.
@@ -207,7 +218,7 @@ class ReplicaServer:
         self.token_check = TokenCheck(token, what="replica server") if token else None
         interceptors = [guard] if self.token_check is None else [self.token_check, guard]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="replica"),
-                                  interceptors=interceptors, options=_SERVER_OPTIONS)
+                                  interceptors=interceptors, options=_server_options(stall_s))
         replica_pb2_grpc.add_MemoryReplicaServicer_to_server(servicer, self.server)
         bracket = f"[{host}]" if ":" in host else host
         port = self.server.add_insecure_port(f"{bracket}:0")

@@ -622,8 +622,8 @@ def test_a_node_refused_while_another_copy_arrives_backs_off_and_lands_it_later(
             _wait(lambda: sender.stats.push_failures == 1, "the push was not refused while the other copy arrived")
             th.join(60)
             assert slow and slow[0].ok
-            _wait(lambda: (r := store.newest(0)) is not None and r.step == 7, "the refused copy never landed")
-        assert sender.stats.pushes == 1 and sender.stats.push_failures == 1
+            _wait(lambda: sender.stats.pushes == 1, "the refused copy never landed")
+        assert store.newest(0).step == 7 and sender.stats.push_failures == 1
         warned = [r.getMessage() for r in caplog.records if r.name.endswith("replica_agent")]
         assert len(warned) == 1 and "b refused the replica of rank 0 step 7" in warned[0], warned
         assert store.bytes_held() <= 6 << 20 and store.newest(1) is None  # evicted for the newer arrival
@@ -677,4 +677,35 @@ def test_a_manifest_with_numbers_no_copy_can_be_filed_by_is_refused(roots, caplo
         assert held == [] and store.bytes_reserved() == 0
         assert push(server.address, iter(_crafted()), 30).ok  # the same copy with sound numbers is taken
     finally:
+        server.stop()
+
+
+def test_a_sender_frozen_mid_push_loses_its_call_on_the_receiver_within_the_stall_time(roots, tg_env) -> None:
+    """Found by a user's review: a sender that froze mid-push (SIGSTOP here; a hung node, or a link gone without
+    a reset, in the field) kept the receiver's thread, the copy's memory reservation and its tmpfs space until
+    the sender's own deadline (600 s in the agent), refusing other pushes for room meanwhile. The receiver now
+    pings its callers too and drops the copy once one stops answering; a slow but live sender is unaffected."""
+    import signal
+
+    a, b, _ = roots
+    _snapshot(a, 1, 9, mib=8)
+    store = ReplicaStore(b, "job", 64 << 20)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1",
+                           stall_s=2)
+    p = None
+    try:
+        path, man = _own(a, 1)
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(6)), 60).ok  # live, slow
+        store.remove_all()
+        p = subprocess.Popen([sys.executable, str(SCRIPT), "push", server.address, a, "job", "1", "1"], env=tg_env,
+                             stdout=subprocess.DEVNULL)  # its deadline: 60 s
+        _wait(lambda: _partials(b), "the transfer never started")
+        os.kill(p.pid, signal.SIGSTOP)
+        _wait(lambda: not _partials(b), "the receiver kept the frozen sender's copy", timeout=30)
+        assert store.bytes_reserved() == 0 and store.replicas() == []
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok
+    finally:
+        if p is not None:
+            p.kill()
+            p.wait()
         server.stop()
