@@ -168,16 +168,20 @@ class ReplicaStore:
             # Evict the oldest replicas of other ranks and older copies of this rank until the new one fits.
             victims = [r for r in held if not (r.rank == manifest.rank and r.step >= manifest.step)]
             total = sum(r.nbytes for r in held)
+            evictable = sum(v.nbytes for v in victims)
+            # Refused before evicting anything when evicting every victim would not make room either (copies
+            # being received hold the rest): evicting first left other nodes without their copy for nothing,
+            # and their senders count it as held until their next snapshot.
+            if total - evictable + reserved + need > self.max_bytes or \
+                    free_bytes(self.root) + evictable < need + self.reserve_bytes:
+                raise self._no_room(what, total, reserved)
             while victims and (total + reserved + need > self.max_bytes or self._short(need)):
                 v = victims.pop(0)
                 self._remove(v)
                 total -= v.nbytes
                 self.evicted += 1
             if total + reserved + need > self.max_bytes or self._short(need):
-                raise ReplicaRefusedError(
-                    f"no room for {what}: replicas hold {total} and copies being received reserve {reserved} of "
-                    f"{self.max_bytes} bytes, and the tmpfs has {free_bytes(self.root)} bytes free with "
-                    f"{self.reserve_bytes} reserved for own snapshots")
+                raise self._no_room(what, total, reserved)
             d = self._rank_dir(manifest.rank)
             os.makedirs(d, exist_ok=True)
             partial = os.path.join(d, f".partial-{uuid.uuid4().hex}")
@@ -187,6 +191,12 @@ class ReplicaStore:
             except BaseException:
                 self._reserved.pop(partial, None)
                 raise
+
+    def _no_room(self, what: str, total: int, reserved: int) -> ReplicaRefusedError:
+        return ReplicaRefusedError(
+            f"no room for {what}: replicas hold {total} and copies being received reserve {reserved} of "
+            f"{self.max_bytes} bytes, and the tmpfs has {free_bytes(self.root)} bytes free with "
+            f"{self.reserve_bytes} reserved for own snapshots")
 
     def _release(self, partial: str) -> None:
         """Gives back the reservation of a copy that was dropped."""

@@ -709,3 +709,33 @@ def test_a_sender_frozen_mid_push_loses_its_call_on_the_receiver_within_the_stal
             p.kill()
             p.wait()
         server.stop()
+
+
+def test_a_push_refused_for_room_evicts_no_replica(roots) -> None:
+    """Found by a user's review: a push that could not fit even with every other replica evicted (a copy being
+    received holds the rest of the bound) evicted them all first, then was refused: the node whose copy went had
+    none in this node's memory, and its sender, counting it as held, sent none until its next snapshot. Now the
+    push is refused before anything is evicted."""
+    a, b, _ = roots
+    _snapshot(a, 0, 10, mib=2)
+    _snapshot(a, 1, 11, mib=8)
+    _snapshot(a, 2, 12, mib=4)
+    store = ReplicaStore(b, "job", 10 << 20)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1")
+    (p0, m0), (p1, m1), (p2, m2) = (_own(a, r) for r in range(3))
+    slow: list[object] = []
+    th = threading.Thread(target=lambda: slow.append(push(server.address, copy_stream("job", m1, p1, "a",
+                                                                                        Throttle(4)), 60)))
+    try:
+        assert push(server.address, copy_stream("job", m0, p0, "a", Throttle(0)), 60).ok  # 2 MiB held
+        th.start()
+        _wait(lambda: _partials(b), "the 8 MiB copy never began")  # 2 + 8 fill the 10 MiB bound
+        ack = push(server.address, copy_stream("job", m2, p2, "a", Throttle(0)), 60)  # 8 reserved + 4 > 10
+        assert not ack.ok and ack.error.startswith("no room for the replica of rank 2"), ack
+        assert store.newest(0) is not None and store.evicted == 0  # rank 0's copy is still held
+        th.join(60)
+        assert slow and slow[0].ok
+        assert [(r.rank, r.step) for r in store.replicas()] == [(0, 10), (1, 11)] and store.bytes_held() == 10 << 20
+    finally:
+        th.join(60)
+        server.stop()
