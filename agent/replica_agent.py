@@ -57,7 +57,8 @@ class ReplicaConfig:
             coordinator, which never makes it a buddy; it still pushes its own copies and serves them). Default
             8192.
         reserve_mib: tmpfs space a replica must leave free for this node's own next snapshots, MiB. Default 64.
-        timeout_s: bound on one push or fetch, seconds. Default 600.
+        timeout_s: bound on one push or fetch, seconds; a push gets this on top of the time the bandwidth cap
+            alone takes for its copy (see :meth:`push_deadline_s`). Default 600.
         token: the job token (``--token-file``, as for the coordinator): demanded by this node's replica server
             and sent to its peers'; ``""``: none (anyone reaching the data address may push or fetch).
     """
@@ -68,6 +69,14 @@ class ReplicaConfig:
     reserve_mib: int = 64
     timeout_s: float = 600.0
     token: str = field(default="", repr=False)  # a secret: kept out of reprs and logs
+
+    def push_deadline_s(self, nbytes: int) -> float:
+        """Seconds one push of ``nbytes`` may take: :attr:`timeout_s` plus what the bandwidth cap alone takes.
+        A fixed bound failed every push of a copy the cap needs longer for (8 GiB at 10 MiB/s: 820 s against
+        600) at its end, forever; a stalled peer is caught by keepalive (``STALL_S``) whatever the bound."""
+        if self.bandwidth_mib_s <= 0:
+            return self.timeout_s
+        return self.timeout_s + nbytes / (self.bandwidth_mib_s * (1 << 20))
 
     def validate(self) -> None:
         """Raises :class:`ReplicaConfigError` naming the flag of a value out of range."""
@@ -215,8 +224,8 @@ class ReplicaAgent:
                 t0 = self._clock()
                 try:
                     ack = push(address, copy_stream(self.job, man, paths.data, self.node_id,
-                                                    Throttle(self.config.bandwidth_mib_s)), self.config.timeout_s,
-                               self.config.token)
+                                                    Throttle(self.config.bandwidth_mib_s)),
+                               self.config.push_deadline_s(man.data_bytes), self.config.token)
                 except (grpc.RpcError, CheckpointError, OSError) as exc:
                     # Backed off as a refusal is: a buddy whose replica port cannot be reached (a firewall, its
                     # data link down while it still heartbeats) cost a warning per second for the job's life.

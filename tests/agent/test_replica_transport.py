@@ -739,3 +739,24 @@ def test_a_push_refused_for_room_evicts_no_replica(roots) -> None:
     finally:
         th.join(60)
         server.stop()
+
+
+def test_a_copy_the_bandwidth_cap_needs_longer_for_than_the_timeout_still_lands(roots) -> None:
+    """Found by a user's review: each push had the fixed bound (600 s) whatever the cap, so with
+    --replica-bandwidth-mib-s low enough for a rank's copy to need longer (8 GiB at 10 MiB/s: 820 s) every push
+    failed DEADLINE_EXCEEDED at its end and was retried, forever; no copy ever landed. The bound is now the
+    timeout on top of what the cap alone takes. Here a 4 MiB copy at 2 MiB/s against a 1 s timeout."""
+    a, b, _ = roots
+    _snapshot(a, 0, 10, mib=4)
+    tier_a = MemoryTier(a, "job", "/ckpt")
+    tier_a.scan()
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=2, timeout_s=1), tier_a, "a", "127.0.0.1")
+    server, store = _server(b)
+    try:
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server.address)])
+        sender._push_due()
+        assert sender.stats.push_failures == 0 and sender.stats.pushes == 1
+        assert store.newest(0).step == 10
+    finally:
+        sender.stop()
+        server.stop()
