@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
@@ -250,6 +251,43 @@ def push(address: str, messages: Iterator[replica_pb2.ReplicaChunk], timeout_s: 
     with grpc.insecure_channel(address, options=_channel_options(stall_s)) as ch:
         return replica_pb2_grpc.MemoryReplicaStub(ch).PushReplica(messages, timeout=timeout_s,
                                                                   metadata=_metadata(token))
+
+
+def push_copy(address: str, job: str, man: Manifest, data_path: str, from_node: str, throttle: Throttle,
+              timeout_s: float, token: str = "", stall_s: float = STALL_S) -> replica_pb2.ReplicaAck:
+    """Sends one copy (:func:`copy_stream`) to the buddy at ``address``, cancelling the call cleanly when the slot
+    is rewritten under it: raised inside gRPC's sending thread, the checksum error was logged there as an ERROR
+    traceback and surfaced as ``UNKNOWN: Exception iterating requests!``, which named neither the slot nor the
+    copy.
+
+    Raises:
+        CorruptCheckpointError: a chunk failed its checksum while being sent (the slot was reused by a newer
+            snapshot, or is damaged); the buddy dropped the partial copy.
+        grpc.RpcError: as :func:`push`.
+    """
+    stale: list[CorruptCheckpointError] = []
+    made = threading.Event()
+    holder: list[grpc.Future] = []
+
+    def messages() -> Iterator[replica_pb2.ReplicaChunk]:
+        try:
+            yield from copy_stream(job, man, data_path, from_node, throttle)
+        except CorruptCheckpointError as exc:
+            stale.append(exc)
+            made.wait()
+            holder[0].cancel()  # the receiver sees a cancelled call and drops what it got
+
+    with grpc.insecure_channel(address, options=_channel_options(stall_s)) as ch:
+        call = replica_pb2_grpc.MemoryReplicaStub(ch).PushReplica.future(messages(), timeout=timeout_s,
+                                                                         metadata=_metadata(token))
+        holder.append(call)
+        made.set()
+        try:
+            return call.result()
+        except (grpc.RpcError, grpc.FutureCancelledError):
+            if stale:
+                raise stale[0] from None
+            raise
 
 
 def fetch(address: str, job: str, rank: int, min_step: int, open_writer: Callable[[Manifest], ReplicaWriter],

@@ -760,3 +760,48 @@ def test_a_copy_the_bandwidth_cap_needs_longer_for_than_the_timeout_still_lands(
     finally:
         sender.stop()
         server.stop()
+
+
+def test_a_slot_rewritten_mid_push_is_no_fault_of_the_buddy(roots, caplog) -> None:
+    """Found by a user's review: a snapshot slot rewritten by a newer snapshot while its copy was being pushed
+    (snapshots coming faster than a push takes) raised inside gRPC's sending thread: an ERROR traceback each time,
+    the warning read "UNKNOWN: Exception iterating requests!", and the buddy was backed off as if it had refused
+    (up to 60 s), delaying the newest copy. Now the push is cancelled cleanly, the newest copy goes next without
+    backoff, and a warning says so once it keeps happening."""
+    from trainguard.agent.replica_agent import SUPERSEDED_WARN_AFTER
+
+    a, b, _ = roots
+    t = [0.0]
+    tier_a = MemoryTier(a, "job", "/ckpt")
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=8), tier_a, "a", "127.0.0.1", clock=lambda: t[0])
+    server, store = _server(b)
+
+    def rewrite_when_it_arrives() -> None:
+        _wait(lambda: _partials(b), "the push never began")
+        with open(os.path.join(a, "job", "rank_00000", "slot_0.data"), "r+b") as f:
+            f.seek((7 << 20) + 5)  # the last chunk: checked last, so always after this write
+            f.write(b"\xee" * 64)
+
+    try:
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server.address)])
+        with caplog.at_level("DEBUG"):
+            for step in range(10, 10 + SUPERSEDED_WARN_AFTER):
+                _snapshot(a, 0, step, mib=8)
+                tier_a.scan()
+                th = threading.Thread(target=rewrite_when_it_arrives)
+                th.start()
+                sender._push_due()  # the clock stands still: a backoff would skip the next round
+                th.join(30)
+                assert sender.stats.push_failures == step - 9 and store.replicas() == []
+            _snapshot(a, 0, 20, mib=8)
+            tier_a.scan()
+            sender._push_due()
+        assert store.newest(0).step == 20 and sender.stats.pushes == 1
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records
+                                                                          if r.levelname == "ERROR"]
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and f"{SUPERSEDED_WARN_AFTER} snapshots in a row were overwritten" in warned[0], warned
+        assert _partials(b) == []
+    finally:
+        sender.stop()
+        server.stop()
