@@ -807,3 +807,17 @@ def test_a_slot_rewritten_mid_push_is_no_fault_of_the_buddy(roots, caplog) -> No
     finally:
         sender.stop()
         server.stop()
+
+
+def test_status_of_a_node_holding_no_replicas_still_names_its_buddies(roots, monkeypatch, tmp_path) -> None:
+    """`trainguard status` showed no replication line at all for a node run with --replica-memory-mib 0, though
+    its own snapshots still go to its buddies: the user could not tell whether they did."""
+    from trainguard.agent.node import NodeAgent, NodeConfig
+    from trainguard.agent.operator_cli import render
+
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_SHM_DIR", roots[0])
+    agent = NodeAgent(NodeConfig(job="job", coordinator="127.0.0.1:1", argv=["x"], checkpoint_dir=str(tmp_path),
+                                 replica=ReplicaConfig(memory_mib=0), address="127.0.0.1"))
+    agent.replicas.set_targets([pb.ReplicaTarget(node_id="b", address="127.0.0.1:1")])
+    shown = render(agent.health_snapshot())
+    assert "memory replicas: holding none for other nodes (--replica-memory-mib 0); replicating to b" in shown
