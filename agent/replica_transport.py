@@ -256,26 +256,27 @@ def push(address: str, messages: Iterator[replica_pb2.ReplicaChunk], timeout_s: 
 def push_copy(address: str, job: str, man: Manifest, data_path: str, from_node: str, throttle: Throttle,
               timeout_s: float, token: str = "", stall_s: float = STALL_S) -> replica_pb2.ReplicaAck:
     """Sends one copy (:func:`copy_stream`) to the buddy at ``address``, cancelling the call cleanly when the slot
-    is rewritten under it: raised inside gRPC's sending thread, the checksum error was logged there as an ERROR
-    traceback and surfaced as ``UNKNOWN: Exception iterating requests!``, which named neither the slot nor the
-    copy.
+    is rewritten under it or cannot be read: raised inside gRPC's sending thread, the error was logged there as
+    an ERROR traceback and surfaced as ``UNKNOWN: Exception iterating requests!``, which named neither the slot
+    nor the copy.
 
     Raises:
         CorruptCheckpointError: a chunk failed its checksum while being sent (the slot was reused by a newer
             snapshot, or is damaged); the buddy dropped the partial copy.
+        OSError: the slot could not be read.
         grpc.RpcError: as :func:`push`.
     """
-    stale: list[CorruptCheckpointError] = []
+    stale: list[Exception] = []
     made = threading.Event()
     holder: list[grpc.Future] = []
 
     def messages() -> Iterator[replica_pb2.ReplicaChunk]:
         try:
             yield from copy_stream(job, man, data_path, from_node, throttle)
-        except CorruptCheckpointError as exc:
+        except (CorruptCheckpointError, OSError) as exc:
             stale.append(exc)
-            made.wait()
-            holder[0].cancel()  # the receiver sees a cancelled call and drops what it got
+            if made.wait(10.0):
+                holder[0].cancel()  # the receiver sees a cancelled call and drops what it got
 
     with grpc.insecure_channel(address, options=_channel_options(stall_s)) as ch:
         call = replica_pb2_grpc.MemoryReplicaStub(ch).PushReplica.future(messages(), timeout=timeout_s,
@@ -283,11 +284,14 @@ def push_copy(address: str, job: str, man: Manifest, data_path: str, from_node: 
         holder.append(call)
         made.set()
         try:
-            return call.result()
+            ack = call.result()
         except (grpc.RpcError, grpc.FutureCancelledError):
             if stale:
                 raise stale[0] from None
             raise
+        if stale:  # ended short without the cancel: the receiver refused it as torn
+            raise stale[0]
+        return ack
 
 
 def fetch(address: str, job: str, rank: int, min_step: int, open_writer: Callable[[Manifest], ReplicaWriter],
