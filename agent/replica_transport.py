@@ -151,6 +151,14 @@ def receive(messages: Iterable[replica_pb2.ReplicaChunk], job: str,
         return w.commit(), man
 
 
+class _AlreadyHeld(Exception):
+    """The pushed copy is already held, complete: nothing to receive."""
+
+    def __init__(self, man: Manifest) -> None:
+        super().__init__(f"rank {man.rank} step {man.step}")
+        self.man = man
+
+
 class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
     """Receives buddies' copies into the store and serves copies to replacement nodes.
 
@@ -168,7 +176,13 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
 
     def PushReplica(self, request_iterator, context):  # noqa: N802 (gRPC method name)
         try:
-            replica, man = receive(request_iterator, self.job, self.store.begin)
+            replica, man = receive(request_iterator, self.job, self._begin)
+        except _AlreadyHeld as held:
+            # A sender that lost track (it restarted, or this agent did at a new address over the same tmpfs)
+            # sends a copy this node holds: taken as is. Received again, it was refused for room when the bound
+            # could not hold it twice, and the sender backed off, warning, though the copy was here.
+            log.debug("already holding the replica of rank %d step %d", held.man.rank, held.man.step)
+            return replica_pb2.ReplicaAck(ok=True, bytes=held.man.data_bytes)
         except ReplicaRefusedError as exc:
             (log.debug if self._refusing else log.warning)("replica refused: %s", exc)
             self._refusing = True
@@ -180,6 +194,11 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
         self.received_bytes += man.data_bytes
         log.info("holding the replica of rank %d step %d (%d bytes)", man.rank, man.step, man.data_bytes)
         return replica_pb2.ReplicaAck(ok=True, bytes=man.data_bytes)
+
+    def _begin(self, man: Manifest) -> ReplicaWriter:
+        if self.store.holds(man):
+            raise _AlreadyHeld(man)
+        return self.store.begin(man)
 
     def FetchReplica(self, request, context):  # noqa: N802 (gRPC method name)
         if request.job != self.job:

@@ -136,6 +136,12 @@ class ReplicaStore:
         mine = [r for r in self.replicas() if r.rank == rank and r.step >= min_step]
         return mine[-1] if mine else None
 
+    def holds(self, manifest: Manifest) -> bool:
+        """Whether this exact copy (rank, step, size and every chunk checksum) is already held, complete."""
+        r = self.newest(manifest.rank, manifest.step)
+        return r is not None and r.step == manifest.step and r.manifest.data_bytes == manifest.data_bytes \
+            and r.manifest.chunks == manifest.chunks
+
     def bytes_held(self) -> int:
         """Bytes of memory all complete replicas hold."""
         return sum(r.nbytes for r in self.replicas())

@@ -175,11 +175,13 @@ def test_a_frozen_peer_ends_a_push_or_fetch_by_keepalive_not_by_the_calls_deadli
 
     a, b, c = roots
     _snapshot(a, 1, 9, mib=8)
+    _snapshot(a, 0, 9, mib=8)
     p, portfile = _receiver(b, tg_env)
     try:
         address = portfile.read_text()
         path, man = _own(a, 1)
         assert push(address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok  # a copy to fetch later
+        path, man = _own(a, 0)  # another copy to push (one the receiver holds is taken at once, unsent)
         outcome: list[object] = []
 
         def send() -> None:
@@ -821,3 +823,24 @@ def test_status_of_a_node_holding_no_replicas_still_names_its_buddies(roots, mon
     agent.replicas.set_targets([pb.ReplicaTarget(node_id="b", address="127.0.0.1:1")])
     shown = render(agent.health_snapshot())
     assert "memory replicas: holding none for other nodes (--replica-memory-mib 0); replicating to b" in shown
+
+
+def test_a_copy_pushed_again_that_the_buddy_holds_is_taken_as_held(roots) -> None:
+    """Found by a user's review: a buddy restarted at a new port over the same /dev/shm is sent the newest copies
+    again (right: a new process), but when its bound could not hold a copy twice the copy it already held was
+    refused for room, and the sender warned and backed off though the buddy had it. It is now taken as held."""
+    a, b, _ = roots
+    _snapshot(a, 0, 10, mib=8)
+    store = ReplicaStore(b, "job", 10 << 20)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1")
+    try:
+        path, man = _own(a, 0)
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok
+        server.stop()
+        store = ReplicaStore(b, "job", 10 << 20)  # the agent restarted: a new store and server, the same tmpfs
+        server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1")
+        ack = push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 60)
+        assert ack.ok and ack.bytes == man.data_bytes, ack
+        assert [(r.rank, r.step) for r in store.replicas()] == [(0, 10)] and _partials(b) == []
+    finally:
+        server.stop()
