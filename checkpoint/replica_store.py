@@ -15,8 +15,8 @@ Memory is bounded: ``max_bytes`` caps what replicas may hold, copies still being
 reserves its size when it begins, under the store's lock, and gives it back when it is published or dropped), and
 a new copy first evicts older replicas (other ranks' oldest steps first), never this node's own snapshots, which
 live in the arena's rank directories and are not this store's to touch. When the tmpfs itself is short of room
-for the copy plus ``reserve_bytes`` (kept free for the node's own next snapshots), replicas are evicted too, and
-the copy is refused if that is not enough.
+for the copy plus ``reserve_bytes`` (kept free for the node's own next snapshots), replicas are evicted too. A
+copy that would not fit even with every other replica evicted is refused before anything is evicted.
 
 No torch import (the agent uses it).
 """
@@ -254,7 +254,6 @@ class ReplicaWriter:
                  release: Callable[[str], None] | None = None) -> None:
         self.manifest, self.partial, self._publish, self._release = manifest, partial, publish, release
         self.received = 0
-        self.fd = -1
         self.fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(self.fd, 0, max(manifest.data_bytes, 1))
