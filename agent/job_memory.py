@@ -61,10 +61,14 @@ class JobMemory:
 
     def heartbeat_fields(self) -> Mapping[str, object]:
         """Holdings (scanned now, so a snapshot that landed just before a fault is in), replica server, replica
-        memory (implements :class:`~trainguard.agent.parts.HeartbeatContent`)."""
-        return {"memory": self.tier.scan(),
-                "replica_address": self.replicas.address if self.replicas is not None else "",
-                "replica_bytes": self.replicas.store.bytes_held() if self.replicas is not None else 0}
+        memory, and whether the node holds others' replicas at all (``--replica-memory-mib 0``: its server
+        still serves its own copies, but the coordinator never makes it a buddy) (implements
+        :class:`~trainguard.agent.parts.HeartbeatContent`)."""
+        if self.replicas is None:
+            return {"memory": self.tier.scan(), "replica_address": "", "replica_bytes": 0}
+        return {"memory": self.tier.scan(), "replica_address": self.replicas.address,
+                "replica_bytes": self.replicas.store.bytes_held(),
+                "replica_holds_none": self.replicas.store.max_bytes <= 0}
 
     def follow(self, resp: coordinator_pb2.NodeHeartbeatResponse, current_generation: int) -> None:
         """Takes the buddies of every answer, and the restore plan of a START/RESTART of a new generation."""

@@ -247,9 +247,12 @@ def render(h: agent_pb2.NodeHealth, subsystems: dict[str, str] | None = None) ->
     else:
         lines += ["no workers", ""]
     lines += render_failslow(h.failslow)
+    buddies = f"replicating to {', '.join(h.replica_buddies) or 'nobody yet'}"
     if h.replica_limit_bytes:
         lines += [f"memory replicas: {h.replica_bytes / 2**20:.1f} of {h.replica_limit_bytes / 2**20:.0f} MiB held "
-                  f"for other nodes; replicating to {', '.join(h.replica_buddies) or 'nobody yet'}", ""]
+                  f"for other nodes; {buddies}", ""]
+    elif h.replica_buddies:  # --replica-memory-mib 0: the node's own snapshots still go to its buddies
+        lines += [f"memory replicas: holding none for other nodes (--replica-memory-mib 0); {buddies}", ""]
     if h.recent_events:
         rows = [[event_time(e), _enum(e.severity, common_pb2.Severity, "SEVERITY_"), e.source, e.kind,
                  e.subject or "-", e.message[:100]] for e in h.recent_events]

@@ -27,8 +27,8 @@ import grpc
 
 from trainguard.agent.errors import AgentError
 from trainguard.agent.memory_tier import MemoryTier
-from trainguard.agent.replica_transport import ReplicaServer, ReplicaServicer, Throttle, copy_stream, fetch, push
-from trainguard.checkpoint.errors import CheckpointError
+from trainguard.agent.replica_transport import ReplicaServer, ReplicaServicer, Throttle, fetch, push_copy
+from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.replica_store import ReplicaStore, arena_writer
 from trainguard.proto import coordinator_pb2
 
@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 #: reserve free): retried every second, it cost a warning per second on both ends for the job's whole life.
 REFUSED_RETRY_S = 1.0
 REFUSED_RETRY_MAX_S = 60.0
+#: Pushes of one rank to one buddy in a row whose slot a newer snapshot rewrote before they ended, before a
+#: warning says that the snapshots come faster than a copy can be sent.
+SUPERSEDED_WARN_AFTER = 3
 
 
 class ReplicaConfigError(AgentError):
@@ -53,9 +56,12 @@ class ReplicaConfig:
         enabled: serve, push and fetch replicas (the coordinator picks the buddies; ``trainguard coordinator
             --memory-replicas`` sets how many). Default True.
         bandwidth_mib_s: cap on each push stream, MiB/s; 0 = no cap. Default 1024 (a tenth of a 100 Gb/s NIC).
-        memory_mib: most memory other nodes' replicas may hold on this node, MiB. Default 8192.
+        memory_mib: most memory other nodes' replicas may hold on this node, MiB; 0: none (the node tells the
+            coordinator, which never makes it a buddy; it still pushes its own copies and serves them). Default
+            8192.
         reserve_mib: tmpfs space a replica must leave free for this node's own next snapshots, MiB. Default 64.
-        timeout_s: bound on one push or fetch, seconds. Default 600.
+        timeout_s: bound on one push or fetch, seconds; a push gets this on top of the time the bandwidth cap
+            alone takes for its copy (see :meth:`push_deadline_s`). Default 600.
         token: the job token (``--token-file``, as for the coordinator): demanded by this node's replica server
             and sent to its peers'; ``""``: none (anyone reaching the data address may push or fetch).
     """
@@ -66,6 +72,14 @@ class ReplicaConfig:
     reserve_mib: int = 64
     timeout_s: float = 600.0
     token: str = field(default="", repr=False)  # a secret: kept out of reprs and logs
+
+    def push_deadline_s(self, nbytes: int) -> float:
+        """Seconds one push of ``nbytes`` may take: :attr:`timeout_s` plus what the bandwidth cap alone takes.
+        A fixed bound failed every push of a copy the cap needs longer for (8 GiB at 10 MiB/s: 820 s against
+        600) at its end, forever; a stalled peer is caught by keepalive (``STALL_S``) whatever the bound."""
+        if self.bandwidth_mib_s <= 0:
+            return self.timeout_s
+        return self.timeout_s + nbytes / (self.bandwidth_mib_s * (1 << 20))
 
     def validate(self) -> None:
         """Raises :class:`ReplicaConfigError` naming the flag of a value out of range."""
@@ -117,6 +131,7 @@ class ReplicaAgent:
         self._retry_at: dict[str, float] = {}
         self._refusals: dict[str, int] = {}  # buddy -> refusals since its last accepted push (backoff, logging)
         self._addresses: dict[str, str] = {}  # buddy -> the replica address it was last named at
+        self._superseded: dict[tuple[str, int], int] = {}  # (buddy, rank) -> pushes in a row cut by a newer snapshot
         self._lock = threading.Lock()
         self._wake = threading.Event()
         tier.on_new_copy = self._wake.set  # a new snapshot is pushed as soon as the scan verified it
@@ -138,8 +153,10 @@ class ReplicaAgent:
                 log.warning("not serving in-memory checkpoint replicas: cannot listen on %s (%s); this node's "
                             "snapshots are still pushed to its buddies", self._host, exc)
             else:
-                log.info("serving in-memory checkpoint replicas on %s (%s)", self.server.address,
-                         "job token required" if self.config.token else "no job token: anyone reaching it may call")
+                log.info("serving in-memory checkpoint replicas on %s (%s)%s", self.server.address,
+                         "job token required" if self.config.token else "no job token: anyone reaching it may call",
+                         "; holding none of other nodes' (--replica-memory-mib 0), only serving this node's own"
+                         if self.config.memory_mib == 0 else "")
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="replica-push", daemon=True)
             self._thread.start()
@@ -186,6 +203,9 @@ class ReplicaAgent:
                 self._pushed.pop(key, None)
         self._retry_at.pop(buddy, None)
         self._refusals.pop(buddy, None)
+        for key in list(self._superseded):
+            if key[0] == buddy:
+                self._superseded.pop(key, None)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -210,9 +230,14 @@ class ReplicaAgent:
                     continue
                 t0 = self._clock()
                 try:
-                    ack = push(address, copy_stream(self.job, man, paths.data, self.node_id,
-                                                    Throttle(self.config.bandwidth_mib_s)), self.config.timeout_s,
-                               self.config.token)
+                    ack = push_copy(address, self.job, man, paths.data, self.node_id,
+                                    Throttle(self.config.bandwidth_mib_s), self.config.push_deadline_s(man.data_bytes),
+                                    self.config.token)
+                except CorruptCheckpointError as exc:
+                    # The slot was rewritten by a newer snapshot mid-push (or is damaged, and the scan drops it):
+                    # nothing the buddy did, so no backoff; the next round sends the newest copy.
+                    self._superseded_push(buddy, rank, step, exc)
+                    continue
                 except (grpc.RpcError, CheckpointError, OSError) as exc:
                     # Backed off as a refusal is: a buddy whose replica port cannot be reached (a firewall, its
                     # data link down while it still heartbeats) cost a warning per second for the job's life.
@@ -222,6 +247,7 @@ class ReplicaAgent:
                     self._refused(buddy, rank, step, ack.error)
                     break
                 took = self._clock() - t0
+                self._superseded.pop((buddy, rank), None)
                 if self._refusals.pop(buddy, 0):
                     log.info("%s accepts replicas again", buddy)
                 self._pushed[(buddy, rank)] = (step, man.created)
@@ -230,6 +256,20 @@ class ReplicaAgent:
                 self.stats.push_seconds = (self.stats.push_seconds + [took])[-256:]
                 log.info("replicated rank %d step %d to %s: %d bytes in %.3f s", rank, step, buddy, man.data_bytes,
                          took)
+
+    def _superseded_push(self, buddy: str, rank: int, step: int, exc: CorruptCheckpointError) -> None:
+        """A push cut because its slot was rewritten: debug level, a warning once it happens
+        :data:`SUPERSEDED_WARN_AFTER` times in a row (then no copy of that rank may ever reach the buddy)."""
+        self.stats.push_failures += 1
+        n = self._superseded[(buddy, rank)] = self._superseded.get((buddy, rank), 0) + 1
+        if n == SUPERSEDED_WARN_AFTER:
+            log.warning("rank %d: %d snapshots in a row were overwritten by newer ones before their push to %s "
+                        "ended (the last: step %d), so %s may hold no copy of it; snapshots come faster than "
+                        "--replica-bandwidth-mib-s %g sends one: raise the cap, save less often or keep more "
+                        "snapshots in memory", rank, n, buddy, step, buddy, self.config.bandwidth_mib_s)
+        else:
+            log.debug("the push of rank %d step %d to %s was cut: %s; the newest copy goes next", rank, step,
+                      buddy, exc)
 
     def _refused(self, buddy: str, rank: int, step: int, error: str, failed: bool = False) -> None:
         """Backs off from a buddy that refused a copy (or that a push to failed: ``failed``), doubling the wait

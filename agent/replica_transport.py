@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
@@ -51,6 +52,16 @@ STALL_S = 20.0
 #: The server accepts those pings, also while it sends nothing (a receiver during a push).
 _SERVER_OPTIONS = _OPTIONS + [("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
                               ("grpc.http2.max_ping_strikes", 0)]
+
+
+def _server_options(stall_s: float) -> list[tuple[str, int]]:
+    """Server options: those of :data:`_SERVER_OPTIONS`, and pings of its own that end a call once the peer is
+    silent ~``stall_s``. Without them a sender that froze mid-push (or whose link went without a reset) held a
+    server thread, the copy's memory reservation and its tmpfs space until the sender's own deadline (600 s by
+    default), refusing other pushes for room meanwhile; four of them left no thread for a replacement's fetch."""
+    half_ms = max(500, int(stall_s * 500))
+    return _SERVER_OPTIONS + [("grpc.keepalive_time_ms", half_ms), ("grpc.keepalive_timeout_ms", half_ms),
+                              ("grpc.http2.ping_timeout_ms", half_ms)]
 
 
 def _channel_options(stall_s: float) -> list[tuple[str, int]]:
@@ -140,6 +151,14 @@ def receive(messages: Iterable[replica_pb2.ReplicaChunk], job: str,
         return w.commit(), man
 
 
+class _AlreadyHeld(Exception):
+    """The pushed copy is already held, complete: nothing to receive."""
+
+    def __init__(self, man: Manifest) -> None:
+        super().__init__(f"rank {man.rank} step {man.step}")
+        self.man = man
+
+
 class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
     """Receives buddies' copies into the store and serves copies to replacement nodes.
 
@@ -157,7 +176,13 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
 
     def PushReplica(self, request_iterator, context):  # noqa: N802 (gRPC method name)
         try:
-            replica, man = receive(request_iterator, self.job, self.store.begin)
+            replica, man = receive(request_iterator, self.job, self._begin)
+        except _AlreadyHeld as held:
+            # A sender that lost track (it restarted, or this agent did at a new address over the same tmpfs)
+            # sends a copy this node holds: taken as is. Received again, it was refused for room when the bound
+            # could not hold it twice, and the sender backed off, warning, though the copy was here.
+            log.debug("already holding the replica of rank %d step %d", held.man.rank, held.man.step)
+            return replica_pb2.ReplicaAck(ok=True, bytes=held.man.data_bytes)
         except ReplicaRefusedError as exc:
             (log.debug if self._refusing else log.warning)("replica refused: %s", exc)
             self._refusing = True
@@ -169,6 +194,11 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
         self.received_bytes += man.data_bytes
         log.info("holding the replica of rank %d step %d (%d bytes)", man.rank, man.step, man.data_bytes)
         return replica_pb2.ReplicaAck(ok=True, bytes=man.data_bytes)
+
+    def _begin(self, man: Manifest) -> ReplicaWriter:
+        if self.store.holds(man):
+            raise _AlreadyHeld(man)
+        return self.store.begin(man)
 
     def FetchReplica(self, request, context):  # noqa: N802 (gRPC method name)
         if request.job != self.job:
@@ -197,9 +227,10 @@ class ReplicaServer:
         servicer: the service.
         host: address to listen on (the node's data address).
         token: the job token every call must carry; ``""`` serves anyone (a job without a token).
+        stall_s: a caller silent for about this long (frozen, or its link gone) loses its call, seconds.
     """
 
-    def __init__(self, servicer: ReplicaServicer, host: str, token: str = "") -> None:
+    def __init__(self, servicer: ReplicaServicer, host: str, token: str = "", stall_s: float = STALL_S) -> None:
         from trainguard.recovery.rpc_security import TokenCheck
 
         # The shared guard: random bytes on either method get INVALID_ARGUMENT, not gRPC's INTERNAL + traceback.
@@ -207,7 +238,7 @@ class ReplicaServer:
         self.token_check = TokenCheck(token, what="replica server") if token else None
         interceptors = [guard] if self.token_check is None else [self.token_check, guard]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="replica"),
-                                  interceptors=interceptors, options=_SERVER_OPTIONS)
+                                  interceptors=interceptors, options=_server_options(stall_s))
         replica_pb2_grpc.add_MemoryReplicaServicer_to_server(servicer, self.server)
         bracket = f"[{host}]" if ":" in host else host
         port = self.server.add_insecure_port(f"{bracket}:0")
@@ -239,6 +270,47 @@ def push(address: str, messages: Iterator[replica_pb2.ReplicaChunk], timeout_s: 
     with grpc.insecure_channel(address, options=_channel_options(stall_s)) as ch:
         return replica_pb2_grpc.MemoryReplicaStub(ch).PushReplica(messages, timeout=timeout_s,
                                                                   metadata=_metadata(token))
+
+
+def push_copy(address: str, job: str, man: Manifest, data_path: str, from_node: str, throttle: Throttle,
+              timeout_s: float, token: str = "", stall_s: float = STALL_S) -> replica_pb2.ReplicaAck:
+    """Sends one copy (:func:`copy_stream`) to the buddy at ``address``, cancelling the call cleanly when the slot
+    is rewritten under it or cannot be read: raised inside gRPC's sending thread, the error was logged there as
+    an ERROR traceback and surfaced as ``UNKNOWN: Exception iterating requests!``, which named neither the slot
+    nor the copy.
+
+    Raises:
+        CorruptCheckpointError: a chunk failed its checksum while being sent (the slot was reused by a newer
+            snapshot, or is damaged); the buddy dropped the partial copy.
+        OSError: the slot could not be read.
+        grpc.RpcError: as :func:`push`.
+    """
+    stale: list[Exception] = []
+    made = threading.Event()
+    holder: list[grpc.Future] = []
+
+    def messages() -> Iterator[replica_pb2.ReplicaChunk]:
+        try:
+            yield from copy_stream(job, man, data_path, from_node, throttle)
+        except (CorruptCheckpointError, OSError) as exc:
+            stale.append(exc)
+            if made.wait(10.0):
+                holder[0].cancel()  # the receiver sees a cancelled call and drops what it got
+
+    with grpc.insecure_channel(address, options=_channel_options(stall_s)) as ch:
+        call = replica_pb2_grpc.MemoryReplicaStub(ch).PushReplica.future(messages(), timeout=timeout_s,
+                                                                         metadata=_metadata(token))
+        holder.append(call)
+        made.set()
+        try:
+            ack = call.result()
+        except (grpc.RpcError, grpc.FutureCancelledError):
+            if stale:
+                raise stale[0] from None
+            raise
+        if stale:  # ended short without the cancel: the receiver refused it as torn
+            raise stale[0]
+        return ack
 
 
 def fetch(address: str, job: str, rank: int, min_step: int, open_writer: Callable[[Manifest], ReplicaWriter],

@@ -157,7 +157,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica-bandwidth-mib-s", type=float, default=1024.0, metavar="MIB_S",
                    help="cap on pushing this node's in-memory checkpoint to its buddy node, MiB/s (0: none)")
     p.add_argument("--replica-memory-mib", type=int, default=8192, metavar="MIB",
-                   help="most memory other nodes' checkpoint replicas may hold on this node (0: hold none)")
+                   help="most memory other nodes' checkpoint replicas may hold on this node (0: hold none; the "
+                        "coordinator then never makes this node a buddy, it still replicates its own)")
     p.add_argument("--memory-tier", choices=("job", "host"), default="job",
                    help="job: report this node's in-memory checkpoints to the coordinator, which plans restores "
                         "from every node's memory and buddies' replicas (default); host: a step counts in memory "

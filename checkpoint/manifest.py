@@ -111,7 +111,7 @@ class Manifest:
         try:
             body["tensors"] = [TensorEntry(**t) for t in body["tensors"]]
             return cls(**body)
-        except TypeError as exc:
+        except (TypeError, KeyError) as exc:  # KeyError: no tensor list (it escaped as an uncaught error)
             raise CorruptCheckpointError(f"{where} has unexpected fields ({exc})") from exc
 
     def check_place(self, step: int, rank: int, where: str) -> "Manifest":

@@ -11,10 +11,12 @@ manifest's checksums, renames the data into place, then writes the manifest (tem
 manifest is the commit marker, so a sender or receiver killed mid-transfer leaves at most a ``.partial-*`` file
 that nothing lists (and the next store on that root removes). Only the newest copy per rank is kept.
 
-Memory is bounded: ``max_bytes`` caps what replicas may hold, and a new copy first evicts older replicas (other
-ranks' oldest steps first), never this node's own snapshots, which live in the arena's rank directories and are
-not this store's to touch. When the tmpfs itself is short of room for the copy plus ``reserve_bytes`` (kept free
-for the node's own next snapshots), replicas are evicted too, and the copy is refused if that is not enough.
+Memory is bounded: ``max_bytes`` caps what replicas may hold, copies still being received included (each
+reserves its size when it begins, under the store's lock, and gives it back when it is published or dropped), and
+a new copy first evicts older replicas (other ranks' oldest steps first), never this node's own snapshots, which
+live in the arena's rank directories and are not this store's to touch. When the tmpfs itself is short of room
+for the copy plus ``reserve_bytes`` (kept free for the node's own next snapshots), replicas are evicted too. A
+copy that would not fit even with every other replica evicted is refused before anything is evicted.
 
 No torch import (the agent uses it).
 """
@@ -35,10 +37,32 @@ from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import Manifest, verify_checksums
 
 _STEP_RE = re.compile(r"^step_(\d{12})\.manifest\.json$")
+#: Highest rank and step a copy can be filed under (``rank_NNNNN``, ``step_NNNNNNNNNNNN``): a name with more
+#: digits is listed by nothing, so its memory would be held outside the bound until the job ends.
+MAX_RANK = 99_999
+MAX_STEP = 10**12 - 1
 
 
 class ReplicaRefusedError(CheckpointError):
     """A replica does not fit (memory bound or tmpfs full) or failed verification; the message says which."""
+
+
+def check_numbers(manifest: Manifest) -> None:
+    """Refuses a received manifest whose numbers no copy can be filed or sized by (a peer's bug, or a sender
+    crafting them: the manifest's own checksum proves nothing about its sender).
+
+    Raises:
+        ReplicaRefusedError: rank, step, size or chunk size is not an integer in range, or the checksums are not
+            a list of strings (the message names which).
+    """
+    for name, value, low, high in (("rank", manifest.rank, 0, MAX_RANK), ("step", manifest.step, 0, MAX_STEP),
+                                   ("data_bytes", manifest.data_bytes, 0, None),
+                                   ("chunk_bytes", manifest.chunk_bytes, 1, None)):
+        if type(value) is not int or value < low or (high is not None and value > high):
+            raise ReplicaRefusedError(f"replica manifest has {name} {value!r}: must be an integer from {low}"
+                                      + (f" to {high}" if high is not None else ""))
+    if not (isinstance(manifest.chunks, list) and all(isinstance(c, str) for c in manifest.chunks)):
+        raise ReplicaRefusedError("replica manifest's chunks must be a list of checksums")
 
 
 @dataclass(frozen=True)
@@ -73,6 +97,9 @@ class ReplicaStore:
         self.reserve_bytes = reserve_bytes
         self._lock = threading.Lock()
         self._manifests: dict[str, tuple[int, int, Manifest]] = {}  # parsed manifests, by path and mtime
+        # Bytes of the copies being received, by partial file: checked against ``max_bytes`` with the published
+        # ones, so pushes arriving together cannot each pass the bound alone and together hold more.
+        self._reserved: dict[str, int] = {}
         #: replicas evicted to make room since start (a metric).
         self.evicted = 0
         os.makedirs(self.root, exist_ok=True)
@@ -109,40 +136,78 @@ class ReplicaStore:
         mine = [r for r in self.replicas() if r.rank == rank and r.step >= min_step]
         return mine[-1] if mine else None
 
+    def holds(self, manifest: Manifest) -> bool:
+        """Whether this exact copy (rank, step, size and every chunk checksum) is already held, complete."""
+        r = self.newest(manifest.rank, manifest.step)
+        return r is not None and r.step == manifest.step and r.manifest.data_bytes == manifest.data_bytes \
+            and r.manifest.chunks == manifest.chunks
+
     def bytes_held(self) -> int:
         """Bytes of memory all complete replicas hold."""
         return sum(r.nbytes for r in self.replicas())
 
+    def bytes_reserved(self) -> int:
+        """Bytes reserved by the copies being received now."""
+        with self._lock:
+            return sum(self._reserved.values())
+
     # -- writing ---------------------------------------------------------------------------------------------
     def begin(self, manifest: Manifest) -> "ReplicaWriter":
-        """Makes room for and starts receiving a copy of ``manifest``'s rank and step.
+        """Makes room for and starts receiving a copy of ``manifest``'s rank and step, reserving its bytes until
+        the writer publishes or drops it.
 
         Raises:
-            ReplicaRefusedError: it cannot fit within ``max_bytes`` or the tmpfs even after evicting every other
-                replica (the message names the bound).
+            ReplicaRefusedError: it cannot fit within ``max_bytes`` (with the copies being received now) or the
+                tmpfs even after evicting every other complete replica (the message names the bound).
         """
+        check_numbers(manifest)
         need = manifest.data_bytes
+        what = f"the replica of rank {manifest.rank} step {manifest.step} ({need} bytes)"
         with self._lock:
+            if self.max_bytes <= 0:
+                raise ReplicaRefusedError(f"{what} refused: this node holds no replicas (its replica memory bound "
+                                          f"is 0)")
             if need > self.max_bytes:
-                raise ReplicaRefusedError(f"replica of rank {manifest.rank} step {manifest.step} is {need} bytes, "
-                                          f"over the replica memory bound of {self.max_bytes} bytes")
+                raise ReplicaRefusedError(f"{what} is over the replica memory bound of {self.max_bytes} bytes")
             held = self.replicas()
+            reserved = sum(self._reserved.values())
             # Evict the oldest replicas of other ranks and older copies of this rank until the new one fits.
             victims = [r for r in held if not (r.rank == manifest.rank and r.step >= manifest.step)]
             total = sum(r.nbytes for r in held)
-            while victims and (total + need > self.max_bytes or self._short(need)):
+            evictable = sum(v.nbytes for v in victims)
+            # Refused before evicting anything when evicting every victim would not make room either (copies
+            # being received hold the rest): evicting first left other nodes without their copy for nothing,
+            # and their senders count it as held until their next snapshot.
+            if total - evictable + reserved + need > self.max_bytes or \
+                    free_bytes(self.root) + evictable < need + self.reserve_bytes:
+                raise self._no_room(what, total, reserved)
+            while victims and (total + reserved + need > self.max_bytes or self._short(need)):
                 v = victims.pop(0)
                 self._remove(v)
                 total -= v.nbytes
                 self.evicted += 1
-            if total + need > self.max_bytes or self._short(need):
-                raise ReplicaRefusedError(
-                    f"no room for the replica of rank {manifest.rank} step {manifest.step} ({need} bytes): "
-                    f"replicas hold {total} of {self.max_bytes} bytes and the tmpfs has "
-                    f"{free_bytes(self.root)} bytes free with {self.reserve_bytes} reserved for own snapshots")
+            if total + reserved + need > self.max_bytes or self._short(need):
+                raise self._no_room(what, total, reserved)
             d = self._rank_dir(manifest.rank)
             os.makedirs(d, exist_ok=True)
-            return ReplicaWriter(manifest, os.path.join(d, f".partial-{uuid.uuid4().hex}"), self._publish)
+            partial = os.path.join(d, f".partial-{uuid.uuid4().hex}")
+            self._reserved[partial] = need
+            try:
+                return ReplicaWriter(manifest, partial, self._publish, release=self._release)
+            except BaseException:
+                self._reserved.pop(partial, None)
+                raise
+
+    def _no_room(self, what: str, total: int, reserved: int) -> ReplicaRefusedError:
+        return ReplicaRefusedError(
+            f"no room for {what}: replicas hold {total} and copies being received reserve {reserved} of "
+            f"{self.max_bytes} bytes, and the tmpfs has {free_bytes(self.root)} bytes free with "
+            f"{self.reserve_bytes} reserved for own snapshots")
+
+    def _release(self, partial: str) -> None:
+        """Gives back the reservation of a copy that was dropped."""
+        with self._lock:
+            self._reserved.pop(partial, None)
 
     def _short(self, need: int) -> bool:
         return free_bytes(self.root) < need + self.reserve_bytes
@@ -156,6 +221,7 @@ class ReplicaStore:
 
     def _publish(self, manifest: Manifest, partial: str) -> Replica:
         with self._lock:
+            self._reserved.pop(partial, None)  # from here on the copy counts as published (or is gone)
             d = self._rank_dir(manifest.rank)
             base = self._base(d, manifest.step)
             try:
@@ -181,10 +247,12 @@ class ReplicaStore:
 
 class ReplicaWriter:
     """One copy being received into ``partial``, published by ``publish(manifest, partial)`` once verified (see
-    :meth:`ReplicaStore.begin` and :func:`arena_writer`); use as a context manager to abort on error."""
+    :meth:`ReplicaStore.begin` and :func:`arena_writer`); use as a context manager to abort on error.
+    ``release(partial)`` is called once if the copy is dropped instead (its memory reservation ends)."""
 
-    def __init__(self, manifest: Manifest, partial: str, publish: Callable[[Manifest, str], Any]) -> None:
-        self.manifest, self.partial, self._publish = manifest, partial, publish
+    def __init__(self, manifest: Manifest, partial: str, publish: Callable[[Manifest, str], Any],
+                 release: Callable[[str], None] | None = None) -> None:
+        self.manifest, self.partial, self._publish, self._release = manifest, partial, publish, release
         self.received = 0
         self.fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -230,10 +298,14 @@ class ReplicaWriter:
             raise
         os.close(self.fd)
         self.fd = -1
-        return self._publish(self.manifest, self.partial)
+        try:
+            return self._publish(self.manifest, self.partial)
+        except BaseException:
+            self.abort()  # a partial file nothing lists would hold its memory until the next start
+            raise
 
     def abort(self) -> None:
-        """Drops the partial copy."""
+        """Drops the partial copy (and its memory reservation)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -241,6 +313,8 @@ class ReplicaWriter:
             os.unlink(self.partial)
         except FileNotFoundError:
             pass
+        if self._release is not None:
+            self._release(self.partial)
 
     def __enter__(self) -> "ReplicaWriter":
         return self
@@ -259,8 +333,9 @@ def arena_writer(shm_root: str, job: str, manifest: Manifest) -> ReplicaWriter:
     the slot manifest written last, exactly as the persist process leaves a slot.
 
     Raises:
-        ReplicaRefusedError: no room for it (the tmpfs is full).
+        ReplicaRefusedError: no room for it (the tmpfs is full), or its manifest's numbers are out of range.
     """
+    check_numbers(manifest)
     d = os.path.join(shm_root, job, f"rank_{manifest.rank:05d}")
     os.makedirs(d, exist_ok=True)
     for n in os.listdir(d):  # an earlier fetch killed mid-transfer (only the agent writes these)

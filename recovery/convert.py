@@ -48,7 +48,7 @@ def beat(req: pb.NodeHeartbeatRequest) -> Beat:
                 tuple(LinkProbeResult(r.probe_id, r.peer_node, r.bytes, r.up_s, r.down_s, r.error)
                       for r in req.link_results),
                 tuple(MemoryHolding(h.step, h.world_size, tuple(h.ranks), tuple(h.replica_ranks))
-                      for h in req.memory), req.replica_address, req.replica_bytes)
+                      for h in req.memory), req.replica_address, req.replica_bytes, req.replica_holds_none)
 
 
 def qualification(req: pb.RegisterNodeRequest | pb.NodeHeartbeatRequest) -> Qualification | None:

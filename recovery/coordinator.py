@@ -659,7 +659,7 @@ class JobCoordinator:
         if req.free_port > 0:
             m.free_port = req.free_port
         m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step
-        self._memory.record(req.node_id, req.memory, req.replica_address)
+        self._memory.record(req.node_id, req.memory, req.replica_address, req.replica_holds_none)
         self._beat_at[req.node_id] = now
         if req.generation == st.generation and req.last_step >= 0:
             self._relay.observe_step(now, req.last_step, st.generation)

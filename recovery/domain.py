@@ -119,6 +119,7 @@ class Beat:
         memory: the in-memory checkpoint copies the node holds (:mod:`~trainguard.recovery.memory_plan`).
         replica_address: host:port of the node's replica server ("" when it serves none).
         replica_bytes: memory other nodes' replicas hold on the node.
+        replica_holds_none: the node holds no other node's replicas (``--replica-memory-mib 0``): never a buddy.
     """
 
     job: str
@@ -136,6 +137,7 @@ class Beat:
     memory: tuple[MemoryHolding, ...] = ()
     replica_address: str = ""
     replica_bytes: int = 0
+    replica_holds_none: bool = False
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,14 @@ class MemoryBook:
         self._fresh_slots = 0  # how many of them hold a slot of the current table
         self._memory_known = False  # some node reported in-memory copies (else no plan and no wait)
         self._replica_addr: dict[str, str] = {}  # node -> its replica server (peer replication)
+        self._holds_none: set[str] = set()  # nodes that hold no other node's replicas: never buddies
         self._buddy_cache: tuple[tuple[object, int], dict[str, tuple[Target, ...]]] | None = None
         self._formed_at = 0.0
 
-    def record(self, node_id: str, memory: tuple[MemoryHolding, ...], replica_address: str) -> None:
-        """Keeps a heartbeat's holdings and replica address; a change drops the cached plan (and targets)."""
+    def record(self, node_id: str, memory: tuple[MemoryHolding, ...], replica_address: str,
+               holds_none: bool = False) -> None:
+        """Keeps a heartbeat's holdings, replica address and whether the node holds others' replicas
+        (``holds_none``: ``--replica-memory-mib 0``); a change drops the cached plan (and targets)."""
         if self._memory.get(node_id, ()) != memory:
             self._memory[node_id] = memory
             self._memory_known = self._memory_known or bool(memory)
@@ -53,6 +56,12 @@ class MemoryBook:
         if self._replica_addr.get(node_id, "") != replica_address:
             self._replica_addr[node_id] = replica_address
             self._plan_cache = self._buddy_cache = None
+        if (node_id in self._holds_none) != holds_none:
+            if holds_none:
+                self._holds_none.add(node_id)
+            else:
+                self._holds_none.discard(node_id)
+            self._buddy_cache = None
 
     def table_installed(self, now: float) -> None:
         """A new table was installed at ``now``: no node's holdings are fresh for it yet."""
@@ -90,7 +99,10 @@ class MemoryBook:
         cached = self._buddy_cache
         if cached is None or cached[0][0] is not table or cached[0][1] != mver:
             addr = self.live_replica_addresses()
-            chosen = buddies(table.slots, replicas, addr) if addr else {}
+            # A node holding no replicas still serves its own copies (restore plans), but is never a buddy: a
+            # copy pushed to it would only be refused.
+            takers = {n: a for n, a in addr.items() if n not in self._holds_none}
+            chosen = buddies(table.slots, replicas, takers) if takers else {}
             cached = ((table, mver), {n: tuple((b, addr[b]) for b in bs) for n, bs in chosen.items()})
             self._buddy_cache = cached
         return cached[1].get(node_id, ())

@@ -175,11 +175,13 @@ def test_a_frozen_peer_ends_a_push_or_fetch_by_keepalive_not_by_the_calls_deadli
 
     a, b, c = roots
     _snapshot(a, 1, 9, mib=8)
+    _snapshot(a, 0, 9, mib=8)
     p, portfile = _receiver(b, tg_env)
     try:
         address = portfile.read_text()
         path, man = _own(a, 1)
         assert push(address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok  # a copy to fetch later
+        path, man = _own(a, 0)  # another copy to push (one the receiver holds is taken at once, unsent)
         outcome: list[object] = []
 
         def send() -> None:
@@ -530,3 +532,317 @@ def test_a_failing_holder_is_followed_by_the_plans_next_holder_before_storage(ro
         server_b.stop()
         server_d.stop()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _held_in_memory(root: str) -> int:
+    """Bytes the replica folder holds on the tmpfs now: published copies and copies being received (allocated
+    to their full size when they begin)."""
+    total = 0
+    for d, _, names in os.walk(os.path.join(root, "job", "replicas")):
+        for n in names:
+            if n.endswith(".data") or n.startswith(".partial-"):
+                try:
+                    total += os.stat(os.path.join(d, n)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+    return total
+
+
+def test_pushes_arriving_together_never_hold_more_than_the_bound(roots) -> None:
+    """Found by a review: each push was checked against --replica-memory-mib alone, without the copies still
+    being received, so four 4 MiB pushes arriving at once all passed a 10 MiB bound and held 16 MiB. Now a push
+    reserves its bytes as it begins; the pushes that do not fit are refused with an answer naming the bound, and
+    the replicas held stay within it while the copies arrive and after."""
+    a, b, _ = roots
+    for rank in range(4):
+        _snapshot(a, rank, 30, mib=4)
+    store = ReplicaStore(b, "job", 10 << 20)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1")
+    copies = [_own(a, rank) for rank in range(4)]
+    start = threading.Barrier(4)
+    acks: list[object] = []
+    peak = [0]
+    done = threading.Event()
+
+    def send(path: str, man: Manifest) -> None:
+        start.wait()
+        acks.append(push(server.address, copy_stream("job", man, path, "a", Throttle(8)), 60))
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _held_in_memory(b))
+            time.sleep(0.005)
+
+    senders = [threading.Thread(target=send, args=c) for c in copies]
+    watcher = threading.Thread(target=watch)
+    try:
+        watcher.start()
+        for th in senders:
+            th.start()
+        for th in senders:
+            th.join(60)
+        done.set()
+        watcher.join(10)
+        assert len(acks) == 4
+        refused = [ack.error for ack in acks if not ack.ok]
+        assert len(refused) == 2, acks  # two fit in 10 MiB, whichever began first
+        assert all(e.startswith("no room for the replica of rank") and "being received reserve" in e
+                   for e in refused), refused
+        assert peak[0] <= 10 << 20, f"replicas held {peak[0]} bytes, over the 10 MiB bound"
+        assert len(store.replicas()) == 2 and store.bytes_held() <= 10 << 20
+        assert store.bytes_reserved() == 0 and _partials(b) == []
+        # The reservations were given back: a later push fits where the published copies leave room.
+        path, man = copies[[r.rank for r in store.replicas()][0]]
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok
+    finally:
+        done.set()
+        server.stop()
+
+
+def test_a_node_refused_while_another_copy_arrives_backs_off_and_lands_it_later(roots, caplog) -> None:
+    """The pusher's side of the reservation: a buddy whose bound is taken by a copy it is still receiving answers
+    "no room", the sending agent warns once and retries later (no crash, no retry storm), and the copy lands once
+    the other one is in and may be evicted for it."""
+    a, b, c = roots
+    _snapshot(c, 1, 5, mib=4)  # another node's copy, arriving slowly at b
+    _snapshot(a, 0, 7, mib=4)
+    store = ReplicaStore(b, "job", 6 << 20)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1")
+    tier_a = MemoryTier(a, "job", "/ckpt")
+    tier_a.scan()
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier_a, "a", "127.0.0.1")
+    path, man = _own(c, 1)
+    slow: list[object] = []
+    th = threading.Thread(target=lambda: slow.append(push(server.address, copy_stream("job", man, path, "c",
+                                                                                        Throttle(4)), 60)))
+    try:
+        th.start()
+        _wait(lambda: _partials(b), "the slow copy never began")
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server.address)])
+        with caplog.at_level("WARNING", logger="trainguard.agent"):
+            sender.start()
+            _wait(lambda: sender.stats.push_failures == 1, "the push was not refused while the other copy arrived")
+            th.join(60)
+            assert slow and slow[0].ok
+            _wait(lambda: sender.stats.pushes == 1, "the refused copy never landed")
+        assert store.newest(0).step == 7 and sender.stats.push_failures == 1
+        warned = [r.getMessage() for r in caplog.records if r.name.endswith("replica_agent")]
+        assert len(warned) == 1 and "b refused the replica of rank 0 step 7" in warned[0], warned
+        assert store.bytes_held() <= 6 << 20 and store.newest(1) is None  # evicted for the newer arrival
+    finally:
+        sender.stop()
+        th.join(60)
+        server.stop()
+
+
+def _crafted(step: int = 3, rank: int = 0, drop: str = "", **fields) -> list:
+    """A push of one 8 KiB copy whose data and chunk checksums are right, its manifest's ``fields`` replaced (and
+    ``drop`` removed) and its self checksum made to match (anyone can compute it)."""
+    import json
+
+    import xxhash
+
+    from trainguard.proto import replica_pb2
+
+    data = b"\x01" * 8192
+    man = Manifest(job="job", step=step, rank=rank, world_size=2, tensors=[], tree={}, data_bytes=len(data),
+                   chunk_bytes=4096)
+    man.chunks = compute_checksums(memoryview(data), len(data), 4096)
+    body = json.loads(man.to_json())
+    body.pop("self_xxh3")
+    body.update(fields)
+    body.pop(drop, None)
+    body["self_xxh3"] = xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return [replica_pb2.ReplicaChunk(job="job", rank=rank, step=step, manifest=json.dumps(body).encode()),
+            replica_pb2.ReplicaChunk(offset=0, data=data)]
+
+
+@pytest.mark.parametrize("kind, push_, said", [
+    ("step past the file names", dict(step=10**12), "replica manifest has step 1000000000000"),
+    ("rank past the folder names", dict(rank=100_000), "replica manifest has rank 100000"),
+    ("size not an integer", dict(data_bytes="8192"), "replica manifest has data_bytes '8192'"),
+    ("chunk size 0", dict(chunk_bytes=0), "replica manifest has chunk_bytes 0"),
+    ("no tensor list", dict(drop="tensors"), "replica header of rank 0 step 3 has unexpected fields ('tensors')"),
+])
+def test_a_manifest_with_numbers_no_copy_can_be_filed_by_is_refused(roots, caplog, kind, push_, said) -> None:
+    """Found by a user's review: a copy of step 10**12 or rank 100000 was acknowledged and stored under a name no
+    listing matches, so it held memory outside --replica-memory-mib (never evicted, never reported) until the
+    job ended; a size that is not an integer answered UNKNOWN with an ERROR traceback on the receiver. Such a
+    manifest (a peer's bug, or crafted: its own checksum is anyone's to compute) is now refused by name."""
+    server, store = _server(roots[0])
+    fields = {k: v for k, v in push_.items() if k not in ("step", "rank")}
+    where = {k: v for k, v in push_.items() if k in ("step", "rank")}
+    try:
+        with caplog.at_level("WARNING"):
+            ack = push(server.address, iter(_crafted(**where, **fields)), 30)
+        assert not ack.ok and said in ack.error, (kind, ack)
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+        held = [n for _, _, names in os.walk(os.path.join(roots[0], "job", "replicas")) for n in names]
+        assert held == [] and store.bytes_reserved() == 0
+        assert push(server.address, iter(_crafted()), 30).ok  # the same copy with sound numbers is taken
+    finally:
+        server.stop()
+
+
+def test_a_sender_frozen_mid_push_loses_its_call_on_the_receiver_within_the_stall_time(roots, tg_env) -> None:
+    """Found by a user's review: a sender that froze mid-push (SIGSTOP here; a hung node, or a link gone without
+    a reset, in the field) kept the receiver's thread, the copy's memory reservation and its tmpfs space until
+    the sender's own deadline (600 s in the agent), refusing other pushes for room meanwhile. The receiver now
+    pings its callers too and drops the copy once one stops answering; a slow but live sender is unaffected."""
+    import signal
+
+    a, b, _ = roots
+    _snapshot(a, 1, 9, mib=8)
+    store = ReplicaStore(b, "job", 64 << 20)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1",
+                           stall_s=2)
+    p = None
+    try:
+        path, man = _own(a, 1)
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(6)), 60).ok  # live, slow
+        store.remove_all()
+        p = subprocess.Popen([sys.executable, str(SCRIPT), "push", server.address, a, "job", "1", "1"], env=tg_env,
+                             stdout=subprocess.DEVNULL)  # its deadline: 60 s
+        _wait(lambda: _partials(b), "the transfer never started")
+        os.kill(p.pid, signal.SIGSTOP)
+        # (the partial file goes first, its reservation just after)
+        _wait(lambda: not _partials(b) and store.bytes_reserved() == 0, "the receiver kept the frozen sender's copy",
+              timeout=30)
+        assert store.replicas() == []
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok
+    finally:
+        if p is not None:
+            p.kill()
+            p.wait()
+        server.stop()
+
+
+def test_a_push_refused_for_room_evicts_no_replica(roots) -> None:
+    """Found by a user's review: a push that could not fit even with every other replica evicted (a copy being
+    received holds the rest of the bound) evicted them all first, then was refused: the node whose copy went had
+    none in this node's memory, and its sender, counting it as held, sent none until its next snapshot. Now the
+    push is refused before anything is evicted."""
+    a, b, _ = roots
+    _snapshot(a, 0, 10, mib=2)
+    _snapshot(a, 1, 11, mib=8)
+    _snapshot(a, 2, 12, mib=4)
+    store = ReplicaStore(b, "job", 10 << 20)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1")
+    (p0, m0), (p1, m1), (p2, m2) = (_own(a, r) for r in range(3))
+    slow: list[object] = []
+    th = threading.Thread(target=lambda: slow.append(push(server.address, copy_stream("job", m1, p1, "a",
+                                                                                        Throttle(4)), 60)))
+    try:
+        assert push(server.address, copy_stream("job", m0, p0, "a", Throttle(0)), 60).ok  # 2 MiB held
+        th.start()
+        _wait(lambda: _partials(b), "the 8 MiB copy never began")  # 2 + 8 fill the 10 MiB bound
+        ack = push(server.address, copy_stream("job", m2, p2, "a", Throttle(0)), 60)  # 8 reserved + 4 > 10
+        assert not ack.ok and ack.error.startswith("no room for the replica of rank 2"), ack
+        assert store.newest(0) is not None and store.evicted == 0  # rank 0's copy is still held
+        th.join(60)
+        assert slow and slow[0].ok
+        assert [(r.rank, r.step) for r in store.replicas()] == [(0, 10), (1, 11)] and store.bytes_held() == 10 << 20
+    finally:
+        th.join(60)
+        server.stop()
+
+
+def test_a_copy_the_bandwidth_cap_needs_longer_for_than_the_timeout_still_lands(roots) -> None:
+    """Found by a user's review: each push had the fixed bound (600 s) whatever the cap, so with
+    --replica-bandwidth-mib-s low enough for a rank's copy to need longer (8 GiB at 10 MiB/s: 820 s) every push
+    failed DEADLINE_EXCEEDED at its end and was retried, forever; no copy ever landed. The bound is now the
+    timeout on top of what the cap alone takes. Here a 4 MiB copy at 2 MiB/s against a 1 s timeout."""
+    a, b, _ = roots
+    _snapshot(a, 0, 10, mib=4)
+    tier_a = MemoryTier(a, "job", "/ckpt")
+    tier_a.scan()
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=2, timeout_s=1), tier_a, "a", "127.0.0.1")
+    server, store = _server(b)
+    try:
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server.address)])
+        sender._push_due()
+        assert sender.stats.push_failures == 0 and sender.stats.pushes == 1
+        assert store.newest(0).step == 10
+    finally:
+        sender.stop()
+        server.stop()
+
+
+def test_a_slot_rewritten_mid_push_is_no_fault_of_the_buddy(roots, caplog) -> None:
+    """Found by a user's review: a snapshot slot rewritten by a newer snapshot while its copy was being pushed
+    (snapshots coming faster than a push takes) raised inside gRPC's sending thread: an ERROR traceback each time,
+    the warning read "UNKNOWN: Exception iterating requests!", and the buddy was backed off as if it had refused
+    (up to 60 s), delaying the newest copy. Now the push is cancelled cleanly, the newest copy goes next without
+    backoff, and a warning says so once it keeps happening."""
+    from trainguard.agent.replica_agent import SUPERSEDED_WARN_AFTER
+
+    a, b, _ = roots
+    t = [0.0]
+    tier_a = MemoryTier(a, "job", "/ckpt")
+    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=8), tier_a, "a", "127.0.0.1", clock=lambda: t[0])
+    server, store = _server(b)
+
+    def rewrite_when_it_arrives() -> None:
+        _wait(lambda: _partials(b), "the push never began")
+        with open(os.path.join(a, "job", "rank_00000", "slot_0.data"), "r+b") as f:
+            f.seek((7 << 20) + 5)  # the last chunk: checked last, so always after this write
+            f.write(b"\xee" * 64)
+
+    try:
+        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server.address)])
+        with caplog.at_level("DEBUG"):
+            for step in range(10, 10 + SUPERSEDED_WARN_AFTER):
+                _snapshot(a, 0, step, mib=8)
+                tier_a.scan()
+                th = threading.Thread(target=rewrite_when_it_arrives)
+                th.start()
+                sender._push_due()  # the clock stands still: a backoff would skip the next round
+                th.join(30)
+                assert sender.stats.push_failures == step - 9 and store.replicas() == []
+            _snapshot(a, 0, 20, mib=8)
+            tier_a.scan()
+            sender._push_due()
+        assert store.newest(0).step == 20 and sender.stats.pushes == 1
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records
+                                                                          if r.levelname == "ERROR"]
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and f"{SUPERSEDED_WARN_AFTER} snapshots in a row were overwritten" in warned[0], warned
+        assert _partials(b) == []
+    finally:
+        sender.stop()
+        server.stop()
+
+
+def test_status_of_a_node_holding_no_replicas_still_names_its_buddies(roots, monkeypatch, tmp_path) -> None:
+    """`trainguard status` showed no replication line at all for a node run with --replica-memory-mib 0, though
+    its own snapshots still go to its buddies: the user could not tell whether they did."""
+    from trainguard.agent.node import NodeAgent, NodeConfig
+    from trainguard.agent.operator_cli import render
+
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_SHM_DIR", roots[0])
+    agent = NodeAgent(NodeConfig(job="job", coordinator="127.0.0.1:1", argv=["x"], checkpoint_dir=str(tmp_path),
+                                 replica=ReplicaConfig(memory_mib=0), address="127.0.0.1"))
+    agent.replicas.set_targets([pb.ReplicaTarget(node_id="b", address="127.0.0.1:1")])
+    shown = render(agent.health_snapshot())
+    assert "memory replicas: holding none for other nodes (--replica-memory-mib 0); replicating to b" in shown
+
+
+def test_a_copy_pushed_again_that_the_buddy_holds_is_taken_as_held(roots) -> None:
+    """Found by a user's review: a buddy restarted at a new port over the same /dev/shm is sent the newest copies
+    again (right: a new process), but when its bound could not hold a copy twice the copy it already held was
+    refused for room, and the sender warned and backed off though the buddy had it. It is now taken as held."""
+    a, b, _ = roots
+    _snapshot(a, 0, 10, mib=8)
+    store = ReplicaStore(b, "job", 10 << 20)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1")
+    try:
+        path, man = _own(a, 0)
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok
+        server.stop()
+        store = ReplicaStore(b, "job", 10 << 20)  # the agent restarted: a new store and server, the same tmpfs
+        server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1")
+        ack = push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 60)
+        assert ack.ok and ack.bytes == man.data_bytes, ack
+        assert [(r.rank, r.step) for r in store.replicas()] == [(0, 10)] and _partials(b) == []
+    finally:
+        server.stop()

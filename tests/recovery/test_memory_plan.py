@@ -191,3 +191,27 @@ def test_a_lost_node_whose_buddy_is_lost_too_reads_storage() -> None:
     # Only live nodes' reports count (the coordinator drops dead ones): nobody holds ranks 0 or 1 any more.
     plan = plan_restore(slots, 2, {"s": [], "c": [MemoryHolding(3, 2, ())]}, {"s": "s:1", "c": "c:1"})
     assert plan.step == -1 and {r.source for r in plan.ranks} == {RestoreSource.STORAGE}
+
+
+def test_a_node_holding_no_replicas_is_nobodys_buddy_but_its_own_copies_stay_in_the_plan() -> None:
+    """`trainguard run --replica-memory-mib 0` on b: a gets no buddy (b would refuse every copy), b still
+    replicates to a, and b's server stays known for plans of its own copies (wire field ``replica_holds_none``,
+    read through :func:`convert.beat`)."""
+    now = [100.0]
+    core, leases = _two_node_job(now)
+
+    def beat(node: str, gen: int, held=(), running: int = 1):
+        _PORTS[0] += 1
+        req = pb.NodeHeartbeatRequest(job="j", node_id=node, lease_id=leases[node], generation=gen,
+                                      workers_running=running, free_port=_PORTS[0], replica_address=f"{node}:7000",
+                                      replica_holds_none=node == "b")
+        req.memory.extend(pb.MemoryHolding(step=s, world_size=2, ranks=[0 if node == "a" else 1]) for s in held)
+        return core.heartbeat(convert.beat(req)).response
+
+    for _ in range(2):
+        for n in "ab":
+            beat(n, -1)
+    assert beat("a", 1).replica_targets == ()
+    assert beat("b", 1).replica_targets == (("a", "a:7000"),)
+    assert core._memory.live_replica_addresses()["b"] == "b:7000"  # what restore plans name b's own copies by
+    core.close()

@@ -96,7 +96,7 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings", "qualification", "link_probe_port", "link_results", "memory", "replica_address", "replica_bytes")
+    __slots__ = ("job", "node_id", "lease_id", "generation", "workers_running", "last_step", "workers_succeeded", "free_port", "timings", "qualification", "link_probe_port", "link_results", "memory", "replica_address", "replica_bytes", "replica_holds_none")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class NodeHeartbeatRequest(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_HOLDS_NONE_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     lease_id: str
@@ -127,7 +128,8 @@ class NodeHeartbeatRequest(_message.Message):
     memory: _containers.RepeatedCompositeFieldContainer[MemoryHolding]
     replica_address: str
     replica_bytes: int
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., qualification: _Optional[_Union[NodeQualification, _Mapping]] = ..., link_probe_port: _Optional[int] = ..., link_results: _Optional[_Iterable[_Union[LinkProbeResult, _Mapping]]] = ..., memory: _Optional[_Iterable[_Union[MemoryHolding, _Mapping]]] = ..., replica_address: _Optional[str] = ..., replica_bytes: _Optional[int] = ...) -> None: ...
+    replica_holds_none: bool
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., workers_running: _Optional[int] = ..., last_step: _Optional[int] = ..., workers_succeeded: _Optional[bool] = ..., free_port: _Optional[int] = ..., timings: _Optional[_Iterable[_Union[RankTiming, _Mapping]]] = ..., qualification: _Optional[_Union[NodeQualification, _Mapping]] = ..., link_probe_port: _Optional[int] = ..., link_results: _Optional[_Iterable[_Union[LinkProbeResult, _Mapping]]] = ..., memory: _Optional[_Iterable[_Union[MemoryHolding, _Mapping]]] = ..., replica_address: _Optional[str] = ..., replica_bytes: _Optional[int] = ..., replica_holds_none: _Optional[bool] = ...) -> None: ...
 
 class NodeQualification(_message.Message):
     __slots__ = ("passed", "reason", "duration_s", "checks", "echo_port", "peer_s")
