@@ -31,7 +31,7 @@ import grpc
 
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import CHECKSUM_ALGO, Manifest, chunk_checksum
-from trainguard.checkpoint.replica_store import ReplicaRefusedError, ReplicaStore, ReplicaWriter
+from trainguard.checkpoint.replica_store import ReplicaRefusedError, ReplicaStore, ReplicaTornError, ReplicaWriter
 from trainguard.grpc_guard import RequestGuard
 from trainguard.proto import replica_pb2, replica_pb2_grpc
 
@@ -151,6 +151,16 @@ def receive(messages: Iterable[replica_pb2.ReplicaChunk], job: str,
         return w.commit(), man
 
 
+def _cancelled_by_peer(context: grpc.ServicerContext, wait_s: float = 1.0) -> bool:
+    """Whether the call was cancelled by its peer, waiting up to ``wait_s`` for gRPC to report it."""
+    deadline = time.monotonic() + wait_s
+    while context.is_active():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 class _AlreadyHeld(Exception):
     """The pushed copy is already held, complete: nothing to receive."""
 
@@ -184,6 +194,11 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
             log.debug("already holding the replica of rank %d step %d", held.man.rank, held.man.step)
             return replica_pb2.ReplicaAck(ok=True, bytes=held.man.data_bytes)
         except ReplicaRefusedError as exc:
+            if isinstance(exc, ReplicaTornError) and _cancelled_by_peer(context):
+                # the sender cancelled (a newer snapshot overwrote the slot it read): gRPC may end the request
+                # stream before it reports the cancellation, so the stream looks short; the sender says why
+                log.debug("push cancelled by the sender: %s", exc)
+                return replica_pb2.ReplicaAck(ok=False, error=str(exc))
             (log.debug if self._refusing else log.warning)("replica refused: %s", exc)
             self._refusing = True
             return replica_pb2.ReplicaAck(ok=False, error=str(exc))

@@ -47,6 +47,10 @@ class ReplicaRefusedError(CheckpointError):
     """A replica does not fit (memory bound or tmpfs full) or failed verification; the message says which."""
 
 
+class ReplicaTornError(ReplicaRefusedError):
+    """A replica's stream ended before all its bytes arrived (the sender cut it, or is broken)."""
+
+
 def check_numbers(manifest: Manifest) -> None:
     """Refuses a received manifest whose numbers no copy can be filed or sized by (a peer's bug, or a sender
     crafting them: the manifest's own checksum proves nothing about its sender).
@@ -281,7 +285,7 @@ class ReplicaWriter:
         """
         try:
             if self.received < self.manifest.data_bytes:
-                raise ReplicaRefusedError(f"replica of rank {self.manifest.rank} step {self.manifest.step} is torn: "
+                raise ReplicaTornError(f"replica of rank {self.manifest.rank} step {self.manifest.step} is torn: "
                                           f"{self.received} of {self.manifest.data_bytes} bytes arrived")
             with mmap.mmap(self.fd, self.manifest.data_bytes, prot=mmap.PROT_READ) as m:
                 view = memoryview(m)
