@@ -462,8 +462,10 @@ class Checkpointer:
             "slot_data": paths.data,  # differs from "<slot>.data" for anonymous (memfd) staging
             "manifest": arena_mod.manifest_dict(manifest),
             "memory": cfg.memory.enabled and self.staging == "memory",
-            "disk": {"root": cfg.disk_directory, "keep": cfg.disk.keep, "fsync": cfg.disk.fsync}
-            if cfg.disk.enabled else None,
+            # Absolute paths only: an agent-owned persist process runs in the launcher's working directory, not in
+            # this worker's (a script that chdirs, Hydra's run folder).
+            "disk": {"root": self.disk.root, "keep": cfg.disk.keep, "fsync": cfg.disk.fsync}
+            if self.disk is not None else None,
             "remote": {"url": cfg.remote_url, "keep": cfg.remote.keep, "storage_options": cfg.remote.storage_options}
             if cfg.remote_url else None,
             "bandwidth_mib_s": cfg.persist.bandwidth_mib_s,
