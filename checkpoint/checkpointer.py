@@ -844,14 +844,28 @@ class Checkpointer:
         if at_most is not None:
             infos = [i for i in infos if i.step <= at_most]
         reasons: list[str] = []
-        for info in reversed(infos):
-            for tier in info.tiers:
-                try:
-                    if self._restore_from(tier, info, state):
-                        return info.step
-                except (CorruptCheckpointError, StorageUnavailableError, OSError) as exc:
-                    log.warning("not restoring step %d from the %s tier: %s", info.step, tier, exc)
-                    reasons.append(f"step {info.step} ({tier}): {str(exc).splitlines()[0] if str(exc) else exc!r}")
+        batch, infos = infos, []
+        for _ in range(_RELISTS + 1):
+            infos += batch
+            for info in reversed(batch):
+                for tier in info.tiers:
+                    try:
+                        if self._restore_from(tier, info, state):
+                            return info.step
+                    except (CorruptCheckpointError, StorageUnavailableError, OSError) as exc:
+                        log.warning("not restoring step %d from the %s tier: %s", info.step, tier, exc)
+                        reasons.append(f"step {info.step} ({tier}): "
+                                       f"{str(exc).splitlines()[0] if str(exc) else exc!r}")
+            if step is not None or at_most is not None or not infos:
+                break
+            # Every listed copy failed. A live trainer's retention removes the oldest steps as it commits new ones,
+            # so a process reading its directory (an evaluation job) can find every step it listed gone: those are
+            # no corrupt checkpoints. Try the steps committed since the listing before saying so.
+            batch = [i for i in self._list_steps(retired=True) if i.step > infos[-1].step]
+            if not batch:
+                break
+            log.info("every step listed was removed or failed while restoring; trying the newer steps %s",
+                     [i.step for i in batch])
         self.last_restore_tier = None
         if step is not None:
             raise NoCheckpointError(f"no tier holds a valid copy of step {step} for job {self.job!r}"
@@ -997,6 +1011,9 @@ class Checkpointer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+
+#: How often a restore lists the steps again when every listed one failed and newer ones were committed meanwhile.
+_RELISTS = 3
 
 #: Error kinds a collective ``restore(step=...)`` raises on every rank when every failing rank raised that kind.
 _SAME_KIND: dict[str, type[CheckpointError]] = {
