@@ -227,9 +227,23 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"step {step} rank {rank}: OK ({copy.manifest.data_bytes} bytes, "
                       f"{len(copy.manifest.tensors)} tensors)")
             except (CorruptCheckpointError, OSError) as exc:
+                if _removed_meanwhile(store, step):
+                    print(f"step {step}: REMOVED while verifying (no longer committed: a live job's retention or "
+                          "a `ckpt gc` deleted it)" + ("" if args.step is not None else "; not counted"))
+                    bad += args.step is not None  # the step asked for is gone; one of the listed is no failure
+                    break
                 print(f"step {step} rank {rank}: CORRUPT: {exc}")
                 bad += 1
     return 1 if bad else 0
+
+
+def _removed_meanwhile(store: Any, step: int) -> bool:
+    """Whether ``step``, committed when listed, is no longer committed: a live trainer's retention (or ``ckpt gc``)
+    removes a step's commit markers before its files, so files missing after that are no corruption."""
+    try:
+        return not store.is_complete(step)[0]
+    except (OSError, CheckpointError):
+        return False
 
 
 def _step_problem(store: Any, step: int, world_size: int) -> str | None:
@@ -276,6 +290,8 @@ def gc_plan(store: Any, keep: int) -> GcPlan:
         if valid == keep:
             break
         problem = _step_problem(store, step, ws)
+        if problem is not None and _removed_meanwhile(store, step):
+            continue  # a live job's retention removed it while it was verified: neither kept nor corrupt
         if problem is None:
             valid += 1
             oldest_kept = step
