@@ -97,11 +97,17 @@ def _job(directory: str, job: str | None) -> str:
         CheckpointError: not a valid job name, no such job (the message lists the jobs there), or no ``--job``
             and not exactly one job.
     """
-    from trainguard.checkpoint.storage import check_job_name
+    from trainguard.checkpoint.storage import check_job_name, is_step_dirname
 
     if job is not None:
         check_job_name(job)
     jobs = _jobs(directory)
+    if jobs and all(is_step_dirname(j) for j in jobs):
+        # A job's own folder given as the root: its steps were listed as "jobs", or, with one step, the step taken
+        # for the job and its (absent) steps reported as "no committed step".
+        parent, name = os.path.split(directory.rstrip("/"))
+        raise CheckpointError(f"{directory} is the folder of job {name!r} (it holds step folders); pass the "
+                              f"checkpoint root above it: {parent or '.'} --job {name}")
     if job is not None:
         # An empty listing would read as "no steps yet" and exit 0, hiding a misspelt --job.
         if job not in jobs:
