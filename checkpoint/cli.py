@@ -222,7 +222,12 @@ def _verify(args: argparse.Namespace) -> int:
     for step in steps:
         ws = committed.get(step)
         if ws is None:
-            print(f"step {step}: NOT COMMITTED (some rank's commit marker is missing)")
+            if step not in store.list_steps():
+                newest = max(committed, default=None)
+                print(f"step {step}: NO SUCH STEP in {store.describe()} (newest committed: "
+                      f"{'none' if newest is None else newest}; `trainguard ckpt ls` lists them)")
+            else:
+                print(f"step {step}: NOT COMMITTED (some rank's commit marker is missing)")
             bad += 1
             continue
         for rank in range(ws):
