@@ -4,7 +4,8 @@ Each rank picks the newest step its own copies can serve; a rank whose copy of t
 falls back to an older step on its own. Without an exchange the others would load the newest one and the job
 would train from a mix of two steps (an FSDP model with shards of steps 5 and 4), then save mismatched steps.
 A round is one ``all_reduce`` (MIN) of ``[mine, -mine]``: every rank learns the lowest and the highest step
-restored, or that some rank failed (:data:`FAILED`) or has nothing (:data:`NOTHING`).
+restored, or that some rank failed (:data:`FAILED`) or has nothing (:data:`NOTHING`). When a rank failed,
+:func:`gather_text` tells every rank which ranks failed and why, so they all raise the same error.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ def in_group(world_size: int) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size
 
 
+def _device() -> str:
+    import torch
+    import torch.distributed as dist
+
+    # A pure NCCL group reduces device tensors only; gloo (and "cpu:gloo,cuda:nccl") takes host ones.
+    return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+
+
 def exchange(mine: int) -> tuple[int, int]:
     """One round: returns ``(lowest, highest)`` of the values every rank passed (a collective: every rank calls it).
 
@@ -35,8 +44,34 @@ def exchange(mine: int) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-    # A pure NCCL group reduces device tensors only; gloo (and "cpu:gloo,cuda:nccl") takes host ones.
-    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    t = torch.tensor([mine, -mine], dtype=torch.int64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t[0]), -int(t[1])
+
+
+def gather_text(mine: str, limit: int = 2000) -> list[str]:
+    """Every rank's ``mine``, indexed by rank (a collective: every rank calls it).
+
+    Raw UTF-8 bytes in tensors, not ``all_gather_object``: nothing a peer sends is unpickled.
+
+    Args:
+        mine: this rank's text; only its first ``limit`` bytes are sent.
+        limit: bytes per rank at most.
+    """
+    import torch
+    import torch.distributed as dist
+
+    device = _device()
+    raw = mine.encode("utf-8", "replace")[:limit]
+    world = dist.get_world_size()
+    size = torch.tensor([len(raw)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = max(1, max(int(s) for s in sizes))
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if raw:
+        buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    buf = buf.to(device)
+    out = [torch.zeros_like(buf) for _ in range(world)]
+    dist.all_gather(out, buf)
+    return [bytes(t[:int(n)].cpu().tolist()).decode("utf-8", "replace") for t, n in zip(out, sizes)]

@@ -207,7 +207,8 @@ class Arena:
     """
 
     def __init__(self, shm_root: str, job: str, rank: int, slots: int, anonymous: bool = False) -> None:
-        self.dir = rank_dir(shm_root, job, rank)
+        # Absolute: the slot paths travel to a persist process that may run in another working directory.
+        self.dir = os.path.abspath(rank_dir(shm_root, job, rank))
         self.anonymous = anonymous
         self._name = f"trainguard-{job}-rank{rank}"
         self.nslots = max(2, slots)

@@ -23,6 +23,7 @@ A Checkpointer that only restores never touches the staging area or starts a per
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -43,6 +44,7 @@ from trainguard.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
     NoCheckpointError,
+    StateMismatchError,
     StorageUnavailableError,
     WorldSizeMismatchError,
 )
@@ -460,8 +462,10 @@ class Checkpointer:
             "slot_data": paths.data,  # differs from "<slot>.data" for anonymous (memfd) staging
             "manifest": arena_mod.manifest_dict(manifest),
             "memory": cfg.memory.enabled and self.staging == "memory",
-            "disk": {"root": cfg.disk_directory, "keep": cfg.disk.keep, "fsync": cfg.disk.fsync}
-            if cfg.disk.enabled else None,
+            # Absolute paths only: an agent-owned persist process runs in the launcher's working directory, not in
+            # this worker's (a script that chdirs, Hydra's run folder).
+            "disk": {"root": self.disk.root, "keep": cfg.disk.keep, "fsync": cfg.disk.fsync}
+            if self.disk is not None else None,
             "remote": {"url": cfg.remote_url, "keep": cfg.remote.keep, "storage_options": cfg.remote.storage_options}
             if cfg.remote_url else None,
             "bandwidth_mib_s": cfg.persist.bandwidth_mib_s,
@@ -731,7 +735,9 @@ class Checkpointer:
         Inside a process group of ``world_size`` ranks (``torch.distributed`` initialized) a restore without
         ``step`` is a collective, called by every rank: the ranks agree on one step (see :mod:`.agreement`). A
         rank whose copy of the newest step is torn falls back to an older one, the others follow it (each logs
-        which steps the ranks restored), and when any rank's restore raises, every rank raises.
+        which steps the ranks restored), and when any rank's restore raises, every rank raises. With ``step`` it is
+        a collective too (every rank passes the same step): every rank restores ``step``, or every rank raises the
+        same error naming the ranks that could not load it and why (no rank falls back to another step).
 
         Sharded state (DTensors: FSDP2, tensor parallel) is placed into the live layout whatever the saving
         layout was: the same mesh (each rank copies its own shard), another world size, or plain tensors on one
@@ -757,10 +763,14 @@ class Checkpointer:
             NoCheckpointError: ``step`` was given and no tier holds a valid copy of it.
             StateMismatchError: the checkpoint does not fit ``state`` (the message names the key).
             CheckpointError: inside a process group, another rank's restore raised, or some ranks found no
-                checkpoint while others restored one.
+                checkpoint while others restored one. With ``step`` in a process group every rank raises the same
+                error when any rank cannot load it: NoCheckpointError (or StateMismatchError,
+                WorldSizeMismatchError) when every failing rank failed so, else CheckpointError.
         """
-        if step is not None or not agreement.in_group(self.world_size):
+        if not agreement.in_group(self.world_size):
             return self._restore_local(state, step, corrupt_ok)
+        if step is not None:
+            return self._restore_step_together(state, step)
         try:
             mine = self._restore_local(state, None, corrupt_ok)
         except Exception:
@@ -786,6 +796,44 @@ class Checkpointer:
                     agreement.exchange(agreement.FAILED)
                     raise
 
+    def _restore_step_together(self, state: MutableMapping[str, Any], step: int) -> int:
+        """``restore(state, step=step)`` inside a process group: every rank loads ``step``, or every rank raises.
+
+        A rank whose copy of ``step`` was missing or torn used to raise alone while the others went on with
+        ``step`` and then hung in (or mismatched) their next collective. Now one exchange tells every rank
+        whether all loaded it; if not, a second tells every rank which ranks failed and why, and every rank raises
+        the same error (the failing ranks chain their own cause). Ranks that did load ``step`` keep it in
+        ``state``; no rank returns.
+
+        Raises:
+            NoCheckpointError, StateMismatchError, WorldSizeMismatchError: every failing rank raised that kind.
+            CheckpointError: the failing ranks raised different kinds, or the ranks asked for different steps.
+        """
+        failure: Exception | None = None
+        try:
+            self._restore_local(state, step, corrupt_ok=False)
+        except Exception as exc:  # noqa: BLE001 - every kind must reach the exchange, or the others hang in it
+            failure = exc
+        lowest, highest = agreement.exchange(agreement.FAILED if failure is not None else step)
+        if failure is None and lowest == highest == step:
+            return step
+        why = "" if failure is None else f"{type(failure).__name__}: {_first_line(failure)}"
+        reports = [json.loads(r) for r in agreement.gather_text(json.dumps({"step": step, "error": why}))]
+        asked = sorted({r["step"] for r in reports})
+        failed = {rank: r["error"] for rank, r in enumerate(reports) if r["error"]}
+        kinds = {e.split(":", 1)[0] for e in failed.values()}
+        cls = _SAME_KIND.get(kinds.pop()) if len(kinds) == 1 else None
+        if len(asked) > 1:
+            cls = None
+            msg = (f"restore(step=...) of job {self.job!r} was called with different steps by the ranks ({asked}); "
+                   "pass every rank the same step")
+        else:
+            msg = (f"restore(step={step}) of job {self.job!r}: {len(failed)} of {self.world_size} ranks could not "
+                   f"load step {step}: " + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+                   + "; every rank raises, none trains from it (`trainguard ckpt verify` checks each rank's files)")
+        err = (cls or CheckpointError)(msg)
+        raise err from failure
+
     def _restore_local(self, state: MutableMapping[str, Any], step: int | None, corrupt_ok: bool,
                        at_most: int | None = None) -> int | None:
         """:meth:`restore` on this rank alone; ``at_most`` leaves out newer steps (another rank's fallback)."""
@@ -796,14 +844,28 @@ class Checkpointer:
         if at_most is not None:
             infos = [i for i in infos if i.step <= at_most]
         reasons: list[str] = []
-        for info in reversed(infos):
-            for tier in info.tiers:
-                try:
-                    if self._restore_from(tier, info, state):
-                        return info.step
-                except (CorruptCheckpointError, StorageUnavailableError, OSError) as exc:
-                    log.warning("not restoring step %d from the %s tier: %s", info.step, tier, exc)
-                    reasons.append(f"step {info.step} ({tier}): {str(exc).splitlines()[0] if str(exc) else exc!r}")
+        batch, infos = infos, []
+        for _ in range(_RELISTS + 1):
+            infos += batch
+            for info in reversed(batch):
+                for tier in info.tiers:
+                    try:
+                        if self._restore_from(tier, info, state):
+                            return info.step
+                    except (CorruptCheckpointError, StorageUnavailableError, OSError) as exc:
+                        log.warning("not restoring step %d from the %s tier: %s", info.step, tier, exc)
+                        reasons.append(f"step {info.step} ({tier}): "
+                                       f"{str(exc).splitlines()[0] if str(exc) else exc!r}")
+            if step is not None or at_most is not None or not infos:
+                break
+            # Every listed copy failed. A live trainer's retention removes the oldest steps as it commits new ones,
+            # so a process reading its directory (an evaluation job) can find every step it listed gone: those are
+            # no corrupt checkpoints. Try the steps committed since the listing before saying so.
+            batch = [i for i in self._list_steps(retired=True) if i.step > infos[-1].step]
+            if not batch:
+                break
+            log.info("every step listed was removed or failed while restoring; trying the newer steps %s",
+                     [i.step for i in batch])
         self.last_restore_tier = None
         if step is not None:
             raise NoCheckpointError(f"no tier holds a valid copy of step {step} for job {self.job!r}"
@@ -948,6 +1010,19 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+#: How often a restore lists the steps again when every listed one failed and newer ones were committed meanwhile.
+_RELISTS = 3
+
+#: Error kinds a collective ``restore(step=...)`` raises on every rank when every failing rank raised that kind.
+_SAME_KIND: dict[str, type[CheckpointError]] = {
+    cls.__name__: cls for cls in (NoCheckpointError, StateMismatchError, WorldSizeMismatchError)}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else repr(exc)
 
 
 def _as_list(x: Any) -> list[Any]:

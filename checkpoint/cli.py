@@ -97,11 +97,17 @@ def _job(directory: str, job: str | None) -> str:
         CheckpointError: not a valid job name, no such job (the message lists the jobs there), or no ``--job``
             and not exactly one job.
     """
-    from trainguard.checkpoint.storage import check_job_name
+    from trainguard.checkpoint.storage import check_job_name, is_step_dirname
 
     if job is not None:
         check_job_name(job)
     jobs = _jobs(directory)
+    if jobs and all(is_step_dirname(j) for j in jobs):
+        # A job's own folder given as the root: its steps were listed as "jobs", or, with one step, the step taken
+        # for the job and its (absent) steps reported as "no committed step".
+        parent, name = os.path.split(directory.rstrip("/"))
+        raise CheckpointError(f"{directory} is the folder of job {name!r} (it holds step folders); pass the "
+                              f"checkpoint root above it: {parent or '.'} --job {name}")
     if job is not None:
         # An empty listing would read as "no steps yet" and exit 0, hiding a misspelt --job.
         if job not in jobs:
@@ -216,7 +222,12 @@ def _verify(args: argparse.Namespace) -> int:
     for step in steps:
         ws = committed.get(step)
         if ws is None:
-            print(f"step {step}: NOT COMMITTED (some rank's commit marker is missing)")
+            if step not in store.list_steps():
+                newest = max(committed, default=None)
+                print(f"step {step}: NO SUCH STEP in {store.describe()} (newest committed: "
+                      f"{'none' if newest is None else newest}; `trainguard ckpt ls` lists them)")
+            else:
+                print(f"step {step}: NOT COMMITTED (some rank's commit marker is missing)")
             bad += 1
             continue
         for rank in range(ws):
@@ -227,9 +238,23 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"step {step} rank {rank}: OK ({copy.manifest.data_bytes} bytes, "
                       f"{len(copy.manifest.tensors)} tensors)")
             except (CorruptCheckpointError, OSError) as exc:
+                if _removed_meanwhile(store, step):
+                    print(f"step {step}: REMOVED while verifying (no longer committed: a live job's retention or "
+                          "a `ckpt gc` deleted it)" + ("" if args.step is not None else "; not counted"))
+                    bad += args.step is not None  # the step asked for is gone; one of the listed is no failure
+                    break
                 print(f"step {step} rank {rank}: CORRUPT: {exc}")
                 bad += 1
     return 1 if bad else 0
+
+
+def _removed_meanwhile(store: Any, step: int) -> bool:
+    """Whether ``step``, committed when listed, is no longer committed: a live trainer's retention (or ``ckpt gc``)
+    removes a step's commit markers before its files, so files missing after that are no corruption."""
+    try:
+        return not store.is_complete(step)[0]
+    except (OSError, CheckpointError):
+        return False
 
 
 def _step_problem(store: Any, step: int, world_size: int) -> str | None:
@@ -276,6 +301,8 @@ def gc_plan(store: Any, keep: int) -> GcPlan:
         if valid == keep:
             break
         problem = _step_problem(store, step, ws)
+        if problem is not None and _removed_meanwhile(store, step):
+            continue  # a live job's retention removed it while it was verified: neither kept nor corrupt
         if problem is None:
             valid += 1
             oldest_kept = step

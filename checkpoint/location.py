@@ -72,7 +72,7 @@ class CheckpointLocation:
     Attributes:
         text: the location as given.
         scheme: the URL scheme, lower-cased; empty for a plain path.
-        rest: what follows ``scheme://`` or ``file:`` (the path itself for a plain path).
+        rest: what follows ``scheme://`` or ``file:`` (the path itself for a plain path, ``~`` expanded).
     """
 
     text: str
@@ -94,6 +94,11 @@ class CheckpointLocation:
             raise CheckpointConfigError(f"{key} is empty; set it to a local path or an fsspec URL")
         check_local_url(text, key)
         scheme, rest = split_url(text)
+        if scheme == "":
+            # What no shell expanded (a TOML value, an environment variable in a unit file or a pod spec,
+            # --checkpoint-dir=~/ck): a folder literally named "~" under each process's working directory put
+            # the steps where a relaunch from elsewhere never looked, though the job's name hashed $HOME's path.
+            rest = os.path.expanduser(rest)
         return cls(text=text, scheme=scheme, rest=rest)
 
     @property
@@ -123,7 +128,7 @@ class CheckpointLocation:
     def for_workers(self) -> str:
         """How a launcher hands the location to workers (``$TRAINGUARD_CHECKPOINT_DIR``): a plain path made
         absolute (workers may run elsewhere), a URL as given."""
-        return os.path.abspath(self.text) if self.scheme == "" else self.text
+        return os.path.abspath(self.rest) if self.scheme == "" else self.text
 
     def disk_directory(self, local_cache: str | None) -> str:
         """The local directory of the disk tier: the location itself when local, else ``local_cache``, by default

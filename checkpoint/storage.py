@@ -71,6 +71,11 @@ def step_dirname(step: int) -> str:
     return f"step_{step:012d}"
 
 
+def is_step_dirname(name: str) -> bool:
+    """Whether ``name`` is named like a step directory (:func:`step_dirname`)."""
+    return bool(_STEP_RE.match(name))
+
+
 def data_name(rank: int) -> str:
     """Data file name of a rank."""
     return f"rank_{rank:05d}.data"

@@ -76,17 +76,27 @@ def checkpoint_job_name(script: str, checkpoint_dir: str) -> str:
     torchrun launch (whose run id is a fresh uuid), so rerunning the same command finds the same
     checkpoints under either launcher.
 
-    A plain path is resolved (``~``, symlinks, relative to the working directory); a URL (``file:/abs``
-    included) is hashed as given. A ``-m`` module's ``__main__.py`` is named after its package folder.
+    A local location is resolved to its real absolute path (``~``, symlinks, a trailing slash, relative to the
+    working directory), whether given as a path or as ``file:///abs`` / ``file:/abs``: one directory has one
+    name, whichever spelling the launcher and the worker were given. A remote URL is hashed as given. A ``-m``
+    module's ``__main__.py`` is named after its package folder.
+
+    Raises:
+        CheckpointConfigError: a ``file://`` URL with a host part (``file://data/ckpt``), which names no
+            directory every process agrees on.
     """
-    from trainguard.checkpoint.location import split_url
+    from trainguard.checkpoint.config import local_directory
+    from trainguard.checkpoint.location import is_local_url
 
     base = os.path.basename(script.rstrip("/"))
     stem = os.path.splitext(base)[0]
     if stem == "__main__":
         stem = os.path.basename(os.path.dirname(os.path.abspath(script)))
-    where = (checkpoint_dir if split_url(checkpoint_dir)[0]
-             else os.path.realpath(os.path.expanduser(checkpoint_dir)))
+    where = checkpoint_dir
+    if is_local_url(checkpoint_dir):
+        # The hash of the resolved plain path is what jobs were named before file:// URLs were normalised.
+        local = local_directory(checkpoint_dir, "checkpoint directory") or checkpoint_dir
+        where = os.path.realpath(os.path.expanduser(local))
     return f"{stem or 'job'}-{hashlib.sha256(where.encode()).hexdigest()[:10]}"
 
 

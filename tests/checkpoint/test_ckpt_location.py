@@ -80,3 +80,35 @@ def test_local_directory_keys_take_file_urls_and_refuse_other_urls(tmp_path, mon
         with pytest.raises(CheckpointConfigError, match=key):
             CheckpointConfig(directory=str(tmp_path / "ck"), **kw)
     assert not (tmp_path / "file:").exists()
+
+
+def test_a_checkpoint_directory_under_home_that_no_shell_expanded(tmp_path, monkeypatch) -> None:
+    """Found by the checkpoint review: ``TRAINGUARD_CHECKPOINT_DIR=~/ck`` (a unit file's or a pod's environment, a
+    TOML value, ``--checkpoint-dir=~/ck``) wrote the steps into a folder named ``~`` under the worker's working
+    directory, while the job's name hashed ``$HOME/ck``: a relaunch from another folder resumed nothing."""
+    import subprocess
+    import sys
+
+    from trainguard.checkpoint.storage import step_dirname
+    from trainguard.cli import main
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    script = ("import torch, trainguard\n"
+              "s = trainguard.init(save_every=1)\n"
+              "state = {'w': torch.ones(4)}\n"
+              "start = s.restore(state)\n"
+              "s.step_done(start, state)\n"
+              "s.finish(); s.close(); print(start)\n")
+    env = dict(os.environ, HOME=str(home), TRAINGUARD_CHECKPOINT_DIR="~/ck", TRAINGUARD_JOB="j")
+    env.pop("TRAINGUARD_AGENT_SOCKET", None)
+    for cwd, expect in ((work, "0"), (tmp_path, "1")):  # the relaunch from another folder resumes
+        done = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split()[-1] == expect
+    assert (home / "ck" / "j" / step_dirname(1)).is_dir()
+    assert not (work / "~").exists() and not (tmp_path / "~").exists()
+    monkeypatch.setenv("HOME", str(home))
+    assert main(["ckpt", "verify", "~/ck"]) == 0

@@ -71,3 +71,25 @@ def test_only_a_standalone_run_id_is_replaced_by_the_checkpoint_job_name(tmp_pat
     name = checkpoint_job_name("/x/train.py", str(tmp_path / "ck"))
     assert name.startswith("train-") and name == checkpoint_job_name("train.py", f"{tmp_path}/ck/")
     assert checkpoint_job_name("/x/pkg/__main__.py", "s3://b/p").startswith("pkg-")
+
+
+def test_one_checkpoint_directory_gives_one_job_name_however_it_is_spelled(tmp_path, monkeypatch) -> None:
+    """Found by the checkpoint review: ``--checkpoint-dir file:///d`` and ``/d`` hashed to different names, so a
+    launcher and a hook given the two spellings of one directory named the job differently (and resumed nothing)."""
+    from trainguard.checkpoint.errors import CheckpointConfigError
+    from trainguard.worker_env import checkpoint_job_name
+
+    real = tmp_path / "ck"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.chdir(tmp_path)
+    name = checkpoint_job_name("train.py", str(real))
+    for spelling in (f"file://{real}", f"file://{real}/", f"file:{real}", f"FILE://{real}", f"local://{real}",
+                     f"{real}/", "ck", "./ck/", "link", f"file://{tmp_path}/link", "file:ck"):
+        assert checkpoint_job_name("/x/train.py", spelling) == name, spelling
+    # Jobs named from a plain absolute path before keep their name (their checkpoints live under it).
+    assert checkpoint_job_name("train.py", "/trainguard-no-such-dir/ckpt") == "train-58e6efb7f3"
+    # Remote URLs are hashed as given; a file:// URL with a host part names no agreed directory.
+    assert checkpoint_job_name("train.py", "s3://b/p") == "train-7fb9692596"
+    with pytest.raises(CheckpointConfigError, match="absolute path"):
+        checkpoint_job_name("train.py", "file://ck")

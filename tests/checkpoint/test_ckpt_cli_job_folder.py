@@ -1,0 +1,44 @@
+"""`trainguard ckpt` given a job's own folder where the checkpoint root goes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+from trainguard.checkpoint import CheckpointConfig, Checkpointer
+from trainguard.cli import main
+
+
+@pytest.mark.parametrize("steps", [[1], [1, 2]])
+@pytest.mark.parametrize("command", ["ls", "verify", "gc"])
+def test_a_job_folder_given_as_the_root_is_refused_naming_the_root_and_job(command, steps, tmp_path) -> None:
+    # Found by the checkpoint review: `ckpt ls ROOT/JOB` said it "holds 3 jobs (step_000000000397, ...)"; with one
+    # step, that step was taken for the job: `ls` printed no steps and exited 0, `verify` said "no committed step".
+    cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False}, persist={"service": "inline"})
+    with Checkpointer(cfg, job="j") as ck:
+        for s in steps:
+            ck.save({"w": torch.full((100,), float(s))}, s)
+    out, err = io.StringIO(), io.StringIO()
+    extra = ["--keep", "1"] if command == "gc" else []
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["ckpt", command, str(tmp_path / "ck" / "j"), *extra])
+    assert rc == 2, out.getvalue()
+    assert f"is the folder of job 'j' (it holds step folders); pass the checkpoint root above it: {tmp_path / 'ck'} " \
+           "--job j" in err.getvalue()
+
+
+def test_verify_of_a_step_that_does_not_exist_says_so(tmp_path) -> None:
+    # It said "NOT COMMITTED (some rank's commit marker is missing)": an operator went looking for a torn save.
+    cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False}, persist={"service": "inline"})
+    with Checkpointer(cfg, job="j") as ck:
+        ck.save({"w": torch.ones(10)}, 3)
+    (tmp_path / "ck" / "j" / "step_000000000002").mkdir()  # a save that never committed
+    for step, expect in (("5", "step 5: NO SUCH STEP in "), ("2", "step 2: NOT COMMITTED")):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            rc = main(["ckpt", "verify", str(tmp_path / "ck"), "--step", step])
+        assert rc == 1 and out.getvalue().startswith(expect), out.getvalue()
+        assert ("newest committed: 3;" in out.getvalue()) == (step == "5")
