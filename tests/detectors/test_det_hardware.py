@@ -209,3 +209,41 @@ def test_disk_block_device_states(tmp_path) -> None:
     write_file(tmp_path, "sys/class/nvme/nvme0/state", "")
     s = det.sample()
     assert len(s.errors) == 1 and "state word" in s.errors[0].reason
+
+
+def _sysfs_link(root, link: str, target: str) -> None:
+    path = root / link
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(target, path)
+
+
+def test_disk_judges_only_scsi_disks_by_the_scsi_state(tmp_path) -> None:
+    # The kernel's own layout: an NVMe namespace's /sys/block/<disk>/device is its controller (state "live"), a
+    # Xen disk's its xenbus device (state "Connected"); only a SCSI disk's state reads "running".
+    pci = "sys/devices/pci0000:00/0000:00:1d.0/0000:3d:00.0"
+    write_file(tmp_path, f"{pci}/nvme/nvme0/state", "live\n")
+    (tmp_path / f"{pci}/nvme/nvme0/nvme0n1").mkdir()
+    _sysfs_link(tmp_path, f"{pci}/nvme/nvme0/subsystem", "../../../../../class/nvme")
+    _sysfs_link(tmp_path, f"{pci}/nvme/nvme0/nvme0n1/device", "../../nvme0")
+    _sysfs_link(tmp_path, "sys/class/nvme/nvme0", f"../../{pci[4:]}/nvme/nvme0")
+    _sysfs_link(tmp_path, "sys/block/nvme0n1", f"../{pci[4:]}/nvme/nvme0/nvme0n1")
+    write_file(tmp_path, "sys/devices/vbd-51712/state", "Connected\n")
+    (tmp_path / "sys/bus/xen").mkdir(parents=True)
+    _sysfs_link(tmp_path, "sys/devices/vbd-51712/subsystem", "../../bus/xen")
+    _sysfs_link(tmp_path, "sys/block/xvda/device", "../../devices/vbd-51712")
+    write_file(tmp_path, "sys/devices/host0/0:0:0:0/state", "running\n")
+    (tmp_path / "sys/bus/scsi").mkdir(parents=True)
+    _sysfs_link(tmp_path, "sys/devices/host0/0:0:0:0/subsystem", "../../../bus/scsi")
+    _sysfs_link(tmp_path, "sys/block/sda/device", "../../devices/host0/0:0:0:0")
+    det = DiskDetector(DiskConfig(root=str(tmp_path), paths=(str(tmp_path),)))
+    s = det.sample()
+    assert (s.events, s.errors, s.state) == ([], [], DetectorState.OK)
+    assert s.metrics["block_devices_checked"] == 2.0  # nvme:nvme0 and block:sda
+    write_file(tmp_path, "sys/devices/host0/0:0:0:0/state", "offline\n")
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("disk.device_unhealthy", "block:sda")]
+    # A controller being removed prints "deleting (no IO)": an unhealthy controller, not an unreadable file.
+    write_file(tmp_path, f"{pci}/nvme/nvme0/state", "deleting (no IO)\n")
+    s = det.sample()
+    assert s.errors == [] and [(e.kind, e.subject) for e in s.events] == [("disk.device_unhealthy", "nvme:nvme0")]
+    assert "deleting (no IO)" in s.events[0].message
