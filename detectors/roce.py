@@ -18,6 +18,7 @@ all are ``roce.interfaces_unmatched`` (a warning; the detector reads degraded un
 from __future__ import annotations
 
 import collections
+import dataclasses
 import fnmatch
 import os
 import re
@@ -115,6 +116,9 @@ class RoceDetector(ListeningDetector):
         self._counters = CounterTracker()
         self._lock = threading.RLock()
         self._links: dict[str, LinkInfo] = {}
+        # Index -> name of the links not removed: a rename is found by index without a scan of the table (a scan
+        # per message made a dump of thousands of links, pod veths, take seconds).
+        self._names: dict[int, str] = {}
         self._down_since: dict[str, float] = {}
         self._downs: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
         self._emit: Callable[[HealthEvent], None] | None = None
@@ -176,7 +180,7 @@ class RoceDetector(ListeningDetector):
             if self._stopping:
                 return
             self._emit = emit
-            self._watcher = LinkWatcher(self._on_link, self.config.netns)
+            self._watcher = LinkWatcher(self._on_link, self.config.netns, on_dump=self._on_dump)
             self._listening = True
         try:
             self._watcher.run()
@@ -216,6 +220,25 @@ class RoceDetector(ListeningDetector):
             for ev in events:
                 emit(ev)
 
+    def _on_dump(self, names: set[str], initial: bool) -> None:
+        events = self._vanished(names)
+        emit = self._emit
+        if emit is not None:
+            for ev in events:
+                emit(ev)
+
+    def _vanished(self, names: set[str]) -> list[HealthEvent]:
+        """Links of the table that a complete dump (``names``) no longer lists were deleted or moved to another
+        namespace unseen: between two dumps without a listener, before a listener's start, or in a burst that
+        overflowed its socket (a driver reset removing a NIC's netdevs with its VFs). They read up for good;
+        now each goes through as removed, so a watched one is down."""
+        with self._lock:
+            gone = [info for name, info in self._links.items() if name not in names and not info.removed]
+        events: list[HealthEvent] = []
+        for info in gone:
+            events.extend(self._link_events(dataclasses.replace(info, removed=True, time=time.time()), False))
+        return events
+
     def _link_events(self, info: LinkInfo, initial: bool) -> list[HealthEvent]:
         """Records one link message; returns the events of a change of its state (none for a first sight).
 
@@ -233,6 +256,11 @@ class RoceDetector(ListeningDetector):
             # Unwatched links are kept too: with no interfaces configured, a NIC becomes watched when its RDMA
             # device appears (the driver loads after the agent), and its state must be known by then.
             self._links[info.ifname] = info
+            if info.removed:
+                if self._names.get(info.index) == info.ifname:
+                    del self._names[info.index]
+            else:
+                self._names[info.index] = info.ifname
             if info.up:
                 self._down_since.pop(info.ifname, None)
             else:
@@ -287,21 +315,23 @@ class RoceDetector(ListeningDetector):
         its old name behind as down forever: ``net.link_down_persistent`` and a FAILED detector for an interface
         that no longer exists. Its down time and flap history move to the new name, which is the same link.
         """
-        for name, known in list(self._links.items()):
-            if known.index != info.index or name == info.ifname or known.removed:
-                continue
-            since = self._down_since.get(name)
-            downs = self._downs.get(name)
-            self._forget(name)
-            if since is not None:
-                self._down_since.setdefault(info.ifname, since)
-            if downs:
-                self._downs[info.ifname].extend(downs)
-            return known
-        return None
+        name = self._names.get(info.index)
+        known = self._links.get(name) if name is not None else None
+        if known is None or name == info.ifname or known.removed or known.index != info.index:
+            return None
+        since = self._down_since.get(name)
+        downs = self._downs.get(name)
+        self._forget(name)
+        if since is not None:
+            self._down_since.setdefault(info.ifname, since)
+        if downs:
+            self._downs[info.ifname].extend(downs)
+        return known
 
     def _forget(self, ifname: str) -> None:
-        self._links.pop(ifname, None)
+        known = self._links.pop(ifname, None)
+        if known is not None and self._names.get(known.index) == ifname:
+            del self._names[known.index]
         self._down_since.pop(ifname, None)
         self._downs.pop(ifname, None)
 
@@ -319,13 +349,16 @@ class RoceDetector(ListeningDetector):
         """The link table from a dump when no listener runs (``trainguard detect``, a listener between retries);
         a change since the previous dump is reported in the sample."""
         ipr = open_iproute(self.config.netns)
+        names: set[str] = set()
         try:
             for msg in ipr.get_links():
                 info = link_from_message(msg)
                 if info is not None:
+                    names.add(info.ifname)
                     s.events.extend(self._link_events(info, False))
         finally:
             ipr.close()
+        s.events.extend(self._vanished(names))
 
     # -- polled part -----------------------------------------------------------------------------------------
 

@@ -257,6 +257,45 @@ def test_a_link_that_went_down_before_the_listener_started_is_reported(veth_netn
     assert "administratively down" in down.message
 
 
+@pytest.mark.netns
+def test_a_link_gone_while_no_notification_was_read_is_down(veth_netns, tmp_path) -> None:
+    """A watched link deleted or moved to another namespace between two dumps (``trainguard detect --window``,
+    before a listener's start, in a burst that overflowed its socket) is simply absent from the next dump: it
+    stayed in the table as up for good. It is down (removed) now, and up again once it is back."""
+    ns, a, _ = veth_netns
+    other = f"{ns}-away"
+    subprocess.run(["ip", "netns", "add", other], check=True, timeout=10)
+    try:
+        det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=3600,
+                                      ethtool=False))
+        assert det.sample().metrics[f"link_up[{a}]"] == 1.0
+        ip(ns, "link", "set", a, "netns", other)
+        s = det.sample()
+        assert [(e.kind, e.subject) for e in s.events] == [("net.link_down", a)]
+        assert "removed" in s.events[0].message and s.metrics[f"link_up[{a}]"] == 0.0
+        assert s.state == DetectorState.FAILED
+        # Gone before a listener starts: its initial dump says so too.
+        det2 = RoceDetector(RoceConfig(root=str(tmp_path), netns=other, interfaces=(a,), down_grace_s=3600,
+                                       ethtool=False))
+        ip(other, "link", "set", a, "up")  # a link moved to another namespace arrives down
+        assert det2.sample().metrics[f"link_up[{a}]"] == 1.0
+        ip(other, "link", "set", a, "netns", ns)
+        q: queue.Queue[HealthEvent] = queue.Queue()
+        listener = threading.Thread(target=det2.listen, args=(q.put,), daemon=True)
+        listener.start()
+        try:
+            assert det2.wait_ready(30.0), "the netlink listener did not start"
+            next_event(q, "net.link_down", a)
+        finally:
+            det2.stop_listening()
+            listener.join(10)
+        ip(ns, "link", "set", a, "up")
+        s = det.sample()
+        assert ("net.link_up", a) in [(e.kind, e.subject) for e in s.events] and s.metrics[f"link_up[{a}]"] == 1.0
+    finally:
+        subprocess.run(["ip", "netns", "del", other], timeout=10)
+
+
 def test_carrier_downs_are_counted_from_carrier_changes_on_kernels_without_a_down_count() -> None:
     """Before Linux 4.19 only IFLA_CARRIER_CHANGES (every transition) is reported: from carrier on, the odd
     transitions are downs; from carrier off, the even ones."""
