@@ -59,6 +59,27 @@ def test_degraded_link_width_speed_and_lost_device(tmp_path) -> None:
         ("pcie.device_lost", "0000:86:00.0", Severity.CRITICAL)]
 
 
+def test_a_link_at_the_limit_of_its_slot_is_not_degraded(tmp_path) -> None:
+    """A Gen5 x16 NIC in a Gen4 x8 slot trains at 16 GT/s x8, the most that link can do (the kernel logs it as
+    "limited by 16.0 GT/s PCIe x8 link at <port>"). Compared with the NIC's own maximum it read narrow and slow
+    for good: a DEGRADED detector, and the predictor's rule on narrow links (already fatal) drained the node.
+    Below the slot's limit it is degraded as before."""
+    port, nic = "0000:00:01.0", "0000:01:00.0"
+    write_pci_device(tmp_path, port, cls="0x060400", width=8, max_width=8, speed="16.0 GT/s PCIe",
+                     max_speed="16.0 GT/s PCIe")
+    write_pci_device(tmp_path, nic, cls="0x020000", above=port, width=8, max_width=16, speed="16.0 GT/s PCIe",
+                     max_speed="32.0 GT/s PCIe")
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert (s.events, s.state, s.metrics["links_degraded"]) == ([], DetectorState.OK, 0.0)
+    write_pci_device(tmp_path, nic, cls="0x020000", above=port, width=4, max_width=16, speed="8.0 GT/s PCIe",
+                     max_speed="32.0 GT/s PCIe")
+    s = det.sample()
+    assert sorted((e.kind, e.subject) for e in s.events) == [("pcie.link_narrow", nic), ("pcie.link_slow", nic)]
+    narrow = next(e for e in s.events if e.kind == "pcie.link_narrow")
+    assert narrow.evidence["max_width"] == "8" and "below its x8" in narrow.message
+
+
 def test_a_device_back_on_the_bus_counts_its_errors_from_zero(tmp_path) -> None:
     """A GPU removed and rescanned is a new pci_dev whose AER counters start at zero. It had one fatal error
     before it left; back with one new fatal error, the total read the same (1) and the new error was lost."""
