@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import time
 
@@ -148,6 +149,20 @@ def test_edac_uncorrectable_and_correctable_rate(tmp_path) -> None:
     assert "CPU_SrcID#0_MC#0_Chan#0_DIMM#0: ce=0 ue=1" in ue.message
     assert by_kind["hw.memory_ce_rate"].subject == "mc1"
     assert s.state == DetectorState.FAILED
+
+
+def test_edac_controllers_back_after_a_driver_reload_count_from_zero(tmp_path) -> None:
+    """Unloading the EDAC driver removes its memory controllers; loaded again, they count from zero. mc0 had
+    one uncorrectable error before and one new after the reload: the count read the same (1), no event."""
+    write_edac_mc(tmp_path, 0, ce=10, ue=1)
+    det = EdacDetector(EdacConfig(root=str(tmp_path)))
+    assert det.sample().events == []
+    shutil.rmtree(tmp_path / "sys/devices/system/edac/mc/mc0")
+    assert det.sample().state == DetectorState.NO_HARDWARE
+    write_edac_mc(tmp_path, 0, ce=0, ue=1)
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("hw.memory_ue", "mc0")]
+    assert det.sample().events == []  # the same error once
 
 
 def test_edac_malformed_and_absent(tmp_path) -> None:
