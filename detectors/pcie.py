@@ -58,7 +58,9 @@ def parse_link_speed(text: str, path: str) -> float | None:
     raise DetectorReadError(path, f"expected '<n> GT/s', found {text[:40]!r}")
 
 
-_BDF = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+# The domain has 4 hex digits or more: Intel VMD puts the NVMe drives behind it in domains from 10000 up
+# ("10000:e0:1d.0"), and with exactly 4 the ports above them were no ancestors: their AER errors went unread.
+_BDF = re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,19 @@ def test_a_link_at_the_limit_of_its_slot_is_not_degraded(tmp_path) -> None:
     assert narrow.evidence["max_width"] == "8" and "below its x8" in narrow.message
 
 
+def test_aer_errors_of_the_port_above_an_nvme_drive_behind_vmd(tmp_path) -> None:
+    """Intel VMD puts the NVMe drives behind it in PCI domains from 10000 up; the port above a drive there was no
+    ancestor of it (a 4-digit domain was expected), so its AER errors went unread in the default scope."""
+    vmd, port, drive = "0000:00:0e.0", "10000:e0:1d.0", "10000:e1:00.0"
+    write_pci_device(tmp_path, vmd, cls="0x010400")
+    write_pci_device(tmp_path, port, cls="0x060400", above=f"{vmd}/pci10000:e0")
+    write_pci_device(tmp_path, drive, cls="0x010802", above=f"{vmd}/pci10000:e0/{port}")
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    assert det.sample().metrics["aer_devices"] == 3.0
+    write_pci_device(tmp_path, port, cls="0x060400", above=f"{vmd}/pci10000:e0", fatal={"DLP": 1})
+    assert [(e.kind, e.subject) for e in det.sample().events] == [("pcie.aer_fatal", port)]
+
+
 def test_a_device_back_on_the_bus_counts_its_errors_from_zero(tmp_path) -> None:
     """A GPU removed and rescanned is a new pci_dev whose AER counters start at zero. It had one fatal error
     before it left; back with one new fatal error, the total read the same (1) and the new error was lost."""
