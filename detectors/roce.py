@@ -41,7 +41,7 @@ from trainguard.detectors.ethtool import ethtool_stats
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message, open_iproute
 from trainguard.detectors.rules import CounterRule, check_operator_file, load_counter_rules
-from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_text
+from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_pma_counter, read_text
 
 _PORT_STATE = re.compile(r"^(\d+):\s*(\S+)$")
 #: Interfaces named in the message of patterns that match none (all of them are in its evidence).
@@ -517,11 +517,12 @@ class RoceDetector(ListeningDetector):
                 if not any(r.matches(name) for r in self._rules[source]):
                     continue
                 try:
-                    value = read_int(os.path.join(cdir, name))
+                    value = read_pma_counter(os.path.join(cdir, name))
                 except DetectorReadError as exc:
                     s.error(exc)
                     continue
-                self._apply(s, source, subject, name, value, now)
+                if value is not None:
+                    self._apply(s, source, subject, name, value, now)
 
     def _apply(self, s: Sample, source: str, device: str, name: str, value: int, now: float) -> None:
         rules = [r for r in self._rules[source] if r.matches(name)]

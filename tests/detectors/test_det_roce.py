@@ -415,6 +415,26 @@ def test_rdma_counters_on_a_fake_tree(tmp_path) -> None:
     assert sorted(e.kind for e in s.events) == [k + ".cleared" for k in kinds]
 
 
+def test_rdma_counters_a_device_does_not_provide_are_no_read_errors(tmp_path) -> None:
+    """An RDMA device without a performance management agent (irdma on Intel E810 RoCE NICs, rxe, efa) prints
+    "N/A (no PMA)" in every ports/<n>/counters file: each was a read error, the detector in ERROR for good and
+    trainguard detect exiting 1 on every such node. Its hw_counters are still read."""
+    write_rdma_port(tmp_path, device="irdma0", netdev=None)
+    base = "sys/class/infiniband/irdma0/ports/1/counters"
+    for name in os.listdir(tmp_path / base):
+        write_file(tmp_path, f"{base}/{name}", "N/A (no PMA)\n")
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    s = det.sample()
+    assert (s.errors, s.events, s.state) == ([], [], DetectorState.OK)
+    time.sleep(0.05)
+    write_rdma_port(tmp_path, device="irdma0", netdev=None, oos=10**6)
+    for name in os.listdir(tmp_path / base):
+        write_file(tmp_path, f"{base}/{name}", "N/A (no PMA)\n")
+    assert [e.kind for e in det.sample().events] == ["roce.out_of_sequence"]
+    write_file(tmp_path, f"{base}/link_downed", "12 packets\n")
+    assert "expected one integer" in det.sample().errors[0].reason  # anything else is still malformed
+
+
 def test_port_not_active_and_malformed_files(tmp_path) -> None:
     write_rdma_port(tmp_path, state="1: DOWN")
     det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
