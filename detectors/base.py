@@ -81,6 +81,11 @@ _STATE_FOR_SEVERITY = {
     Severity.ERROR: DetectorState.FAILED,
     Severity.CRITICAL: DetectorState.FAILED,
 }
+def state_for(severity: Severity) -> DetectorState:
+    """The state an event of ``severity`` puts its detector in (warning: degraded; error, critical: failed)."""
+    return _STATE_FOR_SEVERITY[severity]
+
+
 #: Precedence when several conditions set a state: a read error hides nothing, a failure beats a warning.
 _STATE_RANK = {
     DetectorState.OK: 0,

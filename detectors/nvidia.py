@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
+from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector, state_for
 from trainguard.detectors.counters import CounterTracker
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
@@ -382,6 +382,11 @@ class NvidiaDetector(_NvmlDetector):
                                        f"{entry.nvidia_action})", subject,
                                        {"xid": xid, "xid_name": entry.name, "nvidia_action": entry.nvidia_action,
                                         "description": entry.description}))
+        for ev in s.events:
+            # One-off events (an uncorrectable ECC error, an Xid) set the state of the sample that raised them, as
+            # conditions do: a new double-bit error left the detector OK, and trainguard detect exited 0 on it.
+            if not ev.kind.endswith(".cleared"):
+                s.worsen(state_for(ev.severity), ev.message)
         s.metrics["gpus"] = float(len(readings))
         s.metrics["gpus_lost"] = float(sum(r.lost for r in readings))
         temps = [r.temperature_c for r in readings if r.temperature_c is not None]

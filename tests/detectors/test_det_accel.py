@@ -72,6 +72,24 @@ def test_gpu_faults_become_events() -> None:
     assert backend.closed
 
 
+def test_an_uncorrectable_ecc_error_or_an_xid_sets_the_detector_state() -> None:
+    """A new uncorrectable ECC error (CRITICAL, drain-node) or an Xid was an event in a sample whose state read OK:
+    trainguard detect, a node health probe, printed the event and exited 0."""
+    backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0")])
+    runner = DetectorRunner([NvidiaDetector(NvidiaConfig(), backend=backend)])
+    runner.run_once()
+    assert runner.statuses()[0].state == DetectorState.OK
+    backend.readings[0] = replace(backend.readings[0], ecc_volatile_uncorrected=1)
+    assert [e.kind for e in runner.run_once()] == ["gpu.ecc_uncorrected"]
+    status = runner.statuses()[0]
+    assert status.state == DetectorState.FAILED and "uncorrectable ECC" in status.detail
+    backend.xids = [(0, 12345)]  # not in the catalog: a warning
+    runner.run_once()
+    assert runner.statuses()[0].state == DetectorState.DEGRADED
+    runner.run_once()
+    assert runner.statuses()[0].state == DetectorState.OK  # one-off events: the next sample is clean
+
+
 def test_remap_failure_and_query_errors() -> None:
     backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0"), healthy(1, "00000000:5E:00.0")])
     backend.readings[0] = replace(backend.readings[0], remap_failure=True)
