@@ -352,10 +352,11 @@ class Detector(ABC):
                 self._active[key] = started
                 sample.events.append(started)
         elif was:
-            del self._active[key]
-            sample.events.append(
-                self.event(kind + ".cleared", Severity.INFO, Action.NONE, f"cleared: {message}", subject, evidence)
-            )
+            started = self._active.pop(key)
+            # The end names what the start named: a consumer pairs them by kind and subject, and a subject can
+            # read differently by then (a lost GPU is "gpu1" to NVML, its PCI address once it answers again).
+            sample.events.append(self.event(kind + ".cleared", Severity.INFO, Action.NONE, f"cleared: {message}",
+                                            started.subject, evidence))
 
     def active_conditions(self) -> list[HealthEvent]:
         """The start events of the conditions active now (raised by :meth:`condition`, not yet cleared).

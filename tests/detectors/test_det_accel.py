@@ -90,6 +90,18 @@ def test_an_uncorrectable_ecc_error_or_an_xid_sets_the_detector_state() -> None:
     assert runner.statuses()[0].state == DetectorState.OK  # one-off events: the next sample is clean
 
 
+def test_a_gpu_back_on_the_bus_clears_the_loss_it_was_reported_under() -> None:
+    """NVML names a lost GPU by its index only ("gpu1"), one that answers by its PCI address: gpu.lost.cleared came
+    under another subject than gpu.lost, so whoever paired them by kind and subject never saw the GPU back."""
+    backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0"), healthy(1, "00000000:5E:00.0")])
+    det = NvidiaDetector(NvidiaConfig(), backend=backend)
+    det.sample()
+    backend.readings[1] = GpuReading(index=1, lost=True)
+    assert [(e.kind, e.subject) for e in det.sample().events] == [("gpu.lost", "gpu1")]
+    backend.readings[1] = healthy(1, "00000000:5E:00.0")
+    assert [(e.kind, e.subject) for e in det.sample().events] == [("gpu.lost.cleared", "gpu1")]
+
+
 def test_remap_failure_and_query_errors() -> None:
     backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0"), healthy(1, "00000000:5E:00.0")])
     backend.readings[0] = replace(backend.readings[0], remap_failure=True)
