@@ -143,8 +143,12 @@ class PcieDetector(Detector):
             cls_path = os.path.join(dev, "class")
             cls = read_text(cls_path) if os.path.exists(cls_path) else ""
             ancestors = tuple(p for p in os.path.realpath(dev).split(os.sep)[:-1] if _BDF.match(p))
+            # An SR-IOV virtual function (it has a physfn link to its PF) has no link of its own: its link status
+            # register is reserved and reads zero (lspci: "Width x0 (downgraded)"), which read as a link down
+            # (critical, drain-node) for every VF of an RDMA NIC. Its PF's link is the one to watch.
+            vf = os.path.islink(os.path.join(dev, "physfn"))
             info = _DeviceInfo(cls, os.path.exists(os.path.join(dev, "aer_dev_correctable")),
-                               os.path.exists(os.path.join(dev, "max_link_width")), ancestors)
+                               os.path.exists(os.path.join(dev, "max_link_width")) and not vf, ancestors)
             self._devices[bdf] = info
         return info
 

@@ -93,6 +93,21 @@ def test_aer_errors_of_the_port_above_an_nvme_drive_behind_vmd(tmp_path) -> None
     assert [(e.kind, e.subject) for e in det.sample().events] == [("pcie.aer_fatal", port)]
 
 
+def test_sriov_virtual_functions_have_no_link_of_their_own(tmp_path) -> None:
+    """A VF's link status register is reserved and reads zero (lspci: "LnkSta: Speed unknown, Width x0"): every
+    VF of an RDMA NIC with SR-IOV enabled read as a PCIe link down, critical with drain-node. The PF's link is
+    watched; the VF's is not."""
+    pf, vf = "0000:3b:00.0", "0000:3b:00.2"
+    write_pci_device(tmp_path, pf, cls="0x020000", speed="16.0 GT/s PCIe", max_speed="16.0 GT/s PCIe")
+    vf_dir = write_pci_device(tmp_path, vf, cls="0x020000", width=0, speed="Unknown", max_speed="16.0 GT/s PCIe")
+    (vf_dir / "physfn").symlink_to(f"../{pf}")
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert (s.events, s.state, s.metrics["links_watched"]) == ([], DetectorState.OK, 1.0)
+    write_pci_device(tmp_path, pf, cls="0x020000", width=0, speed="Unknown", max_speed="16.0 GT/s PCIe")
+    assert [(e.kind, e.subject) for e in det.sample().events] == [("pcie.link_down", pf)]
+
+
 def test_a_device_back_on_the_bus_counts_its_errors_from_zero(tmp_path) -> None:
     """A GPU removed and rescanned is a new pci_dev whose AER counters start at zero. It had one fatal error
     before it left; back with one new fatal error, the total read the same (1) and the new error was lost."""
