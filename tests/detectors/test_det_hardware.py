@@ -125,6 +125,30 @@ def test_unset_trip_points_raise_nothing(tmp_path) -> None:
     assert [e.kind for e in det.sample().events] == ["hw.temp_hot"]
 
 
+def test_a_zone_held_at_its_trip_point_raises_one_event_not_one_per_crossing(tmp_path) -> None:
+    """A zone the kernel throttles sits at its passive trip, a tenth of a degree either side from one sample to the
+    next: every crossing raised hw.temp_throttling and its .cleared again, an event every 20 s for as long as the
+    node ran hot. The condition ends once the zone is 2 C below the trip (or the trip's own hysteresis, if larger);
+    a later rise is a new event."""
+    z = "sys/class/thermal/thermal_zone0"
+    write_thermal_zone(tmp_path, 0, 85100, {"passive": 85000})
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    assert [e.kind for e in det.sample().events] == ["hw.temp_throttling"]
+    for mc in (84900, 85200, 84800, 83100):
+        write_file(tmp_path, f"{z}/temp", f"{mc}\n")
+        s = det.sample()
+        assert s.events == [] and s.state == DetectorState.DEGRADED, mc
+    write_file(tmp_path, f"{z}/temp", "82900\n")
+    assert [e.kind for e in det.sample().events] == ["hw.temp_throttling.cleared"]
+    write_file(tmp_path, f"{z}/temp", "85000\n")
+    assert [e.kind for e in det.sample().events] == ["hw.temp_throttling"]
+    write_file(tmp_path, f"{z}/trip_point_0_hyst", "5000\n")  # the driver's own, larger
+    write_file(tmp_path, f"{z}/temp", "80500\n")
+    assert det.sample().events == []
+    write_file(tmp_path, f"{z}/temp", "79900\n")
+    assert [e.kind for e in det.sample().events] == ["hw.temp_throttling.cleared"]
+
+
 def test_thermal_malformed_and_absent(tmp_path) -> None:
     assert ThermalDetector(ThermalConfig(root=str(tmp_path))).sample().state == DetectorState.NO_HARDWARE
     write_thermal_zone(tmp_path, 0, 45000, {"critical": 105000})
