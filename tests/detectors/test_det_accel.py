@@ -102,6 +102,18 @@ def test_a_gpu_back_on_the_bus_clears_the_loss_it_was_reported_under() -> None:
     assert [(e.kind, e.subject) for e in det.sample().events] == [("gpu.lost.cleared", "gpu1")]
 
 
+def test_a_gpu_held_near_its_slowdown_temperature_raises_one_event() -> None:
+    """A loaded GPU hovering at its reporting point (slowdown 90 C - margin 5) raised gpu.temp_high and its .cleared
+    on every crossing; it ends once 2 C below, and a later rise is a new event."""
+    backend = GpuBackendDouble([replace(healthy(0, "00000000:3B:00.0"), slowdown_temp_c=90)])
+    det = NvidiaDetector(NvidiaConfig(), backend=backend)
+    kinds = []
+    for temp in (85, 84, 85, 83.5, 82.9, 85):
+        backend.readings[0] = replace(backend.readings[0], temperature_c=temp)
+        kinds.append([e.kind for e in det.sample().events])
+    assert kinds == [["gpu.temp_high"], [], [], [], ["gpu.temp_high.cleared"], ["gpu.temp_high"]]
+
+
 def test_remap_failure_and_query_errors() -> None:
     backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0"), healthy(1, "00000000:5E:00.0")])
     backend.readings[0] = replace(backend.readings[0], remap_failure=True)
