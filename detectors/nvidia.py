@@ -361,6 +361,7 @@ class NvidiaDetector(_NvmlDetector):
         """
         super().__init__(config, backend)
         self.config: NvidiaConfig
+        self._uuids: dict[int, str] = {}
         self.xids, self.xid_default = load_xid_catalog(self.config.xid_file or None)
 
     def sample(self) -> Sample:
@@ -405,7 +406,15 @@ class NvidiaDetector(_NvmlDetector):
         self.condition(s, f"lost/{r.index}", r.lost, "gpu.lost", Severity.CRITICAL, Action.DRAIN_NODE,
                        f"GPU {g} has fallen off the bus", g, {"index": r.index})
         if r.lost:
+            # It comes back only through a GPU reset or a driver reload, which zero its volatile ECC counts: counted
+            # from zero, its errors at the first reading after are new. Compared with the counts from before the
+            # loss, as many new uncorrectable errors as it had then went unreported.
+            uuid = self._uuids.get(r.index)
+            if uuid is not None:
+                self._counters.update(f"{uuid}/ecc_unc", 0)
+                self._counters.update(f"{uuid}/ecc_cor", 0)
             return
+        self._uuids[r.index] = r.uuid
         ident = {"index": r.index, "uuid": r.uuid, "name": r.name}
         if r.temperature_c is not None:
             s.metrics[f"temp_c[{g}]"] = float(r.temperature_c)

@@ -114,6 +114,23 @@ def test_a_gpu_held_near_its_slowdown_temperature_raises_one_event() -> None:
     assert kinds == [["gpu.temp_high"], [], [], [], ["gpu.temp_high.cleared"], ["gpu.temp_high"]]
 
 
+def test_a_gpu_back_from_the_lost_counts_its_ecc_errors_from_zero() -> None:
+    """A GPU that fell off the bus comes back through a reset, which zeroes its volatile ECC counts. It had two
+    uncorrectable errors before; back with two new ones, the count read the same (2) and they went unreported."""
+    backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0")])
+    det = NvidiaDetector(NvidiaConfig(), backend=backend)
+    det.sample()
+    backend.readings[0] = replace(backend.readings[0], ecc_volatile_uncorrected=2)
+    assert [e.kind for e in det.sample().events] == ["gpu.ecc_uncorrected"]
+    backend.readings[0] = GpuReading(index=0, lost=True)
+    assert [e.kind for e in det.sample().events] == ["gpu.lost"]
+    backend.readings[0] = replace(healthy(0, "00000000:3B:00.0"), ecc_volatile_uncorrected=2)
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == ["gpu.ecc_uncorrected", "gpu.lost.cleared"]
+    ecc = next(e for e in s.events if e.kind == "gpu.ecc_uncorrected")
+    assert ecc.message.endswith("2 new uncorrectable ECC error(s)")
+
+
 def test_remap_failure_and_query_errors() -> None:
     backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0"), healthy(1, "00000000:5E:00.0")])
     backend.readings[0] = replace(backend.readings[0], remap_failure=True)
