@@ -127,6 +127,9 @@ class RoceDetector(ListeningDetector):
         self._listening = False
         self._auto: tuple[str, ...] | None = None
         self._ports_seen: set[str] = set()
+        # Port subject -> the PCI function behind its RDMA device: a device renamed (udev's rdma naming policy
+        # renames mlx5_0 to rocep59s0f0, also when the driver reloads) is the same port under another name.
+        self._port_devices: dict[str, str] = {}
 
     # -- which interfaces -------------------------------------------------------------------------------------
 
@@ -407,8 +410,12 @@ class RoceDetector(ListeningDetector):
             ports = list_dir_or_record(os.path.join(ib_root, dev, "ports"), s.error)
             if len(s.errors) > errors:
                 unlisted.add(dev)
+            device = os.path.join(ib_root, dev, "device")
+            pci = os.path.realpath(device) if os.path.islink(device) else ""
             for port in ports:
                 present.add(f"{dev}/{port}")
+                if pci:
+                    self._port_devices[f"{dev}/{port}"] = f"{pci}#{port}"
                 self._sample_ib_port(s, os.path.join(ib_root, dev, "ports", port), f"{dev}/{port}", now)
         if self.config.rdma and not ib_unlistable:
             self._sample_gone_ports(s, present, unlisted)
@@ -441,8 +448,17 @@ class RoceDetector(ListeningDetector):
         """A port seen before and now missing from sysfs (the driver's health recovery removed the device, it
         was unbound or fell off the bus) is down; it used to vanish without an event, and a port_down already
         raised for it never cleared. Ports of a device whose folder could not be listed are not judged."""
+        here = {self._port_devices[p] for p in present if p in self._port_devices}
         for subject in sorted(self._ports_seen - present):
             if subject.split("/", 1)[0] in unlisted:
+                continue
+            if self._port_devices.get(subject) in here:
+                # Renamed: the same PCI function's port is present under the new name and judged there. It used to
+                # read as gone for good, roce.port_down and a FAILED detector for a name that no longer exists.
+                self.condition(s, f"port/{subject}", False, "roce.port_down", Severity.INFO, Action.NONE,
+                               f"RDMA port {subject} is present under another name", subject, {})
+                self._ports_seen.discard(subject)
+                self._port_devices.pop(subject, None)
                 continue
             s.metrics[f"port_active[{subject}]"] = 0.0
             self.condition(s, f"port/{subject}", True, "roce.port_down", Severity.ERROR, Action.CHECKPOINT_NOW,

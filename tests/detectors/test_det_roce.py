@@ -507,6 +507,26 @@ def test_a_port_that_disappears_is_down_until_it_is_back(tmp_path) -> None:
                                                               ("roce.port_down.cleared", "mlx5_1/1")]
 
 
+def test_an_rdma_device_renamed_is_the_same_port_not_a_lost_one(tmp_path) -> None:
+    """udev's RDMA naming policy renames mlx5_0 to rocep59s0f0 (at boot, and again after the driver reloads): the
+    old name read as a port gone from sysfs for good, roce.port_down and a FAILED detector for a name that no
+    longer exists. The same PCI function's port under the new name is the same port; a device really gone still
+    counts."""
+    ib = tmp_path / "sys/class/infiniband"
+    for dev, pci in (("mlx5_0", "0000:3b:00.0"), ("mlx5_1", "0000:5e:00.0")):
+        write_rdma_port(tmp_path, device=dev, netdev=None)
+        (tmp_path / "sys/devices/pci0000:00" / pci).mkdir(parents=True)
+        (ib / dev / "device").symlink_to(f"../../../devices/pci0000:00/{pci}")
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    assert det.sample().events == []
+    os.rename(ib / "mlx5_0", ib / "rocep59s0f0")
+    s = det.sample()
+    assert (s.events, s.state) == ([], DetectorState.OK)
+    assert s.metrics["port_active[rocep59s0f0/1]"] == 1.0 and "port_active[mlx5_0/1]" not in s.metrics
+    shutil.rmtree(ib / "mlx5_1")  # gone for real: still a port down
+    assert [(e.kind, e.subject) for e in det.sample().events] == [("roce.port_down", "mlx5_1/1")]
+
+
 def test_parse_ethtool_s_rejects_garbage() -> None:
     with pytest.raises(DetectorReadError, match="NIC statistics"):
         parse_ethtool_s("no such device")
