@@ -17,6 +17,7 @@ the condition again, an event every 20 s for as long as the node ran hot.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ from trainguard.detectors.sysfs import list_dir, read_int, read_text
 _TRIP = re.compile(r"^trip_point_(\d+)_type$")
 #: Trip temperatures (millidegrees) at or below this mean "not set" (0, THERMAL_TEMP_INVALID = -274000).
 _TRIP_UNSET_MC = 0
+#: What reading ``temp`` fails with for a zone that has no temperature to give (now): a policy-only zone such as
+#: Intel's "INT3400 Thermal" (ENODATA), a sensor not ready yet (EAGAIN). Not unreadable inputs.
+_NO_TEMPERATURE = (errno.ENODATA, errno.EAGAIN)
 
 
 @dataclass
@@ -83,7 +87,12 @@ class ThermalDetector(Detector):
         for zone in zones:
             zdir = os.path.join(base, zone)
             try:
-                temp = read_int(os.path.join(zdir, "temp")) / 1000.0
+                try:
+                    temp = read_int(os.path.join(zdir, "temp")) / 1000.0
+                except DetectorReadError as exc:
+                    if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in _NO_TEMPERATURE:
+                        continue  # nothing to judge in this zone now; the others are read
+                    raise
                 trips: dict[str, float] = {}
                 hyst: dict[str, float] = {}
                 for f in list_dir(zdir):

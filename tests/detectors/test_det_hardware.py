@@ -149,6 +149,33 @@ def test_a_zone_held_at_its_trip_point_raises_one_event_not_one_per_crossing(tmp
     assert [e.kind for e in det.sample().events] == ["hw.temp_throttling.cleared"]
 
 
+def test_a_zone_without_a_temperature_is_no_read_error(tmp_path, monkeypatch) -> None:
+    """Intel's "INT3400 Thermal" zone (a DPTF policy zone) answers a read of its temp with ENODATA, a sensor not
+    ready yet with EAGAIN: each was a detector.error, the thermal detector in ERROR for good and trainguard detect
+    exiting 1 on every such machine. A regular file cannot fail so, so the read syscall answers as that kernel does
+    for that zone's temp only; the other zones are judged, and any other read error is still one."""
+    write_thermal_zone(tmp_path, 0, 45000, {"critical": 105000}, "acpitz")
+    write_thermal_zone(tmp_path, 1, 20000, {}, "INT3400 Thermal")
+    write_thermal_zone(tmp_path, 2, 104000, {"critical": 105000})
+    real_read = os.read
+    failing = {"zone": "thermal_zone1", "errno": errno.ENODATA}
+
+    def kernel_read(fd: int, n: int) -> bytes:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f"/{failing['zone']}/temp"):
+            raise OSError(failing["errno"], os.strerror(failing["errno"]))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", kernel_read)
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert s.errors == [] and [e.kind for e in s.events] == ["hw.temp_critical"]
+    assert "temp_c[thermal_zone1:INT3400 Thermal]" not in s.metrics and s.metrics["max_temp_c"] == 104.0
+    failing["errno"] = errno.EAGAIN
+    assert det.sample().errors == []
+    failing["errno"] = errno.EIO
+    assert len(det.sample().errors) == 1
+
+
 def test_thermal_malformed_and_absent(tmp_path) -> None:
     assert ThermalDetector(ThermalConfig(root=str(tmp_path))).sample().state == DetectorState.NO_HARDWARE
     write_thermal_zone(tmp_path, 0, 45000, {"critical": 105000})
