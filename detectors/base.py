@@ -81,6 +81,11 @@ _STATE_FOR_SEVERITY = {
     Severity.ERROR: DetectorState.FAILED,
     Severity.CRITICAL: DetectorState.FAILED,
 }
+def state_for(severity: Severity) -> DetectorState:
+    """The state an event of ``severity`` puts its detector in (warning: degraded; error, critical: failed)."""
+    return _STATE_FOR_SEVERITY[severity]
+
+
 #: Precedence when several conditions set a state: a read error hides nothing, a failure beats a warning.
 _STATE_RANK = {
     DetectorState.OK: 0,
@@ -347,10 +352,11 @@ class Detector(ABC):
                 self._active[key] = started
                 sample.events.append(started)
         elif was:
-            del self._active[key]
-            sample.events.append(
-                self.event(kind + ".cleared", Severity.INFO, Action.NONE, f"cleared: {message}", subject, evidence)
-            )
+            started = self._active.pop(key)
+            # The end names what the start named: a consumer pairs them by kind and subject, and a subject can
+            # read differently by then (a lost GPU is "gpu1" to NVML, its PCI address once it answers again).
+            sample.events.append(self.event(kind + ".cleared", Severity.INFO, Action.NONE, f"cleared: {message}",
+                                            started.subject, evidence))
 
     def active_conditions(self) -> list[HealthEvent]:
         """The start events of the conditions active now (raised by :meth:`condition`, not yet cleared).

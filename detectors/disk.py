@@ -5,8 +5,9 @@ read-only (ext4 and XFS remount read-only on errors), and optionally a write pro
 removes a small file, timing it. Paths are real paths of this node, not mapped under ``root``.
 
 Block device health, under ``root``: an NVMe controller whose ``/sys/class/nvme/<ctrl>/state`` is not ``live``
-(``resetting``, ``dead``, ``deleting``...) and a SCSI/SATA disk whose ``/sys/block/<dev>/device/state`` is not
-``running`` (``offline``, ``blocked``) are reported.
+(``resetting``, ``dead``, ``deleting (no IO)``...) and a SCSI/SATA disk whose ``/sys/block/<dev>/device/state``
+is not ``running`` (``offline``, ``blocked``) are reported. Other disks' devices have a ``state`` of their own bus
+there (an NVMe namespace's is its controller's ``live``, a Xen disk's ``Connected``) and are not read as SCSI.
 
 A filesystem that hangs (a dead NFS server) blocks ``statvfs``; the probe is off by default for that reason.
 """
@@ -14,6 +15,7 @@ A filesystem that hangs (a dead NFS server) blocks ``statvfs``; the probe is off
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -59,6 +61,24 @@ class DiskConfig(DetectorConfig):
             raise DetectorConfigError("disk: need 0 < warn_used_pct <= error_used_pct <= 100")
         if not self.paths:
             raise DetectorConfigError("disk.paths is empty; list the checkpoint and log directories")
+
+
+#: A device state as the kernel prints it: words, dashes, and NVMe's "deleting (no IO)" / "unknown state".
+_STATE_WORDS = re.compile(r"^[A-Za-z][A-Za-z_ ()-]{0,39}$")
+
+
+def _scsi_device(disk: str, device: str, nvme_devices: set[str]) -> bool:
+    """Whether ``/sys/block/<disk>/device`` is a SCSI device, whose ``state`` is the SCSI state (``running``).
+
+    Other buses have a ``state`` file there too, in their own words: an NVMe namespace's device is its controller
+    (``live``, already checked under ``/sys/class/nvme``), a Xen disk's its xenbus device (``Connected``). Read as
+    SCSI states, every such disk was an unhealthy device. The device's ``subsystem`` link names its bus; a tree
+    without that link (a fake one) is taken as SCSI unless the disk is an NVMe namespace.
+    """
+    subsystem = os.path.join(device, "subsystem")
+    if os.path.islink(subsystem):
+        return os.path.basename(os.path.realpath(subsystem)) == "scsi"
+    return not disk.startswith("nvme") and os.path.realpath(device) not in nvme_devices
 
 
 def mount_of(path: str) -> psutil._common.sdiskpart | None:
@@ -129,11 +149,13 @@ class DiskDetector(Detector):
     def _block_devices(self, s: Sample) -> None:
         nvme = self.config.path("/sys/class/nvme")
         block = self.config.path("/sys/block")
-        checks = [(f"nvme:{c}", os.path.join(nvme, c, "state"), "live")
-                  for c in list_dir_or_record(nvme, s.error)]
+        controllers = list_dir_or_record(nvme, s.error)
+        checks = [(f"nvme:{c}", os.path.join(nvme, c, "state"), "live") for c in controllers]
+        nvme_devices = {os.path.realpath(os.path.join(nvme, c)) for c in controllers}
         checks += [(f"block:{d}", os.path.join(block, d, "device", "state"), "running")
                    for d in list_dir_or_record(block, s.error)
-                   if os.path.exists(os.path.join(block, d, "device", "state"))]
+                   if os.path.exists(os.path.join(block, d, "device", "state"))
+                   and _scsi_device(d, os.path.join(block, d, "device"), nvme_devices)]
         bad = 0
         for subject, path, good in checks:
             try:
@@ -141,7 +163,7 @@ class DiskDetector(Detector):
             except DetectorReadError as exc:
                 s.error(exc)
                 continue
-            if not state or not state.replace("-", "").replace("_", "").isalpha():
+            if not _STATE_WORDS.match(state):
                 s.error(DetectorReadError(path, f"expected a state word, found {state[:40]!r}"))
                 continue
             bad += state != good

@@ -64,6 +64,7 @@ class EdacDetector(Detector):
         super().__init__(config)
         self.config: EdacConfig
         self._counters = CounterTracker()
+        self._seen: set[str] = set()
 
     def sample(self) -> Sample:
         """Reads every memory controller once.
@@ -73,6 +74,13 @@ class EdacDetector(Detector):
         """
         base = self.config.path("/sys/devices/system/edac/mc")
         mcs = [m for m in list_dir(base) if m.startswith("mc") and m[2:].isdigit()]
+        for gone in self._seen - set(mcs):
+            # A controller that comes back (the EDAC driver reloaded) is a new one whose counts start at zero:
+            # its counts at the first reading after are new errors. Compared with the old ones instead, an
+            # uncorrectable error after a reload went unreported unless the new count passed the old.
+            self._counters.update(f"{gone}/ce", 0)
+            self._counters.update(f"{gone}/ue", 0)
+        self._seen = set(mcs)
         if not mcs:
             return self.no_hardware(f"no EDAC memory controller under {base} (EDAC driver not loaded)")
         s = Sample()

@@ -143,10 +143,14 @@ class LinkWatcher:
             the latter with ``initial=True``; the dump that resynchronises the table after notifications were
             lost comes with ``initial=False``, so a link that changed meanwhile reads as a change).
         netns: name of a network namespace (``ip netns add``) to watch; the agent's own when empty.
+        on_dump: called after each complete dump with the names it listed and whether it was the initial one, so
+            the caller can tell which links it knew are gone (deleted while no notification was read).
     """
 
-    def __init__(self, on_link: Callable[[LinkInfo, bool], None], netns: str = "") -> None:
+    def __init__(self, on_link: Callable[[LinkInfo, bool], None], netns: str = "",
+                 on_dump: Callable[[set[str], bool], None] | None = None) -> None:
         self._on_link = on_link
+        self._on_dump = on_dump
         self._netns = netns
         self._lock = threading.Lock()
         self._sock: Any = None
@@ -208,13 +212,17 @@ class LinkWatcher:
 
     def _dump(self, initial: bool) -> None:
         dump = self._open()
+        names: set[str] = set()
         try:
             for msg in dump.get_links():
                 info = link_from_message(msg)
                 if info is not None:
+                    names.add(info.ifname)
                     self._on_link(info, initial)
         finally:
             dump.close()
+        if self._on_dump is not None:
+            self._on_dump(names, initial)
 
     def stop(self) -> None:
         """Makes :meth:`run` return; safe from any thread, more than once."""

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
+from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector, state_for
 from trainguard.detectors.counters import CounterTracker
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
@@ -289,6 +289,8 @@ class NvidiaConfig(DetectorConfig):
         xid_events: read Xid errors from NVML events. Default True.
         xid_file: an operator Xid catalog replacing the shipped ``xid.json``; empty for the shipped one.
         temp_margin_c: report when within this many degrees Celsius of the slowdown threshold. Default 5.0.
+        temp_hysteresis_c: a reported temperature ends once this many degrees Celsius below where it started, so
+            a GPU held at that point does not raise and clear it every sample. Default 2.0.
         ecc_corrected_per_hour: corrected volatile ECC errors per hour above which a GPU is reported. Default 1000.
     """
 
@@ -296,6 +298,7 @@ class NvidiaConfig(DetectorConfig):
     xid_events: bool = True
     xid_file: str = ""
     temp_margin_c: float = 5.0
+    temp_hysteresis_c: float = 2.0
     ecc_corrected_per_hour: float = 1000.0
 
     def validate(self) -> None:
@@ -305,8 +308,9 @@ class NvidiaConfig(DetectorConfig):
             DetectorConfigError: a value is out of range, or the operator's Xid file is unreadable or invalid.
         """
         super().validate()
-        if self.temp_margin_c < 0 or self.ecc_corrected_per_hour < 0:
-            raise DetectorConfigError("nvidia: temp_margin_c and ecc_corrected_per_hour must be >= 0")
+        if self.temp_margin_c < 0 or self.temp_hysteresis_c < 0 or self.ecc_corrected_per_hour < 0:
+            raise DetectorConfigError("nvidia: temp_margin_c, temp_hysteresis_c and ecc_corrected_per_hour must be "
+                                      ">= 0")
         check_operator_file("nvidia.xid_file", self.xid_file, load_xid_catalog)
 
 
@@ -357,6 +361,7 @@ class NvidiaDetector(_NvmlDetector):
         """
         super().__init__(config, backend)
         self.config: NvidiaConfig
+        self._uuids: dict[int, str] = {}
         self.xids, self.xid_default = load_xid_catalog(self.config.xid_file or None)
 
     def sample(self) -> Sample:
@@ -382,6 +387,11 @@ class NvidiaDetector(_NvmlDetector):
                                        f"{entry.nvidia_action})", subject,
                                        {"xid": xid, "xid_name": entry.name, "nvidia_action": entry.nvidia_action,
                                         "description": entry.description}))
+        for ev in s.events:
+            # One-off events (an uncorrectable ECC error, an Xid) set the state of the sample that raised them, as
+            # conditions do: a new double-bit error left the detector OK, and trainguard detect exited 0 on it.
+            if not ev.kind.endswith(".cleared"):
+                s.worsen(state_for(ev.severity), ev.message)
         s.metrics["gpus"] = float(len(readings))
         s.metrics["gpus_lost"] = float(sum(r.lost for r in readings))
         temps = [r.temperature_c for r in readings if r.temperature_c is not None]
@@ -396,11 +406,26 @@ class NvidiaDetector(_NvmlDetector):
         self.condition(s, f"lost/{r.index}", r.lost, "gpu.lost", Severity.CRITICAL, Action.DRAIN_NODE,
                        f"GPU {g} has fallen off the bus", g, {"index": r.index})
         if r.lost:
+            # It comes back only through a GPU reset or a driver reload, which zero its volatile ECC counts: counted
+            # from zero, its errors at the first reading after are new. Compared with the counts from before the
+            # loss, as many new uncorrectable errors as it had then went unreported.
+            uuid = self._uuids.get(r.index)
+            if uuid is not None:
+                self._counters.update(f"{uuid}/ecc_unc", 0)
+                self._counters.update(f"{uuid}/ecc_cor", 0)
             return
+        self._uuids[r.index] = r.uuid
         ident = {"index": r.index, "uuid": r.uuid, "name": r.name}
         if r.temperature_c is not None:
             s.metrics[f"temp_c[{g}]"] = float(r.temperature_c)
-            hot = r.slowdown_temp_c is not None and r.temperature_c >= r.slowdown_temp_c - self.config.temp_margin_c
+            hot = False
+            if r.slowdown_temp_c is not None:
+                limit = r.slowdown_temp_c - self.config.temp_margin_c
+                if f"temp/{r.index}" in self._active:  # holds until clearly below: no event per crossing
+                    limit -= self.config.temp_hysteresis_c
+                    hot = r.temperature_c > limit
+                else:
+                    hot = r.temperature_c >= limit
             self.condition(s, f"temp/{r.index}", hot, "gpu.temp_high", Severity.WARNING, Action.WATCH,
                            f"GPU {g} at {r.temperature_c} C, slowdown at {r.slowdown_temp_c} C", g,
                            {**ident, "temp_c": r.temperature_c, "slowdown_c": r.slowdown_temp_c})

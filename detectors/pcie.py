@@ -11,7 +11,10 @@ sysfs-bus-pci-devices-aer_stats):
   ``/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/...``) are read; ``aer_scope = "all"`` reads every device.
 - ``current_link_width`` vs ``max_link_width`` and ``current_link_speed`` vs ``max_link_speed``
   (``"16.0 GT/s PCIe"``): a link trained below its maximum width is reported for the watched classes; speed is
-  compared only for classes that do not lower their speed to save power when idle (GPUs do).
+  compared only for classes that do not lower their speed to save power when idle (GPUs do). A link's maximum is
+  what both of its ends support: a device's own maximum above that of the port it is plugged into (a Gen5 NIC in
+  a Gen4 slot, an x16 card in an x8 slot) is the slot's limit, as the kernel's own bandwidth report says
+  ("limited by ... at <port>"), not a degraded link.
 - a watched device that disappears from the bus is reported as lost.
 """
 
@@ -55,7 +58,9 @@ def parse_link_speed(text: str, path: str) -> float | None:
     raise DetectorReadError(path, f"expected '<n> GT/s', found {text[:40]!r}")
 
 
-_BDF = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+# The domain has 4 hex digits or more: Intel VMD puts the NVMe drives behind it in domains from 10000 up
+# ("10000:e0:1d.0"), and with exactly 4 the ports above them were no ancestors: their AER errors went unread.
+_BDF = re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,12 @@ class PcieDetector(Detector):
             cls_path = os.path.join(dev, "class")
             cls = read_text(cls_path) if os.path.exists(cls_path) else ""
             ancestors = tuple(p for p in os.path.realpath(dev).split(os.sep)[:-1] if _BDF.match(p))
+            # An SR-IOV virtual function (it has a physfn link to its PF) has no link of its own: its link status
+            # register is reserved and reads zero (lspci: "Width x0 (downgraded)"), which read as a link down
+            # (critical, drain-node) for every VF of an RDMA NIC. Its PF's link is the one to watch.
+            vf = os.path.islink(os.path.join(dev, "physfn"))
             info = _DeviceInfo(cls, os.path.exists(os.path.join(dev, "aer_dev_correctable")),
-                               os.path.exists(os.path.join(dev, "max_link_width")), ancestors)
+                               os.path.exists(os.path.join(dev, "max_link_width")) and not vf, ancestors)
             self._devices[bdf] = info
         return info
 
@@ -180,7 +189,9 @@ class PcieDetector(Detector):
             cor_rate += self._sample_aer(s, os.path.join(base, bdf), bdf, totals)
         for bdf in links:
             self._seen_links.add(bdf)
-            degraded += self._sample_link(s, os.path.join(base, bdf), bdf, infos[bdf].cls)
+            port = infos[bdf].ancestors[-1] if infos[bdf].ancestors else ""
+            port_dir = os.path.join(base, port) if port in infos and infos[port].has_link else ""
+            degraded += self._sample_link(s, os.path.join(base, bdf), bdf, infos[bdf].cls, port_dir)
         for bdf in sorted(self._seen_links):
             self.condition(s, f"lost/{bdf}", bdf not in infos, "pcie.device_lost", Severity.CRITICAL,
                            Action.DRAIN_NODE, f"PCI device {bdf} disappeared from the bus", bdf)
@@ -228,7 +239,7 @@ class PcieDetector(Detector):
                 s.worsen(DetectorState.FAILED if fatal else DetectorState.DEGRADED, f"PCIe errors on {bdf}")
         return rate
 
-    def _sample_link(self, s: Sample, dev: str, bdf: str, cls: str) -> int:
+    def _sample_link(self, s: Sample, dev: str, bdf: str, cls: str, port_dir: str = "") -> int:
         try:
             width = read_int(os.path.join(dev, "current_link_width"))
             max_width = read_int(os.path.join(dev, "max_link_width"))
@@ -239,6 +250,11 @@ class PcieDetector(Detector):
         except DetectorReadError as exc:
             s.error(exc)
             return 0
+        port_width, port_speed = self._port_limits(port_dir)
+        if port_width > 0:
+            max_width = min(max_width, port_width)
+        if port_speed is not None and max_speed is not None:
+            max_speed = min(max_speed, port_speed)
         s.metrics[f"link_width[{bdf}]"] = float(width)
         s.metrics[f"link_speed_gts[{bdf}]"] = float(speed or 0.0)
         narrow = 0 < width < max_width
@@ -253,3 +269,17 @@ class PcieDetector(Detector):
         self.condition(s, f"down/{bdf}", width == 0, "pcie.link_down", Severity.CRITICAL, Action.DRAIN_NODE,
                        f"PCIe link of {bdf} is down (width 0)", bdf, evidence)
         return int(narrow or slow or width == 0)
+
+    @staticmethod
+    def _port_limits(port_dir: str) -> tuple[int, float | None]:
+        """The maximum width and speed of the port a device is plugged into (0 and None: not known).
+
+        Only the limit of the link is wanted; a port whose files cannot be read leaves the device's own maximum.
+        """
+        if not port_dir:
+            return 0, None
+        try:
+            path = os.path.join(port_dir, "max_link_speed")
+            return read_int(os.path.join(port_dir, "max_link_width")), parse_link_speed(read_text(path), path)
+        except DetectorReadError:
+            return 0, None

@@ -18,6 +18,7 @@ all are ``roce.interfaces_unmatched`` (a warning; the detector reads degraded un
 from __future__ import annotations
 
 import collections
+import dataclasses
 import fnmatch
 import os
 import re
@@ -40,7 +41,7 @@ from trainguard.detectors.ethtool import ethtool_stats
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message, open_iproute
 from trainguard.detectors.rules import CounterRule, check_operator_file, load_counter_rules
-from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_text
+from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_pma_counter, read_text
 
 _PORT_STATE = re.compile(r"^(\d+):\s*(\S+)$")
 #: Interfaces named in the message of patterns that match none (all of them are in its evidence).
@@ -115,6 +116,9 @@ class RoceDetector(ListeningDetector):
         self._counters = CounterTracker()
         self._lock = threading.RLock()
         self._links: dict[str, LinkInfo] = {}
+        # Index -> name of the links not removed: a rename is found by index without a scan of the table (a scan
+        # per message made a dump of thousands of links, pod veths, take seconds).
+        self._names: dict[int, str] = {}
         self._down_since: dict[str, float] = {}
         self._downs: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
         self._emit: Callable[[HealthEvent], None] | None = None
@@ -123,6 +127,9 @@ class RoceDetector(ListeningDetector):
         self._listening = False
         self._auto: tuple[str, ...] | None = None
         self._ports_seen: set[str] = set()
+        # Port subject -> the PCI function behind its RDMA device: a device renamed (udev's rdma naming policy
+        # renames mlx5_0 to rocep59s0f0, also when the driver reloads) is the same port under another name.
+        self._port_devices: dict[str, str] = {}
 
     # -- which interfaces -------------------------------------------------------------------------------------
 
@@ -176,7 +183,7 @@ class RoceDetector(ListeningDetector):
             if self._stopping:
                 return
             self._emit = emit
-            self._watcher = LinkWatcher(self._on_link, self.config.netns)
+            self._watcher = LinkWatcher(self._on_link, self.config.netns, on_dump=self._on_dump)
             self._listening = True
         try:
             self._watcher.run()
@@ -216,6 +223,25 @@ class RoceDetector(ListeningDetector):
             for ev in events:
                 emit(ev)
 
+    def _on_dump(self, names: set[str], initial: bool) -> None:
+        events = self._vanished(names)
+        emit = self._emit
+        if emit is not None:
+            for ev in events:
+                emit(ev)
+
+    def _vanished(self, names: set[str]) -> list[HealthEvent]:
+        """Links of the table that a complete dump (``names``) no longer lists were deleted or moved to another
+        namespace unseen: between two dumps without a listener, before a listener's start, or in a burst that
+        overflowed its socket (a driver reset removing a NIC's netdevs with its VFs). They read up for good;
+        now each goes through as removed, so a watched one is down."""
+        with self._lock:
+            gone = [info for name, info in self._links.items() if name not in names and not info.removed]
+        events: list[HealthEvent] = []
+        for info in gone:
+            events.extend(self._link_events(dataclasses.replace(info, removed=True, time=time.time()), False))
+        return events
+
     def _link_events(self, info: LinkInfo, initial: bool) -> list[HealthEvent]:
         """Records one link message; returns the events of a change of its state (none for a first sight).
 
@@ -233,6 +259,11 @@ class RoceDetector(ListeningDetector):
             # Unwatched links are kept too: with no interfaces configured, a NIC becomes watched when its RDMA
             # device appears (the driver loads after the agent), and its state must be known by then.
             self._links[info.ifname] = info
+            if info.removed:
+                if self._names.get(info.index) == info.ifname:
+                    del self._names[info.index]
+            else:
+                self._names[info.index] = info.ifname
             if info.up:
                 self._down_since.pop(info.ifname, None)
             else:
@@ -287,21 +318,23 @@ class RoceDetector(ListeningDetector):
         its old name behind as down forever: ``net.link_down_persistent`` and a FAILED detector for an interface
         that no longer exists. Its down time and flap history move to the new name, which is the same link.
         """
-        for name, known in list(self._links.items()):
-            if known.index != info.index or name == info.ifname or known.removed:
-                continue
-            since = self._down_since.get(name)
-            downs = self._downs.get(name)
-            self._forget(name)
-            if since is not None:
-                self._down_since.setdefault(info.ifname, since)
-            if downs:
-                self._downs[info.ifname].extend(downs)
-            return known
-        return None
+        name = self._names.get(info.index)
+        known = self._links.get(name) if name is not None else None
+        if known is None or name == info.ifname or known.removed or known.index != info.index:
+            return None
+        since = self._down_since.get(name)
+        downs = self._downs.get(name)
+        self._forget(name)
+        if since is not None:
+            self._down_since.setdefault(info.ifname, since)
+        if downs:
+            self._downs[info.ifname].extend(downs)
+        return known
 
     def _forget(self, ifname: str) -> None:
-        self._links.pop(ifname, None)
+        known = self._links.pop(ifname, None)
+        if known is not None and self._names.get(known.index) == ifname:
+            del self._names[known.index]
         self._down_since.pop(ifname, None)
         self._downs.pop(ifname, None)
 
@@ -319,13 +352,16 @@ class RoceDetector(ListeningDetector):
         """The link table from a dump when no listener runs (``trainguard detect``, a listener between retries);
         a change since the previous dump is reported in the sample."""
         ipr = open_iproute(self.config.netns)
+        names: set[str] = set()
         try:
             for msg in ipr.get_links():
                 info = link_from_message(msg)
                 if info is not None:
+                    names.add(info.ifname)
                     s.events.extend(self._link_events(info, False))
         finally:
             ipr.close()
+        s.events.extend(self._vanished(names))
 
     # -- polled part -----------------------------------------------------------------------------------------
 
@@ -374,8 +410,12 @@ class RoceDetector(ListeningDetector):
             ports = list_dir_or_record(os.path.join(ib_root, dev, "ports"), s.error)
             if len(s.errors) > errors:
                 unlisted.add(dev)
+            device = os.path.join(ib_root, dev, "device")
+            pci = os.path.realpath(device) if os.path.islink(device) else ""
             for port in ports:
                 present.add(f"{dev}/{port}")
+                if pci:
+                    self._port_devices[f"{dev}/{port}"] = f"{pci}#{port}"
                 self._sample_ib_port(s, os.path.join(ib_root, dev, "ports", port), f"{dev}/{port}", now)
         if self.config.rdma and not ib_unlistable:
             self._sample_gone_ports(s, present, unlisted)
@@ -408,8 +448,17 @@ class RoceDetector(ListeningDetector):
         """A port seen before and now missing from sysfs (the driver's health recovery removed the device, it
         was unbound or fell off the bus) is down; it used to vanish without an event, and a port_down already
         raised for it never cleared. Ports of a device whose folder could not be listed are not judged."""
+        here = {self._port_devices[p] for p in present if p in self._port_devices}
         for subject in sorted(self._ports_seen - present):
             if subject.split("/", 1)[0] in unlisted:
+                continue
+            if self._port_devices.get(subject) in here:
+                # Renamed: the same PCI function's port is present under the new name and judged there. It used to
+                # read as gone for good, roce.port_down and a FAILED detector for a name that no longer exists.
+                self.condition(s, f"port/{subject}", False, "roce.port_down", Severity.INFO, Action.NONE,
+                               f"RDMA port {subject} is present under another name", subject, {})
+                self._ports_seen.discard(subject)
+                self._port_devices.pop(subject, None)
                 continue
             s.metrics[f"port_active[{subject}]"] = 0.0
             self.condition(s, f"port/{subject}", True, "roce.port_down", Severity.ERROR, Action.CHECKPOINT_NOW,
@@ -484,11 +533,12 @@ class RoceDetector(ListeningDetector):
                 if not any(r.matches(name) for r in self._rules[source]):
                     continue
                 try:
-                    value = read_int(os.path.join(cdir, name))
+                    value = read_pma_counter(os.path.join(cdir, name))
                 except DetectorReadError as exc:
                     s.error(exc)
                     continue
-                self._apply(s, source, subject, name, value, now)
+                if value is not None:
+                    self._apply(s, source, subject, name, value, now)
 
     def _apply(self, s: Sample, source: str, device: str, name: str, value: int, now: float) -> None:
         rules = [r for r in self._rules[source] if r.matches(name)]

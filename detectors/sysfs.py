@@ -72,6 +72,29 @@ def read_int(path: str) -> int:
     return int(text)
 
 
+def read_pma_counter(path: str) -> int | None:
+    """Reads an RDMA port counter (``/sys/class/infiniband/<dev>/ports/<n>/counters/*``).
+
+    A device without a performance management agent (irdma, rxe, siw, efa...) or one whose query failed prints
+    ``N/A (no PMA)`` there instead of a number: the counter is not available, which is no read error.
+
+    Args:
+        path: file to read.
+
+    Returns:
+        The counter, or None when the device does not provide it.
+
+    Raises:
+        DetectorReadError: unreadable, empty, or neither an integer nor ``N/A``.
+    """
+    text = read_text(path)
+    if text.startswith("N/A"):
+        return None
+    if not _INT.match(text):
+        raise DetectorReadError(path, f"expected one integer or 'N/A (no PMA)', found {text[:40]!r}")
+    return int(text)
+
+
 def read_counter_table(path: str) -> dict[str, int]:
     """Reads a ``NAME VALUE`` per line table, the format of the PCIe ``aer_dev_*`` files.
 

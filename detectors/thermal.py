@@ -8,23 +8,32 @@ is about to power off, so a checkpoint should be taken now.
 A trip point at or below 0 millidegrees is not set: drivers write ``0`` or ``THERMAL_TEMP_INVALID`` (``-274000``)
 there (``x86_pkg_temp`` on Intel servers has two ``passive`` trips at 0 until someone programs them; iwlwifi
 and ACPI zones use -274000), and the kernel's own thermal core disables such trips. They are ignored.
+
+A condition ends only once the temperature is ``hysteresis_c`` below its threshold (or the trip's own
+``trip_point_<K>_hyst``, whichever is larger), as the kernel's thermal core does: a zone the kernel throttles sits
+right at its passive trip, and without it every sample crossing the trip by a tenth of a degree raised and cleared
+the condition again, an event every 20 s for as long as the node ran hot.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from dataclasses import dataclass
 from typing import ClassVar
 
 from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
-from trainguard.detectors.errors import DetectorReadError
+from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.sysfs import list_dir, read_int, read_text
 
 _TRIP = re.compile(r"^trip_point_(\d+)_type$")
 #: Trip temperatures (millidegrees) at or below this mean "not set" (0, THERMAL_TEMP_INVALID = -274000).
 _TRIP_UNSET_MC = 0
+#: What reading ``temp`` fails with for a zone that has no temperature to give (now): a policy-only zone such as
+#: Intel's "INT3400 Thermal" (ENODATA), a sensor not ready yet (EAGAIN). Not unreadable inputs.
+_NO_TEMPERATURE = (errno.ENODATA, errno.EAGAIN)
 
 
 @dataclass
@@ -35,10 +44,23 @@ class ThermalConfig(DetectorConfig):
         interval_s: seconds between samples. Default 10.0.
         critical_margin_c: degrees Celsius below the critical trip point that count as imminent shutdown.
             Default 5.0.
+        hysteresis_c: degrees Celsius the temperature must fall below a threshold before its condition ends
+            (a trip's own ``trip_point_<K>_hyst`` counts when larger). Default 2.0.
     """
 
     interval_s: float = 10.0
     critical_margin_c: float = 5.0
+    hysteresis_c: float = 2.0
+
+    def validate(self) -> None:
+        """Checks ranges.
+
+        Raises:
+            DetectorConfigError: a value is out of range.
+        """
+        super().validate()
+        if self.critical_margin_c < 0 or self.hysteresis_c < 0:
+            raise DetectorConfigError("thermal: critical_margin_c and hysteresis_c must be >= 0")
 
 
 @register_detector
@@ -65,8 +87,14 @@ class ThermalDetector(Detector):
         for zone in zones:
             zdir = os.path.join(base, zone)
             try:
-                temp = read_int(os.path.join(zdir, "temp")) / 1000.0
+                try:
+                    temp = read_int(os.path.join(zdir, "temp")) / 1000.0
+                except DetectorReadError as exc:
+                    if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in _NO_TEMPERATURE:
+                        continue  # nothing to judge in this zone now; the others are read
+                    raise
                 trips: dict[str, float] = {}
+                hyst: dict[str, float] = {}
                 for f in list_dir(zdir):
                     m = _TRIP.match(f)
                     if m:
@@ -75,7 +103,9 @@ class ThermalDetector(Detector):
                         if millideg <= _TRIP_UNSET_MC:
                             continue  # an unset trip: every temperature is "above" it
                         value = millideg / 1000.0
-                        trips[kind] = min(value, trips.get(kind, value))
+                        if value <= trips.get(kind, value):
+                            trips[kind] = value
+                            hyst[kind] = self._trip_hyst(zdir, m.group(1))
             except DetectorReadError as exc:
                 s.error(exc)
                 continue
@@ -88,17 +118,40 @@ class ThermalDetector(Detector):
             hottest = temp if hottest is None else max(hottest, temp)
             evidence = {"temp_c": temp, **{f"trip_{k}_c": v for k, v in sorted(trips.items())}}
             critical = trips.get("critical")
+            margin = self.config.critical_margin_c
             self.condition(s, f"crit/{zone}",
-                           critical is not None and temp >= critical - self.config.critical_margin_c,
+                           self._over(f"crit/{zone}", temp, None if critical is None else critical - margin,
+                                      hyst.get("critical", 0.0)),
                            "hw.temp_critical", Severity.CRITICAL, Action.CHECKPOINT_NOW,
                            f"{subject} at {temp:.1f} C, near its critical trip {critical} C", subject, evidence)
-            self.condition(s, f"hot/{zone}", "hot" in trips and temp >= trips["hot"], "hw.temp_hot", Severity.ERROR,
-                           Action.WATCH, f"{subject} at {temp:.1f} C, above its hot trip {trips.get('hot')} C",
-                           subject, evidence)
-            self.condition(s, f"passive/{zone}", "passive" in trips and temp >= trips["passive"],
+            self.condition(s, f"hot/{zone}", self._over(f"hot/{zone}", temp, trips.get("hot"), hyst.get("hot", 0.0)),
+                           "hw.temp_hot", Severity.ERROR, Action.WATCH,
+                           f"{subject} at {temp:.1f} C, above its hot trip {trips.get('hot')} C", subject, evidence)
+            self.condition(s, f"passive/{zone}",
+                           self._over(f"passive/{zone}", temp, trips.get("passive"), hyst.get("passive", 0.0)),
                            "hw.temp_throttling", Severity.WARNING, Action.WATCH,
                            f"{subject} at {temp:.1f} C, throttled above {trips.get('passive')} C", subject, evidence)
         s.metrics["zones"] = float(len(zones))
         if hottest is not None:
             s.metrics["max_temp_c"] = hottest
         return s
+
+    def _over(self, key: str, temp: float, threshold: float | None, trip_hyst: float) -> bool:
+        """Whether ``temp`` is at or above ``threshold``; a condition already active holds until the temperature
+        is a hysteresis below it."""
+        if threshold is None:
+            return False
+        if key in self._active:
+            return temp > threshold - max(self.config.hysteresis_c, trip_hyst)
+        return temp >= threshold
+
+    @staticmethod
+    def _trip_hyst(zdir: str, number: str) -> float:
+        """A trip's own hysteresis in degrees Celsius (0 when the driver has none or it cannot be read)."""
+        path = os.path.join(zdir, f"trip_point_{number}_hyst")
+        if not os.path.exists(path):
+            return 0.0
+        try:
+            return max(0, read_int(path)) / 1000.0
+        except DetectorReadError:
+            return 0.0  # evidence of a tolerance only; the trip itself was read

@@ -72,6 +72,65 @@ def test_gpu_faults_become_events() -> None:
     assert backend.closed
 
 
+def test_an_uncorrectable_ecc_error_or_an_xid_sets_the_detector_state() -> None:
+    """A new uncorrectable ECC error (CRITICAL, drain-node) or an Xid was an event in a sample whose state read OK:
+    trainguard detect, a node health probe, printed the event and exited 0."""
+    backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0")])
+    runner = DetectorRunner([NvidiaDetector(NvidiaConfig(), backend=backend)])
+    runner.run_once()
+    assert runner.statuses()[0].state == DetectorState.OK
+    backend.readings[0] = replace(backend.readings[0], ecc_volatile_uncorrected=1)
+    assert [e.kind for e in runner.run_once()] == ["gpu.ecc_uncorrected"]
+    status = runner.statuses()[0]
+    assert status.state == DetectorState.FAILED and "uncorrectable ECC" in status.detail
+    backend.xids = [(0, 12345)]  # not in the catalog: a warning
+    runner.run_once()
+    assert runner.statuses()[0].state == DetectorState.DEGRADED
+    runner.run_once()
+    assert runner.statuses()[0].state == DetectorState.OK  # one-off events: the next sample is clean
+
+
+def test_a_gpu_back_on_the_bus_clears_the_loss_it_was_reported_under() -> None:
+    """NVML names a lost GPU by its index only ("gpu1"), one that answers by its PCI address: gpu.lost.cleared came
+    under another subject than gpu.lost, so whoever paired them by kind and subject never saw the GPU back."""
+    backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0"), healthy(1, "00000000:5E:00.0")])
+    det = NvidiaDetector(NvidiaConfig(), backend=backend)
+    det.sample()
+    backend.readings[1] = GpuReading(index=1, lost=True)
+    assert [(e.kind, e.subject) for e in det.sample().events] == [("gpu.lost", "gpu1")]
+    backend.readings[1] = healthy(1, "00000000:5E:00.0")
+    assert [(e.kind, e.subject) for e in det.sample().events] == [("gpu.lost.cleared", "gpu1")]
+
+
+def test_a_gpu_held_near_its_slowdown_temperature_raises_one_event() -> None:
+    """A loaded GPU hovering at its reporting point (slowdown 90 C - margin 5) raised gpu.temp_high and its .cleared
+    on every crossing; it ends once 2 C below, and a later rise is a new event."""
+    backend = GpuBackendDouble([replace(healthy(0, "00000000:3B:00.0"), slowdown_temp_c=90)])
+    det = NvidiaDetector(NvidiaConfig(), backend=backend)
+    kinds = []
+    for temp in (85, 84, 85, 83.5, 82.9, 85):
+        backend.readings[0] = replace(backend.readings[0], temperature_c=temp)
+        kinds.append([e.kind for e in det.sample().events])
+    assert kinds == [["gpu.temp_high"], [], [], [], ["gpu.temp_high.cleared"], ["gpu.temp_high"]]
+
+
+def test_a_gpu_back_from_the_lost_counts_its_ecc_errors_from_zero() -> None:
+    """A GPU that fell off the bus comes back through a reset, which zeroes its volatile ECC counts. It had two
+    uncorrectable errors before; back with two new ones, the count read the same (2) and they went unreported."""
+    backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0")])
+    det = NvidiaDetector(NvidiaConfig(), backend=backend)
+    det.sample()
+    backend.readings[0] = replace(backend.readings[0], ecc_volatile_uncorrected=2)
+    assert [e.kind for e in det.sample().events] == ["gpu.ecc_uncorrected"]
+    backend.readings[0] = GpuReading(index=0, lost=True)
+    assert [e.kind for e in det.sample().events] == ["gpu.lost"]
+    backend.readings[0] = replace(healthy(0, "00000000:3B:00.0"), ecc_volatile_uncorrected=2)
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == ["gpu.ecc_uncorrected", "gpu.lost.cleared"]
+    ecc = next(e for e in s.events if e.kind == "gpu.ecc_uncorrected")
+    assert ecc.message.endswith("2 new uncorrectable ECC error(s)")
+
+
 def test_remap_failure_and_query_errors() -> None:
     backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0"), healthy(1, "00000000:5E:00.0")])
     backend.readings[0] = replace(backend.readings[0], remap_failure=True)

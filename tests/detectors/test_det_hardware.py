@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import time
 
@@ -124,6 +125,57 @@ def test_unset_trip_points_raise_nothing(tmp_path) -> None:
     assert [e.kind for e in det.sample().events] == ["hw.temp_hot"]
 
 
+def test_a_zone_held_at_its_trip_point_raises_one_event_not_one_per_crossing(tmp_path) -> None:
+    """A zone the kernel throttles sits at its passive trip, a tenth of a degree either side from one sample to the
+    next: every crossing raised hw.temp_throttling and its .cleared again, an event every 20 s for as long as the
+    node ran hot. The condition ends once the zone is 2 C below the trip (or the trip's own hysteresis, if larger);
+    a later rise is a new event."""
+    z = "sys/class/thermal/thermal_zone0"
+    write_thermal_zone(tmp_path, 0, 85100, {"passive": 85000})
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    assert [e.kind for e in det.sample().events] == ["hw.temp_throttling"]
+    for mc in (84900, 85200, 84800, 83100):
+        write_file(tmp_path, f"{z}/temp", f"{mc}\n")
+        s = det.sample()
+        assert s.events == [] and s.state == DetectorState.DEGRADED, mc
+    write_file(tmp_path, f"{z}/temp", "82900\n")
+    assert [e.kind for e in det.sample().events] == ["hw.temp_throttling.cleared"]
+    write_file(tmp_path, f"{z}/temp", "85000\n")
+    assert [e.kind for e in det.sample().events] == ["hw.temp_throttling"]
+    write_file(tmp_path, f"{z}/trip_point_0_hyst", "5000\n")  # the driver's own, larger
+    write_file(tmp_path, f"{z}/temp", "80500\n")
+    assert det.sample().events == []
+    write_file(tmp_path, f"{z}/temp", "79900\n")
+    assert [e.kind for e in det.sample().events] == ["hw.temp_throttling.cleared"]
+
+
+def test_a_zone_without_a_temperature_is_no_read_error(tmp_path, monkeypatch) -> None:
+    """Intel's "INT3400 Thermal" zone (a DPTF policy zone) answers a read of its temp with ENODATA, a sensor not
+    ready yet with EAGAIN: each was a detector.error, the thermal detector in ERROR for good and trainguard detect
+    exiting 1 on every such machine. A regular file cannot fail so, so the read syscall answers as that kernel does
+    for that zone's temp only; the other zones are judged, and any other read error is still one."""
+    write_thermal_zone(tmp_path, 0, 45000, {"critical": 105000}, "acpitz")
+    write_thermal_zone(tmp_path, 1, 20000, {}, "INT3400 Thermal")
+    write_thermal_zone(tmp_path, 2, 104000, {"critical": 105000})
+    real_read = os.read
+    failing = {"zone": "thermal_zone1", "errno": errno.ENODATA}
+
+    def kernel_read(fd: int, n: int) -> bytes:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f"/{failing['zone']}/temp"):
+            raise OSError(failing["errno"], os.strerror(failing["errno"]))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", kernel_read)
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert s.errors == [] and [e.kind for e in s.events] == ["hw.temp_critical"]
+    assert "temp_c[thermal_zone1:INT3400 Thermal]" not in s.metrics and s.metrics["max_temp_c"] == 104.0
+    failing["errno"] = errno.EAGAIN
+    assert det.sample().errors == []
+    failing["errno"] = errno.EIO
+    assert len(det.sample().errors) == 1
+
+
 def test_thermal_malformed_and_absent(tmp_path) -> None:
     assert ThermalDetector(ThermalConfig(root=str(tmp_path))).sample().state == DetectorState.NO_HARDWARE
     write_thermal_zone(tmp_path, 0, 45000, {"critical": 105000})
@@ -148,6 +200,20 @@ def test_edac_uncorrectable_and_correctable_rate(tmp_path) -> None:
     assert "CPU_SrcID#0_MC#0_Chan#0_DIMM#0: ce=0 ue=1" in ue.message
     assert by_kind["hw.memory_ce_rate"].subject == "mc1"
     assert s.state == DetectorState.FAILED
+
+
+def test_edac_controllers_back_after_a_driver_reload_count_from_zero(tmp_path) -> None:
+    """Unloading the EDAC driver removes its memory controllers; loaded again, they count from zero. mc0 had
+    one uncorrectable error before and one new after the reload: the count read the same (1), no event."""
+    write_edac_mc(tmp_path, 0, ce=10, ue=1)
+    det = EdacDetector(EdacConfig(root=str(tmp_path)))
+    assert det.sample().events == []
+    shutil.rmtree(tmp_path / "sys/devices/system/edac/mc/mc0")
+    assert det.sample().state == DetectorState.NO_HARDWARE
+    write_edac_mc(tmp_path, 0, ce=0, ue=1)
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("hw.memory_ue", "mc0")]
+    assert det.sample().events == []  # the same error once
 
 
 def test_edac_malformed_and_absent(tmp_path) -> None:
@@ -209,3 +275,41 @@ def test_disk_block_device_states(tmp_path) -> None:
     write_file(tmp_path, "sys/class/nvme/nvme0/state", "")
     s = det.sample()
     assert len(s.errors) == 1 and "state word" in s.errors[0].reason
+
+
+def _sysfs_link(root, link: str, target: str) -> None:
+    path = root / link
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(target, path)
+
+
+def test_disk_judges_only_scsi_disks_by_the_scsi_state(tmp_path) -> None:
+    # The kernel's own layout: an NVMe namespace's /sys/block/<disk>/device is its controller (state "live"), a
+    # Xen disk's its xenbus device (state "Connected"); only a SCSI disk's state reads "running".
+    pci = "sys/devices/pci0000:00/0000:00:1d.0/0000:3d:00.0"
+    write_file(tmp_path, f"{pci}/nvme/nvme0/state", "live\n")
+    (tmp_path / f"{pci}/nvme/nvme0/nvme0n1").mkdir()
+    _sysfs_link(tmp_path, f"{pci}/nvme/nvme0/subsystem", "../../../../../class/nvme")
+    _sysfs_link(tmp_path, f"{pci}/nvme/nvme0/nvme0n1/device", "../../nvme0")
+    _sysfs_link(tmp_path, "sys/class/nvme/nvme0", f"../../{pci[4:]}/nvme/nvme0")
+    _sysfs_link(tmp_path, "sys/block/nvme0n1", f"../{pci[4:]}/nvme/nvme0/nvme0n1")
+    write_file(tmp_path, "sys/devices/vbd-51712/state", "Connected\n")
+    (tmp_path / "sys/bus/xen").mkdir(parents=True)
+    _sysfs_link(tmp_path, "sys/devices/vbd-51712/subsystem", "../../bus/xen")
+    _sysfs_link(tmp_path, "sys/block/xvda/device", "../../devices/vbd-51712")
+    write_file(tmp_path, "sys/devices/host0/0:0:0:0/state", "running\n")
+    (tmp_path / "sys/bus/scsi").mkdir(parents=True)
+    _sysfs_link(tmp_path, "sys/devices/host0/0:0:0:0/subsystem", "../../../bus/scsi")
+    _sysfs_link(tmp_path, "sys/block/sda/device", "../../devices/host0/0:0:0:0")
+    det = DiskDetector(DiskConfig(root=str(tmp_path), paths=(str(tmp_path),)))
+    s = det.sample()
+    assert (s.events, s.errors, s.state) == ([], [], DetectorState.OK)
+    assert s.metrics["block_devices_checked"] == 2.0  # nvme:nvme0 and block:sda
+    write_file(tmp_path, "sys/devices/host0/0:0:0:0/state", "offline\n")
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("disk.device_unhealthy", "block:sda")]
+    # A controller being removed prints "deleting (no IO)": an unhealthy controller, not an unreadable file.
+    write_file(tmp_path, f"{pci}/nvme/nvme0/state", "deleting (no IO)\n")
+    s = det.sample()
+    assert s.errors == [] and [(e.kind, e.subject) for e in s.events] == [("disk.device_unhealthy", "nvme:nvme0")]
+    assert "deleting (no IO)" in s.events[0].message

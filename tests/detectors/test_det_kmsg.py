@@ -75,6 +75,26 @@ def test_aer_lines_of_old_and_new_kernels_both_match(tmp_path) -> None:
                    ("pcie.aer_nonfatal", "0000:3d:00.0"), ("pcie.aer_nonfatal", "0000:3e:00.0")], got
 
 
+def test_tx_timeouts_and_cpu_throttling_of_current_kernels_match(tmp_path) -> None:
+    """Linux 6.8 logs a transmit timeout through netdev_crit() ("<driver> <bus id> <ifname>: NETDEV WATCHDOG: CPU:
+    <n>: transmit queue <q> timed out <ms> ms"), and since 5.7 CPU throttling reads "temperature is above
+    threshold, cpu clock is throttled": the rules knew only the older lines, so neither raised anything on a
+    current kernel."""
+    write_kmsg(tmp_path)
+    det = KmsgDetector(KmsgConfig(root=str(tmp_path), dedup_s=0.0))  # both throttle lines: one event each
+    det.sample()
+    lines = ["NETDEV WATCHDOG: eth2 (mlx5_core): transmit queue 7 timed out 5000 ms",
+             "mlx5_core 0000:3b:00.0 ens1f0np0: NETDEV WATCHDOG: CPU: 2: transmit queue 3 timed out 5276 ms",
+             "veth0: NETDEV WATCHDOG: CPU: 0: transmit queue 0 timed out 5000 ms",
+             "CPU7: Package temperature above threshold, cpu clock throttled (total events = 1)",
+             "CPU3: Core temperature is above threshold, cpu clock is throttled (total events = 219)"]
+    append_kmsg(tmp_path, *(f"4,{seq},100,-;{line}" for seq, line in enumerate(lines, 1)))
+    got = [(e.kind, e.subject, e.action) for e in det.sample().events]
+    tx = (Action.CHECKPOINT_NOW, "net.tx_timeout")
+    assert got == [(tx[1], "eth2", tx[0]), (tx[1], "ens1f0np0", tx[0]), (tx[1], "veth0", tx[0]),
+                   ("hw.cpu_throttled", "", Action.WATCH), ("hw.cpu_throttled", "", Action.WATCH)], got
+
+
 def test_existing_records_are_skipped_unless_replay(tmp_path) -> None:
     root = write_kmsg(tmp_path, OOM)
     assert KmsgDetector(KmsgConfig(root=root)).sample().events == []

@@ -59,6 +59,55 @@ def test_degraded_link_width_speed_and_lost_device(tmp_path) -> None:
         ("pcie.device_lost", "0000:86:00.0", Severity.CRITICAL)]
 
 
+def test_a_link_at_the_limit_of_its_slot_is_not_degraded(tmp_path) -> None:
+    """A Gen5 x16 NIC in a Gen4 x8 slot trains at 16 GT/s x8, the most that link can do (the kernel logs it as
+    "limited by 16.0 GT/s PCIe x8 link at <port>"). Compared with the NIC's own maximum it read narrow and slow
+    for good: a DEGRADED detector, and the predictor's rule on narrow links (already fatal) drained the node.
+    Below the slot's limit it is degraded as before."""
+    port, nic = "0000:00:01.0", "0000:01:00.0"
+    write_pci_device(tmp_path, port, cls="0x060400", width=8, max_width=8, speed="16.0 GT/s PCIe",
+                     max_speed="16.0 GT/s PCIe")
+    write_pci_device(tmp_path, nic, cls="0x020000", above=port, width=8, max_width=16, speed="16.0 GT/s PCIe",
+                     max_speed="32.0 GT/s PCIe")
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert (s.events, s.state, s.metrics["links_degraded"]) == ([], DetectorState.OK, 0.0)
+    write_pci_device(tmp_path, nic, cls="0x020000", above=port, width=4, max_width=16, speed="8.0 GT/s PCIe",
+                     max_speed="32.0 GT/s PCIe")
+    s = det.sample()
+    assert sorted((e.kind, e.subject) for e in s.events) == [("pcie.link_narrow", nic), ("pcie.link_slow", nic)]
+    narrow = next(e for e in s.events if e.kind == "pcie.link_narrow")
+    assert narrow.evidence["max_width"] == "8" and "below its x8" in narrow.message
+
+
+def test_aer_errors_of_the_port_above_an_nvme_drive_behind_vmd(tmp_path) -> None:
+    """Intel VMD puts the NVMe drives behind it in PCI domains from 10000 up; the port above a drive there was no
+    ancestor of it (a 4-digit domain was expected), so its AER errors went unread in the default scope."""
+    vmd, port, drive = "0000:00:0e.0", "10000:e0:1d.0", "10000:e1:00.0"
+    write_pci_device(tmp_path, vmd, cls="0x010400")
+    write_pci_device(tmp_path, port, cls="0x060400", above=f"{vmd}/pci10000:e0")
+    write_pci_device(tmp_path, drive, cls="0x010802", above=f"{vmd}/pci10000:e0/{port}")
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    assert det.sample().metrics["aer_devices"] == 3.0
+    write_pci_device(tmp_path, port, cls="0x060400", above=f"{vmd}/pci10000:e0", fatal={"DLP": 1})
+    assert [(e.kind, e.subject) for e in det.sample().events] == [("pcie.aer_fatal", port)]
+
+
+def test_sriov_virtual_functions_have_no_link_of_their_own(tmp_path) -> None:
+    """A VF's link status register is reserved and reads zero (lspci: "LnkSta: Speed unknown, Width x0"): every
+    VF of an RDMA NIC with SR-IOV enabled read as a PCIe link down, critical with drain-node. The PF's link is
+    watched; the VF's is not."""
+    pf, vf = "0000:3b:00.0", "0000:3b:00.2"
+    write_pci_device(tmp_path, pf, cls="0x020000", speed="16.0 GT/s PCIe", max_speed="16.0 GT/s PCIe")
+    vf_dir = write_pci_device(tmp_path, vf, cls="0x020000", width=0, speed="Unknown", max_speed="16.0 GT/s PCIe")
+    (vf_dir / "physfn").symlink_to(f"../{pf}")
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert (s.events, s.state, s.metrics["links_watched"]) == ([], DetectorState.OK, 1.0)
+    write_pci_device(tmp_path, pf, cls="0x020000", width=0, speed="Unknown", max_speed="16.0 GT/s PCIe")
+    assert [(e.kind, e.subject) for e in det.sample().events] == [("pcie.link_down", pf)]
+
+
 def test_a_device_back_on_the_bus_counts_its_errors_from_zero(tmp_path) -> None:
     """A GPU removed and rescanned is a new pci_dev whose AER counters start at zero. It had one fatal error
     before it left; back with one new fatal error, the total read the same (1) and the new error was lost."""

@@ -257,6 +257,45 @@ def test_a_link_that_went_down_before_the_listener_started_is_reported(veth_netn
     assert "administratively down" in down.message
 
 
+@pytest.mark.netns
+def test_a_link_gone_while_no_notification_was_read_is_down(veth_netns, tmp_path) -> None:
+    """A watched link deleted or moved to another namespace between two dumps (``trainguard detect --window``,
+    before a listener's start, in a burst that overflowed its socket) is simply absent from the next dump: it
+    stayed in the table as up for good. It is down (removed) now, and up again once it is back."""
+    ns, a, _ = veth_netns
+    other = f"{ns}-away"
+    subprocess.run(["ip", "netns", "add", other], check=True, timeout=10)
+    try:
+        det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=3600,
+                                      ethtool=False))
+        assert det.sample().metrics[f"link_up[{a}]"] == 1.0
+        ip(ns, "link", "set", a, "netns", other)
+        s = det.sample()
+        assert [(e.kind, e.subject) for e in s.events] == [("net.link_down", a)]
+        assert "removed" in s.events[0].message and s.metrics[f"link_up[{a}]"] == 0.0
+        assert s.state == DetectorState.FAILED
+        # Gone before a listener starts: its initial dump says so too.
+        det2 = RoceDetector(RoceConfig(root=str(tmp_path), netns=other, interfaces=(a,), down_grace_s=3600,
+                                       ethtool=False))
+        ip(other, "link", "set", a, "up")  # a link moved to another namespace arrives down
+        assert det2.sample().metrics[f"link_up[{a}]"] == 1.0
+        ip(other, "link", "set", a, "netns", ns)
+        q: queue.Queue[HealthEvent] = queue.Queue()
+        listener = threading.Thread(target=det2.listen, args=(q.put,), daemon=True)
+        listener.start()
+        try:
+            assert det2.wait_ready(30.0), "the netlink listener did not start"
+            next_event(q, "net.link_down", a)
+        finally:
+            det2.stop_listening()
+            listener.join(10)
+        ip(ns, "link", "set", a, "up")
+        s = det.sample()
+        assert ("net.link_up", a) in [(e.kind, e.subject) for e in s.events] and s.metrics[f"link_up[{a}]"] == 1.0
+    finally:
+        subprocess.run(["ip", "netns", "del", other], timeout=10)
+
+
 def test_carrier_downs_are_counted_from_carrier_changes_on_kernels_without_a_down_count() -> None:
     """Before Linux 4.19 only IFLA_CARRIER_CHANGES (every transition) is reported: from carrier on, the odd
     transitions are downs; from carrier off, the even ones."""
@@ -376,6 +415,26 @@ def test_rdma_counters_on_a_fake_tree(tmp_path) -> None:
     assert sorted(e.kind for e in s.events) == [k + ".cleared" for k in kinds]
 
 
+def test_rdma_counters_a_device_does_not_provide_are_no_read_errors(tmp_path) -> None:
+    """An RDMA device without a performance management agent (irdma on Intel E810 RoCE NICs, rxe, efa) prints
+    "N/A (no PMA)" in every ports/<n>/counters file: each was a read error, the detector in ERROR for good and
+    trainguard detect exiting 1 on every such node. Its hw_counters are still read."""
+    write_rdma_port(tmp_path, device="irdma0", netdev=None)
+    base = "sys/class/infiniband/irdma0/ports/1/counters"
+    for name in os.listdir(tmp_path / base):
+        write_file(tmp_path, f"{base}/{name}", "N/A (no PMA)\n")
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    s = det.sample()
+    assert (s.errors, s.events, s.state) == ([], [], DetectorState.OK)
+    time.sleep(0.05)
+    write_rdma_port(tmp_path, device="irdma0", netdev=None, oos=10**6)
+    for name in os.listdir(tmp_path / base):
+        write_file(tmp_path, f"{base}/{name}", "N/A (no PMA)\n")
+    assert [e.kind for e in det.sample().events] == ["roce.out_of_sequence"]
+    write_file(tmp_path, f"{base}/link_downed", "12 packets\n")
+    assert "expected one integer" in det.sample().errors[0].reason  # anything else is still malformed
+
+
 def test_port_not_active_and_malformed_files(tmp_path) -> None:
     write_rdma_port(tmp_path, state="1: DOWN")
     det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
@@ -446,6 +505,26 @@ def test_a_port_that_disappears_is_down_until_it_is_back(tmp_path) -> None:
     s = det.sample()
     assert sorted((e.kind, e.subject) for e in s.events) == [("roce.port_down.cleared", "mlx5_0/1"),
                                                               ("roce.port_down.cleared", "mlx5_1/1")]
+
+
+def test_an_rdma_device_renamed_is_the_same_port_not_a_lost_one(tmp_path) -> None:
+    """udev's RDMA naming policy renames mlx5_0 to rocep59s0f0 (at boot, and again after the driver reloads): the
+    old name read as a port gone from sysfs for good, roce.port_down and a FAILED detector for a name that no
+    longer exists. The same PCI function's port under the new name is the same port; a device really gone still
+    counts."""
+    ib = tmp_path / "sys/class/infiniband"
+    for dev, pci in (("mlx5_0", "0000:3b:00.0"), ("mlx5_1", "0000:5e:00.0")):
+        write_rdma_port(tmp_path, device=dev, netdev=None)
+        (tmp_path / "sys/devices/pci0000:00" / pci).mkdir(parents=True)
+        (ib / dev / "device").symlink_to(f"../../../devices/pci0000:00/{pci}")
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    assert det.sample().events == []
+    os.rename(ib / "mlx5_0", ib / "rocep59s0f0")
+    s = det.sample()
+    assert (s.events, s.state) == ([], DetectorState.OK)
+    assert s.metrics["port_active[rocep59s0f0/1]"] == 1.0 and "port_active[mlx5_0/1]" not in s.metrics
+    shutil.rmtree(ib / "mlx5_1")  # gone for real: still a port down
+    assert [(e.kind, e.subject) for e in det.sample().events] == [("roce.port_down", "mlx5_1/1")]
 
 
 def test_parse_ethtool_s_rejects_garbage() -> None:
