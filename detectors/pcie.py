@@ -37,6 +37,35 @@ _AER_FILES = (("aer_dev_correctable", "TOTAL_ERR_COR"), ("aer_dev_nonfatal", "TO
               ("aer_dev_fatal", "TOTAL_ERR_FATAL"))
 
 
+def is_virtual_function(dev_dir: str) -> bool:
+    """Whether a PCI function is an SR-IOV virtual function (a ``physfn`` link to its PF): it has no link of its
+    own (its link status reads width 0), its PF's is the one to judge."""
+    return os.path.islink(os.path.join(dev_dir, "physfn"))
+
+
+def port_above(dev_dir: str) -> str:
+    """The sysfs folder of the port a device is plugged into ("" when its parent is no PCI port with a link)."""
+    parent = os.path.dirname(os.path.realpath(dev_dir))
+    if _BDF.match(os.path.basename(parent)) and os.path.exists(os.path.join(parent, "max_link_width")):
+        return parent
+    return ""
+
+
+def port_limits(port_dir: str) -> tuple[int, float | None]:
+    """The maximum width and speed of the port a device is plugged into (0 and None: not known): a link trains
+    at most to what both ends support (a Gen5 x16 NIC in a Gen4 x8 slot runs at 16 GT/s x8, healthy).
+
+    Only the limit of the link is wanted; a port whose files cannot be read leaves the device's own maximum.
+    """
+    if not port_dir:
+        return 0, None
+    try:
+        path = os.path.join(port_dir, "max_link_speed")
+        return read_int(os.path.join(port_dir, "max_link_width")), parse_link_speed(read_text(path), path)
+    except DetectorReadError:
+        return 0, None
+
+
 def parse_link_speed(text: str, path: str) -> float | None:
     """Parses ``current_link_speed`` / ``max_link_speed``.
 
@@ -146,7 +175,7 @@ class PcieDetector(Detector):
             # An SR-IOV virtual function (it has a physfn link to its PF) has no link of its own: its link status
             # register is reserved and reads zero (lspci: "Width x0 (downgraded)"), which read as a link down
             # (critical, drain-node) for every VF of an RDMA NIC. Its PF's link is the one to watch.
-            vf = os.path.islink(os.path.join(dev, "physfn"))
+            vf = is_virtual_function(dev)
             info = _DeviceInfo(cls, os.path.exists(os.path.join(dev, "aer_dev_correctable")),
                                os.path.exists(os.path.join(dev, "max_link_width")) and not vf, ancestors)
             self._devices[bdf] = info
@@ -250,7 +279,7 @@ class PcieDetector(Detector):
         except DetectorReadError as exc:
             s.error(exc)
             return 0
-        port_width, port_speed = self._port_limits(port_dir)
+        port_width, port_speed = port_limits(port_dir)
         if port_width > 0:
             max_width = min(max_width, port_width)
         if port_speed is not None and max_speed is not None:
@@ -269,17 +298,3 @@ class PcieDetector(Detector):
         self.condition(s, f"down/{bdf}", width == 0, "pcie.link_down", Severity.CRITICAL, Action.DRAIN_NODE,
                        f"PCIe link of {bdf} is down (width 0)", bdf, evidence)
         return int(narrow or slow or width == 0)
-
-    @staticmethod
-    def _port_limits(port_dir: str) -> tuple[int, float | None]:
-        """The maximum width and speed of the port a device is plugged into (0 and None: not known).
-
-        Only the limit of the link is wanted; a port whose files cannot be read leaves the device's own maximum.
-        """
-        if not port_dir:
-            return 0, None
-        try:
-            path = os.path.join(port_dir, "max_link_speed")
-            return read_int(os.path.join(port_dir, "max_link_width")), parse_link_speed(read_text(path), path)
-        except DetectorReadError:
-            return 0, None

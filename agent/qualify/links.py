@@ -5,7 +5,9 @@ Files read (under the configured root, in the kernel's formats, as :mod:`traingu
 
 - ``/sys/bus/pci/devices/<bdf>/{class,current_link_width,max_link_width,current_link_speed,max_link_speed}``:
   a link trained below its maximum width (a failing riser or connector: the node runs, at a fraction of its
-  bandwidth) fails; so does a speed below the maximum for the classes that never lower it to save power;
+  bandwidth) fails; so does a speed below the maximum for the classes that never lower it to save power. The
+  maximum is what both ends support (the port above caps it: a Gen5 x16 NIC in a Gen4 x8 slot is healthy at
+  16 GT/s x8); SR-IOV virtual functions (``physfn``) have no link of their own and are not judged;
 - ``/sys/class/net/<if>/speed`` (Mb/s; reading it fails with EINVAL while the link is down, ``-1`` is unknown),
   ``operstate`` and ``carrier`` (a veth whose peer is down keeps reporting its speed: the state decides);
 - ``/sys/class/infiniband/<dev>/ports/<n>/state`` (``4: ACTIVE``) and ``rate`` (``200 Gb/sec (4X HDR)``).
@@ -22,7 +24,7 @@ import re
 
 from trainguard.agent.qualify.base import Outcome, QualifyContext, failed, passed, register_check, skipped
 from trainguard.detectors.errors import DetectorReadError
-from trainguard.detectors.pcie import parse_link_speed
+from trainguard.detectors.pcie import is_virtual_function, parse_link_speed, port_above, port_limits
 from trainguard.detectors.sysfs import list_dir, read_int, read_text
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?) Gb/sec")
@@ -43,8 +45,8 @@ class PcieLinkCheck:
         watched = 0
         for bdf in list_dir(base):
             dev = os.path.join(base, bdf)
-            if not os.path.exists(os.path.join(dev, "max_link_width")):
-                continue
+            if not os.path.exists(os.path.join(dev, "max_link_width")) or is_virtual_function(dev):
+                continue  # no link, or an SR-IOV VF's (width 0 always: its PF's link is the one judged)
             try:
                 cls = read_text(os.path.join(dev, "class"))
             except DetectorReadError:
@@ -63,6 +65,12 @@ class PcieLinkCheck:
             except DetectorReadError as exc:
                 bad.append(f"{bdf}: {exc}")
                 continue
+            # as the detector judges it: a link trains at most to what its slot supports
+            port_width, port_speed = port_limits(port_above(dev))
+            if port_width > 0:
+                max_width = min(max_width, port_width)
+            if port_speed is not None and max_speed is not None:
+                max_speed = min(max_speed, port_speed)
             if width == 0:
                 bad.append(f"{bdf} link is down (width 0)")
             elif width < max_width:

@@ -276,3 +276,20 @@ def test_verdict_survives_the_wire(tmp_path) -> None:
     assert back == verdict and not back.passed and back.reason == verdict.reason
     doc = json.loads(verdict.to_json())
     assert doc["passed"] is False and [c["status"] for c in doc["checks"]] == ["fail", "skip"]
+
+
+def test_pcie_slot_limited_links_and_sriov_vfs_pass_a_real_narrow_link_fails(tmp_path) -> None:
+    """The detector's two false alarms had twins here: a Gen5 x16 NIC in a Gen4 x8 slot (trained at the most that
+    link can do) and every SR-IOV VF (width 0 always) refused the node before it took a slot."""
+    port = "0000:5d:02.0"
+    write_pci_device(tmp_path, port, cls="0x060400", width=8, max_width=8, speed="16.0 GT/s PCIe",
+                     max_speed="16.0 GT/s PCIe")
+    write_pci_device(tmp_path, NIC, cls="0x020000", above=port, width=8, speed="16.0 GT/s PCIe")
+    vf = write_pci_device(tmp_path, "0000:5e:00.2", cls="0x020000", above=port, width=0, speed="Unknown",
+                          max_speed="16.0 GT/s PCIe")
+    (vf / "physfn").symlink_to(f"../{NIC}")
+    _, r = one(ctx_for(tmp_path, ["pcie"]))
+    assert r.status is CheckStatus.PASS, r
+    write_pci_device(tmp_path, NIC, cls="0x020000", above=port, width=4, speed="16.0 GT/s PCIe")  # below the slot
+    _, r = one(ctx_for(tmp_path, ["pcie"]))
+    assert r.status is CheckStatus.FAIL and f"{NIC} link trained at x4, below its x8" in r.detail, r
