@@ -317,6 +317,12 @@ class Detector(ABC):
             evidence={k: str(v) for k, v in (evidence or {}).items()},
         )
 
+    def holding(self, key: str) -> bool:
+        """Whether the condition ``key`` is active (started and not cleared): a detector widens the threshold
+        that ends it by a hysteresis, so a value hovering at the threshold raises one event, not one per
+        crossing."""
+        return key in self._active
+
     def condition(
         self,
         sample: Sample,

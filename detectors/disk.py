@@ -25,6 +25,9 @@ import psutil
 from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
+
+#: Percentage points of usage below a threshold before ``disk.filling``/``disk.full`` ends.
+USED_HYSTERESIS_PCT = 1.0
 from trainguard.detectors.sysfs import list_dir_or_record, read_text
 
 
@@ -130,9 +133,13 @@ class DiskDetector(Detector):
             s.metrics.update({f"used_pct[{path}]": usage.percent, f"free_bytes[{path}]": float(usage.free),
                               f"inodes_used_pct[{path}]": inode_pct})
             evidence = {"used_pct": usage.percent, "free_bytes": usage.free, "inodes_used_pct": f"{inode_pct:.1f}"}
-            self.condition(s, f"full/{path}", used >= cfg.error_used_pct, "disk.full", Severity.ERROR, Action.WATCH,
+            # a usage hovering at a threshold (a checkpoint written, then the old one removed) raises one event,
+            # not one per crossing: a condition ends a hysteresis below where it started
+            full = used >= cfg.error_used_pct - (USED_HYSTERESIS_PCT if self.holding(f"full/{path}") else 0.0)
+            self.condition(s, f"full/{path}", full, "disk.full", Severity.ERROR, Action.WATCH,
                            f"{path} is {used:.1f}% full", path, evidence)
-            self.condition(s, f"filling/{path}", cfg.warn_used_pct <= used < cfg.error_used_pct, "disk.filling",
+            warn = cfg.warn_used_pct - (USED_HYSTERESIS_PCT if self.holding(f"filling/{path}") else 0.0)
+            self.condition(s, f"filling/{path}", warn <= used and not full, "disk.filling",
                            Severity.WARNING, Action.WATCH, f"{path} is {used:.1f}% full", path, evidence)
             part = mount_of(path)
             ro = part is not None and "ro" in part.opts.split(",")

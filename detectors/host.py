@@ -24,6 +24,11 @@ from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.sysfs import read_key_values, read_text
 
+#: Percentage points of available memory above the threshold before ``host.memory_low`` ends.
+MEM_HYSTERESIS_PCT = 1.0
+#: Percentage points of CPU utilisation below the threshold before ``host.cpu_saturated`` ends.
+CPU_HYSTERESIS_PCT = 5.0
+
 
 def parse_meminfo(text: str, path: str) -> dict[str, int]:
     """Parses ``/proc/meminfo``.
@@ -133,7 +138,10 @@ class HostDetector(Detector):
         cpu = psutil.cpu_percent(interval=None)
         s.metrics["cpu_percent"] = cpu
         s.metrics["load1_per_cpu"] = os.getloadavg()[0] / (psutil.cpu_count() or 1)
-        self.condition(s, "cpu", cpu > cfg.cpu_busy_pct, "host.cpu_saturated", Severity.WARNING, Action.WATCH,
+        # each threshold ends a hysteresis past where it started: a value hovering at it (memory freed and taken
+        # by every checkpoint) raised and cleared an event per crossing, and each memory_low asked for a checkpoint
+        busy = cfg.cpu_busy_pct - (CPU_HYSTERESIS_PCT if self.holding("cpu") else 0.0)
+        self.condition(s, "cpu", cpu > busy, "host.cpu_saturated", Severity.WARNING, Action.WATCH,
                        f"CPU utilisation {cpu:.0f}% above {cfg.cpu_busy_pct:.0f}%", "", {"cpu_percent": cpu})
         path = cfg.path("/proc/meminfo")
         try:
@@ -141,7 +149,8 @@ class HostDetector(Detector):
             avail_pct = 100.0 * mem["MemAvailable"] / max(1, mem["MemTotal"])
             s.metrics.update({"mem_available_pct": avail_pct, "mem_available_bytes": float(mem["MemAvailable"]),
                               "swap_used_bytes": float(mem.get("SwapTotal", 0) - mem.get("SwapFree", 0))})
-            self.condition(s, "mem", avail_pct < cfg.mem_available_min_pct, "host.memory_low", Severity.WARNING,
+            low = cfg.mem_available_min_pct + (MEM_HYSTERESIS_PCT if self.holding("mem") else 0.0)
+            self.condition(s, "mem", avail_pct < low, "host.memory_low", Severity.WARNING,
                            Action.CHECKPOINT_NOW,
                            f"only {avail_pct:.1f}% of memory available ({mem['MemAvailable'] >> 20} MiB)", "",
                            {"mem_available_bytes": mem["MemAvailable"], "mem_total_bytes": mem["MemTotal"]})
@@ -157,7 +166,8 @@ class HostDetector(Detector):
         else:
             if psi is not None:
                 s.metrics.update({"mem_pressure_some_avg10": some, "mem_pressure_full_avg10": full})
-                self.condition(s, "psi", full > cfg.psi_full_avg10_pct, "host.memory_pressure", Severity.WARNING,
+                stalled = cfg.psi_full_avg10_pct * (0.5 if self.holding("psi") else 1.0)
+                self.condition(s, "psi", full > stalled, "host.memory_pressure", Severity.WARNING,
                                Action.CHECKPOINT_NOW, f"memory pressure: all tasks stalled {full:.1f}% of the "
                                f"last 10 s", "", {"full_avg10": full, "some_avg10": some})
         for resource in ("cpu", "io"):  # metrics only: the predictor learns what they mean on each fleet

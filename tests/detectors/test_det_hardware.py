@@ -313,3 +313,34 @@ def test_disk_judges_only_scsi_disks_by_the_scsi_state(tmp_path) -> None:
     s = det.sample()
     assert s.errors == [] and [(e.kind, e.subject) for e in s.events] == [("disk.device_unhealthy", "nvme:nvme0")]
     assert "deleting (no IO)" in s.events[0].message
+
+
+def test_memory_hovering_at_its_threshold_raises_one_event_not_one_per_crossing(tmp_path) -> None:
+    """Available memory going around 5% (a checkpoint allocates, then frees) raised and cleared host.memory_low at
+    every crossing, and each raise asked the job for a checkpoint, which allocated again. It now ends 1 point
+    above the threshold."""
+    write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
+    det = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0))
+    kinds = []
+    for pct in (50.0, 4.9, 5.2, 4.8, 5.9, 4.9, 6.1, 50.0):
+        write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=int(65536000 * pct / 100)))
+        kinds += [e.kind for e in det.sample().events if e.kind.startswith("host.memory_low")]
+    assert kinds == ["host.memory_low", "host.memory_low.cleared"]
+
+
+def test_disk_usage_hovering_at_its_threshold_raises_one_event(tmp_path) -> None:
+    """A checkpoint directory whose usage goes around the warning level (a step written, the oldest removed) raised
+    and cleared disk.filling at every crossing. It now ends 1 point below where it started."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(mnt)], check=True)
+    try:
+        det = DiskDetector(DiskConfig(paths=(str(mnt),), warn_used_pct=50.0, error_used_pct=97.0))
+        kinds = []
+        for mib in (1.0, 5.3, 4.96, 5.3, 4.96, 4.6):  # 53%, 49.6%, ..., 46%
+            with open(mnt / "step.data", "wb") as f:
+                f.write(b"\0" * int(mib * (1 << 20)))
+            kinds += [e.kind for e in det.sample().events]
+        assert kinds == ["disk.filling", "disk.filling.cleared"]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
