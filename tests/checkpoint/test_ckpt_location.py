@@ -101,7 +101,9 @@ def test_a_checkpoint_directory_under_home_that_no_shell_expanded(tmp_path, monk
               "start = s.restore(state)\n"
               "s.step_done(start, state)\n"
               "s.finish(); s.close(); print(start)\n")
-    env = dict(os.environ, HOME=str(home), TRAINGUARD_CHECKPOINT_DIR="~/ck", TRAINGUARD_JOB="j")
+    # the in-memory tier of its own: under the machine's /dev/shm a job "j" of an earlier run was found instead
+    env = dict(os.environ, HOME=str(home), TRAINGUARD_CHECKPOINT_DIR="~/ck", TRAINGUARD_JOB="j",
+               TRAINGUARD_CHECKPOINT_SHM_DIR=str(tmp_path / "shm"))
     env.pop("TRAINGUARD_AGENT_SOCKET", None)
     for cwd, expect in ((work, "0"), (tmp_path, "1")):  # the relaunch from another folder resumes
         done = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
