@@ -283,6 +283,10 @@ class Session:
     def restore(self, state: MutableMapping[str, Any]) -> int:
         """Loads the newest complete checkpoint into ``state`` in place.
 
+        Inside a process group (``init_process_group`` called first, as under torchrun) it is a collective every
+        rank calls: the ranks agree on one step (a rank whose newest copy is torn falls back, the others follow),
+        and when any rank's restore raises, every other rank raises ``CheckpointError``.
+
         Args:
             state: mapping of names to tensors, nested containers or objects with ``state_dict()`` /
                 ``load_state_dict()`` (modules, optimizers); the same mapping later given to :meth:`save`.
@@ -296,58 +300,15 @@ class Session:
         """
         if self._ckpt is None:
             return 0
-        try:
-            mine = self._ckpt.restore(state)
-        except TrainguardError:
-            # Every rank must reach the agreement below, or the ranks that restored would wait in it forever.
-            self._agree_on_step(state, None, failed=True)
-            raise
-        step = self._agree_on_step(state, mine)
+        # No agreement of the hook's own after the Checkpointer's: a rank whose restore raised something other
+        # than a TrainguardError (a user's load_state_dict) never reached it, and it reduced a CPU tensor, which
+        # a pure NCCL group refuses.
+        step = self._ckpt.restore(state)
         self.restored_step = step
         if step is None:
             return 0
         log.info("rank %d restored step %d from %s", self.rank, step, getattr(self._ckpt, "last_restore_tier", "?"))
         return step + 1
-
-    def _agree_on_step(self, state: MutableMapping[str, Any], step: int | None, failed: bool = False) -> int | None:
-        """Makes every rank resume from the same step.
-
-        A rank whose copy of the newest step failed its checksums falls back to an older step on its own; the
-        others must follow it, or the ranks would train from different states. Uses the default process group
-        when one is initialized (a lone process has nothing to agree with).
-
-        Raises:
-            TrainguardError: some rank has no checkpoint at all while others restored one, or another rank's
-                restore raised (``failed`` marks this rank's own failure; its caller raises that).
-        """
-        try:
-            import torch
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch is a dependency
-            return step
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return step
-        mine = -2 if failed else (-1 if step is None else step)
-        t = torch.tensor([mine, -mine], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        lowest, highest = int(t[0]), -int(t[1])
-        if failed:
-            return None  # the caller raises its own error
-        if lowest == -2:
-            raise TrainguardError(f"rank {self.rank}: another rank could not restore its checkpoint (see its log: "
-                                  "corrupt copies or a state mismatch); no rank starts training")
-        if lowest == highest:
-            return step
-        if lowest < 0:
-            raise TrainguardError(
-                f"rank {self.rank}: some ranks have no checkpoint while others restored up to step {highest}; "
-                "the checkpoint directory is incomplete (check each rank's files with `trainguard ckpt verify`)"
-            )
-        log.warning("rank %d: ranks restored steps %d..%d; every rank resumes from step %d", self.rank, lowest,
-                    highest, lowest)
-        if mine != lowest:
-            self._ckpt.restore(state, step=lowest)
-        return lowest
 
     def save(self, state: Mapping[str, Any], step: int) -> bool:
         """Saves ``state`` as checkpoint ``step`` (returns once the snapshot is taken; persisting goes on).
