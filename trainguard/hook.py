@@ -28,7 +28,8 @@ from typing import Any
 from trainguard import gloo_exit
 from trainguard.errors import TrainguardError, UsageError
 from trainguard.step_timer import Section, StepTimer
-from trainguard.worker_env import WorkerEnv, checkpoint_job_name, torchrun_made_run_id
+from trainguard.worker_env import (RANK_ENV, WORLD_SIZE_ENV, WorkerEnv, checkpoint_job_name,
+                                   torchrun_made_run_id)
 
 log = logging.getLogger("trainguard.hook")
 
@@ -184,6 +185,30 @@ class _AgentLink:
         self._channel.close()
 
 
+def _place_in_job(env: WorkerEnv) -> tuple[int, int]:
+    """``(rank, world size)`` of this worker: the launcher's (``RANK``, ``WORLD_SIZE``), else the default process
+    group's when the script built one itself (``mp.spawn`` with ``init_process_group(rank=r, world_size=n)``).
+
+    Without the group's place every spawned process took itself for rank 0 of 1: all but one had every save
+    refused (one writer per job and rank), and a resume loaded one rank's state into every rank.
+    """
+    if os.environ.get(RANK_ENV) or os.environ.get(WORLD_SIZE_ENV):
+        return env.rank, env.world_size
+    dist = _initialized_dist()
+    if dist is None:
+        return env.rank, env.world_size
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _initialized_dist() -> Any:
+    """``torch.distributed`` when its default process group is up, else None (torch is never imported here)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a broken torch install is no reason to refuse a lone worker
+        return None
+
+
 class Session:
     """One worker's connection to trainguard.
 
@@ -217,8 +242,7 @@ class Session:
                                   f"{save_every!r}")
         save_every = every
         env = WorkerEnv.from_env()
-        self.rank = env.rank
-        self.world_size = env.world_size
+        self.rank, self.world_size = _place_in_job(env)
         self.local_rank = env.local_rank
         self.restart_count = env.restart_count
         self.generation = env.generation
@@ -300,6 +324,13 @@ class Session:
         """
         if self._ckpt is None:
             return 0
+        dist = _initialized_dist()
+        if dist is not None and self.world_size == 1 < dist.get_world_size():
+            # trainguard.init() ran before the script's own init_process_group (mp.spawn, no RANK in the
+            # environment): every process took itself for rank 0 of 1 and would load one rank's state.
+            raise UsageError(f"trainguard.init() ran before init_process_group() in a process launched without "
+                             f"RANK/WORLD_SIZE, so it took itself for rank 0 of 1 in a group of "
+                             f"{dist.get_world_size()}; call init_process_group() first")
         # No agreement of the hook's own after the Checkpointer's: a rank whose restore raised something other
         # than a TrainguardError (a user's load_state_dict) never reached it, and it reduced a CPU tensor, which
         # a pure NCCL group refuses.

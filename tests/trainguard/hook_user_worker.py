@@ -6,6 +6,11 @@ Scenarios:
                 opt}`` given to ``session.restore`` and ``session.step_done``, saving every 4 steps; runs to
                 STEPS and writes ``{"start", "digest"}`` (rank 0) to OUT/result.json: the digest covers the full
                 parameters after the last step.
+  spawn         (run with plain python, PORT for STEPS) 2 processes started by ``mp.spawn`` that build their own group
+                (``init_process_group(rank=r, world_size=2)``, no RANK in the environment), saving ``{"w": rank}``
+                every step for 3 steps; each writes its session's rank, world size, restored step, ``w`` after the
+                restore and latched errors to OUT/rank<R>.json. ``spawn-late``: ``trainguard.init()`` before
+                ``init_process_group``; each writes what ``session.restore`` raised.
   restore_fails a Stateful whose ``load_state_dict`` raises a plain AssertionError on rank 1 (a user's own check);
                 every rank writes the type of what ``session.restore`` raised to OUT/rank<R>.json.
 """
@@ -89,8 +94,42 @@ def restore_fails(ckpt: str, out: str, steps: int) -> None:
     os._exit(0)
 
 
+def spawned(rank: int, scenario: str, ckpt: str, out: str, port: int) -> None:
+    def group() -> None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=30))
+
+    state = {"w": torch.full((4,), float(rank))}
+    if scenario == "spawn-late":
+        session = trainguard.init(checkpoint_dir=ckpt, save_every=1)
+        group()
+        try:
+            session.restore(state)
+            facts: dict = {"raised": None}
+        except BaseException as exc:  # noqa: BLE001 - what reaches the user is what the test checks
+            facts = {"raised": type(exc).__name__}
+    else:
+        group()
+        session = trainguard.init(checkpoint_dir=ckpt, save_every=1)
+        start = session.restore(state)
+        restored_w = state["w"].tolist()
+        for step in range(start, start + 3):
+            session.step_done(step, state)
+        facts = {"rank": session.rank, "world": session.world_size, "restored": session.restored_step,
+                 "w": restored_w, "errors": [str(e) for e in session.errors]}
+    session.close()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(facts, f)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     scenario, ckpt, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    if scenario.startswith("spawn"):
+        import torch.multiprocessing as mp
+
+        mp.spawn(spawned, args=(scenario, ckpt, out, steps), nprocs=2)
+        return
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     {"fsdp": fsdp, "restore_fails": restore_fails}[scenario](ckpt, out, steps)
     dist.destroy_process_group()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,12 @@ import pytest
 from tg_testutil import REPO
 
 WORKER = Path(__file__).resolve().parent / "hook_user_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _torchrun(nproc: int, args: list, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -51,3 +58,32 @@ def test_a_plain_exception_in_one_ranks_restore_reaches_every_rank_as_ours(tmp_p
     assert r.returncode == 0, r.stderr[-3000:]
     raised = [json.loads((out / f"rank{rank}.json").read_text())["raised"] for rank in (0, 1)]
     assert raised == ["CheckpointError", "AssertionError"]
+
+
+@pytest.mark.timeout(300)
+def test_processes_from_mp_spawn_take_their_place_from_their_process_group(tmp_path: Path, tg_env: dict) -> None:
+    # mp.spawn sets no RANK/WORLD_SIZE: the script builds its group with init_process_group(rank=r, world_size=n).
+    # Every process took itself for rank 0 of 1, so rank 1's saves were all refused (one writer per job and rank)
+    # and the resume loaded one rank's state into both.
+    ckpt = tmp_path / "ckpt"
+    env = {k: v for k, v in tg_env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    runs = []
+    for name in ("first", "second"):
+        out = tmp_path / name
+        out.mkdir()
+        r = subprocess.run([sys.executable, str(WORKER), "spawn", str(ckpt), str(out), str(free_port())], env=env,
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append([json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)])
+    for rank in (0, 1):
+        first, second = runs[0][rank], runs[1][rank]
+        assert (first["rank"], first["world"], first["errors"]) == (rank, 2, [])
+        assert second["restored"] == 2 and second["w"] == [float(rank)] * 4
+    # trainguard.init() before init_process_group cannot know its place: restore says so instead of loading one
+    # rank's state into every rank.
+    out = tmp_path / "late"
+    out.mkdir()
+    r = subprocess.run([sys.executable, str(WORKER), "spawn-late", str(ckpt), str(out), str(free_port())], env=env,
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [json.loads((out / f"rank{rank}.json").read_text())["raised"] for rank in (0, 1)] == ["UsageError"] * 2
