@@ -217,7 +217,9 @@ def _encode(v: Any, path: str, out: Captured) -> Any:
         import numpy as np
 
         if isinstance(v, np.ndarray):
-            out.tensors.append(CapturedTensor(path, torch.from_numpy(np.ascontiguousarray(v)), is_numpy=True))
+            # ascontiguousarray makes a 0-d array 1-d; the reshape keeps np.array(0.5) restorable into itself.
+            c = np.ascontiguousarray(v).reshape(v.shape)
+            out.tensors.append(CapturedTensor(path, torch.from_numpy(c), is_numpy=True))
             return {"t": "tensor", "i": len(out.tensors) - 1, "np": True}
         return _encode(v.item(), path, out)  # numpy scalar
     if isinstance(v, (bytes, bytearray, memoryview)):

@@ -87,3 +87,26 @@ def test_processes_from_mp_spawn_take_their_place_from_their_process_group(tmp_p
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [json.loads((out / f"rank{rank}.json").read_text())["raised"] for rank in (0, 1)] == ["UsageError"] * 2
+
+
+@pytest.mark.timeout(120)
+def test_a_zero_dimensional_numpy_array_resumes(tmp_path: Path) -> None:
+    # np.ascontiguousarray gives at least one dimension, so np.array(0.5) (a best loss kept as an array) was saved
+    # as shape [1] and the restore into the live 0-d array raised StateMismatchError: the job could not resume.
+    import numpy as np
+
+    import trainguard
+
+    job = f"np0-{tmp_path.name}"
+    with trainguard.init(checkpoint_dir=str(tmp_path / "ckpt"), job=job) as session:
+        assert session.save({"best": np.array(0.5), "hist": np.arange(3.0)}, 0)
+    state = {"best": np.array(9.0), "hist": np.zeros(3)}
+    with trainguard.init(checkpoint_dir=str(tmp_path / "ckpt"), job=job) as session:
+        assert session.restore(state) == 1
+    assert state["best"].shape == () and float(state["best"]) == 0.5
+    assert state["hist"].tolist() == [0.0, 1.0, 2.0]
+    # Restored without a live array to fill, it keeps its shape too.
+    fresh = {"best": None, "hist": None}
+    with trainguard.init(checkpoint_dir=str(tmp_path / "ckpt"), job=job) as session:
+        assert session.restore(fresh) == 1
+    assert fresh["best"].shape == () and float(fresh["best"]) == 0.5
