@@ -338,6 +338,10 @@ class Session:
         self.restored_step = step
         if step is None:
             return 0
+        if self._last_step is None or step > self._last_step:
+            # A loop that starts again at 0 (restore's result ignored) is a step that went back: its saves would
+            # replace the restored run's checkpoints of the same steps, and every restart resumed the old step.
+            self._last_step = step
         log.info("rank %d restored step %d from %s", self.rank, step, getattr(self._ckpt, "last_restore_tier", "?"))
         return step + 1
 
@@ -452,6 +456,10 @@ class Session:
         self._backward_warned = True
         what = ("checkpoints of a repeated step replace the earlier ones, and a restart resumes from the highest "
                 "step saved, not the latest")
+        if self._steps_reported == 0 and self.restored_step == self._last_step:
+            self._latch(UsageError(f"step_done({step}) after restore() loaded step {self._last_step}: start the loop "
+                                   f"at the step restore() returns ({self._last_step + 1}); {what}"), f"rank {self.rank}")
+            return
         self._latch(UsageError(f"step_done({step}) after step_done({self._last_step}): steps must grow over the "
                                f"whole run (pass a global step counter, not the index within an epoch); {what}"),
                     f"rank {self.rank}")

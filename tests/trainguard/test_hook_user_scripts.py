@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tg_testutil import REPO
 
@@ -110,3 +111,29 @@ def test_a_zero_dimensional_numpy_array_resumes(tmp_path: Path) -> None:
     with trainguard.init(checkpoint_dir=str(tmp_path / "ckpt"), job=job) as session:
         assert session.restore(fresh) == 1
     assert fresh["best"].shape == () and float(fresh["best"]) == 0.5
+
+
+@pytest.mark.timeout(120)
+def test_a_loop_that_ignores_restores_result_is_latched(tmp_path: Path) -> None:
+    # `session.restore(state)` and then `for step in range(total)`: the new run's saves replaced the old run's
+    # checkpoints of the same steps, and every restart resumed the old run's newest step, with no word.
+    import trainguard
+    from trainguard.errors import UsageError
+
+    job, ckpt = f"again-{tmp_path.name}", str(tmp_path / "ckpt")
+    with trainguard.init(checkpoint_dir=ckpt, job=job, save_every=5) as session:
+        for step in range(10):
+            session.step_done(step, {"w": torch.full((2,), float(step))})
+    state = {"w": torch.zeros(2)}
+    with trainguard.init(checkpoint_dir=ckpt, job=job, save_every=5) as session:
+        assert session.restore(state) == 10
+        for step in range(3):
+            session.step_done(step, state)
+    assert len(session.errors) == 1 and isinstance(session.errors[0], UsageError)
+    assert "restore() loaded step 9" in str(session.errors[0]) and "(10)" in str(session.errors[0])
+    # Starting where restore() says is no error.
+    with trainguard.init(checkpoint_dir=ckpt, job=job, save_every=5) as session:
+        start = session.restore(state)
+        for step in range(start, start + 3):
+            session.step_done(step, state)
+    assert session.errors == []
