@@ -185,19 +185,20 @@ class _AgentLink:
         self._channel.close()
 
 
-def _place_in_job(env: WorkerEnv) -> tuple[int, int]:
-    """``(rank, world size)`` of this worker: the launcher's (``RANK``, ``WORLD_SIZE``), else the default process
-    group's when the script built one itself (``mp.spawn`` with ``init_process_group(rank=r, world_size=n)``).
+def _place_in_job(env: WorkerEnv) -> tuple[int, int, bool]:
+    """``(rank, world size, assumed)`` of this worker: the launcher's (``RANK``, ``WORLD_SIZE``), else the default
+    process group's when the script built one itself (``mp.spawn`` with ``init_process_group(rank=r,
+    world_size=n)``), else rank 0 of 1 (``assumed``: nothing said so).
 
     Without the group's place every spawned process took itself for rank 0 of 1: all but one had every save
     refused (one writer per job and rank), and a resume loaded one rank's state into every rank.
     """
     if os.environ.get(RANK_ENV) or os.environ.get(WORLD_SIZE_ENV):
-        return env.rank, env.world_size
+        return env.rank, env.world_size, False
     dist = _initialized_dist()
     if dist is None:
-        return env.rank, env.world_size
-    return dist.get_rank(), dist.get_world_size()
+        return env.rank, env.world_size, True
+    return dist.get_rank(), dist.get_world_size(), False
 
 
 def _initialized_dist() -> Any:
@@ -242,7 +243,7 @@ class Session:
                                   f"{save_every!r}")
         save_every = every
         env = WorkerEnv.from_env()
-        self.rank, self.world_size = _place_in_job(env)
+        self.rank, self.world_size, self._place_assumed = _place_in_job(env)
         self.local_rank = env.local_rank
         self.restart_count = env.restart_count
         self.generation = env.generation
@@ -321,11 +322,13 @@ class Session:
         Raises:
             TrainguardError: a checkpoint exists but none can be restored (e.g. a different world size, or every
                 committed step is corrupt: ``CorruptCheckpointError``), on this rank or on another one.
+            UsageError: :func:`init` ran before ``init_process_group`` in a process launched without
+                ``RANK``/``WORLD_SIZE`` (``mp.spawn``), so this session cannot know its rank.
         """
         if self._ckpt is None:
             return 0
-        dist = _initialized_dist()
-        if dist is not None and self.world_size == 1 < dist.get_world_size():
+        dist = _initialized_dist() if self._place_assumed else None
+        if dist is not None and dist.get_world_size() > 1:
             # trainguard.init() ran before the script's own init_process_group (mp.spawn, no RANK in the
             # environment): every process took itself for rank 0 of 1 and would load one rank's state.
             raise UsageError(f"trainguard.init() ran before init_process_group() in a process launched without "
