@@ -28,7 +28,7 @@ from typing import Any
 from trainguard import gloo_exit
 from trainguard.errors import TrainguardError, UsageError
 from trainguard.step_timer import Section, StepTimer
-from trainguard.worker_env import (RANK_ENV, WORLD_SIZE_ENV, WorkerEnv, checkpoint_job_name,
+from trainguard.worker_env import (CHECKPOINT_DIR_ENV, RANK_ENV, WORLD_SIZE_ENV, WorkerEnv, checkpoint_job_name,
                                    torchrun_made_run_id)
 
 log = logging.getLogger("trainguard.hook")
@@ -291,6 +291,13 @@ class Session:
             cfg = CheckpointConfig(directory=directory, **dict(checkpoint_options or {}))
             self._ckpt = Checkpointer(cfg, rank=self.rank, world_size=self.world_size, job=self.job,
                                       on_event=self._on_checkpoint_event)
+        elif save_every and self.rank == 0:
+            # Checkpointing off is legitimate (a run without --checkpoint-dir), but asked-for saves that never
+            # happen are not: a script relying on $TRAINGUARD_CHECKPOINT_DIR under plain torchrun saved nothing
+            # and restarted from step 0, with no word.
+            log.warning("save_every=%d but no checkpoint directory is set (trainguard.init(checkpoint_dir=...), "
+                        "$%s or trainguard run --checkpoint-dir): nothing is saved or restored", save_every,
+                        CHECKPOINT_DIR_ENV)
         socket_path = env.agent_socket
         if socket_path:
             self._agent = _AgentLink(socket_path, self.rank, self.generation)
@@ -461,7 +468,8 @@ class Session:
                 "step saved, not the latest")
         if self._steps_reported == 0 and self.restored_step == self._last_step:
             self._latch(UsageError(f"step_done({step}) after restore() loaded step {self._last_step}: start the loop "
-                                   f"at the step restore() returns ({self._last_step + 1}); {what}"), f"rank {self.rank}")
+                                   f"at the step restore() returns ({self._last_step + 1}); {what}"),
+                        f"rank {self.rank}")
             return
         self._latch(UsageError(f"step_done({step}) after step_done({self._last_step}): steps must grow over the "
                                f"whole run (pass a global step counter, not the index within an epoch); {what}"),

@@ -137,3 +137,22 @@ def test_a_loop_that_ignores_restores_result_is_latched(tmp_path: Path) -> None:
         for step in range(start, start + 3):
             session.step_done(step, state)
     assert session.errors == []
+
+
+@pytest.mark.timeout(120)
+def test_save_every_without_a_checkpoint_directory_says_nothing_is_saved(tmp_path: Path, tg_env: dict) -> None:
+    # trainguard.init(save_every=20) relies on $TRAINGUARD_CHECKPOINT_DIR, which plain torchrun does not set: the
+    # run saved nothing and a relaunch started from step 0, with no word. Without save_every nothing is said.
+    env = {k: v for k, v in tg_env.items() if k != "TRAINGUARD_CHECKPOINT_DIR"}
+    script = ("import trainguard, torch\n"
+              "s = trainguard.init(save_every={every})\n"
+              "for step in range(3):\n"
+              "    s.step_done(step, {{'w': torch.zeros(2)}})\n"
+              "s.close()\n")
+    said = []
+    for every in (20, 0):
+        r = subprocess.run([sys.executable, "-c", script.format(every=every)], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr[-2000:]
+        said.append("no checkpoint directory is set" in r.stderr)
+    assert said == [True, False]
