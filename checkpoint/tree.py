@@ -217,7 +217,9 @@ def _encode(v: Any, path: str, out: Captured) -> Any:
         import numpy as np
 
         if isinstance(v, np.ndarray):
-            out.tensors.append(CapturedTensor(path, torch.from_numpy(np.ascontiguousarray(v)), is_numpy=True))
+            # ascontiguousarray makes a 0-d array 1-d; the reshape keeps np.array(0.5) restorable into itself.
+            c = np.ascontiguousarray(v).reshape(v.shape)
+            out.tensors.append(CapturedTensor(path, torch.from_numpy(c), is_numpy=True))
             return {"t": "tensor", "i": len(out.tensors) - 1, "np": True}
         return _encode(v.item(), path, out)  # numpy scalar
     if isinstance(v, (bytes, bytearray, memoryview)):
@@ -311,6 +313,8 @@ def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
             raise StateMismatchError(
                 f"checkpoint holds a state_dict() for a {type(target).__name__}, which has no load_state_dict()")
         current = target.state_dict()
+        if isinstance(target, torch.optim.Optimizer):
+            current = _optimizer_state_targets(target, current, node["v"])
         new_sd = decode(node["v"], loader, current)
         try:
             target.load_state_dict(new_sd)
@@ -321,6 +325,39 @@ def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
     from trainguard.checkpoint.errors import CorruptCheckpointError
 
     raise CorruptCheckpointError(f"checkpoint tree has an unknown node tag {tag!r}; the manifest is damaged")
+
+
+def _optimizer_state_targets(optim: torch.optim.Optimizer, current: Mapping[str, Any],
+                             saved: Any) -> Mapping[str, Any]:
+    """``current`` (the live optimizer's ``state_dict()``) with a live target for each saved sharded state value
+    the optimizer does not hold yet: an empty DTensor laid out like its parameter.
+
+    A fresh optimizer has no state (Adam's moments appear at its first step), so a saved moment of an FSDP2 or
+    tensor-parallel parameter had nothing to be placed into: it was loaded as a plain tensor of the whole global
+    shape, and the first ``step()`` after the restore raised "got mixed torch.Tensor and DTensor". Laid out like
+    the parameter, each rank reads only its own shard, as ``torch.distributed.checkpoint.state_dict`` does by
+    initialising the optimizer's state first.
+    """
+    if not (isinstance(saved, dict) and saved.get("t") == "dict"):
+        return current
+    saved_state = dict(zip((_decode_key(k) for k in saved["k"]), saved["v"])).get("state")
+    if not (isinstance(saved_state, dict) and saved_state.get("t") == "dict"):
+        return current
+    params = [p for group in optim.param_groups for p in group["params"]]  # state_dict()'s numbering
+    live = current.get("state", {})
+    added: dict[Any, dict[Any, Any]] = {}
+    for k_node, entry in zip(saved_state["k"], saved_state["v"]):
+        idx = _decode_key(k_node)
+        if (not isinstance(idx, int) or not 0 <= idx < len(params) or idx in live or not is_dtensor(params[idx])
+                or not (isinstance(entry, dict) and entry.get("t") == "dict")):
+            continue
+        param = params[idx]
+        for name_node, value in zip(entry["k"], entry["v"]):
+            if isinstance(value, dict) and value.get("t") == "dtensor" and tuple(value["g"]) == tuple(param.shape):
+                added.setdefault(idx, {})[_decode_key(name_node)] = torch.empty_like(param.detach())
+    if not added:
+        return current
+    return {**current, "state": {**live, **added}}
 
 
 def dtensor_nodes(node: Any) -> list[dict[str, Any]]:

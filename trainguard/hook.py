@@ -28,7 +28,8 @@ from typing import Any
 from trainguard import gloo_exit
 from trainguard.errors import TrainguardError, UsageError
 from trainguard.step_timer import Section, StepTimer
-from trainguard.worker_env import WorkerEnv, checkpoint_job_name, torchrun_made_run_id
+from trainguard.worker_env import (CHECKPOINT_DIR_ENV, RANK_ENV, WORLD_SIZE_ENV, WorkerEnv, checkpoint_job_name,
+                                   torchrun_made_run_id)
 
 log = logging.getLogger("trainguard.hook")
 
@@ -184,6 +185,31 @@ class _AgentLink:
         self._channel.close()
 
 
+def _place_in_job(env: WorkerEnv) -> tuple[int, int, bool]:
+    """``(rank, world size, assumed)`` of this worker: the launcher's (``RANK``, ``WORLD_SIZE``), else the default
+    process group's when the script built one itself (``mp.spawn`` with ``init_process_group(rank=r,
+    world_size=n)``), else rank 0 of 1 (``assumed``: nothing said so).
+
+    Without the group's place every spawned process took itself for rank 0 of 1: all but one had every save
+    refused (one writer per job and rank), and a resume loaded one rank's state into every rank.
+    """
+    if os.environ.get(RANK_ENV) or os.environ.get(WORLD_SIZE_ENV):
+        return env.rank, env.world_size, False
+    dist = _initialized_dist()
+    if dist is None:
+        return env.rank, env.world_size, True
+    return dist.get_rank(), dist.get_world_size(), False
+
+
+def _initialized_dist() -> Any:
+    """``torch.distributed`` when its default process group is up, else None (torch is never imported here)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a broken torch install is no reason to refuse a lone worker
+        return None
+
+
 class Session:
     """One worker's connection to trainguard.
 
@@ -217,8 +243,7 @@ class Session:
                                   f"{save_every!r}")
         save_every = every
         env = WorkerEnv.from_env()
-        self.rank = env.rank
-        self.world_size = env.world_size
+        self.rank, self.world_size, self._place_assumed = _place_in_job(env)
         self.local_rank = env.local_rank
         self.restart_count = env.restart_count
         self.generation = env.generation
@@ -266,6 +291,13 @@ class Session:
             cfg = CheckpointConfig(directory=directory, **dict(checkpoint_options or {}))
             self._ckpt = Checkpointer(cfg, rank=self.rank, world_size=self.world_size, job=self.job,
                                       on_event=self._on_checkpoint_event)
+        elif save_every and self.rank == 0:
+            # Checkpointing off is legitimate (a run without --checkpoint-dir), but asked-for saves that never
+            # happen are not: a script relying on $TRAINGUARD_CHECKPOINT_DIR under plain torchrun saved nothing
+            # and restarted from step 0, with no word.
+            log.warning("save_every=%d but no checkpoint directory is set (trainguard.init(checkpoint_dir=...), "
+                        "$%s or trainguard run --checkpoint-dir): nothing is saved or restored", save_every,
+                        CHECKPOINT_DIR_ENV)
         socket_path = env.agent_socket
         if socket_path:
             self._agent = _AgentLink(socket_path, self.rank, self.generation)
@@ -283,6 +315,10 @@ class Session:
     def restore(self, state: MutableMapping[str, Any]) -> int:
         """Loads the newest complete checkpoint into ``state`` in place.
 
+        Inside a process group (``init_process_group`` called first, as under torchrun) it is a collective every
+        rank calls: the ranks agree on one step (a rank whose newest copy is torn falls back, the others follow),
+        and when any rank's restore raises, every other rank raises ``CheckpointError``.
+
         Args:
             state: mapping of names to tensors, nested containers or objects with ``state_dict()`` /
                 ``load_state_dict()`` (modules, optimizers); the same mapping later given to :meth:`save`.
@@ -293,61 +329,31 @@ class Session:
         Raises:
             TrainguardError: a checkpoint exists but none can be restored (e.g. a different world size, or every
                 committed step is corrupt: ``CorruptCheckpointError``), on this rank or on another one.
+            UsageError: :func:`init` ran before ``init_process_group`` in a process launched without
+                ``RANK``/``WORLD_SIZE`` (``mp.spawn``), so this session cannot know its rank.
         """
         if self._ckpt is None:
             return 0
-        try:
-            mine = self._ckpt.restore(state)
-        except TrainguardError:
-            # Every rank must reach the agreement below, or the ranks that restored would wait in it forever.
-            self._agree_on_step(state, None, failed=True)
-            raise
-        step = self._agree_on_step(state, mine)
+        dist = _initialized_dist() if self._place_assumed else None
+        if dist is not None and dist.get_world_size() > 1:
+            # trainguard.init() ran before the script's own init_process_group (mp.spawn, no RANK in the
+            # environment): every process took itself for rank 0 of 1 and would load one rank's state.
+            raise UsageError(f"trainguard.init() ran before init_process_group() in a process launched without "
+                             f"RANK/WORLD_SIZE, so it took itself for rank 0 of 1 in a group of "
+                             f"{dist.get_world_size()}; call init_process_group() first")
+        # No agreement of the hook's own after the Checkpointer's: a rank whose restore raised something other
+        # than a TrainguardError (a user's load_state_dict) never reached it, and it reduced a CPU tensor, which
+        # a pure NCCL group refuses.
+        step = self._ckpt.restore(state)
         self.restored_step = step
         if step is None:
             return 0
+        if self._last_step is None or step > self._last_step:
+            # A loop that starts again at 0 (restore's result ignored) is a step that went back: its saves would
+            # replace the restored run's checkpoints of the same steps, and every restart resumed the old step.
+            self._last_step = step
         log.info("rank %d restored step %d from %s", self.rank, step, getattr(self._ckpt, "last_restore_tier", "?"))
         return step + 1
-
-    def _agree_on_step(self, state: MutableMapping[str, Any], step: int | None, failed: bool = False) -> int | None:
-        """Makes every rank resume from the same step.
-
-        A rank whose copy of the newest step failed its checksums falls back to an older step on its own; the
-        others must follow it, or the ranks would train from different states. Uses the default process group
-        when one is initialized (a lone process has nothing to agree with).
-
-        Raises:
-            TrainguardError: some rank has no checkpoint at all while others restored one, or another rank's
-                restore raised (``failed`` marks this rank's own failure; its caller raises that).
-        """
-        try:
-            import torch
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch is a dependency
-            return step
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return step
-        mine = -2 if failed else (-1 if step is None else step)
-        t = torch.tensor([mine, -mine], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        lowest, highest = int(t[0]), -int(t[1])
-        if failed:
-            return None  # the caller raises its own error
-        if lowest == -2:
-            raise TrainguardError(f"rank {self.rank}: another rank could not restore its checkpoint (see its log: "
-                                  "corrupt copies or a state mismatch); no rank starts training")
-        if lowest == highest:
-            return step
-        if lowest < 0:
-            raise TrainguardError(
-                f"rank {self.rank}: some ranks have no checkpoint while others restored up to step {highest}; "
-                "the checkpoint directory is incomplete (check each rank's files with `trainguard ckpt verify`)"
-            )
-        log.warning("rank %d: ranks restored steps %d..%d; every rank resumes from step %d", self.rank, lowest,
-                    highest, lowest)
-        if mine != lowest:
-            self._ckpt.restore(state, step=lowest)
-        return lowest
 
     def save(self, state: Mapping[str, Any], step: int) -> bool:
         """Saves ``state`` as checkpoint ``step`` (returns once the snapshot is taken; persisting goes on).
@@ -460,6 +466,11 @@ class Session:
         self._backward_warned = True
         what = ("checkpoints of a repeated step replace the earlier ones, and a restart resumes from the highest "
                 "step saved, not the latest")
+        if self._steps_reported == 0 and self.restored_step == self._last_step:
+            self._latch(UsageError(f"step_done({step}) after restore() loaded step {self._last_step}: start the loop "
+                                   f"at the step restore() returns ({self._last_step + 1}); {what}"),
+                        f"rank {self.rank}")
+            return
         self._latch(UsageError(f"step_done({step}) after step_done({self._last_step}): steps must grow over the "
                                f"whole run (pass a global step counter, not the index within an epoch); {what}"),
                     f"rank {self.rank}")

@@ -1,0 +1,158 @@
+"""The hook in user scripts as the README shows them, launched by plain torchrun (gloo on CPU)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tg_testutil import REPO
+
+WORKER = Path(__file__).resolve().parent / "hook_user_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(nproc: int, args: list, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(WORKER), *map(str, args)], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_model_and_optimizer_resume_through_the_hook(tmp_path: Path, tg_env: dict) -> None:
+    # A fresh AdamW has no state, so the saved moments of the FSDP2 parameters had nothing to be placed into:
+    # they came back as plain tensors and the first opt.step() after the restore raised "got mixed torch.Tensor
+    # and DTensor". Now the resumed run ends bitwise where the uninterrupted one did.
+    ckpt = tmp_path / "ckpt"
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    r = _torchrun(2, ["fsdp", ckpt, first, 6], tg_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _torchrun(2, ["fsdp", ckpt, second, 6], tg_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = (json.loads((d / "result.json").read_text()) for d in (first, second))
+    assert (a["start"], b["start"]) == (0, 4)
+    assert b["digest"] == a["digest"]
+
+
+@pytest.mark.timeout(300)
+def test_a_plain_exception_in_one_ranks_restore_reaches_every_rank_as_ours(tmp_path: Path, tg_env: dict) -> None:
+    # The Checkpointer's restore is a collective: when one rank's restore raises (here a user's load_state_dict
+    # assert), every other rank raises CheckpointError. The hook then ran an agreement of its own, which the rank
+    # whose error was not a TrainguardError never reached: the others waited in it for that rank's exit and
+    # raised gloo's "Connection closed by peer" instead.
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    r = _torchrun(2, ["restore_fails", ckpt, out, 1], tg_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _torchrun(2, ["restore_fails", ckpt, out, 0], tg_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    raised = [json.loads((out / f"rank{rank}.json").read_text())["raised"] for rank in (0, 1)]
+    assert raised == ["CheckpointError", "AssertionError"]
+
+
+@pytest.mark.timeout(300)
+def test_processes_from_mp_spawn_take_their_place_from_their_process_group(tmp_path: Path, tg_env: dict) -> None:
+    # mp.spawn sets no RANK/WORLD_SIZE: the script builds its group with init_process_group(rank=r, world_size=n).
+    # Every process took itself for rank 0 of 1, so rank 1's saves were all refused (one writer per job and rank)
+    # and the resume loaded one rank's state into both.
+    ckpt = tmp_path / "ckpt"
+    env = {k: v for k, v in tg_env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    runs = []
+    for name in ("first", "second"):
+        out = tmp_path / name
+        out.mkdir()
+        r = subprocess.run([sys.executable, str(WORKER), "spawn", str(ckpt), str(out), str(free_port())], env=env,
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append([json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)])
+    for rank in (0, 1):
+        first, second = runs[0][rank], runs[1][rank]
+        assert (first["rank"], first["world"], first["errors"]) == (rank, 2, [])
+        assert second["restored"] == 2 and second["w"] == [float(rank)] * 4
+    # trainguard.init() before init_process_group cannot know its place: restore says so instead of loading one
+    # rank's state into every rank.
+    out = tmp_path / "late"
+    out.mkdir()
+    r = subprocess.run([sys.executable, str(WORKER), "spawn-late", str(ckpt), str(out), str(free_port())], env=env,
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [json.loads((out / f"rank{rank}.json").read_text())["raised"] for rank in (0, 1)] == ["UsageError"] * 2
+
+
+@pytest.mark.timeout(120)
+def test_a_zero_dimensional_numpy_array_resumes(tmp_path: Path) -> None:
+    # np.ascontiguousarray gives at least one dimension, so np.array(0.5) (a best loss kept as an array) was saved
+    # as shape [1] and the restore into the live 0-d array raised StateMismatchError: the job could not resume.
+    import numpy as np
+
+    import trainguard
+
+    job = f"np0-{tmp_path.name}"
+    with trainguard.init(checkpoint_dir=str(tmp_path / "ckpt"), job=job) as session:
+        assert session.save({"best": np.array(0.5), "hist": np.arange(3.0)}, 0)
+    state = {"best": np.array(9.0), "hist": np.zeros(3)}
+    with trainguard.init(checkpoint_dir=str(tmp_path / "ckpt"), job=job) as session:
+        assert session.restore(state) == 1
+    assert state["best"].shape == () and float(state["best"]) == 0.5
+    assert state["hist"].tolist() == [0.0, 1.0, 2.0]
+    # Restored without a live array to fill, it keeps its shape too.
+    fresh = {"best": None, "hist": None}
+    with trainguard.init(checkpoint_dir=str(tmp_path / "ckpt"), job=job) as session:
+        assert session.restore(fresh) == 1
+    assert fresh["best"].shape == () and float(fresh["best"]) == 0.5
+
+
+@pytest.mark.timeout(120)
+def test_a_loop_that_ignores_restores_result_is_latched(tmp_path: Path) -> None:
+    # `session.restore(state)` and then `for step in range(total)`: the new run's saves replaced the old run's
+    # checkpoints of the same steps, and every restart resumed the old run's newest step, with no word.
+    import trainguard
+    from trainguard.errors import UsageError
+
+    job, ckpt = f"again-{tmp_path.name}", str(tmp_path / "ckpt")
+    with trainguard.init(checkpoint_dir=ckpt, job=job, save_every=5) as session:
+        for step in range(10):
+            session.step_done(step, {"w": torch.full((2,), float(step))})
+    state = {"w": torch.zeros(2)}
+    with trainguard.init(checkpoint_dir=ckpt, job=job, save_every=5) as session:
+        assert session.restore(state) == 10
+        for step in range(3):
+            session.step_done(step, state)
+    assert len(session.errors) == 1 and isinstance(session.errors[0], UsageError)
+    assert "restore() loaded step 9" in str(session.errors[0]) and "(10)" in str(session.errors[0])
+    # Starting where restore() says is no error.
+    with trainguard.init(checkpoint_dir=ckpt, job=job, save_every=5) as session:
+        start = session.restore(state)
+        for step in range(start, start + 3):
+            session.step_done(step, state)
+    assert session.errors == []
+
+
+@pytest.mark.timeout(120)
+def test_save_every_without_a_checkpoint_directory_says_nothing_is_saved(tmp_path: Path, tg_env: dict) -> None:
+    # trainguard.init(save_every=20) relies on $TRAINGUARD_CHECKPOINT_DIR, which plain torchrun does not set: the
+    # run saved nothing and a relaunch started from step 0, with no word. Without save_every nothing is said.
+    env = {k: v for k, v in tg_env.items() if k != "TRAINGUARD_CHECKPOINT_DIR"}
+    script = ("import trainguard, torch\n"
+              "s = trainguard.init(save_every={every})\n"
+              "for step in range(3):\n"
+              "    s.step_done(step, {{'w': torch.zeros(2)}})\n"
+              "s.close()\n")
+    said = []
+    for every in (20, 0):
+        r = subprocess.run([sys.executable, "-c", script.format(every=every)], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr[-2000:]
+        said.append("no checkpoint directory is set" in r.stderr)
+    assert said == [True, False]
