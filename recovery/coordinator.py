@@ -850,9 +850,18 @@ class JobCoordinator:
                                "uncordon it once that generation runs"), None
             if node_id not in st.cordoned:
                 return False, f"node {node_id} is not cordoned in job {self.spec.job!r}", None
+            row = self._daemons.table.get(node_id)
+            if row is not None and row.report.verdict is Verdict.FATAL \
+                    and not row.silent(self._clock(), 3 * self._interval_s()):
+                # Its daemon latched the fault and still says so: uncordoned, the node would take a slot with its
+                # daemon reporting FATAL, and that daemon's reports (never a new fault) could not cordon it again.
+                return False, (f"node {node_id} stays cordoned: its node daemon still reports a fatal fault "
+                               f"({row.fatal_reason or row.report.reason}); once the machine is repaired restart "
+                               "the daemon (its healthy reports return the node), or stop it and uncordon again"), None
             step = self._apply(OperatorUncordon(node_id, " ".join(reason.split())[:200]), persist=False)
             if not step.changed:
                 return False, f"node {node_id} stays cordoned: {st.message}", None
+            self._daemons.table.rearm(node_id)  # a fatal report of its daemon from now on is a new fault
             m = self._members.get(node_id)
             if m is not None and m.refused:
                 m.refused = ""
