@@ -288,6 +288,7 @@ class JobCoordinator:
         self._master_port = port
         self._used_ports.add(port)
         self._rebuild_table()
+        self._failslow.new_world(layout.world_size)  # a shrink renumbers the ranks fail-slow remembers
         self._form_note = ""
         self._running.clear()
         self._succeeded.clear()
