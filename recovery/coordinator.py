@@ -369,12 +369,21 @@ class JobCoordinator:
         waits, with no hint that the node they just started is excluded, nor why.
         """
         st = self._policy.state
-        live = sorted(n for n in st.cordoned if (m := self._members.get(n)) is not None and self._lease_live(m, now))
-        if not live:
-            return ""
-        named = ", ".join(f"{n!r} ({self._members[n].refused or st.cordon_why.get(n) or 'cordoned'})" for n in live)
-        return (f"; registered but cordoned for this job: {named} (once a machine is repaired, restart its node "
-                "daemon, whose healthy report returns it to service, or run `trainguard uncordon NODE`)")
+        def alive(n: str) -> bool:
+            return (m := self._members.get(n)) is not None and self._lease_live(m, now)
+
+        live = sorted(n for n in st.cordoned if alive(n))
+        vacated = sorted(n for n in (st.plan.cordon if st.plan else ()) if n not in st.cordoned and alive(n))
+        note = ""
+        if live:
+            named = ", ".join(f"{n!r} ({self._members[n].refused or st.cordon_why.get(n) or 'cordoned'})"
+                              for n in live)
+            note = (f"; registered but cordoned for this job: {named} (once a machine is repaired, restart its node "
+                    "daemon, whose healthy report returns it to service, or run `trainguard uncordon NODE`)")
+        if vacated:
+            note += (f"; the node(s) this generation replaces are still registered: {', '.join(map(repr, vacated))} "
+                     "(once one is repaired, `trainguard uncordon NODE` gives it its slot back)")
+        return note
 
     def _next_layout(self, now: float) -> RankLayout | None:
         """The layout the next generation would get; recomputed only when the membership changed.
@@ -846,10 +855,11 @@ class JobCoordinator:
         with self._lock:
             self._check_serving(job)
             st = self._policy.state
-            if st.plan is not None and node_id in st.plan.cordon:
+            waiting = self._policy.waiting_for(node_id)  # for a spare nobody has: the node may end the wait
+            if st.plan is not None and node_id in st.plan.cordon and not waiting:
                 return False, (f"node {node_id} stays cordoned: generation {st.plan.generation} is replacing it now; "
                                "uncordon it once that generation runs"), None
-            if node_id not in st.cordoned:
+            if node_id not in st.cordoned and not waiting:
                 return False, f"node {node_id} is not cordoned in job {self.spec.job!r}", None
             row = self._daemons.table.get(node_id)
             if row is not None and row.report.verdict is Verdict.FATAL \
