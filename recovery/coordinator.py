@@ -855,10 +855,16 @@ class JobCoordinator:
         with self._lock:
             self._check_serving(job)
             st = self._policy.state
-            waiting = self._policy.waiting_for(node_id)  # for a spare nobody has: the node may end the wait
+            # A plan waiting for a spare nobody has: the node may end the wait by taking its slot back, if its agent
+            # heartbeats (a slot holder is not checked for a live lease at node level: a dead one would be placed).
+            m = self._members.get(node_id)
+            alive = m is not None and self._lease_live(m, self._clock())
+            waiting = self._policy.waiting_for(node_id) and alive
             if st.plan is not None and node_id in st.plan.cordon and not waiting:
+                later = ("its agent is not heartbeating: start it, then uncordon it again"
+                         if self._policy.waiting_for(node_id) else "uncordon it once that generation runs")
                 return False, (f"node {node_id} stays cordoned: generation {st.plan.generation} is replacing it now; "
-                               "uncordon it once that generation runs"), None
+                               f"{later}"), None
             if node_id not in st.cordoned and not waiting:
                 return False, f"node {node_id} is not cordoned in job {self.spec.job!r}", None
             row = self._daemons.table.get(node_id)

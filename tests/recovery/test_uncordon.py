@@ -111,3 +111,25 @@ def test_a_node_whose_replacement_waits_for_a_spare_nobody_has_is_given_its_slot
         assert sorted(n.node_id for n in a.table.nodes) == ["a", "b"]
     finally:
         c.stop()
+
+
+def test_a_node_whose_replacement_waits_gets_no_slot_back_while_its_agent_is_down(tmp_path, tg_env) -> None:
+    # The wait for a spare ends by uncordoning the node only when its agent heartbeats: a dead node put back in
+    # its slot would form a generation that can never start.
+    c = CoordinatorProcess(tmp_path, tg_env, "unc-lost", "--nnodes", "2", "--heartbeat-interval", "0.1",
+                           "--lease-timeout", "1", "--backoff", "0")
+    try:
+        a = c.agent(node_info("a", idx=0))
+        b = c.agent(node_info("b", idx=1))
+        beat_until([a, b], lambda: a.gen == 1 and b.gen == 1)
+        from trainguard.proto import coordinator_pb2 as pb
+
+        assert _report(c, "b", pb.NODE_HEALTH_VERDICT_FATAL, "d1", "nvidia: GPU fell off the bus")
+        beat_until([a], lambda: a.gen < 0 and "waits" in a.last.message)  # no spare; b's agent and daemon stop
+        time.sleep(1.5)  # past b's lease
+        r = run_cli(["uncordon", "b", "--coordinator", c.target, "--job", "unc-lost"], env=tg_env, timeout=60)
+        assert r.returncode == 1 and "not heartbeating" in r.stderr, (r.stdout, r.stderr)
+        a.beat()
+        assert a.gen < 0 and "waits" in a.last.message
+    finally:
+        c.stop()
