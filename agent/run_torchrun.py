@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import os
 import signal
 import socket
@@ -219,8 +220,8 @@ def _conf_seconds(conf: dict[str, str], key: str, default: float) -> float:
         value = float(conf[key])
     except ValueError:
         raise UsageError(f"--rdzv-conf {key}={conf[key]!r}: expected seconds") from None
-    if value <= 0:
-        raise UsageError(f"--rdzv-conf {key}={conf[key]!r}: must be > 0 seconds")
+    if not (value > 0 and math.isfinite(value)):  # nan passed "<= 0", and reached the coordinator's spec unnamed
+        raise UsageError(f"--rdzv-conf {key}={conf[key]!r}: must be a finite number of seconds > 0")
     return value
 
 

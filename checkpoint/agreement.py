@@ -49,7 +49,11 @@ def exchange(mine: int) -> tuple[int, int]:
     return int(t[0]), -int(t[1])
 
 
-def gather_text(mine: str, limit: int = 2000) -> list[str]:
+#: Bytes of text per rank :func:`gather_text` sends at most.
+TEXT_LIMIT = 2000
+
+
+def gather_text(mine: str, limit: int = TEXT_LIMIT) -> list[str]:
     """Every rank's ``mine``, indexed by rank (a collective: every rank calls it).
 
     Raw UTF-8 bytes in tensors, not ``all_gather_object``: nothing a peer sends is unpickled.

@@ -818,7 +818,7 @@ class Checkpointer:
         if failure is None and lowest == highest == step:
             return step
         why = "" if failure is None else f"{type(failure).__name__}: {_first_line(failure)}"
-        reports = [json.loads(r) for r in agreement.gather_text(json.dumps({"step": step, "error": why}))]
+        reports = [json.loads(r) for r in agreement.gather_text(_report(step, why, agreement.TEXT_LIMIT))]
         asked = sorted({r["step"] for r in reports})
         failed = {rank: r["error"] for rank, r in enumerate(reports) if r["error"]}
         kinds = {e.split(":", 1)[0] for e in failed.values()}
@@ -1018,6 +1018,19 @@ _RELISTS = 3
 #: Error kinds a collective ``restore(step=...)`` raises on every rank when every failing rank raised that kind.
 _SAME_KIND: dict[str, type[CheckpointError]] = {
     cls.__name__: cls for cls in (NoCheckpointError, StateMismatchError, WorldSizeMismatchError)}
+
+
+def _report(step: int, why: str, limit: int) -> str:
+    """``{"step": step, "error": why}`` as JSON of at most ``limit`` bytes, ``why`` shortened to fit: cut at the
+    byte limit, a long reason (a deep checkpoint path) left JSON no rank could parse, and every rank raised a
+    JSONDecodeError instead of the restore's error."""
+    text = json.dumps({"step": step, "error": why})  # ASCII (escapes): its length is its size in bytes
+    keep = len(why)
+    while len(text) > limit and keep > 0:
+        # escapes make a character up to 12 bytes: shrink in proportion to the overshoot, then by a tenth
+        keep = min(keep - max(1, keep // 10), keep * limit // len(text))
+        text = json.dumps({"step": step, "error": why[:max(0, keep)] + "..."})
+    return text
 
 
 def _first_line(exc: BaseException) -> str:

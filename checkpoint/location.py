@@ -72,7 +72,8 @@ class CheckpointLocation:
     Attributes:
         text: the location as given.
         scheme: the URL scheme, lower-cased; empty for a plain path.
-        rest: what follows ``scheme://`` or ``file:`` (the path itself for a plain path, ``~`` expanded).
+        rest: what follows ``scheme://`` or ``file:`` (the path itself for a plain path; ``~`` expanded in a local
+            location).
     """
 
     text: str
@@ -94,8 +95,8 @@ class CheckpointLocation:
             raise CheckpointConfigError(f"{key} is empty; set it to a local path or an fsspec URL")
         check_local_url(text, key)
         scheme, rest = split_url(text)
-        if scheme == "":
-            # What no shell expanded (a TOML value, an environment variable in a unit file or a pod spec,
+        if scheme in LOCAL_SCHEMES:
+            # What no shell expanded (file:~/ck and local:~/ck as well) (a TOML value, an environment variable in a unit file or a pod spec,
             # --checkpoint-dir=~/ck): a folder literally named "~" under each process's working directory put
             # the steps where a relaunch from elsewhere never looked, though the job's name hashed $HOME's path.
             rest = os.path.expanduser(rest)

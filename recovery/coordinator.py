@@ -288,6 +288,7 @@ class JobCoordinator:
         self._master_port = port
         self._used_ports.add(port)
         self._rebuild_table()
+        self._failslow.new_world(layout.world_size)  # a shrink renumbers the ranks fail-slow remembers
         self._form_note = ""
         self._running.clear()
         self._succeeded.clear()
@@ -368,12 +369,21 @@ class JobCoordinator:
         waits, with no hint that the node they just started is excluded, nor why.
         """
         st = self._policy.state
-        live = sorted(n for n in st.cordoned if (m := self._members.get(n)) is not None and self._lease_live(m, now))
-        if not live:
-            return ""
-        named = ", ".join(f"{n!r} ({self._members[n].refused or st.cordon_why.get(n) or 'cordoned'})" for n in live)
-        return (f"; registered but cordoned for this job: {named} (once a machine is repaired, restart its node "
-                "daemon, whose healthy report returns it to service, or run `trainguard uncordon NODE`)")
+        def alive(n: str) -> bool:
+            return (m := self._members.get(n)) is not None and self._lease_live(m, now)
+
+        live = sorted(n for n in st.cordoned if alive(n))
+        vacated = sorted(n for n in (st.plan.cordon if st.plan else ()) if n not in st.cordoned and alive(n))
+        note = ""
+        if live:
+            named = ", ".join(f"{n!r} ({self._members[n].refused or st.cordon_why.get(n) or 'cordoned'})"
+                              for n in live)
+            note = (f"; registered but cordoned for this job: {named} (once a machine is repaired, restart its node "
+                    "daemon, whose healthy report returns it to service, or run `trainguard uncordon NODE`)")
+        if vacated:
+            note += (f"; the node(s) this generation replaces are still registered: {', '.join(map(repr, vacated))} "
+                     "(once one is repaired, `trainguard uncordon NODE` gives it its slot back)")
+        return note
 
     def _next_layout(self, now: float) -> RankLayout | None:
         """The layout the next generation would get; recomputed only when the membership changed.
@@ -845,14 +855,30 @@ class JobCoordinator:
         with self._lock:
             self._check_serving(job)
             st = self._policy.state
-            if st.plan is not None and node_id in st.plan.cordon:
+            # A plan waiting for a spare nobody has: the node may end the wait by taking its slot back, if its agent
+            # heartbeats (a slot holder is not checked for a live lease at node level: a dead one would be placed).
+            m = self._members.get(node_id)
+            alive = m is not None and self._lease_live(m, self._clock())
+            waiting = self._policy.waiting_for(node_id) and alive
+            if st.plan is not None and node_id in st.plan.cordon and not waiting:
+                later = ("its agent is not heartbeating: start it, then uncordon it again"
+                         if self._policy.waiting_for(node_id) else "uncordon it once that generation runs")
                 return False, (f"node {node_id} stays cordoned: generation {st.plan.generation} is replacing it now; "
-                               "uncordon it once that generation runs"), None
-            if node_id not in st.cordoned:
+                               f"{later}"), None
+            if node_id not in st.cordoned and not waiting:
                 return False, f"node {node_id} is not cordoned in job {self.spec.job!r}", None
+            row = self._daemons.table.get(node_id)
+            if row is not None and row.report.verdict is Verdict.FATAL \
+                    and not row.silent(self._clock(), 3 * self._interval_s()):
+                # Its daemon latched the fault and still says so: uncordoned, the node would take a slot with its
+                # daemon reporting FATAL, and that daemon's reports (never a new fault) could not cordon it again.
+                return False, (f"node {node_id} stays cordoned: its node daemon still reports a fatal fault "
+                               f"({row.fatal_reason or row.report.reason}); once the machine is repaired restart "
+                               "the daemon (its healthy reports return the node), or stop it and uncordon again"), None
             step = self._apply(OperatorUncordon(node_id, " ".join(reason.split())[:200]), persist=False)
             if not step.changed:
                 return False, f"node {node_id} stays cordoned: {st.message}", None
+            self._daemons.table.rearm(node_id)  # a fatal report of its daemon from now on is a new fault
             m = self._members.get(node_id)
             if m is not None and m.refused:
                 m.refused = ""

@@ -275,6 +275,10 @@ class FailSlowSupervisor:
                 decision = self._link_decision(now, spares)
         return decision
 
+    def new_world(self, world_size: int) -> None:
+        """A generation formed with ``world_size`` ranks (see :meth:`ReplacePolicy.new_world`)."""
+        self.policy.new_world(world_size)
+
     def applied(self, decision: ReplaceDecision, now: float, step: int, generation: int) -> None:
         """The coordinator replaced ``decision.node_id`` (cost measurement and cooldown start)."""
         self.policy.applied(decision, now, step, generation)

@@ -104,6 +104,14 @@ class NodeHealthTable:
             self._rows[report.node_id] = NodeHealthEntry(report, now_s, fatal_reason, streak)
             return newly
 
+    def rearm(self, node_id: str) -> None:
+        """Forgets the node's fatal latch (an operator returned it to service): its daemon's next FATAL report,
+        from the instance that latched too, is a new fault."""
+        with self._lock:
+            old = self._rows.get(node_id)
+            if old is not None and old.fatal_reason:
+                self._rows[node_id] = NodeHealthEntry(old.report, old.received_s, "", old.healthy_streak)
+
     def get(self, node_id: str) -> NodeHealthEntry | None:
         """The node's row, or None when its daemon never reported."""
         with self._lock:

@@ -421,9 +421,15 @@ class RecoveryPolicy:
         st.generation = generation
         st.progress_step = max(st.progress_step, step)
 
+    def waiting_for(self, node_id: str) -> bool:
+        """Whether the pending plan cordons ``node_id`` and waits, finding no node for a vacancy (no spare)."""
+        plan = self.state.plan
+        return plan is not None and node_id in plan.cordon and plan.waiting_since_s > 0
+
     def uncordon(self, node_id: str, why: str) -> bool:
         """Returns a cordoned node to service (a spare, or a vacancy's filler). A node the pending plan is about to
-        cordon stays out: its failure is being handled now.
+        cordon stays out while that plan can form (its failure is being handled now); when the plan waits for a
+        spare nobody has, the node takes its slot back (without that, the repaired node could not end the wait).
 
         Args:
             node_id: the node.
@@ -433,10 +439,16 @@ class RecoveryPolicy:
             Whether the node was uncordoned.
         """
         st = self.state
-        if node_id not in st.cordoned or (st.plan is not None and node_id in st.plan.cordon):
+        planned = st.plan is not None and node_id in st.plan.cordon
+        if planned and not self.waiting_for(node_id):
             return False
+        if node_id not in st.cordoned and not planned:
+            return False
+        if planned:
+            st.plan.cordon.remove(node_id)  # type: ignore[union-attr]
         was = st.cordon_why.pop(node_id, "")
-        st.cordoned.remove(node_id)
+        if node_id in st.cordoned:
+            st.cordoned.remove(node_id)
         st.cordon_daemon.pop(node_id, None)
         st.message = f"node {node_id} back in service: {why}" + (f" (cordoned for: {was})" if was else "")
         return True

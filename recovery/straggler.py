@@ -495,6 +495,7 @@ class ReplacePolicy:
     replaced: list[str] = field(default_factory=list)
     verdict: str = ""  # why the last slow node weighed was not replaced ("" when it was, or none was weighed)
     replaced_for: dict[int, str] = field(default_factory=dict)  # slow rank -> node replaced for it (first one)
+    world_size: int = 0  # ranks of the generation running now, which replaced_for's ranks are numbered in
     _pending: tuple[float, int, int] | None = None  # (decision time, step reached, generation) of a replacement
 
     def __post_init__(self) -> None:
@@ -545,6 +546,14 @@ class ReplacePolicy:
                   f"~{saved:.0f} s over {cfg.horizon_s:.0f} s against a "
                   f"{'measured' if self.measured else 'assumed'} restart cost of {self.cost_s:.1f} s")
         return ReplaceDecision(worst.node_id, detail, saved, self.cost_s, ranks)
+
+    def new_world(self, world_size: int) -> None:
+        """A generation formed with ``world_size`` ranks. Another size than before (a shrink) numbered every rank
+        anew, so a rank a replacement was for names other work now: those are forgotten, or the node now holding
+        that number would be reported as a role straggler and never replaced however slow it is."""
+        if world_size != self.world_size and self.replaced_for:
+            self.replaced_for.clear()
+        self.world_size = world_size
 
     def applied(self, decision: ReplaceDecision, now: float, step_reached: int, generation: int) -> None:
         """Notes that the coordinator replaced the node (starts the cost measurement and the cooldown)."""

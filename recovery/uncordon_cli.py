@@ -10,8 +10,8 @@ healthy report); this command is the way for a machine without a daemon, or to o
 The node then serves as a spare and may fill a vacancy at once. The scheduler's own mark (a Slurm drain, the
 Kubernetes taint of ``--cordon-kubernetes``) is not lifted: that stays the operator's, as the repair was.
 
-Exit status: 0 when the node was uncordoned, 1 when the coordinator kept it out (not cordoned, or its
-replacement runs now: the message says which), 2 on a bad flag or a coordinator that cannot be reached.
+Exit status: 0 when the node was uncordoned, 1 when the coordinator kept it out (not cordoned, its
+replacement runs now, or its node daemon still reports a fatal fault: the message says which), 2 on a bad flag or a coordinator that cannot be reached.
 """
 
 from __future__ import annotations

@@ -116,6 +116,11 @@ def parse(text: str, source: str, *, error: type[ConfigError] = ConfigError) -> 
         where = f" at line {found['line']}, column {found['col']}" if found else ""
         reason = found["reason"] if found else str(exc)
         raise error(f"{source}: not valid TOML{where}: {reason}; fix the file") from exc
+    except ValueError as exc:
+        # tomllib lets int()'s own limit through: an integer literal of more than 4300 digits raised ValueError
+        # past every caller's ConfigError handling (a traceback instead of a line naming the file)
+        raise error(f"{source}: not valid TOML: {exc.args[0].split(':')[0]} (an integer literal far too long); fix "
+                    "the file") from exc
 
 
 def read_toml(path: str | os.PathLike[str], *, error: type[ConfigError] = ConfigError, what: str = "config file",
@@ -220,7 +225,10 @@ def check_value(value: Any, hint: Any, key: str, *, source: str = "", error: typ
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise wrong("a number")
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past float's range (~1.8e308): float() raises instead of giving inf
+            raise wrong("a number within a float's range") from None
         if math.isnan(number) and not meta.get(_NAN):
             raise wrong("a finite number (nan is not allowed here)")
         if math.isinf(number) and not meta.get(_INF):

@@ -124,6 +124,11 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     (["--nproc_per_node", "0"], ["--nproc-per-node", ">= 1"]),
     (["--rdzv-conf", "join_timeout"], ["--rdzv-conf", "key=value"]),
     (["--rdzv-conf", "join_timeout=soon"], ["--rdzv-conf", "join_timeout", "seconds"]),
+    # nan passed the '> 0' check: on the host a coordinator error naming no flag, elsewhere taken without a word
+    (["--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=nan"], ["--rdzv-conf last_call_timeout='nan'", "finite"]),
+    (["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "192.0.2.7:29400", "--rdzv-conf",
+      "last_call_timeout=inf"], ["--rdzv-conf last_call_timeout='inf'", "finite"]),
+    (["--rdzv-conf", "join_timeout=nan"], ["--rdzv-conf join_timeout='nan'", "finite"]),
     (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379"], ["--rdzv-backend etcd", "c10d"]),
     (["--rdzv-backend", "zookeeper"], ["--rdzv-backend", "static or c10d"]),
     (["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:99999"], ["--rdzv-endpoint", "0..65535"]),

@@ -82,10 +82,12 @@ def test_local_directory_keys_take_file_urls_and_refuse_other_urls(tmp_path, mon
     assert not (tmp_path / "file:").exists()
 
 
-def test_a_checkpoint_directory_under_home_that_no_shell_expanded(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("given", ["~/ck", "file:~/ck", "local:~/ck"])
+def test_a_checkpoint_directory_under_home_that_no_shell_expanded(tmp_path, monkeypatch, given) -> None:
     """Found by the checkpoint review: ``TRAINGUARD_CHECKPOINT_DIR=~/ck`` (a unit file's or a pod's environment, a
     TOML value, ``--checkpoint-dir=~/ck``) wrote the steps into a folder named ``~`` under the worker's working
-    directory, while the job's name hashed ``$HOME/ck``: a relaunch from another folder resumed nothing."""
+    directory, while the job's name hashed ``$HOME/ck``: a relaunch from another folder resumed nothing. Found
+    by the review of new code: ``file:~/ck`` still did."""
     import subprocess
     import sys
 
@@ -102,7 +104,7 @@ def test_a_checkpoint_directory_under_home_that_no_shell_expanded(tmp_path, monk
               "s.step_done(start, state)\n"
               "s.finish(); s.close(); print(start)\n")
     # the in-memory tier of its own: under the machine's /dev/shm a job "j" of an earlier run was found instead
-    env = dict(os.environ, HOME=str(home), TRAINGUARD_CHECKPOINT_DIR="~/ck", TRAINGUARD_JOB="j",
+    env = dict(os.environ, HOME=str(home), TRAINGUARD_CHECKPOINT_DIR=given, TRAINGUARD_JOB="j",
                TRAINGUARD_CHECKPOINT_SHM_DIR=str(tmp_path / "shm"))
     env.pop("TRAINGUARD_AGENT_SOCKET", None)
     for cwd, expect in ((work, "0"), (tmp_path, "1")):  # the relaunch from another folder resumes
@@ -113,4 +115,4 @@ def test_a_checkpoint_directory_under_home_that_no_shell_expanded(tmp_path, monk
     assert (home / "ck" / "j" / step_dirname(1)).is_dir()
     assert not (work / "~").exists() and not (tmp_path / "~").exists()
     monkeypatch.setenv("HOME", str(home))
-    assert main(["ckpt", "verify", "~/ck"]) == 0
+    assert main(["ckpt", "verify", given]) == 0

@@ -39,3 +39,22 @@ def test_restore_of_a_named_step_raises_on_every_rank_when_one_rank_cannot_load_
     assert "1 of 2 ranks could not load step 2" in two_msg and "rank 1: NoCheckpointError" in two_msg
     assert "missing" in two_msg and "rank 0:" not in two_msg
     assert "rank 0: NoCheckpointError" in one_msg and "checksum" in one_msg and "rank 1:" not in one_msg
+
+
+def test_a_long_reason_reaches_every_rank_whole_enough(tmp_path):
+    # Under a deep checkpoint folder the failing rank's reason (it names the missing file) made the JSON report
+    # longer than gather_text sends; cut at the byte limit it parsed on no rank, and every rank raised
+    # "JSONDecodeError: Unterminated string" instead of the restore's error.
+    deep = tmp_path.joinpath(*(["d" * 200] * 12))
+    deep.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(HERE / "restore_step_worker.py"), str(r), str(deep)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    msgs = []
+    for r, (rc, stdout, stderr) in enumerate(communicate_all(procs, 120)):
+        assert rc == 0, f"rank {r} failed:\n{stderr[-4000:]}"
+        two = json.loads(stdout.strip().splitlines()[-1])["restores"][1]
+        assert two["got"][0] == "NoCheckpointError", two
+        msgs.append(two["got"][1])
+    assert msgs[0] == msgs[1] and "rank 1: NoCheckpointError" in msgs[0] and "..." in msgs[0], msgs[0]

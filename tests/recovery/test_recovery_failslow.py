@@ -282,3 +282,49 @@ def test_core_stack_answers_stay_with_failslow_and_never_reach_the_policy() -> N
     hang = c.beat("a").failslow.hang
     assert hang.outlier_ranks == (1,) and hang.outlier_nodes == ("b",) and hang.repeats == 1
     c.core.close()
+
+
+def test_a_shrink_that_renumbers_the_ranks_forgets_which_ranks_replacements_were_for() -> None:
+    # b was replaced for slow rank 1. Then a is lost with no spare and the job shrinks: every rank is numbered
+    # anew, so rank 1 is other work now (in another place of the pipeline). The node holding it, slow on a bad
+    # GPU, was reported as "the slowness follows the rank" and never replaced, with a spare waiting.
+    fs = StragglerConfig(window_s=0.3, persist_windows=3, clear_windows=3, min_steps=1, action="replace",
+                         horizon_s=600, restart_cost_s=5, cooldown_s=0)
+    srv = CoordinatorServer(JobSpec(job=JOB, nnodes=3, heartbeat_interval_s=0.1, lease_timeout_s=1.0,
+                                    backoff_initial_s=0.0, allow_shrink=True, min_nodes=2, failslow=fs)).start()
+    chan = grpc.insecure_channel(srv.target)
+    try:
+        stub = coordinator_pb2_grpc.CoordinatorStub(chan)
+        a, b, c, s = Node(stub, "a", 0), Node(stub, "b", 1), Node(stub, "c", 2), Node(stub, "s", 9, spare=True)
+        nodes = [a, b, c, s]
+        slow = {"b"}
+
+        def beat_all(live: list[Node]) -> list[pb.NodeHeartbeatResponse]:
+            out = [n.beat(own_s=0.2 if n.nid in slow else 0.05) for n in live]
+            time.sleep(0.05)
+            return out
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and s.gen < 2:
+            beat_all(nodes)
+        assert s.gen == 2 and s.rank == 1, "b was not replaced"
+        slow = set()
+        live = [b, c, s]  # a is lost; b is cordoned, so nobody can take a's slot: the job shrinks
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (c.gen >= 3 and s.gen == c.gen and len(c.table.nodes) == 2):
+            beat_all(live)
+        assert len(c.table.nodes) == 2, [n.node_id for n in c.table.nodes]
+        holder = next(n for n in (c, s) if n.rank == 1)
+        assert holder is c, "this test needs the shrink to renumber c into rank 1"
+        t = Node(stub, "t", 10, spare=True)
+        live = [c, s, t]
+        slow = {"c"}  # a bad GPU: c is slow on whatever rank it runs
+        gen = c.gen
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and t.gen <= gen:
+            beat_all(live)
+        assert t.gen > gen and sorted(n.node_id for n in t.table.nodes) == ["s", "t"], \
+            (srv.core._failslow.policy.verdict, [n.node_id for n in c.table.nodes])
+    finally:
+        chan.close()
+        srv.stop(0)

@@ -144,3 +144,26 @@ def test_objects_made_in_code_get_the_same_checks() -> None:
         check_fields(Limits(retries=True), "demo.limits")
     with pytest.raises(DemoError, match=r"^x\.toml: demo\.limits\.backoff_s: expected a finite number"):
         check_fields(Limits(backoff_s=math.nan), "demo.limits", source="x.toml", error=DemoError)
+
+
+def test_integers_past_what_python_or_a_float_takes_are_one_line_errors(tmp_path: Path) -> None:
+    # past float's range where a float goes: float() raised OverflowError (a traceback from `trainguard agent`)
+    message = error_of(tmp_path, f'[demo]\nname = "a"\n[demo.limits]\nbackoff_s = 1{"0" * 400}\n')
+    assert "demo.limits.backoff_s: expected a number within a float's range, got an integer 1000" in message
+    # more digits than int() converts: tomllib's ValueError escaped the loader
+    message = error_of(tmp_path, f'[demo]\nname = "a"\n[demo.limits]\nretries = 1{"0" * 5000}\n')
+    assert "not valid TOML: Exceeds the limit (4300 digits) for integer string conversion" in message
+
+
+def test_empty_and_comment_only_files_and_arrays_of_tables(tmp_path: Path) -> None:
+    for text in ("", "# nothing\n\n# here\n"):
+        assert select_table(read_toml(_write(tmp_path, text), error=DemoError), "demo", "x", error=DemoError) is None
+    assert "demo: expected a table [demo], got an array" in error_of(tmp_path, '[[demo]]\nname = "a"\n')
+    assert "expected a number, got datetime" in error_of(tmp_path, '[demo]\nname = "a"\n[demo.limits]\n'
+                                                                  'backoff_s = 1979-05-27T07:32:00Z\n')
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "other.toml"
+    path.write_text(text)
+    return path
