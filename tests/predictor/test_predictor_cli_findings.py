@@ -612,3 +612,52 @@ def test_resample_reports_samples_merged_at_other_times(tmp_path, capsys):
     # 2700 distinct samples in 900 bins (3 x 300, and a bin boundary may split none: t0 is a multiple of 20)
     bins = len({(r[1], int(r[0] // 60)) for r in rows})
     assert f"merged {len(rows) - bins} row(s) sampled at other times into the 60 s bin" in err, err
+
+
+def test_eval_feeds_each_failure_back_to_its_nodes_calibration(tmp_path, capsys):
+    """``eval`` judges the online thresholds as the agent runs them: each failure, once it has happened, takes the
+    ``early_s`` before it out of its node's calibration history (``record_incident``); its figures are those of
+    the offline calibration with that feedback, which differ here from those without it."""
+    from dataclasses import replace
+
+    from trainguard.predictor.calibration import calibrate_table
+    from trainguard.predictor.evaluation import evaluate_events, failures_by_node
+    from trainguard.predictor.model import PredictorModel
+    from trainguard.predictor.table import MetricTable
+    from trainguard.predictor.training import calibration_scores, score_table
+
+    rng = np.random.default_rng(3)
+    step, days = 300.0, 9
+    t0 = 1_700_000_000.0
+    rows, events = [], []
+    for k in range(3):
+        ts = t0 + step * np.arange(days * 288)
+        v = 50 + rng.standard_normal(len(ts))
+        for start in np.arange(1.5, days - 0.5, 1.5) * 86400.0:  # a 3-hour incident every 36 h, then a failure
+            inside = (ts >= t0 + start) & (ts < t0 + start + 3 * 3600.0)
+            v[inside] += 12 + 3 * rng.standard_normal(inside.sum())
+            events.append([t0 + start + 3 * 3600.0, f"n{k}", "GPU Lost"])
+        rows += [[t, f"n{k}", round(x, 3)] for t, x in zip(ts, v)]
+    rows.sort(key=lambda r: r[0])
+    metrics = _write(tmp_path / "m.csv", ["latency_ms"], rows)
+    ev_file = _write(tmp_path / "e.csv", ["kind"], sorted(events))
+    model = str(tmp_path / "model.json")
+    assert main(["predictor", "train", "--metrics", metrics, "--out", model, "--method", "robust-z", "--no-peer"]) == 0
+    capsys.readouterr()
+    assert main(["predictor", "eval", "--model", model, "--metrics", metrics, "--events", ev_file, "--json",
+                 "--budget", "50"]) == 0
+    out = _no_nan_json(capsys.readouterr().out)
+    m = PredictorModel.load(model)
+    table = MetricTable.from_csv(metrics)
+    frame, score = score_table(m, table)
+    ev = replace(m.eval_config, budget_per_100_node_days=50.0)
+    failures = failures_by_node(np.array([e[1] for e in events], object), np.array([e[0] for e in events]))
+    cal = replace(m.calibration, budget_per_day=0.5)
+    fed = {n: [(t - ev.early_s, t, t) for t in f.tolist()] for n, f in failures.items()}
+    reports = {}
+    for name, inc in (("fed", fed), ("alone", None)):
+        margin, _ = calibrate_table(frame.ts, frame.node, calibration_scores(m, frame, score), cal, inc)
+        reports[name] = evaluate_events(frame.ts, frame.node, margin, 0.0, failures, ev, step).summary()
+    assert reports["fed"] != reports["alone"]  # the feedback matters on this data
+    for key in ("caught", "false_alarms", "hits", "early"):
+        assert out[key] == reports["fed"][key], (key, out, reports)
