@@ -14,19 +14,30 @@ from trainguard.checkpoint import CheckpointConfig, Checkpointer
 from trainguard.checkpoint.storage import LocalStore, step_dirname
 
 
+def _live_config(tmp_path) -> CheckpointConfig:
+    """A trainer's directory keeping 2 steps, written inline so each save is on disk when it returns."""
+    return CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False}, disk={"keep": 2},
+                            persist={"service": "inline"})
+
+
+def _saver(trainer: Checkpointer):
+    """save(step): the trainer commits a step whose tensor holds the step number."""
+    def save(step: int) -> None:
+        trainer.save({"w": torch.full((1024,), float(step))}, step)
+        assert trainer.wait(step, timeout=60)
+
+    return save
+
+
 @pytest.mark.parametrize("corrupt_ok", [False, True])
 def test_a_reader_whose_listed_steps_the_trainer_removed_restores_a_newer_step(corrupt_ok, tmp_path, monkeypatch):
     # Found by the checkpoint review (an evaluation loop restoring while a 2-rank job saved every step): the
     # reader listed steps 1-2, the trainer committed 3-4 and its retention (keep 2) removed 1-2, and the reader
     # raised CorruptCheckpointError "every committed step failed to load ... run `trainguard ckpt verify`" although
     # nothing was corrupt (with corrupt_ok=True it started from scratch). Now it tries the steps committed since.
-    cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False}, disk={"keep": 2},
-                           persist={"service": "inline"})
+    cfg = _live_config(tmp_path)
     with Checkpointer(cfg, job="j") as trainer, Checkpointer(cfg, job="j") as reader:
-        def save(step: int) -> None:
-            trainer.save({"w": torch.full((1024,), float(step))}, step)
-            assert trainer.wait(step, timeout=60)
-
+        save = _saver(trainer)
         save(1)
         save(2)
         real_listing = LocalStore.committed_steps
@@ -54,13 +65,9 @@ def test_ckpt_commands_on_a_live_jobs_directory_do_not_call_removed_steps_corrup
     # (4 runs of 15), and `ckpt gc` kept them as corrupt and said no step verifies.
     from trainguard.cli import main
 
-    cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False}, disk={"keep": 2},
-                           persist={"service": "inline"})
+    cfg = _live_config(tmp_path)
     with Checkpointer(cfg, job="j") as trainer:
-        def save(step: int) -> None:
-            trainer.save({"w": torch.full((1024,), float(step))}, step)
-            assert trainer.wait(step, timeout=60)
-
+        save = _saver(trainer)
         save(1)
         save(2)
         real_listing = LocalStore.committed_steps

@@ -89,20 +89,27 @@ def test_uncordon_keeps_out_a_node_its_running_daemon_reports_fatal_and_rearms_i
         c.stop()
 
 
+
+def _b_fatal_and_no_spare(c: "CoordinatorProcess", beating: list[int]):
+    """Nodes a and b form generation 1, b's daemon d1 reports it FATAL, and with no spare the next generation
+    waits; ``beating``: which of (a, b) keep heartbeating until then. Returns the two agents."""
+    from trainguard.proto import coordinator_pb2 as pb
+
+    a = c.agent(node_info("a", idx=0))
+    b = c.agent(node_info("b", idx=1))
+    beat_until([a, b], lambda: a.gen == 1 and b.gen == 1)
+    assert _report(c, "b", pb.NODE_HEALTH_VERDICT_FATAL, "d1", "nvidia: GPU fell off the bus")
+    beat_until([(a, b)[i] for i in beating], lambda: a.gen < 0 and "waits" in a.last.message)
+    return a, b
+
 def test_a_node_whose_replacement_waits_for_a_spare_nobody_has_is_given_its_slot_back(tmp_path, tg_env) -> None:
     # b failed with no spare anywhere: generation 2 waits for one. The operator repairs b and uncordons it; it was
     # refused ("generation 2 is replacing it now; uncordon it once that generation runs"), a generation that
     # could never run, so the job waited until someone registered a spare. Now b takes its slot back.
-    from trainguard.proto import coordinator_pb2 as pb
-
     c = CoordinatorProcess(tmp_path, tg_env, "unc-wait", "--nnodes", "2", "--heartbeat-interval", "0.1",
                            "--lease-timeout", "30", "--backoff", "0")
     try:
-        a = c.agent(node_info("a", idx=0))
-        b = c.agent(node_info("b", idx=1))
-        beat_until([a, b], lambda: a.gen == 1 and b.gen == 1)
-        assert _report(c, "b", pb.NODE_HEALTH_VERDICT_FATAL, "d1", "nvidia: GPU fell off the bus")
-        beat_until([a, b], lambda: a.gen < 0 and "waits" in a.last.message)
+        a, b = _b_fatal_and_no_spare(c, [0, 1])
         assert "trainguard uncordon" in a.last.message and "'b'" in a.last.message, a.last.message
         time.sleep(1.0)  # d1 is stopped for the repair (a daemon still reporting FATAL would keep b out)
         r = run_cli(["uncordon", "b", "--coordinator", c.target, "--job", "unc-wait"], env=tg_env, timeout=60)
@@ -119,13 +126,7 @@ def test_a_node_whose_replacement_waits_gets_no_slot_back_while_its_agent_is_dow
     c = CoordinatorProcess(tmp_path, tg_env, "unc-lost", "--nnodes", "2", "--heartbeat-interval", "0.1",
                            "--lease-timeout", "1", "--backoff", "0")
     try:
-        a = c.agent(node_info("a", idx=0))
-        b = c.agent(node_info("b", idx=1))
-        beat_until([a, b], lambda: a.gen == 1 and b.gen == 1)
-        from trainguard.proto import coordinator_pb2 as pb
-
-        assert _report(c, "b", pb.NODE_HEALTH_VERDICT_FATAL, "d1", "nvidia: GPU fell off the bus")
-        beat_until([a], lambda: a.gen < 0 and "waits" in a.last.message)  # no spare; b's agent and daemon stop
+        a, _ = _b_fatal_and_no_spare(c, [0])  # b's agent and daemon stop
         time.sleep(1.5)  # past b's lease
         r = run_cli(["uncordon", "b", "--coordinator", c.target, "--job", "unc-lost"], env=tg_env, timeout=60)
         assert r.returncode == 1 and "not heartbeating" in r.stderr, (r.stdout, r.stderr)
