@@ -7,13 +7,16 @@ Layout (Documentation/ABI/testing/sysfs-devices-edac)::
     /sys/devices/system/edac/mc/mc<N>/rank<M>/dimm_ce_count, dimm_ue_count, dimm_label     (some drivers)
 
 Any increase of an uncorrectable count is critical (the kernel may already have killed a process or panicked);
-correctable errors are reported when their rate exceeds ``ce_per_hour`` per controller, since a rising
-correctable rate often precedes uncorrectable errors on the same DIMM.
+correctable errors are reported when more than ``ce_per_hour`` of them arrived at one controller within the
+last hour (counted, not extrapolated from one sampling interval), since a rising correctable rate often precedes
+uncorrectable errors on the same DIMM.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -23,6 +26,9 @@ from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.sysfs import list_dir, list_dir_or_record, read_int, read_text
 
+#: Span over which correctable errors are counted against ``ce_per_hour``, seconds.
+CE_WINDOW_S = 3600.0
+
 
 @dataclass
 class EdacConfig(DetectorConfig):
@@ -30,7 +36,9 @@ class EdacConfig(DetectorConfig):
 
     Attributes:
         interval_s: seconds between samples. Default 30.0.
-        ce_per_hour: correctable errors per hour per memory controller above which it is reported. Default 100.
+        ce_per_hour: correctable errors within the last hour at one memory controller above which it is reported
+            (counted over the hour, or over the time since the detector started when that is shorter).
+            Default 100.
     """
 
     interval_s: float = 30.0
@@ -65,6 +73,9 @@ class EdacDetector(Detector):
         self.config: EdacConfig
         self._counters = CounterTracker()
         self._seen: set[str] = set()
+        # mc -> (monotonic time, new correctable errors) of the samples that saw some, within CE_WINDOW_S.
+        self._ce_recent: dict[str, collections.deque[tuple[float, int]]] = {}
+        self._started = time.monotonic()
 
     def sample(self) -> Sample:
         """Reads every memory controller once.
@@ -80,6 +91,7 @@ class EdacDetector(Detector):
             # uncorrectable error after a reload went unreported unless the new count passed the old.
             self._counters.update(f"{gone}/ce", 0)
             self._counters.update(f"{gone}/ue", 0)
+            self._ce_recent.pop(gone, None)
         self._seen = set(mcs)
         if not mcs:
             return self.no_hardware(f"no EDAC memory controller under {base} (EDAC driver not loaded)")
@@ -99,12 +111,24 @@ class EdacDetector(Detector):
             ue_total += ue
             s.metrics[f"ce_count[{mc}]"] = float(ce)
             s.metrics[f"ue_count[{mc}]"] = float(ue)
-            dce = self._counters.update(f"{mc}/ce", ce)
-            due = self._counters.update(f"{mc}/ue", ue)
+            now = time.monotonic()
+            dce = self._counters.update(f"{mc}/ce", ce, now)
+            due = self._counters.update(f"{mc}/ue", ue, now)
             per_hour = dce.rate * 3600
             ce_rate += per_hour
+            # Judged on the errors counted over the last hour, not on one interval's rate: at the default 30 s
+            # interval a single correctable error read as 120/hour, over the default 100, and every stray one
+            # raised and cleared a warning (a healthy DIMM logs a few a day).
+            recent = self._ce_recent.setdefault(mc, collections.deque())
+            if not dce.first and dce.delta > 0:
+                recent.append((now, dce.delta))
+            while recent and now - recent[0][0] > CE_WINDOW_S:
+                recent.popleft()
+            last_hour = sum(n for _, n in recent)
+            span_min = min(CE_WINDOW_S, now - self._started) / 60.0
             worst = ", ".join(f"{label}: ce={c} ue={u}" for label, c, u in dimms if c or u)
-            evidence = {"ce_count": ce, "ue_count": ue, "ce_per_hour": f"{per_hour:.1f}", "dimms": worst}
+            evidence = {"ce_count": ce, "ue_count": ue, "ce_per_hour": f"{per_hour:.1f}",
+                        "ce_last_hour": last_hour, "dimms": worst}
             try:
                 evidence["mc_name"] = read_text(os.path.join(mdir, "mc_name"))
             except DetectorReadError:
@@ -115,9 +139,10 @@ class EdacDetector(Detector):
                                            evidence))
             if ue > 0:
                 s.worsen(DetectorState.FAILED, f"{mc} has {ue} uncorrectable memory errors")
-            self.condition(s, f"ce/{mc}", not dce.first and per_hour > self.config.ce_per_hour,
+            self.condition(s, f"ce/{mc}", last_hour > self.config.ce_per_hour,
                            "hw.memory_ce_rate", Severity.WARNING, Action.WATCH,
-                           f"{mc}: correctable memory errors at {per_hour:.0f}/hour ({worst})", mc, evidence)
+                           f"{mc}: {last_hour} correctable memory errors in the last {span_min:.0f} min, over "
+                           f"{self.config.ce_per_hour:g}/hour ({worst})", mc, evidence)
         s.metrics.update({"ce_total": float(ce_total), "ue_total": float(ue_total), "ce_per_hour": ce_rate,
                           "controllers": float(len(mcs))})
         return s

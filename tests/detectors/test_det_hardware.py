@@ -192,7 +192,7 @@ def test_edac_uncorrectable_and_correctable_rate(tmp_path) -> None:
     assert s.events == [] and s.metrics["ce_total"] == 5.0 and s.metrics["controllers"] == 2.0
     time.sleep(0.05)
     write_edac_mc(tmp_path, 0, 0, 1, dimms=((0, 1),))
-    write_edac_mc(tmp_path, 1, 9, 0, dimms=((9, 0),))
+    write_edac_mc(tmp_path, 1, 106, 0, dimms=((106, 0),))  # 101 new: over 100 within the hour
     s = det.sample()
     by_kind = {e.kind: e for e in s.events}
     ue = by_kind["hw.memory_ue"]
@@ -200,6 +200,27 @@ def test_edac_uncorrectable_and_correctable_rate(tmp_path) -> None:
     assert "CPU_SrcID#0_MC#0_Chan#0_DIMM#0: ce=0 ue=1" in ue.message
     assert by_kind["hw.memory_ce_rate"].subject == "mc1"
     assert s.state == DetectorState.FAILED
+
+
+def test_edac_a_stray_correctable_error_is_no_rate_over_the_threshold(tmp_path) -> None:
+    """``ce_per_hour`` counts the errors of the last hour. It was one interval's rate scaled to an hour: one
+    correctable error between two samples 30 s apart read as 120/hour, over the default 100, so every stray
+    error (a healthy DIMM logs a few a day) raised and cleared a warning. Here one error, then 99 more, stay
+    within 100 in the hour; the 101st raises it once, and it holds while the hour still has them."""
+    write_edac_mc(tmp_path, 0, ce=7, ue=0)
+    det = EdacDetector(EdacConfig(root=str(tmp_path), ce_per_hour=100))
+    assert det.sample().events == []
+    for ce in (8, 107):  # one error, then 99 more: 100 in the hour, not over it
+        write_edac_mc(tmp_path, 0, ce=ce, ue=0)
+        s = det.sample()
+        assert s.events == [] and s.state == DetectorState.OK, s.events
+    write_edac_mc(tmp_path, 0, ce=108, ue=0)
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["hw.memory_ce_rate"]
+    assert "101 correctable memory errors in the last" in s.events[0].message
+    assert s.events[0].evidence["ce_last_hour"] == "101"
+    s = det.sample()  # no new error, but the hour still holds 101
+    assert s.events == [] and s.state == DetectorState.DEGRADED
 
 
 def test_edac_controllers_back_after_a_driver_reload_count_from_zero(tmp_path) -> None:
