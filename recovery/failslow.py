@@ -122,6 +122,7 @@ class FailSlowSupervisor:
         self._hang: HangFinding | None = None
         self._status: FailSlowStatus | None = None
         self._action = ""
+        self._replace_generation = -1  # generation whose node the last replacement took out
         self._wall_of: dict[float, float] = {}
         self._window: WindowSnapshot | None = None  # closed under the coordinator's lock, scored outside it
         # Slow links: probe ports the nodes announce, the locator, the generation its campaign belongs to.
@@ -250,6 +251,10 @@ class FailSlowSupervisor:
         if not self.detector.is_current(result):
             return None
         self._status = None
+        if self._action.startswith("replace") and result.generation > self._replace_generation:
+            # The replacement is done (a later generation runs): what it says was about another node and
+            # another generation. Kept, every later straggler read "action: replace <a node gone long ago>".
+            self._action = ""
         for f in result.newly_flagged:
             what = f"rank {f.rank} on node {f.node_id}" if f.rank >= 0 else f"node {f.node_id}"
             log.warning("fail-slow: %s is a straggler: own work %.2fx the others' median, the job loses "
@@ -284,6 +289,7 @@ class FailSlowSupervisor:
         self.policy.applied(decision, now, step, generation)
         self.links.forget(decision.node_id)
         self._action = f"replace {decision.node_id}"
+        self._replace_generation = generation
         self._status = None
         log.warning("fail-slow: replacing node %s: %s", decision.node_id, decision.detail)
 

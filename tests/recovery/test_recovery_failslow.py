@@ -328,3 +328,37 @@ def test_a_shrink_that_renumbers_the_ranks_forgets_which_ranks_replacements_were
     finally:
         chan.close()
         srv.stop(0)
+
+
+def test_a_later_straggler_reads_report_not_the_replacement_of_a_generation_ago() -> None:
+    """b was replaced by the spare. In the next generation a turns slow, with no spare left: reported only. Every
+    reply and every node's event said "action: replace b" for it, for good: an operator read that the straggler
+    a was being dealt with by replacing a node that was gone long ago."""
+    from trainguard.agent.step_timing import FailSlowView
+    from trainguard.recovery.convert import failslow_status
+
+    c = _Core(spares=1)
+    for _ in range(80):
+        c.t += 0.1
+        c.beat("a", own_s=0.05)
+        c.beat("b", own_s=0.2 if c.core.layout.slot_of("b") is not None else None)
+        c.beat("s0")
+        if c.gen["s0"] == 2:
+            break
+    assert c.gen["s0"] == 2 and c.core.layout.slot_of("b") is None, "b was not replaced"
+    view = FailSlowView("s0")
+    events, last = [], None
+    for _ in range(80):
+        c.t += 0.1
+        c.beat("a", own_s=0.2)
+        ins = c.beat("s0", own_s=0.05)
+        if ins.failslow is not None:
+            last = ins.failslow
+            events += view.update(failslow_status(ins.failslow))
+    assert last is not None and [(r.rank, r.node_id) for r in last.slow] == [(0, "a")]
+    assert c.gen["a"] == 2, "a was replaced with no spare left"
+    assert last.action == "report", last.action
+    about_a = [e.message for e in events if e.evidence["node"] == "a"]
+    assert len(about_a) == 1 and about_a[0].startswith("rank 0 on node a"), about_a
+    assert about_a[0].endswith("action: report"), about_a
+    c.core.close()
