@@ -259,7 +259,7 @@ class FailSlowSupervisor:
             what = f"rank {f.rank} on node {f.node_id}" if f.rank >= 0 else f"node {f.node_id}"
             log.warning("fail-slow: %s is a straggler: own work %.2fx the others' median, the job loses "
                         "%.0f ms per %.0f ms step", what, f.ratio, f.excess_s * 1000, result.job_step_s * 1000)
-            self._wall_of[f.since] = self._wall()
+            self._wall_of.setdefault(f.since, self._wall())
         decision = None
         if result.slow_nodes:
             decision = self.policy.decide(result, now, spares())
@@ -365,7 +365,11 @@ class FailSlowSupervisor:
         res = self.detector.last
         st = FailSlowStatus()
         if res is not None:
-            slow = tuple(SlowRank(f.rank, f.node_id, f.ratio, f.excess_s, self._wall_of.get(f.since, 0.0), f.basis,
+            # A finding's wall time is fixed the first time anyone sees it: a reply built while its window was being
+            # scored (outside the lock) showed it with 0 and the next one with the time apply_window noted, and
+            # every node's view, which tells findings apart by that time, raised the same straggler twice.
+            first_seen = self._wall_of.setdefault
+            slow = tuple(SlowRank(f.rank, f.node_id, f.ratio, f.excess_s, first_seen(f.since, self._wall()), f.basis,
                                   f.individual) for f in res.slow_ranks[: self.config.max_listed])
             lf = self.links.finding
             if lf is not None:

@@ -362,3 +362,51 @@ def test_a_later_straggler_reads_report_not_the_replacement_of_a_generation_ago(
     assert len(about_a) == 1 and about_a[0].startswith("rank 0 on node a"), about_a
     assert about_a[0].endswith("action: report"), about_a
     c.core.close()
+
+
+def test_a_reply_built_while_the_flagging_window_is_scored_raises_no_second_event() -> None:
+    """The coordinator scores a closed window outside its lock (~1 s at 16k ranks) and applies it after. A reply
+    built in between (here after a hang collection closed, which renews the status) listed the new straggler
+    with no time yet (0), the next reply with the time apply noted: every node's view tells findings apart by
+    that time and raised the same straggler twice."""
+    from trainguard.agent.step_timing import FailSlowView
+    from trainguard.recovery.convert import failslow_status
+    from trainguard.recovery.domain import Beat, FaultReport, RankTiming
+    from trainguard.recovery.failslow import FailSlowSupervisor
+    from trainguard.recovery.policy import Cause, Level
+
+    wall = [5000.0]
+    sup = FailSlowSupervisor(StragglerConfig(window_s=1.0, persist_windows=2, min_steps=1), hang_collect_s=0.5,
+                             wall=lambda: wall[0])
+    view = FailSlowView("a")
+    events = []
+
+    def reply() -> None:
+        st = sup.reply_findings()
+        if st is not None:
+            events.extend(view.update(failslow_status(st)))
+
+    t, flagged = 0.0, False
+    for i in range(40):
+        t += 0.5
+        wall[0] += 0.5
+        for n, rank, own in (("a", 0, 0.05), ("b", 1, 0.2)):
+            sup.on_beat(Beat(JOB, n, "l", 1, 1, False, i, 0, (RankTiming(rank, i, 0.2, 0.2 - own, own, 2),)), 1, t)
+            reply()
+        snap = sup.pop_window()
+        if snap is None:
+            continue
+        res = sup.score(snap)  # outside the coordinator's lock: other heartbeats are answered meanwhile
+        if res.newly_flagged:
+            flagged = True
+            sup.on_report(FaultReport(JOB, "a", "l", 1, Cause.WORKER_HANG, Level.PROCESS, 0, detail="process.hung",
+                                      kind="process.hung", stacks={"stack": WAITING}), 1, {0: "a", 1: "b"}, t)
+            sup.tick(t + 1.0)  # the collection closes: the status is built anew for the next reply
+            reply()
+            wall[0] += 0.3
+        sup.apply_window(res, t, lambda: 0)
+        reply()
+        if flagged:
+            break
+    assert flagged
+    assert [e.message.split(" is ")[0] for e in events if e.kind == "failslow.straggler"] == ["rank 1 on node b"]
