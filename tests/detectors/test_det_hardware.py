@@ -349,6 +349,22 @@ def test_memory_hovering_at_its_threshold_raises_one_event_not_one_per_crossing(
     assert kinds == ["host.memory_low", "host.memory_low.cleared"]
 
 
+def test_a_disk_out_of_inodes_says_inodes_not_space(tmp_path) -> None:
+    """A checkpoint directory of many small shard files runs out of inodes with its space nearly free. The
+    event read "98.0% full" and the operator's df -h showed the disk almost empty; it now names the inodes."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m,nr_inodes=50", "tmpfs", str(mnt)], check=True)
+    try:
+        for i in range(49):  # the root directory holds one inode
+            (mnt / f"shard{i}").write_bytes(b"x")
+        s = DiskDetector(DiskConfig(paths=(str(mnt),), block_devices=False)).sample()
+        assert [e.kind for e in s.events] == ["disk.full"]
+        assert "100.0% of its inodes used (space 1." in s.events[0].message, s.events[0].message
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 def test_disk_usage_hovering_at_its_threshold_raises_one_event(tmp_path) -> None:
     """A checkpoint directory whose usage goes around the warning level (a step written, the oldest removed) raised
     and cleared disk.filling at every crossing. It now ends 1 point below where it started."""
