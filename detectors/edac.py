@@ -14,14 +14,13 @@ uncorrectable errors on the same DIMM.
 
 from __future__ import annotations
 
-import collections
 import os
 import time
 from dataclasses import dataclass
 from typing import ClassVar
 
 from trainguard.detectors.base import Detector, DetectorConfig, DetectorState, Sample, register_detector
-from trainguard.detectors.counters import CounterTracker
+from trainguard.detectors.counters import CounterTracker, RecentCounts
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.sysfs import list_dir, list_dir_or_record, read_int, read_text
@@ -73,9 +72,7 @@ class EdacDetector(Detector):
         self.config: EdacConfig
         self._counters = CounterTracker()
         self._seen: set[str] = set()
-        # mc -> (monotonic time, new correctable errors) of the samples that saw some, within CE_WINDOW_S.
-        self._ce_recent: dict[str, collections.deque[tuple[float, int]]] = {}
-        self._started = time.monotonic()
+        self._ce_recent = RecentCounts(CE_WINDOW_S)
 
     def sample(self) -> Sample:
         """Reads every memory controller once.
@@ -91,7 +88,7 @@ class EdacDetector(Detector):
             # uncorrectable error after a reload went unreported unless the new count passed the old.
             self._counters.update(f"{gone}/ce", 0)
             self._counters.update(f"{gone}/ue", 0)
-            self._ce_recent.pop(gone, None)
+            self._ce_recent.forget(gone)
         self._seen = set(mcs)
         if not mcs:
             return self.no_hardware(f"no EDAC memory controller under {base} (EDAC driver not loaded)")
@@ -119,13 +116,8 @@ class EdacDetector(Detector):
             # Judged on the errors counted over the last hour, not on one interval's rate: at the default 30 s
             # interval a single correctable error read as 120/hour, over the default 100, and every stray one
             # raised and cleared a warning (a healthy DIMM logs a few a day).
-            recent = self._ce_recent.setdefault(mc, collections.deque())
-            if not dce.first and dce.delta > 0:
-                recent.append((now, dce.delta))
-            while recent and now - recent[0][0] > CE_WINDOW_S:
-                recent.popleft()
-            last_hour = sum(n for _, n in recent)
-            span_min = min(CE_WINDOW_S, now - self._started) / 60.0
+            last_hour = self._ce_recent.add(mc, 0 if dce.first else dce.delta, now)
+            span_min = self._ce_recent.span_s(now) / 60.0
             worst = ", ".join(f"{label}: ce={c} ue={u}" for label, c, u in dimms if c or u)
             evidence = {"ce_count": ce, "ue_count": ue, "ce_per_hour": f"{per_hour:.1f}",
                         "ce_last_hour": last_hour, "dimms": worst}

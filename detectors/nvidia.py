@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector, state_for
-from trainguard.detectors.counters import CounterTracker
+from trainguard.detectors.counters import CounterTracker, RecentCounts
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.rules import check_operator_file
@@ -319,7 +319,8 @@ class NvidiaConfig(DetectorConfig):
         temp_margin_c: report when within this many degrees Celsius of the slowdown threshold. Default 5.0.
         temp_hysteresis_c: a reported temperature ends once this many degrees Celsius below where it started, so
             a GPU held at that point does not raise and clear it every sample. Default 2.0.
-        ecc_corrected_per_hour: corrected volatile ECC errors per hour above which a GPU is reported. Default 1000.
+        ecc_corrected_per_hour: corrected volatile ECC errors within the last hour (or since the detector started,
+            when shorter) above which a GPU is reported. Default 1000.
     """
 
     interval_s: float = 10.0
@@ -394,6 +395,7 @@ class NvidiaDetector(_NvmlDetector):
         super().__init__(config, backend)
         self.config: NvidiaConfig
         self._uuids: dict[int, str] = {}
+        self._ecc_recent = RecentCounts(3600.0)
         self.xids, self.xid_default = load_xid_catalog(self.config.xid_file or None)
 
     def sample(self) -> Sample:
@@ -472,11 +474,15 @@ class NvidiaDetector(_NvmlDetector):
         if r.ecc_volatile_corrected is not None:
             s.metrics[f"ecc_volatile_corrected[{g}]"] = float(r.ecc_volatile_corrected)
             d = self._counters.update(f"{r.uuid}/ecc_cor", r.ecc_volatile_corrected)
-            per_hour = d.rate * 3600
-            self.condition(s, f"ecc_cor/{r.index}", not d.first and per_hour > self.config.ecc_corrected_per_hour,
+            # Counted over the last hour: one interval's rate scaled to an hour made 3 corrected errors within
+            # 10 s "1080/hour", a warning raised and cleared by every small burst.
+            last_hour = self._ecc_recent.add(r.uuid, 0 if d.first else d.delta)
+            self.condition(s, f"ecc_cor/{r.index}", last_hour > self.config.ecc_corrected_per_hour,
                            "gpu.ecc_corrected_rate", Severity.WARNING, Action.WATCH,
-                           f"GPU {g}: corrected ECC errors at {per_hour:.0f}/hour", g,
-                           {**ident, "volatile": r.ecc_volatile_corrected, "aggregate": r.ecc_aggregate_corrected})
+                           f"GPU {g}: {last_hour} corrected ECC errors in the last "
+                           f"{self._ecc_recent.span_s() / 60:.0f} min, over {self.config.ecc_corrected_per_hour:g}"
+                           f"/hour", g, {**ident, "volatile": r.ecc_volatile_corrected,
+                                         "aggregate": r.ecc_aggregate_corrected, "last_hour": last_hour})
         if r.remapped_uncorrectable is not None:
             s.metrics[f"remapped_rows_uncorrectable[{g}]"] = float(r.remapped_uncorrectable)
             s.metrics[f"remapped_rows_correctable[{g}]"] = float(r.remapped_correctable or 0)

@@ -153,6 +153,25 @@ def test_a_gpu_back_on_the_bus_clears_the_loss_it_was_reported_under() -> None:
     assert [(e.kind, e.subject) for e in det.sample().events] == [("gpu.lost.cleared", "gpu1")]
 
 
+def test_a_few_corrected_ecc_errors_are_no_rate_over_the_hourly_threshold() -> None:
+    """``ecc_corrected_per_hour`` counts the corrected errors of the last hour. It scaled one interval's rate: 3
+    corrected errors between two samples 10 s apart read as 1080/hour, over the default 1000, so every small
+    burst raised and cleared a warning. 1000 in the hour stay quiet; the 1001st raises it once, and it holds."""
+    backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0")])
+    det = NvidiaDetector(NvidiaConfig(), backend=backend)
+    assert det.sample().events == []
+    for ce in (3, 1000):
+        backend.readings[0] = replace(backend.readings[0], ecc_volatile_corrected=ce)
+        s = det.sample()
+        assert s.events == [] and s.state == DetectorState.OK, [e.message for e in s.events]
+    backend.readings[0] = replace(backend.readings[0], ecc_volatile_corrected=1001)
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["gpu.ecc_corrected_rate"]
+    assert "1001 corrected ECC errors in the last" in s.events[0].message
+    s = det.sample()
+    assert s.events == [] and s.state == DetectorState.DEGRADED
+
+
 def test_a_gpu_held_near_its_slowdown_temperature_raises_one_event() -> None:
     """A loaded GPU hovering at its reporting point (slowdown 90 C - margin 5) raised gpu.temp_high and its .cleared
     on every crossing; it ends once 2 C below, and a later rise is a new event."""
