@@ -25,6 +25,7 @@ Like the rest of the core it sees only the plain types of :mod:`~trainguard.reco
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -93,9 +94,13 @@ class ReportOutcome:
 
 
 def is_hang_report(kind: str) -> bool:
-    """Whether a reported event's kind declares a hung worker (``process.hung`` and alike)."""
+    """Whether a reported event's kind declares a hung worker (``process.hung``, ``worker.hang``,
+    ``nccl.stalled`` and alike): a word of the kind, split at dots, underscores and dashes, starts with hung,
+    hang or stall. Substrings matched too much: every node-level kind holding "change" or "install" (an
+    operator rule's ``hw.pcie_speed_change``) opened a hang localisation, stack dumps on every node, and its
+    outlier could be replaced."""
     kind = kind.lower()
-    return kind != STACKS_KIND and ("hung" in kind or "hang" in kind or "stall" in kind)
+    return kind != STACKS_KIND and any(w.startswith(("hung", "hang", "stall")) for w in re.split(r"[._\-]", kind))
 
 
 class FailSlowSupervisor:

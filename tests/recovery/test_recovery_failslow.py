@@ -410,3 +410,21 @@ def test_a_reply_built_while_the_flagging_window_is_scored_raises_no_second_even
             break
     assert flagged
     assert [e.message.split(" is ")[0] for e in events if e.kind == "failslow.straggler"] == ["rank 1 on node b"]
+
+
+def test_a_node_fault_whose_kind_holds_change_or_install_opens_no_hang_localisation() -> None:
+    """A hang report is one whose kind says hung, hang or stall. The kind was searched for those letters, so a
+    node-level fault from an operator rule, hw.pcie_speed_change ("c-hang-e"), opened a hang localisation: every
+    node dumped its workers' stacks, and the "outlier" of running ranks could be replaced as a repeated hang."""
+    from trainguard.recovery.domain import FaultReport
+    from trainguard.recovery.failslow import FailSlowSupervisor
+    from trainguard.recovery.policy import Cause, Level
+
+    sup = FailSlowSupervisor(StragglerConfig())
+    for kind in ("hw.pcie_speed_change", "driver.reinstall"):
+        out = sup.on_report(FaultReport(JOB, "a", "l", 1, Cause.NODE_CRITICAL, Level.NODE, -1, detail=kind,
+                                        kind=kind), 1, {0: "a", 1: "b"}, 0.0)
+        assert not out.handled and sup.stack_request() is None, kind
+    sup.on_report(FaultReport(JOB, "a", "l", 1, Cause.WORKER_HANG, Level.PROCESS, 0, detail="process.hung",
+                              kind="process.hung", stacks={"stack": WAITING}), 1, {0: "a", 1: "b"}, 0.0)
+    assert sup.stack_request() is not None
