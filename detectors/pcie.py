@@ -273,6 +273,14 @@ class PcieDetector(Detector):
                 s.worsen(DetectorState.FAILED if fatal else DetectorState.DEGRADED, f"PCIe errors on {bdf}")
         return rate
 
+    @staticmethod
+    def _in_d3cold(dev: str) -> bool:
+        """Whether the device's ``power_state`` (Linux 5.13+) reads ``D3cold`` (False when it cannot be read)."""
+        try:
+            return read_text(os.path.join(dev, "power_state")) == "D3cold"
+        except DetectorReadError:
+            return False
+
     def _sample_link(self, s: Sample, dev: str, bdf: str, cls: str, port_dir: str = "") -> int:
         try:
             width = read_int(os.path.join(dev, "current_link_width"))
@@ -292,11 +300,14 @@ class PcieDetector(Detector):
         s.metrics[f"link_speed_gts[{bdf}]"] = float(speed or 0.0)
         # A GPU or NIC that fell off the bus stays listed, but its config space reads all ones: width x63 (above
         # its own maximum, so never "narrow") and speed Unknown. It read as a healthy link, no event at all.
-        unresponsive = width == _NLW_ALL_ONES
-        s.metrics[f"link_width[{bdf}]"] = 0.0 if unresponsive else float(width)
-        narrow = 0 < width < max_width and not unresponsive
+        all_ones = width == _NLW_ALL_ONES
+        # Unless it is powered off on purpose: runtime power management put it in D3cold (then its config space
+        # reads all ones too, and its link is off).
+        unresponsive = all_ones and not self._in_d3cold(dev)
+        s.metrics[f"link_width[{bdf}]"] = 0.0 if all_ones else float(width)
+        narrow = 0 < width < max_width and not all_ones
         slow = (cls.startswith(self.config.speed_classes) and speed is not None and max_speed is not None
-                and speed < max_speed and not unresponsive)
+                and speed < max_speed and not all_ones)
         evidence = {"class": cls, "width": width, "max_width": max_width, "speed_gts": speed or "unknown",
                     "max_speed_gts": max_speed or "unknown", "unresponsive": int(unresponsive)}
         self.condition(s, f"width/{bdf}", narrow, "pcie.link_narrow", Severity.WARNING, Action.WATCH,

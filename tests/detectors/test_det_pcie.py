@@ -76,6 +76,11 @@ def test_a_device_that_fell_off_the_bus_but_is_still_listed_is_down(tmp_path) ->
     assert s.state == DetectorState.FAILED and s.metrics["link_width[0000:5e:00.0]"] == 0.0
     write_pci_device(tmp_path, "0000:5e:00.0", cls="0x020000")  # reset and retrained
     assert [e.kind for e in det.sample().events] == ["pcie.link_down.cleared"]
+    # Powered off on purpose (runtime PM, D3cold): it reads all ones too, and is no fault.
+    d = write_pci_device(tmp_path, "0000:5e:00.0", cls="0x020000", width=63, max_width=63, speed="Unknown")
+    (d / "power_state").write_text("D3cold\n")
+    s = det.sample()
+    assert (s.events, s.state) == ([], DetectorState.OK)
 
 
 def test_a_link_at_the_limit_of_its_slot_is_not_degraded(tmp_path) -> None:
