@@ -107,6 +107,32 @@ def test_thermal_trip_points(tmp_path) -> None:
         "hw.temp_critical.cleared", "hw.temp_hot.cleared", "hw.temp_throttling.cleared"]
 
 
+def test_a_zone_removed_with_its_driver_ends_its_conditions(tmp_path) -> None:
+    """NIC and NVMe drivers register thermal zones of their own, removed when the driver reloads or the device
+    goes. A zone removed while hot kept its conditions active for good (listed among the node's active
+    conditions for a zone that no longer exists); they now end with it, and a removal is no read error."""
+    trips = {"passive": 85000, "hot": 95000, "critical": 105000}
+    write_thermal_zone(tmp_path, 0, 45000, trips)
+    write_thermal_zone(tmp_path, 3, 101000, trips, "mlx5")
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    assert len(det.sample().events) == 3 and len(det.active_conditions()) == 3
+    shutil.rmtree(tmp_path / "sys/class/thermal/thermal_zone3")
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == [
+        "hw.temp_critical.cleared", "hw.temp_hot.cleared", "hw.temp_throttling.cleared"]
+    assert {e.subject for e in s.events} == {"thermal_zone3:mlx5"} and "gone" in s.events[0].message
+    assert (s.errors, s.state, det.active_conditions()) == ([], DetectorState.OK, [])
+    # Listed, then removed before its files are read: the class link points at a device folder that is gone.
+    os.symlink("../../devices/virtual/thermal/thermal_zone7", tmp_path / "sys/class/thermal/thermal_zone7")
+    s = det.sample()
+    assert (s.errors, s.events, s.state) == ([], [], DetectorState.OK)
+    write_thermal_zone(tmp_path, 3, 101000, trips, "mlx5")
+    assert len(det.sample().events) == 3
+    shutil.rmtree(tmp_path / "sys/class/thermal")  # the last zones go: nothing to watch, nothing left active
+    s = det.sample()
+    assert s.state == DetectorState.NO_HARDWARE and len(s.events) == 3 and det.active_conditions() == []
+
+
 def test_unset_trip_points_raise_nothing(tmp_path) -> None:
     """x86_pkg_temp on an Intel server: two ``passive`` trips at 0 until someone programs them (newer kernels:
     -274000, THERMAL_TEMP_INVALID; ACPI zones use that for a critical trip they have no value for). Every
