@@ -105,6 +105,13 @@ class RecentCounts:
         now = time.monotonic() if now is None else now
         return min(self.window_s, now - self.started)
 
+    def span_text(self, now: float | None = None) -> str:
+        """The span the sums cover, for a message: ``"the last hour"``, ``"the last 12 min"``, ``"the last 40 s"``."""
+        span = self.span_s(now)
+        if span >= self.window_s and self.window_s == 3600:
+            return "the last hour"
+        return f"the last {span / 60:.0f} min" if span >= 120 else f"the last {span:.0f} s"
+
     def forget(self, key: str) -> None:
         """Drops the history of ``key`` (its device went away)."""
         self._seen.pop(key, None)

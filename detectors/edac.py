@@ -117,7 +117,6 @@ class EdacDetector(Detector):
             # interval a single correctable error read as 120/hour, over the default 100, and every stray one
             # raised and cleared a warning (a healthy DIMM logs a few a day).
             last_hour = self._ce_recent.add(mc, 0 if dce.first else dce.delta, now)
-            span_min = self._ce_recent.span_s(now) / 60.0
             worst = ", ".join(f"{label}: ce={c} ue={u}" for label, c, u in dimms if c or u)
             evidence = {"ce_count": ce, "ue_count": ue, "ce_per_hour": f"{per_hour:.1f}",
                         "ce_last_hour": last_hour, "dimms": worst}
@@ -133,7 +132,7 @@ class EdacDetector(Detector):
                 s.worsen(DetectorState.FAILED, f"{mc} has {ue} uncorrectable memory errors")
             self.condition(s, f"ce/{mc}", last_hour > self.config.ce_per_hour,
                            "hw.memory_ce_rate", Severity.WARNING, Action.WATCH,
-                           f"{mc}: {last_hour} correctable memory errors in the last {span_min:.0f} min, over "
+                           f"{mc}: {last_hour} correctable memory errors in {self._ce_recent.span_text(now)}, over "
                            f"{self.config.ce_per_hour:g}/hour ({worst})", mc, evidence)
         s.metrics.update({"ce_total": float(ce_total), "ue_total": float(ue_total), "ce_per_hour": ce_rate,
                           "controllers": float(len(mcs))})

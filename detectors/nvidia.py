@@ -479,10 +479,10 @@ class NvidiaDetector(_NvmlDetector):
             last_hour = self._ecc_recent.add(r.uuid, 0 if d.first else d.delta)
             self.condition(s, f"ecc_cor/{r.index}", last_hour > self.config.ecc_corrected_per_hour,
                            "gpu.ecc_corrected_rate", Severity.WARNING, Action.WATCH,
-                           f"GPU {g}: {last_hour} corrected ECC errors in the last "
-                           f"{self._ecc_recent.span_s() / 60:.0f} min, over {self.config.ecc_corrected_per_hour:g}"
-                           f"/hour", g, {**ident, "volatile": r.ecc_volatile_corrected,
-                                         "aggregate": r.ecc_aggregate_corrected, "last_hour": last_hour})
+                           f"GPU {g}: {last_hour} corrected ECC errors in {self._ecc_recent.span_text()}, over "
+                           f"{self.config.ecc_corrected_per_hour:g}/hour", g,
+                           {**ident, "volatile": r.ecc_volatile_corrected, "aggregate": r.ecc_aggregate_corrected,
+                            "last_hour": last_hour})
         if r.remapped_uncorrectable is not None:
             s.metrics[f"remapped_rows_uncorrectable[{g}]"] = float(r.remapped_uncorrectable)
             s.metrics[f"remapped_rows_correctable[{g}]"] = float(r.remapped_correctable or 0)
