@@ -11,6 +11,7 @@ summaries with that heartbeat. The coordinator's findings come back in heartbeat
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import threading
 import time
@@ -24,6 +25,37 @@ WAIT_SECTION = "comm"
 #: Steps kept per rank between two heartbeats (a fast job's extra steps are dropped from the summary, oldest
 #: first; the median of the newest is enough).
 MAX_STEPS_PER_RANK = 256
+
+
+#: Characters of a worker's stack a hang report carries (the main thread's innermost frames).
+STACK_EVIDENCE_CHARS = 3000
+_FH_HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+ \(most recent call first\):")
+_PYSPY_HEADER = re.compile(r'^Thread\s+\S+\s+\([^)]*\):\s*"(?P<name>[^"]*)"')
+
+
+def main_thread_stack(text: str, limit: int = STACK_EVIDENCE_CHARS) -> str:
+    """The main thread's part of a py-spy or faulthandler dump, at most ``limit`` characters (innermost first).
+
+    faulthandler lists the threads newest first, so the main thread, the oldest, comes last; py-spy names it
+    ``MainThread``. The head of the whole dump was kept: behind a few helper threads (the hook's heartbeat,
+    data-loader pinning, tqdm, wandb) the main thread was cut off, and the hang locator, which reads the last
+    thread of a faulthandler dump as the main one, grouped the ranks by a helper thread's ``wait``.
+
+    Args:
+        text: the dump (or the reason there is none, kept as is).
+        limit: characters kept.
+    """
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if _FH_HEADER.match(line) or _PYSPY_HEADER.match(line)]
+    if not starts:
+        return text[:limit]
+    blocks = [lines[a:b] for a, b in zip(starts, starts[1:] + [len(lines)])]
+    named = [b for b in blocks if (m := _PYSPY_HEADER.match(b[0])) is not None and m.group("name") == "MainThread"]
+    if named:
+        return "".join(named[0])[:limit]
+    if _FH_HEADER.match(blocks[-1][0]):
+        return "".join(blocks[-1])[:limit]
+    return text[:limit]
 
 
 def _finite_nonneg(x: float) -> bool:
@@ -159,6 +191,6 @@ def stack_evidence(pid_by_rank: Mapping[int, int], timeout_s: float = 5.0) -> di
                                                pid_by_rank.values())))
     out: dict[str, str] = {"dump_s": f"{time.monotonic() - t0:.3f}"}
     for rank, d in dumps.items():
-        out[f"stack.{rank}"] = d.text[:3000]  # both py-spy and faulthandler print the innermost frame first
+        out[f"stack.{rank}"] = main_thread_stack(d.text)
         out[f"method.{rank}"] = d.method
     return out

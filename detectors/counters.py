@@ -6,6 +6,7 @@ counted from zero, never as a negative delta.
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 
@@ -64,3 +65,53 @@ class CounterTracker:
         for key in list(self._last):
             if key not in keep:
                 del self._last[key]
+
+
+class RecentCounts:
+    """Increases of counters within a trailing window, summed per key: a threshold "per hour" is judged on what
+    the last hour counted, not on one sampling interval's rate scaled to an hour (one error in 30 s is 120/hour).
+    Before a whole window has passed it sums what the time since the start counted.
+
+    Args:
+        window_s: length of the window, seconds.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.started = time.monotonic()
+        self._seen: dict[str, collections.deque[tuple[float, int]]] = {}
+
+    def add(self, key: str, delta: int, now: float | None = None) -> int:
+        """Records an increase of ``key`` (0: none) and returns the sum within the window ending ``now``.
+
+        Args:
+            key: counter identity.
+            delta: increase since the previous reading.
+            now: monotonic time in seconds; ``time.monotonic()`` when None.
+
+        Returns:
+            The increases of ``key`` within the last ``window_s`` seconds, this one included.
+        """
+        now = time.monotonic() if now is None else now
+        recent = self._seen.setdefault(key, collections.deque())
+        if delta > 0:
+            recent.append((now, delta))
+        while recent and now - recent[0][0] > self.window_s:
+            recent.popleft()
+        return sum(n for _, n in recent)
+
+    def span_s(self, now: float | None = None) -> float:
+        """The seconds the sums cover now: the window, or less since the start."""
+        now = time.monotonic() if now is None else now
+        return min(self.window_s, now - self.started)
+
+    def span_text(self, now: float | None = None) -> str:
+        """The span the sums cover, for a message: ``"the last hour"``, ``"the last 12 min"``, ``"the last 40 s"``."""
+        span = self.span_s(now)
+        if span >= self.window_s and self.window_s == 3600:
+            return "the last hour"
+        return f"the last {span / 60:.0f} min" if span >= 120 else f"the last {span:.0f} s"
+
+    def forget(self, key: str) -> None:
+        """Drops the history of ``key`` (its device went away)."""
+        self._seen.pop(key, None)

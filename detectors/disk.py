@@ -133,14 +133,18 @@ class DiskDetector(Detector):
             s.metrics.update({f"used_pct[{path}]": usage.percent, f"free_bytes[{path}]": float(usage.free),
                               f"inodes_used_pct[{path}]": inode_pct})
             evidence = {"used_pct": usage.percent, "free_bytes": usage.free, "inodes_used_pct": f"{inode_pct:.1f}"}
+            # Says which runs out: a disk out of inodes (millions of small shard files) read "98.0% full", and the
+            # operator's df -h showed 40% used; the fix (delete files, not bytes) differs.
+            what = (f"{used:.1f}% of its inodes used (space {usage.percent:.1f}%; see df -i)"
+                    if inode_pct > usage.percent else f"{used:.1f}% full")
             # a usage hovering at a threshold (a checkpoint written, then the old one removed) raises one event,
             # not one per crossing: a condition ends a hysteresis below where it started
             full = used >= cfg.error_used_pct - (USED_HYSTERESIS_PCT if self.holding(f"full/{path}") else 0.0)
             self.condition(s, f"full/{path}", full, "disk.full", Severity.ERROR, Action.WATCH,
-                           f"{path} is {used:.1f}% full", path, evidence)
+                           f"{path} is {what}", path, evidence)
             warn = cfg.warn_used_pct - (USED_HYSTERESIS_PCT if self.holding(f"filling/{path}") else 0.0)
             self.condition(s, f"filling/{path}", warn <= used and not full, "disk.filling",
-                           Severity.WARNING, Action.WATCH, f"{path} is {used:.1f}% full", path, evidence)
+                           Severity.WARNING, Action.WATCH, f"{path} is {what}", path, evidence)
             part = mount_of(path)
             ro = part is not None and "ro" in part.opts.split(",")
             self.condition(s, f"ro/{path}", ro, "disk.read_only", Severity.ERROR, Action.WATCH,

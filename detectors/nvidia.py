@@ -15,11 +15,12 @@ Xids also appear in the kernel log (``kmsg`` detector, source ``kmsg``); a consu
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector, state_for
-from trainguard.detectors.counters import CounterTracker
+from trainguard.detectors.counters import CounterTracker, RecentCounts
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.rules import check_operator_file
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 #: Throttle reason bits (nvmlClocksEventReason*) that mean trouble, not policy; name -> bit (fault facts'
 #: ``throttle.json``).
 BAD_THROTTLE_REASONS = load_bad_throttle_reasons()
+#: Seconds between two tries to open NVML while it is not there (the driver loads after the agent at boot, or is
+#: reloaded for an upgrade); a try costs a library lookup, or an init that may block a while on a sick driver.
+NVML_RETRY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -143,11 +147,19 @@ class NvmlBackend:
 
         self._nv = pynvml
         pynvml.nvmlInit()
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        # A GPU that cannot be opened (fallen off the bus before the agent started: GPU_IS_LOST; no power cable:
+        # INSUFFICIENT_POWER) is kept as a failed handle: it made the whole of NVML "failed to initialise", the
+        # detector NO_HARDWARE, and a node with a lost GPU read as one with no GPU at all.
+        self._handles: list[Any] = []
+        self._open_errors: dict[int, Exception] = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            self._handles.append(self._handle_or_none(i))
         self._events: Any = None
-        if xid_events and self._handles:
+        if xid_events and any(h is not None for h in self._handles):
             self._events = pynvml.nvmlEventSetCreate()
             for h in self._handles:
+                if h is None:
+                    continue
                 try:
                     pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, self._events)
                 except pynvml.NVMLError as exc:  # some GPUs (and MIG instances) refuse; Xids still reach kmsg
@@ -156,6 +168,15 @@ class NvmlBackend:
     def device_count(self) -> int:
         """Number of GPUs."""
         return len(self._handles)
+
+    def _handle_or_none(self, index: int) -> Any:
+        try:
+            handle = self._nv.nvmlDeviceGetHandleByIndex(index)
+        except self._nv.NVMLError as exc:
+            self._open_errors[index] = exc
+            return None
+        self._open_errors.pop(index, None)
+        return handle
 
     def _try(self, fn: Any, *args: Any) -> Any:
         # An optional query the GPU does not support (or fails) leaves its field None; the others still count.
@@ -181,6 +202,13 @@ class NvmlBackend:
         """
         nv = self._nv
         h = self._handles[index]
+        if h is None:  # could not be opened so far: asked again (a GPU reset brings a lost one back)
+            h = self._handles[index] = self._handle_or_none(index)
+            if h is None:
+                exc = self._open_errors[index]
+                if isinstance(exc, nv.NVMLError_GpuIsLost):
+                    return GpuReading(index=index, lost=True)
+                raise exc
         try:
             pci = nv.nvmlDeviceGetPciInfo(h).busId
             corr, unc = nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
@@ -291,7 +319,8 @@ class NvidiaConfig(DetectorConfig):
         temp_margin_c: report when within this many degrees Celsius of the slowdown threshold. Default 5.0.
         temp_hysteresis_c: a reported temperature ends once this many degrees Celsius below where it started, so
             a GPU held at that point does not raise and clear it every sample. Default 2.0.
-        ecc_corrected_per_hour: corrected volatile ECC errors per hour above which a GPU is reported. Default 1000.
+        ecc_corrected_per_hour: corrected volatile ECC errors within the last hour (or since the detector started,
+            when shorter) above which a GPU is reported. Default 1000.
     """
 
     interval_s: float = 10.0
@@ -321,11 +350,15 @@ class _NvmlDetector(Detector):
         super().__init__(config)
         self._backend = backend
         self._absent = ""
+        self._absent_at = 0.0
         self._counters = CounterTracker()
 
     def _open(self, xid_events: bool) -> GpuBackend | None:
-        if self._backend is None and not self._absent:
+        # Tried again while absent: opened once at the agent's start, a driver that loaded a minute later (boot
+        # order, a driver upgrade) left the node's GPUs unwatched, NO_HARDWARE until the agent restarted.
+        if self._backend is None and (not self._absent or time.monotonic() - self._absent_at >= NVML_RETRY_S):
             self._backend, self._absent = open_nvml(xid_events)
+            self._absent_at = time.monotonic()
         return self._backend
 
     def close(self) -> None:
@@ -362,6 +395,7 @@ class NvidiaDetector(_NvmlDetector):
         super().__init__(config, backend)
         self.config: NvidiaConfig
         self._uuids: dict[int, str] = {}
+        self._ecc_recent = RecentCounts(3600.0)
         self.xids, self.xid_default = load_xid_catalog(self.config.xid_file or None)
 
     def sample(self) -> Sample:
@@ -440,11 +474,15 @@ class NvidiaDetector(_NvmlDetector):
         if r.ecc_volatile_corrected is not None:
             s.metrics[f"ecc_volatile_corrected[{g}]"] = float(r.ecc_volatile_corrected)
             d = self._counters.update(f"{r.uuid}/ecc_cor", r.ecc_volatile_corrected)
-            per_hour = d.rate * 3600
-            self.condition(s, f"ecc_cor/{r.index}", not d.first and per_hour > self.config.ecc_corrected_per_hour,
+            # Counted over the last hour: one interval's rate scaled to an hour made 3 corrected errors within
+            # 10 s "1080/hour", a warning raised and cleared by every small burst.
+            last_hour = self._ecc_recent.add(r.uuid, 0 if d.first else d.delta)
+            self.condition(s, f"ecc_cor/{r.index}", last_hour > self.config.ecc_corrected_per_hour,
                            "gpu.ecc_corrected_rate", Severity.WARNING, Action.WATCH,
-                           f"GPU {g}: corrected ECC errors at {per_hour:.0f}/hour", g,
-                           {**ident, "volatile": r.ecc_volatile_corrected, "aggregate": r.ecc_aggregate_corrected})
+                           f"GPU {g}: {last_hour} corrected ECC errors in {self._ecc_recent.span_text()}, over "
+                           f"{self.config.ecc_corrected_per_hour:g}/hour", g,
+                           {**ident, "volatile": r.ecc_volatile_corrected, "aggregate": r.ecc_aggregate_corrected,
+                            "last_hour": last_hour})
         if r.remapped_uncorrectable is not None:
             s.metrics[f"remapped_rows_uncorrectable[{g}]"] = float(r.remapped_uncorrectable)
             s.metrics[f"remapped_rows_correctable[{g}]"] = float(r.remapped_correctable or 0)

@@ -15,7 +15,9 @@ sysfs-bus-pci-devices-aer_stats):
   what both of its ends support: a device's own maximum above that of the port it is plugged into (a Gen5 NIC in
   a Gen4 slot, an x16 card in an x8 slot) is the slot's limit, as the kernel's own bandwidth report says
   ("limited by ... at <port>"), not a degraded link.
-- a watched device that disappears from the bus is reported as lost.
+- a watched device that disappears from the bus is reported as lost; one still listed whose link status reads
+  all ones (width x63, speed ``Unknown``: config reads of a device that fell off the bus return 0xffff, as
+  ``lspci`` shows "Width x63") does not answer and is reported as its link down.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.sysfs import list_dir, read_counter_table, read_int, read_text
 
+#: The Negotiated Link Width field of a link status register read as all ones (0xffff >> 4 & 0x3f): PCIe links
+#: are at most x32, so this is a device that no longer answers config reads, not a width.
+_NLW_ALL_ONES = 0x3F
 _SPEED = re.compile(r"^(\d+(?:\.\d+)?) GT/s")
 _AER_FILES = (("aer_dev_correctable", "TOTAL_ERR_COR"), ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL"),
               ("aer_dev_fatal", "TOTAL_ERR_FATAL"))
@@ -268,6 +273,14 @@ class PcieDetector(Detector):
                 s.worsen(DetectorState.FAILED if fatal else DetectorState.DEGRADED, f"PCIe errors on {bdf}")
         return rate
 
+    @staticmethod
+    def _in_d3cold(dev: str) -> bool:
+        """Whether the device's ``power_state`` (Linux 5.13+) reads ``D3cold`` (False when it cannot be read)."""
+        try:
+            return read_text(os.path.join(dev, "power_state")) == "D3cold"
+        except DetectorReadError:
+            return False
+
     def _sample_link(self, s: Sample, dev: str, bdf: str, cls: str, port_dir: str = "") -> int:
         try:
             width = read_int(os.path.join(dev, "current_link_width"))
@@ -284,17 +297,26 @@ class PcieDetector(Detector):
             max_width = min(max_width, port_width)
         if port_speed is not None and max_speed is not None:
             max_speed = min(max_speed, port_speed)
-        s.metrics[f"link_width[{bdf}]"] = float(width)
         s.metrics[f"link_speed_gts[{bdf}]"] = float(speed or 0.0)
-        narrow = 0 < width < max_width
+        # A GPU or NIC that fell off the bus stays listed, but its config space reads all ones: width x63 (above
+        # its own maximum, so never "narrow") and speed Unknown. It read as a healthy link, no event at all.
+        all_ones = width == _NLW_ALL_ONES
+        # Unless it is powered off on purpose: runtime power management put it in D3cold (then its config space
+        # reads all ones too, and its link is off).
+        unresponsive = all_ones and not self._in_d3cold(dev)
+        s.metrics[f"link_width[{bdf}]"] = 0.0 if all_ones else float(width)
+        narrow = 0 < width < max_width and not all_ones
         slow = (cls.startswith(self.config.speed_classes) and speed is not None and max_speed is not None
-                and speed < max_speed)
+                and speed < max_speed and not all_ones)
         evidence = {"class": cls, "width": width, "max_width": max_width, "speed_gts": speed or "unknown",
-                    "max_speed_gts": max_speed or "unknown"}
+                    "max_speed_gts": max_speed or "unknown", "unresponsive": int(unresponsive)}
         self.condition(s, f"width/{bdf}", narrow, "pcie.link_narrow", Severity.WARNING, Action.WATCH,
                        f"PCIe link of {bdf} trained at x{width}, below its x{max_width}", bdf, evidence)
         self.condition(s, f"speed/{bdf}", slow, "pcie.link_slow", Severity.WARNING, Action.WATCH,
                        f"PCIe link of {bdf} runs at {speed} GT/s, below its {max_speed} GT/s", bdf, evidence)
-        self.condition(s, f"down/{bdf}", width == 0, "pcie.link_down", Severity.CRITICAL, Action.DRAIN_NODE,
-                       f"PCIe link of {bdf} is down (width 0)", bdf, evidence)
-        return int(narrow or slow or width == 0)
+        down = width == 0 or unresponsive
+        why = ("the device does not answer: its link status reads all ones (x63), as after falling off the bus"
+               if unresponsive else "width 0")
+        self.condition(s, f"down/{bdf}", down, "pcie.link_down", Severity.CRITICAL, Action.DRAIN_NODE,
+                       f"PCIe link of {bdf} is down ({why})", bdf, evidence)
+        return int(narrow or slow or down)

@@ -89,7 +89,8 @@ class ProcessConfig(DetectorConfig):
         startup_grace_s: seconds from spawn to first heartbeat before a worker counts as hung. Default 900.0.
         d_state_s: seconds a thread may sit in uninterruptible sleep (D) before it is reported. Default 30.0.
         d_state_check_s: seconds between scans of every thread's state (a torch worker has ~100). Default 10.0.
-        memory_window_s: window over which RSS growth is measured, seconds. Default 600.0.
+        memory_window_s: window over which RSS growth is measured, seconds, from a worker's first step (its
+            start-up is not growth). Default 600.0.
         memory_growth_bytes: RSS growth within the window that is reported. Default 4 GiB.
         stack_dump: dump the stacks of a hung worker into the event. Default True.
         py_spy: use ``py-spy dump`` when installed (needs ptrace rights); else, or when it fails, the worker's
@@ -326,7 +327,12 @@ class ProcessDetector(Detector):
             if math.isfinite(bound):  # none for a worker that does not report
                 s.metrics[f"hang_bound_s[{subject}]"] = bound
             self._check_hang(s, w, age, bound)
-            self._check_memory(s, w, stat.rss_bytes, now)
+            if w.last_heartbeat is not None or not w.hooked:
+                # Growth counts from the first step on: start-up (torch and CUDA libraries, a checkpoint loaded
+                # to host memory) grew every worker by gigabytes within minutes, and each start raised
+                # process.memory_growth and asked for a checkpoint. A worker that never reports is measured
+                # from the start, as before.
+                self._check_memory(s, w, stat.rss_bytes, now)
             if scan_threads:
                 self._check_d_state(s, w, now)
         for pid in list(self._rss):

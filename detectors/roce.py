@@ -44,6 +44,13 @@ from trainguard.detectors.rules import CounterRule, check_operator_file, load_co
 from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_pma_counter, read_text
 
 _PORT_STATE = re.compile(r"^(\d+):\s*(\S+)$")
+#: Widths in bits of the IB PortCounters error counters a port shows in ``ports/<n>/counters`` (the kernel's
+#: ``PORT_PMA_ATTR`` table in drivers/infiniband/core/sysfs.c). The IB spec has them stop at all ones rather than
+#: wrap: a counter at its maximum counts nothing more until the port's counters are reset (``perfquery -R``).
+_PMA_BITS = {"symbol_error": 16, "link_error_recovery": 8, "link_downed": 8, "port_rcv_errors": 16,
+             "port_rcv_remote_physical_errors": 16, "port_rcv_switch_relay_errors": 16, "port_xmit_discards": 16,
+             "port_xmit_constraint_errors": 8, "port_rcv_constraint_errors": 8, "local_link_integrity_errors": 4,
+             "excessive_buffer_overrun_errors": 4, "VL15_dropped": 16}
 #: Interfaces named in the message of patterns that match none (all of them are in its evidence).
 _SHOWN_NETDEVS = 8
 
@@ -547,11 +554,23 @@ class RoceDetector(ListeningDetector):
         d = self._counters.update(f"{source}/{device}/{name}", value, now)
         s.metrics[f"{name}_per_s[{device}]"] = d.rate
         s.metrics[f"{name}_per_s"] = s.metrics.get(f"{name}_per_s", 0.0) + d.rate
+        bits = _PMA_BITS.get(name) if source == "ib_counters" else None
+        saturated = bits is not None and value >= (1 << bits) - 1
+        if bits is not None:
+            self.condition(s, f"saturated/{device}/{name}", saturated, "roce.counter_saturated", Severity.INFO,
+                           Action.WATCH, f"{device} {name} stopped at its maximum {(1 << bits) - 1}: further "
+                           f"errors of this kind are not counted until the port's counters are reset "
+                           f"(perfquery -R)", device, {"counter": name, "value": value, "bits": bits})
         for rule in rules:
+            key = f"{rule.kind}/{device}/{name}"
             measured = d.delta if rule.mode == "delta" else d.rate
             active = not d.first and measured > rule.threshold
+            if saturated and rule.mode == "rate" and key in self._active:
+                # A saturated counter reads a rate of 0 however many errors arrive: the condition it raised
+                # "cleared" while the cable kept failing. Unknown now, so it holds until the counters are reset.
+                active = True
             unit = "" if rule.mode == "delta" else "/s"
-            self.condition(s, f"{rule.kind}/{device}/{name}", active, rule.kind, rule.severity, rule.action,
+            self.condition(s, key, active, rule.kind, rule.severity, rule.action,
                            f"{device} {name}: {rule.description} (now {measured:.6g}{unit})", device,
                            {"counter": name, "value": value, "delta": d.delta, "rate_per_s": f"{d.rate:.6g}",
                             "threshold": rule.threshold, "mode": rule.mode})

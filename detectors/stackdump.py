@@ -31,7 +31,8 @@ from typing import IO
 STACK_DUMP_SIGNAL = signal.SIGUSR2
 #: Environment variable naming the directory of dump files; the agent sets it for the workers it spawns.
 STACK_DIR_ENV = "TRAINGUARD_STACK_DIR"
-#: At most this many characters of a dump go into an event's evidence (the tail, where the innermost frames are).
+#: At most this many characters of a dump go into an event's evidence: the end where the main thread is
+#: (faulthandler lists the threads newest first, the main thread last; py-spy lists MainThread first).
 MAX_DUMP_CHARS = 16_000
 
 _dump_files: dict[int, IO[str]] = {}
@@ -125,7 +126,7 @@ class StackDump:
 
     Attributes:
         method: ``"py-spy"``, ``"faulthandler"`` or ``"none"``.
-        text: the dump (tail-truncated to :data:`MAX_DUMP_CHARS`), or the reason there is none.
+        text: the dump (cut to :data:`MAX_DUMP_CHARS` keeping the main thread's end), or the reason there is none.
     """
 
     method: str
@@ -161,7 +162,9 @@ def dump_stack(
                 [py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s, check=False
             )
             if done.returncode == 0 and done.stdout.strip():
-                return StackDump("py-spy", done.stdout[-MAX_DUMP_CHARS:])
+                # py-spy prints MainThread first: its tail, kept before, lost the main thread behind ~30 helper
+                # threads (wandb, tqdm, pinning, thread pools), and the stuck rank read as waiting in a helper's wait.
+                return StackDump("py-spy", done.stdout[:MAX_DUMP_CHARS])
         except (OSError, subprocess.TimeoutExpired):
             pass  # fall back to the worker's own handler
     if not catches_signal(pid, signum, proc_root):

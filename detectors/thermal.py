@@ -80,9 +80,13 @@ class ThermalDetector(Detector):
         self.config: ThermalConfig
         base = self.config.path("/sys/class/thermal")
         zones = [z for z in list_dir(base) if z.startswith("thermal_zone")]
-        if not zones:
-            return self.no_hardware(f"no thermal zones under {base}")
         s = Sample()
+        self._clear_gone(s, set(zones))
+        if not zones:
+            gone = s.events
+            s = self.no_hardware(f"no thermal zones under {base}")
+            s.events = gone
+            return s
         hottest = None
         for zone in zones:
             zdir = os.path.join(base, zone)
@@ -92,6 +96,8 @@ class ThermalDetector(Detector):
                 except DetectorReadError as exc:
                     if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in _NO_TEMPERATURE:
                         continue  # nothing to judge in this zone now; the others are read
+                    if isinstance(exc.__cause__, FileNotFoundError) and not os.path.isdir(zdir):
+                        continue  # removed since it was listed (its driver unloaded): gone, not unreadable
                     raise
                 trips: dict[str, float] = {}
                 hyst: dict[str, float] = {}
@@ -135,6 +141,16 @@ class ThermalDetector(Detector):
         if hottest is not None:
             s.metrics["max_temp_c"] = hottest
         return s
+
+    def _clear_gone(self, s: Sample, zones: set[str]) -> None:
+        """Ends the conditions of zones no longer listed. A zone goes with its driver (a NIC's or NVMe drive's
+        zone when the driver reloads or the device is removed); its condition stayed active for good, listed
+        among the node's active conditions for a zone that no longer exists."""
+        for key, started in list(self._active.items()):
+            _, _, zone = key.partition("/")
+            if zone.startswith("thermal_zone") and zone not in zones:
+                self.condition(s, key, False, started.kind, started.severity, started.action,
+                               f"{started.subject} is gone (its zone was removed)", started.subject)
 
     def _over(self, key: str, temp: float, threshold: float | None, trip_hyst: float) -> bool:
         """Whether ``temp`` is at or above ``threshold``; a condition already active holds until the temperature

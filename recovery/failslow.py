@@ -25,6 +25,7 @@ Like the rest of the core it sees only the plain types of :mod:`~trainguard.reco
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -93,9 +94,13 @@ class ReportOutcome:
 
 
 def is_hang_report(kind: str) -> bool:
-    """Whether a reported event's kind declares a hung worker (``process.hung`` and alike)."""
+    """Whether a reported event's kind declares a hung worker (``process.hung``, ``worker.hang``,
+    ``nccl.stalled`` and alike): a word of the kind, split at dots, underscores and dashes, starts with hung,
+    hang or stall. Substrings matched too much: every node-level kind holding "change" or "install" (an
+    operator rule's ``hw.pcie_speed_change``) opened a hang localisation, stack dumps on every node, and its
+    outlier could be replaced."""
     kind = kind.lower()
-    return kind != STACKS_KIND and ("hung" in kind or "hang" in kind or "stall" in kind)
+    return kind != STACKS_KIND and any(w.startswith(("hung", "hang", "stall")) for w in re.split(r"[._\-]", kind))
 
 
 class FailSlowSupervisor:
@@ -122,6 +127,7 @@ class FailSlowSupervisor:
         self._hang: HangFinding | None = None
         self._status: FailSlowStatus | None = None
         self._action = ""
+        self._replace_generation = -1  # generation whose node the last replacement took out
         self._wall_of: dict[float, float] = {}
         self._window: WindowSnapshot | None = None  # closed under the coordinator's lock, scored outside it
         # Slow links: probe ports the nodes announce, the locator, the generation its campaign belongs to.
@@ -250,11 +256,15 @@ class FailSlowSupervisor:
         if not self.detector.is_current(result):
             return None
         self._status = None
+        if self._action.startswith("replace") and result.generation > self._replace_generation:
+            # The replacement is done (a later generation runs): what it says was about another node and
+            # another generation. Kept, every later straggler read "action: replace <a node gone long ago>".
+            self._action = ""
         for f in result.newly_flagged:
             what = f"rank {f.rank} on node {f.node_id}" if f.rank >= 0 else f"node {f.node_id}"
             log.warning("fail-slow: %s is a straggler: own work %.2fx the others' median, the job loses "
                         "%.0f ms per %.0f ms step", what, f.ratio, f.excess_s * 1000, result.job_step_s * 1000)
-            self._wall_of[f.since] = self._wall()
+            self._wall_of.setdefault(f.since, self._wall())
         decision = None
         if result.slow_nodes:
             decision = self.policy.decide(result, now, spares())
@@ -284,6 +294,7 @@ class FailSlowSupervisor:
         self.policy.applied(decision, now, step, generation)
         self.links.forget(decision.node_id)
         self._action = f"replace {decision.node_id}"
+        self._replace_generation = generation
         self._status = None
         log.warning("fail-slow: replacing node %s: %s", decision.node_id, decision.detail)
 
@@ -359,7 +370,11 @@ class FailSlowSupervisor:
         res = self.detector.last
         st = FailSlowStatus()
         if res is not None:
-            slow = tuple(SlowRank(f.rank, f.node_id, f.ratio, f.excess_s, self._wall_of.get(f.since, 0.0), f.basis,
+            # A finding's wall time is fixed the first time anyone sees it: a reply built while its window was being
+            # scored (outside the lock) showed it with 0 and the next one with the time apply_window noted, and
+            # every node's view, which tells findings apart by that time, raised the same straggler twice.
+            first_seen = self._wall_of.setdefault
+            slow = tuple(SlowRank(f.rank, f.node_id, f.ratio, f.excess_s, first_seen(f.since, self._wall()), f.basis,
                                   f.individual) for f in res.slow_ranks[: self.config.max_listed])
             lf = self.links.finding
             if lf is not None:

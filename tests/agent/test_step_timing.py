@@ -3,9 +3,18 @@ drops the old window; the coordinator's findings become one event each."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tg_testutil import until
 from trainguard.agent.rpc_limits import VALIDATORS
-from trainguard.agent.step_timing import FailSlowView, TimingRelay
+from trainguard.agent.step_timing import FailSlowView, TimingRelay, stack_evidence
+from trainguard.detectors import stackdump
 from trainguard.proto import agent_pb2, common_pb2
+from trainguard.recovery.hang_locator import parse_main_stack
 
 
 def test_medians_per_rank_and_own_work():
@@ -49,3 +58,27 @@ def test_worker_heartbeat_sections_are_range_checked():
     assert "section_s['comm']" in check(bad)
     many = agent_pb2.WorkerHeartbeatRequest(rank=0, pid=1, step=0, section_s={f"s{i}": 0.1 for i in range(17)})
     assert "at most 16" in check(many)
+
+
+@pytest.mark.parametrize("method", ["faulthandler", "py-spy"])
+def test_a_hang_report_carries_the_main_thread_behind_many_helper_threads(method, tmp_path, monkeypatch):
+    """faulthandler lists a worker's threads newest first: the main thread comes last. The report kept the first
+    3000 characters of the dump, so behind ten helper threads (heartbeat, pinning, tqdm, wandb...) the stuck rank's
+    main thread was cut off and it read as waiting in threading.wait, like the ranks waiting for it."""
+    if method == "py-spy" and stackdump.find_py_spy() is None:
+        pytest.skip("py-spy is not installed")
+    if method == "faulthandler":
+        monkeypatch.setattr(stackdump, "find_py_spy", lambda: None)  # as on a node without py-spy
+    monkeypatch.setenv(stackdump.STACK_DIR_ENV, str(tmp_path))
+    marker = tmp_path / "stuck"
+    script = Path(__file__).parent / "scripts" / "threaded_stuck.py"
+    proc = subprocess.Popen([sys.executable, str(script), "10", str(tmp_path), str(marker)])
+    try:
+        assert until(marker.exists, timeout=30), "the worker never got stuck"
+        ev = stack_evidence({5: proc.pid}, timeout_s=10.0)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert ev["method.5"] == method
+    assert parse_main_stack(ev["stack.5"])[0] == "load_batch (threaded_stuck.py)", ev["stack.5"]
+    assert len(ev["stack.5"]) <= 3000

@@ -43,6 +43,57 @@ def test_nvml_absent_here_is_no_hardware() -> None:
     assert NvlinkDetector().sample().state == DetectorState.NO_HARDWARE
 
 
+def test_nvml_that_comes_after_the_start_is_opened_then(monkeypatch) -> None:
+    """At boot the agent can start before the NVIDIA driver loads (or the driver is reloaded for an upgrade).
+    NVML was tried once: the GPUs stayed unwatched, NO_HARDWARE, until the agent restarted. It is tried again
+    (every NVML_RETRY_S; 0 here); the opener is the leaf replaced here, the detector runs as on a node."""
+    import trainguard.detectors.nvidia as nvidia
+
+    tries = []
+    double = GpuBackendDouble([healthy(0, "00000000:3B:00.0")])
+
+    def opener(xid_events: bool):
+        tries.append(xid_events)
+        return (double, "") if len(tries) >= 3 else (None, "the NVIDIA kernel driver is not loaded")
+
+    monkeypatch.setattr(nvidia, "open_nvml", opener)
+    monkeypatch.setattr(nvidia, "NVML_RETRY_S", 0.0, raising=False)
+    det = NvidiaDetector(NvidiaConfig())
+    for _ in range(2):
+        s = det.sample()
+        assert s.state == DetectorState.NO_HARDWARE and "not loaded" in s.detail
+    double.readings[0] = GpuReading(index=0, lost=True)
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["gpu.lost"] and s.state == DetectorState.FAILED
+    det.sample()
+    assert len(tries) == 3  # open: no more tries
+
+
+def test_a_gpu_that_cannot_be_opened_does_not_hide_the_others(monkeypatch) -> None:
+    """nvmlDeviceGetHandleByIndex fails for a GPU that fell off the bus before the agent started (GPU_IS_LOST)
+    or has no power cable (INSUFFICIENT_POWER). Either made all of NVML "failed to initialise": NO_HARDWARE, a
+    node with a lost GPU read as one without GPUs. Only the NVML library's entry points are replaced here."""
+    pynvml = pytest.importorskip("pynvml")
+    lost = {1}
+
+    def handle(i: int):
+        if i in lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INSUFFICIENT_POWER)
+
+    for name, fn in (("nvmlInit", lambda: None), ("nvmlShutdown", lambda: None), ("nvmlDeviceGetCount", lambda: 2),
+                     ("nvmlDeviceGetHandleByIndex", handle)):
+        monkeypatch.setattr(pynvml, name, fn)
+    backend, reason = open_nvml(xid_events=True)
+    assert backend is not None, reason
+    assert backend.device_count() == 2 and backend.read(1, False).lost
+    det = NvidiaDetector(NvidiaConfig(), backend=backend)
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("gpu.lost", "gpu1")]
+    assert [e.path for e in s.errors] == ["nvml:gpu0"] and "Insufficient" in s.errors[0].reason
+    assert s.state == DetectorState.FAILED
+
+
 def test_gpu_faults_become_events() -> None:
     backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0"), healthy(1, "00000000:5E:00.0")])
     det = NvidiaDetector(NvidiaConfig(), backend=backend)
@@ -100,6 +151,25 @@ def test_a_gpu_back_on_the_bus_clears_the_loss_it_was_reported_under() -> None:
     assert [(e.kind, e.subject) for e in det.sample().events] == [("gpu.lost", "gpu1")]
     backend.readings[1] = healthy(1, "00000000:5E:00.0")
     assert [(e.kind, e.subject) for e in det.sample().events] == [("gpu.lost.cleared", "gpu1")]
+
+
+def test_a_few_corrected_ecc_errors_are_no_rate_over_the_hourly_threshold() -> None:
+    """``ecc_corrected_per_hour`` counts the corrected errors of the last hour. It scaled one interval's rate: 3
+    corrected errors between two samples 10 s apart read as 1080/hour, over the default 1000, so every small
+    burst raised and cleared a warning. 1000 in the hour stay quiet; the 1001st raises it once, and it holds."""
+    backend = GpuBackendDouble([healthy(0, "00000000:3B:00.0")])
+    det = NvidiaDetector(NvidiaConfig(), backend=backend)
+    assert det.sample().events == []
+    for ce in (3, 1000):
+        backend.readings[0] = replace(backend.readings[0], ecc_volatile_corrected=ce)
+        s = det.sample()
+        assert s.events == [] and s.state == DetectorState.OK, [e.message for e in s.events]
+    backend.readings[0] = replace(backend.readings[0], ecc_volatile_corrected=1001)
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["gpu.ecc_corrected_rate"]
+    assert "1001 corrected ECC errors in the last" in s.events[0].message
+    s = det.sample()
+    assert s.events == [] and s.state == DetectorState.DEGRADED
 
 
 def test_a_gpu_held_near_its_slowdown_temperature_raises_one_event() -> None:

@@ -107,6 +107,32 @@ def test_thermal_trip_points(tmp_path) -> None:
         "hw.temp_critical.cleared", "hw.temp_hot.cleared", "hw.temp_throttling.cleared"]
 
 
+def test_a_zone_removed_with_its_driver_ends_its_conditions(tmp_path) -> None:
+    """NIC and NVMe drivers register thermal zones of their own, removed when the driver reloads or the device
+    goes. A zone removed while hot kept its conditions active for good (listed among the node's active
+    conditions for a zone that no longer exists); they now end with it, and a removal is no read error."""
+    trips = {"passive": 85000, "hot": 95000, "critical": 105000}
+    write_thermal_zone(tmp_path, 0, 45000, trips)
+    write_thermal_zone(tmp_path, 3, 101000, trips, "mlx5")
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    assert len(det.sample().events) == 3 and len(det.active_conditions()) == 3
+    shutil.rmtree(tmp_path / "sys/class/thermal/thermal_zone3")
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == [
+        "hw.temp_critical.cleared", "hw.temp_hot.cleared", "hw.temp_throttling.cleared"]
+    assert {e.subject for e in s.events} == {"thermal_zone3:mlx5"} and "gone" in s.events[0].message
+    assert (s.errors, s.state, det.active_conditions()) == ([], DetectorState.OK, [])
+    # Listed, then removed before its files are read: the class link points at a device folder that is gone.
+    os.symlink("../../devices/virtual/thermal/thermal_zone7", tmp_path / "sys/class/thermal/thermal_zone7")
+    s = det.sample()
+    assert (s.errors, s.events, s.state) == ([], [], DetectorState.OK)
+    write_thermal_zone(tmp_path, 3, 101000, trips, "mlx5")
+    assert len(det.sample().events) == 3
+    shutil.rmtree(tmp_path / "sys/class/thermal")  # the last zones go: nothing to watch, nothing left active
+    s = det.sample()
+    assert s.state == DetectorState.NO_HARDWARE and len(s.events) == 3 and det.active_conditions() == []
+
+
 def test_unset_trip_points_raise_nothing(tmp_path) -> None:
     """x86_pkg_temp on an Intel server: two ``passive`` trips at 0 until someone programs them (newer kernels:
     -274000, THERMAL_TEMP_INVALID; ACPI zones use that for a critical trip they have no value for). Every
@@ -192,7 +218,7 @@ def test_edac_uncorrectable_and_correctable_rate(tmp_path) -> None:
     assert s.events == [] and s.metrics["ce_total"] == 5.0 and s.metrics["controllers"] == 2.0
     time.sleep(0.05)
     write_edac_mc(tmp_path, 0, 0, 1, dimms=((0, 1),))
-    write_edac_mc(tmp_path, 1, 9, 0, dimms=((9, 0),))
+    write_edac_mc(tmp_path, 1, 106, 0, dimms=((106, 0),))  # 101 new: over 100 within the hour
     s = det.sample()
     by_kind = {e.kind: e for e in s.events}
     ue = by_kind["hw.memory_ue"]
@@ -200,6 +226,27 @@ def test_edac_uncorrectable_and_correctable_rate(tmp_path) -> None:
     assert "CPU_SrcID#0_MC#0_Chan#0_DIMM#0: ce=0 ue=1" in ue.message
     assert by_kind["hw.memory_ce_rate"].subject == "mc1"
     assert s.state == DetectorState.FAILED
+
+
+def test_edac_a_stray_correctable_error_is_no_rate_over_the_threshold(tmp_path) -> None:
+    """``ce_per_hour`` counts the errors of the last hour. It was one interval's rate scaled to an hour: one
+    correctable error between two samples 30 s apart read as 120/hour, over the default 100, so every stray
+    error (a healthy DIMM logs a few a day) raised and cleared a warning. Here one error, then 99 more, stay
+    within 100 in the hour; the 101st raises it once, and it holds while the hour still has them."""
+    write_edac_mc(tmp_path, 0, ce=7, ue=0)
+    det = EdacDetector(EdacConfig(root=str(tmp_path), ce_per_hour=100))
+    assert det.sample().events == []
+    for ce in (8, 107):  # one error, then 99 more: 100 in the hour, not over it
+        write_edac_mc(tmp_path, 0, ce=ce, ue=0)
+        s = det.sample()
+        assert s.events == [] and s.state == DetectorState.OK, s.events
+    write_edac_mc(tmp_path, 0, ce=108, ue=0)
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["hw.memory_ce_rate"]
+    assert "101 correctable memory errors in the last" in s.events[0].message
+    assert s.events[0].evidence["ce_last_hour"] == "101"
+    s = det.sample()  # no new error, but the hour still holds 101
+    assert s.events == [] and s.state == DetectorState.DEGRADED
 
 
 def test_edac_controllers_back_after_a_driver_reload_count_from_zero(tmp_path) -> None:
@@ -326,6 +373,22 @@ def test_memory_hovering_at_its_threshold_raises_one_event_not_one_per_crossing(
         write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=int(65536000 * pct / 100)))
         kinds += [e.kind for e in det.sample().events if e.kind.startswith("host.memory_low")]
     assert kinds == ["host.memory_low", "host.memory_low.cleared"]
+
+
+def test_a_disk_out_of_inodes_says_inodes_not_space(tmp_path) -> None:
+    """A checkpoint directory of many small shard files runs out of inodes with its space nearly free. The
+    event read "98.0% full" and the operator's df -h showed the disk almost empty; it now names the inodes."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m,nr_inodes=50", "tmpfs", str(mnt)], check=True)
+    try:
+        for i in range(49):  # the root directory holds one inode
+            (mnt / f"shard{i}").write_bytes(b"x")
+        s = DiskDetector(DiskConfig(paths=(str(mnt),), block_devices=False)).sample()
+        assert [e.kind for e in s.events] == ["disk.full"]
+        assert "100.0% of its inodes used (space 1." in s.events[0].message, s.events[0].message
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_disk_usage_hovering_at_its_threshold_raises_one_event(tmp_path) -> None:

@@ -59,6 +59,30 @@ def test_degraded_link_width_speed_and_lost_device(tmp_path) -> None:
         ("pcie.device_lost", "0000:86:00.0", Severity.CRITICAL)]
 
 
+def test_a_device_that_fell_off_the_bus_but_is_still_listed_is_down(tmp_path) -> None:
+    """A GPU or NIC that fell off the bus (Xid 79, a NIC firmware hang) stays in sysfs, but its config space
+    reads all ones: current_link_width prints 63 (the NLW field of 0xffff), current_link_speed "Unknown", and
+    max_link_width, read live from the link capabilities, 63 too. Width 63 is no lane count (PCIe stops at
+    x32) and was never below the maximum: a healthy link, no event. It is now the link down, until it answers."""
+    write_pci_device(tmp_path, "0000:5e:00.0", cls="0x020000")
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    assert det.sample().events == []
+    write_pci_device(tmp_path, "0000:5e:00.0", cls="0x020000", width=63, max_width=63, speed="Unknown",
+                     max_speed="64.0 GT/s PCIe")
+    s = det.sample()
+    assert [(e.kind, e.severity, e.action) for e in s.events] == [
+        ("pcie.link_down", Severity.CRITICAL, Action.DRAIN_NODE)]
+    assert "does not answer" in s.events[0].message and s.events[0].subject == "0000:5e:00.0"
+    assert s.state == DetectorState.FAILED and s.metrics["link_width[0000:5e:00.0]"] == 0.0
+    write_pci_device(tmp_path, "0000:5e:00.0", cls="0x020000")  # reset and retrained
+    assert [e.kind for e in det.sample().events] == ["pcie.link_down.cleared"]
+    # Powered off on purpose (runtime PM, D3cold): it reads all ones too, and is no fault.
+    d = write_pci_device(tmp_path, "0000:5e:00.0", cls="0x020000", width=63, max_width=63, speed="Unknown")
+    (d / "power_state").write_text("D3cold\n")
+    s = det.sample()
+    assert (s.events, s.state) == ([], DetectorState.OK)
+
+
 def test_a_link_at_the_limit_of_its_slot_is_not_degraded(tmp_path) -> None:
     """A Gen5 x16 NIC in a Gen4 x8 slot trains at 16 GT/s x8, the most that link can do (the kernel logs it as
     "limited by 16.0 GT/s PCIe x8 link at <port>"). Compared with the NIC's own maximum it read narrow and slow

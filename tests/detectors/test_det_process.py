@@ -212,7 +212,8 @@ def test_startup_grace_applies_before_first_heartbeat() -> None:
 def test_memory_growth_reported() -> None:
     class View:
         def workers(self):
-            return [WorkerSnapshot(rank=2, pid=child.pid, started_at=time.monotonic())]
+            return [WorkerSnapshot(rank=2, pid=child.pid, started_at=time.monotonic(), last_step=1,
+                                   last_heartbeat=time.monotonic(), recent_step_times=(0.5,))]
 
     child = subprocess.Popen([sys.executable, "-c",
                               "import sys,time\nb=[]\nfor l in sys.stdin:\n b.append(bytearray(32<<20))\n"
@@ -228,6 +229,43 @@ def test_memory_growth_reported() -> None:
         assert [e.kind for e in s.events] == ["process.memory_growth"]
         assert int(s.events[0].evidence["growth_bytes"]) > 48 << 20
         assert s.state == DetectorState.DEGRADED
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_start_up_memory_is_no_growth_only_what_comes_after_the_first_step() -> None:
+    """A worker grows by gigabytes while it starts (torch and CUDA libraries, a checkpoint read into host memory):
+    counted as growth, every start raised process.memory_growth and asked for a checkpoint. Growth now counts
+    from the first step heartbeat on."""
+    heartbeat: list[float | None] = [None]
+
+    class View:
+        def workers(self):
+            return [WorkerSnapshot(rank=2, pid=child.pid, started_at=t0, last_heartbeat=heartbeat[0],
+                                   last_step=-1 if heartbeat[0] is None else 1, recent_step_times=(0.5,))]
+
+    t0 = time.monotonic()
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys,time\nb=[]\nfor l in sys.stdin:\n b.append(bytearray(32<<20))\n"
+                              " print('ok',flush=True)"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def grow(chunks: int) -> None:
+        for _ in range(chunks):
+            child.stdin.write("x\n")
+            child.stdin.flush()
+            child.stdout.readline()
+
+    try:
+        det = ProcessDetector(ProcessConfig(memory_growth_bytes=48 << 20, stack_dump=False), worker_view=View())
+        assert det.sample().events == []
+        grow(3)  # 96 MiB while starting
+        s = det.sample()
+        assert s.events == [] and s.state == DetectorState.OK, [e.message for e in s.events]
+        heartbeat[0] = time.monotonic()  # the first step
+        assert det.sample().events == []
+        grow(3)  # 96 MiB after it: growth
+        assert [e.kind for e in det.sample().events] == ["process.memory_growth"]
     finally:
         child.kill()
         child.wait()

@@ -415,6 +415,30 @@ def test_rdma_counters_on_a_fake_tree(tmp_path) -> None:
     assert sorted(e.kind for e in s.events) == [k + ".cleared" for k in kinds]
 
 
+def test_a_saturated_port_error_counter_is_said_and_does_not_clear_its_condition(tmp_path) -> None:
+    """IB PortCounters error counters stop at all ones (symbol_error is 16 bits, link_downed 8). A cable
+    throwing symbol errors saturates symbol_error within hours; its rate then read 0 and roce.symbol_errors
+    cleared while the cable kept failing, and a link_downed stuck at 255 hid every later down without a word.
+    Now a counter at its maximum is said (info), and a rate condition it raised holds until the reset."""
+    write_rdma_port(tmp_path, netdev=None, symbol=100, link_downed=255)
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    s = det.sample()
+    assert [(e.kind, e.evidence["counter"]) for e in s.events] == [("roce.counter_saturated", "link_downed")]
+    assert "stopped at its maximum 255" in s.events[0].message and s.state == DetectorState.OK
+    time.sleep(0.05)
+    write_rdma_port(tmp_path, netdev=None, symbol=65535, link_downed=255)
+    s = det.sample()
+    assert sorted((e.kind, e.evidence["counter"]) for e in s.events) == [
+        ("roce.counter_saturated", "symbol_error"), ("roce.symbol_errors", "symbol_error")]
+    for _ in range(2):  # stuck at 65535: no rate can be read, the cable is not known to be better
+        s = det.sample()
+        assert s.events == [] and s.state == DetectorState.DEGRADED
+    write_rdma_port(tmp_path, netdev=None, symbol=0, link_downed=0)  # perfquery -R
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == ["roce.counter_saturated.cleared", "roce.counter_saturated.cleared",
+                                                "roce.symbol_errors.cleared"]
+
+
 def test_rdma_counters_a_device_does_not_provide_are_no_read_errors(tmp_path) -> None:
     """An RDMA device without a performance management agent (irdma on Intel E810 RoCE NICs, rxe, efa) prints
     "N/A (no PMA)" in every ports/<n>/counters file: each was a read error, the detector in ERROR for good and

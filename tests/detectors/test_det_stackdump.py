@@ -10,6 +10,7 @@ import time
 import pytest
 
 from trainguard.detectors.stackdump import (
+    MAX_DUMP_CHARS,
     STACK_DUMP_SIGNAL,
     catches_signal,
     dump_stack,
@@ -88,3 +89,42 @@ def test_py_spy_dumps_a_worker_that_registered_nothing(tmp_path) -> None:
     finally:
         p.kill()
         p.wait()
+
+
+MANY_THREADS = """
+import sys, threading, time
+from trainguard.detectors.stackdump import install_stack_dump_handler
+install_stack_dump_handler(sys.argv[1])
+def helper(depth, ev):
+    if depth:
+        return helper(depth - 1, ev)
+    ev.wait()
+stop = threading.Event()
+for i in range(60):
+    threading.Thread(target=helper, args=(8, stop), daemon=True).start()
+def stuck_in_load_batch():
+    print("stuck", flush=True)
+    time.sleep(3600)
+stuck_in_load_batch()
+"""
+
+
+@pytest.mark.parametrize("py_spy", [False, True])
+def test_a_long_dump_keeps_the_main_thread(py_spy, tmp_path) -> None:
+    """A worker with 60 helper threads dumps ~30k characters, past MAX_DUMP_CHARS. py-spy prints MainThread first
+    and its tail was kept: the main thread was lost and the stuck rank read as waiting in a helper's wait.
+    (faulthandler lists it last, where the tail is kept.)"""
+    from trainguard.recovery.hang_locator import parse_main_stack
+
+    if py_spy and find_py_spy() is None:
+        pytest.skip("py-spy is not installed")
+    p = subprocess.Popen([sys.executable, "-c", MANY_THREADS, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "stuck"
+        time.sleep(0.1)
+        dump = dump_stack(p.pid, directory=str(tmp_path), use_py_spy=py_spy, timeout_s=10.0)
+    finally:
+        p.kill()
+        p.wait()
+    assert dump.method == ("py-spy" if py_spy else "faulthandler") and len(dump.text) == MAX_DUMP_CHARS
+    assert parse_main_stack(dump.text)[0].startswith("stuck_in_load_batch"), dump.text[:500]

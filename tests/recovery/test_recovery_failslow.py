@@ -328,3 +328,103 @@ def test_a_shrink_that_renumbers_the_ranks_forgets_which_ranks_replacements_were
     finally:
         chan.close()
         srv.stop(0)
+
+
+def test_a_later_straggler_reads_report_not_the_replacement_of_a_generation_ago() -> None:
+    """b was replaced by the spare. In the next generation a turns slow, with no spare left: reported only. Every
+    reply and every node's event said "action: replace b" for it, for good: an operator read that the straggler
+    a was being dealt with by replacing a node that was gone long ago."""
+    from trainguard.agent.step_timing import FailSlowView
+    from trainguard.recovery.convert import failslow_status
+
+    c = _Core(spares=1)
+    for _ in range(80):
+        c.t += 0.1
+        c.beat("a", own_s=0.05)
+        c.beat("b", own_s=0.2 if c.core.layout.slot_of("b") is not None else None)
+        c.beat("s0")
+        if c.gen["s0"] == 2:
+            break
+    assert c.gen["s0"] == 2 and c.core.layout.slot_of("b") is None, "b was not replaced"
+    view = FailSlowView("s0")
+    events, last = [], None
+    for _ in range(80):
+        c.t += 0.1
+        c.beat("a", own_s=0.2)
+        ins = c.beat("s0", own_s=0.05)
+        if ins.failslow is not None:
+            last = ins.failslow
+            events += view.update(failslow_status(ins.failslow))
+    assert last is not None and [(r.rank, r.node_id) for r in last.slow] == [(0, "a")]
+    assert c.gen["a"] == 2, "a was replaced with no spare left"
+    assert last.action == "report", last.action
+    about_a = [e.message for e in events if e.evidence["node"] == "a"]
+    assert len(about_a) == 1 and about_a[0].startswith("rank 0 on node a"), about_a
+    assert about_a[0].endswith("action: report"), about_a
+    c.core.close()
+
+
+def test_a_reply_built_while_the_flagging_window_is_scored_raises_no_second_event() -> None:
+    """The coordinator scores a closed window outside its lock (~1 s at 16k ranks) and applies it after. A reply
+    built in between (here after a hang collection closed, which renews the status) listed the new straggler
+    with no time yet (0), the next reply with the time apply noted: every node's view tells findings apart by
+    that time and raised the same straggler twice."""
+    from trainguard.agent.step_timing import FailSlowView
+    from trainguard.recovery.convert import failslow_status
+    from trainguard.recovery.domain import Beat, FaultReport, RankTiming
+    from trainguard.recovery.failslow import FailSlowSupervisor
+    from trainguard.recovery.policy import Cause, Level
+
+    wall = [5000.0]
+    sup = FailSlowSupervisor(StragglerConfig(window_s=1.0, persist_windows=2, min_steps=1), hang_collect_s=0.5,
+                             wall=lambda: wall[0])
+    view = FailSlowView("a")
+    events = []
+
+    def reply() -> None:
+        st = sup.reply_findings()
+        if st is not None:
+            events.extend(view.update(failslow_status(st)))
+
+    t, flagged = 0.0, False
+    for i in range(40):
+        t += 0.5
+        wall[0] += 0.5
+        for n, rank, own in (("a", 0, 0.05), ("b", 1, 0.2)):
+            sup.on_beat(Beat(JOB, n, "l", 1, 1, False, i, 0, (RankTiming(rank, i, 0.2, 0.2 - own, own, 2),)), 1, t)
+            reply()
+        snap = sup.pop_window()
+        if snap is None:
+            continue
+        res = sup.score(snap)  # outside the coordinator's lock: other heartbeats are answered meanwhile
+        if res.newly_flagged:
+            flagged = True
+            sup.on_report(FaultReport(JOB, "a", "l", 1, Cause.WORKER_HANG, Level.PROCESS, 0, detail="process.hung",
+                                      kind="process.hung", stacks={"stack": WAITING}), 1, {0: "a", 1: "b"}, t)
+            sup.tick(t + 1.0)  # the collection closes: the status is built anew for the next reply
+            reply()
+            wall[0] += 0.3
+        sup.apply_window(res, t, lambda: 0)
+        reply()
+        if flagged:
+            break
+    assert flagged
+    assert [e.message.split(" is ")[0] for e in events if e.kind == "failslow.straggler"] == ["rank 1 on node b"]
+
+
+def test_a_node_fault_whose_kind_holds_change_or_install_opens_no_hang_localisation() -> None:
+    """A hang report is one whose kind says hung, hang or stall. The kind was searched for those letters, so a
+    node-level fault from an operator rule, hw.pcie_speed_change ("c-hang-e"), opened a hang localisation: every
+    node dumped its workers' stacks, and the "outlier" of running ranks could be replaced as a repeated hang."""
+    from trainguard.recovery.domain import FaultReport
+    from trainguard.recovery.failslow import FailSlowSupervisor
+    from trainguard.recovery.policy import Cause, Level
+
+    sup = FailSlowSupervisor(StragglerConfig())
+    for kind in ("hw.pcie_speed_change", "driver.reinstall"):
+        out = sup.on_report(FaultReport(JOB, "a", "l", 1, Cause.NODE_CRITICAL, Level.NODE, -1, detail=kind,
+                                        kind=kind), 1, {0: "a", 1: "b"}, 0.0)
+        assert not out.handled and sup.stack_request() is None, kind
+    sup.on_report(FaultReport(JOB, "a", "l", 1, Cause.WORKER_HANG, Level.PROCESS, 0, detail="process.hung",
+                              kind="process.hung", stacks={"stack": WAITING}), 1, {0: "a", 1: "b"}, 0.0)
+    assert sup.stack_request() is not None
