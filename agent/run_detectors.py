@@ -23,7 +23,8 @@ root every worker would look gone and hangs would go unseen); their own table ma
 Top-level keys other than ``root`` and ``interval_s`` must be tables named after a detector that ``--detectors``
 enables; each table's fields are checked by that detector's own config class (``trainguard detect --help`` lists
 the detectors; each detector module documents its fields). ``--hang-floor-s`` sets ``process.hang_floor_s`` unless
-the file sets it.
+the file sets it. The ``host`` detector's ``memory_cgroup`` defaults to ``"self"`` here: the launcher shares the
+job's container, whose memory limit the OOM killer enforces (see :mod:`trainguard.detectors.cgroup_memory`).
 
 The file is read by the one detector-settings loader, :class:`~trainguard.detectors.settings.DetectorSettings`
 (the daemon's ``[detectors]`` section and ``trainguard detect --config`` use it too). Every problem raises
@@ -70,6 +71,12 @@ def run_detector_settings(enabled: Sequence[str], config_path: str | None,
                                                  enabled_flag="--detectors")
         else:
             config = DetectorSettings.load(config_path, enabled=enabled, enabled_flag="--detectors")
-        return config.settings(hang_floor_s)
+        out = config.settings(hang_floor_s)
     except DetectorConfigError as exc:
         raise AgentConfigError(str(exc)) from exc
+    if "host" in enabled:
+        # The launcher runs in the job's container with its workers: the OOM killer acts at that cgroup's limit,
+        # whatever /proc/meminfo says of the host. The node daemon keeps the node's figures (its own cgroup is not
+        # the job's); a --detector-config [host] memory_cgroup wins.
+        out.setdefault("host", {}).setdefault("memory_cgroup", "self")
+    return out

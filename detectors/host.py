@@ -4,6 +4,8 @@ CPU utilisation comes from psutil; memory from ``/proc/meminfo`` (``MemTotal``, 
 pressure from ``/proc/pressure/memory`` (``some``/``full`` lines of ``avg10=... avg60=... avg300=... total=...``,
 Documentation/accounting/psi.rst), both under the configured root. ``full avg10`` is the share of the last
 10 s in which every non-idle task was stalled on memory: the node is thrashing, and an OOM kill is near.
+With ``memory_cgroup`` set, a cgroup's limit counts as well (``trainguard run`` in a container: the OOM killer
+acts at the container's limit, see :mod:`.cgroup_memory`).
 
 A kernel built with ``CONFIG_PSI_DEFAULT_DISABLED`` (RHEL 8, some distribution kernels) and not booted with
 ``psi=1`` has the ``/proc/pressure`` files, but reading them fails with ``EOPNOTSUPP``: pressure is then not
@@ -20,6 +22,7 @@ from typing import ClassVar
 import psutil
 
 from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
+from trainguard.detectors.cgroup_memory import CGROUP_MOUNT, read_cgroup_memory
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.sysfs import read_key_values, read_text
@@ -90,12 +93,18 @@ class HostConfig(DetectorConfig):
         cpu_busy_pct: CPU utilisation above this percentage is reported. Training nodes often run their CPUs
             flat out on purpose (data loaders), so the default 100.0 reports nothing; the utilisation is still
             a metric.
+        memory_cgroup: whose memory limit also counts (:mod:`.cgroup_memory`): ``""`` none, the node's
+            ``/proc/meminfo`` only (default: the node daemon, which runs in a cgroup of its own, not the
+            job's); ``"self"`` this process's cgroup and its parents (``trainguard run`` inside the job's
+            container: the OOM killer acts at the container's limit, whatever the host has free); or an absolute
+            cgroup path, e.g. the job's pod or slice. The smaller room of the node and the cgroup is reported.
     """
 
     interval_s: float = 5.0
     mem_available_min_pct: float = 5.0
     psi_full_avg10_pct: float = 10.0
     cpu_busy_pct: float = 100.0
+    memory_cgroup: str = ""
 
     def validate(self) -> None:
         """Checks ranges.
@@ -107,6 +116,10 @@ class HostConfig(DetectorConfig):
         for name in ("mem_available_min_pct", "psi_full_avg10_pct", "cpu_busy_pct"):
             if not 0 <= getattr(self, name) <= 100:
                 raise DetectorConfigError(f"host.{name}={getattr(self, name)} must be a percentage in [0, 100]")
+        cg = self.memory_cgroup
+        if not isinstance(cg, str) or not (cg in ("", "self") or (cg.startswith("/") and ".." not in cg.split("/"))):
+            raise DetectorConfigError(f"host.memory_cgroup={cg!r} must be '' (the node only), 'self' (this "
+                                      "process's cgroup) or an absolute cgroup path like /kubepods.slice")
 
 
 @register_detector
@@ -146,16 +159,31 @@ class HostDetector(Detector):
         path = cfg.path("/proc/meminfo")
         try:
             mem = parse_meminfo(read_text(path), path)
-            avail_pct = 100.0 * mem["MemAvailable"] / max(1, mem["MemTotal"])
-            s.metrics.update({"mem_available_pct": avail_pct, "mem_available_bytes": float(mem["MemAvailable"]),
+        except DetectorReadError as exc:
+            s.error(exc)
+        else:
+            avail, total, where = mem["MemAvailable"], mem["MemTotal"], "memory"
+            details: dict[str, object] = {"mem_available_bytes": avail, "mem_total_bytes": total}
+            if cfg.memory_cgroup:
+                try:
+                    cg = read_cgroup_memory(cfg.path("/proc/self/cgroup"), cfg.path(CGROUP_MOUNT), cfg.memory_cgroup)
+                except DetectorReadError as exc:
+                    s.error(exc)  # the node's figures still count
+                else:
+                    # the cgroup binds when it leaves less room (in bytes) than the node does
+                    if cg is not None and cg.available_bytes < avail:
+                        avail, total = cg.available_bytes, cg.limit_bytes
+                        where = f"the memory limit of cgroup {cg.cgroup}"
+                        details = {"mem_available_bytes": avail, "mem_limit_bytes": total, "cgroup": cg.cgroup,
+                                   "working_set_bytes": cg.working_set_bytes}
+            avail_pct = 100.0 * avail / max(1, total)
+            s.metrics.update({"mem_available_pct": avail_pct, "mem_available_bytes": float(avail),
                               "swap_used_bytes": float(mem.get("SwapTotal", 0) - mem.get("SwapFree", 0))})
             low = cfg.mem_available_min_pct + (MEM_HYSTERESIS_PCT if self.holding("mem") else 0.0)
             self.condition(s, "mem", avail_pct < low, "host.memory_low", Severity.WARNING,
                            Action.CHECKPOINT_NOW,
-                           f"only {avail_pct:.1f}% of memory available ({mem['MemAvailable'] >> 20} MiB)", "",
-                           {"mem_available_bytes": mem["MemAvailable"], "mem_total_bytes": mem["MemTotal"]})
-        except DetectorReadError as exc:
-            s.error(exc)
+                           f"only {avail_pct:.1f}% of {where} available ({avail >> 20} MiB of {total >> 20} MiB)", "",
+                           details)
         psi_path = cfg.path("/proc/pressure/memory")
         try:
             psi = read_psi(psi_path)  # None: pressure not measured here (no CONFIG_PSI, or psi=0), not an error

@@ -125,3 +125,15 @@ def test_cli_prints_one_line_and_exits_2(tmp_path: Path, tg_env: dict, flags: li
     assert len(lines) == 1 and lines[0].startswith("trainguard: error: "), r.stderr
     for word in words:
         assert word in lines[0], lines[0]
+
+
+def test_the_launchers_host_detector_watches_its_own_cgroups_limit(tmp_path: Path) -> None:
+    """``trainguard run`` shares the job's container: its host detector counts that cgroup's memory limit, which
+    the OOM killer enforces; node memory alone read 90% free in a pod about to be killed. A file's own setting
+    (``""``: the node only) wins."""
+    assert run_detector_settings(("host", "pcie"), None, None) == {"host": {"memory_cgroup": "self"}}
+    path = write(tmp_path, '[host]\nmemory_cgroup = ""\n')
+    assert run_detector_settings(("host",), path, None) == {"host": {"memory_cgroup": ""}}
+    (det,) = create_detectors(["host"], run_detector_settings(("host",), None, None))
+    s = det.sample()  # this machine's own cgroup (v1 or v2, or none): read without an error
+    assert not s.errors and 0 <= s.metrics["mem_available_pct"] <= 100
