@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import tempfile
 import threading
@@ -332,11 +333,12 @@ class Checkpointer:
             A handle whose ``wait()`` blocks until the step is durable.
 
         Raises:
-            CheckpointError: the state has an unsupported value, or the checkpointer is closed. Storage
-                failures are not raised: they are reported through ``on_event`` and the log.
+            CheckpointError: the state has an unsupported value, ``step`` is no integer, or the checkpointer is
+                closed. Storage failures are not raised: they are reported through ``on_event`` and the log.
         """
         if self._closed:
             raise CheckpointError("save() on a closed Checkpointer; create a new one")
+        step = step_number(step)
         if step < 0:
             raise CheckpointError(f"step must be >= 0, got {step}")
         self._finish_pending()
@@ -646,6 +648,7 @@ class Checkpointer:
             step = self._last_step
             if step is None:
                 return True
+        step = step_number(step)
         self._finish_pending()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
@@ -767,6 +770,8 @@ class Checkpointer:
                 error when any rank cannot load it: NoCheckpointError (or StateMismatchError,
                 WorldSizeMismatchError) when every failing rank failed so, else CheckpointError.
         """
+        if step is not None:
+            step = step_number(step)
         if not agreement.in_group(self.world_size):
             return self._restore_local(state, step, corrupt_ok)
         if step is not None:
@@ -1036,6 +1041,25 @@ def _report(step: int, why: str, limit: int) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return text.splitlines()[0] if text else repr(exc)
+
+
+def step_number(step: Any) -> int:
+    """``step`` as a plain ``int``: numpy integers (a loop over ``np.arange``) and integer 0-d tensors are taken.
+
+    The step travels to the persist process as JSON and names the slot's tag and the step folder: an
+    ``np.int64`` step failed the JSON encoding in the snapshot thread, leaving its staging slot taken for ever, so
+    with ``overlap_with`` the third save blocked training; a float ``5.0`` tagged the slot "5.0", which the
+    persist process took for a reused slot, and no save ever reached a tier.
+
+    Raises:
+        CheckpointError: ``step`` is not an integer (a float, a bool, a string).
+    """
+    if not isinstance(step, bool) and not (isinstance(step, torch.Tensor) and step.dtype == torch.bool):
+        try:
+            return operator.index(step)
+        except TypeError:
+            pass
+    raise CheckpointError(f"step must be an integer, got {type(step).__name__} {step!r}; pass int(step)")
 
 
 def _as_list(x: Any) -> list[Any]:
