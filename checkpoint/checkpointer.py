@@ -474,9 +474,13 @@ class Checkpointer:
         }
         try:
             self.channel.submit(req)
-        except CheckpointError as exc:
-            self._fail_step(step, str(exc))
-            self.events.storage_failed("persist", step, str(exc), 0)
+        except Exception as exc:  # noqa: BLE001 - any failure must free the slot: a taken slot blocks later saves
+            # Not only CheckpointError: a request that cannot be encoded (a config changed after validation) raised
+            # out of the snapshot thread or save() and kept the slot taken, so the third save blocked for ever.
+            why = (str(exc) if isinstance(exc, CheckpointError)
+                   else f"cannot hand step {step} to the persist process: {exc!r:.300}")
+            self._fail_step(step, why)
+            self.events.storage_failed("persist", step, why, 0)
 
     def _fail_step(self, step: int, message: str) -> None:
         with self._lock:
