@@ -12,7 +12,7 @@ import torch
 
 from ckpt_helpers import small_model, train_step
 from trainguard.checkpoint import Checkpointer, CheckpointError
-from trainguard.checkpoint.errors import CheckpointConfigError
+from trainguard.checkpoint.errors import CheckpointConfigError, UnsupportedValueError
 
 
 def test_numpy_and_tensor_integer_steps_save_and_other_steps_are_refused(make_config):
@@ -74,3 +74,14 @@ def test_storage_options_that_cannot_travel_as_json_are_refused_and_never_block_
         assert ck.save({"w": torch.ones(3)}, 4).wait()
     finally:
         ck.close()
+
+
+@pytest.mark.parametrize("array", [np.array(["a", "bb"]), np.array([1, "x"], dtype=object),
+                                   np.arange(3, dtype=">f4")], ids=["str", "object", "big-endian"])
+def test_a_numpy_array_the_format_cannot_store_is_refused_naming_the_key(make_config, array):
+    # torch.from_numpy's own TypeError / ValueError left save() and prepare() naming neither the key nor a fix.
+    with Checkpointer(make_config(), job="np-dtypes") as ck:
+        for call in (lambda: ck.prepare({"meta": {"names": array}}), lambda: ck.save({"meta": {"names": array}}, 1)):
+            with pytest.raises(UnsupportedValueError, match=rf"meta\.names is a numpy array of dtype {array.dtype}"):
+                call()
+        assert ck.save({"meta": {"names": np.arange(3, dtype=np.float32)}}, 2).wait()
