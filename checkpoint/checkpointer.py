@@ -30,6 +30,7 @@ import os
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -144,7 +145,8 @@ class Checkpointer:
         self._slot_busy: list[bool] = []
         self._slot_step: list[int] = []
         self._pending: PendingCopy | None = None
-        self._hooked: dict[int, Any] = {}
+        #: ``id(optimizer) -> (weak reference to it, its step pre-hook's handle)``
+        self._hooked: dict[int, tuple[weakref.ref[Any], Any]] = {}
         self._closed = False
         self._last_step: int | None = None
         self._copier = SnapshotCopier()
@@ -613,13 +615,17 @@ class Checkpointer:
 
     def _install_hooks(self, optimizers: Sequence[Any]) -> None:
         for opt in optimizers:
-            if id(opt) in self._hooked:
+            known = self._hooked.get(id(opt))
+            if known is not None and known[0]() is opt:
                 continue
+            # An id alone is not the optimizer: one freed after a save (a training phase's local optimizer) leaves
+            # its id to the next one, which then stepped without waiting for the overlapped copy of its
+            # parameters, so the snapshot mixed values from before and after that step.
 
             def pre_hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
                 self._finish_pending(host=False)
 
-            self._hooked[id(opt)] = opt.register_step_pre_hook(pre_hook)
+            self._hooked[id(opt)] = (weakref.ref(opt), opt.register_step_pre_hook(pre_hook))
 
     def _finish_pending(self, host: bool = True) -> None:
         pending = self._pending
@@ -996,7 +1002,7 @@ class Checkpointer:
         try:
             self._finish_pending()
         finally:
-            for h in self._hooked.values():
+            for _, h in self._hooked.values():
                 h.remove()
             self._hooked.clear()
             with self._lock:
