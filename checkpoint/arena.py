@@ -38,7 +38,7 @@ from typing import Any, Iterator
 
 from trainguard.checkpoint.errors import ArenaOwnedError, CorruptCheckpointError, StorageUnavailableError
 from trainguard.checkpoint.fileio import storage_error
-from trainguard.checkpoint.manifest import Manifest
+from trainguard.checkpoint.manifest import Manifest, complete_world_size
 
 _RANK_RE = re.compile(r"^rank_(\d{5})$")
 _SLOT_MANIFEST_RE = re.compile(r"^slot_(\d+)\.manifest\.json$")
@@ -473,11 +473,9 @@ def memory_committed(shm_root: str, job: str, location: str | None = None,
     """
     out = []
     for step, ranks in sorted(memory_manifests(shm_root, job, location, retired=retired).items()):
-        sizes = {m.world_size for _, m in ranks.values()}
-        if len(sizes) == 1:
-            ws = sizes.pop()
-            if all(r in ranks for r in range(ws)):
-                out.append((step, ws))
+        ws = complete_world_size({r: m.world_size for r, (_, m) in ranks.items()})
+        if ws:
+            out.append((step, ws))
     return out
 
 

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -143,7 +145,8 @@ class Checkpointer:
         self._slot_busy: list[bool] = []
         self._slot_step: list[int] = []
         self._pending: PendingCopy | None = None
-        self._hooked: dict[int, Any] = {}
+        #: ``id(optimizer) -> (weak reference to it, its step pre-hook's handle)``
+        self._hooked: dict[int, tuple[weakref.ref[Any], Any]] = {}
         self._closed = False
         self._last_step: int | None = None
         self._copier = SnapshotCopier()
@@ -332,11 +335,12 @@ class Checkpointer:
             A handle whose ``wait()`` blocks until the step is durable.
 
         Raises:
-            CheckpointError: the state has an unsupported value, or the checkpointer is closed. Storage
-                failures are not raised: they are reported through ``on_event`` and the log.
+            CheckpointError: the state has an unsupported value, ``step`` is no integer, or the checkpointer is
+                closed. Storage failures are not raised: they are reported through ``on_event`` and the log.
         """
         if self._closed:
             raise CheckpointError("save() on a closed Checkpointer; create a new one")
+        step = step_number(step)
         if step < 0:
             raise CheckpointError(f"step must be >= 0, got {step}")
         self._finish_pending()
@@ -472,9 +476,13 @@ class Checkpointer:
         }
         try:
             self.channel.submit(req)
-        except CheckpointError as exc:
-            self._fail_step(step, str(exc))
-            self.events.storage_failed("persist", step, str(exc), 0)
+        except Exception as exc:  # noqa: BLE001 - any failure must free the slot: a taken slot blocks later saves
+            # Not only CheckpointError: a request that cannot be encoded (a config changed after validation) raised
+            # out of the snapshot thread or save() and kept the slot taken, so the third save blocked for ever.
+            why = (str(exc) if isinstance(exc, CheckpointError)
+                   else f"cannot hand step {step} to the persist process: {exc!r:.300}")
+            self._fail_step(step, why)
+            self.events.storage_failed("persist", step, why, 0)
 
     def _fail_step(self, step: int, message: str) -> None:
         with self._lock:
@@ -607,13 +615,17 @@ class Checkpointer:
 
     def _install_hooks(self, optimizers: Sequence[Any]) -> None:
         for opt in optimizers:
-            if id(opt) in self._hooked:
+            known = self._hooked.get(id(opt))
+            if known is not None and known[0]() is opt:
                 continue
+            # An id alone is not the optimizer: one freed after a save (a training phase's local optimizer) leaves
+            # its id to the next one, which then stepped without waiting for the overlapped copy of its
+            # parameters, so the snapshot mixed values from before and after that step.
 
             def pre_hook(_opt: Any, _args: Any, _kwargs: Any) -> None:
                 self._finish_pending(host=False)
 
-            self._hooked[id(opt)] = opt.register_step_pre_hook(pre_hook)
+            self._hooked[id(opt)] = (weakref.ref(opt), opt.register_step_pre_hook(pre_hook))
 
     def _finish_pending(self, host: bool = True) -> None:
         pending = self._pending
@@ -646,6 +658,7 @@ class Checkpointer:
             step = self._last_step
             if step is None:
                 return True
+        step = step_number(step)
         self._finish_pending()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
@@ -767,6 +780,8 @@ class Checkpointer:
                 error when any rank cannot load it: NoCheckpointError (or StateMismatchError,
                 WorldSizeMismatchError) when every failing rank failed so, else CheckpointError.
         """
+        if step is not None:
+            step = step_number(step)
         if not agreement.in_group(self.world_size):
             return self._restore_local(state, step, corrupt_ok)
         if step is not None:
@@ -987,7 +1002,7 @@ class Checkpointer:
         try:
             self._finish_pending()
         finally:
-            for h in self._hooked.values():
+            for _, h in self._hooked.values():
                 h.remove()
             self._hooked.clear()
             with self._lock:
@@ -1036,6 +1051,25 @@ def _report(step: int, why: str, limit: int) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return text.splitlines()[0] if text else repr(exc)
+
+
+def step_number(step: Any) -> int:
+    """``step`` as a plain ``int``: numpy integers (a loop over ``np.arange``) and integer 0-d tensors are taken.
+
+    The step travels to the persist process as JSON and names the slot's tag and the step folder: an
+    ``np.int64`` step failed the JSON encoding in the snapshot thread, leaving its staging slot taken for ever, so
+    with ``overlap_with`` the third save blocked training; a float ``5.0`` tagged the slot "5.0", which the
+    persist process took for a reused slot, and no save ever reached a tier.
+
+    Raises:
+        CheckpointError: ``step`` is not an integer (a float, a bool, a string).
+    """
+    if not isinstance(step, bool) and not (isinstance(step, torch.Tensor) and step.dtype == torch.bool):
+        try:
+            return operator.index(step)
+        except TypeError:
+            pass
+    raise CheckpointError(f"step must be an integer, got {type(step).__name__} {step!r}; pass int(step)")
 
 
 def _as_list(x: Any) -> list[Any]:

@@ -188,15 +188,16 @@ def _ls(args: argparse.Namespace) -> int:
     for step in store.list_steps():
         complete, ws = store.is_complete(step)
         marks = store.markers(step)
+        # A complete step's ranks are 0..ws-1; markers of higher ranks are an earlier save's (a larger world).
         rows.append({"step": step, "tier": store.tier, "complete": complete, "world_size": ws or None,
-                     "ranks_committed": sorted(marks)})
+                     "ranks_committed": list(range(ws)) if complete else sorted(marks)})
     if args.shm:
         from trainguard.checkpoint.arena import memory_manifests
+        from trainguard.checkpoint.manifest import complete_world_size
 
         for step, ranks in sorted(memory_manifests(args.shm, job).items()):
-            wss = {m.world_size for _, m in ranks.values()}
-            ws = wss.pop() if len(wss) == 1 else 0
-            rows.append({"step": step, "tier": "memory", "complete": bool(ws) and all(r in ranks for r in range(ws)),
+            ws = complete_world_size({r: m.world_size for r, (_, m) in ranks.items()})
+            rows.append({"step": step, "tier": "memory", "complete": ws > 0,
                          "world_size": ws or None, "ranks_committed": sorted(ranks)})
     record = store.record()
     if args.json:

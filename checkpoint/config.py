@@ -22,6 +22,7 @@ ranges and consistency rules are :meth:`CheckpointConfig.validate`'s.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -228,6 +229,13 @@ class CheckpointConfig:
         if self.remote_url is not None:
             check_durable_url(self.remote_url, "checkpoint.remote.url" if is_local_url(self.directory)
                               else "checkpoint.directory")
+        try:
+            # They travel to the persist process as JSON with every save request.
+            json.dumps(self.remote.storage_options)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointConfigError(
+                f"checkpoint.remote.storage_options cannot be sent to the persist process ({exc}); give strings, "
+                "numbers, booleans, lists and tables only (e.g. seconds as a number, not a timedelta)") from exc
         if self.remote_url is not None and not self.disk.enabled:
             raise CheckpointConfigError("the remote tier uploads from the local copy: enable checkpoint.disk too")
         if not (self.memory.enabled or self.disk.enabled or self.remote_url):

@@ -63,9 +63,12 @@ def _reader_and_planner(path: str) -> tuple[Any, Any]:
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             try:
                 obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:  # weights_only refused what the pickle asks for
+                raise CorruptCheckpointError(f"item {read_item.dest_index.fqn} is a pickled object that needs "
+                                             f"unsafe unpickling ({type(exc).__name__}); import refuses it") from exc
             except Exception as exc:
-                raise CorruptCheckpointError(f"item {read_item.dest_index.fqn} needs unsafe unpickling "
-                                             f"({exc!s:.120}); import refuses it") from exc
+                raise CorruptCheckpointError(f"item {read_item.dest_index.fqn} cannot be read ({type(exc).__name__}"
+                                             f"); the DCP checkpoint is torn or damaged") from exc
             self.loaded[read_item.dest_index.fqn] = obj
 
     return SafeReader(path), SafePlanner(flatten_state_dict=False)
@@ -97,6 +100,7 @@ def export_step(root: str, job: str, step: int | None, out_dir: str,
         NoCheckpointError: no such committed step. CorruptCheckpointError: a copy fails verification.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     store = LocalStore(root, job)
     committed = dict(store.committed_steps())
@@ -124,7 +128,7 @@ def export_step(root: str, job: str, step: int | None, out_dir: str,
             copy = RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}", advisory_lock=True)
             copies.append(copy)
             copy.verify(progress)
-            decoded = decode(man.tree, lambda i, _t, _n=None, c=copy: c.tensor(i), None)
+            decoded = decode(numpy_as_tensors(man.tree), lambda i, _t, _n=None, c=copy: c.tensor(i), None)
             prefix = "" if len(ranks) == 1 else f"rank{r}"
             if prefix:
                 state[prefix] = decoded
@@ -139,12 +143,42 @@ def export_step(root: str, job: str, step: int | None, out_dir: str,
         ctx = _quiet_dcp()
         try:
             dcp.save(state, checkpoint_id=out_dir)
+        except (Exception, CheckpointException) as exc:  # a BaseException: a full disk left as a traceback
+            raise CheckpointError(f"cannot write the export to {out_dir}: {_first_line(_dcp_failure(exc))}; "
+                                  "free space or choose another folder") from exc
         finally:
             ctx.__exit__(None, None, None)
     finally:
         for c in copies:
             c.close()
     return step
+
+
+def numpy_as_tensors(node: Any) -> Any:
+    """A copy of a tree whose numpy arrays decode as tensors (the ``"np"`` marks dropped).
+
+    DCP stores a value that is no tensor as a pickle: a numpy array in the state was exported as one, which
+    ``ckpt import`` (``torch.load(weights_only=True)``) refused, so an export of such a state never imported back.
+    As tensors they are plain DCP tensors; the export's trainguard entry keeps the marks, so an import restores
+    numpy arrays again.
+    """
+    if isinstance(node, dict):
+        return {k: numpy_as_tensors(v) for k, v in node.items() if not (k == "np" and node.get("t") == "tensor")}
+    if isinstance(node, list):
+        return [numpy_as_tensors(v) for v in node]
+    return node
+
+
+def _dcp_failure(exc: BaseException) -> BaseException:
+    """The error a rank raised inside ``dcp.load`` or ``dcp.save``: DCP wraps it in a CheckpointException whose
+    text is every rank's traceback."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for wrapped in failures.values():
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            if isinstance(inner, BaseException):
+                return inner
+    return exc
 
 
 def _is_trainguard_export(md: Any) -> bool:
@@ -179,6 +213,7 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
         CheckpointError: ``world_size`` differs from a trainguard export's; ``job`` is not a valid folder name.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     check_job_name(job)  # before reading the source: ``../evil`` would write outside ``root``
@@ -208,8 +243,11 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
         dcp.load(flat, storage_reader=reader, planner=planner)
     except CheckpointError:
         raise
-    except Exception as exc:
-        raise CorruptCheckpointError(f"cannot import {src_dir}: {exc}") from exc
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException: a truncated file's
+        inner = _dcp_failure(exc)                    # error escaped the CLI as a traceback
+        if isinstance(inner, CheckpointError):
+            raise inner from exc
+        raise CorruptCheckpointError(f"cannot import {src_dir}: {_first_line(inner)}") from exc
     finally:
         ctx.__exit__(None, None, None)
     flat.update(planner.loaded)
@@ -235,3 +273,8 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
                 write_rank_step(store, step, r, ws, rm["tree"], tensors, replicated=bool(rm.get("replicated")))
         return step
     raise CorruptCheckpointError(f"{src_dir}: its {META_KEY} entry is not a trainguard export record")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

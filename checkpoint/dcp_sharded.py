@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainguard.checkpoint.dcp import numpy_as_tensors
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.reader import RankCopy
@@ -98,7 +99,7 @@ def export_sharded(store: LocalStore, step: int, world_size: int, out_dir: str,
                 views[id(v)] = (i, node)
                 return v
 
-            nested = decode(man.tree, load, None)
+            nested = decode(numpy_as_tensors(man.tree), load, None)
             flat, mapping = _flatten(nested)
             planner_data.update(mapping)
             tmp = os.path.join(out_dir, rel + ".tmp")
@@ -190,8 +191,9 @@ def import_sharded(src_dir: str, md: Any, store: LocalStore, step: int, world_si
         try:
             return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
         except Exception as exc:
-            raise CorruptCheckpointError(f"{src_dir}: {what} cannot be loaded safely ({exc!s:.120}); import "
-                                         "refuses it") from exc
+            # The type only: torch's message runs on for lines, with terminal escapes, into the one-line error.
+            raise CorruptCheckpointError(f"{src_dir}: {what} is a pickled object that needs unsafe unpickling "
+                                         f"({type(exc).__name__}); import refuses it") from exc
 
     mapping = md.planner_data if isinstance(md.planner_data, dict) else {}
     others = {fqn: read_item(MetadataIndex(fqn), fqn) for fqn, sm in md.state_dict_metadata.items()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import xxhash
 
@@ -132,6 +132,25 @@ class Manifest:
     def n_chunks(self) -> int:
         """Number of checksummed chunks covering the data file."""
         return math.ceil(self.data_bytes / self.chunk_bytes) if self.data_bytes else 0
+
+
+def complete_world_size(world_sizes: Mapping[int, int]) -> int:
+    """The world size of a step when every one of its ranks wrote a copy, else 0.
+
+    Args:
+        world_sizes: ``{rank: world size its copy declares}`` (commit markers or in-memory manifests).
+
+    Returns:
+        ``W`` when rank 0 declares ``W`` and ranks ``0..W-1`` all declare ``W``; 0 otherwise. Copies of ranks
+        ``>= W`` are not the step's: they were left by an earlier save of the same step number at a larger world
+        size. A job that lost a node and shrank resaves the steps that node never finished, where the surviving
+        node's higher ranks had already committed; those stale copies made the step incomplete for ever (its
+        ``wait()`` returned True, yet no restore could load it).
+    """
+    ws = world_sizes.get(0, 0)
+    if not isinstance(ws, int) or ws <= 0:
+        return 0
+    return ws if all(world_sizes.get(r) == ws for r in range(ws)) else 0
 
 
 def align_up(n: int, alignment: int) -> int:

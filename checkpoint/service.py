@@ -237,8 +237,7 @@ class CheckpointService:
     def __init__(self, job: str = "default", socket_path: str | None = None, shm_dir: str | None = None,
                  nice: int = 10, on_restart: Callable[[int, int], None] | None = None) -> None:
         self.job = job
-        self.address = socket_path or os.path.join(tempfile.gettempdir(),
-                                                   f"trainguard-ckpt-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock")
+        self.address = socket_path or default_socket_path(f"trainguard-ckpt-{os.getpid()}")
         # The workers' default (MemoryTierConfig): an empty variable is unset. Read as "", the arena root was the
         # working directory, and stop() removed the folder named like the job there.
         self.shm_dir = shm_dir or MemoryTierConfig().directory
@@ -355,6 +354,32 @@ class CheckpointService:
         self.stop()
 
 
+#: Longest path a unix socket can be bound to (``sun_path`` is 108 bytes with its terminating NUL).
+SOCKET_PATH_MAX = 107
+
+
+def default_socket_path(stem: str) -> str:
+    """A fresh socket path ``<dir>/<stem>-<random>.sock`` in the temp directory, else in ``/tmp`` or ``/dev/shm``
+    when the temp directory's path is too long for a unix socket.
+
+    HPC sites point ``$TMPDIR`` at per-job folders on scratch filesystems whose paths pass ``SOCKET_PATH_MAX``
+    bytes: the persist process then failed to bind ("AF_UNIX path too long") and not one checkpoint was saved,
+    each save reporting only that the service exited at start.
+
+    Raises:
+        CheckpointError: no candidate folder is both short enough and writable.
+    """
+    name = f"{stem}-{uuid.uuid4().hex[:8]}.sock"
+    candidates = [tempfile.gettempdir(), "/tmp", "/dev/shm"]
+    for d in candidates:
+        path = os.path.join(d, name)
+        if len(os.fsencode(path)) <= SOCKET_PATH_MAX and os.access(d, os.W_OK | os.X_OK):
+            return path
+    raise CheckpointError(f"no folder for the checkpoint service's socket: {', '.join(candidates)} are too long "
+                          f"(over {SOCKET_PATH_MAX} bytes with the socket's name) or not writable; set TMPDIR to a "
+                          "short writable folder")
+
+
 def _spawn(address: str, private: bool, nice: int, parent_pid: int | None = None) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "trainguard.checkpoint.service", "--socket", address, "--nice", str(nice)]
     if private:
@@ -411,8 +436,7 @@ class ServiceChannel(PersistChannel):
         """
         proc = None
         if not address:
-            address = os.path.join(tempfile.gettempdir(),
-                                   f"trainguard-ckpt-{os.getpid()}-{rank}-{uuid.uuid4().hex[:8]}.sock")
+            address = default_socket_path(f"trainguard-ckpt-{os.getpid()}-{rank}")
             proc = _spawn(address, private=True, nice=config.persist.nice)
             _wait_listening(address, proc, 30.0)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

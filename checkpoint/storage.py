@@ -36,6 +36,7 @@ from trainguard.checkpoint.fileio import (
     storage_error,
     write_file_from,
 )
+from trainguard.checkpoint.manifest import complete_world_size
 
 log = logging.getLogger(__name__)
 
@@ -156,14 +157,8 @@ class StepStore(ABC):
 
     def is_complete(self, step: int) -> tuple[bool, int]:
         """Whether every rank committed ``step``; returns ``(complete, world_size)``."""
-        marks = self.markers(step)
-        if not marks:
-            return False, 0
-        sizes = {_int_field(m, "world_size") for m in marks.values()}
-        if len(sizes) != 1:
-            return False, 0
-        ws = sizes.pop()
-        return ws > 0 and all(r in marks for r in range(ws)), ws
+        ws = complete_world_size({r: _int_field(m, "world_size") for r, m in self.markers(step).items()})
+        return ws > 0, ws
 
     def uncommit_rank(self, step: int, rank: int) -> None:
         """Removes this rank's marker before its files of ``step`` are rewritten (a step saved again)."""

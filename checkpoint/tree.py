@@ -219,7 +219,16 @@ def _encode(v: Any, path: str, out: Captured) -> Any:
         if isinstance(v, np.ndarray):
             # ascontiguousarray makes a 0-d array 1-d; the reshape keeps np.array(0.5) restorable into itself.
             c = np.ascontiguousarray(v).reshape(v.shape)
-            out.tensors.append(CapturedTensor(path, torch.from_numpy(c), is_numpy=True))
+            try:
+                t = torch.from_numpy(c)
+            except (TypeError, ValueError) as exc:
+                # Strings, objects, float128, another byte order: torch's own TypeError or ValueError left save()
+                # naming neither the key nor a fix, although every refusal of the format is a CheckpointError.
+                raise UnsupportedValueError(
+                    f"state value at {path or '<root>'} is a numpy array of dtype {v.dtype}, which the format does "
+                    "not store; convert it (numbers: arr.astype(a native numeric dtype); text or objects: a "
+                    "list)") from exc
+            out.tensors.append(CapturedTensor(path, t, is_numpy=True))
             return {"t": "tensor", "i": len(out.tensors) - 1, "np": True}
         return _encode(v.item(), path, out)  # numpy scalar
     if isinstance(v, (bytes, bytearray, memoryview)):

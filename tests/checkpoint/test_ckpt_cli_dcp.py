@@ -157,3 +157,36 @@ def test_shm_flag_takes_a_file_url_and_refuses_other_urls(tmp_path):
     assert f"removed the shared-memory arena under {tmp_path}/shm" in gc.stdout
     bad = _cli("ls", str(tmp_path / "ck"), "--shm", "memory://shm")
     assert bad.returncode == 2 and "--shm 'memory://shm' is not a local folder" in bad.stderr
+
+
+def test_an_export_holding_numpy_arrays_imports_back_and_import_failures_are_one_line(tmp_path):
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    # A numpy array in the state was exported as a DCP pickle, which `ckpt import` (weights_only) refused, so the
+    # export of such a step never imported back. A foreign pickled item's refusal carried torch's terminal escapes.
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        ck.save({"w": torch.arange(4.0), "order": np.arange(5, dtype=np.int32), "epoch": 2}, 3)
+    root, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    assert _cli("export", root, out).returncode == 0
+    imp = _cli("import", out, str(tmp_path / "back"), "--job", "j")
+    assert imp.returncode == 0, imp.stderr
+    live = {"w": torch.zeros(4), "order": np.zeros(5, dtype=np.int32), "epoch": 0}
+    with Checkpointer(CheckpointConfig(directory=str(tmp_path / "back"), memory={"enabled": False}), job="j") as ck:
+        assert ck.restore(live) == 3
+    assert torch.equal(live["w"], torch.arange(4.0)) and live["epoch"] == 2
+    assert isinstance(live["order"], np.ndarray) and live["order"].tolist() == [0, 1, 2, 3, 4]
+    # A truncated export: DCP's CheckpointException (a BaseException) left `ckpt import` as a traceback.
+    shard = next(os.path.join(out, n) for n in os.listdir(out) if n.endswith(".distcp"))
+    os.truncate(shard, 100)
+    torn = _cli("import", out, str(tmp_path / "back1"), "--job", "j")
+    assert torn.returncode != 0 and len(torn.stderr.strip().splitlines()) == 1, torn.stderr
+    assert "torn or damaged" in torn.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2), "when": io.StringIO("x")}, checkpoint_id=str(tmp_path / "foreign"))
+    bad = _cli("import", str(tmp_path / "foreign"), str(tmp_path / "back2"), "--job", "j")
+    assert bad.returncode != 0
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "when" in lines[0] and "unsafe unpickling" in lines[0], bad.stderr
+    assert "\x1b" not in bad.stderr, "terminal escapes from torch's message"

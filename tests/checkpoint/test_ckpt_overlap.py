@@ -74,3 +74,39 @@ def test_one_persist_process_per_checkpointer_and_no_thread_left(make_config):
         assert len(spawned) == 1, [p.cmdline() for p in spawned]
         assert readers() == 1
     assert readers() == 0
+
+
+def test_an_optimizer_taking_a_freed_ones_id_waits_for_the_copy_too(make_config):
+    # A training phase builds its own optimizer: the one freed after the last phase's save leaves its id to the
+    # next phase's, which the checkpointer took for already hooked; its first step then ran during the overlapped
+    # copy of the parameters (a snapshot mixing values from before and after that step).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    x = torch.randn(8, 512)
+    previous: list[torch.optim.Optimizer] = []
+    reused: list[int] = []
+
+    def phase(ck: Checkpointer, step: int) -> None:
+        old_id = id(previous[0]) if previous else None
+        previous.clear()  # CPython usually hands the freed address to the next object of its size
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        if id(opt) == old_id:
+            reused.append(step)
+        model(x).sum().backward()
+        before = model.weight.detach().clone()
+        ck.save({"model": model}, step, overlap_with=opt)
+        opt.step()  # must wait for the background copy of the weights
+        opt.zero_grad()
+        assert ck.wait(step, timeout=60)
+        live = {"model": torch.nn.Linear(512, 512)}
+        assert ck.restore(live, step=step) == step
+        assert torch.equal(live["model"].weight, before), f"phase {step}: the snapshot holds post-step weights"
+        assert len(opt._optimizer_step_pre_hooks) == 1, f"phase {step}: the optimizer's step does not wait"
+        previous.append(opt)
+
+    with Checkpointer(make_config(memory={"enabled": False}), job="phases") as ck:
+        for step in range(1, 30):
+            phase(ck, step)
+            if len(reused) == 3:
+                break
+    assert reused, "no optimizer got a freed one's id in 29 phases: the case was not exercised"
