@@ -401,14 +401,20 @@ class Checkpointer:
 
         def publish(err: BaseException | None) -> None:
             try:
+                # Each lost step is said (log and health event) like a failed persist: the hook and the agent learnt
+                # of neither failure below, and wait() returning False was the only sign.
                 if err is not None:
-                    self._fail_step(step, f"snapshot copy failed: {err}")
+                    why = f"snapshot copy failed: {err!r:.300}"
+                    self._fail_step(step, why)
+                    self.events.storage_failed("persist", step, why, getattr(err, "errno", 0) or 0)
                     return
                 try:
                     write_tag(paths, str(step))
                 except OSError as exc:  # a full tmpfs (see _take_slot): this step is lost, not the training
                     err = storage_error(exc, f"tag staging slot {index} of {arena.dir} with step {step}")
-                    self._fail_step(step, f"snapshot not published: {err}")
+                    why = f"snapshot not published: {err}"
+                    self._fail_step(step, why)
+                    self.events.storage_failed("persist", step, why, exc.errno or 0)
                     return
             finally:
                 slot.unlock()
