@@ -751,6 +751,8 @@ class Checkpointer:
         A copy failing its checksums is skipped with a logged reason; the next tier, then the previous complete
         step, is tried. ``last_restore_tier`` names the tier that served it.
 
+        Of ``world_size`` > 1 ranks outside a process group (before ``init_process_group``), a restore without
+        ``step`` loads the newest committed step or raises: this rank cannot tell the others to fall back with it.
         Inside a process group of ``world_size`` ranks (``torch.distributed`` initialized) a restore without
         ``step`` is a collective, called by every rank: the ranks agree on one step (see :mod:`.agreement`). A
         rank whose copy of the newest step is torn falls back to an older one, the others follow it (each logs
@@ -789,6 +791,8 @@ class Checkpointer:
         if step is not None:
             step = step_number(step)
         if not agreement.in_group(self.world_size):
+            if self.world_size > 1 and step is None:
+                return self._restore_newest_alone(state)
             return self._restore_local(state, step, corrupt_ok)
         if step is not None:
             return self._restore_step_together(state, step)
@@ -816,6 +820,33 @@ class Checkpointer:
                 except Exception:
                     agreement.exchange(agreement.FAILED)
                     raise
+
+    def _restore_newest_alone(self, state: MutableMapping[str, Any]) -> int | None:
+        """``restore(state)`` of one of ``world_size`` > 1 ranks with no process group to agree in (``restore``
+        called before ``init_process_group`` under torchrun): the newest committed step, or an error.
+
+        Every rank lists the same committed steps, so the newest is one step for all; only a rank that cannot load
+        it would differ. Falling back alone (what a lone process does) resumed that rank from an older step than
+        the others, a silent divergence of the model; the others cannot be told without a group, so this rank
+        raises instead and names the way out.
+
+        Raises:
+            CorruptCheckpointError: the newest committed step cannot be loaded on this rank.
+        """
+        infos = self._list_steps(retired=True)
+        if not infos:
+            self._finish_pending()
+            self.last_restore_tier = None
+            return None
+        newest = infos[-1].step
+        try:
+            return self._restore_local(state, newest, corrupt_ok=False)
+        except NoCheckpointError as exc:
+            raise CorruptCheckpointError(
+                f"rank {self.rank} of {self.world_size} cannot load step {newest} of job {self.job!r} ({exc}), and "
+                "outside a process group the other ranks cannot fall back with it: call "
+                "torch.distributed.init_process_group() before restore() so the ranks agree on an older step, "
+                "or run `trainguard ckpt verify`") from exc
 
     def _restore_step_together(self, state: MutableMapping[str, Any], step: int) -> int:
         """``restore(state, step=step)`` inside a process group: every rank loads ``step``, or every rank raises.

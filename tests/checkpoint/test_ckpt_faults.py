@@ -459,3 +459,29 @@ def test_room_freed_by_another_rank_meanwhile_retries_the_write(tmp_path):
     write_rank_step(store, 1, 0, 1, {"w": {"t": "tensor", "i": 0}}, [("w", torch.zeros(10))])
     assert [s for s, _ in store.committed_steps()] == [1]
     assert _make_room(store, 2, 0, 4096, 2, set(), [])  # nothing to remove, but the disk has room: write again
+
+
+def test_a_rank_outside_a_process_group_does_not_fall_back_alone(make_config):
+    """``restore`` called before ``init_process_group`` (under torchrun: RANK and WORLD_SIZE set, no group):
+    rank 1's copy of the newest step is torn. It fell back to step 1 alone while rank 0 resumed step 2, a silent
+    divergence; now rank 1 raises, naming init_process_group, and rank 0 still loads step 2."""
+    from trainguard.checkpoint.errors import CorruptCheckpointError
+
+    cfg = make_config(memory={"enabled": False})
+    ranks = [Checkpointer(cfg, rank=r, world_size=2, job="nogroup") for r in (0, 1)]
+    try:
+        for s in (1, 2):
+            for ck in ranks:
+                ck.save({"w": torch.full((1000,), float(s))}, s)
+            assert all(ck.wait(s, timeout=30) for ck in ranks)
+        _flip(os.path.join(ranks[1].disk.job_dir, step_dirname(2), data_name(1)), 123)
+        w = torch.zeros(1000)
+        assert ranks[0].restore({"w": w}) == 2 and torch.equal(w, torch.full((1000,), 2.0))
+        with pytest.raises(CorruptCheckpointError, match="rank 1 of 2 cannot load step 2.*init_process_group"):
+            ranks[1].restore({"w": torch.zeros(1000)})
+        # with the step named, or in a lone process, falling back stays each caller's own business
+        w = torch.zeros(1000)
+        assert ranks[1].restore({"w": w}, step=1) == 1 and torch.equal(w, torch.full((1000,), 1.0))
+    finally:
+        for ck in ranks:
+            ck.close()
