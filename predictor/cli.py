@@ -64,13 +64,17 @@ def _usage(msg: str) -> Exception:
     return PredictorError(msg)
 
 
-def _check_out_folder(path: str, flag: str) -> None:
-    """Refuses an output path whose folder does not exist before any work is done (training can take minutes)."""
+def _check_out_folder(path: str, flag: str, name: str) -> None:
+    """Refuses an output path whose folder does not exist, or that is a folder, before any work is done (training
+    can take minutes); ``name`` is a file name to suggest inside a folder."""
     import os
 
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise _usage(f"{flag} {path}: folder {folder} does not exist; create it or write somewhere else")
+    if os.path.isdir(path):
+        # found only when the file was written, after the minutes of training, and named no flag
+        raise _usage(f"{flag} {path} is a folder; give the path of the file to write, e.g. {os.path.join(path, name)}")
 
 
 def _check_not_an_input(path: str | None, flag: str, inputs: dict[str, str | None]) -> None:
@@ -141,7 +145,7 @@ def _train(args: argparse.Namespace) -> int:
     if not 0.05 <= args.calib_fraction <= 0.8:
         raise _usage(f"--calib-fraction {args.calib_fraction:g}: must be within [0.05, 0.8] (the trailing share of "
                      "the history that calibrates the threshold; default 0.25)")
-    _check_out_folder(args.out, "--out")
+    _check_out_folder(args.out, "--out", "model.json")
     _check_not_an_input(args.out, "--out", {"--metrics": args.metrics, "--events": args.events})
     notes: list[str] = []  # printed after the summary
     if args.resample is None:
@@ -469,7 +473,7 @@ def _export(args: argparse.Namespace) -> int:
     _check_not_an_input(args.metrics, "--metrics", {"--history": args.history})
     _check_not_an_input(args.events, "--events", {"--history": args.history, "--metrics": args.metrics})
     for flag, path in (("--metrics", args.metrics), ("--events", args.events)):
-        _check_out_folder(path, flag)  # before the first file is written, not a traceback after it
+        _check_out_folder(path, flag, flag[2:] + ".csv")  # before the first file is written, not a traceback after it
     with MetricHistory(args.history, readonly=True) as h:
         try:
             n, e = h.export(args.metrics, args.events, since=args.since)

@@ -1,0 +1,83 @@
+"""Regression tests of a review with files as other tools export them (a spreadsheet saved with ';', a pandas
+round trip, a series without data in the range) and outputs given as folders; every run is a real subprocess
+of the ``trainguard`` CLI on real files, checked for one error line, exit code 2 and no traceback."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+T0 = 1_700_000_000
+COLUMNS = ["gpu_temp_c", "retries_total", "latency_ms"]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "trainguard.cli", "predictor", *args], capture_output=True,
+                          text=True, timeout=60)
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def _error(done: subprocess.CompletedProcess) -> str:
+    """The one error line of a refused run (exit code 2, nothing else on stderr)."""
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainguard: error: "), done.stderr
+    return lines[0]
+
+
+def _rows(nodes: int = 3, n: int = 240, seed: int = 0) -> list[list]:
+    rng = np.random.default_rng(seed)
+    rows, total = [], [0.0] * nodes
+    for i in range(n):
+        for k in range(nodes):
+            total[k] += float(rng.integers(0, 3))
+            rows.append([T0 + 60 * i, f"n{k}", round(60 + rng.standard_normal(), 2), total[k],
+                         round(20 + rng.standard_normal(), 3)])
+    return rows
+
+
+def _write(path, header, rows, **fmt) -> str:
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh, **fmt)
+        w.writerow(header)
+        w.writerows(rows)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Three nodes at 60 s and a robust-z model of them, trained through the CLI."""
+    d = tmp_path_factory.mktemp("exports")
+    metrics = _write(d / "m.csv", ["timestamp", "node", *COLUMNS], _rows())
+    events = _write(d / "e.csv", ["timestamp", "node", "kind"], [[T0 + 60 * 200, "n1", "GPU Lost"]])
+    model = str(d / "model.json")
+    done = _cli("train", "--metrics", metrics, "--out", model, "--method", "robust-z")
+    assert done.returncode == 0, done.stderr
+    return d, metrics, events, model
+
+
+def test_an_output_that_is_a_folder_is_refused_before_training(fleet, tmp_path):
+    """``train --out DIR`` trained for the whole run, then failed to write with 'DIR: cannot write model file (Is a
+    directory); check that its folder exists' (no flag named, and the folder does exist); ``export`` to a folder
+    the same way, after reading the history."""
+    _, metrics, _, _ = fleet
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for out in (str(folder), str(folder) + "/"):
+        line = _error(_cli("train", "--metrics", metrics, "--out", out))
+        assert f"--out {out} is a folder" in line and str(folder / "model.json") in line
+    assert list(folder.iterdir()) == []
+    from trainguard.predictor.history import MetricHistory
+
+    store = tmp_path / "h.sqlite"
+    with MetricHistory(str(store)) as h:
+        h.append(float(T0), "n0", {"gpu_temp_c": 60.0})
+    line = _error(_cli("export", "--history", str(store), "--metrics", str(folder), "--events",
+                       str(tmp_path / "e.csv")))
+    assert f"--metrics {folder} is a folder" in line and str(folder / "metrics.csv") in line
+    assert not (tmp_path / "e.csv").exists()
