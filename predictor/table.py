@@ -292,6 +292,7 @@ class MetricTable:
                 if missing:
                     raise DataFormatError(
                         f"{path}: missing column(s) {missing}; the header must start 'timestamp,node,<metrics...>'"
+                        f"{_separator_hint(header)}"
                     )
                 i_ts, i_node = header.index("timestamp"), header.index("node")
                 i_job = header.index("job") if "job" in header else None
@@ -437,7 +438,8 @@ class EventTable:
                 header = [h.strip() for h in (next(reader, None) or [])]
                 missing = [c for c in ("timestamp", "node", "kind") if c not in header]
                 if missing:
-                    raise DataFormatError(f"{path}: missing column(s) {missing}; the header must be 'timestamp,node,kind'")
+                    raise DataFormatError(f"{path}: missing column(s) {missing}; the header must be "
+                                          f"'timestamp,node,kind'{_separator_hint(header)}")
                 it, inode, ikind = header.index("timestamp"), header.index("node"), header.index("kind")
                 ts, nodes, kinds = [], [], []
                 for line_no, row in enumerate(reader, start=2):
@@ -503,6 +505,18 @@ def _check_seconds(path: Path, ts: list[float]) -> None:
         f"{path}: timestamps look like {unit} since the epoch ({big:.0f} would be the year "
         f"{1970 + big / 31_557_600:.0f} in seconds); divide them by {factor} (the format takes Unix seconds)"
     )
+
+
+def _separator_hint(header: list[str]) -> str:
+    """The end of a missing-column message for a header that is one cell holding another separator: a spreadsheet
+    saved with ';' (a locale whose decimal mark is ',') or tabs was told it lacked 'timestamp' and 'node', which
+    its header visibly has."""
+    if len(header) != 1:
+        return ""
+    for sep, what in ((";", "semicolons"), ("\t", "tabs"), ("|", "'|'")):
+        if sep in header[0]:
+            return f" (its columns are separated by {what}, not commas: save it as comma-separated CSV)"
+    return ""
 
 
 def _not_utf8(path: Path, exc: UnicodeDecodeError) -> str:

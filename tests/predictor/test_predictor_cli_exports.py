@@ -81,3 +81,23 @@ def test_an_output_that_is_a_folder_is_refused_before_training(fleet, tmp_path):
                        str(tmp_path / "e.csv")))
     assert f"--metrics {folder} is a folder" in line and str(folder / "metrics.csv") in line
     assert not (tmp_path / "e.csv").exists()
+
+
+@pytest.mark.parametrize("sep, what", [(";", "semicolons"), ("\t", "tabs")])
+def test_a_file_separated_by_semicolons_or_tabs_is_named_as_such(fleet, tmp_path, sep, what):
+    """A spreadsheet saved as CSV in a locale whose decimal mark is a comma separates cells by ';' (and a TSV by
+    tabs): the whole header was one cell, and the error said the header lacked 'timestamp' and 'node', which it
+    visibly starts with."""
+    _, _, _, model = fleet
+    metrics = _write(tmp_path / "m.csv", ["timestamp", "node", *COLUMNS], _rows(n=30), delimiter=sep)
+    events = _write(tmp_path / "e.csv", ["timestamp", "node", "kind"], [[T0, "n0", "GPU Lost"]], delimiter=sep)
+    hint = f"separated by {what}, not commas: save it as comma-separated CSV"
+    for args in (("score", "--model", model, "--metrics", metrics), ("metrics", "--metrics", metrics),
+                 ("train", "--metrics", metrics, "--out", str(tmp_path / "x.json"))):
+        line = _error(_cli(*args))
+        assert f"{metrics}: missing column(s) ['timestamp', 'node']" in line and hint in line
+    line = _error(_cli("eval", "--model", model, "--metrics", fleet[1], "--events", events))
+    assert f"{events}: missing column(s) ['timestamp', 'node', 'kind']" in line and hint in line
+    # a comma-separated header that lacks the columns gets no such hint
+    plain = _write(tmp_path / "p.csv", ["time", "host", *COLUMNS], _rows(n=30))
+    assert "separated by" not in _error(_cli("metrics", "--metrics", plain))
