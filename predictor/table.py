@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -337,13 +338,16 @@ class MetricTable:
         if not ts:
             raise DataFormatError(f"{path}: no data rows after the header; give at least a row per node and interval")
         _check_seconds(path, ts)
-        unnamed = [k for k, c in enumerate(columns) if not c]
+        # pandas reads a column without a name as 'Unnamed: N' and writes it back under that name: the same row
+        # index one round trip later
+        unnamed = [k for k, c in enumerate(columns) if not c or _PANDAS_UNNAMED.fullmatch(c)]
         for k in unnamed:
             # a row index (pandas' to_csv without index=False, a spreadsheet's first column) was taken as a metric
             # named '' (an increasing counter), which every file scored later had to have too
             if numeric[k] or k in bad:
+                named = f" is {columns[k]!r}, pandas' name for a column without one," if columns[k] else " has no name"
                 raise DataFormatError(
-                    f"{path}:1: column {metric_idx[k] + 1} of the header has no name but holds values (a row index?); "
+                    f"{path}:1: column {metric_idx[k] + 1} of the header{named} but holds values (a row index?); "
                     "name it, or leave it out (pandas: to_csv(..., index=False))")
         refused = [bad[k] for k in bad
                    if not ignore_text or (used(columns[k]) if used is not None else numeric[k])]
@@ -486,6 +490,9 @@ def concat_tables(tables: Sequence[MetricTable]) -> MetricTable:
         np.concatenate([t.values for t in tables]), jobs,
     )
 
+
+#: How pandas names a column whose header cell is empty (``Unnamed: 0`` for a row index written without a name).
+_PANDAS_UNNAMED = re.compile(r"Unnamed: \d+")
 
 #: Unix seconds beyond this (the year 5138) are taken for a finer unit: no recorded data lies there, while
 #: milliseconds since the epoch (1.7e12 in 2024) and microseconds (1.7e15) always do.

@@ -101,3 +101,26 @@ def test_a_file_separated_by_semicolons_or_tabs_is_named_as_such(fleet, tmp_path
     # a comma-separated header that lacks the columns gets no such hint
     plain = _write(tmp_path / "p.csv", ["time", "host", *COLUMNS], _rows(n=30))
     assert "separated by" not in _error(_cli("metrics", "--metrics", plain))
+
+
+def test_a_pandas_unnamed_index_column_is_refused_like_an_unnamed_one(fleet, tmp_path):
+    """``pd.read_csv`` of a file written with its row index names that column ``Unnamed: 0``, and ``to_csv``
+    writes it back under that name: ``train`` took the row index as a counter metric (listed by ``metrics`` as
+    'Unnamed: 0  counter  (values)'), which every file scored later had to carry too. It is refused like the
+    unnamed index column it is; one left empty is left out."""
+    _, _, _, model = fleet
+    rows = _rows()
+    indexed = _write(tmp_path / "i.csv", ["Unnamed: 0", "timestamp", "node", *COLUMNS],
+                     [[i, *r] for i, r in enumerate(rows)])
+    out = tmp_path / "x.json"
+    for args in (("train", "--metrics", indexed, "--out", str(out)), ("metrics", "--metrics", indexed),
+                 ("score", "--model", model, "--metrics", indexed)):
+        line = _error(_cli(*args))
+        assert f"{indexed}:1: column 1 of the header is 'Unnamed: 0'" in line and "index=False" in line
+    assert not out.exists()
+    blank = _write(tmp_path / "b.csv", ["timestamp", "node", *COLUMNS, "Unnamed: 5"], [[*r, ""] for r in rows])
+    done = _cli("train", "--metrics", blank, "--out", str(out), "--method", "robust-z")
+    assert done.returncode == 0, done.stderr
+    from trainguard.predictor.model import PredictorModel
+
+    assert list(PredictorModel.load(out).spec.metrics) == COLUMNS
