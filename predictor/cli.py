@@ -133,6 +133,37 @@ def _resampled(table: Any, path: str, resample: float, counters: set[str] | froz
     return out
 
 
+def _without_empty_model_columns(table: Any, path: str, model_metrics: Any, missing: str) -> Any:
+    """``table`` without the model's metric columns that hold no value in any row, which are then missing metrics
+    like an absent column: refused under ``--missing error``, named in the degraded scores under ``nan``.
+
+    A column left empty (an exporter's series with no data in the range) was scored as if the model had never
+    read it, with nothing saying so, even under ``--missing error``.
+
+    Raises:
+        FeatureMismatchError: such a column, and ``missing`` is ``"error"``.
+    """
+    import numpy as np
+
+    from trainguard.predictor.errors import FeatureMismatchError
+    from trainguard.predictor.table import MetricTable
+
+    wanted = set(model_metrics)
+    empty = [k for k, c in enumerate(table.columns) if c in wanted and np.isnan(table.values[:, k]).all()]
+    if not empty:
+        return table
+    names = [table.columns[k] for k in empty]
+    if missing == "error":
+        raise FeatureMismatchError(
+            f"{path}: column(s) {names}, which the model was trained on, hold no value in any row; supply their "
+            "values, or accept degraded scores without them with --missing nan")
+    print(f"{path}: column(s) {names} hold no value in any row; scored as missing metrics (--missing nan)",
+          file=sys.stderr)
+    keep = [k for k in range(len(table.columns)) if k not in empty]
+    return MetricTable([table.columns[k] for k in keep], table.ts, table.node, table.values[:, keep], table.job,
+                       list(table.text_columns), table.ts_text)
+
+
 def _train(args: argparse.Namespace) -> int:
     from trainguard.predictor.features import MIN_PEERS, FeatureConfig
     from trainguard.predictor.table import EventTable
@@ -224,6 +255,7 @@ def _eval(args: argparse.Namespace) -> int:
     truth = _read_faults(args.faults) if args.faults else None
     used = set(model.spec.metrics)
     metrics = _read_metrics(args.metrics, args.resample, _model_counters(model), used.__contains__)
+    metrics = _without_empty_model_columns(metrics, args.metrics, model.spec.metrics, args.missing)
     events, repeated = EventTable.from_csv(args.events).unique()
     if repeated:
         # one failure logged twice counted as two, each caught or missed by the same alarm: recall and the
@@ -334,6 +366,8 @@ def _score(args: argparse.Namespace) -> int:
     rt = PredictorRuntime.load(args.model, rules_path=args.rules, missing=args.missing)
     counters = _model_counters(rt.model) if rt.model is not None else set()
     metrics = _read_metrics(args.metrics, args.resample, counters, _score_reads(rt))
+    if rt.model is not None:
+        metrics = _without_empty_model_columns(metrics, args.metrics, rt.model.spec.metrics, args.missing)
     interval = rt.model.spec.config.interval_s if rt.model is not None else 1.0
     if rt.model is not None:
         from trainguard.predictor.features import align_metrics

@@ -124,3 +124,30 @@ def test_a_pandas_unnamed_index_column_is_refused_like_an_unnamed_one(fleet, tmp
     from trainguard.predictor.model import PredictorModel
 
     assert list(PredictorModel.load(out).spec.metrics) == COLUMNS
+
+
+def test_a_model_metric_without_any_value_is_a_missing_metric(fleet, tmp_path):
+    """A column the model reads that is empty in every row (a Grafana series with no data in the range) was scored
+    as if the model had never read it, under the default ``--missing error`` too, with nothing saying so. It is
+    now a missing metric: refused naming ``--missing nan``, and with it named in each score's ``degraded`` and in
+    eval's ``degraded_missing_metrics``."""
+    _, _, events, model = fleet
+    rows = [[*r[:2], "", *r[3:]] for r in _rows()]
+    metrics = _write(tmp_path / "m.csv", ["timestamp", "node", *COLUMNS], rows)
+    for cmd, extra in (("score", ()), ("eval", ("--events", events))):
+        line = _error(_cli(cmd, "--model", model, "--metrics", metrics, *extra))
+        assert f"{metrics}: column(s) ['gpu_temp_c']" in line and "hold no value in any row" in line
+        assert "--missing nan" in line
+    out = tmp_path / "s.csv"
+    done = _cli("score", "--model", model, "--metrics", metrics, "--missing", "nan", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "['gpu_temp_c'] hold no value in any row" in done.stderr
+    with out.open() as fh:
+        scored = list(csv.DictReader(fh))
+    assert len(scored) == len(rows)
+    assert all("missing metrics: gpu_temp_c" in r["degraded"] for r in scored)
+    done = _cli("eval", "--model", model, "--metrics", metrics, "--events", events, "--missing", "nan", "--json")
+    assert done.returncode == 0, done.stderr
+    import json
+
+    assert json.loads(done.stdout)["degraded_missing_metrics"] == ["gpu_temp_c"]
