@@ -151,3 +151,24 @@ def test_a_model_metric_without_any_value_is_a_missing_metric(fleet, tmp_path):
     import json
 
     assert json.loads(done.stdout)["degraded_missing_metrics"] == ["gpu_temp_c"]
+
+
+def test_a_cooldown_of_0_finishes(fleet, tmp_path):
+    """``--cooldown 0`` (accepted: "least time between two alarms", so an event on every row above the
+    threshold) never finished: the search for the next event found the last event's own row again, forever, and
+    ``train`` grew to 11 GiB in six minutes on two days of four nodes (the hindsight calibration of ``eval`` too).
+    The subprocess's timeout fails the test in the old code."""
+    _, metrics, events, model = fleet
+    done = _cli("train", "--metrics", metrics, "--out", str(tmp_path / "x.json"), "--cooldown", "0")
+    assert done.returncode == 0, done.stderr
+    done = _cli("eval", "--model", model, "--metrics", metrics, "--events", events, "--cooldown", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    import json
+
+    assert json.loads(done.stdout)["eval_config"]["cooldown_s"] == 0.0
+    from trainguard.predictor.evaluation import alarm_events
+
+    ts = np.arange(10.0) * 60
+    score = np.array([0, 1, 1, 0, 1, 1, 1, 0, 0, 1.0])
+    assert alarm_events(ts, score, 0.5, 0.0).tolist() == [60.0, 120.0, 240.0, 300.0, 360.0, 540.0]
+    assert alarm_events(ts, score, 0.5, 120.0).tolist() == [60.0, 240.0, 360.0, 540.0]
