@@ -121,6 +121,17 @@ def _resampled(table: Any, path: str, resample: float, counters: set[str] | froz
     """``table`` (read without the order check) on a ``resample`` s grid, saying how many rows were merged."""
     if not resample > 0:
         raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
+    import numpy as np
+
+    # the spacing of each node's distinct times (repeats merge into one bin whatever the interval)
+    gaps = [g[g > 0] for g in (np.diff(s.ts) for s in table.per_node())]
+    gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+    step = float(np.median(gaps)) if len(gaps) else None
+    if step is not None and resample < 0.75 * step:  # the tolerance of the interval checks (check_sampling)
+        # bins finer than the data leave most of them empty: the spacing then measured (63 s for 60 s data in 7 s
+        # bins) was named as the --interval to train with
+        raise _usage(f"--resample {resample:g} is finer than the data's {step:g} s sampling ({path}): resampling "
+                     f"merges samples, it cannot add any; give --resample {step:g} or more, or leave it out")
     dup = table.duplicate_rows()
     if dup:
         print(f"{path}: merged {dup} row(s) that repeat a node's timestamp into their {resample:g} s bin "

@@ -172,3 +172,23 @@ def test_a_cooldown_of_0_finishes(fleet, tmp_path):
     score = np.array([0, 1, 1, 0, 1, 1, 1, 0, 0, 1.0])
     assert alarm_events(ts, score, 0.5, 0.0).tolist() == [60.0, 120.0, 240.0, 300.0, 360.0, 540.0]
     assert alarm_events(ts, score, 0.5, 120.0).tolist() == [60.0, 240.0, 360.0, 540.0]
+
+
+def test_resampling_finer_than_the_data_is_refused_with_the_data_interval(fleet, tmp_path):
+    """``train --resample 7`` on 60 s data left most 7 s bins empty, and the error then named the spacing of the
+    bins it had made as the interval to train with: 'the data is sampled every 63 s, coarser than the 7 s ...
+    train with --interval 63' (the data's interval is 60 s, and a model at 63 s could not score it)."""
+    _, metrics, events, model = fleet
+    line = _error(_cli("train", "--metrics", metrics, "--out", str(tmp_path / "x.json"), "--resample", "7"))
+    assert f"--resample 7 is finer than the data's 60 s sampling ({metrics})" in line
+    assert "--resample 60 or more" in line and "--interval" not in line
+    for cmd, extra in (("score", ()), ("eval", ("--events", events))):
+        line = _error(_cli(cmd, "--model", model, "--metrics", metrics, "--resample", "30", *extra))
+        assert "--resample 30 is finer than the data's 60 s sampling" in line
+    # repeated timestamps (spacing 0) do not make the data look finer than it is: 60 s still resamples at 60 s
+    with open(metrics) as fh:
+        rows = list(csv.reader(fh))
+    doubled = _write(tmp_path / "d.csv", rows[0], rows[1:] + rows[1:])
+    done = _cli("train", "--metrics", doubled, "--out", str(tmp_path / "x.json"), "--resample", "60",
+                "--method", "robust-z")
+    assert done.returncode == 0, done.stderr
