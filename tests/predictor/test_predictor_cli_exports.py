@@ -192,3 +192,25 @@ def test_resampling_finer_than_the_data_is_refused_with_the_data_interval(fleet,
     done = _cli("train", "--metrics", doubled, "--out", str(tmp_path / "x.json"), "--resample", "60",
                 "--method", "robust-z")
     assert done.returncode == 0, done.stderr
+
+
+def test_daily_data_names_the_calibration_flag_before_fitting(tmp_path):
+    """Daily samples (a CloudWatch export at 1-day resolution, 60 days of 4 nodes) failed at the end of ``train``
+    with the calibration's own 'calibration windows 86400.0, 604800.0, 86400.0, 3600.0 s: need block_s > 0,
+    window_s >= 10 blocks, ...', naming no flag; the per-node thresholds keep a week of scores, ten samples at
+    least. The error now names ``--calibration fixed``, which trains."""
+    rng = np.random.default_rng(4)
+    rows = [[T0 + 86400 * i, f"n{k}", round(60 + rng.standard_normal(), 2)] for i in range(60) for k in range(4)]
+    metrics = _write(tmp_path / "daily.csv", ["timestamp", "node", "cpu_pct"], rows)
+    out = tmp_path / "m.json"
+    for mode in ("online", "online-family"):
+        line = _error(_cli("train", "--metrics", metrics, "--out", str(out), "--calibration", mode))
+        assert "data sampled every 86400 s is too coarse for the per-node thresholds" in line
+        assert "--calibration fixed" in line
+    done = _cli("train", "--metrics", metrics, "--out", str(out), "--calibration", "fixed")
+    assert done.returncode == 0 and "interval 86400 s" in done.stdout, done.stderr
+    # 12-hourly data still calibrates per node (14 samples a week)
+    half = _write(tmp_path / "h.csv", ["timestamp", "node", "cpu_pct"],
+                  [[T0 + 43200 * i, f"n{k}", round(60 + rng.standard_normal(), 2)] for i in range(120) for k in range(4)])
+    done = _cli("train", "--metrics", half, "--out", str(out))
+    assert done.returncode == 0 and "thresholds per node, online" in done.stdout, done.stderr
