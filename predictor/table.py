@@ -284,7 +284,9 @@ class MetricTable:
         try:
             # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
             with path.open(newline="", encoding="utf-8-sig") as fh:
-                reader = csv.reader(fh)
+                # skipinitialspace: in 'timestamp, "node"' the quotes after the space were kept as part of the
+                # name ('"node"'), and the file was refused for lacking a node column its header shows
+                reader = csv.reader(fh, skipinitialspace=True)
                 header = next(reader, None)
                 if header is None:
                     raise DataFormatError(f"{path}: file is empty; expected a header 'timestamp,node,<metrics...>'")
@@ -438,7 +440,7 @@ class EventTable:
         path = Path(path)
         try:
             with path.open(newline="", encoding="utf-8-sig") as fh:
-                reader = csv.reader(fh)
+                reader = csv.reader(fh, skipinitialspace=True)  # as in a metrics file
                 header = [h.strip() for h in (next(reader, None) or [])]
                 missing = [c for c in ("timestamp", "node", "kind") if c not in header]
                 if missing:

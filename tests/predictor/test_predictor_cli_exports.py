@@ -214,3 +214,27 @@ def test_daily_data_names_the_calibration_flag_before_fitting(tmp_path):
                   [[T0 + 43200 * i, f"n{k}", round(60 + rng.standard_normal(), 2)] for i in range(120) for k in range(4)])
     done = _cli("train", "--metrics", half, "--out", str(out))
     assert done.returncode == 0 and "thresholds per node, online" in done.stdout, done.stderr
+
+
+def test_a_space_after_each_comma_before_quotes_is_read(fleet, tmp_path):
+    """``timestamp, "node", "gpu_temp_c"`` (a space after each comma, names quoted: scripts and some exporters
+    write this) kept the quotes as part of each name, and was refused for lacking a 'node' column its header
+    shows; in an events file a quoted kind with a comma in it ('"GPU Lost, XID 79"') split into two cells."""
+    _, metrics, _, model = fleet
+    with open(metrics) as fh:
+        rows = list(csv.reader(fh))
+    spaced = tmp_path / "s.csv"
+    spaced.write_bytes(b"\xef\xbb\xbf" + "".join(
+        ", ".join(f'"{c}"' if not c[:1].isdigit() else c for c in r) + "\r\n" for r in rows).encode())
+    out = tmp_path / "scores.csv"
+    done = _cli("score", "--model", model, "--metrics", str(spaced), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    with out.open() as fh:
+        assert len(list(csv.DictReader(fh))) == len(rows) - 1
+    events = tmp_path / "e.csv"
+    events.write_text(f'timestamp, node, kind\n{T0 + 60 * 200}, "n1", "GPU Lost, XID 79"\n')
+    done = _cli("eval", "--model", model, "--metrics", str(spaced), "--events", str(events), "--json")
+    assert done.returncode == 0, done.stderr
+    import json
+
+    assert json.loads(done.stdout)["failures"] == 1
