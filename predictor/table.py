@@ -297,6 +297,7 @@ class MetricTable:
                         f"{path}: missing column(s) {missing}; the header must start 'timestamp,node,<metrics...>'"
                         f"{_separator_hint(header)}"
                     )
+                _refuse_repeated(path, header, ("timestamp", "node", "job"))
                 i_ts, i_node = header.index("timestamp"), header.index("node")
                 i_job = header.index("job") if "job" in header else None
                 metric_idx = [i for i, h in enumerate(header) if h not in RESERVED_COLUMNS]
@@ -446,6 +447,7 @@ class EventTable:
                 if missing:
                     raise DataFormatError(f"{path}: missing column(s) {missing}; the header must be "
                                           f"'timestamp,node,kind'{_separator_hint(header)}")
+                _refuse_repeated(path, header, ("timestamp", "node", "kind"))
                 it, inode, ikind = header.index("timestamp"), header.index("node"), header.index("kind")
                 ts, nodes, kinds = [], [], []
                 for line_no, row in enumerate(reader, start=2):
@@ -514,6 +516,20 @@ def _check_seconds(path: Path, ts: list[float]) -> None:
         f"{path}: timestamps look like {unit} since the epoch ({big:.0f} would be the year "
         f"{1970 + big / 31_557_600:.0f} in seconds); divide them by {factor} (the format takes Unix seconds)"
     )
+
+
+def _refuse_repeated(path: Path, header: list[str], names: Sequence[str]) -> None:
+    """Refuses a header naming one of the columns read by name twice (two exports joined side by side): the first
+    was read and the second ignored, whatever it held.
+
+    Raises:
+        DataFormatError: naming the column and where it appears.
+    """
+    for name in names:
+        at = [i + 1 for i, h in enumerate(header) if h == name]
+        if len(at) > 1:
+            raise DataFormatError(f"{path}:1: column {name!r} appears {len(at)} times in the header (columns "
+                                  f"{', '.join(map(str, at))}); keep one, or rename the others")
 
 
 def _separator_hint(header: list[str]) -> str:

@@ -238,3 +238,19 @@ def test_a_space_after_each_comma_before_quotes_is_read(fleet, tmp_path):
     import json
 
     assert json.loads(done.stdout)["failures"] == 1
+
+
+def test_a_header_naming_timestamp_or_node_twice_is_refused(fleet, tmp_path):
+    """Two exports joined side by side repeat 'timestamp' and 'node': the first column of each name was read and
+    the second ignored, whatever it held (here other nodes' names and another hour), with nothing said."""
+    _, metrics, _, model = fleet
+    with open(metrics) as fh:
+        rows = list(csv.reader(fh))
+    for name, extra, cmd in (("timestamp", lambda r: str(int(r[0]) + 3600), ("metrics",)),
+                             ("node", lambda r: "m" + r[1][1:], ("score", "--model", model))):
+        joined = _write(tmp_path / f"{name}.csv", rows[0] + [name], [r + [extra(r)] for r in rows[1:]])
+        line = _error(_cli(*cmd, "--metrics", joined))
+        assert f"{joined}:1: column '{name}' appears 2 times in the header" in line
+    events = _write(tmp_path / "e.csv", ["timestamp", "node", "kind", "node"], [[T0 + 60 * 200, "n1", "PSU", "n2"]])
+    line = _error(_cli("eval", "--model", model, "--metrics", metrics, "--events", events))
+    assert f"{events}:1: column 'node' appears 2 times in the header (columns 2, 4)" in line
