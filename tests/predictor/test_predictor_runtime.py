@@ -79,3 +79,22 @@ def test_alarms_come_with_evidence_and_precursors_score_higher(hgb_model, small_
     row = frame.x[np.flatnonzero(in_window)[np.argmax(score[in_window])]]
     top = hgb_model.scorer.top_features(row.astype(np.float64), 3)
     assert top and all(c > 0 for _, c in top)
+
+
+def test_rules_only_runtime_refuses_time_going_back_and_raises_no_second_xid_alarm():
+    """Without a model file (rules tier only, as the agent runs with ``predictor.model = ""``) no timestamp was
+    checked: a replayed stale sample (time back, the fatal counter at its older value) was taken, and the next
+    current sample read the counter's old increase again, a second fatal XID 79 alarm for one event. The same
+    timestamp twice was taken too. Both are refused as with a model, in ``observe_many`` before any node's."""
+    rt = PredictorRuntime(None)
+    assert rt.observe(100.0, "a", {"gpu_xid_79_total": 0.0}).alarm is False
+    assert rt.observe(160.0, "a", {"gpu_xid_79_total": 1.0}).alarm is True  # the fault
+    for t, v in ((40.0, 0.0), (160.0, 1.0)):
+        with pytest.raises(DataFormatError, match="not after the previous 160.0"):
+            rt.observe(t, "a", {"gpu_xid_79_total": v})
+    assert rt.observe(220.0, "a", {"gpu_xid_79_total": 1.0}).alarm is False
+    with pytest.raises(DataFormatError, match="node 'a': timestamp 220.0 is not after"):
+        rt.observe_many(280.0, {"b": {"gpu_xid_79_total": 0.0}, "a": {"gpu_xid_79_total": 1.0}}, {"a": 220.0})
+    assert rt.observe(280.0, "b", {"gpu_xid_79_total": 0.0}).alarm is False  # b's refused round left no state
+    rt.forget("a")
+    assert rt.observe(10.0, "a", {"gpu_xid_79_total": 0.0}).alarm is False  # a new node starts afresh
