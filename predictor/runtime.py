@@ -150,6 +150,16 @@ class _NodeBuffer:
             setattr(self, name, new)
 
 
+def _as_time(ts: object, node: str) -> float:
+    """A sample's time as float seconds; a value that is no number (None, ``"12:00"``) is refused like a
+    non-numeric metric value, not a TypeError from deep inside (a string a CSV reader gave, such as ``"1060"``,
+    is taken, as the metric values are)."""
+    try:
+        return float(ts)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise DataFormatError(f"node {node!r}: timestamp {ts!r} is not a number of Unix seconds") from None
+
+
 class PredictorRuntime:
     """Scores a node's metric stream online; see the module docstring for tiers and degradation."""
 
@@ -438,6 +448,7 @@ class PredictorRuntime:
             DataFormatError: time not increasing, non-numeric or infinite value.
             FeatureMismatchError: a model metric is absent and the policy is ``"error"``.
         """
+        ts = _as_time(ts, node)
         self._check_sample(ts, node, metrics)
         self._last_ts[node] = ts
         hits = self.rules.evaluate(ts, node, metrics)
@@ -471,7 +482,7 @@ class PredictorRuntime:
             DataFormatError, FeatureMismatchError: as :meth:`observe`.
         """
         out: dict[str, Score] = {}
-        at = {n: ts if node_ts is None else node_ts.get(n, ts) for n in samples}
+        at = {n: _as_time(ts if node_ts is None else node_ts.get(n, ts), n) for n in samples}
         nodes = list(samples)
         for n in nodes:  # every node's sample before any state changes: one refused sample refuses the round
             self._check_sample(at[n], n, samples[n])

@@ -81,6 +81,24 @@ def test_alarms_come_with_evidence_and_precursors_score_higher(hgb_model, small_
     assert top and all(c > 0 for _, c in top)
 
 
+def test_a_timestamp_that_is_no_number_is_refused_as_data(hgb_model, small_trace):
+    """``observe(None, ...)`` or a time text raised a bare TypeError ('must be real number, not NoneType') from the
+    finiteness check, where a non-numeric metric value is a DataFormatError; a number given as text (as a CSV reader
+    yields it) was a TypeError too, though such metric values are taken. Without a model (rules only) as well."""
+    ts, node, smp = _sample(small_trace, 0)
+    for rt in (PredictorRuntime(hgb_model), PredictorRuntime(None)):
+        for bad in (None, "12:00", [ts]):
+            with pytest.raises(DataFormatError, match="timestamp .* is not a number of Unix seconds"):
+                rt.observe(bad, node, smp)  # type: ignore[arg-type]
+            with pytest.raises(DataFormatError, match="is not a number of Unix seconds"):
+                rt.observe_many(ts, {node: smp}, {node: bad})  # type: ignore[dict-item]
+        s = rt.observe(str(ts), node, smp)  # type: ignore[arg-type]
+        assert s.ts == ts and isinstance(s.ts, float)
+        with pytest.raises(DataFormatError, match="not after the previous"):
+            rt.observe(ts, node, smp)
+        assert rt.observe(ts + 60, node, smp).ts == ts + 60
+
+
 def test_rules_only_runtime_refuses_time_going_back_and_raises_no_second_xid_alarm():
     """Without a model file (rules tier only, as the agent runs with ``predictor.model = ""``) no timestamp was
     checked: a replayed stale sample (time back, the fatal counter at its older value) was taken, and the next
