@@ -166,7 +166,10 @@ def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = Tr
     """
     t0 = time.monotonic()
     if len(metrics.ts) < 100:
-        raise InsufficientDataError(f"only {len(metrics.ts)} samples; train on at least a few hours of history")
+        # "a few hours" was wrong advice for coarse data: two days of four nodes at 1 day hold 8 rows
+        raise InsufficientDataError(
+            f"only {len(metrics.ts)} rows (one per node and sample time); training needs at least 100: give a "
+            "longer history, more nodes, or data sampled more often (a smaller --resample)")
     taken = column_kinds(metrics, cfg.counters, cfg.gauges)
     used = [c for c in taken if c.kind is not None]
     unknown = [c.name for c in taken if c.kind is None]

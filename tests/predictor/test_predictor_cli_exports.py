@@ -254,3 +254,14 @@ def test_a_header_naming_timestamp_or_node_twice_is_refused(fleet, tmp_path):
     events = _write(tmp_path / "e.csv", ["timestamp", "node", "kind", "node"], [[T0 + 60 * 200, "n1", "PSU", "n2"]])
     line = _error(_cli("eval", "--model", model, "--metrics", metrics, "--events", events))
     assert f"{events}:1: column 'node' appears 2 times in the header (columns 2, 4)" in line
+
+
+
+def test_too_few_rows_says_rows_not_hours(tmp_path):
+    """Two days of four nodes sampled daily (8 rows) were told 'only 8 samples; train on at least a few hours of
+    history' though they span two days: the limit is on rows."""
+    rows = [[T0 + 86400 * i, f"n{k}", 50.0 + i + k] for i in range(2) for k in range(4)]
+    metrics = _write(tmp_path / "daily.csv", ["timestamp", "node", "cpu_pct"], rows)
+    line = _error(_cli("train", "--metrics", metrics, "--out", str(tmp_path / "x.json")))
+    assert "only 8 rows (one per node and sample time); training needs at least 100" in line
+    assert "few hours" not in line
