@@ -341,6 +341,7 @@ class MetricTable:
         if not ts:
             raise DataFormatError(f"{path}: no data rows after the header; give at least a row per node and interval")
         _check_seconds(path, ts)
+        _check_serial_days(path, ts)
         # pandas reads a column without a name as 'Unnamed: N' and writes it back under that name: the same row
         # index one round trip later
         unnamed = [k for k, c in enumerate(columns) if not c or _PANDAS_UNNAMED.fullmatch(c)]
@@ -515,6 +516,38 @@ def _check_seconds(path: Path, ts: list[float]) -> None:
     raise DataFormatError(
         f"{path}: timestamps look like {unit} since the epoch ({big:.0f} would be the year "
         f"{1970 + big / 31_557_600:.0f} in seconds); divide them by {factor} (the format takes Unix seconds)"
+    )
+
+
+#: Spreadsheet serial dates (days since 1899-12-30) of the years 1954-2173. Read as Unix seconds they all fall on
+#: 1970-01-01/02, where no recorded telemetry lies.
+_SERIAL_DAYS = (20_000.0, 100_000.0)
+#: Unix days of the spreadsheet epoch 1899-12-30.
+_SERIAL_EPOCH_DAYS = 25_569
+
+
+def _check_serial_days(path: Path, ts: list[float]) -> None:
+    """Refuses metrics timestamps that are spreadsheet serial dates (a date column saved as a number), naming the
+    conversion: read as seconds, a minute apart was 0.0007 s apart, ``train`` fitted a model at that interval on
+    "0.0 node-days" and ``score`` advised ``--resample 60``, which would merge each day into one row.
+
+    Only when every time lies in the serial range and the times are at most a day (1.0) apart: Unix seconds of
+    the first day of 1970 at one sample a second or faster are no real telemetry either.
+
+    Raises:
+        DataFormatError: naming the conversion to Unix seconds.
+    """
+    lo, hi = _SERIAL_DAYS
+    if not ts or not all(lo <= t < hi for t in ts):
+        return
+    distinct = np.unique(np.asarray(ts, dtype=np.float64))
+    if len(distinct) < 2 or float(np.median(np.diff(distinct))) > 1.0:
+        return
+    first = datetime.fromtimestamp((distinct[0] - _SERIAL_EPOCH_DAYS) * 86400.0, timezone.utc)
+    raise DataFormatError(
+        f"{path}: timestamps look like spreadsheet serial dates (days since 1899-12-30: {distinct[0]:g} is "
+        f"{first:%Y-%m-%d %H:%M} UTC), not Unix seconds; save the time column as ISO 8601 dates, or convert: "
+        f"(value - {_SERIAL_EPOCH_DAYS}) * 86400"
     )
 
 

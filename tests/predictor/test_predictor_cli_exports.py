@@ -265,3 +265,22 @@ def test_too_few_rows_says_rows_not_hours(tmp_path):
     line = _error(_cli("train", "--metrics", metrics, "--out", str(tmp_path / "x.json")))
     assert "only 8 rows (one per node and sample time); training needs at least 100" in line
     assert "few hours" not in line
+
+
+def test_spreadsheet_serial_dates_are_named_with_the_conversion(fleet, tmp_path):
+    """A spreadsheet's date column saved as numbers (days since 1899-12-30: 45992.000694 is a minute past
+    midnight on 2025-12-01) was read as Unix seconds on 1970-01-01: ``train`` fitted a model at a 0.000694 s
+    interval on '0.0 node-days', and ``score`` advised ``--resample 60``, which would merge each day into a row."""
+    _, metrics, _, model = fleet
+    with open(metrics) as fh:
+        rows = list(csv.reader(fh))
+    serial = _write(tmp_path / "x.csv", rows[0], [[repr(int(r[0]) / 86400 + 25569), *r[1:]] for r in rows[1:]])
+    for args in (("train", "--metrics", serial, "--out", str(tmp_path / "m.json")),
+                 ("score", "--model", model, "--metrics", serial)):
+        line = _error(_cli(*args))
+        assert f"{serial}: timestamps look like spreadsheet serial dates" in line
+        assert "2023-11-14 22:13 UTC" in line and "(value - 25569) * 86400" in line
+    assert not (tmp_path / "m.json").exists()
+    # Unix seconds early in 1970 a minute apart are still read as they are
+    early = _write(tmp_path / "e.csv", rows[0], [[int(r[0]) - T0 + 20_000, *r[1:]] for r in rows[1:]])
+    assert _cli("metrics", "--metrics", early).returncode == 0
