@@ -295,7 +295,7 @@ class MetricTable:
                 if missing:
                     raise DataFormatError(
                         f"{path}: missing column(s) {missing}; the header must start 'timestamp,node,<metrics...>'"
-                        f"{_separator_hint(header)}"
+                        f"{_header_hint(header, missing)}"
                     )
                 _refuse_repeated(path, header, ("timestamp", "node", "job"))
                 i_ts, i_node = header.index("timestamp"), header.index("node")
@@ -447,7 +447,7 @@ class EventTable:
                 missing = [c for c in ("timestamp", "node", "kind") if c not in header]
                 if missing:
                     raise DataFormatError(f"{path}: missing column(s) {missing}; the header must be "
-                                          f"'timestamp,node,kind'{_separator_hint(header)}")
+                                          f"'timestamp,node,kind'{_header_hint(header, missing)}")
                 _refuse_repeated(path, header, ("timestamp", "node", "kind"))
                 it, inode, ikind = header.index("timestamp"), header.index("node"), header.index("kind")
                 ts, nodes, kinds = [], [], []
@@ -565,15 +565,18 @@ def _refuse_repeated(path: Path, header: list[str], names: Sequence[str]) -> Non
                                   f"{', '.join(map(str, at))}); keep one, or rename the others")
 
 
-def _separator_hint(header: list[str]) -> str:
-    """The end of a missing-column message for a header that is one cell holding another separator: a spreadsheet
-    saved with ';' (a locale whose decimal mark is ',') or tabs was told it lacked 'timestamp' and 'node', which
-    its header visibly has."""
-    if len(header) != 1:
-        return ""
-    for sep, what in ((";", "semicolons"), ("\t", "tabs"), ("|", "'|'")):
-        if sep in header[0]:
-            return f" (its columns are separated by {what}, not commas: save it as comma-separated CSV)"
+def _header_hint(header: list[str], missing: list[str]) -> str:
+    """The end of a missing-column message for a header that visibly has the columns: one cell holding another
+    separator (a spreadsheet saved with ';' in a locale whose decimal mark is ',', or tabs), or the names in
+    other case (CloudWatch's 'Timestamp')."""
+    if len(header) == 1:
+        for sep, what in ((";", "semicolons"), ("\t", "tabs"), ("|", "'|'")):
+            if sep in header[0]:
+                return f" (its columns are separated by {what}, not commas: save it as comma-separated CSV)"
+    other = [h for h in header if h.lower() in missing]
+    if other:
+        return (f" (the header has {', '.join(map(repr, other))}: column names are case-sensitive, rename "
+                f"{'it' if len(other) == 1 else 'them'} in lower case)")
     return ""
 
 

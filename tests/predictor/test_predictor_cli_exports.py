@@ -284,3 +284,18 @@ def test_spreadsheet_serial_dates_are_named_with_the_conversion(fleet, tmp_path)
     # Unix seconds early in 1970 a minute apart are still read as they are
     early = _write(tmp_path / "e.csv", rows[0], [[int(r[0]) - T0 + 20_000, *r[1:]] for r in rows[1:]])
     assert _cli("metrics", "--metrics", early).returncode == 0
+
+
+def test_a_header_in_other_case_is_named(fleet, tmp_path):
+    """A CloudWatch-style header 'Timestamp,Node,...' was told it lacked 'timestamp' and 'node', which it shows
+    in other case; the names it has are now quoted with what to do."""
+    _, metrics, _, model = fleet
+    with open(metrics) as fh:
+        rows = list(csv.reader(fh))
+    upper = _write(tmp_path / "u.csv", ["Timestamp", "Node", *rows[0][2:]], rows[1:])
+    line = _error(_cli("score", "--model", model, "--metrics", upper))
+    assert "missing column(s) ['timestamp', 'node']" in line
+    assert "the header has 'Timestamp', 'Node': column names are case-sensitive, rename them in lower case" in line
+    events = _write(tmp_path / "e.csv", ["timestamp", "node", "Kind"], [[T0 + 60 * 200, "n1", "PSU"]])
+    line = _error(_cli("eval", "--model", model, "--metrics", metrics, "--events", events))
+    assert "the header has 'Kind': column names are case-sensitive, rename it in lower case" in line
