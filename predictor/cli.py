@@ -64,13 +64,17 @@ def _usage(msg: str) -> Exception:
     return PredictorError(msg)
 
 
-def _check_out_folder(path: str, flag: str) -> None:
-    """Refuses an output path whose folder does not exist before any work is done (training can take minutes)."""
+def _check_out_folder(path: str, flag: str, name: str) -> None:
+    """Refuses an output path whose folder does not exist, or that is a folder, before any work is done (training
+    can take minutes); ``name`` is a file name to suggest inside a folder."""
     import os
 
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise _usage(f"{flag} {path}: folder {folder} does not exist; create it or write somewhere else")
+    if os.path.isdir(path):
+        # found only when the file was written, after the minutes of training, and named no flag
+        raise _usage(f"{flag} {path} is a folder; give the path of the file to write, e.g. {os.path.join(path, name)}")
 
 
 def _check_not_an_input(path: str | None, flag: str, inputs: dict[str, str | None]) -> None:
@@ -117,6 +121,17 @@ def _resampled(table: Any, path: str, resample: float, counters: set[str] | froz
     """``table`` (read without the order check) on a ``resample`` s grid, saying how many rows were merged."""
     if not resample > 0:
         raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
+    import numpy as np
+
+    # the spacing of each node's distinct times (repeats merge into one bin whatever the interval)
+    gaps = [g[g > 0] for g in (np.diff(s.ts) for s in table.per_node())]
+    gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+    step = float(np.median(gaps)) if len(gaps) else None
+    if step is not None and resample < 0.75 * step:  # the tolerance of the interval checks (check_sampling)
+        # bins finer than the data leave most of them empty: the spacing then measured (63 s for 60 s data in 7 s
+        # bins) was named as the --interval to train with
+        raise _usage(f"--resample {resample:g} is finer than the data's {step:g} s sampling ({path}): resampling "
+                     f"merges samples, it cannot add any; give --resample {step:g} or more, or leave it out")
     dup = table.duplicate_rows()
     if dup:
         print(f"{path}: merged {dup} row(s) that repeat a node's timestamp into their {resample:g} s bin "
@@ -127,6 +142,37 @@ def _resampled(table: Any, path: str, resample: float, counters: set[str] | froz
         print(f"{path}: merged {other} row(s) sampled at other times into the {resample:g} s bin of another sample "
               "of their node (gauges averaged, counters' last value)", file=sys.stderr)
     return out
+
+
+def _without_empty_model_columns(table: Any, path: str, model_metrics: Any, missing: str) -> Any:
+    """``table`` without the model's metric columns that hold no value in any row, which are then missing metrics
+    like an absent column: refused under ``--missing error``, named in the degraded scores under ``nan``.
+
+    A column left empty (an exporter's series with no data in the range) was scored as if the model had never
+    read it, with nothing saying so, even under ``--missing error``.
+
+    Raises:
+        FeatureMismatchError: such a column, and ``missing`` is ``"error"``.
+    """
+    import numpy as np
+
+    from trainguard.predictor.errors import FeatureMismatchError
+    from trainguard.predictor.table import MetricTable
+
+    wanted = set(model_metrics)
+    empty = [k for k, c in enumerate(table.columns) if c in wanted and np.isnan(table.values[:, k]).all()]
+    if not empty:
+        return table
+    names = [table.columns[k] for k in empty]
+    if missing == "error":
+        raise FeatureMismatchError(
+            f"{path}: column(s) {names}, which the model was trained on, hold no value in any row; supply their "
+            "values, or accept degraded scores without them with --missing nan")
+    print(f"{path}: column(s) {names} hold no value in any row; scored as missing metrics (--missing nan)",
+          file=sys.stderr)
+    keep = [k for k in range(len(table.columns)) if k not in empty]
+    return MetricTable([table.columns[k] for k in keep], table.ts, table.node, table.values[:, keep], table.job,
+                       list(table.text_columns), table.ts_text)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -141,7 +187,7 @@ def _train(args: argparse.Namespace) -> int:
     if not 0.05 <= args.calib_fraction <= 0.8:
         raise _usage(f"--calib-fraction {args.calib_fraction:g}: must be within [0.05, 0.8] (the trailing share of "
                      "the history that calibrates the threshold; default 0.25)")
-    _check_out_folder(args.out, "--out")
+    _check_out_folder(args.out, "--out", "model.json")
     _check_not_an_input(args.out, "--out", {"--metrics": args.metrics, "--events": args.events})
     notes: list[str] = []  # printed after the summary
     if args.resample is None:
@@ -220,6 +266,7 @@ def _eval(args: argparse.Namespace) -> int:
     truth = _read_faults(args.faults) if args.faults else None
     used = set(model.spec.metrics)
     metrics = _read_metrics(args.metrics, args.resample, _model_counters(model), used.__contains__)
+    metrics = _without_empty_model_columns(metrics, args.metrics, model.spec.metrics, args.missing)
     events, repeated = EventTable.from_csv(args.events).unique()
     if repeated:
         # one failure logged twice counted as two, each caught or missed by the same alarm: recall and the
@@ -330,6 +377,8 @@ def _score(args: argparse.Namespace) -> int:
     rt = PredictorRuntime.load(args.model, rules_path=args.rules, missing=args.missing)
     counters = _model_counters(rt.model) if rt.model is not None else set()
     metrics = _read_metrics(args.metrics, args.resample, counters, _score_reads(rt))
+    if rt.model is not None:
+        metrics = _without_empty_model_columns(metrics, args.metrics, rt.model.spec.metrics, args.missing)
     interval = rt.model.spec.config.interval_s if rt.model is not None else 1.0
     if rt.model is not None:
         from trainguard.predictor.features import align_metrics
@@ -469,7 +518,7 @@ def _export(args: argparse.Namespace) -> int:
     _check_not_an_input(args.metrics, "--metrics", {"--history": args.history})
     _check_not_an_input(args.events, "--events", {"--history": args.history, "--metrics": args.metrics})
     for flag, path in (("--metrics", args.metrics), ("--events", args.events)):
-        _check_out_folder(path, flag)  # before the first file is written, not a traceback after it
+        _check_out_folder(path, flag, flag[2:] + ".csv")  # before the first file is written, not a traceback after it
     with MetricHistory(args.history, readonly=True) as h:
         try:
             n, e = h.export(args.metrics, args.events, since=args.since)

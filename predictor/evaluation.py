@@ -111,13 +111,15 @@ def alarm_events(ts: np.ndarray, score: np.ndarray, threshold: float, cooldown_s
     for s, e in zip(starts, ends):
         t_run = ts[s:e]
         nxt = max(float(t_run[0]), last + cooldown_s)
+        first = 0  # the next event is a later row than the last one: with a cooldown of 0 (an event on every row
+        # above the threshold) the search found the last event's own row again, forever, filling the memory
         while True:
-            i = int(np.searchsorted(t_run, nxt, side="left"))
+            i = max(int(np.searchsorted(t_run, nxt, side="left")), first)
             if i >= len(t_run):
                 break
             last = float(t_run[i])
             keep.append(last)
-            nxt = last + cooldown_s
+            nxt, first = last + cooldown_s, i + 1
     return np.array(keep)
 
 

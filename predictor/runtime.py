@@ -150,6 +150,16 @@ class _NodeBuffer:
             setattr(self, name, new)
 
 
+def _as_time(ts: object, node: str) -> float:
+    """A sample's time as float seconds; a value that is no number (None, ``"12:00"``) is refused like a
+    non-numeric metric value, not a TypeError from deep inside (a string a CSV reader gave, such as ``"1060"``,
+    is taken, as the metric values are)."""
+    try:
+        return float(ts)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise DataFormatError(f"node {node!r}: timestamp {ts!r} is not a number of Unix seconds") from None
+
+
 class PredictorRuntime:
     """Scores a node's metric stream online; see the module docstring for tiers and degradation."""
 
@@ -179,6 +189,7 @@ class PredictorRuntime:
         self._cal: dict[str, TailCalibrator] = {}
         self._fam: dict[str, FamilyCalibrator] = {}
         self._ledger: dict[str, AlarmLedger] = {}
+        self._last_ts: dict[str, float] = {}  # each node's latest accepted sample time (rules only included)
         self._families: list[str] | None = None  # metric families with their own thresholds (None: one)
         if model is not None and model.calibration is not None and model.calibration.per_family:
             names, _ = family_scores(model.scorer, model.spec.families, np.zeros((1, len(model.spec.feature_names))))
@@ -233,7 +244,7 @@ class PredictorRuntime:
 
     def forget(self, node: str) -> None:
         """Drops a node's history (it left the job or was replaced): a new node calibrates afresh."""
-        for d in (self._nodes, self._self, self._long, self._cal, self._fam, self._ledger):
+        for d in (self._nodes, self._self, self._long, self._cal, self._fam, self._ledger, self._last_ts):
             d.pop(node, None)  # type: ignore[attr-defined]
 
     def record_incident(self, node: str, start: float, end: float) -> None:
@@ -287,10 +298,12 @@ class PredictorRuntime:
         """
         if not math.isfinite(ts):
             raise DataFormatError(f"node {node!r}: timestamp {ts!r} is not finite")
-        buf = self._nodes.get(node)
-        if buf is not None and buf.n and ts <= buf.ts[buf.n - 1]:
+        # kept apart from the model's buffers: without a model the rules tier took a sample from the past (a
+        # replayed, stale counter) and, at the next current one, a fatal counter's old increase again
+        last = self._last_ts.get(node)
+        if last is not None and ts <= last:
             raise DataFormatError(
-                f"node {node!r}: timestamp {ts} is not after the previous {buf.ts[buf.n - 1]}; samples must arrive "
+                f"node {node!r}: timestamp {ts} is not after the previous {last}; samples must arrive "
                 "in increasing time (check the clock or drop the duplicate)"
             )
         for m, v in metrics.items():
@@ -435,7 +448,9 @@ class PredictorRuntime:
             DataFormatError: time not increasing, non-numeric or infinite value.
             FeatureMismatchError: a model metric is absent and the policy is ``"error"``.
         """
+        ts = _as_time(ts, node)
         self._check_sample(ts, node, metrics)
+        self._last_ts[node] = ts
         hits = self.rules.evaluate(ts, node, metrics)
         if self.model is None:
             return Score(node, ts, 1.0 if hits else 0.0, 1.0, bool(hits),
@@ -467,13 +482,14 @@ class PredictorRuntime:
             DataFormatError, FeatureMismatchError: as :meth:`observe`.
         """
         out: dict[str, Score] = {}
-        at = {n: ts if node_ts is None else node_ts.get(n, ts) for n in samples}
-        if self.model is None:
-            return {n: self.observe(at[n], n, m) for n, m in samples.items()}
-        spec = self.model.spec
+        at = {n: _as_time(ts if node_ts is None else node_ts.get(n, ts), n) for n in samples}
         nodes = list(samples)
         for n in nodes:  # every node's sample before any state changes: one refused sample refuses the round
             self._check_sample(at[n], n, samples[n])
+        if self.model is None:
+            return {n: self.observe(at[n], n, m) for n, m in samples.items()}
+        spec = self.model.spec
+        self._last_ts.update(at)
         hits = {n: self.rules.evaluate(at[n], n, samples[n]) for n in nodes}
         degraded = {n: [] for n in nodes}  # type: dict[str, list[str]]
         rows = np.full((len(nodes), len(spec.feature_names)), np.nan)

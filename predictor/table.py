@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -283,7 +284,9 @@ class MetricTable:
         try:
             # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
             with path.open(newline="", encoding="utf-8-sig") as fh:
-                reader = csv.reader(fh)
+                # skipinitialspace: in 'timestamp, "node"' the quotes after the space were kept as part of the
+                # name ('"node"'), and the file was refused for lacking a node column its header shows
+                reader = csv.reader(fh, skipinitialspace=True)
                 header = next(reader, None)
                 if header is None:
                     raise DataFormatError(f"{path}: file is empty; expected a header 'timestamp,node,<metrics...>'")
@@ -292,7 +295,9 @@ class MetricTable:
                 if missing:
                     raise DataFormatError(
                         f"{path}: missing column(s) {missing}; the header must start 'timestamp,node,<metrics...>'"
+                        f"{_header_hint(header, missing)}"
                     )
+                _refuse_repeated(path, header, ("timestamp", "node", "job"))
                 i_ts, i_node = header.index("timestamp"), header.index("node")
                 i_job = header.index("job") if "job" in header else None
                 metric_idx = [i for i, h in enumerate(header) if h not in RESERVED_COLUMNS]
@@ -336,13 +341,17 @@ class MetricTable:
         if not ts:
             raise DataFormatError(f"{path}: no data rows after the header; give at least a row per node and interval")
         _check_seconds(path, ts)
-        unnamed = [k for k, c in enumerate(columns) if not c]
+        _check_serial_days(path, ts)
+        # pandas reads a column without a name as 'Unnamed: N' and writes it back under that name: the same row
+        # index one round trip later
+        unnamed = [k for k, c in enumerate(columns) if not c or _PANDAS_UNNAMED.fullmatch(c)]
         for k in unnamed:
             # a row index (pandas' to_csv without index=False, a spreadsheet's first column) was taken as a metric
             # named '' (an increasing counter), which every file scored later had to have too
             if numeric[k] or k in bad:
+                named = f" is {columns[k]!r}, pandas' name for a column without one," if columns[k] else " has no name"
                 raise DataFormatError(
-                    f"{path}:1: column {metric_idx[k] + 1} of the header has no name but holds values (a row index?); "
+                    f"{path}:1: column {metric_idx[k] + 1} of the header{named} but holds values (a row index?); "
                     "name it, or leave it out (pandas: to_csv(..., index=False))")
         refused = [bad[k] for k in bad
                    if not ignore_text or (used(columns[k]) if used is not None else numeric[k])]
@@ -433,11 +442,13 @@ class EventTable:
         path = Path(path)
         try:
             with path.open(newline="", encoding="utf-8-sig") as fh:
-                reader = csv.reader(fh)
+                reader = csv.reader(fh, skipinitialspace=True)  # as in a metrics file
                 header = [h.strip() for h in (next(reader, None) or [])]
                 missing = [c for c in ("timestamp", "node", "kind") if c not in header]
                 if missing:
-                    raise DataFormatError(f"{path}: missing column(s) {missing}; the header must be 'timestamp,node,kind'")
+                    raise DataFormatError(f"{path}: missing column(s) {missing}; the header must be "
+                                          f"'timestamp,node,kind'{_header_hint(header, missing)}")
+                _refuse_repeated(path, header, ("timestamp", "node", "kind"))
                 it, inode, ikind = header.index("timestamp"), header.index("node"), header.index("kind")
                 ts, nodes, kinds = [], [], []
                 for line_no, row in enumerate(reader, start=2):
@@ -485,6 +496,9 @@ def concat_tables(tables: Sequence[MetricTable]) -> MetricTable:
     )
 
 
+#: How pandas names a column whose header cell is empty (``Unnamed: 0`` for a row index written without a name).
+_PANDAS_UNNAMED = re.compile(r"Unnamed: \d+")
+
 #: Unix seconds beyond this (the year 5138) are taken for a finer unit: no recorded data lies there, while
 #: milliseconds since the epoch (1.7e12 in 2024) and microseconds (1.7e15) always do.
 _MAX_SECONDS = 1e11
@@ -503,6 +517,67 @@ def _check_seconds(path: Path, ts: list[float]) -> None:
         f"{path}: timestamps look like {unit} since the epoch ({big:.0f} would be the year "
         f"{1970 + big / 31_557_600:.0f} in seconds); divide them by {factor} (the format takes Unix seconds)"
     )
+
+
+#: Spreadsheet serial dates (days since 1899-12-30) of the years 1954-2173. Read as Unix seconds they all fall on
+#: 1970-01-01/02, where no recorded telemetry lies.
+_SERIAL_DAYS = (20_000.0, 100_000.0)
+#: Unix days of the spreadsheet epoch 1899-12-30.
+_SERIAL_EPOCH_DAYS = 25_569
+
+
+def _check_serial_days(path: Path, ts: list[float]) -> None:
+    """Refuses metrics timestamps that are spreadsheet serial dates (a date column saved as a number), naming the
+    conversion: read as seconds, a minute apart was 0.0007 s apart, ``train`` fitted a model at that interval on
+    "0.0 node-days" and ``score`` advised ``--resample 60``, which would merge each day into one row.
+
+    Only when every time lies in the serial range and the times are at most a day (1.0) apart: Unix seconds of
+    the first day of 1970 at one sample a second or faster are no real telemetry either.
+
+    Raises:
+        DataFormatError: naming the conversion to Unix seconds.
+    """
+    lo, hi = _SERIAL_DAYS
+    if not ts or not all(lo <= t < hi for t in ts):
+        return
+    distinct = np.unique(np.asarray(ts, dtype=np.float64))
+    if len(distinct) < 2 or float(np.median(np.diff(distinct))) > 1.0:
+        return
+    first = datetime.fromtimestamp((distinct[0] - _SERIAL_EPOCH_DAYS) * 86400.0, timezone.utc)
+    raise DataFormatError(
+        f"{path}: timestamps look like spreadsheet serial dates (days since 1899-12-30: {distinct[0]:g} is "
+        f"{first:%Y-%m-%d %H:%M} UTC), not Unix seconds; save the time column as ISO 8601 dates, or convert: "
+        f"(value - {_SERIAL_EPOCH_DAYS}) * 86400"
+    )
+
+
+def _refuse_repeated(path: Path, header: list[str], names: Sequence[str]) -> None:
+    """Refuses a header naming one of the columns read by name twice (two exports joined side by side): the first
+    was read and the second ignored, whatever it held.
+
+    Raises:
+        DataFormatError: naming the column and where it appears.
+    """
+    for name in names:
+        at = [i + 1 for i, h in enumerate(header) if h == name]
+        if len(at) > 1:
+            raise DataFormatError(f"{path}:1: column {name!r} appears {len(at)} times in the header (columns "
+                                  f"{', '.join(map(str, at))}); keep one, or rename the others")
+
+
+def _header_hint(header: list[str], missing: list[str]) -> str:
+    """The end of a missing-column message for a header that visibly has the columns: one cell holding another
+    separator (a spreadsheet saved with ';' in a locale whose decimal mark is ',', or tabs), or the names in
+    other case (CloudWatch's 'Timestamp')."""
+    if len(header) == 1:
+        for sep, what in ((";", "semicolons"), ("\t", "tabs"), ("|", "'|'")):
+            if sep in header[0]:
+                return f" (its columns are separated by {what}, not commas: save it as comma-separated CSV)"
+    other = [h for h in header if h.lower() in missing]
+    if other:
+        return (f" (the header has {', '.join(map(repr, other))}: column names are case-sensitive, rename "
+                f"{'it' if len(other) == 1 else 'them'} in lower case)")
+    return ""
 
 
 def _not_utf8(path: Path, exc: UnicodeDecodeError) -> str:

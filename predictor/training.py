@@ -166,7 +166,10 @@ def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = Tr
     """
     t0 = time.monotonic()
     if len(metrics.ts) < 100:
-        raise InsufficientDataError(f"only {len(metrics.ts)} samples; train on at least a few hours of history")
+        # "a few hours" was wrong advice for coarse data: two days of four nodes at 1 day hold 8 rows
+        raise InsufficientDataError(
+            f"only {len(metrics.ts)} rows (one per node and sample time); training needs at least 100: give a "
+            "longer history, more nodes, or data sampled more often (a smaller --resample)")
     taken = column_kinds(metrics, cfg.counters, cfg.gauges)
     used = [c for c in taken if c.kind is not None]
     unknown = [c.name for c in taken if c.kind is None]
@@ -184,6 +187,7 @@ def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = Tr
     spec = FeatureSpec(tuple(c.name for c in used), features, tuple(c.kind.value for c in used if c.kind))
     known = list(spec.metrics)
     check_sampling(metrics, spec.config.interval_s)
+    _check_online_calibration(spec.config.interval_s, cfg)
     frame = table_features(metrics, spec)
     events = events if events is not None else EventTable.empty()
     failures = failures_by_node(events.node, events.ts)
@@ -224,6 +228,28 @@ def train(metrics: MetricTable, events: EventTable | None, cfg: TrainConfig = Tr
         calibration = CalibrationConfig.for_interval(
             spec.config.interval_s, cfg.evaluation.budget_per_100_node_days / 100.0, per_family=cfg.per_family)
     return PredictorModel(spec, scorer, threshold, cfg.evaluation, summary, calibration)
+
+
+def _check_online_calibration(interval_s: float, cfg: TrainConfig) -> None:
+    """Refuses, before any fitting, an interval too coarse for the per-node online thresholds.
+
+    Each node keeps a window of scores as blocks of at least one sample (:class:`CalibrationConfig`) and needs
+    ten of them: daily data failed after the whole fit with the calibration's own message ('calibration windows
+    86400.0, 604800.0, ...: need ... window_s >= 10 blocks'), which names no flag.
+
+    Raises:
+        DataFormatError: the interval is longer than a tenth of the calibration window.
+    """
+    if not cfg.online_calibration:
+        return
+    default = CalibrationConfig()
+    most = default.window_s / 10
+    if max(default.block_s, interval_s) > most:  # the block of CalibrationConfig.for_interval
+        raise DataFormatError(
+            f"data sampled every {interval_s:g} s is too coarse for the per-node thresholds, which keep "
+            f"{default.window_s / 86400:g} days of scores and need 10 samples in them (an interval of at most "
+            f"{most:g} s); pass --calibration fixed (one threshold for every node), or train on data sampled more "
+            "often")
 
 
 def column_kinds(metrics: MetricTable, counters: tuple[str, ...] = (), gauges: tuple[str, ...] = ()) -> list[ColumnKind]:

@@ -79,3 +79,40 @@ def test_alarms_come_with_evidence_and_precursors_score_higher(hgb_model, small_
     row = frame.x[np.flatnonzero(in_window)[np.argmax(score[in_window])]]
     top = hgb_model.scorer.top_features(row.astype(np.float64), 3)
     assert top and all(c > 0 for _, c in top)
+
+
+def test_a_timestamp_that_is_no_number_is_refused_as_data(hgb_model, small_trace):
+    """``observe(None, ...)`` or a time text raised a bare TypeError ('must be real number, not NoneType') from the
+    finiteness check, where a non-numeric metric value is a DataFormatError; a number given as text (as a CSV reader
+    yields it) was a TypeError too, though such metric values are taken. Without a model (rules only) as well."""
+    ts, node, smp = _sample(small_trace, 0)
+    for rt in (PredictorRuntime(hgb_model), PredictorRuntime(None)):
+        for bad in (None, "12:00", [ts]):
+            with pytest.raises(DataFormatError, match="timestamp .* is not a number of Unix seconds"):
+                rt.observe(bad, node, smp)  # type: ignore[arg-type]
+            with pytest.raises(DataFormatError, match="is not a number of Unix seconds"):
+                rt.observe_many(ts, {node: smp}, {node: bad})  # type: ignore[dict-item]
+        s = rt.observe(str(ts), node, smp)  # type: ignore[arg-type]
+        assert s.ts == ts and isinstance(s.ts, float)
+        with pytest.raises(DataFormatError, match="not after the previous"):
+            rt.observe(ts, node, smp)
+        assert rt.observe(ts + 60, node, smp).ts == ts + 60
+
+
+def test_rules_only_runtime_refuses_time_going_back_and_raises_no_second_xid_alarm():
+    """Without a model file (rules tier only, as the agent runs with ``predictor.model = ""``) no timestamp was
+    checked: a replayed stale sample (time back, the fatal counter at its older value) was taken, and the next
+    current sample read the counter's old increase again, a second fatal XID 79 alarm for one event. The same
+    timestamp twice was taken too. Both are refused as with a model, in ``observe_many`` before any node's."""
+    rt = PredictorRuntime(None)
+    assert rt.observe(100.0, "a", {"gpu_xid_79_total": 0.0}).alarm is False
+    assert rt.observe(160.0, "a", {"gpu_xid_79_total": 1.0}).alarm is True  # the fault
+    for t, v in ((40.0, 0.0), (160.0, 1.0)):
+        with pytest.raises(DataFormatError, match="not after the previous 160.0"):
+            rt.observe(t, "a", {"gpu_xid_79_total": v})
+    assert rt.observe(220.0, "a", {"gpu_xid_79_total": 1.0}).alarm is False
+    with pytest.raises(DataFormatError, match="node 'a': timestamp 220.0 is not after"):
+        rt.observe_many(280.0, {"b": {"gpu_xid_79_total": 0.0}, "a": {"gpu_xid_79_total": 1.0}}, {"a": 220.0})
+    assert rt.observe(280.0, "b", {"gpu_xid_79_total": 0.0}).alarm is False  # b's refused round left no state
+    rt.forget("a")
+    assert rt.observe(10.0, "a", {"gpu_xid_79_total": 0.0}).alarm is False  # a new node starts afresh
