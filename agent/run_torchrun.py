@@ -159,6 +159,15 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: taskset, cgroup cpusets, Slurm's binding), as
+    torchrun counts them for ``--nproc-per-node cpu``; ``os.cpu_count()`` counts the machine's, so a job bound
+    to 2 of 64 cores started 64 workers where torchrun starts 2."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def resolve_nproc(text: str) -> int:
     """``N``, ``gpu``, ``auto`` or ``cpu`` -> the local worker count, as torchrun resolves it.
 
@@ -172,7 +181,7 @@ def resolve_nproc(text: str) -> int:
             raise UsageError(f"--nproc-per-node must be >= 1, got {n}")
         return n
     if text == "cpu":
-        return os.cpu_count() or 1
+        return usable_cpus()
     if text in ("gpu", "auto"):
         import torch  # only for these two names: the count of accelerators needs it
 
@@ -180,7 +189,7 @@ def resolve_nproc(text: str) -> int:
             return torch.cuda.device_count()
         if text == "gpu":
             raise UsageError("--nproc-per-node gpu: CUDA is not available on this node; give a count or 'cpu'")
-        return os.cpu_count() or 1
+        return usable_cpus()
     raise UsageError(f"--nproc-per-node {text!r}: expected a count, gpu, auto or cpu")
 
 

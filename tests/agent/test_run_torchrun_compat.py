@@ -33,7 +33,7 @@ def _launch(launcher: str, line: list[str], out: Path, env: dict) -> dict[int, d
     cmd = [sys.executable, "-m", "torch.distributed.run"] if launcher == "torchrun" else \
         [sys.executable, "-m", "trainguard.cli", "run"]
     out.mkdir()
-    r = subprocess.run(cmd + line + [str(out)], env=env, cwd=REPO, capture_output=True, text=True, timeout=90)
+    r = subprocess.run(cmd + line + [str(out)], env=tg_env, cwd=REPO, capture_output=True, text=True, timeout=90)
     assert r.returncode == 0, f"{launcher} {' '.join(line)} failed:\n{r.stderr[-3000:]}"
     envs = {}
     for f in out.glob("env*.json"):
@@ -400,3 +400,24 @@ def test_static_backend_takes_the_rdzv_endpoint_like_torchrun(rank: str, coordin
     args = parser.parse_args(["--nnodes=2", "--node-rank=1", "--rdzv-endpoint=192.0.2.7", "--master-port=29522",
                               PRINT_ENV])
     assert resolve_rendezvous(args).coordinator == "192.0.2.7:29522"
+
+
+@pytest.mark.parametrize("count", ["cpu", "auto"])
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to bind the launchers to one")
+def test_nproc_cpu_counts_the_cpus_the_launcher_may_use_like_torchrun(tmp_path: Path, tg_env: dict,
+                                                                      count: str) -> None:
+    """Under taskset / a cgroup cpuset / Slurm's binding, ``--nproc-per-node cpu`` (and ``auto`` without an
+    accelerator) starts one worker per CPU the launcher may run on, as torchrun does; it started one per CPU of
+    the machine (64 workers on the 2 cores a job was given)."""
+    one_cpu = min(os.sched_getaffinity(0))
+    line = ["--standalone", "--nproc-per-node", count, "--max-restarts", "0", PRINT_ENV]
+    ours, theirs = tmp_path / "trainguard", tmp_path / "torchrun"
+    for launcher, out in (("trainguard", ours), ("torchrun", theirs)):
+        out.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run"] if launcher == "torchrun" else \
+            [sys.executable, "-m", "trainguard.cli", "run"]
+        r = subprocess.run(cmd + line + [str(out)], env=tg_env, cwd=REPO, capture_output=True, text=True, timeout=90,
+                           preexec_fn=lambda: os.sched_setaffinity(0, {one_cpu}))
+        assert r.returncode == 0, f"{launcher}: {r.stderr[-3000:]}"
+    assert sorted(f.name for f in theirs.glob("env*.json")) == ["env0.json"]  # torchrun: one CPU, one worker
+    assert sorted(f.name for f in ours.glob("env*.json")) == ["env0.json"]
