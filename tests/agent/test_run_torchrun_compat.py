@@ -421,3 +421,21 @@ def test_nproc_cpu_counts_the_cpus_the_launcher_may_use_like_torchrun(tmp_path: 
         assert r.returncode == 0, f"{launcher}: {r.stderr[-3000:]}"
     assert sorted(f.name for f in theirs.glob("env*.json")) == ["env0.json"]  # torchrun: one CPU, one worker
     assert sorted(f.name for f in ours.glob("env*.json")) == ["env0.json"]
+
+
+@pytest.mark.parametrize("name,ckpt", [("_my train (copy).py", True), ("训练.py", False)])
+def test_any_script_name_runs_as_under_torchrun(tmp_path: Path, tg_env: dict, name: str, ckpt: bool) -> None:
+    """torchrun runs a script of any name; the default job name built from one with a leading ``_``, spaces or
+    non-ASCII letters was refused ("job name '_my train (copy)-...' is invalid"), naming a job the user never
+    gave. Now such characters become ``_`` in the default name, which the workers get as $TRAINGUARD_JOB."""
+    from trainguard.recovery.spec import JOB_NAME_RE
+
+    script = tmp_path / name
+    script.write_text((SCRIPTS / "print_env.py").read_text())
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_cli(["run", "--nproc-per-node", "1", "--max-restarts", "0",
+                 *(["--checkpoint-dir", str(tmp_path / "ck")] if ckpt else []), str(script), str(out)], tg_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    job = json.loads((out / "env0.json").read_text())["env"]["TRAINGUARD_JOB"]
+    assert JOB_NAME_RE.match(job), job
