@@ -33,7 +33,7 @@ def _launch(launcher: str, line: list[str], out: Path, env: dict) -> dict[int, d
     cmd = [sys.executable, "-m", "torch.distributed.run"] if launcher == "torchrun" else \
         [sys.executable, "-m", "trainguard.cli", "run"]
     out.mkdir()
-    r = subprocess.run(cmd + line + [str(out)], env=tg_env, cwd=REPO, capture_output=True, text=True, timeout=90)
+    r = subprocess.run(cmd + line + [str(out)], env=env, cwd=REPO, capture_output=True, text=True, timeout=90)
     assert r.returncode == 0, f"{launcher} {' '.join(line)} failed:\n{r.stderr[-3000:]}"
     envs = {}
     for f in out.glob("env*.json"):
