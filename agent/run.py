@@ -160,7 +160,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
                         max_restarts=args.max_restarts, heartbeat_interval_s=0.2,
                         hold_unhealthy=rdzv.max_nodes > 1, allow_shrink=rdzv.max_nodes > rdzv.min_nodes,
                         min_nodes=rdzv.min_nodes, failslow=failslow),
-                listen=rdzv.listen, security=server_security,
+                listen=rdzv.bind or rdzv.listen, security=server_security,
             ).start()
         except CoordinatorError as exc:
             if not rdzv.join_if_taken:

@@ -79,6 +79,8 @@ class Rendezvous:
         endpoint: the rendezvous endpoint every node of the job names (``--rdzv-endpoint``,
             ``--master-addr:--master-port`` or ``--coordinator``); empty for a one-node job on a free port.
         static_rank: ``--node-rank`` of a multi-node static rendezvous (None otherwise).
+        bind: where the embedded coordinator binds when that is not ``listen`` ("": ``listen``); see
+            :func:`embed_bind`.
     """
 
     coordinator: str | None
@@ -93,6 +95,25 @@ class Rendezvous:
     join_if_taken: bool = False
     endpoint: str = ""
     static_rank: int | None = None
+    bind: str = ""
+
+
+def embed_bind(host: str, port: int, multi_node: bool) -> str:
+    """Where a coordinator embedded for rendezvous endpoint ``host:port`` binds ("": at the endpoint itself).
+
+    torchrun's rendezvous store listens on every interface at the endpoint's port. A multi-node endpoint named
+    by a host name does the same here: the name may resolve to loopback on its own host (Debian and Ubuntu map
+    the host's name to 127.0.1.1 in /etc/hosts) while the other nodes resolve it to the host's network address,
+    and a coordinator bound to what the name means locally refused every other node. An address literal binds
+    as given (it names the interface the other nodes dial), as does a one-node job.
+    """
+    if not multi_node or host == "localhost":
+        return ""
+    try:
+        ipaddress.ip_address(host.strip("[]").split("%")[0])
+        return ""
+    except ValueError:
+        return join_endpoint("0.0.0.0", port)
 
 
 def default_node_id(rdzv: Rendezvous, joining: str | None, hostname: str, pid: int) -> str:
@@ -380,10 +401,12 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
             # torchrun's c10d backend: the agent on the endpoint's host serves; a second agent on that host
             # finds the port taken and joins (also when both tried at once: join_if_taken).
             if is_local_host(host) and _port_free(host, port):
-                return Rendezvous(coordinator=None, listen=listen_flag or target, join_if_taken=True, **common)
+                return Rendezvous(coordinator=None, listen=listen_flag or target, join_if_taken=True,
+                                  bind="" if listen_flag else embed_bind(host, port, hi > 1), **common)
             return Rendezvous(coordinator=target, listen="", **common)
         if is_host:
-            return Rendezvous(coordinator=None, listen=listen_flag or target, **common)
+            return Rendezvous(coordinator=None, listen=listen_flag or target,
+                              bind="" if listen_flag else embed_bind(host, port, hi > 1), **common)
         return Rendezvous(coordinator=target, listen="", **common)
     if backend == "c10d" and hi > 1:
         raise UsageError("--rdzv-backend c10d with more than one node needs --rdzv-endpoint HOST:PORT")
@@ -400,7 +423,8 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
         if args.node_rank >= hi:
             raise UsageError(f"--node-rank {args.node_rank}: expected 0..{hi - 1} for --nnodes {args.nnodes}")
         if args.node_rank == 0:
-            return Rendezvous(coordinator=None, listen=listen_flag or target, **common)
+            return Rendezvous(coordinator=None, listen=listen_flag or target,
+                              bind="" if listen_flag else embed_bind(host, port, True), **common)
         return Rendezvous(coordinator=target, listen="", **common)
     return Rendezvous(coordinator=None, listen=listen_flag or "127.0.0.1:0", **common)
 

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -439,3 +440,74 @@ def test_any_script_name_runs_as_under_torchrun(tmp_path: Path, tg_env: dict, na
     assert r.returncode == 0, r.stderr[-3000:]
     job = json.loads((out / "env0.json").read_text())["env"]["TRAINGUARD_JOB"]
     assert JOB_NAME_RE.match(job), job
+
+
+def _another_local_ipv4(name: str) -> str | None:
+    """An IPv4 address of this host that ``name`` does not resolve to here (None when there is none)."""
+    import psutil
+
+    named = {info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)}
+    mine = sorted(a.address for nics in psutil.net_if_addrs().values() for a in nics if a.family == socket.AF_INET)
+    return next((a for a in mine if a not in named), None)
+
+
+def test_an_endpoint_named_by_host_name_serves_every_interface_like_torchrun(tmp_path: Path, tg_env: dict) -> None:
+    """``--rdzv-endpoint $(hostname):PORT``: the host's name may resolve to loopback on the host itself (Debian's
+    127.0.1.1) and to its network address on the other nodes. torchrun's store listens on every interface at
+    the port; the embedded coordinator bound only what the name meant locally, so the other nodes were refused
+    (here: a second agent dialling another address of this host started a coordinator of its own, and both waited
+    for a second node forever)."""
+    name = socket.gethostname()
+    other = _another_local_ipv4(name)
+    if other is None:
+        pytest.skip(f"every IPv4 address of this host is one {name!r} resolves to")
+    port = _port()
+    out = tmp_path / "out"
+    out.mkdir()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "by-name",
+              "--max-restarts", "0", "--rdzv-conf", "join_timeout=20"]
+    procs = []
+    try:
+        for endpoint in (f"{name}:{port}", f"{other}:{port}"):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "trainguard.cli", "run", *common, "--rdzv-endpoint", endpoint, PRINT_ENV,
+                 str(out)], env=tg_env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                start_new_session=True))
+            if len(procs) == 1:  # the first one embeds the coordinator: wait until it serves
+                deadline = time.monotonic() + 30
+                while _port_free_on("127.0.0.1", port) and _port_free_on(other, port):
+                    assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[1]
+                    time.sleep(0.05)
+        for p in procs:
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    assert sorted(f.name for f in out.glob("env*.json")) == ["env0.json", "env1.json"]
+
+
+def _port_free_on(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) != 0
+
+
+@pytest.mark.parametrize("flags,bind", [
+    (["--nnodes=2", "--master-addr=head-node", "--master-port=29533"], "0.0.0.0:29533"),  # a name: every interface
+    (["--nnodes=2", "--master-addr=192.0.2.7", "--master-port=29533"], ""),  # an address: that interface
+    (["--nnodes=2", "--master-addr=head-node", "--coordinator-listen=10.0.0.1:29533"], ""),  # the user's choice
+    (["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:29533"], ""),  # one node
+])
+def test_static_node_rank_0_binds_a_named_master_on_every_interface(flags: list[str], bind: str) -> None:
+    """The static backend's node rank 0 embeds the coordinator at MASTER_ADDR:MASTER_PORT; a MASTER_ADDR given
+    as a host name binds every interface at that port, as torchrun's store does (see the c10d test above)."""
+    import argparse
+
+    from trainguard.agent.run_args import add_run_arguments
+    from trainguard.agent.run_torchrun import resolve_rendezvous
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    assert resolve_rendezvous(parser.parse_args([*flags, PRINT_ENV])).bind == bind
