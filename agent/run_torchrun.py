@@ -431,7 +431,8 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
 
 def default_address(rdzv: Rendezvous, explicit: str | None) -> str:
     """The address peers reach this node at: ``explicit``, else 127.0.0.1 on one node, else the local address
-    of the route to the coordinator (found with a UDP ``connect``, which sends nothing), else the host name.
+    of the route to the coordinator (found with a UDP ``connect``, which sends nothing) unless that is loopback
+    (the coordinator's host name means this host), else the host name.
 
     A loopback address in a multi-node job is warned about: other nodes could not reach this node's store.
     """
@@ -449,7 +450,12 @@ def default_address(rdzv: Rendezvous, explicit: str | None) -> str:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             with socket.socket(family, socket.SOCK_DGRAM) as s:
                 s.connect((host, port or 9))
-                return s.getsockname()[0]
+                mine = s.getsockname()[0]
+            if not is_loopback(mine):
+                return mine
+            # The coordinator's name means loopback here (Debian's 127.0.1.1 for the host's own name), not on
+            # the other nodes: 127.0.0.1 as this node's address (MASTER_ADDR when it holds rank 0) sent their
+            # workers to themselves. The host name is what they resolve to this node, as torchrun's agent does.
         except OSError:
             pass
     if is_loopback(host):

@@ -3,6 +3,7 @@ same environment, key by key; bad values are one-line errors naming the flag."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
@@ -511,3 +512,26 @@ def test_static_node_rank_0_binds_a_named_master_on_every_interface(flags: list[
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
     assert resolve_rendezvous(parser.parse_args([*flags, PRINT_ENV])).bind == bind
+
+
+def _name_means_loopback(name: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(i[4][0]).is_loopback for i in socket.getaddrinfo(name, None))
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _name_means_loopback(socket.gethostname()),
+                    reason="this host's name does not resolve to loopback here (as Debian's 127.0.1.1 makes it)")
+@pytest.mark.parametrize("joining", [True, False])
+def test_a_host_name_meaning_loopback_here_is_no_loopback_node_address(joining: bool) -> None:
+    """A multi-node job whose coordinator is named by this host's name, which resolves to loopback here: the
+    node's address (MASTER_ADDR when it holds rank 0) was the route's source, 127.0.0.1, so the other nodes'
+    workers dialled themselves. It is the host name, which they resolve to this host, as under torchrun."""
+    from trainguard.agent.run_torchrun import Rendezvous, default_address
+
+    endpoint = f"{socket.gethostname()}:29400"
+    rdzv = Rendezvous(coordinator=endpoint if joining else None, listen="" if joining else endpoint, min_nodes=2,
+                      max_nodes=2, job="j", multi_node=True, endpoint=endpoint)
+    address = default_address(rdzv, None)
+    assert address == socket.getfqdn() and not address.startswith("127."), address
