@@ -105,8 +105,10 @@ def run_job(args: argparse.Namespace) -> RunResult:
     apply_slurm(args)  # SLURM_* fill the flags left at their defaults (no-op outside Slurm)
     server_security, client_security = run_security(args)
     nproc = tr.resolve_nproc(args.nproc_per_node)
-    if args.max_restarts < 0:
-        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    from trainguard.recovery.spec import MAX_RESTARTS_LIMIT
+
+    if not 0 <= args.max_restarts <= MAX_RESTARTS_LIMIT:
+        raise UsageError(f"--max-restarts must be 0..{MAX_RESTARTS_LIMIT}, got {args.max_restarts}")
     if args.hang_floor_s <= 0:
         raise UsageError(f"--hang-floor-s must be > 0, got {args.hang_floor_s}")
     if args.monitor_interval is not None and not args.monitor_interval > 0:

@@ -535,3 +535,12 @@ def test_a_host_name_meaning_loopback_here_is_no_loopback_node_address(joining: 
                       max_nodes=2, job="j", multi_node=True, endpoint=endpoint)
     address = default_address(rdzv, None)
     assert address == socket.getfqdn() and not address.startswith("127."), address
+
+
+def test_a_restart_budget_beyond_a_rank_table_is_a_one_line_error(tg_env: dict) -> None:
+    """``--max-restarts 99999999999`` ("restart forever"): the budget travels in every rank table as an int32, so
+    every heartbeat answer of the embedded coordinator failed with a traceback and the run waited for its first
+    command forever. It is refused before anything starts, naming the flag and the limit."""
+    r = run_cli(["run", "--max-restarts", "99999999999", PRINT_ENV, "/tmp"], tg_env, timeout=30)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert "--max-restarts must be 0..2147483647" in r.stderr
