@@ -123,6 +123,10 @@ def run_job(args: argparse.Namespace) -> RunResult:
     streams = tr.stream_specs(args, nproc)
     signals = tr.parse_signals(args.signals_to_handle)
     rdzv = tr.resolve_rendezvous(args)
+    node_index = args.node_index if args.node_index is not None else args.node_rank
+    if not 0 <= node_index <= 2**31 - 1:  # an int32 on the wire: a larger one crashed the registration
+        flag = "--node-index" if args.node_index is not None else "--node-rank"
+        raise UsageError(f"{flag} {node_index}: expected 0..{2**31 - 1}")
     address = tr.default_address(rdzv, args.address or args.local_addr)
     for flag in tr.ignored_flags(args):
         log.warning("torchrun flag accepted but not applied: %s", flag)
@@ -212,7 +216,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         nproc_per_node=nproc,
         node_id=node_id,
         pod_id=args.pod,
-        node_index=args.node_index if args.node_index is not None else args.node_rank,
+        node_index=node_index,
         host=args.host or socket.gethostname(),
         address=address,
         spare=args.spare,

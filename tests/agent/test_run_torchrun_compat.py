@@ -148,6 +148,10 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     (["--no-python", "-m"], ["--no-python", "--module"]),
     (["--nnodes", "2", "--node-rank", "5"], ["--node-rank 5", "0..1"]),
     (["--node-rank", "-1"], ["--node-rank -1", ">= 0"]),
+    # int32 on the wire: the registration crashed with a ValueError traceback once the job had started
+    (["--node-index", "99999999999"], ["--node-index 99999999999", "0..2147483647"]),
+    (["--node-rank", "99999999999"], ["--node-rank 99999999999", "0..2147483647"]),
+    (["--node-index", "-3"], ["--node-index -3", "0..2147483647"]),  # said by the coordinator, once it ran
     (["--master-port", "99999"], ["--master-port 99999", "1..65535"]),
     (["--rdzv-backend", "c10d", "--rdzv-conf", "is_host=maybe"], ["--rdzv-conf is_host='maybe'", "true or false"]),
     (["--monitor-interval", "0"], ["--monitor-interval", "> 0"]),
