@@ -138,7 +138,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
     qualify = qualify_for_run(args)  # [qualify] of --qualify-config (checked before anything starts)
-    job = rdzv.job or tr.default_job_name(args.script, rdzv, time.time(), args.checkpoint_dir)
+    job = rdzv.job or tr.default_job_name(args.script, rdzv, time.time(), args.checkpoint_dir,
+                                          module=args.module and not args.no_python)
     if not rdzv.endpoint and (not rdzv.job or args.checkpoint_dir):
         _refuse_a_second_job(job, args.script, args.checkpoint_dir, named=bool(rdzv.job))
     from trainguard.recovery.errors import InvalidRequestError

@@ -140,7 +140,8 @@ def default_node_id(rdzv: Rendezvous, joining: str | None, hostname: str, pid: i
     return hostname
 
 
-def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: str | None = None) -> str:
+def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: str | None = None,
+                     module: bool = False) -> str:
     """The job name when neither ``--job`` nor ``--rdzv-id`` is given.
 
     A job with a rendezvous endpoint (every multi-node one) needs the same name on every node, whenever each
@@ -150,7 +151,13 @@ def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: 
     hashed): rerunning the same command after a crash is the same job, so it finds its in-memory checkpoint
     (which the node's daemon keeps for a while), and two runs of one script on other directories do not share
     one. Without a checkpoint directory there is nothing to resume: the start time ``now`` keeps runs apart.
+
+    A ``-m`` module (``module``) is named after its last component, as the hook names it under torchrun (whose
+    ``sys.argv[0]`` is the module's file): ``-m pkg.train`` was ``pkg-...``, so either launcher missed the other's
+    checkpoints, and ``-m pkg.train`` and ``-m pkg.finetune`` on one checkpoint directory were one job.
     """
+    if module:
+        script = script.rsplit(".", 1)[-1]
     stem = os.path.splitext(os.path.basename(script.rstrip("/")))[0] or "job"
     if rdzv.endpoint:
         _, port = split_endpoint(rdzv.endpoint, 0, "--rdzv-endpoint")

@@ -548,3 +548,29 @@ def test_a_restart_budget_beyond_a_rank_table_is_a_one_line_error(tg_env: dict) 
     r = run_cli(["run", "--max-restarts", "99999999999", PRINT_ENV, "/tmp"], tg_env, timeout=30)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert "--max-restarts must be 0..2147483647" in r.stderr
+
+
+def test_a_module_job_is_named_as_the_hook_names_it_under_torchrun(tmp_path: Path, tg_env: dict) -> None:
+    """``-m pkg.train --checkpoint-dir D``: the hook under a one-node torchrun names the job after its
+    ``sys.argv[0]`` (the module's file, ``.../pkg/train.py``: ``train-<hash of D>``); trainguard run named it
+    ``pkg-<hash>``, so neither launcher found the other's checkpoints, and ``-m pkg.finetune`` on the same
+    directory was the same job as ``-m pkg.train``."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for mod in ("train", "finetune"):
+        (pkg / f"{mod}.py").write_text(
+            "import json, os, sys\n"
+            "from trainguard.worker_env import checkpoint_job_name\n"
+            "json.dump({'job': os.environ['TRAINGUARD_JOB'], 'hook': checkpoint_job_name(sys.argv[0], sys.argv[1])},"
+            f" open(os.path.join(sys.argv[2], '{mod}.json'), 'w'))\n")
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    env = {**tg_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), tg_env.get("PYTHONPATH")]))}
+    for mod in ("train", "finetune"):
+        r = run_cli(["run", "--max-restarts", "0", "--checkpoint-dir", str(ck), "-m", f"pkg.{mod}", str(ck),
+                     str(out)], env)
+        assert r.returncode == 0, r.stderr[-3000:]
+    train, finetune = (json.loads((out / f"{m}.json").read_text()) for m in ("train", "finetune"))
+    assert train["job"] == train["hook"] and train["job"].startswith("train-"), train
+    assert finetune["job"] == finetune["hook"] != train["job"], finetune
