@@ -437,6 +437,11 @@ class JobCoordinator:
         if st.phase is Phase.FORMING:
             if len(self._members) >= self.spec.nnodes:
                 self._try_form(now)
+            else:
+                # _first_layout says why once enough registered (it sorts every member, so it is skipped before,
+                # or each registration of a large job would sort them all); until then the nodes that did
+                # register waited with an empty message, and their logs said nothing for as long as they waited.
+                self._form_note = f"waiting for nodes: {len(self._members)} of {self.spec.nnodes} registered"
             if self._policy.state.forming_since_s and self._apply(Tick(self._wall())).changed:
                 self._mver += 1
         elif st.plan is not None:
