@@ -105,8 +105,10 @@ def run_job(args: argparse.Namespace) -> RunResult:
     apply_slurm(args)  # SLURM_* fill the flags left at their defaults (no-op outside Slurm)
     server_security, client_security = run_security(args)
     nproc = tr.resolve_nproc(args.nproc_per_node)
-    if args.max_restarts < 0:
-        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    from trainguard.recovery.spec import MAX_RESTARTS_LIMIT
+
+    if not 0 <= args.max_restarts <= MAX_RESTARTS_LIMIT:
+        raise UsageError(f"--max-restarts must be 0..{MAX_RESTARTS_LIMIT}, got {args.max_restarts}")
     if args.hang_floor_s <= 0:
         raise UsageError(f"--hang-floor-s must be > 0, got {args.hang_floor_s}")
     if args.monitor_interval is not None and not args.monitor_interval > 0:
@@ -121,6 +123,10 @@ def run_job(args: argparse.Namespace) -> RunResult:
     streams = tr.stream_specs(args, nproc)
     signals = tr.parse_signals(args.signals_to_handle)
     rdzv = tr.resolve_rendezvous(args)
+    node_index = args.node_index if args.node_index is not None else args.node_rank
+    if not 0 <= node_index <= 2**31 - 1:  # an int32 on the wire: a larger one crashed the registration
+        flag = "--node-index" if args.node_index is not None else "--node-rank"
+        raise UsageError(f"{flag} {node_index}: expected 0..{2**31 - 1}")
     address = tr.default_address(rdzv, args.address or args.local_addr)
     for flag in tr.ignored_flags(args):
         log.warning("torchrun flag accepted but not applied: %s", flag)
@@ -132,7 +138,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
     qualify = qualify_for_run(args)  # [qualify] of --qualify-config (checked before anything starts)
-    job = rdzv.job or tr.default_job_name(args.script, rdzv, time.time(), args.checkpoint_dir)
+    job = rdzv.job or tr.default_job_name(args.script, rdzv, time.time(), args.checkpoint_dir,
+                                          module=args.module and not args.no_python)
     if not rdzv.endpoint and (not rdzv.job or args.checkpoint_dir):
         _refuse_a_second_job(job, args.script, args.checkpoint_dir, named=bool(rdzv.job))
     from trainguard.recovery.errors import InvalidRequestError
@@ -160,7 +167,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
                         max_restarts=args.max_restarts, heartbeat_interval_s=0.2,
                         hold_unhealthy=rdzv.max_nodes > 1, allow_shrink=rdzv.max_nodes > rdzv.min_nodes,
                         min_nodes=rdzv.min_nodes, failslow=failslow),
-                listen=rdzv.listen, security=server_security,
+                listen=rdzv.bind or rdzv.listen, security=server_security,
             ).start()
         except CoordinatorError as exc:
             if not rdzv.join_if_taken:
@@ -210,7 +217,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         nproc_per_node=nproc,
         node_id=node_id,
         pod_id=args.pod,
-        node_index=args.node_index if args.node_index is not None else args.node_rank,
+        node_index=node_index,
         host=args.host or socket.gethostname(),
         address=address,
         spare=args.spare,

@@ -65,6 +65,27 @@ def flag_default(dest: str, fallback: object) -> object:
     return fallback
 
 
+#: Attribute of a parsed ``trainguard run`` namespace: the ``dest`` of every torchrun flag given on the command
+#: line, so defaults filled in later (:func:`~trainguard.agent.run_deploy.apply_slurm`) never replace one the
+#: user gave, even when it equals the default (``--nproc-per-node 1``).
+GIVEN_ATTR = "torchrun_flags_given"
+
+
+class _StoreGiven(argparse._StoreAction):
+    """``store``, noting the flag's ``dest`` in :data:`GIVEN_ATTR`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: D102 - argparse's contract
+        super().__call__(parser, namespace, values, option_string)
+        given = set(getattr(namespace, GIVEN_ATTR, ()))
+        given.add(self.dest)
+        setattr(namespace, GIVEN_ATTR, given)
+
+
+def flag_given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether torchrun flag ``dest`` was given, on the command line or as its ``$PET_<DEST>``."""
+    return dest in getattr(args, GIVEN_ATTR, ()) or (ENV_DEFAULT_PREFIX + dest.upper()) in os.environ
+
+
 def _spellings(name: str) -> list[str]:
     """``--nproc-per-node`` and ``--nproc_per_node``: torchrun accepts both for every multi-word flag."""
     return [name] if "-" not in name[2:] else [name, "--" + name[2:].replace("-", "_")]
@@ -79,7 +100,7 @@ def _torchrun_flag(g: argparse._ActionsContainer, name: str, *, fallback: object
         default = str(raw).lower() in ("1", "true", "yes", "on") if isinstance(raw, str) else bool(fallback)
         g.add_argument(*names, dest=dest, default=default, **kw)
     else:
-        g.add_argument(*names, dest=dest, default=flag_default(dest, fallback), **kw)
+        g.add_argument(*names, dest=dest, default=flag_default(dest, fallback), action=_StoreGiven, **kw)
 
 
 def add_torchrun_arguments(p: argparse.ArgumentParser) -> None:

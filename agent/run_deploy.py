@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from trainguard.agent.run_args import flag_given
 from trainguard.agent.tls import TlsFiles
 from trainguard.agent.config import hostport_arg
 from trainguard.errors import UsageError
@@ -187,9 +188,11 @@ def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         args.address = place.host
     if _unset(args.node_index, 0):
         args.node_index = place.node_index
-    if _unset(getattr(args, "node_rank", None), 0):  # torchrun's --node-rank, where the parser has it
+    # A torchrun flag given as its default (--nproc-per-node 1: one process driving every GPU) is the user's
+    # choice: it was replaced (8 workers where 1 was asked for, as SLURM_GPUS_ON_NODE said 8).
+    if _unset(getattr(args, "node_rank", None), 0) and not flag_given(args, "node_rank"):
         args.node_rank = place.node_index
-    if _unset(args.nproc_per_node, 1) and place.gpus_on_node > 1:
+    if _unset(args.nproc_per_node, 1) and place.gpus_on_node > 1 and not flag_given(args, "nproc_per_node"):
         args.nproc_per_node = _like(args.nproc_per_node, place.gpus_on_node)
     port = getattr(args, "coordinator_port", DEFAULT_SLURM_COORDINATOR_PORT)
     # torchrun's own rendezvous flags win over the Slurm mapping: it only fills a job that named no coordinator.

@@ -29,11 +29,13 @@ import ipaddress
 import logging
 import math
 import os
+import re
 import signal
 import socket
 from dataclasses import dataclass, field
 
 from trainguard.errors import UsageError
+from trainguard.recovery.spec import JOB_NAME_RE
 from trainguard.worker_env import checkpoint_job_name
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,8 @@ class Rendezvous:
         endpoint: the rendezvous endpoint every node of the job names (``--rdzv-endpoint``,
             ``--master-addr:--master-port`` or ``--coordinator``); empty for a one-node job on a free port.
         static_rank: ``--node-rank`` of a multi-node static rendezvous (None otherwise).
+        bind: where the embedded coordinator binds when that is not ``listen`` ("": ``listen``); see
+            :func:`embed_bind`.
     """
 
     coordinator: str | None
@@ -91,6 +95,25 @@ class Rendezvous:
     join_if_taken: bool = False
     endpoint: str = ""
     static_rank: int | None = None
+    bind: str = ""
+
+
+def embed_bind(host: str, port: int, multi_node: bool) -> str:
+    """Where a coordinator embedded for rendezvous endpoint ``host:port`` binds ("": at the endpoint itself).
+
+    torchrun's rendezvous store listens on every interface at the endpoint's port. A multi-node endpoint named
+    by a host name does the same here: the name may resolve to loopback on its own host (Debian and Ubuntu map
+    the host's name to 127.0.1.1 in /etc/hosts) while the other nodes resolve it to the host's network address,
+    and a coordinator bound to what the name means locally refused every other node. An address literal binds
+    as given (it names the interface the other nodes dial), as does a one-node job.
+    """
+    if not multi_node or host == "localhost":
+        return ""
+    try:
+        ipaddress.ip_address(host.strip("[]").split("%")[0])
+        return ""
+    except ValueError:
+        return join_endpoint("0.0.0.0", port)
 
 
 def default_node_id(rdzv: Rendezvous, joining: str | None, hostname: str, pid: int) -> str:
@@ -117,7 +140,8 @@ def default_node_id(rdzv: Rendezvous, joining: str | None, hostname: str, pid: i
     return hostname
 
 
-def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: str | None = None) -> str:
+def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: str | None = None,
+                     module: bool = False) -> str:
     """The job name when neither ``--job`` nor ``--rdzv-id`` is given.
 
     A job with a rendezvous endpoint (every multi-node one) needs the same name on every node, whenever each
@@ -127,15 +151,35 @@ def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: 
     hashed): rerunning the same command after a crash is the same job, so it finds its in-memory checkpoint
     (which the node's daemon keeps for a while), and two runs of one script on other directories do not share
     one. Without a checkpoint directory there is nothing to resume: the start time ``now`` keeps runs apart.
+
+    A ``-m`` module (``module``) is named after its last component, as the hook names it under torchrun (whose
+    ``sys.argv[0]`` is the module's file): ``-m pkg.train`` was ``pkg-...``, so either launcher missed the other's
+    checkpoints, and ``-m pkg.train`` and ``-m pkg.finetune`` on one checkpoint directory were one job.
     """
+    if module:
+        script = script.rsplit(".", 1)[-1]
     stem = os.path.splitext(os.path.basename(script.rstrip("/")))[0] or "job"
     if rdzv.endpoint:
         _, port = split_endpoint(rdzv.endpoint, 0, "--rdzv-endpoint")
-        return f"{stem}-{port}"
+        return job_name_from(stem, str(port))
     if checkpoint_dir:
         # The hook names a torchrun launch's checkpoints the same way: either launcher resumes the other's.
-        return checkpoint_job_name(script, checkpoint_dir)
-    return f"{stem}-{int(now)}"
+        name = checkpoint_job_name(script, checkpoint_dir)
+        return name if JOB_NAME_RE.match(name) else job_name_from(*name.rsplit("-", 1))
+    return job_name_from(stem, str(int(now)))
+
+
+def job_name_from(stem: str, suffix: str) -> str:
+    """``<stem>-<suffix>`` as a valid job name (:data:`JOB_NAME_RE`): characters a job name may not hold
+    become ``_``, a leading one that is not a letter or digit goes, and the stem is cut to fit 128 characters.
+    torchrun runs any script name; a default name built from ``_train.py``, ``my train.py`` or ``训练.py`` was
+    refused by the coordinator ("job name ... is invalid") for a name the user never gave."""
+    name = f"{stem}-{suffix}"
+    if JOB_NAME_RE.match(name):
+        return name  # unchanged: a rerun keeps finding the checkpoints of earlier versions
+    safe = re.sub(r"[^A-Za-z0-9._:@-]+", "_", stem)
+    safe = re.sub(r"^[^A-Za-z0-9]+", "", safe)[:127 - len(suffix)].rstrip("._:@-") or "job"
+    return f"{safe}-{suffix}"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -159,6 +203,15 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: taskset, cgroup cpusets, Slurm's binding), as
+    torchrun counts them for ``--nproc-per-node cpu``; ``os.cpu_count()`` counts the machine's, so a job bound
+    to 2 of 64 cores started 64 workers where torchrun starts 2."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def resolve_nproc(text: str) -> int:
     """``N``, ``gpu``, ``auto`` or ``cpu`` -> the local worker count, as torchrun resolves it.
 
@@ -172,7 +225,7 @@ def resolve_nproc(text: str) -> int:
             raise UsageError(f"--nproc-per-node must be >= 1, got {n}")
         return n
     if text == "cpu":
-        return os.cpu_count() or 1
+        return usable_cpus()
     if text in ("gpu", "auto"):
         import torch  # only for these two names: the count of accelerators needs it
 
@@ -180,7 +233,7 @@ def resolve_nproc(text: str) -> int:
             return torch.cuda.device_count()
         if text == "gpu":
             raise UsageError("--nproc-per-node gpu: CUDA is not available on this node; give a count or 'cpu'")
-        return os.cpu_count() or 1
+        return usable_cpus()
     raise UsageError(f"--nproc-per-node {text!r}: expected a count, gpu, auto or cpu")
 
 
@@ -355,10 +408,12 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
             # torchrun's c10d backend: the agent on the endpoint's host serves; a second agent on that host
             # finds the port taken and joins (also when both tried at once: join_if_taken).
             if is_local_host(host) and _port_free(host, port):
-                return Rendezvous(coordinator=None, listen=listen_flag or target, join_if_taken=True, **common)
+                return Rendezvous(coordinator=None, listen=listen_flag or target, join_if_taken=True,
+                                  bind="" if listen_flag else embed_bind(host, port, hi > 1), **common)
             return Rendezvous(coordinator=target, listen="", **common)
         if is_host:
-            return Rendezvous(coordinator=None, listen=listen_flag or target, **common)
+            return Rendezvous(coordinator=None, listen=listen_flag or target,
+                              bind="" if listen_flag else embed_bind(host, port, hi > 1), **common)
         return Rendezvous(coordinator=target, listen="", **common)
     if backend == "c10d" and hi > 1:
         raise UsageError("--rdzv-backend c10d with more than one node needs --rdzv-endpoint HOST:PORT")
@@ -375,14 +430,16 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
         if args.node_rank >= hi:
             raise UsageError(f"--node-rank {args.node_rank}: expected 0..{hi - 1} for --nnodes {args.nnodes}")
         if args.node_rank == 0:
-            return Rendezvous(coordinator=None, listen=listen_flag or target, **common)
+            return Rendezvous(coordinator=None, listen=listen_flag or target,
+                              bind="" if listen_flag else embed_bind(host, port, True), **common)
         return Rendezvous(coordinator=target, listen="", **common)
     return Rendezvous(coordinator=None, listen=listen_flag or "127.0.0.1:0", **common)
 
 
 def default_address(rdzv: Rendezvous, explicit: str | None) -> str:
     """The address peers reach this node at: ``explicit``, else 127.0.0.1 on one node, else the local address
-    of the route to the coordinator (found with a UDP ``connect``, which sends nothing), else the host name.
+    of the route to the coordinator (found with a UDP ``connect``, which sends nothing) unless that is loopback
+    (the coordinator's host name means this host), else the host name.
 
     A loopback address in a multi-node job is warned about: other nodes could not reach this node's store.
     """
@@ -400,7 +457,12 @@ def default_address(rdzv: Rendezvous, explicit: str | None) -> str:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             with socket.socket(family, socket.SOCK_DGRAM) as s:
                 s.connect((host, port or 9))
-                return s.getsockname()[0]
+                mine = s.getsockname()[0]
+            if not is_loopback(mine):
+                return mine
+            # The coordinator's name means loopback here (Debian's 127.0.1.1 for the host's own name), not on
+            # the other nodes: 127.0.0.1 as this node's address (MASTER_ADDR when it holds rank 0) sent their
+            # workers to themselves. The host name is what they resolve to this node, as torchrun's agent does.
         except OSError:
             pass
     if is_loopback(host):

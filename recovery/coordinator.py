@@ -127,6 +127,7 @@ class JobCoordinator:
         # Job-wide memory tier: each node's latest in-memory checkpoint copies, and the restore plan built from
         # them for the current table (recomputed when holdings, liveness or the table change).
         self._memory = MemoryBook(spec.job, self._alive)
+        self._ended_note = ""  # set when the store holds a job that had ended already (see _load)
         self._load()
 
     # ------------------------------------------------------------------------------------------- persistence
@@ -150,6 +151,14 @@ class JobCoordinator:
             log.info("job %s restored from store (fence epoch %d): %s, generation %d, %d restart(s), %d node(s)",
                      self.spec.job, self.fence.epoch, st.phase.name, st.generation, st.restart_count,
                      len(self._members))
+            if st.phase in (Phase.SUCCEEDED, Phase.FAILED):
+                # The outcome stands (a coordinator restarted after the end must not run the job again), but a
+                # rerun of the same commands otherwise got only an old "job failed: ..." with no word of where
+                # it came from, and nothing ran.
+                self._ended_note = (f"job {self.spec.job} had already {st.phase.name.lower()} before this "
+                                    f"coordinator started (its store {self.spec.store} keeps the outcome)")
+                log.warning("%s: %s; every node is told it is over. To run the job again, start the coordinator "
+                            "with another --job or --store", self._ended_note, st.message)
         lay = self._layout
         if lay is not None and (not self.spec.nnodes <= len(lay.slots) <= self._max_nodes()
                                 or lay.group_size != self.spec.group_size):
@@ -428,6 +437,11 @@ class JobCoordinator:
         if st.phase is Phase.FORMING:
             if len(self._members) >= self.spec.nnodes:
                 self._try_form(now)
+            else:
+                # _first_layout says why once enough registered (it sorts every member, so it is skipped before,
+                # or each registration of a large job would sort them all); until then the nodes that did
+                # register waited with an empty message, and their logs said nothing for as long as they waited.
+                self._form_note = f"waiting for nodes: {len(self._members)} of {self.spec.nnodes} registered"
             if self._policy.state.forming_since_s and self._apply(Tick(self._wall())).changed:
                 self._mver += 1
         elif st.plan is not None:
@@ -689,10 +703,15 @@ class JobCoordinator:
     def _command(self, m: Member) -> HeartbeatReply:
         """What the node must do now (lock held; see :func:`~.node_command.command_for`)."""
         st = self._policy.state
-        return command_for(m, st, self._layout, self._table, self._interval_s(), self._form_note,
-                           self._relay.pending(st.generation), self.spec.full_table_max_nodes,
-                           lambda: self._memory.holdings_fresh(self._table, self._clock, self._interval_s()),
-                           lambda: self._memory.restore_plan(self._table, self._mver), self._state_fut)
+        reply = command_for(m, st, self._layout, self._table, self._interval_s(), self._form_note,
+                            self._relay.pending(st.generation), self.spec.full_table_max_nodes,
+                            lambda: self._memory.holdings_fresh(self._table, self._clock, self._interval_s()),
+                            lambda: self._memory.restore_plan(self._table, self._mver), self._state_fut)
+        if self._ended_note and st.phase in (Phase.SUCCEEDED, Phase.FAILED):
+            reply = replace(reply, response=replace(reply.response, message=(
+                f"{self._ended_note}: {st.message}; to run it again, start the coordinator with another --job "
+                "or --store")))
+        return reply
 
     def _alive(self, node_id: str) -> bool:
         """Whether ``node_id`` is a member whose lease has not been found expired (lock held)."""

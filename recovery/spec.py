@@ -12,6 +12,8 @@ from trainguard.recovery.policy import PolicyConfig
 from trainguard.recovery.straggler import StragglerConfig
 
 #: Job names: what fits in a store key and a log line.
+#: The largest restart budget (rank tables carry it as an int32).
+MAX_RESTARTS_LIMIT = 2**31 - 1
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
 
@@ -93,6 +95,11 @@ class JobSpec:
                                       "starting with a letter or digit")
         if self.nnodes < 1 or self.max_restarts < 0 or self.group_size < 1 or self.min_nodes < 0:
             raise InvalidRequestError("need nnodes >= 1, max_restarts >= 0, group_size >= 1, min_nodes >= 0")
+        if self.max_restarts > MAX_RESTARTS_LIMIT:
+            # The budget travels in every rank table as an int32: a larger one made every heartbeat answer fail
+            # (ValueError in the service), and the nodes waited forever for their first command.
+            raise InvalidRequestError(f"max restarts {self.max_restarts} is above {MAX_RESTARTS_LIMIT}, the most a "
+                                      "rank table carries")
         if self.min_nodes > self.nnodes:
             # Shrinking only ever removes nodes: a minimum above the start refused every shrink, so the first lost
             # node left the job waiting for a spare without saying that the flag was why.

@@ -50,3 +50,27 @@ def test_flags_left_at_defaults_are_filled_and_explicit_ones_win() -> None:
     assert explicit.job == "mine" and explicit.coordinator == "c:1"
     off = build_parser().parse_args(["run", "--no-slurm", "train.py"])
     assert apply_slurm(off, _env()) is None and off.job is None
+
+
+def test_an_explicit_nproc_per_node_of_1_is_kept_under_slurm(tmp_path, tg_env) -> None:
+    """``srun --gpus-per-node 2 trainguard run --nproc-per-node 1 train.py`` (one process driving every GPU): a
+    flag given as its default counted as left alone, so SLURM_GPUS_ON_NODE replaced it and the node started 2
+    workers. A real launcher under a one-node Slurm step's variables; its workers write their environment."""
+    import json
+    import socket
+    from pathlib import Path
+
+    from tg_testutil import run_cli
+
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(__file__).resolve().parent / "scripts" / "print_env.py"
+    env = {**tg_env, "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": socket.gethostname(), "SLURM_NODEID": "0",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_GPUS_ON_NODE": "2"}
+    for flags, workers in ((["--nproc-per-node", "1"], 1), ([], 2)):  # left alone, Slurm's count fills it
+        for f in out.iterdir():
+            f.unlink()
+        r = run_cli(["run", *flags, "--max-restarts", "0", "--address", "127.0.0.1", str(script), str(out)], env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        envs = [json.loads(f.read_text())["env"] for f in out.glob("env*.json")]
+        assert len(envs) == workers and {e["WORLD_SIZE"] for e in envs} == {str(workers)}, (flags, envs)

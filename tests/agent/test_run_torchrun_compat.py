@@ -3,11 +3,13 @@ same environment, key by key; bad values are one-line errors naming the flag."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,6 +148,10 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     (["--no-python", "-m"], ["--no-python", "--module"]),
     (["--nnodes", "2", "--node-rank", "5"], ["--node-rank 5", "0..1"]),
     (["--node-rank", "-1"], ["--node-rank -1", ">= 0"]),
+    # int32 on the wire: the registration crashed with a ValueError traceback once the job had started
+    (["--node-index", "99999999999"], ["--node-index 99999999999", "0..2147483647"]),
+    (["--node-rank", "99999999999"], ["--node-rank 99999999999", "0..2147483647"]),
+    (["--node-index", "-3"], ["--node-index -3", "0..2147483647"]),  # said by the coordinator, once it ran
     (["--master-port", "99999"], ["--master-port 99999", "1..65535"]),
     (["--rdzv-backend", "c10d", "--rdzv-conf", "is_host=maybe"], ["--rdzv-conf is_host='maybe'", "true or false"]),
     (["--monitor-interval", "0"], ["--monitor-interval", "> 0"]),
@@ -400,3 +406,171 @@ def test_static_backend_takes_the_rdzv_endpoint_like_torchrun(rank: str, coordin
     args = parser.parse_args(["--nnodes=2", "--node-rank=1", "--rdzv-endpoint=192.0.2.7", "--master-port=29522",
                               PRINT_ENV])
     assert resolve_rendezvous(args).coordinator == "192.0.2.7:29522"
+
+
+@pytest.mark.parametrize("count", ["cpu", "auto"])
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to bind the launchers to one")
+def test_nproc_cpu_counts_the_cpus_the_launcher_may_use_like_torchrun(tmp_path: Path, tg_env: dict,
+                                                                      count: str) -> None:
+    """Under taskset / a cgroup cpuset / Slurm's binding, ``--nproc-per-node cpu`` (and ``auto`` without an
+    accelerator) starts one worker per CPU the launcher may run on, as torchrun does; it started one per CPU of
+    the machine (64 workers on the 2 cores a job was given)."""
+    one_cpu = min(os.sched_getaffinity(0))
+    line = ["--standalone", "--nproc-per-node", count, "--max-restarts", "0", PRINT_ENV]
+    ours, theirs = tmp_path / "trainguard", tmp_path / "torchrun"
+    for launcher, out in (("trainguard", ours), ("torchrun", theirs)):
+        out.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run"] if launcher == "torchrun" else \
+            [sys.executable, "-m", "trainguard.cli", "run"]
+        r = subprocess.run(cmd + line + [str(out)], env=tg_env, cwd=REPO, capture_output=True, text=True, timeout=90,
+                           preexec_fn=lambda: os.sched_setaffinity(0, {one_cpu}))
+        assert r.returncode == 0, f"{launcher}: {r.stderr[-3000:]}"
+    assert sorted(f.name for f in theirs.glob("env*.json")) == ["env0.json"]  # torchrun: one CPU, one worker
+    assert sorted(f.name for f in ours.glob("env*.json")) == ["env0.json"]
+
+
+@pytest.mark.parametrize("name,ckpt", [("_my train (copy).py", True), ("训练.py", False)])
+def test_any_script_name_runs_as_under_torchrun(tmp_path: Path, tg_env: dict, name: str, ckpt: bool) -> None:
+    """torchrun runs a script of any name; the default job name built from one with a leading ``_``, spaces or
+    non-ASCII letters was refused ("job name '_my train (copy)-...' is invalid"), naming a job the user never
+    gave. Now such characters become ``_`` in the default name, which the workers get as $TRAINGUARD_JOB."""
+    from trainguard.recovery.spec import JOB_NAME_RE
+
+    script = tmp_path / name
+    script.write_text((SCRIPTS / "print_env.py").read_text())
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_cli(["run", "--nproc-per-node", "1", "--max-restarts", "0",
+                 *(["--checkpoint-dir", str(tmp_path / "ck")] if ckpt else []), str(script), str(out)], tg_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    job = json.loads((out / "env0.json").read_text())["env"]["TRAINGUARD_JOB"]
+    assert JOB_NAME_RE.match(job), job
+
+
+def _another_local_ipv4(name: str) -> str | None:
+    """An IPv4 address of this host that ``name`` does not resolve to here (None when there is none)."""
+    import psutil
+
+    named = {info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)}
+    mine = sorted(a.address for nics in psutil.net_if_addrs().values() for a in nics if a.family == socket.AF_INET)
+    return next((a for a in mine if a not in named), None)
+
+
+def test_an_endpoint_named_by_host_name_serves_every_interface_like_torchrun(tmp_path: Path, tg_env: dict) -> None:
+    """``--rdzv-endpoint $(hostname):PORT``: the host's name may resolve to loopback on the host itself (Debian's
+    127.0.1.1) and to its network address on the other nodes. torchrun's store listens on every interface at
+    the port; the embedded coordinator bound only what the name meant locally, so the other nodes were refused
+    (here: a second agent dialling another address of this host started a coordinator of its own, and both waited
+    for a second node forever)."""
+    name = socket.gethostname()
+    other = _another_local_ipv4(name)
+    if other is None:
+        pytest.skip(f"every IPv4 address of this host is one {name!r} resolves to")
+    port = _port()
+    out = tmp_path / "out"
+    out.mkdir()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "by-name",
+              "--max-restarts", "0", "--rdzv-conf", "join_timeout=20"]
+    procs = []
+    try:
+        for endpoint in (f"{name}:{port}", f"{other}:{port}"):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "trainguard.cli", "run", *common, "--rdzv-endpoint", endpoint, PRINT_ENV,
+                 str(out)], env=tg_env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                start_new_session=True))
+            if len(procs) == 1:  # the first one embeds the coordinator: wait until it serves
+                deadline = time.monotonic() + 30
+                while _port_free_on("127.0.0.1", port) and _port_free_on(other, port):
+                    assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[1]
+                    time.sleep(0.05)
+        for p in procs:
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    assert sorted(f.name for f in out.glob("env*.json")) == ["env0.json", "env1.json"]
+
+
+def _port_free_on(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) != 0
+
+
+@pytest.mark.parametrize("flags,bind", [
+    (["--nnodes=2", "--master-addr=head-node", "--master-port=29533"], "0.0.0.0:29533"),  # a name: every interface
+    (["--nnodes=2", "--master-addr=192.0.2.7", "--master-port=29533"], ""),  # an address: that interface
+    (["--nnodes=2", "--master-addr=head-node", "--coordinator-listen=10.0.0.1:29533"], ""),  # the user's choice
+    (["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:29533"], ""),  # one node
+])
+def test_static_node_rank_0_binds_a_named_master_on_every_interface(flags: list[str], bind: str) -> None:
+    """The static backend's node rank 0 embeds the coordinator at MASTER_ADDR:MASTER_PORT; a MASTER_ADDR given
+    as a host name binds every interface at that port, as torchrun's store does (see the c10d test above)."""
+    import argparse
+
+    from trainguard.agent.run_args import add_run_arguments
+    from trainguard.agent.run_torchrun import resolve_rendezvous
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    assert resolve_rendezvous(parser.parse_args([*flags, PRINT_ENV])).bind == bind
+
+
+def _name_means_loopback(name: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(i[4][0]).is_loopback for i in socket.getaddrinfo(name, None))
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _name_means_loopback(socket.gethostname()),
+                    reason="this host's name does not resolve to loopback here (as Debian's 127.0.1.1 makes it)")
+@pytest.mark.parametrize("joining", [True, False])
+def test_a_host_name_meaning_loopback_here_is_no_loopback_node_address(joining: bool) -> None:
+    """A multi-node job whose coordinator is named by this host's name, which resolves to loopback here: the
+    node's address (MASTER_ADDR when it holds rank 0) was the route's source, 127.0.0.1, so the other nodes'
+    workers dialled themselves. It is the host name, which they resolve to this host, as under torchrun."""
+    from trainguard.agent.run_torchrun import Rendezvous, default_address
+
+    endpoint = f"{socket.gethostname()}:29400"
+    rdzv = Rendezvous(coordinator=endpoint if joining else None, listen="" if joining else endpoint, min_nodes=2,
+                      max_nodes=2, job="j", multi_node=True, endpoint=endpoint)
+    address = default_address(rdzv, None)
+    assert address == socket.getfqdn() and not address.startswith("127."), address
+
+
+def test_a_restart_budget_beyond_a_rank_table_is_a_one_line_error(tg_env: dict) -> None:
+    """``--max-restarts 99999999999`` ("restart forever"): the budget travels in every rank table as an int32, so
+    every heartbeat answer of the embedded coordinator failed with a traceback and the run waited for its first
+    command forever. It is refused before anything starts, naming the flag and the limit."""
+    r = run_cli(["run", "--max-restarts", "99999999999", PRINT_ENV, "/tmp"], tg_env, timeout=30)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert "--max-restarts must be 0..2147483647" in r.stderr
+
+
+def test_a_module_job_is_named_as_the_hook_names_it_under_torchrun(tmp_path: Path, tg_env: dict) -> None:
+    """``-m pkg.train --checkpoint-dir D``: the hook under a one-node torchrun names the job after its
+    ``sys.argv[0]`` (the module's file, ``.../pkg/train.py``: ``train-<hash of D>``); trainguard run named it
+    ``pkg-<hash>``, so neither launcher found the other's checkpoints, and ``-m pkg.finetune`` on the same
+    directory was the same job as ``-m pkg.train``."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for mod in ("train", "finetune"):
+        (pkg / f"{mod}.py").write_text(
+            "import json, os, sys\n"
+            "from trainguard.worker_env import checkpoint_job_name\n"
+            "json.dump({'job': os.environ['TRAINGUARD_JOB'], 'hook': checkpoint_job_name(sys.argv[0], sys.argv[1])},"
+            f" open(os.path.join(sys.argv[2], '{mod}.json'), 'w'))\n")
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    env = {**tg_env, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), tg_env.get("PYTHONPATH")]))}
+    for mod in ("train", "finetune"):
+        r = run_cli(["run", "--max-restarts", "0", "--checkpoint-dir", str(ck), "-m", f"pkg.{mod}", str(ck),
+                     str(out)], env)
+        assert r.returncode == 0, r.stderr[-3000:]
+    train, finetune = (json.loads((out / f"{m}.json").read_text()) for m in ("train", "finetune"))
+    assert train["job"] == train["hook"] and train["job"].startswith("train-"), train
+    assert finetune["job"] == finetune["hook"] != train["job"], finetune

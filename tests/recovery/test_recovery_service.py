@@ -372,6 +372,8 @@ def test_sigkilled_coordinator_continues_the_job(tmp_path, tg_env, scheme, reque
     (["--nnodes", "0"], "--nnodes '0': need 1 <= MIN <= MAX"),
     (["--nnodes", "2", "--last-call-timeout", "-1"], "--last-call-timeout -1.0"),
     (["--job", "bad job!"], "job name"),
+    # An int32 overflow in every rank table: the coordinator served, and every heartbeat answer failed.
+    (["--max-restarts", "99999999999"], "max restarts 99999999999 is above 2147483647"),
 ])
 def test_cli_bad_flags_are_one_line_errors(args, needle, tg_env) -> None:
     r = subprocess.run([sys.executable, "-m", "trainguard.cli", "coordinator", "--job", "j", "--listen",

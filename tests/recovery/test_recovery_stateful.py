@@ -1,5 +1,6 @@
 """Stateful property tests of the coordinator (hypothesis ``RuleBasedStateMachine``), in process, with a
-simulated clock: random registrations of spares, node deaths, agent restarts, lease expiries, fault reports
+simulated clock: random registrations of spares, node deaths and returns (with the old lease or afresh, also
+while the dead node's replacement is being chosen), agent restarts, lease expiries, fault reports
 (single and in bursts, process- and node-level), coordinator restarts on the same store, and group sizes.
 
 The real :class:`~trainguard.recovery.coordinator.JobCoordinator` runs on a real in-memory store; the nodes are
@@ -22,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from trainguard.recovery.coordinator import JobCoordinator, JobSpec
 from trainguard.recovery.domain import Beat, Command, FaultReport, NodeRecord
+from trainguard.recovery.errors import StaleLeaseError, UnknownNodeError
 from trainguard.recovery.policy import Cause, Level, Phase
 from trainguard.recovery.store import MemoryStore
 
@@ -62,6 +64,13 @@ class SimNode:
         self.gen = -1
 
     def beat(self, core: JobCoordinator) -> None:
+        try:
+            self._beat(core)
+        except (StaleLeaseError, UnknownNodeError):  # what a real agent does: register again, then beat
+            self.register(core)
+            self._beat(core)
+
+    def _beat(self, core: JobCoordinator) -> None:
         reply = core.heartbeat(Beat(JOB, self.info.node_id, self.lease, self.gen, 2 if self.gen > 0 else 0,
                                     free_port=next(self._ports)))
         cmd = reply.response.command
@@ -157,6 +166,17 @@ class CoordinatorMachine(RuleBasedStateMachine):
         alive = [n for n in self.nodes.values() if n.alive]
         if alive:
             alive[pick % len(alive)].alive = False  # no more heartbeats: its lease will expire
+
+    @rule(pick=st.integers(0, 99), fresh=st.booleans())
+    def revive_node(self, pick: int, fresh: bool) -> None:
+        """A dead node comes back while its replacement may be being chosen: its agent heartbeats again with
+        its old lease (re-registering when the coordinator says it forgot it), or starts afresh."""
+        dead = [n for n in self.nodes.values() if not n.alive]
+        if dead:
+            n = dead[pick % len(dead)]
+            n.alive = True
+            if fresh:
+                n.register(self.core)
 
     @rule(pick=st.integers(0, 99))
     def restart_agent(self, pick: int) -> None:

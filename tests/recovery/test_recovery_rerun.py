@@ -1,0 +1,70 @@
+"""What the coordinator tells nodes it keeps idle, with real processes: a coordinator started again on the store
+of a job that had ended (the outcome stands, and everyone is told where it came from), and a node waiting for
+the others of ``--nnodes`` to register (told how many are there)."""
+
+from __future__ import annotations
+
+import os
+
+from coordinator_client import CoordinatorProcess, beat_until, node_info
+
+from trainguard.proto import coordinator_pb2 as pb
+
+
+def test_a_coordinator_restarted_on_an_ended_job_says_so_and_how_to_run_it_again(tmp_path, tg_env) -> None:
+    """The rerun coordinator answered every node with STOP and the old "job failed: rank 0 ... budget exhausted",
+    with nothing saying the failure came from an earlier run kept in its store, nor how to start afresh."""
+    flags = ("--nnodes", "2", "--max-restarts", "0", "--heartbeat-interval", "0.1",
+             "--store", f"sqlite://{tmp_path}/ended.db")
+    first = CoordinatorProcess(tmp_path, tg_env, "ended", *flags)
+    try:
+        nodes = [first.agent(node_info(f"n{i}", "p1", i)) for i in range(2)]
+        beat_until(nodes, lambda: all(n.gen == 1 for n in nodes))
+        nodes[0].fail()
+        assert nodes[0].beat().job_state == pb.JOB_STATE_FAILED
+    finally:
+        first.stop()
+    again = CoordinatorProcess(tmp_path, tg_env, "ended", *flags)
+    try:
+        nodes = [again.agent(node_info(f"n{i}", "p1", i)) for i in range(2)]
+        reply = nodes[1].beat()
+    finally:
+        again.stop()
+    assert reply.command == pb.NODE_COMMAND_STOP and reply.job_state == pb.JOB_STATE_FAILED  # the outcome stands
+    assert "job ended had already failed before this coordinator started" in reply.message, reply.message
+    assert "rank 0 on node n0" in reply.message and "another --job or --store" in reply.message, reply.message
+    warned = [ln for ln in again.lines if "WARNING" in ln and "had already failed" in ln]
+    assert warned and "another --job or --store" in warned[0], again.log()[-3000:]
+
+
+def test_a_node_waiting_for_the_others_to_register_is_told_how_many_are_there(tmp_path, tg_env) -> None:
+    """``trainguard run --nnodes 2`` whose second node never comes: until as many nodes as ``--nnodes`` had
+    registered, the coordinator answered WAIT with an empty message, so the waiting node's log said nothing at
+    all for as long as it waited (torchrun logs its rendezvous wait)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "noop.py"
+    script.write_text("")
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "2", "--rdzv-backend", "c10d",
+                             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "alone", str(script)],
+                            env=tg_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any("waiting for nodes" in ln for ln in lines):
+            time.sleep(0.1)
+        assert any("coordinator: waiting for nodes: 1 of 2 registered" in ln for ln in lines), "".join(lines)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
