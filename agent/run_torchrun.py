@@ -29,14 +29,12 @@ import ipaddress
 import logging
 import math
 import os
-import re
 import signal
 import socket
 from dataclasses import dataclass, field
 
 from trainguard.errors import UsageError
-from trainguard.recovery.spec import JOB_NAME_RE
-from trainguard.worker_env import checkpoint_job_name
+from trainguard.worker_env import checkpoint_job_name, job_name_from
 
 log = logging.getLogger(__name__)
 
@@ -164,22 +162,8 @@ def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: 
         return job_name_from(stem, str(port))
     if checkpoint_dir:
         # The hook names a torchrun launch's checkpoints the same way: either launcher resumes the other's.
-        name = checkpoint_job_name(script, checkpoint_dir)
-        return name if JOB_NAME_RE.match(name) else job_name_from(*name.rsplit("-", 1))
+        return checkpoint_job_name(script, checkpoint_dir)
     return job_name_from(stem, str(int(now)))
-
-
-def job_name_from(stem: str, suffix: str) -> str:
-    """``<stem>-<suffix>`` as a valid job name (:data:`JOB_NAME_RE`): characters a job name may not hold
-    become ``_``, a leading one that is not a letter or digit goes, and the stem is cut to fit 128 characters.
-    torchrun runs any script name; a default name built from ``_train.py``, ``my train.py`` or ``训练.py`` was
-    refused by the coordinator ("job name ... is invalid") for a name the user never gave."""
-    name = f"{stem}-{suffix}"
-    if JOB_NAME_RE.match(name):
-        return name  # unchanged: a rerun keeps finding the checkpoints of earlier versions
-    safe = re.sub(r"[^A-Za-z0-9._:@-]+", "_", stem)
-    safe = re.sub(r"^[^A-Za-z0-9]+", "", safe)[:127 - len(suffix)].rstrip("._:@-") or "job"
-    return f"{safe}-{suffix}"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

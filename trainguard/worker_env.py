@@ -97,7 +97,24 @@ def checkpoint_job_name(script: str, checkpoint_dir: str) -> str:
         # The hash of the resolved plain path is what jobs were named before file:// URLs were normalised.
         local = local_directory(checkpoint_dir, "checkpoint directory") or checkpoint_dir
         where = os.path.realpath(os.path.expanduser(local))
-    return f"{stem or 'job'}-{hashlib.sha256(where.encode()).hexdigest()[:10]}"
+    # the same valid name as trainguard run's (job_name_from): the hook kept '_train-…' or 'my train-…' where the
+    # launcher named the job 'train-…' / 'my_train-…', so neither resumed the other's checkpoints
+    return job_name_from(stem or "job", hashlib.sha256(where.encode()).hexdigest()[:10])
+
+
+def job_name_from(stem: str, suffix: str) -> str:
+    """``<stem>-<suffix>`` as a valid job name (:data:`JOB_NAME_RE`): characters a job name may not hold
+    become ``_``, a leading one that is not a letter or digit goes, and the stem is cut to fit 128 characters.
+    torchrun runs any script name; a default name built from ``_train.py``, ``my train.py`` or ``训练.py`` was
+    refused by the coordinator ("job name ... is invalid") for a name the user never gave."""
+    from trainguard.recovery.spec import JOB_NAME_RE
+
+    name = f"{stem}-{suffix}"
+    if JOB_NAME_RE.match(name):
+        return name  # unchanged: a rerun keeps finding the checkpoints of earlier versions
+    safe = re.sub(r"[^A-Za-z0-9._:@-]+", "_", stem)
+    safe = re.sub(r"^[^A-Za-z0-9]+", "", safe)[:127 - len(suffix)].rstrip("._:@-") or "job"
+    return f"{safe}-{suffix}"
 
 
 #: torchrun's default ``TORCHELASTIC_SIGNALS_TO_HANDLE``.

@@ -93,3 +93,18 @@ def test_one_checkpoint_directory_gives_one_job_name_however_it_is_spelled(tmp_p
     assert checkpoint_job_name("train.py", "s3://b/p") == "train-7fb9692596"
     with pytest.raises(CheckpointConfigError, match="absolute path"):
         checkpoint_job_name("train.py", "file://ck")
+
+
+@pytest.mark.parametrize("script", ["_train.py", "my train (copy).py", "训练.py", "train.py"])
+def test_the_hook_names_an_odd_script_as_trainguard_run_does(tmp_path, script) -> None:
+    """Under a one-node torchrun the hook names the job ``checkpoint_job_name(sys.argv[0], dir)``; trainguard run
+    made odd script names valid (``_train`` -> ``train``) while the hook kept them, so the two launchers used two
+    job folders of one checkpoint directory and neither resumed the other's steps."""
+    from trainguard.agent.run_torchrun import Rendezvous, default_job_name
+    from trainguard.recovery.spec import JOB_NAME_RE
+    from trainguard.worker_env import checkpoint_job_name
+
+    ck = str(tmp_path / "ck")
+    hook = checkpoint_job_name(str(tmp_path / script), ck)
+    assert JOB_NAME_RE.match(hook), hook
+    assert hook == default_job_name(str(tmp_path / script), Rendezvous(None, "127.0.0.1:0", 1, 1, None), 0.0, ck)
