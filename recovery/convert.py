@@ -13,6 +13,7 @@ from trainguard.proto import common_pb2, coordinator_pb2 as pb
 from trainguard.recovery.domain import (Beat, CheckpointAsk, FailSlowStatus, FaultReport, GenerationTable,
                                         Instruction, LinkProbeResult, NodeRecord, RankTiming, StackAsk)
 from trainguard.recovery.node_health import NodeHealthReport, Verdict
+from trainguard.recovery.failslow import is_hang_report
 from trainguard.recovery.memory_plan import MemoryHolding, RestorePlan
 from trainguard.recovery.policy import Cause, Level
 from trainguard.recovery.qualification import Qualification
@@ -75,7 +76,7 @@ def classify(event: common_pb2.HealthEvent, proposed: int) -> Cause:
         return Cause.JOB_REQUEST
     if proposed == pb.RECOVERY_LEVEL_NODE or event.action == common_pb2.ACTION_DRAIN_NODE:
         return Cause.NODE_CRITICAL
-    if "hang" in kind or "stall" in kind:
+    if is_hang_report(kind):  # by word: "hang" as a substring missed process.hung and took every *_change kind
         return Cause.WORKER_HANG
     if kind.startswith("process.") or proposed == pb.RECOVERY_LEVEL_PROCESS \
             or event.action == common_pb2.ACTION_RESTART_PROCESS:

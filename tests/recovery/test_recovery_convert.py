@@ -25,6 +25,13 @@ def test_classify_maps_levels_actions_and_kinds() -> None:
     assert convert.classify(_ev("process.exit"), 0) is Cause.WORKER_EXIT
     assert convert.classify(_ev("gpu.xid", severity=common_pb2.SEVERITY_CRITICAL), 0) is Cause.NODE_CRITICAL
     assert convert.classify(_ev("gpu.temp"), 0) is Cause.ADVISORY
+    # by word, as fail-slow reads hang reports: the process detector's own process.hung was a worker exit, and a
+    # warning whose kind merely holds "hang" (an operator rule's link speed change) a hang, restarting the job
+    assert convert.classify(_ev("process.hung", common_pb2.ACTION_RESTART_PROCESS, common_pb2.SEVERITY_ERROR),
+                            pb.RECOVERY_LEVEL_PROCESS) is Cause.WORKER_HANG
+    assert convert.classify(_ev("nccl.stalled"), 0) is Cause.WORKER_HANG
+    for kind in ("hw.pcie_speed_change", "driver.install_pending", "nic.xchange"):
+        assert convert.classify(_ev(kind), 0) is Cause.ADVISORY, kind
     req = pb.ReportEventRequest(job="j", node_id="n", lease_id="l", generation=1, proposed_level=pb.RECOVERY_LEVEL_NONE,
                                 event=_ev("predictor", action=common_pb2.ACTION_CHECKPOINT_NOW))
     assert convert.fault_report(req).checkpoint_now
