@@ -286,7 +286,10 @@ class FailSlowSupervisor:
         return decision
 
     def new_world(self, world_size: int) -> None:
-        """A generation formed with ``world_size`` ranks (see :meth:`ReplacePolicy.new_world`)."""
+        """A generation formed with ``world_size`` ranks (see :meth:`ReplacePolicy.new_world`); another size than
+        before also restarts the ranks' own baselines (:meth:`StragglerDetector.forget_baselines`)."""
+        if world_size != self.policy.world_size:
+            self.detector.forget_baselines()
         self.policy.new_world(world_size)
 
     def applied(self, decision: ReplaceDecision, now: float, step: int, generation: int) -> None:

@@ -338,6 +338,16 @@ class StragglerDetector:
             self._nodes = {}
             self.last = None
 
+    def forget_baselines(self) -> None:
+        """Forgets the ranks' own baselines (a world of another size: every rank does other work now).
+
+        A shrink from 4 to 3 nodes made each rank's step 4/3 as long; against the baselines of the larger world
+        the job read 1.33x slow for good (the baselines are complete and no longer learn), which the link probes
+        and the replacement estimate took for a real slowdown. New dicts, not cleared ones: a scoring still running
+        works on its own (its result is stale anyway, the generation changed)."""
+        with self._state_lock:
+            self._baseline_obs, self._individual, self._windows_seen = {}, {}, {}
+
     def _maybe_close(self, now: float) -> WindowResult | None:
         cfg = self.config
         age = now - (now if self._window_start is None else self._window_start)

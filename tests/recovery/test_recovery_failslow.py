@@ -428,3 +428,33 @@ def test_a_node_fault_whose_kind_holds_change_or_install_opens_no_hang_localisat
     sup.on_report(FaultReport(JOB, "a", "l", 1, Cause.WORKER_HANG, Level.PROCESS, 0, detail="process.hung",
                               kind="process.hung", stacks={"stack": WAITING}), 1, {0: "a", 1: "b"}, 0.0)
     assert sup.stack_request() is not None
+
+
+def test_a_shrink_restarts_the_ranks_own_baselines_so_the_job_does_not_read_slow_for_good() -> None:
+    """4 ranks at 1.0 s a step form their baselines; the job shrinks to 3 and each rank's step takes 1.33 s (the
+    same global batch on fewer ranks). The job slowdown stayed 1.33x for good (complete baselines no longer
+    learn), which link probes and the replacement estimate read as a real slowdown; after the shrink it is
+    measured against the new world."""
+    from trainguard.recovery.failslow import FailSlowSupervisor
+    from trainguard.recovery.straggler import Timing
+
+    sup = FailSlowSupervisor(StragglerConfig(window_s=1.0, min_steps=1))
+    t = 0.0
+
+    def windows(gen: int, ranks: int, step_s: float, n: int) -> float:
+        nonlocal t
+        last = 1.0
+        for _ in range(n):
+            t += 1.0
+            res = sup.detector.observe(gen, [Timing(r, f"n{r}", 1, step_s, 0.1, step_s - 0.1, 1) for r in range(ranks)],
+                                       t)
+            if res is not None:
+                last = res.job_slowdown
+        return last
+
+    sup.new_world(4)
+    assert windows(1, 4, 1.0, 12) == pytest.approx(1.0)
+    sup.new_world(3)
+    assert windows(2, 3, 4 / 3, 12) == pytest.approx(1.0)
+    sup.new_world(3)  # a restart at the same size keeps them: a real slowdown still reads as one
+    assert windows(3, 3, 2.0, 3) == pytest.approx(1.5)
