@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import stat
 import warnings
 from typing import Any, Callable
 
@@ -63,7 +64,11 @@ class RankCopy:
                     fcntl.flock(self.fd, fcntl.LOCK_SH)
                 except OSError:
                     pass  # no flock on this filesystem: readable all the same
-            size = os.fstat(self.fd).st_size
+            st = os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode):  # mmap of a folder failed as "[Errno 19] No such device", no path
+                raise CorruptCheckpointError(f"{where}: data file {data_path} is not a regular file "
+                                             f"(mode {stat.filemode(st.st_mode)})")
+            size = st.st_size
             if size < manifest.data_bytes:
                 raise CorruptCheckpointError(
                     f"{where}: data file is {size} bytes, manifest says {manifest.data_bytes}; it is torn")

@@ -42,3 +42,21 @@ def test_verify_of_a_step_that_does_not_exist_says_so(tmp_path) -> None:
             rc = main(["ckpt", "verify", str(tmp_path / "ck"), "--step", step])
         assert rc == 1 and out.getvalue().startswith(expect), out.getvalue()
         assert ("newest committed: 3;" in out.getvalue()) == (step == "5")
+
+
+def test_a_data_file_replaced_by_a_folder_is_named_by_verify_and_restore_falls_back(tmp_path) -> None:
+    # verify said "CORRUPT: [Errno 19] No such device" (mmap of a folder), naming neither the file nor why
+    cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False}, persist={"service": "inline"})
+    with Checkpointer(cfg, job="j") as ck:
+        for s in (1, 2):
+            ck.save({"w": torch.full((10,), float(s))}, s)
+    data = tmp_path / "ck" / "j" / "step_000000000002" / "rank_00000.data"
+    data.unlink()
+    data.mkdir()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        rc = main(["ckpt", "verify", str(tmp_path / "ck"), "--job", "j"])
+    assert rc == 1 and f"data file {data} is not a regular file (mode d" in out.getvalue(), out.getvalue()
+    w = torch.zeros(10)
+    with Checkpointer(cfg, job="j") as ck:
+        assert ck.restore({"w": w}) == 1 and torch.equal(w, torch.ones(10))
