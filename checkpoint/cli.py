@@ -85,6 +85,11 @@ def _jobs(directory: str) -> list[str]:
     try:
         fs, root = fsspec.core.url_to_fs(directory)
         jobs = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(root, detail=False) if fs.isdir(e)]
+    except FileNotFoundError as exc:
+        # fsspec's error text is the bare path ("cannot list memory://x: /x")
+        hint = ("; memory:// is the memory of one process, which no other process (this command) can see"
+                if directory.startswith("memory:") else "; check the path or URL")
+        raise CheckpointError(f"cannot list {directory}: no such folder{hint}") from exc
     except Exception as exc:
         raise CheckpointError(f"cannot list {directory}: {exc}") from exc
     return sorted(j for j in jobs if not j.startswith("."))

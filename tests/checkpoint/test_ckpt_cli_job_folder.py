@@ -60,3 +60,12 @@ def test_a_data_file_replaced_by_a_folder_is_named_by_verify_and_restore_falls_b
     w = torch.zeros(10)
     with Checkpointer(cfg, job="j") as ck:
         assert ck.restore({"w": w}) == 1 and torch.equal(w, torch.ones(10))
+
+
+def test_listing_a_missing_remote_root_says_what_is_wrong() -> None:
+    # it said "cannot list memory://x: /x" (fsspec's bare path)
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main(["ckpt", "ls", "memory://no-such-root-here"])
+    assert rc == 2 and "cannot list memory://no-such-root-here: no such folder; memory:// is the memory of one " \
+                       "process" in err.getvalue(), err.getvalue()
