@@ -16,6 +16,9 @@ import math
 import sys
 from typing import Any
 
+#: ``score`` prints a line per node up to this many nodes; beyond, a fleet summary and the nodes to look at.
+MAX_NODE_LINES = 20
+
 
 def _add_eval_args(p: argparse.ArgumentParser, defaults: bool) -> None:
     """Horizon, lead, cooldown and budget; at ``eval`` they default to the model's own (None)."""
@@ -430,7 +433,19 @@ def _score(args: argparse.Namespace) -> int:
     n_rules = sum(rule_alarms.values())
     print(f"scored {written} rows{src}, {alarms} above threshold ({alarms - n_rules} learned tier, {n_rules} "
           "rules-tier)", file=sys.stderr)
-    for st in rt.status():
+    shown = [st for st in rt.status() if st.observed_days > 0 or rule_alarms.get(st.node, 0)]
+    if len(shown) > MAX_NODE_LINES:
+        # one line per node drowned the summary for a fleet (2000 nodes, 2000 lines): the nodes over their
+        # budget or with rules-tier alarms are the ones to look at, the rest is counted
+        over = sorted((st for st in shown if st.alarms_per_day > st.budget_per_day or rule_alarms.get(st.node, 0)),
+                      key=lambda st: (-st.alarms_per_day, st.node))
+        days = sum(st.observed_days for st in shown)
+        print(f"{len(shown)} nodes, {sum(st.alarms for st in shown)} learned-tier alarms in {days:.1f} node-days "
+              f"= {sum(st.alarms for st in shown) / days if days else 0.0:.3g}/node-day; {len(over)} over their "
+              f"budget or with rules-tier alarms" + (f" (the first {MAX_NODE_LINES} below)" if len(over) >
+                                                      MAX_NODE_LINES else ""), file=sys.stderr)
+        shown = over[:MAX_NODE_LINES]
+    for st in shown:
         rules = rule_alarms.get(st.node, 0)
         if st.observed_days > 0 or rules:
             print(f"node {st.node}: {st.alarms} learned-tier alarms in {st.observed_days:.2f} days = "

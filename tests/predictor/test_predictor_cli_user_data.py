@@ -294,3 +294,23 @@ def test_a_feature_window_longer_than_the_data_is_refused_by_flag(fleet, tmp_pat
     err = capsys.readouterr().err.strip()
     assert f"{flag} 1e+12 s is longer than the data's 17940 s" in err and len(err.splitlines()) == 1
     assert not model.exists()
+
+
+def test_score_of_a_fleet_prints_a_summary_not_a_line_per_node(fleet, tmp_path, capsys):
+    """One stderr line per node: 2000 nodes printed 2000 lines around the summary. Beyond 20 nodes score prints
+    the fleet's figures and only the nodes over their budget (or with rules-tier alarms)."""
+    _, _, model = fleet
+    rng = np.random.default_rng(1)
+    metrics = tmp_path / "fleet.csv"
+    with metrics.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["timestamp", "node", "cpu"])
+        for i in range(120):
+            for k in range(30):
+                w.writerow([T0 + 60 * i, f"n{k:02d}", round(50 + rng.standard_normal(), 3)])
+    capsys.readouterr()
+    assert main(["predictor", "score", "--model", str(model), "--metrics", str(metrics),
+                 "--out", str(tmp_path / "s.csv")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("scored 3600 rows") and err[1].startswith("30 nodes, "), err[:3]
+    assert "over their budget" in err[1] and not any(line.startswith("node n") for line in err), err
