@@ -322,9 +322,11 @@ def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
             raise StateMismatchError(
                 f"checkpoint holds a state_dict() for a {type(target).__name__}, which has no load_state_dict()")
         current = target.state_dict()
+        sub = loader
         if isinstance(target, torch.optim.Optimizer):
             current = _optimizer_state_targets(target, current, node["v"])
-        new_sd = decode(node["v"], loader, current)
+            sub = _casting_loader(loader)
+        new_sd = decode(node["v"], sub, current)
         try:
             target.load_state_dict(new_sd)
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:
@@ -334,6 +336,27 @@ def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
     from trainguard.checkpoint.errors import CorruptCheckpointError
 
     raise CorruptCheckpointError(f"checkpoint tree has an unknown node tag {tag!r}; the manifest is damaged")
+
+
+def _casting_loader(loader: TensorLoader) -> TensorLoader:
+    """``loader`` for an optimizer's state: a saved tensor whose dtype differs from the live one's (moments kept
+    in bfloat16 by one run, in float32 by this one's) is loaded as saved and left to the optimizer's own
+    ``load_state_dict``, which casts state to its parameter's dtype as torch does; filling the live tensor in
+    place refused it (StateMismatchError) where ``optimizer.load_state_dict`` accepts it. Another shape still
+    raises."""
+
+    def load(i: int, tgt: Any, node: Any) -> torch.Tensor:
+        try:
+            return loader(i, tgt, node)
+        except StateMismatchError:
+            if not isinstance(tgt, torch.Tensor) or is_dtensor(tgt):
+                raise
+            t = loader(i, None, node)
+            if tuple(t.shape) != tuple(tgt.shape):
+                raise
+            return t
+
+    return load
 
 
 def _optimizer_state_targets(optim: torch.optim.Optimizer, current: Mapping[str, Any],
