@@ -18,6 +18,7 @@ import torch
 
 from trainguard.checkpoint.errors import CorruptCheckpointError, StateMismatchError
 from trainguard.checkpoint.manifest import CHECKSUM_ALGO, Manifest, chunk_checksum, verify_checksums
+from trainguard.checkpoint.tree import dtensor_region, is_dtensor
 
 
 def check_fits(key: str, target: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -141,7 +142,14 @@ class RankCopy:
                 return src.clone()
             check_fits(self.manifest.tensors[index].key, target, tuple(src.shape), src.dtype)
             with torch.no_grad():
-                target.copy_(src)
+                if is_dtensor(target):
+                    # A plain checkpoint (DDP, one GPU) restored into a sharded model (FSDP2, tensor parallel): each
+                    # rank copies its own region of the full tensor; copy_ into the DTensor raised "got mixed
+                    # torch.Tensor and DTensor".
+                    shape, offsets = dtensor_region(target)
+                    target.to_local().copy_(src[tuple(slice(o, o + n) for o, n in zip(offsets, shape))])
+                else:
+                    target.copy_(src)
             return target
 
         return load

@@ -324,8 +324,8 @@ def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
         current = target.state_dict()
         sub = loader
         if isinstance(target, torch.optim.Optimizer):
-            current = _optimizer_state_targets(target, current, node["v"])
-            sub = _casting_loader(loader)
+            current, made = _optimizer_state_targets(target, current, node["v"])
+            sub = _casting_loader(loader, made)
         new_sd = decode(node["v"], sub, current)
         try:
             target.load_state_dict(new_sd)
@@ -338,17 +338,20 @@ def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
     raise CorruptCheckpointError(f"checkpoint tree has an unknown node tag {tag!r}; the manifest is damaged")
 
 
-def _casting_loader(loader: TensorLoader) -> TensorLoader:
+def _casting_loader(loader: TensorLoader, made: set[int] = frozenset()) -> TensorLoader:  # type: ignore[assignment]
     """``loader`` for an optimizer's state: a saved tensor whose dtype differs from the live one's (moments kept
     in bfloat16 by one run, in float32 by this one's) is loaded as saved and left to the optimizer's own
     ``load_state_dict``, which casts state to its parameter's dtype as torch does; filling the live tensor in
     place refused it (StateMismatchError) where ``optimizer.load_state_dict`` accepts it. Another shape still
-    raises."""
+    raises. A target :func:`_optimizer_state_targets` made (ids in ``made``) that the saved value does not fit
+    (a plain scalar ``step`` beside a sharded parameter) is dropped: the value loads as saved."""
 
     def load(i: int, tgt: Any, node: Any) -> torch.Tensor:
         try:
             return loader(i, tgt, node)
         except StateMismatchError:
+            if id(tgt) in made:
+                return loader(i, None, node)
             if not isinstance(tgt, torch.Tensor) or is_dtensor(tgt):
                 raise
             t = loader(i, None, node)
@@ -360,21 +363,24 @@ def _casting_loader(loader: TensorLoader) -> TensorLoader:
 
 
 def _optimizer_state_targets(optim: torch.optim.Optimizer, current: Mapping[str, Any],
-                             saved: Any) -> Mapping[str, Any]:
-    """``current`` (the live optimizer's ``state_dict()``) with a live target for each saved sharded state value
-    the optimizer does not hold yet: an empty DTensor laid out like its parameter.
+                             saved: Any) -> tuple[Mapping[str, Any], set[int]]:
+    """``current`` (the live optimizer's ``state_dict()``) with a live target for each saved state value of a
+    sharded parameter that the optimizer does not hold yet: an empty DTensor laid out like its parameter; and the
+    ids of the targets made (a plain saved value that does not fit one, a scalar ``step``, loads as saved).
 
     A fresh optimizer has no state (Adam's moments appear at its first step), so a saved moment of an FSDP2 or
     tensor-parallel parameter had nothing to be placed into: it was loaded as a plain tensor of the whole global
     shape, and the first ``step()`` after the restore raised "got mixed torch.Tensor and DTensor". Laid out like
     the parameter, each rank reads only its own shard, as ``torch.distributed.checkpoint.state_dict`` does by
-    initialising the optimizer's state first.
+    initialising the optimizer's state first. Plain saved moments (a DDP or one-GPU run's) get the same targets,
+    each rank copying its region: loaded whole they met the DTensor parameters at the first ``step()`` the same
+    way.
     """
     if not (isinstance(saved, dict) and saved.get("t") == "dict"):
-        return current
+        return current, set()
     saved_state = dict(zip((_decode_key(k) for k in saved["k"]), saved["v"])).get("state")
     if not (isinstance(saved_state, dict) and saved_state.get("t") == "dict"):
-        return current
+        return current, set()
     params = [p for group in optim.param_groups for p in group["params"]]  # state_dict()'s numbering
     live = current.get("state", {})
     added: dict[Any, dict[Any, Any]] = {}
@@ -385,11 +391,14 @@ def _optimizer_state_targets(optim: torch.optim.Optimizer, current: Mapping[str,
             continue
         param = params[idx]
         for name_node, value in zip(entry["k"], entry["v"]):
-            if isinstance(value, dict) and value.get("t") == "dtensor" and tuple(value["g"]) == tuple(param.shape):
+            if not isinstance(value, dict):
+                continue
+            if (value.get("t") == "dtensor" and tuple(value["g"]) == tuple(param.shape)) or value.get("t") == "tensor":
                 added.setdefault(idx, {})[_decode_key(name_node)] = torch.empty_like(param.detach())
     if not added:
-        return current
-    return {**current, "state": {**live, **added}}
+        return current, set()
+    made = {id(t) for entry in added.values() for t in entry.values()}
+    return {**current, "state": {**live, **added}}, made
 
 
 def dtensor_nodes(node: Any) -> list[dict[str, Any]]:

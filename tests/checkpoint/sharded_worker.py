@@ -8,6 +8,7 @@ Scenarios:
   reshard  restores both jobs into WORLD ranks (another world size), checks against the reference bitwise; loads
            the `ckpt export`ed checkpoint with dcp.load and the `ckpt import`ed one; restores a job whose
            shards on one rank are corrupt through the hook (every rank must raise).
+  ddp_to_fsdp  a plain model + Adam saved by every rank (DDP), restored into FSDP2 with a fresh Adam.
 Prints one JSON line ``{"rank": r, ...facts}`` on success; any failure exits non-zero with a traceback.
 """
 
@@ -204,6 +205,23 @@ def main() -> None:
         except Exception as exc:
             facts["bad_raised"] = type(exc).__name__
         sess.close()
+    elif scenario == "ddp_to_fsdp":
+        # A plain (DDP: every rank the same full state) model + Adam saved by every rank, restored into an FSDP2
+        # model with a fresh Adam, the optimizer given as itself (as the hook takes it).
+        plain = make_model(0)
+        popt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+        train(plain, popt, 2, seed=1)
+        with Checkpointer(cfg, rank=rank, world_size=world, job="ddp") as ck:
+            ck.save({"model": plain, "optim": popt}, 2)
+            assert ck.wait(2, timeout=60)
+        dist.barrier()  # the step is complete once every rank committed its copy
+        ref = full({"model": plain.state_dict(), "optim": popt.state_dict()})
+        m, opt = fsdp_model(5, world)
+        with Checkpointer(cfg, rank=rank, world_size=world, job="ddp") as ck:
+            assert ck.restore({"model": m, "optim": opt}) == 2
+        got = full({"model": m.state_dict(), "optim": opt.state_dict()})
+        facts["ddp_to_fsdp_diff"] = same(got, ref)
+        train(m, opt, 1, seed=4)  # the restored sharded optimizer steps
     dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(facts), flush=True)

@@ -126,3 +126,11 @@ def test_direct_restore_in_a_process_group_agrees_on_one_step(tmp_path):
     assert [f["a"] for f in facts] == [1, 1]
     assert [f["a_w"] for f in facts] == [1.0, 11.0]  # step 1 of each rank, not rank 0's step 2
     assert facts[0]["b"] == "CheckpointError" and facts[1]["b"] == "CorruptCheckpointError"
+
+
+def test_a_plain_ddp_checkpoint_restores_into_fsdp2_with_its_optimizer(tmp_path):
+    """Moving a job from DDP to FSDP2: the model's restore raised "got mixed torch.Tensor and DTensor" (copy_ of
+    the full tensor into the sharded parameter), and Adam's moments, loaded whole, failed the first step() the
+    same way. Each rank now copies its own region of every plain tensor, moments included; bitwise."""
+    for f in _run("ddp_to_fsdp", 2, tmp_path):
+        assert f["ddp_to_fsdp_diff"] == [], f
