@@ -219,14 +219,20 @@ class CoordinatorReporter:
         self._wake.set()
 
     def stop(self) -> None:
-        """Stops reporting and closes the channel (idempotent)."""
+        """Stops reporting and closes the channel (idempotent).
+
+        The channel is closed before the thread is joined: closing cancels a report in flight, which a coordinator
+        that accepted the call and never answers (its host frozen) held for ``timeout_s``; callers stop reporters
+        from the main loop, a launcher's DetachJob and the daemon's SIGTERM, none of which may wait that long.
+        """
         self._stop.set()
         self._wake.set()
+        channel = self._channel
+        if channel is not None:
+            channel.close()
         if self._thread.is_alive():
             self._thread.join(timeout=self.timeout_s + 2)
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        self._channel = None
         if self.state is not ReporterState.STOPPED:
             self._move(ReporterState.STOPPED)
 
@@ -244,6 +250,8 @@ class CoordinatorReporter:
         try:
             resp = coordinator_pb2_grpc.CoordinatorStub(self._channel).ReportNodeHealth(req, timeout=self.timeout_s)
         except grpc.RpcError as exc:
+            if self._stop.is_set():
+                return  # cancelled by stop(): the coordinator is not unreachable
             meaning = REFUSALS.get(exc.code())
             if meaning is None:
                 self._move(ReporterState.UNREACHABLE, f"{exc.code().name}: {exc.details()}")
@@ -260,6 +268,8 @@ class CoordinatorReporter:
             try:
                 self.report_once()
             except Exception:  # noqa: BLE001 (a reporter bug must never take the daemon down)
+                if self._stop.is_set():
+                    return  # stop() closed the channel under this report (a call on a closed channel raises)
                 log.exception("reporting to coordinator %s failed", self.target.address)
             self._wake.wait(self.interval_s)
             self._wake.clear()

@@ -1,0 +1,84 @@
+"""A coordinator that accepts the daemon's health report and never answers (its host frozen, its process
+SIGSTOPped, a partition after the connection was up) must not hold the daemon: a DetachJob of the job whose
+coordinator hangs answers at once, and SIGTERM stops the daemon at once, not after `coordinator.timeout_s`.
+
+Real processes and sockets: the daemon started as the shipped unit starts it, and a real gRPC server in the test
+whose ReportNodeHealth handler blocks until the test ends.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from agentd_unit import UnitDaemon, clean_env, pcie_daemon_config, wait_until
+from trainguard.proto import agent_pb2, agent_pb2_grpc
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class HangingCoordinator:
+    """A gRPC server whose ``Coordinator.ReportNodeHealth`` never answers; counts the calls that reached it."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls: list[str] = []  # node ids of the reports in flight or ended
+        self._lock = threading.Lock()
+
+        def hang(request: bytes, context: grpc.ServicerContext) -> bytes:
+            with self._lock:
+                self.calls.append(request.decode(errors="replace"))
+            self.release.wait(600)
+            return b""
+
+        handler = grpc.method_handlers_generic_handler("trainguard.v1.Coordinator", {
+            "ReportNodeHealth": grpc.unary_unary_rpc_method_handler(hang)})
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        self.server.add_generic_rpc_handlers((handler,))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def reports_from(self, node: str) -> int:
+        """How many reports naming ``node`` reached the server."""
+        with self._lock:
+            return sum(1 for c in self.calls if node in c)
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.stop(grace=None)
+
+
+def test_a_coordinator_that_never_answers_holds_neither_detach_job_nor_the_stop(tmp_path: Path, tg_env: dict):
+    configured, joined = HangingCoordinator(), HangingCoordinator()
+    (tmp_path / "sysfs").mkdir()
+    # The longest deadline the config allows: before the fix each hung report held the daemon that long.
+    daemon = UnitDaemon(tmp_path / "daemon", pcie_daemon_config("hung-n1", tmp_path / "sysfs", f"""[coordinator]
+address = "{configured.address}"
+timeout_s = 600
+"""), clean_env(tg_env))
+    try:
+        daemon.wait_ready()
+        wait_until(lambda: configured.reports_from("hung-n1") > 0, 30, "a report to the configured coordinator")
+        with grpc.insecure_channel(f"unix:{daemon.socket_path}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            stub.AttachJob(agent_pb2.AttachJobRequest(job="hung-job", launcher_pid=os.getpid(), node_id="hung-n2",
+                                                      coordinator=joined.address), timeout=10)
+            wait_until(lambda: joined.reports_from("hung-n2") > 0, 30, "a report to the job's coordinator")
+            # The job's reporter is stopped while its report hangs: the launcher's DetachJob must still answer.
+            stub.DetachJob(agent_pb2.DetachJobRequest(job="hung-job", launcher_pid=os.getpid(), ended=True),
+                           timeout=20)
+        daemon.proc.terminate()
+        assert daemon.proc.wait(30) == 0, daemon.log()[-3000:]
+        log = daemon.log()
+        assert "Traceback" not in log, log[-3000:]
+        # Ending a call on purpose is not the coordinator being unreachable.
+        assert "unreachable" not in log, log[-3000:]
+    finally:
+        daemon.close()
+        configured.close()
+        joined.close()
