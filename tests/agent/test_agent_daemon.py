@@ -284,3 +284,50 @@ def test_status_and_events_cli(agents, tmp_path):
     gone = cli("status", *sock, "--timeout", "1")
     assert gone.returncode == 2 and len(gone.stderr.strip().splitlines()) == 1
     assert "no node agent answers at unix:" in gone.stderr
+
+
+def test_status_watch_json_keeps_stdout_json_while_the_agent_is_down(agents, tmp_path):
+    """`status --watch --json` promises one JSON object per line; while the agent was unreachable (restarting) it
+    printed "trainguard: no node agent answers ..." on stdout among them, and a `| jq` consumer broke on it. The
+    note goes to stderr now, as `events --follow` does its reconnection notes."""
+    agent = agents(BASE.format(root=tmp_path), watchdog_usec=None)
+    agent.wait_for("READY")
+    watch = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "status", "--watch", "0.1", "--json",
+                              "--timeout", "1", "--socket", str(agent.socket_path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda: out.extend(iter(watch.stdout.readline, "")), daemon=True),
+               threading.Thread(target=lambda: err.extend(iter(watch.stderr.readline, "")), daemon=True)]
+    for r in readers:
+        r.start()
+
+    def wait(cond, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not cond():
+            assert time.monotonic() < deadline and watch.poll() is None, f"{what}: out={out[-3:]} err={err[-3:]}"
+            time.sleep(0.05)
+
+    try:
+        wait(lambda: len(out) >= 1, "a first health document")
+        agent.proc.send_signal(signal.SIGTERM)
+        assert agent.proc.wait(30) == 0
+        seen = len(out)
+        # Two refreshes after the agent is gone: the watcher saw it unreachable (on one stream or the other).
+        wait(lambda: len(out) + sum("no node agent answers" in line for line in err) >= seen + 2,
+             "refreshes while the agent is down")
+    finally:
+        watch.send_signal(signal.SIGINT)
+        try:
+            watch.wait(15)
+        except subprocess.TimeoutExpired:
+            watch.kill()
+            watch.wait(10)
+        for r in readers:
+            r.join(10)
+    assert watch.returncode == 0, err
+    import json
+
+    for line in out:
+        assert json.loads(line)["node_id"], line
+    assert any("no node agent answers" in line for line in err), err
