@@ -175,6 +175,7 @@ class CoordinatorReporter:
         self._instance = instance
         self.interval_s = interval_s
         self.configured_interval_s = interval_s
+        self._asked_interval_s = 0.0  # what the coordinator last asked for (it may stretch intervals)
         self.timeout_s = timeout_s
         self.state = ReporterState.CONNECTING
         self.message = ""
@@ -218,6 +219,13 @@ class CoordinatorReporter:
         """Reports now instead of at the next interval (the verdict just changed)."""
         self._wake.set()
 
+    def set_timing(self, interval_s: float, timeout_s: float) -> None:
+        """Applies reloaded settings now: the report waiting out the old interval (600 s, say) is sent at once
+        and the next ones follow the new interval, still never shorter than the coordinator asked for."""
+        self.configured_interval_s, self.timeout_s = interval_s, timeout_s
+        self.interval_s = max(interval_s, self._asked_interval_s)
+        self.poke()
+
     def stop(self) -> None:
         """Stops reporting and closes the channel (idempotent).
 
@@ -260,6 +268,7 @@ class CoordinatorReporter:
             return
         self.reports += 1
         # The coordinator may ask for a longer interval (it stretches intervals to bound its load), never shorter.
+        self._asked_interval_s = resp.interval_s
         self.interval_s = max(self.configured_interval_s, resp.interval_s)
         self._move(ReporterState.CORDONED if resp.cordoned else ReporterState.REPORTING, resp.message)
 

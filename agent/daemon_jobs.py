@@ -131,8 +131,7 @@ class DaemonJobs:
         """Applies reloaded report settings to every reporter."""
         self.interval_s, self.timeout_s = interval_s, timeout_s
         for reporter in self.reporters():
-            reporter.configured_interval_s = interval_s
-            reporter.timeout_s = timeout_s
+            reporter.set_timing(interval_s, timeout_s)
 
     def configured_ok(self) -> bool:
         """Whether every configured coordinator answers (attached jobs' coordinators come and go)."""

@@ -1,14 +1,18 @@
-"""A coordinator that accepts the daemon's health report and never answers (its host frozen, its process
-SIGSTOPped, a partition after the connection was up) must not hold the daemon: a DetachJob of the job whose
-coordinator hangs answers at once, and SIGTERM stops the daemon at once, not after `coordinator.timeout_s`.
+"""How the daemon's health reports to coordinators are paced and ended.
 
-Real processes and sockets: the daemon started as the shipped unit starts it, and a real gRPC server in the test
-whose ReportNodeHealth handler blocks until the test ends.
+- A coordinator that accepts the daemon's health report and never answers (its host frozen, its process
+  SIGSTOPped, a partition after the connection was up) must not hold the daemon: a DetachJob of the job whose
+  coordinator hangs answers at once, and SIGTERM stops the daemon at once, not after `coordinator.timeout_s`.
+- `systemctl reload` applies a new `coordinator.heartbeat_interval_s` now, not after the old interval.
+
+Real processes and sockets: the daemon started as the shipped unit starts it, and real gRPC servers in the test
+standing for the coordinators (one whose ReportNodeHealth blocks until the test ends, one that answers).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -17,24 +21,27 @@ import grpc
 import pytest
 
 from agentd_unit import UnitDaemon, clean_env, pcie_daemon_config, wait_until
-from trainguard.proto import agent_pb2, agent_pb2_grpc
+from trainguard.proto import agent_pb2, agent_pb2_grpc, coordinator_pb2
 
 pytestmark = pytest.mark.timeout(120)
 
 
 class HangingCoordinator:
-    """A gRPC server whose ``Coordinator.ReportNodeHealth`` never answers; counts the calls that reached it."""
+    """A gRPC server whose ``Coordinator.ReportNodeHealth`` never answers (``answer``: answers at once); counts
+    the calls that reached it."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: bool = False) -> None:
         self.release = threading.Event()
-        self.calls: list[str] = []  # node ids of the reports in flight or ended
+        if answer:
+            self.release.set()
+        self.calls: list[str] = []  # the reports in flight or ended, as text (the node id is in it)
         self._lock = threading.Lock()
 
         def hang(request: bytes, context: grpc.ServicerContext) -> bytes:
             with self._lock:
                 self.calls.append(request.decode(errors="replace"))
             self.release.wait(600)
-            return b""
+            return coordinator_pb2.NodeHealthReportResponse().SerializeToString()
 
         handler = grpc.method_handlers_generic_handler("trainguard.v1.Coordinator", {
             "ReportNodeHealth": grpc.unary_unary_rpc_method_handler(hang)})
@@ -82,3 +89,28 @@ timeout_s = 600
         daemon.close()
         configured.close()
         joined.close()
+
+
+def test_a_reload_applies_a_shorter_heartbeat_interval_at_once(tmp_path: Path, tg_env: dict):
+    """The reporters took a reloaded interval only after their next report, so lowering it from 600 s waited up to
+    600 s (for ever while the coordinator was unreachable: only an answer set it)."""
+    coordinator = HangingCoordinator(answer=True)
+    (tmp_path / "sysfs").mkdir()
+
+    def config(interval_s: float) -> str:
+        return pcie_daemon_config("paced-n1", tmp_path / "sysfs", f"""[coordinator]
+address = "{coordinator.address}"
+heartbeat_interval_s = {interval_s}
+""")
+
+    daemon = UnitDaemon(tmp_path / "daemon", config(600), clean_env(tg_env))
+    try:
+        daemon.wait_ready()
+        wait_until(lambda: coordinator.reports_from("paced-n1") > 0, 30, "the first report")
+        (tmp_path / "daemon" / "agent.toml").write_text(config(0.2))
+        daemon.proc.send_signal(signal.SIGHUP)
+        daemon.wait_log("configuration reloaded")
+        wait_until(lambda: coordinator.reports_from("paced-n1") >= 4, 30, "reports at the reloaded interval")
+    finally:
+        daemon.close()
+        coordinator.close()
