@@ -635,6 +635,8 @@ class AgentDaemon:
 
         A bad new configuration is logged and the running one kept; options that need a restart are named.
         """
+        from trainguard.recovery.rpc_security import SecurityConfigError
+
         assert self.config is not None
         self.notifier.reloading()
         old = self.config
@@ -645,6 +647,12 @@ class AgentDaemon:
             self._check_detectors(new)
             if self._certs is not None and new.tls.enabled:
                 self._certs.reload(TlsFiles(new.tls.cert_file, new.tls.key_file, new.tls.client_ca_file))
+            if self.jobs is not None:
+                # Rotated in place like tls.*: the running paths' new contents (a changed path needs a restart).
+                try:
+                    self.jobs.reload_configured(self.coordinator_security(old))
+                except SecurityConfigError as exc:
+                    raise AgentConfigError(f"{old.source}: [coordinator] TLS files: {exc}") from exc
         except (AgentConfigError, AgentError) as exc:
             log.error("reload failed, keeping the running configuration: %s", exc)
             self._agent_event("agent.reload_failed", Severity.WARNING, f"reload failed: {exc}")

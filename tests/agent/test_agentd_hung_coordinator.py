@@ -114,3 +114,53 @@ heartbeat_interval_s = {interval_s}
     finally:
         daemon.close()
         coordinator.close()
+
+
+def test_a_reload_presents_the_rotated_client_certificate_to_the_coordinators(tmp_path: Path, tg_env: dict):
+    """Client certificates for the coordinators (`coordinator.tls_cert_file`) are rotated in place, like the
+    daemon's own `tls.*` files; `systemctl reload` kept presenting the old one until a restart, so once it expired
+    (or, here, was refused) the node went unreported. A real `trainguard coordinator` with mutual TLS."""
+    import shutil
+    import subprocess
+    import sys
+
+    from agent_testutil import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    env = clean_env(tg_env)
+    port_file = tmp_path / "coordinator.port"
+    coord = subprocess.Popen(
+        [sys.executable, "-m", "trainguard.cli", "coordinator", "--job", "rotate-job", "--listen", "127.0.0.1:0",
+         "--store", "memory://", "--port-file", str(port_file), "--tls-cert", str(pki.server_cert),
+         "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca)],
+        env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "coordinator.log", "wb"))
+    # The daemon starts with a certificate the coordinator refuses (another CA), then gets a good one in place.
+    cert, key = tmp_path / "node.pem", tmp_path / "node.key"
+    shutil.copyfile(pki.rogue_cert, cert)
+    shutil.copyfile(pki.rogue_key, key)
+    (tmp_path / "sysfs").mkdir()
+    daemon = None
+    try:
+        wait_until(lambda: port_file.exists() or coord.poll() is not None, 30, "the coordinator's port")
+        assert coord.poll() is None, (tmp_path / "coordinator.log").read_text()
+        address = f"localhost:{int(port_file.read_text())}"
+        daemon = UnitDaemon(tmp_path / "daemon", pcie_daemon_config("rotated-n1", tmp_path / "sysfs", f"""
+[coordinator]
+address = "{address}"
+heartbeat_interval_s = 0.2
+tls_ca_file = "{pki.ca}"
+tls_cert_file = "{cert}"
+tls_key_file = "{key}"
+"""), env)
+        daemon.wait_ready()
+        daemon.wait_log(f"coordinator {address} (config) unreachable")
+        shutil.copyfile(pki.client_cert, cert)
+        shutil.copyfile(pki.client_key, key)
+        daemon.proc.send_signal(signal.SIGHUP)
+        daemon.wait_log("configuration reloaded")
+        daemon.wait_log(f"reporting node rotated-n1 health to coordinator {address} (config)")
+    finally:
+        if daemon is not None:
+            daemon.close()
+        coord.terminate()
+        coord.wait(15)
