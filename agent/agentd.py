@@ -249,6 +249,7 @@ class AgentDaemon:
             self._certs = ServerCertificates(
                 TlsFiles(config.tls.cert_file, config.tls.key_file, config.tls.client_ca_file)
             )
+        self._check_coordinator_tls(config)
         detectors = self._create_detectors(config)
         try:
             self.metrics = AgentMetrics(config.agent.node_id)
@@ -462,6 +463,28 @@ class AgentDaemon:
             raise AgentConfigError(str(exc)) from exc
         return RpcSecurity(tls=Files(c.tls_cert_file, c.tls_key_file, c.tls_ca_file), token=token)
 
+    @staticmethod
+    def _check_coordinator_tls(config: AgentConfig) -> None:
+        """Loads the ``[coordinator]`` TLS files as the reporters will, before anything listens: a readable file
+        that is no PEM (or a key that is not the certificate's) was found only when the first reporter started,
+        after the listeners had logged, and named by path only.
+
+        Raises:
+            AgentConfigError: a malformed file, naming its key and the config file.
+        """
+        from trainguard.agent.tls import TlsFiles as Files, channel_credentials
+
+        c = config.coordinator
+        if not c.targets() or not (c.tls_ca_file or c.tls_cert_file):
+            return
+        try:
+            channel_credentials(Files(c.tls_cert_file, c.tls_key_file, c.tls_ca_file))
+        except AgentConfigError as exc:
+            text = str(exc)
+            key = next((k for k in ("tls_ca_file", "tls_cert_file", "tls_key_file")
+                        if getattr(c, k) and getattr(c, k) in text), "tls_cert_file")
+            raise AgentConfigError(f"{config.source}: coordinator.{key}: {text}") from exc
+
     def attach_job(self, req: agent_pb2.AttachJobRequest) -> agent_pb2.AttachJobResponse:
         """A launcher attaches its job (see :meth:`DaemonJobs.attach`), announced on the event stream.
 
@@ -649,6 +672,7 @@ class AgentDaemon:
                 self._certs.reload(TlsFiles(new.tls.cert_file, new.tls.key_file, new.tls.client_ca_file))
             if self.jobs is not None:
                 # Rotated in place like tls.*: the running paths' new contents (a changed path needs a restart).
+                self._check_coordinator_tls(old)
                 try:
                     self.jobs.reload_configured(self.coordinator_security(old))
                 except SecurityConfigError as exc:

@@ -165,6 +165,9 @@ def test_bad_reload_keeps_running_config(agents, tmp_path):
         ('[tls]\nenabled = true\ncert_file = "/nonexistent/cert.pem"\nkey_file = "/nonexistent/key.pem"\n',
          "tls.cert_file: cannot read /nonexistent/cert.pem"),
         ('[detectors]\nenabled = ["host", "nosuch"]\n', "unknown detector 'nosuch'"),
+        # Readable but no PEM: found only when the reporter's channel is built; it named the file, not the key.
+        ('[coordinator]\naddress = "127.0.0.1:1"\ntls_ca_file = "/proc/version"\n',
+         "coordinator.tls_ca_file: CA file /proc/version: not a PEM CA bundle"),
     ],
 )
 def test_bad_config_fails_at_start_with_one_line(agents, text, needle):
