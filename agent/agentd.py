@@ -21,7 +21,9 @@ CLI prints it as one line and exits 2, and systemd sees the start fail.
 
 The main loop is the only place that pings the systemd watchdog, at half ``WatchdogSec``, and only after a
 self-check passed: the gRPC server answered a health check on its own socket and the detector sampler made
-progress. A wedged loop or server therefore stops the pings and systemd restarts the agent.
+progress. A wedged loop or server therefore stops the pings and systemd restarts the agent. A socket file
+removed or replaced under the running server (which cannot bind it again) turns health NOT_SERVING, which fails
+the self-check and a liveness probe alike.
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ class AgentDaemon:
         self._server: grpc.Server | None = None
         self._certs: ServerCertificates | None = None
         self._socket_ino: int | None = None
+        self._socket_lost = False  # the socket file was removed or replaced under the running server
         self._socket_lock: int | None = None  # fd of <socket>.lock, held for the daemon's life
         self._self_check: Any = None
         self._self_channel: grpc.Channel | None = None
@@ -524,6 +527,12 @@ class AgentDaemon:
             if self.node_health is not None:
                 h = self.node_health
                 self.metrics.set_predictor(h.score, h.threshold, h.alarms_per_day)
+        if not self._socket_in_place():
+            # Launchers and `trainguard status` cannot reach this agent and the running server cannot bind the
+            # path again: NOT_SERVING fails the liveness probe (and the self-check, which stops the watchdog's
+            # keep-alives), so the agent is restarted and binds it anew.
+            self.health.set("", False)
+            self.health.set(NODE_AGENT_SERVICE, False)
         self.health.set_subsystem("coordinator", self.jobs is None or self.jobs.configured_ok())
         self.health.set_subsystem("workers", True)
         from trainguard.detectors.base import DetectorState
@@ -533,6 +542,26 @@ class AgentDaemon:
             self.health.set_detectors({s.name: s.state not in bad for s in statuses})
         else:
             self.health.set_subsystem("detectors", not self.detector_gap)
+
+    def _socket_in_place(self) -> bool:
+        """Whether ``grpc.socket`` still names the socket this agent serves on (logs once when it does not).
+
+        The self-check's channel keeps the connection it made before, so it cannot tell a removed or replaced
+        socket file: the agent answered itself while nobody else could reach it.
+        """
+        sock = self.config.grpc.socket if self.config is not None else ""
+        if not sock or self._socket_ino is None:
+            return True
+        try:
+            st = os.stat(sock)
+            in_place = stat.S_ISSOCK(st.st_mode) and st.st_ino == self._socket_ino
+        except OSError:
+            in_place = False
+        if not in_place and not self._socket_lost:
+            self._socket_lost = True
+            log.error("the socket %s was removed or replaced: launchers and `trainguard status` cannot reach this "
+                      "agent; health NOT_SERVING and no watchdog keep-alives, so that it is restarted", sock)
+        return in_place
 
     def _sampler_stalled(self) -> bool:
         statuses = self.detector_statuses()

@@ -334,3 +334,37 @@ def test_status_watch_json_keeps_stdout_json_while_the_agent_is_down(agents, tmp
     for line in out:
         assert json.loads(line)["node_id"], line
     assert any("no node agent answers" in line for line in err), err
+
+
+def test_a_removed_socket_file_is_noticed_and_the_agent_restarted(agents, tmp_path):
+    """The unix socket is how launchers and `trainguard status` reach the agent. Removed by hand (a cleanup of
+    /run) it cannot be bound again by the running server, and the self-check went on answering over its own
+    connection made before: the watchdog was fed, health said SERVING, and every launcher ran alone unnoticed.
+    Now health (the kubelet's liveness probe) says NOT_SERVING and the watchdog stops, so the agent is restarted."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    agent = agents(BASE.format(root=tmp_path) + "[agent]\nloop_interval_s = 0.1\n")
+    agent.wait_for("READY")
+    agent.wait_for("WATCHDOG", timeout=10)
+    os.unlink(agent.socket_path)
+
+    def overall() -> int:
+        with grpc.insecure_channel(f"127.0.0.1:{agent.tcp_port}") as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+    deadline = time.monotonic() + 20
+    while overall() == health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, agent.log()[-2000:]
+        time.sleep(0.05)
+    assert "was removed" in agent.log()
+    # No keep-alive from then on (the interval is 1 s: one would come every 0.5 s).
+    agent.notify.settimeout(0.2)
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        try:
+            data = agent.notify.recv(4096).decode()
+        except socket.timeout:
+            continue
+        assert "WATCHDOG=1" not in data, data
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(30) == 0
