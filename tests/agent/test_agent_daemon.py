@@ -168,6 +168,8 @@ def test_bad_reload_keeps_running_config(agents, tmp_path):
         # Readable but no PEM: found only when the reporter's channel is built; it named the file, not the key.
         ('[coordinator]\naddress = "127.0.0.1:1"\ntls_ca_file = "/proc/version"\n',
          "coordinator.tls_ca_file: CA file /proc/version: not a PEM CA bundle"),
+        # Below what AttachJob must take (a job's CA bundle): gRPC dropped the attachments of such jobs.
+        ("[grpc]\nmax_message_bytes = 65536\n", "grpc.max_message_bytes: 65536 is below the 3211264 bytes"),
     ],
 )
 def test_bad_config_fails_at_start_with_one_line(agents, text, needle):
