@@ -136,7 +136,11 @@ REFUSALS: dict[grpc.StatusCode, str] = {
     grpc.StatusCode.INVALID_ARGUMENT: "the coordinator refused the request: check the node id and job name",
     grpc.StatusCode.NOT_FOUND: "the coordinator does not know the job: check the job name",
     grpc.StatusCode.FAILED_PRECONDITION: "the coordinator refused the request in its present state",
-    grpc.StatusCode.UNIMPLEMENTED: "the coordinator has no ReportNodeHealth: upgrade it",
+    # A gRPC server answers there, but no coordinator's service: the coordinator's plaintext --health-listen port
+    # or a node agent's are the usual wrong addresses; an old coordinator the rare cause.
+    grpc.StatusCode.UNIMPLEMENTED: "no coordinator's ReportNodeHealth there: check the address (not the "
+                                   "coordinator's --health-listen port, not a node agent's), or upgrade an older "
+                                   "coordinator",
 }
 
 

@@ -3,7 +3,9 @@
 - A coordinator that accepts the daemon's health report and never answers (its host frozen, its process
   SIGSTOPped, a partition after the connection was up) must not hold the daemon: a DetachJob of the job whose
   coordinator hangs answers at once, and SIGTERM stops the daemon at once, not after `coordinator.timeout_s`.
-- `systemctl reload` applies a new `coordinator.heartbeat_interval_s` now, not after the old interval.
+- `systemctl reload` applies a new `coordinator.heartbeat_interval_s` now, not after the old interval, and the
+  contents of the coordinators' TLS files rotated in place.
+- An address where no coordinator serves is named as a wrong address.
 
 Real processes and sockets: the daemon started as the shipped unit starts it, and real gRPC servers in the test
 standing for the coordinators (one whose ReportNodeHealth blocks until the test ends, one that answers).
@@ -164,3 +166,27 @@ tls_key_file = "{key}"
             daemon.close()
         coord.terminate()
         coord.wait(15)
+
+
+def test_an_address_that_serves_no_coordinator_is_named_as_such(tmp_path: Path, tg_env: dict):
+    """`coordinator.address` naming a gRPC port that is no coordinator's (the coordinator's plaintext
+    --health-listen port, another node's agent) was logged as "the coordinator has no ReportNodeHealth: upgrade
+    it", sending the operator after an upgrade instead of the address."""
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    health_only = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), health_only)
+    address = f"127.0.0.1:{health_only.add_insecure_port('127.0.0.1:0')}"
+    health_only.start()
+    (tmp_path / "sysfs").mkdir()
+    daemon = UnitDaemon(tmp_path / "daemon", pcie_daemon_config("wrong-n1", tmp_path / "sysfs", f"""[coordinator]
+address = "{address}"
+"""), clean_env(tg_env))
+    try:
+        daemon.wait_ready()
+        daemon.wait_log(f"coordinator {address} (config) refuses")
+        line = next(line for line in daemon.log().splitlines() if f"coordinator {address} (config) refuses" in line)
+        assert "UNIMPLEMENTED" in line and "check the address" in line, line
+    finally:
+        daemon.close()
+        health_only.stop(grace=None)
