@@ -260,10 +260,11 @@ def test_a_launcher_refused_a_stream_for_the_daemons_limit_waits_for_a_slot_with
     channel = grpc.insecure_channel(f"unix:{tmp_path / 'agent.sock'}")
     link = source = None
     try:
-        # Another launcher's stream holds the one slot.
-        holder = agent_pb2_grpc.NodeAgentStub(channel).WatchEvents(agent_pb2.WatchEventsRequest(), timeout=60)
-        threading.Thread(target=_drain, args=(holder,), daemon=True).start()
-        _wait(lambda: _stream_refused(channel), "the other launcher's stream to hold the slot")
+        # Another launcher's stream holds the one slot: established once it has the replayed agent.started event.
+        holder = agent_pb2_grpc.NodeAgentStub(channel).WatchEvents(agent_pb2.WatchEventsRequest(replay=5), timeout=60)
+        holding = threading.Event()
+        threading.Thread(target=_drain, args=(holder, holding), daemon=True).start()
+        _wait(holding.is_set, "the other launcher's stream to hold the slot")
         monkeypatch.setenv("TRAINGUARD_AGENT_SOCKET_PATH", str(tmp_path / "agent.sock"))
         link = attach_daemon("j1", "", "node-a", RpcSecurity(), checkpointing=False)
         assert link is not None
@@ -290,27 +291,12 @@ def test_a_launcher_refused_a_stream_for_the_daemons_limit_waits_for_a_slot_with
         loop.join(20)
 
 
-def _drain(stream) -> None:
-    """Reads a stream until it ends (cancelled: quietly)."""
+def _drain(stream, first: threading.Event) -> None:
+    """Reads a stream until it ends (cancelled: quietly); sets ``first`` at its first message."""
     import grpc
 
     try:
         for _ in stream:
-            pass
+            first.set()
     except grpc.RpcError:
         pass
-
-
-def _stream_refused(channel) -> bool:
-    """Whether the daemon refuses one more WatchEvents stream now (its slots are all taken)."""
-    import grpc
-
-    from trainguard.proto import agent_pb2, agent_pb2_grpc
-
-    try:
-        next(iter(agent_pb2_grpc.NodeAgentStub(channel).WatchEvents(agent_pb2.WatchEventsRequest(), timeout=0.5)))
-    except grpc.RpcError as exc:
-        return exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-    except StopIteration:
-        pass
-    return False
