@@ -21,7 +21,9 @@ CLI prints it as one line and exits 2, and systemd sees the start fail.
 
 The main loop is the only place that pings the systemd watchdog, at half ``WatchdogSec``, and only after a
 self-check passed: the gRPC server answered a health check on its own socket and the detector sampler made
-progress. A wedged loop or server therefore stops the pings and systemd restarts the agent.
+progress. A wedged loop or server therefore stops the pings and systemd restarts the agent. A socket file
+removed or replaced under the running server (which cannot bind it again) turns health NOT_SERVING, which fails
+the self-check and a liveness probe alike.
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ class AgentDaemon:
         self._server: grpc.Server | None = None
         self._certs: ServerCertificates | None = None
         self._socket_ino: int | None = None
+        self._socket_lost = False  # the socket file was removed or replaced under the running server
         self._socket_lock: int | None = None  # fd of <socket>.lock, held for the daemon's life
         self._self_check: Any = None
         self._self_channel: grpc.Channel | None = None
@@ -249,6 +252,7 @@ class AgentDaemon:
             self._certs = ServerCertificates(
                 TlsFiles(config.tls.cert_file, config.tls.key_file, config.tls.client_ca_file)
             )
+        self._check_coordinator_tls(config)
         detectors = self._create_detectors(config)
         try:
             self.metrics = AgentMetrics(config.agent.node_id)
@@ -462,6 +466,28 @@ class AgentDaemon:
             raise AgentConfigError(str(exc)) from exc
         return RpcSecurity(tls=Files(c.tls_cert_file, c.tls_key_file, c.tls_ca_file), token=token)
 
+    @staticmethod
+    def _check_coordinator_tls(config: AgentConfig) -> None:
+        """Loads the ``[coordinator]`` TLS files as the reporters will, before anything listens: a readable file
+        that is no PEM (or a key that is not the certificate's) was found only when the first reporter started,
+        after the listeners had logged, and named by path only.
+
+        Raises:
+            AgentConfigError: a malformed file, naming its key and the config file.
+        """
+        from trainguard.agent.tls import TlsFiles as Files, channel_credentials
+
+        c = config.coordinator
+        if not c.targets() or not (c.tls_ca_file or c.tls_cert_file):
+            return
+        try:
+            channel_credentials(Files(c.tls_cert_file, c.tls_key_file, c.tls_ca_file))
+        except AgentConfigError as exc:
+            text = str(exc)
+            key = next((k for k in ("tls_ca_file", "tls_cert_file", "tls_key_file")
+                        if getattr(c, k) and getattr(c, k) in text), "tls_cert_file")
+            raise AgentConfigError(f"{config.source}: coordinator.{key}: {text}") from exc
+
     def attach_job(self, req: agent_pb2.AttachJobRequest) -> agent_pb2.AttachJobResponse:
         """A launcher attaches its job (see :meth:`DaemonJobs.attach`), announced on the event stream.
 
@@ -501,6 +527,12 @@ class AgentDaemon:
             if self.node_health is not None:
                 h = self.node_health
                 self.metrics.set_predictor(h.score, h.threshold, h.alarms_per_day)
+        if not self._socket_in_place():
+            # Launchers and `trainguard status` cannot reach this agent and the running server cannot bind the
+            # path again: NOT_SERVING fails the liveness probe (and the self-check, which stops the watchdog's
+            # keep-alives), so the agent is restarted and binds it anew.
+            self.health.set("", False)
+            self.health.set(NODE_AGENT_SERVICE, False)
         self.health.set_subsystem("coordinator", self.jobs is None or self.jobs.configured_ok())
         self.health.set_subsystem("workers", True)
         from trainguard.detectors.base import DetectorState
@@ -510,6 +542,26 @@ class AgentDaemon:
             self.health.set_detectors({s.name: s.state not in bad for s in statuses})
         else:
             self.health.set_subsystem("detectors", not self.detector_gap)
+
+    def _socket_in_place(self) -> bool:
+        """Whether ``grpc.socket`` still names the socket this agent serves on (logs once when it does not).
+
+        The self-check's channel keeps the connection it made before, so it cannot tell a removed or replaced
+        socket file: the agent answered itself while nobody else could reach it.
+        """
+        sock = self.config.grpc.socket if self.config is not None else ""
+        if not sock or self._socket_ino is None:
+            return True
+        try:
+            st = os.stat(sock)
+            in_place = stat.S_ISSOCK(st.st_mode) and st.st_ino == self._socket_ino
+        except OSError:
+            in_place = False
+        if not in_place and not self._socket_lost:
+            self._socket_lost = True
+            log.error("the socket %s was removed or replaced: launchers and `trainguard status` cannot reach this "
+                      "agent; health NOT_SERVING and no watchdog keep-alives, so that it is restarted", sock)
+        return in_place
 
     def _sampler_stalled(self) -> bool:
         statuses = self.detector_statuses()
@@ -635,6 +687,8 @@ class AgentDaemon:
 
         A bad new configuration is logged and the running one kept; options that need a restart are named.
         """
+        from trainguard.recovery.rpc_security import SecurityConfigError
+
         assert self.config is not None
         self.notifier.reloading()
         old = self.config
@@ -645,6 +699,13 @@ class AgentDaemon:
             self._check_detectors(new)
             if self._certs is not None and new.tls.enabled:
                 self._certs.reload(TlsFiles(new.tls.cert_file, new.tls.key_file, new.tls.client_ca_file))
+            if self.jobs is not None:
+                # Rotated in place like tls.*: the running paths' new contents (a changed path needs a restart).
+                self._check_coordinator_tls(old)
+                try:
+                    self.jobs.reload_configured(self.coordinator_security(old))
+                except SecurityConfigError as exc:
+                    raise AgentConfigError(f"{old.source}: [coordinator] TLS files: {exc}") from exc
         except (AgentConfigError, AgentError) as exc:
             log.error("reload failed, keeping the running configuration: %s", exc)
             self._agent_event("agent.reload_failed", Severity.WARNING, f"reload failed: {exc}")

@@ -29,6 +29,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -87,6 +88,22 @@ class KeptArena:
         self.state = new
 
 
+#: Folders of a job's arena: a rank's snapshots (``rank_00003``, :mod:`trainguard.checkpoint.arena`) and the
+#: copies it holds for other nodes (``replicas``, :mod:`trainguard.checkpoint.replica_store`).
+_ARENA_ENTRY_RE = re.compile(r"^(rank_\d{5}|replicas)$")
+
+
+def looks_like_arena(path: str) -> bool:
+    """Whether the folder ``path`` holds a job's arena: a ``rank_NNNNN`` or ``replicas`` folder, and nothing that
+    is not one (a folder of some other program's is never taken for an arena, so never removed)."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return False
+    return bool(entries) and all(e.is_dir(follow_symlinks=False) and _ARENA_ENTRY_RE.match(e.name)
+                                 for e in entries)
+
+
 def lease_held(arena_dir: str) -> bool:
     """Whether some process holds a rank's writer lease (``rank_*/owner.lock``) in ``arena_dir``.
 
@@ -138,9 +155,14 @@ class ArenaKeeper:
         return os.path.join(self.root, job)
 
     def adopt_existing(self) -> list[str]:
-        """Takes the arenas already under the root as orphans (TTL from now); returns their job names."""
+        """Takes the arenas already under the root as orphans (TTL from now); returns their job names.
+
+        Only folders laid out as arenas are taken (:func:`looks_like_arena`): the root may be a tmpfs other
+        programs use too (``/dev/shm`` itself), and what is adopted is deleted, as root, ``ttl_s`` later.
+        """
         try:
-            names = sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False))
+            names = sorted(e.name for e in os.scandir(self.root)
+                           if e.is_dir(follow_symlinks=False) and looks_like_arena(e.path))
         except OSError:
             return []
         now = self._clock()

@@ -130,7 +130,8 @@ class GrpcSection:
         max_request_bytes: largest request a method accepts, in bytes; larger ones get INVALID_ARGUMENT.
             ``AttachJob`` accepts at least ``rpc_limits.ATTACH_MAX_REQUEST_BYTES`` (a job's TLS files). Default 65536.
         max_message_bytes: transport cap on any message, in bytes; larger ones are dropped by gRPC itself with
-            RESOURCE_EXHAUSTED before they are read. Must be >= ``max_request_bytes``. Default 4194304.
+            RESOURCE_EXHAUSTED before they are read. Must be >= ``max_request_bytes``, and with a socket >=
+            ``rpc_limits.ATTACH_MAX_REQUEST_BYTES`` (what ``AttachJob`` accepts). Default 4194304.
         max_workers: threads serving calls (each open ``WatchEvents`` stream holds one). Default 16.
         max_watchers: concurrent ``WatchEvents`` and server reflection streams; more get RESOURCE_EXHAUSTED.
             Default 8.
@@ -442,6 +443,13 @@ class AgentConfig:
             fail("grpc.max_request_bytes", f"{g.max_request_bytes} is outside [256, 67108864] bytes")
         if g.max_message_bytes < g.max_request_bytes:
             fail("grpc.max_message_bytes", f"{g.max_message_bytes} is below grpc.max_request_bytes")
+        from trainguard.agent.rpc_limits import ATTACH_MAX_REQUEST_BYTES
+
+        if g.socket and g.max_message_bytes < ATTACH_MAX_REQUEST_BYTES:
+            # gRPC drops a larger message before any handler sees it: a launcher sending its CA bundle got
+            # RESOURCE_EXHAUSTED and ran without the daemon.
+            fail("grpc.max_message_bytes", f"{g.max_message_bytes} is below the {ATTACH_MAX_REQUEST_BYTES} bytes "
+                                           "AttachJob accepts on the socket (a job's TLS files); use at least that")
         if not 2 <= g.max_workers <= 1024:
             fail("grpc.max_workers", f"{g.max_workers} is outside [2, 1024]")
         if not 1 <= g.max_watchers < g.max_workers:

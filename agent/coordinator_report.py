@@ -136,7 +136,11 @@ REFUSALS: dict[grpc.StatusCode, str] = {
     grpc.StatusCode.INVALID_ARGUMENT: "the coordinator refused the request: check the node id and job name",
     grpc.StatusCode.NOT_FOUND: "the coordinator does not know the job: check the job name",
     grpc.StatusCode.FAILED_PRECONDITION: "the coordinator refused the request in its present state",
-    grpc.StatusCode.UNIMPLEMENTED: "the coordinator has no ReportNodeHealth: upgrade it",
+    # A gRPC server answers there, but no coordinator's service: the coordinator's plaintext --health-listen port
+    # or a node agent's are the usual wrong addresses; an old coordinator the rare cause.
+    grpc.StatusCode.UNIMPLEMENTED: "no coordinator's ReportNodeHealth there: check the address (not the "
+                                   "coordinator's --health-listen port, not a node agent's), or upgrade an older "
+                                   "coordinator",
 }
 
 
@@ -175,6 +179,7 @@ class CoordinatorReporter:
         self._instance = instance
         self.interval_s = interval_s
         self.configured_interval_s = interval_s
+        self._asked_interval_s = 0.0  # what the coordinator last asked for (it may stretch intervals)
         self.timeout_s = timeout_s
         self.state = ReporterState.CONNECTING
         self.message = ""
@@ -218,15 +223,28 @@ class CoordinatorReporter:
         """Reports now instead of at the next interval (the verdict just changed)."""
         self._wake.set()
 
+    def set_timing(self, interval_s: float, timeout_s: float) -> None:
+        """Applies reloaded settings now: the report waiting out the old interval (600 s, say) is sent at once
+        and the next ones follow the new interval, still never shorter than the coordinator asked for."""
+        self.configured_interval_s, self.timeout_s = interval_s, timeout_s
+        self.interval_s = max(interval_s, self._asked_interval_s)
+        self.poke()
+
     def stop(self) -> None:
-        """Stops reporting and closes the channel (idempotent)."""
+        """Stops reporting and closes the channel (idempotent).
+
+        The channel is closed before the thread is joined: closing cancels a report in flight, which a coordinator
+        that accepted the call and never answers (its host frozen) held for ``timeout_s``; callers stop reporters
+        from the main loop, a launcher's DetachJob and the daemon's SIGTERM, none of which may wait that long.
+        """
         self._stop.set()
         self._wake.set()
+        channel = self._channel
+        if channel is not None:
+            channel.close()
         if self._thread.is_alive():
             self._thread.join(timeout=self.timeout_s + 2)
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        self._channel = None
         if self.state is not ReporterState.STOPPED:
             self._move(ReporterState.STOPPED)
 
@@ -244,6 +262,8 @@ class CoordinatorReporter:
         try:
             resp = coordinator_pb2_grpc.CoordinatorStub(self._channel).ReportNodeHealth(req, timeout=self.timeout_s)
         except grpc.RpcError as exc:
+            if self._stop.is_set():
+                return  # cancelled by stop(): the coordinator is not unreachable
             meaning = REFUSALS.get(exc.code())
             if meaning is None:
                 self._move(ReporterState.UNREACHABLE, f"{exc.code().name}: {exc.details()}")
@@ -252,6 +272,7 @@ class CoordinatorReporter:
             return
         self.reports += 1
         # The coordinator may ask for a longer interval (it stretches intervals to bound its load), never shorter.
+        self._asked_interval_s = resp.interval_s
         self.interval_s = max(self.configured_interval_s, resp.interval_s)
         self._move(ReporterState.CORDONED if resp.cordoned else ReporterState.REPORTING, resp.message)
 
@@ -260,6 +281,8 @@ class CoordinatorReporter:
             try:
                 self.report_once()
             except Exception:  # noqa: BLE001 (a reporter bug must never take the daemon down)
+                if self._stop.is_set():
+                    return  # stop() closed the channel under this report (a call on a closed channel raises)
                 log.exception("reporting to coordinator %s failed", self.target.address)
             self._wake.wait(self.interval_s)
             self._wake.clear()

@@ -10,6 +10,7 @@ verdict and the reporters' states.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -81,6 +82,8 @@ class DaemonJobs:
         self.tls_dirs = tuple(os.path.realpath(d) for d in tls_dirs)
         self._pem_root: str | None = None  # the attached jobs' TLS files, as their launchers sent them
         self._jobs: dict[str, set[int | str]] = {}  # job -> its live launchers' keys
+        # The configured coordinators as started: addresses, job, security, and what their files held.
+        self._configured: tuple[list[str], str, RpcSecurity | None, bytes] = ([], "", None, b"")
 
     # -- reporters ------------------------------------------------------------------------------------------
     def add_reporter(self, key: str, target: ReportTarget) -> CoordinatorReporter:
@@ -119,8 +122,29 @@ class DaemonJobs:
         """
         for address in targets:
             self.add_reporter(f"config:{address}", ReportTarget(address, job=job, security=security))
+        self._configured = (list(targets), job, security, _fingerprint(security))
         if targets:
             log.info("reporting node health to %d coordinator(s): %s", len(targets), ", ".join(targets))
+
+    def reload_configured(self, security: RpcSecurity) -> bool:
+        """Re-reads the configured coordinators' TLS files and token (a reload): when their contents changed (a
+        rotated client certificate), the reporters start over with them; the addresses stay as started.
+
+        Returns:
+            True when the reporters were restarted.
+
+        Raises:
+            SecurityConfigError: a TLS file is unreadable or malformed (the running reporters are kept).
+        """
+        targets, job, _, fingerprint = self._configured
+        new = _fingerprint(security)
+        if not targets or new == fingerprint:
+            return False
+        for address in targets:  # a bad file raises at the first, before any reporter was replaced
+            self.add_reporter(f"config:{address}", ReportTarget(address, job=job, security=security))
+        self._configured = (targets, job, security, new)
+        log.info("coordinators' TLS files or token changed: reporting to %s with them", ", ".join(targets))
+        return True
 
     def poke(self) -> None:
         """Every reporter reports now (the verdict changed)."""
@@ -131,8 +155,7 @@ class DaemonJobs:
         """Applies reloaded report settings to every reporter."""
         self.interval_s, self.timeout_s = interval_s, timeout_s
         for reporter in self.reporters():
-            reporter.configured_interval_s = interval_s
-            reporter.timeout_s = timeout_s
+            reporter.set_timing(interval_s, timeout_s)
 
     def configured_ok(self) -> bool:
         """Whether every configured coordinator answers (attached jobs' coordinators come and go)."""
@@ -308,6 +331,19 @@ class DaemonJobs:
             self.remove_reporter(key)
         if self._pem_root is not None:
             shutil.rmtree(self._pem_root, ignore_errors=True)
+
+
+def _fingerprint(security: RpcSecurity) -> bytes:
+    """What the coordinators' connection presents: the token and the TLS files' contents (a rotated file changes
+    it; an unreadable one reads as empty, and the channel built from it says why)."""
+    parts = [security.token.encode()]
+    for path in (security.tls.ca_file, security.tls.cert_file, security.tls.key_file):
+        try:
+            with open(path, "rb") as fh:
+                parts.append(hashlib.sha256(fh.read()).digest())
+        except OSError:
+            parts.append(b"")
+    return b"\0".join(parts)
 
 
 def launcher_key(req: agent_pb2.AttachJobRequest | agent_pb2.DetachJobRequest) -> int | str:

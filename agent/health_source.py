@@ -285,6 +285,7 @@ class DaemonEventSource:
 
     def _follow(self, on_event: Callable[[HealthEvent], None]) -> None:
         down = False
+        full = False  # the daemon refused the stream for its limit of streams (said once per refusal spell)
         while not self._stop.is_set():
             call = self.link.stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=REPLAY_EVENTS))
             with self._lock:
@@ -305,10 +306,24 @@ class DaemonEventSource:
                              "" if attached else " (not attached)")
                     down = False
                 for msg in call:
+                    if full:
+                        log.info("node daemon at %s: following its events (a stream slot freed)", self.link.path)
+                        full = False
                     self._deliver(msg, on_event)
             except grpc.RpcError as exc:
                 if self._stop.is_set() or exc.code() is grpc.StatusCode.CANCELLED:
                     return
+                if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # Up, and this job still attached: its streams are all taken (one per launcher). Not a restart,
+                    # so no re-attachment, which replaced the job's reporter and was announced to every launcher.
+                    if not full:
+                        log.warning("node daemon at %s refuses this launcher's event stream (%s); the job gets no "
+                                    "node events from it until a stream ends (retrying every %.1f s); raise the "
+                                    "daemon's grpc.max_watchers (and grpc.max_workers) to the launchers per node "
+                                    "plus a few", self.link.path, exc.details(), self.retry_s)
+                        full = True
+                    self._stop.wait(self.retry_s)
+                    continue
                 if not down:
                     log.warning("node daemon at %s: event stream ended (%s); retrying every %.0f s",
                                 self.link.path, exc.code().name, self.retry_s)

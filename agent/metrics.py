@@ -37,6 +37,7 @@ trainguard_failslow_job_step_seconds              gauge    median step time of t
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -281,6 +282,17 @@ def failslow_families(status, node_id: str) -> list:
                               value=status.job_step_s)]
 
 
+def _log_request_error(request: object, client_address: object) -> None:
+    """``handle_error`` of the metrics HTTP server: one log record instead of a traceback on stderr (called inside
+    the failed request's ``except``, so the exception is current)."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        # The client went away before or while it was answered: nothing the agent can or need fix.
+        log.debug("metrics: client %s went away (%s)", client_address, exc)
+    else:
+        log.warning("metrics: request from %s failed: %s: %s", client_address, type(exc).__name__, exc)
+
+
 class MetricsServer:
     """The HTTP server exposing ``/metrics`` from an :class:`AgentMetrics` registry."""
 
@@ -299,6 +311,9 @@ class MetricsServer:
             self._server, self._thread = start_http_server(port, addr=host, registry=metrics.registry)
         except OSError as exc:
             raise AgentConfigError(f"metrics.listen: cannot listen on {listen} ({exc.strerror})") from exc
+        # socketserver's default prints a traceback to stderr, past the log format (json, journal), whenever a
+        # client resets its connection: a TCP probe, a port scan, a scrape given up on its timeout.
+        self._server.handle_error = _log_request_error
         self.host = host
         self.port: int = self._server.server_port
 

@@ -342,8 +342,12 @@ def format_event(e: common_pb2.HealthEvent, as_json: bool) -> str:
 # -- handlers ----------------------------------------------------------------------------------------------
 
 
-def handle_status(args: argparse.Namespace, out: IO[str] | None = None) -> int:
-    """``trainguard status``: prints the table (or JSON), once or every ``--watch`` seconds."""
+def handle_status(args: argparse.Namespace, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
+    """``trainguard status``: prints the table (or JSON), once or every ``--watch`` seconds.
+
+    With ``--watch``, an unreachable agent is noted and watched on: in the table's place, or with ``--json`` on
+    ``err`` (default stderr), so ``out`` holds only health documents.
+    """
     out = out or sys.stdout
     channel, address = open_channel(args)
     stub = agent_pb2_grpc.NodeAgentStub(channel)
@@ -364,6 +368,12 @@ def handle_status(args: argparse.Namespace, out: IO[str] | None = None) -> int:
             try:
                 text = snapshot(pretty=False)
             except AgentError as exc:  # keep watching through an agent restart
+                if args.json:
+                    # stdout stays one JSON document per line (what `| jq` reads); the note goes where
+                    # `events --follow` puts its reconnection notes.
+                    print(f"trainguard: {exc}", file=err or sys.stderr, flush=True)
+                    time.sleep(args.watch)
+                    continue
                 text = f"trainguard: {exc}"
             stamp = datetime.now(timezone.utc).strftime("%H:%M:%S")
             if clear:

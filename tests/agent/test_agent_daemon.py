@@ -165,6 +165,11 @@ def test_bad_reload_keeps_running_config(agents, tmp_path):
         ('[tls]\nenabled = true\ncert_file = "/nonexistent/cert.pem"\nkey_file = "/nonexistent/key.pem"\n',
          "tls.cert_file: cannot read /nonexistent/cert.pem"),
         ('[detectors]\nenabled = ["host", "nosuch"]\n', "unknown detector 'nosuch'"),
+        # Readable but no PEM: found only when the reporter's channel is built; it named the file, not the key.
+        ('[coordinator]\naddress = "127.0.0.1:1"\ntls_ca_file = "/proc/version"\n',
+         "coordinator.tls_ca_file: CA file /proc/version: not a PEM CA bundle"),
+        # Below what AttachJob must take (a job's CA bundle): gRPC dropped the attachments of such jobs.
+        ("[grpc]\nmax_message_bytes = 65536\n", "grpc.max_message_bytes: 65536 is below the 3211264 bytes"),
     ],
 )
 def test_bad_config_fails_at_start_with_one_line(agents, text, needle):
@@ -284,3 +289,84 @@ def test_status_and_events_cli(agents, tmp_path):
     gone = cli("status", *sock, "--timeout", "1")
     assert gone.returncode == 2 and len(gone.stderr.strip().splitlines()) == 1
     assert "no node agent answers at unix:" in gone.stderr
+
+
+def test_status_watch_json_keeps_stdout_json_while_the_agent_is_down(agents, tmp_path):
+    """`status --watch --json` promises one JSON object per line; while the agent was unreachable (restarting) it
+    printed "trainguard: no node agent answers ..." on stdout among them, and a `| jq` consumer broke on it. The
+    note goes to stderr now, as `events --follow` does its reconnection notes."""
+    agent = agents(BASE.format(root=tmp_path), watchdog_usec=None)
+    agent.wait_for("READY")
+    watch = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "status", "--watch", "0.1", "--json",
+                              "--timeout", "1", "--socket", str(agent.socket_path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda: out.extend(iter(watch.stdout.readline, "")), daemon=True),
+               threading.Thread(target=lambda: err.extend(iter(watch.stderr.readline, "")), daemon=True)]
+    for r in readers:
+        r.start()
+
+    def wait(cond, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not cond():
+            assert time.monotonic() < deadline and watch.poll() is None, f"{what}: out={out[-3:]} err={err[-3:]}"
+            time.sleep(0.05)
+
+    try:
+        wait(lambda: len(out) >= 1, "a first health document")
+        agent.proc.send_signal(signal.SIGTERM)
+        assert agent.proc.wait(30) == 0
+        seen = len(out)
+        # Two refreshes after the agent is gone: the watcher saw it unreachable (on one stream or the other).
+        wait(lambda: len(out) + sum("no node agent answers" in line for line in err) >= seen + 2,
+             "refreshes while the agent is down")
+    finally:
+        watch.send_signal(signal.SIGINT)
+        try:
+            watch.wait(15)
+        except subprocess.TimeoutExpired:
+            watch.kill()
+            watch.wait(10)
+        for r in readers:
+            r.join(10)
+    assert watch.returncode == 0, err
+    import json
+
+    for line in out:
+        assert json.loads(line)["node_id"], line
+    assert any("no node agent answers" in line for line in err), err
+
+
+def test_a_removed_socket_file_is_noticed_and_the_agent_restarted(agents, tmp_path):
+    """The unix socket is how launchers and `trainguard status` reach the agent. Removed by hand (a cleanup of
+    /run) it cannot be bound again by the running server, and the self-check went on answering over its own
+    connection made before: the watchdog was fed, health said SERVING, and every launcher ran alone unnoticed.
+    Now health (the kubelet's liveness probe) says NOT_SERVING and the watchdog stops, so the agent is restarted."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    agent = agents(BASE.format(root=tmp_path) + "[agent]\nloop_interval_s = 0.1\n")
+    agent.wait_for("READY")
+    agent.wait_for("WATCHDOG", timeout=10)
+    os.unlink(agent.socket_path)
+
+    def overall() -> int:
+        with grpc.insecure_channel(f"127.0.0.1:{agent.tcp_port}") as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+    deadline = time.monotonic() + 20
+    while overall() == health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, agent.log()[-2000:]
+        time.sleep(0.05)
+    assert "was removed" in agent.log()
+    # No keep-alive from then on (the interval is 1 s: one would come every 0.5 s).
+    agent.notify.settimeout(0.2)
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        try:
+            data = agent.notify.recv(4096).decode()
+        except socket.timeout:
+            continue
+        assert "WATCHDOG=1" not in data, data
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(30) == 0

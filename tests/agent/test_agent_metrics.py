@@ -160,3 +160,75 @@ def test_the_predictor_threshold_is_nan_until_the_first_score(served):
     metrics.set_predictor(0.1, 0.7)
     value = {s.name: s.value for f in text_string_to_metric_families(scrape(server.url)) for s in f.samples}
     assert value["trainguard_predictor_threshold"] == 0.7 and value["trainguard_predictor_score"] == 0.1
+
+
+def _reset_connection(port: int, payload: bytes) -> None:
+    """Connects, sends ``payload``, and aborts with a TCP reset (SO_LINGER 0), as port scanners, load balancers'
+    TCP checks and a scraper giving up on its timeout do."""
+    import struct
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        if payload:
+            s.sendall(payload)
+        time.sleep(0.05)  # the server's handler is reading by now
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def test_clients_resetting_the_metrics_connection_leave_the_json_log_one_object_per_line(tmp_path, tg_env):
+    """A client that resets its connection (a TCP probe, an aborted scrape, a request line too long) made the HTTP
+    server print a 15-line traceback to stderr, around the log format: `--log-format json` was no longer one JSON
+    object per line, and journald got one entry per traceback line. Real daemon, real sockets."""
+    import os
+    import re
+    import signal
+    import sys
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f"""
+[agent]
+node_id = "metrics-n1"
+[log]
+format = "json"
+[grpc]
+listen = ""
+[metrics]
+listen = "127.0.0.1:0"
+[detectors]
+enabled = ["disk"]
+root = "{tmp_path / 'fake'}"
+[predictor]
+enabled = false
+[memory_tier]
+root = "{tmp_path / 'shm'}"
+""")
+    err = tmp_path / "agent.log"
+    env = {k: v for k, v in tg_env.items() if not k.startswith(("TRAINGUARD_", "NOTIFY_", "WATCHDOG_"))}
+    with open(err, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "agent", "--config", str(config), "--socket",
+                                 str(tmp_path / "run" / "agent.sock"), "--state-dir", str(tmp_path / "state")],
+                                env=env, stdout=subprocess.DEVNULL, stderr=fh)
+    try:
+        deadline = time.monotonic() + 60
+        while not re.search(r"metrics on http://127\.0\.0\.1:(\d+)", err.read_text()) or "agent ready" not in \
+                err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.05)
+        port = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)", err.read_text()).group(1))
+        for payload in (b"", b"GET /metrics HTTP/1.1\r\n", b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n"):
+            _reset_connection(port, payload)
+        # Still serving, and a scrape after the resets is whole.
+        assert "trainguard_agent_info" in scrape(f"http://127.0.0.1:{port}/metrics")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    lines = [line for line in err.read_text().splitlines() if line.strip()]
+    assert lines
+    for line in lines:
+        try:
+            json.loads(line)
+        except ValueError:
+            pytest.fail(f"not a JSON log line: {line!r}\n" + "\n".join(lines[:40]) + os.linesep)

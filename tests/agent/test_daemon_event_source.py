@@ -227,3 +227,76 @@ def test_an_empty_shm_dir_variable_tells_the_daemon_the_default_arena_root():
     import os
 
     assert CheckpointConfig.from_dict({"directory": "/tmp/x"}).memory.directory == launcher_arena_root(os.environ)
+
+
+def test_a_launcher_refused_a_stream_for_the_daemons_limit_waits_for_a_slot_without_reattaching(tmp_path, monkeypatch):
+    """More launchers (one per job on a node shared by small jobs) than the daemon's `grpc.max_watchers`: the one
+    refused (RESOURCE_EXHAUSTED) took the refusal for a restarted daemon, and attached its job again every retry
+    (each time replacing the daemon's reporter to its coordinator and announcing it to every other launcher),
+    logging "event stream ended" / "is back" a pair a second, with nothing naming the limit. It now says once that
+    the daemon's limit is reached and which setting raises it, and follows the events as soon as a slot frees."""
+    import logging
+
+    import grpc
+
+    from trainguard.proto import agent_pb2, agent_pb2_grpc
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[metrics]\nlisten = ""\n[grpc]\nlisten = ""\nmax_workers = 2\nmax_watchers = 1\n'
+                      f'[detectors]\nenabled = ["host"]\nroot = "{tmp_path / "fake"}"\n[predictor]\nenabled = false\n'
+                      f'[agent]\nloop_interval_s = 0.1\n[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
+    d = AgentDaemon(config_loader(str(config), None, str(tmp_path / "agent.sock"), str(tmp_path / "state")),
+                    SystemdNotifier(None))
+    d.start()
+    loop = threading.Thread(target=d.run)
+    loop.start()
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # the daemon's start resets the root's
+    logger = logging.getLogger("trainguard.agent.health_source")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    channel = grpc.insecure_channel(f"unix:{tmp_path / 'agent.sock'}")
+    link = source = None
+    try:
+        # Another launcher's stream holds the one slot: established once it has the replayed agent.started event.
+        holder = agent_pb2_grpc.NodeAgentStub(channel).WatchEvents(agent_pb2.WatchEventsRequest(replay=5), timeout=60)
+        holding = threading.Event()
+        threading.Thread(target=_drain, args=(holder, holding), daemon=True).start()
+        _wait(holding.is_set, "the other launcher's stream to hold the slot")
+        monkeypatch.setenv("TRAINGUARD_AGENT_SOCKET_PATH", str(tmp_path / "agent.sock"))
+        link = attach_daemon("j1", "", "node-a", RpcSecurity(), checkpointing=False)
+        assert link is not None
+        events: list[HealthEvent] = []
+        source = DaemonEventSource(link, retry_s=0.05)
+        source.start(events.append)
+        _wait(lambda: any("grpc.max_watchers" in m for m in lines), "the launcher naming the daemon's limit")
+        time.sleep(0.5)  # ten retries
+        attached = [e for e in d.node_health.bus.recent(100) if e.kind == "agent.job_attached"]
+        assert len(attached) == 1, [e.message for e in attached]
+        assert sum("grpc.max_watchers" in m for m in lines) == 1, lines
+        assert not [m for m in lines if "is back" in m or "event stream ended" in m], lines
+        holder.cancel()  # the slot frees: the refused launcher gets the node's events (replayed from its attachment)
+        d._on_event(_event("pcie.aer_fatal", Action.DRAIN_NODE, Severity.CRITICAL))
+        _wait(lambda: any(e.kind == "pcie.aer_fatal" for e in events), "the fault reaching the launcher")
+    finally:
+        logger.removeHandler(handler)
+        if source is not None:
+            source.stop()
+        if link is not None:
+            link.close()
+        channel.close()
+        d.request_stop()
+        loop.join(20)
+
+
+def _drain(stream, first: threading.Event) -> None:
+    """Reads a stream until it ends (cancelled: quietly); sets ``first`` at its first message."""
+    import grpc
+
+    try:
+        for _ in stream:
+            first.set()
+    except grpc.RpcError:
+        pass

@@ -222,6 +222,8 @@ def test_agent_pushes_new_snapshots_and_re_replicates_to_a_new_buddy(roots) -> N
         # b is lost; the coordinator names c: the newest copy goes there without a new snapshot.
         sender.set_targets([pb.ReplicaTarget(node_id="c", address=server_c.address)])
         _wait(lambda: (r := store_c.newest(0)) is not None and r.step == 20, "c never got the copy")
+        # c files the copy before it acks, and the sender counts the push when the ack arrives.
+        _wait(lambda: sender.stats.pushes >= 3, "the sender to count its third push")
         assert sender.stats.pushes == 3 and len(sender.stats.push_seconds) == 3
         held = [(h.step, list(h.ranks), list(h.replica_ranks)) for h in MemoryTier(c, "job", "/ckpt",
                                                                                      replicas=store_c).scan()]
