@@ -90,13 +90,15 @@ def read_bytes(path: str | os.PathLike[str], *, error: type[ConfigError] = Confi
 
 
 def decode(raw: bytes, source: str, *, error: type[ConfigError] = ConfigError) -> str:
-    """``raw`` as UTF-8 text (TOML is UTF-8 by definition).
+    """``raw`` as UTF-8 text (TOML is UTF-8 by definition), a leading byte-order mark dropped.
 
     Raises:
         error: bytes that are not UTF-8, naming the byte offset and the line.
     """
     try:
-        return raw.decode("utf-8")
+        # utf-8-sig: a byte-order mark (Windows editors save UTF-8 with one) is no TOML, and tomllib said
+        # "Invalid statement (at line 1, column 1)" of a file that looks right in every editor
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise error(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start}, line {line}); save the file as "

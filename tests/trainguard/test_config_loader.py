@@ -167,3 +167,10 @@ def _write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "other.toml"
     path.write_text(text)
     return path
+
+
+def test_a_file_saved_with_a_byte_order_mark_reads(tmp_path: Path) -> None:
+    # Windows editors save UTF-8 with a BOM; tomllib said "Invalid statement (at line 1, column 1)" of it
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + '[demo]\nname = "caf\u00e9"\n'.encode())
+    assert read_toml(path, error=DemoError) == {"demo": {"name": "caf\u00e9"}}
