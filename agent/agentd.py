@@ -101,6 +101,36 @@ def _grpc_options(config: AgentConfig) -> list[tuple[str, Any]]:
     ]
 
 
+def _lock_state_dir(path: str) -> int:
+    """Takes the exclusive lock ``<state_dir>/agent.lock`` that one daemon per state folder holds for its life.
+
+    Two daemons given other sockets but one state folder (a copied unit file, a test instance left running) both
+    ran, wrote one metric history and reported one node id to the coordinators; the socket's lock alone did not
+    see it.
+
+    Raises:
+        AgentConfigError: the lock file cannot be created.
+        AgentError: another daemon holds the lock.
+    """
+    lock_path = os.path.join(path, "agent.lock")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise AgentConfigError(f"agent.state_dir: cannot create {lock_path} ({exc.strerror}); pick another "
+                               "--state-dir") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise AgentError(f"another trainguard agent{f' (pid {holder})' if holder.isdigit() else ''} uses the state "
+                         f"folder {path} (it holds {lock_path}); stop that agent first or give this one its own "
+                         "--state-dir") from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def _lock_socket_path(path: str) -> int:
     """Takes the exclusive lock ``<socket>.lock`` that one daemon per socket path holds for its life; returns its fd.
 
@@ -221,6 +251,7 @@ class AgentDaemon:
         self._socket_ino: int | None = None
         self._socket_lost = False  # the socket file was removed or replaced under the running server
         self._socket_lock: int | None = None  # fd of <socket>.lock, held for the daemon's life
+        self._state_lock: int | None = None  # fd of <state_dir>/agent.lock, held for the daemon's life
         self._self_check: Any = None
         self._self_channel: grpc.Channel | None = None
         self._stop = threading.Event()
@@ -254,6 +285,9 @@ class AgentDaemon:
             )
         self._check_coordinator_tls(config)
         detectors = self._create_detectors(config)
+        # Once the configuration checked out, before anything acts on the node (arenas adopted, the node reported):
+        # a start refused for its configuration says so even while the daemon it would replace still runs.
+        self._state_lock = _lock_state_dir(config.agent.state_dir)
         try:
             self.metrics = AgentMetrics(config.agent.node_id)
             health = LocalNodeHealth(config.agent.node_id, bus=EventBus(recent=config.detectors.recent_events),
@@ -732,6 +766,12 @@ class AgentDaemon:
 
     # -- stop ---------------------------------------------------------------------------------------------
 
+    def release_locks(self) -> None:
+        """Lets go of the state folder's lock (at the stop, or after a failed start)."""
+        if self._state_lock is not None:
+            os.close(self._state_lock)
+            self._state_lock = None
+
     def stop(self) -> None:
         """Stops gracefully: STOPPING=1, health NOT_SERVING, workers, detectors, servers, socket (idempotent)."""
         if self._stopped:
@@ -767,6 +807,7 @@ class AgentDaemon:
         if self._socket_lock is not None:
             os.close(self._socket_lock)  # the file stays: unlinking a lock file races with the next daemon's open
             self._socket_lock = None
+        self.release_locks()
 
 
 class _DaemonService(NodeAgentService):
@@ -908,7 +949,11 @@ def run_agent(load_config: ConfigLoader) -> int:
     daemon = AgentDaemon(load_config)
     restore = daemon.install_signal_handlers()
     try:
-        daemon.start()
+        try:
+            daemon.start()
+        except BaseException:
+            daemon.release_locks()  # a failed start in a process that lives on must not keep the state folder
+            raise
         return daemon.run()
     finally:
         restore()

@@ -8,6 +8,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -271,21 +272,26 @@ def test_a_second_daemon_on_the_socket_path_is_refused_even_with_the_socket_file
                       f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
     sock_path = tmp_path / "run" / "agent.sock"
 
-    def daemon() -> AgentDaemon:
-        return AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
-                           SystemdNotifier(None))
+    def daemon(state: str = "state", sock: Path = sock_path) -> AgentDaemon:
+        return AgentDaemon(config_loader(str(config), "", str(sock), str(tmp_path / state)), SystemdNotifier(None))
 
     first = daemon()
     first.start()
     try:
         sock_path.unlink()
-        second = daemon()
+        second = daemon("state2")
         with pytest.raises(AgentError, match=rf"another trainguard agent \(pid {os.getpid()}\) holds "):
             second.start()
         assert not sock_path.exists()  # the refused one left nothing behind
+        # another socket, the same state folder: both ran, wrote one history and reported one node id
+        other = daemon(sock=tmp_path / "run" / "other.sock")
+        with pytest.raises(AgentError, match=rf"another trainguard agent \(pid {os.getpid()}\) uses the state "
+                                             rf"folder {tmp_path / 'state'} "):
+            other.start()
+        assert not (tmp_path / "run" / "other.sock").exists()
     finally:
         first.stop()
-    third = daemon()  # the lock is released with the first daemon
+    third = daemon()  # the locks are released with the first daemon
     third.start()
     third.stop()
 
