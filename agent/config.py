@@ -496,9 +496,9 @@ class AgentConfig:
 
         c = self.coordinator
         if c.address:
-            _check_hostport(c.address, "coordinator.address", fail)
+            _check_hostport(c.address, "coordinator.address", fail, dial=True)
         for i, a in enumerate(c.addresses):
-            _check_hostport(a, f"coordinator.addresses[{i}]", fail)
+            _check_hostport(a, f"coordinator.addresses[{i}]", fail, dial=True)
         if c.job:
             from trainguard.recovery.spec import JOB_NAME_RE
 
@@ -643,11 +643,16 @@ def hostport_arg(text: str) -> str:
     return text
 
 
-def _check_hostport(value: str, key: str, fail: Any) -> None:
+def _check_hostport(value: str, key: str, fail: Any, dial: bool = False) -> None:
+    """Checks ``HOST:PORT``; ``dial``: an address to connect to, where port 0 (a listener's "any free port")
+    reaches nothing (every report to such a coordinator failed, as "unreachable")."""
     try:
-        parse_hostport(value)
+        _, port = parse_hostport(value)
     except ValueError as exc:
         fail(key, str(exc))
+        return
+    if dial and port == 0:
+        fail(key, f"{value!r} has port 0; give the port the coordinator listens on")
 
 
 def _check_readable(path: str, key: str, fail: Any) -> None:

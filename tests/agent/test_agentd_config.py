@@ -10,6 +10,9 @@ from trainguard.agent.config import AgentConfig, AgentConfigError
 @pytest.mark.parametrize("text, needle", [
     ('[coordinator]\naddresses = ["h:1", "nohost"]\n', "coordinator.addresses[1]: 'nohost' is not HOST:PORT"),
     ('[coordinator]\naddresses = "h:1"\n', "coordinator.addresses: expected an array"),
+    # a listener's "any port" names no coordinator: every report failed as "unreachable"
+    ('[coordinator]\naddress = "10.0.0.1:0"\n', "coordinator.address: '10.0.0.1:0' has port 0; give the port"),
+    ('[coordinator]\naddresses = ["h:1", "h:0"]\n', "coordinator.addresses[1]: 'h:0' has port 0"),
     ('[coordinator]\njob = "a b"\n', "coordinator.job: 'a b' is not a job name"),
     ('[coordinator]\ntoken_file = "/nonexistent/token"\n', "coordinator.token_file: cannot read the job token"),
     ('[memory_tier]\nroot = "shm"\n', "memory_tier.root: 'shm' must be an absolute path"),
