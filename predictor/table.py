@@ -38,7 +38,12 @@ def _parse_time(text: str, where: str) -> float:
                                   "ISO 8601 time")
         return t
     try:
-        dt = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+        iso = text.strip()
+        if len(iso) > 10 and iso[10] == "t":  # RFC 3339 allows a lower-case separator and zone letter
+            iso = iso[:10] + "T" + iso[11:]
+        if iso[-1:] in ("Z", "z"):
+            iso = iso[:-1] + "+00:00"
+        dt = datetime.fromisoformat(iso)
     except ValueError:
         raise DataFormatError(f"{where}: timestamp {text!r} is neither Unix seconds nor ISO 8601; fix the cell") from None
     if dt.tzinfo is None:

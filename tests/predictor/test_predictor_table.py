@@ -28,8 +28,10 @@ def test_round_trip_keeps_values_nan_and_jobs(tmp_path):
 
 
 def test_iso_timestamps_are_read_as_utc(tmp_path):
-    p = _write(tmp_path, "timestamp,node,a\n1970-01-01T00:00:10,n,1\n1970-01-01T00:00:20Z,n,2\n")
-    np.testing.assert_array_equal(MetricTable.from_csv(p).ts, [10.0, 20.0])
+    p = _write(tmp_path, "timestamp,node,a\n1970-01-01T00:00:10,n,1\n1970-01-01T00:00:20Z,n,2\n"
+                         # RFC 3339's lower-case forms (some exporters write them) were refused as not ISO 8601
+                         "1970-01-01T00:00:30z,n,3\n1970-01-01t00:00:40z,n,4\n")
+    np.testing.assert_array_equal(MetricTable.from_csv(p).ts, [10.0, 20.0, 30.0, 40.0])
 
 
 @pytest.mark.parametrize(
