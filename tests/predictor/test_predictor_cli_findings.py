@@ -661,3 +661,16 @@ def test_eval_feeds_each_failure_back_to_its_nodes_calibration(tmp_path, capsys)
     assert reports["fed"] != reports["alone"]  # the feedback matters on this data
     for key in ("caught", "false_alarms", "hits", "early"):
         assert out[key] == reports["fed"][key], (key, out, reports)
+
+
+def test_a_node_whose_interval_changes_within_the_file_is_named(tmp_path, capsys):
+    """n1 scraped every 300 s, then every 150 s for its last quarter: its median spacing (300 s) passed the check,
+    and the model's windows counted twice the rows over that quarter without a word."""
+    rows = _fleet_rows(nodes=3, n=400, step=300.0, seed=5, t0=1_700_000_100.0)
+    fast = [r for r in rows if r[1] == "n1" and r[0] >= 1_700_000_100.0 + 300 * 300.0]
+    extra = [[r[0] + 150.0, *r[1:]] for r in fast]
+    path = _write(tmp_path / "m.csv", COLS, sorted(rows + extra, key=lambda r: r[0]))
+    err = _one_line_error(capsys, ["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json"),
+                                   "--interval", "300"])
+    assert "1 of 3 nodes are sampled more often than every 300 s over part of the data" in err
+    assert "n1 (" in err and "--resample 300" in err
