@@ -216,7 +216,8 @@ class Session:
     Args:
         checkpoint_dir: directory or fsspec URL for checkpoints; defaults to ``$TRAINGUARD_CHECKPOINT_DIR``;
             None disables checkpointing.
-        save_every: save automatically every this many steps in :meth:`step_done` (0: only on request).
+        save_every: save automatically every this many steps in :meth:`step_done` (0: only on request): at each
+            step that reaches or passes a multiple of it (``step + 1`` counted), so steps that jump still save.
         job: job name (defaults to ``$TRAINGUARD_JOB``, else ``$TORCHELASTIC_RUN_ID`` unless torchrun made it up
             for a one-node launch (a fresh uuid): then, with checkpoints, ``<script>-<hash of the
             checkpoint location>`` as ``trainguard run`` names it, so a relaunch resumes; ``default`` in a lone
@@ -426,7 +427,8 @@ class Session:
             state: what to checkpoint when a save is due (every ``save_every`` steps, or when the agent advises
                 a checkpoint); None skips saving.
         """
-        if self._last_step is not None and step <= self._last_step:
+        prev = self._last_step
+        if prev is not None and step <= prev:
             self._step_went_back(step)
         else:
             self._last_step = step
@@ -445,7 +447,7 @@ class Session:
             else:
                 self._agent.beat(step, sent)
             self._apply_advisories()
-        due = self.save_every > 0 and (step + 1) % self.save_every == 0
+        due = self.save_every > 0 and self._save_due(step, prev)
         at = step in self._checkpoint_at
         if self._checkpoint_at:
             missed = {s for s in self._checkpoint_at if s < step}
@@ -455,6 +457,19 @@ class Session:
         if state is not None and (due or at or self._checkpoint_now):
             self._checkpoint_now = False
             self.save(state, step)
+
+    def _save_due(self, step: int, prev: int | None) -> bool:
+        """Whether ``step`` completes a multiple of ``save_every`` steps since ``prev`` (the step reported before).
+
+        A step that jumps (counted in samples or micro-batches: 0, 32, 64, ...) crosses a multiple without landing
+        on one: ``(step + 1) % save_every == 0`` never held for ``save_every=10`` and steps of 32, and such a run
+        saved nothing at all, with no word. For steps one apart it is that rule; the first step (none before it) and
+        a step that went back keep it. After :meth:`restore`, ``prev`` is the restored step.
+        """
+        every = self.save_every
+        if prev is None or step <= prev:
+            return (step + 1) % every == 0
+        return (step + 1) // every > (prev + 1) // every
 
     def _step_went_back(self, step: int) -> None:
         """Warns once about a step that does not grow (e.g. the index within an epoch, or one step reported per

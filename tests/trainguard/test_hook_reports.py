@@ -220,3 +220,36 @@ def test_a_numpy_save_every_is_taken_as_its_int() -> None:
     s = Session(save_every=np.int64(5), job="every")
     assert s.save_every == 5 and type(s.save_every) is int
     s.close()
+
+
+def test_save_every_saves_steps_that_jump_over_its_multiples(tmp_path) -> None:
+    """A loop counting its step in samples (0, 32, 64, ...) with save_every=10 never landed on a step with
+    (step + 1) % 10 == 0, so it saved nothing at all and a restart began at 0, with session.errors == []. A save is
+    now due at the first step that crosses a multiple; steps one apart save where they always did."""
+    state = {"w": torch.zeros(2)}
+    s = Session(checkpoint_dir=str(tmp_path / "jump"), save_every=10, job="jump")
+    try:
+        saved = []
+        for step in range(0, 100, 32):
+            s.step_done(step, state)
+            saved.append(s.last_saved_step)
+        assert saved == [None, 32, 64, 96], saved
+        assert s.errors == []
+    finally:
+        s.close()
+    again = Session(checkpoint_dir=str(tmp_path / "jump"), save_every=10, job="jump")
+    try:
+        assert again.restore(state) == 97
+    finally:
+        again.close()
+    s = Session(checkpoint_dir=str(tmp_path / "plain"), save_every=10, job="plain")
+    try:
+        saves = []
+        for step in range(25):
+            before = s.last_saved_step
+            s.step_done(step, state)
+            if s.last_saved_step != before:
+                saves.append(step)
+        assert saves == [9, 19], saves
+    finally:
+        s.close()
