@@ -486,6 +486,13 @@ class Session:
                                    f"at the step restore() returns ({self._last_step + 1}); {what}"),
                         f"rank {self.rank}")
             return
+        if step == self._last_step:
+            # The same step again is one call per micro-batch (gradient accumulation), not an epoch's index: the
+            # message about epochs named the wrong fix.
+            self._latch(UsageError(f"step_done({step}) called again for the same step: call it once per optimizer "
+                                   f"step (after the last micro-batch when accumulating gradients), with a step "
+                                   f"that grows; {what}"), f"rank {self.rank}")
+            return
         self._latch(UsageError(f"step_done({step}) after step_done({self._last_step}): steps must grow over the "
                                f"whole run (pass a global step counter, not the index within an epoch); {what}"),
                     f"rank {self.rank}")

@@ -253,3 +253,22 @@ def test_save_every_saves_steps_that_jump_over_its_multiples(tmp_path) -> None:
         assert saves == [9, 19], saves
     finally:
         s.close()
+
+
+def test_a_step_reported_per_micro_batch_is_named_as_such(tmp_path) -> None:
+    """Gradient accumulation with step_done after every micro-batch repeats each step; the latched error told
+    the user to 'pass a global step counter, not the index within an epoch', which they already did. It now
+    names the fix: once per optimizer step."""
+    from trainguard.errors import UsageError
+
+    s = Session(job="accum")
+    try:
+        for opt_step in range(3):
+            for _micro in range(4):
+                s.step_done(opt_step)
+        assert len(s.errors) == 1 and isinstance(s.errors[0], UsageError), s.errors
+        msg = str(s.errors[0])
+        assert "step_done(0) called again for the same step" in msg and "once per optimizer step" in msg, msg
+        assert "\n" not in msg and "epoch" not in msg, msg
+    finally:
+        s.close()
