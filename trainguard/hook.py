@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -40,6 +41,12 @@ log = logging.getLogger("trainguard.hook")
 HEARTBEAT_MIN_INTERVAL_S = 0.25
 #: Most errors :attr:`Session.errors` keeps (the newest).
 MAX_LATCHED_ERRORS = 1000
+
+# Open sessions that checkpoint, by (job, rank): one process has one writer per job and rank (the staging area's
+# lease), so a second session of the same job got every save refused, one logged error per save, and its restore
+# did not see the first one's newest step.
+_OPEN_SESSIONS: dict[tuple[str, int], "weakref.ref[Session]"] = {}
+_OPEN_LOCK = threading.Lock()
 
 
 def _rpc_error_line(exc: BaseException) -> str:
@@ -226,6 +233,7 @@ class Session:
 
     Raises:
         TrainguardError: the checkpoint location is unusable (unwritable, malformed URL).
+        UsageError: a session of the same job and rank that checkpoints is still open in this process.
     """
 
     def __init__(
@@ -289,9 +297,17 @@ class Session:
         if directory:
             from trainguard.checkpoint import CheckpointConfig, Checkpointer
 
-            cfg = CheckpointConfig(directory=directory, **dict(checkpoint_options or {}))
-            self._ckpt = Checkpointer(cfg, rank=self.rank, world_size=self.world_size, job=self.job,
-                                      on_event=self._on_checkpoint_event)
+            key = (self.job, self.rank)
+            with _OPEN_LOCK:
+                other = _OPEN_SESSIONS.get(key)
+                if other is not None and other() is not None:
+                    raise UsageError(f"trainguard.init() was already called in this process for job {self.job!r} "
+                                     f"rank {self.rank} and that session is still open: reuse it, or call its "
+                                     f"close() first")
+                cfg = CheckpointConfig(directory=directory, **dict(checkpoint_options or {}))
+                self._ckpt = Checkpointer(cfg, rank=self.rank, world_size=self.world_size, job=self.job,
+                                          on_event=self._on_checkpoint_event)
+                _OPEN_SESSIONS[key] = weakref.ref(self)
         elif save_every and self.rank == 0:
             # Checkpointing off is legitimate (a run without --checkpoint-dir), but asked-for saves that never
             # happen are not: a script relying on $TRAINGUARD_CHECKPOINT_DIR under plain torchrun saved nothing
@@ -578,6 +594,10 @@ class Session:
             except TrainguardError as exc:
                 self._latch(exc, "closing the checkpointer failed")
             self._ckpt = None
+            with _OPEN_LOCK:
+                ref = _OPEN_SESSIONS.get((self.job, self.rank))
+                if ref is not None and ref() in (self, None):
+                    del _OPEN_SESSIONS[(self.job, self.rank)]
         if self._agent is not None:
             self._agent.close()
             self._agent = None

@@ -272,3 +272,27 @@ def test_a_step_reported_per_micro_batch_is_named_as_such(tmp_path) -> None:
         assert "\n" not in msg and "epoch" not in msg, msg
     finally:
         s.close()
+
+
+def test_a_second_init_for_the_same_job_while_the_first_is_open_is_refused_at_once(tmp_path) -> None:
+    """Calling trainguard.init() twice (a helper that sets up training, called again) gave a second session whose
+    every save failed ('already writes checkpoints for this job and rank'), one logged error per save while
+    training went on saving nothing, and whose restore missed the first session's newest step. It is now one
+    UsageError at the second init; once the first is closed, or for another job, init works."""
+    import trainguard
+    from trainguard.errors import UsageError
+
+    state = {"w": torch.zeros(2)}
+    first = trainguard.init(checkpoint_dir=str(tmp_path / "ck"), save_every=1, job="twice")
+    try:
+        first.step_done(0, state)
+        with pytest.raises(UsageError, match=r"already called in this process for job 'twice' rank 0.*close\(\)"):
+            trainguard.init(checkpoint_dir=str(tmp_path / "ck"), save_every=1, job="twice")
+        other = trainguard.init(checkpoint_dir=str(tmp_path / "ck"), save_every=1, job="other")
+        other.close()
+    finally:
+        first.close()
+    with trainguard.init(checkpoint_dir=str(tmp_path / "ck"), save_every=1, job="twice") as again:
+        assert again.restore(state) == 1
+        again.step_done(1, state)
+        assert again.errors == [] and again.last_saved_step == 1
