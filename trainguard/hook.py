@@ -208,6 +208,20 @@ def _place_in_job(env: WorkerEnv) -> tuple[int, int, bool]:
     return dist.get_rank(), dist.get_world_size(), False
 
 
+def _as_step(step: Any) -> Any:
+    """``step`` as a plain int when it is an integer of any kind (numpy's, a 0-d integer tensor), else as given
+    (the Checkpointer refuses a float step with a line of its own).
+
+    The hook keeps the step it was given: a tensor counter the loop increments in place (``gstep += 1``) changed
+    the kept "last step" with it, so the next step looked repeated (a latched UsageError) and
+    :attr:`Session.last_saved_step` named a step never saved.
+    """
+    try:
+        return operator.index(step)
+    except TypeError:
+        return step
+
+
 def _initialized_dist() -> Any:
     """``torch.distributed`` when its default process group is up, else None (torch is never imported here)."""
     dist = sys.modules.get("torch.distributed")
@@ -380,6 +394,7 @@ class Session:
         """
         if self._ckpt is None:
             return False
+        step = _as_step(step)
         t0 = time.perf_counter()
         try:
             self._ckpt.save(state, step)
@@ -443,6 +458,7 @@ class Session:
             state: what to checkpoint when a save is due (every ``save_every`` steps, or when the agent advises
                 a checkpoint); None skips saving.
         """
+        step = _as_step(step)
         prev = self._last_step
         if prev is not None and step <= prev:
             self._step_went_back(step)

@@ -296,3 +296,17 @@ def test_a_second_init_for_the_same_job_while_the_first_is_open_is_refused_at_on
         assert again.restore(state) == 1
         again.step_done(1, state)
         assert again.errors == [] and again.last_saved_step == 1
+
+
+def test_a_tensor_step_counter_incremented_in_place_is_taken_by_value(tmp_path) -> None:
+    """A loop keeping its step in a tensor (gstep += 1 after each step_done) changed the hook's kept last step
+    with it: the next step_done latched 'called again for the same step' and last_saved_step named a step that
+    was never saved. Integer steps of any kind are now taken as plain ints."""
+    state = {"w": torch.zeros(2)}
+    with Session(checkpoint_dir=str(tmp_path / "ck"), save_every=2, job="inplace") as s:
+        gstep = torch.tensor(0)
+        for _ in range(4):
+            s.step_done(gstep, state)
+            gstep += 1
+        assert s.errors == [], s.errors
+        assert s.last_saved_step == 3 and type(s.last_saved_step) is int
