@@ -478,14 +478,14 @@ class Session:
                 self._agent.beat(step, sent, sections)
             else:
                 self._agent.beat(step, sent)
-            self._apply_advisories()
+            self._apply_advisories(step)
         due = self.save_every > 0 and self._save_due(step, prev)
-        at = step in self._checkpoint_at
-        if self._checkpoint_at:
-            missed = {s for s in self._checkpoint_at if s < step}
-            for s in sorted(missed):
-                log.warning("job-wide checkpoint at step %d: heard of it only at step %d, too late", s, step)
-            self._checkpoint_at -= missed | {step}
+        # A job-wide checkpoint is taken at the first step reaching its step: every rank reports the same steps,
+        # so they all save the same one. Waiting for the exact step never saved a loop whose steps jump (samples
+        # seen) and warned "too late" on every rank; one heard of only after its step is skipped when heard.
+        reached = {s for s in self._checkpoint_at if s <= step}
+        at = bool(reached)
+        self._checkpoint_at -= reached
         if state is not None and (due or at or self._checkpoint_now):
             self._checkpoint_now = False
             self.save(state, step)
@@ -529,14 +529,18 @@ class Session:
                                f"whole run (pass a global step counter, not the index within an epoch); {what}"),
                     f"rank {self.rank}")
 
-    def _apply_advisories(self) -> None:
+    def _apply_advisories(self, step: int) -> None:
+        """Acts on the agent's new advisories, heard at the end of ``step``."""
         from trainguard.proto import agent_pb2
 
         for adv in self._agent.take_advisories() if self._agent else []:
             if adv.advisory_id in self._handled_advisories:
                 continue
             self._handled_advisories.add(adv.advisory_id)
-            if adv.kind == agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW and adv.at_step > 0:
+            if adv.kind == agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW and 0 < adv.at_step < step:
+                log.warning("job-wide checkpoint at step %d: heard of it only at step %d, too late", adv.at_step,
+                            step)
+            elif adv.kind == agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW and adv.at_step > 0:
                 # Job-wide: every rank saves when it completes the same step, so that step is complete.
                 log.warning("job-wide checkpoint at step %d: %s", adv.at_step, adv.reason)
                 self._checkpoint_at.add(adv.at_step)
