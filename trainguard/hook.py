@@ -459,6 +459,8 @@ class Session:
                 a checkpoint); None skips saving.
         """
         step = _as_step(step)
+        if self._finished and self._agent is not None:
+            self._step_after_finish(step)
         prev = self._last_step
         if prev is not None and step <= prev:
             self._step_went_back(step)
@@ -489,6 +491,16 @@ class Session:
         if state is not None and (due or at or self._checkpoint_now):
             self._checkpoint_now = False
             self.save(state, step)
+
+    def _step_after_finish(self, step: int) -> None:
+        """A step after :meth:`finish` (called per epoch before an evaluation, say): the loop is not over, so hang
+        detection comes back on. It stayed off for the rest of the run, silently: a rank hanging later was never
+        found."""
+        self._finished = False
+        self._agent.set_quiet(False)
+        self._latch(UsageError(f"step_done({step}) after finish(): finish() ends hang detection for good and is for "
+                               f"the end of the loop; wrap a phase between steps in pause_hang_detection() instead "
+                               f"(hang detection is back on)"), f"rank {self.rank}")
 
     def _save_due(self, step: int, prev: int | None) -> bool:
         """Whether ``step`` completes a multiple of ``save_every`` steps since ``prev`` (the step reported before).
@@ -553,7 +565,9 @@ class Session:
 
     def finish(self) -> None:
         """Declares the training loop over: the agent stops expecting steps (hang detection ends for this
-        worker). Call it before a long final evaluation; :meth:`close` calls it too."""
+        worker). Call it before a long final evaluation; :meth:`close` calls it too. A step reported after it
+        turns hang detection back on and is latched as a ``UsageError`` (a phase between steps belongs in
+        :meth:`pause_hang_detection`)."""
         if self._agent is not None and not self._finished:
             self._finished = True
             self._agent.finish()

@@ -310,3 +310,30 @@ def test_a_tensor_step_counter_incremented_in_place_is_taken_by_value(tmp_path) 
             gstep += 1
         assert s.errors == [], s.errors
         assert s.last_saved_step == 3 and type(s.last_saved_step) is int
+
+
+def test_a_step_after_finish_turns_hang_detection_back_on_and_says_so() -> None:
+    """finish() called before each epoch's evaluation (instead of pause_hang_detection) left the agent expecting
+    no steps for the rest of the run: a rank hanging in a later epoch was never found, and nothing said why."""
+    from trainguard.errors import UsageError
+
+    class _Link(HookLinkFake):
+        def finish(self) -> None:  # as the real link: the end of the loop is a lasting quiet
+            self.set_quiet(True)
+
+    link = _Link()
+    s = Session(job="finish")
+    s._agent = link
+    try:
+        s.step_done(0)
+        s.finish()
+        assert link.quiet == [True]
+        s.step_done(1)
+        assert link.quiet == [True, False]
+        assert len(s.errors) == 1 and isinstance(s.errors[0], UsageError), s.errors
+        assert "pause_hang_detection()" in str(s.errors[0]) and "\n" not in str(s.errors[0])
+        s.finish()
+        assert link.quiet == [True, False, True]
+    finally:
+        s._agent = None
+        s.close()
