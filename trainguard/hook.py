@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -40,6 +41,12 @@ log = logging.getLogger("trainguard.hook")
 HEARTBEAT_MIN_INTERVAL_S = 0.25
 #: Most errors :attr:`Session.errors` keeps (the newest).
 MAX_LATCHED_ERRORS = 1000
+
+# Open sessions that checkpoint, by (job, rank): one process has one writer per job and rank (the staging area's
+# lease), so a second session of the same job got every save refused, one logged error per save, and its restore
+# did not see the first one's newest step.
+_OPEN_SESSIONS: dict[tuple[str, int], "weakref.ref[Session]"] = {}
+_OPEN_LOCK = threading.Lock()
 
 
 def _rpc_error_line(exc: BaseException) -> str:
@@ -201,6 +208,20 @@ def _place_in_job(env: WorkerEnv) -> tuple[int, int, bool]:
     return dist.get_rank(), dist.get_world_size(), False
 
 
+def _as_step(step: Any) -> Any:
+    """``step`` as a plain int when it is an integer of any kind (numpy's, a 0-d integer tensor), else as given
+    (the Checkpointer refuses a float step with a line of its own).
+
+    The hook keeps the step it was given: a tensor counter the loop increments in place (``gstep += 1``) changed
+    the kept "last step" with it, so the next step looked repeated (a latched UsageError) and
+    :attr:`Session.last_saved_step` named a step never saved.
+    """
+    try:
+        return operator.index(step)
+    except TypeError:
+        return step
+
+
 def _initialized_dist() -> Any:
     """``torch.distributed`` when its default process group is up, else None (torch is never imported here)."""
     dist = sys.modules.get("torch.distributed")
@@ -216,7 +237,8 @@ class Session:
     Args:
         checkpoint_dir: directory or fsspec URL for checkpoints; defaults to ``$TRAINGUARD_CHECKPOINT_DIR``;
             None disables checkpointing.
-        save_every: save automatically every this many steps in :meth:`step_done` (0: only on request).
+        save_every: save automatically every this many steps in :meth:`step_done` (0: only on request): at each
+            step that reaches or passes a multiple of it (``step + 1`` counted), so steps that jump still save.
         job: job name (defaults to ``$TRAINGUARD_JOB``, else ``$TORCHELASTIC_RUN_ID`` unless torchrun made it up
             for a one-node launch (a fresh uuid): then, with checkpoints, ``<script>-<hash of the
             checkpoint location>`` as ``trainguard run`` names it, so a relaunch resumes; ``default`` in a lone
@@ -225,6 +247,7 @@ class Session:
 
     Raises:
         TrainguardError: the checkpoint location is unusable (unwritable, malformed URL).
+        UsageError: a session of the same job and rank that checkpoints is still open in this process.
     """
 
     def __init__(
@@ -288,9 +311,17 @@ class Session:
         if directory:
             from trainguard.checkpoint import CheckpointConfig, Checkpointer
 
-            cfg = CheckpointConfig(directory=directory, **dict(checkpoint_options or {}))
-            self._ckpt = Checkpointer(cfg, rank=self.rank, world_size=self.world_size, job=self.job,
-                                      on_event=self._on_checkpoint_event)
+            key = (self.job, self.rank)
+            with _OPEN_LOCK:
+                other = _OPEN_SESSIONS.get(key)
+                if other is not None and other() is not None:
+                    raise UsageError(f"trainguard.init() was already called in this process for job {self.job!r} "
+                                     f"rank {self.rank} and that session is still open: reuse it, or call its "
+                                     f"close() first")
+                cfg = CheckpointConfig(directory=directory, **dict(checkpoint_options or {}))
+                self._ckpt = Checkpointer(cfg, rank=self.rank, world_size=self.world_size, job=self.job,
+                                          on_event=self._on_checkpoint_event)
+                _OPEN_SESSIONS[key] = weakref.ref(self)
         elif save_every and self.rank == 0:
             # Checkpointing off is legitimate (a run without --checkpoint-dir), but asked-for saves that never
             # happen are not: a script relying on $TRAINGUARD_CHECKPOINT_DIR under plain torchrun saved nothing
@@ -363,6 +394,7 @@ class Session:
         """
         if self._ckpt is None:
             return False
+        step = _as_step(step)
         t0 = time.perf_counter()
         try:
             self._ckpt.save(state, step)
@@ -426,7 +458,11 @@ class Session:
             state: what to checkpoint when a save is due (every ``save_every`` steps, or when the agent advises
                 a checkpoint); None skips saving.
         """
-        if self._last_step is not None and step <= self._last_step:
+        step = _as_step(step)
+        if self._finished and self._agent is not None:
+            self._step_after_finish(step)
+        prev = self._last_step
+        if prev is not None and step <= prev:
             self._step_went_back(step)
         else:
             self._last_step = step
@@ -444,17 +480,40 @@ class Session:
                 self._agent.beat(step, sent, sections)
             else:
                 self._agent.beat(step, sent)
-            self._apply_advisories()
-        due = self.save_every > 0 and (step + 1) % self.save_every == 0
-        at = step in self._checkpoint_at
-        if self._checkpoint_at:
-            missed = {s for s in self._checkpoint_at if s < step}
-            for s in sorted(missed):
-                log.warning("job-wide checkpoint at step %d: heard of it only at step %d, too late", s, step)
-            self._checkpoint_at -= missed | {step}
+            self._apply_advisories(step)
+        due = self.save_every > 0 and self._save_due(step, prev)
+        # A job-wide checkpoint is taken at the first step reaching its step: every rank reports the same steps,
+        # so they all save the same one. Waiting for the exact step never saved a loop whose steps jump (samples
+        # seen) and warned "too late" on every rank; one heard of only after its step is skipped when heard.
+        reached = {s for s in self._checkpoint_at if s <= step}
+        at = bool(reached)
+        self._checkpoint_at -= reached
         if state is not None and (due or at or self._checkpoint_now):
             self._checkpoint_now = False
             self.save(state, step)
+
+    def _step_after_finish(self, step: int) -> None:
+        """A step after :meth:`finish` (called per epoch before an evaluation, say): the loop is not over, so hang
+        detection comes back on. It stayed off for the rest of the run, silently: a rank hanging later was never
+        found."""
+        self._finished = False
+        self._agent.set_quiet(False)
+        self._latch(UsageError(f"step_done({step}) after finish(): finish() ends hang detection for good and is for "
+                               f"the end of the loop; wrap a phase between steps in pause_hang_detection() instead "
+                               f"(hang detection is back on)"), f"rank {self.rank}")
+
+    def _save_due(self, step: int, prev: int | None) -> bool:
+        """Whether ``step`` completes a multiple of ``save_every`` steps since ``prev`` (the step reported before).
+
+        A step that jumps (counted in samples or micro-batches: 0, 32, 64, ...) crosses a multiple without landing
+        on one: ``(step + 1) % save_every == 0`` never held for ``save_every=10`` and steps of 32, and such a run
+        saved nothing at all, with no word. For steps one apart it is that rule; the first step (none before it) and
+        a step that went back keep it. After :meth:`restore`, ``prev`` is the restored step.
+        """
+        every = self.save_every
+        if prev is None or step <= prev:
+            return (step + 1) % every == 0
+        return (step + 1) // every > (prev + 1) // every
 
     def _step_went_back(self, step: int) -> None:
         """Warns once about a step that does not grow (e.g. the index within an epoch, or one step reported per
@@ -471,18 +530,29 @@ class Session:
                                    f"at the step restore() returns ({self._last_step + 1}); {what}"),
                         f"rank {self.rank}")
             return
+        if step == self._last_step:
+            # The same step again is one call per micro-batch (gradient accumulation), not an epoch's index: the
+            # message about epochs named the wrong fix.
+            self._latch(UsageError(f"step_done({step}) called again for the same step: call it once per optimizer "
+                                   f"step (after the last micro-batch when accumulating gradients), with a step "
+                                   f"that grows; {what}"), f"rank {self.rank}")
+            return
         self._latch(UsageError(f"step_done({step}) after step_done({self._last_step}): steps must grow over the "
                                f"whole run (pass a global step counter, not the index within an epoch); {what}"),
                     f"rank {self.rank}")
 
-    def _apply_advisories(self) -> None:
+    def _apply_advisories(self, step: int) -> None:
+        """Acts on the agent's new advisories, heard at the end of ``step``."""
         from trainguard.proto import agent_pb2
 
         for adv in self._agent.take_advisories() if self._agent else []:
             if adv.advisory_id in self._handled_advisories:
                 continue
             self._handled_advisories.add(adv.advisory_id)
-            if adv.kind == agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW and adv.at_step > 0:
+            if adv.kind == agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW and 0 < adv.at_step < step:
+                log.warning("job-wide checkpoint at step %d: heard of it only at step %d, too late", adv.at_step,
+                            step)
+            elif adv.kind == agent_pb2.ADVISORY_KIND_CHECKPOINT_NOW and adv.at_step > 0:
                 # Job-wide: every rank saves when it completes the same step, so that step is complete.
                 log.warning("job-wide checkpoint at step %d: %s", adv.at_step, adv.reason)
                 self._checkpoint_at.add(adv.at_step)
@@ -495,7 +565,9 @@ class Session:
 
     def finish(self) -> None:
         """Declares the training loop over: the agent stops expecting steps (hang detection ends for this
-        worker). Call it before a long final evaluation; :meth:`close` calls it too."""
+        worker). Call it before a long final evaluation; :meth:`close` calls it too. A step reported after it
+        turns hang detection back on and is latched as a ``UsageError`` (a phase between steps belongs in
+        :meth:`pause_hang_detection`)."""
         if self._agent is not None and not self._finished:
             self._finished = True
             self._agent.finish()
@@ -556,6 +628,10 @@ class Session:
             except TrainguardError as exc:
                 self._latch(exc, "closing the checkpointer failed")
             self._ckpt = None
+            with _OPEN_LOCK:
+                ref = _OPEN_SESSIONS.get((self.job, self.rank))
+                if ref is not None and ref() in (self, None):
+                    del _OPEN_SESSIONS[(self.job, self.rank)]
         if self._agent is not None:
             self._agent.close()
             self._agent = None

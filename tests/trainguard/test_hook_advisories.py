@@ -61,3 +61,27 @@ def test_job_wide_checkpoint_at_its_step_late_one_skipped_plain_one_next_step(tm
     finally:
         s._agent = None
         s.close()
+
+
+def test_job_wide_checkpoint_is_taken_at_the_first_step_reaching_it_when_steps_jump(tmp_path, caplog) -> None:
+    """The coordinator sets a job-wide checkpoint at the furthest step plus a margin; a loop whose steps jump
+    (samples seen: 0, 32, 64, ...) never reported that exact step, so no rank saved and each warned 'too late'."""
+    s = Session(checkpoint_dir=str(tmp_path / "ck"), save_every=0, job="advjump")
+    link = _Link()
+    s._agent = link
+    state = {"w": torch.arange(4.0)}
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainguard"):
+            s.step_done(0, state)
+            link.queue.append(_adv(1, at_step=70))
+            for step in (32, 64):
+                s.step_done(step, state)
+            assert link.reported == []
+            s.step_done(96, state)
+            assert link.reported == [96]
+            s.step_done(128, state)
+            assert link.reported == [96]
+        assert "too late" not in caplog.text
+    finally:
+        s._agent = None
+        s.close()

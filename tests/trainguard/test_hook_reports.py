@@ -220,3 +220,120 @@ def test_a_numpy_save_every_is_taken_as_its_int() -> None:
     s = Session(save_every=np.int64(5), job="every")
     assert s.save_every == 5 and type(s.save_every) is int
     s.close()
+
+
+def test_save_every_saves_steps_that_jump_over_its_multiples(tmp_path) -> None:
+    """A loop counting its step in samples (0, 32, 64, ...) with save_every=10 never landed on a step with
+    (step + 1) % 10 == 0, so it saved nothing at all and a restart began at 0, with session.errors == []. A save is
+    now due at the first step that crosses a multiple; steps one apart save where they always did."""
+    state = {"w": torch.zeros(2)}
+    s = Session(checkpoint_dir=str(tmp_path / "jump"), save_every=10, job="jump")
+    try:
+        saved = []
+        for step in range(0, 100, 32):
+            s.step_done(step, state)
+            saved.append(s.last_saved_step)
+        assert saved == [None, 32, 64, 96], saved
+        assert s.errors == []
+    finally:
+        s.close()
+    again = Session(checkpoint_dir=str(tmp_path / "jump"), save_every=10, job="jump")
+    try:
+        assert again.restore(state) == 97
+    finally:
+        again.close()
+    s = Session(checkpoint_dir=str(tmp_path / "plain"), save_every=10, job="plain")
+    try:
+        saves = []
+        for step in range(25):
+            before = s.last_saved_step
+            s.step_done(step, state)
+            if s.last_saved_step != before:
+                saves.append(step)
+        assert saves == [9, 19], saves
+    finally:
+        s.close()
+
+
+def test_a_step_reported_per_micro_batch_is_named_as_such(tmp_path) -> None:
+    """Gradient accumulation with step_done after every micro-batch repeats each step; the latched error told
+    the user to 'pass a global step counter, not the index within an epoch', which they already did. It now
+    names the fix: once per optimizer step."""
+    from trainguard.errors import UsageError
+
+    s = Session(job="accum")
+    try:
+        for opt_step in range(3):
+            for _micro in range(4):
+                s.step_done(opt_step)
+        assert len(s.errors) == 1 and isinstance(s.errors[0], UsageError), s.errors
+        msg = str(s.errors[0])
+        assert "step_done(0) called again for the same step" in msg and "once per optimizer step" in msg, msg
+        assert "\n" not in msg and "epoch" not in msg, msg
+    finally:
+        s.close()
+
+
+def test_a_second_init_for_the_same_job_while_the_first_is_open_is_refused_at_once(tmp_path) -> None:
+    """Calling trainguard.init() twice (a helper that sets up training, called again) gave a second session whose
+    every save failed ('already writes checkpoints for this job and rank'), one logged error per save while
+    training went on saving nothing, and whose restore missed the first session's newest step. It is now one
+    UsageError at the second init; once the first is closed, or for another job, init works."""
+    import trainguard
+    from trainguard.errors import UsageError
+
+    state = {"w": torch.zeros(2)}
+    first = trainguard.init(checkpoint_dir=str(tmp_path / "ck"), save_every=1, job="twice")
+    try:
+        first.step_done(0, state)
+        with pytest.raises(UsageError, match=r"already called in this process for job 'twice' rank 0.*close\(\)"):
+            trainguard.init(checkpoint_dir=str(tmp_path / "ck"), save_every=1, job="twice")
+        other = trainguard.init(checkpoint_dir=str(tmp_path / "ck"), save_every=1, job="other")
+        other.close()
+    finally:
+        first.close()
+    with trainguard.init(checkpoint_dir=str(tmp_path / "ck"), save_every=1, job="twice") as again:
+        assert again.restore(state) == 1
+        again.step_done(1, state)
+        assert again.errors == [] and again.last_saved_step == 1
+
+
+def test_a_tensor_step_counter_incremented_in_place_is_taken_by_value(tmp_path) -> None:
+    """A loop keeping its step in a tensor (gstep += 1 after each step_done) changed the hook's kept last step
+    with it: the next step_done latched 'called again for the same step' and last_saved_step named a step that
+    was never saved. Integer steps of any kind are now taken as plain ints."""
+    state = {"w": torch.zeros(2)}
+    with Session(checkpoint_dir=str(tmp_path / "ck"), save_every=2, job="inplace") as s:
+        gstep = torch.tensor(0)
+        for _ in range(4):
+            s.step_done(gstep, state)
+            gstep += 1
+        assert s.errors == [], s.errors
+        assert s.last_saved_step == 3 and type(s.last_saved_step) is int
+
+
+def test_a_step_after_finish_turns_hang_detection_back_on_and_says_so() -> None:
+    """finish() called before each epoch's evaluation (instead of pause_hang_detection) left the agent expecting
+    no steps for the rest of the run: a rank hanging in a later epoch was never found, and nothing said why."""
+    from trainguard.errors import UsageError
+
+    class _Link(HookLinkFake):
+        def finish(self) -> None:  # as the real link: the end of the loop is a lasting quiet
+            self.set_quiet(True)
+
+    link = _Link()
+    s = Session(job="finish")
+    s._agent = link
+    try:
+        s.step_done(0)
+        s.finish()
+        assert link.quiet == [True]
+        s.step_done(1)
+        assert link.quiet == [True, False]
+        assert len(s.errors) == 1 and isinstance(s.errors[0], UsageError), s.errors
+        assert "pause_hang_detection()" in str(s.errors[0]) and "\n" not in str(s.errors[0])
+        s.finish()
+        assert link.quiet == [True, False, True]
+    finally:
+        s._agent = None
+        s.close()
