@@ -386,12 +386,14 @@ class NodeAgent:
             self.health.drained()
 
     def _job_step_complete(self, step: int) -> bool:
-        """Whether checkpoint ``step`` has every rank's commit marker at ``checkpoint_dir`` (a path or any
-        fsspec URL; see :mod:`trainguard.checkpoint.location`)."""
+        """Whether checkpoint ``step`` or a later one has every rank's commit marker at ``checkpoint_dir`` (a path
+        or any fsspec URL; see :mod:`trainguard.checkpoint.location`)."""
         table = self.table
         if not self.config.checkpoint_dir or table is None:
             return False
-        return job_step_committed(self.config.checkpoint_dir, self.config.job, step, table.world_size)
+        # or a later one: the hook takes the checkpoint at the first step reaching ``step``, a later one when the
+        # loop's steps jump (counted in samples), and the drain waited out its whole grace for the exact step
+        return job_step_committed(self.config.checkpoint_dir, self.config.job, step, table.world_size, or_later=True)
 
     # -- coordinator commands ----------------------------------------------------------------------------------
     def _relay_checkpoint(self, req: coordinator_pb2.CheckpointRequest) -> None:

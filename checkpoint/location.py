@@ -183,13 +183,24 @@ def step_committed(store: StepStore, step: int, world_size: int) -> bool:
     return all(marker_name(rank) in names for rank in range(world_size))
 
 
-def job_step_committed(location: str, job: str, step: int, world_size: int) -> bool:
-    """:func:`step_committed` for a location as given (path or URL); False when it cannot be opened."""
+def job_step_committed(location: str, job: str, step: int, world_size: int, or_later: bool = False) -> bool:
+    """:func:`step_committed` for a location as given (path or URL); False when it cannot be opened.
+
+    Args:
+        or_later: any step from ``step`` on will do (a job-wide checkpoint asked for at ``step`` is taken by the
+            hook at the first step reaching it, which a loop whose steps jump makes a later one).
+    """
     try:
         store = CheckpointLocation.parse(location).open_store(job)
     except CheckpointError:
         return False
-    return step_committed(store, step, world_size)
+    if not or_later:
+        return step_committed(store, step, world_size)
+    try:
+        steps = store.list_steps()
+    except (OSError, CheckpointError):
+        return False
+    return any(step_committed(store, s, world_size) for s in sorted((s for s in steps if s >= step), reverse=True))
 
 
 __all__ = ["CheckpointLocation", "LOCAL_SCHEMES", "check_local_url", "is_local_url", "job_step_committed", "split_url",
