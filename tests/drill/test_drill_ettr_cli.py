@@ -30,3 +30,29 @@ def test_ettr_cli_bad_input_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("trainguard: error:") for line in err)
     assert "--llama-days" in err[3] and "at most 36500" in err[3]
+
+
+def test_ettr_cli_output_paths_that_cannot_be_files(tmp_path, capsys):
+    # A folder as --json used to compute every figure, then die with a traceback leaving FOLDER.tmp beside it.
+    folder = tmp_path / "out"
+    folder.mkdir()
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "30", "--json", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trainguard: error: --json") and "is a folder" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "30", "--plot", str(folder)]) == 2
+    assert "--plot" in capsys.readouterr().err and not (tmp_path / "out.png").exists()
+    # a file where a parent folder should be
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "30", "--json", str(blocker / "a.json")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_ettr_cli_plot_is_written_where_named(tmp_path, capsys):
+    # matplotlib appended .png to a path without a suffix, so the plot landed in PATH.png while PATH was printed
+    png = tmp_path / "ettr-plot"
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "30", "--plot", str(png)]) == 0
+    assert f"plot: {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "ettr-plot.png").exists()

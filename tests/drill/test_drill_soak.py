@@ -144,3 +144,20 @@ def test_cluster_drill_every_node_fault_and_verify(tmp_path):
     assert "retired" in text and "new spare" in text
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     assert after <= before  # every namespace the drill made is gone
+
+
+def test_drill_cli_refuses_folder_outputs_before_running(tmp_path, capsys):
+    # `trainguard drill --json DIR` (or --components-out DIR) ran the whole drill and then died with a traceback,
+    # losing the report it had just measured. The trace is missing too: the output path is checked first, so no
+    # drill (and no trace lookup) happens before the refusal.
+    from trainguard.cli import main
+
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    for flag in ("--json", "--components-out", "--plot"):
+        code = main(["drill", "--minutes", "0.1", "--trace", str(tmp_path / "no-trace"), "--workdir",
+                     str(tmp_path / "work"), flag, str(folder)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1
+        assert err[0].startswith(f"trainguard: error: {flag} {folder} is a folder"), err
+    assert not (tmp_path / "work").exists()
