@@ -56,3 +56,21 @@ def test_ettr_cli_plot_is_written_where_named(tmp_path, capsys):
     assert f"plot: {png}" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "ettr-plot.png").exists()
+
+
+def test_ettr_cli_components_of_the_wrong_type_are_one_line(tmp_path, capsys):
+    # JSON types the model cannot use: a list as a level and a number as predictable crashed with a traceback,
+    # a string as predictable was split into letters, and "no" / true passed as memory_restore / predicted_share.
+    cases = [({"levels": {"crash": ["process"]}}, "levels"), ({"predictable": 5}, "predictable"),
+             ({"predictable": "link"}, "predictable"), ({"memory_restore": "no"}, "memory_restore"),
+             ({"predicted_share": True}, "predicted_share"), ({"name": ["a"]}, "name")]
+    for i, (fields, named) in enumerate(cases):
+        path = tmp_path / f"c{i}.json"
+        path.write_text(json.dumps({"trainguard": fields}))
+        code = main(["ettr", "--traces", "llama3", "--llama-days", "5", "--components", str(path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("trainguard: error:"), (fields, err)
+        assert named in err[0], (fields, err)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"trainguard": {"predictable": ["link"], "memory_restore": False}}))
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "5", "--components", str(good)]) == 0
