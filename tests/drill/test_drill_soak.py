@@ -161,3 +161,17 @@ def test_drill_cli_refuses_folder_outputs_before_running(tmp_path, capsys):
         assert code == 2 and len(err) == 1
         assert err[0].startswith(f"trainguard: error: {flag} {folder} is a folder"), err
     assert not (tmp_path / "work").exists()
+
+
+def test_drill_cli_names_represent_gpus_and_a_file_as_workdir(tmp_path, capsys):
+    # --represent-gpus 0 was refused as 'job must have at least one node, got 0' (no flag named); a file as
+    # --workdir raised FileExistsError with a traceback once the trace had been loaded.
+    from trainguard.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for args, flag in ((["--represent-gpus", "0"], "--represent-gpus 0"), (["--workdir", str(afile)], "--workdir")):
+        assert main(["drill", "--no-verify", "--minutes", "0.1", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"trainguard: error: {flag}"), err
+    assert afile.read_text() == "x"
