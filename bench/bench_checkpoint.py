@@ -349,7 +349,8 @@ def write_components(path: str, res: dict[str, float], gib: float, per_node_gib:
     The blocking time of the overlapped save (the snapshot call plus the wait of the next optimizer step) grows
     with the bytes a node copies; nodes snapshot in parallel, so a job's stall is one node's.
     """
-    blocked = res["stall_tg_overlap_s"] + res.get("tg_overlap_hook_wait_s", 0.0)
+    # stall_tg_overlap_s is already the save call plus the pre-hook wait (the hook wait was added a second time)
+    blocked = res["stall_tg_overlap_s"]
     scaled = blocked * per_node_gib / gib
     with open(path, "w") as f:
         json.dump({"_source": f"bench/bench_checkpoint.py --size-gib {gib:g}: overlapped save blocked the loop "
