@@ -26,3 +26,29 @@ def test_checkpoint_components_count_the_hook_wait_once(tmp_path):
     bc.write_components(str(out), res, gib=2.0, per_node_gib=4.0)
     data = json.loads(out.read_text())
     assert abs(data["trainguard"]["checkpoint_stall_s"] - 0.020) < 1e-9
+
+
+def test_checkpoint_throughput_window_holds_the_whole_persist(tmp_path):
+    # The throughput run stopped its clock after the last step while the throttled persist of the last saves
+    # still ran in the background, so its cost fell outside the window (throttled saves came out faster than no
+    # saves). The window now closes only once the last checkpoint is durable, with training going on meanwhile.
+    import torch
+
+    from trainguard.checkpoint import CheckpointConfig, Checkpointer
+
+    bc = _bench_module("bench_checkpoint")
+    state = {"w": torch.ones(512, 1024)}  # 2 MiB, persisted at 2 MiB/s: about a second per save
+    steps_run = []
+
+    def one_step() -> None:
+        state["w"].add_(1.0)
+        steps_run.append(1)
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+    cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"directory": str(tmp_path / "shm")},
+                           disk={"keep": 1}, persist={"bandwidth_mib_s": 2.0})
+    with Checkpointer(cfg, job="bench-test") as ck:
+        ck.prepare(state)
+        done, _ = bc.timed_steps(one_step, ck, lambda s: state, opt, steps=2, every=1)
+        assert ck.wait(timeout=0), "the timed window closed before the last checkpoint was durable"
+    assert done == len(steps_run) >= 2
