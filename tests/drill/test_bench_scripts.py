@@ -52,3 +52,18 @@ def test_checkpoint_throughput_window_holds_the_whole_persist(tmp_path):
         done, _ = bc.timed_steps(one_step, ck, lambda s: state, opt, steps=2, every=1)
         assert ck.wait(timeout=0), "the timed window closed before the last checkpoint was durable"
     assert done == len(steps_run) >= 2
+
+
+def test_failslow_overhead_counts_the_heartbeat_steps():
+    # The heartbeat RPC runs on the hook's thread every 250 ms, inside about one step of 50; a median of per-step
+    # CPU dropped it, so 'step_done only' showed the bookkeeping and none of the RPC. CPU is now the mean of
+    # whole-block totals.
+    bf = _bench_module("bench_failslow")
+    bare = [(0.005, 0.004)] * 100
+    beat = [(0.005, 0.004)] * 98 + [(0.006, 0.005)] * 2  # two steps carried a heartbeat: 1 ms CPU each
+    res = {"bare": bare, "heartbeat": beat, "hooked": beat, "heartbeats_sent": 4, "steps_reported": 200,
+           "cpu_total_s": {"bare": 0.4, "heartbeat": 0.402, "hooked": 0.402}}
+    doc = bf.summarise_overhead(res)
+    assert abs(doc["heartbeat_overhead_cpu_pct"] - 0.5) < 1e-6
+    assert abs(doc["cpu_us_per_heartbeat"] - 1000.0) < 1e-6
+    assert doc["heartbeat"]["wall_ms"] == 5.0  # wall stays the median step
