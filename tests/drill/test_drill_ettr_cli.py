@@ -74,3 +74,20 @@ def test_ettr_cli_components_of_the_wrong_type_are_one_line(tmp_path, capsys):
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"trainguard": {"predictable": ["link"], "memory_restore": False}}))
     assert main(["ettr", "--traces", "llama3", "--llama-days", "5", "--components", str(good)]) == 0
+
+
+def test_ettr_cli_json_is_strict_when_no_work_is_lost(tmp_path, capsys):
+    # Every fault predicted: no work-losing fault, so Young/Daly's intervals are infinite; --json wrote the bare
+    # token Infinity, which is not JSON (jq and JSON.parse reject the file). Such figures are now null.
+    comps, out = tmp_path / "c.json", tmp_path / "figures.json"
+    comps.write_text(json.dumps({"trainguard": {"predicted_share": 1.0, "predictable": [
+        "crash", "node_fault", "node_down", "link", "hang", "degraded"]}}))
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "5", "--components", str(comps),
+                 "--json", str(out)]) == 0
+
+    def refuse(token):
+        raise AssertionError(f"non-JSON token {token} in --json output")
+
+    data = json.loads(out.read_text(), parse_constant=refuse)
+    tg = data[0]["systems"]["trainguard"]
+    assert tg["young_s"] is None and tg["mtbf_work_losing_s"] is None and 0 < tg["ettr"] <= 1

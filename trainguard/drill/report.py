@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +97,21 @@ def check_output_file(path: str | os.PathLike, flag: str) -> None:
         raise DrillError(f"{flag} {os.fspath(path)}: {parent} is a file, not a folder; pick another path")
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float as None: JSON has no Infinity or NaN (jq, browsers and strict
+    parsers reject the file), and Young/Daly of a system that loses no work is infinite."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_json_file(path: str | os.PathLike, data: Any, flag: str = "--json") -> None:
-    """Writes ``data`` as JSON to ``path`` atomically, creating its folder (as the plots do).
+    """Writes ``data`` as strict JSON to ``path`` atomically (non-finite numbers as null), creating its folder
+    (as the plots do).
 
     Raises:
         DrillError: the file cannot be written (named with ``flag``); no partial or temporary file is left.
@@ -107,7 +121,8 @@ def write_json_file(path: str | os.PathLike, data: Any, flag: str = "--json") ->
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, default=str)
+            # default=str first: objects (paths, enums) become strings; then non-finite floats become null
+            json.dump(_finite(json.loads(json.dumps(data, default=str))), f, indent=1, allow_nan=False)
         os.replace(tmp, out)
     except OSError as exc:
         # a folder in the way, a full disk, a read-only mount: one line, and no stray .tmp next to it
