@@ -67,3 +67,16 @@ def test_failslow_overhead_counts_the_heartbeat_steps():
     assert abs(doc["heartbeat_overhead_cpu_pct"] - 0.5) < 1e-6
     assert abs(doc["cpu_us_per_heartbeat"] - 1000.0) < 1e-6
     assert doc["heartbeat"]["wall_ms"] == 5.0  # wall stays the median step
+
+
+def test_bench_ettr_bad_input_is_one_line(tmp_path):
+    # A missing trace or a folder as --json ended bench_ettr.py in a traceback (the folder only after every
+    # table and sweep had been computed).
+    import subprocess
+
+    for args in (["--trace", str(tmp_path / "missing")], ["--json", str(tmp_path)]):
+        done = subprocess.run([sys.executable, str(BENCH / "bench_ettr.py"), *args], capture_output=True,
+                              text=True, timeout=120)
+        err = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(err) == 1 and err[0].startswith("bench_ettr: error:"), done.stderr
+        assert done.stdout == ""
