@@ -22,7 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainguard.drill.components import baseline_defaults, load_components  # noqa: E402
 from trainguard.drill.ettr import JobSize, simulate  # noqa: E402
-from trainguard.drill.report import compare, load_traces, plot_comparison, write_json  # noqa: E402
+from trainguard.drill.report import (  # noqa: E402
+    check_output_file,
+    compare,
+    load_traces,
+    plot_comparison,
+    write_json,
+)
+from trainguard.errors import TrainguardError  # noqa: E402
 
 SWEEPS = {
     "recovery_node_s": (30.0, 60.0, 120.0, 300.0),
@@ -45,6 +52,17 @@ def main() -> int:
     ap.add_argument("--plot", default=None, help="write the StepFun ETTR plot here")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
+    try:
+        return _run(args)
+    except TrainguardError as exc:  # a missing trace or a bad components file: one line, as `trainguard ettr`
+        print(f"bench_ettr: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    for flag, path in (("--plot", args.plot), ("--json", args.json)):
+        if path:
+            check_output_file(path, flag)  # before the sweeps, not after them
     job = JobSize(args.gpus, args.gpus_per_node)
     traces = load_traces(["stepfun", "llama3"], args.trace, 348.0, 0)
     comparisons = []

@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _handle_ettr(args: argparse.Namespace) -> int:
     from trainguard.drill.components import DEFAULT_COLLECTIVE_TIMEOUT_S, baseline_defaults, load_components
     from trainguard.drill.ettr import JobSize
-    from trainguard.drill.report import compare, load_traces, plot_comparison, write_json
+    from trainguard.drill.report import check_output_file, compare, load_traces, plot_comparison, write_json
 
     kinds = [k.strip() for k in args.traces.split(",") if k.strip()]
     bad = set(kinds) - {"stepfun", "llama3"}
@@ -59,6 +59,7 @@ def _handle_ettr(args: argparse.Namespace) -> int:
     if not 0 < args.llama_days <= MAX_LLAMA_DAYS:
         raise UsageError(f"--llama-days must be > 0 and at most {MAX_LLAMA_DAYS:.0f} (100 years), got {args.llama_days}")
     job = JobSize(gpus=args.gpus, gpus_per_node=args.gpus_per_node)
+    _check_outputs(check_output_file, {"--plot": args.plot, "--json": args.json})
     timeout = args.collective_timeout if args.collective_timeout is not None else DEFAULT_COLLECTIVE_TIMEOUT_S
     if not (math.isfinite(timeout) and timeout >= 0):
         raise UsageError(f"--collective-timeout must be a finite number of seconds >= 0, got {timeout}")
@@ -77,6 +78,14 @@ def _handle_ettr(args: argparse.Namespace) -> int:
         print(f"figures: {args.json}")
     sys.stdout.flush()
     return 0
+
+
+def _check_outputs(check, paths: dict[str, str | None]) -> None:
+    # Before the work: a folder given as an output path used to fail only once the figures were computed (or
+    # the drill had run for minutes), with a traceback, and a plot path without .png was written as PATH.png.
+    for flag, path in paths.items():
+        if path:
+            check(path, flag)
 
 
 def _register_drill(sub: argparse._SubParsersAction) -> None:
@@ -132,8 +141,7 @@ def _register_drill(sub: argparse._SubParsersAction) -> None:
 
 
 def _handle_drill(args: argparse.Namespace) -> int:
-    import json
-
+    from trainguard.drill.report import check_output_file, write_json_file
     from trainguard.drill.soak import SoakConfig, run_soak
     from trainguard.drill.soak_report import (
         at_scale,
@@ -158,6 +166,8 @@ def _handle_drill(args: argparse.Namespace) -> int:
                      verify=not args.no_verify, nodes=args.nodes, spares=args.spares, netns=not args.no_netns,
                      lease_timeout_s=args.lease_timeout, drain_grace_s=args.drain_grace,
                      precursor_lead_s=args.precursor_lead, memory_tier=args.memory_tier)
+    _check_outputs(check_output_file, {"--plot": args.plot, "--json": args.json,
+                                       "--components-out": args.components_out})
     if cfg.nodes and cfg.netns:
         from trainguard.drill.netns import netns_unavailable_reason
 
@@ -177,13 +187,12 @@ def _handle_drill(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot: {plot_soak(args.plot, rep, torch_save_s, args.baseline_restart)}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**rep.as_dict(), "torch_save_s": torch_save_s}, f, indent=1, default=str)
+        write_json_file(args.json, {**rep.as_dict(), "torch_save_s": torch_save_s}, "--json")
     if args.components_out:
         m = measured_components(rep)
         lease = cfg.lease_timeout_s if cfg.nodes else None
-        with open(args.components_out, "w") as f:
-            json.dump({"_source": f"trainguard drill {'--nodes ' + str(cfg.nodes) if cfg.nodes else ''} on this "
-                                  "machine, carried to scale by trainguard.drill.soak_report.at_scale",
-                       "_measured": m, "trainguard": at_scale(m, lease)}, f, indent=1)
+        write_json_file(args.components_out,
+                        {"_source": f"trainguard drill {'--nodes ' + str(cfg.nodes) if cfg.nodes else ''} on this "
+                                    "machine, carried to scale by trainguard.drill.soak_report.at_scale",
+                         "_measured": m, "trainguard": at_scale(m, lease)}, "--components-out")
     return 0 if rep.equal_to_reference is not False else 1

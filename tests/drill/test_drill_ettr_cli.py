@@ -30,3 +30,64 @@ def test_ettr_cli_bad_input_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("trainguard: error:") for line in err)
     assert "--llama-days" in err[3] and "at most 36500" in err[3]
+
+
+def test_ettr_cli_output_paths_that_cannot_be_files(tmp_path, capsys):
+    # A folder as --json used to compute every figure, then die with a traceback leaving FOLDER.tmp beside it.
+    folder = tmp_path / "out"
+    folder.mkdir()
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "30", "--json", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trainguard: error: --json") and "is a folder" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "30", "--plot", str(folder)]) == 2
+    assert "--plot" in capsys.readouterr().err and not (tmp_path / "out.png").exists()
+    # a file where a parent folder should be
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "30", "--json", str(blocker / "a.json")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_ettr_cli_plot_is_written_where_named(tmp_path, capsys):
+    # matplotlib appended .png to a path without a suffix, so the plot landed in PATH.png while PATH was printed
+    png = tmp_path / "ettr-plot"
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "30", "--plot", str(png)]) == 0
+    assert f"plot: {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "ettr-plot.png").exists()
+
+
+def test_ettr_cli_components_of_the_wrong_type_are_one_line(tmp_path, capsys):
+    # JSON types the model cannot use: a list as a level and a number as predictable crashed with a traceback,
+    # a string as predictable was split into letters, and "no" / true passed as memory_restore / predicted_share.
+    cases = [({"levels": {"crash": ["process"]}}, "levels"), ({"predictable": 5}, "predictable"),
+             ({"predictable": "link"}, "predictable"), ({"memory_restore": "no"}, "memory_restore"),
+             ({"predicted_share": True}, "predicted_share"), ({"name": ["a"]}, "name")]
+    for i, (fields, named) in enumerate(cases):
+        path = tmp_path / f"c{i}.json"
+        path.write_text(json.dumps({"trainguard": fields}))
+        code = main(["ettr", "--traces", "llama3", "--llama-days", "5", "--components", str(path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("trainguard: error:"), (fields, err)
+        assert named in err[0], (fields, err)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"trainguard": {"predictable": ["link"], "memory_restore": False}}))
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "5", "--components", str(good)]) == 0
+
+
+def test_ettr_cli_json_is_strict_when_no_work_is_lost(tmp_path, capsys):
+    # Every fault predicted: no work-losing fault, so Young/Daly's intervals are infinite; --json wrote the bare
+    # token Infinity, which is not JSON (jq and JSON.parse reject the file). Such figures are now null.
+    comps, out = tmp_path / "c.json", tmp_path / "figures.json"
+    comps.write_text(json.dumps({"trainguard": {"predicted_share": 1.0, "predictable": [
+        "crash", "node_fault", "node_down", "link", "hang", "degraded"]}}))
+    assert main(["ettr", "--traces", "llama3", "--llama-days", "5", "--components", str(comps),
+                 "--json", str(out)]) == 0
+
+    def refuse(token):
+        raise AssertionError(f"non-JSON token {token} in --json output")
+
+    data = json.loads(out.read_text(), parse_constant=refuse)
+    tg = data[0]["systems"]["trainguard"]
+    assert tg["young_s"] is None and tg["mtbf_work_losing_s"] is None and 0 < tg["ettr"] <= 1

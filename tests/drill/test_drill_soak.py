@@ -144,3 +144,34 @@ def test_cluster_drill_every_node_fault_and_verify(tmp_path):
     assert "retired" in text and "new spare" in text
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     assert after <= before  # every namespace the drill made is gone
+
+
+def test_drill_cli_refuses_folder_outputs_before_running(tmp_path, capsys):
+    # `trainguard drill --json DIR` (or --components-out DIR) ran the whole drill and then died with a traceback,
+    # losing the report it had just measured. The trace is missing too: the output path is checked first, so no
+    # drill (and no trace lookup) happens before the refusal.
+    from trainguard.cli import main
+
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    for flag in ("--json", "--components-out", "--plot"):
+        code = main(["drill", "--minutes", "0.1", "--trace", str(tmp_path / "no-trace"), "--workdir",
+                     str(tmp_path / "work"), flag, str(folder)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1
+        assert err[0].startswith(f"trainguard: error: {flag} {folder} is a folder"), err
+    assert not (tmp_path / "work").exists()
+
+
+def test_drill_cli_names_represent_gpus_and_a_file_as_workdir(tmp_path, capsys):
+    # --represent-gpus 0 was refused as 'job must have at least one node, got 0' (no flag named); a file as
+    # --workdir raised FileExistsError with a traceback once the trace had been loaded.
+    from trainguard.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for args, flag in ((["--represent-gpus", "0"], "--represent-gpus 0"), (["--workdir", str(afile)], "--workdir")):
+        assert main(["drill", "--no-verify", "--minutes", "0.1", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"trainguard: error: {flag}"), err
+    assert afile.read_text() == "x"

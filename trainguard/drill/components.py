@@ -105,6 +105,18 @@ class Components:
     predictable: tuple[str, ...] = ("node_fault", "link", "degraded")
 
     def __post_init__(self) -> None:
+        # A components file is JSON: each field's type is checked, so a wrong one is named here rather than
+        # crashing the model later (a list as a level was 'unhashable type', a string as predictable was split
+        # into letters, "false" as memory_restore counted as true).
+        if not isinstance(self.name, str) or not self.name:
+            raise ComponentsError(f"name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.memory_restore, bool):
+            raise ComponentsError(f"{self.name}: memory_restore must be true or false, got {self.memory_restore!r}")
+        if not isinstance(self.levels, dict) or not all(isinstance(v, str) for v in self.levels.values()):
+            raise ComponentsError(f"{self.name}: levels must map each fault class to a level name, got {self.levels!r}")
+        if not isinstance(self.predictable, tuple) or not all(isinstance(c, str) for c in self.predictable):
+            raise ComponentsError(f"{self.name}: predictable must be a list of fault class names, "
+                                  f"got {self.predictable!r}")
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name.endswith("_s") and v is not None:
@@ -113,7 +125,8 @@ class Components:
         if self.checkpoint_interval_s is not None and self.checkpoint_interval_s <= 0:
             raise ComponentsError(f"{self.name}: checkpoint_interval_s must be > 0 (or null to optimise), "
                                   f"got {self.checkpoint_interval_s}")
-        if not (isinstance(self.predicted_share, (int, float)) and 0.0 <= self.predicted_share <= 1.0):
+        if not (isinstance(self.predicted_share, (int, float)) and not isinstance(self.predicted_share, bool)
+                and 0.0 <= self.predicted_share <= 1.0):
             raise ComponentsError(f"{self.name}: predicted_share must lie in [0, 1], got {self.predicted_share!r}")
         classes = {c.value for c in FaultClass}
         levels = {lv.value for lv in RecoveryLevel}
@@ -168,6 +181,8 @@ class Components:
                     raise ComponentsError(f"{where}: levels must be an object of fault class -> level")
                 v = {**self.levels, **v}
             if k == "predictable":
+                if not isinstance(v, (list, tuple)):
+                    raise ComponentsError(f"{where}: predictable must be a list of fault class names, got {v!r}")
                 v = tuple(v)
             clean[k] = v
         return dataclasses.replace(self, **clean)

@@ -120,7 +120,8 @@ def plot_ettr(path: str | os.PathLike, series: Sequence[Series], faults: Sequenc
     out = os.fspath(path)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        fig.savefig(out)
+        # format named: without it matplotlib appends .png to a path with no suffix and writes elsewhere
+        fig.savefig(out, format="png")
     except OSError as exc:
         raise DrillError(f"cannot write the plot {out}: {exc}; pick another --plot path") from exc
     finally:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from trainguard.drill.components import Components
+from trainguard.drill.errors import DrillError
 from trainguard.drill.ettr import JobSize, SystemReport, cumulative_useful, format_report, simulate
 from trainguard.drill.trace import FaultTrace, llama3_trace, load_stepfun
 
@@ -74,9 +76,67 @@ def plot_comparison(path: str | os.PathLike, cmp: TraceComparison) -> str:
     return plot_ettr(path, series, marks, tl.span_s, title, time_unit="days", bins=68)
 
 
+def check_output_file(path: str | os.PathLike, flag: str) -> None:
+    """Refuses an output path that cannot become a file, before the work that fills it is done.
+
+    Args:
+        path: where ``flag`` asks the output to go.
+        flag: the option naming it, for the message (``--json``).
+
+    Raises:
+        DrillError: ``path`` is a folder, or the nearest existing folder above it is a file.
+    """
+    p = os.path.abspath(os.fspath(path))
+    if os.path.isdir(p):
+        raise DrillError(f"{flag} {os.fspath(path)} is a folder; name a file in it, e.g. "
+                         f"{os.path.join(os.fspath(path), 'out')}")
+    parent = os.path.dirname(p)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise DrillError(f"{flag} {os.fspath(path)}: {parent} is a file, not a folder; pick another path")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float as None: JSON has no Infinity or NaN (jq, browsers and strict
+    parsers reject the file), and Young/Daly of a system that loses no work is infinite."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_json_file(path: str | os.PathLike, data: Any, flag: str = "--json") -> None:
+    """Writes ``data`` as strict JSON to ``path`` atomically (non-finite numbers as null), creating its folder
+    (as the plots do).
+
+    Raises:
+        DrillError: the file cannot be written (named with ``flag``); no partial or temporary file is left.
+    """
+    out = os.fspath(path)
+    tmp = f"{out}.tmp"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(tmp, "w") as f:
+            # default=str first: objects (paths, enums) become strings; then non-finite floats become null
+            json.dump(_finite(json.loads(json.dumps(data, default=str))), f, indent=1, allow_nan=False)
+        os.replace(tmp, out)
+    except OSError as exc:
+        # a folder in the way, a full disk, a read-only mount: one line, and no stray .tmp next to it
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise DrillError(f"cannot write {flag} {out}: {exc}; pick another path") from exc
+
+
 def write_json(path: str | os.PathLike, comparisons: list[TraceComparison]) -> None:
-    """Writes every comparison's figures as JSON (atomically)."""
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as f:
-        json.dump([c.as_dict() for c in comparisons], f, indent=1)
-    os.replace(tmp, path)
+    """Writes every comparison's figures as JSON (atomically).
+
+    Raises:
+        DrillError: the file cannot be written.
+    """
+    write_json_file(path, [c.as_dict() for c in comparisons])

@@ -183,6 +183,10 @@ class SoakConfig:
             (self.hang_bound_s <= 0, f"--hang-bound {self.hang_bound_s:g}: must be > 0 seconds"),
             (self.enospc_window_s <= 0, f"--enospc-window {self.enospc_window_s:g}: must be > 0 seconds"),
             (self.tmpfs_mib < 1, f"tmpfs_mib {self.tmpfs_mib}: must be >= 1"),
+            (self.represent_gpus < 1, f"--represent-gpus {self.represent_gpus}: must be >= 1 GPU"),
+            # checked here: a file there failed only after the trace was loaded, with a FileExistsError traceback
+            (self.workdir is not None and os.path.exists(self.workdir) and not os.path.isdir(self.workdir),
+             f"--workdir {self.workdir}: is a file, not a folder; name a folder (it is created if missing)"),
         ) if wrong]
         if bad:
             raise SoakError("; ".join(bad))
