@@ -32,11 +32,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from trainguard.checkpoint.arena import SlotPaths, free_bytes, rank_files, read_manifest, read_tag, write_tag
+from trainguard.checkpoint.arena import (SlotPaths, drop_manifests, free_bytes, rank_files, read_manifest, read_tag,
+                                        write_tag)
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import Manifest, verify_checksums
 
 _STEP_RE = re.compile(r"^step_(\d{12})\.manifest\.json$")
+_SLOT_FILE_RE = re.compile(r"^slot_(\d+)\.(?:data|tag|manifest\.json|retired\.json)$")
 #: Highest rank and step a copy can be filed under (``rank_NNNNN``, ``step_NNNNNNNNNNNN``): a name with more
 #: digits is listed by nothing, so its memory would be held outside the bound until the job ends.
 MAX_RANK = 99_999
@@ -354,20 +356,28 @@ def arena_writer(shm_root: str, job: str, manifest: Manifest) -> ReplicaWriter:
         tag = read_tag(p)
         return int(tag) if tag.isdigit() and os.path.exists(p.manifest) else -1
 
-    index = min(range(2), key=age)
+    # Every slot the rank's Checkpointer made (``memory.keep + 1`` of them), at least the two of the default.
+    slots = sorted({0, 1} | {int(m.group(1)) for n in os.listdir(d) if (m := _SLOT_FILE_RE.match(n))})
+    # A slot listing this very step (this node's own copy, which the scan found damaged, so the plan sent the
+    # rank to a peer) is the one replaced: left listed beside the fetched copy, the restore's listing took
+    # whichever had the later creation time (or, equal, came last in the folder), and took the damaged one as
+    # often as not, falling back to disk with a good copy in memory.
+    same = [i for i in slots if age(i) == manifest.step]
+    index = same[0] if same else min(slots, key=age)
 
     def publish(man: Manifest, partial: str) -> SlotPaths:
         paths = SlotPaths.of(d, index)
-        try:
-            os.unlink(paths.manifest)
-        except FileNotFoundError:
-            pass
+        drop_manifests(paths)  # a retired manifest of the old bytes, too
         os.replace(partial, paths.data)
         write_tag(paths, str(man.step))
         tmp = paths.manifest + ".tmp"
         with open(tmp, "wb") as f:
             f.write(man.to_json())
         os.replace(tmp, paths.manifest)
+        for i in slots:  # any other slot still naming this step holds the damaged copy: out of the listing
+            other = SlotPaths.of(d, i)
+            if i != index and read_tag(other) == str(man.step):
+                drop_manifests(other)
         return paths
 
     if free_bytes(d) < manifest.data_bytes:

@@ -848,3 +848,38 @@ def test_a_copy_pushed_again_that_the_buddy_holds_is_taken_as_held(roots) -> Non
         assert [(r.rank, r.step) for r in store.replicas()] == [(0, 10)] and _partials(b) == []
     finally:
         server.stop()
+
+
+def test_a_node_whose_own_copy_is_damaged_restores_the_buddys_copy_not_its_own(roots) -> None:
+    """The node's own copy of step 50 rots in its arena (the scan does not report it), so the plan sends the rank
+    to its buddy's memory. The fetched copy must replace the damaged one: left listed beside it, the restore's
+    listing took whichever manifest had the later creation time (a re-save, or this host's clock ahead of the
+    one that wrote the buddy's copy) and fell back to disk with a good copy in memory."""
+    b, c = roots[1], roots[2]
+    server_b, _ = _server(b)
+    fetcher = ReplicaAgent(ReplicaConfig(timeout_s=10), MemoryTier(c, "job", "/ckpt"), "c", "127.0.0.1")
+    try:
+        _snapshot(c, 0, 49, slot=0)
+        data = _snapshot(c, 0, 50, slot=1)
+        path, man = _own(c, 0)
+        assert man.step == 50 and push(server_b.address, copy_stream("job", man, path, "c", Throttle(0)), 30).ok
+        slot1 = os.path.join(c, "job", "rank_00000", "slot_1")
+        with open(slot1 + ".data", "r+b") as f:  # this node's own copy rots
+            f.write(b"\xff\xfe\xfd")
+        local = Manifest.from_json(open(slot1 + ".manifest.json", "rb").read(), "slot_1")
+        local.created += 30.0  # this host's clock runs ahead of the buddy's (or the step was saved again here)
+        with open(slot1 + ".manifest.json", "wb") as f:
+            f.write(local.to_json())
+        tier_c = MemoryTier(c, "job", "/ckpt")
+        assert {h.step for h in tier_c.scan()} == {49}  # the damaged copy is never reported
+        plan = pb.MemoryRestorePlan(step=50, memory_steps=[50], ranks=[
+            pb.RankRestore(rank=0, source=pb.RESTORE_SOURCE_PEER_MEMORY, peer_node="b",
+                           peer_address=server_b.address)])
+        assert fetcher.fetch_planned(plan, [0]) == [0]
+        for retired in (False, True):  # the tier's listing and a restore's
+            paths, got = memory_manifests(c, "job", "/ckpt", retired=retired)[50][0]
+            assert got.created == man.created and open(paths.data, "rb").read(len(data)) == data
+        assert sorted(memory_manifests(c, "job", "/ckpt")) == [49, 50]  # the older good copy is kept
+    finally:
+        server_b.stop()
+
