@@ -228,6 +228,13 @@ class ReplicaStore:
     def _publish(self, manifest: Manifest, partial: str) -> Replica:
         with self._lock:
             self._reserved.pop(partial, None)  # from here on the copy counts as published (or is gone)
+            newer = self.newest(manifest.rank, manifest.step + 1)
+            if newer is not None:
+                # A newer step of this rank landed while this one arrived (two pushes at once: a sender and
+                # its replacement, or a restarted agent): published, the older copy stayed beside it (only older
+                # ones are trimmed), holding its memory outside "the newest copy per rank" until the next push.
+                os.unlink(partial)
+                return newer
             d = self._rank_dir(manifest.rank)
             base = self._base(d, manifest.step)
             try:
