@@ -23,6 +23,7 @@ No torch import (the agent uses it).
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
@@ -38,11 +39,45 @@ from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import Manifest, verify_checksums
 
 _STEP_RE = re.compile(r"^step_(\d{12})\.manifest\.json$")
+_RANK_DIR_RE = re.compile(r"^rank_\d{5}$")
 _SLOT_FILE_RE = re.compile(r"^slot_(\d+)\.(?:data|tag|manifest\.json|retired\.json)$")
 #: Highest rank and step a copy can be filed under (``rank_NNNNN``, ``step_NNNNNNNNNNNN``): a name with more
 #: digits is listed by nothing, so its memory would be held outside the bound until the job ends.
 MAX_RANK = 99_999
 MAX_STEP = 10**12 - 1
+
+
+def remove_stale_partials(directory: str) -> None:
+    """Removes the ``.partial-*`` staging files in ``directory`` that no live writer holds.
+
+    A writer keeps an exclusive ``flock`` on its file until it publishes or drops it, and the kernel releases it
+    when the writer dies (kill -9 included), so a file whose lock can be taken is a dead writer's. Removing every
+    staging file instead cut the live transfers of another agent of the job on this host (they share the
+    folders): their publish then found no file.
+    """
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for n in names:
+        if not n.startswith(".partial-"):
+            continue
+        path = os.path.join(directory, n)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live writer's
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
 
 
 class ReplicaRefusedError(CheckpointError):
@@ -111,11 +146,20 @@ class ReplicaStore:
         os.makedirs(self.root, exist_ok=True)
         for d, _, names in os.walk(self.root):  # a receiver killed mid-transfer left these
             for n in names:
-                if n.startswith(".partial-") or n.endswith(".tmp"):
+                if n.endswith(".tmp"):
                     try:
                         os.unlink(os.path.join(d, n))
                     except OSError:
                         pass
+            remove_stale_partials(d)
+        # A fetch into the arena killed mid-transfer (the agent was, on a node coming back) left its staging
+        # file, allocated to the copy's full size, in the rank's folder: only a later fetch of that same rank
+        # removed it, so with the rank restored from local memory or disk it held tmpfs memory for the job's
+        # life, leaving the workers' own snapshots less room.
+        job_dir = os.path.dirname(self.root)
+        for n in os.listdir(job_dir):
+            if _RANK_DIR_RE.match(n):
+                remove_stale_partials(os.path.join(job_dir, n))
 
     def _rank_dir(self, rank: int) -> str:
         return os.path.join(self.root, f"rank_{rank:05d}")
@@ -268,6 +312,9 @@ class ReplicaWriter:
         self.manifest, self.partial, self._publish, self._release = manifest, partial, publish, release
         self.received = 0
         self.fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Held until the copy is published or dropped (or this process dies): marks the file as a live
+        # transfer's to :func:`remove_stale_partials`.
+        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             os.posix_fallocate(self.fd, 0, max(manifest.data_bytes, 1))
         except OSError as exc:
@@ -309,13 +356,14 @@ class ReplicaWriter:
         except BaseException:
             self.abort()
             raise
-        os.close(self.fd)
-        self.fd = -1
         try:
-            return self._publish(self.manifest, self.partial)
+            published = self._publish(self.manifest, self.partial)
         except BaseException:
             self.abort()  # a partial file nothing lists would hold its memory until the next start
             raise
+        os.close(self.fd)  # only now: closed before the rename, the file looked like a dead writer's
+        self.fd = -1
+        return published
 
     def abort(self) -> None:
         """Drops the partial copy (and its memory reservation)."""
@@ -351,12 +399,7 @@ def arena_writer(shm_root: str, job: str, manifest: Manifest) -> ReplicaWriter:
     check_numbers(manifest)
     d = os.path.join(shm_root, job, f"rank_{manifest.rank:05d}")
     os.makedirs(d, exist_ok=True)
-    for n in os.listdir(d):  # an earlier fetch killed mid-transfer (only the agent writes these)
-        if n.startswith(".partial-"):
-            try:
-                os.unlink(os.path.join(d, n))
-            except OSError:
-                pass
+    remove_stale_partials(d)  # an earlier fetch killed mid-transfer
 
     def age(i: int) -> int:
         p = SlotPaths.of(d, i)

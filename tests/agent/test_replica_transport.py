@@ -883,3 +883,39 @@ def test_a_node_whose_own_copy_is_damaged_restores_the_buddys_copy_not_its_own(r
     finally:
         server_b.stop()
 
+
+def test_a_fetch_killed_mid_transfer_leaves_no_staging_file_once_the_agent_is_back(roots, tg_env) -> None:
+    """kill -9 of the agent fetching a copy into its arena (its node comes back under the same id): the staging
+    file, allocated to the copy's full size, stayed in the rank's folder; only a later fetch of that same rank
+    removed it, so with the rank restored from local memory or disk it held tmpfs memory for the job's life. A
+    live transfer's staging file (another agent of the job on this host) is left alone."""
+    a, b, c = roots
+    _snapshot(a, 1, 9, mib=8)
+    server, store_b = _server(b)
+    try:
+        path, man = _own(a, 1)
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        p = subprocess.Popen([sys.executable, str(SCRIPT), "fetch", server.address, c, "job", "1"], env=tg_env,
+                             stdout=subprocess.PIPE, text=True)
+        try:
+            _wait(lambda: _partials(c), "the fetch never started")
+        finally:
+            p.kill()
+            p.wait()
+        dead = _partials(c)
+        assert dead and memory_manifests(c, "job", "/ckpt") == {}
+        live = arena_writer(c, "job", _copy_manifest(man, rank=3))  # another agent's transfer, in progress
+        try:
+            agent = ReplicaAgent(ReplicaConfig(), MemoryTier(c, "job", "/ckpt"), "c", "127.0.0.1")  # back
+            assert _partials(c) == [os.path.basename(live.partial)]
+            assert agent.store.replicas() == []
+        finally:
+            live.abort()
+    finally:
+        server.stop()
+
+
+def _copy_manifest(man: Manifest, rank: int) -> Manifest:
+    other = Manifest.from_json(man.to_json(), "copy")
+    other.rank = rank
+    return other
