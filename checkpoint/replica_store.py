@@ -9,7 +9,8 @@ Layout, next to the job's own arena (``<shm_root>/<job>/rank_NNNNN/``)::
 A copy arrives in pieces into a ``.partial-*`` file; :meth:`ReplicaWriter.commit` verifies every chunk against the
 manifest's checksums, renames the data into place, then writes the manifest (temporary name + rename): the
 manifest is the commit marker, so a sender or receiver killed mid-transfer leaves at most a ``.partial-*`` file
-that nothing lists (and the next store on that root removes). Only the newest copy per rank is kept.
+that nothing lists (and the next store on that root removes). One copy per rank is kept: the one published
+last (its node's newest snapshot; a higher step held before it belongs to a run the job went back from).
 
 Memory is bounded: ``max_bytes`` caps what replicas may hold, copies still being received included (each
 reserves its size when it begins, under the store's lock, and gives it back when it is published or dropped), and
@@ -221,8 +222,8 @@ class ReplicaStore:
                 raise ReplicaRefusedError(f"{what} is over the replica memory bound of {self.max_bytes} bytes")
             held = self.replicas()
             reserved = sum(self._reserved.values())
-            # Evict the oldest replicas of other ranks and older copies of this rank until the new one fits.
-            victims = [r for r in held if not (r.rank == manifest.rank and r.step >= manifest.step)]
+            # Evict the oldest replicas of other ranks and other copies of this rank until the new one fits.
+            victims = [r for r in held if not (r.rank == manifest.rank and r.step == manifest.step)]
             total = sum(r.nbytes for r in held)
             evictable = sum(v.nbytes for v in victims)
             # Refused before evicting anything when evicting every victim would not make room either (copies
@@ -272,13 +273,6 @@ class ReplicaStore:
     def _publish(self, manifest: Manifest, partial: str) -> Replica:
         with self._lock:
             self._reserved.pop(partial, None)  # from here on the copy counts as published (or is gone)
-            newer = self.newest(manifest.rank, manifest.step + 1)
-            if newer is not None:
-                # A newer step of this rank landed while this one arrived (two pushes at once: a sender and
-                # its replacement, or a restarted agent): published, the older copy stayed beside it (only older
-                # ones are trimmed), holding its memory outside "the newest copy per rank" until the next push.
-                os.unlink(partial)
-                return newer
             d = self._rank_dir(manifest.rank)
             base = self._base(d, manifest.step)
             try:
@@ -293,8 +287,13 @@ class ReplicaStore:
                 f.write(manifest.to_json())
             os.replace(tmp, base + ".manifest.json")  # the commit marker, last
             for r in self.replicas():
-                if r.rank == manifest.rank and r.step < manifest.step:
-                    self._remove(r)  # only the newest copy per rank is kept
+                # One copy per rank: the one its node pushed last, which is that node's newest snapshot. A higher
+                # step held here is not newer but abandoned: the job went back to an older step (restored from
+                # disk when memory could not serve every rank). Kept, it was served to a fetch asking for the
+                # new run's step and counted by the restore plan, which could pick it over the new run's steps
+                # or, once the new run reached that step on some ranks, mix the two runs in one restore.
+                if r.rank == manifest.rank and r.step != manifest.step:
+                    self._remove(r)
             return Replica(manifest.rank, manifest.step, base + ".data", base + ".manifest.json", manifest)
 
     def remove_all(self) -> None:

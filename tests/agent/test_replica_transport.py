@@ -919,3 +919,29 @@ def _copy_manifest(man: Manifest, rank: int) -> Manifest:
     other = Manifest.from_json(man.to_json(), "copy")
     other.rank = rank
     return other
+
+
+def test_after_the_job_goes_back_to_an_older_step_the_buddy_serves_the_new_runs_copy(roots) -> None:
+    """The buddy holds rank 0's step 60; the job then restores step 40 from disk (memory could not serve every
+    rank) and its next snapshot, step 50, is pushed. The abandoned step 60 stayed (only lower steps were
+    trimmed): a fetch asking for step 50 got step 60 of the abandoned run, and the buddy went on reporting step
+    60, which a restore plan could pick or, once the new run reached step 60 on some ranks, mix with it."""
+    a, b, c = roots
+    server, store = _server(b)
+    try:
+        _snapshot(a, 0, 60)
+        path, man = _own(a, 0)
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        shutil.rmtree(os.path.join(a, "job"))
+        data = _snapshot(a, 0, 50)  # the new run's snapshot after going back
+        path, man = _own(a, 0)
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        assert [(r.rank, r.step) for r in store.replicas()] == [(0, 50)]
+        tier_b = MemoryTier(b, "job", "/ckpt", replicas=store)
+        assert [(h.step, list(h.replica_ranks)) for h in tier_b.scan()] == [(50, [0])]
+        _, got = fetch(server.address, "job", 0, 50, lambda m: arena_writer(c, "job", m), 30)
+        assert got.step == 50
+        paths, _ = memory_manifests(c, "job", "/ckpt")[50][0]
+        assert open(paths.data, "rb").read(len(data)) == data
+    finally:
+        server.stop()
