@@ -945,3 +945,35 @@ def test_after_the_job_goes_back_to_an_older_step_the_buddy_serves_the_new_runs_
         assert open(paths.data, "rb").read(len(data)) == data
     finally:
         server.stop()
+
+
+def test_a_holder_that_moved_on_to_a_newer_step_is_followed_by_one_holding_the_planned_step(roots) -> None:
+    """--memory-replicas 2: the plan restores rank 0's step 50 from b, then d. b has since received step 51 (and,
+    one copy per rank, dropped 50). The fetch took b's step 51 as done, though the workers restore step 50 only,
+    and never asked d, which still held it: the rank fell back to disk."""
+    a, b, c = roots
+    d = roots[2] + "-d"
+    fetcher = ReplicaAgent(ReplicaConfig(timeout_s=10), MemoryTier(c, "job", "/ckpt"), "c", "127.0.0.1")
+    server_b, store_b = _server(b)
+    server_d, _ = _server(d)
+    try:
+        data = _snapshot(a, 0, 50, slot=0)
+        path, man = _own(a, 0)
+        for server in (server_b, server_d):
+            assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        _snapshot(a, 0, 51, slot=1)
+        path, man = _own(a, 0)
+        assert push(server_b.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        assert [r.step for r in store_b.replicas()] == [51]
+        plan = pb.MemoryRestorePlan(step=50, memory_steps=[50], ranks=[
+            pb.RankRestore(rank=0, source=pb.RESTORE_SOURCE_PEER_MEMORY, peer_node="b",
+                           peer_address=server_b.address,
+                           alternates=[pb.PeerCopy(node_id="d", address=server_d.address)])])
+        assert fetcher.fetch_planned(plan, [0]) == [0]
+        assert plan.ranks[0].peer_node == "d"
+        held = memory_manifests(c, "job", "/ckpt")
+        assert sorted(held) == [50] and open(held[50][0][0].data, "rb").read(len(data)) == data
+    finally:
+        server_b.stop()
+        server_d.stop()
+        shutil.rmtree(d, ignore_errors=True)
