@@ -29,7 +29,8 @@ from trainguard.agent.errors import AgentError
 from trainguard.agent.memory_tier import MemoryTier
 from trainguard.agent.replica_transport import ReplicaServer, ReplicaServicer, Throttle, fetch, push_copy
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
-from trainguard.checkpoint.replica_store import ReplicaStore, arena_writer
+from trainguard.checkpoint.manifest import Manifest
+from trainguard.checkpoint.replica_store import ReplicaRefusedError, ReplicaStore, ReplicaWriter, arena_writer
 from trainguard.proto import coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -321,11 +322,19 @@ class ReplicaAgent:
     def _fetch_one(self, entry: coordinator_pb2.RankRestore, step: int, done: list[int]) -> None:
         sources = [(entry.peer_node, entry.peer_address)] + [(a.node_id, a.address) for a in entry.alternates
                                                                if a.address]
+        def open_writer(m: Manifest) -> ReplicaWriter:
+            # The server sends its newest copy of at least the step asked for. A holder that has moved on to a
+            # newer step since the plan was made (its node pushed one, or it went back to an older run) holds
+            # no copy the workers can restore: they restore the plan's step only. Taken anyway, it counted as
+            # fetched and the plan's next holder, which may still hold the step, was never asked.
+            if m.step != step:
+                raise ReplicaRefusedError(f"it holds step {m.step} of rank {m.rank}, not the planned step {step}")
+            return arena_writer(self.tier.shm_root, self.job, m)
+
         for i, (node, address) in enumerate(sources):
             t0 = time.monotonic()
             try:
-                _, man = fetch(address, self.job, entry.rank, step,
-                               lambda m: arena_writer(self.tier.shm_root, self.job, m), self.config.timeout_s,
+                _, man = fetch(address, self.job, entry.rank, step, open_writer, self.config.timeout_s,
                                self.config.token)
             except (grpc.RpcError, CheckpointError, OSError) as exc:
                 self.stats.fetch_failures += 1

@@ -9,7 +9,8 @@ Layout, next to the job's own arena (``<shm_root>/<job>/rank_NNNNN/``)::
 A copy arrives in pieces into a ``.partial-*`` file; :meth:`ReplicaWriter.commit` verifies every chunk against the
 manifest's checksums, renames the data into place, then writes the manifest (temporary name + rename): the
 manifest is the commit marker, so a sender or receiver killed mid-transfer leaves at most a ``.partial-*`` file
-that nothing lists (and the next store on that root removes). Only the newest copy per rank is kept.
+that nothing lists (and the next store on that root removes). One copy per rank is kept: the one published
+last (its node's newest snapshot; a higher step held before it belongs to a run the job went back from).
 
 Memory is bounded: ``max_bytes`` caps what replicas may hold, copies still being received included (each
 reserves its size when it begins, under the store's lock, and gives it back when it is published or dropped), and
@@ -23,6 +24,7 @@ No torch import (the agent uses it).
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
@@ -32,15 +34,51 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from trainguard.checkpoint.arena import SlotPaths, free_bytes, rank_files, read_manifest, read_tag, write_tag
+from trainguard.checkpoint.arena import (SlotPaths, drop_manifests, free_bytes, rank_files, read_manifest, read_tag,
+                                        write_tag)
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import Manifest, verify_checksums
 
 _STEP_RE = re.compile(r"^step_(\d{12})\.manifest\.json$")
+_RANK_DIR_RE = re.compile(r"^rank_\d{5}$")
+_SLOT_FILE_RE = re.compile(r"^slot_(\d+)\.(?:data|tag|manifest\.json|retired\.json)$")
 #: Highest rank and step a copy can be filed under (``rank_NNNNN``, ``step_NNNNNNNNNNNN``): a name with more
 #: digits is listed by nothing, so its memory would be held outside the bound until the job ends.
 MAX_RANK = 99_999
 MAX_STEP = 10**12 - 1
+
+
+def remove_stale_partials(directory: str) -> None:
+    """Removes the ``.partial-*`` staging files in ``directory`` that no live writer holds.
+
+    A writer keeps an exclusive ``flock`` on its file until it publishes or drops it, and the kernel releases it
+    when the writer dies (kill -9 included), so a file whose lock can be taken is a dead writer's. Removing every
+    staging file instead cut the live transfers of another agent of the job on this host (they share the
+    folders): their publish then found no file.
+    """
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for n in names:
+        if not n.startswith(".partial-"):
+            continue
+        path = os.path.join(directory, n)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live writer's
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
 
 
 class ReplicaRefusedError(CheckpointError):
@@ -109,11 +147,20 @@ class ReplicaStore:
         os.makedirs(self.root, exist_ok=True)
         for d, _, names in os.walk(self.root):  # a receiver killed mid-transfer left these
             for n in names:
-                if n.startswith(".partial-") or n.endswith(".tmp"):
+                if n.endswith(".tmp"):
                     try:
                         os.unlink(os.path.join(d, n))
                     except OSError:
                         pass
+            remove_stale_partials(d)
+        # A fetch into the arena killed mid-transfer (the agent was, on a node coming back) left its staging
+        # file, allocated to the copy's full size, in the rank's folder: only a later fetch of that same rank
+        # removed it, so with the rank restored from local memory or disk it held tmpfs memory for the job's
+        # life, leaving the workers' own snapshots less room.
+        job_dir = os.path.dirname(self.root)
+        for n in os.listdir(job_dir):
+            if _RANK_DIR_RE.match(n):
+                remove_stale_partials(os.path.join(job_dir, n))
 
     def _rank_dir(self, rank: int) -> str:
         return os.path.join(self.root, f"rank_{rank:05d}")
@@ -175,8 +222,8 @@ class ReplicaStore:
                 raise ReplicaRefusedError(f"{what} is over the replica memory bound of {self.max_bytes} bytes")
             held = self.replicas()
             reserved = sum(self._reserved.values())
-            # Evict the oldest replicas of other ranks and older copies of this rank until the new one fits.
-            victims = [r for r in held if not (r.rank == manifest.rank and r.step >= manifest.step)]
+            # Evict the oldest replicas of other ranks and other copies of this rank until the new one fits.
+            victims = [r for r in held if not (r.rank == manifest.rank and r.step == manifest.step)]
             total = sum(r.nbytes for r in held)
             evictable = sum(v.nbytes for v in victims)
             # Refused before evicting anything when evicting every victim would not make room either (copies
@@ -240,8 +287,13 @@ class ReplicaStore:
                 f.write(manifest.to_json())
             os.replace(tmp, base + ".manifest.json")  # the commit marker, last
             for r in self.replicas():
-                if r.rank == manifest.rank and r.step < manifest.step:
-                    self._remove(r)  # only the newest copy per rank is kept
+                # One copy per rank: the one its node pushed last, which is that node's newest snapshot. A higher
+                # step held here is not newer but abandoned: the job went back to an older step (restored from
+                # disk when memory could not serve every rank). Kept, it was served to a fetch asking for the
+                # new run's step and counted by the restore plan, which could pick it over the new run's steps
+                # or, once the new run reached that step on some ranks, mix the two runs in one restore.
+                if r.rank == manifest.rank and r.step != manifest.step:
+                    self._remove(r)
             return Replica(manifest.rank, manifest.step, base + ".data", base + ".manifest.json", manifest)
 
     def remove_all(self) -> None:
@@ -259,6 +311,9 @@ class ReplicaWriter:
         self.manifest, self.partial, self._publish, self._release = manifest, partial, publish, release
         self.received = 0
         self.fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Held until the copy is published or dropped (or this process dies): marks the file as a live
+        # transfer's to :func:`remove_stale_partials`.
+        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             os.posix_fallocate(self.fd, 0, max(manifest.data_bytes, 1))
         except OSError as exc:
@@ -300,13 +355,14 @@ class ReplicaWriter:
         except BaseException:
             self.abort()
             raise
-        os.close(self.fd)
-        self.fd = -1
         try:
-            return self._publish(self.manifest, self.partial)
+            published = self._publish(self.manifest, self.partial)
         except BaseException:
             self.abort()  # a partial file nothing lists would hold its memory until the next start
             raise
+        os.close(self.fd)  # only now: closed before the rename, the file looked like a dead writer's
+        self.fd = -1
+        return published
 
     def abort(self) -> None:
         """Drops the partial copy (and its memory reservation)."""
@@ -342,32 +398,35 @@ def arena_writer(shm_root: str, job: str, manifest: Manifest) -> ReplicaWriter:
     check_numbers(manifest)
     d = os.path.join(shm_root, job, f"rank_{manifest.rank:05d}")
     os.makedirs(d, exist_ok=True)
-    for n in os.listdir(d):  # an earlier fetch killed mid-transfer (only the agent writes these)
-        if n.startswith(".partial-"):
-            try:
-                os.unlink(os.path.join(d, n))
-            except OSError:
-                pass
+    remove_stale_partials(d)  # an earlier fetch killed mid-transfer
 
     def age(i: int) -> int:
         p = SlotPaths.of(d, i)
         tag = read_tag(p)
         return int(tag) if tag.isdigit() and os.path.exists(p.manifest) else -1
 
-    index = min(range(2), key=age)
+    # Every slot the rank's Checkpointer made (``memory.keep + 1`` of them), at least the two of the default.
+    slots = sorted({0, 1} | {int(m.group(1)) for n in os.listdir(d) if (m := _SLOT_FILE_RE.match(n))})
+    # A slot listing this very step (this node's own copy, which the scan found damaged, so the plan sent the
+    # rank to a peer) is the one replaced: left listed beside the fetched copy, the restore's listing took
+    # whichever had the later creation time (or, equal, came last in the folder), and took the damaged one as
+    # often as not, falling back to disk with a good copy in memory.
+    same = [i for i in slots if age(i) == manifest.step]
+    index = same[0] if same else min(slots, key=age)
 
     def publish(man: Manifest, partial: str) -> SlotPaths:
         paths = SlotPaths.of(d, index)
-        try:
-            os.unlink(paths.manifest)
-        except FileNotFoundError:
-            pass
+        drop_manifests(paths)  # a retired manifest of the old bytes, too
         os.replace(partial, paths.data)
         write_tag(paths, str(man.step))
         tmp = paths.manifest + ".tmp"
         with open(tmp, "wb") as f:
             f.write(man.to_json())
         os.replace(tmp, paths.manifest)
+        for i in slots:  # any other slot still naming this step holds the damaged copy: out of the listing
+            other = SlotPaths.of(d, i)
+            if i != index and read_tag(other) == str(man.step):
+                drop_manifests(other)
         return paths
 
     if free_bytes(d) < manifest.data_bytes:

@@ -848,3 +848,132 @@ def test_a_copy_pushed_again_that_the_buddy_holds_is_taken_as_held(roots) -> Non
         assert [(r.rank, r.step) for r in store.replicas()] == [(0, 10)] and _partials(b) == []
     finally:
         server.stop()
+
+
+def test_a_node_whose_own_copy_is_damaged_restores_the_buddys_copy_not_its_own(roots) -> None:
+    """The node's own copy of step 50 rots in its arena (the scan does not report it), so the plan sends the rank
+    to its buddy's memory. The fetched copy must replace the damaged one: left listed beside it, the restore's
+    listing took whichever manifest had the later creation time (a re-save, or this host's clock ahead of the
+    one that wrote the buddy's copy) and fell back to disk with a good copy in memory."""
+    b, c = roots[1], roots[2]
+    server_b, _ = _server(b)
+    fetcher = ReplicaAgent(ReplicaConfig(timeout_s=10), MemoryTier(c, "job", "/ckpt"), "c", "127.0.0.1")
+    try:
+        _snapshot(c, 0, 49, slot=0)
+        data = _snapshot(c, 0, 50, slot=1)
+        path, man = _own(c, 0)
+        assert man.step == 50 and push(server_b.address, copy_stream("job", man, path, "c", Throttle(0)), 30).ok
+        slot1 = os.path.join(c, "job", "rank_00000", "slot_1")
+        with open(slot1 + ".data", "r+b") as f:  # this node's own copy rots
+            f.write(b"\xff\xfe\xfd")
+        local = Manifest.from_json(open(slot1 + ".manifest.json", "rb").read(), "slot_1")
+        local.created += 30.0  # this host's clock runs ahead of the buddy's (or the step was saved again here)
+        with open(slot1 + ".manifest.json", "wb") as f:
+            f.write(local.to_json())
+        tier_c = MemoryTier(c, "job", "/ckpt")
+        assert {h.step for h in tier_c.scan()} == {49}  # the damaged copy is never reported
+        plan = pb.MemoryRestorePlan(step=50, memory_steps=[50], ranks=[
+            pb.RankRestore(rank=0, source=pb.RESTORE_SOURCE_PEER_MEMORY, peer_node="b",
+                           peer_address=server_b.address)])
+        assert fetcher.fetch_planned(plan, [0]) == [0]
+        for retired in (False, True):  # the tier's listing and a restore's
+            paths, got = memory_manifests(c, "job", "/ckpt", retired=retired)[50][0]
+            assert got.created == man.created and open(paths.data, "rb").read(len(data)) == data
+        assert sorted(memory_manifests(c, "job", "/ckpt")) == [49, 50]  # the older good copy is kept
+    finally:
+        server_b.stop()
+
+
+def test_a_fetch_killed_mid_transfer_leaves_no_staging_file_once_the_agent_is_back(roots, tg_env) -> None:
+    """kill -9 of the agent fetching a copy into its arena (its node comes back under the same id): the staging
+    file, allocated to the copy's full size, stayed in the rank's folder; only a later fetch of that same rank
+    removed it, so with the rank restored from local memory or disk it held tmpfs memory for the job's life. A
+    live transfer's staging file (another agent of the job on this host) is left alone."""
+    a, b, c = roots
+    _snapshot(a, 1, 9, mib=8)
+    server, store_b = _server(b)
+    try:
+        path, man = _own(a, 1)
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        p = subprocess.Popen([sys.executable, str(SCRIPT), "fetch", server.address, c, "job", "1"], env=tg_env,
+                             stdout=subprocess.PIPE, text=True)
+        try:
+            _wait(lambda: _partials(c), "the fetch never started")
+        finally:
+            p.kill()
+            p.wait()
+        dead = _partials(c)
+        assert dead and memory_manifests(c, "job", "/ckpt") == {}
+        live = arena_writer(c, "job", _copy_manifest(man, rank=3))  # another agent's transfer, in progress
+        try:
+            agent = ReplicaAgent(ReplicaConfig(), MemoryTier(c, "job", "/ckpt"), "c", "127.0.0.1")  # back
+            assert _partials(c) == [os.path.basename(live.partial)]
+            assert agent.store.replicas() == []
+        finally:
+            live.abort()
+    finally:
+        server.stop()
+
+
+def _copy_manifest(man: Manifest, rank: int) -> Manifest:
+    other = Manifest.from_json(man.to_json(), "copy")
+    other.rank = rank
+    return other
+
+
+def test_after_the_job_goes_back_to_an_older_step_the_buddy_serves_the_new_runs_copy(roots) -> None:
+    """The buddy holds rank 0's step 60; the job then restores step 40 from disk (memory could not serve every
+    rank) and its next snapshot, step 50, is pushed. The abandoned step 60 stayed (only lower steps were
+    trimmed): a fetch asking for step 50 got step 60 of the abandoned run, and the buddy went on reporting step
+    60, which a restore plan could pick or, once the new run reached step 60 on some ranks, mix with it."""
+    a, b, c = roots
+    server, store = _server(b)
+    try:
+        _snapshot(a, 0, 60)
+        path, man = _own(a, 0)
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        shutil.rmtree(os.path.join(a, "job"))
+        data = _snapshot(a, 0, 50)  # the new run's snapshot after going back
+        path, man = _own(a, 0)
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        assert [(r.rank, r.step) for r in store.replicas()] == [(0, 50)]
+        tier_b = MemoryTier(b, "job", "/ckpt", replicas=store)
+        assert [(h.step, list(h.replica_ranks)) for h in tier_b.scan()] == [(50, [0])]
+        _, got = fetch(server.address, "job", 0, 50, lambda m: arena_writer(c, "job", m), 30)
+        assert got.step == 50
+        paths, _ = memory_manifests(c, "job", "/ckpt")[50][0]
+        assert open(paths.data, "rb").read(len(data)) == data
+    finally:
+        server.stop()
+
+
+def test_a_holder_that_moved_on_to_a_newer_step_is_followed_by_one_holding_the_planned_step(roots) -> None:
+    """--memory-replicas 2: the plan restores rank 0's step 50 from b, then d. b has since received step 51 (and,
+    one copy per rank, dropped 50). The fetch took b's step 51 as done, though the workers restore step 50 only,
+    and never asked d, which still held it: the rank fell back to disk."""
+    a, b, c = roots
+    d = roots[2] + "-d"
+    fetcher = ReplicaAgent(ReplicaConfig(timeout_s=10), MemoryTier(c, "job", "/ckpt"), "c", "127.0.0.1")
+    server_b, store_b = _server(b)
+    server_d, _ = _server(d)
+    try:
+        data = _snapshot(a, 0, 50, slot=0)
+        path, man = _own(a, 0)
+        for server in (server_b, server_d):
+            assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        _snapshot(a, 0, 51, slot=1)
+        path, man = _own(a, 0)
+        assert push(server_b.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        assert [r.step for r in store_b.replicas()] == [51]
+        plan = pb.MemoryRestorePlan(step=50, memory_steps=[50], ranks=[
+            pb.RankRestore(rank=0, source=pb.RESTORE_SOURCE_PEER_MEMORY, peer_node="b",
+                           peer_address=server_b.address,
+                           alternates=[pb.PeerCopy(node_id="d", address=server_d.address)])])
+        assert fetcher.fetch_planned(plan, [0]) == [0]
+        assert plan.ranks[0].peer_node == "d"
+        held = memory_manifests(c, "job", "/ckpt")
+        assert sorted(held) == [50] and open(held[50][0][0].data, "rb").read(len(data)) == data
+    finally:
+        server_b.stop()
+        server_d.stop()
+        shutil.rmtree(d, ignore_errors=True)

@@ -126,3 +126,21 @@ def test_two_agents_on_one_host_publishing_the_same_replica_never_fail(root) -> 
     assert not errors, errors[:3]
     rep = stores[0].newest(1)
     assert rep is not None and rep.step == 20 and open(rep.data, "rb").read(len(data)) == data
+
+
+
+def test_two_steps_of_a_rank_committed_out_of_order_leave_one_copy(root) -> None:
+    """Two steps of one rank pushed at once (a sender and the node replacing it, or a restarted agent), the
+    newer one committed first. The older one, committed after it, was published beside it and held its memory,
+    outside "one copy per rank", until the rank's next push; now the copy published last is the rank's one."""
+    store = ReplicaStore(root, "job", 1 << 20)
+    old_man, old_data = _copy(2, 10)
+    slow = _send(store, old_man, old_data)  # arrived in full, not yet committed
+    new_man, new_data = _copy(2, 12, fill=7)
+    _send(store, new_man, new_data).commit()
+    slow.commit()
+    assert [(r.rank, r.step) for r in store.replicas()] == [(2, 10)]
+    assert store.bytes_held() == old_man.data_bytes and store.bytes_reserved() == 0
+    assert sorted(os.listdir(store.root + "/rank_00002")) == ["step_000000000010.data",
+                                                             "step_000000000010.manifest.json"]
+    assert open(store.newest(2).data, "rb").read() == old_data
