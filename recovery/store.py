@@ -463,8 +463,11 @@ class EtcdStore(Store):
         data = json.dumps(body).encode()
         errors = []
         with self._lock:
-            for _ in range(len(self._endpoints)):
+            attempts, reused_retry = len(self._endpoints), True
+            while attempts > 0:
+                attempts -= 1
                 host, port = self._endpoints[self._current]
+                reused = self._conn is not None
                 try:
                     if self._conn is None:
                         self._conn = http.client.HTTPSConnection(host, port, timeout=self._timeout_s,
@@ -479,10 +482,17 @@ class EtcdStore(Store):
                                          f"{payload[:200].decode(errors='replace')}")
                     return json.loads(payload)
                 except (OSError, http.client.HTTPException, ValueError) as exc:
-                    errors.append(f"{host}:{port}: {exc}")
                     if self._conn is not None:
                         self._conn.close()
                     self._conn = None
+                    if reused and reused_retry:
+                        # A kept-alive connection dies with the etcd process that accepted it (a restart, a
+                        # proxy's idle timeout): the first request after that failed with "no etcd endpoint
+                        # answered" although etcd was up again. One fresh connection to the same endpoint tells.
+                        reused_retry = False
+                        attempts += 1
+                        continue
+                    errors.append(f"{host}:{port}: {exc}")
                     self._current = (self._current + 1) % len(self._endpoints)
         raise StoreError(f"no etcd endpoint answered ({'; '.join(errors)}): check that etcd runs and the "
                          "store URL lists its client address")

@@ -211,3 +211,26 @@ def test_sigkill_mid_commit_leaves_a_consistent_state(tmp_path, scheme: str) -> 
     # Every acknowledged commit is durable, and the two keys of one commit are never torn apart.
     assert int(ctr.value) >= acked and ctr.value == twin.value and ctr.version == twin.version
     s.close()
+
+
+def test_etcd_restarted_between_requests_is_reached_again(tmp_path) -> None:
+    # The store keeps one connection alive; an etcd restart between two requests killed it, and the next
+    # request failed with "no etcd endpoint answered" although etcd was up again.
+    from recovery_fixtures import ETCD_BINARY, ETCD_SKIP_REASON, free_port, start_etcd
+    if ETCD_BINARY is None:
+        pytest.skip(ETCD_SKIP_REASON)
+    client, peer = free_port(), free_port()
+    with open(tmp_path / "etcd.log", "wb") as log:
+        proc = start_etcd(tmp_path, client, peer, log)
+        s = open_store(f"etcd://127.0.0.1:{client}/restart")
+        try:
+            assert s.commit([], [Put("a", b"1")]).ok
+            proc.kill()
+            proc.wait()
+            proc = start_etcd(tmp_path, client, peer, log)
+            assert s.get("a").value == b"1"
+            assert s.commit([], [Put("a", b"2")]).ok
+        finally:
+            s.close()
+            proc.kill()
+            proc.wait()
