@@ -676,10 +676,14 @@ def register_backend(scheme: str) -> Callable[[Callable[[urllib.parse.SplitResul
 
 
 def _local_path(url: urllib.parse.SplitResult) -> str:
-    if url.netloc not in ("", "localhost") or not url.path:
-        raise StoreURLError(f"store URL {url.geturl()!r} needs an absolute local path, e.g. "
+    # A relative path ("sqlite:state.db") resolved against whatever directory the coordinator was started in:
+    # restarted elsewhere (systemd, another shell) it opened an empty store and ran the job from generation 0
+    # again. Options are not read, so one given ("?mode=ro") would be ignored without a word.
+    path = urllib.parse.unquote(url.path)
+    if url.netloc not in ("", "localhost") or not path.startswith("/") or url.query or url.fragment:
+        raise StoreURLError(f"store URL {url.geturl()!r} needs an absolute local path and no options, e.g. "
                             f"{url.scheme}:///var/lib/trainguard/job")
-    return urllib.parse.unquote(url.path)
+    return path
 
 
 @register_backend("memory")

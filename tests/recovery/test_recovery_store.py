@@ -164,6 +164,16 @@ def test_store_urls() -> None:
             open_store(bad)
 
 
+def test_relative_or_optioned_local_store_urls_are_refused(tmp_path, monkeypatch) -> None:
+    # "sqlite:state.db" opened ./state.db: a coordinator restarted from another directory found an empty store.
+    monkeypatch.chdir(tmp_path)
+    for bad in ["sqlite:state.db", "file:statedir", "sqlite:///%s/a.db?mode=ro" % tmp_path, "file:///%s/d#x" % tmp_path]:
+        with pytest.raises(StoreURLError, match="absolute local path"):
+            open_store(bad)
+    assert list(tmp_path.iterdir()) == []
+    open_store(f"sqlite://localhost{tmp_path}/ok.db").close()
+
+
 def test_etcd_down_is_a_clear_store_error() -> None:
     import socket
     with socket.socket() as sock:
