@@ -360,15 +360,14 @@ class SQLiteStore(Store):
                              "revision INTEGER NOT NULL)")
             self._db.execute("INSERT OR IGNORE INTO meta (id, revision) VALUES (0, 0)")
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot open SQLite store {self._path} ({exc}): check the path and permissions") \
-                from exc
+            raise StoreError(f"cannot open SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
 
     def get(self, key: str) -> Record | None:
         with self._lock:
             try:
                 row = self._db.execute("SELECT value, version FROM kv WHERE key = ?", (key,)).fetchone()
             except sqlite3.Error as exc:
-                raise StoreError(f"cannot read SQLite store {self._path} ({exc})") from exc
+                raise StoreError(f"cannot read SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
         return Record(bytes(row[0]), int(row[1])) if row else None
 
     def scan(self, prefix: str) -> dict[str, Record]:
@@ -381,7 +380,7 @@ class SQLiteStore(Store):
                 else:
                     rows = self._db.execute("SELECT key, value, version FROM kv").fetchall()
             except sqlite3.Error as exc:
-                raise StoreError(f"cannot read SQLite store {self._path} ({exc})") from exc
+                raise StoreError(f"cannot read SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
         return {k: Record(bytes(v), int(ver)) for k, v, ver in rows}
 
     def commit(self, compares: Sequence[Compare], puts: Sequence[Put]) -> CommitResult:
@@ -416,12 +415,26 @@ class SQLiteStore(Store):
                         db.execute("ROLLBACK")
                     raise
             except sqlite3.Error as exc:
-                raise StoreError(f"cannot write SQLite store {self._path} ({exc}): check disk space and "
-                                 "that no other program locks the file") from exc
+                raise StoreError(f"cannot write SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _sqlite_advice(exc: sqlite3.Error) -> str:
+    """What an operator does about a SQLite error (a corrupt file used to be answered with "check the path and
+    permissions", a read with no advice at all)."""
+    name = getattr(exc, "sqlite_errorname", "")
+    if name in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
+        return ("the file is not a SQLite database or is damaged: move it (and its -wal file) aside and restore "
+                "a backup, or start the job with a fresh --store")
+    if name == "SQLITE_FULL":
+        return "its filesystem is full: free space there"
+    if name in ("SQLITE_BUSY", "SQLITE_LOCKED"):
+        return "another program holds a lock on it (another coordinator of this job?): stop it"
+    return ("check the path and permissions (its directory must be writable: SQLite keeps the -wal and -shm "
+            "files beside it)")
 
 
 def _prefix_end(prefix: str) -> str:

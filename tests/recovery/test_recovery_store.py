@@ -244,3 +244,21 @@ def test_etcd_restarted_between_requests_is_reached_again(tmp_path) -> None:
             s.close()
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_sqlite_store_names_the_remedy_and_is_left_alone(tmp_path, damage: str) -> None:
+    # A damaged file was answered with "check the path and permissions", which sends an operator the wrong way.
+    path = tmp_path / "state.db"
+    if damage == "garbage":
+        path.write_bytes(b"not a database " * 400)
+    else:
+        s = open_store(f"sqlite://{path}")
+        for i in range(200):
+            s.commit([], [Put(f"k{i}", os.urandom(2000))])
+        s.close()  # checkpoints the WAL into the file
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match=r"state\.db .*not a SQLite database or is damaged: move it .*fresh --store"):
+        open_store(f"sqlite://{path}")
+    assert path.read_bytes() == before
