@@ -1,0 +1,29 @@
+"""Two coordinators started on one store for one job, as an operator does by accident: real processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from coordinator_client import CoordinatorProcess, node_info
+
+from trainguard.proto import coordinator_pb2 as pb
+
+
+def test_a_second_coordinator_that_cannot_listen_leaves_the_running_one_the_owner(tmp_path, tg_env) -> None:
+    """The second took the job's fence before binding its port: it exited with 'cannot listen', and the running
+    coordinator's next store write found itself fenced off, so it stopped and nobody owned the job."""
+    store = f"sqlite://{tmp_path}/sb.db"
+    first = CoordinatorProcess(tmp_path, tg_env, "sb", "--nnodes", "1", "--heartbeat-interval", "0.1",
+                               "--store", store)
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "trainguard.cli", "coordinator", "--job", "sb", "--listen", first.target,
+             "--nnodes", "1", "--store", store], env=tg_env, capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0 and "cannot listen" in second.stderr, second.stderr[-2000:]
+        node = first.agent(node_info("n0"))  # a durable registration: a fenced coordinator refuses it
+        assert node.beat().command in (pb.NODE_COMMAND_START, pb.NODE_COMMAND_WAIT), node.last
+        assert first.proc.poll() is None, first.log()[-2000:]
+        assert "took over" not in first.log(), first.log()[-2000:]
+    finally:
+        first.stop()
