@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+
+import grpc
 
 from coordinator_client import CoordinatorProcess, node_info
 
@@ -25,5 +28,33 @@ def test_a_second_coordinator_that_cannot_listen_leaves_the_running_one_the_owne
         assert node.beat().command in (pb.NODE_COMMAND_START, pb.NODE_COMMAND_WAIT), node.last
         assert first.proc.poll() is None, first.log()[-2000:]
         assert "took over" not in first.log(), first.log()[-2000:]
+    finally:
+        first.stop()
+
+
+def test_a_coordinator_whose_job_another_took_over_stops_without_a_write(tmp_path, tg_env) -> None:
+    """A coordinator learned it was fenced off only from its next store write: while the job just trained
+    (heartbeats are not written) it kept serving its agents beside the new owner, without a word."""
+    store = f"sqlite://{tmp_path}/sb2.db"
+    flags = ("--nnodes", "1", "--heartbeat-interval", "0.1", "--store", store)
+    first = CoordinatorProcess(tmp_path, tg_env, "sb2", *flags)
+    try:
+        node = first.agent(node_info("n0"))
+        node.beat()
+        second = CoordinatorProcess(tmp_path, tg_env, "sb2", *flags)
+        try:
+            deadline = time.monotonic() + 20
+            while first.proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    node.beat()  # the node stays alive at the first: heartbeats are not written
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+            assert first.proc.wait(timeout=5) == 3, first.log()[-2000:]
+            first._reader.join(timeout=5)
+            assert any("took over" in ln and "sb2.db" in ln for ln in first.lines), first.log()[-2000:]
+            assert second.proc.poll() is None, second.log()[-2000:]
+        finally:
+            second.stop()
     finally:
         first.stop()
