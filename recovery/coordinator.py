@@ -120,6 +120,7 @@ class JobCoordinator:
         self._beat_observers: list[Callable[[Beat, float], None]] = []
         self.fenced = ""
         self._fence_checked = clock()  # when reap() last read the fence key
+        self._fence_unread = False  # the last fence check could not read the store (logged once)
         self._failslow = FailSlowSupervisor(spec.failslow, wall=wall)  # fail-slow: see _failslow_* below
         self._slow = FailSlowWiring(spec.job, self._failslow)
         self._peers = PeerPool()  # qualified nodes' exchange times: the next node's reference
@@ -832,9 +833,14 @@ class JobCoordinator:
         try:
             rec = self._raw_store.get(self.fence.key)
         except StoreError as exc:
-            log.warning("job %s: cannot check the job's fence in store %s (%s)", self.spec.job, self.spec.store,
-                        exc)
+            if not self._fence_unread:  # once per outage, not every second
+                log.warning("job %s: cannot read store %s (%s); durable changes wait until it answers",
+                            self.spec.job, self.spec.store, exc)
+            self._fence_unread = True
             return
+        if self._fence_unread:
+            self._fence_unread = False
+            log.info("job %s: store %s answers again", self.spec.job, self.spec.store)
         have = rec.version if rec is not None else 0
         if have != self.fence.version and not self.fenced:
             self.fenced = (f"another coordinator took over this job (fence {self.fence.key!r} in store "

@@ -7,6 +7,7 @@ import sys
 import time
 
 import grpc
+import pytest
 
 from coordinator_client import CoordinatorProcess, node_info
 
@@ -58,3 +59,39 @@ def test_a_coordinator_whose_job_another_took_over_stops_without_a_write(tmp_pat
             second.stop()
     finally:
         first.stop()
+
+
+def test_etcd_going_away_mid_run_is_said_once_and_its_return_is_served(tmp_path, tg_env) -> None:
+    """A real etcd killed under a running coordinator and started again: one line names the store while it is
+    away (not one per reaper pass), one says it answers again, and a registration then is durable."""
+    from recovery_fixtures import ETCD_BINARY, ETCD_SKIP_REASON, free_port, start_etcd
+    if ETCD_BINARY is None:
+        pytest.skip(ETCD_SKIP_REASON)
+    client, peer = free_port(), free_port()
+    with open(tmp_path / "etcd.log", "wb") as log:
+        etcd = start_etcd(tmp_path, client, peer, log)
+        coord = None
+        try:
+            coord = CoordinatorProcess(tmp_path, tg_env, "away", "--nnodes", "2", "--store",
+                                       f"etcd://127.0.0.1:{client}/away")
+            etcd.kill()
+            etcd.wait()
+            _wait_for(lambda: any("cannot read store etcd://" in ln for ln in coord.lines), coord)
+            time.sleep(3)  # several reaper passes with etcd still away
+            assert sum("cannot read store" in ln for ln in coord.lines) == 1, coord.log()[-3000:]
+            etcd = start_etcd(tmp_path, client, peer, log)
+            _wait_for(lambda: any("answers again" in ln for ln in coord.lines), coord)
+            assert coord.agent(node_info("n0")).lease
+            assert coord.proc.poll() is None
+        finally:
+            if coord is not None:
+                coord.stop()
+            etcd.kill()
+            etcd.wait()
+
+
+def _wait_for(cond, coord: CoordinatorProcess, limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline and coord.proc.poll() is None, coord.log()[-3000:]
+        time.sleep(0.1)
