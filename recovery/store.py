@@ -351,6 +351,10 @@ class SQLiteStore(Store):
         self._lock = threading.Lock()
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a plain file where a directory should be, an unwritable parent
+            raise StoreError(f"cannot create the directory of SQLite store {self._path} ({exc}): pick a path "
+                             "under a writable directory") from exc
+        try:
             self._db = sqlite3.connect(self._path, timeout=30.0, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")

@@ -262,3 +262,11 @@ def test_corrupt_sqlite_store_names_the_remedy_and_is_left_alone(tmp_path, damag
     with pytest.raises(StoreError, match=r"state\.db .*not a SQLite database or is damaged: move it .*fresh --store"):
         open_store(f"sqlite://{path}")
     assert path.read_bytes() == before
+
+
+def test_sqlite_store_under_a_plain_file_is_a_store_error(tmp_path) -> None:
+    # The directory could not be made (a file in its place): a bare FileExistsError escaped, which the embedded
+    # coordinator and callers catching StoreError did not expect.
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(StoreError, match=r"SQLite store .*afile/x\.db .*writable directory"):
+        open_store(f"sqlite://{tmp_path}/afile/x.db")
