@@ -254,6 +254,10 @@ class FileStore(_MapStore):
             raise StoreError(f"cannot use {self._dir} as a file store ({exc}): pick a writable directory") from exc
         self._stamp: tuple[int, int, int] | None = None
         with self._flock():
+            # A writer killed between mkstemp and rename left its temp document behind, one per crash; none can be
+            # in flight while the lock is held.
+            for tmp in self._dir.glob(self.FILE + ".*.tmp"):
+                tmp.unlink(missing_ok=True)
             self._refresh()
 
     def _flock(self) -> "_Flock":

@@ -270,3 +270,20 @@ def test_sqlite_store_under_a_plain_file_is_a_store_error(tmp_path) -> None:
     (tmp_path / "afile").write_text("")
     with pytest.raises(StoreError, match=r"SQLite store .*afile/x\.db .*writable directory"):
         open_store(f"sqlite://{tmp_path}/afile/x.db")
+
+
+def test_file_store_removes_temp_documents_of_killed_writers(tmp_path) -> None:
+    # A coordinator killed -9 between writing state.json.XXXX.tmp and renaming it left it there; each crash added one.
+    url = f"file://{tmp_path}/st"
+    proc = subprocess.Popen([sys.executable, "-c", _CRASHER, url], stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if int(line) >= 5:
+            break
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    (tmp_path / "st" / "state.json.dead1234.tmp").write_text("{half")  # what a kill at the wrong instant leaves
+    s = open_store(url)
+    assert int(s.get("crash/ctr").value) >= 5
+    s.close()
+    assert sorted(p.name for p in (tmp_path / "st").iterdir()) == ["lock", "state.json"]
