@@ -119,6 +119,8 @@ class JobCoordinator:
         self._relay = CheckpointRelay(spec.job)  # job-wide checkpoint requests and the step rate they need
         self._beat_observers: list[Callable[[Beat, float], None]] = []
         self.fenced = ""
+        self._fence_checked = clock()  # when reap() last read the fence key
+        self._fence_unread = False  # the last fence check could not read the store (logged once)
         self._failslow = FailSlowSupervisor(spec.failslow, wall=wall)  # fail-slow: see _failslow_* below
         self._slow = FailSlowWiring(spec.job, self._failslow)
         self._peers = PeerPool()  # qualified nodes' exchange times: the next node's reference
@@ -798,8 +800,12 @@ class JobCoordinator:
             return self._committed_step, fut
 
     def reap(self) -> None:
-        """Expires silent nodes' leases (a node-level failure for slot holders) and runs due recoveries."""
+        """Expires silent nodes' leases (a node-level failure for slot holders) and runs due recoveries; every
+        second or so, checks that this coordinator still holds the job's fence."""
         now = self._clock()
+        if now - self._fence_checked >= 1.0 and not self.fenced:
+            self._fence_checked = now
+            self._check_fence()
         with self._lock:
             if self.fenced:
                 return
@@ -816,6 +822,31 @@ class JobCoordinator:
                                            detail=f"no heartbeat for {now - m.last_seen:.1f} s",
                                            time_s=self._wall()), now)
             self._advance()
+
+    def _check_fence(self) -> None:
+        """Reads the fence key (no lock held) and stops serving when another coordinator took it.
+
+        Why: a coordinator learned it was fenced off only from its next store write. While a job just trains
+        (heartbeats are not written), one started on the same store for the same job owned it, and this one kept
+        answering its agents for as long as nothing failed, without a word.
+        """
+        try:
+            rec = self._raw_store.get(self.fence.key)
+        except StoreError as exc:
+            if not self._fence_unread:  # once per outage, not every second
+                log.warning("job %s: cannot read store %s (%s); durable changes wait until it answers",
+                            self.spec.job, self.spec.store, exc)
+            self._fence_unread = True
+            return
+        if self._fence_unread:
+            self._fence_unread = False
+            log.info("job %s: store %s answers again", self.spec.job, self.spec.store)
+        have = rec.version if rec is not None else 0
+        if have != self.fence.version and not self.fenced:
+            self.fenced = (f"another coordinator took over this job (fence {self.fence.key!r} in store "
+                           f"{self.spec.store} moved from version {self.fence.version} to {have}): this one stops; "
+                           "run one coordinator per job and store")
+            log.error("job %s: %s", self.spec.job, self.fenced)
 
     # ------------------------------------------------------------------------------------ node daemons
     def report_node_health(self, report: NodeHealthReport) -> tuple[bool, str, Future | None]:

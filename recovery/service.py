@@ -384,23 +384,26 @@ class CoordinatorServer:
         from trainguard.recovery.rpc_security import RpcSecurity
 
         security = security or RpcSecurity()
-        self.service = CoordinatorService(spec, store=store)
-        self.core = self.service.core
         self._server = build_grpc_server(max_workers, interceptors, auth=security.server_interceptors())
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self._server)
-        self.watch = CoordinatorWatch(self.core)  # grpc.health.v1, cordon events, recovery times
-        self.watch.health.add_to_server(self._server)
+        # The port is bound before the store is opened: opening it takes the job's fence, and a second
+        # coordinator started on a port in use took it before failing, so the running one stopped at its next
+        # write ("another coordinator took over") and nobody owned the job.
         try:
             self.port = security.add_port(self._server, listen)
         except RuntimeError:
             self.port = 0
-        except Exception:
-            self.core.close()  # a bad certificate: release the store before refusing
-            raise
         if self.port == 0:
-            self.core.close()
             raise CoordinatorError(f"cannot listen on {listen}: address in use or not local; pick another "
                                    "--listen address")
+        try:
+            self.service = CoordinatorService(spec, store=store)
+        except BaseException:
+            self._server.stop(None)  # release the port
+            raise
+        self.core = self.service.core
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self._server)
+        self.watch = CoordinatorWatch(self.core)  # grpc.health.v1, cordon events, recovery times
+        self.watch.health.add_to_server(self._server)
         self.host = listen.rsplit(":", 1)[0]
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="coordinator-reaper", daemon=True)

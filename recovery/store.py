@@ -254,6 +254,10 @@ class FileStore(_MapStore):
             raise StoreError(f"cannot use {self._dir} as a file store ({exc}): pick a writable directory") from exc
         self._stamp: tuple[int, int, int] | None = None
         with self._flock():
+            # A writer killed between mkstemp and rename left its temp document behind, one per crash; none can be
+            # in flight while the lock is held.
+            for tmp in self._dir.glob(self.FILE + ".*.tmp"):
+                tmp.unlink(missing_ok=True)
             self._refresh()
 
     def _flock(self) -> "_Flock":
@@ -351,6 +355,10 @@ class SQLiteStore(Store):
         self._lock = threading.Lock()
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a plain file where a directory should be, an unwritable parent
+            raise StoreError(f"cannot create the directory of SQLite store {self._path} ({exc}): pick a path "
+                             "under a writable directory") from exc
+        try:
             self._db = sqlite3.connect(self._path, timeout=30.0, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
@@ -360,15 +368,14 @@ class SQLiteStore(Store):
                              "revision INTEGER NOT NULL)")
             self._db.execute("INSERT OR IGNORE INTO meta (id, revision) VALUES (0, 0)")
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot open SQLite store {self._path} ({exc}): check the path and permissions") \
-                from exc
+            raise StoreError(f"cannot open SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
 
     def get(self, key: str) -> Record | None:
         with self._lock:
             try:
                 row = self._db.execute("SELECT value, version FROM kv WHERE key = ?", (key,)).fetchone()
             except sqlite3.Error as exc:
-                raise StoreError(f"cannot read SQLite store {self._path} ({exc})") from exc
+                raise StoreError(f"cannot read SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
         return Record(bytes(row[0]), int(row[1])) if row else None
 
     def scan(self, prefix: str) -> dict[str, Record]:
@@ -381,7 +388,7 @@ class SQLiteStore(Store):
                 else:
                     rows = self._db.execute("SELECT key, value, version FROM kv").fetchall()
             except sqlite3.Error as exc:
-                raise StoreError(f"cannot read SQLite store {self._path} ({exc})") from exc
+                raise StoreError(f"cannot read SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
         return {k: Record(bytes(v), int(ver)) for k, v, ver in rows}
 
     def commit(self, compares: Sequence[Compare], puts: Sequence[Put]) -> CommitResult:
@@ -416,12 +423,26 @@ class SQLiteStore(Store):
                         db.execute("ROLLBACK")
                     raise
             except sqlite3.Error as exc:
-                raise StoreError(f"cannot write SQLite store {self._path} ({exc}): check disk space and "
-                                 "that no other program locks the file") from exc
+                raise StoreError(f"cannot write SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _sqlite_advice(exc: sqlite3.Error) -> str:
+    """What an operator does about a SQLite error (a corrupt file used to be answered with "check the path and
+    permissions", a read with no advice at all)."""
+    name = getattr(exc, "sqlite_errorname", "")
+    if name in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
+        return ("the file is not a SQLite database or is damaged: move it (and its -wal file) aside and restore "
+                "a backup, or start the job with a fresh --store")
+    if name == "SQLITE_FULL":
+        return "its filesystem is full: free space there"
+    if name in ("SQLITE_BUSY", "SQLITE_LOCKED"):
+        return "another program holds a lock on it (another coordinator of this job?): stop it"
+    return ("check the path and permissions (its directory must be writable: SQLite keeps the -wal and -shm "
+            "files beside it)")
 
 
 def _prefix_end(prefix: str) -> str:
@@ -463,8 +484,11 @@ class EtcdStore(Store):
         data = json.dumps(body).encode()
         errors = []
         with self._lock:
-            for _ in range(len(self._endpoints)):
+            attempts, reused_retry = len(self._endpoints), True
+            while attempts > 0:
+                attempts -= 1
                 host, port = self._endpoints[self._current]
+                reused = self._conn is not None
                 try:
                     if self._conn is None:
                         self._conn = http.client.HTTPSConnection(host, port, timeout=self._timeout_s,
@@ -479,10 +503,17 @@ class EtcdStore(Store):
                                          f"{payload[:200].decode(errors='replace')}")
                     return json.loads(payload)
                 except (OSError, http.client.HTTPException, ValueError) as exc:
-                    errors.append(f"{host}:{port}: {exc}")
                     if self._conn is not None:
                         self._conn.close()
                     self._conn = None
+                    if reused and reused_retry:
+                        # A kept-alive connection dies with the etcd process that accepted it (a restart, a
+                        # proxy's idle timeout): the first request after that failed with "no etcd endpoint
+                        # answered" although etcd was up again. One fresh connection to the same endpoint tells.
+                        reused_retry = False
+                        attempts += 1
+                        continue
+                    errors.append(f"{host}:{port}: {exc}")
                     self._current = (self._current + 1) % len(self._endpoints)
         raise StoreError(f"no etcd endpoint answered ({'; '.join(errors)}): check that etcd runs and the "
                          "store URL lists its client address")
@@ -666,10 +697,14 @@ def register_backend(scheme: str) -> Callable[[Callable[[urllib.parse.SplitResul
 
 
 def _local_path(url: urllib.parse.SplitResult) -> str:
-    if url.netloc not in ("", "localhost") or not url.path:
-        raise StoreURLError(f"store URL {url.geturl()!r} needs an absolute local path, e.g. "
+    # A relative path ("sqlite:state.db") resolved against whatever directory the coordinator was started in:
+    # restarted elsewhere (systemd, another shell) it opened an empty store and ran the job from generation 0
+    # again. Options are not read, so one given ("?mode=ro") would be ignored without a word.
+    path = urllib.parse.unquote(url.path)
+    if url.netloc not in ("", "localhost") or not path.startswith("/") or url.query or url.fragment:
+        raise StoreURLError(f"store URL {url.geturl()!r} needs an absolute local path and no options, e.g. "
                             f"{url.scheme}:///var/lib/trainguard/job")
-    return urllib.parse.unquote(url.path)
+    return path
 
 
 @register_backend("memory")

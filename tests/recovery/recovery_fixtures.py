@@ -24,6 +24,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    return _free_port()
+
+
+def start_etcd(data: Path, client: int, peer: int, log: object) -> subprocess.Popen:
+    """Starts etcd on loopback with its data in ``data/d`` and waits until it is healthy (a restart with the
+    same arguments keeps the data)."""
+    proc = subprocess.Popen(
+        [ETCD_BINARY, "--name", "tg-test", "--data-dir", str(data / "d"),
+         "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"tg-test=http://127.0.0.1:{peer}", "--log-level", "error"],
+        stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=1) as r:
+                if b"true" in r.read():
+                    return proc
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"etcd did not start: {Path(data / 'etcd.log').read_text()[-2000:]}")
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="session")
 def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Starts one etcd on loopback with a temp data dir for the session; yields ``host:port``."""
@@ -32,24 +61,8 @@ def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     data = tmp_path_factory.mktemp("etcd")
     client, peer = _free_port(), _free_port()
     log = open(data / "etcd.log", "wb")
-    proc = subprocess.Popen(
-        [ETCD_BINARY, "--name", "tg-test", "--data-dir", str(data / "d"),
-         "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"tg-test=http://127.0.0.1:{peer}", "--log-level", "error"],
-        stdout=log, stderr=subprocess.STDOUT)
+    proc = start_etcd(data, client, peer, log)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=1) as r:
-                    if b"true" in r.read():
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"etcd did not start: {Path(data / 'etcd.log').read_text()[-2000:]}")
-            time.sleep(0.1)
         yield f"127.0.0.1:{client}"
     finally:
         proc.kill()
