@@ -101,34 +101,45 @@ def _grpc_options(config: AgentConfig) -> list[tuple[str, Any]]:
     ]
 
 
+def _hold_lock(lock_path: str, key: str, flag: str, taken: str) -> int:
+    """Creates ``lock_path`` and takes its exclusive ``flock`` for the daemon's life, writing the pid in it;
+    returns its fd.
+
+    Args:
+        lock_path: the lock file.
+        key, flag: the setting and the flag that name the locked thing (in the errors).
+        taken: what another agent holding the lock does, for the error (``"uses the state folder X"``).
+
+    Raises:
+        AgentConfigError: the lock file cannot be created.
+        AgentError: another daemon holds the lock (the message names its pid).
+    """
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise AgentConfigError(f"{key}: cannot create {lock_path} ({exc.strerror}); pick another {flag}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise AgentError(f"another trainguard agent{f' (pid {holder})' if holder.isdigit() else ''} {taken}; stop "
+                         f"that agent first or give this one its own {flag}") from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def _lock_state_dir(path: str) -> int:
     """Takes the exclusive lock ``<state_dir>/agent.lock`` that one daemon per state folder holds for its life.
 
     Two daemons given other sockets but one state folder (a copied unit file, a test instance left running) both
     ran, wrote one metric history and reported one node id to the coordinators; the socket's lock alone did not
     see it.
-
-    Raises:
-        AgentConfigError: the lock file cannot be created.
-        AgentError: another daemon holds the lock.
     """
     lock_path = os.path.join(path, "agent.lock")
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise AgentConfigError(f"agent.state_dir: cannot create {lock_path} ({exc.strerror}); pick another "
-                               "--state-dir") from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise AgentError(f"another trainguard agent{f' (pid {holder})' if holder.isdigit() else ''} uses the state "
-                         f"folder {path} (it holds {lock_path}); stop that agent first or give this one its own "
-                         "--state-dir") from exc
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    return _hold_lock(lock_path, "agent.state_dir", "--state-dir",
+                      f"uses the state folder {path} (it holds {lock_path})")
 
 
 def _lock_socket_path(path: str) -> int:
@@ -137,27 +148,9 @@ def _lock_socket_path(path: str) -> int:
     The probe of :func:`_prepare_socket_path` alone cannot tell a second daemon that one runs when its socket
     file was removed under it (a cleaner, a hand), nor win a start race: gRPC unlinks and rebinds a path even
     while another server listens on it, so two daemons would run (both keeping arenas and reporting the node).
-
-    Raises:
-        AgentConfigError: the lock file cannot be created.
-        AgentError: another daemon holds the lock.
     """
     lock_path = f"{path}.lock"
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise AgentConfigError(f"grpc.socket: cannot create {lock_path} ({exc.strerror}); pick another "
-                               "--socket") from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise AgentError(f"another trainguard agent{f' (pid {holder})' if holder.isdigit() else ''} holds "
-                         f"{lock_path}, so serves on {path}; stop that agent first or pick another --socket") from exc
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    return _hold_lock(lock_path, "grpc.socket", "--socket", f"holds {lock_path}, so serves on {path}")
 
 
 def _prepare_socket_path(path: str) -> None:
