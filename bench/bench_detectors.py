@@ -59,9 +59,9 @@ def bench_latency(rounds: int) -> dict[str, float]:
     Returns:
         Percentiles in milliseconds.
     """
-    from pyroute2 import IPRoute
     from pyroute2.netlink.rtnl import RTMGRP_LINK
 
+    from trainguard.detectors.netlink import open_iproute
     from trainguard.detectors.roce import RoceConfig, RoceDetector
     from trainguard.detectors.runner import DetectorRunner
 
@@ -80,7 +80,7 @@ def bench_latency(rounds: int) -> dict[str, float]:
 
         def raw_loop() -> None:
             # pyroute2 0.9 sockets keep per-thread queues: open, bind and read in the same thread.
-            raw = holder["raw"] = IPRoute(netns=ns.name)
+            raw = holder["raw"] = open_iproute(ns.name)
             raw.bind(groups=RTMGRP_LINK)
             raw_ready.set()
             while True:
@@ -103,7 +103,7 @@ def bench_latency(rounds: int) -> dict[str, float]:
             if not det.wait_ready(30):
                 raise RuntimeError("the netlink listener did not start")
             det_lat, raw_lat, ip_cmd, direct = [], [], [], []
-            setter = IPRoute(netns=ns.name)
+            setter = open_iproute(ns.name)
             index = setter.link_lookup(ifname="tgba")[0]
             for i in range(rounds * 4):
                 state = "down" if i % 2 == 0 else "up"

@@ -15,8 +15,11 @@ another thread, which makes the pending ``get()`` return empty.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -34,11 +37,85 @@ IFF_UP = 0x1
 _IMPORT_LOCK = threading.Lock()
 
 
+CLONE_NEWNET = 0x40000000
+NETNS_RUN_DIR = "/run/netns"
+
+
+def netns_path(netns: str) -> str:
+    """The file naming a network namespace: an absolute path as given, else ``/run/netns/<name>``."""
+    return netns if netns.startswith("/") else os.path.join(NETNS_RUN_DIR, netns)
+
+
+def netlink_socket_in(netns: str) -> socket.socket:
+    """Opens an rtnetlink socket inside a named network namespace, without forking.
+
+    A socket belongs to the namespace of the thread that created it, and ``setns(CLONE_NEWNET)`` moves only the
+    calling thread; so a short-lived thread enters the namespace, creates the socket and ends. pyroute2's own
+    ``IPRoute(netns=...)`` forks a child to do this instead: forking a process with many threads (torch, gRPC,
+    the sampler) can leave the child stuck on a lock some other thread held at the fork, and under load the
+    child missed pyroute2's 2 s answer deadline ten seconds running, so the link listener never started (CI).
+    Its default ``O_CREAT`` also created a namespace that did not exist; a detector must not.
+
+    Args:
+        netns: a name from ``ip netns add``, or the absolute path of a namespace file (``/proc/<pid>/ns/net``).
+
+    Returns:
+        An unbound ``AF_NETLINK``/``NETLINK_ROUTE`` socket in that namespace.
+
+    Raises:
+        FileNotFoundError: no such namespace.
+        OSError: the namespace cannot be entered (needs CAP_SYS_ADMIN) or the socket cannot be made.
+    """
+    path = netns_path(netns)
+    result: dict[str, Any] = {}
+
+    def enter_and_open() -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            result["error"] = FileNotFoundError(
+                errno.ENOENT, f"no network namespace {netns!r} (is it listed by `ip netns list`?)", path)
+            return
+        except OSError as exc:
+            result["error"] = exc
+            return
+        try:
+            if _libc().setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                result["error"] = OSError(err, f"cannot enter network namespace {netns!r}: {os.strerror(err)}",
+                                          path)
+                return
+            result["sock"] = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 0)  # NETLINK_ROUTE
+        except OSError as exc:
+            result["error"] = exc
+        finally:
+            os.close(fd)
+
+    # The thread ends inside the namespace; that is harmless, since nothing else ever runs on it.
+    worker = threading.Thread(target=enter_and_open, name="trainguard-netns-socket", daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["sock"]
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
 def open_iproute(netns: str = "") -> Any:
     """Opens a pyroute2 ``IPRoute`` socket, importing pyroute2 safely from any thread.
 
     Args:
-        netns: name of a network namespace (``ip netns add``); the current one when empty.
+        netns: name of a network namespace (``ip netns add``) or the path of a namespace file; the current one
+            when empty.
 
     Returns:
         The open socket; the caller closes it.
@@ -49,7 +126,14 @@ def open_iproute(netns: str = "") -> Any:
     with _IMPORT_LOCK:
         from pyroute2 import IPRoute
         from pyroute2.netlink.rtnl import RTMGRP_LINK  # noqa: F401 - imported here for LinkWatcher.run
-    return IPRoute(netns=netns) if netns else IPRoute()
+    if not netns:
+        return IPRoute()
+    fd = netlink_socket_in(netns).detach()
+    try:
+        return IPRoute(fileno=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 @dataclass(frozen=True)
