@@ -85,3 +85,17 @@ def test_a_blank_line_in_a_pressure_file_is_skipped(tmp_path):
     s = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0)).sample()
     assert s.metrics["mem_pressure_some_avg10"] == 1.5 and s.metrics["mem_pressure_full_avg10"] == 0.25
     assert not any("pressure/memory" in r for r in _reasons(s)), _reasons(s)
+
+
+@pytest.mark.parametrize("limit", ["-5", "1_000", "٦٤", "9" * 20])
+def test_a_cgroup_limit_that_is_no_byte_count_is_a_read_error(tmp_path, limit):
+    """``int()`` took '-5' (no room at all: memory_low and a checkpoint asked for on garbage), '1_000' and other
+    scripts' digits; the node's own figures still count."""
+    write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
+    write_file(tmp_path, "proc/self/cgroup", "0::/job\n")
+    write_file(tmp_path, "sys/fs/cgroup/cgroup.controllers", "cpu io memory pids\n")
+    write_file(tmp_path, "sys/fs/cgroup/job/memory.max", limit + "\n")
+    write_file(tmp_path, "sys/fs/cgroup/job/memory.current", "1000\n")
+    s = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0, memory_cgroup="self")).sample()
+    assert s.events == [] and s.metrics["mem_available_pct"] == pytest.approx(50.0)
+    assert any("job/memory.max" in r for r in _reasons(s)), _reasons(s)
