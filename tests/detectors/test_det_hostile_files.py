@@ -99,3 +99,10 @@ def test_a_cgroup_limit_that_is_no_byte_count_is_a_read_error(tmp_path, limit):
     s = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0, memory_cgroup="self")).sample()
     assert s.events == [] and s.metrics["mem_available_pct"] == pytest.approx(50.0)
     assert any("job/memory.max" in r for r in _reasons(s)), _reasons(s)
+
+
+def test_a_link_speed_no_pcie_link_has_is_a_read_error(tmp_path):
+    """400 nines before 'GT/s' read as an infinite maximum speed, silently: no error, no slow-link judgement."""
+    write_pci_device(tmp_path, GPU, max_speed="9" * 400 + " GT/s PCIe")
+    s = PcieDetector(PcieConfig(root=str(tmp_path))).sample()
+    assert any("max_link_speed" in r and "GT/s" in r for r in _reasons(s)), _reasons(s)
