@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 
 from trainguard.detectors.errors import DetectorReadError
-from trainguard.detectors.sysfs import read_text
+from trainguard.detectors.sysfs import parse_int, read_text
 
 CGROUP_MOUNT = "/sys/fs/cgroup"
 #: A v1 limit at or above this is "no limit" (the kernel writes 2^63-1 rounded down to a page).
@@ -74,10 +74,7 @@ def _stat_value(path: str, key: str) -> int:
     for line in read_text(path).splitlines():
         name, _, value = line.partition(" ")
         if name == key:
-            try:
-                return int(value)
-            except ValueError:
-                raise DetectorReadError(path, f"{key} {value!r} is not a number") from None
+            return _byte_count(value.strip(), path, f"{key} as a byte count")
     return 0  # kernels without the key count no reclaimable cache
 
 
@@ -86,10 +83,16 @@ def _read_bytes(path: str) -> int | None:
     text = read_text(path).strip()
     if text == "max":
         return None
-    try:
-        return int(text)
-    except ValueError:
-        raise DetectorReadError(path, f"{text[:40]!r} is neither a byte count nor 'max'") from None
+    return _byte_count(text, path, "a byte count or 'max'")
+
+
+def _byte_count(text: str, path: str, expected: str) -> int:
+    """A non-negative decimal count as the kernel prints it. int() took '1_000', '-5' and other scripts' digits:
+    a limit of -5 bytes read as no room at all, a memory_low event and a checkpoint asked for on garbage."""
+    value = parse_int(text, path, expected)
+    if value < 0:
+        raise DetectorReadError(path, f"expected {expected}, found the negative {text[:40]!r}")
+    return value
 
 
 def binding_limit(version: str, mount: str, path: str, own: bool = True) -> CgroupMemory | None:

@@ -15,6 +15,7 @@ measured on this node, as without the files, rather than an unreadable input.
 from __future__ import annotations
 
 import errno
+import math
 import os
 from dataclasses import dataclass
 from typing import ClassVar
@@ -25,7 +26,7 @@ from trainguard.detectors.base import Detector, DetectorConfig, Sample, register
 from trainguard.detectors.cgroup_memory import CGROUP_MOUNT, read_cgroup_memory
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.sysfs import read_key_values, read_text
+from trainguard.detectors.sysfs import parse_int, read_key_values, read_text
 
 #: Percentage points of available memory above the threshold before ``host.memory_low`` ends.
 MEM_HYSTERESIS_PCT = 1.0
@@ -44,18 +45,25 @@ def parse_meminfo(text: str, path: str) -> dict[str, int]:
         Name -> bytes (values without a unit are counts and kept as is).
 
     Raises:
-        DetectorReadError: a line is not ``Name: value [kB]`` or MemTotal/MemAvailable is missing.
+        DetectorReadError: a line is not ``Name: value [kB]``, MemTotal/MemAvailable is missing, MemTotal is 0 or
+            MemAvailable exceeds it (a corrupt file: read as 500% or 512000% of memory available before).
     """
     out: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
         name, sep, rest = line.partition(":")
         parts = rest.split()
-        if not sep or not parts or not parts[0].isdigit() or len(parts) > 2 or (len(parts) == 2 and parts[1] != "kB"):
+        # isdigit() took '²', which int() refuses: a ValueError out of the sample instead of this read error
+        if not sep or not parts or not parts[0].isascii() or not parts[0].isdigit() or len(parts) > 2 or (
+                len(parts) == 2 and parts[1] != "kB"):
             raise DetectorReadError(path, f"line {number} {line[:40]!r} is not 'Name: value kB'")
-        out[name.strip()] = int(parts[0]) * (1024 if len(parts) == 2 else 1)
+        out[name.strip()] = parse_int(parts[0], path, f"'Name: value kB' on line {number}") * (
+            1024 if len(parts) == 2 else 1)
     for key in ("MemTotal", "MemAvailable"):
         if key not in out:
             raise DetectorReadError(path, f"no {key} line (truncated?)")
+    if out["MemTotal"] <= 0 or out["MemAvailable"] > out["MemTotal"]:
+        raise DetectorReadError(path, f"MemAvailable {out['MemAvailable'] >> 10} kB of MemTotal "
+                                      f"{out['MemTotal'] >> 10} kB is impossible (a corrupt file)")
     return out
 
 
@@ -70,16 +78,28 @@ def read_psi(path: str) -> dict[str, str] | None:
         disabled at boot: the read fails with ``EOPNOTSUPP``).
 
     Raises:
-        DetectorReadError: the file cannot be read for another reason, or is not in the PSI format.
+        DetectorReadError: the file cannot be read for another reason, or is not in the PSI format (an ``avg``
+            that is not a percentage from 0 to 100).
     """
     if not os.path.exists(path):  # a kernel without CONFIG_PSI
         return None
     try:
-        return read_key_values(path)
+        values = read_key_values(path)
     except DetectorReadError as exc:
         if isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.EOPNOTSUPP:
             return None
         raise
+    # float() takes 'inf', 'nan' and '1e999': an infinite pressure metric made the predictor refuse the whole
+    # sample (the rules tier's too), and a NaN one never crossed the memory pressure threshold
+    for key, value in values.items():
+        if key.rpartition(".")[2].startswith("avg"):
+            try:
+                pct = float(value)
+            except ValueError:
+                pct = math.nan
+            if not 0.0 <= pct <= 100.0:
+                raise DetectorReadError(path, f"{key} {value[:40]!r} is not a percentage from 0 to 100")
+    return values
 
 
 @dataclass

@@ -37,7 +37,8 @@ from trainguard.detectors.sysfs import list_dir, read_counter_table, read_int, r
 #: The Negotiated Link Width field of a link status register read as all ones (0xffff >> 4 & 0x3f): PCIe links
 #: are at most x32, so this is a device that no longer answers config reads, not a width.
 _NLW_ALL_ONES = 0x3F
-_SPEED = re.compile(r"^(\d+(?:\.\d+)?) GT/s")
+# ASCII digits of a plausible length (2.5 ... 64.0 GT/s): '\d+' took 400 nines, read as an infinite maximum speed
+_SPEED = re.compile(r"^([0-9]{1,4}(?:\.[0-9]{1,4})?) GT/s")
 _AER_FILES = (("aer_dev_correctable", "TOTAL_ERR_COR"), ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL"),
               ("aer_dev_fatal", "TOTAL_ERR_FATAL"))
 

@@ -13,10 +13,35 @@ from collections.abc import Callable
 
 from trainguard.detectors.errors import DetectorReadError
 
-# 40 digits hold any counter a kernel prints (u64: 20); longer text is corrupt, and int() of more than 4300
-# digits raises ValueError out of the sample instead of a read error naming the file.
-_INT = re.compile(r"^[+-]?\d{1,40}$")
+# ASCII digits only (``\d`` also takes other scripts' digits, which int() reads: garbage read as a number), and
+# at most 20 of them (u64); int() of more than 4300 digits raised ValueError out of the sample.
+_INT = re.compile(r"^[+-]?[0-9]{1,20}$")
 _MAX_TEXT = 1 << 20
+#: The range a kernel prints an integer attribute in (s64 to u64): a value outside it is a corrupt file, read
+#: before as a temperature of 1e27 degrees or a counter rate of 1e31 per second.
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def parse_int(text: str, path: str, expected: str = "one integer") -> int:
+    """Parses a decimal integer as the kernel prints one (``-5``, ``18446744073709551615``).
+
+    Args:
+        text: the value, without surrounding whitespace.
+        path: the file it came from, for errors.
+        expected: what the file should hold, for errors.
+
+    Returns:
+        The integer.
+
+    Raises:
+        DetectorReadError: not a decimal integer, or outside the 64-bit range a kernel prints.
+    """
+    if not _INT.match(text):
+        raise DetectorReadError(path, f"expected {expected}, found {text[:40]!r}")
+    value = int(text)
+    if not INT_MIN <= value <= INT_MAX:
+        raise DetectorReadError(path, f"value {text[:40]} is outside the 64-bit range a kernel prints (a corrupt file)")
+    return value
 
 
 def read_text(path: str) -> str:
@@ -66,10 +91,7 @@ def read_int(path: str) -> int:
     Raises:
         DetectorReadError: unreadable, empty or not a single integer.
     """
-    text = read_text(path)
-    if not _INT.match(text):
-        raise DetectorReadError(path, f"expected one integer, found {text[:40]!r}")
-    return int(text)
+    return parse_int(read_text(path), path)
 
 
 def read_pma_counter(path: str) -> int | None:
@@ -90,9 +112,7 @@ def read_pma_counter(path: str) -> int | None:
     text = read_text(path)
     if text.startswith("N/A"):
         return None
-    if not _INT.match(text):
-        raise DetectorReadError(path, f"expected one integer or 'N/A (no PMA)', found {text[:40]!r}")
-    return int(text)
+    return parse_int(text, path, "one integer or 'N/A (no PMA)'")
 
 
 def read_counter_table(path: str) -> dict[str, int]:
@@ -118,7 +138,7 @@ def read_counter_table(path: str) -> dict[str, int]:
         parts = line.rsplit(None, 1)
         if len(parts) != 2 or not _INT.match(parts[1]):
             raise DetectorReadError(path, f"line {number} {line[:40]!r} is not '<name> <count>'")
-        table[parts[0].strip()] = int(parts[1])
+        table[parts[0].strip()] = parse_int(parts[1], path, f"'<name> <count>' on line {number}")
     return table
 
 
@@ -139,6 +159,8 @@ def read_key_values(path: str) -> dict[str, str]:
     if not text:
         raise DetectorReadError(path, "empty")
     for line in text.splitlines():
+        if not line.strip():
+            continue  # a blank line raised ValueError ("not enough values to unpack") out of the reader
         word, *tokens = line.split()
         for token in tokens:
             key, sep, value = token.partition("=")

@@ -158,6 +158,10 @@ FATAL_XIDS: frozenset[int] = frozenset({48, 64, 74, 79, 95, 119, 120, 140})
 #: rules are evaluable and the first occurrence is an increase.
 RULE_XIDS: tuple[int, ...] = (48, 63, 64, 74, 79, 95, 119, 120, 140)
 
+#: Counters of :class:`EventCounters`: they count the detectors' events since this agent started, from 0, so the
+#: rules tier reads their first reading as an increase (a counter read from the node is a baseline at first).
+EVENT_COUNTERS: tuple[str, ...] = ("gpu_xid_*_total", "nic_carrier_changes_total")
+
 #: Detector metrics whose presence shows that an Xid source runs on this node.
 XID_SOURCE_MARKERS: tuple[str, ...] = ("nvidia.gpus", "kmsg.matches_nvidia_xid")
 
@@ -479,6 +483,9 @@ class PredictorMonitor:
         if not node_id:
             raise ValueError("node_id must be a non-empty node name")
         self.runtime = runtime
+        # An Xid counted before the first tick, or before an Xid source's marker made the counter appear, is new:
+        # without this the rules tier took it as the counter's baseline and never alarmed on it.
+        runtime.rules.count_from_zero(EVENT_COUNTERS)
         self.node_id = node_id
         self.history = history
         self.on_alarm = on_alarm

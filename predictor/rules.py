@@ -5,8 +5,13 @@ Rules are data (``rules.json`` beside this module, or a file of the same format)
 ``{"any": [...]}`` or a leaf ``{"metric": NAME, "op": OP, ...}``. ``NAME`` may be a shell pattern
 (``gpu*_xid_79_total``); a leaf holds when any matching metric satisfies it. Operators:
 
-- ``increased``: the value rose since the node's previous sample (a counter's previous value is taken as 0
-  before the first sample, since counters count since boot);
+- ``increased``: the value rose since the node's previous sample. A counter's first reading (per node and
+  metric, the first that is a number) is its baseline, not an increase: a cumulative counter read from the node
+  (AER counters in sysfs, a since-boot XID count) holds what happened before anyone watched, an event that was
+  acted on then (or was not ours to act on), and reading it as new drained a node again at every agent
+  restart. A counter that falls started again (a reboot, a restarted exporter): its new value is the baseline.
+  Counters that are known to start at 0 with the stream (the agent's own event counts,
+  :meth:`RulesTier.count_from_zero`) are the exception: their first nonzero reading is an increase;
 - ``increased_within`` (``seconds``): it rose at some sample in the last ``seconds``;
 - ``gt``, ``lt``, ``eq``, ``ne`` (``value``): comparison with a constant;
 - ``lt_metric`` (``other``): less than another metric of the same sample.
@@ -92,6 +97,7 @@ class RulesTier:
     def __init__(self, rules: list[dict[str, Any]]) -> None:
         self.rules = rules
         self._nodes: dict[str, _NodeState] = {}
+        self._zero_origin: tuple[str, ...] = ()
         self._watched = sorted({m for r in rules for m in _metrics_of(r["when"])})
         # pattern matching is done once per distinct set of metric names, not on every sample
         self._keys: tuple[str, ...] | None = None
@@ -151,6 +157,23 @@ class RulesTier:
             _validate(r["when"], f"{w} ({r['name']})")
         return cls(rules)
 
+    def count_from_zero(self, patterns: list[str] | tuple[str, ...]) -> None:
+        """Declares counters that start at 0 with the stream, so that their first reading is an increase.
+
+        The agent's event-derived counters (``gpu_xid_<N>_total``, counted from the detectors' events since the
+        agent started) are such: a Xid seen before the first score, or before the counter is first published,
+        is new and must alarm. A counter read from the node (since boot) must not be declared.
+
+        Args:
+            patterns: metric names or shell patterns (``gpu_xid_*_total``); replaces earlier ones.
+        """
+        self._zero_origin = tuple(patterns)
+
+    def forget(self, node: str) -> None:
+        """Drops a node's state (it left): if it comes back, its counters' first readings are baselines again
+        and no increase seen before it left is still within an ``increased_within`` window."""
+        self._nodes.pop(node, None)
+
     def unevaluable(self, metric_names: list[str] | set[str]) -> list[str]:
         """Rules that can never fire because some metric they need is absent.
 
@@ -190,7 +213,12 @@ class RulesTier:
             self._watched_names = sorted({n for names in self._names_of.values() for n in names})
         watched = {n: metrics[n] for n in self._watched_names}
         for n, v in watched.items():
-            if v is not None and not math.isnan(v) and v > st.prev.get(n, 0.0):
+            if v is None or math.isnan(v):
+                continue
+            prev = st.prev.get(n)
+            if prev is None:  # first reading: a baseline, unless the counter is known to start at 0 here
+                prev = 0.0 if any(fnmatch.fnmatchcase(n, p) for p in self._zero_origin) else v
+            if v > prev:
                 st.last_increase[n] = ts
         hits = []
         for r in self.rules:

@@ -160,6 +160,16 @@ def _as_time(ts: object, node: str) -> float:
         raise DataFormatError(f"node {node!r}: timestamp {ts!r} is not a number of Unix seconds") from None
 
 
+def _node_order(node: object) -> tuple[int, object]:
+    """Sort key of node names of any type (API callers pass rank numbers too): names of one kind in their own
+    order, strings first, then numbers, then anything else by its text; mixed kinds made ``sorted`` raise."""
+    if isinstance(node, str):
+        return 0, node
+    if isinstance(node, (int, float)) and not isinstance(node, bool) and not math.isnan(node):
+        return 1, node
+    return 2, repr(node)
+
+
 class PredictorRuntime:
     """Scores a node's metric stream online; see the module docstring for tiers and degradation."""
 
@@ -246,6 +256,8 @@ class PredictorRuntime:
         """Drops a node's history (it left the job or was replaced): a new node calibrates afresh."""
         for d in (self._nodes, self._self, self._long, self._cal, self._fam, self._ledger, self._last_ts):
             d.pop(node, None)  # type: ignore[attr-defined]
+        # the rules tier's too: a node that came back compared its counters with the values it left with
+        self.rules.forget(node)
 
     def record_incident(self, node: str, start: float, end: float) -> None:
         """Takes a confirmed incident of a node (it failed; an operator labelled the span) out of the history
@@ -272,7 +284,7 @@ class PredictorRuntime:
         cal = self.model.calibration
         budget = cal.budget_per_day if cal is not None else self.model.eval_config.budget_per_100_node_days / 100.0
         out = []
-        for node in sorted(self._ledger):
+        for node in sorted(self._ledger, key=_node_order):
             led = self._ledger[node]
             c = self._cal.get(node)
             thr = c.threshold if c is not None else self.model.threshold

@@ -236,3 +236,17 @@ def test_runtime_record_incident_equals_offline_feedback(model):
     on_alarm = np.array([online[k].alarm for k in keys])
     assert (on_alarm != (margin >= 0)).sum() <= 2  # rounding at the threshold only
     rt.record_incident("nobody-seen", *span)  # a node without history: nothing to take out, no error
+
+
+def test_status_takes_node_names_that_are_not_strings(model):
+    """API callers name nodes by rank number too; ``status()`` sorted the names and raised TypeError as soon
+    as a number and a string (or None) were both among them."""
+    from trainguard.predictor.runtime import PredictorRuntime
+
+    table = _table(n_nodes=1, days=0.1, seed=2)
+    rt = PredictorRuntime(model)
+    for i in range(len(table.ts)):
+        smp = dict(zip(table.columns, table.values[i].tolist()))
+        for node in ("n1", 3, None, 1, "n0"):
+            rt.observe(float(table.ts[i]), node, smp)  # type: ignore[arg-type]
+    assert [s.node for s in rt.status()] == ["n0", "n1", 1, 3, None]

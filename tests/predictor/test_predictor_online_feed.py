@@ -116,6 +116,36 @@ def test_aer_fatal_increase_alarms_once_and_is_stored(tmp_path):
         hist.close()
 
 
+def test_restarted_agent_reads_an_old_aer_fatal_count_as_its_baseline(tmp_path):
+    """The sysfs AER counters count since boot: an agent restarted on a node that had a fatal error days ago
+    (handled then) read the standing count as an increase from 0 and drained the node again at once."""
+    pci_tree(tmp_path, gpu0_fatal=2)
+    node = Node([PcieDetector(PcieConfig(root=str(tmp_path)))])
+    try:
+        t0 = 1_700_000_000.0
+        assert not node.tick(t0).alarm and node.monitor.last_sample["pcie_aer_fatal_total"] == 2.0
+        assert not node.tick(t0 + 5).alarm
+        pci_tree(tmp_path, gpu0_fatal=3)  # a new one: that is an alarm
+        assert [h.rule for h in node.tick(t0 + 10).rule_hits] == ["aer-fatal"]
+    finally:
+        node.close()
+
+
+def test_xid_counted_before_the_first_tick_alarms(tmp_path):
+    """The agent's Xid counters start at 0 with it: a Xid that reached the monitor before its first tick is new
+    and must alarm, though a counter's first reading is otherwise a baseline."""
+    append_kmsg(tmp_path)
+    node = Node([KmsgDetector(KmsgConfig(root=str(tmp_path)))])
+    try:
+        node.runner.run_once()  # the detector opened the log (at its end) and sampled before any tick
+        append_kmsg(tmp_path, XID79)
+        s = node.tick(1.0)
+        assert node.monitor.last_sample["gpu_xid_79_total"] == 1.0
+        assert s.alarm and [h.rule for h in s.rule_hits] == ["xid79-fell-off-bus"]
+    finally:
+        node.close()
+
+
 def test_narrow_link_alarms_on_edge_and_again_every_realarm_s(tmp_path):
     pci_tree(tmp_path)
     node = Node([PcieDetector(PcieConfig(root=str(tmp_path)))], realarm_s=20.0)

@@ -86,3 +86,46 @@ def test_bad_rule_files(tmp_path, doc, needle):
     p.write_text("{not json")
     with pytest.raises(RuleFileError, match="not valid JSON"):
         RulesTier.load(p)
+
+
+def test_a_counter_standing_at_the_first_sample_is_a_baseline_not_an_alarm():
+    """A restarted agent (or a metrics file starting mid-life) first read a node's old fatal counters, an XID 79
+    or an AER fatal error handled days ago, as an increase from 0 and drained the node again at once."""
+    tier = RulesTier.load()
+    old = {**HEALTHY, "gpu_xid_79_total": 3.0, "pcie_aer_fatal_total": 2.0, "gpu_xid_48_total": 1.0,
+           "gpu_xid_63_total": 1.0}
+    assert tier.evaluate(0.0, "n", old) == []
+    assert tier.evaluate(5.0, "n", old) == []
+    assert [h.rule for h in tier.evaluate(10.0, "n", {**old, "gpu_xid_79_total": 4.0})] == ["xid79-fell-off-bus"]
+    # a counter that fell started again (a reboot): its new value is the baseline, a rise from it an increase
+    assert tier.evaluate(15.0, "n", {**old, "gpu_xid_79_total": 1.0}) == []
+    assert [h.rule for h in tier.evaluate(20.0, "n", {**old, "gpu_xid_79_total": 2.0})] == ["xid79-fell-off-bus"]
+    # a first reading that is no number sets no baseline: the first number is the baseline
+    assert tier.evaluate(0.0, "m", {**HEALTHY, "gpu_xid_95_total": float("nan")}) == []
+    assert tier.evaluate(5.0, "m", {**HEALTHY, "gpu_xid_95_total": 5.0}) == []
+    assert [h.rule for h in tier.evaluate(10.0, "m", {**HEALTHY, "gpu_xid_95_total": 6.0})] == \
+        ["xid95-uncontained-ecc"]
+
+
+def test_counters_declared_from_zero_alarm_at_their_first_reading():
+    """The agent's own event counts start at 0 with it: a Xid counted before the first score is new."""
+    tier = RulesTier.load()
+    tier.count_from_zero(["gpu_xid_*_total"])
+    hits = tier.evaluate(0.0, "n", {**HEALTHY, "gpu_xid_79_total": 1.0, "pcie_aer_fatal_total": 1.0})
+    assert [h.rule for h in hits] == ["xid79-fell-off-bus"]  # the AER counter is read from sysfs: a baseline
+    assert tier.evaluate(5.0, "n", {**HEALTHY, "gpu_xid_79_total": 1.0, "pcie_aer_fatal_total": 1.0}) == []
+
+
+def test_forgotten_node_comes_back_without_its_old_state():
+    """``PredictorRuntime.forget`` kept the rules tier's state: a node that left and came back compared its
+    counters with the values it left with, and an increase from before it left was still within
+    ``increased_within`` (here a Xid 48 seen before it left joined a Xid 63 after it came back)."""
+    from trainguard.predictor.runtime import PredictorRuntime
+
+    rt = PredictorRuntime(None)
+    rt.observe(0.0, "n", HEALTHY)
+    assert rt.observe(100.0, "n", {**HEALTHY, "gpu_xid_48_total": 1.0}).alarm is False  # 48 alone: no rule
+    rt.forget("n")
+    # back, its clock and counters started again: nothing from before it left may combine with what comes now
+    assert rt.observe(50.0, "n", {**HEALTHY, "gpu_xid_48_total": 0.0, "gpu_xid_63_total": 2.0}).alarm is False
+    assert rt.observe(60.0, "n", {**HEALTHY, "gpu_xid_48_total": 0.0, "gpu_xid_63_total": 3.0}).alarm is False

@@ -1,0 +1,108 @@
+"""Corrupt files in the kernel's own formats: each is a read error naming the file, never a traceback out of the
+sample or a number no kernel prints passed on as a measurement."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from trainguard.detectors.host import HostConfig, HostDetector
+from trainguard.detectors.pcie import PcieConfig, PcieDetector
+from trainguard.detectors.roce import RoceConfig, RoceDetector
+from trainguard.detectors.thermal import ThermalConfig, ThermalDetector
+from trainguard.testing.sysfs import write_file, write_pci_device, write_rdma_port, write_thermal_zone
+
+BEYOND_U64 = "9" * 20  # 1e20: past 2**64 - 1 (1.8e19)
+U64_MAX = str((1 << 64) - 1)
+GPU = "0000:3b:00.0"
+MEMINFO = "MemTotal:       65536000 kB\nMemFree:         1000000 kB\nMemAvailable:    {avail} kB\n"
+PSI = "some avg10={some} avg60=1.00 avg300=0.50 total=123456\nfull avg10={full} avg60=0.80 avg300=0.20 total=98765\n"
+
+
+def _reasons(sample) -> list[str]:
+    return [str(e) for e in sample.errors]
+
+
+def test_integers_beyond_64_bits_are_read_errors_not_measurements(tmp_path):
+    """A 20-digit temperature read as 1e17 degrees (a critical trip crossed: a drain), a 20-digit RDMA counter
+    as some 1e18 errors per second; no kernel prints an integer outside 64 bits. The largest u64 still reads."""
+    write_thermal_zone(tmp_path, 0, 45000, {"critical": 105000})
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/temp", BEYOND_U64 + "\n")
+    s = ThermalDetector(ThermalConfig(root=str(tmp_path))).sample()
+    assert s.events == [] and not any(k.startswith("temp_c") for k in s.metrics)
+    assert any("thermal_zone0/temp" in r and "64-bit" in r for r in _reasons(s)), _reasons(s)
+
+    write_rdma_port(tmp_path, netdev=None)
+    roce = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    roce.sample()
+    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/counters/symbol_error", BEYOND_U64 + "\n")
+    s = roce.sample()
+    assert all(math.isfinite(v) and abs(v) < 1e20 for v in s.metrics.values()), s.metrics
+    assert any("symbol_error" in r and "64-bit" in r for r in _reasons(s)), _reasons(s)
+
+    write_pci_device(tmp_path, GPU, fatal={"DLP": 1})
+    write_file(tmp_path, f"sys/bus/pci/devices/{GPU}/aer_dev_fatal", f"DLP {BEYOND_U64}\nTOTAL_ERR_FATAL 1\n")
+    s = PcieDetector(PcieConfig(root=str(tmp_path))).sample()
+    assert any("aer_dev_fatal" in r and "64-bit" in r for r in _reasons(s)), _reasons(s)
+
+    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/counters/symbol_error", U64_MAX + "\n")
+    s = roce.sample()
+    assert not any("symbol_error" in r for r in _reasons(s)), _reasons(s)
+
+
+@pytest.mark.parametrize("meminfo, needle", [
+    ("MemTotal:       ² kB\nMemAvailable:    5 kB\n", "line 1"),  # isdigit() takes it, int() raised ValueError
+    (f"MemTotal:       {'9' * 5000} kB\nMemAvailable:    5 kB\n", "line 1"),  # int() refuses > 4300 digits
+    ("MemTotal:       0 kB\nMemAvailable:    5 kB\n", "impossible"),  # read as 512000% available
+    (MEMINFO.format(avail=99999999), "impossible"),  # more available than there is: 152%
+])
+def test_corrupt_meminfo_is_a_read_error(tmp_path, meminfo, needle):
+    write_file(tmp_path, "proc/meminfo", meminfo)
+    s = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0)).sample()
+    assert not any(k.startswith("mem_available") for k in s.metrics) and s.events == []
+    assert any("meminfo" in r and needle in r for r in _reasons(s)), _reasons(s)
+
+
+@pytest.mark.parametrize("some, full", [("inf", "0.00"), ("0.00", "nan"), ("1e999", "0.00"), ("-3.00", "0.00"),
+                                        ("0.00", "250.00")])
+def test_pressure_that_is_no_percentage_is_a_read_error(tmp_path, some, full):
+    """``float()`` took 'inf', 'nan' and '1e999': an infinite pressure metric made the predictor refuse the whole
+    sample, the rules tier's part too, and a NaN one could never cross the memory pressure threshold."""
+    write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
+    for resource in ("memory", "io", "cpu"):
+        write_file(tmp_path, f"proc/pressure/{resource}", PSI.format(some=some, full=full))
+    s = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0)).sample()
+    assert not any("pressure" in k for k in s.metrics), s.metrics
+    assert sorted(r.split(":")[0].rsplit("/", 1)[1] for r in _reasons(s)) == ["cpu", "io", "memory"], _reasons(s)
+    assert all("percentage" in r for r in _reasons(s))
+    assert s.metrics["mem_available_pct"] == pytest.approx(50.0)  # the rest of the sample still counts
+
+
+def test_a_blank_line_in_a_pressure_file_is_skipped(tmp_path):
+    write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
+    write_file(tmp_path, "proc/pressure/memory", PSI.format(some="1.50", full="0.25").replace("\n", "\n\n", 1))
+    s = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0)).sample()
+    assert s.metrics["mem_pressure_some_avg10"] == 1.5 and s.metrics["mem_pressure_full_avg10"] == 0.25
+    assert not any("pressure/memory" in r for r in _reasons(s)), _reasons(s)
+
+
+@pytest.mark.parametrize("limit", ["-5", "1_000", "٦٤", "9" * 20])
+def test_a_cgroup_limit_that_is_no_byte_count_is_a_read_error(tmp_path, limit):
+    """``int()`` took '-5' (no room at all: memory_low and a checkpoint asked for on garbage), '1_000' and other
+    scripts' digits; the node's own figures still count."""
+    write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
+    write_file(tmp_path, "proc/self/cgroup", "0::/job\n")
+    write_file(tmp_path, "sys/fs/cgroup/cgroup.controllers", "cpu io memory pids\n")
+    write_file(tmp_path, "sys/fs/cgroup/job/memory.max", limit + "\n")
+    write_file(tmp_path, "sys/fs/cgroup/job/memory.current", "1000\n")
+    s = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0, memory_cgroup="self")).sample()
+    assert s.events == [] and s.metrics["mem_available_pct"] == pytest.approx(50.0)
+    assert any("job/memory.max" in r for r in _reasons(s)), _reasons(s)
+
+
+def test_a_link_speed_no_pcie_link_has_is_a_read_error(tmp_path):
+    """400 nines before 'GT/s' read as an infinite maximum speed, silently: no error, no slow-link judgement."""
+    write_pci_device(tmp_path, GPU, max_speed="9" * 400 + " GT/s PCIe")
+    s = PcieDetector(PcieConfig(root=str(tmp_path))).sample()
+    assert any("max_link_speed" in r and "GT/s" in r for r in _reasons(s)), _reasons(s)
