@@ -319,7 +319,7 @@ def test_an_rdma_netdev_that_appears_after_the_start_is_watched(veth_netns, tmp_
     listener = threading.Thread(target=det.listen, args=(q.put,), daemon=True)
     listener.start()
     try:
-        assert det.wait_ready(10.0), "the listener gave up with no RDMA device yet"
+        assert det.wait_ready(30.0), "the listener gave up with no RDMA device yet"
         write_rdma_port(tmp_path, netdev=a)
         assert det.sample().metrics[f"link_up[{a}]"] == 1.0
         ip(ns, "link", "set", a, "down")
