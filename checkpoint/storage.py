@@ -169,6 +169,29 @@ class StepStore(ABC):
     def delete_small(self, step: int, name: str) -> None:
         """Deletes one file of a step directory (durably)."""
 
+    def abandon_above(self, step: int, rank: int) -> list[int]:
+        """Removes ``rank``'s files (its commit marker first) from every step above ``step``: this rank is saving
+        ``step``, so the job went back to an older step and those copies belong to the run it left. Kept, the
+        old copy of a rank killed before its next save met the other ranks' new copies of that step, and the
+        step counted as complete: a restore loaded two runs' states as one step.
+
+        Returns:
+            The steps this rank's files were removed from.
+        """
+        gone = []
+        for s in self.list_steps():
+            if s <= step or marker_name(rank) not in (names := self.list_names(s)):
+                continue
+            self.delete_small(s, marker_name(rank))
+            for name in (manifest_name(rank), data_name(rank)):
+                if name in names:
+                    try:
+                        self.delete_small(s, name)
+                    except FileNotFoundError:
+                        pass
+            gone.append(s)
+        return gone
+
     def commit_rank(self, step: int, rank: int, world_size: int, manifest_digest: str) -> bool:
         """Writes this rank's commit marker, then the commit record if the step is now complete.
 
