@@ -1,0 +1,27 @@
+"""checkpoint/ reviewed as a hostile new user would use it: inputs the format did not expect."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainguard.checkpoint import Checkpointer
+
+
+@pytest.mark.timeout(120)
+def test_steps_from_ten_to_the_twelfth_are_listed_restored_and_retained(make_config, tmp_path) -> None:
+    # A step counted in tokens seen passes 10**12 in a long run: its folder step_1000000000000 was written, but
+    # the listing took only 12 digits, so the restore resumed from the last step below 10**12, with no word, and
+    # retention never removed the newer folders.
+    cfg = make_config(memory={"enabled": False}, disk={"keep": 2})
+    steps = [999_999_999_999, 10**12, 10**12 + 7]
+    with Checkpointer(cfg, job="tokens") as ck:
+        for s in steps:
+            assert ck.save({"w": torch.full((4,), float(s % 1000))}, s).wait(60)
+        assert [(i.step, i.tiers) for i in ck.steps()] == [(s, ["disk"]) for s in steps[1:]]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "tokens").iterdir() if p.is_dir()) == [
+        "step_1000000000000", "step_1000000000007"]
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(cfg, job="tokens") as ck:
+        assert ck.restore(state) == 10**12 + 7 and state["w"][0].item() == 7.0
+
