@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainguard.checkpoint import Checkpointer
+from trainguard.checkpoint import CheckpointConfig, Checkpointer
+from trainguard.checkpoint.errors import CheckpointConfigError
 
 
 @pytest.mark.timeout(120)
@@ -25,3 +26,24 @@ def test_steps_from_ten_to_the_twelfth_are_listed_restored_and_retained(make_con
     with Checkpointer(cfg, job="tokens") as ck:
         assert ck.restore(state) == 10**12 + 7 and state["w"][0].item() == 7.0
 
+
+
+@pytest.mark.parametrize("fields", [{"directory": " /data/ckpt"}, {"directory": "ckpt "},
+                                    {"directory": "/data/ckpt", "memory": {"directory": "/dev/shm/tg\n"}},
+                                    {"directory": "/data/ckpt", "remote": {"url": "s3://bucket/ckpt "}}])
+def test_a_location_with_stray_whitespace_is_refused(fields) -> None:
+    # CKPT=" /data/ckpt" (a config file's or an environment variable's stray space) made a folder " " under the
+    # working directory, or a sibling "ckpt " of the intended one, and every checkpoint went there with no word.
+    with pytest.raises(CheckpointConfigError, match="whitespace"):
+        CheckpointConfig(**fields)
+
+
+def test_the_hook_refuses_a_checkpoint_directory_with_stray_whitespace_before_writing(tmp_path, monkeypatch) -> None:
+    import trainguard
+    from trainguard.errors import TrainguardError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_DIR", "ckpt ")
+    with pytest.raises(TrainguardError, match="whitespace"):
+        trainguard.init(job="ws", save_every=1)
+    assert list(tmp_path.iterdir()) == []
