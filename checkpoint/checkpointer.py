@@ -730,7 +730,11 @@ class Checkpointer:
                     self.config, self.job, self.rank, self.world_size, self.job_memory_steps)})
             out.append(("memory", mem))
         if self.disk is not None:
-            out.append(("disk", self._own_disk_steps(self.disk.committed_steps())))
+            try:
+                committed = self.disk.committed_steps()
+            except NotADirectoryError as exc:  # checkpoint_dir="model.pt": a bare OSError left restore()
+                raise storage_error(exc, f"list the checkpoint directory {self.disk.describe()}") from exc
+            out.append(("disk", self._own_disk_steps(committed)))
         if self.config.remote_url:
             try:
                 store = self.remote_store()

@@ -334,6 +334,10 @@ class LocalStore(StepStore):
         """
         d = self.job_dir
         while d and not os.path.isdir(d):
+            if os.path.lexists(d):
+                # checkpoint_dir="model.pt": every save failed, and the restore raised a bare NotADirectoryError.
+                return (f"the checkpoint directory {self.job_dir} lies under {d}, which is a file, not a directory; "
+                        "saves will fail: give a directory (a folder for checkpoints), not a file", errno.ENOTDIR)
             d = os.path.dirname(d)
         d = d or "/"
         try:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
-from trainguard.checkpoint.errors import CheckpointConfigError
+from trainguard.checkpoint.errors import CheckpointConfigError, StorageUnavailableError
 
 
 @pytest.mark.timeout(120)
@@ -61,3 +61,17 @@ def test_mx_format_tensors_round_trip(make_config) -> None:
         assert ck.restore(back) == 3
     assert back["scales"].dtype == torch.float8_e8m0fnu and back["fp4"].dtype == torch.float4_e2m1fn_x2
     assert back["scales"].view(torch.uint8).tolist() == raw.tolist() == back["fp4"].view(torch.uint8).tolist()
+
+
+def test_a_file_given_as_the_checkpoint_directory_is_named(make_config, tmp_path) -> None:
+    # checkpoint_dir="model.pt" (the path of a checkpoint file): nothing was said at start, every save failed, and
+    # restore() raised a bare NotADirectoryError into the training script (the hook raises only our errors).
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    events = []
+    ck = Checkpointer(make_config(directory=str(tmp_path / "model.pt")), job="file", on_event=events.append)
+    try:
+        assert any("which is a file, not a directory" in e.message for e in events), events
+        with pytest.raises(StorageUnavailableError, match="give a directory, not a file"):
+            ck.restore({"w": torch.zeros(2)})
+    finally:
+        ck.close()
