@@ -334,6 +334,10 @@ class LocalStore(StepStore):
         """
         d = self.job_dir
         while d and not os.path.isdir(d):
+            if os.path.islink(d) and not os.path.exists(d):
+                return (f"the checkpoint directory {self.job_dir} lies under {d}, a symbolic link to "
+                        f"{os.readlink(d)}, which does not exist (a filesystem not mounted?); saves will fail: mount "
+                        "it or fix the link", errno.ENOENT)
             if os.path.lexists(d):
                 # checkpoint_dir="model.pt": every save failed, and the restore raised a bare NotADirectoryError.
                 return (f"the checkpoint directory {self.job_dir} lies under {d}, which is a file, not a directory; "

@@ -75,3 +75,8 @@ def test_a_file_given_as_the_checkpoint_directory_is_named(make_config, tmp_path
             ck.restore({"w": torch.zeros(2)})
     finally:
         ck.close()
+    # A link to a filesystem that is not mounted is no file: it is named as what it is.
+    (tmp_path / "mnt").symlink_to(tmp_path / "not-mounted")
+    events.clear()
+    with Checkpointer(make_config(directory=str(tmp_path / "mnt")), job="link", on_event=events.append):
+        assert any("not-mounted, which does not exist" in e.message for e in events), events
