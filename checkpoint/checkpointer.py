@@ -326,7 +326,8 @@ class Checkpointer:
         Args:
             state: name -> tensor / container / scalar / Stateful (see :mod:`.tree`).
             step: training step number (>= 0); saving a step lower than or equal to a previous one is allowed
-                (it replaces that step).
+                (it replaces that step, and a lower step means the job went back: this rank's copies of the
+                higher steps, a run it left, are removed from every tier).
             overlap_with: an optimizer (or a list of them). Its parameters and state tensors are then copied in
                 the background while the next forward/backward runs; a step pre-hook installed on it waits for
                 the copy before the optimizer mutates them. Without it every tensor is copied before returning.
@@ -356,6 +357,7 @@ class Checkpointer:
         if self._stage.arena is not None and not os.path.isdir(self._stage.arena.dir):
             self._reopen_vanished_arena()
         arena = self._ensure_arena(data_bytes)
+        self._abandon_newer(arena, step)
         index = self._acquire_slot(step)
         try:
             slot = self._take_slot(arena, index, data_bytes)
@@ -426,6 +428,26 @@ class Checkpointer:
         else:
             publish(None)
         return SaveHandle(step, self)
+
+    def _abandon_newer(self, arena: Arena, step: int) -> None:
+        """Takes this rank's in-memory copies of steps above ``step`` out of the tier (listed and retired): saving
+        a lower step means the job went back (``restore(step=...)``, ranks agreeing on an older step), so they
+        belong to the run it left. Kept, a rank killed before its next save left its old copy of a step beside
+        the other ranks' new copies of that step, and a restore loaded the two runs' states as one step. Waits for
+        the persists still publishing such a copy, so none is listed again after it is dropped."""
+        if self._stage.kind != "memory":
+            return
+        with self._lock:
+            while True:
+                newer = [i for i, s in enumerate(self._slot_step) if s > step]
+                if not any(self._slot_busy[i] for i in newer) or not (
+                        self._channel is not None and self._channel.alive()):
+                    break
+                self._lock.wait(0.5)
+            for i in newer:
+                if not self._slot_busy[i]:
+                    arena_mod.drop_manifests(arena.paths(i))
+                    self._slot_step[i] = -1  # reused first, never trimmed as a copy of its old step
 
     def _take_slot(self, arena: Arena, index: int, nbytes: int) -> Any:
         """Slot ``index`` of ``arena``, sized for ``nbytes``, locked and tagged as being written.
@@ -708,7 +730,11 @@ class Checkpointer:
                     self.config, self.job, self.rank, self.world_size, self.job_memory_steps)})
             out.append(("memory", mem))
         if self.disk is not None:
-            out.append(("disk", self._own_disk_steps(self.disk.committed_steps())))
+            try:
+                committed = self.disk.committed_steps()
+            except NotADirectoryError as exc:  # checkpoint_dir="model.pt": a bare OSError left restore()
+                raise storage_error(exc, f"list the checkpoint directory {self.disk.describe()}") from exc
+            out.append(("disk", self._own_disk_steps(committed)))
         if self.config.remote_url:
             try:
                 store = self.remote_store()

@@ -333,7 +333,8 @@ def local_directory(value: str | None, key: str) -> str | None:
 
 
 def _check_non_empty(obj: Any, where: str) -> None:
-    """Refuses an empty string where a path or URL goes (the loader has checked the types already).
+    """Refuses an empty string, or one with leading or trailing whitespace, where a path or URL goes (the loader
+    has checked the types already).
 
     Raises:
         CheckpointConfigError: naming ``where.field``.
@@ -345,3 +346,9 @@ def _check_non_empty(obj: Any, where: str) -> None:
                 raise CheckpointConfigError("checkpoint.directory is empty; set it to a local path or an fsspec URL")
             what = "a non-empty string (or left out)" if f.default is None else "a non-empty string"
             raise CheckpointConfigError(f"{where}.{f.name} is {value!r}; it must be {what}")
+        if isinstance(value, str) and value != value.strip():
+            # Every such field is a path, URL, socket or keyword: a stray space from a config file or an
+            # environment variable (CKPT=" /data/ckpt") made a folder " " under the working directory, or a
+            # sibling "ckpt " of the intended one, and checkpoints went there with no word.
+            raise CheckpointConfigError(f"{where}.{f.name} is {value!r}: it begins or ends with whitespace; remove "
+                                        "it (a path that truly has such a name is not supported)")

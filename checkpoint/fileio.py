@@ -31,6 +31,8 @@ def storage_error(exc: OSError, what: str) -> StorageUnavailableError:
         hint = "the filesystem is full; free space or lower the retention"
     elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         hint = "permission denied or read-only; fix the permissions or choose another directory"
+    elif exc.errno == errno.ENOTDIR:
+        hint = "a file stands where a folder of the path should be; give a directory, not a file"
     else:
         hint = "check the path and the storage"
     return StorageUnavailableError(f"cannot {what}: {exc.strerror or exc} ({hint})")

@@ -33,6 +33,9 @@ DTYPE_SIZES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
     "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    # MX formats (MXFP8's e8m0 block scales, FP4 weights packed two per byte): refused before, so a model trained
+    # with them could not be checkpointed at all. Raw bytes like the others.
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
 }
 
 

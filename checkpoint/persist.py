@@ -147,6 +147,10 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
         local = LocalStore(disk["root"], man.job, fsync=bool(disk.get("fsync", True)))
         try:
             local.uncommit_rank(step, rank)
+            abandoned = local.abandon_above(step, rank)
+            if abandoned:
+                log.info("rank %d went back to step %d: its copies of steps %s on %s are removed (a run the job "
+                         "left)", rank, step, abandoned, local.describe())
             _remove_stale_tmp(local, rank)
             full: OSError | None = None
             try:
@@ -244,6 +248,7 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
             store = FsspecStore(remote["url"], man.job, remote.get("storage_options") or {})
             src = local.local_data_path(step, rank)
             store.uncommit_rank(step, rank)
+            store.abandon_above(step, rank)  # as on disk: this rank's copies of the run the job went back from
             store.write_data(step, rank, src, man.data_bytes, man.chunk_bytes, throttle)
             store.write_small(step, manifest_name(rank), man_json)
             store.commit_rank(step, rank, ws, digest)

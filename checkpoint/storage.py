@@ -41,7 +41,9 @@ from trainguard.checkpoint.manifest import complete_world_size
 log = logging.getLogger(__name__)
 
 COMMIT_RECORD = "COMMITTED.json"
-_STEP_RE = re.compile(r"^step_(\d{12})$")
+# 12 digits, more without a leading zero for steps from 10**12 on (tokens seen): those folders were written but
+# never listed, so a restore resumed from an older step and retention never removed them.
+_STEP_RE = re.compile(r"^step_(\d{12}|[1-9]\d{12,})$")
 _MARKER_RE = re.compile(r"^rank_(\d{5})\.commit$")
 #: stray files named like a step already reported by this process (the persist process lists at every save).
 _warned_strays: set[str] = set()
@@ -168,6 +170,29 @@ class StepStore(ABC):
     @abstractmethod
     def delete_small(self, step: int, name: str) -> None:
         """Deletes one file of a step directory (durably)."""
+
+    def abandon_above(self, step: int, rank: int) -> list[int]:
+        """Removes ``rank``'s files (its commit marker first) from every step above ``step``: this rank is saving
+        ``step``, so the job went back to an older step and those copies belong to the run it left. Kept, the
+        old copy of a rank killed before its next save met the other ranks' new copies of that step, and the
+        step counted as complete: a restore loaded two runs' states as one step.
+
+        Returns:
+            The steps this rank's files were removed from.
+        """
+        gone = []
+        for s in self.list_steps():
+            if s <= step or marker_name(rank) not in (names := self.list_names(s)):
+                continue
+            self.delete_small(s, marker_name(rank))
+            for name in (manifest_name(rank), data_name(rank)):
+                if name in names:
+                    try:
+                        self.delete_small(s, name)
+                    except FileNotFoundError:
+                        pass
+            gone.append(s)
+        return gone
 
     def commit_rank(self, step: int, rank: int, world_size: int, manifest_digest: str) -> bool:
         """Writes this rank's commit marker, then the commit record if the step is now complete.
@@ -309,6 +334,14 @@ class LocalStore(StepStore):
         """
         d = self.job_dir
         while d and not os.path.isdir(d):
+            if os.path.islink(d) and not os.path.exists(d):
+                return (f"the checkpoint directory {self.job_dir} lies under {d}, a symbolic link to "
+                        f"{os.readlink(d)}, which does not exist (a filesystem not mounted?); saves will fail: mount "
+                        "it or fix the link", errno.ENOENT)
+            if os.path.lexists(d):
+                # checkpoint_dir="model.pt": every save failed, and the restore raised a bare NotADirectoryError.
+                return (f"the checkpoint directory {self.job_dir} lies under {d}, which is a file, not a directory; "
+                        "saves will fail: give a directory (a folder for checkpoints), not a file", errno.ENOTDIR)
             d = os.path.dirname(d)
         d = d or "/"
         try:

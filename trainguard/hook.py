@@ -208,6 +208,22 @@ def _place_in_job(env: WorkerEnv) -> tuple[int, int, bool]:
     return dist.get_rank(), dist.get_world_size(), False
 
 
+def _mention_default_job(root: str, job: str) -> None:
+    """Logs how to resume the checkpoints a lone process saved as job ``default`` (its name before lone processes
+    were named like ``trainguard run``'s jobs), when ``root`` holds some and none of ``job`` yet: the rerun
+    starts from step 0 otherwise, with no word of the old folder."""
+    from trainguard.checkpoint.storage import is_step_dirname
+
+    old = os.path.join(root, "default")
+    try:
+        if os.path.isdir(os.path.join(root, job)) or not any(is_step_dirname(n) for n in os.listdir(old)):
+            return
+    except OSError:
+        return
+    log.warning("%s holds checkpoints of job 'default', the name every lone process had before; this run is job "
+                "%r. To resume them, pass trainguard.init(job='default') (or set $TRAINGUARD_JOB=default)", old, job)
+
+
 def _as_step(step: Any) -> Any:
     """``step`` as a plain int when it is an integer of any kind (numpy's, a 0-d integer tensor), else as given
     (the Checkpointer refuses a float step with a line of its own).
@@ -240,9 +256,9 @@ class Session:
         save_every: save automatically every this many steps in :meth:`step_done` (0: only on request): at each
             step that reaches or passes a multiple of it (``step + 1`` counted), so steps that jump still save.
         job: job name (defaults to ``$TRAINGUARD_JOB``, else ``$TORCHELASTIC_RUN_ID`` unless torchrun made it up
-            for a one-node launch (a fresh uuid): then, with checkpoints, ``<script>-<hash of the
-            checkpoint location>`` as ``trainguard run`` names it, so a relaunch resumes; ``default`` in a lone
-            process).
+            for a one-node launch (a fresh uuid); then, and in a lone process (no run id), with checkpoints,
+            ``<script>-<hash of the checkpoint location>`` as ``trainguard run`` names it, so a rerun of the same
+            script resumes and another script's run is another job; ``default`` without checkpoints).
         checkpoint_options: extra fields for :class:`trainguard.checkpoint.CheckpointConfig`.
 
     Raises:
@@ -271,12 +287,17 @@ class Session:
         self.restart_count = env.restart_count
         self.generation = env.generation
         directory = checkpoint_dir if checkpoint_dir is not None else env.checkpoint_dir
+        lone_named = False  # a lone process's job named here (it was "default" before)
         if job:
             self.job = job
-        elif directory and not env.job and torchrun_made_run_id(env.run_id):
+        elif directory and not env.job and (not env.run_id or torchrun_made_run_id(env.run_id)):
             # A one-node torchrun launch's run id is a fresh uuid, so each relaunch of the same command saved into a
-            # new job folder and resumed nothing.
+            # new job folder and resumed nothing. A lone process (no run id at all) was job "default": every such
+            # script on the host shared one in-memory tier folder (a second one running had every save refused,
+            # one that crashed had its copies overwritten) and, in one checkpoint directory, one job folder (a
+            # second script restored the first one's model).
             self.job = checkpoint_job_name(sys.argv[0] if sys.argv and sys.argv[0] else "job", directory)
+            lone_named = not env.run_id
         else:
             self.job = env.job_name
         self.save_every = save_every
@@ -322,6 +343,8 @@ class Session:
                 self._ckpt = Checkpointer(cfg, rank=self.rank, world_size=self.world_size, job=self.job,
                                           on_event=self._on_checkpoint_event)
                 _OPEN_SESSIONS[key] = weakref.ref(self)
+            if lone_named and self.rank == 0 and self._ckpt.disk is not None:
+                _mention_default_job(self._ckpt.disk.root, self.job)
         elif save_every and self.rank == 0:
             # Checkpointing off is legitimate (a run without --checkpoint-dir), but asked-for saves that never
             # happen are not: a script relying on $TRAINGUARD_CHECKPOINT_DIR under plain torchrun saved nothing
