@@ -780,7 +780,8 @@ class JobCoordinator:
         """Records that a node committed a checkpoint step; the job's step is the minimum over its nodes.
 
         Returns:
-            (last step committed by every node of the current generation, store write or None).
+            (last step committed by every node of the current generation, the store commit to wait for: the
+            job's new step, or a commit with no writes that fails when another coordinator took the job over).
 
         Raises:
             UnknownJobError, NotServingError, UnknownNodeError: see the service.
@@ -797,6 +798,11 @@ class JobCoordinator:
                     self._committed_step = low
                     fut = self._submit([Put(self._prefix + "checkpoint",
                                                       json.dumps({"step": low}).encode())])
+            if fut is None:
+                # Nothing to write, yet the answer tells the node its step is recorded: a coordinator whose job
+                # another took over (before its once-a-second fence read noticed) acknowledged steps the owner
+                # never learned of. A fenced commit with no writes proves ownership; concurrent ones share it.
+                fut = self._submit([])
             return self._committed_step, fut
 
     def reap(self) -> None:

@@ -1,0 +1,74 @@
+"""The coordinator as a hostile peer sees it: two coordinators on one store, and requests no agent would send,
+over real gRPC against in-process servers (each answer a clear status, never a crash, hang or changed state)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from coordinator_client import node_info
+
+from trainguard.proto import coordinator_pb2 as pb, coordinator_pb2_grpc
+from trainguard.recovery.service import CoordinatorServer, JobSpec
+
+JOB = "hostile"
+
+
+def _spec(tmp_path, nnodes: int = 2) -> JobSpec:
+    return JobSpec(job=JOB, nnodes=nnodes, heartbeat_interval_s=0.1, lease_timeout_s=30.0, backoff_initial_s=0.0,
+                   store=f"sqlite://{tmp_path}/hostile.db")
+
+
+class _Client:
+    """A gRPC stub on a server, closed with it."""
+
+    def __init__(self, server: CoordinatorServer) -> None:
+        self.chan = grpc.insecure_channel(server.target)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.chan)
+
+    def register(self, nid: str, idx: int = 0) -> str:
+        return self.stub.RegisterNode(pb.RegisterNodeRequest(job=JOB, node=node_info(nid, idx=idx),
+                                                             free_port=40000 + idx), timeout=10).lease_id
+
+    def beat(self, nid: str, lease: str, gen: int = -1, idx: int = 0) -> pb.NodeHeartbeatResponse:
+        return self.stub.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id=nid, lease_id=lease, generation=gen,
+                                                           free_port=41000 + idx), timeout=10)
+
+    def commit(self, nid: str, step: int) -> pb.CommitCheckpointResponse:
+        return self.stub.CommitCheckpoint(pb.CommitCheckpointRequest(job=JOB, node_id=nid, step=step), timeout=10)
+
+
+def _formed(c: _Client, n: int) -> dict[str, str]:
+    """Registers n nodes and heartbeats until the first generation started; returns node -> lease."""
+    leases = {f"n{i}": c.register(f"n{i}", i) for i in range(n)}
+    for _ in range(20):
+        if all(c.beat(nid, lease, idx=i).command == pb.NODE_COMMAND_START for i, (nid, lease) in
+               enumerate(leases.items())):
+            return leases
+    raise AssertionError("the first generation did not form")
+
+
+def test_a_superseded_coordinator_refuses_a_checkpoint_commit(tmp_path) -> None:
+    # A commit that did not raise the job's step wrote nothing, so a coordinator whose job another had just taken
+    # over answered OK: the node believed its step recorded, and the owner never learned of it.
+    old = CoordinatorServer(_spec(tmp_path)).start()
+    new = None
+    oc = _Client(old)
+    try:
+        _formed(oc, 2)
+        assert oc.commit("n0", 5).last_committed_step == -1  # n1 has committed nothing yet
+        new = CoordinatorServer(_spec(tmp_path)).start()  # takes the job's fence
+        with pytest.raises(grpc.RpcError) as ei:
+            oc.commit("n0", 10)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "took over" in ei.value.details()
+        nc = _Client(new)
+        try:
+            assert nc.commit("n1", 10).last_committed_step == -1  # n0's step 10 reached the owner nowhere
+            assert nc.commit("n0", 10).last_committed_step == 10
+        finally:
+            nc.chan.close()
+    finally:
+        oc.chan.close()
+        old.stop(0)
+        if new is not None:
+            new.stop(0)
