@@ -8,7 +8,7 @@ import pytest
 
 from coordinator_client import node_info
 
-from trainguard.proto import coordinator_pb2 as pb, coordinator_pb2_grpc
+from trainguard.proto import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc
 from trainguard.recovery.service import CoordinatorServer, JobSpec
 
 JOB = "hostile"
@@ -72,3 +72,32 @@ def test_a_superseded_coordinator_refuses_a_checkpoint_commit(tmp_path) -> None:
         old.stop(0)
         if new is not None:
             new.stop(0)
+
+
+def test_a_step_near_int64_max_is_refused_and_the_job_wide_checkpoint_still_reaches_every_node(tmp_path) -> None:
+    # One heartbeat's last_step of 2**63-1 was accepted; a checkpoint-now report then set the job-wide checkpoint
+    # two steps beyond it, past int64, and every heartbeat answer of the generation failed with UNKNOWN.
+    srv = CoordinatorServer(_spec(tmp_path)).start()
+    c = _Client(srv)
+    try:
+        leases = _formed(c, 2)
+        for i, (nid, lease) in enumerate(leases.items()):
+            c.beat(nid, lease, gen=1, idx=i)
+        for bad in (2**63 - 1, 10**12, -2):
+            with pytest.raises(grpc.RpcError) as ei:
+                c.stub.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id="n0", lease_id=leases["n0"], generation=1,
+                                                         workers_running=2, last_step=bad), timeout=10)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "last_step" in ei.value.details()
+        for bad in (2**63 - 1, -1):
+            with pytest.raises(grpc.RpcError) as ei:
+                c.commit("n0", bad)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "step" in ei.value.details()
+        ev = common_pb2.HealthEvent(node_id="n0", source="predictor", kind="predict", message="soon",
+                                    severity=common_pb2.SEVERITY_WARNING, action=common_pb2.ACTION_CHECKPOINT_NOW)
+        c.stub.ReportEvent(pb.ReportEventRequest(job=JOB, node_id="n0", lease_id=leases["n0"], generation=1, event=ev,
+                                                 proposed_level=pb.RECOVERY_LEVEL_NONE, failed_rank=-1), timeout=10)
+        for i, (nid, lease) in enumerate(leases.items()):
+            assert c.beat(nid, lease, gen=1, idx=i).checkpoint.at_step >= 2
+    finally:
+        c.chan.close()
+        srv.stop(0)
