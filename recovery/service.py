@@ -177,6 +177,9 @@ def validate_heartbeat(req: coordinator_pb2.NodeHeartbeatRequest) -> None:
     if not -1 <= req.last_step <= _MAX_STEP:
         raise _bad("last_step", f"is {req.last_step}; use a step in 0..{_MAX_STEP}, or -1 before the first")
     _check_port("free_port", req.free_port)
+    # Relayed to other nodes in their replica targets and restore plans: unchecked, one node's 200 KB or
+    # control characters went into every buddy's heartbeat answers and logs.
+    _check_text("replica_address", req.replica_address)
     validate_timings(req.timings)
     _check_qualification(req)
     validate_link_results(req.link_results, req.link_probe_port)

@@ -101,3 +101,27 @@ def test_a_step_near_int64_max_is_refused_and_the_job_wide_checkpoint_still_reac
     finally:
         c.chan.close()
         srv.stop(0)
+
+
+def test_a_replica_address_no_agent_sends_is_refused_and_never_relayed(tmp_path) -> None:
+    # The address a node's replica server listens on is handed to its buddies with every heartbeat answer; it
+    # was taken unchecked, so a 200 KB string or control characters reached every buddy.
+    srv = CoordinatorServer(_spec(tmp_path)).start()
+    c = _Client(srv)
+    try:
+        leases = _formed(c, 2)
+        ok = c.stub.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id="n0", lease_id=leases["n0"], generation=1,
+                                                      workers_running=2, replica_address="127.0.0.1:7001"), timeout=10)
+        assert ok.job_state in (pb.JOB_STATE_RUNNING, pb.JOB_STATE_FORMING)
+        for bad in ("h" * 200_000, "h" * 256, "127.0.0.1:7001\nFAKE LOG LINE"):
+            with pytest.raises(grpc.RpcError) as ei:
+                c.stub.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id="n0", lease_id=leases["n0"], generation=1,
+                                                         workers_running=2, replica_address=bad), timeout=10)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "replica_address" in ei.value.details()
+        c.stub.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id="n1", lease_id=leases["n1"], generation=1,
+                                                 workers_running=2, replica_address="127.0.0.1:7002"), timeout=10)
+        targets = c.beat("n1", leases["n1"], gen=1, idx=1).replica_targets
+        assert [(t.node_id, t.address) for t in targets] == [("n0", "127.0.0.1:7001")]
+    finally:
+        c.chan.close()
+        srv.stop(0)
