@@ -67,6 +67,7 @@ from trainguard.recovery.ranks import RankLayout, assign_ranks
 from trainguard.recovery.spec import JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
 from trainguard.recovery.straggler import ReplaceDecision, WindowSnapshot
+from trainguard.recovery.write_ledger import WriteLedger, lost
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class JobCoordinator:
         self.fence = acquire_fence(raw, self._prefix + "fence")
         self._store = FencedStore(raw, self.fence)
         self._committer = GroupCommitter(self._store)
+        self._writes = WriteLedger(self._committer.submit)  # each key's last write: made again if the store lost it
         self._lock = threading.RLock()
         self._members: dict[str, Member] = {}
         self._policy = RecoveryPolicy(spec.policy_config())
@@ -180,9 +182,35 @@ class JobCoordinator:
         return fut
 
     def _submit(self, puts: Sequence[Put]) -> Future:
-        fut = self._committer.submit(puts)
+        fut = self._writes.submit(puts)
         fut.add_done_callback(self._watch_commit)
         return fut
+
+    def _rewrite_lost(self) -> None:
+        """Writes again, with their current values, the keys whose last write the store failed (lock held): node
+        records first, then the checkpoint step, then the job state, so a generation never lands before the node
+        records it names."""
+        keys = set(self._writes.lost_keys())
+        if not keys:
+            return
+        state_key, ckpt_key = self._prefix + "state", self._prefix + "checkpoint"
+        puts = [Put(k, node_value(m.info, m.lease_id, m.instance, m.refused)) for k in sorted(keys)
+                if k.startswith(self._prefix + "nodes/") and (m := self._members.get(k[len(self._prefix) + 6:]))]
+        if ckpt_key in keys:
+            puts.append(Put(ckpt_key, json.dumps({"step": self._committed_step}).encode()))
+        if puts:
+            self._submit(puts)
+        if state_key in keys:
+            self._save_state()
+        log.debug("job %s: writing %d record(s) again that the store failed to take", self.spec.job,
+                 len(puts) + (state_key in keys))
+
+    def _pending(self, key: str) -> Future | None:
+        """The write ``key`` still waits for (lock held): its last one when pending, a new one of every lost record
+        when the store failed it, None once it landed."""
+        if lost(self._writes.last(key)):
+            self._rewrite_lost()
+        return self._writes.last(key)
 
     def _watch_commit(self, fut: Future) -> None:
         exc = fut.exception()
@@ -593,7 +621,9 @@ class JobCoordinator:
                                               now, self._lease_s)
             if superseded is None:  # the live agent registering again (a retried call): its lease stands
                 assert prev is not None
-                return prev.lease_id, self._policy.state.generation, _done_future()
+                # ... once its record is durable: the call retried may be one the store failed.
+                fut = self._pending(self._prefix + "nodes/" + nid)
+                return prev.lease_id, self._policy.state.generation, fut or _done_future()
             check_slot_claim(info, self._members.get(info.replaces) if info.replaces else None,
                              self._members.values(), self._layout, self._policy.state.cordoned,
                              lambda m: self._lease_live(m, now))
@@ -644,6 +674,8 @@ class JobCoordinator:
                 raise StaleGenerationError(f"node {req.node_id!r} runs generation {req.generation}, but job "
                                            f"{self.spec.job!r} is at generation {st.generation}: stop those workers")
             self._record_beat(m, req, now)
+            if lost(self._state_fut):  # a START waits on the generation's write: one the store failed is made again
+                self._rewrite_lost()
             durable = None
             if req.qualification is not None and not req.qualification.passed and not m.refused:
                 m.refused = req.qualification.refusal
@@ -799,6 +831,8 @@ class JobCoordinator:
                     fut = self._submit([Put(self._prefix + "checkpoint",
                                                       json.dumps({"step": low}).encode())])
             if fut is None:
+                fut = self._pending(self._prefix + "checkpoint")  # a retried call whose step the store failed
+            if fut is None:
                 # Nothing to write, yet the answer tells the node its step is recorded: a coordinator whose job
                 # another took over (before its once-a-second fence read noticed) acknowledged steps the owner
                 # never learned of. A fenced commit with no writes proves ownership; concurrent ones share it.
@@ -807,14 +841,18 @@ class JobCoordinator:
 
     def reap(self) -> None:
         """Expires silent nodes' leases (a node-level failure for slot holders) and runs due recoveries; every
-        second or so, checks that this coordinator still holds the job's fence."""
+        second or so, checks that this coordinator still holds the job's fence and, when the store answers, writes
+        again what it failed to take."""
         now = self._clock()
-        if now - self._fence_checked >= 1.0 and not self.fenced:
+        checked = now - self._fence_checked >= 1.0 and not self.fenced
+        if checked:
             self._fence_checked = now
             self._check_fence()
         with self._lock:
             if self.fenced:
                 return
+            if checked and not self._fence_unread:  # the store answers: writes it failed are made again
+                self._rewrite_lost()
             for m in list(self._members.values()):
                 if m.alive and now - m.last_seen > self._lease_s():
                     m.alive = False

@@ -3,13 +3,19 @@ over real gRPC against in-process servers (each answer a clear status, never a c
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import grpc
 import pytest
 
 from coordinator_client import node_info
 
 from trainguard.proto import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc
+from trainguard.recovery.job_records import decode_state
 from trainguard.recovery.service import CoordinatorServer, JobSpec
+from trainguard.recovery.store import FileStore
 
 JOB = "hostile"
 
@@ -122,6 +128,79 @@ def test_a_replica_address_no_agent_sends_is_refused_and_never_relayed(tmp_path)
                                                  workers_running=2, replica_address="127.0.0.1:7002"), timeout=10)
         targets = c.beat("n1", leases["n1"], gen=1, idx=1).replica_targets
         assert [(t.node_id, t.address) for t in targets] == [("n0", "127.0.0.1:7001")]
+    finally:
+        c.chan.close()
+        srv.stop(0)
+
+
+class _BrokenFileStore:
+    """Makes a real file store's document unreadable (a directory where the file was) and mends it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.doc, self.aside = directory / "state.json", directory.parent / "state.json.aside"
+
+    def __enter__(self) -> "_BrokenFileStore":
+        os.rename(self.doc, self.aside)
+        self.doc.mkdir()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.doc.rmdir()
+        os.rename(self.aside, self.doc)
+
+
+def _file_spec(tmp_path) -> JobSpec:
+    return JobSpec(job=JOB, nnodes=2, heartbeat_interval_s=0.1, lease_timeout_s=30.0, backoff_initial_s=0.0,
+                   store=f"file://{tmp_path}/st")
+
+
+def test_a_generation_the_store_failed_to_take_starts_once_the_store_answers_again(tmp_path) -> None:
+    # The first generation formed during a store outage: its write failed, and after the store came back every
+    # heartbeat still waited on that failed write and was answered UNAVAILABLE "retry shortly", for good.
+    srv = CoordinatorServer(_file_spec(tmp_path)).start()
+    c = _Client(srv)
+    try:
+        n1 = pb.RegisterNodeRequest(job=JOB, node=node_info("n1", idx=1), free_port=40001, agent_instance="agent-1")
+        leases = {"n0": c.register("n0", 0)}
+        with _BrokenFileStore(tmp_path / "st"):
+            with pytest.raises(grpc.RpcError) as ei:
+                c.stub.RegisterNode(n1, timeout=10)  # enough nodes: the generation forms, neither write lands
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "durable" in ei.value.details()
+            assert srv.core.state.generation == 1
+        leases["n1"] = c.stub.RegisterNode(n1, timeout=10).lease_id  # the agent retries
+        deadline = time.monotonic() + 20
+        started: set[str] = set()
+        while started != set(leases):
+            assert time.monotonic() < deadline, "the generation never started after the store came back"
+            for i, (nid, lease) in enumerate(leases.items()):
+                try:
+                    if c.beat(nid, lease, idx=i).command == pb.NODE_COMMAND_START:
+                        started.add(nid)
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            time.sleep(0.05)
+        state = FileStore(tmp_path / "st").get(f"trainguard/jobs/{JOB}/state")
+        assert state is not None and decode_state(JOB, state.value).policy.generation == 1
+    finally:
+        c.chan.close()
+        srv.stop(0)
+
+
+def test_a_retried_registration_is_acknowledged_only_once_its_record_is_durable(tmp_path) -> None:
+    # The store failed the first call's write (UNAVAILABLE, "retry shortly"); the agent's retry was answered OK at
+    # once as "the live agent registering again", and its record never reached the store: a restarted
+    # coordinator did not know the node.
+    srv = CoordinatorServer(_file_spec(tmp_path)).start()
+    c = _Client(srv)
+    req = pb.RegisterNodeRequest(job=JOB, node=node_info("n0"), free_port=40000, agent_instance="agent-1")
+    try:
+        with _BrokenFileStore(tmp_path / "st"):
+            with pytest.raises(grpc.RpcError) as ei:
+                c.stub.RegisterNode(req, timeout=10)
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        lease = c.stub.RegisterNode(req, timeout=10).lease_id
+        rec = FileStore(tmp_path / "st").get(f"trainguard/jobs/{JOB}/nodes/n0")
+        assert rec is not None and lease in rec.value.decode(errors="replace")
     finally:
         c.chan.close()
         srv.stop(0)
