@@ -198,8 +198,8 @@ class JobCoordinator:
                 if k.startswith(self._prefix + "nodes/") and (m := self._members.get(k[len(self._prefix) + 6:]))]
         if ckpt_key in keys:
             puts.append(Put(ckpt_key, json.dumps({"step": self._committed_step}).encode()))
-        if puts:
-            self._submit(puts)
+        for put in puts:  # one each: the committer batches them, and no batch outgrows an etcd transaction
+            self._submit([put])
         if state_key in keys:
             self._save_state()
         log.debug("job %s: writing %d record(s) again that the store failed to take", self.spec.job,
