@@ -4,11 +4,13 @@ over real gRPC against in-process servers (each answer a clear status, never a c
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.descriptor import FieldDescriptor
 
 from coordinator_client import node_info
 
@@ -201,6 +203,106 @@ def test_a_retried_registration_is_acknowledged_only_once_its_record_is_durable(
         lease = c.stub.RegisterNode(req, timeout=10).lease_id
         rec = FileStore(tmp_path / "st").get(f"trainguard/jobs/{JOB}/nodes/n0")
         assert rec is not None and lease in rec.value.decode(errors="replace")
+    finally:
+        c.chan.close()
+        srv.stop(0)
+
+
+_INTS = [0, 1, -1, 2, 7, 2**31 - 1, -2**31, 2**63 - 1, -2**63, 65535, 65536, 1025, 10**12]
+_FLOATS = [0.0, -0.0, 1.0, -1.0, float("nan"), float("inf"), float("-inf"), 1e308, 5e-324, 3600.0]
+_STRS = ["", JOB, "n0", "n1", "ghost", "a/b", " ", "x" * 300, "\x00", "é", "n0\n", "..", "n" * 129, "stack.0"]
+#: What a hostile request may be answered: a refusal from the service's table, never UNKNOWN (a handler raised),
+#: INTERNAL or DEADLINE_EXCEEDED (a hang).
+_CLEAR = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+          grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OUT_OF_RANGE}
+
+
+def _value(rnd: random.Random, f: FieldDescriptor) -> object:
+    if f.type == FieldDescriptor.TYPE_STRING:
+        return rnd.choice(_STRS)
+    if f.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+        return rnd.choice(_FLOATS)
+    if f.type == FieldDescriptor.TYPE_BOOL:
+        return rnd.random() < 0.5
+    if f.type == FieldDescriptor.TYPE_BYTES:
+        return rnd.randbytes(8)
+    return rnd.choice(_INTS + [3, 4, 99])  # ints and enums; values a field cannot hold are skipped
+
+
+def _mutate(rnd: random.Random, msg, depth: int = 0) -> None:
+    """Sets one field of ``msg`` (or of a message inside it) to a hostile value."""
+    f = rnd.choice(msg.DESCRIPTOR.fields)
+    repeated = f.is_repeated if hasattr(f, "is_repeated") else f.label == f.LABEL_REPEATED
+    if f.message_type is not None and f.message_type.GetOptions().map_entry:
+        getattr(msg, f.name)[rnd.choice(_STRS)] = rnd.choice(_STRS)
+    elif f.message_type is not None:
+        if depth >= 3:
+            return
+        for _ in range(rnd.choice([1, 3, 40]) if repeated else 1):
+            sub = getattr(msg, f.name).add() if repeated else getattr(msg, f.name)
+            for _ in range(rnd.randint(1, 4)):
+                _mutate(rnd, sub, depth + 1)
+            sub.SetInParent()
+    else:
+        try:
+            if repeated:
+                getattr(msg, f.name).append(_value(rnd, f))
+            else:
+                setattr(msg, f.name, _value(rnd, f))
+        except (ValueError, TypeError):
+            pass
+
+
+def test_hostile_values_in_every_rpc_field_get_a_clear_status_and_the_job_is_served_on(tmp_path) -> None:
+    srv = CoordinatorServer(_spec(tmp_path)).start()
+    c = _Client(srv)
+    rnd = random.Random(5)
+    try:
+        leases = _formed(c, 2)
+        ev = common_pb2.HealthEvent(node_id="n0", source="t", kind="process.exit", message="m",
+                                    severity=common_pb2.SEVERITY_CRITICAL)
+        ask = common_pb2.HealthEvent(node_id="n0", source="predictor", kind="predict", message="soon",
+                                     action=common_pb2.ACTION_CHECKPOINT_NOW)
+        valid = {
+            "RegisterNode": lambda n, l: pb.RegisterNodeRequest(job=JOB, node=node_info("n2", idx=2), free_port=40002),
+            "Heartbeat": lambda n, l: pb.NodeHeartbeatRequest(job=JOB, node_id=n, lease_id=l, generation=1,
+                                                              workers_running=2, last_step=3),
+            "ReportEvent": lambda n, l: pb.ReportEventRequest(job=JOB, node_id=n, lease_id=l, generation=1, event=ev,
+                                                              proposed_level=pb.RECOVERY_LEVEL_NONE, failed_rank=-1),
+            "GetRankTable": lambda n, l: pb.GetRankTableRequest(job=JOB),
+            "CommitCheckpoint": lambda n, l: pb.CommitCheckpointRequest(job=JOB, node_id=n, step=5),
+            "QualifyPeers": lambda n, l: pb.QualifyPeersRequest(job=JOB, node_id=n, count=2),
+            "ReportNodeHealth": lambda n, l: pb.NodeHealthReportRequest(
+                job=JOB, node_id=n, host="h", verdict=pb.NODE_HEALTH_VERDICT_HEALTHY, risk=0.1, agent_instance="d"),
+            "UncordonNode": lambda n, l: pb.UncordonNodeRequest(job=JOB, node_id=n, reason="r"),
+        }
+        assert sorted(valid) == sorted(m.name for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods)
+        answers: dict[str, set[str]] = {}
+        for i in range(240):
+            name = rnd.choice(sorted(valid))
+            nid = rnd.choice(sorted(leases))
+            req = valid[name](nid, leases[nid])
+            for _ in range(rnd.randint(1, 3)):
+                _mutate(rnd, req)
+            try:
+                getattr(c.stub, name)(req, timeout=15)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                code = exc.code()
+                assert code in _CLEAR, (name, code, exc.details(), str(req)[:500])
+            answers.setdefault(name, set()).add(code.name)
+            if i % 20 == 0 or (name == "Heartbeat" and code == grpc.StatusCode.OK):
+                # What was accepted must not break the well-behaved nodes, a job-wide checkpoint asked for included.
+                c.stub.ReportEvent(pb.ReportEventRequest(job=JOB, node_id="n0", lease_id=leases["n0"], generation=1,
+                                                         event=ask, failed_rank=-1), timeout=15)
+                for j, nid in enumerate(sorted(leases)):
+                    try:
+                        c.beat(nid, leases[nid], gen=1, idx=j)
+                    except grpc.RpcError as exc:  # a hostile registration under its id took the node over
+                        assert exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE), exc
+                        leases[nid] = c.register(nid, j)
+        assert all(len(codes) >= 2 for codes in answers.values()), answers  # each RPC got past its checks too
+        assert c.stub.GetRankTable(pb.GetRankTableRequest(job=JOB), timeout=10).job == JOB
     finally:
         c.chan.close()
         srv.stop(0)
