@@ -207,8 +207,9 @@ class JobCoordinator:
 
     def _pending(self, key: str) -> Future | None:
         """The write ``key`` still waits for (lock held): its last one when pending, a new one of every lost record
-        when the store failed it, None once it landed."""
-        if lost(self._writes.last(key)):
+        when the store failed it (the failed one while the store is known to be away: a caller is answered at once,
+        not after another attempt's timeout), None once it landed."""
+        if lost(self._writes.last(key)) and not self._fence_unread:
             self._rewrite_lost()
         return self._writes.last(key)
 
@@ -674,7 +675,7 @@ class JobCoordinator:
                 raise StaleGenerationError(f"node {req.node_id!r} runs generation {req.generation}, but job "
                                            f"{self.spec.job!r} is at generation {st.generation}: stop those workers")
             self._record_beat(m, req, now)
-            if lost(self._state_fut):  # a START waits on the generation's write: one the store failed is made again
+            if lost(self._state_fut) and not self._fence_unread:  # a START waits on the generation's write
                 self._rewrite_lost()
             durable = None
             if req.qualification is not None and not req.qualification.passed and not m.refused:
