@@ -193,9 +193,9 @@ class JobCoordinator:
         keys = set(self._writes.lost_keys())
         if not keys:
             return
-        state_key, ckpt_key = self._prefix + "state", self._prefix + "checkpoint"
+        state_key, ckpt_key, nodes = self._prefix + "state", self._prefix + "checkpoint", self._prefix + "nodes/"
         puts = [Put(k, node_value(m.info, m.lease_id, m.instance, m.refused)) for k in sorted(keys)
-                if k.startswith(self._prefix + "nodes/") and (m := self._members.get(k[len(self._prefix) + 6:]))]
+                if k.startswith(nodes) and (m := self._members.get(k[len(nodes):])) is not None]
         if ckpt_key in keys:
             puts.append(Put(ckpt_key, json.dumps({"step": self._committed_step}).encode()))
         for put in puts:  # one each: the committer batches them, and no batch outgrows an etcd transaction
@@ -203,7 +203,7 @@ class JobCoordinator:
         if state_key in keys:
             self._save_state()
         log.debug("job %s: writing %d record(s) again that the store failed to take", self.spec.job,
-                 len(puts) + (state_key in keys))
+                  len(puts) + (state_key in keys))
 
     def _pending(self, key: str) -> Future | None:
         """The write ``key`` still waits for (lock held): its last one when pending, a new one of every lost record
