@@ -554,6 +554,8 @@ class EtcdStore(Store):
             if not self._auth_token:
                 body = json.dumps({"name": self._security.user, "password": self._security.password}).encode()
                 resp, payload = self._request("/v3/auth/authenticate", body)
+                if resp.status >= 500:  # a login needs a leader too: not the password's fault, try the next member
+                    raise _EndpointUnavailable(f"answered {resp.status} to the login: {_etcd_error(payload)}")
                 if resp.status != 200:
                     raise StoreError(f"etcd refused the login of user {self._security.user!r} ({resp.status}: "
                                      f"{payload[:200].decode(errors='replace')}); check the password file")
