@@ -306,3 +306,26 @@ def test_hostile_values_in_every_rpc_field_get_a_clear_status_and_the_job_is_ser
     finally:
         c.chan.close()
         srv.stop(0)
+
+
+def test_fatal_reports_with_long_reasons_keep_the_job_state_small(tmp_path) -> None:
+    # Each cordoned node's reason went whole into the job state, which is rewritten at every change: a few hundred
+    # fatal reports with 4 KB reasons (any node ids: daemons report between jobs) made it pass etcd's 1.5 MiB
+    # request limit, after which no state write landed.
+    srv = CoordinatorServer(_spec(tmp_path)).start()
+    c = _Client(srv)
+    rnd = random.Random(3)
+    try:
+        for i in range(60):
+            reason = "".join(rnd.choices("abcdefghijklmnopqrstuvwxyz0123456789", k=4000))
+            r = c.stub.ReportNodeHealth(pb.NodeHealthReportRequest(
+                job=JOB, node_id=f"bad{i}", host=f"h{i}", verdict=pb.NODE_HEALTH_VERDICT_FATAL, reason=reason,
+                agent_instance="d"), timeout=30)
+            assert r.cordoned
+        state = srv.core._raw_store.get(f"trainguard/jobs/{JOB}/state")  # noqa: SLF001 - the record as stored
+        assert state is not None and len(state.value) < 60 * 600, len(state.value)
+        why = decode_state(JOB, state.value).policy.cordon_why
+        assert len(why) == 60 and all(w.endswith("...)") and len(w) < 400 for w in why.values())
+    finally:
+        c.chan.close()
+        srv.stop(0)
