@@ -43,7 +43,8 @@ class GroupCommitter:
         """Queues puts for the next commit.
 
         Args:
-            puts: writes (and deletes); kept together in one commit when they fit.
+            puts: writes (and deletes); kept together in one commit when they fit. Empty: the future tells only
+                whether the store's preconditions (a fenced store's fence) still hold.
 
         Returns:
             A future resolved with the commit result once durable, or with the store's exception.
@@ -74,7 +75,7 @@ class GroupCommitter:
                     n += len(item[0])
             puts = [p for ps, _ in batch for p in ps]
             try:
-                res = self._store.commit([], puts) if puts else CommitResult(True, 0)
+                res = self._store.commit([], puts)  # no puts: a fenced store still checks its fence
                 self.commits += 1
             except BaseException as exc:  # noqa: BLE001 - every waiter must learn about the failure
                 log.error("store commit of %d writes failed: %s", len(puts), exc)

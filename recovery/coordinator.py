@@ -67,6 +67,7 @@ from trainguard.recovery.ranks import RankLayout, assign_ranks
 from trainguard.recovery.spec import JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
 from trainguard.recovery.straggler import ReplaceDecision, WindowSnapshot
+from trainguard.recovery.write_ledger import WriteLedger, lost
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class JobCoordinator:
         self.fence = acquire_fence(raw, self._prefix + "fence")
         self._store = FencedStore(raw, self.fence)
         self._committer = GroupCommitter(self._store)
+        self._writes = WriteLedger(self._committer.submit)  # each key's last write: made again if the store lost it
         self._lock = threading.RLock()
         self._members: dict[str, Member] = {}
         self._policy = RecoveryPolicy(spec.policy_config())
@@ -180,9 +182,36 @@ class JobCoordinator:
         return fut
 
     def _submit(self, puts: Sequence[Put]) -> Future:
-        fut = self._committer.submit(puts)
+        fut = self._writes.submit(puts)
         fut.add_done_callback(self._watch_commit)
         return fut
+
+    def _rewrite_lost(self) -> None:
+        """Writes again, with their current values, the keys whose last write the store failed (lock held): node
+        records first, then the checkpoint step, then the job state, so a generation never lands before the node
+        records it names."""
+        keys = set(self._writes.lost_keys())
+        if not keys:
+            return
+        state_key, ckpt_key, nodes = self._prefix + "state", self._prefix + "checkpoint", self._prefix + "nodes/"
+        puts = [Put(k, node_value(m.info, m.lease_id, m.instance, m.refused)) for k in sorted(keys)
+                if k.startswith(nodes) and (m := self._members.get(k[len(nodes):])) is not None]
+        if ckpt_key in keys:
+            puts.append(Put(ckpt_key, json.dumps({"step": self._committed_step}).encode()))
+        for put in puts:  # one each: the committer batches them, and no batch outgrows an etcd transaction
+            self._submit([put])
+        if state_key in keys:
+            self._save_state()
+        log.debug("job %s: writing %d record(s) again that the store failed to take", self.spec.job,
+                  len(puts) + (state_key in keys))
+
+    def _pending(self, key: str) -> Future | None:
+        """The write ``key`` still waits for (lock held): its last one when pending, a new one of every lost record
+        when the store failed it (the failed one while the store is known to be away: a caller is answered at once,
+        not after another attempt's timeout), None once it landed."""
+        if lost(self._writes.last(key)) and not self._fence_unread:
+            self._rewrite_lost()
+        return self._writes.last(key)
 
     def _watch_commit(self, fut: Future) -> None:
         exc = fut.exception()
@@ -593,7 +622,9 @@ class JobCoordinator:
                                               now, self._lease_s)
             if superseded is None:  # the live agent registering again (a retried call): its lease stands
                 assert prev is not None
-                return prev.lease_id, self._policy.state.generation, _done_future()
+                # ... once its record is durable: the call retried may be one the store failed.
+                fut = self._pending(self._prefix + "nodes/" + nid)
+                return prev.lease_id, self._policy.state.generation, fut or _done_future()
             check_slot_claim(info, self._members.get(info.replaces) if info.replaces else None,
                              self._members.values(), self._layout, self._policy.state.cordoned,
                              lambda m: self._lease_live(m, now))
@@ -644,6 +675,8 @@ class JobCoordinator:
                 raise StaleGenerationError(f"node {req.node_id!r} runs generation {req.generation}, but job "
                                            f"{self.spec.job!r} is at generation {st.generation}: stop those workers")
             self._record_beat(m, req, now)
+            if lost(self._state_fut) and not self._fence_unread:  # a START waits on the generation's write
+                self._rewrite_lost()
             durable = None
             if req.qualification is not None and not req.qualification.passed and not m.refused:
                 m.refused = req.qualification.refusal
@@ -780,7 +813,8 @@ class JobCoordinator:
         """Records that a node committed a checkpoint step; the job's step is the minimum over its nodes.
 
         Returns:
-            (last step committed by every node of the current generation, store write or None).
+            (last step committed by every node of the current generation, the store commit to wait for: the
+            job's new step, or a commit with no writes that fails when another coordinator took the job over).
 
         Raises:
             UnknownJobError, NotServingError, UnknownNodeError: see the service.
@@ -797,18 +831,29 @@ class JobCoordinator:
                     self._committed_step = low
                     fut = self._submit([Put(self._prefix + "checkpoint",
                                                       json.dumps({"step": low}).encode())])
+            if fut is None:
+                fut = self._pending(self._prefix + "checkpoint")  # a retried call whose step the store failed
+            if fut is None:
+                # Nothing to write, yet the answer tells the node its step is recorded: a coordinator whose job
+                # another took over (before its once-a-second fence read noticed) acknowledged steps the owner
+                # never learned of. A fenced commit with no writes proves ownership; concurrent ones share it.
+                fut = self._submit([])
             return self._committed_step, fut
 
     def reap(self) -> None:
         """Expires silent nodes' leases (a node-level failure for slot holders) and runs due recoveries; every
-        second or so, checks that this coordinator still holds the job's fence."""
+        second or so, checks that this coordinator still holds the job's fence and, when the store answers, writes
+        again what it failed to take."""
         now = self._clock()
-        if now - self._fence_checked >= 1.0 and not self.fenced:
+        checked = now - self._fence_checked >= 1.0 and not self.fenced
+        if checked:
             self._fence_checked = now
             self._check_fence()
         with self._lock:
             if self.fenced:
                 return
+            if checked and not self._fence_unread:  # the store answers: writes it failed are made again
+                self._rewrite_lost()
             for m in list(self._members.values()):
                 if m.alive and now - m.last_seen > self._lease_s():
                     m.alive = False

@@ -199,6 +199,12 @@ class PolicyConfig:
                               "number of seconds")
 
 
+#: Characters of a reporter's detail a failure's description keeps. The description is stored in the job state
+#: for every cordoned node (rewritten whole at each change): a node daemon's fatal reason may be 4 KB, and a few
+#: hundred such reports, for any node ids, made a state record past etcd's 1.5 MiB request limit.
+MAX_DETAIL = 240
+
+
 @dataclass(frozen=True)
 class Failure:
     """One failure report, as the policy sees it.
@@ -237,7 +243,8 @@ class Failure:
             how = f"exited with code {self.exit_code}"
         else:
             how = self.cause.value.replace("_", " ")
-        return f"{who} {how}" + (f" ({self.detail})" if self.detail else "")
+        detail = self.detail if len(self.detail) <= MAX_DETAIL else self.detail[:MAX_DETAIL - 3] + "..."
+        return f"{who} {how}" + (f" ({detail})" if detail else "")
 
 
 @dataclass

@@ -78,6 +78,10 @@ _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 _MAX_TEXT = 255
 _MAX_LABELS = 32
 _MAX_EVENT_TEXT = 4096
+#: Largest training step a request may name (the memory tier's bound, ``checkpoint.replica_store.MAX_STEP``):
+#: a job-wide checkpoint is set steps beyond the furthest reported one, and a step near 2**63 took that past
+#: int64, so every heartbeat answer of the generation failed to encode (UNKNOWN) from one bad value on.
+_MAX_STEP = 10**12 - 1
 
 
 def _bad(field: str, why: str) -> InvalidRequestError:
@@ -170,7 +174,12 @@ def validate_heartbeat(req: coordinator_pb2.NodeHeartbeatRequest) -> None:
         raise _bad("generation", f"is {req.generation}; use -1 when no workers run")
     if req.workers_running < 0:
         raise _bad("workers_running", f"is {req.workers_running}; it must be >= 0")
+    if not -1 <= req.last_step <= _MAX_STEP:
+        raise _bad("last_step", f"is {req.last_step}; use a step in 0..{_MAX_STEP}, or -1 before the first")
     _check_port("free_port", req.free_port)
+    # Relayed to other nodes in their replica targets and restore plans: unchecked, one node's 200 KB or
+    # control characters went into every buddy's heartbeat answers and logs.
+    _check_text("replica_address", req.replica_address)
     validate_timings(req.timings)
     _check_qualification(req)
     validate_link_results(req.link_results, req.link_probe_port)
@@ -300,8 +309,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             _check_job(request.job)
             _check_node_id("node_id", request.node_id)
-            if request.step < 0:
-                raise _bad("step", f"is {request.step}; it must be >= 0")
+            if not 0 <= request.step <= _MAX_STEP:
+                raise _bad("step", f"is {request.step}; use a step in 0..{_MAX_STEP}")
             step, fut = self.core.commit_checkpoint(request.job, request.node_id, request.step)
             self.core.wait_durable(fut, "the checkpoint commit")
             return coordinator_pb2.CommitCheckpointResponse(last_committed_step=step)

@@ -453,12 +453,28 @@ def _prefix_end(prefix: str) -> str:
 # ------------------------------------------------------------------------------------------------------- etcd
 
 
+#: gRPC-gateway header carrying etcd's ``hasleader`` metadata: a member without a leader refuses at once.
+_REQUIRE_LEADER = "Grpc-Metadata-hasleader"
+
+
+class _EndpointUnavailable(Exception):
+    """An etcd endpoint answered but cannot serve now (5xx): the next endpoint is tried."""
+
+
+def _etcd_error(payload: bytes) -> str:
+    """The message of an etcd gateway error body, or the start of the raw body."""
+    try:
+        return str(json.loads(payload).get("message") or payload[:200].decode(errors="replace"))
+    except (ValueError, AttributeError):
+        return payload[:200].decode(errors="replace")
+
+
 class EtcdStore(Store):
     """etcd v3 through its JSON gateway. URL ``etcd://host:port[,host:port...][/key-prefix]``.
 
     Record versions are etcd ``mod_revision`` values; a commit is one ``/v3/kv/txn`` whose compares are
-    ``MOD == version`` (``CREATE == 0`` for absent keys). Endpoints are tried in order; a connection error moves
-    to the next one.
+    ``MOD == version`` (``CREATE == 0`` for absent keys). Endpoints are tried in order; a connection error or a
+    member that cannot serve (5xx: no leader after losing quorum, a request timeout) moves to the next one.
     """
 
     max_ops_per_commit = 127  # etcd --max-txn-ops default 128, one slot kept for the fencing compare
@@ -498,10 +514,20 @@ class EtcdStore(Store):
                     if resp.status == 401 and self._security.user and path != "/v3/auth/authenticate":
                         self._auth_token = ""  # expired (etcd's simple tokens live 5 minutes): log in again
                         resp, payload = self._request(path, data)
+                    if resp.status >= 500:
+                        # A member without a leader (lost quorum, partitioned away, mid-election) or a proxy in
+                        # front of a dead one cannot serve, like a closed port; it was reported as the store's
+                        # failure while the next listed member could answer.
+                        raise _EndpointUnavailable(f"answered {resp.status}: {_etcd_error(payload)}")
                     if resp.status != 200:
                         raise StoreError(f"etcd at {host}:{port} answered {resp.status} to {path}: "
                                          f"{payload[:200].decode(errors='replace')}")
                     return json.loads(payload)
+                except _EndpointUnavailable as exc:
+                    self._conn.close()
+                    self._conn = None
+                    errors.append(f"{host}:{port}: {exc}")
+                    self._current = (self._current + 1) % len(self._endpoints)
                 except (OSError, http.client.HTTPException, ValueError) as exc:
                     if self._conn is not None:
                         self._conn.close()
@@ -515,17 +541,21 @@ class EtcdStore(Store):
                         continue
                     errors.append(f"{host}:{port}: {exc}")
                     self._current = (self._current + 1) % len(self._endpoints)
-        raise StoreError(f"no etcd endpoint answered ({'; '.join(errors)}): check that etcd runs and the "
-                         "store URL lists its client address")
+        raise StoreError(f"no etcd endpoint answered ({'; '.join(errors)}): check that etcd runs, that its members "
+                         "have quorum, and that the store URL lists their client addresses")
 
     def _request(self, path: str, data: bytes) -> tuple[http.client.HTTPResponse, bytes]:
         """One POST on the open connection, logging in first when a user is configured (lock held)."""
         assert self._conn is not None
-        headers = {"Content-Type": "application/json"}
+        # Without this header a member that lost its leader holds every request for etcd's request timeout
+        # (5 s and more) before failing it; with it, the member refuses at once with 503 "no leader".
+        headers = {"Content-Type": "application/json", _REQUIRE_LEADER: "true"}
         if self._security.user and path != "/v3/auth/authenticate":
             if not self._auth_token:
                 body = json.dumps({"name": self._security.user, "password": self._security.password}).encode()
                 resp, payload = self._request("/v3/auth/authenticate", body)
+                if resp.status >= 500:  # a login needs a leader too: not the password's fault, try the next member
+                    raise _EndpointUnavailable(f"answered {resp.status} to the login: {_etcd_error(payload)}")
                 if resp.status != 200:
                     raise StoreError(f"etcd refused the login of user {self._security.user!r} ({resp.status}: "
                                      f"{payload[:200].decode(errors='replace')}); check the password file")

@@ -29,21 +29,33 @@ def free_port() -> int:
     return _free_port()
 
 
-def start_etcd(data: Path, client: int, peer: int, log: object) -> subprocess.Popen:
-    """Starts etcd on loopback with its data in ``data/d`` and waits until it is healthy (a restart with the
-    same arguments keeps the data)."""
+def start_etcd(data: Path, client: int, peer: int, log: object, name: str = "tg-test", cluster: str = "",
+               wait: bool = True) -> subprocess.Popen:
+    """Starts etcd on loopback with its data in ``data/d`` (``data/<name>`` for a member of ``cluster``, an
+    ``--initial-cluster`` value) and waits until it is healthy unless ``wait`` is off (a cluster's members are
+    healthy only once a quorum runs: start them all, then :func:`wait_etcd`). A restart with the same arguments
+    keeps the data."""
     proc = subprocess.Popen(
-        [ETCD_BINARY, "--name", "tg-test", "--data-dir", str(data / "d"),
+        [ETCD_BINARY, "--name", name, "--data-dir", str(data / (name if cluster else "d")),
          "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
          "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"tg-test=http://127.0.0.1:{peer}", "--log-level", "error"],
+         "--initial-cluster", cluster or f"{name}=http://127.0.0.1:{peer}", "--log-level", "error",
+         # a member that lost its peers notices within 0.1 s, not etcd's default second
+         *(("--heartbeat-interval", "20", "--election-timeout", "100") if cluster else ())],
         stdout=log, stderr=subprocess.STDOUT)
+    if wait:
+        wait_etcd(proc, client, data)
+    return proc
+
+
+def wait_etcd(proc: subprocess.Popen, client: int, data: Path) -> None:
+    """Waits until the etcd serving ``client`` reports itself healthy (kills it when it does not start)."""
     deadline = time.monotonic() + 20
     while True:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=1) as r:
                 if b"true" in r.read():
-                    return proc
+                    return
         except OSError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
