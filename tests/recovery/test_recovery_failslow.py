@@ -290,7 +290,9 @@ def test_a_shrink_that_renumbers_the_ranks_forgets_which_ranks_replacements_were
     # GPU, was reported as "the slowness follows the rank" and never replaced, with a spare waiting.
     fs = StragglerConfig(window_s=0.3, persist_windows=3, clear_windows=3, min_steps=1, action="replace",
                          horizon_s=600, restart_cost_s=5, cooldown_s=0)
-    srv = CoordinatorServer(JobSpec(job=JOB, nnodes=3, heartbeat_interval_s=0.1, lease_timeout_s=1.0,
+    # A 3 s lease: one thread beats four nodes in turn, and a 1 s lease lost a live one on a loaded box (the
+    # shrink then came out in another shape).
+    srv = CoordinatorServer(JobSpec(job=JOB, nnodes=3, heartbeat_interval_s=0.1, lease_timeout_s=3.0,
                                     backoff_initial_s=0.0, allow_shrink=True, min_nodes=2, failslow=fs)).start()
     chan = grpc.insecure_channel(srv.target)
     try:

@@ -4,8 +4,10 @@ not cordoned, or another job, is refused in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -13,6 +15,26 @@ from coordinator_client import CoordinatorProcess, beat_until, node_info
 from tg_testutil import run_cli
 
 pytestmark = pytest.mark.timeout(90)
+
+
+@contextlib.contextmanager
+def beating(agents: list, period: float = 0.1) -> Iterator[None]:
+    """Keeps ``agents`` heartbeating from a thread while the body runs (a CLI process starting up takes over a
+    second on a loaded box, longer than a 1 s lease: a node the test means alive was lost meanwhile)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(period):
+            for a in agents:
+                a.beat()
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(10)
 
 
 def test_an_operator_returns_a_lost_and_replaced_node_to_service(tmp_path, tg_env) -> None:
@@ -27,14 +49,17 @@ def test_an_operator_returns_a_lost_and_replaced_node_to_service(tmp_path, tg_en
         b.beat()  # its machine is back (rebooted), with no daemon to report it healthy: still cordoned
         assert b.gen < 0 and "cordoned" in b.last.message
         uncordon = ["uncordon", "b", "--coordinator", c.target, "--job", "unc-job", "--reason", "PSU swapped"]
-        r = run_cli(uncordon, env=tg_env, timeout=60)
+        with beating([a, s]):
+            r = run_cli(uncordon, env=tg_env, timeout=60)
         assert r.returncode == 0 and "back in service" in r.stdout and "PSU swapped" in r.stdout, r.stderr
         # s is lost in turn: b fills the vacancy.
         beat_until([a, b], lambda: a.gen == 3 and b.gen == 3)
         assert sorted(n.node_id for n in a.table.nodes) == ["a", "b"]
-        r = run_cli(uncordon, env=tg_env, timeout=60)  # b holds a slot: not cordoned
+        with beating([a, b]):
+            r = run_cli(uncordon, env=tg_env, timeout=60)  # b holds a slot: not cordoned
         assert r.returncode == 1 and "not cordoned" in r.stderr and "Traceback" not in r.stderr, r.stderr
-        r = run_cli(["uncordon", "b", "--coordinator", c.target, "--job", "other"], env=tg_env, timeout=60)
+        with beating([a, b]):
+            r = run_cli(["uncordon", "b", "--coordinator", c.target, "--job", "other"], env=tg_env, timeout=60)
         assert r.returncode == 2 and "unknown job" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     finally:
         c.stop()
@@ -81,7 +106,8 @@ def test_uncordon_keeps_out_a_node_its_running_daemon_reports_fatal_and_rearms_i
             (r.returncode, r.stdout, r.stderr)
         # d1 goes quiet (the machine was taken down for the repair): the operator's word is all there is.
         time.sleep(1.0)
-        r = run_cli(uncordon, env=tg_env, timeout=60)
+        with beating([a, s]):
+            r = run_cli(uncordon, env=tg_env, timeout=60)
         assert r.returncode == 0 and "back in service" in r.stdout, (r.stdout, r.stderr)
         # The same daemon comes back and reports the fault again: a new fault for this job, cordoned again.
         assert _report(c, "b", pb.NODE_HEALTH_VERDICT_FATAL, "d1", "nvidia: GPU fell off the bus")

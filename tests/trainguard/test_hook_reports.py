@@ -45,7 +45,7 @@ def test_the_latched_errors_keep_the_newest(tmp_path) -> None:
     s.close()
 
 
-def test_the_first_step_after_the_hello_is_reported_at_once(tmp_path) -> None:
+def test_the_first_step_after_the_hello_is_reported_at_once(tmp_path, monkeypatch) -> None:
     """The hello went out at start and the first step waited out the heartbeat interval behind it (0.25 s),
     folded into a later step: the agent's "first resumed step" after a restart read 203 for a restore to 200
     (seen in `make demo`). Real gRPC over a unix socket to a recording agent."""
@@ -54,9 +54,12 @@ def test_the_first_step_after_the_hello_is_reported_at_once(tmp_path) -> None:
 
     import grpc
 
+    import trainguard.hook as hook_mod
     from trainguard.hook import _AgentLink
     from trainguard.proto import agent_pb2, agent_pb2_grpc
 
+    # A long interval, so that "at once" and "after the interval" stay apart on a loaded box too.
+    monkeypatch.setattr(hook_mod, "HEARTBEAT_MIN_INTERVAL_S", 5.0)
     steps: list[int] = []
 
     class Agent(agent_pb2_grpc.NodeAgentServicer):
@@ -75,10 +78,11 @@ def test_the_first_step_after_the_hello_is_reported_at_once(tmp_path) -> None:
         while not steps and time.monotonic() < deadline:  # the hello (step -1)
             time.sleep(0.005)
         link.beat(200, 0.01)
-        time.sleep(0.1)  # well inside the heartbeat interval
+        deadline = time.monotonic() + 3  # well inside the 5 s interval
+        while len(steps) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
         for step in range(201, 210):
             link.beat(step, 0.01)
-        time.sleep(0.5)
         link.close()
     finally:
         server.stop(0)
