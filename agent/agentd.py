@@ -905,9 +905,16 @@ def config_loader(
         socket_path: ``--socket PATH`` ("" disables it), or None.
         state_dir: ``--state-dir DIR``, or None.
 
+    Relative ``config_path``, ``socket_path`` and ``state_dir`` are resolved against the current folder now.
+
     Returns:
         A function returning the validated configuration, raising AgentConfigError.
     """
+    # Relative paths on the command line mean the folder the command was typed in: resolved once, here, so every
+    # later load (SIGHUP) and every client reads the same place. In the file and the environment they are refused
+    # (config.validate): under systemd the daemon starts in /, not where the file or the unit was written.
+    config_path, socket_path, state_dir = (os.path.abspath(p) if p else p
+                                           for p in (config_path, socket_path, state_dir))
     flags = {("grpc", "listen"): (grpc_listen, "--grpc-listen"), ("grpc", "socket"): (socket_path, "--socket"),
              ("agent", "state_dir"): (state_dir, "--state-dir")}
 
