@@ -28,6 +28,7 @@ the self-check and a liveness probe alike.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -45,7 +46,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trainguard.agent.arena_keeper import ArenaKeeper, ArenaRootError
-from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
+from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError, parse_hostport
 from trainguard.agent.coordinator_report import NodeVerdict, NodeVerdictLatch
 from trainguard.agent.daemon_jobs import (REFUSED_METADATA_KEY, DaemonJobs, JobTlsPathRefused, describe_launcher,
                                           launcher_key)
@@ -177,6 +178,51 @@ def _prepare_socket_path(path: str) -> None:
     finally:
         probe.close()
     raise AgentError(f"another process serves on {path}; stop that agent first or pick another --socket")
+
+
+def _refuse_taken_port(config: AgentConfig) -> None:
+    """Refuses a ``grpc.listen`` port another process listens on, before gRPC is asked to bind it.
+
+    gRPC's core logs its own "Failed to add port to server" line to stderr before the bind error reaches us, so an
+    operator saw a C++ log line ahead of (and longer than) ours. A port taken between this probe and gRPC's bind
+    still fails, with gRPC's line first.
+
+    Raises:
+        AgentConfigError: the port is in use, naming it and the option that sets it.
+    """
+    listen = config.grpc.listen
+    host, port = parse_hostport(listen)
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # a host that does not resolve: gRPC's bind error says so
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT holds nothing
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise AgentConfigError(_port_taken_message(config)) from exc
+                # another error (an address not on this host) is gRPC's to report
+
+
+def _port_taken_message(config: AgentConfig) -> str:
+    """The one line for a ``grpc.listen`` port in use, naming the option to change where it was set."""
+    origin = config.origins.get("grpc.listen")
+    if origin == "--grpc-listen":
+        where = "--grpc-listen HOST:PORT"
+    elif origin:
+        where = f"{origin} (or --grpc-listen HOST:PORT)"
+    elif config.source.startswith("<"):  # no file: the built-in default
+        where = "--grpc-listen HOST:PORT (or grpc.listen in the config file)"
+    else:
+        where = f"grpc.listen in {config.source} (or --grpc-listen HOST:PORT)"
+    _, port = parse_hostport(config.grpc.listen)
+    return (f"grpc.listen: port {port} ({config.grpc.listen}) is in use by another process (another agent?); stop "
+            f"it or pick a free port with {where}; '' disables TCP")
 
 
 def _self_check_host(listen: str) -> str:
@@ -394,6 +440,8 @@ class AgentDaemon:
         self.health.add_to_server(server)
         if g.reflection:
             enable_reflection(server)
+        if g.listen:
+            _refuse_taken_port(config)  # before the socket is bound: a refused start leaves no socket file behind
         if g.socket:
             folder = os.path.dirname(os.path.abspath(g.socket))
             try:
@@ -414,7 +462,8 @@ class AgentDaemon:
                 else:
                     self.tcp_port = server.add_insecure_port(g.listen)
             except RuntimeError as exc:
-                raise AgentConfigError(f"grpc.listen: cannot listen on {g.listen} ({exc}); is the port in use?") from exc
+                raise AgentConfigError(f"grpc.listen: cannot listen on {g.listen} ({exc}); is the port in use? Pick "
+                                       "another with --grpc-listen HOST:PORT or grpc.listen") from exc
         # The socket file is created by start(): owner-only until chmod gives the configured group access.
         old_umask = os.umask(0o177)
         try:
