@@ -199,7 +199,11 @@ def _refuse_taken_port(config: AgentConfig) -> None:
     except socket.gaierror:
         return  # a host that does not resolve: gRPC's bind error says so
     for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # a family this host lacks (IPv6 off): gRPC's bind fails or skips it alike
+        with probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT holds nothing
             try:
                 probe.bind(address)
