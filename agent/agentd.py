@@ -61,6 +61,7 @@ from trainguard.agent.logging_setup import configure_logging
 from trainguard.agent.metrics import AgentMetrics, MetricsServer
 from trainguard.agent.node_health import DetectorEventSource, LocalNodeHealth
 from trainguard.agent.rpc_limits import RequestGuard
+from trainguard.agent.self_check import SamplerProgress
 from trainguard.agent.sdnotify import (
     WATCHDOG_PID_ENV,
     WATCHDOG_USEC_ENV,
@@ -77,9 +78,6 @@ log = logging.getLogger(__name__)
 
 #: Deadline of the daemon's own health self-check, in seconds.
 SELF_CHECK_TIMEOUT_S = 2.0
-# A detector sampler that has not completed a sample for this many intervals (plus slack) is stalled.
-_STALL_INTERVALS = 3
-_STALL_SLACK_S = 10.0
 
 ConfigLoader = Callable[[], AgentConfig]
 
@@ -263,7 +261,8 @@ def detector_counts(statuses: list) -> str:
 class AgentDaemon:
     """Owns every part of the running daemon; ``start()``, then ``run()`` until a stop signal."""
 
-    def __init__(self, load_config: ConfigLoader, notifier: SystemdNotifier | None = None) -> None:
+    def __init__(self, load_config: ConfigLoader, notifier: SystemdNotifier | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """Creates the daemon (nothing runs until :meth:`start`).
 
         Args:
@@ -271,6 +270,8 @@ class AgentDaemon:
                 on every SIGHUP.
             notifier: systemd notifier; default: from ``$NOTIFY_SOCKET`` (and removed from the environment so
                 workers do not inherit it).
+            clock: the clock the watchdog self-check times the detector sampler's progress on, in seconds; one
+                that never steps (default ``time.monotonic``: an NTP step must neither trip nor mask the check).
         """
         self._load_config = load_config
         self.notifier = notifier if notifier is not None else SystemdNotifier.from_env()
@@ -301,7 +302,7 @@ class AgentDaemon:
         self._reload = threading.Event()
         self._wake = threading.Event()
         self._status_line = ""
-        self._started_at = time.monotonic()
+        self._sampler_progress = SamplerProgress(clock)  # the sampler's progress since the start, for the self-check
         self._stopped = False
         # The node's verdict for coordinators, and one reporter per coordinator (configured, or a job's).
         self.verdict_latch = NodeVerdictLatch()
@@ -601,6 +602,7 @@ class AgentDaemon:
     def _refresh(self) -> None:
         """Copies live state into metrics and health statuses."""
         statuses = self.detector_statuses()
+        self._sampler_progress.observe(statuses)  # every loop turn: progress is dated to the turn that saw it
         if self.metrics is not None:
             self.metrics.set_detector_states({s.name: s.state.name for s in statuses})
             self.metrics.set_worker_states([])  # the daemon runs no workers (jobs' launchers do)
@@ -647,12 +649,8 @@ class AgentDaemon:
         statuses = self.detector_statuses()
         if not statuses:
             return False
-        newest = max(s.sampled_at for s in statuses)
         shortest = min(getattr(d.config, "interval_s", 5.0) for d in self.runner.detectors)
-        limit = _STALL_INTERVALS * shortest + _STALL_SLACK_S
-        if newest == 0.0:  # nothing sampled yet: measure from start
-            return time.monotonic() - self._started_at > limit
-        return time.time() - newest > limit
+        return self._sampler_progress.stalled(statuses, shortest)
 
     def _healthy(self) -> bool:
         """The main loop's verdict: gRPC answers its own health check and the detector sampler progresses."""

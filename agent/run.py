@@ -260,7 +260,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
 
     grpc_server, _ = serve(agent, config.socket_path)
     restore = install_signal_handlers(agent, signals)
-    t0 = time.time()
+    t0 = time.monotonic()  # the job's wall time is a duration: no clock step in it
     extras = None
     code = None
     try:
@@ -289,7 +289,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         guard().close()
         remove_rundir(rundir)
     return RunResult(exit_code=code, message=message, faults=agent.fault_records,
-                     generations=max(agent.generation, 0), wall_s=time.time() - t0)
+                     generations=max(agent.generation, 0), wall_s=time.monotonic() - t0)
 
 
 def replica_config(args: argparse.Namespace, token: str = ""):
