@@ -134,9 +134,11 @@ class GrpcSection:
         max_message_bytes: transport cap on any message, in bytes; larger ones are dropped by gRPC itself with
             RESOURCE_EXHAUSTED before they are read. Must be >= ``max_request_bytes``, and with a socket >=
             ``rpc_limits.ATTACH_MAX_REQUEST_BYTES`` (what ``AttachJob`` accepts). Default 4194304.
-        max_workers: threads serving calls (each open ``WatchEvents`` stream holds one). Default 16.
-        max_watchers: concurrent ``WatchEvents`` and server reflection streams; more get RESOURCE_EXHAUSTED.
-            Default 8.
+        max_workers: threads serving calls (each open ``WatchEvents`` stream holds one). Default 48.
+        max_watchers: concurrent ``WatchEvents`` and server reflection streams; more get RESOURCE_EXHAUSTED
+            naming this option. Each job's launcher on the node holds one, each ``trainguard events --follow``
+            one. Default 32: a 16-device node shared by single-device jobs plus operators' streams, and
+            ``max_workers - max_watchers`` = 16 threads always free for health checks and launchers' calls.
         reflection: serve gRPC server reflection (for grpcurl and debugging). Default true.
     """
 
@@ -145,8 +147,8 @@ class GrpcSection:
     socket_mode: int = 0o660
     max_request_bytes: int = 65536
     max_message_bytes: int = 4 * 1024 * 1024
-    max_workers: int = 16
-    max_watchers: int = 8
+    max_workers: int = 48
+    max_watchers: int = 32
     reflection: bool = True
 
 
