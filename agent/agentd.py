@@ -333,6 +333,9 @@ class AgentDaemon:
         # a start refused for its configuration says so even while the daemon it would replace still runs.
         self._state_lock = _lock_state_dir(config.agent.state_dir)
         try:
+            # Before anything binds: a second agent on this socket (given its own state folder) was told about
+            # the metrics port or the TCP port the running one holds, not about the running agent.
+            self._lock_socket(config)
             self.metrics = AgentMetrics(config.agent.node_id)
             health = LocalNodeHealth(config.agent.node_id, bus=EventBus(recent=config.detectors.recent_events),
                                      threshold=config.predictor.threshold)
@@ -433,6 +436,24 @@ class AgentDaemon:
         except ImportError:
             pass  # a detector module missing from this install: the start runs without detectors, not refused
 
+    def _lock_socket(self, config: AgentConfig) -> None:
+        """Creates the socket's folder and takes the socket's lock (see :func:`_lock_socket_path`).
+
+        Raises:
+            AgentConfigError: the folder cannot be created.
+            AgentError: another agent holds the socket.
+        """
+        sock = config.grpc.socket
+        if not sock:
+            return
+        folder = os.path.dirname(os.path.abspath(sock))
+        try:
+            os.makedirs(folder, mode=0o750, exist_ok=True)
+        except OSError as exc:
+            raise AgentConfigError(f"grpc.socket: cannot create folder {folder} ({exc.strerror}); pick another "
+                                   "--socket") from exc
+        self._socket_lock = _lock_socket_path(sock)
+
     def _start_grpc(self, config: AgentConfig) -> None:
         g = config.grpc
         guard = RequestGuard(g.max_request_bytes, g.max_watchers, observer=self.metrics.observe_request)
@@ -448,13 +469,6 @@ class AgentDaemon:
         if g.listen:
             _refuse_taken_port(config)  # before the socket is bound: a refused start leaves no socket file behind
         if g.socket:
-            folder = os.path.dirname(os.path.abspath(g.socket))
-            try:
-                os.makedirs(folder, mode=0o750, exist_ok=True)
-            except OSError as exc:
-                raise AgentConfigError(f"grpc.socket: cannot create folder {folder} ({exc.strerror}); pick another "
-                                       "--socket") from exc
-            self._socket_lock = _lock_socket_path(g.socket)
             _prepare_socket_path(g.socket)
             try:
                 server.add_insecure_port(f"unix:{g.socket}")
