@@ -192,6 +192,22 @@ def test_fault_record_gives_the_step_the_injector_struck_at_not_the_one_asked_fo
         sup.close()
 
 
+def test_the_agent_as_a_library_forks_workers_with_grpc_fork_handlers_off() -> None:
+    """A supervisor used in-process (run_job, these tests) forks its workers (preexec_fn) from a process running
+    gRPC; with gRPC's fork support on, a worker sometimes died of SIGABRT between fork and exec ("epoll_wait error:
+    Bad file descriptor"): test_supervisor failed 2 runs in 10 after in-process daemon tests. Only the CLI turned
+    the support off; importing the agent now does, unless the user set it."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    code = "import os, trainguard.agent.supervisor; print(os.environ.get('GRPC_ENABLE_FORK_SUPPORT'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "false", out.stderr[-2000:]
+    env["GRPC_ENABLE_FORK_SUPPORT"] = "true"  # the user's own choice is kept
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "true", out.stderr[-2000:]
+
+
 def test_table_without_this_node_starts_nothing(tmp_path: Path) -> None:
     sup = LocalSupervisor(_config(tmp_path, SLEEPER))
     assert not sup.start(_table(node_id="other")) and sup.state == SupervisorState.INIT and sup.group is None
