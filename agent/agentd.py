@@ -28,6 +28,7 @@ the self-check and a liveness probe alike.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -45,7 +46,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trainguard.agent.arena_keeper import ArenaKeeper, ArenaRootError
-from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
+from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError, parse_hostport
 from trainguard.agent.coordinator_report import NodeVerdict, NodeVerdictLatch
 from trainguard.agent.daemon_jobs import (REFUSED_METADATA_KEY, DaemonJobs, JobTlsPathRefused, describe_launcher,
                                           launcher_key)
@@ -60,6 +61,7 @@ from trainguard.agent.logging_setup import configure_logging
 from trainguard.agent.metrics import AgentMetrics, MetricsServer
 from trainguard.agent.node_health import DetectorEventSource, LocalNodeHealth
 from trainguard.agent.rpc_limits import RequestGuard
+from trainguard.agent.self_check import SamplerProgress
 from trainguard.agent.sdnotify import (
     WATCHDOG_PID_ENV,
     WATCHDOG_USEC_ENV,
@@ -76,9 +78,6 @@ log = logging.getLogger(__name__)
 
 #: Deadline of the daemon's own health self-check, in seconds.
 SELF_CHECK_TIMEOUT_S = 2.0
-# A detector sampler that has not completed a sample for this many intervals (plus slack) is stalled.
-_STALL_INTERVALS = 3
-_STALL_SLACK_S = 10.0
 
 ConfigLoader = Callable[[], AgentConfig]
 
@@ -179,6 +178,55 @@ def _prepare_socket_path(path: str) -> None:
     raise AgentError(f"another process serves on {path}; stop that agent first or pick another --socket")
 
 
+def _refuse_taken_port(config: AgentConfig) -> None:
+    """Refuses a ``grpc.listen`` port another process listens on, before gRPC is asked to bind it.
+
+    gRPC's core logs its own "Failed to add port to server" line to stderr before the bind error reaches us, so an
+    operator saw a C++ log line ahead of (and longer than) ours. A port taken between this probe and gRPC's bind
+    still fails, with gRPC's line first.
+
+    Raises:
+        AgentConfigError: the port is in use, naming it and the option that sets it.
+    """
+    listen = config.grpc.listen
+    host, port = parse_hostport(listen)
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # a host that does not resolve: gRPC's bind error says so
+    for family, kind, proto, _, address in addresses:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # a family this host lacks (IPv6 off): gRPC's bind fails or skips it alike
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT holds nothing
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise AgentConfigError(_port_taken_message(config)) from exc
+                # another error (an address not on this host) is gRPC's to report
+
+
+def _port_taken_message(config: AgentConfig) -> str:
+    """The one line for a ``grpc.listen`` port in use, naming the option to change where it was set."""
+    origin = config.origins.get("grpc.listen")
+    if origin == "--grpc-listen":
+        where = "--grpc-listen HOST:PORT"
+    elif origin:
+        where = f"{origin} (or --grpc-listen HOST:PORT)"
+    elif config.source.startswith("<"):  # no file: the built-in default
+        where = "--grpc-listen HOST:PORT (or grpc.listen in the config file)"
+    else:
+        where = f"grpc.listen in {config.source} (or --grpc-listen HOST:PORT)"
+    _, port = parse_hostport(config.grpc.listen)
+    return (f"grpc.listen: port {port} ({config.grpc.listen}) is in use by another process (another agent?); stop "
+            f"it or pick a free port with {where}; '' disables TCP")
+
+
 def _self_check_host(listen: str) -> str:
     """Where the daemon reaches its own TCP listener ``listen`` (``HOST:PORT``): the host itself, or loopback of
     the same family for a wildcard address (an IPv6 or a single interface's address is not on 127.0.0.1)."""
@@ -213,7 +261,8 @@ def detector_counts(statuses: list) -> str:
 class AgentDaemon:
     """Owns every part of the running daemon; ``start()``, then ``run()`` until a stop signal."""
 
-    def __init__(self, load_config: ConfigLoader, notifier: SystemdNotifier | None = None) -> None:
+    def __init__(self, load_config: ConfigLoader, notifier: SystemdNotifier | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """Creates the daemon (nothing runs until :meth:`start`).
 
         Args:
@@ -221,6 +270,8 @@ class AgentDaemon:
                 on every SIGHUP.
             notifier: systemd notifier; default: from ``$NOTIFY_SOCKET`` (and removed from the environment so
                 workers do not inherit it).
+            clock: the clock the watchdog self-check times the detector sampler's progress on, in seconds; one
+                that never steps (default ``time.monotonic``: an NTP step must neither trip nor mask the check).
         """
         self._load_config = load_config
         self.notifier = notifier if notifier is not None else SystemdNotifier.from_env()
@@ -251,7 +302,7 @@ class AgentDaemon:
         self._reload = threading.Event()
         self._wake = threading.Event()
         self._status_line = ""
-        self._started_at = time.monotonic()
+        self._sampler_progress = SamplerProgress(clock)  # the sampler's progress since the start, for the self-check
         self._stopped = False
         # The node's verdict for coordinators, and one reporter per coordinator (configured, or a job's).
         self.verdict_latch = NodeVerdictLatch()
@@ -282,6 +333,9 @@ class AgentDaemon:
         # a start refused for its configuration says so even while the daemon it would replace still runs.
         self._state_lock = _lock_state_dir(config.agent.state_dir)
         try:
+            # Before anything binds: a second agent on this socket (given its own state folder) was told about
+            # the metrics port or the TCP port the running one holds, not about the running agent.
+            self._lock_socket(config)
             self.metrics = AgentMetrics(config.agent.node_id)
             health = LocalNodeHealth(config.agent.node_id, bus=EventBus(recent=config.detectors.recent_events),
                                      threshold=config.predictor.threshold)
@@ -382,6 +436,24 @@ class AgentDaemon:
         except ImportError:
             pass  # a detector module missing from this install: the start runs without detectors, not refused
 
+    def _lock_socket(self, config: AgentConfig) -> None:
+        """Creates the socket's folder and takes the socket's lock (see :func:`_lock_socket_path`).
+
+        Raises:
+            AgentConfigError: the folder cannot be created.
+            AgentError: another agent holds the socket.
+        """
+        sock = config.grpc.socket
+        if not sock:
+            return
+        folder = os.path.dirname(os.path.abspath(sock))
+        try:
+            os.makedirs(folder, mode=0o750, exist_ok=True)
+        except OSError as exc:
+            raise AgentConfigError(f"grpc.socket: cannot create folder {folder} ({exc.strerror}); pick another "
+                                   "--socket") from exc
+        self._socket_lock = _lock_socket_path(sock)
+
     def _start_grpc(self, config: AgentConfig) -> None:
         g = config.grpc
         guard = RequestGuard(g.max_request_bytes, g.max_watchers, observer=self.metrics.observe_request)
@@ -394,14 +466,9 @@ class AgentDaemon:
         self.health.add_to_server(server)
         if g.reflection:
             enable_reflection(server)
+        if g.listen:
+            _refuse_taken_port(config)  # before the socket is bound: a refused start leaves no socket file behind
         if g.socket:
-            folder = os.path.dirname(os.path.abspath(g.socket))
-            try:
-                os.makedirs(folder, mode=0o750, exist_ok=True)
-            except OSError as exc:
-                raise AgentConfigError(f"grpc.socket: cannot create folder {folder} ({exc.strerror}); pick another "
-                                       "--socket") from exc
-            self._socket_lock = _lock_socket_path(g.socket)
             _prepare_socket_path(g.socket)
             try:
                 server.add_insecure_port(f"unix:{g.socket}")
@@ -414,7 +481,8 @@ class AgentDaemon:
                 else:
                     self.tcp_port = server.add_insecure_port(g.listen)
             except RuntimeError as exc:
-                raise AgentConfigError(f"grpc.listen: cannot listen on {g.listen} ({exc}); is the port in use?") from exc
+                raise AgentConfigError(f"grpc.listen: cannot listen on {g.listen} ({exc}); is the port in use? Pick "
+                                       "another with --grpc-listen HOST:PORT or grpc.listen") from exc
         # The socket file is created by start(): owner-only until chmod gives the configured group access.
         old_umask = os.umask(0o177)
         try:
@@ -548,6 +616,7 @@ class AgentDaemon:
     def _refresh(self) -> None:
         """Copies live state into metrics and health statuses."""
         statuses = self.detector_statuses()
+        self._sampler_progress.observe(statuses)  # every loop turn: progress is dated to the turn that saw it
         if self.metrics is not None:
             self.metrics.set_detector_states({s.name: s.state.name for s in statuses})
             self.metrics.set_worker_states([])  # the daemon runs no workers (jobs' launchers do)
@@ -594,12 +663,8 @@ class AgentDaemon:
         statuses = self.detector_statuses()
         if not statuses:
             return False
-        newest = max(s.sampled_at for s in statuses)
         shortest = min(getattr(d.config, "interval_s", 5.0) for d in self.runner.detectors)
-        limit = _STALL_INTERVALS * shortest + _STALL_SLACK_S
-        if newest == 0.0:  # nothing sampled yet: measure from start
-            return time.monotonic() - self._started_at > limit
-        return time.time() - newest > limit
+        return self._sampler_progress.stalled(statuses, shortest)
 
     def _healthy(self) -> bool:
         """The main loop's verdict: gRPC answers its own health check and the detector sampler progresses."""
@@ -905,9 +970,16 @@ def config_loader(
         socket_path: ``--socket PATH`` ("" disables it), or None.
         state_dir: ``--state-dir DIR``, or None.
 
+    Relative ``config_path``, ``socket_path`` and ``state_dir`` are resolved against the current folder now.
+
     Returns:
         A function returning the validated configuration, raising AgentConfigError.
     """
+    # Relative paths on the command line mean the folder the command was typed in: resolved once, here, so every
+    # later load (SIGHUP) and every client reads the same place. In the file and the environment they are refused
+    # (config.validate): under systemd the daemon starts in /, not where the file or the unit was written.
+    config_path, socket_path, state_dir = (os.path.abspath(p) if p else p
+                                           for p in (config_path, socket_path, state_dir))
     flags = {("grpc", "listen"): (grpc_listen, "--grpc-listen"), ("grpc", "socket"): (socket_path, "--socket"),
              ("agent", "state_dir"): (state_dir, "--state-dir")}
 

@@ -32,12 +32,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("agent", help="run the node agent daemon",
                        description="Run the node agent daemon in the foreground (systemd: Type=notify).")
     p.add_argument("--config", default=None, metavar="PATH",
-                   help="TOML configuration (default $TRAINGUARD_AGENT_CONFIG or /etc/trainguard/agent.toml)")
+                   help="TOML configuration (default $TRAINGUARD_AGENT_CONFIG or /etc/trainguard/agent.toml); a "
+                        "relative path is taken from the current folder")
     p.add_argument("--grpc-listen", default=None, metavar="HOST:PORT",
                    help="TCP address of the gRPC services ('' disables TCP); overrides grpc.listen")
     p.add_argument("--socket", default=None, metavar="PATH",
-                   help="unix socket for local workers and `trainguard status`; overrides grpc.socket")
-    p.add_argument("--state-dir", default=None, metavar="DIR", help="state directory; overrides agent.state_dir")
+                   help="unix socket for local workers and `trainguard status` ('' disables it); overrides "
+                        "grpc.socket; a relative path is taken from the current folder (in the config file and "
+                        "$TRAINGUARD_AGENT_SOCKET_PATH it must be absolute)")
+    p.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="state directory; overrides agent.state_dir; a relative path is taken from the current "
+                        "folder (in the config file and $TRAINGUARD_AGENT_STATE_DIR it must be absolute)")
     p.set_defaults(handler=_agent)
 
     operator_cli.register(sub)  # `status` and `events`

@@ -87,8 +87,9 @@ class AgentSection:
     Attributes:
         node_id: stable identity of this node, reported to the coordinator; :data:`NODE_ID_RE`. Default: the host
             name.
-        state_dir: directory the agent owns for state that survives restarts (created at start, mode 0750).
-            Default ``/var/lib/trainguard``.
+        state_dir: directory the agent owns for state that survives restarts (created at start, mode 0750); an
+            absolute path (``--state-dir`` resolves a relative one against the folder it is typed in). Default
+            ``/var/lib/trainguard``.
         loop_interval_s: period of the main loop that checks subsystems and pings the systemd watchdog, in
             seconds; the watchdog is pinged at most every half ``WatchdogSec``. Default 1.0.
         stop_grace_s: on SIGTERM, seconds the workers get to exit after SIGTERM before SIGKILL. Default 20.0.
@@ -124,7 +125,8 @@ class GrpcSection:
             disables TCP. Port 0 picks a free port (logged). Default ``127.0.0.1:7350``: the TCP listener
             serves the same methods as the socket, so expose it beyond the host only with TLS (``[tls]``,
             mutual TLS with ``client_ca_file``).
-        socket: unix socket path for local workers and ``trainguard status``; ``""`` disables it. Default
+        socket: unix socket path for local workers and ``trainguard status``, absolute (``--socket`` resolves a
+            relative one against the folder it is typed in); ``""`` disables it. Default
             ``/run/trainguard/agent.sock``.
         socket_mode: permission bits of the unix socket; must grant nothing to "other". Default ``0o660``.
         max_request_bytes: largest request a method accepts, in bytes; larger ones get INVALID_ARGUMENT.
@@ -132,9 +134,11 @@ class GrpcSection:
         max_message_bytes: transport cap on any message, in bytes; larger ones are dropped by gRPC itself with
             RESOURCE_EXHAUSTED before they are read. Must be >= ``max_request_bytes``, and with a socket >=
             ``rpc_limits.ATTACH_MAX_REQUEST_BYTES`` (what ``AttachJob`` accepts). Default 4194304.
-        max_workers: threads serving calls (each open ``WatchEvents`` stream holds one). Default 16.
-        max_watchers: concurrent ``WatchEvents`` and server reflection streams; more get RESOURCE_EXHAUSTED.
-            Default 8.
+        max_workers: threads serving calls (each open ``WatchEvents`` stream holds one). Default 48.
+        max_watchers: concurrent ``WatchEvents`` and server reflection streams; more get RESOURCE_EXHAUSTED
+            naming this option. Each job's launcher on the node holds one, each ``trainguard events --follow``
+            one. Default 32: a 16-device node shared by single-device jobs plus operators' streams, and
+            ``max_workers - max_watchers`` = 16 threads always free for health checks and launchers' calls.
         reflection: serve gRPC server reflection (for grpcurl and debugging). Default true.
     """
 
@@ -143,8 +147,8 @@ class GrpcSection:
     socket_mode: int = 0o660
     max_request_bytes: int = 65536
     max_message_bytes: int = 4 * 1024 * 1024
-    max_workers: int = 16
-    max_watchers: int = 8
+    max_workers: int = 48
+    max_watchers: int = 32
     reflection: bool = True
 
 
@@ -417,6 +421,10 @@ class AgentConfig:
                                   "a letter or digit); coordinators refuse every report under it")
         if not a.state_dir:
             fail("agent.state_dir", "must not be empty")
+        if not os.path.isabs(a.state_dir):
+            # Relative to whichever folder the daemon started in (/ under systemd): not where the operator meant.
+            fail("agent.state_dir", f"{a.state_dir!r} is a relative path; give an absolute one (only --state-dir "
+                                    "resolves a relative path, against the folder it is typed in)")
         if not 0.05 <= a.loop_interval_s <= 60:
             fail("agent.loop_interval_s", f"{a.loop_interval_s} is outside [0.05, 60] seconds")
         if not 0 <= a.stop_grace_s <= 3600:
@@ -431,6 +439,10 @@ class AgentConfig:
         if g.listen:
             _check_hostport(g.listen, "grpc.listen", fail)
         if g.socket:
+            if not os.path.isabs(g.socket):
+                # Launchers and `trainguard status` look for the socket by its path from their own folders.
+                fail("grpc.socket", f"{g.socket!r} is a relative path; give an absolute one (only --socket "
+                                    "resolves a relative path, against the folder it is typed in)")
             if len(os.fsencode(g.socket)) > _MAX_SOCKET_PATH_BYTES:
                 fail("grpc.socket", f"path is {len(os.fsencode(g.socket))} bytes, over the 107-byte unix limit")
         if not g.listen and not g.socket:

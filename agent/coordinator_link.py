@@ -206,6 +206,12 @@ class GrpcCoordinatorLink:
                         f"coordinator {self.config.coordinator} unreachable for {patience_s:.0f}s; "
                         "check the address and that it runs"
                     ) from exc
+                if delay == 0.1:
+                    # Once: the wait for a coordinator that is down (or not up yet, or at a wrong address) was
+                    # silent for the whole patience, a minute by default, before its error.
+                    log.warning("coordinator %s not reachable yet (%s: %s); retrying for up to %.0f s (the bound "
+                                "is --rdzv-conf join_timeout)", self.config.coordinator, code.name,
+                                (exc.details() or "").split("\n", 1)[0][:300], patience_s)
                 if self._cancelled.wait(delay):
                     raise RegistrationCancelledError(
                         f"registration with coordinator {self.config.coordinator} cancelled: a stop was asked for"

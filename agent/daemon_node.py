@@ -35,7 +35,7 @@ class DaemonNode:
         self.node_id = node_id
         self.health = health
         self.stopping = False  # set at shutdown: ends WatchEvents streams
-        self.started_at = time.time()
+        self.started_at = time.monotonic()  # for the uptime: a duration, so no wall-clock steps in it
         self.last_checkpoint_step = -1
         self._lock = threading.Lock()
 
@@ -59,7 +59,7 @@ class DaemonNode:
         h = agent_pb2.NodeHealth(
             node_id=self.node_id,
             version=__version__,
-            uptime_s=time.time() - self.started_at,
+            uptime_s=time.monotonic() - self.started_at,
             predictor_score=self.health.score,
             predictor_threshold=self.health.threshold,
             generation=self.generation,

@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from trainguard.agent.fault_records import FaultRecord
 from trainguard.agent.run import add_run_arguments, format_summary, run_job
 from trainguard.errors import UsageError
 
@@ -33,6 +34,15 @@ def _run(argv: list[str]) -> tuple:
     p = argparse.ArgumentParser()
     add_run_arguments(p)
     return run_job(p.parse_args(argv))
+
+
+def fault_line(f: FaultRecord) -> str:
+    """The result line of the demo's fault: the step the injector struck at (the first tick at or after the
+    asked-for step, so it may lie a few steps later), the detection delay and where the job resumed."""
+    at = f" at step {f.step}" if f.step is not None else ""
+    return (f"   fault: rank {f.rank} {f.cause}{at}; detected in "
+            f"{(f.detected_at - (f.injected_at or f.detected_at)) * 1000:.0f} ms; resumed at step "
+            f"{f.resumed_step} after {f.recovery_s or float('nan'):.2f} s (fault to first resumed step)")
 
 
 def run_demo(steps: int = 300, kill_step: int | None = None, workdir: str | None = None) -> int:
@@ -57,7 +67,7 @@ def run_demo(steps: int = 300, kill_step: int | None = None, workdir: str | None
         common = ["--nproc-per-node", "2", "--max-restarts", "2"]
         script = [str(EXAMPLE), "--steps", str(steps), "--save-every", "20", "--step-delay", "0.03"]
         print(f"== trainguard demo: 2 workers train an MLP on digits for {steps} steps, checkpoint every 20;\n"
-              f"   rank 1 gets SIGKILL at step {kill_step}", flush=True)
+              f"   rank 1 gets SIGKILL once it reports step {kill_step}", flush=True)
         faulty = _run(common + ["--job", "demo-faulty", "--checkpoint-dir", str(work / "ckpt-faulty"),
                                 "--log-dir", str(work / "logs-faulty"), "--fault", f"1:{kill_step}:KILL",
                                 *script, "--out", str(work / "faulty.json")])
@@ -76,9 +86,7 @@ def run_demo(steps: int = 300, kill_step: int | None = None, workdir: str | None
         f = faulty.faults[0] if faulty.faults else None
         print("== result")
         if f is not None:
-            print(f"   fault: rank {f.rank} {f.cause} at step {kill_step}; detected in "
-                  f"{(f.detected_at - (f.injected_at or f.detected_at)) * 1000:.0f} ms; resumed at step "
-                  f"{f.resumed_step} after {f.recovery_s or float('nan'):.2f} s (fault to first resumed step)")
+            print(fault_line(f))
         print(f"   final test accuracy {a['test_accuracy']:.4f} (fault-free run: {b['test_accuracy']:.4f})")
         print(f"   final parameters bitwise equal to the fault-free run: {'yes' if same else 'NO'}")
         return 0 if same and f is not None else 1

@@ -19,6 +19,10 @@ class FaultRecord:
         restarted_at: when workers of the next generation were started here.
         resumed_at: when a worker of the next generation completed its first step.
         resumed_step: that step.
+        step: the last step the failed rank had reported when it was struck (an injected fault: the step the
+            injector saw when it sent the signal) or, for a real fault, when its end was seen; None when it
+            reported no step. Not the step a drill asked for: the injector strikes at the first tick at or
+            after that step.
         hardware: the node-level hardware event that explained the failure (``"pcie.aer_fatal: ..."``), or
             None when the failure was reported as a process failure.
         error: the exception the worker recorded in its ``TORCHELASTIC_ERROR_FILE`` (torch's ``@record``),
@@ -33,6 +37,7 @@ class FaultRecord:
     restarted_at: float | None = None
     resumed_at: float | None = None
     resumed_step: int | None = None
+    step: int | None = None
     hardware: str | None = None
     error: str | None = None
 

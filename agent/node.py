@@ -216,7 +216,7 @@ class NodeAgent:
                                       threshold=config.predictor_threshold)
         self.stopping = False
         self.stop_code = 130  # what run() returns once stopped: 128 + the signal (see request_stop)
-        self.started_at = time.time()
+        self.started_at = time.monotonic()  # for the uptime: a duration, so no wall-clock steps in it
         self.final_message = ""
         self.last_checkpoint_step = -1
         self._lock = threading.RLock()
@@ -324,7 +324,7 @@ class NodeAgent:
         h = agent_pb2.NodeHealth(
             node_id=self.config.node_id,
             version=__version__,
-            uptime_s=time.time() - self.started_at,
+            uptime_s=time.monotonic() - self.started_at,
             predictor_score=self.health.score,
             predictor_threshold=self.health.threshold,
             job=self.config.job,

@@ -408,6 +408,7 @@ def follow_events(stub: agent_pb2_grpc.NodeAgentStub, replay: int, min_severity:
     stop = stop or threading.Event()
     seen: OrderedDict[str, None] = OrderedDict()
     backoff = 0.2
+    refused = False  # the agent's streams are all taken: said once, until a stream is had again
     while not stop.is_set():
         call = stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=replay, min_severity=min_severity),
                                 timeout=renew_s)
@@ -419,6 +420,9 @@ def follow_events(stub: agent_pb2_grpc.NodeAgentStub, replay: int, min_severity:
         try:
             for event in call:
                 backoff = 0.2
+                if refused:
+                    print("trainguard: event stream open again", file=err, flush=True)
+                    refused = False
                 if event.event_id in seen:
                     continue
                 seen[event.event_id] = None
@@ -433,6 +437,17 @@ def follow_events(stub: agent_pb2_grpc.NodeAgentStub, replay: int, min_severity:
             if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
                               grpc.StatusCode.UNAUTHENTICATED):
                 raise
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # Every stream the agent allows is taken (one per launcher, per `events --follow`): only its
+                # own words say which option to raise; a bare "RESOURCE_EXHAUSTED; reconnecting" every few
+                # seconds said nothing.
+                if not refused:
+                    print(f"trainguard: the agent refuses another event stream ({exc.details()}); retrying until "
+                          "one ends", file=err, flush=True)
+                    refused = True
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
             print(f"trainguard: event stream {exc.code().name}; reconnecting in {backoff:.1f}s", file=err, flush=True)
             time.sleep(backoff)
             backoff = min(backoff * 2, 5.0)

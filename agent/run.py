@@ -260,7 +260,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
 
     grpc_server, _ = serve(agent, config.socket_path)
     restore = install_signal_handlers(agent, signals)
-    t0 = time.time()
+    t0 = time.monotonic()  # the job's wall time is a duration: no clock step in it
     extras = None
     code = None
     try:
@@ -289,7 +289,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         guard().close()
         remove_rundir(rundir)
     return RunResult(exit_code=code, message=message, faults=agent.fault_records,
-                     generations=max(agent.generation, 0), wall_s=time.time() - t0)
+                     generations=max(agent.generation, 0), wall_s=time.monotonic() - t0)
 
 
 def replica_config(args: argparse.Namespace, token: str = ""):
@@ -331,7 +331,8 @@ def format_summary(result: RunResult) -> str:
                  f"{len(result.faults)} fault(s)" + (f": {result.message}" if result.message else ""))
     for i, f in enumerate(result.faults, 1):
         t_fault = f.injected_at or f.detected_at
-        parts = [f"  fault {i}: generation {f.generation}, rank {f.rank} ended with {f.cause}"]
+        at = f" at step {f.step}" if f.step is not None else ""
+        parts = [f"  fault {i}: generation {f.generation}, rank {f.rank} ended with {f.cause}{at}"]
         parts.append(f"detected +{(f.detected_at - t_fault) * 1000:.0f} ms")
         if f.restarted_at:
             parts.append(f"restarted +{f.restarted_at - t_fault:.2f} s")
@@ -350,7 +351,7 @@ def summary_record(result: RunResult) -> dict:
     for f in result.faults:
         t_fault = f.injected_at or f.detected_at
         faults.append({
-            "generation": f.generation, "rank": f.rank, "cause": f.cause, "error": f.error,
+            "generation": f.generation, "rank": f.rank, "cause": f.cause, "step": f.step, "error": f.error,
             "detected_after_s": round(f.detected_at - t_fault, 4),
             "restarted_after_s": round(f.restarted_at - t_fault, 4) if f.restarted_at else None,
             "first_step": f.resumed_step if f.resumed_at is not None else None,

@@ -92,6 +92,9 @@ class LocalSupervisor:
         # Some worker of this job, in any generation, reported through the hook: the job's workers do, so a
         # silent one before its first step is hung (a script without the hook is never judged by silence).
         self._hook_seen = False
+        # rank -> its last reported step when a hook struck it in the current generation: the fault record's
+        # step (taken at the strike, as the injector logs it, not the step the drill asked for).
+        self._struck_steps: dict[int, int] = {}
 
     # -- state ---------------------------------------------------------------------------------------------
     @property
@@ -219,6 +222,7 @@ class LocalSupervisor:
             self._group = group
             self._advisories.clear()
             self._failed = False
+            self._struck_steps = {}
         standbys = self._standbys.take()
         try:
             group.start(standbys)
@@ -276,6 +280,7 @@ class LocalSupervisor:
         if self._life.state in (SupervisorState.RUNNING, SupervisorState.HUNG):
             for hook in self.hooks:
                 hook.on_tick(self._generation, group)
+            self._note_struck(group)
         failed = self._resources.failed
         if failed is not None and failed[0] == self._generation:
             self._resources.failed = None
@@ -296,6 +301,7 @@ class LocalSupervisor:
             rec = FaultRecord(
                 generation=self._generation, rank=w.spec.rank, cause=describe_exit(w.exit_code),
                 injected_at=self.injected_at(w.spec.rank), detected_at=time.time(),
+                step=self._fault_step(w.spec.rank, w.last_step),
                 error=read_error_file(w.spec.env.get(ERROR_FILE_ENV)),
             )
             self.fault_records.append(rec)
@@ -323,7 +329,8 @@ class LocalSupervisor:
             return None  # about a worker of an older generation
         self.fault_records.append(FaultRecord(generation=self._generation, rank=rank,
                                               cause=event.message or event.kind,
-                                              injected_at=self.injected_at(rank), detected_at=time.time()))
+                                              injected_at=self.injected_at(rank), detected_at=time.time(),
+                                              step=self._fault_step(rank, w.last_step)))
         if event.kind == "process.hung" and self._life.can(_T.HANG):
             w.state = WorkerState.HUNG
             self._life.fire(_T.HANG)  # HUNG until stop(), which then ends in FAILED
@@ -339,6 +346,24 @@ class LocalSupervisor:
     def injected_at(self, rank: int) -> float | None:
         """When a hook struck ``rank`` in the current generation (None: a real fault)."""
         return next((t for t in (h.injected_at(self._generation, rank) for h in self.hooks) if t), None)
+
+    def _note_struck(self, group: WorkerGroup) -> None:
+        """Keeps the last reported step of each worker a hook has just struck: the step of the injected fault.
+
+        Read right after the hooks ran, before the next heartbeats: the demo reported the step the drill asked
+        for (275) while the injector struck at the first tick at or after it (281).
+        """
+        if not self.hooks:
+            return
+        for w in group.workers:
+            rank = w.spec.rank
+            if rank not in self._struck_steps and self.injected_at(rank) is not None:
+                self._struck_steps[rank] = w.last_step
+
+    def _fault_step(self, rank: int, last_step: int) -> int | None:
+        """The step of ``rank``'s fault: its step when a hook struck it, else the last one it reported."""
+        step = self._struck_steps.get(rank, last_step)
+        return step if step >= 0 else None
 
     # -- standbys and views --------------------------------------------------------------------------------
     def ensure_standbys(self, spare_waiting: bool) -> None:

@@ -103,8 +103,9 @@ def test_a_burst_of_health_checks_queues_instead_of_being_refused(tmp_path):
 
     (tmp_path / "fake").mkdir()
     config = tmp_path / "agent.toml"
+    # No /metrics: the default port 9477 is anyone's on a shared box (the test failed when another process held it).
     config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\n[agent]\nloop_interval_s = 0.1\n'
-                      '[grpc]\nmax_workers = 4\nmax_watchers = 2\n')
+                      '[metrics]\nlisten = ""\n[grpc]\nmax_workers = 4\nmax_watchers = 2\n')
     sock_path = tmp_path / "agent.sock"
     daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
                          SystemdNotifier(None))

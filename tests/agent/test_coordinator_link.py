@@ -95,6 +95,22 @@ def test_unreachable_coordinator_is_bounded_by_patience() -> None:
     assert link.state == LinkState.DONE
 
 
+def test_waiting_for_an_unreachable_coordinator_says_so_once_at_once(caplog) -> None:
+    """`trainguard run --coordinator <down>` printed nothing for the whole patience (a minute by default), then
+    "unreachable for 60s": the operator could not tell a dead coordinator from a slow start."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="trainguard.agent.coordinator_link")
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1", patience_s=0.8))
+    with pytest.raises(CoordinatorUnavailableError, match="unreachable for 1s"):
+        link.open()  # tries about five times (0.1, 0.2, 0.4 s apart...)
+    link.close()
+    said = [r for r in caplog.records if "not reachable yet" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    text = said[0].getMessage()
+    assert "coordinator 127.0.0.1:1" in text and "UNAVAILABLE" in text and "join_timeout" in text, text
+
+
 def test_an_outage_after_the_local_workers_succeeded_does_not_say_start_again(coordinator) -> None:
     """Found by a user's review: a job that finished while its coordinator was down ended with "check that it
     runs, then start this node again", which reruns a finished job."""

@@ -167,7 +167,9 @@ def test_a_restarted_daemon_is_attached_again_and_not_called_back_before_it_answ
     try:
         d.request_stop()  # the daemon goes away under the job
         _wait(lambda: any("event stream ended" in m for m in lines), "the launcher to see the daemon gone")
-        _wait(lambda: not (tmp / "agent.sock").exists(), "the daemon's stop")
+        # Its state folder's lock is let go last, after the socket is removed: a start before that was refused
+        # as a second agent on the folder (seen under load).
+        _wait(lambda: not (tmp / "agent.sock").exists() and d._state_lock is None, "the daemon's stop")
         for _ in range(5):  # a few retry periods without a daemon
             time.sleep(0.05)
         assert not [m for m in lines if "is back" in m or "again failed" in m], lines
@@ -196,7 +198,7 @@ def test_a_launcher_outlives_the_daemons_runtime_folder(daemon, monkeypatch):
     link = attach_daemon("j1", "", "node-a", RpcSecurity(), checkpointing=True)
     assert link is not None and link.lock is not None
     d.request_stop()
-    _wait(lambda: not (tmp / "agent.sock").exists(), "the daemon's stop")
+    _wait(lambda: not (tmp / "agent.sock").exists() and d._state_lock is None, "the daemon's stop")  # lock last
     shutil.rmtree(tmp / "launchers")  # as systemd does between stop and start
     again = AgentDaemon(d._load_config, SystemdNotifier(None))
     again.start()

@@ -3,6 +3,7 @@ hang seen by the real process detector drives HUNG, exit 0 drives SUCCEEDED; ill
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -163,6 +164,48 @@ def test_drill_hook_injects_the_fault_and_dates_it(tmp_path: Path) -> None:
         assert failure.record.detected_at >= failure.record.injected_at
     finally:
         sup.close()
+
+
+def test_fault_record_gives_the_step_the_injector_struck_at_not_the_one_asked_for(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`trainguard demo` said "fault ... at step 275" (the step it asked for) while the injector logged that it
+    struck at 281 (its first tick at or after 275), so "resumed at step 280" read as later than the fault. The
+    record carries the step of the strike: not the asked-for one, nor a heartbeat still in flight after it."""
+    from trainguard.agent.demo import fault_line
+
+    injector = StepFaultInjector([FaultPlan(rank=1, step=5, sig=signal.SIGKILL, generation=1)])
+    sup = LocalSupervisor(_config(tmp_path, SLEEPER), hooks=[injector])
+    caplog.set_level(logging.WARNING, logger="trainguard.drill.inject")
+    try:
+        sup.start(_table())
+        w1 = sup.group.by_rank(1)
+        for step in range(1, 9):  # the agent heard of steps 1..8 before its next tick
+            sup.on_heartbeat(rank=1, pid=w1.pid, generation=1, step=step, step_time_s=0.1)
+        failure = sup.poll()  # the injector strikes at step 8
+        sup.on_heartbeat(rank=1, pid=w1.pid, generation=1, step=9, step_time_s=0.1)  # sent before it died
+        failure = failure or _poll_until_failure(sup)
+        struck = [r.getMessage() for r in caplog.records if "fault injected" in r.getMessage()]
+        assert struck == ["fault injected: SIGKILL to rank 1 at step 8"], struck
+        assert failure.record.step == 8
+        assert " at step 8;" in fault_line(failure.record), fault_line(failure.record)
+    finally:
+        sup.close()
+
+
+def test_the_agent_as_a_library_forks_workers_with_grpc_fork_handlers_off() -> None:
+    """A supervisor used in-process (run_job, these tests) forks its workers (preexec_fn) from a process running
+    gRPC; with gRPC's fork support on, a worker sometimes died of SIGABRT between fork and exec ("epoll_wait error:
+    Bad file descriptor"): test_supervisor failed 2 runs in 10 after in-process daemon tests. Only the CLI turned
+    the support off; importing the agent now does, unless the user set it."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    code = "import os, trainguard.agent.supervisor; print(os.environ.get('GRPC_ENABLE_FORK_SUPPORT'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "false", out.stderr[-2000:]
+    env["GRPC_ENABLE_FORK_SUPPORT"] = "true"  # the user's own choice is kept
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "true", out.stderr[-2000:]
 
 
 def test_table_without_this_node_starts_nothing(tmp_path: Path) -> None:

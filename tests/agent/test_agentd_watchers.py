@@ -1,0 +1,100 @@
+"""Event streams at the daemon's limit: the default takes a node full of single-device jobs' launchers plus
+operators, and the one refused beyond the limit is told which option to raise, once."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from trainguard.agent.agentd import AgentDaemon, config_loader
+from trainguard.agent.operator_cli import follow_events
+from trainguard.agent.sdnotify import SystemdNotifier
+from trainguard.proto import agent_pb2, agent_pb2_grpc, common_pb2
+
+
+def _daemon(tmp_path: Path, grpc_table: str = "") -> AgentDaemon:
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nenabled = ["process"]\nroot = "{tmp_path / "fake"}"\n[metrics]\nlisten = ""\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n[grpc]\n{grpc_table}')
+    daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "agent.sock"), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    return daemon
+
+
+def _wait(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
+        time.sleep(0.02)
+
+
+def test_default_limit_takes_sixteen_single_device_jobs_and_operators(tmp_path: Path) -> None:
+    """The default was 8 streams: 8 single-GPU jobs' launchers took them all, and the operator's
+    `trainguard events --follow` (or a ninth job's launcher) got RESOURCE_EXHAUSTED."""
+    daemon = _daemon(tmp_path)
+    limit = daemon.config.grpc.max_watchers
+    calls = []
+    try:
+        with grpc.insecure_channel(f"unix:{tmp_path / 'agent.sock'}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            # 16 launchers (a 16-device node, one job per device) and an operator's `events --follow`, then the
+            # rest up to the limit.
+            for i in range(max(16 + 1, limit)):
+                call = stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=1), timeout=60)
+                calls.append(call)
+                try:
+                    assert next(call).kind == "agent.started"  # accepted: the replayed event arrives
+                except grpc.RpcError as exc:
+                    raise AssertionError(f"stream {i + 1} refused: {exc.details()}") from exc
+            extra = stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=1), timeout=60)
+            try:
+                next(extra)
+                raise AssertionError("a stream beyond grpc.max_watchers was accepted")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "grpc.max_watchers" in exc.details()
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING  # threads left for health checks
+            for call in calls:
+                call.cancel()
+    finally:
+        daemon.stop()
+
+
+def test_events_follow_at_the_limit_names_the_option_once(tmp_path: Path) -> None:
+    """`trainguard events --follow` printed "event stream RESOURCE_EXHAUSTED; reconnecting in 0.2s", 0.4s, ...
+    forever, never why nor what to change."""
+    daemon = _daemon(tmp_path, "max_workers = 2\nmax_watchers = 1\n")
+    refused = {"code": "RESOURCE_EXHAUSTED", "method": "WatchEvents"}
+    err, stop, calls = io.StringIO(), threading.Event(), []
+    try:
+        with grpc.insecure_channel(f"unix:{tmp_path / 'agent.sock'}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            holder = stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=1), timeout=60)
+            assert next(holder).kind == "agent.started"
+
+            def free_the_slot() -> None:  # once the operator's stream was refused twice
+                _wait(lambda: (daemon.metrics.registry.get_sample_value("trainguard_grpc_requests_total", refused)
+                               or 0) >= 2, "two refused streams")
+                holder.cancel()
+
+            freer = threading.Thread(target=free_the_slot)
+            freer.start()
+            events = follow_events(stub, 1, common_pb2.SEVERITY_INFO, renew_s=60, err=err, stop=stop, calls=calls)
+            assert next(events).kind == "agent.started"  # had once the slot freed
+            freer.join(30)
+            stop.set()
+            for call in calls:
+                call.cancel()
+    finally:
+        daemon.stop()
+    lines = err.getvalue().splitlines()
+    told = [line for line in lines if "grpc.max_watchers" in line]
+    assert len(told) == 1 and "refuses another event stream" in told[0], lines
+    assert not [line for line in lines if "reconnecting" in line], lines
