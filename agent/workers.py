@@ -105,13 +105,24 @@ def child_setup() -> None:
     _child_setup()
 
 
+def _load_prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up once, here: the child of a fork runs _child_setup while the agent's other threads (gRPC, detectors,
+# the lease keeper) may have held locks at the fork, so it makes one foreign call and nothing else; loading
+# libc there ran dlopen/dlsym, which take the loader's lock.
+_PRCTL = _load_prctl()
+_SIGKILL = int(signal.SIGKILL)
+
+
 def _child_setup() -> None:
     # Runs in the child between fork and exec: die with the agent, whatever kills it.
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
 
 
 class WorkerGroup:
