@@ -596,6 +596,7 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
                 todo = [q for q in todo if q.fault_class == "extra"]
             if todo and not stop_written and todo[0].at_s <= elapsed and pending is None and enospc is None:
                 p = todo.pop(0)
+                committed_at_fill = _committed_step(ckpt) if p.kind == "enospc" else -1
                 o = _inject(p, steps, rng, cfg, elapsed, tmpfs)
                 if o is None:
                     todo.insert(0, p)
@@ -606,7 +607,7 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
                                               o.injected_s - o.planned_s > 1 else ""))
                 if p.kind == "enospc":
                     o.level = "none"
-                    enospc = {"outcome": o, "freed": None, "committed": -1}
+                    enospc = enospc_state(o, committed_at_fill)
                 else:
                     pending = o
         wall = time.time() - t_launch
@@ -653,16 +654,28 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def follow_enospc(state: dict, cfg: SoakConfig, tmpfs: _Tmpfs, ckpt: Path, events: Path, t0: float, now: float,
-                  nproc: int, progress) -> dict | None:
-    """Follows a full checkpoint disk: times the first reported error, frees the space after
-    ``enospc_window_s`` and times until the next committed checkpoint.
+def enospc_state(outcome: FaultOutcome, committed_at_fill: int) -> dict:
+    """What :func:`follow_enospc` follows for a checkpoint disk just filled.
 
     Args:
-        state: ``{"outcome": FaultOutcome, "freed": None, "committed": -1}`` from the injection, updated here.
+        outcome: the injected fault.
+        committed_at_fill: the job's committed step just before the disk was filled.
+    """
+    return {"outcome": outcome, "freed": None, "committed": -1, "at_fill": committed_at_fill}
+
+
+def follow_enospc(state: dict, cfg: SoakConfig, tmpfs: _Tmpfs, ckpt: Path, events: Path, t0: float, now: float,
+                  nproc: int, progress) -> dict | None:
+    """Follows a full checkpoint disk: times the first checkpoint warning or error the hook logged, frees the
+    space after ``enospc_window_s`` and times until the next committed checkpoint. When checkpoints were still
+    committed while the disk was full (the checkpoint service made room by removing older steps), saves never
+    stopped: the recovery is 0 and says so, not "resumed" at the next periodic save after the space came back.
+
+    Args:
+        state: :func:`enospc_state` from the injection, updated here.
 
     Returns:
-        The state while the fault is still followed, None once saves have resumed.
+        The state while the fault is still followed, None once saves have resumed (or never stopped).
     """
     o = state["outcome"]
     if o.detected_s is None:
@@ -671,7 +684,8 @@ def follow_enospc(state: dict, cfg: SoakConfig, tmpfs: _Tmpfs, ckpt: Path, event
                 ev = json.loads(line)
                 if ev["t"] >= t0 + o.injected_s:
                     o.detected_s = ev["t"] - (t0 + o.injected_s)
-                    progress(f"  checkpoint error reported after {o.detected_s:.2f} s (training goes on)")
+                    progress(f"  checkpoint {str(ev.get('level', 'error')).lower()} reported after "
+                             f"{o.detected_s:.2f} s (training goes on): {str(ev.get('message', ''))[:120]}")
                     break
             if o.detected_s is not None:
                 break
@@ -680,6 +694,11 @@ def follow_enospc(state: dict, cfg: SoakConfig, tmpfs: _Tmpfs, ckpt: Path, event
         state["freed"] = now
         state["committed"] = _committed_step(ckpt)
         progress("  checkpoint space freed")
+        if state["committed"] > state.get("at_fill", state["committed"]):
+            o.recovery_s = 0.0
+            progress(f"  saves went on while the disk was full: step {state['committed']} was committed after the "
+                     "fill (older steps removed to make room), nothing to resume")
+            return None
     if state["freed"] is not None and _committed_step(ckpt) > state["committed"]:
         o.recovery_s = now - state["freed"]
         progress(f"  saves resumed {o.recovery_s:.2f} s after the space was freed")

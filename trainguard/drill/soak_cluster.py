@@ -65,6 +65,8 @@ from trainguard.drill.soak import (
     _reap_marked,
     _StepLog,
     _Tmpfs,
+    _committed_step,
+    enospc_state,
     follow_enospc,
     load_schedule,
     read_restores,
@@ -516,9 +518,10 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
         o = FaultOutcome(kind=p.kind, fault_class=p.fault_class, label=p.label, planned_s=p.at_s,
                          injected_s=elapsed, generation=gen)
         if p.kind == "enospc":
+            committed_at_fill = _committed_step(cluster.ckpt)
             tmpfs.fill()
             o.level = "none"
-            enospc = {"outcome": o, "freed": None, "committed": -1}
+            enospc = enospc_state(o, committed_at_fill)
         elif p.kind == "coordinator":
             cluster.kill_coordinator()
             o.level = "none"
