@@ -95,7 +95,7 @@ def test_measured_components_and_report_text():
 def test_short_real_drill_kill_and_verify(tmp_path):
     """A real 2-worker job under trainguard run: a full checkpoint disk, one SIGKILL, then the fault-free check."""
     cfg = SoakConfig(wall_s=3.0, step_delay_s=0.02, save_every=5, trace_faults=0, extra=("enospc", "kill"),
-                     enospc_window_s=1.5, workdir=str(tmp_path / "soak"))
+                     enospc_window_s=1.5, workdir=str(tmp_path / "soak"), early_reference=True)
     rep = run_soak(cfg, progress=lambda _line: None)
     assert rep.exit_code == 0
     assert rep.equal_to_reference is True
@@ -125,7 +125,7 @@ def test_cluster_drill_every_node_fault_and_verify(tmp_path):
         ("hwfault", "agentkill", "precursor", "coordinator")
     cfg = SoakConfig(wall_s=5.0, step_delay_s=0.05, save_every=5, trace_faults=0, extra=extra, nodes=2, spares=1,
                      netns=netns, lease_timeout_s=3.0, drain_grace_s=1.0, precursor_lead_s=20.0,
-                     workdir=str(tmp_path / "soak"))
+                     workdir=str(tmp_path / "soak"), early_reference=True)
     lines: list[str] = []
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     rep = run_soak(cfg, progress=lines.append)

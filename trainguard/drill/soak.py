@@ -131,6 +131,10 @@ class SoakConfig:
             another node's memory as a verified replica (cluster drills with the job memory tier; pins a test to
             "the snapshot had replicated": on a loaded machine the niced persist process alone can take longer
             than a save interval to publish a snapshot). Default False (any time).
+        early_reference: start the fault-free reference as soon as the stop step is written, so its start-up
+            (seconds of interpreter and torch imports) overlaps the faulted job's last steps instead of following
+            them. Its imports then compete with those steps for the CPU, which lowers the measured ETTR a little:
+            meant for short drills and tests, not for figures. Default False (after the job ended).
     """
 
     wall_s: float = 180.0
@@ -157,6 +161,7 @@ class SoakConfig:
     precursor_lead_s: float = 10.0
     memory_tier: str = "job"
     strike_after_replication: bool = False
+    early_reference: bool = False
 
     def validate(self) -> None:
         """Checks ranges.
@@ -590,7 +595,7 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
             if not stop_written and elapsed >= cfg.wall_s and pending is None and enospc is None and not extras_left:
                 finish_by, target = write_stop(steps, stop_file, progress)
                 stop_written = True
-                if reference is not None:
+                if reference is not None and cfg.early_reference:
                     reference.start(target, progress)
             if elapsed >= cfg.wall_s:  # past the wall time only the extras still run, so each drill has them
                 todo = [q for q in todo if q.fault_class == "extra"]
@@ -731,9 +736,9 @@ def step_stats(steps: _StepLog) -> tuple[float, float | None, float]:
 class Reference:
     """The fault-free reference run: ``nproc`` workers on one node, no checkpoints, for a given number of steps.
 
-    It is started as soon as the step count is known (when the drill writes the stop step), so its start-up
-    (interpreters, torch and DDP imports: seconds, most of its cost) overlaps the faulted job's last steps rather
-    than following them. It reads nothing of the faulted job (no checkpoint directory; its own shared-memory
+    With ``early_reference`` it is started as soon as the step count is known (when the drill writes the stop
+    step), so its start-up (interpreters, torch and DDP imports: seconds, most of its cost) overlaps the faulted
+    job's last steps rather than following them. It reads nothing of the faulted job (no checkpoint directory; its own shared-memory
     folder) and keeps no warm standby: it never restarts, and a standby's imports would compete with its workers'.
 
     Args:

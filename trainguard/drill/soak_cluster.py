@@ -504,7 +504,7 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
                 and not extras_left):
             finish_by, target = write_stop(steps, stop_file, progress)
             stop_written = True
-            if reference is not None:
+            if reference is not None and cfg.early_reference:
                 reference.start(target, progress)
         if elapsed >= cfg.wall_s:
             todo = [q for q in todo if q.fault_class == "extra"]
