@@ -96,6 +96,7 @@ class StragglerDrillResult:
     detection_s: float | None = None
     false_alarms: int = 0
     status_polls_healthy: int = 0
+    status_polls_unanswered: int = 0
     step_healthy_s: float | None = None
     step_slow_s: float | None = None
     step_after_s: float | None = None
@@ -274,6 +275,19 @@ def _wait_steps(job: _Job, n: int, timeout: float) -> None:
         time.sleep(0.2)
 
 
+def poll_healthy(job: _Job, nodes: list[str], res: StragglerDrillResult) -> None:
+    """One round of ``trainguard status`` polls in the healthy phase: every slow rank an answer lists is a false
+    alarm. Only answers count as polls: an agent that did not answer saw nothing, and counting it as a clean poll
+    reported "0 false alarms in N polls" for a healthy phase nobody watched."""
+    for node in nodes:
+        status = job.status(node)
+        if status is None:
+            res.status_polls_unanswered += 1
+            continue
+        res.status_polls_healthy += 1
+        res.false_alarms += len(_slow_listed(status))
+
+
 def _slow_listed(status: dict | None) -> list[dict]:
     return list(((status or {}).get("failslow") or {}).get("slow") or [])
 
@@ -317,10 +331,7 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
             # earlier spoils it. (Counted from when the drill saw step 20, it waited those 20 steps twice.)
             healthy_until = max(healthy_until, job.steps(0)[0][0] + BASELINE_FORMS_S)
         while time.time() < healthy_until:
-            for node in watched:
-                slow = _slow_listed(job.status(node))
-                res.status_polls_healthy += 1
-                res.false_alarms += len(slow)
+            poll_healthy(job, watched, res)
             time.sleep(1.0)
         victim = job.pid_of(cfg.throttle_rank)
         if victim is None:
