@@ -304,6 +304,19 @@ class _Cluster:
         self.kill_coordinator()
 
 
+def check_exits(nodes: list[_Node]) -> None:
+    """Checks how the job's node agents ended (the report's exit code is 0 only when every one exited 0).
+
+    Raises:
+        SoakError: an agent exited non-zero (or by a signal); names the first and its log's last lines.
+    """
+    for n in nodes:
+        code = n.proc.poll()
+        if code is not None and code != 0:
+            tail = " | ".join(_read_lines(n.log_path)[-3:])
+            raise SoakError(f"the soak job failed: node agent {n.name} exited with code {code}: {tail[:400]}")
+
+
 def _hosting(cluster: _Cluster, steps: _StepLog, gen: int) -> dict[int, _Node]:
     """rank -> node for the ranks that stepped in generation ``gen`` (found from the worker pids)."""
     out = {}
@@ -438,6 +451,7 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
         now = time.time()
         active = cluster.live()
         if stop_written and out_file.exists() and all(n.proc.poll() is not None for n in active):
+            check_exits(active)
             break
         if time.monotonic() > finish_by:
             raise SoakError(f"the soak job did not finish after the stop step was set; see the logs in "
