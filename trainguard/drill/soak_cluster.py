@@ -82,9 +82,12 @@ log = logging.getLogger(__name__)
 RESTART_KINDS = ("kill", "stop", "hwfault", "agentkill", "linkdown", "precursor")
 NODE_KINDS = ("hwfault", "agentkill", "linkdown", "precursor")
 #: A new spare counts as ready once its warm standby worker has imported torch and waits for its orders (a real
-#: cluster's spares have been up for hours). Where that cannot be seen (no readable ``/proc/<pid>/syscall``), it
-#: counts as ready this long after it registered.
+#: cluster's spares have been up for hours). Where that cannot be seen (no readable ``/proc/<pid>/syscall``) or the
+#: spare keeps no standby, it counts as ready this long after it registered.
 SPARE_WARMUP_S = 8.0
+#: ... and at the latest this long after it registered, warm or not: a standby still importing after that (a very
+#: loaded machine) must not hold the drill's remaining node faults back.
+SPARE_READY_MAX_S = 30.0
 #: x86-64 and arm64 syscall numbers of ``read``: a standby done importing blocks in ``read(0, ...)`` on its stdin.
 _READ_SYSCALLS = {"x86_64": "0", "aarch64": "63"}
 _TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
@@ -118,13 +121,14 @@ def first_log_match(path: Path, pattern: str, after: float) -> float | None:
     return None
 
 
-def standbys_waiting(pids: set[int]) -> int | None:
-    """How many of ``pids`` are standby workers (``python -u -c ...``) blocked reading their stdin, i.e. done with
-    their imports (:mod:`trainguard.agent.standby`); None when a process's syscall cannot be read here."""
+def standbys_waiting(pids: set[int]) -> tuple[int, int] | None:
+    """(how many of ``pids`` are standby workers (``python -u -c ...``) blocked reading their stdin, i.e. done with
+    their imports (:mod:`trainguard.agent.standby`); how many standby workers there are), or None when a process's
+    syscall cannot be read here."""
     nr = _READ_SYSCALLS.get(os.uname().machine)
     if nr is None:
         return None
-    count = 0
+    count = total = 0
     for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -137,8 +141,9 @@ def standbys_waiting(pids: set[int]) -> int | None:
             continue  # ended meanwhile
         except OSError:
             return None  # not ours to read (no ptrace access): fall back to the fixed delay
+        total += 1
         count += call[:2] == [nr, "0x0"]
-    return count
+    return count, total
 
 
 @dataclass
@@ -156,15 +161,19 @@ class _Node:
 
     def warm(self, now: float, nproc: int = 1) -> bool:
         """Registered with the coordinator, and its ``nproc`` warm standby workers done importing (blocked reading
-        their orders); where a process's syscall cannot be read, registered at least :data:`SPARE_WARMUP_S` ago."""
+        their orders); where that cannot be seen or it keeps no standby, registered at least
+        :data:`SPARE_WARMUP_S` ago; in any case once registered :data:`SPARE_READY_MAX_S` ago."""
         if self.registered_at is None:
             self.registered_at = first_log_match(self.log_path, r"registered node .* with coordinator", 0.0)
         if self.registered_at is None:
             return False
-        waiting = standbys_waiting(self.tree_pids() - {self.proc.pid})
-        if waiting is None:
-            return now - self.registered_at >= SPARE_WARMUP_S
-        return waiting >= nproc
+        since = now - self.registered_at
+        if since >= SPARE_READY_MAX_S:
+            return True
+        counted = standbys_waiting(self.tree_pids() - {self.proc.pid})
+        if counted is None or counted[1] == 0:
+            return since >= SPARE_WARMUP_S  # nothing to watch: the fixed delay
+        return counted[0] >= nproc
 
     def tree_pids(self) -> set[int]:
         """The agent's pid and every descendant's."""
