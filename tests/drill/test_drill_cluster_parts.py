@@ -136,3 +136,46 @@ def test_cluster_schedule_injects_every_class() -> None:
     no_ns = plan_schedule(trace, SoakConfig(wall_s=3600.0, trace_faults=300.0, extra=(), nodes=2, seed=1,
                                             netns=False))[0]
     assert all(p.reason == NO_NETNS_REASON for p in no_ns if p.fault_class == "link")
+
+
+def test_a_node_agent_that_failed_at_the_end_fails_the_drill(tmp_path) -> None:
+    # The cluster drill left its loop once every agent had exited and reported exit code 0 whatever their codes
+    # were: a job the coordinator declared failed after rank 0 wrote its digest read "exit 0" (and was verified).
+    from trainguard.drill.soak_cluster import _Node, check_exits
+
+    nodes = []
+    for name, code in (("n0", 0), ("n1", 3)):
+        log = tmp_path / f"{name}.log"
+        log.write_text(f"trainguard: job failed in generation 2 ({name})\n")
+        proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+        proc.wait()
+        nodes.append(_Node(name, len(nodes), "active", proc, log, hw=None))
+    check_exits(nodes[:1])  # every agent exited 0: nothing to say
+    with pytest.raises(SoakError, match=r"node agent n1 exited with code 3: trainguard: job failed in generation 2"):
+        check_exits(nodes)
+
+
+def test_a_standby_counts_as_waiting_once_it_blocks_on_its_orders(tmp_path) -> None:
+    # A new spare is ready once its standby has done its imports and reads its orders from stdin (was: a fixed 8 s
+    # after it registered, waited out by every node fault of the cluster drill).
+    from trainguard.drill.soak_cluster import standbys_waiting
+
+    gate = tmp_path / "imported"
+    standby = subprocess.Popen([sys.executable, "-u", "-c", "import os, sys, time\n"
+                                "while not os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+                                "sys.stdin.readline()\n", str(gate)], stdin=subprocess.PIPE)
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    try:
+        pids = {standby.pid, other.pid}
+        deadline = time.monotonic() + 60
+        assert standbys_waiting(pids) in ((0, 1), None)  # still "importing"; the other is no standby
+        if standbys_waiting(pids) is None:
+            pytest.skip("/proc/<pid>/syscall is not readable here")
+        gate.touch()
+        while standbys_waiting(pids) != (1, 1):
+            assert time.monotonic() < deadline, standbys_waiting(pids)
+            time.sleep(0.01)
+    finally:
+        for p in (standby, other):
+            p.stdin.close()
+            p.wait()

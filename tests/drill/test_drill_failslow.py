@@ -98,3 +98,22 @@ def test_cpu_throttle_caps_a_busy_process_and_cleans_up(tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_status_poll_nobody_answered_is_not_a_healthy_poll(tmp_path):
+    # The healthy phase counted every poll, answered or not: with the agents' status unreachable a drill reported
+    # "0 false alarms in N status polls" (and passed `status_polls_healthy >= 4`) although nothing was watched.
+    import socket
+
+    from trainguard.drill.failslow import StragglerDrillResult, _Job, poll_healthy
+
+    job = _Job.__new__(_Job)  # the real status() path, without starting a job
+    job.events = tmp_path / "events"
+    job.events.mkdir()
+    (job.events / "agent-n1.sock").write_text(str(tmp_path / "gone.sock"))  # an agent that has exited
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(tmp_path / "gone.sock"))
+    dead.close()
+    res = StragglerDrillResult(config={})
+    poll_healthy(job, ["n0", "n1"], res)  # n0 never wrote its socket file; n1's socket refuses
+    assert (res.status_polls_healthy, res.status_polls_unanswered, res.false_alarms) == (0, 2, 0)

@@ -24,7 +24,8 @@ def test_process_crash_and_node_loss_restore_every_rank_from_memory(tmp_path) ->
     # Faults strike once every rank's newest snapshot is a replica in another node's memory: this test is about
     # the buddy's copy (a node lost before its newest snapshot replicated restores that step from disk).
     cfg = SoakConfig(wall_s=6.0, step_delay_s=0.05, save_every=10, trace_faults=0, extra=("kill", "agentkill"),
-                     nodes=2, spares=1, netns=netns, workdir=str(tmp_path / "soak"), strike_after_replication=True)
+                     nodes=2, spares=1, netns=netns, workdir=str(tmp_path / "soak"), strike_after_replication=True,
+                     early_reference=True)
     lines: list[str] = []
     rep = run_soak(cfg, progress=lines.append)
     text = "\n".join(lines)

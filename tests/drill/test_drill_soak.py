@@ -95,7 +95,7 @@ def test_measured_components_and_report_text():
 def test_short_real_drill_kill_and_verify(tmp_path):
     """A real 2-worker job under trainguard run: a full checkpoint disk, one SIGKILL, then the fault-free check."""
     cfg = SoakConfig(wall_s=3.0, step_delay_s=0.02, save_every=5, trace_faults=0, extra=("enospc", "kill"),
-                     enospc_window_s=1.5, workdir=str(tmp_path / "soak"))
+                     enospc_window_s=1.5, workdir=str(tmp_path / "soak"), early_reference=True)
     rep = run_soak(cfg, progress=lambda _line: None)
     assert rep.exit_code == 0
     assert rep.equal_to_reference is True
@@ -125,7 +125,7 @@ def test_cluster_drill_every_node_fault_and_verify(tmp_path):
         ("hwfault", "agentkill", "precursor", "coordinator")
     cfg = SoakConfig(wall_s=5.0, step_delay_s=0.05, save_every=5, trace_faults=0, extra=extra, nodes=2, spares=1,
                      netns=netns, lease_timeout_s=3.0, drain_grace_s=1.0, precursor_lead_s=20.0,
-                     workdir=str(tmp_path / "soak"))
+                     workdir=str(tmp_path / "soak"), early_reference=True)
     lines: list[str] = []
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     rep = run_soak(cfg, progress=lines.append)
@@ -175,3 +175,37 @@ def test_drill_cli_names_represent_gpus_and_a_file_as_workdir(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"trainguard: error: {flag}"), err
     assert afile.read_text() == "x"
+
+
+def test_enospc_saves_committed_while_the_disk_was_full_are_not_reported_as_resumed(tmp_path):
+    # With retention the checkpoint service makes room on a full disk by removing older steps, so saves went on
+    # through the whole ENOSPC window; the drill still reported "saves resumed 0.12 s after the space was freed"
+    # (the next periodic save), as if saves had stopped. A commit during the window now reads as no interruption.
+    from trainguard.checkpoint.location import CheckpointLocation
+    from trainguard.drill.soak import _Tmpfs, enospc_state, follow_enospc
+
+    ckpt = tmp_path / "ckpt"
+    store = CheckpointLocation.parse(str(ckpt)).open_store("soak")
+    store.commit_rank(5, 0, 1, "d5")
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "rank0.events").write_text(json.dumps(
+        {"t": 100.3, "level": "WARNING", "message": "checkpoint disk tier is full: step 10 fitted only after older "
+                                                     "step(s) 5 were removed"}) + "\n")
+    cfg = SoakConfig(enospc_window_s=1.5)
+    lines: list[str] = []
+    o = FaultOutcome("enospc", "extra", "extra: enospc", 0.0, 0.0, level="none")
+    state = enospc_state(o, committed_at_fill=5)
+    tmpfs = _Tmpfs(ckpt, 1)  # never mounted or filled here: free() only removes a filler it made
+    assert follow_enospc(state, cfg, tmpfs, ckpt, tmp_path / "events", 100.0, 100.5, 1, lines.append) is state
+    assert o.detected_s == pytest.approx(0.3) and "checkpoint warning reported after 0.30 s" in lines[-1]
+    store.commit_rank(10, 0, 1, "d10")  # a save that fitted while the disk was full
+    assert follow_enospc(state, cfg, tmpfs, ckpt, tmp_path / "events", 100.0, 101.6, 1, lines.append) is None
+    assert o.recovery_s == 0.0 and "saves went on while the disk was full" in lines[-1], lines
+
+    # Saves that did stop: none committed during the window, the next one after the space came back is timed.
+    o2 = FaultOutcome("enospc", "extra", "extra: enospc", 0.0, 0.0, level="none")
+    state = enospc_state(o2, committed_at_fill=10)
+    assert follow_enospc(state, cfg, tmpfs, ckpt, tmp_path / "events", 200.0, 201.6, 1, lines.append) is state
+    store.commit_rank(15, 0, 1, "d15")
+    assert follow_enospc(state, cfg, tmpfs, ckpt, tmp_path / "events", 200.0, 202.0, 1, lines.append) is None
+    assert o2.recovery_s == pytest.approx(0.4) and "saves resumed 0.40 s after the space was freed" in lines[-1]

@@ -41,7 +41,8 @@ from trainguard.drill.slowdown import CpuThrottle, LinkRateCap
 
 
 #: Seconds of healthy training before the job's own step-time baseline has formed (the detector's 2 warm-up and
-#: 5 baseline windows of 2 s, plus margin); slow-link and job-wide injections wait at least this long.
+#: 5 baseline windows of 2 s, plus margin), counted from the job's first step; slow-link and job-wide injections
+#: wait at least this long.
 BASELINE_FORMS_S = 18.0
 
 
@@ -95,6 +96,7 @@ class StragglerDrillResult:
     detection_s: float | None = None
     false_alarms: int = 0
     status_polls_healthy: int = 0
+    status_polls_unanswered: int = 0
     step_healthy_s: float | None = None
     step_slow_s: float | None = None
     step_after_s: float | None = None
@@ -117,7 +119,7 @@ class _Job:
     """The processes of one drill job and their files."""
 
     def __init__(self, workdir: Path, nodes: int, nproc: int, spare: bool, action: str, worker_args: list[str],
-                 hang_floor_s: float = 60.0, fabric=None) -> None:
+                 hang_floor_s: float = 60.0, fabric=None, standby: bool = True) -> None:
         self.dir = workdir
         self.events = workdir / "events"
         self.events.mkdir(parents=True, exist_ok=True)
@@ -131,7 +133,7 @@ class _Job:
         worker = ["-m", "trainguard.drill.failslow_worker", "--events", str(self.events), "--stop-file",
                   str(self.stop_file), *worker_args]
         common = ["--nproc-per-node", str(nproc), "--hang-floor-s", str(hang_floor_s), "--max-restarts", "5",
-                  "--failslow-action", action, "--job", self.job]
+                  "--failslow-action", action, "--job", self.job, *([] if standby else ["--no-standby"])]
         self.metrics_url = ""
         if nodes == 1:
             from trainguard.agent.node import find_free_port
@@ -273,6 +275,19 @@ def _wait_steps(job: _Job, n: int, timeout: float) -> None:
         time.sleep(0.2)
 
 
+def poll_healthy(job: _Job, nodes: list[str], res: StragglerDrillResult) -> None:
+    """One round of ``trainguard status`` polls in the healthy phase: every slow rank an answer lists is a false
+    alarm. Only answers count as polls: an agent that did not answer saw nothing, and counting it as a clean poll
+    reported "0 false alarms in N polls" for a healthy phase nobody watched."""
+    for node in nodes:
+        status = job.status(node)
+        if status is None:
+            res.status_polls_unanswered += 1
+            continue
+        res.status_polls_healthy += 1
+        res.false_alarms += len(_slow_listed(status))
+
+
 def _slow_listed(status: dict | None) -> list[dict]:
     return list(((status or {}).get("failslow") or {}).get("slow") or [])
 
@@ -296,8 +311,10 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         fabric = Fabric().__enter__()
     throttle: CpuThrottle | LinkRateCap | None = None
     try:
+        # Warm standbys only speed up a restart; a report-only drill restarts nothing, and each standby's imports
+        # (torch, torch._dynamo: seconds of CPU) would land in the healthy phase whose step times form the baseline.
         job = _Job(workdir, cfg.nodes, cfg.nproc, cfg.spare, cfg.action, ["--width", str(cfg.width)],
-                   fabric=fabric)
+                   fabric=fabric, standby=cfg.action == "replace")
     except BaseException:
         if fabric is not None:
             fabric.close()
@@ -307,16 +324,14 @@ def run_straggler_drill(cfg: StragglerDrillConfig, progress=print) -> StragglerD
         _wait_steps(job, 20, timeout=120)
         progress(f"job running; watching {cfg.healthy_s:.0f} s of healthy training for false alarms")
         t_healthy = time.time()
-        healthy_s = cfg.healthy_s
+        healthy_until = t_healthy + cfg.healthy_s
         if cfg.link_rate or cfg.throttle_all:
             # A slow link or a job-wide slowdown shows only against the job's own baseline, which forms over the
-            # first windows of timing (2 warm-up + 5 baseline windows of 2 s): injecting earlier spoils it.
-            healthy_s = max(healthy_s, BASELINE_FORMS_S)
-        while time.time() - t_healthy < healthy_s:
-            for node in watched:
-                slow = _slow_listed(job.status(node))
-                res.status_polls_healthy += 1
-                res.false_alarms += len(slow)
+            # first windows of timing (2 warm-up + 5 baseline windows of 2 s) from the first step on: injecting
+            # earlier spoils it. (Counted from when the drill saw step 20, it waited those 20 steps twice.)
+            healthy_until = max(healthy_until, job.steps(0)[0][0] + BASELINE_FORMS_S)
+        while time.time() < healthy_until:
+            poll_healthy(job, watched, res)
             time.sleep(1.0)
         victim = job.pid_of(cfg.throttle_rank)
         if victim is None:
@@ -463,7 +478,8 @@ def run_hang_drill(cfg: HangDrillConfig, progress=print) -> HangDrillResult:
     gens = ",".join(str(g) for g in range(1, cfg.rounds + 1))
     job = _Job(workdir, cfg.nodes, cfg.nproc, cfg.spare, "report",
                ["--width", "128", "--hang-rank", str(cfg.hang_rank), "--hang-step", str(cfg.hang_step),
-                "--hang-generations", gens], hang_floor_s=cfg.hang_floor_s)
+                "--hang-generations", gens], hang_floor_s=cfg.hang_floor_s,
+               standby=cfg.rounds > 1 or cfg.spare)  # standbys serve the restarts between rounds only
     watched = [n for n in job.nodes if not n.startswith("spare")]
     try:
         _wait_steps(job, 5, timeout=120)

@@ -131,6 +131,10 @@ class SoakConfig:
             another node's memory as a verified replica (cluster drills with the job memory tier; pins a test to
             "the snapshot had replicated": on a loaded machine the niced persist process alone can take longer
             than a save interval to publish a snapshot). Default False (any time).
+        early_reference: start the fault-free reference as soon as the stop step is written, so its start-up
+            (seconds of interpreter and torch imports) overlaps the faulted job's last steps instead of following
+            them. Its imports then compete with those steps for the CPU, which lowers the measured ETTR a little:
+            meant for short drills and tests, not for figures. Default False (after the job ended).
     """
 
     wall_s: float = 180.0
@@ -157,6 +161,7 @@ class SoakConfig:
     precursor_lead_s: float = 10.0
     memory_tier: str = "job"
     strike_after_replication: bool = False
+    early_reference: bool = False
 
     def validate(self) -> None:
         """Checks ranges.
@@ -489,10 +494,10 @@ def _committed_step(ckpt: Path) -> int:
 
 
 def _launch(cfg: SoakConfig, workdir: Path, events: Path, extra_args: list[str], env: dict,
-            ckpt: Path | None, log_name: str) -> subprocess.Popen:
+            ckpt: Path | None, log_name: str, run_args: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "trainguard.cli", "--log-level", "INFO", "run", "--nproc-per-node", str(cfg.nproc),
            "--max-restarts", str(cfg.max_restarts), "--job", "soak", "--log-dir", str(workdir / log_name),
-           "--hang-floor-s", str(cfg.hang_bound_s)]
+           "--hang-floor-s", str(cfg.hang_bound_s), *run_args]
     if ckpt is not None:
         cmd += ["--checkpoint-dir", str(ckpt)]
     cmd += ["-m", "trainguard.drill.soak_worker", "--events", str(events), *extra_args]
@@ -533,6 +538,7 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
     need_tmpfs = any(p.kind == "enospc" for p in todo)
     tmpfs = _Tmpfs(ckpt, cfg.tmpfs_mib) if need_tmpfs else None
     proc = None
+    reference = Reference(cfg, workdir, env, cfg.nproc) if cfg.verify else None
     try:
         if tmpfs is not None:
             tmpfs.__enter__()
@@ -587,12 +593,15 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
             elapsed = now - t0
             extras_left = any(q.fault_class == "extra" for q in todo) and elapsed < cfg.wall_s + 300.0
             if not stop_written and elapsed >= cfg.wall_s and pending is None and enospc is None and not extras_left:
-                finish_by = write_stop(steps, stop_file, progress)
+                finish_by, target = write_stop(steps, stop_file, progress)
                 stop_written = True
+                if reference is not None and cfg.early_reference:
+                    reference.start(target, progress)
             if elapsed >= cfg.wall_s:  # past the wall time only the extras still run, so each drill has them
                 todo = [q for q in todo if q.fault_class == "extra"]
             if todo and not stop_written and todo[0].at_s <= elapsed and pending is None and enospc is None:
                 p = todo.pop(0)
+                committed_at_fill = _committed_step(ckpt) if p.kind == "enospc" else -1
                 o = _inject(p, steps, rng, cfg, elapsed, tmpfs)
                 if o is None:
                     todo.insert(0, p)
@@ -603,7 +612,7 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
                                               o.injected_s - o.planned_s > 1 else ""))
                 if p.kind == "enospc":
                     o.level = "none"
-                    enospc = {"outcome": o, "freed": None, "committed": -1}
+                    enospc = enospc_state(o, committed_at_fill)
                 else:
                     pending = o
         wall = time.time() - t_launch
@@ -622,7 +631,7 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
         final = json.loads(out_file.read_text())
         n_steps = int(final["steps"])
         step_time, stall, t_last = step_stats(steps)
-        ref_sha = verify_reference(cfg, workdir, n_steps, env, progress) if cfg.verify else None
+        ref_sha = reference.params_sha256(n_steps, progress) if reference is not None else None
         timeline = [(row[0] - t_launch, row[1], row[2]) for row in steps.rows[0]]
         return SoakReport(
             config=asdict(cfg), compression=compression, window_days=window, steps=n_steps, wall_s=wall,
@@ -638,24 +647,40 @@ def run_soak(cfg: SoakConfig, progress=print) -> SoakReport:
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        if reference is not None:
+            reference.stop()
         _reap_marked(marker)
         if tmpfs is not None:
             tmpfs.__exit__(None, None, None)
         shutil.rmtree(shm, ignore_errors=True)
+        if reference is not None:
+            shutil.rmtree(reference.shm, ignore_errors=True)
         if own_tmp:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def follow_enospc(state: dict, cfg: SoakConfig, tmpfs: _Tmpfs, ckpt: Path, events: Path, t0: float, now: float,
-                  nproc: int, progress) -> dict | None:
-    """Follows a full checkpoint disk: times the first reported error, frees the space after
-    ``enospc_window_s`` and times until the next committed checkpoint.
+def enospc_state(outcome: FaultOutcome, committed_at_fill: int) -> dict:
+    """What :func:`follow_enospc` follows for a checkpoint disk just filled.
 
     Args:
-        state: ``{"outcome": FaultOutcome, "freed": None, "committed": -1}`` from the injection, updated here.
+        outcome: the injected fault.
+        committed_at_fill: the job's committed step just before the disk was filled.
+    """
+    return {"outcome": outcome, "freed": None, "committed": -1, "at_fill": committed_at_fill}
+
+
+def follow_enospc(state: dict, cfg: SoakConfig, tmpfs: _Tmpfs, ckpt: Path, events: Path, t0: float, now: float,
+                  nproc: int, progress) -> dict | None:
+    """Follows a full checkpoint disk: times the first checkpoint warning or error the hook logged, frees the
+    space after ``enospc_window_s`` and times until the next committed checkpoint. When checkpoints were still
+    committed while the disk was full (the checkpoint service made room by removing older steps), saves never
+    stopped: the recovery is 0 and says so, not "resumed" at the next periodic save after the space came back.
+
+    Args:
+        state: :func:`enospc_state` from the injection, updated here.
 
     Returns:
-        The state while the fault is still followed, None once saves have resumed.
+        The state while the fault is still followed, None once saves have resumed (or never stopped).
     """
     o = state["outcome"]
     if o.detected_s is None:
@@ -664,7 +689,8 @@ def follow_enospc(state: dict, cfg: SoakConfig, tmpfs: _Tmpfs, ckpt: Path, event
                 ev = json.loads(line)
                 if ev["t"] >= t0 + o.injected_s:
                     o.detected_s = ev["t"] - (t0 + o.injected_s)
-                    progress(f"  checkpoint error reported after {o.detected_s:.2f} s (training goes on)")
+                    progress(f"  checkpoint {str(ev.get('level', 'error')).lower()} reported after "
+                             f"{o.detected_s:.2f} s (training goes on): {str(ev.get('message', ''))[:120]}")
                     break
             if o.detected_s is not None:
                 break
@@ -673,6 +699,11 @@ def follow_enospc(state: dict, cfg: SoakConfig, tmpfs: _Tmpfs, ckpt: Path, event
         state["freed"] = now
         state["committed"] = _committed_step(ckpt)
         progress("  checkpoint space freed")
+        if state["committed"] > state.get("at_fill", state["committed"]):
+            o.recovery_s = 0.0
+            progress(f"  saves went on while the disk was full: step {state['committed']} was committed after the "
+                     "fill (older steps removed to make room), nothing to resume")
+            return None
     if state["freed"] is not None and _committed_step(ckpt) > state["committed"]:
         o.recovery_s = now - state["freed"]
         progress(f"  saves resumed {o.recovery_s:.2f} s after the space was freed")
@@ -702,42 +733,81 @@ def step_stats(steps: _StepLog) -> tuple[float, float | None, float]:
     return statistics.median(deltas), stall, max(rows[-1][0] for rows in steps.rows if rows)
 
 
-def verify_reference(cfg: SoakConfig, workdir: Path, n_steps: int, env: dict, progress) -> str:
-    """Runs the fault-free reference (``cfg.nproc`` workers on one node, no checkpoints) for ``n_steps`` steps.
+class Reference:
+    """The fault-free reference run: ``nproc`` workers on one node, no checkpoints, for a given number of steps.
 
-    Returns:
-        Its parameters' sha256.
+    With ``early_reference`` it is started as soon as the step count is known (when the drill writes the stop
+    step), so its start-up (interpreters, torch and DDP imports: seconds, most of its cost) overlaps the faulted
+    job's last steps rather than following them. It reads nothing of the faulted job (no checkpoint directory; its own shared-memory
+    folder) and keeps no warm standby: it never restarts, and a standby's imports would compete with its workers'.
 
-    Raises:
-        SoakError: it failed or did not finish in time.
+    Args:
+        cfg: the drill's settings.
+        workdir: the drill's folder (``reference.json``, ``reference.stderr``, ``ref-events/`` go there).
+        env: the drill's environment for its processes.
+        nproc: workers of the reference (the faulted job's world size).
     """
-    progress(f"verifying: fault-free run of {n_steps} steps ({cfg.nproc} workers on one node)")
-    ref_out = workdir / "reference.json"
-    ref = _launch(cfg, workdir, workdir / "ref-events",
-                  ["--steps", str(n_steps), "--save-every", "1000000000", "--out", str(ref_out)], env, None,
-                  "reference")
-    try:
-        ref.wait(timeout=max(300.0, 2 * cfg.wall_s))
-    except subprocess.TimeoutExpired as exc:
-        ref.kill()
-        raise SoakError("the fault-free reference run did not finish in time") from exc
-    if ref.returncode != 0:
-        raise SoakError(f"the fault-free reference run failed with exit code {ref.returncode}")
-    return json.loads(ref_out.read_text())["params_sha256"]
+
+    def __init__(self, cfg: SoakConfig, workdir: Path, env: dict, nproc: int) -> None:
+        self.cfg = SoakConfig(**{**asdict(cfg), "nproc": nproc})
+        self.workdir = workdir
+        self.shm = Path(f"{env['TRAINGUARD_CHECKPOINT_SHM_DIR']}-ref")
+        self.env = dict(env, TRAINGUARD_CHECKPOINT_SHM_DIR=str(self.shm))
+        self.out = workdir / "reference.json"
+        self.proc: subprocess.Popen | None = None
+        self.steps = -1
+        self._deadline = math.inf
+
+    def start(self, n_steps: int, progress) -> None:
+        """Starts the run for ``n_steps`` steps (stopping one started for another count)."""
+        self.stop()
+        progress(f"verifying: fault-free run of {n_steps} steps ({self.cfg.nproc} workers on one node)")
+        self.out.unlink(missing_ok=True)
+        self.proc = _launch(self.cfg, self.workdir, self.workdir / "ref-events",
+                            ["--steps", str(n_steps), "--save-every", "1000000000", "--out", str(self.out)],
+                            self.env, None, "reference", run_args=("--no-standby",))
+        self.steps = n_steps
+        self._deadline = time.monotonic() + max(300.0, 2 * self.cfg.wall_s)
+
+    def params_sha256(self, n_steps: int, progress) -> str:
+        """Waits for the run of ``n_steps`` steps (started now if none was, or one of another count).
+
+        Returns:
+            Its parameters' sha256.
+
+        Raises:
+            SoakError: it failed or did not finish in time.
+        """
+        if self.proc is None or self.steps != n_steps:
+            self.start(n_steps, progress)
+        try:
+            self.proc.wait(timeout=max(self._deadline - time.monotonic(), 1.0))
+        except subprocess.TimeoutExpired as exc:
+            self.stop()
+            raise SoakError("the fault-free reference run did not finish in time") from exc
+        if self.proc.returncode != 0:
+            raise SoakError(f"the fault-free reference run failed with exit code {self.proc.returncode}")
+        return json.loads(self.out.read_text())["params_sha256"]
+
+    def stop(self) -> None:
+        """Kills a run still going (idempotent)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
-def write_stop(steps: _StepLog, stop_file: Path, progress) -> float:
+def write_stop(steps: _StepLog, stop_file: Path, progress) -> tuple[float, int]:
     """Tells the workers to finish :data:`STOP_MARGIN_STEPS` after the furthest step so far.
 
     Returns:
-        The ``time.monotonic()`` by which the job must have finished.
+        (the ``time.monotonic()`` by which the job must have finished, the step count it finishes at).
     """
     target = steps.max_step() + 1 + STOP_MARGIN_STEPS
     tmp = stop_file.with_suffix(".tmp")
     tmp.write_text(str(target))
     os.replace(tmp, stop_file)
     progress(f"wall time reached: the job finishes at step {target}")
-    return time.monotonic() + 300.0 + 20 * STOP_MARGIN_STEPS * max(step_time_guess(steps), 0.05)
+    return time.monotonic() + 300.0 + 20 * STOP_MARGIN_STEPS * max(step_time_guess(steps), 0.05), target
 
 
 def step_time_guess(steps: _StepLog) -> float:

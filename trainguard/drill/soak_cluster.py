@@ -65,12 +65,14 @@ from trainguard.drill.soak import (
     _reap_marked,
     _StepLog,
     _Tmpfs,
+    _committed_step,
+    enospc_state,
     follow_enospc,
     load_schedule,
     read_restores,
     step_stats,
     unplanned_restart,
-    verify_reference,
+    Reference,
     write_stop,
 )
 
@@ -79,9 +81,15 @@ log = logging.getLogger(__name__)
 #: Kinds that end in a new generation (a restart at some level); the others leave training running.
 RESTART_KINDS = ("kill", "stop", "hwfault", "agentkill", "linkdown", "precursor")
 NODE_KINDS = ("hwfault", "agentkill", "linkdown", "precursor")
-#: A new spare counts as ready this long after it registered: its warm standby worker has imported torch by then
-#: (a real cluster's spares have been up for hours).
+#: A new spare counts as ready once its warm standby worker has imported torch and waits for its orders (a real
+#: cluster's spares have been up for hours). Where that cannot be seen (no readable ``/proc/<pid>/syscall``) or the
+#: spare keeps no standby, it counts as ready this long after it registered.
 SPARE_WARMUP_S = 8.0
+#: ... and at the latest this long after it registered, warm or not: a standby still importing after that (a very
+#: loaded machine) must not hold the drill's remaining node faults back.
+SPARE_READY_MAX_S = 30.0
+#: x86-64 and arm64 syscall numbers of ``read``: a standby done importing blocks in ``read(0, ...)`` on its stdin.
+_READ_SYSCALLS = {"x86_64": "0", "aarch64": "63"}
 _TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
 
 #: Agent/coordinator log lines that mark detection, per kind (searched in the victim's log unless noted).
@@ -113,6 +121,31 @@ def first_log_match(path: Path, pattern: str, after: float) -> float | None:
     return None
 
 
+def standbys_waiting(pids: set[int]) -> tuple[int, int] | None:
+    """(how many of ``pids`` are standby workers (``python -u -c ...``) blocked reading their stdin, i.e. done with
+    their imports (:mod:`trainguard.agent.standby`); how many standby workers there are), or None when a process's
+    syscall cannot be read here."""
+    nr = _READ_SYSCALLS.get(os.uname().machine)
+    if nr is None:
+        return None
+    count = total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if argv[1:3] != [b"-u", b"-c"]:
+                continue
+            with open(f"/proc/{pid}/syscall") as f:
+                call = f.read().split()
+        except FileNotFoundError:
+            continue  # ended meanwhile
+        except OSError:
+            return None  # not ours to read (no ptrace access): fall back to the fixed delay
+        total += 1
+        count += call[:2] == [nr, "0x0"]
+    return count, total
+
+
 @dataclass
 class _Node:
     """One node agent of the drill."""
@@ -126,11 +159,21 @@ class _Node:
     net: NodeNet | None = None
     registered_at: float | None = None
 
-    def warm(self, now: float) -> bool:
-        """Registered with the coordinator at least :data:`SPARE_WARMUP_S` ago (its standby has imported torch)."""
+    def warm(self, now: float, nproc: int = 1) -> bool:
+        """Registered with the coordinator, and its ``nproc`` warm standby workers done importing (blocked reading
+        their orders); where that cannot be seen or it keeps no standby, registered at least
+        :data:`SPARE_WARMUP_S` ago; in any case once registered :data:`SPARE_READY_MAX_S` ago."""
         if self.registered_at is None:
             self.registered_at = first_log_match(self.log_path, r"registered node .* with coordinator", 0.0)
-        return self.registered_at is not None and now - self.registered_at >= SPARE_WARMUP_S
+        if self.registered_at is None:
+            return False
+        since = now - self.registered_at
+        if since >= SPARE_READY_MAX_S:
+            return True
+        counted = standbys_waiting(self.tree_pids() - {self.proc.pid})
+        if counted is None or counted[1] == 0:
+            return since >= SPARE_WARMUP_S  # nothing to watch: the fixed delay
+        return counted[0] >= nproc
 
     def tree_pids(self) -> set[int]:
         """The agent's pid and every descendant's."""
@@ -270,6 +313,19 @@ class _Cluster:
         self.kill_coordinator()
 
 
+def check_exits(nodes: list[_Node]) -> None:
+    """Checks how the job's node agents ended (the report's exit code is 0 only when every one exited 0).
+
+    Raises:
+        SoakError: an agent exited non-zero (or by a signal); names the first and its log's last lines.
+    """
+    for n in nodes:
+        code = n.proc.poll()
+        if code is not None and code != 0:
+            tail = " | ".join(_read_lines(n.log_path)[-3:])
+            raise SoakError(f"the soak job failed: node agent {n.name} exited with code {code}: {tail[:400]}")
+
+
 def _hosting(cluster: _Cluster, steps: _StepLog, gen: int) -> dict[int, _Node]:
     """rank -> node for the ranks that stepped in generation ``gen`` (found from the worker pids)."""
     out = {}
@@ -344,6 +400,7 @@ def run_cluster_soak(cfg: SoakConfig, progress=print) -> SoakReport:
     tmpfs = _Tmpfs(ckpt, cfg.tmpfs_mib) if any(p.kind == "enospc" for p in todo) else None
     fabric = Fabric() if cfg.netns else None
     cluster: _Cluster | None = None
+    reference = Reference(cfg, workdir, env, cfg.nodes) if cfg.verify else None
     try:
         if fabric is not None:
             fabric.__enter__()
@@ -362,8 +419,10 @@ def run_cluster_soak(cfg: SoakConfig, progress=print) -> SoakReport:
         for _ in range(cfg.spares):
             cluster.add_node(spare=True)
         return _drive(cfg, cluster, todo, skipped, compression, window, t_launch, tmpfs, events, stop_file,
-                      out_file, progress)
+                      out_file, reference, progress)
     finally:
+        if reference is not None:
+            reference.stop()
         if cluster is not None:
             cluster.shutdown()
         _reap_marked(marker)
@@ -379,7 +438,7 @@ def run_cluster_soak(cfg: SoakConfig, progress=print) -> SoakReport:
 
 def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped: list[PlannedFault],
            compression: float, window: tuple[float, float], t_launch: float, tmpfs: _Tmpfs | None, events: Path,
-           stop_file: Path, out_file: Path, progress) -> SoakReport:
+           stop_file: Path, out_file: Path, reference: Reference | None, progress) -> SoakReport:
     """The drill's main loop: inject on schedule, follow recoveries, repair the cluster, finish, verify."""
     nproc = cfg.nodes
     steps = _StepLog(events, nproc)
@@ -401,6 +460,7 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
         now = time.time()
         active = cluster.live()
         if stop_written and out_file.exists() and all(n.proc.poll() is not None for n in active):
+            check_exits(active)
             break
         if time.monotonic() > finish_by:
             raise SoakError(f"the soak job did not finish after the stop step was set; see the logs in "
@@ -465,23 +525,26 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
         extras_left = any(q.fault_class == "extra" for q in todo) and elapsed < cfg.wall_s + 300.0
         if (not stop_written and elapsed >= cfg.wall_s and pending is None and enospc is None and coord is None
                 and not extras_left):
-            finish_by = write_stop(steps, stop_file, progress)
+            finish_by, target = write_stop(steps, stop_file, progress)
             stop_written = True
+            if reference is not None and cfg.early_reference:
+                reference.start(target, progress)
         if elapsed >= cfg.wall_s:
             todo = [q for q in todo if q.fault_class == "extra"]
         if not todo or stop_written or todo[0].at_s > elapsed or pending is not None or enospc is not None \
                 or coord is not None:
             continue
-        spare_ready = any(n.role == "spare" and n.proc.poll() is None and n.warm(now) for n in cluster.nodes)
+        spare_ready = any(n.role == "spare" and n.proc.poll() is None and n.warm(now, 1) for n in cluster.nodes)
         if todo[0].kind in NODE_KINDS and not spare_ready:
             continue  # wait for the repaired spare before another node fault
         p = todo.pop(0)
         o = FaultOutcome(kind=p.kind, fault_class=p.fault_class, label=p.label, planned_s=p.at_s,
                          injected_s=elapsed, generation=gen)
         if p.kind == "enospc":
+            committed_at_fill = _committed_step(cluster.ckpt)
             tmpfs.fill()
             o.level = "none"
-            enospc = {"outcome": o, "freed": None, "committed": -1}
+            enospc = enospc_state(o, committed_at_fill)
         elif p.kind == "coordinator":
             cluster.kill_coordinator()
             o.level = "none"
@@ -508,7 +571,8 @@ def _drive(cfg: SoakConfig, cluster: _Cluster, todo: list[PlannedFault], skipped
         progress(f"t={elapsed:6.1f}s inject {p.kind:<10} ({p.label})" + (f" -> {o.node} rank {o.rank}" if o.node
                                                                           else "")
                  + (f", {o.injected_s - o.planned_s:.1f} s late" if o.injected_s - o.planned_s > 1 else ""))
-    return _finish(cfg, cluster, outcomes, skipped, compression, window, t_launch, t0, steps, out_file, progress)
+    return _finish(cfg, cluster, outcomes, skipped, compression, window, t_launch, t0, steps, out_file, reference,
+                   progress)
 
 
 def _replicated(cluster: _Cluster, steps: _StepLog, nproc: int, save_every: int) -> bool:
@@ -582,7 +646,7 @@ def _follow_coordinator(state: dict, cluster: _Cluster, steps: _StepLog, t0: flo
 
 def _finish(cfg: SoakConfig, cluster: _Cluster, outcomes: list[FaultOutcome], skipped: list[PlannedFault],
             compression: float, window: tuple[float, float], t_launch: float, t0: float, steps: _StepLog,
-            out_file: Path, progress) -> SoakReport:
+            out_file: Path, reference: Reference | None, progress) -> SoakReport:
     wall = time.time() - t_launch
     steps.poll()
     coord_logs = [p for p in cluster.coord_logs]
@@ -605,10 +669,7 @@ def _finish(cfg: SoakConfig, cluster: _Cluster, outcomes: list[FaultOutcome], sk
     final = json.loads(out_file.read_text())
     n_steps = int(final["steps"])
     step_time, stall, t_last = step_stats(steps)
-    ref_sha = None
-    if cfg.verify:
-        ref_cfg = SoakConfig(**{**asdict(cfg), "nproc": cfg.nodes})
-        ref_sha = verify_reference(ref_cfg, cluster.workdir, n_steps, dict(cluster.env), progress)
+    ref_sha = reference.params_sha256(n_steps, progress) if reference is not None else None
     timeline = [(row[0] - t_launch, row[1], row[2]) for row in steps.rows[0]]
     return SoakReport(
         config=asdict(cfg), compression=compression, window_days=window, steps=n_steps, wall_s=wall,

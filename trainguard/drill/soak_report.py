@@ -195,8 +195,9 @@ def format_soak(rep: SoakReport, torch_save_s: float, trace_dir: str | None = No
           f"{rec:>10} {lost:>5} {source:<14} {f.label}{pred}")
     w("  (detected: fault to the agent seeing the exit / the process detector flagging the hang / the agent naming "
       "the hardware cause / the coordinator's lease expiring / the predictor's alarm / the hook logging the "
-      "checkpoint error; recovered: fault to the first step of the next generation, for enospc: space freed to "
-      "the next committed checkpoint, for coordinator: kill to the new coordinator serving; lost: steps done "
+      "checkpoint warning or error; recovered: fault to the first step of the next generation, for enospc: space "
+      "freed to the next committed checkpoint (0 when checkpoints were still committed while the disk was full), "
+      "for coordinator: kill to the new coordinator serving; lost: steps done "
       "again; restored from: the checkpoint tier every rank's restore read)")
     if rep.skipped:
         counts: dict[str, int] = {}
