@@ -78,10 +78,12 @@ _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 _MAX_TEXT = 255
 _MAX_LABELS = 32
 _MAX_EVENT_TEXT = 4096
-#: Largest training step a request may name (the memory tier's bound, ``checkpoint.replica_store.MAX_STEP``):
-#: a job-wide checkpoint is set steps beyond the furthest reported one, and a step near 2**63 took that past
-#: int64, so every heartbeat answer of the generation failed to encode (UNKNOWN) from one bad value on.
-_MAX_STEP = 10**12 - 1
+#: Largest training step a request may name: a job-wide checkpoint is set steps beyond the furthest reported one,
+#: and a step near 2**63 took that past int64, so every heartbeat answer of the generation failed to encode
+#: (UNKNOWN) from one bad value on. 2**53 - 1 keeps far from that and exact as a JSON number, and admits steps
+#: counted in samples or tokens (10**13 for a 10T-token run), which the disk tier names; a bound of 10**12 made
+#: every heartbeat of such a job invalid and lost its node's lease.
+_MAX_STEP = 2**53 - 1
 
 
 def _bad(field: str, why: str) -> InvalidRequestError:

@@ -91,7 +91,10 @@ def test_a_step_near_int64_max_is_refused_and_the_job_wide_checkpoint_still_reac
         leases = _formed(c, 2)
         for i, (nid, lease) in enumerate(leases.items()):
             c.beat(nid, lease, gen=1, idx=i)
-        for bad in (2**63 - 1, 10**12, -2):
+        for tokens in (10**12, 10**13):  # a step counted in tokens is a step
+            c.stub.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id="n0", lease_id=leases["n0"], generation=1,
+                                                     workers_running=2, last_step=tokens), timeout=10)
+        for bad in (2**63 - 1, 2**53, -2):
             with pytest.raises(grpc.RpcError) as ei:
                 c.stub.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id="n0", lease_id=leases["n0"], generation=1,
                                                          workers_running=2, last_step=bad), timeout=10)
