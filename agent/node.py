@@ -411,7 +411,12 @@ class NodeAgent:
         if not req.request_id or req.request_id in self._stack_requests or req.generation != self.generation:
             return
         self._stack_requests.add(req.request_id)
-        evidence = {"request_id": req.request_id, **self.supervisor.local_stacks()}
+        # A worker that cannot answer (SIGSTOPped, or in the D state of a stuck driver call) makes the dump wait
+        # out its 5 s limit, longer than a lease: the loop held here lost the node, and a hang became a
+        # replacement. The stacks must still be taken before the reply's RESTART stops the workers.
+        with keep_lease(lambda: self.link.keepalive(self._beat_content), self.link.interval_s, "stack dump"):
+            stacks = self.supervisor.local_stacks()
+        evidence = {"request_id": req.request_id, **stacks}
         ev = HealthEvent(source="failslow", kind="hang.stacks", severity=Severity.INFO, action=Action.NONE,
                          message=f"stacks of {sum(k.startswith('stack.') for k in evidence)} local rank(s)",
                          evidence=evidence, node_id=self.config.node_id)

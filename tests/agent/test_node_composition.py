@@ -77,3 +77,42 @@ def test_job_success_leaves_the_supervisor_succeeded(tmp_path: Path, coordinator
     assert agent.run() == 0
     assert agent.supervisor.state == SupervisorState.SUCCEEDED and agent.link.state == LinkState.DONE
     assert agent.fault_records == [] and agent.supervisor.hooks == []
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_workers_stack_dump_keeps_the_lease(tmp_path: Path) -> None:
+    """A hang localisation asks every node for its workers' stacks. A worker that cannot answer (SIGSTOPped, or in
+    the D state of a stuck driver call) held the agent's loop for the 5 s dump limit, longer than the lease: the
+    cluster drill's hang became a lost node and a replacement instead of a process restart. The lease is kept
+    alive while the stacks are dumped."""
+    from trainguard.detectors.events import Action, HealthEvent, Severity
+    from trainguard.proto import coordinator_pb2
+
+    srv = CoordinatorServer(JobSpec(job="comp", nnodes=1, max_restarts=3, heartbeat_interval_s=0.1,
+                                    lease_timeout_s=2.0, hold_unhealthy=False), listen="127.0.0.1:0").start()
+    worker = ("from trainguard.detectors.stackdump import install_stack_dump_handler\n"
+              "install_stack_dump_handler()\nimport time\ntime.sleep(60)\n")
+    agent = _agent(tmp_path, srv.target, [sys.executable, "-c", worker])
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    try:
+        _wait(lambda: agent.supervisor.state == SupervisorState.RUNNING, what="generation 1")
+        pid = agent.group.by_rank(0).pid
+        time.sleep(1.0)  # the handler is installed (an interpreter start); a dump before it returns at once
+        os.kill(pid, signal.SIGSTOP)
+        hang = HealthEvent(source="process", kind="process.hung", severity=Severity.ERROR,
+                           action=Action.RESTART_PROCESS, subject="rank:0", node_id="n1",
+                           message="worker rank 0 sent no step heartbeat for 20 s")
+        agent.link.report(hang, coordinator_pb2.RECOVERY_LEVEL_PROCESS, 1, rank=0)
+        _wait(lambda: agent.generation == 2 and agent.supervisor.state == SupervisorState.RUNNING, 60.0,
+              "generation 2")
+        st = srv.core.state
+        assert st.restart_count == 1 and "node lost" not in st.message, st.message
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+        agent.request_stop()
+        t.join(30)
+        srv.stop()
