@@ -86,6 +86,17 @@ def install_stack_dump_handler(directory: str | None = None, signum: int = STACK
     return path
 
 
+def process_state(pid: int, proc_root: str = "/proc") -> str:
+    """The one-letter scheduler state of process ``pid`` (``R``, ``S``, ``D``, ``T``, ``t``, ``Z``...) from
+    ``/proc/<pid>/stat``; empty when the process is gone or the file is unreadable."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "stat"), encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0] if fields else ""
+    except (OSError, IndexError):
+        return ""
+
+
 def catches_signal(pid: int, signum: int, proc_root: str = "/proc") -> bool:
     """Whether process ``pid`` has a handler for ``signum`` (bit ``signum-1`` of ``SigCgt``).
 
@@ -173,6 +184,12 @@ def dump_stack(
             f"no stack: py-spy is not installed and pid {pid} does not catch {signal.Signals(signum).name} "
             "(the worker should call trainguard.detectors.stackdump.install_stack_dump_handler())",
         )
+    state = process_state(pid, proc_root)
+    if state in ("T", "t"):
+        # A stopped process runs no handler until it is continued: waiting out the timeout held a hang
+        # localisation (and, before the agent kept its lease through it, the node's lease) for nothing.
+        return StackDump("none", f"no stack: pid {pid} is stopped (state {state}: SIGSTOP or a tracer), so it "
+                                 "cannot run its stack-dump handler")
     path = stack_dump_path(pid, directory)
     try:
         start = os.path.getsize(path)

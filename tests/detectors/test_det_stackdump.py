@@ -16,6 +16,7 @@ from trainguard.detectors.stackdump import (
     dump_stack,
     find_py_spy,
     install_stack_dump_handler,
+    process_state,
     stack_dump_path,
 )
 
@@ -128,3 +129,23 @@ def test_a_long_dump_keeps_the_main_thread(py_spy, tmp_path) -> None:
         p.wait()
     assert dump.method == ("py-spy" if py_spy else "faulthandler") and len(dump.text) == MAX_DUMP_CHARS
     assert parse_main_stack(dump.text)[0].startswith("stuck_in_load_batch"), dump.text[:500]
+
+
+def test_a_stopped_worker_is_named_at_once_not_waited_for(tmp_path) -> None:
+    """A SIGSTOPped worker cannot run its handler: the dump waited out its whole limit (5 s in a hang
+    localisation, held before every restart of it) and then said only that no file was written."""
+    p = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        p.stdout.readline()
+        assert catches_signal(p.pid, STACK_DUMP_SIGNAL)
+        p.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while process_state(p.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dump = dump_stack(p.pid, directory=str(tmp_path), use_py_spy=False, timeout_s=10.0)
+        assert dump.method == "none" and "is stopped" in dump.text, dump.text
+        p.send_signal(signal.SIGCONT)
+        assert p.poll() is None  # still alive; the dump signal was never sent to a process that could not take it
+    finally:
+        p.kill()
+        p.wait()
