@@ -30,7 +30,11 @@ from trainguard.detectors.events import Severity
 from trainguard.detectors.rules import KmsgRule, check_operator_file, load_kmsg_rules
 from trainguard.faultfacts.xid import XidEntry, load_xid_catalog
 
-_PREFIX = re.compile(r"^(\d+),(\d+),(\d+),([^,;]*)(?:,[^;]*)?$")
+# ASCII digits: ``\d`` also takes other scripts' digits, which int() reads as numbers.
+_PREFIX = re.compile(r"^([0-9]+),([0-9]+),([0-9]+),([^,;]*)(?:,[^;]*)?$")
+#: What an Xid code is: ASCII digits (a rule's ``\d`` is ASCII-only too, but an operator's pattern may capture
+#: more), at most 10 of them, so int() neither reads another script's digits nor runs on 5000 of them.
+_XID = re.compile(r"^[0-9]{1,10}$")
 _ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
 
 
@@ -260,6 +264,11 @@ class KmsgDetector(Detector):
             evidence.update({k: v for k, v in record.fields.items()})
             message = rule.message.format(**groups)
             if rule.lookup == "xid":
+                if not _XID.match(groups["xid"]):
+                    s.error(DetectorReadError(self.config.path(self.config.device),
+                                              f"rule {rule.name}: Xid {groups['xid'][:20]!r} is not an Xid code "
+                                              "(1 to 10 ASCII digits); the record is not judged"))
+                    return
                 code = int(groups["xid"])
                 entry: XidEntry = self.xids.get(code, self.xid_default)
                 severity, action = entry.severity, entry.action
