@@ -179,9 +179,19 @@ def load_kmsg_rules(path: str | None = None) -> list[KmsgRule]:
         except re.error as exc:
             raise RuleFileError(f"{label}: {where} ({r['name']}): bad regex: {exc}") from exc
         groups = set(pattern.groupindex)
-        used = {f[1] for f in string.Formatter().parse(r["message"]) if f[1]}
+        try:
+            used = {f[1] for f in string.Formatter().parse(r["message"]) if f[1]}
+        except ValueError as exc:  # a lone '{': a ValueError out of the settings check, naming no file
+            raise RuleFileError(f"{label}: {r['name']}: message {r['message'][:60]!r}: {exc}") from exc
         if used - groups:
             raise RuleFileError(f"{label}: {r['name']}: message uses groups {sorted(used - groups)} not in pattern")
+        try:
+            # The groups are strings: '{}', '{dev:d}' or '{dev!z}' passed the check above and raised out of every
+            # sample with a matching record.
+            r["message"].format(**{g: "" for g in groups})
+        except (ValueError, IndexError, KeyError, AttributeError, TypeError) as exc:
+            raise RuleFileError(f"{label}: {r['name']}: message {r['message'][:60]!r} cannot be formatted with "
+                                f"the pattern's named groups (strings): {exc!r}") from exc
         subject = r.get("subject", "")
         if subject and subject not in groups:
             raise RuleFileError(f"{label}: {r['name']}: subject group {subject!r} not in pattern")
