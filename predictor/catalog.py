@@ -78,6 +78,8 @@ def metric_family(name: str) -> str:
 
 #: Columns of the interchange format that are not metrics.
 RESERVED_COLUMNS: frozenset[str] = frozenset({"timestamp", "node", "job"})
+#: The ``kind`` of a failure whose cause nobody named (an events row never has an empty kind).
+UNKNOWN_KIND = "unknown"
 
 
 def split_known(names: Iterable[str]) -> tuple[list[str], list[str]]:

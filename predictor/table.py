@@ -414,6 +414,13 @@ class EventTable:
             raise DataFormatError("events: timestamp, node and kind columns differ in length")
         if not np.all(np.isfinite(self.ts)):
             raise DataFormatError("events: a timestamp is NaN or infinite; every event needs a finite time")
+        # An empty kind was written out as '1700000000.0,n1,' (an export, a generated trace): the failure's cause
+        # lost without a word, and a spreadsheet's blank cell for whoever reads the labels.
+        blank = [i for i, k in enumerate(self.kind.tolist()) if not isinstance(k, str) or not k.strip()]
+        if blank:
+            i = blank[0]
+            raise DataFormatError(f"events: {len(blank)} event(s) without a kind, e.g. node {self.node[i]!r} at "
+                                  f"{self.ts[i]!r}; every failure needs one (\"unknown\" when the cause is not known)")
 
     @classmethod
     def empty(cls) -> "EventTable":
@@ -466,6 +473,9 @@ class EventTable:
                         raise DataFormatError(f"{path}:{line_no}: empty node name; every event needs the node it "
                                               "happened on")
                     nodes.append(row[inode].strip())
+                    if not row[ikind].strip():  # as the node: the table refuses a blank kind, said with its line here
+                        raise DataFormatError(f"{path}:{line_no}: empty kind; name the failure (\"unknown\" when the "
+                                              "cause is not known)")
                     kinds.append(row[ikind].strip())
         except OSError as exc:
             raise DataFormatError(f"{path}: cannot read events file ({exc.strerror}); check the path") from exc
