@@ -35,7 +35,7 @@ _PREFIX = re.compile(r"^([0-9]+),([0-9]+),([0-9]+),([^,;]*)(?:,[^;]*)?$")
 #: What an Xid code is: ASCII digits (a rule's ``\d`` is ASCII-only too, but an operator's pattern may capture
 #: more), at most 10 of them, so int() neither reads another script's digits nor runs on 5000 of them.
 _XID = re.compile(r"^[0-9]{1,10}$")
-_ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
+_ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,10 @@ def parse_record(raw: str) -> KmsgRecord:
         key, eq, value = line.strip().partition("=")
         if line.startswith(" ") and eq:
             fields[key] = value
-    message = _ESCAPE.sub(lambda e: chr(int(e.group(1), 16)), message)
+    # The kernel escapes every byte outside printable ASCII (and '\\') as \xNN: the bytes of UTF-8 text. Each
+    # was decoded as its own character, so 'café' read 'cafÃ©' and U+202E three characters, one a C1 control.
+    message = _ESCAPE.sub(lambda e: bytes([int(e.group(1), 16)]), message.encode("utf-8", "surrogatepass")).decode(
+        "utf-8", "replace")
     return KmsgRecord(priority >> 3, priority & 7, int(m.group(2)), int(m.group(3)), message, fields)
 
 
