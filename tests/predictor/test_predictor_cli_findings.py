@@ -376,13 +376,13 @@ def test_nodes_sampled_at_different_intervals_are_refused_by_name(trained, tmp_p
     rows.sort(key=lambda r: r[0])
     path = _write(tmp_path / "mixed.csv", COLS, rows)
     err = _one_line_error(capsys, ["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json")])
-    assert "n2 (300 s)" in err and "n3 (300 s)" in err and "n0" not in err and "--resample 300" in err
+    assert "'n2' (300 s)" in err and "'n3' (300 s)" in err and "n0" not in err and "--resample 300" in err
     _, _, model = trained  # 60 s
     err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path])
-    assert "n2 (300 s)" in err and "n3 (300 s)" in err
+    assert "'n2' (300 s)" in err and "'n3' (300 s)" in err
     events = _write(tmp_path / "e.csv", ["kind"], [])
     err = _one_line_error(capsys, ["predictor", "eval", "--model", model, "--metrics", path, "--events", events])
-    assert "n2 (300 s)" in err
+    assert "'n2' (300 s)" in err
     assert main(["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json"), "--method", "robust-z",
                  "--resample", "300"]) == 0
 
