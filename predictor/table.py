@@ -187,11 +187,18 @@ class MetricTable:
         return total / 86400.0
 
     def column_steps(self) -> dict[str, np.ndarray]:
-        """Per column, the differences between consecutive samples of each node (nodes concatenated; NaN
-        where a cell is missing): the evidence :func:`~.catalog.classify_columns` reads counters from."""
-        parts: list[np.ndarray] = [np.diff(s.values, axis=0) for s in self.per_node() if len(s.ts) > 1]
-        steps = np.vstack(parts) if parts else np.zeros((0, len(self.columns)))
-        return {c: steps[:, i] for i, c in enumerate(self.columns)}
+        """Per column, the differences between consecutive values of each node (nodes concatenated; missing
+        cells skipped): the evidence :func:`~.catalog.classify_columns` reads counters, and columns without
+        values, from. Taken row to row, a metric exported every other interval (a cell, a gap, a cell) had no
+        step at all and was left out as holding no values."""
+        parts: list[list[np.ndarray]] = [[] for _ in self.columns]
+        for s in self.per_node():
+            present = ~np.isnan(s.values)
+            for i in range(len(self.columns)):
+                v = s.values[present[:, i], i]
+                if len(v) > 1:
+                    parts[i].append(np.diff(v))
+        return {c: np.concatenate(p) if p else np.zeros(0) for c, p in zip(self.columns, parts)}
 
     def duplicate_rows(self) -> int:
         """Rows whose node already has a row at the same timestamp (what :meth:`resample` merges)."""
