@@ -24,6 +24,7 @@ from typing import ClassVar
 from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
 from trainguard.detectors.errors import DetectorReadError
 from trainguard.detectors.events import Action, Severity
+from trainguard.detectors.sysfs import parse_decimal, parse_int
 
 #: npu-smi health -> (severity, action) of the event raised while a chip is in that state.
 HEALTH = {
@@ -31,7 +32,8 @@ HEALTH = {
     "alarm": (Severity.ERROR, Action.CHECKPOINT_NOW),
     "critical": (Severity.CRITICAL, Action.DRAIN_NODE),
 }
-_USAGE = re.compile(r"(\d+)\s*/\s*(\d+)")
+# ASCII digits, at most 20 (u64): ``\d`` and float() took other scripts' digits, and float() 'nan' and 'inf'.
+_USAGE = re.compile(r"([0-9]{1,20})\s*/\s*([0-9]{1,20})")
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ def parse_npu_smi_info(text: str, source: str = "npu-smi info") -> list[NpuChip]
         cells = _cells(rows[i])
         if "Process id" in rows[i]:
             break
-        if len(cells) != 3 or not cells[0][:1].isdigit():
+        if len(cells) != 3 or not re.match("[0-9]", cells[0]):
             i += 1
             continue
         if i + 1 >= len(rows):
@@ -104,9 +106,11 @@ def parse_npu_smi_info(text: str, source: str = "npu-smi info") -> list[NpuChip]
             usages = _USAGE.findall(second[2])
             hbm = usages[1] if len(usages) > 1 else None
             chips.append(NpuChip(
-                npu=int(npu), chip=int(chip), name=name.strip(), health=cells[1], bus_id=second[1],
-                power_w=None if power.upper() == "NA" else float(power), temp_c=float(temp),
-                aicore_pct=float(util[0]),
+                npu=parse_int(npu, source, "an NPU id"), chip=parse_int(chip, source, "a chip id"),
+                name=name.strip(), health=cells[1], bus_id=second[1],
+                power_w=None if power.upper() == "NA" else parse_decimal(power, source, "a power in W or NA"),
+                temp_c=parse_decimal(temp, source, "a temperature in C"),
+                aicore_pct=parse_decimal(util[0], source, "an AI core utilisation in %"),
                 hbm_used_mb=int(hbm[0]) if hbm else None, hbm_total_mb=int(hbm[1]) if hbm else None,
             ))
         except (ValueError, IndexError) as exc:

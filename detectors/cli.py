@@ -90,22 +90,25 @@ def _detect(args: argparse.Namespace) -> int:
 
 def _print_table(statuses: list[Any], events: list[Any]) -> None:
     from trainguard.detectors.base import DetectorState
+    from trainguard.detectors.text import printable as p
 
+    # Every field that quotes what was read is escaped: a device, interface or process name with ESC or U+202E
+    # in it rewrote the table (the JSON form escapes them itself).
     width = max([len("DETECTOR")] + [len(s.name) for s in statuses])
     print(f"{'DETECTOR':<{width}}  {'STATE':<12} {'METRICS':>7}  DETAIL")
     for s in statuses:
-        print(f"{s.name:<{width}}  {s.state.label:<12} {len(s.metrics):>7}  {s.detail}")
+        print(f"{p(s.name):<{width}}  {s.state.label:<12} {len(s.metrics):>7}  {p(s.detail)}")
     absent = [s for s in statuses if s.state == DetectorState.NO_HARDWARE]
     if absent:
         print(f"\nNo hardware to watch on this node for {len(absent)} detector(s):")
         for s in absent:
-            print(f"  {s.name:<{width}}  {s.detail}")
+            print(f"  {p(s.name):<{width}}  {p(s.detail)}")
     shown = [e for e in events if not e.kind.endswith(".cleared")]
     if shown:
         print(f"\nEvents ({len(shown)}):")
         for e in shown:
-            subject = f" [{e.subject}]" if e.subject else ""
+            subject = f" [{p(e.subject)}]" if e.subject else ""
             print(f"  {e.severity.name.lower():<8} {e.action.name.lower().replace('_', '-'):<15} "
-                  f"{e.source}: {e.kind}{subject}: {e.message}")
+                  f"{p(e.source)}: {p(e.kind)}{subject}: {p(e.message)}")
     else:
         print("\nNo events.")

@@ -15,6 +15,7 @@ uncorrectable errors on the same DIMM.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -81,7 +82,7 @@ class EdacDetector(Detector):
             Totals, rates and events.
         """
         base = self.config.path("/sys/devices/system/edac/mc")
-        mcs = [m for m in list_dir(base) if m.startswith("mc") and m[2:].isdigit()]
+        mcs = [m for m in list_dir(base) if re.fullmatch("mc[0-9]+", m)]  # isdigit() took 'mc²', 'mc٣'
         for gone in self._seen - set(mcs):
             # A controller that comes back (the EDAC driver reloaded) is a new one whose counts start at zero:
             # its counts at the first reading after are new errors. Compared with the old ones instead, an
@@ -141,7 +142,7 @@ class EdacDetector(Detector):
     def _dimms(self, s: Sample, mdir: str) -> list[tuple[str, int, int]]:
         out = []
         for sub in list_dir_or_record(mdir, s.error):
-            if not (sub.startswith("dimm") or sub.startswith("rank")) or not sub[4:].isdigit():
+            if not re.fullmatch("(?:dimm|rank)[0-9]+", sub):
                 continue
             ddir = os.path.join(mdir, sub)
             try:

@@ -20,6 +20,7 @@ import socket
 import struct
 
 from trainguard.detectors.errors import DetectorReadError
+from trainguard.detectors.sysfs import parse_int
 
 SIOCETHTOOL = 0x8946
 ETHTOOL_GSTRINGS = 0x1B
@@ -99,7 +100,8 @@ def _read_stats(ifname: str) -> dict[str, int] | None:
         sock.close()
 
 
-_LINE = re.compile(r"^\s+(?P<name>[^:]+):\s+(?P<value>\d+)\s*$")
+# ASCII digits (``\d`` took other scripts' digits, which int() read), at most 20 (u64; int() of 5000 raised).
+_LINE = re.compile(r"^\s+(?P<name>[^:]+):\s+(?P<value>[0-9]{1,20})\s*$")
 
 
 def parse_ethtool_s(text: str, source: str = "ethtool -S") -> dict[str, int]:
@@ -125,5 +127,5 @@ def parse_ethtool_s(text: str, source: str = "ethtool -S") -> dict[str, int]:
         m = _LINE.match(line)
         if not m:
             raise DetectorReadError(source, f"line {number} {line[:40]!r} is not 'name: value'")
-        out[m.group("name").strip()] = int(m.group("value"))
+        out[m.group("name").strip()] = parse_int(m.group("value"), source, f"a count on line {number}")
     return out

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.detectors.text import printable
+
 
 class Severity(enum.IntEnum):
     """How bad an event is; larger is worse (values equal ``trainguard.v1.Severity``)."""
@@ -93,6 +95,15 @@ class HealthEvent:
     time: float = field(default_factory=time.time)
     node_id: str = ""
     event_id: str = field(default_factory=_new_event_id)
+
+    def __post_init__(self) -> None:
+        # The message quotes the outside world (a kernel log line, a process or device name): escaped here, once,
+        # it stays one line wherever it is printed (logs, status, the coordinator's view of a remote node's
+        # events). Source and kind are printable names (escaping leaves them as they are) unless a remote peer
+        # sent garbage. The subject is an identifier (an interface name may hold ESC) and kept as sent; printers
+        # escape it.
+        for name in ("source", "kind", "message"):
+            object.__setattr__(self, name, printable(getattr(self, name)))
 
     def with_node(self, node_id: str) -> "HealthEvent":
         """Returns a copy stamped with ``node_id``."""

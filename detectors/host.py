@@ -26,7 +26,7 @@ from trainguard.detectors.base import Detector, DetectorConfig, Sample, register
 from trainguard.detectors.cgroup_memory import CGROUP_MOUNT, read_cgroup_memory
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.sysfs import parse_int, read_key_values, read_text
+from trainguard.detectors.sysfs import parse_decimal, parse_int, read_key_values, read_text
 
 #: Percentage points of available memory above the threshold before ``host.memory_low`` ends.
 MEM_HYSTERESIS_PCT = 1.0
@@ -90,12 +90,13 @@ def read_psi(path: str) -> dict[str, str] | None:
             return None
         raise
     # float() takes 'inf', 'nan' and '1e999': an infinite pressure metric made the predictor refuse the whole
-    # sample (the rules tier's too), and a NaN one never crossed the memory pressure threshold
+    # sample (the rules tier's too), and a NaN one never crossed the memory pressure threshold; it also took
+    # other scripts' digits ('٥٠.٠٠' read as 50%) and '5_0.00'. The kernel prints ASCII '<int>.<2 digits>'.
     for key, value in values.items():
         if key.rpartition(".")[2].startswith("avg"):
             try:
-                pct = float(value)
-            except ValueError:
+                pct = parse_decimal(value, path)
+            except DetectorReadError:
                 pct = math.nan
             if not 0.0 <= pct <= 100.0:
                 raise DetectorReadError(path, f"{key} {value[:40]!r} is not a percentage from 0 to 100")

@@ -30,8 +30,12 @@ from trainguard.detectors.events import Severity
 from trainguard.detectors.rules import KmsgRule, check_operator_file, load_kmsg_rules
 from trainguard.faultfacts.xid import XidEntry, load_xid_catalog
 
-_PREFIX = re.compile(r"^(\d+),(\d+),(\d+),([^,;]*)(?:,[^;]*)?$")
-_ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
+# ASCII digits: ``\d`` also takes other scripts' digits, which int() reads as numbers.
+_PREFIX = re.compile(r"^([0-9]+),([0-9]+),([0-9]+),([^,;]*)(?:,[^;]*)?$")
+#: What an Xid code is: ASCII digits (a rule's ``\d`` is ASCII-only too, but an operator's pattern may capture
+#: more), at most 10 of them, so int() neither reads another script's digits nor runs on 5000 of them.
+_XID = re.compile(r"^[0-9]{1,10}$")
+_ESCAPE = re.compile(rb"\\x([0-9a-fA-F]{2})")
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,10 @@ def parse_record(raw: str) -> KmsgRecord:
         key, eq, value = line.strip().partition("=")
         if line.startswith(" ") and eq:
             fields[key] = value
-    message = _ESCAPE.sub(lambda e: chr(int(e.group(1), 16)), message)
+    # The kernel escapes every byte outside printable ASCII (and '\\') as \xNN: the bytes of UTF-8 text. Each
+    # was decoded as its own character, so 'café' read 'cafÃ©' and U+202E three characters, one a C1 control.
+    message = _ESCAPE.sub(lambda e: bytes([int(e.group(1), 16)]), message.encode("utf-8", "surrogatepass")).decode(
+        "utf-8", "replace")
     return KmsgRecord(priority >> 3, priority & 7, int(m.group(2)), int(m.group(3)), message, fields)
 
 
@@ -260,6 +267,11 @@ class KmsgDetector(Detector):
             evidence.update({k: v for k, v in record.fields.items()})
             message = rule.message.format(**groups)
             if rule.lookup == "xid":
+                if not _XID.match(groups["xid"]):
+                    s.error(DetectorReadError(self.config.path(self.config.device),
+                                              f"rule {rule.name}: Xid {groups['xid'][:20]!r} is not an Xid code "
+                                              "(1 to 10 ASCII digits); the record is not judged"))
+                    return
                 code = int(groups["xid"])
                 entry: XidEntry = self.xids.get(code, self.xid_default)
                 severity, action = entry.severity, entry.action

@@ -255,7 +255,12 @@ class NvmlBackend:
             return GpuReading(index=index, lost=True)
 
     def xid_events(self) -> list[tuple[int, int]]:
-        """Pending Xid events, without blocking."""
+        """Pending Xid events, without blocking.
+
+        Raises:
+            pynvml.NVMLError: the wait failed (GPU_IS_LOST once a GPU fell off the bus) before any event was read;
+                events read before a failure are returned and the failure comes again at the next call.
+        """
         if self._events is None:
             return []
         nv = self._nv
@@ -265,6 +270,10 @@ class NvmlBackend:
                 data = nv.nvmlEventSetWait_v2(self._events, 0)
             except nv.NVMLError_Timeout:
                 return out
+            except nv.NVMLError:
+                if out:
+                    return out
+                raise
             try:
                 index = int(nv.nvmlDeviceGetIndex(data.device))
             except nv.NVMLError:
@@ -412,7 +421,14 @@ class NvidiaDetector(_NvmlDetector):
         by_index = {r.index: r for r in readings}
         for r in readings:
             self._check(s, r)
-        for index, xid in backend.xid_events():
+        try:
+            xids = backend.xid_events()
+        except Exception as exc:  # noqa: BLE001 - GPU_IS_LOST once a GPU fell off the bus (documented return)
+            # It raised out of the sample: the readings' events (gpu.lost itself) were dropped, and their
+            # conditions, already active, never sent again.
+            s.error(DetectorReadError("nvml:events", f"cannot read Xid events: {type(exc).__name__}: {exc}"))
+            xids = []
+        for index, xid in xids:
             entry = self.xids.get(xid, self.xid_default)
             gpu = by_index.get(index)
             subject = gpu.subject if gpu else f"gpu{index}"

@@ -162,8 +162,16 @@ def parse_proc_stat(text: str) -> ProcStat:
     fields = rest.split()
     if len(fields) < 22:
         raise ValueError(f"{len(fields) + 2} fields, expected at least 24")
-    exit_code = int(fields[49]) if len(fields) > 49 else 0
-    return ProcStat(state=fields[0], rss_bytes=int(fields[21]) * _PAGE, exit_code=exit_code)
+    exit_code = _stat_count(fields[49], "exit_code") if len(fields) > 49 else 0
+    return ProcStat(state=fields[0], rss_bytes=_stat_count(fields[21], "rss") * _PAGE, exit_code=exit_code)
+
+
+def _stat_count(text: str, name: str) -> int:
+    """A non-negative field of ``/proc/<pid>/stat`` as the kernel prints it: int() also took '-5' (a negative
+    RSS), '1_000' and, where the text was not decoded as ASCII, other scripts' digits."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 20):
+        raise ValueError(f"field {name} {text[:40]!r} is not a count")
+    return int(text)
 
 
 def describe_returncode(code: int) -> str:

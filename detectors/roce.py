@@ -43,7 +43,7 @@ from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_messag
 from trainguard.detectors.rules import CounterRule, check_operator_file, load_counter_rules
 from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_pma_counter, read_text
 
-_PORT_STATE = re.compile(r"^(\d+):\s*(\S+)$")
+_PORT_STATE = re.compile(r"^([0-9]+):\s*(\S+)$")  # ASCII digits: ``\d`` takes other scripts' too
 #: Widths in bits of the IB PortCounters error counters a port shows in ``ports/<n>/counters`` (the kernel's
 #: ``PORT_PMA_ATTR`` table in drivers/infiniband/core/sysfs.c). The IB spec has them stop at all ones rather than
 #: wrap: a counter at its maximum counts nothing more until the port's counters are reset (``perfquery -R``).

@@ -40,6 +40,7 @@ from trainguard.detectors.base import (
 )
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, HealthEvent, Severity
+from trainguard.detectors.text import printable
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,10 @@ class DetectorStatus:
     sample_s: float = 0.0
     samples: int = 0
     conditions: tuple[HealthEvent, ...] = ()
+
+    def __post_init__(self) -> None:
+        # the detail quotes what was read (a device path, a kernel log line): one printable line
+        object.__setattr__(self, "detail", printable(self.detail))
 
     def to_proto(self) -> Any:
         """Converts to a ``trainguard.v1.DetectorStatus`` message."""
@@ -395,7 +400,7 @@ class DetectorRunner:
                 if self._stop.is_set():
                     return
                 reason = f"listener failed: {type(exc).__name__}: {exc}"
-                log.warning("detector %s: %s; retrying in %.0f s", det.name, reason, LISTENER_RETRY_S)
+                log.warning("detector %s: %s; retrying in %.0f s", det.name, printable(reason), LISTENER_RETRY_S)
                 if reason != last_error:  # one event per distinct failure, not one per retry
                     last_error = reason
                     self._emit(HealthEvent(

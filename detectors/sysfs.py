@@ -16,6 +16,9 @@ from trainguard.detectors.errors import DetectorReadError
 # ASCII digits only (``\d`` also takes other scripts' digits, which int() reads: garbage read as a number), and
 # at most 20 of them (u64); int() of more than 4300 digits raised ValueError out of the sample.
 _INT = re.compile(r"^[+-]?[0-9]{1,20}$")
+# The same for a decimal fraction (PSI ``avg10=1.23``, npu-smi's ``93.4``): float() also took other scripts'
+# digits, '1_0', 'nan', 'inf' and '1e999'.
+_DECIMAL = re.compile(r"^[+-]?[0-9]{1,20}(?:\.[0-9]{1,20})?$")
 _MAX_TEXT = 1 << 20
 #: The range a kernel prints an integer attribute in (s64 to u64): a value outside it is a corrupt file, read
 #: before as a temperature of 1e27 degrees or a counter rate of 1e31 per second.
@@ -42,6 +45,25 @@ def parse_int(text: str, path: str, expected: str = "one integer") -> int:
     if not INT_MIN <= value <= INT_MAX:
         raise DetectorReadError(path, f"value {text[:40]} is outside the 64-bit range a kernel prints (a corrupt file)")
     return value
+
+
+def parse_decimal(text: str, path: str, expected: str = "one decimal number") -> float:
+    """Parses a decimal number as the kernel or a vendor tool prints one (``0.00``, ``93.4``, ``41``).
+
+    Args:
+        text: the value, without surrounding whitespace.
+        path: the file or command it came from, for errors.
+        expected: what it should be, for errors.
+
+    Returns:
+        The number (always finite).
+
+    Raises:
+        DetectorReadError: not ASCII digits with at most one decimal point.
+    """
+    if not _DECIMAL.match(text):
+        raise DetectorReadError(path, f"expected {expected}, found {text[:40]!r}")
+    return float(text)
 
 
 def read_text(path: str) -> str:

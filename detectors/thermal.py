@@ -28,7 +28,7 @@ from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.sysfs import list_dir, read_int, read_text
 
-_TRIP = re.compile(r"^trip_point_(\d+)_type$")
+_TRIP = re.compile(r"^trip_point_([0-9]+)_type$")  # ASCII: ``\d`` takes other scripts' digits
 #: Trip temperatures (millidegrees) at or below this mean "not set" (0, THERMAL_TEMP_INVALID = -274000).
 _TRIP_UNSET_MC = 0
 #: What reading ``temp`` fails with for a zone that has no temperature to give (now): a policy-only zone such as

@@ -78,6 +78,8 @@ def metric_family(name: str) -> str:
 
 #: Columns of the interchange format that are not metrics.
 RESERVED_COLUMNS: frozenset[str] = frozenset({"timestamp", "node", "job"})
+#: The ``kind`` of a failure whose cause nobody named (an events row never has an empty kind).
+UNKNOWN_KIND = "unknown"
 
 
 def split_known(names: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -139,9 +141,10 @@ def classify_columns(
 ) -> list[ColumnKind]:
     """Decides how each metric column is used by the learned tier.
 
-    Order of precedence: declared (``counters``/``gauges``), the catalog, a column the rules tier reads
-    (unused by the learned tier unless declared), the name (``*_total``...), the values (never falling:
-    counter), else gauge.
+    Order of precedence: no values (fewer than two values of any node, when ``node_steps`` is given: nothing
+    to learn from, whatever the name says), declared (``counters``/``gauges``), the catalog, a column the rules
+    tier reads (unused by the learned tier unless declared), the name (``*_total``...), the values (never
+    falling: counter), else gauge.
 
     Args:
         columns: metric column names (reserved columns are skipped).
@@ -168,7 +171,11 @@ def classify_columns(
     for name in columns:
         if name in RESERVED_COLUMNS:
             continue
-        if name in counters:
+        if node_steps is not None and name in node_steps and not np.isfinite(node_steps[name]).any():
+            # A catalog or counter-named column left empty (an exporter's series without data) was taken as a
+            # metric: train fitted and saved a model of nothing (threshold 0), which score then refused.
+            out.append(ColumnKind(name, None, "no values"))
+        elif name in counters:
             out.append(ColumnKind(name, MetricKind.COUNTER, "declared"))
         elif name in gauges:
             out.append(ColumnKind(name, MetricKind.GAUGE, "declared"))
@@ -180,8 +187,6 @@ def classify_columns(
             out.append(ColumnKind(name, MetricKind.COUNTER, "name"))
         elif node_steps is not None and name in node_steps and looks_like_counter(node_steps[name]):
             out.append(ColumnKind(name, MetricKind.COUNTER, "values"))
-        elif node_steps is not None and name in node_steps and not np.isfinite(node_steps[name]).any():
-            out.append(ColumnKind(name, None, "no values"))
         else:
             out.append(ColumnKind(name, MetricKind.GAUGE, "values" if node_steps is not None else "default"))
     return out

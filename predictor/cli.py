@@ -20,6 +20,14 @@ from typing import Any
 MAX_NODE_LINES = 20
 
 
+def printable(text: str) -> str:
+    """A column or node name of the user's file, escaped to print (see :mod:`trainguard.detectors.text`): a name
+    holding ESC or U+202E rewrote the terminal. Imported on use, to keep ``--help`` fast."""
+    from trainguard.detectors.text import printable as escape
+
+    return escape(text)
+
+
 def _add_eval_args(p: argparse.ArgumentParser, defaults: bool) -> None:
     """Horizon, lead, cooldown and budget; at ``eval`` they default to the model's own (None)."""
     d = (lambda v: v) if defaults else (lambda v: None)
@@ -107,7 +115,8 @@ def _load_metrics(path: str, check_order: bool = True, used: Any = None) -> Any:
     table = MetricTable.from_csv(path, check_order, ignore_text=True, used=used)
     if table.text_columns:
         why = "not read by the model or the rules" if used is not None else "text, not metrics"
-        print(f"{path}: ignored non-numeric column(s): {', '.join(table.text_columns)} ({why})", file=sys.stderr)
+        print(f"{path}: ignored non-numeric column(s): {', '.join(map(printable, table.text_columns))} ({why})",
+              file=sys.stderr)
     return table
 
 
@@ -241,7 +250,8 @@ def _train(args: argparse.Namespace) -> int:
           f"thresholds {_threshold_mode(model)}"
           f"{model.eval_config.budget_per_100_node_days / 100:g} alarms/node-day; saved {args.out} ({size} bytes)")
     if s["ignored_columns"]:
-        print(f"ignored columns (left to the rules tier or without values): {', '.join(s['ignored_columns'])}")
+        print("ignored columns (left to the rules tier or without values): "
+              f"{', '.join(map(printable, s['ignored_columns']))}")
     for note in notes:
         print(note)
     return 0
@@ -448,7 +458,7 @@ def _score(args: argparse.Namespace) -> int:
     for st in shown:
         rules = rule_alarms.get(st.node, 0)
         if st.observed_days > 0 or rules:
-            print(f"node {st.node}: {st.alarms} learned-tier alarms in {st.observed_days:.2f} days = "
+            print(f"node {printable(st.node)}: {st.alarms} learned-tier alarms in {st.observed_days:.2f} days = "
                   f"{st.alarms_per_day:.3g}/day (budget {st.budget_per_day:g}/day"
                   f"{'' if st.calibrated else ', still warming up'})"
                   + (f"; {rules} rules-tier alarm(s) (fatal faults, outside the budget)" if rules else ""),
@@ -513,17 +523,17 @@ def _metrics(args: argparse.Namespace) -> int:
         model = PredictorModel.load(args.model)
     print("catalog (the detectors' names; any other numeric column is accepted too):")
     for m in CATALOG:
-        print(f"  {m.name:28s} {m.kind.value:8s} {m.unit:9s} {m.description}")
+        print(f"  {m.name:28s} {m.kind.value:8s} {m.unit:9s} {m.description}")  # the catalog: our own text
     if table is not None and kinds is not None:
         print(f"columns of {args.metrics}, as training would take them:")
         for c in kinds:
-            print(f"  {c.name:28s} {c.kind.value if c.kind else 'unused':8s} ({c.reason})")
+            print(f"  {printable(c.name):28s} {c.kind.value if c.kind else 'unused':8s} ({c.reason})")
         for name in table.text_columns:
-            print(f"  {name:28s} {'unused':8s} (not numeric)")
+            print(f"  {printable(name):28s} {'unused':8s} (not numeric)")
     if model is not None:
         print(f"metrics of {args.model}:")
         for m, k in zip(model.spec.metrics, model.spec.kinds):
-            print(f"  {m:28s} {k}")
+            print(f"  {printable(m):28s} {k}")
     return 0
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainguard.predictor.catalog import RESERVED_COLUMNS
+from trainguard.predictor.catalog import RESERVED_COLUMNS, UNKNOWN_KIND
 from trainguard.predictor.errors import HistoryError
 from trainguard.predictor.table import EventTable, MetricTable
 
@@ -285,10 +285,14 @@ class MetricHistory:
             kind: failure kind (free text, e.g. ``"GPU Lost"``).
 
         Raises:
-            HistoryError: the write failed or the time is not finite.
+            HistoryError: the write failed, the time is not finite or the kind is empty.
         """
         if not math.isfinite(ts):
             raise HistoryError(f"event on node {node!r}: timestamp {ts!r} is not finite")
+        if not isinstance(kind, str) or not kind.strip():
+            # stored, it was exported as an events row with an empty kind cell
+            raise HistoryError(f"event on node {node!r} at {ts!r}: kind {kind!r} is empty; name the failure "
+                               "(\"unknown\" when the cause is not known)")
         with self._lock:
             node = self._stored_name(node)
             try:
@@ -405,8 +409,15 @@ class MetricHistory:
             values[inf] = np.nan
         metrics = MetricTable(columns, np.array([r[0] for r in rows], dtype=np.float64),
                               np.array([node_of[r[1]] for r in rows], dtype=object), values)
+        named = [isinstance(e[2], str) and bool(e[2].strip()) for e in evs]
+        kinds = [e[2] if ok else UNKNOWN_KIND for e, ok in zip(evs, named)]
+        blank = named.count(False)
+        if blank:
+            # stored before record_event refused them: exported as an unknown failure, still a label
+            log.warning("metric history %s: %d event(s) stored without a kind exported as %r", self.path, blank,
+                        UNKNOWN_KIND)
         events = EventTable(np.array([e[0] for e in evs], dtype=np.float64),
-                            np.array([node_of[e[1]] for e in evs], dtype=object), np.array([e[2] for e in evs], dtype=object))
+                            np.array([node_of[e[1]] for e in evs], dtype=object), np.array(kinds, dtype=object))
         return metrics, events
 
     def export(self, metrics_csv: str | Path, events_csv: str | Path, since: float | None = None) -> tuple[int, int]:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from trainguard.detectors.events import HealthEvent
 from trainguard.faultfacts.throttle import load_bad_throttle_reasons
 from trainguard.predictor.calibration import AlarmLedger
-from trainguard.predictor.catalog import BY_NAME
+from trainguard.predictor.catalog import BY_NAME, UNKNOWN_KIND
 from trainguard.predictor.runtime import WARMING_UP, PredictorRuntime, Score
 
 if TYPE_CHECKING:
@@ -689,6 +689,9 @@ class PredictorMonitor:
                 self.runtime.record_incident(self.node_id, ts - model.eval_config.early_s, ts)
         if self.history is None:
             return
+        if not isinstance(kind, str) or not kind.strip():
+            # still a failure, and a label: the history refuses an empty kind, which would have lost it
+            kind = UNKNOWN_KIND
         with self._lock:
             try:
                 self.history.record_event(ts, self.node_id, kind)

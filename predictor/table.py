@@ -187,11 +187,18 @@ class MetricTable:
         return total / 86400.0
 
     def column_steps(self) -> dict[str, np.ndarray]:
-        """Per column, the differences between consecutive samples of each node (nodes concatenated; NaN
-        where a cell is missing): the evidence :func:`~.catalog.classify_columns` reads counters from."""
-        parts: list[np.ndarray] = [np.diff(s.values, axis=0) for s in self.per_node() if len(s.ts) > 1]
-        steps = np.vstack(parts) if parts else np.zeros((0, len(self.columns)))
-        return {c: steps[:, i] for i, c in enumerate(self.columns)}
+        """Per column, the differences between consecutive values of each node (nodes concatenated; missing
+        cells skipped): the evidence :func:`~.catalog.classify_columns` reads counters, and columns without
+        values, from. Taken row to row, a metric exported every other interval (a cell, a gap, a cell) had no
+        step at all and was left out as holding no values."""
+        parts: list[list[np.ndarray]] = [[] for _ in self.columns]
+        for s in self.per_node():
+            present = ~np.isnan(s.values)
+            for i in range(len(self.columns)):
+                v = s.values[present[:, i], i]
+                if len(v) > 1:
+                    parts[i].append(np.diff(v))
+        return {c: np.concatenate(p) if p else np.zeros(0) for c, p in zip(self.columns, parts)}
 
     def duplicate_rows(self) -> int:
         """Rows whose node already has a row at the same timestamp (what :meth:`resample` merges)."""
@@ -414,6 +421,13 @@ class EventTable:
             raise DataFormatError("events: timestamp, node and kind columns differ in length")
         if not np.all(np.isfinite(self.ts)):
             raise DataFormatError("events: a timestamp is NaN or infinite; every event needs a finite time")
+        # An empty kind was written out as '1700000000.0,n1,' (an export, a generated trace): the failure's cause
+        # lost without a word, and a spreadsheet's blank cell for whoever reads the labels.
+        blank = [i for i, k in enumerate(self.kind.tolist()) if not isinstance(k, str) or not k.strip()]
+        if blank:
+            i = blank[0]
+            raise DataFormatError(f"events: {len(blank)} event(s) without a kind, e.g. node {self.node[i]!r} at "
+                                  f"{self.ts[i]!r}; every failure needs one (\"unknown\" when the cause is not known)")
 
     @classmethod
     def empty(cls) -> "EventTable":
@@ -466,6 +480,9 @@ class EventTable:
                         raise DataFormatError(f"{path}:{line_no}: empty node name; every event needs the node it "
                                               "happened on")
                     nodes.append(row[inode].strip())
+                    if not row[ikind].strip():  # as the node: the table refuses a blank kind, said with its line here
+                        raise DataFormatError(f"{path}:{line_no}: empty kind; name the failure (\"unknown\" when the "
+                                              "cause is not known)")
                     kinds.append(row[ikind].strip())
         except OSError as exc:
             raise DataFormatError(f"{path}: cannot read events file ({exc.strerror}); check the path") from exc

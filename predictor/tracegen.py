@@ -161,6 +161,11 @@ def load_stepfun(trace_dir: str | Path | None = None) -> list[FaultKind]:
         for e in events:
             ft = e["fault_type"]
             k = (ft["Level"], ft["Class"], ft["Desc"])
+            if not isinstance(ft["Desc"], str) or not ft["Desc"].strip():
+                # it becomes the kind of the generated events, which refuse an empty one: said here, before
+                # minutes of generation, not after them
+                raise DataFormatError(f"{f}: a {e['event_type']} event of node {e.get('node_id')!r} has no fault "
+                                      "Desc; expected the published StepFun format")
             if e["event_type"] == "fault_start":
                 counts[k] += 1
                 open_[(e["node_id"],) + k] = float(e["event_time"])

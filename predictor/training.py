@@ -309,7 +309,7 @@ def check_sampling(metrics: MetricTable, interval_s: float, tolerance: float = 0
     off = {n: m for n, m in off.items() if abs(m - interval_s) > tolerance * interval_s}
     if off:
         coarsest = max(max(off.values()), interval_s)
-        listed = ", ".join(f"{n} ({m:g} s)" for n, m in sorted(off.items())[:6]) + (" ..." if len(off) > 6 else "")
+        listed = ", ".join(f"{n!r} ({m:g} s)" for n, m in sorted(off.items())[:6]) + (" ..." if len(off) > 6 else "")
         raise DataFormatError(
             f"{len(off)} of {len(gaps)} nodes are not sampled every {interval_s:g} s like the rest: {listed}; one "
             f"model takes one interval: pass --resample {coarsest:g} to bring every node to it"

@@ -113,7 +113,7 @@ class CounterRule:
             True on an exact match, or a regex match when :attr:`counter` starts with ``^``.
         """
         if self.counter.startswith("^"):
-            return re.match(self.counter, name) is not None
+            return re.match(self.counter, name, re.ASCII) is not None
         return name == self.counter
 
 
@@ -173,13 +173,25 @@ def load_kmsg_rules(path: str | None = None) -> list[KmsgRule]:
             raise RuleFileError(f"{label}: rule name {r['name']!r} appears twice")
         names.add(r["name"])
         try:
-            pattern = re.compile(r["pattern"])
+            # ASCII: kernel messages print ASCII digits, and '\\d' also matched '٧٩' (Arabic-Indic) or '７９'
+            # (fullwidth), which int() read as Xid 79: a drain on text no driver prints.
+            pattern = re.compile(r["pattern"], re.ASCII)
         except re.error as exc:
             raise RuleFileError(f"{label}: {where} ({r['name']}): bad regex: {exc}") from exc
         groups = set(pattern.groupindex)
-        used = {f[1] for f in string.Formatter().parse(r["message"]) if f[1]}
+        try:
+            used = {f[1] for f in string.Formatter().parse(r["message"]) if f[1]}
+        except ValueError as exc:  # a lone '{': a ValueError out of the settings check, naming no file
+            raise RuleFileError(f"{label}: {r['name']}: message {r['message'][:60]!r}: {exc}") from exc
         if used - groups:
             raise RuleFileError(f"{label}: {r['name']}: message uses groups {sorted(used - groups)} not in pattern")
+        try:
+            # The groups are strings: '{}', '{dev:d}' or '{dev!z}' passed the check above and raised out of every
+            # sample with a matching record.
+            r["message"].format(**{g: "" for g in groups})
+        except (ValueError, IndexError, KeyError, AttributeError, TypeError) as exc:
+            raise RuleFileError(f"{label}: {r['name']}: message {r['message'][:60]!r} cannot be formatted with "
+                                f"the pattern's named groups (strings): {exc!r}") from exc
         subject = r.get("subject", "")
         if subject and subject not in groups:
             raise RuleFileError(f"{label}: {r['name']}: subject group {subject!r} not in pattern")
@@ -222,7 +234,7 @@ def load_counter_rules(path: str | None = None) -> list[CounterRule]:
             raise RuleFileError(f"{label}: {where}: threshold must be a number >= 0")
         if r["counter"].startswith("^"):
             try:
-                re.compile(r["counter"])
+                re.compile(r["counter"], re.ASCII)
             except re.error as exc:
                 raise RuleFileError(f"{label}: {where}: bad regex: {exc}") from exc
         severity, action = _enums(label, where, r)

@@ -299,3 +299,58 @@ def test_nvml_backend_uses_only_names_the_installed_bindings_have() -> None:
     missing = sorted(n for n in used - optional if not hasattr(pynvml, n))
     assert not missing, f"names not in nvidia-ml-py {getattr(pynvml, '__version__', '')}: {missing}"
     assert len(used) > 25
+
+
+def test_a_gpu_lost_while_its_xid_events_are_drained_is_still_reported(monkeypatch) -> None:
+    """nvmlEventSetWait fails with GPU_IS_LOST once a GPU fell off the bus (its documented return): the error
+    raised out of the sample after the readings, so the gpu.lost event of that very sample was dropped, and the
+    condition, already marked active, was never sent again: the drain never left the node. Only the NVML
+    library's entry points are replaced here."""
+    pynvml = pytest.importorskip("pynvml")
+    state = {"lost": False}
+
+    class Pci:
+        busId = b"00000000:3B:00.0"
+
+    def pci_info(h):
+        if state["lost"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return Pci()
+
+    def wait(events, timeout_ms):
+        if state.get("xid"):
+            return type("Data", (), {"device": object(), "eventData": state.pop("xid")})()
+        if state["lost"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+
+    def unsupported(*args):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    for name, fn in (("nvmlInit", lambda: None), ("nvmlShutdown", lambda: None), ("nvmlDeviceGetCount", lambda: 1),
+                     ("nvmlDeviceGetHandleByIndex", lambda i: object()), ("nvmlEventSetCreate", lambda: object()),
+                     ("nvmlDeviceRegisterEvents", lambda h, t, e: None), ("nvmlEventSetFree", lambda e: None),
+                     ("nvmlEventSetWait_v2", wait), ("nvmlDeviceGetPciInfo", pci_info),
+                     ("nvmlDeviceGetUUID", lambda h: "GPU-0"), ("nvmlDeviceGetName", lambda h: "H100"),
+                     ("nvmlDeviceGetIndex", lambda d: 0)):
+        monkeypatch.setattr(pynvml, name, fn)
+    for name in ("nvmlDeviceGetRemappedRows", "nvmlDeviceGetRetiredPages", "nvmlDeviceGetTemperature",
+                 "nvmlDeviceGetTemperatureThreshold", "nvmlDeviceGetTotalEccErrors",
+                 "nvmlDeviceGetRetiredPagesPendingStatus", "nvmlDeviceGetCurrentClocksEventReasons",
+                 "nvmlDeviceGetCurrentClocksThrottleReasons"):
+        monkeypatch.setattr(pynvml, name, unsupported, raising=False)
+    backend, reason = open_nvml(xid_events=True)
+    assert backend is not None, reason
+    det = NvidiaDetector(NvidiaConfig(), backend=backend)
+    assert det.sample().events == []
+    state["lost"], state["xid"] = True, 79  # the Xid that said so is read before the wait fails
+    s = det.sample()
+    assert [(e.kind, e.subject, e.evidence.get("xid")) for e in s.events] == [("gpu.lost", "gpu0", None),
+                                                                              ("gpu.xid", "gpu0", "79")]
+    assert not s.errors  # the failure comes again at the next wait
+    det = NvidiaDetector(NvidiaConfig(), backend=backend)  # an agent started after the loss: no Xid left to read
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("gpu.lost", "gpu0")]
+    assert [e.path for e in s.errors] == ["nvml:events"] and "GPU is lost" in s.errors[0].reason
+    assert s.state == DetectorState.FAILED and s.metrics["gpus_lost"] == 1.0
+    det.close()

@@ -4,19 +4,33 @@ sample or a number no kernel prints passed on as a measurement."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
+from trainguard.detectors.ascend import parse_npu_smi_info
+from trainguard.detectors.edac import EdacConfig, EdacDetector
+from trainguard.detectors.errors import DetectorReadError
+from trainguard.detectors.ethtool import parse_ethtool_s
 from trainguard.detectors.host import HostConfig, HostDetector
 from trainguard.detectors.pcie import PcieConfig, PcieDetector
+from trainguard.detectors.process import parse_proc_stat
 from trainguard.detectors.roce import RoceConfig, RoceDetector
 from trainguard.detectors.thermal import ThermalConfig, ThermalDetector
-from trainguard.testing.sysfs import write_file, write_pci_device, write_rdma_port, write_thermal_zone
+from trainguard.testing.sysfs import write_edac_mc, write_file, write_pci_device, write_rdma_port, write_thermal_zone
 
 BEYOND_U64 = "9" * 20  # 1e20: past 2**64 - 1 (1.8e19)
 U64_MAX = str((1 << 64) - 1)
 GPU = "0000:3b:00.0"
 MEMINFO = "MemTotal:       65536000 kB\nMemFree:         1000000 kB\nMemAvailable:    {avail} kB\n"
+NPU_SMI_ONE = """\
+| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
+| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
++===========================+===============+====================================================+
+| 0     910B3               | OK            | 93.6        40                0    / 0             |
+| 0                         | 0000:C1:00.0  | 0           0    / 0          3161 / 65536         |
++===========================+===============+====================================================+
+"""
 PSI = "some avg10={some} avg60=1.00 avg300=0.50 total=123456\nfull avg10={full} avg60=0.80 avg300=0.20 total=98765\n"
 
 
@@ -106,3 +120,47 @@ def test_a_link_speed_no_pcie_link_has_is_a_read_error(tmp_path):
     write_pci_device(tmp_path, GPU, max_speed="9" * 400 + " GT/s PCIe")
     s = PcieDetector(PcieConfig(root=str(tmp_path))).sample()
     assert any("max_link_speed" in r and "GT/s" in r for r in _reasons(s)), _reasons(s)
+
+
+ARABIC_50 = "\u0665\u0660"  # '٥٠': isdigit(), int() and float() read it as 50
+
+
+def test_digits_of_other_scripts_are_no_numbers_in_any_parser(tmp_path):
+    """``\\d``, isdigit(), int() and float() all take other scripts' digits (and float() 'nan', int() '1_0');
+    the kernel and the vendor tools print ASCII. Each parser refuses them as not in its format."""
+    write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
+    write_file(tmp_path, "proc/pressure/memory", PSI.format(some="1.00", full=ARABIC_50 + ".00"))
+    s = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0)).sample()
+    assert "mem_pressure_full_avg10" not in s.metrics and s.events == []
+    assert any("pressure/memory" in r and "percentage" in r for r in _reasons(s)), _reasons(s)
+
+    with pytest.raises(DetectorReadError, match="line 2"):
+        parse_ethtool_s(f"NIC statistics:\n     rx_prio3_pause: {ARABIC_50}\n")
+    with pytest.raises(DetectorReadError, match="line 2"):  # int() of 5000 digits raised ValueError
+        parse_ethtool_s(f"NIC statistics:\n     rx_prio3_pause: {'9' * 5000}\n")
+    for cell in (f"93.6        {ARABIC_50}", "93.6        nan", "1_0         40"):
+        with pytest.raises(DetectorReadError):
+            parse_npu_smi_info(NPU_SMI_ONE.replace("93.6        40", cell))
+    assert parse_npu_smi_info(NPU_SMI_ONE)[0].temp_c == 40.0
+
+    write_rdma_port(tmp_path, netdev=None, state="\u0664: ACTIVE")
+    s = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False)).sample()
+    assert not any(k.startswith("port_active") for k in s.metrics)
+    assert any("ports/1/state" in r and "<n>: <STATE>" in r for r in _reasons(s)), _reasons(s)
+
+    write_thermal_zone(tmp_path, 0, 45000, {})  # a trip point numbered '٠', set at 1 C: a critical overheat
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/trip_point_\u0660_type", "critical\n")
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/trip_point_\u0660_temp", "1000\n")
+    assert ThermalDetector(ThermalConfig(root=str(tmp_path))).sample().events == []
+
+    write_edac_mc(tmp_path, 0, 0, 0)
+    write_edac_mc(tmp_path, 1, 0, 0)
+    os.rename(tmp_path / "sys/devices/system/edac/mc/mc1", tmp_path / "sys/devices/system/edac/mc/mc\u00b2")
+    write_file(tmp_path, "sys/devices/system/edac/mc/mc\u00b2/ue_count", "3\n")
+    s = EdacDetector(EdacConfig(root=str(tmp_path))).sample()
+    assert s.metrics["controllers"] == 1.0 and s.metrics["ue_total"] == 0.0, s.metrics
+
+    fields = ["S"] + ["0"] * 20
+    for rss in ("-5", "1_000"):  # a negative resident size, an underscore int() allows
+        with pytest.raises(ValueError, match="rss"):
+            parse_proc_stat("1 (x) " + " ".join(fields + [rss]))

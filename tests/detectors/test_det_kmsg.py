@@ -194,3 +194,28 @@ def test_a_read_error_mid_sample_keeps_the_records_read_before_it() -> None:
         if slave >= 0:
             os.close(slave)
         det.close()
+
+
+def test_xid_and_prefix_digits_of_other_scripts_are_no_numbers(tmp_path) -> None:
+    """``\\d`` and int() took Arabic-Indic '٧٩' and fullwidth '７９' as Xid 79: a drain on text no driver prints.
+    Only ASCII digits are a code, in a rule's pattern and in the record prefix; an operator pattern capturing
+    something else as the Xid is a read error, not a ValueError out of the sample."""
+    root = write_kmsg(tmp_path)
+    det = KmsgDetector(KmsgConfig(root=root))
+    det.sample()
+    append_kmsg(tmp_path, "6,1,1,-;NVRM: Xid (PCI:0000:3b:00): \u0667\u0669, pid=1, GPU has fallen off the bus.",
+                "6,2,1,-;NVRM: Xid (PCI:0000:3b:00): \uff17\uff19, pid=1, GPU has fallen off the bus.")
+    s = det.sample()
+    assert [e.kind for e in s.events if e.kind == "gpu.xid"] == [] and s.metrics["matches_nvidia_xid"] == 0.0
+    with pytest.raises(ValueError):
+        parse_record("\uff16,1,1,-;message")
+
+    rules = {"rules": [{"name": "loose", "pattern": r"Xid: (?P<xid>\S+)", "kind": "gpu.xid", "lookup": "xid",
+                        "severity": "error", "action": "watch", "message": "Xid {xid}"}]}
+    (tmp_path / "rules.json").write_text(json.dumps(rules))
+    det = KmsgDetector(KmsgConfig(root=root, rules_file=str(tmp_path / "rules.json")))
+    det.sample()
+    append_kmsg(tmp_path, "6,3,1,-;Xid: 79x", "6,4,1,-;Xid: 48")
+    s = det.sample()
+    assert [e.evidence["xid"] for e in s.events] == ["48"]
+    assert len(s.errors) == 1 and "'79x' is not an Xid code" in str(s.errors[0])

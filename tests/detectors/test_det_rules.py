@@ -40,6 +40,10 @@ GOOD = {"name": "x", "pattern": "boom (?P<dev>\\w+)", "kind": "hw.boom", "severi
         ({"severity": "fatal"}, "unknown severity"),
         ({"action": "reboot"}, "unknown action"),
         ({"message": "boom on {device}"}, "not in pattern"),
+        ({"message": "boom on {}"}, "cannot be formatted"),  # these three raised out of every matching sample
+        ({"message": "boom on {dev:d}"}, "cannot be formatted"),
+        ({"message": "boom on {dev!z}"}, "cannot be formatted"),
+        ({"message": "boom on {"}, "Single '{'"),  # a ValueError, not a rule file error
         ({"subject": "nope"}, "subject group"),
         ({"extra": 1}, "unknown fields"),
         ({"examples": ["no match here"]}, "does not match its example"),

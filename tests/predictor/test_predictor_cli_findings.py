@@ -376,13 +376,13 @@ def test_nodes_sampled_at_different_intervals_are_refused_by_name(trained, tmp_p
     rows.sort(key=lambda r: r[0])
     path = _write(tmp_path / "mixed.csv", COLS, rows)
     err = _one_line_error(capsys, ["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json")])
-    assert "n2 (300 s)" in err and "n3 (300 s)" in err and "n0" not in err and "--resample 300" in err
+    assert "'n2' (300 s)" in err and "'n3' (300 s)" in err and "n0" not in err and "--resample 300" in err
     _, _, model = trained  # 60 s
     err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path])
-    assert "n2 (300 s)" in err and "n3 (300 s)" in err
+    assert "'n2' (300 s)" in err and "'n3' (300 s)" in err
     events = _write(tmp_path / "e.csv", ["kind"], [])
     err = _one_line_error(capsys, ["predictor", "eval", "--model", model, "--metrics", path, "--events", events])
-    assert "n2 (300 s)" in err
+    assert "'n2' (300 s)" in err
     assert main(["predictor", "train", "--metrics", path, "--out", str(tmp_path / "m.json"), "--method", "robust-z",
                  "--resample", "300"]) == 0
 
@@ -674,3 +674,21 @@ def test_a_node_whose_interval_changes_within_the_file_is_named(tmp_path, capsys
                                    "--interval", "300"])
     assert "1 of 3 nodes are sampled more often than every 300 s over part of the data" in err
     assert "n1 (" in err and "--resample 300" in err
+
+
+def test_a_column_is_judged_by_its_values_not_by_its_rows(tmp_path, capsys):
+    """Steps were taken row to row: a metric exported every other interval (a cell, a gap, a cell) had no step
+    and was left out as holding no values, a counter among them; and a catalog or counter-named column holding
+    no value at all was used: train fitted and saved a model of nothing, which score then refused."""
+    rows = [[1_700_000_000 + 60 * i, f"n{k}", "", "", 50 + i % 3 if i % 2 == 0 else "",
+             3 * i if i % 2 == 0 else ""] for i in range(150) for k in range(3)]
+    path = _write(tmp_path / "m.csv", ["gpu_temp_c", "xid_total", "slow_gauge", "slow_seen"], rows)
+    capsys.readouterr()
+    assert main(["predictor", "metrics", "--metrics", path]) == 0
+    lines = {ln.split()[0]: ln.split(None, 1)[1] for ln in capsys.readouterr().out.splitlines()[-4:]}
+    assert lines == {"gpu_temp_c": "unused   (no values)", "xid_total": "unused   (no values)",
+                     "slow_gauge": "gauge    (values)", "slow_seen": "counter  (values)"}
+    empty = _write(tmp_path / "e.csv", ["gpu_temp_c", "xid_total"], [r[:4] for r in rows])
+    assert main(["predictor", "train", "--metrics", empty, "--out", str(tmp_path / "model.json")]) == 2
+    assert "holds numbers the learned tier can use" in capsys.readouterr().err
+    assert not (tmp_path / "model.json").exists()

@@ -314,3 +314,34 @@ def test_score_of_a_fleet_prints_a_summary_not_a_line_per_node(fleet, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("scored 3600 rows") and err[1].startswith("30 nodes, "), err[:3]
     assert "over their budget" in err[1] and not any(line.startswith("node n") for line in err), err
+
+
+def test_names_from_the_file_are_printed_without_control_or_bidi_characters(fleet, tmp_path, capsys):
+    """Column and node names are the user's text: 'metrics' listed a column holding ESC raw (it recoloured the
+    terminal), 'score' a node named with U+202E (its line read backwards), 'train' an unused text column."""
+    _, _, model = fleet
+    metrics = tmp_path / "m.csv"
+    with metrics.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["timestamp", "node", "cpu", "err\x1b[31m_total", "note\u2066"])
+        for i in range(120):
+            w.writerow([T0 + 60 * i, "n\u202e1", 50.0 + i % 3, i, "x"])
+    capsys.readouterr()
+    assert main(["predictor", "metrics", "--metrics", str(metrics), "--model", str(model)]) == 0
+    assert main(["predictor", "score", "--model", str(model), "--metrics", str(metrics), "--out",
+                 str(tmp_path / "s.csv")]) == 0
+    assert main(["predictor", "train", "--metrics", str(metrics), "--out", str(tmp_path / "m.json"),
+                 "--method", "threshold"]) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "err\\x1b[31m_total" in text and "node n\\u202e1:" in text and "note\\u2066" in text, text
+    assert [c for c in text if not c.isprintable() and c != "\n"] == []
+
+    with metrics.open("w", newline="") as fh:  # a node sampled at another interval is named in the error
+        w = csv.writer(fh)
+        w.writerow(["timestamp", "node", "cpu"])
+        w.writerows([[T0 + 60 * i, f"n{k}", 50.0] for k in range(3) for i in range(20)]
+                    + [[T0 + 300 * i, "n\x1b[2J9", 50.0] for i in range(20)])
+    assert main(["predictor", "score", "--model", str(model), "--metrics", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert "'n\\x1b[2J9' (300 s)" in err and "\x1b" not in err, err

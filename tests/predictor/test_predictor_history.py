@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from trainguard.predictor.errors import HistoryError
+from trainguard.predictor.errors import DataFormatError, HistoryError
 from trainguard.predictor.history import MetricHistory
 from trainguard.predictor.table import EventTable, MetricTable
 
@@ -155,3 +155,29 @@ def test_a_killed_writers_node_is_taken_over_in_silence(tmp_path, caplog):
         h.append(2.0, "vm", {"a": 2.0})
         assert list(h.to_tables()[0].node) == ["vm", "vm"]
     assert not caplog.records
+
+
+def test_no_event_is_exported_without_a_kind(tmp_path):
+    """An empty kind was stored and exported as '7.0,n,': a failure row whose cause is a blank cell. The store
+    refuses it, the events table refuses it (so no writer of the CSV can produce one), the online monitor names
+    it "unknown" (a failure is still a label), and a kind stored empty before is exported as "unknown"."""
+    from trainguard.predictor.online_feed import PredictorMonitor
+    from trainguard.predictor.runtime import PredictorRuntime
+
+    db = tmp_path / "h.sqlite"
+    with MetricHistory(db) as h:
+        for kind in ("", "  ", None):
+            with pytest.raises(HistoryError, match="empty"):
+                h.record_event(7.0, "n", kind)
+        mon = PredictorMonitor(PredictorRuntime.load(None), "m", history=h)
+        mon.record_failure(8.0, "")
+        assert not mon.problems
+        h.record_event(9.0, "n", "GPU Lost")
+        h._db.execute("UPDATE events SET kind = '' WHERE ts = 9.0")  # as a version before the check stored it
+        assert h.export(tmp_path / "m.csv", tmp_path / "e.csv") == (0, 2)
+    assert (tmp_path / "e.csv").read_text().splitlines()[1:] == ["8.0,m,unknown", "9.0,n,unknown"]
+    with pytest.raises(DataFormatError, match="without a kind"):
+        EventTable(np.array([1.0]), np.array(["n"], dtype=object), np.array([""], dtype=object))
+    (tmp_path / "e.csv").write_text("timestamp,node,kind\n1.0,n,GPU Lost\n2.0,n, \n")
+    with pytest.raises(DataFormatError, match="e.csv:3: empty kind"):
+        EventTable.from_csv(tmp_path / "e.csv")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -29,6 +30,16 @@ def test_real_trace_is_read():
 
 def test_absent_trace_is_a_clear_error(tmp_path):
     with pytest.raises(DataFormatError, match="not found"):
+        load_stepfun(tmp_path)
+
+
+def test_a_fault_without_a_description_is_refused_before_generating(tmp_path):
+    """Its Desc becomes the generated events' kind, which may not be empty: refused when read, not after the
+    minutes of generation."""
+    ev = {"event_type": "fault_start", "event_time": 1.0, "node_id": "n1",
+          "fault_type": {"Level": "Hardware Failure", "Class": "GPU", "Desc": " "}}
+    (tmp_path / "fault_trace.json").write_text(json.dumps([ev]))
+    with pytest.raises(DataFormatError, match="no fault Desc"):
         load_stepfun(tmp_path)
 
 
