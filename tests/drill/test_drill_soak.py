@@ -115,7 +115,7 @@ def test_short_real_drill_kill_and_verify(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cluster_drill_every_node_fault_restored_from_memory_and_verified(tmp_path):
-    """A real 2-node job with a spare, each node in its own network namespace (loopback when namespaces are not
+    """A real 2-node job with spares, each node in its own network namespace (loopback when namespaces are not
     permitted) with its own shared-memory arena, gloo over the data links: a worker SIGKILLed, a hardware fault, a
     lost agent, a cut data link, a predicted failure and a coordinator kill, each recovered at the level it needs,
     and the final model equal to the fault-free run.
@@ -132,8 +132,10 @@ def test_cluster_drill_every_node_fault_restored_from_memory_and_verified(tmp_pa
     node_faults = ("hwfault", "agentkill", "linkdown", "precursor", "coordinator") if netns else \
         ("hwfault", "agentkill", "precursor", "coordinator")
     extra = ("kill", *node_faults)  # the process-level fault first: the node-level ones escalate as they repeat
-    # save_every 10 leaves 7 steps after each save in which a strike finds the snapshot replicated (5 left 2)
-    cfg = SoakConfig(wall_s=5.0, step_delay_s=0.05, save_every=10, trace_faults=0, extra=extra, nodes=2, spares=1,
+    # save_every 10 leaves 7 steps after each save in which a strike finds the snapshot replicated (5 left 2).
+    # Two spares: a node fault waits for a ready spare, and a new one takes 13-20 s to import torch on a loaded
+    # 2-core machine; with one spare every node fault after the first waited that out (half the test's time).
+    cfg = SoakConfig(wall_s=5.0, step_delay_s=0.05, save_every=10, trace_faults=0, extra=extra, nodes=2, spares=2,
                      netns=netns, lease_timeout_s=3.0, drain_grace_s=1.0, precursor_lead_s=20.0,
                      workdir=str(tmp_path / "soak"), strike_after_replication=True, early_reference=True)
     lines: list[str] = []
