@@ -114,18 +114,30 @@ def test_short_real_drill_kill_and_verify(tmp_path):
 @needs_stepfun
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_cluster_drill_every_node_fault_and_verify(tmp_path):
-    """A real 2-node job with a spare, each node in its own network namespace (loopback when namespaces are not
-    permitted): a hardware fault, a lost agent, a cut data link, a predicted failure and a coordinator kill, each
-    recovered at the level it needs, and the final model equal to the fault-free run."""
+def test_cluster_drill_every_node_fault_restored_from_memory_and_verified(tmp_path):
+    """A real 2-node job with spares, each node in its own network namespace (loopback when namespaces are not
+    permitted) with its own shared-memory arena, gloo over the data links: a worker SIGKILLed, a hardware fault, a
+    lost agent, a cut data link, a predicted failure and a coordinator kill, each recovered at the level it needs,
+    and the final model equal to the fault-free run.
+
+    The job-wide memory tier is checked on the same run (one cluster drill, not two: each costs a cluster start-up
+    and a reference run, about a minute of CI): the SIGKILLed worker restarts every rank from its own node's
+    memory; the lost node agent (SIGKILLed with its workers) is replaced by the spare, which fetches the lost
+    node's ranks from their buddy's memory before its workers start, so every rank restores from memory again.
+    Faults strike once every rank's newest snapshot is a replica in another node's memory: the memory checks are
+    about the buddy's copy (a node lost before its newest snapshot replicated restores that step from disk)."""
     from trainguard.drill.netns import netns_unavailable_reason
 
     netns = netns_unavailable_reason() is None
-    extra = ("hwfault", "agentkill", "linkdown", "precursor", "coordinator") if netns else \
+    node_faults = ("hwfault", "agentkill", "linkdown", "precursor", "coordinator") if netns else \
         ("hwfault", "agentkill", "precursor", "coordinator")
-    cfg = SoakConfig(wall_s=5.0, step_delay_s=0.05, save_every=5, trace_faults=0, extra=extra, nodes=2, spares=1,
+    extra = ("kill", *node_faults)  # the process-level fault first: the node-level ones escalate as they repeat
+    # save_every 10 leaves 7 steps after each save in which a strike finds the snapshot replicated (5 left 2).
+    # Two spares: a node fault waits for a ready spare, and a new one takes 13-20 s to import torch on a loaded
+    # 2-core machine; with one spare every node fault after the first waited that out (half the test's time).
+    cfg = SoakConfig(wall_s=5.0, step_delay_s=0.05, save_every=10, trace_faults=0, extra=extra, nodes=2, spares=2,
                      netns=netns, lease_timeout_s=3.0, drain_grace_s=1.0, precursor_lead_s=20.0,
-                     workdir=str(tmp_path / "soak"), early_reference=True)
+                     workdir=str(tmp_path / "soak"), strike_after_replication=True, early_reference=True)
     lines: list[str] = []
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     rep = run_soak(cfg, progress=lines.append)
@@ -133,7 +145,7 @@ def test_cluster_drill_every_node_fault_and_verify(tmp_path):
     assert rep.equal_to_reference is True, text
     by_kind = {f.kind: f for f in rep.faults}
     assert set(extra) <= set(by_kind), text
-    for kind in extra:
+    for kind in node_faults:
         f = by_kind[kind]
         if kind == "coordinator":
             assert f.level == "none" and f.steps_lost == 0, text  # the job went on without a restart
@@ -142,6 +154,18 @@ def test_cluster_drill_every_node_fault_and_verify(tmp_path):
     assert by_kind["precursor"].predicted is True, text
     assert by_kind["agentkill"].detected_s >= 2.5  # found by the 3 s lease, not sooner
     assert "retired" in text and "new spare" in text
+    # the memory tier: a process crash and a lost node both restore every rank from memory
+    kill = by_kind["kill"]
+    assert kill.level == "process", text
+    assert kill.restore_tiers == {0: "memory", 1: "memory"}, text
+    assert kill.restore_s is not None and kill.recovery_s is not None
+    lost = by_kind["agentkill"]
+    assert lost.restore_tiers == {0: "memory", 1: "memory"}, text
+    spare_logs = "".join(p.read_text() for p in (tmp_path / "soak").glob("spare*.log"))
+    assert f"fetched rank {lost.rank} step" in spare_logs, text  # from the buddy's memory, before the workers
+    node_logs = [p.read_text() for p in (tmp_path / "soak").glob("*.log") if not p.name.startswith("coordinator")]
+    serving = [ln for log in node_logs for ln in log.splitlines() if "serving in-memory checkpoint replicas" in ln]
+    assert serving and all("job token required" in ln for ln in serving), serving  # the drill sets a token
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     assert after <= before  # every namespace the drill made is gone
 
