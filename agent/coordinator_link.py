@@ -43,6 +43,11 @@ MAX_UNSENT_REPORTS = 8
 _T = LinkTrigger
 
 
+class JoinTimeoutError(AgentError):
+    """The job's first generation did not form within ``patience_s`` (``--rdzv-conf join_timeout``): fewer nodes
+    than ``--nnodes`` joined. torchrun fails its rendezvous the same way; without it the node waited forever."""
+
+
 def find_free_port(address: str) -> int:
     """A TCP port free on ``address`` right now (bind to port 0, read it, close).
 
@@ -78,7 +83,8 @@ class LinkConfig:
         device_count: local worker slots (0 for a health-only member).
         spare: join as a spare (no ranks until needed).
         patience_s: how long the coordinator may be unreachable at registration, seconds; also how long it
-            may stay unreachable while this node runs no workers.
+            may stay unreachable while this node runs no workers, and how long after joining the node waits for
+            the job's first generation to form (torchrun's ``join_timeout``).
         channel: opens the channel to ``coordinator`` (TLS and token); None dials plaintext.
     """
 
@@ -131,6 +137,9 @@ class GrpcCoordinatorLink:
         self._in_keepalive = False
         self._told = ""  # the last STOP/WAIT message logged: a standing one is logged once, not every heartbeat
         self._cancelled = threading.Event()  # a stop was asked for: a registration still waiting gives up
+        # When this node began to join (open()): the first generation must form within patience_s of it, the
+        # bound torchrun's join_timeout puts on its rendezvous. A node that once ran a generation never times out.
+        self._joining_since: float | None = None
         # Tells a restarted agent of this node apart from a second agent claiming the same node id.
         self._instance = uuid.uuid4().hex
 
@@ -162,6 +171,7 @@ class GrpcCoordinatorLink:
         Raises:
             CoordinatorUnavailableError: it refused, or stayed unreachable for ``patience_s``.
         """
+        self._joining_since = time.monotonic()
         dial = self.config.channel or grpc.insecure_channel
         self._channel = dial(self.config.coordinator)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
@@ -292,11 +302,16 @@ class GrpcCoordinatorLink:
             finally:
                 self._in_keepalive = False
 
-    def follow(self, resp: coordinator_pb2.NodeHeartbeatResponse, node_id: str | None = None) -> None:
+    def follow(self, resp: coordinator_pb2.NodeHeartbeatResponse, node_id: str | None = None,
+               now: float | None = None) -> None:
         """Moves the link after the command in a heartbeat reply.
 
         START/RESTART of a table that gives ``node_id`` ranks: RUNNING(generation); STOP: STOPPING, then DONE
         when the job is over, else back to WAITING (the job goes on without this node's workers).
+
+        Raises:
+            JoinTimeoutError: the job's first generation still misses nodes ``patience_s`` after this node began
+                to join (``now``: monotonic time, default now).
         """
         node_id = node_id or self.config.node_id
         cmd = resp.command
@@ -304,6 +319,7 @@ class GrpcCoordinatorLink:
             if any(n.node_id == node_id for n in resp.rank_table.nodes):
                 self._life.fire_if(_T.GENERATION)
                 self._generation = resp.rank_table.generation
+                self._joining_since = None
         elif cmd == coordinator_pb2.NODE_COMMAND_STOP:
             self._life.fire_if(_T.STOP)
             if resp.job_state in (coordinator_pb2.JOB_STATE_SUCCEEDED, coordinator_pb2.JOB_STATE_FAILED):
@@ -311,6 +327,23 @@ class GrpcCoordinatorLink:
             else:
                 self._life.fire_if(_T.IDLE)  # the job goes on without this node's workers for now
         self._log_standing(resp)
+        if resp.job_state == coordinator_pb2.JOB_STATE_FORMING:
+            self._check_join(resp, time.monotonic() if now is None else now)
+
+    def _check_join(self, resp: coordinator_pb2.NodeHeartbeatResponse, now: float) -> None:
+        """Gives up when the first generation has not formed ``patience_s`` after this node began to join."""
+        since = self._joining_since
+        # Only while too few nodes registered: a job past --nnodes MIN waits out its last call (bounded by the
+        # coordinator), and a coordinator that does not count (0) is never given up on for it.
+        if since is None or self._generation >= 0 or resp.forming_missing <= 0 \
+                or now - since < self.config.patience_s:
+            return
+        why = resp.message or "the coordinator did not say why"
+        raise JoinTimeoutError(
+            f"job {self.config.job}: the first generation did not form within {self.config.patience_s:.0f} s of "
+            f"node {self.config.node_id} joining (coordinator {self.config.coordinator}: {why}); start the missing "
+            "nodes, lower --nnodes MIN[:MAX] to the nodes you have, or wait longer with --rdzv-conf "
+            "join_timeout=SECONDS")
 
     def _log_standing(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> None:
         """Logs why the coordinator keeps this node idle (cordoned, or a recovery waiting for capacity), once per
@@ -431,4 +464,4 @@ class GrpcCoordinatorLink:
             self._channel.close()
 
 
-__all__ = ["GrpcCoordinatorLink", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S", "find_free_port"]
+__all__ = ["GrpcCoordinatorLink", "JoinTimeoutError", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S", "find_free_port"]

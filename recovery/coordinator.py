@@ -33,6 +33,7 @@ so its workers are gone) is a process-level failure of that generation.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -71,6 +72,9 @@ from trainguard.recovery.write_ledger import WriteLedger, lost
 
 log = logging.getLogger(__name__)
 
+#: Nodes a "waiting for nodes" message names at most (the rest are counted).
+_NAMED = 8
+
 
 class JobCoordinator:
     """One job's coordinator state machine; thread-safe.
@@ -108,6 +112,7 @@ class JobCoordinator:
         self._committed_step = -1
         self._node_steps: dict[str, int] = {}
         self._form_note = ""
+        self._form_missing = 0  # nodes the first generation still needs (told to agents: their join timeout)
         self._last_call_at: float | None = None  # when the first generation stops waiting for nodes past nnodes
         self._table: GenerationTable | None = None
         self._state_fut: Future | None = None
@@ -330,6 +335,7 @@ class JobCoordinator:
         self._rebuild_table()
         self._failslow.new_world(layout.world_size)  # a shrink renumbers the ranks fail-slow remembers
         self._form_note = ""
+        self._form_missing = 0
         self._running.clear()
         self._succeeded.clear()
         self._memory.table_installed(self._clock())
@@ -355,8 +361,9 @@ class JobCoordinator:
                          and m.info.node_id not in cordoned), key=lambda m: m.spec().order_key())
         why, layout = "", None
         most = self._max_nodes()
+        self._form_missing = max(0, self.spec.nnodes - len(active))
         if len(active) < self.spec.nnodes:
-            self._form_note = f"waiting for nodes: {len(active)} of {self.spec.nnodes} registered"
+            self._form_note = self._short_note(len(active), [m.info.node_id for m in active[:_NAMED]])
             self._last_call_at = None  # torchrun clears its deadline too when the count drops below the minimum
         elif len(active) < most and not self._last_call_over(now):
             # torchrun's last call: once MIN joined, nodes arriving within last_call_timeout still join the first
@@ -377,6 +384,12 @@ class JobCoordinator:
         if why or self._policy.state.forming_since_s:
             self._apply(FormingChecked(why, self._wall()))
         return layout
+
+    def _short_note(self, joined: int, named: list[str]) -> str:
+        """Why the first generation waits when too few nodes registered, naming the first ones."""
+        who = ", ".join(named) + (f" and {joined - len(named)} more" if joined > len(named) else "")
+        return (f"waiting for nodes: {joined} of {self.spec.nnodes} registered"
+                + (f" ({who})" if named else "") + "; the job starts once --nnodes MIN have registered")
 
     def _plan_layout(self, now: float) -> RankLayout | None:
         """Places the pending plan's vacancies on the membership now (see :mod:`~trainguard.recovery.planner`)."""
@@ -472,7 +485,11 @@ class JobCoordinator:
                 # _first_layout says why once enough registered (it sorts every member, so it is skipped before,
                 # or each registration of a large job would sort them all); until then the nodes that did
                 # register waited with an empty message, and their logs said nothing for as long as they waited.
-                self._form_note = f"waiting for nodes: {len(self._members)} of {self.spec.nnodes} registered"
+                # Names come from the first few members (insertion order), so a large job's formation stays linear.
+                named = [n for n, m in itertools.islice(self._members.items(), 4 * _NAMED)
+                         if self._lease_live(m, now) and not m.info.spare][:_NAMED]
+                self._form_note = self._short_note(len(self._members), named)
+                self._form_missing = self.spec.nnodes - len(self._members)
             if self._policy.state.forming_since_s and self._apply(Tick(self._wall())).changed:
                 self._mver += 1
         elif st.plan is not None:
@@ -741,7 +758,8 @@ class JobCoordinator:
         reply = command_for(m, st, self._layout, self._table, self._interval_s(), self._form_note,
                             self._relay.pending(st.generation), self.spec.full_table_max_nodes,
                             lambda: self._memory.holdings_fresh(self._table, self._clock, self._interval_s()),
-                            lambda: self._memory.restore_plan(self._table, self._mver), self._state_fut)
+                            lambda: self._memory.restore_plan(self._table, self._mver), self._state_fut,
+                            self._form_missing if st.phase is Phase.FORMING else 0)
         if self._ended_note and st.phase in (Phase.SUCCEEDED, Phase.FAILED):
             reply = replace(reply, response=replace(reply.response, message=(
                 f"{self._ended_note}: {st.message}; to run it again, start the coordinator with another --job "

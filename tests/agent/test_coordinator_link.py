@@ -203,3 +203,31 @@ def test_a_stop_while_registering_with_an_unreachable_coordinator_ends_the_run_a
     agent.request_stop(signal.SIGTERM)
     runner.join(60)
     assert not runner.is_alive() and codes == [143], codes
+
+
+def test_the_first_generation_is_given_up_on_only_while_nodes_are_missing() -> None:
+    """The join timeout (torchrun's ``join_timeout``) ends a node only while the coordinator says nodes are missing:
+    a job past ``--nnodes`` MIN waits out its last call, bounded by the coordinator, and a node that ran a
+    generation never times out for joining."""
+    from trainguard.agent.coordinator_link import JoinTimeoutError
+
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1", patience_s=5.0))
+    link._joining_since = 100.0  # open() without a coordinator: the clock starts when registration starts
+    wait = coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_WAIT,
+                                                 job_state=coordinator_pb2.JOB_STATE_FORMING,
+                                                 message="waiting for nodes: 1 of 3 registered (n1)")
+    last_call = coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_WAIT,
+                                                      job_state=coordinator_pb2.JOB_STATE_FORMING,
+                                                      message="waiting for nodes: 3 of 3..4 registered")
+    link.follow(last_call, now=1000.0)  # enough nodes: the coordinator's last call bounds the wait
+    wait.forming_missing = 2
+    link.follow(wait, now=104.9)
+    with pytest.raises(JoinTimeoutError, match=r"within 5 s .*1 of 3 registered \(n1\).*--nnodes.*join_timeout"):
+        link.follow(wait, now=105.0)
+    start = coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_START,
+                                                  job_state=coordinator_pb2.JOB_STATE_FORMING)
+    start.rank_table.generation = 1
+    start.rank_table.nodes.add(node_id="n1")
+    link._life.fire(LinkTrigger.REGISTERED)
+    link.follow(start, now=105.0)
+    link.follow(wait, now=10_000.0)  # once it ran a generation, never
