@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 #: Deadline of every call to the coordinator, seconds.
 RPC_TIMEOUT_S = 5.0
+#: Deadline of the call that tells the coordinator this node leaves (at close, so short), seconds.
+LEAVE_TIMEOUT_S = 2.0
 #: Failure reports kept for sending again while the coordinator is unreachable (the newest; older ones are about
 #: generations a later report supersedes).
 MAX_UNSENT_REPORTS = 8
@@ -140,6 +142,7 @@ class GrpcCoordinatorLink:
         # When this node began to join (open()): the first generation must form within patience_s of it, the
         # bound torchrun's join_timeout puts on its rendezvous. A node that once ran a generation never times out.
         self._joining_since: float | None = None
+        self._leave_why = "its node agent stopped"  # what close() tells the coordinator of a node that never ran
         # Tells a restarted agent of this node apart from a second agent claiming the same node id.
         self._instance = uuid.uuid4().hex
 
@@ -339,6 +342,7 @@ class GrpcCoordinatorLink:
                 or now - since < self.config.patience_s:
             return
         why = resp.message or "the coordinator did not say why"
+        self._leave_why = f"its agent gave up after join_timeout {self.config.patience_s:.0f} s"
         raise JoinTimeoutError(
             f"job {self.config.job}: the first generation did not form within {self.config.patience_s:.0f} s of "
             f"node {self.config.node_id} joining (coordinator {self.config.coordinator}: {why}); start the missing "
@@ -457,8 +461,19 @@ class GrpcCoordinatorLink:
                         "workers only", exc.code().name)
             return False
 
-    def close(self) -> None:
-        """Leaves: any state -> DONE; closes the channel."""
+    def close(self, reason: str = "") -> None:
+        """Leaves: any state -> DONE; closes the channel. A node that registered but never ran a generation tells
+        the coordinator it leaves (``reason``), so no generation forms with it in the lease it had left."""
+        if self._stub is not None and self._lease and self._generation < 0 \
+                and self._life.state is LinkState.WAITING:
+            try:
+                self._stub.LeaveNode(coordinator_pb2.LeaveNodeRequest(
+                    job=self.config.job, node_id=self.config.node_id, lease_id=self._lease,
+                    reason=reason or self._leave_why),
+                    timeout=LEAVE_TIMEOUT_S)
+            except grpc.RpcError as exc:  # an older coordinator, or one gone: the lease runs out there instead
+                log.info("could not tell the coordinator this node leaves (%s); its lease runs out instead",
+                         exc.code().name)
         self._life.fire(_T.CLOSE)
         if self._channel is not None:
             self._channel.close()

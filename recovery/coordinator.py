@@ -874,17 +874,43 @@ class JobCoordinator:
                 self._rewrite_lost()
             for m in list(self._members.values()):
                 if m.alive and now - m.last_seen > self._lease_s():
-                    m.alive = False
-                    self._mver += 1
-                    log.warning("job %s: node %s lost (no heartbeat for %.1f s)", self.spec.job, m.info.node_id,
-                                now - m.last_seen)
-                    st = self._policy.state  # fresh: each decision replaces the state
-                    if self._layout is not None and self._layout.slot_of(m.info.node_id) is not None \
-                            and st.phase in (Phase.RUNNING, Phase.RECOVERING):
-                        self._fail(Failure(m.info.node_id, st.generation, Cause.NODE_LOST,
-                                           detail=f"no heartbeat for {now - m.last_seen:.1f} s",
-                                           time_s=self._wall()), now)
+                    self._lose(m, now, f"no heartbeat for {now - m.last_seen:.1f} s")
             self._advance()
+
+    def _lose(self, m: Member, now: float, why: str) -> None:
+        """Ends a member's liveness (lock held): a node-level failure when it holds a slot of the running job."""
+        m.alive = False
+        self._mver += 1
+        log.warning("job %s: node %s lost (%s)", self.spec.job, m.info.node_id, why)
+        st = self._policy.state  # fresh: each decision replaces the state
+        if self._layout is not None and self._layout.slot_of(m.info.node_id) is not None \
+                and st.phase in (Phase.RUNNING, Phase.RECOVERING):
+            self._fail(Failure(m.info.node_id, st.generation, Cause.NODE_LOST, detail=why, time_s=self._wall()), now)
+
+    def leave(self, job: str, node_id: str, lease_id: str, reason: str = "") -> tuple[str, Future]:
+        """A node leaves: its lease ends now (see ``LeaveNode`` in ``coordinator.proto``).
+
+        Without it a node whose agent gave up waiting for the first generation stayed live for ``lease_timeout_s``,
+        and a node registering in that window formed a generation with it, which then waited for a node that was
+        gone until ``--membership-timeout``. Its lease is replaced (durably), so the left agent must register again.
+
+        Returns:
+            (message, the store write to wait for).
+
+        Raises:
+            UnknownJobError, NotServingError, UnknownNodeError, StaleLeaseError: see the service.
+        """
+        now = self._clock()
+        with self._lock:
+            self._check_serving(job)
+            m = self._auth(node_id, lease_id)
+            m.lease_id = uuid.uuid4().hex
+            fut = self._submit([Put(self._prefix + "nodes/" + node_id,
+                                    node_value(m.info, m.lease_id, m.instance, m.refused))])
+            if m.alive:
+                self._lose(m, now, f"it left: {' '.join(reason.split())[:200] or 'no reason given'}")
+            self._advance()
+            return f"node {node_id} left job {self.spec.job!r}", fut
 
     def _check_fence(self) -> None:
         """Reads the fence key (no lock held) and stops serving when another coordinator took it.

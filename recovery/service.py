@@ -342,6 +342,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except RecoveryError as exc:
             self._refuse(context, "UncordonNode", exc)
 
+    def LeaveNode(self, request, context):  # noqa: N802
+        """A node leaves: its lease ends now (answered once its record is durable)."""
+        try:
+            _check_job(request.job)
+            _check_node_id("node_id", request.node_id)
+            _check_text("lease_id", request.lease_id)
+            _check_text("reason", request.reason, _MAX_EVENT_TEXT)
+            msg, fut = self.core.leave(request.job, request.node_id, request.lease_id, request.reason)
+            self.core.wait_durable(fut, "the leave")
+            return coordinator_pb2.LeaveNodeResponse(message=msg)
+        except RecoveryError as exc:
+            self._refuse(context, "LeaveNode", exc)
+
 
 def build_grpc_server(max_workers: int, interceptors: Sequence[grpc.ServerInterceptor] = (),
                       auth: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:

@@ -231,3 +231,29 @@ def test_the_first_generation_is_given_up_on_only_while_nodes_are_missing() -> N
     link._life.fire(LinkTrigger.REGISTERED)
     link.follow(start, now=105.0)
     link.follow(wait, now=10_000.0)  # once it ran a generation, never
+
+
+def test_a_node_that_gives_up_before_the_first_generation_leaves_and_no_generation_forms_with_it() -> None:
+    """A node whose agent gave up (join timeout, or a stop) stayed live at the coordinator for its lease (10 s by
+    default): a node registering in that window formed the first generation with it, and then waited for a node
+    that was gone until --membership-timeout. Now the link leaves at close, and the coordinator drops it at once."""
+    srv = CoordinatorServer(JobSpec(job="leave", nnodes=2, heartbeat_interval_s=0.1, lease_timeout_s=60),
+                            listen="127.0.0.1:0").start()
+    first = GrpcCoordinatorLink(LinkConfig(job="leave", coordinator=srv.target, node_id="gone", device_count=1,
+                                           patience_s=5.0))
+    late = GrpcCoordinatorLink(LinkConfig(job="leave", coordinator=srv.target, node_id="late", device_count=1,
+                                          patience_s=5.0))
+    try:
+        first.open()
+        resp = first.heartbeat(NoWorkers())
+        assert resp.command == coordinator_pb2.NODE_COMMAND_WAIT and resp.forming_missing == 1, resp
+        assert "1 of 2 registered (gone)" in resp.message, resp.message
+        first.close()
+        late.open()
+        resp = late.heartbeat(NoWorkers())
+        assert resp.command == coordinator_pb2.NODE_COMMAND_WAIT, resp  # not a START naming the node that left
+        assert resp.forming_missing == 1 and "1 of 2 registered (late)" in resp.message, resp.message
+        assert not srv.core.members()["gone"].alive
+    finally:
+        late.close()
+        srv.stop()

@@ -278,6 +278,8 @@ def test_hostile_values_in_every_rpc_field_get_a_clear_status_and_the_job_is_ser
             "ReportNodeHealth": lambda n, l: pb.NodeHealthReportRequest(
                 job=JOB, node_id=n, host="h", verdict=pb.NODE_HEALTH_VERDICT_HEALTHY, risk=0.1, agent_instance="d"),
             "UncordonNode": lambda n, l: pb.UncordonNodeRequest(job=JOB, node_id=n, reason="r"),
+            # Another lease than the node's (a slot holder that leaves is a lost node: the job must go on here).
+            "LeaveNode": lambda n, l: pb.LeaveNodeRequest(job=JOB, node_id=n, lease_id=l[::-1], reason="r"),
         }
         assert sorted(valid) == sorted(m.name for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods)
         answers: dict[str, set[str]] = {}

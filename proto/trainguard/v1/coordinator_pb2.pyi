@@ -436,3 +436,21 @@ class UncordonNodeResponse(_message.Message):
     uncordoned: bool
     message: str
     def __init__(self, uncordoned: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LeaveNodeRequest(_message.Message):
+    __slots__ = ("job", "node_id", "lease_id", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    lease_id: str
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveNodeResponse(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
