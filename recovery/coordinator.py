@@ -51,7 +51,7 @@ from trainguard.recovery.decide import (AllSucceeded, DaemonHealthy, Event, Faul
                                         GenerationFormed, GenerationRunning, MembershipChanged, NodeDisqualified,
                                         OperatorUncordon, Persist, Progressed, Step, Tick, decide)
 from trainguard.recovery.domain import Beat, FaultReport, GenerationTable, NodeRecord
-from trainguard.recovery.errors import (FencedError, MembershipError, NotServingError, StaleGenerationError,
+from trainguard.recovery.errors import (CapacityError, FencedError, MembershipError, NotServingError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.failslow_wiring import FailSlowWiring
@@ -65,7 +65,7 @@ from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
 from trainguard.recovery.qualification import Qualification
 from trainguard.recovery.ranks import RankLayout, assign_ranks
-from trainguard.recovery.spec import JobSpec
+from trainguard.recovery.spec import MIN_NODE_ID_LIMIT, JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
 from trainguard.recovery.straggler import ReplaceDecision, WindowSnapshot
 from trainguard.recovery.write_ledger import WriteLedger, lost
@@ -642,6 +642,8 @@ class JobCoordinator:
                 # ... once its record is durable: the call retried may be one the store failed.
                 fut = self._pending(self._prefix + "nodes/" + nid)
                 return prev.lease_id, self._policy.state.generation, fut or _done_future()
+            if prev is None and len(self._members) >= self.spec.node_id_limit():
+                self._make_room(nid)
             check_slot_claim(info, self._members.get(info.replaces) if info.replaces else None,
                              self._members.values(), self._layout, self._policy.state.cordoned,
                              lambda m: self._lease_live(m, now))
@@ -669,6 +671,36 @@ class JobCoordinator:
                      ", spare" if info.spare else "")
             self._advance()
             return lease, self._policy.state.generation, fut
+
+    def _make_room(self, nid: str) -> None:
+        """Forgets the member silent longest among those that can go (lease expired, no slot, not cordoned nor
+        named by the pending plan), so a new node id fits (lock held).
+
+        Raises:
+            CapacityError: none can go.
+        """
+        st = self._policy.state
+        keep = set(st.cordoned) | set(st.plan.cordon if st.plan else ())
+        if self._layout is not None:
+            keep |= {s.node_id for s in self._layout.slots}
+        gone = [m for m in self._members.values() if not m.alive and m.info.node_id not in keep]
+        if not gone:
+            raise CapacityError(
+                f"node {nid!r} cannot join job {self.spec.job!r}: the coordinator keeps {len(self._members)} node ids, "
+                f"its limit ({self.spec.node_id_limit()}: twice --nnodes/--max-nodes, at least {MIN_NODE_ID_LIMIT}), "
+                "and none of them expired or can be dropped (slot holders and cordoned nodes stay); "
+                "check for a client registering made-up node ids, or retry once unused nodes' leases run out")
+        old = min(gone, key=lambda m: m.last_seen)
+        oid = old.info.node_id
+        del self._members[oid]
+        for table in (self._node_steps, self._beat_at):
+            table.pop(oid, None)
+        self._told_end.discard(oid)
+        self._memory.forget(oid)
+        self._mver += 1
+        self._submit([Put(self._prefix + "nodes/" + oid, None)])
+        log.info("job %s: forgot node %s (lease expired %.0f s ago) to make room for node %s", self.spec.job, oid,
+                 self._clock() - old.last_seen, nid)
 
     def heartbeat(self, req: Beat) -> HeartbeatReply:
         """Records a node's progress and says what it must do.
@@ -827,20 +859,22 @@ class JobCoordinator:
             self._check_serving(job)
             return self._table
 
-    def commit_checkpoint(self, job: str, node_id: str, step: int) -> tuple[int, Future | None]:
+    def commit_checkpoint(self, job: str, node_id: str, step: int, lease_id: str) -> tuple[int, Future | None]:
         """Records that a node committed a checkpoint step; the job's step is the minimum over its nodes.
+
+        The node's lease is required, as for every other change a node makes: without it anyone who knew a node
+        id moved the job's committed step (which restores read) for that node.
 
         Returns:
             (last step committed by every node of the current generation, the store commit to wait for: the
             job's new step, or a commit with no writes that fails when another coordinator took the job over).
 
         Raises:
-            UnknownJobError, NotServingError, UnknownNodeError: see the service.
+            UnknownJobError, NotServingError, UnknownNodeError, StaleLeaseError: see the service.
         """
         with self._lock:
             self._check_serving(job)
-            if node_id not in self._members:
-                raise UnknownNodeError(f"node {node_id!r} is not registered with job {self.spec.job!r}")
+            self._auth(node_id, lease_id)
             self._node_steps[node_id] = max(step, self._node_steps.get(node_id, -1))
             fut = None
             if self._layout is not None:
@@ -967,7 +1001,8 @@ class JobCoordinator:
             self._check_serving(report.job or self.spec.job)
             fut_before = self._state_fut
             cordoned, message = self._daemons.record(report, now, self._policy.state, self._excluded,
-                                                     lambda f: self._fail_node_on_report(f, now), self._wall)
+                                                     lambda f: self._fail_node_on_report(f, now), self._wall,
+                                                     self.spec.node_id_limit(), 3 * self.report_interval_s())
             if cordoned and self._may_uncordon(report):
                 step = self._apply(DaemonHealthy(report.node_id, report.instance))
                 if step.changed:

@@ -14,6 +14,7 @@ request over 256 KiB               RESOURCE_EXHAUSTED      (gRPC itself, before 
 node not registered                NOT_FOUND               registers again
 stale lease                        FAILED_PRECONDITION     registers again
 duplicate node id (live agent)     ALREADY_EXISTS          registration fails with the message
+as many node ids as it may keep    RESOURCE_EXHAUSTED      registration fails with the message
 ``replaces`` a live slot holder    FAILED_PRECONDITION     registration fails with the message
 generation the job never had       OUT_OF_RANGE            logged
 store down / fenced off            UNAVAILABLE             retries (the coordinator may be restarting)
@@ -42,7 +43,7 @@ from trainguard.recovery.failslow import validate_timings
 from trainguard.recovery.qualification import refusal_message
 from trainguard.recovery.link_locator import validate_link_results
 from trainguard.recovery.spec import JOB_NAME_RE, JobSpec
-from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, InvalidRequestError, NodeRefusedError,
+from trainguard.recovery.errors import (CapacityError, CoordinatorError, DuplicateNodeError, InvalidRequestError, NodeRefusedError,
                                         NotServingError, RecoveryError, RequestError, SlotTakenError,
                                         StaleGenerationError, StaleLeaseError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.store import Store
@@ -72,6 +73,7 @@ STATUS_OF: dict[type[RequestError], grpc.StatusCode] = {
     StaleGenerationError: grpc.StatusCode.OUT_OF_RANGE,
     NotServingError: grpc.StatusCode.UNAVAILABLE,
     NodeRefusedError: grpc.StatusCode.FAILED_PRECONDITION,
+    CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
@@ -311,9 +313,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             _check_job(request.job)
             _check_node_id("node_id", request.node_id)
+            _check_text("lease_id", request.lease_id)
             if not 0 <= request.step <= _MAX_STEP:
                 raise _bad("step", f"is {request.step}; use a step in 0..{_MAX_STEP}")
-            step, fut = self.core.commit_checkpoint(request.job, request.node_id, request.step)
+            step, fut = self.core.commit_checkpoint(request.job, request.node_id, request.step, request.lease_id)
             self.core.wait_durable(fut, "the checkpoint commit")
             return coordinator_pb2.CommitCheckpointResponse(last_committed_step=step)
         except RecoveryError as exc:

@@ -374,14 +374,16 @@ class GetRankTableRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class CommitCheckpointRequest(_message.Message):
-    __slots__ = ("job", "node_id", "step")
+    __slots__ = ("job", "node_id", "step", "lease_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     step: int
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class CommitCheckpointResponse(_message.Message):
     __slots__ = ("last_committed_step",)
