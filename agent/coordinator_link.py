@@ -50,6 +50,18 @@ class JoinTimeoutError(AgentError):
     than ``--nnodes`` joined. torchrun fails its rendezvous the same way; without it the node waited forever."""
 
 
+def coordinator_targets(coordinator: str) -> list[str]:
+    """The coordinator addresses of a ``host:port[,host:port...]`` list, in the order they are tried.
+
+    Raises:
+        AgentError: the list names no address.
+    """
+    targets = [t.strip() for t in coordinator.split(",") if t.strip()]
+    if not targets:
+        raise AgentError(f"coordinator address {coordinator!r} names no host:port")
+    return targets
+
+
 def find_free_port(address: str) -> int:
     """A TCP port free on ``address`` right now (bind to port 0, read it, close).
 
@@ -75,8 +87,10 @@ class LinkConfig:
 
     Attributes:
         job: job name, as known to the coordinator.
-        coordinator: ``host:port`` of the coordinator; "" for a standalone node (nothing is dialled, reports
-            go nowhere).
+        coordinator: ``host:port`` of the coordinator, or several separated by commas (a standby coordinator on
+            the same store, or where it is restarted): each call that finds one unreachable moves to the next, on a
+            new channel, which also resolves a name again; "" for a standalone node (nothing is dialled,
+            reports go nowhere).
         node_id: stable identity of the node.
         pod_id: pod / supernode label.
         node_index: index of the node in its pod.
@@ -87,7 +101,7 @@ class LinkConfig:
         patience_s: how long the coordinator may be unreachable at registration, seconds; also how long it
             may stay unreachable while this node runs no workers, and how long after joining the node waits for
             the job's first generation to form (torchrun's ``join_timeout``).
-        channel: opens the channel to ``coordinator`` (TLS and token); None dials plaintext.
+        channel: opens a channel to one coordinator address (TLS and token); None dials plaintext.
     """
 
     job: str
@@ -126,6 +140,8 @@ class GrpcCoordinatorLink:
         self._life: Lifecycle[LinkState, LinkTrigger] = Lifecycle("coordinator link", LINK_TRANSITIONS,
                                                                   LinkState.UNREGISTERED)
         self._channel: grpc.Channel | None = None
+        self._target = ""  # the coordinator address dialled now (one of config.coordinator's)
+        self._target_index = 0
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
         self._lease = ""
         self._generation = -1
@@ -175,10 +191,37 @@ class GrpcCoordinatorLink:
             CoordinatorUnavailableError: it refused, or stayed unreachable for ``patience_s``.
         """
         self._joining_since = time.monotonic()
-        dial = self.config.channel or grpc.insecure_channel
-        self._channel = dial(self.config.coordinator)
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._dial()
         self._register()
+
+    def _dial(self) -> None:
+        """Opens a channel to the current coordinator address (a fresh one: its name is resolved again, and it
+        carries no reconnect backoff)."""
+        targets = coordinator_targets(self.config.coordinator)
+        target = targets[self._target_index % len(targets)]
+        dial = self.config.channel or grpc.insecure_channel
+        self._channel = dial(target)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._target = target
+
+    def _redial(self) -> None:
+        """After a call found the coordinator unreachable: dials the next address of the list (the same one when
+        there is one), on a new channel.
+
+        Why a new channel: gRPC's own channel re-resolves a DNS name after a failed connection at most every 30 s
+        (``grpc.dns_min_time_between_resolutions_ms``) and backs its reconnects off up to 120 s
+        (``grpc.max_reconnect_backoff_ms``), so a coordinator restarted on another host under the same name, or
+        at its old address after a long outage, was reached tens of seconds to minutes late: longer than a
+        lease, so its nodes were lost. A new channel resolves the name now (the system resolver, its cache
+        included) and connects at once.
+        """
+        old, before = self._channel, self._target
+        self._target_index += 1
+        self._dial()
+        if old is not None:
+            old.close()
+        if self._target != before:
+            log.info("coordinator %s unreachable; trying %s", before, self._target)
 
     def _node_info(self) -> common_pb2.NodeInfo:
         c = self.config
@@ -206,7 +249,7 @@ class GrpcCoordinatorLink:
                 )
                 self._lease = resp.lease_id
                 self._life.fire(_T.REGISTERED)
-                log.info("registered node %s with coordinator %s", self.config.node_id, self.config.coordinator)
+                log.info("registered node %s with coordinator %s", self.config.node_id, self._target)
                 return
             except grpc.RpcError as exc:
                 code = exc.code()
@@ -219,6 +262,7 @@ class GrpcCoordinatorLink:
                         f"coordinator {self.config.coordinator} unreachable for {patience_s:.0f}s; "
                         "check the address and that it runs"
                     ) from exc
+                self._redial()
                 if delay == 0.1:
                     # Once: the wait for a coordinator that is down (or not up yet, or at a wrong address) was
                     # silent for the whole patience, a minute by default, before its error.
@@ -253,6 +297,7 @@ class GrpcCoordinatorLink:
             self._unreachable_since = self._unreachable_since or time.monotonic()
             log.warning("coordinator still unreachable: %d failure report(s) wait; workers keep running",
                         len(self._unsent))
+            self._redial()
             return None  # down: the heartbeat would fail as well
         fields = dict(content.heartbeat_fields())
         if self.qualifier is not None:  # a re-check's verdict, while the node runs no generation (spare, standby)
@@ -277,6 +322,7 @@ class GrpcCoordinatorLink:
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 if self._unreachable_since is None:
                     self._unreachable_since = time.monotonic()
+                self._redial()
             else:
                 self._unreachable_since = None
             if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
@@ -479,4 +525,4 @@ class GrpcCoordinatorLink:
             self._channel.close()
 
 
-__all__ = ["GrpcCoordinatorLink", "JoinTimeoutError", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S", "find_free_port"]
+__all__ = ["GrpcCoordinatorLink", "JoinTimeoutError", "coordinator_targets", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S", "find_free_port"]

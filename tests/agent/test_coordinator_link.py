@@ -3,6 +3,8 @@ heartbeats and reports; a worker member follows START and STOP; illegal moves ar
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from trainguard.agent.coordinator_link import GrpcCoordinatorLink, LinkConfig
@@ -256,4 +258,39 @@ def test_a_node_that_gives_up_before_the_first_generation_leaves_and_no_generati
         assert not srv.core.members()["gone"].alive
     finally:
         late.close()
+        srv.stop()
+
+
+def test_a_coordinator_restarted_at_another_address_of_the_list_is_followed_with_the_same_lease(tmp_path) -> None:
+    """Agents kept dialling the coordinator's old address after it was restarted elsewhere (and a comma-separated
+    list was one invalid target). Now each call that finds one unreachable moves to the next address on a new
+    channel: registration skips a dead first address, and a coordinator restarted at the list's other address on
+    the same store gets the node's heartbeats, under the lease it had."""
+    import socket
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    spec = JobSpec(job="moved", nnodes=1, heartbeat_interval_s=0.1, store=f"sqlite://{tmp_path}/moved.db")
+    first_at, second_at = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    srv = CoordinatorServer(spec, listen=first_at).start()
+    link = GrpcCoordinatorLink(LinkConfig(job="moved", coordinator=f"{second_at}, {first_at}", node_id="n1",
+                                          spare=True, patience_s=10.0))
+    try:
+        link.open()  # the first address of the list is down: the second one answers
+        lease = link.lease
+        assert link.heartbeat(NoWorkers()) is not None
+        srv.stop()
+        srv = CoordinatorServer(spec, listen=second_at).start()  # restarted elsewhere, same store
+        deadline = time.monotonic() + 10
+        resp = None
+        while resp is None and time.monotonic() < deadline:
+            resp = link.heartbeat(NoWorkers())
+            time.sleep(0.05)
+        assert resp is not None and link.lease == lease, resp  # not registered again: the lease stood
+        assert srv.core.members()["n1"].alive
+    finally:
+        link.close()
         srv.stop()
