@@ -43,6 +43,9 @@ LEAVE_TIMEOUT_S = 2.0
 MAX_UNSENT_REPORTS = 8
 
 _T = LinkTrigger
+#: Codes after which a failure report may not have arrived and is sent again. CANCELLED: another thread (the lease
+#: keeper) dialled the coordinator again and closed the channel this call was on.
+_UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 class JoinTimeoutError(AgentError):
@@ -451,7 +454,7 @@ class GrpcCoordinatorLink:
             resp = self._stub.ReportEvent(req, timeout=RPC_TIMEOUT_S)
             log.info("coordinator: %s", resp.message)
         except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if exc.code() in _UNREACHED:
                 # A report the coordinator may have taken (a lost answer) is safe to send again: a report
                 # about a generation it already left changes nothing.
                 self._unsent = (self._unsent + [req])[-MAX_UNSENT_REPORTS:]
@@ -476,7 +479,7 @@ class GrpcCoordinatorLink:
                 resp = self._stub.ReportEvent(req, timeout=RPC_TIMEOUT_S)
                 log.info("coordinator (failure report sent again): %s", resp.message)
             except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() in _UNREACHED:
                     return exc.code()
                 log.warning("the coordinator refused a failure report sent again (%s: %s); dropped",
                             exc.code().name, exc.details())

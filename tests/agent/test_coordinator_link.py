@@ -294,3 +294,27 @@ def test_a_coordinator_restarted_at_another_address_of_the_list_is_followed_with
     finally:
         link.close()
         srv.stop()
+
+
+def test_a_failure_report_cut_off_by_a_redial_is_sent_again() -> None:
+    """A heartbeat that finds the coordinator unreachable closes its channel for a new one; a failure report in
+    flight on the old channel (from another thread) ends CANCELLED, and was dropped as refused."""
+    import grpc
+
+    class Cancelled(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.CANCELLED
+
+        def details(self):
+            return "Channel closed!"
+
+    class Stub:
+        def ReportEvent(self, req, timeout):  # noqa: N802 - the gRPC stub's name
+            raise Cancelled()
+
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1"))
+    link._stub = Stub()
+    ev = HealthEvent(source="process", kind="process.exit", severity=Severity.CRITICAL, action=Action.RESTART_PROCESS,
+                     message="rank 0 exited 1", node_id="n1")
+    link.report(ev, coordinator_pb2.RECOVERY_LEVEL_PROCESS, generation=1, rank=0, code=1)
+    assert [r.generation for r in link._unsent] == [1]
