@@ -76,6 +76,18 @@ log = logging.getLogger(__name__)
 _NAMED = 8
 
 
+def steady_wall(wall: Callable[[], float], clock: Callable[[], float]) -> Callable[[], float]:
+    """Wall-clock seconds that move only with the monotonic ``clock``: ``wall`` is read once, here.
+
+    Why: the policy's times are wall-clock seconds because they outlive the process in the store (backoff
+    deadlines, membership waits, repeat windows), but a clock step while the coordinator ran moved every one:
+    NTP stepping the clock back an hour held a restart's 1 s backoff for an hour, a step forward failed a job
+    waiting for a spare at once (membership timeout). A coordinator started again reads the wall clock afresh.
+    """
+    base_wall, base = wall(), clock()
+    return lambda: base_wall + (clock() - base)
+
+
 class JobCoordinator:
     """One job's coordinator state machine; thread-safe.
 
@@ -83,7 +95,8 @@ class JobCoordinator:
         spec: the job.
         store: an opened store (tests); None opens ``spec.store``.
         clock: monotonic clock for leases, seconds (tests may inject one).
-        wall: wall clock for the policy's persisted times (repeat windows, backoff deadlines), seconds.
+        wall: wall clock for the policy's persisted times (repeat windows, backoff deadlines), seconds; read once
+            and then advanced by ``clock`` (:func:`steady_wall`), so a clock step while it runs moves none of them.
 
     Raises:
         InvalidRequestError: the spec is invalid.
@@ -93,7 +106,7 @@ class JobCoordinator:
     def __init__(self, spec: JobSpec, store: Store | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         spec.validate()
-        self._wall = wall
+        self._wall = wall = steady_wall(wall, clock)
         self.spec = spec
         self._clock = clock
         self._prefix = f"trainguard/jobs/{spec.job}/"
