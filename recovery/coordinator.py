@@ -72,6 +72,8 @@ from trainguard.recovery.write_ledger import WriteLedger, lost
 
 log = logging.getLogger(__name__)
 
+#: Longest a call waits for its write to become durable, seconds.
+DURABLE_WAIT_S = 30.0
 #: Nodes a "waiting for nodes" message names at most (the rest are counted).
 _NAMED = 8
 
@@ -238,27 +240,28 @@ class JobCoordinator:
             log.error("job %s: %s", self.spec.job, exc)
 
     @staticmethod
-    def _wait(fut: Future | None, what: str) -> None:
+    def _wait(fut: Future | None, what: str, timeout_s: float = DURABLE_WAIT_S) -> None:
         if fut is None:
             return
         try:
-            fut.result(timeout=30)
+            fut.result(timeout=max(0.0, min(timeout_s, DURABLE_WAIT_S)))
         except FencedError as exc:
             raise NotServingError(f"{exc}; reconnect to the coordinator that owns the job") from exc
         except (StoreError, TimeoutError) as exc:
             raise NotServingError(f"{what} could not be made durable ({exc}); retry shortly") from exc
 
-    def wait_durable(self, fut: Future | None, what: str = "the change") -> None:
+    def wait_durable(self, fut: Future | None, what: str = "the change", timeout_s: float = DURABLE_WAIT_S) -> None:
         """Blocks until a write returned by a call is durable (call without holding any coordinator lock).
 
         Args:
             fut: the future a call returned, or None.
             what: what was written, for the error message.
+            timeout_s: the longest wait (capped at :data:`DURABLE_WAIT_S`): the caller's remaining deadline.
 
         Raises:
             NotServingError: the write failed or this coordinator was fenced off.
         """
-        self._wait(fut, what)
+        self._wait(fut, what, timeout_s)
 
     def close(self) -> None:
         """Flushes pending writes and closes the store."""

@@ -38,7 +38,7 @@ import grpc
 from trainguard.grpc_guard import HEALTH_MAX_REQUEST_BYTES, HealthGuard, RequestGuard
 from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
 from trainguard.recovery import convert
-from trainguard.recovery.coordinator import JobCoordinator
+from trainguard.recovery.coordinator import DURABLE_WAIT_S, JobCoordinator
 from trainguard.recovery.failslow import validate_timings
 from trainguard.recovery.qualification import refusal_message
 from trainguard.recovery.link_locator import validate_link_results
@@ -244,6 +244,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.core = JobCoordinator(spec, store=store)
         self._wire = convert.ResponseCache()
 
+    def _durable(self, context: grpc.ServicerContext, fut, what: str) -> None:
+        """Waits for a call's write, no longer than the caller waits for the answer.
+
+        A store that hangs (etcd unreachable, a stuck disk) held each handler thread for 30 s while its caller gave
+        up after 5 s and retried: registrations and commits took every thread, and heartbeats, which write
+        nothing, queued behind them until the leases ran out.
+        """
+        left = context.time_remaining()
+        self.core.wait_durable(fut, what, DURABLE_WAIT_S if left is None else left)
+
     def _refuse(self, context: grpc.ServicerContext, method: str, exc: RecoveryError) -> None:
         code = STATUS_OF.get(type(exc), grpc.StatusCode.FAILED_PRECONDITION) if isinstance(exc, RequestError) \
             else grpc.StatusCode.UNAVAILABLE
@@ -257,7 +267,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             lease, gen, fut = self.core.register(request.job, convert.node_record(request.node),
                                                  request.free_port, request.agent_instance,
                                                  convert.qualification(request))
-            self.core.wait_durable(fut, "the registration")
+            self._durable(context, fut, "the registration")
             refused = self.core.refusal(request.node.node_id)
             if refused:  # cordoned durably above: a restarted coordinator refuses it the same way
                 raise NodeRefusedError(refusal_message(request.node.node_id, refused))
@@ -270,7 +280,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             validate_heartbeat(request)
             reply = self.core.heartbeat(convert.beat(request))
-            self.core.wait_durable(reply.durable, "the new generation")
+            self._durable(context, reply.durable, "the new generation")
             return self._wire.response(reply.response)
         except RecoveryError as exc:
             self._refuse(context, "Heartbeat", exc)
@@ -280,7 +290,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             validate_report(request)
             level, gen, msg, fut = self.core.report(convert.fault_report(request))
-            self.core.wait_durable(fut, "the recovery decision")
+            self._durable(context, fut, "the recovery decision")
             return coordinator_pb2.ReportEventResponse(decided_level=int(level), new_generation=gen, message=msg)
         except RecoveryError as exc:
             self._refuse(context, "ReportEvent", exc)
@@ -317,7 +327,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if not 0 <= request.step <= _MAX_STEP:
                 raise _bad("step", f"is {request.step}; use a step in 0..{_MAX_STEP}")
             step, fut = self.core.commit_checkpoint(request.job, request.node_id, request.step, request.lease_id)
-            self.core.wait_durable(fut, "the checkpoint commit")
+            self._durable(context, fut, "the checkpoint commit")
             return coordinator_pb2.CommitCheckpointResponse(last_committed_step=step)
         except RecoveryError as exc:
             self._refuse(context, "CommitCheckpoint", exc)
@@ -327,7 +337,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             validate_node_health(request)
             cordoned, msg, fut = self.core.report_node_health(convert.node_health_report(request))
-            self.core.wait_durable(fut, "the cordon")
+            self._durable(context, fut, "the cordon")
             return coordinator_pb2.NodeHealthReportResponse(cordoned=cordoned, message=msg,
                                                             interval_s=self.core.report_interval_s())
         except RecoveryError as exc:
@@ -340,7 +350,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             _check_node_id("node_id", request.node_id)
             _check_text("reason", request.reason, _MAX_EVENT_TEXT)
             done, msg, fut = self.core.uncordon(request.job, request.node_id, request.reason)
-            self.core.wait_durable(fut, "the uncordon")
+            self._durable(context, fut, "the uncordon")
             return coordinator_pb2.UncordonNodeResponse(uncordoned=done, message=msg)
         except RecoveryError as exc:
             self._refuse(context, "UncordonNode", exc)
@@ -353,7 +363,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             _check_text("lease_id", request.lease_id)
             _check_text("reason", request.reason, _MAX_EVENT_TEXT)
             msg, fut = self.core.leave(request.job, request.node_id, request.lease_id, request.reason)
-            self.core.wait_durable(fut, "the leave")
+            self._durable(context, fut, "the leave")
             return coordinator_pb2.LeaveNodeResponse(message=msg)
         except RecoveryError as exc:
             self._refuse(context, "LeaveNode", exc)

@@ -94,3 +94,54 @@ def test_a_checkpoint_commit_needs_the_nodes_lease(server) -> None:
         assert ei.value.code() == code, (nid, bad, ei.value)
     assert stub.CommitCheckpoint(pb.CommitCheckpointRequest(job=JOB, node_id="n0", step=5, lease_id=lease),
                                  timeout=10).last_committed_step == -1  # no generation yet: nothing job-wide
+
+
+def test_a_hung_store_does_not_take_every_handler_thread_from_the_heartbeats(tmp_path) -> None:
+    """A store that hangs (etcd unreachable, a stuck disk) held each registration's handler thread for 30 s while
+    its caller gave up after its deadline and retried: a few such calls took every thread, and heartbeats, which
+    write nothing, queued behind them until the leases ran out. Now a call waits for durability no longer than its
+    caller's deadline."""
+    import threading
+
+    from trainguard.recovery.store import MemoryStore
+
+    class HungStore(MemoryStore):
+        """The real in-memory store, whose commits hang while ``gate`` is clear."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = threading.Event()
+            self.gate.set()
+
+        def commit(self, compares, puts):
+            self.gate.wait(60)
+            return super().commit(compares, puts)
+
+    store = HungStore()
+    srv = CoordinatorServer(JobSpec(job=JOB, nnodes=1, heartbeat_interval_s=0.1, lease_timeout_s=30.0),
+                            store=store, max_workers=4).start()
+    chan = grpc.insecure_channel(srv.target)
+    stub = coordinator_pb2_grpc.CoordinatorStub(chan)
+    try:
+        lease = _register(stub, "n0")
+        beat = pb.NodeHeartbeatRequest(job=JOB, node_id="n0", lease_id=lease, generation=-1, free_port=40001)
+        stub.Heartbeat(beat, timeout=10)
+        store.gate.clear()  # the store hangs from here
+
+        def register(i: int) -> None:
+            try:
+                stub.RegisterNode(pb.RegisterNodeRequest(job=JOB, node=node_info(f"r{i}"), free_port=40000),
+                                  timeout=0.5)
+            except grpc.RpcError:
+                pass
+
+        callers = [threading.Thread(target=register, args=(i,)) for i in range(8)]  # twice the handler threads
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(30)
+        assert stub.Heartbeat(beat, timeout=3).command != pb.NODE_COMMAND_UNSPECIFIED
+    finally:
+        store.gate.set()
+        chan.close()
+        srv.stop(0)
