@@ -162,6 +162,7 @@ class GrpcCoordinatorLink:
         # bound torchrun's join_timeout puts on its rendezvous. A node that once ran a generation never times out.
         self._joining_since: float | None = None
         self._leave_why = "its node agent stopped"  # what close() tells the coordinator of a node that never ran
+        self._forming: coordinator_pb2.NodeHeartbeatResponse | None = None  # the last reply while forming
         # Tells a restarted agent of this node apart from a second agent claiming the same node id.
         self._instance = uuid.uuid4().hex
 
@@ -384,6 +385,7 @@ class GrpcCoordinatorLink:
 
     def _check_join(self, resp: coordinator_pb2.NodeHeartbeatResponse, now: float) -> None:
         """Gives up when the first generation has not formed ``patience_s`` after this node began to join."""
+        self._forming = resp  # the last word on the formation: the bound holds while the coordinator is away too
         since = self._joining_since
         # Only while too few nodes registered: a job past --nnodes MIN waits out its last call (bounded by the
         # coordinator), and a coordinator that does not count (0) is never given up on for it.
@@ -424,9 +426,15 @@ class GrpcCoordinatorLink:
 
         Raises:
             CoordinatorUnavailableError: the bound passed.
+            JoinTimeoutError: the first generation still missed nodes when the coordinator was last heard, and
+                ``patience_s`` has passed since this node began to join.
         """
         now = time.monotonic() if now is None else now
         since = self._unreachable_since
+        if since is not None and not workers_running and self._forming is not None:
+            # Nodes were missing when the coordinator was last heard (it may be gone with a node that gave up):
+            # the join bound holds, not a second patience counted from the outage.
+            self._check_join(self._forming, now)
         if since is None or now - since < self.config.patience_s or workers_running:
             return
         bound = f"(the bound is {self.config.patience_s:.0f}s, --rdzv-conf join_timeout)"

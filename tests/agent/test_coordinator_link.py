@@ -235,6 +235,23 @@ def test_the_first_generation_is_given_up_on_only_while_nodes_are_missing() -> N
     link.follow(wait, now=10_000.0)  # once it ran a generation, never
 
 
+def test_the_join_bound_holds_while_the_coordinator_is_away() -> None:
+    """The node embedding the coordinator gave up on its join timeout and took the coordinator with it: the
+    other nodes then waited a second join timeout, counted from the outage, before they gave up too."""
+    from trainguard.agent.coordinator_link import JoinTimeoutError
+
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n2", patience_s=5.0))
+    link._joining_since = 100.0
+    wait = coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_WAIT, forming_missing=1,
+                                                 job_state=coordinator_pb2.JOB_STATE_FORMING,
+                                                 message="waiting for nodes: 2 of 3 registered (n1, n2)")
+    link.follow(wait, now=104.0)
+    link._unreachable_since = 104.5  # the coordinator went away with the node that gave up
+    link.check_patience(0, now=104.9)
+    with pytest.raises(JoinTimeoutError, match=r"2 of 3 registered \(n1, n2\)"):
+        link.check_patience(0, now=105.0)
+
+
 def test_a_node_that_gives_up_before_the_first_generation_leaves_and_no_generation_forms_with_it() -> None:
     """A node whose agent gave up (join timeout, or a stop) stayed live at the coordinator for its lease (10 s by
     default): a node registering in that window formed the first generation with it, and then waited for a node
