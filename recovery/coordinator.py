@@ -120,6 +120,7 @@ class JobCoordinator:
         self._writes = WriteLedger(self._committer.submit)  # each key's last write: made again if the store lost it
         self._lock = threading.RLock()
         self._members: dict[str, Member] = {}
+        self._dead = 0  # members whose lease expired or who left (kept counted: a forming job's count is O(1))
         self._policy = RecoveryPolicy(spec.policy_config())
         self._layout: RankLayout | None = None
         self._master_port = 0
@@ -286,13 +287,18 @@ class JobCoordinator:
 
     def not_told_of_end(self) -> list[str]:
         """Live nodes that no heartbeat answer has told yet that the job is over (all live nodes while it
-        runs). An embedded coordinator stays up until this is empty, so every agent learns the outcome.
+        runs; none before the first generation formed). An embedded coordinator stays up until this is empty, so
+        every agent learns the outcome.
 
         Judged by the answers, not by heartbeat times against the moment the caller noticed the end: a node told
         in the answer that ended the job, or just before its caller got round to asking, exits at once and is
         never heard again (the launcher embedding the coordinator then waited its whole patience for it, and
         logged the node as lost)."""
         with self._lock:
+            if self._policy.state.phase is Phase.FORMING:
+                # No generation ever ran: there is no outcome to hear, and each node bounds its own wait (its join
+                # timeout). A launcher whose join timed out waited up to 10 s more for the others to "hear" it.
+                return []
             return sorted(nid for nid, m in self._members.items() if m.alive and nid not in self._told_end)
 
     def _check_serving(self, job: str) -> None:
@@ -504,8 +510,9 @@ class JobCoordinator:
                 # Names come from the first few members (insertion order), so a large job's formation stays linear.
                 named = [n for n, m in itertools.islice(self._members.items(), 4 * _NAMED)
                          if self._lease_live(m, now) and not m.info.spare][:_NAMED]
-                self._form_note = self._short_note(len(self._members), named)
-                self._form_missing = self.spec.nnodes - len(self._members)
+                joined = len(self._members) - self._dead  # a node that left or went silent is not there
+                self._form_note = self._short_note(joined, named)
+                self._form_missing = self.spec.nnodes - joined
             if self._policy.state.forming_since_s and self._apply(Tick(self._wall())).changed:
                 self._mver += 1
         elif st.plan is not None:
@@ -669,6 +676,8 @@ class JobCoordinator:
             m = Member(info=info, lease_id=lease, instance=instance, last_seen=now, free_port=free_port,
                        superseded=superseded, refused=refused)
             self._members[nid] = m
+            if prev is not None and not prev.alive:
+                self._dead -= 1
             self._mver += 1
             fut = self._submit([Put(self._prefix + "nodes/" + nid, node_value(info, lease, instance, refused))])
             st = self._policy.state
@@ -709,6 +718,7 @@ class JobCoordinator:
         old = min(gone, key=lambda m: m.last_seen)
         oid = old.info.node_id
         del self._members[oid]
+        self._dead -= 1  # only members that are not alive go
         for table in (self._node_steps, self._beat_at):
             table.pop(oid, None)
         self._told_end.discard(oid)
@@ -779,6 +789,8 @@ class JobCoordinator:
         if not m.alive:
             log.info("job %s: node %s is back", self.spec.job, req.node_id)
             self._mver += 1
+        if not m.alive:
+            self._dead -= 1
         m.last_seen, m.alive = now, True
         if req.free_port > 0:
             m.free_port = req.free_port
@@ -930,6 +942,7 @@ class JobCoordinator:
     def _lose(self, m: Member, now: float, why: str) -> None:
         """Ends a member's liveness (lock held): a node-level failure when it holds a slot of the running job."""
         m.alive = False
+        self._dead += 1
         self._mver += 1
         log.warning("job %s: node %s lost (%s)", self.spec.job, m.info.node_id, why)
         st = self._policy.state  # fresh: each decision replaces the state
