@@ -56,7 +56,7 @@ def test_a_node_waiting_for_the_others_to_register_is_told_how_many_are_there_an
     script.write_text(f"open({str(tmp_path / 'started')!r}, 'w').close()\n")
     proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "2", "--rdzv-backend", "c10d",
                              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "alone", "--node-id", "lone-node",
-                             "--rdzv-conf", "join_timeout=2", str(script)],
+                             "--rdzv-conf", "join_timeout=1", str(script)],
                             env=tg_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -68,7 +68,7 @@ def test_a_node_waiting_for_the_others_to_register_is_told_how_many_are_there_an
     assert "coordinator: waiting for nodes: 1 of 2 registered (lone-node)" in err, err
     assert proc.returncode not in (0, None) and "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
-    assert "the first generation did not form within 2 s" in last and "1 of 2 registered (lone-node)" in last, last
+    assert "the first generation did not form within 1 s" in last and "1 of 2 registered (lone-node)" in last, last
     assert "--nnodes" in last and "join_timeout" in last, last
     assert not (tmp_path / "started").exists()
 
