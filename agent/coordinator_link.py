@@ -36,11 +36,33 @@ log = logging.getLogger(__name__)
 
 #: Deadline of every call to the coordinator, seconds.
 RPC_TIMEOUT_S = 5.0
+#: Deadline of the call that tells the coordinator this node leaves (at close, so short), seconds.
+LEAVE_TIMEOUT_S = 2.0
 #: Failure reports kept for sending again while the coordinator is unreachable (the newest; older ones are about
 #: generations a later report supersedes).
 MAX_UNSENT_REPORTS = 8
 
 _T = LinkTrigger
+#: Codes after which a failure report may not have arrived and is sent again. CANCELLED: another thread (the lease
+#: keeper) dialled the coordinator again and closed the channel this call was on.
+_UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class JoinTimeoutError(AgentError):
+    """The job's first generation did not form within ``patience_s`` (``--rdzv-conf join_timeout``): fewer nodes
+    than ``--nnodes`` joined. torchrun fails its rendezvous the same way; without it the node waited forever."""
+
+
+def coordinator_targets(coordinator: str) -> list[str]:
+    """The coordinator addresses of a ``host:port[,host:port...]`` list, in the order they are tried.
+
+    Raises:
+        AgentError: the list names no address.
+    """
+    targets = [t.strip() for t in coordinator.split(",") if t.strip()]
+    if not targets:
+        raise AgentError(f"coordinator address {coordinator!r} names no host:port")
+    return targets
 
 
 def find_free_port(address: str) -> int:
@@ -68,8 +90,10 @@ class LinkConfig:
 
     Attributes:
         job: job name, as known to the coordinator.
-        coordinator: ``host:port`` of the coordinator; "" for a standalone node (nothing is dialled, reports
-            go nowhere).
+        coordinator: ``host:port`` of the coordinator, or several separated by commas (a standby coordinator on
+            the same store, or where it is restarted): each call that finds one unreachable moves to the next, on a
+            new channel, which also resolves a name again; "" for a standalone node (nothing is dialled,
+            reports go nowhere).
         node_id: stable identity of the node.
         pod_id: pod / supernode label.
         node_index: index of the node in its pod.
@@ -78,8 +102,9 @@ class LinkConfig:
         device_count: local worker slots (0 for a health-only member).
         spare: join as a spare (no ranks until needed).
         patience_s: how long the coordinator may be unreachable at registration, seconds; also how long it
-            may stay unreachable while this node runs no workers.
-        channel: opens the channel to ``coordinator`` (TLS and token); None dials plaintext.
+            may stay unreachable while this node runs no workers, and how long after joining the node waits for
+            the job's first generation to form (torchrun's ``join_timeout``).
+        channel: opens a channel to one coordinator address (TLS and token); None dials plaintext.
     """
 
     job: str
@@ -118,6 +143,8 @@ class GrpcCoordinatorLink:
         self._life: Lifecycle[LinkState, LinkTrigger] = Lifecycle("coordinator link", LINK_TRANSITIONS,
                                                                   LinkState.UNREGISTERED)
         self._channel: grpc.Channel | None = None
+        self._target = ""  # the coordinator address dialled now (one of config.coordinator's)
+        self._target_index = 0
         self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
         self._lease = ""
         self._generation = -1
@@ -131,6 +158,11 @@ class GrpcCoordinatorLink:
         self._in_keepalive = False
         self._told = ""  # the last STOP/WAIT message logged: a standing one is logged once, not every heartbeat
         self._cancelled = threading.Event()  # a stop was asked for: a registration still waiting gives up
+        # When this node began to join (open()): the first generation must form within patience_s of it, the
+        # bound torchrun's join_timeout puts on its rendezvous. A node that once ran a generation never times out.
+        self._joining_since: float | None = None
+        self._leave_why = "its node agent stopped"  # what close() tells the coordinator of a node that never ran
+        self._forming: coordinator_pb2.NodeHeartbeatResponse | None = None  # the last reply while forming
         # Tells a restarted agent of this node apart from a second agent claiming the same node id.
         self._instance = uuid.uuid4().hex
 
@@ -162,10 +194,38 @@ class GrpcCoordinatorLink:
         Raises:
             CoordinatorUnavailableError: it refused, or stayed unreachable for ``patience_s``.
         """
-        dial = self.config.channel or grpc.insecure_channel
-        self._channel = dial(self.config.coordinator)
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._joining_since = time.monotonic()
+        self._dial()
         self._register()
+
+    def _dial(self) -> None:
+        """Opens a channel to the current coordinator address (a fresh one: its name is resolved again, and it
+        carries no reconnect backoff)."""
+        targets = coordinator_targets(self.config.coordinator)
+        target = targets[self._target_index % len(targets)]
+        dial = self.config.channel or grpc.insecure_channel
+        self._channel = dial(target)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._target = target
+
+    def _redial(self) -> None:
+        """After a call found the coordinator unreachable: dials the next address of the list (the same one when
+        there is one), on a new channel.
+
+        Why a new channel: gRPC's own channel re-resolves a DNS name after a failed connection at most every 30 s
+        (``grpc.dns_min_time_between_resolutions_ms``) and backs its reconnects off up to 120 s
+        (``grpc.max_reconnect_backoff_ms``), so a coordinator restarted on another host under the same name, or
+        at its old address after a long outage, was reached tens of seconds to minutes late: longer than a
+        lease, so its nodes were lost. A new channel resolves the name now (the system resolver, its cache
+        included) and connects at once.
+        """
+        old, before = self._channel, self._target
+        self._target_index += 1
+        self._dial()
+        if old is not None:
+            old.close()
+        if self._target != before:
+            log.info("coordinator %s unreachable; trying %s", before, self._target)
 
     def _node_info(self) -> common_pb2.NodeInfo:
         c = self.config
@@ -193,7 +253,7 @@ class GrpcCoordinatorLink:
                 )
                 self._lease = resp.lease_id
                 self._life.fire(_T.REGISTERED)
-                log.info("registered node %s with coordinator %s", self.config.node_id, self.config.coordinator)
+                log.info("registered node %s with coordinator %s", self.config.node_id, self._target)
                 return
             except grpc.RpcError as exc:
                 code = exc.code()
@@ -206,6 +266,7 @@ class GrpcCoordinatorLink:
                         f"coordinator {self.config.coordinator} unreachable for {patience_s:.0f}s; "
                         "check the address and that it runs"
                     ) from exc
+                self._redial()
                 if delay == 0.1:
                     # Once: the wait for a coordinator that is down (or not up yet, or at a wrong address) was
                     # silent for the whole patience, a minute by default, before its error.
@@ -240,6 +301,7 @@ class GrpcCoordinatorLink:
             self._unreachable_since = self._unreachable_since or time.monotonic()
             log.warning("coordinator still unreachable: %d failure report(s) wait; workers keep running",
                         len(self._unsent))
+            self._redial()
             return None  # down: the heartbeat would fail as well
         fields = dict(content.heartbeat_fields())
         if self.qualifier is not None:  # a re-check's verdict, while the node runs no generation (spare, standby)
@@ -264,6 +326,7 @@ class GrpcCoordinatorLink:
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 if self._unreachable_since is None:
                     self._unreachable_since = time.monotonic()
+                self._redial()
             else:
                 self._unreachable_since = None
             if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
@@ -292,11 +355,16 @@ class GrpcCoordinatorLink:
             finally:
                 self._in_keepalive = False
 
-    def follow(self, resp: coordinator_pb2.NodeHeartbeatResponse, node_id: str | None = None) -> None:
+    def follow(self, resp: coordinator_pb2.NodeHeartbeatResponse, node_id: str | None = None,
+               now: float | None = None) -> None:
         """Moves the link after the command in a heartbeat reply.
 
         START/RESTART of a table that gives ``node_id`` ranks: RUNNING(generation); STOP: STOPPING, then DONE
         when the job is over, else back to WAITING (the job goes on without this node's workers).
+
+        Raises:
+            JoinTimeoutError: the job's first generation still misses nodes ``patience_s`` after this node began
+                to join (``now``: monotonic time, default now).
         """
         node_id = node_id or self.config.node_id
         cmd = resp.command
@@ -304,6 +372,7 @@ class GrpcCoordinatorLink:
             if any(n.node_id == node_id for n in resp.rank_table.nodes):
                 self._life.fire_if(_T.GENERATION)
                 self._generation = resp.rank_table.generation
+                self._joining_since = None
         elif cmd == coordinator_pb2.NODE_COMMAND_STOP:
             self._life.fire_if(_T.STOP)
             if resp.job_state in (coordinator_pb2.JOB_STATE_SUCCEEDED, coordinator_pb2.JOB_STATE_FAILED):
@@ -311,6 +380,25 @@ class GrpcCoordinatorLink:
             else:
                 self._life.fire_if(_T.IDLE)  # the job goes on without this node's workers for now
         self._log_standing(resp)
+        if resp.job_state == coordinator_pb2.JOB_STATE_FORMING:
+            self._check_join(resp, time.monotonic() if now is None else now)
+
+    def _check_join(self, resp: coordinator_pb2.NodeHeartbeatResponse, now: float) -> None:
+        """Gives up when the first generation has not formed ``patience_s`` after this node began to join."""
+        self._forming = resp  # the last word on the formation: the bound holds while the coordinator is away too
+        since = self._joining_since
+        # Only while too few nodes registered: a job past --nnodes MIN waits out its last call (bounded by the
+        # coordinator), and a coordinator that does not count (0) is never given up on for it.
+        if since is None or self._generation >= 0 or resp.forming_missing <= 0 \
+                or now - since < self.config.patience_s:
+            return
+        why = resp.message or "the coordinator did not say why"
+        self._leave_why = f"its agent gave up after join_timeout {self.config.patience_s:.0f} s"
+        raise JoinTimeoutError(
+            f"job {self.config.job}: the first generation did not form within {self.config.patience_s:.0f} s of "
+            f"node {self.config.node_id} joining (coordinator {self.config.coordinator}: {why}); start the missing "
+            "nodes, lower --nnodes MIN[:MAX] to the nodes you have, or wait longer with --rdzv-conf "
+            "join_timeout=SECONDS")
 
     def _log_standing(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> None:
         """Logs why the coordinator keeps this node idle (cordoned, or a recovery waiting for capacity), once per
@@ -338,9 +426,15 @@ class GrpcCoordinatorLink:
 
         Raises:
             CoordinatorUnavailableError: the bound passed.
+            JoinTimeoutError: the first generation still missed nodes when the coordinator was last heard, and
+                ``patience_s`` has passed since this node began to join.
         """
         now = time.monotonic() if now is None else now
         since = self._unreachable_since
+        if since is not None and not workers_running and self._forming is not None:
+            # Nodes were missing when the coordinator was last heard (it may be gone with a node that gave up):
+            # the join bound holds, not a second patience counted from the outage.
+            self._check_join(self._forming, now)
         if since is None or now - since < self.config.patience_s or workers_running:
             return
         bound = f"(the bound is {self.config.patience_s:.0f}s, --rdzv-conf join_timeout)"
@@ -368,7 +462,7 @@ class GrpcCoordinatorLink:
             resp = self._stub.ReportEvent(req, timeout=RPC_TIMEOUT_S)
             log.info("coordinator: %s", resp.message)
         except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if exc.code() in _UNREACHED:
                 # A report the coordinator may have taken (a lost answer) is safe to send again: a report
                 # about a generation it already left changes nothing.
                 self._unsent = (self._unsent + [req])[-MAX_UNSENT_REPORTS:]
@@ -393,7 +487,7 @@ class GrpcCoordinatorLink:
                 resp = self._stub.ReportEvent(req, timeout=RPC_TIMEOUT_S)
                 log.info("coordinator (failure report sent again): %s", resp.message)
             except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() in _UNREACHED:
                     return exc.code()
                 log.warning("the coordinator refused a failure report sent again (%s: %s); dropped",
                             exc.code().name, exc.details())
@@ -424,11 +518,22 @@ class GrpcCoordinatorLink:
                         "workers only", exc.code().name)
             return False
 
-    def close(self) -> None:
-        """Leaves: any state -> DONE; closes the channel."""
+    def close(self, reason: str = "") -> None:
+        """Leaves: any state -> DONE; closes the channel. A node that registered but never ran a generation tells
+        the coordinator it leaves (``reason``), so no generation forms with it in the lease it had left."""
+        if self._stub is not None and self._lease and self._generation < 0 \
+                and self._life.state is LinkState.WAITING:
+            try:
+                self._stub.LeaveNode(coordinator_pb2.LeaveNodeRequest(
+                    job=self.config.job, node_id=self.config.node_id, lease_id=self._lease,
+                    reason=reason or self._leave_why),
+                    timeout=LEAVE_TIMEOUT_S)
+            except grpc.RpcError as exc:  # an older coordinator, or one gone: the lease runs out there instead
+                log.info("could not tell the coordinator this node leaves (%s); its lease runs out instead",
+                         exc.code().name)
         self._life.fire(_T.CLOSE)
         if self._channel is not None:
             self._channel.close()
 
 
-__all__ = ["GrpcCoordinatorLink", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S", "find_free_port"]
+__all__ = ["GrpcCoordinatorLink", "JoinTimeoutError", "coordinator_targets", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S", "find_free_port"]

@@ -214,7 +214,7 @@ class ResponseCache:
             self._start = (ins.table, key, resp)
             return resp
         resp = pb.NodeHeartbeatResponse(command=int(ins.command), interval_s=ins.interval_s,
-                                        job_state=ins.phase.value, message=ins.message)
+                                        job_state=ins.phase.value, message=ins.message, forming_missing=ins.missing)
         if ins.table is not None:
             resp.rank_table.CopyFrom(rank_table(ins.table, ins.table.job, ins.only_node))
             if ins.restore_plan is not None:

@@ -33,6 +33,7 @@ so its workers are gone) is a process-level failure of that generation.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -50,7 +51,7 @@ from trainguard.recovery.decide import (AllSucceeded, DaemonHealthy, Event, Faul
                                         GenerationFormed, GenerationRunning, MembershipChanged, NodeDisqualified,
                                         OperatorUncordon, Persist, Progressed, Step, Tick, decide)
 from trainguard.recovery.domain import Beat, FaultReport, GenerationTable, NodeRecord
-from trainguard.recovery.errors import (FencedError, MembershipError, NotServingError, StaleGenerationError,
+from trainguard.recovery.errors import (CapacityError, FencedError, MembershipError, NotServingError, StaleGenerationError,
                                         StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.failslow_wiring import FailSlowWiring
@@ -64,12 +65,29 @@ from trainguard.recovery.planner import place
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState, RecoveryPolicy
 from trainguard.recovery.qualification import Qualification
 from trainguard.recovery.ranks import RankLayout, assign_ranks
-from trainguard.recovery.spec import JobSpec
+from trainguard.recovery.spec import MIN_NODE_ID_LIMIT, JobSpec
 from trainguard.recovery.store import FencedStore, Put, Store, acquire_fence, open_store
 from trainguard.recovery.straggler import ReplaceDecision, WindowSnapshot
 from trainguard.recovery.write_ledger import WriteLedger, lost
 
 log = logging.getLogger(__name__)
+
+#: Longest a call waits for its write to become durable, seconds.
+DURABLE_WAIT_S = 30.0
+#: Nodes a "waiting for nodes" message names at most (the rest are counted).
+_NAMED = 8
+
+
+def steady_wall(wall: Callable[[], float], clock: Callable[[], float]) -> Callable[[], float]:
+    """Wall-clock seconds that move only with the monotonic ``clock``: ``wall`` is read once, here.
+
+    Why: the policy's times are wall-clock seconds because they outlive the process in the store (backoff
+    deadlines, membership waits, repeat windows), but a clock step while the coordinator ran moved every one:
+    NTP stepping the clock back an hour held a restart's 1 s backoff for an hour, a step forward failed a job
+    waiting for a spare at once (membership timeout). A coordinator started again reads the wall clock afresh.
+    """
+    base_wall, base = wall(), clock()
+    return lambda: base_wall + (clock() - base)
 
 
 class JobCoordinator:
@@ -79,7 +97,8 @@ class JobCoordinator:
         spec: the job.
         store: an opened store (tests); None opens ``spec.store``.
         clock: monotonic clock for leases, seconds (tests may inject one).
-        wall: wall clock for the policy's persisted times (repeat windows, backoff deadlines), seconds.
+        wall: wall clock for the policy's persisted times (repeat windows, backoff deadlines), seconds; read once
+            and then advanced by ``clock`` (:func:`steady_wall`), so a clock step while it runs moves none of them.
 
     Raises:
         InvalidRequestError: the spec is invalid.
@@ -89,7 +108,7 @@ class JobCoordinator:
     def __init__(self, spec: JobSpec, store: Store | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         spec.validate()
-        self._wall = wall
+        self._wall = wall = steady_wall(wall, clock)
         self.spec = spec
         self._clock = clock
         self._prefix = f"trainguard/jobs/{spec.job}/"
@@ -101,6 +120,7 @@ class JobCoordinator:
         self._writes = WriteLedger(self._committer.submit)  # each key's last write: made again if the store lost it
         self._lock = threading.RLock()
         self._members: dict[str, Member] = {}
+        self._dead = 0  # members whose lease expired or who left (kept counted: a forming job's count is O(1))
         self._policy = RecoveryPolicy(spec.policy_config())
         self._layout: RankLayout | None = None
         self._master_port = 0
@@ -108,6 +128,7 @@ class JobCoordinator:
         self._committed_step = -1
         self._node_steps: dict[str, int] = {}
         self._form_note = ""
+        self._form_missing = 0  # nodes the first generation still needs (told to agents: their join timeout)
         self._last_call_at: float | None = None  # when the first generation stops waiting for nodes past nnodes
         self._table: GenerationTable | None = None
         self._state_fut: Future | None = None
@@ -220,27 +241,28 @@ class JobCoordinator:
             log.error("job %s: %s", self.spec.job, exc)
 
     @staticmethod
-    def _wait(fut: Future | None, what: str) -> None:
+    def _wait(fut: Future | None, what: str, timeout_s: float = DURABLE_WAIT_S) -> None:
         if fut is None:
             return
         try:
-            fut.result(timeout=30)
+            fut.result(timeout=max(0.0, min(timeout_s, DURABLE_WAIT_S)))
         except FencedError as exc:
             raise NotServingError(f"{exc}; reconnect to the coordinator that owns the job") from exc
         except (StoreError, TimeoutError) as exc:
             raise NotServingError(f"{what} could not be made durable ({exc}); retry shortly") from exc
 
-    def wait_durable(self, fut: Future | None, what: str = "the change") -> None:
+    def wait_durable(self, fut: Future | None, what: str = "the change", timeout_s: float = DURABLE_WAIT_S) -> None:
         """Blocks until a write returned by a call is durable (call without holding any coordinator lock).
 
         Args:
             fut: the future a call returned, or None.
             what: what was written, for the error message.
+            timeout_s: the longest wait (capped at :data:`DURABLE_WAIT_S`): the caller's remaining deadline.
 
         Raises:
             NotServingError: the write failed or this coordinator was fenced off.
         """
-        self._wait(fut, what)
+        self._wait(fut, what, timeout_s)
 
     def close(self) -> None:
         """Flushes pending writes and closes the store."""
@@ -265,13 +287,18 @@ class JobCoordinator:
 
     def not_told_of_end(self) -> list[str]:
         """Live nodes that no heartbeat answer has told yet that the job is over (all live nodes while it
-        runs). An embedded coordinator stays up until this is empty, so every agent learns the outcome.
+        runs; none before the first generation formed). An embedded coordinator stays up until this is empty, so
+        every agent learns the outcome.
 
         Judged by the answers, not by heartbeat times against the moment the caller noticed the end: a node told
         in the answer that ended the job, or just before its caller got round to asking, exits at once and is
         never heard again (the launcher embedding the coordinator then waited its whole patience for it, and
         logged the node as lost)."""
         with self._lock:
+            if self._policy.state.phase is Phase.FORMING:
+                # No generation ever ran: there is no outcome to hear, and each node bounds its own wait (its join
+                # timeout). A launcher whose join timed out waited up to 10 s more for the others to "hear" it.
+                return []
             return sorted(nid for nid, m in self._members.items() if m.alive and nid not in self._told_end)
 
     def _check_serving(self, job: str) -> None:
@@ -330,6 +357,7 @@ class JobCoordinator:
         self._rebuild_table()
         self._failslow.new_world(layout.world_size)  # a shrink renumbers the ranks fail-slow remembers
         self._form_note = ""
+        self._form_missing = 0
         self._running.clear()
         self._succeeded.clear()
         self._memory.table_installed(self._clock())
@@ -355,8 +383,9 @@ class JobCoordinator:
                          and m.info.node_id not in cordoned), key=lambda m: m.spec().order_key())
         why, layout = "", None
         most = self._max_nodes()
+        self._form_missing = max(0, self.spec.nnodes - len(active))
         if len(active) < self.spec.nnodes:
-            self._form_note = f"waiting for nodes: {len(active)} of {self.spec.nnodes} registered"
+            self._form_note = self._short_note(len(active), [m.info.node_id for m in active[:_NAMED]])
             self._last_call_at = None  # torchrun clears its deadline too when the count drops below the minimum
         elif len(active) < most and not self._last_call_over(now):
             # torchrun's last call: once MIN joined, nodes arriving within last_call_timeout still join the first
@@ -377,6 +406,12 @@ class JobCoordinator:
         if why or self._policy.state.forming_since_s:
             self._apply(FormingChecked(why, self._wall()))
         return layout
+
+    def _short_note(self, joined: int, named: list[str]) -> str:
+        """Why the first generation waits when too few nodes registered, naming the first ones."""
+        who = ", ".join(named) + (f" and {joined - len(named)} more" if joined > len(named) else "")
+        return (f"waiting for nodes: {joined} of {self.spec.nnodes} registered"
+                + (f" ({who})" if named else "") + "; the job starts once --nnodes MIN have registered")
 
     def _plan_layout(self, now: float) -> RankLayout | None:
         """Places the pending plan's vacancies on the membership now (see :mod:`~trainguard.recovery.planner`)."""
@@ -472,7 +507,12 @@ class JobCoordinator:
                 # _first_layout says why once enough registered (it sorts every member, so it is skipped before,
                 # or each registration of a large job would sort them all); until then the nodes that did
                 # register waited with an empty message, and their logs said nothing for as long as they waited.
-                self._form_note = f"waiting for nodes: {len(self._members)} of {self.spec.nnodes} registered"
+                # Names come from the first few members (insertion order), so a large job's formation stays linear.
+                named = [n for n, m in itertools.islice(self._members.items(), 4 * _NAMED)
+                         if self._lease_live(m, now) and not m.info.spare][:_NAMED]
+                joined = len(self._members) - self._dead  # a node that left or went silent is not there
+                self._form_note = self._short_note(joined, named)
+                self._form_missing = self.spec.nnodes - joined
             if self._policy.state.forming_since_s and self._apply(Tick(self._wall())).changed:
                 self._mver += 1
         elif st.plan is not None:
@@ -625,6 +665,8 @@ class JobCoordinator:
                 # ... once its record is durable: the call retried may be one the store failed.
                 fut = self._pending(self._prefix + "nodes/" + nid)
                 return prev.lease_id, self._policy.state.generation, fut or _done_future()
+            if prev is None and len(self._members) >= self.spec.node_id_limit():
+                self._make_room(nid)
             check_slot_claim(info, self._members.get(info.replaces) if info.replaces else None,
                              self._members.values(), self._layout, self._policy.state.cordoned,
                              lambda m: self._lease_live(m, now))
@@ -634,6 +676,8 @@ class JobCoordinator:
             m = Member(info=info, lease_id=lease, instance=instance, last_seen=now, free_port=free_port,
                        superseded=superseded, refused=refused)
             self._members[nid] = m
+            if prev is not None and not prev.alive:
+                self._dead -= 1
             self._mver += 1
             fut = self._submit([Put(self._prefix + "nodes/" + nid, node_value(info, lease, instance, refused))])
             st = self._policy.state
@@ -652,6 +696,37 @@ class JobCoordinator:
                      ", spare" if info.spare else "")
             self._advance()
             return lease, self._policy.state.generation, fut
+
+    def _make_room(self, nid: str) -> None:
+        """Forgets the member silent longest among those that can go (lease expired, no slot, not cordoned nor
+        named by the pending plan), so a new node id fits (lock held).
+
+        Raises:
+            CapacityError: none can go.
+        """
+        st = self._policy.state
+        keep = set(st.cordoned) | set(st.plan.cordon if st.plan else ())
+        if self._layout is not None:
+            keep |= {s.node_id for s in self._layout.slots}
+        gone = [m for m in self._members.values() if not m.alive and m.info.node_id not in keep]
+        if not gone:
+            raise CapacityError(
+                f"node {nid!r} cannot join job {self.spec.job!r}: the coordinator keeps {len(self._members)} node ids, "
+                f"its limit ({self.spec.node_id_limit()}: twice --nnodes/--max-nodes, at least {MIN_NODE_ID_LIMIT}), "
+                "and none of them expired or can be dropped (slot holders and cordoned nodes stay); "
+                "check for a client registering made-up node ids, or retry once unused nodes' leases run out")
+        old = min(gone, key=lambda m: m.last_seen)
+        oid = old.info.node_id
+        del self._members[oid]
+        self._dead -= 1  # only members that are not alive go
+        for table in (self._node_steps, self._beat_at):
+            table.pop(oid, None)
+        self._told_end.discard(oid)
+        self._memory.forget(oid)
+        self._mver += 1
+        self._submit([Put(self._prefix + "nodes/" + oid, None)])
+        log.info("job %s: forgot node %s (lease expired %.0f s ago) to make room for node %s", self.spec.job, oid,
+                 self._clock() - old.last_seen, nid)
 
     def heartbeat(self, req: Beat) -> HeartbeatReply:
         """Records a node's progress and says what it must do.
@@ -714,6 +789,8 @@ class JobCoordinator:
         if not m.alive:
             log.info("job %s: node %s is back", self.spec.job, req.node_id)
             self._mver += 1
+        if not m.alive:
+            self._dead -= 1
         m.last_seen, m.alive = now, True
         if req.free_port > 0:
             m.free_port = req.free_port
@@ -741,7 +818,8 @@ class JobCoordinator:
         reply = command_for(m, st, self._layout, self._table, self._interval_s(), self._form_note,
                             self._relay.pending(st.generation), self.spec.full_table_max_nodes,
                             lambda: self._memory.holdings_fresh(self._table, self._clock, self._interval_s()),
-                            lambda: self._memory.restore_plan(self._table, self._mver), self._state_fut)
+                            lambda: self._memory.restore_plan(self._table, self._mver), self._state_fut,
+                            self._form_missing if st.phase is Phase.FORMING else 0)
         if self._ended_note and st.phase in (Phase.SUCCEEDED, Phase.FAILED):
             reply = replace(reply, response=replace(reply.response, message=(
                 f"{self._ended_note}: {st.message}; to run it again, start the coordinator with another --job "
@@ -809,20 +887,22 @@ class JobCoordinator:
             self._check_serving(job)
             return self._table
 
-    def commit_checkpoint(self, job: str, node_id: str, step: int) -> tuple[int, Future | None]:
+    def commit_checkpoint(self, job: str, node_id: str, step: int, lease_id: str) -> tuple[int, Future | None]:
         """Records that a node committed a checkpoint step; the job's step is the minimum over its nodes.
+
+        The node's lease is required, as for every other change a node makes: without it anyone who knew a node
+        id moved the job's committed step (which restores read) for that node.
 
         Returns:
             (last step committed by every node of the current generation, the store commit to wait for: the
             job's new step, or a commit with no writes that fails when another coordinator took the job over).
 
         Raises:
-            UnknownJobError, NotServingError, UnknownNodeError: see the service.
+            UnknownJobError, NotServingError, UnknownNodeError, StaleLeaseError: see the service.
         """
         with self._lock:
             self._check_serving(job)
-            if node_id not in self._members:
-                raise UnknownNodeError(f"node {node_id!r} is not registered with job {self.spec.job!r}")
+            self._auth(node_id, lease_id)
             self._node_steps[node_id] = max(step, self._node_steps.get(node_id, -1))
             fut = None
             if self._layout is not None:
@@ -856,17 +936,44 @@ class JobCoordinator:
                 self._rewrite_lost()
             for m in list(self._members.values()):
                 if m.alive and now - m.last_seen > self._lease_s():
-                    m.alive = False
-                    self._mver += 1
-                    log.warning("job %s: node %s lost (no heartbeat for %.1f s)", self.spec.job, m.info.node_id,
-                                now - m.last_seen)
-                    st = self._policy.state  # fresh: each decision replaces the state
-                    if self._layout is not None and self._layout.slot_of(m.info.node_id) is not None \
-                            and st.phase in (Phase.RUNNING, Phase.RECOVERING):
-                        self._fail(Failure(m.info.node_id, st.generation, Cause.NODE_LOST,
-                                           detail=f"no heartbeat for {now - m.last_seen:.1f} s",
-                                           time_s=self._wall()), now)
+                    self._lose(m, now, f"no heartbeat for {now - m.last_seen:.1f} s")
             self._advance()
+
+    def _lose(self, m: Member, now: float, why: str) -> None:
+        """Ends a member's liveness (lock held): a node-level failure when it holds a slot of the running job."""
+        m.alive = False
+        self._dead += 1
+        self._mver += 1
+        log.warning("job %s: node %s lost (%s)", self.spec.job, m.info.node_id, why)
+        st = self._policy.state  # fresh: each decision replaces the state
+        if self._layout is not None and self._layout.slot_of(m.info.node_id) is not None \
+                and st.phase in (Phase.RUNNING, Phase.RECOVERING):
+            self._fail(Failure(m.info.node_id, st.generation, Cause.NODE_LOST, detail=why, time_s=self._wall()), now)
+
+    def leave(self, job: str, node_id: str, lease_id: str, reason: str = "") -> tuple[str, Future]:
+        """A node leaves: its lease ends now (see ``LeaveNode`` in ``coordinator.proto``).
+
+        Without it a node whose agent gave up waiting for the first generation stayed live for ``lease_timeout_s``,
+        and a node registering in that window formed a generation with it, which then waited for a node that was
+        gone until ``--membership-timeout``. Its lease is replaced (durably), so the left agent must register again.
+
+        Returns:
+            (message, the store write to wait for).
+
+        Raises:
+            UnknownJobError, NotServingError, UnknownNodeError, StaleLeaseError: see the service.
+        """
+        now = self._clock()
+        with self._lock:
+            self._check_serving(job)
+            m = self._auth(node_id, lease_id)
+            m.lease_id = uuid.uuid4().hex
+            fut = self._submit([Put(self._prefix + "nodes/" + node_id,
+                                    node_value(m.info, m.lease_id, m.instance, m.refused))])
+            if m.alive:
+                self._lose(m, now, f"it left: {' '.join(reason.split())[:200] or 'no reason given'}")
+            self._advance()
+            return f"node {node_id} left job {self.spec.job!r}", fut
 
     def _check_fence(self) -> None:
         """Reads the fence key (no lock held) and stops serving when another coordinator took it.
@@ -923,7 +1030,8 @@ class JobCoordinator:
             self._check_serving(report.job or self.spec.job)
             fut_before = self._state_fut
             cordoned, message = self._daemons.record(report, now, self._policy.state, self._excluded,
-                                                     lambda f: self._fail_node_on_report(f, now), self._wall)
+                                                     lambda f: self._fail_node_on_report(f, now), self._wall,
+                                                     self.spec.node_id_limit(), 3 * self.report_interval_s())
             if cordoned and self._may_uncordon(report):
                 step = self._apply(DaemonHealthy(report.node_id, report.instance))
                 if step.changed:

@@ -33,7 +33,7 @@ class DaemonReports:
 
     def record(self, report: NodeHealthReport, now: float, st: PolicyState,
                excluded: Callable[[str], bool], fail: Callable[[Failure], None],
-               wall: Callable[[], float]) -> tuple[bool, str]:
+               wall: Callable[[], float], limit: int | None = None, silent_after_s: float = 0.0) -> tuple[bool, str]:
         """Records a report and fails its node on a new fatal verdict (call with the coordinator's lock held).
 
         One failure per fatal latch: a job that restarts on the node anyway (one node, nowhere else to go) must
@@ -46,11 +46,16 @@ class DaemonReports:
             excluded: whether a node is cordoned, or about to be by the pending plan.
             fail: applies a node failure (the policy's node-failure path).
             wall: the wall clock for the failure's time.
+            limit: most rows kept (see :meth:`NodeHealthTable.record`); None: no bound.
+            silent_after_s: a row silent this long may make room for a new node's.
 
         Returns:
             (whether the node is cordoned in this job now, the message for the daemon).
+
+        Raises:
+            CapacityError: a new node's report while the table is full (see :meth:`NodeHealthTable.record`).
         """
-        newly = self.table.record(report, now)
+        newly = self.table.record(report, now, limit, silent_after_s)
         nid = report.node_id
         if report.verdict is Verdict.FATAL and newly and not excluded(nid) \
                 and st.phase not in (Phase.SUCCEEDED, Phase.FAILED):

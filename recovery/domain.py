@@ -352,6 +352,7 @@ class Instruction:
         link_probes: link probes this node should run now (slow-link localisation).
         restore_plan: START/RESTART: where each rank reads its checkpoint (None: no memory holdings known).
         replica_targets: ``(node id, replica address)`` of the node's buddies in the current table.
+        missing: while the first generation forms: nodes it still needs (0: enough, or it waits for another reason).
     """
 
     command: Command
@@ -366,3 +367,4 @@ class Instruction:
     link_probes: tuple[LinkProbeAsk, ...] = ()
     restore_plan: RestorePlan | None = None
     replica_targets: tuple[tuple[str, str], ...] = ()
+    missing: int = 0

@@ -81,5 +81,9 @@ class NodeRefusedError(RequestError):
     """The node failed its pre-flight qualification and is cordoned (FAILED_PRECONDITION): it gets no rank."""
 
 
+class CapacityError(RequestError):
+    """The coordinator keeps as many node ids as it may and none can be dropped (RESOURCE_EXHAUSTED)."""
+
+
 class NotServingError(RequestError):
     """The coordinator cannot serve: its store failed or another coordinator took the job over (UNAVAILABLE)."""

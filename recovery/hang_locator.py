@@ -138,7 +138,9 @@ class HangCollection:
     nodes_answered: set[str] = field(default_factory=set)
 
     def add(self, node_id: str, evidence: Mapping[str, str]) -> int:
-        """Takes ``stack.<rank>`` entries of an event's evidence; returns how many ranks were new."""
+        """Takes ``stack.<rank>`` entries of an event's evidence about the generation's ranks; returns how many
+        ranks were new. Other ranks are dropped: any number was kept, so reports naming made-up ranks grew the
+        collection (and the localisation's outliers) with text for ranks the job does not have."""
         new = 0
         for key, text in evidence.items():
             if not key.startswith("stack."):
@@ -146,6 +148,8 @@ class HangCollection:
             try:
                 rank = int(key.split(".", 1)[1])
             except ValueError:
+                continue
+            if rank not in self.expected:
                 continue
             if rank not in self.stacks:
                 new += 1

@@ -63,6 +63,14 @@ class MemoryBook:
                 self._holds_none.discard(node_id)
             self._buddy_cache = None
 
+    def forget(self, node_id: str) -> None:
+        """Drops everything about a node the coordinator forgot (an expired member holding no slot)."""
+        self._memory.pop(node_id, None)
+        self._replica_addr.pop(node_id, None)
+        self._holds_none.discard(node_id)
+        self._fresh.discard(node_id)
+        self._plan_cache = self._buddy_cache = None
+
     def table_installed(self, now: float) -> None:
         """A new table was installed at ``now``: no node's holdings are fresh for it yet."""
         self._fresh.clear()

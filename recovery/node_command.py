@@ -31,7 +31,7 @@ class HeartbeatReply:
 def command_for(m: Member, st: PolicyState, layout: RankLayout | None, table: GenerationTable | None,
                 interval_s: float, form_note: str, checkpoint: CheckpointAsk | None, full_table_max_nodes: int,
                 holdings_fresh: Callable[[], bool], restore_plan: Callable[[], RestorePlan | None],
-                state_fut: Future | None) -> HeartbeatReply:
+                state_fut: Future | None, form_missing: int = 0) -> HeartbeatReply:
     """The answer to member ``m``'s heartbeat.
 
     Args:
@@ -45,6 +45,7 @@ def command_for(m: Member, st: PolicyState, layout: RankLayout | None, table: Ge
         holdings_fresh: whether every node's memory holdings are fresh for the table (asked before a START).
         restore_plan: the table's restore plan (asked for a START).
         state_fut: the last job state write; a START waits on it while it is pending or failed.
+        form_missing: nodes the first generation still needs (0: enough registered, or it waits for another reason).
     """
     ins = Instruction(Command.NONE, st.phase, interval_s, st.message)
     nid = m.info.node_id
@@ -58,7 +59,7 @@ def command_for(m: Member, st: PolicyState, layout: RankLayout | None, table: Ge
                                               f"{m.refused or st.cordon_why.get(nid) or st.message}"))
     if st.plan is not None or layout is None:
         if layout is None and form_note:
-            ins = replace(ins, message=form_note)
+            ins = replace(ins, message=form_note, missing=form_missing)
         elif st.plan is not None and st.plan.waiting:
             ins = replace(ins, message=f"generation {st.plan.generation} waits: {st.plan.waiting}")
         return HeartbeatReply(replace(ins, command=idle))

@@ -21,6 +21,8 @@ import enum
 import threading
 from dataclasses import dataclass
 
+from trainguard.recovery.errors import CapacityError
+
 
 class Verdict(enum.IntEnum):
     """A daemon's verdict on its node, ordered: larger is worse."""
@@ -82,18 +84,28 @@ class NodeHealthTable:
         self._lock = threading.Lock()
         self._rows: dict[str, NodeHealthEntry] = {}
 
-    def record(self, report: NodeHealthReport, now_s: float) -> bool:
+    def record(self, report: NodeHealthReport, now_s: float, limit: int | None = None,
+               silent_after_s: float = 0.0) -> bool:
         """Keeps ``report`` as the node's newest.
 
         Args:
             report: the report.
             now_s: arrival time, seconds (monotonic).
+            limit: most rows kept (None: no bound). A new node's report when full replaces the row silent longest,
+                if it is silent for ``silent_after_s`` and never latched a fatal fault (a cordon's reason).
+            silent_after_s: see ``limit``, seconds.
 
         Returns:
             True when this report makes the node newly fatal (its first FATAL verdict from this daemon instance).
+
+        Raises:
+            CapacityError: the table is full and no row can go: reports naming made-up node ids grew it without
+                end before.
         """
         with self._lock:
             old = self._rows.get(report.node_id)
+            if old is None and limit is not None and len(self._rows) >= limit:
+                self._make_room(report.node_id, now_s, limit, silent_after_s)
             same_daemon = old is not None and old.report.instance == report.instance
             fatal_reason = old.fatal_reason if old is not None and same_daemon else ""
             newly = report.verdict is Verdict.FATAL and not fatal_reason
@@ -103,6 +115,17 @@ class NodeHealthTable:
             streak = (old.healthy_streak + 1 if same_daemon else 1) if healthy else 0
             self._rows[report.node_id] = NodeHealthEntry(report, now_s, fatal_reason, streak)
             return newly
+
+    def _make_room(self, node_id: str, now_s: float, limit: int, silent_after_s: float) -> None:
+        """Drops the row silent longest that may go (lock held), or raises :class:`CapacityError`."""
+        quiet = [(e.received_s, n) for n, e in self._rows.items()
+                 if not e.fatal_reason and e.silent(now_s, silent_after_s)]
+        if not quiet:
+            raise CapacityError(
+                f"node daemon report for {node_id!r} refused: the coordinator keeps reports of {len(self._rows)} "
+                f"nodes, its limit ({limit}), all of them recent or fatal; check for a client reporting made-up "
+                "node ids")
+        del self._rows[min(quiet)[1]]
 
     def rearm(self, node_id: str) -> None:
         """Forgets the node's fatal latch (an operator returned it to service): its daemon's next FATAL report,

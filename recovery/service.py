@@ -14,6 +14,7 @@ request over 256 KiB               RESOURCE_EXHAUSTED      (gRPC itself, before 
 node not registered                NOT_FOUND               registers again
 stale lease                        FAILED_PRECONDITION     registers again
 duplicate node id (live agent)     ALREADY_EXISTS          registration fails with the message
+as many node ids as it may keep    RESOURCE_EXHAUSTED      registration fails with the message
 ``replaces`` a live slot holder    FAILED_PRECONDITION     registration fails with the message
 generation the job never had       OUT_OF_RANGE            logged
 store down / fenced off            UNAVAILABLE             retries (the coordinator may be restarting)
@@ -37,12 +38,12 @@ import grpc
 from trainguard.grpc_guard import HEALTH_MAX_REQUEST_BYTES, HealthGuard, RequestGuard
 from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
 from trainguard.recovery import convert
-from trainguard.recovery.coordinator import JobCoordinator
+from trainguard.recovery.coordinator import DURABLE_WAIT_S, JobCoordinator
 from trainguard.recovery.failslow import validate_timings
 from trainguard.recovery.qualification import refusal_message
 from trainguard.recovery.link_locator import validate_link_results
 from trainguard.recovery.spec import JOB_NAME_RE, JobSpec
-from trainguard.recovery.errors import (CoordinatorError, DuplicateNodeError, InvalidRequestError, NodeRefusedError,
+from trainguard.recovery.errors import (CapacityError, CoordinatorError, DuplicateNodeError, InvalidRequestError, NodeRefusedError,
                                         NotServingError, RecoveryError, RequestError, SlotTakenError,
                                         StaleGenerationError, StaleLeaseError, UnknownJobError, UnknownNodeError)
 from trainguard.recovery.store import Store
@@ -72,6 +73,7 @@ STATUS_OF: dict[type[RequestError], grpc.StatusCode] = {
     StaleGenerationError: grpc.StatusCode.OUT_OF_RANGE,
     NotServingError: grpc.StatusCode.UNAVAILABLE,
     NodeRefusedError: grpc.StatusCode.FAILED_PRECONDITION,
+    CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
@@ -242,6 +244,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.core = JobCoordinator(spec, store=store)
         self._wire = convert.ResponseCache()
 
+    def _durable(self, context: grpc.ServicerContext, fut, what: str) -> None:
+        """Waits for a call's write, no longer than the caller waits for the answer.
+
+        A store that hangs (etcd unreachable, a stuck disk) held each handler thread for 30 s while its caller gave
+        up after 5 s and retried: registrations and commits took every thread, and heartbeats, which write
+        nothing, queued behind them until the leases ran out.
+        """
+        # A servicer called in process (bench/bench_coordinator.py) gets a context without a deadline.
+        remaining = getattr(context, "time_remaining", None)
+        left = remaining() if remaining is not None else None
+        self.core.wait_durable(fut, what, DURABLE_WAIT_S if left is None else left)
+
     def _refuse(self, context: grpc.ServicerContext, method: str, exc: RecoveryError) -> None:
         code = STATUS_OF.get(type(exc), grpc.StatusCode.FAILED_PRECONDITION) if isinstance(exc, RequestError) \
             else grpc.StatusCode.UNAVAILABLE
@@ -255,7 +269,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             lease, gen, fut = self.core.register(request.job, convert.node_record(request.node),
                                                  request.free_port, request.agent_instance,
                                                  convert.qualification(request))
-            self.core.wait_durable(fut, "the registration")
+            self._durable(context, fut, "the registration")
             refused = self.core.refusal(request.node.node_id)
             if refused:  # cordoned durably above: a restarted coordinator refuses it the same way
                 raise NodeRefusedError(refusal_message(request.node.node_id, refused))
@@ -268,7 +282,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             validate_heartbeat(request)
             reply = self.core.heartbeat(convert.beat(request))
-            self.core.wait_durable(reply.durable, "the new generation")
+            self._durable(context, reply.durable, "the new generation")
             return self._wire.response(reply.response)
         except RecoveryError as exc:
             self._refuse(context, "Heartbeat", exc)
@@ -278,7 +292,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             validate_report(request)
             level, gen, msg, fut = self.core.report(convert.fault_report(request))
-            self.core.wait_durable(fut, "the recovery decision")
+            self._durable(context, fut, "the recovery decision")
             return coordinator_pb2.ReportEventResponse(decided_level=int(level), new_generation=gen, message=msg)
         except RecoveryError as exc:
             self._refuse(context, "ReportEvent", exc)
@@ -311,10 +325,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             _check_job(request.job)
             _check_node_id("node_id", request.node_id)
+            _check_text("lease_id", request.lease_id)
             if not 0 <= request.step <= _MAX_STEP:
                 raise _bad("step", f"is {request.step}; use a step in 0..{_MAX_STEP}")
-            step, fut = self.core.commit_checkpoint(request.job, request.node_id, request.step)
-            self.core.wait_durable(fut, "the checkpoint commit")
+            step, fut = self.core.commit_checkpoint(request.job, request.node_id, request.step, request.lease_id)
+            self._durable(context, fut, "the checkpoint commit")
             return coordinator_pb2.CommitCheckpointResponse(last_committed_step=step)
         except RecoveryError as exc:
             self._refuse(context, "CommitCheckpoint", exc)
@@ -324,7 +339,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             validate_node_health(request)
             cordoned, msg, fut = self.core.report_node_health(convert.node_health_report(request))
-            self.core.wait_durable(fut, "the cordon")
+            self._durable(context, fut, "the cordon")
             return coordinator_pb2.NodeHealthReportResponse(cordoned=cordoned, message=msg,
                                                             interval_s=self.core.report_interval_s())
         except RecoveryError as exc:
@@ -337,10 +352,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             _check_node_id("node_id", request.node_id)
             _check_text("reason", request.reason, _MAX_EVENT_TEXT)
             done, msg, fut = self.core.uncordon(request.job, request.node_id, request.reason)
-            self.core.wait_durable(fut, "the uncordon")
+            self._durable(context, fut, "the uncordon")
             return coordinator_pb2.UncordonNodeResponse(uncordoned=done, message=msg)
         except RecoveryError as exc:
             self._refuse(context, "UncordonNode", exc)
+
+    def LeaveNode(self, request, context):  # noqa: N802
+        """A node leaves: its lease ends now (answered once its record is durable)."""
+        try:
+            _check_job(request.job)
+            _check_node_id("node_id", request.node_id)
+            _check_text("lease_id", request.lease_id)
+            _check_text("reason", request.reason, _MAX_EVENT_TEXT)
+            msg, fut = self.core.leave(request.job, request.node_id, request.lease_id, request.reason)
+            self._durable(context, fut, "the leave")
+            return coordinator_pb2.LeaveNodeResponse(message=msg)
+        except RecoveryError as exc:
+            self._refuse(context, "LeaveNode", exc)
 
 
 def build_grpc_server(max_workers: int, interceptors: Sequence[grpc.ServerInterceptor] = (),

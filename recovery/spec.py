@@ -14,6 +14,9 @@ from trainguard.recovery.straggler import StragglerConfig
 #: Job names: what fits in a store key and a log line.
 #: The largest restart budget (rank tables carry it as an int32).
 MAX_RESTARTS_LIMIT = 2**31 - 1
+#: Node ids a coordinator keeps at least (see :meth:`JobSpec.node_id_limit`): each registered id is a member and a
+#: store key, each reporting daemon a row; without a bound, requests naming new ids grew both without end.
+MIN_NODE_ID_LIMIT = 16384
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
 
@@ -83,6 +86,11 @@ class JobSpec:
     memory_replicas: int = 1
     max_nodes: int = 0
     last_call_s: float = 30.0
+
+    def node_id_limit(self) -> int:
+        """How many node ids the coordinator keeps at most (members; node daemons' rows apart): a bound on what
+        clients can make it store, far above any real job's nodes and spares."""
+        return max(MIN_NODE_ID_LIMIT, 2 * max(self.nnodes, self.max_nodes))
 
     def validate(self) -> None:
         """Checks every field.

@@ -3,6 +3,8 @@ heartbeats and reports; a worker member follows START and STOP; illegal moves ar
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from trainguard.agent.coordinator_link import GrpcCoordinatorLink, LinkConfig
@@ -203,3 +205,133 @@ def test_a_stop_while_registering_with_an_unreachable_coordinator_ends_the_run_a
     agent.request_stop(signal.SIGTERM)
     runner.join(60)
     assert not runner.is_alive() and codes == [143], codes
+
+
+def test_the_first_generation_is_given_up_on_only_while_nodes_are_missing() -> None:
+    """The join timeout (torchrun's ``join_timeout``) ends a node only while the coordinator says nodes are missing:
+    a job past ``--nnodes`` MIN waits out its last call, bounded by the coordinator, and a node that ran a
+    generation never times out for joining."""
+    from trainguard.agent.coordinator_link import JoinTimeoutError
+
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1", patience_s=5.0))
+    link._joining_since = 100.0  # open() without a coordinator: the clock starts when registration starts
+    wait = coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_WAIT,
+                                                 job_state=coordinator_pb2.JOB_STATE_FORMING,
+                                                 message="waiting for nodes: 1 of 3 registered (n1)")
+    last_call = coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_WAIT,
+                                                      job_state=coordinator_pb2.JOB_STATE_FORMING,
+                                                      message="waiting for nodes: 3 of 3..4 registered")
+    link.follow(last_call, now=1000.0)  # enough nodes: the coordinator's last call bounds the wait
+    wait.forming_missing = 2
+    link.follow(wait, now=104.9)
+    with pytest.raises(JoinTimeoutError, match=r"within 5 s .*1 of 3 registered \(n1\).*--nnodes.*join_timeout"):
+        link.follow(wait, now=105.0)
+    start = coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_START,
+                                                  job_state=coordinator_pb2.JOB_STATE_FORMING)
+    start.rank_table.generation = 1
+    start.rank_table.nodes.add(node_id="n1")
+    link._life.fire(LinkTrigger.REGISTERED)
+    link.follow(start, now=105.0)
+    link.follow(wait, now=10_000.0)  # once it ran a generation, never
+
+
+def test_the_join_bound_holds_while_the_coordinator_is_away() -> None:
+    """The node embedding the coordinator gave up on its join timeout and took the coordinator with it: the
+    other nodes then waited a second join timeout, counted from the outage, before they gave up too."""
+    from trainguard.agent.coordinator_link import JoinTimeoutError
+
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n2", patience_s=5.0))
+    link._joining_since = 100.0
+    wait = coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_WAIT, forming_missing=1,
+                                                 job_state=coordinator_pb2.JOB_STATE_FORMING,
+                                                 message="waiting for nodes: 2 of 3 registered (n1, n2)")
+    link.follow(wait, now=104.0)
+    link._unreachable_since = 104.5  # the coordinator went away with the node that gave up
+    link.check_patience(0, now=104.9)
+    with pytest.raises(JoinTimeoutError, match=r"2 of 3 registered \(n1, n2\)"):
+        link.check_patience(0, now=105.0)
+
+
+def test_a_node_that_gives_up_before_the_first_generation_leaves_and_no_generation_forms_with_it() -> None:
+    """A node whose agent gave up (join timeout, or a stop) stayed live at the coordinator for its lease (10 s by
+    default): a node registering in that window formed the first generation with it, and then waited for a node
+    that was gone until --membership-timeout. Now the link leaves at close, and the coordinator drops it at once."""
+    srv = CoordinatorServer(JobSpec(job="leave", nnodes=2, heartbeat_interval_s=0.1, lease_timeout_s=60),
+                            listen="127.0.0.1:0").start()
+    first = GrpcCoordinatorLink(LinkConfig(job="leave", coordinator=srv.target, node_id="gone", device_count=1,
+                                           patience_s=5.0))
+    late = GrpcCoordinatorLink(LinkConfig(job="leave", coordinator=srv.target, node_id="late", device_count=1,
+                                          patience_s=5.0))
+    try:
+        first.open()
+        resp = first.heartbeat(NoWorkers())
+        assert resp.command == coordinator_pb2.NODE_COMMAND_WAIT and resp.forming_missing == 1, resp
+        assert "1 of 2 registered (gone)" in resp.message, resp.message
+        first.close()
+        late.open()
+        resp = late.heartbeat(NoWorkers())
+        assert resp.command == coordinator_pb2.NODE_COMMAND_WAIT, resp  # not a START naming the node that left
+        assert resp.forming_missing == 1 and "1 of 2 registered (late)" in resp.message, resp.message
+        assert not srv.core.members()["gone"].alive
+    finally:
+        late.close()
+        srv.stop()
+
+
+def test_a_coordinator_restarted_at_another_address_of_the_list_is_followed_with_the_same_lease(tmp_path) -> None:
+    """Agents kept dialling the coordinator's old address after it was restarted elsewhere (and a comma-separated
+    list was one invalid target). Now each call that finds one unreachable moves to the next address on a new
+    channel: registration skips a dead first address, and a coordinator restarted at the list's other address on
+    the same store gets the node's heartbeats, under the lease it had."""
+    import socket
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    spec = JobSpec(job="moved", nnodes=1, heartbeat_interval_s=0.1, store=f"sqlite://{tmp_path}/moved.db")
+    first_at, second_at = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    srv = CoordinatorServer(spec, listen=first_at).start()
+    link = GrpcCoordinatorLink(LinkConfig(job="moved", coordinator=f"{second_at}, {first_at}", node_id="n1",
+                                          spare=True, patience_s=10.0))
+    try:
+        link.open()  # the first address of the list is down: the second one answers
+        lease = link.lease
+        assert link.heartbeat(NoWorkers()) is not None
+        srv.stop()
+        srv = CoordinatorServer(spec, listen=second_at).start()  # restarted elsewhere, same store
+        deadline = time.monotonic() + 10
+        resp = None
+        while resp is None and time.monotonic() < deadline:
+            resp = link.heartbeat(NoWorkers())
+            time.sleep(0.05)
+        assert resp is not None and link.lease == lease, resp  # not registered again: the lease stood
+        assert srv.core.members()["n1"].alive
+    finally:
+        link.close()
+        srv.stop()
+
+
+def test_a_failure_report_cut_off_by_a_redial_is_sent_again() -> None:
+    """A heartbeat that finds the coordinator unreachable closes its channel for a new one; a failure report in
+    flight on the old channel (from another thread) ends CANCELLED, and was dropped as refused."""
+    import grpc
+
+    class Cancelled(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.CANCELLED
+
+        def details(self):
+            return "Channel closed!"
+
+    class Stub:
+        def ReportEvent(self, req, timeout):  # noqa: N802 - the gRPC stub's name
+            raise Cancelled()
+
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1"))
+    link._stub = Stub()
+    ev = HealthEvent(source="process", kind="process.exit", severity=Severity.CRITICAL, action=Action.RESTART_PROCESS,
+                     message="rank 0 exited 1", node_id="n1")
+    link.report(ev, coordinator_pb2.RECOVERY_LEVEL_PROCESS, generation=1, rank=0, code=1)
+    assert [r.generation for r in link._unsent] == [1]

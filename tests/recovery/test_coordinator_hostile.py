@@ -33,17 +33,20 @@ class _Client:
     def __init__(self, server: CoordinatorServer) -> None:
         self.chan = grpc.insecure_channel(server.target)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.chan)
+        self.leases: dict[str, str] = {}
 
     def register(self, nid: str, idx: int = 0) -> str:
-        return self.stub.RegisterNode(pb.RegisterNodeRequest(job=JOB, node=node_info(nid, idx=idx),
-                                                             free_port=40000 + idx), timeout=10).lease_id
+        self.leases[nid] = self.stub.RegisterNode(pb.RegisterNodeRequest(job=JOB, node=node_info(nid, idx=idx),
+                                                                         free_port=40000 + idx), timeout=10).lease_id
+        return self.leases[nid]
 
     def beat(self, nid: str, lease: str, gen: int = -1, idx: int = 0) -> pb.NodeHeartbeatResponse:
         return self.stub.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id=nid, lease_id=lease, generation=gen,
                                                            free_port=41000 + idx), timeout=10)
 
     def commit(self, nid: str, step: int) -> pb.CommitCheckpointResponse:
-        return self.stub.CommitCheckpoint(pb.CommitCheckpointRequest(job=JOB, node_id=nid, step=step), timeout=10)
+        return self.stub.CommitCheckpoint(pb.CommitCheckpointRequest(job=JOB, node_id=nid, step=step,
+                                                                     lease_id=self.leases.get(nid, "")), timeout=10)
 
 
 def _formed(c: _Client, n: int) -> dict[str, str]:
@@ -70,6 +73,7 @@ def test_a_superseded_coordinator_refuses_a_checkpoint_commit(tmp_path) -> None:
             oc.commit("n0", 10)
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "took over" in ei.value.details()
         nc = _Client(new)
+        nc.leases = oc.leases  # the new coordinator restored the leases from the store
         try:
             assert nc.commit("n1", 10).last_committed_step == -1  # n0's step 10 reached the owner nowhere
             assert nc.commit("n0", 10).last_committed_step == 10
@@ -273,11 +277,13 @@ def test_hostile_values_in_every_rpc_field_get_a_clear_status_and_the_job_is_ser
             "ReportEvent": lambda n, l: pb.ReportEventRequest(job=JOB, node_id=n, lease_id=l, generation=1, event=ev,
                                                               proposed_level=pb.RECOVERY_LEVEL_NONE, failed_rank=-1),
             "GetRankTable": lambda n, l: pb.GetRankTableRequest(job=JOB),
-            "CommitCheckpoint": lambda n, l: pb.CommitCheckpointRequest(job=JOB, node_id=n, step=5),
+            "CommitCheckpoint": lambda n, l: pb.CommitCheckpointRequest(job=JOB, node_id=n, step=5, lease_id=l),
             "QualifyPeers": lambda n, l: pb.QualifyPeersRequest(job=JOB, node_id=n, count=2),
             "ReportNodeHealth": lambda n, l: pb.NodeHealthReportRequest(
                 job=JOB, node_id=n, host="h", verdict=pb.NODE_HEALTH_VERDICT_HEALTHY, risk=0.1, agent_instance="d"),
             "UncordonNode": lambda n, l: pb.UncordonNodeRequest(job=JOB, node_id=n, reason="r"),
+            # Another lease than the node's (a slot holder that leaves is a lost node: the job must go on here).
+            "LeaveNode": lambda n, l: pb.LeaveNodeRequest(job=JOB, node_id=n, lease_id=l[::-1], reason="r"),
         }
         assert sorted(valid) == sorted(m.name for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods)
         answers: dict[str, set[str]] = {}

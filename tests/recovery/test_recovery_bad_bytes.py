@@ -20,7 +20,7 @@ def test_random_bytes_on_every_rpc_get_invalid_argument_and_no_traceback(tmp_pat
         beat_until(nodes, lambda: all(n.gen == 1 for n in nodes))
         rnd = random.Random(12)
         codes: dict[str, list[grpc.StatusCode]] = {}
-        assert len(METHODS) == 8  # QualifyPeers, ReportNodeHealth (node daemons) and UncordonNode (operators) included
+        assert len(METHODS) == 9  # QualifyPeers, ReportNodeHealth (node daemons), UncordonNode (operators), LeaveNode
         for method in METHODS:
             call = c.channel.unary_unary(f"/trainguard.v1.Coordinator/{method}", request_serializer=None,
                                          response_deserializer=None)

@@ -90,3 +90,9 @@ def test_collection_completes_when_every_rank_answered_or_at_the_deadline():
     assert col.complete(8.0)
     col.add("b", {"stack.2": "z"})
     assert col.complete(1.0) and col.node_of == {0: "a", 1: "a", 2: "b"}
+
+
+def test_a_collection_keeps_stacks_only_of_the_generations_ranks():
+    col = HangCollection(3, "id", 0.0, 8.0, frozenset({0, 1}))
+    assert col.add("a", {"stack.0": "x", "stack.7": "y", "stack.-1": "z", "stack.99999999": "w" * 1000}) == 1
+    assert col.stacks == {0: "x"} and col.node_of == {0: "a"}

@@ -302,12 +302,13 @@ class CheckpointRequest(_message.Message):
     def __init__(self, at_step: _Optional[int] = ..., reason: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class NodeHeartbeatResponse(_message.Message):
-    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "checkpoint", "failslow", "stacks", "link_probes", "restore_plan", "replica_targets")
+    __slots__ = ("command", "rank_table", "interval_s", "job_state", "message", "forming_missing", "checkpoint", "failslow", "stacks", "link_probes", "restore_plan", "replica_targets")
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     RANK_TABLE_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FORMING_MISSING_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     FAILSLOW_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
@@ -319,13 +320,14 @@ class NodeHeartbeatResponse(_message.Message):
     interval_s: float
     job_state: JobState
     message: str
+    forming_missing: int
     checkpoint: CheckpointRequest
     failslow: _common_pb2.FailSlowStatus
     stacks: StackRequest
     link_probes: _containers.RepeatedCompositeFieldContainer[LinkProbeAsk]
     restore_plan: MemoryRestorePlan
     replica_targets: _containers.RepeatedCompositeFieldContainer[ReplicaTarget]
-    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., stacks: _Optional[_Union[StackRequest, _Mapping]] = ..., link_probes: _Optional[_Iterable[_Union[LinkProbeAsk, _Mapping]]] = ..., restore_plan: _Optional[_Union[MemoryRestorePlan, _Mapping]] = ..., replica_targets: _Optional[_Iterable[_Union[ReplicaTarget, _Mapping]]] = ...) -> None: ...
+    def __init__(self, command: _Optional[_Union[NodeCommand, str]] = ..., rank_table: _Optional[_Union[_common_pb2.RankTable, _Mapping]] = ..., interval_s: _Optional[float] = ..., job_state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ..., forming_missing: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointRequest, _Mapping]] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., stacks: _Optional[_Union[StackRequest, _Mapping]] = ..., link_probes: _Optional[_Iterable[_Union[LinkProbeAsk, _Mapping]]] = ..., restore_plan: _Optional[_Union[MemoryRestorePlan, _Mapping]] = ..., replica_targets: _Optional[_Iterable[_Union[ReplicaTarget, _Mapping]]] = ...) -> None: ...
 
 class StackRequest(_message.Message):
     __slots__ = ("request_id", "generation")
@@ -372,14 +374,16 @@ class GetRankTableRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class CommitCheckpointRequest(_message.Message):
-    __slots__ = ("job", "node_id", "step")
+    __slots__ = ("job", "node_id", "step", "lease_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     node_id: str
     step: int
-    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., step: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class CommitCheckpointResponse(_message.Message):
     __slots__ = ("last_committed_step",)
@@ -434,3 +438,21 @@ class UncordonNodeResponse(_message.Message):
     uncordoned: bool
     message: str
     def __init__(self, uncordoned: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LeaveNodeRequest(_message.Message):
+    __slots__ = ("job", "node_id", "lease_id", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node_id: str
+    lease_id: str
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveNodeResponse(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...

@@ -75,6 +75,11 @@ class CoordinatorStub:
                 request_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.UncordonNodeRequest.SerializeToString,
                 response_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.UncordonNodeResponse.FromString,
                 _registered_method=True)
+        self.LeaveNode = channel.unary_unary(
+                '/trainguard.v1.Coordinator/LeaveNode',
+                request_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.LeaveNodeRequest.SerializeToString,
+                response_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.LeaveNodeResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -133,6 +138,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaveNode(self, request, context):
+        """A node leaves before it ran a generation (its agent gave up waiting for the first one, or was stopped): its
+        lease ends now rather than lease_timeout_s later, so no generation forms with a node that is gone. Needs the
+        node's lease; a slot holder that leaves is a lost node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +189,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.UncordonNode,
                     request_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.UncordonNodeRequest.FromString,
                     response_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.UncordonNodeResponse.SerializeToString,
+            ),
+            'LeaveNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveNode,
+                    request_deserializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.LeaveNodeRequest.FromString,
+                    response_serializer=trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.LeaveNodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +412,33 @@ class Coordinator:
             '/trainguard.v1.Coordinator/UncordonNode',
             trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.UncordonNodeRequest.SerializeToString,
             trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.UncordonNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainguard.v1.Coordinator/LeaveNode',
+            trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.LeaveNodeRequest.SerializeToString,
+            trainguard_dot_proto_dot_trainguard_dot_v1_dot_coordinator__pb2.LeaveNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

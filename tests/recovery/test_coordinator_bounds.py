@@ -1,0 +1,147 @@
+"""What a client can make the coordinator store, over real gRPC: requests naming made-up node ids (registrations,
+node daemons' reports) are bounded, and a checkpoint commit needs the node's lease. Before, every new id was a
+member and a store key, or a daemon row, for good: a client looping over ids grew both without end."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from coordinator_client import node_info
+
+from trainguard.proto import coordinator_pb2 as pb
+from trainguard.proto import coordinator_pb2_grpc
+from trainguard.recovery import CoordinatorServer, JobSpec
+
+JOB = "bounds"
+LIMIT = 8
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    monkeypatch.setattr("trainguard.recovery.spec.MIN_NODE_ID_LIMIT", LIMIT, raising=False)
+    srv = CoordinatorServer(JobSpec(job=JOB, nnodes=2, heartbeat_interval_s=0.05, lease_timeout_s=0.4,
+                                    store=f"sqlite://{tmp_path}/b.db")).start()
+    chan = grpc.insecure_channel(srv.target)
+    yield srv, coordinator_pb2_grpc.CoordinatorStub(chan)
+    chan.close()
+    srv.stop(0)
+
+
+def _register(stub, nid: str) -> str:
+    return stub.RegisterNode(pb.RegisterNodeRequest(job=JOB, node=node_info(nid), free_port=40000),
+                             timeout=10).lease_id
+
+
+def _until(what, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_registrations_of_made_up_node_ids_keep_the_members_and_the_store_bounded(server) -> None:
+    srv, stub = server
+    for i in range(LIMIT):
+        _register(stub, f"x{i}")
+    with pytest.raises(grpc.RpcError) as ei:  # every id kept is live: a new one is refused, saying why
+        _register(stub, "one-more")
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value
+    assert "'one-more' cannot join" in ei.value.details() and "made-up node ids" in ei.value.details()
+    _until(lambda: not any(m.alive for m in srv.core.members().values()))  # their leases ran out
+    for i in range(LIMIT - 2):  # each new id takes the place of the one silent longest ...
+        _register(stub, f"y{i}")
+    with pytest.raises(grpc.RpcError) as ei:  # ... but for the first generation's slot holders (x0, x1)
+        _register(stub, "y-last")
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value
+    members = srv.core.members()
+    assert sorted(members) == sorted(["x0", "x1"] + [f"y{i}" for i in range(LIMIT - 2)]), sorted(members)
+    prefix = f"trainguard/jobs/{JOB}/nodes/"
+    _until(lambda: sorted(srv.core._raw_store.scan(prefix)) == sorted(prefix + n for n in members))
+
+
+def test_daemon_reports_for_made_up_node_ids_keep_the_table_bounded(server) -> None:
+    srv, stub = server
+
+    def report(nid: str) -> pb.NodeHealthReportResponse:
+        return stub.ReportNodeHealth(pb.NodeHealthReportRequest(job=JOB, node_id=nid, host="h", agent_instance="d",
+                                                                verdict=pb.NODE_HEALTH_VERDICT_HEALTHY), timeout=10)
+
+    for i in range(LIMIT):
+        report(f"d{i}")
+    with pytest.raises(grpc.RpcError) as ei:
+        report("one-more")
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "made-up node ids" in ei.value.details()
+    report("d0")  # a node already in the table still reports
+    time.sleep(3 * srv.core.report_interval_s() + 0.05)  # rows silent for 3 report intervals may go
+    for i in range(LIMIT):
+        report(f"e{i}")
+    with pytest.raises(grpc.RpcError) as ei:  # the newcomers' rows are recent again
+        report("e-last")
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert sorted(srv.core.node_health.snapshot()) == sorted(f"e{i}" for i in range(LIMIT))
+
+
+def test_a_checkpoint_commit_needs_the_nodes_lease(server) -> None:
+    _, stub = server
+    lease = _register(stub, "n0")
+    for nid, bad, code in (("n0", "", grpc.StatusCode.FAILED_PRECONDITION),
+                           ("n0", "f" * 32, grpc.StatusCode.FAILED_PRECONDITION),
+                           ("nobody", lease, grpc.StatusCode.NOT_FOUND)):
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.CommitCheckpoint(pb.CommitCheckpointRequest(job=JOB, node_id=nid, step=5, lease_id=bad), timeout=10)
+        assert ei.value.code() == code, (nid, bad, ei.value)
+    assert stub.CommitCheckpoint(pb.CommitCheckpointRequest(job=JOB, node_id="n0", step=5, lease_id=lease),
+                                 timeout=10).last_committed_step == -1  # no generation yet: nothing job-wide
+
+
+def test_a_hung_store_does_not_take_every_handler_thread_from_the_heartbeats(tmp_path) -> None:
+    """A store that hangs (etcd unreachable, a stuck disk) held each registration's handler thread for 30 s while
+    its caller gave up after its deadline and retried: a few such calls took every thread, and heartbeats, which
+    write nothing, queued behind them until the leases ran out. Now a call waits for durability no longer than its
+    caller's deadline."""
+    import threading
+
+    from trainguard.recovery.store import MemoryStore
+
+    class HungStore(MemoryStore):
+        """The real in-memory store, whose commits hang while ``gate`` is clear."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = threading.Event()
+            self.gate.set()
+
+        def commit(self, compares, puts):
+            self.gate.wait(60)
+            return super().commit(compares, puts)
+
+    store = HungStore()
+    srv = CoordinatorServer(JobSpec(job=JOB, nnodes=1, heartbeat_interval_s=0.1, lease_timeout_s=30.0),
+                            store=store, max_workers=4).start()
+    chan = grpc.insecure_channel(srv.target)
+    stub = coordinator_pb2_grpc.CoordinatorStub(chan)
+    try:
+        lease = _register(stub, "n0")
+        beat = pb.NodeHeartbeatRequest(job=JOB, node_id="n0", lease_id=lease, generation=-1, free_port=40001)
+        stub.Heartbeat(beat, timeout=10)
+        store.gate.clear()  # the store hangs from here
+
+        def register(i: int) -> None:
+            try:
+                stub.RegisterNode(pb.RegisterNodeRequest(job=JOB, node=node_info(f"r{i}"), free_port=40000),
+                                  timeout=0.5)
+            except grpc.RpcError:
+                pass
+
+        callers = [threading.Thread(target=register, args=(i,)) for i in range(8)]  # twice the handler threads
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(30)
+        assert stub.Heartbeat(beat, timeout=3).command != pb.NODE_COMMAND_UNSPECIFIED
+    finally:
+        store.gate.set()
+        chan.close()
+        srv.stop(0)
