@@ -6,6 +6,8 @@ Layout, next to the job's own arena (``<shm_root>/<job>/rank_NNNNN/``)::
     <shm_root>/<job>/replicas/rank_00003/step_000000000120.manifest.json   present only for a complete copy
     <shm_root>/<job>/replicas/rank_00003/.partial-<uuid>                   a copy being received
 
+Steps have 12 digits, more from 10**12 on (``step_1000000000000``), up to ``MAX_STEP`` (2**53-1), as the disk tier.
+
 A copy arrives in pieces into a ``.partial-*`` file; :meth:`ReplicaWriter.commit` verifies every chunk against the
 manifest's checksums, renames the data into place, then writes the manifest (temporary name + rename): the
 manifest is the commit marker, so a sender or receiver killed mid-transfer leaves at most a ``.partial-*`` file
@@ -37,15 +39,16 @@ from typing import Any, Callable
 from trainguard.checkpoint.arena import (SlotPaths, drop_manifests, free_bytes, rank_files, read_manifest, read_tag,
                                         write_tag)
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
-from trainguard.checkpoint.manifest import Manifest, verify_checksums
+from trainguard.checkpoint.manifest import MAX_STEP, Manifest, verify_checksums
 
-_STEP_RE = re.compile(r"^step_(\d{12})\.manifest\.json$")
+# 12 digits, more without a leading zero from step 10**12 on (as the disk tier names its folders): only 12 were
+# taken, so a job counting steps in tokens had every copy past 10**12 refused and no replica at all.
+_STEP_RE = re.compile(r"^step_(\d{12}|[1-9]\d{12,})\.manifest\.json$")
 _RANK_DIR_RE = re.compile(r"^rank_\d{5}$")
 _SLOT_FILE_RE = re.compile(r"^slot_(\d+)\.(?:data|tag|manifest\.json|retired\.json)$")
-#: Highest rank and step a copy can be filed under (``rank_NNNNN``, ``step_NNNNNNNNNNNN``): a name with more
-#: digits is listed by nothing, so its memory would be held outside the bound until the job ends.
+#: Highest rank a copy can be filed under (``rank_NNNNN``): a name with more digits is listed by nothing, so its
+#: memory would be held outside the bound until the job ends. Steps go to :data:`MAX_STEP`, as on every tier.
 MAX_RANK = 99_999
-MAX_STEP = 10**12 - 1
 
 
 def remove_stale_partials(directory: str) -> None:

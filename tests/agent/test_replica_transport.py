@@ -660,14 +660,15 @@ def _crafted(step: int = 3, rank: int = 0, drop: str = "", **fields) -> list:
 
 
 @pytest.mark.parametrize("kind, push_, said", [
-    ("step past the file names", dict(step=10**12), "replica manifest has step 1000000000000"),
+    ("step past every tier's bound", dict(step=2**53), "replica manifest has step 9007199254740992"),
     ("rank past the folder names", dict(rank=100_000), "replica manifest has rank 100000"),
     ("size not an integer", dict(data_bytes="8192"), "replica manifest has data_bytes '8192'"),
     ("chunk size 0", dict(chunk_bytes=0), "replica manifest has chunk_bytes 0"),
     ("no tensor list", dict(drop="tensors"), "replica header of rank 0 step 3 has unexpected fields ('tensors')"),
 ])
 def test_a_manifest_with_numbers_no_copy_can_be_filed_by_is_refused(roots, caplog, kind, push_, said) -> None:
-    """Found by a user's review: a copy of step 10**12 or rank 100000 was acknowledged and stored under a name no
+    """Found by a user's review: a copy of step 10**12 (now 2**53, the bound of every tier) or rank 100000 was
+    acknowledged and stored under a name no
     listing matches, so it held memory outside --replica-memory-mib (never evicted, never reported) until the
     job ended; a size that is not an integer answered UNKNOWN with an ERROR traceback on the receiver. Such a
     manifest (a peer's bug, or crafted: its own checksum is anyone's to compute) is now refused by name."""

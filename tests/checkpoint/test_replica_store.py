@@ -59,6 +59,23 @@ def test_publish_only_verified_copies(root) -> None:
     assert store.newest(1).step == 15 and store.newest(1, min_step=16) is None and store.bytes_held() == rep2.nbytes
 
 
+def test_steps_past_ten_to_the_twelfth_are_held_and_twelve_digit_names_still_listed(root) -> None:
+    # A job counting steps in tokens passes 10**12: the disk tier and the coordinator take such steps, but every
+    # replica was refused (``step 1000000000000 ... to 999999999999``), so a node fault restored from disk.
+    store = ReplicaStore(root, "job", 1 << 20)
+    _send(store, *_copy(0, 120)).commit()  # named with 12 digits, as before
+    _send(store, *_copy(1, 999_999_999_999)).commit()
+    for step in (10**12, 10**13 + 7, 2**53 - 1):
+        rep = _send(store, *_copy(1, step)).commit()
+        assert os.path.basename(rep.manifest_path) == f"step_{step}.manifest.json"
+        assert [(r.rank, r.step) for r in store.replicas()] == [(0, 120), (1, step)]
+    again = ReplicaStore(root, "job", 1 << 20)  # an agent restarted on the same tmpfs lists both kinds of name
+    assert [(r.rank, r.step) for r in again.replicas()] == [(0, 120), (1, 2**53 - 1)]
+    assert again.newest(1, min_step=10**12).step == 2**53 - 1 and again.bytes_held() == 2 * rep.nbytes
+    with pytest.raises(ReplicaRefusedError, match="step 9007199254740992"):
+        again.begin(_copy(1, 2**53)[0])
+
+
 def test_a_killed_receivers_leftovers_are_never_listed_and_are_cleaned(root) -> None:
     store = ReplicaStore(root, "job", 1 << 20)
     man, data = _copy(2, 7)
