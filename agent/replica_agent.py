@@ -323,8 +323,8 @@ class ReplicaAgent:
         sources = [(entry.peer_node, entry.peer_address)] + [(a.node_id, a.address) for a in entry.alternates
                                                                if a.address]
         def open_writer(m: Manifest) -> ReplicaWriter:
-            # The server sends its newest copy of at least the step asked for. A holder that has moved on to a
-            # newer step since the plan was made (its node pushed one, or it went back to an older run) holds
+            # The server sends its copy of the step asked for, or when it holds none its newest above. A holder
+            # that has moved on to a newer step since the plan was made (its node pushed one, or it went back to an older run) holds
             # no copy the workers can restore: they restore the plan's step only. Taken anyway, it counted as
             # fetched and the plan's next holder, which may still hold the step, was never asked.
             if m.step != step:

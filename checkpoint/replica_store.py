@@ -190,6 +190,10 @@ class ReplicaStore:
         mine = [r for r in self.replicas() if r.rank == rank and r.step >= min_step]
         return mine[-1] if mine else None
 
+    def copy_of(self, rank: int, step: int) -> Replica | None:
+        """The complete replica of ``rank`` at exactly ``step``, or None."""
+        return next((r for r in self.replicas() if r.rank == rank and r.step == step), None)
+
     def holds(self, manifest: Manifest) -> bool:
         """Whether this exact copy (rank, step, size and every chunk checksum) is already held, complete."""
         r = self.newest(manifest.rank, manifest.step)

@@ -95,6 +95,31 @@ def test_push_then_fetch_into_a_new_nodes_arena_and_a_corrupt_replica_is_refused
         shutil.rmtree(roots[2] + "-x", ignore_errors=True)
 
 
+def test_a_fetch_gets_the_step_asked_for_from_any_slot_or_replica_not_the_newest(roots) -> None:
+    """A restore plan names one step and its fetcher takes only that one; the holder sent its newest copy, so a
+    holder whose older slot (or replica) held the planned step made the fetch fail and the rank go to disk."""
+    a, b, c = roots
+    _snapshot(a, 1, 5, slot=0)
+    _snapshot(a, 1, 9, slot=1)
+    _snapshot(a, 0, 7)
+    _snapshot(b, 0, 3)
+    store = ReplicaStore(a, "job", 1 << 30)
+    tier = MemoryTier(a, "job", "/ckpt")
+    tier.scan()
+    server = ReplicaServer(ReplicaServicer("job", store, tier.own_copy), "127.0.0.1")
+    try:
+        path, man = _own(b, 0)
+        assert push(server.address, copy_stream("job", man, path, "b", Throttle(0)), 30).ok  # rank 0 step 3
+        into = lambda m: arena_writer(c, "job", m)  # noqa: E731
+        assert fetch(server.address, "job", 1, 5, into, 30)[1].step == 5  # the older own slot
+        assert fetch(server.address, "job", 0, 3, into, 30)[1].step == 3  # the replica, not the own step 7
+        assert fetch(server.address, "job", 1, 6, into, 30)[1].step == 9  # none at 6: the newest above
+        assert fetch(server.address, "job", 1, -1, into, 30)[1].step == 9
+        assert sorted(memory_manifests(c, "job", "/ckpt")) == [3, 5, 9]
+    finally:
+        server.stop()
+
+
 def _partials(root: str) -> list[str]:
     return [n for _, _, names in os.walk(root) for n in names if n.startswith(".partial")]
 
