@@ -121,7 +121,8 @@ class ReplicaAgent:
         config.validate()
         self._clock = clock
         self.config, self.tier, self.node_id, self.job = config, tier, node_id, tier.job
-        self.store = ReplicaStore(tier.shm_root, tier.job, config.memory_mib << 20, config.reserve_mib << 20)
+        self.store = ReplicaStore(tier.shm_root, tier.job, config.memory_mib << 20, config.reserve_mib << 20,
+                                  location=tier.location)
         tier.replicas = self.store
         self.servicer = ReplicaServicer(tier.job, self.store, tier.own_copy)
         self._host = host

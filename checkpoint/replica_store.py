@@ -134,10 +134,19 @@ class ReplicaStore:
         job: job name.
         max_bytes: cap on the bytes all replicas may hold (0: no replicas at all).
         reserve_bytes: free tmpfs space a new replica must leave for this node's own snapshots.
+        location: the job's checkpoint location (:attr:`CheckpointConfig.location
+            <trainguard.checkpoint.config.CheckpointConfig.location>`); None: copies of every location count.
+
+    With a ``location``, copies another run of the job's name wrote (another checkpoint location; its arena
+    outlives it for the daemon's TTL) are neither listed, served nor reported, and a new copy never removes them
+    as "the run the job went back from": they are evicted first when room is needed, as the memory they hold
+    counts against ``max_bytes``. Listed, the coordinator planned restores from another run's state.
     """
 
-    def __init__(self, shm_root: str, job: str, max_bytes: int, reserve_bytes: int = 0) -> None:
+    def __init__(self, shm_root: str, job: str, max_bytes: int, reserve_bytes: int = 0,
+                 location: str | None = None) -> None:
         self.root = os.path.join(shm_root, job, "replicas")
+        self.location = location
         self.max_bytes = max_bytes
         self.reserve_bytes = reserve_bytes
         self._lock = threading.Lock()
@@ -174,7 +183,14 @@ class ReplicaStore:
 
     # -- listing ---------------------------------------------------------------------------------------------
     def replicas(self) -> list[Replica]:
-        """Every complete replica (damaged manifests skipped), oldest step first."""
+        """Every complete replica of this store's location (damaged manifests skipped), oldest step first."""
+        return [r for r in self._all() if self._ours(r)]
+
+    def _ours(self, r: Replica) -> bool:
+        return self.location is None or r.manifest.location == self.location
+
+    def _all(self) -> list[Replica]:
+        """Every complete replica, whatever its location, oldest step first."""
         out = []
         for rank, d, step in rank_files(self.root, _STEP_RE):
             base = self._base(d, step)
@@ -201,8 +217,8 @@ class ReplicaStore:
             and r.manifest.chunks == manifest.chunks
 
     def bytes_held(self) -> int:
-        """Bytes of memory all complete replicas hold."""
-        return sum(r.nbytes for r in self.replicas())
+        """Bytes of memory all complete replicas hold (other locations' too)."""
+        return sum(r.nbytes for r in self._all())
 
     def bytes_reserved(self) -> int:
         """Bytes reserved by the copies being received now."""
@@ -227,10 +243,12 @@ class ReplicaStore:
                                           f"is 0)")
             if need > self.max_bytes:
                 raise ReplicaRefusedError(f"{what} is over the replica memory bound of {self.max_bytes} bytes")
-            held = self.replicas()
+            held = self._all()
             reserved = sum(self._reserved.values())
-            # Evict the oldest replicas of other ranks and other copies of this rank until the new one fits.
-            victims = [r for r in held if not (r.rank == manifest.rank and r.step == manifest.step)]
+            # Evict other runs' copies first, then the oldest replicas of other ranks and other copies of this
+            # rank, until the new one fits.
+            victims = sorted((r for r in held if not (r.rank == manifest.rank and r.step == manifest.step)),
+                             key=lambda r: self._ours(r))
             total = sum(r.nbytes for r in held)
             evictable = sum(v.nbytes for v in victims)
             # Refused before evicting anything when evicting every victim would not make room either (copies
@@ -299,7 +317,7 @@ class ReplicaStore:
                 # disk when memory could not serve every rank). Kept, it was served to a fetch asking for the
                 # new run's step and counted by the restore plan, which could pick it over the new run's steps
                 # or, once the new run reached that step on some ranks, mix the two runs in one restore.
-                if r.rank == manifest.rank and r.step != manifest.step:
+                if r.rank == manifest.rank and r.step != manifest.step:  # (of this location only)
                     self._remove(r)
             return Replica(manifest.rank, manifest.step, base + ".data", base + ".manifest.json", manifest)
 

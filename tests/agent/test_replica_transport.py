@@ -120,6 +120,25 @@ def test_a_fetch_gets_the_step_asked_for_from_any_slot_or_replica_not_the_newest
         server.stop()
 
 
+def test_a_node_reports_no_replica_another_run_of_the_job_name_left(roots) -> None:
+    """Copies pushed for a run on another checkpoint location (same job name, its arena kept for the TTL) were
+    reported as this run's replica holdings, so the coordinator could plan a restore of the other run's step."""
+    a, b, _ = roots
+    _snapshot(a, 0, 500)  # location /ckpt
+    server, _ = _server(b)
+    try:
+        path, man = _own(a, 0)
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+    finally:
+        server.stop()
+    tier = MemoryTier(b, "job", "/elsewhere")
+    agent = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier, "b", "127.0.0.1")
+    assert agent.store.replicas() == [] and not any(h.replica_ranks for h in tier.scan())
+    same = MemoryTier(b, "job", "/ckpt")
+    ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), same, "b", "127.0.0.1")
+    assert [(h.step, list(h.replica_ranks)) for h in same.scan()] == [(500, [0])]
+
+
 def _partials(root: str) -> list[str]:
     return [n for _, _, names in os.walk(root) for n in names if n.startswith(".partial")]
 
