@@ -240,6 +240,15 @@ class CheckpointConfig:
                 "numbers, booleans, lists and tables only (e.g. seconds as a number, not a timedelta)") from exc
         if self.remote_url is not None and not self.disk.enabled:
             raise CheckpointConfigError("the remote tier uploads from the local copy: enable checkpoint.disk too")
+        if self.remote_url is not None and is_local_url(self.remote_url):
+            remote = CheckpointLocation.parse(self.remote_url, "checkpoint.remote.url").identity
+            if remote == os.path.realpath(self.disk_directory):
+                # The upload opened the disk copy's own file for writing, truncating it before reading it: every
+                # step was committed with a 0-byte data file, and no tier could restore it.
+                raise CheckpointConfigError(
+                    f"checkpoint.remote.url = {self.remote.url!r} is the disk tier's own folder ({remote}): the "
+                    "upload would overwrite each step's files with themselves, emptied; point it at other storage "
+                    "(an NFS mount, s3://...) or leave it out")
         if not (self.memory.enabled or self.disk.enabled or self.remote_url):
             raise CheckpointConfigError("every checkpoint tier is disabled; enable memory, disk or remote")
 

@@ -50,6 +50,19 @@ def test_a_step_written_through_one_spelling_is_found_through_another(tmp_path) 
     assert job_step_committed(f"memory://{tmp_path}/ck", "j", 3, 1)
 
 
+@pytest.mark.parametrize("spelling", ["{d}/", "file://{d}", "{d}/../ck", "{link}"])
+def test_a_remote_tier_on_the_disk_tiers_own_folder_is_refused(tmp_path, spelling: str) -> None:
+    # Found testing as a user: the upload opened the disk copy's file for writing, emptying it before reading it;
+    # every step was committed with a 0-byte data file and restore found none loadable.
+    d = tmp_path / "ck"
+    d.mkdir()
+    (tmp_path / "link").symlink_to(d)
+    url = spelling.format(d=d, link=tmp_path / "link")
+    with pytest.raises(CheckpointConfigError, match=r"checkpoint.remote.url = .* is the disk tier's own folder"):
+        CheckpointConfig(directory=str(d), remote={"url": url})
+    assert CheckpointConfig(directory=str(d), remote={"url": str(tmp_path / "nfs")}).remote_url  # elsewhere: fine
+
+
 def test_a_local_location_is_checked_for_writes(tmp_path) -> None:
     assert CheckpointLocation.parse(f"file://{tmp_path}/new").check_writable() is None
     assert (tmp_path / "new").is_dir()
