@@ -12,7 +12,10 @@ the host reboots. With a daemon on the node, each launcher registers its job's a
 - removes it ``ttl_s`` after its last launcher is gone, but never while a process still holds a rank's writer
   lease (``owner.lock``, a POSIX record lock): a writer the daemon does not know of is never robbed;
 - at daemon start, adopts the arenas already under its root (left by launchers that died while no daemon ran),
-  with the TTL counted from then.
+  with the TTL counted from then;
+- made ``exclusive``, holds the root until closed (an ``flock`` on ``<root>/.trainguard-keeper.lock``, the pid in
+  it): a second daemon given the same ``memory_tier.root`` is refused, naming the first's pid. Two keepers of one
+  root adopted each other's jobs' arenas and removed them ``ttl_s`` later, under a running job.
 
 One arena's states::
 
@@ -34,6 +37,7 @@ import shutil
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,7 +49,71 @@ log = logging.getLogger(__name__)
 
 
 class ArenaRootError(AgentError):
-    """A launcher's arena root is not the daemon's (``memory_tier.root``)."""
+    """A launcher's arena root is not the daemon's (``memory_tier.root``), or another daemon keeps that root."""
+
+
+#: The lock file a keeper holds in its root (not a folder, so never adopted as an arena).
+KEEPER_LOCK_NAME = ".trainguard-keeper.lock"
+# Roots this process keeps, by real path: [lock fd, keepers holding it]. flock conflicts between two open files of
+# one process too, and a daemon restarted in the same process (tests) takes its own root again.
+_HELD_ROOTS: dict[str, list[int]] = {}
+_HELD_ROOTS_LOCK = threading.Lock()
+
+
+def hold_root(root: str) -> bool:
+    """Takes ``root`` for this process (see the module docstring), counting one more holder; creates it when
+    missing, world-writable with the sticky bit as /dev/shm is, since launchers of any user make their jobs'
+    folders there. Returns False when the lock cannot be made (logged: the root is then kept unguarded).
+
+    Raises:
+        ArenaRootError: another process keeps ``root`` (the message names its pid and the setting to change).
+    """
+    with _HELD_ROOTS_LOCK:
+        if root in _HELD_ROOTS:
+            _HELD_ROOTS[root][1] += 1
+            return True
+        path = os.path.join(root, KEEPER_LOCK_NAME)
+        try:
+            if not os.path.isdir(root):
+                os.makedirs(root, exist_ok=True)
+                os.chmod(root, 0o1777)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            # Not refused: a daemon that ran before with a root it cannot write keeps running, unguarded.
+            log.warning("memory tier: cannot create %s (%s): a second daemon on %s would not be detected", path,
+                        exc.strerror or exc, root)
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                log.warning("memory tier: cannot lock %s (%s): a second daemon on %s would not be detected", path,
+                            exc.strerror or exc, root)
+                return False
+            who = f"pid {holder}" if holder.isdigit() else "its pid unknown"
+            raise ArenaRootError(
+                f"another trainguard daemon ({who}, in its own pid namespace if in another container) keeps the "
+                f"in-memory checkpoints under {root}: two daemons on one root remove each other's jobs' arenas; "
+                f"stop that daemon, or give this one its own memory_tier.root (and its jobs the same "
+                f"TRAINGUARD_CHECKPOINT_SHM_DIR)") from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _HELD_ROOTS[root] = [fd, 1]
+        return True
+
+
+def drop_root(root: str) -> None:
+    """One holder of ``root`` in this process lets go; the last one releases the lock."""
+    with _HELD_ROOTS_LOCK:
+        held = _HELD_ROOTS.get(root)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            del _HELD_ROOTS[root]
+            os.close(held[0])
 
 
 class ArenaState(enum.Enum):
@@ -139,16 +207,32 @@ class ArenaKeeper:
         clock: monotonic clock, seconds.
         alive: whether a launcher still runs, by its key (the daemon's tests a lock file or a pid; tests of the
             TTL pass their own). Default: by pid.
+        exclusive: hold ``root`` (:func:`hold_root`) until :meth:`close`, refusing it to other processes' keepers.
+            The daemon passes True and closes its keeper when it stops; False (default) for a keeper that only
+            reads or tests the table, and for a daemon that does not close it (its root would stay held in its
+            process after a stop in-process, refusing the next daemon on that root).
+
+    Raises:
+        ArenaRootError: ``exclusive`` and another process keeps ``root``.
     """
 
     def __init__(self, root: str, ttl_s: float, clock: Callable[[], float] = time.monotonic,
-                 alive: Callable[[int | str], bool] = pid_alive) -> None:
+                 alive: Callable[[int | str], bool] = pid_alive, exclusive: bool = False) -> None:
         self.root = os.path.realpath(root)
+        # Released by close(), or when the keeper is collected.
+        self._release: weakref.finalize | None = None
+        if exclusive and hold_root(self.root):
+            self._release = weakref.finalize(self, drop_root, self.root)
         self.ttl_s = ttl_s
         self._clock = clock
         self._alive = alive
         self._lock = threading.Lock()
         self._arenas: dict[str, KeptArena] = {}
+
+    def close(self) -> None:
+        """Lets go of the root (idempotent): the daemon's stop calls it, so a daemon started next is not refused."""
+        if self._release is not None:
+            self._release()
 
     def arena_dir(self, job: str) -> str:
         """The arena folder of ``job``."""
@@ -286,4 +370,5 @@ class ArenaKeeper:
         return True
 
 
-__all__ = ["ArenaKeeper", "ArenaRootError", "ArenaState", "KeptArena", "TRANSITIONS", "lease_held"]
+__all__ = ["ArenaKeeper", "ArenaRootError", "ArenaState", "KEEPER_LOCK_NAME", "KeptArena", "TRANSITIONS", "drop_root",
+           "hold_root", "lease_held"]

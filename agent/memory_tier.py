@@ -64,6 +64,7 @@ class MemoryTier:
         #: ``replica_ranks`` (verified when they arrived); None without peer replication.
         self.replicas = replicas
         self._own: dict[int, tuple[int, arena_mod.SlotPaths, Manifest]] = {}
+        self._own_steps: dict[tuple[int, int], tuple[arena_mod.SlotPaths, Manifest]] = {}  # (rank, step): verified
         self._manifests: dict[str, tuple[int, int, Manifest]] = {}  # parsed manifests, by path and mtime
         #: called (from the scanning thread) when a rank's newest own copy changed: the replica sender wakes.
         self.on_new_copy: Callable[[], None] | None = None
@@ -106,6 +107,7 @@ class MemoryTier:
             del self._manifests[path]
         seen: set[_CopyKey] = set()
         own: dict[int, tuple[int, arena_mod.SlotPaths, Manifest]] = {}
+        own_steps: dict[tuple[int, int], tuple[arena_mod.SlotPaths, Manifest]] = {}
         by_step: dict[tuple[int, int], list[int]] = {}
         for step, ranks in found.items():
             for rank, (paths, man) in ranks.items():
@@ -118,6 +120,7 @@ class MemoryTier:
                         self._verified[key] = ok
                 if ok:
                     by_step.setdefault((step, man.world_size), []).append(rank)
+                    own_steps[(rank, step)] = (paths, man)
                     if rank not in own or own[rank][0] < step:
                         own[rank] = (step, paths, man)
         for key in set(self._verified) - seen:
@@ -133,6 +136,7 @@ class MemoryTier:
             self._holdings = out
             changed = {r: c[0] for r, c in own.items()} != {r: c[0] for r, c in self._own.items()}
             self._own = own
+            self._own_steps = own_steps
         if changed and self.on_new_copy is not None:
             self.on_new_copy()
         return out
@@ -142,8 +146,13 @@ class MemoryTier:
         with self._lock:
             return dict(self._own)
 
-    def own_copy(self, rank: int) -> tuple[str, Manifest] | None:
-        """(data path, manifest) of this node's newest verified copy of ``rank``, or None."""
+    def own_copy(self, rank: int, step: int | None = None) -> tuple[str, Manifest] | None:
+        """(data path, manifest) of this node's newest verified copy of ``rank`` (with ``step``: of exactly that
+        step, in whichever slot holds it), or None."""
+        if step is not None:
+            with self._lock:
+                c = self._own_steps.get((rank, step))
+            return (c[0].data, c[1]) if c is not None else None
         c = self.own_copies().get(rank)
         return (c[1].data, c[2]) if c is not None else None
 

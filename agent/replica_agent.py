@@ -121,7 +121,8 @@ class ReplicaAgent:
         config.validate()
         self._clock = clock
         self.config, self.tier, self.node_id, self.job = config, tier, node_id, tier.job
-        self.store = ReplicaStore(tier.shm_root, tier.job, config.memory_mib << 20, config.reserve_mib << 20)
+        self.store = ReplicaStore(tier.shm_root, tier.job, config.memory_mib << 20, config.reserve_mib << 20,
+                                  location=tier.location)
         tier.replicas = self.store
         self.servicer = ReplicaServicer(tier.job, self.store, tier.own_copy)
         self._host = host
@@ -323,8 +324,8 @@ class ReplicaAgent:
         sources = [(entry.peer_node, entry.peer_address)] + [(a.node_id, a.address) for a in entry.alternates
                                                                if a.address]
         def open_writer(m: Manifest) -> ReplicaWriter:
-            # The server sends its newest copy of at least the step asked for. A holder that has moved on to a
-            # newer step since the plan was made (its node pushed one, or it went back to an older run) holds
+            # The server sends its copy of the step asked for, or when it holds none its newest above. A holder
+            # that has moved on to a newer step since the plan was made (its node pushed one, or it went back to an older run) holds
             # no copy the workers can restore: they restore the plan's step only. Taken anyway, it counted as
             # fetched and the plan's next holder, which may still hold the step, was never asked.
             if m.step != step:

@@ -175,11 +175,16 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
     Args:
         job: the job.
         store: where received replicas go.
-        own_copy: rank -> (data path, manifest) of this node's own newest verified copy of that rank, or None.
+        own_copy: ``(rank, step=None)`` -> (data path, manifest) of this node's own newest verified copy of that
+            rank (with a step: of exactly that step), or None (:meth:`MemoryTier.own_copy
+            <trainguard.agent.memory_tier.MemoryTier.own_copy>`).
+
+    FetchReplica serves the copy of exactly ``min_step`` when this node holds one, else its newest copy above it
+    (``min_step`` -1: its newest); a restore's fetcher takes the planned step only.
     """
 
     def __init__(self, job: str, store: ReplicaStore,
-                 own_copy: Callable[[int], tuple[str, Manifest] | None]) -> None:
+                 own_copy: Callable[..., tuple[str, Manifest] | None]) -> None:
         self.job, self.store, self.own_copy = job, store, own_copy
         self.received_bytes = 0
         self._refusing = False  # refused the last push: a refusal in a row is logged at debug level only
@@ -215,20 +220,34 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
             raise _AlreadyHeld(man)
         return self.store.begin(man)
 
+    def _exact(self, rank: int, step: int) -> tuple[str, Manifest] | None:
+        """(data path, manifest) of this node's copy of ``rank`` at exactly ``step`` (its own first), or None."""
+        own = self.own_copy(rank, step)
+        if own is not None:
+            return own
+        rep = self.store.copy_of(rank, step)
+        return (rep.data, rep.manifest) if rep is not None else None
+
     def FetchReplica(self, request, context):  # noqa: N802 (gRPC method name)
         if request.job != self.job:
             context.abort(grpc.StatusCode.NOT_FOUND, f"this agent serves job {self.job!r}, not {request.job!r}")
-        candidates = []
-        own = self.own_copy(request.rank)
-        if own is not None and own[1].step >= request.min_step:
-            candidates.append(own)
-        rep = self.store.newest(request.rank, request.min_step)
-        if rep is not None:
-            candidates.append((rep.data, rep.manifest))
-        if not candidates:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no in-memory copy of rank {request.rank} at step >= "
-                                                     f"{request.min_step} on this node")
-        data, man = max(candidates, key=lambda c: c[1].step)
+        # The copy of exactly the step asked for when this node holds one (in any of its own slots, or as a
+        # replica); else its newest above it. A restore plan names one step: its fetcher takes that step only,
+        # and sending the newest made it refuse the copy while an older slot here held the very step planned.
+        found = self._exact(request.rank, request.min_step) if request.min_step >= 0 else None
+        if found is None:
+            candidates = []
+            own = self.own_copy(request.rank)
+            if own is not None and own[1].step >= request.min_step:
+                candidates.append(own)
+            rep = self.store.newest(request.rank, request.min_step)
+            if rep is not None:
+                candidates.append((rep.data, rep.manifest))
+            if not candidates:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"no in-memory copy of rank {request.rank} at step >= "
+                                                         f"{request.min_step} on this node")
+            found = max(candidates, key=lambda c: c[1].step)
+        data, man = found
         try:
             yield from copy_stream(self.job, man, data, "", Throttle(0))
         except (CorruptCheckpointError, OSError) as exc:
@@ -330,8 +349,8 @@ def push_copy(address: str, job: str, man: Manifest, data_path: str, from_node: 
 
 def fetch(address: str, job: str, rank: int, min_step: int, open_writer: Callable[[Manifest], ReplicaWriter],
           timeout_s: float, token: str = "", stall_s: float = STALL_S) -> tuple[object, Manifest]:
-    """Fetches the newest copy of ``rank`` (step >= ``min_step``) from the node at ``address`` (with the job
-    token, when the job has one); a peer silent for about ``stall_s`` seconds ends the call before ``timeout_s``.
+    """Fetches the copy of ``rank`` at ``min_step`` from the node at ``address``, or when it holds none its newest
+    above (``open_writer`` may refuse that one) (with the job token, when the job has one); a peer silent for about ``stall_s`` seconds ends the call before ``timeout_s``.
 
     Raises:
         grpc.RpcError: the peer is unreachable, refused the token (UNAUTHENTICATED), holds no such copy

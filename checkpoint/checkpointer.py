@@ -53,7 +53,7 @@ from trainguard.checkpoint.errors import (
 from trainguard.checkpoint.events import EventSink
 from trainguard.checkpoint.fileio import storage_error
 from trainguard.checkpoint.location import is_local_url
-from trainguard.checkpoint.manifest import Manifest, plan_layout
+from trainguard.checkpoint.manifest import MAX_STEP, Manifest, plan_layout
 from trainguard.checkpoint.reader import RankCopy
 from trainguard.checkpoint.restore_plan import job_memory_steps_from_env, own_memory_steps
 from trainguard.checkpoint.shards import ShardedLoader
@@ -336,14 +336,16 @@ class Checkpointer:
             A handle whose ``wait()`` blocks until the step is durable.
 
         Raises:
-            CheckpointError: the state has an unsupported value, ``step`` is no integer, or the checkpointer is
-                closed. Storage failures are not raised: they are reported through ``on_event`` and the log.
+            CheckpointError: the state has an unsupported value, ``step`` is no integer in 0..2**53-1, or the
+                checkpointer is closed. Storage failures are not raised: they are reported through ``on_event`` and the log.
         """
         if self._closed:
             raise CheckpointError("save() on a closed Checkpointer; create a new one")
         step = step_number(step)
-        if step < 0:
-            raise CheckpointError(f"step must be >= 0, got {step}")
+        if not 0 <= step <= MAX_STEP:
+            # Past 2**53-1 the coordinator refuses the step in every heartbeat (the job loses its lease) and the
+            # peers refuse its replicas: refused here, where the caller can still act on it.
+            raise CheckpointError(f"step must be in 0..{MAX_STEP} (2**53-1), got {step}")
         self._finish_pending()
         cap = capture(state)
         alignment = self.config.persist.alignment

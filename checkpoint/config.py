@@ -30,6 +30,7 @@ from typing import Any, Mapping
 from trainguard.checkpoint.errors import CheckpointConfigError
 from trainguard.checkpoint.location import (  # noqa: F401 (re-exported)
     CheckpointLocation,
+    canonical_url,
     check_local_url,
     is_local_url,
     split_url,
@@ -141,7 +142,7 @@ class CheckpointConfig:
             the remote tier uses it and the disk tier lives under ``local_cache``).
         local_cache: local directory for the disk tier when ``directory`` is remote. Default
             ``<tmpdir>/trainguard-ckpt-cache/<hash>``, ``<hash>`` being 12 hex digits of the SHA-256 of the URL
-            without a trailing slash, so each remote location has its own. Steps found there that another location
+            in its canonical spelling (:func:`canonical_url`), so each remote location has one, however spelled. Steps found there that another location
             wrote (a ``local_cache`` shared by two URLs) are skipped by restore with a warning.
         replicated: every rank holds the same state (plain DDP), so a checkpoint may be restored with another
             world size from any rank's copy. Default False.
@@ -174,7 +175,7 @@ class CheckpointConfig:
 
     @property
     def location(self) -> str:
-        """Identity of this checkpoint location (absolute real path, or the URL as given).
+        """Identity of this checkpoint location (absolute real path, or the :func:`canonical_url`).
 
         The shared-memory tier is keyed by job name only; its copies record this, so a Checkpointer of another
         directory that shares the job name never restores them.
@@ -183,10 +184,11 @@ class CheckpointConfig:
 
     @property
     def remote_url(self) -> str | None:
-        """fsspec URL of the remote tier, or None."""
+        """fsspec URL of the remote tier (its :func:`canonical_url`: one folder per location however it is
+        spelled), or None."""
         if not is_local_url(self.directory):
-            return self.directory
-        return self.remote.url
+            return canonical_url(self.directory)
+        return None if self.remote.url is None else canonical_url(self.remote.url)
 
     def validate(self) -> None:
         """Checks every field.
@@ -238,6 +240,15 @@ class CheckpointConfig:
                 "numbers, booleans, lists and tables only (e.g. seconds as a number, not a timedelta)") from exc
         if self.remote_url is not None and not self.disk.enabled:
             raise CheckpointConfigError("the remote tier uploads from the local copy: enable checkpoint.disk too")
+        if self.remote_url is not None and is_local_url(self.remote_url):
+            remote = CheckpointLocation.parse(self.remote_url, "checkpoint.remote.url").identity
+            if remote == os.path.realpath(self.disk_directory):
+                # The upload opened the disk copy's own file for writing, truncating it before reading it: every
+                # step was committed with a 0-byte data file, and no tier could restore it.
+                raise CheckpointConfigError(
+                    f"checkpoint.remote.url = {self.remote.url!r} is the disk tier's own folder ({remote}): the "
+                    "upload would overwrite each step's files with themselves, emptied; point it at other storage "
+                    "(an NFS mount, s3://...) or leave it out")
         if not (self.memory.enabled or self.disk.enabled or self.remote_url):
             raise CheckpointConfigError("every checkpoint tier is disabled; enable memory, disk or remote")
 

@@ -41,6 +41,26 @@ def split_url(url: str) -> tuple[str, str]:
     return "", url
 
 
+def canonical_url(url: str) -> str:
+    """One spelling per location for a ``scheme://`` URL: the scheme lower-cased, runs of ``/`` in the path made
+    one and a trailing ``/`` dropped (a leading ``/``, as in ``file:///abs``, is kept). A plain path, or a ``file:``
+    URL without ``//``, is returned as given (local locations are identified by their real path instead).
+
+    ``s3://bucket/x/``, ``s3://bucket//x`` and ``S3://bucket/x`` all name ``s3://bucket/x``: before, each hashed to
+    its own disk cache and job name and opened its own folder in the bucket (``bucket//x/job`` is another key in
+    S3), so a relaunch spelled differently found none of the job's checkpoints. A URL chaining several ``://``
+    (``zip://member::s3://bucket/a.zip``) or with a query or fragment only loses its trailing ``/``: its slashes
+    may mean something.
+    """
+    if "://" not in url:
+        return url
+    scheme, rest = split_url(url)
+    if any(c in rest for c in ("://", "::", "?", "#")):
+        return f"{scheme}://{rest.rstrip('/')}"
+    lead = "/" if rest.startswith("/") else ""
+    return f"{scheme}://{lead}{'/'.join(p for p in rest.split('/') if p)}"
+
+
 def check_local_url(url: str, key: str) -> None:
     """Refuses a ``file://`` (or ``local://``) URL with a host part: ``file://localhost/data`` or the typo
     ``file://data/ckpt``.
@@ -119,12 +139,17 @@ class CheckpointLocation:
         return self.rest
 
     @property
+    def url(self) -> str:
+        """The location as fsspec is given it: the :func:`canonical_url` of a URL, a plain path as given."""
+        return canonical_url(self.text)
+
+    @property
     def identity(self) -> str:
-        """What identifies this location across processes: the absolute real path, or the URL without a trailing
-        slash."""
+        """What identifies this location across processes (and what job names and cache folders are hashed from):
+        the absolute real path, or the :func:`canonical_url`."""
         if self.is_local:
             return os.path.realpath(self.rest)
-        return self.text.rstrip("/")
+        return self.url
 
     def for_workers(self) -> str:
         """How a launcher hands the location to workers (``$TRAINGUARD_CHECKPOINT_DIR``): a plain path made
@@ -166,7 +191,7 @@ class CheckpointLocation:
 
         if self.is_local:
             return LocalStore(self.rest, job, fsync=fsync)
-        return FsspecStore(self.text, job, storage_options)
+        return FsspecStore(self.url, job, storage_options)
 
 
 def step_committed(store: StepStore, step: int, world_size: int) -> bool:
@@ -203,5 +228,5 @@ def job_step_committed(location: str, job: str, step: int, world_size: int, or_l
     return any(step_committed(store, s, world_size) for s in sorted((s for s in steps if s >= step), reverse=True))
 
 
-__all__ = ["CheckpointLocation", "LOCAL_SCHEMES", "check_local_url", "is_local_url", "job_step_committed", "split_url",
+__all__ = ["CheckpointLocation", "LOCAL_SCHEMES", "canonical_url", "check_local_url", "is_local_url", "job_step_committed", "split_url",
            "step_committed"]

@@ -27,6 +27,10 @@ from trainguard.checkpoint.errors import CorruptCheckpointError
 
 FORMAT = "trainguard-ckpt/1"
 CHECKSUM_ALGO = "xxh3_64"
+#: Highest step any tier files (and the coordinator takes in a heartbeat): exact as a JSON number and far from
+#: int64 overflow, and room for steps counted in samples or tokens (10**13 in a 10T-token run). Names carry 12
+#: digits, more from 10**12 on, so every bound on a step in the checkpoint code is this one.
+MAX_STEP = 2**53 - 1
 
 #: bytes per element of the dtype names we store (``str(torch.float32)`` without the ``torch.`` prefix).
 DTYPE_SIZES: dict[str, int] = {

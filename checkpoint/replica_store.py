@@ -6,6 +6,8 @@ Layout, next to the job's own arena (``<shm_root>/<job>/rank_NNNNN/``)::
     <shm_root>/<job>/replicas/rank_00003/step_000000000120.manifest.json   present only for a complete copy
     <shm_root>/<job>/replicas/rank_00003/.partial-<uuid>                   a copy being received
 
+Steps have 12 digits, more from 10**12 on (``step_1000000000000``), up to ``MAX_STEP`` (2**53-1), as the disk tier.
+
 A copy arrives in pieces into a ``.partial-*`` file; :meth:`ReplicaWriter.commit` verifies every chunk against the
 manifest's checksums, renames the data into place, then writes the manifest (temporary name + rename): the
 manifest is the commit marker, so a sender or receiver killed mid-transfer leaves at most a ``.partial-*`` file
@@ -37,15 +39,16 @@ from typing import Any, Callable
 from trainguard.checkpoint.arena import (SlotPaths, drop_manifests, free_bytes, rank_files, read_manifest, read_tag,
                                         write_tag)
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
-from trainguard.checkpoint.manifest import Manifest, verify_checksums
+from trainguard.checkpoint.manifest import MAX_STEP, Manifest, verify_checksums
 
-_STEP_RE = re.compile(r"^step_(\d{12})\.manifest\.json$")
+# 12 digits, more without a leading zero from step 10**12 on (as the disk tier names its folders): only 12 were
+# taken, so a job counting steps in tokens had every copy past 10**12 refused and no replica at all.
+_STEP_RE = re.compile(r"^step_(\d{12}|[1-9]\d{12,})\.manifest\.json$")
 _RANK_DIR_RE = re.compile(r"^rank_\d{5}$")
 _SLOT_FILE_RE = re.compile(r"^slot_(\d+)\.(?:data|tag|manifest\.json|retired\.json)$")
-#: Highest rank and step a copy can be filed under (``rank_NNNNN``, ``step_NNNNNNNNNNNN``): a name with more
-#: digits is listed by nothing, so its memory would be held outside the bound until the job ends.
+#: Highest rank a copy can be filed under (``rank_NNNNN``): a name with more digits is listed by nothing, so its
+#: memory would be held outside the bound until the job ends. Steps go to :data:`MAX_STEP`, as on every tier.
 MAX_RANK = 99_999
-MAX_STEP = 10**12 - 1
 
 
 def remove_stale_partials(directory: str) -> None:
@@ -131,10 +134,19 @@ class ReplicaStore:
         job: job name.
         max_bytes: cap on the bytes all replicas may hold (0: no replicas at all).
         reserve_bytes: free tmpfs space a new replica must leave for this node's own snapshots.
+        location: the job's checkpoint location (:attr:`CheckpointConfig.location
+            <trainguard.checkpoint.config.CheckpointConfig.location>`); None: copies of every location count.
+
+    With a ``location``, copies another run of the job's name wrote (another checkpoint location; its arena
+    outlives it for the daemon's TTL) are neither listed, served nor reported, and a new copy never removes them
+    as "the run the job went back from": they are evicted first when room is needed, as the memory they hold
+    counts against ``max_bytes``. Listed, the coordinator planned restores from another run's state.
     """
 
-    def __init__(self, shm_root: str, job: str, max_bytes: int, reserve_bytes: int = 0) -> None:
+    def __init__(self, shm_root: str, job: str, max_bytes: int, reserve_bytes: int = 0,
+                 location: str | None = None) -> None:
         self.root = os.path.join(shm_root, job, "replicas")
+        self.location = location
         self.max_bytes = max_bytes
         self.reserve_bytes = reserve_bytes
         self._lock = threading.Lock()
@@ -171,7 +183,14 @@ class ReplicaStore:
 
     # -- listing ---------------------------------------------------------------------------------------------
     def replicas(self) -> list[Replica]:
-        """Every complete replica (damaged manifests skipped), oldest step first."""
+        """Every complete replica of this store's location (damaged manifests skipped), oldest step first."""
+        return [r for r in self._all() if self._ours(r)]
+
+    def _ours(self, r: Replica) -> bool:
+        return self.location is None or r.manifest.location == self.location
+
+    def _all(self) -> list[Replica]:
+        """Every complete replica, whatever its location, oldest step first."""
         out = []
         for rank, d, step in rank_files(self.root, _STEP_RE):
             base = self._base(d, step)
@@ -187,6 +206,10 @@ class ReplicaStore:
         mine = [r for r in self.replicas() if r.rank == rank and r.step >= min_step]
         return mine[-1] if mine else None
 
+    def copy_of(self, rank: int, step: int) -> Replica | None:
+        """The complete replica of ``rank`` at exactly ``step``, or None."""
+        return next((r for r in self.replicas() if r.rank == rank and r.step == step), None)
+
     def holds(self, manifest: Manifest) -> bool:
         """Whether this exact copy (rank, step, size and every chunk checksum) is already held, complete."""
         r = self.newest(manifest.rank, manifest.step)
@@ -194,8 +217,8 @@ class ReplicaStore:
             and r.manifest.chunks == manifest.chunks
 
     def bytes_held(self) -> int:
-        """Bytes of memory all complete replicas hold."""
-        return sum(r.nbytes for r in self.replicas())
+        """Bytes of memory all complete replicas hold (other locations' too)."""
+        return sum(r.nbytes for r in self._all())
 
     def bytes_reserved(self) -> int:
         """Bytes reserved by the copies being received now."""
@@ -220,10 +243,12 @@ class ReplicaStore:
                                           f"is 0)")
             if need > self.max_bytes:
                 raise ReplicaRefusedError(f"{what} is over the replica memory bound of {self.max_bytes} bytes")
-            held = self.replicas()
+            held = self._all()
             reserved = sum(self._reserved.values())
-            # Evict the oldest replicas of other ranks and other copies of this rank until the new one fits.
-            victims = [r for r in held if not (r.rank == manifest.rank and r.step == manifest.step)]
+            # Evict other runs' copies first, then the oldest replicas of other ranks and other copies of this
+            # rank, until the new one fits.
+            victims = sorted((r for r in held if not (r.rank == manifest.rank and r.step == manifest.step)),
+                             key=lambda r: self._ours(r))
             total = sum(r.nbytes for r in held)
             evictable = sum(v.nbytes for v in victims)
             # Refused before evicting anything when evicting every victim would not make room either (copies
@@ -292,7 +317,7 @@ class ReplicaStore:
                 # disk when memory could not serve every rank). Kept, it was served to a fetch asking for the
                 # new run's step and counted by the restore plan, which could pick it over the new run's steps
                 # or, once the new run reached that step on some ranks, mix the two runs in one restore.
-                if r.rank == manifest.rank and r.step != manifest.step:
+                if r.rank == manifest.rank and r.step != manifest.step:  # (of this location only)
                     self._remove(r)
             return Replica(manifest.rank, manifest.step, base + ".data", base + ".manifest.json", manifest)
 

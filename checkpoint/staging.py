@@ -14,10 +14,16 @@ do not fit, snapshots are staged elsewhere so checkpoints still reach disk (``ch
 One warning names /dev/shm, ``docker run --shm-size``, a Kubernetes ``emptyDir`` with ``medium: Memory`` and the
 config key, and a ``checkpoint.staging_fallback`` health event says the same. A fallback is staging only, never a
 tier: the memory tier is off for this process until /dev/shm is enlarged.
+
+The disk tier's folder gets a writer lease of its own (``<disk dir>/.trainguard-writers/<job>/rank_NNNNN``): the
+staging lease lives in the memory directory, so two processes of one job and rank given different memory
+directories (two containers, each with its own /dev/shm, on one checkpoint directory) both wrote every step
+there, each overwriting the other's files, with no word.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 
@@ -27,7 +33,11 @@ from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import StorageUnavailableError
 from trainguard.checkpoint.events import EventSink
 
+log = logging.getLogger(__name__)
+
 EVENT_KIND = "checkpoint.staging_fallback"
+#: Folder of the disk tier holding the writers' leases (a dot folder: no job and no step is named so).
+WRITERS_DIR = ".trainguard-writers"
 
 
 def _cuda() -> bool:
@@ -56,6 +66,8 @@ class StagingArea:
         self.kind: str | None = None
         #: The shared-memory lease kept after the state outgrew its slots (see :meth:`retire_memory`).
         self.outgrown_lease: ArenaLease | None = None
+        #: This process's lease on the job and rank in the disk tier's folder (see the module docstring).
+        self.disk_lease: ArenaLease | None = None
 
     def fallback(self) -> tuple[str, str | None]:
         """``(kind, directory)`` of the staging used when the memory directory is too small (see module)."""
@@ -80,6 +92,7 @@ class StagingArea:
         """
         if self.arena is not None:
             return self.arena
+        self._lease_disk()
         shm_root = self.config.memory.directory
         try:
             short = arena_mod.staging_shortfall(arena_mod.rank_dir(shm_root, self.job, self.rank), self.nslots,
@@ -100,6 +113,25 @@ class StagingArea:
                     self.close(remove=False)
                     short = max(1, arena_mod.staging_shortfall(arena.dir, self.nslots, nbytes))
         return self.fall_back(nbytes, short)
+
+    def _lease_disk(self) -> None:
+        """Takes this job and rank's writer lease in the disk tier's folder (once).
+
+        Raises:
+            ArenaOwnedError: another live process writes this job and rank there (the message names its pid).
+        """
+        if self.disk_lease is not None or not self.config.disk.enabled:
+            return
+        lease = ArenaLease(arena_mod.rank_dir(os.path.join(self.config.disk_directory, WRITERS_DIR), self.job,
+                                              self.rank))
+        try:
+            lease.acquire()
+        except StorageUnavailableError as exc:
+            # A disk folder that cannot be written fails each save's disk tier, reported there; not a reason to
+            # refuse the memory tier here.
+            log.debug("no writer lease on the disk tier: %s", exc)
+            return
+        self.disk_lease = lease
 
     def fall_back(self, nbytes: int, short: int) -> Arena:
         """Opens the fallback staging for slots of ``nbytes`` (``short`` bytes missing in the memory directory).
@@ -132,6 +164,7 @@ class StagingArea:
         return self._open(where_dir, kind, anonymous=kind == "host")
 
     def _open(self, root: str, kind: str, anonymous: bool) -> Arena:
+        self._lease_disk()  # again after a close() on the way to the fallback
         lease = ArenaLease(arena_mod.rank_dir(root, self.job, self.rank))
         lease.acquire()
         try:
@@ -173,7 +206,9 @@ class StagingArea:
             self.lease.release(remove=remove)
         if self.outgrown_lease is not None:
             self.outgrown_lease.release(remove=remove_outgrown)
-        self.arena, self.lease, self.kind, self.outgrown_lease = None, None, None, None
+        if self.disk_lease is not None:
+            self.disk_lease.release(remove=True)  # only its own lock folder (and the job's, once empty)
+        self.arena, self.lease, self.kind, self.outgrown_lease, self.disk_lease = None, None, None, None, None
 
 
 __all__ = ["EVENT_KIND", "StagingArea"]

@@ -99,6 +99,51 @@ def test_another_root_or_a_path_as_job_is_refused(root, tmp_path):
         keeper.attach("../etc", str(root), os.getpid())
 
 
+def _keeper_in_child(root: Path) -> subprocess.Popen:
+    """A process keeping ``root`` until its stdin closes (prints ``held`` once it does)."""
+    return subprocess.Popen([sys.executable, "-c", "import sys\nfrom trainguard.agent.arena_keeper import ArenaKeeper\n"
+                             "k = ArenaKeeper(sys.argv[1], 0.0, exclusive=True)\nprint('held', flush=True)\nsys.stdin.read()",
+                             str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_second_process_keeping_the_same_root_is_refused_naming_the_first(root) -> None:
+    """Found by review: two daemons given one memory_tier.root each adopted the other's jobs' arenas and removed
+    them ttl_s later, under running jobs. The first keeper now holds the root; another process's is refused,
+    naming the holder's pid and the setting; a keeper of this same process (a daemon restarted in-process) is not.
+    """
+    _arena(root, "j1")
+    holder = _keeper_in_child(root)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ArenaRootError, match=rf"daemon \(pid {holder.pid}\b.*memory_tier.root"):
+            ArenaKeeper(str(root), 0.0, exclusive=True)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    keeper = ArenaKeeper(str(root), 0.0, exclusive=True)  # the holder is gone: its lock with it
+    assert ArenaKeeper(str(root), 0.0, exclusive=True).root == keeper.root  # this process's keepers share it
+    assert keeper.adopt_existing() == ["j1"]  # the lock file is no arena
+
+
+def test_a_closed_keeper_lets_go_of_its_root(root) -> None:
+    """The daemon closes its keeper when it stops (in-process too): the daemon started next on that root is not
+    refused."""
+    keeper = ArenaKeeper(str(root), 60.0, exclusive=True)
+    keeper.close()
+    nxt = _keeper_in_child(root)
+    try:
+        assert nxt.stdout.readline() == "held\n"
+    finally:
+        nxt.stdin.close()
+        nxt.wait(timeout=30)
+    assert ArenaKeeper(str(root), 60.0).sweep() == []  # a keeper not made exclusive takes nothing
+
+
+def test_a_missing_root_is_made_for_launchers_of_any_user(tmp_path: Path) -> None:
+    ArenaKeeper(str(tmp_path / "shm"), 0.0, exclusive=True)
+    assert (tmp_path / "shm").stat().st_mode & 0o7777 == 0o1777
+
+
 def test_an_arena_that_cannot_be_removed_is_said_so_not_logged_removed(tmp_path: Path, caplog) -> None:
     """rmtree failing (an immutable file here; in production a daemon without the rights to another user's
     files) leaves the arena: sweep() does not count it removed, and the log names the file and the cause."""

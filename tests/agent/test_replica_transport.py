@@ -95,6 +95,50 @@ def test_push_then_fetch_into_a_new_nodes_arena_and_a_corrupt_replica_is_refused
         shutil.rmtree(roots[2] + "-x", ignore_errors=True)
 
 
+def test_a_fetch_gets_the_step_asked_for_from_any_slot_or_replica_not_the_newest(roots) -> None:
+    """A restore plan names one step and its fetcher takes only that one; the holder sent its newest copy, so a
+    holder whose older slot (or replica) held the planned step made the fetch fail and the rank go to disk."""
+    a, b, c = roots
+    _snapshot(a, 1, 5, slot=0)
+    _snapshot(a, 1, 9, slot=1)
+    _snapshot(a, 0, 7)
+    _snapshot(b, 0, 3)
+    store = ReplicaStore(a, "job", 1 << 30)
+    tier = MemoryTier(a, "job", "/ckpt")
+    tier.scan()
+    server = ReplicaServer(ReplicaServicer("job", store, tier.own_copy), "127.0.0.1")
+    try:
+        path, man = _own(b, 0)
+        assert push(server.address, copy_stream("job", man, path, "b", Throttle(0)), 30).ok  # rank 0 step 3
+        into = lambda m: arena_writer(c, "job", m)  # noqa: E731
+        assert fetch(server.address, "job", 1, 5, into, 30)[1].step == 5  # the older own slot
+        assert fetch(server.address, "job", 0, 3, into, 30)[1].step == 3  # the replica, not the own step 7
+        assert fetch(server.address, "job", 1, 6, into, 30)[1].step == 9  # none at 6: the newest above
+        assert fetch(server.address, "job", 1, -1, into, 30)[1].step == 9
+        assert sorted(memory_manifests(c, "job", "/ckpt")) == [3, 5, 9]
+    finally:
+        server.stop()
+
+
+def test_a_node_reports_no_replica_another_run_of_the_job_name_left(roots) -> None:
+    """Copies pushed for a run on another checkpoint location (same job name, its arena kept for the TTL) were
+    reported as this run's replica holdings, so the coordinator could plan a restore of the other run's step."""
+    a, b, _ = roots
+    _snapshot(a, 0, 500)  # location /ckpt
+    server, _ = _server(b)
+    try:
+        path, man = _own(a, 0)
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+    finally:
+        server.stop()
+    tier = MemoryTier(b, "job", "/elsewhere")
+    agent = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier, "b", "127.0.0.1")
+    assert agent.store.replicas() == [] and not any(h.replica_ranks for h in tier.scan())
+    same = MemoryTier(b, "job", "/ckpt")
+    ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), same, "b", "127.0.0.1")
+    assert [(h.step, list(h.replica_ranks)) for h in same.scan()] == [(500, [0])]
+
+
 def _partials(root: str) -> list[str]:
     return [n for _, _, names in os.walk(root) for n in names if n.startswith(".partial")]
 
@@ -660,14 +704,15 @@ def _crafted(step: int = 3, rank: int = 0, drop: str = "", **fields) -> list:
 
 
 @pytest.mark.parametrize("kind, push_, said", [
-    ("step past the file names", dict(step=10**12), "replica manifest has step 1000000000000"),
+    ("step past every tier's bound", dict(step=2**53), "replica manifest has step 9007199254740992"),
     ("rank past the folder names", dict(rank=100_000), "replica manifest has rank 100000"),
     ("size not an integer", dict(data_bytes="8192"), "replica manifest has data_bytes '8192'"),
     ("chunk size 0", dict(chunk_bytes=0), "replica manifest has chunk_bytes 0"),
     ("no tensor list", dict(drop="tensors"), "replica header of rank 0 step 3 has unexpected fields ('tensors')"),
 ])
 def test_a_manifest_with_numbers_no_copy_can_be_filed_by_is_refused(roots, caplog, kind, push_, said) -> None:
-    """Found by a user's review: a copy of step 10**12 or rank 100000 was acknowledged and stored under a name no
+    """Found by a user's review: a copy of step 10**12 (now 2**53, the bound of every tier) or rank 100000 was
+    acknowledged and stored under a name no
     listing matches, so it held memory outside --replica-memory-mib (never evicted, never reported) until the
     job ended; a size that is not an integer answered UNKNOWN with an ERROR traceback on the receiver. Such a
     manifest (a peer's bug, or crafted: its own checksum is anyone's to compute) is now refused by name."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -108,10 +109,17 @@ def test_reader_never_removes_the_writers_area_and_a_second_writer_is_refused(ma
         with Checkpointer(cfg, job="iso") as intruder:
             with pytest.raises(ArenaOwnedError, match=f"process {trainer.pid} already writes"):
                 intruder.save({"w": torch.ones(3)}, 5)
+        # So is one given another memory directory (another container's /dev/shm) on the same checkpoint folder:
+        # it wrote every step there too, each process overwriting the other's files, with no word.
+        elsewhere = make_config(memory={"directory": cfg.memory.directory + "-elsewhere"})
+        with Checkpointer(elsewhere, job="iso") as intruder:
+            with pytest.raises(ArenaOwnedError, match=f"process {trainer.pid} already writes.*trainguard-writers"):
+                intruder.save({"w": torch.ones(3)}, 5)
         assert ask(trainer, "save 3") == "saved 3 True"
     finally:
         trainer.kill()
         trainer.wait()
+        shutil.rmtree(cfg.memory.directory + "-elsewhere", ignore_errors=True)
 
 
 def test_crashed_owners_area_is_reclaimed(make_config):

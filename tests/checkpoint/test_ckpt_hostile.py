@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
-from trainguard.checkpoint.errors import CheckpointConfigError, StorageUnavailableError
+from trainguard.checkpoint.errors import CheckpointConfigError, CheckpointError, StorageUnavailableError
 
 
 @pytest.mark.timeout(120)
@@ -19,6 +19,9 @@ def test_steps_from_ten_to_the_twelfth_are_listed_restored_and_retained(make_con
     with Checkpointer(cfg, job="tokens") as ck:
         for s in steps:
             assert ck.save({"w": torch.full((4,), float(s % 1000))}, s).wait(60)
+        # Past 2**53-1 the coordinator refuses the step in every heartbeat and peers refuse its replicas.
+        with pytest.raises(CheckpointError, match=r"0\.\.9007199254740991"):
+            ck.save({"w": torch.zeros(4)}, 2**53)
         assert [(i.step, i.tiers) for i in ck.steps()] == [(s, ["disk"]) for s in steps[1:]]
     assert sorted(p.name for p in (tmp_path / "ckpt" / "tokens").iterdir() if p.is_dir()) == [
         "step_1000000000000", "step_1000000000007"]

@@ -8,7 +8,7 @@ import pytest
 
 from trainguard.checkpoint.config import CheckpointConfig
 from trainguard.checkpoint.errors import CheckpointConfigError, CheckpointError
-from trainguard.checkpoint.location import CheckpointLocation, job_step_committed, step_committed
+from trainguard.checkpoint.location import CheckpointLocation, canonical_url, job_step_committed, step_committed
 from trainguard.checkpoint.storage import FsspecStore, LocalStore
 
 
@@ -18,11 +18,49 @@ def test_paths_and_file_urls_are_local_other_urls_remote(tmp_path, monkeypatch) 
     assert plain.is_local and url.is_local and not remote.is_local and remote.scheme == "s3"
     assert plain.for_workers() == str(tmp_path / "ck") and url.for_workers() == url.text
     assert plain.identity == url.identity == os.path.realpath(tmp_path / "ck")
-    assert remote.identity == "S3://b/p" and remote.disk_directory("/cache") == "/cache"
+    assert remote.identity == "s3://b/p" and remote.disk_directory("/cache") == "/cache"
     with pytest.raises(CheckpointError, match="not on the local filesystem"):
         remote.local_path  # noqa: B018
     with pytest.raises(CheckpointConfigError, match="--checkpoint-dir is empty"):
         CheckpointLocation.parse(" ", "--checkpoint-dir")
+
+
+@pytest.mark.parametrize("same", ["s3://bucket/x/", "s3://bucket//x", "S3://bucket/x", "s3://bucket/x//",
+                                  "s3://bucket//x///"])
+def test_one_remote_location_has_one_identity_cache_and_url_however_spelled(same: str) -> None:
+    # A relaunch with a trailing slash or a doubled one (a variable joined as "$BUCKET/$RUN") hashed to another
+    # disk cache and opened another folder in the bucket (bucket//x/job is another S3 key): no checkpoint found.
+    want = CheckpointConfig(directory="s3://bucket/x")
+    got = CheckpointConfig(directory=same)
+    assert (got.location, got.disk_directory, got.remote_url) == (want.location, want.disk_directory,
+                                                                   "s3://bucket/x")
+    assert CheckpointLocation.parse(same).url == "s3://bucket/x"
+
+
+def test_canonical_url_keeps_what_may_mean_something() -> None:
+    assert canonical_url("file:///data//ck/") == "file:///data/ck" and canonical_url("/data//ck/") == "/data//ck/"
+    assert canonical_url("SimpleCache::s3://b//x/") == "simplecache::s3://b/x"  # the last link names the path
+    assert canonical_url("zip://a//b::s3://c//d/") == "zip://a//b::s3://c//d"  # several links: only the trailing /
+    assert canonical_url("https://h/p?a=b//c") == "https://h/p?a=b//c" and canonical_url("s3://b") == "s3://b"
+
+
+def test_a_step_written_through_one_spelling_is_found_through_another(tmp_path) -> None:
+    # memory:// keeps "//" in a path as S3 does: a doubled slash opened another folder, found empty.
+    CheckpointLocation.parse(f"memory://{tmp_path}//ck/").open_store("j").commit_rank(3, 0, 1, "d")
+    assert job_step_committed(f"memory://{tmp_path}/ck", "j", 3, 1)
+
+
+@pytest.mark.parametrize("spelling", ["{d}/", "file://{d}", "{d}/../ck", "{link}"])
+def test_a_remote_tier_on_the_disk_tiers_own_folder_is_refused(tmp_path, spelling: str) -> None:
+    # Found testing as a user: the upload opened the disk copy's file for writing, emptying it before reading it;
+    # every step was committed with a 0-byte data file and restore found none loadable.
+    d = tmp_path / "ck"
+    d.mkdir()
+    (tmp_path / "link").symlink_to(d)
+    url = spelling.format(d=d, link=tmp_path / "link")
+    with pytest.raises(CheckpointConfigError, match=r"checkpoint.remote.url = .* is the disk tier's own folder"):
+        CheckpointConfig(directory=str(d), remote={"url": url})
+    assert CheckpointConfig(directory=str(d), remote={"url": str(tmp_path / "nfs")}).remote_url  # elsewhere: fine
 
 
 def test_a_local_location_is_checked_for_writes(tmp_path) -> None:

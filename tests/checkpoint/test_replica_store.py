@@ -24,11 +24,11 @@ def root():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _copy(rank: int, step: int, kib: int = 64, fill: int = 3) -> tuple[Manifest, bytes]:
+def _copy(rank: int, step: int, kib: int = 64, fill: int = 3, location: str = "/ckpt") -> tuple[Manifest, bytes]:
     entries, nbytes = plan_layout([("w", "uint8", (kib << 10,))], 4096)
     data = bytes([(fill + i) % 251 for i in range(256)]) * (nbytes // 256)
     man = Manifest(job="job", step=step, rank=rank, world_size=4, tensors=entries, tree={}, data_bytes=nbytes,
-                   chunk_bytes=16 << 10, created=time.time(), location="/ckpt")
+                   chunk_bytes=16 << 10, created=time.time(), location=location)
     man.chunks = compute_checksums(memoryview(data), nbytes, man.chunk_bytes)
     return man, data
 
@@ -57,6 +57,40 @@ def test_publish_only_verified_copies(root) -> None:
     rep2 = _send(store, *_copy(1, 15)).commit()
     assert [(r.rank, r.step) for r in store.replicas()] == [(1, 15)] and not os.path.exists(rep.data)
     assert store.newest(1).step == 15 and store.newest(1, min_step=16) is None and store.bytes_held() == rep2.nbytes
+
+
+def test_steps_past_ten_to_the_twelfth_are_held_and_twelve_digit_names_still_listed(root) -> None:
+    # A job counting steps in tokens passes 10**12: the disk tier and the coordinator take such steps, but every
+    # replica was refused (``step 1000000000000 ... to 999999999999``), so a node fault restored from disk.
+    store = ReplicaStore(root, "job", 1 << 20)
+    _send(store, *_copy(0, 120)).commit()  # named with 12 digits, as before
+    _send(store, *_copy(1, 999_999_999_999)).commit()
+    for step in (10**12, 10**13 + 7, 2**53 - 1):
+        rep = _send(store, *_copy(1, step)).commit()
+        assert os.path.basename(rep.manifest_path) == f"step_{step}.manifest.json"
+        assert [(r.rank, r.step) for r in store.replicas()] == [(0, 120), (1, step)]
+    again = ReplicaStore(root, "job", 1 << 20)  # an agent restarted on the same tmpfs lists both kinds of name
+    assert [(r.rank, r.step) for r in again.replicas()] == [(0, 120), (1, 2**53 - 1)]
+    assert again.newest(1, min_step=10**12).step == 2**53 - 1 and again.bytes_held() == 2 * rep.nbytes
+    with pytest.raises(ReplicaRefusedError, match="step 9007199254740992"):
+        again.begin(_copy(1, 2**53)[0])
+
+
+def test_another_runs_copies_are_not_listed_nor_removed_by_this_run_and_are_evicted_first(root) -> None:
+    # A run of the same job name on another checkpoint location left its replicas (its arena outlives it for the
+    # daemon's TTL): they were reported and served as this run's (a restore plan could pick the other run's
+    # step 500), and this run's first push of a rank removed the other run's copy as "a run it went back from".
+    man, data = _copy(1, 500, location="/old")
+    old = ReplicaStore(root, "job", 3 * man.data_bytes, location="/old")
+    _send(old, man, data).commit()
+    new = ReplicaStore(root, "job", 3 * man.data_bytes, location="/new")
+    assert new.replicas() == [] and new.newest(1) is None and new.copy_of(1, 500) is None
+    _send(new, *_copy(1, 20, location="/new")).commit()
+    assert [(r.rank, r.step) for r in old.replicas()] == [(1, 500)]  # not this run's to remove
+    assert [(r.rank, r.step) for r in new.replicas()] == [(1, 20)] and new.bytes_held() == 2 * man.data_bytes
+    _send(new, *_copy(2, 20, location="/new")).commit()
+    _send(new, *_copy(3, 21, location="/new")).commit()  # no room for a fourth: the other run's copy goes first
+    assert old.replicas() == [] and [(r.rank, r.step) for r in new.replicas()] == [(1, 20), (2, 20), (3, 21)]
 
 
 def test_a_killed_receivers_leftovers_are_never_listed_and_are_cleaned(root) -> None:
