@@ -23,9 +23,11 @@ import enum
 import importlib
 import math
 import os
+import threading
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -244,7 +246,8 @@ class Detector(ABC):
     Subclasses set :attr:`name` and :attr:`config_class`, implement :meth:`sample`, and may override
     :meth:`close`. ``sample()`` must not block for long (the runner calls every detector from one thread) and
     should report unreadable inputs through :meth:`Sample.error` rather than raise; anything it raises anyway is
-    caught by the runner and becomes a ``detector.error`` event.
+    caught by the runner and becomes a ``detector.error`` event (the :meth:`condition` events raised before it
+    are still delivered, see :meth:`recording_conditions`).
     """
 
     #: Registry name, also the ``source`` of the detector's events and the prefix of its metrics.
@@ -253,6 +256,9 @@ class Detector(ABC):
     config_class: ClassVar[type[DetectorConfig]] = DetectorConfig
     #: Default seconds between samples when the config does not override ``interval_s``.
     default_interval_s: ClassVar[float] = 5.0
+    # While the runner samples: (the sampling thread's id, the events condition() raised in it so far); see
+    # recording_conditions(). A class default, so a subclass that skips Detector.__init__ still samples.
+    _journal: tuple[int, list[HealthEvent]] | None = None
 
     def __init__(self, config: DetectorConfig | None = None) -> None:
         """Creates the detector.
@@ -357,12 +363,42 @@ class Detector(ABC):
                 started = self.event(kind, severity, action, message, subject, evidence)
                 self._active[key] = started
                 sample.events.append(started)
+                self._journal_add(started)
         elif was:
             started = self._active.pop(key)
             # The end names what the start named: a consumer pairs them by kind and subject, and a subject can
             # read differently by then (a lost GPU is "gpu1" to NVML, its PCI address once it answers again).
-            sample.events.append(self.event(kind + ".cleared", Severity.INFO, Action.NONE, f"cleared: {message}",
-                                            started.subject, evidence))
+            cleared = self.event(kind + ".cleared", Severity.INFO, Action.NONE, f"cleared: {message}",
+                                 started.subject, evidence)
+            sample.events.append(cleared)
+            self._journal_add(cleared)
+
+    def _journal_add(self, event: HealthEvent) -> None:
+        # Only the sampling thread's own: a listener thread (RoCE link state) that starts a condition meanwhile
+        # delivers that event itself.
+        journal = self._journal
+        if journal is not None and journal[0] == threading.get_ident():
+            journal[1].append(event)
+
+    @contextmanager
+    def recording_conditions(self) -> Iterator[list[HealthEvent]]:
+        """Records the start and end events :meth:`condition` raises in the calling thread until the block ends.
+
+        The runner samples inside it: a ``sample()`` that raises partway has already marked the conditions it
+        started active (and dropped those it ended), but its sample, with their events, is lost. Edge-triggered,
+        they would never be sent again (a drain never asked for); the runner delivers these events instead.
+        Delivered rather than rolled back: a read that fails every time after the condition would otherwise start
+        and roll it back at every sample, never sending it. Per thread, so no other thread's events are taken.
+
+        Yields:
+            The events, oldest first; the list stays valid after the block.
+        """
+        events: list[HealthEvent] = []
+        self._journal = (threading.get_ident(), events)
+        try:
+            yield events
+        finally:
+            self._journal = None
 
     def active_conditions(self) -> list[HealthEvent]:
         """The start events of the conditions active now (raised by :meth:`condition`, not yet cleared).

@@ -4,7 +4,8 @@ The agent embeds one :class:`DetectorRunner`. Polled detectors share a single th
 each :class:`~trainguard.detectors.base.ListeningDetector` (netlink link state) additionally gets its own thread
 that blocks on its event source. A detector that raises, or reports unreadable inputs, is isolated: the runner
 records state ERROR and yields one ``detector.error`` event per distinct problem (and one ``detector.error.cleared``
-when it reads cleanly again); the other detectors keep running.
+when it reads cleanly again); the other detectors keep running. The condition events a ``sample()`` raised before
+it raised are delivered all the same: the detector already holds those conditions as started (or ended).
 
 Lifecycle::
 
@@ -311,8 +312,10 @@ class DetectorRunner:
         started = time.monotonic()
         with self._lock:
             self._current = (det.name, started)
+        changed: list[HealthEvent] = []
         try:
-            sample = det.sample()
+            with det.recording_conditions() as changed:
+                sample = det.sample()
             if not isinstance(sample, Sample):
                 raise TypeError(f"sample() returned {type(sample).__name__}, not Sample")
         except Exception as exc:  # noqa: BLE001 - a broken detector must not take the agent down
@@ -320,7 +323,10 @@ class DetectorRunner:
             # A read error says what it is itself; anything else is named by its type (a bug in the detector).
             err = exc if isinstance(exc, DetectorReadError) else DetectorReadError(det.name,
                                                                                   f"{type(exc).__name__}: {exc}")
-            sample = Sample()
+            # The conditions it started or ended before raising are already marked so in the detector; their
+            # events went with the lost sample and, edge-triggered, would never come again (a drain never sent).
+            # Delivered here; the state machine is left as it is, so nothing races a listener thread's conditions.
+            sample = Sample(events=list(changed))
             sample.error(err)
             sample.detail = str(err)
             tb = "".join(traceback.format_exception(exc, limit=-3)).strip()
