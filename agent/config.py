@@ -413,6 +413,7 @@ class AgentConfig:
             origin = self.origins.get(key)
             raise AgentConfigError(f"{src}: {key}{f' (set by {origin})' if origin else ''}: {problem}")
 
+        self._refuse_tilde(fail)
         a = self.agent
         if not a.node_id.strip():
             fail("agent.node_id", "must not be empty")
@@ -546,6 +547,23 @@ class AgentConfig:
             self.qualify.validate()
         except QualifyConfigError as exc:
             raise AgentConfigError(f"{src}: {exc}") from exc
+
+    def _refuse_tilde(self, fail: Any) -> None:
+        """Refuses a path written as ``~/...`` in the file or the environment: only a shell expands ``~``, and
+        the daemon under systemd has no home of the operator's; the path was a folder named ``~``."""
+        for section in dataclasses.fields(self):
+            value = getattr(self, section.name)
+            if not dataclasses.is_dataclass(value):
+                continue
+            for f in dataclasses.fields(value):
+                item = getattr(value, f.name)
+                for i, text in enumerate(item if isinstance(item, list) else [item]):
+                    if isinstance(text, str) and text.startswith("~"):
+                        key = f"{section.name}.{f.name}" + (f"[{i}]" if isinstance(item, list) else "")
+                        home = os.path.expanduser(text.split("/", 1)[0])
+                        hint = f" (e.g. {home}/...)" if not home.startswith("~") else ""
+                        fail(key, f"{text!r} starts with '~', which only a shell expands; write the absolute "
+                                  f"path{hint}")
 
     def detector_loader(self) -> Any:
         """The ``[detectors]`` section read by the one detector-settings loader
