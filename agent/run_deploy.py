@@ -58,7 +58,8 @@ def add_run_deploy_arguments(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_SLURM_COORDINATOR_PORT})")
     g.add_argument("--cordon-command", default=None, metavar="TEMPLATE",
                    help="embedded coordinator: run this per node it cordons, e.g. 'sudo scontrol update "
-                        "nodename={host} state=drain reason={reason}' (fields {node} {host} {job} {reason})")
+                        "nodename={host} state=drain reason={reason}' (fields {node} {host} {job} {reason}); "
+                        "`trainguard uncordon` does not lift the mark it makes (scontrol ... state=resume does)")
     g = p.add_argument_group("joining a coordinator over TLS / mutual TLS")
     g.add_argument("--coordinator-ca", default=None, metavar="FILE",
                    help="PEM CA bundle: dial the coordinator over TLS and verify it")
@@ -407,6 +408,27 @@ def linger_until_peers_told(server, timeout_s: float | None = None, own_node: st
     return False
 
 
+def cordon_hooks_for(coordinator, template: str):
+    """Runs ``--cordon-command`` for every node the embedded ``coordinator`` cordons, as ``trainguard
+    coordinator`` does: a node it returns to service (``trainguard uncordon``, or its daemon's healthy reports) is
+    forgotten, so that cordoning it again runs the command again.
+
+    The scheduler's mark the command made is not lifted by the uncordon (``scontrol update state=resume``,
+    ``kubectl uncordon``: the operator's, as the repair was).
+
+    Returns:
+        The started :class:`~trainguard.recovery.cordon.CordonDispatcher` (stop it at the end).
+    """
+    from trainguard.recovery.cordon import CommandCordon, CordonDispatcher
+
+    dispatcher = CordonDispatcher([CommandCordon(template)]).start()
+    coordinator.watch.add_cordon_listener(dispatcher.submit)
+    # Without this the dispatcher remembered the node for good: repaired, resumed in Slurm, uncordoned and then
+    # failing again, it was cordoned by trainguard but left schedulable in Slurm.
+    coordinator.watch.add_uncordon_listener(dispatcher.forget)
+    return dispatcher
+
+
 def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: str | None,
                      coordinator=None) -> RunExtras:
     """Starts /metrics and the health port the flags ask for, and registers the run for ``trainguard status``.
@@ -453,10 +475,7 @@ def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: 
         if socket_path:
             extras.registration = register(agent.config.job, socket_path)
         if coordinator is not None and getattr(args, "cordon_command", None):
-            from trainguard.recovery.cordon import CommandCordon, CordonDispatcher
-
-            extras.cordon = CordonDispatcher([CommandCordon(args.cordon_command)]).start()
-            coordinator.watch.add_cordon_listener(extras.cordon.submit)  # type: ignore[attr-defined]
+            extras.cordon = cordon_hooks_for(coordinator, args.cordon_command)
     except BaseException:
         extras.stop()
         raise
@@ -464,4 +483,5 @@ def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: 
 
 
 __all__ = ["DEFAULT_SLURM_COORDINATOR_PORT", "RUN_SERVICE", "RunExtras", "RunMetrics", "SlurmPlacement",
-           "add_run_deploy_arguments", "apply_slurm", "run_security", "slurm_placement", "start_run_extras"]
+           "add_run_deploy_arguments", "apply_slurm", "cordon_hooks_for", "run_security", "slurm_placement",
+           "start_run_extras"]
