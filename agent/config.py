@@ -485,6 +485,10 @@ class AgentConfig:
 
         if self.metrics.listen:
             _check_hostport(self.metrics.listen, "metrics.listen", fail)
+            if g.listen and _same_port(g.listen, self.metrics.listen):
+                # /metrics binds first; the gRPC listener then found the port taken and blamed "another agent".
+                fail("metrics.listen", f"{self.metrics.listen} and grpc.listen ({g.listen}) are the same port; give "
+                                       "/metrics a port of its own")
 
         d = self.detectors
         for name in d.enabled:
@@ -683,6 +687,14 @@ def _check_hostport(value: str, key: str, fail: Any, dial: bool = False) -> None
         return
     if dial and port == 0:
         fail(key, f"{value!r} has port 0; give the port the coordinator listens on")
+
+
+def _same_port(a: str, b: str) -> bool:
+    """Whether two valid ``HOST:PORT`` listeners would bind the same port (a fixed one, hosts equal or either a
+    wildcard)."""
+    (ha, pa), (hb, pb) = parse_hostport(a), parse_hostport(b)
+    wild = ("0.0.0.0", "::", "*")
+    return pa == pb != 0 and (ha == hb or ha in wild or hb in wild)
 
 
 def _check_readable(path: str, key: str, fail: Any) -> None:

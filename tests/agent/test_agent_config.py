@@ -68,6 +68,8 @@ def test_example_values_equal_the_defaults():
         ("[tls]\nclient_ca_file = \"/etc/hostname\"\n", "mutual TLS needs TLS"),
         ("[log]\nformat = \"xml\"\n", "log.format: 'xml' is not one of"),
         ("[grpc\n", "not valid TOML"),
+        ("[grpc]\nlisten = \"127.0.0.1:29631\"\n[metrics]\nlisten = \"0.0.0.0:29631\"\n",
+         "metrics.listen: 0.0.0.0:29631 and grpc.listen (127.0.0.1:29631) are the same port"),
         # '~' in the file was a folder named '~' (or, for detectors.root, every detector read nothing).
         ("[detectors]\nroot = \"~/fake-sys\"\n", "detectors.root: '~/fake-sys' starts with '~', which only a shell"),
         ("[agent]\nstate_dir = \"~/st\"\n", "agent.state_dir: '~/st' starts with '~'"),
