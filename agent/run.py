@@ -158,6 +158,12 @@ def run_job(args: argparse.Namespace) -> RunResult:
         from trainguard.recovery import CoordinatorServer, JobSpec
         from trainguard.recovery.errors import CoordinatorError
 
+        where = rdzv.bind or rdzv.listen
+        if not rdzv.join_if_taken and where and not tr.port_free(where):
+            # Said before gRPC tries: its own failure is a raw C++ log line on stderr ahead of ours.
+            raise UsageError(f"cannot embed the coordinator on {rdzv.listen}: port {where.rpartition(':')[2]} is in "
+                             "use by another process; pick another --rdzv-endpoint/--master-port or "
+                             "--coordinator-listen")
         try:
             server = CoordinatorServer(
                 # One node has nowhere else to go: a hardware fault restarts the job on it (the budget still

@@ -574,3 +574,21 @@ def test_a_module_job_is_named_as_the_hook_names_it_under_torchrun(tmp_path: Pat
     train, finetune = (json.loads((out / f"{m}.json").read_text()) for m in ("train", "finetune"))
     assert train["job"] == train["hook"] and train["job"].startswith("train-"), train
     assert finetune["job"] == finetune["hook"] != train["job"], finetune
+
+
+def test_a_taken_rendezvous_port_is_one_line_naming_it(capfd) -> None:
+    # Node 0 of a static rendezvous embeds the coordinator at --master-port; a port another process holds was
+    # reported by gRPC's own C++ log line first, then by ours with two different "pick another" hints.
+    from trainguard.cli import main
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = main(["run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port",
+                     str(port), "--local-addr", "127.0.0.1", PRINT_ENV, "/tmp"])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    errors = [ln for ln in err.splitlines() if "error" in ln.lower() or ln.startswith("E")]
+    assert errors == [f"trainguard: error: cannot embed the coordinator on 127.0.0.1:{port}: port {port} is in use "
+                      "by another process; pick another --rdzv-endpoint/--master-port or --coordinator-listen"], err
