@@ -158,8 +158,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The process exit code.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        # Importing every subsystem's CLI takes seconds on a busy host: a Ctrl-C then was a traceback.
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print("trainguard: interrupted", file=sys.stderr)
+        return 130
     from trainguard.cli_support import run_quietly_on_closed_pipe, setup_logging
 
     try:

@@ -123,3 +123,18 @@ def test_path_flag_with_an_unknown_user_is_refused(capsys):
         build_parser().parse_args(["agent", "--state-dir=~no-such-user-tg/st"])
     assert exc.value.code == 2
     assert "--state-dir: '~no-such-user-tg/st': cannot expand '~': no user 'no-such-user-tg'" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_subcommands_load_is_one_line(monkeypatch, capsys):
+    import trainguard.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    try:
+        code = cli.main(["version"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped main(): Python printed a traceback")
+    assert code == 130
+    assert capsys.readouterr().err == "trainguard: interrupted\n"
