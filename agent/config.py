@@ -485,7 +485,7 @@ class AgentConfig:
 
         if self.metrics.listen:
             _check_hostport(self.metrics.listen, "metrics.listen", fail)
-            if g.listen and _same_port(g.listen, self.metrics.listen):
+            if g.listen and same_port(g.listen, self.metrics.listen):
                 # /metrics binds first; the gRPC listener then found the port taken and blamed "another agent".
                 fail("metrics.listen", f"{self.metrics.listen} and grpc.listen ({g.listen}) are the same port; give "
                                        "/metrics a port of its own")
@@ -689,7 +689,7 @@ def _check_hostport(value: str, key: str, fail: Any, dial: bool = False) -> None
         fail(key, f"{value!r} has port 0; give the port the coordinator listens on")
 
 
-def _same_port(a: str, b: str) -> bool:
+def same_port(a: str, b: str) -> bool:
     """Whether two valid ``HOST:PORT`` listeners would bind the same port (a fixed one, hosts equal or either a
     wildcard)."""
     (ha, pa), (hb, pb) = parse_hostport(a), parse_hostport(b)

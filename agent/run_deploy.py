@@ -429,6 +429,25 @@ def cordon_hooks_for(coordinator, template: str):
     return dispatcher
 
 
+def _refuse_taken_listeners(args: argparse.Namespace) -> None:
+    """Refuses --metrics-listen and --health-listen on one port, or --health-listen on a port already taken,
+    before either binds: the second bind failed with gRPC's C++ log line and a message that named neither the
+    other flag nor the cause.
+
+    Raises:
+        UsageError: naming the flag(s).
+    """
+    from trainguard.agent.config import same_port
+    from trainguard.agent.run_torchrun import port_free
+
+    metrics, health = getattr(args, "metrics_listen", None), getattr(args, "health_listen", None)
+    if metrics and health and same_port(metrics, health):
+        raise UsageError(f"--metrics-listen {metrics} and --health-listen {health} are the same port; give each "
+                         "its own")
+    if health and not port_free(health):
+        raise UsageError(f"--health-listen {health}: the port is in use by another process; pick another")
+
+
 def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: str | None,
                      coordinator=None) -> RunExtras:
     """Starts /metrics and the health port the flags ask for, and registers the run for ``trainguard status``.
@@ -450,6 +469,7 @@ def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: 
     from trainguard.recovery.observe import ServingStatus, serve_health_only
 
     extras = RunExtras(coordinator=coordinator, own_node=agent.config.node_id)
+    _refuse_taken_listeners(args)
     try:
         if getattr(args, "metrics_listen", None):
             try:

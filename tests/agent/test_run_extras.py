@@ -1,4 +1,5 @@
-"""`trainguard run --cordon-command`: the embedded coordinator's scheduler hook follows cordons and uncordons."""
+"""`trainguard run`'s extras: the embedded coordinator's --cordon-command follows cordons and uncordons; the
+--metrics-listen/--health-listen ports are checked before either binds."""
 
 from __future__ import annotations
 
@@ -59,3 +60,39 @@ def test_a_node_cordoned_again_after_an_uncordon_runs_the_hook_again(tmp_path: P
         assert _lines(out, 2) == ["drain:n1", "drain:n1"]
     finally:
         dispatcher.stop()
+
+
+class _Agent:
+    class config:  # noqa: N801 (what start_run_extras reads of NodeAgent.config)
+        node_id = "n1"
+        job = "j"
+
+    stopping = False
+
+
+def test_metrics_and_health_on_one_port_and_a_taken_health_port_are_named(capfd) -> None:
+    # The second bind failed with gRPC's C++ log line and "--health-listen ...: cannot listen there (in use or not
+    # local)", naming neither --metrics-listen nor the cause.
+    import argparse
+    import socket
+
+    import pytest
+
+    from trainguard.agent.run_deploy import start_run_extras
+    from trainguard.errors import UsageError
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            other = free.getsockname()[1]
+        args = argparse.Namespace(metrics_listen=f"127.0.0.1:{other}", health_listen=f"0.0.0.0:{other}")
+        with pytest.raises(UsageError, match=rf"--metrics-listen 127.0.0.1:{other} and --health-listen "
+                                             rf"0.0.0.0:{other} are the same port"):
+            start_run_extras(args, _Agent(), None)
+        args = argparse.Namespace(metrics_listen=None, health_listen=f"127.0.0.1:{port}")
+        with pytest.raises(UsageError, match=rf"--health-listen 127.0.0.1:{port}: the port is in use"):
+            start_run_extras(args, _Agent(), None)
+    assert "add_port" not in capfd.readouterr().err
