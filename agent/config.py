@@ -413,6 +413,7 @@ class AgentConfig:
             origin = self.origins.get(key)
             raise AgentConfigError(f"{src}: {key}{f' (set by {origin})' if origin else ''}: {problem}")
 
+        self._refuse_tilde(fail)
         a = self.agent
         if not a.node_id.strip():
             fail("agent.node_id", "must not be empty")
@@ -484,6 +485,10 @@ class AgentConfig:
 
         if self.metrics.listen:
             _check_hostport(self.metrics.listen, "metrics.listen", fail)
+            if g.listen and same_port(g.listen, self.metrics.listen):
+                # /metrics binds first; the gRPC listener then found the port taken and blamed "another agent".
+                fail("metrics.listen", f"{self.metrics.listen} and grpc.listen ({g.listen}) are the same port; give "
+                                       "/metrics a port of its own")
 
         d = self.detectors
         for name in d.enabled:
@@ -546,6 +551,23 @@ class AgentConfig:
             self.qualify.validate()
         except QualifyConfigError as exc:
             raise AgentConfigError(f"{src}: {exc}") from exc
+
+    def _refuse_tilde(self, fail: Any) -> None:
+        """Refuses a path written as ``~/...`` in the file or the environment: only a shell expands ``~``, and
+        the daemon under systemd has no home of the operator's; the path was a folder named ``~``."""
+        for section in dataclasses.fields(self):
+            value = getattr(self, section.name)
+            if not dataclasses.is_dataclass(value):
+                continue
+            for f in dataclasses.fields(value):
+                item = getattr(value, f.name)
+                for i, text in enumerate(item if isinstance(item, list) else [item]):
+                    if isinstance(text, str) and text.startswith("~"):
+                        key = f"{section.name}.{f.name}" + (f"[{i}]" if isinstance(item, list) else "")
+                        home = os.path.expanduser(text.split("/", 1)[0])
+                        hint = f" (e.g. {home}/...)" if not home.startswith("~") else ""
+                        fail(key, f"{text!r} starts with '~', which only a shell expands; write the absolute "
+                                  f"path{hint}")
 
     def detector_loader(self) -> Any:
         """The ``[detectors]`` section read by the one detector-settings loader
@@ -665,6 +687,14 @@ def _check_hostport(value: str, key: str, fail: Any, dial: bool = False) -> None
         return
     if dial and port == 0:
         fail(key, f"{value!r} has port 0; give the port the coordinator listens on")
+
+
+def same_port(a: str, b: str) -> bool:
+    """Whether two valid ``HOST:PORT`` listeners would bind the same port (a fixed one, hosts equal or either a
+    wildcard)."""
+    (ha, pa), (hb, pb) = parse_hostport(a), parse_hostport(b)
+    wild = ("0.0.0.0", "::", "*")
+    return pa == pb != 0 and (ha == hb or ha in wild or hb in wild)
 
 
 def _check_readable(path: str, key: str, fail: Any) -> None:

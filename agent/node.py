@@ -591,10 +591,15 @@ class NodeAgent:
             if self._notifier is not None:
                 self._notifier.ready(f"job {self.config.job}: registered, waiting for a rank table")
             next_hb = 0.0
+            success_sent = -1  # the generation whose success a heartbeat has carried
             while not self.stopping:
                 if self._watchdog is not None:
                     self._watchdog.tick(healthy=True)
                 self._check_workers()
+                if self.supervisor.state is SupervisorState.SUCCEEDED and success_sent != self.generation:
+                    # Say so now, not at the next beat: the coordinator ends the job when every node has, and the
+                    # interval it tells grows with the node count (seconds): each launcher waited that long.
+                    success_sent, next_hb = self.generation, 0.0
                 self._handle_detector_events()
                 self.health.tick(self.supervisor.last_step_time())
                 self.drain_if_due()

@@ -158,6 +158,12 @@ def run_job(args: argparse.Namespace) -> RunResult:
         from trainguard.recovery import CoordinatorServer, JobSpec
         from trainguard.recovery.errors import CoordinatorError
 
+        where = rdzv.bind or rdzv.listen
+        if not rdzv.join_if_taken and where and not tr.port_free(where):
+            # Said before gRPC tries: its own failure is a raw C++ log line on stderr ahead of ours.
+            raise UsageError(f"cannot embed the coordinator on {rdzv.listen}: port {where.rpartition(':')[2]} is in "
+                             "use by another process; pick another --rdzv-endpoint/--master-port or "
+                             "--coordinator-listen")
         try:
             server = CoordinatorServer(
                 # One node has nowhere else to go: a hardware fault restarts the job on it (the budget still
@@ -276,8 +282,9 @@ def run_job(args: argparse.Namespace) -> RunResult:
         restore()
         grpc_server.stop(0.5).wait()
         if server is not None:
-            if rdzv.multi_node:
-                _let_nodes_hear_the_end(server, config.node_id)
+            # extras.stop() kept it serving until every peer heard of the end (linger_until_peers_told). Lingering
+            # here again waited 10 s more for a peer that had gone, and as long after a signal, when the job is
+            # not over and every live peer counts as untold.
             server.stop()
         if daemon is not None:  # the job is over unless a signal stopped it: a restart finds its arena
             daemon.detach(ended=code in (0, 1))
@@ -311,16 +318,11 @@ def replica_config(args: argparse.Namespace, token: str = ""):
 
 
 def _let_nodes_hear_the_end(server, own_node: str, patience_s: float = 10.0) -> None:
-    """Keeps the embedded coordinator up until a heartbeat answer has told every other live node that the job
-    ended (:meth:`JobCoordinator.not_told_of_end`), at most ``patience_s`` seconds; otherwise those agents would
-    lose their coordinator without learning that the job is over."""
-    deadline = time.monotonic() + patience_s
-    while time.monotonic() < deadline:
-        pending = [nid for nid in server.core.not_told_of_end() if nid != own_node]
-        if not pending:
-            return
-        time.sleep(0.05)
-    log.warning("stopping the embedded coordinator before every node heard that the job is over")
+    """:func:`~trainguard.agent.run_deploy.linger_until_peers_told` under its former name (tests/recovery call
+    it); :func:`run_job` lingers once, in ``RunExtras.stop``."""
+    from trainguard.agent.run_deploy import linger_until_peers_told
+
+    linger_until_peers_told(server, patience_s, own_node)
 
 
 def format_summary(result: RunResult) -> str:

@@ -58,7 +58,8 @@ def add_run_deploy_arguments(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_SLURM_COORDINATOR_PORT})")
     g.add_argument("--cordon-command", default=None, metavar="TEMPLATE",
                    help="embedded coordinator: run this per node it cordons, e.g. 'sudo scontrol update "
-                        "nodename={host} state=drain reason={reason}' (fields {node} {host} {job} {reason})")
+                        "nodename={host} state=drain reason={reason}' (fields {node} {host} {job} {reason}); "
+                        "`trainguard uncordon` does not lift the mark it makes (scontrol ... state=resume does)")
     g = p.add_argument_group("joining a coordinator over TLS / mutual TLS")
     g.add_argument("--coordinator-ca", default=None, metavar="FILE",
                    help="PEM CA bundle: dial the coordinator over TLS and verify it")
@@ -394,7 +395,9 @@ def linger_until_peers_told(server, timeout_s: float | None = None, own_node: st
     from trainguard.recovery.policy import Phase
 
     core = server.core
-    if core.state.phase not in (Phase.SUCCEEDED, Phase.FAILED) or core.spec.nnodes <= 1:
+    # max_nodes: an elastic job (--nnodes 1:2) has peers with nnodes 1; lingering only for nnodes > 1 left them
+    # unaware that the job ended (run_job's own second wait, without the check that the job ended, hid it).
+    if core.state.phase not in (Phase.SUCCEEDED, Phase.FAILED) or max(core.spec.nnodes, core.spec.max_nodes) <= 1:
         return True
     deadline = time.monotonic() + (core.spec.lease_timeout_s if timeout_s is None else timeout_s)
     while time.monotonic() < deadline:
@@ -405,6 +408,46 @@ def linger_until_peers_told(server, timeout_s: float | None = None, own_node: st
         time.sleep(0.05)
     log.warning("stopping the embedded coordinator before every node heard that the job ended")
     return False
+
+
+def cordon_hooks_for(coordinator, template: str):
+    """Runs ``--cordon-command`` for every node the embedded ``coordinator`` cordons, as ``trainguard
+    coordinator`` does: a node it returns to service (``trainguard uncordon``, or its daemon's healthy reports) is
+    forgotten, so that cordoning it again runs the command again.
+
+    The scheduler's mark the command made is not lifted by the uncordon (``scontrol update state=resume``,
+    ``kubectl uncordon``: the operator's, as the repair was).
+
+    Returns:
+        The started :class:`~trainguard.recovery.cordon.CordonDispatcher` (stop it at the end).
+    """
+    from trainguard.recovery.cordon import CommandCordon, CordonDispatcher
+
+    dispatcher = CordonDispatcher([CommandCordon(template)]).start()
+    coordinator.watch.add_cordon_listener(dispatcher.submit)
+    # Without this the dispatcher remembered the node for good: repaired, resumed in Slurm, uncordoned and then
+    # failing again, it was cordoned by trainguard but left schedulable in Slurm.
+    coordinator.watch.add_uncordon_listener(dispatcher.forget)
+    return dispatcher
+
+
+def _refuse_taken_listeners(args: argparse.Namespace) -> None:
+    """Refuses --metrics-listen and --health-listen on one port, or --health-listen on a port already taken,
+    before either binds: the second bind failed with gRPC's C++ log line and a message that named neither the
+    other flag nor the cause.
+
+    Raises:
+        UsageError: naming the flag(s).
+    """
+    from trainguard.agent.config import same_port
+    from trainguard.agent.run_torchrun import port_free
+
+    metrics, health = getattr(args, "metrics_listen", None), getattr(args, "health_listen", None)
+    if metrics and health and same_port(metrics, health):
+        raise UsageError(f"--metrics-listen {metrics} and --health-listen {health} are the same port; give each "
+                         "its own")
+    if health and not port_free(health):
+        raise UsageError(f"--health-listen {health}: the port is in use by another process; pick another")
 
 
 def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: str | None,
@@ -428,6 +471,7 @@ def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: 
     from trainguard.recovery.observe import ServingStatus, serve_health_only
 
     extras = RunExtras(coordinator=coordinator, own_node=agent.config.node_id)
+    _refuse_taken_listeners(args)
     try:
         if getattr(args, "metrics_listen", None):
             try:
@@ -453,10 +497,7 @@ def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: 
         if socket_path:
             extras.registration = register(agent.config.job, socket_path)
         if coordinator is not None and getattr(args, "cordon_command", None):
-            from trainguard.recovery.cordon import CommandCordon, CordonDispatcher
-
-            extras.cordon = CordonDispatcher([CommandCordon(args.cordon_command)]).start()
-            coordinator.watch.add_cordon_listener(extras.cordon.submit)  # type: ignore[attr-defined]
+            extras.cordon = cordon_hooks_for(coordinator, args.cordon_command)
     except BaseException:
         extras.stop()
         raise
@@ -464,4 +505,5 @@ def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: 
 
 
 __all__ = ["DEFAULT_SLURM_COORDINATOR_PORT", "RUN_SERVICE", "RunExtras", "RunMetrics", "SlurmPlacement",
-           "add_run_deploy_arguments", "apply_slurm", "run_security", "slurm_placement", "start_run_extras"]
+           "add_run_deploy_arguments", "apply_slurm", "cordon_hooks_for", "run_security", "slurm_placement",
+           "start_run_extras"]

@@ -335,6 +335,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def port_free(hostport: str) -> bool:
+    """Whether ``HOST:PORT`` (``[v6]:PORT``) can be bound now; port 0 always can, and an address that does not
+    parse is left for the server to report."""
+    from trainguard.agent.config import parse_hostport
+
+    try:
+        host, port = parse_hostport(hostport)
+    except ValueError:
+        return True
+    return port == 0 or _port_free(host, port)
+
+
 def _port_free(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:

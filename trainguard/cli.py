@@ -56,15 +56,62 @@ def finite_float(text: str) -> float:
     return value
 
 
+#: Metavars that declare a flag's value a file or folder path (see :func:`is_path_flag`).
+PATH_METAVARS = frozenset({"PATH", "DIR", "FILE", "PNG"})
+#: Destinations of flags without a metavar whose value is a path (torchrun's ``--log_dir`` has one; these not).
+PATH_DESTS = frozenset({"config", "socket", "workdir", "root", "shm", "out", "model", "events", "metrics", "faults",
+                        "rules", "trace", "port_file", "detector_config"})
+
+
+def is_path_flag(action: argparse.Action) -> bool:
+    """Whether an option's value names a file or folder: its metavar says so (:data:`PATH_METAVARS`), or, with no
+    metavar, its destination does (:data:`PATH_DESTS` or a ``_dir``/``_file``/``_path`` suffix)."""
+    if not action.option_strings:
+        return False
+    if action.metavar is not None:
+        return action.metavar in PATH_METAVARS
+    dest = action.dest
+    return dest in PATH_DESTS or dest.endswith(("_dir", "_file", "_path"))
+
+
+def expand_home(text: str) -> str:
+    """Expands a leading ``~`` or ``~user`` the way the shell would have had the value been a separate word.
+
+    ``--state-dir=~/x`` reaches the program with the ``~`` intact (the shell expands it only at the start of a
+    word), and was taken as the folder ``./~/x``.
+
+    Raises:
+        argparse.ArgumentTypeError: ``~user`` names no user (the path would be a relative folder named ``~user``).
+    """
+    if not text.startswith("~"):
+        return text
+    expanded = os.path.expanduser(text)
+    if expanded == text:
+        name = text[1:].split("/", 1)[0]
+        who = f"user {name!r}" if name else "the home folder ($HOME unset and no passwd entry)"
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot expand '~': no {who}; give the full path")
+    return expanded
+
+
 class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line plus the usage hint, exit code 2, and whose float flags are
-    finite (:func:`finite_float`)."""
+    """ArgumentParser whose errors are one line plus the usage hint, exit code 2, whose float flags are
+    finite (:func:`finite_float`) and whose path flags expand a leading ``~`` (:func:`expand_home`)."""
 
     def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         """As :class:`argparse.ArgumentParser`; values of ``type=float`` flags, argument groups' included, are
         converted by :func:`finite_float` (argparse looks a flag's type up in the parser's registry first)."""
         super().__init__(*args, **kwargs)
         self.register("type", float, finite_float)
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> object:
+        # argparse converts every value of every flag here (groups' and subcommands' too), the one place that
+        # sees both the flag and its text; a value left to a training script is positional and passes untouched.
+        if arg_string.startswith("~") and is_path_flag(action):
+            try:
+                arg_string = expand_home(arg_string)
+            except argparse.ArgumentTypeError as exc:
+                raise argparse.ArgumentError(action, str(exc)) from None
+        return super()._get_value(action, arg_string)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"trainguard: error: {message} (see '{self.prog} --help')\n")
@@ -111,8 +158,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The process exit code.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        # Importing every subsystem's CLI takes seconds on a busy host: a Ctrl-C then was a traceback.
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print("trainguard: interrupted", file=sys.stderr)
+        return 130
     from trainguard.cli_support import run_quietly_on_closed_pipe, setup_logging
 
     try:

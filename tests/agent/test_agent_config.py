@@ -68,6 +68,12 @@ def test_example_values_equal_the_defaults():
         ("[tls]\nclient_ca_file = \"/etc/hostname\"\n", "mutual TLS needs TLS"),
         ("[log]\nformat = \"xml\"\n", "log.format: 'xml' is not one of"),
         ("[grpc\n", "not valid TOML"),
+        ("[grpc]\nlisten = \"127.0.0.1:29631\"\n[metrics]\nlisten = \"0.0.0.0:29631\"\n",
+         "metrics.listen: 0.0.0.0:29631 and grpc.listen (127.0.0.1:29631) are the same port"),
+        # '~' in the file was a folder named '~' (or, for detectors.root, every detector read nothing).
+        ("[detectors]\nroot = \"~/fake-sys\"\n", "detectors.root: '~/fake-sys' starts with '~', which only a shell"),
+        ("[agent]\nstate_dir = \"~/st\"\n", "agent.state_dir: '~/st' starts with '~'"),
+        ("[coordinator]\njob_tls_dirs = [\"/a\", \"~x/tls\"]\n", "coordinator.job_tls_dirs[1]: '~x/tls' starts"),
     ],
 )
 def test_bad_config_is_one_line_naming_file_and_key(tmp_path, text, needle):

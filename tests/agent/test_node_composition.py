@@ -116,3 +116,25 @@ def test_a_stopped_workers_stack_dump_keeps_the_lease(tmp_path: Path) -> None:
         agent.request_stop()
         t.join(30)
         srv.stop()
+
+
+@pytest.mark.timeout(90)
+def test_success_is_reported_when_the_workers_end_not_an_interval_later(tmp_path: Path) -> None:
+    # A coordinator stretches the heartbeat interval with the node count (nodes / max_heartbeat_rate): a node
+    # whose workers had all succeeded said so only at its next heartbeat, so every launcher exited up to an
+    # interval (then, told of the end, another) after the job was done.
+    srv = CoordinatorServer(JobSpec(job="comp", nnodes=1, max_restarts=1, heartbeat_interval_s=60.0,
+                                    lease_timeout_s=600.0, hold_unhealthy=False), listen="127.0.0.1:0").start()
+    agent = _agent(tmp_path, srv.target, [sys.executable, "-c", "pass"])
+    outcome: dict = {}
+    t = threading.Thread(target=lambda: outcome.update(code=agent.run()))
+    t.start()
+    try:
+        _wait(lambda: agent.supervisor.state == SupervisorState.SUCCEEDED, what="the workers' success")
+        t.join(15)  # far below the 60 s interval
+        assert not t.is_alive(), "the node waited for its next heartbeat to report the job's success"
+        assert outcome == {"code": 0} and agent.link.state == LinkState.DONE
+    finally:
+        agent.request_stop()
+        t.join(30)
+        srv.stop()

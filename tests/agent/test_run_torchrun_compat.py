@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -574,3 +576,60 @@ def test_a_module_job_is_named_as_the_hook_names_it_under_torchrun(tmp_path: Pat
     train, finetune = (json.loads((out / f"{m}.json").read_text()) for m in ("train", "finetune"))
     assert train["job"] == train["hook"] and train["job"].startswith("train-"), train
     assert finetune["job"] == finetune["hook"] != train["job"], finetune
+
+
+def test_a_taken_rendezvous_port_is_one_line_naming_it(capfd) -> None:
+    # Node 0 of a static rendezvous embeds the coordinator at --master-port; a port another process holds was
+    # reported by gRPC's own C++ log line first, then by ours with two different "pick another" hints.
+    from trainguard.cli import main
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = main(["run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port",
+                     str(port), "--local-addr", "127.0.0.1", PRINT_ENV, "/tmp"])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    errors = [ln for ln in err.splitlines() if "error" in ln.lower() or ln.startswith("E")]
+    assert errors == [f"trainguard: error: cannot embed the coordinator on 127.0.0.1:{port}: port {port} is in use "
+                      "by another process; pick another --rdzv-endpoint/--master-port or --coordinator-listen"], err
+
+
+def test_node_0_stopped_by_a_signal_does_not_linger_for_its_peers(monkeypatch, capfd) -> None:
+    # The node embedding the coordinator waited up to 10 s "for every node to hear that the job is over" after a
+    # SIGTERM, though the job was not over (every live peer counts as untold then): a stopped launcher took 15 s
+    # to exit. Its extras already linger, only for a job that ended.
+    import grpc
+
+    from trainguard.agent.node import NodeAgent
+    from trainguard.cli import main
+    from trainguard.proto import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc
+
+    def stopped_once_a_peer_joined(self) -> int:
+        with grpc.insecure_channel(self.config.coordinator) as ch:
+            info = common_pb2.NodeInfo(node_id="peer", address="127.0.0.1", topology=common_pb2.Topology(
+                pod_id="p", node_index=1, host="peer", device_count=1))
+            coordinator_pb2_grpc.CoordinatorStub(ch).RegisterNode(pb.RegisterNodeRequest(
+                job=self.config.job, node=info, free_port=_port()), timeout=10)
+        return 128 + signal.SIGTERM  # what run() returns after a SIGTERM
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    seen = Lines()
+    logging.getLogger("trainguard").addHandler(seen)  # main() sets up its own handlers: caplog sees nothing
+    monkeypatch.setattr(NodeAgent, "run", stopped_once_a_peer_joined)
+    try:
+        code = main(["run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port",
+                     str(_port()), "--local-addr", "127.0.0.1", PRINT_ENV, "/tmp"])
+    finally:
+        logging.getLogger("trainguard").removeHandler(seen)
+    err = capfd.readouterr().err
+    assert code == 143, err
+    assert not [ln for ln in seen.lines if "heard" in ln], seen.lines

@@ -104,3 +104,37 @@ def test_listen_flags_refuse_a_port_that_is_not_one(capsys) -> None:
                 p.parse_known_args([flag, bad])
             err = capsys.readouterr().err
             assert f"argument {flag}" in err and why in err, (p.prog, flag, err)
+
+
+def test_path_flags_in_the_equals_form_expand_home_and_script_arguments_stay(tmp_path, monkeypatch):
+    # The shell leaves '~' alone in '--state-dir=~/x'; it was taken as the folder './~/x'.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = build_parser().parse_args(["agent", "--state-dir=~/st", "--socket=~/a.sock", "--config", "~/a.toml"])
+    assert (args.state_dir, args.socket, args.config) == (f"{tmp_path}/st", f"{tmp_path}/a.sock", f"{tmp_path}/a.toml")
+    args = build_parser().parse_args(["run", "--checkpoint-dir=~/ck", "--log-dir=~/logs", "train.py", "--out=~/x"])
+    assert (args.checkpoint_dir, args.log_dir) == (f"{tmp_path}/ck", f"{tmp_path}/logs")
+    assert args.script_args == ["--out=~/x"]  # the script's own arguments are the script's business
+    args = build_parser().parse_args(["uncordon", "n1", "--coordinator", "h:1", "--job", "j", "--reason=~/not-a-path"])
+    assert args.reason == "~/not-a-path"
+
+
+def test_path_flag_with_an_unknown_user_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["agent", "--state-dir=~no-such-user-tg/st"])
+    assert exc.value.code == 2
+    assert "--state-dir: '~no-such-user-tg/st': cannot expand '~': no user 'no-such-user-tg'" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_subcommands_load_is_one_line(monkeypatch, capsys):
+    import trainguard.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    try:
+        code = cli.main(["version"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped main(): Python printed a traceback")
+    assert code == 130
+    assert capsys.readouterr().err == "trainguard: interrupted\n"

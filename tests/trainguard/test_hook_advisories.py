@@ -85,3 +85,67 @@ def test_job_wide_checkpoint_is_taken_at_the_first_step_reaching_it_when_steps_j
     finally:
         s._agent = None
         s.close()
+
+
+class _Node:
+    """The agent behind the local gRPC service: queues advisories per rank and hands each out once, in the answer
+    to the worker's next heartbeat (as LocalSupervisor.on_heartbeat does)."""
+
+    generation = 1
+    stopping = False
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.queue: list[agent_pb2.Advisory] = []
+        self.beats: list[tuple[int, bool]] = []  # (step, finished) as received
+        self.checkpoints: list[int] = []
+
+    def on_worker_heartbeat(self, rank, pid, generation, step, step_time_s, finished=False, sections=None):
+        with self.lock:
+            self.beats.append((step, finished))
+            out, self.queue = self.queue, []
+        return out
+
+    def on_checkpoint_report(self, report) -> None:
+        self.checkpoints.append(report.step)
+
+
+def test_an_advisory_sent_during_a_pause_is_acted_on_once_at_the_first_step_after_it(tmp_path) -> None:
+    # Real hook, real link and local gRPC service: while hang detection is paused the worker sends nothing, so
+    # the advisory waits at the agent; the message ending the pause brings it back, and the next step saves.
+    import time
+
+    from trainguard.agent.local_server import serve
+    from trainguard.hook import _AgentLink
+
+    node = _Node()
+    sock = str(tmp_path / "a.sock")
+    server, _ = serve(node, sock)
+    s = Session(checkpoint_dir=str(tmp_path / "ck"), save_every=0, job="advpause")
+    link = _AgentLink(sock, rank=0, generation=1)
+    s._agent = link
+    state = {"w": torch.arange(4.0)}
+    try:
+        for step in range(3):
+            s.step_done(step, state)
+        with s.pause_hang_detection("evaluation"):
+            assert node.beats[-1][1]  # the pause reached the agent (finished=True)
+            with node.lock:
+                node.queue.append(_adv(7))  # a drain's checkpoint, advised mid-evaluation
+        assert not node.queue, "the end of the pause did not reach the agent"
+        s.step_done(3, state)
+        s.wait(30)
+        deadline = time.monotonic() + 30
+        while node.checkpoints != [3] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert node.checkpoints == [3]
+        s.step_done(4, state)
+        s.wait(30)
+        assert node.checkpoints == [3] and s.last_saved_step == 3  # once, not again at the next step
+    finally:
+        s._agent = None
+        s.close()
+        link.close()
+        server.stop(0).wait()
