@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from trainguard.agent.errors import AgentError, CoordinatorUnavailableError, RegistrationCancelledError
+from trainguard.agent.errors import (AgentError, CoordinatorUnavailableError, JoinTimeoutError,
+                                     RegistrationCancelledError)
 from trainguard.agent.lifecycle import Lifecycle
 from trainguard.agent.node_faults import NodeReportLedger
 from trainguard.agent.parts import LINK_TRANSITIONS, HeartbeatContent, LinkState, LinkTrigger
@@ -46,11 +47,6 @@ _T = LinkTrigger
 #: Codes after which a failure report may not have arrived and is sent again. CANCELLED: another thread (the lease
 #: keeper) dialled the coordinator again and closed the channel this call was on.
 _UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-
-
-class JoinTimeoutError(AgentError):
-    """The job's first generation did not form within ``patience_s`` (``--rdzv-conf join_timeout``): fewer nodes
-    than ``--nnodes`` joined. torchrun fails its rendezvous the same way; without it the node waited forever."""
 
 
 def coordinator_targets(coordinator: str) -> list[str]:
@@ -102,8 +98,9 @@ class LinkConfig:
         device_count: local worker slots (0 for a health-only member).
         spare: join as a spare (no ranks until needed).
         patience_s: how long the coordinator may be unreachable at registration, seconds; also how long it
-            may stay unreachable while this node runs no workers, and how long after joining the node waits for
-            the job's first generation to form (torchrun's ``join_timeout``).
+            may stay unreachable while this node runs no workers.
+        form_timeout_s: how long after joining the node waits for the job's first generation to form while
+            fewer than ``--nnodes`` nodes registered (torchrun's ``join_timeout``); None: ``patience_s``.
         channel: opens a channel to one coordinator address (TLS and token); None dials plaintext.
     """
 
@@ -117,6 +114,7 @@ class LinkConfig:
     device_count: int = 0
     spare: bool = False
     patience_s: float = 60.0
+    form_timeout_s: float | None = None
     channel: Callable[[str], grpc.Channel] | None = None
 
 
@@ -363,7 +361,7 @@ class GrpcCoordinatorLink:
         when the job is over, else back to WAITING (the job goes on without this node's workers).
 
         Raises:
-            JoinTimeoutError: the job's first generation still misses nodes ``patience_s`` after this node began
+            JoinTimeoutError: the job's first generation still misses nodes ``form_timeout_s`` after this node began
                 to join (``now``: monotonic time, default now).
         """
         node_id = node_id or self.config.node_id
@@ -384,21 +382,27 @@ class GrpcCoordinatorLink:
             self._check_join(resp, time.monotonic() if now is None else now)
 
     def _check_join(self, resp: coordinator_pb2.NodeHeartbeatResponse, now: float) -> None:
-        """Gives up when the first generation has not formed ``patience_s`` after this node began to join."""
+        """Gives up when the first generation has not formed ``form_timeout_s`` after this node began to join."""
         self._forming = resp  # the last word on the formation: the bound holds while the coordinator is away too
         since = self._joining_since
         # Only while too few nodes registered: a job past --nnodes MIN waits out its last call (bounded by the
         # coordinator), and a coordinator that does not count (0) is never given up on for it.
         if since is None or self._generation >= 0 or resp.forming_missing <= 0 \
-                or now - since < self.config.patience_s:
+                or now - since < self.form_timeout_s:
             return
         why = resp.message or "the coordinator did not say why"
-        self._leave_why = f"its agent gave up after join_timeout {self.config.patience_s:.0f} s"
+        self._leave_why = f"its agent gave up after join_timeout {self.form_timeout_s:.0f} s"
         raise JoinTimeoutError(
-            f"job {self.config.job}: the first generation did not form within {self.config.patience_s:.0f} s of "
+            f"job {self.config.job}: the first generation did not form within {self.form_timeout_s:.0f} s of "
             f"node {self.config.node_id} joining (coordinator {self.config.coordinator}: {why}); start the missing "
             "nodes, lower --nnodes MIN[:MAX] to the nodes you have, or wait longer with --rdzv-conf "
             "join_timeout=SECONDS")
+
+    @property
+    def form_timeout_s(self) -> float:
+        """How long after joining this node waits for the first generation to form, seconds."""
+        f = self.config.form_timeout_s
+        return self.config.patience_s if f is None else f
 
     def _log_standing(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> None:
         """Logs why the coordinator keeps this node idle (cordoned, or a recovery waiting for capacity), once per
@@ -427,7 +431,7 @@ class GrpcCoordinatorLink:
         Raises:
             CoordinatorUnavailableError: the bound passed.
             JoinTimeoutError: the first generation still missed nodes when the coordinator was last heard, and
-                ``patience_s`` has passed since this node began to join.
+                ``form_timeout_s`` has passed since this node began to join.
         """
         now = time.monotonic() if now is None else now
         since = self._unreachable_since

@@ -21,6 +21,11 @@ class RegistrationCancelledError(CoordinatorUnavailableError):
     """A stop was asked for while the node still waited to register with an unreachable coordinator."""
 
 
+class JoinTimeoutError(AgentError):
+    """The job's first generation did not form within ``--rdzv-conf join_timeout``: fewer nodes than ``--nnodes``
+    joined. torchrun fails its rendezvous the same way; without it the node waited forever."""
+
+
 class JobFailedError(AgentError):
     """The coordinator declared the job failed (restart budget exhausted or impossible membership)."""
 

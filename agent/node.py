@@ -96,6 +96,9 @@ class NodeConfig:
         coordinator_patience_s: how long the coordinator may be unreachable at registration, in seconds; also how
             long it may stay unreachable while this node runs no workers (running workers keep running through
             any outage, waiting for a restarted coordinator).
+        coordinator_form_timeout_s: how long after registering the node waits for the job's first generation
+            while fewer than ``--nnodes`` nodes joined (torchrun's ``join_timeout``); None:
+            ``coordinator_patience_s``.
         stop_grace_s: SIGTERM-to-SIGKILL grace when stopping workers, in seconds.
         extra_env: more variables for every worker.
         standby: keep one warm standby process per local rank, so a restart skips interpreter start-up and
@@ -150,6 +153,7 @@ class NodeConfig:
     socket_path: str | None = None
     log_dir: str | None = None
     coordinator_patience_s: float = 60.0
+    coordinator_form_timeout_s: float | None = None
     stop_grace_s: float = 3.0
     extra_env: dict[str, str] = field(default_factory=dict)
     standby: bool = True
@@ -181,7 +185,8 @@ def link_config(c: NodeConfig) -> LinkConfig:
     """The coordinator link's view of a node's configuration."""
     return LinkConfig(job=c.job, coordinator=c.coordinator, node_id=c.node_id, pod_id=c.pod_id,
                       node_index=c.node_index, host=c.host, address=c.address, device_count=c.nproc_per_node,
-                      spare=c.spare, patience_s=c.coordinator_patience_s, channel=c.coordinator_channel)
+                      spare=c.spare, patience_s=c.coordinator_patience_s,
+                      form_timeout_s=c.coordinator_form_timeout_s, channel=c.coordinator_channel)
 
 
 class NodeAgent:

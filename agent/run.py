@@ -240,6 +240,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         predictor_interval_s=args.predictor_interval_s,
         drain_grace_s=args.drain_grace_s,
         coordinator_patience_s=rdzv.join_timeout_s,
+        coordinator_form_timeout_s=rdzv.form_timeout_s,
         role=args.role,
         signals_to_handle=",".join(sig.name for sig in signals),
         streams=streams,

@@ -118,7 +118,8 @@ def add_torchrun_arguments(p: argparse.ArgumentParser) -> None:
                    help="the coordinator's address (port default 29400); the node at HOST embeds it")
     _torchrun_flag(g, "--rdzv-id", fallback=None, metavar="ID", help="job id (same as --job)")
     _torchrun_flag(g, "--rdzv-conf", fallback="", metavar="K=V,...",
-                   help="join_timeout (s to reach the coordinator), is_host (embed it here); other keys are ignored")
+                   help="join_timeout (s for the first generation to form, default 600, and to reach the "
+                        "coordinator, default 60), is_host (embed it here); other keys are ignored")
     _torchrun_flag(g, "--standalone", action="store_true", help="single node: embed the coordinator on a free port")
     _torchrun_flag(g, "--max-restarts", fallback=3, type=int, metavar="N",
                    help="job-wide restart budget (default 3; torchrun's is 0)")
@@ -189,8 +190,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault", action="append", default=[], metavar="RANK:STEP[:SIGNAL[:GEN]]",
                    help="inject a fault: send SIGNAL (default KILL) to RANK once it reports STEP (repeatable)")
     g = p.add_argument_group("multi-node")
-    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="join this coordinator instead of embedding one")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT[,HOST:PORT]",
+                   help="join this coordinator instead of embedding one; a list names where it may be restarted "
+                        "(tried in turn while one is unreachable)")
     g.add_argument("--coordinator-listen", default=None, metavar="HOST:PORT", type=hostport_arg,
                    help="where the embedded coordinator listens (default 127.0.0.1:0, or the rendezvous address)")
     g.add_argument("--node-id", default=None,

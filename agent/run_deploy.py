@@ -234,7 +234,9 @@ def run_security(args: argparse.Namespace) -> tuple["RpcSecurity", "RpcSecurity"
         raise UsageError("the embedded coordinator serves TLS (--tls-cert) but this node would dial it in "
                          "plaintext: add --coordinator-ca (and --coordinator-cert/--coordinator-key for mTLS)")
     if getattr(args, "coordinator", None) and client.client_tls:
-        probe_coordinator(client, args.coordinator)
+        for target in args.coordinator.split(","):  # a list: the coordinator and where it may be restarted
+            if target.strip():
+                probe_coordinator(client, target.strip())
     return server, client
 
 

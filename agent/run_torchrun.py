@@ -68,7 +68,10 @@ class Rendezvous:
         min_nodes: nodes that must register before the first generation.
         max_nodes: most nodes the job takes (the rest beyond ``min_nodes`` wait as standbys).
         job: job name (``--job`` else ``--rdzv-id``), None for the default.
-        join_timeout_s: how long the coordinator may be unreachable at registration.
+        join_timeout_s: how long the coordinator may be unreachable at registration (``join_timeout``, else
+            60 s: a wrong address fails in a minute).
+        form_timeout_s: how long the first generation may lack ``min_nodes`` before this node gives up
+            (``join_timeout``, else torchrun's default of 600 s: nodes of one job often start minutes apart).
         last_call_s: once ``min_nodes`` registered, how long the first generation waits for more, up to
             ``max_nodes`` (torchrun's ``last_call_timeout``), seconds.
         multi_node: the job may span more than one node.
@@ -87,6 +90,7 @@ class Rendezvous:
     max_nodes: int
     job: str | None
     join_timeout_s: float = 60.0
+    form_timeout_s: float = 600.0
     last_call_s: float = 30.0
     multi_node: bool = False
     conf: dict[str, str] = field(default_factory=dict)
@@ -114,6 +118,12 @@ def embed_bind(host: str, port: int, multi_node: bool) -> str:
         return join_endpoint("0.0.0.0", port)
 
 
+def _first_address(addresses: str) -> str:
+    """The first of a ``--coordinator`` list (where the coordinator runs first; the others are where it may be
+    restarted), which decides what a list's node is called and the address it is reached at."""
+    return next((a.strip() for a in addresses.split(",") if a.strip()), addresses)
+
+
 def default_node_id(rdzv: Rendezvous, joining: str | None, hostname: str, pid: int) -> str:
     """The node id when ``--node-id`` is not given; ``joining`` is the coordinator this agent joins (None when
     it embeds it).
@@ -132,7 +142,7 @@ def default_node_id(rdzv: Rendezvous, joining: str | None, hostname: str, pid: i
     if rdzv.static_rank is not None:
         return f"{hostname}-r{rdzv.static_rank}"
     if joining is not None:
-        host, _ = split_endpoint(joining, 0, "--coordinator")
+        host, _ = split_endpoint(_first_address(joining), 0, "--coordinator")
         if is_local_host(host.strip("[]")):
             return f"{hostname}-p{pid}"
     return hostname
@@ -158,7 +168,7 @@ def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: 
         script = script.rsplit(".", 1)[-1]
     stem = os.path.splitext(os.path.basename(script.rstrip("/")))[0] or "job"
     if rdzv.endpoint:
-        _, port = split_endpoint(rdzv.endpoint, 0, "--rdzv-endpoint")
+        _, port = split_endpoint(_first_address(rdzv.endpoint), 0, "--rdzv-endpoint")
         return job_name_from(stem, str(port))
     if checkpoint_dir:
         # The hook names a torchrun launch's checkpoints the same way: either launcher resumes the other's.
@@ -366,6 +376,10 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
     lo, hi = parse_nnodes(args.nnodes)
     conf = parse_rdzv_conf(args.rdzv_conf)
     join_timeout = _conf_seconds(conf, "join_timeout", 60.0)
+    # torchrun's join_timeout (600 s) bounds the whole rendezvous. A node waiting for peers keeps that default, but
+    # an unreachable coordinator fails after a minute unless join_timeout is given (a typo in the address should
+    # not cost ten minutes).
+    form_timeout = _conf_seconds(conf, "join_timeout", 600.0)
     last_call = _conf_seconds(conf, "last_call_timeout", 30.0)
     job = args.job or args.rdzv_id
     is_host = _conf_bool(conf, "is_host")  # checked whether or not the backend reads it
@@ -379,7 +393,8 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
                          " use --rdzv-backend c10d --rdzv-endpoint HOST:PORT of the node that embeds it")
     if backend not in _BACKENDS:
         raise UsageError(f"--rdzv-backend {args.rdzv_backend!r}: expected static or c10d")
-    common = dict(min_nodes=lo, max_nodes=hi, job=job, join_timeout_s=join_timeout, last_call_s=last_call,
+    common = dict(min_nodes=lo, max_nodes=hi, job=job, join_timeout_s=join_timeout, form_timeout_s=form_timeout,
+                  last_call_s=last_call,
                   multi_node=hi > 1, conf=conf)
     listen_flag = args.coordinator_listen
     if args.coordinator:
@@ -387,9 +402,12 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
             raise UsageError("--standalone embeds a coordinator; it cannot be combined with --coordinator")
         # Without --nnodes the job may still span nodes (the coordinator knows its size), unless the coordinator
         # is at a loopback address: then every node of the job is on this host and 127.0.0.1 reaches them all.
-        host, _ = split_endpoint(args.coordinator, 0, "--coordinator")
+        # A comma-separated list names a coordinator and where it may be restarted (the link tries them in turn).
+        hosts = [split_endpoint(one, 0, "--coordinator")[0] for one in args.coordinator.split(",") if one.strip()]
+        if not hosts:
+            raise UsageError(f"--coordinator {args.coordinator!r}: expected HOST:PORT[,HOST:PORT...]")
         return Rendezvous(coordinator=args.coordinator, listen="", endpoint=args.coordinator,
-                          **{**common, "multi_node": hi > 1 or not is_loopback(host)})
+                          **{**common, "multi_node": hi > 1 or not all(is_loopback(h) for h in hosts)})
     if args.standalone:
         if hi > 1:
             raise UsageError(f"--standalone is for one node; drop --nnodes {args.nnodes} or use --rdzv-endpoint")
@@ -446,7 +464,7 @@ def default_address(rdzv: Rendezvous, explicit: str | None) -> str:
         return explicit
     if not rdzv.multi_node:
         return "127.0.0.1"
-    peer = rdzv.coordinator or rdzv.listen
+    peer = _first_address(rdzv.coordinator or rdzv.listen)
     host, port = split_endpoint(peer, 0, "--coordinator")
     if not is_loopback(host) and host not in ("0.0.0.0", "::"):
         try:

@@ -252,6 +252,22 @@ def test_the_join_bound_holds_while_the_coordinator_is_away() -> None:
         link.check_patience(0, now=105.0)
 
 
+def test_the_formation_bound_is_its_own_and_not_the_outage_patience() -> None:
+    """``form_timeout_s`` (torchrun's 600 s join_timeout default) bounds the wait for missing nodes; the patience for
+    an unreachable coordinator (60 s) is another bound, and it used to end a node whose peers were still booting."""
+    from trainguard.agent.coordinator_link import JoinTimeoutError
+
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1", patience_s=5.0,
+                                          form_timeout_s=50.0))
+    link._joining_since = 100.0
+    wait = coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_WAIT, forming_missing=1,
+                                                 job_state=coordinator_pb2.JOB_STATE_FORMING,
+                                                 message="waiting for nodes: 1 of 2 registered (n1)")
+    link.follow(wait, now=149.9)  # far past the patience, within the formation bound
+    with pytest.raises(JoinTimeoutError, match=r"within 50 s"):
+        link.follow(wait, now=150.0)
+
+
 def test_a_node_that_gives_up_before_the_first_generation_leaves_and_no_generation_forms_with_it() -> None:
     """A node whose agent gave up (join timeout, or a stop) stayed live at the coordinator for its lease (10 s by
     default): a node registering in that window formed the first generation with it, and then waited for a node

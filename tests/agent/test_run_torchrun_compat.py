@@ -410,6 +410,54 @@ def test_static_backend_takes_the_rdzv_endpoint_like_torchrun(rank: str, coordin
     assert resolve_rendezvous(args).coordinator == "192.0.2.7:29522"
 
 
+def test_join_timeout_defaults_to_torchrun_s_600_s_for_the_first_generation_only() -> None:
+    """torchrun waits 600 s (its join_timeout default) for the nodes of a rendezvous; ours gave up on peers after
+    60 s, the bound meant for an unreachable coordinator, so nodes of one job starting minutes apart failed. A given
+    join_timeout bounds both, as torchrun's bounds its whole rendezvous."""
+    import argparse
+
+    from trainguard.agent.run_args import add_run_arguments
+    from trainguard.agent.run_torchrun import resolve_rendezvous
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    base = ["--nnodes=2", "--node-rank=1", "--rdzv-endpoint=192.0.2.7:29511"]
+    rdzv = resolve_rendezvous(parser.parse_args(base + [PRINT_ENV]))
+    assert (rdzv.form_timeout_s, rdzv.join_timeout_s) == (600.0, 60.0)
+    rdzv = resolve_rendezvous(parser.parse_args(base + ["--rdzv-conf", "join_timeout=7", PRINT_ENV]))
+    assert (rdzv.form_timeout_s, rdzv.join_timeout_s) == (7.0, 7.0)
+
+
+def test_a_coordinator_list_joins_the_one_that_answers(tmp_path: Path, tg_env: dict) -> None:
+    """``--coordinator A,B`` (a coordinator and where it may be restarted; the link tries them in turn) was refused
+    as 'one HOST[:PORT]' by the launcher although the link takes a list."""
+    from trainguard.recovery.service import CoordinatorServer
+    from trainguard.recovery.spec import JobSpec
+
+    srv = CoordinatorServer(JobSpec(job="listed", nnodes=1, heartbeat_interval_s=0.1), listen="127.0.0.1:0").start()
+    try:
+        dead = f"127.0.0.1:{_port()}"
+        r = run_cli(["run", "--coordinator", f"{dead},{srv.target}", "--job", "listed", "--nproc-per-node", "1",
+                     "--no-standby", "--rdzv-conf", "join_timeout=30", PRINT_ENV, str(tmp_path)], tg_env, timeout=90)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads((tmp_path / "env0.json").read_text())["env"]["RANK"] == "0"
+    finally:
+        srv.stop()
+    import argparse
+
+    from trainguard.agent.run_args import add_run_arguments
+    from trainguard.agent.run_torchrun import default_job_name, default_node_id, resolve_rendezvous
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    rdzv = resolve_rendezvous(parser.parse_args(["--coordinator", "192.0.2.7:29400,192.0.2.8:29400", PRINT_ENV]))
+    assert rdzv.multi_node  # not loopback: the job may span hosts
+    # Without --job every node names the job after the first address's port, as for one address.
+    assert default_job_name("train.py", rdzv, 0.0) == default_job_name(
+        "train.py", resolve_rendezvous(parser.parse_args(["--coordinator", "192.0.2.7:29400", PRINT_ENV])), 0.0)
+    assert default_node_id(rdzv, rdzv.coordinator, "h", 1) == "h"
+
+
 @pytest.mark.parametrize("count", ["cpu", "auto"])
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to bind the launchers to one")
 def test_nproc_cpu_counts_the_cpus_the_launcher_may_use_like_torchrun(tmp_path: Path, tg_env: dict,
