@@ -51,8 +51,9 @@ from trainguard.recovery.decide import (AllSucceeded, DaemonHealthy, Event, Faul
                                         GenerationFormed, GenerationRunning, MembershipChanged, NodeDisqualified,
                                         OperatorUncordon, Persist, Progressed, Step, Tick, decide)
 from trainguard.recovery.domain import Beat, FaultReport, GenerationTable, NodeRecord
-from trainguard.recovery.errors import (CapacityError, FencedError, MembershipError, NotServingError, StaleGenerationError,
-                                        StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
+from trainguard.recovery.errors import (CapacityError, FencedError, InvalidRequestError, MembershipError,
+                                        NotServingError, StaleGenerationError, StaleLeaseError, StoreError,
+                                        UnknownJobError, UnknownNodeError)
 from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.failslow_wiring import FailSlowWiring
 from trainguard.recovery.job_records import decode_node, decode_state, node_value, state_value
@@ -856,6 +857,14 @@ class JobCoordinator:
             if req.generation > st.generation:
                 raise StaleGenerationError(f"report about generation {req.generation}, but job {self.spec.job!r} "
                                            f"is at generation {st.generation}")
+            lay = self._layout
+            if req.rank >= 0 and lay is not None and req.generation == st.generation \
+                    and req.rank >= lay.world_size:
+                # Taken as it came, the rank went into the failure's description ("rank 99999 on node ...") and
+                # the operator's log as though the generation had it; the agent sends a rank of its rank table.
+                raise InvalidRequestError(
+                    f"failed_rank is {req.rank}, but generation {st.generation} of job {self.spec.job!r} has ranks "
+                    f"0..{lay.world_size - 1}; send a rank of that range, or -1 when not about one rank")
             m.last_seen = now
             handled = self._failslow_report(req, now)
             if handled is not None:  # stacks for a hang being localised: fail-slow's own, not a failure

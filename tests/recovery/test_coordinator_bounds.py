@@ -145,3 +145,19 @@ def test_a_hung_store_does_not_take_every_handler_thread_from_the_heartbeats(tmp
         store.gate.set()
         chan.close()
         srv.stop(0)
+
+
+def test_a_failed_rank_outside_the_generations_world_is_refused_naming_the_range(server) -> None:
+    """A report's failed_rank was taken as it came: "rank 99 on node n0 ..." went into the failure's description and
+    the log as though the generation had that rank, and the report was acted on."""
+    from coordinator_client import Agent, beat_until
+
+    srv, stub = server
+    a, b = Agent(stub, JOB, node_info("n0", idx=0)), Agent(stub, JOB, node_info("n1", idx=1))  # 2 ranks each
+    beat_until([a, b], lambda: a.gen == 1 and b.gen == 1, period=0.02)
+    with pytest.raises(grpc.RpcError) as ei:
+        a.fail(rank=4)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
+    assert "failed_rank is 4" in ei.value.details() and "ranks 0..3" in ei.value.details(), ei.value.details()
+    assert srv.core.state.generation == 1 and srv.core.state.restart_count == 0  # nothing was acted on
+    assert "rank 3 on node n1" in Agent.fail(b, rank=3).message  # the last rank of the world is one
