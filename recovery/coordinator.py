@@ -216,8 +216,12 @@ class JobCoordinator:
         if not keys:
             return
         state_key, ckpt_key, nodes = self._prefix + "state", self._prefix + "checkpoint", self._prefix + "nodes/"
-        puts = [Put(k, node_value(m.info, m.lease_id, m.instance, m.refused)) for k in sorted(keys)
-                if k.startswith(nodes) and (m := self._members.get(k[len(nodes):])) is not None]
+        puts: list[Put] = []
+        for k in sorted(k for k in keys if k.startswith(nodes)):
+            m = self._members.get(k[len(nodes):])
+            # No member: the lost write deleted a forgotten node's record (see _make_room). It is made again
+            # too; left, the record brought the node back as a member at the next coordinator start.
+            puts.append(Put(k, node_value(m.info, m.lease_id, m.instance, m.refused) if m is not None else None))
         if ckpt_key in keys:
             puts.append(Put(ckpt_key, json.dumps({"step": self._committed_step}).encode()))
         for put in puts:  # one each: the committer batches them, and no batch outgrows an etcd transaction

@@ -161,3 +161,49 @@ def test_a_failed_rank_outside_the_generations_world_is_refused_naming_the_range
     assert "failed_rank is 4" in ei.value.details() and "ranks 0..3" in ei.value.details(), ei.value.details()
     assert srv.core.state.generation == 1 and srv.core.state.restart_count == 0  # nothing was acted on
     assert "rank 3 on node n1" in Agent.fail(b, rank=3).message  # the last rank of the world is one
+
+
+def test_a_forgotten_nodes_record_whose_deletion_the_store_failed_is_deleted_once_it_answers(monkeypatch) -> None:
+    """Making room for a new node id deletes the record of the node silent longest. When the store failed that
+    deletion nothing wrote it again: the record stayed, and the forgotten node was a member again at the next
+    coordinator start."""
+    import threading
+
+    from trainguard.recovery.errors import StoreError
+    from trainguard.recovery.store import MemoryStore
+
+    class NoDeletes(MemoryStore):
+        """The real in-memory store, failing every commit that deletes a key while ``failing`` is set."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.failing = threading.Event()
+
+        def commit(self, compares, puts):
+            if self.failing.is_set() and any(p.value is None for p in puts):
+                raise StoreError("store unavailable (test)")
+            return super().commit(compares, puts)
+
+    monkeypatch.setattr("trainguard.recovery.spec.MIN_NODE_ID_LIMIT", LIMIT, raising=False)
+    store = NoDeletes()
+    srv = CoordinatorServer(JobSpec(job=JOB, nnodes=2, heartbeat_interval_s=0.05, lease_timeout_s=0.4),
+                            store=store).start()
+    chan = grpc.insecure_channel(srv.target)
+    stub = coordinator_pb2_grpc.CoordinatorStub(chan)
+    prefix = f"trainguard/jobs/{JOB}/nodes/"
+    try:
+        for i in range(LIMIT):  # x0 and x1 hold the first generation's slots and stay
+            _register(stub, f"x{i}")
+        _until(lambda: not any(m.alive for m in srv.core.members().values()))
+        store.failing.set()
+        try:
+            _register(stub, "newcomer")  # one x is forgotten to make room; the store fails the deletion
+        except grpc.RpcError as exc:  # the newcomer's record may share the failed commit: its agent retries
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        gone = [f"x{i}" for i in range(LIMIT) if f"x{i}" not in srv.core.members()]
+        assert len(gone) == 1 and prefix + gone[0] in store.scan(prefix), (gone, sorted(store.scan(prefix)))
+        store.failing.clear()  # the store answers again
+        _until(lambda: sorted(store.scan(prefix)) == sorted(prefix + n for n in srv.core.members()), timeout=10)
+    finally:
+        chan.close()
+        srv.stop(0)
