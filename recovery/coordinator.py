@@ -689,8 +689,17 @@ class JobCoordinator:
             if qualification is not None and not refused:
                 m.echo_port = qualification.echo_port
                 self._peers.record(qualification.peer_s)
+            held = self._daemons.held_reason(nid) if not self._excluded(nid) else ""
             if refused:
                 fut = self._disqualify(m, now) or fut
+            elif held and st.phase not in (Phase.SUCCEEDED, Phase.FAILED):
+                # Its daemon reported a fatal fault before the node registered: the cordon held until now is applied
+                # (and stored) before any generation can place the node.
+                self._fail_node_on_report(Failure(nid, st.generation, Cause.NODE_CRITICAL, Level.NODE,
+                                                  detail=f"node daemon reports a fatal fault: {held}",
+                                                  time_s=self._wall()), now)
+                log.warning("job %s: node %s cordoned at registration on its daemon's report: %s", job, nid, held)
+                fut = self._state_fut
             elif prev is not None and self._layout is not None and self._layout.slot_of(nid) is not None \
                     and st.phase in (Phase.RUNNING, Phase.RECOVERING) and prev.generation >= 0:
                 # The agent restarted while its workers ran a generation: they are gone with it.
@@ -1018,7 +1027,9 @@ class JobCoordinator:
         """Records a node daemon's verdict; a FATAL one cordons the node through the policy's node-failure path.
 
         The node need not be registered: a daemon reports between jobs, before its node's launcher registers,
-        so the node is cordoned before the first generation forms and never gets a rank. A node holding a slot
+        so the node is kept out before the first generation forms and never gets a rank. Until it registers the
+        cordon is held in memory only (see :mod:`~trainguard.recovery.daemon_reports`) and applied, durably, at its
+        registration: reports naming made-up ids filled the stored cordon list. A node holding a slot
         gets a node-level recovery (its slot goes to a spare, or the job waits for one). A daemon's silence
         changes nothing.
 
@@ -1044,7 +1055,8 @@ class JobCoordinator:
             fut_before = self._state_fut
             cordoned, message = self._daemons.record(report, now, self._policy.state, self._excluded,
                                                      lambda f: self._fail_node_on_report(f, now), self._wall,
-                                                     self.spec.node_id_limit(), 3 * self.report_interval_s())
+                                                     self.spec.node_id_limit(), 3 * self.report_interval_s(),
+                                                     known=lambda n: n in self._members)
             if cordoned and self._may_uncordon(report):
                 step = self._apply(DaemonHealthy(report.node_id, report.instance))
                 if step.changed:
@@ -1081,7 +1093,8 @@ class JobCoordinator:
                          if self._policy.waiting_for(node_id) else "uncordon it once that generation runs")
                 return False, (f"node {node_id} stays cordoned: generation {st.plan.generation} is replacing it now; "
                                f"{later}"), None
-            if node_id not in st.cordoned and not waiting:
+            held = self._daemons.held_reason(node_id) if m is None and node_id not in st.cordoned else ""
+            if node_id not in st.cordoned and not waiting and not held:
                 return False, f"node {node_id} is not cordoned in job {self.spec.job!r}", None
             row = self._daemons.table.get(node_id)
             if row is not None and row.report.verdict is Verdict.FATAL \
@@ -1091,6 +1104,10 @@ class JobCoordinator:
                 return False, (f"node {node_id} stays cordoned: its node daemon still reports a fatal fault "
                                f"({row.fatal_reason or row.report.reason}); once the machine is repaired restart "
                                "the daemon (its healthy reports return the node), or stop it and uncordon again"), None
+            if held:  # kept out on its daemon's report before it registered: nothing stored to rewrite
+                self._daemons.table.rearm(node_id)
+                return True, (f"node {node_id} returned to service: its daemon's fatal report ({held}), held until "
+                              "it registers, is dropped"), None
             step = self._apply(OperatorUncordon(node_id, " ".join(reason.split())[:200]), persist=False)
             if not step.changed:
                 return False, f"node {node_id} stays cordoned: {st.message}", None
@@ -1140,6 +1157,14 @@ class JobCoordinator:
     def cordon_reason(self, node_id: str) -> str:
         """Why a node was cordoned when its daemon said so ("" otherwise: the policy's message tells)."""
         return self._daemons.cordon_reason(node_id)
+
+    def held_cordons(self) -> list[str]:
+        """Nodes kept out on their daemon's fatal report before they registered (in memory only; cordoned durably
+        when they register): the scheduler's cordon hooks mark them too."""
+        with self._lock:
+            if self._policy.state.phase in (Phase.SUCCEEDED, Phase.FAILED):
+                return []
+            return sorted(n for n in self._daemons.table.fatal() if n not in self._members and not self._excluded(n))
 
     # ------------------------------------------------------------------------------------ fail-slow wiring
     # All fail-slow logic lives in trainguard.recovery.failslow, the translation in FailSlowWiring; these

@@ -5,6 +5,12 @@ holds the table). :class:`DaemonReports` records each report and decides whether
 a FATAL verdict, new since the daemon's last report, about a node not cordoned already, while the job still
 runs. The coordinator applies that failure through the policy's ordinary node-failure path.
 
+Only a node the coordinator knows (one that registered) is cordoned in the stored job state. A fatal report about
+any other node is *held*: the daemon's latch in the (bounded, in-memory) table keeps the node out, and the cordon
+is applied when the node registers (:meth:`DaemonReports.held_reason`). A daemon may report before its node's
+launcher registers, and such a node still never gets a rank; but reports naming made-up ids no longer fill the
+job state's cordon list, which every state write carries whole (thousands of them neared etcd's request limit).
+
 It is not thread-safe on its own: :class:`~trainguard.recovery.coordinator.JobCoordinator` calls
 :meth:`DaemonReports.record` with its lock held; the table is thread-safe and is read without it.
 """
@@ -33,7 +39,8 @@ class DaemonReports:
 
     def record(self, report: NodeHealthReport, now: float, st: PolicyState,
                excluded: Callable[[str], bool], fail: Callable[[Failure], None],
-               wall: Callable[[], float], limit: int | None = None, silent_after_s: float = 0.0) -> tuple[bool, str]:
+               wall: Callable[[], float], limit: int | None = None, silent_after_s: float = 0.0,
+               known: Callable[[str], bool] = lambda _: True) -> tuple[bool, str]:
         """Records a report and fails its node on a new fatal verdict (call with the coordinator's lock held).
 
         One failure per fatal latch: a job that restarts on the node anyway (one node, nowhere else to go) must
@@ -48,6 +55,7 @@ class DaemonReports:
             wall: the wall clock for the failure's time.
             limit: most rows kept (see :meth:`NodeHealthTable.record`); None: no bound.
             silent_after_s: a row silent this long may make room for a new node's.
+            known: whether a node registered; another node's fatal verdict is held, not applied (see the module).
 
         Returns:
             (whether the node is cordoned in this job now, the message for the daemon).
@@ -57,8 +65,15 @@ class DaemonReports:
         """
         newly = self.table.record(report, now, limit, silent_after_s)
         nid = report.node_id
-        if report.verdict is Verdict.FATAL and newly and not excluded(nid) \
-                and st.phase not in (Phase.SUCCEEDED, Phase.FAILED):
+        running = st.phase not in (Phase.SUCCEEDED, Phase.FAILED)
+        if running and not known(nid) and not excluded(nid):
+            held = self.held_reason(nid)
+            if newly:
+                log.warning("job %s: node %s, not registered, is kept out of the job on its daemon's report: %s",
+                            self._job, nid, held)
+            return (True, f"node {nid} cordoned: {held} (it has not registered; it is kept out when it does)") \
+                if held else (False, "noted")
+        if report.verdict is Verdict.FATAL and newly and not excluded(nid) and running:
             fail(Failure(nid, st.generation, Cause.NODE_CRITICAL, Level.NODE,
                          detail=f"node daemon reports a fatal fault: {report.reason}", time_s=wall()))
             cordoned = excluded(nid)
@@ -67,6 +82,12 @@ class DaemonReports:
             return cordoned, f"node {nid} {'cordoned' if cordoned else 'failed'}: {report.reason}"
         cordoned = excluded(nid)
         return cordoned, f"node {nid} is cordoned" if cordoned else "noted"
+
+    def held_reason(self, node_id: str) -> str:
+        """The fatal fault the node's running daemon latched ("" when none): for a node that had not registered,
+        the cordon the coordinator applies when it does."""
+        row = self.table.get(node_id)
+        return row.fatal_reason if row is not None else ""
 
     def silent(self, now: float, after_s: float) -> list[str]:
         """Nodes whose daemon reported before but not for ``after_s`` (shown only, never cordoned)."""

@@ -207,3 +207,36 @@ def test_a_forgotten_nodes_record_whose_deletion_the_store_failed_is_deleted_onc
     finally:
         chan.close()
         srv.stop(0)
+
+
+def test_fatal_reports_for_unregistered_node_ids_are_held_and_stored_only_when_the_node_registers(server) -> None:
+    """Every fatal daemon report about a new id cordoned it in the job state, which each state write carries whole:
+    made-up ids filled it up to the table's bound (16384 rows, 1-2 MB, about etcd's request limit). A daemon may
+    report before its node registers: that node is still kept out, and cordoned durably when it registers."""
+    from trainguard.recovery.job_records import decode_state
+
+    srv, stub = server
+
+    def report(nid: str) -> pb.NodeHealthReportResponse:
+        return stub.ReportNodeHealth(pb.NodeHealthReportRequest(job=JOB, node_id=nid, host="h", agent_instance="d",
+                                                                verdict=pb.NODE_HEALTH_VERDICT_FATAL,
+                                                                reason="pcie: AER fatal"), timeout=10)
+
+    def stored_cordons() -> list[str]:
+        rec = srv.core._raw_store.get(f"trainguard/jobs/{JOB}/state")
+        return [] if rec is None else list(decode_state(JOB, rec.value).policy.cordoned)
+
+    for i in range(LIMIT):
+        resp = report(f"f{i}")
+        assert resp.cordoned and "AER fatal" in resp.message, resp.message
+    assert stored_cordons() == [] and list(srv.core.state.cordoned) == []
+    resp = report("f0")  # its daemon says so again: still kept out
+    assert resp.cordoned and "not registered" in resp.message, resp.message
+    assert srv.core.held_cordons() == [f"f{i}" for i in range(LIMIT)]
+    _register(stub, "f3")  # answered once its cordon is durable
+    assert stored_cordons() == ["f3"] and "f3" not in srv.core.held_cordons()
+    from coordinator_client import Agent, beat_until
+
+    a, b = Agent(stub, JOB, node_info("n0", idx=0)), Agent(stub, JOB, node_info("n1", idx=1))
+    beat_until([a, b], lambda: a.gen == 1 and b.gen == 1, period=0.02)  # the first generation: never with f3
+    assert sorted(n.node_id for n in a.table.nodes) == ["n0", "n1"]
