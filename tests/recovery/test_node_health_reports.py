@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from coordinator_client import CoordinatorProcess, beat_until, node_info
-from trainguard.proto import common_pb2, coordinator_pb2 as pb
+from trainguard.proto import coordinator_pb2 as pb
 from trainguard.recovery import convert
 from trainguard.recovery.node_health import NodeHealthReport, NodeHealthTable, Verdict
 
