@@ -698,6 +698,7 @@ class JobCoordinator:
                 self._fail_node_on_report(Failure(nid, st.generation, Cause.NODE_CRITICAL, Level.NODE,
                                                   detail=f"node daemon reports a fatal fault: {held}",
                                                   time_s=self._wall()), now)
+                self._daemons.release(nid)
                 log.warning("job %s: node %s cordoned at registration on its daemon's report: %s", job, nid, held)
                 fut = self._state_fut
             elif prev is not None and self._layout is not None and self._layout.slot_of(nid) is not None \
@@ -1105,6 +1106,7 @@ class JobCoordinator:
                                f"({row.fatal_reason or row.report.reason}); once the machine is repaired restart "
                                "the daemon (its healthy reports return the node), or stop it and uncordon again"), None
             if held:  # kept out on its daemon's report before it registered: nothing stored to rewrite
+                self._daemons.release(node_id)
                 self._daemons.table.rearm(node_id)
                 return True, (f"node {node_id} returned to service: its daemon's fatal report ({held}), held until "
                               "it registers, is dropped"), None
@@ -1164,7 +1166,7 @@ class JobCoordinator:
         with self._lock:
             if self._policy.state.phase in (Phase.SUCCEEDED, Phase.FAILED):
                 return []
-            return sorted(n for n in self._daemons.table.fatal() if n not in self._members and not self._excluded(n))
+            return [n for n in self._daemons.held() if n not in self._members and not self._excluded(n)]
 
     # ------------------------------------------------------------------------------------ fail-slow wiring
     # All fail-slow logic lives in trainguard.recovery.failslow, the translation in FailSlowWiring; these

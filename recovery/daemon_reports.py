@@ -36,6 +36,9 @@ class DaemonReports:
     def __init__(self, job: str) -> None:
         self._job = job
         self.table = NodeHealthTable()  # what node daemons report: see record
+        # Nodes whose daemon latched a fatal fault while they were not registered: the cordon their registration
+        # applies. Only those: a member's latch was applied already (one failure per latch, see record).
+        self._held: set[str] = set()
 
     def record(self, report: NodeHealthReport, now: float, st: PolicyState,
                excluded: Callable[[str], bool], fail: Callable[[Failure], None],
@@ -67,6 +70,8 @@ class DaemonReports:
         nid = report.node_id
         running = st.phase not in (Phase.SUCCEEDED, Phase.FAILED)
         if running and not known(nid) and not excluded(nid):
+            if newly:
+                self._held.add(nid)
             held = self.held_reason(nid)
             if newly:
                 log.warning("job %s: node %s, not registered, is kept out of the job on its daemon's report: %s",
@@ -84,10 +89,21 @@ class DaemonReports:
         return cordoned, f"node {nid} is cordoned" if cordoned else "noted"
 
     def held_reason(self, node_id: str) -> str:
-        """The fatal fault the node's running daemon latched ("" when none): for a node that had not registered,
-        the cordon the coordinator applies when it does."""
-        row = self.table.get(node_id)
-        return row.fatal_reason if row is not None else ""
+        """The fatal fault the node's daemon latched while the node had not registered ("" when none, or when a
+        restarted daemon's report reset the latch): the cordon the coordinator applies when it registers."""
+        row = self.table.get(node_id) if node_id in self._held else None
+        if row is None or not row.fatal_reason:
+            self._held.discard(node_id)
+            return ""
+        return row.fatal_reason
+
+    def held(self) -> list[str]:
+        """Every node with a held cordon (see :meth:`held_reason`)."""
+        return sorted(n for n in list(self._held) if self.held_reason(n))
+
+    def release(self, node_id: str) -> None:
+        """The node's held cordon was applied at its registration, or an operator dropped it."""
+        self._held.discard(node_id)
 
     def silent(self, now: float, after_s: float) -> list[str]:
         """Nodes whose daemon reported before but not for ``after_s`` (shown only, never cordoned)."""
