@@ -240,3 +240,6 @@ def test_fatal_reports_for_unregistered_node_ids_are_held_and_stored_only_when_t
     a, b = Agent(stub, JOB, node_info("n0", idx=0)), Agent(stub, JOB, node_info("n1", idx=1))
     beat_until([a, b], lambda: a.gen == 1 and b.gen == 1, period=0.02)  # the first generation: never with f3
     assert sorted(n.node_id for n in a.table.nodes) == ["n0", "n1"]
+    # An operator may drop a held cordon once its daemon went quiet (trainguard uncordon): nothing to store.
+    _until(lambda: srv.core.uncordon(JOB, "f5", "repaired")[0])
+    assert "f5" not in srv.core.held_cordons() and "f5" not in srv.core.state.cordoned
