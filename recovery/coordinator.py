@@ -51,8 +51,9 @@ from trainguard.recovery.decide import (AllSucceeded, DaemonHealthy, Event, Faul
                                         GenerationFormed, GenerationRunning, MembershipChanged, NodeDisqualified,
                                         OperatorUncordon, Persist, Progressed, Step, Tick, decide)
 from trainguard.recovery.domain import Beat, FaultReport, GenerationTable, NodeRecord
-from trainguard.recovery.errors import (CapacityError, FencedError, MembershipError, NotServingError, StaleGenerationError,
-                                        StaleLeaseError, StoreError, UnknownJobError, UnknownNodeError)
+from trainguard.recovery.errors import (CapacityError, FencedError, InvalidRequestError, MembershipError,
+                                        NotServingError, StaleGenerationError, StaleLeaseError, StoreError,
+                                        UnknownJobError, UnknownNodeError)
 from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.failslow_wiring import FailSlowWiring
 from trainguard.recovery.job_records import decode_node, decode_state, node_value, state_value
@@ -215,8 +216,12 @@ class JobCoordinator:
         if not keys:
             return
         state_key, ckpt_key, nodes = self._prefix + "state", self._prefix + "checkpoint", self._prefix + "nodes/"
-        puts = [Put(k, node_value(m.info, m.lease_id, m.instance, m.refused)) for k in sorted(keys)
-                if k.startswith(nodes) and (m := self._members.get(k[len(nodes):])) is not None]
+        puts: list[Put] = []
+        for k in sorted(k for k in keys if k.startswith(nodes)):
+            m = self._members.get(k[len(nodes):])
+            # No member: the lost write deleted a forgotten node's record (see _make_room). It is made again
+            # too; left, the record brought the node back as a member at the next coordinator start.
+            puts.append(Put(k, node_value(m.info, m.lease_id, m.instance, m.refused) if m is not None else None))
         if ckpt_key in keys:
             puts.append(Put(ckpt_key, json.dumps({"step": self._committed_step}).encode()))
         for put in puts:  # one each: the committer batches them, and no batch outgrows an etcd transaction
@@ -684,8 +689,18 @@ class JobCoordinator:
             if qualification is not None and not refused:
                 m.echo_port = qualification.echo_port
                 self._peers.record(qualification.peer_s)
+            held = self._daemons.held_reason(nid) if not self._excluded(nid) else ""
             if refused:
                 fut = self._disqualify(m, now) or fut
+            elif held and st.phase not in (Phase.SUCCEEDED, Phase.FAILED):
+                # Its daemon reported a fatal fault before the node registered: the cordon held until now is applied
+                # (and stored) before any generation can place the node.
+                self._fail_node_on_report(Failure(nid, st.generation, Cause.NODE_CRITICAL, Level.NODE,
+                                                  detail=f"node daemon reports a fatal fault: {held}",
+                                                  time_s=self._wall()), now)
+                self._daemons.release(nid)
+                log.warning("job %s: node %s cordoned at registration on its daemon's report: %s", job, nid, held)
+                fut = self._state_fut
             elif prev is not None and self._layout is not None and self._layout.slot_of(nid) is not None \
                     and st.phase in (Phase.RUNNING, Phase.RECOVERING) and prev.generation >= 0:
                 # The agent restarted while its workers ran a generation: they are gone with it.
@@ -856,6 +871,14 @@ class JobCoordinator:
             if req.generation > st.generation:
                 raise StaleGenerationError(f"report about generation {req.generation}, but job {self.spec.job!r} "
                                            f"is at generation {st.generation}")
+            lay = self._layout
+            if req.rank >= 0 and lay is not None and req.generation == st.generation \
+                    and req.rank >= lay.world_size:
+                # Taken as it came, the rank went into the failure's description ("rank 99999 on node ...") and
+                # the operator's log as though the generation had it; the agent sends a rank of its rank table.
+                raise InvalidRequestError(
+                    f"failed_rank is {req.rank}, but generation {st.generation} of job {self.spec.job!r} has ranks "
+                    f"0..{lay.world_size - 1}; send a rank of that range, or -1 when not about one rank")
             m.last_seen = now
             handled = self._failslow_report(req, now)
             if handled is not None:  # stacks for a hang being localised: fail-slow's own, not a failure
@@ -1005,7 +1028,9 @@ class JobCoordinator:
         """Records a node daemon's verdict; a FATAL one cordons the node through the policy's node-failure path.
 
         The node need not be registered: a daemon reports between jobs, before its node's launcher registers,
-        so the node is cordoned before the first generation forms and never gets a rank. A node holding a slot
+        so the node is kept out before the first generation forms and never gets a rank. Until it registers the
+        cordon is held in memory only (see :mod:`~trainguard.recovery.daemon_reports`) and applied, durably, at its
+        registration: reports naming made-up ids filled the stored cordon list. A node holding a slot
         gets a node-level recovery (its slot goes to a spare, or the job waits for one). A daemon's silence
         changes nothing.
 
@@ -1031,7 +1056,8 @@ class JobCoordinator:
             fut_before = self._state_fut
             cordoned, message = self._daemons.record(report, now, self._policy.state, self._excluded,
                                                      lambda f: self._fail_node_on_report(f, now), self._wall,
-                                                     self.spec.node_id_limit(), 3 * self.report_interval_s())
+                                                     self.spec.node_id_limit(), 3 * self.report_interval_s(),
+                                                     known=lambda n: n in self._members)
             if cordoned and self._may_uncordon(report):
                 step = self._apply(DaemonHealthy(report.node_id, report.instance))
                 if step.changed:
@@ -1068,7 +1094,8 @@ class JobCoordinator:
                          if self._policy.waiting_for(node_id) else "uncordon it once that generation runs")
                 return False, (f"node {node_id} stays cordoned: generation {st.plan.generation} is replacing it now; "
                                f"{later}"), None
-            if node_id not in st.cordoned and not waiting:
+            held = self._daemons.held_reason(node_id) if m is None and node_id not in st.cordoned else ""
+            if node_id not in st.cordoned and not waiting and not held:
                 return False, f"node {node_id} is not cordoned in job {self.spec.job!r}", None
             row = self._daemons.table.get(node_id)
             if row is not None and row.report.verdict is Verdict.FATAL \
@@ -1078,6 +1105,11 @@ class JobCoordinator:
                 return False, (f"node {node_id} stays cordoned: its node daemon still reports a fatal fault "
                                f"({row.fatal_reason or row.report.reason}); once the machine is repaired restart "
                                "the daemon (its healthy reports return the node), or stop it and uncordon again"), None
+            if held:  # kept out on its daemon's report before it registered: nothing stored to rewrite
+                self._daemons.release(node_id)
+                self._daemons.table.rearm(node_id)
+                return True, (f"node {node_id} returned to service: its daemon's fatal report ({held}), held until "
+                              "it registers, is dropped"), None
             step = self._apply(OperatorUncordon(node_id, " ".join(reason.split())[:200]), persist=False)
             if not step.changed:
                 return False, f"node {node_id} stays cordoned: {st.message}", None
@@ -1127,6 +1159,14 @@ class JobCoordinator:
     def cordon_reason(self, node_id: str) -> str:
         """Why a node was cordoned when its daemon said so ("" otherwise: the policy's message tells)."""
         return self._daemons.cordon_reason(node_id)
+
+    def held_cordons(self) -> list[str]:
+        """Nodes kept out on their daemon's fatal report before they registered (in memory only; cordoned durably
+        when they register): the scheduler's cordon hooks mark them too."""
+        with self._lock:
+            if self._policy.state.phase in (Phase.SUCCEEDED, Phase.FAILED):
+                return []
+            return [n for n in self._daemons.held() if n not in self._members and not self._excluded(n)]
 
     # ------------------------------------------------------------------------------------ fail-slow wiring
     # All fail-slow logic lives in trainguard.recovery.failslow, the translation in FailSlowWiring; these

@@ -5,6 +5,12 @@ holds the table). :class:`DaemonReports` records each report and decides whether
 a FATAL verdict, new since the daemon's last report, about a node not cordoned already, while the job still
 runs. The coordinator applies that failure through the policy's ordinary node-failure path.
 
+Only a node the coordinator knows (one that registered) is cordoned in the stored job state. A fatal report about
+any other node is *held*: the daemon's latch in the (bounded, in-memory) table keeps the node out, and the cordon
+is applied when the node registers (:meth:`DaemonReports.held_reason`). A daemon may report before its node's
+launcher registers, and such a node still never gets a rank; but reports naming made-up ids no longer fill the
+job state's cordon list, which every state write carries whole (thousands of them neared etcd's request limit).
+
 It is not thread-safe on its own: :class:`~trainguard.recovery.coordinator.JobCoordinator` calls
 :meth:`DaemonReports.record` with its lock held; the table is thread-safe and is read without it.
 """
@@ -30,10 +36,14 @@ class DaemonReports:
     def __init__(self, job: str) -> None:
         self._job = job
         self.table = NodeHealthTable()  # what node daemons report: see record
+        # Nodes whose daemon latched a fatal fault while they were not registered: the cordon their registration
+        # applies. Only those: a member's latch was applied already (one failure per latch, see record).
+        self._held: set[str] = set()
 
     def record(self, report: NodeHealthReport, now: float, st: PolicyState,
                excluded: Callable[[str], bool], fail: Callable[[Failure], None],
-               wall: Callable[[], float], limit: int | None = None, silent_after_s: float = 0.0) -> tuple[bool, str]:
+               wall: Callable[[], float], limit: int | None = None, silent_after_s: float = 0.0,
+               known: Callable[[str], bool] = lambda _: True) -> tuple[bool, str]:
         """Records a report and fails its node on a new fatal verdict (call with the coordinator's lock held).
 
         One failure per fatal latch: a job that restarts on the node anyway (one node, nowhere else to go) must
@@ -48,6 +58,7 @@ class DaemonReports:
             wall: the wall clock for the failure's time.
             limit: most rows kept (see :meth:`NodeHealthTable.record`); None: no bound.
             silent_after_s: a row silent this long may make room for a new node's.
+            known: whether a node registered; another node's fatal verdict is held, not applied (see the module).
 
         Returns:
             (whether the node is cordoned in this job now, the message for the daemon).
@@ -57,8 +68,17 @@ class DaemonReports:
         """
         newly = self.table.record(report, now, limit, silent_after_s)
         nid = report.node_id
-        if report.verdict is Verdict.FATAL and newly and not excluded(nid) \
-                and st.phase not in (Phase.SUCCEEDED, Phase.FAILED):
+        running = st.phase not in (Phase.SUCCEEDED, Phase.FAILED)
+        if running and not known(nid) and not excluded(nid):
+            if newly:
+                self._held.add(nid)
+            held = self.held_reason(nid)
+            if newly:
+                log.warning("job %s: node %s, not registered, is kept out of the job on its daemon's report: %s",
+                            self._job, nid, held)
+            return (True, f"node {nid} cordoned: {held} (it has not registered; it is kept out when it does)") \
+                if held else (False, "noted")
+        if report.verdict is Verdict.FATAL and newly and not excluded(nid) and running:
             fail(Failure(nid, st.generation, Cause.NODE_CRITICAL, Level.NODE,
                          detail=f"node daemon reports a fatal fault: {report.reason}", time_s=wall()))
             cordoned = excluded(nid)
@@ -67,6 +87,23 @@ class DaemonReports:
             return cordoned, f"node {nid} {'cordoned' if cordoned else 'failed'}: {report.reason}"
         cordoned = excluded(nid)
         return cordoned, f"node {nid} is cordoned" if cordoned else "noted"
+
+    def held_reason(self, node_id: str) -> str:
+        """The fatal fault the node's daemon latched while the node had not registered ("" when none, or when a
+        restarted daemon's report reset the latch): the cordon the coordinator applies when it registers."""
+        row = self.table.get(node_id) if node_id in self._held else None
+        if row is None or not row.fatal_reason:
+            self._held.discard(node_id)
+            return ""
+        return row.fatal_reason
+
+    def held(self) -> list[str]:
+        """Every node with a held cordon (see :meth:`held_reason`)."""
+        return sorted(n for n in list(self._held) if self.held_reason(n))
+
+    def release(self, node_id: str) -> None:
+        """The node's held cordon was applied at its registration, or an operator dropped it."""
+        self._held.discard(node_id)
 
     def silent(self, now: float, after_s: float) -> list[str]:
         """Nodes whose daemon reported before but not for ``after_s`` (shown only, never cordoned)."""

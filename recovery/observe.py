@@ -204,6 +204,9 @@ class CoordinatorWatch:
         """Takes one sample: updates health, fires cordon listeners, times recoveries."""
         core = self.core
         self.health.set(not core.fenced)
+        # Read before the state: a node registering in between is then in one or the other (or both), never in
+        # neither, which would fire the uncordon listeners and then the cordon hooks again.
+        held = core.held_cordons()
         st = core.state
         phase, generation = st.phase, st.generation
         if self._gen_seen is None:
@@ -220,7 +223,8 @@ class CoordinatorWatch:
                     self.recovery.observe(took)
                     self.recoveries.append(took)
             self._gen_seen = generation
-        new = [n for n in list(st.cordoned) if n not in self._cordoned]
+        cordoned = set(st.cordoned) | set(held)  # held: kept out before registering (see daemon_reports)
+        new = sorted(n for n in cordoned if n not in self._cordoned)
         if new and self._listeners:
             members = core.members()
             for node in new:
@@ -235,7 +239,7 @@ class CoordinatorWatch:
         self._cordoned.update(new)
         # A node back in service (its daemon restarted after a repair) is forgotten, so that cordoning it again
         # fires the hooks again.
-        for node in self._cordoned - set(st.cordoned):
+        for node in self._cordoned - cordoned:
             self._cordoned.discard(node)
             for back in self._back_listeners:
                 back(node)

@@ -145,3 +145,108 @@ def test_a_hung_store_does_not_take_every_handler_thread_from_the_heartbeats(tmp
         store.gate.set()
         chan.close()
         srv.stop(0)
+
+
+def test_a_failed_rank_outside_the_generations_world_is_refused_naming_the_range() -> None:
+    """A report's failed_rank was taken as it came: "rank 99 on node n0 ..." went into the failure's description and
+    the log as though the generation had that rank, and the report was acted on."""
+    from coordinator_client import Agent, beat_until
+
+    # A 30 s lease: no node is lost on a loaded box while the reports are checked.
+    srv = CoordinatorServer(JobSpec(job=JOB, nnodes=2, heartbeat_interval_s=0.05, lease_timeout_s=30.0)).start()
+    chan = grpc.insecure_channel(srv.target)
+    try:
+        stub = coordinator_pb2_grpc.CoordinatorStub(chan)
+        a, b = Agent(stub, JOB, node_info("n0", idx=0)), Agent(stub, JOB, node_info("n1", idx=1))  # 2 ranks each
+        beat_until([a, b], lambda: a.gen == 1 and b.gen == 1, period=0.02)
+        with pytest.raises(grpc.RpcError) as ei:
+            a.fail(rank=4)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
+        assert "failed_rank is 4" in ei.value.details() and "ranks 0..3" in ei.value.details(), ei.value.details()
+        assert srv.core.state.generation == 1 and srv.core.state.restart_count == 0  # nothing was acted on
+        assert "rank 3 on node n1" in b.fail(rank=3).message  # the last rank of the world is one
+    finally:
+        chan.close()
+        srv.stop(0)
+
+
+def test_a_forgotten_nodes_record_whose_deletion_the_store_failed_is_deleted_once_it_answers(monkeypatch) -> None:
+    """Making room for a new node id deletes the record of the node silent longest. When the store failed that
+    deletion nothing wrote it again: the record stayed, and the forgotten node was a member again at the next
+    coordinator start."""
+    import threading
+
+    from trainguard.recovery.errors import StoreError
+    from trainguard.recovery.store import MemoryStore
+
+    class NoDeletes(MemoryStore):
+        """The real in-memory store, failing every commit that deletes a key while ``failing`` is set."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.failing = threading.Event()
+
+        def commit(self, compares, puts):
+            if self.failing.is_set() and any(p.value is None for p in puts):
+                raise StoreError("store unavailable (test)")
+            return super().commit(compares, puts)
+
+    monkeypatch.setattr("trainguard.recovery.spec.MIN_NODE_ID_LIMIT", LIMIT, raising=False)
+    store = NoDeletes()
+    srv = CoordinatorServer(JobSpec(job=JOB, nnodes=2, heartbeat_interval_s=0.05, lease_timeout_s=0.4),
+                            store=store).start()
+    chan = grpc.insecure_channel(srv.target)
+    stub = coordinator_pb2_grpc.CoordinatorStub(chan)
+    prefix = f"trainguard/jobs/{JOB}/nodes/"
+    try:
+        for i in range(LIMIT):  # x0 and x1 hold the first generation's slots and stay
+            _register(stub, f"x{i}")
+        _until(lambda: not any(m.alive for m in srv.core.members().values()))
+        store.failing.set()
+        try:
+            _register(stub, "newcomer")  # one x is forgotten to make room; the store fails the deletion
+        except grpc.RpcError as exc:  # the newcomer's record may share the failed commit: its agent retries
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        gone = [f"x{i}" for i in range(LIMIT) if f"x{i}" not in srv.core.members()]
+        assert len(gone) == 1 and prefix + gone[0] in store.scan(prefix), (gone, sorted(store.scan(prefix)))
+        store.failing.clear()  # the store answers again
+        _until(lambda: sorted(store.scan(prefix)) == sorted(prefix + n for n in srv.core.members()), timeout=10)
+    finally:
+        chan.close()
+        srv.stop(0)
+
+
+def test_fatal_reports_for_unregistered_node_ids_are_held_and_stored_only_when_the_node_registers(server) -> None:
+    """Every fatal daemon report about a new id cordoned it in the job state, which each state write carries whole:
+    made-up ids filled it up to the table's bound (16384 rows, 1-2 MB, about etcd's request limit). A daemon may
+    report before its node registers: that node is still kept out, and cordoned durably when it registers."""
+    from trainguard.recovery.job_records import decode_state
+
+    srv, stub = server
+
+    def report(nid: str) -> pb.NodeHealthReportResponse:
+        return stub.ReportNodeHealth(pb.NodeHealthReportRequest(job=JOB, node_id=nid, host="h", agent_instance="d",
+                                                                verdict=pb.NODE_HEALTH_VERDICT_FATAL,
+                                                                reason="pcie: AER fatal"), timeout=10)
+
+    def stored_cordons() -> list[str]:
+        rec = srv.core._raw_store.get(f"trainguard/jobs/{JOB}/state")
+        return [] if rec is None else list(decode_state(JOB, rec.value).policy.cordoned)
+
+    for i in range(LIMIT):
+        resp = report(f"f{i}")
+        assert resp.cordoned and "AER fatal" in resp.message, resp.message
+    assert stored_cordons() == [] and list(srv.core.state.cordoned) == []
+    resp = report("f0")  # its daemon says so again: still kept out
+    assert resp.cordoned and "not registered" in resp.message, resp.message
+    assert srv.core.held_cordons() == [f"f{i}" for i in range(LIMIT)]
+    _register(stub, "f3")  # answered once its cordon is durable
+    assert stored_cordons() == ["f3"] and "f3" not in srv.core.held_cordons()
+    from coordinator_client import Agent, beat_until
+
+    a, b = Agent(stub, JOB, node_info("n0", idx=0)), Agent(stub, JOB, node_info("n1", idx=1))
+    beat_until([a, b], lambda: a.gen == 1 and b.gen == 1, period=0.02)  # the first generation: never with f3
+    assert sorted(n.node_id for n in a.table.nodes) == ["n0", "n1"]
+    # An operator may drop a held cordon once its daemon went quiet (trainguard uncordon): nothing to store.
+    _until(lambda: srv.core.uncordon(JOB, "f5", "repaired")[0])
+    assert "f5" not in srv.core.held_cordons() and "f5" not in srv.core.state.cordoned

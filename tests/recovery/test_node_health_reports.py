@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from coordinator_client import CoordinatorProcess, beat_until, node_info
-from trainguard.proto import common_pb2, coordinator_pb2 as pb
+from trainguard.proto import coordinator_pb2 as pb
+from trainguard.recovery import convert
 from trainguard.recovery.node_health import NodeHealthReport, NodeHealthTable, Verdict
 
 pytestmark = pytest.mark.timeout(90)
@@ -182,6 +183,8 @@ def test_the_daemon_that_saw_a_cordon_still_cannot_lift_it_after_a_coordinator_r
         return cordoned
 
     core = JobCoordinator(spec)
+    # Registered: a node that never did is kept out in memory only (see daemon_reports), not in the store.
+    core.wait_durable(core.register("nh-restart", convert.node_record(node_info("sick")), 40000)[2])
     assert report(core, Verdict.FATAL, "d1")
     core.close()
     core = JobCoordinator(spec)  # its health table starts empty; the cordon and who saw it are in the store

@@ -143,8 +143,9 @@ def clean_digest(tmp_path_factory) -> str:
     try:
         _, port = _coordinator(started, env, tmp, "127.0.0.1:0", f"sqlite://{tmp}/c.db", 5.0)
         out = tmp / "out.json"
-        a = _agent(started, env, f"127.0.0.1:{port}", "n0", 0, "127.0.0.1", tmp / "ck", out)
-        b = _agent(started, env, f"127.0.0.1:{port}", "n1", 1, "127.0.0.1", tmp / "ck", None)
+        # Neither node restarts: warm standby workers (a torch import each, on CPUs the workers need) are no use.
+        a = _agent(started, env, f"127.0.0.1:{port}", "n0", 0, "127.0.0.1", tmp / "ck", out, ["--no-standby"])
+        b = _agent(started, env, f"127.0.0.1:{port}", "n1", 1, "127.0.0.1", tmp / "ck", None, ["--no-standby"])
         assert a.p.wait(150) == 0, a.text()[-3000:]
         assert b.p.wait(30) == 0, b.text()[-3000:]
         return json.loads(out.read_text())["params_sha256"]
@@ -222,8 +223,9 @@ def test_a_worker_lost_while_the_coordinator_is_down_is_recovered_once_it_is_bac
         node.wait_line(r"generation 1: started ranks", 150)
     coord.kill()
     t_kill = n1.wait_line(r"fault injected: SIGKILL to rank 1", 60)
-    n1.wait_line(r"could not report the failure to the coordinator", 30, after=t_kill)
-    time.sleep(1.0)  # heartbeats meanwhile find no coordinator either
+    t_unsent = n1.wait_line(r"could not report the failure to the coordinator", 30, after=t_kill)
+    # Its heartbeats meanwhile find no coordinator either (the report waits to be sent again).
+    n1.wait_line(r"coordinator still unreachable: \d+ failure report", 30, after=t_unsent)
     coord2, _ = _coordinator(procs, env, tmp_path, f"127.0.0.1:{port}", store, 30.0, "coordinator2")
     assert n0.p.wait(150) == 0, n0.text()[-3000:]
     assert n1.p.wait(30) == 0, n1.text()[-3000:]
@@ -314,12 +316,15 @@ def test_lost_node_replaced_by_spare(tmp_path, procs, clean_digest, mode) -> Non
         target = f"{listen_host}:{port}"
         out = tmp_path / "out.json"
         agents = {}
-        for node, index, extra in (("n0", 0, []), ("n1", 1, []), ("spare", 9, ["--spare"])):
+        # n1 is lost and never restarts: no warm standby for it. n0 restarts (warm) and the spare takes over
+        # (warm, as it waits), as in service.
+        for node, index, extra in (("n0", 0, []), ("n1", 1, ["--no-standby"]), ("spare", 9, ["--spare"])):
             ns, ip = bridge.add(node) if bridge else (None, "127.0.0.1")
             agents[node] = _agent(procs, env, target, node, index, ip, tmp_path / "ck",
                                   out if node == "n0" else None, extra, netns=ns)
         t_start = agents["n0"].wait_line(r"\[rank 0\] generation 1: starting at step", 150)
-        time.sleep(0.5)  # some progress (a save every 4 steps of >= 0.05 s), well before the 24 steps end
+        # Some progress: rank 0's first save (every 4 steps), replicated to its buddy, well before the 24 steps end.
+        agents["n0"].wait_line(r"replicated rank 0 step \d+ to n1", 60, after=t_start)
         t_fault = time.time()
         if bridge:
             bridge.link_down("n1")
