@@ -29,6 +29,8 @@ class Agent:
     def __init__(self, tmp: Path, config_text: str, watchdog_usec: int | None = 1_000_000, extra_env=None):
         self.tmp = tmp
         self.config = tmp / "agent.toml"
+        if "[memory_tier]" not in config_text:  # the daemon holds its root: /dev/shm/trainguard is the whole box's
+            config_text += f'\n[memory_tier]\nroot = "{tmp / "shm"}"\n'
         self.config.write_text(config_text)
         self.socket_path = tmp / "run" / "agent.sock"
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
