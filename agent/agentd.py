@@ -308,6 +308,7 @@ class AgentDaemon:
         self.verdict_latch = NodeVerdictLatch()
         self.instance = uuid.uuid4().hex
         self.jobs: DaemonJobs | None = None  # coordinators reported to, attached jobs, kept arenas
+        self._arenas: ArenaKeeper | None = None  # holds memory_tier.root from the start to the stop
         self.qualification: DaemonQualification | None = None  # [qualify] in_daemon
 
     # -- start --------------------------------------------------------------------------------------------
@@ -356,7 +357,10 @@ class AgentDaemon:
 
             # Launchers are known by the lock they hold beside the socket (pids differ between pods).
             alive = launcher_alive(launchers_dir(config.grpc.socket) if config.grpc.socket else None)
-            arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s, alive=alive)
+            # Exclusive: a second daemon given this memory_tier.root would adopt this one's jobs' arenas and remove
+            # them ttl_s later under the running jobs; it is refused at its start, naming this daemon's pid.
+            arenas = ArenaKeeper(config.memory_tier.root, config.memory_tier.ttl_s, alive=alive, exclusive=True)
+            self._arenas = arenas
             arenas.adopt_existing()
             # Before the socket serves: a launcher re-attaching the moment it answers (this daemon restarted under
             # a running job) must find the jobs' table, not an AssertionError that leaves its job unattached.
@@ -845,6 +849,10 @@ class AgentDaemon:
     def _shutdown_parts(self) -> None:
         if self.jobs is not None:
             self.jobs.stop()
+        if self._arenas is not None:
+            # Lets go of memory_tier.root, so the daemon started next (in this process too) is not refused.
+            self._arenas.close()
+            self._arenas = None
         if self.node is not None:
             self.node.stopping = True  # ends WatchEvents streams
         if self.node_health is not None and self.node_health.state.name != "STOPPED":

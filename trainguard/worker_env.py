@@ -78,25 +78,25 @@ def checkpoint_job_name(script: str, checkpoint_dir: str) -> str:
 
     A local location is resolved to its real absolute path (``~``, symlinks, a trailing slash, relative to the
     working directory), whether given as a path or as ``file:///abs`` / ``file:/abs``: one directory has one
-    name, whichever spelling the launcher and the worker were given. A remote URL is hashed as given. A ``-m``
+    name, whichever spelling the launcher and the worker were given. A remote URL is hashed in its canonical
+    spelling (``s3://b/x/``, ``s3://b//x`` and ``S3://b/x`` name one job, that of ``s3://b/x``). A ``-m``
     module's ``__main__.py`` is named after its package folder.
 
     Raises:
         CheckpointConfigError: a ``file://`` URL with a host part (``file://data/ckpt``), which names no
             directory every process agrees on.
     """
-    from trainguard.checkpoint.config import local_directory
-    from trainguard.checkpoint.location import is_local_url
+    from trainguard.checkpoint.location import CheckpointLocation
 
     base = os.path.basename(script.rstrip("/"))
     stem = os.path.splitext(base)[0]
     if stem == "__main__":
         stem = os.path.basename(os.path.dirname(os.path.abspath(script)))
-    where = checkpoint_dir
-    if is_local_url(checkpoint_dir):
-        # The hash of the resolved plain path is what jobs were named before file:// URLs were normalised.
-        local = local_directory(checkpoint_dir, "checkpoint directory") or checkpoint_dir
-        where = os.path.realpath(os.path.expanduser(local))
+    # The location's identity: the real path of a local one (what jobs were named before file:// URLs were
+    # normalised), the canonical URL of a remote one. Hashed as typed, s3://b/x/ and s3://b/x named two jobs of
+    # one folder, so a relaunch spelled differently resumed none of the checkpoints; a canonical spelling and a
+    # local path keep the name they had.
+    where = CheckpointLocation.parse(checkpoint_dir, "checkpoint directory").identity
     # the same valid name as trainguard run's (job_name_from): the hook kept '_train-…' or 'my train-…' where the
     # launcher named the job 'train-…' / 'my_train-…', so neither resumed the other's checkpoints
     return job_name_from(stem or "job", hashlib.sha256(where.encode()).hexdigest()[:10])

@@ -27,8 +27,10 @@ from trainguard.detectors.errors import DetectorReadError
 from trainguard.detectors.pcie import is_virtual_function, parse_link_speed, port_above, port_limits
 from trainguard.detectors.sysfs import list_dir, read_int, read_text
 
-_RATE = re.compile(r"^(\d+(?:\.\d+)?) Gb/sec")
-_PORT_STATE = re.compile(r"^\d+:\s*(\w+)")
+# ASCII only, as the detectors' patterns: ``\d`` took other scripts' digits ('٤: ACTIVE' read as an active port,
+# '٢٠٠ Gb/sec' as 200 Gb/sec through float()), and ``\w`` other scripts' letters as the state.
+_RATE = re.compile(r"^([0-9]+(?:\.[0-9]+)?) Gb/sec", re.ASCII)
+_PORT_STATE = re.compile(r"^[0-9]+:\s*(\w+)", re.ASCII)
 
 
 @register_check("pcie")

@@ -49,6 +49,8 @@ class UnitDaemon:
         self.runtime = tmp / "run"
         self.runtime.mkdir(mode=0o750, exist_ok=True)
         config = tmp / "agent.toml"
+        if "[memory_tier]" not in config_text:  # the daemon holds its root: /dev/shm/trainguard is the whole box's
+            config_text += f'\n[memory_tier]\nroot = "{tmp / "shm"}"\n'
         config.write_text(config_text)
         argv, unit_env = unit_command(config, self.runtime, tmp / "state")
         self.socket_path = self.runtime / "agent.sock"

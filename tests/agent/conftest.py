@@ -22,3 +22,21 @@ def restore_root_logger():
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def no_arena_root_left_held():
+    """Fails a test that leaves a memory-tier root held in this process: the daemon's keeper holds
+    ``memory_tier.root`` until its stop, and one left held (an in-process daemon never stopped, on the default
+    /dev/shm/trainguard) refused the subprocess daemons of every later test on that root."""
+    import gc
+
+    from trainguard.agent import arena_keeper
+
+    before = set(arena_keeper._HELD_ROOTS)
+    yield
+    left = set(arena_keeper._HELD_ROOTS) - before
+    if left:
+        gc.collect()  # a keeper nobody closed but nobody refers to any more let go when collected
+        left = set(arena_keeper._HELD_ROOTS) - before
+    assert not left, f"the test left memory_tier.root held: {sorted(left)}; stop its daemon / close its ArenaKeeper"

@@ -39,6 +39,8 @@ def _daemon_under_watchdog(tmp_path, detectors_and_more: str, grpc_listen: str, 
     notify.bind(str(tmp_path / "notify.sock"))
     (tmp_path / "fake").mkdir()
     config = tmp_path / "agent.toml"
+    if "[memory_tier]" not in detectors_and_more:  # the default /dev/shm/trainguard is every daemon's on the box
+        detectors_and_more += f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n'
     config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\n' + detectors_and_more)
     notifier = SystemdNotifier(str(tmp_path / "notify.sock"))
     daemon = AgentDaemon(config_loader(str(config), grpc_listen, sock, str(tmp_path / "state")), notifier)
@@ -105,7 +107,8 @@ def test_a_burst_of_health_checks_queues_instead_of_being_refused(tmp_path):
     config = tmp_path / "agent.toml"
     # No /metrics: the default port 9477 is anyone's on a shared box (the test failed when another process held it).
     config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\n[agent]\nloop_interval_s = 0.1\n'
-                      '[metrics]\nlisten = ""\n[grpc]\nmax_workers = 4\nmax_watchers = 2\n')
+                      '[metrics]\nlisten = ""\n[grpc]\nmax_workers = 4\nmax_watchers = 2\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
     sock_path = tmp_path / "agent.sock"
     daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
                          SystemdNotifier(None))
@@ -221,7 +224,8 @@ def test_idle_reflection_streams_leave_a_thread_for_health_checks(tmp_path):
     config = tmp_path / "agent.toml"
     config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
                       '[metrics]\nlisten = ""\n'
-                      '[grpc]\nmax_workers = 3\nmax_watchers = 2\n')
+                      '[grpc]\nmax_workers = 3\nmax_watchers = 2\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
     sock_path = tmp_path / "agent.sock"
     daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
                          SystemdNotifier(None))
@@ -384,7 +388,8 @@ def test_a_withheld_keep_alive_is_retried_after_a_loop_interval_not_at_once(tmp_
     (tmp_path / "fake").mkdir()
     config = tmp_path / "agent.toml"
     config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
-                      '[metrics]\nlisten = ""\n[agent]\nloop_interval_s = 0.2\n')
+                      '[metrics]\nlisten = ""\n[agent]\nloop_interval_s = 0.2\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
     notifier = SystemdNotifier(str(tmp_path / "nobody-listens.sock"))  # every keep-alive fails to send
     daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "agent.sock"), str(tmp_path / "state")),
                          notifier)

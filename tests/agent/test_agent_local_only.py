@@ -21,7 +21,8 @@ def test_worker_methods_only_on_the_unix_socket(tmp_path) -> None:
     (tmp_path / "fake").mkdir()
     config = tmp_path / "agent.toml"
     config.write_text(f'[metrics]\nlisten = ""\n[detectors]\nroot = "{tmp_path / "fake"}"\n'
-                      '[agent]\nloop_interval_s = 0.1\n')
+                      '[agent]\nloop_interval_s = 0.1\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
     sock_path = tmp_path / "agent.sock"
     daemon = AgentDaemon(config_loader(str(config), "127.0.0.1:0", str(sock_path), str(tmp_path / "state")))
     daemon.start()

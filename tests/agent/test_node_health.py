@@ -118,7 +118,7 @@ def test_daemon_status_metrics_and_alarms_use_the_configured_threshold(tmp_path:
     (tmp_path / "fake").mkdir()
     config = tmp_path / "agent.toml"
     body = (f'[metrics]\nlisten = "127.0.0.1:0"\n[detectors]\nroot = "{tmp_path / "fake"}"\n'
-            f'[predictor]\nmodel = "{model_file}"\nthreshold = {{}}\n')
+            f'[predictor]\nmodel = "{model_file}"\nthreshold = {{}}\n[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
     config.write_text(body.format("0.5"))
     sock_path = tmp_path / "agent.sock"
     daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
@@ -280,7 +280,8 @@ def test_daemon_threshold_gauge_does_not_read_0_before_the_first_score(tmp_path:
 
     (tmp_path / "fake").mkdir()
     config = tmp_path / "agent.toml"
-    config.write_text(f'[metrics]\nlisten = "127.0.0.1:0"\n[detectors]\nroot = "{tmp_path / "fake"}"\n')
+    config.write_text(f'[metrics]\nlisten = "127.0.0.1:0"\n[detectors]\nroot = "{tmp_path / "fake"}"\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
     daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "agent.sock"), str(tmp_path / "state")),
                          SystemdNotifier(None))
     daemon.start()
@@ -378,7 +379,8 @@ def test_daemon_scores_at_its_configured_predictor_interval(tmp_path: Path, mode
     (tmp_path / "fake").mkdir()
     config = tmp_path / "agent.toml"
     config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\n'
-                      f'[predictor]\nmodel = "{model_file}"\ninterval_s = 2.5\n')
+                      f'[predictor]\nmodel = "{model_file}"\ninterval_s = 2.5\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
     daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "agent.sock"), str(tmp_path / "state")),
                          SystemdNotifier(None))
     records: list[logging.LogRecord] = []

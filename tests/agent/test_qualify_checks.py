@@ -165,6 +165,21 @@ def test_rdma_ports_active_at_rate(tmp_path) -> None:
     assert r.status is CheckStatus.FAIL and "mlx5_0/1 is DOWN" in r.detail
 
 
+def test_rdma_state_and_rate_take_only_ascii_digits(tmp_path) -> None:
+    """Found by review: the state and rate patterns used ``\\d`` (any script's digits, as the detectors' did before
+    they were made ASCII): a state of Arabic-Indic '٤: ACTIVE' passed as active, a fullwidth '２００ Gb/sec' rate
+    as 200 Gb/sec. sysfs writes ASCII: anything else is not what the check can vouch for."""
+    fake_port(tmp_path, "mlx5_0", 1, state="\u0664: ACTIVE")
+    _, r = one(ctx_for(tmp_path, ["rdma"]))
+    assert r.status is CheckStatus.FAIL and "mlx5_0/1 is" in r.detail
+    fake_port(tmp_path, "mlx5_0", 1, rate="\uff12\uff10\uff10 Gb/sec (4X HDR)")
+    _, r = one(ctx_for(tmp_path, ["rdma"], rdma_rate_gbps=200))
+    assert r.status is CheckStatus.FAIL and "is not '<n> Gb/sec'" in r.detail
+    fake_port(tmp_path, "mlx5_0", 1)
+    _, r = one(ctx_for(tmp_path, ["rdma"], rdma_rate_gbps=200))
+    assert r.status is CheckStatus.PASS
+
+
 # -- detectors -----------------------------------------------------------------------------------------------
 def test_detectors_clean_then_a_down_link_is_critical(tmp_path) -> None:
     hw = FakeNodeHardware(tmp_path)

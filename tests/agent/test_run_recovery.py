@@ -47,8 +47,10 @@ def test_sigkilled_worker_resumes_bitwise_equal(tmp_path: Path, tg_env: dict) ->
 @pytest.mark.timeout(400)
 def test_ranks_agree_when_one_ranks_newest_copy_is_corrupt(tmp_path: Path, tg_env: dict) -> None:
     ckpt = tmp_path / "ckpt"
-    common = ["run", "--nproc-per-node", "2", "--job", "agree", "--checkpoint-dir", str(ckpt), str(EXAMPLE),
-              "--save-every", "5"]
+    # None of these runs restarts a worker: --no-standby spares the warm standbys' start (their torch import)
+    # on a 2-core CI box.
+    common = ["run", "--nproc-per-node", "2", "--no-standby", "--job", "agree", "--checkpoint-dir", str(ckpt),
+              str(EXAMPLE), "--save-every", "5"]
     r = run_cli([*common, "--steps", "20"], tg_env, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
     # Flip a byte in rank 1's data of the newest step (19): rank 1 alone falls back to step 14.
@@ -62,7 +64,7 @@ def test_ranks_agree_when_one_ranks_newest_copy_is_corrupt(tmp_path: Path, tg_en
     resumed = json.loads(out.read_text())
     assert resumed["restored_step"] == 14, r.stderr[-2000:]  # rank 0 followed rank 1 back to step 14
     ref = tmp_path / "ref.json"
-    r = run_cli(["run", "--nproc-per-node", "2", str(EXAMPLE), "--steps", "30", "--save-every", "0",
+    r = run_cli(["run", "--nproc-per-node", "2", "--no-standby", str(EXAMPLE), "--steps", "30", "--save-every", "0",
                  "--out", str(ref)], tg_env, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(ref.read_text())["params_sha256"] == resumed["params_sha256"]

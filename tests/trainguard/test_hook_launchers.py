@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from tg_testutil import EXAMPLE, REPO
+from trainguard.checkpoint.staging import WRITERS_DIR
+from trainguard.worker_env import checkpoint_job_name
 
 
 def _python(args: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -54,4 +56,6 @@ def test_plain_torchrun(tmp_path: Path, tg_env: dict) -> None:
                  "--out", str(out)], tg_env, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(out.read_text())["restored_step"] == 19
-    assert len(list((tmp_path / "ckpt").iterdir())) == 1  # one job folder for both launches
+    # One job folder for both launches (beside the disk tier's writer leases, .trainguard-writers).
+    assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.name != WRITERS_DIR] == [
+        checkpoint_job_name(str(EXAMPLE), str(tmp_path / "ckpt"))]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from trainguard.errors import ConfigError
@@ -89,7 +91,7 @@ def test_one_checkpoint_directory_gives_one_job_name_however_it_is_spelled(tmp_p
         assert checkpoint_job_name("/x/train.py", spelling) == name, spelling
     # Jobs named from a plain absolute path before keep their name (their checkpoints live under it).
     assert checkpoint_job_name("train.py", "/trainguard-no-such-dir/ckpt") == "train-58e6efb7f3"
-    # Remote URLs are hashed as given; a file:// URL with a host part names no agreed directory.
+    # A canonical remote URL keeps its name; a file:// URL with a host part names no agreed directory.
     assert checkpoint_job_name("train.py", "s3://b/p") == "train-7fb9692596"
     with pytest.raises(CheckpointConfigError, match="absolute path"):
         checkpoint_job_name("train.py", "file://ck")
@@ -108,3 +110,16 @@ def test_the_hook_names_an_odd_script_as_trainguard_run_does(tmp_path, script) -
     hook = checkpoint_job_name(str(tmp_path / script), ck)
     assert JOB_NAME_RE.match(hook), hook
     assert hook == default_job_name(str(tmp_path / script), Rendezvous(None, "127.0.0.1:0", 1, 1, None), 0.0, ck)
+
+
+def test_one_remote_location_gives_one_job_name_however_it_is_spelled() -> None:
+    """Found by review: the URL was hashed as typed, so ``s3://b/x/`` and ``s3://b/x`` (one folder in the bucket,
+    one canonical URL since the checkpoint layer's canonical form) named two jobs and a relaunch spelled
+    differently resumed none of the checkpoints. The canonical spelling keeps the name it had."""
+    from trainguard.worker_env import checkpoint_job_name
+
+    name = checkpoint_job_name("train.py", "s3://b/x")
+    assert name == "train-" + hashlib.sha256(b"s3://b/x").hexdigest()[:10]  # as named before: checkpoints live there
+    for spelling in ("s3://b/x/", "s3://b//x", "S3://b/x", "s3://b/x//"):
+        assert checkpoint_job_name("train.py", spelling) == name, spelling
+    assert checkpoint_job_name("train.py", "s3://b/y") != name
