@@ -59,7 +59,9 @@ def start_agent(tmp: Path) -> tuple[subprocess.Popen, int, int, str, socket.sock
     """Starts the agent with every default detector; returns (process, TCP port, metrics port, socket path,
     notify socket)."""
     config = tmp / "agent.toml"
-    config.write_text('[metrics]\nlisten = "127.0.0.1:0"\n[log]\nformat = "journal"\n')
+    # Its own memory-tier root: the daemon holds the one it uses, and the default may be an installed daemon's.
+    config.write_text('[metrics]\nlisten = "127.0.0.1:0"\n[log]\nformat = "journal"\n'
+                      f'[memory_tier]\nroot = "{tmp / "shm"}"\n')
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp / "notify.sock"))
     notify.settimeout(60)
