@@ -225,6 +225,16 @@ def main() -> None:
     dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(facts), flush=True)
+    _leave()
+
+
+def _leave() -> None:
+    """Exits at once: every fact is printed, every file written and closed, every Checkpointer closed. FSDP2, DTensor
+    and DCP import some thousand modules, and the interpreter's finalization then spends seconds in the garbage
+    collector per rank (4 ranks on 2 cores), which every test of the module waited out."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
