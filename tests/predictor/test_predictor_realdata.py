@@ -21,8 +21,33 @@ def bench():
     return mod
 
 
+@pytest.fixture
+def shared_long_baseline(monkeypatch):
+    """Computes each series' long-baseline deviations once per test, not once per fold.
+
+    ``bench.ours`` leaves one series out at a time: with N series every series' features are computed N times
+    (N - 1 times as training data, once as the held-out series), and the long baseline is ~90 % of that cost
+    (measured: 67 of 76 s for the 5 NAB series on a loaded 2-core box). It is a pure function of its arguments
+    (the config, the node's times and its forward-filled feature columns, which do not depend on the other
+    series with peer features off), so the repeats are served from a memo keyed by those exact bytes; every
+    number the test checks is the one the real function computes. Yields the memo (key -> result)."""
+    from trainguard.predictor import features
+
+    real = features.long_baseline_z
+    memo: dict = {}
+
+    def once(cfg, ts: np.ndarray, x: np.ndarray) -> np.ndarray:
+        key = (cfg, ts.dtype.str, ts.shape, ts.tobytes(), x.dtype.str, x.shape, x.tobytes())
+        if key not in memo:
+            memo[key] = real(cfg, ts, x)
+        return memo[key].copy()  # a caller may write into its result
+
+    monkeypatch.setattr(features, "long_baseline_z", once)
+    yield memo
+
+
 @pytest.mark.timeout(300)
-def test_self_calibrated_budget_holds_on_unseen_real_series(bench):
+def test_self_calibrated_budget_holds_on_unseen_real_series(bench, shared_long_baseline):
     from trainguard.predictor.evaluation import evaluate_windows
 
     data = bench.load_series(bench.DEFAULT_DATA)
@@ -101,7 +126,7 @@ def test_an_event_labelled_on_most_series_at_once_is_found_as_one_shared_window(
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not any(MS_DATA.glob("*.csv")), reason="second data set not downloaded (see bench/data/ms_cloud_latency/SOURCE.md)")
-def test_self_calibrated_budget_holds_on_hourly_service_latency(bench):
+def test_self_calibrated_budget_holds_on_hourly_service_latency(bench, shared_long_baseline):
     """Second public data set (Microsoft Cloud Monitoring Dataset, hourly outbound API latency: outbound-01..04
     with 17 labelled windows, or all 23 series with 74): hourly data gets its own derived windows; each
     held-out series keeps the budget."""
