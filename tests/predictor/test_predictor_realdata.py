@@ -21,31 +21,6 @@ def bench():
     return mod
 
 
-@pytest.fixture
-def shared_long_baseline(monkeypatch):
-    """Computes each series' long-baseline deviations once per test, not once per fold.
-
-    ``bench.ours`` leaves one series out at a time: with N series every series' features are computed N times
-    (N - 1 times as training data, once as the held-out series), and the long baseline is ~90 % of that cost
-    (measured: 67 of 76 s for the 5 NAB series on a loaded 2-core box). It is a pure function of its arguments
-    (the config, the node's times and its forward-filled feature columns, which do not depend on the other
-    series with peer features off), so the repeats are served from a memo keyed by those exact bytes; every
-    number the test checks is the one the real function computes. Yields the memo (key -> result)."""
-    from trainguard.predictor import features
-
-    real = features.long_baseline_z
-    memo: dict = {}
-
-    def once(cfg, ts: np.ndarray, x: np.ndarray) -> np.ndarray:
-        key = (cfg, ts.dtype.str, ts.shape, ts.tobytes(), x.dtype.str, x.shape, x.tobytes())
-        if key not in memo:
-            memo[key] = real(cfg, ts, x)
-        return memo[key].copy()  # a caller may write into its result
-
-    monkeypatch.setattr(features, "long_baseline_z", once)
-    yield memo
-
-
 @pytest.mark.timeout(300)
 def test_self_calibrated_budget_holds_on_unseen_real_series(bench, shared_long_baseline):
     from trainguard.predictor.evaluation import evaluate_windows
