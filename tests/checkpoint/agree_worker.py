@@ -7,9 +7,15 @@ line: the step each restore returned (or the error it raised) and the restored v
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
+
+if __name__ == "__main__":
+    # Importing torch with the cyclic collector running over the growing heap costs ~20 % more CPU (0.3 s a
+    # process on 2 cores); it is back on, with the imported objects frozen out of its scans, when main starts.
+    gc.disable()
 
 import torch
 import torch.distributed as dist
@@ -19,6 +25,8 @@ from trainguard.checkpoint.storage import data_name, step_dirname
 
 
 def main() -> None:
+    gc.freeze()
+    gc.enable()
     rank, workdir = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", init_method=f"file://{workdir}/pg", rank=rank, world_size=2)
     cfg = CheckpointConfig(directory=f"{workdir}/ck", memory={"enabled": False}, persist={"service": "inline"})
@@ -44,6 +52,11 @@ def main() -> None:
     dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(facts), flush=True)
+    # Everything is printed and every Checkpointer closed: leave at once, not through the interpreter's
+    # finalization with torch loaded (seconds of garbage collection per rank on 2 loaded cores).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

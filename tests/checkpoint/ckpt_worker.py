@@ -6,9 +6,15 @@ Each step's state is derived from (rank, step), so any reader can recompute the 
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
+
+if __name__ == "__main__":
+    # Importing torch with the cyclic collector running over the growing heap costs ~20 % more CPU (0.3 s a
+    # process on 2 cores); it is back on, with the imported objects frozen out of its scans, when main starts.
+    gc.disable()
 
 import torch
 
@@ -23,6 +29,8 @@ def state_for(rank: int, step: int) -> dict:
 
 
 def main() -> None:
+    gc.freeze()
+    gc.enable()
     cfg = CheckpointConfig.from_dict(json.loads(sys.argv[1]))
     job, rank, world, steps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     ck = Checkpointer(cfg, rank=rank, world_size=world, job=job)

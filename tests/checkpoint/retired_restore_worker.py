@@ -7,8 +7,15 @@ Usage: python retired_restore_worker.py CONFIG_JSON JOB RANK WORKDIR   (RANK and
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import sys
+
+if __name__ == "__main__":
+    # Importing torch with the cyclic collector running over the growing heap costs ~20 % more CPU (0.3 s a
+    # process on 2 cores); it is back on, with the imported objects frozen out of its scans, when main starts.
+    gc.disable()
 
 import torch
 import torch.distributed as dist
@@ -18,6 +25,8 @@ from trainguard.hook import Session
 
 
 def main() -> None:
+    gc.freeze()
+    gc.enable()
     cfg, job, rank, workdir = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     dist.init_process_group("gloo", init_method=f"file://{workdir}/pg-{job}", rank=rank, world_size=2)
     try:
@@ -32,6 +41,12 @@ def main() -> None:
         session.checkpointer.close()
     finally:
         dist.destroy_process_group()
+    # Everything is printed and the Checkpointer closed: leave at once, not through the interpreter's finalization
+    # with torch loaded (seconds of garbage collection per rank on 2 loaded cores). A failure above still raises
+    # and exits non-zero with its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

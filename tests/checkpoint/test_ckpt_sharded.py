@@ -21,7 +21,8 @@ from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.storage import data_name, manifest_name, step_dirname
 
 HERE = Path(__file__).parent
-# ~20 s for the module on a quiet 2-core machine, ~60 s loaded (7 rank processes in all); bounded well above.
+# ~15 s for the module on a quiet 2-core machine, ~50 s loaded (4 + 2 sharded_worker ranks, 2 agree_worker
+# ranks); bounded well above.
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed"),
               pytest.mark.timeout(480)]
 
@@ -66,19 +67,29 @@ def test_saved_shard_locally_and_restored_in_the_same_layout(saved):
         assert list(f["same_layout_read"]) == [str(f["rank"])]  # only its own copy was read
 
 
-def test_reshard_to_two_ranks_dcp_export_import_and_corrupt_rank(saved):
+@pytest.fixture(scope="module")
+def two_ranks(saved):
+    """The saved "fsdp" job exported by `ckpt export`, the dcp.save checkpoint imported by `ckpt import`, a copy
+    of "fsdp" with one rank's data corrupt, then one 2-rank launch running the reshard and the DDP-to-FSDP2
+    scenarios in turn (starting the ranks costs more than either scenario). Returns the folder, both CLI
+    results and each rank's facts."""
     work, _ = saved
     root = work / "ckpt"
-    assert _cli("export", str(root), "--job", "fsdp", str(work / "exported")).returncode == 0
+    exp = _cli("export", str(root), "--job", "fsdp", str(work / "exported"))
     imp = _cli("import", str(work / "dcp_native"), str(root), "--job", "imported", "--world-size", "3")
-    assert imp.returncode == 0, imp.stderr
     shutil.copytree(root / "fsdp", root / "fsdp_bad")
     bad = root / "fsdp_bad" / step_dirname(3) / data_name(2)
     raw = bytearray(bad.read_bytes())
     raw[1000] ^= 0xFF
     bad.write_bytes(bytes(raw))
+    return work, exp, imp, _run("reshard,ddp_to_fsdp", 2, work)
 
-    facts = _run("reshard", 2, work)
+
+def test_reshard_to_two_ranks_dcp_export_import_and_corrupt_rank(two_ranks):
+    work, exp, imp, facts = two_ranks
+    root = work / "ckpt"
+    assert exp.returncode == 0, exp.stderr
+    assert imp.returncode == 0, imp.stderr
     for f in facts:
         assert f["fsdp_diff"] == [] and f["tp_diff"] == [] and f["import_diff"] == [] and f["dcp_diff"] == []
         assert f["tier"] == "disk"
@@ -128,9 +139,12 @@ def test_direct_restore_in_a_process_group_agrees_on_one_step(tmp_path):
     assert facts[0]["b"] == "CheckpointError" and facts[1]["b"] == "CorruptCheckpointError"
 
 
-def test_a_plain_ddp_checkpoint_restores_into_fsdp2_with_its_optimizer(tmp_path):
+def test_a_plain_ddp_checkpoint_restores_into_fsdp2_with_its_optimizer(two_ranks):
     """Moving a job from DDP to FSDP2: the model's restore raised "got mixed torch.Tensor and DTensor" (copy_ of
     the full tensor into the sharded parameter), and Adam's moments, loaded whole, failed the first step() the
-    same way. Each rank now copies its own region of every plain tensor, moments included; bitwise."""
-    for f in _run("ddp_to_fsdp", 2, tmp_path):
+    same way. Each rank now copies its own region of every plain tensor, moments included; bitwise. (Its own
+    job "ddp" in the 2-rank launch of the reshard test.)"""
+    facts = two_ranks[3]
+    assert [f["rank"] for f in facts] == [0, 1]
+    for f in facts:
         assert f["ddp_to_fsdp_diff"] == [], f

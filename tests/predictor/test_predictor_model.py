@@ -16,14 +16,19 @@ from trainguard.predictor.scorers import RobustZScorer, TreeEnsembleScorer
 
 def test_exported_trees_match_sklearn_and_contributions_add_up():
     from sklearn.ensemble import HistGradientBoostingClassifier
+    from threadpoolctl import threadpool_limits
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3000, 4)).astype(np.float32)
     x[rng.random(x.shape) < 0.05] = np.nan
     y = ((np.nan_to_num(x[:, 0]) + 0.5 * np.nan_to_num(x[:, 2], nan=2.0)) > 1.0).astype(int)
-    clf = HistGradientBoostingClassifier(max_iter=30, max_leaf_nodes=8, random_state=0).fit(x, y)
+    # One OpenMP thread, as predictor.training fits: on 2 loaded cores OpenMP's spinning threads made this fit
+    # and predict_proba take seconds (measured 0.38 s vs 0.02 s for the fit alone at load 8).
+    with threadpool_limits(limits=1):
+        clf = HistGradientBoostingClassifier(max_iter=30, max_leaf_nodes=8, random_state=0).fit(x, y)
+        expected = clf.predict_proba(x)[:, 1]
     sc = TreeEnsembleScorer.from_sklearn(clf, ["a", "b", "c", "d"])
-    np.testing.assert_allclose(sc.score(x), clf.predict_proba(x)[:, 1], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(sc.score(x), expected, rtol=1e-9, atol=1e-12)
     row = x[5].astype(np.float64)
     expected0 = sc.baseline + sum(t["expected"][0] for t in sc.trees)
     assert expected0 + sc.contributions(row).sum() == pytest.approx(sc.raw(row.reshape(1, -1))[0])

@@ -22,7 +22,7 @@ def bench():
 
 
 @pytest.mark.timeout(300)
-def test_self_calibrated_budget_holds_on_unseen_real_series(bench):
+def test_self_calibrated_budget_holds_on_unseen_real_series(bench, shared_long_baseline):
     from trainguard.predictor.evaluation import evaluate_windows
 
     data = bench.load_series(bench.DEFAULT_DATA)
@@ -101,7 +101,7 @@ def test_an_event_labelled_on_most_series_at_once_is_found_as_one_shared_window(
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not any(MS_DATA.glob("*.csv")), reason="second data set not downloaded (see bench/data/ms_cloud_latency/SOURCE.md)")
-def test_self_calibrated_budget_holds_on_hourly_service_latency(bench):
+def test_self_calibrated_budget_holds_on_hourly_service_latency(bench, shared_long_baseline):
     """Second public data set (Microsoft Cloud Monitoring Dataset, hourly outbound API latency: outbound-01..04
     with 17 labelled windows, or all 23 series with 74): hourly data gets its own derived windows; each
     held-out series keeps the budget."""

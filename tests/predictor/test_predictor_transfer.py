@@ -20,7 +20,7 @@ BUDGET = 20.0  # false alarms per 100 node-days (0.2 per node-day): about 11 all
 @needs_trace
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["hgb", "robust-z"])
-def test_budget_holds_on_a_fleet_generated_differently(method):
+def test_budget_holds_on_a_fleet_generated_differently(method, shared_long_baseline):
     from trainguard.predictor.calibration import calibrate_table
     from trainguard.predictor.evaluation import EvalConfig, evaluate_events, failures_by_node
     from trainguard.predictor.features import FeatureConfig
