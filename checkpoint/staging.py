@@ -18,19 +18,23 @@ tier: the memory tier is off for this process until /dev/shm is enlarged.
 The disk tier's folder gets a writer lease of its own (``<disk dir>/.trainguard-writers/<job>/rank_NNNNN``): the
 staging lease lives in the memory directory, so two processes of one job and rank given different memory
 directories (two containers, each with its own /dev/shm, on one checkpoint directory) both wrote every step
-there, each overwriting the other's files, with no word.
+there, each overwriting the other's files, with no word. On a filesystem shared between hosts (NFS, Lustre,
+GPFS, CephFS...) a held lease may be a lost node's: its server keeps the lock until the node's lease with it
+expires (NFSv4: 90 s), while the node's replacement already runs the rank. There a held lease is a warning, not a
+refusal: refusing would fail every save of the replacement, and restart it, for that long.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 
 from trainguard.checkpoint import arena as arena_mod
 from trainguard.checkpoint.arena import Arena, ArenaLease
 from trainguard.checkpoint.config import CheckpointConfig
-from trainguard.checkpoint.errors import StorageUnavailableError
+from trainguard.checkpoint.errors import ArenaOwnedError, StorageUnavailableError
 from trainguard.checkpoint.events import EventSink
 
 log = logging.getLogger(__name__)
@@ -38,6 +42,41 @@ log = logging.getLogger(__name__)
 EVENT_KIND = "checkpoint.staging_fallback"
 #: Folder of the disk tier holding the writers' leases (a dot folder: no job and no step is named so).
 WRITERS_DIR = ".trainguard-writers"
+#: Where the mount table is read (the kernel's format); tests point it at a copy describing other filesystems.
+MOUNTINFO = "/proc/self/mountinfo"
+#: Filesystems of one host: a lock held there is a live process's (the kernel drops a dead one's at once).
+_LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay",
+                       "devtmpfs", "bcachefs", "reiserfs", "jfs", "vfat", "exfat", "ntfs3"})
+
+
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
+def filesystem_type(path: str, mountinfo: str | None = None) -> str:
+    """The type of the filesystem holding ``path`` (the longest mount point above it in ``mountinfo``), "" when
+    the table cannot be read."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open(mountinfo or MOUNTINFO, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, sep, right = line.partition(" - ")
+                fields = left.split()
+                if not sep or len(fields) < 5 or not right.split():
+                    continue
+                # Mount points escape space, tab, newline and backslash as octal (\040...).
+                point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, right.split()[0]
+    except OSError:
+        return ""
+    return kind
+
+
+def shared_between_hosts(path: str) -> bool:
+    """Whether ``path`` may be on a filesystem other hosts write too (not a known local type, or unknown)."""
+    return filesystem_type(path) not in _LOCAL_FS
 
 
 def _cuda() -> bool:
@@ -68,6 +107,8 @@ class StagingArea:
         self.outgrown_lease: ArenaLease | None = None
         #: This process's lease on the job and rank in the disk tier's folder (see the module docstring).
         self.disk_lease: ArenaLease | None = None
+        #: The disk lease was held by another process on a shared filesystem, and this one writes without it.
+        self._disk_lease_held_elsewhere = False
 
     def fallback(self) -> tuple[str, str | None]:
         """``(kind, directory)`` of the staging used when the memory directory is too small (see module)."""
@@ -120,12 +161,21 @@ class StagingArea:
         Raises:
             ArenaOwnedError: another live process writes this job and rank there (the message names its pid).
         """
-        if self.disk_lease is not None or not self.config.disk.enabled:
+        if self.disk_lease is not None or self._disk_lease_held_elsewhere or not self.config.disk.enabled:
             return
         lease = ArenaLease(arena_mod.rank_dir(os.path.join(self.config.disk_directory, WRITERS_DIR), self.job,
                                               self.rank))
         try:
             lease.acquire()
+        except ArenaOwnedError as exc:
+            if not shared_between_hosts(self.config.disk_directory):
+                raise
+            # Possibly a lost node's lock that its file server has not expired yet (see the module docstring).
+            log.warning("%s; the checkpoint folder is on a filesystem shared between hosts, where this may be a "
+                        "lost node's lock not yet expired, so this process writes anyway: if another live process "
+                        "writes this job and rank, their checkpoints overwrite each other", exc)
+            self._disk_lease_held_elsewhere = True  # said once; the next open() must not say it again
+            return
         except StorageUnavailableError as exc:
             # A disk folder that cannot be written fails each save's disk tier, reported there; not a reason to
             # refuse the memory tier here.
@@ -211,4 +261,4 @@ class StagingArea:
         self.arena, self.lease, self.kind, self.outgrown_lease, self.disk_lease = None, None, None, None, None
 
 
-__all__ = ["EVENT_KIND", "StagingArea"]
+__all__ = ["EVENT_KIND", "MOUNTINFO", "StagingArea", "filesystem_type", "shared_between_hosts"]

@@ -24,6 +24,7 @@ from trainguard.checkpoint import (
     CorruptCheckpointError,
     StateMismatchError,
 )
+from trainguard.checkpoint import staging
 from trainguard.checkpoint.arena import rank_dir
 from trainguard.checkpoint.errors import ArenaOwnedError, CheckpointConfigError, UnsupportedValueError
 from trainguard.checkpoint.storage import data_name, step_dirname
@@ -89,8 +90,14 @@ def test_state_fitting_small_shm_still_uses_memory(make_config, small_tmpfs):
 
 
 @pytest.mark.parametrize("reader_memory", [True, False])
-def test_reader_never_removes_the_writers_area_and_a_second_writer_is_refused(make_config, reader_memory):
+def test_reader_never_removes_the_writers_area_and_a_second_writer_is_refused(make_config, reader_memory, tmp_path,
+                                                                               monkeypatch, caplog):
     cfg = make_config()
+    # The checkpoint folder's filesystem, as the kernel's mount table gives it (local here; NFS further down).
+    mounts = tmp_path / "mountinfo"
+    mount_line = f"36 22 0:40 / {os.path.realpath(tmp_path)} rw,relatime - {{}} server:/export rw\n"
+    mounts.write_text("22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n" + mount_line.format("ext4"))
+    monkeypatch.setattr(staging, "MOUNTINFO", str(mounts))
     trainer = start_trainer(cfg, "iso")
     try:
         assert ask(trainer, "save 1") == "saved 1 True"
@@ -116,10 +123,32 @@ def test_reader_never_removes_the_writers_area_and_a_second_writer_is_refused(ma
             with pytest.raises(ArenaOwnedError, match=f"process {trainer.pid} already writes.*trainguard-writers"):
                 intruder.save({"w": torch.ones(3)}, 5)
         assert ask(trainer, "save 3") == "saved 3 True"
+        # On a filesystem shared between hosts the lease may be a lost node's lock that the file server keeps until
+        # it expires (NFSv4: 90 s) while the replacement runs the rank: refusing failed every save of the
+        # replacement for that long. There it is a warning naming the holder, and the save goes ahead.
+        mounts.write_text("22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n" + mount_line.format("nfs4"))
+        with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint.staging"):
+            with Checkpointer(elsewhere, job="iso") as intruder:
+                intruder.save({"w": torch.ones(3)}, 6)
+                assert intruder.wait(6, timeout=30)
+        warned = [r.getMessage() for r in caplog.records if "shared between hosts" in r.getMessage()]
+        assert len(warned) == 1 and f"process {trainer.pid} already writes" in warned[0], caplog.text
     finally:
         trainer.kill()
         trainer.wait()
         shutil.rmtree(cfg.memory.directory + "-elsewhere", ignore_errors=True)
+
+
+def test_filesystem_type_reads_the_kernel_mount_table(tmp_path):
+    """The longest mount point above a path decides, and octal escapes in mount points are decoded."""
+    table = tmp_path / "mountinfo"
+    table.write_text("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                     "40 22 0:50 / /mnt/ckpt\\040dir rw - nfs4 fs:/x rw\n"
+                     "41 40 0:51 / /mnt/ckpt\\040dir/local rw - xfs /dev/sdb rw\n")
+    assert staging.filesystem_type("/mnt/ckpt dir/job", str(table)) == "nfs4"
+    assert staging.filesystem_type("/mnt/ckpt dir/local/job", str(table)) == "xfs"
+    assert staging.filesystem_type("/mnt/ckptdir", str(table)) == "ext4"
+    assert staging.filesystem_type("/x", str(tmp_path / "missing")) == ""
 
 
 def test_crashed_owners_area_is_reclaimed(make_config):
