@@ -350,7 +350,8 @@ def push_copy(address: str, job: str, man: Manifest, data_path: str, from_node: 
 def fetch(address: str, job: str, rank: int, min_step: int, open_writer: Callable[[Manifest], ReplicaWriter],
           timeout_s: float, token: str = "", stall_s: float = STALL_S) -> tuple[object, Manifest]:
     """Fetches the copy of ``rank`` at ``min_step`` from the node at ``address``, or when it holds none its newest
-    above (``open_writer`` may refuse that one) (with the job token, when the job has one); a peer silent for about ``stall_s`` seconds ends the call before ``timeout_s``.
+    above (``open_writer`` may refuse that one), with the job token when the job has one; a peer silent for about
+    ``stall_s`` seconds ends the call before ``timeout_s``.
 
     Raises:
         grpc.RpcError: the peer is unreachable, refused the token (UNAUTHENTICATED), holds no such copy
