@@ -352,7 +352,7 @@ class MetricTable:
             raise DataFormatError(_not_utf8(path, exc)) from exc
         if not ts:
             raise DataFormatError(f"{path}: no data rows after the header; give at least a row per node and interval")
-        _check_seconds(path, ts)
+        _check_seconds(path, ts, lines)
         _check_serial_days(path, ts)
         # pandas reads a column without a name as 'Unnamed: N' and writes it back under that name: the same row
         # index one round trip later
@@ -470,9 +470,11 @@ class EventTable:
                 _refuse_repeated(path, header, ("timestamp", "node", "kind"))
                 it, inode, ikind = header.index("timestamp"), header.index("node"), header.index("kind")
                 ts, nodes, kinds = [], [], []
+                lines: list[int] = []
                 for line_no, row in enumerate(reader, start=2):
                     if not row:
                         continue
+                    lines.append(line_no)
                     if len(row) != len(header):
                         raise DataFormatError(f"{path}:{line_no}: {len(row)} cells but the header has {len(header)}")
                     ts.append(_parse_time(row[it], f"{path}:{line_no}"))
@@ -488,7 +490,7 @@ class EventTable:
             raise DataFormatError(f"{path}: cannot read events file ({exc.strerror}); check the path") from exc
         except UnicodeDecodeError as exc:
             raise DataFormatError(_not_utf8(path, exc)) from exc
-        _check_seconds(path, ts)
+        _check_seconds(path, ts, lines)
         return cls(np.array(ts), np.array(nodes, dtype=object), np.array(kinds, dtype=object))
 
     def to_csv(self, path: str | Path) -> None:
@@ -526,15 +528,33 @@ _PANDAS_UNNAMED = re.compile(r"Unnamed: \d+")
 _MAX_SECONDS = 1e11
 
 
-def _check_seconds(path: Path, ts: list[float]) -> None:
+def _check_seconds(path: Path, ts: list[float], lines: list[int] | None = None) -> None:
     """Refuses timestamps that are epoch milliseconds, microseconds or nanoseconds, naming the conversion
-    (read as seconds they would be thousands of years ahead, and the interval 1000x too long)."""
+    (read as seconds they would be thousands of years ahead, and the interval 1000x too long).
+
+    When most of the file's times are Unix seconds and only some rows lie far beyond them (a garbage row, or
+    rows written in another unit), the first such row is named instead: converting the whole file would break
+    the good rows. ``lines`` are the file's line numbers of ``ts`` (1-based, the header is line 1).
+    """
     finite = [t for t in ts if math.isfinite(t)]
     big = max(finite, default=0.0)
     if big <= _MAX_SECONDS:
         return
+    if float(np.median(finite)) <= _MAX_SECONDS:
+        k = next(i for i, t in enumerate(ts) if math.isfinite(t) and t > _MAX_SECONDS)
+        where = f"{path}:{lines[k]}" if lines is not None else f"{path} (data row {k + 1})"
+        raise DataFormatError(
+            f"{where}: timestamp {ts[k]:.0f} lies in the year {1970 + ts[k] / 31_557_600:.0f} while most rows are "
+            "Unix seconds; fix or drop that row (rows in milliseconds or finer: convert them to seconds)"
+        )
     units = (("milliseconds", 1_000), ("microseconds", 1_000_000), ("nanoseconds", 1_000_000_000))
-    unit, factor = next(((u, f) for u, f in units if big / f <= _MAX_SECONDS), units[-1])
+    found = next(((u, f) for u, f in units if big / f <= _MAX_SECONDS), None)
+    if found is None:
+        raise DataFormatError(
+            f"{path}: timestamps such as {big:.0f} are not Unix times in seconds, nor in milliseconds, microseconds "
+            "or nanoseconds; write Unix seconds or ISO 8601 dates"
+        )
+    unit, factor = found
     raise DataFormatError(
         f"{path}: timestamps look like {unit} since the epoch ({big:.0f} would be the year "
         f"{1970 + big / 31_557_600:.0f} in seconds); divide them by {factor} (the format takes Unix seconds)"

@@ -692,3 +692,28 @@ def test_a_column_is_judged_by_its_values_not_by_its_rows(tmp_path, capsys):
     assert main(["predictor", "train", "--metrics", empty, "--out", str(tmp_path / "model.json")]) == 2
     assert "holds numbers the learned tier can use" in capsys.readouterr().err
     assert not (tmp_path / "model.json").exists()
+
+
+def test_one_far_future_row_is_named_not_the_whole_file_converted(trained, tmp_path, capsys):
+    """A few rows far beyond the rest (a garbage row) were reported as "timestamps look like nanoseconds ...
+    divide them by 1000000000", which would break every good row; now the first such line is named."""
+    _, metrics, model = trained
+    rows = [list(r) for r in _fleet_rows()]
+    rows[7][0] = 1e20
+    path = _write(tmp_path / "stray.csv", COLS, rows)
+    err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path])
+    assert "stray.csv:9:" in err and "most rows are Unix seconds" in err and "divide" not in err, err
+    events = _write(tmp_path / "e.csv", ["kind"], [[1_700_003_000, "n1", "XID 79"], [1_700_003_000, "n1", "XID 79"],
+                                                   [1e19, "n0", "XID 79"]])
+    err = _one_line_error(capsys, ["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events])
+    assert "e.csv:4:" in err and "most rows are Unix seconds" in err, err
+
+
+def test_times_beyond_every_epoch_unit_are_not_called_nanoseconds(trained, tmp_path, capsys):
+    """Times that are no unit of Unix time (1e25) were called nanoseconds, whose conversion still left them
+    thousands of years ahead."""
+    _, _, model = trained
+    rows = [[1e25 + 1e12 * k, *r[1:]] for k, r in enumerate(_fleet_rows())]
+    path = _write(tmp_path / "far.csv", COLS, rows)
+    err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path])
+    assert "not Unix times" in err and "nanoseconds since" not in err, err
