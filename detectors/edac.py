@@ -126,7 +126,9 @@ class EdacDetector(Detector):
             except DetectorReadError:
                 pass  # mc_name is evidence only
             if not due.first and due.delta > 0:
-                s.events.append(self.event("hw.memory_ue", Severity.CRITICAL, Action.DRAIN_NODE,
+                # one_off: the counter moved past this error already; a later read that raised out of the sample
+                # lost it for good (a drain never asked for)
+                self.one_off(s, self.event("hw.memory_ue", Severity.CRITICAL, Action.DRAIN_NODE,
                                            f"{due.delta} uncorrectable memory error(s) on {mc} ({worst})", mc,
                                            evidence))
             if ue > 0:

@@ -265,7 +265,8 @@ class PcieDetector(Detector):
                                bdf, evidence)
             elif not d.first and d.delta > 0:
                 fatal = metric == "aer_fatal"
-                s.events.append(self.event(
+                # one_off: the counter moved past these errors already (see Detector.one_off)
+                self.one_off(s, self.event(
                     "pcie.aer_fatal" if fatal else "pcie.aer_nonfatal",
                     Severity.CRITICAL if fatal else Severity.ERROR,
                     Action.DRAIN_NODE if fatal else Action.CHECKPOINT_NOW,

@@ -367,15 +367,16 @@ class ProcessDetector(Detector):
         key = (w.rank, w.pid)
         if key in self._ended:
             return
+        # Reported once: one_off(), so a sample that raises after this still delivers it (see Detector.one_off).
         self._ended.add(key)
         subject = f"rank:{w.rank}"
         evidence = {"rank": w.rank, "pid": w.pid, "last_step": w.last_step}
         if code is None:
-            s.events.append(self.event("process.vanished", Severity.ERROR, Action.RESTART_PROCESS,
+            self.one_off(s, self.event("process.vanished", Severity.ERROR, Action.RESTART_PROCESS,
                                        f"worker rank {w.rank} (pid {w.pid}) is gone and its exit status is unknown",
                                        subject, evidence))
         elif code == 0:
-            s.events.append(self.event("process.exited", Severity.INFO, Action.NONE,
+            self.one_off(s, self.event("process.exited", Severity.INFO, Action.NONE,
                                        f"worker rank {w.rank} (pid {w.pid}) exited cleanly", subject,
                                        {**evidence, "returncode": 0}))
         else:
@@ -383,7 +384,7 @@ class ProcessDetector(Detector):
             evidence["returncode"] = code
             if code < 0:
                 evidence["signal"] = describe_returncode(code).removeprefix("killed by ")
-            s.events.append(self.event(kind, Severity.ERROR, Action.RESTART_PROCESS,
+            self.one_off(s, self.event(kind, Severity.ERROR, Action.RESTART_PROCESS,
                                        f"worker rank {w.rank} (pid {w.pid}) ended: {describe_returncode(code)}",
                                        subject, evidence))
 

@@ -365,10 +365,13 @@ class RoceDetector(ListeningDetector):
                 info = link_from_message(msg)
                 if info is not None:
                     names.add(info.ifname)
-                    s.events.extend(self._link_events(info, False))
+                    # one_off: the link table already holds the new state; the change is not seen again
+                    for ev in self._link_events(info, False):
+                        self.one_off(s, ev)
         finally:
             ipr.close()
-        s.events.extend(self._vanished(names))
+        for ev in self._vanished(names):
+            self.one_off(s, ev)
 
     # -- polled part -----------------------------------------------------------------------------------------
 

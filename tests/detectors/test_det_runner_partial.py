@@ -91,3 +91,25 @@ def test_only_the_sampling_threads_own_condition_events_are_delivered_for_a_fail
     assert [e.kind for e in events] == ["test.mine", DETECTOR_ERROR_KIND]
     assert [e.kind for e in det.from_listener] == ["test.theirs"]
     assert "OSError: the next read failed" in events[1].message
+
+
+class _Both(Detector):
+    """Passes a condition's start event to one_off() too (as the RoCE detector does with link events built with
+    a flap condition inside), then raises."""
+
+    name: ClassVar[str] = "both"
+
+    def __init__(self) -> None:
+        super().__init__(DetectorConfig(interval_s=60.0))
+
+    def sample(self) -> Sample:
+        s = Sample()
+        self.condition(s, "flap", True, "test.flap", Severity.CRITICAL, Action.DRAIN_NODE, "flapping")
+        self.one_off(s, s.events[-1])
+        self.one_off(s, self.event("test.down", Severity.ERROR, Action.CHECKPOINT_NOW, "down"))
+        raise OSError("the next read failed")
+
+
+def test_an_event_recorded_both_as_condition_and_one_off_is_delivered_once() -> None:
+    events = DetectorRunner([_Both()]).run_once()
+    assert [e.kind for e in events] == ["test.flap", "test.down", DETECTOR_ERROR_KIND]
