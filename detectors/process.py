@@ -453,6 +453,10 @@ class ProcessDetector(Detector):
         except OSError:
             tids = []
         for tid in tids:
+            # Only thread ids: int() of any other entry raised ValueError out of the whole sample, and with it went
+            # every other worker's report of that sample (a fake or overlaid /proc, a future kernel's entry).
+            if not (tid.isascii() and tid.isdigit()):
+                continue
             stat = self._stat_task(task_dir, tid)
             key = (w.pid, int(tid))
             if stat is None or stat.state != "D":
