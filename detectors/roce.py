@@ -39,7 +39,7 @@ from trainguard.detectors.counters import CounterTracker
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.ethtool import ethtool_stats
 from trainguard.detectors.events import Action, HealthEvent, Severity
-from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message, open_iproute
+from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message, netns_identity, open_iproute
 from trainguard.detectors.rules import CounterRule, check_operator_file, load_counter_rules
 from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_pma_counter, read_text
 
@@ -132,6 +132,9 @@ class RoceDetector(ListeningDetector):
         self._watcher: LinkWatcher | None = None
         self._stopping = False
         self._listening = False
+        # Why sample() stopped the listener (its namespace was deleted or replaced); listen() raises it, so the
+        # runner starts it again in the namespace the name now stands for.
+        self._namespace_lost = ""
         self._auto: tuple[str, ...] | None = None
         self._ports_seen: set[str] = set()
         # Port subject -> the PCI function behind its RDMA device: a device renamed (udev's rdma naming policy
@@ -197,6 +200,10 @@ class RoceDetector(ListeningDetector):
         finally:
             with self._lock:
                 self._listening = False
+                lost, self._namespace_lost = self._namespace_lost, ""
+        if lost and not self._stopping:
+            # Returning would end the runner's listener thread for good; raised, it listens again after a pause.
+            raise DetectorReadError(f"rtnetlink {self.config.netns}", lost)
 
     def stop_listening(self) -> None:
         """Makes :meth:`listen` return."""
@@ -389,7 +396,8 @@ class RoceDetector(ListeningDetector):
         ib_unlistable = bool(s.errors)
         if not patterns and not ib_devs and not s.errors and not self._ports_seen:
             return self.no_hardware("no RDMA devices under /sys/class/infiniband and no interfaces configured")
-        if patterns and not self._listening:
+        replaced = self._leave_replaced_namespace()
+        if patterns and (not self._listening or replaced):
             try:
                 self._dump_links(s)
             except Exception as exc:  # noqa: BLE001 - no netlink (namespace gone...) is a read error, not a crash
@@ -430,6 +438,27 @@ class RoceDetector(ListeningDetector):
         if self.config.rdma and not ib_unlistable:
             self._sample_gone_ports(s, present, unlisted)
         return s
+
+    def _leave_replaced_namespace(self) -> bool:
+        """Stops the listener when its namespace was deleted (``ip netns del``) or re-created under its name.
+
+        Its socket kept the old namespace alive, and the detector read that namespace's links (up) for good: a
+        deleted namespace read OK forever, and one re-created with its links down too. Stopped, this sample reads
+        the name's links from a dump (a deleted namespace is then a read error naming it, and a re-created one's
+        links are compared with the table), and the listener starts again in what the name now stands for.
+
+        Returns:
+            True when the listener was stopped.
+        """
+        watcher = self._watcher
+        if not self.config.netns or not self._listening or watcher is None or not watcher.namespace_replaced():
+            return False
+        why = "was deleted" if netns_identity(self.config.netns) is None else "was replaced by a new one"
+        with self._lock:
+            self._namespace_lost = (f"network namespace {self.config.netns!r} {why} while its links were watched; "
+                                    "listening again in the namespace of that name")
+        watcher.stop()
+        return True
 
     def _unmatched_condition(self, s: Sample, netdevs: list[str]) -> None:
         """Configured ``interfaces`` patterns that match no interface (a typo, a NIC udev has not renamed yet)

@@ -611,3 +611,30 @@ def test_interfaces_patterns_that_match_nothing_are_said_until_an_interface_matc
     s = det.sample()
     assert [e.kind for e in s.events] == ["roce.interfaces_unmatched.cleared"]
     assert s.state == DetectorState.OK and "rx_crc_errors_per_s[ens1f0np0]" in s.metrics, s.metrics
+
+
+@pytest.mark.netns
+def test_a_namespace_deleted_or_recreated_while_watched_is_not_read_as_healthy(veth_netns, tmp_path) -> None:
+    """The listener's socket keeps its namespace alive after ``ip netns del``: the detector read that namespace's
+    links (up) for good, OK while nothing of that name existed, and still OK once a namespace of the same name
+    came back with its link down (a restarted container's). Now a deleted namespace is a read error naming it
+    (no drain), and the links of the one re-created under the name are read."""
+    ns, a, b = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=3600, ethtool=False,
+                                  interval_s=0.1))
+    q: queue.Queue[HealthEvent] = queue.Queue()
+    with DetectorRunner([det], on_event=q.put) as runner:
+        assert det.wait_ready(30.0), "the netlink listener did not start"
+        subprocess.run(["ip", "netns", "del", ns], check=True, timeout=10)
+        deadline = time.monotonic() + 5
+        while runner.statuses()[0].state != DetectorState.ERROR and time.monotonic() < deadline:
+            time.sleep(0.02)
+        status = runner.statuses()[0]
+        assert status.state == DetectorState.ERROR and f"no network namespace {ns!r}" in status.detail, status
+        subprocess.run(["ip", "netns", "add", ns], check=True, timeout=10)
+        ip(ns, "link", "add", a, "type", "veth", "peer", "name", b)  # created down
+        down = next_event(q, "net.link_down", a)
+        assert down.action == Action.CHECKPOINT_NOW
+        next_event(q, "detector.error.cleared", "")
+    drains = [e for e in list(q.queue) if e.action == Action.DRAIN_NODE]
+    assert drains == []
