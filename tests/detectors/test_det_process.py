@@ -344,6 +344,35 @@ def test_an_entry_of_the_task_folder_that_is_no_thread_id_is_skipped(tmp_path) -
     assert events[0].evidence["tids"] == "4250"
 
 
+@pytest.mark.parametrize("bad", [
+    "4242 (python3 S 1 2 3",  # truncated: no ')' closing the command name
+    "4242 (python3) Z " + " ".join(["0"] * 48) + " 99999999999999999999",  # a zombie's exit status past an int
+])
+def test_a_stat_file_that_cannot_be_read_is_a_read_error_not_a_vanished_worker(tmp_path, bad: str) -> None:
+    """A worker's /proc/<pid>/stat that exists but is not in the proc(5) format was taken for a process that is
+    gone: process.vanished (a restart asked for), and the worker never judged again. A zombie's exit status past
+    an int raised OverflowError out of the sample. Both are read errors naming the file now, and the worker is
+    judged once its file reads again."""
+    pid = 4242
+    stat = tmp_path / "proc" / str(pid) / "stat"
+    stat.parent.mkdir(parents=True)
+    stat.write_text(bad + "\n")
+
+    class View:
+        def workers(self):
+            return [WorkerSnapshot(rank=0, pid=pid, started_at=time.monotonic())]
+
+    det = ProcessDetector(ProcessConfig(root=str(tmp_path), stack_dump=False), worker_view=View())
+    runner = DetectorRunner([det])
+    events = runner.run_once()
+    assert [(e.kind, e.subject) for e in events] == [("detector.error", str(stat))], [e.message for e in events]
+    assert runner.statuses()[0].state == DetectorState.ERROR
+    stat.write_text(f"{pid} (python3) Z " + " ".join(["0"] * 48) + f" {9 << 8}\n")  # exited with code 9
+    events = runner.run_once()
+    assert [e.kind for e in events] == ["process.failed", "detector.error.cleared"]
+    assert events[0].evidence["returncode"] == "9"
+
+
 def test_slow_stack_dump_does_not_delay_another_workers_kill_report(tmp_path) -> None:
     # Rank 0 catches the dump signal but never writes a dump: the dump waits its full timeout (3 s).
     silent = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
