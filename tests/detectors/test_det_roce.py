@@ -638,3 +638,37 @@ def test_a_namespace_deleted_or_recreated_while_watched_is_not_read_as_healthy(v
         next_event(q, "detector.error.cleared", "")
     drains = [e for e in list(q.queue) if e.action == Action.DRAIN_NODE]
     assert drains == []
+
+
+@pytest.mark.netns
+def test_ethtool_reads_an_interface_whose_name_is_no_utf8(veth_netns) -> None:
+    """An interface name is bytes to the kernel; one that is no UTF-8 (b'tg\\xffx') is listed by os.listdir with a
+    surrogate, and the ioctl's str.encode() raised UnicodeEncodeError out of every RoCE sample that watched it."""
+    ns, _, _ = veth_netns
+    subprocess.run(["ip", "-n", ns, "link", "add", b"tg\xffx", "type", "veth", "peer", "name", "tgpeer"], check=True,
+                   timeout=10)
+    code = ("import json, os; from trainguard.detectors.ethtool import ethtool_stats; "
+            "name = next(n for n in os.listdir('/sys/class/net') if n.startswith('tg') and not n.isascii()); "
+            "print(json.dumps(ethtool_stats(name)))")
+    done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+    assert json.loads(done.stdout)["peer_ifindex"] > 0  # veth's own statistic, from the kernel
+
+
+@pytest.mark.netns
+def test_a_link_whose_name_is_no_utf8_does_not_blind_the_link_table(veth_netns, tmp_path) -> None:
+    """pyroute2 hands over a link name that is no UTF-8 as bytes; matching it against the interface patterns
+    raised TypeError, so one such link beside the watched ones failed every dump and the listener for good: no
+    watched link's state was read any more. It is named as /sys/class/net lists it now."""
+    ns, a, _ = veth_netns
+    subprocess.run(["ip", "-n", ns, "link", "add", b"tg\xffx", "type", "veth", "peer", "name", "tgpeer"], check=True,
+                   timeout=10)
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=("tg*",), down_grace_s=3600,
+                                  ethtool=False))
+    s = det.sample()
+    assert s.errors == [], s.errors
+    assert s.metrics[f"link_up[{a}]"] == 1.0 and s.metrics["link_up[tg\udcffx]"] == 0.0
+    ip(ns, "link", "set", a, "down")
+    assert ("net.link_down", a) in [(e.kind, e.subject) for e in det.sample().events]
