@@ -224,6 +224,11 @@ def link_from_message(msg: Any, received: float | None = None) -> LinkInfo | Non
     name = msg.get_attr("IFLA_IFNAME")
     if name is None:
         return None
+    if isinstance(name, bytes):
+        # A name is bytes to the kernel; pyroute2 hands over one that is no UTF-8 undecoded, and matching it
+        # against the interface patterns raised TypeError: every dump (and the listener, retried for good) failed
+        # over one such link beside the watched NICs. Decoded as os.listdir('/sys/class/net') lists it.
+        name = os.fsdecode(name.rstrip(b"\0"))
     carrier = msg.get_attr("IFLA_CARRIER")
     down_count = msg.get_attr("IFLA_CARRIER_DOWN_COUNT")
     return LinkInfo(
