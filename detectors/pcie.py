@@ -294,6 +294,12 @@ class PcieDetector(Detector):
         except DetectorReadError as exc:
             s.error(exc)
             return 0
+        if max_width == 0:
+            # No link of its own: a root complex integrated endpoint (an integrated GPU at 00:02.0, class 0x0300)
+            # has the PCIe link attributes in sysfs, but its link registers are not implemented and read zero
+            # (width 0 of 0, speed Unknown). It read as a link down, critical with drain-node, on every such node.
+            # A link that is down keeps its maximum (the capability); one that fell off the bus reads x63.
+            return 0
         port_width, port_speed = port_limits(port_dir)
         if port_width > 0:
             max_width = min(max_width, port_width)

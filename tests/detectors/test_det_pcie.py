@@ -185,3 +185,18 @@ def test_a_counter_of_absurd_length_is_a_read_error_beside_another_devices_event
     assert [e.subject for e in events if e.kind == "pcie.aer_fatal"] == [GPU]
     (bad,) = [e for e in events if e.kind == "detector.error"]
     assert bad.subject.endswith(f"{ROOT_PORT}/aer_dev_correctable") and "is not '<name> <count>'" in bad.message
+
+
+def test_an_integrated_endpoint_without_a_link_is_not_a_link_down(tmp_path) -> None:
+    """A root complex integrated endpoint (an integrated GPU at 0000:00:02.0, class 0x0300) has the link files in
+    sysfs, but its link registers are not implemented and read zero: width 0 of a maximum 0, speeds Unknown. It
+    read as a PCIe link down, critical with drain-node. A discrete device's link that goes down keeps its
+    maximum width and is still reported."""
+    write_pci_device(tmp_path, "0000:00:02.0", cls="0x030000", width=0, max_width=0, speed="Unknown",
+                     max_speed="Unknown")
+    write_pci_device(tmp_path, GPU)
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert (s.events, s.errors, s.state) == ([], [], DetectorState.OK)
+    write_pci_device(tmp_path, GPU, width=0, speed="Unknown")
+    assert [(e.kind, e.subject) for e in det.sample().events] == [("pcie.link_down", GPU)]
