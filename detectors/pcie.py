@@ -32,7 +32,7 @@ from trainguard.detectors.base import Detector, DetectorConfig, DetectorState, S
 from trainguard.detectors.counters import CounterTracker
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.sysfs import list_dir, read_counter_table, read_int, read_text
+from trainguard.detectors.sysfs import list_dir, read_counter_table, read_int, read_text, removed_while_read
 
 #: The Negotiated Link Width field of a link status register read as all ones (0xffff >> 4 & 0x3f): PCIe links
 #: are at most x32, so this is a device that no longer answers config reads, not a width.
@@ -165,6 +165,8 @@ class PcieDetector(Detector):
         self._last: dict[str, dict[str, int]] = {}
         self._seen_links: set[str] = set()
         self._devices: dict[str, _DeviceInfo] = {}
+        # Devices listed by this sample but removed before their files were read (hot-unplug): lost now.
+        self._removed: set[str] = set()
 
     def _link_watched(self, bdf: str, cls: str) -> bool:
         if self.config.devices:
@@ -209,11 +211,13 @@ class PcieDetector(Detector):
                     self._counters.update(f"{gone}/{fname}", 0)
                     self._last[f"{gone}/{fname}"] = {}
         infos: dict[str, _DeviceInfo] = {}
+        self._removed = set()
         for bdf in present:
             try:
                 infos[bdf] = self._info(base, bdf)
             except DetectorReadError as exc:
-                s.error(exc)
+                if not removed_while_read(exc, os.path.join(base, bdf)):
+                    s.error(exc)
         links = [b for b, i in infos.items() if i.has_link and self._link_watched(b, i.cls)]
         if self.config.aer_scope == "all":
             aer = [b for b, i in infos.items() if i.has_aer]
@@ -228,8 +232,8 @@ class PcieDetector(Detector):
             port_dir = os.path.join(base, port) if port in infos and infos[port].has_link else ""
             degraded += self._sample_link(s, os.path.join(base, bdf), bdf, infos[bdf].cls, port_dir)
         for bdf in sorted(self._seen_links):
-            self.condition(s, f"lost/{bdf}", bdf not in infos, "pcie.device_lost", Severity.CRITICAL,
-                           Action.DRAIN_NODE, f"PCI device {bdf} disappeared from the bus", bdf)
+            self.condition(s, f"lost/{bdf}", bdf not in infos or bdf in self._removed, "pcie.device_lost",
+                           Severity.CRITICAL, Action.DRAIN_NODE, f"PCI device {bdf} disappeared from the bus", bdf)
         if not aer and not self._seen_links:
             return self.no_hardware(f"no watched PCIe device under {base} reports AER counters or link status")
         s.metrics.update({k + "_total": float(v) for k, v in totals.items()})
@@ -246,6 +250,11 @@ class PcieDetector(Detector):
                 if total_key not in table:
                     raise DetectorReadError(path, f"no {total_key} line (truncated?)")
             except DetectorReadError as exc:
+                if removed_while_read(exc, dev):
+                    # Hot-unplugged while read (a GPU or NIC that fell off and was removed): a device lost, not
+                    # an unreadable file (a detector.error for each of its files, and the loss one sample later).
+                    self._removed.add(bdf)
+                    return rate
                 s.error(exc)
                 continue
             total = table[total_key]
@@ -292,7 +301,10 @@ class PcieDetector(Detector):
             speed = parse_link_speed(read_text(speed_path), speed_path)
             max_speed = parse_link_speed(read_text(max_speed_path), max_speed_path)
         except DetectorReadError as exc:
-            s.error(exc)
+            if removed_while_read(exc, dev):
+                self._removed.add(bdf)  # gone, not unreadable: see _sample_aer
+            else:
+                s.error(exc)
             return 0
         if max_width == 0:
             # No link of its own: a root complex integrated endpoint (an integrated GPU at 00:02.0, class 0x0300)

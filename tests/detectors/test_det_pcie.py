@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import time
 
@@ -200,3 +202,30 @@ def test_an_integrated_endpoint_without_a_link_is_not_a_link_down(tmp_path) -> N
     assert (s.events, s.errors, s.state) == ([], [], DetectorState.OK)
     write_pci_device(tmp_path, GPU, width=0, speed="Unknown")
     assert [(e.kind, e.subject) for e in det.sample().events] == [("pcie.link_down", GPU)]
+
+
+def test_a_device_removed_while_its_files_are_read_is_lost_not_unreadable(tmp_path, monkeypatch) -> None:
+    """A GPU hot-unplugged (or removed by its driver after falling off the bus) between the listing of the bus and
+    the reading of its files: the read of an open attribute fails with ENODEV, the files opened after with ENOENT.
+    Each was a detector.error (an unreadable input, the detector in ERROR) and the loss was said one sample later.
+    It is the device lost now, in that sample, and no read error."""
+    write_pci_device(tmp_path, ROOT_PORT, cls="0x060400")
+    gpu_dir = write_pci_device(tmp_path, GPU, above=ROOT_PORT)
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    assert det.sample().events == []
+    real_read = os.read
+
+    def kernel_read(fd: int, n: int) -> bytes:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f"/{GPU}/aer_dev_correctable"):
+            # the device goes while this file is open: kernfs answers the read with ENODEV
+            (tmp_path / "sys/bus/pci/devices" / GPU).unlink()
+            shutil.rmtree(gpu_dir)
+            raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", kernel_read)
+    s = det.sample()
+    assert s.errors == [], [str(e) for e in s.errors]
+    assert [(e.kind, e.subject, e.action) for e in s.events] == [("pcie.device_lost", GPU, Action.DRAIN_NODE)]
+    assert s.state == DetectorState.FAILED
+    assert det.sample().events == []  # still lost: said once
