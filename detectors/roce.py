@@ -41,7 +41,13 @@ from trainguard.detectors.ethtool import ethtool_stats
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message, netns_identity, open_iproute
 from trainguard.detectors.rules import CounterRule, check_operator_file, load_counter_rules
-from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_pma_counter, read_text
+from trainguard.detectors.sysfs import (
+    list_dir_or_record,
+    read_int,
+    read_pma_counter,
+    read_text,
+    removed_while_read,
+)
 
 _PORT_STATE = re.compile(r"^([0-9]+):\s*(\S+)$")  # ASCII digits: ``\d`` takes other scripts' too
 #: Widths in bits of the IB PortCounters error counters a port shows in ``ports/<n>/counters`` (the kernel's
@@ -417,7 +423,8 @@ class RoceDetector(ListeningDetector):
                 try:
                     stats = self._ethtool(ifname)
                 except DetectorReadError as exc:
-                    s.error(exc)
+                    if not removed_while_read(exc, os.path.join(netdev_root, ifname)):
+                        s.error(exc)  # a NIC removed meanwhile is no read error: its link says it is gone
                     stats = {}
                 for name, value in sorted(stats.items()):
                     self._apply(s, "ethtool", ifname, name, value, now)
@@ -434,7 +441,8 @@ class RoceDetector(ListeningDetector):
                 present.add(f"{dev}/{port}")
                 if pci:
                     self._port_devices[f"{dev}/{port}"] = f"{pci}#{port}"
-                self._sample_ib_port(s, os.path.join(ib_root, dev, "ports", port), f"{dev}/{port}", now)
+                if self._sample_ib_port(s, os.path.join(ib_root, dev, "ports", port), f"{dev}/{port}", now):
+                    present.discard(f"{dev}/{port}")  # removed while read: gone now (roce.port_down below)
         if self.config.rdma and not ib_unlistable:
             self._sample_gone_ports(s, present, unlisted)
         return s
@@ -543,11 +551,19 @@ class RoceDetector(ListeningDetector):
             try:
                 value = read_int(os.path.join(stats_dir, name))
             except DetectorReadError as exc:
+                if removed_while_read(exc, stats_dir):
+                    return  # the NIC was removed meanwhile: its link says so, no unreadable input
                 s.error(exc)
                 continue
             self._apply(s, "netdev", ifname, name, value, now)
 
-    def _sample_ib_port(self, s: Sample, port_dir: str, subject: str, now: float) -> None:
+    def _sample_ib_port(self, s: Sample, port_dir: str, subject: str, now: float) -> bool:
+        """Reads one RDMA port's state and counters.
+
+        Returns:
+            True when the port was removed while read (its device unbound, reset or hot-unplugged): a port gone,
+            which the caller reports as such, not one read error per file.
+        """
         state_file = os.path.join(port_dir, "state")
         try:
             text = read_text(state_file)
@@ -565,6 +581,8 @@ class RoceDetector(ListeningDetector):
                            f"RDMA port {subject} is {m.group(2)} ({phys or 'phys_state unknown'})", subject,
                            {"state": text, "phys_state": phys})
         except DetectorReadError as exc:
+            if removed_while_read(exc, port_dir):
+                return True
             s.error(exc)
         for folder, source in (("counters", "ib_counters"), ("hw_counters", "ib_hw_counters")):
             cdir = os.path.join(port_dir, folder)
@@ -574,10 +592,13 @@ class RoceDetector(ListeningDetector):
                 try:
                     value = read_pma_counter(os.path.join(cdir, name))
                 except DetectorReadError as exc:
+                    if removed_while_read(exc, port_dir):
+                        return True
                     s.error(exc)
                     continue
                 if value is not None:
                     self._apply(s, source, subject, name, value, now)
+        return False
 
     def _apply(self, s: Sample, source: str, device: str, name: str, value: int, now: float) -> None:
         rules = [r for r in self._rules[source] if r.matches(name)]

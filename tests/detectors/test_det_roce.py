@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import shutil
@@ -672,3 +673,33 @@ def test_a_link_whose_name_is_no_utf8_does_not_blind_the_link_table(veth_netns, 
     assert s.metrics[f"link_up[{a}]"] == 1.0 and s.metrics["link_up[tg\udcffx]"] == 0.0
     ip(ns, "link", "set", a, "down")
     assert ("net.link_down", a) in [(e.kind, e.subject) for e in det.sample().events]
+
+
+def test_a_nic_removed_while_its_files_are_read_is_gone_not_unreadable(tmp_path, monkeypatch) -> None:
+    """A RoCE NIC hot-unplugged (or unbound by mlx5 health recovery) between the listing of sysfs and the reading
+    of its files: the read of an open attribute fails with ENODEV, later opens with ENOENT. Each file was a
+    detector.error (the detector in ERROR) and the port's loss was said one sample later. The port is down in
+    that sample now, its netdev statistics are skipped (its link says it is gone), and nothing is a read error."""
+    write_rdma_port(tmp_path, device="mlx5_0", netdev="ens1f0np0")
+    write_rdma_port(tmp_path, device="mlx5_1", netdev="ens2f0np0")
+    det = RoceDetector(RoceConfig(root=str(tmp_path)), ethtool=lambda ifname: {})
+    det._listening = True  # the link table is not what this is about: no dump of this machine's links
+    assert det.sample().events == []
+    real_read = os.read
+
+    def kernel_read(fd: int, n: int) -> bytes:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        for name, folder in (("/ens2f0np0/statistics/rx_crc_errors", tmp_path / "sys/class/net/ens2f0np0"),
+                             ("/mlx5_1/ports/1/counters/symbol_error", tmp_path / "sys/class/infiniband/mlx5_1")):
+            if path.endswith(name):
+                # the device goes while this file is open: kernfs answers the read with ENODEV
+                shutil.rmtree(folder)
+                raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", kernel_read)
+    s = det.sample()
+    assert s.errors == [], [str(e) for e in s.errors]
+    assert [(e.kind, e.subject) for e in s.events] == [("roce.port_down", "mlx5_1/1")]
+    assert s.state == DetectorState.FAILED
+    assert det.sample().events == []  # still gone: said once
