@@ -24,7 +24,7 @@ from trainguard.detectors.base import Detector, DetectorConfig, DetectorState, S
 from trainguard.detectors.counters import CounterTracker, RecentCounts
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.sysfs import list_dir, list_dir_or_record, read_int, read_text
+from trainguard.detectors.sysfs import list_dir, list_dir_or_record, read_int, read_text, removed_while_read
 
 #: Span over which correctable errors are counted against ``ce_per_hour``, seconds.
 CE_WINDOW_S = 3600.0
@@ -102,7 +102,8 @@ class EdacDetector(Detector):
                 ce = read_int(os.path.join(mdir, "ce_count"))
                 ue = read_int(os.path.join(mdir, "ue_count"))
             except DetectorReadError as exc:
-                s.error(exc)
+                if not removed_while_read(exc, mdir):  # the EDAC driver unloading: gone, as the next listing says
+                    s.error(exc)
                 continue
             dimms = self._dimms(s, mdir)
             ce_total += ce
@@ -151,7 +152,8 @@ class EdacDetector(Detector):
                 ce = read_int(os.path.join(ddir, "dimm_ce_count"))
                 ue = read_int(os.path.join(ddir, "dimm_ue_count"))
             except DetectorReadError as exc:
-                s.error(exc)
+                if not removed_while_read(exc, ddir):
+                    s.error(exc)
                 continue
             try:
                 label = read_text(os.path.join(ddir, "dimm_label")) or sub
