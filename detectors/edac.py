@@ -73,6 +73,8 @@ class EdacDetector(Detector):
         self.config: EdacConfig
         self._counters = CounterTracker()
         self._seen: set[str] = set()
+        # Controller -> the inode of its folder when last read (kernfs numbers a new folder anew).
+        self._inodes: dict[str, int] = {}
         self._ce_recent = RecentCounts(CE_WINDOW_S)
 
     def sample(self) -> Sample:
@@ -83,13 +85,23 @@ class EdacDetector(Detector):
         """
         base = self.config.path("/sys/devices/system/edac/mc")
         mcs = [m for m in list_dir(base) if re.fullmatch("mc[0-9]+", m)]  # isdigit() took 'mc²', 'mc٣'
-        for gone in self._seen - set(mcs):
+        renewed = set()
+        for mc in mcs:
+            # Also a controller whose folder was made anew since the last sample: the driver reloaded within one
+            # interval (30 s; rmmod and modprobe take seconds), so no sample saw it gone.
+            inode = self._inode(os.path.join(base, mc))
+            if inode is not None and self._inodes.setdefault(mc, inode) != inode:
+                self._inodes[mc] = inode
+                renewed.add(mc)
+        for gone in (self._seen - set(mcs)) | (renewed & self._seen):
             # A controller that comes back (the EDAC driver reloaded) is a new one whose counts start at zero:
             # its counts at the first reading after are new errors. Compared with the old ones instead, an
             # uncorrectable error after a reload went unreported unless the new count passed the old.
             self._counters.update(f"{gone}/ce", 0)
             self._counters.update(f"{gone}/ue", 0)
             self._ce_recent.forget(gone)
+        for gone in set(self._inodes) - set(mcs):
+            del self._inodes[gone]
         self._seen = set(mcs)
         if not mcs:
             return self.no_hardware(f"no EDAC memory controller under {base} (EDAC driver not loaded)")
@@ -141,6 +153,14 @@ class EdacDetector(Detector):
         s.metrics.update({"ce_total": float(ce_total), "ue_total": float(ue_total), "ce_per_hour": ce_rate,
                           "controllers": float(len(mcs))})
         return s
+
+    @staticmethod
+    def _inode(path: str) -> int | None:
+        """The inode number of a controller's folder (None when it went meanwhile)."""
+        try:
+            return os.stat(path).st_ino
+        except OSError:
+            return None
 
     def _dimms(self, s: Sample, mdir: str) -> list[tuple[str, int, int]]:
         out = []

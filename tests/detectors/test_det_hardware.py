@@ -443,3 +443,22 @@ def test_a_zone_or_memory_controller_removed_while_read_is_gone_not_unreadable(t
     s = edac.sample()
     assert s.errors == [] and [(e.kind, e.subject) for e in s.events] == [("hw.memory_ue", "mc0")]
     assert edac.sample().metrics["controllers"] == 1.0
+
+
+def test_edac_controllers_reloaded_between_two_samples_count_from_zero(tmp_path) -> None:
+    """An EDAC driver reload (rmmod and modprobe, seconds) falls between two samples 30 s apart: no sample sees
+    the controllers gone, and they came back counting from zero. mc0 had one uncorrectable error before and one
+    new after: the count read the same (1), no event. The controller's folder is a new one (kernfs numbers it
+    anew), so its counts are new errors."""
+    write_edac_mc(tmp_path, 0, ce=10, ue=1)
+    det = EdacDetector(EdacConfig(root=str(tmp_path)))
+    assert det.sample().events == []
+    assert det.sample().events == []  # the same folder: nothing new
+    mc = tmp_path / "sys/devices/system/edac/mc"
+    (mc / "mc0").rename(mc / "mc0.unloading")  # still there while the new one is made: another inode
+    write_edac_mc(tmp_path, 0, ce=0, ue=1)
+    shutil.rmtree(mc / "mc0.unloading")
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("hw.memory_ue", "mc0")]
+    assert "1 uncorrectable" in s.events[0].message
+    assert det.sample().events == []  # the same error once
