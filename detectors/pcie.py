@@ -167,6 +167,28 @@ class PcieDetector(Detector):
         self._devices: dict[str, _DeviceInfo] = {}
         # Devices listed by this sample but removed before their files were read (hot-unplug): lost now.
         self._removed: set[str] = set()
+        # Device -> the inode of its folder when its AER counters were last read (kernfs numbers a new one anew).
+        self._inodes: dict[str, int] = {}
+
+    def _renewed(self, base: str, present: list[str]) -> set[str]:
+        """Devices whose AER counters were read before and whose folder was made anew since: removed and found
+        again (a remove and rescan, a hot-plug) within one interval, so no sample saw them gone. A new pci_dev
+        counts its AER errors from zero (pci_aer_init); compared with the old totals, as many new fatal errors as
+        the device had before went unreported."""
+        renewed = set()
+        listed = set(present)
+        for bdf in list(self._inodes):
+            if bdf not in listed:
+                del self._inodes[bdf]
+                continue
+            try:
+                inode = os.stat(os.path.join(base, bdf)).st_ino
+            except OSError:
+                continue  # gone meanwhile: judged as such below
+            if inode != self._inodes[bdf]:
+                del self._inodes[bdf]
+                renewed.add(bdf)
+        return renewed
 
     def _link_watched(self, bdf: str, cls: str) -> bool:
         if self.config.devices:
@@ -201,8 +223,8 @@ class PcieDetector(Detector):
         cor_rate = 0.0
         degraded = 0
         present = list_dir(base)
-        for gone in set(self._devices) - set(present):
-            del self._devices[gone]
+        for gone in (set(self._devices) - set(present)) | self._renewed(base, present):
+            self._devices.pop(gone, None)
             # One that comes back (rescan after a removal, hot-plug) is a new pci_dev whose AER counters start at
             # zero (pci_aer_init): its counts at the first reading after are new errors. Compared with the old
             # totals instead, a fatal error on a device that had as many before it left went unreported.
@@ -243,6 +265,11 @@ class PcieDetector(Detector):
 
     def _sample_aer(self, s: Sample, dev: str, bdf: str, totals: dict[str, int]) -> float:
         rate = 0.0
+        if bdf not in self._inodes:
+            try:
+                self._inodes[bdf] = os.stat(dev).st_ino
+            except OSError:
+                pass  # gone meanwhile: its reads below say so
         for (fname, total_key), metric in zip(_AER_FILES, ("aer_correctable", "aer_nonfatal", "aer_fatal")):
             path = os.path.join(dev, fname)
             try:

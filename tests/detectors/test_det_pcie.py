@@ -229,3 +229,20 @@ def test_a_device_removed_while_its_files_are_read_is_lost_not_unreadable(tmp_pa
     assert [(e.kind, e.subject, e.action) for e in s.events] == [("pcie.device_lost", GPU, Action.DRAIN_NODE)]
     assert s.state == DetectorState.FAILED
     assert det.sample().events == []  # still lost: said once
+
+
+def test_a_device_removed_and_found_again_between_two_samples_counts_from_zero(tmp_path) -> None:
+    """A remove and rescan (or a hot-plug) within one interval: no sample sees the device gone, and the new
+    pci_dev counts its AER errors from zero. The GPU had one fatal error before and one new after: the total read
+    1 both times, no event. Its folder is a new one (kernfs numbers it anew), so its counts are new errors."""
+    write_pci_device(tmp_path, ROOT_PORT, cls="0x060400")
+    gpu_dir = write_pci_device(tmp_path, GPU, above=ROOT_PORT, fatal={"MalfTLP": 1})
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    assert det.sample().events == []
+    assert det.sample().events == []  # the same folder: nothing new
+    gpu_dir.rename(gpu_dir.with_name("removing"))  # still there while the new one is made: another inode
+    write_pci_device(tmp_path, GPU, above=ROOT_PORT, fatal={"MalfTLP": 1})
+    shutil.rmtree(gpu_dir.with_name("removing"))
+    s = det.sample()
+    assert [(e.kind, e.subject, e.evidence["delta"]) for e in s.events] == [("pcie.aer_fatal", GPU, "1")]
+    assert det.sample().events == []  # the same error once
