@@ -154,8 +154,10 @@ class AscendDetector(Detector):
             return self.no_hardware(f"{self.config.npu_smi} is not installed (no Ascend driver)")
         s = Sample()
         try:
-            done = subprocess.run([exe, "info"], capture_output=True, text=True, timeout=self.config.timeout_s,
-                                  check=False)
+            # errors="replace": a byte that is no UTF-8 in the output (a garbled product name, a locale's
+            # encoding) raised UnicodeDecodeError out of the whole sample; the columns that count are ASCII
+            done = subprocess.run([exe, "info"], capture_output=True, text=True, errors="replace",
+                                  timeout=self.config.timeout_s, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             s.error(DetectorReadError(f"{exe} info", f"did not run: {exc}"))
             return s

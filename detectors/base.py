@@ -246,8 +246,8 @@ class Detector(ABC):
     Subclasses set :attr:`name` and :attr:`config_class`, implement :meth:`sample`, and may override
     :meth:`close`. ``sample()`` must not block for long (the runner calls every detector from one thread) and
     should report unreadable inputs through :meth:`Sample.error` rather than raise; anything it raises anyway is
-    caught by the runner and becomes a ``detector.error`` event (the :meth:`condition` events raised before it
-    are still delivered, see :meth:`recording_conditions`).
+    caught by the runner and becomes a ``detector.error`` event (the :meth:`condition` and :meth:`one_off`
+    events raised before it are still delivered, see :meth:`recording_events`).
     """
 
     #: Registry name, also the ``source`` of the detector's events and the prefix of its metrics.
@@ -256,9 +256,10 @@ class Detector(ABC):
     config_class: ClassVar[type[DetectorConfig]] = DetectorConfig
     #: Default seconds between samples when the config does not override ``interval_s``.
     default_interval_s: ClassVar[float] = 5.0
-    # While the runner samples: (the sampling thread's id, the events condition() raised in it so far); see
-    # recording_conditions(). A class default, so a subclass that skips Detector.__init__ still samples.
-    _journal: tuple[int, list[HealthEvent]] | None = None
+    # While the runner samples: (the sampling thread's id, the events condition() and one_off() raised in it so
+    # far, their ids); see recording_events(). A class default, so a subclass that skips Detector.__init__ still
+    # samples.
+    _journal: tuple[int, list[HealthEvent], set[str]] | None = None
 
     def __init__(self, config: DetectorConfig | None = None) -> None:
         """Creates the detector.
@@ -323,6 +324,27 @@ class Detector(ABC):
             evidence={k: str(v) for k, v in (evidence or {}).items()},
         )
 
+    def one_off(self, sample: Sample, event: HealthEvent) -> HealthEvent:
+        """Adds a one-off event to ``sample``: one that is raised once for what a counter or a log read showed
+        (an uncorrectable memory error, an Xid, a kernel log match), not a lasting condition.
+
+        Such an event is raised once because the detector moved its remembered state past it (the counter's last
+        value, the log's read position) before the sample is returned. Should ``sample()`` raise after that, the
+        sample with the event is lost while the state already moved: the event would never come again (a drain
+        never asked for). Added through here, it is recorded as :meth:`condition` events are, and the runner
+        delivers it for a sample that raised (see :meth:`recording_events`).
+
+        Args:
+            sample: the sample being built.
+            event: the event (from :meth:`event`).
+
+        Returns:
+            ``event``.
+        """
+        sample.events.append(event)
+        self._journal_add(event)
+        return event
+
     def holding(self, key: str) -> bool:
         """Whether the condition ``key`` is active (started and not cleared): a detector widens the threshold
         that ends it by a hysteresis, so a value hovering at the threshold raises one event, not one per
@@ -377,28 +399,36 @@ class Detector(ABC):
         # Only the sampling thread's own: a listener thread (RoCE link state) that starts a condition meanwhile
         # delivers that event itself.
         journal = self._journal
-        if journal is not None and journal[0] == threading.get_ident():
+        # Once each: a condition's event that a detector also passes to one_off() (RoCE link events built with a
+        # flap condition inside) is one event.
+        if journal is not None and journal[0] == threading.get_ident() and event.event_id not in journal[2]:
             journal[1].append(event)
+            journal[2].add(event.event_id)
 
     @contextmanager
-    def recording_conditions(self) -> Iterator[list[HealthEvent]]:
-        """Records the start and end events :meth:`condition` raises in the calling thread until the block ends.
+    def recording_events(self) -> Iterator[list[HealthEvent]]:
+        """Records the events :meth:`condition` (starts and ends) and :meth:`one_off` raise in the calling thread
+        until the block ends.
 
         The runner samples inside it: a ``sample()`` that raises partway has already marked the conditions it
-        started active (and dropped those it ended), but its sample, with their events, is lost. Edge-triggered,
-        they would never be sent again (a drain never asked for); the runner delivers these events instead.
-        Delivered rather than rolled back: a read that fails every time after the condition would otherwise start
-        and roll it back at every sample, never sending it. Per thread, so no other thread's events are taken.
+        started active (and dropped those it ended), and moved the counters and log positions past its one-off
+        events, but its sample, with those events, is lost. They would never be sent again (a drain never asked
+        for); the runner delivers these events instead. Delivered rather than rolled back: a read that fails every
+        time after the event would otherwise roll it back at every sample, never sending it. Per thread, so no
+        other thread's events are taken.
 
         Yields:
             The events, oldest first; the list stays valid after the block.
         """
         events: list[HealthEvent] = []
-        self._journal = (threading.get_ident(), events)
+        self._journal = (threading.get_ident(), events, set())
         try:
             yield events
         finally:
             self._journal = None
+
+    #: The former name of :meth:`recording_events` (it recorded condition events only).
+    recording_conditions = recording_events
 
     def active_conditions(self) -> list[HealthEvent]:
         """The start events of the conditions active now (raised by :meth:`condition`, not yet cleared).

@@ -24,7 +24,7 @@ from trainguard.detectors.base import Detector, DetectorConfig, DetectorState, S
 from trainguard.detectors.counters import CounterTracker, RecentCounts
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.sysfs import list_dir, list_dir_or_record, read_int, read_text
+from trainguard.detectors.sysfs import list_dir, list_dir_or_record, read_int, read_text, removed_while_read
 
 #: Span over which correctable errors are counted against ``ce_per_hour``, seconds.
 CE_WINDOW_S = 3600.0
@@ -73,6 +73,8 @@ class EdacDetector(Detector):
         self.config: EdacConfig
         self._counters = CounterTracker()
         self._seen: set[str] = set()
+        # Controller -> the inode of its folder when last read (kernfs numbers a new folder anew).
+        self._inodes: dict[str, int] = {}
         self._ce_recent = RecentCounts(CE_WINDOW_S)
 
     def sample(self) -> Sample:
@@ -83,13 +85,23 @@ class EdacDetector(Detector):
         """
         base = self.config.path("/sys/devices/system/edac/mc")
         mcs = [m for m in list_dir(base) if re.fullmatch("mc[0-9]+", m)]  # isdigit() took 'mc²', 'mc٣'
-        for gone in self._seen - set(mcs):
+        renewed = set()
+        for mc in mcs:
+            # Also a controller whose folder was made anew since the last sample: the driver reloaded within one
+            # interval (30 s; rmmod and modprobe take seconds), so no sample saw it gone.
+            inode = self._inode(os.path.join(base, mc))
+            if inode is not None and self._inodes.setdefault(mc, inode) != inode:
+                self._inodes[mc] = inode
+                renewed.add(mc)
+        for gone in (self._seen - set(mcs)) | (renewed & self._seen):
             # A controller that comes back (the EDAC driver reloaded) is a new one whose counts start at zero:
             # its counts at the first reading after are new errors. Compared with the old ones instead, an
             # uncorrectable error after a reload went unreported unless the new count passed the old.
             self._counters.update(f"{gone}/ce", 0)
             self._counters.update(f"{gone}/ue", 0)
             self._ce_recent.forget(gone)
+        for gone in set(self._inodes) - set(mcs):
+            del self._inodes[gone]
         self._seen = set(mcs)
         if not mcs:
             return self.no_hardware(f"no EDAC memory controller under {base} (EDAC driver not loaded)")
@@ -102,7 +114,8 @@ class EdacDetector(Detector):
                 ce = read_int(os.path.join(mdir, "ce_count"))
                 ue = read_int(os.path.join(mdir, "ue_count"))
             except DetectorReadError as exc:
-                s.error(exc)
+                if not removed_while_read(exc, mdir):  # the EDAC driver unloading: gone, as the next listing says
+                    s.error(exc)
                 continue
             dimms = self._dimms(s, mdir)
             ce_total += ce
@@ -126,7 +139,9 @@ class EdacDetector(Detector):
             except DetectorReadError:
                 pass  # mc_name is evidence only
             if not due.first and due.delta > 0:
-                s.events.append(self.event("hw.memory_ue", Severity.CRITICAL, Action.DRAIN_NODE,
+                # one_off: the counter moved past this error already; a later read that raised out of the sample
+                # lost it for good (a drain never asked for)
+                self.one_off(s, self.event("hw.memory_ue", Severity.CRITICAL, Action.DRAIN_NODE,
                                            f"{due.delta} uncorrectable memory error(s) on {mc} ({worst})", mc,
                                            evidence))
             if ue > 0:
@@ -139,6 +154,14 @@ class EdacDetector(Detector):
                           "controllers": float(len(mcs))})
         return s
 
+    @staticmethod
+    def _inode(path: str) -> int | None:
+        """The inode number of a controller's folder (None when it went meanwhile)."""
+        try:
+            return os.stat(path).st_ino
+        except OSError:
+            return None
+
     def _dimms(self, s: Sample, mdir: str) -> list[tuple[str, int, int]]:
         out = []
         for sub in list_dir_or_record(mdir, s.error):
@@ -149,7 +172,8 @@ class EdacDetector(Detector):
                 ce = read_int(os.path.join(ddir, "dimm_ce_count"))
                 ue = read_int(os.path.join(ddir, "dimm_ue_count"))
             except DetectorReadError as exc:
-                s.error(exc)
+                if not removed_while_read(exc, ddir):
+                    s.error(exc)
                 continue
             try:
                 label = read_text(os.path.join(ddir, "dimm_label")) or sub

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import os
 import re
 import socket
 import struct
@@ -33,7 +34,9 @@ IFNAMSIZ = 16
 
 def _ioctl(sock: socket.socket, ifname: str, buf: ctypes.Array) -> None:
     # struct ifreq: char ifr_name[16]; then a union whose member ifr_data is a pointer to our buffer.
-    ifreq = struct.pack(f"{IFNAMSIZ}sP", ifname.encode()[: IFNAMSIZ - 1], ctypes.addressof(buf))
+    # fsencode: a name is bytes to the kernel (any but '/', ':', blanks); one that is no UTF-8 is listed by
+    # os.listdir with surrogates, and str.encode() raised UnicodeEncodeError out of the whole RoCE sample.
+    ifreq = struct.pack(f"{IFNAMSIZ}sP", os.fsencode(ifname)[: IFNAMSIZ - 1], ctypes.addressof(buf))
     ifreq += b"\0" * (40 - len(ifreq))
     fcntl.ioctl(sock.fileno(), SIOCETHTOOL, ifreq)
 

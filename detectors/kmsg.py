@@ -285,5 +285,6 @@ class KmsgDetector(Detector):
                 self._suppressed += 1
                 return
             self._last_emit[key] = now
-            s.events.append(self.event(rule.kind, severity, action, message, subject, evidence))
+            # one_off: the record is consumed from the device and not read again (see Detector.one_off)
+            self.one_off(s, self.event(rule.kind, severity, action, message, subject, evidence))
             return  # first matching rule wins: rules are ordered from specific to general

@@ -46,6 +46,26 @@ def netns_path(netns: str) -> str:
     return netns if netns.startswith("/") else os.path.join(NETNS_RUN_DIR, netns)
 
 
+def netns_identity(netns: str) -> tuple[int, int] | None:
+    """Which namespace a name stands for now: the (device, inode) of its file, the namespace's own inode number.
+
+    A socket opened in a namespace keeps it alive after ``ip netns del``: a listener on it read, for good, the
+    links of a namespace nobody else sees any more (all up). This tells it that the name is gone or now names
+    another namespace (re-created under the same name, as a restarted container's is).
+
+    Args:
+        netns: a name from ``ip netns add``, or the absolute path of a namespace file.
+
+    Returns:
+        The identity, or None when no namespace has that name now.
+    """
+    try:
+        st = os.stat(netns_path(netns))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def netlink_socket_in(netns: str) -> socket.socket:
     """Opens an rtnetlink socket inside a named network namespace, without forking.
 
@@ -204,6 +224,11 @@ def link_from_message(msg: Any, received: float | None = None) -> LinkInfo | Non
     name = msg.get_attr("IFLA_IFNAME")
     if name is None:
         return None
+    if isinstance(name, bytes):
+        # A name is bytes to the kernel; pyroute2 hands over one that is no UTF-8 undecoded, and matching it
+        # against the interface patterns raised TypeError: every dump (and the listener, retried for good) failed
+        # over one such link beside the watched NICs. Decoded as os.listdir('/sys/class/net') lists it.
+        name = os.fsdecode(name.rstrip(b"\0"))
     carrier = msg.get_attr("IFLA_CARRIER")
     down_count = msg.get_attr("IFLA_CARRIER_DOWN_COUNT")
     return LinkInfo(
@@ -240,6 +265,8 @@ class LinkWatcher:
         self._sock: Any = None
         self._stopped = False
         self.ready = threading.Event()
+        #: The identity (:func:`netns_identity`) of the named namespace when the socket was opened.
+        self.netns_id: tuple[int, int] | None = None
 
     def _open(self) -> Any:
         return open_iproute(self._netns)
@@ -250,6 +277,8 @@ class LinkWatcher:
         Raises:
             OSError / pyroute2 errors: the socket cannot be opened (no such namespace, no permission).
         """
+        if self._netns:
+            self.netns_id = netns_identity(self._netns)
         sock = self._open()
         from pyroute2.netlink.rtnl import RTMGRP_LINK  # already imported by _open(), under its lock
 
@@ -307,6 +336,11 @@ class LinkWatcher:
             dump.close()
         if self._on_dump is not None:
             self._on_dump(names, initial)
+
+    def namespace_replaced(self) -> bool:
+        """Whether the named namespace this watcher listens in was deleted or replaced by another of the same name
+        since its socket was opened (False for the agent's own namespace, or before the socket was opened)."""
+        return bool(self._netns) and self.netns_id is not None and netns_identity(self._netns) != self.netns_id
 
     def stop(self) -> None:
         """Makes :meth:`run` return; safe from any thread, more than once."""

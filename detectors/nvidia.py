@@ -432,7 +432,8 @@ class NvidiaDetector(_NvmlDetector):
             entry = self.xids.get(xid, self.xid_default)
             gpu = by_index.get(index)
             subject = gpu.subject if gpu else f"gpu{index}"
-            s.events.append(self.event("gpu.xid", entry.severity, entry.action,
+            # one_off: drained from NVML's event set, it is not read again (see Detector.one_off)
+            self.one_off(s, self.event("gpu.xid", entry.severity, entry.action,
                                        f"GPU {subject} reported Xid {xid} ({entry.name}; NVIDIA: "
                                        f"{entry.nvidia_action})", subject,
                                        {"xid": xid, "xid_name": entry.name, "nvidia_action": entry.nvidia_action,
@@ -483,7 +484,8 @@ class NvidiaDetector(_NvmlDetector):
             s.metrics[f"ecc_volatile_uncorrected[{g}]"] = float(r.ecc_volatile_uncorrected)
             d = self._counters.update(f"{r.uuid}/ecc_unc", r.ecc_volatile_uncorrected)
             if not d.first and d.delta > 0:
-                s.events.append(self.event("gpu.ecc_uncorrected", Severity.CRITICAL, Action.DRAIN_NODE,
+                # one_off: the counter moved past these errors already (see Detector.one_off)
+                self.one_off(s, self.event("gpu.ecc_uncorrected", Severity.CRITICAL, Action.DRAIN_NODE,
                                            f"GPU {g}: {d.delta} new uncorrectable ECC error(s)", g,
                                            {**ident, "volatile": r.ecc_volatile_uncorrected,
                                             "aggregate": r.ecc_aggregate_uncorrected}))

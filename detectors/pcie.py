@@ -32,7 +32,7 @@ from trainguard.detectors.base import Detector, DetectorConfig, DetectorState, S
 from trainguard.detectors.counters import CounterTracker
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.sysfs import list_dir, read_counter_table, read_int, read_text
+from trainguard.detectors.sysfs import list_dir, read_counter_table, read_int, read_text, removed_while_read
 
 #: The Negotiated Link Width field of a link status register read as all ones (0xffff >> 4 & 0x3f): PCIe links
 #: are at most x32, so this is a device that no longer answers config reads, not a width.
@@ -165,6 +165,30 @@ class PcieDetector(Detector):
         self._last: dict[str, dict[str, int]] = {}
         self._seen_links: set[str] = set()
         self._devices: dict[str, _DeviceInfo] = {}
+        # Devices listed by this sample but removed before their files were read (hot-unplug): lost now.
+        self._removed: set[str] = set()
+        # Device -> the inode of its folder when its AER counters were last read (kernfs numbers a new one anew).
+        self._inodes: dict[str, int] = {}
+
+    def _renewed(self, base: str, present: list[str]) -> set[str]:
+        """Devices whose AER counters were read before and whose folder was made anew since: removed and found
+        again (a remove and rescan, a hot-plug) within one interval, so no sample saw them gone. A new pci_dev
+        counts its AER errors from zero (pci_aer_init); compared with the old totals, as many new fatal errors as
+        the device had before went unreported."""
+        renewed = set()
+        listed = set(present)
+        for bdf in list(self._inodes):
+            if bdf not in listed:
+                del self._inodes[bdf]
+                continue
+            try:
+                inode = os.stat(os.path.join(base, bdf)).st_ino
+            except OSError:
+                continue  # gone meanwhile: judged as such below
+            if inode != self._inodes[bdf]:
+                del self._inodes[bdf]
+                renewed.add(bdf)
+        return renewed
 
     def _link_watched(self, bdf: str, cls: str) -> bool:
         if self.config.devices:
@@ -199,8 +223,8 @@ class PcieDetector(Detector):
         cor_rate = 0.0
         degraded = 0
         present = list_dir(base)
-        for gone in set(self._devices) - set(present):
-            del self._devices[gone]
+        for gone in (set(self._devices) - set(present)) | self._renewed(base, present):
+            self._devices.pop(gone, None)
             # One that comes back (rescan after a removal, hot-plug) is a new pci_dev whose AER counters start at
             # zero (pci_aer_init): its counts at the first reading after are new errors. Compared with the old
             # totals instead, a fatal error on a device that had as many before it left went unreported.
@@ -209,11 +233,13 @@ class PcieDetector(Detector):
                     self._counters.update(f"{gone}/{fname}", 0)
                     self._last[f"{gone}/{fname}"] = {}
         infos: dict[str, _DeviceInfo] = {}
+        self._removed = set()
         for bdf in present:
             try:
                 infos[bdf] = self._info(base, bdf)
             except DetectorReadError as exc:
-                s.error(exc)
+                if not removed_while_read(exc, os.path.join(base, bdf)):
+                    s.error(exc)
         links = [b for b, i in infos.items() if i.has_link and self._link_watched(b, i.cls)]
         if self.config.aer_scope == "all":
             aer = [b for b, i in infos.items() if i.has_aer]
@@ -228,8 +254,8 @@ class PcieDetector(Detector):
             port_dir = os.path.join(base, port) if port in infos and infos[port].has_link else ""
             degraded += self._sample_link(s, os.path.join(base, bdf), bdf, infos[bdf].cls, port_dir)
         for bdf in sorted(self._seen_links):
-            self.condition(s, f"lost/{bdf}", bdf not in infos, "pcie.device_lost", Severity.CRITICAL,
-                           Action.DRAIN_NODE, f"PCI device {bdf} disappeared from the bus", bdf)
+            self.condition(s, f"lost/{bdf}", bdf not in infos or bdf in self._removed, "pcie.device_lost",
+                           Severity.CRITICAL, Action.DRAIN_NODE, f"PCI device {bdf} disappeared from the bus", bdf)
         if not aer and not self._seen_links:
             return self.no_hardware(f"no watched PCIe device under {base} reports AER counters or link status")
         s.metrics.update({k + "_total": float(v) for k, v in totals.items()})
@@ -239,6 +265,11 @@ class PcieDetector(Detector):
 
     def _sample_aer(self, s: Sample, dev: str, bdf: str, totals: dict[str, int]) -> float:
         rate = 0.0
+        if bdf not in self._inodes:
+            try:
+                self._inodes[bdf] = os.stat(dev).st_ino
+            except OSError:
+                pass  # gone meanwhile: its reads below say so
         for (fname, total_key), metric in zip(_AER_FILES, ("aer_correctable", "aer_nonfatal", "aer_fatal")):
             path = os.path.join(dev, fname)
             try:
@@ -246,6 +277,11 @@ class PcieDetector(Detector):
                 if total_key not in table:
                     raise DetectorReadError(path, f"no {total_key} line (truncated?)")
             except DetectorReadError as exc:
+                if removed_while_read(exc, dev):
+                    # Hot-unplugged while read (a GPU or NIC that fell off and was removed): a device lost, not
+                    # an unreadable file (a detector.error for each of its files, and the loss one sample later).
+                    self._removed.add(bdf)
+                    return rate
                 s.error(exc)
                 continue
             total = table[total_key]
@@ -265,7 +301,8 @@ class PcieDetector(Detector):
                                bdf, evidence)
             elif not d.first and d.delta > 0:
                 fatal = metric == "aer_fatal"
-                s.events.append(self.event(
+                # one_off: the counter moved past these errors already (see Detector.one_off)
+                self.one_off(s, self.event(
                     "pcie.aer_fatal" if fatal else "pcie.aer_nonfatal",
                     Severity.CRITICAL if fatal else Severity.ERROR,
                     Action.DRAIN_NODE if fatal else Action.CHECKPOINT_NOW,
@@ -291,7 +328,16 @@ class PcieDetector(Detector):
             speed = parse_link_speed(read_text(speed_path), speed_path)
             max_speed = parse_link_speed(read_text(max_speed_path), max_speed_path)
         except DetectorReadError as exc:
-            s.error(exc)
+            if removed_while_read(exc, dev):
+                self._removed.add(bdf)  # gone, not unreadable: see _sample_aer
+            else:
+                s.error(exc)
+            return 0
+        if max_width == 0:
+            # No link of its own: a root complex integrated endpoint (an integrated GPU at 00:02.0, class 0x0300)
+            # has the PCIe link attributes in sysfs, but its link registers are not implemented and read zero
+            # (width 0 of 0, speed Unknown). It read as a link down, critical with drain-node, on every such node.
+            # A link that is down keeps its maximum (the capability); one that fell off the bus reads x63.
             return 0
         port_width, port_speed = port_limits(port_dir)
         if port_width > 0:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
 from trainguard.detectors.base import Detector, DetectorConfig, DetectorState, Sample, register_detector
-from trainguard.detectors.errors import DetectorConfigError
+from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
 from trainguard.detectors.stackdump import STACK_DUMP_SIGNAL, dump_stack
 
@@ -163,6 +163,10 @@ def parse_proc_stat(text: str) -> ProcStat:
     if len(fields) < 22:
         raise ValueError(f"{len(fields) + 2} fields, expected at least 24")
     exit_code = _stat_count(fields[49], "exit_code") if len(fields) > 49 else 0
+    # A wait status (the kernel prints task->exit_code, an int): a larger one raised OverflowError out of the
+    # sample in os.WIFSIGNALED().
+    if exit_code > 0x7FFFFFFF:
+        raise ValueError(f"field exit_code {exit_code} is no wait status")
     return ProcStat(state=fields[0], rss_bytes=_stat_count(fields[21], "rss") * _PAGE, exit_code=exit_code)
 
 
@@ -309,8 +313,16 @@ class ProcessDetector(Detector):
         for w in workers:
             subject = f"rank:{w.rank}"
             pids.add(w.pid)
-            stat = self._stat(w.pid)
             code = w.returncode
+            try:
+                stat = self._stat(w.pid)
+            except DetectorReadError as exc:
+                if code is None:
+                    # Neither alive nor ended as far as can be told: not judged this sample. Taken as gone, it was
+                    # reported vanished (a restart asked for) and never judged again, hung or not.
+                    s.error(exc)
+                    continue
+                stat = None
             if code is None and stat is not None and stat.state in ("Z", "X"):
                 code = wait_status_to_returncode(stat.exit_code)
             if code is None and stat is None:
@@ -355,27 +367,38 @@ class ProcessDetector(Detector):
         return s
 
     def _stat(self, pid: int) -> ProcStat | None:
+        """The worker's ``/proc/<pid>/stat``; None when the process is gone (no such file, or ESRCH: reaped while
+        read).
+
+        Raises:
+            DetectorReadError: it exists but cannot be read (permission denied, I/O error) or is not in the proc(5)
+                format; the worker may well be alive, so this is no verdict on it.
+        """
+        path = self.config.path(f"/proc/{pid}/stat")
         try:
-            with open(self.config.path(f"/proc/{pid}/stat"), encoding="ascii", errors="replace") as f:
+            with open(path, encoding="ascii", errors="replace") as f:
                 return parse_proc_stat(f.read())
         except (FileNotFoundError, ProcessLookupError):
             return None
-        except (OSError, ValueError):
-            return None
+        except OSError as exc:
+            raise DetectorReadError(path, f"cannot read ({exc.strerror or exc})") from exc
+        except ValueError as exc:
+            raise DetectorReadError(path, f"not in the proc(5) format: {exc}") from exc
 
     def _report_end(self, s: Sample, w: WorkerSnapshot, code: int | None) -> None:
         key = (w.rank, w.pid)
         if key in self._ended:
             return
+        # Reported once: one_off(), so a sample that raises after this still delivers it (see Detector.one_off).
         self._ended.add(key)
         subject = f"rank:{w.rank}"
         evidence = {"rank": w.rank, "pid": w.pid, "last_step": w.last_step}
         if code is None:
-            s.events.append(self.event("process.vanished", Severity.ERROR, Action.RESTART_PROCESS,
+            self.one_off(s, self.event("process.vanished", Severity.ERROR, Action.RESTART_PROCESS,
                                        f"worker rank {w.rank} (pid {w.pid}) is gone and its exit status is unknown",
                                        subject, evidence))
         elif code == 0:
-            s.events.append(self.event("process.exited", Severity.INFO, Action.NONE,
+            self.one_off(s, self.event("process.exited", Severity.INFO, Action.NONE,
                                        f"worker rank {w.rank} (pid {w.pid}) exited cleanly", subject,
                                        {**evidence, "returncode": 0}))
         else:
@@ -383,7 +406,7 @@ class ProcessDetector(Detector):
             evidence["returncode"] = code
             if code < 0:
                 evidence["signal"] = describe_returncode(code).removeprefix("killed by ")
-            s.events.append(self.event(kind, Severity.ERROR, Action.RESTART_PROCESS,
+            self.one_off(s, self.event(kind, Severity.ERROR, Action.RESTART_PROCESS,
                                        f"worker rank {w.rank} (pid {w.pid}) ended: {describe_returncode(code)}",
                                        subject, evidence))
 
@@ -452,6 +475,10 @@ class ProcessDetector(Detector):
         except OSError:
             tids = []
         for tid in tids:
+            # Only thread ids: int() of any other entry raised ValueError out of the whole sample, and with it went
+            # every other worker's report of that sample (a fake or overlaid /proc, a future kernel's entry).
+            if not (tid.isascii() and tid.isdigit()):
+                continue
             stat = self._stat_task(task_dir, tid)
             key = (w.pid, int(tid))
             if stat is None or stat.state != "D":

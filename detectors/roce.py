@@ -39,9 +39,15 @@ from trainguard.detectors.counters import CounterTracker
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.ethtool import ethtool_stats
 from trainguard.detectors.events import Action, HealthEvent, Severity
-from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message, open_iproute
+from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_message, netns_identity, open_iproute
 from trainguard.detectors.rules import CounterRule, check_operator_file, load_counter_rules
-from trainguard.detectors.sysfs import list_dir_or_record, read_int, read_pma_counter, read_text
+from trainguard.detectors.sysfs import (
+    list_dir_or_record,
+    read_int,
+    read_pma_counter,
+    read_text,
+    removed_while_read,
+)
 
 _PORT_STATE = re.compile(r"^([0-9]+):\s*(\S+)$")  # ASCII digits: ``\d`` takes other scripts' too
 #: Widths in bits of the IB PortCounters error counters a port shows in ``ports/<n>/counters`` (the kernel's
@@ -132,6 +138,9 @@ class RoceDetector(ListeningDetector):
         self._watcher: LinkWatcher | None = None
         self._stopping = False
         self._listening = False
+        # Why sample() stopped the listener (its namespace was deleted or replaced); listen() raises it, so the
+        # runner starts it again in the namespace the name now stands for.
+        self._namespace_lost = ""
         self._auto: tuple[str, ...] | None = None
         self._ports_seen: set[str] = set()
         # Port subject -> the PCI function behind its RDMA device: a device renamed (udev's rdma naming policy
@@ -197,6 +206,10 @@ class RoceDetector(ListeningDetector):
         finally:
             with self._lock:
                 self._listening = False
+                lost, self._namespace_lost = self._namespace_lost, ""
+        if lost and not self._stopping:
+            # Returning would end the runner's listener thread for good; raised, it listens again after a pause.
+            raise DetectorReadError(f"rtnetlink {self.config.netns}", lost)
 
     def stop_listening(self) -> None:
         """Makes :meth:`listen` return."""
@@ -365,10 +378,13 @@ class RoceDetector(ListeningDetector):
                 info = link_from_message(msg)
                 if info is not None:
                     names.add(info.ifname)
-                    s.events.extend(self._link_events(info, False))
+                    # one_off: the link table already holds the new state; the change is not seen again
+                    for ev in self._link_events(info, False):
+                        self.one_off(s, ev)
         finally:
             ipr.close()
-        s.events.extend(self._vanished(names))
+        for ev in self._vanished(names):
+            self.one_off(s, ev)
 
     # -- polled part -----------------------------------------------------------------------------------------
 
@@ -386,7 +402,8 @@ class RoceDetector(ListeningDetector):
         ib_unlistable = bool(s.errors)
         if not patterns and not ib_devs and not s.errors and not self._ports_seen:
             return self.no_hardware("no RDMA devices under /sys/class/infiniband and no interfaces configured")
-        if patterns and not self._listening:
+        replaced = self._leave_replaced_namespace()
+        if patterns and (not self._listening or replaced):
             try:
                 self._dump_links(s)
             except Exception as exc:  # noqa: BLE001 - no netlink (namespace gone...) is a read error, not a crash
@@ -406,7 +423,8 @@ class RoceDetector(ListeningDetector):
                 try:
                     stats = self._ethtool(ifname)
                 except DetectorReadError as exc:
-                    s.error(exc)
+                    if not removed_while_read(exc, os.path.join(netdev_root, ifname)):
+                        s.error(exc)  # a NIC removed meanwhile is no read error: its link says it is gone
                     stats = {}
                 for name, value in sorted(stats.items()):
                     self._apply(s, "ethtool", ifname, name, value, now)
@@ -423,10 +441,32 @@ class RoceDetector(ListeningDetector):
                 present.add(f"{dev}/{port}")
                 if pci:
                     self._port_devices[f"{dev}/{port}"] = f"{pci}#{port}"
-                self._sample_ib_port(s, os.path.join(ib_root, dev, "ports", port), f"{dev}/{port}", now)
+                if self._sample_ib_port(s, os.path.join(ib_root, dev, "ports", port), f"{dev}/{port}", now):
+                    present.discard(f"{dev}/{port}")  # removed while read: gone now (roce.port_down below)
         if self.config.rdma and not ib_unlistable:
             self._sample_gone_ports(s, present, unlisted)
         return s
+
+    def _leave_replaced_namespace(self) -> bool:
+        """Stops the listener when its namespace was deleted (``ip netns del``) or re-created under its name.
+
+        Its socket kept the old namespace alive, and the detector read that namespace's links (up) for good: a
+        deleted namespace read OK forever, and one re-created with its links down too. Stopped, this sample reads
+        the name's links from a dump (a deleted namespace is then a read error naming it, and a re-created one's
+        links are compared with the table), and the listener starts again in what the name now stands for.
+
+        Returns:
+            True when the listener was stopped.
+        """
+        watcher = self._watcher
+        if not self.config.netns or not self._listening or watcher is None or not watcher.namespace_replaced():
+            return False
+        why = "was deleted" if netns_identity(self.config.netns) is None else "was replaced by a new one"
+        with self._lock:
+            self._namespace_lost = (f"network namespace {self.config.netns!r} {why} while its links were watched; "
+                                    "listening again in the namespace of that name")
+        watcher.stop()
+        return True
 
     def _unmatched_condition(self, s: Sample, netdevs: list[str]) -> None:
         """Configured ``interfaces`` patterns that match no interface (a typo, a NIC udev has not renamed yet)
@@ -511,11 +551,19 @@ class RoceDetector(ListeningDetector):
             try:
                 value = read_int(os.path.join(stats_dir, name))
             except DetectorReadError as exc:
+                if removed_while_read(exc, stats_dir):
+                    return  # the NIC was removed meanwhile: its link says so, no unreadable input
                 s.error(exc)
                 continue
             self._apply(s, "netdev", ifname, name, value, now)
 
-    def _sample_ib_port(self, s: Sample, port_dir: str, subject: str, now: float) -> None:
+    def _sample_ib_port(self, s: Sample, port_dir: str, subject: str, now: float) -> bool:
+        """Reads one RDMA port's state and counters.
+
+        Returns:
+            True when the port was removed while read (its device unbound, reset or hot-unplugged): a port gone,
+            which the caller reports as such, not one read error per file.
+        """
         state_file = os.path.join(port_dir, "state")
         try:
             text = read_text(state_file)
@@ -533,6 +581,8 @@ class RoceDetector(ListeningDetector):
                            f"RDMA port {subject} is {m.group(2)} ({phys or 'phys_state unknown'})", subject,
                            {"state": text, "phys_state": phys})
         except DetectorReadError as exc:
+            if removed_while_read(exc, port_dir):
+                return True
             s.error(exc)
         for folder, source in (("counters", "ib_counters"), ("hw_counters", "ib_hw_counters")):
             cdir = os.path.join(port_dir, folder)
@@ -542,10 +592,13 @@ class RoceDetector(ListeningDetector):
                 try:
                     value = read_pma_counter(os.path.join(cdir, name))
                 except DetectorReadError as exc:
+                    if removed_while_read(exc, port_dir):
+                        return True
                     s.error(exc)
                     continue
                 if value is not None:
                     self._apply(s, source, subject, name, value, now)
+        return False
 
     def _apply(self, s: Sample, source: str, device: str, name: str, value: int, now: float) -> None:
         rules = [r for r in self._rules[source] if r.matches(name)]

@@ -4,8 +4,9 @@ The agent embeds one :class:`DetectorRunner`. Polled detectors share a single th
 each :class:`~trainguard.detectors.base.ListeningDetector` (netlink link state) additionally gets its own thread
 that blocks on its event source. A detector that raises, or reports unreadable inputs, is isolated: the runner
 records state ERROR and yields one ``detector.error`` event per distinct problem (and one ``detector.error.cleared``
-when it reads cleanly again); the other detectors keep running. The condition events a ``sample()`` raised before
-it raised are delivered all the same: the detector already holds those conditions as started (or ended).
+when it reads cleanly again); the other detectors keep running. The condition and one-off events a ``sample()``
+raised before it raised are delivered all the same: the detector already holds those conditions as started (or
+ended), and its counters have moved past those one-off events.
 
 Lifecycle::
 
@@ -314,7 +315,7 @@ class DetectorRunner:
             self._current = (det.name, started)
         changed: list[HealthEvent] = []
         try:
-            with det.recording_conditions() as changed:
+            with det.recording_events() as changed:
                 sample = det.sample()
             if not isinstance(sample, Sample):
                 raise TypeError(f"sample() returned {type(sample).__name__}, not Sample")
@@ -323,8 +324,9 @@ class DetectorRunner:
             # A read error says what it is itself; anything else is named by its type (a bug in the detector).
             err = exc if isinstance(exc, DetectorReadError) else DetectorReadError(det.name,
                                                                                   f"{type(exc).__name__}: {exc}")
-            # The conditions it started or ended before raising are already marked so in the detector; their
-            # events went with the lost sample and, edge-triggered, would never come again (a drain never sent).
+            # The conditions it started or ended before raising are already marked so in the detector, and the
+            # counters behind its one-off events (an uncorrectable error, a fatal AER error, an Xid) already moved
+            # past them; their events went with the lost sample and would never come again (a drain never sent).
             # Delivered here; the state machine is left as it is, so nothing races a listener thread's conditions.
             sample = Sample(events=list(changed))
             sample.error(err)

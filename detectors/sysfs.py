@@ -6,6 +6,7 @@ unreadable, empty, truncated or not in the expected format, so a detector can re
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import re
@@ -190,6 +191,27 @@ def read_key_values(path: str) -> dict[str, str]:
                 raise DetectorReadError(path, f"token {token[:40]!r} is not key=value")
             out[f"{word}.{key}"] = value
     return out
+
+
+#: What reading a sysfs attribute fails with once its device was removed: ENOENT when opened after the removal,
+#: ENODEV (kernfs) or ENXIO (some drivers) when the file was open as it went.
+_REMOVED_ERRNOS = (errno.ENOENT, errno.ENODEV, errno.ENXIO)
+
+
+def removed_while_read(exc: DetectorReadError, device_dir: str) -> bool:
+    """Whether a read failed because the device was removed meanwhile (hot-unplug, a driver unbinding it): the
+    read failed as a removed attribute does and the device's folder is gone. Such a device is not an unreadable
+    input but a device gone, which the detector judges as such (now, or at its next listing).
+
+    Args:
+        exc: the read error (from :func:`read_text` and the readers built on it).
+        device_dir: the device's folder (a ``/sys/bus/.../devices/<id>`` link is followed).
+
+    Returns:
+        True when the device is gone.
+    """
+    cause = exc.__cause__
+    return isinstance(cause, OSError) and cause.errno in _REMOVED_ERRNOS and not os.path.exists(device_dir)
 
 
 def list_dir(path: str) -> list[str]:

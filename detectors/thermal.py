@@ -26,7 +26,7 @@ from typing import ClassVar
 from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.sysfs import list_dir, read_int, read_text
+from trainguard.detectors.sysfs import list_dir, read_int, read_text, removed_while_read
 
 _TRIP = re.compile(r"^trip_point_([0-9]+)_type$")  # ASCII: ``\d`` takes other scripts' digits
 #: Trip temperatures (millidegrees) at or below this mean "not set" (0, THERMAL_TEMP_INVALID = -274000).
@@ -96,8 +96,6 @@ class ThermalDetector(Detector):
                 except DetectorReadError as exc:
                     if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in _NO_TEMPERATURE:
                         continue  # nothing to judge in this zone now; the others are read
-                    if isinstance(exc.__cause__, FileNotFoundError) and not os.path.isdir(zdir):
-                        continue  # removed since it was listed (its driver unloaded): gone, not unreadable
                     raise
                 trips: dict[str, float] = {}
                 hyst: dict[str, float] = {}
@@ -113,7 +111,12 @@ class ThermalDetector(Detector):
                             trips[kind] = value
                             hyst[kind] = self._trip_hyst(zdir, m.group(1))
             except DetectorReadError as exc:
-                s.error(exc)
+                # Removed since it was listed (its NIC or NVMe driver unloaded, the device went), before or while
+                # its temperature or a trip point was read: gone, not unreadable; its conditions end at the next
+                # listing. Only a temp opened after the removal (ENOENT) was told so; one open as the zone went
+                # (ENODEV) or a trip point read after it were read errors.
+                if not removed_while_read(exc, zdir):
+                    s.error(exc)
                 continue
             try:
                 ztype = read_text(os.path.join(zdir, "type"))

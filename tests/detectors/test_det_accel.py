@@ -354,3 +354,14 @@ def test_a_gpu_lost_while_its_xid_events_are_drained_is_still_reported(monkeypat
     assert [e.path for e in s.errors] == ["nvml:events"] and "GPU is lost" in s.errors[0].reason
     assert s.state == DetectorState.FAILED and s.metrics["gpus_lost"] == 1.0
     det.close()
+
+
+def test_npu_smi_output_that_is_no_utf8_is_still_read(tmp_path) -> None:
+    """A byte that is no UTF-8 in npu-smi's output (a garbled product name, a locale's encoding) raised
+    UnicodeDecodeError out of the whole sample: no chip's health was judged. The health columns are ASCII."""
+    exe = fake_npu_smi(tmp_path, "")
+    text = NPU_SMI.format(health="Critical", temp=95).replace("910B3 ", "910B\xff", 1)
+    (tmp_path / "out.txt").write_bytes(text.encode("latin-1"))
+    s = AscendDetector(AscendConfig(npu_smi=exe)).sample()
+    assert s.errors == [] and s.metrics["npus"] == 2.0
+    assert [(e.kind, e.subject) for e in s.events] == [("npu.health_critical", "0000:C2:00.0")]

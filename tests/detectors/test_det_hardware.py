@@ -407,3 +407,58 @@ def test_disk_usage_hovering_at_its_threshold_raises_one_event(tmp_path) -> None
         assert kinds == ["disk.filling", "disk.filling.cleared"]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_zone_or_memory_controller_removed_while_read_is_gone_not_unreadable(tmp_path, monkeypatch) -> None:
+    """A thermal zone of a NIC whose driver unloads, or an EDAC memory controller whose driver unloads, removed
+    while its files are read: the read of an open attribute fails with ENODEV, later opens with ENOENT. Each was a
+    detector.error (the detector in ERROR). The zone or controller is gone, not unreadable: the next listing
+    says so (conditions end, counters forgotten), and the others are judged as before."""
+    trips = {"passive": 85000, "hot": 95000, "critical": 105000}
+    write_thermal_zone(tmp_path, 0, 45000, trips)
+    write_thermal_zone(tmp_path, 3, 101000, trips, "mlx5")
+    write_edac_mc(tmp_path, 0, ce=0, ue=0)
+    write_edac_mc(tmp_path, 1, ce=0, ue=0)
+    thermal = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    edac = EdacDetector(EdacConfig(root=str(tmp_path)))
+    assert len(thermal.sample().events) == 3 and edac.sample().events == []
+    real_read = os.read
+
+    def kernel_read(fd: int, n: int) -> bytes:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        for name, folder in (("/thermal_zone3/trip_point_1_temp", "sys/class/thermal/thermal_zone3"),
+                             ("/mc1/ue_count", "sys/devices/system/edac/mc/mc1")):
+            if path.endswith(name):
+                # the zone or controller goes while this file is open: kernfs answers the read with ENODEV
+                shutil.rmtree(tmp_path / folder)
+                raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", kernel_read)
+    s = thermal.sample()
+    assert (s.errors, s.events) == ([], [])
+    assert sorted(e.kind for e in thermal.sample().events) == [
+        "hw.temp_critical.cleared", "hw.temp_hot.cleared", "hw.temp_throttling.cleared"]
+    write_edac_mc(tmp_path, 0, ce=0, ue=1)
+    s = edac.sample()
+    assert s.errors == [] and [(e.kind, e.subject) for e in s.events] == [("hw.memory_ue", "mc0")]
+    assert edac.sample().metrics["controllers"] == 1.0
+
+
+def test_edac_controllers_reloaded_between_two_samples_count_from_zero(tmp_path) -> None:
+    """An EDAC driver reload (rmmod and modprobe, seconds) falls between two samples 30 s apart: no sample sees
+    the controllers gone, and they came back counting from zero. mc0 had one uncorrectable error before and one
+    new after: the count read the same (1), no event. The controller's folder is a new one (kernfs numbers it
+    anew), so its counts are new errors."""
+    write_edac_mc(tmp_path, 0, ce=10, ue=1)
+    det = EdacDetector(EdacConfig(root=str(tmp_path)))
+    assert det.sample().events == []
+    assert det.sample().events == []  # the same folder: nothing new
+    mc = tmp_path / "sys/devices/system/edac/mc"
+    (mc / "mc0").rename(mc / "mc0.unloading")  # still there while the new one is made: another inode
+    write_edac_mc(tmp_path, 0, ce=0, ue=1)
+    shutil.rmtree(mc / "mc0.unloading")
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("hw.memory_ue", "mc0")]
+    assert "1 uncorrectable" in s.events[0].message
+    assert det.sample().events == []  # the same error once

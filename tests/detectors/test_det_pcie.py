@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import time
 
@@ -185,3 +187,62 @@ def test_a_counter_of_absurd_length_is_a_read_error_beside_another_devices_event
     assert [e.subject for e in events if e.kind == "pcie.aer_fatal"] == [GPU]
     (bad,) = [e for e in events if e.kind == "detector.error"]
     assert bad.subject.endswith(f"{ROOT_PORT}/aer_dev_correctable") and "is not '<name> <count>'" in bad.message
+
+
+def test_an_integrated_endpoint_without_a_link_is_not_a_link_down(tmp_path) -> None:
+    """A root complex integrated endpoint (an integrated GPU at 0000:00:02.0, class 0x0300) has the link files in
+    sysfs, but its link registers are not implemented and read zero: width 0 of a maximum 0, speeds Unknown. It
+    read as a PCIe link down, critical with drain-node. A discrete device's link that goes down keeps its
+    maximum width and is still reported."""
+    write_pci_device(tmp_path, "0000:00:02.0", cls="0x030000", width=0, max_width=0, speed="Unknown",
+                     max_speed="Unknown")
+    write_pci_device(tmp_path, GPU)
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert (s.events, s.errors, s.state) == ([], [], DetectorState.OK)
+    write_pci_device(tmp_path, GPU, width=0, speed="Unknown")
+    assert [(e.kind, e.subject) for e in det.sample().events] == [("pcie.link_down", GPU)]
+
+
+def test_a_device_removed_while_its_files_are_read_is_lost_not_unreadable(tmp_path, monkeypatch) -> None:
+    """A GPU hot-unplugged (or removed by its driver after falling off the bus) between the listing of the bus and
+    the reading of its files: the read of an open attribute fails with ENODEV, the files opened after with ENOENT.
+    Each was a detector.error (an unreadable input, the detector in ERROR) and the loss was said one sample later.
+    It is the device lost now, in that sample, and no read error."""
+    write_pci_device(tmp_path, ROOT_PORT, cls="0x060400")
+    gpu_dir = write_pci_device(tmp_path, GPU, above=ROOT_PORT)
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    assert det.sample().events == []
+    real_read = os.read
+
+    def kernel_read(fd: int, n: int) -> bytes:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f"/{GPU}/aer_dev_correctable"):
+            # the device goes while this file is open: kernfs answers the read with ENODEV
+            (tmp_path / "sys/bus/pci/devices" / GPU).unlink()
+            shutil.rmtree(gpu_dir)
+            raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", kernel_read)
+    s = det.sample()
+    assert s.errors == [], [str(e) for e in s.errors]
+    assert [(e.kind, e.subject, e.action) for e in s.events] == [("pcie.device_lost", GPU, Action.DRAIN_NODE)]
+    assert s.state == DetectorState.FAILED
+    assert det.sample().events == []  # still lost: said once
+
+
+def test_a_device_removed_and_found_again_between_two_samples_counts_from_zero(tmp_path) -> None:
+    """A remove and rescan (or a hot-plug) within one interval: no sample sees the device gone, and the new
+    pci_dev counts its AER errors from zero. The GPU had one fatal error before and one new after: the total read
+    1 both times, no event. Its folder is a new one (kernfs numbers it anew), so its counts are new errors."""
+    write_pci_device(tmp_path, ROOT_PORT, cls="0x060400")
+    gpu_dir = write_pci_device(tmp_path, GPU, above=ROOT_PORT, fatal={"MalfTLP": 1})
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    assert det.sample().events == []
+    assert det.sample().events == []  # the same folder: nothing new
+    gpu_dir.rename(gpu_dir.with_name("removing"))  # still there while the new one is made: another inode
+    write_pci_device(tmp_path, GPU, above=ROOT_PORT, fatal={"MalfTLP": 1})
+    shutil.rmtree(gpu_dir.with_name("removing"))
+    s = det.sample()
+    assert [(e.kind, e.subject, e.evidence["delta"]) for e in s.events] == [("pcie.aer_fatal", GPU, "1")]
+    assert det.sample().events == []  # the same error once

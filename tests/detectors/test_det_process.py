@@ -313,6 +313,66 @@ def test_d_state_thread_reported_with_fake_proc(tmp_path) -> None:
     assert s.events[0].evidence["wchan.4250"] == "nfs_wait_on_request"
 
 
+def test_an_entry_of_the_task_folder_that_is_no_thread_id_is_skipped(tmp_path) -> None:
+    """``/proc/<pid>/task`` holds one folder per thread id. The thread scan took int() of every entry: anything
+    else there (a fake or overlaid /proc) raised ValueError out of the sample, and the D-state thread beside it,
+    and every other worker's report, went unreported. Now such an entry is skipped."""
+    pid = 4242
+    task = tmp_path / "proc" / str(pid) / "task"
+    for tid, state in ((4242, "S"), (4250, "D")):
+        d = task / str(tid)
+        d.mkdir(parents=True)
+        (d / "stat").write_text(f"{tid} (python3) {state} " + " ".join(["0"] * 49) + "\n")
+    for stray in ("x", "4250.old", "\u0664\u0662"):  # not thread ids; the last is Arabic-Indic digits
+        (task / stray).mkdir()
+    (tmp_path / "proc" / str(pid) / "stat").write_text(f"{pid} (python3) S " + " ".join(["0"] * 49) + "\n")
+
+    class View:
+        def workers(self):
+            return [WorkerSnapshot(rank=0, pid=pid, started_at=time.monotonic())]
+
+    det = ProcessDetector(ProcessConfig(root=str(tmp_path), d_state_s=0.05, d_state_check_s=0.01,
+                                        stack_dump=False), worker_view=View())
+    deadline = time.monotonic() + 5
+    events: list[HealthEvent] = []
+    while not events and time.monotonic() < deadline:
+        s = det.sample()
+        assert s.errors == [] and s.state != DetectorState.ERROR, s.detail
+        events = s.events
+        time.sleep(0.02)
+    assert [e.kind for e in events] == ["process.uninterruptible"]
+    assert events[0].evidence["tids"] == "4250"
+
+
+@pytest.mark.parametrize("bad", [
+    "4242 (python3 S 1 2 3",  # truncated: no ')' closing the command name
+    "4242 (python3) Z " + " ".join(["0"] * 48) + " 99999999999999999999",  # a zombie's exit status past an int
+])
+def test_a_stat_file_that_cannot_be_read_is_a_read_error_not_a_vanished_worker(tmp_path, bad: str) -> None:
+    """A worker's /proc/<pid>/stat that exists but is not in the proc(5) format was taken for a process that is
+    gone: process.vanished (a restart asked for), and the worker never judged again. A zombie's exit status past
+    an int raised OverflowError out of the sample. Both are read errors naming the file now, and the worker is
+    judged once its file reads again."""
+    pid = 4242
+    stat = tmp_path / "proc" / str(pid) / "stat"
+    stat.parent.mkdir(parents=True)
+    stat.write_text(bad + "\n")
+
+    class View:
+        def workers(self):
+            return [WorkerSnapshot(rank=0, pid=pid, started_at=time.monotonic())]
+
+    det = ProcessDetector(ProcessConfig(root=str(tmp_path), stack_dump=False), worker_view=View())
+    runner = DetectorRunner([det])
+    events = runner.run_once()
+    assert [(e.kind, e.subject) for e in events] == [("detector.error", str(stat))], [e.message for e in events]
+    assert runner.statuses()[0].state == DetectorState.ERROR
+    stat.write_text(f"{pid} (python3) Z " + " ".join(["0"] * 48) + f" {9 << 8}\n")  # exited with code 9
+    events = runner.run_once()
+    assert [e.kind for e in events] == ["process.failed", "detector.error.cleared"]
+    assert events[0].evidence["returncode"] == "9"
+
+
 def test_slow_stack_dump_does_not_delay_another_workers_kill_report(tmp_path) -> None:
     # Rank 0 catches the dump signal but never writes a dump: the dump waits its full timeout (3 s).
     silent = subprocess.Popen([sys.executable, "-c", "import signal, time\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import shutil
@@ -611,3 +612,94 @@ def test_interfaces_patterns_that_match_nothing_are_said_until_an_interface_matc
     s = det.sample()
     assert [e.kind for e in s.events] == ["roce.interfaces_unmatched.cleared"]
     assert s.state == DetectorState.OK and "rx_crc_errors_per_s[ens1f0np0]" in s.metrics, s.metrics
+
+
+@pytest.mark.netns
+def test_a_namespace_deleted_or_recreated_while_watched_is_not_read_as_healthy(veth_netns, tmp_path) -> None:
+    """The listener's socket keeps its namespace alive after ``ip netns del``: the detector read that namespace's
+    links (up) for good, OK while nothing of that name existed, and still OK once a namespace of the same name
+    came back with its link down (a restarted container's). Now a deleted namespace is a read error naming it
+    (no drain), and the links of the one re-created under the name are read."""
+    ns, a, b = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=3600, ethtool=False,
+                                  interval_s=0.1))
+    q: queue.Queue[HealthEvent] = queue.Queue()
+    with DetectorRunner([det], on_event=q.put) as runner:
+        assert det.wait_ready(30.0), "the netlink listener did not start"
+        subprocess.run(["ip", "netns", "del", ns], check=True, timeout=10)
+        deadline = time.monotonic() + 5
+        while runner.statuses()[0].state != DetectorState.ERROR and time.monotonic() < deadline:
+            time.sleep(0.02)
+        status = runner.statuses()[0]
+        assert status.state == DetectorState.ERROR and f"no network namespace {ns!r}" in status.detail, status
+        subprocess.run(["ip", "netns", "add", ns], check=True, timeout=10)
+        ip(ns, "link", "add", a, "type", "veth", "peer", "name", b)  # created down
+        down = next_event(q, "net.link_down", a)
+        assert down.action == Action.CHECKPOINT_NOW
+        next_event(q, "detector.error.cleared", "")
+    drains = [e for e in list(q.queue) if e.action == Action.DRAIN_NODE]
+    assert drains == []
+
+
+@pytest.mark.netns
+def test_ethtool_reads_an_interface_whose_name_is_no_utf8(veth_netns) -> None:
+    """An interface name is bytes to the kernel; one that is no UTF-8 (b'tg\\xffx') is listed by os.listdir with a
+    surrogate, and the ioctl's str.encode() raised UnicodeEncodeError out of every RoCE sample that watched it."""
+    ns, _, _ = veth_netns
+    subprocess.run(["ip", "-n", ns, "link", "add", b"tg\xffx", "type", "veth", "peer", "name", "tgpeer"], check=True,
+                   timeout=10)
+    code = ("import json, os; from trainguard.detectors.ethtool import ethtool_stats; "
+            "name = next(n for n in os.listdir('/sys/class/net') if n.startswith('tg') and not n.isascii()); "
+            "print(json.dumps(ethtool_stats(name)))")
+    done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+    assert json.loads(done.stdout)["peer_ifindex"] > 0  # veth's own statistic, from the kernel
+
+
+@pytest.mark.netns
+def test_a_link_whose_name_is_no_utf8_does_not_blind_the_link_table(veth_netns, tmp_path) -> None:
+    """pyroute2 hands over a link name that is no UTF-8 as bytes; matching it against the interface patterns
+    raised TypeError, so one such link beside the watched ones failed every dump and the listener for good: no
+    watched link's state was read any more. It is named as /sys/class/net lists it now."""
+    ns, a, _ = veth_netns
+    subprocess.run(["ip", "-n", ns, "link", "add", b"tg\xffx", "type", "veth", "peer", "name", "tgpeer"], check=True,
+                   timeout=10)
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=("tg*",), down_grace_s=3600,
+                                  ethtool=False))
+    s = det.sample()
+    assert s.errors == [], s.errors
+    assert s.metrics[f"link_up[{a}]"] == 1.0 and s.metrics["link_up[tg\udcffx]"] == 0.0
+    ip(ns, "link", "set", a, "down")
+    assert ("net.link_down", a) in [(e.kind, e.subject) for e in det.sample().events]
+
+
+def test_a_nic_removed_while_its_files_are_read_is_gone_not_unreadable(tmp_path, monkeypatch) -> None:
+    """A RoCE NIC hot-unplugged (or unbound by mlx5 health recovery) between the listing of sysfs and the reading
+    of its files: the read of an open attribute fails with ENODEV, later opens with ENOENT. Each file was a
+    detector.error (the detector in ERROR) and the port's loss was said one sample later. The port is down in
+    that sample now, its netdev statistics are skipped (its link says it is gone), and nothing is a read error."""
+    write_rdma_port(tmp_path, device="mlx5_0", netdev="ens1f0np0")
+    write_rdma_port(tmp_path, device="mlx5_1", netdev="ens2f0np0")
+    det = RoceDetector(RoceConfig(root=str(tmp_path)), ethtool=lambda ifname: {})
+    det._listening = True  # the link table is not what this is about: no dump of this machine's links
+    assert det.sample().events == []
+    real_read = os.read
+
+    def kernel_read(fd: int, n: int) -> bytes:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        for name, folder in (("/ens2f0np0/statistics/rx_crc_errors", tmp_path / "sys/class/net/ens2f0np0"),
+                             ("/mlx5_1/ports/1/counters/symbol_error", tmp_path / "sys/class/infiniband/mlx5_1")):
+            if path.endswith(name):
+                # the device goes while this file is open: kernfs answers the read with ENODEV
+                shutil.rmtree(folder)
+                raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", kernel_read)
+    s = det.sample()
+    assert s.errors == [], [str(e) for e in s.errors]
+    assert [(e.kind, e.subject) for e in s.events] == [("roce.port_down", "mlx5_1/1")]
+    assert s.state == DetectorState.FAILED
+    assert det.sample().events == []  # still gone: said once
