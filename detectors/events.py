@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.detectors.text import printable
+from trainguard.detectors.text import printable, transmittable
 
 
 class Severity(enum.IntEnum):
@@ -101,9 +101,11 @@ class HealthEvent:
         # it stays one line wherever it is printed (logs, status, the coordinator's view of a remote node's
         # events). Source and kind are printable names (escaping leaves them as they are) unless a remote peer
         # sent garbage. The subject is an identifier (an interface name may hold ESC) and kept as sent; printers
-        # escape it.
+        # escape it; only its lone surrogates (a name whose bytes are no UTF-8) are escaped here, as no message
+        # could carry them.
         for name in ("source", "kind", "message"):
             object.__setattr__(self, name, printable(getattr(self, name)))
+        object.__setattr__(self, "subject", transmittable(self.subject))
 
     def with_node(self, node_id: str) -> "HealthEvent":
         """Returns a copy stamped with ``node_id``."""
@@ -122,7 +124,7 @@ class HealthEvent:
             action=int(self.action),
             subject=self.subject,
             message=self.message,
-            evidence={k: str(v) for k, v in self.evidence.items()},
+            evidence={transmittable(str(k)): transmittable(str(v)) for k, v in self.evidence.items()},
         )
         msg.time.FromNanoseconds(int(self.time * 1e9))
         return msg

@@ -42,7 +42,7 @@ from trainguard.detectors.base import (
 )
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, HealthEvent, Severity
-from trainguard.detectors.text import printable
+from trainguard.detectors.text import printable, transmittable
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ class DetectorStatus:
         from trainguard.proto import agent_pb2
 
         return agent_pb2.DetectorStatus(
-            name=self.name, state=int(self.state), detail=self.detail, metrics=dict(self.metrics)
+            name=self.name, state=int(self.state), detail=self.detail,
+            metrics={transmittable(k): v for k, v in self.metrics.items()},  # a metric may name a device
         )
 
 

@@ -40,4 +40,28 @@ def printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
 
 
-__all__ = ["printable"]
+def transmittable(text: str) -> str:
+    """``text`` with lone surrogates escaped (``\\udcff``), everything else as it is.
+
+    A name the kernel holds as bytes that are no UTF-8 (an interface, a process) reaches Python as
+    :func:`os.fsdecode` makes it: each bad byte a lone surrogate. Such a string cannot be encoded as UTF-8, so a
+    protobuf string field holding it raised ``UnicodeEncodeError`` at the first message that carried it (an event
+    about that link, a status listing its metrics), and the report or status call failed instead of naming it.
+
+    Args:
+        text: any text; a non-string is converted with :func:`str` first.
+
+    Returns:
+        The text itself when it encodes as UTF-8 (the common case, no copy), else a copy with each surrogate
+        escaped.
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "".join(_escape(ch) if "\ud800" <= ch <= "\udfff" else ch for ch in text)
+    return text
+
+
+__all__ = ["printable", "transmittable"]

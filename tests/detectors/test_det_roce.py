@@ -675,6 +675,30 @@ def test_a_link_whose_name_is_no_utf8_does_not_blind_the_link_table(veth_netns, 
     assert ("net.link_down", a) in [(e.kind, e.subject) for e in det.sample().events]
 
 
+@pytest.mark.netns
+def test_a_watched_link_whose_name_is_no_utf8_reaches_the_wire(veth_netns, tmp_path) -> None:
+    """Its name holds a lone surrogate (os.fsdecode), which no protobuf string can carry: the link-down event
+    about it and the detector's status (a metric per link) raised UnicodeEncodeError in to_proto, so the agent's
+    report of that very event failed. The surrogate is escaped now, the rest of the name kept."""
+    ns, _, _ = veth_netns
+    bad = b"tg\xffx"
+    subprocess.run(["ip", "-n", ns, "link", "add", bad, "type", "veth", "peer", "name", "tgpeer"], check=True,
+                   timeout=10)
+    subprocess.run(["ip", "-n", ns, "link", "set", bad, "up"], check=True, timeout=10)
+    subprocess.run(["ip", "-n", ns, "link", "set", "tgpeer", "up"], check=True, timeout=10)
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=("tg*",), down_grace_s=3600,
+                                  ethtool=False))
+    runner = DetectorRunner([det])
+    runner.run_once()
+    subprocess.run(["ip", "-n", ns, "link", "set", bad, "down"], check=True, timeout=10)
+    events = runner.run_once()
+    down = [e for e in events
+            if e.kind == "net.link_down" and e.subject.startswith("tg") and e.subject != "tgpeer"]
+    assert down and down[0].to_proto().subject == "tg\\udcffx"
+    status = next(s for s in runner.statuses() if s.name == det.name).to_proto()
+    assert status.metrics["link_up[tg\\udcffx]"] == 0.0
+
+
 def test_a_nic_removed_while_its_files_are_read_is_gone_not_unreadable(tmp_path, monkeypatch) -> None:
     """A RoCE NIC hot-unplugged (or unbound by mlx5 health recovery) between the listing of sysfs and the reading
     of its files: the read of an open attribute fails with ENODEV, later opens with ENOENT. Each file was a
