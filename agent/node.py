@@ -302,10 +302,12 @@ class NodeAgent:
 
     # -- workers' reports (the local gRPC service calls these) -----------------------------------------------
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
-                            finished: bool = False, sections: Mapping[str, float] | None = None) -> list:
+                            finished: bool = False, sections: Mapping[str, float] | None = None,
+                            acked: Sequence[str] | None = None) -> list:
         """Records a step reported by a local worker (with its section times, if any); returns advisories
-        pending for that rank."""
-        pending = self.supervisor.on_heartbeat(rank, pid, generation, step, step_time_s, finished, sections)
+        pending for that rank (``acked``: see :meth:`LocalSupervisor.on_heartbeat`)."""
+        pending = self.supervisor.on_heartbeat(rank, pid, generation, step, step_time_s, finished, sections,
+                                               acked)
         if self.supervisor.hooks:
             self._wake.set()  # a hook may be waiting for this step
         return pending
