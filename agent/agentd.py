@@ -15,6 +15,12 @@ coordinator by :class:`~trainguard.agent.daemon_jobs.DaemonJobs`; :class:`~train
 is what the local gRPC service serves. ``trainguard run`` composes the same node health with a worker supervisor
 and a job's coordinator link (:mod:`trainguard.agent.node`).
 
+This module is the daemon's lifecycle (start, main loop, reload, stop). Its other jobs live beside it:
+:mod:`~trainguard.agent.daemon_config` (the loader and checks of its configuration),
+:mod:`~trainguard.agent.daemon_claims` (its state folder's and socket's locks, the socket path, the TCP port),
+:mod:`~trainguard.agent.daemon_service` (its gRPC service), :mod:`~trainguard.agent.daemon_status` (health
+statuses, the watchdog's self-check, the status line).
+
 Any problem before READY=1 (bad config, unreadable certificate, address in use, another agent on the socket)
 raises :class:`~trainguard.agent.config.AgentConfigError` or :class:`~trainguard.agent.errors.AgentError`; the
 CLI prints it as one line and exits 2, and systemd sees the start fail.
@@ -28,13 +34,10 @@ the self-check and a liveness probe alike.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import signal
 import socket
-import stat
 import threading
 import time
 import uuid
@@ -43,20 +46,23 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
-from trainguard.agent.arena_keeper import ArenaKeeper, ArenaRootError
-from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError, parse_hostport
+from trainguard.agent.arena_keeper import ArenaKeeper
+from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
 from trainguard.agent.coordinator_report import NodeVerdict, NodeVerdictLatch
-from trainguard.agent.daemon_jobs import (REFUSED_METADATA_KEY, DaemonJobs, JobTlsPathRefused, describe_launcher,
-                                          launcher_key)
+from trainguard.agent.daemon_jobs import DaemonJobs, describe_launcher, launcher_key
+from trainguard.agent.daemon_claims import (lock_socket_path, lock_state_dir, make_state_dir, prepare_socket_path,
+                                            refuse_taken_port, self_check_host)
+from trainguard.agent.daemon_config import (ConfigLoader, check_coordinator_tls, check_detectors, config_loader,
+                                            coordinator_security)
 from trainguard.agent.daemon_node import DaemonNode
+from trainguard.agent.daemon_service import DaemonService, grpc_options
+from trainguard.agent.daemon_status import SELF_CHECK_TIMEOUT_S, DaemonStatus, detector_counts
 from trainguard.agent.daemon_qualify import DaemonQualification
 from trainguard.agent.errors import AgentError
 from trainguard.agent.event_bus import EventBus
-from trainguard.agent.launcher_lock import LOCK_NAME_RE
 from trainguard.agent.health import NODE_AGENT_SERVICE, HealthReporter, enable_reflection
-from trainguard.agent.local_server import NodeAgentService, local_only
 from trainguard.agent.logging_setup import configure_logging
 from trainguard.agent.metrics import AgentMetrics, MetricsServer
 from trainguard.agent.node_health import DetectorEventSource, LocalNodeHealth
@@ -76,190 +82,19 @@ from trainguard.proto import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-#: Deadline of the daemon's own health self-check, in seconds.
-SELF_CHECK_TIMEOUT_S = 2.0
-
-ConfigLoader = Callable[[], AgentConfig]
-
-
-def _grpc_options(config: AgentConfig) -> list[tuple[str, Any]]:
-    g = config.grpc
-    return [
-        ("grpc.max_receive_message_length", g.max_message_bytes),
-        ("grpc.max_send_message_length", 16 * 1024 * 1024),
-        # Fail on a port another process holds instead of silently sharing it (grpc's default is SO_REUSEPORT).
-        ("grpc.so_reuseport", 0),
-        # No grpc.max_concurrent_streams and no maximum_concurrent_rpcs: both refuse cheap calls (a burst of
-        # health probes got REFUSED_STREAM / RESOURCE_EXHAUSTED) where they must queue for a handler thread.
-        # The bound that matters is on the expensive calls: open WatchEvents streams (RequestGuard, max_watchers).
-        # Find dead peers of long WatchEvents streams; accept keep-alive pings from clients every 10 s.
-        ("grpc.keepalive_time_ms", 60_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
+# Moved to modules of their own; still importable from here (the CLI, tests and deployments import them so).
+__all__ = ["SELF_CHECK_TIMEOUT_S", "AgentDaemon", "ConfigLoader", "config_loader", "detector_counts", "handle_agent",
+           "run_agent"]
 
 
-def _hold_lock(lock_path: str, key: str, flag: str, taken: str) -> int:
-    """Creates ``lock_path`` and takes its exclusive ``flock`` for the daemon's life, writing the pid in it;
-    returns its fd.
+class AgentDaemon(DaemonStatus):
+    """Owns every part of the running daemon; ``start()``, then ``run()`` until a stop signal.
 
-    Args:
-        lock_path: the lock file.
-        key, flag: the setting and the flag that name the locked thing (in the errors).
-        taken: what another agent holding the lock does, for the error (``"uses the state folder X"``).
-
-    Raises:
-        AgentConfigError: the lock file cannot be created.
-        AgentError: another daemon holds the lock (the message names its pid).
+    Its statuses, watchdog self-check and status line are :class:`~trainguard.agent.daemon_status.DaemonStatus`'s.
     """
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise AgentConfigError(f"{key}: cannot create {lock_path} ({exc.strerror}); pick another {flag}") from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise AgentError(f"another trainguard agent{f' (pid {holder})' if holder.isdigit() else ''} {taken}; stop "
-                         f"that agent first or give this one its own {flag}") from exc
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
-
-def _lock_state_dir(path: str) -> int:
-    """Takes the exclusive lock ``<state_dir>/agent.lock`` that one daemon per state folder holds for its life.
-
-    Two daemons given other sockets but one state folder (a copied unit file, a test instance left running) both
-    ran, wrote one metric history and reported one node id to the coordinators; the socket's lock alone did not
-    see it.
-    """
-    lock_path = os.path.join(path, "agent.lock")
-    return _hold_lock(lock_path, "agent.state_dir", "--state-dir",
-                      f"uses the state folder {path} (it holds {lock_path})")
-
-
-def _lock_socket_path(path: str) -> int:
-    """Takes the exclusive lock ``<socket>.lock`` that one daemon per socket path holds for its life; returns its fd.
-
-    The probe of :func:`_prepare_socket_path` alone cannot tell a second daemon that one runs when its socket
-    file was removed under it (a cleaner, a hand), nor win a start race: gRPC unlinks and rebinds a path even
-    while another server listens on it, so two daemons would run (both keeping arenas and reporting the node).
-    """
-    lock_path = f"{path}.lock"
-    return _hold_lock(lock_path, "grpc.socket", "--socket", f"holds {lock_path}, so serves on {path}")
-
-
-def _prepare_socket_path(path: str) -> None:
-    """Creates the socket's folder (0750) and removes a stale socket; refuses to steal a live one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, mode=0o750, exist_ok=True)
-    except OSError as exc:
-        raise AgentConfigError(f"grpc.socket: cannot create folder {folder} ({exc.strerror}); pick another --socket") from exc
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise AgentConfigError(f"grpc.socket: {path} exists and is not a socket; remove it or pick another --socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody listens: left over from a crashed agent
-        log.info("removed stale socket %s", path)
-        return
-    finally:
-        probe.close()
-    raise AgentError(f"another process serves on {path}; stop that agent first or pick another --socket")
-
-
-def _refuse_taken_port(config: AgentConfig) -> None:
-    """Refuses a ``grpc.listen`` port another process listens on, before gRPC is asked to bind it.
-
-    gRPC's core logs its own "Failed to add port to server" line to stderr before the bind error reaches us, so an
-    operator saw a C++ log line ahead of (and longer than) ours. A port taken between this probe and gRPC's bind
-    still fails, with gRPC's line first.
-
-    Raises:
-        AgentConfigError: the port is in use, naming it and the option that sets it.
-    """
-    listen = config.grpc.listen
-    host, port = parse_hostport(listen)
-    if port == 0:
-        return
-    try:
-        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        return  # a host that does not resolve: gRPC's bind error says so
-    for family, kind, proto, _, address in addresses:
-        try:
-            probe = socket.socket(family, kind, proto)
-        except OSError:
-            continue  # a family this host lacks (IPv6 off): gRPC's bind fails or skips it alike
-        with probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT holds nothing
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise AgentConfigError(_port_taken_message(config)) from exc
-                # another error (an address not on this host) is gRPC's to report
-
-
-def _port_taken_message(config: AgentConfig) -> str:
-    """The one line for a ``grpc.listen`` port in use, naming the option to change where it was set."""
-    origin = config.origins.get("grpc.listen")
-    if origin == "--grpc-listen":
-        where = "--grpc-listen HOST:PORT"
-    elif origin:
-        where = f"{origin} (or --grpc-listen HOST:PORT)"
-    elif config.source.startswith("<"):  # no file: the built-in default
-        where = "--grpc-listen HOST:PORT (or grpc.listen in the config file)"
-    else:
-        where = f"grpc.listen in {config.source} (or --grpc-listen HOST:PORT)"
-    _, port = parse_hostport(config.grpc.listen)
-    return (f"grpc.listen: port {port} ({config.grpc.listen}) is in use by another process (another agent?); stop "
-            f"it or pick a free port with {where}; '' disables TCP")
-
-
-def _self_check_host(listen: str) -> str:
-    """Where the daemon reaches its own TCP listener ``listen`` (``HOST:PORT``): the host itself, or loopback of
-    the same family for a wildcard address (an IPv6 or a single interface's address is not on 127.0.0.1)."""
-    from trainguard.agent.config import parse_hostport
-
-    host, _ = parse_hostport(listen)
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
-def detector_counts(statuses: list) -> str:
-    """``detectors 7 ok, 4 no hardware, 1 failed`` for the status line: the detectors by state, ok first, then
-    the others that occur (a detector with nothing to watch on this node is not "ok": it watches nothing, and
-    one not sampled yet has read nothing).
-
-    Args:
-        statuses: the runner's :class:`~trainguard.detectors.runner.DetectorStatus` list.
-    """
-    counts: dict[str, int] = {}
-    for status in sorted(statuses, key=lambda s: s.state):
-        # OK is the runner's state before a first sample; a stalled first sample already reads ERROR.
-        unsampled = not status.samples and status.state.name == "OK"
-        label = "not sampled yet" if unsampled else status.state.name.lower().replace("_", " ")
-        counts[label] = counts.get(label, 0) + 1
-    counts = {"ok": counts.pop("ok", 0), **counts}
-    return "detectors " + ", ".join(f"{n} {label}" for label, n in counts.items())
-
-
-class AgentDaemon:
-    """Owns every part of the running daemon; ``start()``, then ``run()`` until a stop signal."""
+    #: The TLS files and job token of the configured coordinators (see :func:`daemon_config.coordinator_security`).
+    coordinator_security = staticmethod(coordinator_security)
 
     def __init__(self, load_config: ConfigLoader, notifier: SystemdNotifier | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -323,16 +158,16 @@ class AgentDaemon:
         config = self._load_config()
         self.config = config
         configure_logging(config.log.format, config.log.level)
-        self._make_state_dir(config)
+        make_state_dir(config)
         if config.tls.enabled:
             self._certs = ServerCertificates(
                 TlsFiles(config.tls.cert_file, config.tls.key_file, config.tls.client_ca_file)
             )
-        self._check_coordinator_tls(config)
+        check_coordinator_tls(config)
         detectors = self._create_detectors(config)
         # Once the configuration checked out, before anything acts on the node (arenas adopted, the node reported):
         # a start refused for its configuration says so even while the daemon it would replace still runs.
-        self._state_lock = _lock_state_dir(config.agent.state_dir)
+        self._state_lock = lock_state_dir(config.agent.state_dir)
         try:
             # Before anything binds: a second agent on this socket (given its own state folder) was told about
             # the metrics port or the TCP port the running one holds, not about the running agent.
@@ -401,15 +236,6 @@ class AgentDaemon:
         log.info("agent ready: %s", self._summary())
         self._agent_event("agent.started", Severity.INFO, f"trainguard agent {__version__} started (pid {os.getpid()})")
 
-    def _make_state_dir(self, config: AgentConfig) -> None:
-        path = config.agent.state_dir
-        try:
-            os.makedirs(path, mode=0o750, exist_ok=True)
-        except OSError as exc:
-            raise AgentConfigError(f"agent.state_dir: cannot create {path} ({exc.strerror}); pick another --state-dir") from exc
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise AgentConfigError(f"agent.state_dir: {path} is not writable by this user; pick another --state-dir")
-
     def _create_detectors(self, config: AgentConfig) -> list | None:
         from trainguard.detectors.errors import DetectorConfigError
 
@@ -424,24 +250,8 @@ class AgentDaemon:
             log.error("%s; running without detectors", self.detector_gap)
             return None
 
-    @staticmethod
-    def _check_detectors(config: AgentConfig) -> None:
-        """Checks the ``[detectors]`` settings as :meth:`_create_detectors` does, creating no detector.
-
-        Raises:
-            AgentConfigError: an unknown detector, a table for one not enabled, a bad field or root.
-        """
-        from trainguard.detectors.errors import DetectorConfigError
-
-        try:
-            config.detector_loader().settings()
-        except DetectorConfigError as exc:
-            raise AgentConfigError(str(exc)) from exc
-        except ImportError:
-            pass  # a detector module missing from this install: the start runs without detectors, not refused
-
     def _lock_socket(self, config: AgentConfig) -> None:
-        """Creates the socket's folder and takes the socket's lock (see :func:`_lock_socket_path`).
+        """Creates the socket's folder and takes the socket's lock (see :func:`~trainguard.agent.daemon_claims.lock_socket_path`).
 
         Raises:
             AgentConfigError: the folder cannot be created.
@@ -456,7 +266,7 @@ class AgentDaemon:
         except OSError as exc:
             raise AgentConfigError(f"grpc.socket: cannot create folder {folder} ({exc.strerror}); pick another "
                                    "--socket") from exc
-        self._socket_lock = _lock_socket_path(sock)
+        self._socket_lock = lock_socket_path(sock)
 
     def _start_grpc(self, config: AgentConfig) -> None:
         g = config.grpc
@@ -464,16 +274,16 @@ class AgentDaemon:
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=g.max_workers, thread_name_prefix="trainguard-grpc"),
             interceptors=[guard],
-            options=_grpc_options(config),
+            options=grpc_options(config),
         )
-        agent_pb2_grpc.add_NodeAgentServicer_to_server(_DaemonService(self), server)
+        agent_pb2_grpc.add_NodeAgentServicer_to_server(DaemonService(self), server)
         self.health.add_to_server(server)
         if g.reflection:
             enable_reflection(server)
         if g.listen:
-            _refuse_taken_port(config)  # before the socket is bound: a refused start leaves no socket file behind
+            refuse_taken_port(config)  # before the socket is bound: a refused start leaves no socket file behind
         if g.socket:
-            _prepare_socket_path(g.socket)
+            prepare_socket_path(g.socket)
             try:
                 server.add_insecure_port(f"unix:{g.socket}")
             except RuntimeError as exc:
@@ -506,7 +316,7 @@ class AgentDaemon:
                             "known by pid only", g.socket, exc)
             self._self_channel = grpc.insecure_channel(f"unix:{g.socket}")
         elif self._certs is None:
-            self._self_channel = grpc.insecure_channel(f"{_self_check_host(g.listen)}:{self.tcp_port}")
+            self._self_channel = grpc.insecure_channel(f"{self_check_host(g.listen)}:{self.tcp_port}")
         if self._self_channel is not None:
             self._self_check = health_pb2_grpc.HealthStub(self._self_channel).Check
         log.info("gRPC on %s%s", f"unix:{g.socket} " if g.socket else "",
@@ -549,43 +359,6 @@ class AgentDaemon:
             return self.verdict_latch.verdict()
         return self.verdict_latch.verdict(health.score, health.threshold)
 
-    def coordinator_security(self, config: AgentConfig) -> Any:
-        """The TLS files and job token of the configured coordinators (``[coordinator]``).
-
-        Raises:
-            AgentConfigError: the token file is unreadable.
-        """
-        from trainguard.agent.tls import TlsFiles as Files
-        from trainguard.recovery.rpc_security import RpcSecurity, SecurityConfigError, read_token_file
-
-        c = config.coordinator
-        try:
-            token = read_token_file(c.token_file, "coordinator.token_file") if c.token_file else ""
-        except SecurityConfigError as exc:
-            raise AgentConfigError(str(exc)) from exc
-        return RpcSecurity(tls=Files(c.tls_cert_file, c.tls_key_file, c.tls_ca_file), token=token)
-
-    @staticmethod
-    def _check_coordinator_tls(config: AgentConfig) -> None:
-        """Loads the ``[coordinator]`` TLS files as the reporters will, before anything listens: a readable file
-        that is no PEM (or a key that is not the certificate's) was found only when the first reporter started,
-        after the listeners had logged, and named by path only.
-
-        Raises:
-            AgentConfigError: a malformed file, naming its key and the config file.
-        """
-        from trainguard.agent.tls import TlsFiles as Files, channel_credentials
-
-        c = config.coordinator
-        if not c.targets() or not (c.tls_ca_file or c.tls_cert_file):
-            return
-        try:
-            channel_credentials(Files(c.tls_cert_file, c.tls_key_file, c.tls_ca_file))
-        except AgentConfigError as exc:
-            text = str(exc)
-            key = next((k for k in ("tls_ca_file", "tls_cert_file", "tls_key_file")
-                        if getattr(c, k) and getattr(c, k) in text), "tls_cert_file")
-            raise AgentConfigError(f"{config.source}: coordinator.{key}: {text}") from exc
 
     def attach_job(self, req: agent_pb2.AttachJobRequest) -> agent_pb2.AttachJobResponse:
         """A launcher attaches its job (see :meth:`DaemonJobs.attach`), announced on the event stream.
@@ -612,94 +385,6 @@ class AgentDaemon:
                           job=req.job, ended=str(req.ended), ignored=str(done.ignored),
                           arena_removed=str(done.arena_removed))
         return done.arena_removed
-
-    def detector_statuses(self) -> list:
-        """The detector runner's statuses (empty without detectors)."""
-        return list(self.runner.statuses()) if self.runner is not None else []
-
-    def _refresh(self) -> None:
-        """Copies live state into metrics and health statuses."""
-        statuses = self.detector_statuses()
-        self._sampler_progress.observe(statuses)  # every loop turn: progress is dated to the turn that saw it
-        if self.metrics is not None:
-            self.metrics.set_detector_states({s.name: s.state.name for s in statuses})
-            self.metrics.set_worker_states([])  # the daemon runs no workers (jobs' launchers do)
-            if self.node_health is not None:
-                h = self.node_health
-                self.metrics.set_predictor(h.score, h.threshold, h.alarms_per_day)
-        if not self._socket_in_place():
-            # Launchers and `trainguard status` cannot reach this agent and the running server cannot bind the
-            # path again: NOT_SERVING fails the liveness probe (and the self-check, which stops the watchdog's
-            # keep-alives), so the agent is restarted and binds it anew.
-            self.health.set("", False)
-            self.health.set(NODE_AGENT_SERVICE, False)
-        self.health.set_subsystem("coordinator", self.jobs is None or self.jobs.configured_ok())
-        self.health.set_subsystem("workers", True)
-        from trainguard.detectors.base import DetectorState
-
-        bad = (DetectorState.FAILED, DetectorState.ERROR)
-        if statuses:
-            self.health.set_detectors({s.name: s.state not in bad for s in statuses})
-        else:
-            self.health.set_subsystem("detectors", not self.detector_gap)
-
-    def _socket_in_place(self) -> bool:
-        """Whether ``grpc.socket`` still names the socket this agent serves on (logs once when it does not).
-
-        The self-check's channel keeps the connection it made before, so it cannot tell a removed or replaced
-        socket file: the agent answered itself while nobody else could reach it.
-        """
-        sock = self.config.grpc.socket if self.config is not None else ""
-        if not sock or self._socket_ino is None:
-            return True
-        try:
-            st = os.stat(sock)
-            in_place = stat.S_ISSOCK(st.st_mode) and st.st_ino == self._socket_ino
-        except OSError:
-            in_place = False
-        if not in_place and not self._socket_lost:
-            self._socket_lost = True
-            log.error("the socket %s was removed or replaced: launchers and `trainguard status` cannot reach this "
-                      "agent; health NOT_SERVING and no watchdog keep-alives, so that it is restarted", sock)
-        return in_place
-
-    def _sampler_stalled(self) -> bool:
-        statuses = self.detector_statuses()
-        if not statuses:
-            return False
-        shortest = min(getattr(d.config, "interval_s", 5.0) for d in self.runner.detectors)
-        return self._sampler_progress.stalled(statuses, shortest)
-
-    def _healthy(self) -> bool:
-        """The main loop's verdict: gRPC answers its own health check and the detector sampler progresses."""
-        if self._self_check is not None:
-            try:
-                reply = self._self_check(health_pb2.HealthCheckRequest(service=""), timeout=SELF_CHECK_TIMEOUT_S)
-            except grpc.RpcError as exc:
-                log.error("self-check: the gRPC server did not answer (%s); withholding watchdog pings", exc.code())
-                return False
-            if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                return False
-        if self._sampler_stalled():
-            log.error("self-check: the detector sampler made no progress; withholding watchdog pings")
-            return False
-        return True
-
-    def _summary(self) -> str:
-        """One line for systemd's STATUS= and the log."""
-        workers = 0  # jobs' launchers run the workers
-        score = self.node_health.score if self.node_health is not None else 0.0
-        detectors = detector_counts(self.detector_statuses()) if not self.detector_gap else "no detectors"
-        where = []
-        if self.config is not None and self.config.grpc.socket:
-            where.append(f"unix:{self.config.grpc.socket}")
-        if self.config is not None and self.config.grpc.listen:
-            where.append(f"tcp:{self.tcp_port}{'+tls' if self._certs else ''}")
-        coordinators = self.jobs.summary() if self.jobs is not None else ""
-        coordinators = f"; {coordinators}" if coordinators else ""
-        verdict = self.verdict_latch.verdict().verdict.name.lower()
-        return (f"serving on {' '.join(where)}; {detectors}; {workers} workers; risk {score:.2f}; "
-                f"node {verdict}{coordinators}")
 
     # -- main loop ----------------------------------------------------------------------------------------
 
@@ -792,12 +477,12 @@ class AgentDaemon:
             new = self._load_config()
             # Checked as start() checks them: detectors.* apply only after a restart, and a table start() refuses
             # (an unknown detector or field) was taken here, so the next restart of the unit failed.
-            self._check_detectors(new)
+            check_detectors(new)
             if self._certs is not None and new.tls.enabled:
                 self._certs.reload(TlsFiles(new.tls.cert_file, new.tls.key_file, new.tls.client_ca_file))
             if self.jobs is not None:
                 # Rotated in place like tls.*: the running paths' new contents (a changed path needs a restart).
-                self._check_coordinator_tls(old)
+                check_coordinator_tls(old)
                 try:
                     self.jobs.reload_configured(self.coordinator_security(old))
                 except SecurityConfigError as exc:
@@ -874,132 +559,6 @@ class AgentDaemon:
             os.close(self._socket_lock)  # the file stays: unlinking a lock file races with the next daemon's open
             self._socket_lock = None
         self.release_locks()
-
-
-class _DaemonService(NodeAgentService):
-    """The node service with the daemon's detector states added to ``GetHealth`` and checkpoint reports
-    recorded in the metrics."""
-
-    def __init__(self, daemon: AgentDaemon) -> None:
-        super().__init__(daemon.node)
-        self._daemon = daemon
-        self._lock = threading.Lock()
-        self._detectors_key: tuple = ()
-        self._detectors = agent_pb2.NodeHealth()
-
-    def _detector_part(self) -> agent_pb2.NodeHealth:
-        # Statuses change once per sample interval while health checkers may ask hundreds of times a second:
-        # convert them once per change (the runner hands out a new status object on each sample).
-        statuses = self._daemon.detector_statuses()
-        with self._lock:
-            # Identity, not equality: the cache holds the status objects, so their ids cannot be reused.
-            same = len(statuses) == len(self._detectors_key) and all(
-                a is b for a, b in zip(statuses, self._detectors_key))
-            if not same or not statuses:
-                key = tuple(statuses)
-                part = agent_pb2.NodeHealth(detectors=[s.to_proto() for s in statuses])
-                if self._daemon.detector_gap:
-                    part.detectors.add(name="detectors", state=agent_pb2.DETECTOR_STATE_ERROR,
-                                       detail=self._daemon.detector_gap)
-                self._detectors_key, self._detectors = key, part
-            return self._detectors
-
-    def GetHealth(self, request, context):  # noqa: N802 (gRPC naming)
-        health = super().GetHealth(request, context)
-        if not health.detectors:
-            health.MergeFrom(self._detector_part())
-        return health
-
-    def AttachJob(self, request, context):  # noqa: N802 (gRPC naming)
-        """A `trainguard run` on this node attaches its job (local socket only)."""
-        from trainguard.recovery.rpc_security import SecurityConfigError
-        from trainguard.recovery.spec import JOB_NAME_RE
-
-        local_only(context, "AttachJob")
-        if not JOB_NAME_RE.match(request.job):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job[:64]!r} is not a job name")
-        if request.launcher_pid <= 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "launcher_pid must be the launcher's pid (> 0)")
-        if request.launcher_lock and not LOCK_NAME_RE.match(request.launcher_lock):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"launcher_lock {request.launcher_lock[:64]!r} is not a "
-                                                            "lock file name in the daemon's launchers folder")
-        if request.coordinator:
-            from trainguard.agent.config import parse_hostport
-
-            try:
-                parse_hostport(request.coordinator)
-            except ValueError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"coordinator: {exc}")
-        try:
-            return self._daemon.attach_job(request)
-        except ArenaRootError as exc:
-            # Marked, so the launcher retries without the arena only when the arena was what was refused.
-            context.set_trailing_metadata(((REFUSED_METADATA_KEY, "arena"),))
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except JobTlsPathRefused as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except SecurityConfigError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the job's coordinator TLS files, as this daemon "
-                                                               f"reads them: {exc}")
-
-    def DetachJob(self, request, context):  # noqa: N802 (gRPC naming)
-        """A launcher leaves its job; ``ended`` removes the job's arena now (local socket only)."""
-        from trainguard.recovery.spec import JOB_NAME_RE
-
-        local_only(context, "DetachJob")
-        # The job name becomes a path under the daemon's folders (its TLS files, its arena): a name that is not
-        # one plain path element ("/etc", "../..") would have the daemon delete a folder of someone else's.
-        if not JOB_NAME_RE.match(request.job):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"job {request.job[:64]!r} is not a job name")
-        if request.launcher_lock and not LOCK_NAME_RE.match(request.launcher_lock):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"launcher_lock {request.launcher_lock[:64]!r} is not a "
-                                                            "lock file name in the daemon's launchers folder")
-        return agent_pb2.DetachJobResponse(arena_removed=self._daemon.detach_job(request))
-
-    def ReportCheckpoint(self, request, context):  # noqa: N802 (gRPC naming)
-        reply = super().ReportCheckpoint(request, context)
-        if self._daemon.metrics is not None:
-            self._daemon.metrics.observe_checkpoint(request.tier, request.bytes, request.stall_s, request.persist_s,
-                                                    request.step)
-        return reply
-
-
-def config_loader(
-    config_path: str | None = None,
-    grpc_listen: str | None = None,
-    socket_path: str | None = None,
-    state_dir: str | None = None,
-) -> ConfigLoader:
-    """Builds the loader the daemon calls at start and on SIGHUP: file, then environment, then these flags.
-
-    Args:
-        config_path: ``--config``; None means ``$TRAINGUARD_AGENT_CONFIG`` or the default path.
-        grpc_listen: ``--grpc-listen HOST:PORT`` ("" disables TCP), or None to keep the configured one.
-        socket_path: ``--socket PATH`` ("" disables it), or None.
-        state_dir: ``--state-dir DIR``, or None.
-
-    Relative ``config_path``, ``socket_path`` and ``state_dir`` are resolved against the current folder now.
-
-    Returns:
-        A function returning the validated configuration, raising AgentConfigError.
-    """
-    # Relative paths on the command line mean the folder the command was typed in: resolved once, here, so every
-    # later load (SIGHUP) and every client reads the same place. In the file and the environment they are refused
-    # (config.validate): under systemd the daemon starts in /, not where the file or the unit was written.
-    config_path, socket_path, state_dir = (os.path.abspath(p) if p else p
-                                           for p in (config_path, socket_path, state_dir))
-    flags = {("grpc", "listen"): (grpc_listen, "--grpc-listen"), ("grpc", "socket"): (socket_path, "--socket"),
-             ("agent", "state_dir"): (state_dir, "--state-dir")}
-
-    def load() -> AgentConfig:
-        config = AgentConfig.load(config_path)
-        updates = {key: value for key, (value, _) in flags.items() if value is not None}
-        origins = {f"{k[0]}.{k[1]}": flag for k, (value, flag) in flags.items() if value is not None}
-        config = config.with_overrides(updates, origins)
-        config.validate()
-        return config
-
-    return load
 
 
 def handle_agent(args: Any) -> int:

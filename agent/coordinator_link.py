@@ -61,6 +61,40 @@ def coordinator_targets(coordinator: str) -> list[str]:
     return targets
 
 
+#: What gRPC's connection error says when the peer answered with something other than HTTP/2 (an HTTP/1.x server, an
+#: SSH banner, any other protocol): something listens there, and it is no gRPC server.
+_NOT_HTTP2_MARKERS = ("Failed parsing HTTP/2", "http1.x server")
+
+
+def foreign_listener(code: grpc.StatusCode, details: str) -> str | None:
+    """What answered a coordinator call instead of a trainguard coordinator, from the call's error; None when the
+    error does not tell (nobody listens yet, a timeout, a reset: those may be a coordinator starting or restarting).
+
+    Args:
+        code, details: the failed call's status code and details.
+    """
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return "a gRPC server answers there without trainguard's Coordinator service"
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) and any(
+            m in (details or "") for m in _NOT_HTTP2_MARKERS):
+        return ("something listens there that does not speak gRPC (HTTP/2): another program holds that port, or a "
+                "coordinator serving TLS is dialled without it")
+    return None
+
+
+def foreign_listener_message(target: str, what: str, details: str) -> str:
+    """The one line for a coordinator address where something else answers: what, and what to do."""
+    details = details or ""
+    if "http1.x server" in details:
+        said = "it answered in HTTP/1.x"
+    elif "Failed parsing HTTP/2" in details:
+        said = "its first bytes are no HTTP/2 frame"
+    else:
+        said = " ".join(details.split())[:200] or "no details"
+    return (f"{target} is not a trainguard coordinator: {what} ({said}); point --rdzv-endpoint (or --coordinator, "
+            f"--master-addr/--master-port) at the node running the job's coordinator, or stop what holds that port")
+
+
 def find_free_port(address: str) -> int:
     """A TCP port free on ``address`` right now (bind to port 0, read it, close).
 
@@ -255,6 +289,14 @@ class GrpcCoordinatorLink:
                 return
             except grpc.RpcError as exc:
                 code = exc.code()
+                foreign = foreign_listener(code, exc.details() or "")
+                if foreign is not None and (code == grpc.StatusCode.UNIMPLEMENTED
+                                            or len(coordinator_targets(self.config.coordinator)) == 1):
+                    # At once, not after the whole patience: a program that is no coordinator will not become one
+                    # (it said "not reachable yet" for up to join_timeout, then "unreachable"). Of a list, another
+                    # address may hold the coordinator: tried in turn, as for one that is down.
+                    raise CoordinatorUnavailableError(
+                        foreign_listener_message(self._target, foreign, exc.details() or "")) from exc
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise CoordinatorUnavailableError(
                         f"coordinator {self.config.coordinator} refused registration: {code.name}: {exc.details()}"
@@ -540,4 +582,5 @@ class GrpcCoordinatorLink:
             self._channel.close()
 
 
-__all__ = ["GrpcCoordinatorLink", "JoinTimeoutError", "coordinator_targets", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S", "find_free_port"]
+__all__ = ["GrpcCoordinatorLink", "JoinTimeoutError", "coordinator_targets", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S",
+           "find_free_port", "foreign_listener", "foreign_listener_message"]

@@ -45,7 +45,7 @@ class DaemonNode:
         return self.health.bus
 
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
-                            finished: bool = False, sections: object = None) -> list:
+                            finished: bool = False, sections: object = None, acked: object = None) -> list:
         """A worker heartbeat reaching the daemon: no worker of the daemon's, so no advisory for it."""
         return []
 

@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 
 from trainguard.agent.fault_records import FaultRecord
-from trainguard.agent.run import add_run_arguments, format_summary, run_job
+from trainguard.agent.run import format_summary, run_job
+from trainguard.agent.run_args import add_run_arguments
 from trainguard.errors import UsageError
 
 def _example() -> Path:

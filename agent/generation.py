@@ -12,14 +12,7 @@ from typing import TYPE_CHECKING
 
 from trainguard.agent.errors import WorkerStartError
 from trainguard.agent.workers import WorkerSpec
-from trainguard.worker_env import (  # noqa: F401 (the env names are re-exported)
-    AGENT_SOCKET_ENV,
-    GENERATION_ENV,
-    JOB_ENV,
-    NODE_ID_ENV,
-    WorkerEnv,
-    WorkerEnvError,
-)
+from trainguard.worker_env import WorkerEnv, WorkerEnvError
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainguard.agent.node import NodeConfig

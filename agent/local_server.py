@@ -7,7 +7,7 @@ blocks on the coordinator, so a training step is never slowed by the control pla
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent import futures
 from typing import TYPE_CHECKING, Protocol
 
@@ -44,8 +44,10 @@ class ServedNode(Protocol):
         """The node's health now."""
 
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
-                            finished: bool = False, sections: Mapping[str, float] | None = None) -> list:
-        """Records a local worker's step; returns the advisories pending for it."""
+                            finished: bool = False, sections: Mapping[str, float] | None = None,
+                            acked: Sequence[str] | None = None) -> list:
+        """Records a local worker's step; returns the advisories pending for it (``acked``: the ids the worker
+        acknowledges, None when it does not acknowledge)."""
 
     def on_checkpoint_report(self, report: agent_pb2.CheckpointReport) -> None:
         """Records a durable checkpoint step."""
@@ -91,6 +93,7 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         advisories = self._agent.on_worker_heartbeat(
             rank=request.rank, pid=request.pid, generation=request.generation, step=request.step,
             step_time_s=request.step_time_s, finished=request.finished, sections=request.section_s,
+            acked=list(request.acked_advisory_ids) if request.acks_advisories else None,
         )
         return agent_pb2.WorkerHeartbeatResponse(advisories=advisories, generation=self._agent.generation)
 

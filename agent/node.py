@@ -45,16 +45,10 @@ from typing import Any
 import grpc
 
 from trainguard._version import __version__
-from trainguard.agent.coordinator_link import GrpcCoordinatorLink, LinkConfig, find_free_port  # noqa: F401
+from trainguard.agent.coordinator_link import GrpcCoordinatorLink, LinkConfig
 from trainguard.agent.errors import JobFailedError, RegistrationCancelledError
 from trainguard.agent.event_bus import EventBus
-from trainguard.agent.fault_records import FaultRecord  # noqa: F401 (re-exported)
-from trainguard.agent.generation import (  # noqa: F401 (the env names are re-exported)
-    AGENT_SOCKET_ENV,
-    GENERATION_ENV,
-    JOB_ENV,
-    NODE_ID_ENV,
-)
+from trainguard.agent.fault_records import FaultRecord
 from trainguard.agent.echo_probe import EchoListener
 from trainguard.agent.lease_keeper import keep_lease
 from trainguard.agent.link_probe import LinkProber, WithLinkProbe
@@ -302,10 +296,12 @@ class NodeAgent:
 
     # -- workers' reports (the local gRPC service calls these) -----------------------------------------------
     def on_worker_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
-                            finished: bool = False, sections: Mapping[str, float] | None = None) -> list:
+                            finished: bool = False, sections: Mapping[str, float] | None = None,
+                            acked: Sequence[str] | None = None) -> list:
         """Records a step reported by a local worker (with its section times, if any); returns advisories
-        pending for that rank."""
-        pending = self.supervisor.on_heartbeat(rank, pid, generation, step, step_time_s, finished, sections)
+        pending for that rank (``acked``: see :meth:`LocalSupervisor.on_heartbeat`)."""
+        pending = self.supervisor.on_heartbeat(rank, pid, generation, step, step_time_s, finished, sections,
+                                               acked)
         if self.supervisor.hooks:
             self._wake.set()  # a hook may be waiting for this step
         return pending
@@ -654,3 +650,6 @@ def install_signal_handlers(agent: NodeAgent, signals: Sequence[int] = (signal.S
             signal.signal(s, h)
 
     return restore
+
+
+__all__ = ["NodeAgent", "NodeConfig", "install_signal_handlers", "link_config"]

@@ -37,6 +37,8 @@ GUARDED_SERVICE = "trainguard.v1.NodeAgent"
 MAX_HEALTH_EVENTS = 1000
 #: Largest ``replay`` a WatchEvents may ask for.
 MAX_REPLAY = 10_000
+#: Most advisory ids one WorkerHeartbeat may acknowledge (the hook sends those of its latest answers: a few).
+MAX_ACKED_ADVISORIES = 64
 #: Checkpoint tiers a worker may report ("snapshot": copied out of the model, not yet in any tier).
 CHECKPOINT_TIERS = ("snapshot", "memory", "disk", "remote")
 #: Largest AttachJob request, whatever ``max_request_bytes`` says: it carries the launcher's coordinator TLS files'
@@ -80,6 +82,11 @@ def _check_heartbeat(req: agent_pb2.WorkerHeartbeatRequest) -> str | None:
     for name, value in req.section_s.items():
         if not _finite_nonneg(value):
             return f"section_s[{name[:32]!r}]={value} is not a finite non-negative number"
+    if len(req.acked_advisory_ids) > MAX_ACKED_ADVISORIES:
+        return (f"acked_advisory_ids has {len(req.acked_advisory_ids)} entries; "
+                f"at most {MAX_ACKED_ADVISORIES} are allowed")
+    if any(len(i) > 64 for i in req.acked_advisory_ids):
+        return "acked_advisory_ids entries must be at most 64 characters"
     return None
 
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from trainguard.agent.errors import JobFailedError
 from trainguard.agent.guard import guard
-from trainguard.agent.node import FaultRecord, NodeAgent, NodeConfig, install_signal_handlers
-from trainguard.agent.run_args import add_run_arguments, parse_fault  # noqa: F401 (re-exported)
+from trainguard.agent.fault_records import FaultRecord
+from trainguard.agent.node import NodeAgent, NodeConfig, install_signal_handlers
+from trainguard.agent.run_args import parse_fault
 from trainguard.agent.qualify.cli import qualify_for_run
 from trainguard.agent.run_detectors import run_detector_settings
 from trainguard.errors import UsageError

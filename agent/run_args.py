@@ -231,4 +231,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-standby", dest="standby", action="store_false",
                    help="do not keep warm standby worker processes (slower restarts, less memory)")
     p.add_argument("script", help="training script (or module with -m, executable with --no-python)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    rest = p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    # argparse takes a REMAINDER positional for a required one: `trainguard run` without a script said "the
+    # following arguments are required: script, script_args", though a script needs no arguments.
+    rest.required = False

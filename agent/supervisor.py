@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 _T = SupervisorTrigger
 
+#: Most advisories kept per rank until the worker acknowledges them; the oldest go first beyond it (a worker that
+#: never acknowledges, or one that is wedged, must not grow the agent's memory without bound).
+MAX_PENDING_ADVISORIES = 32
+
 
 @dataclass
 class WorkerExit:
@@ -137,11 +141,18 @@ class LocalSupervisor:
 
     # -- workers' reports ----------------------------------------------------------------------------------
     def on_heartbeat(self, rank: int, pid: int, generation: int, step: int, step_time_s: float,
-                     finished: bool = False, sections: Mapping[str, float] | None = None) -> list:
+                     finished: bool = False, sections: Mapping[str, float] | None = None,
+                     acked: Sequence[str] | None = None) -> list:
         """Records a step reported by a local worker (with its section times, if any).
 
+        Args:
+            acked: ids of advisories the worker has received (it acknowledges them); None for a worker that does
+                not acknowledge (from before acknowledgements), whose advisories are handed out once.
+
         Returns:
-            The advisories pending for that rank (empty for a straggler of an older generation).
+            The advisories pending for that rank (empty for a straggler of an older generation). A worker that
+            acknowledges gets each one again in every answer until it acknowledges it: the answer carrying it may
+            never reach the worker (its call timed out), and the worker acts on each id once.
         """
         with self._lock:
             group = self._group
@@ -172,7 +183,15 @@ class LocalSupervisor:
                 if rec.resumed_at is None and rec.restarted_at is not None and step >= 0:
                     rec.resumed_at = now
                     rec.resumed_step = step
-            return self._advisories.pop(rank, [])
+            if acked is None:
+                return self._advisories.pop(rank, [])
+            pending = self._advisories.get(rank)
+            if not pending:
+                return []
+            if acked:
+                done = set(acked)
+                pending[:] = [a for a in pending if a.advisory_id not in done]
+            return list(pending)
 
     def advise(self, kind: int, reason: str, at_step: int = 0) -> str:
         """Queues an advisory for every current local worker; returns its id.
@@ -187,9 +206,13 @@ class LocalSupervisor:
         with self._lock:
             if self._group is not None:
                 for w in self._group.workers:
-                    self._advisories.setdefault(w.spec.rank, []).append(
-                        agent_pb2.Advisory(kind=kind, reason=reason, advisory_id=adv_id, at_step=at_step)
-                    )
+                    pending = self._advisories.setdefault(w.spec.rank, [])
+                    pending.append(agent_pb2.Advisory(kind=kind, reason=reason, advisory_id=adv_id,
+                                                      at_step=at_step))
+                    if len(pending) > MAX_PENDING_ADVISORIES:
+                        dropped = pending.pop(0)
+                        log.warning("rank %d has not acknowledged %d advisories; dropping the oldest (%s)",
+                                    w.spec.rank, len(pending) + 1, dropped.reason)
         return adv_id
 
     # -- lifecycle -----------------------------------------------------------------------------------------
@@ -417,4 +440,4 @@ class LocalSupervisor:
                 )
 
 
-__all__ = ["LocalSupervisor", "WorkerExit"]
+__all__ = ["MAX_PENDING_ADVISORIES", "LocalSupervisor", "WorkerExit"]

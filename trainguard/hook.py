@@ -39,6 +39,11 @@ log = logging.getLogger("trainguard.hook")
 #: heartbeat (mean step time and sections), so a fast loop does not pay one RPC per step: at ~7 ms per step a
 #: heartbeat per step cost 7% of the step's CPU, one per 100 ms still 3% (bench/bench_failslow.py overhead).
 HEARTBEAT_MIN_INTERVAL_S = 0.25
+#: Seconds a heartbeat call to the agent may take; a slower answer is lost (its advisories come again, see
+#: ``_AgentLink``).
+HEARTBEAT_TIMEOUT_S = 2.0
+#: Most advisory ids a heartbeat acknowledges: those received since the last acknowledgement that got through.
+MAX_ACKS = 32
 #: Most errors :attr:`Session.errors` keeps (the newest).
 MAX_LATCHED_ERRORS = 1000
 
@@ -67,6 +72,10 @@ class _AgentLink:
     state (``finished`` on the wire: a pause of hang detection, or the loop's end): a pause or finish sent from
     the caller's thread could overtake a step heartbeat already on its way, and the agent takes the latest
     state it receives.
+
+    Advisories are acknowledged: each heartbeat names the ids received in earlier answers, and the agent hands an
+    advisory out in every answer until its id comes back. An answer lost to a timed-out call lost its advisory (a
+    "checkpoint now" or "stop") before; now the next answer carries it again. The session acts on each id once.
     """
 
     def __init__(self, socket_path: str, rank: int, generation: int) -> None:
@@ -84,6 +93,7 @@ class _AgentLink:
         # [last step, summed step time, steps, summed sections or None] since the last heartbeat sent
         self._pending: list | None = None
         self._advisories: list[Any] = []
+        self._acks: list[str] = []  # ids received and not yet acknowledged in a call that got an answer
         self._closed = False
         self._quiet = False  # no steps expected now (hang detection paused, or the loop is over)
         self._state_seq = 0  # bumped on every change of _quiet; _sent_seq: the last one delivered
@@ -135,7 +145,7 @@ class _AgentLink:
         try:
             self._stub.ReportCheckpoint(
                 self._pb.CheckpointReport(rank=self._rank, step=step, tier=tier, bytes=nbytes, stall_s=stall_s),
-                timeout=2.0,
+                timeout=HEARTBEAT_TIMEOUT_S,
             )
         except Exception as exc:  # noqa: BLE001 - the agent being away must not stop training
             self.failures += 1
@@ -152,6 +162,7 @@ class _AgentLink:
                     return
                 pending, self._pending = self._pending, None
                 seq, quiet = self._state_seq, self._quiet
+                acks = list(self._acks)
             step, total, n, sums = pending if pending is not None else (-1, 0.0, 0, None)
             if pending is not None and n > 0:
                 # Not after the hello: the first step goes out at once. It marks the end of a restart (the
@@ -164,13 +175,21 @@ class _AgentLink:
                 resp = self._stub.WorkerHeartbeat(
                     self._pb.WorkerHeartbeatRequest(rank=self._rank, pid=self._pid, generation=self._generation,
                                                     step=step, step_time_s=dt, section_s=sections or {},
-                                                    finished=quiet),
-                    timeout=2.0,
+                                                    finished=quiet, acked_advisory_ids=acks,
+                                                    acks_advisories=True),
+                    timeout=HEARTBEAT_TIMEOUT_S,
                 )
                 self.sent += n > 0  # the hello and state changes are not step heartbeats
-                if resp.advisories:
-                    with self._cond:
-                        self._advisories.extend(resp.advisories)
+                with self._cond:
+                    # The agent has these acknowledgements now; the answer's advisories are acknowledged next
+                    # time (an id it hands out again is acknowledged again: that answer may be the one it got).
+                    done = set(acks)
+                    self._acks = [i for i in self._acks if i not in done]
+                    for adv in resp.advisories:
+                        if adv.advisory_id not in self._acks:
+                            self._acks.append(adv.advisory_id)
+                    del self._acks[:-MAX_ACKS]
+                    self._advisories.extend(resp.advisories)
             except Exception as exc:  # noqa: BLE001
                 self.failures += 1
                 if self.failures in (1, 10, 100):

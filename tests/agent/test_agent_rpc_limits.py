@@ -77,6 +77,9 @@ def test_oversized_malformed_and_out_of_range_get_invalid_argument(server):
     code, details = code_of(stub.WorkerHeartbeat, agent_pb2.WorkerHeartbeatRequest(rank=0, pid=1,
                                                                                     step_time_s=float("nan")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "step_time_s" in details
+    code, details = code_of(stub.WorkerHeartbeat, agent_pb2.WorkerHeartbeatRequest(
+        rank=0, pid=1, acks_advisories=True, acked_advisory_ids=[str(i) for i in range(65)]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "acked_advisory_ids has 65" in details
     code, _ = code_of(stub.ReportCheckpoint, agent_pb2.CheckpointReport(rank=0, step=1, tier="tape"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     code, _ = code_of(raw, b"\x08" + b"\x80" * 5000)  # over the transport cap: gRPC's own code

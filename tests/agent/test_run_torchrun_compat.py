@@ -174,6 +174,16 @@ def test_bad_torchrun_values_are_one_line_errors(capsys, flags: list[str], words
         assert w in lines[0], (w, lines[0])
 
 
+def test_a_missing_script_is_the_only_thing_said_to_be_missing(capsys) -> None:
+    """`trainguard run` alone said "required: script, script_args": a script takes no arguments of necessity."""
+    from trainguard.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--nproc-per-node", "1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "required: script " in err and "script_args" not in err, err
+
+
 def test_bad_value_through_the_console_script(tg_env: dict) -> None:
     r = run_cli(["run", "--nproc_per_node", "many", PRINT_ENV, "/tmp"], tg_env, timeout=30)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr

@@ -102,7 +102,8 @@ class _Node:
         self.beats: list[tuple[int, bool]] = []  # (step, finished) as received
         self.checkpoints: list[int] = []
 
-    def on_worker_heartbeat(self, rank, pid, generation, step, step_time_s, finished=False, sections=None):
+    def on_worker_heartbeat(self, rank, pid, generation, step, step_time_s, finished=False, sections=None,
+                            acked=None):
         with self.lock:
             self.beats.append((step, finished))
             out, self.queue = self.queue, []

@@ -136,7 +136,7 @@ class _Job:
                   "--failslow-action", action, "--job", self.job, *([] if standby else ["--no-standby"])]
         self.metrics_url = ""
         if nodes == 1:
-            from trainguard.agent.node import find_free_port
+            from trainguard.agent.coordinator_link import find_free_port
 
             port = find_free_port("127.0.0.1")
             self.metrics_url = f"http://127.0.0.1:{port}/metrics"

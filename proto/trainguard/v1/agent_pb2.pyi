@@ -135,7 +135,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, replay: _Optional[int] = ..., min_severity: _Optional[_Union[_common_pb2.Severity, str]] = ...) -> None: ...
 
 class WorkerHeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "pid", "generation", "step", "step_time_s", "finished", "section_s")
+    __slots__ = ("rank", "pid", "generation", "step", "step_time_s", "finished", "section_s", "acked_advisory_ids", "acks_advisories")
     class SectionSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,8 @@ class WorkerHeartbeatRequest(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SECTION_S_FIELD_NUMBER: _ClassVar[int]
+    ACKED_ADVISORY_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACKS_ADVISORIES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     pid: int
     generation: int
@@ -157,7 +159,9 @@ class WorkerHeartbeatRequest(_message.Message):
     step_time_s: float
     finished: bool
     section_s: _containers.ScalarMap[str, float]
-    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., finished: _Optional[bool] = ..., section_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    acked_advisory_ids: _containers.RepeatedScalarFieldContainer[str]
+    acks_advisories: bool
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., finished: _Optional[bool] = ..., section_s: _Optional[_Mapping[str, float]] = ..., acked_advisory_ids: _Optional[_Iterable[str]] = ..., acks_advisories: _Optional[bool] = ...) -> None: ...
 
 class Advisory(_message.Message):
     __slots__ = ("kind", "reason", "advisory_id", "at_step")
