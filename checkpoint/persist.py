@@ -233,6 +233,7 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
             except OSError as exc:
                 log.warning("disk retention of %s failed: %s", local.describe(), exc)
         except CheckpointError as exc:
+            _discard(local, step, rank)
             outcome("disk", exc)
 
     remote = req.get("remote")
@@ -333,6 +334,16 @@ def _make_room(local: LocalStore, step: int, rank: int, needed: int, keep: int, 
                 "checkpoint.disk.keep or free space", step, rank, local.describe(),
                 ", ".join(map(str, removed)), needed / 2**20, keep)
     return True
+
+
+def _discard(local: LocalStore, step: int, rank: int) -> None:
+    """After this rank's disk save of ``step`` failed: removes what it wrote of it, and the step folder when it is
+    left empty (see :meth:`LocalStore.discard_rank`); a failure here only logs, the save's own error is reported."""
+    try:
+        local.discard_rank(step, rank)
+    except OSError as exc:
+        log.warning("cannot remove the files of the failed save of step %d rank %d in %s: %s", step, rank,
+                    local.describe(), exc)
 
 
 def _remove_stale_tmp(local: LocalStore, rank: int) -> None:

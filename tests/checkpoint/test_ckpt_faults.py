@@ -485,3 +485,48 @@ def test_a_rank_outside_a_process_group_does_not_fall_back_alone(make_config):
     finally:
         for ck in ranks:
             ck.close()
+
+
+@pytest.mark.parametrize("leave_pages", [0, 196, 197])
+def test_failed_disk_save_leaves_no_step_folder(tmp_path, shm_dir, leave_pages):
+    """A full disk failing a save at any point (the data file: 0 pages free; the manifest: room for the data
+    only; the commit marker: room for data and manifest) left ``step_2/`` behind, empty or holding the data file
+    (800 kB of litter on a full disk): ``ckpt ls`` listed it as an incomplete step and ``gc`` kept it, being newer
+    than the newest commit. Now the failed rank's files and the folder are removed; the error still says why."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=True)
+    try:
+        events = Events()
+        cfg = CheckpointConfig(directory=str(mnt / "ck"), memory={"enabled": False, "directory": shm_dir})
+        with Checkpointer(cfg, job="full", on_event=events) as ck:
+            assert ck.save({"w": torch.full((200_000,), 1.0)}, 1).wait(timeout=30)  # 800 kB: 196 pages
+            filler = fill_fs(mnt, leave_pages)
+            assert ck.save({"w": torch.full((200_000,), 2.0)}, 2).wait(timeout=30) is False
+            assert [e.kind for e in events] == ["checkpoint.disk_full"]
+            assert "No space left on device" in events[0].message and "free space" in events[0].message
+            job_dir = mnt / "ck" / "full"
+            assert sorted(os.listdir(job_dir)) == ["COMMITTED.json", step_dirname(1)]
+            assert LocalStore(str(mnt / "ck"), "full").list_steps() == [1]
+            filler.unlink()
+            assert ck.save({"w": torch.full((200_000,), 3.0)}, 3).wait(timeout=30)
+            assert sorted(os.listdir(job_dir / step_dirname(3))) == sorted([data_name(0), "rank_00000.commit",
+                                                                             manifest_name(0)])
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_write_rank_step_on_a_full_disk_leaves_no_step_folder(tmp_path):
+    """``write_rank_step`` (``ckpt import``, tools) failing on a full disk left an empty ``step_5/`` behind."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        store = LocalStore(str(mnt / "ck"), "imp")
+        os.makedirs(store.job_dir)
+        fill_fs(mnt, 0)
+        with pytest.raises(OSError, match="No space left"):
+            write_rank_step(store, 5, 0, 1, {"w": {"t": "tensor", "i": 0}}, [("w", torch.ones(1000))])
+        assert os.listdir(store.job_dir) == [] and store.list_steps() == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
