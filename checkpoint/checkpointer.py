@@ -65,6 +65,8 @@ from trainguard.checkpoint.tree import capture, restore_into
 log = logging.getLogger(__name__)
 
 TIER_ORDER = ("memory", "disk", "remote")
+#: an unreachable remote's back-off grows up to this many times ``remote.retry_s``
+_REMOTE_BACKOFF_CAP = 10
 
 
 @dataclass
@@ -159,11 +161,15 @@ class Checkpointer:
             if problem:
                 self.events.storage_failed("disk", None, problem[0], problem[1])
         self._remote: FsspecStore | None = None
+        #: an unreachable remote is left out of listings until this monotonic time (see :meth:`_list_remote`)
+        self._remote_retry_at = 0.0
+        self._remote_backoff = 0.0  # its current back-off in seconds; 0 while it answers
         if config.remote_url:
             try:
                 self.remote_store()
             except StorageUnavailableError as exc:
-                self.events.storage_failed("remote", None, str(exc), 0)
+                note = self._remote_failed(exc, said=True)
+                self.events.storage_failed("remote", None, f"{exc}; {note}", 0)
         nslots = (config.memory.keep + 1) if config.memory.enabled else 2
         self._stage = StagingArea(config, job, rank, nslots, self.events)  # slots come with the first save
         self._channel: PersistChannel | None = None
@@ -738,13 +744,50 @@ class Checkpointer:
                 raise storage_error(exc, f"list the checkpoint directory {self.disk.describe()}") from exc
             out.append(("disk", self._own_disk_steps(committed)))
         if self.config.remote_url:
-            try:
-                store = self.remote_store()
-                if store is not None:
-                    out.append(("remote", store.committed_steps()))
-            except StorageUnavailableError as exc:
-                log.warning("remote tier not listed: %s", exc)
+            committed = self._list_remote()
+            if committed is not None:
+                out.append(("remote", committed))
         return out
+
+    def _list_remote(self) -> list[tuple[int, int]] | None:
+        """The remote tier's complete steps, or None when it is unreachable or backing off after a failure.
+
+        Each listing used to connect again: with the remote down, every ``steps()``/``restore()`` paid the
+        connect timeout and logged a warning. A failure now leaves it out of listings for ``remote.retry_s``,
+        doubled at each failure in a row (bounded); the failure is logged once, its return once too.
+        """
+        if time.monotonic() < self._remote_retry_at:
+            return None
+        try:
+            store = self.remote_store()
+            assert store is not None
+            committed = store.committed_steps()
+        except StorageUnavailableError as exc:
+            self._remote_failed(exc)
+            return None
+        if self._remote_backoff:
+            self._remote_backoff = 0.0
+            log.info("remote tier %s answers again; listed again", self.config.remote_url)
+        return committed
+
+    def _remote_failed(self, exc: StorageUnavailableError, said: bool = False) -> str:
+        """Leaves the remote out of listings for the next back-off period; logs the first failure in a row
+        (unless the caller ``said`` it), the next ones at debug level only.
+
+        Returns:
+            What happens next, for the caller's own message.
+        """
+        base = float(self.config.remote.retry_s)
+        first = self._remote_backoff == 0
+        self._remote_backoff = base if first else min(self._remote_backoff * 2, base * _REMOTE_BACKOFF_CAP)
+        self._remote_retry_at = time.monotonic() + self._remote_backoff
+        note = (f"it is left out of listings and retried in {self._remote_backoff:g} s (then less often, at most "
+                f"every {base * _REMOTE_BACKOFF_CAP:g} s; checkpoint.remote.retry_s); saves still try to upload")
+        if first and not said:
+            log.warning("remote tier not listed: %s; %s", exc, note)
+        elif not first:
+            log.debug("remote tier still unreachable (%s); retried in %g s", exc, self._remote_backoff)
+        return note
 
     def _own_disk_steps(self, committed: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``committed`` without the steps another location wrote, when the disk tier caches a remote location.

@@ -12,6 +12,7 @@ Layout in a TOML file (every key optional except ``directory``)::
     [checkpoint.remote]
     url = "s3://bucket/ckpt"
     keep = 5
+    retry_s = 30                      # an unreachable remote is listed again after this (doubling, bounded)
     [checkpoint.persist]
     bandwidth_mib_s = 0               # 0 = unthrottled
 
@@ -105,11 +106,15 @@ class RemoteTierConfig:
             filesystems (``memory://``) are refused: nothing written there outlives the persist process.
         keep: committed steps kept remotely (retention K). Default 5.
         storage_options: keyword arguments for the fsspec filesystem (credentials, endpoint...). Default {}.
+        retry_s: seconds an unreachable remote is left out of listings (``steps()``, ``restore()``) after a
+            failure before it is tried again; doubles while it keeps failing, up to 10 times this. Saves still
+            upload to it (in the background) meanwhile. Default 30.
     """
 
     url: str | None = None
     keep: int = 5
     storage_options: dict[str, Any] = field(default_factory=dict)
+    retry_s: float = 30.0
 
 
 @dataclass
@@ -219,6 +224,9 @@ class CheckpointConfig:
         if self.memory.fallback not in ("auto", "disk", "host"):
             raise CheckpointConfigError(f"checkpoint.memory.fallback is {self.memory.fallback!r}; use \"auto\", "
                                         "\"disk\" or \"host\"")
+        if not self.remote.retry_s > 0:
+            raise CheckpointConfigError(f"checkpoint.remote.retry_s is {self.remote.retry_s!r}; it must be > 0 "
+                                        "(seconds an unreachable remote is left out of listings)")
         if self.persist.bandwidth_mib_s < 0:
             raise CheckpointConfigError("checkpoint.persist.bandwidth_mib_s must be >= 0 (0 = unthrottled)")
         if not 0 <= int(self.persist.nice) <= 19:

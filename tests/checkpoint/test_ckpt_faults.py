@@ -530,3 +530,57 @@ def test_write_rank_step_on_a_full_disk_leaves_no_step_folder(tmp_path):
         assert os.listdir(store.job_dir) == [] and store.list_steps() == []
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_unreachable_remote_is_backed_off_in_listings_and_said_once(make_config, caplog):
+    """An FTP endpoint that accepts connections and never answers (a stalled object-store endpoint): every
+    ``steps()``/``restore()`` used to connect again and pay the whole connect timeout, and logged a warning each
+    time. Now a failure leaves the remote out of listings for ``remote.retry_s`` (doubling while it keeps failing,
+    bounded), the listings in between return at once, and the log says it once."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    port = srv.getsockname()[1]
+    conns: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conns.append(srv.accept()[0])  # held open, never answered: the FTP greeting never comes
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"ftp://127.0.0.1:{port}/ckpt"
+    cfg = make_config(remote={"url": url, "storage_options": {"timeout": 0.3}, "retry_s": 1.0})
+    try:
+        with caplog.at_level(logging.DEBUG, logger="trainguard.checkpoint"):
+            with Checkpointer(cfg, job="down") as ck:
+                deadline = time.monotonic() + 10
+                while not conns:  # the constructor's probe reached the endpoint
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                tried = len(conns)
+                t0 = time.monotonic()
+                for _ in range(10):
+                    assert ck.steps() == []
+                assert time.monotonic() - t0 < 0.3 and len(conns) == tried  # no connect attempt, no timeout paid
+                while len(conns) == tried:  # retried once the back-off is over
+                    assert time.monotonic() < deadline, "the remote was never tried again"
+                    ck.steps()
+                    time.sleep(0.02)
+                tried = len(conns)
+                t0 = time.monotonic()
+                for _ in range(10):
+                    ck.steps()
+                assert time.monotonic() - t0 < 0.3 and len(conns) == tried  # backing off again
+        loud = [r for r in caplog.records if r.levelno >= logging.WARNING and f"127.0.0.1:{port}" in r.getMessage()]
+        assert len(loud) == 1, [r.getMessage() for r in loud]
+        assert "retried" in loud[0].getMessage() or "retry" in loud[0].getMessage()
+    finally:
+        srv.close()
+        for c in conns:
+            c.close()
