@@ -148,7 +148,7 @@ def test_config_validation_and_toml(tmp_path):
     ({"memory": {"directory": ""}}, "checkpoint.memory.directory is ''; it must be a non-empty string"),
     ({"remote": {"url": ""}}, "checkpoint.remote.url is ''; it must be a non-empty string"),
     ({"remote": {"storage_options": "anon"}}, "checkpoint.remote.storage_options: expected a table, got a string 'anon'"),
-    ({"remote": {"retry_s": 0}}, "checkpoint.remote.retry_s is 0; it must be > 0"),
+    ({"remote": {"retry_s": 0}}, "checkpoint.remote.retry_s is 0.0; it must be > 0"),
     ({"remote": {"retry_s": "30s"}}, "checkpoint.remote.retry_s: expected a number, got a string '30s'"),
     ({"memory": 5}, "checkpoint.memory: expected a table [checkpoint.memory] of enabled, keep"),
 ])
