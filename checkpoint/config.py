@@ -236,6 +236,16 @@ class CheckpointConfig:
         a = int(self.persist.alignment)
         if a < 64 or a & (a - 1):
             raise CheckpointConfigError("checkpoint.persist.alignment must be a power of two >= 64")
+        if (not is_local_url(self.directory) and self.remote.url is not None
+                and canonical_url(self.remote.url) != canonical_url(self.directory)):
+            # remote_url is the directory's URL then: the second URL was ignored without a word, and a user who
+            # set both believed the steps reached it too. One remote tier per checkpointer.
+            raise CheckpointConfigError(
+                f"checkpoint.directory = {self.directory!r} is a remote URL, so it is the remote tier (a local "
+                f"cache holds the disk copies); checkpoint.remote.url = {self.remote.url!r} would be a second "
+                "remote tier, which is not supported: leave checkpoint.remote.url out (checkpoint.local_cache "
+                "chooses where the local copies go), or set checkpoint.directory to a local path and keep the URL "
+                "in checkpoint.remote.url")
         if self.remote_url is not None:
             check_durable_url(self.remote_url, "checkpoint.remote.url" if is_local_url(self.directory)
                               else "checkpoint.directory")

@@ -166,3 +166,19 @@ def test_unsupported_value_is_a_clear_error(make_config):
             ck.save({"extra": {"f": object()}}, 1)
         ck.save({"w": torch.ones(2)}, 2)  # the checkpointer still works
         assert ck.wait(2, timeout=30)
+
+
+def test_a_url_directory_with_another_remote_url_is_refused_naming_both(tmp_path):
+    """``directory = "ftp://host/a"`` makes that URL the remote tier: a ``remote.url`` beside it was silently
+    ignored, and a user who set both believed steps reached ``remote.url`` too. Refused now, naming both
+    settings; the same URL twice (however spelled) says nothing new and stays accepted."""
+    with pytest.raises(CheckpointConfigError) as err:
+        CheckpointConfig(directory="ftp://127.0.0.1:1/a", remote={"url": f"file://{tmp_path}/nfs"})
+    msg = str(err.value)
+    assert "checkpoint.directory = 'ftp://127.0.0.1:1/a'" in msg and f"checkpoint.remote.url = 'file://{tmp_path}/nfs'" in msg
+    assert "local_cache" in msg  # what to do instead
+    with pytest.raises(CheckpointConfigError, match=r"checkpoint.remote.url"):
+        CheckpointConfig.from_dict({"directory": "ftp://127.0.0.1:1/a", "remote": {"url": "ftp://127.0.0.1:1/b"}})
+    same = CheckpointConfig(directory="ftp://127.0.0.1:1/a", remote={"url": "ftp://127.0.0.1:1/a/"})
+    assert same.remote_url == "ftp://127.0.0.1:1/a"
+
