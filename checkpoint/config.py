@@ -38,8 +38,16 @@ from trainguard.checkpoint.location import (  # noqa: F401 (re-exported)
 )
 from trainguard.config_loader import build, check_fields, read_toml, select_table
 
-# Re-exported: the worker environment (trainguard.worker_env) owns these names.
-from trainguard.worker_env import CHECKPOINT_SERVICE_ENV, RESTORE_PLAN_ENV  # noqa: F401
+# Re-exported (listed in __all__, so linters see them used): the worker environment (trainguard.worker_env) owns
+# these names, and the agent and the persist channel import them from here.
+from trainguard.worker_env import CHECKPOINT_SERVICE_ENV, RESTORE_PLAN_ENV
+
+__all__ = [
+    "CheckpointConfig", "MemoryTierConfig", "DiskTierConfig", "RemoteTierConfig", "PersistConfig",
+    "CheckpointConfigError", "check_durable_url", "local_directory",
+    "CHECKPOINT_SHM_DIR_ENV", "DEFAULT_SHM_ROOT", "CHECKPOINT_SERVICE_ENV", "RESTORE_PLAN_ENV",
+    "CheckpointLocation", "canonical_url", "check_local_url", "is_local_url", "split_url",
+]
 
 #: Environment variable overriding where the shared-memory tier lives (default ``/dev/shm/trainguard``).
 CHECKPOINT_SHM_DIR_ENV = "TRAINGUARD_CHECKPOINT_SHM_DIR"
