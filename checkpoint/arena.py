@@ -91,12 +91,15 @@ def drop_manifests(paths: SlotPaths) -> None:
 
 
 def read_tag(paths: SlotPaths) -> str:
-    """The slot's tag ("" when absent)."""
+    """The slot's tag ("" when absent; damaged bytes are replaced, so a damaged tag names no step)."""
     try:
-        with open(paths.tag) as f:
-            return f.read().strip()
+        with open(paths.tag, "rb") as f:
+            raw = f.read()
     except OSError:
         return ""
+    # Decoded leniently: a tag of bytes that are not UTF-8 raised UnicodeDecodeError out of restore() and
+    # save(), although such a slot is only a damaged copy, which every caller already skips.
+    return raw.decode("utf-8", errors="replace").strip()
 
 
 def write_tag(paths: SlotPaths, tag: str) -> None:
