@@ -563,6 +563,15 @@ class Checkpointer:
             # Out of the tier's listing, but its bytes stay intact until a later save reuses the slot: a restore
             # whose ranks agree on that step (another rank was killed before its next copy was complete) reads it.
             arena_mod.retire_manifest(paths)
+        if (msg.get("op") == "tier" and msg.get("tier") == "disk" and msg.get("ok")
+                and self._stage.outgrown_lease is not None):
+            # The slots the state outgrew were all persisted before staging moved (see _outgrow_memory), so this
+            # disk copy is of a newer save: their copies are now older than the disk's and were only holding
+            # the small /dev/shm (1.6 of 2 MiB measured) until close().
+            directory = self.config.memory.directory
+            if self._stage.drop_outgrown():
+                log.info("step %d is on disk: removed the shared-memory staging slots the state outgrew in %s",
+                         step, directory)
         if msg.get("op") == "tier" and not msg.get("ok"):
             self.events.storage_failed(msg.get("tier", "?"), step, msg.get("error", ""), int(msg.get("errno", 0)))
         elif msg.get("op") == "tier" and msg.get("evicted"):
