@@ -727,17 +727,19 @@ class Checkpointer:
         """
         return self._list_steps(retired=False)
 
-    def _list_steps(self, retired: bool) -> list[StepInfo]:
+    def _list_steps(self, retired: bool, restoring: bool = False) -> list[StepInfo]:
         """:meth:`steps`; with ``retired``, the memory tier also counts copies trimmed from it but still intact
         (a restore's candidates: with ``memory.keep = 1`` a kill between two ranks' completions of step N+1 leaves
-        one rank's N retired and the other's listed, and every byte of N still in memory)."""
+        one rank's N retired and the other's listed, and every byte of N still in memory). ``restoring`` lists
+        the remote tier even while it backs off (see :meth:`_list_remote`)."""
         found: dict[int, StepInfo] = {}
-        for tier, committed in self._committed_by_tier(retired):
+        for tier, committed in self._committed_by_tier(retired, restoring):
             for s, ws in committed:
                 found.setdefault(s, StepInfo(s, ws)).tiers.append(tier)
         return [found[s] for s in sorted(found)]
 
-    def _committed_by_tier(self, retired: bool = False) -> list[tuple[str, list[tuple[int, int]]]]:
+    def _committed_by_tier(self, retired: bool = False,
+                           restoring: bool = False) -> list[tuple[str, list[tuple[int, int]]]]:
         out: list[tuple[str, list[tuple[int, int]]]] = []
         if self.config.memory.enabled:
             mem = arena_mod.memory_committed(self.config.memory.directory, self.job, self.config.location,
@@ -753,26 +755,31 @@ class Checkpointer:
                 raise storage_error(exc, f"list the checkpoint directory {self.disk.describe()}") from exc
             out.append(("disk", self._own_disk_steps(committed)))
         if self.config.remote_url:
-            committed = self._list_remote()
+            committed = self._list_remote(restoring)
             if committed is not None:
                 out.append(("remote", committed))
         return out
 
-    def _list_remote(self) -> list[tuple[int, int]] | None:
+    def _list_remote(self, restoring: bool = False) -> list[tuple[int, int]] | None:
         """The remote tier's complete steps, or None when it is unreachable or backing off after a failure.
 
-        Each listing used to connect again: with the remote down, every ``steps()``/``restore()`` paid the
-        connect timeout and logged a warning. A failure now leaves it out of listings for ``remote.retry_s``,
-        doubled at each failure in a row (bounded); the failure is logged once, its return once too.
+        Each listing used to connect again: with the remote down, every ``steps()`` paid the connect timeout and
+        logged a warning. A failure now leaves it out of listings for ``remote.retry_s``, doubled at each failure
+        in a row (bounded); the failure is logged once, its return once too. A restore (``restoring``) tries it
+        regardless: it is rare, and the remote may hold the only copy of the newest step (a new node, a lost
+        disk); skipped, the job would resume from an older step or from scratch. It says so each time it fails.
         """
-        if time.monotonic() < self._remote_retry_at:
+        if not restoring and time.monotonic() < self._remote_retry_at:
             return None
         try:
             store = self.remote_store()
             assert store is not None
             committed = store.committed_steps()
         except StorageUnavailableError as exc:
-            self._remote_failed(exc)
+            self._remote_failed(exc, said=restoring)
+            if restoring:
+                log.warning("restore: the remote tier is unreachable (%s); restoring from the other tiers, which "
+                            "may hold only older steps", exc)
             return None
         if self._remote_backoff:
             self._remote_backoff = 0.0
@@ -913,7 +920,7 @@ class Checkpointer:
         Raises:
             CorruptCheckpointError: the newest committed step cannot be loaded on this rank.
         """
-        infos = self._list_steps(retired=True)
+        infos = self._list_steps(retired=True, restoring=True)
         if not infos:
             self._finish_pending()
             self.last_restore_tier = None
@@ -970,7 +977,7 @@ class Checkpointer:
                        at_most: int | None = None) -> int | None:
         """:meth:`restore` on this rank alone; ``at_most`` leaves out newer steps (another rank's fallback)."""
         self._finish_pending()
-        infos = self._list_steps(retired=True)  # the newest step still wins; retired copies only add older ones
+        infos = self._list_steps(retired=True, restoring=True)  # the newest step still wins; retired copies only add older ones
         if step is not None:
             infos = [i for i in infos if i.step == step]
         if at_most is not None:
@@ -993,7 +1000,7 @@ class Checkpointer:
             # Every listed copy failed. A live trainer's retention removes the oldest steps as it commits new ones,
             # so a process reading its directory (an evaluation job) can find every step it listed gone: those are
             # no corrupt checkpoints. Try the steps committed since the listing before saying so.
-            batch = [i for i in self._list_steps(retired=True) if i.step > infos[-1].step]
+            batch = [i for i in self._list_steps(retired=True) if i.step > infos[-1].step]  # remote tried just now
             if not batch:
                 break
             log.info("every step listed was removed or failed while restoring; trying the newer steps %s",

@@ -176,7 +176,8 @@ def test_a_url_directory_with_another_remote_url_is_refused_naming_both(tmp_path
     with pytest.raises(CheckpointConfigError) as err:
         CheckpointConfig(directory="ftp://127.0.0.1:1/a", remote={"url": f"file://{tmp_path}/nfs"})
     msg = str(err.value)
-    assert "checkpoint.directory = 'ftp://127.0.0.1:1/a'" in msg and f"checkpoint.remote.url = 'file://{tmp_path}/nfs'" in msg
+    assert "checkpoint.directory = 'ftp://127.0.0.1:1/a'" in msg
+    assert f"checkpoint.remote.url = 'file://{tmp_path}/nfs'" in msg
     assert "local_cache" in msg  # what to do instead
     with pytest.raises(CheckpointConfigError, match=r"checkpoint.remote.url"):
         CheckpointConfig.from_dict({"directory": "ftp://127.0.0.1:1/a", "remote": {"url": "ftp://127.0.0.1:1/b"}})
