@@ -587,3 +587,46 @@ def test_unreachable_remote_is_backed_off_in_listings_and_said_once(make_config,
         srv.close()
         for c in conns:
             c.close()
+
+
+def test_failed_disk_save_of_one_rank_keeps_the_other_ranks_copy(tmp_path, shm_dir):
+    """The cleanup of a failed save removes only the failing rank's files: rank 1's committed copy of step 2 and
+    the folder stay, and rank 0's later save of step 2 completes the step."""
+    mnt = tmp_path / "full2"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    cfg = CheckpointConfig(directory=str(mnt / "ck"), memory={"enabled": False, "directory": shm_dir})
+    r0 = Checkpointer(cfg, rank=0, world_size=2, job="mr")
+    r1 = Checkpointer(cfg, rank=1, world_size=2, job="mr")
+    try:
+        assert r1.save({"w": torch.full((100_000,), 1.0)}, 2).wait(timeout=30)
+        filler = fill_fs(mnt, 0)
+        assert r0.save({"w": torch.full((100_000,), 0.0)}, 2).wait(timeout=30) is False
+        step2 = mnt / "ck" / "mr" / step_dirname(2)
+        assert sorted(os.listdir(step2)) == sorted([data_name(1), manifest_name(1), "rank_00001.commit"])
+        filler.unlink()
+        assert r0.save({"w": torch.full((100_000,), 0.0)}, 2).wait(timeout=30)
+        assert [s.step for s in r0.steps()] == [2]
+    finally:
+        r0.close()
+        r1.close()
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_first_save_of_a_process_started_on_a_full_disk_reports_instead_of_raising(tmp_path, shm_dir):
+    """The disk tier's writer lease (``.trainguard-writers/<job>/rank_N/owner.lock``) wrote the pid into its lock
+    file, and on a full disk that write raised ENOSPC out of ``save()`` into the training loop; the lock is what
+    excludes, the pid only names the holder. Now the save reports the full disk as any other save does."""
+    mnt = tmp_path / "full3"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        fill_fs(mnt, 0)
+        events = Events()
+        cfg = CheckpointConfig(directory=str(mnt / "ck"), memory={"enabled": False, "directory": shm_dir})
+        with Checkpointer(cfg, job="late", on_event=events) as ck:
+            assert ck.save({"w": torch.ones(1000)}, 1).wait(timeout=30) is False  # raised OSError before
+            assert [e.kind for e in events][-1] == "checkpoint.disk_full"
+            assert ck.disk.list_steps() == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
