@@ -588,8 +588,12 @@ class FsspecStore(StepStore):
         except FileNotFoundError:
             raise
         except Exception as exc:
-            raise StorageUnavailableError(f"cannot {what} on remote {self.url}: {exc!r:.200} "
-                                          "(check the URL, credentials and network)") from exc
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                # A full NFS mount (file://) or a quota: the network hint sent users to the wrong place.
+                hint = "the remote storage is full or over quota; free space or lower checkpoint.remote.keep"
+            else:
+                hint = "check the URL, credentials and network"
+            raise StorageUnavailableError(f"cannot {what} on remote {self.url}: {exc!r:.200} ({hint})") from exc
 
     def check_writable(self) -> None:
         probe = f"{self.job_dir}/.probe.{os.getpid()}"
@@ -663,3 +667,27 @@ class FsspecStore(StepStore):
 
     def fetch_data(self, step: int, rank: int, dest: str) -> None:
         self._guard("download", lambda: self.fs.get_file(self._path(step, data_name(rank)), dest))
+
+    def discard_rank(self, step: int, rank: int) -> None:
+        """After a failed upload of ``step``: removes what this rank wrote of it (files are written in place here,
+        so a full remote kept a truncated data file, an empty manifest or an empty commit marker), then the step
+        folder when nothing else is in it (only where the filesystem has folders: an empty prefix of an object
+        store is gone already). A valid commit marker of the rank means its copy is complete: nothing is removed.
+
+        Raises:
+            StorageUnavailableError: the remote cannot be listed or written.
+        """
+        names = self.list_names(step)
+        if marker_name(rank) in names and rank in self.markers(step):
+            return
+        for name in (marker_name(rank), manifest_name(rank), data_name(rank)):  # the marker first, as always
+            if name in names:
+                try:
+                    self.delete_small(step, name)
+                except FileNotFoundError:
+                    pass
+        if not self.list_names(step):
+            try:
+                self.fs.rmdir(self._path(step))
+            except Exception:  # noqa: BLE001 - not empty (another rank), no folders here, or gone: all fine
+                pass

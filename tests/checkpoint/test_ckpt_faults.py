@@ -630,3 +630,27 @@ def test_first_save_of_a_process_started_on_a_full_disk_reports_instead_of_raisi
             assert ck.disk.list_steps() == []
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("leave_pages", [0, 49, 50])
+def test_failed_upload_to_a_full_remote_leaves_no_step_folder(tmp_path, shm_dir, leave_pages):
+    """A ``file://`` remote (an NFS mount) filling up: fsspec writes files in place, so a failed upload kept
+    ``step_2/`` there with a truncated data file, an empty manifest or an empty commit marker (0, 49, 50 pages
+    left: the data, the manifest, the marker fail), and the error said to check the network. Now the rank's files
+    and the empty folder go, and the error says the remote is full."""
+    rem = tmp_path / "rem"
+    rem.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(rem)], check=True)
+    try:
+        events = Events()
+        cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False, "directory": shm_dir},
+                               remote={"url": f"file://{rem}"})
+        with Checkpointer(cfg, job="j", on_event=events) as ck:
+            assert ck.save({"w": torch.ones(50_000)}, 1).wait(timeout=30)  # 200 kB: 49 pages
+            fill_fs(rem, leave_pages)
+            h = ck.save({"w": torch.ones(50_000)}, 2)
+            assert h.wait(timeout=30) is False and h.tiers_done == ["disk"]
+            assert "the remote storage is full" in events[-1].message, events[-1].message
+            assert sorted(os.listdir(rem / "j")) == ["COMMITTED.json", step_dirname(1)]
+    finally:
+        subprocess.run(["umount", "-l", str(rem)], check=True)
