@@ -567,7 +567,7 @@ def test_unreachable_remote_is_backed_off_in_listings_and_said_once(make_config,
                 t0 = time.monotonic()
                 for _ in range(10):
                     assert ck.steps() == []
-                assert time.monotonic() - t0 < 0.3 and len(conns) == tried  # no connect attempt, no timeout paid
+                assert len(conns) == tried and time.monotonic() - t0 < 1.5  # no connect, no timeout (3 s before)
                 while len(conns) == tried:  # retried once the back-off is over
                     assert time.monotonic() < deadline, "the remote was never tried again"
                     ck.steps()
@@ -576,7 +576,7 @@ def test_unreachable_remote_is_backed_off_in_listings_and_said_once(make_config,
                 t0 = time.monotonic()
                 for _ in range(10):
                     ck.steps()
-                assert time.monotonic() - t0 < 0.3 and len(conns) == tried  # backing off again
+                assert len(conns) == tried and time.monotonic() - t0 < 1.5  # backing off again
                 loud = [r.getMessage() for r in caplog.records
                         if r.levelno >= logging.WARNING and f"127.0.0.1:{port}" in r.getMessage()]
                 assert len(loud) == 1 and "retried in 1 s" in loud[0], loud
