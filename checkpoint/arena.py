@@ -91,12 +91,15 @@ def drop_manifests(paths: SlotPaths) -> None:
 
 
 def read_tag(paths: SlotPaths) -> str:
-    """The slot's tag ("" when absent)."""
+    """The slot's tag ("" when absent; damaged bytes are replaced, so a damaged tag names no step)."""
     try:
-        with open(paths.tag) as f:
-            return f.read().strip()
+        with open(paths.tag, "rb") as f:
+            raw = f.read()
     except OSError:
         return ""
+    # Decoded leniently: a tag of bytes that are not UTF-8 raised UnicodeDecodeError out of restore() and
+    # save(), although such a slot is only a damaged copy, which every caller already skips.
+    return raw.decode("utf-8", errors="replace").strip()
 
 
 def write_tag(paths: SlotPaths, tag: str) -> None:
@@ -342,8 +345,14 @@ class ArenaLease:
             raise ArenaOwnedError(
                 f"process {owner} already writes checkpoints for this job and rank ({self.directory}); only one "
                 "writer per (job, rank): give this process another job name, or only restore from it") from exc
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError:
+            # A full filesystem has no page for the pid, which only names the holder in another process's error
+            # ("process ? already writes"); the lock is what excludes. Raised, the disk tier's writer lease made
+            # the first save of a process started on a full disk raise ENOSPC into the training loop.
+            pass
         self.fd, self._key = fd, key
 
     def release(self, remove: bool) -> None:

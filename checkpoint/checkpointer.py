@@ -65,6 +65,8 @@ from trainguard.checkpoint.tree import capture, restore_into
 log = logging.getLogger(__name__)
 
 TIER_ORDER = ("memory", "disk", "remote")
+#: an unreachable remote's back-off grows up to this many times ``remote.retry_s``
+_REMOTE_BACKOFF_CAP = 10
 
 
 @dataclass
@@ -159,11 +161,15 @@ class Checkpointer:
             if problem:
                 self.events.storage_failed("disk", None, problem[0], problem[1])
         self._remote: FsspecStore | None = None
+        #: an unreachable remote is left out of listings until this monotonic time (see :meth:`_list_remote`)
+        self._remote_retry_at = 0.0
+        self._remote_backoff = 0.0  # its current back-off in seconds; 0 while it answers
         if config.remote_url:
             try:
                 self.remote_store()
             except StorageUnavailableError as exc:
-                self.events.storage_failed("remote", None, str(exc), 0)
+                note = self._remote_failed(exc, said=True)
+                self.events.storage_failed("remote", None, f"{exc}; {note}", 0)
         nslots = (config.memory.keep + 1) if config.memory.enabled else 2
         self._stage = StagingArea(config, job, rank, nslots, self.events)  # slots come with the first save
         self._channel: PersistChannel | None = None
@@ -557,6 +563,15 @@ class Checkpointer:
             # Out of the tier's listing, but its bytes stay intact until a later save reuses the slot: a restore
             # whose ranks agree on that step (another rank was killed before its next copy was complete) reads it.
             arena_mod.retire_manifest(paths)
+        if (msg.get("op") == "tier" and msg.get("tier") == "disk" and msg.get("ok")
+                and self._stage.outgrown_lease is not None):
+            # The slots the state outgrew were all persisted before staging moved (see _outgrow_memory), so this
+            # disk copy is of a newer save: their copies are now older than the disk's and were only holding
+            # the small /dev/shm (1.6 of 2 MiB measured) until close().
+            directory = self.config.memory.directory
+            if self._stage.drop_outgrown():
+                log.info("step %d is on disk: removed the shared-memory staging slots the state outgrew in %s",
+                         step, directory)
         if msg.get("op") == "tier" and not msg.get("ok"):
             self.events.storage_failed(msg.get("tier", "?"), step, msg.get("error", ""), int(msg.get("errno", 0)))
         elif msg.get("op") == "tier" and msg.get("evicted"):
@@ -712,17 +727,19 @@ class Checkpointer:
         """
         return self._list_steps(retired=False)
 
-    def _list_steps(self, retired: bool) -> list[StepInfo]:
+    def _list_steps(self, retired: bool, restoring: bool = False) -> list[StepInfo]:
         """:meth:`steps`; with ``retired``, the memory tier also counts copies trimmed from it but still intact
         (a restore's candidates: with ``memory.keep = 1`` a kill between two ranks' completions of step N+1 leaves
-        one rank's N retired and the other's listed, and every byte of N still in memory)."""
+        one rank's N retired and the other's listed, and every byte of N still in memory). ``restoring`` lists
+        the remote tier even while it backs off (see :meth:`_list_remote`)."""
         found: dict[int, StepInfo] = {}
-        for tier, committed in self._committed_by_tier(retired):
+        for tier, committed in self._committed_by_tier(retired, restoring):
             for s, ws in committed:
                 found.setdefault(s, StepInfo(s, ws)).tiers.append(tier)
         return [found[s] for s in sorted(found)]
 
-    def _committed_by_tier(self, retired: bool = False) -> list[tuple[str, list[tuple[int, int]]]]:
+    def _committed_by_tier(self, retired: bool = False,
+                           restoring: bool = False) -> list[tuple[str, list[tuple[int, int]]]]:
         out: list[tuple[str, list[tuple[int, int]]]] = []
         if self.config.memory.enabled:
             mem = arena_mod.memory_committed(self.config.memory.directory, self.job, self.config.location,
@@ -738,13 +755,55 @@ class Checkpointer:
                 raise storage_error(exc, f"list the checkpoint directory {self.disk.describe()}") from exc
             out.append(("disk", self._own_disk_steps(committed)))
         if self.config.remote_url:
-            try:
-                store = self.remote_store()
-                if store is not None:
-                    out.append(("remote", store.committed_steps()))
-            except StorageUnavailableError as exc:
-                log.warning("remote tier not listed: %s", exc)
+            committed = self._list_remote(restoring)
+            if committed is not None:
+                out.append(("remote", committed))
         return out
+
+    def _list_remote(self, restoring: bool = False) -> list[tuple[int, int]] | None:
+        """The remote tier's complete steps, or None when it is unreachable or backing off after a failure.
+
+        Each listing used to connect again: with the remote down, every ``steps()`` paid the connect timeout and
+        logged a warning. A failure now leaves it out of listings for ``remote.retry_s``, doubled at each failure
+        in a row (bounded); the failure is logged once, its return once too. A restore (``restoring``) tries it
+        regardless: it is rare, and the remote may hold the only copy of the newest step (a new node, a lost
+        disk); skipped, the job would resume from an older step or from scratch. It says so each time it fails.
+        """
+        if not restoring and time.monotonic() < self._remote_retry_at:
+            return None
+        try:
+            store = self.remote_store()
+            assert store is not None
+            committed = store.committed_steps()
+        except StorageUnavailableError as exc:
+            self._remote_failed(exc, said=restoring)
+            if restoring:
+                log.warning("restore: the remote tier is unreachable (%s); restoring from the other tiers, which "
+                            "may hold only older steps", exc)
+            return None
+        if self._remote_backoff:
+            self._remote_backoff = 0.0
+            log.info("remote tier %s answers again; listed again", self.config.remote_url)
+        return committed
+
+    def _remote_failed(self, exc: StorageUnavailableError, said: bool = False) -> str:
+        """Leaves the remote out of listings for the next back-off period; logs the first failure in a row
+        (unless the caller ``said`` it), the next ones at debug level only.
+
+        Returns:
+            What happens next, for the caller's own message.
+        """
+        base = float(self.config.remote.retry_s)
+        first = self._remote_backoff == 0
+        self._remote_backoff = base if first else min(self._remote_backoff * 2, base * _REMOTE_BACKOFF_CAP)
+        self._remote_retry_at = time.monotonic() + self._remote_backoff
+        note = (f"it is left out of listings and retried in {self._remote_backoff:g} s (then less often, at most "
+                f"every {base * _REMOTE_BACKOFF_CAP:g} s; checkpoint.remote.retry_s); saves still try to upload")
+        if first and not said:
+            log.warning("remote tier not listed: %s; %s", exc, note)
+        elif not first:
+            log.debug("remote tier still unreachable (%s); retried in %g s", exc, self._remote_backoff)
+        return note
 
     def _own_disk_steps(self, committed: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``committed`` without the steps another location wrote, when the disk tier caches a remote location.
@@ -861,7 +920,7 @@ class Checkpointer:
         Raises:
             CorruptCheckpointError: the newest committed step cannot be loaded on this rank.
         """
-        infos = self._list_steps(retired=True)
+        infos = self._list_steps(retired=True, restoring=True)
         if not infos:
             self._finish_pending()
             self.last_restore_tier = None
@@ -918,7 +977,7 @@ class Checkpointer:
                        at_most: int | None = None) -> int | None:
         """:meth:`restore` on this rank alone; ``at_most`` leaves out newer steps (another rank's fallback)."""
         self._finish_pending()
-        infos = self._list_steps(retired=True)  # the newest step still wins; retired copies only add older ones
+        infos = self._list_steps(retired=True, restoring=True)  # the newest step still wins; retired copies only add older ones
         if step is not None:
             infos = [i for i in infos if i.step == step]
         if at_most is not None:
@@ -941,7 +1000,7 @@ class Checkpointer:
             # Every listed copy failed. A live trainer's retention removes the oldest steps as it commits new ones,
             # so a process reading its directory (an evaluation job) can find every step it listed gone: those are
             # no corrupt checkpoints. Try the steps committed since the listing before saying so.
-            batch = [i for i in self._list_steps(retired=True) if i.step > infos[-1].step]
+            batch = [i for i in self._list_steps(retired=True) if i.step > infos[-1].step]  # remote tried just now
             if not batch:
                 break
             log.info("every step listed was removed or failed while restoring; trying the newer steps %s",

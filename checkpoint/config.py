@@ -12,6 +12,7 @@ Layout in a TOML file (every key optional except ``directory``)::
     [checkpoint.remote]
     url = "s3://bucket/ckpt"
     keep = 5
+    retry_s = 30                      # an unreachable remote is listed again after this (doubling, bounded)
     [checkpoint.persist]
     bandwidth_mib_s = 0               # 0 = unthrottled
 
@@ -37,8 +38,16 @@ from trainguard.checkpoint.location import (  # noqa: F401 (re-exported)
 )
 from trainguard.config_loader import build, check_fields, read_toml, select_table
 
-# Re-exported: the worker environment (trainguard.worker_env) owns these names.
-from trainguard.worker_env import CHECKPOINT_SERVICE_ENV, RESTORE_PLAN_ENV  # noqa: F401
+# Re-exported (listed in __all__, so linters see them used): the worker environment (trainguard.worker_env) owns
+# these names, and the agent and the persist channel import them from here.
+from trainguard.worker_env import CHECKPOINT_SERVICE_ENV, RESTORE_PLAN_ENV
+
+__all__ = [
+    "CheckpointConfig", "MemoryTierConfig", "DiskTierConfig", "RemoteTierConfig", "PersistConfig",
+    "CheckpointConfigError", "check_durable_url", "local_directory",
+    "CHECKPOINT_SHM_DIR_ENV", "DEFAULT_SHM_ROOT", "CHECKPOINT_SERVICE_ENV", "RESTORE_PLAN_ENV",
+    "CheckpointLocation", "canonical_url", "check_local_url", "is_local_url", "split_url",
+]
 
 #: Environment variable overriding where the shared-memory tier lives (default ``/dev/shm/trainguard``).
 CHECKPOINT_SHM_DIR_ENV = "TRAINGUARD_CHECKPOINT_SHM_DIR"
@@ -105,11 +114,15 @@ class RemoteTierConfig:
             filesystems (``memory://``) are refused: nothing written there outlives the persist process.
         keep: committed steps kept remotely (retention K). Default 5.
         storage_options: keyword arguments for the fsspec filesystem (credentials, endpoint...). Default {}.
+        retry_s: seconds an unreachable remote is left out of listings (``steps()``, ``restore()``) after a
+            failure before it is tried again; doubles while it keeps failing, up to 10 times this. Saves still
+            upload to it (in the background) meanwhile. Default 30.
     """
 
     url: str | None = None
     keep: int = 5
     storage_options: dict[str, Any] = field(default_factory=dict)
+    retry_s: float = 30.0
 
 
 @dataclass
@@ -219,6 +232,9 @@ class CheckpointConfig:
         if self.memory.fallback not in ("auto", "disk", "host"):
             raise CheckpointConfigError(f"checkpoint.memory.fallback is {self.memory.fallback!r}; use \"auto\", "
                                         "\"disk\" or \"host\"")
+        if not self.remote.retry_s > 0:
+            raise CheckpointConfigError(f"checkpoint.remote.retry_s is {self.remote.retry_s!r}; it must be > 0 "
+                                        "(seconds an unreachable remote is left out of listings)")
         if self.persist.bandwidth_mib_s < 0:
             raise CheckpointConfigError("checkpoint.persist.bandwidth_mib_s must be >= 0 (0 = unthrottled)")
         if not 0 <= int(self.persist.nice) <= 19:
@@ -228,6 +244,16 @@ class CheckpointConfig:
         a = int(self.persist.alignment)
         if a < 64 or a & (a - 1):
             raise CheckpointConfigError("checkpoint.persist.alignment must be a power of two >= 64")
+        if (not is_local_url(self.directory) and self.remote.url is not None
+                and canonical_url(self.remote.url) != canonical_url(self.directory)):
+            # remote_url is the directory's URL then: the second URL was ignored without a word, and a user who
+            # set both believed the steps reached it too. One remote tier per checkpointer.
+            raise CheckpointConfigError(
+                f"checkpoint.directory = {self.directory!r} is a remote URL, so it is the remote tier (a local "
+                f"cache holds the disk copies); checkpoint.remote.url = {self.remote.url!r} would be a second "
+                "remote tier, which is not supported: leave checkpoint.remote.url out (checkpoint.local_cache "
+                "chooses where the local copies go), or set checkpoint.directory to a local path and keep the URL "
+                "in checkpoint.remote.url")
         if self.remote_url is not None:
             check_durable_url(self.remote_url, "checkpoint.remote.url" if is_local_url(self.directory)
                               else "checkpoint.directory")

@@ -233,6 +233,7 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
             except OSError as exc:
                 log.warning("disk retention of %s failed: %s", local.describe(), exc)
         except CheckpointError as exc:
+            _discard(local, step, rank)
             outcome("disk", exc)
 
     remote = req.get("remote")
@@ -241,6 +242,7 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
 
     def upload() -> None:
         # Reads only the disk copy (and the manifest JSON): the staging slot may hold the next snapshot by now.
+        store: FsspecStore | None = None
         try:
             if not disk_ok or local is None:
                 raise StorageUnavailableError(f"step {step} was not written to local disk, so it cannot be "
@@ -258,10 +260,13 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
             except CheckpointError as exc:
                 log.warning("remote retention of %s failed: %s", store.describe(), exc)
         except CheckpointError as exc:
+            _discard_remote(store, step, rank, exc)
             outcome("remote", exc)
         except OSError as exc:
+            _discard_remote(store, step, rank, exc)
             outcome("remote", StorageUnavailableError(f"cannot upload step {step}: {exc}"))
         except Exception as exc:  # noqa: BLE001 - an fsspec backend's own error types: still the remote tier's
+            _discard_remote(store, step, rank, exc)
             outcome("remote", StorageUnavailableError(f"cannot upload step {step}: {exc!r}"))
 
     return upload
@@ -333,6 +338,33 @@ def _make_room(local: LocalStore, step: int, rank: int, needed: int, keep: int, 
                 "checkpoint.disk.keep or free space", step, rank, local.describe(),
                 ", ".join(map(str, removed)), needed / 2**20, keep)
     return True
+
+
+def _discard(local: LocalStore, step: int, rank: int) -> None:
+    """After this rank's disk save of ``step`` failed: removes what it wrote of it, and the step folder when it is
+    left empty (see :meth:`LocalStore.discard_rank`); a failure here only logs, the save's own error is reported."""
+    try:
+        local.discard_rank(step, rank)
+    except OSError as exc:
+        log.warning("cannot remove the files of the failed save of step %d rank %d in %s: %s", step, rank,
+                    local.describe(), exc)
+
+
+def _discard_remote(store: FsspecStore | None, step: int, rank: int, exc: BaseException) -> None:
+    """After this rank's upload of ``step`` failed with ``exc``: removes what it wrote there (see
+    :meth:`FsspecStore.discard_rank`); best effort, the upload's own error is the one reported."""
+    if store is None:
+        return  # the remote was never reached: nothing was written
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, (ConnectionError, TimeoutError)):
+            return  # unreachable: the cleanup would only wait out the same timeout in the upload queue
+        cause = cause.__cause__
+    try:
+        store.discard_rank(step, rank)
+    except Exception as exc:  # noqa: BLE001 - an unreachable remote fails this too
+        log.info("cannot remove the files of the failed upload of step %d rank %d from %s: %s", step, rank,
+                 store.describe(), exc)
 
 
 def _remove_stale_tmp(local: LocalStore, rank: int) -> None:

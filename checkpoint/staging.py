@@ -247,6 +247,20 @@ class StagingArea:
         self.outgrown_lease, self.lease = self.lease, None
         self.arena, self.kind = None, None
 
+    def drop_outgrown(self) -> bool:
+        """Removes the shared-memory slots left by :meth:`retire_memory` (and gives their lease back) now that a
+        newer step is on disk: their copies only duplicate older disk steps, while they held most of a small
+        /dev/shm for the rest of the run, the room DataLoader workers share tensors through.
+
+        Returns:
+            True when there were such slots.
+        """
+        lease, self.outgrown_lease = self.outgrown_lease, None
+        if lease is None:
+            return False
+        lease.release(remove=True)
+        return True
+
     def close(self, remove: bool, remove_outgrown: bool = False) -> None:
         """Unmaps the slots and gives the lease back; only the lease holder removes, and only with ``remove``
         (``remove_outgrown`` for the shared-memory slots left by :meth:`retire_memory`)."""
@@ -254,8 +268,9 @@ class StagingArea:
             self.arena.close(remove=False)
         if self.lease is not None:
             self.lease.release(remove=remove)
-        if self.outgrown_lease is not None:
-            self.outgrown_lease.release(remove=remove_outgrown)
+        outgrown, self.outgrown_lease = self.outgrown_lease, None  # taken first: drop_outgrown may run meanwhile
+        if outgrown is not None:
+            outgrown.release(remove=remove_outgrown)
         if self.disk_lease is not None:
             self.disk_lease.release(remove=True)  # only its own lock folder (and the job's, once empty)
         self.arena, self.lease, self.kind, self.outgrown_lease, self.disk_lease = None, None, None, None, None

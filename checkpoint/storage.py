@@ -377,10 +377,22 @@ class LocalStore(StepStore):
                 fsync_dir(os.path.dirname(d))
         return d
 
+    def _in_step_dir(self, step: int | None, fn: Callable[[str], Any]) -> Any:
+        """``fn(step folder)``, the folder created first. Another rank's failed save of the same step removes the
+        folder when it finds it empty (:meth:`discard_rank`), so it may vanish between its creation and ``fn``
+        creating a file in it: created again then."""
+        for attempt in range(3):
+            d = self._step_dir(step, create=True)
+            try:
+                return fn(d)
+            except FileNotFoundError:
+                if attempt == 2 or os.path.isdir(d):
+                    raise
+
     def write_data(self, step: int, rank: int, source: Any, nbytes: int, chunk_bytes: int,
                    throttle: Throttle | None) -> None:
-        d = self._step_dir(step, create=True)
-        write_file_from(os.path.join(d, data_name(rank)), source, nbytes, chunk_bytes, throttle, self.fsync)
+        self._in_step_dir(step, lambda d: write_file_from(os.path.join(d, data_name(rank)), source, nbytes,
+                                                          chunk_bytes, throttle, self.fsync))
 
     def begin_data(self, step: int, rank: int) -> PendingFile:
         """Opens a rank's data file for writing under a temporary name (see :class:`PendingFile`).
@@ -388,8 +400,41 @@ class LocalStore(StepStore):
         Raises:
             OSError: the step directory or the file cannot be created.
         """
-        d = self._step_dir(step, create=True)
-        return PendingFile(os.path.join(d, data_name(rank)), self.fsync)
+        return self._in_step_dir(step, lambda d: PendingFile(os.path.join(d, data_name(rank)), self.fsync))
+
+    def discard_rank(self, step: int, rank: int) -> bool:
+        """After a failed save of ``step``: removes ``rank``'s data file and manifest of it, then the step folder
+        if nothing else is in it. Left behind, a full disk's failed save kept an empty or half-written
+        ``step_<n>/`` that ``ckpt ls`` listed as an incomplete step and ``ckpt gc`` never removed (it is newer
+        than the newest commit), and its data file took the room the next save needed.
+
+        Nothing is removed once the rank's commit marker exists (its copy is complete), nor other ranks' files.
+
+        Returns:
+            True when the step folder is gone.
+        """
+        d = self._step_dir(step)
+        names = self.list_names(step)
+        if marker_name(rank) in names:
+            return False
+        for name in (data_name(rank), manifest_name(rank)):
+            if name in names:
+                try:
+                    os.unlink(os.path.join(d, name))
+                except FileNotFoundError:
+                    pass
+        try:
+            os.rmdir(d)  # only when empty: another rank's files (or temporary files being written) keep it
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        if self.fsync:
+            try:
+                fsync_dir(self.job_dir)
+            except OSError:
+                pass  # the removal is only less durable: a folder that comes back is empty, as before
+        return True
 
     def remove_stale_tmp(self, rank: int) -> list[str]:
         """Removes the temporary files of ``rank``'s files (data, manifest, commit marker) that writers killed
@@ -408,7 +453,7 @@ class LocalStore(StepStore):
         return removed
 
     def write_small(self, step: int | None, name: str, data: bytes) -> None:
-        atomic_write(os.path.join(self._step_dir(step, create=True), name), data, self.fsync)
+        self._in_step_dir(step, lambda d: atomic_write(os.path.join(d, name), data, self.fsync))
 
     def read_small(self, step: int | None, name: str) -> bytes:
         with open(os.path.join(self._step_dir(step), name), "rb") as f:
@@ -543,8 +588,12 @@ class FsspecStore(StepStore):
         except FileNotFoundError:
             raise
         except Exception as exc:
-            raise StorageUnavailableError(f"cannot {what} on remote {self.url}: {exc!r:.200} "
-                                          "(check the URL, credentials and network)") from exc
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                # A full NFS mount (file://) or a quota: the network hint sent users to the wrong place.
+                hint = "the remote storage is full or over quota; free space or lower checkpoint.remote.keep"
+            else:
+                hint = "check the URL, credentials and network"
+            raise StorageUnavailableError(f"cannot {what} on remote {self.url}: {exc!r:.200} ({hint})") from exc
 
     def check_writable(self) -> None:
         probe = f"{self.job_dir}/.probe.{os.getpid()}"
@@ -618,3 +667,27 @@ class FsspecStore(StepStore):
 
     def fetch_data(self, step: int, rank: int, dest: str) -> None:
         self._guard("download", lambda: self.fs.get_file(self._path(step, data_name(rank)), dest))
+
+    def discard_rank(self, step: int, rank: int) -> None:
+        """After a failed upload of ``step``: removes what this rank wrote of it (files are written in place here,
+        so a full remote kept a truncated data file, an empty manifest or an empty commit marker), then the step
+        folder when nothing else is in it (only where the filesystem has folders: an empty prefix of an object
+        store is gone already). A valid commit marker of the rank means its copy is complete: nothing is removed.
+
+        Raises:
+            StorageUnavailableError: the remote cannot be listed or written.
+        """
+        names = self.list_names(step)
+        if marker_name(rank) in names and rank in self.markers(step):
+            return
+        for name in (marker_name(rank), manifest_name(rank), data_name(rank)):  # the marker first, as always
+            if name in names:
+                try:
+                    self.delete_small(step, name)
+                except FileNotFoundError:
+                    pass
+        if not self.list_names(step):
+            try:
+                self.fs.rmdir(self._path(step))
+            except Exception:  # noqa: BLE001 - not empty (another rank), no folders here, or gone: all fine
+                pass

@@ -45,7 +45,15 @@ def write_rank_step(store: LocalStore, step: int, rank: int, world_size: int, tr
                    replicated=replicated, sharded=sharded, created=time.time())
     man.chunks = compute_checksums(view, data_bytes, chunk_bytes)
     raw = man.to_json()
-    store.write_data(step, rank, view, data_bytes, chunk_bytes, None)
-    store.write_small(step, manifest_name(rank), raw)
-    store.commit_rank(step, rank, world_size, json.loads(raw)["self_xxh3"])
+    try:
+        store.write_data(step, rank, view, data_bytes, chunk_bytes, None)
+        store.write_small(step, manifest_name(rank), raw)
+        store.commit_rank(step, rank, world_size, json.loads(raw)["self_xxh3"])
+    except OSError:
+        # A full disk's failed import left an empty or half-written step folder that listings showed as a step.
+        try:
+            store.discard_rank(step, rank)
+        except OSError:
+            pass  # the write's own error says what is wrong
+        raise
     return man

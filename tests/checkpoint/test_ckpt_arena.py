@@ -189,3 +189,19 @@ def test_a_slot_file_that_cannot_be_created_falls_back_instead_of_raising_into_t
             assert ck.save({"w": torch.ones(1000)}, 1).wait(timeout=30)
             assert ck.staging == "disk"
             assert not [n for n in os.listdir(arena_mod.rank_dir(root, "ino", 0)) if n.endswith(".data")]
+
+
+def test_a_slot_tag_that_is_not_text_is_a_damaged_slot_not_a_crash(make_config):
+    """A slot's tag file holding bytes that are not UTF-8 (damaged /dev/shm contents) raised UnicodeDecodeError out
+    of the next Checkpointer's restore: the job could not start although the disk tier held the step."""
+    cfg = make_config(memory={"keep_on_close": True})
+    with Checkpointer(cfg, job="tag") as ck:
+        for s in (1, 2):
+            assert ck.save({"w": torch.full((10,), float(s))}, s).wait(timeout=30)
+        tag = ck.arena.paths(ck._status[2].slot).tag
+    with open(tag, "wb") as f:
+        f.write(b"\xff\xfe2")
+    with Checkpointer(cfg, job="tag") as ck:
+        w = torch.zeros(10)
+        assert ck.restore({"w": w}) == 2 and ck.last_restore_tier == "disk" and w[0].item() == 2.0
+        assert ck.save({"w": torch.full((10,), 3.0)}, 3).wait(timeout=30)

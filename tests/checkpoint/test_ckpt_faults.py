@@ -485,3 +485,172 @@ def test_a_rank_outside_a_process_group_does_not_fall_back_alone(make_config):
     finally:
         for ck in ranks:
             ck.close()
+
+
+@pytest.mark.parametrize("leave_pages", [0, 196, 197])
+def test_failed_disk_save_leaves_no_step_folder(tmp_path, shm_dir, leave_pages):
+    """A full disk failing a save at any point (the data file: 0 pages free; the manifest: room for the data
+    only; the commit marker: room for data and manifest) left ``step_2/`` behind, empty or holding the data file
+    (800 kB of litter on a full disk): ``ckpt ls`` listed it as an incomplete step and ``gc`` kept it, being newer
+    than the newest commit. Now the failed rank's files and the folder are removed; the error still says why."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=True)
+    try:
+        events = Events()
+        cfg = CheckpointConfig(directory=str(mnt / "ck"), memory={"enabled": False, "directory": shm_dir})
+        with Checkpointer(cfg, job="full", on_event=events) as ck:
+            assert ck.save({"w": torch.full((200_000,), 1.0)}, 1).wait(timeout=30)  # 800 kB: 196 pages
+            filler = fill_fs(mnt, leave_pages)
+            assert ck.save({"w": torch.full((200_000,), 2.0)}, 2).wait(timeout=30) is False
+            assert [e.kind for e in events] == ["checkpoint.disk_full"]
+            assert "No space left on device" in events[0].message and "free space" in events[0].message
+            job_dir = mnt / "ck" / "full"
+            assert sorted(os.listdir(job_dir)) == ["COMMITTED.json", step_dirname(1)]
+            assert LocalStore(str(mnt / "ck"), "full").list_steps() == [1]
+            filler.unlink()
+            assert ck.save({"w": torch.full((200_000,), 3.0)}, 3).wait(timeout=30)
+            assert sorted(os.listdir(job_dir / step_dirname(3))) == sorted([data_name(0), "rank_00000.commit",
+                                                                             manifest_name(0)])
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_write_rank_step_on_a_full_disk_leaves_no_step_folder(tmp_path):
+    """``write_rank_step`` (``ckpt import``, tools) failing on a full disk left an empty ``step_5/`` behind."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        store = LocalStore(str(mnt / "ck"), "imp")
+        os.makedirs(store.job_dir)
+        fill_fs(mnt, 0)
+        with pytest.raises(OSError, match="No space left"):
+            write_rank_step(store, 5, 0, 1, {"w": {"t": "tensor", "i": 0}}, [("w", torch.ones(1000))])
+        assert os.listdir(store.job_dir) == [] and store.list_steps() == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_unreachable_remote_is_backed_off_in_listings_and_said_once(make_config, caplog):
+    """An FTP endpoint that accepts connections and never answers (a stalled object-store endpoint): every
+    ``steps()``/``restore()`` used to connect again and pay the whole connect timeout, and logged a warning each
+    time. Now a failure leaves the remote out of listings for ``remote.retry_s`` (doubling while it keeps failing,
+    bounded), the listings in between return at once, and the log says it once."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    port = srv.getsockname()[1]
+    conns: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conns.append(srv.accept()[0])  # held open, never answered: the FTP greeting never comes
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"ftp://127.0.0.1:{port}/ckpt"
+    cfg = make_config(remote={"url": url, "storage_options": {"timeout": 0.3}, "retry_s": 1.0})
+    try:
+        with caplog.at_level(logging.DEBUG, logger="trainguard.checkpoint"):
+            with Checkpointer(cfg, job="down") as ck:
+                deadline = time.monotonic() + 10
+                while not conns:  # the constructor's probe reached the endpoint
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                tried = len(conns)
+                t0 = time.monotonic()
+                for _ in range(10):
+                    assert ck.steps() == []
+                assert len(conns) == tried and time.monotonic() - t0 < 1.5  # no connect, no timeout (3 s before)
+                while len(conns) == tried:  # retried once the back-off is over
+                    assert time.monotonic() < deadline, "the remote was never tried again"
+                    ck.steps()
+                    time.sleep(0.02)
+                tried = len(conns)
+                t0 = time.monotonic()
+                for _ in range(10):
+                    ck.steps()
+                assert len(conns) == tried and time.monotonic() - t0 < 1.5  # backing off again
+                loud = [r.getMessage() for r in caplog.records
+                        if r.levelno >= logging.WARNING and f"127.0.0.1:{port}" in r.getMessage()]
+                assert len(loud) == 1 and "retried in 1 s" in loud[0], loud
+                # A restore tries it regardless (it may hold the only copy of the newest step), and says so.
+                assert ck.restore({"w": torch.zeros(1)}) is None and len(conns) == tried + 1
+                assert "restore: the remote tier is unreachable" in caplog.text
+    finally:
+        srv.close()
+        for c in conns:
+            c.close()
+
+
+def test_failed_disk_save_of_one_rank_keeps_the_other_ranks_copy(tmp_path, shm_dir):
+    """The cleanup of a failed save removes only the failing rank's files: rank 1's committed copy of step 2 and
+    the folder stay, and rank 0's later save of step 2 completes the step."""
+    mnt = tmp_path / "full2"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    cfg = CheckpointConfig(directory=str(mnt / "ck"), memory={"enabled": False, "directory": shm_dir})
+    r0 = Checkpointer(cfg, rank=0, world_size=2, job="mr")
+    r1 = Checkpointer(cfg, rank=1, world_size=2, job="mr")
+    try:
+        assert r1.save({"w": torch.full((100_000,), 1.0)}, 2).wait(timeout=30)
+        filler = fill_fs(mnt, 0)
+        assert r0.save({"w": torch.full((100_000,), 0.0)}, 2).wait(timeout=30) is False
+        step2 = mnt / "ck" / "mr" / step_dirname(2)
+        assert sorted(os.listdir(step2)) == sorted([data_name(1), manifest_name(1), "rank_00001.commit"])
+        filler.unlink()
+        assert r0.save({"w": torch.full((100_000,), 0.0)}, 2).wait(timeout=30)
+        assert [s.step for s in r0.steps()] == [2]
+    finally:
+        r0.close()
+        r1.close()
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_first_save_of_a_process_started_on_a_full_disk_reports_instead_of_raising(tmp_path, shm_dir):
+    """The disk tier's writer lease (``.trainguard-writers/<job>/rank_N/owner.lock``) wrote the pid into its lock
+    file, and on a full disk that write raised ENOSPC out of ``save()`` into the training loop; the lock is what
+    excludes, the pid only names the holder. Now the save reports the full disk as any other save does."""
+    mnt = tmp_path / "full3"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        fill_fs(mnt, 0)
+        events = Events()
+        cfg = CheckpointConfig(directory=str(mnt / "ck"), memory={"enabled": False, "directory": shm_dir})
+        with Checkpointer(cfg, job="late", on_event=events) as ck:
+            assert ck.save({"w": torch.ones(1000)}, 1).wait(timeout=30) is False  # raised OSError before
+            assert [e.kind for e in events][-1] == "checkpoint.disk_full"
+            assert ck.disk.list_steps() == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("leave_pages", [0, 49, 50])
+def test_failed_upload_to_a_full_remote_leaves_no_step_folder(tmp_path, shm_dir, leave_pages):
+    """A ``file://`` remote (an NFS mount) filling up: fsspec writes files in place, so a failed upload kept
+    ``step_2/`` there with a truncated data file, an empty manifest or an empty commit marker (0, 49, 50 pages
+    left: the data, the manifest, the marker fail), and the error said to check the network. Now the rank's files
+    and the empty folder go, and the error says the remote is full."""
+    rem = tmp_path / "rem"
+    rem.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(rem)], check=True)
+    try:
+        events = Events()
+        cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False, "directory": shm_dir},
+                               remote={"url": f"file://{rem}"})
+        with Checkpointer(cfg, job="j", on_event=events) as ck:
+            assert ck.save({"w": torch.ones(50_000)}, 1).wait(timeout=30)  # 200 kB: 49 pages
+            fill_fs(rem, leave_pages)
+            h = ck.save({"w": torch.ones(50_000)}, 2)
+            assert h.wait(timeout=30) is False and h.tiers_done == ["disk"]
+            assert "the remote storage is full" in events[-1].message, events[-1].message
+            assert sorted(os.listdir(rem / "j")) == ["COMMITTED.json", step_dirname(1)]
+    finally:
+        subprocess.run(["umount", "-l", str(rem)], check=True)

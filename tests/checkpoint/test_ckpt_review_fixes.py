@@ -6,6 +6,7 @@ import contextlib
 import io
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -173,3 +174,23 @@ def test_a_staging_area_removed_under_the_trainer_is_reallocated(make_config, ca
     with Checkpointer(cfg, job="gone") as ck2:
         assert ck2.restore(live) == 2
     assert torch.equal(live["w"], torch.full((1000,), 2.0))
+
+
+def test_outgrown_shm_slots_are_removed_once_a_newer_step_is_on_disk(make_config, small_tmpfs):
+    """After the state outgrew its slots in a container-sized /dev/shm, the old slots stayed until close(): most
+    of the 1 MiB tmpfs stayed taken for the whole run (DataLoader workers share tensors through /dev/shm), for
+    copies older than the disk's. They go once this rank's first newer step is on disk."""
+    cfg = make_config(memory={"directory": str(small_tmpfs), "keep": 1, "fallback": "disk"})
+    small = {"w": torch.randn(60_000)}
+    grown = {k: torch.randn(60_000) for k in ("w", "m", "v", "g")}
+    with Checkpointer(cfg, job="grow") as ck:
+        ck.prepare(small)
+        assert ck.save(small, 1).wait(timeout=60) and ck.staging == "memory"
+        assert ck.save(grown, 2).wait(timeout=60) and ck.staging == "disk"
+        deadline = time.monotonic() + 10
+        while os.listdir(small_tmpfs):
+            assert time.monotonic() < deadline, f"outgrown slots still in /dev/shm: {os.listdir(small_tmpfs)}"
+            time.sleep(0.02)
+        assert ck.save(grown, 3).wait(timeout=60) and [s.step for s in ck.steps()][-2:] == [2, 3]
+        live = {k: torch.zeros(60_000) for k in grown}
+        assert ck.restore(live) == 3 and all(torch.equal(live[k], grown[k]) for k in grown)
