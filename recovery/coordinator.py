@@ -56,7 +56,7 @@ from trainguard.recovery.errors import (CapacityError, FencedError, InvalidReque
                                         UnknownJobError, UnknownNodeError)
 from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.failslow_wiring import FailSlowWiring
-from trainguard.recovery.job_records import decode_node, decode_state, node_value, state_value
+from trainguard.recovery.job_records import decode_held, decode_node, decode_state, node_value, state_value
 from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
 from trainguard.recovery.memory_book import MemoryBook
 from trainguard.recovery.node_command import HeartbeatReply, command_for
@@ -133,6 +133,7 @@ class JobCoordinator:
         self._last_call_at: float | None = None  # when the first generation stops waiting for nodes past nnodes
         self._table: GenerationTable | None = None
         self._state_fut: Future | None = None
+        self._held_fut: Future | None = None  # the last write of a held cordon's record (see _persist_held)
         self._mver = 0  # bumped on every membership/liveness change: invalidates _layout_cache
         self._layout_cache: tuple[object, RankLayout | None] | None = None
         self._running: set[str] = set()  # slot holders running the current generation
@@ -148,7 +149,7 @@ class JobCoordinator:
         self._failslow = FailSlowSupervisor(spec.failslow, wall=wall)  # fail-slow: see _failslow_* below
         self._slow = FailSlowWiring(spec.job, self._failslow)
         self._peers = PeerPool()  # qualified nodes' exchange times: the next node's reference
-        self._daemons = DaemonReports(spec.job)
+        self._daemons = DaemonReports(spec.job, self._persist_held)
         self.node_health = self._daemons.table  # what node daemons report: see report_node_health
         # Job-wide memory tier: each node's latest in-memory checkpoint copies, and the restore plan built from
         # them for the current table (recomputed when holdings, liveness or the table change).
@@ -160,10 +161,13 @@ class JobCoordinator:
     def _load(self) -> None:
         now = self._clock()
         recs = self._raw_store.scan(self._prefix)
+        held = self._prefix + "held/"
         for key, rec in recs.items():
             if key.startswith(self._prefix + "nodes/"):
                 n = decode_node(key, rec.value)
                 self._members[n.info.node_id] = Member(n.info, n.lease, n.instance, now, refused=n.refused)
+            elif key.startswith(held):
+                self._daemons.restore(decode_held(key, key[len(held):], rec.value), now)
         state = recs.get(self._prefix + "state")
         if state is not None:
             d = decode_state(self.spec.job, state.value)
@@ -195,6 +199,28 @@ class JobCoordinator:
                         "shrank, or the flags changed). To lay the job out afresh, use a new --job name or --store",
                         self.spec.job, len(lay.slots), lay.group_size, self.spec.nnodes, self.spec.group_size)
         self._rebuild_table()
+        if self._policy.state.phase not in (Phase.SUCCEEDED, Phase.FAILED):
+            for nid in self._daemons.held():
+                if nid in self._members and not self._excluded(nid):
+                    # Registered, but the coordinator stopped before the cordon its registration applied was stored
+                    # (the node's record came first): its agent's retried registration keeps its lease and is not
+                    # a registration again, so the cordon is applied now.
+                    self._cordon_held(nid, now)
+
+    def _cordon_held(self, nid: str, now: float) -> None:
+        """Applies a held cordon to a node that registered (lock held, or from ``_load``): a node-level failure,
+        stored before its held record is deleted."""
+        held, st = self._daemons.held_reason(nid), self._policy.state
+        self._fail(Failure(nid, st.generation, Cause.NODE_CRITICAL, Level.NODE,
+                           detail=f"node daemon reports a fatal fault: {held}", time_s=self._wall()), now)
+        self._mver += 1  # the forming layout must drop the node even when the policy state looks unchanged
+        self._save_state()
+        self._daemons.release(nid)
+        log.warning("job %s: node %s cordoned at registration on its daemon's report: %s", self.spec.job, nid, held)
+
+    def _persist_held(self, node_id: str, value: bytes | None) -> None:
+        """Stores (or deletes, ``value`` None) a held cordon's record (lock held; see :mod:`.daemon_reports`)."""
+        self._held_fut = self._submit([Put(self._prefix + "held/" + node_id, value)])
 
     def _save_state(self) -> Future:
         """Queues a snapshot of the job state; callers needing durability wait on the future (lock released)."""
@@ -216,12 +242,14 @@ class JobCoordinator:
         if not keys:
             return
         state_key, ckpt_key, nodes = self._prefix + "state", self._prefix + "checkpoint", self._prefix + "nodes/"
+        held = self._prefix + "held/"
         puts: list[Put] = []
         for k in sorted(k for k in keys if k.startswith(nodes)):
             m = self._members.get(k[len(nodes):])
             # No member: the lost write deleted a forgotten node's record (see _make_room). It is made again
             # too; left, the record brought the node back as a member at the next coordinator start.
             puts.append(Put(k, node_value(m.info, m.lease_id, m.instance, m.refused) if m is not None else None))
+        puts += [Put(k, self._daemons.stored_value(k[len(held):])) for k in sorted(keys) if k.startswith(held)]
         if ckpt_key in keys:
             puts.append(Put(ckpt_key, json.dumps({"step": self._committed_step}).encode()))
         for put in puts:  # one each: the committer batches them, and no batch outgrows an etcd transaction
@@ -695,11 +723,7 @@ class JobCoordinator:
             elif held and st.phase not in (Phase.SUCCEEDED, Phase.FAILED):
                 # Its daemon reported a fatal fault before the node registered: the cordon held until now is applied
                 # (and stored) before any generation can place the node.
-                self._fail_node_on_report(Failure(nid, st.generation, Cause.NODE_CRITICAL, Level.NODE,
-                                                  detail=f"node daemon reports a fatal fault: {held}",
-                                                  time_s=self._wall()), now)
-                self._daemons.release(nid)
-                log.warning("job %s: node %s cordoned at registration on its daemon's report: %s", job, nid, held)
+                self._cordon_held(nid, now)
                 fut = self._state_fut
             elif prev is not None and self._layout is not None and self._layout.slot_of(nid) is not None \
                     and st.phase in (Phase.RUNNING, Phase.RECOVERING) and prev.generation >= 0:
@@ -1029,8 +1053,8 @@ class JobCoordinator:
 
         The node need not be registered: a daemon reports between jobs, before its node's launcher registers,
         so the node is kept out before the first generation forms and never gets a rank. Until it registers the
-        cordon is held in memory only (see :mod:`~trainguard.recovery.daemon_reports`) and applied, durably, at its
-        registration: reports naming made-up ids filled the stored cordon list. A node holding a slot
+        cordon is held, in a record of its own (see :mod:`~trainguard.recovery.daemon_reports`), and applied to the
+        job state at its registration: reports naming made-up ids filled the stored cordon list. A node holding a slot
         gets a node-level recovery (its slot goes to a spare, or the job waits for one). A daemon's silence
         changes nothing.
 
@@ -1053,7 +1077,7 @@ class JobCoordinator:
         now = self._clock()
         with self._lock:
             self._check_serving(report.job or self.spec.job)
-            fut_before = self._state_fut
+            fut_before, held_before = self._state_fut, self._held_fut
             cordoned, message = self._daemons.record(report, now, self._policy.state, self._excluded,
                                                      lambda f: self._fail_node_on_report(f, now), self._wall,
                                                      self.spec.node_id_limit(), 3 * self.report_interval_s(),
@@ -1064,7 +1088,11 @@ class JobCoordinator:
                     cordoned, message = False, step.state.message
                     self._mver += 1  # a vacancy waiting for a spare is re-planned with this node
                     self._advance()
-            return cordoned, message, self._state_fut if self._state_fut is not fut_before else None
+            if self._state_fut is not fut_before:
+                return cordoned, message, self._state_fut
+            # A cordon held for a node not registered yet is answered once its record is stored, so a coordinator
+            # restarted right after the answer still keeps the node out.
+            return cordoned, message, self._held_fut if self._held_fut is not held_before else None
 
     def uncordon(self, job: str, node_id: str, reason: str = "") -> tuple[bool, str, Future | None]:
         """An operator returns a cordoned node to service (``trainguard uncordon``): a repaired machine with no node
@@ -1161,8 +1189,8 @@ class JobCoordinator:
         return self._daemons.cordon_reason(node_id)
 
     def held_cordons(self) -> list[str]:
-        """Nodes kept out on their daemon's fatal report before they registered (in memory only; cordoned durably
-        when they register): the scheduler's cordon hooks mark them too."""
+        """Nodes kept out on their daemon's fatal report before they registered (in records of their own, not the job
+        state's cordon list, until they register): the scheduler's cordon hooks mark them too."""
         with self._lock:
             if self._policy.state.phase in (Phase.SUCCEEDED, Phase.FAILED):
                 return []
