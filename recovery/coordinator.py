@@ -121,7 +121,10 @@ class JobCoordinator:
         self._writes = WriteLedger(self._committer.submit)  # each key's last write: made again if the store lost it
         self._lock = threading.RLock()
         self._members: dict[str, Member] = {}
-        self._dead = 0  # members whose lease expired or who left (kept counted: a forming job's count is O(1))
+        # Live members that are not spares: the first generation's count of registered nodes, kept as a counter
+        # so that each registration of a forming job costs O(1) (see _advance). Spares were counted before: the
+        # operator read "2 of 2 registered" with one worker and one spare, and agents' join timeouts were short.
+        self._joined = 0
         self._policy = RecoveryPolicy(spec.policy_config())
         self._layout: RankLayout | None = None
         self._master_port = 0
@@ -166,6 +169,7 @@ class JobCoordinator:
             if key.startswith(self._prefix + "nodes/"):
                 n = decode_node(key, rec.value)
                 self._members[n.info.node_id] = Member(n.info, n.lease, n.instance, now, refused=n.refused)
+                self._joined += not n.info.spare
             elif key.startswith(held):
                 self._daemons.restore(decode_held(key, key[len(held):], rec.value), now)
         state = recs.get(self._prefix + "state")
@@ -534,7 +538,7 @@ class JobCoordinator:
         now = self._clock()
         st = self._policy.state
         if st.phase is Phase.FORMING:
-            if len(self._members) >= self.spec.nnodes:
+            if self._joined >= self.spec.nnodes:
                 self._try_form(now)
             else:
                 # _first_layout says why once enough registered (it sorts every member, so it is skipped before,
@@ -543,9 +547,12 @@ class JobCoordinator:
                 # Names come from the first few members (insertion order), so a large job's formation stays linear.
                 named = [n for n, m in itertools.islice(self._members.items(), 4 * _NAMED)
                          if self._lease_live(m, now) and not m.info.spare][:_NAMED]
-                joined = len(self._members) - self._dead  # a node that left or went silent is not there
+                joined = self._joined  # a spare, or a node that left or went silent, is not counted
                 self._form_note = self._short_note(joined, named)
                 self._form_missing = self.spec.nnodes - joined
+                self._last_call_at = None  # as _first_layout does below MIN: the last call starts again at MIN
+                if self._policy.state.forming_since_s:  # nodes missing is no layout problem (as _first_layout)
+                    self._apply(FormingChecked("", self._wall()))
             if self._policy.state.forming_since_s and self._apply(Tick(self._wall())).changed:
                 self._mver += 1
         elif st.plan is not None:
@@ -709,8 +716,7 @@ class JobCoordinator:
             m = Member(info=info, lease_id=lease, instance=instance, last_seen=now, free_port=free_port,
                        superseded=superseded, refused=refused)
             self._members[nid] = m
-            if prev is not None and not prev.alive:
-                self._dead -= 1
+            self._joined += (not info.spare) - (prev is not None and prev.alive and not prev.info.spare)
             self._mver += 1
             fut = self._submit([Put(self._prefix + "nodes/" + nid, node_value(info, lease, instance, refused))])
             st = self._policy.state
@@ -757,7 +763,6 @@ class JobCoordinator:
         old = min(gone, key=lambda m: m.last_seen)
         oid = old.info.node_id
         del self._members[oid]
-        self._dead -= 1  # only members that are not alive go
         for table in (self._node_steps, self._beat_at):
             table.pop(oid, None)
         self._told_end.discard(oid)
@@ -828,8 +833,8 @@ class JobCoordinator:
         if not m.alive:
             log.info("job %s: node %s is back", self.spec.job, req.node_id)
             self._mver += 1
-        if not m.alive:
-            self._dead -= 1
+        if not m.alive and not m.info.spare:
+            self._joined += 1
         m.last_seen, m.alive = now, True
         if req.free_port > 0:
             m.free_port = req.free_port
@@ -989,7 +994,7 @@ class JobCoordinator:
     def _lose(self, m: Member, now: float, why: str) -> None:
         """Ends a member's liveness (lock held): a node-level failure when it holds a slot of the running job."""
         m.alive = False
-        self._dead += 1
+        self._joined -= not m.info.spare
         self._mver += 1
         log.warning("job %s: node %s lost (%s)", self.spec.job, m.info.node_id, why)
         st = self._policy.state  # fresh: each decision replaces the state
