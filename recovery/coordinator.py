@@ -56,7 +56,8 @@ from trainguard.recovery.errors import (CapacityError, FencedError, InvalidReque
                                         UnknownJobError, UnknownNodeError)
 from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.failslow_wiring import FailSlowWiring
-from trainguard.recovery.job_records import decode_held, decode_node, decode_state, node_value, state_value
+from trainguard.recovery.job_records import (STATE_WARN_BYTES, decode_held, decode_node, decode_state, node_value,
+                                             state_value)
 from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
 from trainguard.recovery.memory_book import MemoryBook
 from trainguard.recovery.node_command import HeartbeatReply, command_for
@@ -137,6 +138,7 @@ class JobCoordinator:
         self._table: GenerationTable | None = None
         self._state_fut: Future | None = None
         self._held_fut: Future | None = None  # the last write of a held cordon's record (see _persist_held)
+        self._big_state_logged = -math.inf  # when _save_state last said the state record is too big
         self._mver = 0  # bumped on every membership/liveness change: invalidates _layout_cache
         self._layout_cache: tuple[object, RankLayout | None] | None = None
         self._running: set[str] = set()  # slot holders running the current generation
@@ -228,8 +230,17 @@ class JobCoordinator:
 
     def _save_state(self) -> Future:
         """Queues a snapshot of the job state; callers needing durability wait on the future (lock released)."""
-        fut = self._submit([Put(self._prefix + "state", state_value(
-            self._policy.state, self._layout, self.spec.group_size, self._master_port, self._used_ports))])
+        value = state_value(self._policy.state, self._layout, self.spec.group_size, self._master_port,
+                            self._used_ports)
+        if len(value) > STATE_WARN_BYTES and self._clock() >= self._big_state_logged + 60.0:  # once a minute
+            self._big_state_logged = self._clock()
+            st = self._policy.state
+            log.error("job %s: the job state record is %d bytes (%d cordoned node(s), %d slot(s)); etcd refuses "
+                      "requests over its --max-request-bytes (1.5 MiB by default), and every recovery then fails "
+                      "to be stored: return repaired nodes to service (`trainguard uncordon NODE`), shorten node ids, "
+                      "or raise etcd's --max-request-bytes", self.spec.job, len(value), len(st.cordoned),
+                      len(self._layout.slots) if self._layout else 0)
+        fut = self._submit([Put(self._prefix + "state", value)])
         self._state_fut = fut
         return fut
 
@@ -713,6 +724,9 @@ class JobCoordinator:
             lease = uuid.uuid4().hex
             refused = (prev.refused if prev is not None else "") \
                 or (qualification.refusal if qualification is not None else "")
+            held = self._daemons.held_reason(nid) if not self._excluded(nid) else ""
+            if (held or refused and nid not in self._policy.state.cordoned) and not self._room_to_cordon(nid):
+                raise CapacityError(self._no_room(nid, held or refused))
             m = Member(info=info, lease_id=lease, instance=instance, last_seen=now, free_port=free_port,
                        superseded=superseded, refused=refused)
             self._members[nid] = m
@@ -723,7 +737,6 @@ class JobCoordinator:
             if qualification is not None and not refused:
                 m.echo_port = qualification.echo_port
                 self._peers.record(qualification.peer_s)
-            held = self._daemons.held_reason(nid) if not self._excluded(nid) else ""
             if refused:
                 fut = self._disqualify(m, now) or fut
             elif held and st.phase not in (Phase.SUCCEEDED, Phase.FAILED):
@@ -762,15 +775,40 @@ class JobCoordinator:
                 "check for a client registering made-up node ids, or retry once unused nodes' leases run out")
         old = min(gone, key=lambda m: m.last_seen)
         oid = old.info.node_id
-        del self._members[oid]
-        for table in (self._node_steps, self._beat_at):
-            table.pop(oid, None)
-        self._told_end.discard(oid)
-        self._memory.forget(oid)
-        self._mver += 1
-        self._submit([Put(self._prefix + "nodes/" + oid, None)])
+        self._forget(old)
         log.info("job %s: forgot node %s (lease expired %.0f s ago) to make room for node %s", self.spec.job, oid,
                  self._clock() - old.last_seen, nid)
+
+    def _forget(self, m: Member) -> None:
+        """Drops a member and its record (lock held): its lease is void, its agent must register again."""
+        nid = m.info.node_id
+        del self._members[nid]
+        if m.alive and not m.info.spare:
+            self._joined -= 1
+        for table in (self._node_steps, self._beat_at):
+            table.pop(nid, None)
+        self._told_end.discard(nid)
+        self._running.discard(nid)
+        self._succeeded.discard(nid)
+        self._memory.forget(nid)
+        self._mver += 1
+        self._submit([Put(self._prefix + "nodes/" + nid, None)])
+
+    def _room_to_cordon(self, nid: str) -> bool:
+        """Whether ``nid`` may join the job state's cordon list (lock held): a slot holder always may (its failure
+        must be handled); any other node while the list is under :data:`~trainguard.recovery.spec.MAX_CORDONED`."""
+        if self._layout is not None and self._layout.slot_of(nid) is not None:
+            return True
+        st = self._policy.state
+        return len(set(st.cordoned) | set(st.plan.cordon if st.plan else ())) < self.spec.cordon_limit()
+
+    def _no_room(self, nid: str, why: str) -> str:
+        """The refusal of a node that must be kept out while the cordon list is full."""
+        return (f"node {nid!r} is refused by job {self.spec.job!r} ({' '.join(why.split())[:200]}) instead of "
+                f"cordoned: the job state's cordon list holds {self.spec.cordon_limit()} nodes, the most it may (the state is "
+                "stored whole at each change, and etcd refuses requests over 1.5 MiB by default); return repaired "
+                "nodes to service (`trainguard uncordon NODE`, or restart their node daemon), or check for a client "
+                "registering made-up node ids")
 
     def heartbeat(self, req: Beat) -> HeartbeatReply:
         """Records a node's progress and says what it must do.
@@ -798,6 +836,9 @@ class JobCoordinator:
                 self._rewrite_lost()
             durable = None
             if req.qualification is not None and not req.qualification.passed and not m.refused:
+                if not self._room_to_cordon(m.info.node_id):
+                    self._forget(m)  # kept out without a cordon: its agent's registration is refused in turn
+                    raise CapacityError(self._no_room(m.info.node_id, req.qualification.refusal))
                 m.refused = req.qualification.refusal
                 self._submit([Put(self._prefix + "nodes/" + m.info.node_id,  # durable before the cordon
                                   node_value(m.info, m.lease_id, m.instance, m.refused))])
@@ -1171,6 +1212,15 @@ class JobCoordinator:
 
     def _fail_node_on_report(self, f: Failure, now: float) -> None:
         """Applies a daemon's fatal verdict as a node failure (lock held), and moves the job on."""
+        m = self._members.get(f.node_id)
+        if m is not None and not self._room_to_cordon(f.node_id):
+            # Kept out as a node not registered is: its cordon is held (a record of its own), its membership goes,
+            # and its agent's next registration is refused while the cordon list stays full.
+            log.error("job %s: %s", self.spec.job, self._no_room(f.node_id, f.detail))
+            self._forget(m)
+            self._daemons.hold(f.node_id)
+            self._advance()
+            return
         self._fail(f, now)
         self._mver += 1  # the forming layout must drop the node even when the policy state looks unchanged
         self._save_state()

@@ -93,7 +93,7 @@ class DaemonReports:
         if report.verdict is Verdict.FATAL and newly and not excluded(nid) and running:
             fail(Failure(nid, st.generation, Cause.NODE_CRITICAL, Level.NODE,
                          detail=f"node daemon reports a fatal fault: {report.reason}", time_s=wall()))
-            cordoned = excluded(nid)
+            cordoned = excluded(nid) or nid in self._held  # held: the cordon list was full (see hold)
             if cordoned:
                 log.warning("job %s: node %s cordoned on its daemon's report: %s", self._job, nid, report.reason)
             return cordoned, f"node {nid} {'cordoned' if cordoned else 'failed'}: {report.reason}"
@@ -126,6 +126,15 @@ class DaemonReports:
         reason = self.held_reason(node_id)
         row = self.table.get(node_id)
         return held_value(reason, row.report.instance, row.report.host) if reason and row is not None else None
+
+    def hold(self, node_id: str) -> None:
+        """Holds the node's latched fault as for a node not registered: the coordinator forgot the member because
+        the job state's cordon list is full (see :data:`~trainguard.recovery.spec.MAX_CORDONED`), and applies it if
+        it registers again."""
+        row = self.table.get(node_id)
+        if row is not None and row.fatal_reason and node_id not in self._held:
+            self._held.add(node_id)
+            self._persist(node_id, held_value(row.fatal_reason, row.report.instance, row.report.host))
 
     def restore(self, held: StoredHeld, now: float) -> None:
         """Holds a cordon read back from the store at a coordinator start, with its daemon's latch in the table

@@ -100,6 +100,11 @@ def decode_held(key: str, node_id: str, value: bytes) -> StoredHeld:
                          "out until its node daemon reports it fatal again) or use a fresh store") from exc
 
 
+#: Size of a job state record past which the coordinator logs an error: etcd refuses requests over its
+#: ``--max-request-bytes`` (1.5 MiB by default), and the state is committed with other records.
+STATE_WARN_BYTES = 1024 * 1024
+
+
 def state_value(policy: PolicyState, layout: RankLayout | None, group_size: int, master_port: int,
                 used_ports: set[int]) -> bytes:
     """The value of the job state record; ``group_size`` is the layout's, or the spec's while there is none."""
