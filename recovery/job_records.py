@@ -3,8 +3,9 @@
 Keys live under ``trainguard/jobs/<job>/`` (see :mod:`~trainguard.recovery.coordinator` for what each holds and
 when it is written). A node record is JSON: the node's identity, its lease, its agent's instance id and why it
 failed qualification. A held cordon's record (``held/<node id>``) is JSON: the fatal reason a node daemon reported
-about a node that had not registered, the daemon's instance and host. The state record is zlib-compressed JSON: the policy state, the rank layout, MASTER_PORT
-and every port used so far. Pure functions: the coordinator reads and writes the store itself.
+about a node that had not registered, the daemon's instance and host. The state record is zlib-compressed JSON:
+the policy state, the rank layout, MASTER_PORT and every port used so far. Pure functions: the coordinator reads
+and writes the store itself.
 """
 
 from __future__ import annotations
