@@ -41,7 +41,6 @@ so its workers are gone) is a process-level failure of that generation.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -62,7 +61,7 @@ from trainguard.recovery.errors import (CapacityError, InvalidRequestError, NotS
 from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.failslow_wiring import FailSlowWiring
 from trainguard.recovery.formation import Formation
-from trainguard.recovery.job_records import node_value
+from trainguard.recovery.job_records import checkpoint_value, node_value
 from trainguard.recovery.leases import Leases
 from trainguard.recovery.membership import Member
 from trainguard.recovery.memory_book import MemoryBook
@@ -439,8 +438,7 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
                 low = min(self._node_steps.get(s.node_id, -1) for s in self._layout.slots)
                 if low > self._committed_step:
                     self._committed_step = low
-                    fut = self._submit([Put(self._prefix + "checkpoint",
-                                                      json.dumps({"step": low}).encode())])
+                    fut = self._submit([Put(self._prefix + "checkpoint", checkpoint_value(low))])
             if fut is None:
                 fut = self._pending(self._prefix + "checkpoint")  # a retried call whose step the store failed
             if fut is None:

@@ -10,14 +10,13 @@ coordinator still owns the job.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
 
 from trainguard.recovery.errors import FencedError, NotServingError, StoreError
-from trainguard.recovery.job_records import (STATE_WARN_BYTES, decode_held, decode_node, decode_state, node_value,
-                                             state_value)
+from trainguard.recovery.job_records import (STATE_WARN_BYTES, checkpoint_value, decode_checkpoint, decode_held,
+                                             decode_node, decode_state, node_value, state_value)
 from trainguard.recovery.membership import Member
 from trainguard.recovery.policy import Phase
 from trainguard.recovery.store import Put
@@ -50,7 +49,7 @@ class Durability:
                 d.policy, d.layout, d.master_port, d.used_ports
         ck = recs.get(self._prefix + "checkpoint")
         if ck is not None:
-            self._committed_step = int(json.loads(ck.value)["step"])
+            self._committed_step = decode_checkpoint(self._prefix + "checkpoint", ck.value)
         if state is not None or self._members:
             st = self._policy.state
             log.info("job %s restored from store (fence epoch %d): %s, generation %d, %d restart(s), %d node(s)",
@@ -124,7 +123,7 @@ class Durability:
             puts.append(Put(k, node_value(m.info, m.lease_id, m.instance, m.refused) if m is not None else None))
         puts += [Put(k, self._daemons.stored_value(k[len(held):])) for k in sorted(keys) if k.startswith(held)]
         if ckpt_key in keys:
-            puts.append(Put(ckpt_key, json.dumps({"step": self._committed_step}).encode()))
+            puts.append(Put(ckpt_key, checkpoint_value(self._committed_step)))
         for put in puts:  # one each: the committer batches them, and no batch outgrows an etcd transaction
             self._submit([put])
         if state_key in keys:

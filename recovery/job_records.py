@@ -106,6 +106,28 @@ def decode_held(key: str, node_id: str, value: bytes) -> StoredHeld:
 STATE_WARN_BYTES = 1024 * 1024
 
 
+def checkpoint_value(step: int) -> bytes:
+    """The value of the job's committed checkpoint step record."""
+    return json.dumps({"step": step}).encode()
+
+
+def decode_checkpoint(key: str, value: bytes) -> int:
+    """Reads the job's committed checkpoint step.
+
+    Raises:
+        StoreError: the record is corrupt (it was read raw: a damaged one stopped the coordinator's start with a
+            Python traceback, a KeyError or a JSON error, that named neither the key nor what to do).
+    """
+    try:
+        step = json.loads(value)["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < -1:
+            raise ValueError(f"step {step!r} is not a step")
+        return step
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"checkpoint record {key!r} is corrupt ({exc}): delete it (the job's committed step "
+                         "is then taken from the nodes' next commits) or use a fresh store") from exc
+
+
 def state_value(policy: PolicyState, layout: RankLayout | None, group_size: int, master_port: int,
                 used_ports: set[int]) -> bytes:
     """The value of the job state record; ``group_size`` is the layout's, or the spec's while there is none."""
