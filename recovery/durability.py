@@ -75,7 +75,12 @@ class Durability:
         self._rebuild_table()
         if self._policy.state.phase not in (Phase.SUCCEEDED, Phase.FAILED):
             for nid in self._daemons.held():
-                if nid in self._members and not self._excluded(nid):
+                if nid in self._members and self._excluded(nid):
+                    # Its cordon is in the job state already (the coordinator stopped before the held record's
+                    # deletion): left, the record outlived an operator's uncordon and cordoned the node again at the
+                    # next start.
+                    self._daemons.release(nid)
+                elif nid in self._members:
                     # Registered, but the coordinator stopped before the cordon its registration applied was stored
                     # (the node's record came first): its agent's retried registration keeps its lease and is not
                     # a registration again, so the cordon is applied now.

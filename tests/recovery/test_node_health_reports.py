@@ -256,3 +256,37 @@ def test_a_held_cordon_of_a_node_registered_just_before_a_restart_is_applied_at_
         assert "sick" in core.state.cordoned and core._raw_store.get("trainguard/jobs/nh-held2/held/sick") is None
     finally:
         core.close()
+
+
+def test_a_held_record_left_beside_a_stored_cordon_does_not_outlive_an_uncordon(tmp_path) -> None:
+    """A coordinator stopped after storing a node's cordon but before deleting its held record: the record stayed,
+    and after an operator's uncordon the next coordinator start cordoned the node again."""
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.job_records import held_value
+    from trainguard.recovery.spec import JobSpec
+    from trainguard.recovery.store import Put, open_store
+
+    spec = JobSpec(job="nh-held3", nnodes=2, store=f"sqlite://{tmp_path}/h.db")
+    now = [1000.0]
+    clock = lambda: now[0]  # noqa: E731 - the daemon must look silent to uncordon: time is moved, not waited for
+    core = JobCoordinator(spec, clock=clock)
+    core.wait_durable(core.register("nh-held3", convert.node_record(node_info("sick")), 40000)[2])
+    core.wait_durable(core.report_node_health(NodeHealthReport("", "sick", "h", Verdict.FATAL, "AER fatal",
+                                                               instance="d1"))[2])
+    assert "sick" in core.state.cordoned
+    core.close()
+    store = open_store(spec.store)
+    store.commit([], [Put("trainguard/jobs/nh-held3/held/sick", held_value("AER fatal", "d1", "h"))])
+    store.close()
+    core = JobCoordinator(spec, clock=clock)
+    try:
+        assert "sick" in core.state.cordoned
+        now[0] += 60.0  # its daemon went quiet: an operator may uncordon it
+        ok, message, fut = core.uncordon("nh-held3", "sick", "repaired")
+        assert ok, message
+        core.wait_durable(fut)
+        core.close()
+        core = JobCoordinator(spec, clock=clock)
+        assert "sick" not in core.state.cordoned and core.held_cordons() == []
+    finally:
+        core.close()
