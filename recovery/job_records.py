@@ -2,8 +2,10 @@
 
 Keys live under ``trainguard/jobs/<job>/`` (see :mod:`~trainguard.recovery.coordinator` for what each holds and
 when it is written). A node record is JSON: the node's identity, its lease, its agent's instance id and why it
-failed qualification. The state record is zlib-compressed JSON: the policy state, the rank layout, MASTER_PORT
-and every port used so far. Pure functions: the coordinator reads and writes the store itself.
+failed qualification. A held cordon's record (``held/<node id>``) is JSON: the fatal reason a node daemon reported
+about a node that had not registered, the daemon's instance and host. The state record is zlib-compressed JSON:
+the policy state, the rank layout, MASTER_PORT and every port used so far. Pure functions: the coordinator reads
+and writes the store itself.
 """
 
 from __future__ import annotations
@@ -59,6 +61,71 @@ def decode_node(key: str, value: bytes) -> StoredNode:
         return StoredNode(info, str(d["lease"]), str(d.get("instance", "")), str(d.get("refused", "")))
     except (ValueError, KeyError, TypeError) as exc:
         raise StoreError(f"node record {key!r} is corrupt ({exc}): delete it or use a fresh store") from exc
+
+
+#: Characters of a held cordon's reason that are stored: a failure's description keeps no more of a detail
+#: (:data:`~trainguard.recovery.policy.MAX_DETAIL`), and 16384 held records of a 4 KB reason each made a scan of
+#: 64 MB at every coordinator start.
+HELD_REASON_CHARS = 240
+
+
+@dataclass(frozen=True)
+class StoredHeld:
+    """A held cordon as read back: the node daemon's fatal reason, its instance and host."""
+
+    node_id: str
+    reason: str
+    instance: str
+    host: str
+
+
+def held_value(reason: str, instance: str, host: str) -> bytes:
+    """The value of a held cordon's record (the reason cut to :data:`HELD_REASON_CHARS`)."""
+    return json.dumps({"reason": reason[:HELD_REASON_CHARS], "instance": instance, "host": host}).encode()
+
+
+def decode_held(key: str, node_id: str, value: bytes) -> StoredHeld:
+    """Reads a held cordon's record.
+
+    Raises:
+        StoreError: the record is corrupt.
+    """
+    try:
+        d = json.loads(value)
+        reason = str(d["reason"])
+        if not reason or not node_id:
+            raise ValueError("no reason or no node id")
+        return StoredHeld(node_id, reason, str(d.get("instance", "")), str(d.get("host", "")))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"held cordon record {key!r} is corrupt ({exc}): delete it (the node is then not kept "
+                         "out until its node daemon reports it fatal again) or use a fresh store") from exc
+
+
+#: Size of a job state record past which the coordinator logs an error: etcd refuses requests over its
+#: ``--max-request-bytes`` (1.5 MiB by default), and the state is committed with other records.
+STATE_WARN_BYTES = 1024 * 1024
+
+
+def checkpoint_value(step: int) -> bytes:
+    """The value of the job's committed checkpoint step record."""
+    return json.dumps({"step": step}).encode()
+
+
+def decode_checkpoint(key: str, value: bytes) -> int:
+    """Reads the job's committed checkpoint step.
+
+    Raises:
+        StoreError: the record is corrupt (it was read raw: a damaged one stopped the coordinator's start with a
+            Python traceback, a KeyError or a JSON error, that named neither the key nor what to do).
+    """
+    try:
+        step = json.loads(value)["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < -1:
+            raise ValueError(f"step {step!r} is not a step")
+        return step
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"checkpoint record {key!r} is corrupt ({exc}): delete it (the job's committed step "
+                         "is then taken from the nodes' next commits) or use a fresh store") from exc
 
 
 def state_value(policy: PolicyState, layout: RankLayout | None, group_size: int, master_port: int,

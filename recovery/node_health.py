@@ -127,6 +127,13 @@ class NodeHealthTable:
                 "node ids")
         del self._rows[min(quiet)[1]]
 
+    def restore(self, report: NodeHealthReport, now_s: float, fatal_reason: str) -> None:
+        """Puts back a fatal latch read from the store (a coordinator restarted while it held a node's cordon): as if
+        ``report`` had just arrived, so the same daemon's next reports keep the latch and a restarted one's clear it.
+        """
+        with self._lock:
+            self._rows[report.node_id] = NodeHealthEntry(report, now_s, fatal_reason, 0)
+
     def rearm(self, node_id: str) -> None:
         """Forgets the node's fatal latch (an operator returned it to service): its daemon's next FATAL report,
         from the instance that latched too, is a new fault."""

@@ -17,6 +17,14 @@ MAX_RESTARTS_LIMIT = 2**31 - 1
 #: Node ids a coordinator keeps at least (see :meth:`JobSpec.node_id_limit`): each registered id is a member and a
 #: store key, each reporting daemon a row; without a bound, requests naming new ids grew both without end.
 MIN_NODE_ID_LIMIT = 16384
+#: Nodes the job state's cordon list holds at most, slot holders apart (a failed slot holder is always cordoned:
+#: its count is bounded by the job's failures, which need spares to replace them). The state record is rewritten
+#: whole at each change and carries, per cordoned node, its id (128 characters at most) three times, the failure
+#: that cordoned it (~400 characters) and its daemon's instance: ~530 bytes compressed at worst, so 1024 of them
+#: take ~0.55 MB, under etcd's default request limit (1.5 MiB) with room for the rank layout and the node records
+#: committed with it. Registered node ids could fill it up to the node id limit (16384: ~8.6 MB), and every state
+#: write, so every recovery, then failed for good.
+MAX_CORDONED = 1024
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
 
@@ -91,6 +99,10 @@ class JobSpec:
         """How many node ids the coordinator keeps at most (members; node daemons' rows apart): a bound on what
         clients can make it store, far above any real job's nodes and spares."""
         return max(MIN_NODE_ID_LIMIT, 2 * max(self.nnodes, self.max_nodes))
+
+    def cordon_limit(self) -> int:
+        """How many nodes the job state's cordon list holds at most, slot holders apart (:data:`MAX_CORDONED`)."""
+        return MAX_CORDONED
 
     def validate(self) -> None:
         """Checks every field.

@@ -250,3 +250,71 @@ def test_fatal_reports_for_unregistered_node_ids_are_held_and_stored_only_when_t
     # An operator may drop a held cordon once its daemon went quiet (trainguard uncordon): nothing to store.
     _until(lambda: srv.core.uncordon(JOB, "f5", "repaired")[0])
     assert "f5" not in srv.core.held_cordons() and "f5" not in srv.core.state.cordoned
+
+
+def test_the_stored_cordon_list_is_bounded_and_a_node_past_it_is_refused(server, monkeypatch) -> None:
+    """Registered node ids filled the job state's cordon list up to the node id limit (16384, ~8.6 MB compressed
+    with 128-character ids), and etcd refuses a state write past 1.5 MiB: every recovery then failed to be stored.
+    Past the bound a node that must be kept out and holds no slot is refused membership instead (no work either)."""
+    from trainguard.recovery.job_records import decode_state
+
+    monkeypatch.setattr("trainguard.recovery.spec.MAX_CORDONED", 2)
+    srv, stub = server
+
+    def fatal(nid: str) -> pb.NodeHealthReportResponse:
+        return stub.ReportNodeHealth(pb.NodeHealthReportRequest(job=JOB, node_id=nid, host="h", agent_instance="d",
+                                                                verdict=pb.NODE_HEALTH_VERDICT_FATAL,
+                                                                reason="pcie: AER fatal"), timeout=10)
+
+    def stored_cordons() -> list[str]:
+        rec = srv.core._raw_store.get(f"trainguard/jobs/{JOB}/state")
+        return [] if rec is None else sorted(decode_state(JOB, rec.value).policy.cordoned)
+
+    for nid in ("r0", "r1"):
+        _register(stub, nid)
+        assert fatal(nid).cordoned
+    assert stored_cordons() == ["r0", "r1"]
+    lease = _register(stub, "r2")  # registered, then its daemon's fatal report: its membership goes, held
+    assert fatal("r2").cordoned
+    assert "r2" not in srv.core.members() and srv.core.held_cordons() == ["r2"] and stored_cordons() == ["r0", "r1"]
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id="r2", lease_id=lease, generation=-1), timeout=10)
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    for nid in ("r2", "f0"):  # f0: held before it ever registered
+        if nid == "f0":
+            assert fatal("f0").cordoned
+        with pytest.raises(grpc.RpcError) as ei:
+            _register(stub, nid)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value
+        assert "cordon list holds 2 nodes" in ei.value.details() and "trainguard uncordon" in ei.value.details()
+    assert sorted(srv.core.held_cordons()) == ["f0", "r2"] and stored_cordons() == ["r0", "r1"]
+    # An operator returns a repaired node once its daemon went quiet: room for one more cordon.
+    _until(lambda: srv.core.uncordon(JOB, "r0", "repaired")[0])
+    _register(stub, "f0")  # answered once its cordon is stored
+    assert stored_cordons() == ["f0", "r1"] and sorted(srv.core.held_cordons()) == ["r2"]
+
+
+def test_the_cordon_bound_keeps_the_worst_case_state_record_under_etcds_request_limit() -> None:
+    """Every cordoned node at its longest (128-character id, a failure description of a 4 KB reason, a 64-character
+    daemon instance), at random so that nothing compresses: the state stays well under etcd's 1.5 MiB, leaving room
+    for the rank layout and the records committed with it."""
+    import random
+    import string
+
+    from trainguard.recovery.job_records import state_value
+    from trainguard.recovery.policy import Cause, Failure, Level, PolicyState
+    from trainguard.recovery.spec import MAX_CORDONED
+
+    rnd = random.Random(7)
+    alphabet = string.ascii_letters + string.digits + "._:@-"
+
+    def text(n: int) -> str:
+        return "".join(rnd.choice(alphabet) for _ in range(n))
+
+    st = PolicyState()
+    for _ in range(MAX_CORDONED):
+        nid = text(128)
+        st.cordoned.append(nid)
+        st.cordon_why[nid] = Failure(nid, 3, Cause.NODE_CRITICAL, Level.NODE, detail=text(4096)).describe()
+        st.cordon_daemon[nid] = text(64)
+    assert len(state_value(st, None, 1, 29500, set(range(29500, 29600)))) < 0.75 * 1.5 * 2**20

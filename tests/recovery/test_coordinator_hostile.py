@@ -339,3 +339,24 @@ def test_fatal_reports_with_long_reasons_keep_the_job_state_small(tmp_path) -> N
     finally:
         c.chan.close()
         srv.stop(0)
+
+
+def test_a_corrupt_checkpoint_record_stops_the_start_with_a_message_naming_it(tmp_path, tg_env) -> None:
+    """The committed step was read raw: a damaged record (a hand edit, a half-restored backup) stopped
+    `trainguard coordinator` with a Python traceback (KeyError / JSON error) that named neither the key nor what
+    to do, where every other damaged record is named with its remedy."""
+    import subprocess
+    import sys
+
+    from trainguard.recovery.store import Put, open_store
+
+    url = f"sqlite://{tmp_path}/ck.db"
+    store = open_store(url)
+    store.commit([], [Put(f"trainguard/jobs/{JOB}/checkpoint", b'{"steps": 12}')])
+    store.close()
+    r = subprocess.run([sys.executable, "-m", "trainguard.cli", "coordinator", "--job", JOB, "--nnodes", "1",
+                        "--listen", "127.0.0.1:0", "--store", url], env=tg_env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"checkpoint record 'trainguard/jobs/{JOB}/checkpoint' is corrupt" in r.stderr and "delete it" in r.stderr, \
+        r.stderr

@@ -195,3 +195,98 @@ def test_the_daemon_that_saw_a_cordon_still_cannot_lift_it_after_a_coordinator_r
         assert not report(core, Verdict.HEALTHY, "d2") and "sick" not in core.state.cordoned
     finally:
         core.close()
+
+
+def test_a_cordon_held_before_registration_survives_a_coordinator_restart(tmp_path) -> None:
+    """A fatal report about a node that had not registered was held in memory only: a coordinator restarted over
+    the same store forgot it, and the node registered and took a slot of the first generation."""
+    from coordinator_client import Agent
+    from trainguard.proto import coordinator_pb2_grpc
+    from trainguard.recovery import CoordinatorServer, JobSpec
+
+    spec = JobSpec(job="nh-held", nnodes=2, heartbeat_interval_s=0.05, lease_timeout_s=30,
+                   store=f"sqlite://{tmp_path}/h.db")
+    held_key = "trainguard/jobs/nh-held/held/sick"
+    srv = CoordinatorServer(spec).start()
+    try:
+        with grpc.insecure_channel(srv.target) as chan:
+            stub = coordinator_pb2_grpc.CoordinatorStub(chan)
+            assert _report(stub, "sick", pb.NODE_HEALTH_VERDICT_FATAL, "pcie: AER fatal", job="nh-held").cordoned
+    finally:
+        srv.stop(0)
+    srv = CoordinatorServer(spec).start()  # a restart over the same store: every table in memory starts empty
+    try:
+        assert srv.core.held_cordons() == ["sick"]
+        with grpc.insecure_channel(srv.target) as chan:
+            stub = coordinator_pb2_grpc.CoordinatorStub(chan)
+            sick = Agent(stub, "nh-held", node_info("sick", idx=0))
+            a, b = Agent(stub, "nh-held", node_info("a", idx=1)), Agent(stub, "nh-held", node_info("b", idx=2))
+            beat_until([sick, a, b], lambda: a.gen == 1 and b.gen == 1, period=0.02)
+            assert sick.gen < 0 and sorted(n.node_id for n in a.table.nodes) == ["a", "b"]
+            assert "sick" in srv.core.state.cordoned and "AER fatal" in srv.core.state.cordon_why["sick"]
+            assert srv.core._raw_store.get(held_key) is None  # applied to the job state: its record went
+            # The daemon that latched the fault keeps it latched across the restart: its healthy reports change
+            # nothing; a restarted daemon's second healthy report returns the node (as without a restart).
+            assert _report(stub, "sick", pb.NODE_HEALTH_VERDICT_HEALTHY, job="nh-held").cordoned
+            assert _report(stub, "sick", pb.NODE_HEALTH_VERDICT_HEALTHY, job="nh-held").cordoned
+    finally:
+        srv.stop(0)
+
+
+def test_a_held_cordon_of_a_node_registered_just_before_a_restart_is_applied_at_the_start(tmp_path) -> None:
+    """A coordinator stopped between storing a node's record and the cordon its registration applied: the agent's
+    retried registration keeps its lease (no registration again), so the cordon is applied when the store is read."""
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.job_records import held_value
+    from trainguard.recovery.spec import JobSpec
+    from trainguard.recovery.store import Put, open_store
+
+    spec = JobSpec(job="nh-held2", nnodes=2, store=f"sqlite://{tmp_path}/h.db")
+    core = JobCoordinator(spec)
+    core.wait_durable(core.register("nh-held2", convert.node_record(node_info("sick")), 40000)[2])
+    core.close()
+    store = open_store(spec.store)  # what that coordinator left: the node's record, its held cordon's record
+    store.commit([], [Put("trainguard/jobs/nh-held2/held/sick", held_value("pcie: AER fatal", "d1", "h"))])
+    store.close()
+    core = JobCoordinator(spec)
+    try:
+        assert "sick" in core.state.cordoned and core.held_cordons() == []
+        core.close()
+        core = JobCoordinator(spec)  # stored: a second start keeps it, with no held record left
+        assert "sick" in core.state.cordoned and core._raw_store.get("trainguard/jobs/nh-held2/held/sick") is None
+    finally:
+        core.close()
+
+
+def test_a_held_record_left_beside_a_stored_cordon_does_not_outlive_an_uncordon(tmp_path) -> None:
+    """A coordinator stopped after storing a node's cordon but before deleting its held record: the record stayed,
+    and after an operator's uncordon the next coordinator start cordoned the node again."""
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.job_records import held_value
+    from trainguard.recovery.spec import JobSpec
+    from trainguard.recovery.store import Put, open_store
+
+    spec = JobSpec(job="nh-held3", nnodes=2, store=f"sqlite://{tmp_path}/h.db")
+    now = [1000.0]
+    clock = lambda: now[0]  # noqa: E731 - the daemon must look silent to uncordon: time is moved, not waited for
+    core = JobCoordinator(spec, clock=clock)
+    core.wait_durable(core.register("nh-held3", convert.node_record(node_info("sick")), 40000)[2])
+    core.wait_durable(core.report_node_health(NodeHealthReport("", "sick", "h", Verdict.FATAL, "AER fatal",
+                                                               instance="d1"))[2])
+    assert "sick" in core.state.cordoned
+    core.close()
+    store = open_store(spec.store)
+    store.commit([], [Put("trainguard/jobs/nh-held3/held/sick", held_value("AER fatal", "d1", "h"))])
+    store.close()
+    core = JobCoordinator(spec, clock=clock)
+    try:
+        assert "sick" in core.state.cordoned
+        now[0] += 60.0  # its daemon went quiet: an operator may uncordon it
+        ok, message, fut = core.uncordon("nh-held3", "sick", "repaired")
+        assert ok, message
+        core.wait_durable(fut)
+        core.close()
+        core = JobCoordinator(spec, clock=clock)
+        assert "sick" not in core.state.cordoned and core.held_cordons() == []
+    finally:
+        core.close()

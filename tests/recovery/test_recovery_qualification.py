@@ -183,3 +183,27 @@ def test_decide_node_disqualified_is_pure_and_idempotent() -> None:
     assert step.state.message == f"node n7 cordoned: {NARROW.refusal}"
     again = decide(PolicyConfig(), step.state, NodeDisqualified("n7", "another reason"))
     assert not again.changed and again.state.message == step.state.message
+
+
+def test_past_the_cordon_bound_a_refused_node_is_refused_membership_instead(monkeypatch) -> None:
+    """With the job state's cordon list full (bound patched to 1), a node failing its pre-flight check is kept out
+    by refusing it membership, at registration or at the heartbeat that carries the failed check."""
+    from trainguard.recovery.errors import CapacityError, UnknownNodeError
+
+    monkeypatch.setattr("trainguard.recovery.spec.MAX_CORDONED", 1)
+    clock = Clock()
+    core = JobCoordinator(JobSpec(job=JOB, nnodes=2), store=MemoryStore(), clock=clock, wall=clock)
+    try:
+        core.wait_durable(core.register(JOB, node("bad", 0), 31000, "i-bad", NARROW)[2])
+        assert core.state.cordoned == ["bad"]
+        with pytest.raises(CapacityError, match="cordon list holds 1 nodes.*trainguard uncordon"):
+            core.register(JOB, node("bad2", 1), 31001, "i-bad2", NARROW)
+        assert "bad2" not in core.members()
+        lease, _, _ = core.register(JOB, node("late", 2), 31002, "i-late")
+        with pytest.raises(CapacityError, match="cordon list holds 1 nodes"):
+            beat(core, "late", lease, qualification=NARROW)
+        assert "late" not in core.members() and core.state.cordoned == ["bad"]
+        with pytest.raises(UnknownNodeError):  # its lease is void: the agent must register (and is refused)
+            beat(core, "late", lease)
+    finally:
+        core.close()

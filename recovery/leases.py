@@ -1,0 +1,232 @@
+"""Membership and leases: who registered, who is alive, and who is forgotten.
+
+Part of :class:`~trainguard.recovery.coordinator.JobCoordinator`: a mixin, whose state the coordinator's ``__init__``
+sets up; its methods with a leading underscore run with the coordinator's lock held. A registration admits a node
+(the rules are :mod:`~trainguard.recovery.membership`'s) within the node id bound; a lease lives while heartbeats
+arrive within ``lease_timeout_s`` (stretched to three heartbeat intervals); a node that goes silent, or leaves, is
+lost: a node-level failure when it holds a slot of the running job.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from concurrent.futures import Future
+
+from trainguard.recovery.domain import NodeRecord
+from trainguard.recovery.errors import CapacityError, StaleLeaseError, UnknownNodeError
+from trainguard.recovery.job_records import node_value
+from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
+from trainguard.recovery.policy import Cause, Failure, Phase
+from trainguard.recovery.qualification import Qualification
+from trainguard.recovery.spec import MIN_NODE_ID_LIMIT
+from trainguard.recovery.store import Put
+
+log = logging.getLogger("trainguard.recovery.coordinator")  # the coordinator's log lines, unchanged by the split
+
+
+class Leases:
+    """Membership and leases, for :class:`~trainguard.recovery.coordinator.JobCoordinator` (see the module)."""
+
+    def _auth(self, node_id: str, lease_id: str) -> Member:
+        m = self._members.get(node_id)
+        if m is None:
+            raise UnknownNodeError(f"node {node_id!r} is not registered with job {self.spec.job!r}: register first")
+        if m.lease_id != lease_id:
+            raise StaleLeaseError(f"lease {lease_id[:8]!r}.. of node {node_id!r} is stale (a newer registration "
+                                  "holds the node): register again")
+        return m
+
+    def _lease_live(self, m: Member, now: float) -> bool:
+        return m.alive and now - m.last_seen <= self._lease_s()
+
+    def _interval_s(self) -> float:
+        """Heartbeat interval told to nodes: the configured one, stretched to keep under max_heartbeat_rate."""
+        return max(self.spec.heartbeat_interval_s, len(self._members) / self.spec.max_heartbeat_rate)
+
+    def _lease_s(self) -> float:
+        """Silence after which a node is lost: the configured lease, at least 3 current intervals."""
+        return max(self.spec.lease_timeout_s, 3 * self._interval_s())
+
+    def _alive(self, node_id: str) -> bool:
+        """Whether ``node_id`` is a member whose lease has not been found expired (lock held)."""
+        return (m := self._members.get(node_id)) is not None and m.alive
+
+    def _candidates(self, now: float) -> list[Member]:
+        """Alive members holding no slot and not cordoned: spares and standby nodes."""
+        cordoned = set(self._policy.state.cordoned)
+        lay = self._layout
+        return [m for m in self._members.values()
+                if self._lease_live(m, now) and m.info.node_id not in cordoned
+                and (lay is None or lay.slot_of(m.info.node_id) is None)]
+
+    def register(self, job: str, info: NodeRecord, free_port: int,
+                 instance: str = "", qualification: Qualification | None = None) -> tuple[str, int, Future]:
+        """Adds or re-adds a node.
+
+        Args:
+            job: job name from the request.
+            info: the node's identity and topology (validated for format by the service).
+            free_port: a port free on the node now.
+            instance: the agent process's random id ("" when unknown).
+            qualification: the node's pre-flight verdict (None: it did not qualify). A failed one cordons the node
+                (see :mod:`~trainguard.recovery.qualification`); :meth:`refusal` then says why.
+
+        Returns:
+            (lease id, current generation, future of the durable node record and cordon).
+
+        Raises:
+            UnknownJobError, NotServingError: wrong job, or this coordinator cannot serve.
+            DuplicateNodeError: the node id is held by another live agent.
+            SlotTakenError: ``info.replaces`` names a live node that holds a slot.
+        """
+        now = self._clock()
+        with self._lock:
+            self._check_serving(job)
+            nid = info.node_id
+            prev = self._members.get(nid)
+            superseded = superseded_instances(prev, info, instance, prev is not None and self._lease_live(prev, now),
+                                              now, self._lease_s)
+            if superseded is None:  # the live agent registering again (a retried call): its lease stands
+                assert prev is not None
+                # ... once its record is durable: the call retried may be one the store failed.
+                fut = self._pending(self._prefix + "nodes/" + nid)
+                return prev.lease_id, self._policy.state.generation, fut or _done_future()
+            if prev is None and len(self._members) >= self.spec.node_id_limit():
+                self._make_room(nid)
+            check_slot_claim(info, self._members.get(info.replaces) if info.replaces else None,
+                             self._members.values(), self._layout, self._policy.state.cordoned,
+                             lambda m: self._lease_live(m, now))
+            lease = uuid.uuid4().hex
+            refused = (prev.refused if prev is not None else "") \
+                or (qualification.refusal if qualification is not None else "")
+            held = self._daemons.held_reason(nid) if not self._excluded(nid) else ""
+            if (held or refused and nid not in self._policy.state.cordoned) and not self._room_to_cordon(nid):
+                raise CapacityError(self._no_room(nid, held or refused))
+            m = Member(info=info, lease_id=lease, instance=instance, last_seen=now, free_port=free_port,
+                       superseded=superseded, refused=refused)
+            self._members[nid] = m
+            self._joined += (not info.spare) - (prev is not None and prev.alive and not prev.info.spare)
+            self._mver += 1
+            fut = self._submit([Put(self._prefix + "nodes/" + nid, node_value(info, lease, instance, refused))])
+            st = self._policy.state
+            if qualification is not None and not refused:
+                m.echo_port = qualification.echo_port
+                self._peers.record(qualification.peer_s)
+            if refused:
+                fut = self._disqualify(m, now) or fut
+            elif held and st.phase not in (Phase.SUCCEEDED, Phase.FAILED):
+                # Its daemon reported a fatal fault before the node registered: the cordon held until now is applied
+                # (and stored) before any generation can place the node.
+                self._cordon_held(nid, now)
+                fut = self._state_fut
+            elif prev is not None and self._layout is not None and self._layout.slot_of(nid) is not None \
+                    and st.phase in (Phase.RUNNING, Phase.RECOVERING) and prev.generation >= 0:
+                # The agent restarted while its workers ran a generation: they are gone with it.
+                self._fail(Failure(nid, prev.generation, Cause.WORKER_EXIT, detail="node agent restarted",
+                                   time_s=self._wall()), now)
+            log.debug("job %s: node %s registered (pod %r, index %d, %d devices%s)", job, nid,
+                     info.pod_id, info.node_index, info.device_count,
+                     ", spare" if info.spare else "")
+            self._advance()
+            return lease, self._policy.state.generation, fut
+
+    def _make_room(self, nid: str) -> None:
+        """Forgets the member silent longest among those that can go (lease expired, no slot, not cordoned nor
+        named by the pending plan), so a new node id fits (lock held).
+
+        Raises:
+            CapacityError: none can go.
+        """
+        st = self._policy.state
+        keep = set(st.cordoned) | set(st.plan.cordon if st.plan else ())
+        if self._layout is not None:
+            keep |= {s.node_id for s in self._layout.slots}
+        gone = [m for m in self._members.values() if not m.alive and m.info.node_id not in keep]
+        if not gone:
+            raise CapacityError(
+                f"node {nid!r} cannot join job {self.spec.job!r}: the coordinator keeps {len(self._members)} node ids, "
+                f"its limit ({self.spec.node_id_limit()}: twice --nnodes/--max-nodes, at least {MIN_NODE_ID_LIMIT}), "
+                "and none of them expired or can be dropped (slot holders and cordoned nodes stay); "
+                "check for a client registering made-up node ids, or retry once unused nodes' leases run out")
+        old = min(gone, key=lambda m: m.last_seen)
+        oid = old.info.node_id
+        self._forget(old)
+        log.info("job %s: forgot node %s (lease expired %.0f s ago) to make room for node %s", self.spec.job, oid,
+                 self._clock() - old.last_seen, nid)
+
+    def _forget(self, m: Member) -> None:
+        """Drops a member and its record (lock held): its lease is void, its agent must register again."""
+        nid = m.info.node_id
+        del self._members[nid]
+        if m.alive and not m.info.spare:
+            self._joined -= 1
+        for table in (self._node_steps, self._beat_at):
+            table.pop(nid, None)
+        self._told_end.discard(nid)
+        self._running.discard(nid)
+        self._succeeded.discard(nid)
+        self._memory.forget(nid)
+        self._mver += 1
+        self._submit([Put(self._prefix + "nodes/" + nid, None)])
+
+    def reap(self) -> None:
+        """Expires silent nodes' leases (a node-level failure for slot holders) and runs due recoveries; every
+        second or so, checks that this coordinator still holds the job's fence and, when the store answers, writes
+        again what it failed to take."""
+        now = self._clock()
+        checked = now - self._fence_checked >= 1.0 and not self.fenced
+        if checked:
+            self._fence_checked = now
+            self._check_fence()
+        with self._lock:
+            if self.fenced:
+                return
+            if checked and not self._fence_unread:  # the store answers: writes it failed are made again
+                self._rewrite_lost()
+            for m in list(self._members.values()):
+                if m.alive and now - m.last_seen > self._lease_s():
+                    self._lose(m, now, f"no heartbeat for {now - m.last_seen:.1f} s")
+            self._advance()
+
+    def _lose(self, m: Member, now: float, why: str) -> None:
+        """Ends a member's liveness (lock held): a node-level failure when it holds a slot of the running job."""
+        m.alive = False
+        self._joined -= not m.info.spare
+        self._mver += 1
+        log.warning("job %s: node %s lost (%s)", self.spec.job, m.info.node_id, why)
+        st = self._policy.state  # fresh: each decision replaces the state
+        if self._layout is not None and self._layout.slot_of(m.info.node_id) is not None \
+                and st.phase in (Phase.RUNNING, Phase.RECOVERING):
+            self._fail(Failure(m.info.node_id, st.generation, Cause.NODE_LOST, detail=why, time_s=self._wall()), now)
+
+    def leave(self, job: str, node_id: str, lease_id: str, reason: str = "") -> tuple[str, Future]:
+        """A node leaves: its lease ends now (see ``LeaveNode`` in ``coordinator.proto``).
+
+        Without it a node whose agent gave up waiting for the first generation stayed live for ``lease_timeout_s``,
+        and a node registering in that window formed a generation with it, which then waited for a node that was
+        gone until ``--membership-timeout``. Its lease is replaced (durably), so the left agent must register again.
+
+        Returns:
+            (message, the store write to wait for).
+
+        Raises:
+            UnknownJobError, NotServingError, UnknownNodeError, StaleLeaseError: see the service.
+        """
+        now = self._clock()
+        with self._lock:
+            self._check_serving(job)
+            m = self._auth(node_id, lease_id)
+            m.lease_id = uuid.uuid4().hex
+            fut = self._submit([Put(self._prefix + "nodes/" + node_id,
+                                    node_value(m.info, m.lease_id, m.instance, m.refused))])
+            if m.alive:
+                self._lose(m, now, f"it left: {' '.join(reason.split())[:200] or 'no reason given'}")
+            self._advance()
+            return f"node {node_id} left job {self.spec.job!r}", fut
+
+
+def _done_future() -> Future:
+    f: Future = Future()
+    f.set_result(None)
+    return f
