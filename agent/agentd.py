@@ -214,10 +214,18 @@ class AgentDaemon(DaemonStatus):
                 health.start(self.source)  # events: predictor, bus (-> metrics, verdict latch, WatchEvents)
             self.health.set("", True)
             self.health.set(NODE_AGENT_SERVICE, True)
-            self.health.set_subsystem("metrics", self._metrics_server is not None)
-            # SERVING when a predictor scores risk or none is wanted.
+            # A subsystem switched off is no fault: SERVING, and "off" in `trainguard status` (metrics.listen = ""
+            # left the metrics NOT_SERVING, while a disabled predictor was SERVING). A metrics address that cannot
+            # be bound fails the start above.
+            if self._metrics_server is None:
+                self.health.set_subsystem_off("metrics")
+            else:
+                self.health.set_subsystem("metrics", True)
             predictor_running = health.predictor is not None
-            self.health.set_subsystem("predictor", predictor_running or not config.predictor.enabled)
+            if not config.predictor.enabled:
+                self.health.set_subsystem_off("predictor")
+            else:  # wanted: SERVING only when it scores risk
+                self.health.set_subsystem("predictor", predictor_running)
             if config.predictor.enabled and not predictor_running:
                 log.warning("predictor.enabled is true, but no detectors run to feed it; risk stays 0")
             if config.qualify.in_daemon:  # before the first report, so a refused node is cordoned at once

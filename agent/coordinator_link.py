@@ -82,6 +82,27 @@ def foreign_listener(code: grpc.StatusCode, details: str) -> str | None:
     return None
 
 
+#: What gRPC's TLS handshake error says when the peer answered the ClientHello with something that is no TLS
+#: record: a server that does not speak TLS (a plaintext gRPC server, any other protocol). Checked against real
+#: servers: a coordinator serving TLS dialled in plaintext gives only "Socket closed", as a coordinator that is
+#: killed mid-connection does, so that direction cannot be told apart and keeps retrying.
+_NO_TLS_MARKER = "WRONG_VERSION_NUMBER"
+
+
+def plaintext_peer(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a call dialled with TLS failed because the peer does not speak TLS (from the call's error)."""
+    d = details or ""
+    return code == grpc.StatusCode.UNAVAILABLE and "handshake failed" in d.lower() and _NO_TLS_MARKER in d
+
+
+def plaintext_peer_message(target: str) -> str:
+    """The one line for a coordinator address that does not speak TLS while this node dials it with TLS."""
+    return (f"{target} does not speak TLS: this node dials the coordinator with TLS (trainguard run "
+            f"--coordinator-ca/--coordinator-cert/--coordinator-key, the daemon's coordinator.tls_ca_file), but "
+            f"what answers there serves plaintext; start the coordinator with --tls-cert/--tls-key, or dial it "
+            f"without those flags")
+
+
 def foreign_listener_message(target: str, what: str, details: str) -> str:
     """The one line for a coordinator address where something else answers: what, and what to do."""
     details = details or ""
@@ -297,6 +318,11 @@ class GrpcCoordinatorLink:
                     # address may hold the coordinator: tried in turn, as for one that is down.
                     raise CoordinatorUnavailableError(
                         foreign_listener_message(self._target, foreign, exc.details() or "")) from exc
+                if plaintext_peer(code, exc.details() or "") \
+                        and len(coordinator_targets(self.config.coordinator)) == 1:
+                    # At once, as for a foreign listener: a plaintext coordinator will not start speaking TLS (it
+                    # said "not reachable yet" until join_timeout, like a coordinator restarting).
+                    raise CoordinatorUnavailableError(plaintext_peer_message(self._target)) from exc
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise CoordinatorUnavailableError(
                         f"coordinator {self.config.coordinator} refused registration: {code.name}: {exc.details()}"
@@ -583,4 +609,5 @@ class GrpcCoordinatorLink:
 
 
 __all__ = ["GrpcCoordinatorLink", "JoinTimeoutError", "coordinator_targets", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S",
-           "find_free_port", "foreign_listener", "foreign_listener_message"]
+           "find_free_port", "foreign_listener", "foreign_listener_message", "plaintext_peer",
+           "plaintext_peer_message"]

@@ -7,7 +7,9 @@ Health checkers (``grpc_health_probe``, Kubernetes gRPC probes, load balancers) 
 - ``trainguard.v1.NodeAgent``: the node service itself.
 - ``trainguard.agent.<subsystem>`` for each of :data:`SUBSYSTEMS` (``detectors``, ``workers``, ``predictor``,
   ``coordinator``, ``metrics``), and ``trainguard.agent.detector.<name>`` for each detector: NOT_SERVING when
-  that part failed. Use them for readiness or alerting.
+  that part failed. Use them for readiness or alerting. A subsystem the user switched off (``metrics.listen =
+  ""``, ``predictor.enabled = false``) is no fault: SERVING, and named in the ``trainguard-off`` trailing
+  metadata of ``List`` (comma-separated service names), which ``trainguard status`` shows as "off".
 
 Statuses change only through :class:`HealthReporter`, which also remembers them for ``trainguard status``; the
 ``List`` method returns all of them in one call.
@@ -28,6 +30,8 @@ NODE_AGENT_SERVICE = "trainguard.v1.NodeAgent"
 SUBSYSTEM_PREFIX = "trainguard.agent."
 #: Subsystems with their own health status.
 SUBSYSTEMS = ("detectors", "workers", "predictor", "coordinator", "metrics")
+#: Trailing metadata key of ``List``: the services switched off by configuration, comma-separated.
+OFF_METADATA_KEY = "trainguard-off"
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -54,6 +58,9 @@ class _ListingHealthServicer(health.HealthServicer):
         reply = health_pb2.HealthListResponse()
         for service, serving in self._reporter.status().items():
             reply.statuses[service].status = _SERVING if serving else _NOT_SERVING
+        off = self._reporter.off()
+        if off:
+            context.set_trailing_metadata(((OFF_METADATA_KEY, ",".join(off)),))
         return reply
 
 
@@ -68,6 +75,7 @@ class HealthReporter:
         self.servicer = _ListingHealthServicer(self)
         self._lock = threading.Lock()
         self._status: dict[str, bool] = {}
+        self._off: set[str] = set()
         self._stopping = False
         for service in ("", NODE_AGENT_SERVICE, *(subsystem_service(s) for s in SUBSYSTEMS)):
             self._set(service, False)
@@ -90,7 +98,22 @@ class HealthReporter:
 
     def set_subsystem(self, name: str, serving: bool) -> None:
         """Sets a subsystem's status by short name (``"detectors"``...)."""
+        with self._lock:
+            self._off.discard(subsystem_service(name))
         self.set(subsystem_service(name), serving)
+
+    def set_subsystem_off(self, name: str) -> None:
+        """Marks a subsystem as switched off by the user (``metrics.listen = ""``): SERVING, as nothing is wrong
+        with it, and listed by :meth:`off`. NOT_SERVING, a node set up so failed its readiness probes and showed
+        "metrics not_serving" in ``trainguard status``."""
+        with self._lock:
+            self._off.add(subsystem_service(name))
+        self.set(subsystem_service(name), True)
+
+    def off(self) -> list[str]:
+        """The services switched off by configuration, sorted."""
+        with self._lock:
+            return sorted(self._off)
 
     def set_detectors(self, states: dict[str, bool]) -> None:
         """Sets each detector's status, and the ``detectors`` subsystem to SERVING only if all are.

@@ -538,15 +538,25 @@ class NodeAgent:
                 self.link.report_node(ev, self.generation)
 
     # -- main loop ---------------------------------------------------------------------------------------------
-    def request_stop(self, signum: int = signal.SIGINT) -> None:
+    def request_stop(self, signum: int = signal.SIGINT) -> bool:
         """Asks the loop to stop the workers and return ``128 + signum`` (signal handlers call this: 143 for
-        SIGTERM, 130 for SIGINT, as a shell reports them, so a scheduler tells a TERM from a Ctrl-C)."""
-        if self._notifier is not None and not self.stopping:
+        SIGTERM, 130 for SIGINT, as a shell reports them, so a scheduler tells a TERM from a Ctrl-C).
+
+        One stop: a request while stopping already changes nothing (the first signal's code stands).
+
+        Returns:
+            True when this request began the stop, False when the agent was stopping already.
+        """
+        if self.stopping:
+            self._wake.set()
+            return False
+        if self._notifier is not None:
             self._notifier.stopping(f"job {self.config.job}: stopping workers")
         self.stopping = True
         self.stop_code = 128 + int(signum)
         self.link.cancel()  # a registration still waiting for the coordinator gives up now
         self._wake.set()
+        return True
 
     def _start_health(self) -> None:
         local = DetectorEventSource.create(self.config.detectors, self.config.detector_config,
@@ -639,8 +649,12 @@ def install_signal_handlers(agent: NodeAgent, signals: Sequence[int] = (signal.S
     old = {s: signal.getsignal(s) for s in signals}
 
     def handler(signum, _frame):
-        log.warning("received %s: stopping workers", signal.Signals(signum).name)
-        agent.request_stop(signum)
+        # One line per stop: a second signal while the workers are being stopped (a worker slow to exit, a
+        # scheduler or a user sending it again) logged "stopping workers" again, as if another stop began.
+        if agent.request_stop(signum):
+            log.warning("received %s: stopping workers", signal.Signals(signum).name)
+        else:
+            log.debug("received %s: already stopping", signal.Signals(signum).name)
 
     for s in old:
         signal.signal(s, handler)

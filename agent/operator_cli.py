@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from typing import IO, Any
 
@@ -158,16 +158,22 @@ def _unreachable(address: str, exc: grpc.RpcError) -> AgentError:
                       "running, and are --socket/--target and the TLS flags right?")
 
 
-def fetch_subsystems(channel: grpc.Channel, timeout: float) -> dict[str, str]:
-    """Every ``grpc.health.v1`` status the agent serves (service -> SERVING/NOT_SERVING); empty if unsupported."""
+def fetch_subsystems(channel: grpc.Channel, timeout: float) -> tuple[dict[str, str], list[str]]:
+    """Every ``grpc.health.v1`` status the agent serves (service -> SERVING/NOT_SERVING), and the services
+    switched off by configuration (SERVING, named in the ``List`` call's trailing metadata); both empty if
+    unsupported."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from trainguard.agent.health import OFF_METADATA_KEY
+
     try:
-        reply = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=timeout)
+        reply, call = health_pb2_grpc.HealthStub(channel).List.with_call(health_pb2.HealthListRequest(),
+                                                                           timeout=timeout)
     except grpc.RpcError:
-        return {}
-    return {name: health_pb2.HealthCheckResponse.ServingStatus.Name(st.status)
-            for name, st in sorted(reply.statuses.items())}
+        return {}, []
+    off = [v for k, v in (call.trailing_metadata() or ()) if k == OFF_METADATA_KEY]
+    return ({name: health_pb2.HealthCheckResponse.ServingStatus.Name(st.status)
+             for name, st in sorted(reply.statuses.items())}, sorted(n for v in off for n in v.split(",") if n))
 
 
 def fetch(stub: agent_pb2_grpc.NodeAgentStub, address: str, events: int, timeout: float) -> agent_pb2.NodeHealth:
@@ -217,8 +223,9 @@ def event_time(event: common_pb2.HealthEvent) -> str:
     return datetime.fromtimestamp(event.time.seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def render(h: agent_pb2.NodeHealth, subsystems: dict[str, str] | None = None) -> str:
-    """The health snapshot (and the grpc.health.v1 statuses, when given) as a readable table."""
+def render(h: agent_pb2.NodeHealth, subsystems: dict[str, str] | None = None, off: Sequence[str] = ()) -> str:
+    """The health snapshot (and the grpc.health.v1 statuses, when given, ``off`` naming the services switched
+    off by configuration) as a readable table."""
     ckpt = str(h.last_checkpoint_step) if h.last_checkpoint_step >= 0 else "-"
     gen = str(h.generation) if h.generation >= 0 else "-"
     risk = f"{h.predictor_score:.2f}" + (f" (alert at {h.predictor_threshold:.2f})" if h.predictor_threshold else "")
@@ -226,7 +233,8 @@ def render(h: agent_pb2.NodeHealth, subsystems: dict[str, str] | None = None) ->
              f"generation {gen}   last checkpoint {ckpt}   risk {risk}", ""]
     if subsystems:
         # The agent's own subsystems; per-detector statuses are in the detector table below.
-        parts = [f"{name.removeprefix('trainguard.agent.') or 'server'} {'ok' if st == 'SERVING' else st.lower()}"
+        parts = [f"{name.removeprefix('trainguard.agent.') or 'server'} "
+                 f"{'off' if name in off else 'ok' if st == 'SERVING' else st.lower()}"
                  for name, st in subsystems.items() if ".detector." not in name and name != "trainguard.v1.NodeAgent"]
         lines += ["health: " + ", ".join(parts), ""]
     if h.detectors:
@@ -354,11 +362,11 @@ def handle_status(args: argparse.Namespace, out: IO[str] | None = None, err: IO[
     try:
         def snapshot(pretty: bool) -> str:
             h = fetch(stub, address, args.events, args.timeout)
-            subsystems = fetch_subsystems(channel, args.timeout)
+            subsystems, off = fetch_subsystems(channel, args.timeout)
             if args.json:
-                doc = {**_to_json(h), "health_services": subsystems}
+                doc = {**_to_json(h), "health_services": subsystems, "health_off": off}
                 return json.dumps(doc, indent=2) if pretty else json.dumps(doc, separators=(",", ":"))
-            return render(h, subsystems)
+            return render(h, subsystems, off)
 
         if args.watch is None:
             print(snapshot(pretty=True), file=out)

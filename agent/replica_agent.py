@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -121,8 +122,19 @@ class ReplicaAgent:
         config.validate()
         self._clock = clock
         self.config, self.tier, self.node_id, self.job = config, tier, node_id, tier.job
+        # The folders the store is about to make (the job's, and the root's when missing), deepest first.
+        self._made: list[str] = []
+        d = os.path.abspath(os.path.join(tier.shm_root, tier.job))
+        while d != os.path.dirname(d) and not os.path.isdir(d):
+            self._made.append(d)
+            d = os.path.dirname(d)
         self.store = ReplicaStore(tier.shm_root, tier.job, config.memory_mib << 20, config.reserve_mib << 20,
                                   location=tier.location)
+        # The store makes ``<root>/<job>/replicas`` (and the job folder) at once, and a job that never received
+        # a replica left them behind, empty, in the node's /dev/shm: one job folder per job name for good. Its
+        # folders are made again when a copy arrives (the store makes a rank's folder with its parents), so
+        # they go now, and at :meth:`stop` when still empty.
+        self._remove_empty_folders()
         tier.replicas = self.store
         self.servicer = ReplicaServicer(tier.job, self.store, tier.own_copy)
         self._host = host
@@ -174,6 +186,19 @@ class ReplicaAgent:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        self._remove_empty_folders()
+
+    def _remove_empty_folders(self) -> None:
+        """Removes the store's folder when it holds nothing, then the job folder (and the root) if this agent's
+        store made them and they are empty too (the job's own arena, a worker's rank folders, lives there
+        otherwise). ``rmdir`` removes only an empty folder, so a copy arriving meanwhile is never lost."""
+        for d in (self.store.root, *self._made):
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return  # not empty: the folder above it is not empty either
 
     @property
     def buddies(self) -> list[str]:

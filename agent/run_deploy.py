@@ -256,6 +256,10 @@ def probe_coordinator(client: "RpcSecurity", target: str, timeout_s: float = 3.0
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError as exc:
             details = exc.details() or ""
+            from trainguard.agent.coordinator_link import plaintext_peer, plaintext_peer_message
+
+            if plaintext_peer(exc.code(), details):  # not a CA problem: the coordinator serves plaintext
+                raise SecurityConfigError(plaintext_peer_message(target)) from exc
             if "handshake failed" in details.lower():
                 why = details.rsplit(": ", 2)[-2] if details.count(": ") >= 2 else details
                 raise SecurityConfigError(

@@ -1,8 +1,9 @@
-"""Shared fixtures: prove that no process outlives its test."""
+"""Shared fixtures: prove that no process outlives its test, and that no test writes the box-wide memory tier."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import uuid
 
@@ -10,6 +11,16 @@ import psutil
 import pytest
 
 from tg_testutil import marked_processes
+
+#: The box-wide default memory-tier root (``memory_tier.root``, ``$TRAINGUARD_CHECKPOINT_SHM_DIR``): every daemon,
+#: job and test run on the box shares it, so no test may create anything there.
+BOX_SHM_ROOT = "/dev/shm/trainguard"
+
+# Before any test module loads: the workers' arena root of every in-process agent and every subprocess launcher
+# (they read it from the environment), so a test that names no root of its own uses this session's, not the box's
+# (tests left empty job folders there: `j`, `link`, `sleeper-<hash>`). A root named explicitly still wins.
+SESSION_SHM_ROOT = f"/dev/shm/trainguard-test-session-{uuid.uuid4().hex[:10]}"
+os.environ.setdefault("TRAINGUARD_CHECKPOINT_SHM_DIR", SESSION_SHM_ROOT)
 
 
 @pytest.fixture
@@ -29,3 +40,38 @@ def tg_env(tmp_path):
         except psutil.NoSuchProcess:
             pass
     assert not left, f"orphan processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+def _tree(root: str, depth: int = 4) -> set[str]:
+    """Every path under ``root`` (itself included) down to ``depth`` levels; empty when it does not exist."""
+    if not os.path.lexists(root):
+        return set()
+    out = {root}
+    if depth and os.path.isdir(root) and not os.path.islink(root):
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return out
+        for n in names:
+            out |= _tree(os.path.join(root, n), depth - 1)
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_shm_root():
+    """Removes this session's arena root (:data:`SESSION_SHM_ROOT`) at the end of the run."""
+    yield SESSION_SHM_ROOT
+    shutil.rmtree(SESSION_SHM_ROOT, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def nothing_made_under_the_box_wide_shm_root():
+    """Fails a test that creates anything under :data:`BOX_SHM_ROOT`, naming the paths: it is every daemon's and
+    job's on the box, and what tests left there (empty job folders) piled up for good. Give the test a root of
+    its own (``[memory_tier] root``, ``$TRAINGUARD_CHECKPOINT_SHM_DIR``, ``shm_root``). Only new paths count: a
+    path there before the test is not its doing."""
+    before = _tree(BOX_SHM_ROOT)
+    yield
+    made = sorted(_tree(BOX_SHM_ROOT) - before)
+    assert not made, f"the test created {made} under the box-wide memory-tier root {BOX_SHM_ROOT}; give it a root " \
+                     "of its own"

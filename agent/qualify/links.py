@@ -58,10 +58,21 @@ class PcieLinkCheck:
                     continue
             elif not cls.startswith(tuple(cfg.pcie_classes)):
                 continue
+            try:
+                max_width = read_int(os.path.join(dev, "max_link_width"))
+            except DetectorReadError as exc:
+                watched += 1
+                bad.append(f"{bdf}: {exc}")
+                continue
+            if max_width == 0:
+                # No link of its own, as the pcie detector judges it: a root complex integrated endpoint (an
+                # integrated GPU at 00:02.0, class 0x0300) has the link files, but its link registers are not
+                # implemented and read zero (width 0 of 0, speed Unknown). It read as a link down and refused the
+                # node. A discrete link that is down keeps its maximum (the capability register).
+                continue
             watched += 1
             try:
                 width = read_int(os.path.join(dev, "current_link_width"))
-                max_width = read_int(os.path.join(dev, "max_link_width"))
                 sp, msp = os.path.join(dev, "current_link_speed"), os.path.join(dev, "max_link_speed")
                 speed, max_speed = parse_link_speed(read_text(sp), sp), parse_link_speed(read_text(msp), msp)
             except DetectorReadError as exc:

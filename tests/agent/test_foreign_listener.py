@@ -131,3 +131,52 @@ def test_trainguard_run_node_0_on_a_port_held_by_a_plain_tcp_server_exits_at_onc
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_tls_node_dialling_a_plaintext_coordinator_is_told_at_once(tmp_path: Path) -> None:
+    """A node given --coordinator-ca dialling a coordinator that serves plaintext: the TLS handshake fails with
+    WRONG_VERSION_NUMBER (the server answered the ClientHello with no TLS record) on every try, and the node said
+    "not reachable yet" until join_timeout, as for a coordinator restarting. One line now, at once, naming the
+    address and the TLS flags."""
+    from agent_testutil import make_pki
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery import CoordinatorServer, JobSpec
+    from trainguard.recovery.rpc_security import RpcSecurity
+
+    pki = make_pki(tmp_path / "pki")
+    srv = CoordinatorServer(JobSpec(job="foreign", nnodes=1), listen="127.0.0.1:0").start()
+    try:
+        client = RpcSecurity(tls=TlsFiles("", "", str(pki.ca)))
+        link = GrpcCoordinatorLink(LinkConfig(job="foreign", coordinator=srv.target, node_id="n1", patience_s=8.0,
+                                              channel=client.channel))
+        start = time.monotonic()
+        try:
+            with pytest.raises(CoordinatorUnavailableError) as err:
+                link.open()
+        finally:
+            link.close()
+        took, message = time.monotonic() - start, str(err.value)
+    finally:
+        srv.stop()
+    assert took < 5.0, f"waited {took:.1f}s: {message}"
+    assert message.startswith(f"{srv.target} does not speak TLS") and "--coordinator-ca" in message, message
+    assert "\n" not in message, message
+
+
+def test_trainguard_runs_tls_probe_of_a_plaintext_coordinator_says_it_serves_plaintext(tmp_path: Path) -> None:
+    """`trainguard run --coordinator X --coordinator-ca` probes X first; a plaintext coordinator failed the probe
+    with "check --coordinator-ca (the CA that signed its certificate)", a certificate it does not have."""
+    from agent_testutil import make_pki
+    from trainguard.agent.run_deploy import probe_coordinator
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery import CoordinatorServer, JobSpec
+    from trainguard.recovery.rpc_security import RpcSecurity, SecurityConfigError
+
+    pki = make_pki(tmp_path / "pki")
+    srv = CoordinatorServer(JobSpec(job="foreign", nnodes=1), listen="127.0.0.1:0").start()
+    try:
+        with pytest.raises(SecurityConfigError) as err:
+            probe_coordinator(RpcSecurity(tls=TlsFiles("", "", str(pki.ca))), srv.target)
+    finally:
+        srv.stop()
+    assert str(err.value).startswith(f"{srv.target} does not speak TLS"), err.value

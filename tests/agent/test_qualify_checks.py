@@ -308,3 +308,20 @@ def test_pcie_slot_limited_links_and_sriov_vfs_pass_a_real_narrow_link_fails(tmp
     write_pci_device(tmp_path, NIC, cls="0x020000", above=port, width=4, speed="16.0 GT/s PCIe")  # below the slot
     _, r = one(ctx_for(tmp_path, ["pcie"]))
     assert r.status is CheckStatus.FAIL and f"{NIC} link trained at x4, below its x8" in r.detail, r
+
+
+def test_pcie_integrated_endpoint_without_a_link_passes_a_down_gpu_still_fails(tmp_path) -> None:
+    """A root complex integrated endpoint (an integrated GPU at 0000:00:02.0, class 0x0300, a watched class) has
+    the link files in sysfs, but its link registers are not implemented and read zero: width 0 of a maximum 0,
+    speeds Unknown. It read as a link down and refused the node; the pcie detector already let it be. A discrete
+    GPU whose link is down keeps its maximum width and still fails the check."""
+    write_pci_device(tmp_path, "0000:00:02.0", cls="0x030000", width=0, max_width=0, speed="Unknown",
+                     max_speed="Unknown")
+    _, r = one(ctx_for(tmp_path, ["pcie"]))
+    assert r.status is CheckStatus.SKIP and "no watched PCIe links" in r.detail, r  # it has no link to judge
+    write_pci_device(tmp_path, GPU)
+    _, r = one(ctx_for(tmp_path, ["pcie"]))
+    assert r.status is CheckStatus.PASS and r.detail == "1 link(s) at full width", r
+    write_pci_device(tmp_path, GPU, width=0, speed="Unknown")
+    _, r = one(ctx_for(tmp_path, ["pcie"]))
+    assert r.status is CheckStatus.FAIL and r.detail == f"{GPU} link is down (width 0)", r

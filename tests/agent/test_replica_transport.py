@@ -1022,3 +1022,28 @@ def test_a_holder_that_moved_on_to_a_newer_step_is_followed_by_one_holding_the_p
         server_b.stop()
         server_d.stop()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_an_agent_holding_no_replica_leaves_no_empty_folders_and_one_holding_one_keeps_it(roots) -> None:
+    """A node agent's replica store made ``<root>/<job>/replicas`` when the agent was made, and nothing removed it
+    when nothing was ever stored: every job on a node left an empty job folder in /dev/shm/trainguard. A replica
+    received is kept (a restart of the job fetches it), and so is the job's own arena."""
+    a, b, _ = roots
+    agent = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), MemoryTier(a, "job", "/ckpt"), "a", "127.0.0.1")
+    assert not os.path.exists(os.path.join(a, "job"))  # made, never started (a launcher failing before its run)
+    agent.start()
+    assert agent.address and agent.store.replicas() == [] and agent.store.bytes_held() == 0
+    agent.stop()
+    assert not os.path.exists(a), os.listdir(a)  # nor the root, which its store made
+    _snapshot(a, 0, 30)  # the job's own arena: the folder is the arena's, left alone
+    agent = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), MemoryTier(a, "job", "/ckpt"), "a", "127.0.0.1")
+    agent.start()
+    agent.stop()
+    assert sorted(os.listdir(os.path.join(a, "job"))) == ["rank_00000"]
+    holder = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), MemoryTier(b, "job", "/ckpt"), "b", "127.0.0.1").start()
+    try:
+        path, man = _own(a, 0)
+        assert push(holder.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+    finally:
+        holder.stop()
+    assert [r.step for r in ReplicaStore(b, "job", 1 << 30).replicas()] == [30]

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,6 +73,41 @@ def test_sigterm_stops_everything(tmp_path: Path, tg_env: dict, signum: int, cod
             proc.kill()
             proc.wait()
     # the tg_env fixture asserts that no worker or grandchild survived
+
+
+def test_a_second_sigterm_during_the_stop_is_not_logged_again(tmp_path: Path, tg_env: dict) -> None:
+    """A second SIGTERM while the workers were being stopped (a worker slow to exit, a scheduler or a user
+    sending it again) logged "received SIGTERM: stopping workers" again, as if a second stop began; it is one
+    stop, logged once, and still ends with 143."""
+    ready = tmp_path / "ready"
+    worker = tmp_path / "stubborn.py"
+    worker.write_text("import pathlib, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      f"pathlib.Path({str(ready)!r}).write_text('x')\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "1",
+                             "--shutdown-timeout", "1", str(worker)], env=tg_env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not any("stopping workers" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)  # the worker ignores SIGTERM: the stop waits out its 1 s grace
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 143, "".join(lines)
+        reader.join(5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stops = [line for line in lines if "stopping workers" in line]
+    assert len(stops) == 1 and "received SIGTERM" in stops[0], "".join(lines)
 
 
 def test_sigkill_of_launcher_takes_workers_down(tmp_path: Path, tg_env: dict) -> None:

@@ -1,0 +1,40 @@
+"""The suite's guard of the box-wide memory-tier root (tests/conftest.py): a test creating anything under
+/dev/shm/trainguard fails, naming the path (tests left job folders there, `j`, `link`, `sleeper-<hash>`, `mn`,
+one per run, for good)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent
+BOX_SHM_ROOT = "/dev/shm/trainguard"
+
+
+def test_a_test_creating_a_folder_under_the_box_wide_root_fails_naming_it(tmp_path: Path) -> None:
+    name = f"tg-guard-test-{uuid.uuid4().hex[:10]}"
+    made = os.path.join(BOX_SHM_ROOT, name, "replicas")
+    root_existed = os.path.isdir(BOX_SHM_ROOT)
+    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_litter.py").write_text(
+        f"import os\n\ndef test_litters():\n    os.makedirs({made!r})\n\n\ndef test_clean(tmp_path):\n"
+        "    (tmp_path / 'x').mkdir()\n")
+    try:
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                             env=dict(os.environ, PYTHONPATH=str(TESTS)))  # its tg_testutil
+    finally:
+        shutil.rmtree(os.path.join(BOX_SHM_ROOT, name), ignore_errors=True)
+        if not root_existed:
+            try:
+                os.rmdir(BOX_SHM_ROOT)
+            except OSError:
+                pass
+    out = run.stdout + run.stderr
+    # test_litters passes, then its teardown fails naming the path; test_clean (its own tmp_path) passes
+    assert "2 passed, 1 error" in out and "ERROR test_litter.py::test_litters" in out, out
+    assert f"'{made}'] under the box-wide memory-tier root {BOX_SHM_ROOT}" in out, out
