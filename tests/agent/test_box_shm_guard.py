@@ -26,7 +26,8 @@ def test_a_test_creating_a_folder_under_the_box_wide_root_fails_naming_it(tmp_pa
     try:
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                              cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                             env=dict(os.environ, PYTHONPATH=str(TESTS)))  # its tg_testutil
+                             env=dict(os.environ, PYTHONPATH=str(TESTS),  # its tg_testutil
+                                      TRAINGUARD_TEST_SHM_GUARD="1"))
     finally:
         shutil.rmtree(os.path.join(BOX_SHM_ROOT, name), ignore_errors=True)
         if not root_existed:
