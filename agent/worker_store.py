@@ -18,6 +18,7 @@ themselves meanwhile, connect with the client's usual retries.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from datetime import timedelta
@@ -36,7 +37,7 @@ def preload() -> None:
 
     def work() -> None:
         try:
-            import torch.distributed  # noqa: F401
+            importlib.import_module("torch.distributed")
         except BaseException as exc:  # noqa: BLE001 - reported when a store is needed
             _import_error.append(exc)
         finally:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import importlib
 import logging
 import os
 import socket
@@ -145,7 +146,7 @@ def open_iproute(netns: str = "") -> Any:
     """
     with _IMPORT_LOCK:
         from pyroute2 import IPRoute
-        from pyroute2.netlink.rtnl import RTMGRP_LINK  # noqa: F401 - imported here for LinkWatcher.run
+        importlib.import_module("pyroute2.netlink.rtnl")  # imported here, under the lock, for LinkWatcher.run
     if not netns:
         return IPRoute()
     fd = netlink_socket_in(netns).detach()

@@ -7,6 +7,7 @@ should respect on its own; the runner (:mod:`~trainguard.agent.qualify.runner`) 
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,9 +101,9 @@ def make_check(name: str) -> Check:
     Raises:
         KeyError: no check of that name (config validation refuses unknown names first).
     """
-    import trainguard.agent.qualify.links  # noqa: F401 (registers pcie, nic, rdma)
-    import trainguard.agent.qualify.local  # noqa: F401 (registers detectors, disk)
-    import trainguard.agent.qualify.peers  # noqa: F401 (registers peers)
+    # imported for their registrations: links (pcie, nic, rdma), local (detectors, disk), peers (peers)
+    for module in ("links", "local", "peers"):
+        importlib.import_module(f"trainguard.agent.qualify.{module}")
 
     return _REGISTRY[name]()
 

@@ -3,7 +3,6 @@ folders keeps resolving to tests/conftest.py): a real etcd server on loopback, s
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess

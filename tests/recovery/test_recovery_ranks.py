@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from trainguard.recovery.errors import GroupSizeError, MembershipError, VacancyError
-from trainguard.recovery.ranks import NodeSpec, RankLayout, assign_ranks, layout_from_mapping, layout_to_rows, natural_key
+from trainguard.recovery.ranks import NodeSpec, assign_ranks, layout_from_mapping, layout_to_rows, natural_key
 
 
 def _node(nid: str, pod: str = "p0", idx: int = 0, host: str = "", dev: int = 2, replaces: str = "") -> NodeSpec:
