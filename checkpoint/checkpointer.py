@@ -164,6 +164,7 @@ class Checkpointer:
         #: an unreachable remote is left out of listings until this monotonic time (see :meth:`_list_remote`)
         self._remote_retry_at = 0.0
         self._remote_backoff = 0.0  # its current back-off in seconds; 0 while it answers
+        self._remote_failed_once = False  # then each new FsspecStore bypasses fsspec's instance cache
         if config.remote_url:
             try:
                 self.remote_store()
@@ -281,7 +282,9 @@ class Checkpointer:
         if url is None:
             return None
         if self._remote is None:
-            self._remote = FsspecStore(url, self.job, self.config.remote.storage_options)
+            # After a failure, a new connection: the cached filesystem may hold a dead one (see _list_remote).
+            self._remote = FsspecStore(url, self.job, self.config.remote.storage_options,
+                                       fresh=self._remote_failed_once)
         return self._remote
 
     def _expected_tiers(self) -> set[str]:
@@ -789,6 +792,10 @@ class Checkpointer:
             assert store is not None
             committed = store.committed_steps()
         except StorageUnavailableError as exc:
+            # The next try connects anew: a remote restarted meanwhile (an FTP server) left the kept filesystem
+            # a dead connection, and every listing and restore failed with EOFError for the rest of the job.
+            self._remote = None
+            self._remote_failed_once = True
             self._remote_failed(exc, said=restoring)
             if restoring:
                 log.warning("restore: the remote tier is unreachable (%s); restoring from the other tiers, which "

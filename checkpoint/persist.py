@@ -273,7 +273,9 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
                                               "uploaded; fix the disk tier first")
             if catch_up and not os.path.exists(local.local_data_path(step, rank)):
                 return None  # removed from the disk meanwhile (retention after a newer step): nothing to send
-            store = FsspecStore(remote["url"], man.job, remote.get("storage_options") or {})
+            # Connecting anew after a failure: fsspec's cached filesystem may hold the dead connection.
+            store = FsspecStore(remote["url"], man.job, remote.get("storage_options") or {},
+                                fresh=catch_up or ongoing)
             src = local.local_data_path(step, rank)
             store.uncommit_rank(step, rank)
             store.abandon_above(step, rank)  # as on disk: this rank's copies of the run the job went back from

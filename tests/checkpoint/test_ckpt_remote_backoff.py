@@ -88,3 +88,23 @@ def test_saves_do_not_dial_a_backing_off_remote_and_the_newest_step_catches_up(m
         stall.close()
         if stub is not None:
             stub.close()
+
+
+def test_a_remote_restarted_under_a_running_job_is_listed_again(make_config, tmp_path):
+    # fsspec keeps one filesystem per URL: after the FTP server restarted, the kept one held a dead control
+    # connection and every listing (and restore) of the remote failed with EOFError for the rest of the job.
+    stub = FtpStub(tmp_path / "remote")
+    cfg = make_config(remote={"url": f"ftp://127.0.0.1:{stub.port}/ckpt", "storage_options": {"timeout": 2},
+                              "retry_s": 0.2})
+    try:
+        with Checkpointer(cfg, job="rs") as ck:
+            assert ck.save({"w": torch.ones(100)}, 1).wait(timeout=30)
+            assert [(s.step, "remote" in s.tiers) for s in ck.steps()] == [(1, True)]
+            stub.close()
+            stub = FtpStub(tmp_path / "remote", port=stub.port)  # the server restarted
+            deadline = time.monotonic() + 10
+            while [(s.step, "remote" in s.tiers) for s in ck.steps()] != [(1, True)]:
+                assert time.monotonic() < deadline, "the remote was never listed again"
+                time.sleep(0.05)
+    finally:
+        stub.close()
