@@ -61,12 +61,12 @@ from trainguard.checkpoint.snapshot import PendingCopy, SnapshotCopier, storage_
 from trainguard.checkpoint.staging import StagingArea
 from trainguard.checkpoint.storage import FsspecStore, LocalStore, StepStore, check_job_name, manifest_name
 from trainguard.checkpoint.tree import capture, restore_into
+from trainguard.checkpoint.uploads import REMOTE_BACKOFF_CAP
 
 log = logging.getLogger(__name__)
 
 TIER_ORDER = ("memory", "disk", "remote")
-#: an unreachable remote's back-off grows up to this many times ``remote.retry_s``
-_REMOTE_BACKOFF_CAP = 10
+_REMOTE_BACKOFF_CAP = REMOTE_BACKOFF_CAP  # the persist process's uploads back off alike
 
 
 @dataclass
@@ -164,6 +164,7 @@ class Checkpointer:
         #: an unreachable remote is left out of listings until this monotonic time (see :meth:`_list_remote`)
         self._remote_retry_at = 0.0
         self._remote_backoff = 0.0  # its current back-off in seconds; 0 while it answers
+        self._remote_failed_once = False  # then each new FsspecStore bypasses fsspec's instance cache
         if config.remote_url:
             try:
                 self.remote_store()
@@ -281,7 +282,9 @@ class Checkpointer:
         if url is None:
             return None
         if self._remote is None:
-            self._remote = FsspecStore(url, self.job, self.config.remote.storage_options)
+            # After a failure, a new connection: the cached filesystem may hold a dead one (see _list_remote).
+            self._remote = FsspecStore(url, self.job, self.config.remote.storage_options,
+                                       fresh=self._remote_failed_once)
         return self._remote
 
     def _expected_tiers(self) -> set[str]:
@@ -506,7 +509,11 @@ class Checkpointer:
             # this worker's (a script that chdirs, Hydra's run folder).
             "disk": {"root": self.disk.root, "keep": cfg.disk.keep, "fsync": cfg.disk.fsync}
             if self.disk is not None else None,
-            "remote": {"url": cfg.remote_url, "keep": cfg.remote.keep, "storage_options": cfg.remote.storage_options}
+            # The listings' back-off travels along: while the remote is marked unreachable here, the persist
+            # process does not dial it for this step either (see uploads.py).
+            "remote": {"url": cfg.remote_url, "keep": cfg.remote.keep, "storage_options": cfg.remote.storage_options,
+                       "retry_s": cfg.remote.retry_s, "backoff_s": self._remote_backoff,
+                       "retry_in_s": max(0.0, self._remote_retry_at - time.monotonic())}
             if cfg.remote_url else None,
             "bandwidth_mib_s": cfg.persist.bandwidth_mib_s,
         }
@@ -548,6 +555,7 @@ class Checkpointer:
             if msg.get("op") == "tier" and st is not None:
                 if msg.get("ok"):
                     st.ok.add(msg["tier"])
+                    st.failed.pop(msg["tier"], None)  # a catch-up upload of a step skipped during an outage
                 else:
                     st.failed[msg["tier"]] = msg.get("error", "failed")
             elif msg.get("op") in ("slot_free", "released") and st is not None:
@@ -572,7 +580,15 @@ class Checkpointer:
             if self._stage.drop_outgrown():
                 log.info("step %d is on disk: removed the shared-memory staging slots the state outgrew in %s",
                          step, directory)
-        if msg.get("op") == "tier" and not msg.get("ok"):
+        if msg.get("op") == "tier" and msg.get("tier") == "remote":
+            if msg.get("ok") and self._remote_backoff:
+                self._remote_backoff = self._remote_retry_at = 0.0  # it answers: listed again at once
+            elif not msg.get("ok") and msg.get("unreachable") and not msg.get("quiet"):
+                # An upload found it unreachable: listings back off too (the event below says it).
+                self._remote_failed(StorageUnavailableError(str(msg.get("error", ""))), said=True)
+        if msg.get("op") == "tier" and not msg.get("ok") and msg.get("quiet"):
+            log.debug("step %s: %s tier: %s", step, msg.get("tier"), msg.get("error"))
+        elif msg.get("op") == "tier" and not msg.get("ok"):
             self.events.storage_failed(msg.get("tier", "?"), step, msg.get("error", ""), int(msg.get("errno", 0)))
         elif msg.get("op") == "tier" and msg.get("evicted"):
             # Saved, but only by removing older steps from a full disk: fewer steps are kept than configured, and
@@ -776,6 +792,10 @@ class Checkpointer:
             assert store is not None
             committed = store.committed_steps()
         except StorageUnavailableError as exc:
+            # The next try connects anew: a remote restarted meanwhile (an FTP server) left the kept filesystem
+            # a dead connection, and every listing and restore failed with EOFError for the rest of the job.
+            self._remote = None
+            self._remote_failed_once = True
             self._remote_failed(exc, said=restoring)
             if restoring:
                 log.warning("restore: the remote tier is unreachable (%s); restoring from the other tiers, which "
@@ -798,7 +818,8 @@ class Checkpointer:
         self._remote_backoff = base if first else min(self._remote_backoff * 2, base * _REMOTE_BACKOFF_CAP)
         self._remote_retry_at = time.monotonic() + self._remote_backoff
         note = (f"it is left out of listings and retried in {self._remote_backoff:g} s (then less often, at most "
-                f"every {base * _REMOTE_BACKOFF_CAP:g} s; checkpoint.remote.retry_s); saves still try to upload")
+                f"every {base * _REMOTE_BACKOFF_CAP:g} s; checkpoint.remote.retry_s); saves do not upload meanwhile, the newest "
+                "step is uploaded once it answers")
         if first and not said:
             log.warning("remote tier not listed: %s; %s", exc, note)
         elif not first:

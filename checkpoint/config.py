@@ -12,7 +12,7 @@ Layout in a TOML file (every key optional except ``directory``)::
     [checkpoint.remote]
     url = "s3://bucket/ckpt"
     keep = 5
-    retry_s = 30                      # an unreachable remote is listed again after this (doubling, bounded)
+    retry_s = 30                      # an unreachable remote is tried again after this (doubling, bounded)
     [checkpoint.persist]
     bandwidth_mib_s = 0               # 0 = unthrottled
 
@@ -114,9 +114,10 @@ class RemoteTierConfig:
             filesystems (``memory://``) are refused: nothing written there outlives the persist process.
         keep: committed steps kept remotely (retention K). Default 5.
         storage_options: keyword arguments for the fsspec filesystem (credentials, endpoint...). Default {}.
-        retry_s: seconds an unreachable remote is left out of listings (``steps()``, ``restore()``) after a
-            failure before it is tried again; doubles while it keeps failing, up to 10 times this. Saves still
-            upload to it (in the background) meanwhile. Default 30.
+        retry_s: seconds an unreachable remote is left alone after a failure before it is tried again; doubles
+            while it keeps failing, up to 10 times this. Meanwhile listings (``steps()``) leave it out and saves
+            do not upload to it (the step stays in memory and on disk; one health event per outage); once it
+            answers, the newest step skipped is uploaded. ``restore()`` tries it regardless. Default 30.
     """
 
     url: str | None = None

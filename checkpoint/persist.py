@@ -30,6 +30,7 @@ import json
 import logging
 import mmap
 import os
+import socket
 import time
 from typing import Any, Callable
 
@@ -38,7 +39,7 @@ from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableErro
 from trainguard.checkpoint.fileio import PendingFile, Throttle, storage_error
 from trainguard.checkpoint.manifest import Manifest, TensorEntry, chunk_checksum, compute_checksums
 from trainguard.checkpoint.storage import FsspecStore, LocalStore, manifest_name
-from trainguard.checkpoint.uploads import UploadQueue
+from trainguard.checkpoint.uploads import UNREACHABLE, UploadQueue
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,9 @@ def persist_snapshot(req: dict[str, Any], report: Report, uploads: UploadQueue |
     if upload is None:
         return
 
-    def run() -> None:
+    def run(ongoing: bool = False) -> object:
         try:
-            upload()
+            return upload(False, ongoing)
         finally:
             report({"op": "released", "id": rid, "step": step})
 
@@ -125,7 +126,19 @@ def persist_snapshot(req: dict[str, Any], report: Report, uploads: UploadQueue |
         report({"op": "released", "id": rid, "step": step})
 
     remote = req["remote"]
-    uploads.put((req.get("job"), req.get("rank"), remote.get("url")), step, run, drop)
+
+    def defer(retry_in: float) -> None:
+        # Quiet: the failure that began the outage sent the health event; one per step flooded the operator.
+        report({"op": "tier", "id": rid, "step": step, "tier": "remote", "ok": False, "errno": 0, "quiet": True,
+                "error": f"not uploaded: the remote {remote.get('url')} was unreachable moments ago and is not "
+                         f"dialed again for {retry_in:.1f} s (checkpoint.remote.retry_s); the step is on the "
+                         "local tiers, and the newest step is uploaded once the remote answers"})
+        report({"op": "released", "id": rid, "step": step})
+
+    uploads.put((req.get("job"), req.get("rank"), remote.get("url")), step, run, drop, defer=defer,
+                catch_up=lambda ongoing: upload(True, ongoing), remote=remote.get("url"),
+                retry_s=float(remote.get("retry_s") or 30.0), down_for=float(remote.get("retry_in_s") or 0.0),
+                backoff=float(remote.get("backoff_s") or 0.0))
 
 
 def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, report: Report,
@@ -180,10 +193,18 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
     man_json = man.to_json()
     digest = json.loads(man_json)["self_xxh3"]
 
-    def outcome(tier: str, exc: BaseException | None, evicted: list[int] | None = None) -> None:
+    def outcome(tier: str, exc: BaseException | None, evicted: list[int] | None = None,
+                catch_up: bool = False, ongoing: bool = False) -> None:
         msg: dict[str, Any] = {"op": "tier", "id": rid, "step": step, "tier": tier, "ok": exc is None}
         if evicted:
             msg["evicted"] = sorted(evicted)
+        if tier == "remote" and exc is not None and _unreachable(exc):
+            msg["unreachable"] = True  # the worker's listings back off as well
+            if ongoing:
+                msg["quiet"] = True  # the outage's first failure said it: one health event per outage
+        if catch_up:
+            # The step was reported (not uploaded) when the remote was backing off: this is its late upload.
+            msg["catch_up"] = True
         if exc is not None:
             msg["error"] = str(exc).splitlines()[0] if str(exc) else repr(exc)
             msg["errno"] = _errno_of(exc)
@@ -240,34 +261,51 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
     if not (remote and remote.get("url")):
         return None
 
-    def upload() -> None:
+    def upload(catch_up: bool, ongoing: bool = False) -> object:
+        """Uploads the disk copy; returns :data:`UNREACHABLE` when the remote could not be reached (``ongoing``:
+        it was unreachable before this try)."""
         # Reads only the disk copy (and the manifest JSON): the staging slot may hold the next snapshot by now.
         store: FsspecStore | None = None
+        failed: BaseException | None = None
         try:
             if not disk_ok or local is None:
                 raise StorageUnavailableError(f"step {step} was not written to local disk, so it cannot be "
                                               "uploaded; fix the disk tier first")
-            store = FsspecStore(remote["url"], man.job, remote.get("storage_options") or {})
+            if catch_up and not os.path.exists(local.local_data_path(step, rank)):
+                return None  # removed from the disk meanwhile (retention after a newer step): nothing to send
+            # Connecting anew after a failure: fsspec's cached filesystem may hold the dead connection.
+            store = FsspecStore(remote["url"], man.job, remote.get("storage_options") or {},
+                                fresh=catch_up or ongoing)
             src = local.local_data_path(step, rank)
             store.uncommit_rank(step, rank)
             store.abandon_above(step, rank)  # as on disk: this rank's copies of the run the job went back from
             store.write_data(step, rank, src, man.data_bytes, man.chunk_bytes, throttle)
             store.write_small(step, manifest_name(rank), man_json)
             store.commit_rank(step, rank, ws, digest)
-            outcome("remote", None)
+            outcome("remote", None, catch_up=catch_up, ongoing=ongoing)
+            if catch_up:
+                log.warning("step %d rank %d uploaded to %s: the remote answers again", step, rank, store.describe())
             try:
                 store.retain(int(remote.get("keep", 5)), protect=step)
             except CheckpointError as exc:
                 log.warning("remote retention of %s failed: %s", store.describe(), exc)
         except CheckpointError as exc:
+            failed = exc
             _discard_remote(store, step, rank, exc)
-            outcome("remote", exc)
+            outcome("remote", exc, catch_up=catch_up, ongoing=ongoing)
         except OSError as exc:
+            failed = exc
             _discard_remote(store, step, rank, exc)
-            outcome("remote", StorageUnavailableError(f"cannot upload step {step}: {exc}"))
+            err = StorageUnavailableError(f"cannot upload step {step}: {exc}")
+            err.__cause__ = exc
+            outcome("remote", err, catch_up=catch_up, ongoing=ongoing)
         except Exception as exc:  # noqa: BLE001 - an fsspec backend's own error types: still the remote tier's
+            failed = exc
             _discard_remote(store, step, rank, exc)
-            outcome("remote", StorageUnavailableError(f"cannot upload step {step}: {exc!r}"))
+            err = StorageUnavailableError(f"cannot upload step {step}: {exc!r}")
+            err.__cause__ = exc
+            outcome("remote", err, catch_up=catch_up, ongoing=ongoing)
+        return UNREACHABLE if failed is not None and _unreachable(failed) else None
 
     return upload
 
@@ -355,16 +393,30 @@ def _discard_remote(store: FsspecStore | None, step: int, rank: int, exc: BaseEx
     :meth:`FsspecStore.discard_rank`); best effort, the upload's own error is the one reported."""
     if store is None:
         return  # the remote was never reached: nothing was written
-    cause: BaseException | None = exc
-    while cause is not None:
-        if isinstance(cause, (ConnectionError, TimeoutError)):
-            return  # unreachable: the cleanup would only wait out the same timeout in the upload queue
-        cause = cause.__cause__
+    if _unreachable(exc):
+        return  # the cleanup would only wait out the same timeout in the upload queue
     try:
         store.discard_rank(step, rank)
     except Exception as exc:  # noqa: BLE001 - an unreachable remote fails this too
         log.info("cannot remove the files of the failed upload of step %d rank %d from %s: %s", step, rank,
                  store.describe(), exc)
+
+
+#: errnos of a remote that cannot be reached (besides ConnectionError and TimeoutError)
+_UNREACHABLE_ERRNOS = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT, errno.EHOSTDOWN}
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """True when ``exc`` (or an exception it was raised from) says the remote could not be reached: connection
+    refused or reset, a timeout, an unreachable network or host, a name that does not resolve."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, (ConnectionError, TimeoutError, socket.gaierror)):
+            return True
+        if isinstance(cause, OSError) and cause.errno in _UNREACHABLE_ERRNOS:
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _remove_stale_tmp(local: LocalStore, rank: int) -> None:

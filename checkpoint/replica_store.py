@@ -27,6 +27,7 @@ No torch import (the agent uses it).
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import re
@@ -40,6 +41,8 @@ from trainguard.checkpoint.arena import (SlotPaths, drop_manifests, free_bytes, 
                                         write_tag)
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import MAX_STEP, Manifest, verify_checksums
+
+log = logging.getLogger(__name__)
 
 # 12 digits, more without a leading zero from step 10**12 on (as the disk tier names its folders): only 12 were
 # taken, so a job counting steps in tokens had every copy past 10**12 refused and no replica at all.
@@ -198,8 +201,33 @@ class ReplicaStore:
                 man = read_manifest(base + ".manifest.json", self._manifests)
             except (OSError, CorruptCheckpointError):
                 continue
-            out.append(Replica(rank, man.step, base + ".data", base + ".manifest.json", man))
+            r = Replica(rank, man.step, base + ".data", base + ".manifest.json", man)
+            if self._short_file(r):
+                continue
+            out.append(r)
         return sorted(out, key=lambda r: (r.step, r.rank))
+
+    def _short_file(self, r: Replica) -> bool:
+        """Whether ``r``'s data file lost bytes since it was published (truncated in the tmpfs: a tool, a user,
+        a full disk's cleanup): such a copy cannot be served, so it is not listed, and it is removed.
+
+        A published copy's data file has its full size before its manifest exists (the receiver allocates it
+        whole, and renames it into place before writing the manifest). Listed, it was reported as held, the
+        coordinator planned a replacement's restore from it, and every fetch failed on the serving side (mmap
+        past the end of the file: "UNKNOWN: Exception iterating responses") until the next push replaced it.
+        """
+        try:
+            size = os.stat(r.data).st_size
+        except FileNotFoundError:
+            size = -1
+        except OSError:
+            return False
+        if size >= r.manifest.data_bytes:
+            return False
+        log.warning("the replica of rank %d step %d in %s is damaged: its data file has %d of %d bytes; removed",
+                    r.rank, r.step, os.path.dirname(r.data), max(size, 0), r.manifest.data_bytes)
+        self._remove(r)
+        return True
 
     def newest(self, rank: int, min_step: int = -1) -> Replica | None:
         """The newest complete replica of ``rank`` of at least ``min_step``, or None."""

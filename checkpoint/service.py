@@ -33,8 +33,10 @@ import json
 import logging
 import os
 import queue
+import re
 import select
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -344,6 +346,8 @@ class CheckpointService:
                 self.proc.kill()
                 self.proc.wait()
             self.proc = None
+        # A service killed with SIGKILL could not remove its socket file; nothing listens there any more.
+        remove_socket_if_dead(self.address)
         if remove_memory:
             remove_job(self.shm_dir, self.job)
 
@@ -374,10 +378,84 @@ def default_socket_path(stem: str) -> str:
     for d in candidates:
         path = os.path.join(d, name)
         if len(os.fsencode(path)) <= SOCKET_PATH_MAX and os.access(d, os.W_OK | os.X_OK):
+            remove_stale_sockets(d)
             return path
     raise CheckpointError(f"no folder for the checkpoint service's socket: {', '.join(candidates)} are too long "
                           f"(over {SOCKET_PATH_MAX} bytes with the socket's name) or not writable; set TMPDIR to a "
                           "short writable folder")
+
+
+#: Names of the sockets :func:`default_socket_path` makes: ``trainguard-ckpt-<pid of the creating process>-...``.
+_SOCKET_NAME = re.compile(r"^trainguard-ckpt-(\d+)(?:-[^/]*)?\.sock$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    return True
+
+
+def remove_socket_if_dead(path: str) -> bool:
+    """Removes the unix socket file ``path`` when no process listens on it any more; True when removed.
+
+    Only a socket file owned by this user is touched, and only when a connection to it is refused: the kernel
+    refuses exactly when no socket is bound to that file any more (its process is gone, killed before it could
+    remove the file). A live service accepts, so its file is never removed.
+    """
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+            return False  # someone listens
+        except ConnectionRefusedError:
+            pass
+        except OSError:
+            return False  # a timeout (full backlog of a live one) or something odd: keep it
+    try:
+        # The same file still (not one a new service bound at that path between our look and now).
+        if os.lstat(path).st_ino != st.st_ino:
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def remove_stale_sockets(directory: str) -> list[str]:
+    """Removes checkpoint-service sockets in ``directory`` left behind by dead processes; returns their paths.
+
+    A persist process killed with SIGKILL (an OOM kill, ``kill -9``, a node agent's hard stop) cannot remove its
+    socket file, and each private persist process gets a fresh name, so a long-lived node collected
+    ``trainguard-ckpt-*.sock`` files in ``/tmp`` without bound. Removed here: files with the names
+    :func:`default_socket_path` makes whose creating process (the pid in the name: the worker or the agent that
+    owns the address) is gone and on which no process listens (see :func:`remove_socket_if_dead`). A socket of a
+    live owner is kept even when nobody listens: an agent may be between two starts of its service there.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _SOCKET_NAME.match(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        if remove_socket_if_dead(path):
+            removed.append(path)
+    if removed:
+        log.info("removed %d checkpoint-service socket(s) of dead processes in %s", len(removed), directory)
+    return removed
 
 
 def _spawn(address: str, private: bool, nice: int, parent_pid: int | None = None) -> subprocess.Popen[bytes]:
@@ -413,10 +491,13 @@ class ServiceChannel(PersistChannel):
         sock: connected socket.
         report: receives every outcome message.
         proc: the private service process, when this channel spawned it.
+        address: the private service's socket path (removed at close when that process died without removing it).
     """
 
-    def __init__(self, sock: socket.socket, report: Report, proc: subprocess.Popen[bytes] | None) -> None:
+    def __init__(self, sock: socket.socket, report: Report, proc: subprocess.Popen[bytes] | None,
+                 address: str | None = None) -> None:
         self.sock = sock
+        self.address = address
         self.report = report
         self.proc = proc
         self.owns_memory = proc is not None
@@ -447,7 +528,7 @@ class ServiceChannel(PersistChannel):
             raise StorageUnavailableError(
                 f"cannot connect to the checkpoint service at {address}: {exc.strerror or exc} (is the node agent "
                 "running? unset TRAINGUARD_CHECKPOINT_SERVICE to use a private persist process)") from exc
-        chan = cls(sock, report, proc)
+        chan = cls(sock, report, proc, address if proc is not None else None)
         chan._send({"op": "hello", "job": job, "rank": rank})
         return chan
 
@@ -524,6 +605,10 @@ class ServiceChannel(PersistChannel):
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            # A private service killed with SIGKILL left its socket file; the worker starts the next one at a new
+            # path, so without this a long-lived worker kept one stale file per death.
+            if self.address is not None:
+                remove_socket_if_dead(self.address)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -559,6 +559,7 @@ class FsspecStore(StepStore):
         url: fsspec URL of the checkpoint root.
         job: job name.
         storage_options: keyword arguments for the filesystem.
+        fresh: a new filesystem object (and connection), not fsspec's cached one for this URL.
 
     Raises:
         StorageUnavailableError: the filesystem cannot be created (unknown protocol, unreachable server...).
@@ -567,13 +568,19 @@ class FsspecStore(StepStore):
 
     tier = "remote"
 
-    def __init__(self, url: str, job: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str, job: str, storage_options: dict[str, Any] | None = None,
+                 fresh: bool = False) -> None:
         import fsspec
 
         check_job_name(job)
         self.url = url.rstrip("/")
+        options = dict(storage_options or {})
+        if fresh:
+            # fsspec hands out one cached filesystem per URL and options; after a failure it may hold a dead
+            # connection (an FTP control connection the restarted server dropped: EOFError for ever after).
+            options["skip_instance_cache"] = True
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+            self.fs, root = fsspec.core.url_to_fs(self.url, **options)
         except Exception as exc:  # fsspec raises anything: ImportError, ConnectionRefusedError, ValueError...
             raise StorageUnavailableError(f"cannot reach remote checkpoint storage {url}: {exc!r:.200} "
                                           "(check the URL, credentials and network)") from exc

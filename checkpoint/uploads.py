@@ -9,72 +9,211 @@ training with it.
 Newest wins: for each (job, rank, remote URL) at most one upload waits. A newer step replacing one that has not
 started drops it, reported as a failed remote outcome saying so: a remote slower than the save interval holds
 the newest steps it can take, and the queue never grows with the backlog.
+
+Back-off: an upload that cannot reach its remote (connection refused or reset, a connect or read timeout, an
+unknown or unreachable host) marks that remote URL down for ``remote.retry_s`` seconds, doubled at each failure
+in a row up to :data:`REMOTE_BACKOFF_CAP` times (the listings' back-off in the Checkpointer). While it is down an
+upload is not dialed: the step is reported as not uploaded at once, quietly (one health event per outage, from
+the failure that began it, not one per step), and the newest such step of each rank is kept aside. When the
+back-off is over that step is uploaded, so the remote catches up with the newest durable step once it answers
+again (older skipped steps are not). Before, each save against a dead remote waited out the connect timeout in
+the upload thread and sent its own health event.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
 
-class UploadQueue:
-    """One upload thread; per key, the newest waiting upload only.
+#: an unreachable remote's back-off grows up to this many times ``remote.retry_s`` (uploads and listings)
+REMOTE_BACKOFF_CAP = 10
 
-    Each entry is ``(step, run, drop)``: ``run()`` uploads (and reports its outcome); ``drop(newer_step)``
-    reports that the entry was superseded before it started. Neither may raise (exceptions are logged).
+#: ``run()`` of an entry returns this when the remote could not be reached (anything else: it answered).
+UNREACHABLE = "unreachable"
+
+
+@dataclass
+class _Entry:
+    step: int
+    run: Callable[[bool], object]
+    drop: Callable[[int], None]
+    #: reports the step as not uploaded because its remote is backing off (its argument: seconds to the retry)
+    defer: Callable[[float], None] | None = None
+    #: the upload to run once the back-off is over (it reports as a catch-up: the step was reported already)
+    catch_up: Callable[[bool], object] | None = None
+    remote: Hashable = None
+    retry_s: float = 30.0
+
+
+@dataclass
+class _Outage:
+    retry_at: float  # monotonic time of the next try
+    backoff: float
+    parked: dict[Hashable, _Entry] = field(default_factory=dict)  # per key: the newest step to upload then
+
+
+class UploadQueue:
+    """One upload thread; per key, the newest waiting upload only; per remote, a back-off while unreachable.
+
+    Each entry is ``(step, run, drop)``: ``run(ongoing)`` uploads (and reports its outcome), returning
+    :data:`UNREACHABLE` when the remote could not be reached (``ongoing``: it was unreachable already, so a
+    failure is the same outage going on and says nothing new); ``drop(newer_step)`` reports that the entry was
+    superseded before it started. With ``defer``, ``catch_up`` and ``remote``, an entry whose remote is backing
+    off is not run: ``defer(seconds_to_retry)`` reports that, and ``catch_up()`` runs once the back-off is over
+    (for the newest such step of the key; also after a run found the remote unreachable), as ``catch_up(ongoing)``.
+    None of them may raise (exceptions are logged).
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._pending: dict[Hashable, tuple[int, Callable[[], None], Callable[[int], None]]] = {}
+        self._pending: dict[Hashable, _Entry] = {}
         self._running: dict[Hashable, int] = {}  # key -> step being uploaded
+        self._down: dict[Hashable, _Outage] = {}  # remote -> its outage
         self._thread: threading.Thread | None = None
 
-    def put(self, key: Hashable, step: int, run: Callable[[], None], drop: Callable[[int], None]) -> None:
-        """Queues the upload of ``step`` under ``key``, dropping a waiting older one of the same key."""
+    def put(self, key: Hashable, step: int, run: Callable[[bool], object], drop: Callable[[int], None],
+            defer: Callable[[float], None] | None = None, catch_up: Callable[[bool], object] | None = None,
+            remote: Hashable = None, retry_s: float = 30.0, down_for: float = 0.0, backoff: float = 0.0) -> None:
+        """Queues the upload of ``step`` under ``key``, dropping a waiting older one of the same key.
+
+        Args:
+            key: uploads of one key replace each other while waiting (job, rank, remote URL).
+            step: the step.
+            run: the upload; returns :data:`UNREACHABLE` when the remote could not be reached.
+            drop: reports that a newer step replaced this one before it started.
+            defer: reports that the remote is backing off (see the class); None: always run.
+            catch_up: the upload of this step once the remote's back-off is over.
+            remote: what the back-off applies to (the remote URL).
+            retry_s: the first back-off after a failure to reach ``remote``, seconds.
+            down_for: the caller knows ``remote`` unreachable for this many more seconds (the worker's listing
+                found it so), with its current back-off ``backoff``: not dialed before.
+        """
         with self._cond:
+            if down_for > 0 and remote is not None:
+                o = self._down.get(remote)
+                if o is None:
+                    self._down[remote] = _Outage(time.monotonic() + down_for, backoff or retry_s)
+                elif o.retry_at < time.monotonic() + down_for and not o.parked:
+                    o.retry_at, o.backoff = time.monotonic() + down_for, max(o.backoff, backoff)
             old = self._pending.pop(key, None)
-            self._pending[key] = (step, run, drop)
+            self._pending[key] = _Entry(step, run, drop, defer, catch_up, remote, retry_s)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="persist-upload", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
         if old is not None:
-            _safely(lambda: old[2](step), "dropping a superseded upload")
+            _safely(lambda: old.drop(step), "dropping a superseded upload")
 
     def idle(self) -> bool:
-        """True when nothing waits and nothing runs."""
+        """True when nothing waits and nothing runs (a catch-up waiting for a backing-off remote does not count:
+        a drain or an exit must not wait for an outage to end)."""
         with self._cond:
             return not self._pending and not self._running
 
     def steps_of(self, job: object) -> set[int]:
-        """Steps of ``job`` waiting for or in upload (keys start with the job): the disk tier keeps them, as
-        their uploads read its copies."""
+        """Steps of ``job`` waiting for or in upload (keys start with the job), catch-ups included: the disk tier
+        keeps them, as their uploads read its copies."""
         with self._cond:
-            return ({step for key, (step, _r, _d) in self._pending.items() if _job_of(key) == job}
-                    | {step for key, step in self._running.items() if _job_of(key) == job})
+            parked = [(key, e.step) for o in self._down.values() for key, e in o.parked.items()]
+            return ({e.step for key, e in self._pending.items() if _job_of(key) == job}
+                    | {step for key, step in self._running.items() if _job_of(key) == job}
+                    | {step for key, step in parked if _job_of(key) == job})
+
+    def backing_off(self, remote: Hashable) -> float:
+        """Seconds until ``remote`` is tried again; 0 when it is not backing off."""
+        with self._cond:
+            o = self._down.get(remote)
+            return max(0.0, o.retry_at - time.monotonic()) if o is not None else 0.0
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Blocks until :meth:`idle` (or ``timeout`` seconds); returns whether it is idle."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending and not self._running, timeout)
 
+    def _next(self) -> tuple[Hashable, _Entry] | None:
+        """The next entry to run, parking those whose remote backs off; None when nothing is due. Caller holds
+        the lock; the ``defer`` callbacks it collects run after it is released."""
+        now = time.monotonic()
+        for remote, o in list(self._down.items()):
+            if o.parked and now >= o.retry_at:
+                for key, e in o.parked.items():  # due: tried again (a newer pending step of the key wins)
+                    self._pending.setdefault(key, e)
+                o.parked.clear()
+        if not self._pending:
+            return None
+        key = next(iter(self._pending))  # oldest key first: keys take turns
+        return key, self._pending.pop(key)
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._pending))
-                key = next(iter(self._pending))  # oldest key first: keys take turns
-                step, run, _drop = self._pending.pop(key)
-                self._running[key] = step
+                while True:
+                    item = self._next()
+                    if item is not None:
+                        break
+                    due = [o.retry_at for o in self._down.values() if o.parked]
+                    self._cond.wait(max(0.0, min(due) - time.monotonic()) + 0.01 if due else None)
+                key, e = item
+                o = self._down.get(e.remote) if e.defer is not None else None
+                wait_s = o.retry_at - time.monotonic() if o is not None else 0.0
+                ongoing = e.remote is not None and e.remote in self._down
+                if wait_s <= 0:
+                    self._running[key] = e.step
+            if wait_s > 0:
+                # Backing off: not dialed; reported at once, and the newest step kept for the catch-up.
+                assert e.defer is not None and o is not None
+                defer = e.defer
+                _safely(lambda: defer(wait_s), "reporting a deferred upload")
+                with self._cond:
+                    self._park(o, key, e)
+                    self._cond.notify_all()
+                continue
+            result: list[object] = [None]
             try:
-                _safely(run, "an upload")
+                _safely(lambda: result.__setitem__(0, e.run(ongoing)), "an upload")
             finally:
                 with self._cond:
                     del self._running[key]
+                    if e.remote is not None:
+                        self._after(key, e, result[0] == UNREACHABLE)
                     self._cond.notify_all()
+
+    @staticmethod
+    def _park(o: _Outage, key: Hashable, e: _Entry) -> None:
+        """Keeps ``e``'s catch-up for the end of the outage, replacing an older step's of the same key."""
+        if e.catch_up is None and e.defer is not None:
+            return  # nothing to catch up with
+        old = o.parked.get(key)
+        if old is None or old.step <= e.step:
+            # A catch-up entry runs itself again; a first run parks its catch-up.
+            run = e.catch_up if e.catch_up is not None else e.run
+            o.parked[key] = _Entry(e.step, run, e.drop, None, None, e.remote, e.retry_s)
+
+    def _after(self, key: Hashable, e: _Entry, unreachable: bool) -> None:
+        """Updates ``e.remote``'s outage after an upload to it. Caller holds the lock."""
+        o = self._down.get(e.remote)
+        if not unreachable:
+            if o is not None:
+                del self._down[e.remote]
+                log.info("remote %s answers again", e.remote)
+                for k, parked in o.parked.items():  # other ranks' catch-ups: due now
+                    if k != key or parked.step > e.step:
+                        self._pending.setdefault(k, parked)
+            return
+        if o is None:
+            self._down[e.remote] = o = _Outage(0.0, e.retry_s)
+        else:
+            o.backoff = min(o.backoff * 2, e.retry_s * REMOTE_BACKOFF_CAP)
+        o.retry_at = time.monotonic() + o.backoff
+        if key not in self._pending:  # a newer step waiting would be the catch-up itself
+            self._park(o, key, e)
+        log.info("remote %s unreachable: uploads are not dialed for %g s", e.remote, o.backoff)
 
 
 def _job_of(key: Hashable) -> object:
@@ -88,4 +227,4 @@ def _safely(fn: Callable[[], None], what: str) -> None:
         log.exception("persist process: %s failed", what)
 
 
-__all__ = ["UploadQueue"]
+__all__ = ["REMOTE_BACKOFF_CAP", "UNREACHABLE", "UploadQueue"]

@@ -178,3 +178,22 @@ def test_two_steps_of_a_rank_committed_out_of_order_leave_one_copy(root) -> None
     assert sorted(os.listdir(store.root + "/rank_00002")) == ["step_000000000010.data",
                                                              "step_000000000010.manifest.json"]
     assert open(store.newest(2).data, "rb").read() == old_data
+
+
+@pytest.mark.parametrize("left", [0, 1000, None])
+def test_a_replica_whose_data_file_was_truncated_is_neither_listed_nor_kept(root, left) -> None:
+    """Found reviewing the memory tier as a user: a replica truncated in the buddy's tmpfs (or its data file
+    gone) stayed listed, so it was reported as held and planned for a replacement's restore, and every fetch of it
+    failed on the serving side (mmap past the end of the file) until the next push replaced it."""
+    store = ReplicaStore(root, "job", 1 << 20)
+    good = _send(store, *_copy(2, 7)).commit()
+    rep = _send(store, *_copy(1, 10)).commit()
+    if left is None:
+        os.unlink(rep.data)
+    else:
+        os.truncate(rep.data, left)
+    assert [(r.rank, r.step) for r in store.replicas()] == [(2, 7)]
+    assert store.newest(1) is None and store.copy_of(1, 10) is None and store.bytes_held() == good.nbytes
+    assert not os.path.exists(rep.manifest_path) and not os.path.exists(rep.data)  # its memory is given back
+    assert _send(store, *_copy(1, 10)).commit().step == 10  # the next push lands as usual
+    assert [(r.rank, r.step) for r in store.replicas()] == [(2, 7), (1, 10)]

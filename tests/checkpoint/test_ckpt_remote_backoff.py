@@ -1,0 +1,110 @@
+"""Uploads honour the unreachable remote's back-off, and the remote catches up once it answers again."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import torch
+
+from ftp_stub import FtpStub
+from trainguard.checkpoint import Checkpointer
+from trainguard.checkpoint.storage import step_dirname
+
+
+class Events(list):
+    def __call__(self, ev) -> None:
+        self.append(ev)
+
+
+class Stall:
+    """An endpoint that accepts connections and never answers (a stalled object-store endpoint)."""
+
+    def __init__(self) -> None:
+        self.srv = socket.socket()
+        self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(64)
+        self.port = self.srv.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.conns.append(self.srv.accept()[0])
+            except OSError:
+                return
+
+    def close(self) -> None:
+        try:  # wakes the accept() blocked in the other thread; a bare close() leaves the port listening
+            self.srv.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.srv.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_saves_do_not_dial_a_backing_off_remote_and_the_newest_step_catches_up(make_config, tmp_path):
+    # Against a dead remote each save's upload waited out the connect timeout in the background and sent its own
+    # health event (one per step), and nothing reached the remote after it came back until the next save.
+    stall = Stall()
+    stub = None
+    retry_s = 1.0
+    cfg = make_config(remote={"url": f"ftp://127.0.0.1:{stall.port}/ckpt", "storage_options": {"timeout": 0.3},
+                              "retry_s": retry_s})
+    events = Events()
+    try:
+        with Checkpointer(cfg, job="bo", on_event=events) as ck:
+            down_since = time.monotonic()
+            assert len(stall.conns) == 1  # the constructor's probe found it unreachable
+            assert [e.kind for e in events] == ["checkpoint.remote_unreachable"]
+            tried = len(stall.conns)
+            for step in range(1, 5):
+                h = ck.save({"w": torch.full((1000,), float(step))}, step)
+                assert h.wait(timeout=30) is False  # not on the remote; on memory and disk at once
+                assert set(h.tiers_done) == {"memory", "disk"}
+                if time.monotonic() < down_since + retry_s:  # still backing off: not dialed, nothing said
+                    assert len(stall.conns) == tried, "a save dialed the backing-off remote"
+            assert [e.kind for e in events] == ["checkpoint.remote_unreachable"], [e.message for e in events]
+
+            # The remote answers again on the same address: the newest step (4) is uploaded without a new save.
+            stall.close()
+            stub = FtpStub(tmp_path / "remote", port=stall.port)
+            marker = tmp_path / "remote" / "ckpt" / "bo" / step_dirname(4) / "rank_00000.commit"
+            deadline = time.monotonic() + 4 * retry_s + 5
+            while not marker.exists():
+                assert time.monotonic() < deadline, "the remote never caught up with the newest step"
+                time.sleep(0.05)
+            deadline = time.monotonic() + 5
+            while not any(s.step == 4 and "remote" in s.tiers for s in ck.steps()):  # listed again too
+                assert time.monotonic() < deadline, [(s.step, s.tiers) for s in ck.steps()]
+                time.sleep(0.05)
+            assert ck.save({"w": torch.full((1000,), 5.0)}, 5).wait(timeout=30)  # uploads as usual
+            assert [e.kind for e in events] == ["checkpoint.remote_unreachable"], [e.message for e in events]
+    finally:
+        stall.close()
+        if stub is not None:
+            stub.close()
+
+
+def test_a_remote_restarted_under_a_running_job_is_listed_again(make_config, tmp_path):
+    # fsspec keeps one filesystem per URL: after the FTP server restarted, the kept one held a dead control
+    # connection and every listing (and restore) of the remote failed with EOFError for the rest of the job.
+    stub = FtpStub(tmp_path / "remote")
+    cfg = make_config(remote={"url": f"ftp://127.0.0.1:{stub.port}/ckpt", "storage_options": {"timeout": 2},
+                              "retry_s": 0.2})
+    try:
+        with Checkpointer(cfg, job="rs") as ck:
+            assert ck.save({"w": torch.ones(100)}, 1).wait(timeout=30)
+            assert [(s.step, "remote" in s.tiers) for s in ck.steps()] == [(1, True)]
+            stub.close()
+            stub = FtpStub(tmp_path / "remote", port=stub.port)  # the server restarted
+            deadline = time.monotonic() + 10
+            while [(s.step, "remote" in s.tiers) for s in ck.steps()] != [(1, True)]:
+                assert time.monotonic() < deadline, "the remote was never listed again"
+                time.sleep(0.05)
+    finally:
+        stub.close()
