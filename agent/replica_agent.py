@@ -136,7 +136,7 @@ class ReplicaAgent:
         # they go now, and at :meth:`stop` when still empty.
         self._remove_empty_folders()
         tier.replicas = self.store
-        self.servicer = ReplicaServicer(tier.job, self.store, tier.own_copy)
+        self.servicer = ReplicaServicer(tier.job, self.store, tier.own_copy, node_id)
         self._host = host
         self.server: ReplicaServer | None = None
         self.stats = ReplicaStats()

@@ -25,6 +25,7 @@ from trainguard.checkpoint.arena import Arena, memory_manifests, write_tag
 from trainguard.checkpoint.manifest import Manifest, compute_checksums, plan_layout
 from trainguard.checkpoint.replica_store import ReplicaStore, arena_writer
 from trainguard.proto import coordinator_pb2 as pb
+from trainguard.proto import replica_pb2, replica_pb2_grpc
 
 SCRIPT = Path(__file__).parent / "scripts" / "replica_peer.py"
 
@@ -1047,3 +1048,75 @@ def test_an_agent_holding_no_replica_leaves_no_empty_folders_and_one_holding_one
     finally:
         holder.stop()
     assert [r.step for r in ReplicaStore(b, "job", 1 << 30).replicas()] == [30]
+
+
+def _fetch_until(address: str, rank: int, step: int, after_first_piece) -> grpc.RpcError | None:
+    """Fetches rank ``rank`` step ``step`` from ``address`` by hand: calls ``after_first_piece()`` once the
+    header and the first data piece arrived (the server is mid-stream), then reads the rest; returns the
+    stream's error, or None when it ended cleanly."""
+    with grpc.insecure_channel(address) as ch:
+        stream = replica_pb2_grpc.MemoryReplicaStub(ch).FetchReplica(
+            replica_pb2.FetchReplicaRequest(job="job", rank=rank, min_step=step), timeout=30)
+        try:
+            assert next(stream).step == step and next(stream).data
+            after_first_piece()
+            for _ in stream:
+                pass
+        except grpc.RpcError as exc:
+            return exc
+    return None
+
+
+def test_a_replica_truncated_while_it_is_served_gets_data_loss_and_the_agent_lives(roots, tg_env) -> None:
+    """A replica file truncated while it is streamed (an operator, a full tmpfs's cleanup): the server read it
+    through mmap, so reading past the new end killed the whole agent with SIGBUS. It must end that one stream
+    with DATA_LOSS naming the job, step and node, and go on serving (the copy is no longer listed)."""
+    a, b, _ = roots
+    _snapshot(a, 1, 9, mib=64)  # far more than gRPC buffers ahead of a reader that waits
+    p, portfile = _receiver(b, tg_env)
+    try:
+        address = portfile.read_text()
+        path, man = _own(a, 1)
+        assert push(address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok
+        rep = ReplicaStore(b, "job", 1 << 30).newest(1)
+        err = _fetch_until(address, 1, 9, lambda: os.truncate(rep.data, 1 << 20))
+        assert p.poll() is None, f"the agent died serving a truncated replica (exit {p.returncode})"
+        assert err is not None and err.code() == grpc.StatusCode.DATA_LOSS, err
+        assert "'job'" in err.details() and "step 9" in err.details() and "node b" in err.details(), err.details()
+        with pytest.raises(grpc.RpcError) as again:  # still serving; the damaged copy is not offered again
+            fetch(address, "job", 1, 9, lambda m: arena_writer(roots[2], "job", m), 30)
+        assert again.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        p.kill()
+        p.wait()
+        portfile.unlink(missing_ok=True)
+
+
+def test_a_replica_removed_before_it_is_read_gets_not_found_naming_it(roots) -> None:
+    """The store evicts a replica (a newer push needs the room) between the lookup and the read: NOT_FOUND naming
+    the copy, so the fetcher asks the plan's next holder, not an OSError's bare DATA_LOSS."""
+    a, b, c = roots
+    _snapshot(a, 0, 12)
+    store = ReplicaStore(b, "job", 1 << 30)
+    path, man = _own(a, 0)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy, node_id="b"),
+                           "127.0.0.1")
+    try:
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        rep = store.newest(0)
+        real_newest = store.newest
+
+        def evicted_meanwhile(rank: int, min_step: int = -1):
+            found = real_newest(rank, min_step)
+            os.unlink(rep.data)  # after the lookup, before the server opens it
+            return found
+
+        store.copy_of = lambda rank, step: None
+        store.newest = evicted_meanwhile
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(server.address, "job", 0, 12, lambda m: arena_writer(c, "job", m), 30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value
+        assert "'job'" in err.value.details() and "step 12" in err.value.details() and "node b" in err.value.details()
+    finally:
+        server.stop()
+
