@@ -1120,3 +1120,30 @@ def test_a_replica_removed_before_it_is_read_gets_not_found_naming_it(roots) -> 
     finally:
         server.stop()
 
+
+def test_a_replica_found_corrupt_when_served_is_dropped_and_no_longer_reported(roots) -> None:
+    """A replica failing its checksums when served (DATA_LOSS) stayed listed until the buddy's next push, so the
+    coordinator kept planning restores from it and every fetch failed the same way."""
+    a, b, c = roots
+    _snapshot(a, 0, 30)
+    tier = MemoryTier(b, "job", "/ckpt")
+    agent = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier, "b", "127.0.0.1").start()
+    try:
+        path, man = _own(a, 0)
+        assert push(agent.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        assert [(h.step, list(h.replica_ranks)) for h in tier.scan()] == [(30, [0])]
+        rep = agent.store.newest(0)
+        with open(rep.data, "r+b") as f:  # the replica rots in memory (same size: the listing cannot tell)
+            f.seek(5000)
+            f.write(b"\xde\xad")
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(agent.address, "job", 0, 30, lambda m: arena_writer(c, "job", m), 30)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert "node b" in err.value.details() and "step 30" in err.value.details()
+        assert not any(h.replica_ranks for h in tier.scan())  # the next report no longer offers it
+        assert agent.store.replicas() == []
+        # the buddy's next push of that copy lands again (not taken as already held)
+        assert push(agent.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        assert [(h.step, list(h.replica_ranks)) for h in tier.scan()] == [(30, [0])]
+    finally:
+        agent.stop()
