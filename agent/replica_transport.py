@@ -212,14 +212,18 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
             rank (with a step: of exactly that step), or None (:meth:`MemoryTier.own_copy
             <trainguard.agent.memory_tier.MemoryTier.own_copy>`).
         node_id: this node, named in the status of a fetch that fails ("" when unknown).
+        recheck_own: called with the data path of an own copy found damaged while served (:meth:`MemoryTier.
+            recheck <trainguard.agent.memory_tier.MemoryTier.recheck>`: it stops being reported), or None.
 
     FetchReplica serves the copy of exactly ``min_step`` when this node holds one, else its newest copy above it
     (``min_step`` -1: its newest); a restore's fetcher takes the planned step only.
     """
 
     def __init__(self, job: str, store: ReplicaStore,
-                 own_copy: Callable[..., tuple[str, Manifest] | None], node_id: str = "") -> None:
+                 own_copy: Callable[..., tuple[str, Manifest] | None], node_id: str = "",
+                 recheck_own: Callable[[str], None] | None = None) -> None:
         self.job, self.store, self.own_copy, self.node_id = job, store, own_copy, node_id
+        self.recheck_own = recheck_own
         self.received_bytes = 0
         self._refusing = False  # refused the last push: a refusal in a row is logged at debug level only
 
@@ -304,6 +308,8 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
             yield from _data_messages(fd, man, Throttle(0))
         except CorruptCheckpointError as exc:  # a checksum mismatch, or the file truncated under the stream
             dropped = replica is not None and self._drop(replica, opened)
+            if replica is None and self.recheck_own is not None:
+                self.recheck_own(data)  # verified once, it stayed reported; the next scan checks it again
             log.warning("%s cannot be served: %s%s", what, exc, "; dropped it" if dropped else "")
             context.abort(grpc.StatusCode.DATA_LOSS, f"{what} cannot be served: {exc}"
                                                      + ("; dropped it" if dropped else ""))

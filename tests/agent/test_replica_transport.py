@@ -1147,3 +1147,50 @@ def test_a_replica_found_corrupt_when_served_is_dropped_and_no_longer_reported(r
         assert [(h.step, list(h.replica_ranks)) for h in tier.scan()] == [(30, [0])]
     finally:
         agent.stop()
+
+
+def _rot(root: str, rank: int, slot: int = 0) -> None:
+    """Damages one byte of an own slot in place (same size: only its checksums can tell)."""
+    with open(os.path.join(root, "job", f"rank_{rank:05d}", f"slot_{slot}.data"), "r+b") as f:
+        f.seek(7000)
+        f.write(b"\x5a\xa5")
+
+
+def test_an_own_copy_found_corrupt_when_served_is_no_longer_reported(roots) -> None:
+    """An own copy verified when it appeared, damaged since: a fetch of it got DATA_LOSS, but the tier kept its
+    verification and went on reporting it, so the coordinator kept sending replacements to it."""
+    a, _, c = roots
+    _snapshot(a, 0, 40)
+    tier = MemoryTier(a, "job", "/ckpt")
+    agent = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier, "a", "127.0.0.1").start()
+    try:
+        assert [(h.step, list(h.ranks)) for h in tier.scan()] == [(40, [0])]
+        _rot(a, 0)
+        assert [(h.step, list(h.ranks)) for h in tier.scan()] == [(40, [0])]  # verified once: still reported
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(agent.address, "job", 0, 40, lambda m: arena_writer(c, "job", m), 30)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS and "own copy" in err.value.details()
+        assert tier.scan() == [] and tier.corrupt == 1
+    finally:
+        agent.stop()
+
+
+def test_an_own_copy_found_corrupt_when_pushed_is_no_longer_reported_nor_pushed_again(roots) -> None:
+    """The same slot damaged after its verification, found by the push: it stayed the rank's newest copy, so it
+    was pushed (and failed) every round and reported as held."""
+    a, b, _ = roots
+    _snapshot(a, 0, 41)
+    server, store = _server(b)
+    tier = MemoryTier(a, "job", "/ckpt")
+    agent = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier, "a", "127.0.0.1")
+    try:
+        assert [h.step for h in tier.scan()] == [41]
+        _rot(a, 0)
+        agent.set_targets([pb.ReplicaTarget(node_id="b", address=server.address)])
+        agent.start()
+        _wait(lambda: agent.stats.push_failures >= 1, "the damaged slot was never pushed", 10)
+        _wait(lambda: tier.scan() == [], "the damaged slot is still reported", 3)
+        assert store.replicas() == [] and tier.own_copies() == {}
+    finally:
+        agent.stop()
+        server.stop()
