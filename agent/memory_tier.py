@@ -156,6 +156,16 @@ class MemoryTier:
         c = self.own_copies().get(rank)
         return (c[1].data, c[2]) if c is not None else None
 
+    def recheck(self, data_path: str) -> None:
+        """Forgets that the copies in the slot at ``data_path`` were verified, so the next scan checks them again.
+
+        Called when serving or pushing that slot found it damaged (a checksum mismatch, or the file cut short):
+        verified once when it appeared, a copy that rotted later stayed reported, and the coordinator kept
+        planning restores from it. A slot merely rewritten by a newer snapshot is a new copy anyway."""
+        with self._scan_lock:  # the scan reads and fills the cache
+            for key in [k for k in self._verified if k.data == data_path]:
+                del self._verified[key]
+
     def _verify(self, paths: arena_mod.SlotPaths, man) -> bool | None:
         """True when the slot still holds this copy and every chunk matches; None when it changed meanwhile."""
         try:

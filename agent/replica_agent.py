@@ -136,7 +136,7 @@ class ReplicaAgent:
         # they go now, and at :meth:`stop` when still empty.
         self._remove_empty_folders()
         tier.replicas = self.store
-        self.servicer = ReplicaServicer(tier.job, self.store, tier.own_copy)
+        self.servicer = ReplicaServicer(tier.job, self.store, tier.own_copy, node_id, tier.recheck)
         self._host = host
         self.server: ReplicaServer | None = None
         self.stats = ReplicaStats()
@@ -262,7 +262,10 @@ class ReplicaAgent:
                                     self.config.token)
                 except CorruptCheckpointError as exc:
                     # The slot was rewritten by a newer snapshot mid-push (or is damaged, and the scan drops it):
-                    # nothing the buddy did, so no backoff; the next round sends the newest copy.
+                    # nothing the buddy did, so no backoff; the next round sends the newest copy. A damaged slot
+                    # is checked again by the next scan: verified once, it stayed this rank's newest copy and was
+                    # pushed (and failed) every round, and reported as held.
+                    self.tier.recheck(paths.data)
                     self._superseded_push(buddy, rank, step, exc)
                     continue
                 except (grpc.RpcError, CheckpointError, OSError) as exc:

@@ -20,7 +20,6 @@ reaches the data address could read every rank's weights or push a copy with val
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
 import time
@@ -31,7 +30,8 @@ import grpc
 
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import CHECKSUM_ALGO, Manifest, chunk_checksum
-from trainguard.checkpoint.replica_store import ReplicaRefusedError, ReplicaStore, ReplicaTornError, ReplicaWriter
+from trainguard.checkpoint.replica_store import (Replica, ReplicaRefusedError, ReplicaStore, ReplicaTornError,
+                                                  ReplicaWriter)
 from trainguard.grpc_guard import RequestGuard
 from trainguard.proto import replica_pb2, replica_pb2_grpc
 
@@ -93,30 +93,63 @@ class Throttle:
                 time.sleep(ahead)
 
 
+class CopyTruncatedError(CorruptCheckpointError):
+    """A copy's data file ended before the size its manifest names (truncated while, or before, it was read)."""
+
+
+def _read_at(fd: int, nbytes: int, offset: int) -> bytes:
+    """Up to ``nbytes`` bytes of ``fd`` at ``offset``; fewer only where the file ends (it was truncated)."""
+    parts = []
+    got = 0
+    while got < nbytes:
+        b = os.pread(fd, nbytes - got, offset + got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 def copy_stream(job: str, man: Manifest, data_path: str, from_node: str,
                 throttle: Throttle) -> Iterator[replica_pb2.ReplicaChunk]:
     """The messages of one copy: the header, then the data checked chunk by chunk against the manifest.
 
     Raises (while iterating):
-        CorruptCheckpointError: a chunk does not match its checksum (the slot was reused, or the copy is damaged).
+        CorruptCheckpointError: a chunk does not match its checksum (the slot was reused, or the copy is damaged),
+            or the file ends early (:class:`CopyTruncatedError`).
+        OSError: the file cannot be opened or read (FileNotFoundError: it was removed).
     """
     yield replica_pb2.ReplicaChunk(job=job, rank=man.rank, step=man.step, manifest=man.to_json(), from_node=from_node)
     fd = os.open(data_path, os.O_RDONLY)
     try:
-        with mmap.mmap(fd, man.data_bytes, prot=mmap.PROT_READ) as m:
-            cb = man.chunk_bytes
-            for i, expected in enumerate(man.chunks):
-                o, e = i * cb, min((i + 1) * cb, man.data_bytes)
-                chunk = m[o:e]
-                if chunk_checksum(chunk) != expected:
-                    raise CorruptCheckpointError(f"rank {man.rank} step {man.step}: chunk {i} fails its "
-                                                 f"{CHECKSUM_ALGO} checksum (the slot was reused or is damaged)")
-                for p in range(0, len(chunk), PIECE_BYTES):
-                    piece = chunk[p:p + PIECE_BYTES]
-                    throttle.take(len(piece))
-                    yield replica_pb2.ReplicaChunk(offset=o + p, data=piece)
+        yield from _data_messages(fd, man, throttle)
     finally:
         os.close(fd)
+
+
+def _data_messages(fd: int, man: Manifest, throttle: Throttle) -> Iterator[replica_pb2.ReplicaChunk]:
+    """The data messages of the copy open at ``fd``, each chunk checked against the manifest before it goes.
+
+    Read with ``pread``, not through an mmap: a file truncated under a mapping (an operator, a full tmpfs's
+    cleanup, a slot cut short) raised SIGBUS on the next page touched, which killed the whole agent, every job
+    it served. ``pread`` returns a short read there instead. Same cost: slicing the mapping copied each chunk
+    into a new ``bytes`` too (protobuf needs one), and ``pread`` makes one such copy with one syscall per chunk.
+    Holding the open fd also keeps an unlinked file's data (the store evicting it for a newer push) readable.
+    """
+    cb = man.chunk_bytes
+    for i, expected in enumerate(man.chunks):
+        o, e = i * cb, min((i + 1) * cb, man.data_bytes)
+        chunk = _read_at(fd, e - o, o)
+        if len(chunk) < e - o:
+            raise CopyTruncatedError(f"rank {man.rank} step {man.step}: its data file ends at byte "
+                                     f"{o + len(chunk)} of {man.data_bytes} (truncated while being read)")
+        if chunk_checksum(chunk) != expected:
+            raise CorruptCheckpointError(f"rank {man.rank} step {man.step}: chunk {i} fails its "
+                                         f"{CHECKSUM_ALGO} checksum (the slot was reused or is damaged)")
+        for p in range(0, len(chunk), PIECE_BYTES):
+            piece = chunk[p:p + PIECE_BYTES]
+            throttle.take(len(piece))
+            yield replica_pb2.ReplicaChunk(offset=o + p, data=piece)
 
 
 def receive(messages: Iterable[replica_pb2.ReplicaChunk], job: str,
@@ -178,14 +211,19 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
         own_copy: ``(rank, step=None)`` -> (data path, manifest) of this node's own newest verified copy of that
             rank (with a step: of exactly that step), or None (:meth:`MemoryTier.own_copy
             <trainguard.agent.memory_tier.MemoryTier.own_copy>`).
+        node_id: this node, named in the status of a fetch that fails ("" when unknown).
+        recheck_own: called with the data path of an own copy found damaged while served (:meth:`MemoryTier.
+            recheck <trainguard.agent.memory_tier.MemoryTier.recheck>`: it stops being reported), or None.
 
     FetchReplica serves the copy of exactly ``min_step`` when this node holds one, else its newest copy above it
     (``min_step`` -1: its newest); a restore's fetcher takes the planned step only.
     """
 
     def __init__(self, job: str, store: ReplicaStore,
-                 own_copy: Callable[..., tuple[str, Manifest] | None]) -> None:
-        self.job, self.store, self.own_copy = job, store, own_copy
+                 own_copy: Callable[..., tuple[str, Manifest] | None], node_id: str = "",
+                 recheck_own: Callable[[str], None] | None = None) -> None:
+        self.job, self.store, self.own_copy, self.node_id = job, store, own_copy, node_id
+        self.recheck_own = recheck_own
         self.received_bytes = 0
         self._refusing = False  # refused the last push: a refusal in a row is logged at debug level only
 
@@ -220,38 +258,96 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
             raise _AlreadyHeld(man)
         return self.store.begin(man)
 
-    def _exact(self, rank: int, step: int) -> tuple[str, Manifest] | None:
-        """(data path, manifest) of this node's copy of ``rank`` at exactly ``step`` (its own first), or None."""
+    def _exact(self, rank: int, step: int) -> tuple[str, Manifest, Replica | None] | None:
+        """(data path, manifest, the replica or None for an own copy) of this node's copy of ``rank`` at exactly
+        ``step`` (its own first), or None."""
         own = self.own_copy(rank, step)
         if own is not None:
-            return own
+            return own[0], own[1], None
         rep = self.store.copy_of(rank, step)
-        return (rep.data, rep.manifest) if rep is not None else None
+        return (rep.data, rep.manifest, rep) if rep is not None else None
 
     def FetchReplica(self, request, context):  # noqa: N802 (gRPC method name)
         if request.job != self.job:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"this agent serves job {self.job!r}, not {request.job!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"the agent on node {self.node_id or '(unnamed)'} serves job "
+                                                     f"{self.job!r}, not {request.job!r}")
         # The copy of exactly the step asked for when this node holds one (in any of its own slots, or as a
         # replica); else its newest above it. A restore plan names one step: its fetcher takes that step only,
         # and sending the newest made it refuse the copy while an older slot here held the very step planned.
         found = self._exact(request.rank, request.min_step) if request.min_step >= 0 else None
         if found is None:
-            candidates = []
+            candidates: list[tuple[str, Manifest, Replica | None]] = []
             own = self.own_copy(request.rank)
             if own is not None and own[1].step >= request.min_step:
-                candidates.append(own)
+                candidates.append((own[0], own[1], None))
             rep = self.store.newest(request.rank, request.min_step)
             if rep is not None:
-                candidates.append((rep.data, rep.manifest))
+                candidates.append((rep.data, rep.manifest, rep))
             if not candidates:
-                context.abort(grpc.StatusCode.NOT_FOUND, f"no in-memory copy of rank {request.rank} at step >= "
-                                                         f"{request.min_step} on this node")
+                context.abort(grpc.StatusCode.NOT_FOUND, f"no in-memory copy of job {self.job!r} rank {request.rank} "
+                                                         f"at step >= {request.min_step} on node "
+                                                         f"{self.node_id or '(unnamed)'}")
             found = max(candidates, key=lambda c: c[1].step)
-        data, man = found
+        data, man, replica = found
+        what = (f"the {'replica' if replica is not None else 'own copy'} of job {self.job!r} rank {man.rank} "
+                f"step {man.step} on node {self.node_id or '(unnamed)'}")
+        # Every failure of the stream ends it with a status naming the copy: raised out of the generator, gRPC
+        # logged "Exception iterating responses" with a traceback and the fetcher saw a bare UNKNOWN.
         try:
-            yield from copy_stream(self.job, man, data, "", Throttle(0))
-        except (CorruptCheckpointError, OSError) as exc:
-            context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+            fd = os.open(data, os.O_RDONLY)
+        except FileNotFoundError:  # evicted for a newer push (or removed) since it was looked up
+            context.abort(grpc.StatusCode.NOT_FOUND, f"{what} is gone: removed since it was listed (evicted for a "
+                                                     f"newer copy, or by hand)")
+        except OSError as exc:
+            log.warning("cannot serve %s: %s", what, exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{what} cannot be read: {exc}")
+        try:
+            opened = os.fstat(fd)
+            yield replica_pb2.ReplicaChunk(job=self.job, rank=man.rank, step=man.step, manifest=man.to_json(),
+                                           from_node="")
+            yield from _data_messages(fd, man, Throttle(0))
+        except CorruptCheckpointError as exc:  # a checksum mismatch, or the file truncated under the stream
+            dropped = replica is not None and self._drop(replica, opened)
+            if replica is None and self.recheck_own is not None:
+                self.recheck_own(data)  # verified once, it stayed reported; the next scan checks it again
+            log.warning("%s cannot be served: %s%s", what, exc, "; dropped it" if dropped else "")
+            context.abort(grpc.StatusCode.DATA_LOSS, f"{what} cannot be served: {exc}"
+                                                     + ("; dropped it" if dropped else ""))
+        except OSError as exc:  # EIO, ENOMEM: nothing says the copy is bad; another try (or holder) may do
+            log.warning("cannot serve %s: %s", what, exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{what} could not be read: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a stream's failure must end that stream only, with a status
+            log.exception("serving %s failed", what)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"serving {what} failed: {exc!r}")
+        finally:
+            os.close(fd)
+
+    def _drop(self, replica: Replica, opened: os.stat_result) -> bool:
+        """Removes ``replica`` found damaged while served, when its files are still the ones that were served;
+        returns whether it did. Left in place it stayed listed, so the node kept reporting it and the
+        coordinator kept planning restores from it until the buddy's next push replaced it.
+
+        Under the store's lock: the store replaces a copy of the same step at the same paths under that lock, and
+        a good copy that landed there since the damaged one was opened must not be the one removed.
+        """
+        with self.store._lock:  # noqa: SLF001 - the store has no public removal yet (its module is not ours)
+            try:
+                now = os.stat(replica.data)
+            except FileNotFoundError:
+                now = None  # removed under the stream: its manifest (if left) lists nothing servable
+            except OSError:
+                return False
+            if now is not None and (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
+                return False
+            for p in (replica.manifest_path, replica.data):  # the manifest first: unlisted at once
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.warning("cannot remove the damaged replica file %s: %s", p, exc)
+                    return False
+            return True
 
 
 class ReplicaServer:

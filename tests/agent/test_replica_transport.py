@@ -25,6 +25,7 @@ from trainguard.checkpoint.arena import Arena, memory_manifests, write_tag
 from trainguard.checkpoint.manifest import Manifest, compute_checksums, plan_layout
 from trainguard.checkpoint.replica_store import ReplicaStore, arena_writer
 from trainguard.proto import coordinator_pb2 as pb
+from trainguard.proto import replica_pb2, replica_pb2_grpc
 
 SCRIPT = Path(__file__).parent / "scripts" / "replica_peer.py"
 
@@ -1047,3 +1048,149 @@ def test_an_agent_holding_no_replica_leaves_no_empty_folders_and_one_holding_one
     finally:
         holder.stop()
     assert [r.step for r in ReplicaStore(b, "job", 1 << 30).replicas()] == [30]
+
+
+def _fetch_until(address: str, rank: int, step: int, after_first_piece) -> grpc.RpcError | None:
+    """Fetches rank ``rank`` step ``step`` from ``address`` by hand: calls ``after_first_piece()`` once the
+    header and the first data piece arrived (the server is mid-stream), then reads the rest; returns the
+    stream's error, or None when it ended cleanly."""
+    with grpc.insecure_channel(address) as ch:
+        stream = replica_pb2_grpc.MemoryReplicaStub(ch).FetchReplica(
+            replica_pb2.FetchReplicaRequest(job="job", rank=rank, min_step=step), timeout=30)
+        try:
+            assert next(stream).step == step and next(stream).data
+            after_first_piece()
+            for _ in stream:
+                pass
+        except grpc.RpcError as exc:
+            return exc
+    return None
+
+
+def test_a_replica_truncated_while_it_is_served_gets_data_loss_and_the_agent_lives(roots, tg_env) -> None:
+    """A replica file truncated while it is streamed (an operator, a full tmpfs's cleanup): the server read it
+    through mmap, so reading past the new end killed the whole agent with SIGBUS. It must end that one stream
+    with DATA_LOSS naming the job, step and node, and go on serving (the copy is no longer listed)."""
+    a, b, _ = roots
+    _snapshot(a, 1, 9, mib=64)  # far more than gRPC buffers ahead of a reader that waits
+    p, portfile = _receiver(b, tg_env)
+    try:
+        address = portfile.read_text()
+        path, man = _own(a, 1)
+        assert push(address, copy_stream("job", man, path, "a", Throttle(0)), 60).ok
+        rep = ReplicaStore(b, "job", 1 << 30).newest(1)
+        err = _fetch_until(address, 1, 9, lambda: os.truncate(rep.data, 1 << 20))
+        assert p.poll() is None, f"the agent died serving a truncated replica (exit {p.returncode})"
+        assert err is not None and err.code() == grpc.StatusCode.DATA_LOSS, err
+        assert "'job'" in err.details() and "step 9" in err.details() and "node b" in err.details(), err.details()
+        with pytest.raises(grpc.RpcError) as again:  # still serving; the damaged copy is not offered again
+            fetch(address, "job", 1, 9, lambda m: arena_writer(roots[2], "job", m), 30)
+        assert again.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        p.kill()
+        p.wait()
+        portfile.unlink(missing_ok=True)
+
+
+def test_a_replica_removed_before_it_is_read_gets_not_found_naming_it(roots) -> None:
+    """The store evicts a replica (a newer push needs the room) between the lookup and the read: NOT_FOUND naming
+    the copy, so the fetcher asks the plan's next holder, not an OSError's bare DATA_LOSS."""
+    a, b, c = roots
+    _snapshot(a, 0, 12)
+    store = ReplicaStore(b, "job", 1 << 30)
+    path, man = _own(a, 0)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy, node_id="b"),
+                           "127.0.0.1")
+    try:
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        rep = store.newest(0)
+        real_newest = store.newest
+
+        def evicted_meanwhile(rank: int, min_step: int = -1):
+            found = real_newest(rank, min_step)
+            os.unlink(rep.data)  # after the lookup, before the server opens it
+            return found
+
+        store.copy_of = lambda rank, step: None
+        store.newest = evicted_meanwhile
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(server.address, "job", 0, 12, lambda m: arena_writer(c, "job", m), 30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value
+        assert "'job'" in err.value.details() and "step 12" in err.value.details() and "node b" in err.value.details()
+    finally:
+        server.stop()
+
+
+def test_a_replica_found_corrupt_when_served_is_dropped_and_no_longer_reported(roots) -> None:
+    """A replica failing its checksums when served (DATA_LOSS) stayed listed until the buddy's next push, so the
+    coordinator kept planning restores from it and every fetch failed the same way."""
+    a, b, c = roots
+    _snapshot(a, 0, 30)
+    tier = MemoryTier(b, "job", "/ckpt")
+    agent = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier, "b", "127.0.0.1").start()
+    try:
+        path, man = _own(a, 0)
+        assert push(agent.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        assert [(h.step, list(h.replica_ranks)) for h in tier.scan()] == [(30, [0])]
+        rep = agent.store.newest(0)
+        with open(rep.data, "r+b") as f:  # the replica rots in memory (same size: the listing cannot tell)
+            f.seek(5000)
+            f.write(b"\xde\xad")
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(agent.address, "job", 0, 30, lambda m: arena_writer(c, "job", m), 30)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert "node b" in err.value.details() and "step 30" in err.value.details()
+        assert not any(h.replica_ranks for h in tier.scan())  # the next report no longer offers it
+        assert agent.store.replicas() == []
+        # the buddy's next push of that copy lands again (not taken as already held)
+        assert push(agent.address, copy_stream("job", man, path, "a", Throttle(0)), 30).ok
+        assert [(h.step, list(h.replica_ranks)) for h in tier.scan()] == [(30, [0])]
+    finally:
+        agent.stop()
+
+
+def _rot(root: str, rank: int, slot: int = 0) -> None:
+    """Damages one byte of an own slot in place (same size: only its checksums can tell)."""
+    with open(os.path.join(root, "job", f"rank_{rank:05d}", f"slot_{slot}.data"), "r+b") as f:
+        f.seek(7000)
+        f.write(b"\x5a\xa5")
+
+
+def test_an_own_copy_found_corrupt_when_served_is_no_longer_reported(roots) -> None:
+    """An own copy verified when it appeared, damaged since: a fetch of it got DATA_LOSS, but the tier kept its
+    verification and went on reporting it, so the coordinator kept sending replacements to it."""
+    a, _, c = roots
+    _snapshot(a, 0, 40)
+    tier = MemoryTier(a, "job", "/ckpt")
+    agent = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier, "a", "127.0.0.1").start()
+    try:
+        assert [(h.step, list(h.ranks)) for h in tier.scan()] == [(40, [0])]
+        _rot(a, 0)
+        assert [(h.step, list(h.ranks)) for h in tier.scan()] == [(40, [0])]  # verified once: still reported
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(agent.address, "job", 0, 40, lambda m: arena_writer(c, "job", m), 30)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS and "own copy" in err.value.details()
+        assert tier.scan() == [] and tier.corrupt == 1
+    finally:
+        agent.stop()
+
+
+def test_an_own_copy_found_corrupt_when_pushed_is_no_longer_reported_nor_pushed_again(roots) -> None:
+    """The same slot damaged after its verification, found by the push: it stayed the rank's newest copy, so it
+    was pushed (and failed) every round and reported as held."""
+    a, b, _ = roots
+    _snapshot(a, 0, 41)
+    server, store = _server(b)
+    tier = MemoryTier(a, "job", "/ckpt")
+    agent = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier, "a", "127.0.0.1")
+    try:
+        assert [h.step for h in tier.scan()] == [41]
+        _rot(a, 0)
+        agent.set_targets([pb.ReplicaTarget(node_id="b", address=server.address)])
+        agent.start()
+        _wait(lambda: agent.stats.push_failures >= 1, "the damaged slot was never pushed", 10)
+        _wait(lambda: tier.scan() == [], "the damaged slot is still reported", 3)
+        assert store.replicas() == [] and tier.own_copies() == {}
+    finally:
+        agent.stop()
+        server.stop()

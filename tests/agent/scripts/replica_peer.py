@@ -23,7 +23,8 @@ def main() -> None:
     if cmd == "serve":
         root, job, portfile = sys.argv[2:5]
         tier = MemoryTier(root, job, "/ckpt")
-        server = ReplicaServer(ReplicaServicer(job, ReplicaStore(root, job, 1 << 30), tier.own_copy), "127.0.0.1")
+        server = ReplicaServer(ReplicaServicer(job, ReplicaStore(root, job, 1 << 30), tier.own_copy, node_id="b"),
+                               "127.0.0.1")
         with open(portfile + ".tmp", "w") as f:
             f.write(server.address)
         os.replace(portfile + ".tmp", portfile)
