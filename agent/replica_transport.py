@@ -323,31 +323,8 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
             os.close(fd)
 
     def _drop(self, replica: Replica, opened: os.stat_result) -> bool:
-        """Removes ``replica`` found damaged while served, when its files are still the ones that were served;
-        returns whether it did. Left in place it stayed listed, so the node kept reporting it and the
-        coordinator kept planning restores from it until the buddy's next push replaced it.
-
-        Under the store's lock: the store replaces a copy of the same step at the same paths under that lock, and
-        a good copy that landed there since the damaged one was opened must not be the one removed.
-        """
-        with self.store._lock:  # noqa: SLF001 - the store has no public removal yet (its module is not ours)
-            try:
-                now = os.stat(replica.data)
-            except FileNotFoundError:
-                now = None  # removed under the stream: its manifest (if left) lists nothing servable
-            except OSError:
-                return False
-            if now is not None and (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
-                return False
-            for p in (replica.manifest_path, replica.data):  # the manifest first: unlisted at once
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    log.warning("cannot remove the damaged replica file %s: %s", p, exc)
-                    return False
-            return True
+        """Removes ``replica`` found damaged while served (see :meth:`ReplicaStore.drop_damaged`)."""
+        return self.store.drop_damaged(replica, opened)
 
 
 class ReplicaServer:

@@ -323,6 +323,33 @@ class ReplicaStore:
             except FileNotFoundError:
                 pass
 
+    def drop_damaged(self, replica: Replica, opened: os.stat_result) -> bool:
+        """Removes ``replica``, found damaged while it was read, when its data file is still the one that was read
+        (``opened``: its stat then); returns whether it did (or it was gone already).
+
+        Left in place a damaged copy stayed listed: its node kept reporting it and the coordinator kept planning
+        restores from it until the buddy's next push replaced it. Under the store's lock, which every replacement
+        of a copy at the same paths takes: a good copy that landed there since the damaged one was opened is kept.
+        """
+        with self._lock:
+            try:
+                now = os.stat(replica.data)
+            except FileNotFoundError:
+                now = None  # removed under the reader: its manifest (if left) lists nothing servable
+            except OSError:
+                return False
+            if now is not None and (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
+                return False
+            for p in (replica.manifest_path, replica.data):  # the manifest first: unlisted at once
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.warning("cannot remove the damaged replica file %s: %s", p, exc)
+                    return False
+            return True
+
     def _publish(self, manifest: Manifest, partial: str) -> Replica:
         with self._lock:
             self._reserved.pop(partial, None)  # from here on the copy counts as published (or is gone)
