@@ -137,7 +137,13 @@ class PersistConfig:
         chunk_mib: size of a checksummed chunk and of one write, in MiB. Default 4.
         alignment: byte alignment of every tensor in the data file (a power of two >= 64). Default 4096.
         service: unix socket of a running checkpoint service; None reads ``$TRAINGUARD_CHECKPOINT_SERVICE`` and,
-            when that is unset too, starts a private persist process. Default None.
+            when that is unset too, starts a private persist process. ``"inline"`` persists in the calling
+            thread instead: ``save()`` returns after the disk write and the remote upload. Against an unreachable
+            remote that costs the training step up to the connect timeout (``remote.storage_options``) once per
+            back-off period (``remote.retry_s``, growing to 10x), not once per save: saves in between skip the
+            upload (about 2 s blocked per save before, 0.01-0.06 s after, measured with a 2 s timeout against a
+            stalled endpoint); ``close()`` uploads the newest skipped step if the back-off is over by then.
+            Default None.
     """
 
     bandwidth_mib_s: float = 0.0

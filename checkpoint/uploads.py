@@ -216,6 +216,104 @@ class UploadQueue:
         log.info("remote %s unreachable: uploads are not dialed for %g s", e.remote, o.backoff)
 
 
+class InlineUploads:
+    """The upload back-off of :class:`UploadQueue` without its thread, for ``persist.service = "inline"``: the
+    upload runs in the caller's thread (the training step's ``save()``), before ``put`` returns.
+
+    Before, each inline save against an unreachable remote dialed it and blocked the step for the connect timeout,
+    and each sent its own health event. Now, as in the queue: a failure to reach the remote marks it down for
+    ``retry_s`` (doubling per failure in a row, up to :data:`REMOTE_BACKOFF_CAP` times); while it is down an upload
+    is not dialed (``defer`` reports it, quietly); the newest skipped step of each key is kept aside. There is no
+    thread to catch up on its own: the next save after the back-off uploads its own, newer step (the skipped one
+    is superseded), and :meth:`finish` (the channel's close) uploads the skipped step when the back-off is over by
+    then, so a job whose last saves fell into an outage still leaves its newest step on the remote. Each dial
+    still costs the caller up to the connect timeout: once per back-off period, not once per save.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._down: dict[Hashable, _Outage] = {}
+
+    def put(self, key: Hashable, step: int, run: Callable[[bool], object], drop: Callable[[int], None],
+            defer: Callable[[float], None] | None = None, catch_up: Callable[[bool], object] | None = None,
+            remote: Hashable = None, retry_s: float = 30.0, down_for: float = 0.0, backoff: float = 0.0) -> None:
+        """Uploads ``step`` now, or defers it while ``remote`` backs off (arguments as :meth:`UploadQueue.put`;
+        ``drop`` is not called: nothing waits to be superseded)."""
+        e = _Entry(step, run, drop, defer, catch_up, remote, retry_s)
+        with self._lock:
+            now = time.monotonic()
+            o = self._down.get(remote) if remote is not None else None
+            if down_for > 0 and remote is not None:
+                if o is None:  # the worker's listing (or its constructor's probe) found it unreachable
+                    self._down[remote] = o = _Outage(now + down_for, backoff or retry_s)
+                elif o.retry_at < now + down_for and not o.parked:
+                    o.retry_at, o.backoff = now + down_for, max(o.backoff, backoff)
+            wait_s = o.retry_at - now if o is not None and defer is not None else 0.0
+            if wait_s > 0:
+                UploadQueue._park(o, key, e)
+            elif o is not None:
+                o.parked.pop(key, None)  # this newer step is the catch-up
+            ongoing = o is not None
+        if wait_s > 0:
+            assert defer is not None
+            _safely(lambda: defer(wait_s), "reporting a deferred upload")
+            return
+        result: list[object] = [None]
+        _safely(lambda: result.__setitem__(0, run(ongoing)), "an upload")
+        if remote is not None:
+            with self._lock:
+                self._after(key, e, result[0] == UNREACHABLE)
+
+    def _after(self, key: Hashable, e: _Entry, unreachable: bool) -> None:
+        """Updates ``e.remote``'s outage after an upload to it. Caller holds the lock."""
+        o = self._down.get(e.remote)
+        if not unreachable:
+            if o is not None:
+                del self._down[e.remote]
+                log.info("remote %s answers again", e.remote)
+            return
+        if o is None:
+            self._down[e.remote] = o = _Outage(0.0, e.retry_s)
+        else:
+            o.backoff = min(o.backoff * 2, e.retry_s * REMOTE_BACKOFF_CAP)
+        o.retry_at = time.monotonic() + o.backoff
+        UploadQueue._park(o, key, e)
+        log.info("remote %s unreachable: uploads are not dialed for %g s", e.remote, o.backoff)
+
+    def backing_off(self, remote: Hashable) -> float:
+        """Seconds until ``remote`` is dialed again; 0 when it is not backing off."""
+        with self._lock:
+            o = self._down.get(remote)
+            return max(0.0, o.retry_at - time.monotonic()) if o is not None else 0.0
+
+    def steps_of(self, job: object) -> set[int]:
+        """Skipped steps of ``job`` kept for a catch-up: the disk tier keeps them, as the upload reads its copy."""
+        with self._lock:
+            return {e.step for o in self._down.values() for key, e in o.parked.items() if _job_of(key) == job}
+
+    def finish(self) -> None:
+        """Uploads the newest skipped step of each key whose remote's back-off is over (one dial each; a remote
+        still backing off is not waited for: its skipped step stays on the local tiers only)."""
+        with self._lock:
+            now = time.monotonic()
+            due = [(key, e) for o in self._down.values() if now >= o.retry_at for key, e in o.parked.items()]
+            waiting = [(key, e.step, o.retry_at - now) for o in self._down.values() if now < o.retry_at
+                       for key, e in o.parked.items()]
+            for o in self._down.values():
+                if now >= o.retry_at:
+                    o.parked.clear()
+        for key, step, left in waiting:
+            log.warning("step %d (%s) was not uploaded: its remote is still backing off for %.1f s after failing "
+                        "to answer; it stays on the local tiers", step, key, left)
+        for key, e in due:
+            result: list[object] = [None]
+            run = e.run
+            _safely(lambda: result.__setitem__(0, run(True)), "a catch-up upload")
+            with self._lock:
+                if result[0] != UNREACHABLE:
+                    self._down.pop(e.remote, None)
+
+
 def _job_of(key: Hashable) -> object:
     return key[0] if isinstance(key, tuple) and key else None
 
@@ -227,4 +325,4 @@ def _safely(fn: Callable[[], None], what: str) -> None:
         log.exception("persist process: %s failed", what)
 
 
-__all__ = ["REMOTE_BACKOFF_CAP", "UNREACHABLE", "UploadQueue"]
+__all__ = ["REMOTE_BACKOFF_CAP", "UNREACHABLE", "InlineUploads", "UploadQueue"]

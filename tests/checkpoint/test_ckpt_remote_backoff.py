@@ -108,3 +108,50 @@ def test_a_remote_restarted_under_a_running_job_is_listed_again(make_config, tmp
                 time.sleep(0.05)
     finally:
         stub.close()
+
+
+def test_inline_saves_do_not_dial_a_backing_off_remote_and_close_catches_up(make_config, tmp_path):
+    # persist.service = "inline" uploads in the caller's thread: against a dead remote every save dialed it and
+    # the training step waited out the connect timeout inside save(), each time, with one health event per step.
+    stall = Stall()
+    stub = None
+    retry_s = 1.0
+    cfg = make_config(remote={"url": f"ftp://127.0.0.1:{stall.port}/ckpt", "storage_options": {"timeout": 0.3},
+                              "retry_s": retry_s}, persist={"service": "inline"})
+    events = Events()
+    try:
+        ck = Checkpointer(cfg, job="il", on_event=events)
+        try:
+            down_since = time.monotonic()
+            assert len(stall.conns) == 1  # the constructor's probe found it unreachable
+            tried = len(stall.conns)
+            for step in range(1, 4):
+                t0 = time.monotonic()
+                h = ck.save({"w": torch.full((1000,), float(step))}, step)
+                assert h.wait(timeout=30) is False
+                blocked = time.monotonic() - t0
+                assert set(h.tiers_done) == {"memory", "disk"}
+                if time.monotonic() < down_since + retry_s:  # still backing off: not dialed, no timeout waited
+                    assert len(stall.conns) == tried, "an inline save dialed the backing-off remote"
+                    assert blocked < 0.3, f"an inline save waited {blocked:.2f} s for the backing-off remote"
+            assert [e.kind for e in events] == ["checkpoint.remote_unreachable"], [e.message for e in events]
+
+            # The remote answers again: close() (the back-off over) uploads the newest skipped step, 3.
+            stall.close()
+            stub = FtpStub(tmp_path / "remote", port=stall.port)
+            # The back-off must be over for close() to dial it (it began at the first save's upload decision,
+            # after that save's disk write, so a little later than down_since + retry_s).
+            deadline = down_since + retry_s + 5
+            while ck.channel._uploads.backing_off(cfg.remote_url) > 0:
+                assert time.monotonic() < deadline, "the back-off never ended"
+                time.sleep(0.02)
+        finally:
+            ck.close()
+        root = tmp_path / "remote" / "ckpt" / "il"
+        assert (root / step_dirname(3) / "rank_00000.commit").exists(), "close() did not catch up with step 3"
+        assert not (root / step_dirname(2)).exists()  # older skipped steps are not uploaded
+        assert [e.kind for e in events] == ["checkpoint.remote_unreachable"], [e.message for e in events]
+    finally:
+        stall.close()
+        if stub is not None:
+            stub.close()
