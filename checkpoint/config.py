@@ -116,7 +116,7 @@ class RemoteTierConfig:
         storage_options: keyword arguments for the fsspec filesystem (credentials, endpoint...). Default {}.
         retry_s: seconds an unreachable remote is left alone after a failure before it is tried again; doubles
             while it keeps failing, up to 10 times this. Meanwhile listings (``steps()``) leave it out and saves
-            do not upload to it (the step stays in memory and on disk; one health event per outage); once it
+            do not upload to it (the step stays in memory and on disk; one health event per rank and outage); once it
             answers, the newest step skipped is uploaded. ``restore()`` tries it regardless. Default 30.
     """
 

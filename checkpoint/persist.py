@@ -129,9 +129,12 @@ def persist_snapshot(req: dict[str, Any], report: Report,
 
     remote = req["remote"]
 
-    def defer(retry_in: float) -> None:
-        # Quiet: the failure that began the outage sent the health event; one per step flooded the operator.
-        report({"op": "tier", "id": rid, "step": step, "tier": "remote", "ok": False, "errno": 0, "quiet": True,
+    def defer(retry_in: float, first: bool = False) -> None:
+        # Quiet: the failure that began the outage sent the health event; one per step flooded the operator. But
+        # each rank hears of it once (``first``): in a service shared by the node's ranks another rank's upload
+        # may have found it, and this rank's Session.errors and log said nothing while its steps stayed local.
+        report({"op": "tier", "id": rid, "step": step, "tier": "remote", "ok": False, "errno": 0,
+                **({"unreachable": True} if first else {"quiet": True}),
                 "error": f"not uploaded: the remote {remote.get('url')} was unreachable moments ago and is not "
                          f"dialed again for {retry_in:.1f} s (checkpoint.remote.retry_s); the step is on the "
                          "local tiers, and the newest step is uploaded once the remote answers"})

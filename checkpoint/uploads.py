@@ -14,9 +14,10 @@ Back-off: an upload that cannot reach its remote (connection refused or reset, a
 unknown or unreachable host) marks that remote URL down for ``remote.retry_s`` seconds, doubled at each failure
 in a row up to :data:`REMOTE_BACKOFF_CAP` times (the listings' back-off in the Checkpointer). While it is down an
 upload is not dialed: the step is reported as not uploaded at once, quietly (one health event per outage, from
-the failure that began it, not one per step), and the newest such step of each rank is kept aside. When the
-back-off is over that step is uploaded, so the remote catches up with the newest durable step once it answers
-again (older skipped steps are not). Before, each save against a dead remote waited out the connect timeout in
+the failure that began it, not one per step; and one for each other rank the service uploads for, at its first
+skipped step, since each rank's Session.errors and log are its own), and the newest such step of each rank is
+kept aside. When the back-off is over that step is uploaded, so the remote catches up with the newest durable
+step once it answers again (older skipped steps are not). Before, each save against a dead remote waited out the connect timeout in
 the upload thread and sent its own health event.
 """
 
@@ -43,8 +44,9 @@ class _Entry:
     step: int
     run: Callable[[bool], object]
     drop: Callable[[int], None]
-    #: reports the step as not uploaded because its remote is backing off (its argument: seconds to the retry)
-    defer: Callable[[float], None] | None = None
+    #: reports the step as not uploaded because its remote is backing off (its arguments: seconds to the retry,
+    #: and whether this is the first its rank hears of the outage: then it is reported as the outage, not quietly)
+    defer: Callable[[float, bool], None] | None = None
     #: the upload to run once the back-off is over (it reports as a catch-up: the step was reported already)
     catch_up: Callable[[bool], object] | None = None
     remote: Hashable = None
@@ -56,6 +58,9 @@ class _Outage:
     retry_at: float  # monotonic time of the next try
     backoff: float
     parked: dict[Hashable, _Entry] = field(default_factory=dict)  # per key: the newest step to upload then
+    #: keys (ranks) told of this outage: each rank's Session.errors and log shows it once, not only the rank
+    #: whose upload found it first (a service shared by the node's ranks)
+    told: set[Hashable] = field(default_factory=set)
 
 
 class UploadQueue:
@@ -65,7 +70,8 @@ class UploadQueue:
     :data:`UNREACHABLE` when the remote could not be reached (``ongoing``: it was unreachable already, so a
     failure is the same outage going on and says nothing new); ``drop(newer_step)`` reports that the entry was
     superseded before it started. With ``defer``, ``catch_up`` and ``remote``, an entry whose remote is backing
-    off is not run: ``defer(seconds_to_retry)`` reports that, and ``catch_up()`` runs once the back-off is over
+    off is not run: ``defer(seconds_to_retry, first)`` reports that (``first``: its key had not heard of the
+    outage), and ``catch_up()`` runs once the back-off is over
     (for the newest such step of the key; also after a run found the remote unreachable), as ``catch_up(ongoing)``.
     None of them may raise (exceptions are logged).
     """
@@ -78,7 +84,7 @@ class UploadQueue:
         self._thread: threading.Thread | None = None
 
     def put(self, key: Hashable, step: int, run: Callable[[bool], object], drop: Callable[[int], None],
-            defer: Callable[[float], None] | None = None, catch_up: Callable[[bool], object] | None = None,
+            defer: Callable[[float, bool], None] | None = None, catch_up: Callable[[bool], object] | None = None,
             remote: Hashable = None, retry_s: float = 30.0, down_for: float = 0.0, backoff: float = 0.0) -> None:
         """Queues the upload of ``step`` under ``key``, dropping a waiting older one of the same key.
 
@@ -87,7 +93,9 @@ class UploadQueue:
             step: the step.
             run: the upload; returns :data:`UNREACHABLE` when the remote could not be reached.
             drop: reports that a newer step replaced this one before it started.
-            defer: reports that the remote is backing off (see the class); None: always run.
+            defer: reports that the remote is backing off (see the class), as ``defer(seconds_to_retry, first)``:
+                ``first`` when this key was not told of the outage yet (another key's upload found it
+                unreachable); None: always run.
             catch_up: the upload of this step once the remote's back-off is over.
             remote: what the back-off applies to (the remote URL).
             retry_s: the first back-off after a failure to reach ``remote``, seconds.
@@ -98,9 +106,10 @@ class UploadQueue:
             if down_for > 0 and remote is not None:
                 o = self._down.get(remote)
                 if o is None:
-                    self._down[remote] = _Outage(time.monotonic() + down_for, backoff or retry_s)
+                    self._down[remote] = o = _Outage(time.monotonic() + down_for, backoff or retry_s)
                 elif o.retry_at < time.monotonic() + down_for and not o.parked:
                     o.retry_at, o.backoff = time.monotonic() + down_for, max(o.backoff, backoff)
+                o.told.add(key)  # the worker found it down itself, and said so
             old = self._pending.pop(key, None)
             self._pending[key] = _Entry(step, run, drop, defer, catch_up, remote, retry_s)
             if self._thread is None:
@@ -162,14 +171,18 @@ class UploadQueue:
                 key, e = item
                 o = self._down.get(e.remote) if e.defer is not None else None
                 wait_s = o.retry_at - time.monotonic() if o is not None else 0.0
-                ongoing = e.remote is not None and e.remote in self._down
+                # Ongoing for this key only when its rank was told already: another rank's failure began it.
+                od = self._down.get(e.remote) if e.remote is not None else None
+                ongoing = od is not None and key in od.told
                 if wait_s <= 0:
                     self._running[key] = e.step
+                elif o is not None:
+                    o.told.add(key)
             if wait_s > 0:
                 # Backing off: not dialed; reported at once, and the newest step kept for the catch-up.
                 assert e.defer is not None and o is not None
                 defer = e.defer
-                _safely(lambda: defer(wait_s), "reporting a deferred upload")
+                _safely(lambda: defer(wait_s, not ongoing), "reporting a deferred upload")
                 with self._cond:
                     self._park(o, key, e)
                     self._cond.notify_all()
@@ -211,6 +224,7 @@ class UploadQueue:
         else:
             o.backoff = min(o.backoff * 2, e.retry_s * REMOTE_BACKOFF_CAP)
         o.retry_at = time.monotonic() + o.backoff
+        o.told.add(key)  # its failure said it (or was quiet because it had been said)
         if key not in self._pending:  # a newer step waiting would be the catch-up itself
             self._park(o, key, e)
         log.info("remote %s unreachable: uploads are not dialed for %g s", e.remote, o.backoff)
@@ -235,7 +249,7 @@ class InlineUploads:
         self._down: dict[Hashable, _Outage] = {}
 
     def put(self, key: Hashable, step: int, run: Callable[[bool], object], drop: Callable[[int], None],
-            defer: Callable[[float], None] | None = None, catch_up: Callable[[bool], object] | None = None,
+            defer: Callable[[float, bool], None] | None = None, catch_up: Callable[[bool], object] | None = None,
             remote: Hashable = None, retry_s: float = 30.0, down_for: float = 0.0, backoff: float = 0.0) -> None:
         """Uploads ``step`` now, or defers it while ``remote`` backs off (arguments as :meth:`UploadQueue.put`;
         ``drop`` is not called: nothing waits to be superseded)."""
@@ -256,7 +270,7 @@ class InlineUploads:
             ongoing = o is not None
         if wait_s > 0:
             assert defer is not None
-            _safely(lambda: defer(wait_s), "reporting a deferred upload")
+            _safely(lambda: defer(wait_s, False), "reporting a deferred upload")  # this rank was told: quiet
             return
         result: list[object] = [None]
         _safely(lambda: result.__setitem__(0, run(ongoing)), "an upload")

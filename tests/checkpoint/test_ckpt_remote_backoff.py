@@ -10,6 +10,7 @@ import torch
 
 from ftp_stub import FtpStub
 from trainguard.checkpoint import Checkpointer
+from trainguard.checkpoint.service import CheckpointService
 from trainguard.checkpoint.storage import step_dirname
 
 
@@ -21,10 +22,10 @@ class Events(list):
 class Stall:
     """An endpoint that accepts connections and never answers (a stalled object-store endpoint)."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.srv = socket.socket()
         self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.srv.bind(("127.0.0.1", 0))
+        self.srv.bind(("127.0.0.1", port))
         self.srv.listen(64)
         self.port = self.srv.getsockname()[1]
         self.conns: list[socket.socket] = []
@@ -155,3 +156,35 @@ def test_inline_saves_do_not_dial_a_backing_off_remote_and_close_catches_up(make
         stall.close()
         if stub is not None:
             stub.close()
+
+
+def test_every_rank_of_a_shared_service_hears_of_the_outage_once(make_config, shm_dir, tmp_path):
+    # One agent-owned service uploads for every rank of the node. Only the rank whose upload first found the
+    # remote dead got the outage's event; the others' steps were skipped quietly (a debug log line), so their
+    # Session.errors and logs said nothing while their steps were not reaching the remote.
+    stub = FtpStub(tmp_path / "remote")
+    stall = None
+    svc = CheckpointService(job="sh", shm_dir=shm_dir, nice=0).start()
+    cfg = make_config(remote={"url": f"ftp://127.0.0.1:{stub.port}/ckpt", "storage_options": {"timeout": 0.3},
+                              "retry_s": 30.0}, persist={"service": svc.address})
+    ev0, ev1 = Events(), Events()
+    try:
+        with Checkpointer(cfg, job="sh", rank=0, world_size=2, on_event=ev0) as ck0, \
+                Checkpointer(cfg, job="sh", rank=1, world_size=2, on_event=ev1) as ck1:
+            assert ck0.save({"w": torch.ones(100)}, 1).wait(timeout=30)
+            assert ck1.save({"w": torch.ones(100)}, 1).wait(timeout=30)
+            stub.close()
+            stall = Stall(port=stub.port)  # the remote stalls from now on
+            assert ck0.save({"w": torch.ones(100)}, 2).wait(timeout=30) is False  # rank 0's upload finds it dead
+            assert [e.kind for e in ev0] == ["checkpoint.remote_unreachable"], [e.message for e in ev0]
+            dialed = len(stall.conns)
+            for step in (2, 3):  # rank 1: not dialed (backing off), but told once
+                assert ck1.save({"w": torch.ones(100)}, step).wait(timeout=30) is False
+            assert len(stall.conns) == dialed, "rank 1's upload dialed the backing-off remote"
+            assert [e.kind for e in ev1] == ["checkpoint.remote_unreachable"], [e.message for e in ev1]
+            assert [e.kind for e in ev0] == ["checkpoint.remote_unreachable"], [e.message for e in ev0]
+    finally:
+        svc.stop()
+        stub.close()
+        if stall is not None:
+            stall.close()
