@@ -17,8 +17,8 @@ upload is not dialed: the step is reported as not uploaded at once, quietly (one
 the failure that began it, not one per step; and one for each other rank the service uploads for, at its first
 skipped step, since each rank's Session.errors and log are its own), and the newest such step of each rank is
 kept aside. When the back-off is over that step is uploaded, so the remote catches up with the newest durable
-step once it answers again (older skipped steps are not). Before, each save against a dead remote waited out the connect timeout in
-the upload thread and sent its own health event.
+step once it answers again (older skipped steps are not). Before, each save against a dead remote waited out the
+connect timeout in the upload thread and sent its own health event.
 """
 
 from __future__ import annotations
