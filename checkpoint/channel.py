@@ -41,23 +41,33 @@ class PersistChannel(ABC):
 
 
 class InlineChannel(PersistChannel):
-    """Persists synchronously in the caller's thread (no background process)."""
+    """Persists synchronously in the caller's thread (no background process), the remote upload included.
+
+    An unreachable remote is backed off as in the persist process (see
+    :class:`~trainguard.checkpoint.uploads.InlineUploads`): a save does not dial it while it backs off, so the
+    caller waits out the connect timeout once per back-off period, not in every save; :meth:`close` uploads the
+    newest step skipped meanwhile when the back-off is over by then.
+    """
 
     def __init__(self, report: Report) -> None:
+        from trainguard.checkpoint.uploads import InlineUploads
+
         self.report = report
         self._lock = threading.Lock()
+        self._uploads = InlineUploads()
 
     def submit(self, request: dict[str, Any]) -> None:
         from trainguard.checkpoint.persist import persist_snapshot
 
         with self._lock:
-            persist_snapshot(request, self.report)
+            persist_snapshot(request, self.report, self._uploads)
 
     def alive(self) -> bool:
         return True
 
     def close(self) -> None:
-        return None
+        with self._lock:
+            self._uploads.finish()
 
 
 INLINE = "inline"

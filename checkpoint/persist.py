@@ -39,7 +39,7 @@ from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableErro
 from trainguard.checkpoint.fileio import PendingFile, Throttle, storage_error
 from trainguard.checkpoint.manifest import Manifest, TensorEntry, chunk_checksum, compute_checksums
 from trainguard.checkpoint.storage import FsspecStore, LocalStore, manifest_name
-from trainguard.checkpoint.uploads import UNREACHABLE, UploadQueue
+from trainguard.checkpoint.uploads import UNREACHABLE, InlineUploads, UploadQueue
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +61,15 @@ def _errno_of(exc: BaseException) -> int:
     return 0
 
 
-def persist_snapshot(req: dict[str, Any], report: Report, uploads: UploadQueue | None = None) -> None:
+def persist_snapshot(req: dict[str, Any], report: Report,
+                     uploads: UploadQueue | InlineUploads | None = None) -> None:
     """Persists one snapshot described by ``req`` (see module docstring); never raises for storage failures.
 
     Args:
         req: the persist request.
         report: receives one JSON-ready dict per outcome.
-        uploads: where the remote upload goes once the slot is free; None uploads here, before returning.
+        uploads: where the remote upload goes once the slot is free; None uploads here, before returning, with
+            no back-off (an :class:`InlineUploads` uploads here too, before returning, but backs off).
     """
     rid, step = req.get("id"), int(req["step"])
     paths = SlotPaths(req.get("slot_data") or req["slot"] + ".data", req["slot"] + ".tag",
@@ -127,9 +129,12 @@ def persist_snapshot(req: dict[str, Any], report: Report, uploads: UploadQueue |
 
     remote = req["remote"]
 
-    def defer(retry_in: float) -> None:
-        # Quiet: the failure that began the outage sent the health event; one per step flooded the operator.
-        report({"op": "tier", "id": rid, "step": step, "tier": "remote", "ok": False, "errno": 0, "quiet": True,
+    def defer(retry_in: float, first: bool = False) -> None:
+        # Quiet: the failure that began the outage sent the health event; one per step flooded the operator. But
+        # each rank hears of it once (``first``): in a service shared by the node's ranks another rank's upload
+        # may have found it, and this rank's Session.errors and log said nothing while its steps stayed local.
+        report({"op": "tier", "id": rid, "step": step, "tier": "remote", "ok": False, "errno": 0,
+                **({"unreachable": True} if first else {"quiet": True}),
                 "error": f"not uploaded: the remote {remote.get('url')} was unreachable moments ago and is not "
                          f"dialed again for {retry_in:.1f} s (checkpoint.remote.retry_s); the step is on the "
                          "local tiers, and the newest step is uploaded once the remote answers"})

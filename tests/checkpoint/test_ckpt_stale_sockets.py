@@ -123,3 +123,20 @@ def test_sockets_of_persist_processes_killed_with_sigkill_are_removed(tmp_path, 
         if a.poll() is None:
             a.kill()
             a.wait()
+
+
+def test_stop_of_a_service_it_had_to_kill_removes_the_socket(sock_dir, shm_dir):
+    # A service that does not drain within stop()'s timeout (here: stopped with SIGSTOP) is killed with SIGKILL,
+    # so it cannot unlink its socket file: stop() removes it, as nothing listens there any more.
+    svc = CheckpointService(job="hung", socket_path=os.path.join(sock_dir, "hung.sock"), shm_dir=shm_dir).start()
+    pid = svc.pid
+    assert pid is not None
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        svc.stop(timeout=0.5)
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert os.listdir(sock_dir) == [], "stop() left the killed service's socket file behind"
+    finally:
+        if svc.proc is not None:  # stop() failed before killing it
+            svc.proc.kill()
+            svc.proc.wait()
