@@ -11,11 +11,14 @@ Request (a JSON object)::
      "slot_data": "/proc/4711/fd/12",                             # optional: data elsewhere (memfd staging)
      "manifest": {...},                                           # Manifest without chunk checksums
      "memory": true, "disk": {"root": "/ckpt", "keep": 3, "fsync": true} | null,
-     "remote": {"url": "s3://b/p", "keep": 5, "storage_options": {}} | null,
+     "remote": {"url": "s3://b/p", "keep": 5, "storage_options": {},
+                "retry_s": 30.0, "backoff_s": 0.0, "retry_in_s": 0.0} | null,  # the worker's back-off state
      "bandwidth_mib_s": 0}
 
 Each outcome is reported as a JSON object through ``report``: ``{"op": "tier", "id", "step", "tier", "ok":
-true}`` or ``{"op": "tier", ..., "ok": false, "error": "one line", "errno": 28}``; ``{"op": "slot_free", "id",
+true}`` or ``{"op": "tier", ..., "ok": false, "error": "one line", "errno": 28}`` (with ``"unreachable": true``
+for the failure that begins a remote outage, ``"quiet": true`` for a step skipped or failed during it: one health
+event per outage); ``{"op": "slot_free", "id",
 "step"}`` once the staging slot may be reused (the memory and disk tiers are done: an upload reads the disk
 copy), and ``{"op": "released", "id", "step"}`` once every tier has reported. With an
 :class:`~trainguard.checkpoint.uploads.UploadQueue` the upload runs there, after ``slot_free``, so a slow or
