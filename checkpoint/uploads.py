@@ -219,15 +219,23 @@ class UploadQueue:
                     if k != key or parked.step > e.step:
                         self._pending.setdefault(k, parked)
             return
-        if o is None:
-            self._down[e.remote] = o = _Outage(0.0, e.retry_s)
-        else:
-            o.backoff = min(o.backoff * 2, e.retry_s * REMOTE_BACKOFF_CAP)
-        o.retry_at = time.monotonic() + o.backoff
+        o = _failed_again(self._down, e)
         o.told.add(key)  # its failure said it (or was quiet because it had been said)
         if key not in self._pending:  # a newer step waiting would be the catch-up itself
             self._park(o, key, e)
         log.info("remote %s unreachable: uploads are not dialed for %g s", e.remote, o.backoff)
+
+
+def _failed_again(down: dict[Hashable, _Outage], e: _Entry) -> _Outage:
+    """The outage of ``e.remote`` after an upload found it unreachable: begun with ``e.retry_s``, or its back-off
+    doubled (at most :data:`REMOTE_BACKOFF_CAP` times ``retry_s``); the next dial is that far off."""
+    o = down.get(e.remote)
+    if o is None:
+        down[e.remote] = o = _Outage(0.0, e.retry_s)
+    else:
+        o.backoff = min(o.backoff * 2, e.retry_s * REMOTE_BACKOFF_CAP)
+    o.retry_at = time.monotonic() + o.backoff
+    return o
 
 
 class InlineUploads:
@@ -286,11 +294,7 @@ class InlineUploads:
                 del self._down[e.remote]
                 log.info("remote %s answers again", e.remote)
             return
-        if o is None:
-            self._down[e.remote] = o = _Outage(0.0, e.retry_s)
-        else:
-            o.backoff = min(o.backoff * 2, e.retry_s * REMOTE_BACKOFF_CAP)
-        o.retry_at = time.monotonic() + o.backoff
+        o = _failed_again(self._down, e)
         UploadQueue._park(o, key, e)
         log.info("remote %s unreachable: uploads are not dialed for %g s", e.remote, o.backoff)
 
