@@ -126,6 +126,7 @@ class AgentDaemon(DaemonStatus):
         self.tcp_port = 0
         self._metrics_server: MetricsServer | None = None
         self._server: grpc.Server | None = None
+        self._executor: futures.ThreadPoolExecutor | None = None
         self._certs: ServerCertificates | None = None
         self._socket_ino: int | None = None
         self._socket_lost = False  # the socket file was removed or replaced under the running server
@@ -279,8 +280,9 @@ class AgentDaemon(DaemonStatus):
     def _start_grpc(self, config: AgentConfig) -> None:
         g = config.grpc
         guard = RequestGuard(g.max_request_bytes, g.max_watchers, observer=self.metrics.observe_request)
+        self._executor = futures.ThreadPoolExecutor(max_workers=g.max_workers, thread_name_prefix="trainguard-grpc")
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=g.max_workers, thread_name_prefix="trainguard-grpc"),
+            self._executor,
             interceptors=[guard],
             options=grpc_options(config),
         )
@@ -554,6 +556,11 @@ class AgentDaemon(DaemonStatus):
             self._self_channel.close()
         if self._server is not None:
             self._server.stop(grace=2.0).wait(5.0)
+        if self._executor is not None:
+            # grpc does not shut its executor down: every daemon stopped in a process left its handler threads
+            # behind. Not waited for: a handler stuck past the grace must not hold the stop.
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
         if self._metrics_server is not None:
             self._metrics_server.close()
         sock = self.config.grpc.socket if self.config is not None else ""

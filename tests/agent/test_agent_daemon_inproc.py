@@ -533,3 +533,32 @@ def test_reload_refuses_detector_settings_that_start_refuses(tmp_path, detectors
         assert daemon.node_health.bus.recent(1)[0].kind == "agent.reloaded"
     finally:
         daemon.stop()
+
+
+def test_a_stopped_daemon_leaves_no_grpc_handler_threads(tmp_path):
+    """grpc does not shut down the executor it is given: each daemon stopped in a process left its handler threads
+    (``trainguard-grpc_N``) behind for the life of the process, which a daemon restarted in-process piles up."""
+    sock_path = tmp_path / "agent.sock"
+    daemon, notify = _daemon_under_watchdog(tmp_path, '[metrics]\nlisten = ""\n[agent]\nloop_interval_s = 0.1\n',
+                                            "", str(sock_path))
+    before = {t for t in threading.enumerate() if t.name.startswith("trainguard-grpc")}
+    daemon.start()
+    loop = threading.Thread(target=daemon.run)
+    loop.start()
+    try:
+        recv_until(notify, "READY")
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            for _ in range(3):
+                stub.GetHealth(agent_pb2.GetHealthRequest(), timeout=5)
+        assert {t for t in threading.enumerate() if t.name.startswith("trainguard-grpc")} - before
+    finally:
+        daemon.request_stop()
+        loop.join(30)
+        notify.close()
+    deadline = time.monotonic() + 5
+    left = [t for t in threading.enumerate() if t.name.startswith("trainguard-grpc") and t not in before]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [t for t in left if t.is_alive()]
+    assert not left, [t.name for t in left]
