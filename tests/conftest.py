@@ -13,8 +13,9 @@ import pytest
 from tg_testutil import marked_processes
 
 #: The box-wide default memory-tier root (``memory_tier.root``, ``$TRAINGUARD_CHECKPOINT_SHM_DIR``): every daemon,
-#: job and test run on the box shares it, so no test may create anything there.
-BOX_SHM_ROOT = "/dev/shm/trainguard"
+#: job and test run on the box shares it, so no test may create anything there. ``$TG_TEST_BOX_SHM_ROOT`` puts the
+#: guard on another folder: the guard's own test litters one, and the suite's other workers run meanwhile.
+BOX_SHM_ROOT = os.environ.get("TG_TEST_BOX_SHM_ROOT", "/dev/shm/trainguard")
 
 # Before any test module loads: the workers' arena root of every in-process agent and every subprocess launcher
 # (they read it from the environment), so a test that names no root of its own uses this session's, not the box's

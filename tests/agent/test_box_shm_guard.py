@@ -12,30 +12,25 @@ import uuid
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent
-BOX_SHM_ROOT = "/dev/shm/trainguard"
 
 
 def test_a_test_creating_a_folder_under_the_box_wide_root_fails_naming_it(tmp_path: Path) -> None:
+    # The guarded root is a stand-in: the suite runs on several workers, and a folder made in the real one would fail
+    # whichever test another worker ran meanwhile. The guard's code is the same for any root.
+    box = tmp_path / "box-shm"
     name = f"tg-guard-test-{uuid.uuid4().hex[:10]}"
-    made = os.path.join(BOX_SHM_ROOT, name, "replicas")
-    root_existed = os.path.isdir(BOX_SHM_ROOT)
-    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test_litter.py").write_text(
+    made = os.path.join(box, name, "replicas")
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    shutil.copy(TESTS / "conftest.py", suite / "conftest.py")
+    (suite / "test_litter.py").write_text(
         f"import os\n\ndef test_litters():\n    os.makedirs({made!r})\n\n\ndef test_clean(tmp_path):\n"
         "    (tmp_path / 'x').mkdir()\n")
-    try:
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                             env=dict(os.environ, PYTHONPATH=str(TESTS),  # its tg_testutil
-                                      TRAINGUARD_TEST_SHM_GUARD="1"))
-    finally:
-        shutil.rmtree(os.path.join(BOX_SHM_ROOT, name), ignore_errors=True)
-        if not root_existed:
-            try:
-                os.rmdir(BOX_SHM_ROOT)
-            except OSError:
-                pass
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite)],
+                         cwd=suite, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(TESTS),  # its tg_testutil
+                                  TRAINGUARD_TEST_SHM_GUARD="1", TG_TEST_BOX_SHM_ROOT=str(box)))
     out = run.stdout + run.stderr
     # test_litters passes, then its teardown fails naming the path; test_clean (its own tmp_path) passes
     assert "2 passed, 1 error" in out and "ERROR test_litter.py::test_litters" in out, out
-    assert f"'{made}'] under the box-wide memory-tier root {BOX_SHM_ROOT}" in out, out
+    assert f"'{made}'] under the box-wide memory-tier root {box}" in out, out

@@ -404,6 +404,9 @@ def run_cluster_soak(cfg: SoakConfig, progress=print) -> SoakReport:
     try:
         if fabric is not None:
             fabric.__enter__()
+            # Named so that whoever finds them after a drill that was killed knows whose they are.
+            progress(f"network fabric {fabric.tag}: node namespaces tg{fabric.tag}n<k>, bridges tgM{fabric.tag} "
+                     f"and tgD{fabric.tag}")
         if tmpfs is not None:
             tmpfs.__enter__()
         else:
