@@ -5,6 +5,9 @@ Event-driven part (its own thread, see :mod:`trainguard.detectors.netlink`): eac
 ``net.link_flapping`` (cleared when the window empties). Polled part (``sample()``):
 
 - a link down for longer than ``down_grace_s``: ``net.link_down_persistent``;
+- ``link_up[<if>]`` per watched link, ``links_watched``, ``links_down``; while the link table cannot be read (the
+  watched namespace was deleted: a read error naming it) the links' state is unknown: ``links_unknown`` counts
+  them and they have no ``link_up`` until a dump of the namespace works again;
 - ``/sys/class/net/<if>/statistics/*`` (errors, drops, CRC);
 - ``/sys/class/infiniband/<dev>/ports/<n>/state`` (``4: ACTIVE``) and the ``counters`` / ``hw_counters`` files
   (symbol errors, link downed, out-of-sequence, sequence errors, ACK timeouts, RNR retries, CNPs);
@@ -138,6 +141,10 @@ class RoceDetector(ListeningDetector):
         self._watcher: LinkWatcher | None = None
         self._stopping = False
         self._listening = False
+        # Why the link table is not the links' state now (a dump failed: the watched namespace was deleted, no
+        # netlink); empty while it is. Set by a failed dump, cleared by the next complete one (a sample's or the
+        # listener's), so a listener starting meanwhile does not vouch for the old table either.
+        self._table_unknown = ""
         # Why sample() stopped the listener (its namespace was deleted or replaced); listen() raises it, so the
         # runner starts it again in the namespace the name now stands for.
         self._namespace_lost = ""
@@ -245,6 +252,8 @@ class RoceDetector(ListeningDetector):
 
     def _on_dump(self, names: set[str], initial: bool) -> None:
         events = self._vanished(names)
+        with self._lock:
+            self._table_unknown = ""  # a complete dump: the table is the links' state again
         emit = self._emit
         if emit is not None:
             for ev in events:
@@ -385,6 +394,8 @@ class RoceDetector(ListeningDetector):
             ipr.close()
         for ev in self._vanished(names):
             self.one_off(s, ev)
+        with self._lock:
+            self._table_unknown = ""
 
     # -- polled part -----------------------------------------------------------------------------------------
 
@@ -408,6 +419,8 @@ class RoceDetector(ListeningDetector):
                 self._dump_links(s)
             except Exception as exc:  # noqa: BLE001 - no netlink (namespace gone...) is a read error, not a crash
                 s.error(DetectorReadError(f"rtnetlink {self.config.netns or ''}".strip(), str(exc)))
+                with self._lock:
+                    self._table_unknown = str(exc)
         now = time.monotonic()
         self._sample_links(s, now)
         netdev_root = self.config.path("/sys/class/net")
@@ -516,6 +529,15 @@ class RoceDetector(ListeningDetector):
     def _sample_links(self, s: Sample, now: float) -> None:
         with self._lock:
             links = {k: v for k, v in self._links.items() if self.watched(k)}
+            s.metrics["links_watched"] = float(len(links))
+            if self._table_unknown:
+                # The last dump failed (the watched namespace was deleted: its read error is in this sample), so
+                # the table holds the links as they were before: their link_up read 1 on a dashboard while
+                # nothing of the namespace existed. Their state is unknown: no per-link metrics, and their
+                # conditions hold as they are, neither raised nor cleared on old readings, until a dump works.
+                s.metrics["links_unknown"] = float(len(links))
+                return
+            s.metrics["links_unknown"] = 0.0
             down = 0
             for ifname, info in sorted(links.items()):
                 s.metrics[f"link_up[{ifname}]"] = 1.0 if info.up else 0.0
@@ -540,7 +562,6 @@ class RoceDetector(ListeningDetector):
                     kind = "net.link_down_persistent" if key.startswith("down/") else "net.link_flapping"
                     self.condition(s, key, False, kind, Severity.INFO, Action.NONE,
                                    f"link {gone} no longer exists under that name", gone, {})
-            s.metrics["links_watched"] = float(len(links))
             s.metrics["links_down"] = float(down)
             s.metrics["link_flaps_in_window"] = float(sum(len(self._downs.get(i, ())) for i in links))
 

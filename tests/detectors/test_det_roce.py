@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -727,3 +729,41 @@ def test_a_nic_removed_while_its_files_are_read_is_gone_not_unreadable(tmp_path,
     assert [(e.kind, e.subject) for e in s.events] == [("roce.port_down", "mlx5_1/1")]
     assert s.state == DetectorState.FAILED
     assert det.sample().events == []  # still gone: said once
+
+
+def _wait_status(runner: DetectorRunner, ok: "Callable[[Any], bool]", timeout: float = 5.0) -> Any:
+    """The runner's first detector status once ``ok`` holds for it; fails naming the last one seen."""
+    deadline = time.monotonic() + timeout
+    status = runner.statuses()[0]
+    while not ok(status) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        status = runner.statuses()[0]
+    assert ok(status), status
+    return status
+
+
+@pytest.mark.netns
+def test_links_of_a_deleted_namespace_read_unknown_until_it_is_back(veth_netns, tmp_path) -> None:
+    """While the watched namespace is gone (the detector in ERROR naming it), its links' ``link_up`` kept the
+    values from before: a dashboard showed the link up. They are left out until the namespace is back, and
+    come back with the links read there."""
+    ns, a, b = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=3600, ethtool=False,
+                                  interval_s=0.1))
+    with DetectorRunner([det]) as runner:
+        assert det.wait_ready(30.0), "the netlink listener did not start"
+        _wait_status(runner, lambda st: st.metrics.get(f"link_up[{a}]") == 1.0)
+        subprocess.run(["ip", "netns", "del", ns], check=True, timeout=10)
+        # Two samples in ERROR: the first stops the listener, later ones find no namespace to dump either.
+        first = _wait_status(runner, lambda st: st.state == DetectorState.ERROR)
+        status = _wait_status(runner, lambda st: st.state == DetectorState.ERROR and st.samples > first.samples)
+        assert f"no network namespace {ns!r}" in status.detail, status
+        for st in (first, status):
+            assert not any(k.startswith(("link_up[", "link_downs_in_window[")) for k in st.metrics), st.metrics
+            assert "links_down" not in st.metrics and st.metrics["links_unknown"] == 1.0, st.metrics
+        subprocess.run(["ip", "netns", "add", ns], check=True, timeout=10)
+        ip(ns, "link", "add", a, "type", "veth", "peer", "name", b)
+        ip(ns, "link", "set", a, "up")
+        ip(ns, "link", "set", b, "up")
+        back = _wait_status(runner, lambda st: st.state == DetectorState.OK and st.metrics.get(f"link_up[{a}]") == 1.0)
+        assert back.metrics["links_down"] == 0.0 and back.metrics["links_unknown"] == 0.0, back.metrics
