@@ -46,7 +46,7 @@ from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_messag
 from trainguard.detectors.rules import CounterRule, check_operator_file, load_counter_rules
 from trainguard.detectors.sysfs import (
     list_dir_or_record,
-    read_int,
+    read_count,
     read_pma_counter,
     read_text,
     removed_while_read,
@@ -570,7 +570,7 @@ class RoceDetector(ListeningDetector):
             if not any(r.matches(name) for r in self._rules["netdev"]):
                 continue
             try:
-                value = read_int(os.path.join(stats_dir, name))
+                value = read_count(os.path.join(stats_dir, name))
             except DetectorReadError as exc:
                 if removed_while_read(exc, stats_dir):
                     return  # the NIC was removed meanwhile: its link says so, no unreadable input
@@ -611,7 +611,8 @@ class RoceDetector(ListeningDetector):
                 if not any(r.matches(name) for r in self._rules[source]):
                     continue
                 try:
-                    value = read_pma_counter(os.path.join(cdir, name))
+                    bits = _PMA_BITS.get(name, 64) if folder == "counters" else 64
+                    value = read_pma_counter(os.path.join(cdir, name), bits)
                 except DetectorReadError as exc:
                     if removed_while_read(exc, port_dir):
                         return True

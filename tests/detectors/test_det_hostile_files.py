@@ -60,9 +60,10 @@ def test_integers_beyond_64_bits_are_read_errors_not_measurements(tmp_path):
     s = PcieDetector(PcieConfig(root=str(tmp_path))).sample()
     assert any("aer_dev_fatal" in r and "64-bit" in r for r in _reasons(s)), _reasons(s)
 
-    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/counters/symbol_error", U64_MAX + "\n")
-    s = roce.sample()
-    assert not any("symbol_error" in r for r in _reasons(s)), _reasons(s)
+    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/counters/symbol_error", "0\n")
+    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/hw_counters/out_of_sequence", U64_MAX + "\n")
+    s = roce.sample()  # hw_counters are u64 (symbol_error is 16 bits: past them, test_a_counter_past_its_...)
+    assert not any("symbol_error" in r or "out_of_sequence" in r for r in _reasons(s)), _reasons(s)
 
 
 @pytest.mark.parametrize("meminfo, needle", [
@@ -164,3 +165,48 @@ def test_digits_of_other_scripts_are_no_numbers_in_any_parser(tmp_path):
     for rss in ("-5", "1_000"):  # a negative resident size, an underscore int() allows
         with pytest.raises(ValueError, match="rss"):
             parse_proc_stat("1 (x) " + " ".join(fields + [rss]))
+
+
+def test_a_negative_counter_is_a_read_error_not_a_negative_rate(tmp_path):
+    """Counters are unsigned. '-5' read as a count gave negative error rates, and the sane reading after it a
+    jump from -5 taken for 5 new errors: a port's link_downed and RNR retries raised events (ERROR/FAILED) on
+    a healthy NIC. Each is a read error naming the file, and the next sane reading counts nothing new."""
+    write_rdma_port(tmp_path, netdev="ens1f0np0")
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    det.sample()
+    port = "sys/class/infiniband/mlx5_0/ports/1"
+    for rel in (f"{port}/counters/link_downed", f"{port}/hw_counters/rnr_nak_retry_err",
+                "sys/class/net/ens1f0np0/statistics/rx_crc_errors"):
+        write_file(tmp_path, rel, "-5\n")
+    s = det.sample()
+    assert all(v >= 0 for v in s.metrics.values()), s.metrics
+    for name in ("link_downed", "rnr_nak_retry_err", "rx_crc_errors"):
+        assert any(name in r and "negative" in r for r in _reasons(s)), _reasons(s)
+    write_rdma_port(tmp_path, netdev="ens1f0np0")
+    s = det.sample()
+    assert s.events == [] and s.errors == [], (s.events, _reasons(s))
+
+
+def test_a_counter_past_its_kernel_width_is_a_read_error(tmp_path):
+    """EDAC's counts are u32 and an IB link_downed 8 bits: a u64 in ue_count read as 1.8e19 uncorrectable
+    memory errors (hw.memory_ue, a drain, the detector FAILED), in link_downed as that many link downs. Now a
+    read error naming the file; the largest value a counter holds still reads."""
+    write_edac_mc(tmp_path, 0, 0, 0)
+    edac = EdacDetector(EdacConfig(root=str(tmp_path)))
+    edac.sample()
+    write_file(tmp_path, "sys/devices/system/edac/mc/mc0/ue_count", U64_MAX + "\n")
+    s = edac.sample()
+    assert s.events == [] and s.state.name == "ERROR", (s.events, s.state)
+    assert any("mc0/ue_count" in r and "32-bit" in r for r in _reasons(s)), _reasons(s)
+    write_file(tmp_path, "sys/devices/system/edac/mc/mc0/ce_count", str((1 << 32) - 1) + "\n")
+    write_file(tmp_path, "sys/devices/system/edac/mc/mc0/ue_count", "0\n")
+    s = edac.sample()
+    assert s.errors == [] and s.metrics["ce_count[mc0]"] == float((1 << 32) - 1)
+
+    write_rdma_port(tmp_path, netdev=None)
+    roce = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    roce.sample()
+    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/counters/link_downed", "256\n")
+    s = roce.sample()
+    assert s.events == [] and "link_downed_per_s" not in s.metrics, s.events
+    assert any("link_downed" in r and "8-bit" in r for r in _reasons(s)), _reasons(s)
