@@ -210,3 +210,27 @@ def test_a_counter_past_its_kernel_width_is_a_read_error(tmp_path):
     s = roce.sample()
     assert s.events == [] and "link_downed_per_s" not in s.metrics, s.events
     assert any("link_downed" in r and "8-bit" in r for r in _reasons(s)), _reasons(s)
+
+
+def test_a_temperature_the_kernel_cannot_hold_is_no_overheat(tmp_path):
+    """Temperatures and trips are a C int of millidegrees in the kernel: a u64 in ``temp`` read as 1.8e16 C,
+    hw.temp_critical (checkpoint) and a FAILED detector; in a critical trip as a trip no zone reached. Both are
+    read errors naming the file now. Below absolute zero (THERMAL_TEMP_INVALID) a zone has no reading to judge."""
+    write_thermal_zone(tmp_path, 0, 45000, {"passive": 95000, "critical": 105000})
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    det.sample()
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/temp", U64_MAX + "\n")
+    s = det.sample()
+    assert s.events == [] and s.state.name == "ERROR" and "max_temp_c" not in s.metrics, (s.events, s.metrics)
+    assert any("thermal_zone0/temp" in r and "32-bit" in r for r in _reasons(s)), _reasons(s)
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/temp", "-274000\n")
+    s = det.sample()
+    assert s.events == [] and s.errors == [] and "max_temp_c" not in s.metrics, (s.events, _reasons(s))
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/temp", str((1 << 31) - 1) + "\n")
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/trip_point_1_temp", str(1 << 31) + "\n")
+    s = det.sample()
+    assert any("trip_point_1_temp" in r and "32-bit" in r for r in _reasons(s)), _reasons(s)
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/trip_point_1_temp", "105000\n")
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/temp", "-5000\n")  # a cold-aisle sensor: a reading
+    s = det.sample()
+    assert s.errors == [] and s.metrics["max_temp_c"] == -5.0, (_reasons(s), s.metrics)
