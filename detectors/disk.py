@@ -15,7 +15,6 @@ A filesystem that hangs (a dead NFS server) blocks ``statvfs``; the probe is off
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -66,8 +65,15 @@ class DiskConfig(DetectorConfig):
             raise DetectorConfigError("disk.paths is empty; list the checkpoint and log directories")
 
 
-#: A device state as the kernel prints it: words, dashes, and NVMe's "deleting (no IO)" / "unknown state".
-_STATE_WORDS = re.compile(r"^[A-Za-z][A-Za-z_ ()-]{0,39}$")
+#: The states the kernel prints: nvme_sysfs_show_state() (``adminonly`` before 5.x) and the SCSI sdev_states
+#: table (``del`` before 5.x). A word outside them is a corrupt or cut file: 'runn' or 'li' read as a device
+#: unhealthy (checkpoint-now, the detector FAILED) although the kernel said running/live.
+_KNOWN_STATES = {
+    "live": frozenset({"new", "live", "adminonly", "resetting", "connecting", "deleting", "deleting (no IO)",
+                       "dead", "unknown state"}),
+    "running": frozenset({"created", "running", "cancel", "deleted", "del", "quiesce", "offline",
+                          "transport-offline", "blocked", "created-blocked"}),
+}
 
 
 def _scsi_device(disk: str, device: str, nvme_devices: set[str]) -> bool:
@@ -174,8 +180,9 @@ class DiskDetector(Detector):
             except DetectorReadError as exc:
                 s.error(exc)
                 continue
-            if not _STATE_WORDS.match(state):
-                s.error(DetectorReadError(path, f"expected a state word, found {state[:40]!r}"))
+            if state not in _KNOWN_STATES[good]:
+                s.error(DetectorReadError(path, f"expected a state word the kernel prints "
+                                                f"({', '.join(sorted(_KNOWN_STATES[good]))}), found {state[:40]!r}"))
                 continue
             bad += state != good
             self.condition(s, f"dev/{subject}", state != good, "disk.device_unhealthy", Severity.ERROR,

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from trainguard.detectors.ascend import parse_npu_smi_info
+from trainguard.detectors.disk import DiskConfig, DiskDetector
 from trainguard.detectors.edac import EdacConfig, EdacDetector
 from trainguard.detectors.errors import DetectorReadError
 from trainguard.detectors.ethtool import parse_ethtool_s
@@ -234,3 +235,21 @@ def test_a_temperature_the_kernel_cannot_hold_is_no_overheat(tmp_path):
     write_file(tmp_path, "sys/class/thermal/thermal_zone0/temp", "-5000\n")  # a cold-aisle sensor: a reading
     s = det.sample()
     assert s.errors == [] and s.metrics["max_temp_c"] == -5.0, (_reasons(s), s.metrics)
+
+
+@pytest.mark.parametrize("rel, state", [("sys/class/nvme/nvme0/state", "li"), ("sys/block/sda/device/state", "runn"),
+                                        ("sys/block/sda/device/state", "nan")])
+def test_a_device_state_the_kernel_does_not_print_is_a_read_error(tmp_path, rel, state):
+    """A cut or corrupt state ('li' for live, 'runn' for running) read as a device unhealthy: disk.device_unhealthy
+    (checkpoint-now) and a FAILED detector. The kernel prints states from a fixed table: anything else is a read
+    error naming the file; a real state outside the healthy one still counts."""
+    write_file(tmp_path, "sys/class/nvme/nvme0/state", "live\n")
+    write_file(tmp_path, "sys/block/sda/device/state", "running\n")
+    det = DiskDetector(DiskConfig(root=str(tmp_path), paths=(str(tmp_path),)))
+    assert det.sample().events == []
+    write_file(tmp_path, rel, state + "\n")
+    s = det.sample()
+    assert s.events == [] and s.state.name == "ERROR", (s.events, s.state)
+    assert any(rel in r and "state word the kernel prints" in r for r in _reasons(s)), _reasons(s)
+    write_file(tmp_path, "sys/block/sda/device/state", "transport-offline\n")
+    assert [e.kind for e in det.sample().events] == ["disk.device_unhealthy"]
