@@ -253,3 +253,17 @@ def test_a_device_state_the_kernel_does_not_print_is_a_read_error(tmp_path, rel,
     assert any(rel in r and "state word the kernel prints" in r for r in _reasons(s)), _reasons(s)
     write_file(tmp_path, "sys/block/sda/device/state", "transport-offline\n")
     assert [e.kind for e in det.sample().events] == ["disk.device_unhealthy"]
+
+
+@pytest.mark.parametrize("name, value", [("current_link_width", "-5"), ("max_link_width", "9" * 19),
+                                         ("max_link_width", "64")])
+def test_a_link_width_outside_its_register_field_is_a_read_error(tmp_path, name, value):
+    """Link widths are a 6-bit register field (0-63). A width of -5 was published as the link's width, and a
+    maximum of 1e19 made the healthy x16 link pcie.link_narrow. Each is a read error naming the file now."""
+    write_pci_device(tmp_path, GPU)
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    assert det.sample().events == []
+    write_file(tmp_path, f"sys/bus/pci/devices/{GPU}/{name}", value + "\n")
+    s = det.sample()
+    assert s.events == [] and f"link_width[{GPU}]" not in s.metrics, (s.events, s.metrics)
+    assert any(name in r and "0-63" in r for r in _reasons(s)), _reasons(s)
