@@ -153,6 +153,9 @@ class RoceDetector(ListeningDetector):
         # Port subject -> the PCI function behind its RDMA device: a device renamed (udev's rdma naming policy
         # renames mlx5_0 to rocep59s0f0, also when the driver reloads) is the same port under another name.
         self._port_devices: dict[str, str] = {}
+        # Port subject or netdev name -> the inode of its sysfs folder when last read: a device removed and made
+        # anew between two samples (driver reload, health recovery) has a new folder and counters from zero.
+        self._folders: dict[str, int] = {}
 
     # -- which interfaces -------------------------------------------------------------------------------------
 
@@ -431,6 +434,7 @@ class RoceDetector(ListeningDetector):
         netdevs = list_dir_or_record(netdev_root, s.error)
         self._unmatched_condition(s, netdevs)
         for ifname in sorted(i for i in netdevs if self.watched(i)):
+            self._renewed(f"net/{ifname}", os.path.join(netdev_root, ifname), ("netdev", "ethtool"), ifname)
             self._sample_netdev(s, os.path.join(netdev_root, ifname, "statistics"), ifname, now)
             if use_ethtool:
                 try:
@@ -451,6 +455,8 @@ class RoceDetector(ListeningDetector):
             device = os.path.join(ib_root, dev, "device")
             pci = os.path.realpath(device) if os.path.islink(device) else ""
             for port in ports:
+                self._renewed(f"port/{dev}/{port}", os.path.join(ib_root, dev, "ports", port),
+                              ("ib_counters", "ib_hw_counters"), f"{dev}/{port}")
                 present.add(f"{dev}/{port}")
                 if pci:
                     self._port_devices[f"{dev}/{port}"] = f"{pci}#{port}"
@@ -459,6 +465,23 @@ class RoceDetector(ListeningDetector):
         if self.config.rdma and not ib_unlistable:
             self._sample_gone_ports(s, present, unlisted)
         return s
+
+    def _renewed(self, key: str, folder: str, sources: tuple[str, ...], device: str) -> None:
+        """Counts a device's counters from zero when its sysfs folder is a new one since the last sample.
+
+        A NIC removed and added again (a driver reload, mlx5 health recovery, a hot-plug; seconds) between two
+        samples comes back with its counters at zero, and one gone for a sample and back likewise. Compared with
+        the old values, its errors since went unseen until the counts passed the old ones: a port whose
+        link_downed read 3 before and 3 again after three new link downs raised nothing.
+        """
+        try:
+            inode = os.stat(folder).st_ino
+        except OSError:
+            return  # gone meanwhile: judged where its files are read
+        if self._folders.setdefault(key, inode) != inode:
+            self._folders[key] = inode
+            for source in sources:
+                self._counters.restart(f"{source}/{device}/")
 
     def _leave_replaced_namespace(self) -> bool:
         """Stops the listener when its namespace was deleted (``ip netns del``) or re-created under its name.

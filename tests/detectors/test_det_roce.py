@@ -767,3 +767,27 @@ def test_links_of_a_deleted_namespace_read_unknown_until_it_is_back(veth_netns, 
         ip(ns, "link", "set", b, "up")
         back = _wait_status(runner, lambda st: st.state == DetectorState.OK and st.metrics.get(f"link_up[{a}]") == 1.0)
         assert back.metrics["links_down"] == 0.0 and back.metrics["links_unknown"] == 0.0, back.metrics
+
+
+def test_a_nic_made_anew_between_two_samples_counts_its_errors_from_zero(tmp_path) -> None:
+    """A driver reload or mlx5 health recovery removes the RDMA device and its netdev and makes them anew
+    within seconds, between two samples, with counters from zero. A port with 3 link downs before and 3 new
+    ones after read 3 and 3: nothing; a netdev's CRC errors likewise. Their folders are new ones (kernfs
+    numbers them anew): their counts are new errors."""
+    write_rdma_port(tmp_path, netdev="ens1f0np0", link_downed=3, rx_crc=50)
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    det.sample()
+    assert det.sample().events == []  # the same folders: nothing new
+    dev = tmp_path / "sys/class/infiniband/mlx5_0"
+    net = tmp_path / "sys/class/net/ens1f0np0"
+    dev.rename(dev.with_name("mlx5_0.old"))  # still there while the new one is made: other inodes
+    net.rename(net.with_name("ens1f0np0.old"))
+    write_rdma_port(tmp_path, netdev="ens1f0np0", link_downed=3, rx_crc=50)
+    shutil.rmtree(dev.with_name("mlx5_0.old"))
+    shutil.rmtree(net.with_name("ens1f0np0.old"))
+    s = det.sample()
+    downed = [e for e in s.events if e.kind == "roce.link_downed"]
+    assert downed and int(downed[0].evidence["delta"]) == 3, s.events
+    crc = [e for e in s.events if e.kind == "net.crc_errors"]
+    assert crc and int(crc[0].evidence["delta"]) == 50, s.events
+    assert [e.kind for e in det.sample().events if not e.kind.endswith(".cleared")] == []
