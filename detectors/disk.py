@@ -27,7 +27,7 @@ from trainguard.detectors.events import Action, Severity
 
 #: Percentage points of usage below a threshold before ``disk.filling``/``disk.full`` ends.
 USED_HYSTERESIS_PCT = 1.0
-from trainguard.detectors.sysfs import list_dir_or_record, read_text
+from trainguard.detectors.sysfs import list_dir_or_record, read_text, removed_while_read
 
 
 @dataclass
@@ -167,18 +167,22 @@ class DiskDetector(Detector):
         nvme = self.config.path("/sys/class/nvme")
         block = self.config.path("/sys/block")
         controllers = list_dir_or_record(nvme, s.error)
-        checks = [(f"nvme:{c}", os.path.join(nvme, c, "state"), "live") for c in controllers]
+        checks = [(f"nvme:{c}", os.path.join(nvme, c, "state"), "live", os.path.join(nvme, c)) for c in controllers]
         nvme_devices = {os.path.realpath(os.path.join(nvme, c)) for c in controllers}
-        checks += [(f"block:{d}", os.path.join(block, d, "device", "state"), "running")
+        checks += [(f"block:{d}", os.path.join(block, d, "device", "state"), "running", os.path.join(block, d))
                    for d in list_dir_or_record(block, s.error)
                    if os.path.exists(os.path.join(block, d, "device", "state"))
                    and _scsi_device(d, os.path.join(block, d, "device"), nvme_devices)]
         bad = 0
-        for subject, path, good in checks:
+        for subject, path, good, folder in checks:
             try:
                 state = read_text(path)
             except DetectorReadError as exc:
-                s.error(exc)
+                # A disk or controller removed since it was listed (hot-unplug, a controller deleted after a
+                # failed reset) is gone, not unreadable: it was a detector.error naming a file that no longer
+                # exists. Gone, it is simply not listed in the next sample.
+                if not removed_while_read(exc, folder):
+                    s.error(exc)
                 continue
             if state not in _KNOWN_STATES[good]:
                 s.error(DetectorReadError(path, f"expected a state word the kernel prints "
