@@ -52,7 +52,11 @@ from trainguard.detectors.sysfs import (
     removed_while_read,
 )
 
-_PORT_STATE = re.compile(r"^([0-9]+):\s*(\S+)$")  # ASCII digits: ``\d`` takes other scripts' too
+_PORT_STATE = re.compile(r"^([0-9]{1,10}):\s*(\S+)$")  # ASCII digits: ``\d`` takes other scripts' too
+#: The port states ib_core prints (``"%d: %s"`` of drivers/infiniband/core/sysfs.c's state_name, "UNKNOWN" for a
+#: number outside it). A name that does not go with its number is a corrupt or cut file ('4: AC'): it read as a
+#: port not ACTIVE, roce.port_down and a FAILED detector, while the number said ACTIVE.
+_PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 #: Widths in bits of the IB PortCounters error counters a port shows in ``ports/<n>/counters`` (the kernel's
 #: ``PORT_PMA_ATTR`` table in drivers/infiniband/core/sysfs.c). The IB spec has them stop at all ones rather than
 #: wrap: a counter at its maximum counts nothing more until the port's counters are reset (``perfquery -R``).
@@ -612,8 +616,9 @@ class RoceDetector(ListeningDetector):
         try:
             text = read_text(state_file)
             m = _PORT_STATE.match(text)
-            if not m:
-                raise DetectorReadError(state_file, f"expected '<n>: <STATE>', found {text[:40]!r}")
+            if not m or m.group(2) != _PORT_STATES.get(int(m.group(1)), "UNKNOWN"):
+                raise DetectorReadError(state_file, f"expected '<n>: <STATE>' as ib_core prints it "
+                                                    f"(4: ACTIVE, 1: DOWN...), found {text[:40]!r}")
             active = m.group(2) == "ACTIVE"
             s.metrics[f"port_active[{subject}]"] = 1.0 if active else 0.0
             phys = ""

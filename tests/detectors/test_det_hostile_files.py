@@ -267,3 +267,19 @@ def test_a_link_width_outside_its_register_field_is_a_read_error(tmp_path, name,
     s = det.sample()
     assert s.events == [] and f"link_width[{GPU}]" not in s.metrics, (s.events, s.metrics)
     assert any(name in r and "0-63" in r for r in _reasons(s)), _reasons(s)
+
+
+@pytest.mark.parametrize("state", ["4: AC", "4: DOWN", "1: ACTIVE", "9" * 5000 + ": ACTIVE"])
+def test_a_port_state_whose_name_does_not_go_with_its_number_is_a_read_error(tmp_path, state):
+    """ib_core prints '<n>: <name>' from a fixed table: '4: AC' (a cut file) read as a port not ACTIVE,
+    roce.port_down and a FAILED detector, while its number said ACTIVE. A mismatch is a read error naming the
+    file; a port really down ('1: DOWN') still raises roce.port_down."""
+    write_rdma_port(tmp_path, netdev=None)
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    assert det.sample().events == []
+    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/state", state + "\n")
+    s = det.sample()
+    assert s.events == [] and s.state.name == "ERROR", (s.events, s.state)
+    assert any("ports/1/state" in r and "ib_core" in r for r in _reasons(s)), _reasons(s)
+    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/state", "1: DOWN\n")
+    assert [e.kind for e in det.sample().events] == ["roce.port_down"]
