@@ -149,6 +149,9 @@ class RoceDetector(ListeningDetector):
         # netlink); empty while it is. Set by a failed dump, cleared by the next complete one (a sample's or the
         # listener's), so a listener starting meanwhile does not vouch for the old table either.
         self._table_unknown = ""
+        # Complete dumps so far (the sample's and the listener's): a sample's dump that fails after the listener's
+        # succeeded (the namespace re-created meanwhile) must not mark the fresh table unknown for good.
+        self._complete_dumps = 0
         # Why sample() stopped the listener (its namespace was deleted or replaced); listen() raises it, so the
         # runner starts it again in the namespace the name now stands for.
         self._namespace_lost = ""
@@ -261,6 +264,7 @@ class RoceDetector(ListeningDetector):
         events = self._vanished(names)
         with self._lock:
             self._table_unknown = ""  # a complete dump: the table is the links' state again
+            self._complete_dumps += 1
         emit = self._emit
         if emit is not None:
             for ev in events:
@@ -403,6 +407,7 @@ class RoceDetector(ListeningDetector):
             self.one_off(s, ev)
         with self._lock:
             self._table_unknown = ""
+            self._complete_dumps += 1
 
     # -- polled part -----------------------------------------------------------------------------------------
 
@@ -422,12 +427,14 @@ class RoceDetector(ListeningDetector):
             return self.no_hardware("no RDMA devices under /sys/class/infiniband and no interfaces configured")
         replaced = self._leave_replaced_namespace()
         if patterns and (not self._listening or replaced):
+            dumps = self._complete_dumps
             try:
                 self._dump_links(s)
             except Exception as exc:  # noqa: BLE001 - no netlink (namespace gone...) is a read error, not a crash
                 s.error(DetectorReadError(f"rtnetlink {self.config.netns or ''}".strip(), str(exc)))
                 with self._lock:
-                    self._table_unknown = str(exc)
+                    if self._complete_dumps == dumps:
+                        self._table_unknown = str(exc)
         now = time.monotonic()
         self._sample_links(s, now)
         netdev_root = self.config.path("/sys/class/net")

@@ -791,3 +791,28 @@ def test_a_nic_made_anew_between_two_samples_counts_its_errors_from_zero(tmp_pat
     crc = [e for e in s.events if e.kind == "net.crc_errors"]
     assert crc and int(crc[0].evidence["delta"]) == 50, s.events
     assert [e.kind for e in det.sample().events if not e.kind.endswith(".cleared")] == []
+
+
+@pytest.mark.netns
+def test_a_dump_that_fails_after_the_listeners_succeeded_leaves_the_table_known(veth_netns, tmp_path,
+                                                                                 monkeypatch) -> None:
+    """A sample's dump that fails (the namespace was still gone when it looked) after the restarted listener's
+    initial dump succeeded (re-created meanwhile) must not mark the fresh table unknown: the listener does not
+    dump again, so the links read unknown for good while it ran fine. The interleaving is made with real
+    netlink: the listener's dump in the real namespace, then the error of a namespace that does not exist."""
+    import trainguard.detectors.roce as roce_mod
+    from trainguard.detectors.netlink import LinkWatcher
+
+    ns, a, _ = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=3600, ethtool=False))
+    assert det.sample().metrics[f"link_up[{a}]"] == 1.0
+    real_open = roce_mod.open_iproute
+
+    def listener_dump_then_missing_namespace(netns: str = ""):
+        LinkWatcher(det._on_link, ns, on_dump=det._on_dump)._dump(initial=True)  # the listener's, complete
+        return real_open(f"tgdet-missing-{os.getpid()}-{time.monotonic_ns()}")  # raises: no such namespace
+
+    monkeypatch.setattr(roce_mod, "open_iproute", listener_dump_then_missing_namespace)
+    s = det.sample()
+    assert s.errors and "no network namespace" in str(s.errors[0]), s.errors
+    assert s.metrics[f"link_up[{a}]"] == 1.0 and s.metrics["links_unknown"] == 0.0, s.metrics
