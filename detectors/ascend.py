@@ -178,12 +178,19 @@ class AscendDetector(Detector):
             if c.power_w is not None:
                 s.metrics[f"power_w[{subject}]"] = c.power_w
             health = c.health.lower()
+            if health != "ok" and health not in HEALTH:
+                # A health npu-smi does not print (a garbled or cut cell, 'Crit'): it read as unhealthy in the
+                # metric and no event, the detector OK. Unknown now: a read error naming it, no healthy metric,
+                # the chip's conditions held as they were.
+                s.error(DetectorReadError(f"{exe} info", f"NPU {c.npu} chip {c.chip} ({subject}): health "
+                                                         f"{c.health[:40]!r} is none of OK, Warning, Alarm, Critical"))
+                continue
             s.metrics[f"healthy[{subject}]"] = 1.0 if health == "ok" else 0.0
             for level, (severity, action) in HEALTH.items():
                 self.condition(s, f"{level}/{subject}", health == level, f"npu.health_{level}", severity, action,
                                f"NPU {c.npu} chip {c.chip} ({c.name}, {subject}) health is {c.health}", subject,
                                {"npu": c.npu, "chip": c.chip, "health": c.health, "temp_c": c.temp_c})
         s.metrics["npus"] = float(len(chips))
-        s.metrics["npus_unhealthy"] = float(sum(c.health.lower() != "ok" for c in chips))
+        s.metrics["npus_unhealthy"] = float(sum(c.health.lower() in HEALTH for c in chips))
         s.metrics["max_temp_c"] = max(c.temp_c for c in chips)
         return s

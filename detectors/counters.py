@@ -56,6 +56,18 @@ class CounterTracker:
         elapsed = now - last_time
         return CounterDelta(delta, delta / elapsed if elapsed > 0 else 0.0, False, reset)
 
+    def restart(self, prefix: str) -> None:
+        """Takes the counters whose key starts with ``prefix`` as counting from zero since their last reading: their
+        device was removed and made anew (a driver reload, a reset), which starts its counters at zero. Compared
+        with the old values instead, its new errors went unseen until the counts passed the old ones.
+
+        Args:
+            prefix: the key prefix of the device's counters.
+        """
+        for key, (_, when) in list(self._last.items()):
+            if key.startswith(prefix):
+                self._last[key] = (0, when)
+
     def forget_missing(self, keep: set[str]) -> None:
         """Drops counters of devices that disappeared.
 

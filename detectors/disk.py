@@ -15,7 +15,6 @@ A filesystem that hangs (a dead NFS server) blocks ``statvfs``; the probe is off
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -28,7 +27,7 @@ from trainguard.detectors.events import Action, Severity
 
 #: Percentage points of usage below a threshold before ``disk.filling``/``disk.full`` ends.
 USED_HYSTERESIS_PCT = 1.0
-from trainguard.detectors.sysfs import list_dir_or_record, read_text
+from trainguard.detectors.sysfs import list_dir_or_record, read_text, removed_while_read
 
 
 @dataclass
@@ -66,8 +65,15 @@ class DiskConfig(DetectorConfig):
             raise DetectorConfigError("disk.paths is empty; list the checkpoint and log directories")
 
 
-#: A device state as the kernel prints it: words, dashes, and NVMe's "deleting (no IO)" / "unknown state".
-_STATE_WORDS = re.compile(r"^[A-Za-z][A-Za-z_ ()-]{0,39}$")
+#: The states the kernel prints: nvme_sysfs_show_state() (``adminonly`` before 5.x) and the SCSI sdev_states
+#: table (``del`` before 5.x). A word outside them is a corrupt or cut file: 'runn' or 'li' read as a device
+#: unhealthy (checkpoint-now, the detector FAILED) although the kernel said running/live.
+_KNOWN_STATES = {
+    "live": frozenset({"new", "live", "adminonly", "resetting", "connecting", "deleting", "deleting (no IO)",
+                       "dead", "unknown state"}),
+    "running": frozenset({"created", "running", "cancel", "deleted", "del", "quiesce", "offline",
+                          "transport-offline", "blocked", "created-blocked"}),
+}
 
 
 def _scsi_device(disk: str, device: str, nvme_devices: set[str]) -> bool:
@@ -161,21 +167,26 @@ class DiskDetector(Detector):
         nvme = self.config.path("/sys/class/nvme")
         block = self.config.path("/sys/block")
         controllers = list_dir_or_record(nvme, s.error)
-        checks = [(f"nvme:{c}", os.path.join(nvme, c, "state"), "live") for c in controllers]
+        checks = [(f"nvme:{c}", os.path.join(nvme, c, "state"), "live", os.path.join(nvme, c)) for c in controllers]
         nvme_devices = {os.path.realpath(os.path.join(nvme, c)) for c in controllers}
-        checks += [(f"block:{d}", os.path.join(block, d, "device", "state"), "running")
+        checks += [(f"block:{d}", os.path.join(block, d, "device", "state"), "running", os.path.join(block, d))
                    for d in list_dir_or_record(block, s.error)
                    if os.path.exists(os.path.join(block, d, "device", "state"))
                    and _scsi_device(d, os.path.join(block, d, "device"), nvme_devices)]
         bad = 0
-        for subject, path, good in checks:
+        for subject, path, good, folder in checks:
             try:
                 state = read_text(path)
             except DetectorReadError as exc:
-                s.error(exc)
+                # A disk or controller removed since it was listed (hot-unplug, a controller deleted after a
+                # failed reset) is gone, not unreadable: it was a detector.error naming a file that no longer
+                # exists. Gone, it is simply not listed in the next sample.
+                if not removed_while_read(exc, folder):
+                    s.error(exc)
                 continue
-            if not _STATE_WORDS.match(state):
-                s.error(DetectorReadError(path, f"expected a state word, found {state[:40]!r}"))
+            if state not in _KNOWN_STATES[good]:
+                s.error(DetectorReadError(path, f"expected a state word the kernel prints "
+                                                f"({', '.join(sorted(_KNOWN_STATES[good]))}), found {state[:40]!r}"))
                 continue
             bad += state != good
             self.condition(s, f"dev/{subject}", state != good, "disk.device_unhealthy", Severity.ERROR,

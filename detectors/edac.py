@@ -24,7 +24,10 @@ from trainguard.detectors.base import Detector, DetectorConfig, DetectorState, S
 from trainguard.detectors.counters import CounterTracker, RecentCounts
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
-from trainguard.detectors.sysfs import list_dir, list_dir_or_record, read_int, read_text, removed_while_read
+from trainguard.detectors.sysfs import list_dir, list_dir_or_record, read_count, read_text, removed_while_read
+
+#: Width of the EDAC error counters: u32 in the kernel (``mci->ce_mc``, ``dimm->ce_count``...), printed with ``%u``.
+_EDAC_BITS = 32
 
 #: Span over which correctable errors are counted against ``ce_per_hour``, seconds.
 CE_WINDOW_S = 3600.0
@@ -111,8 +114,9 @@ class EdacDetector(Detector):
         for mc in mcs:
             mdir = os.path.join(base, mc)
             try:
-                ce = read_int(os.path.join(mdir, "ce_count"))
-                ue = read_int(os.path.join(mdir, "ue_count"))
+                # u32 in the kernel (mci->ce_mc, ue_mc, printed with %u): past it, negative, a corrupt file
+                ce = read_count(os.path.join(mdir, "ce_count"), _EDAC_BITS)
+                ue = read_count(os.path.join(mdir, "ue_count"), _EDAC_BITS)
             except DetectorReadError as exc:
                 if not removed_while_read(exc, mdir):  # the EDAC driver unloading: gone, as the next listing says
                     s.error(exc)
@@ -169,8 +173,8 @@ class EdacDetector(Detector):
                 continue
             ddir = os.path.join(mdir, sub)
             try:
-                ce = read_int(os.path.join(ddir, "dimm_ce_count"))
-                ue = read_int(os.path.join(ddir, "dimm_ue_count"))
+                ce = read_count(os.path.join(ddir, "dimm_ce_count"), _EDAC_BITS)
+                ue = read_count(os.path.join(ddir, "dimm_ue_count"), _EDAC_BITS)
             except DetectorReadError as exc:
                 if not removed_while_read(exc, ddir):
                     s.error(exc)

@@ -57,6 +57,21 @@ def port_above(dev_dir: str) -> str:
     return ""
 
 
+def read_link_width(path: str) -> int:
+    """Reads ``current_link_width`` or ``max_link_width``: the 6-bit width field of the link registers.
+
+    The kernel prints the field (``%u``), 0 to 63; a negative or larger value is a corrupt file. Read as a width,
+    -5 and 1e19 were published as the link's width, and a maximum of 1e19 made a healthy x16 link "narrow".
+
+    Raises:
+        DetectorReadError: unreadable, not an integer, or outside 0-63.
+    """
+    value = read_int(path)
+    if not 0 <= value <= _NLW_ALL_ONES:
+        raise DetectorReadError(path, f"width {value} is outside the 6-bit field the kernel prints (0-63)")
+    return value
+
+
 def port_limits(port_dir: str) -> tuple[int, float | None]:
     """The maximum width and speed of the port a device is plugged into (0 and None: not known): a link trains
     at most to what both ends support (a Gen5 x16 NIC in a Gen4 x8 slot runs at 16 GT/s x8, healthy).
@@ -67,7 +82,7 @@ def port_limits(port_dir: str) -> tuple[int, float | None]:
         return 0, None
     try:
         path = os.path.join(port_dir, "max_link_speed")
-        return read_int(os.path.join(port_dir, "max_link_width")), parse_link_speed(read_text(path), path)
+        return read_link_width(os.path.join(port_dir, "max_link_width")), parse_link_speed(read_text(path), path)
     except DetectorReadError:
         return 0, None
 
@@ -321,8 +336,8 @@ class PcieDetector(Detector):
 
     def _sample_link(self, s: Sample, dev: str, bdf: str, cls: str, port_dir: str = "") -> int:
         try:
-            width = read_int(os.path.join(dev, "current_link_width"))
-            max_width = read_int(os.path.join(dev, "max_link_width"))
+            width = read_link_width(os.path.join(dev, "current_link_width"))
+            max_width = read_link_width(os.path.join(dev, "max_link_width"))
             speed_path = os.path.join(dev, "current_link_speed")
             max_speed_path = os.path.join(dev, "max_link_speed")
             speed = parse_link_speed(read_text(speed_path), speed_path)

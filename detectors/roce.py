@@ -5,6 +5,9 @@ Event-driven part (its own thread, see :mod:`trainguard.detectors.netlink`): eac
 ``net.link_flapping`` (cleared when the window empties). Polled part (``sample()``):
 
 - a link down for longer than ``down_grace_s``: ``net.link_down_persistent``;
+- ``link_up[<if>]`` per watched link, ``links_watched``, ``links_down``; while the link table cannot be read (the
+  watched namespace was deleted: a read error naming it) the links' state is unknown: ``links_unknown`` counts
+  them and they have no ``link_up`` until a dump of the namespace works again;
 - ``/sys/class/net/<if>/statistics/*`` (errors, drops, CRC);
 - ``/sys/class/infiniband/<dev>/ports/<n>/state`` (``4: ACTIVE``) and the ``counters`` / ``hw_counters`` files
   (symbol errors, link downed, out-of-sequence, sequence errors, ACK timeouts, RNR retries, CNPs);
@@ -43,13 +46,17 @@ from trainguard.detectors.netlink import LinkInfo, LinkWatcher, link_from_messag
 from trainguard.detectors.rules import CounterRule, check_operator_file, load_counter_rules
 from trainguard.detectors.sysfs import (
     list_dir_or_record,
-    read_int,
+    read_count,
     read_pma_counter,
     read_text,
     removed_while_read,
 )
 
-_PORT_STATE = re.compile(r"^([0-9]+):\s*(\S+)$")  # ASCII digits: ``\d`` takes other scripts' too
+_PORT_STATE = re.compile(r"^([0-9]{1,10}):\s*(\S+)$")  # ASCII digits: ``\d`` takes other scripts' too
+#: The port states ib_core prints (``"%d: %s"`` of drivers/infiniband/core/sysfs.c's state_name, "UNKNOWN" for a
+#: number outside it). A name that does not go with its number is a corrupt or cut file ('4: AC'): it read as a
+#: port not ACTIVE, roce.port_down and a FAILED detector, while the number said ACTIVE.
+_PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 #: Widths in bits of the IB PortCounters error counters a port shows in ``ports/<n>/counters`` (the kernel's
 #: ``PORT_PMA_ATTR`` table in drivers/infiniband/core/sysfs.c). The IB spec has them stop at all ones rather than
 #: wrap: a counter at its maximum counts nothing more until the port's counters are reset (``perfquery -R``).
@@ -138,6 +145,13 @@ class RoceDetector(ListeningDetector):
         self._watcher: LinkWatcher | None = None
         self._stopping = False
         self._listening = False
+        # Why the link table is not the links' state now (a dump failed: the watched namespace was deleted, no
+        # netlink); empty while it is. Set by a failed dump, cleared by the next complete one (a sample's or the
+        # listener's), so a listener starting meanwhile does not vouch for the old table either.
+        self._table_unknown = ""
+        # Complete dumps so far (the sample's and the listener's): a sample's dump that fails after the listener's
+        # succeeded (the namespace re-created meanwhile) must not mark the fresh table unknown for good.
+        self._complete_dumps = 0
         # Why sample() stopped the listener (its namespace was deleted or replaced); listen() raises it, so the
         # runner starts it again in the namespace the name now stands for.
         self._namespace_lost = ""
@@ -146,6 +160,9 @@ class RoceDetector(ListeningDetector):
         # Port subject -> the PCI function behind its RDMA device: a device renamed (udev's rdma naming policy
         # renames mlx5_0 to rocep59s0f0, also when the driver reloads) is the same port under another name.
         self._port_devices: dict[str, str] = {}
+        # Port subject or netdev name -> the inode of its sysfs folder when last read: a device removed and made
+        # anew between two samples (driver reload, health recovery) has a new folder and counters from zero.
+        self._folders: dict[str, int] = {}
 
     # -- which interfaces -------------------------------------------------------------------------------------
 
@@ -245,6 +262,9 @@ class RoceDetector(ListeningDetector):
 
     def _on_dump(self, names: set[str], initial: bool) -> None:
         events = self._vanished(names)
+        with self._lock:
+            self._table_unknown = ""  # a complete dump: the table is the links' state again
+            self._complete_dumps += 1
         emit = self._emit
         if emit is not None:
             for ev in events:
@@ -385,6 +405,9 @@ class RoceDetector(ListeningDetector):
             ipr.close()
         for ev in self._vanished(names):
             self.one_off(s, ev)
+        with self._lock:
+            self._table_unknown = ""
+            self._complete_dumps += 1
 
     # -- polled part -----------------------------------------------------------------------------------------
 
@@ -404,10 +427,14 @@ class RoceDetector(ListeningDetector):
             return self.no_hardware("no RDMA devices under /sys/class/infiniband and no interfaces configured")
         replaced = self._leave_replaced_namespace()
         if patterns and (not self._listening or replaced):
+            dumps = self._complete_dumps
             try:
                 self._dump_links(s)
             except Exception as exc:  # noqa: BLE001 - no netlink (namespace gone...) is a read error, not a crash
                 s.error(DetectorReadError(f"rtnetlink {self.config.netns or ''}".strip(), str(exc)))
+                with self._lock:
+                    if self._complete_dumps == dumps:
+                        self._table_unknown = str(exc)
         now = time.monotonic()
         self._sample_links(s, now)
         netdev_root = self.config.path("/sys/class/net")
@@ -418,6 +445,7 @@ class RoceDetector(ListeningDetector):
         netdevs = list_dir_or_record(netdev_root, s.error)
         self._unmatched_condition(s, netdevs)
         for ifname in sorted(i for i in netdevs if self.watched(i)):
+            self._renewed(f"net/{ifname}", os.path.join(netdev_root, ifname), ("netdev", "ethtool"), ifname)
             self._sample_netdev(s, os.path.join(netdev_root, ifname, "statistics"), ifname, now)
             if use_ethtool:
                 try:
@@ -438,6 +466,8 @@ class RoceDetector(ListeningDetector):
             device = os.path.join(ib_root, dev, "device")
             pci = os.path.realpath(device) if os.path.islink(device) else ""
             for port in ports:
+                self._renewed(f"port/{dev}/{port}", os.path.join(ib_root, dev, "ports", port),
+                              ("ib_counters", "ib_hw_counters"), f"{dev}/{port}")
                 present.add(f"{dev}/{port}")
                 if pci:
                     self._port_devices[f"{dev}/{port}"] = f"{pci}#{port}"
@@ -446,6 +476,23 @@ class RoceDetector(ListeningDetector):
         if self.config.rdma and not ib_unlistable:
             self._sample_gone_ports(s, present, unlisted)
         return s
+
+    def _renewed(self, key: str, folder: str, sources: tuple[str, ...], device: str) -> None:
+        """Counts a device's counters from zero when its sysfs folder is a new one since the last sample.
+
+        A NIC removed and added again (a driver reload, mlx5 health recovery, a hot-plug; seconds) between two
+        samples comes back with its counters at zero, and one gone for a sample and back likewise. Compared with
+        the old values, its errors since went unseen until the counts passed the old ones: a port whose
+        link_downed read 3 before and 3 again after three new link downs raised nothing.
+        """
+        try:
+            inode = os.stat(folder).st_ino
+        except OSError:
+            return  # gone meanwhile: judged where its files are read
+        if self._folders.setdefault(key, inode) != inode:
+            self._folders[key] = inode
+            for source in sources:
+                self._counters.restart(f"{source}/{device}/")
 
     def _leave_replaced_namespace(self) -> bool:
         """Stops the listener when its namespace was deleted (``ip netns del``) or re-created under its name.
@@ -516,6 +563,15 @@ class RoceDetector(ListeningDetector):
     def _sample_links(self, s: Sample, now: float) -> None:
         with self._lock:
             links = {k: v for k, v in self._links.items() if self.watched(k)}
+            s.metrics["links_watched"] = float(len(links))
+            if self._table_unknown:
+                # The last dump failed (the watched namespace was deleted: its read error is in this sample), so
+                # the table holds the links as they were before: their link_up read 1 on a dashboard while
+                # nothing of the namespace existed. Their state is unknown: no per-link metrics, and their
+                # conditions hold as they are, neither raised nor cleared on old readings, until a dump works.
+                s.metrics["links_unknown"] = float(len(links))
+                return
+            s.metrics["links_unknown"] = 0.0
             down = 0
             for ifname, info in sorted(links.items()):
                 s.metrics[f"link_up[{ifname}]"] = 1.0 if info.up else 0.0
@@ -540,7 +596,6 @@ class RoceDetector(ListeningDetector):
                     kind = "net.link_down_persistent" if key.startswith("down/") else "net.link_flapping"
                     self.condition(s, key, False, kind, Severity.INFO, Action.NONE,
                                    f"link {gone} no longer exists under that name", gone, {})
-            s.metrics["links_watched"] = float(len(links))
             s.metrics["links_down"] = float(down)
             s.metrics["link_flaps_in_window"] = float(sum(len(self._downs.get(i, ())) for i in links))
 
@@ -549,7 +604,7 @@ class RoceDetector(ListeningDetector):
             if not any(r.matches(name) for r in self._rules["netdev"]):
                 continue
             try:
-                value = read_int(os.path.join(stats_dir, name))
+                value = read_count(os.path.join(stats_dir, name))
             except DetectorReadError as exc:
                 if removed_while_read(exc, stats_dir):
                     return  # the NIC was removed meanwhile: its link says so, no unreadable input
@@ -568,8 +623,9 @@ class RoceDetector(ListeningDetector):
         try:
             text = read_text(state_file)
             m = _PORT_STATE.match(text)
-            if not m:
-                raise DetectorReadError(state_file, f"expected '<n>: <STATE>', found {text[:40]!r}")
+            if not m or m.group(2) != _PORT_STATES.get(int(m.group(1)), "UNKNOWN"):
+                raise DetectorReadError(state_file, f"expected '<n>: <STATE>' as ib_core prints it "
+                                                    f"(4: ACTIVE, 1: DOWN...), found {text[:40]!r}")
             active = m.group(2) == "ACTIVE"
             s.metrics[f"port_active[{subject}]"] = 1.0 if active else 0.0
             phys = ""
@@ -590,7 +646,8 @@ class RoceDetector(ListeningDetector):
                 if not any(r.matches(name) for r in self._rules[source]):
                     continue
                 try:
-                    value = read_pma_counter(os.path.join(cdir, name))
+                    bits = _PMA_BITS.get(name, 64) if folder == "counters" else 64
+                    value = read_pma_counter(os.path.join(cdir, name), bits)
                 except DetectorReadError as exc:
                     if removed_while_read(exc, port_dir):
                         return True

@@ -48,6 +48,34 @@ def parse_int(text: str, path: str, expected: str = "one integer") -> int:
     return value
 
 
+def parse_count(text: str, path: str, bits: int = 64, expected: str = "one counter") -> int:
+    """Parses an error or traffic counter as the kernel prints one: a non-negative integer of at most ``bits``.
+
+    A counter is unsigned (``%u``, ``%llu``): a negative value or one past its width is a corrupt file. Read as a
+    count, ``-5`` gave negative rates, and the next sane reading then a jump from -5 taken for 5 new errors; a
+    u64 in a 32-bit EDAC counter read as 1.8e19 uncorrectable memory errors (a drain).
+
+    Args:
+        text: the value, without surrounding whitespace.
+        path: the file it came from, for errors.
+        bits: the counter's width in the kernel (32 for EDAC's ``ce_count``, 8 for an IB ``link_downed``).
+        expected: what the file should hold, for errors.
+
+    Returns:
+        The counter.
+
+    Raises:
+        DetectorReadError: not a decimal integer, negative, or past the counter's width.
+    """
+    value = parse_int(text, path, expected)
+    if value < 0:
+        raise DetectorReadError(path, f"counter value {text[:40]} is negative (a counter never is: a corrupt file)")
+    if value >> bits:
+        raise DetectorReadError(path, f"counter value {text[:40]} is beyond the {bits}-bit counter the kernel keeps "
+                                      "there (a corrupt file)")
+    return value
+
+
 def parse_decimal(text: str, path: str, expected: str = "one decimal number") -> float:
     """Parses a decimal number as the kernel or a vendor tool prints one (``0.00``, ``93.4``, ``41``).
 
@@ -117,7 +145,23 @@ def read_int(path: str) -> int:
     return parse_int(read_text(path), path)
 
 
-def read_pma_counter(path: str) -> int | None:
+def read_count(path: str, bits: int = 64) -> int:
+    """Reads a file holding one counter (``ce_count``, ``statistics/rx_errors``): see :func:`parse_count`.
+
+    Args:
+        path: file to read.
+        bits: the counter's width in the kernel.
+
+    Returns:
+        The counter.
+
+    Raises:
+        DetectorReadError: unreadable, empty, not an integer, negative or past ``bits``.
+    """
+    return parse_count(read_text(path), path, bits)
+
+
+def read_pma_counter(path: str, bits: int = 64) -> int | None:
     """Reads an RDMA port counter (``/sys/class/infiniband/<dev>/ports/<n>/counters/*``).
 
     A device without a performance management agent (irdma, rxe, siw, efa...) or one whose query failed prints
@@ -125,17 +169,18 @@ def read_pma_counter(path: str) -> int | None:
 
     Args:
         path: file to read.
+        bits: the counter's width (the IB PortCounters fields are 4 to 16 bits wide, hw_counters 64).
 
     Returns:
         The counter, or None when the device does not provide it.
 
     Raises:
-        DetectorReadError: unreadable, empty, or neither an integer nor ``N/A``.
+        DetectorReadError: unreadable, empty, neither a counter nor ``N/A``, negative or past ``bits``.
     """
     text = read_text(path)
     if text.startswith("N/A"):
         return None
-    return parse_int(text, path, "one integer or 'N/A (no PMA)'")
+    return parse_count(text, path, bits, "one integer or 'N/A (no PMA)'")
 
 
 def read_counter_table(path: str) -> dict[str, int]:
@@ -161,7 +206,7 @@ def read_counter_table(path: str) -> dict[str, int]:
         parts = line.rsplit(None, 1)
         if len(parts) != 2 or not _INT.match(parts[1]):
             raise DetectorReadError(path, f"line {number} {line[:40]!r} is not '<name> <count>'")
-        table[parts[0].strip()] = parse_int(parts[1], path, f"'<name> <count>' on line {number}")
+        table[parts[0].strip()] = parse_count(parts[1], path, 64, f"'<name> <count>' on line {number}")
     return table
 
 

@@ -34,6 +34,24 @@ _TRIP_UNSET_MC = 0
 #: What reading ``temp`` fails with for a zone that has no temperature to give (now): a policy-only zone such as
 #: Intel's "INT3400 Thermal" (ENODATA), a sensor not ready yet (EAGAIN). Not unreadable inputs.
 _NO_TEMPERATURE = (errno.ENODATA, errno.EAGAIN)
+#: The kernel keeps temperatures and trip points as a C ``int`` of millidegrees (printed ``%d``): a value outside
+#: it is a corrupt file. Read as a temperature, a u64 was 1.8e16 C, a critical overheat (checkpoint, FAILED).
+_MC_MIN, _MC_MAX = -(1 << 31), (1 << 31) - 1
+#: Below absolute zero a ``temp`` is no reading (THERMAL_TEMP_INVALID, -274000): nothing to judge, as ENODATA.
+_ABSOLUTE_ZERO_MC = -273150
+
+
+def _read_millidegrees(path: str) -> int:
+    """Reads a ``temp`` or ``trip_point_<n>_temp`` file: millidegrees Celsius within the kernel's ``int``.
+
+    Raises:
+        DetectorReadError: unreadable, not an integer, or outside the kernel's ``int``.
+    """
+    value = read_int(path)
+    if not _MC_MIN <= value <= _MC_MAX:
+        raise DetectorReadError(path, f"{value} millidegrees is outside the 32-bit value the kernel keeps there "
+                                      "(a corrupt file)")
+    return value
 
 
 @dataclass
@@ -92,18 +110,21 @@ class ThermalDetector(Detector):
             zdir = os.path.join(base, zone)
             try:
                 try:
-                    temp = read_int(os.path.join(zdir, "temp")) / 1000.0
+                    millideg = _read_millidegrees(os.path.join(zdir, "temp"))
                 except DetectorReadError as exc:
                     if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in _NO_TEMPERATURE:
                         continue  # nothing to judge in this zone now; the others are read
                     raise
+                if millideg < _ABSOLUTE_ZERO_MC:
+                    continue  # the driver's "no valid temperature": nothing to judge now, as ENODATA
+                temp = millideg / 1000.0
                 trips: dict[str, float] = {}
                 hyst: dict[str, float] = {}
                 for f in list_dir(zdir):
                     m = _TRIP.match(f)
                     if m:
                         kind = read_text(os.path.join(zdir, f))
-                        millideg = read_int(os.path.join(zdir, f"trip_point_{m.group(1)}_temp"))
+                        millideg = _read_millidegrees(os.path.join(zdir, f"trip_point_{m.group(1)}_temp"))
                         if millideg <= _TRIP_UNSET_MC:
                             continue  # an unset trip: every temperature is "above" it
                         value = millideg / 1000.0

@@ -365,3 +365,20 @@ def test_npu_smi_output_that_is_no_utf8_is_still_read(tmp_path) -> None:
     s = AscendDetector(AscendConfig(npu_smi=exe)).sample()
     assert s.errors == [] and s.metrics["npus"] == 2.0
     assert [(e.kind, e.subject) for e in s.events] == [("npu.health_critical", "0000:C2:00.0")]
+
+
+def test_an_npu_health_npu_smi_does_not_print_is_a_read_error(tmp_path) -> None:
+    """npu-smi's Health is OK, Warning, Alarm or Critical. A garbled or cut cell ('Crit', bytes that are no
+    UTF-8) read as healthy 0 in the metric with no event and the detector OK; it is a read error naming the
+    chip now, with no healthy metric, and the other chip is judged as before."""
+    exe = fake_npu_smi(tmp_path, NPU_SMI.format(health="OK     ", temp=41))
+    det = AscendDetector(AscendConfig(npu_smi=exe))
+    assert det.sample().events == []
+    fake_npu_smi(tmp_path, NPU_SMI.format(health="Crit   ", temp=41))
+    s = det.sample()
+    assert s.events == [] and s.state == DetectorState.ERROR, (s.events, s.state)
+    assert "healthy[0000:C2:00.0]" not in s.metrics and s.metrics["healthy[0000:C1:00.0]"] == 1.0
+    assert "0000:C2:00.0" in s.detail and "'Crit'" in s.detail, s.detail
+    assert s.metrics["npus_unhealthy"] == 0.0
+    fake_npu_smi(tmp_path, NPU_SMI.format(health="Alarm  ", temp=41))
+    assert [e.kind for e in det.sample().events] == ["npu.health_alarm"]

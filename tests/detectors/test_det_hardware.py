@@ -462,3 +462,29 @@ def test_edac_controllers_reloaded_between_two_samples_count_from_zero(tmp_path)
     assert [(e.kind, e.subject) for e in s.events] == [("hw.memory_ue", "mc0")]
     assert "1 uncorrectable" in s.events[0].message
     assert det.sample().events == []  # the same error once
+
+
+def test_a_disk_removed_while_its_state_is_read_is_gone_not_unreadable(tmp_path, monkeypatch) -> None:
+    """An NVMe controller deleted (hot-unplug, a failed reset) or a SCSI disk removed after it was listed: the
+    read of its open state fails with ENODEV. That was a detector.error (the detector in ERROR) naming a file
+    that no longer exists; the disk is gone, and the others are judged as before."""
+    write_file(tmp_path, "sys/class/nvme/nvme0/state", "live\n")
+    write_file(tmp_path, "sys/class/nvme/nvme1/state", "live\n")
+    write_file(tmp_path, "sys/block/sda/device/state", "running\n")
+    write_file(tmp_path, "sys/block/sdb/device/state", "running\n")
+    det = DiskDetector(DiskConfig(root=str(tmp_path), paths=(str(tmp_path),)))
+    assert det.sample().events == []
+    write_file(tmp_path, "sys/block/sda/device/state", "offline\n")
+    real_read = os.read
+
+    def kernel_read(fd: int, n: int) -> bytes:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        for name, folder in (("/nvme1/state", "sys/class/nvme/nvme1"), ("/sdb/device/state", "sys/block/sdb")):
+            if path.endswith(name):
+                shutil.rmtree(tmp_path / folder)  # removed while its state is open: kernfs answers ENODEV
+                raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", kernel_read)
+    s = det.sample()
+    assert s.errors == [] and [(e.kind, e.subject) for e in s.events] == [("disk.device_unhealthy", "block:sda")]

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from trainguard.detectors.ascend import parse_npu_smi_info
+from trainguard.detectors.disk import DiskConfig, DiskDetector
 from trainguard.detectors.edac import EdacConfig, EdacDetector
 from trainguard.detectors.errors import DetectorReadError
 from trainguard.detectors.ethtool import parse_ethtool_s
@@ -60,9 +61,10 @@ def test_integers_beyond_64_bits_are_read_errors_not_measurements(tmp_path):
     s = PcieDetector(PcieConfig(root=str(tmp_path))).sample()
     assert any("aer_dev_fatal" in r and "64-bit" in r for r in _reasons(s)), _reasons(s)
 
-    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/counters/symbol_error", U64_MAX + "\n")
-    s = roce.sample()
-    assert not any("symbol_error" in r for r in _reasons(s)), _reasons(s)
+    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/counters/symbol_error", "0\n")
+    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/hw_counters/out_of_sequence", U64_MAX + "\n")
+    s = roce.sample()  # hw_counters are u64 (symbol_error is 16 bits: past them, test_a_counter_past_its_...)
+    assert not any("symbol_error" in r or "out_of_sequence" in r for r in _reasons(s)), _reasons(s)
 
 
 @pytest.mark.parametrize("meminfo, needle", [
@@ -164,3 +166,120 @@ def test_digits_of_other_scripts_are_no_numbers_in_any_parser(tmp_path):
     for rss in ("-5", "1_000"):  # a negative resident size, an underscore int() allows
         with pytest.raises(ValueError, match="rss"):
             parse_proc_stat("1 (x) " + " ".join(fields + [rss]))
+
+
+def test_a_negative_counter_is_a_read_error_not_a_negative_rate(tmp_path):
+    """Counters are unsigned. '-5' read as a count gave negative error rates, and the sane reading after it a
+    jump from -5 taken for 5 new errors: a port's link_downed and RNR retries raised events (ERROR/FAILED) on
+    a healthy NIC. Each is a read error naming the file, and the next sane reading counts nothing new."""
+    write_rdma_port(tmp_path, netdev="ens1f0np0")
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    det.sample()
+    port = "sys/class/infiniband/mlx5_0/ports/1"
+    for rel in (f"{port}/counters/link_downed", f"{port}/hw_counters/rnr_nak_retry_err",
+                "sys/class/net/ens1f0np0/statistics/rx_crc_errors"):
+        write_file(tmp_path, rel, "-5\n")
+    s = det.sample()
+    assert all(v >= 0 for v in s.metrics.values()), s.metrics
+    for name in ("link_downed", "rnr_nak_retry_err", "rx_crc_errors"):
+        assert any(name in r and "negative" in r for r in _reasons(s)), _reasons(s)
+    write_rdma_port(tmp_path, netdev="ens1f0np0")
+    s = det.sample()
+    assert s.events == [] and s.errors == [], (s.events, _reasons(s))
+
+
+def test_a_counter_past_its_kernel_width_is_a_read_error(tmp_path):
+    """EDAC's counts are u32 and an IB link_downed 8 bits: a u64 in ue_count read as 1.8e19 uncorrectable
+    memory errors (hw.memory_ue, a drain, the detector FAILED), in link_downed as that many link downs. Now a
+    read error naming the file; the largest value a counter holds still reads."""
+    write_edac_mc(tmp_path, 0, 0, 0)
+    edac = EdacDetector(EdacConfig(root=str(tmp_path)))
+    edac.sample()
+    write_file(tmp_path, "sys/devices/system/edac/mc/mc0/ue_count", U64_MAX + "\n")
+    s = edac.sample()
+    assert s.events == [] and s.state.name == "ERROR", (s.events, s.state)
+    assert any("mc0/ue_count" in r and "32-bit" in r for r in _reasons(s)), _reasons(s)
+    write_file(tmp_path, "sys/devices/system/edac/mc/mc0/ce_count", str((1 << 32) - 1) + "\n")
+    write_file(tmp_path, "sys/devices/system/edac/mc/mc0/ue_count", "0\n")
+    s = edac.sample()
+    assert s.errors == [] and s.metrics["ce_count[mc0]"] == float((1 << 32) - 1)
+
+    write_rdma_port(tmp_path, netdev=None)
+    roce = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    roce.sample()
+    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/counters/link_downed", "256\n")
+    s = roce.sample()
+    assert s.events == [] and "link_downed_per_s" not in s.metrics, s.events
+    assert any("link_downed" in r and "8-bit" in r for r in _reasons(s)), _reasons(s)
+
+
+def test_a_temperature_the_kernel_cannot_hold_is_no_overheat(tmp_path):
+    """Temperatures and trips are a C int of millidegrees in the kernel: a u64 in ``temp`` read as 1.8e16 C,
+    hw.temp_critical (checkpoint) and a FAILED detector; in a critical trip as a trip no zone reached. Both are
+    read errors naming the file now. Below absolute zero (THERMAL_TEMP_INVALID) a zone has no reading to judge."""
+    write_thermal_zone(tmp_path, 0, 45000, {"passive": 95000, "critical": 105000})
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    det.sample()
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/temp", U64_MAX + "\n")
+    s = det.sample()
+    assert s.events == [] and s.state.name == "ERROR" and "max_temp_c" not in s.metrics, (s.events, s.metrics)
+    assert any("thermal_zone0/temp" in r and "32-bit" in r for r in _reasons(s)), _reasons(s)
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/temp", "-274000\n")
+    s = det.sample()
+    assert s.events == [] and s.errors == [] and "max_temp_c" not in s.metrics, (s.events, _reasons(s))
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/temp", str((1 << 31) - 1) + "\n")
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/trip_point_1_temp", str(1 << 31) + "\n")
+    s = det.sample()
+    assert any("trip_point_1_temp" in r and "32-bit" in r for r in _reasons(s)), _reasons(s)
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/trip_point_1_temp", "105000\n")
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/temp", "-5000\n")  # a cold-aisle sensor: a reading
+    s = det.sample()
+    assert s.errors == [] and s.metrics["max_temp_c"] == -5.0, (_reasons(s), s.metrics)
+
+
+@pytest.mark.parametrize("rel, state", [("sys/class/nvme/nvme0/state", "li"), ("sys/block/sda/device/state", "runn"),
+                                        ("sys/block/sda/device/state", "nan")])
+def test_a_device_state_the_kernel_does_not_print_is_a_read_error(tmp_path, rel, state):
+    """A cut or corrupt state ('li' for live, 'runn' for running) read as a device unhealthy: disk.device_unhealthy
+    (checkpoint-now) and a FAILED detector. The kernel prints states from a fixed table: anything else is a read
+    error naming the file; a real state outside the healthy one still counts."""
+    write_file(tmp_path, "sys/class/nvme/nvme0/state", "live\n")
+    write_file(tmp_path, "sys/block/sda/device/state", "running\n")
+    det = DiskDetector(DiskConfig(root=str(tmp_path), paths=(str(tmp_path),)))
+    assert det.sample().events == []
+    write_file(tmp_path, rel, state + "\n")
+    s = det.sample()
+    assert s.events == [] and s.state.name == "ERROR", (s.events, s.state)
+    assert any(rel in r and "state word the kernel prints" in r for r in _reasons(s)), _reasons(s)
+    write_file(tmp_path, "sys/block/sda/device/state", "transport-offline\n")
+    assert [e.kind for e in det.sample().events] == ["disk.device_unhealthy"]
+
+
+@pytest.mark.parametrize("name, value", [("current_link_width", "-5"), ("max_link_width", "9" * 19),
+                                         ("max_link_width", "64")])
+def test_a_link_width_outside_its_register_field_is_a_read_error(tmp_path, name, value):
+    """Link widths are a 6-bit register field (0-63). A width of -5 was published as the link's width, and a
+    maximum of 1e19 made the healthy x16 link pcie.link_narrow. Each is a read error naming the file now."""
+    write_pci_device(tmp_path, GPU)
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    assert det.sample().events == []
+    write_file(tmp_path, f"sys/bus/pci/devices/{GPU}/{name}", value + "\n")
+    s = det.sample()
+    assert s.events == [] and f"link_width[{GPU}]" not in s.metrics, (s.events, s.metrics)
+    assert any(name in r and "0-63" in r for r in _reasons(s)), _reasons(s)
+
+
+@pytest.mark.parametrize("state", ["4: AC", "4: DOWN", "1: ACTIVE", "9" * 5000 + ": ACTIVE"])
+def test_a_port_state_whose_name_does_not_go_with_its_number_is_a_read_error(tmp_path, state):
+    """ib_core prints '<n>: <name>' from a fixed table: '4: AC' (a cut file) read as a port not ACTIVE,
+    roce.port_down and a FAILED detector, while its number said ACTIVE. A mismatch is a read error naming the
+    file; a port really down ('1: DOWN') still raises roce.port_down."""
+    write_rdma_port(tmp_path, netdev=None)
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    assert det.sample().events == []
+    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/state", state + "\n")
+    s = det.sample()
+    assert s.events == [] and s.state.name == "ERROR", (s.events, s.state)
+    assert any("ports/1/state" in r and "ib_core" in r for r in _reasons(s)), _reasons(s)
+    write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/state", "1: DOWN\n")
+    assert [e.kind for e in det.sample().events] == ["roce.port_down"]

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -727,3 +729,90 @@ def test_a_nic_removed_while_its_files_are_read_is_gone_not_unreadable(tmp_path,
     assert [(e.kind, e.subject) for e in s.events] == [("roce.port_down", "mlx5_1/1")]
     assert s.state == DetectorState.FAILED
     assert det.sample().events == []  # still gone: said once
+
+
+def _wait_status(runner: DetectorRunner, ok: "Callable[[Any], bool]", timeout: float = 5.0) -> Any:
+    """The runner's first detector status once ``ok`` holds for it; fails naming the last one seen."""
+    deadline = time.monotonic() + timeout
+    status = runner.statuses()[0]
+    while not ok(status) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        status = runner.statuses()[0]
+    assert ok(status), status
+    return status
+
+
+@pytest.mark.netns
+def test_links_of_a_deleted_namespace_read_unknown_until_it_is_back(veth_netns, tmp_path) -> None:
+    """While the watched namespace is gone (the detector in ERROR naming it), its links' ``link_up`` kept the
+    values from before: a dashboard showed the link up. They are left out until the namespace is back, and
+    come back with the links read there."""
+    ns, a, b = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=3600, ethtool=False,
+                                  interval_s=0.1))
+    with DetectorRunner([det]) as runner:
+        assert det.wait_ready(30.0), "the netlink listener did not start"
+        _wait_status(runner, lambda st: st.metrics.get(f"link_up[{a}]") == 1.0)
+        subprocess.run(["ip", "netns", "del", ns], check=True, timeout=10)
+        # Two samples in ERROR: the first stops the listener, later ones find no namespace to dump either.
+        first = _wait_status(runner, lambda st: st.state == DetectorState.ERROR)
+        status = _wait_status(runner, lambda st: st.state == DetectorState.ERROR and st.samples > first.samples)
+        assert f"no network namespace {ns!r}" in status.detail, status
+        for st in (first, status):
+            assert not any(k.startswith(("link_up[", "link_downs_in_window[")) for k in st.metrics), st.metrics
+            assert "links_down" not in st.metrics and st.metrics["links_unknown"] == 1.0, st.metrics
+        subprocess.run(["ip", "netns", "add", ns], check=True, timeout=10)
+        ip(ns, "link", "add", a, "type", "veth", "peer", "name", b)
+        ip(ns, "link", "set", a, "up")
+        ip(ns, "link", "set", b, "up")
+        back = _wait_status(runner, lambda st: st.state == DetectorState.OK and st.metrics.get(f"link_up[{a}]") == 1.0)
+        assert back.metrics["links_down"] == 0.0 and back.metrics["links_unknown"] == 0.0, back.metrics
+
+
+def test_a_nic_made_anew_between_two_samples_counts_its_errors_from_zero(tmp_path) -> None:
+    """A driver reload or mlx5 health recovery removes the RDMA device and its netdev and makes them anew
+    within seconds, between two samples, with counters from zero. A port with 3 link downs before and 3 new
+    ones after read 3 and 3: nothing; a netdev's CRC errors likewise. Their folders are new ones (kernfs
+    numbers them anew): their counts are new errors."""
+    write_rdma_port(tmp_path, netdev="ens1f0np0", link_downed=3, rx_crc=50)
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    det.sample()
+    assert det.sample().events == []  # the same folders: nothing new
+    dev = tmp_path / "sys/class/infiniband/mlx5_0"
+    net = tmp_path / "sys/class/net/ens1f0np0"
+    dev.rename(dev.with_name("mlx5_0.old"))  # still there while the new one is made: other inodes
+    net.rename(net.with_name("ens1f0np0.old"))
+    write_rdma_port(tmp_path, netdev="ens1f0np0", link_downed=3, rx_crc=50)
+    shutil.rmtree(dev.with_name("mlx5_0.old"))
+    shutil.rmtree(net.with_name("ens1f0np0.old"))
+    s = det.sample()
+    downed = [e for e in s.events if e.kind == "roce.link_downed"]
+    assert downed and int(downed[0].evidence["delta"]) == 3, s.events
+    crc = [e for e in s.events if e.kind == "net.crc_errors"]
+    assert crc and int(crc[0].evidence["delta"]) == 50, s.events
+    assert [e.kind for e in det.sample().events if not e.kind.endswith(".cleared")] == []
+
+
+@pytest.mark.netns
+def test_a_dump_that_fails_after_the_listeners_succeeded_leaves_the_table_known(veth_netns, tmp_path,
+                                                                                 monkeypatch) -> None:
+    """A sample's dump that fails (the namespace was still gone when it looked) after the restarted listener's
+    initial dump succeeded (re-created meanwhile) must not mark the fresh table unknown: the listener does not
+    dump again, so the links read unknown for good while it ran fine. The interleaving is made with real
+    netlink: the listener's dump in the real namespace, then the error of a namespace that does not exist."""
+    import trainguard.detectors.roce as roce_mod
+    from trainguard.detectors.netlink import LinkWatcher
+
+    ns, a, _ = veth_netns
+    det = RoceDetector(RoceConfig(root=str(tmp_path), netns=ns, interfaces=(a,), down_grace_s=3600, ethtool=False))
+    assert det.sample().metrics[f"link_up[{a}]"] == 1.0
+    real_open = roce_mod.open_iproute
+
+    def listener_dump_then_missing_namespace(netns: str = ""):
+        LinkWatcher(det._on_link, ns, on_dump=det._on_dump)._dump(initial=True)  # the listener's, complete
+        return real_open(f"tgdet-missing-{os.getpid()}-{time.monotonic_ns()}")  # raises: no such namespace
+
+    monkeypatch.setattr(roce_mod, "open_iproute", listener_dump_then_missing_namespace)
+    s = det.sample()
+    assert s.errors and "no network namespace" in str(s.errors[0]), s.errors
+    assert s.metrics[f"link_up[{a}]"] == 1.0 and s.metrics["links_unknown"] == 0.0, s.metrics
