@@ -44,7 +44,7 @@ class Durability:
                 self._daemons.restore(decode_held(key, key[len(held):], rec.value), now)
         state = recs.get(self._prefix + "state")
         if state is not None:
-            d = decode_state(self.spec.job, state.value)
+            d = decode_state(self.spec.job, state.value, self._members)  # the layout names them by digest
             self._policy.state, self._layout, self._master_port, self._used_ports = \
                 d.policy, d.layout, d.master_port, d.used_ports
         ck = recs.get(self._prefix + "checkpoint")
@@ -93,7 +93,7 @@ class Durability:
     def _save_state(self) -> Future:
         """Queues a snapshot of the job state; callers needing durability wait on the future (lock released)."""
         value = state_value(self._policy.state, self._layout, self.spec.group_size, self._master_port,
-                            self._used_ports)
+                            self._used_ports, self._record_stored)
         if len(value) > STATE_WARN_BYTES and self._clock() >= self._big_state_logged + 60.0:  # once a minute
             self._big_state_logged = self._clock()
             st = self._policy.state
@@ -105,6 +105,14 @@ class Durability:
         fut = self._submit([Put(self._prefix + "state", value)])
         self._state_fut = fut
         return fut
+
+    def _record_stored(self, node_id: str) -> bool:
+        """Whether a member's node record is in the store (its last write landed), so that the job state's rank
+        layout may name the node by a digest of its id (lock held; see :func:`~.job_records.layout_doc`).
+
+        A write still pending is durable before the state written now (the group committer keeps the order), but
+        one that fails would leave the state naming a record that is not there: such ids are stored in full."""
+        return node_id in self._members and self._writes.last(self._prefix + "nodes/" + node_id) is None
 
     def _submit(self, puts: Sequence[Put]) -> Future:
         fut = self._writes.submit(puts)

@@ -1,0 +1,101 @@
+"""The job state record at the coordinator's scale: the rank layout names its slot holders by a digest of their ids
+(each id is in its node record already), so the record fits etcd's request limit with room to spare.
+
+Before, the layout was one JSON row per slot with the full node id: at 12,500 nodes of random 128-character ids
+(the longest id the service accepts) the record was ~1.45 MB compressed, 1.87 MB with a full cordon list, past etcd's
+default 1.5 MiB ``--max-request-bytes``; every state write after the first generation formed, so every recovery,
+would have failed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+import zlib
+
+import pytest
+
+from trainguard.recovery.coordinator import JobCoordinator
+from trainguard.recovery.domain import FaultReport, NodeRecord
+from trainguard.recovery.job_records import (ID_DIGEST_BYTES, decode_state, id_digest, layout_doc, node_value,
+                                             state_value)
+from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState
+from trainguard.recovery.ranks import assign_ranks, layout_to_rows
+from trainguard.recovery.spec import JobSpec, MAX_CORDONED
+from trainguard.recovery.store import Put, SQLiteStore
+
+JOB = "big"
+PREFIX = f"trainguard/jobs/{JOB}/"
+ALPHABET = string.ascii_letters + string.digits + "._:@-"
+NODES = 12_500
+
+
+def _ids(rnd: random.Random, n: int, length: int = 128) -> list[str]:
+    """Random node ids of the longest form the service accepts (first character alphanumeric): incompressible."""
+    return [rnd.choice(string.ascii_letters) + "".join(rnd.choices(ALPHABET, k=length - 1)) for _ in range(n)]
+
+
+def _nodes(ids: list[str]) -> list[NodeRecord]:
+    return [NodeRecord(nid, pod_id=f"pod-{i // 64}", node_index=i % 64, host=f"h{i}", device_count=8,
+                       address=f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}") for i, nid in enumerate(ids)]
+
+
+def _full_cordon_list(rnd: random.Random, st: PolicyState) -> None:
+    """Every cordoned node at its longest: id, a failure of a 4 KB reason, a 64-character daemon instance."""
+    for nid in _ids(rnd, MAX_CORDONED):
+        st.cordoned.append(nid)
+        st.cordon_why[nid] = Failure(nid, 1, Cause.NODE_CRITICAL, Level.NODE,
+                                     detail="".join(rnd.choices(ALPHABET, k=4096))).describe()
+        st.cordon_daemon[nid] = "".join(rnd.choices(ALPHABET, k=64))
+
+
+def test_a_recovery_at_12500_nodes_of_the_longest_ids_writes_a_state_record_under_1_mib(tmp_path) -> None:
+    """A store an older coordinator wrote (format 1: the layout as rows of full ids) is read back, and the state
+    written by the next recovery is under 1 MiB even with the cordon list full; a coordinator started again on it
+    reads the same layout back from the digests."""
+    rnd = random.Random(11)
+    nodes = _nodes(_ids(rnd, NODES))
+    layout = assign_ranks([n.spec() for n in nodes])
+    st = PolicyState(phase=Phase.RUNNING, generation=1)
+    _full_cordon_list(rnd, st)
+    old = {"policy": st.to_dict(), "layout": layout_to_rows(layout), "group_size": 1, "master_port": 29500,
+           "used_ports": [29500]}
+    store = SQLiteStore(tmp_path / "s.db")
+    puts = [Put(PREFIX + "nodes/" + n.node_id, node_value(n, f"lease{i}", "", "")) for i, n in enumerate(nodes)]
+    puts.append(Put(PREFIX + "state", zlib.compress(json.dumps(old, separators=(",", ":")).encode(), 3)))
+    assert store.commit([], puts).ok
+    spec = JobSpec(job=JOB, nnodes=NODES, store=f"sqlite://{tmp_path}/s.db")
+    coord = JobCoordinator(spec, store=store)
+    try:
+        assert coord.layout == layout and coord.state.generation == 1  # format 1 still reads
+        level, gen, _, fut = coord.report(FaultReport(JOB, nodes[5].node_id, "lease5", 1, Cause.WORKER_EXIT,
+                                                      detail="exit 1"))
+        assert (level, gen) == (Level.PROCESS, 2) and fut is not None
+        coord.wait_durable(fut)
+        value = store.get(PREFIX + "state").value
+        assert len(value) < 1024 * 1024, f"the state record is {len(value)} bytes"
+    finally:
+        coord.close()
+    again = JobCoordinator(spec, store=SQLiteStore(tmp_path / "s.db"))
+    try:
+        assert again.layout == layout and again.state.plan is not None and again.state.plan.generation == 2
+    finally:
+        again.close()
+
+
+def test_slot_holders_without_a_stored_record_are_named_in_full_and_a_lost_record_cannot_be_claimed() -> None:
+    """A holder the writer may not name by digest (its record's write is not known to have landed) keeps its full
+    id; a digest no record resolves becomes an id no node can register under, and a corrupt layout is refused."""
+    nodes = _nodes(["a", "b", "c"])
+    layout = assign_ranks([n.spec() for n in nodes])
+    doc = layout_doc(layout, lambda nid: nid != "b")
+    assert doc["ids"] == {"1": "b"} and len(doc["refs"]) == 4 * -(-3 * ID_DIGEST_BYTES // 3)
+    value = state_value(PolicyState(), layout, 1, 29500, set(), lambda nid: nid != "b")
+    assert decode_state(JOB, value, ["a", "b", "c", "zz"]).layout == layout
+    lost = decode_state(JOB, value, ["a"]).layout
+    assert lost is not None and lost.node_ids == ("a", "b", "?lost-record-" + id_digest("c").hex())
+    bad = json.loads(zlib.decompress(value))
+    bad["slots"]["pod"].pop()
+    with pytest.raises(Exception, match="job state of 'big' is corrupt"):
+        decode_state(JOB, zlib.compress(json.dumps(bad).encode()), ["a", "b", "c"])
