@@ -27,8 +27,8 @@ and the fail-slow wiring. Every part logs as ``trainguard.recovery.coordinator``
 Durability. Store keys under ``trainguard/jobs/<job>/``: ``fence`` (epoch of the owning coordinator),
 ``nodes/<node id>`` (registration and lease, one key per node so 12.5k registrations are not one growing
 blob), ``held/<node id>`` (a node daemon's fatal verdict about a node not registered yet: see
-:mod:`.daemon_reports`), ``state`` (policy state, rank layout naming its nodes by id digest, MASTER_PORT and every port used, zlib-compressed
-JSON, rewritten whole at each change) and ``checkpoint`` (last step every rank committed). A registration is
+:mod:`.daemon_reports`), ``state`` (policy state, rank layout naming its nodes by id digest, MASTER_PORT and every port used,
+zlib-compressed JSON, rewritten whole at each change) and ``checkpoint`` (last step every rank committed). A registration is
 acknowledged once its record is durable; a START/RESTART is sent only once the generation it names is durable, so a
 coordinator killed at any instant and restarted never hands out a generation number or a MASTER_PORT twice.
 Heartbeats are soft state: after a restart every known node gets ``lease_timeout_s`` to heartbeat again with
