@@ -104,6 +104,10 @@ class Store(ABC):
 
     #: Most writes one commit may carry (etcd's default ``--max-txn-ops`` is 128). Callers split larger batches.
     max_ops_per_commit: int = 1 << 30
+    #: Bytes of keys and values a batch of writes should carry at most (etcd refuses requests over its
+    #: ``--max-request-bytes``, 1.5 MiB by default); the group committer closes a batch there. One write larger
+    #: than this is still committed, alone.
+    max_bytes_per_commit: int = 1 << 62
 
     @abstractmethod
     def get(self, key: str) -> Record | None:
@@ -478,6 +482,9 @@ class EtcdStore(Store):
     """
 
     max_ops_per_commit = 127  # etcd --max-txn-ops default 128, one slot kept for the fencing compare
+    # etcd's default --max-request-bytes is 1.5 MiB: 1 MiB of keys and values leaves room for the transaction's
+    # compares and framing, and for a state record near the coordinator's 1 MiB warning committed on its own.
+    max_bytes_per_commit = 1 << 20
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str = "", timeout_s: float = 10.0,
                  security: "EtcdSecurity | None" = None) -> None:
@@ -686,6 +693,7 @@ class FencedStore(Store):
         self.inner = inner
         self.fence = fence
         self.max_ops_per_commit = inner.max_ops_per_commit
+        self.max_bytes_per_commit = inner.max_bytes_per_commit
 
     def get(self, key: str) -> Record | None:
         return self.inner.get(key)
