@@ -159,6 +159,10 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
         # them for the current table (recomputed when holdings, liveness or the table change).
         self._memory = MemoryBook(spec.job, self._alive)
         self._ended_note = ""  # set when the store holds a job that had ended already (see _load)
+        # Slot holders the stored layout names without a node record in the store, and when _load found them:
+        # reap() loses those still unknown once a restart's lease has run out (see Leases._lose_unrecorded).
+        self._unrecorded: set[str] = set()
+        self._unrecorded_since = clock()
         self._load()
 
     # ----------------------------------------------------------------------------------------------- helpers

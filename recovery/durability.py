@@ -72,6 +72,13 @@ class Durability:
                         "started with --nnodes %d --group-size %d; the job keeps the stored layout (the job "
                         "shrank, or the flags changed). To lay the job out afresh, use a new --job name or --store",
                         self.spec.job, len(lay.slots), lay.group_size, self.spec.nnodes, self.spec.group_size)
+        if lay is not None and self._policy.state.phase in (Phase.RUNNING, Phase.RECOVERING):
+            self._unrecorded = {s.node_id for s in lay.slots if s.node_id not in self._members}
+            if self._unrecorded:
+                log.warning("job %s: %d slot holder(s) of the stored rank layout have no node record in the store "
+                            "(a write lost to a store outage): %s; each is lost unless it registers within %.0f s",
+                            self.spec.job, len(self._unrecorded), ", ".join(sorted(self._unrecorded)[:5]),
+                            self._lease_s())
         self._rebuild_table()
         if self._policy.state.phase not in (Phase.SUCCEEDED, Phase.FAILED):
             for nid in self._daemons.held():

@@ -99,3 +99,52 @@ def test_slot_holders_without_a_stored_record_are_named_in_full_and_a_lost_recor
     bad["slots"]["pod"].pop()
     with pytest.raises(Exception, match="job state of 'big' is corrupt"):
         decode_state(JOB, zlib.compress(json.dumps(bad).encode()), ["a", "b", "c"])
+
+
+def test_a_slot_holder_without_a_node_record_after_a_restart_is_lost_when_its_lease_would_run_out(tmp_path) -> None:
+    """The job state names a slot holder whose node record is not in the store (its write was lost to an outage
+    and the coordinator stopped before writing it again): a coordinator started on that store never heard of it
+    as a member, so it was never lost either, and the job ran on without it until its peers' collectives broke.
+    Now it gets the lease every known node gets after a restart, then it is a lost node, replaced as any other."""
+    from trainguard.recovery.domain import Beat
+
+    t = [0.0]
+
+    def clock() -> float:
+        return t[0]
+
+    spec = JobSpec(job=JOB, nnodes=2, lease_timeout_s=2.0, heartbeat_interval_s=0.5,
+                   store=f"sqlite://{tmp_path}/s.db")
+    core = JobCoordinator(spec, store=SQLiteStore(tmp_path / "s.db"), clock=clock, wall=clock)
+    leases = {}
+    try:
+        for i, nid in enumerate(("a", "b")):
+            lease, _, fut = core.register(JOB, NodeRecord(nid, host=nid, address=nid), 30001 + i)
+            core.wait_durable(fut)
+            leases[nid] = lease
+        for nid in ("a", "b"):
+            reply = core.heartbeat(Beat(JOB, nid, leases[nid], -1, free_port=30001))
+        core.wait_durable(reply.durable)
+        assert core.state.phase is Phase.RUNNING and core.layout.node_ids == ("a", "b")
+    finally:
+        core.close()
+    store = SQLiteStore(tmp_path / "s.db")
+    assert store.commit([], [Put(PREFIX + "nodes/b", None)]).ok
+    core = JobCoordinator(spec, store=store, clock=clock, wall=clock)
+    try:
+        assert sorted(core.members()) == ["a"] and core.layout.node_ids == ("a", "b")
+        for _ in range(3):  # within the lease: nothing yet
+            t[0] += 0.5
+            core.heartbeat(Beat(JOB, "a", leases["a"], 1, workers_running=1))
+            core.reap()
+        assert core.state.plan is None
+        for _ in range(3):
+            t[0] += 0.5
+            core.heartbeat(Beat(JOB, "a", leases["a"], 1, workers_running=1))
+            core.reap()
+        plan = core.state.plan
+        # No spare to take its slot: the node-level failure is a job-level restart, as for any lost node.
+        assert plan is not None and plan.failed_nodes == ["b"] and plan.level in (Level.NODE, Level.JOB), core.state
+        assert "no node record in the store" in core.state.cordon_why["b"]
+    finally:
+        core.close()
