@@ -72,6 +72,14 @@ class Durability:
                         "started with --nnodes %d --group-size %d; the job keeps the stored layout (the job "
                         "shrank, or the flags changed). To lay the job out afresh, use a new --job name or --store",
                         self.spec.job, len(lay.slots), lay.group_size, self.spec.nnodes, self.spec.group_size)
+        held_out = len(self._policy.state.cordoned)
+        if held_out > self.spec.cordon_limit() and self._policy.state.phase not in (Phase.SUCCEEDED, Phase.FAILED):
+            # Started again with a lower --max-cordoned: the cordons stand, but every node to be kept out from now
+            # on is refused membership instead, which otherwise surprised the operator at the next bad node.
+            log.warning("job %s: the stored cordon list holds %d node(s), more than --max-cordoned %d: they stay "
+                        "cordoned, and a node to be kept out is refused membership until repaired ones are returned "
+                        "(`trainguard uncordon NODE`) below the bound", self.spec.job, held_out,
+                        self.spec.cordon_limit())
         if lay is not None and self._policy.state.phase in (Phase.RUNNING, Phase.RECOVERING):
             self._unrecorded = {s.node_id for s in lay.slots if s.node_id not in self._members}
             if self._unrecorded:
@@ -106,8 +114,9 @@ class Durability:
             st = self._policy.state
             log.error("job %s: the job state record is %d bytes (%d cordoned node(s), %d slot(s)); etcd refuses "
                       "requests over its --max-request-bytes (1.5 MiB by default), and every recovery then fails "
-                      "to be stored: return repaired nodes to service (`trainguard uncordon NODE`), shorten node ids, "
-                      "or raise etcd's --max-request-bytes", self.spec.job, len(value), len(st.cordoned),
+                      "to be stored: return repaired nodes to service (`trainguard uncordon NODE`), lower the "
+                      "coordinator's --max-cordoned, shorten node ids and addresses, or raise etcd's "
+                      "--max-request-bytes", self.spec.job, len(value), len(st.cordoned),
                       len(self._layout.slots) if self._layout else 0)
         fut = self._submit([Put(self._prefix + "state", value)])
         self._state_fut = fut

@@ -355,3 +355,35 @@ def test_the_cordon_bound_is_a_coordinator_setting_checked_against_the_store(tmp
             assert "cordon list holds 1 nodes" in ei.value.details() and "--max-cordoned" in ei.value.details()
     finally:
         srv.stop(0)
+
+
+def test_a_restart_with_a_lower_cordon_bound_keeps_the_cordons_and_says_what_follows(tmp_path, caplog) -> None:
+    """Started again with --max-cordoned below the stored cordon list: the cordons stand (nothing is dropped), and
+    the log says at once that nodes to be kept out are refused from now on, not only at the next bad node."""
+    import logging
+
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.domain import NodeRecord
+    from trainguard.recovery.node_health import NodeHealthReport, Verdict
+    from trainguard.recovery.store import SQLiteStore
+
+    spec = JobSpec(job=JOB, nnodes=4, store=f"sqlite://{tmp_path}/c.db")
+    core = JobCoordinator(spec, store=SQLiteStore(tmp_path / "c.db"))
+    try:
+        for nid in ("r0", "r1", "r2"):
+            core.wait_durable(core.register(JOB, NodeRecord(nid, host=nid), 30000)[2])
+            assert core.report_node_health(NodeHealthReport(JOB, nid, "h", Verdict.FATAL, "pcie: AER fatal",
+                                                            instance="d"))[0]
+        assert sorted(core.state.cordoned) == ["r0", "r1", "r2"]
+        core.wait_durable(core._state_fut)
+    finally:
+        core.close()
+    lower = JobSpec(job=JOB, nnodes=4, store=f"sqlite://{tmp_path}/c.db", max_cordoned=2)
+    with caplog.at_level(logging.WARNING, logger="trainguard.recovery.coordinator"):
+        core = JobCoordinator(lower, store=SQLiteStore(tmp_path / "c.db"))
+    try:
+        assert sorted(core.state.cordoned) == ["r0", "r1", "r2"]
+        assert any("holds 3 node(s), more than --max-cordoned 2" in r.getMessage() for r in caplog.records), \
+            [r.getMessage() for r in caplog.records]
+    finally:
+        core.close()
