@@ -201,7 +201,10 @@ def layout_from_doc(doc: Mapping[str, object], group_size: int, node_ids: Iterab
         n = int(doc["n"])  # type: ignore[call-overload]
         refs = base64.b64decode(str(doc["refs"]), validate=True)
         ids = {int(k): str(v) for k, v in dict(doc["ids"]).items()}  # type: ignore[call-overload]
-        lws = [int(v) for v, c in doc["lws"] for _ in range(int(c))]  # type: ignore[union-attr]
+        runs = [(int(v), int(c)) for v, c in doc["lws"]]  # type: ignore[union-attr]
+        if any(c < 1 for _, c in runs) or sum(c for _, c in runs) != n:  # before expanding: a corrupt count
+            raise ValueError("device count runs do not add up to the slots")
+        lws = [v for v, c in runs for _ in range(c)]
         addr, pod = [str(a) for a in doc["addr"]], [str(p) for p in doc["pod"]]  # type: ignore[union-attr]
     except (KeyError, TypeError, ValueError) as exc:
         raise MembershipError(f"stored rank layout is malformed ({exc}): the store is corrupt") from exc

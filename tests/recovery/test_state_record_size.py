@@ -18,6 +18,7 @@ import pytest
 
 from trainguard.recovery.coordinator import JobCoordinator
 from trainguard.recovery.domain import FaultReport, NodeRecord
+from trainguard.recovery.errors import StoreError
 from trainguard.recovery.job_records import (ID_DIGEST_BYTES, decode_state, id_digest, layout_doc, node_value,
                                              state_value)
 from trainguard.recovery.policy import Cause, Failure, Level, Phase, PolicyState
@@ -95,10 +96,11 @@ def test_slot_holders_without_a_stored_record_are_named_in_full_and_a_lost_recor
     assert decode_state(JOB, value, ["a", "b", "c", "zz"]).layout == layout
     lost = decode_state(JOB, value, ["a"]).layout
     assert lost is not None and lost.node_ids == ("a", "b", "?lost-record-" + id_digest("c").hex())
-    bad = json.loads(zlib.decompress(value))
-    bad["slots"]["pod"].pop()
-    with pytest.raises(Exception, match="job state of 'big' is corrupt"):
-        decode_state(JOB, zlib.compress(json.dumps(bad).encode()), ["a", "b", "c"])
+    for column, broken in (("pod", ["p0", "p0"]), ("lws", [[1, 10**12]]), ("refs", "not base64!")):
+        bad = json.loads(zlib.decompress(value))
+        bad["slots"][column] = broken  # a count of 10**12 is refused before it is expanded
+        with pytest.raises(StoreError, match="job state of 'big' is corrupt"):
+            decode_state(JOB, zlib.compress(json.dumps(bad).encode()), ["a", "b", "c"])
 
 
 def test_a_slot_holder_without_a_node_record_after_a_restart_is_lost_when_its_lease_would_run_out(tmp_path) -> None:
