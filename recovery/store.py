@@ -373,9 +373,32 @@ class SQLiteStore(Store):
             self._db.execute("INSERT OR IGNORE INTO meta (id, revision) VALUES (0, 0)")
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
+        self._file = self._file_id()
+
+    def _file_id(self) -> tuple[int, int] | None:
+        """The (device, inode) the store's path names now, None when nothing is there."""
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _check_file(self) -> None:
+        """Raises when the path no longer names the file this store opened (lock held).
+
+        Why: SQLite keeps writing to a database file that was deleted (or renamed and replaced) under it; every
+        commit succeeded, and the coordinator started again found an empty store and ran the job from generation
+        1, handing out generation numbers and MASTER_PORTs twice. A stat per call is nothing next to an fsync.
+        """
+        if self._file_id() != self._file:
+            raise StoreError(f"SQLite store {self._path} was deleted or replaced while this coordinator ran: its "
+                             "writes would go to a file no later start reads. Put the file back (a deleted one can "
+                             f"still be copied from /proc/{os.getpid()}/fd while this process runs), or stop this "
+                             "coordinator")
 
     def get(self, key: str) -> Record | None:
         with self._lock:
+            self._check_file()
             try:
                 row = self._db.execute("SELECT value, version FROM kv WHERE key = ?", (key,)).fetchone()
             except sqlite3.Error as exc:
@@ -385,6 +408,7 @@ class SQLiteStore(Store):
     def scan(self, prefix: str) -> dict[str, Record]:
         # Range scan instead of LIKE so "%" and "_" in keys are literal and the primary key index is used.
         with self._lock:
+            self._check_file()
             try:
                 if prefix:
                     rows = self._db.execute("SELECT key, value, version FROM kv WHERE key >= ? AND key < ?",
@@ -397,6 +421,7 @@ class SQLiteStore(Store):
 
     def commit(self, compares: Sequence[Compare], puts: Sequence[Put]) -> CommitResult:
         with self._lock:
+            self._check_file()
             db = self._db
             try:
                 db.execute("BEGIN IMMEDIATE")
