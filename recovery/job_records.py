@@ -5,8 +5,7 @@ when it is written). A node record is JSON: the node's identity, its lease, its 
 failed qualification. A held cordon's record (``held/<node id>``) is JSON: the fatal reason a node daemon reported
 about a node that had not registered, the daemon's instance and host. The state record is zlib-compressed JSON:
 the policy state, the rank layout (slot holders named by a digest of their node id: see :func:`layout_doc`),
-MASTER_PORT and every port used so far. Pure functions: the coordinator reads
-and writes the store itself.
+MASTER_PORT and every port used so far. Pure functions: the coordinator reads and writes the store itself.
 """
 
 from __future__ import annotations
@@ -162,12 +161,13 @@ def layout_doc(layout: RankLayout, by_digest: Callable[[str], bool] = lambda _: 
     of them fits 1 MiB), past etcd's default 1.5 MiB request limit with the cordon list and the records committed
     with it: every later state write, so every recovery, failed. Each node id is in its node record already; the
     layout names it by a digest of :data:`ID_DIGEST_BYTES` (~11 bytes stored), and keeps the full id only for
-    nodes ``by_digest`` declines (a node record not known to be in the store). Device counts are stored as runs,
+    nodes ``by_digest`` declines (no record, or one whose last write failed). Device counts are stored as runs,
     addresses and pods as plain lists (they repeat and compress).
 
     Args:
         layout: the layout.
-        by_digest: whether a node id may be named by its digest (its node record is durable in the store).
+        by_digest: whether a node id may be named by its digest (its node record is in the store by the time
+            this record is, see :meth:`~.durability.Durability._record_stored`).
 
     Returns:
         A JSON-friendly mapping (see :func:`layout_from_doc`).
