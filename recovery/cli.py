@@ -46,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     Args:
         sub: the top-level subparsers.
     """
+    from trainguard.recovery.spec import MAX_CORDONED
+
     p = sub.add_parser("coordinator", help="run a job's coordinator (membership, ranks, recovery) as a server",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--job", required=True, help="job name the node agents use")
@@ -80,6 +82,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--membership-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a recovery waits for a valid membership (a spare of the right pod, a lost node "
                         "back) before the job fails (default 600)")
+    p.add_argument("--max-cordoned", type=int, default=MAX_CORDONED, metavar="N",
+                   help=f"nodes the job state's cordon list holds at most, slot holders apart; past it a node that "
+                        f"must be kept out is refused membership (default {MAX_CORDONED}, the most with an etcd "
+                        "store, whose request limit the state record must fit)")
     p.add_argument("--failslow-action", choices=["report", "replace"], default="report",
                    help="straggler nodes: report them, or replace them with a spare when that pays (default report)")
     p.add_argument("--failslow-ratio", type=float, default=1.3, metavar="X",
@@ -131,6 +137,7 @@ def handle_coordinator(args: argparse.Namespace) -> int:
                    backoff_initial_s=args.backoff, max_heartbeat_rate=args.max_heartbeat_rate,
                    repeat_window_s=args.repeat_window, membership_timeout_s=args.membership_timeout,
                    store=args.store or default_store(args.job), memory_replicas=args.memory_replicas,
+                   max_cordoned=args.max_cordoned,
                    failslow=StragglerConfig(action=args.failslow_action, slow_ratio=args.failslow_ratio,
                                             clear_ratio=min(1.1, (1.0 + args.failslow_ratio) / 2),
                                             horizon_s=args.failslow_horizon, cooldown_s=args.failslow_cooldown))

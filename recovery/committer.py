@@ -26,12 +26,14 @@ class GroupCommitter:
 
     Args:
         store: where to commit; a :class:`~trainguard.recovery.store.FencedStore` makes every batch fenced.
-        max_batch: most puts per commit (capped by the store's ``max_ops_per_commit``).
+        max_batch: most puts per commit (capped by the store's ``max_ops_per_commit``); a batch also stops at the
+            store's ``max_bytes_per_commit``.
     """
 
     def __init__(self, store: Store, max_batch: int = 4096) -> None:
         self._store = store
         self._max = max(1, min(max_batch, store.max_ops_per_commit))
+        self._max_bytes = store.max_bytes_per_commit  # closes a batch too (see _run)
         self._cond = threading.Condition()
         self._queue: list[tuple[list[Put], Future[CommitResult]]] = []
         self._closed = False
@@ -68,11 +70,15 @@ class GroupCommitter:
                 if not self._queue and self._closed:
                     return
                 batch: list[tuple[list[Put], Future[CommitResult]]] = []
-                n = 0
-                while self._queue and (not batch or n + len(self._queue[0][0]) <= self._max):
+                n = size = 0
+                # Bounded by bytes too: a burst of registrations of nodes with many labels (~17 KB a record) was
+                # one etcd transaction of ~2 MB, refused whole ("request is too large"), and so were its retries.
+                while self._queue and (not batch or (n + len(self._queue[0][0]) <= self._max
+                                                     and size + _size(self._queue[0][0]) <= self._max_bytes)):
                     item = self._queue.pop(0)
                     batch.append(item)
                     n += len(item[0])
+                    size += _size(item[0])
             puts = [p for ps, _ in batch for p in ps]
             try:
                 res = self._store.commit([], puts)  # no puts: a fenced store still checks its fence
@@ -91,3 +97,8 @@ class GroupCommitter:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout=30)
+
+
+def _size(puts: Sequence[Put]) -> int:
+    """Bytes of keys and values a submission carries (what a store's request limit counts)."""
+    return sum(len(p.key) + (len(p.value) if p.value is not None else 0) for p in puts)

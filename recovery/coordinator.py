@@ -27,8 +27,8 @@ and the fail-slow wiring. Every part logs as ``trainguard.recovery.coordinator``
 Durability. Store keys under ``trainguard/jobs/<job>/``: ``fence`` (epoch of the owning coordinator),
 ``nodes/<node id>`` (registration and lease, one key per node so 12.5k registrations are not one growing
 blob), ``held/<node id>`` (a node daemon's fatal verdict about a node not registered yet: see
-:mod:`.daemon_reports`), ``state`` (policy state, rank layout, MASTER_PORT and every port used, zlib-compressed
-JSON, rewritten whole at each change) and ``checkpoint`` (last step every rank committed). A registration is
+:mod:`.daemon_reports`), ``state`` (policy state, rank layout naming its nodes by id digest, MASTER_PORT and every port used,
+zlib-compressed JSON, rewritten whole at each change) and ``checkpoint`` (last step every rank committed). A registration is
 acknowledged once its record is durable; a START/RESTART is sent only once the generation it names is durable, so a
 coordinator killed at any instant and restarted never hands out a generation number or a MASTER_PORT twice.
 Heartbeats are soft state: after a restart every known node gets ``lease_timeout_s`` to heartbeat again with
@@ -159,6 +159,10 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
         # them for the current table (recomputed when holdings, liveness or the table change).
         self._memory = MemoryBook(spec.job, self._alive)
         self._ended_note = ""  # set when the store holds a job that had ended already (see _load)
+        # Slot holders the stored layout names without a node record in the store, and when _load found them:
+        # reap() loses those still unknown once a restart's lease has run out (see Leases._lose_unrecorded).
+        self._unrecorded: set[str] = set()
+        self._unrecorded_since = clock()
         self._load()
 
     # ----------------------------------------------------------------------------------------------- helpers

@@ -34,7 +34,7 @@ class Cordoning:
 
     def _room_to_cordon(self, nid: str) -> bool:
         """Whether ``nid`` may join the job state's cordon list (lock held): a slot holder always may (its failure
-        must be handled); any other node while the list is under :data:`~trainguard.recovery.spec.MAX_CORDONED`."""
+        must be handled); any other node while the list is under the spec's ``cordon_limit()`` (``--max-cordoned``)."""
         if self._layout is not None and self._layout.slot_of(nid) is not None:
             return True
         st = self._policy.state
@@ -46,7 +46,7 @@ class Cordoning:
                 f"cordoned: the job state's cordon list holds {self.spec.cordon_limit()} nodes, the most it may "
                 "(the state is stored whole at each change, and etcd refuses requests over 1.5 MiB by default); "
                 "return repaired nodes to service (`trainguard uncordon NODE`, or restart their node daemon), or "
-                "check for a client registering made-up node ids")
+                "check for a client registering made-up node ids, or raise the coordinator's --max-cordoned")
 
     def _cordon_held(self, nid: str, now: float) -> None:
         """Applies a held cordon to a node that registered (lock held, or from ``_load``): a node-level failure,

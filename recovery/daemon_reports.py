@@ -129,8 +129,8 @@ class DaemonReports:
 
     def hold(self, node_id: str) -> None:
         """Holds the node's latched fault as for a node not registered: the coordinator forgot the member because
-        the job state's cordon list is full (see :data:`~trainguard.recovery.spec.MAX_CORDONED`), and applies it if
-        it registers again."""
+        the job state's cordon list is full (see :meth:`~trainguard.recovery.spec.JobSpec.cordon_limit`), and applies
+        it if it registers again."""
         row = self.table.get(node_id)
         if row is not None and row.fatal_reason and node_id not in self._held:
             self._held.add(node_id)

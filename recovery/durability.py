@@ -44,7 +44,7 @@ class Durability:
                 self._daemons.restore(decode_held(key, key[len(held):], rec.value), now)
         state = recs.get(self._prefix + "state")
         if state is not None:
-            d = decode_state(self.spec.job, state.value)
+            d = decode_state(self.spec.job, state.value, self._members)  # the layout names them by digest
             self._policy.state, self._layout, self._master_port, self._used_ports = \
                 d.policy, d.layout, d.master_port, d.used_ports
         ck = recs.get(self._prefix + "checkpoint")
@@ -72,6 +72,21 @@ class Durability:
                         "started with --nnodes %d --group-size %d; the job keeps the stored layout (the job "
                         "shrank, or the flags changed). To lay the job out afresh, use a new --job name or --store",
                         self.spec.job, len(lay.slots), lay.group_size, self.spec.nnodes, self.spec.group_size)
+        held_out = len(self._policy.state.cordoned)
+        if held_out > self.spec.cordon_limit() and self._policy.state.phase not in (Phase.SUCCEEDED, Phase.FAILED):
+            # Started again with a lower --max-cordoned: the cordons stand, but every node to be kept out from now
+            # on is refused membership instead, which otherwise surprised the operator at the next bad node.
+            log.warning("job %s: the stored cordon list holds %d node(s), more than --max-cordoned %d: they stay "
+                        "cordoned, and a node to be kept out is refused membership until repaired ones are returned "
+                        "(`trainguard uncordon NODE`) below the bound", self.spec.job, held_out,
+                        self.spec.cordon_limit())
+        if lay is not None and self._policy.state.phase in (Phase.RUNNING, Phase.RECOVERING):
+            self._unrecorded = {s.node_id for s in lay.slots if s.node_id not in self._members}
+            if self._unrecorded:
+                log.warning("job %s: %d slot holder(s) of the stored rank layout have no node record in the store "
+                            "(a write lost to a store outage): %s; each is lost unless it registers within %.0f s",
+                            self.spec.job, len(self._unrecorded), ", ".join(sorted(self._unrecorded)[:5]),
+                            self._lease_s())
         self._rebuild_table()
         if self._policy.state.phase not in (Phase.SUCCEEDED, Phase.FAILED):
             for nid in self._daemons.held():
@@ -93,18 +108,31 @@ class Durability:
     def _save_state(self) -> Future:
         """Queues a snapshot of the job state; callers needing durability wait on the future (lock released)."""
         value = state_value(self._policy.state, self._layout, self.spec.group_size, self._master_port,
-                            self._used_ports)
+                            self._used_ports, self._record_stored)
         if len(value) > STATE_WARN_BYTES and self._clock() >= self._big_state_logged + 60.0:  # once a minute
             self._big_state_logged = self._clock()
             st = self._policy.state
             log.error("job %s: the job state record is %d bytes (%d cordoned node(s), %d slot(s)); etcd refuses "
                       "requests over its --max-request-bytes (1.5 MiB by default), and every recovery then fails "
-                      "to be stored: return repaired nodes to service (`trainguard uncordon NODE`), shorten node ids, "
-                      "or raise etcd's --max-request-bytes", self.spec.job, len(value), len(st.cordoned),
+                      "to be stored: return repaired nodes to service (`trainguard uncordon NODE`), lower the "
+                      "coordinator's --max-cordoned, shorten node ids and addresses, or raise etcd's "
+                      "--max-request-bytes", self.spec.job, len(value), len(st.cordoned),
                       len(self._layout.slots) if self._layout else 0)
         fut = self._submit([Put(self._prefix + "state", value)])
         self._state_fut = fut
         return fut
+
+    def _record_stored(self, node_id: str) -> bool:
+        """Whether a member's node record is in the store by the time the state written now is, so that the job
+        state's rank layout may name the node by a digest of its id (lock held; see
+        :func:`~.job_records.layout_doc`).
+
+        A write still pending counts: the group committer commits it before (or with) the state written now. At
+        a 12,500-node formation a third of the records were still pending, and storing those ids in full made the
+        formation's state record 0.5 MB, up to the old 1.45 MB when the store is slow. A record whose last write
+        failed is stored in full (it is written again before the state, but a stop in between would leave the
+        digest unresolved: see :meth:`~.leases.Leases._lose_unrecorded` for what then happens)."""
+        return node_id in self._members and not lost(self._writes.last(self._prefix + "nodes/" + node_id))
 
     def _submit(self, puts: Sequence[Put]) -> Future:
         fut = self._writes.submit(puts)

@@ -182,7 +182,13 @@ class Formation:
         now = self._clock()
         st = self._policy.state
         if st.phase is Phase.FORMING:
-            if self._joined >= self.spec.nnodes:
+            # Cordoned live nodes never get a slot (_first_layout leaves them out), yet they were counted: agents
+            # read "2 of 3 registered" and a forming_missing of 1 while two nodes were missing. The cordon list is
+            # bounded (spec.cordon_limit), so this stays cheap per registration.
+            cordoned = set(st.cordoned)
+            joined = self._joined - sum(1 for n in cordoned if (m := self._members.get(n)) is not None
+                                        and m.alive and not m.info.spare)
+            if joined >= self.spec.nnodes:
                 self._try_form(now)
             else:
                 # _first_layout says why once enough registered (it sorts every member, so it is skipped before,
@@ -190,8 +196,8 @@ class Formation:
                 # register waited with an empty message, and their logs said nothing for as long as they waited.
                 # Names come from the first few members (insertion order), so a large job's formation stays linear.
                 named = [n for n, m in itertools.islice(self._members.items(), 4 * _NAMED)
-                         if self._lease_live(m, now) and not m.info.spare][:_NAMED]
-                joined = self._joined  # a spare, or a node that left or went silent, is not counted
+                         if self._lease_live(m, now) and not m.info.spare and n not in cordoned][:_NAMED]
+                # A spare, a cordoned node, or a node that left or went silent, is not counted.
                 self._form_note = self._short_note(joined, named)
                 self._form_missing = self.spec.nnodes - joined
                 self._last_call_at = None  # as _first_layout does below MIN: the last call starts again at MIN

@@ -4,20 +4,23 @@ Keys live under ``trainguard/jobs/<job>/`` (see :mod:`~trainguard.recovery.coord
 when it is written). A node record is JSON: the node's identity, its lease, its agent's instance id and why it
 failed qualification. A held cordon's record (``held/<node id>``) is JSON: the fatal reason a node daemon reported
 about a node that had not registered, the daemon's instance and host. The state record is zlib-compressed JSON:
-the policy state, the rank layout, MASTER_PORT and every port used so far. Pure functions: the coordinator reads
-and writes the store itself.
+the policy state, the rank layout (slot holders named by a digest of their node id: see :func:`layout_doc`),
+MASTER_PORT and every port used so far. Pure functions: the coordinator reads and writes the store itself.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from trainguard.recovery.domain import NodeRecord
 from trainguard.recovery.errors import MembershipError, PolicyError, StoreError
 from trainguard.recovery.policy import PolicyState
-from trainguard.recovery.ranks import RankLayout, layout_from_mapping, layout_to_rows
+from trainguard.recovery.ranks import RankLayout, layout_from_mapping
 
 
 @dataclass(frozen=True)
@@ -128,17 +131,125 @@ def decode_checkpoint(key: str, value: bytes) -> int:
                          "is then taken from the nodes' next commits) or use a fresh store") from exc
 
 
+#: Bytes of a node id's digest by which the state record's rank layout names a slot holder whose node record
+#: (``nodes/<node id>``) is in the store: the id is stored there once already. 64 bits: two of 10**5 node ids share
+#: one with a probability of ~3e-10, and a decoder that finds two says so instead of guessing.
+ID_DIGEST_BYTES = 8
+
+
+def id_digest(node_id: str) -> bytes:
+    """The digest by which a stored rank layout names a node whose record is in the store."""
+    return hashlib.blake2b(node_id.encode(), digest_size=ID_DIGEST_BYTES).digest()
+
+
+def _runs(values: Sequence[int]) -> list[list[int]]:
+    """``[[value, count], ...]`` of consecutive equal values (device counts: one run for a uniform job)."""
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return out
+
+
+def layout_doc(layout: RankLayout, by_digest: Callable[[str], bool] = lambda _: False) -> dict[str, object]:
+    """The compact form of a rank layout in the state record (format 2).
+
+    Why: the layout was stored as one JSON row per slot, each with the full node id. At 12,500 nodes of 128-character
+    random ids the record was 1.45 MB compressed (the ids themselves are ~97 bytes each of entropy, so no encoding
+    of them fits 1 MiB), past etcd's default 1.5 MiB request limit with the cordon list and the records committed
+    with it: every later state write, so every recovery, failed. Each node id is in its node record already; the
+    layout names it by a digest of :data:`ID_DIGEST_BYTES` (~11 bytes stored), and keeps the full id only for
+    nodes ``by_digest`` declines (no record, or one whose last write failed). Device counts are stored as runs,
+    addresses and pods as plain lists (they repeat and compress).
+
+    Args:
+        layout: the layout.
+        by_digest: whether a node id may be named by its digest (its node record is in the store by the time
+            this record is, see :meth:`~.durability.Durability._record_stored`).
+
+    Returns:
+        A JSON-friendly mapping (see :func:`layout_from_doc`).
+    """
+    refs = bytearray()
+    ids: dict[str, str] = {}
+    zero = bytes(ID_DIGEST_BYTES)
+    for i, s in enumerate(layout.slots):
+        if by_digest(s.node_id):
+            refs += id_digest(s.node_id)
+        else:
+            refs += zero
+            ids[str(i)] = s.node_id
+    return {"format": 2, "n": len(layout.slots), "refs": base64.b64encode(bytes(refs)).decode(), "ids": ids,
+            "lws": _runs([s.local_world_size for s in layout.slots]),
+            "addr": [s.address for s in layout.slots], "pod": [s.pod_id for s in layout.slots]}
+
+
+def layout_from_doc(doc: Mapping[str, object], group_size: int, node_ids: Iterable[str]) -> RankLayout:
+    """Rebuilds a layout from :func:`layout_doc`'s form; digests are resolved against ``node_ids`` (the ids of
+    the node records in the store).
+
+    A digest no node record resolves (the record's write was lost to a store outage and the coordinator stopped
+    before writing it again) becomes ``?lost-record-<digest>``, an id no node can register under: the slot is
+    then a lost holder's, replaced as any other (its node, registering again, is a newcomer).
+
+    Raises:
+        MembershipError: the form is malformed or inconsistent, or two node records share a digest it names.
+    """
+    try:
+        n = int(doc["n"])  # type: ignore[call-overload]
+        refs = base64.b64decode(str(doc["refs"]), validate=True)
+        ids = {int(k): str(v) for k, v in dict(doc["ids"]).items()}  # type: ignore[call-overload]
+        runs = [(int(v), int(c)) for v, c in doc["lws"]]  # type: ignore[union-attr]
+        if any(c < 1 for _, c in runs) or sum(c for _, c in runs) != n:  # before expanding: a corrupt count
+            raise ValueError("device count runs do not add up to the slots")
+        lws = [v for v, c in runs for _ in range(c)]
+        addr, pod = [str(a) for a in doc["addr"]], [str(p) for p in doc["pod"]]  # type: ignore[union-attr]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MembershipError(f"stored rank layout is malformed ({exc}): the store is corrupt") from exc
+    if not (len(refs) == n * ID_DIGEST_BYTES and len(lws) == len(addr) == len(pod) == n):
+        raise MembershipError("stored rank layout's columns differ in length: the store is corrupt")
+    wanted = {refs[i * ID_DIGEST_BYTES:(i + 1) * ID_DIGEST_BYTES] for i in range(n) if i not in ids}
+    known: dict[bytes, str] = {}
+    for nid in node_ids:
+        d = id_digest(nid)
+        if d in wanted:
+            if d in known and known[d] != nid:
+                raise MembershipError(f"node records {known[d]!r} and {nid!r} share the digest the stored rank "
+                                      "layout names a slot by: delete the one that holds no slot")
+            known[d] = nid
+    rows = []
+    first = 0
+    for i in range(n):
+        d = refs[i * ID_DIGEST_BYTES:(i + 1) * ID_DIGEST_BYTES]
+        nid = ids[i] if i in ids else known.get(d, "?lost-record-" + d.hex())
+        rows.append({"node_id": nid, "group_rank": i, "first_rank": first, "local_world_size": lws[i],
+                     "address": addr[i], "pod_id": pod[i]})
+        first += lws[i]
+    return layout_from_mapping(rows, group_size)
+
+
 def state_value(policy: PolicyState, layout: RankLayout | None, group_size: int, master_port: int,
-                used_ports: set[int]) -> bytes:
-    """The value of the job state record; ``group_size`` is the layout's, or the spec's while there is none."""
-    doc = {"policy": policy.to_dict(), "layout": layout_to_rows(layout) if layout else None,
+                used_ports: set[int], by_digest: Callable[[str], bool] = lambda _: False) -> bytes:
+    """The value of the job state record; ``group_size`` is the layout's, or the spec's while there is none.
+
+    Args:
+        by_digest: whether a slot holder may be named by its id's digest (see :func:`layout_doc`); by default
+            every id is stored in full.
+    """
+    part = layout_doc(layout, by_digest) if layout else None
+    # No "layout" key: trainguard before format 2 reads it unconditionally, so an older coordinator started on this
+    # store says the record is corrupt instead of taking the job for one with no layout.
+    doc = {"policy": policy.to_dict(), "slots": part,
            "group_size": layout.group_size if layout else group_size,
            "master_port": master_port, "used_ports": sorted(used_ports)}
-    return zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), 3)
+    return zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), 6)
 
 
-def decode_state(job: str, value: bytes) -> StoredState:
-    """Reads the job state record of ``job``.
+def decode_state(job: str, value: bytes, node_ids: Iterable[str] = ()) -> StoredState:
+    """Reads the job state record of ``job``; ``node_ids`` are the ids of the node records in the store, which
+    the layout names by digest (format 2). Records with the layout as rows of full ids (format 1) read as before.
 
     Raises:
         StoreError: the record is corrupt.
@@ -146,8 +257,12 @@ def decode_state(job: str, value: bytes) -> StoredState:
     try:
         d = json.loads(zlib.decompress(value))
         policy = PolicyState.from_dict(d["policy"])
-        rows = d["layout"]
-        layout = layout_from_mapping(rows, int(d["group_size"])) if rows else None
+        if "slots" in d:  # format 2
+            part = d["slots"]
+            layout = layout_from_doc(part, int(d["group_size"]), node_ids) if part else None
+        else:
+            rows = d["layout"]
+            layout = layout_from_mapping(rows, int(d["group_size"])) if rows else None
         return StoredState(policy, layout, int(d["master_port"]), {int(p) for p in d["used_ports"]})
     except (ValueError, KeyError, TypeError, zlib.error, PolicyError, MembershipError) as exc:
         raise StoreError(f"job state of {job!r} is corrupt ({exc}): use a fresh store") from exc

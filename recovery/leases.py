@@ -187,7 +187,26 @@ class Leases:
             for m in list(self._members.values()):
                 if m.alive and now - m.last_seen > self._lease_s():
                     self._lose(m, now, f"no heartbeat for {now - m.last_seen:.1f} s")
+            if self._unrecorded and now - self._unrecorded_since > self._lease_s():
+                self._lose_unrecorded(now)
             self._advance()
+
+    def _lose_unrecorded(self, now: float) -> None:
+        """Fails, as lost nodes, the slot holders the stored layout named without a node record that have not
+        registered since this coordinator started (lock held; see ``_unrecorded`` and ``_load``).
+
+        Why: the state can name a holder whose record's write the store lost (and whose digest no record then
+        resolves, ``?lost-record-...``); never a member, it was never lost either, and the job ran on without it.
+        """
+        gone, self._unrecorded = sorted(self._unrecorded), set()
+        for nid in gone:
+            st = self._policy.state  # fresh: each decision replaces the state
+            if nid in self._members or self._layout is None or self._layout.slot_of(nid) is None \
+                    or st.phase not in (Phase.RUNNING, Phase.RECOVERING):
+                continue
+            why = "no node record in the store and no registration since the coordinator started"
+            log.warning("job %s: node %s lost (%s)", self.spec.job, nid, why)
+            self._fail(Failure(nid, st.generation, Cause.NODE_LOST, detail=why, time_s=self._wall()), now)
 
     def _lose(self, m: Member, now: float, why: str) -> None:
         """Ends a member's liveness (lock held): a node-level failure when it holds a slot of the running job."""

@@ -23,7 +23,8 @@ MIN_NODE_ID_LIMIT = 16384
 #: that cordoned it (~400 characters) and its daemon's instance: ~530 bytes compressed at worst, so 1024 of them
 #: take ~0.55 MB, under etcd's default request limit (1.5 MiB) with room for the rank layout and the node records
 #: committed with it. Registered node ids could fill it up to the node id limit (16384: ~8.6 MB), and every state
-#: write, so every recovery, then failed for good.
+#: write, so every recovery, then failed for good. The default of :attr:`JobSpec.max_cordoned`, and its most with an
+#: etcd store; other stores have no request limit and take up to the node id limit.
 MAX_CORDONED = 1024
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
@@ -68,6 +69,9 @@ class JobSpec:
             node coming back) before the job fails (MEMBERSHIP_IMPOSSIBLE), seconds. Default 600.
         store: state store URL (see :func:`~trainguard.recovery.store.open_store`). Default ``memory://``.
         failslow: straggler detection and replace policy (:mod:`~trainguard.recovery.straggler`).
+        max_cordoned: nodes the job state's cordon list holds at most, slot holders apart (0:
+            :data:`MAX_CORDONED`, 1024); past it a node that must be kept out is refused membership instead. At most
+            1024 with an etcd store (the state record must fit etcd's request limit), the node id limit otherwise.
         memory_replicas: buddy nodes each node replicates its ranks' in-memory snapshots to (another pod's
             first; :func:`~trainguard.recovery.memory_plan.buddies`); 0 turns peer replication off. Default 1.
     """
@@ -94,6 +98,7 @@ class JobSpec:
     memory_replicas: int = 1
     max_nodes: int = 0
     last_call_s: float = 30.0
+    max_cordoned: int = 0
 
     def node_id_limit(self) -> int:
         """How many node ids the coordinator keeps at most (members; node daemons' rows apart): a bound on what
@@ -101,8 +106,15 @@ class JobSpec:
         return max(MIN_NODE_ID_LIMIT, 2 * max(self.nnodes, self.max_nodes))
 
     def cordon_limit(self) -> int:
-        """How many nodes the job state's cordon list holds at most, slot holders apart (:data:`MAX_CORDONED`)."""
-        return MAX_CORDONED
+        """How many nodes the job state's cordon list holds at most, slot holders apart (:attr:`max_cordoned`,
+        0: :data:`MAX_CORDONED`)."""
+        return self.max_cordoned or MAX_CORDONED
+
+    def cordon_limit_ceiling(self) -> int:
+        """The largest :attr:`max_cordoned` this spec's store takes: :data:`MAX_CORDONED` for etcd (each cordoned
+        node costs ~530 bytes of the state record at worst, which etcd's 1.5 MiB request limit must take with the
+        rank layout and the records committed with it), the node id limit for the others (no request limit)."""
+        return MAX_CORDONED if self.store.startswith("etcd:") else max(MAX_CORDONED, self.node_id_limit())
 
     def validate(self) -> None:
         """Checks every field.
@@ -134,6 +146,13 @@ class JobSpec:
             raise InvalidRequestError(f"repeat window {self.repeat_window_s} s must be positive")
         if not self.membership_timeout_s > 0:
             raise InvalidRequestError(f"membership timeout {self.membership_timeout_s} s must be positive")
+        if isinstance(self.max_cordoned, bool) or not isinstance(self.max_cordoned, int) \
+                or not 0 <= self.max_cordoned <= self.cordon_limit_ceiling():
+            why = ("with an etcd store: the job state record must fit etcd's request limit" if
+                   self.store.startswith("etcd:") else "the node id limit")
+            raise InvalidRequestError(f"--max-cordoned {self.max_cordoned!r} must be a whole number of nodes from 1 to "
+                                      f"{self.cordon_limit_ceiling()} ({why}), or 0 for the default "
+                                      f"{MAX_CORDONED}")
         if self.memory_replicas < 0:
             raise InvalidRequestError(f"memory replicas {self.memory_replicas} must be >= 0 (0: no replication)")
         if not (self.max_heartbeat_rate > 0 and math.isfinite(self.max_heartbeat_rate)):

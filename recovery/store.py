@@ -104,6 +104,10 @@ class Store(ABC):
 
     #: Most writes one commit may carry (etcd's default ``--max-txn-ops`` is 128). Callers split larger batches.
     max_ops_per_commit: int = 1 << 30
+    #: Bytes of keys and values a batch of writes should carry at most (etcd refuses requests over its
+    #: ``--max-request-bytes``, 1.5 MiB by default); the group committer closes a batch there. One write larger
+    #: than this is still committed, alone.
+    max_bytes_per_commit: int = 1 << 62
 
     @abstractmethod
     def get(self, key: str) -> Record | None:
@@ -369,9 +373,32 @@ class SQLiteStore(Store):
             self._db.execute("INSERT OR IGNORE INTO meta (id, revision) VALUES (0, 0)")
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
+        self._file = self._file_id()
+
+    def _file_id(self) -> tuple[int, int] | None:
+        """The (device, inode) the store's path names now, None when nothing is there."""
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _check_file(self) -> None:
+        """Raises when the path no longer names the file this store opened (lock held).
+
+        Why: SQLite keeps writing to a database file that was deleted (or renamed and replaced) under it; every
+        commit succeeded, and the coordinator started again found an empty store and ran the job from generation
+        1, handing out generation numbers and MASTER_PORTs twice. A stat per call is nothing next to an fsync.
+        """
+        if self._file_id() != self._file:
+            raise StoreError(f"SQLite store {self._path} was deleted or replaced while this coordinator ran: its "
+                             "writes would go to a file no later start reads. Put the file back (a deleted one can "
+                             f"still be copied from /proc/{os.getpid()}/fd while this process runs), or stop this "
+                             "coordinator")
 
     def get(self, key: str) -> Record | None:
         with self._lock:
+            self._check_file()
             try:
                 row = self._db.execute("SELECT value, version FROM kv WHERE key = ?", (key,)).fetchone()
             except sqlite3.Error as exc:
@@ -381,6 +408,7 @@ class SQLiteStore(Store):
     def scan(self, prefix: str) -> dict[str, Record]:
         # Range scan instead of LIKE so "%" and "_" in keys are literal and the primary key index is used.
         with self._lock:
+            self._check_file()
             try:
                 if prefix:
                     rows = self._db.execute("SELECT key, value, version FROM kv WHERE key >= ? AND key < ?",
@@ -393,6 +421,7 @@ class SQLiteStore(Store):
 
     def commit(self, compares: Sequence[Compare], puts: Sequence[Put]) -> CommitResult:
         with self._lock:
+            self._check_file()
             db = self._db
             try:
                 db.execute("BEGIN IMMEDIATE")
@@ -478,6 +507,9 @@ class EtcdStore(Store):
     """
 
     max_ops_per_commit = 127  # etcd --max-txn-ops default 128, one slot kept for the fencing compare
+    # etcd's default --max-request-bytes is 1.5 MiB: 1 MiB of keys and values leaves room for the transaction's
+    # compares and framing, and for a state record near the coordinator's 1 MiB warning committed on its own.
+    max_bytes_per_commit = 1 << 20
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str = "", timeout_s: float = 10.0,
                  security: "EtcdSecurity | None" = None) -> None:
@@ -686,6 +718,7 @@ class FencedStore(Store):
         self.inner = inner
         self.fence = fence
         self.max_ops_per_commit = inner.max_ops_per_commit
+        self.max_bytes_per_commit = inner.max_bytes_per_commit
 
     def get(self, key: str) -> Record | None:
         return self.inner.get(key)

@@ -318,3 +318,72 @@ def test_the_cordon_bound_keeps_the_worst_case_state_record_under_etcds_request_
         st.cordon_why[nid] = Failure(nid, 3, Cause.NODE_CRITICAL, Level.NODE, detail=text(4096)).describe()
         st.cordon_daemon[nid] = text(64)
     assert len(state_value(st, None, 1, 29500, set(range(29500, 29600)))) < 0.75 * 1.5 * 2**20
+
+
+def test_the_cordon_bound_is_a_coordinator_setting_checked_against_the_store(tmp_path, tg_env) -> None:
+    """`--max-cordoned` (JobSpec.max_cordoned) sets the bound (a constant before: a job with many flaky nodes on a
+    sqlite store could not raise it, one wanting a tighter one could not lower it); a value the store cannot take
+    is one usage line naming the flag and the range, and the refusal past the bound names the flag."""
+    import subprocess
+    import sys
+
+    from trainguard.recovery.errors import InvalidRequestError
+    from trainguard.recovery.spec import MAX_CORDONED
+
+    assert JobSpec(job=JOB).cordon_limit() == MAX_CORDONED
+    assert JobSpec(job=JOB, max_cordoned=3000, store="sqlite:///x.db").cordon_limit() == 3000
+    for value, store, said in ((5000, "etcd://127.0.0.1:1", "from 1 to 1024 (with an etcd store"),
+                               (-1, "memory://", "from 1 to 16384 (the node id limit)")):
+        with pytest.raises(InvalidRequestError, match="--max-cordoned"):
+            JobSpec(job=JOB, max_cordoned=value, store=store).validate()
+        out = subprocess.run([sys.executable, "-m", "trainguard.cli", "coordinator", "--job", JOB, "--listen",
+                              "127.0.0.1:0", "--store", store, "--max-cordoned", str(value)],
+                             env=tg_env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    srv = CoordinatorServer(JobSpec(job=JOB, nnodes=2, max_cordoned=1, store=f"sqlite://{tmp_path}/c.db")).start()
+    try:
+        with grpc.insecure_channel(srv.target) as chan:
+            stub = coordinator_pb2_grpc.CoordinatorStub(chan)
+            for nid in ("r0", "r1"):
+                _register(stub, nid)
+                assert stub.ReportNodeHealth(pb.NodeHealthReportRequest(
+                    job=JOB, node_id=nid, host="h", agent_instance="d", verdict=pb.NODE_HEALTH_VERDICT_FATAL,
+                    reason="pcie: AER fatal"), timeout=10).cordoned
+            assert srv.core.state.cordoned == ["r0"] and srv.core.held_cordons() == ["r1"]
+            with pytest.raises(grpc.RpcError) as ei:
+                _register(stub, "r1")
+            assert "cordon list holds 1 nodes" in ei.value.details() and "--max-cordoned" in ei.value.details()
+    finally:
+        srv.stop(0)
+
+
+def test_a_restart_with_a_lower_cordon_bound_keeps_the_cordons_and_says_what_follows(tmp_path, caplog) -> None:
+    """Started again with --max-cordoned below the stored cordon list: the cordons stand (nothing is dropped), and
+    the log says at once that nodes to be kept out are refused from now on, not only at the next bad node."""
+    import logging
+
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.domain import NodeRecord
+    from trainguard.recovery.node_health import NodeHealthReport, Verdict
+    from trainguard.recovery.store import SQLiteStore
+
+    spec = JobSpec(job=JOB, nnodes=4, store=f"sqlite://{tmp_path}/c.db")
+    core = JobCoordinator(spec, store=SQLiteStore(tmp_path / "c.db"))
+    try:
+        for nid in ("r0", "r1", "r2"):
+            core.wait_durable(core.register(JOB, NodeRecord(nid, host=nid), 30000)[2])
+            assert core.report_node_health(NodeHealthReport(JOB, nid, "h", Verdict.FATAL, "pcie: AER fatal",
+                                                            instance="d"))[0]
+        assert sorted(core.state.cordoned) == ["r0", "r1", "r2"]
+        core.wait_durable(core._state_fut)
+    finally:
+        core.close()
+    lower = JobSpec(job=JOB, nnodes=4, store=f"sqlite://{tmp_path}/c.db", max_cordoned=2)
+    with caplog.at_level(logging.WARNING, logger="trainguard.recovery.coordinator"):
+        core = JobCoordinator(lower, store=SQLiteStore(tmp_path / "c.db"))
+    try:
+        assert sorted(core.state.cordoned) == ["r0", "r1", "r2"]
+        assert any("holds 3 node(s), more than --max-cordoned 2" in r.getMessage() for r in caplog.records), \
+            [r.getMessage() for r in caplog.records]
+    finally:
+        core.close()

@@ -71,3 +71,30 @@ def test_the_last_call_starts_again_when_a_node_leaves_below_the_minimum(serve) 
     # MIN again: a new last call, not the one that ran out while the job had too few nodes.
     resp = a.beat()
     assert a.gen < 0 and "last call" in resp.message, resp.message
+
+
+def test_cordoned_live_nodes_are_not_counted_as_registered_nodes_of_the_first_generation(serve) -> None:
+    """A registered node whose daemon reported it fatal keeps beating but never gets a slot: counted, the agents
+    read "2 of 3 registered" and ``forming_missing`` 1 while two nodes were still missing."""
+    _, stub = serve(nnodes=3)
+    a = Agent(stub, JOB, node_info("a", idx=0))
+    b = Agent(stub, JOB, node_info("b", idx=1))
+    verdict = stub.ReportNodeHealth(pb.NodeHealthReportRequest(job=JOB, node_id="b", host="h", agent_instance="d",
+                                                               verdict=pb.NODE_HEALTH_VERDICT_FATAL,
+                                                               reason="pcie: AER fatal"), timeout=10)
+    assert verdict.cordoned
+    b.beat()
+    resp = a.beat()
+    assert resp.command == pb.NODE_COMMAND_WAIT and "waiting for nodes: 1 of 3 registered (a)" in resp.message, \
+        resp.message
+    assert resp.forming_missing == 2
+    Agent(stub, JOB, node_info("c", idx=2))
+    resp = a.beat()  # two counted: still the quick count, not a layout attempt
+    assert "2 of 3 registered (a, c)" in resp.message and resp.forming_missing == 1, resp.message
+    Agent(stub, JOB, node_info("d", idx=3))
+    deadline = time.monotonic() + 10
+    while a.gen != 1:
+        assert time.monotonic() < deadline, a.last.message
+        a.beat()
+        time.sleep(0.02)
+    assert sorted(n.node_id for n in a.table.nodes) == ["a", "c", "d"]

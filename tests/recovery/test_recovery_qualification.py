@@ -185,14 +185,14 @@ def test_decide_node_disqualified_is_pure_and_idempotent() -> None:
     assert not again.changed and again.state.message == step.state.message
 
 
-def test_past_the_cordon_bound_a_refused_node_is_refused_membership_instead(monkeypatch) -> None:
-    """With the job state's cordon list full (bound patched to 1), a node failing its pre-flight check is kept out
-    by refusing it membership, at registration or at the heartbeat that carries the failed check."""
+def test_past_the_cordon_bound_a_refused_node_is_refused_membership_instead() -> None:
+    """With the job state's cordon list full (the coordinator's --max-cordoned set to 1), a node failing its
+    pre-flight check is kept out by refusing it membership, at registration or at the heartbeat that carries the
+    failed check."""
     from trainguard.recovery.errors import CapacityError, UnknownNodeError
 
-    monkeypatch.setattr("trainguard.recovery.spec.MAX_CORDONED", 1)
     clock = Clock()
-    core = JobCoordinator(JobSpec(job=JOB, nnodes=2), store=MemoryStore(), clock=clock, wall=clock)
+    core = JobCoordinator(JobSpec(job=JOB, nnodes=2, max_cordoned=1), store=MemoryStore(), clock=clock, wall=clock)
     try:
         core.wait_durable(core.register(JOB, node("bad", 0), 31000, "i-bad", NARROW)[2])
         assert core.state.cordoned == ["bad"]

@@ -355,3 +355,36 @@ def test_etcd_member_without_quorum_is_skipped_like_a_dead_one(tmp_path, request
             for p in procs:
                 p.kill()
                 p.wait()
+
+
+def test_a_sqlite_store_deleted_or_replaced_under_a_running_coordinator_fails_loudly(tmp_path) -> None:
+    """An operator cleaning ~/.local/state (or a second job's setup) removed the SQLite file while a coordinator
+    ran: SQLite kept writing to the unlinked file, every commit "succeeded", and the coordinator started again
+    found an empty store and ran the job from generation 1, handing out generation numbers and MASTER_PORTs a
+    second time. Reads and writes now fail, naming the file, until it is back."""
+    from pathlib import Path
+
+    from trainguard.recovery.store import SQLiteStore
+
+    path = tmp_path / "state.db"
+    store = SQLiteStore(path)
+    try:
+        assert store.compare_and_set("k", 0, b"1").ok
+        moved = tmp_path / "moved.db"
+        for suffix in ("", "-wal", "-shm"):
+            if Path(f"{path}{suffix}").exists():
+                os.rename(f"{path}{suffix}", f"{moved}{suffix}")
+        with pytest.raises(StoreError, match="was deleted or replaced"):
+            store.compare_and_set("k", 1, b"2")
+        with pytest.raises(StoreError, match="was deleted or replaced"):
+            store.get("k")
+        SQLiteStore(path).close()  # another, empty file under the name: still not the store this one opened
+        with pytest.raises(StoreError, match="was deleted or replaced"):
+            store.get("k")
+        for suffix in ("-wal", "-shm", ""):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+            if Path(f"{moved}{suffix}").exists():
+                os.rename(f"{moved}{suffix}", f"{path}{suffix}")
+        assert store.get("k").value == b"1"  # the file is back: served again
+    finally:
+        store.close()
