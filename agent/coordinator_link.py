@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -101,6 +102,68 @@ def plaintext_peer_message(target: str) -> str:
             f"--coordinator-ca/--coordinator-cert/--coordinator-key, the daemon's coordinator.tls_ca_file), but "
             f"what answers there serves plaintext; start the coordinator with --tls-cert/--tls-key, or dial it "
             f"without those flags")
+
+
+#: What gRPC's TLS error says when this node does not trust the coordinator's certificate: signed by a CA other
+#: than the node's (BoringSSL's CERTIFICATE_VERIFY_FAILED), or naming another host (gRPC's hostname check). Checked
+#: against real servers (tests/agent/test_foreign_listener.py). Neither changes while the node waits.
+_UNTRUSTED_MARKERS = ("CERTIFICATE_VERIFY_FAILED", "Hostname Verification Check failed")
+
+
+def untrusted_peer(code: grpc.StatusCode, details: str) -> str | None:
+    """Why this node does not trust the certificate the coordinator presented, from a call's error; None when
+    the error is not about that."""
+    d = details or ""
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return None
+    if "Hostname Verification Check failed" in d:
+        return "its certificate names another host"
+    if "CERTIFICATE_VERIFY_FAILED" in d:
+        # "...CERTIFICATE_VERIFY_FAILED: unable to get local issuer certificate: OK": the reason is the next part.
+        why = d.split("CERTIFICATE_VERIFY_FAILED", 1)[1].strip(": ").split(":", 1)[0].strip()
+        return f"certificate verify failed: {why or 'no reason given'}"
+    return None
+
+
+def untrusted_peer_message(target: str, why: str) -> str:
+    """The one line for a coordinator whose TLS certificate this node does not trust: what, and what to do."""
+    return (f"TLS with the coordinator {target} failed ({why}): this node does not trust its certificate; give "
+            f"--coordinator-ca (the daemon's coordinator.tls_ca_file) the CA that signed the coordinator's "
+            f"--tls-cert, and (trainguard run) --coordinator-server-name when that certificate names "
+            f"another host")
+
+
+def speaks_tls(target: str, timeout_s: float = 2.0) -> bool:
+    """Whether what listens at ``target`` (``host:port``) answers a TLS handshake (the certificate is not checked:
+    only whether the peer speaks TLS at all).
+
+    Why: a plaintext gRPC call to a server that serves TLS fails with gRPC's bare "Socket closed", which a
+    coordinator killed mid-connection gives as well; a coordinator that is down or restarting does not complete
+    a TLS handshake, so one that does is a TLS server, and this node dials it in plaintext in vain.
+    """
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return False
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])  # as gRPC offers: a gRPC server may refuse a handshake without it
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as raw:
+            with ctx.wrap_socket(raw):
+                return True
+    except ssl.SSLError as exc:
+        # The peer answered in TLS, with an alert (one that demands a client certificate, say): a TLS server.
+        return "ALERT" in str(exc.reason or "").upper()
+    except (OSError, ValueError):
+        return False
+
+
+def tls_peer_message(target: str) -> str:
+    """The one line for a coordinator address that serves TLS while this node dials it in plaintext."""
+    return (f"{target} serves TLS but this node dials it in plaintext: give it the CA that signed the coordinator's "
+            f"certificate (trainguard run --coordinator-ca, and --coordinator-cert/--coordinator-key if the "
+            f"coordinator demands client certificates; the daemon's coordinator.tls_ca_file)")
 
 
 def foreign_listener_message(target: str, what: str, details: str) -> str:
@@ -323,6 +386,16 @@ class GrpcCoordinatorLink:
                     # At once, as for a foreign listener: a plaintext coordinator will not start speaking TLS (it
                     # said "not reachable yet" until join_timeout, like a coordinator restarting).
                     raise CoordinatorUnavailableError(plaintext_peer_message(self._target)) from exc
+                untrusted = untrusted_peer(code, exc.details() or "")
+                if untrusted is not None and len(coordinator_targets(self.config.coordinator)) == 1:
+                    # At once: the coordinator will not present another certificate, nor this node trust another
+                    # CA, while it waits (it said "not reachable yet" until join_timeout).
+                    raise CoordinatorUnavailableError(untrusted_peer_message(self._target, untrusted)) from exc
+                if not self._dials_tls() and "Socket closed" in (exc.details() or "") \
+                        and len(coordinator_targets(self.config.coordinator)) == 1 and speaks_tls(self._target):
+                    # gRPC's "Socket closed" alone is also a coordinator killed mid-connection (waited for): the
+                    # handshake tells a TLS server from it.
+                    raise CoordinatorUnavailableError(tls_peer_message(self._target)) from exc
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise CoordinatorUnavailableError(
                         f"coordinator {self.config.coordinator} refused registration: {code.name}: {exc.details()}"
@@ -344,6 +417,12 @@ class GrpcCoordinatorLink:
                         f"registration with coordinator {self.config.coordinator} cancelled: a stop was asked for"
                     ) from exc
                 delay = min(2.0, delay * 2)
+
+    def _dials_tls(self) -> bool:
+        """Whether this link's channels are TLS channels (a channel factory of an
+        :class:`~trainguard.recovery.rpc_security.RpcSecurity` with client TLS)."""
+        owner = getattr(self.config.channel, "__self__", None)
+        return bool(getattr(owner, "client_tls", False))
 
     def cancel(self) -> None:
         """Ends a registration still waiting for an unreachable coordinator (a signal asked the node to stop):
@@ -610,4 +689,4 @@ class GrpcCoordinatorLink:
 
 __all__ = ["GrpcCoordinatorLink", "JoinTimeoutError", "coordinator_targets", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S",
            "find_free_port", "foreign_listener", "foreign_listener_message", "plaintext_peer",
-           "plaintext_peer_message"]
+           "plaintext_peer_message", "speaks_tls", "tls_peer_message", "untrusted_peer", "untrusted_peer_message"]

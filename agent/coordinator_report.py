@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from trainguard.agent.coordinator_link import untrusted_peer, untrusted_peer_message
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
 from trainguard.recovery.node_health import Verdict
@@ -265,7 +266,12 @@ class CoordinatorReporter:
             if self._stop.is_set():
                 return  # cancelled by stop(): the coordinator is not unreachable
             meaning = REFUSALS.get(exc.code())
-            if meaning is None:
+            untrusted = untrusted_peer(exc.code(), exc.details() or "")
+            if untrusted is not None:
+                # Not an outage ("unreachable" with gRPC's whole error): this node's CA does not fit the
+                # coordinator's certificate, and retrying will not change that; say what to do.
+                self._move(ReporterState.REFUSED, untrusted_peer_message(self.target.address, untrusted))
+            elif meaning is None:
                 self._move(ReporterState.UNREACHABLE, f"{exc.code().name}: {exc.details()}")
             else:
                 self._move(ReporterState.REFUSED, f"{exc.code().name} ({meaning}): {exc.details()}")
