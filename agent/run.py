@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from trainguard.agent.errors import JobFailedError
@@ -279,9 +281,13 @@ def run_job(args: argparse.Namespace) -> RunResult:
         except JobFailedError as exc:
             code, message = 1, str(exc)
     finally:
+        # The cleanup keeps a handler until its end: with the default ones restored first, a second SIGTERM or
+        # Ctrl-C while the coordinator, the local server and the persist process stopped killed the launcher
+        # mid-way (exit -15, no summary, its run folder left behind). Logged once; the cleanup goes on.
+        restore()
+        restore = _hold_signals_during_cleanup(signals)
         if extras is not None:
             extras.stop()
-        restore()
         grpc_server.stop(0.5).wait()
         if server is not None:
             # extras.stop() kept it serving until every peer heard of the end (linger_until_peers_told). Lingering
@@ -297,8 +303,31 @@ def run_job(args: argparse.Namespace) -> RunResult:
             guard().forget(pid)
         guard().close()
         remove_rundir(rundir)
+        restore()
     return RunResult(exit_code=code, message=message, faults=agent.fault_records,
                      generations=max(agent.generation, 0), wall_s=time.monotonic() - t0)
+
+
+def _hold_signals_during_cleanup(signals: Sequence[int]) -> Callable[[], None]:
+    """Makes ``signals`` log once that the launcher is cleaning up, and do nothing else, until the returned
+    function restores the handlers found (a launcher stopped mid-cleanup leaves its run folder and sockets)."""
+    old = {s: signal.getsignal(s) for s in signals}
+    told = []
+
+    def handler(signum: int, _frame: object) -> None:
+        if not told:
+            told.append(signum)
+            log.warning("received %s while cleaning up: finishing the cleanup first (the coordinator, the "
+                        "sockets, the run folder)", signal.Signals(signum).name)
+
+    for s in old:
+        signal.signal(s, handler)
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    return restore
 
 
 def replica_config(args: argparse.Namespace, token: str = ""):
