@@ -166,6 +166,16 @@ def tls_peer_message(target: str) -> str:
             f"coordinator demands client certificates; the daemon's coordinator.tls_ca_file)")
 
 
+#: What gRPC's error says when the coordinator's host name does not resolve (grpc 1.6x: "errors resolving H:P:
+#: ... Domain name not found"; older c-ares builds: "DNS resolution failed for H:P").
+_UNRESOLVED_MARKERS = ("errors resolving", "DNS resolution failed")
+
+
+def unresolved_host(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a call failed because the coordinator's host name does not resolve (yet)."""
+    return code == grpc.StatusCode.UNAVAILABLE and any(m in (details or "") for m in _UNRESOLVED_MARKERS)
+
+
 def foreign_listener_message(target: str, what: str, details: str) -> str:
     """The one line for a coordinator address where something else answers: what, and what to do."""
     details = details or ""
@@ -400,13 +410,27 @@ class GrpcCoordinatorLink:
                     raise CoordinatorUnavailableError(
                         f"coordinator {self.config.coordinator} refused registration: {code.name}: {exc.details()}"
                     ) from exc
+                unresolved = unresolved_host(code, exc.details() or "")
                 if time.monotonic() > deadline:
+                    if unresolved:
+                        raise CoordinatorUnavailableError(
+                            f"coordinator {self.config.coordinator} unreachable for {patience_s:.0f}s: its host "
+                            f"{self._target.rpartition(':')[0]!r} does not resolve; check the name (--rdzv-endpoint, "
+                            "--coordinator or --master-addr), or raise --rdzv-conf join_timeout if it appears later"
+                        ) from exc
                     raise CoordinatorUnavailableError(
                         f"coordinator {self.config.coordinator} unreachable for {patience_s:.0f}s; "
                         "check the address and that it runs"
                     ) from exc
+                failed = self._target
                 self._redial()
-                if delay == 0.1:
+                if delay == 0.1 and unresolved:
+                    # Waited for, not an error at once: a Kubernetes headless service's name (the coordinator's
+                    # pod) resolves only once that pod is ready, as torchrun's c10d store waits for it too.
+                    log.warning("coordinator host %r (%s) does not resolve yet; waiting up to %.0f s for the name "
+                                "to appear (a Kubernetes service's name appears once its pod is ready; the bound "
+                                "is --rdzv-conf join_timeout)", failed.rpartition(":")[0], failed, patience_s)
+                elif delay == 0.1:
                     # Once: the wait for a coordinator that is down (or not up yet, or at a wrong address) was
                     # silent for the whole patience, a minute by default, before its error.
                     log.warning("coordinator %s not reachable yet (%s: %s); retrying for up to %.0f s (the bound "
@@ -689,4 +713,5 @@ class GrpcCoordinatorLink:
 
 __all__ = ["GrpcCoordinatorLink", "JoinTimeoutError", "coordinator_targets", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S",
            "find_free_port", "foreign_listener", "foreign_listener_message", "plaintext_peer",
-           "plaintext_peer_message", "speaks_tls", "tls_peer_message", "untrusted_peer", "untrusted_peer_message"]
+           "plaintext_peer_message", "speaks_tls", "tls_peer_message", "untrusted_peer", "untrusted_peer_message",
+           "unresolved_host"]
