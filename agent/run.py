@@ -91,11 +91,22 @@ def _check_checkpoint_dir(path: str) -> None:
         raise UsageError(f"{problem}; pick another --checkpoint-dir or fix its permissions")
 
 
+def _check_log_dir(path: str) -> None:
+    """Creates ``--log-dir`` now, as torchrun does at its start: made only when the first worker started, a path
+    that cannot be a folder (under a file, on /proc) ended the run with a traceback after it had registered."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--log-dir {path}: cannot create it ({exc.strerror or exc}); pick another folder") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--log-dir {path}: not writable; pick another folder or fix its permissions")
+
+
 def run_job(args: argparse.Namespace) -> RunResult:
     """Runs the job described by parsed ``trainguard run`` arguments on this node.
 
     Raises:
-        UsageError: bad arguments (missing script, bad counts, unwritable checkpoint directory).
+        UsageError: bad arguments (missing script, bad counts, unwritable checkpoint or log directory).
         ConfigError: unknown detector, or an unusable ``--detector-config`` file.
     """
     from trainguard.agent import run_torchrun as tr
@@ -138,6 +149,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
         raise UsageError(f"--predictor-model {args.predictor_model}: no such file")
     if args.checkpoint_dir:
         _check_checkpoint_dir(args.checkpoint_dir)
+    if args.log_dir:
+        _check_log_dir(args.log_dir)
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
     qualify = qualify_for_run(args)  # [qualify] of --qualify-config (checked before anything starts)

@@ -145,6 +145,8 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     (["--coordinator", "grpc://192.0.2.7:29400", "--rdzv-conf", "join_timeout=1"], ["--coordinator", "one HOST"]),
     (["--log-dir", "/tmp", "--redirects", "7"], ["--redirects", "0 (none)"]),
     (["--tee", "1"], ["--redirects/--tee", "--log-dir"]),
+    # made only when the first worker started: a traceback once the job had registered (this file is no folder)
+    (["--log-dir", f"{__file__}/logs"], ["--log-dir", "cannot create it", "Not a directory"]),
     (["--local-ranks-filter", "a,b"], ["--local-ranks-filter", "comma list"]),
     (["--signals-to-handle", "SIGTERM,SIGFOO"], ["--signals-to-handle", "SIGFOO"]),
     (["--no-python", "-m"], ["--no-python", "--module"]),
