@@ -143,6 +143,10 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     (["--rdzv-backend", "c10d", "--nnodes", "2", "--rdzv-endpoint", "192.0.2.7:29400,192.0.2.8:29400",
       "--rdzv-conf", "join_timeout=1"], ["--rdzv-endpoint", "one HOST[:PORT]"]),
     (["--coordinator", "grpc://192.0.2.7:29400", "--rdzv-conf", "join_timeout=1"], ["--coordinator", "one HOST"]),
+    # gRPC dials a target without a port at 443: the join timeout was waited out there
+    (["--coordinator", "127.0.0.1:", "--rdzv-conf", "join_timeout=1"], ["--coordinator '127.0.0.1:'", "HOST:PORT"]),
+    (["--coordinator", "127.0.0.1:1,192.0.2.7", "--rdzv-conf", "join_timeout=1"],
+     ["--coordinator '192.0.2.7'", "HOST:PORT"]),
     (["--log-dir", "/tmp", "--redirects", "7"], ["--redirects", "0 (none)"]),
     (["--tee", "1"], ["--redirects/--tee", "--log-dir"]),
     # made only when the first worker started: a traceback once the job had registered (this file is no folder)
