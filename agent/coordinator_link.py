@@ -159,6 +159,51 @@ def speaks_tls(target: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def client_cert_refused(target: str, cert_file: str = "", key_file: str = "", timeout_s: float = 2.0) -> bool:
+    """Whether the TLS server at ``target`` refuses this client's certificate (``cert_file``/``key_file``; none
+    when empty): the handshake completes on this side, and the server closes the connection before its HTTP/2
+    preface (it checks the certificate after the TLS 1.3 handshake). Tried twice: both must close.
+
+    Why: gRPC reports such a refusal as a bare "Socket closed", as for a coordinator killed mid-connection; a
+    server that is down or restarting completes no handshake, and one that accepts the certificate sends its
+    preface at once.
+    """
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return False
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        if cert_file:
+            ctx.load_cert_chain(cert_file, key_file or None)
+    except (OSError, ssl.SSLError):
+        return False  # the channel's own loading says what is wrong with the files
+    for _ in range(2):
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as raw:
+                with ctx.wrap_socket(raw) as tls:
+                    tls.settimeout(timeout_s)
+                    if tls.recv(1):
+                        return False  # its preface: the certificate is accepted
+        except ssl.SSLError as exc:
+            if "ALERT" not in str(exc.reason or "").upper() and "EOF" not in str(exc).upper():
+                return False
+        except (OSError, ValueError):
+            return False  # no handshake (nobody there), or a timeout: not a refusal
+    return True
+
+
+def client_cert_refused_message(target: str, has_cert: bool) -> str:
+    """The one line for a coordinator that demands a client certificate it does not get from this node."""
+    what = ("refuses this node's client certificate (--coordinator-cert): it demands one signed by its "
+            "--tls-client-ca" if has_cert else "demands a client certificate (mutual TLS, its --tls-client-ca) "
+            "and this node sends none")
+    return (f"TLS with the coordinator {target} failed: it {what}; give this node --coordinator-cert/"
+            f"--coordinator-key signed by that CA (the daemon's coordinator.tls_cert_file/tls_key_file)")
+
+
 def tls_peer_message(target: str) -> str:
     """The one line for a coordinator address that serves TLS while this node dials it in plaintext."""
     return (f"{target} serves TLS but this node dials it in plaintext: give it the CA that signed the coordinator's "
@@ -401,11 +446,16 @@ class GrpcCoordinatorLink:
                     # At once: the coordinator will not present another certificate, nor this node trust another
                     # CA, while it waits (it said "not reachable yet" until join_timeout).
                     raise CoordinatorUnavailableError(untrusted_peer_message(self._target, untrusted)) from exc
-                if not self._dials_tls() and "Socket closed" in (exc.details() or "") \
-                        and len(coordinator_targets(self.config.coordinator)) == 1 and speaks_tls(self._target):
-                    # gRPC's "Socket closed" alone is also a coordinator killed mid-connection (waited for): the
-                    # handshake tells a TLS server from it.
-                    raise CoordinatorUnavailableError(tls_peer_message(self._target)) from exc
+                if "Socket closed" in (exc.details() or "") and len(coordinator_targets(self.config.coordinator)) == 1:
+                    # gRPC's "Socket closed" alone is also a coordinator killed mid-connection (waited for): a TLS
+                    # handshake of our own tells a TLS server (dialled in plaintext), or one that refuses this
+                    # node's client certificate, from it.
+                    tls = self._client_tls()
+                    if tls is None and speaks_tls(self._target):
+                        raise CoordinatorUnavailableError(tls_peer_message(self._target)) from exc
+                    if tls is not None and client_cert_refused(self._target, tls.cert_file, tls.key_file):
+                        raise CoordinatorUnavailableError(
+                            client_cert_refused_message(self._target, bool(tls.cert_file))) from exc
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise CoordinatorUnavailableError(
                         f"coordinator {self.config.coordinator} refused registration: {code.name}: {exc.details()}"
@@ -442,11 +492,11 @@ class GrpcCoordinatorLink:
                     ) from exc
                 delay = min(2.0, delay * 2)
 
-    def _dials_tls(self) -> bool:
-        """Whether this link's channels are TLS channels (a channel factory of an
-        :class:`~trainguard.recovery.rpc_security.RpcSecurity` with client TLS)."""
+    def _client_tls(self):
+        """The TLS files this link's channels dial with (the channel factory of an
+        :class:`~trainguard.recovery.rpc_security.RpcSecurity` with client TLS); None when it dials plaintext."""
         owner = getattr(self.config.channel, "__self__", None)
-        return bool(getattr(owner, "client_tls", False))
+        return owner.tls if getattr(owner, "client_tls", False) else None
 
     def cancel(self) -> None:
         """Ends a registration still waiting for an unreachable coordinator (a signal asked the node to stop):
@@ -714,4 +764,4 @@ class GrpcCoordinatorLink:
 __all__ = ["GrpcCoordinatorLink", "JoinTimeoutError", "coordinator_targets", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S",
            "find_free_port", "foreign_listener", "foreign_listener_message", "plaintext_peer",
            "plaintext_peer_message", "speaks_tls", "tls_peer_message", "untrusted_peer", "untrusted_peer_message",
-           "unresolved_host"]
+           "unresolved_host", "client_cert_refused", "client_cert_refused_message"]

@@ -336,3 +336,64 @@ def test_trainguard_run_in_plaintext_against_a_tls_coordinator_exits_2_at_once(p
     errors = [line for line in r.stderr.splitlines() if line.startswith("trainguard: error:")]
     assert r.returncode == 2 and took < 20, (r.returncode, took, r.stderr[-2000:])
     assert len(errors) == 1 and "serves TLS but this node dials it in plaintext" in errors[0], r.stderr[-2000:]
+
+
+def _mtls_coordinator(pki):
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery import CoordinatorServer, JobSpec
+    from trainguard.recovery.rpc_security import RpcSecurity
+
+    return CoordinatorServer(JobSpec(job="foreign", nnodes=1), listen="127.0.0.1:0", security=RpcSecurity(
+        tls=TlsFiles(str(pki.server_cert), str(pki.server_key), str(pki.ca)))).start()
+
+
+@pytest.mark.parametrize("cert", ["none", "rogue"])
+def test_a_node_without_a_client_certificate_the_coordinator_accepts_is_told_at_once(pki, cert: str) -> None:
+    """A coordinator demanding mutual TLS closes the connection of a node without a certificate from its client
+    CA: gRPC says "Socket closed" (as for a coordinator killed mid-connection) and the node waited until
+    join_timeout. The node's own handshake shows the coordinator alive and refusing the certificate."""
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery.rpc_security import RpcSecurity
+
+    srv = _mtls_coordinator(pki)
+    files = TlsFiles(str(pki.rogue_cert), str(pki.rogue_key), str(pki.ca)) if cert == "rogue" \
+        else TlsFiles("", "", str(pki.ca))
+    link = GrpcCoordinatorLink(LinkConfig(job="foreign", coordinator=srv.target, node_id="n1", patience_s=8.0,
+                                          channel=RpcSecurity(tls=files).channel))
+    start = time.monotonic()
+    try:
+        with pytest.raises(CoordinatorUnavailableError) as err:
+            link.open()
+    finally:
+        link.close()
+        srv.stop()
+    took, message = time.monotonic() - start, str(err.value)
+    assert took < 5.0, f"waited {took:.1f}s: {message}"
+    assert message.startswith(f"TLS with the coordinator {srv.target} failed") and "--coordinator-cert" in message
+    assert ("sends none" in message) == (cert == "none"), message
+
+
+def test_client_cert_refused_is_false_for_an_accepted_certificate_and_for_nobody(pki) -> None:
+    from trainguard.agent.coordinator_link import client_cert_refused, find_free_port
+
+    srv = _mtls_coordinator(pki)
+    try:
+        assert not client_cert_refused(srv.target, str(pki.client_cert), str(pki.client_key))
+        assert client_cert_refused(srv.target)
+    finally:
+        srv.stop()
+    assert not client_cert_refused(f"127.0.0.1:{find_free_port('127.0.0.1')}")
+
+
+def test_trainguard_runs_probe_names_a_refused_client_certificate(pki) -> None:
+    """The launcher's probe only warned ("closed the connection while it was set up: if it serves TLS...")."""
+    from trainguard.agent.run_deploy import probe_coordinator
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery.rpc_security import RpcSecurity, SecurityConfigError
+
+    srv = _mtls_coordinator(pki)
+    try:
+        with pytest.raises(SecurityConfigError, match="demands a client certificate"):
+            probe_coordinator(RpcSecurity(tls=TlsFiles("", "", str(pki.ca))), srv.target)
+    finally:
+        srv.stop()
