@@ -397,3 +397,27 @@ def test_trainguard_runs_probe_names_a_refused_client_certificate(pki) -> None:
             probe_coordinator(RpcSecurity(tls=TlsFiles("", "", str(pki.ca))), srv.target)
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("case", ["plaintext", "no_client_cert"])
+def test_the_daemons_reporter_names_tls_it_lacks(pki, case: str) -> None:
+    """The daemon's reports to a TLS coordinator in plaintext, or without the client certificate it demands:
+    "unreachable: UNAVAILABLE: ... Socket closed", as for an outage. REFUSED now, with what to do."""
+    from tg_testutil import until
+    from trainguard.agent.coordinator_report import CoordinatorReporter, NodeVerdict, ReporterState, ReportTarget
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery.node_health import Verdict
+    from trainguard.recovery.rpc_security import RpcSecurity
+
+    srv = _tls_coordinator(pki.server_cert, pki.server_key) if case == "plaintext" else _mtls_coordinator(pki)
+    security = RpcSecurity() if case == "plaintext" else RpcSecurity(tls=TlsFiles("", "", str(pki.ca)))
+    reporter = CoordinatorReporter(ReportTarget(srv.target, security=security),
+                                   lambda: NodeVerdict(Verdict.HEALTHY), "n1", "h1", "i1", interval_s=0.2).start()
+    try:
+        assert until(lambda: reporter.state is not ReporterState.CONNECTING, 5.0)
+        assert reporter.state is ReporterState.REFUSED, (reporter.state, reporter.message)
+        word = "dials it in plaintext" if case == "plaintext" else "demands a client certificate"
+        assert word in reporter.message, reporter.message
+    finally:
+        reporter.stop()
+        srv.stop()
