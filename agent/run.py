@@ -147,6 +147,16 @@ def run_job(args: argparse.Namespace) -> RunResult:
     faults = [parse_fault(f) for f in args.fault]
     if args.predictor_model and not os.path.isfile(args.predictor_model):
         raise UsageError(f"--predictor-model {args.predictor_model}: no such file")
+    if args.predictor_model:
+        # Loaded (and verified) now: loaded only once the node had registered, a corrupt or foreign file ended
+        # the run after its coordinator had formed a generation and counted the node lost.
+        from trainguard.predictor.errors import ModelFileError
+        from trainguard.predictor.model import PredictorModel
+
+        try:
+            PredictorModel.load(args.predictor_model)
+        except ModelFileError as exc:
+            raise UsageError(f"--predictor-model: {exc}") from exc
     if args.checkpoint_dir:
         _check_checkpoint_dir(args.checkpoint_dir)
     if args.log_dir:
