@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -101,6 +102,123 @@ def plaintext_peer_message(target: str) -> str:
             f"--coordinator-ca/--coordinator-cert/--coordinator-key, the daemon's coordinator.tls_ca_file), but "
             f"what answers there serves plaintext; start the coordinator with --tls-cert/--tls-key, or dial it "
             f"without those flags")
+
+
+#: What gRPC's TLS error says when this node does not trust the coordinator's certificate: signed by a CA other
+#: than the node's (BoringSSL's CERTIFICATE_VERIFY_FAILED), or naming another host (gRPC's hostname check). Checked
+#: against real servers (tests/agent/test_foreign_listener.py). Neither changes while the node waits.
+_UNTRUSTED_MARKERS = ("CERTIFICATE_VERIFY_FAILED", "Hostname Verification Check failed")
+
+
+def untrusted_peer(code: grpc.StatusCode, details: str) -> str | None:
+    """Why this node does not trust the certificate the coordinator presented, from a call's error; None when
+    the error is not about that."""
+    d = details or ""
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return None
+    if "Hostname Verification Check failed" in d:
+        return "its certificate names another host"
+    if "CERTIFICATE_VERIFY_FAILED" in d:
+        # "...CERTIFICATE_VERIFY_FAILED: unable to get local issuer certificate: OK": the reason is the next part.
+        why = d.split("CERTIFICATE_VERIFY_FAILED", 1)[1].strip(": ").split(":", 1)[0].strip()
+        return f"certificate verify failed: {why or 'no reason given'}"
+    return None
+
+
+def untrusted_peer_message(target: str, why: str) -> str:
+    """The one line for a coordinator whose TLS certificate this node does not trust: what, and what to do."""
+    return (f"TLS with the coordinator {target} failed ({why}): this node does not trust its certificate; give "
+            f"--coordinator-ca (the daemon's coordinator.tls_ca_file) the CA that signed the coordinator's "
+            f"--tls-cert, and (trainguard run) --coordinator-server-name when that certificate names "
+            f"another host")
+
+
+def speaks_tls(target: str, timeout_s: float = 2.0) -> bool:
+    """Whether what listens at ``target`` (``host:port``) answers a TLS handshake (the certificate is not checked:
+    only whether the peer speaks TLS at all).
+
+    Why: a plaintext gRPC call to a server that serves TLS fails with gRPC's bare "Socket closed", which a
+    coordinator killed mid-connection gives as well; a coordinator that is down or restarting does not complete
+    a TLS handshake, so one that does is a TLS server, and this node dials it in plaintext in vain.
+    """
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return False
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])  # as gRPC offers: a gRPC server may refuse a handshake without it
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as raw:
+            with ctx.wrap_socket(raw):
+                return True
+    except ssl.SSLError as exc:
+        # The peer answered in TLS, with an alert (one that demands a client certificate, say): a TLS server.
+        return "ALERT" in str(exc.reason or "").upper()
+    except (OSError, ValueError):
+        return False
+
+
+def client_cert_refused(target: str, cert_file: str = "", key_file: str = "", timeout_s: float = 2.0) -> bool:
+    """Whether the TLS server at ``target`` refuses this client's certificate (``cert_file``/``key_file``; none
+    when empty): the handshake completes on this side, and the server closes the connection before its HTTP/2
+    preface (it checks the certificate after the TLS 1.3 handshake). Tried twice: both must close.
+
+    Why: gRPC reports such a refusal as a bare "Socket closed", as for a coordinator killed mid-connection; a
+    server that is down or restarting completes no handshake, and one that accepts the certificate sends its
+    preface at once.
+    """
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return False
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        if cert_file:
+            ctx.load_cert_chain(cert_file, key_file or None)
+    except (OSError, ssl.SSLError):
+        return False  # the channel's own loading says what is wrong with the files
+    for _ in range(2):
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as raw:
+                with ctx.wrap_socket(raw) as tls:
+                    tls.settimeout(timeout_s)
+                    if tls.recv(1):
+                        return False  # its preface: the certificate is accepted
+        except ssl.SSLError as exc:
+            if "ALERT" not in str(exc.reason or "").upper() and "EOF" not in str(exc).upper():
+                return False
+        except (OSError, ValueError):
+            return False  # no handshake (nobody there), or a timeout: not a refusal
+    return True
+
+
+def client_cert_refused_message(target: str, has_cert: bool) -> str:
+    """The one line for a coordinator that demands a client certificate it does not get from this node."""
+    what = ("refuses this node's client certificate (--coordinator-cert): it demands one signed by its "
+            "--tls-client-ca" if has_cert else "demands a client certificate (mutual TLS, its --tls-client-ca) "
+            "and this node sends none")
+    return (f"TLS with the coordinator {target} failed: it {what}; give this node --coordinator-cert/"
+            f"--coordinator-key signed by that CA (the daemon's coordinator.tls_cert_file/tls_key_file)")
+
+
+def tls_peer_message(target: str) -> str:
+    """The one line for a coordinator address that serves TLS while this node dials it in plaintext."""
+    return (f"{target} serves TLS but this node dials it in plaintext: give it the CA that signed the coordinator's "
+            f"certificate (trainguard run --coordinator-ca, and --coordinator-cert/--coordinator-key if the "
+            f"coordinator demands client certificates; the daemon's coordinator.tls_ca_file)")
+
+
+#: What gRPC's error says when the coordinator's host name does not resolve (grpc 1.6x: "errors resolving H:P:
+#: ... Domain name not found"; older c-ares builds: "DNS resolution failed for H:P").
+_UNRESOLVED_MARKERS = ("errors resolving", "DNS resolution failed")
+
+
+def unresolved_host(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a call failed because the coordinator's host name does not resolve (yet)."""
+    return code == grpc.StatusCode.UNAVAILABLE and any(m in (details or "") for m in _UNRESOLVED_MARKERS)
 
 
 def foreign_listener_message(target: str, what: str, details: str) -> str:
@@ -323,17 +441,46 @@ class GrpcCoordinatorLink:
                     # At once, as for a foreign listener: a plaintext coordinator will not start speaking TLS (it
                     # said "not reachable yet" until join_timeout, like a coordinator restarting).
                     raise CoordinatorUnavailableError(plaintext_peer_message(self._target)) from exc
+                untrusted = untrusted_peer(code, exc.details() or "")
+                if untrusted is not None and len(coordinator_targets(self.config.coordinator)) == 1:
+                    # At once: the coordinator will not present another certificate, nor this node trust another
+                    # CA, while it waits (it said "not reachable yet" until join_timeout).
+                    raise CoordinatorUnavailableError(untrusted_peer_message(self._target, untrusted)) from exc
+                if "Socket closed" in (exc.details() or "") and len(coordinator_targets(self.config.coordinator)) == 1:
+                    # gRPC's "Socket closed" alone is also a coordinator killed mid-connection (waited for): a TLS
+                    # handshake of our own tells a TLS server (dialled in plaintext), or one that refuses this
+                    # node's client certificate, from it.
+                    tls = self._client_tls()
+                    if tls is None and speaks_tls(self._target):
+                        raise CoordinatorUnavailableError(tls_peer_message(self._target)) from exc
+                    if tls is not None and client_cert_refused(self._target, tls.cert_file, tls.key_file):
+                        raise CoordinatorUnavailableError(
+                            client_cert_refused_message(self._target, bool(tls.cert_file))) from exc
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise CoordinatorUnavailableError(
                         f"coordinator {self.config.coordinator} refused registration: {code.name}: {exc.details()}"
                     ) from exc
+                unresolved = unresolved_host(code, exc.details() or "")
                 if time.monotonic() > deadline:
+                    if unresolved:
+                        raise CoordinatorUnavailableError(
+                            f"coordinator {self.config.coordinator} unreachable for {patience_s:.0f}s: its host "
+                            f"{self._target.rpartition(':')[0]!r} does not resolve; check the name (--rdzv-endpoint, "
+                            "--coordinator or --master-addr), or raise --rdzv-conf join_timeout if it appears later"
+                        ) from exc
                     raise CoordinatorUnavailableError(
                         f"coordinator {self.config.coordinator} unreachable for {patience_s:.0f}s; "
                         "check the address and that it runs"
                     ) from exc
+                failed = self._target
                 self._redial()
-                if delay == 0.1:
+                if delay == 0.1 and unresolved:
+                    # Waited for, not an error at once: a Kubernetes headless service's name (the coordinator's
+                    # pod) resolves only once that pod is ready, as torchrun's c10d store waits for it too.
+                    log.warning("coordinator host %r (%s) does not resolve yet; waiting up to %.0f s for the name "
+                                "to appear (a Kubernetes service's name appears once its pod is ready; the bound "
+                                "is --rdzv-conf join_timeout)", failed.rpartition(":")[0], failed, patience_s)
+                elif delay == 0.1:
                     # Once: the wait for a coordinator that is down (or not up yet, or at a wrong address) was
                     # silent for the whole patience, a minute by default, before its error.
                     log.warning("coordinator %s not reachable yet (%s: %s); retrying for up to %.0f s (the bound "
@@ -344,6 +491,12 @@ class GrpcCoordinatorLink:
                         f"registration with coordinator {self.config.coordinator} cancelled: a stop was asked for"
                     ) from exc
                 delay = min(2.0, delay * 2)
+
+    def _client_tls(self):
+        """The TLS files this link's channels dial with (the channel factory of an
+        :class:`~trainguard.recovery.rpc_security.RpcSecurity` with client TLS); None when it dials plaintext."""
+        owner = getattr(self.config.channel, "__self__", None)
+        return owner.tls if getattr(owner, "client_tls", False) else None
 
     def cancel(self) -> None:
         """Ends a registration still waiting for an unreachable coordinator (a signal asked the node to stop):
@@ -610,4 +763,5 @@ class GrpcCoordinatorLink:
 
 __all__ = ["GrpcCoordinatorLink", "JoinTimeoutError", "coordinator_targets", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S",
            "find_free_port", "foreign_listener", "foreign_listener_message", "plaintext_peer",
-           "plaintext_peer_message"]
+           "plaintext_peer_message", "speaks_tls", "tls_peer_message", "untrusted_peer", "untrusted_peer_message",
+           "unresolved_host", "client_cert_refused", "client_cert_refused_message"]

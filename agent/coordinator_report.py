@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from trainguard.agent.coordinator_link import (client_cert_refused, client_cert_refused_message, speaks_tls,
+                                               tls_peer_message, untrusted_peer, untrusted_peer_message)
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
 from trainguard.recovery.node_health import Verdict
@@ -265,7 +267,15 @@ class CoordinatorReporter:
             if self._stop.is_set():
                 return  # cancelled by stop(): the coordinator is not unreachable
             meaning = REFUSALS.get(exc.code())
-            if meaning is None:
+            untrusted = untrusted_peer(exc.code(), exc.details() or "")
+            tls_problem = self._tls_problem(exc.details() or "")
+            if untrusted is not None:
+                # Not an outage ("unreachable" with gRPC's whole error): this node's CA does not fit the
+                # coordinator's certificate, and retrying will not change that; say what to do.
+                self._move(ReporterState.REFUSED, untrusted_peer_message(self.target.address, untrusted))
+            elif tls_problem:
+                self._move(ReporterState.REFUSED, tls_problem)
+            elif meaning is None:
                 self._move(ReporterState.UNREACHABLE, f"{exc.code().name}: {exc.details()}")
             else:
                 self._move(ReporterState.REFUSED, f"{exc.code().name} ({meaning}): {exc.details()}")
@@ -275,6 +285,19 @@ class CoordinatorReporter:
         self._asked_interval_s = resp.interval_s
         self.interval_s = max(self.configured_interval_s, resp.interval_s)
         self._move(ReporterState.CORDONED if resp.cordoned else ReporterState.REPORTING, resp.message)
+
+    def _tls_problem(self, details: str) -> str:
+        """What is wrong with TLS between this daemon and the coordinator when a call failed with gRPC's bare
+        "Socket closed" (also what a coordinator killed mid-connection gives): it serves TLS and the daemon dials
+        in plaintext, or it refuses the daemon's client certificate; "" when neither (an outage)."""
+        if "Socket closed" not in details:
+            return ""
+        sec, address = self.target.security, self.target.address
+        if not sec.client_tls:
+            return tls_peer_message(address) if speaks_tls(address) else ""
+        if client_cert_refused(address, sec.tls.cert_file, sec.tls.key_file):
+            return client_cert_refused_message(address, bool(sec.tls.cert_file))
+        return ""
 
     def _run(self) -> None:
         while not self._stop.is_set():

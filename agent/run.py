@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from trainguard.agent.errors import JobFailedError
@@ -89,11 +91,22 @@ def _check_checkpoint_dir(path: str) -> None:
         raise UsageError(f"{problem}; pick another --checkpoint-dir or fix its permissions")
 
 
+def _check_log_dir(path: str) -> None:
+    """Creates ``--log-dir`` now, as torchrun does at its start: made only when the first worker started, a path
+    that cannot be a folder (under a file, on /proc) ended the run with a traceback after it had registered."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--log-dir {path}: cannot create it ({exc.strerror or exc}); pick another folder") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--log-dir {path}: not writable; pick another folder or fix its permissions")
+
+
 def run_job(args: argparse.Namespace) -> RunResult:
     """Runs the job described by parsed ``trainguard run`` arguments on this node.
 
     Raises:
-        UsageError: bad arguments (missing script, bad counts, unwritable checkpoint directory).
+        UsageError: bad arguments (missing script, bad counts, unwritable checkpoint or log directory).
         ConfigError: unknown detector, or an unusable ``--detector-config`` file.
     """
     from trainguard.agent import run_torchrun as tr
@@ -134,8 +147,20 @@ def run_job(args: argparse.Namespace) -> RunResult:
     faults = [parse_fault(f) for f in args.fault]
     if args.predictor_model and not os.path.isfile(args.predictor_model):
         raise UsageError(f"--predictor-model {args.predictor_model}: no such file")
+    if args.predictor_model:
+        # Loaded (and verified) now: loaded only once the node had registered, a corrupt or foreign file ended
+        # the run after its coordinator had formed a generation and counted the node lost.
+        from trainguard.predictor.errors import ModelFileError
+        from trainguard.predictor.model import PredictorModel
+
+        try:
+            PredictorModel.load(args.predictor_model)
+        except ModelFileError as exc:
+            raise UsageError(f"--predictor-model: {exc}") from exc
     if args.checkpoint_dir:
         _check_checkpoint_dir(args.checkpoint_dir)
+    if args.log_dir:
+        _check_log_dir(args.log_dir)
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
     qualify = qualify_for_run(args)  # [qualify] of --qualify-config (checked before anything starts)
@@ -279,9 +304,13 @@ def run_job(args: argparse.Namespace) -> RunResult:
         except JobFailedError as exc:
             code, message = 1, str(exc)
     finally:
+        # The cleanup keeps a handler until its end: with the default ones restored first, a second SIGTERM or
+        # Ctrl-C while the coordinator, the local server and the persist process stopped killed the launcher
+        # mid-way (exit -15, no summary, its run folder left behind). Logged once; the cleanup goes on.
+        restore()
+        restore = _hold_signals_during_cleanup(signals)
         if extras is not None:
             extras.stop()
-        restore()
         grpc_server.stop(0.5).wait()
         if server is not None:
             # extras.stop() kept it serving until every peer heard of the end (linger_until_peers_told). Lingering
@@ -297,8 +326,31 @@ def run_job(args: argparse.Namespace) -> RunResult:
             guard().forget(pid)
         guard().close()
         remove_rundir(rundir)
+        restore()
     return RunResult(exit_code=code, message=message, faults=agent.fault_records,
                      generations=max(agent.generation, 0), wall_s=time.monotonic() - t0)
+
+
+def _hold_signals_during_cleanup(signals: Sequence[int]) -> Callable[[], None]:
+    """Makes ``signals`` log once that the launcher is cleaning up, and do nothing else, until the returned
+    function restores the handlers found (a launcher stopped mid-cleanup leaves its run folder and sockets)."""
+    old = {s: signal.getsignal(s) for s in signals}
+    told = []
+
+    def handler(signum: int, _frame: object) -> None:
+        if not told:
+            told.append(signum)
+            log.warning("received %s while cleaning up: finishing the cleanup first (the coordinator, the "
+                        "sockets, the run folder)", signal.Signals(signum).name)
+
+    for s in old:
+        signal.signal(s, handler)
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    return restore
 
 
 def replica_config(args: argparse.Namespace, token: str = ""):

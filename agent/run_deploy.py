@@ -266,6 +266,11 @@ def probe_coordinator(client: "RpcSecurity", target: str, timeout_s: float = 3.0
                     f"TLS with the coordinator {target} failed ({why.strip()[:160]}): check --coordinator-ca (the CA "
                     "that signed its certificate) and --coordinator-server-name") from exc
             if "Socket closed" in details:
+                from trainguard.agent.coordinator_link import client_cert_refused, client_cert_refused_message
+
+                if client_cert_refused(target, client.tls.cert_file, client.tls.key_file):
+                    raise SecurityConfigError(
+                        client_cert_refused_message(target, bool(client.tls.cert_file))) from exc
                 log.warning("coordinator %s closed the connection while it was set up: if it serves TLS this node "
                             "needs --coordinator-ca, and for mutual TLS --coordinator-cert/--coordinator-key from "
                             "its client CA", target)

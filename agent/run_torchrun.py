@@ -403,7 +403,17 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
         # Without --nnodes the job may still span nodes (the coordinator knows its size), unless the coordinator
         # is at a loopback address: then every node of the job is on this host and 127.0.0.1 reaches them all.
         # A comma-separated list names a coordinator and where it may be restarted (the link tries them in turn).
-        hosts = [split_endpoint(one, 0, "--coordinator")[0] for one in args.coordinator.split(",") if one.strip()]
+        hosts = []
+        for one in (t.strip() for t in args.coordinator.split(",")):
+            if not one:
+                continue
+            host, port = split_endpoint(one, 0, "--coordinator")
+            if port == 0 or not one.rpartition(":")[2].isdigit():
+                # gRPC dials a target without a port at 443: '--coordinator HOST' waited out the join timeout
+                # against a port no coordinator listens on.
+                raise UsageError(f"--coordinator {one!r}: expected HOST:PORT with the coordinator's port (its "
+                                 "--listen port, 29400 by default)")
+            hosts.append(host)
         if not hosts:
             raise UsageError(f"--coordinator {args.coordinator!r}: expected HOST:PORT[,HOST:PORT...]")
         return Rendezvous(coordinator=args.coordinator, listen="", endpoint=args.coordinator,

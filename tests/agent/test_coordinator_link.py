@@ -113,6 +113,28 @@ def test_waiting_for_an_unreachable_coordinator_says_so_once_at_once(caplog) -> 
     assert "coordinator 127.0.0.1:1" in text and "UNAVAILABLE" in text and "join_timeout" in text, text
 
 
+def test_a_coordinator_host_name_that_does_not_resolve_is_named_once_and_waited_for(caplog) -> None:
+    """`--rdzv-endpoint nosuch:29400`: the node said "not reachable yet (UNAVAILABLE: errors resolving ...)" and
+    after join_timeout "check the address and that it runs". It still waits (a Kubernetes headless service's name
+    resolves only once its pod is ready; torchrun's c10d store waits as well), saying so once, naming the host."""
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO, logger="trainguard.agent.coordinator_link")
+    # .invalid never resolves (RFC 6761): no DNS server can make this test pass by answering.
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="tg-nosuch.invalid:29400", node_id="n1",
+                                          patience_s=0.8))
+    start = time.monotonic()
+    with pytest.raises(CoordinatorUnavailableError) as err:
+        link.open()
+    link.close()
+    assert time.monotonic() - start >= 0.8, "it must wait for the name to appear"
+    said = [r.getMessage() for r in caplog.records if "does not resolve yet" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    assert "'tg-nosuch.invalid'" in said[0] and "waiting up to 1 s" in said[0] and "join_timeout" in said[0], said
+    assert "'tg-nosuch.invalid' does not resolve" in str(err.value) and "--rdzv-endpoint" in str(err.value), err.value
+
+
 def test_an_outage_after_the_local_workers_succeeded_does_not_say_start_again(coordinator) -> None:
     """Found by a user's review: a job that finished while its coordinator was down ended with "check that it
     runs, then start this node again", which reruns a finished job."""

@@ -180,3 +180,244 @@ def test_trainguard_runs_tls_probe_of_a_plaintext_coordinator_says_it_serves_pla
     finally:
         srv.stop()
     assert str(err.value).startswith(f"{srv.target} does not speak TLS"), err.value
+
+
+# -- TLS trust and plaintext against TLS (a coordinator that starts after the node: the launcher's one-off probe
+# of the coordinator found nobody, and the link's registration retried until join_timeout) -----------------------
+
+
+@pytest.fixture
+def pki(tmp_path: Path):
+    from agent_testutil import make_pki
+
+    return make_pki(tmp_path / "pki")
+
+
+def _tls_coordinator(cert: Path, key: Path):
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery import CoordinatorServer, JobSpec
+    from trainguard.recovery.rpc_security import RpcSecurity
+
+    return CoordinatorServer(JobSpec(job="foreign", nnodes=1), listen="127.0.0.1:0",
+                             security=RpcSecurity(tls=TlsFiles(str(cert), str(key), ""))).start()
+
+
+def _open_with(target: str, ca: str = "", server_name: str = "", patience_s: float = 8.0) -> tuple[str, float]:
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery.rpc_security import RpcSecurity
+
+    client = RpcSecurity(tls=TlsFiles("", "", ca), server_name=server_name)
+    link = GrpcCoordinatorLink(LinkConfig(job="foreign", coordinator=target, node_id="n1", patience_s=patience_s,
+                                          channel=client.channel))
+    start = time.monotonic()
+    try:
+        with pytest.raises(CoordinatorUnavailableError) as err:
+            link.open()
+        return str(err.value), time.monotonic() - start
+    finally:
+        link.close()
+
+
+def test_a_node_whose_ca_did_not_sign_the_coordinators_certificate_is_told_at_once(pki) -> None:
+    """gRPC reports CERTIFICATE_VERIFY_FAILED on every try; the node said "not reachable yet" until join_timeout."""
+    srv = _tls_coordinator(pki.server2_cert, pki.server2_key)  # signed by ca2; the node trusts ca1
+    try:
+        message, took = _open_with(srv.target, ca=str(pki.ca))
+    finally:
+        srv.stop()
+    assert took < 5.0, f"waited {took:.1f}s: {message}"
+    assert message.startswith(f"TLS with the coordinator {srv.target} failed (certificate verify failed"), message
+    assert "--coordinator-ca" in message and "\n" not in message, message
+
+
+def test_a_coordinator_certificate_for_another_host_name_is_told_at_once(pki) -> None:
+    srv = _tls_coordinator(pki.server2_cert, pki.server2_key)
+    try:
+        message, took = _open_with(srv.target, ca=str(pki.other_ca), server_name="elsewhere.example")
+    finally:
+        srv.stop()
+    assert took < 5.0, f"waited {took:.1f}s: {message}"
+    assert "names another host" in message and "--coordinator-server-name" in message, message
+
+
+def test_a_plaintext_node_dialling_a_tls_coordinator_is_told_at_once(pki) -> None:
+    """gRPC says only "Socket closed" (as for a coordinator killed mid-connection); a TLS handshake tells."""
+    srv = _tls_coordinator(pki.server_cert, pki.server_key)
+    try:
+        message, took = _open(srv.target, patience_s=8.0)
+    finally:
+        srv.stop()
+    assert took < 5.0, f"waited {took:.1f}s: {message}"
+    assert message.startswith(f"{srv.target} serves TLS but this node dials it in plaintext"), message
+    assert "--coordinator-ca" in message and "\n" not in message, message
+
+
+def test_speaks_tls_tells_a_tls_server_from_a_plaintext_one_and_from_nobody(pki) -> None:
+    from trainguard.agent.coordinator_link import find_free_port, speaks_tls
+    from trainguard.recovery import CoordinatorServer, JobSpec
+
+    tls = _tls_coordinator(pki.server_cert, pki.server_key)
+    plain = CoordinatorServer(JobSpec(job="foreign", nnodes=1), listen="127.0.0.1:0").start()
+    try:
+        assert speaks_tls(tls.target)
+        assert not speaks_tls(plain.target)
+        assert not speaks_tls(f"127.0.0.1:{find_free_port('127.0.0.1')}")
+    finally:
+        tls.stop()
+        plain.stop()
+
+
+def test_a_plaintext_node_still_waits_for_a_plaintext_coordinator_that_starts_late() -> None:
+    """A coordinator restarting (nobody at the port, then a plaintext coordinator there) is waited for."""
+    from trainguard.agent.coordinator_link import find_free_port
+    from trainguard.recovery import CoordinatorServer, JobSpec
+    from trainguard.recovery.errors import CoordinatorError
+
+    port = find_free_port("127.0.0.1")
+    link = GrpcCoordinatorLink(LinkConfig(job="foreign", coordinator=f"127.0.0.1:{port}", node_id="n1",
+                                          patience_s=20.0))
+    servers = []
+
+    def start_late() -> None:
+        # Retried: the port was free when picked, and a connection's source port may hold it for a moment.
+        deadline = time.monotonic() + 5.0
+        while not servers:
+            try:
+                servers.append(CoordinatorServer(JobSpec(job="foreign", nnodes=1), listen=f"127.0.0.1:{port}").start())
+            except CoordinatorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    starter = threading.Timer(1.0, start_late)
+    starter.start()
+    try:
+        link.open()
+        assert link.lease
+    finally:
+        starter.join()
+        link.close()
+        for s in servers:
+            s.stop()
+
+
+def test_the_daemons_reporter_names_a_ca_that_does_not_fit(pki) -> None:
+    """The daemon's health reports to a coordinator whose certificate its CA did not sign: REFUSED with what to
+    do, not "unreachable" with gRPC's whole error as for an outage."""
+    from trainguard.agent.coordinator_report import CoordinatorReporter, NodeVerdict, ReporterState, ReportTarget
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery.node_health import Verdict
+    from trainguard.recovery.rpc_security import RpcSecurity
+
+    srv = _tls_coordinator(pki.server2_cert, pki.server2_key)
+    reporter = CoordinatorReporter(ReportTarget(srv.target, security=RpcSecurity(tls=TlsFiles("", "", str(pki.ca)))),
+                                   lambda: NodeVerdict(Verdict.HEALTHY), "n1", "h1", "i1", interval_s=0.2).start()
+    try:
+        from tg_testutil import until
+
+        assert until(lambda: reporter.state is not ReporterState.CONNECTING, 5.0)
+        assert reporter.state is ReporterState.REFUSED, (reporter.state, reporter.message)
+        assert "does not trust its certificate" in reporter.message, reporter.message
+    finally:
+        reporter.stop()
+        srv.stop()
+
+
+def test_trainguard_run_in_plaintext_against_a_tls_coordinator_exits_2_at_once(pki, tg_env: dict,
+                                                                              tmp_path: Path) -> None:
+    srv = _tls_coordinator(pki.server_cert, pki.server_key)
+    try:
+        start = time.monotonic()
+        r = run_cli(["run", "--coordinator", srv.target, "--job", "foreign", "--nproc-per-node", "1",
+                     "--rdzv-conf", "join_timeout=30", HELLO, str(tmp_path)], tg_env, timeout=60)
+        took = time.monotonic() - start
+    finally:
+        srv.stop()
+    errors = [line for line in r.stderr.splitlines() if line.startswith("trainguard: error:")]
+    assert r.returncode == 2 and took < 20, (r.returncode, took, r.stderr[-2000:])
+    assert len(errors) == 1 and "serves TLS but this node dials it in plaintext" in errors[0], r.stderr[-2000:]
+
+
+def _mtls_coordinator(pki):
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery import CoordinatorServer, JobSpec
+    from trainguard.recovery.rpc_security import RpcSecurity
+
+    return CoordinatorServer(JobSpec(job="foreign", nnodes=1), listen="127.0.0.1:0", security=RpcSecurity(
+        tls=TlsFiles(str(pki.server_cert), str(pki.server_key), str(pki.ca)))).start()
+
+
+@pytest.mark.parametrize("cert", ["none", "rogue"])
+def test_a_node_without_a_client_certificate_the_coordinator_accepts_is_told_at_once(pki, cert: str) -> None:
+    """A coordinator demanding mutual TLS closes the connection of a node without a certificate from its client
+    CA: gRPC says "Socket closed" (as for a coordinator killed mid-connection) and the node waited until
+    join_timeout. The node's own handshake shows the coordinator alive and refusing the certificate."""
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery.rpc_security import RpcSecurity
+
+    srv = _mtls_coordinator(pki)
+    files = TlsFiles(str(pki.rogue_cert), str(pki.rogue_key), str(pki.ca)) if cert == "rogue" \
+        else TlsFiles("", "", str(pki.ca))
+    link = GrpcCoordinatorLink(LinkConfig(job="foreign", coordinator=srv.target, node_id="n1", patience_s=8.0,
+                                          channel=RpcSecurity(tls=files).channel))
+    start = time.monotonic()
+    try:
+        with pytest.raises(CoordinatorUnavailableError) as err:
+            link.open()
+    finally:
+        link.close()
+        srv.stop()
+    took, message = time.monotonic() - start, str(err.value)
+    assert took < 5.0, f"waited {took:.1f}s: {message}"
+    assert message.startswith(f"TLS with the coordinator {srv.target} failed") and "--coordinator-cert" in message
+    assert ("sends none" in message) == (cert == "none"), message
+
+
+def test_client_cert_refused_is_false_for_an_accepted_certificate_and_for_nobody(pki) -> None:
+    from trainguard.agent.coordinator_link import client_cert_refused, find_free_port
+
+    srv = _mtls_coordinator(pki)
+    try:
+        assert not client_cert_refused(srv.target, str(pki.client_cert), str(pki.client_key))
+        assert client_cert_refused(srv.target)
+    finally:
+        srv.stop()
+    assert not client_cert_refused(f"127.0.0.1:{find_free_port('127.0.0.1')}")
+
+
+def test_trainguard_runs_probe_names_a_refused_client_certificate(pki) -> None:
+    """The launcher's probe only warned ("closed the connection while it was set up: if it serves TLS...")."""
+    from trainguard.agent.run_deploy import probe_coordinator
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery.rpc_security import RpcSecurity, SecurityConfigError
+
+    srv = _mtls_coordinator(pki)
+    try:
+        with pytest.raises(SecurityConfigError, match="demands a client certificate"):
+            probe_coordinator(RpcSecurity(tls=TlsFiles("", "", str(pki.ca))), srv.target)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("case", ["plaintext", "no_client_cert"])
+def test_the_daemons_reporter_names_tls_it_lacks(pki, case: str) -> None:
+    """The daemon's reports to a TLS coordinator in plaintext, or without the client certificate it demands:
+    "unreachable: UNAVAILABLE: ... Socket closed", as for an outage. REFUSED now, with what to do."""
+    from tg_testutil import until
+    from trainguard.agent.coordinator_report import CoordinatorReporter, NodeVerdict, ReporterState, ReportTarget
+    from trainguard.agent.tls import TlsFiles
+    from trainguard.recovery.node_health import Verdict
+    from trainguard.recovery.rpc_security import RpcSecurity
+
+    srv = _tls_coordinator(pki.server_cert, pki.server_key) if case == "plaintext" else _mtls_coordinator(pki)
+    security = RpcSecurity() if case == "plaintext" else RpcSecurity(tls=TlsFiles("", "", str(pki.ca)))
+    reporter = CoordinatorReporter(ReportTarget(srv.target, security=security),
+                                   lambda: NodeVerdict(Verdict.HEALTHY), "n1", "h1", "i1", interval_s=0.2).start()
+    try:
+        assert until(lambda: reporter.state is not ReporterState.CONNECTING, 5.0)
+        assert reporter.state is ReporterState.REFUSED, (reporter.state, reporter.message)
+        word = "dials it in plaintext" if case == "plaintext" else "demands a client certificate"
+        assert word in reporter.message, reporter.message
+    finally:
+        reporter.stop()
+        srv.stop()

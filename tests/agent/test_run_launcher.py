@@ -110,6 +110,44 @@ def test_a_second_sigterm_during_the_stop_is_not_logged_again(tmp_path: Path, tg
     assert len(stops) == 1 and "received SIGTERM" in stops[0], "".join(lines)
 
 
+def test_signals_during_the_cleanup_are_logged_once_and_the_cleanup_finishes(tmp_path: Path, tg_env: dict) -> None:
+    """SIGTERM sent again and again (a scheduler, a user) until the launcher is gone: the launcher used to put the
+    default handlers back before its cleanup, so one landing while the embedded coordinator, the local server and
+    the run folder were being cleaned up killed it there (exit -15, no summary, its run folder left behind)."""
+    env = dict(tg_env, TMPDIR=str(tmp_path))  # the run folder is made here: this test looks only at its own
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2",
+                             str(SCRIPTS / "sleeper.py")], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        kids: list = []
+        while len(kids) < 4 and time.monotonic() < deadline:  # 2 workers + 2 grandchildren
+            kids = psutil.Process(proc.pid).children(recursive=True)
+            time.sleep(0.05)
+        assert len(kids) >= 4, "".join(lines)
+        assert [p.name for p in tmp_path.glob("tg-*")], "no run folder under TMPDIR"
+        # Until the cleanup says it got one (then no more: after the cleanup the defaults are back, as they were).
+        deadline = time.monotonic() + 20
+        while proc.poll() is None and time.monotonic() < deadline \
+                and not any("while cleaning up" in line for line in lines):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.005)
+        code = proc.wait(20)
+        reader.join(5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(lines)
+    assert not list(tmp_path.glob("tg-*")), f"run folder left behind (exit {code}):\n{text[-3000:]}"
+    assert sum("while cleaning up" in line for line in lines) == 1, text[-3000:]
+    assert code in (143, -signal.SIGTERM), text[-3000:]  # a signal after the cleanup ends it as a default would
+    # the tg_env fixture asserts that no worker or grandchild survived
+
+
 def test_sigkill_of_launcher_takes_workers_down(tmp_path: Path, tg_env: dict) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2",
                              str(SCRIPTS / "sleeper.py")], env=tg_env, cwd=REPO, stdout=subprocess.DEVNULL,

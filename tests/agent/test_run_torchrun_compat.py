@@ -143,8 +143,14 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     (["--rdzv-backend", "c10d", "--nnodes", "2", "--rdzv-endpoint", "192.0.2.7:29400,192.0.2.8:29400",
       "--rdzv-conf", "join_timeout=1"], ["--rdzv-endpoint", "one HOST[:PORT]"]),
     (["--coordinator", "grpc://192.0.2.7:29400", "--rdzv-conf", "join_timeout=1"], ["--coordinator", "one HOST"]),
+    # gRPC dials a target without a port at 443: the join timeout was waited out there
+    (["--coordinator", "127.0.0.1:", "--rdzv-conf", "join_timeout=1"], ["--coordinator '127.0.0.1:'", "HOST:PORT"]),
+    (["--coordinator", "127.0.0.1:1,192.0.2.7", "--rdzv-conf", "join_timeout=1"],
+     ["--coordinator '192.0.2.7'", "HOST:PORT"]),
     (["--log-dir", "/tmp", "--redirects", "7"], ["--redirects", "0 (none)"]),
     (["--tee", "1"], ["--redirects/--tee", "--log-dir"]),
+    # made only when the first worker started: a traceback once the job had registered (this file is no folder)
+    (["--log-dir", f"{__file__}/logs"], ["--log-dir", "cannot create it", "Not a directory"]),
     (["--local-ranks-filter", "a,b"], ["--local-ranks-filter", "comma list"]),
     (["--signals-to-handle", "SIGTERM,SIGFOO"], ["--signals-to-handle", "SIGFOO"]),
     (["--no-python", "-m"], ["--no-python", "--module"]),
@@ -691,3 +697,16 @@ def test_node_0_stopped_by_a_signal_does_not_linger_for_its_peers(monkeypatch, c
     err = capfd.readouterr().err
     assert code == 143, err
     assert not [ln for ln in seen.lines if "heard" in ln], seen.lines
+
+
+def test_a_predictor_model_that_is_no_model_is_refused_before_anything_starts(tmp_path: Path, tg_env: dict) -> None:
+    """--predictor-model was loaded only once the node had registered: a corrupt or foreign file ended the run
+    after its coordinator formed generation 1 and counted the node lost (restart 1/3 logged)."""
+    bad = tmp_path / "model.json"
+    bad.write_text("{not json")
+    r = run_cli(["run", "--predictor-model", str(bad), "--nproc-per-node", "1", PRINT_ENV, str(tmp_path)],
+                tg_env, timeout=60)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("trainguard: error:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
+    assert "--predictor-model" in errors[0] and "not a JSON model file" in errors[0], errors
+    assert "registered node" not in r.stderr and "generation" not in r.stderr, r.stderr[-2000:]
