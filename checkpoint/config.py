@@ -167,6 +167,10 @@ class CheckpointConfig:
         replicated: every rank holds the same state (plain DDP), so a checkpoint may be restored with another
             world size from any rank's copy. Default False.
         verify_on_restore: check every chunk's checksum before loading. Default True.
+        overwrite: let a run that saves without having restored replace the job's checkpoints of higher steps at
+            this location (its first lower step removes each rank's copies of them, as after going back). Default
+            False: such a first save raises, naming the steps, since it would silently delete an earlier run's
+            newer checkpoints (a fresh run started in an old job name and directory).
         memory, disk, remote, persist: per-tier and persist settings.
     """
 
@@ -174,6 +178,7 @@ class CheckpointConfig:
     local_cache: str | None = None
     replicated: bool = False
     verify_on_restore: bool = True
+    overwrite: bool = False
     memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)

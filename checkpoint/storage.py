@@ -210,7 +210,10 @@ class StepStore(ABC):
 
     def _update_record(self, step: int, world_size: int) -> None:
         record = self.record()
-        if record is None or step >= record["step"]:
+        # A record naming a higher step that is no longer complete (the job went back, or a run with
+        # ``checkpoint.overwrite`` replaced that run's steps) is replaced too: kept, ``ckpt ls`` named a step
+        # that no longer existed as the newest committed one.
+        if record is None or step >= record["step"] or not self.is_complete(record["step"])[0]:
             self.write_small(None, COMMIT_RECORD, json.dumps(
                 {"step": step, "world_size": world_size, "time": time.time()}).encode())
 
@@ -435,6 +438,15 @@ class LocalStore(StepStore):
             except OSError:
                 pass  # the removal is only less durable: a folder that comes back is empty, as before
         return True
+
+    def abandon_above(self, step: int, rank: int) -> list[int]:
+        """As :meth:`StepStore.abandon_above`; then removes each such step folder left empty (the last rank's
+        files gone). Kept, ``ckpt ls`` listed the abandoned steps as incomplete for good, and ``ckpt gc`` never
+        removed them (newer than the newest commit)."""
+        gone = super().abandon_above(step, rank)
+        for s in gone:
+            self.discard_rank(s, rank)
+        return gone
 
     def remove_stale_tmp(self, rank: int) -> list[str]:
         """Removes the temporary files of ``rank``'s files (data, manifest, commit marker) that writers killed
