@@ -235,6 +235,7 @@ class CheckpointConfig:
         self.memory.fallback_directory = local_directory(self.memory.fallback_directory,
                                                           "checkpoint.memory.fallback_directory")
         check_local_url(self.directory, "checkpoint.directory")
+        CheckpointLocation.parse(self.directory, "checkpoint.directory")  # an unset $VAR in it: said here, named
         if isinstance(self.remote.url, str):
             check_local_url(self.remote.url, "checkpoint.remote.url")
         for name, value in (("memory.keep", self.memory.keep), ("disk.keep", self.disk.keep),
