@@ -352,7 +352,8 @@ class Checkpointer:
             CheckpointError: the state has an unsupported value, ``step`` is no integer in 0..2**53-1, the
                 checkpointer is closed, or (first save of a run that did not ``restore()``) this location holds
                 this rank's checkpoints of higher steps, which saving ``step`` would delete: see
-                ``CheckpointConfig.overwrite``. Storage failures are not raised: they are reported through ``on_event`` and the log.
+                ``CheckpointConfig.overwrite``. Storage failures are not raised: they are reported through
+                ``on_event`` and the log.
         """
         if self._closed:
             raise CheckpointError("save() on a closed Checkpointer; create a new one")
