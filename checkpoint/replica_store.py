@@ -89,9 +89,14 @@ def remove_stale_partials(directory: str) -> None:
 
 def _lock_dir(directory: str, wait: bool) -> int:
     """An fd holding ``flock(LOCK_EX)`` on ``directory`` (closing it unlocks); -1 when ``wait`` is False and
-    another holder has it. flock, not the store's thread lock: the lock must hold across processes, and two
-    open descriptions exclude each other within one process too."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    another holder has it (or the folder is gone). flock, not the store's thread lock: the lock must hold across
+    processes, and two open descriptions exclude each other within one process too."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        if wait:
+            raise
+        return -1  # gone (the job's replicas removed): nothing there to lock or remove
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
@@ -298,10 +303,29 @@ class ReplicaStore:
             return False
         if size >= r.manifest.data_bytes:
             return False
-        log.warning("the replica of rank %d step %d in %s is damaged: its data file has %d of %d bytes; removed",
-                    r.rank, r.step, os.path.dirname(r.data), max(size, 0), r.manifest.data_bytes)
-        self._remove(r)
-        return True
+        # Checked again under the rank folder's lock, which publishers hold across their steps: a copy of the
+        # same step published again meanwhile (its manifest and data replaced after this listing read the old
+        # manifest) is another copy, and a smaller one is not short. Busy: not listed now, the next listing sees.
+        fd = _lock_dir(os.path.dirname(r.data), wait=False)
+        if fd < 0:
+            return True
+        try:
+            try:
+                with open(r.manifest_path, "rb") as f:
+                    now = Manifest.from_json(f.read(), r.manifest_path)
+                size = os.stat(r.data).st_size
+            except FileNotFoundError:
+                now, size = r.manifest, -1
+            except (OSError, CorruptCheckpointError):
+                return True  # the next listing deals with a damaged manifest
+            if size >= now.data_bytes:
+                return True  # republished meanwhile: listed by the next listing, with its new manifest
+            log.warning("the replica of rank %d step %d in %s is damaged: its data file has %d of %d bytes; "
+                        "removed", r.rank, r.step, os.path.dirname(r.data), max(size, 0), now.data_bytes)
+            self._remove(r)
+            return True
+        finally:
+            os.close(fd)
 
     def newest(self, rank: int, min_step: int = -1) -> Replica | None:
         """The newest complete replica of ``rank`` of at least ``min_step``, or None."""

@@ -247,3 +247,29 @@ def test_a_publisher_killed_between_data_and_manifest_leaves_nothing_held(root) 
     ReplicaStore(root, "job", 1 << 20)  # the agent restarted
     assert not os.path.exists(rep.data) and not os.path.exists(leftover)
     assert os.path.exists(kept.data) and [(r.rank, r.step) for r in store.replicas()] == [(5, 50)]
+
+
+def test_a_short_replica_is_removed_only_once_no_publisher_holds_its_folder(root) -> None:
+    """A listing that found a copy's data shorter than its (cached) manifest removed both at once: a copy of
+    the same step republished meanwhile by another agent of the job on this host went with it."""
+    import subprocess
+    import sys
+
+    store = ReplicaStore(root, "job", 1 << 20)
+    rep = _send(store, *_copy(6, 60)).commit()
+    os.truncate(rep.data, 4096)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()", os.path.dirname(rep.data)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert store.replicas() == []  # not listed: it cannot be served
+        assert os.path.exists(rep.manifest_path)  # nor removed while a publisher may be mid-way
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
+    assert store.replicas() == [] and not os.path.exists(rep.data) and not os.path.exists(rep.manifest_path)
+    small, data = _copy(6, 60, kib=16)  # the next push of that step lands as usual
+    _send(store, small, data).commit()
+    assert [(r.rank, r.step, r.nbytes) for r in store.replicas()] == [(6, 60, small.data_bytes)]
