@@ -155,6 +155,8 @@ class Checkpointer:
         #: restore() returned, or a save passed :meth:`_refuse_fresh_over_newer`: lower steps saved from now on
         #: mean the job went back, and this rank's copies of higher steps are removed as a run it left.
         self._resumed = False
+        self._restored = False  # restore() returned: see _foreign_above
+        self._max_saved = -1  # the highest step this Checkpointer saved
         self._copier = SnapshotCopier()
         self._staging: dict[int, torch.Tensor] = {}
 
@@ -364,6 +366,7 @@ class Checkpointer:
             raise CheckpointError(f"step must be in 0..{MAX_STEP} (2**53-1), got {step}")
         if not self._resumed:
             self._refuse_fresh_over_newer(step)
+        foreign_above = self._foreign_above(step)
         self._finish_pending()
         cap = capture(state)
         alignment = self.config.persist.alignment
@@ -440,7 +443,7 @@ class Checkpointer:
                     return
             finally:
                 slot.unlock()
-            self._submit(step, index, manifest, paths)
+            self._submit(step, index, manifest, paths, foreign_above)
 
         if deferred:
             self._install_hooks(_as_list(overlap_with))
@@ -458,7 +461,9 @@ class Checkpointer:
         different experiment reusing the name) thus deleted the earlier run's newer checkpoints at its first save
         and then its own steps to retention, silently. Frameworks refuse or warn there instead (Hugging Face's
         ``overwrite_output_dir``, Lightning's "Checkpoint directory exists and is not empty"): refused here,
-        before anything is written. The disk and memory tiers are listed; the remote tier when it answers.
+        before anything is written. The disk and memory tiers are listed here; the remote tier is not (a remote
+        that hangs would hang the training step): the persist process refuses the upload instead (see
+        :meth:`_foreign_above`).
 
         Raises:
             CheckpointError: such copies exist (the message names the steps, where, and what to do).
@@ -484,11 +489,6 @@ class Checkpointer:
             higher = sorted(s for s, ranks in listed.items() if s > step and self.rank in ranks)
             if higher:
                 found[f"memory ({self.config.memory.directory})"] = higher
-        if self.config.remote_url and not found:
-            remote = self._list_remote()
-            higher = [s for s, _ in remote or () if s > step]
-            if higher:
-                found[f"remote ({self.config.remote_url})"] = higher
         if not found:
             self._resumed = True
             return
@@ -499,6 +499,18 @@ class Checkpointer:
             "lower step saved means the job went back). To continue that run call restore() before saving; to "
             "keep both, give this run another job name or checkpoint directory; to start over and replace them, "
             "set checkpoint.overwrite = true (CheckpointConfig(overwrite=True)).")
+
+    def _foreign_above(self, step: int) -> int | None:
+        """For the remote upload of ``step``: None when this run may remove this rank's remote copies of higher
+        steps (it restored, or ``checkpoint.overwrite``); else the step above which such copies are another
+        run's (the higher of ``step`` and the highest step this run saved), and the upload is refused while the
+        remote holds any: the first save of a fresh run on a node whose disk is empty (a new node, another
+        ``local_cache``) removed the earlier run's newer steps from the remote at its upload."""
+        previous = self._max_saved
+        self._max_saved = max(previous, step)
+        if self._restored or self.config.overwrite or not self.config.remote_url:
+            return None
+        return max(step, previous)
 
     def _abandon_newer(self, arena: Arena, step: int) -> None:
         """Takes this rank's in-memory copies of steps above ``step`` out of the tier (listed and retired): saving
@@ -557,7 +569,8 @@ class Checkpointer:
             self._staging[index] = t
         return t
 
-    def _submit(self, step: int, index: int, manifest: Manifest, paths: Any) -> None:
+    def _submit(self, step: int, index: int, manifest: Manifest, paths: Any, foreign_above: int | None = None,
+                ) -> None:
         cfg = self.config
         req = {
             "op": "persist", "id": self._status[step].request, "job": self.job, "rank": self.rank, "world_size": self.world_size,
@@ -573,7 +586,8 @@ class Checkpointer:
             # process does not dial it for this step either (see uploads.py).
             "remote": {"url": cfg.remote_url, "keep": cfg.remote.keep, "storage_options": cfg.remote.storage_options,
                        "retry_s": cfg.remote.retry_s, "backoff_s": self._remote_backoff,
-                       "retry_in_s": max(0.0, self._remote_retry_at - time.monotonic())}
+                       "retry_in_s": max(0.0, self._remote_retry_at - time.monotonic()),
+                       "foreign_above": foreign_above}
             if cfg.remote_url else None,
             "bandwidth_mib_s": cfg.persist.bandwidth_mib_s,
         }
@@ -959,6 +973,7 @@ class Checkpointer:
         if step is not None:
             step = step_number(step)
         result = self._restore(state, step, corrupt_ok)
+        self._restored = True
         self._resumed = True  # its saves continue (or go back in) the job's history: see _refuse_fresh_over_newer
         return result
 

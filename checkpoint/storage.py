@@ -171,6 +171,10 @@ class StepStore(ABC):
     def delete_small(self, step: int, name: str) -> None:
         """Deletes one file of a step directory (durably)."""
 
+    def rank_steps_above(self, step: int, rank: int) -> list[int]:
+        """The steps above ``step`` holding ``rank``'s commit marker."""
+        return [s for s in self.list_steps() if s > step and marker_name(rank) in self.list_names(s)]
+
     def abandon_above(self, step: int, rank: int) -> list[int]:
         """Removes ``rank``'s files (its commit marker first) from every step above ``step``: this rank is saving
         ``step``, so the job went back to an older step and those copies belong to the run it left. Kept, the

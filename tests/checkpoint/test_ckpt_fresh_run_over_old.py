@@ -77,12 +77,23 @@ def test_a_fresh_run_in_an_empty_or_lower_location_saves_as_before(make_config) 
         assert ck.save(_state(1), 1).wait(60)
 
 
-def test_a_fresh_run_on_a_new_node_is_refused_over_the_remote_tiers_higher_steps(make_config, tmp_path) -> None:
+def test_a_fresh_run_on_a_new_node_does_not_delete_the_remote_tiers_higher_steps(make_config, tmp_path) -> None:
     """A new node's disk is empty, but the remote (uploaded by the earlier run) holds the higher steps, which
-    the first save's upload removed there."""
+    the first save's upload removed there. The upload is refused instead (training is not held up listing a
+    remote that may hang); a resumed run, or one with ``overwrite``, uploads as before."""
+    from trainguard.checkpoint.storage import FsspecStore
+
     remote = {"url": f"file://{tmp_path}/remote"}
     _old_run(make_config(memory={"enabled": False}, remote=remote), steps=(100,))
+    events = []
     cfg = make_config(memory={"enabled": False}, remote=remote, directory=str(tmp_path / "new-node-disk"))
-    with Checkpointer(cfg, job="exp") as ck:
-        with pytest.raises(CheckpointError, match=r"remote \(.*\): steps 100"):
-            ck.save(_state(10), 10)
+    with Checkpointer(cfg, job="exp", on_event=events.append) as ck:
+        assert not ck.save(_state(10), 10).wait(60)  # on disk, not uploaded
+    said = " ".join(str(getattr(e, "message", e)) for e in events)
+    assert "step 10 not uploaded" in said and "higher steps 100" in said and "checkpoint.overwrite" in said
+    store = FsspecStore(remote["url"], "exp")
+    assert [s for s, _ in store.committed_steps()] == [100]
+    over = make_config(memory={"enabled": False}, remote=remote, directory=str(tmp_path / "third"), overwrite=True)
+    with Checkpointer(over, job="exp") as ck:
+        assert ck.save(_state(11), 11).wait(60)
+    assert [s for s, _ in store.committed_steps()] == [11]
