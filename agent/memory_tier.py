@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from trainguard.checkpoint import arena as arena_mod
 from trainguard.checkpoint.config import RESTORE_PLAN_ENV, CheckpointConfig, MemoryTierConfig
 from trainguard.checkpoint.errors import CheckpointError
-from trainguard.checkpoint.manifest import Manifest, verify_checksums
+from trainguard.checkpoint.manifest import Manifest, verify_file_checksums
 from trainguard.proto import coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -169,24 +169,24 @@ class MemoryTier:
     def _verify(self, paths: arena_mod.SlotPaths, man) -> bool | None:
         """True when the slot still holds this copy and every chunk matches; None when it changed meanwhile."""
         try:
-            fd, mapping = arena_mod.open_readonly(paths)  # shared lock: the writer cannot reuse the slot now
+            fd = arena_mod.open_locked(paths)  # shared lock: the writer cannot reuse the slot now
         except (CheckpointError, OSError):
             return None
         try:
             if arena_mod.read_tag(paths) != str(man.step) or not os.path.exists(paths.manifest):
                 return None
-            view = memoryview(mapping)
-            try:
-                verify_checksums(view, man, f"memory copy of step {man.step} rank {man.rank}")
-            finally:
-                view.release()
+            # pread, not a mapping: a slot cut short under a mapping raised SIGBUS here and killed the agent.
+            verify_file_checksums(fd, man, f"memory copy of step {man.step} rank {man.rank} ({paths.data})")
             return True
         except CheckpointError as exc:
             self.corrupt += 1
             log.error("not reporting a corrupt in-memory checkpoint: %s", exc)
             return False
+        except OSError as exc:  # an I/O error reading the slot: a damaged copy too, never a crashed scan
+            self.corrupt += 1
+            log.error("not reporting an unreadable in-memory checkpoint %s: %s", paths.data, exc)
+            return False
         finally:
-            mapping.close()
             os.close(fd)
 
     def holdings(self) -> list[coordinator_pb2.MemoryHolding]:

@@ -198,6 +198,25 @@ class Slot:
         os.close(self.fd)
 
 
+def _cut_back(data: str, size: int) -> None:
+    """Truncates the slot file ``data`` back to ``size`` bytes, unless a reader holds its shared lock.
+
+    A reader (the agent's memory tier verifying the copy, a restore, a persist) may have mapped the grown file;
+    cutting it under that mapping raised SIGBUS in the reader on the next page past the new end. The memory
+    stays allocated then, as it was before this fix for every slot, until the slot is reused or removed.
+    """
+    fd = os.open(data, os.O_RDWR)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        if os.fstat(fd).st_size > size:
+            os.ftruncate(fd, size)
+    finally:
+        os.close(fd)  # drops the lock
+
+
 class Arena:
     """The staging slots of one rank.
 
@@ -265,8 +284,8 @@ class Arena:
                 try:
                     if size is None or not holds_copy:
                         os.unlink(paths.data)
-                    elif os.stat(paths.data).st_size > size:
-                        os.truncate(paths.data, size)
+                    else:
+                        _cut_back(paths.data, size)
                 except OSError:
                     pass  # gone already; what it holds is freed with the arena
             raise
@@ -558,16 +577,27 @@ def remove_job(shm_root: str, job: str) -> list[int]:
     return sorted(kept)
 
 
-def open_readonly(paths: SlotPaths) -> tuple[int, mmap.mmap]:
-    """Maps a slot read-only under a shared flock; returns ``(fd, map)`` (caller unlocks and closes)."""
-    fd = os.open(paths.data, os.O_RDONLY)
+def open_locked(paths: SlotPaths) -> int:
+    """Opens a slot's data file read-only under a shared flock (the writer cannot reuse the slot meanwhile);
+    returns the fd (the caller closes it, which unlocks).
+
+    No mapping: a reader checks the bytes with ``pread``
+    (:func:`~trainguard.checkpoint.manifest.verify_file_checksums`). A mapping sized when the slot was opened
+    raised SIGBUS in the reading process (the node agent) on a page past the end of a file cut short meanwhile.
+
+    Raises:
+        StorageUnavailableError: the slot cannot be opened or locked.
+    """
+    try:
+        fd = os.open(paths.data, os.O_RDONLY)
+    except OSError as exc:
+        raise StorageUnavailableError(f"cannot open shared-memory slot {paths.data}: {exc}") from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        size = os.fstat(fd).st_size
-        return fd, mmap.mmap(fd, size, prot=mmap.PROT_READ)
     except OSError as exc:
         os.close(fd)
-        raise StorageUnavailableError(f"cannot map shared-memory slot {paths.data}: {exc}") from exc
+        raise StorageUnavailableError(f"cannot lock shared-memory slot {paths.data}: {exc}") from exc
+    return fd
 
 
 def manifest_dict(m: Manifest) -> dict[str, Any]:

@@ -59,7 +59,8 @@ from trainguard.checkpoint.restore_plan import job_memory_steps_from_env, own_me
 from trainguard.checkpoint.shards import ShardedLoader
 from trainguard.checkpoint.snapshot import PendingCopy, SnapshotCopier, storage_ptrs
 from trainguard.checkpoint.staging import StagingArea
-from trainguard.checkpoint.storage import FsspecStore, LocalStore, StepStore, check_job_name, manifest_name
+from trainguard.checkpoint.storage import (FsspecStore, LocalStore, StepStore, check_job_name, manifest_name,
+                                          marker_name)
 from trainguard.checkpoint.tree import capture, restore_into
 from trainguard.checkpoint.uploads import REMOTE_BACKOFF_CAP
 
@@ -151,6 +152,11 @@ class Checkpointer:
         self._hooked: dict[int, tuple[weakref.ref[Any], Any]] = {}
         self._closed = False
         self._last_step: int | None = None
+        #: restore() returned, or a save passed :meth:`_refuse_fresh_over_newer`: lower steps saved from now on
+        #: mean the job went back, and this rank's copies of higher steps are removed as a run it left.
+        self._resumed = False
+        self._restored = False  # restore() returned: see _foreign_above
+        self._max_saved = -1  # the highest step this Checkpointer saved
         self._copier = SnapshotCopier()
         self._staging: dict[int, torch.Tensor] = {}
 
@@ -345,8 +351,11 @@ class Checkpointer:
             A handle whose ``wait()`` blocks until the step is durable.
 
         Raises:
-            CheckpointError: the state has an unsupported value, ``step`` is no integer in 0..2**53-1, or the
-                checkpointer is closed. Storage failures are not raised: they are reported through ``on_event`` and the log.
+            CheckpointError: the state has an unsupported value, ``step`` is no integer in 0..2**53-1, the
+                checkpointer is closed, or (first save of a run that did not ``restore()``) this location holds
+                this rank's checkpoints of higher steps, which saving ``step`` would delete: see
+                ``CheckpointConfig.overwrite``. Storage failures are not raised: they are reported through
+                ``on_event`` and the log.
         """
         if self._closed:
             raise CheckpointError("save() on a closed Checkpointer; create a new one")
@@ -355,6 +364,9 @@ class Checkpointer:
             # Past 2**53-1 the coordinator refuses the step in every heartbeat (the job loses its lease) and the
             # peers refuse its replicas: refused here, where the caller can still act on it.
             raise CheckpointError(f"step must be in 0..{MAX_STEP} (2**53-1), got {step}")
+        if not self._resumed:
+            self._refuse_fresh_over_newer(step)
+        foreign_above = self._foreign_above(step)
         self._finish_pending()
         cap = capture(state)
         alignment = self.config.persist.alignment
@@ -431,7 +443,7 @@ class Checkpointer:
                     return
             finally:
                 slot.unlock()
-            self._submit(step, index, manifest, paths)
+            self._submit(step, index, manifest, paths, foreign_above)
 
         if deferred:
             self._install_hooks(_as_list(overlap_with))
@@ -439,6 +451,66 @@ class Checkpointer:
         else:
             publish(None)
         return SaveHandle(step, self)
+
+    def _refuse_fresh_over_newer(self, step: int) -> None:
+        """Refuses the first save of a run that did not restore when this location holds this rank's copies of
+        higher steps of the job (unless ``checkpoint.overwrite``).
+
+        Saving a lower step removes this rank's copies of every higher step from every tier (the job went back,
+        see :meth:`save`). A run started from scratch in an old job name and directory (no ``restore()``, or a
+        different experiment reusing the name) thus deleted the earlier run's newer checkpoints at its first save
+        and then its own steps to retention, silently. Frameworks refuse or warn there instead (Hugging Face's
+        ``overwrite_output_dir``, Lightning's "Checkpoint directory exists and is not empty"): refused here,
+        before anything is written. The disk and memory tiers are listed here; the remote tier is not (a remote
+        that hangs would hang the training step): the persist process refuses the upload instead (see
+        :meth:`_foreign_above`).
+
+        Raises:
+            CheckpointError: such copies exist (the message names the steps, where, and what to do).
+        """
+        if self.config.overwrite:
+            self._resumed = True
+            return
+        found: dict[str, list[int]] = {}
+        if self.disk is not None:
+            mine = marker_name(self.rank)
+            try:
+                higher = [s for s in self.disk.list_steps() if s > step and mine in self.disk.list_names(s)]
+            except OSError:
+                higher = []
+            if higher:
+                found[f"disk ({self.disk.describe()})"] = higher
+        if self.config.memory.enabled:
+            try:
+                listed = arena_mod.memory_manifests(self.config.memory.directory, self.job, self.config.location,
+                                                    retired=True)
+            except OSError:
+                listed = {}
+            higher = sorted(s for s, ranks in listed.items() if s > step and self.rank in ranks)
+            if higher:
+                found[f"memory ({self.config.memory.directory})"] = higher
+        if not found:
+            self._resumed = True
+            return
+        where = "; ".join(f"{tier}: steps {_steps_text(steps)}" for tier, steps in found.items())
+        raise CheckpointError(
+            f"rank {self.rank}: job {self.job!r} at {self.config.directory} already holds checkpoints of higher "
+            f"steps than {step} ({where}), and this run did not restore. Saving step {step} would delete them (a "
+            "lower step saved means the job went back). To continue that run call restore() before saving; to "
+            "keep both, give this run another job name or checkpoint directory; to start over and replace them, "
+            "set checkpoint.overwrite = true (CheckpointConfig(overwrite=True)).")
+
+    def _foreign_above(self, step: int) -> int | None:
+        """For the remote upload of ``step``: None when this run may remove this rank's remote copies of higher
+        steps (it restored, or ``checkpoint.overwrite``); else the step above which such copies are another
+        run's (the higher of ``step`` and the highest step this run saved), and the upload is refused while the
+        remote holds any: the first save of a fresh run on a node whose disk is empty (a new node, another
+        ``local_cache``) removed the earlier run's newer steps from the remote at its upload."""
+        previous = self._max_saved
+        self._max_saved = max(previous, step)
+        if self._restored or self.config.overwrite or not self.config.remote_url:
+            return None
+        return max(step, previous)
 
     def _abandon_newer(self, arena: Arena, step: int) -> None:
         """Takes this rank's in-memory copies of steps above ``step`` out of the tier (listed and retired): saving
@@ -497,7 +569,8 @@ class Checkpointer:
             self._staging[index] = t
         return t
 
-    def _submit(self, step: int, index: int, manifest: Manifest, paths: Any) -> None:
+    def _submit(self, step: int, index: int, manifest: Manifest, paths: Any, foreign_above: int | None = None,
+                ) -> None:
         cfg = self.config
         req = {
             "op": "persist", "id": self._status[step].request, "job": self.job, "rank": self.rank, "world_size": self.world_size,
@@ -513,7 +586,8 @@ class Checkpointer:
             # process does not dial it for this step either (see uploads.py).
             "remote": {"url": cfg.remote_url, "keep": cfg.remote.keep, "storage_options": cfg.remote.storage_options,
                        "retry_s": cfg.remote.retry_s, "backoff_s": self._remote_backoff,
-                       "retry_in_s": max(0.0, self._remote_retry_at - time.monotonic())}
+                       "retry_in_s": max(0.0, self._remote_retry_at - time.monotonic()),
+                       "foreign_above": foreign_above}
             if cfg.remote_url else None,
             "bandwidth_mib_s": cfg.persist.bandwidth_mib_s,
         }
@@ -898,6 +972,12 @@ class Checkpointer:
         """
         if step is not None:
             step = step_number(step)
+        result = self._restore(state, step, corrupt_ok)
+        self._restored = True
+        self._resumed = True  # its saves continue (or go back in) the job's history: see _refuse_fresh_over_newer
+        return result
+
+    def _restore(self, state: MutableMapping[str, Any], step: int | None, corrupt_ok: bool) -> int | None:
         if not agreement.in_group(self.world_size):
             if self.world_size > 1 and step is None:
                 return self._restore_newest_alone(state)
@@ -1226,3 +1306,11 @@ def _as_list(x: Any) -> list[Any]:
 
 
 __all__ = ["Checkpointer", "SaveHandle", "StepInfo"]
+
+
+def _steps_text(steps: list[int]) -> str:
+    """``1, 2, 3`` or, for many steps, ``1, 2, ... 9 (7 steps)``."""
+    steps = sorted(steps)
+    if len(steps) <= 4:
+        return ", ".join(map(str, steps))
+    return f"{steps[0]}, {steps[1]}, ... {steps[-1]} ({len(steps)} steps)"

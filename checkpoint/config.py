@@ -167,6 +167,10 @@ class CheckpointConfig:
         replicated: every rank holds the same state (plain DDP), so a checkpoint may be restored with another
             world size from any rank's copy. Default False.
         verify_on_restore: check every chunk's checksum before loading. Default True.
+        overwrite: let a run that saves without having restored replace the job's checkpoints of higher steps at
+            this location (its first lower step removes each rank's copies of them, as after going back). Default
+            False: such a first save raises, naming the steps, since it would silently delete an earlier run's
+            newer checkpoints (a fresh run started in an old job name and directory).
         memory, disk, remote, persist: per-tier and persist settings.
     """
 
@@ -174,6 +178,7 @@ class CheckpointConfig:
     local_cache: str | None = None
     replicated: bool = False
     verify_on_restore: bool = True
+    overwrite: bool = False
     memory: MemoryTierConfig = field(default_factory=MemoryTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
@@ -230,6 +235,7 @@ class CheckpointConfig:
         self.memory.fallback_directory = local_directory(self.memory.fallback_directory,
                                                           "checkpoint.memory.fallback_directory")
         check_local_url(self.directory, "checkpoint.directory")
+        CheckpointLocation.parse(self.directory, "checkpoint.directory")  # an unset $VAR in it: said here, named
         if isinstance(self.remote.url, str):
             check_local_url(self.remote.url, "checkpoint.remote.url")
         for name, value in (("memory.keep", self.memory.keep), ("disk.keep", self.disk.keep),

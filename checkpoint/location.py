@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,26 @@ def is_local_url(url: str) -> bool:
     return split_url(url)[0] in LOCAL_SCHEMES
 
 
+_VAR_RE = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def _expand_vars(path: str, text: str, key: str) -> str:
+    """``$NAME`` and ``${NAME}`` in a local location, expanded as a shell would, where no shell did (a TOML value,
+    a unit file's or a pod's environment): kept verbatim, ``$SCRATCH/ck`` wrote the steps into a folder literally
+    named ``$SCRATCH`` under each process's working directory, where a relaunch from elsewhere never looked.
+
+    Raises:
+        CheckpointConfigError: a variable is not set in this process (the message names it and ``key``).
+    """
+    expanded = os.path.expandvars(path)
+    left = _VAR_RE.search(expanded)
+    if left is not None:
+        raise CheckpointConfigError(
+            f"{key} = {text!r}: the environment variable {left.group(0)} is not set in this process, so the path "
+            "cannot be expanded; set it, or write the path out")
+    return expanded
+
+
 @dataclass(frozen=True)
 class CheckpointLocation:
     """A parsed checkpoint root.
@@ -120,6 +141,8 @@ class CheckpointLocation:
             # --checkpoint-dir=~/ck): a folder literally named "~" under each process's working directory put
             # the steps where a relaunch from elsewhere never looked, though the job's name hashed $HOME's path.
             rest = os.path.expanduser(rest)
+            if "$" in rest:
+                rest = _expand_vars(rest, text, key)
         return cls(text=text, scheme=scheme, rest=rest)
 
     @property

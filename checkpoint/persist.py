@@ -285,6 +285,17 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
             store = FsspecStore(remote["url"], man.job, remote.get("storage_options") or {},
                                 fresh=catch_up or ongoing)
             src = local.local_data_path(step, rank)
+            foreign_above = remote.get("foreign_above")
+            if foreign_above is not None:
+                foreign = store.rank_steps_above(max(step, int(foreign_above)), rank)
+                if foreign:
+                    # Uploading would remove them below (a run that did not restore: another run's newer steps).
+                    raise CheckpointError(
+                        f"step {step} not uploaded: {store.describe()} holds rank {rank}'s checkpoints of higher "
+                        f"steps {', '.join(map(str, foreign[:4]))}{' ...' if len(foreign) > 4 else ''} of an "
+                        "earlier run of this job, which this upload would delete, and this run did not restore; "
+                        "call restore() to continue that run, use another job name or location to keep both, or "
+                        "set checkpoint.overwrite = true to replace them")
             store.uncommit_rank(step, rank)
             store.abandon_above(step, rank)  # as on disk: this rank's copies of the run the job went back from
             store.write_data(step, rank, src, man.data_bytes, man.chunk_bytes, throttle)

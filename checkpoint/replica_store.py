@@ -87,6 +87,27 @@ def remove_stale_partials(directory: str) -> None:
             os.close(fd)
 
 
+def _lock_dir(directory: str, wait: bool) -> int:
+    """An fd holding ``flock(LOCK_EX)`` on ``directory`` (closing it unlocks); -1 when ``wait`` is False and
+    another holder has it (or the folder is gone). flock, not the store's thread lock: the lock must hold across
+    processes, and two open descriptions exclude each other within one process too."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        if wait:
+            raise
+        return -1  # gone (the job's replicas removed): nothing there to lock or remove
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return -1
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class ReplicaRefusedError(CheckpointError):
     """A replica does not fit (memory bound or tmpfs full) or failed verification; the message says which."""
 
@@ -168,6 +189,8 @@ class ReplicaStore:
                     except OSError:
                         pass
             remove_stale_partials(d)
+            if d != self.root:
+                self._remove_unpublished(d, names)
         # A fetch into the arena killed mid-transfer (the agent was, on a node coming back) left its staging
         # file, allocated to the copy's full size, in the rank's folder: only a later fetch of that same rank
         # removed it, so with the rank restored from local memory or disk it held tmpfs memory for the job's
@@ -176,6 +199,25 @@ class ReplicaStore:
         for n in os.listdir(job_dir):
             if _RANK_DIR_RE.match(n):
                 remove_stale_partials(os.path.join(job_dir, n))
+
+    def _remove_unpublished(self, directory: str, names: list[str]) -> None:
+        """Removes what a publisher killed mid-way left in a rank folder: a data file renamed into place whose
+        manifest was never written (nothing lists it, so it held its memory until the job ended) and the
+        manifest's temporary file. Under the folder's lock, which a live publisher holds throughout."""
+        fd = _lock_dir(directory, wait=False)
+        if fd < 0:
+            return
+        try:
+            have = set(os.listdir(directory))
+            for n in names:
+                orphan = n.endswith(".data") and n[:-len(".data")] + ".manifest.json" not in have
+                if orphan or ".manifest.json.tmp-" in n:
+                    try:
+                        os.unlink(os.path.join(directory, n))
+                    except OSError:
+                        pass
+        finally:
+            os.close(fd)
 
     def _rank_dir(self, rank: int) -> str:
         return os.path.join(self.root, f"rank_{rank:05d}")
@@ -199,13 +241,50 @@ class ReplicaStore:
             base = self._base(d, step)
             try:
                 man = read_manifest(base + ".manifest.json", self._manifests)
-            except (OSError, CorruptCheckpointError):
+            except CorruptCheckpointError as exc:
+                self._drop_unreadable(d, base, exc)
                 continue
+            except OSError:
+                continue  # gone (evicted, or replaced right now): nothing to list
             r = Replica(rank, man.step, base + ".data", base + ".manifest.json", man)
             if self._short_file(r):
                 continue
             out.append(r)
         return sorted(out, key=lambda r: (r.step, r.rank))
+
+    def _drop_unreadable(self, directory: str, base: str, why: Exception) -> None:
+        """Removes the copy at ``base`` whose manifest is damaged (unparseable, or numbers out of range).
+
+        Unlisted, its data file kept its memory until the job ended, outside ``max_bytes`` too (only listed
+        copies count). A published manifest is never half-written (it is renamed into place whole), so a damaged
+        one is no write in progress; but a publisher replaces a copy at the same names in steps (manifest out,
+        data in, manifest in), so the removal happens under the rank folder's lock that publishers hold
+        throughout, and only if the manifest is still damaged then. Busy: left to the next listing.
+        """
+        fd = _lock_dir(directory, wait=False)
+        if fd < 0:
+            return
+        try:
+            try:
+                with open(base + ".manifest.json", "rb") as f:
+                    Manifest.from_json(f.read(), base + ".manifest.json")
+                return  # a publisher replaced it with a good one meanwhile
+            except FileNotFoundError:
+                return
+            except (OSError, CorruptCheckpointError):
+                pass
+            log.warning("the replica in %s has a damaged manifest (%s); its files are removed", base, why)
+            for p in (base + ".manifest.json", base + ".data"):  # the manifest first, as everywhere
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.warning("cannot remove %s: %s", p, exc)
+                    return
+            self._manifests.pop(base + ".manifest.json", None)
+        finally:
+            os.close(fd)  # releases the lock
 
     def _short_file(self, r: Replica) -> bool:
         """Whether ``r``'s data file lost bytes since it was published (truncated in the tmpfs: a tool, a user,
@@ -224,10 +303,29 @@ class ReplicaStore:
             return False
         if size >= r.manifest.data_bytes:
             return False
-        log.warning("the replica of rank %d step %d in %s is damaged: its data file has %d of %d bytes; removed",
-                    r.rank, r.step, os.path.dirname(r.data), max(size, 0), r.manifest.data_bytes)
-        self._remove(r)
-        return True
+        # Checked again under the rank folder's lock, which publishers hold across their steps: a copy of the
+        # same step published again meanwhile (its manifest and data replaced after this listing read the old
+        # manifest) is another copy, and a smaller one is not short. Busy: not listed now, the next listing sees.
+        fd = _lock_dir(os.path.dirname(r.data), wait=False)
+        if fd < 0:
+            return True
+        try:
+            try:
+                with open(r.manifest_path, "rb") as f:
+                    now = Manifest.from_json(f.read(), r.manifest_path)
+                size = os.stat(r.data).st_size
+            except FileNotFoundError:
+                now, size = r.manifest, -1
+            except (OSError, CorruptCheckpointError):
+                return True  # the next listing deals with a damaged manifest
+            if size >= now.data_bytes:
+                return True  # republished meanwhile: listed by the next listing, with its new manifest
+            log.warning("the replica of rank %d step %d in %s is damaged: its data file has %d of %d bytes; "
+                        "removed", r.rank, r.step, os.path.dirname(r.data), max(size, 0), now.data_bytes)
+            self._remove(r)
+            return True
+        finally:
+            os.close(fd)
 
     def newest(self, rank: int, min_step: int = -1) -> Replica | None:
         """The newest complete replica of ``rank`` of at least ``min_step``, or None."""
@@ -355,17 +453,23 @@ class ReplicaStore:
             self._reserved.pop(partial, None)  # from here on the copy counts as published (or is gone)
             d = self._rank_dir(manifest.rank)
             base = self._base(d, manifest.step)
+            # The folder's lock, across processes (two agents of a job on one host share it): a listing finding
+            # a damaged manifest removes the copy's files under it, never between the steps below.
+            lock = _lock_dir(d, wait=True)
             try:
-                os.unlink(base + ".manifest.json")  # a copy of the same step already here: replaced
-            except FileNotFoundError:
-                pass
-            os.replace(partial, base + ".data")
-            # Unique: two agents of one job on one host share this folder, and a shared temp name made one's
-            # rename fail on the other's (FileNotFoundError).
-            tmp = f"{base}.manifest.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(manifest.to_json())
-            os.replace(tmp, base + ".manifest.json")  # the commit marker, last
+                try:
+                    os.unlink(base + ".manifest.json")  # a copy of the same step already here: replaced
+                except FileNotFoundError:
+                    pass
+                os.replace(partial, base + ".data")
+                # Unique: two agents of one job on one host share this folder, and a shared temp name made one's
+                # rename fail on the other's (FileNotFoundError).
+                tmp = f"{base}.manifest.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                with open(tmp, "wb") as f:
+                    f.write(manifest.to_json())
+                os.replace(tmp, base + ".manifest.json")  # the commit marker, last
+            finally:
+                os.close(lock)
             for r in self.replicas():
                 # One copy per rank: the one its node pushed last, which is that node's newest snapshot. A higher
                 # step held here is not newer but abandoned: the job went back to an older step (restored from

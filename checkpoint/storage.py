@@ -171,6 +171,10 @@ class StepStore(ABC):
     def delete_small(self, step: int, name: str) -> None:
         """Deletes one file of a step directory (durably)."""
 
+    def rank_steps_above(self, step: int, rank: int) -> list[int]:
+        """The steps above ``step`` holding ``rank``'s commit marker."""
+        return [s for s in self.list_steps() if s > step and marker_name(rank) in self.list_names(s)]
+
     def abandon_above(self, step: int, rank: int) -> list[int]:
         """Removes ``rank``'s files (its commit marker first) from every step above ``step``: this rank is saving
         ``step``, so the job went back to an older step and those copies belong to the run it left. Kept, the
@@ -210,7 +214,10 @@ class StepStore(ABC):
 
     def _update_record(self, step: int, world_size: int) -> None:
         record = self.record()
-        if record is None or step >= record["step"]:
+        # A record naming a higher step that is no longer complete (the job went back, or a run with
+        # ``checkpoint.overwrite`` replaced that run's steps) is replaced too: kept, ``ckpt ls`` named a step
+        # that no longer existed as the newest committed one.
+        if record is None or step >= record["step"] or not self.is_complete(record["step"])[0]:
             self.write_small(None, COMMIT_RECORD, json.dumps(
                 {"step": step, "world_size": world_size, "time": time.time()}).encode())
 
@@ -435,6 +442,15 @@ class LocalStore(StepStore):
             except OSError:
                 pass  # the removal is only less durable: a folder that comes back is empty, as before
         return True
+
+    def abandon_above(self, step: int, rank: int) -> list[int]:
+        """As :meth:`StepStore.abandon_above`; then removes each such step folder left empty (the last rank's
+        files gone). Kept, ``ckpt ls`` listed the abandoned steps as incomplete for good, and ``ckpt gc`` never
+        removed them (newer than the newest commit)."""
+        gone = super().abandon_above(step, rank)
+        for s in gone:
+            self.discard_rank(s, rank)
+        return gone
 
     def remove_stale_tmp(self, rank: int) -> list[str]:
         """Removes the temporary files of ``rank``'s files (data, manifest, commit marker) that writers killed

@@ -158,3 +158,22 @@ def test_a_checkpoint_directory_under_home_that_no_shell_expanded(tmp_path, monk
     assert not (work / "~").exists() and not (tmp_path / "~").exists()
     monkeypatch.setenv("HOME", str(home))
     assert main(["ckpt", "verify", given]) == 0
+
+
+def test_an_environment_variable_in_a_local_directory_that_no_shell_expanded(tmp_path, monkeypatch) -> None:
+    """``directory = "$SCRATCH/ck"`` in a TOML file (or a unit file's environment) wrote the steps into a folder
+    literally named ``$SCRATCH`` under the working directory; an unset variable now says so."""
+    from trainguard.checkpoint import CheckpointConfig
+    from trainguard.checkpoint.errors import CheckpointConfigError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TG_TEST_SCRATCH", str(tmp_path / "scratch"))
+    monkeypatch.delenv("TG_TEST_UNSET", raising=False)
+    for given in ("$TG_TEST_SCRATCH/ck", "${TG_TEST_SCRATCH}/ck", "file:$TG_TEST_SCRATCH/ck"):
+        cfg = CheckpointConfig(directory=given, memory={"directory": "${TG_TEST_SCRATCH}/shm"})
+        assert cfg.disk_directory == str(tmp_path / "scratch" / "ck")
+        assert cfg.memory.directory == str(tmp_path / "scratch" / "shm")
+    with pytest.raises(CheckpointConfigError, match=r"checkpoint.directory = '\$TG_TEST_UNSET/ck': the environment "
+                                                    r"variable \$TG_TEST_UNSET is not set"):
+        CheckpointConfig(directory="$TG_TEST_UNSET/ck")
+    assert CheckpointConfig(directory="s3://b/$TG_TEST_UNSET/ck").remote_url == "s3://b/$TG_TEST_UNSET/ck"

@@ -197,3 +197,79 @@ def test_a_replica_whose_data_file_was_truncated_is_neither_listed_nor_kept(root
     assert not os.path.exists(rep.manifest_path) and not os.path.exists(rep.data)  # its memory is given back
     assert _send(store, *_copy(1, 10)).commit().step == 10  # the next push lands as usual
     assert [(r.rank, r.step) for r in store.replicas()] == [(2, 7), (1, 10)]
+
+
+def test_a_replica_whose_manifest_is_damaged_gives_its_memory_back(root) -> None:
+    """Unlisted, its data file kept its /dev/shm memory (outside the bound) until the job ended."""
+    store = ReplicaStore(root, "job", 1 << 20)
+    rep = _send(store, *_copy(2, 30)).commit()
+    with open(rep.manifest_path, "wb") as f:
+        f.write(b'{"job": "job", "step": ')  # damaged: not JSON
+    assert store.replicas() == []
+    assert not os.path.exists(rep.data) and not os.path.exists(rep.manifest_path)
+    assert _send(store, *_copy(2, 31)).commit().step == 31  # the folder is usable as before
+
+
+def test_a_damaged_manifest_is_not_removed_while_a_publisher_holds_the_folder(root) -> None:
+    """A publisher replaces a copy in steps under its rank folder's lock, from another agent process too: the
+    damaged copy's files are removed only once the lock is free (never between the publisher's steps)."""
+    import subprocess
+    import sys
+
+    store = ReplicaStore(root, "job", 1 << 20)
+    rep = _send(store, *_copy(3, 40)).commit()
+    with open(rep.manifest_path, "wb") as f:
+        f.write(b"\x00garbage")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()", os.path.dirname(rep.data)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert store.replicas() == []
+        assert os.path.exists(rep.data)  # left to the next listing: a publisher may be mid-way
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
+    assert store.replicas() == [] and not os.path.exists(rep.data) and not os.path.exists(rep.manifest_path)
+
+
+def test_a_publisher_killed_between_data_and_manifest_leaves_nothing_held(root) -> None:
+    """The data is renamed into place before the manifest is written: a publisher killed between the two left a
+    data file nothing lists, holding its memory until the job ended; the next store on the root removes it."""
+    store = ReplicaStore(root, "job", 1 << 20)
+    rep = _send(store, *_copy(4, 50)).commit()
+    os.unlink(rep.manifest_path)  # as if killed before the manifest's rename
+    leftover = rep.manifest_path + ".tmp-123-abcdef01"
+    with open(leftover, "wb") as f:
+        f.write(b"{")
+    kept = _send(store, *_copy(5, 50)).commit()
+    ReplicaStore(root, "job", 1 << 20)  # the agent restarted
+    assert not os.path.exists(rep.data) and not os.path.exists(leftover)
+    assert os.path.exists(kept.data) and [(r.rank, r.step) for r in store.replicas()] == [(5, 50)]
+
+
+def test_a_short_replica_is_removed_only_once_no_publisher_holds_its_folder(root) -> None:
+    """A listing that found a copy's data shorter than its (cached) manifest removed both at once: a copy of
+    the same step republished meanwhile by another agent of the job on this host went with it."""
+    import subprocess
+    import sys
+
+    store = ReplicaStore(root, "job", 1 << 20)
+    rep = _send(store, *_copy(6, 60)).commit()
+    os.truncate(rep.data, 4096)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()", os.path.dirname(rep.data)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert store.replicas() == []  # not listed: it cannot be served
+        assert os.path.exists(rep.manifest_path)  # nor removed while a publisher may be mid-way
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
+    assert store.replicas() == [] and not os.path.exists(rep.data) and not os.path.exists(rep.manifest_path)
+    small, data = _copy(6, 60, kib=16)  # the next push of that step lands as usual
+    _send(store, small, data).commit()
+    assert [(r.rank, r.step, r.nbytes) for r in store.replicas()] == [(6, 60, small.data_bytes)]
