@@ -155,7 +155,8 @@ tls_cert_file = "{cert}"
 tls_key_file = "{key}"
 """), env)
         daemon.wait_ready()
-        daemon.wait_log(f"coordinator {address} (config) unreachable")
+        # The refusal names the certificate to fix (fd0e35e; before, "unreachable ... Socket closed").
+        daemon.wait_log(f"coordinator {address} (config) refuses node rotated-n1's health reports")
         shutil.copyfile(pki.client_cert, cert)
         shutil.copyfile(pki.client_key, key)
         daemon.proc.send_signal(signal.SIGHUP)
