@@ -488,3 +488,33 @@ def test_a_disk_removed_while_its_state_is_read_is_gone_not_unreadable(tmp_path,
     monkeypatch.setattr(os, "read", kernel_read)
     s = det.sample()
     assert s.errors == [] and [(e.kind, e.subject) for e in s.events] == [("disk.device_unhealthy", "block:sda")]
+
+
+def test_a_disk_removed_for_good_ends_its_condition(tmp_path) -> None:
+    """A disk or NVMe controller that went unhealthy and was then removed for good (hot-unplugged, a controller
+    deleted after a failed reset): its disk.device_unhealthy stayed active forever, the detector FAILED for a
+    device that no longer exists; only one re-added under its name cleared. It now ends as no longer present,
+    while a device still listed whose state cannot be read keeps its condition."""
+    write_file(tmp_path, "sys/class/nvme/nvme0/state", "live\n")
+    write_file(tmp_path, "sys/block/sda/device/state", "running\n")
+    write_file(tmp_path, "sys/block/sdb/device/state", "running\n")
+    det = DiskDetector(DiskConfig(root=str(tmp_path), paths=(str(tmp_path),)))
+    assert det.sample().events == []
+    write_file(tmp_path, "sys/class/nvme/nvme0/state", "dead\n")
+    write_file(tmp_path, "sys/block/sda/device/state", "offline\n")
+    write_file(tmp_path, "sys/block/sdb/device/state", "offline\n")
+    s = det.sample()
+    assert sorted(e.subject for e in s.events) == ["block:sda", "block:sdb", "nvme:nvme0"]
+    shutil.rmtree(tmp_path / "sys/class/nvme/nvme0")
+    shutil.rmtree(tmp_path / "sys/block/sda")
+    write_file(tmp_path, "sys/block/sdb/device/state", "")  # still there, its state unreadable: held
+    s = det.sample()
+    cleared = sorted((e.kind, e.subject, e.severity) for e in s.events)
+    assert cleared == [("disk.device_unhealthy.cleared", "block:sda", Severity.INFO),
+                       ("disk.device_unhealthy.cleared", "nvme:nvme0", Severity.INFO)]
+    assert all("no longer present" in e.message for e in s.events)
+    assert [e.subject for e in det.active_conditions()] == ["block:sdb"]
+    write_file(tmp_path, "sys/block/sdb/device/state", "running\n")
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["disk.device_unhealthy.cleared"] and s.state == DetectorState.OK
+    assert det.active_conditions() == [] and det.sample().events == []
