@@ -518,3 +518,41 @@ def test_a_disk_removed_for_good_ends_its_condition(tmp_path) -> None:
     s = det.sample()
     assert [e.kind for e in s.events] == ["disk.device_unhealthy.cleared"] and s.state == DetectorState.OK
     assert det.active_conditions() == [] and det.sample().events == []
+
+
+def test_a_disabled_thermal_zone_raises_no_critical_event(tmp_path, monkeypatch) -> None:
+    """A zone whose mode reads 'disabled' (its kernel thermal management off: no shutdown at its critical trip)
+    sat far above its critical trip with the node running: a bogus trip or a zone left to user space. It raised
+    hw.temp_critical (checkpoint now, the detector FAILED) for good. Its critical trip is not judged now, the
+    status says the zone is disabled; an enabled zone and one whose mode cannot be told are judged as before."""
+    write_thermal_zone(tmp_path, 0, 120000, {"critical": 105000}, "acpitz")
+    write_thermal_zone(tmp_path, 1, 120000, {"critical": 105000}, "pch_cannonlake")
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/mode", "disabled\n")
+    write_file(tmp_path, "sys/class/thermal/thermal_zone1/mode", "enabled\n")
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("hw.temp_critical", "thermal_zone1:pch_cannonlake")]
+    assert s.metrics["zone_disabled[thermal_zone0:acpitz]"] == 1.0 and s.errors == []
+    write_file(tmp_path, "sys/class/thermal/thermal_zone1/mode", "disabled\n")
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("hw.temp_critical.cleared", "thermal_zone1:pch_cannonlake")]
+    assert "is disabled" in s.events[0].message
+    assert s.state == DetectorState.OK and "thermal_zone0:acpitz, thermal_zone1:pch_cannonlake" in s.detail
+    assert "disabled" in s.detail
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/mode", "enab\n")  # cut: judged as enabled, and said
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("hw.temp_critical", "thermal_zone0:acpitz")]
+    (err,) = s.errors
+    assert err.path.endswith("thermal_zone0/mode") and "'enab'" in err.reason
+    # before Linux 5.9 a zone whose driver has no get_mode answers EPERM: no read error, judged as enabled
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/mode", "disabled\n")
+    real_read = os.read
+
+    def kernel_read(fd: int, n: int) -> bytes:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("thermal_zone0/mode"):
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", kernel_read)
+    s = det.sample()
+    assert (s.events, s.errors) == ([], []) and s.state == DetectorState.FAILED
