@@ -254,7 +254,7 @@ def test_edac_controllers_back_after_a_driver_reload_count_from_zero(tmp_path) -
     one uncorrectable error before and one new after the reload: the count read the same (1), no event."""
     write_edac_mc(tmp_path, 0, ce=10, ue=1)
     det = EdacDetector(EdacConfig(root=str(tmp_path)))
-    assert det.sample().events == []
+    assert [e.evidence["before_agent_start"] for e in det.sample().events] == ["1"]  # the error from before
     shutil.rmtree(tmp_path / "sys/devices/system/edac/mc/mc0")
     assert det.sample().state == DetectorState.NO_HARDWARE
     write_edac_mc(tmp_path, 0, ce=0, ue=1)
@@ -452,7 +452,7 @@ def test_edac_controllers_reloaded_between_two_samples_count_from_zero(tmp_path)
     anew), so its counts are new errors."""
     write_edac_mc(tmp_path, 0, ce=10, ue=1)
     det = EdacDetector(EdacConfig(root=str(tmp_path)))
-    assert det.sample().events == []
+    assert [e.evidence["before_agent_start"] for e in det.sample().events] == ["1"]  # the error from before
     assert det.sample().events == []  # the same folder: nothing new
     mc = tmp_path / "sys/devices/system/edac/mc"
     (mc / "mc0").rename(mc / "mc0.unloading")  # still there while the new one is made: another inode
@@ -556,3 +556,32 @@ def test_a_disabled_thermal_zone_raises_no_critical_event(tmp_path, monkeypatch)
     monkeypatch.setattr(os, "read", kernel_read)
     s = det.sample()
     assert (s.events, s.errors) == ([], []) and s.state == DetectorState.FAILED
+
+
+def test_edac_uncorrectable_errors_from_before_the_start_are_said_once(tmp_path) -> None:
+    """A node with uncorrectable memory errors earlier in this boot, before the agent started: the detector was
+    FAILED from its first sample with no event saying why (a first reading is no increase), so an operator saw a
+    failed node and nothing to explain it. One event now says so, as critical with drain-node as any
+    uncorrectable error, its evidence saying the count is from before the start; it is not repeated."""
+    write_edac_mc(tmp_path, 0, ce=3, ue=0)
+    write_edac_mc(tmp_path, 1, ce=0, ue=2, dimms=((0, 2),))
+    det = EdacDetector(EdacConfig(root=str(tmp_path)))
+    s = det.sample()
+    (ev,) = s.events
+    assert (ev.kind, ev.subject, ev.severity, ev.action) == ("hw.memory_ue", "mc1", Severity.CRITICAL,
+                                                             Action.DRAIN_NODE)
+    assert "2 uncorrectable memory error(s) on mc1" in ev.message and "before the agent started" in ev.message
+    assert ev.evidence["before_agent_start"] == "1" and "reset at boot" in ev.evidence["counted"]
+    assert ev.evidence["ue_count"] == "2" and "CPU_SrcID#0_MC#1_Chan#0_DIMM#0: ce=0 ue=2" in ev.evidence["dimms"]
+    assert s.state == DetectorState.FAILED
+    s = det.sample()
+    assert s.events == [] and s.state == DetectorState.FAILED  # once
+    write_edac_mc(tmp_path, 1, ce=0, ue=3, dimms=((0, 3),))
+    (ev,) = det.sample().events
+    assert ev.message.startswith("1 uncorrectable") and "before_agent_start" not in ev.evidence
+    # a controller first listed later (its driver loaded since): counted before its first reading, not before
+    # the start
+    write_edac_mc(tmp_path, 2, ce=0, ue=1)
+    (ev,) = det.sample().events
+    assert ev.subject == "mc2" and ev.evidence["before_agent_start"] == "0"
+    assert "before this detector first read it" in ev.message
