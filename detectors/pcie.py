@@ -15,6 +15,8 @@ sysfs-bus-pci-devices-aer_stats):
   what both of its ends support: a device's own maximum above that of the port it is plugged into (a Gen5 NIC in
   a Gen4 slot, an x16 card in an x8 slot) is the slot's limit, as the kernel's own bandwidth report says
   ("limited by ... at <port>"), not a degraded link.
+- a device's ``class`` (``0x%06x``) decides whether its link is watched; one that is garbled or unreadable is a
+  read error naming the file, and the class is taken from ``modalias`` (``...bcXXscXXiXX``) instead.
 - a watched device that disappears from the bus is reported as lost; one still listed whose link status reads
   all ones (width x63, speed ``Unknown``: config reads of a device that fell off the bus return 0xffff, as
   ``lspci`` shows "Width x63") does not answer and is reported as its link down.
