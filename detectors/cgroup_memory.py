@@ -14,7 +14,8 @@ Files, under the detector's root (Documentation/admin-guide/cgroup-v2.rst and cg
 Every ancestor's limit binds too (a job's cgroup under a pod's, under a slice), so the cgroup and each parent up
 to the mount are read and the one with the least room wins. A container without its own cgroup namespace sees a
 path (``/docker/<id>``) that does not exist under its mount, where its own cgroup is the mount's root: the root
-is read then.
+is read then. A path with ``..`` (a cgroup outside this process's cgroup namespace root) is not under the mount
+at all: it is a read error, and nothing outside the mount is read.
 """
 
 from __future__ import annotations
@@ -112,7 +113,14 @@ def binding_limit(version: str, mount: str, path: str, own: bool = True) -> Cgro
     Raises:
         DetectorReadError: a limit, usage or stat file exists but cannot be read, or a named cgroup is absent.
     """
-    rel = path.strip("/")
+    # Normalised, and never climbing out of the mount: a path with '..' (a cgroup outside this cgroup
+    # namespace's root, as /proc/self/cgroup shows one) was followed there, reading limits of whatever folders
+    # lay above the mount (<root>/sys/fs/memory.max, ...) as this cgroup's.
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise DetectorReadError(mount, f"cgroup path {path!r} leads outside {mount} ('..'); only cgroups under the "
+                                "mount can be read")
+    rel = "/".join(parts)
     start = os.path.join(mount, rel) if rel else mount
     if not os.path.isdir(start):
         if not own:
@@ -160,6 +168,13 @@ def read_cgroup_memory(proc_self_cgroup: str, cgroup_root: str, cgroup: str) -> 
         return None  # no cgroups here (another OS, a fake tree of a drill that models none)
     if cgroup == "self":
         version, path = own_cgroup(proc_self_cgroup)
+        if ".." in path.split("/"):
+            # The kernel shows a cgroup outside this process's cgroup namespace root relative to that root
+            # ('0::/../sibling'): it is not under the mount, and neither is its parent's limit. Not readable here;
+            # said so, rather than reading the folders above the mount or the namespace root's limit as its own.
+            raise DetectorReadError(proc_self_cgroup, f"this process's cgroup {path!r} is outside its cgroup "
+                                    "namespace's root ('..'): its memory limit cannot be read under "
+                                    f"{cgroup_root}; the node's memory counts alone")
     else:
         version = "v1" if os.path.isdir(os.path.join(cgroup_root, "memory")) and not os.path.exists(
             os.path.join(cgroup_root, "cgroup.controllers")) else "v2"

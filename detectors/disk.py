@@ -166,24 +166,33 @@ class DiskDetector(Detector):
     def _block_devices(self, s: Sample) -> None:
         nvme = self.config.path("/sys/class/nvme")
         block = self.config.path("/sys/block")
+        # Which listings were read: a folder that cannot be listed says nothing about its devices being gone.
+        errors_before = len(s.errors)
         controllers = list_dir_or_record(nvme, s.error)
+        nvme_ok = len(s.errors) == errors_before
         checks = [(f"nvme:{c}", os.path.join(nvme, c, "state"), "live", os.path.join(nvme, c)) for c in controllers]
         nvme_devices = {os.path.realpath(os.path.join(nvme, c)) for c in controllers}
+        errors_before = len(s.errors)
+        disks = list_dir_or_record(block, s.error)
+        listed = {"nvme": nvme_ok, "block": len(s.errors) == errors_before}
         checks += [(f"block:{d}", os.path.join(block, d, "device", "state"), "running", os.path.join(block, d))
-                   for d in list_dir_or_record(block, s.error)
+                   for d in disks
                    if os.path.exists(os.path.join(block, d, "device", "state"))
                    and _scsi_device(d, os.path.join(block, d, "device"), nvme_devices)]
         bad = 0
+        present: set[str] = set()
         for subject, path, good, folder in checks:
             try:
                 state = read_text(path)
             except DetectorReadError as exc:
                 # A disk or controller removed since it was listed (hot-unplug, a controller deleted after a
                 # failed reset) is gone, not unreadable: it was a detector.error naming a file that no longer
-                # exists. Gone, it is simply not listed in the next sample.
+                # exists. Gone, its conditions end below.
                 if not removed_while_read(exc, folder):
+                    present.add(subject)  # still there, state unknown: its condition holds as it is
                     s.error(exc)
                 continue
+            present.add(subject)
             if state not in _KNOWN_STATES[good]:
                 s.error(DetectorReadError(path, f"expected a state word the kernel prints "
                                                 f"({', '.join(sorted(_KNOWN_STATES[good]))}), found {state[:40]!r}"))
@@ -192,8 +201,21 @@ class DiskDetector(Detector):
             self.condition(s, f"dev/{subject}", state != good, "disk.device_unhealthy", Severity.ERROR,
                            Action.CHECKPOINT_NOW, f"{subject} is {state!r} (healthy: {good!r})", subject,
                            {"state": state, "file": path})
+        self._clear_gone(s, present, listed)
         s.metrics["block_devices_checked"] = float(len(checks))
         s.metrics["block_devices_unhealthy"] = float(bad)
+
+    def _clear_gone(self, s: Sample, present: set[str], listed: dict[str, bool]) -> None:
+        """Ends the conditions of disks and controllers no longer present (removed for good: hot-unplugged, a
+        controller deleted after a failed reset). Their ``disk.device_unhealthy`` stayed active forever, the
+        detector FAILED for a device that no longer exists; only one re-added under its name cleared. Devices of
+        a folder that could not be listed this sample are not judged."""
+        for key, started in list(self._active.items()):
+            kind, _, subject = key.partition("/")
+            if kind != "dev" or subject in present or not listed.get(subject.partition(":")[0], False):
+                continue
+            self.condition(s, key, False, started.kind, started.severity, started.action,
+                           f"{subject} is no longer present (removed)", started.subject, {"state": "missing"})
 
     def _probe(self, s: Sample, path: str) -> None:
         probe = os.path.join(path, f".trainguard-probe-{os.getpid()}")

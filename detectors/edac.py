@@ -6,7 +6,9 @@ Layout (Documentation/ABI/testing/sysfs-devices-edac)::
     /sys/devices/system/edac/mc/mc<N>/dimm<M>/dimm_ce_count, dimm_ue_count, dimm_label     (newer drivers)
     /sys/devices/system/edac/mc/mc<N>/rank<M>/dimm_ce_count, dimm_ue_count, dimm_label     (some drivers)
 
-Any increase of an uncorrectable count is critical (the kernel may already have killed a process or panicked);
+Any increase of an uncorrectable count is critical (the kernel may already have killed a process or panicked),
+and so is a controller's count above zero at its first reading, raised once and said to be from before the start
+(EDAC counters start at zero at boot);
 correctable errors are reported when more than ``ce_per_hour`` of them arrived at one controller within the
 last hour (counted, not extrapolated from one sampling interval), since a rising correctable rate often precedes
 uncorrectable errors on the same DIMM.
@@ -79,6 +81,9 @@ class EdacDetector(Detector):
         # Controller -> the inode of its folder when last read (kernfs numbers a new folder anew).
         self._inodes: dict[str, int] = {}
         self._ce_recent = RecentCounts(CE_WINDOW_S)
+        # Whether a listing of the controllers has been read: what the first one finds was counted before the
+        # detector (the agent) started.
+        self._listed = False
 
     def sample(self) -> Sample:
         """Reads every memory controller once.
@@ -106,6 +111,7 @@ class EdacDetector(Detector):
         for gone in set(self._inodes) - set(mcs):
             del self._inodes[gone]
         self._seen = set(mcs)
+        at_start, self._listed = not self._listed, True
         if not mcs:
             return self.no_hardware(f"no EDAC memory controller under {base} (EDAC driver not loaded)")
         s = Sample()
@@ -148,6 +154,15 @@ class EdacDetector(Detector):
                 self.one_off(s, self.event("hw.memory_ue", Severity.CRITICAL, Action.DRAIN_NODE,
                                            f"{due.delta} uncorrectable memory error(s) on {mc} ({worst})", mc,
                                            evidence))
+            elif due.first and ue > 0:
+                # Uncorrectable errors counted before the first reading: the detector is FAILED for them (below),
+                # and no event said why (the counter's first reading is no increase). Raised once, with what is
+                # known of when: EDAC counters start at zero at boot (or when the EDAC driver loads).
+                when = ("before the agent started (EDAC counters reset at boot)" if at_start else
+                        "before this detector first read it (since boot or since its EDAC driver loaded)")
+                self.one_off(s, self.event("hw.memory_ue", Severity.CRITICAL, Action.DRAIN_NODE,
+                                           f"{ue} uncorrectable memory error(s) on {mc} counted {when} ({worst})",
+                                           mc, {**evidence, "counted": when, "before_agent_start": int(at_start)}))
             if ue > 0:
                 s.worsen(DetectorState.FAILED, f"{mc} has {ue} uncorrectable memory errors")
             self.condition(s, f"ce/{mc}", last_hour > self.config.ce_per_hour,

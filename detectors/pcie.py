@@ -15,6 +15,8 @@ sysfs-bus-pci-devices-aer_stats):
   what both of its ends support: a device's own maximum above that of the port it is plugged into (a Gen5 NIC in
   a Gen4 slot, an x16 card in an x8 slot) is the slot's limit, as the kernel's own bandwidth report says
   ("limited by ... at <port>"), not a degraded link.
+- a device's ``class`` (``0x%06x``) decides whether its link is watched; one that is garbled or unreadable is a
+  read error naming the file, and the class is taken from ``modalias`` (``...bcXXscXXiXX``) instead.
 - a watched device that disappears from the bus is reported as lost; one still listed whose link status reads
   all ones (width x63, speed ``Unknown``: config reads of a device that fell off the bus return 0xffff, as
   ``lspci`` shows "Width x63") does not answer and is reported as its link down.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -85,6 +88,47 @@ def port_limits(port_dir: str) -> tuple[int, float | None]:
         return read_link_width(os.path.join(port_dir, "max_link_width")), parse_link_speed(read_text(path), path)
     except DetectorReadError:
         return 0, None
+
+
+#: ``class`` as the kernel prints it (``0x%06x``): base class, subclass, programming interface.
+_CLASS = re.compile(r"^0x[0-9a-f]{6}$")
+#: ``modalias`` (``pci:v%08Xd%08Xsv%08Xsd%08Xbc%02Xsc%02Xi%02X``): the same class code, built from the same field.
+_MODALIAS_CLASS = re.compile(r"^pci:v[0-9A-F]{8}d[0-9A-F]{8}sv[0-9A-F]{8}sd[0-9A-F]{8}"
+                             r"bc([0-9A-F]{2})sc([0-9A-F]{2})i([0-9A-F]{2})$")
+
+
+def read_class(dev_dir: str) -> tuple[str, DetectorReadError | None]:
+    """A PCI function's class code (``"0x020000"``), ``""`` when it has no ``class`` file.
+
+    A ``class`` that is not what the kernel prints (cut, garbled) or cannot be read is a read error naming the
+    file; the class is then taken from ``modalias`` (``...bc02sc00i00``, printed from the same ``pdev->class``)
+    so the device is still judged, ``""`` when that cannot tell either. Taken as it was, a garbled class matched
+    no watched class: the device silently dropped out of the link checks.
+
+    Returns:
+        ``(class, error)``: the error is None when ``class`` was read as it should be.
+
+    Raises:
+        DetectorReadError: the device was removed while read (see :func:`removed_while_read`).
+    """
+    path = os.path.join(dev_dir, "class")
+    if not os.path.exists(path):
+        return "", None
+    try:
+        text = read_text(path)
+        if _CLASS.match(text):
+            return text, None
+        error = DetectorReadError(path, f"expected the class code as the kernel prints it (0x and 6 hex digits), "
+                                        f"found {text[:40]!r}")
+    except DetectorReadError as exc:
+        if removed_while_read(exc, dev_dir):
+            raise
+        error = exc
+    try:
+        m = _MODALIAS_CLASS.match(read_text(os.path.join(dev_dir, "modalias")))
+    except DetectorReadError:
+        m = None  # evidence for the class only: the class file's own error is the one reported
+    return ("0x" + "".join(m.groups()).lower() if m else ""), error
 
 
 def parse_link_speed(text: str, path: str) -> float | None:
@@ -210,12 +254,17 @@ class PcieDetector(Detector):
             return any(fnmatch.fnmatchcase(bdf, p) for p in self.config.devices)
         return cls.startswith(self.config.link_classes)
 
-    def _info(self, base: str, bdf: str) -> _DeviceInfo:
+    def _info(self, base: str, bdf: str, record: Callable[[DetectorReadError], None]) -> _DeviceInfo:
+        """What does not change while ``bdf`` stays on the bus, read once; an unreadable or garbled ``class`` goes
+        to ``record`` (and is read again next time).
+
+        Raises:
+            DetectorReadError: the device was removed while read.
+        """
         info = self._devices.get(bdf)
         if info is None:
             dev = os.path.join(base, bdf)
-            cls_path = os.path.join(dev, "class")
-            cls = read_text(cls_path) if os.path.exists(cls_path) else ""
+            cls, cls_error = read_class(dev)
             ancestors = tuple(p for p in os.path.realpath(dev).split(os.sep)[:-1] if _BDF.match(p))
             # An SR-IOV virtual function (it has a physfn link to its PF) has no link of its own: its link status
             # register is reserved and reads zero (lspci: "Width x0 (downgraded)"), which read as a link down
@@ -223,7 +272,11 @@ class PcieDetector(Detector):
             vf = is_virtual_function(dev)
             info = _DeviceInfo(cls, os.path.exists(os.path.join(dev, "aer_dev_correctable")),
                                os.path.exists(os.path.join(dev, "max_link_width")) and not vf, ancestors)
-            self._devices[bdf] = info
+            if cls_error is not None:
+                # Not kept: the class file is read again (and its error reported again) at every sample.
+                record(cls_error)
+            else:
+                self._devices[bdf] = info
         return info
 
     def sample(self) -> Sample:
@@ -251,7 +304,7 @@ class PcieDetector(Detector):
         self._removed = set()
         for bdf in present:
             try:
-                infos[bdf] = self._info(base, bdf)
+                infos[bdf] = self._info(base, bdf, s.error)
             except DetectorReadError as exc:
                 if not removed_while_read(exc, os.path.join(base, bdf)):
                     s.error(exc)

@@ -9,6 +9,10 @@ A trip point at or below 0 millidegrees is not set: drivers write ``0`` or ``THE
 there (``x86_pkg_temp`` on Intel servers has two ``passive`` trips at 0 until someone programs them; iwlwifi
 and ACPI zones use -274000), and the kernel's own thermal core disables such trips. They are ignored.
 
+A zone whose ``mode`` reads ``disabled`` is not judged against its critical trip: the kernel does not act on its
+trips (it would not power off there), so a temperature far above that trip is a bogus trip or a zone left to
+user space, not an imminent shutdown. The status says which zones are disabled.
+
 A condition ends only once the temperature is ``hysteresis_c`` below its threshold (or the trip's own
 ``trip_point_<K>_hyst``, whichever is larger), as the kernel's thermal core does: a zone the kernel throttles sits
 right at its passive trip, and without it every sample crossing the trip by a tenth of a degree raised and cleared
@@ -106,6 +110,7 @@ class ThermalDetector(Detector):
             s.events = gone
             return s
         hottest = None
+        disabled_zones: list[str] = []
         for zone in zones:
             zdir = os.path.join(base, zone)
             try:
@@ -149,11 +154,22 @@ class ThermalDetector(Detector):
             evidence = {"temp_c": temp, **{f"trip_{k}_c": v for k, v in sorted(trips.items())}}
             critical = trips.get("critical")
             margin = self.config.critical_margin_c
-            self.condition(s, f"crit/{zone}",
-                           self._over(f"crit/{zone}", temp, None if critical is None else critical - margin,
-                                      hyst.get("critical", 0.0)),
-                           "hw.temp_critical", Severity.CRITICAL, Action.CHECKPOINT_NOW,
-                           f"{subject} at {temp:.1f} C, near its critical trip {critical} C", subject, evidence)
+            disabled = self._disabled(s, zdir)
+            if disabled:
+                # The kernel does not act on a disabled zone's trips (no shutdown at its critical trip): a zone
+                # far above its critical trip and still running is one of these, or its trip is bogus. It raised
+                # hw.temp_critical (checkpoint now, FAILED) for as long as the node ran.
+                s.metrics[f"zone_disabled[{subject}]"] = 1.0
+                disabled_zones.append(subject)
+                self.condition(s, f"crit/{zone}", False, "hw.temp_critical", Severity.CRITICAL,
+                               Action.CHECKPOINT_NOW, f"{subject} is disabled (its mode): its critical trip "
+                               f"{critical} C is not judged", subject, evidence)
+            else:
+                self.condition(s, f"crit/{zone}",
+                               self._over(f"crit/{zone}", temp, None if critical is None else critical - margin,
+                                          hyst.get("critical", 0.0)),
+                               "hw.temp_critical", Severity.CRITICAL, Action.CHECKPOINT_NOW,
+                               f"{subject} at {temp:.1f} C, near its critical trip {critical} C", subject, evidence)
             self.condition(s, f"hot/{zone}", self._over(f"hot/{zone}", temp, trips.get("hot"), hyst.get("hot", 0.0)),
                            "hw.temp_hot", Severity.ERROR, Action.WATCH,
                            f"{subject} at {temp:.1f} C, above its hot trip {trips.get('hot')} C", subject, evidence)
@@ -162,6 +178,9 @@ class ThermalDetector(Detector):
                            "hw.temp_throttling", Severity.WARNING, Action.WATCH,
                            f"{subject} at {temp:.1f} C, throttled above {trips.get('passive')} C", subject, evidence)
         s.metrics["zones"] = float(len(zones))
+        if disabled_zones and not s.detail:
+            s.detail = (f"disabled thermal zone(s), critical trip not judged: {', '.join(disabled_zones)} (their "
+                        "mode reads 'disabled': the kernel does not act on their trips)")
         if hottest is not None:
             s.metrics["max_temp_c"] = hottest
         return s
@@ -175,6 +194,26 @@ class ThermalDetector(Detector):
             if zone.startswith("thermal_zone") and zone not in zones:
                 self.condition(s, key, False, started.kind, started.severity, started.action,
                                f"{started.subject} is gone (its zone was removed)", started.subject)
+
+    @staticmethod
+    def _disabled(s: Sample, zdir: str) -> bool:
+        """Whether the zone's ``mode`` reads ``disabled`` (Documentation/ABI/testing/sysfs-class-thermal: the
+        kernel's thermal management of the zone is off, its trips are not acted on). A zone without the file,
+        or whose driver cannot tell (-EPERM before 5.9), is enabled; any other word is a read error naming the
+        file, and the zone is judged as enabled (an overheat is not hidden on a garbled file)."""
+        path = os.path.join(zdir, "mode")
+        if not os.path.exists(path):
+            return False
+        try:
+            mode = read_text(path)
+        except DetectorReadError as exc:
+            cause = exc.__cause__
+            if not (isinstance(cause, OSError) and cause.errno == errno.EPERM) and not removed_while_read(exc, zdir):
+                s.error(exc)
+            return False
+        if mode not in ("enabled", "disabled"):
+            s.error(DetectorReadError(path, f"expected 'enabled' or 'disabled', found {mode[:40]!r}"))
+        return mode == "disabled"
 
     def _over(self, key: str, temp: float, threshold: float | None, trip_hyst: float) -> bool:
         """Whether ``temp`` is at or above ``threshold``; a condition already active holds until the temperature

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from trainguard.detectors.cgroup_memory import read_cgroup_memory
-from trainguard.detectors.errors import DetectorConfigError
+from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.host import HostConfig, HostDetector
 from trainguard.testing.sysfs import write_file
 
@@ -112,3 +112,36 @@ def test_this_machines_own_cgroup_is_read() -> None:
         assert cg.limit_bytes > 0 and 0 <= cg.available_bytes <= cg.limit_bytes
     s = HostDetector(HostConfig(cpu_busy_pct=100.0, memory_cgroup="self")).sample()
     assert not s.errors and 0 <= s.metrics["mem_available_pct"] <= 100
+
+
+def test_a_cgroup_outside_the_namespace_root_is_not_followed_out_of_the_mount(tmp_path, monkeypatch) -> None:
+    """A process in a cgroup outside its cgroup namespace's root sees it in /proc/self/cgroup relative to that
+    root, with '..' ('0::/../../outside/job'). That path was joined to the mount and followed: the limits of the
+    folders above the mount were read as this cgroup's (here a 1 GiB memory.max at <root>/sys/outside/job made
+    a 2 TiB node memory_low). Nothing outside the mount is opened now; the host detector says why the cgroup
+    cannot be read and measures the node."""
+    _v2_pod(tmp_path, "/kubepods.slice/p1", str(64 * GIB), current=GIB, inactive=0)
+    write_file(tmp_path, "proc/self/cgroup", "0::/../../outside/job\n")
+    outside = "sys/outside/job"
+    write_file(tmp_path, f"{outside}/memory.max", f"{GIB}\n")
+    write_file(tmp_path, f"{outside}/memory.current", f"{GIB - 4096}\n")
+    write_file(tmp_path, f"{outside}/memory.stat", V2_STAT.format(anon=GIB, file=0, inactive=0))
+    mount = str(tmp_path / "sys/fs/cgroup")
+    opened: list[str] = []
+    real_open = os.open
+
+    def recording_open(path, *args, **kwargs):
+        opened.append(os.path.realpath(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    s = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0, memory_cgroup="self")).sample()
+    monkeypatch.undo()
+    assert s.events == [] and s.metrics["mem_available_pct"] == pytest.approx(90.0)
+    (err,) = s.errors
+    assert err.path == str(tmp_path / "proc/self/cgroup") and "outside its cgroup namespace's root" in err.reason
+    assert "'/../../outside/job'" in s.detail
+    assert not [p for p in opened if p.startswith(str(tmp_path / "sys")) and not p.startswith(mount + "/")]
+    # the reader itself refuses a path climbing out, whoever names it
+    with pytest.raises(DetectorReadError, match="leads outside"):
+        read_cgroup_memory(str(tmp_path / "proc/self/cgroup"), mount, "/kubepods.slice/../../outside/job")

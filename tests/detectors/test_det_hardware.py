@@ -254,7 +254,7 @@ def test_edac_controllers_back_after_a_driver_reload_count_from_zero(tmp_path) -
     one uncorrectable error before and one new after the reload: the count read the same (1), no event."""
     write_edac_mc(tmp_path, 0, ce=10, ue=1)
     det = EdacDetector(EdacConfig(root=str(tmp_path)))
-    assert det.sample().events == []
+    assert [e.evidence["before_agent_start"] for e in det.sample().events] == ["1"]  # the error from before
     shutil.rmtree(tmp_path / "sys/devices/system/edac/mc/mc0")
     assert det.sample().state == DetectorState.NO_HARDWARE
     write_edac_mc(tmp_path, 0, ce=0, ue=1)
@@ -452,7 +452,7 @@ def test_edac_controllers_reloaded_between_two_samples_count_from_zero(tmp_path)
     anew), so its counts are new errors."""
     write_edac_mc(tmp_path, 0, ce=10, ue=1)
     det = EdacDetector(EdacConfig(root=str(tmp_path)))
-    assert det.sample().events == []
+    assert [e.evidence["before_agent_start"] for e in det.sample().events] == ["1"]  # the error from before
     assert det.sample().events == []  # the same folder: nothing new
     mc = tmp_path / "sys/devices/system/edac/mc"
     (mc / "mc0").rename(mc / "mc0.unloading")  # still there while the new one is made: another inode
@@ -488,3 +488,100 @@ def test_a_disk_removed_while_its_state_is_read_is_gone_not_unreadable(tmp_path,
     monkeypatch.setattr(os, "read", kernel_read)
     s = det.sample()
     assert s.errors == [] and [(e.kind, e.subject) for e in s.events] == [("disk.device_unhealthy", "block:sda")]
+
+
+def test_a_disk_removed_for_good_ends_its_condition(tmp_path) -> None:
+    """A disk or NVMe controller that went unhealthy and was then removed for good (hot-unplugged, a controller
+    deleted after a failed reset): its disk.device_unhealthy stayed active forever, the detector FAILED for a
+    device that no longer exists; only one re-added under its name cleared. It now ends as no longer present,
+    while a device still listed whose state cannot be read keeps its condition."""
+    write_file(tmp_path, "sys/class/nvme/nvme0/state", "live\n")
+    write_file(tmp_path, "sys/block/sda/device/state", "running\n")
+    write_file(tmp_path, "sys/block/sdb/device/state", "running\n")
+    det = DiskDetector(DiskConfig(root=str(tmp_path), paths=(str(tmp_path),)))
+    assert det.sample().events == []
+    write_file(tmp_path, "sys/class/nvme/nvme0/state", "dead\n")
+    write_file(tmp_path, "sys/block/sda/device/state", "offline\n")
+    write_file(tmp_path, "sys/block/sdb/device/state", "offline\n")
+    s = det.sample()
+    assert sorted(e.subject for e in s.events) == ["block:sda", "block:sdb", "nvme:nvme0"]
+    shutil.rmtree(tmp_path / "sys/class/nvme/nvme0")
+    shutil.rmtree(tmp_path / "sys/block/sda")
+    write_file(tmp_path, "sys/block/sdb/device/state", "")  # still there, its state unreadable: held
+    s = det.sample()
+    cleared = sorted((e.kind, e.subject, e.severity) for e in s.events)
+    assert cleared == [("disk.device_unhealthy.cleared", "block:sda", Severity.INFO),
+                       ("disk.device_unhealthy.cleared", "nvme:nvme0", Severity.INFO)]
+    assert all("no longer present" in e.message for e in s.events)
+    assert [e.subject for e in det.active_conditions()] == ["block:sdb"]
+    write_file(tmp_path, "sys/block/sdb/device/state", "running\n")
+    s = det.sample()
+    assert [e.kind for e in s.events] == ["disk.device_unhealthy.cleared"] and s.state == DetectorState.OK
+    assert det.active_conditions() == [] and det.sample().events == []
+
+
+def test_a_disabled_thermal_zone_raises_no_critical_event(tmp_path, monkeypatch) -> None:
+    """A zone whose mode reads 'disabled' (its kernel thermal management off: no shutdown at its critical trip)
+    sat far above its critical trip with the node running: a bogus trip or a zone left to user space. It raised
+    hw.temp_critical (checkpoint now, the detector FAILED) for good. Its critical trip is not judged now, the
+    status says the zone is disabled; an enabled zone and one whose mode cannot be told are judged as before."""
+    write_thermal_zone(tmp_path, 0, 120000, {"critical": 105000}, "acpitz")
+    write_thermal_zone(tmp_path, 1, 120000, {"critical": 105000}, "pch_cannonlake")
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/mode", "disabled\n")
+    write_file(tmp_path, "sys/class/thermal/thermal_zone1/mode", "enabled\n")
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("hw.temp_critical", "thermal_zone1:pch_cannonlake")]
+    assert s.metrics["zone_disabled[thermal_zone0:acpitz]"] == 1.0 and s.errors == []
+    write_file(tmp_path, "sys/class/thermal/thermal_zone1/mode", "disabled\n")
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("hw.temp_critical.cleared", "thermal_zone1:pch_cannonlake")]
+    assert "is disabled" in s.events[0].message
+    assert s.state == DetectorState.OK and "thermal_zone0:acpitz, thermal_zone1:pch_cannonlake" in s.detail
+    assert "disabled" in s.detail
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/mode", "enab\n")  # cut: judged as enabled, and said
+    s = det.sample()
+    assert [(e.kind, e.subject) for e in s.events] == [("hw.temp_critical", "thermal_zone0:acpitz")]
+    (err,) = s.errors
+    assert err.path.endswith("thermal_zone0/mode") and "'enab'" in err.reason
+    # before Linux 5.9 a zone whose driver has no get_mode answers EPERM: no read error, judged as enabled
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/mode", "disabled\n")
+    real_read = os.read
+
+    def kernel_read(fd: int, n: int) -> bytes:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("thermal_zone0/mode"):
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", kernel_read)
+    s = det.sample()
+    assert (s.events, s.errors) == ([], []) and s.state == DetectorState.FAILED
+
+
+def test_edac_uncorrectable_errors_from_before_the_start_are_said_once(tmp_path) -> None:
+    """A node with uncorrectable memory errors earlier in this boot, before the agent started: the detector was
+    FAILED from its first sample with no event saying why (a first reading is no increase), so an operator saw a
+    failed node and nothing to explain it. One event now says so, as critical with drain-node as any
+    uncorrectable error, its evidence saying the count is from before the start; it is not repeated."""
+    write_edac_mc(tmp_path, 0, ce=3, ue=0)
+    write_edac_mc(tmp_path, 1, ce=0, ue=2, dimms=((0, 2),))
+    det = EdacDetector(EdacConfig(root=str(tmp_path)))
+    s = det.sample()
+    (ev,) = s.events
+    assert (ev.kind, ev.subject, ev.severity, ev.action) == ("hw.memory_ue", "mc1", Severity.CRITICAL,
+                                                             Action.DRAIN_NODE)
+    assert "2 uncorrectable memory error(s) on mc1" in ev.message and "before the agent started" in ev.message
+    assert ev.evidence["before_agent_start"] == "1" and "reset at boot" in ev.evidence["counted"]
+    assert ev.evidence["ue_count"] == "2" and "CPU_SrcID#0_MC#1_Chan#0_DIMM#0: ce=0 ue=2" in ev.evidence["dimms"]
+    assert s.state == DetectorState.FAILED
+    s = det.sample()
+    assert s.events == [] and s.state == DetectorState.FAILED  # once
+    write_edac_mc(tmp_path, 1, ce=0, ue=3, dimms=((0, 3),))
+    (ev,) = det.sample().events
+    assert ev.message.startswith("1 uncorrectable") and "before_agent_start" not in ev.evidence
+    # a controller first listed later (its driver loaded since): counted before its first reading, not before
+    # the start
+    write_edac_mc(tmp_path, 2, ce=0, ue=1)
+    (ev,) = det.sample().events
+    assert ev.subject == "mc2" and ev.evidence["before_agent_start"] == "0"
+    assert "before this detector first read it" in ev.message

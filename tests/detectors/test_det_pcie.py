@@ -246,3 +246,26 @@ def test_a_device_removed_and_found_again_between_two_samples_counts_from_zero(t
     s = det.sample()
     assert [(e.kind, e.subject, e.evidence["delta"]) for e in s.events] == [("pcie.aer_fatal", GPU, "1")]
     assert det.sample().events == []  # the same error once
+
+
+def test_a_garbled_class_is_a_read_error_and_the_device_is_still_judged_by_its_modalias(tmp_path) -> None:
+    """A ``class`` file that is not what the kernel prints (``0x%06x``) matched no watched class: the device
+    dropped out of the link checks without a word (a NIC at gen4 of gen5 never reported). It is a read error
+    naming the file, every sample, and the class comes from ``modalias`` (printed from the same field) when it
+    reads right; without it the device is not judged, but the error says why."""
+    nic = write_pci_device(tmp_path, "0000:5e:00.0", cls="0x02z000", speed="16.0 GT/s PCIe")
+    (nic / "modalias").write_text("pci:v000015B3d0000101Dsv000015B3sd00000016bc02sc00i00\n")
+    write_pci_device(tmp_path, "0000:3b:00.0", cls="0x0302", width=8)  # cut; no modalias to tell
+    det = PcieDetector(PcieConfig(root=str(tmp_path)))
+    for _ in range(2):
+        s = det.sample()
+        assert sorted(os.path.relpath(e.path, tmp_path) for e in s.errors) == [
+            "sys/bus/pci/devices/0000:3b:00.0/class", "sys/bus/pci/devices/0000:5e:00.0/class"]
+        assert all("0x and 6 hex digits" in e.reason for e in s.errors)
+        assert s.state == DetectorState.ERROR
+    assert s.metrics["links_watched"] == 1.0 and s.metrics["link_speed_gts[0000:5e:00.0]"] == 16.0
+    assert [(e.kind, e.subject) for e in det.active_conditions()] == [("pcie.link_slow", "0000:5e:00.0")]
+    write_pci_device(tmp_path, "0000:5e:00.0", cls="0x020000", speed="16.0 GT/s PCIe")
+    write_pci_device(tmp_path, "0000:3b:00.0", cls="0x030200", width=8)
+    s = det.sample()
+    assert s.errors == [] and [(e.kind, e.subject) for e in s.events] == [("pcie.link_narrow", "0000:3b:00.0")]
