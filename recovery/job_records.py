@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -137,6 +138,14 @@ def decode_checkpoint(key: str, value: bytes) -> int:
 ID_DIGEST_BYTES = 8
 
 
+#: Prefix of the id given to a slot holder whose digest no node record resolves (see :func:`layout_from_doc`).
+LOST_RECORD_PREFIX = "?lost-record-"
+
+#: The exact form of such an id: the service accepts it where an operator must name one (``trainguard uncordon``)
+#: and nowhere else; the ``?`` keeps any node from registering under it.
+LOST_RECORD_RE = re.compile(r"\?lost-record-[0-9a-f]{%d}" % (2 * ID_DIGEST_BYTES))
+
+
 def id_digest(node_id: str) -> bytes:
     """The digest by which a stored rank layout names a node whose record is in the store."""
     return hashlib.blake2b(node_id.encode(), digest_size=ID_DIGEST_BYTES).digest()
@@ -223,7 +232,7 @@ def layout_from_doc(doc: Mapping[str, object], group_size: int, node_ids: Iterab
     first = 0
     for i in range(n):
         d = refs[i * ID_DIGEST_BYTES:(i + 1) * ID_DIGEST_BYTES]
-        nid = ids[i] if i in ids else known.get(d, "?lost-record-" + d.hex())
+        nid = ids[i] if i in ids else known.get(d, LOST_RECORD_PREFIX + d.hex())
         rows.append({"node_id": nid, "group_rank": i, "first_rank": first, "local_world_size": lws[i],
                      "address": addr[i], "pod_id": pod[i]})
         first += lws[i]

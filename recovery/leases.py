@@ -15,7 +15,7 @@ from concurrent.futures import Future
 
 from trainguard.recovery.domain import NodeRecord
 from trainguard.recovery.errors import CapacityError, StaleLeaseError, UnknownNodeError
-from trainguard.recovery.job_records import node_value
+from trainguard.recovery.job_records import LOST_RECORD_PREFIX, node_value
 from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
 from trainguard.recovery.policy import Cause, Failure, Phase
 from trainguard.recovery.qualification import Qualification
@@ -205,6 +205,8 @@ class Leases:
                     or st.phase not in (Phase.RUNNING, Phase.RECOVERING):
                 continue
             why = "no node record in the store and no registration since the coordinator started"
+            if nid.startswith(LOST_RECORD_PREFIX):  # it stays on the cordon list: say how to clear it (quoted: '?')
+                why += f"; once replaced, clear it with: trainguard uncordon '{nid}'"
             log.warning("job %s: node %s lost (%s)", self.spec.job, nid, why)
             self._fail(Failure(nid, st.generation, Cause.NODE_LOST, detail=why, time_s=self._wall()), now)
 
