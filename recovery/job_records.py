@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -137,6 +138,14 @@ def decode_checkpoint(key: str, value: bytes) -> int:
 ID_DIGEST_BYTES = 8
 
 
+#: Prefix of the id given to a slot holder whose digest no node record resolves (see :func:`layout_from_doc`).
+LOST_RECORD_PREFIX = "?lost-record-"
+
+#: The exact form of such an id: the service accepts it where an operator must name one (``trainguard uncordon``)
+#: and nowhere else; the ``?`` keeps any node from registering under it.
+LOST_RECORD_RE = re.compile(r"\?lost-record-[0-9a-f]{%d}" % (2 * ID_DIGEST_BYTES))
+
+
 def id_digest(node_id: str) -> bytes:
     """The digest by which a stored rank layout names a node whose record is in the store."""
     return hashlib.blake2b(node_id.encode(), digest_size=ID_DIGEST_BYTES).digest()
@@ -153,8 +162,42 @@ def _runs(values: Sequence[int]) -> list[list[int]]:
     return out
 
 
+def _table(column: Sequence[str]) -> dict[str, list] | list[str]:
+    """``{"v": distinct values in first-seen order, "i": each row's index into them}``, or the plain column when
+    most of its values are distinct.
+
+    Why: a pod id (up to 128 characters) is shared by every node of the pod, but a plain column compresses its
+    repeats only within zlib's 32 KiB window: with the slots of 196 pods interleaved (replacements from other pods)
+    the pod column of 12,500 slots was ~385 KB compressed, ~38 KB as a table. A column of distinct values (each
+    node's own address) gains nothing from a table, and its index would add ~30 KB at 12,500 slots.
+    """
+    index: dict[str, int] = {}
+    rows = [index.setdefault(v, len(index)) for v in column]
+    if len(index) > len(rows) // 2:
+        return list(column)
+    return {"v": list(index), "i": rows}
+
+
+def _column(value: object) -> list[str]:
+    """A column of :func:`layout_doc`'s form: a :func:`_table` (format 3), or a plain list (formats 2 and 3).
+
+    Raises:
+        ValueError, TypeError, KeyError: malformed (an index that is not an int in range among them).
+    """
+    if isinstance(value, list):  # one value per slot
+        return [str(a) for a in value]
+    if not isinstance(value, dict):
+        raise TypeError(f"a column is a {type(value).__name__}")
+    values = [str(v) for v in value["v"]]
+    rows = value["i"]
+    if not isinstance(rows, list) or not all(type(i) is int and 0 <= i < len(values) for i in rows):
+        raise ValueError("a column's index names no stored value")
+    return [values[i] for i in rows]
+
+
 def layout_doc(layout: RankLayout, by_digest: Callable[[str], bool] = lambda _: False) -> dict[str, object]:
-    """The compact form of a rank layout in the state record (format 2).
+    """The compact form of a rank layout in the state record (format 3; format 2 stored the address and pod
+    columns as plain lists, and is read as before).
 
     Why: the layout was stored as one JSON row per slot, each with the full node id. At 12,500 nodes of 128-character
     random ids the record was 1.45 MB compressed (the ids themselves are ~97 bytes each of entropy, so no encoding
@@ -162,7 +205,7 @@ def layout_doc(layout: RankLayout, by_digest: Callable[[str], bool] = lambda _: 
     with it: every later state write, so every recovery, failed. Each node id is in its node record already; the
     layout names it by a digest of :data:`ID_DIGEST_BYTES` (~11 bytes stored), and keeps the full id only for
     nodes ``by_digest`` declines (no record, or one whose last write failed). Device counts are stored as runs,
-    addresses and pods as plain lists (they repeat and compress).
+    addresses and pod ids once per distinct value with an index per slot (:func:`_table`).
 
     Args:
         layout: the layout.
@@ -181,9 +224,11 @@ def layout_doc(layout: RankLayout, by_digest: Callable[[str], bool] = lambda _: 
         else:
             refs += zero
             ids[str(i)] = s.node_id
-    return {"format": 2, "n": len(layout.slots), "refs": base64.b64encode(bytes(refs)).decode(), "ids": ids,
+    return {"format": 3, "n": len(layout.slots), "refs": base64.b64encode(bytes(refs)).decode(), "ids": ids,
             "lws": _runs([s.local_world_size for s in layout.slots]),
-            "addr": [s.address for s in layout.slots], "pod": [s.pod_id for s in layout.slots]}
+            # New keys, not "addr"/"pod": a format-2 coordinator reads those as lists, and iterating a table's
+            # two keys gave a 2-slot layout the addresses "v" and "i"; missing, it says the store is corrupt.
+            "addr_t": _table([s.address for s in layout.slots]), "pod_t": _table([s.pod_id for s in layout.slots])}
 
 
 def layout_from_doc(doc: Mapping[str, object], group_size: int, node_ids: Iterable[str]) -> RankLayout:
@@ -205,7 +250,10 @@ def layout_from_doc(doc: Mapping[str, object], group_size: int, node_ids: Iterab
         if any(c < 1 for _, c in runs) or sum(c for _, c in runs) != n:  # before expanding: a corrupt count
             raise ValueError("device count runs do not add up to the slots")
         lws = [v for v, c in runs for _ in range(c)]
-        addr, pod = [str(a) for a in doc["addr"]], [str(p) for p in doc["pod"]]  # type: ignore[union-attr]
+        if "addr_t" in doc:  # format 3
+            addr, pod = _column(doc["addr_t"]), _column(doc["pod_t"])
+        else:
+            addr, pod = _column(doc["addr"]), _column(doc["pod"])
     except (KeyError, TypeError, ValueError) as exc:
         raise MembershipError(f"stored rank layout is malformed ({exc}): the store is corrupt") from exc
     if not (len(refs) == n * ID_DIGEST_BYTES and len(lws) == len(addr) == len(pod) == n):
@@ -223,7 +271,7 @@ def layout_from_doc(doc: Mapping[str, object], group_size: int, node_ids: Iterab
     first = 0
     for i in range(n):
         d = refs[i * ID_DIGEST_BYTES:(i + 1) * ID_DIGEST_BYTES]
-        nid = ids[i] if i in ids else known.get(d, "?lost-record-" + d.hex())
+        nid = ids[i] if i in ids else known.get(d, LOST_RECORD_PREFIX + d.hex())
         rows.append({"node_id": nid, "group_rank": i, "first_rank": first, "local_world_size": lws[i],
                      "address": addr[i], "pod_id": pod[i]})
         first += lws[i]
@@ -249,7 +297,7 @@ def state_value(policy: PolicyState, layout: RankLayout | None, group_size: int,
 
 def decode_state(job: str, value: bytes, node_ids: Iterable[str] = ()) -> StoredState:
     """Reads the job state record of ``job``; ``node_ids`` are the ids of the node records in the store, which
-    the layout names by digest (format 2). Records with the layout as rows of full ids (format 1) read as before.
+    the layout names by digest (formats 2 and 3). Records with the layout as rows of full ids (format 1) read as before.
 
     Raises:
         StoreError: the record is corrupt.
@@ -257,7 +305,7 @@ def decode_state(job: str, value: bytes, node_ids: Iterable[str] = ()) -> Stored
     try:
         d = json.loads(zlib.decompress(value))
         policy = PolicyState.from_dict(d["policy"])
-        if "slots" in d:  # format 2
+        if "slots" in d:  # formats 2 and 3
             part = d["slots"]
             layout = layout_from_doc(part, int(d["group_size"]), node_ids) if part else None
         else:

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 
 from trainguard.recovery.domain import NodeRecord
 from trainguard.recovery.errors import CapacityError, StaleLeaseError, UnknownNodeError
-from trainguard.recovery.job_records import node_value
+from trainguard.recovery.job_records import LOST_RECORD_PREFIX, node_value
 from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
 from trainguard.recovery.policy import Cause, Failure, Phase
 from trainguard.recovery.qualification import Qualification
@@ -205,18 +205,29 @@ class Leases:
                     or st.phase not in (Phase.RUNNING, Phase.RECOVERING):
                 continue
             why = "no node record in the store and no registration since the coordinator started"
+            if nid.startswith(LOST_RECORD_PREFIX):  # it stays on the cordon list: say how to clear it (quoted: '?')
+                why += f"; once replaced, clear it with: trainguard uncordon '{nid}'"
             log.warning("job %s: node %s lost (%s)", self.spec.job, nid, why)
             self._fail(Failure(nid, st.generation, Cause.NODE_LOST, detail=why, time_s=self._wall()), now)
 
-    def _lose(self, m: Member, now: float, why: str) -> None:
-        """Ends a member's liveness (lock held): a node-level failure when it holds a slot of the running job."""
+    def _lose(self, m: Member, now: float, why: str, left: bool = False) -> None:
+        """Ends a member's liveness (lock held): a node-level failure when it holds a slot of the running job.
+
+        Args:
+            left: the node said it leaves (``LeaveNode``) rather than going silent.
+        """
         m.alive = False
         self._joined -= not m.info.spare
         self._mver += 1
-        log.warning("job %s: node %s lost (%s)", self.spec.job, m.info.node_id, why)
+        holds = self._layout is not None and self._layout.slot_of(m.info.node_id) is not None
+        if left and m.info.spare and not holds:
+            # A spare stopped on purpose (its launcher got SIGTERM) is no loss: logged as one at WARNING it read as
+            # a worker node lost, and operators looked for a recovery that never was.
+            log.info("job %s: spare node %s left (%s); it held no slot", self.spec.job, m.info.node_id, why)
+        else:
+            log.warning("job %s: node %s lost (%s)", self.spec.job, m.info.node_id, why)
         st = self._policy.state  # fresh: each decision replaces the state
-        if self._layout is not None and self._layout.slot_of(m.info.node_id) is not None \
-                and st.phase in (Phase.RUNNING, Phase.RECOVERING):
+        if holds and st.phase in (Phase.RUNNING, Phase.RECOVERING):
             self._fail(Failure(m.info.node_id, st.generation, Cause.NODE_LOST, detail=why, time_s=self._wall()), now)
 
     def leave(self, job: str, node_id: str, lease_id: str, reason: str = "") -> tuple[str, Future]:
@@ -240,7 +251,7 @@ class Leases:
             fut = self._submit([Put(self._prefix + "nodes/" + node_id,
                                     node_value(m.info, m.lease_id, m.instance, m.refused))])
             if m.alive:
-                self._lose(m, now, f"it left: {' '.join(reason.split())[:200] or 'no reason given'}")
+                self._lose(m, now, f"it left: {' '.join(reason.split())[:200] or 'no reason given'}", left=True)
             self._advance()
             return f"node {node_id} left job {self.spec.job!r}", fut
 

@@ -40,6 +40,7 @@ from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
 from trainguard.recovery import convert
 from trainguard.recovery.coordinator import DURABLE_WAIT_S, JobCoordinator
 from trainguard.recovery.failslow import validate_timings
+from trainguard.recovery.job_records import LOST_RECORD_RE
 from trainguard.recovery.qualification import refusal_message
 from trainguard.recovery.link_locator import validate_link_results
 from trainguard.recovery.spec import JOB_NAME_RE, JobSpec
@@ -349,7 +350,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """An operator returns a cordoned node to service (answered once that is durable)."""
         try:
             _check_job(request.job)
-            _check_node_id("node_id", request.node_id)
+            # A slot holder whose node record was lost is cordoned as ``?lost-record-<digest>`` (see job_records):
+            # no node can register under that id, but the operator must be able to clear it from the cordon list.
+            if not LOST_RECORD_RE.fullmatch(request.node_id):
+                _check_node_id("node_id", request.node_id)
             _check_text("reason", request.reason, _MAX_EVENT_TEXT)
             done, msg, fut = self.core.uncordon(request.job, request.node_id, request.reason)
             self._durable(context, fut, "the uncordon")

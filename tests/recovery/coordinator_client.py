@@ -62,12 +62,14 @@ class Agent:
 class CoordinatorProcess:
     """``trainguard coordinator`` as a child process on a free port; its stderr is kept line by line."""
 
-    def __init__(self, tmp: Path, env: dict[str, str], job: str, *flags: str) -> None:
+    def __init__(self, tmp: Path, env: dict[str, str], job: str, *flags: str, db: Path | None = None) -> None:
+        """Starts the coordinator on a fresh SQLite store in ``tmp``, or on ``db`` (a restart on the same store)."""
         pf = tmp / f"port-{time.monotonic_ns()}"
         self.job = job
+        self.db = db or tmp / f"{job}-{time.monotonic_ns()}.db"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainguard.cli", "coordinator", "--job", job, "--listen", "127.0.0.1:0",
-             "--store", f"sqlite://{tmp}/{job}-{time.monotonic_ns()}.db", "--port-file", str(pf), *flags],
+             "--store", f"sqlite://{self.db}", "--port-file", str(pf), *flags],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

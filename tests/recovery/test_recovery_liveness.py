@@ -89,3 +89,27 @@ def test_vacancy_nothing_can_fill_fails_the_job_after_the_membership_timeout(coo
     msg = nodes[0].last.message
     assert nodes[0].last.command == pb.NODE_COMMAND_STOP
     assert "no valid membership for 1.5 s" in msg and "n1" in msg and "'p1'" in msg, msg
+
+
+def test_a_spare_that_leaves_is_logged_as_a_spare_leaving_and_nothing_restarts(coordinator) -> None:
+    # A spare whose launcher was stopped (SIGTERM: its agent sends LeaveNode) was logged "node s lost (it left:
+    # ...)" at WARNING, as a worker node lost would be. It holds no slot: an INFO line saying a spare left, and
+    # the running generation goes on (no new one).
+    import time
+
+    c = coordinator("spare-leaves", "--nnodes", "2", "--lease-timeout", "5", "--backoff", "0")
+    a, b = c.agent(node_info("a", idx=0)), c.agent(node_info("b", idx=1))
+    s = c.agent(node_info("s", idx=2, spare=True))
+    beat_until([a, b, s], lambda: a.gen == 1 and b.gen == 1)
+    c.stub.LeaveNode(pb.LeaveNodeRequest(job=c.job, node_id="s", lease_id=s.lease,
+                                         reason="its node agent stopped"), timeout=10)
+    deadline = time.monotonic() + 20
+    while "its node agent stopped" not in c.log():  # logged in the LeaveNode call; the reader thread may lag
+        assert time.monotonic() < deadline, c.log()
+        time.sleep(0.05)
+    line = next(ln for ln in c.lines if "its node agent stopped" in ln)
+    assert " INFO " in line and "spare node s left" in line and "lost" not in line, line
+    for _ in range(5):  # a failure is decided within LeaveNode: the next heartbeats would carry a restart
+        for x in (a, b):
+            resp = x.beat()
+            assert resp.command not in (pb.NODE_COMMAND_RESTART, pb.NODE_COMMAND_STOP) and x.gen == 1, resp

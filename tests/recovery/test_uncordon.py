@@ -160,3 +160,45 @@ def test_a_node_whose_replacement_waits_gets_no_slot_back_while_its_agent_is_dow
         assert a.gen < 0 and "waits" in a.last.message
     finally:
         c.stop()
+
+
+def test_an_operator_clears_the_cordon_of_a_slot_whose_node_record_was_lost(tmp_path, tg_env) -> None:
+    # b's node record was lost (a store outage) and the coordinator restarted: the layout names b's slot only by a
+    # digest no record resolves, ``?lost-record-<digest>``. That slot is lost and replaced, and its id stays on the
+    # cordon list; `trainguard uncordon` could not name it (the service refused any id with '?'), so nothing an
+    # operator could do cleared it. The exact placeholder is now accepted by UncordonNode, and nothing else is.
+    import grpc
+
+    from trainguard.proto import coordinator_pb2 as pb
+    from trainguard.recovery.job_records import id_digest
+    from trainguard.recovery.store import Put, SQLiteStore
+
+    flags = ("--nnodes", "2", "--heartbeat-interval", "0.1", "--lease-timeout", "1", "--backoff", "0")
+    c = CoordinatorProcess(tmp_path, tg_env, "unc-lost", *flags)
+    try:
+        a = c.agent(node_info("a", idx=0))
+        b = c.agent(node_info("b", idx=1))
+        beat_until([a, b], lambda: a.gen == 1 and b.gen == 1)
+    finally:
+        c.stop()
+    store = SQLiteStore(c.db)
+    try:
+        assert store.commit([], [Put("trainguard/jobs/unc-lost/nodes/b", None)]).ok
+    finally:
+        store.close()
+    lost = "?lost-record-" + id_digest("b").hex()
+    c = CoordinatorProcess(tmp_path, tg_env, "unc-lost", *flags, db=c.db)
+    try:
+        a.stub = c.stub  # a's agent carries on with the restarted coordinator, under the lease it stored
+        s = c.agent(node_info("s", idx=2, spare=True))
+        beat_until([a, s], lambda: a.gen == 2 and s.gen == 2)  # b's slot, lost, went to the spare
+        with beating([a, s]):
+            r = run_cli(["uncordon", lost, "--coordinator", c.target, "--job", "unc-lost"], env=tg_env, timeout=60)
+        assert r.returncode == 0 and "back in service" in r.stdout, (r.returncode, r.stdout, r.stderr)
+        assert f"trainguard uncordon '{lost}'" in c.log()  # the coordinator said how to clear it
+        for bad in (lost + "0", "?lost-record-" + "g" * 16, "a?b", "?" + lost):  # only that exact form
+            with pytest.raises(grpc.RpcError) as err:
+                c.stub.UncordonNode(pb.UncordonNodeRequest(job="unc-lost", node_id=bad), timeout=10)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "not a valid node id" in err.value.details()
+    finally:
+        c.stop()
