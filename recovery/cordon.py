@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from trainguard.errors import ConfigError
+from trainguard.recovery.job_records import LOST_RECORD_RE
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +297,13 @@ class CordonDispatcher:
             if not self.hooks or target.node in self._seen:
                 return
             self._seen.add(target.node)
+        if LOST_RECORD_RE.fullmatch(target.node):
+            # A slot holder whose node record was lost has no machine to name: a hook told to cordon the placeholder
+            # would try a host that does not exist and count an error. The coordinator's log names the slot.
+            log.warning("cordon hooks: not run for %s, a slot holder whose node record was lost (no host to mark in "
+                        "the scheduler); clear it with `trainguard uncordon '%s'` once the slot is dealt with",
+                        target.node, target.node)
+            return
         self._queue.put(target)
 
     def forget(self, node: str) -> None:

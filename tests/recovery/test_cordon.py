@@ -198,6 +198,22 @@ def test_dispatcher_runs_each_node_once_and_survives_a_failing_hook(tmp_path) ->
         ("command", "n1", False), ("command", "n1", True), ("command", "n2", False), ("command", "n2", True)]
 
 
+def test_dispatcher_names_no_lost_record_placeholder_to_the_scheduler(tmp_path, caplog) -> None:
+    """A slot holder whose node record was lost is cordoned as ``?lost-record-<digest>``: handed to the hooks, a
+    command ran `scontrol`/`kubectl` on a host named after the placeholder, which exists nowhere (an error counted
+    on every restart)."""
+    script, record = _fake_command(tmp_path)
+    d = CordonDispatcher([CommandCordon(f"{sys.executable} {script} {{node}} {{host}}")]).start()
+    lost = "?lost-record-0123456789abcdef"
+    with caplog.at_level("WARNING", logger="trainguard.recovery.cordon"):
+        d.submit(CordonTarget(lost, lost, "llm", "lost"))
+        d.submit(TARGET)
+        d.stop()
+    assert [json.loads(x) for x in record.read_text().splitlines()] == [["n1", TARGET.host]]
+    assert [n for _, n, _ in d.results] == ["n1"]
+    assert f"trainguard uncordon '{lost}'" in caplog.text
+
+
 def _wait(pred, timeout: float = 20.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while not pred():
