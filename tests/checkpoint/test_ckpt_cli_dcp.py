@@ -190,3 +190,23 @@ def test_an_export_holding_numpy_arrays_imports_back_and_import_failures_are_one
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "when" in lines[0] and "unsafe unpickling" in lines[0], bad.stderr
     assert "\x1b" not in bad.stderr, "terminal escapes from torch's message"
+
+
+def test_export_of_a_damaged_newest_step_names_the_older_ones_and_the_step(tmp_path):
+    """`ckpt export DIR OUT` takes the newest committed step; damaged, it failed naming neither a way on (the older
+    steps, --step) nor, for a damaged manifest, the step ("rank 0 manifest is not a valid manifest")."""
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        for s in range(1, 4):
+            ck.save({"w": torch.full((5000,), float(s))}, s)
+    root = str(tmp_path / "ck")
+    os.truncate(os.path.join(root, "j", step_dirname(3), data_name(0)), 100)
+    with open(os.path.join(root, "j", step_dirname(2), "rank_00000.manifest.json"), "w") as f:
+        f.write("{bad")
+    out = _cli("export", root, str(tmp_path / "out"))
+    assert out.returncode != 0
+    assert "step 3 is the newest committed step (the default) and it is damaged" in out.stderr
+    assert "pass --step with an older committed step (2, 1;" in out.stderr
+    out = _cli("export", root, "--step", "2", str(tmp_path / "out"))
+    assert out.returncode != 0 and "step 2 rank 0 manifest is not a valid manifest" in out.stderr, out.stderr
+    out = _cli("export", root, "--step", "1", str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr
