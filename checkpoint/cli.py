@@ -70,8 +70,22 @@ def _store(directory: str, job: str | None) -> Any:
 
     location = CheckpointLocation.parse(directory, "the checkpoint root")
     if location.is_local and not os.path.isdir(location.local_path):
-        raise CheckpointError(f"{location.local_path} is not a directory; pass the checkpoint root")
+        raise CheckpointError(f"{location.local_path} is not a directory; pass the checkpoint root"
+                              f"{_url_typo(directory)}")
     return location.open_store(_job(directory, job))
+
+
+def _url_typo(directory: str) -> str:
+    """A hint when a path that is no folder reads as a URL missing a slash (``s3:/bucket/x``): it was taken for a
+    relative path and reported only as "not a directory"."""
+    from fsspec.registry import known_implementations, registry
+
+    scheme, sep, rest = directory.partition(":")
+    if not sep or "/" in scheme or rest.startswith("//") or scheme.lower() in ("file", "local"):
+        return ""
+    if scheme.lower() not in known_implementations and scheme.lower() not in registry:
+        return ""
+    return f" (a URL takes two slashes after its scheme: did you mean {scheme}://{rest.lstrip('/')}?)"
 
 
 def _jobs(directory: str) -> list[str]:
@@ -88,7 +102,7 @@ def _jobs(directory: str) -> list[str]:
     except FileNotFoundError as exc:
         # fsspec's error text is the bare path ("cannot list memory://x: /x")
         hint = ("; memory:// is the memory of one process, which no other process (this command) can see"
-                if directory.startswith("memory:") else "; check the path or URL")
+                if directory.startswith("memory:") else _url_typo(directory) or "; check the path or URL")
         raise CheckpointError(f"cannot list {directory}: no such folder{hint}") from exc
     except Exception as exc:
         raise CheckpointError(f"cannot list {directory}: {exc}") from exc

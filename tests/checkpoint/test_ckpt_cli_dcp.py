@@ -210,3 +210,13 @@ def test_export_of_a_damaged_newest_step_names_the_older_ones_and_the_step(tmp_p
     assert out.returncode != 0 and "step 2 rank 0 manifest is not a valid manifest" in out.stderr, out.stderr
     out = _cli("export", root, "--step", "1", str(tmp_path / "out"))
     assert out.returncode == 0, out.stderr
+
+
+def test_a_url_missing_a_slash_is_named_as_such(tmp_path, monkeypatch):
+    """`ckpt ls s3:/bucket/x` read as a relative path said only "is not a directory"."""
+    monkeypatch.chdir(tmp_path)
+    for args in (("ls",), ("verify",), ("export", "--job", "j")):
+        out = _cli(*args, "s3:/bucket/x", *(["out"] if args[0] == "export" else []))
+        assert out.returncode != 0 and "did you mean s3://bucket/x?" in out.stderr, out.stderr
+    out = _cli("ls", str(tmp_path / "nothing"))
+    assert out.returncode != 0 and "did you mean" not in out.stderr
