@@ -232,6 +232,22 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _uncommitted_why(store: Any, step: int) -> str:
+    """Why a step that exists is not committed: damaged commit markers are named (a marker that is there but
+    unreadable was reported as missing, and the user found the file in place)."""
+    from trainguard.checkpoint.storage import _MARKER_RE
+
+    try:
+        present = {int(m.group(1)) for n in store.list_names(step) if (m := _MARKER_RE.match(n))}
+        damaged = sorted(present - set(store.markers(step)))
+    except OSError:
+        damaged = []
+    if damaged:
+        return (f"the commit marker of rank(s) {', '.join(map(str, damaged[:8]))} is damaged (not a valid marker); "
+                "the step cannot be trusted: restore or export another one")
+    return "some rank's commit marker is missing"
+
+
 def _verify(args: argparse.Namespace) -> int:
     store = _store(args.directory, args.job)
     committed = dict(store.committed_steps())
@@ -247,7 +263,7 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"step {step}: NO SUCH STEP in {store.describe()} (newest committed: "
                       f"{'none' if newest is None else newest}; `trainguard ckpt ls` lists them)")
             else:
-                print(f"step {step}: NOT COMMITTED (some rank's commit marker is missing)")
+                print(f"step {step}: NOT COMMITTED ({_uncommitted_why(store, step)})")
             bad += 1
             continue
         for rank in range(ws):

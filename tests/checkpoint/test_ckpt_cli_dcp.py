@@ -220,3 +220,14 @@ def test_a_url_missing_a_slash_is_named_as_such(tmp_path, monkeypatch):
         assert out.returncode != 0 and "did you mean s3://bucket/x?" in out.stderr, out.stderr
     out = _cli("ls", str(tmp_path / "nothing"))
     assert out.returncode != 0 and "did you mean" not in out.stderr
+
+
+def test_verify_names_a_damaged_commit_marker_rather_than_a_missing_one(tmp_path):
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        ck.save({"w": torch.ones(100)}, 1)
+    root = str(tmp_path / "ck")
+    with open(os.path.join(root, "j", step_dirname(1), "rank_00000.commit"), "w") as f:
+        f.write("garbage")
+    out = _cli("verify", root, "--step", "1")
+    assert out.returncode != 0
+    assert "commit marker of rank(s) 0 is damaged" in out.stdout and "missing" not in out.stdout, out.stdout
