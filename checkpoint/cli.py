@@ -70,8 +70,22 @@ def _store(directory: str, job: str | None) -> Any:
 
     location = CheckpointLocation.parse(directory, "the checkpoint root")
     if location.is_local and not os.path.isdir(location.local_path):
-        raise CheckpointError(f"{location.local_path} is not a directory; pass the checkpoint root")
+        raise CheckpointError(f"{location.local_path} is not a directory; pass the checkpoint root"
+                              f"{_url_typo(directory)}")
     return location.open_store(_job(directory, job))
+
+
+def _url_typo(directory: str) -> str:
+    """A hint when a path that is no folder reads as a URL missing a slash (``s3:/bucket/x``): it was taken for a
+    relative path and reported only as "not a directory"."""
+    from fsspec.registry import known_implementations, registry
+
+    scheme, sep, rest = directory.partition(":")
+    if not sep or "/" in scheme or rest.startswith("//") or scheme.lower() in ("file", "local"):
+        return ""
+    if scheme.lower() not in known_implementations and scheme.lower() not in registry:
+        return ""
+    return f" (a URL takes two slashes after its scheme: did you mean {scheme}://{rest.lstrip('/')}?)"
 
 
 def _jobs(directory: str) -> list[str]:
@@ -88,7 +102,7 @@ def _jobs(directory: str) -> list[str]:
     except FileNotFoundError as exc:
         # fsspec's error text is the bare path ("cannot list memory://x: /x")
         hint = ("; memory:// is the memory of one process, which no other process (this command) can see"
-                if directory.startswith("memory:") else "; check the path or URL")
+                if directory.startswith("memory:") else _url_typo(directory) or "; check the path or URL")
         raise CheckpointError(f"cannot list {directory}: no such folder{hint}") from exc
     except Exception as exc:
         raise CheckpointError(f"cannot list {directory}: {exc}") from exc
@@ -218,6 +232,22 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _uncommitted_why(store: Any, step: int) -> str:
+    """Why a step that exists is not committed: damaged commit markers are named (a marker that is there but
+    unreadable was reported as missing, and the user found the file in place)."""
+    from trainguard.checkpoint.storage import _MARKER_RE
+
+    try:
+        present = {int(m.group(1)) for n in store.list_names(step) if (m := _MARKER_RE.match(n))}
+        damaged = sorted(present - set(store.markers(step)))
+    except OSError:
+        damaged = []
+    if damaged:
+        return (f"the commit marker of rank(s) {', '.join(map(str, damaged[:8]))} is damaged (not a valid marker); "
+                "the step cannot be trusted: restore or export another one")
+    return "some rank's commit marker is missing"
+
+
 def _verify(args: argparse.Namespace) -> int:
     store = _store(args.directory, args.job)
     committed = dict(store.committed_steps())
@@ -233,7 +263,7 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"step {step}: NO SUCH STEP in {store.describe()} (newest committed: "
                       f"{'none' if newest is None else newest}; `trainguard ckpt ls` lists them)")
             else:
-                print(f"step {step}: NOT COMMITTED (some rank's commit marker is missing)")
+                print(f"step {step}: NOT COMMITTED ({_uncommitted_why(store, step)})")
             bad += 1
             continue
         for rank in range(ws):

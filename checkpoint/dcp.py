@@ -97,20 +97,37 @@ def export_step(root: str, job: str, step: int | None, out_dir: str,
         The exported step.
 
     Raises:
-        NoCheckpointError: no such committed step. CorruptCheckpointError: a copy fails verification.
+        NoCheckpointError: no such committed step. CorruptCheckpointError: a copy fails verification (for the
+            default step, the message names the older committed steps to pass instead).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     store = LocalStore(root, job)
     committed = dict(store.committed_steps())
     if not committed:
         raise NoCheckpointError(f"no committed step in {store.describe()}; nothing to export")
-    step = max(committed) if step is None else step
-    if step not in committed:
-        raise NoCheckpointError(f"step {step} is not committed in {store.describe()}; see `trainguard ckpt ls`")
-    ws = committed[step]
-    if Manifest.from_json(store.read_small(step, manifest_name(0)), "rank 0 manifest").sharded:
+    if step is not None:
+        if step not in committed:
+            raise NoCheckpointError(f"step {step} is not committed in {store.describe()}; see `trainguard ckpt ls`")
+        return _export_step(store, step, committed[step], out_dir, progress)
+    step = max(committed)
+    try:
+        return _export_step(store, step, committed[step], out_dir, progress)
+    except CorruptCheckpointError as exc:
+        # The default is the newest committed step; damaged, the export stopped there and named no way on.
+        older = sorted((s for s in committed if s < step), reverse=True)
+        hint = (f"pass --step with an older committed step ({', '.join(map(str, older[:5]))}"
+                f"{' ...' if len(older) > 5 else ''}; `trainguard ckpt verify` says which verify)" if older
+                else "there is no older committed step")
+        raise CorruptCheckpointError(f"{exc}; step {step} is the newest committed step (the default) and it is "
+                                     f"damaged: {hint}") from exc
+
+
+def _export_step(store: LocalStore, step: int, ws: int, out_dir: str,
+                 progress: Callable[[int], None] | None) -> int:
+    """:func:`export_step` of one committed step of world size ``ws``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if Manifest.from_json(store.read_small(step, manifest_name(0)), f"step {step} rank 0 manifest").sharded:
         from trainguard.checkpoint.dcp_sharded import export_sharded
 
         export_sharded(store, step, ws, out_dir, progress)
@@ -119,12 +136,13 @@ def export_step(root: str, job: str, step: int | None, out_dir: str,
     try:
         state: dict[str, Any] = {}
         meta: dict[str, Any] = {"step": step, "world_size": ws, "ranks": {}}
-        man0 = Manifest.from_json(store.read_small(step, manifest_name(0)), "rank 0 manifest").check_place(
+        man0 = Manifest.from_json(store.read_small(step, manifest_name(0)), f"step {step} rank 0 manifest").check_place(
             step, 0, f"step {step} rank 0")
         ranks = [0] if (ws == 1 or man0.replicated) else list(range(ws))
         for r in ranks:
             man = man0 if r == 0 else Manifest.from_json(store.read_small(step, manifest_name(r)),
-                                                         f"rank {r}").check_place(step, r, f"step {step} rank {r}")
+                                                         f"step {step} rank {r} manifest").check_place(
+                step, r, f"step {step} rank {r}")
             copy = RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}", advisory_lock=True)
             copies.append(copy)
             copy.verify(progress)

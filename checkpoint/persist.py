@@ -31,16 +31,17 @@ import errno
 import fcntl
 import json
 import logging
-import mmap
 import os
 import socket
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+import xxhash
 
 from trainguard.checkpoint.arena import SlotPaths, read_tag
-from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableError
+from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError, StorageUnavailableError
 from trainguard.checkpoint.fileio import PendingFile, Throttle, storage_error
-from trainguard.checkpoint.manifest import Manifest, TensorEntry, chunk_checksum, compute_checksums
+from trainguard.checkpoint.manifest import Manifest, TensorEntry
 from trainguard.checkpoint.storage import FsspecStore, LocalStore, manifest_name
 from trainguard.checkpoint.uploads import UNREACHABLE, InlineUploads, UploadQueue
 
@@ -95,14 +96,19 @@ def persist_snapshot(req: dict[str, Any], report: Report,
             report({"op": "tier", "id": rid, "step": step, "tier": "memory", "ok": False,
                     "error": f"staging slot of step {step} was reused before it was persisted", "errno": 0})
             return
-        size = os.fstat(fd).st_size
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
-            view = memoryview(mm)
-            try:
-                uploading = uploads.steps_of(req.get("job")) if uploads is not None else set()
-                upload = _persist_locked(req, view, paths, report, uploading)
-            finally:
-                view.release()
+        # Read with pread, never mapped: a slot is a plain tmpfs file that anyone may truncate (an operator, a
+        # cleanup; a truncation ignores the lock), and a page past the new end of a mapping raised SIGBUS, which
+        # killed the persist process (and in the agent's service, every job's persists). A cut slot now fails
+        # the step's tiers, with no file written.
+        slot = _SlotData(fd, f"staging slot {paths.data} of step {step}")
+        uploading = uploads.steps_of(req.get("job")) if uploads is not None else set()
+        try:
+            upload = _persist_locked(req, slot, paths, report, uploading)
+        except CorruptCheckpointError as exc:
+            log.error("checkpoint step %d rank %s: not persisted: %s", step, req.get("rank"), exc)
+            for tier in ("memory", "disk") if req.get("disk") else ("memory",):
+                report({"op": "tier", "id": rid, "step": step, "tier": tier, "ok": False, "errno": 0,
+                        "error": f"not persisted: {exc}"})
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
@@ -149,7 +155,50 @@ def persist_snapshot(req: dict[str, Any], report: Report,
                 backoff=float(remote.get("backoff_s") or 0.0))
 
 
-def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, report: Report,
+class _SlotData:
+    """The staging slot's bytes, read with ``pread`` in cache-sized pieces (see :func:`persist_snapshot`)."""
+
+    PIECE = 1 << 20
+
+    def __init__(self, fd: int, where: str) -> None:
+        self.fd, self.where = fd, where
+        self._buf = bytearray(self.PIECE)
+
+    def pieces(self, start: int, end: int) -> Iterator[memoryview]:
+        """Bytes ``[start, end)`` as successive views of one reused buffer (each valid until the next).
+
+        Raises:
+            CorruptCheckpointError: the slot ends before ``end`` (cut short since the snapshot was taken).
+        """
+        view = memoryview(self._buf)
+        try:
+            at = start
+            while at < end:
+                n = os.preadv(self.fd, [view[:min(self.PIECE, end - at)]], at)
+                if n == 0:
+                    raise CorruptCheckpointError(f"{self.where} ends at byte {at}, inside the snapshot: it was "
+                                                 "cut short (truncated) before it was persisted")
+                piece = view[:n]
+                try:
+                    yield piece
+                finally:
+                    piece.release()
+                at += n
+        finally:
+            view.release()
+
+    def checksums(self, data_bytes: int, chunk_bytes: int) -> list[str]:
+        """Chunk checksums of ``[0, data_bytes)`` (same digests as :func:`chunk_checksum` on each chunk)."""
+        out = []
+        for o in range(0, data_bytes, chunk_bytes):
+            h = xxhash.xxh3_64()
+            for piece in self.pieces(o, min(o + chunk_bytes, data_bytes)):
+                h.update(piece)
+            out.append(h.hexdigest())
+        return out
+
+
+def _persist_locked(req: dict[str, Any], view: _SlotData, paths: SlotPaths, report: Report,
                     uploading: set[int]) -> Callable[[], None] | None:
     """The memory and disk tiers of one snapshot; returns its remote upload to run once the slot is free
     (None: no remote tier). Disk retention spares ``uploading``: steps whose uploads still read their disk copy."""
@@ -179,7 +228,7 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
-                full = exc.with_traceback(None)  # see below: its frames hold slices of the snapshot
+                full = exc.with_traceback(None)
             if full is not None:
                 if not _make_room(local, step, rank, _room_needed(man), int(disk.get("keep", 3)), uploading,
                                   evicted):
@@ -187,8 +236,6 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
                 chunks.clear()
                 pending = _write_data(local, step, rank, view, man, throttle, chunks)
         except OSError as exc:
-            # Drop the traceback: its frames hold slices of the snapshot's memoryview, and a live slice makes
-            # closing the mmap fail with BufferError, which would mask this error.
             exc.with_traceback(None)
             disk_error = storage_error(exc, f"write step {step} to {local.describe()}")
             disk_error.__cause__ = exc  # keeps the errno for the event kind (disk_full...)
@@ -196,7 +243,7 @@ def _persist_locked(req: dict[str, Any], view: memoryview, paths: SlotPaths, rep
     else:
         pending = None
     if len(chunks) != man.n_chunks:
-        chunks = compute_checksums(view, man.data_bytes, man.chunk_bytes)
+        chunks = view.checksums(man.data_bytes, man.chunk_bytes)
     man.chunks = chunks
     man_json = man.to_json()
     digest = json.loads(man_json)["self_xxh3"]
@@ -335,12 +382,13 @@ def _write_commit(local: LocalStore, step: int, rank: int, world_size: int, man_
     local.commit_rank(step, rank, world_size, digest)
 
 
-def _write_data(local: LocalStore, step: int, rank: int, view: memoryview, man: Manifest, throttle: Throttle,
+def _write_data(local: LocalStore, step: int, rank: int, view: _SlotData, man: Manifest, throttle: Throttle,
                 chunks: list[str]) -> PendingFile:
     """Writes a rank's data file under its temporary name, hashing each chunk into ``chunks``.
 
     Raises:
         OSError: the write failed; the temporary file is gone.
+        CorruptCheckpointError: the slot was cut short; the temporary file is gone.
     """
     pending = local.begin_data(step, rank)
     try:
@@ -451,17 +499,19 @@ def _remove_stale_tmp(local: LocalStore, rank: int) -> None:
                  local.describe(), ", ".join(sorted(removed)[:4]) + (" ..." if len(removed) > 4 else ""))
 
 
-def _write_hashing(fd: int, view: memoryview, nbytes: int, chunk_bytes: int, throttle: Throttle,
+def _write_hashing(fd: int, view: _SlotData, nbytes: int, chunk_bytes: int, throttle: Throttle,
                    chunks: list[str]) -> None:
-    """Writes ``view[:nbytes]`` to ``fd`` chunk by chunk, appending each chunk's checksum to ``chunks``."""
+    """Writes the slot's ``[0, nbytes)`` to ``fd`` chunk by chunk, appending each chunk's checksum to ``chunks``."""
     off = 0
     while off < nbytes:
         end = min(off + chunk_bytes, nbytes)
-        piece = view[off:end]
-        chunks.append(chunk_checksum(piece))
-        while piece:
-            n = os.write(fd, piece)
-            piece = piece[n:]
+        h = xxhash.xxh3_64()
+        for piece in view.pieces(off, end):
+            h.update(piece)
+            while piece:
+                n = os.write(fd, piece)
+                piece = piece[n:]
+        chunks.append(h.hexdigest())
         throttle.account(end - off)
         off = end
 

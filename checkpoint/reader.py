@@ -1,12 +1,13 @@
 """Reading one rank's copy of a step from any tier: verify every checksum first, then load in place.
 
-A :class:`RankCopy` maps the data (a tmpfs slot, a local data file, or a downloaded remote file) privately
-(copy-on-write, never written) and exposes it as a uint8 tensor; :meth:`RankCopy.loader` gives the
-``TensorLoader`` :func:`trainguard.checkpoint.tree.restore_into` needs.
+A :class:`RankCopy` maps the data (a local data file, or a downloaded remote file) read-only, or reads a
+shared-memory slot with ``pread`` into private memory, and exposes it as a uint8 tensor; :meth:`RankCopy.loader`
+gives the ``TensorLoader`` :func:`trainguard.checkpoint.tree.restore_into` needs.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -15,10 +16,22 @@ import warnings
 from typing import Any, Callable
 
 import torch
+import xxhash
 
 from trainguard.checkpoint.errors import CorruptCheckpointError, StateMismatchError
 from trainguard.checkpoint.manifest import CHECKSUM_ALGO, Manifest, chunk_checksum, verify_checksums
 from trainguard.checkpoint.tree import dtensor_region, is_dtensor
+
+
+_PIECE_BYTES = 1 << 20  # a slot is read in pieces that stay in the CPU cache until hashed
+
+
+def _writable(t: torch.Tensor) -> memoryview:
+    """A writable byte view of the memory of contiguous CPU tensor ``t`` (for ``preadv``; no numpy needed)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def check_fits(key: str, target: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -37,7 +50,13 @@ class RankCopy:
         manifest: the parsed (self-checked) manifest.
         data_path: local path of the data file / slot.
         where: description for messages (``"disk step 120 rank 0"``).
-        shared_lock: hold ``flock(LOCK_SH)`` while open (shared-memory slots).
+        shared_lock: hold ``flock(LOCK_SH)`` while open (shared-memory slots). The data is then read with
+            ``pread``, never mapped: a slot is a plain tmpfs file that anyone may truncate (an operator, a
+            cleanup), and a truncation ignores the lock; under a mapping it raised SIGBUS in the restoring trainer
+            on the next page past the new end. A cut slot now fails the read with :class:`CorruptCheckpointError`
+            and restore falls back as for other damage. :meth:`verify` streams the file through a small buffer,
+            and the loader reads each tensor straight into the live CPU tensor it restores (no copy of the whole
+            slot); other reads go through private memory filled chunk by chunk on first use.
         advisory_lock: hold ``flock(LOCK_SH)`` while open where the filesystem supports it (disk copies: the
             persist process making room on a full disk leaves a step being read in place).
         populate: pre-fault the whole mapping (read it all ahead). Off for copies of which only some byte ranges
@@ -52,6 +71,10 @@ class RankCopy:
         self.manifest = manifest
         self.where = where
         self._verified: set[int] = set()
+        self._private = shared_lock
+        self._loaded: set[int] = set()  # private copies: chunks read into ``self._mem`` so far
+        self._mem: torch.Tensor | None = None
+        self.map: mmap.mmap | None = None
         self.bytes_touched = 0
         try:
             self.fd = os.open(data_path, os.O_RDONLY)
@@ -73,25 +96,97 @@ class RankCopy:
             if size < manifest.data_bytes:
                 raise CorruptCheckpointError(
                     f"{where}: data file is {size} bytes, manifest says {manifest.data_bytes}; it is torn")
-            # Read-only shared mapping, pre-faulted in one kernel call (MAP_POPULATE also reads a cold file
-            # ahead sequentially); nothing ever writes through it.
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-            self.map = mmap.mmap(self.fd, manifest.data_bytes, flags=flags, prot=mmap.PROT_READ)
-            if not populate:
-                self.map.madvise(mmap.MADV_RANDOM)  # no read-ahead beyond the ranges asked for
+            if not shared_lock:
+                # Read-only shared mapping, pre-faulted in one kernel call (MAP_POPULATE also reads a cold file
+                # ahead sequentially); nothing ever writes through it.
+                flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+                self.map = mmap.mmap(self.fd, manifest.data_bytes, flags=flags, prot=mmap.PROT_READ)
+                if not populate:
+                    self.map.madvise(mmap.MADV_RANDOM)  # no read-ahead beyond the ranges asked for
         except BaseException:
             os.close(self.fd)
             raise
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "non-writable buffer": we only ever read from it
-            self.buf = torch.frombuffer(self.map, dtype=torch.uint8)
+        if self.map is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "non-writable buffer": we only ever read from it
+                self.buf = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def _pread_into(self, dst: memoryview, at: int, check: str | None) -> None:
+        """Fills ``dst`` with the file's bytes from offset ``at``, in pieces hashed right after they land (still
+        in the CPU cache); with ``check``, the digest of all of ``dst`` must equal it.
+
+        Raises:
+            CorruptCheckpointError: the file ends early (cut short since it was opened) or the digest differs.
+        """
+        h = xxhash.xxh3_64() if check is not None else None
+        done = 0
+        while done < len(dst):
+            piece = dst[done:done + _PIECE_BYTES]
+            try:
+                n = os.preadv(self.fd, [piece], at + done)
+                if h is not None:
+                    h.update(piece[:n])
+            finally:
+                piece.release()
+            if n == 0:
+                raise CorruptCheckpointError(
+                    f"{self.where}: data file ends at byte {at + done}, manifest says {self.manifest.data_bytes}; "
+                    "the data file is torn (truncated while it was read)")
+            done += n
+        if h is not None and h.hexdigest() != check:
+            i = at // self.manifest.chunk_bytes
+            raise CorruptCheckpointError(f"{self.where}: chunk {i} (bytes {at}..{at + len(dst)}) fails its "
+                                         f"{CHECKSUM_ALGO} checksum; the data is corrupt")
+
+    def _chunk(self, i: int) -> tuple[int, int]:
+        cb = self.manifest.chunk_bytes
+        return i * cb, min((i + 1) * cb, self.manifest.data_bytes)
+
+    def _load(self, i: int) -> None:
+        """Reads chunk ``i`` of a private copy into ``self._mem`` (checked when it was verified before, or
+        when :meth:`verify_range` asks: see there)."""
+        if self._mem is None:
+            self._mem = torch.empty(self.manifest.data_bytes, dtype=torch.uint8)  # pages come on first write
+            self.buf = self._mem
+        o, e = self._chunk(i)
+        check = self.manifest.chunks[i] if i in self._verified else None  # the bytes must still be those
+        self._pread_into(_writable(self._mem[o:e]), o, check)
+        self._loaded.add(i)
 
     def verify(self, progress: Callable[[int], None] | None = None) -> None:
         """Checks every chunk checksum.
 
         Raises:
-            CorruptCheckpointError: a mismatch (the message names the chunk).
+            CorruptCheckpointError: a mismatch (the message names the chunk), or a slot cut short.
         """
+        if self._private:
+            man = self.manifest
+            if len(man.chunks) != man.n_chunks:
+                raise CorruptCheckpointError(f"{self.where}: manifest lists {len(man.chunks)} checksums, "
+                                             f"expected {man.n_chunks}")
+            # Streamed through one small buffer (no copy of the slot is kept): the loader then reads each tensor
+            # straight into place, checking nothing changed (see _load_into).
+            buf = bytearray(min(_PIECE_BYTES, man.chunk_bytes, max(man.data_bytes, 1)))
+            view = memoryview(buf)
+            try:
+                for i in range(man.n_chunks):
+                    o, e = self._chunk(i)
+                    h = xxhash.xxh3_64()
+                    for at in range(o, e, len(buf)):
+                        n = min(len(buf), e - at)
+                        self._pread_into(view[:n], at, None)
+                        h.update(view[:n])  # still in the CPU cache
+                    if h.hexdigest() != man.chunks[i]:
+                        raise CorruptCheckpointError(f"{self.where}: chunk {i} (bytes {o}..{e}) fails its "
+                                                     f"{CHECKSUM_ALGO} checksum; the data is corrupt")
+                    self._verified.add(i)
+                    if progress is not None:
+                        progress(e - o)
+            finally:
+                view.release()
+            self.bytes_touched = man.data_bytes
+            return
+        assert self.map is not None
         view = memoryview(self.map)
         try:
             verify_checksums(view, self.manifest, self.where, progress)
@@ -116,7 +211,17 @@ class RankCopy:
         for i in range(start // cb, (end - 1) // cb + 1):
             if i in self._verified:
                 continue
-            o, e = i * cb, min((i + 1) * cb, man.data_bytes)
+            o, e = self._chunk(i)
+            if self._private:
+                self._verified.add(i)  # _load checks it now, in the same pass as the read
+                try:
+                    self._load(i)
+                except BaseException:
+                    self._verified.discard(i)
+                    raise
+                self.bytes_touched += e - o
+                continue
+            assert self.map is not None
             if chunk_checksum(self.map[o:e]) != man.chunks[i]:
                 raise CorruptCheckpointError(f"{self.where}: chunk {i} (bytes {o}..{e}) fails its {CHECKSUM_ALGO} "
                                              "checksum; the data is corrupt")
@@ -124,10 +229,52 @@ class RankCopy:
             self.bytes_touched += e - o
 
     def tensor(self, index: int) -> torch.Tensor:
-        """A zero-copy view of tensor ``index`` (valid while this copy is open)."""
+        """A view of tensor ``index`` (valid while this copy is open; zero-copy for a mapped copy).
+
+        Raises:
+            CorruptCheckpointError: a slot cut short, or changed since it was verified.
+        """
         e = self.manifest.tensors[index]
+        if self._private and e.nbytes:
+            cb = self.manifest.chunk_bytes
+            for i in range(e.offset // cb, (e.offset + e.nbytes - 1) // cb + 1):
+                if i not in self._loaded:
+                    self._load(i)
         dtype = getattr(torch, e.dtype)
+        if self._private and self._mem is None:
+            return torch.empty(e.shape, dtype=dtype)  # no bytes (nbytes 0)
         return self.buf[e.offset:e.offset + e.nbytes].view(dtype).view(e.shape)
+
+    def _load_into(self, index: int, target: torch.Tensor) -> bool:
+        """Reads tensor ``index`` of a private copy straight into ``target`` when it is a plain, contiguous CPU
+        tensor (one copy, as from a mapping; no private memory). Chunks wholly inside it that were verified are
+        checked again as they land (the bytes must still be those verified). Returns False when ``target`` does
+        not qualify.
+
+        Raises:
+            CorruptCheckpointError: the slot was cut short, or changed since it was verified.
+        """
+        if not self._private or target.device.type != "cpu" or not target.is_contiguous() or is_dtensor(target):
+            return False
+        e = self.manifest.tensors[index]
+        if not e.nbytes:
+            return True
+        if any(i in self._loaded for i in self._chunks_of(e.offset, e.offset + e.nbytes)):
+            return False  # already read into private memory (a reshard): copied from there
+        dst = _writable(target)
+        at, end = e.offset, e.offset + e.nbytes
+        while at < end:
+            i = at // self.manifest.chunk_bytes
+            o, ce = self._chunk(i)
+            stop = min(ce, end)
+            whole = at == o and stop == ce and i in self._verified
+            self._pread_into(dst[at - e.offset:stop - e.offset], at, self.manifest.chunks[i] if whole else None)
+            at = stop
+        return True
+
+    def _chunks_of(self, start: int, end: int) -> range:
+        cb = self.manifest.chunk_bytes
+        return range(start // cb, (end - 1) // cb + 1) if end > start else range(0)
 
     def loader(self) -> Callable[..., torch.Tensor]:
         """A ``TensorLoader`` for plain (unsharded) tensors: copies into the live tensor, clones without one.
@@ -137,6 +284,12 @@ class RankCopy:
         """
 
         def load(index: int, target: torch.Tensor | None, node: Any = None) -> torch.Tensor:
+            if target is not None and self._private:
+                e = self.manifest.tensors[index]
+                check_fits(e.key, target, tuple(e.shape), getattr(torch, e.dtype))
+                with torch.no_grad():
+                    if self._load_into(index, target):
+                        return target
             src = self.tensor(index)
             if target is None:
                 return src.clone()
@@ -156,11 +309,12 @@ class RankCopy:
 
     def close(self) -> None:
         """Releases the mapping and the lock."""
-        del self.buf
-        try:
-            self.map.close()
-        except BufferError:
-            pass
+        self.buf = self._mem = None  # type: ignore[assignment]  # views handed out keep their memory alive
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:
+                pass
         os.close(self.fd)
 
     def __enter__(self) -> "RankCopy":

@@ -21,12 +21,13 @@ import logging
 import os
 import re
 import shutil
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from typing import Any, Callable
 
-from trainguard.checkpoint.errors import CheckpointError, StorageUnavailableError
+from trainguard.checkpoint.errors import CheckpointConfigError, CheckpointError, StorageUnavailableError
 from trainguard.checkpoint.fileio import (
     PendingFile,
     Throttle,
@@ -568,6 +569,27 @@ class LocalStore(StepStore):
         shutil.copyfile(self.local_data_path(step, rank), dest)
 
 
+def _missing_backend(url: str, exc: ImportError) -> str:
+    """The message for a remote URL whose fsspec backend cannot be imported: fsspec's own advice ("Install s3fs
+    to access S3"), the package(s) to install, and the Python that lacks them."""
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    packages = []
+    for part in url.split("::"):  # a chained URL (simplecache::s3://...) names several protocols
+        protocol = part.split("://", 1)[0].lower() if "://" in part else part.lower()
+        known = known_implementations.get(protocol)
+        if known:
+            top = known["class"].split(".", 1)[0]
+            try:
+                fsspec.get_filesystem_class(protocol)
+            except ImportError:
+                packages.append(top)
+    hint = f"pip install {' '.join(dict.fromkeys(packages))}" if packages else "install the package it names"
+    return (f"remote checkpoint storage {url}: {exc} (its fsspec backend is not installed in {sys.executable}); "
+            f"{hint} wherever checkpoints are saved or restored, or use another checkpoint.remote.url")
+
+
 class FsspecStore(StepStore):
     """The remote tier through any fsspec filesystem (uploads whole files; the marker goes last).
 
@@ -579,6 +601,7 @@ class FsspecStore(StepStore):
 
     Raises:
         StorageUnavailableError: the filesystem cannot be created (unknown protocol, unreachable server...).
+        CheckpointConfigError: the URL's protocol needs a package that is not installed here (names it).
         CheckpointError: the job name is not a valid folder name (see :func:`check_job_name`).
     """
 
@@ -597,7 +620,11 @@ class FsspecStore(StepStore):
             options["skip_instance_cache"] = True
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **options)
-        except Exception as exc:  # fsspec raises anything: ImportError, ConnectionRefusedError, ValueError...
+        except ImportError as exc:
+            # The protocol's backend package is not installed in this Python (s3:// without s3fs). Reported as
+            # "cannot reach" it was taken for an outage: the tier was retried for ever and the job ran without it.
+            raise CheckpointConfigError(_missing_backend(url, exc)) from exc
+        except Exception as exc:  # fsspec raises anything: ConnectionRefusedError, ValueError...
             raise StorageUnavailableError(f"cannot reach remote checkpoint storage {url}: {exc!r:.200} "
                                           "(check the URL, credentials and network)") from exc
         self.job_dir = f"{root.rstrip('/')}/{job}"

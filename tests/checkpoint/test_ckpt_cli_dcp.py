@@ -190,3 +190,44 @@ def test_an_export_holding_numpy_arrays_imports_back_and_import_failures_are_one
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "when" in lines[0] and "unsafe unpickling" in lines[0], bad.stderr
     assert "\x1b" not in bad.stderr, "terminal escapes from torch's message"
+
+
+def test_export_of_a_damaged_newest_step_names_the_older_ones_and_the_step(tmp_path):
+    """`ckpt export DIR OUT` takes the newest committed step; damaged, it failed naming neither a way on (the older
+    steps, --step) nor, for a damaged manifest, the step ("rank 0 manifest is not a valid manifest")."""
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        for s in range(1, 4):
+            ck.save({"w": torch.full((5000,), float(s))}, s)
+    root = str(tmp_path / "ck")
+    os.truncate(os.path.join(root, "j", step_dirname(3), data_name(0)), 100)
+    with open(os.path.join(root, "j", step_dirname(2), "rank_00000.manifest.json"), "w") as f:
+        f.write("{bad")
+    out = _cli("export", root, str(tmp_path / "out"))
+    assert out.returncode != 0
+    assert "step 3 is the newest committed step (the default) and it is damaged" in out.stderr
+    assert "pass --step with an older committed step (2, 1;" in out.stderr
+    out = _cli("export", root, "--step", "2", str(tmp_path / "out"))
+    assert out.returncode != 0 and "step 2 rank 0 manifest is not a valid manifest" in out.stderr, out.stderr
+    out = _cli("export", root, "--step", "1", str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_url_missing_a_slash_is_named_as_such(tmp_path, monkeypatch):
+    """`ckpt ls s3:/bucket/x` read as a relative path said only "is not a directory"."""
+    monkeypatch.chdir(tmp_path)
+    for args in (("ls",), ("verify",), ("export", "--job", "j")):
+        out = _cli(*args, "s3:/bucket/x", *(["out"] if args[0] == "export" else []))
+        assert out.returncode != 0 and "did you mean s3://bucket/x?" in out.stderr, out.stderr
+    out = _cli("ls", str(tmp_path / "nothing"))
+    assert out.returncode != 0 and "did you mean" not in out.stderr
+
+
+def test_verify_names_a_damaged_commit_marker_rather_than_a_missing_one(tmp_path):
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        ck.save({"w": torch.ones(100)}, 1)
+    root = str(tmp_path / "ck")
+    with open(os.path.join(root, "j", step_dirname(1), "rank_00000.commit"), "w") as f:
+        f.write("garbage")
+    out = _cli("verify", root, "--step", "1")
+    assert out.returncode != 0
+    assert "commit marker of rank(s) 0 is damaged" in out.stdout and "missing" not in out.stdout, out.stdout
