@@ -133,6 +133,19 @@ def untrusted_peer_message(target: str, why: str) -> str:
             f"another host")
 
 
+def _tls_probe(target: str) -> tuple[str, int, ssl.SSLContext] | None:
+    """Host, port and an unverifying client context for probing ``target`` (``host:port``); None when it is not
+    one. The certificate is not checked: the probes ask only how the peer answers a handshake."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])  # as gRPC offers: a gRPC server may refuse a handshake without it
+    return host.strip("[]"), int(port), ctx
+
+
 def speaks_tls(target: str, timeout_s: float = 2.0) -> bool:
     """Whether what listens at ``target`` (``host:port``) answers a TLS handshake (the certificate is not checked:
     only whether the peer speaks TLS at all).
@@ -141,15 +154,12 @@ def speaks_tls(target: str, timeout_s: float = 2.0) -> bool:
     coordinator killed mid-connection gives as well; a coordinator that is down or restarting does not complete
     a TLS handshake, so one that does is a TLS server, and this node dials it in plaintext in vain.
     """
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
+    probe = _tls_probe(target)
+    if probe is None:
         return False
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    ctx.set_alpn_protocols(["h2"])  # as gRPC offers: a gRPC server may refuse a handshake without it
+    host, port, ctx = probe
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as raw:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw:
             with ctx.wrap_socket(raw):
                 return True
     except ssl.SSLError as exc:
@@ -168,13 +178,10 @@ def client_cert_refused(target: str, cert_file: str = "", key_file: str = "", ti
     server that is down or restarting completes no handshake, and one that accepts the certificate sends its
     preface at once.
     """
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
+    probe = _tls_probe(target)
+    if probe is None:
         return False
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    ctx.set_alpn_protocols(["h2"])
+    host, port, ctx = probe
     try:
         if cert_file:
             ctx.load_cert_chain(cert_file, key_file or None)
@@ -182,7 +189,7 @@ def client_cert_refused(target: str, cert_file: str = "", key_file: str = "", ti
         return False  # the channel's own loading says what is wrong with the files
     for _ in range(2):
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as raw:
+            with socket.create_connection((host, port), timeout=timeout_s) as raw:
                 with ctx.wrap_socket(raw) as tls:
                     tls.settimeout(timeout_s)
                     if tls.recv(1):
