@@ -1215,7 +1215,7 @@ class Checkpointer:
                 store.fetch_data(step, rank, path)
                 return RankCopy(man, path, where, populate=populate)
             finally:
-                os.unlink(path)  # the mapping keeps the pages alive
+                os.unlink(path)  # the copy's open descriptor keeps the file readable
         return RankCopy(man, path, where, populate=populate, advisory_lock=True)
 
     # ------------------------------------------------------------------ close

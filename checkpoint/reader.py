@@ -1,7 +1,7 @@
 """Reading one rank's copy of a step from any tier: verify every checksum first, then load in place.
 
-A :class:`RankCopy` maps the data (a local data file, or a downloaded remote file) read-only, or reads a
-shared-memory slot with ``pread`` into private memory, and exposes it as a uint8 tensor; :meth:`RankCopy.loader`
+A :class:`RankCopy` reads the data (a shared-memory slot, a local data file, or a downloaded remote file) with
+``pread``, never through a mapping, straight into the live tensors or into private memory; :meth:`RankCopy.loader`
 gives the ``TensorLoader`` :func:`trainguard.checkpoint.tree.restore_into` needs.
 """
 
@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import mmap
 import os
 import stat
-import warnings
 from typing import Any, Callable
 
 import torch
 import xxhash
 
 from trainguard.checkpoint.errors import CorruptCheckpointError, StateMismatchError
-from trainguard.checkpoint.manifest import CHECKSUM_ALGO, Manifest, chunk_checksum, verify_checksums
+from trainguard.checkpoint.manifest import CHECKSUM_ALGO, Manifest
 from trainguard.checkpoint.tree import dtensor_region, is_dtensor
 
 
@@ -50,17 +48,19 @@ class RankCopy:
         manifest: the parsed (self-checked) manifest.
         data_path: local path of the data file / slot.
         where: description for messages (``"disk step 120 rank 0"``).
-        shared_lock: hold ``flock(LOCK_SH)`` while open (shared-memory slots). The data is then read with
-            ``pread``, never mapped: a slot is a plain tmpfs file that anyone may truncate (an operator, a
-            cleanup), and a truncation ignores the lock; under a mapping it raised SIGBUS in the restoring trainer
-            on the next page past the new end. A cut slot now fails the read with :class:`CorruptCheckpointError`
-            and restore falls back as for other damage. :meth:`verify` streams the file through a small buffer,
-            and the loader reads each tensor straight into the live CPU tensor it restores (no copy of the whole
-            slot); other reads go through private memory filled chunk by chunk on first use.
+        shared_lock: hold ``flock(LOCK_SH)`` while open (shared-memory slots).
         advisory_lock: hold ``flock(LOCK_SH)`` while open where the filesystem supports it (disk copies: the
             persist process making room on a full disk leaves a step being read in place).
-        populate: pre-fault the whole mapping (read it all ahead). Off for copies of which only some byte ranges
-            are read (another rank's shards during a reshard): pages are then read on first touch.
+        populate: the whole file will be read: ask the kernel for sequential read-ahead. Off for copies of which
+            only some byte ranges are read (another rank's shards during a reshard): no read-ahead beyond them.
+
+    Every copy is read with ``pread``, never mapped: a slot or a data file is a plain file that anyone may
+    truncate (an operator's cleanup, another job's gc, a tmpfs cleanup), and a truncation ignores the locks; under
+    a mapping it raised SIGBUS in the restoring trainer on the next page past the new end. A cut file now fails
+    the read with :class:`CorruptCheckpointError` naming the byte where it ends, and restore falls back (another
+    tier, an older step) as for other damage. :meth:`verify` streams the file through a small buffer, and the
+    loader reads each tensor straight into the live CPU tensor it restores (no copy of the whole file); other
+    reads go through private memory filled chunk by chunk on first use.
 
     Raises:
         CorruptCheckpointError: the data file is missing or shorter than the manifest says.
@@ -70,11 +70,10 @@ class RankCopy:
                  populate: bool = True, advisory_lock: bool = False) -> None:
         self.manifest = manifest
         self.where = where
+        self.path = data_path
         self._verified: set[int] = set()
-        self._private = shared_lock
-        self._loaded: set[int] = set()  # private copies: chunks read into ``self._mem`` so far
+        self._loaded: set[int] = set()  # chunks read into ``self._mem`` so far
         self._mem: torch.Tensor | None = None
-        self.map: mmap.mmap | None = None
         self.bytes_touched = 0
         try:
             self.fd = os.open(data_path, os.O_RDONLY)
@@ -96,20 +95,13 @@ class RankCopy:
             if size < manifest.data_bytes:
                 raise CorruptCheckpointError(
                     f"{where}: data file is {size} bytes, manifest says {manifest.data_bytes}; it is torn")
-            if not shared_lock:
-                # Read-only shared mapping, pre-faulted in one kernel call (MAP_POPULATE also reads a cold file
-                # ahead sequentially); nothing ever writes through it.
-                flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-                self.map = mmap.mmap(self.fd, manifest.data_bytes, flags=flags, prot=mmap.PROT_READ)
-                if not populate:
-                    self.map.madvise(mmap.MADV_RANDOM)  # no read-ahead beyond the ranges asked for
+            try:  # a cold file read whole is read ahead in large pieces; a reshard's ranges are not
+                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL if populate else os.POSIX_FADV_RANDOM)
+            except OSError:
+                pass  # only advice
         except BaseException:
             os.close(self.fd)
             raise
-        if self.map is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "non-writable buffer": we only ever read from it
-                self.buf = torch.frombuffer(self.map, dtype=torch.uint8)
 
     def _pread_into(self, dst: memoryview, at: int, check: str | None) -> None:
         """Fills ``dst`` with the file's bytes from offset ``at``, in pieces hashed right after they land (still
@@ -131,7 +123,7 @@ class RankCopy:
             if n == 0:
                 raise CorruptCheckpointError(
                     f"{self.where}: data file ends at byte {at + done}, manifest says {self.manifest.data_bytes}; "
-                    "the data file is torn (truncated while it was read)")
+                    f"{self.path} is torn (truncated while it was read)")
             done += n
         if h is not None and h.hexdigest() != check:
             i = at // self.manifest.chunk_bytes
@@ -143,11 +135,10 @@ class RankCopy:
         return i * cb, min((i + 1) * cb, self.manifest.data_bytes)
 
     def _load(self, i: int) -> None:
-        """Reads chunk ``i`` of a private copy into ``self._mem`` (checked when it was verified before, or
+        """Reads chunk ``i`` into ``self._mem`` (checked when it was verified before, or
         when :meth:`verify_range` asks: see there)."""
         if self._mem is None:
             self._mem = torch.empty(self.manifest.data_bytes, dtype=torch.uint8)  # pages come on first write
-            self.buf = self._mem
         o, e = self._chunk(i)
         check = self.manifest.chunks[i] if i in self._verified else None  # the bytes must still be those
         self._pread_into(_writable(self._mem[o:e]), o, check)
@@ -157,43 +148,33 @@ class RankCopy:
         """Checks every chunk checksum.
 
         Raises:
-            CorruptCheckpointError: a mismatch (the message names the chunk), or a slot cut short.
+            CorruptCheckpointError: a mismatch (the message names the chunk), or a file cut short.
         """
-        if self._private:
-            man = self.manifest
-            if len(man.chunks) != man.n_chunks:
-                raise CorruptCheckpointError(f"{self.where}: manifest lists {len(man.chunks)} checksums, "
-                                             f"expected {man.n_chunks}")
-            # Streamed through one small buffer (no copy of the slot is kept): the loader then reads each tensor
-            # straight into place, checking nothing changed (see _load_into).
-            buf = bytearray(min(_PIECE_BYTES, man.chunk_bytes, max(man.data_bytes, 1)))
-            view = memoryview(buf)
-            try:
-                for i in range(man.n_chunks):
-                    o, e = self._chunk(i)
-                    h = xxhash.xxh3_64()
-                    for at in range(o, e, len(buf)):
-                        n = min(len(buf), e - at)
-                        self._pread_into(view[:n], at, None)
-                        h.update(view[:n])  # still in the CPU cache
-                    if h.hexdigest() != man.chunks[i]:
-                        raise CorruptCheckpointError(f"{self.where}: chunk {i} (bytes {o}..{e}) fails its "
-                                                     f"{CHECKSUM_ALGO} checksum; the data is corrupt")
-                    self._verified.add(i)
-                    if progress is not None:
-                        progress(e - o)
-            finally:
-                view.release()
-            self.bytes_touched = man.data_bytes
-            return
-        assert self.map is not None
-        view = memoryview(self.map)
+        man = self.manifest
+        if len(man.chunks) != man.n_chunks:
+            raise CorruptCheckpointError(f"{self.where}: manifest lists {len(man.chunks)} checksums, "
+                                         f"expected {man.n_chunks}")
+        # Streamed through one small buffer (no copy of the file is kept): the loader then reads each tensor
+        # straight into place, checking nothing changed (see _load_into).
+        buf = bytearray(min(_PIECE_BYTES, man.chunk_bytes, max(man.data_bytes, 1)))
+        view = memoryview(buf)
         try:
-            verify_checksums(view, self.manifest, self.where, progress)
+            for i in range(man.n_chunks):
+                o, e = self._chunk(i)
+                h = xxhash.xxh3_64()
+                for at in range(o, e, len(buf)):
+                    n = min(len(buf), e - at)
+                    self._pread_into(view[:n], at, None)
+                    h.update(view[:n])  # still in the CPU cache
+                if h.hexdigest() != man.chunks[i]:
+                    raise CorruptCheckpointError(f"{self.where}: chunk {i} (bytes {o}..{e}) fails its "
+                                                 f"{CHECKSUM_ALGO} checksum; the data is corrupt")
+                self._verified.add(i)
+                if progress is not None:
+                    progress(e - o)
         finally:
             view.release()
-        self._verified.update(range(self.manifest.n_chunks))
-        self.bytes_touched = self.manifest.data_bytes
+        self.bytes_touched = man.data_bytes
 
     def verify_range(self, start: int, end: int) -> None:
         """Checks only the chunks covering bytes ``[start, end)`` (each chunk once per open copy).
@@ -212,49 +193,41 @@ class RankCopy:
             if i in self._verified:
                 continue
             o, e = self._chunk(i)
-            if self._private:
-                self._verified.add(i)  # _load checks it now, in the same pass as the read
-                try:
-                    self._load(i)
-                except BaseException:
-                    self._verified.discard(i)
-                    raise
-                self.bytes_touched += e - o
-                continue
-            assert self.map is not None
-            if chunk_checksum(self.map[o:e]) != man.chunks[i]:
-                raise CorruptCheckpointError(f"{self.where}: chunk {i} (bytes {o}..{e}) fails its {CHECKSUM_ALGO} "
-                                             "checksum; the data is corrupt")
-            self._verified.add(i)
+            self._verified.add(i)  # _load checks it now, in the same pass as the read
+            try:
+                self._load(i)
+            except BaseException:
+                self._verified.discard(i)
+                raise
             self.bytes_touched += e - o
 
     def tensor(self, index: int) -> torch.Tensor:
-        """A view of tensor ``index`` (valid while this copy is open; zero-copy for a mapped copy).
+        """Tensor ``index``, a view of this copy's private memory (its chunks are read on first use).
 
         Raises:
-            CorruptCheckpointError: a slot cut short, or changed since it was verified.
+            CorruptCheckpointError: the file was cut short, or changed since it was verified.
         """
         e = self.manifest.tensors[index]
-        if self._private and e.nbytes:
+        if e.nbytes:
             cb = self.manifest.chunk_bytes
             for i in range(e.offset // cb, (e.offset + e.nbytes - 1) // cb + 1):
                 if i not in self._loaded:
                     self._load(i)
         dtype = getattr(torch, e.dtype)
-        if self._private and self._mem is None:
+        if self._mem is None:
             return torch.empty(e.shape, dtype=dtype)  # no bytes (nbytes 0)
-        return self.buf[e.offset:e.offset + e.nbytes].view(dtype).view(e.shape)
+        return self._mem[e.offset:e.offset + e.nbytes].view(dtype).view(e.shape)
 
     def _load_into(self, index: int, target: torch.Tensor) -> bool:
-        """Reads tensor ``index`` of a private copy straight into ``target`` when it is a plain, contiguous CPU
+        """Reads tensor ``index`` straight into ``target`` when it is a plain, contiguous CPU
         tensor (one copy, as from a mapping; no private memory). Chunks wholly inside it that were verified are
         checked again as they land (the bytes must still be those verified). Returns False when ``target`` does
         not qualify.
 
         Raises:
-            CorruptCheckpointError: the slot was cut short, or changed since it was verified.
+            CorruptCheckpointError: the file was cut short, or changed since it was verified.
         """
-        if not self._private or target.device.type != "cpu" or not target.is_contiguous() or is_dtensor(target):
+        if target.device.type != "cpu" or not target.is_contiguous() or is_dtensor(target):
             return False
         e = self.manifest.tensors[index]
         if not e.nbytes:
@@ -284,7 +257,7 @@ class RankCopy:
         """
 
         def load(index: int, target: torch.Tensor | None, node: Any = None) -> torch.Tensor:
-            if target is not None and self._private:
+            if target is not None:
                 e = self.manifest.tensors[index]
                 check_fits(e.key, target, tuple(e.shape), getattr(torch, e.dtype))
                 with torch.no_grad():
@@ -308,13 +281,8 @@ class RankCopy:
         return load
 
     def close(self) -> None:
-        """Releases the mapping and the lock."""
-        self.buf = self._mem = None  # type: ignore[assignment]  # views handed out keep their memory alive
-        if self.map is not None:
-            try:
-                self.map.close()
-            except BufferError:
-                pass
+        """Releases the file and its lock."""
+        self._mem = None  # views handed out keep their memory alive
         os.close(self.fd)
 
     def __enter__(self) -> "RankCopy":
