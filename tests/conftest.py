@@ -21,7 +21,12 @@ BOX_SHM_ROOT = os.environ.get("TG_TEST_BOX_SHM_ROOT", "/dev/shm/trainguard")
 # (they read it from the environment), so a test that names no root of its own uses this session's, not the box's
 # (tests left empty job folders there: `j`, `link`, `sleeper-<hash>`). A root named explicitly still wins.
 SESSION_SHM_ROOT = f"/dev/shm/trainguard-test-session-{uuid.uuid4().hex[:10]}"
-os.environ.setdefault("TRAINGUARD_CHECKPOINT_SHM_DIR", SESSION_SHM_ROOT)
+# A root this file set in a parent process (the pytest-xdist controller, or a suite that runs pytest again) is not
+# kept: a session removes only its own root at its end, so the workers used the controller's, which no session
+# removed (each parallel run left one in /dev/shm for good). One named by the user is kept.
+if os.environ.get("TRAINGUARD_CHECKPOINT_SHM_DIR", "") in ("", os.environ.get("TG_TEST_SESSION_SHM_ROOT")):
+    os.environ["TRAINGUARD_CHECKPOINT_SHM_DIR"] = SESSION_SHM_ROOT
+    os.environ["TG_TEST_SESSION_SHM_ROOT"] = SESSION_SHM_ROOT
 
 
 @pytest.fixture

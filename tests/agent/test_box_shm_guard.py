@@ -34,3 +34,33 @@ def test_a_test_creating_a_folder_under_the_box_wide_root_fails_naming_it(tmp_pa
     # test_litters passes, then its teardown fails naming the path; test_clean (its own tmp_path) passes
     assert "2 passed, 1 error" in out and "ERROR test_litter.py::test_litters" in out, out
     assert f"'{made}'] under the box-wide memory-tier root {box}" in out, out
+
+
+def test_a_session_started_inside_the_suite_uses_and_removes_a_root_of_its_own(tmp_path: Path) -> None:
+    """Each session makes its memory-tier root and removes it at its end. A pytest started inside the suite (every
+    pytest-xdist worker of `make test`, or this test's) inherited the root the outer conftest had put in the
+    environment, used it, and removed an unused one of its own: each parallel run left its workers' shared root
+    in /dev/shm for good."""
+    outer = os.environ["TRAINGUARD_CHECKPOINT_SHM_DIR"]
+    if not os.path.basename(outer).startswith("trainguard-test-session-"):
+        import pytest
+
+        pytest.skip("the memory-tier root was named by the user, not by the suite")
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    used = tmp_path / "used-root"
+    shutil.copy(TESTS / "conftest.py", suite / "conftest.py")
+    (suite / "test_inner.py").write_text(
+        "import os\n\ndef test_uses_its_root():\n    root = os.environ['TRAINGUARD_CHECKPOINT_SHM_DIR']\n"
+        f"    os.makedirs(os.path.join(root, 'job'))\n    open({str(used)!r}, 'w').write(root)\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite)],
+                         cwd=suite, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(TESTS)))
+    assert "1 passed" in run.stdout + run.stderr, run.stdout + run.stderr
+    inner = used.read_text()
+    try:
+        assert inner != outer, "the inner session used the outer session's root"
+        assert not os.path.exists(inner), f"the inner session left its root {inner} behind"
+    finally:
+        if inner != outer:
+            shutil.rmtree(inner, ignore_errors=True)
