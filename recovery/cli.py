@@ -27,6 +27,17 @@ from trainguard.errors import UsageError
 log = logging.getLogger("trainguard.coordinator")
 
 
+def _cordon_bound(text: str) -> int:
+    """``--max-cordoned``: a whole number of nodes, at least 1 (0 read as "the default" in the job spec, so
+    ``--max-cordoned 0`` ran silently with 1024)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of nodes, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value}); leave it out for the default")
+    return value
+
 def default_store(job: str) -> str:
     """The store URL used without ``--store``: a SQLite file under ``$XDG_STATE_HOME/trainguard``.
 
@@ -82,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--membership-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a recovery waits for a valid membership (a spare of the right pod, a lost node "
                         "back) before the job fails (default 600)")
-    p.add_argument("--max-cordoned", type=int, default=MAX_CORDONED, metavar="N",
+    p.add_argument("--max-cordoned", type=_cordon_bound, default=MAX_CORDONED, metavar="N",
                    help=f"nodes the job state's cordon list holds at most, slot holders apart; past it a node that "
                         f"must be kept out is refused membership (default {MAX_CORDONED}, the most with an etcd "
                         "store, whose request limit the state record must fit)")

@@ -332,10 +332,15 @@ def test_the_cordon_bound_is_a_coordinator_setting_checked_against_the_store(tmp
 
     assert JobSpec(job=JOB).cordon_limit() == MAX_CORDONED
     assert JobSpec(job=JOB, max_cordoned=3000, store="sqlite:///x.db").cordon_limit() == 3000
+    with pytest.raises(InvalidRequestError, match="from 1 to 16384 \\(the node id limit\\)"):
+        JobSpec(job=JOB, max_cordoned=-1).validate()
+    # 0 is the spec's "default": on the command line it ran silently with 1024 while the message said "from 1".
     for value, store, said in ((5000, "etcd://127.0.0.1:1", "from 1 to 1024 (with an etcd store"),
-                               (-1, "memory://", "from 1 to 16384 (the node id limit)")):
-        with pytest.raises(InvalidRequestError, match="--max-cordoned"):
-            JobSpec(job=JOB, max_cordoned=value, store=store).validate()
+                               (-1, "memory://", "--max-cordoned: must be at least 1 (got -1)"),
+                               (0, "memory://", "--max-cordoned: must be at least 1 (got 0)")):
+        if value > 0:
+            with pytest.raises(InvalidRequestError, match="--max-cordoned"):
+                JobSpec(job=JOB, max_cordoned=value, store=store).validate()
         out = subprocess.run([sys.executable, "-m", "trainguard.cli", "coordinator", "--job", JOB, "--listen",
                               "127.0.0.1:0", "--store", store, "--max-cordoned", str(value)],
                              env=tg_env, capture_output=True, text=True, timeout=60)
