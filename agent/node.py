@@ -646,8 +646,6 @@ def install_signal_handlers(agent: NodeAgent, signals: Sequence[int] = (signal.S
                             ) -> Callable[[], None]:
     """Makes ``signals`` (default SIGTERM, SIGINT) stop the agent gracefully; returns a function restoring the
     old handlers."""
-    old = {s: signal.getsignal(s) for s in signals}
-
     def handler(signum, _frame):
         # One line per stop: a second signal while the workers are being stopped (a worker slow to exit, a
         # scheduler or a user sending it again) logged "stopping workers" again, as if another stop began.
@@ -656,6 +654,12 @@ def install_signal_handlers(agent: NodeAgent, signals: Sequence[int] = (signal.S
         else:
             log.debug("received %s: already stopping", signal.Signals(signum).name)
 
+    return handle_signals(signals, handler)
+
+
+def handle_signals(signals: Sequence[int], handler: Callable[[int, Any], None]) -> Callable[[], None]:
+    """Installs ``handler`` for ``signals``; returns a function that puts back the handlers found."""
+    old = {s: signal.getsignal(s) for s in signals}
     for s in old:
         signal.signal(s, handler)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from trainguard.agent.errors import JobFailedError
 from trainguard.agent.guard import guard
 from trainguard.agent.fault_records import FaultRecord
-from trainguard.agent.node import NodeAgent, NodeConfig, install_signal_handlers
+from trainguard.agent.node import NodeAgent, NodeConfig, handle_signals, install_signal_handlers
 from trainguard.agent.run_args import parse_fault
 from trainguard.agent.qualify.cli import qualify_for_run
 from trainguard.agent.run_detectors import run_detector_settings
@@ -334,7 +334,6 @@ def run_job(args: argparse.Namespace) -> RunResult:
 def _hold_signals_during_cleanup(signals: Sequence[int]) -> Callable[[], None]:
     """Makes ``signals`` log once that the launcher is cleaning up, and do nothing else, until the returned
     function restores the handlers found (a launcher stopped mid-cleanup leaves its run folder and sockets)."""
-    old = {s: signal.getsignal(s) for s in signals}
     told = []
 
     def handler(signum: int, _frame: object) -> None:
@@ -343,14 +342,7 @@ def _hold_signals_during_cleanup(signals: Sequence[int]) -> Callable[[], None]:
             log.warning("received %s while cleaning up: finishing the cleanup first (the coordinator, the "
                         "sockets, the run folder)", signal.Signals(signum).name)
 
-    for s in old:
-        signal.signal(s, handler)
-
-    def restore() -> None:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-    return restore
+    return handle_signals(signals, handler)
 
 
 def replica_config(args: argparse.Namespace, token: str = ""):
