@@ -120,3 +120,39 @@ def test_self_calibrated_budget_holds_on_hourly_service_latency(bench, shared_lo
     assert rep.days > 100
     assert rep.false_alarms_per_day <= budget, (rep.false_alarms, rep.days)
     assert rep.caught >= 1
+
+
+def _write_series(path: Path, ts: np.ndarray, x: np.ndarray) -> None:
+    from datetime import datetime, timezone
+
+    rows = [f"{datetime.fromtimestamp(t, timezone.utc):%Y-%m-%d %H:%M:%S},{v:.4f}" for t, v in zip(ts, x)]
+    path.write_text("timestamp,value\n" + "\n".join(rows) + "\n")
+
+
+@pytest.mark.timeout(300)
+def test_a_folder_of_series_at_other_intervals_is_scored_each_at_its_own(bench, tmp_path, capsys):
+    # NAB's realKnownCause mixes 5-minute, 30-minute and hourly series, some sampled irregularly: one folder-wide
+    # interval scored the hourly series with 5-minute windows, and the predictor refused them
+    rng = np.random.default_rng(3)
+    t0 = 1_400_000_000.0
+    five = t0 + 300.0 * np.arange(4 * 288)
+    hourly = t0 + 3600.0 * np.arange(8 * 24)
+    # sampled every 5 minutes, then every minute for half a day: the predictor refuses it as one interval
+    irregular = np.r_[t0 + 300.0 * np.arange(3 * 288), t0 + 3 * 86400.0 + 60.0 * np.arange(720)]
+    for name, ts in (("a", five), ("b", five + 7.0), ("h", hourly), ("i", irregular)):
+        _write_series(tmp_path / f"{name}.csv", ts, 50 + 5 * rng.standard_normal(len(ts)))
+    (tmp_path / "windows.json").write_text('{"a": [], "b": [], "h": [], "i": []}')
+    data = bench.regularise(bench.load_series(tmp_path))
+    assert "i: refused as sampled" in capsys.readouterr().err
+    ts_i = data["i"][0]
+    assert len(ts_i) < len(irregular) and len(set(np.diff(ts_i))) == 1  # one grid: its own median interval
+    assert bench.series_interval(data["h"][0]) == 3600.0
+    scores = bench.ours(data, 0.2)
+    for name, (ts, _, _) in data.items():
+        s = scores[name][0]
+        assert len(s) == len(ts) and np.isfinite(s[ts >= ts[0] + 2 * 86400.0]).mean() > 0.9, name
+    # an hourly series alone has nothing finer to learn from
+    only = {"h": data["h"], "h2": (data["h"][0] + 3600.0 * 24 * 30, data["h"][1], [])}
+    only["x"] = (five, data["a"][1], [])
+    with pytest.raises(ValueError, match="no other series is sampled at 300 s or finer"):
+        bench.ours({"x": only["x"], "h": only["h"]}, 0.2)
