@@ -202,7 +202,8 @@ def isolation_forest(x: np.ndarray, seed: int = 0, hour_rows: int = 12) -> np.nd
 def isolation_forest_causal(ts: np.ndarray, x: np.ndarray, seed: int = 0, hour_rows: int = 12,
                             window_s: float = 7 * 86400.0) -> np.ndarray:
     """The same IsolationForest as a deployed detector would run it: refitted each day on the preceding week
-    only (it never sees the rows it scores, nor the future); NaN on the first day."""
+    only (it never sees the rows it scores, nor the future); NaN on the first day and on a day whose past week
+    holds fewer than 12 samples."""
     from sklearn.ensemble import IsolationForest
 
     d = np.r_[0.0, np.diff(x)]
@@ -217,6 +218,8 @@ def isolation_forest_causal(ts: np.ndarray, x: np.ndarray, seed: int = 0, hour_r
         rows = day == dd
         t_start = ts[rows][0]
         past = (ts < t_start) & (ts >= t_start - window_s)
+        if past.sum() < 12:  # a gap longer than the window (NAB's ambient temperature: 174 hours): nothing to fit
+            continue
         clf = IsolationForest(n_estimators=200, random_state=seed).fit(feats[past])
         out[rows] = -clf.score_samples(feats[rows])
     return out

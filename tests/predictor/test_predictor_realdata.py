@@ -156,3 +156,14 @@ def test_a_folder_of_series_at_other_intervals_is_scored_each_at_its_own(bench, 
     only["x"] = (five, data["a"][1], [])
     with pytest.raises(ValueError, match="no other series is sampled at 300 s or finer"):
         bench.ours({"x": only["x"], "h": only["h"]}, 0.2)
+
+
+def test_the_causal_isolation_forest_leaves_a_day_after_a_gap_longer_than_its_window_unscored(bench):
+    # NAB's ambient temperature has a 174-hour gap: the day after it has no past week to fit on (it raised)
+    ts = np.r_[3600.0 * np.arange(72), 3600.0 * (72 + 200 + np.arange(72))]
+    x = np.random.default_rng(0).standard_normal(len(ts))
+    s = bench.isolation_forest_causal(ts, x, hour_rows=1)
+    # days count from the first sample: the day holding hours 264-287 has no sample in its past week, the next
+    # day's week holds that day's 16
+    assert np.isnan(s[(ts >= 3600.0 * 264) & (ts < 3600.0 * 288)]).all()
+    assert np.isfinite(s[ts >= 3600.0 * 288]).all() and np.isfinite(s[(ts >= 86400.0) & (ts < 3600.0 * 72)]).all()
