@@ -231,3 +231,18 @@ def test_verify_names_a_damaged_commit_marker_rather_than_a_missing_one(tmp_path
     out = _cli("verify", root, "--step", "1")
     assert out.returncode != 0
     assert "commit marker of rank(s) 0 is damaged" in out.stdout and "missing" not in out.stdout, out.stdout
+
+
+def test_import_refuses_a_step_outside_the_step_range_and_writes_nothing(tmp_path):
+    # `ckpt import --step -5` wrote a folder `step_-00000000005` and a commit record of step -5 that no listing,
+    # restore or `ckpt` command reads: exit 0 for an import nobody could use, and the job's record read as damaged.
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        ck.save({"w": torch.ones(8)}, 3)
+    assert _cli("export", str(tmp_path / "ck"), str(tmp_path / "dcp")).returncode == 0
+    for step in ("-5", str(2**53)):
+        out = _cli("import", str(tmp_path / "dcp"), str(tmp_path / "ck2"), "--job", "k", "--step", step)
+        assert out.returncode == 2 and f"--step {step}" in out.stderr and "0..9007199254740991" in out.stderr, out
+    assert not (tmp_path / "ck2" / "k").exists()
+    ok = _cli("import", str(tmp_path / "dcp"), str(tmp_path / "ck2"), "--job", "k", "--step", str(2**53 - 1))
+    assert ok.returncode == 0 and f"as step {2**53 - 1}" in ok.stdout, ok.stderr
+    assert _cli("verify", str(tmp_path / "ck2"), "--job", "k").returncode == 0
