@@ -81,10 +81,16 @@ def _refuse_a_second_job(job: str, script: str, checkpoint_dir: str | None, name
 
 
 def _check_checkpoint_dir(path: str) -> None:
+    from trainguard.checkpoint.config import check_durable_url
     from trainguard.checkpoint.errors import CheckpointConfigError
 
     try:
-        problem = CheckpointLocation.parse(path, "--checkpoint-dir").check_writable()
+        location = CheckpointLocation.parse(path, "--checkpoint-dir")
+        if not location.is_local:
+            # memory:// or an unknown scheme failed every worker at trainguard.init, restart after restart, and
+            # the run ended FAILED with only "exit code 1" in its summary.
+            check_durable_url(location.url, "--checkpoint-dir")
+        problem = location.check_writable()
     except CheckpointConfigError as exc:
         raise UsageError(str(exc)) from exc
     if problem is not None:

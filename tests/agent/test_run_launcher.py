@@ -190,6 +190,16 @@ def test_unwritable_checkpoint_dir_is_one_line_error(tmp_path: Path, tg_env: dic
     assert len(lines) == 1 and "not writable" in lines[0] and str(blocker) in lines[0], r.stderr
 
 
+def test_checkpoint_dir_that_no_worker_could_use_is_refused_at_launch(tmp_path: Path, tg_env: dict) -> None:
+    # memory:// (dies with each process) and an unknown scheme failed every worker at trainguard.init, restart
+    # after restart, and the run ended FAILED with "exit code 1" as its only reason.
+    for url, why in (("memory://ck", "in-process filesystem"), ("bogus://ck", "fsspec knows no protocol 'bogus'")):
+        r = run_cli(["run", "--checkpoint-dir", url, str(SCRIPTS / "crash.py"), "0", "0"], tg_env)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert f"--checkpoint-dir = '{url}'" in lines[0] and why in lines[0], r.stderr
+
+
 def test_hung_worker_is_detected_and_restarted(tmp_path: Path, tg_env: dict) -> None:
     r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "1", "--hang-floor-s", "5",
                  str(SCRIPTS / "hang_once.py")], tg_env, timeout=110)
