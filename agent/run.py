@@ -108,6 +108,25 @@ def _check_log_dir(path: str) -> None:
         raise UsageError(f"--log-dir {path}: not writable; pick another folder or fix its permissions")
 
 
+def _check_metric_history(path: str) -> None:
+    """Checks now that ``--metric-history`` can be written: opened only once the node had registered, a file in a
+    folder the user may not write ended the run after the coordinator had formed a generation and counted the
+    node lost (a restart spent), saying "move the file aside to start anew"."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--metric-history {path}: cannot create its folder {folder} ({exc.strerror or exc}); "
+                         "pick a path in a writable folder") from exc
+    if os.path.isdir(path):
+        raise UsageError(f"--metric-history {path}: is a folder; give the SQLite file's path")
+    # SQLite writes its -wal and -shm files beside the database, so the folder must be writable too.
+    target, mode = (path, os.R_OK | os.W_OK) if os.path.exists(path) else (folder, os.W_OK | os.X_OK)
+    if not os.access(target, mode) or not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--metric-history {path}: not writable (SQLite also writes beside it in {folder}); pick "
+                         "another path or fix its permissions")
+
+
 def run_job(args: argparse.Namespace) -> RunResult:
     """Runs the job described by parsed ``trainguard run`` arguments on this node.
 
@@ -167,6 +186,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
         _check_checkpoint_dir(args.checkpoint_dir)
     if args.log_dir:
         _check_log_dir(args.log_dir)
+    if args.metric_history:
+        _check_metric_history(args.metric_history)
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
     qualify = qualify_for_run(args)  # [qualify] of --qualify-config (checked before anything starts)

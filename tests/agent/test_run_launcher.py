@@ -200,6 +200,16 @@ def test_checkpoint_dir_that_no_worker_could_use_is_refused_at_launch(tmp_path: 
         assert f"--checkpoint-dir = '{url}'" in lines[0] and why in lines[0], r.stderr
 
 
+def test_metric_history_that_cannot_be_written_is_refused_before_the_job_forms(tmp_path: Path, tg_env: dict) -> None:
+    # Opened only after registration, an unusable path ended the run once the coordinator had formed generation 1
+    # and counted the node lost (a restart spent), saying "move the file aside to start anew".
+    for path, why in (("/proc/tg-no-such/h.db", "cannot create its folder"), (str(tmp_path), "is a folder")):
+        r = run_cli(["run", "--metric-history", path, str(SCRIPTS / "crash.py"), "0", "0"], tg_env)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert lines[0].startswith(f"trainguard: error: --metric-history {path}: {why}"), r.stderr
+
+
 def test_hung_worker_is_detected_and_restarted(tmp_path: Path, tg_env: dict) -> None:
     r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "1", "--hang-floor-s", "5",
                  str(SCRIPTS / "hang_once.py")], tg_env, timeout=110)
