@@ -97,9 +97,23 @@ def _check_checkpoint_dir(path: str) -> None:
         raise UsageError(f"{problem}; pick another --checkpoint-dir or fix its permissions")
 
 
+def _refuse_url(path: str, flag: str, what: str) -> None:
+    """Refuses a URL given to a flag that takes a local path: ``--log-dir s3://bucket/logs`` made a folder
+    ``./s3:/bucket/logs`` under the working directory, and the run went on writing its logs there.
+
+    Raises:
+        UsageError: ``path`` has a ``scheme://`` prefix.
+    """
+    scheme, sep, _ = path.partition("://")
+    if sep and scheme and "/" not in scheme:
+        raise UsageError(f"{flag} {path}: a URL; give a local {what} path (it would be made as ./{scheme}:/... "
+                         "under the working directory)")
+
+
 def _check_log_dir(path: str) -> None:
     """Creates ``--log-dir`` now, as torchrun does at its start: made only when the first worker started, a path
     that cannot be a folder (under a file, on /proc) ended the run with a traceback after it had registered."""
+    _refuse_url(path, "--log-dir", "folder")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
@@ -112,6 +126,7 @@ def _check_metric_history(path: str) -> None:
     """Checks now that ``--metric-history`` can be written: opened only once the node had registered, a file in a
     folder the user may not write ended the run after the coordinator had formed a generation and counted the
     node lost (a restart spent), saying "move the file aside to start anew"."""
+    _refuse_url(path, "--metric-history", "file")
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)

@@ -210,6 +210,15 @@ def test_metric_history_that_cannot_be_written_is_refused_before_the_job_forms(t
         assert lines[0].startswith(f"trainguard: error: --metric-history {path}: {why}"), r.stderr
 
 
+def test_a_url_given_to_log_dir_or_metric_history_is_refused(tmp_path: Path, tg_env: dict) -> None:
+    # --log-dir s3://bucket/logs made a folder ./s3:/bucket/logs under the working directory and the run went on.
+    for flag in ("--log-dir", "--metric-history"):
+        r = run_cli(["run", flag, "s3://bucket/logs", str(SCRIPTS / "crash.py"), "0", "0"], tg_env, cwd=tmp_path)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and f"{flag} s3://bucket/logs: a URL" in lines[0], r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_hung_worker_is_detected_and_restarted(tmp_path: Path, tg_env: dict) -> None:
     r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "1", "--hang-floor-s", "5",
                  str(SCRIPTS / "hang_once.py")], tg_env, timeout=110)
