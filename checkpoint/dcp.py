@@ -49,8 +49,21 @@ def _reader_and_planner(path: str) -> tuple[Any, Any]:
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with open(os.path.join(path, ".metadata"), "rb") as f:
-                md = _SafeUnpickler(f).load()
+            from torch.distributed.checkpoint.metadata import Metadata
+
+            where = os.path.join(path, ".metadata")
+            with open(where, "rb") as f:
+                try:
+                    md = _SafeUnpickler(f).load()
+                except CorruptCheckpointError:
+                    raise
+                except Exception as exc:
+                    # An empty or cut-short file was an EOFError / UnpicklingError traceback.
+                    raise CorruptCheckpointError(f"{where} cannot be read ({type(exc).__name__}: {exc}); the DCP "
+                                                 "checkpoint is torn or damaged") from exc
+            if not isinstance(md, Metadata):
+                raise CorruptCheckpointError(f"{where} holds a {type(md).__name__}, not DCP Metadata; is this a "
+                                             "torch.distributed.checkpoint directory?")
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id

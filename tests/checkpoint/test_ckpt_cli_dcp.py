@@ -246,3 +246,17 @@ def test_import_refuses_a_step_outside_the_step_range_and_writes_nothing(tmp_pat
     ok = _cli("import", str(tmp_path / "dcp"), str(tmp_path / "ck2"), "--job", "k", "--step", str(2**53 - 1))
     assert ok.returncode == 0 and f"as step {2**53 - 1}" in ok.stdout, ok.stderr
     assert _cli("verify", str(tmp_path / "ck2"), "--job", "k").returncode == 0
+
+
+def test_import_of_an_empty_or_foreign_metadata_file_is_one_line(tmp_path):
+    # An empty .metadata was an EOFError traceback, a cut-short one an UnpicklingError, a pickled int an
+    # AttributeError: each is a torn or foreign DCP checkpoint, which import names in one line (exit 2).
+    import pickle
+
+    src = tmp_path / "dcp"
+    src.mkdir()
+    for content, needle in ((b"", "torn or damaged"), (b"\x80\x04\x95", "torn or damaged"),
+                            (pickle.dumps(5), "holds a int, not DCP Metadata")):
+        (src / ".metadata").write_bytes(content)
+        out = _cli("import", str(src), str(tmp_path / "ck"), "--job", "k")
+        assert out.returncode == 2 and needle in out.stderr and out.stderr.count("\n") == 1, out
