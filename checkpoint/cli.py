@@ -228,6 +228,10 @@ def _ls(args: argparse.Namespace) -> int:
         from trainguard.checkpoint.arena import memory_manifests
         from trainguard.checkpoint.manifest import complete_world_size
 
+        if not os.path.isdir(os.path.join(args.shm, job)):
+            # A mistyped --shm listed no memory rows, as if the tier held nothing.
+            print(f"trainguard: no shared-memory arena of job {job} under {args.shm}", file=sys.stderr)
+
         for step, ranks in sorted(memory_manifests(args.shm, job).items()):
             ws = complete_world_size({r: m.world_size for r, (_, m) in ranks.items()})
             rows.append({"step": step, "tier": "memory", "complete": ws > 0,
@@ -385,7 +389,9 @@ def _gc(args: argparse.Namespace) -> int:
     if dry:
         print(f"would remove {len(plan.remove)} step(s): {plan.remove}" if plan.remove else "nothing to remove")
         if args.shm:
-            print(f"would remove the shared-memory arena under {args.shm}")
+            job = store.job_dir.rstrip("/").rsplit("/", 1)[-1]
+            print(f"would remove the shared-memory arena under {args.shm}" if os.path.isdir(
+                os.path.join(args.shm, job)) else f"no shared-memory arena of job {job} under {args.shm}")
         return 0
     for s in plan.remove:
         store.remove_step(s)
@@ -402,7 +408,12 @@ def _gc(args: argparse.Namespace) -> int:
     if args.shm:
         from trainguard.checkpoint.arena import remove_job
 
-        kept = remove_job(args.shm, store.job_dir.rstrip("/").rsplit("/", 1)[-1])
+        job = store.job_dir.rstrip("/").rsplit("/", 1)[-1]
+        if not os.path.isdir(os.path.join(args.shm, job)):
+            # It said "removed the shared-memory arena" for a mistyped root that held nothing.
+            print(f"no shared-memory arena of job {job} under {args.shm}: nothing removed there")
+            return 0
+        kept = remove_job(args.shm, job)
         if kept:  # a live trainer holds these ranks' leases: removing its slots would fail its next save
             print(f"removed the shared-memory arena under {args.shm}, except ranks {kept}: a live process "
                   "writes them")

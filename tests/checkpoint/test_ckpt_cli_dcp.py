@@ -260,3 +260,17 @@ def test_import_of_an_empty_or_foreign_metadata_file_is_one_line(tmp_path):
         (src / ".metadata").write_bytes(content)
         out = _cli("import", str(src), str(tmp_path / "ck"), "--job", "k")
         assert out.returncode == 2 and needle in out.stderr and out.stderr.count("\n") == 1, out
+
+
+def test_shm_root_without_the_jobs_arena_is_said_so_not_reported_removed(tmp_path):
+    # `gc --shm /typo` printed "removed the shared-memory arena under /typo" (there was none), and `ls --shm /typo`
+    # listed no memory rows without a word, as if the tier held nothing.
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        ck.save({"w": torch.zeros(10)}, 1)
+    typo = str(tmp_path / "no-shm")
+    for args in (("--dry-run",), ()):
+        gc = _cli("gc", str(tmp_path / "ck"), "--keep", "1", "--shm", typo, *args)
+        assert gc.returncode == 0 and f"no shared-memory arena of job j under {typo}" in gc.stdout, gc
+        assert "remove the shared-memory arena" not in gc.stdout and "removed the shared" not in gc.stdout, gc
+    ls = _cli("ls", str(tmp_path / "ck"), "--shm", typo)
+    assert ls.returncode == 0 and f"no shared-memory arena of job j under {typo}" in ls.stderr, ls
