@@ -46,11 +46,33 @@ def fault_line(f: FaultRecord) -> str:
             f"{f.resumed_step} after {f.recovery_s or float('nan'):.2f} s (fault to first resumed step)")
 
 
+#: The demo's checkpoint folders under ``--workdir``; its jobs resume from whatever they hold.
+CHECKPOINT_FOLDERS = ("ckpt-faulty", "ckpt-clean")
+
+
+def _check_workdir(work: Path) -> None:
+    """Refuses a ``--workdir`` the demo cannot use as a fresh start.
+
+    A second demo into the same folder resumed both jobs from the first one's last checkpoint: the fault never
+    struck (its step lay behind), and the demo exited 1 without a word of why. A file there was a traceback.
+
+    Raises:
+        UsageError: ``work`` is not a folder, or holds an earlier demo's checkpoints.
+    """
+    if work.exists() and not work.is_dir():
+        raise UsageError(f"--workdir {work}: not a folder; give a new or empty folder")
+    used = [name for name in CHECKPOINT_FOLDERS if (work / name).is_dir() and any((work / name).iterdir())]
+    if used:
+        raise UsageError(f"--workdir {work} holds an earlier demo's checkpoints ({', '.join(used)}), which the "
+                         "demo would resume from instead of training; give a new folder or remove those")
+
+
 def run_demo(steps: int = 300, kill_step: int | None = None, workdir: str | None = None) -> int:
     """Runs the demo; returns 0 when the faulty run recovered and matched the fault-free one.
 
     Raises:
-        UsageError: the example script is missing (a broken installation).
+        UsageError: the example script is missing (a broken installation), a bad ``steps``/``kill_step``, or a
+            ``workdir`` that is a file or holds an earlier demo's checkpoints.
     """
     if not EXAMPLE.is_file():
         raise UsageError(f"the demo needs {EXAMPLE}, which this installation lacks; reinstall trainguard")
@@ -63,18 +85,20 @@ def run_demo(steps: int = 300, kill_step: int | None = None, workdir: str | None
         raise UsageError(f"--kill-step must be in 1..{steps - 1}")
     own = workdir is None
     work = Path(workdir or tempfile.mkdtemp(prefix="trainguard-demo-"))
+    _check_workdir(work)
     work.mkdir(parents=True, exist_ok=True)
     try:
         common = ["--nproc-per-node", "2", "--max-restarts", "2"]
+        ckpt_faulty, ckpt_clean = (str(work / name) for name in CHECKPOINT_FOLDERS)
         script = [str(EXAMPLE), "--steps", str(steps), "--save-every", "20", "--step-delay", "0.03"]
         print(f"== trainguard demo: 2 workers train an MLP on digits for {steps} steps, checkpoint every 20;\n"
               f"   rank 1 gets SIGKILL once it reports step {kill_step}", flush=True)
-        faulty = _run(common + ["--job", "demo-faulty", "--checkpoint-dir", str(work / "ckpt-faulty"),
+        faulty = _run(common + ["--job", "demo-faulty", "--checkpoint-dir", ckpt_faulty,
                                 "--log-dir", str(work / "logs-faulty"), "--fault", f"1:{kill_step}:KILL",
                                 *script, "--out", str(work / "faulty.json")])
         print(format_summary(faulty), flush=True)
         print("== the same job without a fault, for comparison", flush=True)
-        clean = _run(common + ["--job", "demo-clean", "--checkpoint-dir", str(work / "ckpt-clean"),
+        clean = _run(common + ["--job", "demo-clean", "--checkpoint-dir", ckpt_clean,
                                "--log-dir", str(work / "logs-clean"), *script, "--out", str(work / "clean.json")])
         print(format_summary(clean), flush=True)
         if faulty.exit_code != 0 or clean.exit_code != 0:

@@ -81,25 +81,65 @@ def _refuse_a_second_job(job: str, script: str, checkpoint_dir: str | None, name
 
 
 def _check_checkpoint_dir(path: str) -> None:
+    from trainguard.checkpoint.config import check_durable_url
     from trainguard.checkpoint.errors import CheckpointConfigError
 
     try:
-        problem = CheckpointLocation.parse(path, "--checkpoint-dir").check_writable()
+        location = CheckpointLocation.parse(path, "--checkpoint-dir")
+        if not location.is_local:
+            # memory:// or an unknown scheme failed every worker at trainguard.init, restart after restart, and
+            # the run ended FAILED with only "exit code 1" in its summary.
+            check_durable_url(location.url, "--checkpoint-dir")
+        problem = location.check_writable()
     except CheckpointConfigError as exc:
         raise UsageError(str(exc)) from exc
     if problem is not None:
         raise UsageError(f"{problem}; pick another --checkpoint-dir or fix its permissions")
 
 
+def _refuse_url(path: str, flag: str, what: str) -> None:
+    """Refuses a URL given to a flag that takes a local path: ``--log-dir s3://bucket/logs`` made a folder
+    ``./s3:/bucket/logs`` under the working directory, and the run went on writing its logs there.
+
+    Raises:
+        UsageError: ``path`` has a ``scheme://`` prefix.
+    """
+    scheme, sep, _ = path.partition("://")
+    if sep and scheme and "/" not in scheme:
+        raise UsageError(f"{flag} {path}: a URL; give a local {what} path (it would be made as ./{scheme}:/... "
+                         "under the working directory)")
+
+
 def _check_log_dir(path: str) -> None:
     """Creates ``--log-dir`` now, as torchrun does at its start: made only when the first worker started, a path
     that cannot be a folder (under a file, on /proc) ended the run with a traceback after it had registered."""
+    _refuse_url(path, "--log-dir", "folder")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--log-dir {path}: cannot create it ({exc.strerror or exc}); pick another folder") from exc
     if not os.access(path, os.W_OK | os.X_OK):
         raise UsageError(f"--log-dir {path}: not writable; pick another folder or fix its permissions")
+
+
+def _check_metric_history(path: str) -> None:
+    """Checks now that ``--metric-history`` can be written: opened only once the node had registered, a file in a
+    folder the user may not write ended the run after the coordinator had formed a generation and counted the
+    node lost (a restart spent), saying "move the file aside to start anew"."""
+    _refuse_url(path, "--metric-history", "file")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--metric-history {path}: cannot create its folder {folder} ({exc.strerror or exc}); "
+                         "pick a path in a writable folder") from exc
+    if os.path.isdir(path):
+        raise UsageError(f"--metric-history {path}: is a folder; give the SQLite file's path")
+    # SQLite writes its -wal and -shm files beside the database, so the folder must be writable too.
+    target, mode = (path, os.R_OK | os.W_OK) if os.path.exists(path) else (folder, os.W_OK | os.X_OK)
+    if not os.access(target, mode) or not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--metric-history {path}: not writable (SQLite also writes beside it in {folder}); pick "
+                         "another path or fix its permissions")
 
 
 def run_job(args: argparse.Namespace) -> RunResult:
@@ -161,6 +201,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
         _check_checkpoint_dir(args.checkpoint_dir)
     if args.log_dir:
         _check_log_dir(args.log_dir)
+    if args.metric_history:
+        _check_metric_history(args.metric_history)
     detectors = tuple(d.strip() for d in args.detectors.split(",") if d.strip())
     detector_config = run_detector_settings(detectors, args.detector_config, args.hang_floor_s)
     qualify = qualify_for_run(args)  # [qualify] of --qualify-config (checked before anything starts)

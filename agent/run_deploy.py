@@ -47,13 +47,48 @@ COORDINATOR_PORT_ENV = "TRAINGUARD_COORDINATOR_PORT"
 RUN_SERVICE = "trainguard.run"
 
 
+def _port_arg(text: str) -> int:
+    """argparse type of ``--coordinator-port``: a TCP port, 1-65535 (every other node dials it: 0 picks none).
+
+    Raises:
+        argparse.ArgumentTypeError: not a whole number in range (argparse names the flag).
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port in 1-65535")
+    return port
+
+
+def slurm_coordinator_port(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """The port the first Slurm node embeds the coordinator on: ``--coordinator-port``, else
+    ``$TRAINGUARD_COORDINATOR_PORT``, else :data:`DEFAULT_SLURM_COORDINATOR_PORT`.
+
+    Raises:
+        UsageError: the variable is set to something that is not a port.
+    """
+    given = getattr(args, "coordinator_port", None)
+    if given is not None:
+        return int(given)
+    text = (os.environ if environ is None else environ).get(COORDINATOR_PORT_ENV, "").strip()
+    if not text:
+        return DEFAULT_SLURM_COORDINATOR_PORT
+    try:
+        return _port_arg(text)
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"${COORDINATOR_PORT_ENV}: {exc}; set it to the coordinator's port or unset it") from None
+
+
 def add_run_deploy_arguments(p: argparse.ArgumentParser) -> None:
     """Adds the Slurm, security and observability flags of ``trainguard run``."""
     g = p.add_argument_group("Slurm")
     g.add_argument("--no-slurm", dest="slurm", action="store_false",
                    help="ignore SLURM_* variables (default: use them to fill flags left at their defaults)")
-    g.add_argument("--coordinator-port", type=int, metavar="PORT",
-                   default=int(os.environ.get(COORDINATOR_PORT_ENV) or DEFAULT_SLURM_COORDINATOR_PORT),
+    # The environment is read when the port is used (slurm_coordinator_port): read here, at parser build time, a
+    # $TRAINGUARD_COORDINATOR_PORT that is no number was a ValueError traceback from every trainguard command.
+    g.add_argument("--coordinator-port", type=_port_arg, metavar="PORT", default=None,
                    help=f"port of the coordinator the first Slurm node embeds (default ${COORDINATOR_PORT_ENV} or "
                         f"{DEFAULT_SLURM_COORDINATOR_PORT})")
     g.add_argument("--cordon-command", default=None, metavar="TEMPLATE",
@@ -171,7 +206,7 @@ def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         The placement, or None outside Slurm or with ``--no-slurm``.
 
     Raises:
-        UsageError: see :func:`slurm_placement`.
+        UsageError: see :func:`slurm_placement`; a ``$TRAINGUARD_COORDINATOR_PORT`` that is no port.
     """
     if not getattr(args, "slurm", True):
         return None
@@ -195,10 +230,10 @@ def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         args.node_rank = place.node_index
     if _unset(args.nproc_per_node, 1) and place.gpus_on_node > 1 and not flag_given(args, "nproc_per_node"):
         args.nproc_per_node = _like(args.nproc_per_node, place.gpus_on_node)
-    port = getattr(args, "coordinator_port", DEFAULT_SLURM_COORDINATOR_PORT)
     # torchrun's own rendezvous flags win over the Slurm mapping: it only fills a job that named no coordinator.
     explicit = args.coordinator or getattr(args, "rdzv_endpoint", "") or getattr(args, "standalone", False)
     if not explicit and n > 1:
+        port = slurm_coordinator_port(args, environ)
         if _unset(args.nnodes, 1):
             args.nnodes = _like(args.nnodes, n)
         if place.first:

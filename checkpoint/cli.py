@@ -30,19 +30,19 @@ def register(subparsers: Any) -> None:
     common(q)
     q.add_argument("--shm", default=None, help="shared-memory tier root to list too (e.g. /dev/shm/trainguard)")
     q.add_argument("--json", action="store_true", help="machine-readable output")
-    q.set_defaults(handler=_ls)
+    q.set_defaults(handler=_one_line_os_errors(_ls))
 
     q = sub.add_parser("verify", help="check every checksum of a step (default: all committed steps)")
     common(q)
     q.add_argument("--step", type=int, default=None)
-    q.set_defaults(handler=_verify)
+    q.set_defaults(handler=_one_line_os_errors(_verify))
 
     q = sub.add_parser("gc", help="keep the newest K committed steps that verify, delete older and torn ones")
     common(q)
     q.add_argument("--keep", type=int, required=True, help="committed steps that verify to keep (>= 1); corrupt steps do not count")
     q.add_argument("--shm", default=None, help="also delete this job's shared-memory arena under this root")
     q.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
-    q.set_defaults(handler=_gc)
+    q.set_defaults(handler=_one_line_os_errors(_gc))
 
     q = sub.add_parser("export", help="write a committed step in torch.distributed.checkpoint's layout "
                                       "(sharded steps stay sharded: dcp.load restores them at any world size)")
@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
     q.add_argument("--step", type=int, default=None, help="step to export (default: newest committed)")
     q.add_argument("--force", action="store_true",
                    help="write into an OUTPUT folder that is not empty (files of the same names are replaced)")
-    q.set_defaults(handler=_export)
+    q.set_defaults(handler=_one_line_os_errors(_export))
 
     q = sub.add_parser("import", help="import a torch.distributed.checkpoint directory as a committed step")
     q.add_argument("source", help="DCP checkpoint directory")
@@ -61,10 +61,24 @@ def register(subparsers: Any) -> None:
     q.add_argument("--world-size", type=int, default=None,
                    help="ranks to shard a DCP checkpoint over (dim 0, like FSDP2; default 1); any world size "
                         "restores it. A `ckpt export` directory keeps its saved world size (another is refused)")
-    q.set_defaults(handler=_import)
+    q.set_defaults(handler=_one_line_os_errors(_import))
 
 
 # ---------------------------------------------------------------------- helpers
+def _one_line_os_errors(handler: Any) -> Any:
+    """``handler`` with an operating-system error it did not handle (a folder it may not read or write, a path on
+    /proc) turned into a one-line :class:`CheckpointError` naming the path: it was a traceback, exit code 1."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except OSError as exc:
+            where = f"{exc.filename}: " if exc.filename else ""
+            raise CheckpointError(f"{where}{exc.strerror or exc}; check the path and its permissions") from exc
+
+    return run
+
+
 def _store(directory: str, job: str | None) -> Any:
     from trainguard.checkpoint.location import CheckpointLocation
 
@@ -213,6 +227,10 @@ def _ls(args: argparse.Namespace) -> int:
     if args.shm:
         from trainguard.checkpoint.arena import memory_manifests
         from trainguard.checkpoint.manifest import complete_world_size
+
+        if not os.path.isdir(os.path.join(args.shm, job)):
+            # A mistyped --shm listed no memory rows, as if the tier held nothing.
+            print(f"trainguard: no shared-memory arena of job {job} under {args.shm}", file=sys.stderr)
 
         for step, ranks in sorted(memory_manifests(args.shm, job).items()):
             ws = complete_world_size({r: m.world_size for r, (_, m) in ranks.items()})
@@ -371,15 +389,31 @@ def _gc(args: argparse.Namespace) -> int:
     if dry:
         print(f"would remove {len(plan.remove)} step(s): {plan.remove}" if plan.remove else "nothing to remove")
         if args.shm:
-            print(f"would remove the shared-memory arena under {args.shm}")
+            job = store.job_dir.rstrip("/").rsplit("/", 1)[-1]
+            print(f"would remove the shared-memory arena under {args.shm}" if os.path.isdir(
+                os.path.join(args.shm, job)) else f"no shared-memory arena of job {job} under {args.shm}")
         return 0
     for s in plan.remove:
         store.remove_step(s)
-    print(f"removed {len(plan.remove)} step(s): {plan.remove}" if plan.remove else "nothing to remove")
+    # remove_step leaves what it cannot delete (retention in a trainer must never raise): a user without write
+    # access to the job's folder was told "removed 3 step(s)", exit 0, with every step still in place.
+    left = sorted(set(plan.remove) & set(store.list_steps()))
+    removed = [s for s in plan.remove if s not in left]
+    print(f"removed {len(removed)} step(s): {removed}" if removed else "nothing removed" if left
+          else "nothing to remove")
+    if left:
+        print(f"could not remove step(s) {left} from {store.describe()}: check that you may write there "
+              "(its owner, a read-only mount)", file=sys.stderr)
+        return 1
     if args.shm:
         from trainguard.checkpoint.arena import remove_job
 
-        kept = remove_job(args.shm, store.job_dir.rstrip("/").rsplit("/", 1)[-1])
+        job = store.job_dir.rstrip("/").rsplit("/", 1)[-1]
+        if not os.path.isdir(os.path.join(args.shm, job)):
+            # It said "removed the shared-memory arena" for a mistyped root that held nothing.
+            print(f"no shared-memory arena of job {job} under {args.shm}: nothing removed there")
+            return 0
+        kept = remove_job(args.shm, job)
         if kept:  # a live trainer holds these ranks' leases: removing its slots would fail its next save
             print(f"removed the shared-memory arena under {args.shm}, except ranks {kept}: a live process "
                   "writes them")

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
-from trainguard.checkpoint.manifest import Manifest
+from trainguard.checkpoint.manifest import MAX_STEP, Manifest
 from trainguard.checkpoint.reader import RankCopy
 from trainguard.checkpoint.storage import LocalStore, check_job_name, manifest_name
 from trainguard.checkpoint.tree import decode
@@ -49,8 +49,21 @@ def _reader_and_planner(path: str) -> tuple[Any, Any]:
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with open(os.path.join(path, ".metadata"), "rb") as f:
-                md = _SafeUnpickler(f).load()
+            from torch.distributed.checkpoint.metadata import Metadata
+
+            where = os.path.join(path, ".metadata")
+            with open(where, "rb") as f:
+                try:
+                    md = _SafeUnpickler(f).load()
+                except CorruptCheckpointError:
+                    raise
+                except Exception as exc:
+                    # An empty or cut-short file was an EOFError / UnpicklingError traceback.
+                    raise CorruptCheckpointError(f"{where} cannot be read ({type(exc).__name__}: {exc}); the DCP "
+                                                 "checkpoint is torn or damaged") from exc
+            if not isinstance(md, Metadata):
+                raise CorruptCheckpointError(f"{where} holds a {type(md).__name__}, not DCP Metadata; is this a "
+                                             "torch.distributed.checkpoint directory?")
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
@@ -228,13 +241,18 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
 
     Raises:
         CorruptCheckpointError: metadata that would need unsafe unpickling, or unreadable files.
-        CheckpointError: ``world_size`` differs from a trainguard export's; ``job`` is not a valid folder name.
+        CheckpointError: ``world_size`` differs from a trainguard export's; ``job`` is not a valid folder name;
+            ``step`` is outside 0..2**53-1.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     check_job_name(job)  # before reading the source: ``../evil`` would write outside ``root``
+    if step is not None and not 0 <= step <= MAX_STEP:
+        # -5 was written as the folder ``step_-00000000005`` under a commit record of step -5: no listing, restore or
+        # `ckpt` command reads either, so the import "succeeded" into nothing and the job's record read as damaged.
+        raise CheckpointError(f"--step {step}: a step is in 0..{MAX_STEP} (2**53-1)")
     if not os.path.isfile(os.path.join(src_dir, ".metadata")):
         raise CheckpointError(f"{src_dir} is not a torch.distributed.checkpoint directory (no .metadata file)")
     if world_size is not None and world_size < 1:

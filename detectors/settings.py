@@ -103,6 +103,12 @@ class DetectorSettings:
         own = ("root", "interval_s") if enabled is not None else ("root", "interval_s", "enabled")
         for key, value in scalars.items():
             # Not the shared loader's message: here every other key must be a detector's table, and says so.
+            if key == "enabled" and enabled is not None:
+                # Was "unknown top-level key 'enabled' ... e.g. [enabled]": a table named enabled, where the flag
+                # that lists the detectors is what the user needs.
+                raise DetectorConfigError(
+                    f"{source}: '{prefix}enabled' is not read here: {enabled_flag} names the detectors to run; "
+                    "remove the key and give the list there")
             if key not in own:
                 top = "the top level" if not prefix else f"[{prefix.rstrip('.')}]"
                 raise DetectorConfigError(

@@ -167,8 +167,16 @@ def handle_coordinator(args: argparse.Namespace) -> int:
     server.start()
     if args.port_file:
         tmp = args.port_file + ".tmp"
-        Path(tmp).write_text(str(server.port))
-        os.replace(tmp, args.port_file)
+        try:
+            Path(tmp).write_text(str(server.port))
+            os.replace(tmp, args.port_file)
+        except OSError as exc:
+            # A folder it may not write (or none) was a PermissionError traceback with the server left serving
+            # until the interpreter ended; whoever reads the file would wait for it forever.
+            extras.stop()
+            server.stop(0)
+            raise UsageError(f"--port-file {args.port_file}: cannot write it ({exc.strerror or exc}); pick a "
+                             "writable path") from exc
     log.info("coordinator for job %r serving on %s:%d (%s), store %s (fence epoch %d)%s", spec.job, server.host,
              server.port, security.describe(), spec.store, server.core.fence.epoch,
              "".join("; " + n for n in extras.notes))

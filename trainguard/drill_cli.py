@@ -63,6 +63,11 @@ def _handle_ettr(args: argparse.Namespace) -> int:
     timeout = args.collective_timeout if args.collective_timeout is not None else DEFAULT_COLLECTIVE_TIMEOUT_S
     if not (math.isfinite(timeout) and timeout >= 0):
         raise UsageError(f"--collective-timeout must be a finite number of seconds >= 0, got {timeout}")
+    if args.interval is not None and not args.interval > 0:
+        # Checked by the components model, the message named the model, not the flag: "trainguard: error:
+        # trainguard: checkpoint_interval_s must be ..." (the first "trainguard" the system, not the program).
+        raise UsageError(f"--interval {args.interval}: expected compute seconds > 0 between checkpoints (leave it "
+                         "out to use the ETTR-optimal interval)")
     tg, bl = load_components(args.components, baseline=baseline_defaults(timeout))
     if args.interval is not None:
         tg = tg.with_overrides({"checkpoint_interval_s": args.interval}, where="--interval")

@@ -358,7 +358,7 @@ class Session:
                     raise UsageError(f"trainguard.init() was already called in this process for job {self.job!r} "
                                      f"rank {self.rank} and that session is still open: reuse it, or call its "
                                      f"close() first")
-                cfg = CheckpointConfig(directory=directory, **dict(checkpoint_options or {}))
+                cfg = CheckpointConfig(directory=directory, **_checked_options(checkpoint_options))
                 self._ckpt = Checkpointer(cfg, rank=self.rank, world_size=self.world_size, job=self.job,
                                           on_event=self._on_checkpoint_event)
                 _OPEN_SESSIONS[key] = weakref.ref(self)
@@ -683,6 +683,33 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checked_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``checkpoint_options`` as keyword arguments of :class:`~trainguard.checkpoint.CheckpointConfig`.
+
+    A key the config does not have was a ``TypeError`` ("__init__() got an unexpected keyword argument"), and
+    ``directory`` one about "multiple values", where a key inside a tier (``{"disk": {"kep": 1}}``) already got a
+    :class:`~trainguard.checkpoint.errors.CheckpointConfigError` naming it and the keys there are.
+
+    Raises:
+        CheckpointConfigError: a key that is no field of the config, or ``directory`` (``checkpoint_dir`` sets it).
+    """
+    import dataclasses
+
+    from trainguard.checkpoint import CheckpointConfig
+    from trainguard.checkpoint.errors import CheckpointConfigError
+
+    options = dict(options or {})
+    if "directory" in options:
+        raise CheckpointConfigError("checkpoint_options['directory']: give the folder as trainguard.init("
+                                    "checkpoint_dir=...) (or $TRAINGUARD_CHECKPOINT_DIR) instead")
+    known = [f.name for f in dataclasses.fields(CheckpointConfig) if f.init and f.name != "directory"]
+    unknown = sorted(str(k) for k in options if k not in known)
+    if unknown:
+        raise CheckpointConfigError(f"checkpoint_options: unknown key(s) {', '.join(map(repr, unknown))}; known "
+                                    f"keys: {', '.join(known)}")
+    return options
 
 
 def init(

@@ -74,7 +74,12 @@ def _qualify(args: argparse.Namespace) -> int:
     cfg = AgentConfig.load(args.config)
     section = cfg.qualify
     if args.checks is not None:
-        section = replace(section, checks=[c.strip() for c in args.checks.split(",") if c.strip()])
+        checks = [c.strip() for c in args.checks.split(",") if c.strip()]
+        if not checks:
+            # Ran no check and printed "qualified", exit 0: a probe passing on an empty $VAR (as `detect --only`).
+            raise QualifyConfigError(f"--checks {args.checks!r} names no check; give comma-separated names (e.g. "
+                                     "--checks pcie,disk) or leave the flag out to run qualify.checks")
+        section = replace(section, checks=checks)
         try:
             section.validate()
         except QualifyConfigError as exc:

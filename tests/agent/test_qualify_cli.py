@@ -47,3 +47,12 @@ def test_run_qualify_config_errors_name_the_run_flag(tmp_path) -> None:
     with pytest.raises(AgentConfigError, match="budget_s"):
         qualify_for_run(argparse.Namespace(qualify_config=str(bad), qualify=False))
     assert qualify_for_run(argparse.Namespace(qualify_config=None, qualify=False)) is None
+
+
+def test_checks_naming_no_check_is_refused_not_passed(tmp_path, capsys) -> None:
+    # `--checks "$CHECKS"` with the variable empty ran no check and said "qualified" (exit 0).
+    config = write_config(tmp_path, tmp_path / "root")
+    for empty in ("", " , "):
+        assert main(["qualify", "--config", config, "--checks", empty]) == 2
+        err = capsys.readouterr().err
+        assert "names no check" in err and "qualified" not in err, err

@@ -190,6 +190,35 @@ def test_unwritable_checkpoint_dir_is_one_line_error(tmp_path: Path, tg_env: dic
     assert len(lines) == 1 and "not writable" in lines[0] and str(blocker) in lines[0], r.stderr
 
 
+def test_checkpoint_dir_that_no_worker_could_use_is_refused_at_launch(tmp_path: Path, tg_env: dict) -> None:
+    # memory:// (dies with each process) and an unknown scheme failed every worker at trainguard.init, restart
+    # after restart, and the run ended FAILED with "exit code 1" as its only reason.
+    for url, why in (("memory://ck", "in-process filesystem"), ("bogus://ck", "fsspec knows no protocol 'bogus'")):
+        r = run_cli(["run", "--checkpoint-dir", url, str(SCRIPTS / "crash.py"), "0", "0"], tg_env)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert f"--checkpoint-dir = '{url}'" in lines[0] and why in lines[0], r.stderr
+
+
+def test_metric_history_that_cannot_be_written_is_refused_before_the_job_forms(tmp_path: Path, tg_env: dict) -> None:
+    # Opened only after registration, an unusable path ended the run once the coordinator had formed generation 1
+    # and counted the node lost (a restart spent), saying "move the file aside to start anew".
+    for path, why in (("/proc/tg-no-such/h.db", "cannot create its folder"), (str(tmp_path), "is a folder")):
+        r = run_cli(["run", "--metric-history", path, str(SCRIPTS / "crash.py"), "0", "0"], tg_env)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert lines[0].startswith(f"trainguard: error: --metric-history {path}: {why}"), r.stderr
+
+
+def test_a_url_given_to_log_dir_or_metric_history_is_refused(tmp_path: Path, tg_env: dict) -> None:
+    # --log-dir s3://bucket/logs made a folder ./s3:/bucket/logs under the working directory and the run went on.
+    for flag in ("--log-dir", "--metric-history"):
+        r = run_cli(["run", flag, "s3://bucket/logs", str(SCRIPTS / "crash.py"), "0", "0"], tg_env, cwd=tmp_path)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and f"{flag} s3://bucket/logs: a URL" in lines[0], r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_hung_worker_is_detected_and_restarted(tmp_path: Path, tg_env: dict) -> None:
     r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "1", "--hang-floor-s", "5",
                  str(SCRIPTS / "hang_once.py")], tg_env, timeout=110)

@@ -74,3 +74,18 @@ def test_an_explicit_nproc_per_node_of_1_is_kept_under_slurm(tmp_path, tg_env) -
         assert r.returncode == 0, r.stderr[-3000:]
         envs = [json.loads(f.read_text())["env"] for f in out.glob("env*.json")]
         assert len(envs) == workers and {e["WORLD_SIZE"] for e in envs} == {str(workers)}, (flags, envs)
+
+
+def test_coordinator_port_variable_is_read_when_used_and_checked_there(monkeypatch) -> None:
+    # Read into the flag's default while the parser was built, a $TRAINGUARD_COORDINATOR_PORT that was no number
+    # made every trainguard command (`ckpt ls`, `--help`) a ValueError traceback.
+    monkeypatch.setenv("TRAINGUARD_COORDINATOR_PORT", "abc")
+    args = build_parser().parse_args(["run", "train.py"])
+    with pytest.raises(UsageError, match=r"\$TRAINGUARD_COORDINATOR_PORT: 'abc' is not a port number"):
+        apply_slurm(args, _env(SLURM_NODEID="0", TRAINGUARD_COORDINATOR_PORT="abc"))
+    first = build_parser().parse_args(["run", "train.py"])
+    apply_slurm(first, _env(SLURM_NODEID="0", TRAINGUARD_COORDINATOR_PORT="29777"))
+    assert first.coordinator_listen == "0.0.0.0:29777"
+    for bad in ("0", "70000", "x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["run", "--coordinator-port", bad, "train.py"])

@@ -231,3 +231,46 @@ def test_verify_names_a_damaged_commit_marker_rather_than_a_missing_one(tmp_path
     out = _cli("verify", root, "--step", "1")
     assert out.returncode != 0
     assert "commit marker of rank(s) 0 is damaged" in out.stdout and "missing" not in out.stdout, out.stdout
+
+
+def test_import_refuses_a_step_outside_the_step_range_and_writes_nothing(tmp_path):
+    # `ckpt import --step -5` wrote a folder `step_-00000000005` and a commit record of step -5 that no listing,
+    # restore or `ckpt` command reads: exit 0 for an import nobody could use, and the job's record read as damaged.
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        ck.save({"w": torch.ones(8)}, 3)
+    assert _cli("export", str(tmp_path / "ck"), str(tmp_path / "dcp")).returncode == 0
+    for step in ("-5", str(2**53)):
+        out = _cli("import", str(tmp_path / "dcp"), str(tmp_path / "ck2"), "--job", "k", "--step", step)
+        assert out.returncode == 2 and f"--step {step}" in out.stderr and "0..9007199254740991" in out.stderr, out
+    assert not (tmp_path / "ck2" / "k").exists()
+    ok = _cli("import", str(tmp_path / "dcp"), str(tmp_path / "ck2"), "--job", "k", "--step", str(2**53 - 1))
+    assert ok.returncode == 0 and f"as step {2**53 - 1}" in ok.stdout, ok.stderr
+    assert _cli("verify", str(tmp_path / "ck2"), "--job", "k").returncode == 0
+
+
+def test_import_of_an_empty_or_foreign_metadata_file_is_one_line(tmp_path):
+    # An empty .metadata was an EOFError traceback, a cut-short one an UnpicklingError, a pickled int an
+    # AttributeError: each is a torn or foreign DCP checkpoint, which import names in one line (exit 2).
+    import pickle
+
+    src = tmp_path / "dcp"
+    src.mkdir()
+    for content, needle in ((b"", "torn or damaged"), (b"\x80\x04\x95", "torn or damaged"),
+                            (pickle.dumps(5), "holds a int, not DCP Metadata")):
+        (src / ".metadata").write_bytes(content)
+        out = _cli("import", str(src), str(tmp_path / "ck"), "--job", "k")
+        assert out.returncode == 2 and needle in out.stderr and out.stderr.count("\n") == 1, out
+
+
+def test_shm_root_without_the_jobs_arena_is_said_so_not_reported_removed(tmp_path):
+    # `gc --shm /typo` printed "removed the shared-memory arena under /typo" (there was none), and `ls --shm /typo`
+    # listed no memory rows without a word, as if the tier held nothing.
+    with Checkpointer(_inline(tmp_path), job="j") as ck:
+        ck.save({"w": torch.zeros(10)}, 1)
+    typo = str(tmp_path / "no-shm")
+    for args in (("--dry-run",), ()):
+        gc = _cli("gc", str(tmp_path / "ck"), "--keep", "1", "--shm", typo, *args)
+        assert gc.returncode == 0 and f"no shared-memory arena of job j under {typo}" in gc.stdout, gc
+        assert "remove the shared-memory arena" not in gc.stdout and "removed the shared" not in gc.stdout, gc
+    ls = _cli("ls", str(tmp_path / "ck"), "--shm", typo)
+    assert ls.returncode == 0 and f"no shared-memory arena of job j under {typo}" in ls.stderr, ls

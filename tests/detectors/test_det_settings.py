@@ -91,3 +91,14 @@ def test_files_read_through_the_shared_loader(tmp_path: Path, text, table, words
     assert msg.startswith(f"{path}: ") and "\n" not in msg, msg
     for word in words:
         assert word in msg, msg
+
+
+def test_enabled_in_a_file_whose_detectors_a_flag_names_points_at_that_flag() -> None:
+    # `trainguard run --detector-config` with `enabled = [...]` said "unknown top-level key 'enabled' ... every
+    # other key must be a [detector] table, e.g. [enabled]": a table named enabled, not the --detectors it needs.
+    with pytest.raises(DetectorConfigError) as info:
+        DetectorSettings.from_table({"enabled": ["host"]}, source="dc.toml", enabled=["host"],
+                                    enabled_flag="--detectors")
+    msg = str(info.value)
+    assert msg.startswith("dc.toml: 'enabled' is not read here: --detectors names the detectors") and "[enabled]" \
+        not in msg, msg

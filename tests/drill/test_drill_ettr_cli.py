@@ -91,3 +91,12 @@ def test_ettr_cli_json_is_strict_when_no_work_is_lost(tmp_path, capsys):
     data = json.loads(out.read_text(), parse_constant=refuse)
     tg = data[0]["systems"]["trainguard"]
     assert tg["young_s"] is None and tg["mtbf_work_losing_s"] is None and 0 < tg["ettr"] <= 1
+
+
+def test_ettr_interval_that_is_no_interval_names_the_flag(capsys):
+    # Was "trainguard: error: trainguard: checkpoint_interval_s must be a finite number of seconds >= 0, got -5.0"
+    # (the model's name, not the flag), and 0 "must be > 0 (or null to optimise)", a JSON spelling.
+    for value in ("-5", "0"):
+        assert main(["ettr", "--traces", "llama3", "--llama-days", "30", "--interval", value]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"trainguard: error: --interval {float(value)}: "), err

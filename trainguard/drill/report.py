@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +85,8 @@ def check_output_file(path: str | os.PathLike, flag: str) -> None:
         flag: the option naming it, for the message (``--json``).
 
     Raises:
-        DrillError: ``path`` is a folder, or the nearest existing folder above it is a file.
+        DrillError: ``path`` is a folder, the nearest existing folder above it is a file, or its folder cannot be
+            made or written.
     """
     p = os.path.abspath(os.fspath(path))
     if os.path.isdir(p):
@@ -95,6 +97,16 @@ def check_output_file(path: str | os.PathLike, flag: str) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise DrillError(f"{flag} {os.fspath(path)}: {parent} is a file, not a folder; pick another path")
+    # The writers make the folder and write a temporary file beside the output; try both now. A folder the user
+    # may not write (or one that cannot be made, under /proc) failed only after the minutes of drill it reports.
+    folder = os.path.dirname(p)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".tg-probe-"):
+            pass
+    except OSError as exc:
+        raise DrillError(f"{flag} {os.fspath(path)}: cannot write in {folder} ({exc.strerror or exc}); pick "
+                         "another path") from None
 
 
 def _finite(value: Any) -> Any:
