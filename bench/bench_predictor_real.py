@@ -65,6 +65,7 @@ DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "nab_aws"
 HELDOUT_DATA = Path(__file__).resolve().parent / "data" / "nab_aws_heldout"
 MS_DATA = Path(__file__).resolve().parent / "data" / "ms_cloud_latency"
 MS_CRASH_DATA = Path(__file__).resolve().parent / "data" / "ms_crash_rate"
+KNOWN_CAUSE_DATA = Path(__file__).resolve().parent / "data" / "nab_known_cause"
 COOLDOWN_S = 1200.0
 BUDGETS = (0.05, 0.2)
 
@@ -495,14 +496,14 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the comparison on every data set asked for (default: all present) and prints the tables."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", action="append", help="a labelled folder (repeatable; default: "
-                    "bench/data/nab_aws, nab_aws_heldout, ms_cloud_latency and ms_crash_rate when downloaded, and the "
+                    "bench/data/nab_aws, nab_aws_heldout, ms_cloud_latency and ms_crash_rate when downloaded, nab_known_cause, and the "
                     "synthetic fleet)")
     ap.add_argument("--no-synthetic", action="store_true", help="leave the synthetic fleet out")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     folders = [Path(d) for d in args.data] if args.data else [
-        d for d in (DEFAULT_DATA, HELDOUT_DATA, MS_DATA, MS_CRASH_DATA) if any(d.glob("*.csv"))]
+        d for d in (DEFAULT_DATA, HELDOUT_DATA, MS_DATA, MS_CRASH_DATA, KNOWN_CAUSE_DATA) if any(d.glob("*.csv"))]
     figures: dict = {}
     for folder in folders:
         f = run_dataset(folder, folder.name)
