@@ -77,7 +77,8 @@ class RoceConfig(DetectorConfig):
         interfaces: glob patterns of the netdevs to watch; empty means the netdevs of the RDMA devices.
         netns: named network namespace holding the interfaces; empty for the agent's own. Link state is read
             there; netdev statistics come from ``/sys/class/net`` and driver statistics from an ioctl, both of
-            the agent's own namespace, so with ``netns`` set only interfaces visible there are counted.
+            the agent's own namespace, so with ``netns`` set only interfaces visible there are counted. Entering
+            it takes CAP_SYS_ADMIN (setns), which the shipped systemd unit drops: see its RestrictNamespaces= note.
         flap_window_s: window for flap counting, seconds. Default 60.0.
         flap_threshold: downs within the window that make a link "flapping". Default 3.
         down_grace_s: a link down longer than this, seconds, is reported as persistent. Default 30.0.

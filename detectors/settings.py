@@ -232,6 +232,12 @@ def _check_root(value: Any, key: str, source: str) -> str:
         raise DetectorConfigError(f"{source}: {key}: expected a string, got {type_name(value)} {value!r}")
     if not value:
         raise DetectorConfigError(f"{source}: {key}: must not be empty; use \"/\" for the real system")
+    if not os.path.isabs(value):
+        # Checked and read against the folder each command starts in: `trainguard detect --config` run from a
+        # shell read another tree than the daemon (/ under systemd) given the same file, each without a word.
+        raise DetectorConfigError(f"{source}: {key}: {value!r} is a relative path; give an absolute one (only "
+                                  "`trainguard detect --root` resolves a relative path, against the folder it is "
+                                  "typed in)")
     if not os.path.isdir(value):
         raise DetectorConfigError(f"{source}: {key}: {value!r} is not a directory; create the fake tree first or "
                                   "fix the path")

@@ -10,6 +10,7 @@ import errno
 import glob
 import os
 import re
+import stat
 from collections.abc import Callable
 
 from trainguard.detectors.errors import DetectorReadError
@@ -109,8 +110,12 @@ def read_text(path: str) -> str:
     """
     # os.read straight into bytes: sysfs attributes are at most a page, and this runs thousands of times a minute.
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO in a file's place (a fake tree, a bad bind mount) waited for a writer forever, and the
+        # sample with it; sysfs and procfs attributes are regular files, so anything else is refused.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise DetectorReadError(path, "not a regular file (a FIFO, socket or device in a file's place)")
             chunks = []
             size = 0
             while size < _MAX_TEXT:

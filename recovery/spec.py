@@ -151,8 +151,8 @@ class JobSpec:
             why = ("with an etcd store: the job state record must fit etcd's request limit" if
                    self.store.startswith("etcd:") else "the node id limit")
             raise InvalidRequestError(f"--max-cordoned {self.max_cordoned!r} must be a whole number of nodes from 1 to "
-                                      f"{self.cordon_limit_ceiling()} ({why}), or 0 for the default "
-                                      f"{MAX_CORDONED}")
+                                      f"{self.cordon_limit_ceiling()} ({why}); leave it out for the default "
+                                      f"{min(MAX_CORDONED, self.cordon_limit_ceiling())}")
         if self.memory_replicas < 0:
             raise InvalidRequestError(f"memory replicas {self.memory_replicas} must be >= 0 (0: no replication)")
         if not (self.max_heartbeat_rate > 0 and math.isfinite(self.max_heartbeat_rate)):

@@ -371,9 +371,27 @@ class SQLiteStore(Store):
             self._db.execute("CREATE TABLE IF NOT EXISTS meta (id INTEGER PRIMARY KEY CHECK (id = 0), "
                              "revision INTEGER NOT NULL)")
             self._db.execute("INSERT OR IGNORE INTO meta (id, revision) VALUES (0, 0)")
+            # A page damaged inside (header intact) opened fine and failed every later commit: the coordinator
+            # served, health SERVING, refusing every heartbeat. The store is small, so the check costs little.
+            problems = [" ".join(str(r[0]).split()) for r in self._db.execute("PRAGMA quick_check").fetchall()]
         except sqlite3.Error as exc:
+            self._db_close_quietly()
             raise StoreError(f"cannot open SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
+        if problems != ["ok"]:
+            self._db_close_quietly()
+            raise StoreError(f"cannot open SQLite store {self._path} (damaged: {'; '.join(problems)[:300]}): the file "
+                             "is not a SQLite database or is damaged: move it (and its -wal file) aside and restore "
+                             "a backup, or start the job with a fresh --store")
         self._file = self._file_id()
+
+    def _db_close_quietly(self) -> None:
+        """Closes the connection of a store refused at open (its file is left as it was)."""
+        db = getattr(self, "_db", None)
+        if db is not None:
+            try:
+                db.close()
+            except sqlite3.Error:
+                pass
 
     def _file_id(self) -> tuple[int, int] | None:
         """The (device, inode) the store's path names now, None when nothing is there."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import pytest
 
@@ -283,3 +284,27 @@ def test_a_port_state_whose_name_does_not_go_with_its_number_is_a_read_error(tmp
     assert any("ports/1/state" in r and "ib_core" in r for r in _reasons(s)), _reasons(s)
     write_file(tmp_path, "sys/class/infiniband/mlx5_0/ports/1/state", "1: DOWN\n")
     assert [e.kind for e in det.sample().events] == ["roce.port_down"]
+
+
+@pytest.mark.parametrize("rel", ["sys/class/thermal/thermal_zone0/temp", "proc/meminfo"])
+def test_a_fifo_where_a_file_should_be_is_a_read_error_not_a_stall(tmp_path, rel):
+    """A FIFO in place of a sysfs or procfs file (a fake tree, a bind mount gone wrong): opening it waited for a
+    writer forever, so ``trainguard detect --root`` and the detector's sample never returned."""
+    write_thermal_zone(tmp_path, 0, 45000, {"critical": 105000})
+    write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=30000000))
+    path = tmp_path / rel
+    path.unlink()
+    os.mkfifo(path)
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path))) if "thermal" in rel \
+        else HostDetector(HostConfig(root=str(tmp_path)))
+    result: list[object] = []
+    worker = threading.Thread(target=lambda: result.append(det.sample()), daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():  # unblock the reader, so the failing run ends too
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        worker.join(10)
+        pytest.fail(f"sampling with a FIFO at {rel} waited for a writer")
+    s = result[0]
+    assert s.state.name == "ERROR" and any(rel in r and "not a regular file" in r for r in _reasons(s)), _reasons(s)

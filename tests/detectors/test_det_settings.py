@@ -42,6 +42,9 @@ def test_a_daemon_section_and_a_run_file_give_the_same_settings(tmp_path: Path) 
     ({"interval_s": 0.01}, ["interval_s: 0.01 is outside [0.05, 3600]"]),
     ({"interval_s": True}, ["interval_s: expected a number"]),
     ({"root": "/no/such/tree"}, ["root: '/no/such/tree' is not a directory"]),
+    # Read against each command's own folder: `detect --config` and the daemon (cwd /) saw different trees.
+    ({"root": "."}, ["root: '.' is a relative path; give an absolute one"]),
+    ({"enabled": ["thermal"], "thermal": {"root": "."}}, ["[thermal] root: '.' is a relative path"]),
     ({"hang_floor_s": 3}, ["unknown top-level key 'hang_floor_s'"]),
     ({"enabled": ["process"], "process": {"hang_floor_s": -1}}, ["[process]", "hang_floor_s=-1"]),
     # Items of a list were not checked: the disk detector statvfs()'d file descriptor 7, the roce detector ended

@@ -345,6 +345,8 @@ def test_the_cordon_bound_is_a_coordinator_setting_checked_against_the_store(tmp
                               "127.0.0.1:0", "--store", store, "--max-cordoned", str(value)],
                              env=tg_env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        # It offered "or 0 for the default", which the same command then refused ("must be at least 1").
+        assert "or 0 for" not in out.stderr, out.stderr
     srv = CoordinatorServer(JobSpec(job=JOB, nnodes=2, max_cordoned=1, store=f"sqlite://{tmp_path}/c.db")).start()
     try:
         with grpc.insecure_channel(srv.target) as chan:

@@ -270,6 +270,24 @@ def test_corrupt_sqlite_store_names_the_remedy_and_is_left_alone(tmp_path, damag
     assert path.read_bytes() == before
 
 
+def test_sqlite_store_with_a_damaged_page_is_refused_at_open(tmp_path) -> None:
+    # A page damaged inside (its header intact) opened fine: the coordinator served, health SERVING, while every
+    # commit failed with "database disk image is malformed", so every heartbeat was refused until someone read
+    # the log. The check at open refuses it with the remedy instead, and leaves the file as it was.
+    path = tmp_path / "state.db"
+    s = open_store(f"sqlite://{path}")
+    s.commit([], [Put("trainguard/jobs/j/state", b"x" * 100)])
+    s.close()
+    data = bytearray(path.read_bytes())
+    page = 4096
+    assert len(data) >= 2 * page
+    data[page + 4: page + 8] = b"\xff\xff\xff\xff"  # page 2's b-tree header: first freeblock, cell count
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"state\.db .*not a SQLite database or is damaged: move it .*fresh --store"):
+        open_store(f"sqlite://{path}")
+    assert path.read_bytes() == bytes(data)
+
+
 def test_sqlite_store_under_a_plain_file_is_a_store_error(tmp_path) -> None:
     # The directory could not be made (a file in its place): a bare FileExistsError escaped, which the embedded
     # coordinator and callers catching StoreError did not expect.
