@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import functools
 import math
 import os
 import re
+import select
+import stat
+import time
 import tomllib
 import types
 import typing
@@ -73,13 +77,28 @@ def read_bytes(path: str | os.PathLike[str], *, error: type[ConfigError] = Confi
         flag: the option that named the file (``--config``), for the advice in messages.
 
     Raises:
-        error: the file is missing, a directory or unreadable (one line naming the path).
+        error: the file is missing, a directory, unreadable, larger than :data:`MAX_CONFIG_BYTES`, or a FIFO/pipe
+            without content within :data:`PIPE_READ_TIMEOUT_S` (one line naming the path).
     """
     source = os.fspath(path)
     pass_one = f"pass an existing {flag} PATH" if flag else "check the path"
     try:
-        with open(source, "rb") as fh:
-            return fh.read()
+        # O_NONBLOCK: a named FIFO without a writer blocked the open forever (the command never started, nor said
+        # why); a pipe with a writer (``--config <(envsubst < agent.toml.in)``) is still read, within a deadline.
+        fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), source)
+            if stat.S_ISREG(st.st_mode):
+                if st.st_size > MAX_CONFIG_BYTES:
+                    raise error(f"{source}: {st.st_size / 2**20:.0f} MiB is no {what} (at most "
+                                f"{MAX_CONFIG_BYTES >> 20} MiB); check the path")
+                os.set_blocking(fd, True)
+                return _read_all(fd, source, error, what, deadline=None)
+            return _read_all(fd, source, error, what, deadline=time.monotonic() + PIPE_READ_TIMEOUT_S)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise error(f"{source}: {what} not found; {pass_one}") from None
     except IsADirectoryError:
@@ -87,6 +106,45 @@ def read_bytes(path: str | os.PathLike[str], *, error: type[ConfigError] = Confi
         raise error(f"{source}: is a directory; {takes}") from None
     except OSError as exc:
         raise error(f"{source}: cannot read {what} ({exc.strerror}); check its permissions") from exc
+
+
+#: A config file is a few KiB; one this large is a wrong path (a log, a dataset), read whole into memory before.
+MAX_CONFIG_BYTES = 4 << 20
+#: How long a pipe or FIFO given as a config file may take to deliver its content.
+PIPE_READ_TIMEOUT_S = 30.0
+
+
+def _read_all(fd: int, source: str, error: type[ConfigError], what: str, deadline: float | None) -> bytes:
+    """Reads ``fd`` to its end, at most :data:`MAX_CONFIG_BYTES`; a pipe (``deadline`` set) by then.
+
+    Raises:
+        error: the content is larger than the cap, a pipe delivers nothing before its deadline, or a FIFO has no
+            writer (it reads as empty at once).
+    """
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise error(f"{source}: the pipe gave no end of its {what} within {PIPE_READ_TIMEOUT_S:g} s; "
+                            "give a regular file")
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+        else:
+            chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_CONFIG_BYTES:
+            raise error(f"{source}: more than {MAX_CONFIG_BYTES >> 20} MiB is no {what}; check the path")
+    if deadline is not None and not chunks:
+        # a FIFO opened without a writer reads as empty at once: that is no config, not an empty one
+        raise error(f"{source}: a FIFO or pipe that gave no bytes (no writer?); give a regular file")
+    return b"".join(chunks)
 
 
 def decode(raw: bytes, source: str, *, error: type[ConfigError] = ConfigError) -> str:

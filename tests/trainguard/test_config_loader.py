@@ -174,3 +174,39 @@ def test_a_file_saved_with_a_byte_order_mark_reads(tmp_path: Path) -> None:
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf" + '[demo]\nname = "caf\u00e9"\n'.encode())
     assert read_toml(path, error=DemoError) == {"demo": {"name": "caf\u00e9"}}
+
+
+def test_a_fifo_without_a_writer_is_refused_not_waited_on_forever(tmp_path: Path, monkeypatch) -> None:
+    import os
+    import time
+
+    import trainguard.config_loader as loader
+
+    fifo = tmp_path / "agent.toml"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(loader, "PIPE_READ_TIMEOUT_S", 0.5)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="agent.toml: the pipe gave no end of its config file within 0.5 s"):
+        read_toml(str(fifo))  # the open itself blocked forever: the command never started
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_pipe_with_a_writer_is_read_like_a_file(tmp_path: Path) -> None:
+    # `--config <(envsubst < agent.toml.in)`: bash hands the command a pipe whose writer is already there
+    import subprocess
+    import sys
+
+    code = ("import sys; from trainguard.config_loader import read_toml; "
+            "print(read_toml(sys.argv[1]))")
+    out = subprocess.run(["bash", "-c", f'{sys.executable} -c "{code}" <(sleep 0.3; printf "[a]\\nx = 1\\n")'],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "'a': {'x': 1}" in out.stdout
+
+
+def test_a_file_far_larger_than_any_config_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    big = tmp_path / "train.log"
+    with open(big, "wb") as fh:
+        fh.truncate(300 << 20)  # sparse: reading it whole took seconds and 300 MiB of memory
+    with pytest.raises(ConfigError, match=r"train.log: 300 MiB is no config file \(at most 4 MiB\)"):
+        read_toml(str(big))
