@@ -151,13 +151,14 @@ def _check_fault_ranks(args: argparse.Namespace, faults: list[FaultPlan], nproc:
     """Refuses a ``--fault`` naming a rank the job cannot have: it was never injected, silently.
 
     The job's ranks are known on one node (``--nproc-per-node``) and with ``--nnodes`` (at most MAX nodes of
-    ``--nproc-per-node`` each); a job joining ``--coordinator`` without ``--nnodes`` learns its size later.
+    ``--nproc-per-node`` each); a node joining a coordinator without ``--nnodes`` learns the size from it.
 
     Raises:
         UsageError: a fault's rank is >= the world size, naming it.
     """
-    if args.coordinator and not flag_given(args, "nnodes"):
-        return  # joining a job without --nnodes: its size is the coordinator's
+    if rdzv.coordinator is not None and not flag_given(args, "nnodes"):
+        return  # joining a coordinator (--coordinator, a c10d endpoint another agent serves) without --nnodes:
+        # the job's size is the coordinator's
     world = nproc * rdzv.max_nodes
     for plan, text in zip(faults, args.fault):
         if plan.rank >= world:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from tg_testutil import run_cli
 
+from trainguard.errors import UsageError
+
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -73,3 +75,19 @@ def test_a_bad_pet_default_is_named_as_the_variable(tmp_path, var, value, flag):
 def test_a_bad_flag_value_is_still_named_as_the_flag(tmp_path):
     line = _refused(tmp_path, ["--max-restarts", "abc"], PET_MAX_RESTARTS="2")
     assert "--max-restarts" in line and "PET_" not in line
+
+
+def test_a_node_joining_a_coordinator_without_nnodes_leaves_the_world_size_to_it():
+    from trainguard.agent import run_torchrun as tr
+    from trainguard.agent.run import _check_fault_ranks
+    from trainguard.agent.run_args import parse_fault
+    from trainguard.cli import build_parser
+
+    def check(*flags: str) -> None:
+        args = build_parser().parse_args(["run", "--coordinator", "127.0.0.1:29400", *flags, "--fault", "5:10",
+                                          "train.py"])
+        _check_fault_ranks(args, [parse_fault("5:10")], 1, tr.resolve_rendezvous(args))
+
+    check()  # the job may have more nodes than this one: the coordinator knows its size
+    with pytest.raises(UsageError, match="world size is 2"):
+        check("--nnodes", "2")
