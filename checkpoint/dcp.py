@@ -264,6 +264,8 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
         raise CheckpointError(f"{src_dir} is not a torch.distributed.checkpoint directory (no .metadata file)")
     if world_size is not None and world_size < 1:
         raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
+    if step is not None:
+        _refuse_existing(LocalStore(root, job), step, force)  # before reading the source (checked again below)
     reader, planner = _reader_and_planner(src_dir)
     md = reader.read_metadata()
     if not _is_trainguard_export(md):

@@ -92,3 +92,18 @@ def test_a_crash_mid_import_with_force_leaves_the_old_step_whole(tmp_path):
     ls = _cli("ls", root, "--job", "j", "--json")
     assert ls.returncode == 0, ls.stderr
     assert [(r["step"], r["complete"]) for r in json.loads(ls.stdout)["steps"]] == [(5, True)], ls.stdout
+
+
+def test_an_export_imported_twice_under_its_own_step_needs_force(tmp_path):
+    from trainguard.checkpoint import CheckpointConfig, Checkpointer
+
+    cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False}, persist={"service": "inline"})
+    with Checkpointer(cfg, job="j") as ck:
+        ck.save({"w": torch.arange(10.0)}, 9)
+    assert _cli("export", str(tmp_path / "ck"), str(tmp_path / "out")).returncode == 0
+    root = str(tmp_path / "ck2")
+    assert _cli("import", str(tmp_path / "out"), root, "--job", "k").returncode == 0
+    again = _cli("import", str(tmp_path / "out"), root, "--job", "k")
+    assert again.returncode == 2 and "step 9" in again.stderr and "--force" in again.stderr, again.stderr
+    assert _cli("import", str(tmp_path / "out"), root, "--job", "k", "--force").returncode == 0
+    assert _cli("verify", root, "--job", "k").returncode == 0
