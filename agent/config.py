@@ -76,6 +76,25 @@ NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 _MAX_SOCKET_PATH_BYTES = 107
 
 
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def refuse_url(text: str | None, name: str, what: str = "a local file (a path on this host)") -> None:
+    """Refuses a URL given for a local path (``--config http://host/x.toml``).
+
+    A URL taken for a path became a relative one under the current folder (``/cwd/http:/host/x.toml``) and
+    was reported as a file not found, as if the URL had been tried.
+
+    Args:
+        text: the value; None or "" passes. name: the flag or variable, for the message. what: what it must be.
+
+    Raises:
+        AgentConfigError: ``text`` starts with a URL scheme (``scheme://``).
+    """
+    if text and _URL_RE.match(text):
+        raise AgentConfigError(f"{name} {text!r} is a URL; it must be {what}")
+
+
 class AgentConfigError(ConfigError, AgentError):
     """The agent's configuration file, an environment override or a flag is invalid."""
 
@@ -357,6 +376,8 @@ class AgentConfig:
         """
         env = os.environ if env is None else env
         explicit = path is not None or bool(env.get(CONFIG_ENV))
+        if path is None:
+            refuse_url(env.get(CONFIG_ENV), f"${CONFIG_ENV}")
         file = Path(path if path is not None else env.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
         if not explicit and not file.exists():
             config = cls(source="<defaults>")

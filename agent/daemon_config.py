@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from trainguard.agent.config import AgentConfig, AgentConfigError
+from trainguard.agent.config import AgentConfig, AgentConfigError, refuse_url
 
 #: Reads and validates the daemon's configuration (file, environment, flags); raises AgentConfigError.
 ConfigLoader = Callable[[], AgentConfig]
@@ -29,7 +29,11 @@ def config_loader(
         socket_path: ``--socket PATH`` ("" disables it), or None.
         state_dir: ``--state-dir DIR``, or None.
 
-    Relative ``config_path``, ``socket_path`` and ``state_dir`` are resolved against the current folder now.
+    Relative ``config_path``, ``socket_path`` and ``state_dir`` are resolved against the current folder now;
+    a URL for any of them is refused (see :func:`~trainguard.agent.config.refuse_url`).
+
+    Raises:
+        AgentConfigError: a URL given for one of the paths.
 
     Returns:
         A function returning the validated configuration, raising AgentConfigError.
@@ -37,6 +41,9 @@ def config_loader(
     # Relative paths on the command line mean the folder the command was typed in: resolved once, here, so every
     # later load (SIGHUP) and every client reads the same place. In the file and the environment they are refused
     # (config.validate): under systemd the daemon starts in /, not where the file or the unit was written.
+    refuse_url(config_path, "--config")
+    refuse_url(socket_path, "--socket", "a local unix socket path")
+    refuse_url(state_dir, "--state-dir", "a local folder (a path on this host)")
     config_path, socket_path, state_dir = (os.path.abspath(p) if p else p
                                            for p in (config_path, socket_path, state_dir))
     flags = {("grpc", "listen"): (grpc_listen, "--grpc-listen"), ("grpc", "socket"): (socket_path, "--socket"),

@@ -153,9 +153,34 @@ def open_channel(args: argparse.Namespace) -> tuple[grpc.Channel, str]:
 
 
 def _unreachable(address: str, exc: grpc.RpcError) -> AgentError:
+    if address.startswith("unix:"):
+        path = address[len("unix:"):].rsplit(" (", 1)[0]
+        if _connect_denied(path):
+            # gRPC reports a socket this user may not open as UNAVAILABLE, like one nobody listens on: the
+            # operator went looking for a stopped daemon that was running.
+            return AgentError(f"permission denied on the agent's socket {path}: run this as the agent's user or a "
+                              "member of its group (e.g. with sudo), or point --socket at a socket you may open")
     details = (exc.details() or "").splitlines()[0][:160] if exc.details() else ""
     return AgentError(f"no node agent answers at {address} ({exc.code().name}: {details}); is `trainguard agent` "
                       "running, and are --socket/--target and the TLS flags right?")
+
+
+def _connect_denied(path: str) -> bool:
+    """Whether connecting to the unix socket ``path`` fails for want of permission (on the socket file or a
+    folder above it)."""
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2.0)
+    try:
+        s.connect(path)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+    return False
 
 
 def fetch_subsystems(channel: grpc.Channel, timeout: float) -> tuple[dict[str, str], list[str]]:

@@ -18,17 +18,22 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trainguard.agent.errors import JobFailedError
 from trainguard.agent.guard import guard
 from trainguard.agent.fault_records import FaultRecord
 from trainguard.agent.node import NodeAgent, NodeConfig, handle_signals, install_signal_handlers
-from trainguard.agent.run_args import parse_fault
+from trainguard.agent.run_args import flag_given, parse_fault
 from trainguard.agent.qualify.cli import qualify_for_run
 from trainguard.agent.run_detectors import run_detector_settings
 from trainguard.errors import UsageError
 from trainguard.checkpoint.location import CheckpointLocation
 from trainguard.worker_env import CHECKPOINT_DIR_ENV, CHECKPOINT_SERVICE_ENV
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainguard.agent.run_torchrun import Rendezvous
+    from trainguard.drill.inject import FaultPlan
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +147,43 @@ def _check_metric_history(path: str) -> None:
                          "another path or fix its permissions")
 
 
+def _check_fault_ranks(args: argparse.Namespace, faults: list[FaultPlan], nproc: int, rdzv: Rendezvous) -> None:
+    """Refuses a ``--fault`` naming a rank the job cannot have: it was never injected, silently.
+
+    The job's ranks are known on one node (``--nproc-per-node``) and with ``--nnodes`` (at most MAX nodes of
+    ``--nproc-per-node`` each); a node joining a coordinator without ``--nnodes`` learns the size from it.
+
+    Raises:
+        UsageError: a fault's rank is >= the world size, naming it.
+    """
+    if rdzv.coordinator is not None and not flag_given(args, "nnodes"):
+        return  # joining a coordinator (--coordinator, a c10d endpoint another agent serves) without --nnodes:
+        # the job's size is the coordinator's
+    world = nproc * rdzv.max_nodes
+    for plan, text in zip(faults, args.fault):
+        if plan.rank >= world:
+            how = (f"--nproc-per-node {nproc} on one node" if rdzv.max_nodes == 1
+                   else f"at most {rdzv.max_nodes} nodes (--nnodes) x --nproc-per-node {nproc}")
+            raise UsageError(f"--fault {text!r}: rank {plan.rank} does not exist: the world size is {world} ({how}), "
+                             f"ranks 0..{world - 1}")
+
+
+def _check_node_id(node_id: str) -> None:
+    """Refuses a ``--node-id`` the coordinator would refuse at registration, by the coordinator's own rule, before
+    anything starts (the embedded coordinator was up and the workers' setup under way when it failed).
+
+    Raises:
+        UsageError: the id is not a valid node id.
+    """
+    from trainguard.recovery.errors import InvalidRequestError
+    from trainguard.recovery.service import _check_node_id as coordinator_rule
+
+    try:
+        coordinator_rule("--node-id", node_id)
+    except InvalidRequestError as exc:
+        raise UsageError(f"{exc}; the coordinator refuses it") from exc
+
+
 def run_job(args: argparse.Namespace) -> RunResult:
     """Runs the job described by parsed ``trainguard run`` arguments on this node.
 
@@ -185,6 +227,9 @@ def run_job(args: argparse.Namespace) -> RunResult:
     for flag in tr.ignored_flags(args):
         log.warning("torchrun flag accepted but not applied: %s", flag)
     faults = [parse_fault(f) for f in args.fault]
+    _check_fault_ranks(args, faults, nproc, rdzv)
+    if args.node_id is not None:
+        _check_node_id(args.node_id)
     if args.predictor_model and not os.path.isfile(args.predictor_model):
         raise UsageError(f"--predictor-model {args.predictor_model}: no such file")
     if args.predictor_model:
@@ -463,7 +508,12 @@ def handle_run(args: argparse.Namespace) -> int:
     ``--log-format json``, else text lines)."""
     from trainguard.cli_support import chosen_log_format
 
-    result = run_job(args)
+    from trainguard.agent.run_args import name_env_source
+
+    try:
+        result = run_job(args)
+    except UsageError as exc:
+        raise name_env_source(exc, args) from exc
     if chosen_log_format(args) == "json":
         import json
 

@@ -53,11 +53,26 @@ ENV_DEFAULT_PREFIX = "PET_"
 DEFAULT_PROVIDERS: list[Callable[[str], str | None]] = []
 
 
+class EnvDefault(str):
+    """A flag's default read from an environment variable (``$PET_<DEST>``): the text, plus the variable's name
+    so a bad value is reported under the variable the user set, not under a flag they never typed."""
+
+    var: str
+
+    def __new__(cls, text: str, var: str) -> "EnvDefault":
+        """The text ``text`` read from ``$var``."""
+        obj = super().__new__(cls, text)
+        obj.var = var
+        return obj
+
+
 def flag_default(dest: str, fallback: object) -> object:
-    """The default of flag ``dest``: ``$PET_<DEST>``, else the first registered provider's, else ``fallback``."""
-    env = os.environ.get(ENV_DEFAULT_PREFIX + dest.upper())
+    """The default of flag ``dest``: ``$PET_<DEST>`` (an :class:`EnvDefault`), else the first registered
+    provider's, else ``fallback``."""
+    var = ENV_DEFAULT_PREFIX + dest.upper()
+    env = os.environ.get(var)
     if env is not None:
-        return env
+        return EnvDefault(env, var)
     for provider in DEFAULT_PROVIDERS:
         value = provider(dest)
         if value is not None:
@@ -86,6 +101,75 @@ def flag_given(args: argparse.Namespace, dest: str) -> bool:
     return dest in getattr(args, GIVEN_ATTR, ()) or (ENV_DEFAULT_PREFIX + dest.upper()) in os.environ
 
 
+def env_source(args: argparse.Namespace, dest: str) -> str | None:
+    """``$PET_<DEST>`` when torchrun flag ``dest`` took its value from that variable (not given on the command
+    line), else None."""
+    var = ENV_DEFAULT_PREFIX + dest.upper()
+    if dest in getattr(args, GIVEN_ATTR, ()) or var not in os.environ:
+        return None
+    return var
+
+
+def name_env_source(exc: UsageError, args: argparse.Namespace) -> UsageError:
+    """``exc`` reworded when it opens with a torchrun flag whose value came from ``$PET_<DEST>``.
+
+    The checks of the torchrun flags name the flag (``--max-restarts must be 0..``); a value the user set as
+    ``PET_MAX_RESTARTS`` was then reported under a flag they never typed, sending them to their command line.
+
+    Returns:
+        A UsageError naming the variable and the flag it stands for, or ``exc`` itself.
+    """
+    text = str(exc)
+    for action_dest, flag in _TORCHRUN_FLAGS.items():
+        var = env_source(args, action_dest)
+        if var is None:
+            continue
+        for spelling in _spellings(flag):
+            if text.startswith(spelling) and text[len(spelling):len(spelling) + 1] in (" ", ":", "=", ""):
+                return UsageError(f"${var} (the default of {flag}){text[len(spelling):]}")
+    return exc
+
+
+def _env_checked(flag: str, kw: dict) -> Callable[[str], object] | None:
+    """The ``type`` of a torchrun flag whose default may come from ``$PET_<DEST>``: the flag's own conversion
+    (and ``choices``), a bad environment value refused under the variable's name.
+
+    argparse converts a text default with the flag's type and reported ``PET_MAX_RESTARTS=abc`` as "argument
+    --max-restarts: invalid int value"; it never checks a default against ``choices``, so
+    ``PET_START_METHOD=bogus`` passed unnoticed.
+    """
+    conv = kw.get("type")
+    choices = kw.get("choices")
+    if conv is None and choices is None:
+        return None
+    if conv is float:
+        from trainguard.cli import finite_float  # the parser's own float (its registry no longer sees `float`)
+
+        conv = finite_float
+
+    def parse(text: str) -> object:
+        if not isinstance(text, EnvDefault):
+            return conv(text) if conv is not None else text
+        where = f"${text.var}={str(text)!r} (the default of {flag})"
+        try:
+            value = conv(text) if conv is not None else text
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentError(None, f"{where}: {exc}") from None
+        except (TypeError, ValueError):
+            kind = "a whole number" if conv is int else "a valid value"
+            raise argparse.ArgumentError(None, f"{where}: expected {kind}") from None
+        if choices is not None and value not in choices:
+            raise argparse.ArgumentError(None, f"{where}: expected one of {', '.join(map(str, choices))}")
+        return value
+
+    parse.__name__ = getattr(conv, "__name__", "value")  # argparse names the type in its own errors
+    return parse
+
+
+#: ``dest`` -> canonical spelling of every torchrun flag (filled by :func:`_torchrun_flag`).
+_TORCHRUN_FLAGS: dict[str, str] = {}
+
+
 def _spellings(name: str) -> list[str]:
     """``--nproc-per-node`` and ``--nproc_per_node``: torchrun accepts both for every multi-word flag."""
     return [name] if "-" not in name[2:] else [name, "--" + name[2:].replace("-", "_")]
@@ -94,12 +178,16 @@ def _spellings(name: str) -> list[str]:
 def _torchrun_flag(g: argparse._ActionsContainer, name: str, *, fallback: object = None, short: str | None = None,
                    **kw) -> None:
     dest = name[2:].replace("-", "_")
+    _TORCHRUN_FLAGS[dest] = name
     names = ([short] if short else []) + _spellings(name)
     if kw.get("action") in ("store_true", "store_false"):
         raw = flag_default(dest, None)
         default = str(raw).lower() in ("1", "true", "yes", "on") if isinstance(raw, str) else bool(fallback)
         g.add_argument(*names, dest=dest, default=default, **kw)
     else:
+        checked = _env_checked(name, kw)
+        if checked is not None:
+            kw = {**kw, "type": checked}
         g.add_argument(*names, dest=dest, default=flag_default(dest, fallback), action=_StoreGiven, **kw)
 
 

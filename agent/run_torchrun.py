@@ -396,6 +396,11 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
     common = dict(min_nodes=lo, max_nodes=hi, job=job, join_timeout_s=join_timeout, form_timeout_s=form_timeout,
                   last_call_s=last_call,
                   multi_node=hi > 1, conf=conf)
+    if args.rdzv_endpoint:
+        # Checked whichever path uses it: a one-node static rendezvous (and --standalone) never reads the
+        # endpoint, so 'localhost:x' passed there and was refused only once the job grew to two nodes or c10d.
+        split_endpoint(args.rdzv_endpoint, C10D_DEFAULT_PORT if backend == "c10d" else STATIC_DEFAULT_PORT,
+                       "--rdzv-endpoint")
     listen_flag = args.coordinator_listen
     if args.coordinator:
         if args.standalone:

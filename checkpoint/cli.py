@@ -61,6 +61,8 @@ def register(subparsers: Any) -> None:
     q.add_argument("--world-size", type=int, default=None,
                    help="ranks to shard a DCP checkpoint over (dim 0, like FSDP2; default 1); any world size "
                         "restores it. A `ckpt export` directory keeps its saved world size (another is refused)")
+    q.add_argument("--force", action="store_true",
+                   help="replace the step when the job already has it (the new step takes its place in one rename)")
     q.set_defaults(handler=_one_line_os_errors(_import))
 
 
@@ -458,7 +460,7 @@ def _import(args: argparse.Namespace) -> int:
 
     with tqdm(total=1, desc="import", file=sys.stderr, disable=None, leave=False) as bar:
         step = import_dcp(_local_folder(args.source, "source", _DCP_HINT), location.local_path, args.job,
-                          args.step, args.world_size)
+                          args.step, args.world_size, force=getattr(args, "force", False))
         bar.update(1)
     print(f"imported {args.source} as step {step} of job {args.job}")
     return 0

@@ -12,6 +12,7 @@ anything else is refused rather than unpickled.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -221,8 +222,13 @@ def _flat_fqns(prefix: str, tree: Any, keys: list[str]) -> list[str]:
     return [f"{prefix}.{k}" if prefix else k for k in keys]
 
 
-def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world_size: int | None = None) -> int:
+def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world_size: int | None = None,
+               force: bool = False) -> int:
     """Imports a DCP checkpoint directory as a committed step of the disk tier.
+
+    The step is written into a hidden staging folder inside the job's folder and moved into place with one
+    rename once every rank committed (see :func:`_publish`): a crash mid-import leaves no step at all, never a
+    half-written one that reads as committed, and ``force`` swaps an existing step for the new one atomically.
 
     A checkpoint exported by :func:`export_step` from an unsharded step comes back exactly (same ranks, trees,
     step). Any other DCP checkpoint (sharded ones included: FSDP2, tensor parallel, any saving world size)
@@ -235,6 +241,7 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
         step: step number to store it as (default: the exported step, else 0).
         world_size: ranks of the written step (each holds a dim-0 shard of every tensor). Default 1. A trainguard
             export is written back with the world size it was saved with: another ``world_size`` is refused.
+        force: replace the step when the job already has a folder of that step (committed or torn).
 
     Returns:
         The step written.
@@ -242,7 +249,7 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
     Raises:
         CorruptCheckpointError: metadata that would need unsafe unpickling, or unreadable files.
         CheckpointError: ``world_size`` differs from a trainguard export's; ``job`` is not a valid folder name;
-            ``step`` is outside 0..2**53-1.
+            ``step`` is outside 0..2**53-1; the step exists and ``force`` is not set.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -257,6 +264,8 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
         raise CheckpointError(f"{src_dir} is not a torch.distributed.checkpoint directory (no .metadata file)")
     if world_size is not None and world_size < 1:
         raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
+    if step is not None:
+        _refuse_existing(LocalStore(root, job), step, force)  # before reading the source (checked again below)
     reader, planner = _reader_and_planner(src_dir)
     md = reader.read_metadata()
     if not _is_trainguard_export(md):
@@ -264,7 +273,10 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
 
         if step is None:
             step = exported_step(src_dir) or 0
-        import_sharded(src_dir, md, LocalStore(root, job), step, world_size or 1)
+        _refuse_existing(LocalStore(root, job), step, force)
+        with _Staging(root, job) as staging:
+            import_sharded(src_dir, md, staging.store, step, world_size or 1)
+            staging.publish(step, force)
         return step
     flat: dict[str, Any] = {}
     for fqn, sm in md.state_dict_metadata.items():
@@ -287,7 +299,6 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
     finally:
         ctx.__exit__(None, None, None)
     flat.update(planner.loaded)
-    store = LocalStore(root, job)
     meta_raw = flat.get(META_KEY)
     if isinstance(meta_raw, str):
         meta = json.loads(meta_raw)
@@ -298,17 +309,133 @@ def import_dcp(src_dir: str, root: str, job: str, step: int | None = None, world
             raise CheckpointError(
                 f"--world-size {world_size}: {src_dir} was exported by `trainguard ckpt export` from a step of "
                 f"world size {ws} and is imported as saved; omit --world-size (or pass {ws})")
-        for r_str, rm in meta["ranks"].items():
-            fqns = _flat_fqns(rm["prefix"], rm["tree"], rm["keys"])
-            missing = [f for f in fqns if f not in flat]
-            if missing:
-                raise CorruptCheckpointError(f"{src_dir} lacks tensors {missing[:3]} listed in its trainguard entry")
-            tensors = [(k, flat[f]) for k, f in zip(rm["keys"], fqns)]
-            ranks = range(ws) if len(meta["ranks"]) == 1 and ws > 1 else [int(r_str)]
-            for r in ranks:
-                write_rank_step(store, step, r, ws, rm["tree"], tensors, replicated=bool(rm.get("replicated")))
+        _refuse_existing(LocalStore(root, job), step, force)
+        with _Staging(root, job) as staging:
+            for r_str, rm in meta["ranks"].items():
+                fqns = _flat_fqns(rm["prefix"], rm["tree"], rm["keys"])
+                missing = [f for f in fqns if f not in flat]
+                if missing:
+                    raise CorruptCheckpointError(f"{src_dir} lacks tensors {missing[:3]} listed in its trainguard "
+                                                 "entry")
+                tensors = [(k, flat[f]) for k, f in zip(rm["keys"], fqns)]
+                ranks = range(ws) if len(meta["ranks"]) == 1 and ws > 1 else [int(r_str)]
+                for r in ranks:
+                    write_rank_step(staging.store, step, r, ws, rm["tree"], tensors,
+                                    replicated=bool(rm.get("replicated")))
+            staging.publish(step, force)
         return step
     raise CorruptCheckpointError(f"{src_dir}: its {META_KEY} entry is not a trainguard export record")
+
+
+def _refuse_existing(store: LocalStore, step: int, force: bool) -> None:
+    """Refuses to import over a step the job already has, unless ``force``.
+
+    Before, an import wrote its ranks' files over the existing step's one by one: a second import of another
+    checkpoint as the same step silently replaced the first (``ckpt export`` asks for ``--force`` to write over
+    an earlier export), and a crash in between left a step that mixed both and still read as committed.
+
+    Raises:
+        CheckpointError: the step's folder exists and ``force`` is not set.
+    """
+    if force or step not in store.list_steps():
+        return
+    state = "committed" if store.is_complete(step)[0] else "incomplete"
+    raise CheckpointError(f"step {step} of job {os.path.basename(store.job_dir)} already exists in {store.root} "
+                          f"({state}); pass --force to replace it, or --step to import as another step")
+
+
+class _Staging:
+    """A hidden folder inside the job's folder (``<job>/.import-XXXX/<job>/``) that an import writes its step
+    into; :meth:`publish` moves the finished step into the job with one rename. Step listings only read folders
+    named ``step_<n>`` directly under the job, so a staging folder left by a crash is never taken for a step; the
+    same filesystem as the job makes the rename atomic."""
+
+    def __init__(self, root: str, job: str) -> None:
+        import tempfile
+
+        self.target = LocalStore(root, job)
+        self.new_job = not os.path.isdir(self.target.job_dir)
+        os.makedirs(self.target.job_dir, exist_ok=True)
+        self.dir = tempfile.mkdtemp(prefix=".import-", dir=self.target.job_dir)
+        self.store = LocalStore(self.dir, job)
+
+    def __enter__(self) -> "_Staging":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.new_job:
+            try:
+                os.rmdir(self.target.job_dir)  # a failed import into a new job: no empty job folder to list
+            except OSError:
+                pass  # the import succeeded (the folder holds the step)
+
+    def publish(self, step: int, force: bool) -> None:
+        """Moves the staged ``step`` into the job, swapping out an existing one when ``force``.
+
+        Raises:
+            CorruptCheckpointError: the staged step is not complete (a rank was not written).
+            CheckpointError: the step appeared in the job meanwhile and ``force`` is not set.
+        """
+        from trainguard.checkpoint.fileio import fsync_dir
+        from trainguard.checkpoint.storage import step_dirname
+
+        complete, ws = self.store.is_complete(step)
+        if not complete:
+            raise CorruptCheckpointError(f"the import of step {step} wrote an incomplete step; nothing was imported")
+        staged = os.path.join(self.store.job_dir, step_dirname(step))
+        final = os.path.join(self.target.job_dir, step_dirname(step))
+        if not os.path.lexists(final):
+            try:
+                if not _rename2(staged, final, _RENAME_NOREPLACE):
+                    os.rename(staged, final)
+                placed = True
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                placed = False  # another import or a trainer wrote the step meanwhile
+        else:
+            placed = False
+        if not placed:
+            _refuse_existing(self.target, step, force)
+            if not _rename2(staged, final, _RENAME_EXCHANGE):
+                # Without an atomic exchange (not Linux, or a filesystem without it) the old step is moved
+                # aside first: a crash between the two renames loses the old step but never leaves a mixed one.
+                os.rename(final, os.path.join(self.dir, "replaced"))
+                os.rename(staged, final)
+        if self.target.fsync:
+            fsync_dir(self.target.job_dir)
+        # The record is a hint (readers trust the markers), rewritten as the rank completing a step would.
+        self.target._update_record(step, ws)
+
+
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+
+def _rename2(src: str, dst: str, flags: int) -> bool:
+    """Linux ``renameat2(src, dst, flags)``; False where the call or the flag is not supported (then nothing
+    was renamed).
+
+    Raises:
+        OSError: the rename failed for another reason (``dst`` exists with ``RENAME_NOREPLACE``: EEXIST).
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), ctypes.c_uint(flags)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), dst)
 
 
 def _first_line(exc: BaseException) -> str:
