@@ -61,7 +61,7 @@ from trainguard.checkpoint.snapshot import PendingCopy, SnapshotCopier, storage_
 from trainguard.checkpoint.staging import StagingArea
 from trainguard.checkpoint.storage import (FsspecStore, LocalStore, StepStore, check_job_name, manifest_name,
                                           marker_name)
-from trainguard.checkpoint.tree import capture, restore_into
+from trainguard.checkpoint.tree import capture, check_fits_before_loading, restore_into
 from trainguard.checkpoint.uploads import REMOTE_BACKOFF_CAP
 
 log = logging.getLogger(__name__)
@@ -1163,6 +1163,7 @@ class Checkpointer:
 
                 loader = ShardedLoader(own, open_rank, all_manifests, verify=self.config.verify_on_restore,
                                        own_verified=whole)
+            check_fits_before_loading(man.tree, man.tensors, state)
             restore_into(man.tree, loader, state)
         finally:
             self.last_restore_read = {r: c.bytes_touched for r, c in copies.items() if c.bytes_touched}

@@ -51,6 +51,8 @@ class PendingCopy:
 
     def __init__(self) -> None:
         self._done = threading.Event()
+        #: set once the callback that hands the copy on (the persist request) has run too
+        self._settled = threading.Event()
         self._error: BaseException | None = None
         self.cuda_event: Any = None
 
@@ -59,9 +61,19 @@ class PendingCopy:
         self._error = error
         self._done.set()
 
+    def settle(self) -> None:
+        """Marks the copy's follow-up done (called by the copying thread after its callback)."""
+        self._settled.set()
+
     def wait_host(self, timeout: float | None = None) -> bool:
-        """Blocks the calling thread until the copy finished; returns False on timeout."""
-        return self._done.wait(timeout)
+        """Blocks the calling thread until the copy finished and its callback ran; returns False on timeout.
+
+        The copy alone is not enough here: ``Checkpointer.close()`` waited for it, found no persist request
+        yet (the callback sends it) and unmapped the slot under the callback, so a step saved with
+        ``overlap_with`` and then closed without ``wait()`` was never written. The optimizer's pre-hook, which
+        only needs the bytes copied, uses :meth:`wait_before_mutation`.
+        """
+        return self._settled.wait(timeout)
 
     def wait_before_mutation(self) -> None:
         """Called before parameters change: GPU copies order the compute stream after them, CPU copies block."""
@@ -148,7 +160,10 @@ class SnapshotCopier:
             except BaseException as exc:  # reported through then(); never kills the thread silently
                 err = exc
             pending.finish(err)
-            then(err)
+            try:
+                then(err)
+            finally:
+                pending.settle()
 
         threading.Thread(target=run, name="trainguard-snapshot", daemon=True).start()
         return pending

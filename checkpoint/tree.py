@@ -426,6 +426,54 @@ def _decode_key(k: Any) -> Any:
     return k
 
 
+def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping[str, Any]) -> None:
+    """Raises the :class:`StateMismatchError` a restore would raise for a plain tensor of ``state`` (or of a
+    module in it) whose shape or dtype differs from the saved one, before anything is loaded.
+
+    The load fills the state key by key: a mismatch found at the fifth key left the first four holding the
+    checkpoint and the rest the fresh model's values, so a script that caught the error and trained on (from
+    scratch, or after restoring into a resized model by hand) trained a mixture with no word. Optimizers are
+    left out (their state may load in another dtype, cast by ``load_state_dict``), and so are sharded tensors
+    (placed by :mod:`.shards`, which checks them) and values that are not tensors.
+
+    Args:
+        tree: the root tree node of the checkpoint.
+        entries: the manifest's tensor entries (``.key``, ``.shape``, ``.dtype``), indexed by the tree's ``"i"``.
+        state: the live state.
+
+    Raises:
+        StateMismatchError: a live tensor does not fit its saved one (the message names the key).
+    """
+
+    def walk(node: Any, target: Any) -> None:
+        if not isinstance(node, dict) or target is None:
+            return
+        tag = node.get("t")
+        if tag == "tensor" and isinstance(target, torch.Tensor):
+            e = entries[int(node["i"])]
+            dtype = getattr(torch, e.dtype, None)
+            if tuple(target.shape) != tuple(e.shape) or target.dtype != dtype:
+                raise StateMismatchError(
+                    f"{e.key}: the checkpoint holds {e.dtype}{list(e.shape)}, the live tensor is "
+                    f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}; restore into a state of the "
+                    "same shapes and dtypes (or leave the key out); nothing was loaded")
+        elif tag == "dict" and isinstance(target, Mapping):
+            for k_node, v_node in zip(node["k"], node["v"]):
+                k = _decode_key(k_node)
+                if k in target:
+                    walk(v_node, target[k])
+        elif tag in ("list", "tuple") and isinstance(target, (list, tuple)):
+            for x, t in zip(node["v"], target):
+                walk(x, t)
+        elif tag == "stateful" and isinstance(target, torch.nn.Module):
+            walk(node["v"], target.state_dict(keep_vars=True))
+
+    keys = [_decode_key(k) for k in tree["k"]]
+    for k, v in zip(keys, tree["v"]):
+        if k in state:
+            walk(v, state[k])
+
+
 def restore_into(tree: dict[str, Any], loader: TensorLoader, state: MutableMapping[str, Any]) -> None:
     """Loads a checkpoint tree into the live ``state`` mapping in place.
 

@@ -407,13 +407,9 @@ class Session:
         """
         if self._ckpt is None:
             return 0
-        dist = _initialized_dist() if self._place_assumed else None
-        if dist is not None and dist.get_world_size() > 1:
-            # trainguard.init() ran before the script's own init_process_group (mp.spawn, no RANK in the
-            # environment): every process took itself for rank 0 of 1 and would load one rank's state.
-            raise UsageError(f"trainguard.init() ran before init_process_group() in a process launched without "
-                             f"RANK/WORLD_SIZE, so it took itself for rank 0 of 1 in a group of "
-                             f"{dist.get_world_size()}; call init_process_group() first")
+        misplaced = self._misplaced()
+        if misplaced is not None:
+            raise misplaced
         # No agreement of the hook's own after the Checkpointer's: a rank whose restore raised something other
         # than a TrainguardError (a user's load_state_dict) never reached it, and it reduced a CPU tensor, which
         # a pure NCCL group refuses.
@@ -437,6 +433,13 @@ class Session:
         if self._ckpt is None:
             return False
         step = _as_step(step)
+        misplaced = self._misplaced()
+        if misplaced is not None:
+            # Saved as rank 0 of 1, one process's state was committed as the whole job's step (a later restore
+            # at world size 1 loaded it, one at 2 refused it) and every other process had its saves refused with
+            # "another process writes this job": a message about job names, not about the order of the calls.
+            self._latch(misplaced, f"checkpoint of step {step} not taken")
+            return False
         t0 = time.perf_counter()
         try:
             self._ckpt.save(state, step)
@@ -447,6 +450,17 @@ class Session:
         if self._agent is not None:
             self._agent.report_checkpoint(step, "snapshot", 0, time.perf_counter() - t0)
         return True
+
+    def _misplaced(self) -> UsageError | None:
+        """The error for a session that took itself for rank 0 of 1 (:func:`init` ran before the script's own
+        ``init_process_group`` in a process launched without ``RANK``/``WORLD_SIZE``, as ``mp.spawn`` starts
+        them) inside a process group of several ranks; None when its place is right."""
+        dist = _initialized_dist() if self._place_assumed else None
+        if dist is None or dist.get_world_size() <= 1:
+            return None
+        return UsageError(f"trainguard.init() ran before init_process_group() in a process launched without "
+                          f"RANK/WORLD_SIZE, so it took itself for rank 0 of 1 in a group of "
+                          f"{dist.get_world_size()}; call init_process_group() first")
 
     def _on_checkpoint_event(self, event) -> None:
         # The checkpointer has logged it. A failure of a background tier (the persist process's disk write, the

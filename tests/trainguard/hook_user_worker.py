@@ -10,7 +10,8 @@ Scenarios:
                 (``init_process_group(rank=r, world_size=2)``, no RANK in the environment), saving ``{"w": rank}``
                 every step for 3 steps; each writes its session's rank, world size, restored step, ``w`` after the
                 restore and latched errors to OUT/rank<R>.json. ``spawn-late``: ``trainguard.init()`` before
-                ``init_process_group``; each writes what ``session.restore`` raised.
+                ``init_process_group``; each writes what ``session.restore`` raised. ``spawn-late-save``: the
+                same order, no restore, two steps through ``step_done``; each writes its latched errors.
   restore_fails a Stateful whose ``load_state_dict`` raises a plain AssertionError on rank 1 (a user's own check);
                 every rank writes the type of what ``session.restore`` raised to OUT/rank<R>.json.
 """
@@ -100,7 +101,14 @@ def spawned(rank: int, scenario: str, ckpt: str, out: str, port: int) -> None:
                                 timeout=datetime.timedelta(seconds=30))
 
     state = {"w": torch.full((4,), float(rank))}
-    if scenario == "spawn-late":
+    if scenario == "spawn-late-save":
+        session = trainguard.init(checkpoint_dir=ckpt, save_every=1)
+        group()
+        for step in range(2):
+            session.step_done(step, state)
+        session.wait()
+        facts = {"errors": [[type(e).__name__, str(e)] for e in session.errors]}
+    elif scenario == "spawn-late":
         session = trainguard.init(checkpoint_dir=ckpt, save_every=1)
         group()
         try:

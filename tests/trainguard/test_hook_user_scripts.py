@@ -90,6 +90,26 @@ def test_processes_from_mp_spawn_take_their_place_from_their_process_group(tmp_p
     assert [json.loads((out / f"rank{rank}.json").read_text())["raised"] for rank in (0, 1)] == ["UsageError"] * 2
 
 
+@pytest.mark.timeout(300)
+def test_saves_of_a_session_made_before_its_process_group_are_refused_naming_the_order(tmp_path: Path,
+                                                                                       tg_env: dict) -> None:
+    # trainguard.init() before init_process_group in processes mp.spawn started: each took itself for rank 0 of
+    # 1. Without a restore() to say so, the first process to save committed its own state as the job's whole step
+    # (world size 1), and the other latched "another process writes this job ... give it another job name" at
+    # every save. Now every save is refused on every rank with the error restore() gives, and nothing is written.
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in tg_env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run([sys.executable, str(WORKER), "spawn-late-save", str(ckpt), str(out), str(free_port())],
+                       env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        errors = json.loads((out / f"rank{rank}.json").read_text())["errors"]
+        assert [kind for kind, _ in errors] == ["UsageError", "UsageError"], errors
+        assert "call init_process_group() first" in errors[0][1]
+    assert not list(ckpt.rglob("*.commit"))
+
+
 @pytest.mark.timeout(120)
 def test_a_zero_dimensional_numpy_array_resumes(tmp_path: Path) -> None:
     # np.ascontiguousarray gives at least one dimension, so np.array(0.5) (a best loss kept as an array) was saved
