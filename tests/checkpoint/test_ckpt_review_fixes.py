@@ -132,8 +132,8 @@ def test_import_of_an_export_refuses_another_world_size(tmp_path):
     msg = err.getvalue().strip()
     assert rc != 0 and "--world-size 2" in msg and "world size 1" in msg and len(msg.splitlines()) == 1, msg
     assert not os.path.exists(tmp_path / "imp" / "j2" / step_dirname(7))
-    # The export's own world size (or none) still imports it exactly.
-    for extra in (["--world-size", "1"], []):
+    # The export's own world size (or none) still imports it exactly (the second time over the first: --force).
+    for extra in (["--world-size", "1"], ["--force"]):
         rc, _ = _cli("import", str(tmp_path / "dcp"), str(tmp_path / "imp"), "--job", "j2", *extra)
         assert rc == 0
     live = {"w": torch.zeros(4000)}
