@@ -14,6 +14,13 @@ torch is imported in the agent only for this, in a background thread started wit
 (:func:`preload`). The first generation does not wait for it: if the import is still running when its workers
 start, the store comes up from that thread as soon as the import is done, and the workers, importing torch
 themselves meanwhile, connect with the client's usual retries.
+
+Those threads must not outlive the launcher: a job that ended before the import did (a short job, or a launcher
+slowed by a loaded host) left a daemon thread inside torch's import while the interpreter finalised. CPython
+before 3.14 ends such a thread with ``pthread_exit`` when it next takes the GIL; the forced unwind through
+torch's C++ frames then aborted the process (``terminate called without an active exception``, exit -6) after
+the job had succeeded. ``trainguard run`` calls :func:`settle` at the end of its cleanup: the wait is what is
+left of the import (about 2 s of CPU), and only when the job was shorter than it.
 """
 
 from __future__ import annotations
@@ -21,12 +28,42 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 log = logging.getLogger(__name__)
 
 _import_done = threading.Event()
 _import_error: list[BaseException] = []
+_threads: list[threading.Thread] = []  # the import and any pending listen: joined by settle()
+_threads_lock = threading.Lock()
+
+
+def _start(target: Callable[[], None], name: str) -> None:
+    t = threading.Thread(target=target, name=name, daemon=True)
+    with _threads_lock:
+        _threads[:] = [x for x in _threads if x.is_alive()]
+        _threads.append(t)
+    t.start()
+
+
+def settle(timeout_s: float = 60.0) -> bool:
+    """Waits up to ``timeout_s`` for the background import and any pending store start to finish.
+
+    Returns:
+        True when none is left running (the process may then exit safely); False when one still runs.
+    """
+    deadline = time.monotonic() + timeout_s
+    with _threads_lock:
+        pending = list(_threads)
+    for t in pending:
+        t.join(max(0.0, deadline - time.monotonic()))
+    left = [t.name for t in pending if t.is_alive()]
+    if left:
+        log.warning("background thread(s) %s still running after %.0f s; exiting anyway", ", ".join(left),
+                    timeout_s)
+    return not left
 
 
 def preload() -> None:
@@ -43,7 +80,7 @@ def preload() -> None:
         finally:
             _import_done.set()
 
-    threading.Thread(target=work, name="store-import", daemon=True).start()
+    _start(work, "store-import")
 
 
 class StoreHostError(RuntimeError):
@@ -63,6 +100,9 @@ class GenerationStore:
         self.world_size = world_size
         self._store = None
         self._closed = False
+        # A start from the background thread and a close from the agent can cross: without the lock a store
+        # created just after close() stayed up (its port and server thread) until the process exited.
+        self._lock = threading.Lock()
 
     def start(self, timeout_s: float = 60.0) -> GenerationStore:
         """Listens on ``port`` (every interface, as torch's TCPStore server does).
@@ -87,17 +127,22 @@ class GenerationStore:
 
         def later() -> None:
             _import_done.wait(timeout_s)
-            if self._closed:
-                return
             try:
                 self._listen(timeout_s)
             except StoreHostError as exc:
-                on_error(exc)
+                if not self._closed:
+                    on_error(exc)
 
-        threading.Thread(target=later, name=f"store-{self.port}", daemon=True).start()
+        _start(later, f"store-{self.port}")
         return self
 
     def _listen(self, timeout_s: float) -> GenerationStore:
+        with self._lock:
+            if not self._closed:
+                self._listen_locked(timeout_s)
+        return self
+
+    def _listen_locked(self, timeout_s: float) -> None:
         if _import_error or not _import_done.is_set():
             raise StoreHostError(f"cannot import torch.distributed to host the workers' store: "
                                  f"{_import_error[0] if _import_error else 'import timed out'}")
@@ -109,9 +154,10 @@ class GenerationStore:
         except (RuntimeError, OSError, ValueError) as exc:
             raise StoreHostError(f"cannot host the workers' store on port {self.port}: {exc}") from exc
         log.debug("hosting the workers' store on port %d", self.port)
-        return self
 
     def close(self) -> None:
-        """Shuts the server down (torch stops it when the last reference goes)."""
-        self._closed = True
-        self._store = None
+        """Shuts the server down (torch stops it when the last reference goes); a start still pending is
+        cancelled."""
+        with self._lock:
+            self._closed = True
+            self._store = None
