@@ -345,7 +345,9 @@ def run_job(args: argparse.Namespace) -> RunResult:
         socket_path=os.path.join(rundir, "agent.sock"),
         log_dir=args.log_dir,
         extra_env=extra_env,
-        standby=args.standby,
+        # One node with its own coordinator and no restart budget never starts a second generation: warm
+        # standbys (each importing torch and torch._dynamo) would wait for a restart that cannot come.
+        standby=args.standby and not (server is not None and not rdzv.multi_node and args.max_restarts == 0),
         detectors=detectors,
         detector_config=detector_config,
         predictor_model=args.predictor_model,
