@@ -55,12 +55,15 @@ class Proc:
     def wait_match(self, pattern: str, timeout: float, after: float = 0.0) -> tuple[float, re.Match[str]]:
         rx = re.compile(pattern)
         deadline = time.monotonic() + timeout
+        seen = 0  # lines only ever append: each poll searches the new ones (agents log a line per heartbeat)
         while time.monotonic() < deadline:
-            for t, line in list(self.lines):
+            done = self.p.poll() is not None and not self._t.is_alive()  # before the scan: no last line missed
+            for t, line in self.lines[seen:]:
+                seen += 1
                 m = rx.search(line) if t >= after else None
                 if m:
                     return t, m
-            if self.p.poll() is not None and not self._t.is_alive():
+            if done:
                 break
             time.sleep(0.05)
         raise AssertionError(f"{self.name}: no line matching {pattern!r} within {timeout:.0f} s; "
