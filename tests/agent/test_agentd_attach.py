@@ -96,7 +96,7 @@ def test_sigkilled_launchers_restart_restores_from_the_daemons_memory(tmp_path: 
     """Rerunning the same command restores from memory: with an explicit job name, and with none (the default
     name of a one-node job follows its checkpoint directory, not its start time). The named job has two ranks
     (every rank restores the same step bitwise); the default name does not depend on the ranks, so that job has
-    one (two torch workers fewer to start, twice)."""
+    one (one torch worker fewer in each of its two runs)."""
     job = f"mem-{os.getpid()}" if named else None
     FakeNodeHardware(tmp_path / "sysfs")
     daemon = UnitDaemon(tmp_path / "daemon", daemon_config(tmp_path / "sysfs", shm), clean_env(tg_env))
