@@ -90,11 +90,13 @@ def newest_restore(out: Path, rank: int, pids_before: set[str]) -> dict:
     return json.loads(min(files, key=lambda p: p.stat().st_mtime).read_text())
 
 
-@pytest.mark.parametrize("named", [True, False], ids=["rdzv-id", "default-name"])
+@pytest.mark.parametrize("named,nproc", [(True, 2), (False, 1)], ids=["rdzv-id", "default-name"])
 def test_sigkilled_launchers_restart_restores_from_the_daemons_memory(tmp_path: Path, tg_env: dict, shm: Path,
-                                                                      named: bool):
+                                                                      named: bool, nproc: int):
     """Rerunning the same command restores from memory: with an explicit job name, and with none (the default
-    name of a one-node job follows its checkpoint directory, not its start time)."""
+    name of a one-node job follows its checkpoint directory, not its start time). The named job has two ranks
+    (every rank restores the same step bitwise); the default name does not depend on the ranks, so that job has
+    one (one torch worker fewer in each of its two runs)."""
     job = f"mem-{os.getpid()}" if named else None
     FakeNodeHardware(tmp_path / "sysfs")
     daemon = UnitDaemon(tmp_path / "daemon", daemon_config(tmp_path / "sysfs", shm), clean_env(tg_env))
@@ -102,7 +104,7 @@ def test_sigkilled_launchers_restart_restores_from_the_daemons_memory(tmp_path: 
                TRAINGUARD_CHECKPOINT_SHM_DIR=str(shm))
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     out.mkdir()
-    cmd = run_cmd(job, "--nproc-per-node", "2", "--max-restarts", "0", "--detectors", "process",
+    cmd = run_cmd(job, "--nproc-per-node", str(nproc), "--max-restarts", "0", "--detectors", "process",
                   "--checkpoint-dir", str(ckpt), str(SCRIPTS / "arena_trainer.py"), str(out), "16")
     first = second = None
     try:
@@ -130,7 +132,7 @@ def test_sigkilled_launchers_restart_restores_from_the_daemons_memory(tmp_path: 
         _, err = second.communicate(timeout=120)
         assert second.returncode == 0, err[-3000:]
         assert "it kept this job's memory tier from a previous launcher" in err, err[-3000:]
-        for rank in (0, 1):
+        for rank in range(nproc):
             got = newest_restore(out, rank, before)
             assert got["tier"] == "memory" and got["next_step"] == saved + 1, got
             # Bitwise: the restored parameters and optimizer state hash to what the killed run had at that step.

@@ -41,7 +41,7 @@ for step in range(3):
     time.sleep(0.05)
     session.step_done(step)
 {block}
-for step in range(3, 6):
+for step in range({after}, {after} + 3):
     time.sleep(0.05)
     session.step_done(step)
 session.close()
@@ -49,14 +49,17 @@ print("worker done", flush=True)
 """
 HANG_FLOOR_S = 2.0
 BLOCKS = {
-    # 3x the hang bound without a step, inside the pause: not a hang
-    "paused": f"with session.pause_hang_detection('evaluation'):\n    time.sleep({3 * HANG_FLOOR_S})",
+    # 3x the hang bound without a step, inside the pause: not a hang; then, after steps 3..5, nested pauses: the
+    # inner one's end does not resume detection inside the outer one (one launcher for both: each silence is
+    # judged on its own, between steps, as in two runs)
+    "paused-and-nested-paused": "with session.pause_hang_detection('evaluation'):\n"
+                                f"    time.sleep({3 * HANG_FLOOR_S})\n"
+                                "for step in range(3, 6):\n    time.sleep(0.05)\n    session.step_done(step)\n"
+                                "with session.pause_hang_detection('evaluation'):\n"
+                                "    with session.pause_hang_detection('export'):\n        time.sleep(0.5)\n"
+                                f"    time.sleep({3 * HANG_FLOOR_S})",
     # the same without the pause: hung (the test can fail)
     "silent": f"time.sleep({3 * HANG_FLOOR_S})",
-    # nested pauses: the inner one's end does not resume detection inside the outer one
-    "nested-paused": "with session.pause_hang_detection('evaluation'):\n"
-                     "    with session.pause_hang_detection('export'):\n        time.sleep(0.5)\n"
-                     f"    time.sleep({3 * HANG_FLOOR_S})",
     # a short pause, then the same silence: hung, counted from the pause's end
     "paused-then-silent": f"with session.pause_hang_detection('evaluation'):\n    time.sleep(1)\n"
                           f"time.sleep({3 * HANG_FLOOR_S})",
@@ -87,9 +90,10 @@ def test_a_hooked_worker_silent_before_its_first_step_is_hung(tmp_path: Path, tg
 
 @pytest.mark.parametrize("block", list(BLOCKS))
 def test_a_long_phase_between_steps_is_no_hang_inside_a_pause_only(tmp_path: Path, tg_env: dict, block: str) -> None:
-    code, out = _run(tmp_path, tg_env, BETWEEN_STEPS.format(block=BLOCKS[block]), "--max-restarts", "0",
+    after = 6 if block == "paused-and-nested-paused" else 3  # the first step after the block
+    code, out = _run(tmp_path, tg_env, BETWEEN_STEPS.format(block=BLOCKS[block], after=after), "--max-restarts", "0",
                      "--hang-floor-s", str(HANG_FLOOR_S))
-    if block in ("paused", "nested-paused"):
+    if block == "paused-and-nested-paused":
         assert code == 0 and "worker done" in out and "0 fault(s)" in out, out[-3000:]
     else:
         assert code != 0 and "worker done" not in out, out[-3000:]
