@@ -24,7 +24,6 @@ from trainguard.agent.errors import JobFailedError
 from trainguard.agent.guard import guard
 from trainguard.agent.fault_records import FaultRecord
 from trainguard.agent.node import NodeAgent, NodeConfig, handle_signals, install_signal_handlers
-from trainguard.agent.worker_store import settle as settle_store_threads
 from trainguard.agent.run_args import flag_given, parse_fault
 from trainguard.agent.qualify.cli import qualify_for_run
 from trainguard.agent.run_detectors import run_detector_settings
@@ -416,10 +415,6 @@ def run_job(args: argparse.Namespace) -> RunResult:
             guard().forget(pid)
         guard().close()
         remove_rundir(rundir)
-        # A job shorter than torch's import (or a loaded host) ended with the workers' store thread still inside
-        # torch: the interpreter's exit could then abort (-6, "terminate called without an active exception")
-        # after the job had succeeded. Under the cleanup's handlers: a signal meanwhile is logged, not a flood.
-        settle_store_threads()
         restore()
     return RunResult(exit_code=code, message=message, faults=agent.fault_records,
                      generations=max(agent.generation, 0), wall_s=time.monotonic() - t0)

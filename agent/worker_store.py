@@ -19,8 +19,8 @@ Those threads must not outlive the launcher: a job that ended before the import 
 slowed by a loaded host) left a daemon thread inside torch's import while the interpreter finalised. CPython
 before 3.14 ends such a thread with ``pthread_exit`` when it next takes the GIL; the forced unwind through
 torch's C++ frames then aborted the process (``terminate called without an active exception``, exit -6) after
-the job had succeeded. ``trainguard run`` calls :func:`settle` at the end of its cleanup: the wait is what is
-left of the import (about 2 s of CPU), and only when the job was shorter than it.
+the job had succeeded. The console entry (:func:`trainguard.cli.entry`) exits without finalising while
+:func:`busy`; an in-process caller that must not leave the thread running waits with :func:`settle`.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ def _start(target: Callable[[], None], name: str) -> None:
         _threads[:] = [x for x in _threads if x.is_alive()]
         _threads.append(t)
     t.start()
+
+
+def busy() -> bool:
+    """True while the background import or a pending store start still runs."""
+    with _threads_lock:
+        return any(t.is_alive() for t in _threads)
 
 
 def settle(timeout_s: float = 60.0) -> bool:

@@ -186,5 +186,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The ``trainguard`` console script and ``python -m trainguard[.cli]``: :func:`main`, then the exit.
+
+    A ``trainguard run`` whose job ended before the agent's background ``import torch`` did (the workers' store,
+    :mod:`trainguard.agent.worker_store`) leaves that thread inside torch. CPython before 3.14 ends such a
+    thread with ``pthread_exit`` while the interpreter finalises, and the unwind through torch's C++ frames
+    aborted the process (exit -6, "terminate called without an active exception") after the job had
+    succeeded. The command's own clean-up is over by then, so the process exits at once, output flushed,
+    without finalising; waiting for the import instead cost every short job the rest of it (~2 s of CPU).
+    """
+    code = main()
+    from trainguard.agent.worker_store import busy
+
+    if busy():
+        import logging
+
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # a closed pipe: nothing more can reach it
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
