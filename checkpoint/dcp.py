@@ -345,7 +345,7 @@ def _refuse_existing(store: LocalStore, step: int, force: bool) -> None:
 
 
 class _Staging:
-    """A hidden folder inside the job's folder (``<job>/.import-XXXX/<job>/``) that an import writes its step
+    """A hidden folder inside the job's folder (``<job>/.import-<random suffix>/<job>/``) that an import writes its step
     into; :meth:`publish` moves the finished step into the job with one rename. Step listings only read folders
     named ``step_<n>`` directly under the job, so a staging folder left by a crash is never taken for a step; the
     same filesystem as the job makes the rename atomic."""
