@@ -101,6 +101,34 @@ def _scale(v: np.ndarray, med: np.ndarray) -> np.ndarray:
     return np.maximum(robust, np.maximum(1e-3 * np.abs(med), 1e-6))
 
 
+def _slot_medians(slot: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Per column, the median of the rows of each hour slot, shape (SLOTS, k); NaN for an empty slot.
+
+    One sort of all slots at once (rows padded with +inf to the fullest slot's count) instead of a median per
+    slot: the profile is refitted every hour, and 24 small medians were most of the offline scoring time. The
+    two middle values are averaged as :func:`numpy.median` does, so the result is the same to the bit."""
+    counts = np.bincount(slot, minlength=SLOTS)
+    order = np.argsort(slot, kind="stable")
+    pos = np.arange(len(slot)) - np.repeat(np.cumsum(counts) - counts, counts)
+    pad = np.full((SLOTS, max(1, int(counts.max())), v.shape[1]), np.inf)
+    pad[slot[order], pos] = v[order]
+    pad.sort(axis=1)
+    lo = np.maximum((counts - 1) // 2, 0)[:, None, None]
+    hi = np.maximum(counts // 2, 0)[:, None, None]
+    k = v.shape[1]
+    a = np.take_along_axis(pad, np.broadcast_to(lo, (SLOTS, 1, k)), axis=1)[:, 0]
+    b = np.take_along_axis(pad, np.broadcast_to(hi, (SLOTS, 1, k)), axis=1)[:, 0]
+    out = np.where(counts[:, None] % 2 == 1, a, (a + b) / 2.0)
+    out[counts == 0] = np.nan
+    return out
+
+
+def _days_per_slot(slot: np.ndarray, day: np.ndarray) -> np.ndarray:
+    """How many distinct days each hour slot holds rows of, shape (SLOTS,)."""
+    pairs = np.unique(slot * (int(day.max()) - int(day.min()) + 1) + (day - day.min()))
+    return np.bincount(pairs // (int(day.max()) - int(day.min()) + 1), minlength=SLOTS)
+
+
 @dataclass
 class _Stats:
     med: np.ndarray  # (k,)
@@ -128,11 +156,9 @@ def _stats(cfg: LongBaselineConfig, hts: np.ndarray, hx: np.ndarray) -> _Stats |
     if cfg.seasonal and hts[-1] - hts[0] >= cfg.season_min_days * 86400.0 - cfg.interval_s:
         slot = (np.floor(np.mod(hts, 86400.0) / (86400.0 / SLOTS))).astype(np.int64)
         day = np.floor(hts / 86400.0).astype(np.int64)
-        prof = np.full((SLOTS, hx.shape[1]), np.nan)
-        for j in range(SLOTS):
-            sel = slot == j
-            if len(np.unique(day[sel])) >= cfg.season_min_days:
-                prof[j] = np.median(hx[sel], axis=0)
+        prof = _slot_medians(slot, hx)
+        prof[_days_per_slot(slot, day) < cfg.season_min_days] = np.nan
+        prof[:, ~seen] = np.nan
         known = ~np.isnan(prof[slot]).any(axis=1)
         if known.sum() >= 20:
             # one scale for the whole profile, from the residuals of every history row: a slot holds only a

@@ -157,3 +157,23 @@ def test_bad_baseline_windows_are_refused_with_the_fix():
                 {"robust_recent_window_s": -5.0, "robust_window_s": 0.0}):
         with pytest.raises(DataFormatError, match="robust_recent_window_s < robust_window_s"):
             FeatureConfig(**{**ok.to_dict(), **bad})
+
+
+def test_slot_medians_equal_numpy_medians_to_the_bit():
+    """The profile's medians, all 24 slots in one sort, equal ``np.median`` of each slot's rows exactly: odd and
+    even counts, empty slots, ties, a column of +inf."""
+    from trainguard.predictor.long_baseline import SLOTS, _slot_medians
+
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        n = int(rng.integers(1, 400))
+        slot = rng.integers(0, SLOTS, n)
+        slot[slot == trial % SLOTS] = (trial + 1) % SLOTS  # at least one empty slot
+        v = np.column_stack([rng.standard_normal(n), np.round(rng.random(n) * 3), np.full(n, np.inf)])
+        got = _slot_medians(slot, v)
+        for j in range(SLOTS):
+            rows = v[slot == j]
+            if len(rows) == 0:
+                assert np.isnan(got[j]).all()
+            else:
+                assert np.array_equal(got[j], np.median(rows, axis=0)), (trial, j)
