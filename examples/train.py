@@ -22,18 +22,18 @@ import time
 
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import trainguard
+from trainguard.drill.digits import load_digits
 
 TRAIN_SAMPLES = 1500
 
 
 def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Digits split into a fixed train and test set (same split for every rank and every run)."""
-    x, y = load_digits(return_X_y=True)
+    x, y = load_digits()
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     x = torch.tensor(x, dtype=torch.float32)[perm] / 16.0
     y = torch.tensor(y, dtype=torch.long)[perm]

@@ -16,9 +16,7 @@ Run as ``trainguard run --nproc-per-node 2 -m trainguard.drill.soak_worker --ste
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -31,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import trainguard
+from trainguard.drill.digits import load_digits
 from trainguard.worker_env import WorkerEnv
 
 TRAIN_SAMPLES = 1500
@@ -47,22 +46,6 @@ class _EventLog(logging.Handler):
         msg = record.getMessage()
         if "checkpoint" in msg.lower():
             self._f.write(json.dumps({"t": record.created, "level": record.levelname, "message": msg[:300]}) + "\n")
-
-
-def _load_digits() -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's digits, read straight from the CSV it ships (importing sklearn costs seconds per worker).
-
-    Returns:
-        (images as float64 features, labels), the same arrays as ``sklearn.datasets.load_digits(return_X_y=True)``.
-    """
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("the soak worker needs scikit-learn's digits data: pip install scikit-learn")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "datasets", "data", "digits.csv.gz")
-    with gzip.open(path, "rt") as f:
-        rows = [[float(v) for v in line.split(",")] for line in f if line.strip()]
-    data = torch.tensor(rows, dtype=torch.float64)
-    return data[:, :-1], data[:, -1].long()
 
 
 def _batch(step: int, global_batch: int, seed: int) -> torch.Tensor:
@@ -103,7 +86,7 @@ def main() -> None:
     logging.getLogger("trainguard").addHandler(_EventLog(os.path.join(args.events, f"rank{rank}.events")))
 
     torch.manual_seed(args.seed)
-    x, y = _load_digits()
+    x, y = (torch.from_numpy(a) for a in load_digits())
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(args.seed))
     x = (x.float()[perm] / 16.0)[:TRAIN_SAMPLES]
     y = y[perm][:TRAIN_SAMPLES]
