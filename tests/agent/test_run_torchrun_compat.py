@@ -261,7 +261,9 @@ def _staggered_nodes(line: list[str], per_node: list[list[str]], out: Path, env:
                      delay_s: float = 1.5, last_fails_first: bool = True) -> list[str]:
     """Starts one `trainguard run` per entry of ``per_node`` (``line`` plus that entry), each ``delay_s`` after the
     previous one (nodes of a real job never start in the same second), and returns their stderr; every node
-    must succeed."""
+    must succeed. The workers run print_env.py: what these tests check is how the launchers form one job (the
+    rank table's RANK/WORLD_SIZE/run id), and a gloo group across nodes is test_two_nodes_...'s check; a torch
+    import per worker (~2.5 s CPU each) would only repeat it."""
     import time
 
     out.mkdir()
@@ -271,7 +273,7 @@ def _staggered_nodes(line: list[str], per_node: list[list[str]], out: Path, env:
             if procs:
                 time.sleep(delay_s)
             procs.append(subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", *line, *extra,
-                                           str(SCRIPTS / "dump_env.py"), str(out)], env=env, cwd=REPO,
+                                           PRINT_ENV, str(out)], env=env, cwd=REPO,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                           start_new_session=True))
         errs = []
@@ -297,9 +299,9 @@ def test_static_nodes_without_rdzv_id_agree_on_the_job_name(tmp_path: Path, tg_e
             "--max-restarts", "0"]
     _staggered_nodes(line, [["--node-rank", "0", "--node-id", "sa"], ["--node-rank", "1", "--node-id", "sb"]],
                      tmp_path / "out", tg_env)
-    envs = {int(f.stem[3:]): json.loads(f.read_text()) for f in (tmp_path / "out").glob("env*.json")}
-    assert sorted(envs) == [0, 1]
-    assert envs[0]["TORCHELASTIC_RUN_ID"] == envs[1]["TORCHELASTIC_RUN_ID"] == f"dump_env-{port}"
+    envs = {int(f.stem[3:]): json.loads(f.read_text())["env"] for f in (tmp_path / "out").glob("env*.json")}
+    assert sorted(envs) == [0, 1] and {e["WORLD_SIZE"] for e in envs.values()} == {"2"}
+    assert envs[0]["TORCHELASTIC_RUN_ID"] == envs[1]["TORCHELASTIC_RUN_ID"] == f"print_env-{port}"
 
 
 def test_two_c10d_agents_on_one_host_without_node_id(tmp_path: Path, tg_env: dict) -> None:
@@ -309,8 +311,9 @@ def test_two_c10d_agents_on_one_host_without_node_id(tmp_path: Path, tg_env: dic
     line = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             f"127.0.0.1:{_port()}", "--rdzv-id", "twoag", "--max-restarts", "0"]
     _staggered_nodes(line, [[], []], tmp_path / "out", tg_env, delay_s=1.0, last_fails_first=False)
-    envs = {int(f.stem[3:]): json.loads(f.read_text()) for f in (tmp_path / "out").glob("env*.json")}
-    assert sorted(envs) == [0, 1] and {e["dist_world"] for e in envs.values()} == {2}
+    envs = {int(f.stem[3:]): json.loads(f.read_text())["env"] for f in (tmp_path / "out").glob("env*.json")}
+    assert sorted(envs) == [0, 1] and {e["WORLD_SIZE"] for e in envs.values()} == {"2"}
+    assert envs[0]["TRAINGUARD_NODE_ID"] != envs[1]["TRAINGUARD_NODE_ID"], envs
 
 
 def test_nnodes_min_max_waits_for_the_last_call_like_torchrun(tmp_path: Path, tg_env: dict) -> None:
@@ -322,9 +325,10 @@ def test_nnodes_min_max_waits_for_the_last_call_like_torchrun(tmp_path: Path, tg
             "--max-restarts", "0"]
     _staggered_nodes(line, [["--node-id", "lc-a"], ["--node-id", "lc-b", "--local-addr", "127.0.0.1"]],
                      tmp_path / "out", tg_env, delay_s=1.5, last_fails_first=False)
-    envs = {int(f.stem[3:]): json.loads(f.read_text()) for f in (tmp_path / "out").glob("env*.json")}
+    envs = {int(f.stem[3:]): json.loads(f.read_text())["env"] for f in (tmp_path / "out").glob("env*.json")}
     assert sorted(envs) == [0, 1], envs
-    assert {e["WORLD_SIZE"] for e in envs.values()} == {"2"} and {e["dist_world"] for e in envs.values()} == {2}
+    assert {e["WORLD_SIZE"] for e in envs.values()} == {"2"} and {e["GROUP_WORLD_SIZE"] for e in envs.values()} \
+        == {"2"}, envs
 
 
 def test_default_node_ids_are_unique_per_agent_where_agents_share_a_host() -> None:
