@@ -119,11 +119,11 @@ def _coordinator(procs: list[Proc], env: dict, tmp: Path, listen: str, store: st
 
 
 def _agent(procs: list[Proc], env: dict, coord: str, node: str, index: int, address: str, ckpt: Path,
-           out: Path | None, extra: list[str] = (), netns: str | None = None) -> Proc:
+           out: Path | None, extra: list[str] = (), netns: str | None = None, train: list[str] = ()) -> Proc:
     argv = [sys.executable, "-m", "trainguard.cli", "run", "--coordinator", coord, "--job", "mn", "--node-id", node,
             "--host", node, "--pod", "pod-0", "--node-index", str(index), "--address", address,
             "--nproc-per-node", "1", "--max-restarts", "3", "--checkpoint-dir", str(ckpt), *extra, str(EXAMPLE),
-            *TRAIN_ARGS] + (["--out", str(out)] if out else [])
+            *TRAIN_ARGS, *train] + (["--out", str(out)] if out else [])
     if netns:
         argv = ["ip", "netns", "exec", netns, *argv]
     p = Proc(argv, env, node)
@@ -180,36 +180,48 @@ def _no_orphans(marker: str) -> None:
     assert not left, f"orphans: {[p.pid for p in left]}"
 
 
-def _faulty_pair(procs: list[Proc], tmp: Path, lease: float):
-    """A coordinator (sqlite store) and two loopback nodes whose rank 1 is SIGKILLed at step 9; returns
-    (marker, env, store, coordinator, its port, n0, n1, rank 0's result file)."""
+def _faulty_pair(procs: list[Proc], tmp: Path, lease: float, train: list[str] = ()):
+    """A coordinator (sqlite store) and two loopback nodes whose rank 1 is SIGKILLed at step 9 (``train``: more
+    arguments of the training script); returns (marker, env, store, coordinator, its port, n0, n1, rank 0's result
+    file)."""
     marker = uuid.uuid4().hex
     env = _env(marker, "lo")
     store = f"sqlite://{tmp}/state.db"
     coord, port = _coordinator(procs, env, tmp, "127.0.0.1:0", store, lease)
     target = f"127.0.0.1:{port}"
     out = tmp / "out.json"
-    n0 = _agent(procs, env, target, "n0", 0, "127.0.0.1", tmp / "ck", out)
-    n1 = _agent(procs, env, target, "n1", 1, "127.0.0.1", tmp / "ck", None, ["--fault", "1:9:KILL"])
+    n0 = _agent(procs, env, target, "n0", 0, "127.0.0.1", tmp / "ck", out, train=train)
+    n1 = _agent(procs, env, target, "n1", 1, "127.0.0.1", tmp / "ck", None, ["--fault", "1:9:KILL"], train=train)
     return marker, env, store, coord, port, n0, n1, out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_worker_kill_then_coordinator_kill_loopback(tmp_path, procs, clean_digest) -> None:
-    marker, env, store, coord, port, n0, n1, out = _faulty_pair(procs, tmp_path, 10.0)
+    # 0.2 s steps (a sleep: the parameters stay the reference's): the 15 steps after the fault outlast the
+    # coordinator's restart with seconds to spare on a loaded box.
+    marker, env, store, coord, port, n0, n1, out = _faulty_pair(procs, tmp_path, 10.0, ["--step-delay", "0.2"])
     t_kill = n1.wait_line(r"fault injected: SIGKILL to rank 1", 150)
-    t_resume = n0.wait_line(r"\[rank 0\] generation 2: starting at step", 90, after=t_kill)
-    print(f"\nprocess level (worker SIGKILL): recovery {t_resume - t_kill:.2f} s (fault -> new generation resumes)")
-    # Now the coordinator itself dies mid-run and comes back on the same port with the same store.
+    # Now the coordinator itself dies mid-run and comes back on the same port with the same store. It dies as
+    # generation 2's workers start: killed once rank 0 had resumed, it came back after the last step (review:
+    # 16 steps of 0.05 s are done in about a second), so "the job continued" showed only the agents reporting
+    # their end to the restored coordinator.
+    n0.wait_line(r"generation 2: started ranks", 90, after=t_kill)
     t_ckill = time.time()
     coord.kill()
     coord2, port2 = _coordinator(procs, env, tmp_path, f"127.0.0.1:{port}", store, 10.0, "coordinator2")
+    t_back = time.time()
     assert port2 == port
+    t_resume = n0.wait_line(r"\[rank 0\] generation 2: starting at step", 90, after=t_kill)
+    print(f"\nprocess level (worker SIGKILL): recovery {t_resume - t_kill:.2f} s (fault -> new generation resumes)")
+    t_done = n0.wait_line(r"\[rank 0\] done:", 150, after=t_kill)
+    assert t_done > t_back, (f"training ended {t_back - t_done:.1f} s before the restored coordinator was up: the "
+                             "coordinator was not down mid-run")
     assert n0.p.wait(150) == 0, n0.text()[-3000:]
     assert n1.p.wait(30) == 0, n1.text()[-3000:]
     result = json.loads(out.read_text())
-    print(f"coordinator SIGKILL: job continued, restored coordinator up {time.time() - t_ckill:.1f} s before end; "
+    print(f"coordinator SIGKILL: job continued, down {t_back - t_ckill:.1f} s, back {t_done - t_back:.1f} s before "
+          "the last step; "
           f"restart_count {result['restart_count']}")
     assert result["restart_count"] == 1
     assert result["params_sha256"] == clean_digest
