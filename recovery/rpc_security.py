@@ -29,6 +29,7 @@ import grpc
 
 from trainguard.agent.tls import ServerCertificates, TlsFiles, channel_credentials
 from trainguard.errors import ConfigError
+from trainguard.recovery.refusal_log import RefusalLog
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ class TokenCheck(grpc.ServerInterceptor):
         self._open = tuple(open_prefixes)
         self._what = what
         self.refused = 0
+        self._refusals = RefusalLog(log)  # a scanner or a misconfigured client retries: one line per window
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
         """Passes the call on when its metadata carries the token; else answers UNAUTHENTICATED."""
@@ -147,7 +149,8 @@ class TokenCheck(grpc.ServerInterceptor):
             return continuation(handler_call_details)
         self.refused += 1
         why = "no job token" if not got else "a wrong job token"
-        log.warning("refused %s: %s (the caller needs $%s or --token-file)", method, why, TOKEN_ENV)
+        self._refusals.refused(method, "UNAUTHENTICATED", why,
+                               f"refused {method}: {why} (the caller needs ${TOKEN_ENV} or --token-file)")
         # The refusal's handler must be of the method's own kind (the replica service streams), so the real
         # handler is looked up, never run.
         return _deny(grpc.StatusCode.UNAUTHENTICATED, f"{why}: this {self._what} requires the job's token",

@@ -42,6 +42,7 @@ from trainguard.recovery.coordinator import DURABLE_WAIT_S, JobCoordinator
 from trainguard.recovery.failslow import validate_timings
 from trainguard.recovery.job_records import LOST_RECORD_RE
 from trainguard.recovery.qualification import refusal_message
+from trainguard.recovery.refusal_log import RefusalLog
 from trainguard.recovery.link_locator import validate_link_results
 from trainguard.recovery.spec import JOB_NAME_RE, JobSpec
 from trainguard.recovery.errors import (CapacityError, CoordinatorError, DuplicateNodeError, InvalidRequestError, NodeRefusedError,
@@ -244,6 +245,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.spec = spec
         self.core = JobCoordinator(spec, store=store)
         self._wire = convert.ResponseCache()
+        self._refusals = RefusalLog(log)
 
     def _durable(self, context: grpc.ServicerContext, fut, what: str) -> None:
         """Waits for a call's write, no longer than the caller waits for the answer.
@@ -260,7 +262,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def _refuse(self, context: grpc.ServicerContext, method: str, exc: RecoveryError) -> None:
         code = STATUS_OF.get(type(exc), grpc.StatusCode.FAILED_PRECONDITION) if isinstance(exc, RequestError) \
             else grpc.StatusCode.UNAVAILABLE
-        log.warning("refused %s from %s: %s: %s", method, context.peer(), code.name, exc)
+        self._refusals.refused(method, code.name, type(exc).__name__,
+                               f"refused {method} from {context.peer()}: {code.name}: {exc}")
         context.abort(code, str(exc))
 
     def RegisterNode(self, request, context):  # noqa: N802 (gRPC naming)

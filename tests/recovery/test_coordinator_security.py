@@ -153,3 +153,25 @@ def test_trainguard_run_joins_a_secured_coordinator_and_a_wrong_token_is_turned_
         assert "worker ran" in out.stdout and "job succeeded" in out.stderr
     finally:
         srv.stop(0)
+
+
+def test_a_client_retrying_without_the_token_makes_one_warning_per_window(pki, caplog) -> None:
+    """A client without the token retries (or a scanner knocks) at every turn: the first refusal is a WARNING
+    that names the fix, the repeats of the same kind within the window are DEBUG lines; a wrong token, another
+    kind, gets its own WARNING."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="trainguard.recovery.rpc_security")
+    srv = _server(RpcSecurity(token=TOKEN))
+    try:
+        for i in range(8):
+            assert _code(lambda: _register(RpcSecurity(), srv.target, f"anon{i}")) == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: _register(RpcSecurity(token="x" * 32), srv.target, "wrong")) == \
+            grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        srv.stop(0)
+    lines = [r for r in caplog.records if r.name == "trainguard.recovery.rpc_security"]
+    warnings = [r.getMessage() for r in lines if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "no job token" in warnings[0] and "--token-file" in warnings[0] and "a wrong job token" in warnings[1]
+    assert sum(r.levelno == logging.DEBUG and "no job token" in r.getMessage() for r in lines) == 7

@@ -419,3 +419,46 @@ def test_the_dial_target_of_an_ipv6_listener_is_bracketed() -> None:
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         srv.stop()
+
+
+def test_a_node_refused_at_every_heartbeat_logs_one_warning_not_one_per_beat(server, caplog) -> None:
+    """A lasting refusal (here a stale lease) comes back at every heartbeat: the first is a WARNING naming it,
+    the rest of the window only DEBUG lines (at a thousand nodes that was hundreds of WARNINGs a second); another
+    kind of refusal still gets its own WARNING at once."""
+    import logging
+
+    srv, stub = server
+    nodes = _form(stub, [_info(f"n{i}", idx=i) for i in range(3)])
+    caplog.set_level(logging.DEBUG, logger="trainguard.recovery.service")
+    stale = pb.NodeHeartbeatRequest(job=JOB, node_id="n0", lease_id="f" * 32, generation=nodes[0].gen)
+    for _ in range(20):
+        assert _code(lambda: stub.Heartbeat(stale)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert _code(lambda: stub.Heartbeat(pb.NodeHeartbeatRequest(job=JOB, node_id="ghost", lease_id="f" * 32))) == \
+        grpc.StatusCode.NOT_FOUND
+    lines = [r for r in caplog.records if r.name == "trainguard.recovery.service" and "refused" in r.getMessage()]
+    warnings = [r.getMessage() for r in lines if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "Heartbeat" in warnings[0] and "FAILED_PRECONDITION" in warnings[0] and "NOT_FOUND" in warnings[1]
+    assert sum(r.levelno == logging.DEBUG for r in lines) == 19
+
+
+def test_the_refusal_log_says_how_many_it_left_out_once_the_window_has_passed(caplog) -> None:
+    """After the window, the next refusal of the kind is logged again with the count of those left out."""
+    import logging
+
+    from trainguard.recovery.errors import StaleLeaseError
+    from trainguard.recovery.refusal_log import RefusalLog
+
+    now = [100.0]
+    logger = logging.getLogger("test.refusals")
+    refusals = RefusalLog(logger, window_s=30.0, clock=lambda: now[0])
+    caplog.set_level(logging.DEBUG, logger="test.refusals")
+    for t in (100.0, 101.0, 110.0, 129.0, 131.0, 132.0):
+        now[0] = t
+        refusals.refused("Heartbeat", "FAILED_PRECONDITION", "a stale lease",
+                         f"refused Heartbeat from ipv4:10.0.0.7:5000: {StaleLeaseError('stale lease')}")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "left out" not in warnings[0]
+    assert "3 more Heartbeat call(s) refused with FAILED_PRECONDITION for a stale lease in the 31 s before" \
+        in warnings[1], warnings[1]
