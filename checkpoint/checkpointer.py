@@ -1079,6 +1079,7 @@ class Checkpointer:
         """:meth:`restore` on this rank alone; ``at_most`` leaves out newer steps (another rank's fallback)."""
         self._finish_pending()
         infos = self._list_steps(retired=True, restoring=True)  # the newest step still wins; retired copies only add older ones
+        listed = [i.step for i in infos]
         if step is not None:
             infos = [i for i in infos if i.step == step]
         if at_most is not None:
@@ -1108,8 +1109,12 @@ class Checkpointer:
                      [i.step for i in batch])
         self.last_restore_tier = None
         if step is not None:
-            raise NoCheckpointError(f"no tier holds a valid copy of step {step} for job {self.job!r}"
-                                    + (f" ({reasons[-1]})" if reasons else "") + "; run `trainguard ckpt ls`")
+            if reasons:
+                raise NoCheckpointError(f"no tier holds a valid copy of step {step} for job {self.job!r} "
+                                        f"({reasons[-1]}); run `trainguard ckpt verify`")
+            # A mistyped step (or one retention removed) used to get only "run `trainguard ckpt ls`": name them.
+            raise NoCheckpointError(f"job {self.job!r} has no committed step {step}; its committed steps are "
+                                    f"{_steps_text(listed) or 'none'}")
         if infos and not corrupt_ok:
             raise CorruptCheckpointError(
                 f"every committed step of job {self.job!r} ({', '.join(str(i.step) for i in infos)}) failed to "

@@ -323,3 +323,21 @@ def test_shm_filled_after_allocation_costs_the_memory_tier_only(make_config, sma
         ck.save(state, 2)
         ck.wait(2, timeout=60)
         assert "disk" in {s.step: s.tiers for s in ck.steps()}[2]
+
+
+def test_restore_of_a_step_never_committed_names_the_committed_ones(tmp_path):
+    """``restore(step=N)`` of a step that is not there (mistyped, or removed by retention) names the steps that
+    are, instead of only pointing at ``trainguard ckpt ls``."""
+    from trainguard.checkpoint.errors import NoCheckpointError
+
+    with Checkpointer(CheckpointConfig(directory=str(tmp_path / "ck"))) as ck:
+        for step in (10, 20, 30):
+            ck.save({"w": torch.full((4,), float(step))}, step)
+    with Checkpointer(CheckpointConfig(directory=str(tmp_path / "ck"))) as ck:
+        with pytest.raises(NoCheckpointError, match=r"no committed step 25; its committed steps are 10, 20, 30$"):
+            ck.restore({"w": torch.zeros(4)}, step=25)
+        live = {"w": torch.zeros(4)}
+        assert ck.restore(live, step=20) == 20 and torch.equal(live["w"], torch.full((4,), 20.0))
+    with Checkpointer(CheckpointConfig(directory=str(tmp_path / "empty"))) as ck:
+        with pytest.raises(NoCheckpointError, match=r"its committed steps are none$"):
+            ck.restore({"w": torch.zeros(4)}, step=1)
