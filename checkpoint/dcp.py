@@ -348,15 +348,24 @@ class _Staging:
     """A hidden folder inside the job's folder (``<job>/.import-<random suffix>/<job>/``) that an import writes its step
     into; :meth:`publish` moves the finished step into the job with one rename. Step listings only read folders
     named ``step_<n>`` directly under the job, so a staging folder left by a crash is never taken for a step; the
-    same filesystem as the job makes the rename atomic."""
+    same filesystem as the job makes the rename atomic.
+
+    The import holds an exclusive ``flock`` on the folder's ``.lock`` file while it runs. A killed import (SIGKILL,
+    OOM, a lost node) left its folder and the bytes it had written for good; the next import into the job removes
+    every staging folder whose lock it can take (its import is gone: the kernel dropped the lock with the process),
+    and leaves those of imports still running."""
 
     def __init__(self, root: str, job: str) -> None:
+        import fcntl
         import tempfile
 
         self.target = LocalStore(root, job)
         self.new_job = not os.path.isdir(self.target.job_dir)
         os.makedirs(self.target.job_dir, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix=".import-", dir=self.target.job_dir)
+        _sweep_stale_staging(self.target.job_dir)
+        self.dir = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.target.job_dir)
+        self._lock = os.open(os.path.join(self.dir, STAGING_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
         self.store = LocalStore(self.dir, job)
 
     def __enter__(self) -> "_Staging":
@@ -366,6 +375,7 @@ class _Staging:
         import shutil
 
         shutil.rmtree(self.dir, ignore_errors=True)
+        os.close(self._lock)
         if self.new_job:
             try:
                 os.rmdir(self.target.job_dir)  # a failed import into a new job: no empty job folder to list
@@ -409,6 +419,63 @@ class _Staging:
             fsync_dir(self.target.job_dir)
         # The record is a hint (readers trust the markers), rewritten as the rank completing a step would.
         self.target._update_record(step, ws)
+
+
+#: Staging folders of imports are named ``<job>/.import-<random suffix>``.
+STAGING_PREFIX = ".import-"
+#: The file each running import holds an exclusive flock on.
+STAGING_LOCK = ".lock"
+#: A staging folder without its lock file is left alone this long (an import between creating the folder and its
+#: lock file); older ones are a crash's (or an older version's) leftovers.
+STAGING_UNLOCKED_GRACE_S = 60.0
+
+
+def _sweep_stale_staging(job_dir: str) -> list[str]:
+    """Removes the staging folders of imports that are no longer running (see :class:`_Staging`).
+
+    Returns:
+        The folders removed.
+    """
+    import fcntl
+    import shutil
+    import time
+
+    removed = []
+    try:
+        names = [n for n in os.listdir(job_dir) if n.startswith(STAGING_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(job_dir, name)
+        try:
+            fd = os.open(os.path.join(path, STAGING_LOCK), os.O_RDONLY)
+        except FileNotFoundError:
+            try:
+                stale = time.time() - os.lstat(path).st_mtime > STAGING_UNLOCKED_GRACE_S
+            except OSError:
+                continue
+            if stale:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # a running import holds it
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)  # under its lock: no import can be starting in it
+            removed.append(path)
+        finally:
+            os.close(fd)
+    if removed:
+        import logging
+
+        logging.getLogger(__name__).warning("removed the staging folder(s) of %d import(s) that ended without "
+                                            "finishing: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 _RENAME_NOREPLACE = 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -92,6 +94,25 @@ def test_a_crash_mid_import_with_force_leaves_the_old_step_whole(tmp_path):
     ls = _cli("ls", root, "--job", "j", "--json")
     assert ls.returncode == 0, ls.stderr
     assert [(r["step"], r["complete"]) for r in json.loads(ls.stdout)["steps"]] == [(5, True)], ls.stdout
+    # The killed import's staging folder (its bytes included) stayed behind; the next import removes it, and
+    # leaves the folder of an import still running (its lock held) and a just-created one without its lock yet.
+    job_dir = tmp_path / "ck" / "j"
+    crashed_dirs = [n for n in os.listdir(job_dir) if n.startswith(".import-")]
+    assert len(crashed_dirs) == 1, os.listdir(job_dir)
+    running = job_dir / ".import-running"
+    running.mkdir()
+    held = os.open(running / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    young, old = job_dir / ".import-young", job_dir / ".import-old"
+    young.mkdir()
+    old.mkdir()
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    try:
+        assert _cli("import", first, root, "--job", "j", "--step", "6").returncode == 0
+        left = sorted(n for n in os.listdir(job_dir) if n.startswith(".import-"))
+    finally:
+        os.close(held)
+    assert left == [".import-running", ".import-young"], left
 
 
 def test_an_export_imported_twice_under_its_own_step_needs_force(tmp_path):
