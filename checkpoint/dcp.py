@@ -365,7 +365,10 @@ class _Staging:
         _sweep_stale_staging(self.target.job_dir)
         self.dir = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.target.job_dir)
         self._lock = os.open(os.path.join(self.dir, STAGING_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+        except OSError:
+            pass  # a filesystem without flock: no import can take this lock either, so none removes the folder
         self.store = LocalStore(self.dir, job)
 
     def __enter__(self) -> "_Staging":
