@@ -402,6 +402,13 @@ def ewma(v: np.ndarray, alpha: float, y0: float) -> np.ndarray:
         return np.full(n, float(y0))
     if c <= 0.0:
         return np.array(v, dtype=np.float64)
+    if c < math.exp(-18.0):  # a baseline of under 1/18 interval: c^-1 alone would overflow; step by step
+        out = np.empty(n)
+        y = float(y0)
+        for i, x in enumerate(np.asarray(v, dtype=np.float64).tolist()):
+            y = c * y + alpha * x
+            out[i] = y
+        return out
     size = int(min(n, max(1, math.floor(18.0 / -math.log(c)))))
     grow = c ** -np.arange(1.0, size + 1.0)
     decay = c ** np.arange(1.0, size + 1.0)

@@ -137,7 +137,7 @@ def test_observe_many_peer_features_equal_offline(small_trace):
     assert not math.isnan(max(diffs))
 
 
-@pytest.mark.parametrize("alpha", [1e-5, 1.0 / 60.0, 0.5, 1.0])
+@pytest.mark.parametrize("alpha", [1e-5, 1.0 / 60.0, 0.5, 1.0 - 1e-12, 1.0])
 def test_ewma_is_the_first_order_filter_of_scipy(alpha):
     """The node's own baseline is the filter ``scipy.signal.lfilter`` ran before (scipy.signal's import cost
     ~2 s of CPU per CLI run): the same values to 1e-12, over a spike 1e10 times the level and back."""
