@@ -3,9 +3,9 @@
 Every refused call used to log a WARNING. A node refused for a lasting reason (a stale lease, a fenced coordinator,
 a store that is down) is refused again at every heartbeat, so one fault made a line per node every two seconds: at
 a thousand nodes, hundreds of lines a second, and the first line, the one that says what happened, scrolled away.
-Now the first refusal of a kind (method, status code, cause: an error class, a missing token) is logged at once, later ones of that kind
-within :data:`WINDOW_S` are counted (each still at DEBUG), and the next one logged after the window says how many
-were left out. The kinds are few (methods x codes x causes), so the table stays small.
+Now the first refusal of a kind (method, status code, cause: an error class, a missing token) is logged at once,
+later ones of that kind within :data:`WINDOW_S` are counted (each still at DEBUG), and the next one logged after
+the window says how many were left out. The kinds are few (methods x codes x causes), so the table stays small.
 """
 
 from __future__ import annotations

@@ -169,7 +169,8 @@ def test_train_and_score_do_not_import_scipy_signal(tmp_path):
             for k in range(3):
                 w.writerow([1_700_000_000 + 60 * i, f"n{k}", round(20 + rng.standard_normal(), 3)])
     code = ("import sys; from trainguard.cli import main; "
-            f"assert main(['predictor', 'train', '--metrics', {str(path)!r}, '--out', {str(tmp_path / 'm.json')!r}]) == 0; "
+            f"assert main(['predictor', 'train', '--metrics', {str(path)!r}, "
+            f"'--out', {str(tmp_path / 'm.json')!r}]) == 0; "
             f"assert main(['predictor', 'score', '--model', {str(tmp_path / 'm.json')!r}, '--metrics', {str(path)!r}, "
             f"'--out', {str(tmp_path / 's.csv')!r}]) == 0; "
             "print('scipy.signal' in sys.modules)")
