@@ -139,6 +139,7 @@ class Checkpointer:
         #: checksum chunks its shards overlap.
         self.last_restore_read: dict[int, int] = {}
         self._memory_listing: dict[int, dict[int, Any]] | None = None
+        self._torn_into: tuple[int, str] | None = None  # (step, tier) of a load that failed part-way: see _restore_from
         #: steps the coordinator's restore plan says every rank holds in its own node's memory (see
         #: :data:`~trainguard.checkpoint.config.RESTORE_PLAN_ENV`); this rank restores them from local memory.
         self.job_memory_steps: frozenset[int] = job_memory_steps_from_env()
@@ -953,7 +954,9 @@ class Checkpointer:
                 filled with ``copy_``, other values are replaced in the mapping.
             step: restore exactly this step instead of the newest.
             corrupt_ok: when committed steps exist but every copy of every one fails verification, return None
-                (a fresh start) instead of raising. Default False: training must not silently restart from zero.
+                (a fresh start, ``state`` untouched) instead of raising. Default False: training must not silently
+                restart from zero. A reshard then verifies every copy before writing (it reads each whole); a
+                copy failing after part of it was loaded (a read error) raises CorruptCheckpointError instead.
 
         Returns:
             The restored step, or None when no tier holds a committed step (an empty directory).
@@ -1085,13 +1088,14 @@ class Checkpointer:
         if at_most is not None:
             infos = [i for i in infos if i.step <= at_most]
         reasons: list[str] = []
+        self._torn_into = None
         batch, infos = infos, []
         for _ in range(_RELISTS + 1):
             infos += batch
             for info in reversed(batch):
                 for tier in info.tiers:
                     try:
-                        if self._restore_from(tier, info, state):
+                        if self._restore_from(tier, info, state, check_all_first=corrupt_ok):
                             return info.step
                     except (CorruptCheckpointError, StorageUnavailableError, OSError) as exc:
                         log.warning("not restoring step %d from the %s tier: %s", info.step, tier, exc)
@@ -1118,15 +1122,34 @@ class Checkpointer:
         if infos and not corrupt_ok:
             raise CorruptCheckpointError(
                 f"every committed step of job {self.job!r} ({', '.join(str(i.step) for i in infos)}) failed to "
-                f"load: {'; '.join(reasons)}. Run `trainguard ckpt verify`; pass restore(corrupt_ok=True) only "
-                "if starting from scratch is acceptable")
+                f"load: {'; '.join(reasons)}.{self._torn_text()} Run `trainguard ckpt verify`; pass "
+                "restore(corrupt_ok=True) only if starting from scratch is acceptable")
+        if self._torn_into is not None:
+            # None promises the caller its own (fresh) state, untouched; this one holds part of a step.
+            raise CorruptCheckpointError(
+                f"every committed step of job {self.job!r} failed to load ({'; '.join(reasons)}), and the state "
+                f"cannot start fresh as corrupt_ok=True asks:{self._torn_text()} Build the model and optimizer "
+                "again before training from scratch, or run `trainguard ckpt verify`")
         if infos:
             log.error("every committed step failed to load (%s); starting fresh as corrupt_ok=True asks",
                       "; ".join(reasons))
         return None
 
-    def _restore_from(self, tier: str, info: StepInfo, state: MutableMapping[str, Any]) -> bool:
+    def _torn_text(self) -> str:
+        if self._torn_into is None:
+            return ""
+        step, tier = self._torn_into
+        return (f" The {tier} copy of step {step} failed after part of step {step} was already loaded into the "
+                "state, which is now neither fresh nor any step.")
+
+    def _restore_from(self, tier: str, info: StepInfo, state: MutableMapping[str, Any], *,
+                      check_all_first: bool = False) -> bool:
         """Loads ``info.step`` from ``tier`` into ``state``.
+
+        ``check_all_first``: a reshard, which reads other ranks' copies lazily (each byte range checked as it is
+        read), opens and verifies every rank's copy before writing anything, so that a bad copy leaves ``state``
+        as it was (``corrupt_ok=True`` returns it as the fresh start). It reads every copy whole, once more.
+        A copy failing after ``state`` was partly written sets ``_torn_into``.
 
         Raises:
             CorruptCheckpointError, StorageUnavailableError, OSError: this copy cannot be used (try another).
@@ -1166,10 +1189,22 @@ class Checkpointer:
                                                     f"{tier} copy of step {info.step} rank {r}", populate=False)
                     return copies[r]
 
+                own_verified = whole
+                if check_all_first and not whole:
+                    for r in range(info.world_size):
+                        if self.config.verify_on_restore:
+                            open_rank(r).verify()
+                        else:
+                            open_rank(r)  # opening checks each file's size: a torn one fails here
+                    own_verified = self.config.verify_on_restore
                 loader = ShardedLoader(own, open_rank, all_manifests, verify=self.config.verify_on_restore,
-                                       own_verified=whole)
+                                       own_verified=own_verified)
             check_fits_before_loading(man.tree, man.tensors, state)
-            restore_into(man.tree, loader, state)
+            try:
+                restore_into(man.tree, loader, state)
+            except BaseException:
+                self._torn_into = (info.step, tier)
+                raise
         finally:
             self.last_restore_read = {r: c.bytes_touched for r, c in copies.items() if c.bytes_touched}
             for c in copies.values():

@@ -148,3 +148,62 @@ def test_a_plain_ddp_checkpoint_restores_into_fsdp2_with_its_optimizer(two_ranks
     assert [f["rank"] for f in facts] == [0, 1]
     for f in facts:
         assert f["ddp_to_fsdp_diff"] == [], f
+
+
+def _corrupt_copy(work: Path, job: str, how: str) -> None:
+    """A copy of the saved "fsdp" job as ``job`` whose rank 2 data is bad (``flip``: one byte; ``cut``: the last
+    half gone)."""
+    root = work / "ckpt"
+    shutil.copytree(root / "fsdp", root / job)
+    bad = root / job / step_dirname(3) / data_name(2)
+    raw = bytearray(bad.read_bytes())
+    if how == "flip":
+        raw[len(raw) // 2] ^= 0xFF
+    else:
+        del raw[len(raw) // 2:]
+    bad.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how,verify", [("flip", True), ("cut", False)])
+def test_a_bad_copy_in_a_reshard_with_corrupt_ok_leaves_the_state_untouched(saved, how, verify):
+    """A reshard reads other ranks' copies lazily: a corrupt (or torn) one was found only after the shards of the
+    intact copies were copied in, and corrupt_ok=True then returned None (a "fresh start") over a model holding
+    part of step 3. With corrupt_ok=True every copy is opened (and verified) before anything is written."""
+    from sharded_worker import config, make_model
+
+    work, _ = saved
+    _corrupt_copy(work, f"fsdp_{how}", how)
+    cfg = config(str(work))
+    cfg.verify_on_restore = verify
+    model = make_model(7)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with Checkpointer(cfg, rank=0, world_size=1, job=f"fsdp_{how}") as ck:
+        assert ck.restore({"model": model}, corrupt_ok=True) is None
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_restore_failing_part_way_does_not_pass_for_a_fresh_start(saved, monkeypatch):
+    """A read error (EIO) in rank 2's copy once ranks 0 and 1 were loaded: corrupt_ok=True must not return None
+    over that half-loaded state, and corrupt_ok=False says the state is half-loaded."""
+    import errno
+
+    from sharded_worker import config, make_model
+
+    from trainguard.checkpoint import CorruptCheckpointError
+    from trainguard.checkpoint.reader import RankCopy
+
+    work, _ = saved
+    real = RankCopy.tensor
+
+    def failing(self, index):
+        if self.manifest.rank == 2:
+            raise OSError(errno.EIO, "Input/output error", str(self.where))
+        return real(self, index)
+
+    monkeypatch.setattr(RankCopy, "tensor", failing)
+    for corrupt_ok in (True, False):
+        with Checkpointer(config(str(work)), rank=0, world_size=1, job="fsdp") as ck:
+            with pytest.raises(CorruptCheckpointError, match="part of step 3 was already loaded") as err:
+                ck.restore({"model": make_model(7)}, corrupt_ok=corrupt_ok)
+        assert ("cannot start fresh" in str(err.value)) == corrupt_ok
