@@ -9,9 +9,10 @@ A trip point at or below 0 millidegrees is not set: drivers write ``0`` or ``THE
 there (``x86_pkg_temp`` on Intel servers has two ``passive`` trips at 0 until someone programs them; iwlwifi
 and ACPI zones use -274000), and the kernel's own thermal core disables such trips. They are ignored.
 
-A zone whose ``mode`` reads ``disabled`` is not judged against its critical trip: the kernel does not act on its
-trips (it would not power off there), so a temperature far above that trip is a bogus trip or a zone left to
-user space, not an imminent shutdown. The status says which zones are disabled.
+A zone whose ``mode`` reads ``disabled`` is not judged against its trips: the kernel does not act on them (it
+would not throttle at its passive trip nor power off at its critical one), so a temperature far above a trip is a
+bogus trip or a zone left to user space, not throttling or an imminent shutdown. Its temperature is still a
+metric, and the status says which zones are disabled.
 
 A condition ends only once the temperature is ``hysteresis_c`` below its threshold (or the trip's own
 ``trip_point_<K>_hyst``, whichever is larger), as the kernel's thermal core does: a zone the kernel throttles sits
@@ -170,16 +171,24 @@ class ThermalDetector(Detector):
                                           hyst.get("critical", 0.0)),
                                "hw.temp_critical", Severity.CRITICAL, Action.CHECKPOINT_NOW,
                                f"{subject} at {temp:.1f} C, near its critical trip {critical} C", subject, evidence)
-            self.condition(s, f"hot/{zone}", self._over(f"hot/{zone}", temp, trips.get("hot"), hyst.get("hot", 0.0)),
+            # Nor does it throttle a disabled zone at its passive trip: "throttled" was untrue, and a zone far
+            # above its bogus passive and hot trips stayed a warning and an error for as long as the node ran.
+            self.condition(s, f"hot/{zone}",
+                           not disabled and self._over(f"hot/{zone}", temp, trips.get("hot"), hyst.get("hot", 0.0)),
                            "hw.temp_hot", Severity.ERROR, Action.WATCH,
+                           f"{subject} is disabled (its mode): its hot trip {trips.get('hot')} C is not judged"
+                           if disabled else
                            f"{subject} at {temp:.1f} C, above its hot trip {trips.get('hot')} C", subject, evidence)
             self.condition(s, f"passive/{zone}",
-                           self._over(f"passive/{zone}", temp, trips.get("passive"), hyst.get("passive", 0.0)),
+                           not disabled and self._over(f"passive/{zone}", temp, trips.get("passive"),
+                                                       hyst.get("passive", 0.0)),
                            "hw.temp_throttling", Severity.WARNING, Action.WATCH,
+                           f"{subject} is disabled (its mode): the kernel does not throttle it at its passive trip "
+                           f"{trips.get('passive')} C" if disabled else
                            f"{subject} at {temp:.1f} C, throttled above {trips.get('passive')} C", subject, evidence)
         s.metrics["zones"] = float(len(zones))
         if disabled_zones and not s.detail:
-            s.detail = (f"disabled thermal zone(s), critical trip not judged: {', '.join(disabled_zones)} (their "
+            s.detail = (f"disabled thermal zone(s), trips not judged: {', '.join(disabled_zones)} (their "
                         "mode reads 'disabled': the kernel does not act on their trips)")
         if hottest is not None:
             s.metrics["max_temp_c"] = hottest

@@ -558,6 +558,24 @@ def test_a_disabled_thermal_zone_raises_no_critical_event(tmp_path, monkeypatch)
     assert (s.events, s.errors) == ([], []) and s.state == DetectorState.FAILED
 
 
+def test_a_disabled_thermal_zone_is_not_judged_against_its_hot_and_passive_trips(tmp_path) -> None:
+    """The kernel neither throttles a disabled zone at its passive trip nor acts on its hot trip: such a zone far
+    above both (a bogus trip, or a zone left to user space) raised hw.temp_throttling, saying "throttled", and
+    hw.temp_hot for as long as the node ran. Enabling the zone judges it again; disabling it clears both."""
+    write_thermal_zone(tmp_path, 0, 95000, {"passive": 70000, "hot": 85000, "critical": 105000}, "acpitz")
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/mode", "disabled\n")
+    det = ThermalDetector(ThermalConfig(root=str(tmp_path)))
+    s = det.sample()
+    assert s.events == [] and s.state == DetectorState.OK and s.metrics["temp_c[thermal_zone0:acpitz]"] == 95.0
+    assert "trips not judged: thermal_zone0:acpitz" in s.detail
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/mode", "enabled\n")
+    assert sorted(e.kind for e in det.sample().events) == ["hw.temp_hot", "hw.temp_throttling"]
+    write_file(tmp_path, "sys/class/thermal/thermal_zone0/mode", "disabled\n")
+    s = det.sample()
+    assert sorted(e.kind for e in s.events) == ["hw.temp_hot.cleared", "hw.temp_throttling.cleared"]
+    assert all("is disabled" in e.message for e in s.events) and det.active_conditions() == []
+
+
 def test_edac_uncorrectable_errors_from_before_the_start_are_said_once(tmp_path) -> None:
     """A node with uncorrectable memory errors earlier in this boot, before the agent started: the detector was
     FAILED from its first sample with no event saying why (a first reading is no increase), so an operator saw a
