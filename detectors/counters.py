@@ -20,12 +20,14 @@ class CounterDelta:
         rate: increase per second (0.0 on the first reading).
         first: True on the first reading of this counter.
         reset: True when the counter went backwards (taken as a reset).
+        implausible: the increase was beyond ``max_rate`` (delta and rate read 0; the new value is the baseline).
     """
 
     delta: int
     rate: float
     first: bool
     reset: bool
+    implausible: bool = False
 
 
 class CounterTracker:
@@ -34,13 +36,16 @@ class CounterTracker:
     def __init__(self) -> None:
         self._last: dict[str, tuple[int, float]] = {}
 
-    def update(self, key: str, value: int, now: float | None = None) -> CounterDelta:
+    def update(self, key: str, value: int, now: float | None = None, max_rate: float | None = None) -> CounterDelta:
         """Records a new reading.
 
         Args:
             key: counter identity (device plus name).
             value: the raw counter value.
             now: monotonic time in seconds; ``time.monotonic()`` when None.
+            max_rate: the most the counter can rise per second (per second of at least one second elapsed); a
+                larger increase is no count but a misread or garbage value (a 64-bit counter reading 0 then
+                near 2**64), returned as ``implausible`` with no delta, and the new value becomes the baseline.
 
         Returns:
             The change since the previous reading.
@@ -54,6 +59,8 @@ class CounterTracker:
         reset = value < last_value
         delta = value if reset else value - last_value
         elapsed = now - last_time
+        if max_rate is not None and delta > max_rate * max(elapsed, 1.0):
+            return CounterDelta(0, 0.0, False, reset, implausible=True)
         return CounterDelta(delta, delta / elapsed if elapsed > 0 else 0.0, False, reset)
 
     def restart(self, prefix: str) -> None:

@@ -64,6 +64,10 @@ _PMA_BITS = {"symbol_error": 16, "link_error_recovery": 8, "link_downed": 8, "po
              "port_rcv_remote_physical_errors": 16, "port_rcv_switch_relay_errors": 16, "port_xmit_discards": 16,
              "port_xmit_constraint_errors": 8, "port_rcv_constraint_errors": 8, "local_link_integrity_errors": 4,
              "excessive_buffer_overrun_errors": 4, "VL15_dropped": 16}
+#: More than any counter of a port can rise in a second: ten times the bytes per second of an 800 Gb/s port (every
+#: error, pause or packet counter rises by at most one per frame). A 64-bit counter has no width to saturate at,
+#: so a misread (0, then near 2**64) read as 1e18 errors a second and raised the rule's event; see _apply.
+_MAX_COUNTER_RATE = 1e12
 #: Interfaces named in the message of patterns that match none (all of them are in its evidence).
 _SHOWN_NETDEVS = 8
 
@@ -456,7 +460,7 @@ class RoceDetector(ListeningDetector):
                         s.error(exc)  # a NIC removed meanwhile is no read error: its link says it is gone
                     stats = {}
                 for name, value in sorted(stats.items()):
-                    self._apply(s, "ethtool", ifname, name, value, now)
+                    self._apply(s, "ethtool", ifname, name, value, now, f"ethtool -S {ifname}")
         present: set[str] = set()
         unlisted: set[str] = set()
         for dev in ib_devs:
@@ -611,7 +615,7 @@ class RoceDetector(ListeningDetector):
                     return  # the NIC was removed meanwhile: its link says so, no unreadable input
                 s.error(exc)
                 continue
-            self._apply(s, "netdev", ifname, name, value, now)
+            self._apply(s, "netdev", ifname, name, value, now, os.path.join(stats_dir, name))
 
     def _sample_ib_port(self, s: Sample, port_dir: str, subject: str, now: float) -> bool:
         """Reads one RDMA port's state and counters.
@@ -655,14 +659,22 @@ class RoceDetector(ListeningDetector):
                     s.error(exc)
                     continue
                 if value is not None:
-                    self._apply(s, source, subject, name, value, now)
+                    self._apply(s, source, subject, name, value, now, os.path.join(cdir, name))
         return False
 
-    def _apply(self, s: Sample, source: str, device: str, name: str, value: int, now: float) -> None:
+    def _apply(self, s: Sample, source: str, device: str, name: str, value: int, now: float, where: str) -> None:
         rules = [r for r in self._rules[source] if r.matches(name)]
         if not rules:
             return
-        d = self._counters.update(f"{source}/{device}/{name}", value, now)
+        d = self._counters.update(f"{source}/{device}/{name}", value, now, _MAX_COUNTER_RATE)
+        if d.implausible:
+            # Not judged this sample (each rule's condition holds as it was); the value is the new baseline, so
+            # a counter that stays there reads no errors and one that comes back reads as a reset.
+            s.error(DetectorReadError(where, f"{name} of {device} jumped to {value}, more than it can count in "
+                                             f"the time since its previous reading; taken as a misread"))
+            s.metrics[f"{name}_per_s[{device}]"] = 0.0
+            s.metrics.setdefault(f"{name}_per_s", 0.0)
+            return
         s.metrics[f"{name}_per_s[{device}]"] = d.rate
         s.metrics[f"{name}_per_s"] = s.metrics.get(f"{name}_per_s", 0.0) + d.rate
         bits = _PMA_BITS.get(name) if source == "ib_counters" else None

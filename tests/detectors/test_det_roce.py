@@ -418,6 +418,29 @@ def test_rdma_counters_on_a_fake_tree(tmp_path) -> None:
     assert sorted(e.kind for e in s.events) == [k + ".cleared" for k in kinds]
 
 
+def test_a_64_bit_counter_jumping_to_near_2_64_is_a_misread_not_an_error_storm(tmp_path) -> None:
+    """hw_counters and netdev statistics are 64-bit: no width to saturate at. One reading of 0 then near 2**64
+    (a misread) was 1e18 errors a second: roce.out_of_sequence and a FAILED detector. More than any port can
+    count in the time is now a read error naming the file; no rule fires, and the value is the new baseline:
+    steady there reads nothing, back to a small value reads as a reset, and a real rise is judged again."""
+    write_rdma_port(tmp_path, netdev=None, oos=10)
+    det = RoceDetector(RoceConfig(root=str(tmp_path), ethtool=False))
+    det.sample()
+    write_rdma_port(tmp_path, netdev=None, oos=2**64 - 5)
+    s = det.sample()
+    assert s.events == [] and s.state == DetectorState.ERROR
+    (err,) = s.errors
+    assert err.path.endswith("hw_counters/out_of_sequence") and "misread" in err.reason
+    assert s.metrics["out_of_sequence_per_s[mlx5_0/1]"] == 0.0
+    s = det.sample()
+    assert (s.events, s.errors, s.state) == ([], [], DetectorState.OK)
+    write_rdma_port(tmp_path, netdev=None, oos=0)  # back to a small value: a reset, counted from zero
+    assert det.sample().events == []
+    time.sleep(0.05)
+    write_rdma_port(tmp_path, netdev=None, oos=10**6)
+    assert [e.kind for e in det.sample().events] == ["roce.out_of_sequence"]
+
+
 def test_a_saturated_port_error_counter_is_said_and_does_not_clear_its_condition(tmp_path) -> None:
     """IB PortCounters error counters stop at all ones (symbol_error is 16 bits, link_downed 8). A cable
     throwing symbol errors saturates symbol_error within hours; its rate then read 0 and roce.symbol_errors
