@@ -63,6 +63,13 @@ class DiskConfig(DetectorConfig):
             raise DetectorConfigError("disk: need 0 < warn_used_pct <= error_used_pct <= 100")
         if not self.paths:
             raise DetectorConfigError("disk.paths is empty; list the checkpoint and log directories")
+        for path in self.paths:
+            if not isinstance(path, str) or not os.path.isabs(path):
+                # Checked against the folder each process starts in: / for the daemon under systemd (so 'ckpt'
+                # watched the root filesystem's /ckpt, or nothing), the shell's folder for `trainguard detect`.
+                raise DetectorConfigError(f"disk.paths: {path!r} is not an absolute path; give the directory's "
+                                          "absolute path (a relative one would be read against whichever folder "
+                                          "the agent started in, / under systemd)")
 
 
 #: The states the kernel prints: nvme_sysfs_show_state() (``adminonly`` before 5.x) and the SCSI sdev_states
