@@ -375,6 +375,21 @@ def gc_plan(store: Any, keep: int) -> GcPlan:
     return GcPlan(remove, kept)
 
 
+def _sweep_imports(store: Any, dry_run: bool) -> None:
+    """Removes (or, ``dry_run``, names) the staging folders of imports into the job that died unfinished: a
+    SIGKILLed `ckpt import` left its folder, with every byte it had written, until the next import into the job."""
+    from trainguard.checkpoint.import_staging import sweep_stale_imports
+    from trainguard.checkpoint.storage import LocalStore
+
+    if not isinstance(store, LocalStore):
+        return  # imports stage only in local folders
+    gone = sweep_stale_imports(store.job_dir, dry_run=dry_run)
+    if gone:
+        names = ", ".join(os.path.basename(p) for p in gone)
+        print(f"{'would remove' if dry_run else 'removed'} the staging folder(s) of {len(gone)} import(s) that "
+              f"ended unfinished: {names}")
+
+
 def _gc(args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise CheckpointError("--keep must be >= 1")
@@ -390,6 +405,7 @@ def _gc(args: argparse.Namespace) -> int:
         return 1
     if dry:
         print(f"would remove {len(plan.remove)} step(s): {plan.remove}" if plan.remove else "nothing to remove")
+        _sweep_imports(store, dry_run=True)
         if args.shm:
             job = store.job_dir.rstrip("/").rsplit("/", 1)[-1]
             print(f"would remove the shared-memory arena under {args.shm}" if os.path.isdir(
@@ -407,6 +423,7 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"could not remove step(s) {left} from {store.describe()}: check that you may write there "
               "(its owner, a read-only mount)", file=sys.stderr)
         return 1
+    _sweep_imports(store, dry_run=False)
     if args.shm:
         from trainguard.checkpoint.arena import remove_job
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from trainguard.checkpoint.import_staging import STAGING_LOCK, STAGING_PREFIX, sweep_stale_imports
 from trainguard.checkpoint.manifest import MAX_STEP, Manifest
 from trainguard.checkpoint.reader import RankCopy
 from trainguard.checkpoint.storage import LocalStore, check_job_name, manifest_name
@@ -362,7 +363,7 @@ class _Staging:
         self.target = LocalStore(root, job)
         self.new_job = not os.path.isdir(self.target.job_dir)
         os.makedirs(self.target.job_dir, exist_ok=True)
-        _sweep_stale_staging(self.target.job_dir)
+        sweep_stale_imports(self.target.job_dir)
         self.dir = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.target.job_dir)
         self._lock = os.open(os.path.join(self.dir, STAGING_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -422,63 +423,6 @@ class _Staging:
             fsync_dir(self.target.job_dir)
         # The record is a hint (readers trust the markers), rewritten as the rank completing a step would.
         self.target._update_record(step, ws)
-
-
-#: Staging folders of imports are named ``<job>/.import-<random suffix>``.
-STAGING_PREFIX = ".import-"
-#: The file each running import holds an exclusive flock on.
-STAGING_LOCK = ".lock"
-#: A staging folder without its lock file is left alone this long (an import between creating the folder and its
-#: lock file); older ones are a crash's (or an older version's) leftovers.
-STAGING_UNLOCKED_GRACE_S = 60.0
-
-
-def _sweep_stale_staging(job_dir: str) -> list[str]:
-    """Removes the staging folders of imports that are no longer running (see :class:`_Staging`).
-
-    Returns:
-        The folders removed.
-    """
-    import fcntl
-    import shutil
-    import time
-
-    removed = []
-    try:
-        names = [n for n in os.listdir(job_dir) if n.startswith(STAGING_PREFIX)]
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(job_dir, name)
-        try:
-            fd = os.open(os.path.join(path, STAGING_LOCK), os.O_RDONLY)
-        except FileNotFoundError:
-            try:
-                stale = time.time() - os.lstat(path).st_mtime > STAGING_UNLOCKED_GRACE_S
-            except OSError:
-                continue
-            if stale:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-            continue
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)  # a running import holds it
-            continue
-        try:
-            shutil.rmtree(path, ignore_errors=True)  # under its lock: no import can be starting in it
-            removed.append(path)
-        finally:
-            os.close(fd)
-    if removed:
-        import logging
-
-        logging.getLogger(__name__).warning("removed the staging folder(s) of %d import(s) that ended without "
-                                            "finishing: %s", len(removed), ", ".join(removed))
-    return removed
 
 
 _RENAME_NOREPLACE = 1

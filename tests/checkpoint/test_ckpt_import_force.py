@@ -128,3 +128,33 @@ def test_an_export_imported_twice_under_its_own_step_needs_force(tmp_path):
     assert again.returncode == 2 and "step 9" in again.stderr and "--force" in again.stderr, again.stderr
     assert _cli("import", str(tmp_path / "out"), root, "--job", "k", "--force").returncode == 0
     assert _cli("verify", root, "--job", "k").returncode == 0
+
+
+def test_ckpt_gc_removes_the_staging_folders_of_dead_imports(tmp_path):
+    """An import killed mid-way left its staging folder (every byte it wrote) until the next import into the job;
+    `ckpt gc` left it too. It now removes the folders whose lock nobody holds (the kernel drops a dead import's),
+    names them in --dry-run, and leaves a running import's and one whose lock file is not made yet."""
+    from trainguard.checkpoint import CheckpointConfig, Checkpointer
+
+    cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False}, persist={"service": "inline"})
+    with Checkpointer(cfg, job="j") as ck:
+        ck.save({"w": torch.arange(10.0)}, 1)
+    job_dir = tmp_path / "ck" / "j"
+    dead, running, young = job_dir / ".import-dead", job_dir / ".import-running", job_dir / ".import-young"
+    for d in (dead, running, young):
+        d.mkdir()
+    (dead / ".lock").touch()
+    (dead / "data").write_bytes(b"\0" * 4096)
+    held = os.open(running / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        dry = _cli("gc", str(tmp_path / "ck"), "--job", "j", "--keep", "1", "--dry-run")
+        assert dry.returncode == 0 and "would remove the staging folder(s) of 1 import(s)" in dry.stdout, dry
+        assert ".import-dead" in dry.stdout and dead.is_dir()
+        done = _cli("gc", str(tmp_path / "ck"), "--job", "j", "--keep", "1")
+        assert done.returncode == 0 and "removed the staging folder(s) of 1 import(s)" in done.stdout, done
+        left = sorted(n for n in os.listdir(job_dir) if n.startswith(".import-"))
+    finally:
+        os.close(held)
+    assert left == [".import-running", ".import-young"], left
+    assert _cli("verify", str(tmp_path / "ck"), "--job", "j").returncode == 0
