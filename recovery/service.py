@@ -88,6 +88,11 @@ _MAX_EVENT_TEXT = 4096
 #: counted in samples or tokens (10**13 for a 10T-token run), which the disk tier names; a bound of 10**12 made
 #: every heartbeat of such a job invalid and lost its node's lease.
 _MAX_STEP = 2**53 - 1
+#: Most in-memory holdings one heartbeat may report: each is one step of the arena or of the replicas a node
+#: keeps (a handful); the plan of every node's generation is computed over all of them.
+MAX_MEMORY_HOLDINGS = 256
+#: Largest world size a holding may name (far beyond any job; a bound, not a guess at the job's).
+_MAX_HOLDING_WORLD = 1 << 24
 
 
 def _bad(field: str, why: str) -> InvalidRequestError:
@@ -189,6 +194,28 @@ def validate_heartbeat(req: coordinator_pb2.NodeHeartbeatRequest) -> None:
     validate_timings(req.timings)
     _check_qualification(req)
     validate_link_results(req.link_results, req.link_probe_port)
+    _check_memory(req.memory)
+
+
+def _check_memory(memory: Sequence[coordinator_pb2.MemoryHolding]) -> None:
+    """Checks a heartbeat's in-memory holdings: they were kept unchecked (a negative step, world size 0, ranks
+    past the world, thousands of holdings), stored per node and walked for every node's restore plan.
+
+    Raises:
+        InvalidRequestError: too many holdings, or one out of range; the message names it.
+    """
+    if len(memory) > MAX_MEMORY_HOLDINGS:
+        raise _bad("memory", f"has {len(memory)} holdings; at most {MAX_MEMORY_HOLDINGS} are allowed")
+    for i, h in enumerate(memory):
+        if not 0 <= h.step <= _MAX_STEP:
+            raise _bad(f"memory[{i}].step", f"is {h.step}; use a step in 0..{_MAX_STEP}")
+        if not 1 <= h.world_size <= _MAX_HOLDING_WORLD:
+            raise _bad(f"memory[{i}].world_size", f"is {h.world_size}; it must be in 1..{_MAX_HOLDING_WORLD}")
+        for name in ("ranks", "replica_ranks"):
+            bad = [r for r in getattr(h, name) if not 0 <= r < h.world_size]
+            if bad:
+                raise _bad(f"memory[{i}].{name}", f"names rank {bad[0]}; a rank of the holding's world size "
+                                                  f"{h.world_size} is in 0..{h.world_size - 1}")
 
 
 def validate_report(req: coordinator_pb2.ReportEventRequest) -> None:

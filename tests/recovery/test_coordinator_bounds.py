@@ -394,3 +394,26 @@ def test_a_restart_with_a_lower_cordon_bound_keeps_the_cordons_and_says_what_fol
             [r.getMessage() for r in caplog.records]
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("holding, field", [
+    (pb.MemoryHolding(step=-3, world_size=2, ranks=[0]), "memory[0].step is -3"),
+    (pb.MemoryHolding(step=5, world_size=0, ranks=[0]), "memory[0].world_size is 0"),
+    (pb.MemoryHolding(step=5, world_size=2, ranks=[0, 7]), "memory[0].ranks names rank 7"),
+    (pb.MemoryHolding(step=5, world_size=2, replica_ranks=[-1]), "memory[0].replica_ranks names rank -1"),
+])
+def test_heartbeat_memory_holdings_out_of_range_are_refused_naming_the_field(server, holding, field) -> None:
+    """A heartbeat's in-memory holdings were stored unchecked and walked for every node's restore plan; garbage
+    is now INVALID_ARGUMENT naming the field, and so are more holdings than any node keeps."""
+    srv, stub = server
+    lease = _register(stub, "m0")
+    beat = dict(job=JOB, node_id="m0", lease_id=lease, generation=-1, last_step=-1)
+    assert stub.Heartbeat(pb.NodeHeartbeatRequest(**beat, memory=[pb.MemoryHolding(step=5, world_size=2, ranks=[0, 1])]),
+                          timeout=10) is not None
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Heartbeat(pb.NodeHeartbeatRequest(**beat, memory=[holding]), timeout=10)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in ei.value.details(), ei.value
+    many = [pb.MemoryHolding(step=s, world_size=1, ranks=[0]) for s in range(300)]
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Heartbeat(pb.NodeHeartbeatRequest(**beat, memory=many), timeout=10)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 256" in ei.value.details()
