@@ -30,6 +30,7 @@ from trainguard.agent.errors import AgentError
 from trainguard.agent.qualify.config import QualifyConfigError, QualifySection
 from trainguard.config_loader import build, config_field, read_toml
 from trainguard.errors import ConfigError
+from trainguard.names import NODE_ID_RE
 
 #: Where the daemon reads its configuration when neither ``--config`` nor :data:`CONFIG_ENV` says otherwise.
 DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.toml"
@@ -70,8 +71,6 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
 
 LOG_FORMATS = ("auto", "journal", "text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-#: What a node id may be: the coordinators' rule (``recovery/service.py`` refuses any other in every report).
-NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 # sun_path is 108 bytes on Linux, one of which is the terminating NUL.
 _MAX_SOCKET_PATH_BYTES = 107
 

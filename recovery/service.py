@@ -27,7 +27,6 @@ Every refusal is logged with the peer address. Semantics of each RPC are in ``co
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Sequence
 from concurrent import futures
@@ -44,6 +43,7 @@ from trainguard.recovery.job_records import LOST_RECORD_RE
 from trainguard.recovery.qualification import refusal_message
 from trainguard.recovery.refusal_log import RefusalLog
 from trainguard.recovery.link_locator import validate_link_results
+from trainguard.names import NODE_ID_RE
 from trainguard.recovery.spec import JOB_NAME_RE, JobSpec
 from trainguard.recovery.errors import (CapacityError, CoordinatorError, DuplicateNodeError, InvalidRequestError, NodeRefusedError,
                                         NotServingError, RecoveryError, RequestError, SlotTakenError,
@@ -78,7 +78,6 @@ STATUS_OF: dict[type[RequestError], grpc.StatusCode] = {
     CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
-_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 _MAX_TEXT = 255
 _MAX_LABELS = 32
 _MAX_EVENT_TEXT = 4096
@@ -116,7 +115,7 @@ def _check_job(job: str) -> None:
 def _check_node_id(field: str, node_id: str) -> None:
     if not node_id:
         raise _bad(field, "is required")
-    if not _NODE_ID_RE.match(node_id):
+    if not NODE_ID_RE.match(node_id):
         raise _bad(field, f"{node_id[:64]!r} is not a valid node id (1-128 of [A-Za-z0-9._:@-], no spaces or '/')")
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-import re
 from dataclasses import dataclass, field
 
+from trainguard.names import JOB_NAME_RE
 from trainguard.recovery.errors import InvalidRequestError
 from trainguard.recovery.policy import PolicyConfig
 from trainguard.recovery.straggler import StragglerConfig
@@ -26,7 +26,6 @@ MIN_NODE_ID_LIMIT = 16384
 #: write, so every recovery, then failed for good. The default of :attr:`JobSpec.max_cordoned`, and its most with an
 #: etcd store; other stores have no request limit and take up to the node id limit.
 MAX_CORDONED = 1024
-JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
 
 @dataclass

@@ -57,9 +57,9 @@ def test_a_node_id_coordinators_refuse_is_refused_at_start(tmp_path, node_id):
     """The daemon started with such a node id and every report was refused by every coordinator (logged as
     "unreachable"); the rule is the coordinators' own."""
     from trainguard.agent.config import NODE_ID_RE
-    from trainguard.recovery.service import _NODE_ID_RE
+    from trainguard.recovery import service
 
-    assert NODE_ID_RE.pattern == _NODE_ID_RE.pattern
+    assert NODE_ID_RE is service.NODE_ID_RE  # one rule, trainguard.names
     path = tmp_path / "agent.toml"
     path.write_text(f'[agent]\nnode_id = "{node_id}"\n')
     with pytest.raises(AgentConfigError, match="agent.node_id: .* is not a node id"):
