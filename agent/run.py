@@ -176,7 +176,7 @@ def _check_node_id(node_id: str) -> None:
         UsageError: the id is not a valid node id.
     """
     from trainguard.recovery.errors import InvalidRequestError
-    from trainguard.recovery.service import _check_node_id as coordinator_rule
+    from trainguard.recovery.service import check_node_id as coordinator_rule
 
     try:
         coordinator_rule("--node-id", node_id)

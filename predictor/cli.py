@@ -270,7 +270,7 @@ def _eval(args: argparse.Namespace) -> int:
     from trainguard.predictor.evaluation import (
         calibrate_threshold, evaluate_events, failures_by_node, uncounted_events,
     )
-    from trainguard.predictor.model import PredictorModel, _json_safe
+    from trainguard.predictor.model import PredictorModel, json_safe
     from trainguard.predictor.table import EventTable
     from trainguard.predictor.training import calibration_scores, score_table
 
@@ -327,7 +327,7 @@ def _eval(args: argparse.Namespace) -> int:
         out["predictable_failures"], out["predictable_caught"] = t, c
         out["predictable_recall"] = c / t if t else float("nan")
     if args.json:
-        print(json.dumps(_json_safe(out), indent=1, allow_nan=False))
+        print(json.dumps(json_safe(out), indent=1, allow_nan=False))
     else:
         for k, v in out.items():
             print(f"{k:32s} {v:.4f}" if isinstance(v, float) and not math.isnan(v) else f"{k:32s} {v}")
@@ -338,7 +338,7 @@ def _report_uncounted(events_path: str, metrics_path: str, total: int,
                       uncounted: dict[str, list[tuple[str, float]]]) -> None:
     """One warning line for events eval cannot count as failures; refuses an events file none of whose events
     falls on a node and time of the metrics (the wrong file, or another unit of time)."""
-    from trainguard.predictor.table import _fmt_ts
+    from trainguard.predictor.table import format_timestamp
 
     why = {"node_not_in_metrics": "on nodes absent from the metrics",
            "outside_node_data": "outside their node's data",
@@ -348,7 +348,7 @@ def _report_uncounted(events_path: str, metrics_path: str, total: int,
         return
     key = next(k for k, v in uncounted.items() if v)
     node, t = uncounted[key][0]
-    example = f"e.g. node {node!r} at {_fmt_ts(t)}"
+    example = f"e.g. node {node!r} at {format_timestamp(t)}"
     unmatched = len(uncounted["node_not_in_metrics"]) + len(uncounted["outside_node_data"])
     if unmatched == total:
         raise _usage(f"{events_path}: none of its {total} events falls on a node and time of {metrics_path} "

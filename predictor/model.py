@@ -58,16 +58,16 @@ def _refuse_constant(name: str) -> Any:
     raise _NonJSONConstant(name)
 
 
-def _json_safe(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     """Replaces NaN/inf (not valid JSON) with None, recursively."""
     if isinstance(obj, float):
         return obj if np.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
+        return {str(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
+        return [json_safe(v) for v in obj]
     if isinstance(obj, (np.floating, np.integer)):
-        return _json_safe(obj.item())
+        return json_safe(obj.item())
     return obj
 
 
@@ -99,7 +99,7 @@ class PredictorModel:
 
     def payload(self) -> dict[str, Any]:
         """JSON-ready content of the model file."""
-        return _json_safe({
+        return json_safe({
             "kind": self.kind, "feature_spec": self.spec.to_dict(), "feature_names": self.spec.feature_names,
             "threshold": self.threshold, "eval_config": self.eval_config.to_dict(),
             "training_summary": self.training_summary, "params": self.scorer.to_params(),

@@ -146,8 +146,8 @@ class MetricTable:
             where, before = ((f"{source}:{lines[row]}", f"line {lines[prev]}") if lines is not None
                              else (f"{source}: row {row + 1}", f"row {prev + 1}"))
             raise DataFormatError(
-                f"{where}: node {str(n_sorted[i])!r} has timestamp {_fmt_ts(t_sorted[i + 1])}, not after its "
-                f"previous {_fmt_ts(t_sorted[i])} ({before}); timestamps of each node must strictly increase: sort "
+                f"{where}: node {str(n_sorted[i])!r} has timestamp {format_timestamp(t_sorted[i + 1])}, not after its "
+                f"previous {format_timestamp(t_sorted[i])} ({before}); timestamps of each node must strictly increase: sort "
                 "the rows and drop repeats, or pass --resample SECONDS, which sorts them and merges a bin's samples"
             )
 
@@ -650,7 +650,7 @@ def _not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
             "another encoding such as Latin-1?); save it as a UTF-8 CSV")
 
 
-def _fmt_ts(t: float) -> str:
+def format_timestamp(t: float) -> str:
     """A timestamp for an error message: seconds as written (no numpy repr) and the UTC time they mean."""
     import datetime
 

@@ -55,7 +55,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COORDINATOR_SERVICE", "CoordinatorServer", "CoordinatorService", "JobSpec", "MAX_REQUEST_BYTES",
+__all__ = ["COORDINATOR_SERVICE", "CoordinatorServer", "CoordinatorService", "JobSpec", "MAX_MEMORY_HOLDINGS",
+           "MAX_REQUEST_BYTES", "check_node_id",
            "STATUS_OF", "build_grpc_server"]
 
 #: Full name of the gRPC service, as the guard and interceptors see it.
@@ -112,7 +113,12 @@ def _check_job(job: str) -> None:
         raise _bad("job", f"{job[:64]!r} is not a valid job name (1-128 of [A-Za-z0-9._:@-])")
 
 
-def _check_node_id(field: str, node_id: str) -> None:
+def check_node_id(field: str, node_id: str) -> None:
+    """Checks a node id as every coordinator request does (the launcher checks ``--node-id`` with it too).
+
+    Raises:
+        InvalidRequestError: empty, or not a node id (:data:`trainguard.names.NODE_ID_RE`); names ``field``.
+    """
     if not node_id:
         raise _bad(field, "is required")
     if not NODE_ID_RE.match(node_id):
@@ -132,9 +138,9 @@ def validate_register(req: coordinator_pb2.RegisterNodeRequest) -> None:
     """
     _check_job(req.job)
     n = req.node
-    _check_node_id("node.node_id", n.node_id)
+    check_node_id("node.node_id", n.node_id)
     if n.replaces:
-        _check_node_id("node.replaces", n.replaces)
+        check_node_id("node.replaces", n.replaces)
         if n.replaces == n.node_id:
             raise _bad("node.replaces", "names the node itself")
     t = n.topology
@@ -177,7 +183,7 @@ def validate_heartbeat(req: coordinator_pb2.NodeHeartbeatRequest) -> None:
         InvalidRequestError: a field is missing or out of range.
     """
     _check_job(req.job)
-    _check_node_id("node_id", req.node_id)
+    check_node_id("node_id", req.node_id)
     if not req.lease_id or len(req.lease_id) > 64:
         raise _bad("lease_id", "is required (the one RegisterNode returned)")
     if req.generation < -1:
@@ -224,7 +230,7 @@ def validate_report(req: coordinator_pb2.ReportEventRequest) -> None:
         InvalidRequestError: a field is missing or out of range.
     """
     _check_job(req.job)
-    _check_node_id("node_id", req.node_id)
+    check_node_id("node_id", req.node_id)
     if not req.lease_id or len(req.lease_id) > 64:
         raise _bad("lease_id", "is required (the one RegisterNode returned)")
     if req.generation < -1:
@@ -248,7 +254,7 @@ def validate_node_health(req: coordinator_pb2.NodeHealthReportRequest) -> None:
     """
     if req.job:
         _check_job(req.job)
-    _check_node_id("node_id", req.node_id)
+    check_node_id("node_id", req.node_id)
     _check_text("host", req.host)
     _check_text("reason", req.reason, _MAX_EVENT_TEXT)
     _check_text("agent_instance", req.agent_instance, 64)
@@ -331,7 +337,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """A few qualified peers for a qualifying node's timed exchange, and the reference time."""
         try:
             _check_job(request.job)
-            _check_node_id("node_id", request.node_id)
+            check_node_id("node_id", request.node_id)
             if not 0 <= request.count <= 16:
                 raise _bad("count", f"is {request.count}; use 0-16")
             peers, reference, history = self.core.qualify_peers(request.job, request.node_id, request.count)
@@ -354,7 +360,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Records a node's committed checkpoint step; returns the step every node has committed."""
         try:
             _check_job(request.job)
-            _check_node_id("node_id", request.node_id)
+            check_node_id("node_id", request.node_id)
             _check_text("lease_id", request.lease_id)
             if not 0 <= request.step <= _MAX_STEP:
                 raise _bad("step", f"is {request.step}; use a step in 0..{_MAX_STEP}")
@@ -382,7 +388,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             # A slot holder whose node record was lost is cordoned as ``?lost-record-<digest>`` (see job_records):
             # no node can register under that id, but the operator must be able to clear it from the cordon list.
             if not LOST_RECORD_RE.fullmatch(request.node_id):
-                _check_node_id("node_id", request.node_id)
+                check_node_id("node_id", request.node_id)
             _check_text("reason", request.reason, _MAX_EVENT_TEXT)
             done, msg, fut = self.core.uncordon(request.job, request.node_id, request.reason)
             self._durable(context, fut, "the uncordon")
@@ -394,7 +400,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """A node leaves: its lease ends now (answered once its record is durable)."""
         try:
             _check_job(request.job)
-            _check_node_id("node_id", request.node_id)
+            check_node_id("node_id", request.node_id)
             _check_text("lease_id", request.lease_id)
             _check_text("reason", request.reason, _MAX_EVENT_TEXT)
             msg, fut = self.core.leave(request.job, request.node_id, request.lease_id, request.reason)

@@ -52,10 +52,10 @@ def test_a_fault_rank_counts_every_node_of_the_job(tmp_path):
 
 def test_a_malformed_node_id_is_refused_by_the_coordinators_rule(tmp_path):
     from trainguard.recovery.errors import InvalidRequestError
-    from trainguard.recovery.service import _check_node_id
+    from trainguard.recovery.service import check_node_id
 
     with pytest.raises(InvalidRequestError):  # what the coordinator answers at registration
-        _check_node_id("node_id", "gpu 7")
+        check_node_id("node_id", "gpu 7")
     line = _refused(tmp_path, ["--node-id", "gpu 7"])
     assert "--node-id 'gpu 7' is not a valid node id" in line
 
