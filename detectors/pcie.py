@@ -75,6 +75,21 @@ def read_link_width(path: str) -> int:
     return value
 
 
+def in_d3cold(dev: str) -> bool:
+    """Whether the device's ``power_state`` (Linux 5.13+) reads ``D3cold`` (False when it cannot be read)."""
+    try:
+        return read_text(os.path.join(dev, "power_state")) == "D3cold"
+    except DetectorReadError:
+        return False
+
+
+def link_unresponsive(dev: str, width: int) -> bool:
+    """Whether a device whose link width read ``width`` no longer answers config reads (fell off the bus): its
+    config space reads all ones, the width field x63. Unless runtime power management put it in D3cold on
+    purpose (its config space reads all ones then too, and its link is off)."""
+    return width == _NLW_ALL_ONES and not in_d3cold(dev)
+
+
 def port_limits(port_dir: str) -> tuple[int, float | None]:
     """The maximum width and speed of the port a device is plugged into (0 and None: not known): a link trains
     at most to what both ends support (a Gen5 x16 NIC in a Gen4 x8 slot runs at 16 GT/s x8, healthy).
@@ -379,14 +394,6 @@ class PcieDetector(Detector):
                 s.worsen(DetectorState.FAILED if fatal else DetectorState.DEGRADED, f"PCIe errors on {bdf}")
         return rate
 
-    @staticmethod
-    def _in_d3cold(dev: str) -> bool:
-        """Whether the device's ``power_state`` (Linux 5.13+) reads ``D3cold`` (False when it cannot be read)."""
-        try:
-            return read_text(os.path.join(dev, "power_state")) == "D3cold"
-        except DetectorReadError:
-            return False
-
     def _sample_link(self, s: Sample, dev: str, bdf: str, cls: str, port_dir: str = "") -> int:
         try:
             width = read_link_width(os.path.join(dev, "current_link_width"))
@@ -416,9 +423,7 @@ class PcieDetector(Detector):
         # A GPU or NIC that fell off the bus stays listed, but its config space reads all ones: width x63 (above
         # its own maximum, so never "narrow") and speed Unknown. It read as a healthy link, no event at all.
         all_ones = width == _NLW_ALL_ONES
-        # Unless it is powered off on purpose: runtime power management put it in D3cold (then its config space
-        # reads all ones too, and its link is off).
-        unresponsive = all_ones and not self._in_d3cold(dev)
+        unresponsive = link_unresponsive(dev, width)
         s.metrics[f"link_width[{bdf}]"] = 0.0 if all_ones else float(width)
         narrow = 0 < width < max_width and not all_ones
         slow = (cls.startswith(self.config.speed_classes) and speed is not None and max_speed is not None

@@ -24,7 +24,8 @@ import re
 
 from trainguard.agent.qualify.base import Outcome, QualifyContext, failed, passed, register_check, skipped
 from trainguard.detectors.errors import DetectorReadError
-from trainguard.detectors.pcie import is_virtual_function, parse_link_speed, port_above, port_limits
+from trainguard.detectors.pcie import (is_virtual_function, link_unresponsive, parse_link_speed, port_above,
+                                      port_limits, read_link_width)
 from trainguard.detectors.sysfs import list_dir, read_int, read_text
 
 # ASCII only, as the detectors' patterns: ``\d`` took other scripts' digits ('٤: ACTIVE' read as an active port,
@@ -59,7 +60,9 @@ class PcieLinkCheck:
             elif not cls.startswith(tuple(cfg.pcie_classes)):
                 continue
             try:
-                max_width = read_int(os.path.join(dev, "max_link_width"))
+                # The pcie detector's reading: a corrupt width (1e19, -5) is a read error, not a maximum that made
+                # every healthy link "narrow"
+                max_width = read_link_width(os.path.join(dev, "max_link_width"))
             except DetectorReadError as exc:
                 watched += 1
                 bad.append(f"{bdf}: {exc}")
@@ -72,7 +75,7 @@ class PcieLinkCheck:
                 continue
             watched += 1
             try:
-                width = read_int(os.path.join(dev, "current_link_width"))
+                width = read_link_width(os.path.join(dev, "current_link_width"))
                 sp, msp = os.path.join(dev, "current_link_speed"), os.path.join(dev, "max_link_speed")
                 speed, max_speed = parse_link_speed(read_text(sp), sp), parse_link_speed(read_text(msp), msp)
             except DetectorReadError as exc:
@@ -84,7 +87,14 @@ class PcieLinkCheck:
                 max_width = min(max_width, port_width)
             if port_speed is not None and max_speed is not None:
                 max_speed = min(max_speed, port_speed)
-            if width == 0:
+            if link_unresponsive(dev, width):
+                # All ones: a GPU or NIC that fell off the bus read x63, at or above any maximum, and passed.
+                bad.append(f"{bdf} does not answer config reads (its link width reads x{width}, all ones): it fell "
+                           "off the bus")
+            elif width == 0x3F:
+                watched -= 1  # in D3cold on purpose (runtime PM): no link to judge until it is used
+                continue
+            elif width == 0:
                 bad.append(f"{bdf} link is down (width 0)")
             elif width < max_width:
                 bad.append(f"{bdf} link trained at x{width}, below its x{max_width}")

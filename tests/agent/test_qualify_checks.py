@@ -325,3 +325,20 @@ def test_pcie_integrated_endpoint_without_a_link_passes_a_down_gpu_still_fails(t
     write_pci_device(tmp_path, GPU, width=0, speed="Unknown")
     _, r = one(ctx_for(tmp_path, ["pcie"]))
     assert r.status is CheckStatus.FAIL and r.detail == f"{GPU} link is down (width 0)", r
+
+
+def test_pcie_a_device_fallen_off_the_bus_fails_and_a_corrupt_width_is_named(tmp_path) -> None:
+    """A GPU that fell off the bus stays listed, its config space reading all ones: width x63, speed Unknown. The
+    check read x63 as at or above its x16 maximum and passed the node, which the pcie detector flags at once. A
+    device in D3cold on purpose reads the same and is left alone, and a corrupt width (1e19) is a read error
+    naming the file, as the detector reads it, not a maximum that made a healthy link "narrow"."""
+    write_pci_device(tmp_path, GPU, width=63, speed="Unknown")
+    _, r = one(ctx_for(tmp_path, ["pcie"]))
+    assert r.status is CheckStatus.FAIL and f"{GPU} does not answer config reads" in r.detail, r
+    (tmp_path / "sys/bus/pci/devices" / GPU / "power_state").write_text("D3cold\n")
+    _, r = one(ctx_for(tmp_path, ["pcie"]))
+    assert r.status is CheckStatus.SKIP, r
+    write_pci_device(tmp_path, GPU, max_width=16)
+    (tmp_path / "sys/bus/pci/devices" / GPU / "max_link_width").write_text(f"{10**19}\n")
+    _, r = one(ctx_for(tmp_path, ["pcie"]))
+    assert r.status is CheckStatus.FAIL and "max_link_width" in r.detail and "outside the 6-bit field" in r.detail, r
