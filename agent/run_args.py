@@ -96,6 +96,17 @@ class _StoreGiven(argparse._StoreAction):
         setattr(namespace, GIVEN_ATTR, given)
 
 
+class _StoreTrueGiven(argparse._StoreTrueAction):
+    """``store_true``, noting the flag's ``dest`` in :data:`GIVEN_ATTR`: a ``--standalone`` typed beside a
+    ``$PET_STANDALONE`` was otherwise taken for the variable's, and its errors named the variable."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: D102 - argparse's contract
+        super().__call__(parser, namespace, values, option_string)
+        given = set(getattr(namespace, GIVEN_ATTR, ()))
+        given.add(self.dest)
+        setattr(namespace, GIVEN_ATTR, given)
+
+
 def flag_given(args: argparse.Namespace, dest: str) -> bool:
     """Whether torchrun flag ``dest`` was given, on the command line or as its ``$PET_<DEST>``."""
     return dest in getattr(args, GIVEN_ATTR, ()) or (ENV_DEFAULT_PREFIX + dest.upper()) in os.environ
@@ -183,6 +194,8 @@ def _torchrun_flag(g: argparse._ActionsContainer, name: str, *, fallback: object
     if kw.get("action") in ("store_true", "store_false"):
         raw = flag_default(dest, None)
         default = str(raw).lower() in ("1", "true", "yes", "on") if isinstance(raw, str) else bool(fallback)
+        if kw["action"] == "store_true":
+            kw = {**kw, "action": _StoreTrueGiven}
         g.add_argument(*names, dest=dest, default=default, **kw)
     else:
         checked = _env_checked(name, kw)

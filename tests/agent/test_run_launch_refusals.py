@@ -77,6 +77,13 @@ def test_a_bad_flag_value_is_still_named_as_the_flag(tmp_path):
     assert "--max-restarts" in line and "PET_" not in line
 
 
+def test_a_typed_switch_is_named_as_the_flag_beside_its_pet_variable(tmp_path):
+    """Switches (store_true) were never noted as typed: with $PET_STANDALONE set (even to 0) in the environment,
+    an error about a typed --standalone named the variable."""
+    line = _refused(tmp_path, ["--standalone", "--nnodes", "2"], PET_STANDALONE="0")
+    assert "--standalone is for one node" in line and "PET_" not in line, line
+
+
 def test_a_node_joining_a_coordinator_without_nnodes_leaves_the_world_size_to_it():
     from trainguard.agent import run_torchrun as tr
     from trainguard.agent.run import _check_fault_ranks
