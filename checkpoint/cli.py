@@ -249,6 +249,10 @@ def _ls(args: argparse.Namespace) -> int:
         state = "committed" if r["complete"] else "incomplete"
         print(f"{r['step']:>12}  {r['tier']:<7} {state:<10} {r['world_size'] or '?':>5}  "
               f"{len(r['ranks_committed'])} committed")
+    if any(r["complete"] for r in rows):
+        # ls reads commit markers only: a step whose bytes rotted since reads "committed" here (and was taken
+        # for a checked one); verify reads every byte.
+        print("committed: every rank's commit marker is written; `trainguard ckpt verify` checks the data")
     return 0
 
 

@@ -274,3 +274,5 @@ def test_shm_root_without_the_jobs_arena_is_said_so_not_reported_removed(tmp_pat
         assert "remove the shared-memory arena" not in gc.stdout and "removed the shared" not in gc.stdout, gc
     ls = _cli("ls", str(tmp_path / "ck"), "--shm", typo)
     assert ls.returncode == 0 and f"no shared-memory arena of job j under {typo}" in ls.stderr, ls
+    # ls reads commit markers only, and says so: "committed" was taken for a step whose bytes were checked.
+    assert "committed  " in ls.stdout and "`trainguard ckpt verify` checks the data" in ls.stdout, ls
