@@ -180,7 +180,9 @@ class StepStore(ABC):
         """Removes ``rank``'s files (its commit marker first) from every step above ``step``: this rank is saving
         ``step``, so the job went back to an older step and those copies belong to the run it left. Kept, the
         old copy of a rank killed before its next save met the other ranks' new copies of that step, and the
-        step counted as complete: a restore loaded two runs' states as one step.
+        step counted as complete: a restore loaded two runs' states as one step. A step folder left empty (the
+        last rank's files gone) goes too: kept, ``ckpt ls`` listed the abandoned steps as incomplete for good,
+        and ``ckpt gc`` never removed them (newer than the newest commit), on disk and on a remote alike.
 
         Returns:
             The steps this rank's files were removed from.
@@ -197,7 +199,14 @@ class StepStore(ABC):
                     except FileNotFoundError:
                         pass
             gone.append(s)
+        for s in gone:
+            self.discard_rank(s, rank)
         return gone
+
+    @abstractmethod
+    def discard_rank(self, step: int, rank: int) -> object:
+        """Removes what ``rank`` wrote of ``step`` (unless its copy is committed), then the step folder when
+        nothing else is in it."""
 
     def commit_rank(self, step: int, rank: int, world_size: int, manifest_digest: str) -> bool:
         """Writes this rank's commit marker, then the commit record if the step is now complete.
@@ -443,15 +452,6 @@ class LocalStore(StepStore):
             except OSError:
                 pass  # the removal is only less durable: a folder that comes back is empty, as before
         return True
-
-    def abandon_above(self, step: int, rank: int) -> list[int]:
-        """As :meth:`StepStore.abandon_above`; then removes each such step folder left empty (the last rank's
-        files gone). Kept, ``ckpt ls`` listed the abandoned steps as incomplete for good, and ``ckpt gc`` never
-        removed them (newer than the newest commit)."""
-        gone = super().abandon_above(step, rank)
-        for s in gone:
-            self.discard_rank(s, rank)
-        return gone
 
     def remove_stale_tmp(self, rank: int) -> list[str]:
         """Removes the temporary files of ``rank``'s files (data, manifest, commit marker) that writers killed

@@ -61,3 +61,20 @@ def test_a_step_of_the_run_gone_back_from_never_meets_the_new_runs_copy_on_disk(
             state = _state(r, 0, "")
             assert ck.restore(state) == 101 and ck.last_restore_tier == "disk"
             assert state["run"] == "new" and state["w"][0].item() == 101.0
+
+
+@pytest.mark.timeout(120)
+def test_the_steps_gone_back_from_leave_no_empty_folders_on_disk_or_remote(make_config, tmp_path) -> None:
+    """Disk removed the emptied folders of the steps the job went back from; a file:// remote kept them, listed
+    by `ckpt ls` as incomplete steps for good, and `ckpt gc` never removed them (newer than the newest commit)."""
+    cfg = make_config(memory={"enabled": False}, remote={"url": f"file://{tmp_path}/remote"})
+    with Checkpointer(cfg, job="j") as ck:
+        for step in range(1, 6):
+            assert ck.save({"w": torch.full((4,), float(step))}, step).wait(60)
+    with Checkpointer(cfg, job="j") as ck:
+        state = {"w": torch.zeros(4)}
+        assert ck.restore(state, step=2) == 2
+        assert ck.save(state, 3).wait(60)
+    for root in ("ckpt", "remote"):
+        steps = sorted(p.name for p in (tmp_path / root / "j").iterdir() if p.name.startswith("step_"))
+        assert steps[-1] == "step_000000000003" and "step_000000000004" not in steps, (root, steps)
