@@ -101,6 +101,40 @@ def remove_stale_tmp(directory: str, targets: Collection[str]) -> list[str]:
     return removed
 
 
+def open_for_reading(path: str) -> int:
+    """Opens ``path`` read-only without blocking on what is not a file: a FIFO (or a device) put where a
+    checkpoint file belongs hung the open, so a restore, ``ckpt verify`` and ``ckpt gc`` hung for good. The
+    descriptor is switched back to blocking once it is known to be a regular file.
+
+    Raises:
+        FileNotFoundError: nothing is there.
+        OSError: it cannot be opened, or it is not a regular file (``EINVAL``, the message gives its type).
+    """
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"not a regular file (mode {stat.filemode(st.st_mode)})", path)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_file(path: str) -> bytes:
+    """The whole content of the regular file ``path`` (see :func:`open_for_reading`).
+
+    Raises:
+        FileNotFoundError: nothing is there.
+        OSError: it cannot be read, or it is not a regular file.
+    """
+    with os.fdopen(open_for_reading(path), "rb") as f:
+        return f.read()
+
+
 def atomic_write(path: str, data: bytes, fsync: bool = True) -> None:
     """Writes ``data`` to ``path`` atomically (temp file, fsync, rename, directory fsync).
 

@@ -76,7 +76,7 @@ class RankCopy:
         self._mem: torch.Tensor | None = None
         self.bytes_touched = 0
         try:
-            self.fd = os.open(data_path, os.O_RDONLY)
+            self.fd = os.open(data_path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)  # a FIFO there hung the open
         except OSError as exc:
             raise CorruptCheckpointError(f"{where}: data file {data_path} is missing ({exc.strerror})") from exc
         try:
@@ -91,6 +91,7 @@ class RankCopy:
             if not stat.S_ISREG(st.st_mode):  # mmap of a folder failed as "[Errno 19] No such device", no path
                 raise CorruptCheckpointError(f"{where}: data file {data_path} is not a regular file "
                                              f"(mode {stat.filemode(st.st_mode)})")
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
             size = st.st_size
             if size < manifest.data_bytes:
                 raise CorruptCheckpointError(

@@ -33,6 +33,7 @@ from trainguard.checkpoint.fileio import (
     Throttle,
     atomic_write,
     fsync_dir,
+    read_file,
     remove_stale_tmp,
     storage_error,
     write_file_from,
@@ -473,8 +474,7 @@ class LocalStore(StepStore):
         self._in_step_dir(step, lambda d: atomic_write(os.path.join(d, name), data, self.fsync))
 
     def read_small(self, step: int | None, name: str) -> bytes:
-        with open(os.path.join(self._step_dir(step), name), "rb") as f:
-            return f.read()
+        return read_file(os.path.join(self._step_dir(step), name))  # a FIFO there is an error, not a hang
 
     def delete_small(self, step: int, name: str) -> None:
         os.unlink(os.path.join(self._step_dir(step), name))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 
 import pytest
 import torch
@@ -57,6 +58,28 @@ def test_a_data_file_replaced_by_a_folder_is_named_by_verify_and_restore_falls_b
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         rc = main(["ckpt", "verify", str(tmp_path / "ck"), "--job", "j"])
     assert rc == 1 and f"data file {data} is not a regular file (mode d" in out.getvalue(), out.getvalue()
+    w = torch.zeros(10)
+    with Checkpointer(cfg, job="j") as ck:
+        assert ck.restore({"w": w}) == 1 and torch.equal(w, torch.ones(10))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["rank_00000.data", "rank_00000.manifest.json", "rank_00000.commit"])
+def test_a_fifo_in_place_of_a_checkpoint_file_is_an_error_not_a_hang(tmp_path, name) -> None:
+    """Opening a FIFO blocks until a writer comes: a restore at start-up, `ckpt verify` and `ckpt gc` hung for
+    good on one left where a step's data file, manifest or commit marker belongs."""
+    cfg = CheckpointConfig(directory=str(tmp_path / "ck"), memory={"enabled": False}, persist={"service": "inline"})
+    with Checkpointer(cfg, job="j") as ck:
+        for s in (1, 2):
+            ck.save({"w": torch.full((10,), float(s))}, s)
+    path = tmp_path / "ck" / "j" / "step_000000000002" / name
+    path.unlink()
+    os.mkfifo(path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        rc = main(["ckpt", "verify", str(tmp_path / "ck"), "--job", "j", "--step", "2"])
+        gc = main(["ckpt", "gc", str(tmp_path / "ck"), "--job", "j", "--keep", "1", "--dry-run"])
+    assert rc == 1 and gc == 0, out.getvalue()
     w = torch.zeros(10)
     with Checkpointer(cfg, job="j") as ck:
         assert ck.restore({"w": w}) == 1 and torch.equal(w, torch.ones(10))
