@@ -108,6 +108,20 @@ class _StepStatus:
     request: int = 0  # the persist request's id: reports of an earlier save of the same step are not this one's
 
 
+def _index(name: str, value: Any) -> int:
+    """``value`` as an int (numpy integers too), or a CheckpointError naming ``name``: ``os.environ["RANK"]``
+    passed as it is (a string) failed deep inside with a bare TypeError."""
+    import operator
+
+    if isinstance(value, bool):
+        raise CheckpointError(f"{name} must be an integer, got the boolean {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        hint = "; pass int(...) of it (environment variables are strings)" if isinstance(value, str) else ""
+        raise CheckpointError(f"{name} must be an integer, got {type(value).__name__} {value!r}{hint}") from None
+
+
 class Checkpointer:
     """Tiered asynchronous checkpoints for one rank of one job.
 
@@ -128,6 +142,7 @@ class Checkpointer:
 
     def __init__(self, config: CheckpointConfig, rank: int = 0, world_size: int = 1, job: str = "default",
                  on_event: Callable[[Any], None] | None = None) -> None:
+        rank, world_size = _index("rank", rank), _index("world_size", world_size)
         if not 0 <= rank < world_size:
             raise CheckpointError(f"rank {rank} is outside world size {world_size}; pass 0 <= rank < world_size")
         check_job_name(job)

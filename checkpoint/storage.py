@@ -63,11 +63,19 @@ def check_job_name(job: str) -> str:
 
     Raises:
         CheckpointError: the name is empty, holds ``/`` or starts with ``.``: the folder would not be a direct
-            child of the root (``../evil``) or would be hidden from job listings.
+            child of the root (``../evil``) or would be hidden from job listings; it holds a control character
+            (a NUL raised a bare ValueError from the first file call); or it is named like a step folder
+            (``step_000000000001``): a job folder so named was taken for a step of the root by every ``ckpt``
+            command.
     """
     if not isinstance(job, str) or not job or "/" in job or job.startswith("."):
         raise CheckpointError(f"job name {job!r} is not a valid directory name (it is empty, holds '/' or starts "
                               "with '.'); use letters, digits, -_")
+    if any(ord(c) < 32 or ord(c) == 127 for c in job):
+        raise CheckpointError(f"job name {job!r} holds a control character; use letters, digits, -_")
+    if is_step_dirname(job):
+        raise CheckpointError(f"job name {job!r} is named like a step folder, which the `ckpt` commands would take "
+                              "for a step; use another name")
     return job
 
 

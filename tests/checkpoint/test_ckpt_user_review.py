@@ -6,6 +6,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import shutil
 import tempfile
 
@@ -138,6 +139,22 @@ def test_cli_refuses_a_job_name_that_is_not_a_folder_of_the_root(tmp_path):
     for action in ("ls", "verify"):
         rc, _, err = _cli(action, root, "--job", "../ck")
         assert rc == 2 and "job name '../ck' is not a valid directory name" in err, (action, err)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"job": "step_000000000001"}, "named like a step folder"),  # saved, then no ckpt command could reach it
+    ({"job": "x\x00y"}, "holds a control character"),  # a bare ValueError: embedded null byte
+    ({"rank": "0", "world_size": "2"}, "rank must be an integer, got str '0'; pass int(...)"),  # a bare TypeError
+    ({"world_size": 2.0}, "world_size must be an integer, got float 2.0"),
+])
+def test_checkpointer_arguments_a_user_gets_wrong_are_named(tmp_path, kw, words):
+    from trainguard.checkpoint import CheckpointError
+
+    cfg = _local_steps(str(tmp_path / "ck"), steps=(1,))
+    with pytest.raises(CheckpointError, match=re.escape(words)):
+        Checkpointer(cfg, **kw)
+    rc, _, err = _cli("ls", str(tmp_path / "ck"), "--job", "step_000000000001")
+    assert rc == 2 and "named like a step folder" in err, err
 
 
 # ---------------------------------------------------------------------- file:/abs (one slash), as fsspec reads it
