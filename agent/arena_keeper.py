@@ -172,6 +172,20 @@ def looks_like_arena(path: str) -> bool:
                                  for e in entries)
 
 
+def _foreign(path: str) -> bool:
+    """Whether ``path`` exists as something other than an arena or an empty folder (a file, a link, a folder of
+    another program's)."""
+    if not os.path.lexists(path):
+        return False
+    if os.path.islink(path) or not os.path.isdir(path):
+        return True
+    try:
+        empty = not os.listdir(path)
+    except OSError:
+        return True
+    return not empty and not looks_like_arena(path)
+
+
 def lease_held(arena_dir: str) -> bool:
     """Whether some process holds a rank's writer lease (``rank_*/owner.lock``) in ``arena_dir``.
 
@@ -278,6 +292,13 @@ class ArenaKeeper:
             raise ArenaRootError(
                 f"arena root {root} is not this daemon's memory_tier.root {self.root}: set "
                 f"TRAINGUARD_CHECKPOINT_SHM_DIR={self.root} for the job (or change memory_tier.root)")
+        if _foreign(self.arena_dir(job)):
+            # The job's folder would be removed as its arena when it ends (the daemon runs as root): any user of
+            # the socket could name an existing folder under the root (/dev/shm itself) and have it deleted.
+            raise ArenaRootError(
+                f"{self.arena_dir(job)} exists and holds files that are not a checkpoint arena's (rank_NNNNN/ or "
+                f"replicas/ folders only); it is another program's: run the job under another name or give the "
+                f"daemon another memory_tier.root")
         with self._lock:
             kept = self._arenas.get(job)
             had = kept is not None and os.path.isdir(self.arena_dir(job))
@@ -355,6 +376,10 @@ class ArenaKeeper:
                 failures.append(f"{path}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}")
 
         path = self.arena_dir(job)
+        if _foreign(path):  # filled by another program since: not ours to delete
+            log.warning("memory tier: not removing %s (%s): it holds files that are not a checkpoint arena's",
+                        path, why)
+            return False
         if sys.version_info >= (3, 12):  # onerror is deprecated from 3.12 on
             shutil.rmtree(path, onexc=lambda _func, where, exc: note(where, exc))
         else:

@@ -178,3 +178,27 @@ def test_only_a_launcher_of_the_job_ends_it_while_one_lives(root) -> None:
     _arena(root, "j2")
     keeper.adopt_existing()
     assert keeper.detach("j2", "restarted.2.cd.lock", ended=True) is True and not (root / "j2").exists()
+
+
+def test_a_folder_of_another_program_is_never_attached_nor_removed(root, caplog) -> None:
+    """Any user of the daemon's socket could AttachJob a name of an existing folder under the root (which may be
+    /dev/shm itself) and DetachJob(ended=True): the daemon, as root, deleted that folder as the job's arena.
+    Attach refuses it now; and a folder filled by another program after the attach is left at the end."""
+    keeper = ArenaKeeper(str(root), ttl_s=10)
+    (root / "theirs").mkdir()
+    (root / "theirs" / "important.txt").write_text("data")
+    with pytest.raises(ArenaRootError, match="not a checkpoint arena's"):
+        keeper.attach("theirs", str(root), os.getpid())
+    assert keeper.detach("theirs", os.getpid(), ended=True) is False and (root / "theirs" / "important.txt").exists()
+    (root / "file").write_text("x")
+    with pytest.raises(ArenaRootError):
+        keeper.attach("file", str(root), os.getpid())
+    assert keeper.attach("late", str(root), os.getpid()) is False  # a new job: no folder yet
+    (root / "late").mkdir()
+    (root / "late" / "notes.txt").write_text("x")
+    with caplog.at_level(logging.WARNING):
+        assert keeper.detach("late", os.getpid(), ended=True) is False
+    assert (root / "late" / "notes.txt").exists() and "not removing" in caplog.text
+    _arena(root, "ours")
+    assert keeper.attach("ours", str(root), os.getpid()) is False  # an arena left before: attached
+    assert keeper.detach("ours", os.getpid(), ended=True) is True and not (root / "ours").exists()
