@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 from dataclasses import dataclass, field
 
 from trainguard.errors import ConfigError
@@ -138,6 +140,18 @@ class QualifySection:
             raise QualifyConfigError(f"qualify.peer_min_history={self.peer_min_history}: use >= 1")
         if not self.net_root:
             raise QualifyConfigError("qualify.net_root is empty; use '/' on a real node")
+        for key in ("root", "net_root", "disk_dir"):
+            value = getattr(self, key)
+            if not value:
+                continue
+            # Checked when first read otherwise: a relative root skipped the pcie and rdma checks (the node
+            # qualified on nothing), a URL or relative disk_dir failed the node FATAL, cordoned for a typo.
+            if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value):
+                raise QualifyConfigError(f"qualify.{key} {value!r} is a URL; give a local absolute path")
+            if not os.path.isabs(value):
+                raise QualifyConfigError(f"qualify.{key} {value!r} is a relative path; give an absolute one (it "
+                                         "would be read against whichever folder the agent started in, / under "
+                                         "systemd)")
         for key in ("pcie_classes", "pcie_speed_classes"):
             for cls in getattr(self, key):
                 if not cls.startswith("0x"):

@@ -266,6 +266,11 @@ def test_a_hung_check_fails_at_its_timeout_and_the_budget_bounds_the_rest(tmp_pa
     # TOML's nan and inf: an infinite disk rate failed every node, a NaN one passed every node
     ("[qualify]\ndisk_min_mib_s = inf\n", "qualify.disk_min_mib_s: expected a finite number (inf is not"),
     ("[qualify]\nrecheck_s = nan\n", "qualify.recheck_s: expected a finite number (nan is not"),
+    # were read as given: a relative root skipped the pcie and rdma checks (the node qualified on nothing), a
+    # URL or relative disk_dir failed the node FATAL at run time
+    ("[qualify]\nroot = \"relative\"\n", "qualify.root 'relative' is a relative path; give an absolute one"),
+    ("[qualify]\nnet_root = \"net\"\n", "qualify.net_root 'net' is a relative path"),
+    ("[qualify]\ndisk_dir = \"file:///tmp\"\n", "qualify.disk_dir 'file:///tmp' is a URL; give a local absolute"),
 ])
 def test_qualify_table_errors_name_the_key(tmp_path, text, needle) -> None:
     path = tmp_path / "agent.toml"
