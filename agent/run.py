@@ -37,8 +37,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-#: Exit codes of a run stopped by a signal (128 + SIGINT, 128 + SIGTERM), reported as "stopped", not failed.
-STOPPED_CODES = frozenset({130, 143})
+#: Exit codes of a run stopped by a signal (128 + the signal: 129 SIGHUP, 130 SIGINT, 131 SIGQUIT, 143 SIGTERM, or
+#: another of --signals-to-handle), reported as "stopped", not failed. A run's own codes are 0, 1 and 2 (usage):
+#: only a handled signal gives one above 128. SIGHUP and SIGQUIT, handled by default, read "job FAILED".
+STOPPED_CODES = frozenset(range(129, 129 + 64))
 
 
 @dataclass
