@@ -203,8 +203,11 @@ def run_job(args: argparse.Namespace) -> RunResult:
     apply_slurm(args)  # SLURM_* fill the flags left at their defaults (no-op outside Slurm)
     server_security, client_security = run_security(args)
     nproc = tr.resolve_nproc(args.nproc_per_node)
-    from trainguard.recovery.spec import MAX_RESTARTS_LIMIT
+    from trainguard.recovery.spec import MAX_LOCAL_WORKERS, MAX_RESTARTS_LIMIT
 
+    if nproc > MAX_LOCAL_WORKERS:  # the coordinator refused it at registration, naming a protobuf field
+        raise UsageError(f"--nproc-per-node {args.nproc_per_node}: {nproc} worker processes on one node; at most "
+                         f"{MAX_LOCAL_WORKERS}")
     if not 0 <= args.max_restarts <= MAX_RESTARTS_LIMIT:
         raise UsageError(f"--max-restarts must be 0..{MAX_RESTARTS_LIMIT}, got {args.max_restarts}")
     if args.hang_floor_s <= 0:

@@ -44,7 +44,7 @@ from trainguard.recovery.qualification import refusal_message
 from trainguard.recovery.refusal_log import RefusalLog
 from trainguard.recovery.link_locator import validate_link_results
 from trainguard.names import NODE_ID_RE
-from trainguard.recovery.spec import JOB_NAME_RE, JobSpec
+from trainguard.recovery.spec import JOB_NAME_RE, MAX_LOCAL_WORKERS, JobSpec
 from trainguard.recovery.errors import (CapacityError, CoordinatorError, DuplicateNodeError, InvalidRequestError, NodeRefusedError,
                                         NotServingError, RecoveryError, RequestError, SlotTakenError,
                                         StaleGenerationError, StaleLeaseError, UnknownJobError, UnknownNodeError)
@@ -150,8 +150,8 @@ def validate_register(req: coordinator_pb2.RegisterNodeRequest) -> None:
     _check_text("agent_instance", req.agent_instance, 64)
     if t.node_index < 0:
         raise _bad("node.topology.node_index", f"is {t.node_index}; it must be >= 0")
-    if not 0 <= t.device_count <= 1024:
-        raise _bad("node.topology.device_count", f"is {t.device_count}; use 1-1024 (0 means 1)")
+    if not 0 <= t.device_count <= MAX_LOCAL_WORKERS:
+        raise _bad("node.topology.device_count", f"is {t.device_count}; use 1-{MAX_LOCAL_WORKERS} (0 means 1)")
     if len(t.labels) > _MAX_LABELS:
         raise _bad("node.topology.labels", f"has {len(t.labels)} entries; at most {_MAX_LABELS} are allowed")
     for k, v in t.labels.items():

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
+# Job names: what fits in a store key and a log line (one rule with node ids, in trainguard.names).
 from trainguard.names import JOB_NAME_RE
 from trainguard.recovery.errors import InvalidRequestError
 from trainguard.recovery.policy import PolicyConfig
 from trainguard.recovery.straggler import StragglerConfig
 
-#: Job names: what fits in a store key and a log line.
+#: Most worker processes one node may run (its ``--nproc-per-node``): the coordinator refuses a node reporting more.
+MAX_LOCAL_WORKERS = 1024
 #: The largest restart budget (rank tables carry it as an int32).
 MAX_RESTARTS_LIMIT = 2**31 - 1
 #: Node ids a coordinator keeps at least (see :meth:`JobSpec.node_id_limit`): each registered id is a member and a

@@ -40,6 +40,12 @@ def test_a_non_numeric_rdzv_endpoint_port_is_refused_on_every_rendezvous(tmp_pat
     assert "--rdzv-endpoint 'localhost:x': the port must be a number" in line
 
 
+def test_more_workers_than_a_node_may_run_is_refused_naming_the_flag(tmp_path):
+    # the embedded coordinator started first, then refused the registration naming node.topology.device_count
+    line = _refused(tmp_path, ["--standalone", "--nproc-per-node=100000"])
+    assert "--nproc-per-node 100000: 100000 worker processes on one node; at most 1024" in line, line
+
+
 def test_a_fault_on_a_rank_outside_the_world_is_refused(tmp_path):
     line = _refused(tmp_path, ["--nproc-per-node", "2", "--fault", "5:10"])
     assert "--fault '5:10'" in line and "rank 5" in line and "world size is 2" in line
