@@ -596,11 +596,22 @@ class AgentConfig:
         Raises:
             DetectorConfigError: an unknown detector, a table for one not enabled, or a bad field or root.
         """
+        from trainguard.detectors.errors import DetectorConfigError
         from trainguard.detectors.settings import DetectorSettings
 
         d = self.detectors
-        return DetectorSettings.from_table({"enabled": d.enabled, "root": d.root, "interval_s": d.interval_s,
-                                            **d.settings}, source=self.source or "agent config", prefix="detectors.")
+        try:
+            return DetectorSettings.from_table({"enabled": d.enabled, "root": d.root, "interval_s": d.interval_s,
+                                                **d.settings}, source=self.source or "agent config",
+                                               prefix="detectors.")
+        except DetectorConfigError as exc:
+            # A value from the environment ($TRAINGUARD_AGENT_DETECTORS_ROOT) is named as such, as every other
+            # key's error does: the operator looked for it in the file.
+            text = str(exc)
+            for key, origin in self.origins.items():
+                if key.startswith("detectors.") and f": {key}: " in text:
+                    raise DetectorConfigError(text.replace(f": {key}: ", f": {key} (set by {origin}): ", 1)) from exc
+            raise
 
     def detector_names(self) -> list[str]:
         """The detectors to run: ``detectors.enabled`` with ``"all"`` expanded to the default set."""

@@ -27,6 +27,7 @@ the source, the key and what to do.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,6 +233,9 @@ def _check_root(value: Any, key: str, source: str) -> str:
         raise DetectorConfigError(f"{source}: {key}: expected a string, got {type_name(value)} {value!r}")
     if not value:
         raise DetectorConfigError(f"{source}: {key}: must not be empty; use \"/\" for the real system")
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value):  # was called "a relative path"
+        raise DetectorConfigError(f"{source}: {key}: {value!r} is a URL; give a local absolute path (\"/\" for the "
+                                  "real system)")
     if not os.path.isabs(value):
         # Checked and read against the folder each command starts in: `trainguard detect --config` run from a
         # shell read another tree than the daemon (/ under systemd) given the same file, each without a word.

@@ -60,3 +60,19 @@ def test_relative_paths_in_the_file_or_environment_are_refused(tmp_path, text, e
     with pytest.raises(AgentConfigError) as err:
         AgentConfig.load(path, env=env)
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("text, env, needle", [
+    # a URL was called "a relative path"
+    ('[detectors]\nroot = "file:///sys"\n', {}, "detectors.root: 'file:///sys' is a URL; give a local absolute path"),
+    # the variable went unnamed, unlike every other key's: the operator looked for the value in the file
+    ("", {cfg.DETECTORS_ROOT_ENV: "rel"}, f"detectors.root (set by ${cfg.DETECTORS_ROOT_ENV}): 'rel' is a relative"),
+])
+def test_a_bad_detectors_root_is_named_as_a_url_or_by_its_variable(tmp_path, text, env, needle):
+    from trainguard.errors import ConfigError
+
+    path = tmp_path / "agent.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        AgentConfig.load(path, env=env).detector_loader()
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
