@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from trainguard.agent.qualify.agent_side import NodeQualifier
 
 log = logging.getLogger(__name__)
+#: Seconds between the WARNING lines of one coordinator outage (see CoordinatorLink._say_outage).
+_OUTAGE_LOG_EVERY_S = 30.0
 
 #: Deadline of every call to the coordinator, seconds.
 RPC_TIMEOUT_S = 5.0
@@ -327,6 +329,8 @@ class GrpcCoordinatorLink:
         self._lease = ""
         self._generation = -1
         self._unreachable_since: float | None = None  # first failed heartbeat of the current outage
+        self._outage_said_at: float | None = None  # when the outage was last logged at WARNING (see _say_outage)
+        self._outage_what: set[str] = set()  # the kinds of failure said since then
         # Reports the coordinator never got (it was down or did not answer in time): sent again before the next
         # heartbeat. The heartbeat of a node whose workers were stopped says "no generation", which a
         # coordinator that never heard of the failure answers with START of the same generation: without the
@@ -525,8 +529,8 @@ class GrpcCoordinatorLink:
         self._last_heartbeat = time.monotonic()
         if self._unsent and self._send_unsent() is grpc.StatusCode.UNAVAILABLE:
             self._unreachable_since = self._unreachable_since or time.monotonic()
-            log.warning("coordinator still unreachable: %d failure report(s) wait; workers keep running",
-                        len(self._unsent))
+            self._say_outage(f"coordinator still unreachable: {len(self._unsent)} failure report(s) wait",
+                             f"unsent {len(self._unsent)}")
             self._redial()
             return None  # down: the heartbeat would fail as well
         fields = dict(content.heartbeat_fields())
@@ -537,7 +541,10 @@ class GrpcCoordinatorLink:
             free_port=find_free_port(self.config.address), **fields)
         try:
             resp = self._stub.Heartbeat(req, timeout=RPC_TIMEOUT_S)
-            self._unreachable_since = None
+            if self._outage_said_at is not None and self._unreachable_since is not None:
+                log.warning("coordinator %s answers again after %.0f s", self._target,
+                            time.monotonic() - self._unreachable_since)
+            self._unreachable_since = self._outage_said_at = None
             failed = max((r.generation for r in self._unsent), default=-1)
             if resp.command in (coordinator_pb2.NODE_COMMAND_START, coordinator_pb2.NODE_COMMAND_RESTART) \
                     and 0 <= resp.rank_table.generation <= failed:
@@ -567,8 +574,27 @@ class GrpcCoordinatorLink:
                 self._life.fire_if(_T.FORGOTTEN)
                 self._register()
             else:
-                log.warning("coordinator heartbeat failed: %s; workers keep running", code.name)
+                running = fields.get("workers_running", 0)
+                self._say_outage(f"coordinator heartbeat failed: {code.name}"
+                                 + ("; workers keep running" if running else ""), code.name)
             return None
+
+    def _say_outage(self, text: str, what: str) -> None:
+        """Logs a heartbeat failure at WARNING when ``what`` (its kind: a status code, the count of failure
+        reports waiting) is new in the outage, and every 30 s of it; each repeat in between at DEBUG. Every
+        failure at WARNING, twice a heartbeat interval, was ~7,000 lines per node per hour of an outage."""
+        now = time.monotonic()
+        if self._outage_said_at is None or now - self._outage_said_at >= _OUTAGE_LOG_EVERY_S:
+            self._outage_what = set()
+        if what not in self._outage_what:
+            since = self._unreachable_since
+            log.warning("%s%s", text, f" (unreachable for {now - since:.0f} s; said every "
+                                      f"{_OUTAGE_LOG_EVERY_S:.0f} s)" if since is not None and now - since >= 1
+                        else "")
+            self._outage_said_at = now
+            self._outage_what.add(what)
+        else:
+            log.debug("%s", text)
 
     def keepalive(self, content: HeartbeatContent) -> None:
         """Renews the lease while the owner's loop is busy (stopping hung workers); commands in the reply are
