@@ -441,9 +441,10 @@ def linger_until_peers_told(server, timeout_s: float | None = None, own_node: st
     from trainguard.recovery.policy import Phase
 
     core = server.core
-    # max_nodes: an elastic job (--nnodes 1:2) has peers with nnodes 1; lingering only for nnodes > 1 left them
-    # unaware that the job ended (run_job's own second wait, without the check that the job ended, hid it).
-    if core.state.phase not in (Phase.SUCCEEDED, Phase.FAILED) or max(core.spec.nnodes, core.spec.max_nodes) <= 1:
+    # Whatever the job's size: an elastic job (--nnodes 1:2) has peers with nnodes 1, and a one-node job has spares
+    # (a second `trainguard run` on the same endpoint joins as one). Lingering only for nnodes > 1 left them
+    # unaware that the job ended: a spare warned for a minute, then exited 2 saying "start this node again".
+    if core.state.phase not in (Phase.SUCCEEDED, Phase.FAILED):
         return True
     deadline = time.monotonic() + (core.spec.lease_timeout_s if timeout_s is None else timeout_s)
     while time.monotonic() < deadline:

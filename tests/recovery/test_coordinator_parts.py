@@ -231,3 +231,32 @@ def test_the_embedding_launcher_stops_once_every_node_was_told_the_end(caplog) -
         _let_nodes_hear_the_end(SimpleNamespace(core=core), "n0", patience_s=1.0)
     assert "before every node heard" not in caplog.text
     core.close()
+
+
+def test_the_embedding_launcher_of_a_one_node_job_waits_until_its_spare_is_told_the_end() -> None:
+    """A second `trainguard run` on a one-node job's c10d endpoint joins as a spare. The embedding launcher
+    lingered only for jobs of more than one node, so it stopped the coordinator at once: the spare warned for a
+    minute, then exited 2 saying "start this node again". It now waits until the spare heard the end."""
+    import time
+    from types import SimpleNamespace
+
+    from trainguard.agent.run_deploy import linger_until_peers_told
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.domain import Beat, Command
+    from trainguard.recovery.spec import JobSpec
+    from trainguard.recovery.store import MemoryStore
+
+    core = JobCoordinator(JobSpec(job="one", nnodes=1, heartbeat_interval_s=1.0, lease_timeout_s=60.0),
+                          store=MemoryStore(), clock=time.monotonic)
+    lease = {nid: core.register("one", NodeRecord(nid, "p", i, nid, 1, "127.0.0.1"), 20000 + i)[0]
+             for i, nid in enumerate(("n0", "spare"))}
+    gen = core.heartbeat(Beat("one", "n0", lease["n0"], -1, 0, free_port=30000)).response.table.generation
+    core.heartbeat(Beat("one", "spare", lease["spare"], -1, 0, free_port=30001))
+    assert core.heartbeat(Beat("one", "n0", lease["n0"], gen, 0, workers_succeeded=True)).response.command \
+        is Command.STOP
+    assert core.not_told_of_end() == ["spare"]
+    assert linger_until_peers_told(SimpleNamespace(core=core), timeout_s=0.2, own_node="n0") is False
+    assert core.heartbeat(Beat("one", "spare", lease["spare"], -1, 0, free_port=30001)).response.command \
+        is Command.STOP
+    assert linger_until_peers_told(SimpleNamespace(core=core), timeout_s=0.2, own_node="n0") is True
+    core.close()
