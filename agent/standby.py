@@ -67,9 +67,11 @@ def spawn_standby(env: Mapping[str, str], preload: Sequence[str], preexec_fn=Non
     Returns:
         The process; its stdin is the order pipe.
     """
+    from trainguard.agent.guard import guard
+
     return subprocess.Popen(
         [sys.executable, "-u", "-c", _STANDBY_CODE, ",".join(preload)],
-        env=dict(env),
+        env=guard().marked(dict(env)),
         stdin=subprocess.PIPE,
         start_new_session=True,
         preexec_fn=preexec_fn,

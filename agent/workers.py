@@ -192,7 +192,7 @@ class WorkerGroup:
                 stderr = subprocess.STDOUT if out[0] == "both" else _popen_target(err, files)
                 proc = subprocess.Popen(
                     spec.argv,
-                    env=spec.env,
+                    env=guard().marked(spec.env),  # what it starts in sessions of its own is found by this
                     stdout=stdout,
                     stderr=stderr,
                     start_new_session=True,

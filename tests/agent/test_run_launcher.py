@@ -335,3 +335,31 @@ def test_a_second_one_node_run_of_the_same_job_name_is_refused(tmp_path: Path, t
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
+
+
+@pytest.mark.parametrize("end", ["succeeds", "sigkill"])
+def test_what_a_worker_starts_in_a_session_of_its_own_ends_with_the_job(tmp_path: Path, tg_env: dict,
+                                                                           end: str) -> None:
+    """The guard killed the workers' process groups only: a helper a worker started with start_new_session (a
+    daemonised server) outlived the job, whether it succeeded or the launcher was SIGKILLed, and kept the
+    launcher's output pipe open. The tg_env fixture fails the test if it survives."""
+    script = tmp_path / "forky.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "p = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+                      "print('helper', p.pid, flush=True)\n"
+                      f"time.sleep({0 if end == 'succeeds' else 300})\n")
+    if end == "succeeds":
+        r = run_cli(["run", "--nproc-per-node", "1", str(script)], tg_env, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "1", str(script)],
+                            env=tg_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "helper" in line, line
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
