@@ -339,7 +339,9 @@ class PcieDetector(Detector):
         for bdf in sorted(self._seen_links):
             self.condition(s, f"lost/{bdf}", bdf not in infos or bdf in self._removed, "pcie.device_lost",
                            Severity.CRITICAL, Action.DRAIN_NODE, f"PCI device {bdf} disappeared from the bus", bdf)
-        if not aer and not self._seen_links:
+        if not aer and not self._seen_links and not s.errors:
+            # With read errors it is not "no hardware": a GPU whose class file is garbled (or unreadable) is not
+            # known to be a GPU, and reading as none hid its narrowed link and fatal AER behind exit code 0.
             return self.no_hardware(f"no watched PCIe device under {base} reports AER counters or link status")
         s.metrics.update({k + "_total": float(v) for k, v in totals.items()})
         s.metrics.update({"aer_correctable_per_s": cor_rate, "aer_devices": float(len(aer)),

@@ -248,6 +248,14 @@ def test_a_device_removed_and_found_again_between_two_samples_counts_from_zero(t
     assert det.sample().events == []  # the same error once
 
 
+def test_the_only_device_with_a_garbled_class_is_a_read_error_not_no_hardware(tmp_path) -> None:
+    """A node whose one GPU has a cut class file and no modalias: nothing was watched, and the sample read
+    "no hardware" (exit 0 from `trainguard detect`), dropping the read error that says why."""
+    write_pci_device(tmp_path, "0000:3b:00.0", cls="0x0302", width=4)
+    s = PcieDetector(PcieConfig(root=str(tmp_path))).sample()
+    assert s.state == DetectorState.ERROR and [os.path.basename(e.path) for e in s.errors] == ["class"], s
+
+
 def test_a_garbled_class_is_a_read_error_and_the_device_is_still_judged_by_its_modalias(tmp_path) -> None:
     """A ``class`` file that is not what the kernel prints (``0x%06x``) matched no watched class: the device
     dropped out of the link checks without a word (a NIC at gen4 of gen5 never reported). It is a read error
