@@ -81,8 +81,14 @@ def read_psi(path: str) -> dict[str, str] | None:
         DetectorReadError: the file cannot be read for another reason, or is not in the PSI format (an ``avg``
             that is not a percentage from 0 to 100).
     """
-    if not os.path.exists(path):  # a kernel without CONFIG_PSI
+    try:
+        os.stat(path)
+    except FileNotFoundError:  # a kernel without CONFIG_PSI
         return None
+    except OSError as exc:
+        # os.path.exists() said False for EACCES and ELOOP too: an unreadable /proc/pressure read as a kernel
+        # without pressure stall information, and memory thrashing went unreported with the detector OK.
+        raise DetectorReadError(path, f"cannot be read ({exc.strerror or exc})") from exc
     try:
         values = read_key_values(path)
     except DetectorReadError as exc:

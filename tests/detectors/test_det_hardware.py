@@ -74,6 +74,18 @@ def test_psi_disabled_at_boot_is_no_pressure_not_an_error(tmp_path, monkeypatch)
     assert not any("pressure" in k for k in s.metrics)
 
 
+def test_an_unreadable_pressure_file_is_a_read_error_not_a_kernel_without_psi(tmp_path) -> None:
+    """os.path.exists() is False for a file it cannot stat (EACCES for a user who may not read /proc/pressure,
+    a symlink loop): that read as a kernel without PSI, no pressure metric and the detector OK while memory
+    thrashed. A missing file is still no PSI; one that cannot be reached is a read error naming it."""
+    write_file(tmp_path, "proc/meminfo", MEMINFO.format(avail=32768000))
+    (tmp_path / "proc/pressure").mkdir(parents=True)
+    os.symlink("memory", tmp_path / "proc/pressure/memory")  # a loop: stat() fails with ELOOP
+    s = HostDetector(HostConfig(root=str(tmp_path), cpu_busy_pct=100.0)).sample()
+    assert s.state == DetectorState.ERROR and [os.path.basename(e.path) for e in s.errors] == ["memory"], s.detail
+    assert "cannot be read" in s.errors[0].reason
+
+
 def test_host_malformed_files(tmp_path) -> None:
     write_file(tmp_path, "proc/meminfo", "MemTotal:       65536000 kB\nMemFree: lots\n")
     write_file(tmp_path, "proc/pressure/memory", "some avg10\n")
