@@ -128,12 +128,14 @@ class DetectorConfig:
         if not 0 < self.interval_s <= MAX_INTERVAL_S:  # NaN fails too
             raise DetectorConfigError(f"interval_s={self.interval_s} must be > 0 and at most {MAX_INTERVAL_S:.0f} "
                                       "seconds")
-        # TOML has nan, and every range check (x < 0, x <= 0) passes it: flap_window_s = nan never emptied the
-        # flap window (a link flapping for good after 3 downs ever), a nan threshold never fired.
+        # TOML has nan and inf, and every range check (x < 0, x <= 0) passes nan and half of them inf:
+        # flap_window_s = nan never emptied the flap window (a link flapping for good after 3 downs ever), a nan
+        # threshold never fired; critical_margin_c = inf put every zone "near its critical trip", hysteresis_c =
+        # inf never cleared a condition.
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, float) and math.isnan(value):
-                raise DetectorConfigError(f"{type(self).__name__}.{f.name}=nan must be a number")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise DetectorConfigError(f"{type(self).__name__}.{f.name}={value} must be a finite number")
 
     def path(self, path: str) -> str:
         """Maps an absolute system path (``/sys/class/net``) under :attr:`root`.

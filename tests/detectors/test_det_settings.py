@@ -56,7 +56,10 @@ def test_a_daemon_section_and_a_run_file_give_the_same_settings(tmp_path: Path) 
     ({"enabled": ["pcie"], "pcie": {"link_classes": [3]}}, ["[pcie]", "link_classes=[3]"]),
     ({"enabled": ["roce"], "roce": {"flap_threshold": True}}, ["[roce]", "flap_threshold=True must be of type int"]),
     # nan passed every range check (x < 0, x <= 0): a flap window that never emptied, thresholds never reached.
-    ({"enabled": ["roce"], "roce": {"flap_window_s": float("nan")}}, ["[roce]", "flap_window_s=nan must be a number"]),
+    ({"enabled": ["roce"], "roce": {"flap_window_s": float("nan")}}, ["[roce]", "flap_window_s=nan must be a finite"]),
+    # inf passed too: every zone "near its critical trip" (checkpoint now), or a condition that never cleared
+    ({"enabled": ["thermal"], "thermal": {"critical_margin_c": float("inf")}}, ["[thermal]", "critical_margin_c=inf"]),
+    ({"enabled": ["thermal"], "thermal": {"hysteresis_c": float("inf")}}, ["[thermal]", "hysteresis_c=inf must be"]),
     ({"enabled": ["pcie"], "pcie": {"correctable_per_s": float("nan")}}, ["[pcie]", "correctable_per_s=nan"]),
     ({"enabled": ["thermal"], "thermal": {"critical_margin_c": float("nan")}}, ["[thermal]", "critical_margin_c=nan"]),
     # An operator's rule file was read only when the detector was built: `trainguard run` had registered with the
