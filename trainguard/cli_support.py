@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import select
@@ -89,13 +90,37 @@ def run_quietly_on_closed_pipe(fn: Callable[[], int]) -> int:
         sys.stdout.flush()  # a pipe closed after the last print shows up here
         return code
     except BrokenPipeError:
-        # Point stdout at /dev/null so the interpreter's final flush does not raise a second time.
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
+        _stdout_to_devnull()
         return EXIT_BROKEN_PIPE
+    except OSError as exc:
+        if exc.errno not in _OUTPUT_FULL:
+            raise
+        # A full disk or quota under the output (`> /dev/full`, `--out` on a full filesystem) was a traceback
+        # and exit 1, which `trainguard detect` also returns for a failed detector: a health probe read a full
+        # disk as a hardware fault.
+        where = f" {exc.filename}" if exc.filename else " (standard output)"
+        _stdout_to_devnull()
+        print(f"trainguard: error: cannot write the output{where}: {exc.strerror or exc}; free space or write "
+              "elsewhere", file=sys.stderr)
+        return EXIT_OUTPUT_ERROR
+
+
+#: Exit code when the output could not be written (a full disk): sysexits' EX_IOERR.
+EXIT_OUTPUT_ERROR = 74
+_OUTPUT_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _stdout_to_devnull() -> None:
+    """Points stdout at /dev/null so the interpreter's final flush does not raise a second time."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def watch_reader_gone(fd: int, on_gone: Callable[[], None]) -> threading.Thread | None:

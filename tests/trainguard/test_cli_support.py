@@ -138,3 +138,17 @@ def test_ctrl_c_while_the_subcommands_load_is_one_line(monkeypatch, capsys):
         pytest.fail("Ctrl-C escaped main(): Python printed a traceback")
     assert code == 130
     assert capsys.readouterr().err == "trainguard: interrupted\n"
+
+
+def test_output_to_a_full_disk_is_one_line_and_its_own_exit_code() -> None:
+    """`trainguard detect > /dev/full` was a traceback and exit 1, the code of a failed detector: a health
+    probe read a full disk as a hardware fault. It is one line naming the cause, and exit 74 (EX_IOERR)."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "trainguard", "detect", "--only", "host", "--window", "0"],
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 74 and "cannot write the output (standard output): No space left on device" in r.stderr, \
+        r.stderr
