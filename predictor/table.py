@@ -27,8 +27,15 @@ from trainguard.predictor.catalog import RESERVED_COLUMNS
 from trainguard.predictor.errors import DataFormatError
 
 
+#: A number as CSV writers print one, ASCII only: float() also took '6_5' (65) and other scripts' digits ('٦٥'),
+#: so such cells were scored as numbers the file never held.
+_NUMBER = re.compile(r"^\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*$")
+
+
 def _parse_time(text: str, where: str) -> float:
     try:
+        if not _NUMBER.match(text):
+            raise ValueError(text)
         t = float(text)
     except ValueError:
         pass
@@ -56,6 +63,8 @@ def _parse_value(text: str, where: str) -> float:
     if t == "" or t.lower() == "nan":
         return math.nan
     try:
+        if not _NUMBER.match(t) and t.lower().lstrip("+-") not in ("inf", "infinity"):
+            raise ValueError(t)
         v = float(t)
     except ValueError:
         raise DataFormatError(f"{where}: value {text!r} is not a number; leave the cell empty if it is missing") from None

@@ -42,6 +42,10 @@ def test_iso_timestamps_are_read_as_utc(tmp_path):
         ("timestamp,node,a\n1,n,1\n1,n,2\n", "strictly increase"),
         ("timestamp,node,a\n1,n,abc\n", "not a number"),
         ("timestamp,node,a\n1,n,inf\n", "infinite"),
+        # float() took these: '6_5' and '٦٥' were scored as 65
+        ("timestamp,node,a\n1,n,6_5\n", "value '6_5' is not a number"),
+        ("timestamp,node,a\n1,n,\u0666\u0665\n", "is not a number"),
+        ("timestamp,node,a\n1_7,n,1\n", "neither Unix seconds nor ISO"),
         ("timestamp,node,a\nyesterday,n,1\n", "neither Unix seconds nor ISO"),
         ("timestamp,node,a\n1,n\n", "cells but the header"),
         ("timestamp,node,a,a\n1,n,1,2\n", "duplicate"),
