@@ -19,7 +19,6 @@ import dataclasses
 import ipaddress
 import math
 import os
-import re
 import socket
 import typing
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from typing import Any, Mapping
 
 from trainguard.agent.errors import AgentError
 from trainguard.agent.qualify.config import QualifyConfigError, QualifySection
-from trainguard.config_loader import build, config_field, read_toml
+from trainguard.config_loader import URL_RE, build, config_field, read_toml
 from trainguard.errors import ConfigError
 from trainguard.names import NODE_ID_RE
 
@@ -75,7 +74,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 _MAX_SOCKET_PATH_BYTES = 107
 
 
-_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def refuse_url(text: str | None, name: str, what: str = "a local file (a path on this host)") -> None:
@@ -90,7 +88,7 @@ def refuse_url(text: str | None, name: str, what: str = "a local file (a path on
     Raises:
         AgentConfigError: ``text`` starts with a URL scheme (``scheme://``).
     """
-    if text and _URL_RE.match(text):
+    if text and URL_RE.match(text):
         raise AgentConfigError(f"{name} {text!r} is a URL; it must be {what}")
 
 

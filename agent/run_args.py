@@ -86,25 +86,21 @@ def flag_default(dest: str, fallback: object) -> object:
 GIVEN_ATTR = "torchrun_flags_given"
 
 
-class _StoreGiven(argparse._StoreAction):
+class _NotesGiven(argparse.Action):
+    """Mixin: after the action stores its value, notes the flag's ``dest`` in :data:`GIVEN_ATTR`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: D102 - argparse's contract
+        super().__call__(parser, namespace, values, option_string)
+        setattr(namespace, GIVEN_ATTR, set(getattr(namespace, GIVEN_ATTR, ())) | {self.dest})
+
+
+class _StoreGiven(_NotesGiven, argparse._StoreAction):
     """``store``, noting the flag's ``dest`` in :data:`GIVEN_ATTR`."""
 
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: D102 - argparse's contract
-        super().__call__(parser, namespace, values, option_string)
-        given = set(getattr(namespace, GIVEN_ATTR, ()))
-        given.add(self.dest)
-        setattr(namespace, GIVEN_ATTR, given)
 
-
-class _StoreTrueGiven(argparse._StoreTrueAction):
+class _StoreTrueGiven(_NotesGiven, argparse._StoreTrueAction):
     """``store_true``, noting the flag's ``dest`` in :data:`GIVEN_ATTR`: a ``--standalone`` typed beside a
     ``$PET_STANDALONE`` was otherwise taken for the variable's, and its errors named the variable."""
-
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: D102 - argparse's contract
-        super().__call__(parser, namespace, values, option_string)
-        given = set(getattr(namespace, GIVEN_ATTR, ()))
-        given.add(self.dest)
-        setattr(namespace, GIVEN_ATTR, given)
 
 
 def flag_given(args: argparse.Namespace, dest: str) -> bool:

@@ -101,6 +101,10 @@ def remove_stale_tmp(directory: str, targets: Collection[str]) -> list[str]:
     return removed
 
 
+class NotARegularFileError(OSError):
+    """A checkpoint file's path holds something else (a folder, a FIFO, a device); ``strerror`` says what."""
+
+
 def open_for_reading(path: str) -> int:
     """Opens ``path`` read-only without blocking on what is not a file: a FIFO (or a device) put where a
     checkpoint file belongs hung the open, so a restore, ``ckpt verify`` and ``ckpt gc`` hung for good. The
@@ -108,7 +112,8 @@ def open_for_reading(path: str) -> int:
 
     Raises:
         FileNotFoundError: nothing is there.
-        OSError: it cannot be opened, or it is not a regular file (``EINVAL``, the message gives its type).
+        NotARegularFileError: it is not a regular file (``strerror`` gives its type).
+        OSError: it cannot be opened.
     """
     import stat
 
@@ -116,7 +121,7 @@ def open_for_reading(path: str) -> int:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"not a regular file (mode {stat.filemode(st.st_mode)})", path)
+            raise NotARegularFileError(errno.EINVAL, f"not a regular file (mode {stat.filemode(st.st_mode)})", path)
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
-import stat
 from typing import Any, Callable
 
 import torch
 import xxhash
 
 from trainguard.checkpoint.errors import CorruptCheckpointError, StateMismatchError
+from trainguard.checkpoint.fileio import NotARegularFileError, open_for_reading
 from trainguard.checkpoint.manifest import CHECKSUM_ALGO, Manifest
 from trainguard.checkpoint.tree import dtensor_region, is_dtensor
 
@@ -76,7 +76,9 @@ class RankCopy:
         self._mem: torch.Tensor | None = None
         self.bytes_touched = 0
         try:
-            self.fd = os.open(data_path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)  # a FIFO there hung the open
+            self.fd = open_for_reading(data_path)  # a FIFO there hung the open
+        except NotARegularFileError as exc:  # mmap of a folder failed as "[Errno 19] No such device", no path
+            raise CorruptCheckpointError(f"{where}: data file {data_path} is {exc.strerror}") from exc
         except OSError as exc:
             raise CorruptCheckpointError(f"{where}: data file {data_path} is missing ({exc.strerror})") from exc
         try:
@@ -87,12 +89,7 @@ class RankCopy:
                     fcntl.flock(self.fd, fcntl.LOCK_SH)
                 except OSError:
                     pass  # no flock on this filesystem: readable all the same
-            st = os.fstat(self.fd)
-            if not stat.S_ISREG(st.st_mode):  # mmap of a folder failed as "[Errno 19] No such device", no path
-                raise CorruptCheckpointError(f"{where}: data file {data_path} is not a regular file "
-                                             f"(mode {stat.filemode(st.st_mode)})")
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-            size = st.st_size
+            size = os.fstat(self.fd).st_size
             if size < manifest.data_bytes:
                 raise CorruptCheckpointError(
                     f"{where}: data file is {size} bytes, manifest says {manifest.data_bytes}; it is torn")

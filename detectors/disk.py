@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import psutil
 
+from trainguard.config_loader import local_path_problem
 from trainguard.detectors.base import Detector, DetectorConfig, Sample, register_detector
 from trainguard.detectors.errors import DetectorConfigError, DetectorReadError
 from trainguard.detectors.events import Action, Severity
@@ -64,12 +65,11 @@ class DiskConfig(DetectorConfig):
         if not self.paths:
             raise DetectorConfigError("disk.paths is empty; list the checkpoint and log directories")
         for path in self.paths:
-            if not isinstance(path, str) or not os.path.isabs(path):
-                # Checked against the folder each process starts in: / for the daemon under systemd (so 'ckpt'
-                # watched the root filesystem's /ckpt, or nothing), the shell's folder for `trainguard detect`.
-                raise DetectorConfigError(f"disk.paths: {path!r} is not an absolute path; give the directory's "
-                                          "absolute path (a relative one would be read against whichever folder "
-                                          "the agent started in, / under systemd)")
+            # Checked against the folder each process starts in: / for the daemon under systemd (so 'ckpt'
+            # watched the root filesystem's /ckpt, or nothing), the shell's folder for `trainguard detect`.
+            problem = local_path_problem(path) if isinstance(path, str) else "is not a path"
+            if problem is not None:
+                raise DetectorConfigError(f"disk.paths: {path!r} {problem}")
 
 
 #: The states the kernel prints: nvme_sysfs_show_state() (``adminonly`` before 5.x) and the SCSI sdev_states

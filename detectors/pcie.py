@@ -39,7 +39,7 @@ from trainguard.detectors.sysfs import list_dir, read_counter_table, read_int, r
 
 #: The Negotiated Link Width field of a link status register read as all ones (0xffff >> 4 & 0x3f): PCIe links
 #: are at most x32, so this is a device that no longer answers config reads, not a width.
-_NLW_ALL_ONES = 0x3F
+NLW_ALL_ONES = 0x3F
 # ASCII digits of a plausible length (2.5 ... 64.0 GT/s): '\d+' took 400 nines, read as an infinite maximum speed
 _SPEED = re.compile(r"^([0-9]{1,4}(?:\.[0-9]{1,4})?) GT/s")
 _AER_FILES = (("aer_dev_correctable", "TOTAL_ERR_COR"), ("aer_dev_nonfatal", "TOTAL_ERR_NONFATAL"),
@@ -70,7 +70,7 @@ def read_link_width(path: str) -> int:
         DetectorReadError: unreadable, not an integer, or outside 0-63.
     """
     value = read_int(path)
-    if not 0 <= value <= _NLW_ALL_ONES:
+    if not 0 <= value <= NLW_ALL_ONES:
         raise DetectorReadError(path, f"width {value} is outside the 6-bit field the kernel prints (0-63)")
     return value
 
@@ -81,13 +81,6 @@ def in_d3cold(dev: str) -> bool:
         return read_text(os.path.join(dev, "power_state")) == "D3cold"
     except DetectorReadError:
         return False
-
-
-def link_unresponsive(dev: str, width: int) -> bool:
-    """Whether a device whose link width read ``width`` no longer answers config reads (fell off the bus): its
-    config space reads all ones, the width field x63. Unless runtime power management put it in D3cold on
-    purpose (its config space reads all ones then too, and its link is off)."""
-    return width == _NLW_ALL_ONES and not in_d3cold(dev)
 
 
 def port_limits(port_dir: str) -> tuple[int, float | None]:
@@ -424,8 +417,10 @@ class PcieDetector(Detector):
         s.metrics[f"link_speed_gts[{bdf}]"] = float(speed or 0.0)
         # A GPU or NIC that fell off the bus stays listed, but its config space reads all ones: width x63 (above
         # its own maximum, so never "narrow") and speed Unknown. It read as a healthy link, no event at all.
-        all_ones = width == _NLW_ALL_ONES
-        unresponsive = link_unresponsive(dev, width)
+        all_ones = width == NLW_ALL_ONES
+        # Unless it is powered off on purpose: runtime power management put it in D3cold (then its config space
+        # reads all ones too, and its link is off).
+        unresponsive = all_ones and not in_d3cold(dev)
         s.metrics[f"link_width[{bdf}]"] = 0.0 if all_ones else float(width)
         narrow = 0 < width < max_width and not all_ones
         slow = (cls.startswith(self.config.speed_classes) and speed is not None and max_speed is not None

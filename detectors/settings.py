@@ -27,12 +27,12 @@ the source, the key and what to do.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.config_loader import build, config_field, read_toml, select_table, suggest, type_name
+from trainguard.config_loader import (build, config_field, local_path_problem, read_toml, select_table, suggest,
+                                      type_name)
 from trainguard.detectors.base import (
     DEFAULT_DETECTORS,
     Detector,
@@ -233,15 +233,12 @@ def _check_root(value: Any, key: str, source: str) -> str:
         raise DetectorConfigError(f"{source}: {key}: expected a string, got {type_name(value)} {value!r}")
     if not value:
         raise DetectorConfigError(f"{source}: {key}: must not be empty; use \"/\" for the real system")
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value):  # was called "a relative path"
-        raise DetectorConfigError(f"{source}: {key}: {value!r} is a URL; give a local absolute path (\"/\" for the "
-                                  "real system)")
-    if not os.path.isabs(value):
+    problem = local_path_problem(value)  # a URL was called "a relative path"
+    if problem is not None:
         # Checked and read against the folder each command starts in: `trainguard detect --config` run from a
         # shell read another tree than the daemon (/ under systemd) given the same file, each without a word.
-        raise DetectorConfigError(f"{source}: {key}: {value!r} is a relative path; give an absolute one (only "
-                                  "`trainguard detect --root` resolves a relative path, against the folder it is "
-                                  "typed in)")
+        raise DetectorConfigError(f"{source}: {key}: {value!r} {problem} (only `trainguard detect --root` "
+                                  "resolves a relative path, against the folder it is typed in)")
     if not os.path.isdir(value):
         raise DetectorConfigError(f"{source}: {key}: {value!r} is not a directory; create the fake tree first or "
                                   "fix the path")

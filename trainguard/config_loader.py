@@ -214,6 +214,23 @@ def select_table(document: Mapping[str, Any], table: str, source: str, *,
 
 
 # ------------------------------------------------------------------------------------------------- values
+#: A URL's start (``scheme://``): taken for a path, ``file:///sys`` became the relative ``file:/sys``.
+URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_path_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a local absolute path, as the end of a message (``"is a URL; ..."``), or None.
+
+    Every path a daemon reads is resolved against the folder it started in (``/`` under systemd), so a relative
+    one names another place than the operator meant, and a URL one that does not exist.
+    """
+    if URL_RE.match(value):
+        return "is a URL; give a local absolute path"
+    if not os.path.isabs(value):
+        return "is a relative path; give an absolute one"
+    return None
+
+
 def type_name(value: Any) -> str:
     """How messages call the type of a TOML value (``"an integer"``)."""
     if value is None:
@@ -415,5 +432,5 @@ def _settable(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls) if f.init and not f.metadata.get(_INTERNAL))
 
 
-__all__ = ["build", "check_fields", "check_value", "config_field", "decode", "describe", "parse", "read_bytes",
-           "read_toml", "select_table", "suggest", "type_name"]
+__all__ = ["URL_RE", "build", "check_fields", "check_value", "config_field", "decode", "describe",
+           "local_path_problem", "parse", "read_bytes", "read_toml", "select_table", "suggest", "type_name"]

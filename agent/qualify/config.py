@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
 from dataclasses import dataclass, field
 
+from trainguard.config_loader import local_path_problem
 from trainguard.errors import ConfigError
 
 #: Names of the local checks, in the order they run.
@@ -146,12 +145,9 @@ class QualifySection:
                 continue
             # Checked when first read otherwise: a relative root skipped the pcie and rdma checks (the node
             # qualified on nothing), a URL or relative disk_dir failed the node FATAL, cordoned for a typo.
-            if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value):
-                raise QualifyConfigError(f"qualify.{key} {value!r} is a URL; give a local absolute path")
-            if not os.path.isabs(value):
-                raise QualifyConfigError(f"qualify.{key} {value!r} is a relative path; give an absolute one (it "
-                                         "would be read against whichever folder the agent started in, / under "
-                                         "systemd)")
+            problem = local_path_problem(value)
+            if problem is not None:
+                raise QualifyConfigError(f"qualify.{key} {value!r} {problem}")
         for key in ("pcie_classes", "pcie_speed_classes"):
             for cls in getattr(self, key):
                 if not cls.startswith("0x"):

@@ -24,7 +24,7 @@ import re
 
 from trainguard.agent.qualify.base import Outcome, QualifyContext, failed, passed, register_check, skipped
 from trainguard.detectors.errors import DetectorReadError
-from trainguard.detectors.pcie import (is_virtual_function, link_unresponsive, parse_link_speed, port_above,
+from trainguard.detectors.pcie import (NLW_ALL_ONES, in_d3cold, is_virtual_function, parse_link_speed, port_above,
                                       port_limits, read_link_width)
 from trainguard.detectors.sysfs import list_dir, read_int, read_text
 
@@ -87,13 +87,13 @@ class PcieLinkCheck:
                 max_width = min(max_width, port_width)
             if port_speed is not None and max_speed is not None:
                 max_speed = min(max_speed, port_speed)
-            if link_unresponsive(dev, width):
+            if width == NLW_ALL_ONES and in_d3cold(dev):
+                watched -= 1  # powered off on purpose (runtime PM): no link to judge until it is used
+                continue
+            if width == NLW_ALL_ONES:
                 # All ones: a GPU or NIC that fell off the bus read x63, at or above any maximum, and passed.
                 bad.append(f"{bdf} does not answer config reads (its link width reads x{width}, all ones): it fell "
                            "off the bus")
-            elif width == 0x3F:
-                watched -= 1  # in D3cold on purpose (runtime PM): no link to judge until it is used
-                continue
             elif width == 0:
                 bad.append(f"{bdf} link is down (width 0)")
             elif width < max_width:

@@ -51,7 +51,7 @@ def test_a_daemon_section_and_a_run_file_give_the_same_settings(tmp_path: Path) 
     # every sample in a TypeError; a boolean passed for an integer.
     ({"enabled": ["disk"], "disk": {"paths": ["/", 7]}}, ["[disk]", "paths=['/', 7]: item 7 must be of type str"]),
     # Read against the folder the agent started in (/ under systemd): 'ckpt' watched /ckpt, or nothing.
-    ({"enabled": ["disk"], "disk": {"paths": ["/", "ckpt"]}}, ["[disk]", "'ckpt' is not an absolute path"]),
+    ({"enabled": ["disk"], "disk": {"paths": ["/", "ckpt"]}}, ["[disk]", "'ckpt' is a relative path"]),
     ({"enabled": ["roce"], "roce": {"interfaces": [1]}}, ["[roce]", "interfaces=[1]: item 1 must be"]),
     ({"enabled": ["pcie"], "pcie": {"link_classes": [3]}}, ["[pcie]", "link_classes=[3]"]),
     ({"enabled": ["roce"], "roce": {"flap_threshold": True}}, ["[roce]", "flap_threshold=True must be of type int"]),
