@@ -61,7 +61,7 @@ from trainguard.recovery.errors import (CapacityError, InvalidRequestError, NotS
 from trainguard.recovery.failslow import FailSlowSupervisor
 from trainguard.recovery.failslow_wiring import FailSlowWiring
 from trainguard.recovery.formation import Formation
-from trainguard.recovery.job_records import checkpoint_value, node_value
+from trainguard.recovery.job_records import checkpoint_value
 from trainguard.recovery.leases import Leases
 from trainguard.recovery.membership import Member
 from trainguard.recovery.memory_book import MemoryBook
@@ -285,7 +285,7 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
                     raise CapacityError(self._no_room(m.info.node_id, req.qualification.refusal))
                 m.refused = req.qualification.refusal
                 self._submit([Put(self._prefix + "nodes/" + m.info.node_id,  # durable before the cordon
-                                  node_value(m.info, m.lease_id, m.instance, m.refused))])
+                                  self._member_value(m))])
                 durable = self._disqualify(m, now)
             self._advance()
             self._memory.mark_fresh(req.node_id, self._table)  # recorded in this call: no older than the table
@@ -318,9 +318,11 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
         if not m.alive:
             log.info("job %s: node %s is back", self.spec.job, req.node_id)
             self._mver += 1
-        if not m.alive and not m.info.spare:
-            self._joined += 1
-        m.last_seen, m.alive = now, True
+            self._joined += not m.info.spare
+            m.alive = True
+            # Its record said lost: a coordinator restarted now would have left it out.
+            self._submit([Put(self._prefix + "nodes/" + m.info.node_id, self._member_value(m))])
+        m.last_seen = now
         if req.free_port > 0:
             m.free_port = req.free_port
         m.generation, m.workers_running, m.last_step = req.generation, req.workers_running, req.last_step

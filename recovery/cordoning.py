@@ -15,7 +15,6 @@ import logging
 from concurrent.futures import Future
 
 from trainguard.recovery.decide import DaemonHealthy, NodeDisqualified, OperatorUncordon
-from trainguard.recovery.job_records import node_value
 from trainguard.recovery.membership import Member
 from trainguard.recovery.node_health import NodeHealthReport, Verdict
 from trainguard.recovery.policy import Cause, Failure, Level, Phase
@@ -196,7 +195,7 @@ class Cordoning:
             m = self._members.get(node_id)
             if m is not None and m.refused:
                 m.refused = ""
-                self._submit([Put(self._prefix + "nodes/" + node_id, node_value(m.info, m.lease_id, m.instance, ""))])
+                self._submit([Put(self._prefix + "nodes/" + node_id, self._member_value(m))])
             message = step.state.message
             self._mver += 1  # a vacancy waiting for a spare is re-planned with this node
             self._save_state()

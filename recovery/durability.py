@@ -35,11 +35,14 @@ class Durability:
         now = self._clock()
         recs = self._raw_store.scan(self._prefix)
         held = self._prefix + "held/"
+        lost_ids: set[str] = set()
         for key, rec in recs.items():
             if key.startswith(self._prefix + "nodes/"):
                 n = decode_node(key, rec.value)
                 self._members[n.info.node_id] = Member(n.info, n.lease, n.instance, now, refused=n.refused)
                 self._joined += not n.info.spare
+                if n.lost:
+                    lost_ids.add(n.info.node_id)
             elif key.startswith(held):
                 self._daemons.restore(decode_held(key, key[len(held):], rec.value), now)
         state = recs.get(self._prefix + "state")
@@ -50,6 +53,7 @@ class Durability:
         ck = recs.get(self._prefix + "checkpoint")
         if ck is not None:
             self._committed_step = decode_checkpoint(self._prefix + "checkpoint", ck.value)
+        self._keep_lost(lost_ids)
         if state is not None or self._members:
             st = self._policy.state
             log.info("job %s restored from store (fence epoch %d): %s, generation %d, %d restart(s), %d node(s)",
@@ -100,6 +104,32 @@ class Durability:
                     # (the node's record came first): its agent's retried registration keeps its lease and is not
                     # a registration again, so the cordon is applied now.
                     self._cordon_held(nid, now)
+
+    def _keep_lost(self, lost_ids: set[str]) -> None:
+        """Leaves lost, after a restart, the members whose records say they were lost, where the stored state
+        accounts for the loss (lock held; called by :meth:`_load`).
+
+        Every member used to come back alive with a fresh lease. A node lost while its recovery waited for a spare
+        then looked alive again: the waiting plan formed the next generation with it at once (in its old slot),
+        and its second expiry charged the restart budget a second time for one fault (with ``--max-restarts 1``
+        the job failed though the spare it waited for came). A lost spare came back as a candidate replacement
+        the same way. A loss the state does not account for (the node still holds a slot of a running
+        generation, and no plan names it: the failure's state write did not land before the stop) keeps the
+        fresh lease, so that the loss is found again, and handled, once the lease expires.
+        """
+        st = self._policy.state
+        lay = self._layout
+        ended = st.phase in (Phase.SUCCEEDED, Phase.FAILED)
+        handled = set(st.plan.failed_nodes) if st.plan is not None else set()
+        for nid in lost_ids:
+            m = self._members[nid]
+            if ended or lay is None or lay.slot_of(nid) is None or nid in handled or nid in st.cordoned:
+                m.alive = False
+                self._joined -= not m.info.spare
+
+    def _member_value(self, m: Member) -> bytes:
+        """A member's node record as it stands (lost or not)."""
+        return node_value(m.info, m.lease_id, m.instance, m.refused, lost=not m.alive)
 
     def _persist_held(self, node_id: str, value: bytes | None) -> None:
         """Stores (or deletes, ``value`` None) a held cordon's record (lock held; see :mod:`.daemon_reports`)."""
@@ -153,7 +183,7 @@ class Durability:
             m = self._members.get(k[len(nodes):])
             # No member: the lost write deleted a forgotten node's record (see _make_room). It is made again
             # too; left, the record brought the node back as a member at the next coordinator start.
-            puts.append(Put(k, node_value(m.info, m.lease_id, m.instance, m.refused) if m is not None else None))
+            puts.append(Put(k, self._member_value(m) if m is not None else None))
         puts += [Put(k, self._daemons.stored_value(k[len(held):])) for k in sorted(keys) if k.startswith(held)]
         if ckpt_key in keys:
             puts.append(Put(ckpt_key, checkpoint_value(self._committed_step)))

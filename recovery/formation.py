@@ -223,21 +223,29 @@ class Formation:
                 self._apply(GenerationRunning(st.generation))
 
     def _quiet_holder(self, now: float) -> bool:
-        """Whether a process-level plan should wait: a slot holder missed two heartbeats but its lease runs on.
+        """Whether a plan should wait: a slot holder it keeps missed two heartbeats but its lease runs on.
 
         When a node dies, its peers' collectives break at once and they report a process-level failure before
         the dead node's lease expires. Restarting in place then would wait on the dead node, and its expiry would
         cost a second restart; waiting (at most until the lease expires, or until every holder's first heartbeat
-        after the plan) lets the expiry merge into this plan as one node-level restart.
+        after the plan) lets the expiry merge into this plan as one node-level restart. The same holds for a
+        node-level plan: of two nodes killed together, the first lease to expire made a plan replacing only that
+        node, formed at once with the other (silent for seconds already) in its slot, and the second expiry cost
+        a second restart (with ``--max-restarts 1`` the job failed with a spare idle). Nodes the plan replaces or
+        cordons are not waited for.
         """
-        plan = self._policy.state.plan
-        if plan is None or plan.level is not Level.PROCESS or self._layout is None:
+        st = self._policy.state
+        plan = st.plan
+        if plan is None or self._layout is None:
             return False
         if self._plan_since[0] != plan.generation:  # a plan restored from the store: timed from now
             self._plan_since = (plan.generation, now)
         since = self._plan_since[1]
         quiet = 2.0 * self._interval_s()
+        leaving = set() if plan.level is Level.PROCESS else {*plan.failed_nodes, *plan.cordon, *st.cordoned}
         for slot in self._layout.slots:
+            if slot.node_id in leaving:
+                continue
             m = self._members.get(slot.node_id)
             # Silence alone misses a peer that died a heartbeat ago: its peers' sockets reset at once, faster
             # than two intervals. A holder must also have been heard since the plan was made; a live one is,

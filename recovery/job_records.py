@@ -26,12 +26,14 @@ from trainguard.recovery.ranks import RankLayout, layout_from_mapping
 
 @dataclass(frozen=True)
 class StoredNode:
-    """A node record as read back: identity, lease, agent instance, qualification refusal ("" if none)."""
+    """A node record as read back: identity, lease, agent instance, qualification refusal ("" if none), and
+    whether the coordinator had found the node lost (its lease expired, or it left) when it wrote the record."""
 
     info: NodeRecord
     lease: str
     instance: str
     refused: str
+    lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,13 @@ class StoredState:
     used_ports: set[int]
 
 
-def node_value(info: NodeRecord, lease: str, instance: str, refused: str) -> bytes:
-    """The value of a node's record."""
-    return json.dumps({"node": info.to_dict(), "lease": lease, "instance": instance, "refused": refused}).encode()
+def node_value(info: NodeRecord, lease: str, instance: str, refused: str, lost: bool = False) -> bytes:
+    """The value of a node's record (``lost``: the node's lease had ended; written only when true, so records
+    of live nodes read the same by older coordinators)."""
+    doc: dict[str, object] = {"node": info.to_dict(), "lease": lease, "instance": instance, "refused": refused}
+    if lost:
+        doc["lost"] = True
+    return json.dumps(doc).encode()
 
 
 def decode_node(key: str, value: bytes) -> StoredNode:
@@ -62,7 +68,10 @@ def decode_node(key: str, value: bytes) -> StoredNode:
         else:  # written by trainguard <= 0.x: the NodeInfo message, hex-encoded
             from trainguard.recovery.convert import legacy_node_record
             info = legacy_node_record(d["info"])
-        return StoredNode(info, str(d["lease"]), str(d.get("instance", "")), str(d.get("refused", "")))
+        lost = d.get("lost", False)
+        if not isinstance(lost, bool):
+            raise TypeError(f"'lost' is {lost!r}, not true or false")
+        return StoredNode(info, str(d["lease"]), str(d.get("instance", "")), str(d.get("refused", "")), lost)
     except (ValueError, KeyError, TypeError) as exc:
         raise StoreError(f"node record {key!r} is corrupt ({exc}): delete it or use a fresh store") from exc
 

@@ -210,15 +210,23 @@ class Leases:
             log.warning("job %s: node %s lost (%s)", self.spec.job, nid, why)
             self._fail(Failure(nid, st.generation, Cause.NODE_LOST, detail=why, time_s=self._wall()), now)
 
-    def _lose(self, m: Member, now: float, why: str, left: bool = False) -> None:
+    def _lose(self, m: Member, now: float, why: str, left: bool = False) -> Future:
         """Ends a member's liveness (lock held): a node-level failure when it holds a slot of the running job.
+
+        The node's record says it was lost (durably, before the failure's state write: the committer keeps their
+        order), so that a coordinator restarted meanwhile neither places it in a slot again nor charges its loss
+        twice (see :meth:`~.durability.Durability._keep_lost`).
 
         Args:
             left: the node said it leaves (``LeaveNode``) rather than going silent.
+
+        Returns:
+            The write of the node's record.
         """
         m.alive = False
         self._joined -= not m.info.spare
         self._mver += 1
+        fut = self._submit([Put(self._prefix + "nodes/" + m.info.node_id, self._member_value(m))])
         holds = self._layout is not None and self._layout.slot_of(m.info.node_id) is not None
         if left and m.info.spare and not holds:
             # A spare stopped on purpose (its launcher got SIGTERM) is no loss: logged as one at WARNING it read as
@@ -229,6 +237,7 @@ class Leases:
         st = self._policy.state  # fresh: each decision replaces the state
         if holds and st.phase in (Phase.RUNNING, Phase.RECOVERING):
             self._fail(Failure(m.info.node_id, st.generation, Cause.NODE_LOST, detail=why, time_s=self._wall()), now)
+        return fut
 
     def leave(self, job: str, node_id: str, lease_id: str, reason: str = "") -> tuple[str, Future]:
         """A node leaves: its lease ends now (see ``LeaveNode`` in ``coordinator.proto``).
@@ -248,10 +257,10 @@ class Leases:
             self._check_serving(job)
             m = self._auth(node_id, lease_id)
             m.lease_id = uuid.uuid4().hex
-            fut = self._submit([Put(self._prefix + "nodes/" + node_id,
-                                    node_value(m.info, m.lease_id, m.instance, m.refused))])
-            if m.alive:
-                self._lose(m, now, f"it left: {' '.join(reason.split())[:200] or 'no reason given'}", left=True)
+            if m.alive:  # the record is written with the new lease, marked lost
+                fut = self._lose(m, now, f"it left: {' '.join(reason.split())[:200] or 'no reason given'}", left=True)
+            else:
+                fut = self._submit([Put(self._prefix + "nodes/" + node_id, self._member_value(m))])
             self._advance()
             return f"node {node_id} left job {self.spec.job!r}", fut
 

@@ -1,0 +1,146 @@
+"""Lost nodes and the restart budget: a loss is charged once, across a coordinator restart and across a burst.
+
+In-process coordinators on one in-memory store, driven by a fake clock (the reviews' repros ran real launchers:
+``--lease-timeout 4 --max-restarts 1``; these are the same sequences at the coordinator's interface):
+
+- a coordinator restarted while a recovery waits for a spare put the lost node back into its slot (every member
+  came back alive with a fresh lease), formed the next generation with it at once, and charged its second expiry
+  to the budget: the job failed although the spare it waited for came;
+- a lost spare came back the same way, as a candidate replacement;
+- two nodes killed together whose leases expired a tick apart: the first expiry's node-level plan formed at once
+  with the other, silent for seconds, in its slot, and the second expiry cost a second restart.
+"""
+
+from __future__ import annotations
+
+from trainguard.recovery.coordinator import JobCoordinator
+from trainguard.recovery.domain import Beat, Command, FaultReport, NodeRecord
+from trainguard.recovery.policy import Cause, Level, Phase
+from trainguard.recovery.spec import JobSpec
+from trainguard.recovery.store import MemoryStore
+
+
+class _Cluster:
+    """Nodes beating one coordinator on a fake clock; :meth:`restart` replaces the coordinator on the same store."""
+
+    def __init__(self, **spec: object) -> None:
+        self.t = 0.0
+        self.store = MemoryStore()
+        self.spec = JobSpec(job="lj", heartbeat_interval_s=1.0, lease_timeout_s=4.0, backoff_initial_s=0.0,
+                            membership_timeout_s=600.0, **spec)
+        self.core = self._start()
+        self.lease: dict[str, str] = {}
+        self.gen: dict[str, int] = {}
+
+    def _start(self) -> JobCoordinator:
+        return JobCoordinator(self.spec, store=self.store, clock=lambda: self.t, wall=lambda: 1000.0 + self.t)
+
+    def restart(self) -> None:
+        self.core.close()
+        self.core = self._start()
+
+    def register(self, nid: str, idx: int, spare: bool = False) -> None:
+        info = NodeRecord(nid, "p", idx, nid, 1, "127.0.0.1", spare=spare)
+        self.lease[nid] = self.core.register("lj", info, 20000 + idx)[0]
+        self.gen[nid] = -1
+
+    def beat(self, nid: str):
+        g = self.gen[nid]
+        ins = self.core.heartbeat(Beat("lj", nid, self.lease[nid], g, 1 if g > 0 else 0,
+                                       free_port=30000 + int(self.t * 10))).response
+        if ins.command in (Command.START, Command.RESTART):
+            self.gen[nid] = ins.table.generation
+        elif ins.command is Command.STOP:
+            self.gen[nid] = -1
+        return ins
+
+    def run(self, seconds: float, nodes: tuple[str, ...], step: float = 0.5) -> None:
+        for _ in range(round(seconds / step)):
+            self.t += step
+            self.core.reap()
+            for n in nodes:
+                self.beat(n)
+
+    def slots(self) -> list[str]:
+        return [s.node_id for s in self.core.layout.slots]
+
+
+def test_a_node_lost_before_a_coordinator_restart_stays_lost_and_is_charged_once() -> None:
+    c = _Cluster(nnodes=2, max_restarts=1)
+    c.register("na", 0)
+    c.register("nb", 1)
+    c.run(2, ("na", "nb"))
+    assert c.gen == {"na": 1, "nb": 1}
+    c.run(6, ("na",))  # nb silent: lost; no spare, so generation 2 waits
+    st = c.core.state
+    assert st.phase is Phase.RECOVERING and st.restart_count == 1 and st.plan is not None and c.gen["na"] == -1
+    c.restart()
+    c.run(8, ("na",))  # past a whole lease: nb, lost already, neither takes its slot again nor is lost again
+    st = c.core.state
+    assert st.phase is Phase.RECOVERING and st.restart_count == 1 and c.gen["na"] == -1, st.message
+    c.register("ns", 2, spare=True)
+    c.run(3, ("na", "ns"))
+    st = c.core.state
+    assert st.phase is Phase.RUNNING and st.generation == 2 and st.restart_count == 1, st.message
+    assert c.slots() == ["na", "ns"] and c.gen["na"] == c.gen["ns"] == 2
+
+
+def test_a_spare_lost_before_a_coordinator_restart_is_no_replacement_after_it() -> None:
+    c = _Cluster(nnodes=2, max_restarts=3)
+    c.register("na", 0)
+    c.register("nb", 1)
+    c.register("ns", 2, spare=True)
+    c.run(2, ("na", "nb", "ns"))
+    c.run(6, ("na", "nb"))  # the spare's agent died
+    c.restart()
+    c.run(1, ("na", "nb"))
+    # nb reports a fatal GPU fault: its slot needs a node, and the dead spare (its lease fresh after the restart
+    # when the restart forgot the loss) must not be it.
+    c.core.report(FaultReport("lj", "nb", c.lease["nb"], c.gen["nb"], Cause.NODE_CRITICAL, Level.NODE,
+                              detail="gpu lost"))
+    c.run(2, ("na", "nb"))
+    st = c.core.state
+    assert st.phase is Phase.RECOVERING and st.restart_count == 1 and c.gen["na"] == -1, st.message
+    assert "no spare node" in (st.plan.waiting if st.plan else ""), st.message
+    c.register("nt", 3, spare=True)
+    c.run(3, ("na", "nb", "nt"))
+    assert c.core.state.generation == 2 and c.slots() == ["na", "nt"] and c.core.state.restart_count == 1
+
+
+def test_a_node_back_after_its_loss_is_alive_across_a_coordinator_restart() -> None:
+    # Its record said lost; the heartbeat that brought it back rewrites it, or a restart left the spare out of
+    # the next plan until its next heartbeat.
+    c = _Cluster(nnodes=2, max_restarts=3)
+    c.register("na", 0)
+    c.register("nb", 1)
+    c.register("ns", 2, spare=True)
+    c.run(2, ("na", "nb", "ns"))
+    c.run(6, ("na", "nb"))  # the spare is lost (its heartbeats stopped) ...
+    c.run(1, ("na", "nb", "ns"))  # ... and comes back
+    c.restart()
+    c.core.report(FaultReport("lj", "nb", c.lease["nb"], c.gen["nb"], Cause.NODE_CRITICAL, Level.NODE,
+                              detail="gpu lost"))
+    plan = c.core.state.plan
+    assert plan is not None and plan.replacements == {"nb": "ns"}, c.core.state.message
+    c.run(2, ("na", "nb", "ns"))
+    assert c.core.state.generation == 2 and c.slots() == ["na", "ns"], c.core.state.message
+
+
+def test_two_nodes_lost_a_tick_apart_cost_one_restart() -> None:
+    c = _Cluster(nnodes=3, max_restarts=1)
+    for i, n in enumerate(("n1", "n2", "n3")):
+        c.register(n, i)
+    c.register("s1", 10, spare=True)
+    c.register("s2", 11, spare=True)
+    everyone = ("n1", "n2", "n3", "s1", "s2")
+    c.run(2, everyone)
+    assert c.core.state.generation == 1
+    # n2 and n3 killed together, n3's last heartbeat half a second after n2's: their expiries fall in two ticks.
+    c.t += 0.5
+    c.core.reap()
+    for n in ("n1", "n3", "s1", "s2"):
+        c.beat(n)
+    c.run(8, ("n1", "s1", "s2"))
+    st = c.core.state
+    assert st.phase is Phase.RUNNING and st.restart_count == 1 and st.generation == 2, st.message
+    assert c.slots() == ["n1", "s1", "s2"]
