@@ -264,9 +264,10 @@ class LinkLocator:
         slowed = job_slowdown == job_slowdown and job_slowdown >= cfg.slow_ratio
         self._over = self._over + 1 if slowed and not compute_straggler else 0
         self._under = self._under + 1 if not (job_slowdown >= cfg.clear_ratio) else 0
-        if compute_straggler and self._unprobed:
+        if self._unprobed and (compute_straggler or self._under >= cfg.clear_windows):
             # A rank flagged since: the slowdown has its cause, and "with no compute straggler" would contradict
-            # the slow-rank table beside it in every status.
+            # the slow-rank table beside it in every status. Or the slowdown is over: "job 3.26x slower" stood
+            # for the rest of the job beside a fail-slow line saying 0.97x.
             self.last_outcome, self._unprobed = "", False
         if self.finding is not None and self._under >= cfg.clear_windows:
             self.last_outcome = (f"{self.finding.node_id}'s links: cleared (the job's step is back within "

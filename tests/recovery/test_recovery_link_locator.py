@@ -283,6 +283,21 @@ def test_the_cannot_probe_line_goes_once_a_compute_straggler_is_flagged():
     assert not loc.on_window(3.0, True, two, 1.0) and loc.last_outcome == ""
 
 
+def test_the_cannot_probe_line_goes_once_the_job_is_back_at_its_baseline():
+    # Found by a review: "link probe: job 3.26x slower with no compute straggler ..." stayed in `trainguard status`
+    # for minutes, through a restart, beside "fail-slow: ... 0.97x its own baseline".
+    loc = LinkLocator(LinkProbeConfig(trigger_windows=1, cooldown_s=0, clear_windows=2))
+    two = {n: EP[n] for n in "ab"}
+    loc.on_window(3.26, False, two, 0.0)
+    assert "3.26x slower" in loc.last_outcome
+    loc.on_window(0.97, False, two, 1.0)
+    assert "3.26x slower" in loc.last_outcome, "one window back is not yet a recovery"
+    loc.on_window(0.97, False, two, 2.0)
+    assert loc.last_outcome == ""
+    loc.on_window(3.0, False, two, 3.0)  # slowed again: said again
+    assert "3.00x slower" in loc.last_outcome
+
+
 def test_core_healthy_links_under_a_job_slowdown_name_no_one():
     c = _Core3(spares=1)
     rng = random.Random(3)
