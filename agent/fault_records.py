@@ -27,6 +27,9 @@ class FaultRecord:
             None when the failure was reported as a process failure.
         error: the exception the worker recorded in its ``TORCHELASTIC_ERROR_FILE`` (torch's ``@record``),
             first line, or None.
+        hang: where the coordinator localised the hang this record is about, when that was elsewhere
+            (``"rank(s) 1 on n2 in step (train.py:40)"``): the rank found silent first is often one that waits
+            in a collective for the stuck one. None otherwise.
     """
 
     generation: int
@@ -40,6 +43,7 @@ class FaultRecord:
     step: int | None = None
     hardware: str | None = None
     error: str | None = None
+    hang: str | None = None
 
     @property
     def recovery_s(self) -> float | None:

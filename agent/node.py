@@ -59,7 +59,7 @@ from trainguard.agent.qualify.agent_side import NodeQualifier
 from trainguard.agent.qualify.config import QualifySection
 from trainguard.agent.parts import SupervisorHook
 from trainguard.agent.replica_agent import ReplicaConfig
-from trainguard.agent.step_timing import FailSlowView
+from trainguard.agent.step_timing import FailSlowView, hang_location
 from trainguard.agent.supervisor import LocalSupervisor, WorkerExit
 from trainguard.agent.workers import WorkerGroup, describe_exit
 from trainguard.checkpoint.location import job_step_committed
@@ -428,6 +428,8 @@ class NodeAgent:
         if resp.HasField("stacks"):
             self._answer_stacks(resp.stacks)
         for ev in self.failslow.update(resp.failslow):
+            if (where := hang_location(ev)) is not None:  # the run's summary names the stuck rank, not only
+                self.supervisor.note_hang(*where)  # the one found silent first (often waiting on it)
             self.bus.publish(ev)
         self.link_probe.run(resp.link_probes)
         if resp.HasField("checkpoint"):

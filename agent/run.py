@@ -482,6 +482,8 @@ def format_summary(result: RunResult) -> str:
             parts.append(f"first step {f.resumed_step} +{f.recovery_s:.2f} s")
         if f.hardware:
             parts.append(f"node fault {f.hardware}")
+        if f.hang:
+            parts.append(f"hang localised to {f.hang}")
         lines.append(", ".join(parts))
     return "\n".join(lines)
 
@@ -498,7 +500,7 @@ def summary_record(result: RunResult) -> dict:
             "restarted_after_s": round(f.restarted_at - t_fault, 4) if f.restarted_at else None,
             "first_step": f.resumed_step if f.resumed_at is not None else None,
             "first_step_after_s": round(f.recovery_s, 4) if f.resumed_at is not None else None,
-            "node_fault": f.hardware})
+            "node_fault": f.hardware, "hang_localised": f.hang})
     # Shaped like the JSON log records around it (ts, level, logger, msg: the summary's first text line), plus
     # the structured fields.
     stopped = result.exit_code in STOPPED_CODES

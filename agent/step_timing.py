@@ -116,6 +116,23 @@ class TimingRelay:
         return out
 
 
+def hang_location(ev: HealthEvent) -> tuple[int, list[int], str] | None:
+    """(generation, outlier ranks, "rank(s) R on NODE in FRAME") of a ``failslow.hang_localised`` event of
+    :meth:`FailSlowView.update`; None for any other event or one without outliers."""
+    e = ev.evidence
+    if ev.kind != "failslow.hang_localised":
+        return None
+    try:
+        generation = int(e.get("generation", ""))
+    except ValueError:
+        return None
+    outliers = [int(r) for r in e.get("outlier_ranks", "").split(",") if r.strip().isdigit()]
+    if not outliers:
+        return None
+    return generation, outliers, (f"rank(s) {', '.join(map(str, outliers))} on {e.get('outlier_nodes') or '?'} "
+                                  f"in {e.get('outlier_frame') or '?'}")
+
+
 class FailSlowView:
     """The coordinator's latest fail-slow findings as this node saw them, and the events they raise."""
 
@@ -164,6 +181,7 @@ class FailSlowView:
                              f"{','.join(h.outlier_nodes) or '-'} in {h.outlier_frame or '?'}; the other ranks wait "
                              f"in {h.majority_frame or '?'} ({h.ranks_seen} ranks, {h.groups} stack groups)"),
                     evidence={"outlier_ranks": ranks, "outlier_nodes": ",".join(h.outlier_nodes),
+                              "outlier_frame": h.outlier_frame, "generation": str(h.generation),
                               "repeats": str(h.repeats)}))
         return events
 

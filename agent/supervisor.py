@@ -335,6 +335,13 @@ class LocalSupervisor:
             self._life.fire(_T.ALL_SUCCEEDED)
         return None
 
+    def note_hang(self, generation: int, outlier_ranks: Sequence[int], where: str) -> None:
+        """Notes on this node's hang records of ``generation`` where the coordinator localised the hang, unless
+        the recorded rank is an outlier itself (``where``: "rank(s) R on NODE in FRAME")."""
+        for rec in self.fault_records:
+            if rec.generation == generation and rec.rank not in outlier_ranks and "no step heartbeat" in rec.cause:
+                rec.hang = where
+
     def mark_hung(self, event: "HealthEvent") -> int | None:
         """Takes the process detector's verdict (``process.hung`` or another RESTART_PROCESS event about
         ``rank:R``) on a current worker: for a hang, that worker and the supervisor become HUNG (stop() then ends

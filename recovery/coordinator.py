@@ -58,7 +58,7 @@ from trainguard.recovery.cordoning import Cordoning
 from trainguard.recovery.durability import DURABLE_WAIT_S, Durability
 from trainguard.recovery.errors import (CapacityError, InvalidRequestError, NotServingError, StaleGenerationError,
                                         UnknownJobError)
-from trainguard.recovery.failslow import FailSlowSupervisor
+from trainguard.recovery.failslow import FailSlowSupervisor, is_hang_report
 from trainguard.recovery.failslow_wiring import FailSlowWiring
 from trainguard.recovery.formation import Formation
 from trainguard.recovery.job_records import checkpoint_value
@@ -397,7 +397,11 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
                 return Level.NONE, st.generation, handled, None
             if req.checkpoint_now:
                 return Level.NONE, st.generation, self._request_checkpoint(req, now), None
-            f = Failure(req.node_id, req.generation, req.cause, req.proposed, req.rank, req.exit_code, req.detail,
+            detail = req.detail
+            if is_hang_report(req.kind) and req.rank >= 0:  # localised in this very report (one node's ranks)
+                blame = self._failslow.hang_blame(req.generation, req.rank)
+                detail = f"{blame}; {detail}" if blame else detail
+            f = Failure(req.node_id, req.generation, req.cause, req.proposed, req.rank, req.exit_code, detail,
                         self._wall())
             fut_before = self._state_fut
             level, gen, msg = self._fail(f, now)

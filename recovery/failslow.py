@@ -334,6 +334,17 @@ class FailSlowSupervisor:
         col.add(req.node_id, evidence)
         return ReportOutcome(False, "", self._maybe_finish(now))
 
+    def hang_blame(self, generation: int, rank: int) -> str:
+        """What the finished localisation of ``generation``'s hang says of a report about ``rank``: "" when none
+        finished or ``rank`` is among its outliers, else where the hang is (for the failure's description: the
+        first rank found silent is often one waiting in a collective for the stuck one)."""
+        h = self._hang
+        if h is None or h.generation != generation or not h.outlier_ranks or rank in h.outlier_ranks:
+            return ""
+        return (f"hang localised to rank(s) {', '.join(map(str, h.outlier_ranks))} on "
+                f"{', '.join(h.outlier_nodes) or '?'} in {h.outlier_frame or '?'}; the other ranks wait in "
+                f"{h.majority_frame or '?'}")
+
     def tick(self, now: float) -> ReplaceDecision | None:
         """Closes a hang collection whose deadline passed (call periodically)."""
         return self._maybe_finish(now)

@@ -82,3 +82,35 @@ def test_a_hang_report_carries_the_main_thread_behind_many_helper_threads(method
     assert ev["method.5"] == method
     assert parse_main_stack(ev["stack.5"])[0] == "load_batch (threaded_stuck.py)", ev["stack.5"]
     assert len(ev["stack.5"]) <= 3000
+
+
+def test_a_hang_localised_elsewhere_is_put_on_the_silent_ranks_record_and_in_the_summary():
+    # Found by a review: rank 1 SIGSTOPped, rank 0 (waiting in all_reduce) found silent first; the locator named
+    # rank 1, yet the run's summary said only "rank 0 ended with ... no step heartbeat".
+    from trainguard.agent.fault_records import FaultRecord
+    from trainguard.agent.run import RunResult, format_summary, summary_record
+    from trainguard.agent.step_timing import hang_location
+    from trainguard.agent.supervisor import LocalSupervisor
+
+    v = FailSlowView("n0")
+    st = common_pb2.FailSlowStatus(job_step_s=0.2)
+    st.hang.CopyFrom(common_pb2.HangFinding(generation=1, outlier_ranks=[1], outlier_nodes=["n0"], ranks_seen=2,
+                                            groups=2, outlier_frame="<no stack>", time=1001.0))
+    (ev,) = v.update(st)
+    where = hang_location(ev)
+    assert where == (1, [1], "rank(s) 1 on n0 in <no stack>")
+    silent = FaultRecord(1, 0, "worker rank 0 (pid 7) sent no step heartbeat for 60.2 s after step 9", None, 5.0)
+    other_gen = FaultRecord(2, 0, "worker rank 0 (pid 8) sent no step heartbeat for 60.1 s after step 3", None, 9.0)
+    sup = LocalSupervisor.__new__(LocalSupervisor)  # note_hang reads only the records
+    sup.fault_records = [silent, other_gen]
+    sup.note_hang(*where)
+    assert silent.hang == "rank(s) 1 on n0 in <no stack>" and other_gen.hang is None
+    result = RunResult(exit_code=0, wall_s=70.0, generations=2, faults=[silent], message="")
+    assert "rank 0 ended with worker rank 0" in format_summary(result)
+    assert "hang localised to rank(s) 1 on n0 in <no stack>" in format_summary(result)
+    assert summary_record(result)["faults"][0]["hang_localised"] == "rank(s) 1 on n0 in <no stack>"
+    # the stuck rank's own record is left as it is
+    stuck = FaultRecord(1, 1, "worker rank 1 (pid 9) sent no step heartbeat for 60.2 s", None, 5.0)
+    sup.fault_records = [stuck]
+    sup.note_hang(*where)
+    assert stuck.hang is None

@@ -284,6 +284,32 @@ def test_core_stack_answers_stay_with_failslow_and_never_reach_the_policy() -> N
     c.core.close()
 
 
+def test_a_hang_localised_in_its_own_report_is_named_in_the_restart_reason() -> None:
+    # Found by a review: rank 1 of a one-node job SIGSTOPped; rank 0, waiting in all_reduce, was found silent
+    # first. The locator named rank 1, but the restart line (and `trainguard events`) blamed rank 0 only.
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.domain import Beat, Command, FaultReport, NodeRecord
+    from trainguard.recovery.policy import Cause, Level
+    from trainguard.recovery.store import MemoryStore
+
+    t = [0.0]
+    core = JobCoordinator(JobSpec(job=JOB, nnodes=1, heartbeat_interval_s=0.1, lease_timeout_s=30,
+                                  backoff_initial_s=0.0), store=MemoryStore(), clock=lambda: t[0])
+    lease = core.register(JOB, NodeRecord("a", "p", 0, "a", 2, "127.0.0.1"), next(_ports))[0]
+    ins = core.heartbeat(Beat(JOB, "a", lease, -1, 0, False, -1, next(_ports))).response
+    assert ins.command is Command.START and ins.table.world_size == 2
+
+    def hung(rank: int, stacks: dict) -> str:
+        return core.report(FaultReport(JOB, "a", lease, 1, Cause.WORKER_HANG, Level.PROCESS, rank,
+                                       detail=f"worker rank {rank} sent no step heartbeat for 60.2 s",
+                                       kind="process.hung", stacks=stacks))[2]
+
+    msg = hung(0, {"stack.0": WAITING, "stack.1": STUCK})
+    assert "hang localised to rank(s) 1 on a in load_batch (data.py)" in msg, msg
+    assert "the other ranks wait in all_reduce" in msg and "worker rank 0 sent no step heartbeat" in msg, msg
+    core.close()
+
+
 def test_a_shrink_that_renumbers_the_ranks_forgets_which_ranks_replacements_were_for() -> None:
     # b was replaced for slow rank 1. Then a is lost with no spare and the job shrinks: every rank is numbered
     # anew, so rank 1 is other work now (in another place of the pipeline). The node holding it, slow on a bad
