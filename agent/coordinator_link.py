@@ -629,6 +629,8 @@ class GrpcCoordinatorLink:
             self._life.fire_if(_T.STOP)
             if resp.job_state in (coordinator_pb2.JOB_STATE_SUCCEEDED, coordinator_pb2.JOB_STATE_FAILED):
                 self._life.fire_if(_T.JOB_ENDED)
+                self._leave_why = ("the job " + ("succeeded" if resp.job_state == coordinator_pb2.JOB_STATE_SUCCEEDED
+                                                 else "failed") + "; its agent is done")
             else:
                 self._life.fire_if(_T.IDLE)  # the job goes on without this node's workers for now
         self._log_standing(resp)
@@ -778,9 +780,10 @@ class GrpcCoordinatorLink:
 
     def close(self, reason: str = "") -> None:
         """Leaves: any state -> DONE; closes the channel. A node that registered but never ran a generation tells
-        the coordinator it leaves (``reason``), so no generation forms with it in the lease it had left."""
-        if self._stub is not None and self._lease and self._generation < 0 \
-                and self._life.state is LinkState.WAITING:
+        the coordinator it leaves (``reason``), so no generation forms with it in the lease it had left; so does
+        a node told the job's outcome, which the coordinator otherwise reaped, a lease later, as a lost node."""
+        never_ran = self._generation < 0 and self._life.state is LinkState.WAITING
+        if self._stub is not None and self._lease and (never_ran or self._life.state is LinkState.DONE):
             try:
                 self._stub.LeaveNode(coordinator_pb2.LeaveNodeRequest(
                     job=self.config.job, node_id=self.config.node_id, lease_id=self._lease,

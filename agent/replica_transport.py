@@ -54,6 +54,15 @@ _SERVER_OPTIONS = _OPTIONS + [("grpc.http2.min_recv_ping_interval_without_data_m
                               ("grpc.http2.max_ping_strikes", 0)]
 
 
+#: Pushes one replica server receives at once; one more is refused at once (RESOURCE_EXHAUSTED, which the sender
+#: backs off from as from any refusal). A node receives from the few nodes whose buddy it is (``--memory-replicas``,
+#: default 1), so 4 leave room for a table in flux.
+MAX_PUSHES = 4
+#: Handler threads kept for everything but pushes (``FetchReplica``): pushes, however many are open or stalled,
+#: never take these, so a replacement's restore is served while buddies push.
+FETCH_WORKERS = 4
+
+
 def _server_options(stall_s: float) -> list[tuple[str, int]]:
     """Server options: those of :data:`_SERVER_OPTIONS`, and pings of its own that end a call once the peer is
     silent ~``stall_s``. Without them a sender that froze mid-push (or whose link went without a reset) held a
@@ -72,6 +81,100 @@ def _channel_options(stall_s: float) -> list[tuple[str, int]]:
                        ("grpc.min_reconnect_backoff_ms", 2 * half_ms)]
 
 
+class PushStalledError(ReplicaRefusedError):
+    """A push delivered no message for the server's stall bound: the call was cancelled, its partial copy dropped."""
+
+
+class _IdleWatch:
+    """The request stream of one push, cancelled once the sender delivers no message for ``stall_s`` seconds.
+
+    Keepalive pings only catch a sender whose transport stopped answering: a live sender that sent a header and
+    then nothing (a stuck read of its slot, or anyone reaching the data address without a job token) kept its
+    call, a handler thread and the copy's whole tmpfs reservation until its own deadline (600 s by default, or
+    for good without one). Only time spent waiting for the next message counts, not the receiver's own writes.
+    """
+
+    def __init__(self, messages: Iterator[replica_pb2.ReplicaChunk], context: grpc.ServicerContext,
+                 stall_s: float) -> None:
+        self._it, self._context, self.stall_s = messages, context, stall_s
+        self._lock = threading.Lock()
+        self._waiting_since: float | None = None
+        self.stalled = False
+        self._done = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="replica-push-idle", daemon=True)
+        self._watcher.start()
+
+    def __iter__(self) -> _IdleWatch:
+        return self
+
+    def __next__(self) -> replica_pb2.ReplicaChunk:
+        with self._lock:
+            if self.stalled:
+                raise self._stalled_error()
+            self._waiting_since = time.monotonic()
+        try:
+            msg = next(self._it)
+        except grpc.RpcError:
+            if self.stalled:  # gRPC reports the cancellation this watch made as a failed stream
+                raise self._stalled_error() from None
+            raise
+        except StopIteration:
+            if self.stalled:  # or as a stream that ended: not a short copy, a cancelled one
+                raise self._stalled_error() from None
+            raise
+        finally:
+            with self._lock:
+                self._waiting_since = None
+        return msg
+
+    def _stalled_error(self) -> PushStalledError:
+        return PushStalledError(f"the sender delivered nothing for {self.stall_s:g} s mid-push: call cancelled")
+
+    def _watch(self) -> None:
+        tick = max(0.05, min(1.0, self.stall_s / 4))
+        while not self._done.wait(tick):
+            with self._lock:
+                since = self._waiting_since
+                if since is None or time.monotonic() - since < self.stall_s:
+                    continue
+                self.stalled = True
+            self._context.cancel()
+            return
+
+    def close(self) -> None:
+        """Stops watching (the push ended)."""
+        self._done.set()
+
+
+class _PushGate(grpc.ServerInterceptor):
+    """Bounds the pushes a server receives at once (:data:`MAX_PUSHES`, more are refused at once with
+    RESOURCE_EXHAUSTED) and cancels a push that stays silent for ``stall_s`` (:class:`_IdleWatch`)."""
+
+    def __init__(self, max_pushes: int, stall_s: float) -> None:
+        self._slots = threading.BoundedSemaphore(max_pushes)
+        self.max_pushes, self.stall_s = max_pushes, stall_s
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> object:
+        handler = continuation(details)
+        if handler is None or handler.stream_unary is None or not details.method.endswith("/PushReplica"):
+            return handler
+        behavior = handler.stream_unary
+
+        def gated(messages: Iterator[replica_pb2.ReplicaChunk], context: grpc.ServicerContext) -> object:
+            if not self._slots.acquire(blocking=False):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"the receiver is taking {self.max_pushes} pushes already; try again later")
+            watch = _IdleWatch(messages, context, self.stall_s)
+            try:
+                return behavior(watch, context)
+            finally:
+                watch.close()
+                self._slots.release()
+
+        return grpc.stream_unary_rpc_method_handler(gated, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
+
+
 class Throttle:
     """Caps the bytes per second of one stream (0: no cap), sleeping the sender as needed.
 
@@ -83,6 +186,13 @@ class Throttle:
         self.rate = mib_s * (1 << 20)
         self._t0 = time.monotonic()
         self._sent = 0
+
+    def piece_bytes(self) -> int:
+        """Bytes per data message: :data:`PIECE_BYTES`, or about a quarter second's worth under a cap, so a slow
+        but live push delivers a message well within the receiver's stall bound (:class:`_IdleWatch`)."""
+        if self.rate <= 0:
+            return PIECE_BYTES
+        return min(PIECE_BYTES, max(4096, int(self.rate / 4)))
 
     def take(self, nbytes: int) -> None:
         """Accounts ``nbytes`` about to be sent; returns when the cap allows them."""
@@ -146,8 +256,9 @@ def _data_messages(fd: int, man: Manifest, throttle: Throttle) -> Iterator[repli
         if chunk_checksum(chunk) != expected:
             raise CorruptCheckpointError(f"rank {man.rank} step {man.step}: chunk {i} fails its "
                                          f"{CHECKSUM_ALGO} checksum (the slot was reused or is damaged)")
-        for p in range(0, len(chunk), PIECE_BYTES):
-            piece = chunk[p:p + PIECE_BYTES]
+        step = throttle.piece_bytes()
+        for p in range(0, len(chunk), step):
+            piece = chunk[p:p + step]
             throttle.take(len(piece))
             yield replica_pb2.ReplicaChunk(offset=o + p, data=piece)
 
@@ -334,17 +445,24 @@ class ReplicaServer:
         servicer: the service.
         host: address to listen on (the node's data address).
         token: the job token every call must carry; ``""`` serves anyone (a job without a token).
-        stall_s: a caller silent for about this long (frozen, or its link gone) loses its call, seconds.
+        stall_s: a caller silent for about this long (frozen, or its link gone) loses its call, seconds; so does
+            a sender that delivers no message for this long mid-push though its connection lives.
+        max_pushes: pushes received at once; more are refused at once (RESOURCE_EXHAUSTED). The handler pool has
+            :data:`FETCH_WORKERS` threads on top, so pushes never starve a fetch.
     """
 
-    def __init__(self, servicer: ReplicaServicer, host: str, token: str = "", stall_s: float = STALL_S) -> None:
+    def __init__(self, servicer: ReplicaServicer, host: str, token: str = "", stall_s: float = STALL_S,
+                 max_pushes: int = MAX_PUSHES) -> None:
         from trainguard.recovery.rpc_security import TokenCheck
 
         # The shared guard: random bytes on either method get INVALID_ARGUMENT, not gRPC's INTERNAL + traceback.
         guard = RequestGuard("trainguard.v1.MemoryReplica", max_request_bytes=MAX_MESSAGE_BYTES)
         self.token_check = TokenCheck(token, what="replica server") if token else None
-        interceptors = [guard] if self.token_check is None else [self.token_check, guard]
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="replica"),
+        # The gate last: it wraps the service's own handler, so a call refused for its token takes no push slot.
+        gate = _PushGate(max_pushes, stall_s)
+        interceptors = [guard, gate] if self.token_check is None else [self.token_check, guard, gate]
+        workers = max_pushes + FETCH_WORKERS
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="replica"),
                                   interceptors=interceptors, options=_server_options(stall_s))
         replica_pb2_grpc.add_MemoryReplicaServicer_to_server(servicer, self.server)
         bracket = f"[{host}]" if ":" in host else host

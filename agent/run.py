@@ -54,6 +54,16 @@ class RunResult:
     wall_s: float
 
 
+def _listening(host: str, port: int, dial: str) -> str:
+    """Where an embedded coordinator listens, as bound: a wildcard bind said it listened on the loopback address
+    this node dials, and an operator whose other nodes could not reach it concluded it was bound to loopback."""
+    bare = host.strip("[]")
+    if bare not in ("", "0.0.0.0", "::"):
+        return f"listening on {dial}"
+    bound = f"[{bare}]:{port}" if ":" in bare else f"{bare or '0.0.0.0'}:{port}"
+    return f"listening on {bound} (every interface; this node dials {dial})"
+
+
 def _refuse_a_second_job(job: str, script: str, checkpoint_dir: str | None, named: bool) -> None:
     """A one-node job's default name follows its checkpoint directory (so a rerun resumes it); a second live
     run under that name would restore from the first one's memory and then be refused every checkpoint (one
@@ -302,7 +312,8 @@ def run_job(args: argparse.Namespace) -> RunResult:
         if server is not None:
             coordinator = tr.dial_target(server.target)
             if rdzv.multi_node:
-                print(f"trainguard: coordinator for job {job!r} listening on {coordinator}", file=sys.stderr)
+                print(f"trainguard: coordinator for job {job!r} {_listening(server.host, server.port, coordinator)}",
+                      file=sys.stderr)
 
     node_id = args.node_id or tr.default_node_id(rdzv, None if server is not None else coordinator,
                                                  socket.gethostname(), os.getpid())

@@ -373,3 +373,50 @@ def test_a_failure_report_cut_off_by_a_redial_is_sent_again() -> None:
                      message="rank 0 exited 1", node_id="n1")
     link.report(ev, coordinator_pb2.RECOVERY_LEVEL_PROCESS, generation=1, rank=0, code=1)
     assert [r.generation for r in link._unsent] == [1]
+
+
+class _Done:
+    """Heartbeat content of a node whose local workers of ``generation`` all exited 0."""
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+
+    def heartbeat_fields(self) -> dict:
+        return {"generation": self.generation, "workers_running": 0, "last_step": 10, "workers_succeeded": True}
+
+
+def test_nodes_leaving_after_the_job_succeeded_tell_the_coordinator_and_are_not_reaped_as_lost(caplog) -> None:
+    """Found by a user's review: after a multi-node job succeeded, the coordinator logged every node as "lost (no
+    heartbeat for N s)" a lease later: a link sent LeaveNode only for a node that never ran a generation. Now a
+    node told the job's outcome leaves too; the outcome stays."""
+    import logging
+
+    srv = CoordinatorServer(JobSpec(job="ends", nnodes=2, heartbeat_interval_s=0.1, lease_timeout_s=1.5),
+                            listen="127.0.0.1:0").start()
+    links = [GrpcCoordinatorLink(LinkConfig(job="ends", coordinator=srv.target, node_id=n, device_count=1,
+                                            patience_s=5.0)) for n in ("a", "b")]
+    try:
+        for link in links:
+            link.open()
+        deadline = time.monotonic() + 10
+        while not all(link.state is LinkState.RUNNING for link in links):
+            assert time.monotonic() < deadline, [link.state for link in links]
+            for link in links:
+                link.follow(link.heartbeat(NoWorkers() if link.generation < 0 else _Done(-1)))
+            time.sleep(0.05)
+        while not all(link.state is LinkState.DONE for link in links):
+            assert time.monotonic() < deadline, [link.state for link in links]
+            for link in links:
+                if link.state is not LinkState.DONE:
+                    link.follow(link.heartbeat(_Done(link.generation)))
+            time.sleep(0.05)
+        with caplog.at_level(logging.INFO, logger="trainguard"):
+            for link in links:
+                link.close()
+            time.sleep(3 * 1.5)  # past the lease: a node not heard from would be reaped by now
+        said = caplog.text
+        assert "no heartbeat" not in said, said
+        assert "node a" in said and "it left: the job succeeded" in said, said
+        assert srv.core.state.phase.name == "SUCCEEDED"
+    finally:
+        srv.stop()

@@ -1194,3 +1194,100 @@ def test_an_own_copy_found_corrupt_when_pushed_is_no_longer_reported_nor_pushed_
     finally:
         agent.stop()
         server.stop()
+
+
+class _SilentPushes:
+    """Pushes from real clients on real sockets that send a valid header (an 8 MiB copy) and then nothing, their
+    process alive, so HTTP/2 pings are answered; each call has a 120 s deadline."""
+
+    def __init__(self, address: str, n: int) -> None:
+        entries, nbytes = plan_layout([("w", "uint8", (8 << 20,))], 4096)
+        self.man = Manifest(job="job", step=5, rank=0, world_size=2, tensors=entries, tree={}, data_bytes=nbytes,
+                            chunk_bytes=1 << 20, created=time.time(), location="/ckpt")
+        self.man.chunks = ["0" * 16] * ((nbytes + (1 << 20) - 1) // (1 << 20))
+        self.stop = threading.Event()
+        self.codes: dict[int, grpc.StatusCode | str] = {}
+        self.channels = [grpc.insecure_channel(address) for _ in range(n)]
+        self.threads = [threading.Thread(target=self._call, args=(i,), daemon=True) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _messages(self, rank: int):
+        man = Manifest.from_json(self.man.to_json(), "test")
+        man.rank = rank
+        yield replica_pb2.ReplicaChunk(job="job", rank=rank, step=5, manifest=man.to_json(), from_node="x")
+        self.stop.wait()
+
+    def _call(self, i: int) -> None:
+        try:
+            ack = replica_pb2_grpc.MemoryReplicaStub(self.channels[i]).PushReplica(self._messages(i), timeout=120)
+            self.codes[i] = f"ack ok={ack.ok}"
+        except grpc.RpcError as exc:
+            self.codes[i] = exc.code()
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(10)
+        for ch in self.channels:
+            ch.close()
+
+
+def test_a_push_silent_after_its_header_is_cancelled_after_the_stall_time_and_its_reservation_freed(roots) -> None:
+    """Found by a user's review: keepalive pings catch a frozen sender only; a live one that sent a header and then
+    no data kept its call, a handler thread and the copy's whole reservation until its own deadline (120 s here).
+    The receiver now cancels a push that delivers no message for ``stall_s``. A push slowed by a low bandwidth
+    cap keeps working: it goes in pieces small enough to arrive well within the stall time."""
+    a, b, _ = roots
+    _snapshot(a, 0, 10, mib=1)
+    store = ReplicaStore(b, "job", 64 << 20)
+    server = ReplicaServer(ReplicaServicer("job", store, MemoryTier(b, "job", "/ckpt").own_copy), "127.0.0.1",
+                           stall_s=1.5)
+    silent = _SilentPushes(server.address, 1)
+    try:
+        _wait(lambda: _partials(b) and store.bytes_reserved() > 0, "the silent push never began")
+        t0 = time.monotonic()
+        _wait(lambda: not _partials(b) and store.bytes_reserved() == 0, "the silent push kept its reservation",
+              timeout=30)
+        silent.threads[0].join(30)
+        assert time.monotonic() - t0 < 30  # not the call's 120 s deadline
+        assert silent.codes == {0: grpc.StatusCode.CANCELLED}
+        assert store.replicas() == []
+        path, man = _own(a, 0)
+        # 1 MiB at 0.5 MiB/s: sent as one piece, nothing would arrive for 2 s, past the stall time
+        assert push(server.address, copy_stream("job", man, path, "a", Throttle(0.5)), 60).ok
+        assert store.newest(0).step == 10
+    finally:
+        silent.close()
+        server.stop()
+
+
+def test_pushes_past_the_bound_are_refused_at_once_and_never_starve_a_fetch(roots) -> None:
+    """Found by a user's review: pushes and fetches shared 4 handler threads, so 4 pushes that stayed silent held
+    every thread and a replacement node's FetchReplica waited for their whole deadline. Now pushes take at most
+    ``max_pushes`` at once, a further one is refused at once (RESOURCE_EXHAUSTED: the sender backs off), and
+    fetches have threads of their own."""
+    a, b, c = roots
+    _snapshot(b, 1, 7)
+    store = ReplicaStore(b, "job", 1 << 30)
+    tier = MemoryTier(b, "job", "/ckpt")
+    tier.scan()
+    server = ReplicaServer(ReplicaServicer("job", store, tier.own_copy), "127.0.0.1", stall_s=60)
+    silent = _SilentPushes(server.address, 4)
+    try:
+        _wait(lambda: len(_partials(b)) == 4, "the silent pushes never began")
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(server.address, "job", 0, -1, lambda m: arena_writer(c, "job", m), 20)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert fetch(server.address, "job", 1, 7, lambda m: arena_writer(c, "job", m), 20)[1].step == 7
+        _snapshot(a, 2, 3)
+        path, man = _own(a, 2)
+        with pytest.raises(grpc.RpcError) as err:
+            push(server.address, copy_stream("job", man, path, "a", Throttle(0)), 20)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - t0 < 15  # answered, not held until the silent pushes' 120 s deadline
+        assert len(_partials(b)) == 4 and store.newest(2) is None
+    finally:
+        silent.close()
+        server.stop()

@@ -89,3 +89,41 @@ def test_coordinator_port_variable_is_read_when_used_and_checked_there(monkeypat
     for bad in ("0", "70000", "x"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["run", "--coordinator-port", bad, "train.py"])
+
+
+def test_the_embedded_coordinators_line_names_the_wildcard_it_binds(tmp_path, tg_env) -> None:
+    """Found by a user's review: under Slurm the embedded coordinator binds every interface but said "listening on
+    127.0.0.1:PORT" (the address this node dials), so an operator whose other nodes could not reach it took it
+    for a loopback bind. A real launcher as node 0 of 2, stopped once it has said where it listens."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from trainguard.agent.coordinator_link import find_free_port
+
+    port = find_free_port("0.0.0.0")
+    script = Path(__file__).resolve().parent / "scripts" / "print_env.py"
+    env = {**tg_env, "SLURM_JOB_ID": "4243", "SLURM_STEP_NODELIST": "localhost,127.0.0.1", "SLURM_NODEID": "0",
+           "SLURM_STEP_NUM_NODES": "2", "TRAINGUARD_COORDINATOR_PORT": str(port)}
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--max-restarts", "0", str(script),
+                             str(tmp_path)], env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            seen.append(line)
+            if "listening on" in line:
+                break
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    said = [ln for ln in seen if "listening on" in ln]
+    assert said, "".join(seen)[-3000:]
+    assert f"listening on 0.0.0.0:{port} (every interface; this node dials 127.0.0.1:{port})" in said[0], said
