@@ -228,13 +228,18 @@ class Leases:
         self._mver += 1
         fut = self._submit([Put(self._prefix + "nodes/" + m.info.node_id, self._member_value(m))])
         holds = self._layout is not None and self._layout.slot_of(m.info.node_id) is not None
+        st = self._policy.state  # fresh: each decision replaces the state
         if left and m.info.spare and not holds:
             # A spare stopped on purpose (its launcher got SIGTERM) is no loss: logged as one at WARNING it read as
             # a worker node lost, and operators looked for a recovery that never was.
             log.info("job %s: spare node %s left (%s); it held no slot", self.spec.job, m.info.node_id, why)
+        elif left and st.phase in (Phase.SUCCEEDED, Phase.FAILED):
+            # Every node of an ended job leaves (its agent is done): a WARNING per node at every job's end read as
+            # a failure to anyone alerting on them.
+            log.info("job %s: node %s left the %s job (%s)", self.spec.job, m.info.node_id, st.phase.name.lower(),
+                     why)
         else:
             log.warning("job %s: node %s lost (%s)", self.spec.job, m.info.node_id, why)
-        st = self._policy.state  # fresh: each decision replaces the state
         if holds and st.phase in (Phase.RUNNING, Phase.RECOVERING):
             self._fail(Failure(m.info.node_id, st.generation, Cause.NODE_LOST, detail=why, time_s=self._wall()), now)
         return fut

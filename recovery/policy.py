@@ -750,8 +750,9 @@ class RecoveryPolicy:
     def _describe_plan(self, plan: Plan, why: Sequence[str]) -> str:
         st, cfg = self.state, self.config
         what = {Level.PROCESS: "restarting every worker in place",
-                Level.NODE: "replacing " + ", ".join(f"{o}->{n}" for o, n in plan.replacements.items())
-                            + (" and shrinking" if plan.shrink else ""),
+                Level.NODE: " and ".join(filter(None, (
+                    "replacing " + ", ".join(f"{o}->{n}" for o, n in plan.replacements.items())
+                    if plan.replacements else "", "shrinking" if plan.shrink else ""))) or "replacing nodes",
                 Level.JOB: "restarting the whole job from the last persisted checkpoint"}.get(plan.level, "")
         esc = f" (escalated: {'; '.join(why)})" if why else ""
         return (f"restart {st.restart_count}/{cfg.max_restarts}, {plan.level.name.lower()} level, generation "

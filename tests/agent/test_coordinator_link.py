@@ -417,6 +417,8 @@ def test_nodes_leaving_after_the_job_succeeded_tell_the_coordinator_and_are_not_
         said = caplog.text
         assert "no heartbeat" not in said, said
         assert "node a" in said and "it left: the job succeeded" in said, said
+        left = [r for r in caplog.records if "left the succeeded job" in r.getMessage()]
+        assert len(left) == 2 and all(r.levelname == "INFO" for r in left), said
         assert srv.core.state.phase.name == "SUCCEEDED"
     finally:
         srv.stop()

@@ -103,6 +103,7 @@ def test_shrink_when_allowed_and_valid() -> None:
     p = _running(allow_shrink=True, min_nodes=3)
     d = _fail(p, "n1", Cause.NODE_CRITICAL)
     assert d.level is Level.NODE and p.state.plan.shrink and "shrinking" in d.message
+    assert "; shrinking" in d.message and "replacing " not in d.message, d.message  # was "replacing  and shrinking"
     q = _running(allow_shrink=True, min_nodes=4)
     assert _fail(q, "n1", Cause.NODE_CRITICAL).level is Level.JOB
 
