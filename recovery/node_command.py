@@ -1,7 +1,7 @@
 """What a node must do now: the instruction a heartbeat reply carries.
 
-:func:`command_for` answers a heartbeat from the job's state: STOP when the job ended or the node is cordoned,
-WAIT (or STOP, for a node that ran workers) while the next generation is planned or formed, the pending job-wide
+:func:`command_for` answers a heartbeat from the job's state: STOP when the job ended (once that is durable) or
+the node is cordoned, WAIT (or STOP, for a node that ran workers) while the next generation is planned or formed, the pending job-wide
 checkpoint for nodes running the current generation, and START/RESTART with the rank table and the restore plan
 once the generation is durable and every node's memory holdings are fresh. Pure: the coordinator calls it with
 its lock held and passes the two memory-tier answers as callables, computed only for a START.
@@ -44,15 +44,19 @@ def command_for(m: Member, st: PolicyState, layout: RankLayout | None, table: Ge
         full_table_max_nodes: above this many nodes a START carries only the node's own entry.
         holdings_fresh: whether every node's memory holdings are fresh for the table (asked before a START).
         restore_plan: the table's restore plan (asked for a START).
-        state_fut: the last job state write; a START waits on it while it is pending or failed.
+        state_fut: the last job state write; a START, and the job's outcome, wait on it while it is pending or
+            failed.
         form_missing: nodes the first generation still needs (0: enough registered, or it waits for another reason).
     """
     ins = Instruction(Command.NONE, st.phase, interval_s, st.message)
     nid = m.info.node_id
     slot = layout.slot_of(nid) if layout is not None else None
     idle = Command.STOP if m.generation >= 0 else Command.WAIT
+    pending = state_fut is not None and (not state_fut.done() or state_fut.exception() is not None)
     if st.phase in (Phase.SUCCEEDED, Phase.FAILED):
-        return HeartbeatReply(replace(ins, command=Command.STOP))
+        # Told only once durable: told at once, a coordinator killed before the outcome's write landed came back
+        # RUNNING with every node gone (they had exited), and failed the succeeded job after its membership wait.
+        return HeartbeatReply(replace(ins, command=Command.STOP), state_fut if pending else None)
     if nid in st.cordoned:
         return HeartbeatReply(replace(ins, command=Command.STOP,
                                       message=f"node {nid} is cordoned: "
@@ -77,5 +81,4 @@ def command_for(m: Member, st: PolicyState, layout: RankLayout | None, table: Ge
                                       "in-memory checkpoint holdings"))
     ins = replace(ins, command=Command.START if m.generation < 0 else Command.RESTART, table=table,
                   only_node=nid if big else "", restore_plan=restore_plan())
-    pending = state_fut is not None and (not state_fut.done() or state_fut.exception() is not None)
     return HeartbeatReply(ins, state_fut if pending else None)

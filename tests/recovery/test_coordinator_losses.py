@@ -1,4 +1,5 @@
-"""Lost nodes and the restart budget: a loss is charged once, across a coordinator restart and across a burst.
+"""Lost nodes and the restart budget: a loss is charged once, across a coordinator restart and across a burst; and
+the job's outcome is told only once it is durable.
 
 In-process coordinators on one in-memory store, driven by a fake clock (the reviews' repros ran real launchers:
 ``--lease-timeout 4 --max-restarts 1``; these are the same sequences at the coordinator's interface):
@@ -144,3 +145,36 @@ def test_two_nodes_lost_a_tick_apart_cost_one_restart() -> None:
     st = c.core.state
     assert st.phase is Phase.RUNNING and st.restart_count == 1 and st.generation == 2, st.message
     assert c.slots() == ["n1", "s1", "s2"]
+
+
+def test_the_outcome_is_told_only_once_it_is_durable() -> None:
+    # Seen with etcd stopped: the coordinator told the nodes the job succeeded before the store had it; killed in
+    # that window it came back RUNNING with every node gone, and failed the job after its membership wait.
+    import threading
+
+    class GatedStore(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = threading.Event()
+            self.gate.set()
+
+        def commit(self, compares, puts):
+            assert self.gate.wait(30)
+            return super().commit(compares, puts)
+
+    c = _Cluster(nnodes=1, max_restarts=1)
+    c.store = GatedStore()
+    c.restart()
+    c.register("na", 0)
+    c.run(1, ("na",))
+    assert c.gen["na"] == 1
+    c.store.gate.clear()  # the store hangs from here
+    reply = c.core.heartbeat(Beat("lj", "na", c.lease["na"], 1, 0, True, 10, free_port=30999))
+    assert c.core.state.phase is Phase.SUCCEEDED and reply.response.command is Command.STOP
+    assert reply.durable is not None and not reply.durable.done()  # the service answers once it is
+    c.store.gate.set()
+    c.core.wait_durable(reply.durable)
+    again = c.core.heartbeat(Beat("lj", "na", c.lease["na"], 1, 0, True, 10, free_port=30999))
+    assert again.response.command is Command.STOP and again.durable is None
+    c.restart()
+    assert c.core.state.phase is Phase.SUCCEEDED
