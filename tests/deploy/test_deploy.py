@@ -109,6 +109,21 @@ def test_long_running_pods_have_grpc_probes_and_the_train_pod_a_memory_dev_shm()
     assert next(v for v in spec["volumes"] if v["name"] == vol)["emptyDir"]["medium"] == "Memory"
 
 
+def test_a_pod_lost_with_its_node_is_replaced_not_the_end_of_the_job() -> None:
+    # Found by a review: with backoffLimit 0 and nothing else, the Job controller failed the whole Job (and ended
+    # every other pod) at the first pod lost with its node, so no recovery could happen. A disruption is not
+    # counted now; the new pod of the index registers under the same node id, so it takes the slot back.
+    pytest.importorskip("yaml")
+    job = next(d for d in _docs(K8S / "train-job.yaml") if d["kind"] == "Job")
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["backoffLimit"] == 0
+    rules = spec["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
+    (c,) = spec["template"]["spec"]["containers"]
+    assert "--node-id=llm-pretrain-$(JOB_COMPLETION_INDEX)" in c["command"]
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy requires it
+
+
 def test_the_agent_configmap_loads(tmp_path: Path) -> None:
     pytest.importorskip("yaml")
     from trainguard.agent.config import AgentConfig
