@@ -10,11 +10,13 @@ lost: a node-level failure when it holds a slot of the running job.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import uuid
 from concurrent.futures import Future
 
 from trainguard.recovery.domain import NodeRecord
+from trainguard.recovery.durability import DURABLE_WAIT_S
 from trainguard.recovery.errors import CapacityError, StaleLeaseError, UnknownNodeError
 from trainguard.recovery.job_records import LOST_RECORD_PREFIX, node_value
 from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
@@ -201,11 +203,41 @@ class Leases:
             if checked and not self._fence_unread:  # the store answers: writes it failed are made again
                 self._rewrite_lost()
             for m in list(self._members.values()):
-                if m.alive and now - m.last_seen > self._lease_s():
+                if m.alive and self._silent_s(m, now) > self._lease_s():
                     self._lose(m, now, f"no heartbeat for {now - m.last_seen:.1f} s")
             if self._unrecorded and now - self._unrecorded_since > self._lease_s():
                 self._lose_unrecorded(now)
             self._advance()
+
+    # The generation write whose end _silent_s watches, and when the last one watched ended.
+    _held_fut: Future | None = None
+    _held_end = -math.inf
+
+    def _silent_s(self, m: Member, now: float) -> float:
+        """How long a member has not been heard from, not counting a heartbeat the service still holds (lock held).
+
+        A slot holder that has not started the current generation is told START only once the generation is
+        durable: the service holds its heartbeat until the write lands, up to the caller's deadline (at most
+        :data:`~.durability.DURABLE_WAIT_S`). With lease expiry no longer frozen while the store hangs, such held
+        nodes went silent for the deadline (5 s, past a 4 s lease) and were lost too, a second restart for one
+        fault. So while the write is pending they get that much longer, and once it ends their silence counts from
+        then (their held calls are answered at once).
+        """
+        silent = now - m.last_seen
+        st, lay, fut = self._policy.state, self._layout, self._state_fut
+        if fut is None or lay is None or st.plan is not None or m.generation == st.generation \
+                or lay.slot_of(m.info.node_id) is None:
+            return silent
+        if fut is not self._held_fut:
+            self._held_fut, self._held_end = fut, math.inf
+
+            def ended(f: Future) -> None:  # on the committer's thread, or here when it ended already
+                if f is self._held_fut:
+                    self._held_end = self._clock()
+            fut.add_done_callback(ended)
+        if self._held_end == math.inf:  # still pending: each heartbeat may be held for its caller's deadline
+            return silent - DURABLE_WAIT_S
+        return min(silent, now - self._held_end)
 
     def _probe_fence(self, now: float) -> bool:
         """Reads the fence key on a thread of its own every second or so (no lock held), waiting up to

@@ -51,18 +51,19 @@ def test_a_lease_expires_on_time_while_the_store_hangs(caplog) -> None:
     try:
         stub = coordinator_pb2_grpc.CoordinatorStub(chan)
         a, b = Agent(stub, JOB, node_info("a", idx=0)), Agent(stub, JOB, node_info("b", idx=1))
-        beat_until([a, b], lambda: a.gen == 1 and b.gen == 1, period=0.05)
+        spare = Agent(stub, JOB, node_info("s", idx=2, spare=True))
+        beat_until([a, b, spare], lambda: a.gen == 1 and b.gen == 1, period=0.05)
 
-        def keep_a_alive() -> None:
+        def keep_alive(agent: Agent) -> None:
             while not stop.is_set():
                 try:
-                    a.beat()
+                    agent.beat()  # held by the service while the generation it is told to START is not durable
                 except grpc.RpcError:
-                    pass  # a heartbeat answer may wait for the (hung) store: a is still heard
+                    pass
                 stop.wait(0.1)
 
-        beater = threading.Thread(target=keep_a_alive, daemon=True)
-        beater.start()
+        for agent in (a, spare):
+            threading.Thread(target=keep_alive, args=(agent,), daemon=True).start()
         store.gate.clear()  # the store hangs from here; b goes silent
         hung_at = time.monotonic()
         deadline = hung_at + LEASE_S + 4.0  # the lease, the 3-interval stretch, reaper ticks and a loaded box
@@ -78,6 +79,13 @@ def test_a_lease_expires_on_time_while_the_store_hangs(caplog) -> None:
         said = next(r for r in caplog.records if "has not answered" in r.getMessage())
         assert said.levelno == logging.WARNING and srv.core.spec.store in said.getMessage()
         assert 2.0 <= float(said.getMessage().split("has not answered for ")[1].split(" s")[0]) < 10.0
+        # The spare took b's slot: a and s, told to START generation 2, have their heartbeats held while the
+        # store hangs (up to their 10 s deadline), which is no silence: neither is lost for it.
+        assert srv.core.state.generation == 2, srv.core.state
+        time.sleep(LEASE_S + 3.0)
+        members = srv.core.members()
+        assert members["a"].alive and members["s"].alive, [r.getMessage() for r in caplog.records]
+        assert srv.core.state.generation == 2 and srv.core.state.restart_count == 1, srv.core.state
     finally:
         stop.set()
         store.gate.set()
