@@ -20,9 +20,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainguard.agent.config import hostport_arg
 from trainguard.errors import UsageError
+
+if TYPE_CHECKING:
+    from trainguard.recovery.spec import JobSpec
 
 log = logging.getLogger("trainguard.coordinator")
 
@@ -75,8 +79,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=3, help="job-wide restart budget (default 3)")
     p.add_argument("--group-size", type=int, default=1,
                    help="ranks per parallel group kept consecutive inside one pod (default 1: no constraint)")
-    p.add_argument("--allow-shrink", action="store_true", help="drop a lost node's slot when no spare is left")
-    p.add_argument("--min-nodes", type=int, default=0, help="fewest nodes after shrinking (default: --nnodes)")
+    p.add_argument("--allow-shrink", action=argparse.BooleanOptionalAction, default=None,
+                   help="drop a lost node's slot when no spare is left, down to --min-nodes (default: on with "
+                        "--nnodes MIN:MAX, as `trainguard run`, off with a fixed --nnodes N; --no-allow-shrink: "
+                        "never, a lost node waits for a spare)")
+    p.add_argument("--min-nodes", type=int, default=0,
+                   help="fewest nodes after shrinking (default: --nnodes N, or MIN of MIN:MAX)")
     p.add_argument("--memory-replicas", type=int, default=1,
                    help="buddy nodes (another pod's first) holding each node's in-memory checkpoint (1; 0: none)")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between node heartbeats (1.0)")
@@ -117,6 +125,44 @@ def register(sub: argparse._SubParsersAction) -> None:
     register_uncordon(sub)  # the operator's `trainguard uncordon NODE` against a running coordinator
 
 
+def coordinator_spec(args: argparse.Namespace) -> JobSpec:
+    """The job spec ``trainguard coordinator`` serves, from its parsed flags.
+
+    ``--nnodes MIN:MAX`` allows shrinking down to MIN unless ``--no-allow-shrink`` says otherwise, as the
+    coordinator ``trainguard run --nnodes MIN:MAX`` embeds does: the same range failed the job at the first lost
+    node without a spare here, and shrank and continued there. With a fixed ``--nnodes N``, ``--allow-shrink``
+    needs a ``--min-nodes`` below N (the default floor is N itself, so it never shrank, without a word).
+
+    Raises:
+        UsageError: bad or contradictory flags.
+    """
+    from trainguard.agent.run_torchrun import parse_nnodes
+    from trainguard.recovery.spec import JobSpec
+    from trainguard.recovery.straggler import StragglerConfig
+
+    if not args.failslow_ratio > 1 or not args.failslow_horizon > 0 or args.failslow_cooldown < 0:
+        raise UsageError(f"--failslow-ratio {args.failslow_ratio} must be > 1, --failslow-horizon "
+                         f"{args.failslow_horizon} > 0 and --failslow-cooldown {args.failslow_cooldown} >= 0")
+    lo, hi = parse_nnodes(args.nnodes)
+    if not (args.last_call_timeout >= 0 and args.last_call_timeout < float("inf")):
+        raise UsageError(f"--last-call-timeout {args.last_call_timeout}: expected seconds >= 0")
+    shrink = hi > lo if args.allow_shrink is None else args.allow_shrink
+    if args.allow_shrink and hi == lo and args.min_nodes in (0, lo):
+        raise UsageError(f"--allow-shrink with --nnodes {args.nnodes} never shrinks: the job shrinks down to "
+                         f"--min-nodes, which is {lo} too; give --min-nodes M (1 <= M < {lo}), or --nnodes M:{lo}")
+    return JobSpec(job=args.job, nnodes=lo, max_nodes=hi, last_call_s=args.last_call_timeout,
+                   max_restarts=args.max_restarts,
+                   heartbeat_interval_s=args.heartbeat_interval, group_size=args.group_size,
+                   allow_shrink=shrink, min_nodes=args.min_nodes, lease_timeout_s=args.lease_timeout,
+                   backoff_initial_s=args.backoff, max_heartbeat_rate=args.max_heartbeat_rate,
+                   repeat_window_s=args.repeat_window, membership_timeout_s=args.membership_timeout,
+                   store=args.store or default_store(args.job), memory_replicas=args.memory_replicas,
+                   max_cordoned=args.max_cordoned,
+                   failslow=StragglerConfig(action=args.failslow_action, slow_ratio=args.failslow_ratio,
+                                            clear_ratio=min(1.1, (1.0 + args.failslow_ratio) / 2),
+                                            horizon_s=args.failslow_horizon, cooldown_s=args.failslow_cooldown))
+
+
 def handle_coordinator(args: argparse.Namespace) -> int:
     """Runs the coordinator until SIGTERM/SIGINT (or the job's end with ``--exit-when-done``).
 
@@ -130,28 +176,9 @@ def handle_coordinator(args: argparse.Namespace) -> int:
     from trainguard.recovery.deploy_cli import coordinator_security, start_coordinator_extras
     from trainguard.recovery.errors import RecoveryError
     from trainguard.recovery.policy import Phase
-    from trainguard.recovery.service import CoordinatorServer, JobSpec
-    from trainguard.recovery.straggler import StragglerConfig
+    from trainguard.recovery.service import CoordinatorServer
 
-    if not args.failslow_ratio > 1 or not args.failslow_horizon > 0 or args.failslow_cooldown < 0:
-        raise UsageError(f"--failslow-ratio {args.failslow_ratio} must be > 1, --failslow-horizon "
-                         f"{args.failslow_horizon} > 0 and --failslow-cooldown {args.failslow_cooldown} >= 0")
-    from trainguard.agent.run_torchrun import parse_nnodes
-
-    lo, hi = parse_nnodes(args.nnodes)
-    if not (args.last_call_timeout >= 0 and args.last_call_timeout < float("inf")):
-        raise UsageError(f"--last-call-timeout {args.last_call_timeout}: expected seconds >= 0")
-    spec = JobSpec(job=args.job, nnodes=lo, max_nodes=hi, last_call_s=args.last_call_timeout,
-                   max_restarts=args.max_restarts,
-                   heartbeat_interval_s=args.heartbeat_interval, group_size=args.group_size,
-                   allow_shrink=args.allow_shrink, min_nodes=args.min_nodes, lease_timeout_s=args.lease_timeout,
-                   backoff_initial_s=args.backoff, max_heartbeat_rate=args.max_heartbeat_rate,
-                   repeat_window_s=args.repeat_window, membership_timeout_s=args.membership_timeout,
-                   store=args.store or default_store(args.job), memory_replicas=args.memory_replicas,
-                   max_cordoned=args.max_cordoned,
-                   failslow=StragglerConfig(action=args.failslow_action, slow_ratio=args.failslow_ratio,
-                                            clear_ratio=min(1.1, (1.0 + args.failslow_ratio) / 2),
-                                            horizon_s=args.failslow_horizon, cooldown_s=args.failslow_cooldown))
+    spec = coordinator_spec(args)
     try:
         if spec.store.startswith("sqlite://") and not args.store:
             Path(spec.store[len("sqlite://"):]).parent.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from trainguard.recovery.errors import StoreError
 from trainguard.recovery.store import CommitResult, Put, Store
 
 log = logging.getLogger(__name__)
+
+#: Seconds during which further failed commits of one kind are counted instead of logged (as refusals are: see
+#: :mod:`~trainguard.recovery.refusal_log`).
+FAIL_WINDOW_S = 30.0
 
 
 class GroupCommitter:
@@ -28,9 +33,10 @@ class GroupCommitter:
         store: where to commit; a :class:`~trainguard.recovery.store.FencedStore` makes every batch fenced.
         max_batch: most puts per commit (capped by the store's ``max_ops_per_commit``); a batch also stops at the
             store's ``max_bytes_per_commit``.
+        clock: monotonic seconds, for the failure log's window (tests pass their own).
     """
 
-    def __init__(self, store: Store, max_batch: int = 4096) -> None:
+    def __init__(self, store: Store, max_batch: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
         self._store = store
         self._max = max(1, min(max_batch, store.max_ops_per_commit))
         self._max_bytes = store.max_bytes_per_commit  # closes a batch too (see _run)
@@ -38,6 +44,14 @@ class GroupCommitter:
         self._queue: list[tuple[list[Put], Future[CommitResult]]] = []
         self._closed = False
         self.commits = 0  # number of store commits made (for benchmarks and tests)
+        self._clock = clock
+        # The failing run of commits (see _failed): its first failure's time, the kind last logged and when,
+        # failures since not logged, and failures in all.
+        self._failing_since: float | None = None
+        self._fail_kind = ""
+        self._fail_said = 0.0
+        self._fail_left_out = 0
+        self._fail_count = 0
         self._thread = threading.Thread(target=self._run, name="trainguard-group-commit", daemon=True)
         self._thread.start()
 
@@ -84,12 +98,40 @@ class GroupCommitter:
                 res = self._store.commit([], puts)  # no puts: a fenced store still checks its fence
                 self.commits += 1
             except BaseException as exc:  # noqa: BLE001 - every waiter must learn about the failure
-                log.error("store commit of %d writes failed: %s", len(puts), exc)
+                self._failed(len(puts), exc)
                 for _, fut in batch:
                     fut.set_exception(exc)
                 continue
+            if self._failing_since is not None:
+                log.info("store commits succeed again after %d failed commit(s) over %.0f s",
+                         self._fail_count, self._clock() - self._failing_since)
+                self._failing_since = None
             for _, fut in batch:
                 fut.set_result(res)
+
+    def _failed(self, n: int, exc: BaseException) -> None:
+        """Logs a failed commit: the first of a kind (exception class) at once at ERROR, the others within
+        :data:`FAIL_WINDOW_S` at DEBUG, counted in the next line logged after the window (a WARNING).
+
+        Why: a lasting failure (a full filesystem) fails the commit of every retried registration and heartbeat
+        write, so one fault logged an ERROR several times a second, more with more nodes, and buried the first.
+        """
+        now, kind = self._clock(), type(exc).__name__
+        if self._failing_since is None:
+            self._failing_since, self._fail_count, self._fail_kind = now, 0, ""
+        self._fail_count += 1
+        if kind == self._fail_kind and now - self._fail_said < FAIL_WINDOW_S:
+            self._fail_left_out += 1
+            log.debug("store commit of %d writes failed: %s", n, exc)
+            return
+        if kind != self._fail_kind:
+            self._fail_kind, self._fail_said, self._fail_left_out = kind, now, 0
+            log.error("store commit of %d writes failed: %s", n, exc)
+            return
+        left_out, span = self._fail_left_out, now - self._fail_said
+        self._fail_said, self._fail_left_out = now, 0
+        log.warning("store commit of %d writes failed: %s (%d more failed commit(s) in the %.0f s before, not "
+                    "logged; the store still refuses writes)", n, exc, left_out, span)
 
     def close(self) -> None:
         """Commits what is queued, then stops the thread."""

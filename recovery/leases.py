@@ -10,10 +10,13 @@ lost: a node-level failure when it holds a slot of the running job.
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import uuid
 from concurrent.futures import Future
 
 from trainguard.recovery.domain import NodeRecord
+from trainguard.recovery.durability import DURABLE_WAIT_S
 from trainguard.recovery.errors import CapacityError, StaleLeaseError, UnknownNodeError
 from trainguard.recovery.job_records import LOST_RECORD_PREFIX, node_value
 from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
@@ -23,6 +26,13 @@ from trainguard.recovery.spec import MIN_NODE_ID_LIMIT
 from trainguard.recovery.store import Put
 
 log = logging.getLogger("trainguard.recovery.coordinator")  # the coordinator's log lines, unchanged by the split
+
+#: Longest reap() waits for its fence read before going on with the last result known (seconds): a store that
+#: answers does so well within it, so a fenced-off coordinator still stops in the same reap as before.
+FENCE_WAIT_S = 0.2
+#: A fence read unanswered for this long is a stalled store: said at WARNING, then every STORE_STALL_REPEAT_S.
+STORE_STALL_WARN_S = 2.0
+STORE_STALL_REPEAT_S = 30.0
 
 
 class Leases:
@@ -170,26 +180,103 @@ class Leases:
         self._mver += 1
         self._submit([Put(self._prefix + "nodes/" + nid, None)])
 
+    # The fence read in flight (see _probe_fence), when it started, and when a stalled store was last said to be.
+    _fence_probe: threading.Thread | None = None
+    _fence_probe_since = 0.0
+    _store_stall_said = 0.0
+
     def reap(self) -> None:
         """Expires silent nodes' leases (a node-level failure for slot holders) and runs due recoveries; every
         second or so, checks that this coordinator still holds the job's fence and, when the store answers, writes
-        again what it failed to take."""
+        again what it failed to take.
+
+        The fence read waits at most :data:`FENCE_WAIT_S`: with a store that accepts but does not answer it held
+        the reaper for the client's timeout (~20 s), and a dead node was declared lost only once the store answered
+        again, without a word meanwhile. Expiring a lease on the last fence result known is safe: what a fenced-off
+        coordinator must not do is made durable, and the store refuses its fenced writes (a START waits for the
+        generation's write)."""
         now = self._clock()
-        checked = now - self._fence_checked >= 1.0 and not self.fenced
-        if checked:
-            self._fence_checked = now
-            self._check_fence()
+        checked = self._probe_fence(now)
         with self._lock:
             if self.fenced:
                 return
             if checked and not self._fence_unread:  # the store answers: writes it failed are made again
                 self._rewrite_lost()
             for m in list(self._members.values()):
-                if m.alive and now - m.last_seen > self._lease_s():
+                if m.alive and self._silent_s(m, now) > self._lease_s():
                     self._lose(m, now, f"no heartbeat for {now - m.last_seen:.1f} s")
             if self._unrecorded and now - self._unrecorded_since > self._lease_s():
                 self._lose_unrecorded(now)
             self._advance()
+
+    # The generation write whose end _silent_s watches, and when the last one watched ended.
+    _held_fut: Future | None = None
+    _held_end = -math.inf
+
+    def _silent_s(self, m: Member, now: float) -> float:
+        """How long a member has not been heard from, not counting a heartbeat the service still holds (lock held).
+
+        A slot holder that has not started the current generation is told START only once the generation is
+        durable: the service holds its heartbeat until the write lands, up to the caller's deadline (at most
+        :data:`~.durability.DURABLE_WAIT_S`). With lease expiry no longer frozen while the store hangs, such held
+        nodes went silent for the deadline (5 s, past a 4 s lease) and were lost too, a second restart for one
+        fault. So while the write is pending they get that much longer, and once it ends their silence counts from
+        then (their held calls are answered at once).
+        """
+        silent = now - m.last_seen
+        st, lay, fut = self._policy.state, self._layout, self._state_fut
+        if fut is None or lay is None or st.plan is not None or m.generation == st.generation \
+                or lay.slot_of(m.info.node_id) is None:
+            return silent
+        if fut is not self._held_fut:
+            self._held_fut, self._held_end = fut, math.inf
+
+            def ended(f: Future) -> None:  # on the committer's thread, or here when it ended already
+                if f is self._held_fut:
+                    self._held_end = self._clock()
+            fut.add_done_callback(ended)
+        if self._held_end == math.inf:  # still pending: each heartbeat may be held for its caller's deadline
+            return silent - DURABLE_WAIT_S
+        return min(silent, now - self._held_end)
+
+    def _probe_fence(self, now: float) -> bool:
+        """Reads the fence key on a thread of its own every second or so (no lock held), waiting up to
+        :data:`FENCE_WAIT_S` for it, and says at WARNING when the store has not answered it for
+        :data:`STORE_STALL_WARN_S`.
+
+        Returns:
+            Whether a fence read finished since the last call (``_fence_unread`` tells whether it read the store).
+        """
+        probe = self._fence_probe
+        if probe is None and not self.fenced and now - self._fence_checked >= 1.0:
+            self._fence_checked = self._fence_probe_since = now
+            probe = self._fence_probe = threading.Thread(target=self._fence_read, name="coordinator-fence-read",
+                                                         daemon=True)
+            probe.start()
+            probe.join(FENCE_WAIT_S)  # one already stalled is not waited for again: the reaper keeps its period
+        if probe is None:
+            return False
+        if not probe.is_alive():
+            self._fence_probe = None
+            self._store_stall_said = 0.0
+            return True
+        silent = now - self._fence_probe_since
+        if silent >= STORE_STALL_WARN_S and now - self._store_stall_said >= STORE_STALL_REPEAT_S:
+            self._store_stall_said = now
+            # Known away: a caller whose write the store failed is answered at once, not after another attempt's
+            # timeout, and the fence read that succeeds says "answers again".
+            self._fence_unread = True
+            log.warning("job %s: store %s has not answered for %.1f s (a read of its fence key is pending); leases "
+                        "still expire on time, and durable changes (a new generation, a registration) wait until it "
+                        "answers", self.spec.job, self.spec.store, silent)
+        return False
+
+    def _fence_read(self) -> None:
+        """The fence read of :meth:`_probe_fence`, on its own thread: an error is logged, as the reaper does."""
+        try:
+            self._check_fence()
+        except Exception as exc:  # noqa: BLE001 - a thread's exception would go to stderr as a traceback
+            log.error("job %s: fence check: %s", self.spec.job, exc)
 
     def _lose_unrecorded(self, now: float) -> None:
         """Fails, as lost nodes, the slot holders the stored layout named without a node record that have not

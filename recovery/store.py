@@ -418,10 +418,10 @@ class SQLiteStore(Store):
         with self._lock:
             self._check_file()
             try:
-                row = self._db.execute("SELECT value, version FROM kv WHERE key = ?", (key,)).fetchone()
+                row = self._db.execute(f"SELECT {_VALUE}, version FROM kv WHERE key = ?", (key,)).fetchone()
             except sqlite3.Error as exc:
                 raise StoreError(f"cannot read SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
-        return Record(bytes(row[0]), int(row[1])) if row else None
+        return self._record(key, *row) if row else None
 
     def scan(self, prefix: str) -> dict[str, Record]:
         # Range scan instead of LIKE so "%" and "_" in keys are literal and the primary key index is used.
@@ -429,13 +429,23 @@ class SQLiteStore(Store):
             self._check_file()
             try:
                 if prefix:
-                    rows = self._db.execute("SELECT key, value, version FROM kv WHERE key >= ? AND key < ?",
+                    rows = self._db.execute(f"SELECT key, {_VALUE}, version FROM kv WHERE key >= ? AND key < ?",
                                             (prefix, _prefix_end(prefix))).fetchall()
                 else:
-                    rows = self._db.execute("SELECT key, value, version FROM kv").fetchall()
+                    rows = self._db.execute(f"SELECT key, {_VALUE}, version FROM kv").fetchall()
             except sqlite3.Error as exc:
                 raise StoreError(f"cannot read SQLite store {self._path} ({exc}): {_sqlite_advice(exc)}") from exc
-        return {k: Record(bytes(v), int(ver)) for k, v, ver in rows}
+        return {k: self._record(k, v, ver) for k, v, ver in rows}
+
+    def _record(self, key: str, value: bytes | None, version: object) -> Record:
+        """A row read back, its value already a BLOB (see :data:`_VALUE`); a version that is no whole number (a hand
+        edit) is refused naming the key, as a damaged value is by the coordinator's decoders."""
+        if value is None or not isinstance(version, int):
+            raise StoreError(f"SQLite store {self._path}: key {key!r} has the value {value!r:.60} and version "
+                             f"{version!r:.60} (a version must be a whole number): the row was edited by hand or "
+                             "is damaged: delete it (sqlite3 FILE \"DELETE FROM kv WHERE key = '...'\"), or use a "
+                             "fresh store")
+        return Record(value, version)
 
     def commit(self, compares: Sequence[Compare], puts: Sequence[Put]) -> CommitResult:
         with self._lock:
@@ -447,8 +457,8 @@ class SQLiteStore(Store):
                     revision = int(db.execute("SELECT revision FROM meta WHERE id = 0").fetchone()[0])
                     conflicts = {}
                     for c in compares:
-                        row = db.execute("SELECT version FROM kv WHERE key = ?", (c.key,)).fetchone()
-                        have = int(row[0]) if row else 0
+                        row = db.execute(f"SELECT {_VALUE}, version FROM kv WHERE key = ?", (c.key,)).fetchone()
+                        have = self._record(c.key, *row).version if row else 0
                         if have != c.version:
                             conflicts[c.key] = have
                     if conflicts or not puts:
@@ -475,6 +485,12 @@ class SQLiteStore(Store):
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+#: A row's value as read: a BLOB whatever its SQL type. A hand edit in the sqlite3 shell
+#: (``UPDATE kv SET value = '{...}'``) stores TEXT, which bytes() refused with a TypeError traceback (an INTEGER it
+#: took as a length); cast, the value reaches the record decoders, whose "is corrupt ...: delete it" names the key.
+_VALUE = "CAST(value AS BLOB)"
 
 
 def _sqlite_advice(exc: sqlite3.Error) -> str:

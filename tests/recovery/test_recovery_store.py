@@ -406,3 +406,60 @@ def test_a_sqlite_store_deleted_or_replaced_under_a_running_coordinator_fails_lo
         assert store.get("k").value == b"1"  # the file is back: served again
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("sql, value", [("'{\"node\": 5}'", b'{"node": 5}'), ("5", b"5"), ("2.5", b"2.5"),
+                                        ("x'00ff'", b"\x00\xff")])
+def test_a_hand_edited_sqlite_value_of_any_sql_type_is_read_as_its_bytes(tmp_path, sql: str, value: bytes) -> None:
+    """The sqlite3 shell stores `UPDATE kv SET value = '...'` as TEXT: bytes() of a str was a TypeError traceback
+    from every read (and an INTEGER was taken as a length); now a value reads as the bytes SQLite's CAST gives, and
+    the coordinator's decoders name a damaged record."""
+    import sqlite3
+
+    url = f"sqlite://{tmp_path}/h.db"
+    store = open_store(url)
+    store.commit([], [Put("j/nodes/a", b'{"ok": 1}')])
+    db = sqlite3.connect(tmp_path / "h.db")
+    db.execute(f"UPDATE kv SET value = {sql} WHERE key = 'j/nodes/a'")
+    db.commit()
+    db.close()
+    assert store.get("j/nodes/a").value == value
+    assert store.scan("j/")["j/nodes/a"].value == value
+    assert store.scan("")["j/nodes/a"].value == value
+    version = store.get("j/nodes/a").version
+    assert store.commit([Compare("j/nodes/a", version)], [Put("j/nodes/a", b"new")]).ok
+    store.close()
+
+
+def test_a_hand_edited_sqlite_version_is_a_store_error_naming_the_key(tmp_path) -> None:
+    import sqlite3
+
+    store = open_store(f"sqlite://{tmp_path}/v.db")
+    store.commit([], [Put("j/state", b"s")])
+    db = sqlite3.connect(tmp_path / "v.db")
+    db.execute("UPDATE kv SET version = 'two' WHERE key = 'j/state'")
+    db.commit()
+    db.close()
+    for read in (lambda: store.get("j/state"), lambda: store.scan("j/"),
+                 lambda: store.commit([Compare("j/state", 1)], [Put("j/state", b"t")])):
+        with pytest.raises(StoreError, match=r"key 'j/state' has the value .* and version 'two'.*delete it"):
+            read()
+    store.close()
+
+
+def test_a_text_node_record_stops_the_coordinator_with_the_corrupt_record_line(tmp_path, tg_env) -> None:
+    """The reviewer's repro: a node record edited in the sqlite3 shell was a traceback and exit 1."""
+    import sqlite3
+
+    url = f"sqlite://{tmp_path}/n.db"
+    store = open_store(url)
+    store.commit([], [Put("trainguard/jobs/tx/nodes/a", b"x")])
+    store.close()
+    db = sqlite3.connect(tmp_path / "n.db")
+    db.execute("UPDATE kv SET value = '{\"node\": 5}' WHERE key = 'trainguard/jobs/tx/nodes/a'")
+    db.commit()
+    db.close()
+    r = subprocess.run([sys.executable, "-m", "trainguard.cli", "coordinator", "--job", "tx", "--listen",
+                        "127.0.0.1:0", "--store", url], env=tg_env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "node record 'trainguard/jobs/tx/nodes/a' is corrupt" in r.stderr and "delete it" in r.stderr, r.stderr
