@@ -575,7 +575,10 @@ class GrpcCoordinatorLink:
                 self._register()
             else:
                 running = fields.get("workers_running", 0)
-                self._say_outage(f"coordinator heartbeat failed: {code.name}"
+                # The coordinator's reason ("... could not be made durable (the store's filesystem is full)")
+                # was left out: the node's log said only UNAVAILABLE.
+                details = " ".join((exc.details() or "").split())[:300]
+                self._say_outage(f"coordinator heartbeat failed: {code.name}" + (f" ({details})" if details else "")
                                  + ("; workers keep running" if running else ""), code.name)
             return None
 

@@ -212,12 +212,15 @@ class Durability:
     def _wait(fut: Future | None, what: str, timeout_s: float = DURABLE_WAIT_S) -> None:
         if fut is None:
             return
+        wait_s = max(0.0, min(timeout_s, DURABLE_WAIT_S))
         try:
-            fut.result(timeout=max(0.0, min(timeout_s, DURABLE_WAIT_S)))
+            fut.result(timeout=wait_s)
         except FencedError as exc:
             raise NotServingError(f"{exc}; reconnect to the coordinator that owns the job") from exc
         except (StoreError, TimeoutError) as exc:
-            raise NotServingError(f"{what} could not be made durable ({exc}); retry shortly") from exc
+            # A timeout has no text of its own: the line read "could not be made durable (); retry shortly".
+            why = str(exc) or f"the store did not take the write within {wait_s:.1f} s"
+            raise NotServingError(f"{what} could not be made durable ({why}); retry shortly") from exc
 
     def wait_durable(self, fut: Future | None, what: str = "the change", timeout_s: float = DURABLE_WAIT_S) -> None:
         """Blocks until a write returned by a call is durable (call without holding any coordinator lock).

@@ -158,6 +158,48 @@ def test_an_outage_after_the_local_workers_succeeded_does_not_say_start_again(co
         link.close()
 
 
+def test_a_heartbeat_refused_for_a_stalled_store_says_the_coordinators_reason(caplog) -> None:
+    # Found by a review: with the coordinator's store full or hung, the node logged only "heartbeat failed:
+    # UNAVAILABLE", and the coordinator's reason read "could not be made durable (); retry shortly" (a timeout
+    # has no text of its own).
+    import logging
+    import threading
+
+    from trainguard.recovery.store import MemoryStore
+
+    class GatedStore(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = threading.Event()
+            self.gate.set()
+
+        def commit(self, compares, puts):
+            self.gate.wait(60)
+            return super().commit(compares, puts)
+
+    from trainguard.recovery.domain import NodeRecord
+
+    store = GatedStore()
+    srv = CoordinatorServer(JobSpec(job="link", nnodes=2, heartbeat_interval_s=0.1), store=store,
+                            listen="127.0.0.1:0").start()
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator=srv.target, node_id="n1", device_count=1,
+                                          patience_s=30.0))
+    try:
+        link.open()
+        store.gate.clear()  # the store hangs: the first generation's START waits for its write
+        srv.core.register("link", NodeRecord("n2", "", 1, "n2", 1, "127.0.0.1"), 29999)  # in-process: no wait
+        caplog.set_level(logging.WARNING, logger="trainguard.agent.coordinator_link")
+        assert link.heartbeat(NoWorkers()) is None
+        said = [r.getMessage() for r in caplog.records if "heartbeat failed" in r.getMessage()]
+        assert len(said) == 1, said
+        assert "UNAVAILABLE (" in said[0] and "could not be made durable (the store did not take the write within" \
+            in said[0], said
+    finally:
+        store.gate.set()
+        link.close()
+        srv.stop()
+
+
 def test_link_table_refuses_illegal_moves() -> None:
     life = Lifecycle("coordinator link", LINK_TRANSITIONS, LinkState.UNREGISTERED)
     with pytest.raises(IllegalTransitionError, match="coordinator link: no transition from UNREGISTERED"):
