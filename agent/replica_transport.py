@@ -55,9 +55,10 @@ _SERVER_OPTIONS = _OPTIONS + [("grpc.http2.min_recv_ping_interval_without_data_m
 
 
 #: Pushes one replica server receives at once; one more is refused at once (RESOURCE_EXHAUSTED, which the sender
-#: backs off from as from any refusal). A node receives from the few nodes whose buddy it is (``--memory-replicas``,
-#: default 1), so 4 leave room for a table in flux.
-MAX_PUSHES = 4
+#: backs off from as from any refusal). A node receives from about ``--memory-replicas`` nodes (default 1, one push
+#: at a time each), which this agent does not know: 8 leave room for up to 8 replicas and for a table in flux.
+#: Each held push costs one thread, and its reservation stays within the replica memory bound.
+MAX_PUSHES = 8
 #: Handler threads kept for everything but pushes (``FetchReplica``): pushes, however many are open or stalled,
 #: never take these, so a replacement's restore is served while buddies push.
 FETCH_WORKERS = 4
@@ -347,6 +348,11 @@ class ReplicaServicer(replica_pb2_grpc.MemoryReplicaServicer):
             # could not hold it twice, and the sender backed off, warning, though the copy was here.
             log.debug("already holding the replica of rank %d step %d", held.man.rank, held.man.step)
             return replica_pb2.ReplicaAck(ok=True, bytes=held.man.data_bytes)
+        except PushStalledError as exc:
+            # The sender's trouble, not this node's: said each time, and it leaves the "refused in a row" muting of
+            # real refusals (no room), which the operator of this node can act on, alone.
+            log.warning("replica push from %s dropped: %s", context.peer(), exc)
+            return replica_pb2.ReplicaAck(ok=False, error=str(exc))
         except ReplicaRefusedError as exc:
             if isinstance(exc, ReplicaTornError) and _cancelled_by_peer(context):
                 # the sender cancelled (a newer snapshot overwrote the slot it read): gRPC may end the request

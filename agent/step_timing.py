@@ -129,8 +129,10 @@ def hang_location(ev: HealthEvent) -> tuple[int, list[int], str] | None:
     outliers = [int(r) for r in e.get("outlier_ranks", "").split(",") if r.strip().isdigit()]
     if not outliers:
         return None
-    return generation, outliers, (f"rank(s) {', '.join(map(str, outliers))} on {e.get('outlier_nodes') or '?'} "
-                                  f"in {e.get('outlier_frame') or '?'}")
+    named = ", ".join(map(str, outliers[:8])) + (f" and {len(outliers) - 8} more" if len(outliers) > 8 else "")
+    nodes = (e.get("outlier_nodes") or "?").split(",")
+    where = ", ".join(nodes[:4]) + (f" and {len(nodes) - 4} more" if len(nodes) > 4 else "")
+    return generation, outliers, f"rank(s) {named} on {where} in {e.get('outlier_frame') or '?'}"
 
 
 class FailSlowView:

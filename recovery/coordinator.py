@@ -254,11 +254,14 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
         return d.level, d.generation, d.message
 
     # --------------------------------------------------------------------------------------------------- API
-    def heartbeat(self, req: Beat) -> HeartbeatReply:
+    def heartbeat(self, req: Beat, hold_s: float = DURABLE_WAIT_S) -> HeartbeatReply:
         """Records a node's progress and says what it must do.
 
         Args:
             req: the heartbeat (validated for format by the service).
+            hold_s: the longest the caller waits for an answer that depends on a store write (the service holds
+                it until :meth:`wait_durable` returns; the node is not silent meanwhile). Then call
+                :meth:`told` when that wait succeeded.
 
         Returns:
             The response, and the store write it depends on.
@@ -293,11 +296,36 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
             if durable is not None and reply.durable is None:
                 reply = replace(reply, durable=durable)
             window = self._failslow.pop_window()
-            if self._policy.state.phase in (Phase.SUCCEEDED, Phase.FAILED):
+            if reply.durable is not None:
+                self._hold(m, reply.durable, now, hold_s)
+            elif self._policy.state.phase in (Phase.SUCCEEDED, Phase.FAILED):
                 self._told_end.add(req.node_id)
         if window is not None:  # a fail-slow window closed: scored without the lock (~1 s at 16k ranks)
             self._failslow_score(window)
         return reply
+
+    def answered(self, req: Beat, hold_s: float = DURABLE_WAIT_S) -> HeartbeatReply:
+        """:meth:`heartbeat`, then waits up to ``hold_s`` for the store write its answer depends on and counts a
+        delivered outcome as told (:meth:`told`): what the gRPC service does for each heartbeat.
+
+        Raises:
+            NotServingError: the write did not become durable in time (the caller retries), besides
+                :meth:`heartbeat`'s errors.
+        """
+        reply = self.heartbeat(req, hold_s)
+        if reply.durable is not None:
+            ended = reply.response.phase in (Phase.SUCCEEDED, Phase.FAILED)
+            self.wait_durable(reply.durable, "the job's outcome" if ended else "the new generation", hold_s)
+            self.told(req.node_id, reply)
+        return reply
+
+    def told(self, node_id: str, reply: HeartbeatReply) -> None:
+        """The service delivered ``reply`` after its store write became durable: a reply telling the job's outcome
+        counts for :meth:`not_told_of_end` only now (counted when computed, an outcome the store had not taken yet
+        let the embedding launcher stop its coordinator before any node had heard it)."""
+        if reply.response.phase in (Phase.SUCCEEDED, Phase.FAILED):
+            with self._lock:
+                self._told_end.add(node_id)
 
     def add_heartbeat_observer(self, observer: Callable[[Beat, float], None]) -> None:
         """Calls ``observer(beat, now_s)`` for every accepted heartbeat (e.g. straggler detection).

@@ -199,8 +199,7 @@ def decide(config: PolicyConfig, state: PolicyState, event: Event) -> Step:
         if policy.state.plan is not None and policy.state.phase is not Phase.FORMING:
             plan = policy.plan_started()
             if plan.replacements:
-                actions.append(Announce(Severity.WARNING, f"generation {plan.generation}: replacing " + ", ".join(
-                    f"{o}->{n}" for o, n in plan.replacements.items()) + (" and shrinking" if plan.shrink else "")))
+                actions.append(Announce(Severity.WARNING, f"generation {plan.generation}: {plan.placement_text()}"))
         else:
             policy.formed(event.generation, event.step)
     elif isinstance(event, GenerationRunning):

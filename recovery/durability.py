@@ -120,12 +120,14 @@ class Durability:
         st = self._policy.state
         lay = self._layout
         ended = st.phase in (Phase.SUCCEEDED, Phase.FAILED)
-        handled = set(st.plan.failed_nodes) if st.plan is not None else set()
-        for nid in lost_ids:
+        handled = {*st.plan.failed_nodes, *st.plan.cordon} if st.plan is not None else set()
+        for nid in sorted(lost_ids):
             m = self._members[nid]
             if ended or lay is None or lay.slot_of(nid) is None or nid in handled or nid in st.cordoned:
                 m.alive = False
                 self._joined -= not m.info.spare
+            else:  # its record no longer says lost: a later restart would otherwise keep it out of every plan
+                self._submit([Put(self._prefix + "nodes/" + nid, self._member_value(m))])
 
     def _member_value(self, m: Member) -> bytes:
         """A member's node record as it stands (lost or not)."""

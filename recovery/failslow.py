@@ -93,6 +93,12 @@ class ReportOutcome:
     replace: ReplaceDecision | None = None
 
 
+def _few(items: Sequence[object], shown: int = 3) -> str:
+    """``1, 5, 9 and 4 more``: at most ``shown`` items named."""
+    head = ", ".join(map(str, items[:shown]))
+    return f"{head} and {len(items) - shown} more" if len(items) > shown else head
+
+
 def is_hang_report(kind: str) -> bool:
     """Whether a reported event's kind declares a hung worker (``process.hung``, ``worker.hang``,
     ``nccl.stalled`` and alike): a word of the kind, split at dots, underscores and dashes, starts with hung,
@@ -341,9 +347,9 @@ class FailSlowSupervisor:
         h = self._hang
         if h is None or h.generation != generation or not h.outlier_ranks or rank in h.outlier_ranks:
             return ""
-        return (f"hang localised to rank(s) {', '.join(map(str, h.outlier_ranks))} on "
-                f"{', '.join(h.outlier_nodes) or '?'} in {h.outlier_frame or '?'}; the other ranks wait in "
-                f"{h.majority_frame or '?'}")
+        # Short: it leads a description cut at MAX_DETAIL characters, which must keep the reporter's own text.
+        return (f"hang localised to rank(s) {_few(h.outlier_ranks)} on {_few(h.outlier_nodes) or '?'} in "
+                f"{(h.outlier_frame or '?')[:60]}; the other ranks wait in {(h.majority_frame or '?')[:40]}")
 
     def tick(self, now: float) -> ReplaceDecision | None:
         """Closes a hang collection whose deadline passed (call periodically)."""

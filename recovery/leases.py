@@ -10,13 +10,11 @@ lost: a node-level failure when it holds a slot of the running job.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import uuid
 from concurrent.futures import Future
 
 from trainguard.recovery.domain import NodeRecord
-from trainguard.recovery.durability import DURABLE_WAIT_S
 from trainguard.recovery.errors import CapacityError, StaleLeaseError, UnknownNodeError
 from trainguard.recovery.job_records import LOST_RECORD_PREFIX, node_value
 from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
@@ -48,7 +46,7 @@ class Leases:
         return m
 
     def _lease_live(self, m: Member, now: float) -> bool:
-        return m.alive and now - m.last_seen <= self._lease_s()
+        return m.alive and self._silent_s(m, now) <= self._lease_s()
 
     def _interval_s(self) -> float:
         """Heartbeat interval told to nodes: the configured one, stretched to keep under max_heartbeat_rate."""
@@ -209,35 +207,24 @@ class Leases:
                 self._lose_unrecorded(now)
             self._advance()
 
-    # The generation write whose end _silent_s watches, and when the last one watched ended.
-    _held_fut: Future | None = None
-    _held_end = -math.inf
-
     def _silent_s(self, m: Member, now: float) -> float:
-        """How long a member has not been heard from, not counting a heartbeat the service still holds (lock held).
+        """How long a member has not been heard from, not counting time its heartbeat was held by the service.
 
-        A slot holder that has not started the current generation is told START only once the generation is
-        durable: the service holds its heartbeat until the write lands, up to the caller's deadline (at most
-        :data:`~.durability.DURABLE_WAIT_S`). With lease expiry no longer frozen while the store hangs, such held
-        nodes went silent for the deadline (5 s, past a 4 s lease) and were lost too, a second restart for one
-        fault. So while the write is pending they get that much longer, and once it ends their silence counts from
-        then (their held calls are answered at once).
+        A heartbeat whose answer depends on a store write (a START, the job's outcome) is answered once the write
+        is durable, up to its caller's deadline. With lease expiry no longer frozen while the store hangs, such
+        held nodes went silent for the deadline (5 s, past a 4 s lease) and were lost too: a second restart for
+        one fault, or a "lost" line per node at a job's end. So a node is silent only from the end of its hold
+        (the write's end, or the caller's deadline, whichever came first).
         """
-        silent = now - m.last_seen
-        st, lay, fut = self._policy.state, self._layout, self._state_fut
-        if fut is None or lay is None or st.plan is not None or m.generation == st.generation \
-                or lay.slot_of(m.info.node_id) is None:
-            return silent
-        if fut is not self._held_fut:
-            self._held_fut, self._held_end = fut, math.inf
+        return now - max(m.last_seen, min(m.held_until, now))
 
-            def ended(f: Future) -> None:  # on the committer's thread, or here when it ended already
-                if f is self._held_fut:
-                    self._held_end = self._clock()
-            fut.add_done_callback(ended)
-        if self._held_end == math.inf:  # still pending: each heartbeat may be held for its caller's deadline
-            return silent - DURABLE_WAIT_S
-        return min(silent, now - self._held_end)
+    def _hold(self, m: Member, fut: Future, now: float, hold_s: float) -> None:
+        """Notes that the service holds ``m``'s heartbeat for ``fut`` up to ``hold_s`` (lock held)."""
+        m.held_until = now + hold_s
+
+        def ended(_f: Future) -> None:  # on the committer's thread (or here, when it ended already)
+            m.held_until = min(m.held_until, self._clock())
+        fut.add_done_callback(ended)
 
     def _probe_fence(self, now: float) -> bool:
         """Reads the fence key on a thread of its own every second or so (no lock held), waiting up to

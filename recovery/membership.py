@@ -33,6 +33,10 @@ class Member:
     superseded: set[str] = field(default_factory=set)
     refused: str = ""  # why it failed qualification ("" when it did not): it stays cordoned for the job
     echo_port: int = 0  # where it answers qualifying nodes' timed exchanges (0: it does not)
+    # Until when (coordinator clock) the service holds this node's last heartbeat for a store write (START and the
+    # job's outcome are told once durable): a node waiting for its answer is not silent. Ended early, on the
+    # committer's thread, when the write does.
+    held_until: float = float("-inf")
 
     def spec(self, replaces: str = "") -> NodeSpec:
         """The node as rank assignment sees it."""

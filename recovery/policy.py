@@ -280,6 +280,13 @@ class Plan:
     waiting: str = ""
     waiting_since_s: float = 0.0
 
+    def placement_text(self) -> str:
+        """``replacing a->b, c->d``, ``... and shrinking`` or ``shrinking`` (a shrink with no replacement read
+        "replacing  and shrinking"); "" when the placement changes nothing."""
+        replacing = ", ".join(f"{o}->{n}" for o, n in self.replacements.items())
+        return " and ".join(filter(None, (f"replacing {replacing}" if replacing else "",
+                                          "shrinking" if self.shrink else "")))
+
 
 @dataclass
 class PolicyState:
@@ -750,9 +757,7 @@ class RecoveryPolicy:
     def _describe_plan(self, plan: Plan, why: Sequence[str]) -> str:
         st, cfg = self.state, self.config
         what = {Level.PROCESS: "restarting every worker in place",
-                Level.NODE: " and ".join(filter(None, (
-                    "replacing " + ", ".join(f"{o}->{n}" for o, n in plan.replacements.items())
-                    if plan.replacements else "", "shrinking" if plan.shrink else ""))) or "replacing nodes",
+                Level.NODE: plan.placement_text() or "replacing nodes",
                 Level.JOB: "restarting the whole job from the last persisted checkpoint"}.get(plan.level, "")
         esc = f" (escalated: {'; '.join(why)})" if why else ""
         return (f"restart {st.restart_count}/{cfg.max_restarts}, {plan.level.name.lower()} level, generation "

@@ -279,19 +279,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._wire = convert.ResponseCache()
         self._refusals = RefusalLog(log)
 
-    def _durable(self, context: grpc.ServicerContext, fut, what: str) -> None:
-        """Waits for a call's write, no longer than the caller waits for the answer.
+    @staticmethod
+    def _wait_s(context: grpc.ServicerContext) -> float:
+        """How long a call may wait for its write: a little less than its caller waits for the answer.
 
         A store that hangs (etcd unreachable, a stuck disk) held each handler thread for 30 s while its caller gave
         up after 5 s and retried: registrations and commits took every thread, and heartbeats, which write
-        nothing, queued behind them until the leases ran out.
+        nothing, queued behind them until the leases ran out. Waiting out the caller's deadline whole, the caller's
+        own DEADLINE_EXCEEDED came first and the reason ("could not be made durable (...)") never reached it.
         """
         # A servicer called in process (bench/bench_coordinator.py) gets a context without a deadline.
         remaining = getattr(context, "time_remaining", None)
         left = remaining() if remaining is not None else None
-        # Answered a little before the caller's deadline: waiting it out whole, the caller's own DEADLINE_EXCEEDED
-        # came first and the reason ("could not be made durable (...)") never reached the node's log.
-        self.core.wait_durable(fut, what, DURABLE_WAIT_S if left is None else max(0.0, left - min(0.5, left / 4)))
+        return DURABLE_WAIT_S if left is None else max(0.0, left - min(1.0, left / 4))
+
+    def _durable(self, context: grpc.ServicerContext, fut, what: str) -> None:
+        """Waits for a call's write for :meth:`_wait_s`."""
+        self.core.wait_durable(fut, what, self._wait_s(context))
 
     def _refuse(self, context: grpc.ServicerContext, method: str, exc: RecoveryError) -> None:
         code = STATUS_OF.get(type(exc), grpc.StatusCode.FAILED_PRECONDITION) if isinstance(exc, RequestError) \
@@ -319,8 +323,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Records progress; answers with the node's command (START only once its generation is durable)."""
         try:
             validate_heartbeat(request)
-            reply = self.core.heartbeat(convert.beat(request))
-            self._durable(context, reply.durable, "the new generation")
+            reply = self.core.answered(convert.beat(request), hold_s=self._wait_s(context))
             return self._wire.response(reply.response)
         except RecoveryError as exc:
             self._refuse(context, "Heartbeat", exc)

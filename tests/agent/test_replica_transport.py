@@ -1272,7 +1272,7 @@ def test_pushes_past_the_bound_are_refused_at_once_and_never_starve_a_fetch(root
     store = ReplicaStore(b, "job", 1 << 30)
     tier = MemoryTier(b, "job", "/ckpt")
     tier.scan()
-    server = ReplicaServer(ReplicaServicer("job", store, tier.own_copy), "127.0.0.1", stall_s=60)
+    server = ReplicaServer(ReplicaServicer("job", store, tier.own_copy), "127.0.0.1", stall_s=60, max_pushes=4)
     silent = _SilentPushes(server.address, 4)
     try:
         _wait(lambda: len(_partials(b)) == 4, "the silent pushes never began")

@@ -14,6 +14,8 @@ In-process coordinators on one in-memory store, driven by a fake clock (the revi
 
 from __future__ import annotations
 
+import time
+
 from trainguard.recovery.coordinator import JobCoordinator
 from trainguard.recovery.domain import Beat, Command, FaultReport, NodeRecord
 from trainguard.recovery.policy import Cause, Level, Phase
@@ -169,12 +171,46 @@ def test_the_outcome_is_told_only_once_it_is_durable() -> None:
     c.run(1, ("na",))
     assert c.gen["na"] == 1
     c.store.gate.clear()  # the store hangs from here
-    reply = c.core.heartbeat(Beat("lj", "na", c.lease["na"], 1, 0, True, 10, free_port=30999))
+    reply = c.core.heartbeat(Beat("lj", "na", c.lease["na"], 1, 0, True, 10, free_port=30999), hold_s=4.5)
     assert c.core.state.phase is Phase.SUCCEEDED and reply.response.command is Command.STOP
     assert reply.durable is not None and not reply.durable.done()  # the service answers once it is
+    # Waiting for that answer, the node is not silent (lease 4 s, held 4.5 s), nor told yet: an embedding
+    # launcher would stop its coordinator before anyone heard the outcome.
+    c.t += 4.4
+    c.core.reap()
+    assert c.core.not_told_of_end() == ["na"]
     c.store.gate.set()
     c.core.wait_durable(reply.durable)
+    c.core.told("na", reply)
+    assert c.core.not_told_of_end() == []
     again = c.core.heartbeat(Beat("lj", "na", c.lease["na"], 1, 0, True, 10, free_port=30999))
     assert again.response.command is Command.STOP and again.durable is None
     c.restart()
     assert c.core.state.phase is Phase.SUCCEEDED
+
+
+def test_a_loss_the_stored_state_does_not_account_for_is_found_again_after_a_restart() -> None:
+    # The node's record landed marked lost, the failure's state write did not (the coordinator was killed in
+    # between): the restarted coordinator gives it a fresh lease, so a live node goes on and a dead one is lost
+    # (and charged) once that lease runs out; its record is written again without the mark.
+    from trainguard.recovery.job_records import decode_node, node_value
+    from trainguard.recovery.store import Put
+
+    c = _Cluster(nnodes=2, max_restarts=3)
+    c.register("na", 0)
+    c.register("nb", 1)
+    c.run(2, ("na", "nb"))
+    key = "trainguard/jobs/lj/nodes/nb"
+    n = decode_node(key, c.store.get(key).value)
+    c.core.close()
+    c.store.commit([], [Put(key, node_value(n.info, n.lease, n.instance, n.refused, lost=True))])
+    c.core = c._start()
+    deadline = time.monotonic() + 10
+    while decode_node(key, c.store.get(key).value).lost:  # written again at the start (by the committer thread)
+        assert time.monotonic() < deadline, "the revived node's record still says lost"
+        time.sleep(0.01)
+    c.run(2, ("na", "nb"))  # alive: it beats on, nothing restarts
+    assert c.core.state.restart_count == 0 and c.gen == {"na": 1, "nb": 1}
+    c.run(6, ("na",))  # now it is gone: lost once, charged once
+    st = c.core.state
+    assert st.restart_count == 1 and st.phase is Phase.RECOVERING, st.message

@@ -216,8 +216,8 @@ def test_the_embedding_launcher_stops_once_every_node_was_told_the_end(caplog) -
     gen = {nid: core.heartbeat(Beat("ej", nid, lease[nid], -1, 0, free_port=30000)).response.table.generation
            for nid in ("n0", "n1")}
 
-    def done(nid: str):
-        return core.heartbeat(Beat("ej", nid, lease[nid], gen[nid], 0, workers_succeeded=True)).response
+    def done(nid: str):  # answered as the service answers: once the outcome is durable
+        return core.answered(Beat("ej", nid, lease[nid], gen[nid], 0, workers_succeeded=True)).response
 
     done("n1")
     assert core.not_told_of_end() == ["n0", "n1"]  # still running: nobody was told
@@ -252,11 +252,11 @@ def test_the_embedding_launcher_of_a_one_node_job_waits_until_its_spare_is_told_
              for i, nid in enumerate(("n0", "spare"))}
     gen = core.heartbeat(Beat("one", "n0", lease["n0"], -1, 0, free_port=30000)).response.table.generation
     core.heartbeat(Beat("one", "spare", lease["spare"], -1, 0, free_port=30001))
-    assert core.heartbeat(Beat("one", "n0", lease["n0"], gen, 0, workers_succeeded=True)).response.command \
+    assert core.answered(Beat("one", "n0", lease["n0"], gen, 0, workers_succeeded=True)).response.command \
         is Command.STOP
     assert core.not_told_of_end() == ["spare"]
     assert linger_until_peers_told(SimpleNamespace(core=core), timeout_s=0.2, own_node="n0") is False
-    assert core.heartbeat(Beat("one", "spare", lease["spare"], -1, 0, free_port=30001)).response.command \
+    assert core.answered(Beat("one", "spare", lease["spare"], -1, 0, free_port=30001)).response.command \
         is Command.STOP
     assert linger_until_peers_told(SimpleNamespace(core=core), timeout_s=0.2, own_node="n0") is True
     core.close()

@@ -310,6 +310,27 @@ def test_a_hang_localised_in_its_own_report_is_named_in_the_restart_reason() -> 
     core.close()
 
 
+def test_a_hang_with_many_outliers_keeps_the_reporters_text_in_the_restart_reason() -> None:
+    # The description is cut at MAX_DETAIL characters: a blame listing every outlier rank pushed the worker's own
+    # "sent no step heartbeat" out of it.
+    from trainguard.recovery.coordinator import JobCoordinator
+    from trainguard.recovery.domain import Beat, FaultReport, NodeRecord
+    from trainguard.recovery.policy import Cause, Level
+    from trainguard.recovery.store import MemoryStore
+
+    core = JobCoordinator(JobSpec(job=JOB, nnodes=1, heartbeat_interval_s=0.1, lease_timeout_s=30,
+                                  backoff_initial_s=0.0), store=MemoryStore(), clock=lambda: 0.0)
+    lease = core.register(JOB, NodeRecord("a", "p", 0, "a", 16, "127.0.0.1"), next(_ports))[0]
+    core.heartbeat(Beat(JOB, "a", lease, -1, 0, False, -1, next(_ports)))
+    stacks = {f"stack.{r}": WAITING if r < 9 else STUCK for r in range(16)}
+    msg = core.report(FaultReport(JOB, "a", lease, 1, Cause.WORKER_HANG, Level.PROCESS, 0,
+                                  detail="worker rank 0 (pid 4242) sent no step heartbeat for 60.2 s after step 99",
+                                  kind="process.hung", stacks=stacks))[2]
+    assert "hang localised to rank(s) 9, 10, 11 and 4 more on a" in msg, msg
+    assert "sent no step heartbeat for 60.2 s" in msg, msg
+    core.close()
+
+
 def test_a_shrink_that_renumbers_the_ranks_forgets_which_ranks_replacements_were_for() -> None:
     # b was replaced for slow rank 1. Then a is lost with no spare and the job shrinks: every rank is numbered
     # anew, so rank 1 is other work now (in another place of the pipeline). The node holding it, slow on a bad
