@@ -175,6 +175,7 @@ def handle_coordinator(args: argparse.Namespace) -> int:
     from trainguard.errors import ConfigError
     from trainguard.recovery.deploy_cli import coordinator_security, start_coordinator_extras
     from trainguard.recovery.errors import RecoveryError
+    from trainguard.recovery.durability import DURABLE_WAIT_S
     from trainguard.recovery.policy import Phase
     from trainguard.recovery.service import CoordinatorServer
 
@@ -227,9 +228,12 @@ def handle_coordinator(args: argparse.Namespace) -> int:
                 break
             phase = core.state.phase
             if args.exit_when_done and phase in (Phase.SUCCEEDED, Phase.FAILED):
-                # Let every node learn the outcome from its next heartbeat before going away.
+                # Every live node learns the outcome before the coordinator goes away: told once the outcome is
+                # durable (a node gone meanwhile is lost within a lease). A fixed 3 heartbeats left nodes untold
+                # whenever the store took longer than that to write the outcome.
                 done_since = done_since or time.monotonic()
-                if time.monotonic() - done_since > 3 * spec.heartbeat_interval_s + 1:
+                waited = time.monotonic() - done_since
+                if not core.not_told_of_end() or waited > spec.lease_timeout_s + DURABLE_WAIT_S:
                     code = 0 if phase is Phase.SUCCEEDED else 1
                     print(f"trainguard: job {spec.job} {phase.name.lower()}: {core.state.message}", file=sys.stderr)
                     break

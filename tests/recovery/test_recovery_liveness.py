@@ -113,3 +113,22 @@ def test_a_spare_that_leaves_is_logged_as_a_spare_leaving_and_nothing_restarts(c
         for x in (a, b):
             resp = x.beat()
             assert resp.command not in (pb.NODE_COMMAND_RESTART, pb.NODE_COMMAND_STOP) and x.gen == 1, resp
+
+
+def test_exit_when_done_waits_until_every_live_node_was_told(coordinator) -> None:
+    # `--exit-when-done` went away a fixed 3 heartbeats after the end: a node that had not heartbeated since (or
+    # whose answer waited for the outcome's store write) never heard the outcome, and exited 2 after its patience.
+    import time
+
+    c = coordinator("exit-when-done", "--nnodes", "2", "--lease-timeout", "30", "--exit-when-done")
+    a, b = c.agent(node_info("a", idx=0)), c.agent(node_info("b", idx=1))
+    beat_until([a, b], _formed([a, b], 1))
+    done = pb.NodeHeartbeatRequest(job=c.job, node_id="b", lease_id=b.lease, generation=1, workers_succeeded=True)
+    b.stub.Heartbeat(done, timeout=10)
+    done = pb.NodeHeartbeatRequest(job=c.job, node_id="a", lease_id=a.lease, generation=1, workers_succeeded=True)
+    # a reports its workers done but b, told nothing yet, heartbeats only after 2.5 s (10 of the old wait's 1.3 s)
+    assert a.stub.Heartbeat(done, timeout=10).command == pb.NODE_COMMAND_STOP
+    time.sleep(2.5)
+    assert c.proc.poll() is None, "the coordinator left before node b heard the outcome"
+    assert b.beat().command == pb.NODE_COMMAND_STOP
+    assert c.proc.wait(timeout=15) == 0
