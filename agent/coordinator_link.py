@@ -344,6 +344,7 @@ class GrpcCoordinatorLink:
         # bound torchrun's join_timeout puts on its rendezvous. A node that once ran a generation never times out.
         self._joining_since: float | None = None
         self._leave_why = "its node agent stopped"  # what close() tells the coordinator of a node that never ran
+        self._told_outcome = False  # a STOP carried the job's outcome: close() says this node leaves the ended job
         self._forming: coordinator_pb2.NodeHeartbeatResponse | None = None  # the last reply while forming
         # Tells a restarted agent of this node apart from a second agent claiming the same node id.
         self._instance = uuid.uuid4().hex
@@ -632,6 +633,7 @@ class GrpcCoordinatorLink:
             self._life.fire_if(_T.STOP)
             if resp.job_state in (coordinator_pb2.JOB_STATE_SUCCEEDED, coordinator_pb2.JOB_STATE_FAILED):
                 self._life.fire_if(_T.JOB_ENDED)
+                self._told_outcome = True
                 self._leave_why = ("the job " + ("succeeded" if resp.job_state == coordinator_pb2.JOB_STATE_SUCCEEDED
                                                  else "failed") + "; its agent is done")
             else:
@@ -786,7 +788,11 @@ class GrpcCoordinatorLink:
         the coordinator it leaves (``reason``), so no generation forms with it in the lease it had left; so does
         a node told the job's outcome, which the coordinator otherwise reaped, a lease later, as a lost node."""
         never_ran = self._generation < 0 and self._life.state is LinkState.WAITING
-        if self._stub is not None and self._lease and (never_ran or self._life.state is LinkState.DONE):
+        # Keyed on the outcome heard, not on DONE: close() itself moves every state to DONE, so a second close() of
+        # a running node's link would have sent LeaveNode, a node-level failure of a job that goes on.
+        leaves = never_ran or self._told_outcome
+        self._told_outcome = False  # said once
+        if self._stub is not None and self._lease and leaves:
             try:
                 self._stub.LeaveNode(coordinator_pb2.LeaveNodeRequest(
                     job=self.config.job, node_id=self.config.node_id, lease_id=self._lease,

@@ -149,7 +149,8 @@ def coordinator_spec(args: argparse.Namespace) -> JobSpec:
     shrink = hi > lo if args.allow_shrink is None else args.allow_shrink
     if args.allow_shrink and hi == lo and args.min_nodes in (0, lo):
         raise UsageError(f"--allow-shrink with --nnodes {args.nnodes} never shrinks: the job shrinks down to "
-                         f"--min-nodes, which is {lo} too; give --min-nodes M (1 <= M < {lo}), or --nnodes M:{lo}")
+                         f"--min-nodes, which is {lo} too; give --min-nodes M (1 <= M < {lo}), or --nnodes M:{lo} "
+                         f"(which also lets the first generation start with M nodes)")
     return JobSpec(job=args.job, nnodes=lo, max_nodes=hi, last_call_s=args.last_call_timeout,
                    max_restarts=args.max_restarts,
                    heartbeat_interval_s=args.heartbeat_interval, group_size=args.group_size,

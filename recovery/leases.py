@@ -5,6 +5,9 @@ sets up; its methods with a leading underscore run with the coordinator's lock h
 (the rules are :mod:`~trainguard.recovery.membership`'s) within the node id bound; a lease lives while heartbeats
 arrive within ``lease_timeout_s`` (stretched to three heartbeat intervals); a node that goes silent, or leaves, is
 lost: a node-level failure when it holds a slot of the running job.
+The reaper's fence read (:meth:`Leases._probe_fence`, :meth:`Leases._fence_read`) is the exception: it runs
+without the lock, as the fence check always did (a store read must never be made under it); the flags it sets
+are single assignments the lock holders only read.
 """
 
 from __future__ import annotations
@@ -227,7 +230,7 @@ class Leases:
         fut.add_done_callback(ended)
 
     def _probe_fence(self, now: float) -> bool:
-        """Reads the fence key on a thread of its own every second or so (no lock held), waiting up to
+        """Reads the fence key on a thread of its own every second or so, waiting up to
         :data:`FENCE_WAIT_S` for it, and says at WARNING when the store has not answered it for
         :data:`STORE_STALL_WARN_S`.
 
@@ -245,7 +248,8 @@ class Leases:
             return False
         if not probe.is_alive():
             self._fence_probe = None
-            self._store_stall_said = 0.0
+            if not self._fence_unread:  # it answered: a later stall is said at once (a read that timed out is
+                self._store_stall_said = 0.0  # the same stall, said every STORE_STALL_REPEAT_S)
             return True
         silent = now - self._fence_probe_since
         if silent >= STORE_STALL_WARN_S and now - self._store_stall_said >= STORE_STALL_REPEAT_S:

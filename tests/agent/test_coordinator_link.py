@@ -200,6 +200,20 @@ def test_a_heartbeat_refused_for_a_stalled_store_says_the_coordinators_reason(ca
         srv.stop()
 
 
+def test_closing_a_running_nodes_link_twice_does_not_leave_the_job(coordinator) -> None:
+    # close() moves every state to DONE, and LeaveNode was keyed on DONE: a second close() of a running node's
+    # link would have told the coordinator it leaves (a node-level failure of a job that goes on).
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator=coordinator.target, node_id="n1",
+                                          device_count=1, patience_s=5.0))
+    link.open()
+    link.follow(link.heartbeat(NoWorkers()))
+    assert link.state is LinkState.RUNNING
+    link.close()
+    link.close()
+    st = coordinator.core.state
+    assert st.restart_count == 0 and st.phase.name == "RUNNING", st.message
+
+
 def test_link_table_refuses_illegal_moves() -> None:
     life = Lifecycle("coordinator link", LINK_TRANSITIONS, LinkState.UNREGISTERED)
     with pytest.raises(IllegalTransitionError, match="coordinator link: no transition from UNREGISTERED"):

@@ -99,7 +99,7 @@ def test_the_embedded_coordinators_line_names_the_wildcard_it_binds(tmp_path, tg
     import signal
     import subprocess
     import sys
-    import time
+    import threading
     from pathlib import Path
 
     from trainguard.agent.coordinator_link import find_free_port
@@ -112,16 +112,16 @@ def test_the_embedded_coordinators_line_names_the_wildcard_it_binds(tmp_path, tg
                              str(tmp_path)], env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             start_new_session=True)
     seen: list[str] = []
+    # readline() blocks: a launcher silent for a minute is killed, which ends the read with what it said
+    watchdog = threading.Timer(60, os.killpg, (proc.pid, signal.SIGKILL))
+    watchdog.start()
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
+        while line := proc.stderr.readline():
             seen.append(line)
             if "listening on" in line:
                 break
     finally:
+        watchdog.cancel()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
     said = [ln for ln in seen if "listening on" in ln]
