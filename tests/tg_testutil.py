@@ -110,3 +110,33 @@ class HookLinkFake:
 
     def close(self) -> None:
         pass
+
+
+def gated_store(reads: bool = False):
+    """The real in-memory coordinator store whose commits (and, with ``reads``, reads) hang while its ``gate``
+    event is clear: a store that accepts but does not answer (etcd stopped, a stuck disk). Set by default."""
+    import threading
+
+    from trainguard.recovery.store import MemoryStore
+
+    class GatedStore(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = threading.Event()
+            self.gate.set()
+
+        def get(self, key):
+            if reads:
+                self.gate.wait(60)
+            return super().get(key)
+
+        def scan(self, prefix):
+            if reads:
+                self.gate.wait(60)
+            return super().scan(prefix)
+
+        def commit(self, compares, puts):
+            self.gate.wait(60)
+            return super().commit(compares, puts)
+
+    return GatedStore()

@@ -163,23 +163,11 @@ def test_a_heartbeat_refused_for_a_stalled_store_says_the_coordinators_reason(ca
     # UNAVAILABLE", and the coordinator's reason read "could not be made durable (); retry shortly" (a timeout
     # has no text of its own).
     import logging
-    import threading
-
-    from trainguard.recovery.store import MemoryStore
-
-    class GatedStore(MemoryStore):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate = threading.Event()
-            self.gate.set()
-
-        def commit(self, compares, puts):
-            self.gate.wait(60)
-            return super().commit(compares, puts)
+    from tg_testutil import gated_store
 
     from trainguard.recovery.domain import NodeRecord
 
-    store = GatedStore()
+    store = gated_store()
     srv = CoordinatorServer(JobSpec(job="link", nnodes=2, heartbeat_interval_s=0.1), store=store,
                             listen="127.0.0.1:0").start()
     link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator=srv.target, node_id="n1", device_count=1,

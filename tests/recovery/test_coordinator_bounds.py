@@ -103,21 +103,9 @@ def test_a_hung_store_does_not_take_every_handler_thread_from_the_heartbeats(tmp
     caller's deadline."""
     import threading
 
-    from trainguard.recovery.store import MemoryStore
+    from tg_testutil import gated_store
 
-    class HungStore(MemoryStore):
-        """The real in-memory store, whose commits hang while ``gate`` is clear."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate = threading.Event()
-            self.gate.set()
-
-        def commit(self, compares, puts):
-            self.gate.wait(60)
-            return super().commit(compares, puts)
-
-    store = HungStore()
+    store = gated_store()
     srv = CoordinatorServer(JobSpec(job=JOB, nnodes=1, heartbeat_interval_s=0.1, lease_timeout_s=30.0),
                             store=store, max_workers=4).start()
     chan = grpc.insecure_channel(srv.target)

@@ -152,20 +152,10 @@ def test_two_nodes_lost_a_tick_apart_cost_one_restart() -> None:
 def test_the_outcome_is_told_only_once_it_is_durable() -> None:
     # Seen with etcd stopped: the coordinator told the nodes the job succeeded before the store had it; killed in
     # that window it came back RUNNING with every node gone, and failed the job after its membership wait.
-    import threading
-
-    class GatedStore(MemoryStore):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate = threading.Event()
-            self.gate.set()
-
-        def commit(self, compares, puts):
-            assert self.gate.wait(30)
-            return super().commit(compares, puts)
+    from tg_testutil import gated_store
 
     c = _Cluster(nnodes=1, max_restarts=1)
-    c.store = GatedStore()
+    c.store = gated_store()
     c.restart()
     c.register("na", 0)
     c.run(1, ("na",))

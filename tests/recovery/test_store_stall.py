@@ -14,36 +14,15 @@ from coordinator_client import Agent, beat_until, node_info
 
 from trainguard.proto import coordinator_pb2_grpc
 from trainguard.recovery import CoordinatorServer, JobSpec
-from trainguard.recovery.store import MemoryStore
+from tg_testutil import gated_store
 
 JOB = "stall"
 LEASE_S = 1.0
 
 
-class HungStore(MemoryStore):
-    """The real in-memory store, whose reads and commits hang while ``gate`` is clear."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def get(self, key):
-        self.gate.wait(60)
-        return super().get(key)
-
-    def scan(self, prefix):
-        self.gate.wait(60)
-        return super().scan(prefix)
-
-    def commit(self, compares, puts):
-        self.gate.wait(60)
-        return super().commit(compares, puts)
-
-
 def test_a_lease_expires_on_time_while_the_store_hangs(caplog) -> None:
     caplog.set_level(logging.INFO, logger="trainguard.recovery.coordinator")
-    store = HungStore()
+    store = gated_store(reads=True)
     srv = CoordinatorServer(JobSpec(job=JOB, nnodes=2, heartbeat_interval_s=0.1, lease_timeout_s=LEASE_S),
                             store=store).start()
     chan = grpc.insecure_channel(srv.target)
