@@ -390,11 +390,12 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
         targets = self._memory.replica_targets(self._table, self._mver, self.spec.memory_replicas, node_id)
         return replace(reply, response=replace(reply.response, replica_targets=targets)) if targets else reply
 
-    def report(self, req: FaultReport) -> tuple[Level, int, str, Future | None]:
+    def report(self, req: FaultReport, hold_s: float = DURABLE_WAIT_S) -> tuple[Level, int, str, Future | None]:
         """Decides the recovery for a reported event.
 
         Args:
             req: the report (validated for format by the service).
+            hold_s: the longest the caller waits for the decision's store write (the node is not silent meanwhile).
 
         Returns:
             (decided level, generation to move to, message, the store write it depends on).
@@ -435,6 +436,8 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
             level, gen, msg = self._fail(f, now)
             self._advance()
             fut = self._state_fut if self._state_fut is not fut_before else None
+            if fut is not None:  # the node waits for the decision to be durable: no silence meanwhile
+                self._hold(m, fut, now, hold_s)
             return level, gen, msg, fut
 
     def _request_checkpoint(self, req: FaultReport, now: float) -> str:

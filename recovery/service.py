@@ -332,8 +332,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Decides the recovery for a reported event; duplicates of a handled fault change nothing."""
         try:
             validate_report(request)
-            level, gen, msg, fut = self.core.report(convert.fault_report(request))
-            self._durable(context, fut, "the recovery decision")
+            wait_s = self._wait_s(context)
+            level, gen, msg, fut = self.core.report(convert.fault_report(request), hold_s=wait_s)
+            self.core.wait_durable(fut, "the recovery decision", wait_s)
             return coordinator_pb2.ReportEventResponse(decided_level=int(level), new_generation=gen, message=msg)
         except RecoveryError as exc:
             self._refuse(context, "ReportEvent", exc)

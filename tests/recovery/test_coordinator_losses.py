@@ -204,3 +204,25 @@ def test_a_loss_the_stored_state_does_not_account_for_is_found_again_after_a_res
     c.run(6, ("na",))  # now it is gone: lost once, charged once
     st = c.core.state
     assert st.restart_count == 1 and st.phase is Phase.RECOVERING, st.message
+
+
+def test_a_node_whose_failure_report_waits_for_the_store_is_not_lost_meanwhile() -> None:
+    # A failure report is answered once its decision is durable (up to the caller's deadline, ~4.5 s): with a
+    # store that hangs and a 4 s lease, the reporting node went silent for the wait and was lost as well.
+    from tg_testutil import gated_store
+
+    c = _Cluster(nnodes=2, max_restarts=3)
+    c.store = gated_store()
+    c.restart()
+    c.register("na", 0)
+    c.register("nb", 1)
+    c.run(2, ("na", "nb"))
+    c.store.gate.clear()
+    fut = c.core.report(FaultReport("lj", "na", c.lease["na"], 1, Cause.WORKER_EXIT, Level.PROCESS, rank=0,
+                                    exit_code=1, detail="rank 0 exited 1"), hold_s=5.0)[3]
+    assert fut is not None and not fut.done()
+    c.run(4.5, ("nb",))  # nb beats on; na waits for its answer (reaped at each half second)
+    assert c.core._members["na"].alive, "the reporting node was lost while its report waited for the store"
+    c.store.gate.set()
+    c.core.wait_durable(fut)
+    assert c.core.state.restart_count == 1
