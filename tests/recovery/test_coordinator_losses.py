@@ -88,13 +88,20 @@ def test_a_node_lost_before_a_coordinator_restart_stays_lost_and_is_charged_once
     assert c.slots() == ["na", "ns"] and c.gen["na"] == c.gen["ns"] == 2
 
 
-def test_a_spare_lost_before_a_coordinator_restart_is_no_replacement_after_it() -> None:
+def _two_nodes_and_a_lost_spare() -> _Cluster:
+    """Nodes na and nb in generation 1, and the spare ns lost: its heartbeats stopped for longer than a lease."""
     c = _Cluster(nnodes=2, max_restarts=3)
     c.register("na", 0)
     c.register("nb", 1)
     c.register("ns", 2, spare=True)
     c.run(2, ("na", "nb", "ns"))
-    c.run(6, ("na", "nb"))  # the spare's agent died
+    c.run(6, ("na", "nb"))
+    assert not c.core._members["ns"].alive
+    return c
+
+
+def test_a_spare_lost_before_a_coordinator_restart_is_no_replacement_after_it() -> None:
+    c = _two_nodes_and_a_lost_spare()
     c.restart()
     c.run(1, ("na", "nb"))
     # nb reports a fatal GPU fault: its slot needs a node, and the dead spare (its lease fresh after the restart
@@ -113,13 +120,8 @@ def test_a_spare_lost_before_a_coordinator_restart_is_no_replacement_after_it() 
 def test_a_node_back_after_its_loss_is_alive_across_a_coordinator_restart() -> None:
     # Its record said lost; the heartbeat that brought it back rewrites it, or a restart left the spare out of
     # the next plan until its next heartbeat.
-    c = _Cluster(nnodes=2, max_restarts=3)
-    c.register("na", 0)
-    c.register("nb", 1)
-    c.register("ns", 2, spare=True)
-    c.run(2, ("na", "nb", "ns"))
-    c.run(6, ("na", "nb"))  # the spare is lost (its heartbeats stopped) ...
-    c.run(1, ("na", "nb", "ns"))  # ... and comes back
+    c = _two_nodes_and_a_lost_spare()
+    c.run(1, ("na", "nb", "ns"))  # the spare comes back
     c.restart()
     c.core.report(FaultReport("lj", "nb", c.lease["nb"], c.gen["nb"], Cause.NODE_CRITICAL, Level.NODE,
                               detail="gpu lost"))

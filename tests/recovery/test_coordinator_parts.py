@@ -24,6 +24,12 @@ def test_records_round_trip_and_corrupt_ones_name_the_key() -> None:
     info = NodeRecord("n1", pod_id="p", address="10.0.0.1", host="h1")
     n = decode_node("k", node_value(info, "lease", "inst", "x4, below its x16"))
     assert (n.info, n.lease, n.instance, n.refused) == (info, "lease", "inst", "x4, below its x16")
+    assert not n.lost and decode_node("k", node_value(info, "lease", "inst", "", lost=True)).lost
+    assert b'"lost"' not in node_value(info, "lease", "inst", "")  # a live node's record reads as before
+    bad = json.loads(node_value(info, "lease", "inst", ""))
+    bad["lost"] = "yes"  # a hand edit: refused as corrupt, naming the key, not taken as true
+    with pytest.raises(StoreError, match="node record 'k' is corrupt .*'lost' is 'yes'.*delete it"):
+        decode_node("k", json.dumps(bad).encode())
     layout = assign_ranks([info.spec()], group_size=1)
     st = PolicyState(phase=Phase.RUNNING, generation=3)
     d = decode_state("job", state_value(st, layout, 1, 29500, {29500, 29501}))
