@@ -18,6 +18,7 @@ import uuid
 from concurrent.futures import Future
 
 from trainguard.recovery.domain import NodeRecord
+from trainguard.recovery.durability import DURABLE_WAIT_S
 from trainguard.recovery.errors import CapacityError, StaleLeaseError, UnknownNodeError
 from trainguard.recovery.job_records import LOST_RECORD_PREFIX, node_value
 from trainguard.recovery.membership import Member, check_slot_claim, superseded_instances
@@ -72,7 +73,8 @@ class Leases:
                 and (lay is None or lay.slot_of(m.info.node_id) is None)]
 
     def register(self, job: str, info: NodeRecord, free_port: int,
-                 instance: str = "", qualification: Qualification | None = None) -> tuple[str, int, Future]:
+                 instance: str = "", qualification: Qualification | None = None,
+                 hold_s: float = DURABLE_WAIT_S) -> tuple[str, int, Future]:
         """Adds or re-adds a node.
 
         Args:
@@ -82,6 +84,8 @@ class Leases:
             instance: the agent process's random id ("" when unknown).
             qualification: the node's pre-flight verdict (None: it did not qualify). A failed one cordons the node
                 (see :mod:`~trainguard.recovery.qualification`); :meth:`refusal` then says why.
+            hold_s: the longest the caller waits for the record's store write (the node is not silent meanwhile:
+                it cannot heartbeat before it has its lease).
 
         Returns:
             (lease id, current generation, future of the durable node record and cordon).
@@ -102,6 +106,8 @@ class Leases:
                 assert prev is not None
                 # ... once its record is durable: the call retried may be one the store failed.
                 fut = self._pending(self._prefix + "nodes/" + nid)
+                if fut is not None:
+                    self._hold(prev, fut, now, hold_s)
                 return prev.lease_id, self._policy.state.generation, fut or _done_future()
             if prev is None and len(self._members) >= self.spec.node_id_limit():
                 self._make_room(nid)
@@ -136,6 +142,7 @@ class Leases:
                 # The agent restarted while its workers ran a generation: they are gone with it.
                 self._fail(Failure(nid, prev.generation, Cause.WORKER_EXIT, detail="node agent restarted",
                                    time_s=self._wall()), now)
+            self._hold(m, fut, now, hold_s)
             log.debug("job %s: node %s registered (pod %r, index %d, %d devices%s)", job, nid,
                      info.pod_id, info.node_index, info.device_count,
                      ", spare" if info.spare else "")

@@ -308,10 +308,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Adds (or re-adds) a node; answers once its record is durable."""
         try:
             validate_register(request)
+            wait_s = self._wait_s(context)
             lease, gen, fut = self.core.register(request.job, convert.node_record(request.node),
                                                  request.free_port, request.agent_instance,
-                                                 convert.qualification(request))
-            self._durable(context, fut, "the registration")
+                                                 convert.qualification(request), hold_s=wait_s)
+            self.core.wait_durable(fut, "the registration", wait_s)
             refused = self.core.refusal(request.node.node_id)
             if refused:  # cordoned durably above: a restarted coordinator refuses it the same way
                 raise NodeRefusedError(refusal_message(request.node.node_id, refused))

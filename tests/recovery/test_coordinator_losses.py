@@ -228,3 +228,31 @@ def test_a_node_whose_failure_report_waits_for_the_store_is_not_lost_meanwhile()
     c.store.gate.set()
     c.core.wait_durable(fut)
     assert c.core.state.restart_count == 1
+
+
+def test_a_node_whose_registration_waits_for_the_store_is_not_lost_meanwhile() -> None:
+    # A registration is answered once the node's record is durable (up to the caller's deadline, ~4.5 s), and the
+    # node cannot heartbeat before it has its lease: with a store that hangs and a 4 s lease, a node registering
+    # (or retrying its registration) was lost right after it.
+    from tg_testutil import gated_store
+
+    c = _Cluster(nnodes=2, max_restarts=3)
+    c.store = gated_store()
+    c.restart()
+    c.register("na", 0)
+    c.register("nb", 1)
+    c.run(2, ("na", "nb"))
+    c.store.gate.clear()
+    info = NodeRecord("nc", "p", 2, "nc", 1, "127.0.0.1", spare=True)
+    lease, _gen, fut = c.core.register("lj", info, 20002, instance="i1", hold_s=5.0)
+    assert not fut.done()
+    c.run(4.5, ("na", "nb"))
+    # Its caller gave up and retried: the same agent, its record still pending, is held again from now.
+    assert c.core.register("lj", info, 20002, instance="i1", hold_s=5.0)[0] == lease
+    c.run(5, ("na", "nb"))
+    assert c.core._members["nc"].alive, "the registering node was lost while its record waited for the store"
+    c.store.gate.set()
+    c.core.wait_durable(fut)
+    c.run(6, ("na", "nb"))  # its hold ended with the write: silent from then on, it is lost as any node
+    assert not c.core._members["nc"].alive
+    assert c.core.state.restart_count == 0  # a spare's loss costs no restart
