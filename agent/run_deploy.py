@@ -4,7 +4,9 @@
   ``slurm-<SLURM_JOB_ID>``; node id, host and address from the node list (``SLURM_STEP_NODELIST``, else
   ``SLURM_JOB_NODELIST``, compressed form ``gpu[01-04]`` expanded by python-hostlist) at ``SLURM_NODEID``;
   ``--node-index`` = ``SLURM_NODEID`` (so GROUP_RANK follows Slurm's node order); ``--nnodes`` = the step's node
-  count; ``--nproc-per-node`` = ``SLURM_GPUS_ON_NODE`` when set. The first node of the list embeds the
+  count less ``--slurm-spares`` (the last nodes of the list, which join as spares: a lost node's slot is taken
+  by one of them, since srun starts no new task in a running step); ``--nproc-per-node`` = ``SLURM_GPUS_ON_NODE``
+  when set. The first node of the list embeds the
   coordinator on ``0.0.0.0:<--coordinator-port>``, the others join it at ``<first node>:<port>``. So one
   script runs unchanged under ``srun``; ``--no-slurm`` ignores the variables.
 - **Security.** ``--coordinator-ca`` (verify the coordinator: TLS), ``--coordinator-cert/--coordinator-key``
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SLURM_COORDINATOR_PORT = 29400
 #: Default of ``--coordinator-port``.
 COORDINATOR_PORT_ENV = "TRAINGUARD_COORDINATOR_PORT"
+#: Default of ``--slurm-spares``.
+SLURM_SPARES_ENV = "TRAINGUARD_SLURM_SPARES"
 #: Health service name of the job this ``trainguard run`` runs.
 RUN_SERVICE = "trainguard.run"
 
@@ -81,6 +85,40 @@ def slurm_coordinator_port(args: argparse.Namespace, environ: Mapping[str, str] 
         raise UsageError(f"${COORDINATOR_PORT_ENV}: {exc}; set it to the coordinator's port or unset it") from None
 
 
+def _spares_arg(text: str) -> int:
+    """argparse type of ``--slurm-spares``: a whole number >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse names the flag).
+    """
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative")
+    return n
+
+
+def slurm_spares(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """How many nodes at the end of the Slurm step join as spares: ``--slurm-spares``, else
+    ``$TRAINGUARD_SLURM_SPARES``, else 0.
+
+    Raises:
+        UsageError: the variable is set to something that is not a whole number >= 0.
+    """
+    given = getattr(args, "slurm_spares", None)
+    if given is not None:
+        return int(given)
+    text = (os.environ if environ is None else environ).get(SLURM_SPARES_ENV, "").strip()
+    if not text:
+        return 0
+    try:
+        return _spares_arg(text)
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"${SLURM_SPARES_ENV}: {exc}; set it to the number of spare nodes or unset it") from None
+
+
 def add_run_deploy_arguments(p: argparse.ArgumentParser) -> None:
     """Adds the Slurm, security and observability flags of ``trainguard run``."""
     g = p.add_argument_group("Slurm")
@@ -91,6 +129,9 @@ def add_run_deploy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--coordinator-port", type=_port_arg, metavar="PORT", default=None,
                    help=f"port of the coordinator the first Slurm node embeds (default ${COORDINATOR_PORT_ENV} or "
                         f"{DEFAULT_SLURM_COORDINATOR_PORT})")
+    g.add_argument("--slurm-spares", type=_spares_arg, metavar="K", default=None,
+                   help=f"the last K nodes of the step join as spares, --nnodes defaults to the other nodes "
+                        f"(default ${SLURM_SPARES_ENV} or 0); allocate K nodes more than the job trains on")
     g.add_argument("--cordon-command", default=None, metavar="TEMPLATE",
                    help="embedded coordinator: run this per node it cordons, e.g. 'sudo scontrol update "
                         "nodename={host} state=drain reason={reason}' (fields {node} {host} {job} {reason}); "
@@ -208,10 +249,12 @@ def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     Raises:
         UsageError: see :func:`slurm_placement`; a ``$TRAINGUARD_COORDINATOR_PORT`` that is no port.
     """
-    if not getattr(args, "slurm", True):
-        return None
-    place = slurm_placement(environ)
+    place = slurm_placement(environ) if getattr(args, "slurm", True) else None
     if place is None:
+        if getattr(args, "slurm_spares", None):  # silently ignored, the nodes meant as spares trained instead
+            raise UsageError(f"--slurm-spares {args.slurm_spares}: " + (
+                "--no-slurm ignores Slurm's variables" if not getattr(args, "slurm", True) else
+                "this is not a Slurm job step (no $SLURM_JOB_ID)") + "; give --spare to the nodes that are spares")
         return None
     n = len(place.nodes)
     if args.job is None:
@@ -232,17 +275,29 @@ def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         args.nproc_per_node = _like(args.nproc_per_node, place.gpus_on_node)
     # torchrun's own rendezvous flags win over the Slurm mapping: it only fills a job that named no coordinator.
     explicit = args.coordinator or getattr(args, "rdzv_endpoint", "") or getattr(args, "standalone", False)
+    spares = slurm_spares(args, environ)
+    if spares and (explicit or n - spares < 1):
+        raise UsageError(f"--slurm-spares {spares}: " + (
+            "spares are for the job the Slurm step forms itself; with --coordinator/--rdzv-endpoint/--standalone "
+            "give --spare to the nodes that are spares" if explicit else
+            f"the step has {n} node(s), which leaves none to train on; allocate {spares} node(s) more than the "
+            "job trains on (sbatch --nodes)"))
+    # A spare is a node of the step the job does not place until a node is lost: the last ones, so the first
+    # node, which embeds the coordinator, always trains and ranks follow Slurm's order on the others.
+    if spares and place.node_index >= n - spares:
+        args.spare = True
     if not explicit and n > 1:
         port = slurm_coordinator_port(args, environ)
         if _unset(args.nnodes, 1):
-            args.nnodes = _like(args.nnodes, n)
+            args.nnodes = _like(args.nnodes, n - spares)
         if place.first:
             if _unset(args.coordinator_listen, "127.0.0.1:0"):
                 args.coordinator_listen = f"0.0.0.0:{port}"
         else:
             args.coordinator = f"{place.nodes[0]}:{port}"
-    log.info("slurm job %s: node %d of %d (%s), job %s, coordinator %s", place.job_id, place.node_index, n,
-             place.host, args.job, args.coordinator or f"embedded on {args.coordinator_listen}")
+    log.info("slurm job %s: node %d of %d (%s%s), job %s, coordinator %s", place.job_id, place.node_index, n,
+             place.host, ", spare" if args.spare else "", args.job,
+             args.coordinator or f"embedded on {args.coordinator_listen}")
     return place
 
 

@@ -127,3 +127,37 @@ def test_the_embedded_coordinators_line_names_the_wildcard_it_binds(tmp_path, tg
     said = [ln for ln in seen if "listening on" in ln]
     assert said, "".join(seen)[-3000:]
     assert f"listening on 0.0.0.0:{port} (every interface; this node dials 127.0.0.1:{port})" in said[0], said
+
+
+def test_the_last_nodes_of_the_step_join_as_spares_and_the_job_trains_on_the_others() -> None:
+    # srun starts no new task in a running step, so a node lost under Slurm could only be waited for (a job-level
+    # restart ending in the membership timeout): spares must be nodes of the same step.
+    placed = []
+    for nid in ("0", "1", "2"):
+        args = build_parser().parse_args(["run", "--slurm-spares", "1", "train.py"])
+        apply_slurm(args, _env(SLURM_NODEID=nid))
+        placed.append((args.spare, str(args.nnodes), args.node_index))
+    assert placed == [(False, "2", 0), (False, "2", 1), (True, "2", 2)]  # the coordinator's node always trains
+    from_env = build_parser().parse_args(["run", "train.py"])
+    apply_slurm(from_env, _env(SLURM_NODEID="1", TRAINGUARD_SLURM_SPARES="2"))
+    assert from_env.spare and str(from_env.nnodes) == "1"
+    elastic = build_parser().parse_args(["run", "--nnodes", "1:2", "--slurm-spares", "1", "train.py"])
+    apply_slurm(elastic, _env(SLURM_NODEID="0"))  # an explicit --nnodes (shrink to 1 once spares are out) stays
+    assert elastic.nnodes == "1:2" and not elastic.spare
+
+
+@pytest.mark.parametrize("flags, env, needle", [
+    (["--slurm-spares", "3"], {}, r"--slurm-spares 3: the step has 3 node\(s\), which leaves none to train on"),
+    ([], {"TRAINGUARD_SLURM_SPARES": "one"}, r"\$TRAINGUARD_SLURM_SPARES: 'one' is not a whole number"),
+    (["--slurm-spares", "1", "--rdzv-endpoint", "gpu01:29400"], {}, "give --spare to the nodes that are spares"),
+])
+def test_spares_that_cannot_be_placed_are_one_line_errors(flags, env, needle) -> None:
+    args = build_parser().parse_args(["run", *flags, "train.py"])
+    with pytest.raises(UsageError, match=needle):
+        apply_slurm(args, _env(**env))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--slurm-spares", "-1", "train.py"])
+    for flags in (["--slurm-spares", "1"], ["--slurm-spares", "1", "--no-slurm"]):  # not ignored outside Slurm
+        with pytest.raises(UsageError, match="give --spare to the nodes that are spares"):
+            apply_slurm(build_parser().parse_args(["run", *flags, "train.py"]), {})
+    assert apply_slurm(build_parser().parse_args(["run", "train.py"]), {"TRAINGUARD_SLURM_SPARES": "1"}) is None

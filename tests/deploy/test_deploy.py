@@ -332,7 +332,11 @@ exit $rc
 """
 
 
-def test_the_sbatch_script_runs_one_job_across_its_nodes(tmp_path: Path, tg_env) -> None:
+def test_the_sbatch_script_runs_one_job_across_its_nodes_and_a_spare_takes_a_lost_nodes_place(
+        tmp_path: Path, tg_env) -> None:
+    """Three Slurm nodes, one a spare (SPARES=1): the same command line on each, only SLURM_NODEID differs. Node 1's
+    trainguard run is SIGKILLed in the first generation; the spare takes its slot, the job succeeds, and so does
+    the script, although the step failed (a task was killed)."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "srun").write_text(FAKE_SRUN)
@@ -343,19 +347,24 @@ def test_the_sbatch_script_runs_one_job_across_its_nodes(tmp_path: Path, tg_env)
     out = tmp_path / "out"
     out.mkdir()
     env = {**tg_env, "PATH": f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(tmp_path),
-           "SLURM_JOB_ID": "9001", "SLURM_JOB_NAME": "llm", "SLURM_JOB_NODELIST": "localhost,127.0.0.1",
-           "SLURM_NNODES": "2", "SRUN_LOG_DIR": str(tmp_path), "TRAIN_SCRIPT": str(SCRIPTS / "dump_env.py"),
-           "CKPT_DIR": str(tmp_path / "ckpt"), "METRICS_LISTEN": "127.0.0.1:0",
+           "SLURM_JOB_ID": "9001", "SLURM_JOB_NAME": "llm", "SLURM_JOB_NODELIST": "localhost,127.0.0.1,127.0.0.2",
+           "SLURM_NNODES": "3", "SRUN_LOG_DIR": str(tmp_path), "TRAIN_SCRIPT": str(SCRIPTS / "lose_node.py"),
+           "CKPT_DIR": str(tmp_path / "ckpt"), "METRICS_LISTEN": "127.0.0.1:0", "SPARES": "1",
            "TRAINGUARD_COORDINATOR_PORT": str(port), "TRAINGUARD_RUN_REGISTRY": str(tmp_path / "runs")}
     done = subprocess.run(["bash", str(SBATCH), str(out)], env=env, capture_output=True, text=True, timeout=170)
-    logs = "\n".join((tmp_path / f"node{i}.log").read_text()[-1500:] for i in (0, 1)
-                     if (tmp_path / f"node{i}.log").exists())
-    assert done.returncode == 0, done.stderr + logs
+    logs = {i: (tmp_path / f"node{i}.log").read_text() for i in (0, 1, 2) if (tmp_path / f"node{i}.log").exists()}
+    said = done.stderr + "\n".join(f"--- node{i}:\n{text[-2000:]}" for i, text in logs.items())
+    assert done.returncode == 0, said
+    assert "trainguard run --log-format json" not in logs[1] and '"status": "succeeded"' not in logs[1], said
     envs = [json.loads((out / f"env{r}.json").read_text()) for r in (0, 1)]
-    for rank, e in enumerate(envs):  # one job of two nodes: the same command line, only SLURM_NODEID differed
-        assert e["dist_world"] == 2 and e["dist_rank"] == rank and e["WORLD_SIZE"] == "2"
+    for rank, e in enumerate(envs):  # one job of two nodes, the spare in node 1's place after one restart
+        assert e["dist_world"] == 2 and e["dist_rank"] == rank and e["WORLD_SIZE"] == "2", said
         assert e["GROUP_RANK"] == str(rank) and e["TORCHELASTIC_RUN_ID"] == "slurm-9001"
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "1", said
         assert e["MASTER_ADDR"] == "localhost"  # the first node of the Slurm list hosts rank 0
-    assert not list((tmp_path / ".trainguard").iterdir())  # the job token is removed at the end
-    first = [json.loads(x) for x in (tmp_path / "node0.log").read_text().splitlines() if x.startswith("{")]
-    assert any("metrics on http://127.0.0.1:" in r["msg"] for r in first)  # --log-format json from the script
+    spare = [json.loads(x) for x in logs[2].splitlines() if x.startswith("{")]
+    assert any("node 2 of 3 (127.0.0.2, spare)" in r["msg"] for r in spare), said
+    assert any(r.get("status") == "succeeded" for r in spare), said  # it trained to the end, and said so
+    assert not list((tmp_path / ".trainguard").iterdir())  # the job token and the exit statuses are removed
+    first = [json.loads(x) for x in logs[0].splitlines() if x.startswith("{")]
+    assert any("metrics on http://127.0.0.1:" in r["msg"] for r in first)  # --log-format json from the script  # --log-format json from the script
