@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import mmap
 import os
 import re
 import shutil
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 from trainguard.checkpoint.errors import ArenaOwnedError, CorruptCheckpointError, StorageUnavailableError
 from trainguard.checkpoint.fileio import storage_error
@@ -599,7 +598,3 @@ def open_locked(paths: SlotPaths) -> int:
         raise StorageUnavailableError(f"cannot lock shared-memory slot {paths.data}: {exc}") from exc
     return fd
 
-
-def manifest_dict(m: Manifest) -> dict[str, Any]:
-    """The manifest as a JSON-ready dict (what travels to the persist process)."""
-    return json.loads(m.to_json())

@@ -23,6 +23,7 @@ A Checkpointer that only restores never touches the staging area or starts a per
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import operator
@@ -53,7 +54,7 @@ from trainguard.checkpoint.errors import (
 from trainguard.checkpoint.events import EventSink
 from trainguard.checkpoint.fileio import storage_error
 from trainguard.checkpoint.location import is_local_url
-from trainguard.checkpoint.manifest import MAX_STEP, Manifest, plan_layout
+from trainguard.checkpoint.manifest import MAX_STEP, Manifest, TensorEntry, plan_layout
 from trainguard.checkpoint.reader import RankCopy
 from trainguard.checkpoint.restore_plan import job_memory_steps_from_env, own_memory_steps
 from trainguard.checkpoint.shards import ShardedLoader
@@ -68,6 +69,9 @@ log = logging.getLogger(__name__)
 
 TIER_ORDER = ("memory", "disk", "remote")
 _REMOTE_BACKOFF_CAP = REMOTE_BACKOFF_CAP  # the persist process's uploads back off alike
+#: A failed dial of the remote that took this long was a timeout, not a refusal: a restore within the back-off
+#: that follows does not pay it again (see ``_list_remote``).
+SLOW_REMOTE_FAILURE_S = 1.0
 
 
 @dataclass
@@ -122,6 +126,26 @@ def _index(name: str, value: Any) -> int:
         raise CheckpointError(f"{name} must be an integer, got {type(value).__name__} {value!r}{hint}") from None
 
 
+
+
+def _one_at_a_time(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs a :class:`Checkpointer` method under its ``_save_lock``."""
+    @functools.wraps(method)
+    def run(self: "Checkpointer", *args: Any, **kwargs: Any) -> Any:
+        with self._save_lock:
+            return method(self, *args, **kwargs)
+    return run
+
+def _layout(cap: Any, alignment: int) -> tuple[list[TensorEntry], int]:
+    """The data-file layout of a captured state (see :func:`~trainguard.checkpoint.manifest.plan_layout`)."""
+    names: dict[torch.dtype, str] = {}  # str(dtype) per tensor was a tenth of a save of 40,000 small tensors
+
+    def name(dtype: torch.dtype) -> str:
+        if (n := names.get(dtype)) is None:
+            n = names[dtype] = str(dtype).removeprefix("torch.")
+        return n
+    return plan_layout(((c.key, name(c.tensor.dtype), c.tensor.shape) for c in cap.tensors), alignment)
+
 class Checkpointer:
     """Tiered asynchronous checkpoints for one rank of one job.
 
@@ -175,6 +199,8 @@ class Checkpointer:
         self._max_saved = -1  # the highest step this Checkpointer saved
         self._copier = SnapshotCopier()
         self._staging: dict[int, torch.Tensor] = {}
+        # slot index -> (its staging buffer, the layout, each tensor's view of the buffer): see _slot_views
+        self._views: dict[int, tuple[torch.Tensor, list[TensorEntry], list[torch.Tensor | None]]] = {}
 
         self.disk: LocalStore | None = None
         if config.disk.enabled:
@@ -187,10 +213,14 @@ class Checkpointer:
         self._remote_retry_at = 0.0
         self._remote_backoff = 0.0  # its current back-off in seconds; 0 while it answers
         self._remote_failed_once = False  # then each new FsspecStore bypasses fsspec's instance cache
+        # How long the remote's last failed dial took (0: a quick refusal, or none yet): see _list_remote.
+        self._remote_fail_s = 0.0
         if config.remote_url:
+            t0 = time.monotonic()
             try:
                 self.remote_store()
             except StorageUnavailableError as exc:
+                self._remote_fail_s = time.monotonic() - t0
                 note = self._remote_failed(exc, said=True)
                 self.events.storage_failed("remote", None, f"{exc}; {note}", 0)
         nslots = (config.memory.keep + 1) if config.memory.enabled else 2
@@ -199,6 +229,9 @@ class Checkpointer:
         # The overlapped copy publishes from its own thread while the trainer may call wait(): without this lock
         # both could start a persist process (and a reader thread) of their own on first use.
         self._channel_lock = threading.Lock()
+        # save() and prepare() from two threads at once: the second of two first saves took the arena's lease
+        # away from the first and failed, blaming "another Checkpointer". One at a time, in call order.
+        self._save_lock = threading.RLock()
 
     # ------------------------------------------------------------------ writer resources
     @property
@@ -261,6 +294,7 @@ class Checkpointer:
             while any(self._slot_busy) and self.channel.alive():
                 self._lock.wait(0.5)
         self._staging.clear()
+        self._views.clear()
         self._copier.unpin_all()
         self._stage.retire_memory()
         try:
@@ -290,6 +324,7 @@ class Checkpointer:
         """Unmaps the slots and gives the lease back (removing the area only when ``remove``; the shared-memory
         slots the state outgrew only when ``remove_outgrown``)."""
         self._staging.clear()
+        self._views.clear()
         self._copier.unpin_all()
         self._stage.close(remove, remove_outgrown)
 
@@ -320,6 +355,7 @@ class Checkpointer:
         return t
 
     # ------------------------------------------------------------------ save
+    @_one_at_a_time
     def prepare(self, state: Mapping[str, Any]) -> int:
         """Allocates and pre-faults every staging slot for ``state``'s size, so no save pays that cost.
 
@@ -341,9 +377,7 @@ class Checkpointer:
         if self.disk is not None:
             self.disk.check_writable()
         cap = capture(state)
-        _, data_bytes = plan_layout(
-            ((c.key, str(c.tensor.dtype).removeprefix("torch."), tuple(c.tensor.shape)) for c in cap.tensors),
-            self.config.persist.alignment)
+        _, data_bytes = _layout(cap, self.config.persist.alignment)
         arena = self._ensure_arena(data_bytes)
         try:
             arena.preallocate(data_bytes)
@@ -351,8 +385,11 @@ class Checkpointer:
             self._outgrow_memory(data_bytes, exc).preallocate(data_bytes)
         return data_bytes
 
+    @_one_at_a_time
     def save(self, state: Mapping[str, Any], step: int, overlap_with: Any = None) -> SaveHandle:
         """Snapshots ``state`` and hands it to the persist process; returns after the snapshot phase.
+
+        Safe to call from several threads: calls run one at a time, in the order they take the lock.
 
         Args:
             state: name -> tensor / container / scalar / Stateful (see :mod:`.tree`).
@@ -386,9 +423,7 @@ class Checkpointer:
         self._finish_pending()
         cap = capture(state)
         alignment = self.config.persist.alignment
-        entries, data_bytes = plan_layout(
-            ((c.key, str(c.tensor.dtype).removeprefix("torch."), tuple(c.tensor.shape)) for c in cap.tensors),
-            alignment)
+        entries, data_bytes = _layout(cap, alignment)
         manifest = Manifest(job=self.job, step=step, rank=self.rank, world_size=self.world_size, tensors=entries,
                             tree=cap.tree, data_bytes=data_bytes, alignment=alignment,
                             chunk_bytes=self.config.persist.chunk_mib << 20, replicated=self.config.replicated,
@@ -417,10 +452,9 @@ class Checkpointer:
             staging = self._staging_of(index, slot)
             deferred_ptrs = storage_ptrs(_as_list(overlap_with)) if overlap_with is not None else set()
             eager, deferred = [], []
-            for c, e in zip(cap.tensors, entries):
-                if e.nbytes == 0:
+            for c, dst in zip(cap.tensors, self._slot_views(index, staging, cap, entries)):
+                if dst is None:
                     continue
-                dst = staging[e.offset:e.offset + e.nbytes].view(c.tensor.dtype).view(c.tensor.shape)
                 src = c.tensor
                 if src.untyped_storage().data_ptr() in deferred_ptrs:
                     deferred.append((src, dst))
@@ -570,6 +604,22 @@ class Checkpointer:
             raise storage_error(exc, f"mark staging slot {index} of {arena.dir} as being written") from exc
         return slot
 
+    def _slot_views(self, index: int, staging: torch.Tensor, cap: Any, entries: list[TensorEntry],
+                    ) -> list[torch.Tensor | None]:
+        """Each captured tensor's place in slot ``index``'s staging buffer (None for an empty tensor).
+
+        Kept per slot while its buffer and the layout stay the same, as they do from one save to the next: three
+        tensor views per tensor were half of ``save()`` for a state of 40,000 small tensors.
+        """
+        cached = self._views.get(index)
+        if cached is not None and cached[0] is staging and cached[1] == entries:
+            return cached[2]
+        views: list[torch.Tensor | None] = [
+            staging[e.offset:e.offset + e.nbytes].view(c.tensor.dtype).view(c.tensor.shape) if e.nbytes else None
+            for c, e in zip(cap.tensors, entries)]
+        self._views[index] = (staging, entries, views)
+        return views
+
     def _staging_of(self, index: int, slot: Any) -> torch.Tensor:
         t = self._staging.get(index)
         if t is None or t.numel() != slot.size:
@@ -592,7 +642,7 @@ class Checkpointer:
             "op": "persist", "id": self._status[step].request, "job": self.job, "rank": self.rank, "world_size": self.world_size,
             "step": step, "slot": paths.tag[: -len(".tag")],
             "slot_data": paths.data,  # differs from "<slot>.data" for anonymous (memfd) staging
-            "manifest": arena_mod.manifest_dict(manifest),
+            "manifest": manifest.to_json().decode(),
             "memory": cfg.memory.enabled and self.staging == "memory",
             # Absolute paths only: an agent-owned persist process runs in the launcher's working directory, not in
             # this worker's (a script that chdirs, Hydra's run folder).
@@ -875,8 +925,19 @@ class Checkpointer:
         regardless: it is rare, and the remote may hold the only copy of the newest step (a new node, a lost
         disk); skipped, the job would resume from an older step or from scratch. It says so each time it fails.
         """
-        if not restoring and time.monotonic() < self._remote_retry_at:
-            return None
+        now = time.monotonic()
+        if now < self._remote_retry_at:
+            if not restoring:
+                return None
+            if self._remote_fail_s >= SLOW_REMOTE_FAILURE_S:
+                # It has just taken seconds not to answer (a silent endpoint: the connect timeout): asked again
+                # at once, a restarting job paid that timeout twice before it could resume (FTP: 30 s in the
+                # constructor, 30 s more here). A remote that refused at once is asked again: that costs nothing.
+                log.warning("restore: the remote tier did not answer %.0f s ago (it took %.0f s to fail); restoring "
+                            "from the other tiers without asking it again, which may hold only older steps",
+                            now - (self._remote_retry_at - self._remote_backoff), self._remote_fail_s)
+                return None
+        t0 = now
         try:
             store = self.remote_store()
             assert store is not None
@@ -886,11 +947,13 @@ class Checkpointer:
             # a dead connection, and every listing and restore failed with EOFError for the rest of the job.
             self._remote = None
             self._remote_failed_once = True
+            self._remote_fail_s = time.monotonic() - t0
             self._remote_failed(exc, said=restoring)
             if restoring:
                 log.warning("restore: the remote tier is unreachable (%s); restoring from the other tiers, which "
                             "may hold only older steps", exc)
             return None
+        self._remote_fail_s = 0.0
         if self._remote_backoff:
             self._remote_backoff = 0.0
             log.info("remote tier %s answers again; listed again", self.config.remote_url)

@@ -135,7 +135,8 @@ class PersistConfig:
             Default 0.
         nice: niceness added to the persist process (0..19). Default 10.
         chunk_mib: size of a checksummed chunk and of one write, in MiB. Default 4.
-        alignment: byte alignment of every tensor in the data file (a power of two >= 64). Default 4096.
+        alignment: byte alignment of every tensor of at least this many bytes in the data file (a power of two
+            >= 64; smaller tensors are packed on 64-byte boundaries). Default 4096.
         service: unix socket of a running checkpoint service; None reads ``$TRAINGUARD_CHECKPOINT_SERVICE`` and,
             when that is unset too, starts a private persist process. ``"inline"`` persists in the calling
             thread instead: ``save()`` returns after the disk write and the remote upload. Against an unreachable

@@ -2,6 +2,9 @@
 
 Data file: every tensor's bytes at an offset aligned to ``alignment`` (default 4096), so a reader can
 ``readinto``/``mmap`` straight into place (and O_DIRECT works); the file length is a multiple of the alignment.
+A tensor smaller than the alignment sits at a :data:`SMALL_ALIGNMENT` boundary instead: page-aligned, 40,000
+16-byte tensors (a model of small parameters and its Adam state) took 164 MB per copy, in every memory slot too,
+for 0.6 MB of values. Readers take each offset from the manifest, so both layouts read alike.
 
 Manifest (JSON, no pickle anywhere): format tag, trainguard version, job, step, rank, world size, replication
 flag, data-file length, chunk size and one xxh3_64 checksum per chunk of the data file, one entry per tensor
@@ -18,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping, Sequence
 
 import xxhash
@@ -32,6 +35,9 @@ CHECKSUM_ALGO = "xxh3_64"
 #: int64 overflow, and room for steps counted in samples or tokens (10**13 in a 10T-token run). Names carry 12
 #: digits, more from 10**12 on, so every bound on a step in the checkpoint code is this one.
 MAX_STEP = 2**53 - 1
+#: Offset alignment of tensors smaller than the manifest's ``alignment``: a cache line, and a multiple of every
+#: stored dtype's element size.
+SMALL_ALIGNMENT = 64
 
 #: bytes per element of the dtype names we store (``str(torch.float32)`` without the ``torch.`` prefix).
 DTYPE_SIZES: dict[str, int] = {
@@ -52,7 +58,8 @@ class TensorEntry:
         key: dotted path of the tensor in the state (``model.fc.weight``).
         dtype: dtype name (``float32``).
         shape: sizes.
-        offset: byte offset in the data file (a multiple of the alignment).
+        offset: byte offset in the data file (a multiple of the alignment; of :data:`SMALL_ALIGNMENT` for a
+            tensor smaller than the alignment).
         nbytes: length in bytes.
     """
 
@@ -89,11 +96,18 @@ class Manifest:
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> bytes:
-        """Canonical JSON with a ``self_xxh3`` checksum of everything else."""
-        body = asdict(self)
-        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        body["self_xxh3"] = xxhash.xxh3_64_hexdigest(text.encode())
-        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        """Canonical JSON with a ``self_xxh3`` checksum of everything else.
+
+        Runs on the training thread at every save, so each field is encoded once and nothing is copied: with
+        ``dataclasses.asdict`` (a deep copy) and the body encoded twice, a state of 40,000 small tensors spent
+        seconds per save here. The bytes are those of ``json.dumps(body, sort_keys=True, separators=(",", ":"))``,
+        which :meth:`from_json` checks.
+        """
+        parts = {f.name: _dumps(getattr(self, f.name)) for f in fields(self) if f.name != "tensors"}
+        parts["tensors"] = _dumps([vars(t) for t in self.tensors])
+        digest = xxhash.xxh3_64_hexdigest(_join(parts).encode())
+        parts["self_xxh3"] = _dumps(digest)
+        return _join(parts).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, where: str = "manifest") -> "Manifest":
@@ -161,6 +175,16 @@ def complete_world_size(world_sizes: Mapping[int, int]) -> int:
     return ws if all(world_sizes.get(r) == ws for r in range(ws)) else 0
 
 
+def _dumps(value: Any) -> str:
+    """One value in the manifest's canonical JSON."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _join(parts: Mapping[str, str]) -> str:
+    """The canonical JSON object of already encoded values (keys sorted, as ``json.dumps`` sorts them)."""
+    return "{" + ",".join(f"{_dumps(k)}:{parts[k]}" for k in sorted(parts)) + "}"
+
+
 def align_up(n: int, alignment: int) -> int:
     """Rounds ``n`` up to a multiple of ``alignment``."""
     return (n + alignment - 1) // alignment * alignment
@@ -171,7 +195,8 @@ def plan_layout(specs: Iterable[tuple[str, str, Sequence[int]]], alignment: int)
 
     Args:
         specs: ``(key, dtype name, shape)`` per tensor, in order.
-        alignment: byte alignment of every offset and of the total length.
+        alignment: byte alignment of the offset of every tensor of at least this many bytes (the others are
+            aligned to :data:`SMALL_ALIGNMENT`) and of the total length.
 
     Returns:
         The entries and the data-file length in bytes.
@@ -185,8 +210,9 @@ def plan_layout(specs: Iterable[tuple[str, str, Sequence[int]]], alignment: int)
         if dtype not in DTYPE_SIZES:
             raise ValueError(f"tensor {key} has dtype {dtype}, which the checkpoint format does not store")
         n = DTYPE_SIZES[dtype] * math.prod(shape)
+        offset = align_up(offset, alignment if n >= alignment else min(SMALL_ALIGNMENT, alignment))
         entries.append(TensorEntry(key, dtype, list(shape), offset, n))
-        offset = align_up(offset + n, alignment)
+        offset += n
     return entries, max(align_up(offset, alignment), alignment)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from trainguard.checkpoint import CheckpointConfig, Checkpointer
 from trainguard.checkpoint import fileio, reader
-from trainguard.checkpoint.arena import Arena, manifest_dict, write_tag
+from trainguard.checkpoint.arena import Arena, write_tag
 from trainguard.checkpoint.manifest import Manifest, plan_layout
 from trainguard.checkpoint.persist import persist_snapshot
 
@@ -60,7 +60,7 @@ def persist(shm: str, disk: str, do_cut: bool) -> None:
     arena.close()
     prefix = s.paths.data[: -len(".data")]
     req = {"op": "persist", "id": 1, "job": "job", "rank": 0, "world_size": 1, "step": 5, "slot": prefix,
-           "manifest": manifest_dict(man), "memory": True, "disk": {"root": disk, "keep": 3, "fsync": False},
+           "manifest": man.to_json().decode(), "memory": True, "disk": {"root": disk, "keep": 3, "fsync": False},
            "remote": None, "bandwidth_mib_s": 0}
     real = fileio.Throttle.account
     calls = [0]

@@ -188,3 +188,25 @@ def test_every_rank_of_a_shared_service_hears_of_the_outage_once(make_config, sh
         stub.close()
         if stall is not None:
             stall.close()
+
+
+def test_a_restart_pays_a_silent_remotes_timeout_once_not_again_in_restore(make_config, tmp_path, caplog):
+    # Found by a review: against an FTP endpoint that accepts and never answers, a restarting job waited its 30 s
+    # connect timeout in the Checkpointer's constructor and 30 s more in restore() before resuming from disk.
+    stall = Stall()
+    cfg = make_config(remote={"url": f"ftp://127.0.0.1:{stall.port}/ckpt", "storage_options": {"timeout": 1.5},
+                              "retry_s": 60.0})
+    try:
+        with Checkpointer(make_config(), job="rs") as ck:  # an earlier run of the job left step 4 on disk
+            ck.save({"w": torch.full((8,), 4.0)}, 4)
+            assert ck.wait(timeout=30)
+        with Checkpointer(cfg, job="rs") as ck:
+            assert len(stall.conns) == 1  # the constructor's dial: it took the timeout to fail
+            live = {"w": torch.zeros(8)}
+            with caplog.at_level("WARNING", logger="trainguard.checkpoint.checkpointer"):
+                assert ck.restore(live) == 4 and ck.last_restore_tier == "disk"
+            assert len(stall.conns) == 1, "restore() dialled the silent remote again"
+            assert torch.equal(live["w"], torch.full((8,), 4.0))
+            assert "without asking it again" in caplog.text
+    finally:
+        stall.close()
