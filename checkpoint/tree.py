@@ -426,15 +426,41 @@ def _decode_key(k: Any) -> Any:
     return k
 
 
+def shares_memory_within(t: torch.Tensor) -> bool:
+    """True when several elements of ``t`` are one memory location: a dimension of size > 1 with stride 0, as
+    ``expand()`` and broadcasting make (``copy_`` into such a tensor raises). Transposes, slices and views into a
+    larger tensor do not count: each of their elements has a location of its own."""
+    if is_dtensor(t):
+        t = t.to_local()
+    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+
+
+def _shared_memory_error(key: str) -> StateMismatchError:
+    return StateMismatchError(
+        f"{key}: the live tensor's elements share memory (an expand()ed or broadcast view, stride 0), so it cannot "
+        "be filled in place; restore into a tensor that owns its memory (e.g. .clone() it); nothing was loaded")
+
+
+def _fit_error(key: str, saved: str, live: str) -> StateMismatchError:
+    return StateMismatchError(
+        f"{key}: the checkpoint holds {saved}, the live tensor is {live}; restore into a state of the same shapes "
+        "and dtypes (or leave the key out); nothing was loaded")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping[str, Any]) -> None:
-    """Raises the :class:`StateMismatchError` a restore would raise for a plain tensor of ``state`` (or of a
-    module in it) whose shape or dtype differs from the saved one, before anything is loaded.
+    """Raises the :class:`StateMismatchError` a restore would raise for a tensor of ``state`` (or of a module in
+    it) whose shape or dtype differs from the saved one, or whose elements share memory (an ``expand()``ed view,
+    which ``copy_`` cannot fill), before anything is loaded.
 
     The load fills the state key by key: a mismatch found at the fifth key left the first four holding the
     checkpoint and the rest the fresh model's values, so a script that caught the error and trained on (from
     scratch, or after restoring into a resized model by hand) trained a mixture with no word. Optimizers are
-    left out (their state may load in another dtype, cast by ``load_state_dict``), and so are sharded tensors
-    (placed by :mod:`.shards`, which checks them) and values that are not tensors.
+    left out (their state may load in another dtype, cast by ``load_state_dict``), and so are values that are
+    not tensors. Sharded tensors (DTensor, :class:`LocalShard`) are checked against their global shape.
 
     Args:
         tree: the root tree node of the checkpoint.
@@ -453,10 +479,24 @@ def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping
             e = entries[int(node["i"])]
             dtype = getattr(torch, e.dtype, None)
             if tuple(target.shape) != tuple(e.shape) or target.dtype != dtype:
+                raise _fit_error(e.key, f"{e.dtype}{list(e.shape)}",
+                                 f"{_dtype_name(target.dtype)}{list(target.shape)}")
+            if shares_memory_within(target):
+                raise _shared_memory_error(e.key)
+        elif tag == "dtensor" and isinstance(target, (torch.Tensor, LocalShard)):
+            e = entries[int(node["i"])]
+            dtype = getattr(torch, e.dtype, None)
+            gshape = tuple(int(x) for x in node["g"])
+            live = target.tensor if isinstance(target, LocalShard) else target
+            lshape = target.global_shape if isinstance(target, LocalShard) else tuple(target.shape)
+            if tuple(lshape) != gshape or live.dtype != dtype:
+                what = "live LocalShard is of" if isinstance(target, LocalShard) else "live tensor is"
                 raise StateMismatchError(
-                    f"{e.key}: the checkpoint holds {e.dtype}{list(e.shape)}, the live tensor is "
-                    f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}; restore into a state of the "
-                    "same shapes and dtypes (or leave the key out); nothing was loaded")
+                    f"{e.key}: the checkpoint holds {e.dtype}{list(gshape)}, the {what} "
+                    f"{_dtype_name(live.dtype)}{list(lshape)}; restore into a state of the same shapes and dtypes "
+                    "(or leave the key out); nothing was loaded")
+            if shares_memory_within(live):
+                raise _shared_memory_error(e.key)
         elif tag == "dict" and isinstance(target, Mapping):
             for k_node, v_node in zip(node["k"], node["v"]):
                 k = _decode_key(k_node)
