@@ -290,11 +290,13 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"step {step}: NOT COMMITTED ({_uncommitted_why(store, step)})")
             bad += 1
             continue
+        manifests: dict[int, Any] = {}
         for rank in range(ws):
             try:
                 with _open_rank(store, step, rank) as copy:
                     with _bar(copy.manifest.data_bytes, f"verify step {step} rank {rank}") as bar:
                         copy.verify(bar.update)
+                manifests[rank] = copy.manifest
                 print(f"step {step} rank {rank}: OK ({copy.manifest.data_bytes} bytes, "
                       f"{len(copy.manifest.tensors)} tensors)")
             except (CorruptCheckpointError, OSError) as exc:
@@ -305,7 +307,24 @@ def _verify(args: argparse.Namespace) -> int:
                     break
                 print(f"step {step} rank {rank}: CORRUPT: {exc}")
                 bad += 1
+        if len(manifests) == ws:
+            # Each rank's copy can verify while their shards leave a gap or overlap: the step then fails every
+            # reshard and export, so it is no good step either.
+            problems = _layout_problems(manifests)
+            for p in problems:
+                print(f"step {step}: INCONSISTENT SHARDS: {p}")
+            bad += bool(problems)
     return 1 if bad else 0
+
+
+def _layout_problems(manifests: dict[int, Any]) -> list[str]:
+    """:func:`~trainguard.checkpoint.shards.shard_layout_problems` of a sharded step's manifests (none for an
+    unsharded one): restore, verify, gc and export share that one check."""
+    if not any(m.sharded for m in manifests.values()):
+        return []
+    from trainguard.checkpoint.shards import shard_layout_problems
+
+    return shard_layout_problems(manifests)
 
 
 def _removed_meanwhile(store: Any, step: int) -> bool:
@@ -318,14 +337,18 @@ def _removed_meanwhile(store: Any, step: int) -> bool:
 
 
 def _step_problem(store: Any, step: int, world_size: int) -> str | None:
-    """Why committed ``step`` does not verify (first failing rank), or None when every rank's copy verifies."""
+    """Why committed ``step`` does not verify (first failing rank, or the ranks' shards not tiling a tensor), or
+    None when every rank's copy verifies."""
+    manifests: dict[int, Any] = {}
     for rank in range(world_size):
         try:
             with _open_rank(store, step, rank) as copy:
                 copy.verify()
+            manifests[rank] = copy.manifest
         except (CorruptCheckpointError, OSError) as exc:
             return f"rank {rank}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-    return None
+    problems = _layout_problems(manifests)
+    return f"inconsistent shards: {problems[0]}" if problems else None
 
 
 @dataclass

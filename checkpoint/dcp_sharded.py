@@ -27,6 +27,7 @@ from trainguard.checkpoint.dcp import numpy_as_tensors
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.reader import RankCopy
+from trainguard.checkpoint.shards import check_shard_layout
 from trainguard.checkpoint.storage import LocalStore, manifest_name
 from trainguard.checkpoint.tree import capture, decode
 
@@ -66,7 +67,8 @@ def export_sharded(store: LocalStore, step: int, world_size: int, out_dir: str,
     """Writes committed sharded ``step`` of ``store`` as a DCP checkpoint in ``out_dir``, one rank at a time.
 
     Raises:
-        CorruptCheckpointError: a rank's copy fails verification.
+        CorruptCheckpointError: a rank's copy fails verification, or the ranks' shards do not tile a tensor
+            (checked before anything is written).
         OSError: the output cannot be written.
     """
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -80,14 +82,17 @@ def export_sharded(store: LocalStore, step: int, world_size: int, out_dir: str,
         TensorStorageMetadata,
     )
 
+    mans = {r: Manifest.from_json(store.read_small(step, manifest_name(r)), f"step {step} rank {r} manifest"
+                                  ).check_place(step, r, f"step {step} rank {r}") for r in range(world_size)}
+    # Before any file is written: DCP's load refuses (or misplaces) chunks that leave a gap or overlap.
+    check_shard_layout(mans, f"step {step}")
     os.makedirs(out_dir, exist_ok=True)
     md: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     planner_data: dict[str, Any] = {}
     written: set[tuple[str, tuple[int, ...]]] = set()
     for r in range(world_size):
-        man = Manifest.from_json(store.read_small(step, manifest_name(r)), f"step {step} rank {r} manifest"
-                                 ).check_place(step, r, f"step {step} rank {r}")
+        man = mans[r]
         rel = f"__{r}_0.distcp"
         with RankCopy(man, store.local_data_path(step, r), f"step {step} rank {r}", populate=False,
                       advisory_lock=True) as copy:
@@ -139,12 +144,6 @@ def export_sharded(store: LocalStore, step: int, world_size: int, out_dir: str,
             os.replace(tmp, os.path.join(out_dir, rel))
             views.clear()
             del nested, flat
-    for fqn, entry in md.items():
-        if isinstance(entry, TensorStorageMetadata):
-            covered = sum(math.prod(c.sizes) for c in entry.chunks)
-            if covered != math.prod(entry.size):
-                raise CorruptCheckpointError(f"step {step}: the shards of {fqn} cover {covered} of "
-                                             f"{math.prod(entry.size)} elements; a rank's copy is incomplete")
     meta = Metadata(state_dict_metadata=md, planner_data=planner_data, storage_data=storage,
                     storage_meta=StorageMeta(), version="1.0.0")
     for name, blob in ((".metadata", pickle.dumps(meta)),

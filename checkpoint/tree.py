@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import math
+import weakref
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
@@ -362,8 +363,9 @@ def _casting_loader(loader: TensorLoader, made: set[int] = frozenset()) -> Tenso
     return load
 
 
-def _optimizer_state_targets(optim: torch.optim.Optimizer, current: Mapping[str, Any],
-                             saved: Any) -> tuple[Mapping[str, Any], set[int]]:
+def _optimizer_state_targets(optim: torch.optim.Optimizer, current: Mapping[str, Any], saved: Any,
+                             make: Callable[[torch.Tensor], torch.Tensor] | None = None
+                             ) -> tuple[Mapping[str, Any], set[int]]:
     """``current`` (the live optimizer's ``state_dict()``) with a live target for each saved state value of a
     sharded parameter that the optimizer does not hold yet: an empty DTensor laid out like its parameter; and the
     ids of the targets made (a plain saved value that does not fit one, a scalar ``step``, loads as saved).
@@ -374,7 +376,8 @@ def _optimizer_state_targets(optim: torch.optim.Optimizer, current: Mapping[str,
     the parameter, each rank reads only its own shard, as ``torch.distributed.checkpoint.state_dict`` does by
     initialising the optimizer's state first. Plain saved moments (a DDP or one-GPU run's) get the same targets,
     each rank copying its region: loaded whole they met the DTensor parameters at the first ``step()`` the same
-    way.
+    way. ``make(param)`` makes each target (default: an empty tensor like the parameter; the pre-load walk of
+    :func:`sharded_targets` only needs the layout and passes the detached parameter, allocating nothing).
     """
     if not (isinstance(saved, dict) and saved.get("t") == "dict"):
         return current, set()
@@ -394,7 +397,8 @@ def _optimizer_state_targets(optim: torch.optim.Optimizer, current: Mapping[str,
             if not isinstance(value, dict):
                 continue
             if (value.get("t") == "dtensor" and tuple(value["g"]) == tuple(param.shape)) or value.get("t") == "tensor":
-                added.setdefault(idx, {})[_decode_key(name_node)] = torch.empty_like(param.detach())
+                added.setdefault(idx, {})[_decode_key(name_node)] = (
+                    make(param) if make is not None else torch.empty_like(param.detach()))
     if not added:
         return current, set()
     made = {id(t) for entry in added.values() for t in entry.values()}
@@ -426,23 +430,71 @@ def _decode_key(k: Any) -> Any:
     return k
 
 
-def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping[str, Any]) -> None:
-    """Raises the :class:`StateMismatchError` a restore would raise for a plain tensor of ``state`` (or of a
-    module in it) whose shape or dtype differs from the saved one, before anything is loaded.
+def shares_memory_within(t: torch.Tensor) -> bool:
+    """True when several elements of ``t`` are one memory location: a dimension of size > 1 with stride 0, as
+    ``expand()`` and broadcasting make (``copy_`` into such a tensor raises). Transposes, slices and views into a
+    larger tensor do not count: each of their elements has a location of its own."""
+    if is_dtensor(t):
+        t = t.to_local()
+    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+
+
+def _shared_memory_error(key: str) -> StateMismatchError:
+    return StateMismatchError(
+        f"{key}: the live tensor's elements share memory (an expand()ed or broadcast view, stride 0), so it cannot "
+        "be filled in place; restore into a tensor that owns its memory (e.g. .clone() it); nothing was loaded")
+
+
+def _fit_error(key: str, saved: str, live: str) -> StateMismatchError:
+    return StateMismatchError(
+        f"{key}: the checkpoint holds {saved}, the live tensor is {live}; restore into a state of the same shapes "
+        "and dtypes (or leave the key out); nothing was loaded")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+#: ``id(tree) -> loader`` of each loader that asked to see the live state before loading ``tree`` (see
+#: :func:`register_pre_load_check`); weak, so an entry goes with its loader.
+_PRE_LOAD_CHECKS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def register_pre_load_check(tree: dict[str, Any], loader: Any) -> None:
+    """Has :func:`check_fits_before_loading` of ``tree`` call ``loader.check_before_loading(state)``.
+
+    A sharded restore can only tell whether its saved shards tile each tensor once it knows which tensors it
+    must reshard (the live state) and has every rank's manifest (the loader); the checkpointer builds the
+    loader, then checks the fit, then loads, and counts any error of the load itself as a partly written state.
+    So the loader's check runs with the fit check, before anything is written. ``loader`` must keep ``tree``
+    alive (its ``tree`` attribute), which keeps the ``id`` unique while the entry exists.
+    """
+    _PRE_LOAD_CHECKS[id(tree)] = loader
+
+
+def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping[str, Any],
+                              loader: Any = None) -> None:
+    """Raises the :class:`StateMismatchError` a restore would raise for a tensor of ``state`` (or of a module in
+    it) whose shape or dtype differs from the saved one, or whose elements share memory (an ``expand()``ed view,
+    which ``copy_`` cannot fill), before anything is loaded; then runs the loader's own pre-load check (a sharded
+    restore's check that the saved shards tile every tensor it reshards, see :mod:`.shards`).
 
     The load fills the state key by key: a mismatch found at the fifth key left the first four holding the
     checkpoint and the rest the fresh model's values, so a script that caught the error and trained on (from
     scratch, or after restoring into a resized model by hand) trained a mixture with no word. Optimizers are
-    left out (their state may load in another dtype, cast by ``load_state_dict``), and so are sharded tensors
-    (placed by :mod:`.shards`, which checks them) and values that are not tensors.
+    left out (their state may load in another dtype, cast by ``load_state_dict``), and so are values that are
+    not tensors. Sharded tensors (DTensor, :class:`LocalShard`) are checked against their global shape.
 
     Args:
         tree: the root tree node of the checkpoint.
         entries: the manifest's tensor entries (``.key``, ``.shape``, ``.dtype``), indexed by the tree's ``"i"``.
         state: the live state.
+        loader: the loader about to load ``tree``; when it has ``check_before_loading(state)``, that runs last.
+            Without it, the loader registered for ``tree`` (:func:`register_pre_load_check`) does.
 
     Raises:
         StateMismatchError: a live tensor does not fit its saved one (the message names the key).
+        CorruptCheckpointError: the loader's check failed (a sharded step whose shards do not tile a tensor).
     """
 
     def walk(node: Any, target: Any) -> None:
@@ -453,10 +505,24 @@ def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping
             e = entries[int(node["i"])]
             dtype = getattr(torch, e.dtype, None)
             if tuple(target.shape) != tuple(e.shape) or target.dtype != dtype:
+                raise _fit_error(e.key, f"{e.dtype}{list(e.shape)}",
+                                 f"{_dtype_name(target.dtype)}{list(target.shape)}")
+            if shares_memory_within(target):
+                raise _shared_memory_error(e.key)
+        elif tag == "dtensor" and isinstance(target, (torch.Tensor, LocalShard)):
+            e = entries[int(node["i"])]
+            dtype = getattr(torch, e.dtype, None)
+            gshape = tuple(int(x) for x in node["g"])
+            live = target.tensor if isinstance(target, LocalShard) else target
+            lshape = target.global_shape if isinstance(target, LocalShard) else tuple(target.shape)
+            if tuple(lshape) != gshape or live.dtype != dtype:
+                what = "live LocalShard is of" if isinstance(target, LocalShard) else "live tensor is"
                 raise StateMismatchError(
-                    f"{e.key}: the checkpoint holds {e.dtype}{list(e.shape)}, the live tensor is "
-                    f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}; restore into a state of the "
-                    "same shapes and dtypes (or leave the key out); nothing was loaded")
+                    f"{e.key}: the checkpoint holds {e.dtype}{list(gshape)}, the {what} "
+                    f"{_dtype_name(live.dtype)}{list(lshape)}; restore into a state of the same shapes and dtypes "
+                    "(or leave the key out); nothing was loaded")
+            if shares_memory_within(live):
+                raise _shared_memory_error(e.key)
         elif tag == "dict" and isinstance(target, Mapping):
             for k_node, v_node in zip(node["k"], node["v"]):
                 k = _decode_key(k_node)
@@ -472,6 +538,70 @@ def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping
     for k, v in zip(keys, tree["v"]):
         if k in state:
             walk(v, state[k])
+    if loader is None:
+        loader = _PRE_LOAD_CHECKS.pop(id(tree), None)
+        if loader is not None and getattr(loader, "tree", None) is not tree:
+            loader = None  # an id reused by another tree: not this one's loader
+    check = getattr(loader, "check_before_loading", None)
+    if check is not None:
+        check(state)
+
+
+def sharded_targets(tree: dict[str, Any], state: Mapping[str, Any]) -> list[tuple[dict[str, Any], Any]]:
+    """``(node, live target)`` of every sharded tensor (``"dtensor"`` node) a :func:`restore_into` of ``state``
+    loads, the target resolved as :func:`decode` resolves it: a tensor or :class:`LocalShard` to fill in place,
+    or None when a new tensor of the whole global shape is made. Nothing is loaded or allocated; Stateful values
+    are asked for their ``state_dict()`` (which :func:`decode` asks too), only where sharded tensors are below.
+    """
+    out: list[tuple[dict[str, Any], Any]] = []
+
+    def walk(node: Any, target: Any) -> None:
+        if not isinstance(node, dict):
+            return
+        tag = node.get("t")
+        if tag == "dtensor":
+            out.append((node, target if isinstance(target, (torch.Tensor, LocalShard)) else None))
+        elif tag == "dict" and is_stateful(target):
+            walk({"t": "stateful", "v": node}, target)
+        elif tag == "dict":
+            tmap = target if isinstance(target, Mapping) else {}
+            for k_node, v_node in zip(node["k"], node["v"]):
+                k = _decode_key(k_node)
+                walk(v_node, tmap.get(k) if k in tmap else None)
+        elif tag in ("list", "tuple"):
+            tlist = target if isinstance(target, (list, tuple)) else ()
+            for i, x in enumerate(node["v"]):
+                walk(x, tlist[i] if i < len(tlist) else None)
+        elif tag == "stateful":
+            if target is None or not is_stateful(target) or not dtensor_nodes(node["v"]):
+                walk(node["v"], None)  # decode makes new tensors (or raises before loading any of it)
+                return
+            current = target.state_dict()
+            if isinstance(target, torch.optim.Optimizer):
+                current, _ = _optimizer_state_targets(target, current, node["v"], make=lambda p: p.detach())
+            walk(node["v"], current)
+
+    keys = [_decode_key(k) for k in tree["k"]]
+    for k, v in zip(keys, tree["v"]):
+        if k in state:
+            walk(v, state[k])
+    return out
+
+
+def placed_as_saved(node: dict[str, Any], entry: Any, target: Any) -> bool:
+    """Whether the sharded tensor of ``node`` (its saved ``entry``) loads into live ``target`` as the very block
+    this rank's copy holds (same offsets, shape and dtype): then no other rank's shard is read."""
+    if isinstance(target, LocalShard):
+        live, off, shape = target.tensor, target.offsets, tuple(target.tensor.shape)
+    elif is_dtensor(target):
+        shape, off = dtensor_region(target)
+        live = target
+    elif isinstance(target, torch.Tensor):
+        live, off, shape = target, (0,) * target.dim(), tuple(target.shape)
+    else:
+        return False
+    return (tuple(node["o"]) == tuple(off) and tuple(entry.shape) == tuple(shape)
+            and live.dtype == getattr(torch, entry.dtype, None))
 
 
 def restore_into(tree: dict[str, Any], loader: TensorLoader, state: MutableMapping[str, Any]) -> None:

@@ -40,7 +40,7 @@ def test_2d_blocks_and_a_replica_assemble_into_plain_tensors(tmp_path, world):
 def test_shards_that_do_not_cover_the_tensor_are_refused(tmp_path):
     cfg = _write(tmp_path, [((0, 0), (30, 40)), ((40, 0), (20, 40))])  # rows 30..39 were never saved
     with Checkpointer(cfg, rank=0, world_size=1, job="j") as ck:
-        with pytest.raises(CorruptCheckpointError, match=r"w: the saved shards cover 2000 of the 2400 elements"):
+        with pytest.raises(CorruptCheckpointError, match=r"w: no rank saved \[30:40, :\] of its \[60, 40\] \(400 of 2400 elements"):
             ck.restore({"w": torch.zeros(60, 40), "n": 0})
 
 
