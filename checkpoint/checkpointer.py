@@ -1277,7 +1277,7 @@ class Checkpointer:
                     own_verified = self.config.verify_on_restore
                 loader = ShardedLoader(own, open_rank, all_manifests, verify=self.config.verify_on_restore,
                                        own_verified=own_verified)
-            check_fits_before_loading(man.tree, man.tensors, state)
+            check_fits_before_loading(man.tree, man.tensors, state, loader=loader)
             try:
                 restore_into(man.tree, loader, state)
             except BaseException:

@@ -31,7 +31,6 @@ from trainguard.checkpoint.tree import (
     dtensor_region,
     is_dtensor,
     placed_as_saved,
-    register_pre_load_check,
     sharded_targets,
 )
 
@@ -202,7 +201,6 @@ class ShardedLoader:
         self.resharded = 0
         self.tree = own.manifest.tree
         self._layout_checked = False
-        register_pre_load_check(self.tree, self)
 
     def check_before_loading(self, state: Any) -> None:
         """Before anything is loaded into ``state``: when some sharded tensor of it is not the very block this

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import math
-import weakref
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
@@ -455,23 +454,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-#: ``id(tree) -> loader`` of each loader that asked to see the live state before loading ``tree`` (see
-#: :func:`register_pre_load_check`); weak, so an entry goes with its loader.
-_PRE_LOAD_CHECKS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-
-
-def register_pre_load_check(tree: dict[str, Any], loader: Any) -> None:
-    """Has :func:`check_fits_before_loading` of ``tree`` call ``loader.check_before_loading(state)``.
-
-    A sharded restore can only tell whether its saved shards tile each tensor once it knows which tensors it
-    must reshard (the live state) and has every rank's manifest (the loader); the checkpointer builds the
-    loader, then checks the fit, then loads, and counts any error of the load itself as a partly written state.
-    So the loader's check runs with the fit check, before anything is written. ``loader`` must keep ``tree``
-    alive (its ``tree`` attribute), which keeps the ``id`` unique while the entry exists.
-    """
-    _PRE_LOAD_CHECKS[id(tree)] = loader
-
-
 def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping[str, Any],
                               loader: Any = None) -> None:
     """Raises the :class:`StateMismatchError` a restore would raise for a tensor of ``state`` (or of a module in
@@ -489,8 +471,8 @@ def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping
         tree: the root tree node of the checkpoint.
         entries: the manifest's tensor entries (``.key``, ``.shape``, ``.dtype``), indexed by the tree's ``"i"``.
         state: the live state.
-        loader: the loader about to load ``tree``; when it has ``check_before_loading(state)``, that runs last.
-            Without it, the loader registered for ``tree`` (:func:`register_pre_load_check`) does.
+        loader: the loader about to load ``tree``; when it has ``check_before_loading(state)`` (a sharded
+            restore's, which needs the live state and every rank's manifest), that runs last.
 
     Raises:
         StateMismatchError: a live tensor does not fit its saved one (the message names the key).
@@ -538,10 +520,6 @@ def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping
     for k, v in zip(keys, tree["v"]):
         if k in state:
             walk(v, state[k])
-    if loader is None:
-        loader = _PRE_LOAD_CHECKS.pop(id(tree), None)
-        if loader is not None and getattr(loader, "tree", None) is not tree:
-            loader = None  # an id reused by another tree: not this one's loader
     check = getattr(loader, "check_before_loading", None)
     if check is not None:
         check(state)
