@@ -49,6 +49,7 @@ def worker_specs(c: NodeConfig, table: common_pb2.RankTable, mine: common_pb2.No
             signals_to_handle=c.signals_to_handle,
             generation=table.generation,
             job=c.job,
+            job_by_start_time=c.job_by_start_time,
             node_id=c.node_id,
             agent_socket=c.socket_path or None,
         )

@@ -110,6 +110,9 @@ class NodeConfig:
         predictor_threshold: alarm when the risk score reaches this, in [0, 1]; None (default) uses the model's
             own threshold, calibrated per node.
         role: ``ROLE_NAME`` of the workers (torchrun's ``--role``).
+        job_by_start_time: ``job`` is only the start-time default of a one-node ``trainguard run`` (exported as
+            ``TRAINGUARD_JOB_BY_START_TIME``: a worker with a checkpoint directory of its own names the job after
+            it).
         streams: local rank -> :class:`~trainguard.agent.run_torchrun.StreamSpec` (``-r``/``-t``/
             ``--local-ranks-filter``); missing ranks use the console (or ``log_dir``).
         error_dir: where each worker's ``TORCHELASTIC_ERROR_FILE`` lies (``<dir>/g<gen>/rank<R>/error.json``);
@@ -161,6 +164,7 @@ class NodeConfig:
     drain_grace_s: float = 30.0
     predictor_threshold: float | None = None
     role: str = "default"
+    job_by_start_time: bool = False
     streams: dict = field(default_factory=dict)
     error_dir: str | None = None
     virtual_local_rank: bool = False

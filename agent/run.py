@@ -97,21 +97,21 @@ def _refuse_a_second_job(job: str, script: str, checkpoint_dir: str | None, name
                 "cannot write checkpoints: give it --job NAME or another --checkpoint-dir")
 
 
-def _check_checkpoint_dir(path: str) -> None:
+def _check_checkpoint_dir(path: str, flag: str = "--checkpoint-dir") -> None:
     from trainguard.checkpoint.config import check_durable_url
     from trainguard.checkpoint.errors import CheckpointConfigError
 
     try:
-        location = CheckpointLocation.parse(path, "--checkpoint-dir")
+        location = CheckpointLocation.parse(path, flag)
         if not location.is_local:
             # memory:// or an unknown scheme failed every worker at trainguard.init, restart after restart, and
             # the run ended FAILED with only "exit code 1" in its summary.
-            check_durable_url(location.url, "--checkpoint-dir")
+            check_durable_url(location.url, flag)
         problem = location.check_writable()
     except CheckpointConfigError as exc:
         raise UsageError(str(exc)) from exc
     if problem is not None:
-        raise UsageError(f"{problem}; pick another --checkpoint-dir or fix its permissions")
+        raise UsageError(f"{problem}; pick another {flag} or fix its permissions")
 
 
 def _refuse_url(path: str, flag: str, what: str) -> None:
@@ -257,8 +257,14 @@ def run_job(args: argparse.Namespace) -> RunResult:
             PredictorModel.load(args.predictor_model)
         except ModelFileError as exc:
             raise UsageError(f"--predictor-model: {exc}") from exc
+    flag = "--checkpoint-dir"
+    if args.checkpoint_dir is None and os.environ.get(CHECKPOINT_DIR_ENV, "").strip():
+        # The workers inherit it, and the hook checkpoints there: named after the start time instead of this
+        # directory, each relaunch of the same command was a new job that resumed nothing.
+        args.checkpoint_dir = os.environ[CHECKPOINT_DIR_ENV].strip()
+        flag = f"${CHECKPOINT_DIR_ENV}"
     if args.checkpoint_dir:
-        _check_checkpoint_dir(args.checkpoint_dir)
+        _check_checkpoint_dir(args.checkpoint_dir, flag)
     if args.log_dir:
         _check_log_dir(args.log_dir)
     if args.metric_history:
@@ -373,6 +379,7 @@ def run_job(args: argparse.Namespace) -> RunResult:
         coordinator_patience_s=rdzv.join_timeout_s,
         coordinator_form_timeout_s=rdzv.form_timeout_s,
         role=args.role,
+        job_by_start_time=not rdzv.job and not rdzv.endpoint and not args.checkpoint_dir,
         signals_to_handle=",".join(sig.name for sig in signals),
         streams=streams,
         error_dir=os.path.join(rundir, "errors"),

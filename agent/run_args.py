@@ -272,7 +272,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="job name (default: --rdzv-id; else the script name plus the rendezvous port, or the "
                         "checkpoint directory, or the start time)")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="checkpoint directory or fsspec URL given to every worker as $TRAINGUARD_CHECKPOINT_DIR")
+                   help="checkpoint directory or fsspec URL given to every worker as $TRAINGUARD_CHECKPOINT_DIR "
+                        "(default: $TRAINGUARD_CHECKPOINT_DIR)")
     p.add_argument("--replica-bandwidth-mib-s", type=float, default=1024.0, metavar="MIB_S",
                    help="cap on pushing this node's in-memory checkpoint to its buddy node, MiB/s (0: none)")
     p.add_argument("--replica-memory-mib", type=int, default=8192, metavar="MIB",

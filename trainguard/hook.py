@@ -309,12 +309,14 @@ class Session:
         lone_named = False  # a lone process's job named here (it was "default" before)
         if job:
             self.job = job
-        elif directory and not env.job and (not env.run_id or torchrun_made_run_id(env.run_id)):
+        elif directory and (env.job_by_start_time
+                            or not env.job and (not env.run_id or torchrun_made_run_id(env.run_id))):
             # A one-node torchrun launch's run id is a fresh uuid, so each relaunch of the same command saved into a
-            # new job folder and resumed nothing. A lone process (no run id at all) was job "default": every such
-            # script on the host shared one in-memory tier folder (a second one running had every save refused,
-            # one that crashed had its copies overwritten) and, in one checkpoint directory, one job folder (a
-            # second script restored the first one's model).
+            # new job folder and resumed nothing; so did a one-node trainguard run given no checkpoint directory
+            # (the script's own): it names the job after its start time. A lone process (no run id at all) was
+            # job "default": every such script on the host shared one in-memory tier folder (a second one running
+            # had every save refused, one that crashed had its copies overwritten) and, in one checkpoint
+            # directory, one job folder (a second script restored the first one's model).
             self.job = checkpoint_job_name(sys.argv[0] if sys.argv and sys.argv[0] else "job", directory)
             lone_named = not env.run_id
         else:

@@ -28,6 +28,11 @@ AGENT_SOCKET_ENV = "TRAINGUARD_AGENT_SOCKET"
 GENERATION_ENV = "TRAINGUARD_GENERATION"
 #: The job's name.
 JOB_ENV = "TRAINGUARD_JOB"
+#: ``1`` when ``trainguard run`` named the job after its start time (a one-node run given no ``--job``,
+#: ``--rdzv-id`` or checkpoint directory): a worker that checkpoints to a directory of its own
+#: (``trainguard.init(checkpoint_dir=...)``) names the job after it instead, as under torchrun, so a relaunch
+#: resumes.
+JOB_BY_START_TIME_ENV = "TRAINGUARD_JOB_BY_START_TIME"
 #: The node id of the agent that started the worker.
 NODE_ID_ENV = "TRAINGUARD_NODE_ID"
 #: Default checkpoint location (directory or fsspec URL) for every worker, set by ``trainguard run
@@ -161,6 +166,7 @@ class WorkerEnv:
         signals_to_handle: ``TORCHELASTIC_SIGNALS_TO_HANDLE``, default torchrun's.
         generation: the trainguard generation (``TRAINGUARD_GENERATION``), default 0.
         job: the trainguard job name (``TRAINGUARD_JOB``); empty when unset (see :attr:`job_name`).
+        job_by_start_time: ``trainguard run`` named the job after its start time (``TRAINGUARD_JOB_BY_START_TIME``).
         node_id: the agent's node id (``TRAINGUARD_NODE_ID``); empty when unset.
         agent_socket: the node agent's unix socket (``TRAINGUARD_AGENT_SOCKET``); None without an agent.
         checkpoint_dir: default checkpoint location (``TRAINGUARD_CHECKPOINT_DIR``); None when unset.
@@ -185,6 +191,7 @@ class WorkerEnv:
     signals_to_handle: str = DEFAULT_SIGNALS
     generation: int = 0
     job: str = ""
+    job_by_start_time: bool = False
     node_id: str = ""
     agent_socket: str | None = None
     checkpoint_dir: str | None = None
@@ -229,6 +236,7 @@ class WorkerEnv:
             signals_to_handle=e.get(SIGNALS_TO_HANDLE_ENV) or DEFAULT_SIGNALS,
             generation=_int(e, GENERATION_ENV, 0),
             job=e.get(JOB_ENV) or "",
+            job_by_start_time=(e.get(JOB_BY_START_TIME_ENV) or "").strip() == "1",
             node_id=e.get(NODE_ID_ENV) or "",
             agent_socket=_str(e, AGENT_SOCKET_ENV),
             checkpoint_dir=_str(e, CHECKPOINT_DIR_ENV),
@@ -301,6 +309,10 @@ class WorkerEnv:
             env.update(extra)
         env[GENERATION_ENV] = str(self.generation)
         env[JOB_ENV] = self.job
+        if self.job_by_start_time:
+            env[JOB_BY_START_TIME_ENV] = "1"
+        else:
+            env.pop(JOB_BY_START_TIME_ENV, None)  # a launcher's own, inherited from a run that started it
         env[NODE_ID_ENV] = self.node_id
         for name, value in ((AGENT_SOCKET_ENV, self.agent_socket),
                             (CHECKPOINT_DIR_ENV, self.checkpoint_dir),
@@ -312,5 +324,5 @@ class WorkerEnv:
 
 __all__ = [
     "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_SERVICE_ENV", "DEFAULT_SIGNALS", "GENERATION_ENV",
-    "JOB_ENV", "NODE_ID_ENV", "RESTORE_PLAN_ENV", "WorkerEnv", "WorkerEnvError",
+    "JOB_BY_START_TIME_ENV", "JOB_ENV", "NODE_ID_ENV", "RESTORE_PLAN_ENV", "WorkerEnv", "WorkerEnvError",
 ]

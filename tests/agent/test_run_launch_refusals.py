@@ -104,3 +104,10 @@ def test_a_node_joining_a_coordinator_without_nnodes_leaves_the_world_size_to_it
     check()  # the job may have more nodes than this one: the coordinator knows its size
     with pytest.raises(UsageError, match="world size is 2"):
         check("--nnodes", "2")
+
+
+def test_a_checkpoint_directory_from_the_environment_is_checked_under_its_name(tmp_path):
+    # $TRAINGUARD_CHECKPOINT_DIR is the launcher's checkpoint directory when --checkpoint-dir is not given (the job
+    # is named after it, so a relaunch resumes): one no worker could use is refused as the flag's would be.
+    line = _refused(tmp_path, ["--nproc-per-node", "1"], TRAINGUARD_CHECKPOINT_DIR="memory://ck")
+    assert "$TRAINGUARD_CHECKPOINT_DIR" in line and "memory://" in line, line

@@ -59,3 +59,25 @@ def test_plain_torchrun(tmp_path: Path, tg_env: dict) -> None:
     # One job folder for both launches (beside the disk tier's writer leases, .trainguard-writers).
     assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.name != WRITERS_DIR] == [
         checkpoint_job_name(str(EXAMPLE), str(tmp_path / "ckpt"))]
+
+
+@pytest.mark.timeout(600)
+def test_trainguard_run_resumes_a_scripts_own_checkpoint_directory_and_one_from_the_environment(
+        tmp_path: Path, tg_env: dict) -> None:
+    # Found by a review: given no --checkpoint-dir, trainguard run named the job after its start time and the hook
+    # took that name over the directory the script gave trainguard.init() (or $TRAINGUARD_CHECKPOINT_DIR): every
+    # relaunch was a new job folder that restored nothing, where plain python and torchrun resumed.
+    from tg_testutil import run_cli
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out.json"
+    first = run_cli(["run", "--nproc-per-node", "1", "--max-restarts", "0", str(EXAMPLE), "--steps", "10",
+                     "--save-every", "5", "--checkpoint-dir", str(ckpt), "--out", str(out)], tg_env, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads(out.read_text())["restored_step"] is None
+    # Relaunched with the directory in the environment (and more steps): the same job, as under torchrun.
+    env = {**tg_env, "TRAINGUARD_CHECKPOINT_DIR": str(ckpt)}
+    again = run_cli(["run", "--nproc-per-node", "1", "--max-restarts", "0", str(EXAMPLE), "--steps", "12",
+                     "--save-every", "5", "--out", str(out)], env, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(out.read_text())["restored_step"] == 9
+    assert [p.name for p in ckpt.iterdir() if p.name != WRITERS_DIR] == [checkpoint_job_name(str(EXAMPLE), str(ckpt))]
