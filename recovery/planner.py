@@ -64,7 +64,7 @@ def place(previous: RankLayout, holders: Sequence[NodeSpec], free: Sequence[Node
         return Placement(assign_ranks(members, previous=previous, group_size=previous.group_size, grow=False),
                          replacements)
     except MembershipError as exc:
-        waiting = describe_vacancies(previous, filled, unplaced) if None in filled else str(exc)
+        waiting = describe_vacancies(previous, filled, unplaced, allow_shrink) if None in filled else str(exc)
         if not allow_shrink or None not in filled:
             return Placement(None, replacements, waiting=waiting)
     try:

@@ -365,8 +365,11 @@ def fill_slots(previous: RankLayout, members: Sequence[NodeSpec]) -> tuple[list[
     return filled, newcomers
 
 
-def describe_vacancies(previous: RankLayout, filled: Sequence[NodeSpec | None], unplaced: Sequence[NodeSpec]) -> str:
-    """One line naming every vacant slot, the pod and devices a node needs to fill it, and why free nodes do not.
+def describe_vacancies(previous: RankLayout, filled: Sequence[NodeSpec | None], unplaced: Sequence[NodeSpec],
+                       shrink_allowed: bool = False) -> str:
+    """One line naming every vacant slot, the pod and devices a node needs to fill it, and why free nodes do not;
+    it suggests allowing shrinking unless ``shrink_allowed`` (the job may shrink already: "or allow shrinking"
+    misled a user whose job had shrunk).
 
     Args:
         previous: the previous layout.
@@ -403,7 +406,8 @@ def describe_vacancies(previous: RankLayout, filled: Sequence[NodeSpec | None], 
         shown = ", ".join(f"{m.node_id!r} (pod {m.pod_id!r}, {m.device_count} device(s))" for m in unplaced[:3])
         more = f" and {len(unplaced) - 3} more" if len(unplaced) > 3 else ""
         unusable = f"; free nodes that cannot take them: {shown}{more}"
-    return f"no spare node for {len(vacant)} rank slot(s): {names}{unusable}; {spare}, or allow shrinking"
+    return (f"no spare node for {len(vacant)} rank slot(s): {names}{unusable}; {spare}"
+            + ("" if shrink_allowed else ", or allow shrinking"))
 
 
 def layout_from_mapping(rows: Sequence[Mapping[str, object]], group_size: int = 1) -> RankLayout:

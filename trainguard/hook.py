@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
-from trainguard import gloo_exit
+from trainguard import error_file, gloo_exit
 from trainguard.errors import TrainguardError, UsageError
 from trainguard.step_timer import Section, StepTimer
 from trainguard.worker_env import (CHECKPOINT_DIR_ENV, RANK_ENV, WORLD_SIZE_ENV, WorkerEnv, checkpoint_job_name,
@@ -350,6 +350,7 @@ class Session:
         # holds a finished collective (see trainguard.gloo_exit): under trainguard run or torchrun that reads as a
         # failed job.
         gloo_exit.install()
+        error_file.install()  # the launcher's summary then names what ended the worker (a failed restore)
         if directory:
             from trainguard.checkpoint import CheckpointConfig, Checkpointer
 

@@ -62,6 +62,9 @@ def test_shrink_only_when_allowed_and_above_the_minimum() -> None:
     shrunk = place(flat, kept, (), allow_shrink=True, min_nodes=3)
     assert shrunk.shrunk and shrunk.layout.node_ids == ("n0", "n1", "n2")
     assert "below the minimum 4" in place(flat, kept, (), allow_shrink=True, min_nodes=4).waiting
+    # Why it waits suggests allowing shrinking only where it is not allowed (a shrunk job was told to allow it).
+    assert place(flat, kept, ()).waiting.endswith("register a spare node in pod 'p2', or allow shrinking")
+    assert "allow shrinking" not in place(flat, kept, (), allow_shrink=True, min_nodes=4).waiting
     # A spare that arrives before the plan forms is used instead of shrinking.
     spare = place(flat, kept, (NodeSpec("s", "p2", 9, "s", 2),), allow_shrink=True)
     assert not spare.shrunk and spare.layout.node_ids == ("n0", "n1", "n2", "s")
