@@ -34,7 +34,7 @@ import socket
 from dataclasses import dataclass, field
 
 from trainguard.errors import UsageError
-from trainguard.worker_env import checkpoint_job_name, job_name_from
+from trainguard.worker_env import checkpoint_job_name, job_name_from, run_id_job_name
 
 log = logging.getLogger(__name__)
 
@@ -381,11 +381,14 @@ def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:
     # not cost ten minutes).
     form_timeout = _conf_seconds(conf, "join_timeout", 600.0)
     last_call = _conf_seconds(conf, "last_call_timeout", 30.0)
-    job = args.job or args.rdzv_id
+    job = args.job or (run_id_job_name(args.rdzv_id) if args.rdzv_id else args.rdzv_id)
+    if not args.job and args.rdzv_id and job != args.rdzv_id:
+        log.info("--rdzv-id %r names job %s (a job name holds only letters, digits and ._:@-)", args.rdzv_id, job)
     is_host = _conf_bool(conf, "is_host")  # checked whether or not the backend reads it
     if args.node_rank < 0:
         raise UsageError(f"--node-rank {args.node_rank}: expected >= 0")
-    if args.master_port is not None and not 0 < args.master_port <= 65535:
+    # 0 on one node: torchrun picks a free port; trainguard picks every port of a one-node job itself.
+    if args.master_port is not None and not (0 < args.master_port <= 65535 or args.master_port == 0 and hi == 1):
         raise UsageError(f"--master-port {args.master_port}: expected 1..65535")
     backend = str(args.rdzv_backend).lower().replace("_", "-")
     if backend in _ETCD_BACKENDS:
@@ -546,16 +549,21 @@ def parse_ranks_filter(text: str) -> set[int] | None:
 def stream_specs(args: argparse.Namespace, nproc: int) -> dict[int, StreamSpec]:
     """Per local rank, where stdout and stderr go, from ``--log-dir``, ``-r``, ``-t`` and
     ``--local-ranks-filter`` (torchrun's semantics: files only for ``-r``, files and console for ``-t``; the
-    filter only hides console output).
+    filter only hides console output). ``-r``/``-t`` without ``--log-dir`` write into a new temporary folder,
+    as torchrun's do (refused before, so a torchrun line with ``-t 3`` did not run unchanged): ``args.log_dir``
+    is set to it, and a line says where it is.
 
     Raises:
-        UsageError: bad values, or ``-r``/``-t`` without ``--log-dir``.
+        UsageError: bad values.
     """
     redirects = parse_streams(args.redirects, "--redirects", nproc)
     tee = parse_streams(args.tee, "--tee", nproc)
     shown = parse_ranks_filter(args.local_ranks_filter)
     if (any(redirects.values()) or any(tee.values())) and not args.log_dir:
-        raise UsageError("--redirects/--tee need --log-dir DIR for the files")
+        import tempfile
+
+        args.log_dir = tempfile.mkdtemp(prefix="trainguard-logs-")
+        log.warning("--redirects/--tee without --log-dir: the workers' log files go to %s", args.log_dir)
     specs = {}
     for r in range(nproc):
         kinds = []

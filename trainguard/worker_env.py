@@ -122,6 +122,18 @@ def job_name_from(stem: str, suffix: str) -> str:
     return f"{safe}-{suffix}"
 
 
+def run_id_job_name(run_id: str) -> str:
+    """The job name of a torchrun ``--rdzv-id`` (``TORCHELASTIC_RUN_ID``): the id itself when it is a valid job
+    name, else the id with the characters a job name may not hold as ``_`` plus 8 hex digits of its hash (two ids
+    that differ only there stay two jobs). torchrun takes any id: one taken from a scheduler or a path
+    (``team/run 7``) was refused by ``trainguard run``, and made the hook's checkpoint job an invalid name."""
+    from trainguard.recovery.spec import JOB_NAME_RE
+
+    if JOB_NAME_RE.match(run_id):
+        return run_id
+    return job_name_from(run_id, hashlib.sha256(run_id.encode()).hexdigest()[:8])
+
+
 #: torchrun's default ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
@@ -201,7 +213,7 @@ class WorkerEnv:
     def job_name(self) -> str:
         """The job's name as a worker should use it: ``TRAINGUARD_JOB``, else ``TORCHELASTIC_RUN_ID``, else
         ``"default"``."""
-        return self.job or self.run_id or "default"
+        return self.job or (run_id_job_name(self.run_id) if self.run_id else "default")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -325,4 +337,5 @@ class WorkerEnv:
 __all__ = [
     "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_SERVICE_ENV", "DEFAULT_SIGNALS", "GENERATION_ENV",
     "JOB_BY_START_TIME_ENV", "JOB_ENV", "NODE_ID_ENV", "RESTORE_PLAN_ENV", "WorkerEnv", "WorkerEnvError",
+    "run_id_job_name",
 ]

@@ -150,7 +150,6 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     (["--coordinator", "127.0.0.1:1,192.0.2.7", "--rdzv-conf", "join_timeout=1"],
      ["--coordinator '192.0.2.7'", "HOST:PORT"]),
     (["--log-dir", "/tmp", "--redirects", "7"], ["--redirects", "0 (none)"]),
-    (["--tee", "1"], ["--redirects/--tee", "--log-dir"]),
     # made only when the first worker started: a traceback once the job had registered (this file is no folder)
     (["--log-dir", f"{__file__}/logs"], ["--log-dir", "cannot create it", "Not a directory"]),
     (["--local-ranks-filter", "a,b"], ["--local-ranks-filter", "comma list"]),
@@ -163,6 +162,7 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     (["--node-rank", "99999999999"], ["--node-rank 99999999999", "0..2147483647"]),
     (["--node-index", "-3"], ["--node-index -3", "0..2147483647"]),  # said by the coordinator, once it ran
     (["--master-port", "99999"], ["--master-port 99999", "1..65535"]),
+    (["--nnodes", "2", "--master-port", "0"], ["--master-port 0", "1..65535"]),  # one node may give 0
     (["--rdzv-backend", "c10d", "--rdzv-conf", "is_host=maybe"], ["--rdzv-conf is_host='maybe'", "true or false"]),
     (["--monitor-interval", "0"], ["--monitor-interval", "> 0"]),
     (["--start-method", "thread"], ["--start-method", "invalid choice"]),
@@ -180,6 +180,34 @@ def test_bad_torchrun_values_are_one_line_errors(capsys, flags: list[str], words
     assert len(lines) == 1 and "Traceback" not in err, err
     for w in words:
         assert w in lines[0], (w, lines[0])
+
+
+def test_torchrun_lines_torchrun_accepts_are_accepted(tmp_path: Path, caplog) -> None:
+    """Found by a review: ``-t 3`` without ``--log-dir`` (torchrun logs to a temporary folder), an ``--rdzv-id``
+    holding ``/`` or spaces (an id from a scheduler), and ``--master-port 0`` on one node were refused."""
+    import argparse
+    import shutil
+
+    from trainguard.agent.run_args import add_run_arguments
+    from trainguard.agent.run_torchrun import resolve_rendezvous, stream_specs
+    from trainguard.recovery.spec import JOB_NAME_RE
+    from trainguard.worker_env import WorkerEnv
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    args = parser.parse_args(["--tee", "3", PRINT_ENV])
+    with caplog.at_level(logging.WARNING):
+        specs = stream_specs(args, 2)
+    try:
+        assert args.log_dir and os.path.isdir(args.log_dir) and args.log_dir in caplog.text
+        assert specs[0].stdout == specs[1].stderr == "tee"
+    finally:
+        shutil.rmtree(args.log_dir, ignore_errors=True)
+    jobs = [resolve_rendezvous(parser.parse_args(["--rdzv-id", rid, PRINT_ENV])).job
+            for rid in ("team/run 7", "team/run 7", "team_run_7", "plain-id")]
+    assert all(JOB_NAME_RE.match(j) for j in jobs) and jobs[0] == jobs[1] != jobs[2] and jobs[3] == "plain-id"
+    assert WorkerEnv(run_id="team/run 7").job_name == jobs[0]  # the hook under plain torchrun: the same job
+    assert resolve_rendezvous(parser.parse_args(["--master-port", "0", PRINT_ENV])).endpoint in ("", None)
 
 
 def test_a_missing_script_is_the_only_thing_said_to_be_missing(capsys) -> None:
