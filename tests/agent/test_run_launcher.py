@@ -221,7 +221,12 @@ def test_a_url_given_to_log_dir_or_metric_history_is_refused(tmp_path: Path, tg_
 
 
 def test_hung_worker_is_detected_and_restarted(tmp_path: Path, tg_env: dict) -> None:
-    r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "1", "--hang-floor-s", "5",
+    # A 2 s floor is 40x the script's 0.05 s steps (test_run_hang_silence judges 0.05 s steps against the same
+    # floor without a false hang); the hung rank sleeps 600 s. --no-standby: the script imports no torch, but
+    # standbys armed at its first step preload torch, and the restart waited for their imports (the second
+    # generation's first step came 15 s after the restart on a loaded box, against 1 s for fresh workers);
+    # restarts from standbys are covered by test_run_recovery.
+    r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "1", "--no-standby", "--hang-floor-s", "2",
                  str(SCRIPTS / "hang_once.py")], tg_env, timeout=110)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "sent no step heartbeat" in r.stderr and "rank 1" in r.stderr, r.stderr[-3000:]
