@@ -8,9 +8,12 @@ per local rank once the generation had run ``standby_after_s`` (3 s): each impor
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tg_testutil import communicate_all
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,22 +45,23 @@ with open(sys.argv[1], "w") as f:
 """
 
 
-def _standbys_seen(tmp_path: Path, tg_env: dict, max_restarts: int, window_s: float) -> int:
-    script = tmp_path / "count.py"
-    script.write_text(COUNT_STANDBYS)
+def _launch(tmp_path: Path, tg_env: dict, max_restarts: int, window_s: float) -> subprocess.Popen:
     out = tmp_path / f"seen-{max_restarts}.json"
-    proc = subprocess.run([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "1", "--max-restarts",
-                           str(max_restarts), str(script), str(out), str(window_s)],
-                          env=tg_env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())["standbys"]
+    return subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "1",
+                             "--max-restarts", str(max_restarts), "--job", f"standby-{max_restarts}-{os.getpid()}",
+                             str(tmp_path / "count.py"), str(out),
+                             str(window_s)],
+                            env=tg_env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def test_no_standby_is_armed_without_a_restart_budget(tmp_path: Path, tg_env: dict) -> None:
-    # 3 s arming delay + 6 s for the standby to be spawned on a loaded box.
-    assert _standbys_seen(tmp_path, tg_env, max_restarts=0, window_s=9.0) == 0
-
-
-def test_standbys_are_armed_when_a_restart_may_come(tmp_path: Path, tg_env: dict) -> None:
-    # The same detection sees the standby when the budget allows a restart (so the test above can fail).
-    assert _standbys_seen(tmp_path, tg_env, max_restarts=1, window_s=60.0) == 1
+def test_standbys_are_armed_only_when_a_restart_may_come(tmp_path: Path, tg_env: dict) -> None:
+    # Both launchers run side by side (one test: the wait of the one without a budget overlaps the other's run),
+    # each with a job name of its own (the default name of the same script would refuse the second).
+    # Without a budget: 3 s arming delay + 6 s for the standby to be spawned on a loaded box, and none shows.
+    # With one, the same detection sees the standby (so the check without a budget can fail).
+    (tmp_path / "count.py").write_text(COUNT_STANDBYS)
+    procs = [_launch(tmp_path, tg_env, 0, 9.0), _launch(tmp_path, tg_env, 1, 60.0)]
+    for p, (code, _, err) in zip(procs, communicate_all(procs, timeout=180)):
+        assert code == 0, err[-3000:]
+    seen = [json.loads((tmp_path / f"seen-{n}.json").read_text())["standbys"] for n in (0, 1)]
+    assert seen == [0, 1], seen
