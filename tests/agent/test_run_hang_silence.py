@@ -9,9 +9,10 @@ Real processes: the launcher, its embedded coordinator, the worker, with the pro
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
 
 from tg_testutil import run_cli
 
@@ -67,6 +68,8 @@ BLOCKS = {
 
 
 def _run(tmp_path: Path, env: dict, script: str, *flags: str) -> "tuple[int, str]":
+    # A job name of its own: the default name of worker.py would refuse a second launcher beside the first.
+    flags = ("--job", f"hang-{tmp_path.name}-{os.getpid()}", *flags)
     (tmp_path / "detectors.toml").write_text(f"[process]\nstartup_grace_s = {GRACE_S}\n")
     (tmp_path / "worker.py").write_text(script)
     r = run_cli(["run", "--nproc-per-node", "1", "--no-standby", "--detector-config", str(tmp_path / "detectors.toml"),
@@ -74,27 +77,50 @@ def _run(tmp_path: Path, env: dict, script: str, *flags: str) -> "tuple[int, str
     return r.returncode, r.stderr + r.stdout
 
 
-def test_a_script_without_the_hook_is_not_hung_for_being_silent(tmp_path: Path, tg_env: dict) -> None:
-    code, out = _run(tmp_path, tg_env, PLAIN.format(run_s=4 * GRACE_S), "--max-restarts", "0")
+def _run_side_by_side(tmp_path: Path, env: dict, runs: "dict[str, tuple]") -> "dict[str, tuple[int, str]]":
+    """Runs each ``name -> (script, *flags)`` as :func:`_run` does, in a folder of its own, all at once: their
+    waits overlap (each launcher judges only its own worker)."""
+    for name in runs:
+        (tmp_path / name).mkdir()
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {name: pool.submit(_run, tmp_path / name, env, *args) for name, args in runs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def test_silence_before_the_first_step_is_hung_only_for_a_hooked_worker(tmp_path: Path, tg_env: dict) -> None:
+    # Two launchers side by side: the plain worker sleeps through 4x the grace (no CPU) while the hooked one is
+    # judged. The hooked one's hang is what shows the grace applies (the plain one's check can fail).
+    got = _run_side_by_side(tmp_path, tg_env, {
+        "plain": (PLAIN.format(run_s=4 * GRACE_S), "--max-restarts", "0"),
+        "hooked": (HOOKED_SILENT, "--max-restarts", "0")})
+    # A script without the hook is not hung for being silent.
+    code, out = got["plain"]
     assert code == 0, out[-3000:]
     assert "plain worker done" in out and "0 fault(s)" in out, out[-3000:]
     assert "before its first step" not in out, out[-3000:]
-
-
-def test_a_hooked_worker_silent_before_its_first_step_is_hung(tmp_path: Path, tg_env: dict) -> None:
-    code, out = _run(tmp_path, tg_env, HOOKED_SILENT, "--max-restarts", "0")
+    # A hooked worker silent before its first step is hung.
+    code, out = got["hooked"]
     assert code != 0, out[-3000:]
     assert "hooked worker reached the hook" in out, out[-3000:]
     assert "sent no step heartbeat" in out and "before its first step" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("block", list(BLOCKS))
-def test_a_long_phase_between_steps_is_no_hang_inside_a_pause_only(tmp_path: Path, tg_env: dict, block: str) -> None:
+def _between_steps(block: str) -> tuple:
     after = 6 if block == "paused-and-nested-paused" else 3  # the first step after the block
-    code, out = _run(tmp_path, tg_env, BETWEEN_STEPS.format(block=BLOCKS[block], after=after), "--max-restarts", "0",
-                     "--hang-floor-s", str(HANG_FLOOR_S))
-    if block == "paused-and-nested-paused":
-        assert code == 0 and "worker done" in out and "0 fault(s)" in out, out[-3000:]
-    else:
-        assert code != 0 and "worker done" not in out, out[-3000:]
-        assert "sent no step heartbeat" in out and "after step 2" in out, out[-3000:]
+    return (BETWEEN_STEPS.format(block=BLOCKS[block], after=after), "--max-restarts", "0",
+            "--hang-floor-s", str(HANG_FLOOR_S))
+
+
+def test_a_long_phase_between_steps_is_no_hang_inside_a_pause(tmp_path: Path, tg_env: dict) -> None:
+    # Alone: its pass (no fault) needs its 0.05 s steps on time, so no other launcher starts beside it.
+    code, out = _run(tmp_path, tg_env, *_between_steps("paused-and-nested-paused"))
+    assert code == 0 and "worker done" in out and "0 fault(s)" in out, out[-3000:]
+
+
+def test_a_long_phase_between_steps_is_a_hang_outside_a_pause(tmp_path: Path, tg_env: dict) -> None:
+    # Both hung (the pass above can fail), side by side: a late step only delays their hang, never prevents it.
+    got = _run_side_by_side(tmp_path, tg_env, {block: _between_steps(block)
+                                               for block in ("silent", "paused-then-silent")})
+    for block, (code, out) in got.items():
+        assert code != 0 and "worker done" not in out, (block, out[-3000:])
+        assert "sent no step heartbeat" in out and "after step 2" in out, (block, out[-3000:])
