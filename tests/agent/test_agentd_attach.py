@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -90,31 +91,24 @@ def newest_restore(out: Path, rank: int, pids_before: set[str]) -> dict:
     return json.loads(min(files, key=lambda p: p.stat().st_mtime).read_text())
 
 
-@pytest.mark.parametrize("named,nproc", [(True, 2), (False, 1)], ids=["rdzv-id", "default-name"])
-def test_sigkilled_launchers_restart_restores_from_the_daemons_memory(tmp_path: Path, tg_env: dict, shm: Path,
-                                                                      named: bool, nproc: int):
-    """Rerunning the same command restores from memory: with an explicit job name, and with none (the default
-    name of a one-node job follows its checkpoint directory, not its start time). The named job has two ranks
-    (every rank restores the same step bitwise); the default name does not depend on the ranks, so that job has
-    one (one torch worker fewer in each of its two runs)."""
-    job = f"mem-{os.getpid()}" if named else None
-    FakeNodeHardware(tmp_path / "sysfs")
-    daemon = UnitDaemon(tmp_path / "daemon", daemon_config(tmp_path / "sysfs", shm), clean_env(tg_env))
-    env = dict(clean_env(tg_env), TRAINGUARD_AGENT_SOCKET_PATH=str(daemon.socket_path),
-               TRAINGUARD_CHECKPOINT_SHM_DIR=str(shm))
+def _kill_and_rerun(daemon: UnitDaemon, env: dict, shm: Path, tmp_path: Path, job: str | None, nproc: int) -> None:
+    """Runs ``arena_trainer.py`` under the attached launcher, SIGKILLs the launcher's session once step 5 is in
+    the memory tier, removes the disk copy and reruns the same command: every rank restores from memory."""
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    out.mkdir()
+    out.mkdir(parents=True)
     cmd = run_cmd(job, "--nproc-per-node", str(nproc), "--max-restarts", "0", "--detectors", "process",
                   "--checkpoint-dir", str(ckpt), str(SCRIPTS / "arena_trainer.py"), str(out), "16")
     first = second = None
     try:
-        daemon.wait_ready()
         first = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  start_new_session=True)
         if job is None:  # the arena the run creates is named after its job
-            wait_until(lambda: shm.is_dir() and [d for d in shm.iterdir() if d.is_dir()], 90, "the job's arena")
-            job = next(d.name for d in shm.iterdir() if d.is_dir())
-            assert job.startswith("arena_trainer-"), job
+            def default_named() -> list[str]:
+                return [d.name for d in shm.iterdir() if d.is_dir() and d.name.startswith("arena_trainer-")] \
+                    if shm.is_dir() else []
+
+            wait_until(default_named, 90, "the job's arena")
+            job = default_named()[0]
         wait_until(lambda: memory_committed(str(shm), job) and memory_committed(str(shm), job)[-1][0] >= 5, 90,
                    "step 5 in the memory tier")
         # kill -9 the launcher and everything in its session (workers, persist process, guard).
@@ -145,6 +139,26 @@ def test_sigkilled_launchers_restart_restores_from_the_daemons_memory(tmp_path: 
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.communicate()
+
+
+def test_sigkilled_launchers_restart_restores_from_the_daemons_memory(tmp_path: Path, tg_env: dict, shm: Path):
+    """Rerunning the same command restores from memory: with an explicit job name, and with none (the default
+    name of a one-node job follows its checkpoint directory, not its start time). The named job has two ranks
+    (every rank restores the same step bitwise); the default name does not depend on the ranks, so that job has
+    one (one torch worker fewer in each of its two runs). Both jobs run side by side on one daemon (each is
+    judged on its own job name and arena): their waits overlap and one daemon starts instead of two."""
+    FakeNodeHardware(tmp_path / "sysfs")
+    daemon = UnitDaemon(tmp_path / "daemon", daemon_config(tmp_path / "sysfs", shm), clean_env(tg_env))
+    env = dict(clean_env(tg_env), TRAINGUARD_AGENT_SOCKET_PATH=str(daemon.socket_path),
+               TRAINGUARD_CHECKPOINT_SHM_DIR=str(shm))
+    try:
+        daemon.wait_ready()
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(_kill_and_rerun, daemon, env, shm, tmp_path / "rdzv-id", f"mem-{os.getpid()}", 2),
+                    pool.submit(_kill_and_rerun, daemon, env, shm, tmp_path / "default-name", None, 1)]
+            for run in runs:
+                run.result()
+    finally:
         daemon.close()
 
 
