@@ -13,7 +13,11 @@ Scenarios:
                 ``init_process_group``; each writes what ``session.restore`` raised. ``spawn-late-save``: the
                 same order, no restore, two steps through ``step_done``; each writes its latched errors.
   restore_fails a Stateful whose ``load_state_dict`` raises a plain AssertionError on rank 1 (a user's own check);
-                every rank writes the type of what ``session.restore`` raised to OUT/rank<R>.json.
+                every rank writes the type of what ``session.restore`` raised to OUT/rank<R>.json. STEPS 1: the
+                first launch, which only saves step 0; STEPS 0: the second, which restores.
+  fsdp+restore_fails  both in one launch (one torchrun and its workers' torch imports instead of two), STEPS the
+                launch (1 or 2): ``fsdp`` on CKPT/fsdp with 6 steps, writing to OUT/fsdp-<launch>, then
+                ``restore_fails`` on CKPT/restore_fails (its first launch, then its second).
 """
 
 from __future__ import annotations
@@ -144,8 +148,18 @@ def main() -> None:
         mp.spawn(spawned, args=(scenario, ckpt, out, steps), nprocs=2)
         return
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
-    {"fsdp": fsdp, "restore_fails": restore_fails}[scenario](ckpt, out, steps)
+    if scenario == "fsdp+restore_fails":
+        # fsdp first: restore_fails' second launch ends the process from inside a failed collective.
+        fsdp(os.path.join(ckpt, "fsdp"), os.path.join(out, f"fsdp-{steps}"), 6)
+        restore_fails(os.path.join(ckpt, "restore_fails"), out, 1 if steps == 1 else 0)
+    else:
+        {"fsdp": fsdp, "restore_fails": restore_fails}[scenario](ckpt, out, steps)
     dist.destroy_process_group()
+    # The session is closed (its saves are on disk) and what the test checks is written: skip the interpreter's
+    # teardown as spawned() does.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
