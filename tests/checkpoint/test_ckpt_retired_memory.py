@@ -55,7 +55,9 @@ def _restore(cfg: dict, job: str, rank: int) -> tuple[int | None, str | None, di
         return ck.restore(state), ck.last_restore_tier, state
 
 
-def test_ranks_one_save_apart_restore_common_step_from_memory(tmp_path, shm_dir):
+def test_ranks_one_save_apart_restore_common_step_from_memory_and_a_corrupt_one_from_disk(tmp_path, shm_dir):
+    # One pair of ranks one save apart for both checks (their two worker processes, torch imports each, are the
+    # cost): the restores of the first check only read the arena, which the second then corrupts.
     job = "retired"
     cfg, svc = _run_ranks_apart(tmp_path, shm_dir, job)
     try:
@@ -82,15 +84,8 @@ def test_ranks_one_save_apart_restore_common_step_from_memory(tmp_path, shm_dir)
             assert p.returncode == 0, err[-3000:]
         facts = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
         assert facts == [{"rank": r, "step": 1, "tier": "memory", "bitwise": True} for r in (0, 1)], facts
-    finally:
-        svc.stop(remove_memory=True)
-    assert not os.path.exists(os.path.join(shm_dir, job))  # retired copies go with the arena
 
-
-def test_corrupt_retired_copy_falls_through_to_disk(tmp_path, shm_dir):
-    job = "retired-bad"
-    cfg, svc = _run_ranks_apart(tmp_path, shm_dir, job)
-    try:
+        # A corrupt retired copy falls through to disk.
         retired = [os.path.join(d, f"slot_{i}.retired.json") for _r, d, i in
                    arena_mod.rank_files(os.path.join(shm_dir, job), arena_mod._SLOT_RETIRED_RE)]
         assert len(retired) == 1 and "rank_00000" in retired[0]
@@ -104,6 +99,7 @@ def test_corrupt_retired_copy_falls_through_to_disk(tmp_path, shm_dir):
         assert torch.equal(state["w"], state_for(0, 1)["w"])
     finally:
         svc.stop(remove_memory=True)
+    assert not os.path.exists(os.path.join(shm_dir, job))  # retired copies go with the arena
 
 
 def test_reused_slot_drops_its_retired_manifest(make_config):
