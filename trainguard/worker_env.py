@@ -126,7 +126,8 @@ def run_id_job_name(run_id: str) -> str:
     """The job name of a torchrun ``--rdzv-id`` (``TORCHELASTIC_RUN_ID``): the id itself when it is a valid job
     name, else the id with the characters a job name may not hold as ``_`` plus 8 hex digits of its hash (two ids
     that differ only there stay two jobs). torchrun takes any id: one taken from a scheduler or a path
-    (``team/run 7``) was refused by ``trainguard run``, and made the hook's checkpoint job an invalid name."""
+    (``team/run 7``) was refused by ``trainguard run``. (The hook under plain torchrun keeps the raw id, as its
+    checkpoint folders of earlier versions are named.)"""
     from trainguard.recovery.spec import JOB_NAME_RE
 
     if JOB_NAME_RE.match(run_id):
@@ -213,7 +214,7 @@ class WorkerEnv:
     def job_name(self) -> str:
         """The job's name as a worker should use it: ``TRAINGUARD_JOB``, else ``TORCHELASTIC_RUN_ID``, else
         ``"default"``."""
-        return self.job or (run_id_job_name(self.run_id) if self.run_id else "default")
+        return self.job or self.run_id or "default"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerEnv:
