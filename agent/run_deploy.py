@@ -33,6 +33,7 @@ import grpc
 from trainguard.agent.run_args import flag_given
 from trainguard.agent.tls import TlsFiles
 from trainguard.agent.config import hostport_arg
+from trainguard.cli_support import whole_number
 from trainguard.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,19 +86,8 @@ def slurm_coordinator_port(args: argparse.Namespace, environ: Mapping[str, str] 
         raise UsageError(f"${COORDINATOR_PORT_ENV}: {exc}; set it to the coordinator's port or unset it") from None
 
 
-def _spares_arg(text: str) -> int:
-    """argparse type of ``--slurm-spares``: a whole number >= 0.
-
-    Raises:
-        argparse.ArgumentTypeError: anything else (argparse names the flag).
-    """
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} is negative")
-    return n
+#: ``--slurm-spares``: a whole number of nodes, 0 or more.
+_spares_arg = whole_number(0, "nodes")
 
 
 def slurm_spares(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
@@ -276,12 +266,21 @@ def apply_slurm(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     # torchrun's own rendezvous flags win over the Slurm mapping: it only fills a job that named no coordinator.
     explicit = args.coordinator or getattr(args, "rdzv_endpoint", "") or getattr(args, "standalone", False)
     spares = slurm_spares(args, environ)
-    if spares and (explicit or n - spares < 1):
-        raise UsageError(f"--slurm-spares {spares}: " + (
-            "spares are for the job the Slurm step forms itself; with --coordinator/--rdzv-endpoint/--standalone "
-            "give --spare to the nodes that are spares" if explicit else
-            f"the step has {n} node(s), which leaves none to train on; allocate {spares} node(s) more than the "
-            "job trains on (sbatch --nodes)"))
+    if spares:
+        from trainguard.agent.run_torchrun import parse_nnodes
+
+        trains = n - spares
+        most = trains if _unset(args.nnodes, 1) else parse_nnodes(args.nnodes)[1]
+        why = ("spares are for the job the Slurm step forms itself; with --coordinator/--rdzv-endpoint/--standalone "
+               "give --spare to the nodes that are spares" if explicit else
+               f"the step has {n} node(s), which leaves {trains} to train on; spares stand in for nodes of a job "
+               "of 2 or more (one node restarts in place, its spares would wait unused): allocate more nodes "
+               "(sbatch --nodes)" if trains < 2 else
+               f"--nnodes {args.nnodes} asks for more nodes than the {trains} that train (the step has {n}, "
+               f"{spares} of them spares); the job would wait for them until its form timeout"
+               if most > trains else "")
+        if why:
+            raise UsageError(f"--slurm-spares {spares}: {why}")
     # A spare is a node of the step the job does not place until a node is lost: the last ones, so the first
     # node, which embeds the coordinator, always trains and ranks follow Slurm's order on the others.
     if spares and place.node_index >= n - spares:

@@ -723,8 +723,11 @@ class Checkpointer:
         if msg.get("op") == "tier" and msg.get("tier") == "remote":
             if msg.get("ok") and self._remote_backoff:
                 self._remote_backoff = self._remote_retry_at = 0.0  # it answers: listed again at once
+                self._remote_fail_s = 0.0
             elif not msg.get("ok") and msg.get("unreachable") and not msg.get("quiet"):
-                # An upload found it unreachable: listings back off too (the event below says it).
+                # An upload found it unreachable: listings back off too (the event below says it). How long that
+                # took is not known here: a restore asks it again rather than trust an older slow failure.
+                self._remote_fail_s = 0.0
                 self._remote_failed(StorageUnavailableError(str(msg.get("error", ""))), said=True)
         if msg.get("op") == "tier" and not msg.get("ok") and msg.get("quiet"):
             log.debug("step %s: %s tier: %s", step, msg.get("tier"), msg.get("error"))
@@ -922,8 +925,10 @@ class Checkpointer:
         Each listing used to connect again: with the remote down, every ``steps()`` paid the connect timeout and
         logged a warning. A failure now leaves it out of listings for ``remote.retry_s``, doubled at each failure
         in a row (bounded); the failure is logged once, its return once too. A restore (``restoring``) tries it
-        regardless: it is rare, and the remote may hold the only copy of the newest step (a new node, a lost
-        disk); skipped, the job would resume from an older step or from scratch. It says so each time it fails.
+        regardless, unless its last dial here took :data:`SLOW_REMOTE_FAILURE_S` or more to fail within the
+        back-off (a silent endpoint: asked again, a restart paid its timeout twice): restores are rare, and the
+        remote may hold the only copy of the newest step (a new node, a lost disk); skipped, the job would resume
+        from an older step or from scratch. It says so each time it fails or is skipped.
         """
         now = time.monotonic()
         if now < self._remote_retry_at:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainguard.agent.config import hostport_arg
+from trainguard.cli_support import whole_number
 from trainguard.errors import UsageError
 
 if TYPE_CHECKING:
@@ -31,16 +32,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainguard.coordinator")
 
 
-def _cordon_bound(text: str) -> int:
-    """``--max-cordoned``: a whole number of nodes, at least 1 (0 read as "the default" in the job spec, so
-    ``--max-cordoned 0`` ran silently with 1024)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of nodes, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value}); leave it out for the default")
-    return value
+#: ``--max-cordoned``: at least 1 (0 read as "the default" in the job spec, so ``--max-cordoned 0`` ran silently
+#: with 1024).
+_cordon_bound = whole_number(1, "nodes", "leave it out for the default")
+
 
 def default_store(job: str) -> str:
     """The store URL used without ``--store``: a SQLite file under ``$XDG_STATE_HOME/trainguard``.

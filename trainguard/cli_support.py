@@ -31,6 +31,21 @@ LOG_FORMATS = ("text", "json", "journal", "auto")
 EXIT_BROKEN_PIPE = 141
 
 
+def whole_number(minimum: int, unit: str = "", hint: str = "") -> Callable[[str], int]:
+    """An argparse ``type``: a whole number of at least ``minimum``; ``unit`` ("nodes") and ``hint`` (what to do
+    instead) go into the refusal, which argparse prefixes with the flag."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number{' of ' + unit if unit else ''}, got "
+                                             f"{text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value}){'; ' + hint if hint else ''}")
+        return value
+    return parse
+
+
 def add_log_format_argument(parser: argparse.ArgumentParser, top_level: bool = False) -> None:
     """Adds ``--log-format`` to ``parser`` (a subcommand's flag wins over the top-level one)."""
     parser.add_argument("--log-format", choices=LOG_FORMATS, default=None,

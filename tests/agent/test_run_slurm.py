@@ -139,16 +139,18 @@ def test_the_last_nodes_of_the_step_join_as_spares_and_the_job_trains_on_the_oth
         placed.append((args.spare, str(args.nnodes), args.node_index))
     assert placed == [(False, "2", 0), (False, "2", 1), (True, "2", 2)]  # the coordinator's node always trains
     from_env = build_parser().parse_args(["run", "train.py"])
-    apply_slurm(from_env, _env(SLURM_NODEID="1", TRAINGUARD_SLURM_SPARES="2"))
-    assert from_env.spare and str(from_env.nnodes) == "1"
+    apply_slurm(from_env, _env(SLURM_NODEID="3", SLURM_JOB_NODELIST="gpu[01-05]", TRAINGUARD_SLURM_SPARES="2"))
+    assert from_env.spare and str(from_env.nnodes) == "3"
     elastic = build_parser().parse_args(["run", "--nnodes", "1:2", "--slurm-spares", "1", "train.py"])
     apply_slurm(elastic, _env(SLURM_NODEID="0"))  # an explicit --nnodes (shrink to 1 once spares are out) stays
     assert elastic.nnodes == "1:2" and not elastic.spare
 
 
 @pytest.mark.parametrize("flags, env, needle", [
-    (["--slurm-spares", "3"], {}, r"--slurm-spares 3: the step has 3 node\(s\), which leaves none to train on"),
-    ([], {"TRAINGUARD_SLURM_SPARES": "one"}, r"\$TRAINGUARD_SLURM_SPARES: 'one' is not a whole number"),
+    (["--slurm-spares", "3"], {}, r"--slurm-spares 3: the step has 3 node\(s\), which leaves 0 to train on"),
+    (["--slurm-spares", "2"], {}, r"which leaves 1 to train on; spares stand in for nodes of a job of 2 or more"),
+    (["--slurm-spares", "1", "--nnodes", "2:3"], {}, r"--nnodes 2:3 asks for more nodes than the 2 that train"),
+    ([], {"TRAINGUARD_SLURM_SPARES": "one"}, r"\$TRAINGUARD_SLURM_SPARES: expected a whole number of nodes, got 'one'"),
     (["--slurm-spares", "1", "--rdzv-endpoint", "gpu01:29400"], {}, "give --spare to the nodes that are spares"),
 ])
 def test_spares_that_cannot_be_placed_are_one_line_errors(flags, env, needle) -> None:

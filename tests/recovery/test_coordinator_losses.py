@@ -208,9 +208,8 @@ def test_a_loss_the_stored_state_does_not_account_for_is_found_again_after_a_res
     assert st.restart_count == 1 and st.phase is Phase.RECOVERING, st.message
 
 
-def test_a_node_whose_failure_report_waits_for_the_store_is_not_lost_meanwhile() -> None:
-    # A failure report is answered once its decision is durable (up to the caller's deadline, ~4.5 s): with a
-    # store that hangs and a 4 s lease, the reporting node went silent for the wait and was lost as well.
+def _stalled_two_node_job() -> _Cluster:
+    """Nodes na and nb running generation 1 (4 s lease, budget 3), then a store that stops answering."""
     from tg_testutil import gated_store
 
     c = _Cluster(nnodes=2, max_restarts=3)
@@ -220,6 +219,13 @@ def test_a_node_whose_failure_report_waits_for_the_store_is_not_lost_meanwhile()
     c.register("nb", 1)
     c.run(2, ("na", "nb"))
     c.store.gate.clear()
+    return c
+
+
+def test_a_node_whose_failure_report_waits_for_the_store_is_not_lost_meanwhile() -> None:
+    # A failure report is answered once its decision is durable (up to the caller's deadline, ~4.5 s): with a
+    # store that hangs and a 4 s lease, the reporting node went silent for the wait and was lost as well.
+    c = _stalled_two_node_job()
     fut = c.core.report(FaultReport("lj", "na", c.lease["na"], 1, Cause.WORKER_EXIT, Level.PROCESS, rank=0,
                                     exit_code=1, detail="rank 0 exited 1"), hold_s=5.0)[3]
     assert fut is not None and not fut.done()
@@ -234,15 +240,7 @@ def test_a_node_whose_registration_waits_for_the_store_is_not_lost_meanwhile() -
     # A registration is answered once the node's record is durable (up to the caller's deadline, ~4.5 s), and the
     # node cannot heartbeat before it has its lease: with a store that hangs and a 4 s lease, a node registering
     # (or retrying its registration) was lost right after it.
-    from tg_testutil import gated_store
-
-    c = _Cluster(nnodes=2, max_restarts=3)
-    c.store = gated_store()
-    c.restart()
-    c.register("na", 0)
-    c.register("nb", 1)
-    c.run(2, ("na", "nb"))
-    c.store.gate.clear()
+    c = _stalled_two_node_job()
     info = NodeRecord("nc", "p", 2, "nc", 1, "127.0.0.1", spare=True)
     lease, _gen, fut = c.core.register("lj", info, 20002, instance="i1", hold_s=5.0)
     assert not fut.done()
