@@ -323,11 +323,19 @@ class ArenaKeeper:
             if kept is None:
                 return False
             others = kept.launchers - {launcher}
-            if ended and launcher not in kept.launchers and others:
-                # Not one of the job's launchers while others of it live: not its call (any user of the socket may
-                # send DetachJob, and the daemon may remove files of every user's job).
-                log.warning("memory tier: launcher %s, not one of job %s's, said the job ended; its arena stays "
-                            "while launchers %s live", launcher, job, ", ".join(map(str, sorted(others, key=str))))
+            if ended and launcher not in kept.launchers:
+                # Not one of the job's launchers: not its call (any user of the socket may send DetachJob, and the
+                # daemon may remove files of every user's job). Nor when none lives: the arena of a SIGKILLed
+                # launcher is kept for its restart, which attaches before it can end the job (a launcher that
+                # outlived a daemon restart attaches again too); an orphan nobody claims ages out by the TTL.
+                if others:
+                    log.warning("memory tier: launcher %s, not one of job %s's, said the job ended; its arena "
+                                "stays while launchers %s live", launcher, job,
+                                ", ".join(map(str, sorted(others, key=str))))
+                else:
+                    log.warning("memory tier: launcher %s, which never attached job %s, said the job ended; its "
+                                "kept arena stays (removed %.0f s after its last launcher left)", launcher, job,
+                                self.ttl_s)
                 return False
             kept.launchers.discard(launcher)
             if not ended:

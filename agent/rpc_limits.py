@@ -140,12 +140,15 @@ class RequestGuard(SharedRequestGuard):
 
         Args:
             max_request_bytes: largest accepted request, in bytes.
-            max_watchers: concurrent server-streaming calls allowed.
+            max_watchers: concurrent server-streaming calls allowed, half of them at most from TCP peers.
             observer: called once per finished call (e.g. ``AgentMetrics.observe_request``).
             validators: per-method checks; default :data:`VALIDATORS`.
         """
+        # Half the streams at most to TCP peers, which need no credentials: the other half stays for launchers
+        # (unix socket), whose stream carries the node's hardware and predictor events to their jobs.
         super().__init__(GUARDED_SERVICE, max_request_bytes, max_watchers, observer,
-                         VALIDATORS if validators is None else validators)
+                         VALIDATORS if validators is None else validators,
+                         max_remote_watchers=max(1, max_watchers // 2))
         # The same checks on AttachJob with its own size bound (see ATTACH_MAX_REQUEST_BYTES).
         self._attach = SharedRequestGuard(GUARDED_SERVICE, max(max_request_bytes, ATTACH_MAX_REQUEST_BYTES), 0,
                                           observer, VALIDATORS if validators is None else validators)

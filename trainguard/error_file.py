@@ -34,7 +34,7 @@ def record(exc: BaseException, path: str | None = None) -> bool:
     if not path or os.path.exists(path):
         return False
     body = {"message": {
-        "message": f"{type(exc).__name__}: {exc}",
+        "message": f"{type(exc).__name__}: {_text(exc)}",
         "extraInfo": {"py_callstack": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
                       "timestamp": str(int(time.time()))},
     }}
@@ -47,6 +47,15 @@ def record(exc: BaseException, path: str | None = None) -> bool:
     return True
 
 
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or what ``traceback`` prints for an exception whose ``__str__`` raises: the record must not
+    replace the worker's own error with one of its own."""
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - any __str__ may raise anything
+        return "<exception str() failed>"
+
+
 def install() -> None:
     """Chains :func:`record` in front of ``sys.excepthook`` (idempotent): the uncaught exception that ends the
     process is recorded, then reported as before."""
@@ -57,9 +66,13 @@ def install() -> None:
         previous = sys.excepthook
 
         def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-            if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                record(exc)
-            previous(kind, exc, tb)
+            try:
+                if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    record(exc)
+            except Exception:  # noqa: BLE001 - the previous hook must still report the worker's own error
+                pass
+            finally:
+                previous(kind, exc, tb)
 
         sys.excepthook = hook
         _installed = True

@@ -8,7 +8,8 @@ A server interceptor re-wraps each method of the guarded service so that the han
 2. bytes that do not parse as the request message -> INVALID_ARGUMENT, one status per request and no traceback
    in the log (gRPC's own deserializer answers INTERNAL and logs an ERROR traceback per request);
 3. a per-method range check (``validators``) that finds a problem -> INVALID_ARGUMENT naming the field;
-4. more than ``max_watchers`` concurrent server streams -> RESOURCE_EXHAUSTED.
+4. more than ``max_watchers`` concurrent server streams, or more than ``max_remote_watchers`` of them from
+   network peers -> RESOURCE_EXHAUSTED.
 
 Each finished call can be reported to an observer (method, status code, seconds) for metrics. The services'
 own checks live beside them (``trainguard.agent.rpc_limits``, ``trainguard.recovery.service``).
@@ -41,6 +42,7 @@ class RequestGuard(grpc.ServerInterceptor):
         max_watchers: int = 0,
         observer: CallObserver | None = None,
         validators: Mapping[str, Validator] | None = None,
+        max_remote_watchers: int = 0,
     ) -> None:
         """Creates the guard.
 
@@ -50,10 +52,16 @@ class RequestGuard(grpc.ServerInterceptor):
             max_watchers: concurrent server-streaming calls allowed (0: no limit).
             observer: called once per finished call with (method, status code name, seconds or None).
             validators: per-method range checks of the decoded request (full method name -> check).
+            max_remote_watchers: of those, how many peers over the network (TCP) may hold at once (0: all); the
+                rest stay for unix-socket peers. The node agent's TCP port needs no credentials, so without it
+                any local user could hold every stream and cut the launchers (unix socket) off node events.
         """
         self.service = service
         self.max_request_bytes = max_request_bytes
         self._streams = threading.BoundedSemaphore(max_watchers) if max_watchers > 0 else None
+        self._max_remote = max_remote_watchers
+        self._remote = 0
+        self._remote_lock = threading.Lock()
         self._observer = observer
         self._validators: Mapping[str, Validator] = validators or {}
 
@@ -143,6 +151,15 @@ class RequestGuard(grpc.ServerInterceptor):
             acquired = False
             try:
                 request = self._decode(raw, deserialize, check, context)
+                remote = self._max_remote > 0 and not str(context.peer()).startswith("unix:")
+                if remote:
+                    with self._remote_lock:
+                        if self._remote >= self._max_remote:
+                            remote = False  # not counted: nothing to give back
+                            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                          f"too many concurrent streams from network peers ({self._max_remote}); "
+                                          "retry later (the rest are kept for local launchers)")
+                        self._remote += 1
                 if self._streams is not None:
                     acquired = self._streams.acquire(blocking=False)
                     if not acquired:
@@ -151,6 +168,9 @@ class RequestGuard(grpc.ServerInterceptor):
                 yield from behavior(request, context)
                 failed = False
             finally:
+                if remote:
+                    with self._remote_lock:
+                        self._remote -= 1
                 if acquired:
                     self._streams.release()
                 self._observe(short, context, failed, None)

@@ -17,12 +17,12 @@ from trainguard.agent.sdnotify import SystemdNotifier
 from trainguard.proto import agent_pb2, agent_pb2_grpc, common_pb2
 
 
-def _daemon(tmp_path: Path, grpc_table: str = "") -> AgentDaemon:
+def _daemon(tmp_path: Path, grpc_table: str = "", listen: str = "") -> AgentDaemon:
     (tmp_path / "fake").mkdir()
     config = tmp_path / "agent.toml"
     config.write_text(f'[detectors]\nenabled = ["process"]\nroot = "{tmp_path / "fake"}"\n[metrics]\nlisten = ""\n'
                       f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n[grpc]\n{grpc_table}')
-    daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "agent.sock"), str(tmp_path / "state")),
+    daemon = AgentDaemon(config_loader(str(config), listen, str(tmp_path / "agent.sock"), str(tmp_path / "state")),
                          SystemdNotifier(None))
     daemon.start()
     return daemon
@@ -98,3 +98,43 @@ def test_events_follow_at_the_limit_names_the_option_once(tmp_path: Path) -> Non
     told = [line for line in lines if "grpc.max_watchers" in line]
     assert len(told) == 1 and "refuses another event stream" in told[0], lines
     assert not [line for line in lines if "reconnecting" in line], lines
+
+
+def test_network_peers_cannot_take_the_streams_launchers_need(tmp_path: Path) -> None:
+    """The TCP port needs no credentials: any local user holding every stream there cut each newly started job's
+    launcher (unix socket) off the node's hardware and predictor events. TCP peers get half the streams."""
+    daemon = _daemon(tmp_path, "max_workers = 8\nmax_watchers = 4\n", listen="127.0.0.1:0")
+    calls = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{daemon.tcp_port}") as tcp, \
+                grpc.insecure_channel(f"unix:{tmp_path / 'agent.sock'}") as local:
+            remote = agent_pb2_grpc.NodeAgentStub(tcp)
+            for _ in range(2):
+                calls.append(remote.WatchEvents(agent_pb2.WatchEventsRequest(replay=1), timeout=60))
+                assert next(calls[-1]).kind == "agent.started"
+            extra = remote.WatchEvents(agent_pb2.WatchEventsRequest(replay=1), timeout=60)
+            try:
+                next(extra)
+                raise AssertionError("a third TCP stream of 4 was accepted")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "network peers" in exc.details()
+            launcher = agent_pb2_grpc.NodeAgentStub(local)
+            for _ in range(2):  # the launchers' half is still there
+                calls.append(launcher.WatchEvents(agent_pb2.WatchEventsRequest(replay=1), timeout=60))
+                assert next(calls[-1]).kind == "agent.started"
+            calls.pop(0).cancel()  # a TCP stream that ends gives its place back
+
+            def accepted() -> bool:
+                call = remote.WatchEvents(agent_pb2.WatchEventsRequest(replay=1), timeout=60)
+                try:
+                    assert next(call).kind == "agent.started"
+                except grpc.RpcError:
+                    return False
+                calls.append(call)
+                return True
+
+            _wait(accepted, "TCP stream accepted after one ended")
+            for call in calls:
+                call.cancel()
+    finally:
+        daemon.stop()

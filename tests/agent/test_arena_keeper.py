@@ -165,19 +165,31 @@ def test_an_arena_that_cannot_be_removed_is_said_so_not_logged_removed(tmp_path:
     assert not any("removed the arena of job j1" in m and "cannot" not in m for m in lines), lines
 
 
-def test_only_a_launcher_of_the_job_ends_it_while_one_lives(root) -> None:
-    """DetachJob(ended) removes the arena at once; from a launcher that never attached the job while the job's own
-    launcher lives (another user on the socket), it removes nothing: the daemon may delete any user's files."""
+def test_only_a_launcher_of_the_job_ends_it(root) -> None:
+    """DetachJob(ended) removes the arena at once; from a launcher that never attached the job (another user on
+    the socket), it removes nothing, whether the job's own launcher lives or was killed: the daemon may delete any
+    user's files, and a killed launcher's restart needs its snapshots."""
     keeper = ArenaKeeper(str(root), ttl_s=60)
     arena = _arena(root, "j1")
     keeper.attach("j1", str(root), os.getpid())  # this process stands for the job's live launcher
     assert keeper.detach("j1", "intruder.1.ab.lock", ended=True) is False and arena.is_dir()
     assert keeper.kept()["j1"].launchers == {os.getpid()}
     assert keeper.detach("j1", os.getpid(), ended=True) is True and not arena.exists()
-    # With no launcher left (a daemon restarted since), whoever ends the job ends it.
+    # With no launcher left (killed; or a daemon restarted since), a launcher that never attached the job does
+    # not end it either: the arena is kept for the job's restart (before, any user of the socket removed it).
+    clock = Clock()
+    keeper = ArenaKeeper(str(root), ttl_s=60, clock=clock)
     _arena(root, "j2")
     keeper.adopt_existing()
+    assert keeper.detach("j2", 1, ended=True) is False and (root / "j2").is_dir()
+    assert keeper.detach("j2", "intruder.1.ab.lock", ended=True) is False and (root / "j2").is_dir()
+    assert keeper.attach("j2", str(root), "restarted.2.cd.lock") is True  # the restart finds its snapshots
     assert keeper.detach("j2", "restarted.2.cd.lock", ended=True) is True and not (root / "j2").exists()
+    _arena(root, "j3")
+    keeper.adopt_existing()
+    assert keeper.detach("j3", 1, ended=True) is False
+    clock.now += 60
+    assert keeper.sweep() == ["j3"] and not (root / "j3").exists()  # an orphan nobody claims ages out
 
 
 def test_a_folder_of_another_program_is_never_attached_nor_removed(root, caplog) -> None:

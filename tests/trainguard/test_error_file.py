@@ -33,3 +33,23 @@ def test_a_hook_users_uncaught_exception_is_recorded(tmp_path: Path, tg_env: dic
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "disk full on /data/7" in r.stderr  # still reported as before
     assert read_error_file(str(err)) == "RuntimeError: disk full on /data/7"
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ itself is broken")
+
+
+def test_an_exception_whose_str_raises_is_recorded_and_still_reported(tmp_path: Path, monkeypatch) -> None:
+    import trainguard.error_file as error_file
+
+    path = tmp_path / "error.json"
+    reported: list[BaseException] = []
+    monkeypatch.setattr(error_file, "_installed", False)
+    monkeypatch.setattr(sys, "excepthook", lambda kind, exc, tb: reported.append(exc))
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    error_file.install()
+    exc = _Unprintable()
+    sys.excepthook(type(exc), exc, None)  # before: the hook's own RuntimeError replaced the worker's error
+    assert reported == [exc]
+    assert read_error_file(str(path)) == "_Unprintable: <exception str() failed>"
