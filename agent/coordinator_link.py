@@ -69,20 +69,33 @@ def coordinator_targets(coordinator: str) -> list[str]:
 _NOT_HTTP2_MARKERS = ("Failed parsing HTTP/2", "http1.x server")
 
 
-def foreign_listener(code: grpc.StatusCode, details: str) -> str | None:
-    """What answered a coordinator call instead of a trainguard coordinator, from the call's error; None when the
-    error does not tell (nobody listens yet, a timeout, a reset: those may be a coordinator starting or restarting).
+def foreign_listener(code: grpc.StatusCode, details: str, service: str = "coordinator") -> str | None:
+    """What answered a call instead of a trainguard ``service`` ("coordinator", "node agent"), from the call's
+    error; None when the error does not tell (nobody listens yet, a timeout, a reset: those may be a server
+    starting or restarting).
 
     Args:
         code, details: the failed call's status code and details.
+        service: what the caller dialled, as the message names it.
     """
     if code == grpc.StatusCode.UNIMPLEMENTED:
-        return "a gRPC server answers there without trainguard's Coordinator service"
+        name = "".join(w.capitalize() for w in service.split())
+        return f"a gRPC server answers there without trainguard's {name} service"
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) and any(
             m in (details or "") for m in _NOT_HTTP2_MARKERS):
         return ("something listens there that does not speak gRPC (HTTP/2): another program holds that port, or a "
-                "coordinator serving TLS is dialled without it")
+                f"{service} serving TLS is dialled without it")
     return None
+
+
+def foreign_said(details: str) -> str:
+    """The short form of what a foreign listener's error said, for the one-line messages."""
+    details = details or ""
+    if "http1.x server" in details:
+        return "it answered in HTTP/1.x"
+    if "Failed parsing HTTP/2" in details:
+        return "its first bytes are no HTTP/2 frame"
+    return " ".join(details.split())[:200] or "no details"
 
 
 #: What gRPC's TLS handshake error says when the peer answered the ClientHello with something that is no TLS
@@ -230,17 +243,12 @@ def unresolved_host(code: grpc.StatusCode, details: str) -> bool:
     return code == grpc.StatusCode.UNAVAILABLE and any(m in (details or "") for m in _UNRESOLVED_MARKERS)
 
 
-def foreign_listener_message(target: str, what: str, details: str) -> str:
-    """The one line for a coordinator address where something else answers: what, and what to do."""
-    details = details or ""
-    if "http1.x server" in details:
-        said = "it answered in HTTP/1.x"
-    elif "Failed parsing HTTP/2" in details:
-        said = "its first bytes are no HTTP/2 frame"
-    else:
-        said = " ".join(details.split())[:200] or "no details"
-    return (f"{target} is not a trainguard coordinator: {what} ({said}); point --rdzv-endpoint (or --coordinator, "
-            f"--master-addr/--master-port) at the node running the job's coordinator, or stop what holds that port")
+def foreign_listener_message(target: str, what: str, details: str,
+                             flags: str = "--rdzv-endpoint (or --coordinator, --master-addr/--master-port)") -> str:
+    """The one line for a coordinator address where something else answers: what, and what to do (``flags``:
+    the caller's flags that name the address)."""
+    return (f"{target} is not a trainguard coordinator: {what} ({foreign_said(details)}); point {flags} at the "
+            "node running the job's coordinator, or stop what holds that port")
 
 
 def find_free_port(address: str) -> int:

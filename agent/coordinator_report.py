@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from trainguard.agent.coordinator_link import (client_cert_refused, client_cert_refused_message, speaks_tls,
-                                               tls_peer_message, untrusted_peer, untrusted_peer_message)
+from trainguard.agent.coordinator_link import (client_cert_refused, client_cert_refused_message, foreign_listener,
+                                               foreign_listener_message, speaks_tls, tls_peer_message,
+                                               untrusted_peer, untrusted_peer_message)
 from trainguard.detectors.events import Action, HealthEvent, Severity
 from trainguard.proto import coordinator_pb2, coordinator_pb2_grpc
 from trainguard.recovery.node_health import Verdict
@@ -269,7 +270,13 @@ class CoordinatorReporter:
             meaning = REFUSALS.get(exc.code())
             untrusted = untrusted_peer(exc.code(), exc.details() or "")
             tls_problem = self._tls_problem(exc.details() or "")
-            if untrusted is not None:
+            foreign = foreign_listener(exc.code(), exc.details() or "") if meaning is None else None
+            if foreign is not None:
+                # Another program answers there (an HTTP server, a node agent): not an outage to wait out.
+                self._move(ReporterState.REFUSED, foreign_listener_message(
+                    self.target.address, foreign, exc.details() or "", "coordinator.address (or the job's "
+                    "--coordinator)"))
+            elif untrusted is not None:
                 # Not an outage ("unreachable" with gRPC's whole error): this node's CA does not fit the
                 # coordinator's certificate, and retrying will not change that; say what to do.
                 self._move(ReporterState.REFUSED, untrusted_peer_message(self.target.address, untrusted))

@@ -160,6 +160,14 @@ def _unreachable(address: str, exc: grpc.RpcError) -> AgentError:
             # operator went looking for a stopped daemon that was running.
             return AgentError(f"permission denied on the agent's socket {path}: run this as the agent's user or a "
                               "member of its group (e.g. with sudo), or point --socket at a socket you may open")
+    from trainguard.agent.coordinator_link import foreign_listener, foreign_said
+
+    foreign = foreign_listener(exc.code(), exc.details() or "", "node agent")
+    if foreign is not None:
+        # Something answers there, so "no node agent answers" sent the operator looking for a stopped daemon.
+        return AgentError(f"{address} is not a trainguard node agent: {foreign} ({foreign_said(exc.details() or '')})"
+                          "; point --target at the agent's grpc.listen address (127.0.0.1:7350 by default; not a "
+                          "coordinator's, not a metrics port) or --socket at its unix socket")
     details = (exc.details() or "").splitlines()[0][:160] if exc.details() else ""
     return AgentError(f"no node agent answers at {address} ({exc.code().name}: {details}); is `trainguard agent` "
                       "running, and are --socket/--target and the TLS flags right?")

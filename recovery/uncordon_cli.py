@@ -75,6 +75,12 @@ def handle_uncordon(args: argparse.Namespace) -> int:
     except SecurityConfigError as exc:
         raise UsageError(str(exc)) from exc
     except grpc.RpcError as exc:
+        from trainguard.agent.coordinator_link import foreign_listener, foreign_listener_message
+
+        foreign = foreign_listener(exc.code(), exc.details() or "")
+        if foreign is not None:
+            raise UsageError(foreign_listener_message(args.coordinator, foreign, exc.details() or "",
+                                                      "--coordinator")) from exc
         raise UsageError(f"coordinator {args.coordinator}: {exc.code().name}: {exc.details()}") from exc
     print(f"trainguard: {resp.message}", file=sys.stdout if resp.uncordoned else sys.stderr)
     return 0 if resp.uncordoned else 1

@@ -421,3 +421,42 @@ def test_the_daemons_reporter_names_tls_it_lacks(pki, case: str) -> None:
     finally:
         reporter.stop()
         srv.stop()
+
+
+def test_operator_commands_name_a_foreign_listener_instead_of_no_agent_or_raw_grpc(
+        plain_tcp, grpc_without_coordinator, capsys) -> None:
+    """`trainguard status --target` at a coordinator or an HTTP server said "no node agent answers", which the README
+    says means nothing listens there; `uncordon --coordinator` at the wrong port printed gRPC's raw error."""
+    from trainguard.cli import main
+
+    for port, said in ((plain_tcp.port, "HTTP/2"), (grpc_without_coordinator, "NodeAgent service")):
+        target = f"127.0.0.1:{port}"
+        for command in (["status", "--target", target], ["events", "--target", target]):
+            assert main(command) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith(f"trainguard: error: {target} is not a trainguard node agent"), err
+            assert said in err and "--target" in err and "\n" not in err, err
+    for port, said in ((plain_tcp.port, "HTTP/2"), (grpc_without_coordinator, "Coordinator service")):
+        target = f"127.0.0.1:{port}"
+        assert main(["uncordon", "n1", "--job", "j", "--coordinator", target]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"{target} is not a trainguard coordinator" in err and said in err, err
+        assert "point --coordinator at" in err and "\n" not in err, err
+
+
+def test_the_daemons_coordinator_reports_name_a_plain_tcp_server_at_the_address(plain_tcp) -> None:
+    """The daemon's [coordinator] address at an HTTP server was "unreachable", retried for ever as an outage."""
+    from tg_testutil import until
+    from trainguard.agent.coordinator_report import CoordinatorReporter, NodeVerdict, ReporterState, ReportTarget
+    from trainguard.recovery.node_health import Verdict
+
+    target = f"127.0.0.1:{plain_tcp.port}"
+    reporter = CoordinatorReporter(ReportTarget(target), lambda: NodeVerdict(Verdict.HEALTHY), "n1", "h1", "i1",
+                                   interval_s=0.2).start()
+    try:
+        assert until(lambda: reporter.state is not ReporterState.CONNECTING, 5.0)
+        assert reporter.state is ReporterState.REFUSED, (reporter.state, reporter.message)
+        assert reporter.message.startswith(f"{target} is not a trainguard coordinator"), reporter.message
+        assert "coordinator.address" in reporter.message, reporter.message
+    finally:
+        reporter.stop()
