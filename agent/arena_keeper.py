@@ -66,17 +66,25 @@ def hold_root(root: str) -> bool:
     folders there. Returns False when the lock cannot be made (logged: the root is then kept unguarded).
 
     Raises:
-        ArenaRootError: another process keeps ``root`` (the message names its pid and the setting to change).
+        ArenaRootError: another process keeps ``root`` (the message names its pid and the setting to change), or
+            ``root`` is missing and cannot be created.
     """
     with _HELD_ROOTS_LOCK:
         if root in _HELD_ROOTS:
             _HELD_ROOTS[root][1] += 1
             return True
         path = os.path.join(root, KEEPER_LOCK_NAME)
-        try:
-            if not os.path.isdir(root):
+        if not os.path.isdir(root):
+            try:
                 os.makedirs(root, exist_ok=True)
                 os.chmod(root, 0o1777)
+            except OSError as exc:
+                # Refused at start, as an uncreatable state_dir is: the daemon said "ready" and kept no job's
+                # in-memory checkpoints, with only a warning about detecting a second daemon.
+                raise ArenaRootError(
+                    f"memory_tier.root: cannot create {root} ({exc.strerror or exc}); give it a folder on a tmpfs "
+                    f"the daemon may create (e.g. /dev/shm/trainguard)") from exc
+        try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             # Not refused: a daemon that ran before with a root it cannot write keeps running, unguarded.

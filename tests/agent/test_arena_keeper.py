@@ -214,3 +214,10 @@ def test_a_folder_of_another_program_is_never_attached_nor_removed(root, caplog)
     _arena(root, "ours")
     assert keeper.attach("ours", str(root), os.getpid()) is False  # an arena left before: attached
     assert keeper.detach("ours", os.getpid(), ended=True) is True and not (root / "ours").exists()
+
+
+def test_a_root_that_cannot_be_made_is_refused_at_start() -> None:
+    """A daemon given memory_tier.root = /proc/shm said "ready ... node healthy" and kept no job's snapshots, with
+    only a warning about detecting a second daemon."""
+    with pytest.raises(ArenaRootError, match=r"memory_tier.root: cannot create /proc/trainguard-shm \("):
+        ArenaKeeper("/proc/trainguard-shm", ttl_s=60, exclusive=True)
