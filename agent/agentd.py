@@ -49,7 +49,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from trainguard.agent.arena_keeper import ArenaKeeper
-from trainguard.agent.config import RELOADABLE, AgentConfig, AgentConfigError
+from trainguard.agent.config import METRICS_LISTEN_ENV, RELOADABLE, AgentConfig, AgentConfigError
 from trainguard.agent.coordinator_report import NodeVerdict, NodeVerdictLatch
 from trainguard.agent.daemon_jobs import DaemonJobs, describe_launcher, launcher_key
 from trainguard.agent.daemon_claims import (lock_socket_path, lock_state_dir, make_state_dir, prepare_socket_path,
@@ -187,7 +187,9 @@ class AgentDaemon(DaemonStatus):
             # Nobody hands the daemon fail-slow findings (those go to a job's launcher): the gauges read empty.
             self.metrics.set_failslow([], 0.0, 0.0, config.agent.node_id)
             if config.metrics.listen:
-                self._metrics_server = MetricsServer(self.metrics, config.metrics.listen)
+                self._metrics_server = MetricsServer(
+                    self.metrics, config.metrics.listen,
+                    setting=f"metrics.listen in the agent's config (or ${METRICS_LISTEN_ENV}; empty: no /metrics)")
                 log.info("metrics on %s", self._metrics_server.url)
             from trainguard.agent.launcher_lock import launcher_alive, launchers_dir
 

@@ -36,6 +36,7 @@ trainguard_failslow_job_step_seconds              gauge    median step time of t
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 import threading
@@ -296,12 +297,13 @@ def _log_request_error(request: object, client_address: object) -> None:
 class MetricsServer:
     """The HTTP server exposing ``/metrics`` from an :class:`AgentMetrics` registry."""
 
-    def __init__(self, metrics: AgentMetrics, listen: str) -> None:
+    def __init__(self, metrics: AgentMetrics, listen: str, setting: str = "metrics.listen") -> None:
         """Starts serving at once in a daemon thread.
 
         Args:
             metrics: what to expose.
             listen: ``HOST:PORT``; port 0 picks a free one (see :attr:`port`).
+            setting: what gave ``listen`` (its first word starts the error; the whole of it says what to change).
 
         Raises:
             AgentConfigError: the address cannot be bound.
@@ -310,7 +312,10 @@ class MetricsServer:
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=metrics.registry)
         except OSError as exc:
-            raise AgentConfigError(f"metrics.listen: cannot listen on {listen} ({exc.strerror})") from exc
+            hint = (f"; the port is in use by another process (another agent?): stop it or pick a free port with "
+                    f"{setting}" if exc.errno == errno.EADDRINUSE else "")
+            raise AgentConfigError(f"{setting.split(' ', 1)[0]}: cannot listen on {listen} ({exc.strerror}){hint}"
+                                   ) from exc
         # socketserver's default prints a traceback to stderr, past the log format (json, journal), whenever a
         # client resets its connection: a TCP probe, a port scan, a scrape given up on its timeout.
         self._server.handle_error = _log_request_error

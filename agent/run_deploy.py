@@ -576,9 +576,10 @@ def start_run_extras(args: argparse.Namespace, agent: "NodeAgent", socket_path: 
     try:
         if getattr(args, "metrics_listen", None):
             try:
-                extras.metrics_server = MetricsServer(RunMetrics(agent), args.metrics_listen)  # type: ignore[arg-type]
+                extras.metrics_server = MetricsServer(RunMetrics(agent), args.metrics_listen,  # type: ignore[arg-type]
+                                                      setting="--metrics-listen")
             except AgentConfigError as exc:
-                raise UsageError(str(exc).replace("metrics.listen", "--metrics-listen")) from exc
+                raise UsageError(str(exc)) from exc
             log.info("metrics on %s", extras.metrics_server.url)  # type: ignore[attr-defined]
         if getattr(args, "health_listen", None):
             health = ServingStatus(("", RUN_SERVICE))

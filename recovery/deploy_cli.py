@@ -132,9 +132,10 @@ def start_coordinator_extras(args: argparse.Namespace, server) -> CoordinatorExt
             except ValueError as exc:  # a traceback before: the metrics server only checks a parsed address
                 raise UsageError(f"--metrics-listen {exc}") from exc
             try:
-                extras.metrics_server = MetricsServer(metrics, args.metrics_listen)  # type: ignore[arg-type]
+                extras.metrics_server = MetricsServer(metrics, args.metrics_listen,  # type: ignore[arg-type]
+                                                      setting="--metrics-listen")
             except AgentConfigError as exc:
-                raise UsageError(str(exc).replace("metrics.listen", "--metrics-listen")) from exc
+                raise UsageError(str(exc)) from exc
             extras.notes.append(f"metrics on {extras.metrics_server.url}")  # type: ignore[attr-defined]
         if getattr(args, "health_listen", None):
             hs, extras.health_port = serve_health_only(server.watch.health, args.health_listen, "coordinator-health")

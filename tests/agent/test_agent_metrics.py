@@ -232,3 +232,38 @@ root = "{tmp_path / 'shm'}"
             json.loads(line)
         except ValueError:
             pytest.fail(f"not a JSON log line: {line!r}\n" + "\n".join(lines[:40]) + os.linesep)
+
+
+def test_a_taken_metrics_port_names_the_setting_that_picks_another(tmp_path) -> None:
+    """A second agent with the same config failed on "metrics.listen: cannot listen on ... (Address already in
+    use)", without saying it may be another agent nor where the setting lives (metrics.listen has no flag)."""
+    import socket
+
+    import pytest
+
+    from trainguard.agent.agentd import AgentDaemon, config_loader
+    from trainguard.agent.config import AgentConfigError
+    from trainguard.agent.sdnotify import SystemdNotifier
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    taken = f"127.0.0.1:{holder.getsockname()[1]}"
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nenabled = ["process"]\nroot = "{tmp_path}"\n[metrics]\nlisten = "{taken}"\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
+    daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "a.sock"), str(tmp_path / "st")),
+                         SystemdNotifier(None))
+    try:
+        with pytest.raises(AgentConfigError) as err:
+            daemon.start()
+        with pytest.raises(AgentConfigError) as flag_err:  # the launcher's and coordinator's flag
+            MetricsServer(AgentMetrics("node-a"), taken, setting="--metrics-listen")
+    finally:
+        daemon.release_locks()
+        holder.close()
+    message = str(err.value)
+    assert message.startswith(f"metrics.listen: cannot listen on {taken} (Address already in use)"), message
+    assert "another agent" in message and "$TRAINGUARD_AGENT_METRICS_LISTEN" in message, message
+    assert str(flag_err.value).startswith(f"--metrics-listen: cannot listen on {taken}"), str(flag_err.value)
+    assert str(flag_err.value).endswith("pick a free port with --metrics-listen"), str(flag_err.value)
