@@ -211,8 +211,14 @@ def handle_coordinator(args: argparse.Namespace) -> int:
     print(f"trainguard: coordinator for job {spec.job!r} listening on {server.host}:{server.port}", file=sys.stderr,
           flush=True)
     stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
     for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, lambda *_: stop.set())
+        signal.signal(s, on_signal)
     code = 0
     done_since = None
     try:
@@ -234,6 +240,12 @@ def handle_coordinator(args: argparse.Namespace) -> int:
                     print(f"trainguard: job {spec.job} {phase.name.lower()}: {core.state.message}", file=sys.stderr)
                     break
     finally:
+        if received:
+            # Said, as the node agent says it: a log that just ended read the same as a crash.
+            log.info("coordinator for job %s stopping (%s, phase %s)", spec.job, received[0],
+                     server.core.state.phase.name.lower())
         extras.stop()
         server.stop(1.0)
+        if received:
+            log.info("coordinator for job %s stopped", spec.job)
     return code

@@ -95,3 +95,13 @@ def _wait_for(cond, coord: CoordinatorProcess, limit_s: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline and coord.proc.poll() is None, coord.log()[-3000:]
         time.sleep(0.1)
+
+
+def test_a_coordinator_stopped_by_sigterm_says_so(tmp_path, tg_env) -> None:
+    """The node agent logs its stop; the coordinator's log just ended, as on a crash."""
+    coord = CoordinatorProcess(tmp_path, tg_env, "termed", "--nnodes", "1")
+    coord.stop()  # SIGTERM, as systemd and Kubernetes stop it
+    coord._reader.join(timeout=5)
+    assert coord.proc.returncode == 0, coord.log()[-2000:]
+    stopping = [ln for ln in coord.lines if "coordinator for job termed stopping (SIGTERM" in ln]
+    assert stopping and any(ln.endswith("coordinator for job termed stopped") for ln in coord.lines), coord.log()
