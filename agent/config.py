@@ -433,6 +433,12 @@ class AgentConfig:
             raise AgentConfigError(f"{src}: {key}{f' (set by {origin})' if origin else ''}: {problem}")
 
         self._refuse_tilde(fail)
+        # A URL where a local path belongs was "a relative path" (its scheme read as a folder name).
+        for key, value, what in (("agent.state_dir", self.agent.state_dir, "a local folder"),
+                                 ("grpc.socket", self.grpc.socket, "a local unix socket path"),
+                                 ("memory_tier.root", self.memory_tier.root, "a local tmpfs folder")):
+            if value and URL_RE.match(value):
+                fail(key, f"{value!r} is a URL; it must be {what} (an absolute path on this host)")
         a = self.agent
         if not a.node_id.strip():
             fail("agent.node_id", "must not be empty")

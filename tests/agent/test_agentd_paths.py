@@ -53,6 +53,11 @@ def test_relative_socket_and_state_dir_flags_mean_the_folder_they_were_typed_in(
     ("", {cfg.SOCKET_ENV: "agent.sock"},
      f"grpc.socket (set by ${cfg.SOCKET_ENV}): 'agent.sock' is a relative path"),
     ("", {cfg.STATE_DIR_ENV: "./st"}, f"agent.state_dir (set by ${cfg.STATE_DIR_ENV}): './st' is a relative path"),
+    # a URL in the environment or the file was "a relative path" too (only the flags said "is a URL")
+    ("", {cfg.STATE_DIR_ENV: "file:///tmp/x"},
+     f"agent.state_dir (set by ${cfg.STATE_DIR_ENV}): 'file:///tmp/x' is a URL; it must be a local folder"),
+    ('[grpc]\nsocket = "unix:///run/a.sock"\n', {}, "grpc.socket: 'unix:///run/a.sock' is a URL"),
+    ('[memory_tier]\nroot = "file:///dev/shm/x"\n', {}, "memory_tier.root: 'file:///dev/shm/x' is a URL"),
 ])
 def test_relative_paths_in_the_file_or_environment_are_refused(tmp_path, text, env, needle):
     path = tmp_path / "agent.toml"
