@@ -35,6 +35,16 @@ def _wait(cond, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def _assert_refused(stub: agent_pb2_grpc.NodeAgentStub, needle: str) -> None:
+    """One more stream is refused with RESOURCE_EXHAUSTED, its details naming ``needle``."""
+    extra = stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=1), timeout=60)
+    try:
+        next(extra)
+        raise AssertionError(f"a stream beyond the limit ({needle}) was accepted")
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and needle in exc.details(), exc.details()
+
+
 def test_default_limit_takes_sixteen_single_device_jobs_and_operators(tmp_path: Path) -> None:
     """The default was 8 streams: 8 single-GPU jobs' launchers took them all, and the operator's
     `trainguard events --follow` (or a ninth job's launcher) got RESOURCE_EXHAUSTED."""
@@ -53,12 +63,7 @@ def test_default_limit_takes_sixteen_single_device_jobs_and_operators(tmp_path: 
                     assert next(call).kind == "agent.started"  # accepted: the replayed event arrives
                 except grpc.RpcError as exc:
                     raise AssertionError(f"stream {i + 1} refused: {exc.details()}") from exc
-            extra = stub.WatchEvents(agent_pb2.WatchEventsRequest(replay=1), timeout=60)
-            try:
-                next(extra)
-                raise AssertionError("a stream beyond grpc.max_watchers was accepted")
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "grpc.max_watchers" in exc.details()
+            _assert_refused(stub, "grpc.max_watchers")
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING  # threads left for health checks
             for call in calls:
@@ -112,12 +117,7 @@ def test_network_peers_cannot_take_the_streams_launchers_need(tmp_path: Path) ->
             for _ in range(2):
                 calls.append(remote.WatchEvents(agent_pb2.WatchEventsRequest(replay=1), timeout=60))
                 assert next(calls[-1]).kind == "agent.started"
-            extra = remote.WatchEvents(agent_pb2.WatchEventsRequest(replay=1), timeout=60)
-            try:
-                next(extra)
-                raise AssertionError("a third TCP stream of 4 was accepted")
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "network peers" in exc.details()
+            _assert_refused(remote, "network peers")  # a third TCP stream of 4
             launcher = agent_pb2_grpc.NodeAgentStub(local)
             for _ in range(2):  # the launchers' half is still there
                 calls.append(launcher.WatchEvents(agent_pb2.WatchEventsRequest(replay=1), timeout=60))
