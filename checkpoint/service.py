@@ -53,6 +53,12 @@ from trainguard.checkpoint.uploads import UploadQueue
 
 log = logging.getLogger(__name__)
 
+#: What this service reads beyond the first protocol, announced in its welcome: ``manifest_text``, a persist
+#: request's manifest as its own JSON text (a service without it reads only the decoded object).
+FEATURES = ("manifest_text",)
+#: How long a worker waits for the service's welcome before its first request (it comes at once from a live one).
+WELCOME_WAIT_S = 5.0
+
 Report = Callable[[dict[str, Any]], None]
 
 
@@ -169,7 +175,7 @@ class PersistServer:
         # Only a client that spoke counts (start-up probes connect and leave silently).
         self.ever_connected = True
         if op == "hello":
-            conn.send({"op": "welcome", "pid": os.getpid()})
+            conn.send({"op": "welcome", "pid": os.getpid(), "features": list(FEATURES)})
         elif op == "persist":
             with self._state:
                 self.busy += 1
@@ -504,6 +510,8 @@ class ServiceChannel(PersistChannel):
         self._send_lock = threading.Lock()
         self._alive = True
         self._drained = threading.Event()
+        self._welcome = threading.Event()
+        self.features: frozenset[str] = frozenset()  # what the service announced (see FEATURES)
         self._reader = threading.Thread(target=self._read_loop, name="trainguard-ckpt-reader", daemon=True)
         self._reader.start()
 
@@ -545,7 +553,10 @@ class ServiceChannel(PersistChannel):
                     msg = json.loads(line)
                     if msg.get("op") == "drained":
                         self._drained.set()
-                    elif msg.get("op") in ("welcome", "pong"):
+                    elif msg.get("op") == "welcome":
+                        self.features = frozenset(str(f) for f in msg.get("features") or ())
+                        self._welcome.set()
+                    elif msg.get("op") == "pong":
                         continue
                     else:
                         try:
@@ -557,6 +568,7 @@ class ServiceChannel(PersistChannel):
         finally:
             self._alive = False
             self._drained.set()
+            self._welcome.set()
             try:
                 self.report({"op": "channel_closed"})
             except Exception:
@@ -573,7 +585,21 @@ class ServiceChannel(PersistChannel):
                                               "the persist process died") from exc
 
     def submit(self, request: dict[str, Any]) -> None:
+        manifest = request.get("manifest")
+        if isinstance(manifest, str) and not self._speaks("manifest_text"):
+            # The node agent's service runs the trainguard its launcher started with: a worker restarted after
+            # an upgrade failed every persist there ("string indices must be integers"). Such a service gets the
+            # decoded object it reads (one more JSON pass per save, for as long as that launcher runs).
+            request = {**request, "manifest": json.loads(manifest)}
         self._send(request)
+
+    def _speaks(self, feature: str) -> bool:
+        """Whether the service announced ``feature`` (waits for its welcome, once, at most WELCOME_WAIT_S)."""
+        if not self._welcome.wait(WELCOME_WAIT_S):
+            log.warning("the checkpoint service sent no welcome within %.0f s; taking it for an older one",
+                        WELCOME_WAIT_S)
+            self._welcome.set()
+        return feature in self.features
 
     def drain(self, timeout: float | None = None) -> bool:
         """Blocks until the service persisted everything this channel queued; False on timeout or death."""
