@@ -154,8 +154,9 @@ class GrpcSection:
         max_watchers: concurrent ``WatchEvents`` and server reflection streams; more get RESOURCE_EXHAUSTED
             naming this option. Each job's launcher on the node holds one, each ``trainguard events --follow``
             one; peers over TCP (``listen``, no credentials) get half at most, so they cannot cut the launchers
-            (unix socket) off the node's events. Default 32: a 16-device node shared by single-device jobs plus operators' streams, and
-            ``max_workers - max_watchers`` = 16 threads always free for health checks and launchers' calls.
+            (unix socket) off the node's events. Default 32: a 16-device node shared by single-device jobs plus
+            operators' streams, and ``max_workers - max_watchers`` = 16 threads always free for health checks and
+            launchers' calls.
         reflection: serve gRPC server reflection (for grpcurl and debugging). Default true.
     """
 

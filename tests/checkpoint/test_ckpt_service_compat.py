@@ -54,7 +54,8 @@ def _manifest() -> Manifest:
 def _sent_manifest(tmp_path: Path, welcome: dict):
     path = tmp_path / "svc.sock"
     service = StandInService(path, welcome)
-    chan = ServiceChannel.connect_or_spawn(str(path), CheckpointConfig(directory=str(tmp_path)), "j", 0, lambda msg: None)
+    config = CheckpointConfig(directory=str(tmp_path))
+    chan = ServiceChannel.connect_or_spawn(str(path), config, "j", 0, lambda msg: None)
     try:
         chan.submit({"op": "persist", "id": 1, "step": 7, "manifest": _manifest().to_json().decode()})
         assert service.got.wait(10), "the request never arrived"
@@ -76,7 +77,8 @@ def test_a_service_that_reads_the_text_gets_the_text(tmp_path: Path) -> None:
 
 
 def test_this_versions_service_announces_that_it_reads_the_text(tmp_path: Path) -> None:
-    chan = ServiceChannel.connect_or_spawn(None, CheckpointConfig(directory=str(tmp_path)), "j", 0, lambda msg: None)  # a private one
+    config = CheckpointConfig(directory=str(tmp_path))
+    chan = ServiceChannel.connect_or_spawn(None, config, "j", 0, lambda msg: None)  # a private service
     try:
         assert chan._speaks("manifest_text"), chan.features  # else every save would pay the decode again
     finally:
