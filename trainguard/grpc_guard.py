@@ -148,7 +148,7 @@ class RequestGuard(grpc.ServerInterceptor):
     def _wrap_stream(self, behavior: Callable, deserialize: Callable, check: Validator | None, short: str) -> Callable:
         def guarded(raw: bytes, context: grpc.ServicerContext) -> Any:
             failed = True
-            acquired = False
+            acquired = remote = False
             try:
                 request = self._decode(raw, deserialize, check, context)
                 remote = self._max_remote > 0 and not str(context.peer()).startswith("unix:")

@@ -87,7 +87,7 @@ def test_oversized_malformed_and_out_of_range_get_invalid_argument(server):
     assert ("GetHealth", "INVALID_ARGUMENT", pytest.approx(0, abs=1)) in [(c[0], c[1], c[2]) for c in calls]
 
 
-def test_stream_limit_and_bad_watch_request(server):
+def test_stream_limit_and_bad_watch_request(server, caplog):
     channel, calls, _, servicer = server
     stub = agent_pb2_grpc.NodeAgentStub(channel)
     first = stub.WatchEvents(agent_pb2.WatchEventsRequest(), timeout=10)
@@ -99,6 +99,12 @@ def test_stream_limit_and_bad_watch_request(server):
     with pytest.raises(grpc.RpcError) as err:
         next(stub.WatchEvents(agent_pb2.WatchEventsRequest(min_severity=9), timeout=3))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    raw = channel.unary_stream("/trainguard.v1.NodeAgent/WatchEvents", request_serializer=None,
+                               response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as err:
+        list(raw(b"\x0a\xff\xff", timeout=3))  # not protobuf: refused before the stream counts, no traceback
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
     servicer.release.set()
     assert list(first) == []
 
