@@ -66,6 +66,7 @@ class DaemonStatus:
             # keep-alives), so the agent is restarted and binds it anew.
             self.health.set("", False)
             self.health.set(NODE_AGENT_SERVICE, False)
+        self._predictor_degraded()
         self.health.set_subsystem("coordinator", self.jobs is None or self.jobs.configured_ok())
         self.health.set_subsystem("workers", True)
         from trainguard.detectors.base import DetectorState
@@ -75,6 +76,28 @@ class DaemonStatus:
             self.health.set_detectors({s.name: s.state not in bad for s in statuses})
         else:
             self.health.set_subsystem("detectors", not self.detector_gap)
+
+    def _predictor_degraded(self) -> None:
+        """A model trained on metrics this node does not produce leaves the rules tier only (the monitor finds
+        out a minute after start): said in ``trainguard status`` (predictor not serving) and once as a WARNING
+        event, where before only the journal said it and every status read "predictor ok"."""
+        monitor = getattr(self.node_health, "predictor", None) if self.node_health is not None else None
+        absent = list(getattr(monitor, "absent_model_metrics", None) or ())
+        if not absent:
+            return
+        self.health.set_subsystem("predictor", False)
+        if getattr(self, "_predictor_degraded_said", False):
+            return
+        self._predictor_degraded_said = True
+        from trainguard.detectors.events import Action, HealthEvent, Severity
+
+        model = self.config.predictor.model if self.config is not None else ""
+        self._on_event(HealthEvent(
+            source="predictor", kind="predictor.degraded", severity=Severity.WARNING, action=Action.WATCH,
+            message=f"the model {model} was trained on {', '.join(absent)}, which this node does not produce: "
+                    "scoring with the rules tier only; enable the detectors that produce them or retrain on this "
+                    "node's history",
+            evidence={"absent_metrics": ",".join(absent), "model": model}))
 
     def _socket_in_place(self) -> bool:
         """Whether ``grpc.socket`` still names the socket this agent serves on (logs once when it does not).

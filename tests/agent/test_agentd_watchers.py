@@ -1,5 +1,6 @@
 """Event streams at the daemon's limit: the default takes a node full of single-device jobs' launchers plus
-operators, and the one refused beyond the limit is told which option to raise, once."""
+operators, and the one refused beyond the limit is told which option to raise, once; network peers cannot take
+the launchers' streams; a predictor degraded to its rules tier is said in the status and in the event stream."""
 
 from __future__ import annotations
 
@@ -136,5 +137,29 @@ def test_network_peers_cannot_take_the_streams_launchers_need(tmp_path: Path) ->
             _wait(accepted, "TCP stream accepted after one ended")
             for call in calls:
                 call.cancel()
+    finally:
+        daemon.stop()
+
+
+def test_a_model_of_metrics_this_node_lacks_is_said_in_status_and_once_as_an_event(tmp_path: Path) -> None:
+    """The predictor monitor drops such a model to the rules tier (tests/predictor/test_predictor_online_feed.py);
+    the daemon said so only in its journal: `trainguard status` read "predictor ok" and no event was published."""
+    daemon = _daemon(tmp_path)
+    try:
+        monitor = daemon.node_health.predictor
+        assert monitor is not None, "the daemon runs no predictor"
+        with grpc.insecure_channel(f"unix:{tmp_path / 'agent.sock'}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            service = health_pb2.HealthCheckRequest(service="trainguard.agent.predictor")
+            assert check(service, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            monitor.absent_model_metrics = ["gpu_temp_c"]  # what the monitor records when it drops the model
+            daemon._refresh()
+            daemon._refresh()  # said once, however many turns find it
+            assert check(service, timeout=10).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            health = agent_pb2_grpc.NodeAgentStub(channel).GetHealth(
+                agent_pb2.GetHealthRequest(max_events=50), timeout=10)
+        said = [e for e in health.recent_events if e.kind == "predictor.degraded"]
+        assert len(said) == 1 and "gpu_temp_c" in said[0].message, [e.kind for e in health.recent_events]
+        assert said[0].severity == common_pb2.SEVERITY_WARNING
     finally:
         daemon.stop()
