@@ -229,7 +229,7 @@ class PredictorSection:
 
     Attributes:
         enabled: score risk from the metric stream. Default true.
-        model: path of a trained model file; ``""`` scores with the rules tier only (there is no built-in
+        model: absolute path of a trained model file; ``""`` scores with the rules tier only (there is no built-in
             learned model). Default ``""``.
         threshold: risk score in [0, 1] at which the predictor alarms (workers advised to checkpoint now, then
             the node drained); it drives alarms, ``GetHealth`` and ``trainguard_predictor_threshold``. Unset (or
@@ -436,6 +436,7 @@ class AgentConfig:
         self._refuse_tilde(fail)
         # A URL where a local path belongs was "a relative path" (its scheme read as a folder name).
         for key, value, what in (("agent.state_dir", self.agent.state_dir, "a local folder"),
+                                 ("predictor.model", self.predictor.model, "a local model file"),
                                  ("grpc.socket", self.grpc.socket, "a local unix socket path"),
                                  ("memory_tier.root", self.memory_tier.root, "a local tmpfs folder")):
             if value and URL_RE.match(value):
@@ -535,6 +536,9 @@ class AgentConfig:
         if not 0.1 <= p.interval_s <= 3600:  # NaN and inf fail it too
             fail("predictor.interval_s", f"{p.interval_s} is outside [0.1, 3600] seconds")
         if p.enabled and p.model:
+            if not os.path.isabs(p.model):
+                # Read against whichever folder the daemon started in (/ under systemd), as state_dir would be.
+                fail("predictor.model", f"{p.model!r} is a relative path; give an absolute one")
             _check_readable(p.model, "predictor.model", fail)
 
         c = self.coordinator

@@ -274,6 +274,12 @@ BLOCK = 20
 FINER_SHARE = 0.1
 
 
+#: Accepted relative difference of a fleet's or a node's *median* spacing from the model's interval. A median is
+#: not moved by jitter, so a steady 45 s or 70 s scrape is another interval, not a jittered 60 s one: accepted
+#: at 0.25 (the runs' tolerance below), its windows held a third more or fewer rows than the model was trained on.
+MEDIAN_TOLERANCE = 0.1
+
+
 def check_sampling(metrics: MetricTable, interval_s: float, tolerance: float = 0.25) -> float:
     """Checks that every node of a table is sampled at the interval a model assumes, saying what helps.
 
@@ -285,7 +291,8 @@ def check_sampling(metrics: MetricTable, interval_s: float, tolerance: float = 0
     Args:
         metrics: the data.
         interval_s: the model's (or ``--interval``'s) interval, seconds.
-        tolerance: accepted relative difference of a median spacing (default 0.25, as ``check_interval``).
+        tolerance: accepted relative difference of the median of a run of ``BLOCK`` spacings (default 0.25); the
+            medians of the fleet and of each node get the tighter ``MEDIAN_TOLERANCE``.
 
     Returns:
         The fleet's median spacing, seconds (``interval_s`` when unknown).
@@ -298,15 +305,15 @@ def check_sampling(metrics: MetricTable, interval_s: float, tolerance: float = 0
     if not gaps:
         return interval_s
     median = float(np.median(np.concatenate(list(gaps.values()))))
-    if median > (1 + tolerance) * interval_s:
+    if median > (1 + MEDIAN_TOLERANCE) * interval_s:
         raise DataFormatError(
             f"the data is sampled every {median:g} s, coarser than the {interval_s:g} s the model (or --interval) assumes, and "
             f"resampling cannot make data finer; use a model trained at the data's interval (train on data "
             f"like it, or with --interval {median:g})"
         )
-    check_interval(metrics, interval_s, tolerance)  # finer data: names --resample to the model's interval
+    check_interval(metrics, interval_s, MEDIAN_TOLERANCE)  # finer data: names --resample to the model's interval
     off = {n: float(np.median(g)) for n, g in gaps.items()}
-    off = {n: m for n, m in off.items() if abs(m - interval_s) > tolerance * interval_s}
+    off = {n: m for n, m in off.items() if abs(m - interval_s) > MEDIAN_TOLERANCE * interval_s}
     if off:
         coarsest = max(max(off.values()), interval_s)
         listed = ", ".join(f"{n!r} ({m:g} s)" for n, m in sorted(off.items())[:6]) + (" ..." if len(off) > 6 else "")

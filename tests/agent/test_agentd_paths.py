@@ -58,6 +58,9 @@ def test_relative_socket_and_state_dir_flags_mean_the_folder_they_were_typed_in(
      f"agent.state_dir (set by ${cfg.STATE_DIR_ENV}): 'file:///tmp/x' is a URL; it must be a local folder"),
     ('[grpc]\nsocket = "unix:///run/a.sock"\n', {}, "grpc.socket: 'unix:///run/a.sock' is a URL"),
     ('[memory_tier]\nroot = "file:///dev/shm/x"\n', {}, "memory_tier.root: 'file:///dev/shm/x' is a URL"),
+    # read against the folder the daemon started in (/ under systemd) where every other path must be absolute
+    ('[predictor]\nmodel = "models/m.json"\n', {}, "predictor.model: 'models/m.json' is a relative path"),
+    ('[predictor]\nmodel = "s3://b/m.json"\n', {}, "predictor.model: 's3://b/m.json' is a URL"),
 ])
 def test_relative_paths_in_the_file_or_environment_are_refused(tmp_path, text, env, needle):
     path = tmp_path / "agent.toml"

@@ -142,6 +142,27 @@ def test_resample_other_and_mixed_intervals(trained, tmp_path, capsys):
     assert len(scored) == len(slots) and all(float(r["timestamp"]) % 60 == 0 for r in scored)
 
 
+def test_a_steady_other_interval_is_refused_not_taken_for_jitter(trained, tmp_path, capsys):
+    """Data every 45 s or 70 s was scored by a 60 s model without a word (the 0.25 jitter tolerance was applied
+    to the median spacing, which jitter does not move), and so was `--resample 45`: every window then held a
+    third more or fewer rows than the model was trained on."""
+    _, _, model = trained  # trained at 60 s
+    rng = np.random.default_rng(4)
+    out = str(tmp_path / "s.csv")
+    for step, flag in ((45.0, "--resample 60"), (70.0, "--interval 70")):
+        rows = [[1_700_000_000.0 + step * i, "n0", 50 + rng.standard_normal(), 0.0, float(2 * i)] for i in range(600)]
+        data = _write(tmp_path / f"d{step:g}.csv", ["latency_ms", "retries", "req_total"], rows)
+        capsys.readouterr()
+        assert main(["predictor", "score", "--model", model, "--metrics", data, "--out", out]) == 2, step
+        err = capsys.readouterr().err
+        assert f"every {step:g} s" in err and flag in err, err
+    fine = _write(tmp_path / "d30.csv", ["latency_ms", "retries", "req_total"],
+                  [[1_700_000_000.0 + 30 * i, "n0", 50.0, 0.0, float(i)] for i in range(900)])
+    capsys.readouterr()
+    assert main(["predictor", "score", "--model", model, "--metrics", fine, "--out", out, "--resample", "45"]) == 2
+    assert "--resample 60" in capsys.readouterr().err
+
+
 def test_hourly_data_error_names_the_window_flags(tmp_path, capsys):
     rng = np.random.default_rng(2)
     hourly = _write(tmp_path / "h.csv", ["cpu"], [[3600.0 * i, "a", 40 + rng.standard_normal()] for i in range(500)])
