@@ -266,6 +266,8 @@ def _threshold_mode(model: Any) -> str:
 def _eval(args: argparse.Namespace) -> int:
     import math
 
+    import numpy as np
+
     from trainguard.predictor.calibration import calibrate_table
     from trainguard.predictor.evaluation import (
         calibrate_threshold, evaluate_events, failures_by_node, uncounted_events,
@@ -291,6 +293,7 @@ def _eval(args: argparse.Namespace) -> int:
     interval = model.spec.config.interval_s
     uncounted = uncounted_events(events.node, events.ts, frame.ts, frame.node, ev, interval)
     _report_uncounted(args.events, args.metrics, len(events), uncounted)
+    cold = False  # online thresholds: no node warmed up, so nothing could alarm
     if args.threshold is not None or model.calibration is None:
         thr = model.threshold if args.threshold is None else args.threshold
         mode = "fixed"
@@ -305,6 +308,12 @@ def _eval(args: argparse.Namespace) -> int:
         margin, _ = calibrate_table(frame.ts, frame.node, calibration_scores(model, frame, score), cal, incidents)
         mode = "online per node and metric family" if cal.per_family else "online per node"
         rep = evaluate_events(frame.ts, frame.node, margin, 0.0, failures, ev, interval)
+        if len(margin) and not np.isfinite(margin).any():
+            # Every row still warms its node's threshold up: no alarm was possible, so "0 false alarms, within
+            # budget" said nothing about the model (score prints "still warming up" for the same data).
+            cold = True
+            print(f"{args.metrics}: no node finished warming up its threshold (a day of its own scores): no alarm "
+                  "was possible, so the false-alarm budget is not judged; evaluate on longer data", file=sys.stderr)
     out = rep.summary()
     out["events_total"] = len(events) + repeated
     out["events_repeated"] = repeated
@@ -314,7 +323,7 @@ def _eval(args: argparse.Namespace) -> int:
     out["threshold_mode"] = mode
     out["budget_per_100_node_days"] = ev.budget_per_100_node_days
     out["within_budget"] = bool(rep.false_alarms_per_100_node_days <= ev.budget_per_100_node_days) \
-        if rep.node_days else None
+        if rep.node_days and not cold else None
     out["eval_config"] = ev.to_dict()
     # the best any single threshold could do on this very data at the budget (hindsight, for comparison)
     best_thr, best = calibrate_threshold(frame.ts, frame.node, score, failures, ev, interval)

@@ -195,7 +195,11 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
                 # No generation ever ran: there is no outcome to hear, and each node bounds its own wait (its join
                 # timeout). A launcher whose join timed out waited up to 10 s more for the others to "hear" it.
                 return []
-            return sorted(nid for nid, m in self._members.items() if m.alive and nid not in self._told_end)
+            # A node refused at registration (failed qualification, cordoned) never learned its lease: it cannot
+            # heartbeat, so it would only be waited out to its lease's expiry (10 s at the end of such a job).
+            cordoned = self._policy.state.cordoned
+            return sorted(nid for nid, m in self._members.items()
+                          if m.alive and nid not in self._told_end and not (m.refused and nid in cordoned))
 
     def _check_serving(self, job: str) -> None:
         if self.fenced:

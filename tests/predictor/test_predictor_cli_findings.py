@@ -101,7 +101,14 @@ def test_eval_flags_and_json_without_nan(trained, capsys):
     capsys.readouterr()
     assert main(["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events, "--json",
                  "--horizon", "3600", "--lead", "300", "--cooldown", "600", "--budget", "20"]) == 0
-    out = _no_nan_json(capsys.readouterr().out)
+    said = capsys.readouterr()
+    out = _no_nan_json(said.out)
+    # 6.7 h of data: no node warms its online threshold up (a day), so nothing could alarm; "within budget: true"
+    # said nothing about the model
+    assert out["within_budget"] is None and "no node finished warming up" in said.err, said.err
+    assert main(["predictor", "eval", "--model", model, "--metrics", metrics, "--events", events, "--json",
+                 "--threshold", "0.5"]) == 0  # a fixed threshold alarms from the first row: judged
+    assert isinstance(_no_nan_json(capsys.readouterr().out)["within_budget"], bool)
     assert out["eval_config"]["horizon_s"] == 3600 and out["eval_config"]["min_lead_s"] == 300
     assert out["eval_config"]["cooldown_s"] == 600 and out["budget_per_100_node_days"] == 20
     assert out["recall"] is None and out["threshold_mode"].startswith("online per node")

@@ -207,3 +207,23 @@ def test_past_the_cordon_bound_a_refused_node_is_refused_membership_instead() ->
             beat(core, "late", lease)
     finally:
         core.close()
+
+
+def test_the_end_of_a_job_is_not_held_for_a_node_refused_at_registration() -> None:
+    """The refused node's agent never learns its lease (the registration answer is the refusal), so it never
+    heartbeats: `--exit-when-done` and the embedding launcher waited out its lease (~10 s) at every job's end."""
+    clock = Clock()
+    core = JobCoordinator(JobSpec(job=JOB, nnodes=2), store=MemoryStore(), clock=clock, wall=clock)
+    leases = {}
+    _, _, fut = core.register(JOB, node("bad", 0), 31000, "i-bad", NARROW)
+    core.wait_durable(fut)
+    for i, nid in enumerate(("a", "b"), start=1):
+        leases[nid], _, _ = core.register(JOB, node(nid, i), 31000 + i, f"i-{nid}", GOOD)
+    gen = {nid: beat(core, nid, leases[nid]).table.generation for nid in ("a", "b")}
+    beat(core, "a", leases["a"], gen["a"], workers_succeeded=True)
+    assert core.not_told_of_end() == ["a", "b"]  # still running: nobody was told
+    for nid in ("a", "b", "a"):  # b's answer ends the job, a's next one tells it
+        core.answered(Beat(JOB, nid, leases[nid], gen[nid], 1, workers_succeeded=True))
+    assert core.state.phase is Phase.SUCCEEDED
+    assert core.not_told_of_end() == []  # "bad" is alive (its lease runs) but nothing can tell it
+    core.close()
