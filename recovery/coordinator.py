@@ -143,6 +143,7 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
         self._running: set[str] = set()  # slot holders running the current generation
         self._succeeded: set[str] = set()  # slot holders whose workers of the current generation all exited 0
         self._told_end: set[str] = set()  # nodes a heartbeat answer told that the job is over
+        self._refused_at_registration: set[str] = set()  # nodes whose registration was answered with a refusal
         self._plan_since: tuple[int, float] = (-1, 0.0)  # (plan generation, when it was made): see _quiet_holder
         self._beat_at: dict[str, float] = {}  # node -> when its last heartbeat (with its holdings) arrived
         self._relay = CheckpointRelay(spec.job)  # job-wide checkpoint requests and the step rate they need
@@ -195,11 +196,17 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
                 # No generation ever ran: there is no outcome to hear, and each node bounds its own wait (its join
                 # timeout). A launcher whose join timed out waited up to 10 s more for the others to "hear" it.
                 return []
-            # A node refused at registration (failed qualification, cordoned) never learned its lease: it cannot
-            # heartbeat, so it would only be waited out to its lease's expiry (10 s at the end of such a job).
-            cordoned = self._policy.state.cordoned
+            # A node refused at registration never learned its lease: it cannot heartbeat, so it would only be
+            # waited out to its lease's expiry (10 s at the end of such a job). A node cordoned by a failed
+            # re-check (a waiting spare) still heartbeats, and hears the outcome.
             return sorted(nid for nid, m in self._members.items()
-                          if m.alive and nid not in self._told_end and not (m.refused and nid in cordoned))
+                          if m.alive and nid not in self._told_end and nid not in self._refused_at_registration)
+
+    def registration_refused(self, node_id: str) -> None:
+        """The service answered ``node_id``'s registration with its refusal: its agent never learned the lease and
+        exits, so the end of the job is not held for it (see :meth:`not_told_of_end`)."""
+        with self._lock:
+            self._refused_at_registration.add(node_id)
 
     def _check_serving(self, job: str) -> None:
         if self.fenced:

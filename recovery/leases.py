@@ -182,6 +182,7 @@ class Leases:
         for table in (self._node_steps, self._beat_at):
             table.pop(nid, None)
         self._told_end.discard(nid)
+        self._refused_at_registration.discard(nid)
         self._running.discard(nid)
         self._succeeded.discard(nid)
         self._memory.forget(nid)

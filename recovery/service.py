@@ -315,6 +315,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.core.wait_durable(fut, "the registration", wait_s)
             refused = self.core.refusal(request.node.node_id)
             if refused:  # cordoned durably above: a restarted coordinator refuses it the same way
+                self.core.registration_refused(request.node.node_id)
                 raise NodeRefusedError(refusal_message(request.node.node_id, refused))
             return coordinator_pb2.RegisterNodeResponse(generation=gen, lease_id=lease)
         except RecoveryError as exc:

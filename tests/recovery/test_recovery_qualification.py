@@ -134,6 +134,8 @@ def test_the_service_refuses_with_failed_precondition_naming_the_reason() -> Non
             assert exc.value.code() is grpc.StatusCode.FAILED_PRECONDITION
             assert "node 'bad' is cordoned (failed qualification: pcie: 0000:3b:00.0 link trained at x4" \
                 in exc.value.details()
+            # its agent never learns the lease, so the job's end is not held for it (see the test below)
+            assert "bad" in server.core._refused_at_registration
             too_many = coordinator_pb2.RegisterNodeRequest()
             too_many.CopyFrom(req)
             too_many.qualification.checks.extend([coordinator_pb2.QualificationCheck(name="x")] * 40)
@@ -217,6 +219,7 @@ def test_the_end_of_a_job_is_not_held_for_a_node_refused_at_registration() -> No
     leases = {}
     _, _, fut = core.register(JOB, node("bad", 0), 31000, "i-bad", NARROW)
     core.wait_durable(fut)
+    core.registration_refused("bad")  # what the service does as it answers with the refusal
     for i, nid in enumerate(("a", "b"), start=1):
         leases[nid], _, _ = core.register(JOB, node(nid, i), 31000 + i, f"i-{nid}", GOOD)
     gen = {nid: beat(core, nid, leases[nid]).table.generation for nid in ("a", "b")}
@@ -227,3 +230,4 @@ def test_the_end_of_a_job_is_not_held_for_a_node_refused_at_registration() -> No
     assert core.state.phase is Phase.SUCCEEDED
     assert core.not_told_of_end() == []  # "bad" is alive (its lease runs) but nothing can tell it
     core.close()
+
