@@ -130,6 +130,7 @@ class AgentDaemon(DaemonStatus):
         self._certs: ServerCertificates | None = None
         self._socket_ino: int | None = None
         self._socket_lost = False  # the socket file was removed or replaced under the running server
+        self._predictor_degraded_said = False  # the predictor.degraded event went out (see DaemonStatus)
         self._socket_lock: int | None = None  # fd of <socket>.lock, held for the daemon's life
         self._state_lock: int | None = None  # fd of <state_dir>/agent.lock, held for the daemon's life
         self._self_check: Any = None

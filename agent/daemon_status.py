@@ -86,7 +86,7 @@ class DaemonStatus:
         if not absent:
             return
         self.health.set_subsystem("predictor", False)
-        if getattr(self, "_predictor_degraded_said", False):
+        if self._predictor_degraded_said:
             return
         self._predictor_degraded_said = True
         from trainguard.detectors.events import Action, HealthEvent, Severity

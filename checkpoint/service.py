@@ -554,7 +554,8 @@ class ServiceChannel(PersistChannel):
                     if msg.get("op") == "drained":
                         self._drained.set()
                     elif msg.get("op") == "welcome":
-                        self.features = frozenset(str(f) for f in msg.get("features") or ())
+                        said = msg.get("features")
+                        self.features = frozenset(str(f) for f in said) if isinstance(said, list) else frozenset()
                         self._welcome.set()
                     elif msg.get("op") == "pong":
                         continue

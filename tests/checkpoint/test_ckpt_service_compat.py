@@ -59,6 +59,7 @@ def _sent_manifest(tmp_path: Path, welcome: dict):
     try:
         chan.submit({"op": "persist", "id": 1, "step": 7, "manifest": _manifest().to_json().decode()})
         assert service.got.wait(10), "the request never arrived"
+        assert chan.alive(), "the channel's reader died on the welcome"  # its outcomes would never arrive
         return service.requests[0]["manifest"]
     finally:
         chan.close()
@@ -69,6 +70,11 @@ def test_an_older_service_gets_the_manifest_it_reads(tmp_path: Path) -> None:
     sent = _sent_manifest(tmp_path, {"op": "welcome", "pid": 1})  # the first protocol's welcome
     assert isinstance(sent, dict), type(sent)
     assert _manifest_from(sent) == _manifest()  # what the older service's reader builds from it
+
+
+def test_a_welcome_with_features_of_another_shape_is_taken_for_an_older_service(tmp_path: Path) -> None:
+    # not a list (a later service's object, a number): the reader thread must not die on it
+    assert isinstance(_sent_manifest(tmp_path, {"op": "welcome", "pid": 1, "features": 7}), dict)
 
 
 def test_a_service_that_reads_the_text_gets_the_text(tmp_path: Path) -> None:
