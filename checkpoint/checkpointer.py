@@ -840,7 +840,10 @@ class Checkpointer:
             self._pending = None
         else:
             pending.wait_before_mutation()
-            if pending.done:
+            # Only once its persist request was sent: forgotten when the copy was done, the next save did not
+            # wait for that request, and its own (a faster copy) could reach the persist process first, which
+            # then took the older step for the job going back and removed the newer one from disk (1 CI run).
+            if pending.settled:
                 self._pending = None
 
     # ------------------------------------------------------------------ wait

@@ -88,6 +88,11 @@ class PendingCopy:
         return self._done.is_set()
 
     @property
+    def settled(self) -> bool:
+        """True once finished and its callback (the persist request) ran."""
+        return self._settled.is_set()
+
+    @property
     def error(self) -> BaseException | None:
         """The copy's exception, if any."""
         return self._error
