@@ -63,10 +63,25 @@ def _eval_config(args: argparse.Namespace, base: Any = None) -> Any:
 
 
 def _local(path: str) -> str:
-    """argparse type of every file argument: a URL would otherwise be read as the local path ``https:/...``."""
+    """argparse type of every file argument: a URL would otherwise be read as the local path ``https:/...``, and
+    ``-`` (a pipe, by the usual convention) as a file named ``-``: "no such file" for an input, a stray file for
+    an output."""
     if "://" in path:
         raise argparse.ArgumentTypeError(f"{path}: only local files are read, not URLs; download it first")
+    if path == "-":
+        raise argparse.ArgumentTypeError("-: this file is not read from or written to a pipe (a file may be read "
+                                         "twice, or checked before the work); give the path of a file, e.g. "
+                                         "save the pipe's output to one first")
     return path
+
+
+def _local_or_stdout(path: str) -> str:
+    """:func:`_local`, except that ``-`` is standard output (``score --out``)."""
+    return path if path == "-" else _local(path)
+
+
+#: A --since above this (the year 5138 in seconds) is a time in milliseconds or finer: 2026 is 1.8e12 in ms.
+_SINCE_MAX_S = 1e11
 
 
 def _usage(msg: str) -> Exception:
@@ -553,13 +568,23 @@ def _export(args: argparse.Namespace) -> int:
     _check_not_an_input(args.events, "--events", {"--history": args.history, "--metrics": args.metrics})
     for flag, path in (("--metrics", args.metrics), ("--events", args.events)):
         _check_out_folder(path, flag, flag[2:] + ".csv")  # before the first file is written, not a traceback after it
+    if args.since is not None and not (math.isfinite(args.since) and args.since < _SINCE_MAX_S):
+        # A time in milliseconds (what most dashboards and JavaScript give) wrote two empty files and exit 0.
+        hint = (f"; it looks like milliseconds or finer: in seconds that is {args.since / 1000:.0f} (ms) or "
+                f"{args.since / 1e6:.0f} (us)" if math.isfinite(args.since) else "")
+        raise _usage(f"--since {args.since:g} is no Unix time in seconds{hint}")
     with MetricHistory(args.history, readonly=True) as h:
         try:
             n, e = h.export(args.metrics, args.events, since=args.since)
         except OSError as exc:  # a read-only folder, a full disk, a folder where the file goes
             flag = "--events" if exc.filename == args.events else "--metrics"
             raise _usage(f"{flag} {exc.filename}: cannot write it ({exc.strerror}); give a writable path") from exc
+        span = h.span() if n == 0 and args.since is not None else None
     print(f"exported {n} samples and {e} events")
+    if span is not None:
+        # Empty files with exit 0 looked like an empty store; the span says the --since was past the data.
+        print(f"no sample at or after --since {args.since:.0f}: the history holds samples from {span[0]:.0f} to "
+              f"{span[1]:.0f} (Unix seconds); give an earlier --since", file=sys.stderr)
     return 0
 
 
@@ -648,7 +673,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", required=True, type=_local, help="model file written by `train`")
     p.add_argument("--metrics", required=True, type=_local,
                    help="metrics CSV to score: timestamp,node[,job],<metrics...>")
-    p.add_argument("--out", default="-", type=_local, help="scores CSV ('-' for stdout)")
+    p.add_argument("--out", default="-", type=_local_or_stdout, help="scores CSV ('-' for stdout)")
     p.add_argument("--rules", type=_local, help="rules file (default: the shipped rules.json)")
     p.add_argument("--missing", default="error", choices=["error", "nan"])
     p.add_argument("--resample", type=float, help="bring the data to this interval, seconds, first")
@@ -665,7 +690,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--history", required=True, type=_local, help="history SQLite file")
     p.add_argument("--metrics", required=True, type=_local, help="metrics CSV to write")
     p.add_argument("--events", required=True, type=_local, help="events CSV to write")
-    p.add_argument("--since", type=float, help="only data at or after this Unix time")
+    p.add_argument("--since", type=float, help="only data at or after this time, Unix seconds")
     p.set_defaults(handler=_export)
 
     p = sub.add_parser("gen-trace", help="write a synthetic trace following StepFun's fault mix")

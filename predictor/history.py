@@ -370,6 +370,12 @@ class MetricHistory:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM samples").fetchone()[0])
 
+    def span(self) -> tuple[float, float] | None:
+        """``(oldest, newest)`` sample time over every node, Unix seconds; None when no sample is stored."""
+        with self._lock:
+            row = self._db.execute("SELECT MIN(ts), MAX(ts) FROM samples").fetchone()
+        return None if row is None or row[0] is None else (float(row[0]), float(row[1]))
+
     def to_tables(self, since: float | None = None) -> tuple[MetricTable, EventTable]:
         """Reads the store into tables (metric columns: the union of all names, sorted; absent = NaN).
 

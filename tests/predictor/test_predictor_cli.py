@@ -116,3 +116,37 @@ def test_export_reads_only_and_refuses_a_mistyped_path(tmp_path, capsys):
     assert list(reader.to_tables()[0].ts) == [1.0]
     reader.close()
     live.close()
+
+
+def test_export_since_in_milliseconds_or_past_the_data_is_said(tmp_path, capsys):
+    # `--since` in milliseconds (what dashboards give) wrote two empty CSVs and exit 0, like an empty store.
+    from trainguard.predictor.history import MetricHistory
+
+    with MetricHistory(tmp_path / "h.sqlite") as h:
+        h.append(1_764_800_000.0, "n", {"gpu_temp_c": 50.0})
+        h.append(1_764_800_060.0, "n", {"gpu_temp_c": 51.0})
+    out = ["--history", str(tmp_path / "h.sqlite"), "--metrics", str(tmp_path / "m.csv"),
+           "--events", str(tmp_path / "e.csv")]
+    assert main(["predictor", "export", *out, "--since", "1764800000000"]) == 2
+    err = capsys.readouterr().err
+    assert "looks like milliseconds" in err and "1764800000 (ms)" in err and not (tmp_path / "m.csv").exists()
+    assert main(["predictor", "export", *out, "--since", "1764900000"]) == 0
+    cap = capsys.readouterr()
+    assert "exported 0 samples" in cap.out
+    assert "from 1764800000 to 1764800060" in cap.err and "earlier --since" in cap.err
+    assert main(["predictor", "export", *out, "--since", "1764800030"]) == 0
+    cap = capsys.readouterr()
+    assert "exported 1 samples" in cap.out and cap.err == ""
+
+
+@pytest.mark.parametrize("argv", [["score", "--model", "m.json", "--metrics", "-"],
+                                  ["export", "--history", "h.sqlite", "--metrics", "-", "--events", "e.csv"]])
+def test_a_dash_for_a_file_is_refused_as_a_pipe(argv, tmp_path, capsys, monkeypatch):
+    # `--metrics -` was read as a file named "-" ("no such file"), and an output "-" wrote a stray file "-".
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["predictor", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "not read from or written to a pipe" in err and "give the path of a file" in err
+    assert not (tmp_path / "-").exists()
