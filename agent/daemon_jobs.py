@@ -163,6 +163,14 @@ class DaemonJobs:
             configured = [r for k, r in self._reporters.items() if k.startswith("config:")]
         return all(r.state in _UP for r in configured)
 
+    def configured_problems(self) -> list[str]:
+        """``ADDRESS: state: why`` of each configured coordinator that does not take this node's reports (empty
+        when :meth:`configured_ok`)."""
+        with self._lock:
+            configured = [r for k, r in self._reporters.items() if k.startswith("config:")]
+        return [f"{r.target.address}: {r.state.value}" + (f": {r.message}" if r.message else "")
+                for r in configured if r.state not in _UP]
+
     def summary(self) -> str:
         """``coordinators U/N reporting`` for the status line ("" when there are none)."""
         reporters = self.reporters()

@@ -73,6 +73,7 @@ class DaemonService(NodeAgentService):
         health = super().GetHealth(request, context)
         if not health.detectors:
             health.MergeFrom(self._detector_part())
+        health.subsystem_details.update(self._daemon.subsystem_details())
         return health
 
     def AttachJob(self, request, context):  # noqa: N802 (gRPC naming)

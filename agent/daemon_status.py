@@ -77,12 +77,26 @@ class DaemonStatus:
         else:
             self.health.set_subsystem("detectors", not self.detector_gap)
 
+    def subsystem_details(self) -> dict[str, str]:
+        """Why each subsystem that is not serving is not (``trainguard status`` showed "coordinator not_serving"
+        and the reason was only in the daemon's journal)."""
+        out: dict[str, str] = {}
+        if self.jobs is not None and (problems := self.jobs.configured_problems()):
+            out["coordinator"] = "; ".join(problems)
+        if absent := self._absent_model_metrics():
+            out["predictor"] = (f"the model was trained on {', '.join(absent)}, which this node does not produce: "
+                                "the rules tier only")
+        return out
+
+    def _absent_model_metrics(self) -> list[str]:
+        monitor = getattr(self.node_health, "predictor", None) if self.node_health is not None else None
+        return list(getattr(monitor, "absent_model_metrics", None) or ())
+
     def _predictor_degraded(self) -> None:
         """A model trained on metrics this node does not produce leaves the rules tier only (the monitor finds
         out a minute after start): said in ``trainguard status`` (predictor not serving) and once as a WARNING
         event, where before only the journal said it and every status read "predictor ok"."""
-        monitor = getattr(self.node_health, "predictor", None) if self.node_health is not None else None
-        absent = list(getattr(monitor, "absent_model_metrics", None) or ())
+        absent = self._absent_model_metrics()
         if not absent:
             return
         self.health.set_subsystem("predictor", False)

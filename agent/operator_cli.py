@@ -269,7 +269,11 @@ def render(h: agent_pb2.NodeHealth, subsystems: dict[str, str] | None = None, of
         parts = [f"{name.removeprefix('trainguard.agent.') or 'server'} "
                  f"{'off' if name in off else 'ok' if st == 'SERVING' else st.lower()}"
                  for name, st in subsystems.items() if ".detector." not in name and name != "trainguard.v1.NodeAgent"]
-        lines += ["health: " + ", ".join(parts), ""]
+        lines += ["health: " + ", ".join(parts)]
+        # The reason beside the state: before, "coordinator not_serving" sent the operator to the journal.
+        lines += [f"  {name}: {why}" for name, why in sorted(h.subsystem_details.items())
+                  if subsystems.get(f"trainguard.agent.{name}", "SERVING") != "SERVING"]
+        lines += [""]
     if h.detectors:
         rows = [[d.name, _enum(d.state, agent_pb2.DetectorState, "DETECTOR_STATE_"), str(len(d.metrics)),
                  d.detail[:100]] for d in h.detectors]

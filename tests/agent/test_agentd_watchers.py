@@ -161,5 +161,6 @@ def test_a_model_of_metrics_this_node_lacks_is_said_in_status_and_once_as_an_eve
         said = [e for e in health.recent_events if e.kind == "predictor.degraded"]
         assert len(said) == 1 and "gpu_temp_c" in said[0].message, [e.kind for e in health.recent_events]
         assert said[0].severity == common_pb2.SEVERITY_WARNING
+        assert "gpu_temp_c" in health.subsystem_details["predictor"], health.subsystem_details  # status's line
     finally:
         daemon.stop()

@@ -460,3 +460,33 @@ def test_the_daemons_coordinator_reports_name_a_plain_tcp_server_at_the_address(
         assert "coordinator.address" in reporter.message, reporter.message
     finally:
         reporter.stop()
+
+
+def test_status_says_why_the_daemons_coordinator_is_not_serving(tmp_path: Path, grpc_without_coordinator,
+                                                               capsys) -> None:
+    """`trainguard status` showed "coordinator not_serving" and the reason (here: no coordinator at that address)
+    was only in the daemon's journal."""
+    from tg_testutil import until
+    from trainguard.agent.agentd import AgentDaemon, config_loader
+    from trainguard.agent.sdnotify import SystemdNotifier
+    from trainguard.cli import main
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nenabled = ["process"]\nroot = "{tmp_path / "fake"}"\n[metrics]\nlisten = ""\n'
+                      f'[memory_tier]\nroot = "{tmp_path / "shm"}"\n'
+                      f'[coordinator]\naddress = "127.0.0.1:{grpc_without_coordinator}"\nheartbeat_interval_s = 0.2\n')
+    daemon = AgentDaemon(config_loader(str(config), "", str(tmp_path / "agent.sock"), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    try:
+        assert until(lambda: "coordinator" in daemon.subsystem_details(), 20.0), daemon.subsystem_details()
+        daemon._refresh()
+        assert main(["status", "--socket", str(tmp_path / "agent.sock")]) == 0
+        out = capsys.readouterr().out
+        assert "coordinator not_serving" in out, out
+        why = [line for line in out.splitlines() if line.startswith("  coordinator: ")]
+        assert len(why) == 1 and f"127.0.0.1:{grpc_without_coordinator}: refused: UNIMPLEMENTED" in why[0], out
+        assert "predictor: " not in out  # only subsystems that are not serving get a line
+    finally:
+        daemon.stop()

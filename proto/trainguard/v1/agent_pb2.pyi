@@ -93,7 +93,14 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., step: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., exit_code: _Optional[int] = ...) -> None: ...
 
 class NodeHealth(_message.Message):
-    __slots__ = ("node_id", "version", "uptime_s", "detectors", "recent_events", "predictor_score", "predictor_threshold", "workers", "job", "generation", "last_checkpoint_step", "failslow", "replica_bytes", "replica_limit_bytes", "replica_buddies")
+    __slots__ = ("node_id", "version", "uptime_s", "detectors", "recent_events", "predictor_score", "predictor_threshold", "workers", "job", "generation", "last_checkpoint_step", "failslow", "replica_bytes", "replica_limit_bytes", "replica_buddies", "subsystem_details")
+    class SubsystemDetailsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +116,7 @@ class NodeHealth(_message.Message):
     REPLICA_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_BUDDIES_FIELD_NUMBER: _ClassVar[int]
+    SUBSYSTEM_DETAILS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     uptime_s: float
@@ -124,7 +132,8 @@ class NodeHealth(_message.Message):
     replica_bytes: int
     replica_limit_bytes: int
     replica_buddies: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., detectors: _Optional[_Iterable[_Union[DetectorStatus, _Mapping]]] = ..., recent_events: _Optional[_Iterable[_Union[_common_pb2.HealthEvent, _Mapping]]] = ..., predictor_score: _Optional[float] = ..., predictor_threshold: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., replica_bytes: _Optional[int] = ..., replica_limit_bytes: _Optional[int] = ..., replica_buddies: _Optional[_Iterable[str]] = ...) -> None: ...
+    subsystem_details: _containers.ScalarMap[str, str]
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., detectors: _Optional[_Iterable[_Union[DetectorStatus, _Mapping]]] = ..., recent_events: _Optional[_Iterable[_Union[_common_pb2.HealthEvent, _Mapping]]] = ..., predictor_score: _Optional[float] = ..., predictor_threshold: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., job: _Optional[str] = ..., generation: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., failslow: _Optional[_Union[_common_pb2.FailSlowStatus, _Mapping]] = ..., replica_bytes: _Optional[int] = ..., replica_limit_bytes: _Optional[int] = ..., replica_buddies: _Optional[_Iterable[str]] = ..., subsystem_details: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("replay", "min_severity")
