@@ -184,6 +184,9 @@ class Checkpointer:
         self.job_memory_steps: frozenset[int] = job_memory_steps_from_env()
         self._lock = threading.Condition()
         self._status: dict[int, _StepStatus] = {}
+        #: request id -> the status of an earlier save of a step saved again before that save was released (its
+        #: upload may still run): its own outcomes still reach it, so a thread in its wait() returns
+        self._superseded: dict[int, _StepStatus] = {}
         self._requests = 0  # persist requests sent (their ids)
         self._slot_busy: list[bool] = []
         self._slot_step: list[int] = []
@@ -467,6 +470,9 @@ class Checkpointer:
             raise
         with self._lock:
             self._requests += 1
+            earlier = self._status.get(step)
+            if earlier is not None and not earlier.released:
+                self._superseded[earlier.request] = earlier
             self._status[step] = _StepStatus(expected=self._expected_tiers(), slot=index, request=self._requests)
             self._slot_step[index] = step
             self._last_step = step
@@ -497,7 +503,8 @@ class Checkpointer:
 
         if deferred:
             self._install_hooks(_as_list(overlap_with))
-            self._pending = self._copier.copy_async(deferred, publish)
+            with self._lock:  # see _finish_pending
+                self._pending = self._copier.copy_async(deferred, publish)
         else:
             publish(None)
         return SaveHandle(step, self)
@@ -572,9 +579,13 @@ class Checkpointer:
             return
         with self._lock:
             while True:
+                if self._channel is not None and not self._channel.alive():
+                    # Its slots are freed here, so their copies are dropped below: a persist killed between
+                    # publishing a newer step in memory and freeing its slot left that step of the run the job left
+                    # listed (the busy slot was skipped), and the next restore loaded it.
+                    self._persist_died()
                 newer = [i for i, s in enumerate(self._slot_step) if s > step]
-                if not any(self._slot_busy[i] for i in newer) or not (
-                        self._channel is not None and self._channel.alive()):
+                if not any(self._slot_busy[i] for i in newer) or self._channel is None:
                     break
                 self._lock.wait(0.5)
             for i in newer:
@@ -685,13 +696,24 @@ class Checkpointer:
 
     def _on_report(self, msg: dict[str, Any]) -> None:
         """Receives persist outcomes (from the persist process's reader thread or inline)."""
+        if msg.get("op") == "channel_closed":
+            # The reader's last word only wakes waiters, which also look at the channel every 0.5 s. A thread that
+            # holds the lock while it closes the dead channel (_persist_died) joins this reader: taking the lock
+            # here made that save wait out the join's 5 s.
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._lock.notify_all()
+                finally:
+                    self._lock.release()
+            return
         step = int(msg.get("step", -1))
         with self._lock:
-            st = self._status.get(step)
+            current = st = self._status.get(step)
             if st is not None and msg.get("id") not in (None, st.request):
-                # An earlier save of this step (its upload can outlive it): its outcomes are not this save's.
-                # Its slot was freed when that save's slot_free arrived, before this save took a slot.
-                st = None
+                # An earlier save of this step (its upload can outlive it): its outcomes are not this save's, but
+                # that save's own (a thread may be in its wait()). Its slot was freed when its slot_free arrived,
+                # before this save took the slot.
+                st = self._superseded.get(msg["id"])
             if msg.get("op") == "tier" and st is not None:
                 if msg.get("ok"):
                     st.ok.add(msg["tier"])
@@ -703,14 +725,17 @@ class Checkpointer:
                 # slot takes the next snapshot while a slow remote still works on this one.
                 if msg["op"] == "released":
                     st.released = True
+                    self._superseded.pop(st.request, None)
                 self._free_slot(st)
-            stale = (self._stale_memory_copies(step, st.slot)
-                     if msg.get("op") == "tier" and msg.get("tier") == "memory" and msg.get("ok") and st else [])
+            stale = (self._stale_memory_copies(step, st.slot) if msg.get("op") == "tier" and msg.get("tier") ==
+                     "memory" and msg.get("ok") and st is not None and st is current else [])
+            for paths in stale:
+                # Out of the tier's listing, but its bytes stay intact until a later save reuses the slot: a
+                # restore whose ranks agree on that step (another rank was killed before its next copy was
+                # complete) reads it. Under the lock: retired after it, a save could take the slot meanwhile and
+                # its new copy was retired instead (the newest step vanished from steps() and the agent's scan).
+                arena_mod.retire_manifest(paths)
             self._lock.notify_all()
-        for paths in stale:
-            # Out of the tier's listing, but its bytes stay intact until a later save reuses the slot: a restore
-            # whose ranks agree on that step (another rank was killed before its next copy was complete) reads it.
-            arena_mod.retire_manifest(paths)
         if (msg.get("op") == "tier" and msg.get("tier") == "disk" and msg.get("ok")
                 and self._stage.outgrown_lease is not None):
             # The slots the state outgrew were all persisted before staging moved (see _outgrow_memory), so this
@@ -795,12 +820,12 @@ class Checkpointer:
         ``self._lock``."""
         lost = sorted(s for s, st in self._status.items() if not st.released)
         why = "the persist process died before this step was durable in every tier"
-        for step in lost:
-            st = self._status[step]
+        for st in [self._status[s] for s in lost] + list(self._superseded.values()):
             for t in st.expected - st.ok:
                 st.failed.setdefault(t, why)
             st.released = True
             self._free_slot(st)
+        self._superseded.clear()
         with self._channel_lock:
             dead, self._channel = self._channel, None
         if dead is not None:
@@ -837,13 +862,18 @@ class Checkpointer:
             return
         if host:
             pending.wait_host()
-            self._pending = None
         else:
             pending.wait_before_mutation()
             # Only once its persist request was sent: forgotten when the copy was done, the next save did not
             # wait for that request, and its own (a faster copy) could reach the persist process first, which
             # then took the older step for the job going back and removed the newer one from disk (1 CI run).
-            if pending.settled:
+            if not pending.settled:
+                return
+        with self._lock:
+            # Only the copy waited for: a wait() on another thread that woke after the trainer's next save had
+            # started a newer copy forgot that one, with the same loss, and the pre-hook then let the optimizer
+            # change parameters that copy was still reading (a step saved with later values).
+            if self._pending is pending:
                 self._pending = None
 
     # ------------------------------------------------------------------ wait

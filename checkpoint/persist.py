@@ -133,11 +133,19 @@ def persist_snapshot(req: dict[str, Any], report: Report,
         return
 
     def drop(newer: int) -> None:
-        log.warning("step %d rank %s: upload dropped, step %d came before it started (the remote is slower than "
-                    "the saves)", step, req.get("rank"), newer)
-        report({"op": "tier", "id": rid, "step": step, "tier": "remote", "ok": False, "errno": 0,
-                "error": f"not uploaded: step {newer} was saved before this upload could start (the remote is "
-                         "slower than the save interval, or hung); the newer step is uploaded instead"})
+        if newer == step:
+            # The same step saved again: its new copy is uploaded instead, so nothing is missing from the remote.
+            # Quiet: a health event for it sent the operator after a slow remote that was not the cause.
+            log.info("step %d rank %s: upload replaced by a new save of the same step", step, req.get("rank"))
+            report({"op": "tier", "id": rid, "step": step, "tier": "remote", "ok": False, "errno": 0, "quiet": True,
+                    "error": f"not uploaded: step {step} was saved again before this upload started; that save "
+                             "is uploaded instead"})
+        else:
+            log.warning("step %d rank %s: upload dropped, step %d came before it started (the remote is slower "
+                        "than the saves)", step, req.get("rank"), newer)
+            report({"op": "tier", "id": rid, "step": step, "tier": "remote", "ok": False, "errno": 0,
+                    "error": f"not uploaded: step {newer} was saved before this upload could start (the remote "
+                             "is slower than the save interval, or hung); the newer step is uploaded instead"})
         report({"op": "released", "id": rid, "step": step})
 
     remote = req["remote"]

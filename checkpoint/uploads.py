@@ -23,6 +23,7 @@ connect timeout in the upload thread and sent its own health event.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -51,6 +52,12 @@ class _Entry:
     catch_up: Callable[[bool], object] | None = None
     remote: Hashable = None
     retry_s: float = 30.0
+    #: order of the saves: the catch-up kept for a key is the latest save's, not the highest step's (a job that
+    #: went back during an outage saves a lower step, and the higher one's disk copy is gone by then)
+    seq: int = field(default_factory=lambda: next(_SEQ))
+
+
+_SEQ = itertools.count()
 
 
 @dataclass
@@ -203,10 +210,10 @@ class UploadQueue:
         if e.catch_up is None and e.defer is not None:
             return  # nothing to catch up with
         old = o.parked.get(key)
-        if old is None or old.step <= e.step:
+        if old is None or old.seq <= e.seq:
             # A catch-up entry runs itself again; a first run parks its catch-up.
             run = e.catch_up if e.catch_up is not None else e.run
-            o.parked[key] = _Entry(e.step, run, e.drop, None, None, e.remote, e.retry_s)
+            o.parked[key] = _Entry(e.step, run, e.drop, None, None, e.remote, e.retry_s, e.seq)
 
     def _after(self, key: Hashable, e: _Entry, unreachable: bool) -> None:
         """Updates ``e.remote``'s outage after an upload to it. Caller holds the lock."""
@@ -215,8 +222,8 @@ class UploadQueue:
             if o is not None:
                 del self._down[e.remote]
                 log.info("remote %s answers again", e.remote)
-                for k, parked in o.parked.items():  # other ranks' catch-ups: due now
-                    if k != key or parked.step > e.step:
+                for k, parked in o.parked.items():  # other ranks' catch-ups, and a later save's: due now
+                    if k != key or parked.seq > e.seq:
                         self._pending.setdefault(k, parked)
             return
         o = _failed_again(self._down, e)
