@@ -232,7 +232,7 @@ class Formation:
         node-level plan: of two nodes killed together, the first lease to expire made a plan replacing only that
         node, formed at once with the other (silent for seconds already) in its slot, and the second expiry cost
         a second restart (with ``--max-restarts 1`` the job failed with a spare idle). Nodes the plan replaces or
-        cordons are not waited for.
+        cordons are not waited for; the spares it puts in their slots are.
         """
         st = self._policy.state
         plan = st.plan
@@ -250,6 +250,14 @@ class Formation:
             # Silence alone misses a peer that died a heartbeat ago: its peers' sockets reset at once, faster
             # than two intervals. A holder must also have been heard since the plan was made; a live one is,
             # within one interval, and it needs that heartbeat anyway to learn of the restart.
+            if m is not None and m.alive and (now - m.last_seen > quiet or m.last_seen < since):
+                return True
+        # The same for the spares the plan puts in the vacated slots: a spare killed seconds after the node it
+        # replaces still had a live lease, and took the slot at once; its own expiry then cost a second restart
+        # (escalated to job level with no spare left) while another, live spare could have had the slot. Waited
+        # for, its expiry re-plans with the spares that answer.
+        for node in plan.replacements.values():
+            m = self._members.get(node)
             if m is not None and m.alive and (now - m.last_seen > quiet or m.last_seen < since):
                 return True
         return False

@@ -263,3 +263,34 @@ def test_a_node_whose_registration_waits_for_the_store_is_not_lost_meanwhile() -
     c.run(6, ("na", "nb"))  # its hold ended with the write: silent from then on, it is lost as any node
     assert not c.core._members["nc"].alive
     assert c.core.state.restart_count == 0  # a spare's loss costs no restart
+
+
+def test_a_spare_killed_just_after_the_node_it_replaces_is_not_given_the_slot() -> None:
+    # The review's repro (kill -9 a node's launcher, then the spare's 2 s later): the node-level plan put the spare
+    # in the slot at once, its lease still running though it had been silent for seconds, and the spare's own
+    # expiry cost a second restart (escalated to job level). With a second, live spare and --max-restarts 1 the
+    # job failed with that spare idle. The plan now waits to hear from the spare it places.
+    c = _Cluster(nnodes=2, max_restarts=1)
+    c.register("na", 0)
+    c.register("nb", 1)
+    c.register("s1", 10, spare=True)
+    c.register("s2", 11, spare=True)
+    c.run(2, ("na", "nb", "s1", "s2"))
+    assert c.core.state.generation == 1
+    c.run(1.5, ("na", "s1", "s2"))  # nb killed
+    c.run(12, ("na", "s2"))  # s1 killed 1.5 s later
+    st = c.core.state
+    assert st.phase is Phase.RUNNING and st.restart_count == 1 and st.generation == 2, st.message
+    assert c.slots() == ["na", "s2"]
+
+
+def test_a_live_spare_takes_the_slot_within_a_heartbeat() -> None:
+    c = _Cluster(nnodes=2, max_restarts=1)
+    c.register("na", 0)
+    c.register("nb", 1)
+    c.register("s1", 10, spare=True)
+    c.run(2, ("na", "nb", "s1"))
+    c.run(5.5, ("na", "s1"))  # nb lost at the lease's end (4.5 s), the plan formed at the next heartbeats
+    formed_by = c.t
+    st = c.core.state
+    assert st.phase is Phase.RUNNING and st.generation == 2 and c.slots() == ["na", "s1"], (formed_by, st.message)
