@@ -55,7 +55,7 @@ from trainguard.recovery.daemon_reports import DaemonReports
 from trainguard.recovery.decide import Event, FaultReported, Persist, Progressed, Step, decide
 from trainguard.recovery.domain import Beat, FaultReport, GenerationTable
 from trainguard.recovery.cordoning import Cordoning
-from trainguard.recovery.durability import DURABLE_WAIT_S, Durability
+from trainguard.recovery.durability import DURABLE_WAIT_S, RERUN_HINT, Durability
 from trainguard.recovery.errors import (CapacityError, InvalidRequestError, NotServingError, StaleGenerationError,
                                         UnknownJobError)
 from trainguard.recovery.failslow import FailSlowSupervisor, is_hang_report
@@ -392,8 +392,7 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
                             self._form_missing if st.phase is Phase.FORMING else 0)
         if self._ended_note and st.phase in (Phase.SUCCEEDED, Phase.FAILED):
             reply = replace(reply, response=replace(reply.response, message=(
-                f"{self._ended_note}: {st.message}; to run it again, start the coordinator with another --job "
-                "or --store")))
+                f"{self._ended_note}: {st.message}; {RERUN_HINT}")))
         return reply
 
     def _with_buddies(self, reply: HeartbeatReply, node_id: str) -> HeartbeatReply:

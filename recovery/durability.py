@@ -27,6 +27,11 @@ log = logging.getLogger("trainguard.recovery.coordinator")  # the coordinator's 
 #: Longest a call waits for its write to become durable, seconds.
 DURABLE_WAIT_S = 30.0
 
+#: How to run an ended job again. Checkpoints are kept under the job's name, so "another --job" (said before)
+#: started training from step 0; a new store with the same --job resumes from the newest checkpoint.
+RERUN_HINT = ("to run it again from its newest checkpoint, start the coordinator with the same --job and another "
+              "--store (another --job starts from scratch: checkpoints are kept under the job's name)")
+
 
 class Durability:
     """The store side of :class:`~trainguard.recovery.coordinator.JobCoordinator` (see the module)."""
@@ -65,8 +70,7 @@ class Durability:
                 # it came from, and nothing ran.
                 self._ended_note = (f"job {self.spec.job} had already {st.phase.name.lower()} before this "
                                     f"coordinator started (its store {self.spec.store} keeps the outcome)")
-                log.warning("%s: %s; every node is told it is over. To run the job again, start the coordinator "
-                            "with another --job or --store", self._ended_note, st.message)
+                log.warning("%s: %s; every node is told it is over; %s", self._ended_note, st.message, RERUN_HINT)
         lay = self._layout
         if lay is not None and (not self.spec.nnodes <= len(lay.slots) <= self._max_nodes()
                                 or lay.group_size != self.spec.group_size):

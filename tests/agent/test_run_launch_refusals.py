@@ -111,3 +111,15 @@ def test_a_checkpoint_directory_from_the_environment_is_checked_under_its_name(t
     # is named after it, so a relaunch resumes): one no worker could use is refused as the flag's would be.
     line = _refused(tmp_path, ["--nproc-per-node", "1"], TRAINGUARD_CHECKPOINT_DIR="memory://ck")
     assert "$TRAINGUARD_CHECKPOINT_DIR" in line and "memory://" in line, line
+
+
+def test_max_restarts_given_to_a_node_of_an_external_coordinator_is_said_to_be_the_coordinators(tmp_path):
+    # Ignored without a word: the node's --max-restarts 4 ran "restart 1/3" (the coordinator's default budget).
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    flags = ["run", "--coordinator", "127.0.0.1:1", "--job", "jw", "--rdzv-conf", "join_timeout=1", "--no-standby"]
+    out = run_cli([*flags, "--max-restarts", "4", str(script)], _env(), timeout=60, cwd=tmp_path)
+    assert out.returncode == 2 and "--max-restarts 4 is not this node's to set" in out.stderr, out.stderr
+    assert "trainguard coordinator --max-restarts N" in out.stderr
+    out = run_cli([*flags, str(script)], _env(), timeout=60, cwd=tmp_path)
+    assert out.returncode == 2 and "--max-restarts" not in out.stderr, out.stderr

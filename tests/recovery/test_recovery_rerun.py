@@ -34,9 +34,9 @@ def test_a_coordinator_restarted_on_an_ended_job_says_so_and_how_to_run_it_again
         again.stop()
     assert reply.command == pb.NODE_COMMAND_STOP and reply.job_state == pb.JOB_STATE_FAILED  # the outcome stands
     assert "job ended had already failed before this coordinator started" in reply.message, reply.message
-    assert "rank 0 on node n0" in reply.message and "another --job or --store" in reply.message, reply.message
+    assert "rank 0 on node n0" in reply.message and "the same --job and another --store" in reply.message, reply.message
     warned = [ln for ln in again.lines if "WARNING" in ln and "had already failed" in ln]
-    assert warned and "another --job or --store" in warned[0], again.log()[-3000:]
+    assert warned and "the same --job and another --store" in warned[0], again.log()[-3000:]
 
 
 def test_a_node_waiting_for_the_others_to_register_is_told_how_many_are_there_and_gives_up_at_join_timeout(
