@@ -218,6 +218,7 @@ class NodeAgent:
                                       on_alarm=self._ask_checkpoint, on_actionable=self._wake.set,
                                       threshold=config.predictor_threshold)
         self.stopping = False
+        self._cordon_said = ""  # the coordinator's last cordon message published as an event (see _say_cordoned)
         self.stop_code = 130  # what run() returns once stopped: 128 + the signal (see request_stop)
         self.started_at = time.monotonic()  # for the uptime: a duration, so no wall-clock steps in it
         self.final_message = ""
@@ -427,6 +428,22 @@ class NodeAgent:
                          evidence=evidence, node_id=self.config.node_id)
         self.link.report(ev, coordinator_pb2.RECOVERY_LEVEL_NONE, self.generation, -1, 0)
 
+    def _say_cordoned(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> None:
+        """Publishes the coordinator keeping this node out as cordoned (once per reason): only the launcher's log
+        said it, and `trainguard status` showed an idle node with no recent event and no way back."""
+        prefix = f"node {self.config.node_id} is cordoned"
+        if resp.command != coordinator_pb2.NODE_COMMAND_STOP or not resp.message.startswith(prefix) \
+                or resp.message == self._cordon_said:
+            return
+        self._cordon_said = resp.message
+        from trainguard.detectors.events import Action, HealthEvent, Severity
+
+        self.bus.publish(HealthEvent(
+            source="coordinator", kind="node.cordoned", severity=Severity.WARNING, action=Action.NONE,
+            message=f"{resp.message}; once the machine is repaired: trainguard uncordon {self.config.node_id} "
+                    f"--coordinator {self.config.coordinator} --job {self.config.job}",
+            node_id=self.config.node_id))
+
     def _obey(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> int | None:
         cmd = resp.command
         if resp.HasField("stacks"):
@@ -439,6 +456,7 @@ class NodeAgent:
         if resp.HasField("checkpoint"):
             self._relay_checkpoint(resp.checkpoint)
         self.link.follow(resp)
+        self._say_cordoned(resp)
         if self.job_memory is not None:
             self.job_memory.follow(resp, self.generation if self.group is not None else -1)
         if cmd in (coordinator_pb2.NODE_COMMAND_START, coordinator_pb2.NODE_COMMAND_RESTART):

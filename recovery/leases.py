@@ -142,6 +142,11 @@ class Leases:
                 # The agent restarted while its workers ran a generation: they are gone with it.
                 self._fail(Failure(nid, prev.generation, Cause.WORKER_EXIT, detail="node agent restarted",
                                    time_s=self._wall()), now)
+            if nid in st.cordoned and not refused and not held:
+                # Only the node's own log said it was kept out: the coordinator's said nothing of it coming back.
+                log.info("job %s: node %s registered again and stays cordoned (%s); `trainguard uncordon %s` returns "
+                         "it to service once the machine is repaired", job, nid, st.cordon_why.get(nid) or "cordoned",
+                         nid)
             self._hold(m, fut, now, hold_s)
             log.debug("job %s: node %s registered (pod %r, index %d, %d devices%s)", job, nid,
                      info.pod_id, info.node_index, info.device_count,

@@ -466,3 +466,24 @@ def test_nodes_leaving_after_the_job_succeeded_tell_the_coordinator_and_are_not_
         assert srv.core.state.phase.name == "SUCCEEDED"
     finally:
         srv.stop()
+
+
+def test_a_node_kept_out_as_cordoned_says_so_in_its_status_once(tmp_path) -> None:
+    """From a review: a replaced node that came back showed `trainguard status` with no workers, no recent event
+    and no word of the cordon nor of `trainguard uncordon`; only its launcher's log said why."""
+    from trainguard.agent.node import NodeAgent, NodeConfig
+
+    agent = NodeAgent(NodeConfig(job="link", coordinator="127.0.0.1:1", argv=["x"], node_id="n1",
+                                 checkpoint_dir=str(tmp_path), address="127.0.0.1"))
+    try:
+        cordoned = coordinator_pb2.NodeHeartbeatResponse(
+            command=coordinator_pb2.NODE_COMMAND_STOP, job_state=coordinator_pb2.JOB_STATE_RUNNING,
+            message="node n1 is cordoned: node n1 node lost (no heartbeat for 10.3 s)")
+        for _ in range(3):
+            agent._obey(cordoned)
+        said = [e for e in agent.health_snapshot(50).recent_events if e.kind == "node.cordoned"]
+        assert len(said) == 1, [e.kind for e in agent.health_snapshot(50).recent_events]
+        assert said[0].message.startswith(cordoned.message)
+        assert "trainguard uncordon n1 --coordinator 127.0.0.1:1 --job link" in said[0].message
+    finally:
+        agent.link.close()

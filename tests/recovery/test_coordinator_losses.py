@@ -294,3 +294,19 @@ def test_a_live_spare_takes_the_slot_within_a_heartbeat() -> None:
     formed_by = c.t
     st = c.core.state
     assert st.phase is Phase.RUNNING and st.generation == 2 and c.slots() == ["na", "s1"], (formed_by, st.message)
+
+
+def test_a_replaced_node_registering_again_is_said_in_the_coordinators_log(caplog) -> None:
+    # Only the returning node's own log said it was kept out; the coordinator's said nothing of it.
+    c = _Cluster(nnodes=2, max_restarts=1)
+    c.register("na", 0)
+    c.register("nb", 1)
+    c.register("s1", 10, spare=True)
+    c.run(2, ("na", "nb", "s1"))
+    c.run(6, ("na", "s1"))  # nb lost, s1 takes its slot
+    assert c.slots() == ["na", "s1"]
+    with caplog.at_level("INFO", logger="trainguard.recovery"):
+        c.register("nb", 1)
+    said = [r.getMessage() for r in caplog.records if "registered again and stays cordoned" in r.getMessage()]
+    assert len(said) == 1 and "node nb" in said[0] and "trainguard uncordon nb" in said[0], said
+    assert "no heartbeat" in said[0]  # the reason it was cordoned
