@@ -358,13 +358,9 @@ def port_free(hostport: str) -> bool:
 
 
 def _port_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
+    from trainguard.ports import can_listen
+
+    return can_listen(host, port)
 
 
 def resolve_rendezvous(args: argparse.Namespace) -> Rendezvous:

@@ -44,6 +44,7 @@ from trainguard.recovery.qualification import refusal_message
 from trainguard.recovery.refusal_log import RefusalLog
 from trainguard.recovery.link_locator import validate_link_results
 from trainguard.names import NODE_ID_RE
+from trainguard.ports import can_listen
 from trainguard.recovery.spec import JOB_NAME_RE, MAX_LOCAL_WORKERS, JobSpec
 from trainguard.recovery.errors import (CapacityError, CoordinatorError, DuplicateNodeError, InvalidRequestError, NodeRefusedError,
                                         NotServingError, RecoveryError, RequestError, SlotTakenError,
@@ -470,6 +471,11 @@ class CoordinatorServer:
         from trainguard.recovery.rpc_security import RpcSecurity
 
         security = security or RpcSecurity()
+        host, _, port_text = listen.rpartition(":")
+        if port_text.isdigit() and not can_listen(host, int(port_text)):
+            # Said before gRPC tries: its own failure is a raw C++ log line on stderr ahead of this message.
+            raise CoordinatorError(f"cannot listen on {listen}: address in use (another coordinator, or another "
+                                   "program); pick another --listen address")
         self._server = build_grpc_server(max_workers, interceptors, auth=security.server_interceptors())
         # The port is bound before the store is opened: opening it takes the job's fence, and a second
         # coordinator started on a port in use took it before failing, so the running one stopped at its next

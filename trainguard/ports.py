@@ -1,0 +1,40 @@
+"""Whether a TCP port can be listened on now, asked the way the gRPC servers listen (``SO_REUSEADDR``).
+
+The launcher asks before embedding a coordinator (a taken port means another node's agent serves there, so this
+one joins it), and the coordinator before its server tries (gRPC's own failure is a raw C++ log line on stderr).
+A probe without ``SO_REUSEADDR`` took a port whose earlier server closed its connections first (a coordinator
+stopped or killed while nodes were connected: its side holds them in TIME_WAIT for a minute) for one in use:
+relaunched within that minute, the node on the endpoint's host joined a coordinator nobody ran and waited out
+its join timeout. gRPC binds such a port without trouble, and a port another socket listens on is refused either
+way. Imports nothing of trainguard, so the agent and the coordinator can both use it.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def can_listen(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now (``[v6]`` hosts without brackets too); port 0 always.
+
+    A host that does not resolve counts as free: the server's own error names it better.
+    """
+    if port == 0:
+        return True
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except socket.gaierror:
+            return True
+        except OSError:
+            return False
+        # Bound is not enough: with SO_REUSEADDR a bind can succeed beside another socket that bound without
+        # listening yet; listen() is what a second listener fails at.
+        try:
+            s.listen(1)
+        except OSError:
+            return False
+        return True
