@@ -202,6 +202,15 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
             return sorted(nid for nid, m in self._members.items()
                           if m.alive and nid not in self._told_end and nid not in self._refused_at_registration)
 
+    def ended_before_start(self) -> bool:
+        """Whether the store held a job that had ended before this coordinator started (nothing runs again)."""
+        return bool(self._ended_note)
+
+    def told_of_end(self) -> int:
+        """Nodes a heartbeat answer told that the job is over."""
+        with self._lock:
+            return len(self._told_end)
+
     def registration_refused(self, node_id: str) -> None:
         """The service answered ``node_id``'s registration with its refusal: its agent never learned the lease and
         exits, so the end of the job is not held for it (see :meth:`not_told_of_end`)."""

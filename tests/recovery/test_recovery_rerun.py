@@ -92,3 +92,34 @@ def test_a_node_that_left_is_not_counted_as_registered_and_nobody_waits_to_tell_
     ins = core.heartbeat(Beat("left", "b", leases["b"], -1, 0, free_port=30000)).response
     assert ins.missing == 1 and "2 of 3 registered (a, b)" in ins.message, ins
     core.close()
+
+
+def test_an_ended_jobs_coordinator_with_exit_when_done_stays_to_tell_the_nodes_started_with_it(tmp_path,
+                                                                                               tg_env) -> None:
+    """It exited about a second after starting, saying "every node is told it is over" though none was: the nodes
+    started with it met a closed port and waited out their join timeout ("unreachable")."""
+    flags = ("--nnodes", "2", "--max-restarts", "0", "--heartbeat-interval", "0.1",
+             "--store", f"sqlite://{tmp_path}/ended.db")
+    first = CoordinatorProcess(tmp_path, tg_env, "ended", *flags)
+    try:
+        nodes = [first.agent(node_info(f"n{i}", "p1", i)) for i in range(2)]
+        beat_until(nodes, lambda: all(n.gen == 1 for n in nodes))
+        nodes[0].fail()
+        assert nodes[0].beat().job_state == pb.JOB_STATE_FAILED
+        for n in nodes:  # the launchers leave the ended job, as they do
+            first.stub.LeaveNode(pb.LeaveNodeRequest(job="ended", node_id=n.node_id, lease_id=n.lease,
+                                                     reason="the job failed"), timeout=10)
+    finally:
+        first.stop()
+    again = CoordinatorProcess(tmp_path, tg_env, "ended", *flags, "--exit-when-done")
+    try:
+        try:
+            again.proc.wait(3)
+        except Exception:  # noqa: BLE001 - still serving, as it must
+            pass
+        assert again.proc.poll() is None, again.log()[-3000:]
+        reply = again.agent(node_info("n1", "p1", 1)).beat()
+        assert reply.command == pb.NODE_COMMAND_STOP and "the same --job and another --store" in reply.message
+        assert again.proc.wait(30) == 1  # the job's outcome, once a node heard it
+    finally:
+        again.stop()
