@@ -36,7 +36,8 @@ class MemoryBook:
         self._job = job
         self._alive = alive
         self._memory: dict[str, tuple[MemoryHolding, ...]] = {}
-        self._plan_cache: tuple[tuple[object, int], RestorePlan | None] | None = None
+        self._plan_cache: tuple[tuple[object, int, int], RestorePlan | None] | None = None
+        self._plan_said: tuple[int, int, tuple] | None = None  # the last plan logged: (generation, step, sources)
         self._fresh: set[str] = set()  # nodes whose holdings arrived after the current table was installed
         self._fresh_slots = 0  # how many of them hold a slot of the current table
         self._memory_known = False  # some node reported in-memory copies (else no plan and no wait)
@@ -115,23 +116,34 @@ class MemoryBook:
             self._buddy_cache = cached
         return cached[1].get(node_id, ())
 
-    def restore_plan(self, table: GenerationTable | None, mver: int) -> RestorePlan | None:
+    def restore_plan(self, table: GenerationTable | None, mver: int, committed: int = -1) -> RestorePlan | None:
         """Where each rank of the current table reads its checkpoint (see :mod:`.memory_plan`), from the live
         nodes' latest memory holdings; None while no node reported any. Cached per table, holdings and
-        liveness, so a generation's STARTs cost one plan."""
+        liveness, so a generation's STARTs cost one plan.
+
+        Holdings older than ``committed`` (the step every node committed to storage) are left out: a node back
+        after a replacement still held its first life's step 19 in memory while step 89 was on disk, and the
+        plan (and the log) said "step 19" though every rank restored 89 from disk, after a futile peer fetch.
+        """
         if table is None:
             return None
-        key = (table, mver)
+        key = (table, mver, committed)
         cached = self._plan_cache
-        if cached is not None and cached[0][0] is table and cached[0][1] == mver:
+        if cached is not None and cached[0][0] is table and cached[0][1:] == key[1:]:
             return cached[1]
-        live = {nid: held for nid, held in self._memory.items() if held and self._alive(nid)}
-        plan = plan_restore(table.slots, table.world_size, live, self.live_replica_addresses()) if live else None
-        if plan is not None and plan.step < 0:  # read as "step -1 from storage" in every job's first generation
-            log.info("job %s: generation %d restore plan: no step held in memory by every rank; each restores "
-                     "from storage (its newest committed step, if any)", self._job, table.generation)
-        elif plan is not None:
-            log.info("job %s: generation %d restore plan: step %d, %s", self._job, table.generation, plan.step,
-                     ", ".join(f"{n} rank(s) from {k.replace('_', ' ')}" for k, n in plan.source_counts().items()))
+        held = {nid: h for nid, h in self._memory.items() if h and self._alive(nid)}
+        live = {nid: kept for nid, h in held.items() if (kept := [x for x in h if x.step >= committed])}
+        plan = plan_restore(table.slots, table.world_size, live, self.live_replica_addresses()) if held else None
+        said = (table.generation, plan.step, tuple(sorted(plan.source_counts().items()))) if plan else None
+        if said is not None and said != self._plan_said:
+            # Once per generation and plan: re-planned on each membership change, the same plan was logged again.
+            self._plan_said = said
+            if plan.step < 0:  # read as "step -1 from storage" in every job's first generation
+                log.info("job %s: generation %d restore plan: no step held in memory by every rank; each restores "
+                         "from storage (its newest committed step, if any)", self._job, table.generation)
+            else:
+                log.info("job %s: generation %d restore plan: step %d, %s", self._job, table.generation,
+                         plan.step, ", ".join(f"{n} rank(s) from {k.replace('_', ' ')}"
+                                              for k, n in plan.source_counts().items()))
         self._plan_cache = (key, plan)
         return plan

@@ -215,3 +215,24 @@ def test_a_node_holding_no_replicas_is_nobodys_buddy_but_its_own_copies_stay_in_
     assert beat("b", 1).replica_targets == (("a", "a:7000"),)
     assert core._memory.live_replica_addresses()["b"] == "b:7000"  # what restore plans name b's own copies by
     core.close()
+
+
+def test_memory_older_than_the_committed_step_makes_no_plan_and_each_plan_is_logged_once(caplog) -> None:
+    # From a review: a node back after a replacement still held its first life's step 19 in memory while step 89
+    # was committed to storage: the coordinator logged "restore plan: step 19" (twice, re-planned on a membership
+    # change) and ranks tried a futile peer fetch, though every rank restored 89 from disk.
+    from trainguard.recovery.domain import GenerationTable
+    from trainguard.recovery.memory_book import MemoryBook
+
+    book = MemoryBook("j", alive=lambda n: True)
+    book.record("a", (MemoryHolding(19, 4, (0, 1), replica_ranks=(2, 3)),), "10.0.0.1:7000")
+    book.record("b", (MemoryHolding(19, 4, (2, 3)),), "10.0.0.2:7000")
+    table = GenerationTable("j", 3, 4, "10.0.0.1", 29500, 1, 3, SLOTS)
+    with caplog.at_level("INFO", logger="trainguard.recovery"):
+        assert book.restore_plan(table, mver=1).step == 19  # nothing committed: memory is the newest
+        assert book.restore_plan(table, mver=2).step == 19  # re-planned: the same plan, not logged again
+        stale = book.restore_plan(table, mver=2, committed=89)
+    assert stale is not None and stale.step == -1
+    assert {r.source for r in stale.ranks} == {RestoreSource.STORAGE}
+    said = [r.getMessage() for r in caplog.records if "restore plan" in r.getMessage()]
+    assert len(said) == 2 and "step 19" in said[0] and "each restores from storage" in said[1], said
