@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+from tg_testutil import until
+
 from trainguard.checkpoint.uploads import UNREACHABLE, InlineUploads, UploadQueue
 
 
@@ -17,15 +19,6 @@ def _entry(log: list[str], step: int) -> dict:
                 remote="r", retry_s=0.3)
 
 
-def _until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_the_catch_up_after_an_outage_is_the_latest_save_when_the_job_went_back() -> None:
     # The parked catch-up was the highest step: after the job went back (step 5 saved after step 10, whose disk
     # copy the going back removed) the catch-up of 10 uploaded nothing and step 5 never reached the remote.
@@ -33,9 +26,9 @@ def test_the_catch_up_after_an_outage_is_the_latest_save_when_the_job_went_back(
     q = UploadQueue()
     key = ("job", 0, "r")
     q.put(key, 10, **_entry(log, 10))  # finds the remote unreachable: 10 parked
-    assert _until(lambda: log == ["run 10"])
+    assert until(lambda: log == ["run 10"])
     q.put(key, 5, **_entry(log, 5))  # the job went back: deferred, and the catch-up is now 5's
-    assert _until(lambda: len(log) >= 3), log
+    assert until(lambda: len(log) >= 3), log
     assert log == ["run 10", "defer 5", "catch-up 5"]
 
 
@@ -55,7 +48,7 @@ def test_a_higher_step_saved_later_still_supersedes_the_parked_one() -> None:
     q = UploadQueue()
     key = ("job", 0, "r")
     q.put(key, 5, **_entry(log, 5))
-    assert _until(lambda: log == ["run 5"])
+    assert until(lambda: log == ["run 5"])
     q.put(key, 10, **_entry(log, 10))
-    assert _until(lambda: len(log) >= 3), log
+    assert until(lambda: len(log) >= 3), log
     assert log == ["run 5", "defer 10", "catch-up 10"]

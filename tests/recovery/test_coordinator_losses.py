@@ -265,17 +265,23 @@ def test_a_node_whose_registration_waits_for_the_store_is_not_lost_meanwhile() -
     assert c.core.state.restart_count == 0  # a spare's loss costs no restart
 
 
+def _two_nodes_and_spares(*spares: str) -> _Cluster:
+    """Nodes na and nb running generation 1 with a restart budget of 1, and ``spares`` beside them."""
+    c = _Cluster(nnodes=2, max_restarts=1)
+    c.register("na", 0)
+    c.register("nb", 1)
+    for i, s in enumerate(spares):
+        c.register(s, 10 + i, spare=True)
+    c.run(2, ("na", "nb", *spares))
+    return c
+
+
 def test_a_spare_killed_just_after_the_node_it_replaces_is_not_given_the_slot() -> None:
     # The review's repro (kill -9 a node's launcher, then the spare's 2 s later): the node-level plan put the spare
     # in the slot at once, its lease still running though it had been silent for seconds, and the spare's own
     # expiry cost a second restart (escalated to job level). With a second, live spare and --max-restarts 1 the
     # job failed with that spare idle. The plan now waits to hear from the spare it places.
-    c = _Cluster(nnodes=2, max_restarts=1)
-    c.register("na", 0)
-    c.register("nb", 1)
-    c.register("s1", 10, spare=True)
-    c.register("s2", 11, spare=True)
-    c.run(2, ("na", "nb", "s1", "s2"))
+    c = _two_nodes_and_spares("s1", "s2")
     assert c.core.state.generation == 1
     c.run(1.5, ("na", "s1", "s2"))  # nb killed
     c.run(12, ("na", "s2"))  # s1 killed 1.5 s later
@@ -285,11 +291,7 @@ def test_a_spare_killed_just_after_the_node_it_replaces_is_not_given_the_slot() 
 
 
 def test_a_live_spare_takes_the_slot_within_a_heartbeat() -> None:
-    c = _Cluster(nnodes=2, max_restarts=1)
-    c.register("na", 0)
-    c.register("nb", 1)
-    c.register("s1", 10, spare=True)
-    c.run(2, ("na", "nb", "s1"))
+    c = _two_nodes_and_spares("s1")
     c.run(5.5, ("na", "s1"))  # nb lost at the lease's end (4.5 s), the plan formed at the next heartbeats
     formed_by = c.t
     st = c.core.state
@@ -298,11 +300,7 @@ def test_a_live_spare_takes_the_slot_within_a_heartbeat() -> None:
 
 def test_a_replaced_node_registering_again_is_said_in_the_coordinators_log(caplog) -> None:
     # Only the returning node's own log said it was kept out; the coordinator's said nothing of it.
-    c = _Cluster(nnodes=2, max_restarts=1)
-    c.register("na", 0)
-    c.register("nb", 1)
-    c.register("s1", 10, spare=True)
-    c.run(2, ("na", "nb", "s1"))
+    c = _two_nodes_and_spares("s1")
     c.run(6, ("na", "s1"))  # nb lost, s1 takes its slot
     assert c.slots() == ["na", "s1"]
     with caplog.at_level("INFO", logger="trainguard.recovery"):

@@ -13,9 +13,9 @@ from coordinator_client import CoordinatorProcess, beat_until, node_info
 from trainguard.proto import coordinator_pb2 as pb
 
 
-def test_a_coordinator_restarted_on_an_ended_job_says_so_and_how_to_run_it_again(tmp_path, tg_env) -> None:
-    """The rerun coordinator answered every node with STOP and the old "job failed: rank 0 ... budget exhausted",
-    with nothing saying the failure came from an earlier run kept in its store, nor how to start afresh."""
+def _failed_job(tmp_path, tg_env, leave: bool = False) -> tuple[str, ...]:
+    """Runs job "ended" until it fails (its budget 0, a worker killed) on a store in ``tmp_path``; with ``leave``
+    the nodes then leave it, as launchers do. Returns the coordinator flags that reopen that store."""
     flags = ("--nnodes", "2", "--max-restarts", "0", "--heartbeat-interval", "0.1",
              "--store", f"sqlite://{tmp_path}/ended.db")
     first = CoordinatorProcess(tmp_path, tg_env, "ended", *flags)
@@ -24,8 +24,18 @@ def test_a_coordinator_restarted_on_an_ended_job_says_so_and_how_to_run_it_again
         beat_until(nodes, lambda: all(n.gen == 1 for n in nodes))
         nodes[0].fail()
         assert nodes[0].beat().job_state == pb.JOB_STATE_FAILED
+        for n in nodes if leave else ():
+            first.stub.LeaveNode(pb.LeaveNodeRequest(job="ended", node_id=n.node_id, lease_id=n.lease,
+                                                     reason="the job failed"), timeout=10)
     finally:
         first.stop()
+    return flags
+
+
+def test_a_coordinator_restarted_on_an_ended_job_says_so_and_how_to_run_it_again(tmp_path, tg_env) -> None:
+    """The rerun coordinator answered every node with STOP and the old "job failed: rank 0 ... budget exhausted",
+    with nothing saying the failure came from an earlier run kept in its store, nor how to start afresh."""
+    flags = _failed_job(tmp_path, tg_env)
     again = CoordinatorProcess(tmp_path, tg_env, "ended", *flags)
     try:
         nodes = [again.agent(node_info(f"n{i}", "p1", i)) for i in range(2)]
@@ -98,19 +108,7 @@ def test_an_ended_jobs_coordinator_with_exit_when_done_stays_to_tell_the_nodes_s
                                                                                                tg_env) -> None:
     """It exited about a second after starting, saying "every node is told it is over" though none was: the nodes
     started with it met a closed port and waited out their join timeout ("unreachable")."""
-    flags = ("--nnodes", "2", "--max-restarts", "0", "--heartbeat-interval", "0.1",
-             "--store", f"sqlite://{tmp_path}/ended.db")
-    first = CoordinatorProcess(tmp_path, tg_env, "ended", *flags)
-    try:
-        nodes = [first.agent(node_info(f"n{i}", "p1", i)) for i in range(2)]
-        beat_until(nodes, lambda: all(n.gen == 1 for n in nodes))
-        nodes[0].fail()
-        assert nodes[0].beat().job_state == pb.JOB_STATE_FAILED
-        for n in nodes:  # the launchers leave the ended job, as they do
-            first.stub.LeaveNode(pb.LeaveNodeRequest(job="ended", node_id=n.node_id, lease_id=n.lease,
-                                                     reason="the job failed"), timeout=10)
-    finally:
-        first.stop()
+    flags = _failed_job(tmp_path, tg_env, leave=True)
     again = CoordinatorProcess(tmp_path, tg_env, "ended", *flags, "--exit-when-done")
     try:
         try:
