@@ -432,16 +432,20 @@ class NodeAgent:
         """Publishes the coordinator keeping this node out as cordoned (once per reason): only the launcher's log
         said it, and `trainguard status` showed an idle node with no recent event and no way back."""
         prefix = f"node {self.config.node_id} is cordoned"
+        if resp.command not in (coordinator_pb2.NODE_COMMAND_STOP, coordinator_pb2.NODE_COMMAND_NONE):
+            self._cordon_said = ""  # returned to service (uncordon): a later cordon is said again
         if resp.command != coordinator_pb2.NODE_COMMAND_STOP or not resp.message.startswith(prefix) \
-                or resp.message == self._cordon_said:
-            return
+                or self._cordon_said:
+            return  # once per cordon: without a stored reason the message carries the job's changing status
         self._cordon_said = resp.message
         from trainguard.detectors.events import Action, HealthEvent, Severity
 
+        address = self.config.coordinator.split(",")[0]  # `uncordon --coordinator` takes one address
         self.bus.publish(HealthEvent(
             source="coordinator", kind="node.cordoned", severity=Severity.WARNING, action=Action.NONE,
             message=f"{resp.message}; once the machine is repaired: trainguard uncordon {self.config.node_id} "
-                    f"--coordinator {self.config.coordinator} --job {self.config.job}",
+                    f"--coordinator {address} --job {self.config.job} (with --token-file and TLS flags as the "
+                    "coordinator requires)",
             node_id=self.config.node_id))
 
     def _obey(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> int | None:

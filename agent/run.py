@@ -324,9 +324,12 @@ def run_job(args: argparse.Namespace) -> RunResult:
     if server is None and getattr(args, "coordinator", None) and flag_given(args, "max_restarts"):
         # The budget is the job's, kept by its coordinator: a node's --max-restarts 4 ran "restart 1/3" (the
         # coordinator's default) without a word.
-        log.warning("--max-restarts %d is not this node's to set: the job's restart budget is the coordinator's "
+        from trainguard.agent.run_args import env_source
+
+        source = env_source(args, "max_restarts")
+        log.warning("--max-restarts %d%s is not this node's to set: the job's restart budget is the coordinator's "
                     "(`trainguard coordinator --max-restarts N`); its log and this node's say which applies",
-                    args.max_restarts)
+                    args.max_restarts, f" (from ${source})" if source else "")
     node_id = args.node_id or tr.default_node_id(rdzv, None if server is not None else coordinator,
                                                  socket.gethostname(), os.getpid())
     # With a node daemon: its detectors, predictor and memory-tier keeper serve this job (only the worker

@@ -886,7 +886,8 @@ class Checkpointer:
 
         Returns:
             True when durable in every enabled tier; False when a tier failed for it (already reported through
-            ``on_event``) or the timeout expired. Never raises for storage failures.
+            ``on_event``, except an upload replaced by a new save of the same step: that save uploads the step)
+            or the timeout expired. Never raises for storage failures.
 
         Raises:
             CheckpointError: ``step`` was never saved by this checkpointer.

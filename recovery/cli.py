@@ -235,10 +235,11 @@ def handle_coordinator(args: argparse.Namespace) -> int:
                 # whenever the store took longer than that to write the outcome.
                 done_since = done_since or time.monotonic()
                 waited = time.monotonic() - done_since
-                # A job that had ended before this coordinator started: the nodes started with it are told why
-                # nothing runs (and how to run it again) before it goes. It exited at once, and they waited out
-                # their join timeout against a closed port ("unreachable"); under a supervisor, a restart loop.
-                unheard = core.ended_before_start() and not core.told_of_end()
+                # A job that had ended before this coordinator started: the nodes started with it (--nnodes of
+                # them, or as many as come within the bound below) are told why nothing runs and how to run it
+                # again before it goes. It exited at once, and they waited out their join timeout against a
+                # closed port ("unreachable"); under a supervisor, a restart loop.
+                unheard = core.ended_before_start() and core.told_of_end() < spec.nnodes
                 if (not unheard and not core.not_told_of_end()) or waited > spec.lease_timeout_s + DURABLE_WAIT_S:
                     code = 0 if phase is Phase.SUCCEEDED else 1
                     print(f"trainguard: job {spec.job} {phase.name.lower()}: {core.state.message}", file=sys.stderr)

@@ -397,7 +397,8 @@ class JobCoordinator(Durability, Formation, Cordoning, Leases):
         reply = command_for(m, st, self._layout, self._table, self._interval_s(), self._form_note,
                             self._relay.pending(st.generation), self.spec.full_table_max_nodes,
                             lambda: self._memory.holdings_fresh(self._table, self._clock, self._interval_s()),
-                            lambda: self._memory.restore_plan(self._table, self._mver, self._committed_step), self._state_fut,
+                            lambda: self._memory.restore_plan(self._table, self._mver, self._committed_step),
+                            self._state_fut,
                             self._form_missing if st.phase is Phase.FORMING else 0)
         if self._ended_note and st.phase in (Phase.SUCCEEDED, Phase.FAILED):
             reply = replace(reply, response=replace(reply.response, message=(

@@ -70,7 +70,8 @@ class Durability:
                 # it came from, and nothing ran.
                 self._ended_note = (f"job {self.spec.job} had already {st.phase.name.lower()} before this "
                                     f"coordinator started (its store {self.spec.store} keeps the outcome)")
-                log.warning("%s: %s; every node that registers is told it is over; %s", self._ended_note, st.message, RERUN_HINT)
+                log.warning("%s: %s; every node that registers is told it is over; %s", self._ended_note, st.message,
+                            RERUN_HINT)
         lay = self._layout
         if lay is not None and (not self.spec.nnodes <= len(lay.slots) <= self._max_nodes()
                                 or lay.group_size != self.spec.group_size):

@@ -144,9 +144,9 @@ class Leases:
                                    time_s=self._wall()), now)
             if nid in st.cordoned and not refused and not held:
                 # Only the node's own log said it was kept out: the coordinator's said nothing of it coming back.
-                log.info("job %s: node %s registered again and stays cordoned (%s); `trainguard uncordon %s` returns "
-                         "it to service once the machine is repaired", job, nid, st.cordon_why.get(nid) or "cordoned",
-                         nid)
+                log.info("job %s: node %s registered again and stays cordoned (%s); `trainguard uncordon %s "
+                         "--coordinator <this coordinator> --job %s` returns it to service once the machine is "
+                         "repaired", job, nid, st.cordon_why.get(nid) or "cordoned", nid, job)
             self._hold(m, fut, now, hold_s)
             log.debug("job %s: node %s registered (pod %r, index %d, %d devices%s)", job, nid,
                      info.pod_id, info.node_index, info.device_count,

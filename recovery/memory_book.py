@@ -118,8 +118,9 @@ class MemoryBook:
 
     def restore_plan(self, table: GenerationTable | None, mver: int, committed: int = -1) -> RestorePlan | None:
         """Where each rank of the current table reads its checkpoint (see :mod:`.memory_plan`), from the live
-        nodes' latest memory holdings; None while no node reported any. Cached per table, holdings and
-        liveness, so a generation's STARTs cost one plan.
+        nodes' latest memory holdings; None while no node reported any, a plan of step -1 (every rank from
+        storage) when none is new enough. Cached per table, holdings, liveness and ``committed``, so a
+        generation's STARTs cost one plan.
 
         Holdings older than ``committed`` (the step every node committed to storage) are left out: a node back
         after a replacement still held its first life's step 19 in memory while step 89 was on disk, and the

@@ -11,30 +11,32 @@ way. Imports nothing of trainguard, so the agent and the coordinator can both us
 
 from __future__ import annotations
 
+import errno
 import socket
 
 
 def can_listen(host: str, port: int) -> bool:
-    """Whether a server could listen on ``host:port`` now (``[v6]`` hosts without brackets too); port 0 always.
-
-    A host that does not resolve counts as free: the server's own error names it better.
+    """Whether ``host:port`` (``[v6]`` hosts with or without brackets) is free of another listener now; port 0
+    always is. Only a port in use counts as taken: a host that is not local or does not resolve counts as free,
+    as the server's own error names it better.
     """
     if port == 0:
         return True
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    try:
+        s = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+        return True  # no such family here (IPv6 disabled): the server's own error, or its fallback, decides
+    with s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except socket.gaierror:
-            return True
-        except OSError:
-            return False
-        # Bound is not enough: with SO_REUSEADDR a bind can succeed beside another socket that bound without
-        # listening yet; listen() is what a second listener fails at.
-        try:
+            # Bound is not enough: with SO_REUSEADDR a bind can succeed beside another socket that bound without
+            # listening yet; listen() is what a second listener fails at.
             s.listen(1)
-        except OSError:
-            return False
+        except OSError as exc:
+            # Only "in use" is taken: an address not on this host (EADDRNOTAVAIL) or a name that does not resolve
+            # is the server's to report, in its own words ("not local").
+            return exc.errno != errno.EADDRINUSE
         return True

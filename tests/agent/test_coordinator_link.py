@@ -485,5 +485,9 @@ def test_a_node_kept_out_as_cordoned_says_so_in_its_status_once(tmp_path) -> Non
         assert len(said) == 1, [e.kind for e in agent.health_snapshot(50).recent_events]
         assert said[0].message.startswith(cordoned.message)
         assert "trainguard uncordon n1 --coordinator 127.0.0.1:1 --job link" in said[0].message
+        agent._obey(coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_WAIT,
+                                                          message="spare: no ranks in this generation"))
+        agent._obey(cordoned)  # uncordoned, then cordoned again: said again
+        assert len([e for e in agent.health_snapshot(50).recent_events if e.kind == "node.cordoned"]) == 2
     finally:
         agent.link.close()

@@ -34,7 +34,10 @@ def test_a_port_in_time_wait_after_its_server_stopped_can_be_listened_on() -> No
     # Taken for a port in use, the node on a c10d endpoint's host joined a coordinator nobody ran (relaunched
     # within a minute of a coordinator stopped while nodes were connected).
     port = _server_side_time_wait()
-    states = subprocess.run(["ss", "-tan", f"sport = :{port}"], capture_output=True, text=True).stdout
+    try:
+        states = subprocess.run(["ss", "-tan", f"sport = :{port}"], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        pytest.skip("no ss here to see the TIME_WAIT entry")
     if "TIME-WAIT" not in states:
         pytest.skip("the kernel kept no TIME_WAIT entry for the closed connection")
     from trainguard.agent.run_torchrun import port_free
@@ -56,9 +59,10 @@ def test_a_port_another_socket_listens_on_cannot() -> None:
         assert not can_listen("0.0.0.0", other.getsockname()[1])
 
 
-def test_port_zero_and_an_unresolvable_host_are_left_to_the_server() -> None:
+def test_port_zero_an_unresolvable_host_and_a_foreign_address_are_left_to_the_server() -> None:
     assert can_listen("127.0.0.1", 0)
     assert can_listen("no-such-host.invalid", 29400)
+    assert can_listen("192.0.2.1", 29400)  # TEST-NET-1, on no host: "not local" is the server's to say
 
 
 def test_a_coordinator_on_a_taken_port_says_so_without_grpcs_own_log_line(tmp_path) -> None:
@@ -71,6 +75,7 @@ def test_a_coordinator_on_a_taken_port_says_so_without_grpcs_own_log_line(tmp_pa
                               f"127.0.0.1:{port}", "--nnodes", "1", "--store", f"sqlite://{tmp_path}/c.db"],
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
-    assert out.stderr.strip().splitlines() == [
+    assert "add_port" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
         f"trainguard: error: cannot start the coordinator: cannot listen on 127.0.0.1:{port}: address in use "
-        "(another coordinator, or another program); pick another --listen address"], out.stderr
+        "(another coordinator, or another program); pick another --listen address"), out.stderr
