@@ -69,9 +69,9 @@ def test_a_wait_on_another_thread_does_not_forget_the_trainers_newer_copy(make_c
 def test_a_step_saved_again_leaves_a_waiter_on_its_first_save_an_answer(make_config, tmp_path):
     # The second save replaced the step's status, and the first save's own reports (its upload's, its release)
     # were then dropped as another save's: a thread in the first save's wait() never returned.
-    model = torch.nn.Linear(1024, 1024)  # 4 MiB: at 4 MiB/s the upload outlasts the disk tier
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB: at 2 MiB/s its upload runs ~2 s after the disk tier is done
     state = {"model": model}
-    cfg = make_config(remote={"url": f"file://{tmp_path}/remote"}, persist={"bandwidth_mib_s": 4})
+    cfg = make_config(remote={"url": f"file://{tmp_path}/remote"}, persist={"bandwidth_mib_s": 2})
     with Checkpointer(cfg, job="resave") as ck:
         first = ck.save(state, 7)
         answer: list[bool] = []
