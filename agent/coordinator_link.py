@@ -798,7 +798,8 @@ class GrpcCoordinatorLink:
         never_ran = self._generation < 0 and self._life.state is LinkState.WAITING
         # Keyed on the outcome heard, not on DONE: close() itself moves every state to DONE, so a second close() of
         # a running node's link would have sent LeaveNode, a node-level failure of a job that goes on.
-        leaves = never_ran or self._told_outcome
+        told = self._told_outcome
+        leaves = never_ran or told
         self._told_outcome = False  # said once
         if self._stub is not None and self._lease and leaves:
             try:
@@ -807,8 +808,13 @@ class GrpcCoordinatorLink:
                     reason=reason or self._leave_why),
                     timeout=LEAVE_TIMEOUT_S)
             except grpc.RpcError as exc:  # an older coordinator, or one gone: the lease runs out there instead
-                log.info("could not tell the coordinator this node leaves (%s); its lease runs out instead",
-                         exc.code().name)
+                if told and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    # The job is over and its coordinator gone (--exit-when-done, or the embedding launcher):
+                    # there is no lease left to run out, and every successful run ended on that line.
+                    log.debug("the coordinator of the ended job is gone already; nothing to tell it")
+                else:
+                    log.info("could not tell the coordinator this node leaves (%s); its lease runs out instead",
+                             exc.code().name)
         self._life.fire(_T.CLOSE)
         if self._channel is not None:
             self._channel.close()

@@ -401,10 +401,13 @@ class ReplicaStore:
                 raise
 
     def _no_room(self, what: str, total: int, reserved: int) -> ReplicaRefusedError:
+        mib = 1 << 20
         return ReplicaRefusedError(
-            f"no room for {what}: replicas hold {total} and copies being received reserve {reserved} of "
-            f"{self.max_bytes} bytes, and the tmpfs has {free_bytes(self.root)} bytes free with "
-            f"{self.reserve_bytes} reserved for own snapshots")
+            f"no room for {what}: replicas hold {total / mib:.1f} and copies being received reserve "
+            f"{reserved / mib:.1f} of {self.max_bytes / mib:.1f} MiB, and the tmpfs has "
+            f"{free_bytes(self.root) / mib:.1f} MiB free with {self.reserve_bytes / mib:.1f} MiB reserved for own "
+            "snapshots; give this node a larger /dev/shm, or run it with --replica-memory-mib 0 so that it is "
+            "nobody's buddy")
 
     def _release(self, partial: str) -> None:
         """Gives back the reservation of a copy that was dropped."""

@@ -553,8 +553,8 @@ class ReplacePolicy:
         self.verdict = ""
         detail = (f"straggler node {worst.node_id}: own work {worst.ratio:.2f}x the other nodes' median, "
                   f"{excess * 1000:.0f} ms of every {result.job_step_s * 1000:.0f} ms step; replacing saves "
-                  f"~{saved:.0f} s over {cfg.horizon_s:.0f} s against a "
-                  f"{'measured' if self.measured else 'assumed'} restart cost of {self.cost_s:.1f} s")
+                  f"~{saved:.0f} s over {cfg.horizon_s:.0f} s against "
+                  f"{'a measured' if self.measured else 'an assumed'} restart cost of {self.cost_s:.1f} s")
         return ReplaceDecision(worst.node_id, detail, saved, self.cost_s, ranks)
 
     def new_world(self, world_size: int) -> None:

@@ -491,3 +491,21 @@ def test_a_node_kept_out_as_cordoned_says_so_in_its_status_once(tmp_path) -> Non
         assert len([e for e in agent.health_snapshot(50).recent_events if e.kind == "node.cordoned"]) == 2
     finally:
         agent.link.close()
+
+
+def test_leaving_an_ended_job_whose_coordinator_is_gone_says_nothing_of_a_lease(caplog) -> None:
+    """From a review: every successful `--exit-when-done` run ended on "could not tell the coordinator this node
+    leaves (UNAVAILABLE); its lease runs out instead", though the coordinator had exited with the job."""
+    import grpc
+
+    from trainguard.proto import coordinator_pb2_grpc
+
+    link = GrpcCoordinatorLink(LinkConfig(job="link", coordinator="127.0.0.1:1", node_id="n1"))
+    link._stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel("127.0.0.1:1"))  # nobody listens
+    link._lease = "lease"
+    link.follow(coordinator_pb2.NodeHeartbeatResponse(command=coordinator_pb2.NODE_COMMAND_STOP,
+                                                      job_state=coordinator_pb2.JOB_STATE_SUCCEEDED,
+                                                      message="succeeded in generation 1"))
+    with caplog.at_level("INFO", logger="trainguard.agent.coordinator_link"):
+        link.close()
+    assert not [r for r in caplog.records if "lease runs out" in r.getMessage()], caplog.records

@@ -634,7 +634,7 @@ def test_pushes_arriving_together_never_hold_more_than_the_bound(roots) -> None:
         refused = [ack.error for ack in acks if not ack.ok]
         assert len(refused) == 2, acks  # two fit in 10 MiB, whichever began first
         assert all(e.startswith("no room for the replica of rank") and "being received reserve" in e
-                   for e in refused), refused
+                   and "of 10.0 MiB" in e and "--replica-memory-mib 0" in e for e in refused), refused
         assert peak[0] <= 10 << 20, f"replicas held {peak[0]} bytes, over the 10 MiB bound"
         assert len(store.replicas()) == 2 and store.bytes_held() <= 10 << 20
         assert store.bytes_reserved() == 0 and _partials(b) == []
