@@ -429,7 +429,7 @@ class NodeAgent:
         self.link.report(ev, coordinator_pb2.RECOVERY_LEVEL_NONE, self.generation, -1, 0)
 
     def _say_cordoned(self, resp: coordinator_pb2.NodeHeartbeatResponse) -> None:
-        """Publishes the coordinator keeping this node out as cordoned (once per reason): only the launcher's log
+        """Publishes the coordinator keeping this node out as cordoned (once per cordon): only the launcher's log
         said it, and `trainguard status` showed an idle node with no recent event and no way back."""
         prefix = f"node {self.config.node_id} is cordoned"
         if resp.command not in (coordinator_pb2.NODE_COMMAND_STOP, coordinator_pb2.NODE_COMMAND_NONE):
