@@ -149,7 +149,7 @@ def default_node_id(rdzv: Rendezvous, joining: str | None, hostname: str, pid: i
 
 
 def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: str | None = None,
-                     module: bool = False) -> str:
+                     module: bool = False, pid: int | None = None) -> str:
     """The job name when neither ``--job`` nor ``--rdzv-id`` is given.
 
     A job with a rendezvous endpoint (every multi-node one) needs the same name on every node, whenever each
@@ -158,7 +158,9 @@ def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: 
     with a checkpoint directory is named after the script and that directory (its resolved path or URL,
     hashed): rerunning the same command after a crash is the same job, so it finds its in-memory checkpoint
     (which the node's daemon keeps for a while), and two runs of one script on other directories do not share
-    one. Without a checkpoint directory there is nothing to resume: the start time ``now`` keeps runs apart.
+    one. Without a checkpoint directory there is nothing to resume: the start time ``now`` and the launcher's
+    ``pid`` (default: this process) keep runs apart; the time alone, in whole seconds, named two runs of one
+    script started in the same second alike, and the second was refused as "already running here".
 
     A ``-m`` module (``module``) is named after its last component, as the hook names it under torchrun (whose
     ``sys.argv[0]`` is the module's file): ``-m pkg.train`` was ``pkg-...``, so either launcher missed the other's
@@ -173,7 +175,7 @@ def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: 
     if checkpoint_dir:
         # The hook names a torchrun launch's checkpoints the same way: either launcher resumes the other's.
         return checkpoint_job_name(script, checkpoint_dir)
-    return job_name_from(stem, str(int(now)))
+    return job_name_from(stem, f"{int(now)}-{os.getpid() if pid is None else pid}")
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

@@ -408,7 +408,10 @@ def test_one_node_default_job_name_follows_the_checkpoint_directory(tmp_path: Pa
     assert name != default_job_name("train.py", solo, 1000.0, str(b))
     assert default_job_name("train.py", solo, 1000.0, "s3://bucket/run") != default_job_name(
         "train.py", solo, 1000.0, "s3://bucket/other")
-    assert default_job_name("train.py", solo, 1000.0) == "train-1000"  # nothing to resume: the start time
+    # Nothing to resume: the start time and the launcher's pid (two runs started in the same second are apart).
+    assert default_job_name("train.py", solo, 1000.0, pid=42) == "train-1000-42"
+    assert default_job_name("train.py", solo, 1000.9, pid=42) != default_job_name("train.py", solo, 1000.0, pid=43)
+    assert default_job_name("train.py", solo, 1000.0) == f"train-1000-{os.getpid()}"
 
 
 def _ipv6_loopback() -> bool:
