@@ -28,6 +28,7 @@ from trainguard.agent.errors import (AgentError, CoordinatorUnavailableError, Jo
 from trainguard.agent.lifecycle import Lifecycle
 from trainguard.agent.node_faults import NodeReportLedger
 from trainguard.agent.parts import LINK_TRANSITIONS, HeartbeatContent, LinkState, LinkTrigger
+from trainguard.agent.port_offer import MasterPortOffer, hold_port
 from trainguard.detectors.events import HealthEvent
 from trainguard.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -252,22 +253,14 @@ def foreign_listener_message(target: str, what: str, details: str,
 
 
 def find_free_port(address: str) -> int:
-    """A TCP port free on ``address`` right now (bind to port 0, read it, close).
+    """A TCP port free on ``address`` right now (bind to port 0, read it, close): free only then (a node's
+    ``MASTER_PORT`` offer holds its port instead, see :mod:`trainguard.agent.port_offer`).
 
     Raises:
-        AgentError: ``address`` is not an address of this host (or a name that does not resolve); the node
-            would publish an address its peers cannot reach, so this is a configuration error, not a retry.
+        AgentError: ``address`` is not an address of this host (or a name that does not resolve).
     """
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((address, 0))
-            return s.getsockname()[1]
-    except OSError as exc:  # gaierror (a name that does not resolve) included
-        raise AgentError(
-            f"cannot listen on this node's address {address!r} ({exc.strerror or exc}): it must be an address "
-            "of this host that its peers reach it at; pass one with --local-addr (or --address), or make the "
-            "host name resolve to it") from exc
+    with hold_port(address) as s:
+        return s.getsockname()[1]
 
 
 @dataclass
@@ -328,6 +321,7 @@ class GrpcCoordinatorLink:
         #: Default seconds between heartbeats until the coordinator says otherwise.
         self.interval_s = 0.5
         self._on_generation_lost = on_generation_lost
+        self._master_port = MasterPortOffer(config.address)
         self._life: Lifecycle[LinkState, LinkTrigger] = Lifecycle("coordinator link", LINK_TRANSITIONS,
                                                                   LinkState.UNREGISTERED)
         self._channel: grpc.Channel | None = None
@@ -437,7 +431,7 @@ class GrpcCoordinatorLink:
             try:
                 resp = self._stub.RegisterNode(
                     coordinator_pb2.RegisterNodeRequest(
-                        job=self.config.job, node=self._node_info(), free_port=find_free_port(self.config.address),
+                        job=self.config.job, node=self._node_info(), free_port=self._master_port.port(),
                         agent_instance=self._instance,
                         qualification=self.qualifier.registration(self._stub) if self.qualifier else None),
                     timeout=RPC_TIMEOUT_S,
@@ -547,9 +541,11 @@ class GrpcCoordinatorLink:
             fields["qualification"] = self.qualifier.for_heartbeat(idle=fields.get("generation", -1) < 0)
         req = coordinator_pb2.NodeHeartbeatRequest(
             job=self.config.job, node_id=self.config.node_id, lease_id=self._lease,
-            free_port=find_free_port(self.config.address), **fields)
+            free_port=self._master_port.port(), **fields)
         try:
             resp = self._stub.Heartbeat(req, timeout=RPC_TIMEOUT_S)
+            if resp.HasField("rank_table"):
+                self._master_port.seen(resp.rank_table.generation, resp.rank_table.master_port)
             if self._outage_said_at is not None and self._unreachable_since is not None:
                 log.warning("coordinator %s answers again after %.0f s", self._target,
                             time.monotonic() - self._unreachable_since)
@@ -818,6 +814,7 @@ class GrpcCoordinatorLink:
         self._life.fire(_T.CLOSE)
         if self._channel is not None:
             self._channel.close()
+        self._master_port.close()
 
 
 __all__ = ["GrpcCoordinatorLink", "JoinTimeoutError", "coordinator_targets", "LinkConfig", "MAX_UNSENT_REPORTS", "RPC_TIMEOUT_S",
