@@ -45,15 +45,20 @@ def _launch(launcher: str, line: list[str], out: Path, env: dict) -> dict[int, d
     return envs
 
 
+#: Stands for a port picked when the test runs: picked at collection (parametrize), it was used minutes later,
+#: free or not by then.
+PORT = "<free port>"
+
+
 def _lines() -> list[tuple[str, list[str], dict]]:
     return [
         ("underscores-standalone-role", ["--standalone", "--nnodes=1", "--nproc_per_node=2", "--max_restarts=1",
                                          "--role", "trainer", "--monitor_interval", "0.1", PRINT_ENV], {}),
-        ("c10d-auto-virtual", ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
+        ("c10d-auto-virtual", ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{PORT}",
                                "--rdzv-id", "compat-job", "--nnodes", "1:1", "--nproc-per-node", "auto",
                                "--max-restarts", "0", "--virtual-local-rank", PRINT_ENV], {}),
         ("static-master-pet", ["--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1", "--master-port",
-                               str(_port()), "--max-restarts", "2", PRINT_ENV], {"PET_NPROC_PER_NODE": "2"}),
+                               PORT, "--max-restarts", "2", PRINT_ENV], {"PET_NPROC_PER_NODE": "2"}),
         ("module", ["--nproc-per-node", "1", "--max-restarts", "0", "--module", "print_env_mod"],
          {"PYTHONPATH": str(SCRIPTS)}),
         ("no-python", ["--nproc-per-node", "1", "--max-restarts", "0", "--no-python", sys.executable, PRINT_ENV],
@@ -69,6 +74,8 @@ def _lines() -> list[tuple[str, list[str], dict]]:
 def test_same_command_line_same_worker_environment(tmp_path: Path, tg_env: dict, name: str, line: list[str],
                                                    extra_env: dict) -> None:
     env = {**tg_env, **extra_env}
+    port = str(_port())
+    line = [arg.replace(PORT, port) for arg in line]
     theirs = _launch("torchrun", line, tmp_path / "torchrun", env)
     ours = _launch("trainguard", line, tmp_path / "trainguard", env)
     assert sorted(theirs) == sorted(ours) and theirs, (sorted(theirs), sorted(ours))
