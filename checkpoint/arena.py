@@ -50,6 +50,24 @@ def rank_dir(shm_root: str, job: str, rank: int) -> str:
     return os.path.join(shm_root, job, f"rank_{rank:05d}")
 
 
+def make_shared_root(root: str) -> None:
+    """Creates the host-wide root of every job's arenas, when missing, world-writable with the sticky bit (as
+    /dev/shm is, and as the node daemon makes it): made by the first launcher with the umask's 0755, it kept
+    every other user's jobs on the host out of the in-memory tier until a reboot. An existing root is left as it
+    is; a root that cannot be made is left to the arena's own error, which says what is wrong."""
+    if os.path.isdir(root):
+        return
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
+        os.mkdir(root)
+    except OSError:
+        return  # another process made it first (it chose the mode), or it cannot be made (said by the caller)
+    try:
+        os.chmod(root, 0o1777)
+    except OSError:
+        pass  # a filesystem without modes: this user's jobs work in it all the same
+
+
 @dataclass
 class SlotPaths:
     """Files of one staging slot."""

@@ -37,8 +37,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from trainguard.checkpoint.arena import (SlotPaths, drop_manifests, free_bytes, rank_files, read_manifest, read_tag,
-                                        write_tag)
+from trainguard.checkpoint.arena import (SlotPaths, drop_manifests, free_bytes, make_shared_root, rank_files,
+                                        read_manifest, read_tag, write_tag)
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from trainguard.checkpoint.manifest import MAX_STEP, Manifest, verify_checksums
 
@@ -180,6 +180,7 @@ class ReplicaStore:
         self._reserved: dict[str, int] = {}
         #: replicas evicted to make room since start (a metric).
         self.evicted = 0
+        make_shared_root(shm_root)  # the replica receiver may be the first of the host's jobs to use it
         os.makedirs(self.root, exist_ok=True)
         for d, _, names in os.walk(self.root):  # a receiver killed mid-transfer left these
             for n in names:

@@ -215,6 +215,8 @@ class StagingArea:
 
     def _open(self, root: str, kind: str, anonymous: bool) -> Arena:
         self._lease_disk()  # again after a close() on the way to the fallback
+        if kind in ("memory", "host"):  # host-wide roots (/dev/shm/trainguard, <tmpdir>/trainguard-staging)
+            arena_mod.make_shared_root(root)
         lease = ArenaLease(arena_mod.rank_dir(root, self.job, self.rank))
         lease.acquire()
         try:

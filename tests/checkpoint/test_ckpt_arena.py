@@ -205,3 +205,30 @@ def test_a_slot_tag_that_is_not_text_is_a_damaged_slot_not_a_crash(make_config):
         w = torch.zeros(10)
         assert ck.restore({"w": w}) == 2 and ck.last_restore_tier == "disk" and w[0].item() == 2.0
         assert ck.save({"w": torch.full((10,), 3.0)}, 3).wait(timeout=30)
+
+
+def test_the_first_job_makes_the_host_wide_root_writable_by_every_user(tmp_path) -> None:
+    """A launcher that made /dev/shm/trainguard with the umask's 0755 kept every other user's jobs on the host out
+    of the in-memory tier: the root is made 1777, as /dev/shm is; a job's own folders stay the owner's."""
+    import stat
+
+    from trainguard.checkpoint.staging import StagingArea
+
+    root = tmp_path / "shm" / "trainguard"
+    cfg = CheckpointConfig(directory=str(tmp_path / "ckpt"), memory={"directory": str(root)})
+    old = os.umask(0o022)
+    try:
+        stage = StagingArea(cfg, "shared-root", 0, 2, EventSink(None, 0))
+        stage.ensure(4096)
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.stat(root).st_mode) == 0o1777
+        assert stat.S_IMODE(os.stat(root / "shared-root").st_mode) == 0o755
+        # A root that exists keeps the mode it has (an operator's choice, or the daemon's).
+        kept = tmp_path / "kept"
+        kept.mkdir(mode=0o700)
+        arena_mod.make_shared_root(str(kept))
+        assert stat.S_IMODE(os.stat(kept).st_mode) == 0o700
+    finally:
+        stage.close(remove=True)
