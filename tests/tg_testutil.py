@@ -6,10 +6,14 @@ import`` would pick whichever was imported first.)
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +21,64 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train.py"
+
+#: Test ports come from below this (or the kernel's ephemeral range, when it starts lower) ...
+_PORTS_BELOW = 32768
+#: ... and from here up, a block for each xdist worker.
+_PORTS_FROM = 15000
+_PORT_BLOCKS = 8
+_port_lock = threading.Lock()
+_port_seq: itertools.count | None = None
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _PORTS_BELOW
+
+
+def _bindable(port: int, host: str) -> bool:
+    """Whether ``port`` binds on ``host`` and on the wildcard address without SO_REUSEADDR (no listener, no
+    bound socket, no TIME_WAIT left there)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for address in {host, "::" if family == socket.AF_INET6 else "0.0.0.0"}:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((address, port))
+            except OSError:
+                return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now that no other process takes by chance before the test's process binds it.
+
+    A port found by binding port 0 and closing comes from the kernel's ephemeral range, from which every
+    ``bind(0)`` and outgoing connection on the box draws too (the other xdist worker's launchers, gRPC channels,
+    etcd): taken in the seconds before a test's subprocess bound it (a torch import, a restart of a killed
+    server on the same port), the test failed. These come from below that range, from a block of this xdist
+    worker's own, in turn from a random start (a port is not handed out twice in a session).
+    """
+    global _port_seq
+    low = min(_PORTS_BELOW, _ephemeral_low())
+    if low - _PORTS_FROM < 1000 * _PORT_BLOCKS:  # an unusual ephemeral range: the kernel's choice, as before
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    size = (low - _PORTS_FROM) // _PORT_BLOCKS
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    base = _PORTS_FROM + (index % _PORT_BLOCKS) * size
+    with _port_lock:
+        if _port_seq is None:
+            _port_seq = itertools.count(random.randrange(size))
+        for _ in range(size):
+            port = base + next(_port_seq) % size
+            if _bindable(port, host):
+                return port
+    raise RuntimeError(f"no free port in {base}..{base + size - 1}")
 
 
 def marked_processes(marker: str) -> list[psutil.Process]:

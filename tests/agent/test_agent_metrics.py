@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import tg_testutil
 from trainguard.agent.metrics import MAX_EVENT_KINDS, AgentMetrics, MetricsServer
 
 
@@ -64,9 +65,7 @@ def test_event_kind_label_is_bounded(served):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return tg_testutil.free_port()
 
 
 def test_real_prometheus_scrapes_and_answers_a_query(served, tmp_path):

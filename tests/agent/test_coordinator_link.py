@@ -365,12 +365,7 @@ def test_a_coordinator_restarted_at_another_address_of_the_list_is_followed_with
     list was one invalid target). Now each call that finds one unreachable moves to the next address on a new
     channel: registration skips a dead first address, and a coordinator restarted at the list's other address on
     the same store gets the node's heartbeats, under the lease it had."""
-    import socket
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from tg_testutil import free_port
 
     spec = JobSpec(job="moved", nnodes=1, heartbeat_interval_s=0.1, store=f"sqlite://{tmp_path}/moved.db")
     first_at, second_at = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"

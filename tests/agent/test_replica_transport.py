@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+import tg_testutil
 from trainguard.agent.memory_tier import MemoryTier
 from trainguard.agent.replica_agent import ReplicaAgent, ReplicaConfig
 from trainguard.agent.replica_transport import ReplicaServer, ReplicaServicer, Throttle, copy_stream, fetch, push
@@ -449,11 +450,7 @@ def test_fetch_falls_back_when_the_buddy_is_gone_or_its_replica_is_corrupt(roots
 
 
 def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return tg_testutil.free_port()
 
 
 def test_an_address_the_node_cannot_listen_on_leaves_it_out_of_replication(roots) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+import tg_testutil
 from trainguard.agent.run_deploy import apply_slurm, slurm_placement
 from trainguard.cli import build_parser
 from trainguard.errors import UsageError
@@ -102,9 +103,8 @@ def test_the_embedded_coordinators_line_names_the_wildcard_it_binds(tmp_path, tg
     import threading
     from pathlib import Path
 
-    from trainguard.agent.coordinator_link import find_free_port
 
-    port = find_free_port("0.0.0.0")
+    port = tg_testutil.free_port("0.0.0.0")
     script = Path(__file__).resolve().parent / "scripts" / "print_env.py"
     env = {**tg_env, "SLURM_JOB_ID": "4243", "SLURM_STEP_NODELIST": "localhost,127.0.0.1", "SLURM_NODEID": "0",
            "SLURM_STEP_NUM_NODES": "2", "TRAINGUARD_COORDINATOR_PORT": str(port)}

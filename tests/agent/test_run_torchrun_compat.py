@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import tg_testutil
 from tg_testutil import REPO, run_cli
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -28,9 +29,7 @@ DIFFER_BY_DESIGN = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return tg_testutil.free_port()
 
 
 def _launch(launcher: str, line: list[str], out: Path, env: dict) -> dict[int, dict]:

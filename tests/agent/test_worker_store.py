@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tg_testutil
+
 REPO = Path(__file__).resolve().parents[2]
 
 # The console entry, run as the installed script runs it, with two observers: whether the store's import was
@@ -62,9 +64,7 @@ print(json.dumps({"settled": settled, "store": store._store is not None,
 
 
 def test_a_store_closed_before_it_started_never_listens(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = tg_testutil.free_port()
     proc = subprocess.run([sys.executable, "-c", SETTLE_AFTER_CLOSE, str(port)], cwd=REPO, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,7 +12,6 @@ import json
 import os
 import posixpath
 import re
-import socket
 import stat
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+import tg_testutil
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
@@ -341,9 +342,7 @@ def test_the_sbatch_script_runs_one_job_across_its_nodes_and_a_spare_takes_a_los
     fake.mkdir()
     (fake / "srun").write_text(FAKE_SRUN)
     (fake / "srun").chmod(stat.S_IRWXU)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = tg_testutil.free_port()
     out = tmp_path / "out"
     out.mkdir()
     env = {**tg_env, "PATH": f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(tmp_path),

@@ -4,7 +4,6 @@ folders keeps resolving to tests/conftest.py): a real etcd server on loopback, s
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -13,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
+import tg_testutil
+
 ETCD_BINARY = shutil.which("etcd")
 ETCD_SKIP_REASON = "etcd binary not found: install Debian's etcd-server package (apt-get install -y etcd-server)"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return tg_testutil.free_port()
 
 
 def free_port() -> int:

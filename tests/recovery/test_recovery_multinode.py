@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+import tg_testutil
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train.py"
@@ -132,9 +133,7 @@ def _agent(procs: list[Proc], env: dict, coord: str, node: str, index: int, addr
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return tg_testutil.free_port()
 
 
 @pytest.fixture(scope="module")

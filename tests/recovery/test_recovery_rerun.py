@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 
 from coordinator_client import CoordinatorProcess, beat_until, node_info
 
+import tg_testutil
 from trainguard.proto import coordinator_pb2 as pb
 
 
@@ -59,9 +59,7 @@ def test_a_node_waiting_for_the_others_to_register_is_told_how_many_are_there_an
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = tg_testutil.free_port()
     script = tmp_path / "noop.py"
     script.write_text(f"open({str(tmp_path / 'started')!r}, 'w').close()\n")
     proc = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "run", "--nnodes", "2", "--rdzv-backend", "c10d",

@@ -16,6 +16,7 @@ import grpc
 import pytest
 import recovery_fixtures
 
+import tg_testutil
 from trainguard.proto import common_pb2, coordinator_pb2 as pb, coordinator_pb2_grpc
 from trainguard.recovery.convert import beat, node_record
 from trainguard.recovery.coordinator import JobCoordinator
@@ -301,9 +302,7 @@ def _until(nodes: list[Node], gen: int, timeout: float = 15.0) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return tg_testutil.free_port()
 
 
 def _start_cli(port: int, store: str, env: dict, tmp: Path) -> subprocess.Popen:

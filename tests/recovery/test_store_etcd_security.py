@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import ssl
 import subprocess
 import sys
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))
 from agent_testutil import _leaf, make_pki  # noqa: E402
 from recovery_fixtures import ETCD_BINARY, ETCD_SKIP_REASON  # noqa: E402
 
+import tg_testutil
 from trainguard.recovery.errors import StoreError, StoreURLError  # noqa: E402
 from trainguard.recovery.etcd_security import etcd_security  # noqa: E402
 from trainguard.recovery.store import Put, open_store  # noqa: E402
@@ -30,9 +30,7 @@ PASSWORD = "etcd-root-pw-" + "x" * 8
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return tg_testutil.free_port()
 
 
 def test_url_options_are_checked(tmp_path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import tg_testutil
 from tg_testutil import REPO, communicate_all
 from trainguard import gloo_exit
 
@@ -59,9 +59,7 @@ SCRIPT = textwrap.dedent("""
 def _run_pair(tmp_path: Path, env: dict, mode: str) -> list[subprocess.CompletedProcess]:
     script = tmp_path / "worker.py"
     script.write_text(SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = tg_testutil.free_port()
     procs = [subprocess.Popen([sys.executable, str(script), mode], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env=dict(env, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",

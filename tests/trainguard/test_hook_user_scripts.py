@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import tg_testutil
 from tg_testutil import REPO
 
 WORKER = Path(__file__).resolve().parent / "hook_user_worker.py"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return tg_testutil.free_port()
 
 
 def _torchrun(nproc: int, args: list, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
