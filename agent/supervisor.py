@@ -62,6 +62,15 @@ class WorkerExit:
     agent_side: bool = False
 
 
+def _discard_empty_dumps(group: WorkerGroup) -> None:
+    """Removes the stack-dump files the stopped workers opened and never wrote (their exit hook does it too, but
+    not for a SIGKILLed worker: one empty file per worker process in /tmp, for good)."""
+    from trainguard.detectors.stackdump import STACK_DIR_ENV, discard_empty_dump
+
+    for w in group.workers:
+        discard_empty_dump(w.pid, w.spec.env.get(STACK_DIR_ENV) or None)
+
+
 class LocalSupervisor:
     """Supervises this node's workers (implements :class:`~trainguard.agent.parts.Supervisor`).
 
@@ -282,6 +291,8 @@ class LocalSupervisor:
             self._life.fire(_T.STOPPED_AFTER_FAILURE if self._failed else _T.STOPPED)
         elif group is not None:
             group.stop(self.config.stop_grace_s, tick=keepalive)
+        if group is not None:
+            _discard_empty_dumps(group)
         self._resources.close_store()
 
     def close(self) -> None:

@@ -368,3 +368,15 @@ def test_what_a_worker_starts_in_a_session_of_its_own_ends_with_the_job(tmp_path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_workers_leave_no_empty_stack_dump_files(tmp_path: Path, tg_env: dict) -> None:
+    """Every worker under the launcher opens its stack-dump file at start; each one left an empty
+    trainguard-stack-<pid>.txt in /tmp for good (~1,100 after one run of this suite). A SIGKILLed worker runs no
+    exit hook: the launcher removes its file once it has reaped it; a stopped one removes its own."""
+    dumps = tmp_path / "stacks"
+    dumps.mkdir()
+    r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "0", "--no-standby",
+                 str(SCRIPTS / "hook_sigkill.py"), "1"], dict(tg_env, TRAINGUARD_STACK_DIR=str(dumps)))
+    assert r.returncode == 1 and "killed by SIGKILL" in r.stderr, r.stderr[-2000:]
+    assert not list(dumps.iterdir())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -149,3 +150,31 @@ def test_a_stopped_worker_is_named_at_once_not_waited_for(tmp_path) -> None:
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_worker_leaves_no_empty_dump_file(tmp_path) -> None:
+    """The handler opens its file at start; every worker left an empty one in /tmp for good. An exit removes
+    it; a written dump stays; a SIGKILLed worker's is removed by whoever reaps it, once the pid is gone."""
+    from trainguard.detectors.stackdump import discard_empty_dump
+
+    quiet = subprocess.run([sys.executable, "-c", WORKER.replace("deep_inside_allreduce()\n", "", 1).replace(
+        "time.sleep(3600)", "pass"), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0, quiet.stderr
+    assert not list(tmp_path.iterdir())
+    dumped = subprocess.run([sys.executable, "-c", "import os, signal, sys\n"
+                             "from trainguard.detectors.stackdump import install_stack_dump_handler\n"
+                             "install_stack_dump_handler(sys.argv[1])\nsignal.raise_signal(signal.SIGUSR2)\n",
+                             str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert dumped.returncode == 0, dumped.stderr
+    assert [p.stat().st_size > 0 for p in tmp_path.iterdir()] == [True]
+    (tmp_path / "kept").mkdir()
+    for f in tmp_path.glob("*.txt"):
+        f.rename(tmp_path / "kept" / f.name)
+    p = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        path = p.stdout.readline().strip()
+        assert not discard_empty_dump(p.pid, str(tmp_path))  # alive: its handler may still write there
+    finally:
+        p.kill()
+        p.wait()
+    assert os.path.exists(path) and discard_empty_dump(p.pid, str(tmp_path)) and not os.path.exists(path)
