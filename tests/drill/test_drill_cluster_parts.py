@@ -179,3 +179,20 @@ def test_a_standby_counts_as_waiting_once_it_blocks_on_its_orders(tmp_path) -> N
         for p in (standby, other):
             p.stdin.close()
             p.wait()
+
+
+@pytest.mark.skipif(NETNS_WHY is not None, reason=str(NETNS_WHY))
+def test_a_second_fabric_never_takes_a_subnet_in_use(monkeypatch) -> None:
+    """Fabrics draw their subnets at random; a second one (another drill, a test beside this one) drawing a /24
+    the first one's bridge holds would misroute both. The draw is made again."""
+    import types
+    import uuid
+
+    import trainguard.drill.netns as netns
+
+    with Fabric() as first:
+        draws = iter([uuid.UUID(first.tag + "0" * 27), uuid.uuid4()])
+        monkeypatch.setattr(netns, "uuid", types.SimpleNamespace(uuid4=lambda: next(draws)))
+        second = Fabric()
+        assert second.tag != first.tag
+        assert not set(second._subnets.values()) & set(first._subnets.values())

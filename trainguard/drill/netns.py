@@ -18,6 +18,7 @@ concurrent drills and tests never collide, and :meth:`Fabric.close` removes ever
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -72,14 +73,28 @@ def _sh(*argv: str) -> None:
                         "(or run it with --no-netns)")
 
 
+def _prefixes_in_use() -> set[str]:
+    """The first three octets of every IPv4 address of this namespace's interfaces."""
+    import psutil
+
+    return {a.address.rsplit(".", 1)[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family == socket.AF_INET}
+
+
 class Fabric:
     """Two bridges (management, data) and a namespace per node. Use as a context manager."""
 
     def __init__(self) -> None:
-        self.tag = uuid.uuid4().hex[:5]
-        a = 20 + int(self.tag[:2], 16) % 200
-        b = int(self.tag[2:4], 16)
-        self._subnets = {"mgmt": f"10.{a}.{b}", "data": f"10.{a + 1}.{b}"}
+        # Subnets drawn at random: another fabric of the host (a second drill, a test beside this one) could hold
+        # one of them, and two bridges on one /24 misroute each other's traffic; a draw in use is drawn again.
+        taken = _prefixes_in_use()
+        for _ in range(100):
+            self.tag = uuid.uuid4().hex[:5]
+            a = 20 + int(self.tag[:2], 16) % 200
+            b = int(self.tag[2:4], 16)
+            self._subnets = {"mgmt": f"10.{a}.{b}", "data": f"10.{a + 1}.{b}"}
+            if not taken & set(self._subnets.values()):
+                break
         self._bridges = {"mgmt": f"tgM{self.tag}", "data": f"tgD{self.tag}"}
         self.nodes: dict[str, NodeNet] = {}
         self._count = 0
