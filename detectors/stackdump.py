@@ -16,7 +16,6 @@ only if ``/proc/<pid>/status`` shows the worker catches it: SIGUSR2's default ac
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
 import os
 import shutil
@@ -37,7 +36,6 @@ STACK_DIR_ENV = "TRAINGUARD_STACK_DIR"
 MAX_DUMP_CHARS = 16_000
 
 _dump_files: dict[int, IO[str]] = {}
-_cleanup_registered: list[int] = []  # the pid that registered the exit clean-up (once per process)
 
 
 def stack_dir(directory: str | None = None) -> str:
@@ -85,48 +83,31 @@ def install_stack_dump_handler(directory: str | None = None, signum: int = STACK
         f = open(path, "a", encoding="utf-8")  # noqa: SIM115
         _dump_files[signum] = f
     faulthandler.register(signum, file=f, all_threads=True, chain=False)
-    if not _cleanup_registered:
-        _cleanup_registered.append(pid)
-        atexit.register(_discard_own_files, pid)
     return path
-
-
-def _discard_own_files(pid: int) -> None:
-    """At exit: the dump files this process opened and never wrote go (a fork child that exits through atexit
-    is not their owner and leaves them)."""
-    if os.getpid() != pid:
-        return
-    for signum, f in list(_dump_files.items()):
-        try:
-            faulthandler.unregister(signum)
-        except (RuntimeError, ValueError):
-            pass
-        f.close()
-        discard_empty_dump(pid, os.path.dirname(f.name))
-    _dump_files.clear()
 
 
 def discard_empty_dump(pid: int, directory: str | None = None) -> bool:
     """Removes ``pid``'s dump file when nothing was ever dumped into it and ``pid`` is gone (the handler opens
     the file when the worker starts: every worker left an empty ``trainguard-stack-<pid>.txt`` in /tmp for good,
-    ~1,100 after one run of the test suite). A written dump stays, for the operator.
+    ~1,100 after one run of the test suite). A written dump stays, for the operator. The launcher calls it for
+    the workers it reaped; a worker does not remove its own at exit, as a hang in its exit (a process group's
+    teardown) is exactly when the agent asks for its stacks.
 
     Args:
         pid: the worker's process id; a live process of that id (the worker, or a new one given its pid) keeps
-            the file. The calling process itself counts as gone (its own exit).
+            the file.
         directory: see :func:`stack_dir`.
 
     Returns:
         Whether a file was removed.
     """
-    if pid != os.getpid():
-        try:
-            os.kill(pid, 0)
-            return False  # alive: its handler may still write there
-        except ProcessLookupError:
-            pass
-        except OSError:  # another user's process of that id: not ours to judge
-            return False
+    try:
+        os.kill(pid, 0)
+        return False  # alive: its handler may still write there
+    except ProcessLookupError:
+        pass
+    except OSError:  # another user's process of that id: not ours to judge
+        return False
     path = stack_dump_path(pid, directory)
     try:
         if os.path.getsize(path) == 0:

@@ -372,8 +372,8 @@ def test_what_a_worker_starts_in_a_session_of_its_own_ends_with_the_job(tmp_path
 
 def test_workers_leave_no_empty_stack_dump_files(tmp_path: Path, tg_env: dict) -> None:
     """Every worker under the launcher opens its stack-dump file at start; each one left an empty
-    trainguard-stack-<pid>.txt in /tmp for good (~1,100 after one run of this suite). A SIGKILLed worker runs no
-    exit hook: the launcher removes its file once it has reaped it; a stopped one removes its own."""
+    trainguard-stack-<pid>.txt in /tmp for good (~1,100 after one run of this suite). The launcher removes each
+    once it has reaped the worker: here one SIGKILLed, one stopped."""
     dumps = tmp_path / "stacks"
     dumps.mkdir()
     r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "0", "--no-standby",
