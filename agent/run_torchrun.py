@@ -29,6 +29,7 @@ import ipaddress
 import logging
 import math
 import os
+import secrets
 import signal
 import socket
 from dataclasses import dataclass, field
@@ -175,7 +176,9 @@ def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: 
     if checkpoint_dir:
         # The hook names a torchrun launch's checkpoints the same way: either launcher resumes the other's.
         return checkpoint_job_name(script, checkpoint_dir)
-    return job_name_from(stem, f"{int(now)}-{os.getpid() if pid is None else pid}")
+    # The pid tells the operator which launcher; the random part keeps apart launchers of one pid in
+    # containers that share the host's memory-tier root (each launcher often pid 1 there).
+    return job_name_from(stem, f"{int(now)}-{os.getpid() if pid is None else pid}-{secrets.token_hex(2)}")
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

@@ -415,9 +415,12 @@ def test_one_node_default_job_name_follows_the_checkpoint_directory(tmp_path: Pa
     assert default_job_name("train.py", solo, 1000.0, "s3://bucket/run") != default_job_name(
         "train.py", solo, 1000.0, "s3://bucket/other")
     # Nothing to resume: the start time and the launcher's pid (two runs started in the same second are apart).
-    assert default_job_name("train.py", solo, 1000.0, pid=42) == "train-1000-42"
-    assert default_job_name("train.py", solo, 1000.9, pid=42) != default_job_name("train.py", solo, 1000.0, pid=43)
-    assert default_job_name("train.py", solo, 1000.0) == f"train-1000-{os.getpid()}"
+    import re
+
+    assert re.fullmatch(r"train-1000-42-[0-9a-f]{4}", default_job_name("train.py", solo, 1000.0, pid=42))
+    assert re.fullmatch(rf"train-1000-{os.getpid()}-[0-9a-f]{{4}}", default_job_name("train.py", solo, 1000.9))
+    # Launchers of one pid (containers sharing the memory-tier root) are apart too.
+    assert len({default_job_name("train.py", solo, 1000.0, pid=1) for _ in range(8)}) > 1
 
 
 def _ipv6_loopback() -> bool:
