@@ -27,6 +27,8 @@ _PORTS_BELOW = 32768
 #: ... and from here up, a block for each xdist worker.
 _PORTS_FROM = 15000
 _PORT_BLOCKS = 8
+#: torchrun's and c10d's defaults (29400, 29500 and the ports next to them): a launch given no port takes them.
+_DEFAULT_PORTS = range(29390, 29610)
 _port_lock = threading.Lock()
 _port_seq: itertools.count | None = None
 
@@ -76,7 +78,7 @@ def free_port(host: str = "127.0.0.1") -> int:
             _port_seq = itertools.count(random.randrange(size))
         for _ in range(size):
             port = base + next(_port_seq) % size
-            if _bindable(port, host):
+            if port not in _DEFAULT_PORTS and _bindable(port, host):
                 return port
     raise RuntimeError(f"no free port in {base}..{base + size - 1}")
 

@@ -216,9 +216,9 @@ def test_the_first_job_makes_the_host_wide_root_writable_by_every_user(tmp_path)
 
     root = tmp_path / "shm" / "trainguard"
     cfg = CheckpointConfig(directory=str(tmp_path / "ckpt"), memory={"directory": str(root)})
+    stage = StagingArea(cfg, "shared-root", 0, 2, EventSink(None, 0))
     old = os.umask(0o022)
     try:
-        stage = StagingArea(cfg, "shared-root", 0, 2, EventSink(None, 0))
         stage.ensure(4096)
     finally:
         os.umask(old)
