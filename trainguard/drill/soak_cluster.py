@@ -598,11 +598,27 @@ def _replicated(cluster: _Cluster, steps: _StepLog, nproc: int, save_every: int)
     for r in range(nproc):
         rows = [row for row in steps.rows[r] if row[1] == gen]
         owner = cluster.node_of_pid(rows[-1][3]) if rows else None
-        if not any(n is not owner and (Path(f"{cluster.env['TRAINGUARD_CHECKPOINT_SHM_DIR']}-{n.name}") / "soak"
-                                      / "replicas" / f"rank_{r:05d}" / f"step_{step:012d}.manifest.json").exists()
+        if not any(n is not owner and (_replica_dir(cluster, n, r) / f"step_{step:012d}.manifest.json").exists()
                    for n in cluster.live()):
             return False
+    # The step log lags the workers: a rank whose next snapshot is replicated already has replaced its replica of
+    # ``step`` (one kept per rank), and a strike before its peer's lands leaves no step every rank holds in
+    # memory (the restore went to disk, once in a loaded run of the suite).
+    for n in cluster.live():
+        for r in range(nproc):
+            for manifest in _replica_dir(cluster, n, r).glob("step_*.manifest.json"):
+                try:
+                    if int(manifest.name[5:17]) > step:
+                        return False
+                except ValueError:
+                    continue
     return True
+
+
+def _replica_dir(cluster: _Cluster, node, rank: int) -> Path:
+    """Where ``node``'s agent publishes the replicas of ``rank`` it holds."""
+    return (Path(f"{cluster.env['TRAINGUARD_CHECKPOINT_SHM_DIR']}-{node.name}") / "soak" / "replicas"
+            / f"rank_{rank:05d}")
 
 
 def _tiers_text(tiers: dict[int, str]) -> str:
