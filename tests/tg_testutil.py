@@ -54,6 +54,16 @@ def _bindable(port: int, host: str) -> bool:
     return True
 
 
+def ipv6_loopback() -> bool:
+    """Whether this host can bind ``::1`` (containers often run without IPv6)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now that no other process takes by chance before the test's process binds it.
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tg_testutil import EXAMPLE, REPO
+from tg_testutil import EXAMPLE, REPO, ipv6_loopback
 
 from trainguard.agent.errors import AgentError
 from trainguard.agent.port_offer import KEPT_OFFERS, MasterPortOffer
@@ -31,15 +31,6 @@ def _plain_bind(port: int, host: str = "127.0.0.1") -> bool:
             return False
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
 def test_offered_ports_are_held_on_every_address_and_stores_still_bind_them() -> None:
     import torch.distributed as dist
 
@@ -50,7 +41,7 @@ def test_offered_ports_are_held_on_every_address_and_stores_still_bind_them() ->
         assert first != second  # every heartbeat offers a new one (see the stall test below)
         # Held on every address: the store binds them all, so a port held on the node's address alone could
         # be taken on another.
-        hosts = ["127.0.0.1", "0.0.0.0"] + (["::1"] if _has_ipv6_loopback() else [])
+        hosts = ["127.0.0.1", "0.0.0.0"] + (["::1"] if ipv6_loopback() else [])
         assert not any(_plain_bind(first, h) for h in hosts)
         for _ in range(300):  # the kernel gives a held port to no bind(0)
             with socket.socket() as s:

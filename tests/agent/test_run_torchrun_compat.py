@@ -423,16 +423,7 @@ def test_one_node_default_job_name_follows_the_checkpoint_directory(tmp_path: Pa
     assert len({default_job_name("train.py", solo, 1000.0, pid=1) for _ in range(8)}) > 1
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not tg_testutil.ipv6_loopback(), reason="no IPv6 loopback here")
 def test_c10d_endpoint_at_an_ipv6_literal_like_torchrun(tmp_path: Path, tg_env: dict) -> None:
     """torchrun takes `--rdzv-endpoint [::1]:PORT`; the agent embedding the coordinator there dialled it as
     `::1:PORT` (no brackets), never reached it and ended after its join timeout."""
