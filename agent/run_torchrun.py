@@ -159,9 +159,9 @@ def default_job_name(script: str, rdzv: Rendezvous, now: float, checkpoint_dir: 
     with a checkpoint directory is named after the script and that directory (its resolved path or URL,
     hashed): rerunning the same command after a crash is the same job, so it finds its in-memory checkpoint
     (which the node's daemon keeps for a while), and two runs of one script on other directories do not share
-    one. Without a checkpoint directory there is nothing to resume: the start time ``now`` and the launcher's
-    ``pid`` (default: this process) keep runs apart; the time alone, in whole seconds, named two runs of one
-    script started in the same second alike, and the second was refused as "already running here".
+    one. Without a checkpoint directory there is nothing to resume: the start time ``now``, the launcher's ``pid``
+    (default: this process) and 4 random hex digits keep runs apart; the time alone, in whole seconds, named two
+    runs of one script started in the same second alike, and the second was refused as "already running here".
 
     A ``-m`` module (``module``) is named after its last component, as the hook names it under torchrun (whose
     ``sys.argv[0]`` is the module's file): ``-m pkg.train`` was ``pkg-...``, so either launcher missed the other's

@@ -63,8 +63,8 @@ class WorkerExit:
 
 
 def _discard_empty_dumps(group: WorkerGroup) -> None:
-    """Removes the stack-dump files the stopped workers opened and never wrote (their exit hook does it too, but
-    not for a SIGKILLed worker: one empty file per worker process in /tmp, for good)."""
+    """Removes the stack-dump files the stopped workers opened and never wrote (one empty file per worker process
+    in /tmp, for good, before)."""
     from trainguard.detectors.stackdump import STACK_DIR_ENV, discard_empty_dump
 
     for w in group.workers:

@@ -87,6 +87,11 @@ def _cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _host_staging() -> str:
+    """The anonymous-memory staging's folder (its lease files) when there is no disk tier: one for the host."""
+    return os.path.join(tempfile.gettempdir(), "trainguard-staging")
+
+
 class StagingArea:
     """The staging slots of one rank and the lease that makes this process their only writer.
 
@@ -121,7 +126,7 @@ class StagingArea:
         if cfg.disk.enabled:
             return kind, os.path.join(cfg.disk_directory, ".trainguard-staging")
         if kind == "host":
-            return kind, os.path.join(tempfile.gettempdir(), "trainguard-staging")
+            return kind, _host_staging()
         return kind, None
 
     def ensure(self, nbytes: int) -> Arena:
@@ -215,7 +220,8 @@ class StagingArea:
 
     def _open(self, root: str, kind: str, anonymous: bool) -> Arena:
         self._lease_disk()  # again after a close() on the way to the fallback
-        if kind in ("memory", "host"):  # host-wide roots (/dev/shm/trainguard, <tmpdir>/trainguard-staging)
+        if kind == "memory" or root == _host_staging():
+            # Roots every job of the host shares; a fallback in the job's own checkpoint folder stays private.
             arena_mod.make_shared_root(root)
         lease = ArenaLease(arena_mod.rank_dir(root, self.job, self.rank))
         lease.acquire()

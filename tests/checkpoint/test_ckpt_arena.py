@@ -232,3 +232,24 @@ def test_the_first_job_makes_the_host_wide_root_writable_by_every_user(tmp_path)
         assert stat.S_IMODE(os.stat(kept).st_mode) == 0o700
     finally:
         stage.close(remove=True)
+
+
+def test_a_fallback_in_the_jobs_checkpoint_folder_stays_private(tmp_path) -> None:
+    """Only the roots every job of the host shares are made 1777: anonymous-memory staging with a disk tier keeps
+    its lease files in ``<checkpoint dir>/.trainguard-staging``, which is the job's own."""
+    import stat
+
+    from trainguard.checkpoint.staging import StagingArea
+
+    cfg = CheckpointConfig(directory=str(tmp_path / "ckpt"), memory={"directory": str(tmp_path / "shm"),
+                                                                     "fallback": "host"})
+    stage = StagingArea(cfg, "private-fallback", 0, 2, EventSink(None, 0))
+    kind, where = stage.fallback()
+    assert kind == "host" and where == str(tmp_path / "ckpt" / ".trainguard-staging")
+    old = os.umask(0o022)
+    try:
+        stage.fall_back(4096, 4096)
+    finally:
+        os.umask(old)
+        stage.close(remove=True)
+    assert stat.S_IMODE(os.stat(where).st_mode) == 0o755
