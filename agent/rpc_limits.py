@@ -30,6 +30,8 @@ from trainguard.grpc_guard import (
     Validator,
 )
 from trainguard.proto import agent_pb2, common_pb2
+from trainguard.recovery.rpc_security import SecurityConfigError, check_token
+from trainguard.steps import MAX_STEP
 
 #: Service whose methods are guarded.
 GUARDED_SERVICE = "trainguard.v1.NodeAgent"
@@ -73,8 +75,10 @@ def _check_heartbeat(req: agent_pb2.WorkerHeartbeatRequest) -> str | None:
         return f"pid={req.pid} is not a process id"
     if req.generation < 0:
         return f"generation={req.generation} is negative"
-    if req.step < -1:
-        return f"step={req.step} is below -1"
+    # The coordinator's bound: a step past it, taken here, made every heartbeat of the node to the coordinator
+    # invalid, and the node lost its lease and its slot in the job.
+    if not -1 <= req.step <= MAX_STEP:
+        return f"step={req.step} is outside -1..{MAX_STEP} (2**53-1)"
     if not _finite_nonneg(req.step_time_s):
         return f"step_time_s={req.step_time_s} is not a finite non-negative number"
     if len(req.section_s) > 16:
@@ -93,8 +97,8 @@ def _check_heartbeat(req: agent_pb2.WorkerHeartbeatRequest) -> str | None:
 def _check_checkpoint(req: agent_pb2.CheckpointReport) -> str | None:
     if req.rank < 0:
         return f"rank={req.rank} is negative"
-    if req.step < 0:
-        return f"step={req.step} is negative"
+    if not 0 <= req.step <= MAX_STEP:  # kept as the node's last checkpoint step: one past it hid every later one
+        return f"step={req.step} is outside 0..{MAX_STEP} (2**53-1)"
     if req.tier not in CHECKPOINT_TIERS:
         return f"tier={req.tier[:40]!r} is not one of {', '.join(CHECKPOINT_TIERS)}"
     if req.bytes < 0:
@@ -112,8 +116,18 @@ ATTACH_FIELD_LIMITS = {"node_id": 253, "coordinator": 512, "token": 4096, "tls_s
 
 def _check_attach(req: agent_pb2.AttachJobRequest) -> str | None:
     for name, limit in ATTACH_FIELD_LIMITS.items():
-        if len(getattr(req, name)) > limit:
-            return f"{name} is {len(getattr(req, name))} characters; at most {limit}"
+        value = getattr(req, name)
+        if len(value) > limit:
+            return f"{name} is {len(value)} characters; at most {limit}"
+        # Accepted, a NUL cut the coordinator's dial target short and went raw into the daemon's log, and a
+        # newline in the token failed every report later with "Invalid metadata", long after the attach said OK.
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            return f"{name} contains control characters"
+    if req.token:
+        try:
+            check_token(req.token, "token")  # the coordinator's rule: a short token is refused there, every report
+        except SecurityConfigError as exc:
+            return str(exc)
     return None
 
 

@@ -28,13 +28,10 @@ import xxhash
 
 from trainguard._version import __version__
 from trainguard.checkpoint.errors import CorruptCheckpointError
+from trainguard.steps import MAX_STEP  # re-exported: names carry 12 digits, more from 10**12 on, up to it
 
 FORMAT = "trainguard-ckpt/1"
 CHECKSUM_ALGO = "xxh3_64"
-#: Highest step any tier files (and the coordinator takes in a heartbeat): exact as a JSON number and far from
-#: int64 overflow, and room for steps counted in samples or tokens (10**13 in a 10T-token run). Names carry 12
-#: digits, more from 10**12 on, so every bound on a step in the checkpoint code is this one.
-MAX_STEP = 2**53 - 1
 #: Offset alignment of tensors smaller than the manifest's ``alignment``: a cache line, and a multiple of every
 #: stored dtype's element size.
 SMALL_ALIGNMENT = 64

@@ -44,6 +44,7 @@ from trainguard.recovery.qualification import refusal_message
 from trainguard.recovery.refusal_log import RefusalLog
 from trainguard.recovery.link_locator import validate_link_results
 from trainguard.names import NODE_ID_RE
+from trainguard.steps import MAX_STEP
 from trainguard.ports import can_listen
 from trainguard.recovery.spec import JOB_NAME_RE, MAX_LOCAL_WORKERS, JobSpec
 from trainguard.recovery.errors import (CapacityError, CoordinatorError, DuplicateNodeError, InvalidRequestError, NodeRefusedError,
@@ -88,7 +89,7 @@ _MAX_EVENT_TEXT = 4096
 #: (UNKNOWN) from one bad value on. 2**53 - 1 keeps far from that and exact as a JSON number, and admits steps
 #: counted in samples or tokens (10**13 for a 10T-token run), which the disk tier names; a bound of 10**12 made
 #: every heartbeat of such a job invalid and lost its node's lease.
-_MAX_STEP = 2**53 - 1
+_MAX_STEP = MAX_STEP
 #: Most in-memory holdings one heartbeat may report: each is one step of the arena or of the replicas a node
 #: keeps (a handful); the plan of every node's generation is computed over all of them.
 MAX_MEMORY_HOLDINGS = 256

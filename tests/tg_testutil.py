@@ -168,6 +168,7 @@ class HookLinkFake:
     def __init__(self) -> None:
         self.beats: list[tuple] = []
         self.quiet: list[bool] = []
+        self.checkpoints: list[tuple[int, str]] = []
 
     def beat(self, step: int, dt: float, sections=None) -> None:
         self.beats.append((step, dt, sections))
@@ -175,6 +176,9 @@ class HookLinkFake:
     def set_quiet(self, quiet: bool, timeout: float = 2.0) -> bool:
         self.quiet.append(quiet)
         return True
+
+    def report_checkpoint(self, step: int, tier: str, nbytes: int, stall_s: float, *args, **kwargs) -> None:
+        self.checkpoints.append((step, tier))
 
     def take_advisories(self) -> list:
         return []

@@ -29,6 +29,7 @@ from typing import Any
 from trainguard import error_file, gloo_exit
 from trainguard.errors import TrainguardError, UsageError
 from trainguard.step_timer import Section, StepTimer
+from trainguard.steps import MAX_STEP
 from trainguard.worker_env import (CHECKPOINT_DIR_ENV, RANK_ENV, WORLD_SIZE_ENV, WorkerEnv, checkpoint_job_name,
                                    torchrun_made_run_id)
 
@@ -329,6 +330,7 @@ class Session:
         self._last_step_end = time.monotonic()
         self._last_step: int | None = None  # the highest step reported through step_done
         self._backward_warned = False
+        self._range_warned = False  # a step outside 0..MAX_STEP was logged
         self._handled_advisories: set[str] = set()
         self._checkpoint_now = False
         self._checkpoint_at: set[int] = set()  # steps of pending job-wide checkpoints
@@ -518,6 +520,9 @@ class Session:
                 a checkpoint); None skips saving.
         """
         step = _as_step(step)
+        if isinstance(step, int) and not 0 <= step <= MAX_STEP:
+            self._step_out_of_range(step)
+            return
         if self._finished and self._agent is not None:
             self._step_after_finish(step)
         prev = self._last_step
@@ -550,6 +555,17 @@ class Session:
         if state is not None and (due or at or self._checkpoint_now):
             self._checkpoint_now = False
             self.save(state, step)
+
+    def _step_out_of_range(self, step: int) -> None:
+        """Latches (and logs once) a step outside 0..2**53-1, which is neither reported nor saved. Sent on, the
+        node agent took it and the coordinator refused every later heartbeat of the node, which lost its slot in
+        the job; no checkpoint tier names such a step either."""
+        if self._range_warned:
+            return
+        self._range_warned = True
+        self._latch(UsageError(f"step_done({step}): a step is in 0..{MAX_STEP} (2**53-1); this step is not reported "
+                               f"and nothing is saved at it (under an agent, a worker with no step in range for "
+                               f"long is taken for hung)"), f"rank {self.rank}")
 
     def _step_after_finish(self, step: int) -> None:
         """A step after :meth:`finish` (called per epoch before an evaluation, say): the loop is not over, so hang

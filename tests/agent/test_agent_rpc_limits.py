@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from trainguard.agent.health import HealthReporter, detector_service, enable_reflection, subsystem_service
 from trainguard.agent.rpc_limits import RequestGuard
 from trainguard.proto import agent_pb2, agent_pb2_grpc, common_pb2
+from trainguard.steps import MAX_STEP
 
 
 class Servicer(agent_pb2_grpc.NodeAgentServicer):
@@ -28,6 +29,15 @@ class Servicer(agent_pb2_grpc.NodeAgentServicer):
     def WatchEvents(self, request, context):  # noqa: N802
         yield common_pb2.HealthEvent(kind="test.first")
         self.release.wait(10)
+
+    def WorkerHeartbeat(self, request, context):  # noqa: N802
+        return agent_pb2.WorkerHeartbeatResponse(generation=request.generation)
+
+    def ReportCheckpoint(self, request, context):  # noqa: N802
+        return agent_pb2.CheckpointReportResponse()
+
+    def AttachJob(self, request, context):  # noqa: N802
+        return agent_pb2.AttachJobResponse(node_id="n")
 
 
 @pytest.fixture
@@ -85,6 +95,41 @@ def test_oversized_malformed_and_out_of_range_get_invalid_argument(server):
     code, _ = code_of(raw, b"\x08" + b"\x80" * 5000)  # over the transport cap: gRPC's own code
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert ("GetHealth", "INVALID_ARGUMENT", pytest.approx(0, abs=1)) in [(c[0], c[1], c[2]) for c in calls]
+
+
+def test_steps_past_the_coordinators_bound_are_refused_here(server):
+    """A heartbeat step past 2**53-1 was taken here, then refused by the coordinator in every later heartbeat of
+    the node, which lost its lease and its slot in the job; a checkpoint report of such a step became the node's
+    last checkpoint step for good (fuzzing review)."""
+    channel, _, _, _ = server
+    stub = agent_pb2_grpc.NodeAgentStub(channel)
+    for step in (MAX_STEP + 1, 2**63 - 1, -2):
+        code, details = code_of(stub.WorkerHeartbeat, agent_pb2.WorkerHeartbeatRequest(rank=0, pid=1, step=step))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"step={step} is outside -1..{MAX_STEP}" in details
+    for step in (MAX_STEP + 1, -1):
+        code, details = code_of(stub.ReportCheckpoint, agent_pb2.CheckpointReport(rank=0, step=step, tier="disk"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"step={step} is outside 0..{MAX_STEP}" in details
+    assert stub.WorkerHeartbeat(agent_pb2.WorkerHeartbeatRequest(rank=0, pid=1, step=MAX_STEP, generation=3),
+                                timeout=3).generation == 3
+    stub.ReportCheckpoint(agent_pb2.CheckpointReport(rank=0, step=MAX_STEP, tier="disk"), timeout=3)
+
+
+def test_attach_values_that_could_never_work_are_refused_at_once(server):
+    """A newline in the token failed every later report ("Invalid metadata"), a short token was refused by the
+    coordinator at each report, and a NUL cut the dial target short and went raw into the log: all after an OK."""
+    channel, _, _, _ = server
+    stub = agent_pb2_grpc.NodeAgentStub(channel)
+    cases = [({"token": "a" * 31 + "\n"}, "token contains control characters"),
+             ({"token": "a" * 16 + " " + "a" * 16}, "whitespace or control characters"),
+             ({"token": "ab"}, "the job token has 2 characters"),
+             ({"coordinator": "127.0.0.1:1\x00evil"}, "coordinator contains control characters"),
+             ({"node_id": "n1\n"}, "node_id contains control characters")]
+    for fields, said in cases:
+        req = agent_pb2.AttachJobRequest(**{"job": "j", "coordinator": "127.0.0.1:1", "launcher_pid": 1, **fields})
+        code, details = code_of(stub.AttachJob, req)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and said in details, (fields, details)
+    stub.AttachJob(agent_pb2.AttachJobRequest(job="j", coordinator="127.0.0.1:1", launcher_pid=1, token="a" * 32),
+                   timeout=3)
 
 
 def test_stream_limit_and_bad_watch_request(server, caplog):

@@ -114,6 +114,37 @@ def test_a_step_that_does_not_grow_is_named_once_and_latched(tmp_path, caplog) -
         s.close()
 
 
+def test_a_step_past_the_coordinators_bound_is_latched_not_sent(tmp_path, caplog) -> None:
+    """A step past 2**53-1 went to the node agent, whose coordinator refused every later heartbeat of the node:
+    the node lost its lease and its slot in the job (fuzzing review). It is latched and logged once, neither
+    reported nor saved; steps in range go on as before."""
+    import logging
+
+    import torch
+
+    from trainguard.errors import UsageError
+    from trainguard.steps import MAX_STEP
+
+    link = HookLinkFake()
+    s = Session(job="bigstep", checkpoint_dir=str(tmp_path / "ck"), save_every=1)
+    s._agent = link
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainguard"):
+            s.step_done(5, {"w": torch.ones(2)})
+            for step in (MAX_STEP + 1, 2**63, -3):
+                s.step_done(step, {"w": torch.ones(2)})
+        assert [b[0] for b in link.beats] == [5]
+        assert len(s.errors) == 1 and isinstance(s.errors[0], UsageError), s.errors
+        assert f"step_done({MAX_STEP + 1}): a step is in 0..{MAX_STEP}" in str(s.errors[0])
+        assert caplog.text.count("a step is in 0..") == 1, caplog.text
+        s.step_done(MAX_STEP, {"w": torch.ones(2)})
+        assert [b[0] for b in link.beats] == [5, MAX_STEP] and len(s.errors) == 1
+        s.wait()
+        assert s.last_saved_step == MAX_STEP
+    finally:
+        s.close()
+
+
 class _Clock:
     """The hook's clock, moved by the test (only the hook module's ``time`` is replaced)."""
 
