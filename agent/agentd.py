@@ -377,7 +377,7 @@ class AgentDaemon(DaemonStatus):
         """A launcher attaches its job (see :meth:`DaemonJobs.attach`), announced on the event stream.
 
         Raises:
-            ArenaRootError, SecurityConfigError: see :meth:`DaemonJobs.attach`.
+            ArenaRootError, JobHeldElsewhere, SecurityConfigError: see :meth:`DaemonJobs.attach`.
         """
         assert self.jobs is not None
         resp = self.jobs.attach(req)

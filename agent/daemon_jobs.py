@@ -44,6 +44,12 @@ class JobTlsPathRefused(SecurityConfigError):
     (``coordinator.job_tls_dirs``): the root daemon would open it on behalf of any socket user."""
 
 
+class JobHeldElsewhere(Exception):
+    """An ``AttachJob`` names another coordinator (or token, or TLS files) for a job that live launchers of this
+    node attached: accepted, it replaced the job's reporter, and the job's real coordinator no longer heard of
+    this node's health while ``trainguard status`` still said "coordinator ok"."""
+
+
 @dataclass(frozen=True)
 class Detached:
     """What a launcher's ``DetachJob`` did."""
@@ -82,6 +88,8 @@ class DaemonJobs:
         self.tls_dirs = tuple(os.path.realpath(d) for d in tls_dirs)
         self._pem_root: str | None = None  # the attached jobs' TLS files, as their launchers sent them
         self._jobs: dict[str, set[int | str]] = {}  # job -> its live launchers' keys
+        self._targets: dict[str, tuple[bytes, str]] = {}  # job -> what its reporter reports to (digest, address)
+        self._attaching = threading.Lock()  # one attach at a time: the check of the job's target and the change
         # The configured coordinators as started: addresses, job, security, and what their files held.
         self._configured: tuple[list[str], str, RpcSecurity | None, bytes] = ([], "", None, b"")
 
@@ -183,10 +191,18 @@ class DaemonJobs:
 
         Raises:
             ArenaRootError: the launcher's arena root is not ``memory_tier.root``.
+            JobHeldElsewhere: live launchers of the job attached with another coordinator, token or TLS files.
             JobTlsPathRefused: a TLS file named by path lies outside ``tls_dirs``.
             SecurityConfigError: a TLS file of the job's coordinator is unreadable.
         """
+        with self._attaching:
+            return self._attach(req)
+
+    def _attach(self, req: agent_pb2.AttachJobRequest) -> agent_pb2.AttachJobResponse:
         key = launcher_key(req)
+        target = _target_digest(req)
+        if req.coordinator:
+            self._check_target(req, key, target)
         kept = self.arenas.attach(req.job, req.arena_root, key) if req.arena_root else False
         if req.coordinator:
             try:
@@ -200,9 +216,32 @@ class DaemonJobs:
                 raise
         with self._lock:
             self._jobs.setdefault(req.job, set()).add(key)
+            if req.coordinator:
+                self._targets[req.job] = (target, req.coordinator)
         log.info("job %s attached by launcher %s (coordinator %s, node %s%s)", req.job, describe_launcher(req),
                  req.coordinator or "none", req.node_id or self.node_id, ", arena kept" if kept else "")
         return agent_pb2.AttachJobResponse(node_id=self.node_id, arena_kept=kept, arena_ttl_s=self.arenas.ttl_s)
+
+    def _check_target(self, req: agent_pb2.AttachJobRequest, key: int | str, target: bytes) -> None:
+        """Refuses a coordinator other than the one the job's other live launchers attached with (the same
+        launcher attaching again, after a daemon restart, may name any).
+
+        Raises:
+            JobHeldElsewhere: live launchers of the job report to another coordinator, token or TLS files.
+        """
+        with self._lock:
+            held = self._targets.get(req.job)
+            others = [k for k in self._jobs.get(req.job, ()) if k != key]
+        if held is None or held[0] == target:
+            return
+        live = [k for k in others if self._alive(k)]
+        if not live:
+            return
+        same = "the same coordinator address but another token or TLS files" if held[1] == req.coordinator else \
+            f"coordinator {req.coordinator[:128]}"
+        raise JobHeldElsewhere(f"job {req.job} is attached on this node by {len(live)} live launcher(s) reporting to "
+                               f"coordinator {held[1]}; this attachment names {same}. One job's launchers on a "
+                               "node report to one coordinator: give another job another name (--rdzv-id / --job)")
 
     def _job_security(self, req: agent_pb2.AttachJobRequest) -> RpcSecurity:
         """The TLS and token the launcher reaches its coordinator with. PEM contents in the request are written
@@ -305,6 +344,8 @@ class DaemonJobs:
             if not left:
                 self._jobs.pop(job, None)
         if not left or ended:
+            with self._lock:
+                self._targets.pop(job, None)
             self.remove_reporter(f"job:{job}")
             self._forget_pems(job)
         removed = self.arenas.detach(job, key, ended)
@@ -324,6 +365,7 @@ class DaemonJobs:
                     gone.append(job)
             for job in gone:
                 del self._jobs[job]
+                self._targets.pop(job, None)
         for job in gone:
             log.warning("every launcher of job %s is gone without detaching; no more reports to its coordinator",
                         job)
@@ -339,6 +381,18 @@ class DaemonJobs:
             self.remove_reporter(key)
         if self._pem_root is not None:
             shutil.rmtree(self._pem_root, ignore_errors=True)
+
+
+def _target_digest(req: agent_pb2.AttachJobRequest) -> bytes:
+    """What an attachment reports to: the coordinator's address, token, TLS server name and files (paths and
+    contents)."""
+    h = hashlib.sha256()
+    for part in (req.coordinator, req.token, req.tls_server_name, req.tls_ca_file, req.tls_cert_file,
+                 req.tls_key_file):
+        h.update(part.encode("utf-8", "surrogatepass") + b"\0")
+    for pem in (req.tls_ca_pem, req.tls_cert_pem, req.tls_key_pem):
+        h.update(hashlib.sha256(pem).digest())
+    return h.digest()
 
 
 def _fingerprint(security: RpcSecurity) -> bytes:

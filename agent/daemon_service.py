@@ -13,7 +13,7 @@ import grpc
 
 from trainguard.agent.arena_keeper import ArenaRootError
 from trainguard.agent.config import AgentConfig
-from trainguard.agent.daemon_jobs import REFUSED_METADATA_KEY, JobTlsPathRefused
+from trainguard.agent.daemon_jobs import REFUSED_METADATA_KEY, JobHeldElsewhere, JobTlsPathRefused
 from trainguard.agent.launcher_lock import LOCK_NAME_RE
 from trainguard.agent.local_server import NodeAgentService, local_only
 from trainguard.proto import agent_pb2
@@ -104,6 +104,8 @@ class DaemonService(NodeAgentService):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except JobTlsPathRefused as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except JobHeldElsewhere as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except SecurityConfigError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the job's coordinator TLS files, as this daemon "
                                                                f"reads them: {exc}")

@@ -105,6 +105,21 @@ class NodeAgentService(agent_pb2_grpc.NodeAgentServicer):
         self._agent.on_checkpoint_report(request)
         return agent_pb2.CheckpointReportResponse()
 
+    def AttachJob(self, request, context):  # noqa: N802
+        """Only the node daemon keeps jobs (:class:`~trainguard.agent.daemon_service.DaemonService`)."""
+        self._not_a_daemon(context, "AttachJob")
+
+    def DetachJob(self, request, context):  # noqa: N802
+        """Only the node daemon keeps jobs (:class:`~trainguard.agent.daemon_service.DaemonService`)."""
+        self._not_a_daemon(context, "DetachJob")
+
+    @staticmethod
+    def _not_a_daemon(context: grpc.ServicerContext, method: str) -> None:
+        # The generated servicer's default raised NotImplementedError: UNIMPLEMENTED with a traceback in the
+        # launcher's log for every such call.
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method}: this socket is a trainguard run launcher's, not the "
+                                                     "node daemon's (trainguard-agent.service); attach jobs there")
+
 
 def serve(agent: ServedNode, unix_socket: str | None, tcp_listen: str | None = None) -> tuple[grpc.Server, int]:
     """Starts the NodeAgent service on a unix socket and/or a TCP address.

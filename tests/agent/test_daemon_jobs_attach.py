@@ -1,0 +1,117 @@
+"""AttachJob for a job that live launchers of the node attached already: it may not name another coordinator,
+token or TLS files. Accepted, a caller of the daemon's socket replaced the job's reporter, and the job's real
+coordinator stopped hearing of this node's health while ``trainguard status`` said "coordinator ok" (found by a
+fuzzing review, reproduced against a real daemon)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+
+from trainguard.agent.agentd import AgentDaemon, config_loader
+from trainguard.agent.arena_keeper import ArenaKeeper
+from trainguard.agent.coordinator_report import NodeVerdict
+from trainguard.agent.daemon_jobs import DaemonJobs, JobHeldElsewhere
+from trainguard.agent.sdnotify import SystemdNotifier
+from trainguard.proto import agent_pb2, agent_pb2_grpc
+
+TOKEN = "t" * 32
+
+
+def _jobs(tmp_path: Path, alive: set[int]) -> DaemonJobs:
+    keeper = ArenaKeeper(str(tmp_path / f"shm-{uuid.uuid4().hex[:8]}"), ttl_s=0.0, alive=lambda key: True)
+    return DaemonJobs("n", "h", "i", lambda: NodeVerdict(), keeper, 1.0, 1.0, alive=lambda key: key in alive)
+
+
+def _req(pid: int, coordinator: str, token: str = TOKEN) -> agent_pb2.AttachJobRequest:
+    return agent_pb2.AttachJobRequest(job="j", coordinator=coordinator, launcher_pid=pid, token=token)
+
+
+def _address(jobs: DaemonJobs) -> str:
+    return jobs._reporters["job:j"].target.address
+
+
+def test_another_coordinator_for_a_job_held_by_a_live_launcher_is_refused(tmp_path: Path) -> None:
+    alive = {101, 102}
+    jobs = _jobs(tmp_path, alive)
+    try:
+        jobs.attach(_req(101, "127.0.0.1:7001"))
+        with pytest.raises(JobHeldElsewhere, match=r"job j is attached on this node by 1 live launcher\(s\) "
+                                                   r"reporting to coordinator 127.0.0.1:7001; this attachment "
+                                                   r"names coordinator 127.0.0.1:1\."):
+            jobs.attach(_req(102, "127.0.0.1:1"))
+        with pytest.raises(JobHeldElsewhere, match="the same coordinator address but another token"):
+            jobs.attach(_req(102, "127.0.0.1:7001", token="u" * 32))
+        assert _address(jobs) == "127.0.0.1:7001" and jobs._jobs["j"] == {101}
+        jobs.attach(_req(102, "127.0.0.1:7001"))  # a second launcher of the same job: the same target is fine
+        assert jobs._jobs["j"] == {101, 102}
+        jobs.attach(_req(101, "127.0.0.1:7001"))  # attaching again (a restarted daemon) changes nothing
+        # Once the other launchers are dead, a new launcher of the name may bring its own coordinator.
+        alive.clear()
+        alive.add(103)
+        jobs.attach(_req(103, "127.0.0.1:7003"))
+        assert _address(jobs) == "127.0.0.1:7003"
+    finally:
+        jobs.stop()
+
+
+def test_a_detached_job_may_be_attached_to_another_coordinator(tmp_path: Path) -> None:
+    jobs = _jobs(tmp_path, {101, 102})
+    try:
+        jobs.attach(_req(101, "127.0.0.1:7001"))
+        jobs.detach("j", 101, ended=True)
+        jobs.attach(_req(102, "127.0.0.1:7002"))
+        assert _address(jobs) == "127.0.0.1:7002"
+    finally:
+        jobs.stop()
+
+
+def test_the_daemon_answers_failed_precondition_and_keeps_the_jobs_reporter(tmp_path: Path) -> None:
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      f'[metrics]\nlisten = ""\n[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
+    sock_path = tmp_path / "agent.sock"
+    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    try:
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            stub.AttachJob(_req(os.getpid(), "127.0.0.1:7001"), timeout=10)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.AttachJob(_req(1, "127.0.0.1:1"), timeout=10)  # pid 1 lives: another launcher, as the repro
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "reporting to coordinator 127.0.0.1:7001" in refused.value.details()
+            assert daemon.jobs._reporters["job:j"].target.address == "127.0.0.1:7001"
+    finally:
+        daemon.stop()
+
+
+def test_a_launchers_socket_says_it_keeps_no_jobs_without_a_traceback(caplog) -> None:
+    """AttachJob/DetachJob on a ``trainguard run`` launcher's socket raised the generated servicer's
+    NotImplementedError: UNIMPLEMENTED with a traceback in the launcher's log per call (fuzzing review)."""
+    from concurrent import futures
+
+    from trainguard.agent.local_server import NodeAgentService
+
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentService(object()), srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = agent_pb2_grpc.NodeAgentStub(channel)
+            for call, req in ((stub.AttachJob, _req(1, "127.0.0.1:1")),
+                              (stub.DetachJob, agent_pb2.DetachJobRequest(job="j", launcher_pid=1))):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(req, timeout=5)
+                assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert "a trainguard run launcher's, not the node daemon's" in refused.value.details()
+        assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    finally:
+        srv.stop(None)
