@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 #: Folder beside the daemon's socket that holds the launchers' lock files.
 LAUNCHERS_DIR = "launchers"
 #: What a lock file's name may be: the job, the launcher's pid in its own namespace, a random part.
-LOCK_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}\.lock$")
+LOCK_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}\.lock\Z")
 
 
 def launchers_dir(socket_path: str) -> str:

@@ -12,7 +12,9 @@ import re
 
 #: 1-128 characters of ``[A-Za-z0-9._:@-]``, starting with a letter or digit: a host name, ``host-r3``,
 #: ``node@pod``, ``10.0.0.7:29500``; never a path (``/``), a flag (``-x``), spaces or control characters.
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+#: ``\Z``, not ``$``: ``$`` also matches before a final newline, and ``"n1\n"`` was taken as a node id and
+#: stored as a key (every caller uses ``match``).
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}\Z")
 #: What a node id may be.
 NODE_ID_RE = NAME_RE
 #: What a job name may be.

@@ -25,7 +25,7 @@ KNOWN_SECTIONS = ("data", "forward", "backward", "optim", "comm")
 #: Section that holds the time a rank waits in collectives.
 WAIT_SECTION = "comm"
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,32}\Z")
 _MAX_SECTIONS = 16
 _MAX_PENDING_EVENTS = 256
 
