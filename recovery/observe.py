@@ -64,6 +64,22 @@ WATCH_PERIOD_S = 0.25
 _RECOVERY_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 
 
+class _ListingServicer(health.HealthServicer):
+    """The stock servicer plus ``List``, which it leaves unimplemented: each ``List`` (no token needed) was
+    answered UNIMPLEMENTED with a traceback in the coordinator's log."""
+
+    def __init__(self, owner: "ServingStatus") -> None:
+        super().__init__(experimental_non_blocking=True)
+        self._owner = owner
+
+    def List(self, request, context):  # noqa: N802 (gRPC naming)
+        reply = health_pb2.HealthListResponse()
+        status = self._owner.status()
+        for name in self._owner.services:
+            reply.statuses[name].status = status
+        return reply
+
+
 class ServingStatus:
     """A ``grpc.health.v1`` servicer with one SERVING / NOT_SERVING flag for a fixed set of service names.
 
@@ -72,8 +88,8 @@ class ServingStatus:
     """
 
     def __init__(self, services: tuple[str, ...]) -> None:
-        self.servicer = health.HealthServicer(experimental_non_blocking=True)
-        self._services = services
+        self.servicer = _ListingServicer(self)
+        self.services = services
         self._lock = threading.Lock()
         self._serving: bool | None = None
         self._stopped = False
@@ -85,15 +101,18 @@ class ServingStatus:
             if self._stopped or serving == self._serving:
                 return
             self._serving = serving
-            status = health_pb2.HealthCheckResponse.SERVING if serving else \
-                health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in self._services:
+            status = self.status()
+            for name in self.services:
                 self.servicer.set(name, status)
 
     @property
     def serving(self) -> bool:
         """The current status."""
         return bool(self._serving)
+
+    def status(self) -> int:
+        """The current status as a ``HealthCheckResponse`` value."""
+        return health_pb2.HealthCheckResponse.SERVING if self._serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
     def shutdown(self) -> None:
         """NOT_SERVING for good (a graceful stop)."""

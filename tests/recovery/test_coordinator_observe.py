@@ -137,3 +137,29 @@ def test_bad_bytes_on_the_coordinators_health_service_get_invalid_argument_and_n
     finally:
         probe.stop(0)
         server.stop()
+
+
+def test_health_list_answers_every_service_on_both_ports_without_a_traceback(caplog) -> None:
+    """``grpc.health.v1.Health/List`` (no token needed) was UNIMPLEMENTED with an ERROR traceback in the
+    coordinator's log per call, on its port and on --health-listen (fuzzing review); the daemon's answered."""
+    from trainguard.recovery.observe import ServingStatus, serve_health_only
+
+    server = CoordinatorServer(JobSpec(job=JOB, nnodes=1, store="memory://"), listen="127.0.0.1:0").start()
+    status = ServingStatus(("", COORDINATOR_SERVICE))
+    probe, port = serve_health_only(status, "127.0.0.1:0", "probe")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            listed = health_pb2_grpc.HealthStub(ch).List(health_pb2.HealthListRequest(), timeout=5).statuses
+            assert {k: v.status for k, v in listed.items()} == {
+                "": health_pb2.HealthCheckResponse.NOT_SERVING,
+                COORDINATOR_SERVICE: health_pb2.HealthCheckResponse.NOT_SERVING}
+            status.set(True)
+            listed = health_pb2_grpc.HealthStub(ch).List(health_pb2.HealthListRequest(), timeout=5).statuses
+            assert {v.status for v in listed.values()} == {health_pb2.HealthCheckResponse.SERVING}
+        with grpc.insecure_channel(server.target) as ch:
+            listed = health_pb2_grpc.HealthStub(ch).List(health_pb2.HealthListRequest(), timeout=5).statuses
+            assert listed[COORDINATOR_SERVICE].status == health_pb2.HealthCheckResponse.SERVING
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+    finally:
+        probe.stop(0)
+        server.stop()
