@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 #: What this service reads beyond the first protocol, announced in its welcome: ``manifest_text``, a persist
 #: request's manifest as its own JSON text (a service without it reads only the decoded object).
 FEATURES = ("manifest_text",)
+#: Longest request line the service reads: a persist request carries the snapshot's manifest (a few hundred
+#: bytes a tensor), so this is about a million tensors; a client sending more without a newline is dropped (its
+#: buffer grew without bound).
+MAX_REQUEST_BYTES = 256 << 20
 #: How long a worker waits for the service's welcome before its first request (it comes at once from a live one).
 WELCOME_WAIT_S = 5.0
 
@@ -151,17 +155,34 @@ class PersistServer:
         return quiet and self.uploads.idle()
 
     def _read_loop(self, conn: _Conn) -> None:
-        buf = b""
+        buf = bytearray()
         try:
             while True:
                 chunk = conn.sock.recv(1 << 16)
                 if not chunk:
                     break
+                # Only the new bytes are searched: scanning the whole buffer per chunk was quadratic in a long line.
+                end = chunk.find(b"\n")
+                if end < 0:
+                    buf += chunk
+                    if len(buf) > MAX_REQUEST_BYTES:
+                        raise ValueError(f"a request line of over {MAX_REQUEST_BYTES >> 20} MiB without a newline")
+                    continue
+                start = len(buf) + end
                 buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    if line.strip():
-                        self._handle(conn, json.loads(line))
+                while start >= 0:
+                    line = bytes(buf[:start])
+                    del buf[:start + 1]
+                    start = buf.find(b"\n")
+                    if not line.strip():
+                        continue
+                    msg = json.loads(line)
+                    if isinstance(msg, dict):
+                        self._handle(conn, msg)
+                    else:  # valid JSON, but no request: answered, where it killed the reader with a traceback
+                        conn.send({"op": "error", "error": f"a request is a JSON object, not {type(msg).__name__}"})
+                if len(buf) > MAX_REQUEST_BYTES:
+                    raise ValueError(f"a request line of over {MAX_REQUEST_BYTES >> 20} MiB without a newline")
         except (OSError, ValueError) as exc:
             log.warning("checkpoint service: client connection dropped: %s", exc)
         finally:
@@ -189,9 +210,6 @@ class PersistServer:
             self.work.put((conn, msg))
         elif op == "shutdown":
             self.stopping.set()
-        elif op == "release_job":
-            remove_job(msg["shm_dir"], msg["job"])
-            conn.send({"op": "released_job", "job": msg["job"]})
         else:
             conn.send({"op": "error", "error": f"unknown op {op!r}"})
 
