@@ -330,8 +330,9 @@ def decode(node: Any, loader: TensorLoader, target: Any = None) -> Any:
         try:
             target.load_state_dict(new_sd)
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-            raise StateMismatchError(f"{type(target).__name__}.load_state_dict refused the checkpoint: "
-                                     f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}") from exc
+            # All of torch's message: its first line alone ("Error(s) in loading state_dict for X:") named nothing.
+            said = " ".join(str(exc).split())[:2000] or repr(exc)
+            raise StateMismatchError(f"{type(target).__name__}.load_state_dict refused the checkpoint: {said}") from exc
         return target
     from trainguard.checkpoint.errors import CorruptCheckpointError
 
@@ -479,7 +480,7 @@ def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping
         CorruptCheckpointError: the loader's check failed (a sharded step whose shards do not tile a tensor).
     """
 
-    def walk(node: Any, target: Any) -> None:
+    def walk(node: Any, target: Any, path: str) -> None:
         if not isinstance(node, dict) or target is None:
             return
         tag = node.get("t")
@@ -509,20 +510,53 @@ def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping
             for k_node, v_node in zip(node["k"], node["v"]):
                 k = _decode_key(k_node)
                 if k in target:
-                    walk(v_node, target[k])
+                    walk(v_node, target[k], f"{path}.{k}" if path else str(k))
         elif tag in ("list", "tuple") and isinstance(target, (list, tuple)):
-            for x, t in zip(node["v"], target):
-                walk(x, t)
+            for i, (x, t) in enumerate(zip(node["v"], target)):
+                walk(x, t, f"{path}[{i}]")
         elif tag == "stateful" and isinstance(target, torch.nn.Module):
-            walk(node["v"], target.state_dict(keep_vars=True))
+            live = target.state_dict(keep_vars=True)
+            saved = node["v"]
+            if isinstance(saved, dict) and saved.get("t") == "dict":
+                _check_module_keys(path, type(target).__name__, [_decode_key(k) for k in saved["k"]], live)
+            walk(saved, live, path)
 
     keys = [_decode_key(k) for k in tree["k"]]
     for k, v in zip(keys, tree["v"]):
         if k in state:
-            walk(v, state[k])
+            walk(v, state[k], str(k))
     check = getattr(loader, "check_before_loading", None)
     if check is not None:
         check(state)
+
+
+def _check_module_keys(path: str, kind: str, saved: list[Any], live: Mapping[str, Any]) -> None:
+    """Raises when a module's parameter and buffer names differ from those it was saved with: the load filled
+    the names both have and then ``load_state_dict`` refused the rest, so a script that caught the error trained a
+    mixture, and the message kept only torch's first line ("Error(s) in loading state_dict for Sequential:"),
+    naming no key. ``num_batches_tracked`` missing from a checkpoint is left to torch, which fills it in.
+
+    Raises:
+        StateMismatchError: names missing from the checkpoint or not in the live module (a few of each).
+    """
+    have = set(saved)
+    missing = [k for k in live if k not in have and not str(k).endswith("num_batches_tracked")]
+    unexpected = [k for k in saved if k not in live]
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"not in the checkpoint: {_some(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in the live {kind}: {_some(unexpected)}")
+    raise StateMismatchError(f"{path or 'the state'}: the live {kind}'s parameters and buffers are not the ones it was "
+                             f"saved with ({'; '.join(parts)}); restore into the same architecture (or leave the "
+                             "key out and load the matching part yourself); nothing was loaded")
+
+
+def _some(names: list[Any], most: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def sharded_targets(tree: dict[str, Any], state: Mapping[str, Any]) -> list[tuple[dict[str, Any], Any]]:

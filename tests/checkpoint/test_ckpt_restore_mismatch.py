@@ -38,3 +38,37 @@ def test_a_mismatch_at_a_later_key_leaves_the_earlier_keys_untouched(make_config
     with Checkpointer(make_config(), job="mm") as ck:
         assert ck.restore(live) == 5
     assert torch.equal(encoder.weight, torch.ones(4, 4)) and live["epoch"] == 7 and torch.equal(best, torch.ones(2))
+
+
+@pytest.mark.parametrize("live_layers", [3, 1])
+def test_a_module_with_other_layers_is_refused_by_name_before_anything_loads(make_config, live_layers):
+    # A model with a layer added (or removed) since the checkpoint: the load filled the layers both have, then
+    # load_state_dict refused the rest, and the error kept only torch's first line, "Error(s) in loading
+    # state_dict for Sequential:", naming no key (black-box review).
+    def model(n: int) -> torch.nn.Sequential:
+        return torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(n)])
+
+    saved = model(2)
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.fill_(1.0)
+    with Checkpointer(make_config(), job="layers") as ck:
+        ck.save({"model": saved, "step": 4}, 4)
+        assert ck.wait(timeout=30)
+
+    live = model(live_layers)
+    with torch.no_grad():
+        for p in live.parameters():
+            p.fill_(-1.0)
+    state = {"model": live, "step": 0}
+    with Checkpointer(make_config(), job="layers") as ck:
+        with pytest.raises(StateMismatchError) as raised:
+            ck.restore(state)
+    msg = str(raised.value)
+    if live_layers == 3:
+        assert "not in the checkpoint: '2.weight', '2.bias'" in msg, msg
+    else:
+        assert "in the checkpoint but not in the live Sequential: '1.weight', '1.bias'" in msg, msg
+    assert msg.startswith("model: the live Sequential's parameters and buffers") and "nothing was loaded" in msg
+    assert all(torch.equal(p, torch.full_like(p, -1.0)) for p in live.parameters())
+    assert state["step"] == 0
