@@ -1156,6 +1156,29 @@ class Checkpointer:
                 "torch.distributed.init_process_group() before restore() so the ranks agree on an older step, "
                 "or run `trainguard ckpt verify`") from exc
 
+    def _say_record_not_restored(self, listed: list[int]) -> None:
+        """Warns when the disk tier's commit record names a step newer than every restorable one whose commit
+        markers are no longer all there (deleted, or damaged): the restore silently went to an older step, with
+        only an INFO "restored step 20" while the record said 30, where every other kind of damage is said."""
+        if self.disk is None:
+            return
+        try:
+            record = self.disk.record()
+            if record is None or record["step"] in listed or (listed and record["step"] < listed[-1]):
+                return
+            newest = int(record["step"])
+            if newest not in self.disk.list_steps() or self.disk.is_complete(newest)[0]:
+                return  # removed as a whole (retention, a job that went back), or complete but not this run's
+            ws = record.get("world_size")
+            valid = set(self.disk.markers(newest))
+            lacking = sorted(set(range(ws)) - valid) if isinstance(ws, int) and 0 < ws <= 1 << 20 else []
+        except (OSError, ValueError, TypeError, KeyError):
+            return  # the record is a hint; a listing that fails here fails the restore itself next
+        who = f"of rank(s) {', '.join(map(str, lacking[:16]))}" if lacking else "of some rank"
+        log.warning("not restoring step %d from the disk tier: the job's commit record names it as committed, but "
+                    "the commit marker %s is missing or damaged, so the step cannot be trusted (`trainguard ckpt "
+                    "verify --step %d` checks its files); restoring an older step", newest, who, newest)
+
     def _restore_step_together(self, state: MutableMapping[str, Any], step: int) -> int:
         """``restore(state, step=step)`` inside a process group: every rank loads ``step``, or every rank raises.
 
@@ -1200,6 +1223,8 @@ class Checkpointer:
         self._finish_pending()
         infos = self._list_steps(retired=True, restoring=True)  # the newest step still wins; retired copies only add older ones
         listed = [i.step for i in infos]
+        if step is None and at_most is None:
+            self._say_record_not_restored(listed)
         if step is not None:
             infos = [i for i in infos if i.step == step]
         if at_most is not None:

@@ -21,7 +21,7 @@ from trainguard.checkpoint import CheckpointConfig, Checkpointer
 from trainguard.checkpoint.manifest import Manifest
 from trainguard.checkpoint.reader import RankCopy
 from trainguard.checkpoint.service import CheckpointService
-from trainguard.checkpoint.storage import LocalStore, data_name, manifest_name, step_dirname
+from trainguard.checkpoint.storage import LocalStore, data_name, manifest_name, marker_name, step_dirname
 from trainguard.checkpoint.writer import write_rank_step
 
 HERE = Path(__file__).resolve().parent
@@ -71,6 +71,33 @@ def test_byte_flip_on_disk_falls_back_to_previous_step(make_config, caplog, targ
             assert ck.restore(state) == 1
         assert torch.equal(w, torch.full((1000,), 1.0)) and state["n"] == 1
         assert "disk copy of step 2" in caplog.text and ("checksum" in caplog.text or "not a valid" in caplog.text)
+
+
+@pytest.mark.parametrize("damage", ["deleted", "garbage"])
+def test_a_newest_step_without_its_commit_marker_is_named_when_skipped(make_config, caplog, damage):
+    # The record said step 2 was committed; its marker deleted (or overwritten with garbage), the restore went to
+    # step 1 with only an INFO line, where every other kind of damage is said (black-box review).
+    cfg = make_config(memory={"enabled": False})
+    with Checkpointer(cfg, job="marker") as ck:
+        _save_two(ck)
+        marker = os.path.join(ck.disk.job_dir, step_dirname(2), marker_name(0))
+        if damage == "deleted":
+            os.remove(marker)
+        else:
+            with open(marker, "wb") as f:
+                f.write(os.urandom(40))
+        state = {"w": torch.zeros(1000), "n": 0}
+        with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint"):
+            assert ck.restore(state) == 1
+        assert state["n"] == 1
+        assert ("not restoring step 2 from the disk tier: the job's commit record names it as committed, but the "
+                "commit marker of rank(s) 0 is missing or damaged") in caplog.text, caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint"):
+            ck.save({"w": torch.full((1000,), 3.0), "n": 3}, 3)
+            assert ck.wait(3, timeout=30)
+            assert ck.restore(state) == 3  # once a newer step is committed, nothing is said
+        assert "commit record" not in caplog.text, caplog.text
 
 
 def test_byte_flip_in_memory_tier_served_by_disk(make_config, caplog):
