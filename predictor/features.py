@@ -289,6 +289,64 @@ def forward_fill(values: np.ndarray) -> np.ndarray:
     return np.take_along_axis(values, idx, axis=0)
 
 
+#: A counter whose cell has been empty this long reads as no increase (its rate is not carried longer); the agent's
+#: history keeps this much beyond the long window while a cell is empty, so online and offline scores agree.
+STALE_COUNTER_S = 86400.0
+
+
+def _counter_rates(prefix: np.ndarray, ts: np.ndarray, seen_t: np.ndarray, out_rows: np.ndarray, window_s: float,
+                   interval_s: float) -> np.ndarray:
+    """Per-minute increase of each counter over the ``window_s`` before its last reading at each of ``out_rows``.
+
+    A cell left empty is filled forward: its value is the last reading's, as of that reading's time (``seen_t``),
+    not as of its row. Timed by rows, the first reading after hours of empty cells put their whole increase
+    into the short window's few minutes, a burst (and the node's own threshold, learning it, stuck at its
+    maximum: a node with no learned-tier alarm for good), and the rows of the outage read "no increase", a
+    fall to 0. Timed by readings, the rows of the outage repeat the rate as last read (for up to
+    :data:`STALE_COUNTER_S`), and the first reading after spreads the increase over the time since the reading
+    before, as after missing rows. A window holding no reading before its end (after a gap longer than it)
+    starts at the reading before.
+
+    Args:
+        prefix: prefix sums of the counters' increments, shape (n + 1, k).
+        ts: every row's time, shape (n,).
+        seen_t: time of the reading each cell's value comes from (NaN: none yet), shape (n, k).
+        out_rows: the rows to compute rates for.
+        window_s: the window, seconds.
+        interval_s: the sampling interval (the least time a rate is taken over).
+
+    Returns:
+        Rates per minute, shape (len(out_rows), k).
+    """
+    k = seen_t.shape[1]
+    cols = np.arange(k)[None, :]
+    t = ts[out_rows][:, None]
+    t_end = seen_t[out_rows]
+    t_end = np.where(np.isnan(t_end), t, t_end)
+    end = np.searchsorted(ts, t_end.ravel(), side="right").reshape(t_end.shape) - 1  # the last reading's row
+    end = np.clip(end, 0, None)
+    j = np.searchsorted(ts, (t_end - window_s).ravel(), side="left").reshape(t_end.shape)
+    start = np.where(j >= end, np.maximum(end - 1, 0), j)
+    t_start = seen_t[start, cols]
+    t_start = np.where(np.isnan(t_start), ts[start], t_start)
+    elapsed = np.maximum(t_end - t_start, interval_s)
+    rate = (prefix[end + 1, cols] - prefix[start + 1, cols]) / elapsed * 60.0
+    return np.where(t - t_end > STALE_COUNTER_S, 0.0, rate)
+
+
+def seen_times(ts: np.ndarray, raw: np.ndarray) -> np.ndarray:
+    """Time of the reading each cell's forward-filled value comes from (NaN before a column's first reading).
+
+    Args:
+        ts: row times, shape (n,).
+        raw: samples with NaN for cells not read, shape (n, m).
+
+    Returns:
+        Shape (n, m).
+    """
+    return forward_fill(np.where(np.isnan(raw), np.nan, ts[:, None] + np.zeros_like(raw)))
+
+
 def _window_sum(prefix: np.ndarray, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
     """Sums rows start..stop-1 given prefix sums with a leading zero row."""
     return prefix[stop] - prefix[start]
@@ -296,7 +354,7 @@ def _window_sum(prefix: np.ndarray, start: np.ndarray, stop: np.ndarray) -> np.n
 
 def node_features(
     spec: FeatureSpec, ts: np.ndarray, filled: np.ndarray, nan_frac: np.ndarray, t_first: float,
-    rows: slice | None = None,
+    rows: slice | None = None, seen_t: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per-node features of a (forward-filled) series.
 
@@ -307,6 +365,8 @@ def node_features(
         nan_frac: fraction of cells missing in each raw sample, shape (n,).
         t_first: time of the node's first sample ever, seconds (for coverage at the start of a history).
         rows: which rows to return features for (default all); earlier rows still serve as history.
+        seen_t: time of the reading each cell of ``filled`` comes from (:func:`seen_times`); default each
+            row's own time (no cell filled).
 
     Returns:
         float64 array, shape (rows, len(spec.window_feature_names)) (the ``_z`` features come from
@@ -325,20 +385,17 @@ def node_features(
     if ci:
         c = filled[:, ci]
         d = np.diff(c, axis=0, prepend=c[:1])
-        inc = np.where(d < 0, c, d)  # a drop is a reset: the counter restarted from zero
+        # A drop to at most half the previous value is a reset: the counter restarted from zero and counted c
+        # since. A smaller drop is part of a sum restarting (one GPU's volatile ECC count of a node's eight):
+        # counted as the whole remaining value it read as a burst of errors and alarmed; its increase is
+        # unknown, taken as none.
+        inc = np.where(d >= 0, d, np.where(c <= -d, c, 0.0))
         inc = np.nan_to_num(inc, nan=0.0)
         # prefix[k] = sum of increments of rows 1..k-1 (row 0's increment is unknown and never used)
         prefix = np.vstack([np.zeros((1, len(ci))), np.cumsum(inc, axis=0)])
-        # A window that holds no sample before the row itself (the row follows a gap longer than the window)
-        # says nothing about the rate; the increase since the previous sample over the time since then does.
-        # Counting the window as "no increase" made every counter read 0 after a gap: a false alarm.
-        prev_row = np.maximum(out_rows - 1, 0)
-        c_s = np.where(j_s >= out_rows, prev_row, j_s)
-        c_l = np.where(j_l >= out_rows, prev_row, j_l)
-        el_s = np.maximum(t - ts[c_s], cfg.interval_s)[:, None]
-        el_l = np.maximum(t - ts[c_l], cfg.interval_s)[:, None]
-        rate_s = (prefix[i1] - prefix[c_s + 1]) / el_s * 60.0
-        rate_l = (prefix[i1] - prefix[c_l + 1]) / el_l * 60.0
+        seen = np.repeat(ts[:, None], len(ci), axis=1) if seen_t is None else seen_t[:, ci]
+        rate_s = _counter_rates(prefix, ts, seen, out_rows, cfg.short_window_s, cfg.interval_s)
+        rate_l = _counter_rates(prefix, ts, seen, out_rows, cfg.long_window_s, cfg.interval_s)
         block = np.empty((len(out_rows), 3 * len(ci)))
         block[:, 0::3], block[:, 1::3], block[:, 2::3] = rate_s, rate_l, rate_s - rate_l
         cols.append(block)
@@ -640,7 +697,7 @@ def table_features(table: MetricTable, spec: FeatureSpec, missing: str = "error"
             if i is not None:
                 raw[:, k] = s.values[:, i]
         nan_frac = np.isnan(raw).mean(axis=1) if raw.shape[1] else np.zeros(len(s.ts))
-        feats = node_features(spec, s.ts, forward_fill(raw), nan_frac, float(s.ts[0]))
+        feats = node_features(spec, s.ts, forward_fill(raw), nan_frac, float(s.ts[0]), seen_t=seen_times(s.ts, raw))
         m = len(s.ts)
         n_w = feats.shape[1]
         x[r : r + m, :n_w] = feats

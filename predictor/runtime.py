@@ -36,7 +36,7 @@ import numpy as np
 
 from trainguard.predictor.calibration import AlarmLedger, FamilyCalibrator, TailCalibrator, log_odds, surprise
 from trainguard.predictor.errors import DataFormatError, FeatureMismatchError
-from trainguard.predictor.features import SelfBaseline, node_features, peer_z
+from trainguard.predictor.features import STALE_COUNTER_S, SelfBaseline, node_features, peer_z
 from trainguard.predictor.long_baseline import LongBaseline
 from trainguard.predictor.model import PredictorModel
 from trainguard.predictor.rules import RuleHit, RulesTier
@@ -112,12 +112,15 @@ class NodeStatus:
 class _NodeBuffer:
     """Tail of one node's samples (forward-filled), long enough for the long window."""
 
-    def __init__(self, n_metrics: int, capacity: int) -> None:
+    def __init__(self, n_metrics: int, capacity: int, counters: list[int] | tuple[int, ...] = ()) -> None:
         self.ts = np.empty(capacity)
         self.filled = np.empty((capacity, n_metrics))
         self.nan_frac = np.empty(capacity)
+        self.seen_t = np.empty((capacity, n_metrics))  # time of the reading each filled cell comes from
         self.n = 0
         self.last_valid = np.full(n_metrics, np.nan)
+        self.last_seen = np.full(n_metrics, np.nan)
+        self.counters = list(counters)  # the columns whose rates are timed by their readings
         self.t_first: float | None = None
 
     def append(self, ts: float, raw: np.ndarray, long_window_s: float) -> None:
@@ -128,24 +131,32 @@ class _NodeBuffer:
             self.t_first = ts
         # keep rows inside the new sample's long window plus the one before (for the gap feature)
         if self.n:
-            first_inside = int(np.searchsorted(self.ts[: self.n], ts - long_window_s, side="left"))
+            # back to the oldest reading a filled cell comes from too (a counter's rate is timed by its readings,
+            # see features.STALE_COUNTER_S), for at most that long beyond the window
+            seen = self.last_seen[self.counters]
+            oldest = float(np.nanmin(seen)) if len(seen) and not np.isnan(seen).all() else ts
+            keep_from = max(min(ts, oldest) - long_window_s, ts - long_window_s - STALE_COUNTER_S)
+            first_inside = int(np.searchsorted(self.ts[: self.n], keep_from, side="left"))
             drop = max(0, first_inside - 1)
             if drop:
                 m = self.n - drop
                 self.ts[:m] = self.ts[drop : self.n]
                 self.filled[:m] = self.filled[drop : self.n]
                 self.nan_frac[:m] = self.nan_frac[drop : self.n]
+                self.seen_t[:m] = self.seen_t[drop : self.n]
                 self.n = m
         if self.n == len(self.ts):
             self._grow()
         self.ts[self.n], self.filled[self.n], self.nan_frac[self.n] = ts, filled, nan.mean() if len(raw) else 0.0
+        self.last_seen = np.where(nan, self.last_seen, ts)
+        self.seen_t[self.n] = self.last_seen
         self.n += 1
 
     def _grow(self) -> None:
         cap = 2 * len(self.ts)
-        for name in ("ts", "filled", "nan_frac"):
+        for name in ("ts", "filled", "nan_frac", "seen_t"):
             old = getattr(self, name)
-            new = np.empty((cap,) + old.shape[1:])
+            new = np.empty((cap,) + old.shape[1:], dtype=old.dtype)
             new[: self.n] = old[: self.n]
             setattr(self, name, new)
 
@@ -362,11 +373,13 @@ class PredictorRuntime:
                 )
             degraded.append("missing metrics: " + ",".join(absent))
         if buf is None:
-            buf = self._nodes[node] = _NodeBuffer(len(spec.metrics), int(spec.config.long_window_s / spec.config.interval_s) + 8)
+            rows = int(spec.config.long_window_s / spec.config.interval_s) + 8
+            buf = self._nodes[node] = _NodeBuffer(len(spec.metrics), rows, spec.counters)
         buf.append(float(ts), raw, spec.config.long_window_s)
         assert buf.t_first is not None
         n = buf.n
-        w = node_features(spec, buf.ts[:n], buf.filled[:n], buf.nan_frac[:n], buf.t_first, rows=slice(n - 1, n))[0]
+        w = node_features(spec, buf.ts[:n], buf.filled[:n], buf.nan_frac[:n], buf.t_first, rows=slice(n - 1, n),
+                          seen_t=buf.seen_t[:n])[0]
         if not spec.self_source_columns:
             return w
         base = self._self.get(node)

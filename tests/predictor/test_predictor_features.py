@@ -9,7 +9,7 @@ import pytest
 
 from trainguard.predictor.errors import FeatureMismatchError
 from trainguard.predictor.features import (
-    FeatureConfig, FeatureSpec, forward_fill, node_features, peer_z, table_features,
+    FeatureConfig, FeatureSpec, forward_fill, node_features, peer_z, seen_times, table_features,
 )
 from trainguard.predictor.table import MetricTable
 
@@ -18,8 +18,9 @@ CFG = FeatureConfig(interval_s=60.0, short_window_s=300.0, long_window_s=1800.0,
 
 def _feats(spec, ts, vals):
     raw = np.asarray(vals, dtype=float).reshape(len(ts), len(spec.metrics))
-    return dict(zip(spec.node_feature_names, node_features(spec, np.asarray(ts, float), forward_fill(raw),
-                                                             np.isnan(raw).mean(axis=1), float(ts[0])).T))
+    ts = np.asarray(ts, float)
+    return dict(zip(spec.node_feature_names, node_features(spec, ts, forward_fill(raw), np.isnan(raw).mean(axis=1),
+                                                             float(ts[0]), seen_t=seen_times(ts, raw)).T))
 
 
 def test_counter_rates_and_reset():
@@ -35,6 +36,58 @@ def test_counter_rates_and_reset():
     f = _feats(spec, ts, reset)
     assert f["gpu_ecc_sbe_total.rate_s"][-1] == pytest.approx(6.0)
     assert f["gpu_ecc_sbe_total.rate_l"][-1] >= 0
+
+
+def test_empty_counter_cells_are_a_gap_not_a_fall_to_zero_and_a_burst():
+    """Black-box review: an hour of empty cells of a counter that kept counting read as "no increase" during the
+    outage and then as the whole hour's increase within the first short window (12x the rate): the node's own
+    threshold learnt that burst and stuck at its maximum, and the node raised no learned-tier alarm for good."""
+    spec = FeatureSpec(("gpu_ecc_sbe_total", "gpu_temp_c"), CFG)
+    ts = np.arange(200) * 60.0
+    counter = np.arange(200) * 6.0
+    counter[60:120] = np.nan  # read again at row 120, having counted on
+    temp = np.full(200, 50.0)
+    f = _feats(spec, ts, np.column_stack([counter, temp]))
+    rate_s = f["gpu_ecc_sbe_total.rate_s"]
+    np.testing.assert_allclose(rate_s[60:120], 6.0)  # the rate as last read, not 0
+    np.testing.assert_allclose(rate_s[120:], 6.0)  # the hour's increase over the hour, not within 5 minutes
+    np.testing.assert_allclose(f["gpu_ecc_sbe_total.rate_l"][5:], 6.0)
+
+
+def test_a_counter_summed_over_devices_that_drops_in_part_is_no_burst():
+    """Black-box review: one GPU's volatile count restarting drops a node's sum by a quarter; taken as a restart
+    from zero, the whole remaining sum counted as new errors (rate_s_rz 256, an alarm)."""
+    spec = FeatureSpec(("gpu_ecc_sbe_total",), CFG)
+    ts = np.arange(40) * 60.0
+    counter = 1000.0 + np.arange(40) * 6.0
+    counter[20:] -= 0.25 * counter[19]
+    f = _feats(spec, ts, counter)
+    assert f["gpu_ecc_sbe_total.rate_s"].max() <= 6.0 + 1e-9
+    full = np.arange(40) * 6.0 + 1000.0
+    full[20:] = np.arange(20) * 6.0 + 6.0  # a restart from zero still counts what it counted since
+    assert _feats(spec, ts, full)["gpu_ecc_sbe_total.rate_s"][-1] == pytest.approx(6.0)
+
+
+def test_online_features_equal_offline_through_empty_counter_cells():
+    from trainguard.predictor.runtime import PredictorRuntime
+    from trainguard.predictor.training import TrainConfig, train
+
+    rng = np.random.default_rng(3)
+    n, cols = 2000, ["gpu_ecc_sbe_total", "gpu_temp_c"]
+    ts = 1_700_000_000.0 + np.arange(n) * 60.0
+    counter = np.cumsum(rng.poisson(2.0, n)).astype(float)
+    temp = 50 + rng.standard_normal(n)
+    counter[900:1300] = np.nan  # under 7 h of empty counter cells, well past the long window
+    counter[1500:1510] = np.nan
+    vals = np.column_stack([counter, temp])
+    table = MetricTable(cols, ts, np.array(["a"] * n, dtype=object), vals)
+    model = train(table, None, TrainConfig(method="robust-z", features=FeatureConfig(interval_s=60.0, peer=False)))
+    from trainguard.predictor.training import score_table
+
+    _, offline = score_table(model, table)
+    rt = PredictorRuntime(model)
+    online = [rt.observe(float(t), "a", dict(zip(cols, v.tolist()))).score for t, v in zip(ts, vals)]
+    np.testing.assert_allclose(online, offline, rtol=1e-6, atol=1e-7)
 
 
 def test_a_counter_that_kept_counting_through_a_gap_reads_its_rate_not_zero():

@@ -1,7 +1,9 @@
 """Transfer: a model trained on one synthetic fleet holds its false-alarm budget on a fleet generated
 differently (other seed, 3x the benign decoys, 2x the congestion, 3x the telemetry dropouts, jobs of 4, gauges
 at other levels and scales with a daily pattern), with each node's threshold calibrated online from its own
-scores. The fleet's own fixed threshold does not (what issue 19 found on real data)."""
+scores. The fleet's own fixed threshold raises more false alarms there (what issue 19 found on real data): for
+the supervised model 73 per 100 node-days (3.7x the budget) until partial counter drops and empty counter cells
+stopped reading as bursts (2026-12-04); 15 now on this seed, 9 and 81 on seeds 12 and 13."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def test_budget_holds_on_a_fleet_generated_differently(method, shared_long_basel
     warm = frame.ts >= frame.ts.min() + 86400
     online = evaluate_events(frame.ts[warm], frame.node[warm], margin[warm], 0.0, failures, model.eval_config, 60.0)
     assert online.node_days > 50 and online.false_alarms_per_100_node_days <= BUDGET, online.summary()
-    if method == "hgb":  # the fleet's fixed threshold, calibrated on fleet A, breaks the budget on fleet B
+    if method == "hgb":  # the fleet's fixed threshold, calibrated on fleet A, does worse on fleet B
         fixed = evaluate_events(frame.ts[warm], frame.node[warm], score[warm], model.threshold, failures,
                                 model.eval_config, 60.0)
-        assert fixed.false_alarms_per_100_node_days > 2 * BUDGET, fixed.summary()
+        assert fixed.false_alarms_per_100_node_days > 2 * online.false_alarms_per_100_node_days, fixed.summary()
