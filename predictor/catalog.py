@@ -111,7 +111,8 @@ class ColumnKind:
     Attributes:
         name: column name.
         kind: counter, gauge, or None when the learned tier does not use it.
-        reason: why (``catalog``, ``declared``, ``name``, ``values``, ``rules tier``, ``no values``).
+        reason: why (``catalog``, ``declared``, ``name``, ``values``, ``rules tier``, ``fewer than two values on
+            any node``).
     """
 
     name: str
@@ -163,6 +164,10 @@ def classify_columns(
     both = sorted(counters & gauges)
     if both:
         raise ValueError(f"{both} declared both a counter and a gauge; give each name once")
+    reserved = sorted((counters | gauges) & set(RESERVED_COLUMNS))
+    if reserved:  # said "not in the data" of a column that is there
+        raise ValueError(f"{reserved}: reserved column(s) (the row's time, node or job), not metrics; declare "
+                         "metric columns with --counter/--gauge")
     absent = sorted((counters | gauges) - set(columns))
     if absent:
         raise ValueError(f"declared column(s) {absent} are not in the data; check --counter/--gauge")
@@ -174,7 +179,8 @@ def classify_columns(
         if node_steps is not None and name in node_steps and not np.isfinite(node_steps[name]).any():
             # A catalog or counter-named column left empty (an exporter's series without data) was taken as a
             # metric: train fitted and saved a model of nothing (threshold 0), which score then refused.
-            out.append(ColumnKind(name, None, "no values"))
+            # "no values" of a column holding one value per node read as a wrong listing
+            out.append(ColumnKind(name, None, "fewer than two values on any node"))
         elif name in counters:
             out.append(ColumnKind(name, MetricKind.COUNTER, "declared"))
         elif name in gauges:

@@ -136,15 +136,16 @@ def _load_metrics(path: str, check_order: bool = True, used: Any = None) -> Any:
 
 
 def _read_metrics(path: str, resample: float | None, counters: set[str] | frozenset[str] = frozenset(),
-                  used: Any = None) -> Any:
+                  used: Any = None, rules: Any = None) -> Any:
     if resample is None:
         return _load_metrics(path, used=used)
     # resampling sorts each node and merges the samples of a bin, so rows out of order or sharing a
     # timestamp are data to merge, not an error
-    return _resampled(_load_metrics(path, False, used), path, resample, counters)
+    return _resampled(_load_metrics(path, False, used), path, resample, counters, rules)
 
 
-def _resampled(table: Any, path: str, resample: float, counters: set[str] | frozenset[str]) -> Any:
+def _resampled(table: Any, path: str, resample: float, counters: set[str] | frozenset[str],
+               rules: Any = None) -> Any:
     """``table`` (read without the order check) on a ``resample`` s grid, saying how many rows were merged."""
     if not resample > 0:
         raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
@@ -163,7 +164,10 @@ def _resampled(table: Any, path: str, resample: float, counters: set[str] | froz
     if dup:
         print(f"{path}: merged {dup} row(s) that repeat a node's timestamp into their {resample:g} s bin "
               "(gauges averaged, counters' last value)", file=sys.stderr)
-    out = table.resample(resample, counters)
+    # the columns a value rule reads keep what the rule looks for (a 2-minute nic_up == 0 averaged into a 5-minute
+    # bin read 0.6, and the fatal rule never fired)
+    keep = rules.bin_aggregates(table.columns) if rules is not None else None
+    out = table.resample(resample, counters, keep)
     other = len(table.ts) - len(out.ts) - dup  # every bin is one row: the rest went into a bin with another
     if other:
         print(f"{path}: merged {other} row(s) sampled at other times into the {resample:g} s bin of another sample "
@@ -203,6 +207,8 @@ def _without_empty_model_columns(table: Any, path: str, model_metrics: Any, miss
 
 
 def _train(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from trainguard.predictor.features import MIN_PEERS, FeatureConfig
     from trainguard.predictor.table import EventTable
     from trainguard.predictor.training import TrainConfig, column_kinds, train
@@ -231,11 +237,22 @@ def _train(args: argparse.Namespace) -> int:
     if events is not None:
         from trainguard.predictor.evaluation import uncounted_events
 
+        # Counted as eval counts them: a failure logged twice, or an event of a node or time the metrics lack,
+        # was a failure to train's count, and five such rows of one failure switched `auto` to the supervised
+        # model ("trained hgb ... 5 failures").
+        events, repeated = events.unique()
+        if repeated:
+            print(f"{args.events}: {repeated} event(s) repeat the node and time of an earlier one; each failure "
+                  "counted once", file=sys.stderr)
         # as eval does: an event on a node or at a time the metrics do not have labels no row, and was dropped
         # in silence (an events file of other nodes or another period trained a model with no failure at all)
         unusable = uncounted_events(events.node, events.ts, metrics.ts, metrics.node, _eval_config(args), interval)
         unusable["warning_window_not_observed"] = []  # still labels the rows of its window the data has
         _report_uncounted(args.events, args.metrics, len(events), unusable)
+        gone = {(str(n), float(t)) for k in ("node_not_in_metrics", "outside_node_data") for n, t in unusable[k]}
+        if gone:
+            keep = np.array([(str(n), float(t)) not in gone for n, t in zip(events.node, events.ts)], dtype=bool)
+            events = EventTable(events.ts[keep], events.node[keep], events.kind[keep])
     span = float(metrics.ts.max() - metrics.ts.min()) if len(metrics.ts) else 0.0
     peer = not args.no_peer
     if peer:
@@ -413,7 +430,7 @@ def _score(args: argparse.Namespace) -> int:
     _check_not_an_input(args.out, "--out", {"--metrics": args.metrics, "--model": args.model, "--rules": args.rules})
     rt = PredictorRuntime.load(args.model, rules_path=args.rules, missing=args.missing)
     counters = _model_counters(rt.model) if rt.model is not None else set()
-    metrics = _read_metrics(args.metrics, args.resample, counters, _score_reads(rt))
+    metrics = _read_metrics(args.metrics, args.resample, counters, _score_reads(rt), rt.rules)
     if rt.model is not None:
         metrics = _without_empty_model_columns(metrics, args.metrics, rt.model.spec.metrics, args.missing)
     interval = rt.model.spec.config.interval_s if rt.model is not None else 1.0
@@ -458,9 +475,19 @@ def _score(args: argparse.Namespace) -> int:
                 w.writerow([stamp[n], n, f"{s.score:.6f}", f"{s.threshold:.6f}", int(s.alarm), s.source,
                             ";".join(f"{k}={v:g}" for k, v in s.top_features), "|".join(s.degraded),
                             "" if s.surprise != s.surprise else f"{s.surprise:.3f}", s.family])
+        if out is not sys.stdout:
+            out.flush()
+    except OSError as exc:
+        # a write error carries no file name: a full --out was called "the output (standard output)"
+        if exc.filename is None and out is not sys.stdout:
+            exc.filename = args.out
+        raise
     finally:
         if out is not sys.stdout:
-            out.close()
+            try:
+                out.close()
+            except OSError:
+                pass  # the flush above raised already, or the error is told by it
     if written != len(metrics.ts):  # a bug, never a silent loss
         raise _usage(f"scored {written} of {len(metrics.ts)} rows; please report this with the input file")
     src = f" (resampled to {args.resample:g} s)" if args.resample is not None else ""

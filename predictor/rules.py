@@ -25,6 +25,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -156,6 +157,40 @@ class RulesTier:
                 raise RuleFileError(f"{w} ({r['name']}): {exc}") from exc
             _validate(r["when"], f"{w} ({r['name']})")
         return cls(rules)
+
+    def bin_aggregates(self, columns: Sequence[str]) -> dict[str, tuple[str, float | None]]:
+        """How a resampling bin must merge each of ``columns`` a value rule reads, so that the rule still sees
+        in the merged row what it looks for in the bin's samples (see :meth:`MetricTable.resample`): ``gt`` the
+        bin's maximum, ``lt`` its minimum, ``eq``/``ne`` the value compared with; ``lt_metric`` the metric's
+        minimum and the other's maximum. Counter rules (``increased``) need nothing (counters keep their last
+        value). A column two rules read differently is merged as the first rule in the file needs.
+        """
+        wanted: list[tuple[str, tuple[str, float | None]]] = []
+
+        def leaves(cond: dict[str, Any]) -> Iterator[dict[str, Any]]:
+            if "all" in cond or "any" in cond:
+                for c in cond.get("all", cond.get("any")):
+                    yield from leaves(c)
+            else:
+                yield cond
+
+        for rule in self.rules:
+            for leaf in leaves(rule["when"]):
+                op = leaf["op"]
+                if op == "gt":
+                    wanted.append((leaf["metric"], ("max", None)))
+                elif op == "lt":
+                    wanted.append((leaf["metric"], ("min", None)))
+                elif op in ("eq", "ne"):
+                    wanted.append((leaf["metric"], (op, float(leaf["value"]))))
+                elif op == "lt_metric":
+                    wanted += [(leaf["metric"], ("min", None)), (leaf["other"], ("max", None))]
+        out: dict[str, tuple[str, float | None]] = {}
+        for pattern, how in wanted:
+            for col in columns:
+                if fnmatch.fnmatchcase(col, pattern):
+                    out.setdefault(col, how)
+        return out
 
     def count_from_zero(self, patterns: list[str] | tuple[str, ...]) -> None:
         """Declares counters that start at 0 with the stream, so that their first reading is an increase.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import csv
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -90,6 +90,24 @@ class NodeSeries:
     job: str
     ts: np.ndarray
     values: np.ndarray
+
+
+def _bin_keep(v: np.ndarray, valid: np.ndarray, starts: np.ndarray, ends: np.ndarray, mean: np.ndarray, how: str,
+              c: float | None) -> np.ndarray:
+    """One column's bins merged as a value rule needs (see :meth:`MetricTable.resample`); ``mean`` where the bin
+    holds nothing the rule looks for."""
+    if how in ("max", "min"):
+        filled = np.where(valid, v, -np.inf if how == "max" else np.inf)
+        ext = (np.maximum if how == "max" else np.minimum).reduceat(filled, starts)
+        return np.where(np.isfinite(ext), ext, mean)
+    if how == "eq":
+        hit = np.add.reduceat((valid & (v == c)).astype(np.int64), starts) > 0
+        return np.where(hit, c, mean)
+    # "ne": the bin's last sample that differs from c
+    idx = np.where(valid & (v != c), np.arange(len(v)), -1)
+    np.maximum.accumulate(idx, out=idx)
+    last = idx[ends - 1]
+    return np.where(last >= starts, v[np.maximum(last, 0)], mean)
 
 
 @dataclass
@@ -223,7 +241,8 @@ class MetricTable:
         gaps = [np.diff(s.ts) for s in self.per_node() if len(s.ts) > 1]
         return float(np.median(np.concatenate(gaps))) if gaps else None
 
-    def resample(self, interval_s: float, counters: set[str] | frozenset[str] = frozenset()) -> "MetricTable":
+    def resample(self, interval_s: float, counters: set[str] | frozenset[str] = frozenset(),
+                 keep: Mapping[str, tuple[str, float | None]] | None = None) -> "MetricTable":
         """Brings every node onto a regular grid of ``interval_s`` seconds.
 
         A bin ``[k*i, (k+1)*i)`` becomes one row stamped at its end ``(k+1)*i`` (the time its values are all
@@ -233,9 +252,15 @@ class MetricTable:
         by time first (stable, so of two samples with the same timestamp the later row counts as the later
         one), and samples sharing a timestamp are merged into their bin like any other two samples.
 
+        A column in ``keep`` is merged so that a value rule reading it still sees what it looks for in the bin
+        (a mean hid a 2-minute ``nic_up == 0`` in a 5-minute bin as 0.6, and the fatal rule never fired):
+        ``("max", None)`` / ``("min", None)`` the bin's extreme, ``("eq", c)`` ``c`` when a sample equals it,
+        ``("ne", c)`` the last sample that differs from ``c``; otherwise the mean.
+
         Args:
             interval_s: grid spacing, seconds (> 0).
             counters: columns to treat as counters (last value).
+            keep: columns a value rule reads, and how to merge them (see :meth:`RulesTier.bin_aggregates`).
 
         Returns:
             A new table.
@@ -246,6 +271,7 @@ class MetricTable:
         if not interval_s > 0:
             raise DataFormatError(f"--resample {interval_s!r}: the interval must be a positive number of seconds")
         is_counter = np.array([c in counters for c in self.columns], dtype=bool)
+        kept = [(j, keep[c]) for j, c in enumerate(self.columns) if keep and c in keep and c not in counters]
         ts_out: list[np.ndarray] = []
         node_out: list[np.ndarray] = []
         job_out: list[np.ndarray] = []
@@ -268,6 +294,8 @@ class MetricTable:
             own = last_idx >= starts[:, None]
             last = np.where(own, v[np.maximum(last_idx, 0), np.arange(v.shape[1])[None, :]], np.nan)
             out = np.where(is_counter[None, :], last, mean)
+            for j, (how, c) in kept:
+                out[:, j] = _bin_keep(v[:, j], valid[:, j], starts, ends, out[:, j], how, c)
             ts_out.append((b[starts] + 1).astype(np.float64) * interval_s)
             node_out.append(np.full(len(starts), s.node, dtype=object))
             job_out.append(np.full(len(starts), s.job, dtype=object))

@@ -336,11 +336,11 @@ def check_sampling(metrics: MetricTable, interval_s: float, tolerance: float = 0
             if share > FINER_SHARE:
                 fine[n] = share
     if fine:
-        listed = ", ".join(f"{n} ({100 * f:.0f}%)" for n, f in sorted(fine.items())[:6]) + (
+        listed = ", ".join(f"{n} ({100 * f:.0f}% of its history)" for n, f in sorted(fine.items())[:6]) + (
             " ..." if len(fine) > 6 else "")
         raise DataFormatError(
             f"{len(fine)} of {len(gaps)} nodes are sampled more often than every {interval_s:g} s over part of "
-            f"the data (their interval changed?): {listed} of their history; pass --resample {interval_s:g} to "
+            f"the data (their interval changed?): {listed}; pass --resample {interval_s:g} to "
             "bring every node to one interval")
     return median
 

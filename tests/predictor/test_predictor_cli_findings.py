@@ -714,7 +714,8 @@ def test_a_column_is_judged_by_its_values_not_by_its_rows(tmp_path, capsys):
     capsys.readouterr()
     assert main(["predictor", "metrics", "--metrics", path]) == 0
     lines = {ln.split()[0]: ln.split(None, 1)[1] for ln in capsys.readouterr().out.splitlines()[-4:]}
-    assert lines == {"gpu_temp_c": "unused   (no values)", "xid_total": "unused   (no values)",
+    assert lines == {"gpu_temp_c": "unused   (fewer than two values on any node)",
+                     "xid_total": "unused   (fewer than two values on any node)",
                      "slow_gauge": "gauge    (values)", "slow_seen": "counter  (values)"}
     empty = _write(tmp_path / "e.csv", ["gpu_temp_c", "xid_total"], [r[:4] for r in rows])
     assert main(["predictor", "train", "--metrics", empty, "--out", str(tmp_path / "model.json")]) == 2
@@ -745,3 +746,81 @@ def test_times_beyond_every_epoch_unit_are_not_called_nanoseconds(trained, tmp_p
     path = _write(tmp_path / "far.csv", COLS, rows)
     err = _one_line_error(capsys, ["predictor", "score", "--model", model, "--metrics", path])
     assert "not Unix times" in err and "nanoseconds since" not in err, err
+
+
+def test_resample_keeps_what_a_value_rule_looks_for(tmp_path, capsys):
+    """Black-box review: a 2-minute ``nic_up == 0`` in 60 s data, scored with ``--resample 300``, was averaged to
+    0.6 in its bin and the fatal NIC-down rule never fired (0 rules-tier alarms; 2 without resampling)."""
+    rows = [r + [0.0 if r[1] == "n2" and 300 <= (r[0] - 1_700_000_000.0) / 60 < 302 else 1.0] for r in _fleet_rows()]
+    path = _write(tmp_path / "m.csv", [*COLS, "nic_up"], rows)
+    coarse = tmp_path / "coarse.csv"
+    with open(path) as src, open(coarse, "w") as dst:  # the model at 300 s: every fifth row of the same fleet
+        lines = src.readlines()
+        dst.writelines([lines[0], *[ln for i, ln in enumerate(lines[1:]) if (i // 3) % 5 == 0]])
+    model = tmp_path / "m.json"
+    assert main(["predictor", "train", "--metrics", str(coarse), "--out", str(model), "--method", "robust-z",
+                 "--resample", "300"]) == 0
+    capsys.readouterr()
+    assert main(["predictor", "score", "--model", str(model), "--metrics", path, "--out", str(tmp_path / "s.csv"),
+                 "--resample", "300"]) == 0
+    scored = list(csv.DictReader((tmp_path / "s.csv").open()))
+    rules = [r for r in scored if r["source"] == "rules" and r["alarm"] == "1"]
+    assert {r["node"] for r in rules} == {"n2"} and len(rules) == 1, rules
+    assert "nic-down" in rules[0]["top_features"] or "nic_up" in rules[0]["top_features"], rules[0]
+
+
+def test_resample_merges_value_rule_columns_as_the_rule_needs():
+    from trainguard.predictor.rules import RulesTier
+    from trainguard.predictor.table import MetricTable
+
+    rules = RulesTier([{"name": "hot", "when": {"metric": "temp_*", "op": "gt", "value": 90}},
+                       {"name": "low", "when": {"metric": "fan", "op": "lt", "value": 10}},
+                       {"name": "mode", "when": {"any": [{"metric": "mode", "op": "ne", "value": 1},
+                                                         {"metric": "link", "op": "eq", "value": 0}]}}])
+    keep = rules.bin_aggregates(["temp_gpu0", "fan", "mode", "link", "load"])
+    assert keep == {"temp_gpu0": ("max", None), "fan": ("min", None), "mode": ("ne", 1.0), "link": ("eq", 0.0)}
+    ts = np.array([0.0, 60.0, 120.0, 180.0, 240.0, 300.0])
+    values = np.array([[50, 30, 1, 1, 1], [95, 5, 1, 0, 3], [50, 30, 2, 1, 5], [50, 30, 1, 1, 7],
+                       [np.nan, np.nan, np.nan, np.nan, np.nan], [60, 40, 1, 1, 9]], dtype=float)
+    table = MetricTable(["temp_gpu0", "fan", "mode", "link", "load"], ts, np.array(["a"] * 6, dtype=object), values)
+    out = table.resample(300.0, keep=keep)
+    assert out.values[0].tolist() == [95.0, 5.0, 2.0, 0.0, 4.0]  # extremes, the odd mode, the link down; load mean
+    assert out.values[1].tolist() == [60.0, 40.0, 1.0, 1.0, 9.0]
+
+
+def test_train_counts_each_failure_once_and_only_on_the_data(tmp_path, capsys):
+    """Black-box review: one failure written five times trained "hgb ... 5 failures" (``auto`` needs five), as did
+    one failure beside four events of nodes the metrics lack; eval counted one."""
+    path = _write(tmp_path / "m.csv", COLS, _fleet_rows())
+    t = 1_700_000_000.0 + 60 * 200
+    for name, extra in (("rep", [f"{t},n1,xid"] * 4), ("ghost", [f"{t},ghost-{i},xid" for i in range(4)])):
+        events = tmp_path / f"{name}.csv"
+        events.write_text("\n".join(["timestamp,node,kind", f"{t},n1,xid", *extra]) + "\n")
+        model = tmp_path / f"{name}.json"
+        assert main(["predictor", "train", "--metrics", path, "--events", str(events), "--out", str(model)]) == 0
+        said = capsys.readouterr()
+        out, err = said.out, said.err
+        assert "trained robust-z" in out and "1 failures" in out, out
+        if name == "rep":
+            assert "4 event(s) repeat the node and time of an earlier one; each failure counted once" in err
+        else:
+            assert "4 of 5 events not counted as failures: 4 on nodes absent from the metrics" in err
+
+
+def test_a_reserved_column_declared_a_metric_is_named_reserved(trained, capsys):
+    """Black-box review: ``--gauge timestamp`` said the column "is not in the data", which it is."""
+    _, metrics, _ = trained
+    assert main(["predictor", "metrics", "--metrics", metrics, "--gauge", "timestamp"]) == 2
+    err = capsys.readouterr().err
+    assert "['timestamp']: reserved column(s) (the row's time, node or job), not metrics" in err, err
+
+
+def test_a_full_out_file_is_named(trained, capsys):
+    """Black-box review: ``--out /dev/full`` said "cannot write the output (standard output)"."""
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    _, metrics, model = trained
+    assert main(["predictor", "score", "--model", model, "--metrics", metrics, "--out", "/dev/full"]) == 74
+    assert "cannot write the output /dev/full: No space left on device" in capsys.readouterr().err
