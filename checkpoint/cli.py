@@ -276,6 +276,12 @@ def _verify(args: argparse.Namespace) -> int:
     store = _store(args.directory, args.job)
     committed = dict(store.committed_steps())
     steps = [args.step] if args.step is not None else sorted(committed)
+    if args.step is None:
+        recorded = _recorded_uncommitted(store, committed)
+        if recorded is not None:
+            # the job's record names it committed: its markers went missing or were damaged since, which a
+            # restore skips (and now warns of); verify said nothing of it and exited 0
+            steps.append(recorded)
     if not steps:
         raise NoCheckpointError(f"no committed step in {store.describe()}")
     bad = 0
@@ -315,6 +321,19 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"step {step}: INCONSISTENT SHARDS: {p}")
             bad += bool(problems)
     return 1 if bad else 0
+
+
+def _recorded_uncommitted(store: Any, committed: dict[int, int]) -> int | None:
+    """The step the job's commit record names when it is newer than every committed step and its folder is
+    still there, incomplete; else None."""
+    try:
+        record = store.record()
+        step = None if record is None else int(record["step"])
+        if step is None or step in committed or step < max(committed, default=-1):
+            return None
+        return step if step in store.list_steps() and not store.is_complete(step)[0] else None
+    except (OSError, CheckpointError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _layout_problems(manifests: dict[int, Any]) -> list[str]:

@@ -74,7 +74,8 @@ def test_byte_flip_on_disk_falls_back_to_previous_step(make_config, caplog, targ
 
 
 @pytest.mark.parametrize("damage", ["deleted", "garbage"])
-def test_a_newest_step_without_its_commit_marker_is_named_when_skipped(make_config, caplog, damage):
+def test_a_newest_step_without_its_commit_marker_is_named_when_skipped(make_config, caplog, capsys, tmp_path,
+                                                                         damage):
     # The record said step 2 was committed; its marker deleted (or overwritten with garbage), the restore went to
     # step 1 with only an INFO line, where every other kind of damage is said (black-box review).
     cfg = make_config(memory={"enabled": False})
@@ -92,6 +93,12 @@ def test_a_newest_step_without_its_commit_marker_is_named_when_skipped(make_conf
         assert state["n"] == 1
         assert ("not restoring step 2 from the disk tier: the job's commit record names it as committed, but the "
                 "commit marker of rank(s) 0 is missing or damaged") in caplog.text, caplog.text
+        from trainguard.cli import main
+
+        capsys.readouterr()
+        assert main(["ckpt", "verify", str(tmp_path / "ckpt"), "--job", "marker"]) == 1  # it said nothing, exit 0
+        out = capsys.readouterr().out
+        assert "step 1 rank 0: OK" in out and "step 2: NOT COMMITTED (" in out, out
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="trainguard.checkpoint"):
             ck.save({"w": torch.full((1000,), 3.0), "n": 3}, 3)
