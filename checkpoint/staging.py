@@ -201,13 +201,13 @@ class StagingArea:
         kind, where_dir = self.fallback()
         if where_dir is None:
             raise StorageUnavailableError(
-                f"{shm_root} lacks {short / 2**20:.1f} MiB for {self.nslots} staging slots of "
+                f"{shm_root} is {_short(short)} for {self.nslots} staging slots of "
                 f"{nbytes / 2**20:.1f} MiB and the disk tier is off; enlarge /dev/shm (docker run --shm-size, "
                 "a Kubernetes emptyDir with medium: Memory) or set checkpoint.memory.directory")
         where = (f"on local disk at {where_dir}" if kind == "disk" else
                  "in anonymous host memory" + (" (page-locked for the GPU copies)" if _cuda() else ""))
         msg = (f"checkpoint staging: {shm_root} has too little room for {self.nslots} slots "
-               f"({self.nslots * nbytes / 2**20:.1f} MiB, {short / 2**20:.1f} MiB short; /dev/shm is 64 MiB in "
+               f"({self.nslots * nbytes / 2**20:.1f} MiB, {_short(short)}; /dev/shm is 64 MiB in "
                f"Docker and in Kubernetes pods by default), so snapshots are staged {where} "
                f"and the in-memory tier is off for rank {self.rank}; to restore from memory "
                "again, enlarge /dev/shm (docker run --shm-size=16g, or mount a Kubernetes emptyDir with "
@@ -285,3 +285,11 @@ class StagingArea:
 
 
 __all__ = ["EVENT_KIND", "MOUNTINFO", "StagingArea", "filesystem_type", "shared_between_hosts"]
+
+
+def _short(nbytes: int) -> str:
+    """How much room the memory directory lacks, as said to the user: "0.0 MiB short" was said when another
+    process took the room between the check and this rank's allocation (two ranks starting together)."""
+    if nbytes >= 2**20 // 10:
+        return f"{nbytes / 2**20:.1f} MiB short"
+    return "short of what another process took while these were allocated"

@@ -253,3 +253,12 @@ def test_a_fallback_in_the_jobs_checkpoint_folder_stays_private(tmp_path) -> Non
         os.umask(old)
         stage.close(remove=True)
     assert stat.S_IMODE(os.stat(where).st_mode) == 0o755
+
+
+def test_a_shortfall_lost_to_another_process_is_not_called_zero_mib() -> None:
+    # Two ranks starting together on a small tmpfs: the room checked was taken by the other before this rank's
+    # allocation, and the warning said "0.0 MiB short" (black-box review).
+    from trainguard.checkpoint.staging import _short
+
+    assert _short(1) == "short of what another process took while these were allocated"
+    assert _short(3 * 2**20) == "3.0 MiB short"
