@@ -9,6 +9,7 @@ path (``--config``), ``${RUNTIME_DIRECTORY}`` and ``${STATE_DIRECTORY}`` (per-te
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
 import socket
@@ -154,4 +155,29 @@ def clean_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(("TRAINGUARD_AGENT", "TRAINGUARD_JOB_TOKEN"))}
 
 
-__all__ = ["UNIT", "UnitDaemon", "clean_env", "pcie_daemon_config", "unit_command", "wait_until"]
+@contextlib.contextmanager
+def inproc_daemon(tmp_path: Path):
+    """A node daemon in this process with no detectors, predictor or metrics port, serving its unix socket under
+    ``tmp_path``; yields ``(daemon, stub)`` of a channel to that socket and stops it after."""
+    import grpc
+
+    from trainguard.agent.agentd import AgentDaemon, config_loader
+    from trainguard.agent.sdnotify import SystemdNotifier
+    from trainguard.proto import agent_pb2_grpc
+
+    (tmp_path / "fake").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
+                      f'[metrics]\nlisten = ""\n[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
+    sock_path = tmp_path / "agent.sock"
+    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
+                         SystemdNotifier(None))
+    daemon.start()
+    try:
+        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
+            yield daemon, agent_pb2_grpc.NodeAgentStub(channel)
+    finally:
+        daemon.stop()
+
+
+__all__ = ["UNIT", "UnitDaemon", "clean_env", "inproc_daemon", "pcie_daemon_config", "unit_command", "wait_until"]

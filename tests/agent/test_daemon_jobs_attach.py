@@ -12,11 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from trainguard.agent.agentd import AgentDaemon, config_loader
+from agentd_unit import inproc_daemon
 from trainguard.agent.arena_keeper import ArenaKeeper
 from trainguard.agent.coordinator_report import NodeVerdict
 from trainguard.agent.daemon_jobs import DaemonJobs, JobHeldElsewhere
-from trainguard.agent.sdnotify import SystemdNotifier
 from trainguard.proto import agent_pb2, agent_pb2_grpc
 
 TOKEN = "t" * 32
@@ -71,25 +70,13 @@ def test_a_detached_job_may_be_attached_to_another_coordinator(tmp_path: Path) -
 
 
 def test_the_daemon_answers_failed_precondition_and_keeps_the_jobs_reporter(tmp_path: Path) -> None:
-    (tmp_path / "fake").mkdir()
-    config = tmp_path / "agent.toml"
-    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
-                      f'[metrics]\nlisten = ""\n[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
-    sock_path = tmp_path / "agent.sock"
-    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
-                         SystemdNotifier(None))
-    daemon.start()
-    try:
-        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
-            stub = agent_pb2_grpc.NodeAgentStub(channel)
-            stub.AttachJob(_req(os.getpid(), "127.0.0.1:7001"), timeout=10)
-            with pytest.raises(grpc.RpcError) as refused:
-                stub.AttachJob(_req(1, "127.0.0.1:1"), timeout=10)  # pid 1 lives: another launcher, as the repro
-            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "reporting to coordinator 127.0.0.1:7001" in refused.value.details()
-            assert daemon.jobs._reporters["job:j"].target.address == "127.0.0.1:7001"
-    finally:
-        daemon.stop()
+    with inproc_daemon(tmp_path) as (daemon, stub):
+        stub.AttachJob(_req(os.getpid(), "127.0.0.1:7001"), timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.AttachJob(_req(1, "127.0.0.1:1"), timeout=10)  # pid 1 lives: another launcher, as the repro
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "reporting to coordinator 127.0.0.1:7001" in refused.value.details()
+        assert daemon.jobs._reporters["job:j"].target.address == "127.0.0.1:7001"
 
 
 def test_a_launchers_socket_says_it_keeps_no_jobs_without_a_traceback(caplog) -> None:

@@ -11,13 +11,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from trainguard.agent.agentd import AgentDaemon, config_loader
+from agentd_unit import inproc_daemon
 from trainguard.agent.arena_keeper import ArenaKeeper
 from trainguard.agent.config import AgentConfig, AgentConfigError
 from trainguard.agent.coordinator_report import NodeVerdict
 from trainguard.agent.daemon_jobs import DaemonJobs, JobTlsPathRefused
-from trainguard.agent.sdnotify import SystemdNotifier
-from trainguard.proto import agent_pb2, agent_pb2_grpc
+from trainguard.proto import agent_pb2
 from trainguard.recovery.rpc_security import SecurityConfigError
 
 
@@ -82,20 +81,8 @@ def test_job_tls_dirs_must_be_absolute(tmp_path: Path) -> None:
 
 
 def test_attach_job_refuses_a_bare_path_as_an_invalid_argument(tmp_path: Path) -> None:
-    (tmp_path / "fake").mkdir()
-    config = tmp_path / "agent.toml"
-    config.write_text(f'[detectors]\nroot = "{tmp_path / "fake"}"\nenabled = []\n[predictor]\nenabled = false\n'
-                      f'[metrics]\nlisten = ""\n[memory_tier]\nroot = "{tmp_path / "shm"}"\n')
-    sock_path = tmp_path / "agent.sock"
-    daemon = AgentDaemon(config_loader(str(config), "", str(sock_path), str(tmp_path / "state")),
-                         SystemdNotifier(None))
-    daemon.start()
-    try:
-        with grpc.insecure_channel(f"unix:{sock_path}") as channel:
-            stub = agent_pb2_grpc.NodeAgentStub(channel)
-            with pytest.raises(grpc.RpcError) as refused:
-                stub.AttachJob(_req(tls_cert_file="/etc/shadow", tls_key_file="/etc/shadow"), timeout=10)
-            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert refused.value.details().startswith("tls_cert_file '/etc/shadow': ")
-    finally:
-        daemon.stop()
+    with inproc_daemon(tmp_path) as (_, stub):
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.AttachJob(_req(tls_cert_file="/etc/shadow", tls_key_file="/etc/shadow"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("tls_cert_file '/etc/shadow': ")
