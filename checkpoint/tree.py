@@ -517,7 +517,7 @@ def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping
         elif tag == "stateful" and isinstance(target, torch.nn.Module):
             live = target.state_dict(keep_vars=True)
             saved = node["v"]
-            if isinstance(saved, dict) and saved.get("t") == "dict":
+            if isinstance(saved, dict) and saved.get("t") == "dict" and _loads_keys_as_named(target):
                 _check_module_keys(path, type(target).__name__, [_decode_key(k) for k in saved["k"]], live)
             walk(saved, live, path)
 
@@ -528,6 +528,24 @@ def check_fits_before_loading(tree: dict[str, Any], entries: Any, state: Mapping
     check = getattr(loader, "check_before_loading", None)
     if check is not None:
         check(state)
+
+
+def _loads_keys_as_named(module: torch.nn.Module) -> bool:
+    """Whether ``module.load_state_dict`` takes exactly the names its ``state_dict()`` gives: no load hook and no
+    loading of its own anywhere in it. Torch lets a module rename or migrate keys while loading (a pre-hook
+    mapping a renamed layer's keys, the old ``weight_norm``'s ``weight_g``/``weight_v`` into a parametrization's),
+    and such a checkpoint loads; only torch can tell, so the names are not compared then. BatchNorm's own loading
+    only adds a missing ``num_batches_tracked``, which the comparison allows for."""
+    base = torch.nn.Module
+    if type(module).load_state_dict is not base.load_state_dict:
+        return False
+    for m in module.modules():
+        if getattr(m, "_load_state_dict_pre_hooks", None) or getattr(m, "_load_state_dict_post_hooks", None):
+            return False
+        if type(m)._load_from_state_dict is not base._load_from_state_dict and \
+                not isinstance(m, torch.nn.modules.batchnorm._NormBase):
+            return False
+    return True
 
 
 def _check_module_keys(path: str, kind: str, saved: list[Any], live: Mapping[str, Any]) -> None:
