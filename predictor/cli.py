@@ -136,16 +136,16 @@ def _load_metrics(path: str, check_order: bool = True, used: Any = None) -> Any:
 
 
 def _read_metrics(path: str, resample: float | None, counters: set[str] | frozenset[str] = frozenset(),
-                  used: Any = None, rules: Any = None) -> Any:
+                  used: Any = None, rules: Any = None, model_metrics: Any = ()) -> Any:
     if resample is None:
         return _load_metrics(path, used=used)
     # resampling sorts each node and merges the samples of a bin, so rows out of order or sharing a
     # timestamp are data to merge, not an error
-    return _resampled(_load_metrics(path, False, used), path, resample, counters, rules)
+    return _resampled(_load_metrics(path, False, used), path, resample, counters, rules, model_metrics)
 
 
 def _resampled(table: Any, path: str, resample: float, counters: set[str] | frozenset[str],
-               rules: Any = None) -> Any:
+               rules: Any = None, model_metrics: Any = ()) -> Any:
     """``table`` (read without the order check) on a ``resample`` s grid, saying how many rows were merged."""
     if not resample > 0:
         raise _usage(f"--resample {resample:g}: give the new interval in seconds (> 0)")
@@ -166,7 +166,12 @@ def _resampled(table: Any, path: str, resample: float, counters: set[str] | froz
               "(gauges averaged, counters' last value)", file=sys.stderr)
     # the columns a value rule reads keep what the rule looks for (a 2-minute nic_up == 0 averaged into a 5-minute
     # bin read 0.6, and the fatal rule never fired)
-    keep = rules.bin_aggregates(table.columns) if rules is not None else None
+    # (only columns the model does not read: a model metric is merged as train merged it, or its features
+    # would shift between training and scoring)
+    keep = None
+    if rules is not None:
+        keep = {c: how for c, how in rules.bin_aggregates(table.columns).items() if c not in set(model_metrics)}
+        counters = set(counters) | {c for c, (how, _) in keep.items() if how == "last"}
     out = table.resample(resample, counters, keep)
     other = len(table.ts) - len(out.ts) - dup  # every bin is one row: the rest went into a bin with another
     if other:
@@ -430,7 +435,8 @@ def _score(args: argparse.Namespace) -> int:
     _check_not_an_input(args.out, "--out", {"--metrics": args.metrics, "--model": args.model, "--rules": args.rules})
     rt = PredictorRuntime.load(args.model, rules_path=args.rules, missing=args.missing)
     counters = _model_counters(rt.model) if rt.model is not None else set()
-    metrics = _read_metrics(args.metrics, args.resample, counters, _score_reads(rt), rt.rules)
+    metrics = _read_metrics(args.metrics, args.resample, counters, _score_reads(rt), rt.rules,
+                            rt.model.spec.metrics if rt.model is not None else ())
     if rt.model is not None:
         metrics = _without_empty_model_columns(metrics, args.metrics, rt.model.spec.metrics, args.missing)
     interval = rt.model.spec.config.interval_s if rt.model is not None else 1.0

@@ -162,8 +162,9 @@ class RulesTier:
         """How a resampling bin must merge each of ``columns`` a value rule reads, so that the rule still sees
         in the merged row what it looks for in the bin's samples (see :meth:`MetricTable.resample`): ``gt`` the
         bin's maximum, ``lt`` its minimum, ``eq``/``ne`` the value compared with; ``lt_metric`` the metric's
-        minimum and the other's maximum. Counter rules (``increased``) need nothing (counters keep their last
-        value). A column two rules read differently is merged as the first rule in the file needs.
+        minimum and the other's maximum; ``increased`` the last value (``("last", None)``: a counter). A column
+        two rules read differently is merged as the first rule in the file needs. Each column is merged alone:
+        a rule over two columns (``all``, ``lt_metric``) may hold on a merged row where no one sample met it.
         """
         wanted: list[tuple[str, tuple[str, float | None]]] = []
 
@@ -185,6 +186,8 @@ class RulesTier:
                     wanted.append((leaf["metric"], (op, float(leaf["value"]))))
                 elif op == "lt_metric":
                     wanted += [(leaf["metric"], ("min", None)), (leaf["other"], ("max", None))]
+                elif op in ("increased", "increased_within"):
+                    wanted.append((leaf["metric"], ("last", None)))
         out: dict[str, tuple[str, float | None]] = {}
         for pattern, how in wanted:
             for col in columns:

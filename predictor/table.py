@@ -271,7 +271,8 @@ class MetricTable:
         if not interval_s > 0:
             raise DataFormatError(f"--resample {interval_s!r}: the interval must be a positive number of seconds")
         is_counter = np.array([c in counters for c in self.columns], dtype=bool)
-        kept = [(j, keep[c]) for j, c in enumerate(self.columns) if keep and c in keep and c not in counters]
+        kept = [(j, keep[c]) for j, c in enumerate(self.columns)
+                if keep and c in keep and c not in counters and keep[c][0] != "last"]
         ts_out: list[np.ndarray] = []
         node_out: list[np.ndarray] = []
         job_out: list[np.ndarray] = []

@@ -824,3 +824,22 @@ def test_a_full_out_file_is_named(trained, capsys):
     _, metrics, model = trained
     assert main(["predictor", "score", "--model", model, "--metrics", metrics, "--out", "/dev/full"]) == 74
     assert "cannot write the output /dev/full: No space left on device" in capsys.readouterr().err
+
+
+def test_resample_merges_a_model_metric_a_rule_reads_as_train_did(capsys):
+    """Review: a gauge of the model that a custom rule also reads was merged as its maximum by `score --resample`
+    and as its mean by `train --resample`: every feature of it shifted between training and scoring."""
+    from trainguard.predictor.cli import _resampled
+    from trainguard.predictor.rules import RulesTier
+    from trainguard.predictor.table import MetricTable
+
+    rules = RulesTier([{"name": "hot", "when": {"metric": "gpu_temp_c", "op": "gt", "value": 95}},
+                       {"name": "xid", "when": {"metric": "gpu_xid_79_total", "op": "increased"}}])
+    ts = np.arange(10) * 60.0
+    temp = np.array([50.0, 90, 50, 50, 50, 50, 50, 50, 50, 50])
+    xid = np.array([0.0, 0, 1, 1, 1, 1, 1, 1, 2, 2])
+    table = MetricTable(["gpu_temp_c", "gpu_xid_79_total"], ts, np.array(["a"] * 10, dtype=object),
+                        np.column_stack([temp, xid]))
+    out = _resampled(table, "m.csv", 300.0, set(), rules, model_metrics=["gpu_temp_c"])
+    assert out.values[:, 0].tolist() == [58.0, 50.0]  # the mean, as train merges it
+    assert out.values[:, 1].tolist() == [1.0, 2.0]  # a rule-only counter keeps its last value
