@@ -35,7 +35,8 @@ _UP = (ReporterState.REPORTING, ReporterState.CORDONED)
 MAX_PEM_BYTES = 1 << 20
 
 #: Trailing-metadata key of an ``AttachJob`` refusal saying what was refused (``arena``: only the arena root, so
-#: the launcher may attach again without it).
+#: the launcher may attach again without it; ``held``: live launchers hold the job with another coordinator, so
+#: the launcher may try again once they are gone).
 REFUSED_METADATA_KEY = "trainguard-refused"
 
 
@@ -45,9 +46,10 @@ class JobTlsPathRefused(SecurityConfigError):
 
 
 class JobHeldElsewhere(Exception):
-    """An ``AttachJob`` names another coordinator (or token, or TLS files) for a job that live launchers of this
-    node attached: accepted, it replaced the job's reporter, and the job's real coordinator no longer heard of
-    this node's health while ``trainguard status`` still said "coordinator ok"."""
+    """An ``AttachJob`` names another coordinator (address or TLS server name) for a job that live launchers of
+    this node attached: accepted, it replaced the job's reporter, and the job's real coordinator no longer heard
+    of this node's health while ``trainguard status`` still said "coordinator ok". Other credentials for the same
+    coordinator are no conflict (each pod's own certificate, a rotated one)."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,11 @@ class DaemonJobs:
         self.tls_dirs = tuple(os.path.realpath(d) for d in tls_dirs)
         self._pem_root: str | None = None  # the attached jobs' TLS files, as their launchers sent them
         self._jobs: dict[str, set[int | str]] = {}  # job -> its live launchers' keys
-        self._targets: dict[str, tuple[bytes, str]] = {}  # job -> what its reporter reports to (digest, address)
-        self._attaching = threading.Lock()  # one attach at a time: the check of the job's target and the change
+        self._targets: dict[str, tuple[str, str]] = {}  # job -> where its reporter reports (address, server name)
+        # One attach, leave or sweep at a time: a leave that found no launcher left and then removed the job's
+        # reporter and target raced an attach between the two, which stayed with neither (and then any
+        # coordinator was taken for the job).
+        self._serial = threading.RLock()
         # The configured coordinators as started: addresses, job, security, and what their files held.
         self._configured: tuple[list[str], str, RpcSecurity | None, bytes] = ([], "", None, b"")
 
@@ -195,12 +200,12 @@ class DaemonJobs:
             JobTlsPathRefused: a TLS file named by path lies outside ``tls_dirs``.
             SecurityConfigError: a TLS file of the job's coordinator is unreadable.
         """
-        with self._attaching:
+        with self._serial:
             return self._attach(req)
 
     def _attach(self, req: agent_pb2.AttachJobRequest) -> agent_pb2.AttachJobResponse:
         key = launcher_key(req)
-        target = _target_digest(req)
+        target = (req.coordinator, req.tls_server_name)
         if req.coordinator:
             self._check_target(req, key, target)
         kept = self.arenas.attach(req.job, req.arena_root, key) if req.arena_root else False
@@ -217,31 +222,34 @@ class DaemonJobs:
         with self._lock:
             self._jobs.setdefault(req.job, set()).add(key)
             if req.coordinator:
-                self._targets[req.job] = (target, req.coordinator)
+                self._targets[req.job] = target
         log.info("job %s attached by launcher %s (coordinator %s, node %s%s)", req.job, describe_launcher(req),
                  req.coordinator or "none", req.node_id or self.node_id, ", arena kept" if kept else "")
         return agent_pb2.AttachJobResponse(node_id=self.node_id, arena_kept=kept, arena_ttl_s=self.arenas.ttl_s)
 
-    def _check_target(self, req: agent_pb2.AttachJobRequest, key: int | str, target: bytes) -> None:
+    def _check_target(self, req: agent_pb2.AttachJobRequest, key: int | str, target: tuple[str, str]) -> None:
         """Refuses a coordinator other than the one the job's other live launchers attached with (the same
         launcher attaching again, after a daemon restart, may name any).
 
         Raises:
-            JobHeldElsewhere: live launchers of the job report to another coordinator, token or TLS files.
+            JobHeldElsewhere: live launchers of the job report to another coordinator address or server name.
         """
         with self._lock:
             held = self._targets.get(req.job)
             others = [k for k in self._jobs.get(req.job, ()) if k != key]
-        if held is None or held[0] == target:
+        if held is None or held == target:
             return
         live = [k for k in others if self._alive(k)]
         if not live:
             return
-        same = "the same coordinator address but another token or TLS files" if held[1] == req.coordinator else \
-            f"coordinator {req.coordinator[:128]}"
+        named = f"coordinator {held[0]}" + (f" (TLS server name {held[1]})" if held[1] else "")
+        asked = f"coordinator {req.coordinator[:128]}" + (f" (TLS server name {req.tls_server_name[:128]})"
+                                             if req.tls_server_name else "")
         raise JobHeldElsewhere(f"job {req.job} is attached on this node by {len(live)} live launcher(s) reporting to "
-                               f"coordinator {held[1]}; this attachment names {same}. One job's launchers on a "
-                               "node report to one coordinator: give another job another name (--rdzv-id / --job)")
+                               f"{named}; this attachment names {asked}. One job's launchers on a node report to "
+                               "one coordinator: a job started again under the same name attaches once the old "
+                               "launchers are gone (trainguard run retries for a while); another job needs another "
+                               "name (--rdzv-id / --job)")
 
     def _job_security(self, req: agent_pb2.AttachJobRequest) -> RpcSecurity:
         """The TLS and token the launcher reaches its coordinator with. PEM contents in the request are written
@@ -329,6 +337,10 @@ class DaemonJobs:
         Returns:
             Whether the request was ignored, whether the job's arena was removed, and the line logged.
         """
+        with self._serial:
+            return self._leave(job, key, ended, launcher)
+
+    def _leave(self, job: str, key: int | str, ended: bool, launcher: str) -> Detached:
         who = launcher or str(key)
         with self._lock:
             keys = self._jobs.get(job, set())
@@ -343,9 +355,9 @@ class DaemonJobs:
             left = len(keys)
             if not left:
                 self._jobs.pop(job, None)
-        if not left or ended:
-            with self._lock:
+            if not left or ended:
                 self._targets.pop(job, None)
+        if not left or ended:
             self.remove_reporter(f"job:{job}")
             self._forget_pems(job)
         removed = self.arenas.detach(job, key, ended)
@@ -357,6 +369,10 @@ class DaemonJobs:
 
     def sweep(self) -> None:
         """Forgets jobs whose launchers all died without detaching (SIGKILL); ages the kept arenas."""
+        with self._serial:
+            self._sweep()
+
+    def _sweep(self) -> None:
         with self._lock:
             gone = []
             for job, keys in self._jobs.items():
@@ -381,18 +397,6 @@ class DaemonJobs:
             self.remove_reporter(key)
         if self._pem_root is not None:
             shutil.rmtree(self._pem_root, ignore_errors=True)
-
-
-def _target_digest(req: agent_pb2.AttachJobRequest) -> bytes:
-    """What an attachment reports to: the coordinator's address, token, TLS server name and files (paths and
-    contents)."""
-    h = hashlib.sha256()
-    for part in (req.coordinator, req.token, req.tls_server_name, req.tls_ca_file, req.tls_cert_file,
-                 req.tls_key_file):
-        h.update(part.encode("utf-8", "surrogatepass") + b"\0")
-    for pem in (req.tls_ca_pem, req.tls_cert_pem, req.tls_key_pem):
-        h.update(hashlib.sha256(pem).digest())
-    return h.digest()
 
 
 def _fingerprint(security: RpcSecurity) -> bytes:

@@ -105,6 +105,7 @@ class DaemonService(NodeAgentService):
         except JobTlsPathRefused as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except JobHeldElsewhere as exc:
+            context.set_trailing_metadata(((REFUSED_METADATA_KEY, "held"),))  # the launcher retries a while
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except SecurityConfigError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the job's coordinator TLS files, as this daemon "

@@ -41,6 +41,11 @@ class DaemonAttachError(AgentError):
     """The node daemon answered but refused to attach the job (the message says why)."""
 
 
+class DaemonJobHeld(DaemonAttachError):
+    """The daemon refused because live launchers of another run hold the job name with another coordinator (a
+    job started again while the old run's launchers end): it may attach once they are gone."""
+
+
 def _refused(exc: grpc.RpcError) -> str:
     """What an ``AttachJob`` refusal says was refused (``"arena"``), from its trailing metadata; "" if unsaid."""
     from trainguard.agent.daemon_jobs import REFUSED_METADATA_KEY
@@ -160,8 +165,10 @@ class DaemonLink:
                 except grpc.RpcError as exc2:
                     raise DaemonAttachError(f"node daemon at {self.path}: {exc2.details()}") from exc2
             else:
-                raise DaemonAttachError(f"node daemon at {self.path} did not attach job {job.job}: "
-                                        f"{exc.code().name}: {exc.details()}") from exc
+                cls = DaemonJobHeld if exc.code() is grpc.StatusCode.FAILED_PRECONDITION and \
+                    _refused(exc) == "held" else DaemonAttachError
+                raise cls(f"node daemon at {self.path} did not attach job {job.job}: "
+                          f"{exc.code().name}: {exc.details()}") from exc
         self.job, self.attached = job.job, resp
         return resp
 
@@ -360,6 +367,34 @@ def launcher_arena_root(environ: Mapping[str, str]) -> str:
         return root
 
 
+#: How long a launcher waits for another run's launchers holding its job name (with another coordinator) to go
+#: before it runs without the daemon: a job started again while the old pods end (Kubernetes' grace period is
+#: 30 s by default).
+HELD_WAIT_S = 30.0
+
+
+def _attach_when_free(link: "DaemonLink", attachment: "JobAttachment", wait_s: float = HELD_WAIT_S,
+                      period_s: float = 2.0) -> agent_pb2.AttachJobResponse:
+    """:meth:`DaemonLink.attach`, tried again for up to ``wait_s`` while the daemon says the job is held by live
+    launchers of another run.
+
+    Raises:
+        DaemonAttachError: refused (still held after ``wait_s``, or for another reason).
+    """
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            return link.attach(attachment)
+        except DaemonJobHeld as exc:
+            if time.monotonic() + period_s > deadline:
+                raise
+            if not said:
+                log.warning("%s; trying again for up to %.0f s", exc, wait_s)
+                said = True
+            time.sleep(period_s)
+
+
 def attach_daemon(job: str, coordinator: str, node_id: str, security, checkpointing: bool,
                   environ: dict[str, str] | None = None) -> DaemonLink | None:
     """Attaches ``job`` to the node daemon when one answers on its socket; None when none runs (run alone).
@@ -380,9 +415,10 @@ def attach_daemon(job: str, coordinator: str, node_id: str, security, checkpoint
     if link is None:
         return None
     arena = launcher_arena_root(env) if checkpointing else ""
+    attachment = JobAttachment(job, coordinator, node_id, arena, security.token, security.tls.ca_file,
+                               security.tls.cert_file, security.tls.key_file, security.server_name)
     try:
-        resp = link.attach(JobAttachment(job, coordinator, node_id, arena, security.token, security.tls.ca_file,
-                                         security.tls.cert_file, security.tls.key_file, security.server_name))
+        resp = _attach_when_free(link, attachment)
     except DaemonAttachError as exc:  # e.g. a daemon of an older version: this launcher still runs, alone
         link.close()
         log.warning("%s; running with this launcher's own detectors and predictor", exc)
@@ -393,5 +429,5 @@ def attach_daemon(job: str, coordinator: str, node_id: str, security, checkpoint
     return link
 
 
-__all__ = ["DaemonAttachError", "DaemonEventSource", "DaemonLink", "JobAttachment", "REPLAY_EVENTS",
+__all__ = ["DaemonAttachError", "DaemonEventSource", "DaemonJobHeld", "DaemonLink", "JobAttachment", "REPLAY_EVENTS",
            "WORKER_DETECTORS", "attach_daemon", "daemon_socket", "launcher_arena_root"]

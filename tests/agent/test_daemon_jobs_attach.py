@@ -43,10 +43,13 @@ def test_another_coordinator_for_a_job_held_by_a_live_launcher_is_refused(tmp_pa
                                                    r"reporting to coordinator 127.0.0.1:7001; this attachment "
                                                    r"names coordinator 127.0.0.1:1\."):
             jobs.attach(_req(102, "127.0.0.1:1"))
-        with pytest.raises(JobHeldElsewhere, match="the same coordinator address but another token"):
-            jobs.attach(_req(102, "127.0.0.1:7001", token="u" * 32))
+        with pytest.raises(JobHeldElsewhere, match=r"this attachment names coordinator 127.0.0.1:7001 \(TLS server name x\)"):
+            jobs.attach(agent_pb2.AttachJobRequest(job="j", coordinator="127.0.0.1:7001", launcher_pid=102,
+                                                   tls_server_name="x"))
         assert _address(jobs) == "127.0.0.1:7001" and jobs._jobs["j"] == {101}
-        jobs.attach(_req(102, "127.0.0.1:7001"))  # a second launcher of the same job: the same target is fine
+        # A second launcher of the same job with its own credentials (each pod's certificate, a rotated token)
+        # reports to the same coordinator: no conflict.
+        jobs.attach(_req(102, "127.0.0.1:7001", token="u" * 32))
         assert jobs._jobs["j"] == {101, 102}
         jobs.attach(_req(101, "127.0.0.1:7001"))  # attaching again (a restarted daemon) changes nothing
         # Once the other launchers are dead, a new launcher of the name may bring its own coordinator.
@@ -56,6 +59,73 @@ def test_another_coordinator_for_a_job_held_by_a_live_launcher_is_refused(tmp_pa
         assert _address(jobs) == "127.0.0.1:7003"
     finally:
         jobs.stop()
+
+
+def test_an_attach_during_a_leave_waits_for_it(tmp_path: Path) -> None:
+    """Review: a leave that found no launcher left released the lock before removing the job's reporter and
+    target; an attach in between was left with neither, and then any coordinator was taken for the job."""
+    import threading
+
+    jobs = _jobs(tmp_path, {101, 102, 666})
+    jobs.attach(_req(101, "127.0.0.1:7001"))
+    real, attacher = jobs._lock, []
+
+    class Interleave:
+        entered = 0
+
+        def __enter__(self):
+            if threading.current_thread().name == "leaver":
+                Interleave.entered += 1
+                if Interleave.entered == 2:  # between the leave's two lock sections
+                    t = threading.Thread(target=jobs.attach, args=(_req(102, "127.0.0.1:7001"),))
+                    t.start()
+                    attacher.append(t)
+                    t.join(0.3)
+            return real.__enter__()
+
+        def __exit__(self, *exc):
+            return real.__exit__(*exc)
+
+    jobs._lock = Interleave()
+    try:
+        leaver = threading.Thread(target=jobs.leave, args=("j", 101, False), name="leaver")
+        leaver.start()
+        leaver.join(10)
+        attacher[0].join(10)
+    finally:
+        jobs._lock = real
+    try:
+        assert jobs._jobs == {"j": {102}} and jobs._targets["j"] == ("127.0.0.1:7001", "")
+        assert _address(jobs) == "127.0.0.1:7001"
+        with pytest.raises(JobHeldElsewhere):
+            jobs.attach(_req(666, "evil:1"))
+    finally:
+        jobs.stop()
+
+
+def test_a_launcher_waits_a_while_for_another_runs_launchers_of_its_job(tmp_path: Path, caplog) -> None:
+    """Review: a job started again under its name while the old run's launchers end (a pod's grace period) was
+    refused once and ran without the daemon (its kept memory tier, its detectors) for good."""
+    import logging
+
+    from trainguard.agent.health_source import DaemonJobHeld, JobAttachment, _attach_when_free
+
+    class Link:
+        calls = 0
+
+        def attach(self, job):
+            Link.calls += 1
+            if Link.calls < 3:
+                raise DaemonJobHeld("node daemon at s did not attach job j: FAILED_PRECONDITION: held")
+            return agent_pb2.AttachJobResponse(node_id="n")
+
+    job = JobAttachment("j", "127.0.0.1:1", "n")
+    with caplog.at_level(logging.WARNING):
+        assert _attach_when_free(Link(), job, wait_s=5.0, period_s=0.05).node_id == "n"
+    assert Link.calls == 3 and caplog.text.count("trying again for up to 5 s") == 1
+    Link.calls = -100
+    with pytest.raises(DaemonJobHeld):
+        _attach_when_free(Link(), job, wait_s=0.2, period_s=0.05)
 
 
 def test_a_detached_job_may_be_attached_to_another_coordinator(tmp_path: Path) -> None:
