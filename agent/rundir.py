@@ -26,7 +26,7 @@ import time
 log = logging.getLogger(__name__)
 
 #: ``tempfile.mkdtemp(prefix="tg-")``: the prefix and 8 random characters (drill folders have longer names).
-RUNDIR_RE = re.compile(r"^tg-[a-z0-9_]{8}$")
+RUNDIR_RE = re.compile(r"^tg-[a-z0-9_]{8}\Z")
 #: No folder younger than this is removed (its owner may be between creating it and locking it).
 MIN_AGE_S = 10.0
 #: A folder of an older version (no owner lock) younger than this is never removed.

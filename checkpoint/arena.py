@@ -39,9 +39,9 @@ from trainguard.checkpoint.errors import ArenaOwnedError, CorruptCheckpointError
 from trainguard.checkpoint.fileio import storage_error
 from trainguard.checkpoint.manifest import Manifest, complete_world_size
 
-_RANK_RE = re.compile(r"^rank_(\d{5})$")
-_SLOT_MANIFEST_RE = re.compile(r"^slot_(\d+)\.manifest\.json$")
-_SLOT_RETIRED_RE = re.compile(r"^slot_(\d+)\.retired\.json$")
+_RANK_RE = re.compile(r"^rank_(\d{5})\Z")
+_SLOT_MANIFEST_RE = re.compile(r"^slot_(\d+)\.manifest\.json\Z")
+_SLOT_RETIRED_RE = re.compile(r"^slot_(\d+)\.retired\.json\Z")
 WRITING = "writing"
 
 

@@ -46,9 +46,9 @@ log = logging.getLogger(__name__)
 
 # 12 digits, more without a leading zero from step 10**12 on (as the disk tier names its folders): only 12 were
 # taken, so a job counting steps in tokens had every copy past 10**12 refused and no replica at all.
-_STEP_RE = re.compile(r"^step_(\d{12}|[1-9]\d{12,})\.manifest\.json$")
-_RANK_DIR_RE = re.compile(r"^rank_\d{5}$")
-_SLOT_FILE_RE = re.compile(r"^slot_(\d+)\.(?:data|tag|manifest\.json|retired\.json)$")
+_STEP_RE = re.compile(r"^step_(\d{12}|[1-9]\d{12,})\.manifest\.json\Z")
+_RANK_DIR_RE = re.compile(r"^rank_\d{5}\Z")
+_SLOT_FILE_RE = re.compile(r"^slot_(\d+)\.(?:data|tag|manifest\.json|retired\.json)\Z")
 #: Highest rank a copy can be filed under (``rank_NNNNN``): a name with more digits is listed by nothing, so its
 #: memory would be held outside the bound until the job ends. Steps go to :data:`MAX_STEP`, as on every tier.
 MAX_RANK = 99_999

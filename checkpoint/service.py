@@ -183,7 +183,7 @@ class PersistServer:
                         conn.send({"op": "error", "error": f"a request is a JSON object, not {type(msg).__name__}"})
                 if len(buf) > MAX_REQUEST_BYTES:
                     raise ValueError(f"a request line of over {MAX_REQUEST_BYTES >> 20} MiB without a newline")
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested 200,000 deep
             log.warning("checkpoint service: client connection dropped: %s", exc)
         finally:
             conn.open = False

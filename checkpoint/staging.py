@@ -157,7 +157,8 @@ class StagingArea:
                 except StorageUnavailableError:
                     # Another process took the room between the check and the allocation: fall back as well.
                     self.close(remove=False)
-                    short = max(1, arena_mod.staging_shortfall(arena.dir, self.nslots, nbytes))
+                    short = arena_mod.staging_shortfall(arena.dir, self.nslots, nbytes)
+                    return self.fall_back(nbytes, short, raced=True)
         return self.fall_back(nbytes, short)
 
     def _lease_disk(self) -> None:
@@ -188,8 +189,9 @@ class StagingArea:
             return
         self.disk_lease = lease
 
-    def fall_back(self, nbytes: int, short: int) -> Arena:
-        """Opens the fallback staging for slots of ``nbytes`` (``short`` bytes missing in the memory directory).
+    def fall_back(self, nbytes: int, short: int, raced: bool = False) -> Arena:
+        """Opens the fallback staging for slots of ``nbytes`` (``short`` bytes missing in the memory directory;
+        ``raced``: another process took the room between the check and this allocation).
 
         Warns once and emits the ``checkpoint.staging_fallback`` event. The caller has closed any arena first.
 
@@ -201,13 +203,13 @@ class StagingArea:
         kind, where_dir = self.fallback()
         if where_dir is None:
             raise StorageUnavailableError(
-                f"{shm_root} is {_short(short)} for {self.nslots} staging slots of "
+                f"{shm_root} is {_short(short, raced)} for {self.nslots} staging slots of "
                 f"{nbytes / 2**20:.1f} MiB and the disk tier is off; enlarge /dev/shm (docker run --shm-size, "
                 "a Kubernetes emptyDir with medium: Memory) or set checkpoint.memory.directory")
         where = (f"on local disk at {where_dir}" if kind == "disk" else
                  "in anonymous host memory" + (" (page-locked for the GPU copies)" if _cuda() else ""))
         msg = (f"checkpoint staging: {shm_root} has too little room for {self.nslots} slots "
-               f"({self.nslots * nbytes / 2**20:.1f} MiB, {_short(short)}; /dev/shm is 64 MiB in "
+               f"({self.nslots * nbytes / 2**20:.1f} MiB, {_short(short, raced)}; /dev/shm is 64 MiB in "
                f"Docker and in Kubernetes pods by default), so snapshots are staged {where} "
                f"and the in-memory tier is off for rank {self.rank}; to restore from memory "
                "again, enlarge /dev/shm (docker run --shm-size=16g, or mount a Kubernetes emptyDir with "
@@ -287,9 +289,8 @@ class StagingArea:
 __all__ = ["EVENT_KIND", "MOUNTINFO", "StagingArea", "filesystem_type", "shared_between_hosts"]
 
 
-def _short(nbytes: int) -> str:
+def _short(nbytes: int, raced: bool = False) -> str:
     """How much room the memory directory lacks, as said to the user: "0.0 MiB short" was said when another
     process took the room between the check and this rank's allocation (two ranks starting together)."""
-    if nbytes >= 2**20 // 10:
-        return f"{nbytes / 2**20:.1f} MiB short"
-    return "short of what another process took while these were allocated"
+    said = f"{nbytes / 2**20:.1f} MiB short" if nbytes >= 2**20 // 10 else f"{max(nbytes, 1)} bytes short"
+    return said + (" (another process took the room while these were allocated)" if raced else "")

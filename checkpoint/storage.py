@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 COMMIT_RECORD = "COMMITTED.json"
 # 12 digits, more without a leading zero for steps from 10**12 on (tokens seen): those folders were written but
 # never listed, so a restore resumed from an older step and retention never removed them.
-_STEP_RE = re.compile(r"^step_(\d{12}|[1-9]\d{12,})$")
-_MARKER_RE = re.compile(r"^rank_(\d{5})\.commit$")
+_STEP_RE = re.compile(r"^step_(\d{12}|[1-9]\d{12,})\Z")
+_MARKER_RE = re.compile(r"^rank_(\d{5})\.commit\Z")
 #: stray files named like a step already reported by this process (the persist process lists at every save).
 _warned_strays: set[str] = set()
 

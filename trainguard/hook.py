@@ -522,6 +522,7 @@ class Session:
         step = _as_step(step)
         if isinstance(step, int) and not 0 <= step <= MAX_STEP:
             self._step_out_of_range(step)
+            self._timer.collect()  # this step's section times go with it, not into the next step's
             return
         if self._finished and self._agent is not None:
             self._step_after_finish(step)

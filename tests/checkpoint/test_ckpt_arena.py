@@ -260,5 +260,5 @@ def test_a_shortfall_lost_to_another_process_is_not_called_zero_mib() -> None:
     # allocation, and the warning said "0.0 MiB short" (black-box review).
     from trainguard.checkpoint.staging import _short
 
-    assert _short(1) == "short of what another process took while these were allocated"
-    assert _short(3 * 2**20) == "3.0 MiB short"
+    assert _short(0, raced=True) == "1 bytes short (another process took the room while these were allocated)"
+    assert _short(3 * 2**20) == "3.0 MiB short" and _short(4096) == "4096 bytes short"

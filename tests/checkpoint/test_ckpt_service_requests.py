@@ -91,3 +91,12 @@ def test_many_requests_in_one_chunk_and_one_request_over_many(server) -> None:
         while chunk := sock.recv(1 << 16):
             data += chunk
     assert [json.loads(line)["op"] for line in data.splitlines()] == ["pong", "pong"]
+
+
+def test_json_nested_too_deep_drops_that_client_without_a_traceback(server, caplog) -> None:
+    _, path = server
+    with caplog.at_level(logging.WARNING):
+        assert _talk(path, b"[" * 200_000 + b"\n") == []
+    assert any("client connection dropped" in r.getMessage() for r in caplog.records)
+    assert not [r for r in caplog.records if r.exc_info]
+    assert _talk(path, b'{"op": "ping"}\n')[0]["op"] == "pong"
