@@ -138,6 +138,10 @@ class WorkerGroup:
         self._specs = list(specs)
         self._log_dir = log_dir
         self._streams = dict(streams or {})
+        # -r/-t named some rank's streams: the others stay on the console, as under torchrun (the one-file-per-rank
+        # layout of a bare --log-dir took them too, and rank 0's output vanished into rank0.log)
+        self._redirected = any(getattr(st, name, "console") in ("file", "tee")
+                               for st in self._streams.values() for name in ("stdout", "stderr"))
         self._role = role
         self._workers: list[Worker] = []
         self._lock = threading.Lock()
@@ -149,7 +153,8 @@ class WorkerGroup:
         st = self._streams.get(spec.local_rank)
         out_kind = getattr(st, "stdout", "console")
         err_kind = getattr(st, "stderr", "console")
-        if self._log_dir and out_kind in ("console", "null") and err_kind in ("console", "null"):
+        if self._log_dir and not self._redirected and out_kind in ("console", "null") and \
+                err_kind in ("console", "null"):
             # --log-dir without -r/-t: one file per rank with both streams (trainguard's layout).
             path = os.path.join(self._log_dir, f"rank{spec.rank}.log")
             return ("both", path), ("both", path)

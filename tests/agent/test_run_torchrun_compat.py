@@ -129,6 +129,20 @@ def test_redirects_tee_and_ranks_filter(tmp_path: Path, tg_env: dict) -> None:
     assert "err-0" not in r.stderr and "err-1" not in r.stderr
 
 
+def test_ranks_not_named_by_redirects_stay_on_the_console(tmp_path: Path, tg_env: dict) -> None:
+    """Black-box review: `--redirects 1:3` (torchrun: only local rank 1 to files) sent rank 0's output, silently,
+    into rank0.log of a temporary folder too: the one-file-per-rank layout of a bare --log-dir took it."""
+    script = tmp_path / "talk.py"
+    script.write_text("import os, sys\nr = os.environ['LOCAL_RANK']\nprint('out-' + r)\n"
+                      "print('err-' + r, file=sys.stderr)\n")
+    logs = tmp_path / "logs"
+    r = run_cli(["run", "--nproc-per-node", "2", "--max-restarts", "0", "--log-dir", str(logs), "--redirects", "1:3",
+                 str(script)], tg_env)
+    assert r.returncode == 0, r.stderr
+    assert "out-0" in r.stdout and "err-0" in r.stderr and "out-1" not in r.stdout, (r.stdout, r.stderr[-2000:])
+    assert (logs / "rank1.stdout.log").read_text() == "out-1\n" and not (logs / "rank0.log").exists()
+
+
 @pytest.mark.parametrize("flags,words", [
     (["--nnodes", "3:1"], ["--nnodes", "MIN <= MAX"]),
     (["--nnodes", "two"], ["--nnodes", "N or MIN:MAX"]),
