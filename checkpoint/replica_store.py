@@ -87,6 +87,21 @@ def remove_stale_partials(directory: str) -> None:
             os.close(fd)
 
 
+def _make_folders(path: str, tries: int = 20) -> None:
+    """``os.makedirs(path, exist_ok=True)``, again when a folder vanishes while it is made: another agent of the
+    job on this host removes the store's folders while they are empty, at its start, so a parent could go before
+    the next folder was made under it (FileNotFoundError), or ``path`` between its mkdir's "exists" and the check
+    that it is a folder (FileExistsError). Two agents starting together: one died of either, found by a
+    black-box review."""
+    for attempt in range(tries):
+        try:
+            os.makedirs(path, exist_ok=True)
+            return
+        except (FileNotFoundError, FileExistsError):
+            if attempt == tries - 1 or os.path.lexists(path) and not os.path.isdir(path):
+                raise
+
+
 def _lock_dir(directory: str, wait: bool) -> int:
     """An fd holding ``flock(LOCK_EX)`` on ``directory`` (closing it unlocks); -1 when ``wait`` is False and
     another holder has it (or the folder is gone). flock, not the store's thread lock: the lock must hold across
@@ -181,7 +196,7 @@ class ReplicaStore:
         #: replicas evicted to make room since start (a metric).
         self.evicted = 0
         make_shared_root(shm_root)  # the replica receiver may be the first of the host's jobs to use it
-        os.makedirs(self.root, exist_ok=True)
+        _make_folders(self.root)
         for d, _, names in os.walk(self.root):  # a receiver killed mid-transfer left these
             for n in names:
                 if n.endswith(".tmp"):
@@ -197,7 +212,11 @@ class ReplicaStore:
         # removed it, so with the rank restored from local memory or disk it held tmpfs memory for the job's
         # life, leaving the workers' own snapshots less room.
         job_dir = os.path.dirname(self.root)
-        for n in os.listdir(job_dir):
+        try:
+            names = os.listdir(job_dir)
+        except FileNotFoundError:
+            names = []  # removed, being empty, by another agent of the job (see _make_folders)
+        for n in names:
             if _RANK_DIR_RE.match(n):
                 remove_stale_partials(os.path.join(job_dir, n))
 

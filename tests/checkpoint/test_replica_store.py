@@ -273,3 +273,35 @@ def test_a_short_replica_is_removed_only_once_no_publisher_holds_its_folder(root
     small, data = _copy(6, 60, kib=16)  # the next push of that step lands as usual
     _send(store, small, data).commit()
     assert [(r.rank, r.step, r.nbytes) for r in store.replicas()] == [(6, 60, small.data_bytes)]
+
+
+def _start_agent(root: str, job: str, i: int, barrier, out) -> None:
+    from trainguard.agent.memory_tier import MemoryTier
+    from trainguard.agent.replica_agent import ReplicaAgent, ReplicaConfig
+
+    tier = MemoryTier(root, job, "/ckpt")
+    barrier.wait()
+    try:
+        ReplicaAgent(ReplicaConfig(), tier, f"n{i}", "127.0.0.1")
+        out.put("")
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_two_agents_of_a_job_starting_together_on_one_host_both_start(root) -> None:
+    # Black-box review: each agent's store makes <root>/<job>/replicas and removes it at once while empty; the
+    # other's makedirs lost the job folder between its two mkdirs and the launcher died with FileNotFoundError
+    # (34 of 300 agents here before; two `trainguard run` of one job on a host).
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    failures = []
+    for t in range(40):
+        barrier, out = ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=_start_agent, args=(root, f"race{t}", i, barrier, out)) for i in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+        failures += [r for r in (out.get(timeout=10) for _ in procs) if r]
+    assert not failures, failures[:3]
