@@ -501,7 +501,12 @@ def format_summary(result: RunResult) -> str:
     for i, f in enumerate(result.faults, 1):
         t_fault = f.injected_at or f.detected_at
         at = f" at step {f.step}" if f.step is not None else ""
-        parts = [f"  fault {i}: generation {f.generation}, rank {f.rank} ended with {f.cause}{at}"]
+        if f.hang:
+            # The rank found silent first is often one waiting for the stuck one (in its all-reduce): the headline
+            # named it, and the stuck rank came last, as "hang localised to ..." (black-box review).
+            parts = [f"  fault {i}: generation {f.generation}, a hang localised to {f.hang}, found when {f.cause}{at}"]
+        else:
+            parts = [f"  fault {i}: generation {f.generation}, rank {f.rank} ended with {f.cause}{at}"]
         parts.append(f"detected +{(f.detected_at - t_fault) * 1000:.0f} ms")
         if f.restarted_at:
             parts.append(f"restarted +{f.restarted_at - t_fault:.2f} s")
@@ -509,8 +514,6 @@ def format_summary(result: RunResult) -> str:
             parts.append(f"first step {f.resumed_step} +{f.recovery_s:.2f} s")
         if f.hardware:
             parts.append(f"node fault {f.hardware}")
-        if f.hang:
-            parts.append(f"hang localised to {f.hang}")
         lines.append(", ".join(parts))
     return "\n".join(lines)
 
