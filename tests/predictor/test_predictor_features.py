@@ -56,7 +56,10 @@ def test_empty_counter_cells_are_a_gap_not_a_fall_to_zero_and_a_burst():
 
 def test_a_burst_right_after_empty_counter_cells_is_not_spread_over_the_outage():
     """Review: windows starting inside the outage were timed from the reading before it, so a burst in the first
-    minutes after an outage read 10-20x diluted; it reads as after missing rows now."""
+    minutes after an outage read 10-20x diluted; it reads as the same rows without the outage now (over the
+    window's length from the first reading after: over the minutes since that reading alone, as after missing
+    rows, a few errors read as a burst, and a supervised model alarmed 5x as often after the dropouts of the
+    synthetic transfer fleet)."""
     spec = FeatureSpec(("gpu_ecc_sbe_total",), CFG)
     ts = np.arange(200) * 60.0
     steps = np.full(200, 6.0)
@@ -64,11 +67,10 @@ def test_a_burst_right_after_empty_counter_cells_is_not_spread_over_the_outage()
     counter = np.cumsum(steps)
     gap = counter.copy()
     gap[60:120] = np.nan
-    rows = np.r_[0:60, 120:200]  # the same outage as missing rows
     empty_cells = _feats(spec, ts, gap)["gpu_ecc_sbe_total.rate_s"]
-    missing_rows = _feats(spec, ts[rows], counter[rows])["gpu_ecc_sbe_total.rate_s"]
-    np.testing.assert_allclose(empty_cells[120:], missing_rows[60:])
-    assert empty_cells[121:124].min() == pytest.approx(600.0)
+    no_outage = _feats(spec, ts, counter)["gpu_ecc_sbe_total.rate_s"]
+    np.testing.assert_allclose(empty_cells[120:], no_outage[120:], rtol=0.05)
+    assert empty_cells[123] > 300.0
 
 
 def test_a_counter_summed_over_devices_that_drops_in_part_is_no_burst():
