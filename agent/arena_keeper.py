@@ -106,8 +106,14 @@ def hold_root(root: str) -> bool:
                 f"in-memory checkpoints under {root}: two daemons on one root remove each other's jobs' arenas; "
                 f"stop that daemon, or give this one its own memory_tier.root (and its jobs the same "
                 f"TRAINGUARD_CHECKPOINT_SHM_DIR)") from exc
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            # A full tmpfs: the lock holds without the pid (which only names this daemon to a second one); raised
+            # here, it stopped the daemon with "cannot write the output (standard output)".
+            log.warning("memory tier: cannot write this daemon's pid into %s (%s); %s is full, so jobs' in-memory "
+                        "checkpoints will not fit there either", path, exc.strerror or exc, root)
         _HELD_ROOTS[root] = [fd, 1]
         return True
 

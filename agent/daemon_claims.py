@@ -62,8 +62,19 @@ def hold_lock(lock_path: str, key: str, flag: str, taken: str) -> int:
         os.close(fd)
         raise AgentError(f"another trainguard agent{f' (pid {holder})' if holder.isdigit() else ''} {taken}; stop "
                          f"that agent first or give this one its own {flag}") from exc
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        # A full filesystem (a /dev/shm filled by leftover arenas) failed here without a file name: the CLI called
+        # it "cannot write the output (standard output)", exit 74, and left the empty lock file.
+        os.close(fd)
+        try:
+            os.unlink(lock_path)
+        except OSError:
+            pass
+        raise AgentConfigError(f"{key}: cannot write {lock_path} ({exc.strerror}); free space there or pick "
+                               f"another {flag}") from exc
     return fd
 
 
