@@ -137,6 +137,9 @@ def open_channel(args: argparse.Namespace) -> tuple[grpc.Channel, str]:
     """
     if (args.cert or args.key or args.ca) and not args.target:
         raise AgentError("--ca/--cert/--key apply to --target HOST:PORT; the unix socket needs no TLS")
+    if args.target and args.socket:  # --socket was dropped without a word, and a live socket's agent went unasked
+        raise AgentError("--socket and --target name two agents: give --socket PATH for this host's agent or "
+                         "--target HOST:PORT for one over TCP, not both")
     if args.target:
         options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
         if args.ca or args.cert:
@@ -168,7 +171,9 @@ def _unreachable(address: str, exc: grpc.RpcError) -> AgentError:
         return AgentError(f"{address} is not a trainguard node agent: {foreign} ({foreign_said(exc.details() or '')})"
                           "; point --target at the agent's grpc.listen address (127.0.0.1:7350 by default; not a "
                           "coordinator's, not a metrics port) or --socket at its unix socket")
-    details = (exc.details() or "").splitlines()[0][:160] if exc.details() else ""
+    details = (exc.details() or "").splitlines()[0] if exc.details() else ""
+    if len(details) > 200:  # cut at a word, with a mark: a cut mid-word read "Connection re)"
+        details = details[:200].rsplit(" ", 1)[0] + " ..."
     return AgentError(f"no node agent answers at {address} ({exc.code().name}: {details}); is `trainguard agent` "
                       "running, and are --socket/--target and the TLS flags right?")
 

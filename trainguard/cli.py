@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         The top-level parser; each leaf parser has a ``handler`` default.
     """
     parser = _Parser(prog="trainguard", description="Fault tolerance and checkpointing for distributed training.")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log level (default INFO; for `trainguard agent`, its config's log.level)")
     parser.add_argument("--version", action="version", version=f"trainguard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     p = sub.add_parser("version", help="print the version")

@@ -85,15 +85,22 @@ def setup_logging(args: argparse.Namespace) -> None:
     Raises:
         ValueError: unknown format in the environment.
     """
+    level = args.log_level or "INFO"  # None: the flag not given (the daemon's config file may set its level)
+    if args.log_level:
+        from trainguard.agent.config import LOG_LEVEL_ENV as AGENT_LOG_LEVEL_ENV
+
+        # The daemon re-configures logging from its config file; the flag must win there (it did not:
+        # `trainguard --log-level ERROR agent` logged at the file's level).
+        os.environ[AGENT_LOG_LEVEL_ENV] = args.log_level.lower()
     fmt = chosen_log_format(args)
     if fmt is None:
-        logging.basicConfig(level=getattr(logging, args.log_level),
+        logging.basicConfig(level=getattr(logging, level),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
         return
     from trainguard.agent.config import LOG_FORMAT_ENV as AGENT_LOG_FORMAT_ENV
     from trainguard.agent.logging_setup import configure_logging
 
-    configure_logging(fmt, args.log_level.lower())
+    configure_logging(fmt, level.lower())
     # The daemon re-configures logging from its config file; the flag must win there too.
     os.environ[AGENT_LOG_FORMAT_ENV] = fmt
 
