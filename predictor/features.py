@@ -305,8 +305,9 @@ def _counter_rates(prefix: np.ndarray, ts: np.ndarray, seen_t: np.ndarray, out_r
     maximum: a node with no learned-tier alarm for good), and the rows of the outage read "no increase", a
     fall to 0. Timed by readings, the rows of the outage repeat the rate as last read (for up to
     :data:`STALE_COUNTER_S`), and the first reading after spreads the increase over the time since the reading
-    before, as after missing rows; later windows start at the first reading after the outage. A window holding no reading before its end (after a gap longer than it)
-    starts at the reading before.
+    before, as after missing rows; a later window reaching into the outage counts that part at the outage's mean
+    rate (the counter taken as growing evenly between the readings around it). A window holding no reading before
+    its end (after a gap longer than it) starts at the reading before.
 
     Args:
         prefix: prefix sums of the counters' increments, shape (n + 1, k).
@@ -334,7 +335,9 @@ def _counter_rates(prefix: np.ndarray, ts: np.ndarray, seen_t: np.ndarray, out_r
     read_row = np.where(seen_t == ts[:, None], np.arange(n)[:, None], n)
     next_read = np.minimum.accumulate(read_row[::-1], axis=0)[::-1]
     j_read = next_read[np.minimum(j, n - 1), cols]
-    moved = (j_read < end) & (j_read != j)
+    # (a counter first read after the node's first rows has no outage behind it: its window starts at its first
+    # reading, over the time since)
+    moved = (j_read < end) & (j_read != j) & ~np.isnan(seen_t[np.maximum(j_read - 1, 0), cols])
     start = np.where(j_read < end, j_read, np.where(j >= end, np.maximum(end - 1, 0), j))
     t_start = seen_t[start, cols]
     t_start = np.where(np.isnan(t_start), ts[start], t_start)

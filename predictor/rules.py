@@ -163,7 +163,8 @@ class RulesTier:
         in the merged row what it looks for in the bin's samples (see :meth:`MetricTable.resample`): ``gt`` the
         bin's maximum, ``lt`` its minimum, ``eq``/``ne`` the value compared with; ``lt_metric`` the metric's
         minimum and the other's maximum; ``increased`` the last value (``("last", None)``: a counter). A column
-        two rules read differently is merged as the first rule in the file needs. Each column is merged alone:
+        two value rules read differently is merged as the first of them in the file needs, and a value rule's
+        merge wins over ``increased``'s. Each column is merged alone:
         a rule over two columns (``all``, ``lt_metric``) may hold on a merged row where no one sample met it.
         """
         wanted: list[tuple[str, tuple[str, float | None]]] = []
@@ -191,8 +192,11 @@ class RulesTier:
         out: dict[str, tuple[str, float | None]] = {}
         for pattern, how in wanted:
             for col in columns:
-                if fnmatch.fnmatchcase(col, pattern):
-                    out.setdefault(col, how)
+                # a value rule's merge wins over a counter rule's last value (the last value kept no extreme)
+                if not fnmatch.fnmatchcase(col, pattern):
+                    continue
+                if col not in out or (out[col][0] == "last" and how[0] != "last"):
+                    out[col] = how
         return out
 
     def count_from_zero(self, patterns: list[str] | tuple[str, ...]) -> None:

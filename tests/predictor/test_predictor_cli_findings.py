@@ -843,3 +843,11 @@ def test_resample_merges_a_model_metric_a_rule_reads_as_train_did(capsys):
     out = _resampled(table, "m.csv", 300.0, set(), rules, model_metrics=["gpu_temp_c"])
     assert out.values[:, 0].tolist() == [58.0, 50.0]  # the mean, as train merges it
     assert out.values[:, 1].tolist() == [1.0, 2.0]  # a rule-only counter keeps its last value
+
+
+def test_a_value_rules_merge_wins_over_a_counter_rules_last_value():
+    from trainguard.predictor.rules import RulesTier
+
+    rules = RulesTier([{"name": "inc", "when": {"metric": "x_total", "op": "increased"}},
+                       {"name": "big", "when": {"metric": "x_total", "op": "gt", "value": 9}}])
+    assert rules.bin_aggregates(["x_total"]) == {"x_total": ("max", None)}

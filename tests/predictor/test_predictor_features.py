@@ -73,6 +73,77 @@ def test_a_burst_right_after_empty_counter_cells_is_not_spread_over_the_outage()
     assert empty_cells[123] > 300.0
 
 
+def test_a_counter_first_read_after_the_nodes_first_rows_reads_its_rate():
+    """Review: an exporter starting a minute after the node's others left the counter's first cell empty, and its
+    rates read as falling for a whole long window (1.2 and 0.8 per minute for 6)."""
+    spec = FeatureSpec(("gpu_ecc_sbe_total",), CFG)
+    ts = np.arange(40) * 60.0
+    counter = np.arange(40) * 6.0
+    counter[:1] = np.nan
+    f = _feats(spec, ts, counter)
+    np.testing.assert_allclose(f["gpu_ecc_sbe_total.rate_s"][2:], 6.0)
+    np.testing.assert_allclose(f["gpu_ecc_sbe_total.rate_l"][2:], 6.0)
+
+
+def test_counter_rates_match_a_plain_reference_on_random_outages():
+    """The vectorised rates against a loop over the rules they implement, on random series with empty-cell
+    stretches, resets and bursts (a review's reference)."""
+    rng = np.random.default_rng(7)
+    spec = FeatureSpec(("gpu_ecc_sbe_total",), CFG)
+    for _ in range(20):
+        n = 300
+        ts = np.cumsum(rng.choice([60.0, 60.0, 60.0, 120.0, 600.0], n))
+        counter = np.cumsum(rng.poisson(3.0, n) + (rng.random(n) < 0.02) * 500).astype(float)
+        raw = counter.copy()
+        for _ in range(rng.integers(1, 5)):
+            a = int(rng.integers(0, n - 5))
+            raw[a:a + int(rng.integers(1, 60))] = np.nan
+        got = _feats(spec, ts, raw)
+        for window, name in ((CFG.short_window_s, "rate_s"), (CFG.long_window_s, "rate_l")):
+            want = [_reference_rate(ts, raw, i, window, CFG.interval_s) for i in range(n)]
+            np.testing.assert_allclose(got[f"gpu_ecc_sbe_total.{name}"], want, rtol=1e-9, atol=1e-9)
+
+
+def _reference_rate(ts, raw, i, window_s, interval_s, stale_s=3600.0):
+    """A counter's per-minute rate at row ``i`` by the rules of features._counter_rates, one row at a time."""
+    read = [k for k in range(i + 1) if not np.isnan(raw[k])]
+    if not read:
+        return 0.0
+    end = read[-1]
+    if ts[i] - ts[end] > stale_s:
+        return 0.0
+    value = {k: raw[k] for k in read}
+
+    def increase(a, b):  # summed increments between readings a < b (resets: at most half the previous value)
+        total, prev = 0.0, a
+        for k in [k for k in read if a < k <= b]:
+            d = value[k] - value[prev]
+            total += d if d >= 0 else (value[k] if value[k] <= -d else 0.0)
+            prev = k
+        return total
+
+    t_end = ts[end]
+    j = int(np.searchsorted(ts, t_end - window_s, side="left"))
+    later = [k for k in read if k >= j]
+    first_after = later[0] if later else None
+    if first_after is not None and first_after < end and first_after != j:
+        earlier = [k for k in read if k < first_after]
+        if earlier:  # a window reaching into an outage: that part at the outage's mean rate
+            p = earlier[-1]
+            gap = ts[first_after] - ts[p]
+            overlap = min(max(ts[first_after] - (t_end - window_s), 0.0), gap)
+            inc = increase(first_after, end) + increase(p, first_after) * (overlap / gap if gap > 0 else 0.0)
+            return inc / window_s * 60.0
+        start = first_after
+    elif first_after is not None and first_after < end:
+        start = first_after
+    else:
+        start = max(end - 1, 0)
+    start_read = [k for k in read if k <= start]
+    s = start_read[-1] if start_read else start
+    return (increase(s, end) if start_read else 0.0) / max(t_end - ts[s], interval_s) * 60.0
+
+
 def test_a_counter_summed_over_devices_that_drops_in_part_is_no_burst():
     """Black-box review: one GPU's volatile count restarting drops a node's sum by a quarter; taken as a restart
     from zero, the whole remaining sum counted as new errors (rate_s_rz 256, an alarm)."""
