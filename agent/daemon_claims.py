@@ -68,11 +68,11 @@ def hold_lock(lock_path: str, key: str, flag: str, taken: str) -> int:
     except OSError as exc:
         # A full filesystem (a /dev/shm filled by leftover arenas) failed here without a file name: the CLI called
         # it "cannot write the output (standard output)", exit 74, and left the empty lock file.
-        os.close(fd)
         try:
-            os.unlink(lock_path)
+            os.unlink(lock_path)  # before the close: once closed, another daemon may hold the file at that path
         except OSError:
             pass
+        os.close(fd)
         raise AgentConfigError(f"{key}: cannot write {lock_path} ({exc.strerror}); free space there or pick "
                                f"another {flag}") from exc
     return fd

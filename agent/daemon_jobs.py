@@ -105,15 +105,21 @@ class DaemonJobs:
         Raises:
             SecurityConfigError: a TLS file of the target is unreadable.
         """
+        reporter, old = self._swap_reporter(key, target)
+        if old is not None:
+            old.stop()
+        return reporter
+
+    def _swap_reporter(self, key: str, target: ReportTarget) -> tuple[CoordinatorReporter, CoordinatorReporter | None]:
+        """Starts a reporter to ``target`` under ``key``; returns it and the one it replaced (not stopped yet: a
+        stop waits up to its report's deadline, which the caller does outside its locks)."""
         reporter = CoordinatorReporter(target, self._verdict, self.node_id, self.host, self.instance,
                                        interval_s=self.interval_s, timeout_s=self.timeout_s)
         reporter.start()
         with self._lock:
             old = self._reporters.pop(key, None)
             self._reporters[key] = reporter
-        if old is not None:
-            old.stop()
-        return reporter
+        return reporter, old
 
     def remove_reporter(self, key: str) -> None:
         """Stops the reporter under ``key``, if any."""
@@ -200,10 +206,16 @@ class DaemonJobs:
             JobTlsPathRefused: a TLS file named by path lies outside ``tls_dirs``.
             SecurityConfigError: a TLS file of the job's coordinator is unreadable.
         """
-        with self._serial:
-            return self._attach(req)
+        replaced: list[CoordinatorReporter] = []
+        try:
+            with self._serial:
+                return self._attach(req, replaced)
+        finally:
+            for old in replaced:  # outside the lock: a stop waits up to a report's deadline (7 s by default)
+                old.stop()
 
-    def _attach(self, req: agent_pb2.AttachJobRequest) -> agent_pb2.AttachJobResponse:
+    def _attach(self, req: agent_pb2.AttachJobRequest,
+                replaced: list[CoordinatorReporter]) -> agent_pb2.AttachJobResponse:
         key = launcher_key(req)
         target = (req.coordinator, req.tls_server_name)
         if req.coordinator:
@@ -212,8 +224,10 @@ class DaemonJobs:
         if req.coordinator:
             try:
                 security = self._job_security(req)
-                self.add_reporter(f"job:{req.job}", ReportTarget(req.coordinator, job=req.job, node_id=req.node_id,
-                                                                 security=security, origin=f"job {req.job}"))
+                _, old = self._swap_reporter(f"job:{req.job}", ReportTarget(
+                    req.coordinator, job=req.job, node_id=req.node_id, security=security, origin=f"job {req.job}"))
+                if old is not None:
+                    replaced.append(old)
             except Exception:
                 # Refused: the arena must not stay held for a launcher that is not attached and never detaches.
                 if req.arena_root:
@@ -338,9 +352,25 @@ class DaemonJobs:
             Whether the request was ignored, whether the job's arena was removed, and the line logged.
         """
         with self._serial:
-            return self._leave(job, key, ended, launcher)
+            stale, left = self._leave(job, key, ended, launcher)
+        if isinstance(stale, Detached):
+            return stale
+        # Outside the lock, so that no attach waits behind them: a reporter's stop (up to its report's deadline)
+        # and the arena's removal.
+        if stale is not None:
+            stale.stop()
+        who = launcher or str(key)
+        removed = self.arenas.detach(job, key, ended)
+        outcome = (("its arena removed" if removed else "no arena of it removed") if ended
+                   else f"{left} launcher(s) of it left")
+        summary = f"job {job} detached by launcher {who} (the job {'ended' if ended else 'goes on'}; {outcome})"
+        log.info("%s", summary)
+        return Detached(ignored=False, arena_removed=removed, summary=summary)
 
-    def _leave(self, job: str, key: int | str, ended: bool, launcher: str) -> Detached:
+    def _leave(self, job: str, key: int | str, ended: bool,
+               launcher: str) -> tuple[CoordinatorReporter | Detached | None, int]:
+        """The job's state after ``key`` leaves: the refusal (a :class:`Detached`), or the job's reporter taken
+        out when no launcher is left or the job ended (to stop), and how many launchers are left."""
         who = launcher or str(key)
         with self._lock:
             keys = self._jobs.get(job, set())
@@ -350,44 +380,46 @@ class DaemonJobs:
                 summary = (f"launcher {who}, not one of job {job}'s, said the job ended; ignored while its launchers "
                            "live")
                 log.warning("%s", summary)
-                return Detached(ignored=True, arena_removed=False, summary=summary)
+                return Detached(ignored=True, arena_removed=False, summary=summary), 0
             keys.discard(key)
             left = len(keys)
             if not left:
                 self._jobs.pop(job, None)
+            stale = None
             if not left or ended:
                 self._targets.pop(job, None)
+                stale = self._reporters.pop(f"job:{job}", None)
         if not left or ended:
-            self.remove_reporter(f"job:{job}")
             self._forget_pems(job)
-        removed = self.arenas.detach(job, key, ended)
-        outcome = (("its arena removed" if removed else "no arena of it removed") if ended
-                   else f"{left} launcher(s) of it left")
-        summary = f"job {job} detached by launcher {who} (the job {'ended' if ended else 'goes on'}; {outcome})"
-        log.info("%s", summary)
-        return Detached(ignored=False, arena_removed=removed, summary=summary)
+        return stale, left
 
     def sweep(self) -> None:
         """Forgets jobs whose launchers all died without detaching (SIGKILL); ages the kept arenas."""
         with self._serial:
-            self._sweep()
+            stale = self._sweep()
+        for reporter in stale:  # outside the lock, as in leave()
+            reporter.stop()
+        self.arenas.sweep()
 
-    def _sweep(self) -> None:
+    def _sweep(self) -> list[CoordinatorReporter]:
         with self._lock:
             gone = []
             for job, keys in self._jobs.items():
                 keys.intersection_update({k for k in keys if self._alive(k)})
                 if not keys:
                     gone.append(job)
+            stale = []
             for job in gone:
                 del self._jobs[job]
                 self._targets.pop(job, None)
+                reporter = self._reporters.pop(f"job:{job}", None)
+                if reporter is not None:
+                    stale.append(reporter)
         for job in gone:
             log.warning("every launcher of job %s is gone without detaching; no more reports to its coordinator",
                         job)
-            self.remove_reporter(f"job:{job}")
             self._forget_pems(job)
-        self.arenas.sweep()
+        return stale
 
     def stop(self) -> None:
         """Stops every reporter and removes the jobs' TLS files."""

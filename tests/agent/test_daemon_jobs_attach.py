@@ -61,42 +61,34 @@ def test_another_coordinator_for_a_job_held_by_a_live_launcher_is_refused(tmp_pa
         jobs.stop()
 
 
-def test_an_attach_during_a_leave_waits_for_it(tmp_path: Path) -> None:
+def test_an_attach_during_a_leave_keeps_its_reporter_and_does_not_wait(tmp_path: Path) -> None:
     """Review: a leave that found no launcher left released the lock before removing the job's reporter and
-    target; an attach in between was left with neither, and then any coordinator was taken for the job."""
+    target; an attach in between was left with neither, and then any coordinator was taken for the job. The job's
+    state changes at once now, and the slow part (the old reporter's stop, up to a report's deadline) runs
+    outside the lock: an attach meanwhile neither waits for it nor loses its own reporter."""
     import threading
+    import time
 
     jobs = _jobs(tmp_path, {101, 102, 666})
     jobs.attach(_req(101, "127.0.0.1:7001"))
-    real, attacher = jobs._lock, []
+    old = jobs._reporters["job:j"]
+    took: list[float] = []
+    real_stop = old.stop
 
-    class Interleave:
-        entered = 0
+    def slow_stop(*args, **kwargs):  # the leave's stop of the old reporter: an attach arrives meanwhile
+        t0 = time.monotonic()
+        attacher = threading.Thread(target=jobs.attach, args=(_req(102, "127.0.0.1:7001"),))
+        attacher.start()
+        attacher.join(10)
+        took.append(time.monotonic() - t0)
+        return real_stop(*args, **kwargs)
 
-        def __enter__(self):
-            if threading.current_thread().name == "leaver":
-                Interleave.entered += 1
-                if Interleave.entered == 2:  # between the leave's two lock sections
-                    t = threading.Thread(target=jobs.attach, args=(_req(102, "127.0.0.1:7001"),))
-                    t.start()
-                    attacher.append(t)
-                    t.join(0.3)
-            return real.__enter__()
-
-        def __exit__(self, *exc):
-            return real.__exit__(*exc)
-
-    jobs._lock = Interleave()
+    old.stop = slow_stop
     try:
-        leaver = threading.Thread(target=jobs.leave, args=("j", 101, False), name="leaver")
-        leaver.start()
-        leaver.join(10)
-        attacher[0].join(10)
-    finally:
-        jobs._lock = real
-    try:
+        jobs.leave("j", 101, False)
+        assert took and took[0] < 5.0  # not behind the leave
         assert jobs._jobs == {"j": {102}} and jobs._targets["j"] == ("127.0.0.1:7001", "")
-        assert _address(jobs) == "127.0.0.1:7001"
+        assert jobs._reporters["job:j"] is not old and _address(jobs) == "127.0.0.1:7001"
         with pytest.raises(JobHeldElsewhere):
             jobs.attach(_req(666, "evil:1"))
     finally:
