@@ -54,7 +54,7 @@ from trainguard.checkpoint.errors import (
 from trainguard.checkpoint.events import EventSink
 from trainguard.checkpoint.fileio import storage_error
 from trainguard.checkpoint.location import is_local_url
-from trainguard.checkpoint.manifest import MAX_STEP, Manifest, TensorEntry, plan_layout
+from trainguard.checkpoint.manifest import Manifest, TensorEntry, plan_layout
 from trainguard.checkpoint.reader import RankCopy
 from trainguard.checkpoint.restore_plan import job_memory_steps_from_env, own_memory_steps
 from trainguard.checkpoint.shards import ShardedLoader
@@ -64,6 +64,7 @@ from trainguard.checkpoint.storage import (FsspecStore, LocalStore, StepStore, c
                                           marker_name)
 from trainguard.checkpoint.tree import capture, check_fits_before_loading, restore_into
 from trainguard.checkpoint.uploads import REMOTE_BACKOFF_CAP
+from trainguard.steps import MAX_STEP
 
 log = logging.getLogger(__name__)
 

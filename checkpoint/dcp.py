@@ -23,7 +23,8 @@ import torch
 
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from trainguard.checkpoint.import_staging import STAGING_LOCK, STAGING_PREFIX, sweep_stale_imports
-from trainguard.checkpoint.manifest import MAX_STEP, Manifest
+from trainguard.checkpoint.manifest import Manifest
+from trainguard.steps import MAX_STEP
 from trainguard.checkpoint.reader import RankCopy
 from trainguard.checkpoint.storage import LocalStore, check_job_name, manifest_name
 from trainguard.checkpoint.tree import decode

@@ -28,7 +28,6 @@ import xxhash
 
 from trainguard._version import __version__
 from trainguard.checkpoint.errors import CorruptCheckpointError
-from trainguard.steps import MAX_STEP  # re-exported: names carry 12 digits, more from 10**12 on, up to it
 
 FORMAT = "trainguard-ckpt/1"
 CHECKSUM_ALGO = "xxh3_64"

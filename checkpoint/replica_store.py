@@ -40,7 +40,8 @@ from typing import Any, Callable
 from trainguard.checkpoint.arena import (SlotPaths, drop_manifests, free_bytes, make_shared_root, rank_files,
                                         read_manifest, read_tag, write_tag)
 from trainguard.checkpoint.errors import CheckpointError, CorruptCheckpointError
-from trainguard.checkpoint.manifest import MAX_STEP, Manifest, verify_checksums
+from trainguard.checkpoint.manifest import Manifest, verify_checksums
+from trainguard.steps import MAX_STEP
 
 log = logging.getLogger(__name__)
 
