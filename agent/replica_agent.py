@@ -280,7 +280,13 @@ class ReplicaAgent:
                 self._superseded.pop((buddy, rank), None)
                 if self._refusals.pop(buddy, 0):
                     log.info("%s accepts replicas again", buddy)
-                self._pushed[(buddy, rank)] = (step, man.created)
+                with self._lock:
+                    # Only while the buddy is still at the address pushed to: a buddy named at another address
+                    # meanwhile (a new process) was forgotten by set_targets, and recording this ack after that made
+                    # the sender take the new process to hold the copy (it got nothing until the next snapshot;
+                    # seen once in a loaded CI run).
+                    if self._addresses.get(buddy, address) == address:
+                        self._pushed[(buddy, rank)] = (step, man.created)
                 self.stats.pushes += 1
                 self.stats.pushed_bytes += man.data_bytes
                 self.stats.push_seconds = (self.stats.push_seconds + [took])[-256:]
