@@ -5,6 +5,7 @@ complete, and a node re-replicates to a new buddy when its buddy changes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -281,23 +282,11 @@ def test_agent_pushes_new_snapshots_and_re_replicates_to_a_new_buddy(roots) -> N
         server_c.stop()
 
 
-def test_an_ack_from_a_buddys_old_address_after_it_moved_is_not_taken_for_the_new_one(roots, monkeypatch) -> None:
-    """Seen once in a loaded CI run of the test below: b published the copy and the test re-addressed b before
-    the sender had its ack; the ack, recorded after set_targets had forgotten b, made the sender take the new
-    process to hold step 10, and it got nothing. Forced here: the ack returns only after the move."""
-    import trainguard.agent.replica_agent as ra
-
+@contextlib.contextmanager
+def _step_10_pushed_to_b(roots):
+    """Node a's replica sender with rank 0's step 10 pushed to buddy b, whose server is then stopped; yields the
+    sender and the server and store of b's successor (another process, at another address)."""
     a, b, b2 = roots
-    moved = threading.Event()
-    real_push = ra.push_copy
-
-    def push_then_wait(address, *args, **kwargs):
-        ack = real_push(address, *args, **kwargs)
-        if address == server_b.address:
-            moved.wait(10)
-        return ack
-
-    monkeypatch.setattr(ra, "push_copy", push_then_wait)
     tier_a = MemoryTier(a, "job", "/ckpt", interval_s=0.02)
     sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier_a, "a", "127.0.0.1").start()
     tier_a.start()
@@ -308,40 +297,50 @@ def test_an_ack_from_a_buddys_old_address_after_it_moved_is_not_taken_for_the_ne
         sender.set_targets([pb.ReplicaTarget(node_id="b", address=server_b.address)])
         _wait(lambda: (r := store_b.newest(0)) is not None and r.step == 10, "step 10 never reached b")
         server_b.stop()
-        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server_b2.address)])
-        moved.set()
-        _wait(lambda: (r := store_b2.newest(0)) is not None and r.step == 10, "the moved b never got step 10",
-              timeout=15.0)
+        yield sender, server_b2, store_b2
     finally:
-        moved.set()
         sender.stop()
         tier_a.stop()
         server_b2.stop()
+
+
+def test_an_ack_from_a_buddys_old_address_after_it_moved_is_not_taken_for_the_new_one(roots, monkeypatch) -> None:
+    """Seen once in a loaded CI run of the test below: b published the copy and the test re-addressed b before
+    the sender had its ack; the ack, recorded after set_targets had forgotten b, made the sender take the new
+    process to hold step 10, and it got nothing. Forced here: the first push's ack returns only after the move."""
+    import trainguard.agent.replica_agent as ra
+
+    moved = threading.Event()
+    first = [True]
+    real_push = ra.push_copy
+
+    def push_then_wait(*args, **kwargs):
+        ack = real_push(*args, **kwargs)
+        if first:
+            first.pop()
+            moved.wait(10)
+        return ack
+
+    monkeypatch.setattr(ra, "push_copy", push_then_wait)
+    try:
+        with _step_10_pushed_to_b(roots) as (sender, server_b2, store_b2):
+            sender.set_targets([pb.ReplicaTarget(node_id="b", address=server_b2.address)])
+            moved.set()
+            _wait(lambda: (r := store_b2.newest(0)) is not None and r.step == 10, "the moved b never got step 10",
+                  timeout=15.0)
+    finally:
+        moved.set()
 
 
 def test_a_buddy_back_at_a_new_address_gets_the_newest_copy_again(roots) -> None:
     """A buddy named at another address is another process (its agent restarted, its node rebooted with an empty
     /dev/shm): keyed by node id only, the sender took it to hold what its predecessor held and sent it nothing
     until the node's next snapshot, so a loss of this node before then found no copy in any peer's memory."""
-    a, b, b2 = roots
-    tier_a = MemoryTier(a, "job", "/ckpt", interval_s=0.02)
-    sender = ReplicaAgent(ReplicaConfig(bandwidth_mib_s=0), tier_a, "a", "127.0.0.1").start()
-    tier_a.start()
-    server_b, store_b = _server(b)
-    server_b2, store_b2 = _server(b2)
-    try:
-        _snapshot(a, 0, 10)
-        sender.set_targets([pb.ReplicaTarget(node_id="b", address=server_b.address)])
-        _wait(lambda: (r := store_b.newest(0)) is not None and r.step == 10, "step 10 never reached b")
-        server_b.stop()
+    with _step_10_pushed_to_b(roots) as (sender, server_b2, store_b2):
         sender.set_targets([])  # b lost: no buddy for a while, then b back, a new process on an empty arena
         sender.set_targets([pb.ReplicaTarget(node_id="b", address=server_b2.address)])
         _wait(lambda: (r := store_b2.newest(0)) is not None and r.step == 10, "the returned b never got step 10")
         assert sender.stats.pushes == 2
-    finally:
-        tier_a.stop()
-        sender.stop()
-        server_b2.stop()
 
 
 @pytest.mark.parametrize("field, value, said", [("bandwidth_mib_s", float("nan"), "--replica-bandwidth-mib-s nan"),
