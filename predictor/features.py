@@ -321,6 +321,14 @@ def _counter_rates(prefix: np.ndarray, ts: np.ndarray, seen_t: np.ndarray, out_r
         Rates per minute, shape (len(out_rows), k).
     """
     n, k = seen_t.shape
+    if seen_t is ts or not (seen_t != ts[:, None]).any():
+        # Every cell read in its own row (the usual case): the rules above reduce to windows by row time. The
+        # general form below costs ~0.2 ms more per online sample (its index arithmetic over the whole history).
+        t1 = ts[out_rows]
+        j1 = np.searchsorted(ts, t1 - window_s, side="left")
+        s1 = np.where(j1 >= out_rows, np.maximum(out_rows - 1, 0), j1)
+        el = np.maximum(t1 - ts[s1], interval_s)[:, None]
+        return (prefix[out_rows + 1] - prefix[s1 + 1]) / el * 60.0
     cols = np.arange(k)[None, :]
     t = ts[out_rows][:, None]
     t_end = seen_t[out_rows]
